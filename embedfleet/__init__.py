@@ -1,0 +1,1 @@
+"""The `embedfleet` command: composes the producer's and the worker's verbs, and the demo."""

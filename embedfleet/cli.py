@@ -1,0 +1,24 @@
+"""The `embedfleet` command line."""
+
+from __future__ import annotations
+
+import click
+
+from embedfleet.demo import demo_command
+from producer.cli import enqueue_command, results_command
+from workers.cli import worker_command
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="embedfleet")
+def main() -> None:
+    """embedfleet: bulk text embedding with Redis Streams as a durable queue.
+
+    Producers enqueue chunks to {namespace}:ingest; workers embed them and write fp16 vectors
+    to {namespace}:results. Settings come from EMBEDFLEET_* environment variables (see README).
+    Start with `embedfleet demo`.
+    """
+
+
+for command in (demo_command, worker_command, enqueue_command, results_command):
+    main.add_command(command)

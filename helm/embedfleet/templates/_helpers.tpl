@@ -1,0 +1,409 @@
+{{/*
+Chart name, truncated to a DNS label.
+*/}}
+{{- define "embedfleet.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Full resource name prefix. Truncated so that the longest suffix used by the
+chart ("-query-worker", 13 characters) still fits in 63 characters.
+*/}}
+{{- define "embedfleet.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "embedfleet.workerName" -}}
+{{- printf "%s-worker" (include "embedfleet.fullname" .) }}
+{{- end }}
+
+{{- define "embedfleet.queryWorkerName" -}}
+{{- printf "%s-query-worker" (include "embedfleet.fullname" .) }}
+{{- end }}
+
+{{- define "embedfleet.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Labels shared by every object.
+*/}}
+{{- define "embedfleet.labels" -}}
+helm.sh/chart: {{ include "embedfleet.chart" . }}
+{{ include "embedfleet.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Values.image.tag | default .Chart.AppVersion | trunc 63 | trimSuffix "-" | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: embedfleet
+{{- end }}
+
+{{/*
+Selector labels common to both worker Deployments (the metrics Service selects on these).
+*/}}
+{{- define "embedfleet.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "embedfleet.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/*
+Selector labels of one component. Call with (dict "root" $ "component" "worker").
+*/}}
+{{- define "embedfleet.componentSelectorLabels" -}}
+{{ include "embedfleet.selectorLabels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "embedfleet.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "embedfleet.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "embedfleet.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion | toString) }}
+{{- end }}
+
+{{/*
+Redis key names, as in shared/keys.py: <namespace>:ingest, <namespace>:query.
+*/}}
+{{- define "embedfleet.keyNamespace" -}}
+{{- (.Values.config | default dict).NAMESPACE | default "embedfleet" | toString }}
+{{- end }}
+
+{{- define "embedfleet.consumerGroup" -}}
+{{- (.Values.config | default dict).GROUP | default "workers" | toString }}
+{{- end }}
+
+{{- define "embedfleet.ingestStream" -}}
+{{- printf "%s:ingest" (include "embedfleet.keyNamespace" .) }}
+{{- end }}
+
+{{- define "embedfleet.queryStream" -}}
+{{- printf "%s:query" (include "embedfleet.keyNamespace" .) }}
+{{- end }}
+
+{{- define "embedfleet.healthPort" -}}
+{{- (.Values.config | default dict).HEALTH_PORT | default 9400 | int }}
+{{- end }}
+
+{{/*
+Seconds the kubelet waits after SIGTERM: the drain timeout plus a margin.
+*/}}
+{{- define "embedfleet.terminationGracePeriodSeconds" -}}
+{{- add (int .Values.drainTimeoutSeconds) (int .Values.terminationGraceMarginSeconds) }}
+{{- end }}
+
+{{/*
+A setting value as the string an environment variable carries. Whole numbers
+stay whole (YAML numbers arrive as float64), lists and maps become JSON.
+*/}}
+{{- define "embedfleet.envString" -}}
+{{- if kindIs "float64" . }}
+{{- if eq (float64 (int64 .)) . }}{{ int64 . }}{{ else }}{{ . }}{{ end }}
+{{- else if or (kindIs "map" .) (kindIs "slice" .) }}
+{{- toJson . }}
+{{- else }}
+{{- toString . }}
+{{- end }}
+{{- end }}
+
+{{/*
+Redis connection: which Secret and keys hold the URL and credentials.
+*/}}
+{{- define "embedfleet.redisSecretName" -}}
+{{- if .Values.redis.existingSecret }}
+{{- .Values.redis.existingSecret }}
+{{- else }}
+{{- printf "%s-redis" (include "embedfleet.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{- define "embedfleet.redisSecretUrlKey" -}}
+{{- if .Values.redis.existingSecret }}
+{{- required "redis.existingSecretKey is required with redis.existingSecret" .Values.redis.existingSecretKey }}
+{{- else }}
+{{- "redis-url" }}
+{{- end }}
+{{- end }}
+
+{{/*
+The parsed redis.url (empty dict when an existing Secret is used).
+*/}}
+{{- define "embedfleet.redisUrlParts" -}}
+{{- if .Values.redis.existingSecret }}
+{{- dict | toJson }}
+{{- else }}
+{{- $url := required "set redis.url (redis://[user:password@]host:port/db or rediss://...) or redis.existingSecret" .Values.redis.url }}
+{{- if not (regexMatch "^rediss?://" $url) }}
+{{- fail (printf "redis.url must start with redis:// or rediss://, got %q" $url) }}
+{{- end }}
+{{- $u := urlParse $url }}
+{{- $userinfo := $u.userinfo | default "" }}
+{{- $username := "" }}
+{{- $password := "" }}
+{{- if contains ":" $userinfo }}
+{{- $parts := splitn ":" 2 $userinfo }}
+{{- $username = $parts._0 }}
+{{- $password = $parts._1 }}
+{{- else }}
+{{- $username = $userinfo }}
+{{- end }}
+{{- $host := $u.host }}
+{{- if not (regexMatch ":[0-9]+$" $host) }}
+{{- $host = printf "%s:6379" $host }}
+{{- end }}
+{{- $db := trimPrefix "/" ($u.path | default "") }}
+{{- dict "scheme" $u.scheme "address" $host "username" $username "password" $password "database" $db | toJson }}
+{{- end }}
+{{- end }}
+
+{{- define "embedfleet.redisTls" -}}
+{{- $u := include "embedfleet.redisUrlParts" . | fromJson }}
+{{- if or .Values.redis.tls (eq ($u.scheme | default "") "rediss") }}true{{ end }}
+{{- end }}
+
+{{/*
+Whether a TriggerAuthentication is needed, and which secret keys it reads.
+*/}}
+{{- define "embedfleet.redisPasswordKey" -}}
+{{- if .Values.redis.existingSecret }}
+{{- .Values.redis.existingSecretPasswordKey }}
+{{- else }}
+{{- $u := include "embedfleet.redisUrlParts" . | fromJson }}
+{{- if $u.password }}redis-password{{ end }}
+{{- end }}
+{{- end }}
+
+{{- define "embedfleet.redisUsernameKey" -}}
+{{- if .Values.redis.existingSecret }}
+{{- .Values.redis.existingSecretUsernameKey }}
+{{- else }}
+{{- $u := include "embedfleet.redisUrlParts" . | fromJson }}
+{{- if $u.username }}redis-username{{ end }}
+{{- end }}
+{{- end }}
+
+{{- define "embedfleet.triggerAuthName" -}}
+{{- printf "%s-redis" (include "embedfleet.fullname" .) }}
+{{- end }}
+
+{{/*
+Metadata of a KEDA redis-streams lag trigger. Call with
+(dict "root" $ "stream" "<ns>:ingest" "lagCount" 5000 "activationLagCount" 0).
+All values are strings, as KEDA requires.
+*/}}
+{{- define "embedfleet.redisStreamsTriggerMetadata" -}}
+{{- $root := .root }}
+{{- $u := include "embedfleet.redisUrlParts" $root | fromJson }}
+{{- if $root.Values.redis.address }}
+address: {{ $root.Values.redis.address | quote }}
+{{- else if $u.address }}
+address: {{ $u.address | quote }}
+{{- else if $root.Values.redis.existingSecretAddressKey }}
+addressFromEnv: REDIS_ADDRESS
+{{- else }}
+{{- fail "KEDA needs the Redis address: set redis.address (host:port) or redis.existingSecretAddressKey when redis.existingSecret is used" }}
+{{- end }}
+stream: {{ .stream | quote }}
+consumerGroup: {{ include "embedfleet.consumerGroup" $root | quote }}
+lagCount: {{ include "embedfleet.envString" .lagCount | quote }}
+activationLagCount: {{ include "embedfleet.envString" .activationLagCount | quote }}
+{{- if not (kindIs "invalid" $root.Values.redis.database) }}
+databaseIndex: {{ include "embedfleet.envString" $root.Values.redis.database | quote }}
+{{- else if regexMatch "^[0-9]+$" ($u.database | default "") }}
+databaseIndex: {{ $u.database | quote }}
+{{- end }}
+{{- if include "embedfleet.redisTls" $root }}
+enableTLS: "true"
+{{- if $root.Values.redis.tlsInsecureSkipVerify }}
+unsafeSsl: "true"
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+The worker pod template. Call with
+(dict "root" $ "component" "worker" "command" (list ...) "args" (list ...) "gpu" {...} "resources" {...}
+      "nodeSelector" {...} "tolerations" [...] "affinity" {...}).
+*/}}
+{{- define "embedfleet.podTemplate" -}}
+{{- $root := .root }}
+{{- $v := $root.Values }}
+{{- $gpu := .gpu }}
+{{- $resources := deepCopy (.resources | default dict) }}
+{{- if $gpu.enabled }}
+{{- $limits := $resources.limits | default dict }}
+{{- $requests := $resources.requests | default dict }}
+{{- $_ := set $limits $gpu.resourceName (int $gpu.count) }}
+{{- $_ := set $requests $gpu.resourceName (int $gpu.count) }}
+{{- $_ := set $resources "limits" $limits }}
+{{- $_ := set $resources "requests" $requests }}
+{{- end }}
+{{- $tolerations := .tolerations | default list }}
+{{- if and $gpu.enabled $gpu.tolerateTaint }}
+{{- $tolerations = append $tolerations (dict "key" $gpu.resourceName "operator" "Exists" "effect" "NoSchedule") }}
+{{- end }}
+metadata:
+  labels:
+    {{- include "embedfleet.labels" $root | nindent 4 }}
+    app.kubernetes.io/component: {{ .component }}
+    {{- with $v.podLabels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  annotations:
+    checksum/config: {{ include (print $root.Template.BasePath "/configmap.yaml") $root | sha256sum }}
+    {{- if not $v.redis.existingSecret }}
+    checksum/secret: {{ include (print $root.Template.BasePath "/secret.yaml") $root | sha256sum }}
+    {{- end }}
+    {{- with $v.podAnnotations }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  serviceAccountName: {{ include "embedfleet.serviceAccountName" $root }}
+  automountServiceAccountToken: {{ $v.serviceAccount.automountServiceAccountToken }}
+  terminationGracePeriodSeconds: {{ include "embedfleet.terminationGracePeriodSeconds" $root }}
+  {{- with $v.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $v.runtimeClassName }}
+  runtimeClassName: {{ . }}
+  {{- end }}
+  {{- with $v.priorityClassName }}
+  priorityClassName: {{ . }}
+  {{- end }}
+  {{- with $v.podSecurityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  containers:
+    - name: worker
+      image: {{ include "embedfleet.image" $root | quote }}
+      imagePullPolicy: {{ $v.image.pullPolicy }}
+      command:
+        {{- toYaml .command | nindent 8 }}
+      {{- with .args }}
+      args:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      ports:
+        - name: http
+          containerPort: {{ include "embedfleet.healthPort" $root }}
+          protocol: TCP
+      envFrom:
+        - configMapRef:
+            name: {{ include "embedfleet.fullname" $root }}
+        {{- with $v.extraEnvFrom }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      env:
+        - name: EMBEDFLEET_REDIS_URL
+          valueFrom:
+            secretKeyRef:
+              name: {{ include "embedfleet.redisSecretName" $root }}
+              key: {{ include "embedfleet.redisSecretUrlKey" $root }}
+        {{- if and $v.redis.existingSecret $v.redis.existingSecretAddressKey }}
+        - name: REDIS_ADDRESS
+          valueFrom:
+            secretKeyRef:
+              name: {{ $v.redis.existingSecret }}
+              key: {{ $v.redis.existingSecretAddressKey }}
+        {{- end }}
+        - name: HF_HOME
+          value: {{ printf "%s/huggingface" $v.cache.mountPath | quote }}
+        - name: XDG_CACHE_HOME
+          value: {{ $v.cache.mountPath | quote }}
+        - name: HOME
+          value: /tmp
+        {{- with $v.extraEnv }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      startupProbe:
+        httpGet:
+          path: /healthz
+          port: http
+        {{- toYaml $v.probes.startup | nindent 8 }}
+      livenessProbe:
+        httpGet:
+          path: /healthz
+          port: http
+        {{- toYaml $v.probes.liveness | nindent 8 }}
+      readinessProbe:
+        httpGet:
+          path: /readyz
+          port: http
+        {{- toYaml $v.probes.readiness | nindent 8 }}
+      {{- with $resources }}
+      resources:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $v.securityContext }}
+      securityContext:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      volumeMounts:
+        - name: tmp
+          mountPath: /tmp
+        - name: cache
+          mountPath: {{ $v.cache.mountPath }}
+        {{- if $v.modelVolume.enabled }}
+        - name: model
+          mountPath: {{ $v.modelVolume.mountPath }}
+          readOnly: true
+          {{- with $v.modelVolume.subPath }}
+          subPath: {{ . }}
+          {{- end }}
+        {{- end }}
+  volumes:
+    - name: tmp
+      {{- $tmpDir := dict }}
+      {{- with $v.tmp.sizeLimit }}{{ $_ := set $tmpDir "sizeLimit" . }}{{ end }}
+      emptyDir: {{- toYaml $tmpDir | nindent 8 }}
+    - name: cache
+      {{- $cacheDir := dict }}
+      {{- with $v.cache.medium }}{{ $_ := set $cacheDir "medium" . }}{{ end }}
+      {{- with $v.cache.sizeLimit }}{{ $_ := set $cacheDir "sizeLimit" . }}{{ end }}
+      emptyDir: {{- toYaml $cacheDir | nindent 8 }}
+    {{- if $v.modelVolume.enabled }}
+    - name: model
+      {{- if eq $v.modelVolume.type "pvc" }}
+      persistentVolumeClaim:
+        claimName: {{ required "modelVolume.claimName is required when modelVolume.type is pvc" $v.modelVolume.claimName }}
+        readOnly: true
+      {{- else if eq $v.modelVolume.type "hostPath" }}
+      hostPath:
+        path: {{ required "modelVolume.hostPath is required when modelVolume.type is hostPath" $v.modelVolume.hostPath }}
+        {{- with $v.modelVolume.hostPathType }}
+        type: {{ . }}
+        {{- end }}
+      {{- else }}
+      {{- fail (printf "modelVolume.type must be pvc or hostPath, got %q" $v.modelVolume.type) }}
+      {{- end }}
+    {{- end }}
+  {{- with .nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $v.topologySpreadConstraints }}
+  topologySpreadConstraints:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}

@@ -1,0 +1,118 @@
+"""`embedfleet enqueue` and `embedfleet results`."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import click
+from tqdm import tqdm
+
+from producer.client import JobProgress, Producer
+from producer.export import write_export
+from producer.jsonl import BadLine, read_chunks
+from shared.protocol import Result
+from shared.settings import Settings
+
+redis_url_option = click.option(
+    "--redis-url", envvar="EMBEDFLEET_REDIS_URL", help="Redis URL (or EMBEDFLEET_REDIS_URL)."
+)
+
+
+def _settings(redis_url: str | None) -> Settings:
+    return Settings(redis_url=redis_url) if redis_url else Settings()
+
+
+@click.command("enqueue")
+@click.argument("source", type=click.File("r", encoding="utf-8"))
+@click.option("--job", help="Job name to group these chunks (default: generated and printed).")
+@click.option("--wait", is_flag=True, help="Wait until every chunk is embedded or dead-lettered.")
+@click.option("--timeout", type=float, default=None, help="With --wait: give up after N seconds.")
+@redis_url_option
+def enqueue_command(
+    source: click.utils.LazyFile,
+    job: str | None,
+    wait: bool,
+    timeout: float | None,
+    redis_url: str | None,
+) -> None:
+    """Enqueue chunks from SOURCE, a JSON Lines file or - for stdin.
+
+    One object per line: {"id": "doc1#0", "text": "...", "meta": {...}}. The id is your
+    idempotency key (re-sending it overwrites, never duplicates); meta is passed through to the
+    results. Bad lines are reported with their line numbers and not enqueued (exit status 1).
+    """
+    job = job or f"job-{time.strftime('%Y%m%d-%H%M%S')}"
+    rejected: list[BadLine] = []
+    count = asyncio.run(_enqueue(_settings(redis_url), source, job, wait, timeout, rejected))
+    click.echo(f"enqueued {count} chunks as job {job!r}")
+    for bad in rejected[:20]:
+        click.echo(f"line {bad.line_number}: {bad.reason}", err=True)
+    if rejected:
+        click.echo(f"{len(rejected)} lines rejected, not enqueued", err=True)
+        sys.exit(1)
+
+
+async def _enqueue(
+    settings: Settings,
+    source: click.utils.LazyFile,
+    job: str,
+    wait: bool,
+    timeout: float | None,
+    rejected: list[BadLine],
+) -> int:
+    async with Producer(settings) as producer:
+        with tqdm(desc="enqueue", unit=" chunks", file=sys.stderr) as bar:
+            count = await producer.enqueue(read_chunks(source, job, rejected), on_batch=bar.update)
+        if wait and count:
+            await _wait_with_bar(producer, job, count, timeout)
+    return count
+
+
+async def _wait_with_bar(
+    producer: Producer, job: str, total: int, timeout: float | None
+) -> JobProgress:
+    with tqdm(desc="embedded", total=total, unit=" chunks", file=sys.stderr) as bar:
+
+        def update(progress: JobProgress) -> None:
+            bar.total = progress.enqueued
+            bar.n = progress.done + progress.dead
+            bar.refresh()
+
+        progress = await producer.wait_for_job(job, timeout=timeout, on_progress=update)
+    if progress.dead:
+        click.echo(
+            f"{progress.dead} chunks dead-lettered; see: redis-cli XRANGE {producer.keys.dead} - +",
+            err=True,
+        )
+    return progress
+
+
+@click.command("results")
+@click.option("--job", help="Only this job's results.")
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Output file: .npz (arrays ids, vectors fp16) or .jsonl ({id, vector}).",
+)
+@redis_url_option
+def results_command(job: str | None, out: Path, redis_url: str | None) -> None:
+    """Export vectors from the results stream, one per id (the latest wins)."""
+    if out.suffix.lower() not in (".npz", ".jsonl"):
+        raise click.BadParameter("must end in .npz or .jsonl", param_hint="--out")
+    latest = asyncio.run(_collect(_settings(redis_url), job))
+    count = write_export(latest, out)
+    click.echo(f"wrote {count} vectors to {out}")
+
+
+async def _collect(settings: Settings, job: str | None) -> dict[str, Result]:
+    latest: dict[str, Result] = {}
+    async with Producer(settings) as producer:
+        with tqdm(desc="read results", unit=" results", file=sys.stderr) as bar:
+            async for result in producer.results(job=job):
+                latest[result.id] = result
+                bar.update()
+    return latest

@@ -1,0 +1,175 @@
+"""The asyncio client: enqueue chunks in pipelined batches, follow a job, read results back."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from shared.keys import Keys
+from shared.logging import get_logger
+from shared.protocol import PAYLOAD_FIELD, Chunk, Result, decode_result, encode_chunk
+from shared.redis_conn import connect, ensure_groups
+from shared.settings import Settings
+
+log = get_logger("embedfleet.producer")
+ChunkLike = Chunk | Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    job: str
+    enqueued: int
+    done: int
+    dead: int
+
+    @property
+    def finished(self) -> bool:
+        return self.enqueued > 0 and self.done + self.dead >= self.enqueued
+
+
+class JobTimeoutError(TimeoutError):
+    """wait_for_job gave up; the job is still running and its entries are still queued."""
+
+
+def as_chunk(item: ChunkLike, job: str | None) -> Chunk:
+    """Accept a Chunk or a mapping like one JSONL line: {"id", "text", "meta"?}."""
+    if isinstance(item, Chunk):
+        return item if job is None or item.job == job else Chunk(item.id, item.text, job, item.meta)
+    chunk_id, text = item.get("id"), item.get("text")
+    if not isinstance(chunk_id, str) or not chunk_id:
+        raise ValueError(f"chunk needs a non-empty string 'id', got {chunk_id!r}")
+    if not isinstance(text, str):
+        raise ValueError(f"chunk {chunk_id!r} needs a string 'text'")
+    meta = item.get("meta")
+    if meta is not None and not isinstance(meta, dict):
+        raise ValueError(f"chunk {chunk_id!r}: 'meta' must be an object")
+    return Chunk(id=chunk_id, text=text, job=job or item.get("job"), meta=meta)
+
+
+class Producer:
+    """Enqueue chunks and follow jobs. Built from the same settings as every other part.
+
+    ``async with Producer() as producer: await producer.enqueue([...], job="docs-v1")``
+    """
+
+    def __init__(self, settings: Settings | None = None, client: aioredis.Redis | None = None):
+        self.settings = settings or Settings()
+        self.keys: Keys = self.settings.keys
+        self.client = client or connect(self.settings.effective_redis_url)
+        self._owns_client = client is None
+        self._ready = False
+
+    async def __aenter__(self) -> Producer:
+        await self.setup()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def setup(self) -> None:
+        """Create the consumer group if no worker has yet (at id 0: nothing is skipped)."""
+        if not self._ready:
+            await ensure_groups(self.client, self.keys)
+            self._ready = True
+
+    async def close(self) -> None:
+        if self._owns_client:
+            await self.client.aclose()
+
+    async def enqueue(
+        self,
+        chunks: Iterable[ChunkLike],
+        *,
+        job: str | None = None,
+        batch_size: int = 1000,
+        on_batch: Callable[[int], None] | None = None,
+    ) -> int:
+        """XADD every chunk, ``batch_size`` per pipelined round trip; returns how many.
+
+        Entries are never trimmed on add: an undelivered chunk must not be lost. Workers delete
+        entries once they are acknowledged.
+        """
+        await self.setup()
+        total = 0
+        batch: list[Chunk] = []
+        for item in chunks:
+            batch.append(as_chunk(item, job))
+            if len(batch) >= batch_size:
+                total += await self._send(batch, on_batch)
+                batch = []
+        if batch:
+            total += await self._send(batch, on_batch)
+        return total
+
+    async def _send(self, batch: list[Chunk], on_batch: Callable[[int], None] | None) -> int:
+        pipe = self.client.pipeline(transaction=False)
+        jobs: dict[str, int] = {}
+        for chunk in batch:
+            pipe.xadd(self.keys.ingest, {PAYLOAD_FIELD: encode_chunk(chunk)})
+            if chunk.job is not None:
+                jobs[chunk.job] = jobs.get(chunk.job, 0) + 1
+        for job, count in jobs.items():
+            pipe.hincrby(self.keys.job(job), "enqueued", count)
+            pipe.sadd(self.keys.jobs_index, job)
+        await pipe.execute()
+        if on_batch is not None:
+            on_batch(len(batch))
+        return len(batch)
+
+    async def progress(self, job: str) -> JobProgress:
+        counters = await self.client.hgetall(self.keys.job(job))
+        values = {key.decode(): int(value) for key, value in counters.items()}
+        return JobProgress(
+            job=job,
+            enqueued=values.get("enqueued", 0),
+            done=values.get("done", 0),
+            dead=values.get("dead", 0),
+        )
+
+    async def wait_for_job(
+        self,
+        job: str,
+        *,
+        timeout: float | None = None,
+        interval: float = 0.25,
+        on_progress: Callable[[JobProgress], None] | None = None,
+    ) -> JobProgress:
+        """Return once every enqueued chunk of ``job`` is embedded or dead-lettered."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            progress = await self.progress(job)
+            if on_progress is not None:
+                on_progress(progress)
+            if progress.finished:
+                return progress
+            if deadline is not None and time.monotonic() > deadline:
+                raise JobTimeoutError(
+                    f"job {job!r} not finished after {timeout}s: {progress.done} done, "
+                    f"{progress.dead} dead of {progress.enqueued}. Are workers running? "
+                    f"Check with: redis-cli XINFO GROUPS {self.keys.ingest}"
+                )
+            await asyncio.sleep(interval)
+
+    async def results(self, *, job: str | None = None, page: int = 1000) -> AsyncIterator[Result]:
+        """Every result in the results stream (optionally one job's), oldest first.
+
+        Redeliveries can write an id twice; callers that need one vector per id keep the last.
+        """
+        start = "-"
+        while True:
+            entries = await self.client.xrange(self.keys.results, min=start, count=page)
+            if not entries:
+                return
+            for _, fields in entries:
+                result = decode_result(fields[PAYLOAD_FIELD])
+                if job is None or result.job == job:
+                    yield result
+            last_id = entries[-1][0].decode()
+            start = "(" + last_id
+            if len(entries) < page:
+                return

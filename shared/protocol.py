@@ -1,0 +1,206 @@
+"""Wire protocol v1: what goes into the streams, as msgpack.
+
+Every stream entry has one field, ``m``, holding a msgpack map with ``v`` (the protocol version).
+Anything that can speak Redis and msgpack can produce chunks and read results; nothing is ever
+pickled, and unpacking is bounded so a hostile payload cannot make a worker allocate gigabytes.
+
+chunk (ingest stream, query stream)::
+
+    {"v": 1, "id": str, "text": str, "job": str | nil, "meta": map | nil}
+    query entries also carry "reply": str (the reply key suffix the caller waits on)
+
+result (results stream)::
+
+    {"v": 1, "id": str, "job": str | nil, "model": str, "dim": int,
+     "vec": bin (little-endian fp16, dim * 2 bytes), "truncated": bool, "meta": map | nil}
+
+dead letter (dead-letter stream) has plain string fields for ``redis-cli XRANGE``:
+``reason``, ``stream``, ``entry_id``, ``id`` (when known), ``deliveries``, ``payload_prefix``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+PAYLOAD_FIELD = b"m"
+MAX_ID_CHARS = 512
+DEAD_PAYLOAD_PREFIX_BYTES = 256
+
+
+class ProtocolError(ValueError):
+    """A payload that is not a valid v1 message; the message says why, for a person to read."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One text to embed. ``id`` is the caller's idempotency key."""
+
+    id: str
+    text: str
+    job: str | None = None
+    meta: dict[str, Any] | None = None
+    reply: str | None = None
+
+
+@dataclass(frozen=True)
+class Result:
+    """One embedding, as stored by the Redis sink."""
+
+    id: str
+    model: str
+    vector: np.ndarray  # float16, shape (dim,)
+    job: str | None = None
+    truncated: bool = False
+    meta: dict[str, Any] | None = field(default=None)
+
+    @property
+    def dim(self) -> int:
+        return int(self.vector.shape[0])
+
+
+def encode_chunk(chunk: Chunk) -> bytes:
+    message: dict[str, Any] = {"v": PROTOCOL_VERSION, "id": chunk.id, "text": chunk.text}
+    if chunk.job is not None:
+        message["job"] = chunk.job
+    if chunk.meta is not None:
+        message["meta"] = chunk.meta
+    if chunk.reply is not None:
+        message["reply"] = chunk.reply
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def _unpack_bounded(payload: bytes, max_bytes: int) -> Any:
+    """Unpack msgpack with every container and string bounded by the payload's own size.
+
+    msgpack-python's ``max_*_len`` limits reject a header that claims more elements than the
+    buffer could possibly hold, before anything is allocated: the memory-bomb defence.
+    """
+    if len(payload) > max_bytes:
+        raise ProtocolError(f"payload is {len(payload)} bytes, over the {max_bytes}-byte limit")
+    size = len(payload)
+    try:
+        return msgpack.unpackb(
+            payload,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=size,
+            max_bin_len=size,
+            max_array_len=size,
+            max_map_len=size // 2,
+            max_ext_len=0,
+        )
+    except UnicodeDecodeError as error:
+        raise ProtocolError(f"invalid UTF-8 in a string: {error.reason}") from None
+    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as error:
+        raise ProtocolError(f"not msgpack: {error}") from None
+    except ValueError as error:  # msgpack raises ValueError for limits and truncated input
+        raise ProtocolError(f"not msgpack: {error}") from None
+    except Exception as error:
+        raise ProtocolError(f"not msgpack: {type(error).__name__}: {error}") from None
+
+
+def decode_chunk(
+    payload: bytes,
+    *,
+    max_bytes: int = 4 * 1024 * 1024,
+    max_text_chars: int = 1_000_000,
+    max_meta_bytes: int = 16 * 1024,
+) -> Chunk:
+    """Parse and validate one chunk; raise ProtocolError with a readable reason."""
+    message = _unpack_bounded(payload, max_bytes)
+    if not isinstance(message, dict):
+        raise ProtocolError(f"expected a msgpack map, got {type(message).__name__}")
+    version = message.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"unknown protocol version {version!r} (this worker speaks v1)")
+    chunk_id = message.get("id")
+    if not isinstance(chunk_id, str) or not chunk_id:
+        raise ProtocolError("'id' must be a non-empty string")
+    if len(chunk_id) > MAX_ID_CHARS:
+        raise ProtocolError(f"'id' is longer than {MAX_ID_CHARS} characters")
+    text = message.get("text")
+    if not isinstance(text, str):
+        raise ProtocolError(f"'text' must be a string, got {type(text).__name__}")
+    if not text.strip():
+        raise ProtocolError("'text' is empty or whitespace only")
+    if len(text) > max_text_chars:
+        raise ProtocolError(f"'text' has {len(text)} characters, over the {max_text_chars} limit")
+    job = message.get("job")
+    if job is not None and (not isinstance(job, str) or not job or len(job) > MAX_ID_CHARS):
+        raise ProtocolError("'job' must be a non-empty string when given")
+    meta = message.get("meta")
+    if meta is not None:
+        if not isinstance(meta, dict):
+            raise ProtocolError(f"'meta' must be a map, got {type(meta).__name__}")
+        meta_size = len(msgpack.packb(meta, use_bin_type=True))
+        if meta_size > max_meta_bytes:
+            raise ProtocolError(f"'meta' is {meta_size} bytes, over the {max_meta_bytes} limit")
+    reply = message.get("reply")
+    if reply is not None and (not isinstance(reply, str) or not reply):
+        raise ProtocolError("'reply' must be a non-empty string when given")
+    return Chunk(id=chunk_id, text=text, job=job, meta=meta, reply=reply)
+
+
+def encode_result(result: Result) -> bytes:
+    vector = np.asarray(result.vector, dtype="<f2")
+    message: dict[str, Any] = {
+        "v": PROTOCOL_VERSION,
+        "id": result.id,
+        "job": result.job,
+        "model": result.model,
+        "dim": int(vector.shape[0]),
+        "vec": vector.tobytes(),
+        "truncated": result.truncated,
+    }
+    if result.meta is not None:
+        message["meta"] = result.meta
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def decode_result(payload: bytes) -> Result:
+    message = _unpack_bounded(payload, max(len(payload), 1))
+    if not isinstance(message, dict) or message.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError("not a v1 result")
+    vector = np.frombuffer(message["vec"], dtype="<f2")
+    if vector.shape[0] != message["dim"]:
+        raise ProtocolError(f"vector has {vector.shape[0]} values, 'dim' says {message['dim']}")
+    return Result(
+        id=message["id"],
+        job=message.get("job"),
+        model=message["model"],
+        vector=vector,
+        truncated=bool(message.get("truncated", False)),
+        meta=message.get("meta"),
+    )
+
+
+def dead_letter_fields(
+    *,
+    reason: str,
+    stream: str,
+    entry_id: str,
+    payload: bytes | None,
+    chunk_id: str | None = None,
+    job: str | None = None,
+    deliveries: int = 1,
+) -> dict[str, str | bytes]:
+    """Fields of a dead-letter entry: readable strings, and never more than a prefix of input."""
+    fields: dict[str, str | bytes] = {
+        "reason": reason,
+        "stream": stream,
+        "entry_id": entry_id,
+        "deliveries": str(deliveries),
+    }
+    if chunk_id is not None:
+        fields["id"] = chunk_id
+    if job is not None:
+        fields["job"] = job
+    if payload is not None:
+        fields["payload_bytes"] = str(len(payload))
+        fields["payload_prefix"] = payload[:DEAD_PAYLOAD_PREFIX_BYTES]
+    return fields

@@ -1,0 +1,45 @@
+"""Connecting to Redis and creating the consumer group, the same way on every side."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from shared.keys import Keys
+
+
+def connect(url: str, **kwargs: object) -> aioredis.Redis:
+    """An asyncio client for ``redis://`` or ``rediss://`` (TLS) URLs, with ACL user/password.
+
+    Responses stay as bytes: payloads are binary msgpack, and decoding is the protocol's job.
+    hiredis is picked up automatically by redis-py when installed.
+    """
+    options: dict[str, object] = {
+        "decode_responses": False,
+        "health_check_interval": 30,
+        "socket_keepalive": True,
+    }
+    options.update(kwargs)
+    return aioredis.Redis.from_url(url, **options)
+
+
+async def ensure_group(client: aioredis.Redis, keys: Keys, stream: str) -> bool:
+    """Create the consumer group at id 0 (with the stream) if missing. True when we created it.
+
+    Id ``0`` rather than ``$`` so entries added before the first worker started are still read.
+    Safe to race: whichever side (producer or worker) comes first creates it, the others get
+    BUSYGROUP and carry on.
+    """
+    try:
+        await client.xgroup_create(stream, keys.group, id="0", mkstream=True)
+    except ResponseError as error:
+        if "BUSYGROUP" in str(error):
+            return False
+        raise
+    return True
+
+
+async def ensure_groups(client: aioredis.Redis, keys: Keys) -> None:
+    """Both input streams get the group, so a worker can read them in one XREADGROUP."""
+    await ensure_group(client, keys, keys.ingest)
+    await ensure_group(client, keys, keys.query)

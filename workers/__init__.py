@@ -1,0 +1,1 @@
+"""The embedding worker: consumer → batcher → encoder → sink → ack."""
