@@ -22,3 +22,7 @@ def main() -> None:
 
 for command in (demo_command, worker_command, enqueue_command, results_command):
     main.add_command(command)
+
+
+if __name__ == "__main__":
+    main()

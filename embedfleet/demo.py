@@ -26,7 +26,7 @@ from producer.export import write_export
 from producer.jsonl import BadLine, read_chunks
 from shared.logging import configure_logging
 from shared.protocol import Chunk, Result
-from shared.settings import Settings
+from shared.settings import Settings, SettingsError, load_settings
 
 if TYPE_CHECKING:
     from workers.worker import WorkerStats
@@ -108,7 +108,10 @@ async def _run(
 
 
 def run_demo(corpus: Path | None, limit: int | None, out_dir: Path) -> DemoReport:
-    base = Settings()
+    try:
+        base = load_settings()
+    except SettingsError as error:
+        raise click.ClickException(str(error)) from None
     configure_logging(base.log_level, "console" if base.log_format == "auto" else base.log_format)
     chunks = _load_corpus(corpus, limit)
     if not chunks:

@@ -14,7 +14,7 @@ from producer.client import JobProgress, Producer
 from producer.export import write_export
 from producer.jsonl import BadLine, read_chunks
 from shared.protocol import Result
-from shared.settings import Settings
+from shared.settings import Settings, SettingsError, load_settings
 
 redis_url_option = click.option(
     "--redis-url", envvar="EMBEDFLEET_REDIS_URL", help="Redis URL (or EMBEDFLEET_REDIS_URL)."
@@ -22,7 +22,10 @@ redis_url_option = click.option(
 
 
 def _settings(redis_url: str | None) -> Settings:
-    return Settings(redis_url=redis_url) if redis_url else Settings()
+    try:
+        return load_settings(**({"redis_url": redis_url} if redis_url else {}))
+    except SettingsError as error:
+        raise click.ClickException(str(error)) from None
 
 
 @click.command("enqueue")

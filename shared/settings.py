@@ -10,7 +10,7 @@ import os
 import socket
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.keys import DEFAULT_GROUP, DEFAULT_NAMESPACE, Keys
@@ -128,6 +128,22 @@ class Settings(BaseSettings):
     @property
     def effective_redis_url(self) -> str:
         return self.redis_url or "redis://localhost:6379/0"
+
+
+class SettingsError(ValueError):
+    """A setting has a bad value; the message names the variable and what is allowed."""
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Settings from the environment, with bad values reported as EMBEDFLEET_* variables."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as error:
+        problems = [
+            f"{ENV_PREFIX}{'_'.join(str(p) for p in item['loc']).upper()}: {item['msg']}"
+            for item in error.errors()
+        ]
+        raise SettingsError("bad settings:\n  " + "\n  ".join(problems)) from None
 
 
 def settings_table() -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from shared.settings import Settings
+from shared.settings import SettingsError, load_settings
 
 
 @click.command("worker")
@@ -25,4 +25,8 @@ def worker_command(redis_url: str | None, model: str | None) -> None:
     overrides = {
         key: value for key, value in {"redis_url": redis_url, "model": model}.items() if value
     }
-    run_worker(Settings(**overrides))
+    try:
+        settings = load_settings(**overrides)
+    except SettingsError as error:
+        raise click.ClickException(str(error)) from None
+    run_worker(settings)

@@ -235,7 +235,7 @@ class Encoder:
         if len(ids) <= self.max_length:
             return Tokenized(ids=ids, truncated=False)
         if self._ends_with_special:  # keep [SEP]: same ids as truncating at max_length
-            return Tokenized(ids=[*ids[:self.max_length - 1], ids[-1]], truncated=True)
+            return Tokenized(ids=[*ids[: self.max_length - 1], ids[-1]], truncated=True)
         return Tokenized(ids=ids[: self.max_length], truncated=True)
 
     # --- batch and embed --------------------------------------------------------------

@@ -1,0 +1,76 @@
+"""Fixtures: a real Redis server per test session, a fresh namespace per test, the real model."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from embedfleet.server import ServerProcess, embedded_server_binary, system_server_binary
+from shared.redis_conn import connect
+from shared.settings import Settings
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _server_binary() -> str:
+    """Debian's redis-server when present (what CI has), else the embedded Valkey.
+
+    EMBEDFLEET_TEST_SERVER=embedded forces the embedded one, to run the suite against both.
+    """
+    if os.environ.get("EMBEDFLEET_TEST_SERVER") == "embedded":
+        return embedded_server_binary()
+    return system_server_binary() or embedded_server_binary()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[ServerProcess]:
+    with ServerProcess(_server_binary()) as server:
+        yield server
+
+
+@pytest.fixture
+def settings(redis_server: ServerProcess) -> Settings:
+    """Settings on the test server with a namespace of its own, so tests never see each other."""
+    return Settings(
+        redis_url=redis_server.url,
+        namespace=f"t{uuid.uuid4().hex[:10]}",
+        consumer=f"test-{uuid.uuid4().hex[:6]}",
+        block_ms=100,
+        log_format="json",
+    )
+
+
+@pytest.fixture
+async def client(settings: Settings) -> AsyncIterator[aioredis.Redis]:
+    connection = connect(settings.effective_redis_url)
+    yield connection
+    await connection.aclose()
+
+
+@pytest.fixture(scope="session")
+def encoder():
+    from workers.encoder import Encoder
+
+    return Encoder()
+
+
+@contextlib.asynccontextmanager
+async def running_worker(settings: Settings, encoder, client: aioredis.Redis):
+    """An in-process worker on ``settings``' namespace; drained and awaited on exit."""
+    from workers.sinks import RedisStreamSink
+    from workers.worker import Worker
+
+    worker = Worker(settings, encoder, client, RedisStreamSink(client, settings.keys))
+    task = asyncio.create_task(worker.run())
+    try:
+        yield worker
+    finally:
+        worker.drain()
+        await asyncio.wait_for(task, timeout=60)

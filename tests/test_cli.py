@@ -1,0 +1,153 @@
+"""The command line, run as a user runs it: real processes against a real server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shared.settings import Settings
+
+VERBS = ["demo", "worker", "enqueue", "results"]
+
+
+def embedfleet(
+    *args: str, env: dict[str, str] | None = None, stdin: str | None = None, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "embedfleet.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        input=stdin,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.parametrize("verb", [None, *VERBS])
+def test_every_verb_explains_itself(verb: str | None) -> None:
+    result = embedfleet(*([verb] if verb else []), "--help")
+    assert result.returncode == 0, result.stderr
+    assert "Usage: " in result.stdout
+    assert len(result.stdout.splitlines()) > 6
+
+
+def _env(settings: Settings) -> dict[str, str]:
+    return {
+        "EMBEDFLEET_REDIS_URL": settings.effective_redis_url,
+        "EMBEDFLEET_NAMESPACE": settings.namespace,
+        "EMBEDFLEET_BLOCK_MS": "200",
+        "EMBEDFLEET_LOG_FORMAT": "json",
+    }
+
+
+def test_enqueue_reports_bad_lines_and_keeps_the_good(settings: Settings, tmp_path: Path) -> None:
+    source = tmp_path / "chunks.jsonl"
+    source.write_text(
+        '{"id": "a", "text": "alpha"}\nnot json\n{"id": 5, "text": "x"}\n'
+        '{"id": "b", "text": "beta", "meta": {"page": 2}}\n'
+    )
+    result = embedfleet("enqueue", str(source), "--job", "j1", env=_env(settings))
+    assert result.returncode == 1
+    assert "enqueued 2 chunks as job 'j1'" in result.stdout
+    assert "line 2: not JSON" in result.stderr and "line 3: 'id' must be" in result.stderr
+
+
+def test_enqueue_wait_then_export(settings: Settings, tmp_path: Path) -> None:
+    env = _env(settings)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "embedfleet.cli", "worker"],
+        env={**os.environ, **env},
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        lines = [
+            json.dumps({"id": f"doc{i}", "text": f"document number {i} about cats"})
+            for i in range(25)
+        ]
+        result = embedfleet(
+            "enqueue",
+            "-",
+            "--job",
+            "cats",
+            "--wait",
+            "--timeout",
+            "120",
+            env=env,
+            stdin="\n".join(lines) + "\n",
+        )
+        assert result.returncode == 0, result.stderr
+        npz = tmp_path / "out.npz"
+        jsonl = tmp_path / "out.jsonl"
+        assert embedfleet("results", "--job", "cats", "--out", str(npz), env=env).returncode == 0
+        assert embedfleet("results", "--job", "cats", "--out", str(jsonl), env=env).returncode == 0
+        bad = embedfleet("results", "--out", str(tmp_path / "out.csv"), env=env)
+        assert bad.returncode == 2 and ".npz or .jsonl" in bad.stderr
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=60) == 0
+    archive = np.load(npz)
+    assert sorted(archive["ids"].tolist()) == sorted(f"doc{i}" for i in range(25))
+    assert archive["vectors"].shape == (25, 384) and archive["vectors"].dtype == np.float16
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert len(rows) == 25 and len(rows[0]["vector"]) == 384
+    norms = np.linalg.norm(archive["vectors"].astype(np.float32), axis=1)
+    assert np.allclose(norms, 1.0, atol=1e-2)
+
+
+def test_demo_runs_on_embedded_defaults(tmp_path: Path) -> None:
+    env = {"EMBEDFLEET_REDIS_URL": ""}
+    result = embedfleet("demo", "--limit", "150", "--out-dir", str(tmp_path), env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "embedded 150 texts" in result.stdout and "texts/s" in result.stdout
+    assert "embedded Valkey" in result.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["texts"] == 150 and summary["texts_per_s"] > 0
+    assert np.load(tmp_path / "vectors.npz")["vectors"].shape == (150, 384)
+
+
+async def test_readme_redis_cli_example_is_embedded(redis_server, encoder, tmp_path: Path) -> None:
+    """The README's by-hand XADD, run literally with redis-cli, comes back as a vector."""
+    import asyncio
+    import re
+    import shutil
+
+    from producer import Producer
+    from shared.redis_conn import connect
+    from tests.conftest import running_worker
+
+    if shutil.which("redis-cli") is None:
+        pytest.skip("redis-cli not on PATH")
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    command = re.search(r"^(printf '[^']+' \\\n\s+\| redis-cli -x XADD [^\n]+)$", readme, re.M)
+    assert command, "README lost its redis-cli example"
+    line = command.group(1).replace("redis-cli", f"redis-cli -p {redis_server.port}")
+    settings = Settings(redis_url=redis_server.url, block_ms=100, log_format="json")
+    client = connect(settings.effective_redis_url)
+    try:
+        await client.delete(settings.keys.results, settings.keys.ingest)
+        async with running_worker(settings, encoder, client):
+            subprocess.run(["sh", "-c", line], check=True, capture_output=True)
+            for _ in range(100):
+                if await client.xlen(settings.keys.results):
+                    break
+                await asyncio.sleep(0.1)
+        results = [r async for r in Producer(settings, client).results()]
+    finally:
+        await client.delete(*[k async for k in client.scan_iter("embedfleet:*")])
+        await client.aclose()
+    assert [r.id for r in results] == ["doc-1"]
+    expected = encoder.embed_texts(["hello world"])[0]
+    assert float(np.dot(results[0].vector.astype(np.float32), expected)) > 0.999
+
+
+def test_bad_setting_is_a_clear_error_not_a_traceback() -> None:
+    result = embedfleet("worker", env={"EMBEDFLEET_DTYPE": "int3"})
+    assert result.returncode == 1
+    assert "EMBEDFLEET_DTYPE" in result.stderr and "Traceback" not in result.stderr

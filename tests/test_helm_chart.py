@@ -1,0 +1,841 @@
+"""The Helm chart in helm/embedfleet: render, lint and validate it offline.
+
+The chart is rendered and linted by Helm's own Go engine through ``helm-python-sdk``
+(``helm_python``), which ships ``libhelm_c.so`` in its wheel: no helm binary, no
+cluster and no network. Rendered core objects are checked with
+``kubernetes-validate --strict`` (schemas bundled in the wheel); the CRD objects
+(KEDA ScaledObject / TriggerAuthentication, ServiceMonitor) against the minimal
+JSON schemas in ``helm/embedfleet/ci/schemas``.
+
+Install what these tests need with ``pip install -r helm/requirements-chart.txt``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Imported, not skipped: CI installs these with the dev extra, and a chart test that silently
+# skips would let a broken template land.
+import helm_python as helm
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+pytestmark = pytest.mark.chart
+
+REPO = Path(__file__).resolve().parents[1]
+CHART_DIR = REPO / "helm" / "embedfleet"
+CI_DIR = CHART_DIR / "ci"
+CRD_SCHEMA_DIR = CI_DIR / "schemas"
+
+# Kubernetes version the rendered objects are validated against (bundled offline in
+# kubernetes-validate) and that `helm lint` checks the chart's kubeVersion against.
+KUBE_VERSION = "1.33.0"
+RELEASE = "ef"
+K8S_NAMESPACE = "ml"
+
+EXPECTED_CI_FILES = {
+    "default-values.yaml",
+    "gpu-values.yaml",
+    "keda-values.yaml",
+    "no-keda-hpa-values.yaml",
+    "query-workers-values.yaml",
+    "existing-secret-values.yaml",
+}
+
+# Kinds validated by kubernetes-validate; anything else must have a CRD schema below,
+# so that no rendered object escapes validation.
+CORE_KINDS = {
+    "ConfigMap",
+    "Secret",
+    "ServiceAccount",
+    "Deployment",
+    "Service",
+    "PodDisruptionBudget",
+    "HorizontalPodAutoscaler",
+}
+CRD_SCHEMAS = {
+    ("keda.sh/v1alpha1", "ScaledObject"): "scaledobject_v1alpha1.json",
+    ("keda.sh/v1alpha1", "TriggerAuthentication"): "triggerauthentication_v1alpha1.json",
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor_v1.json",
+}
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@dataclass
+class Rendered:
+    """The parsed output of one chart render."""
+
+    docs: list[dict[str, Any]]
+    notes: str
+    raw: dict[str, str] = field(repr=False)
+
+    def all(self, kind: str) -> list[dict[str, Any]]:
+        return [d for d in self.docs if d["kind"] == kind]
+
+    def one(self, kind: str, name: str | None = None) -> dict[str, Any]:
+        found = [d for d in self.all(kind) if name is None or d["metadata"]["name"] == name]
+        assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+        return found[0]
+
+    def deployment(self, component: str) -> dict[str, Any]:
+        found = [
+            d
+            for d in self.all("Deployment")
+            if d["metadata"]["labels"].get("app.kubernetes.io/component") == component
+        ]
+        assert len(found) == 1, f"expected one {component} Deployment, found {len(found)}"
+        return found[0]
+
+    def scaled_object(self, component: str) -> dict[str, Any]:
+        found = [
+            d
+            for d in self.all("ScaledObject")
+            if d["metadata"]["labels"].get("app.kubernetes.io/component") == component
+        ]
+        assert len(found) == 1, f"expected one {component} ScaledObject, found {len(found)}"
+        return found[0]
+
+    def config(self) -> dict[str, str]:
+        return self.one("ConfigMap")["data"]
+
+
+def render(
+    values: dict[str, Any] | None = None,
+    *,
+    chart_dir: Path = CHART_DIR,
+    release: str = RELEASE,
+    namespace: str = K8S_NAMESPACE,
+) -> Rendered:
+    """Render the chart like `helm template` and parse every manifest.
+
+    Raises the engine's ``helm_python.HelmError`` subclasses (schema violations,
+    template syntax errors, ``fail``/``required``) and ``yaml.YAMLError`` when a
+    template renders text that is not YAML.
+    """
+    with helm.Chart.load(chart_dir) as chart:
+        raw = chart.render(values=values, name=release, namespace=namespace)
+    docs: list[dict[str, Any]] = []
+    notes = ""
+    for path in sorted(raw):
+        text = raw[path]
+        if path.endswith("NOTES.txt"):
+            notes = text
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc is None:
+                continue
+            assert isinstance(doc, dict), f"{path}: rendered a non-mapping document"
+            assert {"apiVersion", "kind", "metadata"} <= doc.keys(), f"{path}: not an object"
+            docs.append(doc)
+    return Rendered(docs=docs, notes=notes, raw=raw)
+
+
+def lint_problems(values: dict[str, Any] | None = None, chart_dir: Path = CHART_DIR) -> list[str]:
+    """`helm lint --strict`: every warning or error, as text (empty when clean)."""
+    report = helm.lint(
+        chart_dir,
+        values,
+        strict=True,
+        namespace=K8S_NAMESPACE,
+        kube_version=f"v{KUBE_VERSION}",
+    )
+    problems = [f"{m['path']}: {m['error']}" for m in report["messages"] if int(m["severity"]) >= 2]
+    problems += [e for e in report["errors"] if not any(e in p for p in problems)]
+    return problems
+
+
+def load_ci_values(name: str) -> dict[str, Any]:
+    """A ci/*-values.yaml file, parsed by Helm's own values reader."""
+    return helm.values_from_yaml((CI_DIR / name).read_text())
+
+
+def _crd_validator(api_version: str, kind: str) -> jsonschema.protocols.Validator:
+    schema = json.loads((CRD_SCHEMA_DIR / CRD_SCHEMAS[(api_version, kind)]).read_text())
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    return cls(schema)
+
+
+def validate_objects(rendered: Rendered) -> None:
+    """Validate every rendered object: core kinds strictly, CRDs against ci/schemas."""
+    for doc in rendered.docs:
+        key = (doc["apiVersion"], doc["kind"])
+        where = f"{doc['kind']}/{doc['metadata'].get('name')}"
+        if key in CRD_SCHEMAS:
+            errors = sorted(
+                _crd_validator(*key).iter_errors(doc), key=lambda e: list(e.absolute_path)
+            )
+            assert not errors, f"{where}: " + "; ".join(
+                f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in errors
+            )
+            if doc["kind"] == "ScaledObject":
+                spec = doc["spec"]
+                assert spec.get("minReplicaCount", 0) <= spec.get("maxReplicaCount", 100), where
+        else:
+            assert doc["kind"] in CORE_KINDS, f"{where}: no schema to validate it against"
+            try:
+                kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+            except kubernetes_validate.ValidationError as err:
+                path = "/".join(map(str, err.absolute_path))
+                pytest.fail(f"{where}: {path}: {err.message}")
+
+
+def container(deployment: dict[str, Any]) -> dict[str, Any]:
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return containers[0]
+
+
+def env_of(deployment: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in container(deployment).get("env", [])}
+
+
+def gpu_resources(deployment: dict[str, Any]) -> dict[str, Any]:
+    """Every resource request/limit whose name mentions a GPU."""
+    resources = container(deployment).get("resources", {})
+    return {
+        f"{section}.{name}": qty
+        for section in ("requests", "limits")
+        for name, qty in resources.get(section, {}).items()
+        if "gpu" in name
+    }
+
+
+def trigger(scaled_object: dict[str, Any], stream: str = "ingest") -> dict[str, Any]:
+    """The redis-streams lag trigger of a ScaledObject on the ingest or the query stream."""
+    triggers = scaled_object["spec"]["triggers"]
+    assert all(t["type"] == "redis-streams" for t in triggers)
+    found = [t for t in triggers if t["name"] == f"{stream}-lag"]
+    assert len(found) == 1, f"no {stream}-lag trigger in {scaled_object['metadata']['name']}"
+    return found[0]
+
+
+def secret_value(rendered: Rendered, name: str, key: str) -> str:
+    secret = rendered.one("Secret", name)
+    return base64.b64decode(secret["data"][key]).decode()
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+# --------------------------------------------------------------------------- fixtures
+
+CASES = ["chart-defaults", *sorted(EXPECTED_CI_FILES)]
+
+
+@pytest.fixture(scope="module")
+def rendered_cases() -> dict[str, Rendered]:
+    cases: dict[str, Rendered] = {"chart-defaults": render()}
+    for name in sorted(EXPECTED_CI_FILES):
+        cases[name] = render(load_ci_values(name))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def chart_values() -> dict[str, Any]:
+    with helm.Chart.load(CHART_DIR) as chart:
+        return chart.values
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+def test_engine_is_the_bundled_helm_library() -> None:
+    """helm-python-sdk binds a shared library from its own wheel (nothing downloaded)."""
+    lib = Path(helm.library_path)
+    assert lib.is_file()
+    if not os.environ.get("HELM_C_LIB"):  # the package's own override
+        assert Path(helm.__file__).resolve().parent in lib.resolve().parents
+    assert re.match(r"v?\d+\.\d+", helm.helm_sdk_version())
+
+
+def test_ci_value_sets_exist() -> None:
+    found = {p.name for p in CI_DIR.glob("*-values.yaml")}
+    assert found >= EXPECTED_CI_FILES, f"missing: {EXPECTED_CI_FILES - found}"
+
+
+# --------------------------------------------------------------------------- every value set
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_lint_strict(case: str) -> None:
+    values = None if case == "chart-defaults" else load_ci_values(case)
+    assert lint_problems(values) == []
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_rendered_objects_are_valid(case: str, rendered_cases: dict[str, Rendered]) -> None:
+    validate_objects(rendered_cases[case])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_case_has_the_essentials(case: str, rendered_cases: dict[str, Rendered]) -> None:
+    r = rendered_cases[case]
+    worker = r.deployment("worker")
+    c = container(worker)
+    pod = worker["spec"]["template"]["spec"]
+    config = r.config()
+
+    assert c["command"] == ["embedfleet", "worker"]
+    assert "--query-only" not in c["command"] + c.get("args", [])
+
+    # probes on the named health port
+    port = int(config["EMBEDFLEET_HEALTH_PORT"])
+    assert {"name": "http", "containerPort": port, "protocol": "TCP"} in c["ports"]
+    assert c["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 300, "too short for a model"
+
+    # the drain fits in the grace period
+    drain = int(config["EMBEDFLEET_DRAIN_TIMEOUT_S"])
+    assert pod["terminationGracePeriodSeconds"] > drain
+
+    # settings from the ConfigMap, the URL from a Secret
+    assert {"configMapRef": {"name": r.one("ConfigMap")["metadata"]["name"]}} in c["envFrom"]
+    assert all(k.startswith("EMBEDFLEET_") for k in config)
+    assert "EMBEDFLEET_REDIS_URL" not in config
+    url_ref = env_of(worker)["EMBEDFLEET_REDIS_URL"]["valueFrom"]["secretKeyRef"]
+    assert url_ref["name"] and url_ref["key"]
+
+    # hardened pod, with writable /tmp and model cache
+    sc = c["securityContext"]
+    assert sc["runAsNonRoot"] is True
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert sc["seccompProfile"]["type"] == "RuntimeDefault"
+    assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert "emptyDir" in volumes[mounts["/tmp"]]
+    hf_home = env_of(worker)["HF_HOME"]["value"]
+    cache_mount = next(p for p in mounts if hf_home.startswith(p + "/") or hf_home == p)
+    assert "emptyDir" in volumes[mounts[cache_mount]]
+
+    # operators can find the backlog
+    for word in ("XLEN", "XINFO GROUPS", "XPENDING", "embedfleet status"):
+        assert word in r.notes
+
+    # each PDB covers exactly one worker Deployment; the metrics Service selects worker pods
+    pod_labels = worker["spec"]["template"]["metadata"]["labels"]
+    pdbs = r.all("PodDisruptionBudget")
+    assert len(pdbs) == len(r.all("Deployment"))
+    for pdb in pdbs:
+        selector = pdb["spec"]["selector"]["matchLabels"].items()
+        covered = [
+            d
+            for d in r.all("Deployment")
+            if selector <= d["spec"]["template"]["metadata"]["labels"].items()
+        ]
+        assert len(covered) == 1, pdb["metadata"]["name"]
+    service = r.one("Service")
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert service["spec"]["ports"][0]["targetPort"] == "http"
+
+
+# --------------------------------------------------------------------------- defaults
+
+
+def test_defaults(rendered_cases: dict[str, Rendered], chart_values: dict[str, Any]) -> None:
+    r = rendered_cases["chart-defaults"]
+    worker = r.deployment("worker")
+    pod = worker["spec"]["template"]["spec"]
+
+    assert gpu_resources(worker) == {}, "no GPU unless asked"
+    assert "tolerations" not in pod
+    assert "runtimeClassName" not in pod
+    assert "replicas" not in worker["spec"], "KEDA owns the replica count"
+
+    config = r.config()
+    assert config["EMBEDFLEET_NAMESPACE"] == "embedfleet"
+    assert config["EMBEDFLEET_GROUP"] == "workers"
+    assert config["EMBEDFLEET_HEALTH_PORT"] == "9400"
+    assert config["EMBEDFLEET_DRAIN_TIMEOUT_S"] == "60"
+    assert (
+        pod["terminationGracePeriodSeconds"] == 60 + chart_values["terminationGraceMarginSeconds"]
+    )
+
+    # chart-created Secret holds the URL
+    ref = env_of(worker)["EMBEDFLEET_REDIS_URL"]["valueFrom"]["secretKeyRef"]
+    assert secret_value(r, ref["name"], ref["key"]) == chart_values["redis"]["url"]
+
+    so = r.scaled_object("worker")
+    assert so["apiVersion"] == "keda.sh/v1alpha1"
+    assert so["spec"]["scaleTargetRef"]["name"] == worker["metadata"]["name"]
+    assert so["spec"]["minReplicaCount"] == 0, "bulk workers scale to zero"
+    md = trigger(so)["metadata"]
+    assert md["stream"] == "embedfleet:ingest"
+    assert md["consumerGroup"] == "workers"
+    assert md["lagCount"] == "5000"
+    assert md["activationLagCount"] == "0"
+    assert md["address"] == "redis-master:6379"
+    assert md["databaseIndex"] == "0"
+    assert "enableTLS" not in md
+    assert "authenticationRef" not in trigger(so), "no password, no TriggerAuthentication"
+    # without query workers a query wakes the bulk fleet from zero
+    query_md = trigger(so, "query")["metadata"]
+    assert query_md["stream"] == "embedfleet:query"
+    assert query_md["consumerGroup"] == "workers"
+    assert (query_md["lagCount"], query_md["activationLagCount"]) == ("50", "0")
+    assert r.all("TriggerAuthentication") == []
+    assert r.all("HorizontalPodAutoscaler") == []
+    assert r.all("ServiceMonitor") == []
+    with pytest.raises(AssertionError):
+        r.deployment("query-worker")
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+def test_gpu_values(rendered_cases: dict[str, Rendered]) -> None:
+    r = rendered_cases["gpu-values.yaml"]
+    worker = r.deployment("worker")
+    pod = worker["spec"]["template"]["spec"]
+    assert gpu_resources(worker) == {"requests.nvidia.com/gpu": 1, "limits.nvidia.com/gpu": 1}
+    assert pod["runtimeClassName"] == "nvidia"
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
+    config = r.config()
+    assert config["EMBEDFLEET_DEVICE"] == "cuda"
+    assert config["EMBEDFLEET_DTYPE"] == "float16"
+    assert config["EMBEDFLEET_TOKEN_BUDGET"] == "131072"
+
+    # the model PVC is mounted read-only and becomes EMBEDFLEET_MODEL
+    mount = next(m for m in container(worker)["volumeMounts"] if m["name"] == "model")
+    assert mount["readOnly"] is True
+    assert mount["subPath"] == "all-MiniLM-L6-v2"
+    assert config["EMBEDFLEET_MODEL"] == mount["mountPath"] == "/models/all-MiniLM-L6-v2"
+    volume = next(v for v in pod["volumes"] if v["name"] == "model")
+    assert volume["persistentVolumeClaim"] == {"claimName": "embedding-models", "readOnly": True}
+
+    # a longer drain gets a longer grace period
+    assert config["EMBEDFLEET_DRAIN_TIMEOUT_S"] == "120"
+    assert pod["terminationGracePeriodSeconds"] >= 120
+
+
+def test_gpu_resource_type_and_count_are_configurable() -> None:
+    r = render(
+        {
+            "gpu": {
+                "enabled": True,
+                "count": 2,
+                "resourceName": "amd.com/gpu",
+                "tolerateTaint": False,
+            }
+        }
+    )
+    worker = r.deployment("worker")
+    assert gpu_resources(worker) == {"requests.amd.com/gpu": 2, "limits.amd.com/gpu": 2}
+    assert "tolerations" not in worker["spec"]["template"]["spec"]
+    validate_objects(r)
+
+
+def test_gpu_disabled_means_no_gpu_anywhere() -> None:
+    r = render({"gpu": {"enabled": False}, "queryWorkers": {"enabled": True}})
+    for component in ("worker", "query-worker"):
+        assert gpu_resources(r.deployment(component)) == {}
+
+
+# --------------------------------------------------------------------------- KEDA
+
+
+def test_keda_values(rendered_cases: dict[str, Rendered]) -> None:
+    r = rendered_cases["keda-values.yaml"]
+    so = r.scaled_object("worker")
+    t = trigger(so)
+    md = t["metadata"]
+    assert md["stream"] == "{prod}:ingest", "the stream follows config.NAMESPACE"
+    assert md["consumerGroup"] == "bulk"
+    assert md["lagCount"] == "20000"
+    assert md["activationLagCount"] == "10"
+    assert md["address"] == "redis.data.svc.cluster.local:6380"
+    assert md["databaseIndex"] == "0"
+    assert md["enableTLS"] == "true", "rediss:// turns TLS on"
+    spec = so["spec"]
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (0, 32)
+    assert spec["fallback"] == {"failureThreshold": 3, "replicas": 2}
+    assert (
+        spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"][
+            "stabilizationWindowSeconds"
+        ]
+        == 300
+    )
+
+    # credentials reach KEDA through a TriggerAuthentication reading the chart's Secret
+    ta = r.one("TriggerAuthentication")
+    assert t["authenticationRef"]["name"] == ta["metadata"]["name"]
+    refs = {ref["parameter"]: ref for ref in ta["spec"]["secretTargetRef"]}
+    assert secret_value(r, refs["password"]["name"], refs["password"]["key"]) == "s3cret"
+    assert secret_value(r, refs["username"]["name"], refs["username"]["key"]) == "embedfleet"
+    assert "s3cret" not in json.dumps(so) + json.dumps(ta)
+    query_trigger = trigger(so, "query")
+    assert query_trigger["metadata"]["stream"] == "{prod}:query"
+    assert query_trigger["metadata"]["enableTLS"] == "true"
+    assert query_trigger["authenticationRef"] == t["authenticationRef"]
+
+    config = r.config()
+    assert config["EMBEDFLEET_NAMESPACE"] == "{prod}"
+    assert config["EMBEDFLEET_GROUP"] == "bulk"
+    assert "'{prod}:ingest'" in r.notes
+
+    sm = r.one("ServiceMonitor")
+    assert sm["metadata"]["labels"]["release"] == "prometheus"
+    assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
+    service = r.one("Service")
+    assert sm["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+
+
+@pytest.mark.parametrize("namespace", ["embedfleet", "tenant-a", "{emb}"])
+def test_lag_trigger_follows_the_namespace_and_group(namespace: str) -> None:
+    r = render(
+        {"config": {"NAMESPACE": namespace, "GROUP": "g1"}, "queryWorkers": {"enabled": True}}
+    )
+    assert trigger(r.scaled_object("worker"))["metadata"]["stream"] == f"{namespace}:ingest"
+    query_trigger = trigger(r.scaled_object("query-worker"), "query")
+    assert query_trigger["metadata"]["stream"] == f"{namespace}:query"
+    assert trigger(r.scaled_object("worker"))["metadata"]["consumerGroup"] == "g1"
+    assert query_trigger["metadata"]["consumerGroup"] == "g1"
+    assert r.config()["EMBEDFLEET_NAMESPACE"] == namespace
+
+
+def test_redis_url_parsing_for_keda() -> None:
+    r = render({"redis": {"url": "redis://:pw@redis.example:7000/3"}})
+    md = trigger(r.scaled_object("worker"))["metadata"]
+    assert md["address"] == "redis.example:7000"
+    assert md["databaseIndex"] == "3"
+    ta = r.one("TriggerAuthentication")
+    assert [ref["parameter"] for ref in ta["spec"]["secretTargetRef"]] == ["password"]
+
+    # no port: Redis's default; explicit tls flag on a redis:// URL; explicit address wins
+    r = render({"redis": {"url": "redis://cache", "tls": True, "tlsInsecureSkipVerify": True}})
+    md = trigger(r.scaled_object("worker"))["metadata"]
+    assert md["address"] == "cache:6379"
+    assert "databaseIndex" not in md
+    assert (md["enableTLS"], md["unsafeSsl"]) == ("true", "true")
+    r = render({"redis": {"address": "proxy:6000", "database": 5}})
+    md = trigger(r.scaled_object("worker"))["metadata"]
+    assert (md["address"], md["databaseIndex"]) == ("proxy:6000", "5")
+
+
+# --------------------------------------------------------------------------- HPA
+
+
+def test_no_keda_hpa_values(rendered_cases: dict[str, Rendered]) -> None:
+    r = rendered_cases["no-keda-hpa-values.yaml"]
+    assert r.all("ScaledObject") == []
+    assert r.all("TriggerAuthentication") == []
+    hpas = {d["spec"]["scaleTargetRef"]["name"]: d for d in r.all("HorizontalPodAutoscaler")}
+    worker = r.deployment("worker")
+    query = r.deployment("query-worker")
+    assert set(hpas) == {worker["metadata"]["name"], query["metadata"]["name"]}
+    assert hpas[worker["metadata"]["name"]]["apiVersion"] == "autoscaling/v2"
+    assert hpas[worker["metadata"]["name"]]["spec"]["minReplicas"] == 2
+    assert hpas[query["metadata"]["name"]]["spec"]["minReplicas"] >= 1
+    metric = hpas[worker["metadata"]["name"]]["spec"]["metrics"][0]
+    assert metric["resource"]["name"] == "cpu"
+    assert metric["resource"]["target"]["averageUtilization"] == 60
+    assert "replicas" not in worker["spec"]
+    assert (
+        r.one("PodDisruptionBudget", worker["metadata"]["name"])["spec"]["maxUnavailable"] == "25%"
+    )
+
+
+def test_no_autoscaler_uses_fixed_replicas() -> None:
+    r = render({"keda": {"enabled": False}, "replicaCount": 3, "queryWorkers": {"enabled": True}})
+    assert r.deployment("worker")["spec"]["replicas"] == 3
+    assert r.deployment("query-worker")["spec"]["replicas"] >= 1
+    assert r.all("HorizontalPodAutoscaler") == [] == r.all("ScaledObject")
+
+
+def test_hpa_is_ignored_while_keda_is_on() -> None:
+    r = render({"autoscaling": {"hpa": {"enabled": True}}})
+    assert r.all("HorizontalPodAutoscaler") == []
+    assert len(r.all("ScaledObject")) == 1
+
+
+# --------------------------------------------------------------------------- query workers
+
+
+def test_query_workers_values(rendered_cases: dict[str, Rendered]) -> None:
+    r = rendered_cases["query-workers-values.yaml"]
+    bulk = r.deployment("worker")
+    query = r.deployment("query-worker")
+    assert container(query)["command"] == ["embedfleet", "worker", "--query-only"]
+    assert "--query-only" not in container(bulk)["command"]
+    assert bulk["metadata"]["name"] != query["metadata"]["name"]
+    assert bulk["spec"]["selector"]["matchLabels"] != query["spec"]["selector"]["matchLabels"], (
+        "the two Deployments must not adopt each other's pods"
+    )
+
+    # bulk on GPU, query workers on CPU (queryWorkers.gpu.enabled=false overrides gpu)
+    assert gpu_resources(bulk) == {"requests.nvidia.com/gpu": 1, "limits.nvidia.com/gpu": 1}
+    assert gpu_resources(query) == {}
+    assert container(query)["resources"]["requests"]["cpu"] == "2"
+    assert "tolerations" not in query["spec"]["template"]["spec"]
+    assert env_of(query)["OMP_NUM_THREADS"]["value"] == "2"
+
+    so = r.scaled_object("query-worker")
+    assert so["spec"]["scaleTargetRef"]["name"] == query["metadata"]["name"]
+    assert so["spec"]["minReplicaCount"] >= 1, "queries are never left without a worker"
+    assert so["spec"]["maxReplicaCount"] == 6
+    assert [t["name"] for t in so["spec"]["triggers"]] == ["query-lag"]
+    md = trigger(so, "query")["metadata"]
+    assert md["stream"] == "embedfleet:query"
+    assert md["consumerGroup"] == "workers"
+    assert md["lagCount"] == "20"
+    bulk_so = r.scaled_object("worker")
+    assert bulk_so["spec"]["minReplicaCount"] == 0
+    assert [t["name"] for t in bulk_so["spec"]["triggers"]] == ["ingest-lag"], (
+        "with query workers, queries do not wake the bulk fleet"
+    )
+    assert len(r.all("PodDisruptionBudget")) == 2
+
+
+def test_query_worker_minimum_is_at_least_one() -> None:
+    with pytest.raises(helm.HelmValuesError):
+        render({"queryWorkers": {"enabled": True, "keda": {"minReplicaCount": 0}}})
+    with pytest.raises(helm.HelmValuesError):
+        render({"queryWorkers": {"enabled": True, "replicaCount": 0}})
+
+
+# --------------------------------------------------------------------------- secrets
+
+
+def test_existing_secret_values(rendered_cases: dict[str, Rendered]) -> None:
+    r = rendered_cases["existing-secret-values.yaml"]
+    assert r.all("Secret") == [], "the chart must not create a Secret"
+    worker = r.deployment("worker")
+    env = env_of(worker)
+    assert env["EMBEDFLEET_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {
+        "name": "redis-credentials",
+        "key": "url",
+    }
+    assert env["REDIS_ADDRESS"]["valueFrom"]["secretKeyRef"] == {
+        "name": "redis-credentials",
+        "key": "address",
+    }
+    md = trigger(r.scaled_object("worker"))["metadata"]
+    assert md["addressFromEnv"] == "REDIS_ADDRESS"
+    assert "address" not in md
+    assert md["databaseIndex"] == "2"
+    assert md["enableTLS"] == "true"
+    ta = r.one("TriggerAuthentication")
+    assert ta["spec"]["secretTargetRef"] == [
+        {"parameter": "password", "name": "redis-credentials", "key": "password"}
+    ]
+    assert "checksum/secret" not in worker["spec"]["template"]["metadata"]["annotations"]
+    assert "redis-credentials" in r.notes
+
+    # no ServiceAccount created, the named one used
+    assert r.all("ServiceAccount") == []
+    assert worker["spec"]["template"]["spec"]["serviceAccountName"] == "embedfleet-workers"
+
+    # hostPath model, read-only
+    pod = worker["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "model")
+    assert volume["hostPath"] == {"path": "/mnt/models/bge-small-en-v1.5", "type": "Directory"}
+    mount = next(m for m in container(worker)["volumeMounts"] if m["name"] == "model")
+    assert mount["readOnly"] is True
+    assert r.config()["EMBEDFLEET_MODEL"] == "/models/bge-small-en-v1.5"
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def test_config_map_rendering() -> None:
+    r = render(
+        {
+            "config": {
+                "TOKEN_BUDGET": 1048576,
+                "READ_COUNT": 4096,
+                "SLICE_MS": 12.5,
+                "MODEL": "BAAI/bge-small-en-v1.5",
+                "LOG_FORMAT": "console",
+                "SOME_FUTURE_SETTING": True,
+                "THREADS": None,
+            },
+            "drainTimeoutSeconds": 300,
+            "extraEnv": [{"name": "TOKENIZERS_PARALLELISM", "value": "false"}],
+            "extraArgs": ["--extra"],
+        }
+    )
+    config = r.config()
+    assert config["EMBEDFLEET_TOKEN_BUDGET"] == "1048576", "no float formatting of big ints"
+    assert config["EMBEDFLEET_READ_COUNT"] == "4096"
+    assert config["EMBEDFLEET_SLICE_MS"] == "12.5"
+    assert config["EMBEDFLEET_MODEL"] == "BAAI/bge-small-en-v1.5"
+    assert config["EMBEDFLEET_LOG_FORMAT"] == "console"
+    assert config["EMBEDFLEET_SOME_FUTURE_SETTING"] == "true"
+    assert "EMBEDFLEET_THREADS" not in config
+    assert config["EMBEDFLEET_DRAIN_TIMEOUT_S"] == "300"
+    worker = r.deployment("worker")
+    assert worker["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 300
+    assert env_of(worker)["TOKENIZERS_PARALLELISM"]["value"] == "false"
+    assert container(worker)["args"] == ["--extra"]
+    validate_objects(r)
+
+
+def test_health_port_setting_moves_the_probes() -> None:
+    r = render({"config": {"HEALTH_PORT": 9500}})
+    c = container(r.deployment("worker"))
+    assert c["ports"][0] == {"name": "http", "containerPort": 9500, "protocol": "TCP"}
+    assert r.config()["EMBEDFLEET_HEALTH_PORT"] == "9500"
+    assert c["startupProbe"]["httpGet"]["port"] == "http"
+
+
+@pytest.mark.parametrize(("drain", "margin"), [(1, 0), (60, 30), (900, 15)])
+def test_grace_period_covers_the_drain(drain: int, margin: int) -> None:
+    r = render({"drainTimeoutSeconds": drain, "terminationGraceMarginSeconds": margin})
+    pod = r.deployment("worker")["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == drain + margin >= drain
+    assert r.config()["EMBEDFLEET_DRAIN_TIMEOUT_S"] == str(drain)
+
+
+# --------------------------------------------------------------------------- rejections
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"replicas": 2},  # typo of replicaCount
+        {"Gpu": {"enabled": True}},
+        {"gpu": {"enabeld": True}},
+        {"gpu": {"count": 0}},
+        {"keda": {"lagcount": 10}},
+        {"config": {"dtype": "float16"}},  # keys are upper case
+        {"config": {"EMBEDFLEET_DTYPE": "float16"}},  # ... and without the prefix
+        {"config": {"DTYPE": "fp8"}},
+        {"config": {"DEVICE": "tpu"}},
+        {"config": {"LOG_FORMAT": "xml"}},
+        {"config": {"REDIS_URL": "redis://x"}},  # secrets never go to the ConfigMap
+        {"config": {"CONSUMER": "w1"}},  # one name for every pod would break the group
+        {"config": {"THREADS": -1}},
+        {"config": {"HEALTH_PORT": 70000}},
+        {"redis": {"url": "http://redis:6379"}},
+        {"redis": {"existingSecrett": "x"}},
+        {"drainTimeoutSeconds": "60"},
+        {"modelVolume": {"type": "nfs"}},
+    ],
+    ids=lambda v: json.dumps(v, sort_keys=True),
+)
+def test_schema_rejects_bad_values(values: dict[str, Any]) -> None:
+    with pytest.raises(helm.HelmValuesError):
+        render(values)
+    assert lint_problems(values), "helm lint must report it too"
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"redis": {"url": ""}}, "redis.url"),
+        ({"redis": {"existingSecret": "creds"}}, "redis.address"),
+        ({"modelVolume": {"enabled": True, "type": "pvc"}}, "modelVolume.claimName"),
+        ({"modelVolume": {"enabled": True, "type": "hostPath"}}, "modelVolume.hostPath"),
+        (
+            {"metrics": {"service": {"enabled": False}, "serviceMonitor": {"enabled": True}}},
+            "metrics.service.enabled",
+        ),
+    ],
+)
+def test_incomplete_values_fail_with_a_clear_message(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm.HelmError, match=re.escape(message)):
+        render(values)
+
+
+def test_existing_secret_without_keda_needs_no_address() -> None:
+    r = render({"redis": {"existingSecret": "creds"}, "keda": {"enabled": False}})
+    assert r.all("Secret") == []
+    ref = env_of(r.deployment("worker"))["EMBEDFLEET_REDIS_URL"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "creds", "key": "redis-url"}
+
+
+# --------------------------------------------------------------------------- broken chart
+
+
+@pytest.fixture
+def chart_copy(tmp_path: Path) -> Path:
+    dst = tmp_path / "embedfleet"
+    shutil.copytree(CHART_DIR, dst)
+    return dst
+
+
+def test_render_helper_raises_on_a_template_syntax_error(chart_copy: Path) -> None:
+    template = chart_copy / "templates" / "deployment.yaml"
+    template.write_text(template.read_text() + "\n{{ if .Values.gpu.enabled }}\n")
+    with pytest.raises(helm.HelmRenderError, match=r"deployment\.yaml"):
+        render(chart_dir=chart_copy)
+    assert any("deployment.yaml" in p for p in lint_problems(chart_dir=chart_copy))
+
+
+def test_render_helper_raises_on_an_unknown_function(chart_copy: Path) -> None:
+    template = chart_copy / "templates" / "configmap.yaml"
+    template.write_text(template.read_text() + "\n  X: {{ .Values.image.tag | nosuchfunc }}\n")
+    with pytest.raises(helm.HelmRenderError, match="nosuchfunc"):
+        render(chart_dir=chart_copy)
+
+
+def test_render_helper_raises_on_invalid_yaml_output(chart_copy: Path) -> None:
+    template = chart_copy / "templates" / "service.yaml"
+    template.write_text(template.read_text() + "\n  bad: [unclosed\n")
+    with pytest.raises(yaml.YAMLError):
+        render(chart_dir=chart_copy)
+    assert lint_problems(chart_dir=chart_copy)
+
+
+# --------------------------------------------------------------------------- docs
+
+
+# Values documented as one row (free-form maps or Kubernetes objects passed through).
+OPAQUE_VALUES = {
+    "config",
+    "resources",
+    "updateStrategy",
+    "podSecurityContext",
+    "securityContext",
+    "probes.startup",
+    "probes.liveness",
+    "probes.readiness",
+}
+
+
+def _leaf_paths(value: Any, prefix: str = "") -> list[str]:
+    if isinstance(value, dict) and value and prefix not in OPAQUE_VALUES:
+        return [p for k, v in value.items() for p in _leaf_paths(v, f"{prefix}.{k}".lstrip("."))]
+    return [prefix]
+
+
+def test_readme_documents_every_value(chart_values: dict[str, Any]) -> None:
+    readme = (CHART_DIR / "README.md").read_text()
+    # values.yaml keys (nulls included, which Helm's merged values may drop)
+    raw_values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
+    paths = set(_leaf_paths(deep_merge(chart_values, raw_values)))
+    missing = sorted(p for p in paths if f"`{p}`" not in readme)
+    assert not missing, f"values not documented in README.md: {missing}"
+    for setting in (
+        "NAMESPACE", "GROUP", "MODEL", "DEVICE", "DTYPE", "THREADS", "READ_COUNT",
+        "TOKEN_BUDGET", "SINK", "SLICE_MS", "HEALTH_PORT", "DRAIN_TIMEOUT_S", "LOG_FORMAT",
+        "LOG_LEVEL", "MAX_DELIVERIES", "RECLAIM_IDLE_MS", "REDIS_URL",
+    ):  # fmt: skip
+        assert f"EMBEDFLEET_{setting}" in readme, setting

@@ -1,0 +1,103 @@
+"""Wire protocol v1: round trips and the decoder's answers to bad payloads (pure, no Redis)."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.protocol import (
+    DEAD_PAYLOAD_PREFIX_BYTES,
+    Chunk,
+    ProtocolError,
+    Result,
+    dead_letter_fields,
+    decode_chunk,
+    decode_result,
+    encode_chunk,
+    encode_result,
+)
+
+int64 = st.integers(min_value=-(2**63), max_value=2**64 - 1)
+texts = st.text(min_size=1).filter(lambda t: t.strip())
+ids = st.text(min_size=1, max_size=64)
+metas = st.none() | st.dictionaries(st.text(max_size=8), int64 | st.text(max_size=8), max_size=4)
+
+
+@given(chunk_id=ids, text=texts, job=st.none() | ids, meta=metas)
+def test_chunk_round_trip(chunk_id: str, text: str, job: str | None, meta: dict | None) -> None:
+    chunk = Chunk(id=chunk_id, text=text, job=job, meta=meta)
+    assert decode_chunk(encode_chunk(chunk)) == chunk
+
+
+@given(payload=st.binary(max_size=512))
+@settings(max_examples=500)
+def test_decoder_never_raises_anything_but_protocol_error(payload: bytes) -> None:
+    try:
+        chunk = decode_chunk(payload)
+    except ProtocolError as error:
+        assert str(error)  # a reason a person can read
+    else:
+        assert chunk.id and chunk.text.strip()
+
+
+@given(
+    value=st.recursive(
+        st.none() | st.booleans() | int64 | st.floats() | st.text() | st.binary(),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+        max_leaves=20,
+    )
+)
+def test_decoder_rejects_wrong_shapes_cleanly(value: object) -> None:
+    payload = msgpack.packb(value, use_bin_type=True)
+    with pytest.raises(ProtocolError):
+        decode_chunk(payload)
+
+
+def test_result_round_trip_is_little_endian_fp16() -> None:
+    vector = np.linspace(-1, 1, 384).astype(np.float16)
+    payload = encode_result(Result(id="a", job="j", model="m", vector=vector, truncated=True))
+    message = msgpack.unpackb(payload)
+    assert message["dim"] == 384 and len(message["vec"]) == 768
+    assert np.array_equal(np.frombuffer(message["vec"], dtype="<f2"), vector)
+    decoded = decode_result(payload)
+    assert decoded.truncated and decoded.job == "j" and np.array_equal(decoded.vector, vector)
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [
+        (b"\xc1garbage", "not msgpack"),
+        (msgpack.packb([1, 2, 3]), "expected a msgpack map"),
+        (msgpack.packb({"v": 2, "id": "a", "text": "x"}), "unknown protocol version"),
+        (msgpack.packb({"v": 1, "text": "x"}), "'id'"),
+        (msgpack.packb({"v": 1, "id": 7, "text": "x"}), "'id'"),
+        (msgpack.packb({"v": 1, "id": "a"}), "'text'"),
+        (msgpack.packb({"v": 1, "id": "a", "text": "   \n"}), "empty or whitespace"),
+        (msgpack.packb({"v": 1, "id": "a", "text": b"bytes"}), "'text' must be a string"),
+        (b"\x83\xa1v\x01\xa2id\xa1a\xa4text\xa2\xff\xfe", "invalid UTF-8"),
+        (b"\xdb\xff\xff\xff\xffabc", "not msgpack"),  # str32 claiming 4 GiB
+        (b"\xdd\xff\xff\xff\xff", "not msgpack"),  # array32 claiming 4 billion items
+        (msgpack.packb({"v": 1, "id": "a", "text": "x", "meta": [1]}), "'meta' must be a map"),
+        (msgpack.packb({"v": 1, "id": "a", "text": "x", "meta": {"k": "v" * 20000}}), "'meta' is"),
+    ],
+)
+def test_bad_payloads_get_readable_reasons(payload: bytes, reason: str) -> None:
+    with pytest.raises(ProtocolError, match=reason):
+        decode_chunk(payload)
+
+
+def test_size_limits() -> None:
+    big = encode_chunk(Chunk(id="a", text="x" * 5000))
+    with pytest.raises(ProtocolError, match="over the 1024-byte limit"):
+        decode_chunk(big, max_bytes=1024)
+    with pytest.raises(ProtocolError, match="over the 100 limit"):
+        decode_chunk(big, max_text_chars=100)
+
+
+def test_dead_letter_echoes_only_a_prefix() -> None:
+    fields = dead_letter_fields(reason="r", stream="s", entry_id="1-0", payload=b"x" * 100_000)
+    assert len(fields["payload_prefix"]) == DEAD_PAYLOAD_PREFIX_BYTES
+    assert fields["payload_bytes"] == "100000"
