@@ -28,7 +28,15 @@ class Delivery:
 
 
 class Sink(abc.ABC):
-    """The sink interface: write results and acknowledge their entries, durably, together."""
+    """The sink interface: write results and acknowledge their entries, durably, together.
+
+    The worker calls ``setup(dim)`` once after the model loads, ``write`` per micro-batch, and
+    ``close`` on shutdown. ``write`` raising means nothing was acknowledged: the worker retries
+    with backoff and dead-letters the batch after ``EMBEDFLEET_SINK_RETRIES`` tries.
+    """
+
+    async def setup(self, model: str, dim: int) -> None:  # noqa: B027 - optional hook
+        """Create the collection/table if missing, with the model's dimension."""
 
     @abc.abstractmethod
     async def write(self, results: Sequence[Result], deliveries: Sequence[Delivery]) -> None:
