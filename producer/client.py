@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import redis.asyncio as aioredis
 
 from shared.keys import Keys
@@ -34,6 +36,10 @@ class JobProgress:
 
 class JobTimeoutError(TimeoutError):
     """wait_for_job gave up; the job is still running and its entries are still queued."""
+
+
+class QueryTimeoutError(TimeoutError):
+    """No worker answered a query in time; the query was withdrawn and nothing is left behind."""
 
 
 def as_chunk(item: ChunkLike, job: str | None) -> Chunk:
@@ -106,7 +112,27 @@ class Producer:
             total += await self._send(batch, on_batch)
         return total
 
+    async def _wait_for_room(self) -> None:
+        """Backpressure: hold enqueueing while the backlog is over the high-water mark."""
+        mark = self.settings.backlog_high_water
+        waited_since: float | None = None
+        while (backlog := await self.client.xlen(self.keys.ingest)) >= mark:
+            if waited_since is None:
+                waited_since = time.monotonic()
+                log.warning(
+                    "backlog over the high-water mark: waiting for workers",
+                    backlog=backlog,
+                    high_water=mark,
+                    setting="EMBEDFLEET_BACKLOG_HIGH_WATER",
+                )
+            await asyncio.sleep(0.5)
+        if waited_since is not None:
+            log.info(
+                "backlog below the mark again", waited_s=round(time.monotonic() - waited_since, 1)
+            )
+
     async def _send(self, batch: list[Chunk], on_batch: Callable[[int], None] | None) -> int:
+        await self._wait_for_room()
         pipe = self.client.pipeline(transaction=False)
         jobs: dict[str, int] = {}
         for chunk in batch:
@@ -121,6 +147,62 @@ class Producer:
             on_batch(len(batch))
         return len(batch)
 
+    # --- priority queries -------------------------------------------------------------
+    async def embed_query(self, text: str, *, timeout: float = 10.0) -> np.ndarray:
+        """Embed one query through the priority lane; float32 vector of the model's dimension."""
+        return (await self.embed_queries([text], timeout=timeout))[0]
+
+    async def embed_queries(self, texts: Sequence[str], *, timeout: float = 10.0) -> np.ndarray:
+        """Embed a few queries now, ahead of any bulk backlog; shape (len(texts), dim).
+
+        The worker pushes each answer onto a reply list this call blocks on (BLPOP: no
+        polling). On timeout the queries are withdrawn from the stream and the reply key is
+        deleted, so nothing is left behind; a late answer would expire with the key's TTL.
+        """
+        if not texts:
+            raise ValueError("embed_queries needs at least one text")
+        if any(not isinstance(t, str) or not t.strip() for t in texts):
+            raise ValueError("every query must be a non-empty string")
+        await self.setup()
+        request = uuid.uuid4().hex
+        reply_key = self.keys.reply(request)
+        deadline_ms = int((time.time() + timeout) * 1000)
+        pipe = self.client.pipeline(transaction=False)
+        for index, text in enumerate(texts):
+            chunk = Chunk(
+                id=f"{request}:{index}", text=text, reply=request, deadline_ms=deadline_ms
+            )
+            pipe.xadd(self.keys.query, {PAYLOAD_FIELD: encode_chunk(chunk)})
+        entry_ids = await pipe.execute()
+        vectors: dict[int, np.ndarray] = {}
+        give_up_at = time.monotonic() + timeout
+        try:
+            while len(vectors) < len(texts):
+                remaining = give_up_at - time.monotonic()
+                if remaining <= 0:
+                    break
+                popped = await self.client.blpop([reply_key], timeout=remaining)
+                if popped is None:
+                    break
+                result = decode_result(popped[1])  # raises QueryFailedError for a bad query
+                vectors[int(result.id.rsplit(":", 1)[1])] = result.vector.astype(np.float32)
+        finally:
+            if len(vectors) < len(texts):
+                await self._withdraw(entry_ids, reply_key)
+        if len(vectors) < len(texts):
+            raise QueryTimeoutError(
+                f"no answer within {timeout}s for {len(texts) - len(vectors)} of {len(texts)} "
+                f"queries. Are workers running? Check: redis-cli XINFO GROUPS {self.keys.query}"
+            )
+        return np.stack([vectors[i] for i in range(len(texts))])
+
+    async def _withdraw(self, entry_ids: list[bytes], reply_key: str) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xdel(self.keys.query, *entry_ids)
+        pipe.delete(reply_key)
+        await pipe.execute()
+
+    # --- jobs ---------------------------------------------------------------------------
     async def progress(self, job: str) -> JobProgress:
         counters = await self.client.hgetall(self.keys.job(job))
         values = {key.decode(): int(value) for key, value in counters.items()}

@@ -7,7 +7,8 @@ pickled, and unpacking is bounded so a hostile payload cannot make a worker allo
 chunk (ingest stream, query stream)::
 
     {"v": 1, "id": str, "text": str, "job": str | nil, "meta": map | nil}
-    query entries also carry "reply": str (the reply key suffix the caller waits on)
+    query entries also carry "reply": str (suffix of the reply key the caller waits on) and
+    "deadline": int (unix ms after which the caller has gone and the query is skipped)
 
 result (results stream)::
 
@@ -45,6 +46,7 @@ class Chunk:
     job: str | None = None
     meta: dict[str, Any] | None = None
     reply: str | None = None
+    deadline_ms: int | None = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,8 @@ def encode_chunk(chunk: Chunk) -> bytes:
         message["meta"] = chunk.meta
     if chunk.reply is not None:
         message["reply"] = chunk.reply
+    if chunk.deadline_ms is not None:
+        message["deadline"] = chunk.deadline_ms
     return msgpack.packb(message, use_bin_type=True)
 
 
@@ -143,7 +147,10 @@ def decode_chunk(
     reply = message.get("reply")
     if reply is not None and (not isinstance(reply, str) or not reply):
         raise ProtocolError("'reply' must be a non-empty string when given")
-    return Chunk(id=chunk_id, text=text, job=job, meta=meta, reply=reply)
+    deadline = message.get("deadline")
+    if deadline is not None and (not isinstance(deadline, int) or isinstance(deadline, bool)):
+        raise ProtocolError("'deadline' must be an integer (unix milliseconds) when given")
+    return Chunk(id=chunk_id, text=text, job=job, meta=meta, reply=reply, deadline_ms=deadline)
 
 
 def encode_result(result: Result) -> bytes:
@@ -162,10 +169,22 @@ def encode_result(result: Result) -> bytes:
     return msgpack.packb(message, use_bin_type=True)
 
 
+class QueryFailedError(RuntimeError):
+    """The worker could not embed a query (the reason comes from the worker)."""
+
+
+def encode_query_error(chunk_id: str, reason: str) -> bytes:
+    """What a worker pushes to a reply key instead of a result when a query cannot be embedded."""
+    return msgpack.packb({"v": PROTOCOL_VERSION, "id": chunk_id, "error": reason})
+
+
 def decode_result(payload: bytes) -> Result:
+    """Parse a result; a query error reply raises QueryFailedError with the worker's reason."""
     message = _unpack_bounded(payload, max(len(payload), 1))
     if not isinstance(message, dict) or message.get("v") != PROTOCOL_VERSION:
         raise ProtocolError("not a v1 result")
+    if "error" in message:
+        raise QueryFailedError(f"query {message.get('id')!r}: {message['error']}")
     vector = np.frombuffer(message["vec"], dtype="<f2")
     if vector.shape[0] != message["dim"]:
         raise ProtocolError(f"vector has {vector.shape[0]} values, 'dim' says {message['dim']}")

@@ -82,6 +82,41 @@ class Settings(BaseSettings):
     )
     max_batch: int = Field(default=128, ge=1, description="Most texts in one micro-batch.")
 
+    # --- priority lane ------------------------------------------------------------------
+    slice_ms: float = Field(
+        default=-1,
+        description="Longest stretch of bulk compute a query may wait behind (one transformer "
+        "layer of one batch; batches are sized to fit). -1 = auto (100 on CPU, 20 on CUDA), "
+        "0 = no limit (bulk-only workers).",
+    )
+    query_only: bool = Field(
+        default=False, description="Serve only the query stream (dedicated query replicas)."
+    )
+    reply_ttl_s: int = Field(
+        default=60, ge=1, description="Reply keys expire after this long if the caller has gone."
+    )
+
+    # --- reliability ----------------------------------------------------------------------
+    reclaim_idle_ms: int = Field(
+        default=60_000,
+        ge=100,
+        description="Entries pending this long on another consumer are claimed (XAUTOCLAIM). "
+        "Keep it above the worst batch time; live workers renew their own entries.",
+    )
+    max_deliveries: int = Field(
+        default=5, ge=1, description="An entry delivered this many times is dead-lettered."
+    )
+    sink_retries: int = Field(
+        default=5,
+        ge=1,
+        description="Tries of a failing sink write before the batch is dead-lettered.",
+    )
+    backlog_high_water: int = Field(
+        default=1_000_000,
+        ge=1,
+        description="Producers wait while the ingest stream holds more entries than this.",
+    )
+
     # --- limits on input ------------------------------------------------------------------
     max_message_bytes: int = Field(
         default=4 * 1024 * 1024,
@@ -113,6 +148,21 @@ class Settings(BaseSettings):
         default="auto", description="`auto`: console on a TTY, JSON otherwise."
     )
     log_level: str = Field(default="info", description="debug, info, warning or error.")
+
+    # --- vector sink -----------------------------------------------------------------------
+    sink: str = Field(
+        default="redis",
+        description="Where workers write vectors, read by `embedfleet search`: `redis` (the "
+        "results stream), `lancedb:///path/to/dir`, `postgresql://user:password@host/db` "
+        "(pgvector), `qdrant://host:6333` or `https://:API_KEY@host:6333` (Qdrant server), "
+        "`qdrant+local:///path/to/dir` (Qdrant local mode, one process). `embedfleet demo` "
+        "defaults to LanceDB in its --out-dir.",
+    )
+    sink_table: str = Field(
+        default="embeddings",
+        description="Table (LanceDB, PostgreSQL) or collection (Qdrant) the sink upserts into; "
+        "created with the model's dimension when missing.",
+    )
 
     @field_validator("namespace", "group")
     @classmethod

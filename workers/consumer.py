@@ -50,6 +50,10 @@ class StreamConsumer:
             return bulk
         return await self._read({self.keys.query: ">", self.keys.ingest: ">"}, count, block_ms)
 
+    async def read_stream(self, stream: str, count: int, block_ms: int | None) -> list[StreamEntry]:
+        """New entries of one stream; blocks up to ``block_ms`` when there are none."""
+        return await self._read({stream: ">"}, count, block_ms)
+
     async def _read(
         self, streams: dict[str, str], count: int, block_ms: int | None
     ) -> list[StreamEntry]:
@@ -59,15 +63,15 @@ class StreamConsumer:
         entries: list[StreamEntry] = []
         # Query stream first when a blocking read returns both.
         for stream_name, stream_entries in sorted(
-            response or [], key=lambda item: _as_str(item[0]) != self.keys.query
+            response or [], key=lambda item: as_str(item[0]) != self.keys.query
         ):
-            stream = _as_str(stream_name)
+            stream = as_str(stream_name)
             for entry_id, fields in stream_entries:
                 fields = fields or {}
                 entries.append(
                     StreamEntry(
                         stream=stream,
-                        entry_id=_as_str(entry_id),
+                        entry_id=as_str(entry_id),
                         payload=fields.get(PAYLOAD_FIELD),
                         fields=fields,
                     )
@@ -75,5 +79,5 @@ class StreamConsumer:
         return entries
 
 
-def _as_str(value: bytes | str) -> str:
+def as_str(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value

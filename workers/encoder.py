@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -20,6 +21,7 @@ from transformers import AutoModel, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from shared.settings import PACKAGED_MODEL
+from workers.precision import ParityReport, Precision, requested_precision, settle_auto
 
 PoolingMode = Literal["mean", "cls", "lasttoken", "max"]
 # A text this many characters per allowed token long certainly has more tokens than the model
@@ -148,29 +150,9 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "float32":
-        return torch.float32
-    if dtype == "bfloat16":
-        return torch.bfloat16
-    if dtype == "float16":
-        return torch.float16
-    # auto: reduced precision where the hardware runs it natively
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if "avx512_bf16" in _cpu_flags() or "amx_bf16" in _cpu_flags():
-        return torch.bfloat16
-    return torch.float32
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    """The dtype asked for; for ``auto``, the reduced precision the device runs natively (the
+    parity probe at load may still fall back to float32: see workers/precision.py)."""
+    return requested_precision(dtype, device).dtype
 
 
 class Encoder:
@@ -187,7 +169,9 @@ class Encoder:
         self.model_dir = resolve_model_path(model)
         self.name = model if model == PACKAGED_MODEL else self.model_dir.name
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        # `auto` loads fp32 and settles on a precision after the parity probe, below.
+        self.precision: Precision = requested_precision(dtype, self.device)
+        self.parity: ParityReport | None = None
         if self.device.type == "cpu":
             torch.set_num_threads(threads or os.cpu_count() or 1)
         self.pooling = read_pooling_config(self.model_dir)
@@ -195,7 +179,8 @@ class Encoder:
         if not self._tokenizer.is_fast:
             raise ModelNotFoundError(f"{self.model_dir} has no fast tokenizer (tokenizer.json)")
         transformers_logging.disable_progress_bar()  # a local load needs no progress bar
-        self._model = AutoModel.from_pretrained(self.model_dir, dtype=self.dtype)
+        load_dtype = torch.float32 if dtype == "auto" else self.precision.weights_dtype
+        self._model = AutoModel.from_pretrained(self.model_dir, dtype=load_dtype)
         self._model.to(self.device).eval()
         position_limit = getattr(self._model.config, "max_position_embeddings", 512)
         self.max_length = read_max_length(
@@ -208,6 +193,40 @@ class Encoder:
         # One token over the limit tells us a text was cut; see tokenize().
         self._backend.enable_truncation(self.max_length + 1)
         self._ends_with_special = self._last_token_is_special()
+        if dtype == "auto":
+            self.precision, self.parity = settle_auto(
+                self._model, self.precision, self.embed_texts, self._set_precision
+            )
+        self.dtype = self.precision.dtype
+        self._layer_hooks: list[torch.utils.hooks.RemovableHandle] = []
+
+    # --- slice boundaries ----------------------------------------------------------
+    def set_layer_callback(self, callback: Callable[[], None] | None) -> int:
+        """Call ``callback`` on the model thread before every transformer layer.
+
+        This is where a long bulk forward pass yields to priority queries: the callback may run
+        a whole (short) forward pass of its own, re-entrantly, then the bulk pass goes on.
+        Returns the number of layers hooked (0 if the architecture has no layer list).
+        """
+        for handle in self._layer_hooks:
+            handle.remove()
+        self._layer_hooks = []
+        if callback is None:
+            return 0
+        layers = _transformer_layers(self._model)
+
+        def before_layer(_module: torch.nn.Module, _args: object) -> None:
+            callback()
+
+        self._layer_hooks = [layer.register_forward_pre_hook(before_layer) for layer in layers]
+        return len(layers)
+
+    @property
+    def layer_count(self) -> int:
+        return len(_transformer_layers(self._model))
+
+    def _set_precision(self, precision: Precision) -> None:
+        self.precision = precision
 
     def _last_token_is_special(self) -> bool:
         encoding = self._backend.encode("a")
@@ -256,7 +275,9 @@ class Encoder:
         """Vectors for one batch: float32, shape (batch, dim), normalised if the model says so."""
         input_ids = batch.input_ids.to(self.device, non_blocking=True)
         attention_mask = batch.attention_mask.to(self.device, non_blocking=True)
-        hidden = self._model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        with self.precision.context(self.device):
+            output = self._model(input_ids=input_ids, attention_mask=attention_mask)
+        hidden = output.last_hidden_state
         pooled = pool(hidden.float(), attention_mask, self.pooling.mode)
         if self.pooling.normalize:
             pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
@@ -265,6 +286,13 @@ class Encoder:
     def embed_texts(self, texts: list[str]) -> np.ndarray:
         """Convenience for tests and the CLI: tokenize, one batch, embed."""
         return self.embed(self.collate(self.tokenize(texts)))
+
+
+def _transformer_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The stack of transformer layers: the longest ModuleList in the model (BERT's
+    ``encoder.layer``, and the equivalent in other encoder architectures)."""
+    candidates = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    return list(max(candidates, key=len)) if candidates else []
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: PoolingMode) -> torch.Tensor:

@@ -5,13 +5,17 @@ from __future__ import annotations
 import asyncio
 import signal
 
+import redis.asyncio as aioredis
 import uvloop
+from prometheus_client import disable_created_metrics
 
 from shared.logging import configure_logging, get_logger
 from shared.redis_conn import connect
 from shared.settings import Settings
 from workers.encoder import Encoder
-from workers.sinks import RedisStreamSink
+from workers.health import HealthServer
+from workers.metrics import StreamGauges, WorkerMetrics
+from workers.sinks import build_sink
 from workers.worker import Worker
 
 log = get_logger("embedfleet.worker")
@@ -25,9 +29,52 @@ def load_encoder(settings: Settings) -> Encoder:
 
 async def serve(settings: Settings, encoder: Encoder | None = None) -> None:
     """Run until SIGTERM/SIGINT: the first drains in-flight work, a second aborts at once."""
-    encoder = encoder or await asyncio.to_thread(load_encoder, settings)
     client = connect(settings.effective_redis_url)
-    worker = Worker(settings, encoder, client, RedisStreamSink(client, settings.keys))
+    metrics = WorkerMetrics()
+    # Up before the model loads: /healthz answers during a long load (the startup probe) and
+    # /readyz says "loading" until the model is in memory.
+    health = await start_health_server(settings, client, metrics)
+    try:
+        await _serve(settings, encoder, client, metrics, health)
+    finally:
+        if health is not None:
+            await health.stop()
+        await client.aclose()
+
+
+async def start_health_server(
+    settings: Settings, client: aioredis.Redis, metrics: WorkerMetrics
+) -> HealthServer | None:
+    """The /healthz, /readyz and /metrics server on EMBEDFLEET_HEALTH_PORT; None when it is 0."""
+    if not settings.health_port:
+        return None
+    gauges = StreamGauges(metrics, client, settings.keys)
+    health = HealthServer(settings.health_port, client, metrics, gauges)
+    await health.start()
+    return health
+
+
+async def _serve(
+    settings: Settings,
+    encoder: Encoder | None,
+    client: aioredis.Redis,
+    metrics: WorkerMetrics,
+    health: HealthServer | None,
+) -> None:
+    encoder = encoder or await asyncio.to_thread(load_encoder, settings)
+    metrics.describe_worker(
+        consumer=settings.consumer,
+        model=encoder.name,
+        device=str(encoder.device),
+        dtype=str(encoder.dtype).removeprefix("torch."),
+    )
+    sink = build_sink(settings, client)
+    # the table/collection exists, with the model's dimension, before the first write
+    await sink.setup(encoder.name, encoder.dim)
+    worker = Worker(settings, encoder, client, sink, metrics)
+    if health is not None:
+        # The readiness probe's forward pass queues on the worker's one model thread.
+        health.model_loaded(encoder, worker._model_thread)
     run_task = asyncio.ensure_future(worker.run())
     signals_seen = 0
 
@@ -41,6 +88,8 @@ async def serve(settings: Settings, encoder: Encoder | None = None) -> None:
                 timeout_s=settings.drain_timeout_s,
             )
             worker.drain()
+            if health is not None:
+                health.draining()
             asyncio.get_running_loop().call_later(settings.drain_timeout_s, run_task.cancel)
         else:
             log.warning("second signal: exiting now; pending entries will be reclaimed")
@@ -57,9 +106,11 @@ async def serve(settings: Settings, encoder: Encoder | None = None) -> None:
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
-        await client.aclose()
+        await sink.close()
 
 
 def run_worker(settings: Settings) -> None:
     configure_logging(settings.log_level, settings.log_format)
+    # The *_created series double the count of series and no dashboard here reads them.
+    disable_created_metrics()
     uvloop.run(serve(settings))

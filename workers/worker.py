@@ -1,14 +1,18 @@
 """The worker loop: read → decode → tokenize → sort and batch → encode → write + ack.
 
-Three tasks joined by bounded queues (Infinity's shape), so Redis I/O, tokenization and the
-forward pass overlap while memory stays bounded:
+Three bulk tasks joined by bounded queues (Infinity's shape), so Redis I/O, tokenization and
+the forward pass overlap while memory stays bounded:
 
-    reader   XREADGROUP, decode, dead-letter bad input, tokenize on a thread  → windows
-    compute  plan batches by token budget, forward pass on the model thread   → encoded
+    reader   XREADGROUP (and reclaimed entries), decode, dead-letter bad input,
+             tokenize on a thread                                               → windows
+    compute  sort by length, batches by token budget, forward pass on the model
+             thread; queries get in between transformer layers                  → encoded
     writer   fp16 results to the sink, XACK in the same round trip
 
-Shutdown (arq's two modes): ``drain`` stops reading and lets in-flight work finish and be
-acknowledged; ``abort`` cancels at once and leaves entries pending for other workers to claim.
+Beside them: the query lane (workers/queries.py) and the reclaimer (workers/reclaim.py).
+
+Shutdown (arq's two modes): ``drain()`` stops reading and lets in-flight work finish and be
+acknowledged; cancelling ``run()`` aborts at once and leaves entries pending for others.
 """
 
 from __future__ import annotations
@@ -23,15 +27,22 @@ import redis.asyncio as aioredis
 
 from shared.keys import Keys
 from shared.logging import get_logger
-from shared.protocol import Chunk, ProtocolError, Result, dead_letter_fields, decode_chunk
+from shared.protocol import Chunk, Result
 from shared.settings import Settings
-from workers.batcher import plan_batches
+from workers.backoff import REDIS_FAULTS, Backoff
+from workers.batcher import PlannedBatch, plan_batches
 from workers.consumer import StreamConsumer, StreamEntry
+from workers.deadletter import DeadLetters, Rejected
+from workers.decode import decode_entries
 from workers.encoder import Encoder, Tokenized
-from workers.sinks import Delivery, Sink, queue_acknowledgements
+from workers.events import WorkerEvents
+from workers.queries import QueryLane
+from workers.reclaim import InFlight, Reclaimer
+from workers.sinks import Delivery, Sink
 
 log = get_logger("embedfleet.worker")
 _END = None  # queue sentinel: the stage before has finished
+SLICE_MS_AUTO = {"cpu": 100.0, "cuda": 20.0}
 
 
 @dataclass
@@ -73,6 +84,42 @@ class WorkerStats:
         return 0.0 if elapsed <= 0 else min(1.0, self.model_seconds / elapsed)
 
 
+class _StatsEvents(WorkerEvents):
+    """Keeps WorkerStats current and forwards every event to the user's listener."""
+
+    def __init__(self, stats: WorkerStats, listener: WorkerEvents) -> None:
+        self.stats, self.listener = stats, listener
+
+    def batch_encoded(
+        self, *, texts: int, real_tokens: int, padded_tokens: int, seconds: float
+    ) -> None:
+        self.stats.batches += 1
+        self.stats.real_tokens += real_tokens
+        self.stats.padded_tokens += padded_tokens
+        self.stats.model_seconds += seconds
+        self.listener.batch_encoded(
+            texts=texts, real_tokens=real_tokens, padded_tokens=padded_tokens, seconds=seconds
+        )
+        self.listener.model_busy(fraction=self.stats.model_busy_fraction)
+
+    def results_written(self, *, texts: int, seconds: float) -> None:
+        self.stats.texts += texts
+        self.listener.results_written(texts=texts, seconds=seconds)
+
+    def dead_lettered(self, *, count: int, reason: str) -> None:
+        self.stats.dead_letters += count
+        self.listener.dead_lettered(count=count, reason=reason)
+
+    def query_answered(self, *, latency_seconds: float) -> None:
+        self.listener.query_answered(latency_seconds=latency_seconds)
+
+    def reclaimed(self, *, count: int) -> None:
+        self.listener.reclaimed(count=count)
+
+    def sink_error(self, *, error: BaseException) -> None:
+        self.listener.sink_error(error=error)
+
+
 class Worker:
     def __init__(
         self,
@@ -80,163 +127,229 @@ class Worker:
         encoder: Encoder,
         client: aioredis.Redis,
         sink: Sink,
+        events: WorkerEvents | None = None,
     ) -> None:
         self.settings = settings
         self.keys: Keys = settings.keys
         self.encoder = encoder
         self.client = client
         self.sink = sink
-        self.consumer = StreamConsumer(client, self.keys, settings.consumer)
+        self.listener = events or WorkerEvents()
         self.stats = WorkerStats()
+        self.events: WorkerEvents = _StatsEvents(self.stats, self.listener)
+        self.consumer = StreamConsumer(client, self.keys, settings.consumer)
+        self.in_flight = InFlight()
+        self.dead_letters = DeadLetters(client, self.keys, self.events, settings.reply_ttl_s)
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self.queries = QueryLane(
+            settings, encoder, client, self._model_thread, self.dead_letters, self.events
+        )
+        self.reclaimer = Reclaimer(settings, client, self.in_flight, self.dead_letters, self.events)
+        self._reclaimed: asyncio.Queue[list[StreamEntry]] = asyncio.Queue()
         self._stopping = asyncio.Event()
+        self._seconds_per_token: float | None = None  # measured, sizes batches to the slice
 
     def drain(self) -> None:
         """Stop reading; what was read is finished and acknowledged, then run() returns."""
         self._stopping.set()
 
+    @property
+    def slice_seconds(self) -> float:
+        configured = self.settings.slice_ms
+        if configured < 0:
+            configured = SLICE_MS_AUTO.get(self.encoder.device.type, 100.0)
+        return configured / 1000
+
     async def run(self) -> None:
         await self.consumer.setup()
+        self.stats.started_at = time.perf_counter()
         windows: asyncio.Queue[Window | None] = asyncio.Queue(maxsize=1)
         encoded: asyncio.Queue[Encoded | None] = asyncio.Queue(maxsize=4)
+        streams = (
+            [self.keys.query] if self.settings.query_only else [self.keys.ingest, self.keys.query]
+        )
         log.info(
             "worker started",
             consumer=self.settings.consumer,
             model=self.encoder.name,
             device=str(self.encoder.device),
+            query_only=self.settings.query_only,
             dtype=str(self.encoder.dtype).removeprefix("torch."),
+            slice_ms=round(self.slice_seconds * 1000),
         )
-        self.stats = WorkerStats()
-        try:
-            await asyncio.gather(
+        tasks = [
+            self.queries.run(self._stopping),
+            self.reclaimer.run(self._stopping, self._deliver_reclaimed, streams),
+        ]
+        if not self.settings.query_only:
+            tasks += [
                 self._read_loop(windows),
                 self._compute_loop(windows, encoded),
                 self._write_loop(encoded),
-            )
+            ]
+        try:
+            await asyncio.gather(*tasks)
         finally:
             self._model_thread.shutdown(wait=False, cancel_futures=True)
             self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
         log.info("worker stopped", texts=self.stats.texts, dead_letters=self.stats.dead_letters)
 
+    async def _deliver_reclaimed(self, stream: str, entries: list[StreamEntry]) -> None:
+        if stream == self.keys.query:
+            await self.queries.accept(entries)
+        else:
+            await self._reclaimed.put(entries)
+
     # --- reader -----------------------------------------------------------------------
     async def _read_loop(self, windows: asyncio.Queue[Window | None]) -> None:
-        loop = asyncio.get_running_loop()
+        backoff = Backoff(log)
         try:
             while not self._stopping.is_set():
-                entries = await self.consumer.read(self.settings.read_count, self.settings.block_ms)
-                if not entries:
-                    continue
-                chunks, deliveries = await self._decode(entries)
-                if not chunks:
-                    continue
-                texts = [chunk.text for chunk in chunks]
-                tokens = await loop.run_in_executor(
-                    self._tokenizer_thread, self.encoder.tokenize, texts
-                )
-                chunks, deliveries, tokens = await self._reject_overlong(chunks, deliveries, tokens)
-                if chunks:
-                    await windows.put(Window(chunks, deliveries, tokens))
+                try:
+                    entries = await self._next_entries()
+                    if entries:
+                        await self._intake(entries, windows)
+                    backoff.reset()
+                except REDIS_FAULTS as error:
+                    await backoff.wait("ingest stream", error)
         finally:
             await windows.put(_END)
 
-    async def _decode(self, entries: list[StreamEntry]) -> tuple[list[Chunk], list[Delivery]]:
-        """Valid chunks go on; anything else is dead-lettered with a reason, never dropped."""
-        chunks: list[Chunk] = []
-        deliveries: list[Delivery] = []
-        rejected: list[tuple[StreamEntry, str, Chunk | None]] = []
-        for entry in entries:
-            if entry.payload is None:
-                rejected.append(
-                    (entry, "entry has no 'm' field (expected msgpack in field m)", None)
-                )
-                continue
-            try:
-                chunk = decode_chunk(
-                    entry.payload,
-                    max_bytes=self.settings.max_message_bytes,
-                    max_text_chars=self.settings.max_text_chars,
-                    max_meta_bytes=self.settings.max_meta_bytes,
-                )
-            except ProtocolError as error:
-                rejected.append((entry, str(error), None))
-                continue
-            chunks.append(chunk)
-            deliveries.append(Delivery(entry.stream, entry.entry_id, chunk.job))
-        if rejected:
-            await self._dead_letter(rejected)
-        return chunks, deliveries
+    async def _next_entries(self) -> list[StreamEntry]:
+        if not self._reclaimed.empty():
+            return self._reclaimed.get_nowait()
+        return await self.consumer.read_stream(
+            self.keys.ingest, self.settings.read_count, self.settings.block_ms
+        )
 
-    async def _reject_overlong(
-        self, chunks: list[Chunk], deliveries: list[Delivery], tokens: list[Tokenized]
-    ) -> tuple[list[Chunk], list[Delivery], list[Tokenized]]:
-        if self.settings.truncate or not any(t.truncated for t in tokens):
-            return chunks, deliveries, tokens
-        keep = [i for i, t in enumerate(tokens) if not t.truncated]
+    async def _intake(
+        self, entries: list[StreamEntry], windows: asyncio.Queue[Window | None]
+    ) -> None:
+        accepted, rejected = decode_entries(entries, self.settings)
+        await self.dead_letters.send(rejected)
+        if not accepted:
+            return
+        self.in_flight.add(self.keys.ingest, [a.delivery.entry_id for a in accepted])
+        loop = asyncio.get_running_loop()
+        tokens = await loop.run_in_executor(
+            self._tokenizer_thread, self.encoder.tokenize, [a.chunk.text for a in accepted]
+        )
+        window = Window([a.chunk for a in accepted], [a.delivery for a in accepted], tokens)
+        window = await self._reject_overlong(window)
+        if window.chunks:
+            await windows.put(window)
+
+    async def _reject_overlong(self, window: Window) -> Window:
+        if self.settings.truncate or not any(t.truncated for t in window.tokens):
+            return window
         reason = (
             f"text is longer than the model's {self.encoder.max_length} tokens "
             "(EMBEDFLEET_TRUNCATE=false)"
         )
-        rejected = [
-            (StreamEntry(d.stream, d.entry_id, None, {}), reason, c)
-            for c, d, t in zip(chunks, deliveries, tokens, strict=True)
-            if t.truncated
-        ]
-        await self._dead_letter(rejected)
-        return [chunks[i] for i in keep], [deliveries[i] for i in keep], [tokens[i] for i in keep]
+        await self._dead_letter(
+            [
+                Rejected(d.stream, d.entry_id, reason, chunk_id=c.id, job=c.job)
+                for c, d, t in zip(window.chunks, window.deliveries, window.tokens, strict=True)
+                if t.truncated
+            ]
+        )
+        keep = [i for i, t in enumerate(window.tokens) if not t.truncated]
+        return Window(
+            [window.chunks[i] for i in keep],
+            [window.deliveries[i] for i in keep],
+            [window.tokens[i] for i in keep],
+        )
 
-    async def _dead_letter(self, rejected: list[tuple[StreamEntry, str, Chunk | None]]) -> None:
-        pipe = self.client.pipeline(transaction=True)
-        deliveries = []
-        for entry, reason, chunk in rejected:
-            fields = dead_letter_fields(
-                reason=reason,
-                stream=entry.stream,
-                entry_id=entry.entry_id,
-                payload=entry.payload,
-                chunk_id=chunk.id if chunk else None,
-                job=chunk.job if chunk else None,
-            )
-            pipe.xadd(self.keys.dead, fields)
-            deliveries.append(Delivery(entry.stream, entry.entry_id, chunk.job if chunk else None))
-            log.warning(
-                "dead-lettered", entry_id=entry.entry_id, stream=entry.stream, reason=reason
-            )
-        queue_acknowledgements(pipe, self.keys, deliveries, counter="dead")
-        await pipe.execute()
-        self.stats.dead_letters += len(rejected)
+    async def _dead_letter(self, rejected: list[Rejected]) -> None:
+        await self.dead_letters.send(rejected)
+        for item in rejected:
+            self.in_flight.remove(item.stream, [item.entry_id])
 
     # --- compute ----------------------------------------------------------------------
+    def _token_cap(self) -> int:
+        """Token budget, shrunk so one transformer layer of a batch fits in the slice target:
+        a query then waits at most one slice. Sized from the throughput measured so far."""
+        target = self.slice_seconds
+        if target <= 0 or self._seconds_per_token is None:
+            return self.settings.token_budget
+        per_layer = self._seconds_per_token / max(1, self.encoder.layer_count)
+        return max(64, min(self.settings.token_budget, int(target / per_layer)))
+
     async def _compute_loop(
         self, windows: asyncio.Queue[Window | None], encoded: asyncio.Queue[Encoded | None]
     ) -> None:
-        loop = asyncio.get_running_loop()
         try:
             while (window := await windows.get()) is not _END:
                 lengths = [t.length for t in window.tokens]
-                for planned in plan_batches(
-                    lengths, self.settings.token_budget, self.settings.max_batch
-                ):
-                    tokens = [window.tokens[p] for p in planned.positions]
-                    batch = self.encoder.collate(tokens)
-                    started = time.perf_counter()
-                    vectors = await loop.run_in_executor(
-                        self._model_thread, self.encoder.embed, batch
-                    )
-                    self.stats.model_seconds += time.perf_counter() - started
-                    self.stats.batches += 1
-                    self.stats.real_tokens += planned.real_tokens
-                    self.stats.padded_tokens += planned.padded_tokens
-                    await encoded.put(
-                        Encoded(
-                            chunks=[window.chunks[p] for p in planned.positions],
-                            deliveries=[window.deliveries[p] for p in planned.positions],
-                            tokens=tokens,
-                            vectors=vectors,
-                        )
-                    )
+                for planned in plan_batches(lengths, self._token_cap(), self.settings.max_batch):
+                    await self._encode(window, planned, encoded)
         finally:
             await encoded.put(_END)
+
+    async def _encode(
+        self, window: Window, planned: PlannedBatch, encoded: asyncio.Queue[Encoded | None]
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        tokens = [window.tokens[p] for p in planned.positions]
+        started = time.perf_counter()
+        try:
+            vectors = await loop.run_in_executor(
+                self._model_thread, self.encoder.embed, self.encoder.collate(tokens)
+            )
+        except Exception as error:
+            await self._on_model_error(window, planned, encoded, error)
+            return
+        seconds = time.perf_counter() - started
+        self._learn_speed(seconds, planned.padded_tokens)
+        self.events.batch_encoded(
+            texts=len(tokens),
+            real_tokens=planned.real_tokens,
+            padded_tokens=planned.padded_tokens,
+            seconds=seconds,
+        )
+        await encoded.put(
+            Encoded(
+                chunks=[window.chunks[p] for p in planned.positions],
+                deliveries=[window.deliveries[p] for p in planned.positions],
+                tokens=tokens,
+                vectors=vectors,
+            )
+        )
+
+    async def _on_model_error(
+        self,
+        window: Window,
+        planned: PlannedBatch,
+        encoded: asyncio.Queue[Encoded | None],
+        error: Exception,
+    ) -> None:
+        """Halve the batch until the text that fails is alone (out-of-memory shrinks too)."""
+        positions = planned.positions
+        if len(positions) == 1:
+            chunk, delivery = window.chunks[positions[0]], window.deliveries[positions[0]]
+            await self._dead_letter(
+                [
+                    Rejected(
+                        delivery.stream,
+                        delivery.entry_id,
+                        f"model error: {type(error).__name__}: {error}",
+                        chunk_id=chunk.id,
+                        job=chunk.job,
+                    )
+                ]
+            )
+            return
+        log.warning("model error, splitting the batch", texts=len(positions), error=str(error))
+        for half in (positions[: len(positions) // 2], positions[len(positions) // 2 :]):
+            lengths = [window.tokens[p].length for p in half]
+            sub = PlannedBatch(positions=half, longest=max(lengths), real_tokens=sum(lengths))
+            await self._encode(window, sub, encoded)
+
+    def _learn_speed(self, seconds: float, padded_tokens: int) -> None:
+        sample = seconds / max(1, padded_tokens)
+        previous = self._seconds_per_token
+        self._seconds_per_token = sample if previous is None else 0.8 * previous + 0.2 * sample
 
     # --- writer -----------------------------------------------------------------------
     async def _write_loop(self, encoded: asyncio.Queue[Encoded | None]) -> None:
@@ -253,5 +366,41 @@ class Worker:
                 )
                 for row, chunk in enumerate(item.chunks)
             ]
-            await self.sink.write(results, item.deliveries)
-            self.stats.texts += len(results)
+            started = time.perf_counter()
+            if await self._write_with_retries(results, item.deliveries):
+                self.events.results_written(
+                    texts=len(results), seconds=time.perf_counter() - started
+                )
+            by_stream: dict[str, list[str]] = {}
+            for delivery in item.deliveries:
+                by_stream.setdefault(delivery.stream, []).append(delivery.entry_id)
+            for stream, entry_ids in by_stream.items():
+                self.in_flight.remove(stream, entry_ids)
+
+    async def _write_with_retries(self, results: list[Result], deliveries: list[Delivery]) -> bool:
+        """Write, retrying: Redis faults forever (nothing is lost by waiting), sink errors
+        ``sink_retries`` times with backoff, then the batch is dead-lettered with the error."""
+        backoff = Backoff(log, base=0.5, cap=10.0)
+        failures = 0
+        last_error: Exception | None = None
+        while True:
+            try:
+                await self.sink.write(results, deliveries)
+                return True
+            except REDIS_FAULTS as error:
+                await backoff.wait("write results", error)
+            except Exception as error:
+                failures += 1
+                last_error = error
+                self.events.sink_error(error=error)
+                if failures >= self.settings.sink_retries:
+                    break
+                await backoff.wait("sink write", error)
+        reason = f"sink error after {failures} tries: {type(last_error).__name__}: {last_error}"
+        await self._dead_letter(
+            [
+                Rejected(d.stream, d.entry_id, reason, chunk_id=r.id, job=r.job)
+                for r, d in zip(results, deliveries, strict=True)
+            ]
+        )
+        return False

@@ -1,0 +1,109 @@
+"""`embedfleet search` and `embedfleet index`: query and index the vector database sink.
+
+The query text is embedded by the fleet itself, through the priority lane
+(``Producer.embed_query``), so it gets the same model, pooling and precision as the stored
+vectors; the nearest-neighbour query then goes straight to the database the workers write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import click
+import numpy as np
+
+from producer.client import Producer
+from producer.vectordb import Hit, VectorDBError, build_index, nearest
+from shared.protocol import QueryFailedError
+from shared.settings import Settings, SettingsError, load_settings
+from shared.vectordb import SinkTarget, SinkURLError, parse_sink_url
+
+
+def _target(verb: str) -> tuple[Settings, SinkTarget]:
+    try:
+        settings = load_settings()
+        target = parse_sink_url(settings.sink, settings.sink_table)
+    except (SettingsError, SinkURLError) as error:
+        raise click.ClickException(str(error)) from None
+    if target.kind == "redis":
+        raise click.ClickException(
+            f"`embedfleet {verb}` needs a vector database sink, and EMBEDFLEET_SINK is `redis` "
+            "(the results stream has no search): set EMBEDFLEET_SINK to the lancedb://, "
+            "postgresql:// or qdrant:// URL your workers write to"
+        )
+    return settings, target
+
+
+async def search(
+    settings: Settings, target: SinkTarget, text: str, k: int, timeout: float
+) -> list[Hit]:
+    """Embed ``text`` through the fleet's priority lane, then ask the database for ``k``."""
+    async with Producer(settings) as producer:
+        vector = await producer.embed_query(text, timeout=timeout)
+    return await asyncio.to_thread(nearest, target, np.asarray(vector), k)
+
+
+def format_hits(hits: list[Hit], *, as_json: bool = False) -> list[str]:
+    """Lines to print: one JSON object per hit, or ``score  id  meta`` for people."""
+    if as_json:
+        return [json.dumps(hit.as_dict(), ensure_ascii=False) for hit in hits]
+    if not hits:
+        return ["no results: the table is empty"]
+    width = max(len(hit.id) for hit in hits)
+    return [
+        f"{hit.score:6.3f}  {hit.id:<{width}}  {json.dumps(hit.meta, ensure_ascii=False)}"
+        for hit in hits
+    ]
+
+
+@click.command("search")
+@click.argument("text")
+@click.option("--k", type=click.IntRange(1, 1000), default=10, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option(
+    "--timeout",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="Seconds to wait for a worker to embed the query.",
+)
+def search_command(text: str, k: int, as_json: bool, timeout: float) -> None:
+    """Print the K stored chunks nearest to TEXT, with cosine similarity and metadata.
+
+    TEXT is embedded by a running worker (it jumps the bulk queue), then the vector database
+    named by EMBEDFLEET_SINK (lancedb://, postgresql://, qdrant://) is searched. Needs a worker
+    running on the same Redis (EMBEDFLEET_REDIS_URL).
+    """
+    settings, target = _target("search")
+    try:
+        hits = asyncio.run(search(settings, target, text, k, timeout))
+    except TimeoutError:
+        raise click.ClickException(
+            f"no worker embedded the query within {timeout:g} s: is `embedfleet worker` running "
+            f"against {settings.effective_redis_url}?"
+        ) from None
+    except (VectorDBError, QueryFailedError) as error:
+        raise click.ClickException(str(error)) from None
+    for line in format_hits(hits, as_json=as_json):
+        click.echo(line)
+
+
+@click.command("index")
+@click.option(
+    "--force", is_flag=True, help="LanceDB: build the vector index even on a small table."
+)
+def index_command(force: bool) -> None:
+    """Build the vector index of EMBEDFLEET_SINK's table once a bulk load has finished.
+
+    Workers only upsert; indexing every micro-batch would slow a bulk load many times over.
+    LanceDB: compacts, indexes ids, and builds IVF_HNSW_SQ once the table is big enough.
+    PostgreSQL: CREATE INDEX … USING hnsw (cosine). Qdrant: turns HNSW indexing on.
+    """
+    _, target = _target("index")
+    try:
+        done = build_index(target, force=force)
+    except VectorDBError as error:
+        raise click.ClickException(str(error)) from None
+    for line in done:
+        click.echo(line)

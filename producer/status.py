@@ -1,0 +1,596 @@
+"""`embedfleet status`: the fleet's backlog, consumers, throughput and jobs, read from Redis.
+
+Everything comes from the same commands an operator would type (the README's Operations section
+lists them): XLEN, XINFO GROUPS, XINFO CONSUMERS, XREVRANGE on the dead-letter stream, and the
+job hashes.
+
+Throughput is measured, not guessed: Redis (>= 7) counts, per consumer group, the entries ever
+delivered (``entries-read``); minus the ones still pending, that is the number of entries the
+fleet has finished (embedded or dead-lettered) since the group was created. Two snapshots give a
+rate. ``--watch`` keeps the snapshots of the last minute and reports the rate over that minute;
+a single ``status`` takes two snapshots ``--sample`` seconds apart. It works with any sink (the
+counters live in the consumer group, not in the results stream) and costs Redis nothing extra.
+The time to drain is the backlog (lag + pending) divided by that rate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import sys
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import click
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from shared.keys import Keys
+from shared.redis_conn import connect
+from shared.settings import Settings, SettingsError, load_settings
+from shared.streams import (
+    ConsumerState,
+    GroupState,
+    find_group,
+    is_missing_key,
+    parse_consumers,
+    text,
+)
+
+INPUT_STREAMS = ("ingest", "query")  # read through the consumer group
+ALL_STREAMS = ("ingest", "query", "results", "dead")
+THROUGHPUT_WINDOW_S = 60.0
+DEAD_LETTERS_SHOWN = 3
+METHOD = (
+    "entries finished (embedded or dead-lettered) per second: the change of the consumer "
+    "group's entries-read minus pending (XINFO GROUPS) between snapshots"
+)
+
+
+@dataclass(frozen=True)
+class StreamStatus:
+    name: str
+    key: str
+    length: int
+    group: GroupState | None = None  # input streams only; None while the group does not exist
+    consumers: tuple[ConsumerState, ...] = ()
+
+    @property
+    def lag(self) -> int | None:
+        """Entries not yet delivered. With no group yet, all of them: it is created at id 0."""
+        return self.length if self.group is None else self.group.lag
+
+    @property
+    def pending(self) -> int:
+        return 0 if self.group is None else self.group.pending
+
+    @property
+    def finished(self) -> int | None:
+        return 0 if self.group is None else self.group.acknowledged
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    job: str
+    enqueued: int
+    done: int
+    dead: int
+
+    @property
+    def remaining(self) -> int:
+        return max(0, self.enqueued - self.done - self.dead)
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    entry_id: str
+    reason: str
+    chunk_id: str | None
+    stream: str | None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    taken_at: float  # time.time()
+    monotonic: float  # time.monotonic(), for rates that survive a clock change
+    streams: dict[str, StreamStatus]
+    jobs: tuple[JobStatus, ...]
+    dead_latest: tuple[DeadLetter, ...]
+
+
+@dataclass(frozen=True)
+class Throughput:
+    per_s: float
+    by_stream: dict[str, float]
+    window_s: float
+
+
+async def take_snapshot(client: aioredis.Redis, keys: Keys) -> Snapshot:
+    """One consistent-enough look at everything: two pipelined round trips (three with jobs)."""
+    names = {"ingest": keys.ingest, "query": keys.query, "results": keys.results, "dead": keys.dead}
+    pipe = client.pipeline(transaction=False)
+    for key in names.values():
+        pipe.xlen(key)
+    for stream in INPUT_STREAMS:
+        pipe.xinfo_groups(names[stream])
+    pipe.xrevrange(keys.dead, count=DEAD_LETTERS_SHOWN)
+    pipe.smembers(keys.jobs_index)
+    replies = await pipe.execute(raise_on_error=False)
+    lengths = dict(zip(ALL_STREAMS, _raise_errors(replies[:4]), strict=True))
+    group_replies = dict(zip(INPUT_STREAMS, replies[4:6], strict=True))
+    dead_entries, job_names = _raise_errors(replies[6:8])
+
+    groups: dict[str, GroupState | None] = {}
+    for stream, reply in group_replies.items():
+        if isinstance(reply, Exception):
+            if not is_missing_key(reply):
+                raise reply
+            groups[stream] = None
+        else:
+            groups[stream] = find_group(reply, keys.group)
+
+    pipe = client.pipeline(transaction=False)
+    with_group = [stream for stream in INPUT_STREAMS if groups[stream] is not None]
+    for stream in with_group:
+        pipe.xinfo_consumers(names[stream], keys.group)
+    jobs = sorted(text(name) for name in job_names)
+    for job in jobs:
+        pipe.hgetall(keys.job(job))
+    replies = _raise_errors(await pipe.execute(raise_on_error=False)) if with_group or jobs else []
+    consumer_replies, job_counters = replies[: len(with_group)], replies[len(with_group) :]
+    consumers = {
+        stream: tuple(parse_consumers(reply))
+        for stream, reply in zip(with_group, consumer_replies, strict=True)
+    }
+
+    streams = {
+        name: StreamStatus(
+            name=name,
+            key=names[name],
+            length=int(lengths[name]),
+            group=groups.get(name),
+            consumers=consumers.get(name, ()),
+        )
+        for name in ALL_STREAMS
+    }
+    return Snapshot(
+        taken_at=time.time(),
+        monotonic=time.monotonic(),
+        streams=streams,
+        jobs=tuple(_job(job, counters) for job, counters in zip(jobs, job_counters, strict=True)),
+        dead_latest=tuple(_dead_letter(entry_id, fields) for entry_id, fields in dead_entries),
+    )
+
+
+def _raise_errors(replies: list[Any]) -> list[Any]:
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies
+
+
+def _job(job: str, counters: Mapping[bytes, bytes]) -> JobStatus:
+    values = {text(key): int(value) for key, value in counters.items()}
+    return JobStatus(job, values.get("enqueued", 0), values.get("done", 0), values.get("dead", 0))
+
+
+def _dead_letter(entry_id: bytes, fields: Mapping[bytes, bytes]) -> DeadLetter:
+    def field(name: bytes) -> str | None:
+        value = fields.get(name)
+        return None if value is None else value.decode(errors="replace")
+
+    return DeadLetter(
+        entry_id=text(entry_id),
+        reason=field(b"reason") or "(no reason field)",
+        chunk_id=field(b"id") or None,
+        stream=field(b"stream"),
+    )
+
+
+def throughput(older: Snapshot, newer: Snapshot) -> Throughput | None:
+    """Entries finished per second between two snapshots; None when it cannot be told.
+
+    A counter that went backwards (the stream or group was deleted and created again) or that
+    Redis does not keep makes that stream's rate unknown, never a wrong number.
+    """
+    window = newer.monotonic - older.monotonic
+    if window <= 0:
+        return None
+    by_stream: dict[str, float] = {}
+    for name in INPUT_STREAMS:
+        before, after = older.streams[name].finished, newer.streams[name].finished
+        if before is None or after is None or after < before:
+            return None
+        by_stream[name] = (after - before) / window
+    return Throughput(per_s=sum(by_stream.values()), by_stream=by_stream, window_s=window)
+
+
+class History:
+    """The snapshots of the last ``window_s`` seconds, for a rate over that window."""
+
+    def __init__(self, window_s: float = THROUGHPUT_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._snapshots: deque[Snapshot] = deque()
+
+    def add(self, snapshot: Snapshot) -> None:
+        self._snapshots.append(snapshot)
+        # Keep the newest snapshot that is at least window_s old, so the rate spans the window.
+        while (
+            len(self._snapshots) > 2
+            and snapshot.monotonic - self._snapshots[1].monotonic >= self.window_s
+        ):
+            self._snapshots.popleft()
+
+    def throughput(self) -> Throughput | None:
+        if len(self._snapshots) < 2:
+            return None
+        return throughput(self._snapshots[0], self._snapshots[-1])
+
+
+def backlog(snapshot: Snapshot) -> int | None:
+    """Entries still to do: undelivered plus delivered-but-unacknowledged, on both inputs."""
+    total = 0
+    for name in INPUT_STREAMS:
+        stream = snapshot.streams[name]
+        if stream.lag is None:
+            return None
+        total += stream.lag + stream.pending
+    return total
+
+
+def eta_seconds(snapshot: Snapshot, rate: Throughput | None) -> float | None:
+    """Seconds to drain the backlog at the measured rate: 0 when empty, inf when stalled."""
+    remaining = backlog(snapshot)
+    if remaining is None:
+        return None
+    if remaining == 0:
+        return 0.0
+    if rate is None:
+        return None
+    return math.inf if rate.per_s <= 0 else remaining / rate.per_s
+
+
+# --- output ---------------------------------------------------------------------------
+def report(
+    snapshot: Snapshot, rate: Throughput | None, settings: Settings, *, measuring: bool = False
+) -> dict[str, Any]:
+    """The JSON object ``--json`` prints (and the text view renders)."""
+    streams: dict[str, Any] = {}
+    for name, stream in snapshot.streams.items():
+        entry: dict[str, Any] = {"key": stream.key, "length": stream.length}
+        if name in INPUT_STREAMS:
+            group = stream.group
+            entry |= {
+                "group_exists": group is not None,
+                "lag": stream.lag,
+                "pending": stream.pending,
+                "entries_read": None if group is None else group.entries_read,
+                "last_delivered_id": None if group is None else group.last_delivered_id,
+                "consumers": [
+                    {
+                        "name": c.name,
+                        "pending": c.pending,
+                        "idle_ms": c.idle_ms,
+                        "inactive_ms": c.inactive_ms,
+                    }
+                    for c in stream.consumers
+                ],
+            }
+        streams[name] = entry
+    eta = eta_seconds(snapshot, rate)
+    return {
+        "time": datetime.fromtimestamp(snapshot.taken_at, UTC).isoformat(timespec="seconds"),
+        "redis": redact_url(settings.effective_redis_url),
+        "namespace": settings.namespace,
+        "group": settings.group,
+        "streams": streams,
+        "dead_letters": {
+            "count": snapshot.streams["dead"].length,
+            "latest": [
+                {"entry_id": d.entry_id, "reason": d.reason, "id": d.chunk_id, "stream": d.stream}
+                for d in snapshot.dead_latest
+            ],
+        },
+        "throughput": {
+            "per_s": None if rate is None else round(rate.per_s, 3),
+            "by_stream": None
+            if rate is None
+            else {name: round(value, 3) for name, value in rate.by_stream.items()},
+            "window_s": None if rate is None else round(rate.window_s, 3),
+            "measuring": measuring,
+            "method": METHOD,
+        },
+        "backlog": backlog(snapshot),
+        # JSON has no infinity: a stalled fleet (backlog, no progress) has eta null + stalled.
+        "eta_s": None if eta is None or math.isinf(eta) else round(eta, 1),
+        "stalled": eta is not None and math.isinf(eta),
+        "jobs": [
+            {
+                "job": j.job,
+                "enqueued": j.enqueued,
+                "done": j.done,
+                "dead": j.dead,
+                "remaining": j.remaining,
+            }
+            for j in snapshot.jobs
+        ],
+    }
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password, fit to print."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def _n(value: int | None) -> str:
+    return "?" if value is None else f"{value:,}"
+
+
+def human_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    if math.isinf(seconds):
+        return "never at this rate"
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    minutes, secs = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 48:
+        return f"{hours}h{minutes:02d}m"
+    return f"{hours // 24}d{hours % 24:02d}h"
+
+
+def _table(rows: list[list[str]], right: set[int], indent: str = "") -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = [
+            cell.rjust(widths[i]) if i in right else cell.ljust(widths[i])
+            for i, cell in enumerate(row)
+        ]
+        lines.append(indent + "  ".join(cells).rstrip())
+    return lines
+
+
+def render(data: dict[str, Any], *, consumers_shown: int = 10, jobs_shown: int = 10) -> str:
+    """The text view of ``report()``: aligned tables a person can read at a glance."""
+    lines = [
+        f"embedfleet status  {data['time']}  redis {data['redis']}  "
+        f"namespace {data['namespace']}  group {data['group']}",
+        "",
+    ]
+    streams = data["streams"]
+    rows = [["stream", "key", "length", "lag", "pending", "consumers"]]
+    for name in ALL_STREAMS:
+        s = streams[name]
+        if name in INPUT_STREAMS:
+            consumers = str(len(s["consumers"])) if s["group_exists"] else "no group yet"
+            rows.append(
+                [name, s["key"], _n(s["length"]), _n(s["lag"]), _n(s["pending"]), consumers]
+            )
+        else:
+            rows.append([name, s["key"], _n(s["length"]), "", "", ""])
+    lines += _table(rows, right={2, 3, 4, 5})
+    lines.append("")
+
+    rate = data["throughput"]
+    if rate["per_s"] is not None:
+        split = ", ".join(f"{k} {v:,.1f}/s" for k, v in rate["by_stream"].items())
+        lines.append(
+            f"throughput  {rate['per_s']:,.1f} entries/s over the last "
+            f"{human_duration(rate['window_s'])}  ({split})"
+        )
+    elif rate["measuring"]:
+        lines.append("throughput  measuring (needs a second snapshot)")
+    else:
+        lines.append("throughput  not measured (--sample 0)")
+    if data["backlog"] == 0:
+        lines.append("drain       nothing to do: no lag, nothing pending")
+    elif data["stalled"]:
+        lines.append(
+            f"drain       {_n(data['backlog'])} entries waiting and none finished in the window:"
+            " are workers running?"
+        )
+    elif data["eta_s"] is None:
+        lines.append(f"drain       {_n(data['backlog'])} entries to do (lag + pending)")
+    else:
+        eta = human_duration(data["eta_s"])
+        lines.append(f"drain       ~{eta} for {_n(data['backlog'])} entries (lag + pending)")
+    lines.append("")
+
+    lines += _render_consumers(streams, consumers_shown)
+    lines += _render_jobs(data["jobs"], jobs_shown)
+    dead = data["dead_letters"]
+    if dead["count"]:
+        lines.append(f"dead letters  {dead['count']:,} in {streams['dead']['key']}; latest:")
+        for item in dead["latest"]:
+            reason = item["reason"] if len(item["reason"]) <= 90 else item["reason"][:87] + "..."
+            lines.append(f"  {item['entry_id']}  {item['id'] or '-'}: {reason}")
+        lines.append(f"  all of them: redis-cli XRANGE {streams['dead']['key']} - + COUNT 100")
+    else:
+        lines.append("dead letters  none")
+    return "\n".join(lines)
+
+
+def _render_consumers(streams: dict[str, Any], shown: int) -> list[str]:
+    # One row per consumer name: a worker reads both input streams under the same name.
+    merged: dict[str, dict[str, Any]] = {}
+    for name in INPUT_STREAMS:
+        for c in streams[name]["consumers"]:
+            row = merged.setdefault(
+                c["name"], {"ingest": 0, "query": 0, "idle_ms": None, "inactive_ms": None}
+            )
+            row[name] = c["pending"]
+            for key in ("idle_ms", "inactive_ms"):
+                if c[key] is not None:
+                    row[key] = c[key] if row[key] is None else min(row[key], c[key])
+    if not merged:
+        return ["consumers  none yet (no worker has read from the group)", ""]
+    ordered = sorted(merged.items(), key=lambda item: (item[1]["idle_ms"] or 0, item[0]))
+    rows = [["consumer", "pending ingest", "pending query", "idle", "inactive"]]
+    for consumer, row in ordered[:shown]:
+        rows.append(
+            [
+                consumer,
+                _n(row["ingest"]),
+                _n(row["query"]),
+                human_duration(row["idle_ms"] / 1000),
+                "-" if row["inactive_ms"] is None else human_duration(row["inactive_ms"] / 1000),
+            ]
+        )
+    lines = _table(rows, right={1, 2, 3, 4})
+    if len(ordered) > shown:
+        rest = ordered[shown:]
+        pending = sum(r["ingest"] + r["query"] for _, r in rest)
+        lines.append(
+            f"... and {len(rest)} more, idle longer, holding {pending:,} pending (--json lists all)"
+        )
+    return [*lines, ""]
+
+
+def _render_jobs(jobs: list[dict[str, Any]], shown: int) -> list[str]:
+    if not jobs:
+        return ["jobs  none recorded", ""]
+    # Unfinished first, most remaining first: those are what an operator is waiting for.
+    ordered = sorted(jobs, key=lambda j: (j["remaining"] == 0, -j["remaining"], j["job"]))
+    rows = [["job", "enqueued", "done", "dead", "remaining"]]
+    rows += [
+        [j["job"], _n(j["enqueued"]), _n(j["done"]), _n(j["dead"]), _n(j["remaining"])]
+        for j in ordered[:shown]
+    ]
+    lines = _table(rows, right={1, 2, 3, 4})
+    if len(ordered) > shown:
+        lines.append(f"... and {len(ordered) - shown} more jobs (--json lists all)")
+    return [*lines, ""]
+
+
+# --- the command ----------------------------------------------------------------------
+@click.command("status")
+@click.option("--watch", is_flag=True, help="Refresh every --interval seconds until Ctrl-C.")
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=2.0,
+    show_default=True,
+    help="With --watch: seconds between refreshes.",
+)
+@click.option(
+    "--sample",
+    type=click.FloatRange(min=0),
+    default=3.0,
+    show_default=True,
+    help="Without --watch: seconds between the two snapshots that measure throughput "
+    "(0: one snapshot, no throughput).",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print one JSON object (with --watch: one per line per refresh).",
+)
+@click.option(
+    "--redis-url", envvar="EMBEDFLEET_REDIS_URL", help="Redis URL (or EMBEDFLEET_REDIS_URL)."
+)
+def status_command(
+    watch: bool, interval: float, sample: float, as_json: bool, redis_url: str | None
+) -> None:
+    """Show the backlog, consumers, throughput and jobs of a fleet.
+
+    Per stream (ingest, query, results, dead): length; for the input streams the consumer
+    group's lag (entries not yet delivered) and pending (delivered, not acknowledged); every
+    consumer with its pending entries and idle time; throughput (entries finished per second,
+    from the group's counters sampled over time: over the last minute with --watch) and the
+    time to drain the backlog at that rate; job progress; the latest dead letters.
+    """
+    try:
+        settings = load_settings(**({"redis_url": redis_url} if redis_url else {}))
+    except SettingsError as error:
+        raise click.ClickException(str(error)) from None
+    # Ctrl-C is how --watch is meant to end: no traceback, exit status 0.
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(
+            _status(settings, watch=watch, interval=interval, sample=sample, as_json=as_json)
+        )
+
+
+async def _status(
+    settings: Settings, *, watch: bool, interval: float, sample: float, as_json: bool
+) -> None:
+    client = connect(settings.effective_redis_url, socket_connect_timeout=5, socket_timeout=10)
+    try:
+        if not watch:
+            first = await _snapshot_or_fail(client, settings)
+            rate = None
+            latest = first
+            if sample > 0:
+                await asyncio.sleep(sample)
+                latest = await _snapshot_or_fail(client, settings)
+                rate = throughput(first, latest)
+            _emit(report(latest, rate, settings), as_json)
+            return
+        history = History()
+        while True:
+            try:
+                snapshot = await take_snapshot(client, settings.keys)
+            except (RedisError, OSError) as error:
+                # Keep watching through an outage: the point of --watch is to see it end.
+                _emit_error(settings, error, as_json)
+            else:
+                history.add(snapshot)
+                rate = history.throughput()
+                data = report(snapshot, rate, settings, measuring=rate is None)
+                if not as_json and sys.stdout.isatty():
+                    click.clear()
+                _emit(data, as_json)
+                if not as_json:
+                    click.echo(f"\nrefreshing every {interval:g}s; Ctrl-C to stop")
+            await asyncio.sleep(interval)
+    finally:
+        await client.aclose()
+
+
+async def _snapshot_or_fail(client: aioredis.Redis, settings: Settings) -> Snapshot:
+    try:
+        return await take_snapshot(client, settings.keys)
+    except (RedisError, OSError) as error:
+        raise click.ClickException(_error_text(settings, error)) from None
+
+
+def _error_text(settings: Settings, error: BaseException) -> str:
+    return (
+        f"cannot read the fleet's state from Redis at {redact_url(settings.effective_redis_url)}: "
+        f"{type(error).__name__}: {error}. Set EMBEDFLEET_REDIS_URL (or --redis-url)."
+    )
+
+
+def _emit(data: dict[str, Any], as_json: bool) -> None:
+    click.echo(json.dumps(data) if as_json else render(data))
+
+
+def _emit_error(settings: Settings, error: BaseException, as_json: bool) -> None:
+    message = _error_text(settings, error)
+    if as_json:
+        now = datetime.now(UTC).isoformat(timespec="seconds")
+        click.echo(json.dumps({"time": now, "error": message}))
+        return
+    if sys.stdout.isatty():
+        click.clear()
+    click.echo(message, err=True)

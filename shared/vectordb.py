@@ -1,0 +1,153 @@
+"""The vector database side of the contract: sink URLs, table layout, point ids, metadata.
+
+Workers write through ``workers.sinks`` and ``embedfleet search`` reads through
+``producer.vectordb``; both parse ``EMBEDFLEET_SINK`` here, so the two sides agree on where the
+vectors are and how they are laid out:
+
+=============  ================================================================================
+backend        layout (one row / point per chunk id; ``EMBEDFLEET_SINK_TABLE`` names it)
+=============  ================================================================================
+LanceDB        columns ``id`` (string), ``vector`` (fixed-size list of float16), ``job``,
+               ``model``, ``truncated``, ``meta`` (JSON text)
+PostgreSQL     ``id text primary key``, ``embedding halfvec(dim)`` (``vector(dim)`` before
+               pgvector 0.7), ``job``, ``model``, ``truncated``, ``meta jsonb``, ``updated_at``
+Qdrant         point id ``uuid5(NAMESPACE_URL, id)``, payload ``id``, ``job``, ``model``,
+               ``truncated``, ``meta`` (a nested object: filter on ``meta.<key>``)
+=============  ================================================================================
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+SinkKind = Literal["redis", "lancedb", "pgvector", "qdrant", "qdrant-local"]
+
+SINK_URL_FORMS = (
+    "redis (the results stream), lancedb:///path/to/dir, postgresql://user:password@host/db, "
+    "qdrant://host:6333 (or http://, https://), qdrant+local:///path/to/dir"
+)
+# PostgreSQL identifiers are the strictest of the three backends; one rule keeps a table name
+# portable between them and safe to quote.
+_TABLE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+
+
+class SinkURLError(ValueError):
+    """EMBEDFLEET_SINK or EMBEDFLEET_SINK_TABLE is not something a sink can be built from."""
+
+
+@dataclass(frozen=True)
+class SinkTarget:
+    """Where vectors go: the backend, its location (path, DSN or URL) and the table name."""
+
+    kind: SinkKind
+    location: str
+    table: str
+    api_key: str | None = None  # Qdrant Cloud: given as the URL's password
+
+    def describe(self) -> str:
+        """For people: "LanceDB table 'embeddings' in /data/lancedb"; never shows secrets."""
+        if self.kind == "redis":
+            return "the Redis results stream"
+        if self.kind == "lancedb":
+            return f"LanceDB table {self.table!r} in {self.location}"
+        if self.kind == "pgvector":
+            return f"PostgreSQL table {self.table!r} at {_without_password(self.location)}"
+        if self.kind == "qdrant-local":
+            return f"Qdrant (local mode) collection {self.table!r} in {self.location}"
+        return f"Qdrant collection {self.table!r} at {self.location}"
+
+
+def parse_sink_url(url: str, table: str = "embeddings") -> SinkTarget:
+    """Read ``EMBEDFLEET_SINK``; unknown forms raise SinkURLError naming the accepted ones."""
+    if not _TABLE_NAME.match(table):
+        raise SinkURLError(
+            f"EMBEDFLEET_SINK_TABLE={table!r} is not a valid table name: use letters, digits and "
+            "underscores, starting with a letter or underscore (at most 63 characters)"
+        )
+    raw = url.strip()
+    scheme, separator, rest = raw.partition("://")
+    scheme = scheme.lower()
+    if raw.lower() == "redis" or (scheme in ("redis", "rediss") and separator and not rest):
+        return SinkTarget("redis", "", table)
+    if not separator:
+        raise SinkURLError(f"EMBEDFLEET_SINK={url!r} is not a URL; use one of: {SINK_URL_FORMS}")
+    if scheme == "lancedb":
+        return SinkTarget("lancedb", _path_of(url, rest), table)
+    if scheme == "qdrant+local":
+        return SinkTarget("qdrant-local", _path_of(url, rest), table)
+    if scheme in ("postgresql", "postgres", "postgresql+psycopg"):
+        # psycopg takes the libpq URL as is; the SQLAlchemy-style dialect suffix is dropped
+        return SinkTarget("pgvector", f"postgresql://{rest}", table)
+    if scheme in ("qdrant", "http", "https"):
+        return _qdrant_target(url, "https" if scheme == "https" else "http", rest, table)
+    if scheme in ("redis", "rediss"):
+        raise SinkURLError(
+            f"EMBEDFLEET_SINK={url!r}: the redis sink writes to the queue's own server "
+            "(EMBEDFLEET_REDIS_URL); set EMBEDFLEET_SINK=redis"
+        )
+    raise SinkURLError(
+        f"EMBEDFLEET_SINK={url!r}: unknown sink scheme {scheme + '://'!r}; "
+        f"use one of: {SINK_URL_FORMS}"
+    )
+
+
+def _path_of(url: str, rest: str) -> str:
+    # lancedb:///abs/dir → /abs/dir; lancedb://rel/dir → rel/dir (relative to the working dir)
+    if not rest or rest == "/":
+        raise SinkURLError(
+            f"EMBEDFLEET_SINK={url!r} names no directory, e.g. lancedb:///data/lancedb"
+        )
+    return rest
+
+
+def _qdrant_target(url: str, scheme: str, rest: str, table: str) -> SinkTarget:
+    credentials, at, host = rest.rpartition("@")
+    if not host.split("/")[0]:
+        raise SinkURLError(f"EMBEDFLEET_SINK={url!r} names no host, e.g. qdrant://localhost:6333")
+    api_key = (credentials.partition(":")[2] or None) if at else None
+    hostport = host.split("/")[0]
+    if ":" not in hostport.rsplit("]", 1)[-1]:
+        hostport += ":6333"  # Qdrant's REST port, not the scheme's 80/443
+    return SinkTarget("qdrant", f"{scheme}://{hostport}", table, api_key=api_key)
+
+
+def _without_password(dsn: str) -> str:
+    return re.sub(r"(://[^:/@]*):[^@/]*@", r"\1:***@", dsn)
+
+
+def point_id(chunk_id: str) -> str:
+    """Qdrant point ids must be integers or UUIDs: the chunk id, mapped deterministically."""
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, chunk_id))
+
+
+def meta_to_json(meta: dict[str, Any] | None) -> str | None:
+    """Metadata as JSON text for the databases.
+
+    msgpack can carry what JSON cannot: binary values become base64 strings and non-finite
+    floats become the strings "nan"/"inf"/"-inf", so one odd chunk cannot fail its whole batch.
+    """
+    if meta is None:
+        return None
+    return json.dumps(_jsonable(meta), ensure_ascii=False, allow_nan=False)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(key): _jsonable(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(item) for item in value]
+    if isinstance(value, bytes | bytearray | memoryview):
+        return base64.b64encode(bytes(value)).decode("ascii")
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def meta_from_json(text: str | None) -> dict[str, Any] | None:
+    return None if text is None else json.loads(text)

@@ -1,0 +1,512 @@
+"""Operations: /metrics, /healthz, /readyz of a real worker, and `embedfleet status`.
+
+Real processes, a real Redis server, the real model. The worker under test gets a Redis server
+of its own, so the test can stop it and watch readiness fail while the worker stays alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+from prometheus_client.parser import text_string_to_metric_families
+
+from embedfleet.server import ServerProcess, free_port
+from producer import Producer
+from producer.chunker import builtin_corpus
+from producer.status import History, eta_seconds, take_snapshot, throughput
+from shared.protocol import PAYLOAD_FIELD
+from shared.redis_conn import connect
+from shared.settings import Settings
+from workers.health import HealthServer
+from workers.metrics import REASON_CLASSES, StreamGauges, WorkerMetrics, reason_class
+
+CHUNKS = 300
+FAMILIES = {
+    # family name (as the parser reports it) -> type
+    "embedfleet_worker_info": "gauge",  # an Info is a gauge of 1 in the text format
+    "embedfleet_texts_embedded": "counter",
+    "embedfleet_tokens_embedded": "counter",
+    "embedfleet_padded_tokens": "counter",
+    "embedfleet_batches": "counter",
+    "embedfleet_batch_texts": "histogram",
+    "embedfleet_batch_padded_tokens": "histogram",
+    "embedfleet_batch_seconds": "histogram",
+    "embedfleet_write_seconds": "histogram",
+    "embedfleet_query_latency_seconds": "histogram",
+    "embedfleet_model_seconds": "counter",
+    "embedfleet_padding_ratio": "gauge",
+    "embedfleet_model_busy_fraction": "gauge",
+    "embedfleet_dead_letters": "counter",
+    "embedfleet_reclaimed": "counter",
+    "embedfleet_sink_errors": "counter",
+    "embedfleet_stream_length": "gauge",
+    "embedfleet_stream_lag": "gauge",
+    "embedfleet_stream_pending": "gauge",
+    "embedfleet_group_consumers": "gauge",
+    "embedfleet_redis_up": "gauge",
+    "process_resident_memory_bytes": "gauge",
+}
+
+
+class Scrape:
+    """One /metrics page: the family types, and every sample by name and labels."""
+
+    def __init__(self, page: str) -> None:
+        self.types: dict[str, str] = {}
+        self.samples: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
+        for family in text_string_to_metric_families(page):
+            self.types[family.name] = family.type
+            for sample in family.samples:
+                self.samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+
+    def __call__(self, name: str, **labels: str) -> float:
+        key = (name, frozenset(labels.items()))
+        if key not in self.samples:
+            raise AssertionError(f"no sample {name}{labels} in /metrics")
+        return self.samples[key]
+
+
+async def get(session: aiohttp.ClientSession, port: int, path: str) -> tuple[int, str]:
+    async with session.get(f"http://127.0.0.1:{port}{path}") as response:
+        return response.status, await response.text()
+
+
+async def scrape(session: aiohttp.ClientSession, port: int) -> Scrape:
+    status, page = await get(session, port, "/metrics")
+    assert status == 200, page
+    return Scrape(page)
+
+
+@contextlib.contextmanager
+def worker_process(settings: Settings, port: int, log_file: Path):
+    env = {
+        **os.environ,
+        "EMBEDFLEET_REDIS_URL": settings.effective_redis_url,
+        "EMBEDFLEET_NAMESPACE": settings.namespace,
+        "EMBEDFLEET_CONSUMER": "ops-worker",
+        "EMBEDFLEET_HEALTH_PORT": str(port),
+        # Small reads, so the lag goes down in steps a scraper can see.
+        "EMBEDFLEET_READ_COUNT": "32",
+        "EMBEDFLEET_BLOCK_MS": "200",
+        "EMBEDFLEET_LOG_FORMAT": "json",
+    }
+    with log_file.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "embedfleet.cli", "worker"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+        )
+        try:
+            yield process
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+async def test_worker_metrics_health_and_readiness(
+    redis_server: ServerProcess, settings: Settings, tmp_path: Path
+) -> None:
+    port = free_port()
+    log_file = tmp_path / "worker.log"
+    # A server of the worker's own, stopped at the end to see /readyz fail.
+    with ServerProcess(redis_server.binary) as own_server:
+        own = settings.model_copy(update={"redis_url": own_server.url})
+        client = connect(own.effective_redis_url)
+        chunks = list(builtin_corpus(CHUNKS, max_chars=400))
+        async with Producer(own, client) as producer:
+            await producer.enqueue(chunks, job="ops")
+        await client.xadd(own.keys.ingest, {PAYLOAD_FIELD: b"\xc1 not msgpack"})
+
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+            with worker_process(own, port, log_file) as worker:
+                logs = lambda: log_file.read_text()[-3000:]  # noqa: E731 - for failure messages
+
+                # /healthz answers before the model is loaded; /readyz says "loading" meanwhile.
+                readiness: list[tuple[int, dict]] = []
+                deadline = time.monotonic() + 90
+                while True:
+                    assert worker.poll() is None, logs()
+                    assert time.monotonic() < deadline, logs()
+                    try:
+                        status, body = await get(session, port, "/readyz")
+                    except aiohttp.ClientConnectionError:
+                        await asyncio.sleep(0.02)
+                        continue
+                    readiness.append((status, json.loads(body)))
+                    if status == 200:
+                        break
+                    await asyncio.sleep(0.02)
+                assert readiness[0][0] == 503 and readiness[0][1]["checks"]["model"] == "loading"
+                assert readiness[-1][1] == {
+                    "ready": True,
+                    "checks": {"model": "ok", "redis": "ok", "device": "ok"},
+                }
+                status, body = await get(session, port, "/healthz")
+                assert status == 200 and json.loads(body)["alive"] is True
+
+                # Scrape while the backlog drains; one priority query on the way.
+                lags: list[float] = []
+                texts_seen: list[float] = []
+                query_task = asyncio.create_task(
+                    Producer(own, client).embed_query("what does yield do?", timeout=60)
+                )
+                deadline = time.monotonic() + 120
+                while True:
+                    assert worker.poll() is None, logs()
+                    assert time.monotonic() < deadline, f"lags {lags}\n{logs()}"
+                    page = await scrape(session, port)
+                    lags.append(page("embedfleet_stream_lag", stream="ingest"))
+                    texts_seen.append(page("embedfleet_texts_embedded_total"))
+                    progress = await Producer(own, client).progress("ops")
+                    if progress.done + progress.dead >= CHUNKS and query_task.done():
+                        break
+                    await asyncio.sleep(0.25)
+                query_vector = await query_task
+                await asyncio.sleep(1.1)  # the stream gauges refresh at most once a second
+                final = await scrape(session, port)
+
+                for name, kind in FAMILIES.items():
+                    assert final.types.get(name) == kind, f"{name}: {final.types.get(name)}"
+                assert query_vector.shape == (384,)
+                results = await client.xlen(own.keys.results)
+                assert results == CHUNKS
+                assert final("embedfleet_texts_embedded_total") == CHUNKS
+                assert 0 < max(texts_seen) <= CHUNKS
+                tokens = final("embedfleet_tokens_embedded_total")
+                padded = final("embedfleet_padded_tokens_total")
+                assert CHUNKS * 3 < tokens <= padded
+                assert math.isclose(
+                    final("embedfleet_padding_ratio"), 1 - tokens / padded, abs_tol=1e-9
+                )
+                batches = final("embedfleet_batches_total")
+                assert batches >= CHUNKS / 128
+                assert final("embedfleet_batch_texts_count") == batches
+                assert final("embedfleet_batch_texts_sum") == CHUNKS
+                assert final("embedfleet_batch_padded_tokens_sum") == padded
+                assert final("embedfleet_batch_seconds_count") == batches
+                assert final("embedfleet_write_seconds_count") >= 1
+                assert final("embedfleet_model_seconds_total") > 0
+                assert 0 < final("embedfleet_model_busy_fraction") <= 1
+                assert final("embedfleet_query_latency_seconds_count") == 1
+                assert 0 < final("embedfleet_query_latency_seconds_sum") < 60
+                assert final("embedfleet_dead_letters_total", reason="not_msgpack") == 1
+                assert final("embedfleet_dead_letters_total", reason="too_long") == 0
+                assert final("embedfleet_reclaimed_total") == 0
+                assert final("embedfleet_redis_up") == 1
+                info = final(
+                    "embedfleet_worker_info",
+                    consumer="ops-worker",
+                    model="all-MiniLM-L6-v2",
+                    device="cpu",
+                    dtype="float32",
+                )
+                assert info == 1
+                print(f"ingest lag as scraped: {lags}")
+                # The lag starts at the whole backlog, only goes down, and ends at 0.
+                assert lags[0] > 0, lags
+                assert all(a >= b for a, b in itertools.pairwise(lags)), lags
+                assert len(set(lags)) >= 3, f"saw the lag at too few values: {lags}"
+                assert final("embedfleet_stream_lag", stream="ingest") == 0
+                assert final("embedfleet_stream_lag", stream="query") == 0
+                assert final("embedfleet_stream_pending", stream="ingest") == 0
+                assert final("embedfleet_stream_length", stream="ingest") == 0
+                assert final("embedfleet_stream_length", stream="results") == CHUNKS
+                assert final("embedfleet_stream_length", stream="dead") == 1
+                assert final("embedfleet_group_consumers", stream="ingest") == 1
+
+                # Redis goes away: not ready (the reason names Redis), still alive.
+                own_server.stop()
+                status, body = await get(session, port, "/readyz")
+                assert status == 503, body
+                checks = json.loads(body)["checks"]
+                assert checks["redis"].startswith("PING failed") and checks["model"] == "ok"
+                status, _ = await get(session, port, "/healthz")
+                assert status == 200
+                await asyncio.sleep(1.1)
+                down = await scrape(session, port)
+                assert down("embedfleet_redis_up") == 0
+                assert down("embedfleet_texts_embedded_total") == CHUNKS  # counters survive
+
+                worker.send_signal(signal.SIGTERM)
+                assert worker.wait(timeout=60) == 0, logs()
+        await client.aclose()
+
+
+# --- health server in-process: readiness states, the device check's cache ---------------
+@contextlib.asynccontextmanager
+async def health_server(client: aioredis.Redis, **options: float) -> AsyncIterator[HealthServer]:
+    server = HealthServer(free_port(), client, WorkerMetrics(), host="127.0.0.1", **options)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+async def test_readyz_follows_model_redis_and_drain(redis_server: ServerProcess, encoder) -> None:
+    with ServerProcess(redis_server.binary) as own_server:
+        client = connect(own_server.url)
+        async with (
+            health_server(client, device_check_ttl_s=60) as health,
+            aiohttp.ClientSession() as session,
+        ):
+            status, body = await get(session, health.port, "/readyz")
+            assert status == 503
+            assert json.loads(body)["checks"] == {
+                "model": "loading",
+                "redis": "ok",
+                "device": "model not loaded yet",
+            }
+            status, body = await get(session, health.port, "/healthz")
+            assert status == 200 and json.loads(body)["model_loaded"] is False
+
+            health.model_loaded(encoder)
+            for _ in range(3):
+                status, body = await get(session, health.port, "/readyz")
+                assert status == 200, body
+            assert health.device_checks == 1, "the forward pass is cached between probes"
+
+            own_server.stop()
+            status, body = await get(session, health.port, "/readyz")
+            assert status == 503 and "PING failed" in json.loads(body)["checks"]["redis"]
+        await client.aclose()
+
+    client = connect(redis_server.url)
+    async with health_server(client) as health, aiohttp.ClientSession() as session:
+        health.model_loaded(encoder)
+        assert (await get(session, health.port, "/readyz"))[0] == 200
+        health.draining()
+        status, body = await get(session, health.port, "/readyz")
+        assert status == 503 and "draining" in json.loads(body)["checks"]
+        assert (await get(session, health.port, "/healthz"))[0] == 200
+    await client.aclose()
+
+
+async def test_health_port_in_use_is_a_clear_error(client: aioredis.Redis) -> None:
+    async with health_server(client) as first:
+        second = HealthServer(first.port, client, WorkerMetrics(), host="127.0.0.1")
+        with pytest.raises(RuntimeError, match=f"EMBEDFLEET_HEALTH_PORT={first.port}"):
+            await second.start()
+
+
+# --- metrics in-process: hooks to samples, one registry per worker ------------------------
+def test_each_worker_has_its_own_registry() -> None:
+    from prometheus_client import generate_latest
+
+    one, two = WorkerMetrics(), WorkerMetrics()
+    one.batch_encoded(texts=8, real_tokens=60, padded_tokens=80, seconds=0.5)
+    one.results_written(texts=8, seconds=0.01)
+    one.dead_lettered(count=2, reason="payload is 9000000 bytes, over the 4194304-byte limit")
+    one.sink_error(error=ConnectionResetError("gone"))
+    first = Scrape(generate_latest(one.registry).decode())
+    second = Scrape(generate_latest(two.registry).decode())
+    assert first("embedfleet_texts_embedded_total") == 8
+    assert second("embedfleet_texts_embedded_total") == 0
+    assert first("embedfleet_padding_ratio") == pytest.approx(0.25)
+    assert first("embedfleet_dead_letters_total", reason="too_large") == 2
+    assert first("embedfleet_sink_errors_total", error="ConnectionResetError") == 1
+    one.model_busy(fraction=0.42)
+    assert Scrape(generate_latest(one.registry).decode())("embedfleet_model_busy_fraction") == 0.42
+
+
+@pytest.mark.parametrize(
+    ("reason", "label"),
+    [
+        ("entry has no 'm' field (expected msgpack in field m)", "no_payload"),
+        ("not msgpack: unpack(b) received extra data.", "not_msgpack"),
+        ("'text' has 2000000 characters, over the 1000000 limit", "too_large"),
+        ("text is longer than the model's 256 tokens (EMBEDFLEET_TRUNCATE=false)", "too_long"),
+        ("'id' must be a non-empty string", "invalid"),
+        ("delivered 5 times and never acknowledged (a worker crashed on it?)", "deliveries"),
+        ("model error: RuntimeError: CUDA error", "model"),
+        # the quoted error must not decide the class: only the prefix does
+        ("sink error after 5 tries: ValueError: not msgpack", "sink"),
+        ("something new", "other"),
+    ],
+)
+def test_dead_letter_reasons_map_to_few_labels(reason: str, label: str) -> None:
+    assert reason_class(reason) == label
+    assert label in {name for name, _ in REASON_CLASSES} | {"other"}
+
+
+async def test_stream_gauges_without_a_group_count_every_entry_as_lag(
+    settings: Settings, client: aioredis.Redis
+) -> None:
+    from prometheus_client import generate_latest
+
+    for _ in range(3):
+        await client.xadd(settings.keys.ingest, {PAYLOAD_FIELD: b"x"})
+    metrics = WorkerMetrics()
+    assert await StreamGauges(metrics, client, settings.keys).refresh()
+    page = Scrape(generate_latest(metrics.registry).decode())
+    assert page("embedfleet_stream_lag", stream="ingest") == 3  # the group starts at id 0
+    assert page("embedfleet_stream_lag", stream="query") == 0
+    assert page("embedfleet_redis_up") == 1
+
+
+# --- embedfleet status ----------------------------------------------------------------------
+def embedfleet(settings: Settings, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "embedfleet.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={
+            **os.environ,
+            "EMBEDFLEET_REDIS_URL": settings.effective_redis_url,
+            "EMBEDFLEET_NAMESPACE": settings.namespace,
+        },
+    )
+
+
+async def _known_state(settings: Settings, client: aioredis.Redis) -> list[bytes]:
+    """40 chunks in job "st"; alpha holds 12 unacknowledged, beta 5; one dead letter."""
+    async with Producer(settings, client) as producer:
+        await producer.enqueue(builtin_corpus(40, max_chars=200), job="st")
+    read: list[bytes] = []
+    for consumer, count in (("alpha", 12), ("beta", 5)):
+        reply = await client.xreadgroup(
+            settings.group, consumer, {settings.keys.ingest: ">"}, count=count
+        )
+        read += [entry_id for entry_id, _ in reply[0][1]]
+    await client.xadd(
+        settings.keys.dead,
+        {"reason": "not msgpack: test", "stream": settings.keys.ingest, "entry_id": "1-1"},
+    )
+    return read
+
+
+async def test_status_json_agrees_with_xinfo_and_xpending(
+    settings: Settings, client: aioredis.Redis
+) -> None:
+    await _known_state(settings, client)
+    result = await asyncio.to_thread(embedfleet, settings, "status", "--json", "--sample", "0")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+
+    ingest = data["streams"]["ingest"]
+    (group,) = await client.xinfo_groups(settings.keys.ingest)
+    pending = await client.xpending(settings.keys.ingest, settings.group)
+    consumers = await client.xinfo_consumers(settings.keys.ingest, settings.group)
+    assert (ingest["lag"], ingest["pending"]) == (group["lag"], group["pending"]) == (23, 17)
+    assert ingest["pending"] == pending["pending"]
+    assert ingest["entries_read"] == group["entries-read"] == 17
+    assert ingest["length"] == await client.xlen(settings.keys.ingest) == 40
+    by_name = {c["name"]: c for c in ingest["consumers"]}
+    assert (
+        {name: c["pending"] for name, c in by_name.items()}
+        == {c["name"].decode(): c["pending"] for c in pending["consumers"]}
+        == {"alpha": 12, "beta": 5}
+    )
+    for consumer in consumers:
+        idle = by_name[consumer["name"].decode()]["idle_ms"]
+        assert abs(idle - consumer["idle"]) < 5000  # both read a moment apart
+    assert data["streams"]["query"]["lag"] == 0 and data["streams"]["query"]["consumers"] == []
+    assert data["streams"]["results"]["length"] == 0
+    assert data["dead_letters"]["count"] == 1
+    assert data["dead_letters"]["latest"][0]["reason"] == "not msgpack: test"
+    assert data["jobs"] == [{"job": "st", "enqueued": 40, "done": 0, "dead": 0, "remaining": 40}]
+    assert data["backlog"] == 40 and data["throughput"]["per_s"] is None
+
+    text = await asyncio.to_thread(embedfleet, settings, "status", "--sample", "0")
+    assert text.returncode == 0, text.stderr
+    lines = text.stdout.splitlines()
+    ingest_row = next(line for line in lines if line.startswith("ingest "))
+    assert ingest_row.split()[1:5] == [settings.keys.ingest, "40", "23", "17"]
+    assert any(line.split()[:3] == ["alpha", "12", "0"] for line in lines), text.stdout
+    assert any(line.split()[:2] == ["st", "40"] for line in lines), text.stdout
+    assert "not msgpack: test" in text.stdout
+
+
+async def test_status_throughput_counts_acknowledged_entries(
+    settings: Settings, client: aioredis.Redis
+) -> None:
+    read = await _known_state(settings, client)
+    before = await take_snapshot(client, settings.keys)
+    # Finish 10 of alpha's entries the way a worker does: XACK + XDEL.
+    await client.xack(settings.keys.ingest, settings.group, *read[:10])
+    await client.xdel(settings.keys.ingest, *read[:10])
+    after = await take_snapshot(client, settings.keys)
+
+    rate = throughput(before, after)
+    assert rate is not None
+    assert rate.by_stream["ingest"] * rate.window_s == pytest.approx(10)
+    assert rate.by_stream["query"] == 0
+    # Backlog: 23 undelivered + 7 still pending.
+    assert eta_seconds(after, rate) == pytest.approx(30 / rate.per_s)
+    stalled = throughput(after, dataclasses.replace(after, monotonic=after.monotonic + 5))
+    assert stalled is not None and stalled.per_s == 0
+    assert math.isinf(eta_seconds(after, stalled))
+
+    # --watch keeps about a minute of snapshots and measures over that minute.
+    history = History(window_s=60)
+    for offset in (0, 30, 61, 62, 90):
+        history.add(dataclasses.replace(after, monotonic=after.monotonic + offset))
+    measured = history.throughput()
+    assert measured is not None and 60 <= measured.window_s <= 62
+
+
+async def test_status_watch_json_until_ctrl_c(settings: Settings, client: aioredis.Redis) -> None:
+    await _known_state(settings, client)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "embedfleet.cli",
+        "status",
+        "--watch",
+        "--json",
+        "--interval",
+        "0.2",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={
+            **os.environ,
+            "EMBEDFLEET_REDIS_URL": settings.effective_redis_url,
+            "EMBEDFLEET_NAMESPACE": settings.namespace,
+        },
+    )
+    assert process.stdout is not None
+    frames = [json.loads(await asyncio.wait_for(process.stdout.readline(), 30)) for _ in range(3)]
+    process.send_signal(signal.SIGINT)
+    _, stderr = await asyncio.wait_for(process.communicate(), 30)
+    assert process.returncode == 0, stderr.decode()
+    assert b"Traceback" not in stderr
+    assert frames[0]["throughput"]["measuring"] is True
+    assert frames[2]["throughput"]["per_s"] == 0  # nothing is being worked on
+    assert frames[2]["stalled"] is True and frames[2]["eta_s"] is None
+    assert all(frame["streams"]["ingest"]["lag"] == 23 for frame in frames)
+
+
+def test_status_without_redis_is_a_clear_error(settings: Settings) -> None:
+    nowhere = settings.model_copy(update={"redis_url": f"redis://127.0.0.1:{free_port()}/0"})
+    result = embedfleet(nowhere, "status", "--sample", "0")
+    assert result.returncode == 1
+    assert "cannot read the fleet's state from Redis" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_status_explains_itself() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "embedfleet.cli", "status", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0 and "--watch" in result.stdout and "--json" in result.stdout

@@ -1,0 +1,162 @@
+"""Packed batches give the vectors unpacked batches give (fp32, real texts), with less padding.
+
+The CPU form of the same code the GPU runs: rows with a block-diagonal mask, and varlen with
+whichever kernel is available here (nested-tensor SDPA or the per-text loop; flash-attn on CUDA).
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from loadtest.corpus import build_corpus
+from workers.batcher import padding_waste, plan_batches
+from workers.encoder import Encoder, Tokenized
+from workers.packing import (
+    VARLEN_KERNELS,
+    PackedEncoder,
+    collate_rows,
+    collate_varlen,
+    pack_rows,
+    padding_waste as packed_waste,
+    plan_token_batches,
+    preferred_layout,
+)
+from workers.precision import cosines
+
+MIN_COSINE = 0.9999
+TEXTS = 96
+
+
+@pytest.fixture(scope="module")
+def corpus_tokens(encoder: Encoder) -> tuple[list[str], list[Tokenized]]:
+    texts = [item.text for item in build_corpus(TEXTS, seed=11)]
+    return texts, encoder.tokenize(texts)
+
+
+def unpacked(encoder: Encoder, tokens: list[Tokenized]) -> np.ndarray:
+    """The reference: sorted, padded micro-batches through Encoder.embed."""
+    vectors = np.zeros((len(tokens), encoder.dim), dtype=np.float32)
+    for planned in plan_batches([t.length for t in tokens], token_budget=4096, max_batch=64):
+        batch = encoder.collate([tokens[p] for p in planned.positions])
+        vectors[planned.positions] = encoder.embed(batch)
+    return vectors
+
+
+def test_rows_match_unpacked(encoder: Encoder, corpus_tokens: tuple) -> None:
+    _, tokens = corpus_tokens
+    reference = unpacked(encoder, tokens)
+    packer = PackedEncoder(encoder, "rows")
+    vectors = np.zeros_like(reference)
+    for positions in plan_token_batches([t.length for t in tokens], 2048, 256):
+        batch = packer.collate([tokens[p] for p in positions], width=256)
+        assert batch.size == len(positions)
+        vectors[positions] = packer.embed(batch)
+    assert cosines(reference, vectors).min() >= MIN_COSINE
+
+
+@pytest.fixture(scope="module")
+def varlen_encoder() -> Encoder:
+    # Its own model: installing the varlen attention must not touch the session's encoder.
+    return Encoder()
+
+
+def test_varlen_matches_unpacked_and_leaves_padded_path_alone(
+    varlen_encoder: Encoder, encoder: Encoder, corpus_tokens: tuple
+) -> None:
+    _, tokens = corpus_tokens
+    reference = unpacked(encoder, tokens)
+    packer = PackedEncoder(varlen_encoder, "varlen")
+    assert packer.kernel in VARLEN_KERNELS
+    vectors = np.zeros_like(reference)
+    for positions in plan_token_batches([t.length for t in tokens], 2048, 256):
+        vectors[positions] = packer.embed(packer.collate([tokens[p] for p in positions]))
+    assert cosines(reference, vectors).min() >= MIN_COSINE
+    # The switched attention sends padded batches to stock SDPA: Encoder.embed is unchanged.
+    assert cosines(reference, unpacked(varlen_encoder, tokens)).min() >= 0.999999
+
+
+@pytest.mark.parametrize("kernel", ["nested_sdpa", "loop_sdpa"])
+def test_each_cpu_varlen_kernel_matches(
+    varlen_encoder: Encoder, encoder: Encoder, corpus_tokens: tuple, kernel: str
+) -> None:
+    """Every fallback must be right, not just the one this machine happens to pick."""
+    from workers.packing import install_varlen_attention
+
+    _, tokens = corpus_tokens
+    subset = tokens[:24]
+    reference = unpacked(encoder, subset)
+    packer = PackedEncoder(varlen_encoder, "varlen")
+    install_varlen_attention(varlen_encoder._model, kernel)
+    vectors = packer.embed(collate_varlen(subset))
+    assert cosines(reference, vectors).min() >= MIN_COSINE
+
+
+def test_pooling_modes_match_unpacked(encoder: Encoder, corpus_tokens: tuple) -> None:
+    """cls / max / last-token pooling read the right tokens of each packed text."""
+    import torch
+
+    from workers.encoder import pool
+    from workers.packing import pool_packed
+
+    _, tokens = corpus_tokens
+    subset = tokens[:16]
+    padded = encoder.collate(subset)
+    packed = collate_rows(subset, width=256)
+    with torch.inference_mode():
+        hidden_padded = encoder._model(
+            input_ids=padded.input_ids, attention_mask=padded.attention_mask
+        ).last_hidden_state
+        hidden_packed = encoder._model(
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,
+            attention_mask=packed.attention_mask,
+        ).last_hidden_state
+    for mode in ("mean", "cls", "max", "lasttoken"):
+        expected = pool(hidden_padded, padded.attention_mask, mode).numpy()
+        got = pool_packed(hidden_packed, packed, mode).numpy()
+        assert cosines(expected, got).min() >= MIN_COSINE, mode
+
+
+def test_padding_waste_figures(corpus_tokens: tuple) -> None:
+    """Arrival order (batches of 32) wastes a third or more; sorting, packing and varlen don't.
+
+    Figures for the benchmark corpus (2,000 texts) are in docs/BENCHMARKS.md; printed with -s.
+    """
+    rng = random.Random(0)
+    lengths = [min(t.length, 256) for t in corpus_tokens[1]]
+    lengths = lengths + [rng.choice(lengths) for _ in range(900)]  # a worker-sized window
+    naive = 1 - sum(lengths) / sum(
+        max(lengths[i : i + 32]) * len(lengths[i : i + 32]) for i in range(0, len(lengths), 32)
+    )
+    sorted_waste = padding_waste(plan_batches(lengths, token_budget=4096, max_batch=128))
+    rows = pack_rows(lengths, 256)
+    rows_waste = 1 - sum(lengths) / (256 * len(rows))
+    items = [Tokenized(ids=[1] * n, truncated=False) for n in lengths]
+    varlen_waste = packed_waste(
+        [collate_varlen([items[p] for p in b]) for b in plan_token_batches(lengths, 4096, 128)]
+    )
+    print(
+        f"\npadding waste: arrival order {naive:.1%}, sorted {sorted_waste:.1%}, "
+        f"rows(256) {rows_waste:.1%}, varlen {varlen_waste:.1%}"
+    )
+    assert naive > 0.3
+    assert sorted_waste < 0.05 and rows_waste < 0.02 and varlen_waste == 0.0
+
+
+def test_pack_rows_keeps_every_text_once_within_width() -> None:
+    rng = random.Random(3)
+    lengths = [rng.randint(1, 300) for _ in range(500)]
+    rows = pack_rows(lengths, 256)
+    assert sorted(p for row in rows for p in row) == list(range(500))
+    for row in rows:
+        assert len(row) == 1 or sum(lengths[p] for p in row) <= 256
+
+
+def test_layout_choice_is_explicit() -> None:
+    import torch
+
+    assert preferred_layout(torch.device("cpu")) == "padded"
+    assert preferred_layout(torch.device("cuda")) == "varlen"

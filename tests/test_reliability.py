@@ -1,0 +1,409 @@
+"""Nothing lost: bad input, reclaim, poison messages, drain, Redis restarts, backpressure,
+TLS and ACL users. Everything against real redis-server processes."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import redis.asyncio as aioredis
+
+from embedfleet.server import ServerProcess, free_port, system_server_binary
+from producer import Producer
+from producer.chunker import builtin_corpus
+from shared.protocol import PAYLOAD_FIELD, Chunk, encode_chunk
+from shared.redis_conn import connect
+from shared.settings import Settings
+from tests.conftest import running_worker, start_worker_process
+
+
+def raw(message: object) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+BAD_INPUTS: dict[str, tuple[dict[bytes | str, bytes], str]] = {
+    "not msgpack": ({PAYLOAD_FIELD: b"\xc1\xc1 definitely not msgpack"}, "not msgpack"),
+    "wrong shape": ({PAYLOAD_FIELD: raw(["v", 1])}, "expected a msgpack map"),
+    "unknown version": (
+        {PAYLOAD_FIELD: raw({"v": 9, "id": "a", "text": "x"})},
+        "unknown protocol version",
+    ),
+    "missing id": ({PAYLOAD_FIELD: raw({"v": 1, "text": "x"})}, "'id' must be"),
+    "id not a string": ({PAYLOAD_FIELD: raw({"v": 1, "id": 12, "text": "x"})}, "'id' must be"),
+    "missing text": ({PAYLOAD_FIELD: raw({"v": 1, "id": "a"})}, "'text' must be a string"),
+    "text not a string": (
+        {PAYLOAD_FIELD: raw({"v": 1, "id": "a", "text": [1]})},
+        "'text' must be a string",
+    ),
+    "empty text": ({PAYLOAD_FIELD: raw({"v": 1, "id": "a", "text": ""})}, "empty or whitespace"),
+    "whitespace text": (
+        {PAYLOAD_FIELD: raw({"v": 1, "id": "a", "text": " \t\n "})},
+        "empty or whitespace",
+    ),
+    "invalid utf-8": (
+        {PAYLOAD_FIELD: b"\x83\xa1v\x01\xa2id\xa1a\xa4text\xa3\xff\xfe\xfd"},
+        "invalid UTF-8",
+    ),
+    "10 MB text": (
+        {PAYLOAD_FIELD: raw({"v": 1, "id": "a", "text": "word " * 2_000_000})},
+        "over the 4194304-byte limit",
+    ),
+    "memory bomb": (
+        {PAYLOAD_FIELD: b"\x83\xa1v\x01\xa2id\xa1a\xa4text\xdb\x7f\xff\xff\xffab"},
+        "not msgpack",
+    ),
+    "oversized meta": (
+        {PAYLOAD_FIELD: raw({"v": 1, "id": "a", "text": "x", "meta": {"blob": "m" * 100_000}})},
+        "'meta' is",
+    ),
+    "no payload field": ({"text": b"hello"}, "no 'm' field"),
+}
+
+
+async def wait_until(predicate, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.1)
+
+
+async def test_every_bad_input_is_dead_lettered_and_the_worker_goes_on(
+    settings: Settings, client: aioredis.Redis, encoder
+) -> None:
+    async with running_worker(settings, encoder, client):
+        entry_reasons = {}
+        for name, (fields, _) in BAD_INPUTS.items():
+            entry_reasons[(await client.xadd(settings.keys.ingest, fields)).decode()] = name
+        # an id repeated in one batch: both are valid input, both are embedded
+        twice = encode_chunk(Chunk("same-id", "the same id twice"))
+        await client.xadd(settings.keys.ingest, {PAYLOAD_FIELD: twice})
+        await client.xadd(settings.keys.ingest, {PAYLOAD_FIELD: twice})
+        await client.xadd(settings.keys.ingest, {PAYLOAD_FIELD: encode_chunk(Chunk("ok", "fine"))})
+
+        async def all_answered() -> bool:
+            dead = await client.xlen(settings.keys.dead)
+            return dead == len(BAD_INPUTS) and await client.xlen(settings.keys.results) == 3
+
+        await wait_until(all_answered)
+        # still running and embedding after all that
+        await client.xadd(settings.keys.ingest, {PAYLOAD_FIELD: encode_chunk(Chunk("after", "x"))})
+        await wait_until(lambda: _xlen_is(client, settings.keys.results, 4))
+    for _, fields in await client.xrange(settings.keys.dead):
+        name = entry_reasons[fields[b"entry_id"].decode()]
+        assert BAD_INPUTS[name][1] in fields[b"reason"].decode(), name
+        assert len(fields.get(b"payload_prefix", b"")) <= 256
+    assert (await client.xpending(settings.keys.ingest, settings.group))["pending"] == 0
+
+
+async def _xlen_is(client: aioredis.Redis, key: str, count: int) -> bool:
+    return await client.xlen(key) == count
+
+
+async def test_entries_of_a_dead_consumer_are_reclaimed(
+    settings: Settings, client: aioredis.Redis, encoder
+) -> None:
+    fast = settings.model_copy(update={"reclaim_idle_ms": 300})
+    async with Producer(fast, client) as producer:
+        await producer.enqueue(builtin_corpus(40), job="r")
+        # a consumer that reads and dies without acknowledging
+        await client.xreadgroup(fast.group, "dead-worker", {fast.keys.ingest: ">"}, count=40)
+        async with running_worker(fast, encoder, client):
+            progress = await producer.wait_for_job("r", timeout=60)
+
+            async def ghost_removed() -> bool:
+                consumers = await client.xinfo_consumers(fast.keys.ingest, fast.group)
+                return b"dead-worker" not in {c["name"] for c in consumers}
+
+            await wait_until(ghost_removed, timeout=30)
+    assert progress.done == 40
+    assert (await client.xpending(fast.keys.ingest, fast.group))["pending"] == 0
+
+
+async def test_poison_entry_is_dead_lettered_after_max_deliveries(
+    settings: Settings, client: aioredis.Redis, encoder
+) -> None:
+    strict = settings.model_copy(update={"reclaim_idle_ms": 200, "max_deliveries": 3})
+    async with Producer(strict, client) as producer:
+        await producer.enqueue([Chunk("poison", "kills every worker that reads it")], job="p")
+    # three workers in a row read it and die (delivery count reaches 3)
+    entry_id = (await client.xreadgroup(strict.group, "w1", {strict.keys.ingest: ">"}))[0][1][0][0]
+    for victim in ("w2", "w3"):
+        await asyncio.sleep(0.25)
+        await client.xclaim(strict.keys.ingest, strict.group, victim, 0, [entry_id])
+    await asyncio.sleep(0.25)
+    async with running_worker(strict, encoder, client):
+        await wait_until(lambda: _xlen_is(client, strict.keys.dead, 1))
+    ((_, fields),) = await client.xrange(strict.keys.dead)
+    assert fields[b"deliveries"] == b"3" and b"never acknowledged" in fields[b"reason"]
+    assert await client.xlen(strict.keys.results) == 0
+    assert (await client.xpending(strict.keys.ingest, strict.group))["pending"] == 0
+
+
+async def test_live_worker_keeps_its_long_batch(
+    settings: Settings, client: aioredis.Redis, encoder
+) -> None:
+    """Lease renewal: with a reclaim idle far below the batch time, nothing is stolen."""
+    tight = settings.model_copy(update={"reclaim_idle_ms": 150, "read_count": 200})
+    thief = tight.model_copy(update={"consumer": "thief"})
+    async with Producer(tight, client) as producer:
+        await producer.enqueue(builtin_corpus(200), job="lease")
+        async with running_worker(tight, encoder, client):
+            await asyncio.sleep(0.3)  # the worker holds 200 entries for well over 150 ms
+            from workers.deadletter import DeadLetters
+            from workers.events import WorkerEvents
+            from workers.reclaim import InFlight, Reclaimer
+
+            stolen = await Reclaimer(
+                thief,
+                client,
+                InFlight(),
+                DeadLetters(client, thief.keys, WorkerEvents(), 60),
+                WorkerEvents(),
+            ).claim(thief.keys.ingest)
+            await producer.wait_for_job("lease", timeout=120)
+    assert stolen == []
+
+
+async def test_sigterm_drains_and_exits_zero(settings: Settings, client: aioredis.Redis) -> None:
+    async with Producer(settings, client) as producer:
+        await producer.enqueue(builtin_corpus(400), job="d")
+        worker = start_worker_process(settings, "drainer", EMBEDFLEET_READ_COUNT="64")
+
+        async def started() -> bool:
+            return (await producer.progress("d")).done > 0
+
+        await wait_until(started, timeout=120)
+        worker.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(worker.wait, 60)
+        stderr = worker.stderr.read().decode()
+        progress = await producer.progress("d")
+    assert code == 0, stderr[-2000:]
+    assert '"draining' in stderr and '"worker stopped"' in stderr
+    pending = await client.xpending(settings.keys.ingest, settings.group)
+    assert pending["pending"] == 0, "a drained worker leaves nothing pending"
+    # nothing lost: what was not embedded is still waiting in the stream
+    assert progress.done + await client.xlen(settings.keys.ingest) == 400
+
+
+async def test_second_signal_exits_at_once_and_others_reclaim(
+    settings: Settings, client: aioredis.Redis, encoder
+) -> None:
+    fast = settings.model_copy(update={"reclaim_idle_ms": 500})
+    async with Producer(fast, client) as producer:
+        await producer.enqueue(builtin_corpus(300), job="k")
+        worker = start_worker_process(
+            fast, "impatient", EMBEDFLEET_READ_COUNT="300", EMBEDFLEET_RECLAIM_IDLE_MS="500"
+        )
+
+        async def holding() -> bool:
+            return (await client.xpending(fast.keys.ingest, fast.group))["pending"] > 0
+
+        await wait_until(holding, timeout=120)
+        worker.send_signal(signal.SIGINT)
+        worker.send_signal(signal.SIGINT)
+        code = await asyncio.to_thread(worker.wait, 30)
+        async with running_worker(fast, encoder, client):
+            progress = await producer.wait_for_job("k", timeout=180)
+    assert code != 0 or progress.done == 300
+    assert progress.done == 300 and progress.dead == 0
+
+
+async def test_redis_restart_mid_run_loses_nothing(tmp_path: Path, encoder) -> None:
+    binary = system_server_binary()
+    if binary is None:
+        pytest.skip("needs redis-server for an AOF restart")
+    port = free_port()
+    aof = ["--appendonly", "yes", "--appendfsync", "always"]
+
+    def server() -> ServerProcess:
+        return ServerProcess(binary, port=port, data_dir=tmp_path, extra_args=aof)
+
+    first = server().start()
+    settings = Settings(
+        redis_url=first.url, namespace="restart", block_ms=100, reclaim_idle_ms=1000
+    )
+    client = connect(settings.effective_redis_url)
+    try:
+        async with (
+            Producer(settings, client) as producer,
+            running_worker(settings, encoder, client),
+        ):
+            await producer.enqueue(builtin_corpus(300), job="aof")
+            await wait_until(lambda: _done_over(producer, "aof", 20), timeout=120)
+            first.stop()
+            await asyncio.sleep(1.0)
+            second = server().start()
+            try:
+                progress = await _wait_through_faults(producer, "aof", timeout=180)
+                ids = {r.id async for r in producer.results(job="aof")}
+            finally:
+                pass
+    finally:
+        await client.aclose()
+        second.stop()
+    assert progress.done >= 300 and ids == {c.id for c in builtin_corpus(300)}
+
+
+async def _done_over(producer: Producer, job: str, count: int) -> bool:
+    return (await producer.progress(job)).done > count
+
+
+async def _wait_through_faults(producer: Producer, job: str, timeout: float):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return await producer.wait_for_job(job, timeout=5)
+        except Exception:
+            await asyncio.sleep(0.2)
+    raise AssertionError("job did not finish after the restart")
+
+
+async def test_backpressure_holds_producers_at_the_high_water_mark(
+    settings: Settings, client: aioredis.Redis, encoder
+) -> None:
+    capped = settings.model_copy(update={"backlog_high_water": 50})
+    async with Producer(capped, client) as producer:
+        enqueue = asyncio.create_task(
+            producer.enqueue(builtin_corpus(200), job="bp", batch_size=25)
+        )
+        await asyncio.sleep(1.0)
+        backlog_while_blocked = await client.xlen(capped.keys.ingest)
+        assert not enqueue.done() and backlog_while_blocked <= 50 + 25
+        async with running_worker(capped, encoder, client):
+            await enqueue
+            progress = await producer.wait_for_job("bp", timeout=120)
+    assert progress.done == 200
+
+
+def _make_tls_files(directory: Path) -> dict[str, Path]:
+    files = {name: directory / f"{name}.pem" for name in ("ca", "ca-key", "cert", "key")}
+    csr = directory / "server.csr"
+    commands = [
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=embedfleet-test-ca",
+            "-keyout",
+            files["ca-key"],
+            "-out",
+            files["ca"],
+        ],
+        [
+            "openssl",
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=localhost",
+            "-keyout",
+            files["key"],
+            "-out",
+            csr,
+        ],
+        [
+            "openssl",
+            "x509",
+            "-req",
+            "-in",
+            csr,
+            "-CA",
+            files["ca"],
+            "-CAkey",
+            files["ca-key"],
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-out",
+            files["cert"],
+            "-extfile",
+            "/dev/stdin",
+        ],
+    ]
+    for command in commands:
+        extra = "subjectAltName=DNS:localhost,IP:127.0.0.1\n" if "-extfile" in command else None
+        subprocess.run(command, check=True, capture_output=True, input=extra, text=True)
+    return files
+
+
+async def test_tls_and_acl_user(tmp_path: Path, encoder) -> None:
+    binary = system_server_binary()
+    if binary is None:
+        pytest.skip("needs Debian's redis-server (built with TLS)")
+    tls = _make_tls_files(tmp_path)
+    port = free_port()
+    args = [
+        "--port",
+        "0",
+        "--tls-port",
+        str(port),
+        "--tls-cert-file",
+        str(tls["cert"]),
+        "--tls-key-file",
+        str(tls["key"]),
+        "--tls-ca-cert-file",
+        str(tls["ca"]),
+        "--tls-auth-clients",
+        "no",
+    ]
+    server = ServerProcess(binary, port=free_port(), extra_args=args)
+    # the launcher pings the plain port; with TLS only, start it by hand and ping over TLS
+    server.port = port
+    command = [
+        binary,
+        "--bind",
+        "127.0.0.1",
+        "--dir",
+        str(tmp_path),
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        *args,
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"rediss://embedder:s3cret@localhost:{port}/0?ssl_ca_certs={tls['ca']}"
+    try:
+        admin = connect(f"rediss://localhost:{port}/0?ssl_ca_certs={tls['ca']}")
+        for _ in range(100):
+            try:
+                await admin.ping()
+                break
+            except Exception:
+                await asyncio.sleep(0.05)
+        await admin.execute_command(
+            "ACL", "SETUSER", "embedder", "on", ">s3cret", "~*", "&*", "+@all"
+        )
+        await admin.execute_command("ACL", "SETUSER", "default", "off")
+        await admin.aclose()
+        anonymous = connect(f"rediss://localhost:{port}/0?ssl_ca_certs={tls['ca']}")
+        with pytest.raises(Exception, match=r"(?i)auth|NOPERM|WRONGPASS|disabled"):
+            await anonymous.ping()
+        await anonymous.aclose()
+        settings = Settings(redis_url=url, namespace="tls", block_ms=100)
+        client = connect(url)
+        async with (
+            Producer(settings, client) as producer,
+            running_worker(settings, encoder, client),
+        ):
+            await producer.enqueue([Chunk("secure", "over TLS as an ACL user")], job="tls")
+            progress = await producer.wait_for_job("tls", timeout=60)
+            vector = await producer.embed_query("and a query", timeout=30)
+        await client.aclose()
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+    assert progress.done == 1 and vector.shape == (384,)

@@ -1,0 +1,403 @@
+"""Every sink against the real thing: Redis, LanceDB, PostgreSQL + pgvector, Qdrant local mode.
+
+Per backend, a real worker embeds the same chunks twice (same ids; one text and one meta
+changed the second time). The database must then hold exactly one row per id, with the new
+vector, the metadata passed through and the job counters advanced; nearest-neighbour search
+must find the chunk a query was made from. The rows are read back with each database's own
+client, not through the code under test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from producer import Producer
+from producer.chunker import builtin_corpus
+from producer.client import JobProgress
+from producer.vectordb import VectorDBError, build_index, nearest, stored_vectors
+from shared.protocol import PAYLOAD_FIELD, Chunk, decode_result
+from shared.redis_conn import connect
+from shared.settings import Settings
+from shared.vectordb import SinkTarget, SinkURLError, meta_to_json, parse_sink_url, point_id
+from tests.conftest import running_sink_worker, running_worker
+from workers.sinks import Sink, SinkSetupError, build_sink
+from workers.sinks.pgvector import PgvectorSink, vector_type_for
+
+BACKENDS = ["redis", "lancedb", "pgvector", "pgvector-vector", "qdrant-local"]
+DATABASES = [b for b in BACKENDS if b != "redis"]
+CHANGED = 5  # the chunk whose text and meta change in the second round
+NEW_TEXT = "A recipe: boil the pasta for nine minutes, then stir in the tomato sauce and basil."
+COUNT = 30
+
+
+def first_round() -> list[Chunk]:
+    chunks = []
+    for n, chunk in enumerate(builtin_corpus(COUNT)):
+        meta = None if n == 7 else {**(chunk.meta or {}), "tags": ["a", "b"], "note": "café"}
+        chunks.append(Chunk(id=chunk.id, text=chunk.text, meta=meta))
+    return chunks
+
+
+def second_round(first: list[Chunk]) -> list[Chunk]:
+    second = list(first)
+    second[CHANGED] = Chunk(id=first[CHANGED].id, text=NEW_TEXT, meta={"changed": True})
+    return second
+
+
+@dataclass
+class Loaded:
+    backend: str
+    settings: Settings
+    target: SinkTarget
+    first: list[Chunk]
+    final: list[Chunk]
+    progress: list[JobProgress]
+    pending: int
+    ingest_left: int
+
+
+def _sink(backend: str, settings: Settings, client: Any) -> Sink:
+    if backend == "pgvector-vector":  # what a pgvector < 0.7 server gets: full-precision vector
+        target = parse_sink_url(settings.sink, settings.sink_table)
+        return PgvectorSink(
+            client, settings.keys, target.location, target.table, vector_type="vector"
+        )
+    return build_sink(settings, client)
+
+
+def _sink_url(backend: str, request: pytest.FixtureRequest, tmp: Path) -> str:
+    if backend == "redis":
+        return "redis"
+    if backend == "lancedb":
+        return f"lancedb://{tmp / 'lancedb'}"
+    if backend == "qdrant-local":
+        return f"qdrant+local://{tmp / 'qdrant'}"
+    return request.getfixturevalue("pg_server").get_uri()
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+async def loaded(
+    request: pytest.FixtureRequest, redis_server, encoder, tmp_path_factory
+) -> AsyncIterator[Loaded]:
+    backend: str = request.param
+    settings = Settings(
+        redis_url=redis_server.url,
+        namespace=f"t{uuid.uuid4().hex[:10]}",
+        consumer="sink-test",
+        block_ms=100,
+        log_format="json",
+        sink=_sink_url(backend, request, tmp_path_factory.mktemp(backend)),
+        sink_table=f"emb_{uuid.uuid4().hex[:8]}",
+    )
+    first = first_round()
+    final = second_round(first)
+    client = connect(settings.effective_redis_url)
+    progress = []
+    sink = _sink(backend, settings, client)
+    async with (
+        Producer(settings, client) as producer,
+        running_sink_worker(settings, encoder, client, sink),
+    ):
+        # one round at a time: the second must overwrite rows the first wrote durably
+        for job, chunks in (("round1", first), ("round2", final)):
+            await producer.enqueue(chunks, job=job)
+            progress.append(await producer.wait_for_job(job, timeout=120))
+    pending = (await client.xpending(settings.keys.ingest, settings.group))["pending"]
+    ingest_left = await client.xlen(settings.keys.ingest)
+    target = parse_sink_url(settings.sink, settings.sink_table)
+    yield Loaded(backend, settings, target, first, final, progress, pending, ingest_left)
+    await client.aclose()
+
+
+@pytest.fixture(scope="module")
+def reference(encoder) -> tuple[np.ndarray, np.ndarray]:
+    """sentence-transformers' vectors of the final texts, and of the changed chunk's first text."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(encoder.model_dir), device="cpu")
+    first = first_round()
+    return model.encode([c.text for c in second_round(first)]), model.encode([first[CHANGED].text])
+
+
+# --- reading each backend with its own client -------------------------------------------------
+def _rows(loaded: Loaded) -> list[dict[str, Any]]:
+    """Every stored row as {id, vector (float32), job, model, truncated, meta}."""
+    target = loaded.target
+    if target.kind == "lancedb":
+        import lancedb
+
+        table = lancedb.connect(target.location).open_table(target.table).to_arrow()
+        return [
+            {**row, "vector": np.asarray(row["vector"], np.float32), "meta": _json(row["meta"])}
+            for row in table.to_pylist()
+        ]
+    if target.kind == "pgvector":
+        import psycopg
+
+        with psycopg.connect(target.location) as conn:
+            rows = conn.execute(
+                f"SELECT id, embedding::text, job, model, truncated, meta FROM {target.table}"
+            ).fetchall()
+        return [
+            {
+                "id": r[0],
+                "vector": np.asarray(json.loads(r[1]), np.float32),
+                "job": r[2],
+                "model": r[3],
+                "truncated": r[4],
+                "meta": r[5],
+            }
+            for r in rows
+        ]
+    from qdrant_client import QdrantClient
+
+    qdrant = QdrantClient(path=target.location)
+    try:
+        points, _ = qdrant.scroll(target.table, limit=1000, with_payload=True, with_vectors=True)
+    finally:
+        qdrant.close()
+    rows = []
+    for point in points:
+        assert point.payload is not None
+        assert point.id == point_id(point.payload["id"])  # the deterministic point id
+        rows.append({**point.payload, "vector": np.asarray(point.vector, np.float32)})
+    return rows
+
+
+def _json(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+async def _stream_results(loaded: Loaded) -> list[dict[str, Any]]:
+    client = connect(loaded.settings.effective_redis_url)
+    try:
+        entries = await client.xrange(loaded.settings.keys.results)
+    finally:
+        await client.aclose()
+    results = [decode_result(fields[PAYLOAD_FIELD]) for _, fields in entries]
+    return [
+        {
+            "id": r.id,
+            "vector": r.vector.astype(np.float32),
+            "job": r.job,
+            "model": r.model,
+            "truncated": r.truncated,
+            "meta": r.meta,
+        }
+        for r in results
+    ]
+
+
+def _cosines(ours: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    return (ours * reference).sum(1) / (
+        np.linalg.norm(ours, axis=1) * np.linalg.norm(reference, axis=1)
+    )
+
+
+# --- the tests ----------------------------------------------------------------------------------
+async def test_upserts_keep_one_row_per_id_with_the_latest_vector(
+    loaded: Loaded, reference: tuple[np.ndarray, np.ndarray], encoder
+) -> None:
+    assert [(p.enqueued, p.done, p.dead) for p in loaded.progress] == [(COUNT, COUNT, 0)] * 2
+    assert loaded.pending == 0 and loaded.ingest_left == 0  # acknowledged and deleted
+    if loaded.backend == "redis":
+        # an append-only stream: each round appends every id once; readers keep the last
+        entries = await _stream_results(loaded)
+        assert sorted(e["id"] for e in entries) == sorted(c.id for c in loaded.final * 2)
+        latest = {e["id"]: e for e in entries}
+        rows = list(latest.values())
+    else:
+        rows = _rows(loaded)
+        ids = [row["id"] for row in rows]
+        assert len(ids) == len(set(ids)) == COUNT, "exactly one row per id"
+    by_id = {row["id"]: row for row in rows}
+    assert set(by_id) == {c.id for c in loaded.final}
+
+    final_reference, first_reference = reference
+    ours = np.stack([by_id[c.id]["vector"] for c in loaded.final])
+    cosines = _cosines(ours, final_reference)
+    print(f"{loaded.backend}: min cosine vs sentence-transformers {cosines.min():.6f}")
+    assert cosines.min() >= 0.999
+    # the changed chunk really holds the new text's vector, not the first round's
+    assert _cosines(ours[CHANGED : CHANGED + 1], first_reference)[0] < 0.9
+
+    for chunk in loaded.final:
+        row = by_id[chunk.id]
+        assert row["meta"] == chunk.meta, chunk.id
+        assert row["job"] == "round2" and row["model"] == encoder.name
+        assert row["truncated"] is False
+
+
+async def test_search_finds_the_chunk_a_query_was_made_from(loaded: Loaded, encoder) -> None:
+    if loaded.backend == "redis":
+        with pytest.raises(VectorDBError, match="EMBEDFLEET_SINK is `redis`"):
+            nearest(loaded.target, np.zeros(encoder.dim, np.float32))
+        return
+    probe = loaded.final[12]
+    hits = nearest(loaded.target, encoder.embed_texts([probe.text])[0], k=3)
+    assert [h.id for h in hits][:1] == [probe.id]
+    assert hits[0].score > 0.99 and hits[0].meta == probe.meta and hits[0].job == "round2"
+    assert len(hits) == 3 and hits[0].score >= hits[1].score >= hits[2].score
+    # a paraphrase finds the chunk whose text changed: the search sees the upserted vector
+    pasta = nearest(loaded.target, encoder.embed_texts(["how long to cook pasta"])[0], k=1)
+    assert pasta[0].id == loaded.final[CHANGED].id and pasta[0].meta == {"changed": True}
+
+
+async def test_search_embeds_the_query_through_the_priority_lane(loaded: Loaded, encoder) -> None:
+    from producer.search import format_hits, search
+
+    client = connect(loaded.settings.effective_redis_url)
+    query = "boiling pasta in tomato sauce"
+    try:
+        # queries are answered on reply keys, whatever sink the bulk results go to
+        async with running_worker(loaded.settings, encoder, client):
+            if loaded.backend == "redis":
+                with pytest.raises(VectorDBError, match="EMBEDFLEET_SINK is `redis`"):
+                    await search(loaded.settings, loaded.target, query, 2, 30)
+                return
+            hits = await search(loaded.settings, loaded.target, query, 2, 30)
+    finally:
+        await client.aclose()
+    assert hits[0].id == loaded.final[CHANGED].id
+    lines = format_hits(hits, as_json=True)
+    assert json.loads(lines[0])["id"] == loaded.final[CHANGED].id and len(lines) == 2
+
+
+async def test_stored_vectors_exports_one_per_id(loaded: Loaded) -> None:
+    if loaded.backend == "redis":
+        with pytest.raises(VectorDBError, match="EMBEDFLEET_SINK is `redis`"):
+            stored_vectors(loaded.target)
+        return
+    stored = stored_vectors(loaded.target, job="round2")
+    assert sorted(s.id for s in stored) == sorted(c.id for c in loaded.final)
+    assert all(s.vector.dtype == np.float16 and s.vector.shape == (384,) for s in stored)
+    assert stored_vectors(loaded.target, job="round1") == []  # every row was overwritten
+
+
+async def test_index_builds_and_search_still_finds_the_chunk(loaded: Loaded, encoder) -> None:
+    if loaded.backend == "redis":
+        with pytest.raises(VectorDBError, match="EMBEDFLEET_SINK is `redis`"):
+            build_index(loaded.target)
+        return
+    done = build_index(loaded.target, force=True)
+    target = loaded.target
+    if target.kind == "lancedb":
+        import lancedb
+
+        table = lancedb.connect(target.location).open_table(target.table)
+        assert {tuple(i.columns) for i in table.list_indices()} == {("id",), ("vector",)}
+        assert "under 100,000 rows" in build_index(target)[1]  # without --force: explained
+    elif target.kind == "pgvector":
+        import psycopg
+
+        with psycopg.connect(target.location) as conn:
+            (indexdef,) = conn.execute(
+                "SELECT indexdef FROM pg_indexes WHERE tablename = %s AND indexdef LIKE %s",
+                (target.table, "%hnsw%"),
+            ).fetchone()
+        expected = "halfvec" if loaded.backend == "pgvector" else "vector"
+        assert f"{expected}_cosine_ops" in indexdef, indexdef
+    else:
+        from qdrant_client import QdrantClient
+
+        qdrant = QdrantClient(path=target.location)
+        try:
+            config = qdrant.get_collection(target.table).config
+        finally:
+            qdrant.close()
+        assert config.optimizer_config.indexing_threshold == 20_000, done
+    probe = loaded.final[20]
+    hits = nearest(target, encoder.embed_texts([probe.text])[0], k=1)
+    assert hits[0].id == probe.id
+
+
+@pytest.mark.parametrize("backend", DATABASES)
+async def test_a_table_of_another_dimension_is_refused_clearly(
+    backend: str, request: pytest.FixtureRequest, redis_server, tmp_path: Path
+) -> None:
+    settings = Settings(
+        redis_url=redis_server.url,
+        sink=_sink_url(backend, request, tmp_path),
+        sink_table=f"dim_{uuid.uuid4().hex[:8]}",
+    )
+    client = connect(settings.effective_redis_url)
+    try:
+        small = _sink(backend, settings, client)
+        await small.setup("tiny-model", 8)
+        await small.close()
+        big = _sink(backend, settings, client)
+        with pytest.raises(SinkSetupError, match=r"8\)?-dim|\(8\)") as raised:
+            await big.setup("all-MiniLM-L6-v2", 384)
+        await big.close()
+    finally:
+        await client.aclose()
+    assert "EMBEDFLEET_SINK_TABLE" in str(raised.value)
+
+
+async def test_unknown_sink_scheme_is_a_clear_error(settings: Settings, client) -> None:
+    with pytest.raises(SinkURLError, match="unknown sink scheme 'mongodb://'") as raised:
+        build_sink(settings.model_copy(update={"sink": "mongodb://db:27017"}), client)
+    for form in ("lancedb:///", "postgresql://", "qdrant://", "qdrant+local:///"):
+        assert form in str(raised.value)
+    with pytest.raises(SinkURLError, match="not a valid table name"):
+        build_sink(
+            settings.model_copy(update={"sink": "lancedb:///x", "sink_table": "a b"}), client
+        )
+
+
+def test_worker_and_search_refuse_bad_sinks_before_loading_anything() -> None:
+    env = {**os.environ, "EMBEDFLEET_SINK": "mongodb://db:27017"}
+    worker = subprocess.run(
+        [sys.executable, "-m", "embedfleet.cli", "worker"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert worker.returncode == 1 and "unknown sink scheme" in worker.stderr
+    assert "Traceback" not in worker.stderr
+    search = subprocess.run(
+        [sys.executable, "-m", "embedfleet.cli", "search", "anything"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "EMBEDFLEET_SINK": "redis"},
+        timeout=60,
+    )
+    assert search.returncode == 1 and "needs a vector database sink" in search.stderr
+
+
+def test_pgvector_uses_halfvec_from_0_7() -> None:
+    assert vector_type_for("0.6.2") == "vector"
+    assert vector_type_for("0.7.0") == "halfvec"
+    assert vector_type_for("0.10.1") == "halfvec"
+
+
+def test_sink_urls() -> None:
+    assert parse_sink_url("lancedb:///data/v").location == "/data/v"
+    assert parse_sink_url("qdrant://q").location == "http://q:6333"
+    cloud = parse_sink_url("https://:secret@x.cloud:6333")
+    assert (cloud.kind, cloud.api_key, cloud.location) == (
+        "qdrant",
+        "secret",
+        "https://x.cloud:6333",
+    )
+    assert "secret" not in cloud.describe()
+    pg = parse_sink_url("postgres://u:pw@h/db")
+    assert pg.kind == "pgvector" and "pw" not in pg.describe()
+    assert parse_sink_url("qdrant+local:///tmp/q").kind == "qdrant-local"
+
+
+def test_meta_that_json_cannot_hold_is_converted_not_fatal() -> None:
+    text = meta_to_json({"raw": b"\x00\xff", "x": float("nan"), "deep": [{"k": b"a"}]})
+    assert json.loads(text) == {"raw": "AP8=", "x": "nan", "deep": [{"k": "YQ=="}]}

@@ -1,0 +1,79 @@
+"""Writing entries to the dead-letter stream: with a reason, acknowledged, never dropped."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from shared.keys import Keys
+from shared.logging import get_logger
+from shared.protocol import dead_letter_fields, encode_query_error
+from workers.events import WorkerEvents
+from workers.sinks import Delivery, queue_acknowledgements
+
+log = get_logger("embedfleet.worker")
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """One entry that will not be embedded, and why."""
+
+    stream: str
+    entry_id: str
+    reason: str
+    payload: bytes | None = None
+    chunk_id: str | None = None
+    job: str | None = None
+    reply: str | None = None
+    deliveries: int = 1
+
+
+class DeadLetters:
+    def __init__(
+        self, client: aioredis.Redis, keys: Keys, events: WorkerEvents, reply_ttl_s: int
+    ) -> None:
+        self.client = client
+        self.keys = keys
+        self.events = events
+        self.reply_ttl_s = reply_ttl_s
+
+    async def send(self, rejected: Sequence[Rejected]) -> None:
+        """XADD each to the dead stream and XACK + XDEL its entry, in one MULTI/EXEC.
+
+        A rejected query also answers its caller with the reason, so nobody waits for a
+        timeout to learn that their text was empty.
+        """
+        if not rejected:
+            return
+        pipe = self.client.pipeline(transaction=True)
+        for item in rejected:
+            pipe.xadd(
+                self.keys.dead,
+                dead_letter_fields(
+                    reason=item.reason,
+                    stream=item.stream,
+                    entry_id=item.entry_id,
+                    payload=item.payload,
+                    chunk_id=item.chunk_id,
+                    job=item.job,
+                    deliveries=item.deliveries,
+                ),
+            )
+            if item.reply is not None and item.chunk_id is not None:
+                reply_key = self.keys.reply(item.reply)
+                pipe.rpush(reply_key, encode_query_error(item.chunk_id, item.reason))
+                pipe.expire(reply_key, self.reply_ttl_s)
+        deliveries = [Delivery(item.stream, item.entry_id, item.job) for item in rejected]
+        queue_acknowledgements(pipe, self.keys, deliveries, counter="dead")
+        await pipe.execute()
+        for item in rejected:
+            log.warning(
+                "dead-lettered",
+                stream=item.stream,
+                entry_id=item.entry_id,
+                id=item.chunk_id,
+                reason=item.reason,
+            )
+        self.events.dead_lettered(count=len(rejected), reason=rejected[0].reason)

@@ -1,0 +1,345 @@
+"""Prometheus metrics of one worker: a ``WorkerEvents`` listener plus the streams' gauges.
+
+Every ``WorkerMetrics`` has its own ``CollectorRegistry`` (not prometheus-client's global one),
+so a test or a benchmark can run several workers in one process and read each one's numbers.
+``workers/health.py`` serves the registry at ``/metrics``.
+
+Counters and histograms are fed by the worker's hooks on the event loop. The stream gauges (lag,
+pending, length) describe the whole fleet, not this worker, so ``StreamGauges`` reads them from
+Redis when Prometheus scrapes (at most once a second, however many scrapers ask); every worker
+reports the same values, so aggregate them with ``max``, not ``sum``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+import time
+
+import redis.asyncio as aioredis
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+)
+
+from shared.keys import Keys
+from shared.logging import get_logger
+from shared.streams import find_group, is_missing_key
+from workers.events import WorkerEvents
+
+log = get_logger("embedfleet.metrics")
+
+PREFIX = "embedfleet"
+
+# Dead-letter reasons are free text (they name sizes, ids, limits); a label needs a small fixed
+# set, so each reason is filed under the class whose prefix it starts with. Matching the start
+# only matters: "sink error after 5 tries: ..." may quote anything after its prefix. The full
+# reason is in the dead-letter stream (`redis-cli XRANGE {ns}:dead - +`).
+REASON_CLASSES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("no_payload", re.compile(r"entry has no 'm' field")),
+    ("not_msgpack", re.compile(r"not msgpack|invalid UTF-8|expected a msgpack map")),
+    ("too_large", re.compile(r"(payload is|'text' has|'meta' is) \d+ \w+, over the")),
+    ("too_long", re.compile(r"text is longer than the model")),
+    ("invalid", re.compile(r"unknown protocol version|'\w+' (must|is)|query has no 'reply'")),
+    ("deliveries", re.compile(r"delivered \d+ times")),
+    ("model", re.compile(r"model error")),
+    ("sink", re.compile(r"sink error")),
+)
+OTHER_REASON = "other"
+
+
+def reason_class(reason: str) -> str:
+    """The label value for a dead-letter reason: one of REASON_CLASSES' names, or "other"."""
+    for name, pattern in REASON_CLASSES:
+        if pattern.match(reason):
+            return name
+    return OTHER_REASON
+
+
+STREAMS = ("ingest", "query", "results", "dead")
+GROUP_STREAMS = ("ingest", "query")  # the streams read through the consumer group
+
+
+class WorkerMetrics(WorkerEvents):
+    """The worker's hooks, counted into a registry of this worker's own."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        # The process's CPU, memory and open files, as every Prometheus exporter reports them.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        self.info = Info(
+            f"{PREFIX}_worker", "This worker: consumer, model, device, dtype.", registry=r
+        )
+        self.texts = Counter(
+            f"{PREFIX}_texts_embedded",
+            "Texts embedded, written to the sink and acknowledged.",
+            registry=r,
+        )
+        self.tokens = Counter(
+            f"{PREFIX}_tokens_embedded",
+            "Real (non-padding) tokens that went through the model.",
+            registry=r,
+        )
+        self.padded_tokens = Counter(
+            f"{PREFIX}_padded_tokens",
+            "Tokens the model computed, padding included (batch size × longest sequence).",
+            registry=r,
+        )
+        self.batches = Counter(
+            f"{PREFIX}_batches", "Micro-batches that went through the model.", registry=r
+        )
+        self.batch_texts = Histogram(
+            f"{PREFIX}_batch_texts",
+            "Texts per micro-batch.",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+            registry=r,
+        )
+        self.batch_tokens = Histogram(
+            f"{PREFIX}_batch_padded_tokens",
+            "Padded tokens per micro-batch (what EMBEDFLEET_TOKEN_BUDGET bounds).",
+            buckets=(64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536),
+            registry=r,
+        )
+        self.batch_seconds = Histogram(
+            f"{PREFIX}_batch_seconds",
+            "Forward-pass time of one bulk micro-batch.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        self.write_seconds = Histogram(
+            f"{PREFIX}_write_seconds",
+            "Time to write one batch of results to the sink and acknowledge its entries.",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
+            registry=r,
+        )
+        self.query_seconds = Histogram(
+            f"{PREFIX}_query_latency_seconds",
+            "Priority query latency, from enqueue (the entry id's time) to reply.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=r,
+        )
+        self.model_seconds = Counter(
+            f"{PREFIX}_model_seconds",
+            "Seconds the model spent computing; rate() of it is the busy fraction over a window.",
+            registry=r,
+        )
+        self.padding_ratio = Gauge(
+            f"{PREFIX}_padding_ratio",
+            "Share of computed tokens that were padding, since the worker started.",
+            registry=r,
+        )
+        self.padding_ratio.set_function(self._padding_ratio)
+        self.model_busy_fraction = Gauge(
+            f"{PREFIX}_model_busy_fraction",
+            "Share of wall time the model spent computing, since the worker started.",
+            registry=r,
+        )
+        self.model_busy_fraction.set_function(self._busy_fraction)
+        self.dead_letters = Counter(
+            f"{PREFIX}_dead_letters",
+            "Entries sent to the dead-letter stream by this worker, by class of reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.reclaims = Counter(
+            f"{PREFIX}_reclaimed",
+            "Entries of a dead or stuck consumer claimed by this worker (XAUTOCLAIM).",
+            registry=r,
+        )
+        self.sink_errors = Counter(
+            f"{PREFIX}_sink_errors",
+            "Failed sink writes (retried, then dead-lettered), by exception type.",
+            ["error"],
+            registry=r,
+        )
+        # Fleet-wide stream state, filled in by StreamGauges.
+        self.stream_length = Gauge(
+            f"{PREFIX}_stream_length", "XLEN of each stream.", ["stream"], registry=r
+        )
+        self.stream_lag = Gauge(
+            f"{PREFIX}_stream_lag",
+            "Entries not yet delivered to the consumer group (XINFO GROUPS lag); NaN when "
+            "Redis cannot tell.",
+            ["stream"],
+            registry=r,
+        )
+        self.stream_pending = Gauge(
+            f"{PREFIX}_stream_pending",
+            "Entries delivered but not yet acknowledged (XINFO GROUPS pending).",
+            ["stream"],
+            registry=r,
+        )
+        self.group_consumers = Gauge(
+            f"{PREFIX}_group_consumers",
+            "Consumers registered in the group (XINFO GROUPS consumers), live or not.",
+            ["stream"],
+            registry=r,
+        )
+        self.redis_up = Gauge(
+            f"{PREFIX}_redis_up",
+            "1 when the last read of the stream state from Redis succeeded, else 0.",
+            registry=r,
+        )
+        # Every label value exists from the start, so a dashboard shows 0, not "no data".
+        for name, _ in REASON_CLASSES:
+            self.dead_letters.labels(reason=name)
+        self.dead_letters.labels(reason=OTHER_REASON)
+        for stream in STREAMS:
+            self.stream_length.labels(stream=stream)
+        for stream in GROUP_STREAMS:
+            self.stream_lag.labels(stream=stream).set(math.nan)
+            self.stream_pending.labels(stream=stream)
+            self.group_consumers.labels(stream=stream)
+
+        self._started = time.perf_counter()
+        self._model_seconds = 0.0
+        self._real_tokens = 0
+        self._padded_tokens = 0
+        self._reported_busy: float | None = None
+        # When the model last produced vectors (time.monotonic()); /readyz takes it as proof
+        # that the device works, instead of running a probe of its own.
+        self.last_forward_at: float | None = None
+
+    # --- what the runtime tells us ----------------------------------------------------
+    def describe_worker(self, *, consumer: str, model: str, device: str, dtype: str) -> None:
+        self.info.info({"consumer": consumer, "model": model, "device": device, "dtype": dtype})
+
+    def restart_clock(self) -> None:
+        """Busy fraction counts from here: call when the model is loaded and work can start."""
+        self._started = time.perf_counter()
+
+    # --- WorkerEvents -----------------------------------------------------------------
+    def batch_encoded(
+        self, *, texts: int, real_tokens: int, padded_tokens: int, seconds: float
+    ) -> None:
+        self.batches.inc()
+        self.tokens.inc(real_tokens)
+        self.padded_tokens.inc(padded_tokens)
+        self.batch_texts.observe(texts)
+        self.batch_tokens.observe(padded_tokens)
+        self.batch_seconds.observe(seconds)
+        self.model_seconds.inc(seconds)
+        self._model_seconds += seconds
+        self.last_forward_at = time.monotonic()
+        self._real_tokens += real_tokens
+        self._padded_tokens += padded_tokens
+
+    def results_written(self, *, texts: int, seconds: float) -> None:
+        self.texts.inc(texts)
+        self.write_seconds.observe(seconds)
+
+    def query_answered(self, *, latency_seconds: float) -> None:
+        self.query_seconds.observe(max(0.0, latency_seconds))
+        self.last_forward_at = time.monotonic()
+
+    def dead_lettered(self, *, count: int, reason: str) -> None:
+        self.dead_letters.labels(reason=reason_class(reason)).inc(count)
+
+    def reclaimed(self, *, count: int) -> None:
+        self.reclaims.inc(count)
+
+    def sink_error(self, *, error: BaseException) -> None:
+        self.sink_errors.labels(error=type(error).__name__).inc()
+
+    def model_busy(self, *, fraction: float) -> None:
+        self._reported_busy = fraction
+
+    # --- computed at scrape time --------------------------------------------------------
+    def _padding_ratio(self) -> float:
+        if not self._padded_tokens:
+            return 0.0
+        return 1.0 - self._real_tokens / self._padded_tokens
+
+    def _busy_fraction(self) -> float:
+        # The worker's own figure when it reports one; else the same thing from batch_encoded.
+        if self._reported_busy is not None:
+            return self._reported_busy
+        elapsed = time.perf_counter() - self._started
+        return 0.0 if elapsed <= 0 else min(1.0, self._model_seconds / elapsed)
+
+
+class StreamGauges:
+    """Fills the stream gauges from Redis: XLEN of every stream, XINFO GROUPS of the inputs.
+
+    One pipelined round trip. ``refresh`` is called per scrape; scrapes within ``min_interval_s``
+    of the last refresh (or while one is running) reuse its values, so a crowd of scrapers costs
+    Redis one round trip a second.
+    """
+
+    def __init__(
+        self,
+        metrics: WorkerMetrics,
+        client: aioredis.Redis,
+        keys: Keys,
+        *,
+        min_interval_s: float = 1.0,
+        timeout_s: float = 2.0,
+    ) -> None:
+        self.metrics = metrics
+        self.client = client
+        self.keys = keys
+        self.min_interval_s = min_interval_s
+        self.timeout_s = timeout_s
+        self._refreshed_at = -math.inf
+        self._last_ok = False
+        self._lock = asyncio.Lock()
+
+    async def refresh(self) -> bool:
+        """Update the gauges; False (and ``embedfleet_redis_up`` 0) when Redis did not answer."""
+        async with self._lock:
+            if time.monotonic() - self._refreshed_at < self.min_interval_s:
+                return self._last_ok
+            try:
+                await asyncio.wait_for(self._read(), self.timeout_s)
+            except (TimeoutError, OSError, aioredis.RedisError) as error:
+                # Keep the last values: a blip in Redis should not zero the lag on a dashboard;
+                # embedfleet_redis_up says they are stale.
+                log.warning("stream gauges not refreshed", error=f"{type(error).__name__}: {error}")
+                self._last_ok = False
+            else:
+                self._last_ok = True
+            self.metrics.redis_up.set(1 if self._last_ok else 0)
+            self._refreshed_at = time.monotonic()
+            return self._last_ok
+
+    async def _read(self) -> None:
+        keys = {
+            "ingest": self.keys.ingest,
+            "query": self.keys.query,
+            "results": self.keys.results,
+            "dead": self.keys.dead,
+        }
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys.values():
+            pipe.xlen(key)
+        for stream in GROUP_STREAMS:
+            pipe.xinfo_groups(keys[stream])
+        replies = await pipe.execute(raise_on_error=False)
+        lengths = dict(zip(keys, replies[: len(keys)], strict=True))
+        groups = replies[len(keys) :]
+        for stream, length in lengths.items():
+            if isinstance(length, Exception):
+                raise length
+            self.metrics.stream_length.labels(stream=stream).set(length)
+        for stream, reply in zip(GROUP_STREAMS, groups, strict=True):
+            if isinstance(reply, Exception) and not is_missing_key(reply):
+                raise reply
+            state = None if isinstance(reply, Exception) else find_group(reply, self.keys.group)
+            if state is None:
+                # No group yet: it will be created at id 0, so every entry is still to deliver.
+                self.metrics.stream_lag.labels(stream=stream).set(lengths[stream])
+                self.metrics.stream_pending.labels(stream=stream).set(0)
+                self.metrics.group_consumers.labels(stream=stream).set(0)
+                continue
+            lag = math.nan if state.lag is None else state.lag
+            self.metrics.stream_lag.labels(stream=stream).set(lag)
+            self.metrics.stream_pending.labels(stream=stream).set(state.pending)
+            self.metrics.group_consumers.labels(stream=stream).set(state.consumers)

@@ -1,0 +1,197 @@
+"""The priority lane: single queries answered ahead of bulk work.
+
+A dedicated task blocks on the query stream (no polling). Queries are tokenized on the event
+loop (a short text takes microseconds) and put in an inbox; the model thread serves the inbox
+either right away (when idle) or at the next transformer-layer boundary of the bulk batch it is
+computing (see ``Encoder.set_layer_callback``). The answer goes to the caller's reply list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import redis.asyncio as aioredis
+
+from shared.keys import Keys
+from shared.logging import get_logger
+from shared.protocol import Result, encode_result
+from shared.settings import Settings
+from workers.backoff import REDIS_FAULTS, Backoff
+from workers.consumer import StreamConsumer, StreamEntry
+from workers.deadletter import DeadLetters, Rejected
+from workers.decode import decode_entries
+from workers.encoder import Encoder, Tokenized
+from workers.events import WorkerEvents
+from workers.sinks import Delivery, queue_acknowledgements
+
+log = get_logger("embedfleet.queries")
+
+
+@dataclass(frozen=True)
+class PendingQuery:
+    chunk_id: str
+    reply: str
+    delivery: Delivery
+    tokens: Tokenized
+    enqueued_at: float  # unix seconds, from the stream entry id
+
+
+class QueryLane:
+    def __init__(
+        self,
+        settings: Settings,
+        encoder: Encoder,
+        client: aioredis.Redis,
+        model_thread: ThreadPoolExecutor,
+        dead_letters: DeadLetters,
+        events: WorkerEvents,
+    ) -> None:
+        self.settings = settings
+        self.keys: Keys = settings.keys
+        self.encoder = encoder
+        self.client = client
+        self.model_thread = model_thread
+        self.dead_letters = dead_letters
+        self.events = events
+        self.consumer = StreamConsumer(client, self.keys, settings.consumer)
+        self._inbox: deque[PendingQuery] = deque()
+        self._serving = False  # only touched on the model thread
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._replies: set[asyncio.Task[None]] = set()
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.encoder.set_layer_callback(self.serve_at_layer_boundary)
+        backoff = Backoff(log)
+        try:
+            while not stopping.is_set():
+                try:
+                    entries = await self.consumer.read_stream(
+                        self.keys.query, count=64, block_ms=self.settings.block_ms
+                    )
+                    await self.accept(entries)
+                    backoff.reset()
+                except REDIS_FAULTS as error:
+                    await backoff.wait("query stream", error)
+        finally:
+            self.encoder.set_layer_callback(None)
+            if self._replies:
+                await asyncio.gather(*self._replies, return_exceptions=True)
+
+    async def accept(self, entries: list[StreamEntry]) -> None:
+        """Decode, skip queries whose caller has gone, tokenize, hand to the model thread."""
+        if not entries:
+            return
+        accepted, rejected = decode_entries(entries, self.settings)
+        now_ms = time.time() * 1000
+        expired: list[Delivery] = []
+        fresh = []
+        for item in accepted:
+            chunk = item.chunk
+            if chunk.reply is None:
+                rejected.append(
+                    Rejected(
+                        item.delivery.stream,
+                        item.delivery.entry_id,
+                        "query has no 'reply' (use Producer.embed_query)",
+                        chunk_id=chunk.id,
+                    )
+                )
+            elif chunk.deadline_ms is not None and chunk.deadline_ms < now_ms:
+                expired.append(item.delivery)
+            else:
+                fresh.append(item)
+        await self.dead_letters.send(rejected)
+        if expired:  # the caller timed out and left: answering would only leave garbage
+            pipe = self.client.pipeline(transaction=True)
+            queue_acknowledgements(pipe, self.keys, expired, counter="expired")
+            await pipe.execute()
+        if not fresh:
+            return
+        tokens = self.encoder.tokenize([item.chunk.text for item in fresh])
+        for item, tokenized in zip(fresh, tokens, strict=True):
+            self._inbox.append(
+                PendingQuery(
+                    chunk_id=item.chunk.id,
+                    reply=item.chunk.reply or "",
+                    delivery=item.delivery,
+                    tokens=tokenized,
+                    enqueued_at=_entry_time(item.delivery.entry_id),
+                )
+            )
+        # Runs at once if the model is idle; if a bulk batch is in flight, the layer hook
+        # serves the inbox first and this call finds it empty.
+        asyncio.get_running_loop().run_in_executor(self.model_thread, self.serve_inbox)
+
+    # --- model thread ------------------------------------------------------------------
+    def serve_at_layer_boundary(self) -> None:
+        if self._inbox and not self._serving:
+            self.serve_inbox()
+
+    def serve_inbox(self) -> None:
+        if self._serving or not self._inbox:
+            return
+        self._serving = True  # the nested forward pass fires the layer hooks too
+        try:
+            items = [self._inbox.popleft() for _ in range(len(self._inbox))]
+            try:
+                vectors = self.encoder.embed(self.encoder.collate([i.tokens for i in items]))
+            except Exception as error:
+                self._call_on_loop(self._fail, items, f"model error: {error}")
+                return
+            self._call_on_loop(self._answer, items, vectors)
+        finally:
+            self._serving = False
+
+    def _call_on_loop(self, function, *args) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._track, function(*args))
+
+    def _track(self, coroutine) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._replies.add(task)
+        task.add_done_callback(self._replies.discard)
+
+    # --- replies (event loop) ---------------------------------------------------------
+    async def _answer(self, items: list[PendingQuery], vectors: np.ndarray) -> None:
+        vectors16 = vectors.astype("<f2")
+        pipe = self.client.pipeline(transaction=True)
+        for row, item in enumerate(items):
+            result = Result(
+                id=item.chunk_id,
+                model=self.encoder.name,
+                vector=vectors16[row],
+                truncated=item.tokens.truncated,
+            )
+            reply_key = self.keys.reply(item.reply)
+            pipe.rpush(reply_key, encode_result(result))
+            pipe.expire(reply_key, self.settings.reply_ttl_s)
+        queue_acknowledgements(pipe, self.keys, [i.delivery for i in items], counter="done")
+        await pipe.execute()
+        now = time.time()
+        for item in items:
+            self.events.query_answered(latency_seconds=max(0.0, now - item.enqueued_at))
+
+    async def _fail(self, items: list[PendingQuery], reason: str) -> None:
+        await self.dead_letters.send(
+            [
+                Rejected(
+                    i.delivery.stream,
+                    i.delivery.entry_id,
+                    reason,
+                    chunk_id=i.chunk_id,
+                    reply=i.reply,
+                )
+                for i in items
+            ]
+        )
+
+
+def _entry_time(entry_id: str) -> float:
+    """Stream ids start with the server's unix milliseconds at XADD."""
+    return int(entry_id.split("-", 1)[0]) / 1000

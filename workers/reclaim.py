@@ -1,0 +1,171 @@
+"""Nothing is lost when a worker dies: its pending entries are claimed by the living.
+
+Every ``reclaim_idle_ms / 3`` a worker
+1. renews the lease on the entries it is still working on (XCLAIM to itself, JUSTID: resets
+   their idle time without counting a delivery), so a long batch is never stolen;
+2. claims entries idle longer than ``reclaim_idle_ms`` on any consumer (XAUTOCLAIM), and
+   dead-letters those already delivered ``max_deliveries`` times (a poison message that kills
+   workers must not kill them forever);
+3. removes consumers that have nothing pending and have not been seen for a long while.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+
+import redis.asyncio as aioredis
+
+from shared.logging import get_logger
+from shared.protocol import PAYLOAD_FIELD
+from shared.settings import Settings
+from workers.backoff import REDIS_FAULTS, Backoff
+from workers.consumer import StreamEntry, as_str
+from workers.deadletter import DeadLetters, Rejected
+from workers.events import WorkerEvents
+
+log = get_logger("embedfleet.reclaim")
+Deliver = Callable[[str, list[StreamEntry]], Awaitable[None]]
+# A consumer unseen for this many reclaim periods, with nothing pending, is gone for good.
+FORGET_AFTER_PERIODS = 10
+
+
+class InFlight:
+    """Entry ids this worker has read and not yet acknowledged, per stream."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, set[str]] = {}
+
+    def add(self, stream: str, entry_ids: list[str]) -> None:
+        self._ids.setdefault(stream, set()).update(entry_ids)
+
+    def remove(self, stream: str, entry_ids: list[str]) -> None:
+        self._ids.get(stream, set()).difference_update(entry_ids)
+
+    def snapshot(self) -> dict[str, list[str]]:
+        return {stream: list(ids) for stream, ids in self._ids.items() if ids}
+
+    def __len__(self) -> int:
+        return sum(len(ids) for ids in self._ids.values())
+
+
+class Reclaimer:
+    def __init__(
+        self,
+        settings: Settings,
+        client: aioredis.Redis,
+        in_flight: InFlight,
+        dead_letters: DeadLetters,
+        events: WorkerEvents,
+    ) -> None:
+        self.settings = settings
+        self.keys = settings.keys
+        self.client = client
+        self.in_flight = in_flight
+        self.dead_letters = dead_letters
+        self.events = events
+
+    @property
+    def period_s(self) -> float:
+        return max(0.1, self.settings.reclaim_idle_ms / 3000)
+
+    async def run(self, stopping: asyncio.Event, deliver: Deliver, streams: list[str]) -> None:
+        backoff = Backoff(log)
+        while not stopping.is_set():
+            try:
+                await self.renew_leases()
+                for stream in streams:
+                    claimed = await self.claim(stream)
+                    if claimed:
+                        await deliver(stream, claimed)
+                await self.forget_dead_consumers(streams)
+                backoff.reset()
+            except REDIS_FAULTS as error:
+                await backoff.wait("reclaim", error)
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopping.wait(), self.period_s)
+
+    async def renew_leases(self) -> None:
+        for stream, entry_ids in self.in_flight.snapshot().items():
+            for start in range(0, len(entry_ids), 500):
+                await self.client.xclaim(
+                    stream,
+                    self.keys.group,
+                    self.settings.consumer,
+                    min_idle_time=0,
+                    message_ids=entry_ids[start : start + 500],
+                    justid=True,
+                )
+
+    async def claim(self, stream: str) -> list[StreamEntry]:
+        """Entries idle past the limit, now ours; over-delivered ones are dead-lettered."""
+        claimed: list[StreamEntry] = []
+        start = "0-0"
+        while True:
+            response = await self.client.xautoclaim(
+                stream,
+                self.keys.group,
+                self.settings.consumer,
+                min_idle_time=self.settings.reclaim_idle_ms,
+                start_id=start,
+                count=200,
+            )
+            next_start, entries = response[0], response[1]
+            if entries:
+                claimed.extend(await self._sort_out(stream, entries))
+            start = as_str(next_start)
+            if start == "0-0":
+                break
+        if claimed:
+            log.info("reclaimed entries of another consumer", stream=stream, count=len(claimed))
+            self.events.reclaimed(count=len(claimed))
+        return claimed
+
+    async def _sort_out(
+        self, stream: str, entries: list[tuple[bytes, dict[bytes, bytes]]]
+    ) -> list[StreamEntry]:
+        pipe = self.client.pipeline(transaction=False)
+        for entry_id, _ in entries:
+            pipe.xpending_range(stream, self.keys.group, min=entry_id, max=entry_id, count=1)
+        pending_info = await pipe.execute()
+        keep: list[StreamEntry] = []
+        poison: list[Rejected] = []
+        for (entry_id, fields), info in zip(entries, pending_info, strict=True):
+            fields = fields or {}
+            deliveries = int(info[0]["times_delivered"]) if info else 1
+            entry = StreamEntry(stream, as_str(entry_id), fields.get(PAYLOAD_FIELD), fields)
+            if deliveries > self.settings.max_deliveries:
+                poison.append(
+                    Rejected(
+                        stream,
+                        entry.entry_id,
+                        f"delivered {deliveries - 1} times and never acknowledged (a worker "
+                        f"died or stalled on it each time; EMBEDFLEET_MAX_DELIVERIES="
+                        f"{self.settings.max_deliveries})",
+                        payload=entry.payload,
+                        deliveries=deliveries - 1,
+                    )
+                )
+            else:
+                keep.append(entry)
+        await self.dead_letters.send(poison)
+        return keep
+
+    async def forget_dead_consumers(self, streams: list[str]) -> None:
+        # Removing a live consumer by mistake is harmless (its next read recreates it), so
+        # the limit only has to be well past a live reader's gap between reads.
+        idle_limit_ms = FORGET_AFTER_PERIODS * max(
+            self.settings.reclaim_idle_ms, self.settings.block_ms, 500
+        )
+        for stream in streams:
+            for consumer in await self.client.xinfo_consumers(stream, self.keys.group):
+                name = as_str(consumer["name"])
+                if (
+                    name != self.settings.consumer
+                    and int(consumer["pending"]) == 0
+                    and int(consumer["idle"]) > idle_limit_ms
+                ):
+                    await self.client.xgroup_delconsumer(stream, self.keys.group, name)
+                    log.info("removed a dead consumer", stream=stream, consumer=name)

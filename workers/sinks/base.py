@@ -1,0 +1,122 @@
+"""The sink interface, and the acknowledgement every sink ends a write with.
+
+The acknowledgement belongs to the sink because only the sink knows when a write is durable.
+For the Redis results stream, write and acknowledgement happen in one MULTI/EXEC round trip.
+A database sink upserts first and acknowledges after the database has committed: if the worker
+dies in between, the entries are redelivered and upserted again under the same ids, so the
+database never holds a duplicate and never misses a vector.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+import redis.asyncio as aioredis
+
+from shared.keys import Keys
+from shared.protocol import Result
+
+T = TypeVar("T")
+
+
+class SinkSetupError(RuntimeError):
+    """The database cannot take this model's vectors as it is; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A stream entry being answered: where it came from, so it can be acknowledged."""
+
+    stream: str
+    entry_id: str
+    job: str | None
+
+
+class Sink(abc.ABC):
+    """The sink interface: write results and acknowledge their entries, durably, together.
+
+    The worker's owner calls ``setup(model, dim)`` once after the model loads, the worker calls
+    ``write`` per micro-batch, and ``close`` on shutdown. ``write`` raising means nothing was
+    acknowledged: the worker retries with backoff and dead-letters the batch after
+    ``EMBEDFLEET_SINK_RETRIES`` tries.
+    """
+
+    async def setup(self, model: str, dim: int) -> None:  # noqa: B027 - optional hook
+        """Create the collection/table if missing, with the model's dimension."""
+
+    @abc.abstractmethod
+    async def write(self, results: Sequence[Result], deliveries: Sequence[Delivery]) -> None:
+        """Store ``results`` and only then acknowledge ``deliveries`` (same order, same length)."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections; the default sink has nothing of its own."""
+
+
+def queue_acknowledgements(
+    pipe: aioredis.client.Pipeline, keys: Keys, deliveries: Sequence[Delivery], counter: str
+) -> None:
+    """XACK and XDEL the entries (acknowledged entries must not pile up) and count per job.
+
+    Deleting only delivered, acknowledged entries keeps the group's lag exact, which KEDA reads.
+    """
+    by_stream: dict[str, list[str]] = {}
+    for delivery in deliveries:
+        by_stream.setdefault(delivery.stream, []).append(delivery.entry_id)
+    for stream, entry_ids in by_stream.items():
+        pipe.xack(stream, keys.group, *entry_ids)
+        pipe.xdel(stream, *entry_ids)
+    for job, count in Counter(d.job for d in deliveries if d.job is not None).items():
+        pipe.hincrby(keys.job(job), counter, count)
+
+
+def latest_per_id(results: Sequence[Result]) -> list[Result]:
+    """One result per id, the last one written winning.
+
+    A batch can hold an id twice (a chunk re-sent before the first copy was read); an upsert
+    statement that meets the same key twice is refused by LanceDB and PostgreSQL alike.
+    """
+    latest = {result.id: result for result in results}
+    return list(latest.values())
+
+
+class DatabaseSink(Sink):
+    """A sink that writes to a database, then acknowledges in Redis.
+
+    Subclasses implement ``_upsert``; it returns once the rows are durable. Blocking client
+    libraries run on one dedicated thread (``_blocking``) so the worker's event loop keeps
+    reading and the client is never used from two threads at once.
+    """
+
+    def __init__(self, client: aioredis.Redis, keys: Keys) -> None:
+        self.client = client
+        self.keys = keys
+        self._thread: ThreadPoolExecutor | None = None
+
+    async def write(self, results: Sequence[Result], deliveries: Sequence[Delivery]) -> None:
+        if len(results) != len(deliveries):
+            raise ValueError("one delivery per result")
+        if results:
+            await self._upsert(latest_per_id(results))
+        pipe = self.client.pipeline(transaction=True)
+        queue_acknowledgements(pipe, self.keys, deliveries, counter="done")
+        await pipe.execute()
+
+    @abc.abstractmethod
+    async def _upsert(self, results: list[Result]) -> None:
+        """Insert or replace the rows of ``results`` by id (ids are unique); durable on return."""
+
+    async def _blocking(self, function: Callable[..., T], *args: object) -> T:
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sink")
+        return await asyncio.get_running_loop().run_in_executor(self._thread, function, *args)
+
+    async def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None

@@ -1,0 +1,32 @@
+"""The default sink: results as msgpack entries on the results stream."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import redis.asyncio as aioredis
+
+from shared.keys import Keys
+from shared.protocol import PAYLOAD_FIELD, Result, encode_result
+from workers.sinks.base import Delivery, Sink, queue_acknowledgements
+
+
+class RedisStreamSink(Sink):
+    """Results as msgpack entries on ``{ns}:results``; ack + delete + job progress atomically.
+
+    Both happen in one MULTI/EXEC round trip: either the results are written and the entries
+    acknowledged, or neither (the entries are then redelivered).
+    """
+
+    def __init__(self, client: aioredis.Redis, keys: Keys) -> None:
+        self.client = client
+        self.keys = keys
+
+    async def write(self, results: Sequence[Result], deliveries: Sequence[Delivery]) -> None:
+        if len(results) != len(deliveries):
+            raise ValueError("one delivery per result")
+        pipe = self.client.pipeline(transaction=True)
+        for result in results:
+            pipe.xadd(self.keys.results, {PAYLOAD_FIELD: encode_result(result)})
+        queue_acknowledgements(pipe, self.keys, deliveries, counter="done")
+        await pipe.execute()
