@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import sys
 import time
@@ -157,7 +158,14 @@ def run_demo(corpus: Path | None, limit: int | None, out_dir: Path) -> DemoRepor
         raise click.ClickException("the corpus has no valid chunks")
     job = f"demo-{int(time.time())}"
     if "sink" not in base.model_fields_set:  # EMBEDFLEET_SINK unset: the embedded vector DB
-        base = base.model_copy(update={"sink": f"lancedb://{(out_dir / 'lancedb').resolve()}"})
+        if importlib.util.find_spec("lancedb") is not None:
+            base = base.model_copy(update={"sink": f"lancedb://{(out_dir / 'lancedb').resolve()}"})
+        else:  # a base install still runs the demo, on the results stream
+            click.echo(
+                "LanceDB is not installed (pip install 'embedfleet[lancedb]'): "
+                "the vectors go to the Redis results stream",
+                err=True,
+            )
     try:
         target = parse_sink_url(base.sink, base.sink_table)
     except SinkURLError as error:

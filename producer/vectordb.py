@@ -279,18 +279,22 @@ def _qdrant_index(target: SinkTarget) -> list[str]:
             ),
             hnsw_config=models.HnswConfigDiff(m=16, ef_construct=100),
         )
-        client.create_payload_index(target.table, "job", models.PayloadSchemaType.KEYWORD)
+        if target.kind == "qdrant":  # local mode has no payload indexes (and warns)
+            client.create_payload_index(target.table, "job", models.PayloadSchemaType.KEYWORD)
         count = client.count(target.table).count
     finally:
         client.close()
     done = [
         f"{target.describe()}: {count:,} points; HNSW indexing on (m=16, ef_construct=100, "
-        f"threshold {QDRANT_INDEXING_THRESHOLD_KB:,} KB), payload index on job"
+        f"threshold {QDRANT_INDEXING_THRESHOLD_KB:,} KB)"
     ]
     if target.kind == "qdrant-local":
         done.append("local mode always searches exactly; a Qdrant server builds the graph")
     else:
-        done.append("the server builds the graph in the background (collection status: yellow)")
+        done.append(
+            "payload index on job; the server builds the graph in the background "
+            "(collection status: yellow until done)"
+        )
     return done
 
 

@@ -18,6 +18,10 @@ def connect(url: str, **kwargs: object) -> aioredis.Redis:
         "decode_responses": False,
         "health_check_interval": 30,
         "socket_keepalive": True,
+        # Blocking reads (XREADGROUP BLOCK, BLPOP for query replies) wait longer than redis-py's
+        # default read timeout; dead connections are found by keepalive and health checks.
+        "socket_timeout": None,
+        "socket_connect_timeout": 10,
     }
     options.update(kwargs)
     return aioredis.Redis.from_url(url, **options)

@@ -139,7 +139,7 @@ class Settings(BaseSettings):
         default=0,
         ge=0,
         le=65535,
-        description="Port of the worker's /healthz and /readyz (0 = off).",
+        description="Port of the worker's /healthz, /readyz and /metrics (0 = off).",
     )
     drain_timeout_s: float = Field(
         default=60.0, gt=0, description="On SIGTERM: seconds to finish in-flight work before exit."

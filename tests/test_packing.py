@@ -20,9 +20,11 @@ from workers.packing import (
     collate_rows,
     collate_varlen,
     pack_rows,
-    padding_waste as packed_waste,
     plan_token_batches,
     preferred_layout,
+)
+from workers.packing import (
+    padding_waste as packed_waste,
 )
 from workers.precision import cosines
 

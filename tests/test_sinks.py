@@ -401,3 +401,13 @@ def test_sink_urls() -> None:
 def test_meta_that_json_cannot_hold_is_converted_not_fatal() -> None:
     text = meta_to_json({"raw": b"\x00\xff", "x": float("nan"), "deep": [{"k": b"a"}]})
     assert json.loads(text) == {"raw": "AP8=", "x": "nan", "deep": [{"k": "YQ=="}]}
+
+
+@pytest.mark.parametrize("verb", ["search", "index"])
+def test_search_and_index_explain_themselves(verb: str) -> None:
+    from click.testing import CliRunner
+
+    from embedfleet.cli import main
+
+    result = CliRunner().invoke(main, [verb, "--help"])
+    assert result.exit_code == 0 and "EMBEDFLEET_SINK" in result.output

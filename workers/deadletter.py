@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -76,4 +77,5 @@ class DeadLetters:
                 id=item.chunk_id,
                 reason=item.reason,
             )
-        self.events.dead_lettered(count=len(rejected), reason=rejected[0].reason)
+        for reason, count in Counter(item.reason for item in rejected).items():
+            self.events.dead_lettered(count=count, reason=reason)

@@ -61,6 +61,8 @@ class QueryLane:
         self.consumer = StreamConsumer(client, self.keys, settings.consumer)
         self._inbox: deque[PendingQuery] = deque()
         self._serving = False  # only touched on the model thread
+        # Model-thread seconds spent on queries, so bulk timing can leave them out.
+        self.serving_seconds = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._replies: set[asyncio.Task[None]] = set()
 
@@ -137,6 +139,7 @@ class QueryLane:
         if self._serving or not self._inbox:
             return
         self._serving = True  # the nested forward pass fires the layer hooks too
+        started = time.perf_counter()
         try:
             items = [self._inbox.popleft() for _ in range(len(self._inbox))]
             try:
@@ -146,6 +149,7 @@ class QueryLane:
                 return
             self._call_on_loop(self._answer, items, vectors)
         finally:
+            self.serving_seconds += time.perf_counter() - started
             self._serving = False
 
     def _call_on_loop(self, function, *args) -> None:

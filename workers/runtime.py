@@ -74,7 +74,7 @@ async def _serve(
     worker = Worker(settings, encoder, client, sink, metrics)
     if health is not None:
         # The readiness probe's forward pass queues on the worker's one model thread.
-        health.model_loaded(encoder, worker._model_thread)
+        health.model_loaded(encoder, worker.model_thread)
     run_task = asyncio.ensure_future(worker.run())
     signals_seen = 0
 

@@ -43,6 +43,9 @@ from workers.sinks import Delivery, Sink
 log = get_logger("embedfleet.worker")
 _END = None  # queue sentinel: the stage before has finished
 SLICE_MS_AUTO = {"cpu": 100.0, "cuda": 20.0}
+# Batches are never cut below this many tokens for the slice target: smaller ones cost more
+# per token, and measuring them would shrink the next batches further (a feedback loop).
+MIN_SLICED_TOKENS = 512
 
 
 @dataclass
@@ -149,6 +152,11 @@ class Worker:
         self._reclaimed: asyncio.Queue[list[StreamEntry]] = asyncio.Queue()
         self._stopping = asyncio.Event()
         self._seconds_per_token: float | None = None  # measured, sizes batches to the slice
+
+    @property
+    def model_thread(self) -> ThreadPoolExecutor:
+        """The one thread that runs the model; health probes must run their forward pass here."""
+        return self._model_thread
 
     def drain(self) -> None:
         """Stop reading; what was read is finished and acknowledged, then run() returns."""
@@ -274,7 +282,7 @@ class Worker:
         if target <= 0 or self._seconds_per_token is None:
             return self.settings.token_budget
         per_layer = self._seconds_per_token / max(1, self.encoder.layer_count)
-        return max(64, min(self.settings.token_budget, int(target / per_layer)))
+        return max(MIN_SLICED_TOKENS, min(self.settings.token_budget, int(target / per_layer)))
 
     async def _compute_loop(
         self, windows: asyncio.Queue[Window | None], encoded: asyncio.Queue[Encoded | None]
@@ -293,6 +301,7 @@ class Worker:
         loop = asyncio.get_running_loop()
         tokens = [window.tokens[p] for p in planned.positions]
         started = time.perf_counter()
+        query_seconds_before = self.queries.serving_seconds
         try:
             vectors = await loop.run_in_executor(
                 self._model_thread, self.encoder.embed, self.encoder.collate(tokens)
@@ -300,7 +309,10 @@ class Worker:
         except Exception as error:
             await self._on_model_error(window, planned, encoded, error)
             return
-        seconds = time.perf_counter() - started
+        # queries served at layer boundaries ran inside this call; they are not bulk time
+        seconds = time.perf_counter() - started - (
+            self.queries.serving_seconds - query_seconds_before
+        )
         self._learn_speed(seconds, planned.padded_tokens)
         self.events.batch_encoded(
             texts=len(tokens),
@@ -347,6 +359,8 @@ class Worker:
             await self._encode(window, sub, encoded)
 
     def _learn_speed(self, seconds: float, padded_tokens: int) -> None:
+        if padded_tokens < MIN_SLICED_TOKENS:
+            return  # small batches are dominated by fixed costs
         sample = seconds / max(1, padded_tokens)
         previous = self._seconds_per_token
         self._seconds_per_token = sample if previous is None else 0.8 * previous + 0.2 * sample

