@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from embedfleet.demo import demo_command
-from producer.cli import enqueue_command, results_command
+from producer.cli import enqueue_command, query_command, results_command
 from producer.search import index_command, search_command
 from producer.status import status_command
 from workers.cli import worker_command
@@ -22,7 +22,14 @@ def main() -> None:
     """
 
 
-for command in (demo_command, worker_command, enqueue_command, results_command, status_command):
+for command in (
+    demo_command,
+    worker_command,
+    enqueue_command,
+    query_command,
+    results_command,
+    status_command,
+):
     main.add_command(command)
 for command in (search_command, index_command):  # the vector database sinks
     main.add_command(command)

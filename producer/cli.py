@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import time
 from pathlib import Path
 
 import click
+import numpy as np
 from tqdm import tqdm
 
-from producer.client import JobProgress, Producer
+from producer.client import JobProgress, Producer, QueryTimeoutError
 from producer.export import write_export
 from producer.jsonl import BadLine, read_chunks
-from shared.protocol import Result
+from shared.protocol import QueryFailedError, Result
 from shared.settings import Settings, SettingsError, load_settings
 
 redis_url_option = click.option(
@@ -119,3 +121,49 @@ async def _collect(settings: Settings, job: str | None) -> dict[str, Result]:
                 latest[result.id] = result
                 bar.update()
     return latest
+
+
+@click.command("query")
+@click.argument("text")
+@click.option(
+    "--timeout",
+    type=float,
+    default=10.0,
+    show_default=True,
+    help="Seconds to wait for a worker's answer.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the vector as a JSON list.")
+@redis_url_option
+def query_command(text: str, timeout: float, as_json: bool, redis_url: str | None) -> None:
+    """Embed TEXT now through the priority lane, ahead of any bulk backlog.
+
+    Workers look at the query stream before every bulk batch and between transformer layers,
+    so a query waits for at most one slice of bulk compute (EMBEDFLEET_SLICE_MS).
+    """
+    settings = _settings(redis_url)
+    started = time.perf_counter()
+    try:
+        vector = asyncio.run(_query(settings, text, timeout))
+    except QueryTimeoutError as error:
+        raise click.ClickException(str(error)) from None
+    except QueryFailedError as error:
+        raise click.ClickException(f"the worker rejected the query: {error}") from None
+    elapsed_ms = (time.perf_counter() - started) * 1000
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "text": text,
+                    "dim": int(vector.shape[0]),
+                    "vector": [round(float(v), 6) for v in vector],
+                }
+            )
+        )
+    else:
+        preview = ", ".join(f"{v:+.4f}" for v in vector[:6])
+        click.echo(f"dim {vector.shape[0]}, {elapsed_ms:.0f} ms round trip: [{preview}, ...]")
+
+
+async def _query(settings: Settings, text: str, timeout: float) -> np.ndarray:
+    async with Producer(settings) as producer:
+        return await producer.embed_query(text, timeout=timeout)

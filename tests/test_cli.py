@@ -14,7 +14,7 @@ import pytest
 
 from shared.settings import Settings
 
-VERBS = ["demo", "worker", "enqueue", "results"]
+VERBS = ["demo", "worker", "enqueue", "results", "query", "status", "search", "index"]
 
 
 def embedfleet(
@@ -87,6 +87,9 @@ def test_enqueue_wait_then_export(settings: Settings, tmp_path: Path) -> None:
         jsonl = tmp_path / "out.jsonl"
         assert embedfleet("results", "--job", "cats", "--out", str(npz), env=env).returncode == 0
         assert embedfleet("results", "--job", "cats", "--out", str(jsonl), env=env).returncode == 0
+        query = embedfleet("query", "a question about cats", "--json", env=env)
+        assert query.returncode == 0, query.stderr
+        assert json.loads(query.stdout)["dim"] == 384
         bad = embedfleet("results", "--out", str(tmp_path / "out.csv"), env=env)
         assert bad.returncode == 2 and ".npz or .jsonl" in bad.stderr
     finally:
