@@ -36,6 +36,7 @@ from workers.deadletter import DeadLetters, Rejected
 from workers.decode import decode_entries
 from workers.encoder import Encoder, Tokenized
 from workers.events import WorkerEvents
+from workers.memory import release_free_memory
 from workers.queries import QueryLane
 from workers.reclaim import InFlight, Reclaimer
 from workers.sinks import Delivery, Sink
@@ -292,6 +293,10 @@ class Worker:
                 lengths = [t.length for t in window.tokens]
                 for planned in plan_batches(lengths, self._token_cap(), self.settings.max_batch):
                     await self._encode(window, planned, encoded)
+                # on the model thread, between windows: keeps RSS flat (workers/memory.py)
+                await asyncio.get_running_loop().run_in_executor(
+                    self._model_thread, release_free_memory
+                )
         finally:
             await encoded.put(_END)
 
