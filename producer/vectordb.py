@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -166,6 +167,8 @@ def _qdrant_client(target: SinkTarget) -> Any:
     from qdrant_client import QdrantClient
 
     if target.kind == "qdrant-local":
+        if not Path(target.location).is_dir():  # QdrantClient(path=) would create it, empty
+            raise VectorDBError(f"no {target.describe()}: the directory does not exist")
         try:
             client = QdrantClient(path=target.location)
         except RuntimeError as error:  # local mode locks its directory to one process

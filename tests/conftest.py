@@ -67,15 +67,10 @@ def encoder():
 async def running_worker(settings: Settings, encoder, client: aioredis.Redis):
     """An in-process worker on ``settings``' namespace; drained and awaited on exit."""
     from workers.sinks import RedisStreamSink
-    from workers.worker import Worker
 
-    worker = Worker(settings, encoder, client, RedisStreamSink(client, settings.keys))
-    task = asyncio.create_task(worker.run())
-    try:
+    sink = RedisStreamSink(client, settings.keys)
+    async with running_sink_worker(settings, encoder, client, sink) as worker:
         yield worker
-    finally:
-        worker.drain()
-        await asyncio.wait_for(task, timeout=60)
 
 
 def worker_env(settings: Settings, **extra: str) -> dict[str, str]:

@@ -30,7 +30,7 @@ from shared.protocol import PAYLOAD_FIELD, Chunk, decode_result
 from shared.redis_conn import connect
 from shared.settings import Settings
 from shared.vectordb import SinkTarget, SinkURLError, meta_to_json, parse_sink_url, point_id
-from tests.conftest import running_sink_worker, running_worker
+from tests.conftest import running_sink_worker, running_worker, start_worker_process, worker_env
 from workers.sinks import Sink, SinkSetupError, build_sink
 from workers.sinks.pgvector import PgvectorSink, vector_type_for
 
@@ -322,6 +322,53 @@ async def test_index_builds_and_search_still_finds_the_chunk(loaded: Loaded, enc
     assert hits[0].id == probe.id
 
 
+async def test_worker_process_search_and_index_verbs_end_to_end(
+    settings: Settings, client, tmp_path: Path
+) -> None:
+    """`embedfleet worker` with EMBEDFLEET_SINK, then `search` and `index` as a user runs them."""
+    import signal
+
+    sink = {"EMBEDFLEET_SINK": f"lancedb://{tmp_path / 'vectors'}"}
+    chunks = first_round()[:12]
+    worker = start_worker_process(settings, "e2e", **sink)
+    try:
+        async with Producer(settings, client) as producer:
+            await producer.enqueue(chunks, job="e2e")
+            progress = await producer.wait_for_job("e2e", timeout=180)
+        found = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "embedfleet.cli",
+                "search",
+                chunks[3].text,
+                "--k",
+                "2",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            env=worker_env(settings, **sink),
+            timeout=120,
+        )
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        code = worker.wait(timeout=60)
+        log = worker.stderr.read().decode() if worker.stderr else ""
+    assert progress.done == 12 and code == 0, log[-2000:]
+    assert found.returncode == 0, found.stderr[-2000:]
+    hits = [json.loads(line) for line in found.stdout.splitlines()]
+    assert [h["id"] for h in hits][:1] == [chunks[3].id] and len(hits) == 2
+    indexed = subprocess.run(
+        [sys.executable, "-m", "embedfleet.cli", "index"],
+        capture_output=True,
+        text=True,
+        env=worker_env(settings, **sink),
+        timeout=120,
+    )
+    assert indexed.returncode == 0 and "12 rows" in indexed.stdout, indexed.stderr[-2000:]
+
+
 @pytest.mark.parametrize("backend", DATABASES)
 async def test_a_table_of_another_dimension_is_refused_clearly(
     backend: str, request: pytest.FixtureRequest, redis_server, tmp_path: Path
@@ -343,6 +390,37 @@ async def test_a_table_of_another_dimension_is_refused_clearly(
     finally:
         await client.aclose()
     assert "EMBEDFLEET_SINK_TABLE" in str(raised.value)
+
+
+@pytest.mark.parametrize("backend", DATABASES)
+async def test_an_id_twice_in_one_batch_is_written_once_last_wins(
+    backend: str, request: pytest.FixtureRequest, settings: Settings, client, tmp_path: Path
+) -> None:
+    from shared.protocol import Result
+    from workers.sinks import Delivery
+
+    settings = settings.model_copy(
+        update={
+            "sink": _sink_url(backend, request, tmp_path),
+            "sink_table": f"twice_{uuid.uuid4().hex[:8]}",
+        }
+    )
+    sink = _sink(backend, settings, client)
+    await sink.setup("tiny-model", 4)
+    first, last = np.eye(4, dtype=np.float16)[0], np.eye(4, dtype=np.float16)[1]
+    results = [
+        Result(id="same", model="tiny-model", vector=first, job="j", meta={"v": 1}),
+        Result(id="same", model="tiny-model", vector=last, job="j", meta={"v": 2}),
+    ]
+    entry_ids = [await client.xadd(settings.keys.ingest, {"m": b"x"}) for _ in results]
+    deliveries = [Delivery(settings.keys.ingest, e.decode(), "j") for e in entry_ids]
+    await sink.write(results, deliveries)
+    await sink.close()
+    stored = stored_vectors(parse_sink_url(settings.sink, settings.sink_table))
+    assert [(s.id, s.meta) for s in stored] == [("same", {"v": 2})]
+    assert np.array_equal(stored[0].vector, last)
+    assert await client.hget(settings.keys.job("j"), "done") == b"2"  # both entries answered
+    assert await client.xlen(settings.keys.ingest) == 0  # ... acknowledged and deleted
 
 
 async def test_unknown_sink_scheme_is_a_clear_error(settings: Settings, client) -> None:

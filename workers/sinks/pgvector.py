@@ -60,6 +60,11 @@ class PgvectorSink(DatabaseSink):
 
         self.dim = dim
         async with await self._connect_raw() as conn:
+            # Workers of a fleet start together; CREATE EXTENSION / TABLE IF NOT EXISTS can still
+            # collide in the catalog, so they take turns (the lock ends with the connection).
+            await conn.execute(
+                "SELECT pg_advisory_lock(hashtext(%s))", (f"embedfleet:{self.table}",)
+            )
             version = await self._ensure_extension(conn)
             chosen = self.requested_type or vector_type_for(version)
             await conn.execute(

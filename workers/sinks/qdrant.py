@@ -100,7 +100,7 @@ class QdrantSink(DatabaseSink):
                     self.collection, vectors_config=params, optimizers_config=bulk_load
                 )
             except UnexpectedResponse as error:
-                if error.status_code == 409:  # another worker created it first
+                if qdrant.collection_exists(self.collection):  # another worker was first
                     pass
                 elif error.status_code == 400 and "datatype" in str(error).lower():
                     # servers before 1.9 know no float16 vectors: store float32
