@@ -20,6 +20,7 @@ from workers.packing import (
     collate_rows,
     collate_varlen,
     pack_rows,
+    plan_rows,
     plan_token_batches,
     preferred_layout,
 )
@@ -80,6 +81,8 @@ def test_varlen_matches_unpacked_and_leaves_padded_path_alone(
     assert cosines(reference, unpacked(varlen_encoder, tokens)).min() >= 0.999999
 
 
+# On CPU nested tensors fall back to a strided prototype path that warns; expected here.
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
 @pytest.mark.parametrize("kernel", ["nested_sdpa", "loop_sdpa"])
 def test_each_cpu_varlen_kernel_matches(
     varlen_encoder: Encoder, encoder: Encoder, corpus_tokens: tuple, kernel: str
@@ -160,5 +163,16 @@ def test_pack_rows_keeps_every_text_once_within_width() -> None:
 def test_layout_choice_is_explicit() -> None:
     import torch
 
-    assert preferred_layout(torch.device("cpu")) == "padded"
-    assert preferred_layout(torch.device("cuda")) == "varlen"
+    assert preferred_layout(torch.device("cpu"), torch.float32) == "padded"
+    assert preferred_layout(torch.device("cpu"), torch.bfloat16) == "rows"
+    assert preferred_layout(torch.device("cuda"), torch.float32) == "varlen"
+    assert preferred_layout(torch.device("cuda"), torch.bfloat16) == "varlen"
+
+
+def test_plan_rows_batches_rows_within_budget() -> None:
+    rng = random.Random(5)
+    lengths = [rng.randint(3, 256) for _ in range(700)]
+    batches = plan_rows(lengths, token_budget=4096, width=256)
+    assert sorted(p for batch in batches for p in batch) == list(range(700))
+    for batch in batches:
+        assert sum(lengths[p] for p in batch) <= 4096  # 16 rows of at most 256 tokens

@@ -18,11 +18,21 @@ Three ways to lay out a micro-batch of tokenized texts for the forward pass:
     over the texts (the fallback that always exists). No padding anywhere.
 
 Which layout the worker uses is decided in :func:`preferred_layout` from benchmark figures
-(``python -m loadtest.bench``, docs/BENCHMARKS.md), not from theory: on the 2-core CPU we
-measure, sorted ``padded`` micro-batches are fastest, because with ~3% padding left there is
-little to win and the mask / per-text attention costs more than it saves. On CUDA, ``varlen``
-is the layout: there kernels exist that skip padding entirely and a GPU wastes a padded
-token's full cost.
+(``python -m loadtest.bench --engines`` and per-window interleaved runs; docs/BENCHMARKS.md),
+not from theory. On the 2-core CPU we measure:
+
+- fp32: sorted ``padded`` micro-batches are fastest (rows 0.90x, greedy fill 0.96x, per window
+  interleaved, 2 threads, quiet machine). With ~4% padding left there is little to win, and
+  rows compute attention over the whole row.
+- bf16: packed ``rows`` of 256 are faster (1.38x and 1.43x per window on the quiet machine,
+  1.87x under load, 2 threads; in the 3-round benchmark rows won 2 rounds of 3, ratio 5.17 vs
+  4.64). In bf16 the matmuls are cheap and each forward pass's fixed costs (dispatch, thread
+  barriers, oneDNN primitives for each new shape) dominate; rows give few, large,
+  identically-shaped batches. With one thread rows were 0.89x: the gain is parallel efficiency.
+- varlen on CPU runs attention text by text: 0.54x (bf16), 0.91x (fp32).
+
+On CUDA, ``varlen`` is the layout: there kernels exist that skip padding entirely, and a GPU
+pays a padded token's full cost.
 
 Every layout must give the vectors the unpadded model gives: ``tests/test_packing.py`` checks
 min cosine >= 0.9999 in fp32 on real texts, on the CPU form of this same code.
@@ -31,7 +41,6 @@ min cosine >= 0.9999 in fp32 on real texts, on the CPU form of this same code.
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -40,23 +49,26 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from shared.logging import get_logger
 from workers.encoder import Encoder, PoolingMode, Tokenized
 
-log = logging.getLogger("embedfleet.packing")
+log = get_logger("embedfleet.packing")
 
 PackLayout = Literal["padded", "rows", "varlen"]
 VARLEN_ATTENTION = "embedfleet_varlen"
 
 
-def preferred_layout(device: torch.device) -> PackLayout:
-    """The layout the worker should use on ``device``: the one that measured fastest there.
+def preferred_layout(device: torch.device, dtype: torch.dtype = torch.float32) -> PackLayout:
+    """The layout the worker should use: the one that measured fastest for this device and
+    compute dtype (figures in the module docstring).
 
-    CPU: ``padded`` (sorted micro-batches). On the 2-core Sapphire Rapids box in
-    docs/BENCHMARKS.md, sorted micro-batches beat both packed forms in fp32 and in bf16; the
-    figures are in the benchmark table. CUDA: ``varlen`` (no padding computed at all); the
-    benchmark's ``--engines`` contenders check this on a GPU (loadtest/gpu_check.sh).
+    CUDA: ``varlen`` (no padding computed at all; loadtest/gpu_check.sh runs the layout
+    contenders on a GPU to confirm it). CPU: ``rows`` in bf16/fp16, ``padded`` (sorted
+    micro-batches from ``workers.batcher``) in fp32.
     """
-    return "varlen" if device.type == "cuda" else "padded"
+    if device.type == "cuda":
+        return "varlen"
+    return "padded" if dtype == torch.float32 else "rows"
 
 
 # --- planning ----------------------------------------------------------------------------
@@ -78,6 +90,19 @@ def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
             rows.append([position])
             free.append(max(0, width - length))
     return rows
+
+
+def plan_rows(lengths: Sequence[int], token_budget: int, width: int) -> list[list[int]]:
+    """Positions packed into rows ``width`` tokens wide, ``token_budget // width`` rows a batch.
+
+    Each inner list is one batch for :func:`collate_rows` (with the same ``width``).
+    """
+    rows = pack_rows(lengths, width)
+    per_batch = max(1, token_budget // width)
+    return [
+        [position for row in rows[start : start + per_batch] for position in row]
+        for start in range(0, len(rows), per_batch)
+    ]
 
 
 def plan_token_batches(
@@ -286,14 +311,18 @@ def choose_varlen_kernel(device: torch.device, dtype: torch.dtype) -> str:
     for name, kernel in VARLEN_KERNELS.items():
         if name == "flash_attn" and (device.type != "cuda" or dtype == torch.float32):
             continue
+        if name == "nested_sdpa" and device.type != "cuda":
+            # On CPU nested-tensor SDPA runs a padded math fallback (masked_select, cat, bmm):
+            # measured ~18x slower than the loop over texts. Correct, so tests still cover it.
+            continue
         try:
             out = kernel(q, k, v, cu, max(lengths), 32**-0.5).float()
         except Exception as error:  # any failure means "not available here": fall through
-            log.info("varlen kernel %s unavailable: %s", name, error)
+            log.info("varlen kernel unavailable", kernel=name, error=str(error))
             continue
         if torch.allclose(out, reference, atol=2e-2, rtol=2e-2):
             return name
-        log.warning("varlen kernel %s gave wrong results; not used", name)
+        log.warning("varlen kernel gave wrong results; not used", kernel=name)
     return "loop_sdpa"
 
 
@@ -371,7 +400,7 @@ class PackedEncoder:
                 compute_dtype = encoder.precision.autocast_dtype
             self.kernel = choose_varlen_kernel(encoder.device, compute_dtype)
             install_varlen_attention(self._model, self.kernel)
-            log.info("varlen attention kernel: %s", self.kernel)
+            log.info("varlen attention", kernel=self.kernel)
 
     def collate(self, items: Sequence[Tokenized], width: int | None = None) -> PackedBatch:
         if self.layout == "rows":

@@ -20,7 +20,6 @@ How reduced precision runs (:class:`Precision.method`):
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -28,7 +27,9 @@ from typing import Literal
 import numpy as np
 import torch
 
-log = logging.getLogger("embedfleet.precision")
+from shared.logging import get_logger
+
+log = get_logger("embedfleet.precision")
 
 DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
 Method = Literal["none", "weights", "autocast"]
@@ -39,10 +40,10 @@ Method = Literal["none", "weights", "autocast"]
 MIN_COSINE = 0.99
 MEAN_COSINE = 0.999
 
-# How bf16 runs on CPU. Measured side by side (python -m loadtest.bench --engines, 2-core
-# Sapphire Rapids, AMX): casting the weights was as fast as or faster than autocast (autocast
-# pays a weight cast per linear per call) and both hold parity (min cosine vs fp32
-# sentence-transformers 0.99993 weights / 0.99997 autocast on the benchmark corpus).
+# How bf16 runs on CPU. Measured per batch, interleaved, on the 2-core Sapphire Rapids box
+# (docs/BENCHMARKS.md): weights cast to bf16 264.6 texts/s, autocast 231.8 (0.87x: autocast
+# re-casts every weight on every call), fp32 121.7. Both hold parity: min cosine vs fp32
+# sentence-transformers 0.999928 (weights) / 0.999971 (autocast) on 300 corpus texts.
 CPU_BF16_METHOD: Method = "weights"
 
 DTYPES: dict[str, torch.dtype] = {
@@ -251,7 +252,14 @@ def settle_auto(
             keep()
     chosen = candidate if report.passed else FP32
     set_precision(chosen)
-    (log.info if report.passed else log.warning)(report.line())
+    (log.info if report.passed else log.warning)(
+        "precision probe",
+        candidate=candidate.describe(),
+        min_cosine=round(report.min_cosine, 6),
+        mean_cosine=round(report.mean_cosine, 7),
+        texts=report.texts,
+        verdict="kept" if report.passed else "rejected: using float32",
+    )
     return chosen, report
 
 

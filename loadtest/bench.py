@@ -1,0 +1,557 @@
+"""The side-by-side throughput benchmark: ``python -m loadtest.bench``.
+
+Every contender embeds the same corpus (``loadtest.corpus``, RAG-like, skewed) with the same
+number of torch threads; contenders run interleaved (A B C, B C A, ... a rotation per round) for
+``--rounds`` rounds and the table quotes the median, so a machine that gets busier or quieter
+during the run affects every contender alike. Contenders:
+
+1. ``st encode(32)``: ``SentenceTransformer.encode`` in-process, batch 32: the baseline (1).
+   ``st encode(best)``: the same at the batch size that won a short sweep in this run.
+2. ``naive padded(32)``: tokenize and embed batches of 32 in arrival order, padded.
+3. ``fleet fp32`` / ``fleet auto``: end to end: enqueue into a real Redis-compatible server
+   (``embedfleet.server.ServerProcess``) → an in-process worker (as ``embedfleet demo`` runs it)
+   → results on the results stream; the clock runs from the first enqueue to the last result.
+
+``--engines`` adds in-process contenders for the forward-pass layout and precision choices
+(sorted padded micro-batches vs packed rows vs varlen, fp32 vs auto; ``--compile`` adds
+``torch.compile``), which is how ``workers.packing.preferred_layout`` and
+``workers.precision.CPU_BF16_METHOD`` were chosen.
+
+Per contender: texts/s, real tokens/s, padding waste, ratio to (1) (median of the per-round
+ratios), and model-FLOPs utilisation: useful model FLOPs (matmuls on real tokens only:
+2 x matmul parameters per token + 4 x layers x hidden x length per token for attention) over
+the matmul peak of this machine in this precision, measured in the same run with a large
+``torch.matmul``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # same for every contender
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import click
+import numpy as np
+import torch
+
+from loadtest.corpus import build_corpus, describe, token_lengths
+from workers.encoder import Encoder, Tokenized, resolve_model_path
+from workers.packing import PackedEncoder, PackLayout
+from workers.precision import cosines
+
+ST_SWEEP = (16, 32, 64, 128, 256)
+
+
+# --- results -------------------------------------------------------------------------------
+@dataclass
+class Run:
+    """One contender's pass over the corpus."""
+
+    seconds: float
+    texts: int
+    real_tokens: int
+    padded_tokens: int
+    vectors: np.ndarray | None = None  # (texts, dim) in corpus order, for parity
+    model_busy: float | None = None  # fleet: model seconds / wall seconds
+
+
+@dataclass
+class Contender:
+    name: str
+    precision: str  # "fp32" or "bf16": which matmul peak its MFU is measured against
+    run: Callable[[int], Run]  # embeds the first n texts of the corpus
+    runs: list[Run] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Peak:
+    fp32: float  # FLOP/s
+    bf16: float
+
+    def of(self, precision: str) -> float:
+        return self.bf16 if precision == "bf16" else self.fp32
+
+
+def measure_peak(device: torch.device, seconds: float = 1.0) -> Peak:
+    """The best matmul rate of a large square ``torch.matmul``, fp32 and bf16."""
+    size = 8192 if device.type == "cuda" else 2048  # large enough to reach the peak there
+    rates = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(size, size, device=device, dtype=dtype)
+        b = torch.randn(size, size, device=device, dtype=dtype)
+        best = 0.0
+        deadline = time.perf_counter() + seconds
+        for attempt in range(100):
+            _sync(device)
+            started = time.perf_counter()
+            for _ in range(3):
+                torch.matmul(a, b)
+            _sync(device)
+            elapsed = time.perf_counter() - started
+            if attempt:  # the first call pays for kernel selection
+                best = max(best, 3 * 2 * size**3 / elapsed)
+            if time.perf_counter() > deadline and attempt >= 3:
+                break
+        rates[dtype] = best
+    return Peak(fp32=rates[torch.float32], bf16=rates[torch.bfloat16])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def matmul_parameters(encoder: Encoder) -> int:
+    """Weights of the linear layers inside the transformer layers (no embeddings, no pooler)."""
+    layers = encoder._model.encoder.layer  # BERT-class models, which this benchmark targets
+    return sum(
+        module.weight.numel() for module in layers.modules() if isinstance(module, torch.nn.Linear)
+    )
+
+
+def useful_flops(lengths: Sequence[int], encoder: Encoder) -> float:
+    """Model FLOPs for these (truncated) texts, counting real tokens only.
+
+    Per token: 2 x matmul parameters (each weight is one multiply-add); per token per layer:
+    4 x hidden x length for attention (QK^T and attention x V over the text's own length).
+    """
+    config = encoder._model.config
+    per_token = 2 * matmul_parameters(encoder)
+    attention = 4 * config.num_hidden_layers * config.hidden_size
+    return float(sum(per_token * n + attention * n * n for n in lengths))
+
+
+# --- contenders ----------------------------------------------------------------------------
+def st_contender(model: object, texts: list[str], lengths: list[int], batch_size: int) -> Run:
+    started = time.perf_counter()
+    vectors = model.encode(  # type: ignore[attr-defined]
+        texts, batch_size=batch_size, convert_to_numpy=True, show_progress_bar=False
+    )
+    seconds = time.perf_counter() - started
+    return Run(
+        seconds,
+        len(texts),
+        sum(lengths),
+        st_padded_tokens(texts, lengths, batch_size),
+        np.asarray(vectors, dtype=np.float32),
+    )
+
+
+def st_padded_tokens(texts: list[str], lengths: list[int], batch_size: int) -> int:
+    """What sentence-transformers computes: it sorts by character length (a proxy for tokens)
+    and pads each batch to its longest text in tokens."""
+    order = np.argsort([-len(text) for text in texts], kind="stable")
+    padded = 0
+    for start in range(0, len(order), batch_size):
+        batch = [lengths[i] for i in order[start : start + batch_size]]
+        padded += max(batch) * len(batch)
+    return padded
+
+
+def naive_contender(encoder: Encoder, texts: list[str], batch_size: int = 32) -> Run:
+    """Arrival order, fixed batches, padded to the longest of each batch (fp32)."""
+    started = time.perf_counter()
+    vectors, real, padded = [], 0, 0
+    for start in range(0, len(texts), batch_size):
+        batch = encoder.collate(encoder.tokenize(texts[start : start + batch_size]))
+        vectors.append(encoder.embed(batch))
+        real += batch.real_tokens
+        padded += batch.padded_tokens
+    return Run(time.perf_counter() - started, len(texts), real, padded, np.concatenate(vectors))
+
+
+def engine_contender(
+    encoder: Encoder,
+    texts: list[str],
+    layout: PackLayout,
+    window: int,
+    token_budget: int,
+    max_batch: int,
+) -> Run:
+    """The worker's compute path without Redis: windows of ``window`` texts, tokenize, plan,
+    embed; tokenization is inline (no overlap), as in the sentence-transformers contenders."""
+    from workers.batcher import plan_batches
+    from workers.packing import plan_rows, plan_token_batches
+
+    packer = None if layout == "padded" else _packer(encoder, layout)
+    started = time.perf_counter()
+    vectors = np.zeros((len(texts), encoder.dim), dtype=np.float32)
+    real = padded = 0
+    for base in range(0, len(texts), window):
+        tokens = encoder.tokenize(texts[base : base + window])
+        lengths = [t.length for t in tokens]
+        if layout == "padded":
+            for planned in plan_batches(lengths, token_budget, max_batch):
+                batch = encoder.collate([tokens[p] for p in planned.positions])
+                vectors[[base + p for p in planned.positions]] = encoder.embed(batch)
+                real += batch.real_tokens
+                padded += batch.padded_tokens
+            continue
+        assert packer is not None
+        if layout == "varlen":
+            groups = plan_token_batches(lengths, token_budget, max_batch)
+        else:  # rows as wide as the model's limit, token_budget // width rows per batch
+            groups = plan_rows(lengths, token_budget, encoder.max_length)
+        for positions in groups:
+            batch = packer.collate([tokens[p] for p in positions])
+            vectors[[base + p for p in positions]] = packer.embed(batch)
+            real += batch.real_tokens
+            padded += batch.padded_tokens
+    return Run(time.perf_counter() - started, len(texts), real, padded, vectors)
+
+
+_PACKERS: dict[tuple[int, str], PackedEncoder] = {}
+
+
+def _packer(encoder: Encoder, layout: PackLayout) -> PackedEncoder:
+    """One PackedEncoder per encoder and layout (varlen installs its attention once)."""
+    key = (id(encoder), layout)
+    if key not in _PACKERS:
+        _PACKERS[key] = PackedEncoder(encoder, layout)
+    return _PACKERS[key]
+
+
+class Fleet:
+    """A real server for every fleet run; each run gets a fresh namespace and worker."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def run(self, encoder: Encoder, texts: list[str], ids: list[str], keep: bool) -> Run:
+        return asyncio.run(self._run(encoder, texts, ids, keep))
+
+    async def _run(self, encoder: Encoder, texts: list[str], ids: list[str], keep: bool) -> Run:
+        from producer.client import Producer
+        from shared.redis_conn import connect
+        from shared.settings import load_settings
+        from workers.sinks import RedisStreamSink
+        from workers.worker import Worker
+
+        namespace = f"bench{uuid.uuid4().hex[:8]}"
+        settings = load_settings(
+            redis_url=self.url, namespace=namespace, consumer="bench", log_level="warning"
+        )
+        worker_client = connect(self.url)
+        worker = Worker(
+            settings, encoder, worker_client, RedisStreamSink(worker_client, settings.keys)
+        )
+        task = asyncio.create_task(worker.run())
+        job = "bench"
+        try:
+            async with Producer(settings) as producer:
+                await asyncio.sleep(0.2)  # the worker is up and blocked on XREADGROUP
+                chunks = [{"id": i, "text": t} for i, t in zip(ids, texts, strict=True)]
+                busy_before = worker.stats.model_seconds
+                started = time.perf_counter()
+                await producer.enqueue(chunks, job=job)
+                progress = await producer.wait_for_job(job, interval=0.01, timeout=3600)
+                seconds = time.perf_counter() - started
+                busy = (worker.stats.model_seconds - busy_before) / seconds
+                stats = worker.stats
+                vectors = None
+                if keep:
+                    latest = {r.id: r.vector async for r in producer.results(job=job)}
+                    vectors = np.stack([latest[i].astype(np.float32) for i in ids])
+                worker.drain()
+                await asyncio.wait_for(task, timeout=60)
+                await producer.client.flushdb()
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+            await worker_client.aclose()
+        if progress.dead:
+            raise RuntimeError(f"{progress.dead} chunks were dead-lettered during the benchmark")
+        return Run(seconds, progress.done, stats.real_tokens, stats.padded_tokens, vectors, busy)
+
+
+# --- the run -------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _server(redis_url: str | None) -> Iterator[str]:
+    if redis_url:
+        yield redis_url
+        return
+    from embedfleet.server import ServerProcess
+
+    with ServerProcess() as server:
+        yield server.url
+
+
+def best_st_batch(
+    model: object, texts: list[str], lengths: list[int]
+) -> tuple[int, dict[int, float]]:
+    """A short interleaved sweep (2 passes over a subset) for encode's best batch size."""
+    rates: dict[int, list[float]] = {size: [] for size in ST_SWEEP}
+    for _ in range(2):
+        for size in ST_SWEEP:
+            run = st_contender(model, texts, lengths, size)
+            rates[size].append(run.texts / run.seconds)
+    medians = {size: statistics.median(values) for size, values in rates.items()}
+    return max(medians, key=medians.__getitem__), medians
+
+
+def machine_line() -> str:
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return (
+        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+    )
+
+
+@click.command()
+@click.option("--texts", "count", type=int, default=1000, show_default=True)
+@click.option("--rounds", type=int, default=3, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--threads", type=int, default=0, help="torch threads (0 = all cores).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
+@click.option("--engines", is_flag=True, help="Add in-process layout/precision contenders.")
+@click.option("--compile", "use_compile", is_flag=True, help="Add a torch.compile contender.")
+@click.option("--only", default="", help="Comma-separated contender names to run (debugging).")
+@click.option("--redis-url", default=None, help="Use this server instead of starting one.")
+@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None)
+def main(
+    count: int,
+    rounds: int,
+    seed: int,
+    threads: int,
+    device: str,
+    engines: bool,
+    use_compile: bool,
+    only: str,
+    redis_url: str | None,
+    json_out: Path | None,
+) -> None:
+    """Side-by-side throughput: sentence-transformers vs a naive loop vs the fleet."""
+    import logging
+
+    from sentence_transformers import SentenceTransformer
+
+    from shared.logging import configure_logging
+    from shared.settings import Settings
+
+    configure_logging("warning", "console")
+    logging.getLogger("sentence_transformers").setLevel(logging.WARNING)
+    threads = threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+
+    corpus = build_corpus(count, seed=seed)
+    texts = [item.text for item in corpus]
+    ids = [item.id for item in corpus]
+    fp32 = Encoder(device=device, dtype="float32", threads=threads)
+    auto = Encoder(device=device, dtype="auto", threads=threads)
+    dev = fp32.device
+    tokens: list[Tokenized] = fp32.tokenize(texts)
+    lengths = [t.length for t in tokens]  # truncated to the model's limit
+    raw = describe(token_lengths(texts), fp32.max_length)  # before truncation
+    flops = useful_flops(lengths, fp32)
+    defaults = Settings()
+    say(f"machine: {machine_line()}")
+    say(
+        f"corpus: {count} texts, median {raw['median_tokens']:.0f} tokens, mean "
+        f"{raw['mean_tokens']:.1f}, p99 {raw['p99_tokens']}, "
+        f"{raw['over_max_fraction']:.1%} over {fp32.max_length} (truncated)"
+    )
+    say(auto.parity.line() if auto.parity else f"precision auto: {auto.precision.describe()}")
+    auto_precision = "bf16" if auto.precision.dtype != torch.float32 else "fp32"
+
+    st = SentenceTransformer(str(resolve_model_path(fp32.name)), device=str(dev))
+    sweep_texts = texts[: min(len(texts), 400)]
+    best, sweep = best_st_batch(st, sweep_texts, lengths[: len(sweep_texts)])
+    say("encode batch sweep (texts/s): " + ", ".join(f"{k}: {v:.0f}" for k, v in sweep.items()))
+
+    contenders = [
+        Contender("st encode(32)", "fp32", lambda n: st_contender(st, texts[:n], lengths[:n], 32)),
+    ]
+    if best != 32:
+        contenders.append(
+            Contender(
+                f"st encode({best})",
+                "fp32",
+                lambda n: st_contender(st, texts[:n], lengths[:n], best),
+            )
+        )
+    contenders.append(
+        Contender("naive padded(32)", "fp32", lambda n: naive_contender(fp32, texts[:n]))
+    )
+    window, budget, max_batch = defaults.read_count, defaults.token_budget, defaults.max_batch
+    if engines:
+        varlen32 = Encoder(device=device, dtype="float32", threads=threads)
+        varlen_auto = Encoder(device=device, dtype="auto", threads=threads)
+        for label, encoder, varlen_encoder, precision in (
+            ("fp32", fp32, varlen32, "fp32"),
+            ("auto", auto, varlen_auto, auto_precision),
+        ):
+            for layout in ("padded", "rows", "varlen"):
+                chosen = varlen_encoder if layout == "varlen" else encoder
+                contenders.append(
+                    Contender(
+                        f"engine {layout} {label}",
+                        precision,
+                        lambda n, e=chosen, la=layout: engine_contender(
+                            e, texts[:n], la, window, budget, max_batch
+                        ),
+                    )
+                )
+        if auto.precision.method == "weights" and dev.type == "cpu":
+            autocast = Encoder(device=device, dtype="float32", threads=threads)
+            from workers.precision import Precision
+
+            autocast.precision = Precision(torch.bfloat16, "autocast")
+            contenders.append(
+                Contender(
+                    "engine padded bf16 autocast",
+                    "bf16",
+                    lambda n: engine_contender(
+                        autocast, texts[:n], "padded", window, budget, max_batch
+                    ),
+                )
+            )
+    if use_compile:
+        compiled = Encoder(device=device, dtype="auto", threads=threads)
+        compiled._model.forward = torch.compile(compiled._model.forward, dynamic=True)
+        contenders.append(
+            Contender(
+                "engine padded auto compiled",
+                auto_precision,
+                lambda n: engine_contender(
+                    compiled, texts[:n], "padded", window, budget, max_batch
+                ),
+            )
+        )
+    if only:
+        wanted = {name.strip() for name in only.split(",")}
+        contenders = [c for c in contenders if c.name in wanted or c.name == "st encode(32)"]
+
+    with _server(redis_url) as url:
+        fleet = Fleet(url)
+
+        def fleet_run(encoder: Encoder, n: int) -> Run:
+            # Vectors are read back (for parity) only on full runs; warm-ups use other ids.
+            prefix = "" if n == len(texts) else "warm-"
+            return fleet.run(encoder, texts[:n], [prefix + i for i in ids[:n]], keep=not prefix)
+
+        if not only or "fleet fp32" in only:
+            contenders.append(Contender("fleet fp32", "fp32", lambda n: fleet_run(fp32, n)))
+        if not only or "fleet auto" in only:
+            contenders.append(Contender("fleet auto", auto_precision, lambda n: fleet_run(auto, n)))
+
+        say(f"warming up {len(contenders)} contenders")
+        for contender in contenders:
+            contender.run(min(64, len(texts)))
+        peak_before = measure_peak(dev)
+        for number in range(rounds):
+            order = contenders[number % len(contenders) :] + contenders[: number % len(contenders)]
+            for contender in order:
+                run = contender.run(len(texts))
+                contender.runs.append(run)
+                say(
+                    f"round {number + 1}/{rounds} {contender.name}: "
+                    f"{run.texts / run.seconds:.1f} texts/s ({run.seconds:.1f} s)"
+                )
+        peak_after = measure_peak(dev)
+    peak = Peak(max(peak_before.fp32, peak_after.fp32), max(peak_before.bf16, peak_after.bf16))
+
+    baseline = contenders[0]
+    reference = next(run.vectors for run in baseline.runs if run.vectors is not None)
+    rows = []
+    for contender in contenders:
+        rates = [run.texts / run.seconds for run in contender.runs]
+        ratios = [
+            (run.texts / run.seconds) / (base.texts / base.seconds)
+            for run, base in zip(contender.runs, baseline.runs, strict=True)
+        ]
+        first_run = contender.runs[0]
+        median_seconds = statistics.median(run.seconds for run in contender.runs)
+        parity_min = next(
+            (
+                float(cosines(reference, run.vectors).min())
+                for run in contender.runs
+                if run.vectors is not None
+            ),
+            None,
+        )
+        busy = [run.model_busy for run in contender.runs if run.model_busy is not None]
+        rows.append(
+            {
+                "name": contender.name,
+                "precision": contender.precision,
+                "texts_per_s": statistics.median(rates),
+                "tokens_per_s": first_run.real_tokens / median_seconds,
+                "padding_waste": 1 - first_run.real_tokens / first_run.padded_tokens,
+                "ratio": statistics.median(ratios),
+                "mfu": flops / median_seconds / peak.of(contender.precision),
+                "model_busy": statistics.median(busy) if busy else None,
+                "min_cosine_vs_st": parity_min,
+                "rates": rates,
+            }
+        )
+    table = render_table(rows)
+    print(f"machine: {machine_line()}")
+    print(
+        f"corpus: {count} texts (seed {seed}), median {raw['median_tokens']:.0f} tokens, "
+        f"{raw['over_max_fraction']:.1%} truncated; {rounds} rounds interleaved; "
+        f"worker defaults: read_count {window}, token_budget {budget}, max_batch {max_batch}"
+    )
+    print(
+        f"matmul peak (this run): fp32 {peak.fp32 / 1e9:.0f} GFLOP/s, bf16 "
+        f"{peak.bf16 / 1e9:.0f} GFLOP/s; model {flops / sum(lengths) / 1e6:.1f} MFLOP per real "
+        f"token on this corpus"
+    )
+    print(auto.parity.line() if auto.parity else f"precision auto: {auto.precision.describe()}")
+    print(
+        f"st encode batch sweep (texts/s): {', '.join(f'{k}: {v:.0f}' for k, v in sweep.items())}"
+    )
+    print(table)
+    if json_out is not None:
+        json_out.write_text(
+            json.dumps(
+                {
+                    "machine": machine_line(),
+                    "corpus": raw,
+                    "peak": {"fp32": peak.fp32, "bf16": peak.bf16},
+                    "rows": rows,
+                },
+                indent=2,
+            )
+        )
+
+
+def render_table(rows: list[dict]) -> str:
+    lines = [
+        "| contender | texts/s | real tokens/s | padding waste | × encode(32) | MFU | model busy "
+        "| min cos vs st |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        busy = "" if row["model_busy"] is None else f"{row['model_busy']:.0%}"
+        parity = "" if row["min_cosine_vs_st"] is None else f"{row['min_cosine_vs_st']:.5f}"
+        lines.append(
+            f"| {row['name']} ({row['precision']}) | {row['texts_per_s']:.1f} | "
+            f"{row['tokens_per_s']:,.0f} | {row['padding_waste']:.1%} | {row['ratio']:.2f} | "
+            f"{row['mfu']:.1%} | {busy} | {parity} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
