@@ -208,6 +208,8 @@ class Worker:
         if stream == self.keys.query:
             await self.queries.accept(entries)
         else:
+            # ours from now on: renew their lease while they wait for the reader
+            self.in_flight.add(stream, [entry.entry_id for entry in entries])
             await self._reclaimed.put(entries)
 
     # --- reader -----------------------------------------------------------------------
@@ -236,7 +238,7 @@ class Worker:
         self, entries: list[StreamEntry], windows: asyncio.Queue[Window | None]
     ) -> None:
         accepted, rejected = decode_entries(entries, self.settings)
-        await self.dead_letters.send(rejected)
+        await self._dead_letter(rejected)
         if not accepted:
             return
         self.in_flight.add(self.keys.ingest, [a.delivery.entry_id for a in accepted])
@@ -315,8 +317,8 @@ class Worker:
             await self._on_model_error(window, planned, encoded, error)
             return
         # queries served at layer boundaries ran inside this call; they are not bulk time
-        seconds = time.perf_counter() - started - (
-            self.queries.serving_seconds - query_seconds_before
+        seconds = (
+            time.perf_counter() - started - (self.queries.serving_seconds - query_seconds_before)
         )
         self._learn_speed(seconds, planned.padded_tokens)
         self.events.batch_encoded(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -58,21 +57,46 @@ class Sink(abc.ABC):
         """Release connections; the default sink has nothing of its own."""
 
 
+# Acknowledge entries one by one and count (and write the result of) only those this call
+# really acknowledged: when a slow worker and the one that reclaimed its entries both finish
+# the same entry, the second XACK returns 0, so the job counter and the results stream see the
+# entry once. Job keys are built from ARGV; with a hash tag in the namespace they share the
+# streams' slot, as the MULTI/EXEC around this needs anyway.
+ACK_SCRIPT = """
+local acked = 0
+for i = 4, #ARGV, 3 do
+  local entry = ARGV[i]
+  if redis.call('XACK', KEYS[1], ARGV[1], entry) == 1 then
+    redis.call('XDEL', KEYS[1], entry)
+    if ARGV[i + 1] ~= '' then redis.call('HINCRBY', ARGV[3] .. ARGV[i + 1], ARGV[2], 1) end
+    if ARGV[i + 2] ~= '' then redis.call('XADD', KEYS[2], '*', 'm', ARGV[i + 2]) end
+    acked = acked + 1
+  end
+end
+return acked
+"""
+
+
 def queue_acknowledgements(
-    pipe: aioredis.client.Pipeline, keys: Keys, deliveries: Sequence[Delivery], counter: str
+    pipe: aioredis.client.Pipeline,
+    keys: Keys,
+    deliveries: Sequence[Delivery],
+    counter: str,
+    payloads: Sequence[bytes] | None = None,
 ) -> None:
-    """XACK and XDEL the entries (acknowledged entries must not pile up) and count per job.
+    """XACK and XDEL the entries (acknowledged entries must not pile up) and count per job;
+    with ``payloads``, XADD each entry's result to the results stream, only if it was acked.
 
     Deleting only delivered, acknowledged entries keeps the group's lag exact, which KEDA reads.
     """
-    by_stream: dict[str, list[str]] = {}
-    for delivery in deliveries:
-        by_stream.setdefault(delivery.stream, []).append(delivery.entry_id)
-    for stream, entry_ids in by_stream.items():
-        pipe.xack(stream, keys.group, *entry_ids)
-        pipe.xdel(stream, *entry_ids)
-    for job, count in Counter(d.job for d in deliveries if d.job is not None).items():
-        pipe.hincrby(keys.job(job), counter, count)
+    by_stream: dict[str, list[str | bytes]] = {}
+    for index, delivery in enumerate(deliveries):
+        payload = payloads[index] if payloads is not None else b""
+        by_stream.setdefault(delivery.stream, []).extend(
+            [delivery.entry_id, delivery.job or "", payload]
+        )
+    for stream, triples in by_stream.items():
+        pipe.eval(ACK_SCRIPT, 2, stream, keys.results, keys.group, counter, keys.job(""), *triples)
 
 
 def latest_per_id(results: Sequence[Result]) -> list[Result]:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import redis.asyncio as aioredis
 
 from shared.keys import Keys
-from shared.protocol import PAYLOAD_FIELD, Result, encode_result
+from shared.protocol import Result, encode_result
 from workers.sinks.base import Delivery, Sink, queue_acknowledgements
 
 
@@ -26,7 +26,6 @@ class RedisStreamSink(Sink):
         if len(results) != len(deliveries):
             raise ValueError("one delivery per result")
         pipe = self.client.pipeline(transaction=True)
-        for result in results:
-            pipe.xadd(self.keys.results, {PAYLOAD_FIELD: encode_result(result)})
-        queue_acknowledgements(pipe, self.keys, deliveries, counter="done")
+        payloads = [encode_result(result) for result in results]
+        queue_acknowledgements(pipe, self.keys, deliveries, counter="done", payloads=payloads)
         await pipe.execute()
