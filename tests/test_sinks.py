@@ -397,6 +397,7 @@ async def test_an_id_twice_in_one_batch_is_written_once_last_wins(
     backend: str, request: pytest.FixtureRequest, settings: Settings, client, tmp_path: Path
 ) -> None:
     from shared.protocol import Result
+    from shared.redis_conn import ensure_group
     from workers.sinks import Delivery
 
     settings = settings.model_copy(
@@ -413,6 +414,9 @@ async def test_an_id_twice_in_one_batch_is_written_once_last_wins(
         Result(id="same", model="tiny-model", vector=last, job="j", meta={"v": 2}),
     ]
     entry_ids = [await client.xadd(settings.keys.ingest, {"m": b"x"}) for _ in results]
+    # delivered to a consumer, so pending: only pending entries are acknowledged and counted
+    await ensure_group(client, settings.keys, settings.keys.ingest)
+    await client.xreadgroup(settings.group, "sink-test", {settings.keys.ingest: ">"})
     deliveries = [Delivery(settings.keys.ingest, e.decode(), "j") for e in entry_ids]
     await sink.write(results, deliveries)
     await sink.close()
