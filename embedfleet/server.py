@@ -33,6 +33,11 @@ def system_server_binary() -> str | None:
     return shutil.which("redis-server")
 
 
+def preferred_server_binary() -> str:
+    """A redis-server on PATH when there is one (what CI has), else the embedded Valkey."""
+    return system_server_binary() or embedded_server_binary()
+
+
 class ServerProcess:
     """A redis-server / valkey-server child on a free loopback port, in its own temp dir."""
 

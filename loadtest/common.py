@@ -12,14 +12,14 @@ from pathlib import Path
 
 import numpy as np
 
-from embedfleet.server import ServerProcess, embedded_server_binary, system_server_binary
+from embedfleet.server import ServerProcess, preferred_server_binary
 from shared.settings import Settings
 
 
 @contextlib.contextmanager
 def redis_server() -> Iterator[ServerProcess]:
     """A fresh server for one scenario: Debian's redis-server when present, else Valkey."""
-    with ServerProcess(system_server_binary() or embedded_server_binary()) as server:
+    with ServerProcess(preferred_server_binary()) as server:
         yield server
 
 

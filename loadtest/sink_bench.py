@@ -38,7 +38,7 @@ import click
 import numpy as np
 import redis.asyncio as aioredis
 
-from embedfleet.server import ServerProcess, embedded_server_binary, system_server_binary
+from embedfleet.server import ServerProcess, preferred_server_binary
 from producer.chunker import builtin_corpus
 from producer.client import Producer
 from producer.vectordb import stored_vectors
@@ -252,7 +252,7 @@ async def _main(
 
     chunks = list(builtin_corpus(texts))
     encoder = await asyncio.to_thread(Encoder)
-    binary = system_server_binary() or embedded_server_binary()
+    binary = preferred_server_binary()
     with (
         tempfile.TemporaryDirectory(prefix="sink-bench-") as tmp,
         ServerProcess(binary) as server,

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import redis.asyncio as aioredis
 
-from embedfleet.server import ServerProcess, embedded_server_binary, system_server_binary
+from embedfleet.server import ServerProcess, embedded_server_binary, preferred_server_binary
 from shared.redis_conn import connect
 from shared.settings import Settings
 
@@ -28,7 +28,7 @@ def _server_binary() -> str:
     """
     if os.environ.get("EMBEDFLEET_TEST_SERVER") == "embedded":
         return embedded_server_binary()
-    return system_server_binary() or embedded_server_binary()
+    return preferred_server_binary()
 
 
 @pytest.fixture(scope="session")
