@@ -167,25 +167,25 @@ class Producer:
         request = uuid.uuid4().hex
         reply_key = self.keys.reply(request)
         deadline_ms = int((time.time() + timeout) * 1000)
+        # The XADDs and the first BLPOP go out together: one round trip for a single query.
         pipe = self.client.pipeline(transaction=False)
         for index, text in enumerate(texts):
             chunk = Chunk(
                 id=f"{request}:{index}", text=text, reply=request, deadline_ms=deadline_ms
             )
             pipe.xadd(self.keys.query, {PAYLOAD_FIELD: encode_chunk(chunk)})
-        entry_ids = await pipe.execute()
+        pipe.blpop([reply_key], timeout=timeout)
+        *entry_ids, popped = await pipe.execute()
         vectors: dict[int, np.ndarray] = {}
         give_up_at = time.monotonic() + timeout
         try:
-            while len(vectors) < len(texts):
-                remaining = give_up_at - time.monotonic()
-                if remaining <= 0:
-                    break
-                popped = await self.client.blpop([reply_key], timeout=remaining)
-                if popped is None:
-                    break
+            while popped is not None:
                 result = decode_result(popped[1])  # raises QueryFailedError for a bad query
                 vectors[int(result.id.rsplit(":", 1)[1])] = result.vector.astype(np.float32)
+                remaining = give_up_at - time.monotonic()
+                if len(vectors) == len(texts) or remaining <= 0:
+                    break
+                popped = await self.client.blpop([reply_key], timeout=remaining)
         finally:
             if len(vectors) < len(texts):
                 await self._withdraw(entry_ids, reply_key)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import redis
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
@@ -25,6 +26,21 @@ def connect(url: str, **kwargs: object) -> aioredis.Redis:
     }
     options.update(kwargs)
     return aioredis.Redis.from_url(url, **options)
+
+
+def connect_sync(url: str, *, timeout_s: float = 5.0) -> redis.Redis:
+    """A blocking client for the model thread's short writes (query replies).
+
+    No blocking commands go through it, so a read timeout is safe: a dead server fails the
+    write after ``timeout_s`` instead of holding the model thread.
+    """
+    return redis.Redis.from_url(
+        url,
+        decode_responses=False,
+        socket_keepalive=True,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+    )
 
 
 async def ensure_group(client: aioredis.Redis, keys: Keys, stream: str) -> bool:

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
+import redis
 import redis.asyncio as aioredis
 
 from shared.keys import Keys
@@ -78,7 +79,7 @@ return acked
 
 
 def queue_acknowledgements(
-    pipe: aioredis.client.Pipeline,
+    pipe: aioredis.client.Pipeline | redis.client.Pipeline,
     keys: Keys,
     deliveries: Sequence[Delivery],
     counter: str,
@@ -88,6 +89,7 @@ def queue_acknowledgements(
     with ``payloads``, XADD each entry's result to the results stream, only if it was acked.
 
     Deleting only delivered, acknowledged entries keeps the group's lag exact, which KEDA reads.
+    Works on an asyncio or a blocking pipeline (the query lane replies from the model thread).
     """
     by_stream: dict[str, list[str | bytes]] = {}
     for index, delivery in enumerate(deliveries):
