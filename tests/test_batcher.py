@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import random
+import types
 
 import pytest
 
+from shared.settings import Settings
 from workers.batcher import padding_waste, plan_batches
+from workers.worker import MIN_SLICED_TOKENS, SLICE_HEADROOM, Worker
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -42,3 +45,33 @@ def test_text_longer_than_budget_gets_its_own_batch() -> None:
 def test_rejects_nonsense_limits() -> None:
     with pytest.raises(ValueError):
         plan_batches([1], token_budget=0, max_batch=1)
+
+
+class _SlicingEncoder:
+    """What Worker._token_cap reads from the encoder: pure logic, no model."""
+
+    layer_count = 6
+    device = types.SimpleNamespace(type="cpu")
+
+
+def _worker_with_speed(slice_ms: float, seconds_per_token: float | None) -> Worker:
+    settings = Settings(slice_ms=slice_ms, token_budget=4096)
+    worker = Worker(settings, _SlicingEncoder(), client=None, sink=None)  # type: ignore[arg-type]
+    worker._seconds_per_token = seconds_per_token
+    return worker
+
+
+def test_batches_leave_headroom_under_the_slice_target() -> None:
+    # 6 layers at 0.1 ms per token each: a 100 ms slice holds 1,000 tokens per layer; batches
+    # are sized for SLICE_HEADROOM of that, so a slower-than-average layer still fits.
+    assert 0 < SLICE_HEADROOM < 1
+    worker = _worker_with_speed(100, seconds_per_token=0.6e-3)
+    assert worker._token_cap() == int(SLICE_HEADROOM * 1000)
+    assert worker._token_cap() * 0.1e-3 <= 0.100 * SLICE_HEADROOM + 1e-9
+
+
+def test_token_cap_bounds() -> None:
+    assert _worker_with_speed(100, None)._token_cap() == 4096  # nothing measured yet
+    assert _worker_with_speed(0, 0.6e-3)._token_cap() == 4096  # slicing off
+    assert _worker_with_speed(100, 60e-3)._token_cap() == MIN_SLICED_TOKENS  # very slow model
+    assert _worker_with_speed(100, 1e-6)._token_cap() == 4096  # very fast model

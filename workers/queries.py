@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -139,8 +139,10 @@ class QueryLane:
                 )
             )
         # Runs at once if the model is idle; if a bulk batch is in flight, the layer hook
-        # serves the inbox first and this call finds it empty.
-        asyncio.get_running_loop().run_in_executor(self.model_thread, self.serve_inbox)
+        # serves the inbox first and this call finds it empty. A plain submit, not
+        # run_in_executor: nothing awaits it, and its completion would wake the event loop
+        # just while the answer travels to the caller.
+        self.model_thread.submit(self.serve_inbox).add_done_callback(_log_unexpected)
 
     # --- model thread ------------------------------------------------------------------
     def serve_at_layer_boundary(self) -> None:
@@ -223,6 +225,12 @@ class QueryLane:
                 for i in items
             ]
         )
+
+
+def _log_unexpected(future: Future[None]) -> None:
+    """serve_inbox handles model and Redis errors itself; anything else must not vanish."""
+    if not future.cancelled() and (error := future.exception()) is not None:
+        log.error("query lane failed", error=repr(error))
 
 
 def _entry_time(entry_id: str) -> float:
