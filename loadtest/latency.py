@@ -23,10 +23,12 @@ import asyncio
 import statistics
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 import aiohttp
 import numpy as np
 import uvloop
+from prometheus_client.parser import text_string_to_metric_families
 
 from embedfleet.server import free_port
 from loadtest.common import machine_load, percentile_ms, redis_server, worker_process
@@ -34,6 +36,9 @@ from producer import Producer
 from producer.chunker import builtin_corpus
 from shared.protocol import Chunk
 from shared.settings import Settings
+
+if TYPE_CHECKING:
+    from workers.encoder import Encoder
 
 QUERY = "how do I read a file line by line in python"
 
@@ -43,7 +48,7 @@ QUERY = "how do I read a file line by line in python"
 PAIR_PAUSE_S = 0.02
 
 
-def bare_encoder():
+def bare_encoder() -> Encoder:
     """The floor: the same query through the model in this process, no queue at all."""
     from workers.encoder import Encoder
 
@@ -53,7 +58,9 @@ def bare_encoder():
     return encoder
 
 
-async def paired_latencies(encoder, producer: Producer, count: int) -> tuple[list[float], ...]:
+async def paired_latencies(
+    encoder: Encoder, producer: Producer, count: int
+) -> tuple[list[float], list[float]]:
     """``count`` pairs: a bare forward pass in this process, then the query through the lane."""
     bare: list[float] = []
     queued: list[float] = []
@@ -89,13 +96,14 @@ def bulk_corpus(count: int) -> list[Chunk]:
     ]
 
 
-async def bulk_tokens(metrics_url: str) -> float:
+async def bulk_tokens(session: aiohttp.ClientSession, metrics_url: str) -> float:
     """Real tokens of bulk work the worker has embedded so far (queries are not counted)."""
-    async with aiohttp.ClientSession() as session, session.get(metrics_url) as response:
+    async with session.get(metrics_url) as response:
         text = await response.text()
-    for line in text.splitlines():
-        if line.startswith("embedfleet_tokens_embedded_total "):
-            return float(line.split()[1])
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "embedfleet_tokens_embedded_total":
+                return sample.value
     raise RuntimeError(f"no embedfleet_tokens_embedded_total in {metrics_url}")
 
 
@@ -121,10 +129,11 @@ async def bulk_rate(
     started = time.perf_counter()
     times: list[float] = []
     tokens: list[float] = []
-    while (now := time.perf_counter()) - started < window:
-        tokens.append(await bulk_tokens(metrics_url))
-        times.append(now - started)
-        await asyncio.sleep(0.1)
+    async with aiohttp.ClientSession() as session:  # one connection for all the samples
+        while (now := time.perf_counter()) - started < window:
+            tokens.append(await bulk_tokens(session, metrics_url))
+            times.append(now - started)
+            await asyncio.sleep(0.1)
     stop.set()
     if loader:
         await loader

@@ -127,7 +127,7 @@ async def _collect(settings: Settings, job: str | None) -> dict[str, Result]:
 @click.argument("text")
 @click.option(
     "--timeout",
-    type=float,
+    type=click.FloatRange(min=0, min_open=True),
     default=10.0,
     show_default=True,
     help="Seconds to wait for a worker's answer.",

@@ -163,6 +163,8 @@ class Producer:
             raise ValueError("embed_queries needs at least one text")
         if any(not isinstance(t, str) or not t.strip() for t in texts):
             raise ValueError("every query must be a non-empty string")
+        if not timeout > 0:  # BLPOP with timeout 0 would wait forever
+            raise ValueError(f"timeout must be a positive number of seconds, not {timeout}")
         await self.setup()
         request = uuid.uuid4().hex
         reply_key = self.keys.reply(request)

@@ -41,6 +41,16 @@ async def test_timeout_raises_and_leaves_nothing_behind(
     assert not [key async for key in client.scan_iter(f"{settings.namespace}:reply:*")]
 
 
+async def test_a_timeout_that_is_not_positive_is_refused_before_enqueueing(
+    settings: Settings, client: aioredis.Redis
+) -> None:
+    async with Producer(settings, client) as producer:
+        for timeout in (0, -1.0):
+            with pytest.raises(ValueError, match="positive"):
+                await producer.embed_query("anyone there?", timeout=timeout)
+    assert await client.xlen(settings.keys.query) == 0
+
+
 async def test_query_overtakes_a_bulk_backlog(
     settings: Settings, client: aioredis.Redis, encoder
 ) -> None:
