@@ -1,6 +1,6 @@
 """Query latency through the priority lane, idle and with the ingest stream saturated.
 
-    python -m loadtest.latency [--queries 200] [--window 20] [--rounds 2]
+    python -m loadtest.latency [--queries 200] [--window 15] [--rounds 3] [--pair-pause 0.1]
 
 Prints one table: query p50/p99 one at a time and 8 concurrent, with the ingest stream idle and
 saturated (a backlog that outlasts the measurement), beside a bare in-process forward pass of
@@ -43,36 +43,46 @@ if TYPE_CHECKING:
 QUERY = "how do I read a file line by line in python"
 
 
-# Between the two halves of a pair: lets the other process's OpenMP threads, which spin
-# ~10 ms after a forward pass, go to sleep before the next measurement starts.
-PAIR_PAUSE_S = 0.02
+# Between the two halves of a pair: long enough that each forward pass finds the machine as an
+# idle lane does, with caches that the other process's forward pass (its own 90 MB copy of
+# the weights) has not just filled. The state matters more than the gap being measured: on the
+# 2-core VM a forward pass 20 ms after the same one takes 6.9 ms, 100 ms after it 14.5 ms; 20 ms
+# after the *other* process's pass 13.7 ms. At 20 ms the paired gap read 3.0-4.0 ms, at 100 ms
+# 1.2-1.3 ms (same run, same code; docs/BENCHMARKS.md).
+PAIR_PAUSE_S = 0.1
 
 
 def bare_encoder() -> Encoder:
-    """The floor: the same query through the model in this process, no queue at all."""
+    """The floor: the same query through the model in this process, no queue at all, on the
+    forward pass the worker's query lane uses (the frozen graph, workers/frozen.py)."""
     from workers.encoder import Encoder
 
     encoder = Encoder()
+    encoder.prepare_query_graph()
     for _ in range(10):
-        encoder.embed_texts([QUERY])
+        bare_forward(encoder)
     return encoder
 
 
+def bare_forward(encoder: Encoder) -> None:
+    encoder.embed_query(encoder.collate(encoder.tokenize([QUERY])))
+
+
 async def paired_latencies(
-    encoder: Encoder, producer: Producer, count: int
+    encoder: Encoder, producer: Producer, count: int, pause_s: float = PAIR_PAUSE_S
 ) -> tuple[list[float], list[float]]:
     """``count`` pairs: a bare forward pass in this process, then the query through the lane."""
     bare: list[float] = []
     queued: list[float] = []
     for _ in range(count):
         started = time.perf_counter()
-        encoder.embed_texts([QUERY])
+        bare_forward(encoder)
         bare.append(time.perf_counter() - started)
-        await asyncio.sleep(PAIR_PAUSE_S)
+        await asyncio.sleep(pause_s)
         started = time.perf_counter()
         await producer.embed_query(QUERY, timeout=30)
         queued.append(time.perf_counter() - started)
-        await asyncio.sleep(PAIR_PAUSE_S)
+        await asyncio.sleep(pause_s)
     return bare, queued
 
 
@@ -94,6 +104,13 @@ def bulk_corpus(count: int) -> list[Chunk]:
     return [
         Chunk(id=f"b{uuid.uuid4().hex[:8]}-{i}", text=texts[i % len(texts)]) for i in range(count)
     ]
+
+
+async def keep_saturated(producer: Producer, settings: Settings, backlog: int) -> None:
+    """Top the ingest stream up between throughput runs, so none of them runs it dry (a fast
+    machine got through 12,000 chunks before the last run once, and read half the rate)."""
+    if await producer.client.xlen(settings.keys.ingest) < backlog // 2:
+        await producer.enqueue(bulk_corpus(backlog), job="saturate")
 
 
 async def bulk_tokens(session: aiohttp.ClientSession, metrics_url: str) -> float:
@@ -153,7 +170,9 @@ async def scenario(args: argparse.Namespace) -> None:
                 for _ in range(20):
                     await producer.embed_query(QUERY, timeout=30)
                 rows = {}
-                bare, rows[("idle", 1)] = await paired_latencies(encoder, producer, args.queries)
+                bare, rows[("idle", 1)] = await paired_latencies(
+                    encoder, producer, args.queries, args.pair_pause
+                )
                 rows[("idle", 8)] = await query_latencies(producer, args.queries, 8)
                 backlog = bulk_corpus(args.backlog)
                 await producer.enqueue(backlog, job="saturate")
@@ -165,7 +184,9 @@ async def scenario(args: argparse.Namespace) -> None:
                 left = await producer.client.xlen(settings.keys.ingest)
                 without, with_queries = [], []
                 for _ in range(args.rounds):
+                    await keep_saturated(producer, settings, args.backlog)
                     without.append(await bulk_rate(producer, metrics_url, args.window, 0))
+                    await keep_saturated(producer, settings, args.backlog)
                     with_queries.append(await bulk_rate(producer, metrics_url, args.window, 10))
                 left_after = await producer.client.xlen(settings.keys.ingest)
     print_table(bare, rows, left, without, with_queries, left_after, args)
@@ -173,7 +194,10 @@ async def scenario(args: argparse.Namespace) -> None:
 
 def print_table(bare, rows, left, without, with_queries, left_after, args) -> None:
     slice_ms = 100.0  # the CPU default of EMBEDFLEET_SLICE_MS=-1 (auto)
-    print(f"# query latency ({args.queries} queries per row; {machine_load()})")
+    print(
+        f"# query latency ({args.queries} queries per row; bare/idle pairs "
+        f"{args.pair_pause * 1000:.0f} ms apart; {machine_load()})"
+    )
     print("| ingest stream | concurrency | p50 ms | p99 ms |")
     print("|---|---|---|---|")
     print(
@@ -226,6 +250,12 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=200, help="queries per row")
     parser.add_argument("--backlog", type=int, default=12000, help="bulk chunks enqueued")
     parser.add_argument("--window", type=float, default=15.0, help="seconds per throughput run")
+    parser.add_argument(
+        "--pair-pause",
+        type=float,
+        default=PAIR_PAUSE_S,
+        help="seconds between the bare and the queued query of a pair, and between pairs",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="A/B throughput pairs")
     args = parser.parse_args()
     uvloop.run(scenario(args))

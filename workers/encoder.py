@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -21,7 +21,14 @@ from transformers import AutoModel, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from shared.settings import PACKAGED_MODEL
-from workers.precision import ParityReport, Precision, requested_precision, settle_auto
+from workers.frozen import FrozenForward, build_checked, freeze
+from workers.precision import (
+    PROBE_TEXTS,
+    ParityReport,
+    Precision,
+    requested_precision,
+    settle_auto,
+)
 
 PoolingMode = Literal["mean", "cls", "lasttoken", "max"]
 # A text this many characters per allowed token long certainly has more tokens than the model
@@ -199,6 +206,7 @@ class Encoder:
             )
         self.dtype = self.precision.dtype
         self._layer_hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._query_forward: FrozenForward | None = None
 
     # --- slice boundaries ----------------------------------------------------------
     def set_layer_callback(self, callback: Callable[[], None] | None) -> int:
@@ -277,11 +285,55 @@ class Encoder:
         attention_mask = batch.attention_mask.to(self.device, non_blocking=True)
         with self.precision.context(self.device):
             output = self._model(input_ids=input_ids, attention_mask=attention_mask)
-        hidden = output.last_hidden_state
+        return self._vectors(output.last_hidden_state, attention_mask)
+
+    @torch.inference_mode()
+    def embed_query(self, batch: EncodeBatch) -> np.ndarray:
+        """Like ``embed``, through the frozen graph when one was prepared (short inputs on a
+        CPU, see workers/frozen.py). No layer hooks fire in it."""
+        if self._query_forward is None:
+            return self.embed(batch)
+        return self._embed_frozen(self._query_forward, batch)
+
+    def _embed_frozen(self, forward: FrozenForward, batch: EncodeBatch) -> np.ndarray:
+        hidden = forward(batch.input_ids, batch.attention_mask)
+        return self._vectors(hidden, batch.attention_mask)
+
+    def _vectors(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> np.ndarray:
         pooled = pool(hidden.float(), attention_mask, self.pooling.mode)
         if self.pooling.normalize:
             pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
         return pooled.cpu().numpy()
+
+    # --- the query graph --------------------------------------------------------------
+    @property
+    def has_query_graph(self) -> bool:
+        return self._query_forward is not None
+
+    def prepare_query_graph(self) -> bool:
+        """Build the frozen query graph, once, where it helps and holds parity: on a CPU, with
+        the weights in their compute dtype (not autocast). Returns whether queries use it.
+
+        Call it on the thread that runs the model; it takes about a second.
+        """
+        if self._query_forward is not None:
+            return True
+        if self.device.type != "cpu" or self.precision.method == "autocast":
+            return False
+        example = self.collate(self.tokenize(["a query", "a longer query, so the batch pads"]))
+
+        @torch.inference_mode()
+        def frozen(forward: FrozenForward, texts: Sequence[str]) -> np.ndarray:
+            return self._embed_frozen(forward, self.collate(self.tokenize(list(texts))))
+
+        self._query_forward = build_checked(
+            build=lambda: freeze(self._model, (example.input_ids, example.attention_mask)),
+            eager=lambda texts: self.embed_texts(list(texts)),
+            frozen=frozen,
+            # single texts (no padding) and padded batches of mixed lengths
+            probe_batches=[[PROBE_TEXTS[0]], [PROBE_TEXTS[-1]], PROBE_TEXTS[:4], PROBE_TEXTS],
+        )
+        return self._query_forward is not None
 
     def embed_texts(self, texts: list[str]) -> np.ndarray:
         """Convenience for tests and the CLI: tokenize, one batch, embed."""

@@ -77,6 +77,9 @@ class QueryLane:
 
     async def run(self, stopping: asyncio.Event) -> None:
         self._loop = asyncio.get_running_loop()
+        if self.settings.frozen_queries:
+            # on the model thread, before any query or bulk batch (it runs the model)
+            await self._loop.run_in_executor(self.model_thread, self.encoder.prepare_query_graph)
         self.encoder.set_layer_callback(self.serve_at_layer_boundary)
         backoff = Backoff(log)
         try:
@@ -157,7 +160,7 @@ class QueryLane:
         try:
             items = [self._inbox.popleft() for _ in range(len(self._inbox))]
             try:
-                vectors = self.encoder.embed(self.encoder.collate([i.tokens for i in items]))
+                vectors = self.encoder.embed_query(self.encoder.collate([i.tokens for i in items]))
             except Exception as error:
                 self._on_loop(self._fail, items, f"model error: {error}")
                 return

@@ -1,0 +1,112 @@
+"""The frozen query graph (workers/frozen.py): same vectors as the model, or not used at all."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import redis.asyncio as aioredis
+
+from producer import Producer
+from producer.chunker import builtin_corpus
+from shared.settings import Settings
+from tests.conftest import running_worker
+from workers.frozen import FROZEN_MIN_COSINE, FrozenForward, build_checked
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+def test_frozen_queries_match_sentence_transformers(encoder) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    assert encoder.prepare_query_graph(), "the packaged model must freeze on this CPU"
+    texts = [chunk.text for chunk in builtin_corpus(120)]
+    singles = np.concatenate(
+        [encoder.embed_query(encoder.collate(encoder.tokenize([t]))) for t in texts]
+    )
+    # a padded batch of mixed lengths, as when several queries arrive together
+    batched = encoder.embed_query(encoder.collate(encoder.tokenize(texts[:16])))
+
+    reference = SentenceTransformer(str(encoder.model_dir), device="cpu").encode(texts)
+    print(
+        f"frozen vs sentence-transformers over {len(texts)} texts: "
+        f"min cosine {cosines(singles, reference).min():.7f} (one at a time), "
+        f"{cosines(batched, reference[:16]).min():.7f} (padded batch)"
+    )
+    assert cosines(singles, reference).min() >= 0.9999
+    assert cosines(batched, reference[:16]).min() >= 0.9999
+
+
+def test_frozen_graph_does_not_fire_the_slice_hooks(encoder) -> None:
+    """A query served at a layer boundary must not re-enter the boundary callback."""
+    assert encoder.prepare_query_graph()
+    calls: list[int] = []
+    encoder.set_layer_callback(lambda: calls.append(1))
+    try:
+        encoder.embed_query(encoder.collate(encoder.tokenize(["a short query"])))
+        assert calls == []
+        encoder.embed_texts(["a short query"])  # the eager model still has them
+        assert len(calls) == encoder.layer_count
+    finally:
+        encoder.set_layer_callback(None)
+
+
+def _vectors(rows: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(rows, 8)).astype(np.float32)
+
+
+def test_a_graph_that_differs_from_the_model_is_not_used() -> None:
+    probe = [["a"], ["b", "c"]]
+    same = build_checked(
+        build=lambda: FrozenForward(None),  # type: ignore[arg-type]
+        eager=lambda texts: _vectors(len(texts), 1),
+        frozen=lambda _forward, texts: _vectors(len(texts), 1),
+        probe_batches=probe,
+    )
+    assert same is not None
+    different = build_checked(
+        build=lambda: FrozenForward(None),  # type: ignore[arg-type]
+        eager=lambda texts: _vectors(len(texts), 1),
+        frozen=lambda _forward, texts: _vectors(len(texts), 2),
+        probe_batches=probe,
+    )
+    assert different is None
+    nan = build_checked(
+        build=lambda: FrozenForward(None),  # type: ignore[arg-type]
+        eager=lambda texts: _vectors(len(texts), 1),
+        frozen=lambda _forward, texts: np.full((len(texts), 8), np.nan, dtype=np.float32),
+        probe_batches=probe,
+    )
+    assert nan is None
+    assert FROZEN_MIN_COSINE > 0.9999
+
+
+def test_a_model_that_does_not_trace_keeps_the_eager_path() -> None:
+    def build() -> FrozenForward:
+        raise RuntimeError("tracing not supported for this architecture")
+
+    assert (
+        build_checked(
+            build=build,
+            eager=lambda texts: _vectors(len(texts), 1),
+            frozen=lambda _forward, texts: _vectors(len(texts), 1),
+            probe_batches=[["a"]],
+        )
+        is None
+    )
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+async def test_the_lane_answers_with_and_without_the_frozen_graph(
+    settings: Settings, client: aioredis.Redis, frozen: bool
+) -> None:
+    from workers.encoder import Encoder
+
+    encoder = Encoder()  # its own: the session encoder may already hold a graph
+    settings = settings.model_copy(update={"frozen_queries": frozen})
+    async with Producer(settings, client) as producer, running_worker(settings, encoder, client):
+        vector = await producer.embed_query("how do I open a file?", timeout=30)
+    assert encoder.has_query_graph is frozen
+    expected = encoder.embed_texts(["how do I open a file?"])[0]
+    assert float(vector @ expected) > 0.999
