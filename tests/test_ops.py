@@ -222,8 +222,10 @@ async def test_worker_metrics_health_and_readiness(
                 # The lag starts at the whole backlog, only goes down, and ends at 0.
                 assert lags[0] > 0, lags
                 assert all(a >= b for a, b in itertools.pairwise(lags)), lags
-                assert len(set(lags)) >= 3, f"saw the lag at too few values: {lags}"
                 assert final("embedfleet_stream_lag", stream="ingest") == 0
+                # Seen in steps, not only as "all" then "none". The final 0 counts: on a fast
+                # machine the 250 chunks drain within two refreshes of the gauge (1 s apart).
+                assert len({*lags, 0.0}) >= 3, f"saw the lag at too few values: {lags}"
                 assert final("embedfleet_stream_lag", stream="query") == 0
                 assert final("embedfleet_stream_pending", stream="ingest") == 0
                 assert final("embedfleet_stream_length", stream="ingest") == 0
