@@ -1,6 +1,6 @@
 """Query latency through the priority lane, idle and with the ingest stream saturated.
 
-    python -m loadtest.latency [--queries 200] [--window 15] [--rounds 3] [--pair-pause 0.1]
+    python -m loadtest.latency [--queries 200] [--window 15] [--rounds 5] [--pair-pause 0.1]
 
 Prints one table: query p50/p99 one at a time and 8 concurrent, with the ingest stream idle and
 saturated (a backlog that outlasts the measurement), beside a bare in-process forward pass of
@@ -256,7 +256,7 @@ def main() -> None:
         default=PAIR_PAUSE_S,
         help="seconds between the bare and the queued query of a pair, and between pairs",
     )
-    parser.add_argument("--rounds", type=int, default=3, help="A/B throughput pairs")
+    parser.add_argument("--rounds", type=int, default=5, help="A/B throughput pairs")
     args = parser.parse_args()
     uvloop.run(scenario(args))
 
