@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
@@ -11,10 +13,7 @@ from producer.chunker import builtin_corpus
 from shared.settings import Settings
 from tests.conftest import running_worker
 from workers.frozen import FROZEN_MIN_COSINE, FrozenForward, build_checked
-
-
-def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+from workers.precision import cosines
 
 
 def test_frozen_queries_match_sentence_transformers(encoder) -> None:
@@ -56,28 +55,22 @@ def _vectors(rows: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).normal(size=(rows, 8)).astype(np.float32)
 
 
+def _checked(frozen_vectors: Callable[[int], np.ndarray]) -> FrozenForward | None:
+    """build_checked with a stand-in graph whose vectors are ``frozen_vectors(rows)``."""
+    return build_checked(
+        build=lambda: FrozenForward(None),  # type: ignore[arg-type]
+        eager=lambda texts: _vectors(len(texts), 1),
+        frozen=lambda _forward, texts: frozen_vectors(len(texts)),
+        probe_batches=[["a"], ["b", "c"]],
+    )
+
+
 def test_a_graph_that_differs_from_the_model_is_not_used() -> None:
-    probe = [["a"], ["b", "c"]]
-    same = build_checked(
-        build=lambda: FrozenForward(None),  # type: ignore[arg-type]
-        eager=lambda texts: _vectors(len(texts), 1),
-        frozen=lambda _forward, texts: _vectors(len(texts), 1),
-        probe_batches=probe,
-    )
+    same = _checked(lambda rows: _vectors(rows, 1))
     assert same is not None
-    different = build_checked(
-        build=lambda: FrozenForward(None),  # type: ignore[arg-type]
-        eager=lambda texts: _vectors(len(texts), 1),
-        frozen=lambda _forward, texts: _vectors(len(texts), 2),
-        probe_batches=probe,
-    )
+    different = _checked(lambda rows: _vectors(rows, 2))
     assert different is None
-    nan = build_checked(
-        build=lambda: FrozenForward(None),  # type: ignore[arg-type]
-        eager=lambda texts: _vectors(len(texts), 1),
-        frozen=lambda _forward, texts: np.full((len(texts), 8), np.nan, dtype=np.float32),
-        probe_batches=probe,
-    )
+    nan = _checked(lambda rows: np.full((rows, 8), np.nan, dtype=np.float32))
     assert nan is None
     assert FROZEN_MIN_COSINE > 0.9999
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -287,7 +287,6 @@ class Encoder:
             output = self._model(input_ids=input_ids, attention_mask=attention_mask)
         return self._vectors(output.last_hidden_state, attention_mask)
 
-    @torch.inference_mode()
     def embed_query(self, batch: EncodeBatch) -> np.ndarray:
         """Like ``embed``, through the frozen graph when one was prepared (short inputs on a
         CPU, see workers/frozen.py). No layer hooks fire in it."""
@@ -295,6 +294,7 @@ class Encoder:
             return self.embed(batch)
         return self._embed_frozen(self._query_forward, batch)
 
+    @torch.inference_mode()
     def _embed_frozen(self, forward: FrozenForward, batch: EncodeBatch) -> np.ndarray:
         hidden = forward(batch.input_ids, batch.attention_mask)
         return self._vectors(hidden, batch.attention_mask)
@@ -321,17 +321,13 @@ class Encoder:
         if self.device.type != "cpu" or self.precision.method == "autocast":
             return False
         example = self.collate(self.tokenize(["a query", "a longer query, so the batch pads"]))
-
-        @torch.inference_mode()
-        def frozen(forward: FrozenForward, texts: Sequence[str]) -> np.ndarray:
-            return self._embed_frozen(forward, self.collate(self.tokenize(list(texts))))
-
+        # single texts (no padding) and padded batches of mixed lengths
+        probe = [[PROBE_TEXTS[0]], [PROBE_TEXTS[-1]], list(PROBE_TEXTS[:4]), list(PROBE_TEXTS)]
         self._query_forward = build_checked(
             build=lambda: freeze(self._model, (example.input_ids, example.attention_mask)),
-            eager=lambda texts: self.embed_texts(list(texts)),
-            frozen=frozen,
-            # single texts (no padding) and padded batches of mixed lengths
-            probe_batches=[[PROBE_TEXTS[0]], [PROBE_TEXTS[-1]], PROBE_TEXTS[:4], PROBE_TEXTS],
+            eager=self.embed,
+            frozen=self._embed_frozen,
+            probe_batches=[self.collate(self.tokenize(texts)) for texts in probe],
         )
         return self._query_forward is not None
 

@@ -20,11 +20,13 @@ from __future__ import annotations
 import copy
 import warnings
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from shared.logging import get_logger
+from workers.precision import cosines
 
 log = get_logger("embedfleet.frozen")
 
@@ -32,7 +34,7 @@ log = get_logger("embedfleet.frozen")
 # is a wrong trace, not rounding (measured 0.9999998 over 300 texts in batches of 1-8).
 FROZEN_MIN_COSINE = 0.99999
 
-Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Batch = TypeVar("Batch")
 
 
 class FrozenForward:
@@ -69,20 +71,14 @@ def freeze(model: torch.nn.Module, example: tuple[torch.Tensor, torch.Tensor]) -
 
 def build_checked(
     build: Callable[[], FrozenForward],
-    eager: Callable[[Sequence[str]], np.ndarray],
-    frozen: Callable[[FrozenForward, Sequence[str]], np.ndarray],
-    probe_batches: Sequence[Sequence[str]],
+    eager: Callable[[Batch], np.ndarray],
+    frozen: Callable[[FrozenForward, Batch], np.ndarray],
+    probe_batches: Sequence[Batch],
 ) -> FrozenForward | None:
     """``build()``, then keep the result only if it embeds every probe batch like ``eager``."""
     try:
         forward = build()
-        per_text: list[np.ndarray] = []
-        for texts in probe_batches:
-            expected, got = eager(texts), frozen(forward, texts)
-            per_text.append(
-                (expected * got).sum(1)
-                / (np.linalg.norm(expected, axis=1) * np.linalg.norm(got, axis=1))
-            )
+        per_text = [cosines(eager(batch), frozen(forward, batch)) for batch in probe_batches]
         worst = float(np.min(np.concatenate(per_text)))  # NaN stays NaN (Python's min drops it)
     except Exception as error:  # tracing fails on some architectures: eager still works
         log.warning("frozen query graph not built; queries run eager", error=repr(error))
