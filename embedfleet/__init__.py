@@ -1,1 +1,62 @@
-"""The `embedfleet` command: composes the producer's and the worker's verbs, and the demo."""
+"""embedfleet: a Redis-Streams worker fleet for bulk text embedding.
+
+``from embedfleet import Producer`` is the client. The design card's folders install under this
+one import root: ``embedfleet.shared`` (settings, protocol, keys), ``embedfleet.producer`` (the
+client and its verbs) and ``embedfleet.workers`` (the worker, with ``pip install
+'embedfleet[worker]'``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+# Run from a source checkout with only PYTHONPATH set (no install, as on a device machine that
+# reaches no index), the subpackages are this folder's siblings: let the import system find them
+# there. An installed wheel (or an editable install's finder) maps them itself, and the marker
+# file keeps an unrelated top-level `shared` in site-packages from ever being picked up.
+_checkout = Path(__file__).resolve().parent.parent
+if (_checkout / "pyproject.toml").is_file() and (_checkout / "workers" / "worker.py").is_file():
+    __path__.append(str(_checkout))
+
+if TYPE_CHECKING:
+    from embedfleet.producer.client import (
+        JobProgress,
+        JobTimeoutError,
+        Producer,
+        QueryTimeoutError,
+    )
+    from embedfleet.shared.protocol import Chunk, QueryFailedError, Result
+    from embedfleet.shared.settings import Settings
+
+# The client's names, imported on first use so `import embedfleet.workers...` stays cheap.
+_EXPORTS = {
+    "Producer": "embedfleet.producer.client",
+    "JobProgress": "embedfleet.producer.client",
+    "JobTimeoutError": "embedfleet.producer.client",
+    "QueryTimeoutError": "embedfleet.producer.client",
+    "QueryFailedError": "embedfleet.shared.protocol",
+    "Chunk": "embedfleet.shared.protocol",
+    "Result": "embedfleet.shared.protocol",
+    "Settings": "embedfleet.shared.settings",
+}
+
+__all__ = [
+    "Chunk",
+    "JobProgress",
+    "JobTimeoutError",
+    "Producer",
+    "QueryFailedError",
+    "QueryTimeoutError",
+    "Result",
+    "Settings",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _EXPORTS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'embedfleet' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module_name), name)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import click
 
 from embedfleet.demo import demo_command
-from producer.cli import enqueue_command, query_command, results_command
-from producer.search import index_command, search_command
-from producer.status import status_command
-from workers.cli import worker_command
+from embedfleet.producer.cli import enqueue_command, query_command, results_command
+from embedfleet.producer.search import index_command, search_command
+from embedfleet.producer.status import status_command
+from embedfleet.workers.cli import worker_command
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

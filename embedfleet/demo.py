@@ -21,20 +21,21 @@ from typing import TYPE_CHECKING
 import click
 from tqdm import tqdm
 
+from embedfleet.extras import require_worker_extra
+from embedfleet.producer.chunker import builtin_corpus
+from embedfleet.producer.client import JobProgress, Producer
+from embedfleet.producer.export import write_export
+from embedfleet.producer.jsonl import BadLine, read_chunks
+from embedfleet.producer.search import format_hits
+from embedfleet.producer.vectordb import Hit, nearest, stored_vectors
 from embedfleet.server import ServerProcess
-from producer.chunker import builtin_corpus
-from producer.client import JobProgress, Producer
-from producer.export import write_export
-from producer.jsonl import BadLine, read_chunks
-from producer.search import format_hits
-from producer.vectordb import Hit, nearest, stored_vectors
-from shared.logging import configure_logging
-from shared.protocol import Chunk, Result
-from shared.settings import Settings, SettingsError, load_settings
-from shared.vectordb import SinkTarget, SinkURLError, parse_sink_url
+from embedfleet.shared.logging import configure_logging
+from embedfleet.shared.protocol import Chunk, Result
+from embedfleet.shared.settings import Settings, SettingsError, load_settings
+from embedfleet.shared.vectordb import SinkTarget, SinkURLError, parse_sink_url
 
 if TYPE_CHECKING:
-    from workers.worker import WorkerStats
+    from embedfleet.workers.worker import WorkerStats
 
 SAMPLE_QUERY = "how do I open a file"
 
@@ -109,9 +110,9 @@ async def _run(
     settings: Settings, target: SinkTarget, chunks: list[Chunk], job: str
 ) -> tuple[JobProgress, float, WorkerStats, dict[str, Result], list[Hit]]:
     # torch loads only when the demo runs, so `embedfleet --help` stays instant
-    from workers.runtime import load_encoder
-    from workers.sinks import build_sink
-    from workers.worker import Worker
+    from embedfleet.workers.runtime import load_encoder
+    from embedfleet.workers.sinks import build_sink
+    from embedfleet.workers.worker import Worker
 
     encoder = await asyncio.to_thread(load_encoder, settings)
     async with Producer(settings) as producer:
@@ -228,6 +229,7 @@ def demo_command(corpus: Path | None, limit: int | None, out_dir: Path) -> None:
     started on a free port and stopped at the end; nothing to install or configure by hand.
     Without EMBEDFLEET_SINK the vectors go to a LanceDB table in OUT_DIR/lancedb.
     """
+    require_worker_extra("demo")
     report = run_demo(corpus, limit, out_dir)
     for line in report.lines():
         click.echo(line)

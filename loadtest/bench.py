@@ -45,11 +45,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import click
 import numpy as np
 import torch
+from embedfleet.workers.encoder import Encoder, Tokenized, resolve_model_path
+from embedfleet.workers.packing import PackedEncoder, PackLayout
+from embedfleet.workers.precision import cosines
 
 from loadtest.corpus import build_corpus, describe, token_lengths
-from workers.encoder import Encoder, Tokenized, resolve_model_path
-from workers.packing import PackedEncoder, PackLayout
-from workers.precision import cosines
 
 ST_SWEEP = (16, 32, 64, 128, 256)
 
@@ -184,8 +184,8 @@ def engine_contender(
 ) -> Run:
     """The worker's compute path without Redis: windows of ``window`` texts, tokenize, plan,
     embed; tokenization is inline (no overlap), as in the sentence-transformers contenders."""
-    from workers.batcher import plan_batches
-    from workers.packing import plan_rows, plan_token_batches
+    from embedfleet.workers.batcher import plan_batches
+    from embedfleet.workers.packing import plan_rows, plan_token_batches
 
     packer = None if layout == "padded" else _packer(encoder, layout)
     started = time.perf_counter()
@@ -244,11 +244,11 @@ class Fleet:
     async def _run(
         self, encoder: Encoder, texts: list[str], ids: list[str], keep: bool, slice_ms: float
     ) -> Run:
-        from producer.client import Producer
-        from shared.redis_conn import connect
-        from shared.settings import load_settings
-        from workers.sinks import RedisStreamSink
-        from workers.worker import Worker
+        from embedfleet.producer.client import Producer
+        from embedfleet.shared.redis_conn import connect
+        from embedfleet.shared.settings import load_settings
+        from embedfleet.workers.sinks import RedisStreamSink
+        from embedfleet.workers.worker import Worker
 
         namespace = f"bench{uuid.uuid4().hex[:8]}"
         settings = load_settings(
@@ -358,10 +358,9 @@ def main(
     """Side-by-side throughput: sentence-transformers vs a naive loop vs the fleet."""
     import logging
 
+    from embedfleet.shared.logging import configure_logging
+    from embedfleet.shared.settings import Settings
     from sentence_transformers import SentenceTransformer
-
-    from shared.logging import configure_logging
-    from shared.settings import Settings
 
     configure_logging("warning", "console")
     logging.getLogger("sentence_transformers").setLevel(logging.WARNING)
@@ -429,7 +428,7 @@ def main(
                 )
         if auto.precision.method == "weights" and dev.type == "cpu":
             autocast = Encoder(device=device, dtype="float32", threads=threads)
-            from workers.precision import Precision
+            from embedfleet.workers.precision import Precision
 
             autocast.precision = Precision(torch.bfloat16, "autocast")
             contenders.append(

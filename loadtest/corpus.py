@@ -27,9 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import click
+from embedfleet.shared.settings import PACKAGED_MODEL
 from tokenizers import Tokenizer
-
-from shared.settings import PACKAGED_MODEL
 
 # The length distribution, in tokens including [CLS] and [SEP]. A log-normal body (median
 # ~44, the sentence/short-paragraph chunks) plus a 6% tail of long chunks spread evenly
@@ -85,7 +84,7 @@ def target_lengths(count: int, seed: int) -> list[int]:
 
 
 def load_tokenizer(model: str = PACKAGED_MODEL) -> Tokenizer:
-    from workers.encoder import resolve_model_path
+    from embedfleet.workers.encoder import resolve_model_path
 
     tokenizer = Tokenizer.from_file(str(resolve_model_path(model) / "tokenizer.json"))
     tokenizer.no_padding()

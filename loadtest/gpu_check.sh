@@ -50,7 +50,7 @@ say "device: $gpu"
 
 # --- 1. precision probe -----------------------------------------------------------------
 say "precision probe (EMBEDFLEET_DTYPE=auto)"
-EMBEDFLEET_DEVICE=cuda timeout 120 "$PYTHON" -m workers.precision > "$LOG_DIR/precision.log" 2>&1 \
+EMBEDFLEET_DEVICE=cuda timeout 120 "$PYTHON" -m embedfleet.workers.precision > "$LOG_DIR/precision.log" 2>&1 \
   || say "precision probe failed (rc $?), see $LOG_DIR/precision.log"
 
 # --- 2. packing parity on CUDA (the encoder fixture picks CUDA when present) ------------

@@ -28,17 +28,17 @@ from typing import TYPE_CHECKING
 import aiohttp
 import numpy as np
 import uvloop
+from embedfleet.producer import Producer
+from embedfleet.producer.chunker import builtin_corpus
+from embedfleet.shared.protocol import Chunk
+from embedfleet.shared.settings import Settings
 from prometheus_client.parser import text_string_to_metric_families
 
 from embedfleet.server import free_port
 from loadtest.common import machine_load, percentile_ms, redis_server, worker_process
-from producer import Producer
-from producer.chunker import builtin_corpus
-from shared.protocol import Chunk
-from shared.settings import Settings
 
 if TYPE_CHECKING:
-    from workers.encoder import Encoder
+    from embedfleet.workers.encoder import Encoder
 
 QUERY = "how do I read a file line by line in python"
 
@@ -55,7 +55,7 @@ PAIR_PAUSE_S = 0.1
 def bare_encoder() -> Encoder:
     """The floor: the same query through the model in this process, no queue at all, on the
     forward pass the worker's query lane uses (the frozen graph, workers/frozen.py)."""
-    from workers.encoder import Encoder
+    from embedfleet.workers.encoder import Encoder
 
     encoder = Encoder()
     encoder.prepare_query_graph()

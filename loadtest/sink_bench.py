@@ -37,20 +37,20 @@ from typing import TYPE_CHECKING
 import click
 import numpy as np
 import redis.asyncio as aioredis
+from embedfleet.producer.chunker import builtin_corpus
+from embedfleet.producer.client import Producer
+from embedfleet.producer.vectordb import stored_vectors
+from embedfleet.shared.logging import configure_logging
+from embedfleet.shared.protocol import Chunk, Result
+from embedfleet.shared.redis_conn import connect
+from embedfleet.shared.settings import Settings
+from embedfleet.shared.vectordb import parse_sink_url
+from embedfleet.workers.sinks import Delivery, Sink, build_sink
 
 from embedfleet.server import ServerProcess, preferred_server_binary
-from producer.chunker import builtin_corpus
-from producer.client import Producer
-from producer.vectordb import stored_vectors
-from shared.logging import configure_logging
-from shared.protocol import Chunk, Result
-from shared.redis_conn import connect
-from shared.settings import Settings
-from shared.vectordb import parse_sink_url
-from workers.sinks import Delivery, Sink, build_sink
 
 if TYPE_CHECKING:
-    from workers.encoder import Encoder
+    from embedfleet.workers.encoder import Encoder
 
 SINKS = ("redis", "lancedb", "pgvector", "qdrant-local")
 
@@ -121,7 +121,7 @@ class Bench:
         )
 
     async def run(self, sink: str, round_number: int) -> Run:
-        from workers.worker import Worker
+        from embedfleet.workers.worker import Worker
 
         settings = self.settings(sink)
         client = connect(settings.effective_redis_url)
@@ -247,8 +247,7 @@ async def _main(
     texts: int, rounds: int, sinks: Sequence[str], warmup: int, batch: int, end_to_end: bool
 ) -> list[str]:
     import torch
-
-    from workers.encoder import Encoder
+    from embedfleet.workers.encoder import Encoder
 
     chunks = list(builtin_corpus(texts))
     encoder = await asyncio.to_thread(Encoder)

@@ -16,12 +16,12 @@ import time
 import uuid
 
 import uvloop
+from embedfleet.producer import Producer
+from embedfleet.producer.chunker import builtin_corpus
+from embedfleet.shared.protocol import Chunk
+from embedfleet.shared.settings import Settings
 
 from loadtest.common import machine_load, redis_server, rss_mib, worker_process
-from producer import Producer
-from producer.chunker import builtin_corpus
-from shared.protocol import Chunk
-from shared.settings import Settings
 
 
 def chunks(count: int) -> list[Chunk]:

@@ -20,13 +20,13 @@ import uuid
 
 import numpy as np
 import uvloop
+from embedfleet.producer import Producer
+from embedfleet.shared.protocol import PAYLOAD_FIELD, Result, decode_chunk, encode_result
+from embedfleet.shared.redis_conn import connect, ensure_groups
+from embedfleet.shared.settings import Settings
 
 from loadtest.common import percentile_ms, redis_server
 from loadtest.latency import QUERY
-from producer import Producer
-from shared.protocol import PAYLOAD_FIELD, Result, decode_chunk, encode_result
-from shared.redis_conn import connect, ensure_groups
-from shared.settings import Settings
 
 
 def echo_consumer(url: str, namespace: str, dimension: int) -> None:
@@ -64,7 +64,7 @@ async def timed_query(producer: Producer) -> float:
 
 
 async def scenario(queries: int) -> None:
-    from workers.encoder import Encoder
+    from embedfleet.workers.encoder import Encoder
 
     encoder = Encoder()
     for _ in range(10):

@@ -1,7 +1,7 @@
-"""The client ingestion services use: ``from producer import Producer``."""
+"""The client ingestion services use (``from embedfleet import Producer`` re-exports it)."""
 
-from producer.client import JobProgress, JobTimeoutError, Producer, QueryTimeoutError
-from shared.protocol import QueryFailedError
+from embedfleet.producer.client import JobProgress, JobTimeoutError, Producer, QueryTimeoutError
+from embedfleet.shared.protocol import QueryFailedError
 
 __all__ = [
     "JobProgress",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
-from shared.protocol import Chunk
+from embedfleet.shared.protocol import Chunk
 
 _PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
 

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import click
 import numpy as np
+from embedfleet.producer.client import JobProgress, Producer, QueryTimeoutError
+from embedfleet.producer.export import write_export
+from embedfleet.producer.jsonl import BadLine, read_chunks
+from embedfleet.shared.protocol import QueryFailedError, Result
+from embedfleet.shared.settings import Settings, SettingsError, load_settings
 from tqdm import tqdm
-
-from producer.client import JobProgress, Producer, QueryTimeoutError
-from producer.export import write_export
-from producer.jsonl import BadLine, read_chunks
-from shared.protocol import QueryFailedError, Result
-from shared.settings import Settings, SettingsError, load_settings
 
 redis_url_option = click.option(
     "--redis-url", envvar="EMBEDFLEET_REDIS_URL", help="Redis URL (or EMBEDFLEET_REDIS_URL)."

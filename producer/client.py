@@ -11,12 +11,11 @@ from typing import Any
 
 import numpy as np
 import redis.asyncio as aioredis
-
-from shared.keys import Keys
-from shared.logging import get_logger
-from shared.protocol import PAYLOAD_FIELD, Chunk, Result, decode_result, encode_chunk
-from shared.redis_conn import connect, ensure_groups
-from shared.settings import Settings
+from embedfleet.shared.keys import Keys
+from embedfleet.shared.logging import get_logger
+from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, Result, decode_result, encode_chunk
+from embedfleet.shared.redis_conn import connect, ensure_groups
+from embedfleet.shared.settings import Settings
 
 log = get_logger("embedfleet.producer")
 ChunkLike = Chunk | Mapping[str, Any]

@@ -7,8 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
-
-from shared.protocol import Result
+from embedfleet.shared.protocol import Result
 
 SUPPORTED_SUFFIXES = (".npz", ".jsonl")
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO
 
-from shared.protocol import Chunk
+from embedfleet.shared.protocol import Chunk
 
 
 @dataclass(frozen=True)

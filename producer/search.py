@@ -12,12 +12,11 @@ import json
 
 import click
 import numpy as np
-
-from producer.client import Producer
-from producer.vectordb import Hit, VectorDBError, build_index, nearest
-from shared.protocol import QueryFailedError
-from shared.settings import Settings, SettingsError, load_settings
-from shared.vectordb import SinkTarget, SinkURLError, parse_sink_url
+from embedfleet.producer.client import Producer
+from embedfleet.producer.vectordb import Hit, VectorDBError, build_index, nearest
+from embedfleet.shared.protocol import QueryFailedError
+from embedfleet.shared.settings import Settings, SettingsError, load_settings
+from embedfleet.shared.vectordb import SinkTarget, SinkURLError, parse_sink_url
 
 
 def _target(verb: str) -> tuple[Settings, SinkTarget]:

@@ -30,12 +30,10 @@ from urllib.parse import urlsplit, urlunsplit
 
 import click
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
-
-from shared.keys import Keys
-from shared.redis_conn import connect
-from shared.settings import Settings, SettingsError, load_settings
-from shared.streams import (
+from embedfleet.shared.keys import Keys
+from embedfleet.shared.redis_conn import connect
+from embedfleet.shared.settings import Settings, SettingsError, load_settings
+from embedfleet.shared.streams import (
     ConsumerState,
     GroupState,
     find_group,
@@ -43,6 +41,7 @@ from shared.streams import (
     parse_consumers,
     text,
 )
+from redis.exceptions import RedisError
 
 INPUT_STREAMS = ("ingest", "query")  # read through the consumer group
 ALL_STREAMS = ("ingest", "query", "results", "dead")

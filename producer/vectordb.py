@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-
-from shared.vectordb import SinkTarget, meta_from_json
+from embedfleet.shared.vectordb import SinkTarget, meta_from_json
 
 if TYPE_CHECKING:
     import psycopg

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import redis
 import redis.asyncio as aioredis
+from embedfleet.shared.keys import Keys
 from redis.exceptions import ResponseError
-
-from shared.keys import Keys
 
 
 def connect(url: str, **kwargs: object) -> aioredis.Redis:

@@ -1,7 +1,8 @@
 """All settings, read from the environment (``EMBEDFLEET_*``) with pydantic-settings.
 
-The README's settings table is generated from this class (``python -m shared.settings``) and a
-test checks that the two agree, so the documentation cannot drift from the code.
+The README's settings table is generated from this class
+(``python -m embedfleet.shared.settings``) and a test checks that the two agree, so the
+documentation cannot drift from the code.
 """
 
 from __future__ import annotations
@@ -10,10 +11,9 @@ import os
 import socket
 from typing import Literal
 
+from embedfleet.shared.keys import DEFAULT_GROUP, DEFAULT_NAMESPACE, Keys
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
-
-from shared.keys import DEFAULT_GROUP, DEFAULT_NAMESPACE, Keys
 
 ENV_PREFIX = "EMBEDFLEET_"
 PACKAGED_MODEL = "all-MiniLM-L6-v2"

@@ -12,10 +12,10 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import redis.asyncio as aioredis
+from embedfleet.shared.redis_conn import connect
+from embedfleet.shared.settings import Settings
 
 from embedfleet.server import ServerProcess, embedded_server_binary, preferred_server_binary
-from shared.redis_conn import connect
-from shared.settings import Settings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -58,7 +58,7 @@ async def client(settings: Settings) -> AsyncIterator[aioredis.Redis]:
 
 @pytest.fixture(scope="session")
 def encoder():
-    from workers.encoder import Encoder
+    from embedfleet.workers.encoder import Encoder
 
     return Encoder()
 
@@ -66,7 +66,7 @@ def encoder():
 @contextlib.asynccontextmanager
 async def running_worker(settings: Settings, encoder, client: aioredis.Redis):
     """An in-process worker on ``settings``' namespace; drained and awaited on exit."""
-    from workers.sinks import RedisStreamSink
+    from embedfleet.workers.sinks import RedisStreamSink
 
     sink = RedisStreamSink(client, settings.keys)
     async with running_sink_worker(settings, encoder, client, sink) as worker:
@@ -112,7 +112,7 @@ def pg_server(tmp_path_factory: pytest.TempPathFactory):
 @contextlib.asynccontextmanager
 async def running_sink_worker(settings: Settings, encoder, client: aioredis.Redis, sink):
     """``running_worker`` writing to ``sink``: set up for the model first, closed on exit."""
-    from workers.worker import Worker
+    from embedfleet.workers.worker import Worker
 
     await sink.setup(encoder.name, encoder.dim)
     worker = Worker(settings, encoder, client, sink)

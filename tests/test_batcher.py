@@ -6,10 +6,9 @@ import random
 import types
 
 import pytest
-
-from shared.settings import Settings
-from workers.batcher import padding_waste, plan_batches
-from workers.worker import MIN_SLICED_TOKENS, SLICE_HEADROOM, Worker
+from embedfleet.shared.settings import Settings
+from embedfleet.workers.batcher import padding_waste, plan_batches
+from embedfleet.workers.worker import MIN_SLICED_TOKENS, SLICE_HEADROOM, Worker
 
 
 @pytest.mark.parametrize("seed", range(5))

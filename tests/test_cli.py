@@ -11,8 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from shared.settings import Settings
+from embedfleet.shared.settings import Settings
 
 VERBS = ["demo", "worker", "enqueue", "results", "query", "status", "search", "index"]
 
@@ -121,8 +120,9 @@ async def test_readme_redis_cli_example_is_embedded(redis_server, encoder, tmp_p
     import re
     import shutil
 
-    from producer import Producer
-    from shared.redis_conn import connect
+    from embedfleet.producer import Producer
+    from embedfleet.shared.redis_conn import connect
+
     from tests.conftest import running_worker
 
     if shutil.which("redis-cli") is None:

@@ -11,11 +11,11 @@ import sys
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
+from embedfleet.producer import Producer
+from embedfleet.producer.chunker import builtin_corpus
+from embedfleet.shared.protocol import Chunk
+from embedfleet.shared.settings import Settings
 
-from producer import Producer
-from producer.chunker import builtin_corpus
-from shared.protocol import Chunk
-from shared.settings import Settings
 from tests.conftest import running_worker
 
 LONG_TEXT = " ".join(f"word{i} and some filler text" for i in range(600))  # ~3,000 tokens
@@ -99,7 +99,7 @@ async def test_two_worker_processes_every_id_exactly_once(
 async def test_bad_entries_are_dead_lettered_and_the_worker_goes_on(
     settings: Settings, client: aioredis.Redis, encoder
 ) -> None:
-    from shared.protocol import PAYLOAD_FIELD, encode_chunk
+    from embedfleet.shared.protocol import PAYLOAD_FIELD, encode_chunk
 
     async with running_worker(settings, encoder, client):
         await client.xadd(settings.keys.ingest, {PAYLOAD_FIELD: b"\xc1 not msgpack"})

@@ -7,13 +7,13 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
+from embedfleet.producer import Producer
+from embedfleet.producer.chunker import builtin_corpus
+from embedfleet.shared.settings import Settings
+from embedfleet.workers.frozen import FROZEN_MIN_COSINE, FrozenForward, build_checked
+from embedfleet.workers.precision import cosines
 
-from producer import Producer
-from producer.chunker import builtin_corpus
-from shared.settings import Settings
 from tests.conftest import running_worker
-from workers.frozen import FROZEN_MIN_COSINE, FrozenForward, build_checked
-from workers.precision import cosines
 
 
 def test_frozen_queries_match_sentence_transformers(encoder) -> None:
@@ -94,7 +94,7 @@ def test_a_model_that_does_not_trace_keeps_the_eager_path() -> None:
 async def test_the_lane_answers_with_and_without_the_frozen_graph(
     settings: Settings, client: aioredis.Redis, frozen: bool
 ) -> None:
-    from workers.encoder import Encoder
+    from embedfleet.workers.encoder import Encoder
 
     encoder = Encoder()  # its own: the session encoder may already hold a graph
     settings = settings.model_copy(update={"frozen_queries": frozen})

@@ -5,12 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import redis.asyncio as aioredis
-
-from producer import Producer
-from shared.protocol import PAYLOAD_FIELD, Chunk, encode_chunk
-from shared.redis_conn import connect, ensure_group
-from shared.settings import Settings
-from workers.consumer import StreamConsumer
+from embedfleet.producer import Producer
+from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, encode_chunk
+from embedfleet.shared.redis_conn import connect, ensure_group
+from embedfleet.shared.settings import Settings
+from embedfleet.workers.consumer import StreamConsumer
 
 
 async def test_concurrent_creation_creates_exactly_once(settings: Settings) -> None:

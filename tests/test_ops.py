@@ -23,17 +23,17 @@ from pathlib import Path
 import aiohttp
 import pytest
 import redis.asyncio as aioredis
+from embedfleet.producer import Producer
+from embedfleet.producer.chunker import builtin_corpus
+from embedfleet.producer.status import History, eta_seconds, take_snapshot, throughput
+from embedfleet.shared.protocol import PAYLOAD_FIELD
+from embedfleet.shared.redis_conn import connect
+from embedfleet.shared.settings import Settings
+from embedfleet.workers.health import HealthServer
+from embedfleet.workers.metrics import REASON_CLASSES, StreamGauges, WorkerMetrics, reason_class
 from prometheus_client.parser import text_string_to_metric_families
 
 from embedfleet.server import ServerProcess, free_port
-from producer import Producer
-from producer.chunker import builtin_corpus
-from producer.status import History, eta_seconds, take_snapshot, throughput
-from shared.protocol import PAYLOAD_FIELD
-from shared.redis_conn import connect
-from shared.settings import Settings
-from workers.health import HealthServer
-from workers.metrics import REASON_CLASSES, StreamGauges, WorkerMetrics, reason_class
 
 CHUNKS = 300
 FAMILIES = {

@@ -10,11 +10,9 @@ import random
 
 import numpy as np
 import pytest
-
-from loadtest.corpus import build_corpus
-from workers.batcher import padding_waste, plan_batches
-from workers.encoder import Encoder, Tokenized
-from workers.packing import (
+from embedfleet.workers.batcher import padding_waste, plan_batches
+from embedfleet.workers.encoder import Encoder, Tokenized
+from embedfleet.workers.packing import (
     VARLEN_KERNELS,
     PackedEncoder,
     collate_rows,
@@ -24,10 +22,12 @@ from workers.packing import (
     plan_token_batches,
     preferred_layout,
 )
-from workers.packing import (
+from embedfleet.workers.packing import (
     padding_waste as packed_waste,
 )
-from workers.precision import cosines
+from embedfleet.workers.precision import cosines
+
+from loadtest.corpus import build_corpus
 
 MIN_COSINE = 0.9999
 TEXTS = 96
@@ -88,7 +88,7 @@ def test_each_cpu_varlen_kernel_matches(
     varlen_encoder: Encoder, encoder: Encoder, corpus_tokens: tuple, kernel: str
 ) -> None:
     """Every fallback must be right, not just the one this machine happens to pick."""
-    from workers.packing import install_varlen_attention
+    from embedfleet.workers.packing import install_varlen_attention
 
     _, tokens = corpus_tokens
     subset = tokens[:24]
@@ -102,9 +102,8 @@ def test_each_cpu_varlen_kernel_matches(
 def test_pooling_modes_match_unpacked(encoder: Encoder, corpus_tokens: tuple) -> None:
     """cls / max / last-token pooling read the right tokens of each packed text."""
     import torch
-
-    from workers.encoder import pool
-    from workers.packing import pool_packed
+    from embedfleet.workers.encoder import pool
+    from embedfleet.workers.packing import pool_packed
 
     _, tokens = corpus_tokens
     subset = tokens[:16]

@@ -7,11 +7,11 @@ import asyncio
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
+from embedfleet.producer import Producer, QueryTimeoutError
+from embedfleet.producer.chunker import builtin_corpus
+from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, encode_chunk
+from embedfleet.shared.settings import Settings
 
-from producer import Producer, QueryTimeoutError
-from producer.chunker import builtin_corpus
-from shared.protocol import PAYLOAD_FIELD, Chunk, encode_chunk
-from shared.settings import Settings
 from tests.conftest import running_worker
 
 

@@ -12,13 +12,13 @@ from pathlib import Path
 import msgpack
 import pytest
 import redis.asyncio as aioredis
+from embedfleet.producer import Producer
+from embedfleet.producer.chunker import builtin_corpus
+from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, encode_chunk
+from embedfleet.shared.redis_conn import connect
+from embedfleet.shared.settings import Settings
 
 from embedfleet.server import ServerProcess, free_port, system_server_binary
-from producer import Producer
-from producer.chunker import builtin_corpus
-from shared.protocol import PAYLOAD_FIELD, Chunk, encode_chunk
-from shared.redis_conn import connect
-from shared.settings import Settings
 from tests.conftest import running_worker, start_worker_process
 
 
@@ -155,9 +155,9 @@ async def test_live_worker_keeps_its_long_batch(
         await producer.enqueue(builtin_corpus(200), job="lease")
         async with running_worker(tight, encoder, client):
             await asyncio.sleep(0.3)  # the worker holds 200 entries for well over 150 ms
-            from workers.deadletter import DeadLetters
-            from workers.events import WorkerEvents
-            from workers.reclaim import InFlight, Reclaimer
+            from embedfleet.workers.deadletter import DeadLetters
+            from embedfleet.workers.events import WorkerEvents
+            from embedfleet.workers.reclaim import InFlight, Reclaimer
 
             stolen = await Reclaimer(
                 thief,

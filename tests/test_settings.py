@@ -5,16 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from embedfleet.shared.settings import Settings, settings_table
 from pydantic import ValidationError
-
-from shared.settings import Settings, settings_table
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def test_readme_settings_table_is_current() -> None:
     assert settings_table() in README.read_text(), (
-        "README's settings table is stale: regenerate it with `python -m shared.settings`"
+        "README's settings table is stale: regenerate it with "
+        "`python -m embedfleet.shared.settings`"
     )
 
 

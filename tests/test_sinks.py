@@ -21,18 +21,24 @@ from typing import Any
 
 import numpy as np
 import pytest
+from embedfleet.producer import Producer
+from embedfleet.producer.chunker import builtin_corpus
+from embedfleet.producer.client import JobProgress
+from embedfleet.producer.vectordb import VectorDBError, build_index, nearest, stored_vectors
+from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, decode_result
+from embedfleet.shared.redis_conn import connect
+from embedfleet.shared.settings import Settings
+from embedfleet.shared.vectordb import (
+    SinkTarget,
+    SinkURLError,
+    meta_to_json,
+    parse_sink_url,
+    point_id,
+)
+from embedfleet.workers.sinks import Sink, SinkSetupError, build_sink
+from embedfleet.workers.sinks.pgvector import PgvectorSink, vector_type_for
 
-from producer import Producer
-from producer.chunker import builtin_corpus
-from producer.client import JobProgress
-from producer.vectordb import VectorDBError, build_index, nearest, stored_vectors
-from shared.protocol import PAYLOAD_FIELD, Chunk, decode_result
-from shared.redis_conn import connect
-from shared.settings import Settings
-from shared.vectordb import SinkTarget, SinkURLError, meta_to_json, parse_sink_url, point_id
 from tests.conftest import running_sink_worker, running_worker, start_worker_process, worker_env
-from workers.sinks import Sink, SinkSetupError, build_sink
-from workers.sinks.pgvector import PgvectorSink, vector_type_for
 
 BACKENDS = ["redis", "lancedb", "pgvector", "pgvector-vector", "qdrant-local"]
 DATABASES = [b for b in BACKENDS if b != "redis"]
@@ -255,7 +261,7 @@ async def test_search_finds_the_chunk_a_query_was_made_from(loaded: Loaded, enco
 
 
 async def test_search_embeds_the_query_through_the_priority_lane(loaded: Loaded, encoder) -> None:
-    from producer.search import format_hits, search
+    from embedfleet.producer.search import format_hits, search
 
     client = connect(loaded.settings.effective_redis_url)
     query = "boiling pasta in tomato sauce"
@@ -396,9 +402,9 @@ async def test_a_table_of_another_dimension_is_refused_clearly(
 async def test_an_id_twice_in_one_batch_is_written_once_last_wins(
     backend: str, request: pytest.FixtureRequest, settings: Settings, client, tmp_path: Path
 ) -> None:
-    from shared.protocol import Result
-    from shared.redis_conn import ensure_group
-    from workers.sinks import Delivery
+    from embedfleet.shared.protocol import Result
+    from embedfleet.shared.redis_conn import ensure_group
+    from embedfleet.workers.sinks import Delivery
 
     settings = settings.model_copy(
         update={

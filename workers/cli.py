@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import click
+from embedfleet.shared.settings import SettingsError, load_settings
+from embedfleet.workers.sinks import MissingExtraError, SinkSetupError, SinkURLError, check_sink
 
-from shared.settings import SettingsError, load_settings
-from workers.sinks import MissingExtraError, SinkSetupError, SinkURLError, check_sink
+from embedfleet.extras import require_worker_extra
 
 
 @click.command("worker")
@@ -27,6 +28,7 @@ def worker_command(redis_url: str | None, model: str | None, query_only: bool | 
     what it holds, then exits 0); a second signal exits at once and leaves entries pending for
     other workers. Every setting comes from EMBEDFLEET_* variables (see the README table).
     """
+    require_worker_extra("worker")
     given = {"redis_url": redis_url, "model": model, "query_only": query_only}
     overrides = {key: value for key, value in given.items() if value}
     try:
@@ -34,7 +36,7 @@ def worker_command(redis_url: str | None, model: str | None, query_only: bool | 
         check_sink(settings)  # a bad EMBEDFLEET_SINK fails now, not after the model loads
     except (SettingsError, SinkURLError, MissingExtraError) as error:
         raise click.ClickException(str(error)) from None
-    from workers.runtime import run_worker  # heavy imports (torch) only when running
+    from embedfleet.workers.runtime import run_worker  # heavy imports (torch) only when running
 
     try:
         run_worker(settings)

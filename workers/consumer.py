@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
-
-from shared.keys import Keys
-from shared.protocol import PAYLOAD_FIELD
-from shared.redis_conn import ensure_groups
+from embedfleet.shared.keys import Keys
+from embedfleet.shared.protocol import PAYLOAD_FIELD
+from embedfleet.shared.redis_conn import ensure_groups
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
-
-from shared.keys import Keys
-from shared.logging import get_logger
-from shared.protocol import dead_letter_fields, encode_query_error
-from workers.events import WorkerEvents
-from workers.sinks import Delivery, queue_acknowledgements
+from embedfleet.shared.keys import Keys
+from embedfleet.shared.logging import get_logger
+from embedfleet.shared.protocol import dead_letter_fields, encode_query_error
+from embedfleet.workers.events import WorkerEvents
+from embedfleet.workers.sinks import Delivery, queue_acknowledgements
 
 log = get_logger("embedfleet.worker")
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.protocol import Chunk, ProtocolError, decode_chunk
-from shared.settings import Settings
-from workers.consumer import StreamEntry
-from workers.deadletter import Rejected
-from workers.sinks import Delivery
+from embedfleet.shared.protocol import Chunk, ProtocolError, decode_chunk
+from embedfleet.shared.settings import Settings
+from embedfleet.workers.consumer import StreamEntry
+from embedfleet.workers.deadletter import Rejected
+from embedfleet.workers.sinks import Delivery
 
 
 @dataclass(frozen=True)

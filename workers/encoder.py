@@ -17,18 +17,17 @@ from typing import Literal
 
 import numpy as np
 import torch
-from transformers import AutoModel, AutoTokenizer
-from transformers.utils import logging as transformers_logging
-
-from shared.settings import PACKAGED_MODEL
-from workers.frozen import FrozenForward, build_checked, freeze
-from workers.precision import (
+from embedfleet.shared.settings import PACKAGED_MODEL
+from embedfleet.workers.frozen import FrozenForward, build_checked, freeze
+from embedfleet.workers.precision import (
     PROBE_TEXTS,
     ParityReport,
     Precision,
     requested_precision,
     settle_auto,
 )
+from transformers import AutoModel, AutoTokenizer
+from transformers.utils import logging as transformers_logging
 
 PoolingMode = Literal["mean", "cls", "lasttoken", "max"]
 # A text this many characters per allowed token long certainly has more tokens than the model

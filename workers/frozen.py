@@ -24,9 +24,8 @@ from typing import TypeVar
 
 import numpy as np
 import torch
-
-from shared.logging import get_logger
-from workers.precision import cosines
+from embedfleet.shared.logging import get_logger
+from embedfleet.workers.precision import cosines
 
 log = get_logger("embedfleet.frozen")
 

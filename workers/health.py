@@ -26,13 +26,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import redis.asyncio as aioredis
 from aiohttp import web
+from embedfleet.shared.logging import get_logger
+from embedfleet.workers.metrics import StreamGauges, WorkerMetrics
 from prometheus_client.exposition import choose_encoder
 
-from shared.logging import get_logger
-from workers.metrics import StreamGauges, WorkerMetrics
-
 if TYPE_CHECKING:
-    from workers.encoder import EncodeBatch, Encoder
+    from embedfleet.workers.encoder import EncodeBatch, Encoder
 
 log = get_logger("embedfleet.health")
 OK = "ok"

@@ -18,6 +18,10 @@ import re
 import time
 
 import redis.asyncio as aioredis
+from embedfleet.shared.keys import Keys
+from embedfleet.shared.logging import get_logger
+from embedfleet.shared.streams import find_group, is_missing_key
+from embedfleet.workers.events import WorkerEvents
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -27,11 +31,6 @@ from prometheus_client import (
     PlatformCollector,
     ProcessCollector,
 )
-
-from shared.keys import Keys
-from shared.logging import get_logger
-from shared.streams import find_group, is_missing_key
-from workers.events import WorkerEvents
 
 log = get_logger("embedfleet.metrics")
 

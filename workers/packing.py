@@ -48,9 +48,8 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
-
-from shared.logging import get_logger
-from workers.encoder import Encoder, PoolingMode, Tokenized
+from embedfleet.shared.logging import get_logger
+from embedfleet.workers.encoder import Encoder, PoolingMode, Tokenized
 
 log = get_logger("embedfleet.packing")
 

@@ -4,8 +4,9 @@
 precision of the device (bf16 on a CPU with AVX512-BF16/AMX or a GPU that has it, else fp16 on
 a GPU) and keeps it **only if its vectors match fp32's** on a fixed built-in probe set: min
 cosine >= 0.99 and mean >= 0.999 (:data:`MIN_COSINE`, :data:`MEAN_COSINE`). The probe runs
-once, at model load; its figures are logged (and printed by ``python -m workers.precision``),
-and a failing probe falls back to fp32 with a warning rather than serving worse vectors.
+once, at model load; its figures are logged (and printed by
+``python -m embedfleet.workers.precision``), and a failing probe falls back to fp32 with a
+warning rather than serving worse vectors.
 
 How reduced precision runs (:class:`Precision.method`):
 
@@ -26,8 +27,7 @@ from typing import Literal
 
 import numpy as np
 import torch
-
-from shared.logging import get_logger
+from embedfleet.shared.logging import get_logger
 
 log = get_logger("embedfleet.precision")
 
@@ -265,8 +265,8 @@ def settle_auto(
 
 def main() -> None:
     """Load the configured model with EMBEDFLEET_DTYPE=auto and print the probe's verdict."""
-    from shared.settings import load_settings
-    from workers.encoder import Encoder
+    from embedfleet.shared.settings import load_settings
+    from embedfleet.workers.encoder import Encoder
 
     settings = load_settings()
     encoder = Encoder(

@@ -23,19 +23,18 @@ from dataclasses import dataclass
 import numpy as np
 import redis
 import redis.asyncio as aioredis
-
-from shared.keys import Keys
-from shared.logging import get_logger
-from shared.protocol import Result, encode_result
-from shared.redis_conn import connect_sync
-from shared.settings import Settings
-from workers.backoff import REDIS_FAULTS, Backoff
-from workers.consumer import StreamConsumer, StreamEntry
-from workers.deadletter import DeadLetters, Rejected
-from workers.decode import decode_entries
-from workers.encoder import Encoder, Tokenized
-from workers.events import WorkerEvents
-from workers.sinks import Delivery, queue_acknowledgements
+from embedfleet.shared.keys import Keys
+from embedfleet.shared.logging import get_logger
+from embedfleet.shared.protocol import Result, encode_result
+from embedfleet.shared.redis_conn import connect_sync
+from embedfleet.shared.settings import Settings
+from embedfleet.workers.backoff import REDIS_FAULTS, Backoff
+from embedfleet.workers.consumer import StreamConsumer, StreamEntry
+from embedfleet.workers.deadletter import DeadLetters, Rejected
+from embedfleet.workers.decode import decode_entries
+from embedfleet.workers.encoder import Encoder, Tokenized
+from embedfleet.workers.events import WorkerEvents
+from embedfleet.workers.sinks import Delivery, queue_acknowledgements
 
 log = get_logger("embedfleet.queries")
 

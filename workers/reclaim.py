@@ -16,14 +16,13 @@ import contextlib
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
-
-from shared.logging import get_logger
-from shared.protocol import PAYLOAD_FIELD
-from shared.settings import Settings
-from workers.backoff import REDIS_FAULTS, Backoff
-from workers.consumer import StreamEntry, as_str
-from workers.deadletter import DeadLetters, Rejected
-from workers.events import WorkerEvents
+from embedfleet.shared.logging import get_logger
+from embedfleet.shared.protocol import PAYLOAD_FIELD
+from embedfleet.shared.settings import Settings
+from embedfleet.workers.backoff import REDIS_FAULTS, Backoff
+from embedfleet.workers.consumer import StreamEntry, as_str
+from embedfleet.workers.deadletter import DeadLetters, Rejected
+from embedfleet.workers.events import WorkerEvents
 
 log = get_logger("embedfleet.reclaim")
 Deliver = Callable[[str, list[StreamEntry]], Awaitable[None]]

@@ -7,16 +7,15 @@ import signal
 
 import redis.asyncio as aioredis
 import uvloop
+from embedfleet.shared.logging import configure_logging, get_logger
+from embedfleet.shared.redis_conn import connect
+from embedfleet.shared.settings import Settings
+from embedfleet.workers.encoder import Encoder
+from embedfleet.workers.health import HealthServer
+from embedfleet.workers.metrics import StreamGauges, WorkerMetrics
+from embedfleet.workers.sinks import build_sink
+from embedfleet.workers.worker import Worker
 from prometheus_client import disable_created_metrics
-
-from shared.logging import configure_logging, get_logger
-from shared.redis_conn import connect
-from shared.settings import Settings
-from workers.encoder import Encoder
-from workers.health import HealthServer
-from workers.metrics import StreamGauges, WorkerMetrics
-from workers.sinks import build_sink
-from workers.worker import Worker
 
 log = get_logger("embedfleet.worker")
 

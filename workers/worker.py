@@ -24,22 +24,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import redis.asyncio as aioredis
-
-from shared.keys import Keys
-from shared.logging import get_logger
-from shared.protocol import Chunk, Result
-from shared.settings import Settings
-from workers.backoff import REDIS_FAULTS, Backoff
-from workers.batcher import PlannedBatch, plan_batches
-from workers.consumer import StreamConsumer, StreamEntry
-from workers.deadletter import DeadLetters, Rejected
-from workers.decode import decode_entries
-from workers.encoder import Encoder, Tokenized
-from workers.events import WorkerEvents
-from workers.memory import release_free_memory
-from workers.queries import QueryLane
-from workers.reclaim import InFlight, Reclaimer
-from workers.sinks import Delivery, Sink
+from embedfleet.shared.keys import Keys
+from embedfleet.shared.logging import get_logger
+from embedfleet.shared.protocol import Chunk, Result
+from embedfleet.shared.settings import Settings
+from embedfleet.workers.backoff import REDIS_FAULTS, Backoff
+from embedfleet.workers.batcher import PlannedBatch, plan_batches
+from embedfleet.workers.consumer import StreamConsumer, StreamEntry
+from embedfleet.workers.deadletter import DeadLetters, Rejected
+from embedfleet.workers.decode import decode_entries
+from embedfleet.workers.encoder import Encoder, Tokenized
+from embedfleet.workers.events import WorkerEvents
+from embedfleet.workers.memory import release_free_memory
+from embedfleet.workers.queries import QueryLane
+from embedfleet.workers.reclaim import InFlight, Reclaimer
+from embedfleet.workers.sinks import Delivery, Sink
 
 log = get_logger("embedfleet.worker")
 _END = None  # queue sentinel: the stage before has finished

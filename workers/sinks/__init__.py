@@ -11,10 +11,9 @@ from __future__ import annotations
 import importlib.util
 
 import redis.asyncio as aioredis
-
-from shared.settings import Settings
-from shared.vectordb import SinkTarget, SinkURLError, parse_sink_url
-from workers.sinks.base import (
+from embedfleet.shared.settings import Settings
+from embedfleet.shared.vectordb import SinkTarget, SinkURLError, parse_sink_url
+from embedfleet.workers.sinks.base import (
     DatabaseSink,
     Delivery,
     Sink,
@@ -22,7 +21,7 @@ from workers.sinks.base import (
     latest_per_id,
     queue_acknowledgements,
 )
-from workers.sinks.redis_stream import RedisStreamSink
+from embedfleet.workers.sinks.redis_stream import RedisStreamSink
 
 __all__ = [
     "DatabaseSink",
@@ -79,14 +78,14 @@ def sink_for_target(target: SinkTarget, settings: Settings, client: aioredis.Red
     if target.kind == "redis":
         return RedisStreamSink(client, settings.keys)
     if target.kind == "lancedb":
-        from workers.sinks.lancedb import LanceDBSink
+        from embedfleet.workers.sinks.lancedb import LanceDBSink
 
         return LanceDBSink(client, settings.keys, target.location, target.table)
     if target.kind == "pgvector":
-        from workers.sinks.pgvector import PgvectorSink
+        from embedfleet.workers.sinks.pgvector import PgvectorSink
 
         return PgvectorSink(client, settings.keys, target.location, target.table)
-    from workers.sinks.qdrant import QdrantSink
+    from embedfleet.workers.sinks.qdrant import QdrantSink
 
     return QdrantSink(
         client,

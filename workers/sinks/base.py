@@ -18,9 +18,8 @@ from typing import TypeVar
 
 import redis
 import redis.asyncio as aioredis
-
-from shared.keys import Keys
-from shared.protocol import Result
+from embedfleet.shared.keys import Keys
+from embedfleet.shared.protocol import Result
 
 T = TypeVar("T")
 

@@ -12,12 +12,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 import redis.asyncio as aioredis
-
-from shared.keys import Keys
-from shared.logging import get_logger
-from shared.protocol import Result
-from shared.vectordb import meta_to_json
-from workers.sinks.base import DatabaseSink, Delivery, SinkSetupError
+from embedfleet.shared.keys import Keys
+from embedfleet.shared.logging import get_logger
+from embedfleet.shared.protocol import Result
+from embedfleet.shared.vectordb import meta_to_json
+from embedfleet.workers.sinks.base import DatabaseSink, Delivery, SinkSetupError
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

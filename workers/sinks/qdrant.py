@@ -16,12 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import redis.asyncio as aioredis
-
-from shared.keys import Keys
-from shared.logging import get_logger
-from shared.protocol import Result
-from shared.vectordb import meta_from_json, meta_to_json, point_id
-from workers.sinks.base import DatabaseSink, SinkSetupError
+from embedfleet.shared.keys import Keys
+from embedfleet.shared.logging import get_logger
+from embedfleet.shared.protocol import Result
+from embedfleet.shared.vectordb import meta_from_json, meta_to_json, point_id
+from embedfleet.workers.sinks.base import DatabaseSink, SinkSetupError
 
 if TYPE_CHECKING:
     from qdrant_client import QdrantClient

@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import redis.asyncio as aioredis
-
-from shared.keys import Keys
-from shared.protocol import Result, encode_result
-from workers.sinks.base import Delivery, Sink, queue_acknowledgements
+from embedfleet.shared.keys import Keys
+from embedfleet.shared.protocol import Result, encode_result
+from embedfleet.workers.sinks.base import Delivery, Sink, queue_acknowledgements
 
 
 class RedisStreamSink(Sink):
