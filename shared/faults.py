@@ -1,0 +1,247 @@
+"""Faults by kind: what an error means for the work in hand, decided in one place.
+
+Every side of the fleet (worker stages, sinks, the producer client) meets the same errors from
+the same libraries; what to do about one depends only on its kind:
+
+- ``TRANSIENT``: Redis or a database is unreachable, timed out, is failing over, or said "try
+  again". Wait with capped backoff (``BackoffPolicy``) and try again, as long as it takes:
+  nothing is lost by waiting, entries stay pending. Never dead-letter for it.
+- ``ROW``: the database refused one row (a value it cannot store, a constraint). Retrying the
+  same row cannot succeed; the rows around it can. Isolate the row, dead-letter only it.
+- ``WORKER``: nothing this worker writes can succeed until a person changes something (bad
+  credentials, a missing extension or table, wrong dimension). Exit non-zero with a message
+  that names the setting, for the supervisor (and the person) to act on.
+
+Classification reads the exception's type, and for databases the SQLSTATE or HTTP status it
+carries. The database client libraries are optional extras, so they are recognised by module
+name and attributes, never imported here.
+"""
+
+from __future__ import annotations
+
+import errno
+import random
+from dataclasses import dataclass
+from enum import StrEnum
+
+from redis import exceptions as redis_errors
+
+
+class FaultKind(StrEnum):
+    TRANSIENT = "transient"
+    ROW = "row"
+    WORKER = "worker"
+
+
+class System(StrEnum):
+    """Which system an error came from: logs and metrics say it, so an operator knows where."""
+
+    REDIS = "redis"
+    POSTGRESQL = "postgresql"
+    QDRANT = "qdrant"
+    LANCEDB = "lancedb"
+    UNKNOWN = "unknown"
+
+
+# The setting a person changes when a system fails permanently for the worker.
+SETTING_FOR_SYSTEM: dict[System, str] = {
+    System.REDIS: "EMBEDFLEET_REDIS_URL",
+    System.POSTGRESQL: "EMBEDFLEET_SINK",
+    System.QDRANT: "EMBEDFLEET_SINK",
+    System.LANCEDB: "EMBEDFLEET_SINK",
+    System.UNKNOWN: "EMBEDFLEET_SINK",
+}
+
+
+@dataclass(frozen=True)
+class Fault:
+    """An error, with its kind and where it came from."""
+
+    kind: FaultKind
+    system: System
+    error: BaseException
+
+    @property
+    def detail(self) -> str:
+        """The library's own message (the database's words), one line."""
+        text = " ".join(str(self.error).split())
+        return f"{type(self.error).__name__}: {text}" if text else type(self.error).__name__
+
+    @property
+    def setting(self) -> str:
+        return SETTING_FOR_SYSTEM[self.system]
+
+
+class WorkerFault(RuntimeError):
+    """A fault no retry fixes: the worker stops, exits non-zero, and the message names the
+    setting to change."""
+
+    def __init__(self, message: str, setting: str) -> None:
+        super().__init__(f"{message} (check {setting})")
+        self.setting = setting
+
+    @classmethod
+    def from_fault(cls, fault: Fault, doing: str) -> WorkerFault:
+        return cls(f"{fault.system} failed while {doing}: {fault.detail}", fault.setting)
+
+
+# errno values of a peer that is down, restarting or unreachable.
+_NETWORK_ERRNOS = frozenset(
+    {
+        errno.ECONNREFUSED,
+        errno.ECONNRESET,
+        errno.ECONNABORTED,
+        errno.EHOSTUNREACH,
+        errno.ENETUNREACH,
+        errno.ENETDOWN,
+        errno.ETIMEDOUT,
+        errno.EPIPE,
+        errno.ENOTCONN,
+        errno.EADDRNOTAVAIL,
+    }
+)
+
+# Redis replies that mean "not now": loading, failing over, cluster resharding, out of memory.
+_REDIS_TRANSIENT = (
+    redis_errors.ConnectionError,
+    redis_errors.TimeoutError,
+    redis_errors.BusyLoadingError,
+    redis_errors.TryAgainError,
+    redis_errors.ClusterDownError,
+    redis_errors.MasterDownError,
+    redis_errors.ReadOnlyError,
+    redis_errors.ClusterError,
+)
+_REDIS_TRANSIENT_REPLIES = ("OOM ", "LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "READONLY")
+_REDIS_WORKER = (
+    redis_errors.AuthenticationError,
+    redis_errors.AuthorizationError,
+    redis_errors.NoPermissionError,
+)
+
+# SQLSTATE classes (first two characters), PostgreSQL appendix A.
+_SQLSTATE_TRANSIENT_CLASSES = ("08", "40", "53", "57", "58", "55")  # connection, rollback, ...
+_SQLSTATE_ROW_CLASSES = ("22", "23")  # data exception, integrity constraint violation
+# 28: bad credentials; 3D: no such database; 42: no such table/column, no privilege.
+_SQLSTATE_WORKER_CLASSES = ("28", "3D", "42", "0A", "XX")
+
+
+def system_of(error: BaseException) -> System:
+    module = type(error).__module__ or ""
+    root = module.split(".", 1)[0]
+    if root == "redis":
+        return System.REDIS
+    if root == "psycopg" or root == "psycopg_pool":
+        return System.POSTGRESQL
+    if root in ("qdrant_client", "httpx", "httpcore", "grpc"):
+        return System.QDRANT
+    if root in ("lancedb", "pyarrow", "lance"):
+        return System.LANCEDB
+    return System.UNKNOWN
+
+
+def classify(error: BaseException, system: System | None = None) -> Fault:
+    """The fault an error stands for. ``system`` overrides the guess from the error's module
+    (a builtin TimeoutError raised inside a sink is the sink's database)."""
+    found = system_of(error)
+    if found is System.UNKNOWN and system is not None:
+        found = system
+    return Fault(_kind(error), found, error)
+
+
+def _kind(error: BaseException) -> FaultKind:
+    if isinstance(error, redis_errors.RedisError):
+        return _redis_kind(error)
+    sqlstate = getattr(error, "sqlstate", None)
+    if isinstance(sqlstate, str) and len(sqlstate) == 5:
+        return _sqlstate_kind(sqlstate)
+    if system_of(error) is System.POSTGRESQL:
+        # psycopg errors without a SQLSTATE: the connection is gone or never came
+        # (OperationalError, InterfaceError); anything else is the worker's to report.
+        lost = type(error).__name__ in ("OperationalError", "InterfaceError")
+        return FaultKind.TRANSIENT if lost else FaultKind.WORKER
+    status = _http_status(error)
+    if status is not None:
+        return _http_kind(status)
+    if isinstance(error, (TimeoutError, ConnectionError)):
+        return FaultKind.TRANSIENT
+    if isinstance(error, PermissionError):
+        return FaultKind.WORKER
+    if isinstance(error, OSError) and error.errno in _NETWORK_ERRNOS:
+        return FaultKind.TRANSIENT
+    name = type(error).__name__
+    # httpx / httpcore transport errors (ConnectError, ReadTimeout, RemoteProtocolError, ...)
+    # and qdrant_client's wrapper of them.
+    if system_of(error) is System.QDRANT and (
+        "Timeout" in name
+        or "Connect" in name
+        or "Network" in name
+        or "Protocol" in name
+        or name == "ResponseHandlingException"
+    ):
+        return FaultKind.TRANSIENT
+    # A value the library cannot encode for the database: that row, not the worker.
+    if isinstance(error, (ValueError, TypeError, UnicodeError, OverflowError)):
+        return FaultKind.ROW
+    return FaultKind.WORKER
+
+
+def _redis_kind(error: redis_errors.RedisError) -> FaultKind:
+    if isinstance(error, _REDIS_WORKER):
+        return FaultKind.WORKER
+    if isinstance(error, _REDIS_TRANSIENT):
+        return FaultKind.TRANSIENT
+    if isinstance(error, redis_errors.ResponseError) and str(error).startswith(
+        _REDIS_TRANSIENT_REPLIES
+    ):
+        return FaultKind.TRANSIENT
+    return FaultKind.WORKER
+
+
+def _sqlstate_kind(sqlstate: str) -> FaultKind:
+    prefix = sqlstate[:2]
+    if prefix in _SQLSTATE_TRANSIENT_CLASSES:
+        return FaultKind.TRANSIENT
+    if prefix in _SQLSTATE_ROW_CLASSES:
+        return FaultKind.ROW
+    return FaultKind.WORKER
+
+
+def _http_status(error: BaseException) -> int | None:
+    for holder in (error, getattr(error, "response", None)):
+        status = getattr(holder, "status_code", None)
+        if isinstance(status, int) and 100 <= status < 600:
+            return status
+    return None
+
+
+def _http_kind(status: int) -> FaultKind:
+    if status in (408, 425, 429) or status >= 500:
+        return FaultKind.TRANSIENT
+    if status in (401, 403, 404):
+        return FaultKind.WORKER  # credentials, or the collection is gone
+    return FaultKind.ROW  # 400, 413, 422: the request's content was refused
+
+
+def is_transient(error: BaseException) -> bool:
+    """For ``except`` clauses that only ride out outages (``except Exception as e: if not
+    is_transient(e): raise``)."""
+    return _kind(error) is FaultKind.TRANSIENT
+
+
+@dataclass
+class BackoffPolicy:
+    """Capped exponential delays with full jitter, so a fleet that lost a server does not
+    reconnect in lockstep. Pure: the caller sleeps (``asyncio.sleep`` or ``time.sleep``)."""
+
+    base_s: float = 0.1
+    cap_s: float = 5.0
+    attempt: int = 0
+
+    def next_delay(self) -> float:
+        delay = random.uniform(0, min(self.cap_s, self.base_s * 2**self.attempt))
+        self.attempt += 1
+        return delay
+
+    def reset(self) -> None:
+        self.attempt = 0
