@@ -62,7 +62,10 @@ class Settings(BaseSettings):
         "float32 (min cosine ≥ 0.99, mean ≥ 0.999; logged), else float32.",
     )
     threads: int = Field(
-        default=0, ge=0, description="torch intra-op threads on CPU; 0 = all cores."
+        default=0,
+        ge=0,
+        description="torch intra-op threads on CPU; 0 = the CPUs this process may use (affinity "
+        "mask and cgroup CPU quota, not the node's core count).",
     )
     truncate: bool = Field(
         default=True,

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from embedfleet.shared.settings import PACKAGED_MODEL
 from embedfleet.workers.frozen import FrozenForward, build_checked, freeze
+from embedfleet.workers.cpus import usable_cpus
 from embedfleet.workers.precision import (
     PROBE_TEXTS,
     ParityReport,
@@ -179,7 +180,7 @@ class Encoder:
         self.precision: Precision = requested_precision(dtype, self.device)
         self.parity: ParityReport | None = None
         if self.device.type == "cpu":
-            torch.set_num_threads(threads or os.cpu_count() or 1)
+            torch.set_num_threads(threads or usable_cpus())
         self.pooling = read_pooling_config(self.model_dir)
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         if not self._tokenizer.is_fast:
