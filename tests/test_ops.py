@@ -459,8 +459,10 @@ async def test_status_throughput_counts_acknowledged_entries(
 
     # --watch keeps about a minute of snapshots and measures over that minute.
     history = History(window_s=60)
+    # Whole-second clock values: `after.monotonic + 90 - (after.monotonic + 30)` can round to
+    # 59.999..., which made this check depend on the machine's uptime.
     for offset in (0, 30, 61, 62, 90):
-        history.add(dataclasses.replace(after, monotonic=after.monotonic + offset))
+        history.add(dataclasses.replace(after, monotonic=1000.0 + offset))
     measured = history.throughput()
     assert measured is not None and 60 <= measured.window_s <= 62
 
