@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import redis.asyncio as aioredis
+from embedfleet.producer.enqueue import queue_enqueue
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, Result, decode_result, encode_chunk
@@ -131,17 +132,37 @@ class Producer:
             )
 
     async def _send(self, batch: list[Chunk], on_batch: Callable[[int], None] | None) -> int:
+        """One pipelined round trip: per job, the enqueue script (re-sent ids are added and
+        counted once); chunks without a job, a plain XADD each."""
         await self._wait_for_room()
+        by_job: dict[str, list[tuple[str, bytes]]] = {}
         pipe = self.client.pipeline(transaction=False)
-        jobs: dict[str, int] = {}
         for chunk in batch:
-            pipe.xadd(self.keys.ingest, {PAYLOAD_FIELD: encode_chunk(chunk)})
-            if chunk.job is not None:
-                jobs[chunk.job] = jobs.get(chunk.job, 0) + 1
-        for job, count in jobs.items():
-            pipe.hincrby(self.keys.job(job), "enqueued", count)
-            pipe.sadd(self.keys.jobs_index, job)
-        await pipe.execute()
+            payload = encode_chunk(chunk)
+            if chunk.job is None:
+                pipe.xadd(self.keys.ingest, {PAYLOAD_FIELD: payload})
+            else:
+                by_job.setdefault(chunk.job, []).append((chunk.id, payload))
+        for job, chunks in by_job.items():
+            queue_enqueue(
+                pipe,
+                stream=self.keys.ingest,
+                counters=self.keys.job(job),
+                id_record=self.keys.job_ids(job),
+                chunks=chunks,
+                id_record_ttl_s=self.settings.job_ids_ttl_s,
+            )
+        if by_job:
+            # Outside the script: the index of job names need not share the streams' slot.
+            pipe.sadd(self.keys.jobs_index, *by_job)
+        replies = await pipe.execute()
+        if by_job:
+            added = sum(replies[-1 - len(by_job) : -1])
+            repeated = sum(len(chunks) for chunks in by_job.values()) - added
+            if repeated:
+                log.info(
+                    "chunks already enqueued in their job were not added again", repeated=repeated
+                )
         if on_batch is not None:
             on_batch(len(batch))
         return len(batch)

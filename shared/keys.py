@@ -44,6 +44,14 @@ class Keys:
         """Hash of a job's counters: ``enqueued``, ``done``, ``dead``."""
         return f"{self.namespace}:job:{job_id}"
 
+    def job_ids(self, job_id: str) -> str:
+        """Hash of the chunk ids a job has enqueued (id -> digest of the payload sent).
+
+        The enqueue script reads it so that a re-sent chunk is added and counted once. Its own
+        prefix (not ``job:<job>:ids``) so that no job name can collide with another's counters.
+        """
+        return f"{self.namespace}:jobids:{job_id}"
+
     def reply(self, request_id: str) -> str:
         """List a query's caller blocks on (BLPOP); it expires if the caller has gone."""
         return f"{self.namespace}:reply:{request_id}"

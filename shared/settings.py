@@ -131,6 +131,13 @@ class Settings(BaseSettings):
         ge=1,
         description="Tries of a failing sink write before the batch is dead-lettered.",
     )
+    job_ids_ttl_s: int = Field(
+        default=7 * 24 * 3600,
+        ge=0,
+        description="How long a job remembers the chunk ids it has enqueued (`{ns}:jobids:<job>`), "
+        "counted from its latest enqueue: within it a re-sent chunk (same id, same payload) is "
+        "added and counted once. 0 = for ever. Costs about the id's length + 60 bytes per chunk.",
+    )
     backlog_high_water: int = Field(
         default=1_000_000,
         ge=1,
