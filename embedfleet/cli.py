@@ -8,11 +8,13 @@ from embedfleet.demo import demo_command
 from embedfleet.producer.cli import enqueue_command, query_command, results_command
 from embedfleet.producer.search import index_command, search_command
 from embedfleet.producer.status import status_command
+from embedfleet.verbosity import verbose_option
 from embedfleet.workers.cli import worker_command
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="embedfleet")
+@verbose_option
 def main() -> None:
     """embedfleet: bulk text embedding with Redis Streams as a durable queue.
 

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import importlib.util
 import json
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,7 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
-from tqdm import tqdm
 
 from embedfleet.extras import require_worker_extra
 from embedfleet.producer.chunker import builtin_corpus
@@ -30,14 +28,20 @@ from embedfleet.producer.search import format_hits
 from embedfleet.producer.vectordb import Hit, nearest, stored_vectors
 from embedfleet.server import ServerProcess
 from embedfleet.shared.logging import configure_logging
+from embedfleet.shared.progress import Progress
 from embedfleet.shared.protocol import Chunk, Result
 from embedfleet.shared.settings import Settings, SettingsError, load_settings
 from embedfleet.shared.vectordb import SinkTarget, SinkURLError, parse_sink_url
+from embedfleet.verbosity import verbose_option
 
 if TYPE_CHECKING:
     from embedfleet.workers.worker import WorkerStats
 
-SAMPLE_QUERY = "how do I open a file"
+# The built-in corpus is Python's own docs (pydoc topics, alphabetical): "async" is among the
+# first topics, so even a `--limit 100` run holds the answer ("Functions defined with async def
+# syntax are always coroutine functions ...").
+SAMPLE_QUERY = "how do I define an asynchronous function"
+SNIPPET_CHARS = 100
 
 
 @dataclass
@@ -52,6 +56,8 @@ class DemoReport:
     target: SinkTarget
     results_key: str
     sample: list[Hit]
+    # The texts the demo enqueued, by id: the sample search shows what each hit says.
+    texts_by_id: dict[str, str]
 
     def lines(self) -> list[str]:
         rate = self.texts / self.seconds if self.seconds else 0.0
@@ -79,11 +85,26 @@ class DemoReport:
             "lancedb": f"EMBEDFLEET_SINK=lancedb://{self.target.location} ",
             "qdrant-local": f"EMBEDFLEET_SINK=qdrant+local://{self.target.location} ",
         }.get(self.target.kind, "")
+        lines = [f"search: top 3 for {SAMPLE_QUERY!r}"]
+        if not self.sample:
+            lines += [f"  {line}" for line in format_hits(self.sample)]
+        for hit, line in zip(self.sample, format_hits(self.sample), strict=True):
+            lines.append(f"  {line}")
+            if hit.id in self.texts_by_id:
+                lines.append(f"          {snippet(self.texts_by_id[hit.id], SNIPPET_CHARS)}")
         return [
-            f"search: top 3 for {SAMPLE_QUERY!r}",
-            *(f"  {line}" for line in format_hits(self.sample)),
+            *lines,
             f"  again, with a worker running: {sink}embedfleet search {SAMPLE_QUERY!r} --k 3",
         ]
+
+
+def snippet(text: str, width: int) -> str:
+    """The text on one line, cut at a word boundary to at most ``width`` characters."""
+    flat = " ".join(text.split())
+    if len(flat) <= width:
+        return flat
+    cut = flat.rfind(" ", 0, width - 1)
+    return flat[: cut if cut > width // 2 else width - 1] + "…"
 
 
 def _load_corpus(corpus: Path | None, limit: int | None) -> list[Chunk]:
@@ -121,11 +142,10 @@ async def _run(
         worker = Worker(settings, encoder, producer.client, sink)
         worker_task = asyncio.create_task(worker.run())
         started = time.perf_counter()
-        with tqdm(total=len(chunks), desc="embedding", unit=" texts", file=sys.stderr) as bar:
+        with Progress("embedding", "texts", total=len(chunks)) as bar:
 
             def show(progress: JobProgress) -> None:
-                bar.n = progress.done + progress.dead
-                bar.refresh()
+                bar.set(progress.done + progress.dead)
 
             await producer.enqueue(chunks, job=job)
             progress = await producer.wait_for_job(job, on_progress=show)
@@ -205,6 +225,7 @@ def run_demo(corpus: Path | None, limit: int | None, out_dir: Path) -> DemoRepor
         target=target,
         results_key=settings.keys.results,
         sample=sample,
+        texts_by_id={chunk.id: chunk.text for chunk in chunks},
     )
 
 
@@ -222,6 +243,7 @@ def run_demo(corpus: Path | None, limit: int | None, out_dir: Path) -> DemoRepor
     show_default=True,
     help="Where to write vectors.",
 )
+@verbose_option
 def demo_command(corpus: Path | None, limit: int | None, out_dir: Path) -> None:
     """Run the whole fleet on this machine: server, worker, enqueue, embed, export, search.
 

@@ -13,9 +13,10 @@ import numpy as np
 from embedfleet.producer.client import JobProgress, Producer, QueryTimeoutError
 from embedfleet.producer.export import write_export
 from embedfleet.producer.jsonl import BadLine, read_chunks
+from embedfleet.shared.logging import configure_logging
+from embedfleet.shared.progress import Progress
 from embedfleet.shared.protocol import QueryFailedError, Result
 from embedfleet.shared.settings import Settings, SettingsError, load_settings
-from tqdm import tqdm
 
 redis_url_option = click.option(
     "--redis-url", envvar="EMBEDFLEET_REDIS_URL", help="Redis URL (or EMBEDFLEET_REDIS_URL)."
@@ -24,9 +25,11 @@ redis_url_option = click.option(
 
 def _settings(redis_url: str | None) -> Settings:
     try:
-        return load_settings(**({"redis_url": redis_url} if redis_url else {}))
+        settings = load_settings(**({"redis_url": redis_url} if redis_url else {}))
     except SettingsError as error:
         raise click.ClickException(str(error)) from None
+    configure_logging(settings.log_level, settings.log_format)
+    return settings
 
 
 @click.command("enqueue")
@@ -68,7 +71,7 @@ async def _enqueue(
     rejected: list[BadLine],
 ) -> int:
     async with Producer(settings) as producer:
-        with tqdm(desc="enqueue", unit=" chunks", file=sys.stderr) as bar:
+        with Progress("enqueue", "chunks") as bar:
             count = await producer.enqueue(read_chunks(source, job, rejected), on_batch=bar.update)
         if wait and count:
             await _wait_with_bar(producer, job, count, timeout)
@@ -78,12 +81,10 @@ async def _enqueue(
 async def _wait_with_bar(
     producer: Producer, job: str, total: int, timeout: float | None
 ) -> JobProgress:
-    with tqdm(desc="embedded", total=total, unit=" chunks", file=sys.stderr) as bar:
+    with Progress("embedded", "chunks", total=total) as bar:
 
         def update(progress: JobProgress) -> None:
-            bar.total = progress.enqueued
-            bar.n = progress.done + progress.dead
-            bar.refresh()
+            bar.set(progress.done + progress.dead, total=progress.enqueued)
 
         progress = await producer.wait_for_job(job, timeout=timeout, on_progress=update)
     if progress.dead:
@@ -115,7 +116,7 @@ def results_command(job: str | None, out: Path, redis_url: str | None) -> None:
 async def _collect(settings: Settings, job: str | None) -> dict[str, Result]:
     latest: dict[str, Result] = {}
     async with Producer(settings) as producer:
-        with tqdm(desc="read results", unit=" results", file=sys.stderr) as bar:
+        with Progress("read results", "results") as bar:
             async for result in producer.results(job=job):
                 latest[result.id] = result
                 bar.update()

@@ -174,7 +174,11 @@ class Settings(BaseSettings):
     log_format: Literal["auto", "json", "console"] = Field(
         default="auto", description="`auto`: console on a TTY, JSON otherwise."
     )
-    log_level: str = Field(default="info", description="debug, info, warning or error.")
+    log_level: str = Field(
+        default="info",
+        description="debug, info, warning or error. Other libraries' warnings (transformers, "
+        "torch, Python's `warnings`) show only at debug (`embedfleet --verbose`).",
+    )
 
     # --- vector sink -----------------------------------------------------------------------
     sink: str = Field(

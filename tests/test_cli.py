@@ -109,6 +109,10 @@ def test_demo_runs_on_embedded_defaults(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "embedded 150 texts" in result.stdout and "texts/s" in result.stdout
     assert "embedded Valkey" in result.stdout
+    # stderr is a pipe here: progress as summary log lines, never bar frames
+    assert "\r" not in result.stderr and "embedding: finished" in result.stderr
+    # the sample search finds the built-in corpus' answer and says what it is
+    assert "coroutine" in result.stdout  # e.g. `Functions defined with "async def" syntax are ...`
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["texts"] == 150 and summary["texts_per_s"] > 0
     assert np.load(tmp_path / "vectors.npz")["vectors"].shape == (150, 384)

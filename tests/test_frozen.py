@@ -103,3 +103,18 @@ async def test_the_lane_answers_with_and_without_the_frozen_graph(
     assert encoder.has_query_graph is frozen
     expected = encoder.embed_texts(["how do I open a file?"])[0]
     assert float(vector @ expected) > 0.999
+
+
+def test_the_eager_fallback_is_said_once_at_info_with_its_reason(monkeypatch) -> None:
+    """Designed behaviour, not a fault: one info line with the reason, not a warning per load."""
+    from embedfleet.workers import frozen
+    from structlog.testing import capture_logs
+
+    monkeypatch.setattr(frozen, "_fallback_reported", False)
+    with capture_logs() as logs:
+        assert _checked(lambda rows: _vectors(rows, 2)) is None
+        assert _checked(lambda rows: _vectors(rows, 2)) is None
+    said = [entry for entry in logs if entry["log_level"] in ("info", "warning", "error")]
+    assert [entry["event"] for entry in said] == ["queries run eager (frozen query graph not used)"]
+    assert said[0]["log_level"] == "info"
+    assert "min cosine" in said[0]["reason"] and "differ" in said[0]["reason"]

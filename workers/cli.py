@@ -7,6 +7,7 @@ from embedfleet.shared.settings import SettingsError, load_settings
 from embedfleet.workers.sinks import MissingExtraError, SinkSetupError, SinkURLError, check_sink
 
 from embedfleet.extras import require_worker_extra
+from embedfleet.verbosity import verbose_option
 
 
 @click.command("worker")
@@ -20,6 +21,7 @@ from embedfleet.extras import require_worker_extra
     default=None,
     help="Serve only the priority query stream (dedicated query replicas; EMBEDFLEET_QUERY_ONLY).",
 )
+@verbose_option
 def worker_command(redis_url: str | None, model: str | None, query_only: bool | None) -> None:
     """Embed chunks from the ingest stream until SIGTERM.
 

@@ -17,6 +17,7 @@ from typing import Literal
 
 import numpy as np
 import torch
+from embedfleet.shared.logging import adopt_library_logger
 from embedfleet.shared.settings import PACKAGED_MODEL
 from embedfleet.workers.frozen import FrozenForward, build_checked, freeze
 from embedfleet.workers.cpus import usable_cpus
@@ -29,6 +30,10 @@ from embedfleet.workers.precision import (
 )
 from transformers import AutoModel, AutoTokenizer
 from transformers.utils import logging as transformers_logging
+
+# transformers installs its own stderr handler on import; its records go through ours instead
+# (above a progress bar, quiet below --verbose), once the process has configured logging.
+adopt_library_logger("transformers")
 
 PoolingMode = Literal["mean", "cls", "lasttoken", "max"]
 # A text this many characters per allowed token long certainly has more tokens than the model

@@ -11,8 +11,9 @@ Bulk batches stay eager: they need the per-layer hooks that let queries in (a tr
 has no Python hooks), and at thousands of tokens per batch the fixed costs do not show.
 
 The copy is kept only if it matches the eager model on the precision probe texts (padded
-batches and single texts); a model that does not trace, or traces wrong, keeps the eager path
-with a warning.
+batches and single texts); a model that does not trace, or traces wrong, keeps the eager path.
+That fallback is designed behaviour, not a fault (queries are as correct, only slower), so it
+is said once per process, at info, with the reason.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from embedfleet.shared.logging import get_logger
 from embedfleet.workers.precision import cosines
 
 log = get_logger("embedfleet.frozen")
+_fallback_reported = False
 
 # Frozen and eager run the same fp32/bf16 kernels up to summation order: anything below this
 # is a wrong trace, not rounding (measured 0.9999998 over 300 texts in batches of 1-8).
@@ -80,13 +82,23 @@ def build_checked(
         per_text = [cosines(eager(batch), frozen(forward, batch)) for batch in probe_batches]
         worst = float(np.min(np.concatenate(per_text)))  # NaN stays NaN (Python's min drops it)
     except Exception as error:  # tracing fails on some architectures: eager still works
-        log.warning("frozen query graph not built; queries run eager", error=repr(error))
+        _eager_fallback(f"the model does not trace: {error!r}")
         return None
     if not worst >= FROZEN_MIN_COSINE:  # also catches NaN
-        log.warning(
-            "frozen query graph differs from the model; queries run eager",
-            min_cosine=round(worst, 6),
+        _eager_fallback(
+            f"the frozen graph's vectors differ from the model's (min cosine {worst:.6f} < "
+            f"{FROZEN_MIN_COSINE}): its fused kernels do not hold parity on this machine"
         )
         return None
     log.info("frozen query graph ready", min_cosine_vs_eager=round(worst, 7))
     return forward
+
+
+def _eager_fallback(reason: str) -> None:
+    """Say once per process (at info: nothing is wrong) that queries run eager, and why."""
+    global _fallback_reported
+    if _fallback_reported:
+        log.debug("queries run eager (frozen query graph not used)", reason=reason)
+        return
+    _fallback_reported = True
+    log.info("queries run eager (frozen query graph not used)", reason=reason)
