@@ -9,7 +9,6 @@ forward pass on their own threads.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,8 +18,8 @@ import numpy as np
 import torch
 from embedfleet.shared.logging import adopt_library_logger
 from embedfleet.shared.settings import PACKAGED_MODEL
-from embedfleet.workers.frozen import FrozenForward, build_checked, freeze
 from embedfleet.workers.cpus import usable_cpus
+from embedfleet.workers.frozen import FrozenForward, build_checked, freeze
 from embedfleet.workers.precision import (
     PROBE_TEXTS,
     ParityReport,
