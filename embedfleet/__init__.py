@@ -21,6 +21,7 @@ if (_checkout / "pyproject.toml").is_file() and (_checkout / "workers" / "worker
 
 if TYPE_CHECKING:
     from embedfleet.producer.client import (
+        EmbeddingOptions,
         JobProgress,
         JobTimeoutError,
         Producer,
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 # The client's names, imported on first use so `import embedfleet.workers...` stays cheap.
 _EXPORTS = {
     "Producer": "embedfleet.producer.client",
+    "EmbeddingOptions": "embedfleet.producer.client",
     "JobProgress": "embedfleet.producer.client",
     "JobTimeoutError": "embedfleet.producer.client",
     "QueryTimeoutError": "embedfleet.producer.client",
@@ -43,6 +45,7 @@ _EXPORTS = {
 
 __all__ = [
     "Chunk",
+    "EmbeddingOptions",
     "JobProgress",
     "JobTimeoutError",
     "Producer",

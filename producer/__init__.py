@@ -1,9 +1,16 @@
 """The client ingestion services use (``from embedfleet import Producer`` re-exports it)."""
 
-from embedfleet.producer.client import JobProgress, JobTimeoutError, Producer, QueryTimeoutError
+from embedfleet.producer.client import (
+    EmbeddingOptions,
+    JobProgress,
+    JobTimeoutError,
+    Producer,
+    QueryTimeoutError,
+)
 from embedfleet.shared.protocol import QueryFailedError
 
 __all__ = [
+    "EmbeddingOptions",
     "JobProgress",
     "JobTimeoutError",
     "Producer",

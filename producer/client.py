@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -14,7 +16,14 @@ import redis.asyncio as aioredis
 from embedfleet.producer.enqueue import queue_enqueue
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
-from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, Result, decode_result, encode_chunk
+from embedfleet.shared.protocol import (
+    PAYLOAD_FIELD,
+    Chunk,
+    Result,
+    check_embedding_options,
+    decode_result,
+    encode_chunk,
+)
 from embedfleet.shared.redis_conn import connect, ensure_groups
 from embedfleet.shared.settings import Settings
 
@@ -42,19 +51,79 @@ class QueryTimeoutError(TimeoutError):
     """No worker answered a query in time; the query was withdrawn and nothing is left behind."""
 
 
-def as_chunk(item: ChunkLike, job: str | None) -> Chunk:
-    """Accept a Chunk or a mapping like one JSONL line: {"id", "text", "meta"?}."""
+OPTION_NAMES = ("prompt_name", "prompt", "dimensions", "dtype")
+
+
+@dataclass(frozen=True)
+class EmbeddingOptions:
+    """Per-job (or per-query) embedding options; None leaves the chunk's own or the worker's."""
+
+    prompt_name: str | None = None
+    prompt: str | None = None
+    dimensions: int | None = None
+    dtype: str | None = None
+
+    def apply(self, chunk: Chunk) -> Chunk:
+        """The chunk with these options filled in where the chunk has none of its own."""
+        changes = {
+            name: getattr(self, name)
+            for name in OPTION_NAMES
+            if getattr(self, name) is not None and getattr(chunk, name) is None
+        }
+        return dataclasses.replace(chunk, **changes) if changes else chunk
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the workers of a namespace serve, as the first of them published it (Keys.model)."""
+
+    name: str
+    dim: int
+    prompts: dict[str, str]
+
+    def check(self, chunk: Chunk) -> None:
+        """Reject options this model cannot honour, before they reach a worker."""
+        if chunk.dimensions is not None and chunk.dimensions > self.dim:
+            raise ValueError(
+                f"chunk {chunk.id!r}: dimensions={chunk.dimensions} is more than the model "
+                f"{self.name!r} has ({self.dim}); use 1..{self.dim}"
+            )
+        name = chunk.prompt_name
+        if chunk.prompt is None and name is not None and name not in self.prompts:
+            known = ", ".join(sorted(self.prompts)) or "none"
+            raise ValueError(
+                f"chunk {chunk.id!r}: prompt_name={name!r} is not one of the "
+                f"model's prompts ({known}); pass a literal 'prompt' instead"
+            )
+
+
+def as_chunk(item: ChunkLike, job: str | None, options: EmbeddingOptions | None = None) -> Chunk:
+    """Accept a Chunk or a mapping like one JSONL line: {"id", "text", "meta"?, options?}."""
     if isinstance(item, Chunk):
-        return item if job is None or item.job == job else Chunk(item.id, item.text, job, item.meta)
-    chunk_id, text = item.get("id"), item.get("text")
-    if not isinstance(chunk_id, str) or not chunk_id:
-        raise ValueError(f"chunk needs a non-empty string 'id', got {chunk_id!r}")
-    if not isinstance(text, str):
-        raise ValueError(f"chunk {chunk_id!r} needs a string 'text'")
-    meta = item.get("meta")
-    if meta is not None and not isinstance(meta, dict):
-        raise ValueError(f"chunk {chunk_id!r}: 'meta' must be an object")
-    return Chunk(id=chunk_id, text=text, job=job or item.get("job"), meta=meta)
+        chunk = item if job is None or item.job == job else dataclasses.replace(item, job=job)
+    else:
+        chunk_id, text = item.get("id"), item.get("text")
+        if not isinstance(chunk_id, str) or not chunk_id:
+            raise ValueError(f"chunk needs a non-empty string 'id', got {chunk_id!r}")
+        if not isinstance(text, str):
+            raise ValueError(f"chunk {chunk_id!r} needs a string 'text'")
+        meta = item.get("meta")
+        if meta is not None and not isinstance(meta, dict):
+            raise ValueError(f"chunk {chunk_id!r}: 'meta' must be an object")
+        chunk = Chunk(
+            id=chunk_id,
+            text=text,
+            job=job or item.get("job"),
+            meta=meta,
+            **{name: item.get(name) for name in OPTION_NAMES},
+        )
+    if options is not None:
+        chunk = options.apply(chunk)
+    try:
+        check_embedding_options(**{name: getattr(chunk, name) for name in OPTION_NAMES})
+    except ValueError as error:
+        raise ValueError(f"chunk {chunk.id!r}: {error}") from None
+    return chunk
 
 
 class Producer:
@@ -69,6 +138,7 @@ class Producer:
         self.client = client or connect(self.settings.effective_redis_url)
         self._owns_client = client is None
         self._ready = False
+        self._served: ServedModel | None = None
 
     async def __aenter__(self) -> Producer:
         await self.setup()
@@ -87,6 +157,25 @@ class Producer:
         if self._owns_client:
             await self.client.aclose()
 
+    async def served_model(self) -> ServedModel | None:
+        """The model the workers published (Keys.model), or None before any worker started."""
+        if self._served is None:
+            fields = await self.client.hgetall(self.keys.model)
+            if fields:
+                values = {key.decode(): value.decode() for key, value in fields.items()}
+                self._served = ServedModel(
+                    name=values["name"],
+                    dim=int(values["dim"]),
+                    prompts=json.loads(values.get("prompts", "{}")),
+                )
+        return self._served
+
+    async def _checked(self, chunk: Chunk) -> Chunk:
+        served = await self.served_model()
+        if served is not None:
+            served.check(chunk)
+        return chunk
+
     async def enqueue(
         self,
         chunks: Iterable[ChunkLike],
@@ -94,8 +183,13 @@ class Producer:
         job: str | None = None,
         batch_size: int = 1000,
         on_batch: Callable[[int], None] | None = None,
+        options: EmbeddingOptions | None = None,
     ) -> int:
         """XADD every chunk, ``batch_size`` per pipelined round trip; returns how many.
+
+        ``options`` (prompt, dimensions, dtype) apply to every chunk that has none of its own.
+        A malformed option, or one the served model cannot honour (when a worker has published
+        it), raises ValueError before anything is sent for that chunk.
 
         Entries are never trimmed on add: an undelivered chunk must not be lost. Workers delete
         entries once they are acknowledged.
@@ -104,7 +198,7 @@ class Producer:
         total = 0
         batch: list[Chunk] = []
         for item in chunks:
-            batch.append(as_chunk(item, job))
+            batch.append(await self._checked(as_chunk(item, job, options)))
             if len(batch) >= batch_size:
                 total += await self._send(batch, on_batch)
                 batch = []
@@ -168,12 +262,24 @@ class Producer:
         return len(batch)
 
     # --- priority queries -------------------------------------------------------------
-    async def embed_query(self, text: str, *, timeout: float = 10.0) -> np.ndarray:
-        """Embed one query through the priority lane; float32 vector of the model's dimension."""
-        return (await self.embed_queries([text], timeout=timeout))[0]
+    async def embed_query(
+        self, text: str, *, timeout: float = 10.0, options: EmbeddingOptions | None = None
+    ) -> np.ndarray:
+        """Embed one query through the priority lane: a float32 vector (the model's dimension,
+        or ``options.dimensions``), or int8/uint8 codes / packed bits for those dtypes."""
+        return (await self.embed_queries([text], timeout=timeout, options=options))[0]
 
-    async def embed_queries(self, texts: Sequence[str], *, timeout: float = 10.0) -> np.ndarray:
+    async def embed_queries(
+        self,
+        texts: Sequence[str],
+        *,
+        timeout: float = 10.0,
+        options: EmbeddingOptions | None = None,
+    ) -> np.ndarray:
         """Embed a few queries now, ahead of any bulk backlog; shape (len(texts), dim).
+
+        The worker uses the model's ``query`` prompt unless ``options`` names another (as
+        ``SentenceTransformer.encode_query`` does).
 
         The worker pushes each answer onto a reply list this call blocks on (BLPOP: no
         polling). On timeout the queries are withdrawn from the stream and the reply key is
@@ -195,6 +301,8 @@ class Producer:
             chunk = Chunk(
                 id=f"{request}:{index}", text=text, reply=request, deadline_ms=deadline_ms
             )
+            if options is not None:
+                chunk = await self._checked(as_chunk(chunk, None, options))
             pipe.xadd(self.keys.query, {PAYLOAD_FIELD: encode_chunk(chunk)})
         pipe.blpop([reply_key], timeout=timeout)
         *entry_ids, popped = await pipe.execute()
@@ -203,7 +311,10 @@ class Producer:
         try:
             while popped is not None:
                 result = decode_result(popped[1])  # raises QueryFailedError for a bad query
-                vectors[int(result.id.rsplit(":", 1)[1])] = result.vector.astype(np.float32)
+                vector = result.vector
+                if result.dtype in ("float16", "float32"):
+                    vector = vector.astype(np.float32)
+                vectors[int(result.id.rsplit(":", 1)[1])] = vector
                 remaining = give_up_at - time.monotonic()
                 if len(vectors) == len(texts) or remaining <= 0:
                     break

@@ -60,3 +60,14 @@ class Keys:
     def jobs_index(self) -> str:
         """Set of known job ids, so ``embedfleet status`` can list them."""
         return f"{self.namespace}:jobs"
+
+    @property
+    def model(self) -> str:
+        """Hash a worker writes at start: the model it serves (name, dim, normalize, prompts,
+        max_length), so producers and the gateway can check options before enqueueing."""
+        return f"{self.namespace}:model"
+
+    def calibration(self, model: str, dim: int) -> str:
+        """int8/uint8 calibration ranges of ``model`` at ``dim`` dimensions (JSON): written once,
+        by the first worker that needs them or by ``embedfleet calibration load``, then shared."""
+        return f"{self.namespace}:calibration:{model}:{dim}"

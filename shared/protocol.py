@@ -6,14 +6,33 @@ pickled, and unpacking is bounded so a hostile payload cannot make a worker allo
 
 chunk (ingest stream, query stream)::
 
-    {"v": 1, "id": str, "text": str, "job": str | nil, "meta": map | nil}
+    {"v": 1, "id": str, "text": str, "job": str | nil, "meta": map | nil,
+     "prompt_name": str, "prompt": str, "dimensions": int, "dtype": str}   # all four optional
     query entries also carry "reply": str (suffix of the reply key the caller waits on) and
     "deadline": int (unix ms after which the caller has gone and the query is skipped)
 
+    ``prompt`` is a literal prefix and wins over ``prompt_name`` (a key of the model's
+    ``prompts``), as in ``SentenceTransformer.encode``; neither means the lane's default (the
+    model's ``query`` prompt on the query stream, ``document``/``passage`` on the ingest stream).
+    ``dimensions`` truncates the vector (Matryoshka) and ``dtype`` picks the output precision,
+    one of :data:`OUTPUT_DTYPES`; absent means the worker's settings.
+
 result (results stream)::
 
-    {"v": 1, "id": str, "job": str | nil, "model": str, "dim": int,
-     "vec": bin (little-endian fp16, dim * 2 bytes), "truncated": bool, "meta": map | nil}
+    {"v": 1, "id": str, "job": str | nil, "model": str, "dim": int, "dtype": str,
+     "vec": bin, "truncated": bool, "meta": map | nil}
+
+    ``dim`` is the vector's dimension (after any truncation) and ``dtype`` says how ``vec``
+    holds it: ``float16`` (little-endian, dim * 2 bytes; the default, and what a result without
+    ``dtype`` means), ``float32`` (dim * 4), ``int8`` / ``uint8`` (dim bytes, scalar-quantized
+    with the model's fixed calibration ranges), ``binary`` / ``ubinary`` (ceil(dim / 8) bytes,
+    one bit per dimension, most significant bit first; ``binary`` stores each byte minus 128 as
+    int8). Exactly ``sentence_transformers.quantize_embeddings``' layouts.
+
+Why still v1: every new field is optional and a v1 reader that ignores them still reads every
+result it asked for (fp16 unless it asked otherwise), and a v1 chunk without them means what it
+always meant. A version bump would have made every existing producer's chunks unreadable to new
+workers, or every new worker's results unreadable to existing consumers, for no gain.
 
 dead letter (dead-letter stream) has plain string fields for ``redis-cli XRANGE``:
 ``reason``, ``stream``, ``entry_id``, ``id`` (when known), ``deliveries``, ``payload_prefix``.
@@ -22,7 +41,7 @@ dead letter (dead-letter stream) has plain string fields for ``redis-cli XRANGE`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 import msgpack
 import numpy as np
@@ -30,7 +49,28 @@ import numpy as np
 PROTOCOL_VERSION = 1
 PAYLOAD_FIELD = b"m"
 MAX_ID_CHARS = 512
+MAX_PROMPT_NAME_CHARS = 256
+MAX_PROMPT_CHARS = 16_384
 DEAD_PAYLOAD_PREFIX_BYTES = 256
+
+# Output precisions, as sentence-transformers names them (plus float16, the default).
+OutputDtype = Literal["float16", "float32", "int8", "uint8", "binary", "ubinary"]
+OUTPUT_DTYPES: tuple[str, ...] = get_args(OutputDtype)
+DEFAULT_DTYPE = "float16"
+# numpy storage type of ``vec`` for each output precision (binary types are bit-packed)
+STORAGE_DTYPES: dict[str, str] = {
+    "float16": "<f2",
+    "float32": "<f4",
+    "int8": "i1",
+    "uint8": "u1",
+    "binary": "i1",
+    "ubinary": "u1",
+}
+
+
+def stored_length(dtype: str, dim: int) -> int:
+    """How many values ``vec`` holds for a ``dim``-dimensional vector of ``dtype``."""
+    return (dim + 7) // 8 if dtype in ("binary", "ubinary") else dim
 
 
 class ProtocolError(ValueError):
@@ -47,21 +87,35 @@ class Chunk:
     meta: dict[str, Any] | None = None
     reply: str | None = None
     deadline_ms: int | None = None
+    prompt_name: str | None = None
+    prompt: str | None = None
+    dimensions: int | None = None
+    dtype: str | None = None
 
 
 @dataclass(frozen=True)
 class Result:
-    """One embedding, as stored by the Redis sink."""
+    """One embedding, as stored by the Redis sink.
+
+    ``vector`` is in its stored form: float16/float32 values, int8/uint8 codes, or packed bits
+    for the binary types (then ``dimension`` gives the unpacked dimension).
+    """
 
     id: str
     model: str
-    vector: np.ndarray  # float16, shape (dim,)
+    vector: np.ndarray  # STORAGE_DTYPES[dtype], shape (stored_length(dtype, dim),)
     job: str | None = None
     truncated: bool = False
     meta: dict[str, Any] | None = field(default=None)
+    dtype: str = DEFAULT_DTYPE
+    dimension: int | None = None  # needed only for the bit-packed types
 
     @property
     def dim(self) -> int:
+        if self.dimension is not None:
+            return self.dimension
+        if self.dtype in ("binary", "ubinary"):
+            return int(self.vector.shape[0]) * 8
         return int(self.vector.shape[0])
 
 
@@ -75,7 +129,39 @@ def encode_chunk(chunk: Chunk) -> bytes:
         message["reply"] = chunk.reply
     if chunk.deadline_ms is not None:
         message["deadline"] = chunk.deadline_ms
+    for name in ("prompt_name", "prompt", "dimensions", "dtype"):
+        value = getattr(chunk, name)
+        if value is not None:
+            message[name] = value
     return msgpack.packb(message, use_bin_type=True)
+
+
+def check_embedding_options(
+    *,
+    prompt_name: object = None,
+    prompt: object = None,
+    dimensions: object = None,
+    dtype: object = None,
+) -> None:
+    """Raise ProtocolError unless the optional embedding options are well-formed.
+
+    Whether they fit the model (a prompt name it declares, a dimension it has) is the worker's
+    check (and the producer's, when a worker has published the model: ``Keys.model``).
+    """
+    if prompt_name is not None and (
+        not isinstance(prompt_name, str)
+        or not prompt_name
+        or len(prompt_name) > MAX_PROMPT_NAME_CHARS
+    ):
+        raise ProtocolError("'prompt_name' must be a non-empty string when given")
+    if prompt is not None and (not isinstance(prompt, str) or len(prompt) > MAX_PROMPT_CHARS):
+        raise ProtocolError(f"'prompt' must be a string of at most {MAX_PROMPT_CHARS} characters")
+    if dimensions is not None and (
+        not isinstance(dimensions, int) or isinstance(dimensions, bool) or dimensions < 1
+    ):
+        raise ProtocolError(f"'dimensions' must be a positive integer, got {dimensions!r}")
+    if dtype is not None and dtype not in OUTPUT_DTYPES:
+        raise ProtocolError(f"'dtype' must be one of {', '.join(OUTPUT_DTYPES)}, got {dtype!r}")
 
 
 def _unpack_bounded(payload: bytes, max_bytes: int) -> Any:
@@ -150,17 +236,28 @@ def decode_chunk(
     deadline = message.get("deadline")
     if deadline is not None and (not isinstance(deadline, int) or isinstance(deadline, bool)):
         raise ProtocolError("'deadline' must be an integer (unix milliseconds) when given")
-    return Chunk(id=chunk_id, text=text, job=job, meta=meta, reply=reply, deadline_ms=deadline)
+    options = {name: message.get(name) for name in ("prompt_name", "prompt", "dimensions", "dtype")}
+    check_embedding_options(**options)
+    return Chunk(
+        id=chunk_id,
+        text=text,
+        job=job,
+        meta=meta,
+        reply=reply,
+        deadline_ms=deadline,
+        **options,
+    )
 
 
 def encode_result(result: Result) -> bytes:
-    vector = np.asarray(result.vector, dtype="<f2")
+    vector = np.asarray(result.vector, dtype=STORAGE_DTYPES[result.dtype])
     message: dict[str, Any] = {
         "v": PROTOCOL_VERSION,
         "id": result.id,
         "job": result.job,
         "model": result.model,
-        "dim": int(vector.shape[0]),
+        "dim": result.dim,
+        "dtype": result.dtype,
         "vec": vector.tobytes(),
         "truncated": result.truncated,
     }
@@ -185,9 +282,16 @@ def decode_result(payload: bytes) -> Result:
         raise ProtocolError("not a v1 result")
     if "error" in message:
         raise QueryFailedError(f"query {message.get('id')!r}: {message['error']}")
-    vector = np.frombuffer(message["vec"], dtype="<f2")
-    if vector.shape[0] != message["dim"]:
-        raise ProtocolError(f"vector has {vector.shape[0]} values, 'dim' says {message['dim']}")
+    dtype = message.get("dtype", DEFAULT_DTYPE)  # results written before dtype existed: fp16
+    if dtype not in STORAGE_DTYPES:
+        raise ProtocolError(f"unknown result dtype {dtype!r}")
+    vector = np.frombuffer(message["vec"], dtype=STORAGE_DTYPES[dtype])
+    dim = message["dim"]
+    if vector.shape[0] != stored_length(dtype, dim):
+        raise ProtocolError(
+            f"vector has {vector.shape[0]} values, 'dim' {dim} in {dtype} needs "
+            f"{stored_length(dtype, dim)}"
+        )
     return Result(
         id=message["id"],
         job=message.get("job"),
@@ -195,6 +299,8 @@ def decode_result(payload: bytes) -> Result:
         vector=vector,
         truncated=bool(message.get("truncated", False)),
         meta=message.get("meta"),
+        dtype=dtype,
+        dimension=dim,
     )
 
 

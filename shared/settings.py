@@ -67,6 +67,41 @@ class Settings(BaseSettings):
         description="torch intra-op threads on CPU; 0 = the CPUs this process may use (affinity "
         "mask and cgroup CPU quota, not the node's core count).",
     )
+    output_dtype: Literal["float16", "float32", "int8", "uint8", "binary", "ubinary"] = Field(
+        default="float16",
+        description="Precision of the vectors written (a chunk's `dtype` overrides): "
+        "`sentence_transformers.quantize_embeddings` semantics. int8/uint8 use the model's fixed "
+        "calibration ranges (`embedfleet calibration`).",
+    )
+    dimensions: int = Field(
+        default=0,
+        ge=0,
+        description="Matryoshka truncation of every vector (a chunk's `dimensions` overrides); 0 = "
+        "the model's full dimension. Renormalised when the model normalises (see "
+        "`EMBEDFLEET_RENORMALIZE`).",
+    )
+    renormalize: bool = Field(
+        default=True,
+        description="Re-normalise truncated vectors of a normalising model (what TEI and vLLM "
+        "do). `false` gives sentence-transformers' `truncate_dim` exactly: the first dimensions of "
+        "the normalised vector, no longer unit length.",
+    )
+    query_prompt_name: str = Field(
+        default="",
+        description="Prompt (a key of the model's `prompts`) for queries without one; empty = "
+        "what `encode_query` uses (the model's `query` prompt, else its default prompt).",
+    )
+    document_prompt_name: str = Field(
+        default="",
+        description="Prompt for bulk chunks without one; empty = what `encode_document` uses "
+        "(`document`, `passage` or `corpus`, else the model's default prompt).",
+    )
+    calibration_file: str = Field(
+        default="",
+        description="JSON file of int8/uint8 calibration ranges (`embedfleet calibration show "
+        "--json` writes one); empty = the ranges stored in Redis, computed once by the first "
+        "worker that needs them.",
+    )
     truncate: bool = Field(
         default=True,
         description="Texts over the model's maximum length are truncated and flagged; `false` "

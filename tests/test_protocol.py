@@ -100,3 +100,65 @@ def test_dead_letter_echoes_only_a_prefix() -> None:
     fields = dead_letter_fields(reason="r", stream="s", entry_id="1-0", payload=b"x" * 100_000)
     assert len(fields["payload_prefix"]) == DEAD_PAYLOAD_PREFIX_BYTES
     assert fields["payload_bytes"] == "100000"
+
+
+# --- embedding options and result dtypes (issue 15) -------------------------------------------
+def test_chunk_options_round_trip() -> None:
+    chunk = Chunk(
+        id="a", text="t", prompt_name="query", prompt="q: ", dimensions=64, dtype="ubinary"
+    )
+    assert decode_chunk(encode_chunk(chunk)) == chunk
+    plain = msgpack.unpackb(encode_chunk(Chunk(id="a", text="t")))
+    assert set(plain) == {"v", "id", "text"}  # a chunk without options is the v1 chunk of old
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("dimensions", 0, "'dimensions' must be a positive integer"),
+        ("dimensions", True, "'dimensions' must be a positive integer"),
+        ("dimensions", "64", "'dimensions' must be a positive integer"),
+        ("dtype", "int4", "'dtype' must be one of float16, float32, int8, uint8, binary, ubinary"),
+        ("prompt_name", "", "'prompt_name' must be a non-empty string"),
+        ("prompt", 5, "'prompt' must be a string"),
+    ],
+)
+def test_bad_options_are_rejected(field: str, value: object, reason: str) -> None:
+    payload = msgpack.packb({"v": 1, "id": "a", "text": "t", field: value})
+    with pytest.raises(ProtocolError, match=reason):
+        decode_chunk(payload)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "vector", "dim"),
+    [
+        ("float16", np.arange(5, dtype="<f2"), 5),
+        ("float32", np.arange(5, dtype="<f4"), 5),
+        ("int8", np.array([-128, 0, 127], dtype="i1"), 3),
+        ("uint8", np.array([0, 128, 255], dtype="u1"), 3),
+        ("binary", np.array([-128, 127], dtype="i1"), 13),  # 13 bits in 2 bytes
+        ("ubinary", np.array([0, 255], dtype="u1"), 16),
+    ],
+)
+def test_result_dtypes_round_trip(dtype: str, vector: np.ndarray, dim: int) -> None:
+    result = Result(id="a", model="m", vector=vector, dtype=dtype, dimension=dim)
+    decoded = decode_result(encode_result(result))
+    assert (decoded.dtype, decoded.dim) == (dtype, dim)
+    assert decoded.vector.dtype == vector.dtype
+    assert decoded.vector.tobytes() == vector.tobytes()
+
+
+def test_result_without_dtype_reads_as_float16() -> None:
+    """A result written before the field existed (protocol v1 as first released)."""
+    vector = np.array([0.5, -1.0], dtype="<f2")
+    payload = msgpack.packb(
+        {"v": 1, "id": "a", "job": None, "model": "m", "dim": 2, "vec": vector.tobytes()}
+    )
+    decoded = decode_result(payload)
+    assert decoded.dtype == "float16" and np.array_equal(decoded.vector, vector)
+
+
+def test_result_dim_must_fit_the_bytes() -> None:
+    message = {"v": 1, "id": "a", "model": "m", "dim": 17, "dtype": "ubinary", "vec": b"\x00\x01"}
+    with pytest.raises(ProtocolError, match="needs 3"):
+        decode_result(msgpack.packb(message))
