@@ -100,28 +100,127 @@ def test_each_cpu_varlen_kernel_matches(
 
 
 def test_pooling_modes_match_unpacked(encoder: Encoder, corpus_tokens: tuple) -> None:
-    """cls / max / last-token pooling read the right tokens of each packed text."""
+    """cls / max / last-token pooling read the right tokens of each packed text.
+
+    Inputs go to the model's device and outputs come back to the host, so this runs on a CUDA
+    encoder (the fixture picks CUDA when present) as it runs here.
+    """
     import torch
     from embedfleet.workers.encoder import pool
     from embedfleet.workers.packing import pool_packed
 
     _, tokens = corpus_tokens
     subset = tokens[:16]
+    device = encoder.device
     padded = encoder.collate(subset)
     packed = collate_rows(subset, width=256)
+    padded_mask = padded.attention_mask.to(device)
     with torch.inference_mode():
         hidden_padded = encoder._model(
-            input_ids=padded.input_ids, attention_mask=padded.attention_mask
-        ).last_hidden_state
+            input_ids=padded.input_ids.to(device), attention_mask=padded_mask
+        ).last_hidden_state.float()
         hidden_packed = encoder._model(
-            input_ids=packed.input_ids,
-            position_ids=packed.position_ids,
-            attention_mask=packed.attention_mask,
-        ).last_hidden_state
+            input_ids=packed.input_ids.to(device),
+            position_ids=packed.position_ids.to(device),
+            attention_mask=packed.attention_mask.to(device),
+        ).last_hidden_state.float()
     for mode in ("mean", "cls", "max", "lasttoken"):
-        expected = pool(hidden_padded, padded.attention_mask, mode).numpy()
-        got = pool_packed(hidden_packed, packed, mode).numpy()
+        expected = pool(hidden_padded, padded_mask, mode).cpu().numpy()
+        got = pool_packed(hidden_packed, packed, mode).cpu().numpy()
         assert cosines(expected, got).min() >= MIN_COSINE, mode
+
+
+def test_two_varlen_models_keep_their_own_kernels(
+    varlen_encoder: Encoder, monkeypatch: pytest.MonkeyPatch, corpus_tokens: tuple
+) -> None:
+    """The attention registry is process-wide: installing a second model's kernel must not
+    switch the first model (the bench's fp32 contender was sent to the bf16 model's flash-attn).
+    """
+    from embedfleet.workers import packing
+
+    calls: list[str] = []
+
+    def recording(name: str):
+        kernel = packing.VARLEN_KERNELS[name]
+
+        def run(*args: object):
+            calls.append(name)
+            return kernel(*args)
+
+        return run
+
+    for name in ("loop_sdpa", "nested_sdpa"):
+        monkeypatch.setitem(packing.VARLEN_KERNELS, name, recording(name))
+    other = Encoder()
+    packers = {
+        "loop_sdpa": PackedEncoder(varlen_encoder, "varlen"),
+        "nested_sdpa": PackedEncoder(other, "varlen"),
+    }
+    # Installed one after the other, as the bench installs its fp32 and bf16 contenders.
+    names = {
+        kernel: packing.install_varlen_attention(packer.encoder._model, kernel)
+        for kernel, packer in packers.items()
+    }
+    assert len(set(names.values())) == 2
+    _, tokens = corpus_tokens
+    batch = collate_varlen(tokens[:6])
+    for kernel, packer in packers.items():
+        calls.clear()
+        packer.embed(batch)
+        assert set(calls) == {kernel}, (kernel, calls)
+
+
+def test_packed_rows_wider_than_position_limit_get_token_types(
+    varlen_encoder: Encoder, encoder: Encoder, corpus_tokens: tuple
+) -> None:
+    """A varlen row is every text of the batch end to end: far wider than the model's 512
+    positions. The embeddings must be given token types of the row's shape (not the 512-wide
+    buffer) and the vectors must still match."""
+    _, tokens = corpus_tokens
+    subset = [t for t in tokens if t.length > 40][:30]
+    batch = collate_varlen(subset)
+    limit = varlen_encoder._model.config.max_position_embeddings
+    assert batch.input_ids.shape[1] > limit
+    seen: list[tuple[int, ...]] = []
+
+    def record(_module: object, _args: object, kwargs: dict) -> None:
+        token_types = kwargs.get("token_type_ids")
+        seen.append(() if token_types is None else tuple(token_types.shape))
+
+    packer = PackedEncoder(varlen_encoder, "varlen")
+    handle = varlen_encoder._model.embeddings.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        vectors = packer.embed(batch)
+    finally:
+        handle.remove()
+    assert seen == [tuple(batch.input_ids.shape)]
+    assert cosines(unpacked(encoder, subset), vectors).min() >= MIN_COSINE
+
+
+def test_transformers_floor_covers_the_varlen_interface(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pyproject's floor is the version the varlen path needs, and an older transformers gets
+    an error that says what to do (and the padded layout on CUDA), not a crash mid-forward."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    import torch
+    import transformers.masking_utils
+    from embedfleet.workers import packing
+    from packaging.version import Version
+
+    pyproject = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    (requirement,) = [
+        r for r in pyproject["project"]["optional-dependencies"]["worker"] if "transformers" in r
+    ]
+    floor = re.search(r">=\s*([\d.]+)", requirement)
+    assert floor and Version(floor.group(1)) >= Version(packing.MIN_TRANSFORMERS)
+
+    monkeypatch.delattr(transformers.masking_utils, "AttentionMaskInterface")
+    assert not packing.varlen_supported()
+    assert preferred_layout(torch.device("cuda"), torch.bfloat16) == "padded"
+    with pytest.raises(packing.VarlenUnavailableError, match="transformers>="):
+        packing.install_varlen_attention(torch.nn.Linear(1, 1), "loop_sdpa")
 
 
 def test_padding_waste_figures(corpus_tokens: tuple) -> None:

@@ -40,6 +40,7 @@ min cosine >= 0.9999 in fp32 on real texts, on the CPU form of this same code.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,7 +55,32 @@ from embedfleet.workers.encoder import Encoder, PoolingMode, Tokenized
 log = get_logger("embedfleet.packing")
 
 PackLayout = Literal["padded", "rows", "varlen"]
+# transformers' attention registry is global: one name per kernel (``embedfleet_varlen_<kernel>``)
+# so that two models in one process (the bench's fp32 and bf16 contenders) each keep their own.
 VARLEN_ATTENTION = "embedfleet_varlen"
+# The varlen path passes ``cu_seq_lens_q`` through the model to a registered attention function
+# and a registered mask function: transformers 5's AttentionInterface + masking_utils (BERT in
+# 4.x sliced ``token_type_ids`` to the row width and built its own masks). pyproject's floor.
+MIN_TRANSFORMERS = "5.0"
+
+
+class VarlenUnavailableError(RuntimeError):
+    """This transformers cannot run the varlen layout; the message says what to install."""
+
+
+def varlen_attention_name(kernel_name: str) -> str:
+    """The attention implementation name registered for one kernel."""
+    return f"{VARLEN_ATTENTION}_{kernel_name}"
+
+
+def varlen_supported() -> bool:
+    """Whether the installed transformers has the attention and mask interfaces varlen needs."""
+    try:
+        from transformers import AttentionInterface  # noqa: F401
+        from transformers.masking_utils import AttentionMaskInterface  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def preferred_layout(device: torch.device, dtype: torch.dtype = torch.float32) -> PackLayout:
@@ -62,11 +88,12 @@ def preferred_layout(device: torch.device, dtype: torch.dtype = torch.float32) -
     compute dtype (figures in the module docstring).
 
     CUDA: ``varlen`` (no padding computed at all; loadtest/gpu_check.sh runs the layout
-    contenders on a GPU to confirm it). CPU: ``rows`` in bf16/fp16, ``padded`` (sorted
+    contenders on a GPU to confirm it), ``padded`` on a transformers without the attention
+    interface varlen needs. CPU: ``rows`` in bf16/fp16, ``padded`` (sorted
     micro-batches from ``workers.batcher``) in fp32.
     """
     if device.type == "cuda":
-        return "varlen"
+        return "varlen" if varlen_supported() else "padded"
     return "padded" if dtype == torch.float32 else "rows"
 
 
@@ -251,6 +278,9 @@ VarlenKernel = Callable[
 def _flash_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float
 ) -> torch.Tensor:
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        # flash-attn's own message is a CUDA-side assert; say which model got the wrong kernel
+        raise TypeError(f"flash_attn varlen takes fp16/bf16, got {q.dtype}: use another kernel")
     from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
 
     return flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, softmax_scale=scale)
@@ -362,20 +392,31 @@ def _make_varlen_attention(kernel: VarlenKernel) -> Callable[..., tuple[torch.Te
     return varlen_attention
 
 
-def install_varlen_attention(model: torch.nn.Module, kernel_name: str) -> None:
-    """Switch ``model`` to an attention that runs varlen kernels when given ``cu_seqlens``.
+def install_varlen_attention(model: torch.nn.Module, kernel_name: str) -> str:
+    """Switch ``model`` to an attention that runs ``kernel_name`` when given ``cu_seqlens``.
 
-    Padded calls (no ``cu_seq_lens_q``) go to stock SDPA with the stock mask, so the switch
-    changes nothing for ``Encoder.embed``.
+    Each kernel is registered under its own name (:func:`varlen_attention_name`): the registry
+    is process-wide, and one shared name would send every varlen model to the kernel installed
+    last (an fp32 model to flash-attn, which takes only fp16/bf16). Padded calls (no
+    ``cu_seq_lens_q``) go to stock SDPA with the stock mask, so the switch changes nothing for
+    ``Encoder.embed``. Returns the name the model now uses.
     """
+    if not varlen_supported():
+        import transformers
+
+        raise VarlenUnavailableError(
+            f"the varlen layout needs transformers>={MIN_TRANSFORMERS} (attention and mask "
+            f"interfaces); this is {transformers.__version__}: upgrade it, or use the padded "
+            "or rows layout"
+        )
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(
-        VARLEN_ATTENTION, _make_varlen_attention(VARLEN_KERNELS[kernel_name])
-    )
-    AttentionMaskInterface.register(VARLEN_ATTENTION, sdpa_mask)
-    model.set_attn_implementation(VARLEN_ATTENTION)  # type: ignore[operator]
+    name = varlen_attention_name(kernel_name)
+    AttentionInterface.register(name, _make_varlen_attention(VARLEN_KERNELS[kernel_name]))
+    AttentionMaskInterface.register(name, sdpa_mask)
+    model.set_attn_implementation(name)  # type: ignore[operator]
+    return name
 
 
 # --- the packed forward pass -------------------------------------------------------------
@@ -393,6 +434,12 @@ class PackedEncoder:
         self.kernel: str | None = None
         # The encoder owns its model; packing borrows it (same weights, same precision).
         self._model = encoder._model
+        # Packed rows are wider than the model's position limit. BERT-class embeddings given no
+        # token_type_ids take them from a buffer as wide as that limit (sliced to the row width
+        # in transformers 4 and in several architectures still): pass zeros of the row's shape.
+        self._takes_token_types = (
+            "token_type_ids" in inspect.signature(self._model.forward).parameters
+        )
         if layout == "varlen":
             compute_dtype = next(self._model.parameters()).dtype
             if encoder.precision.autocast_dtype is not None:
@@ -414,6 +461,10 @@ class PackedEncoder:
             "input_ids": batch.input_ids.to(device, non_blocking=True),
             "position_ids": batch.position_ids.to(device, non_blocking=True),
         }
+        if self._takes_token_types:
+            kwargs["token_type_ids"] = torch.zeros(
+                batch.input_ids.shape, dtype=torch.int64, device=device
+            )
         if batch.layout == "rows":
             kwargs["attention_mask"] = batch.attention_mask.to(device, non_blocking=True)  # type: ignore[union-attr]
         else:
