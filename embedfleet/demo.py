@@ -25,23 +25,30 @@ from embedfleet.producer.client import JobProgress, Producer
 from embedfleet.producer.export import write_export
 from embedfleet.producer.jsonl import BadLine, read_chunks
 from embedfleet.producer.search import format_hits
-from embedfleet.producer.vectordb import Hit, nearest, stored_vectors
 from embedfleet.server import ServerProcess
 from embedfleet.shared.logging import configure_logging
 from embedfleet.shared.progress import Progress
 from embedfleet.shared.protocol import Chunk, Result
 from embedfleet.shared.settings import Settings, SettingsError, load_settings
-from embedfleet.shared.vectordb import SinkTarget, SinkURLError, parse_sink_url
+from embedfleet.shared.vectordb import (
+    Hit,
+    SinkTarget,
+    SinkURLError,
+    StoredVector,
+    open_backend,
+    parse_sink_url,
+)
 from embedfleet.verbosity import verbose_option
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from embedfleet.workers.worker import WorkerStats
 
 # The built-in corpus is Python's own docs (pydoc topics, alphabetical): "async" is among the
 # first topics, so even a `--limit 100` run holds the answer ("Functions defined with async def
 # syntax are always coroutine functions ...").
 SAMPLE_QUERY = "how do I define an asynchronous function"
-SNIPPET_CHARS = 100
 
 
 @dataclass
@@ -56,8 +63,6 @@ class DemoReport:
     target: SinkTarget
     results_key: str
     sample: list[Hit]
-    # The texts the demo enqueued, by id: the sample search shows what each hit says.
-    texts_by_id: dict[str, str]
 
     def lines(self) -> list[str]:
         rate = self.texts / self.seconds if self.seconds else 0.0
@@ -86,25 +91,12 @@ class DemoReport:
             "qdrant-local": f"EMBEDFLEET_SINK=qdrant+local://{self.target.location} ",
         }.get(self.target.kind, "")
         lines = [f"search: top 3 for {SAMPLE_QUERY!r}"]
-        if not self.sample:
-            lines += [f"  {line}" for line in format_hits(self.sample)]
-        for hit, line in zip(self.sample, format_hits(self.sample), strict=True):
-            lines.append(f"  {line}")
-            if hit.id in self.texts_by_id:
-                lines.append(f"          {snippet(self.texts_by_id[hit.id], SNIPPET_CHARS)}")
+        # score, id, a snippet of the text the sink stored beside the vector, meta
+        lines += [f"  {line}" for line in format_hits(self.sample)]
         return [
             *lines,
             f"  again, with a worker running: {sink}embedfleet search {SAMPLE_QUERY!r} --k 3",
         ]
-
-
-def snippet(text: str, width: int) -> str:
-    """The text on one line, cut at a word boundary to at most ``width`` characters."""
-    flat = " ".join(text.split())
-    if len(flat) <= width:
-        return flat
-    cut = flat.rfind(" ", 0, width - 1)
-    return flat[: cut if cut > width // 2 else width - 1] + "…"
 
 
 def _load_corpus(corpus: Path | None, limit: int | None) -> list[Chunk]:
@@ -129,7 +121,7 @@ def _redis(settings: Settings) -> Iterator[tuple[str, bool]]:
 
 async def _run(
     settings: Settings, target: SinkTarget, chunks: list[Chunk], job: str
-) -> tuple[JobProgress, float, WorkerStats, dict[str, Result], list[Hit]]:
+) -> tuple[JobProgress, float, WorkerStats, list[Result] | list[StoredVector], list[Hit]]:
     # torch loads only when the demo runs, so `embedfleet --help` stays instant
     from embedfleet.workers.runtime import load_encoder
     from embedfleet.workers.sinks import build_sink
@@ -155,17 +147,20 @@ async def _run(
         await sink.close()
         if target.kind == "redis":
             latest = {result.id: result async for result in producer.results(job=job)}
-            return progress, seconds, worker.stats, latest, []
-    stored = await asyncio.to_thread(stored_vectors, target, job)
-    latest = {
-        row.id: Result(row.id, row.model or encoder.name, row.vector, row.job, row.truncated)
-        for row in stored
-    }
+            return progress, seconds, worker.stats, list(latest.values()), []
     # the worker has stopped, so its model is free to embed the sample query here; the
     # `embedfleet search` verb sends its query through a running worker's priority lane instead
     query = await asyncio.to_thread(encoder.embed_texts, [SAMPLE_QUERY])
-    sample = await asyncio.to_thread(nearest, target, query[0], 3)
-    return progress, seconds, worker.stats, latest, sample
+    stored, sample = await asyncio.to_thread(_read_back, target, job, query[0])
+    return progress, seconds, worker.stats, stored, sample
+
+
+def _read_back(
+    target: SinkTarget, job: str, query: np.ndarray
+) -> tuple[list[StoredVector], list[Hit]]:
+    """The job's rows for the export, and the sample query's three nearest, in one thread."""
+    with open_backend(target) as backend:
+        return backend.export_rows(job), backend.nearest(query, 3)
 
 
 def run_demo(corpus: Path | None, limit: int | None, out_dir: Path) -> DemoReport:
@@ -225,7 +220,6 @@ def run_demo(corpus: Path | None, limit: int | None, out_dir: Path) -> DemoRepor
         target=target,
         results_key=settings.keys.results,
         sample=sample,
-        texts_by_id={chunk.id: chunk.text for chunk in chunks},
     )
 
 

@@ -39,12 +39,11 @@ import numpy as np
 import redis.asyncio as aioredis
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.producer.client import Producer
-from embedfleet.producer.vectordb import stored_vectors
 from embedfleet.shared.logging import configure_logging
 from embedfleet.shared.protocol import Chunk, Result
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
-from embedfleet.shared.vectordb import parse_sink_url
+from embedfleet.shared.vectordb import SinkTarget, StoredVector, open_backend, parse_sink_url
 from embedfleet.workers.sinks import Delivery, Sink, build_sink
 
 from embedfleet.server import ServerProcess, preferred_server_binary
@@ -187,7 +186,12 @@ class Bench:
         target = parse_sink_url(settings.sink, settings.sink_table)
         if target.kind == "redis":
             return int(await client.xlen(settings.keys.results))
-        return len({row.id for row in await asyncio.to_thread(stored_vectors, target)})
+        return len({row.id for row in await asyncio.to_thread(_export, target)})
+
+
+def _export(target: SinkTarget) -> list[StoredVector]:
+    with open_backend(target) as backend:
+        return backend.export_rows()
 
 
 def report(bench: Bench, sinks: Sequence[str], rounds: int) -> list[str]:

@@ -11,12 +11,19 @@ from pathlib import Path
 import click
 import numpy as np
 from embedfleet.producer.client import JobProgress, Producer, QueryTimeoutError
-from embedfleet.producer.export import write_export
+from embedfleet.producer.export import SUPPORTED_SUFFIXES, ExportRow, write_export
 from embedfleet.producer.jsonl import BadLine, read_chunks
 from embedfleet.shared.logging import configure_logging
 from embedfleet.shared.progress import Progress
 from embedfleet.shared.protocol import QueryFailedError, Result
 from embedfleet.shared.settings import Settings, SettingsError, load_settings
+from embedfleet.shared.vectordb import (
+    MissingExtraError,
+    SinkURLError,
+    VectorDBError,
+    open_backend,
+    parse_sink_url,
+)
 
 redis_url_option = click.option(
     "--redis-url", envvar="EMBEDFLEET_REDIS_URL", help="Redis URL (or EMBEDFLEET_REDIS_URL)."
@@ -105,12 +112,27 @@ async def _wait_with_bar(
 )
 @redis_url_option
 def results_command(job: str | None, out: Path, redis_url: str | None) -> None:
-    """Export vectors from the results stream, one per id (the latest wins)."""
-    if out.suffix.lower() not in (".npz", ".jsonl"):
+    """Export vectors, one per id, from wherever the workers write them (EMBEDFLEET_SINK).
+
+    The Redis sink: read from the results stream, the latest result per id winning. A vector
+    database (lancedb://, postgresql://, qdrant://): its rows, sorted by id.
+    """
+    if out.suffix.lower() not in SUPPORTED_SUFFIXES:
         raise click.BadParameter("must end in .npz or .jsonl", param_hint="--out")
-    latest = asyncio.run(_collect(_settings(redis_url), job))
-    count = write_export(latest, out)
-    click.echo(f"wrote {count} vectors to {out}")
+    settings = _settings(redis_url)
+    try:
+        target = parse_sink_url(settings.sink, settings.sink_table)
+        if target.kind == "redis":
+            rows: list[ExportRow] = list(asyncio.run(_collect(settings, job)).values())
+            where = f"the results stream {settings.keys.results}"
+        else:
+            with open_backend(target) as backend:
+                rows = list(backend.export_rows(job))
+            where = target.describe()
+    except (SinkURLError, VectorDBError, MissingExtraError) as error:
+        raise click.ClickException(str(error)) from None
+    count = write_export(rows, out)
+    click.echo(f"wrote {count} vectors from {where} to {out}")
 
 
 async def _collect(settings: Settings, job: str | None) -> dict[str, Result]:

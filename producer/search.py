@@ -13,10 +13,19 @@ import json
 import click
 import numpy as np
 from embedfleet.producer.client import Producer
-from embedfleet.producer.vectordb import Hit, VectorDBError, build_index, nearest
 from embedfleet.shared.protocol import QueryFailedError
 from embedfleet.shared.settings import Settings, SettingsError, load_settings
-from embedfleet.shared.vectordb import SinkTarget, SinkURLError, parse_sink_url
+from embedfleet.shared.vectordb import (
+    Hit,
+    MissingExtraError,
+    SinkTarget,
+    SinkURLError,
+    VectorDBError,
+    open_backend,
+    parse_sink_url,
+)
+
+SNIPPET_CHARS = 72  # one line of a 120-column terminal, with the score, id and meta beside it
 
 
 def _target(verb: str) -> tuple[Settings, SinkTarget]:
@@ -40,19 +49,36 @@ async def search(
     """Embed ``text`` through the fleet's priority lane, then ask the database for ``k``."""
     async with Producer(settings) as producer:
         vector = await producer.embed_query(text, timeout=timeout)
-    return await asyncio.to_thread(nearest, target, np.asarray(vector), k)
+    with open_backend(target) as backend:
+        return await asyncio.to_thread(backend.nearest, np.asarray(vector), k)
+
+
+def snippet(text: str | None, width: int = SNIPPET_CHARS) -> str:
+    """The text on one line (whitespace folded), cut at a word boundary to at most ``width``
+    characters with an ellipsis."""
+    if text is None:
+        return "(text not stored)"
+    flat = " ".join(text.split())
+    if len(flat) <= width:
+        return flat
+    cut = flat.rfind(" ", 0, width - 1)
+    return flat[: cut if cut > width // 2 else width - 1] + "…"
 
 
 def format_hits(hits: list[Hit], *, as_json: bool = False) -> list[str]:
-    """Lines to print: one JSON object per hit, or ``score  id  meta`` for people."""
+    """Lines to print: one JSON object per hit (the full text), or for people
+    ``score  id  snippet  meta``, one line each."""
     if as_json:
         return [json.dumps(hit.as_dict(), ensure_ascii=False) for hit in hits]
     if not hits:
         return ["no results: the table is empty"]
-    width = max(len(hit.id) for hit in hits)
+    id_width = max(len(hit.id) for hit in hits)
+    snippets = [snippet(hit.text) for hit in hits]
+    text_width = max(len(line) for line in snippets)
     return [
-        f"{hit.score:6.3f}  {hit.id:<{width}}  {json.dumps(hit.meta, ensure_ascii=False)}"
-        for hit in hits
+        f"{hit.score:6.3f}  {hit.id:<{id_width}}  {line:<{text_width}}  "
+        f"{json.dumps(hit.meta, ensure_ascii=False)}"
+        for hit, line in zip(hits, snippets, strict=True)
     ]
 
 
@@ -68,7 +94,9 @@ def format_hits(hits: list[Hit], *, as_json: bool = False) -> list[str]:
     help="Seconds to wait for a worker to embed the query.",
 )
 def search_command(text: str, k: int, as_json: bool, timeout: float) -> None:
-    """Print the K stored chunks nearest to TEXT, with cosine similarity and metadata.
+    """Print the K stored chunks nearest to TEXT: similarity, id, a snippet of the text, meta.
+
+    With --json, one object per line with the full stored text (EMBEDFLEET_STORE_TEXT).
 
     TEXT is embedded by a running worker (it jumps the bulk queue), then the vector database
     named by EMBEDFLEET_SINK (lancedb://, postgresql://, qdrant://) is searched. Needs a worker
@@ -82,7 +110,7 @@ def search_command(text: str, k: int, as_json: bool, timeout: float) -> None:
             f"no worker embedded the query within {timeout:g} s: is `embedfleet worker` running "
             f"against {settings.effective_redis_url}?"
         ) from None
-    except (VectorDBError, QueryFailedError) as error:
+    except (VectorDBError, QueryFailedError, MissingExtraError) as error:
         raise click.ClickException(str(error)) from None
     for line in format_hits(hits, as_json=as_json):
         click.echo(line)
@@ -101,8 +129,9 @@ def index_command(force: bool) -> None:
     """
     _, target = _target("index")
     try:
-        done = build_index(target, force=force)
-    except VectorDBError as error:
+        with open_backend(target) as backend:
+            done = backend.build_index(force=force)
+    except (VectorDBError, MissingExtraError) as error:
         raise click.ClickException(str(error)) from None
     for line in done:
         click.echo(line)

@@ -109,6 +109,9 @@ class Result:
     meta: dict[str, Any] | None = field(default=None)
     dtype: str = DEFAULT_DTYPE
     dimension: int | None = None  # needed only for the bit-packed types
+    # The chunk's text, in the process only: a database sink stores it beside the vector
+    # (EMBEDFLEET_STORE_TEXT); the results stream does not carry it (the producer has it).
+    text: str | None = None
 
     @property
     def dim(self) -> int:

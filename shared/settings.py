@@ -229,6 +229,12 @@ class Settings(BaseSettings):
         description="Table (LanceDB, PostgreSQL) or collection (Qdrant) the sink upserts into; "
         "created with the model's dimension when missing.",
     )
+    store_text: bool = Field(
+        default=True,
+        description="Database sinks store each chunk's text beside its vector, so `embedfleet "
+        "search` shows what it found. `false` if you keep the texts elsewhere (the column "
+        "stays, empty).",
+    )
 
     @field_validator("namespace", "group")
     @classmethod

@@ -24,19 +24,22 @@ import pytest
 from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.producer.client import JobProgress
-from embedfleet.producer.vectordb import VectorDBError, build_index, nearest, stored_vectors
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, decode_result
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
 from embedfleet.shared.vectordb import (
+    Hit,
     SinkTarget,
     SinkURLError,
+    StoredVector,
+    VectorDBError,
     meta_to_json,
+    open_backend,
     parse_sink_url,
-    point_id,
 )
-from embedfleet.workers.sinks import Sink, SinkSetupError, build_sink
-from embedfleet.workers.sinks.pgvector import PgvectorSink, vector_type_for
+from embedfleet.shared.vectordb.pgvector import vector_type_for
+from embedfleet.shared.vectordb.qdrant import point_id
+from embedfleet.workers.sinks import Sink, SinkSetupError, build_sink, sink_for_target
 
 from tests.conftest import running_sink_worker, running_worker, start_worker_process, worker_env
 
@@ -76,10 +79,24 @@ class Loaded:
 def _sink(backend: str, settings: Settings, client: Any) -> Sink:
     if backend == "pgvector-vector":  # what a pgvector < 0.7 server gets: full-precision vector
         target = parse_sink_url(settings.sink, settings.sink_table)
-        return PgvectorSink(
-            client, settings.keys, target.location, target.table, vector_type="vector"
-        )
+        return sink_for_target(target, settings, client, dtype="float32")
     return build_sink(settings, client)
+
+
+# --- the read side, through each database's backend ------------------------------------------
+def nearest(target: SinkTarget, vector: np.ndarray, k: int = 10) -> list[Hit]:
+    with open_backend(target) as backend:
+        return backend.nearest(vector, k)
+
+
+def build_index(target: SinkTarget, *, force: bool = False) -> list[str]:
+    with open_backend(target) as backend:
+        return backend.build_index(force=force)
+
+
+def stored_vectors(target: SinkTarget, job: str | None = None) -> list[StoredVector]:
+    with open_backend(target) as backend:
+        return backend.export_rows(job)
 
 
 def _sink_url(backend: str, request: pytest.FixtureRequest, tmp: Path) -> str:
@@ -138,7 +155,7 @@ def reference(encoder) -> tuple[np.ndarray, np.ndarray]:
 
 # --- reading each backend with its own client -------------------------------------------------
 def _rows(loaded: Loaded) -> list[dict[str, Any]]:
-    """Every stored row as {id, vector (float32), job, model, truncated, meta}."""
+    """Every stored row as {id, vector (float32), job, model, truncated, meta, text}."""
     target = loaded.target
     if target.kind == "lancedb":
         import lancedb
@@ -153,7 +170,7 @@ def _rows(loaded: Loaded) -> list[dict[str, Any]]:
 
         with psycopg.connect(target.location) as conn:
             rows = conn.execute(
-                f"SELECT id, embedding::text, job, model, truncated, meta FROM {target.table}"
+                f"SELECT id, embedding::text, job, model, truncated, meta, text FROM {target.table}"
             ).fetchall()
         return [
             {
@@ -163,6 +180,7 @@ def _rows(loaded: Loaded) -> list[dict[str, Any]]:
                 "model": r[3],
                 "truncated": r[4],
                 "meta": r[5],
+                "text": r[6],
             }
             for r in rows
         ]
@@ -243,6 +261,8 @@ async def test_upserts_keep_one_row_per_id_with_the_latest_vector(
         assert row["meta"] == chunk.meta, chunk.id
         assert row["job"] == "round2" and row["model"] == encoder.name
         assert row["truncated"] is False
+        if loaded.backend != "redis":  # databases keep the text beside the vector
+            assert row["text"] == chunk.text, chunk.id
 
 
 async def test_search_finds_the_chunk_a_query_was_made_from(loaded: Loaded, encoder) -> None:
@@ -277,7 +297,15 @@ async def test_search_embeds_the_query_through_the_priority_lane(loaded: Loaded,
         await client.aclose()
     assert hits[0].id == loaded.final[CHANGED].id
     lines = format_hits(hits, as_json=True)
-    assert json.loads(lines[0])["id"] == loaded.final[CHANGED].id and len(lines) == 2
+    assert len(lines) == 2
+    best = json.loads(lines[0])
+    assert best["id"] == loaded.final[CHANGED].id and best["text"] == NEW_TEXT  # the full text
+    assert best["meta"] == {"changed": True} and 0.3 < best["score"] <= 1
+    # for people: score, id, a one-line snippet of the text, meta
+    line = format_hits(hits)[0]
+    assert line.startswith(f"{hits[0].score:6.3f}  {hits[0].id}")
+    assert "A recipe: boil the pasta for nine minutes, then stir in the tomato" in line
+    assert line.rstrip().endswith('{"changed": true}') and "\n" not in line
 
 
 async def test_stored_vectors_exports_one_per_id(loaded: Loaded) -> None:
@@ -289,6 +317,66 @@ async def test_stored_vectors_exports_one_per_id(loaded: Loaded) -> None:
     assert sorted(s.id for s in stored) == sorted(c.id for c in loaded.final)
     assert all(s.vector.dtype == np.float16 and s.vector.shape == (384,) for s in stored)
     assert stored_vectors(loaded.target, job="round1") == []  # every row was overwritten
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".jsonl"])
+def test_results_out_exports_the_same_vectors_from_every_sink(
+    loaded: Loaded, reference: tuple[np.ndarray, np.ndarray], tmp_path: Path, suffix: str
+) -> None:
+    """`embedfleet results --out` as a user runs it, whatever EMBEDFLEET_SINK is: one vector
+    per id, the very vectors the sink holds (read back with the database's own client), and
+    those are sentence-transformers' vectors of the final texts."""
+    from click.testing import CliRunner
+
+    from embedfleet.cli import main
+
+    out = tmp_path / f"vectors{suffix}"
+    env = {
+        "EMBEDFLEET_REDIS_URL": loaded.settings.effective_redis_url,
+        "EMBEDFLEET_NAMESPACE": loaded.settings.namespace,
+        "EMBEDFLEET_SINK": loaded.settings.sink,
+        "EMBEDFLEET_SINK_TABLE": loaded.settings.sink_table,
+    }
+    ran = CliRunner().invoke(main, ["results", "--job", "round2", "--out", str(out)], env=env)
+    assert ran.exit_code == 0, ran.output
+    assert f"wrote {COUNT} vectors from" in ran.output
+    if suffix == ".npz":
+        with np.load(out) as exported:
+            ids, vectors = list(exported["ids"]), exported["vectors"]
+        assert vectors.dtype == np.float16
+    else:
+        lines = [json.loads(line) for line in out.read_text().splitlines()]
+        ids = [line["id"] for line in lines]
+        vectors = np.asarray([line["vector"] for line in lines], np.float32)
+    assert len(ids) == len(set(ids)) == COUNT and vectors.shape == (COUNT, 384)
+    exported_by_id = dict(zip(ids, vectors.astype(np.float32), strict=True))
+
+    if loaded.backend == "redis":
+        held = {row["id"]: row["vector"] for row in asyncio_run(_stream_results(loaded))}
+    else:
+        held = {row["id"]: row["vector"] for row in _rows(loaded)}
+    for chunk_id, vector in exported_by_id.items():
+        # fp16 both sides (a float32 pgvector column holds fp16 values exactly)
+        assert np.array_equal(vector, held[chunk_id].astype(np.float16).astype(np.float32))
+    final_reference, _ = reference
+    ours = np.stack([exported_by_id[c.id] for c in loaded.final])
+    assert _cosines(ours, final_reference).min() >= 0.999
+
+
+def test_results_out_of_a_database_with_nothing_written_says_so(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from embedfleet.cli import main
+
+    env = {"EMBEDFLEET_SINK": f"lancedb://{tmp_path / 'empty'}", "EMBEDFLEET_SINK_TABLE": "none"}
+    ran = CliRunner().invoke(main, ["results", "--out", str(tmp_path / "v.npz")], env=env)
+    assert ran.exit_code == 1 and "have workers written there yet?" in ran.output
+
+
+def asyncio_run(coroutine: Any) -> Any:
+    import asyncio
+
+    return asyncio.run(coroutine)
 
 
 async def test_index_builds_and_search_still_finds_the_chunk(loaded: Loaded, encoder) -> None:
@@ -431,6 +519,34 @@ async def test_an_id_twice_in_one_batch_is_written_once_last_wins(
     assert np.array_equal(stored[0].vector, last)
     assert await client.hget(settings.keys.job("j"), "done") == b"2"  # both entries answered
     assert await client.xlen(settings.keys.ingest) == 0  # ... acknowledged and deleted
+
+
+@pytest.mark.parametrize("backend", DATABASES)
+async def test_texts_are_stored_unless_store_text_is_off(
+    backend: str, request: pytest.FixtureRequest, settings: Settings, client, tmp_path: Path
+) -> None:
+    from embedfleet.shared.protocol import Result
+    from embedfleet.shared.redis_conn import ensure_group
+    from embedfleet.workers.sinks import Delivery
+
+    settings = settings.model_copy(
+        update={
+            "sink": _sink_url(backend, request, tmp_path),
+            "sink_table": f"texts_{uuid.uuid4().hex[:8]}",
+        }
+    )
+    await ensure_group(client, settings.keys, settings.keys.ingest)
+    for store_text, chunk_id in ((True, "kept"), (False, "elsewhere")):
+        sink = _sink(backend, settings.model_copy(update={"store_text": store_text}), client)
+        await sink.setup("tiny-model", 4)
+        entry = (await client.xadd(settings.keys.ingest, {"m": b"x"})).decode()
+        await client.xreadgroup(settings.group, "sink-test", {settings.keys.ingest: ">"})
+        vector = np.eye(4, dtype=np.float16)[0]
+        result = Result(id=chunk_id, model="tiny-model", vector=vector, text="the chunk's text")
+        await sink.write([result], [Delivery(settings.keys.ingest, entry, None)])
+        await sink.close()
+    stored = stored_vectors(parse_sink_url(settings.sink, settings.sink_table))
+    assert {row.id: row.text for row in stored} == {"kept": "the chunk's text", "elsewhere": None}
 
 
 async def test_unknown_sink_scheme_is_a_clear_error(settings: Settings, client) -> None:

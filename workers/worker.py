@@ -388,6 +388,7 @@ class Worker:
                     vector=vectors16[row],
                     truncated=item.tokens[row].truncated,
                     meta=chunk.meta,
+                    text=chunk.text,
                 )
                 for row, chunk in enumerate(item.chunks)
             ]

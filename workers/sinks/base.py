@@ -20,12 +20,17 @@ import redis
 import redis.asyncio as aioredis
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import Result
+from embedfleet.shared.vectordb import SinkSetupError, VectorBackend, VectorDType
 
 T = TypeVar("T")
-
-
-class SinkSetupError(RuntimeError):
-    """The database cannot take this model's vectors as it is; the message says what to do."""
+__all__ = [
+    "DatabaseSink",
+    "Delivery",
+    "Sink",
+    "SinkSetupError",
+    "latest_per_id",
+    "queue_acknowledgements",
+]
 
 
 @dataclass(frozen=True)
@@ -111,30 +116,40 @@ def latest_per_id(results: Sequence[Result]) -> list[Result]:
 
 
 class DatabaseSink(Sink):
-    """A sink that writes to a database, then acknowledges in Redis.
+    """A sink that upserts into a vector database through its backend, then acknowledges.
 
-    Subclasses implement ``_upsert``; it returns once the rows are durable. Blocking client
-    libraries run on one dedicated thread (``_blocking``) so the worker's event loop keeps
-    reading and the client is never used from two threads at once.
+    The database's own code (layout, SQL, client) is in its ``shared.vectordb`` backend module;
+    this class only runs it. The blocking client libraries run on one dedicated thread
+    (``_blocking``), so the worker's event loop keeps reading and a client is never used from
+    two threads at once. ``dtype`` is what the vectors are stored as (None: the backend's
+    default, float16 where the database has it).
     """
 
-    def __init__(self, client: aioredis.Redis, keys: Keys) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        keys: Keys,
+        backend: VectorBackend,
+        *,
+        dtype: VectorDType | None = None,
+    ) -> None:
         self.client = client
         self.keys = keys
+        self.backend = backend
+        self.dtype = dtype
         self._thread: ThreadPoolExecutor | None = None
+
+    async def setup(self, model: str, dim: int) -> None:
+        await self._blocking(self.backend.setup, model, dim, self.dtype)
 
     async def write(self, results: Sequence[Result], deliveries: Sequence[Delivery]) -> None:
         if len(results) != len(deliveries):
             raise ValueError("one delivery per result")
         if results:
-            await self._upsert(latest_per_id(results))
+            await self._blocking(self.backend.upsert, latest_per_id(results))
         pipe = self.client.pipeline(transaction=True)
         queue_acknowledgements(pipe, self.keys, deliveries, counter="done")
         await pipe.execute()
-
-    @abc.abstractmethod
-    async def _upsert(self, results: list[Result]) -> None:
-        """Insert or replace the rows of ``results`` by id (ids are unique); durable on return."""
 
     async def _blocking(self, function: Callable[..., T], *args: object) -> T:
         if self._thread is None:
@@ -142,6 +157,7 @@ class DatabaseSink(Sink):
         return await asyncio.get_running_loop().run_in_executor(self._thread, function, *args)
 
     async def close(self) -> None:
+        await self._blocking(self.backend.close)
         if self._thread is not None:
             self._thread.shutdown(wait=True)
             self._thread = None

@@ -1,30 +1,29 @@
-"""The vector database side of the contract: sink URLs, table layout, point ids, metadata.
+"""Where the vectors are: ``EMBEDFLEET_SINK`` parsed into a ``SinkTarget``, and the layout.
 
-Workers write through ``workers.sinks`` and ``embedfleet search`` reads through
-``producer.vectordb``; both parse ``EMBEDFLEET_SINK`` here, so the two sides agree on where the
-vectors are and how they are laid out:
+Workers write and ``embedfleet search`` / ``index`` / ``results`` read through the backend this
+names (``shared.vectordb.open_backend``), so both sides agree on where the vectors are and how
+they are laid out:
 
 =============  ================================================================================
 backend        layout (one row / point per chunk id; ``EMBEDFLEET_SINK_TABLE`` names it)
 =============  ================================================================================
 LanceDB        columns ``id`` (string), ``vector`` (fixed-size list of float16), ``job``,
-               ``model``, ``truncated``, ``meta`` (JSON text)
+               ``model``, ``truncated``, ``meta`` (JSON text), ``text``
 PostgreSQL     ``id text primary key``, ``embedding halfvec(dim)`` (``vector(dim)`` before
-               pgvector 0.7), ``job``, ``model``, ``truncated``, ``meta jsonb``, ``updated_at``
+               pgvector 0.7), ``job``, ``model``, ``truncated``, ``meta jsonb``, ``text``,
+               ``updated_at``
 Qdrant         point id ``uuid5(NAMESPACE_URL, id)``, payload ``id``, ``job``, ``model``,
-               ``truncated``, ``meta`` (a nested object: filter on ``meta.<key>``)
+               ``truncated``, ``meta`` (a nested object: filter on ``meta.<key>``), ``text``
 =============  ================================================================================
+
+``text`` is the chunk's text (``EMBEDFLEET_STORE_TEXT``, on by default; null when off).
 """
 
 from __future__ import annotations
 
-import base64
-import json
-import math
 import re
-import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 SinkKind = Literal["redis", "lancedb", "pgvector", "qdrant", "qdrant-local"]
 
@@ -119,35 +118,3 @@ def _qdrant_target(url: str, scheme: str, rest: str, table: str) -> SinkTarget:
 
 def _without_password(dsn: str) -> str:
     return re.sub(r"(://[^:/@]*):[^@/]*@", r"\1:***@", dsn)
-
-
-def point_id(chunk_id: str) -> str:
-    """Qdrant point ids must be integers or UUIDs: the chunk id, mapped deterministically."""
-    return str(uuid.uuid5(uuid.NAMESPACE_URL, chunk_id))
-
-
-def meta_to_json(meta: dict[str, Any] | None) -> str | None:
-    """Metadata as JSON text for the databases.
-
-    msgpack can carry what JSON cannot: binary values become base64 strings and non-finite
-    floats become the strings "nan"/"inf"/"-inf", so one odd chunk cannot fail its whole batch.
-    """
-    if meta is None:
-        return None
-    return json.dumps(_jsonable(meta), ensure_ascii=False, allow_nan=False)
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(key): _jsonable(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(item) for item in value]
-    if isinstance(value, bytes | bytearray | memoryview):
-        return base64.b64encode(bytes(value)).decode("ascii")
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return value
-
-
-def meta_from_json(text: str | None) -> dict[str, Any] | None:
-    return None if text is None else json.loads(text)

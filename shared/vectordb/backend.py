@@ -1,0 +1,235 @@
+"""One small interface over the vector databases: set up, upsert, nearest, build index, export.
+
+Each database has one module beside this one (``lancedb``, ``pgvector``, ``qdrant``) that does
+all of it, so its SQL, client construction and layout live in one place. The worker's sink
+writes through a backend (``workers.sinks.DatabaseSink``); ``embedfleet search``, ``index`` and
+``results`` read through one. The client libraries are optional extras, imported only when
+their backend is opened (``open_backend``).
+
+Everything here is synchronous, as the client libraries are: the worker calls its backend from
+one dedicated thread (a client is never used from two threads at once), the CLI through
+``asyncio.to_thread``.
+"""
+
+from __future__ import annotations
+
+import abc
+import base64
+import importlib
+import importlib.util
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Literal
+
+import numpy as np
+from embedfleet.shared.protocol import Result
+from embedfleet.shared.vectordb.target import SinkKind, SinkTarget
+
+# What one stored vector component is. float16 is the default everywhere (half of float32's
+# size, and the precision results travel in); float32 is what pgvector before 0.7 stores.
+# Further precisions (int8, binary) are added here and by each backend that can store them.
+VectorDType = Literal["float16", "float32"]
+DEFAULT_DTYPE: VectorDType = "float16"
+# The row fields every backend stores beside the vector (see shared/vectordb/target.py).
+ROW_FIELDS = ("id", "job", "model", "truncated", "meta", "text")
+
+# backend kind → (module beside this one, class, modules it imports, the pip extra)
+_BACKENDS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
+    "lancedb": ("lancedb", "LanceDBBackend", ("lancedb", "pyarrow"), "lancedb"),
+    "pgvector": ("pgvector", "PgvectorBackend", ("psycopg", "pgvector"), "pgvector"),
+    "qdrant": ("qdrant", "QdrantBackend", ("qdrant_client",), "qdrant"),
+    "qdrant-local": ("qdrant", "QdrantBackend", ("qdrant_client",), "qdrant"),
+}
+
+
+class VectorDBError(RuntimeError):
+    """The vector database cannot be read as asked; the message says what to do."""
+
+
+class SinkSetupError(RuntimeError):
+    """The database cannot take this model's vectors as it is; the message says what to do."""
+
+
+class MissingExtraError(RuntimeError):
+    """The chosen backend's client library is not installed; the message has the pip command."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoredRow:
+    """What a backend keeps beside each vector, one row per chunk id."""
+
+    id: str
+    job: str | None
+    model: str | None
+    truncated: bool
+    meta: dict[str, Any] | None
+    text: str | None  # None when EMBEDFLEET_STORE_TEXT was off (or the row predates it)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in ROW_FIELDS}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hit(StoredRow):
+    """One nearest neighbour: cosine similarity (1 = same direction) and the stored row."""
+
+    score: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"score": round(self.score, 6), **super().as_dict()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoredVector(StoredRow):
+    """One stored row with its vector (float16, as the results stream carries it)."""
+
+    vector: np.ndarray
+
+
+def row_fields(record: Mapping[str, Any], meta: dict[str, Any] | None) -> dict[str, Any]:
+    """``StoredRow``'s fields from a row or payload holding ``ROW_FIELDS`` (``text`` optional)."""
+    return {
+        "id": str(record["id"]),
+        "job": record.get("job"),
+        "model": record.get("model"),
+        "truncated": bool(record.get("truncated")),
+        "meta": meta,
+        "text": record.get("text"),
+    }
+
+
+class VectorBackend(abc.ABC):
+    """One vector database, written by the worker and read by the CLI.
+
+    A writer calls ``setup`` once (it creates the table), then ``upsert`` per micro-batch. A
+    reader calls ``nearest``, ``build_index`` or ``export_rows`` directly; they raise
+    VectorDBError when there is nothing to read yet. ``close`` releases the connection.
+    """
+
+    def __init__(self, target: SinkTarget, *, store_text: bool = True) -> None:
+        self.target = target
+        self.store_text = store_text
+
+    # --- writing (the worker's sink) -------------------------------------------------------
+    @abc.abstractmethod
+    def setup(self, model: str, dim: int, dtype: VectorDType | None = None) -> None:
+        """Create the table if missing; check an existing one takes ``dim``-dim vectors.
+
+        ``dtype`` None: float16 for a new table (float32 where the database has no float16),
+        and whatever an existing table stores; a given ``dtype`` must match an existing table.
+        Raises SinkSetupError naming the setting to change.
+        """
+
+    @abc.abstractmethod
+    def upsert(self, results: Sequence[Result]) -> None:
+        """Insert or replace the rows of ``results`` by id (unique here); durable on return."""
+
+    # --- reading ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def nearest(self, vector: np.ndarray, k: int = 10) -> list[Hit]:
+        """The ``k`` stored rows closest to ``vector`` by cosine similarity, best first."""
+
+    @abc.abstractmethod
+    def build_index(self, *, force: bool = False) -> list[str]:
+        """Build the approximate nearest-neighbour index after a bulk load; what was done.
+
+        Upserts never index: maintaining a graph per micro-batch slows a bulk load many times
+        over, and an index built once over all the rows is better.
+        """
+
+    @abc.abstractmethod
+    def export_rows(self, job: str | None = None) -> list[StoredVector]:
+        """Every stored row (optionally one job's), one per id, sorted by id."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the connection; the next call opens a new one."""
+
+    def __enter__(self) -> VectorBackend:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # --- for the backends --------------------------------------------------------------------
+    def stored_text(self, result: Result) -> str | None:
+        return result.text if self.store_text else None
+
+    def not_written_yet(self) -> VectorDBError:
+        return VectorDBError(
+            f"no {self.target.describe()}: have workers written there yet? (EMBEDFLEET_SINK, "
+            "EMBEDFLEET_SINK_TABLE)"
+        )
+
+    def dtype_mismatch(self, stored: str, requested: VectorDType) -> SinkSetupError:
+        return SinkSetupError(
+            f"{self.target.describe()} stores {stored} vectors, not {requested}: set "
+            "EMBEDFLEET_SINK_TABLE to a new table name for the new precision"
+        )
+
+    def dim_mismatch(self, stored: str, dim: int) -> SinkSetupError:
+        return SinkSetupError(
+            f"{self.target.describe()} has {stored}, the model makes {dim}-dim vectors: set "
+            "EMBEDFLEET_SINK_TABLE to a new table name, or delete the old one"
+        )
+
+
+def require_extra(kind: SinkKind) -> None:
+    """Fail with the install command, rather than an ImportError deep inside a backend."""
+    if kind not in _BACKENDS:
+        return
+    _, _, modules, extra = _BACKENDS[kind]
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if missing:
+        raise MissingExtraError(
+            f"the {kind} sink needs {', '.join(missing)}: pip install 'embedfleet[{extra}]'"
+        )
+
+
+def open_backend(target: SinkTarget, *, store_text: bool = True) -> VectorBackend:
+    """The backend for ``target``; connects lazily, on the first call that needs it."""
+    if target.kind not in _BACKENDS:
+        raise VectorDBError(
+            "EMBEDFLEET_SINK is `redis` (the results stream), which is not a vector database: "
+            "set EMBEDFLEET_SINK to the lancedb://, postgresql:// or qdrant:// URL the workers "
+            "write to"
+        )
+    require_extra(target.kind)
+    module_name, class_name, _, _ = _BACKENDS[target.kind]
+    module = importlib.import_module(f"{__package__}.{module_name}")
+    backend: VectorBackend = getattr(module, class_name)(target, store_text=store_text)
+    return backend
+
+
+def meta_to_json(meta: dict[str, Any] | None) -> str | None:
+    """Metadata as JSON text for the databases.
+
+    msgpack can carry what JSON cannot: binary values become base64 strings and non-finite
+    floats become the strings "nan"/"inf"/"-inf", so one odd chunk cannot fail its whole batch.
+    """
+    if meta is None:
+        return None
+    return json.dumps(_jsonable(meta), ensure_ascii=False, allow_nan=False)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(key): _jsonable(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(item) for item in value]
+    if isinstance(value, bytes | bytearray | memoryview):
+        return base64.b64encode(bytes(value)).decode("ascii")
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def meta_from_json(text: str | None) -> dict[str, Any] | None:
+    return None if text is None else json.loads(text)

@@ -1,0 +1,226 @@
+"""LanceDB, embedded: a directory on disk, fp16 vectors, upserted by id.
+
+Each upsert is a ``merge_insert`` on ``id`` that commits a new table version with a small
+fragment; the writer compacts every ``COMPACT_EVERY`` upserts (and on close) so a long bulk
+load does not leave thousands of tiny files behind. Search is exact until ``embedfleet index``
+builds IVF_HNSW_SQ, which it does only from ``MIN_INDEX_ROWS`` rows (or with ``--force``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from embedfleet.shared.logging import get_logger
+from embedfleet.shared.protocol import Result
+from embedfleet.shared.vectordb.backend import (
+    DEFAULT_DTYPE,
+    ROW_FIELDS,
+    Hit,
+    SinkSetupError,
+    StoredVector,
+    VectorBackend,
+    VectorDType,
+    meta_from_json,
+    meta_to_json,
+    row_fields,
+)
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from lancedb.table import Table
+
+log = get_logger("embedfleet.sink")
+COMPACT_EVERY = 100
+VECTOR_COLUMN = "vector"  # LanceDB's default vector column name: plain `table.search(q)` finds it
+# Under this many rows a brute-force scan of fp16 vectors takes milliseconds and an approximate
+# index would only cost recall; LanceDB's own guidance starts indexing around here.
+MIN_INDEX_ROWS = 100_000
+
+
+def lance_schema(dim: int, dtype: VectorDType = DEFAULT_DTYPE) -> pa.Schema:
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            pa.field("id", pa.string(), nullable=False),
+            pa.field(VECTOR_COLUMN, pa.list_(pa.from_numpy_dtype(np.dtype(dtype)), dim), False),
+            pa.field("job", pa.string()),
+            pa.field("model", pa.string(), nullable=False),
+            pa.field("truncated", pa.bool_(), nullable=False),
+            pa.field("meta", pa.string()),  # JSON text: meta has no fixed schema
+            pa.field("text", pa.string()),
+        ]
+    )
+
+
+class LanceDBBackend(VectorBackend):
+    def __init__(self, target: Any, *, store_text: bool = True) -> None:
+        super().__init__(target, store_text=store_text)
+        self._table: Table | None = None
+        self._schema: pa.Schema | None = None  # set by setup: what upserts write
+        self._writes = 0
+
+    # --- writing ---------------------------------------------------------------------------
+    def setup(self, model: str, dim: int, dtype: VectorDType | None = None) -> None:
+        try:
+            self._table, stored = self._open_or_create(dim, dtype)
+        except SinkSetupError:
+            raise
+        except Exception as error:  # a directory that cannot be created or read, ...
+            raise SinkSetupError(
+                f"cannot open {self.target.describe()}: {type(error).__name__}: {error}"
+            ) from error
+        self._schema = lance_schema(dim, stored)
+
+    def _open_or_create(self, dim: int, dtype: VectorDType | None) -> tuple[Table, VectorDType]:
+        import lancedb
+        import pyarrow as pa
+
+        database = lancedb.connect(self.target.location)
+        name = self.target.table
+        try:
+            table = database.open_table(name)
+        except ValueError:  # not found; exist_ok covers a worker that created it meanwhile
+            schema = lance_schema(dim, dtype or DEFAULT_DTYPE)
+            table = database.create_table(name, schema=schema, exist_ok=True)
+            log.info("created LanceDB table", path=self.target.location, table=name, dim=dim)
+        field = table.schema.field(VECTOR_COLUMN) if VECTOR_COLUMN in table.schema.names else None
+        existing = getattr(field.type, "list_size", None) if field is not None else None
+        if field is None or existing != dim:
+            has = "no fixed-size vector column" if existing is None else f"{existing}-dim vectors"
+            raise self.dim_mismatch(has, dim)
+        stored: VectorDType = str(field.type.value_type.to_pandas_dtype().__name__)  # type: ignore[assignment]
+        if dtype is not None and stored != dtype:
+            raise self.dtype_mismatch(stored, dtype)
+        if "text" not in table.schema.names:  # a table from before texts were stored
+            try:
+                table.add_columns(pa.field("text", pa.string()))
+            except Exception:  # another worker added it first
+                table.checkout_latest()
+                if "text" not in table.schema.names:
+                    raise
+        return table, stored
+
+    def upsert(self, results: Sequence[Result]) -> None:
+        if self._table is None or self._schema is None:
+            raise RuntimeError("LanceDBBackend.setup(model, dim) must run before upsert()")
+        (
+            self._table.merge_insert("id")
+            .when_matched_update_all()
+            .when_not_matched_insert_all()
+            .execute(self._arrow(results, self._schema))
+        )
+        self._writes += 1
+        if self._writes % COMPACT_EVERY == 0:
+            self._compact()
+
+    def _arrow(self, results: Sequence[Result], schema: pa.Schema) -> pa.Table:
+        import pyarrow as pa
+
+        vector_type = schema.field(VECTOR_COLUMN).type
+        dim = vector_type.list_size
+        numpy_type = vector_type.value_type.to_pandas_dtype()
+        vectors = np.stack([np.asarray(r.vector, dtype=numpy_type) for r in results])
+        if vectors.shape[1] != dim:
+            raise ValueError(f"vectors have {vectors.shape[1]} dimensions, the table {dim}")
+        columns: dict[str, Any] = {
+            "id": [r.id for r in results],
+            VECTOR_COLUMN: pa.FixedSizeListArray.from_arrays(
+                pa.array(vectors.reshape(-1), type=vector_type.value_type), dim
+            ),
+            "job": [r.job for r in results],
+            "model": [r.model for r in results],
+            "truncated": [r.truncated for r in results],
+            "meta": [meta_to_json(r.meta) for r in results],
+            "text": [self.stored_text(r) for r in results],
+        }
+        return pa.table(columns, schema=schema)
+
+    def _compact(self) -> None:
+        # Best effort: the rows are already durable; a failed compaction (say, racing another
+        # worker's commit) is retried at the next round.
+        if self._table is None:
+            return
+        try:
+            self._table.optimize()
+        except Exception as error:
+            log.warning("LanceDB compaction failed; will retry", error=str(error))
+
+    def close(self) -> None:
+        if self._schema is not None and self._writes % COMPACT_EVERY:
+            self._compact()
+        self._table = None
+        self._schema = None
+        self._writes = 0
+
+    # --- reading ---------------------------------------------------------------------------
+    def _opened(self) -> Table:
+        if self._table is None:
+            import lancedb
+
+            try:
+                self._table = lancedb.connect(self.target.location).open_table(self.target.table)
+            except ValueError:
+                raise self.not_written_yet() from None
+        return self._table
+
+    def _columns(self, table: Table) -> list[str]:
+        """The row fields this table has (one from before texts were stored has no text)."""
+        return [name for name in ROW_FIELDS if name in table.schema.names]
+
+    def nearest(self, vector: np.ndarray, k: int = 10) -> list[Hit]:
+        table = self._opened()
+        query = np.asarray(vector, np.float32).reshape(-1)
+        rows = (
+            table.search(query, vector_column_name=VECTOR_COLUMN)
+            .distance_type("cosine")
+            .limit(k)
+            .select([*self._columns(table), "_distance"])
+            .to_list()
+        )
+        return [
+            # LanceDB's cosine distance is 1 - similarity
+            Hit(score=1.0 - float(row["_distance"]), **row_fields(row, meta_from_json(row["meta"])))
+            for row in rows
+        ]
+
+    def build_index(self, *, force: bool = False) -> list[str]:
+        from lancedb.index import BTree, IvfHnswSq
+
+        table = self._opened()
+        table.optimize()  # compact the upserts' small fragments first: the index covers them all
+        rows = table.count_rows()
+        # the id index makes each upsert's match on id a lookup instead of a scan of the table
+        table.create_index("id", config=BTree(), replace=True)
+        done = [f"{self.target.describe()}: {rows:,} rows, compacted; id index (BTree) built"]
+        if rows < MIN_INDEX_ROWS and not force:
+            done.append(
+                f"vector index not built: under {MIN_INDEX_ROWS:,} rows an exact search "
+                "is fast and exact (pass --force to build IVF_HNSW_SQ anyway)"
+            )
+            return done
+        started = time.perf_counter()
+        table.create_index(VECTOR_COLUMN, config=IvfHnswSq(distance_type="cosine"), replace=True)
+        seconds = time.perf_counter() - started
+        done.append(f"vector index IVF_HNSW_SQ (cosine) built in {seconds:.1f} s")
+        return done
+
+    def export_rows(self, job: str | None = None) -> list[StoredVector]:
+        import pyarrow.compute as pc
+
+        table = self._opened()
+        data = table.to_arrow()
+        if job is not None:
+            data = data.filter(pc.equal(data["job"], job))
+        data = data.sort_by("id")
+        dim = data.schema.field(VECTOR_COLUMN).type.list_size
+        vectors = data[VECTOR_COLUMN].combine_chunks().flatten().to_numpy(zero_copy_only=False)
+        vectors = vectors.astype(np.float16).reshape(-1, dim)
+        columns = data.select(self._columns(table)).to_pylist()
+        return [
+            StoredVector(vector=vectors[i], **row_fields(row, meta_from_json(row["meta"])))
+            for i, row in enumerate(columns)
+        ]

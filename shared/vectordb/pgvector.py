@@ -1,0 +1,339 @@
+"""PostgreSQL + pgvector: binary COPY into a staging table, then one upsert statement.
+
+Per upsert, in one transaction: ``COPY staging FROM STDIN (FORMAT BINARY)`` (the fastest way
+into PostgreSQL), then ``INSERT … SELECT … ON CONFLICT (id) DO UPDATE``. The staging table is a
+temporary table that empties itself at commit. Rows go in sorted by id so two workers upserting
+overlapping ids lock them in the same order and cannot deadlock.
+
+Vectors are ``halfvec`` (fp16, half the size) on pgvector ≥ 0.7 and ``vector`` (fp32) before.
+Search uses the cosine operator ``<=>`` on the column's own type, so the HNSW index that
+``embedfleet index`` builds (``{type}_cosine_ops``) serves it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+from embedfleet.shared.logging import get_logger
+from embedfleet.shared.protocol import Result
+from embedfleet.shared.vectordb.backend import (
+    Hit,
+    SinkSetupError,
+    StoredVector,
+    VectorBackend,
+    VectorDBError,
+    VectorDType,
+    meta_to_json,
+    row_fields,
+)
+
+if TYPE_CHECKING:
+    import psycopg
+
+log = get_logger("embedfleet.sink")
+ColumnType = Literal["halfvec", "vector"]
+HALFVEC_SINCE = (0, 7)
+COLUMN_TYPES: dict[VectorDType, ColumnType] = {"float16": "halfvec", "float32": "vector"}
+# HNSW returns at most ef_search rows (pgvector's default 40): a larger k raises it per query
+DEFAULT_EF_SEARCH = 40
+SELECTED = "id, job, model, truncated, meta"
+
+
+def vector_type_for(extension_version: str) -> ColumnType:
+    """``halfvec`` arrived in pgvector 0.7.0; older servers store full-precision ``vector``."""
+    parts = tuple(int(p) for p in extension_version.split(".")[:2] if p.isdigit())
+    return "halfvec" if parts >= HALFVEC_SINCE else "vector"
+
+
+class PgvectorBackend(VectorBackend):
+    def __init__(self, target: Any, *, store_text: bool = True) -> None:
+        super().__init__(target, store_text=store_text)
+        self.column_type: ColumnType | None = None  # the embedding column's type, once known
+        self.dim: int | None = None
+        self._conn: psycopg.Connection | None = None
+        self._staging_ready = False  # the temporary staging table exists in this session
+        self._text_column = "text"  # "NULL::text" for a table from before texts were stored
+
+    # --- connection --------------------------------------------------------------------------
+    def _connection(self) -> psycopg.Connection:
+        """The connection, reopened after a failure (the worker retries a failed upsert)."""
+        import psycopg
+
+        if self._conn is not None and not self._conn.closed and not self._conn.broken:
+            return self._conn
+        self.close()
+        self._conn = psycopg.connect(self.target.location, autocommit=True)
+        return self._conn
+
+    @contextmanager
+    def _reading(self) -> Iterator[psycopg.Connection]:
+        """The connection for a read, with the table checked to exist and pgvector's types."""
+        import psycopg
+        from pgvector.psycopg import register_vector
+
+        try:
+            conn = self._connection()
+            if self.column_type is None:
+                self.column_type, self.dim = self._column_of(conn)
+                if not has_column(conn, self.target.table, "text"):
+                    self._text_column = "NULL::text AS text"
+            register_vector(conn)
+            yield conn
+        except psycopg.OperationalError as error:
+            self.close()
+            raise VectorDBError(f"cannot connect to PostgreSQL: {str(error).strip()}") from None
+
+    def _column_of(self, conn: psycopg.Connection) -> tuple[ColumnType, int]:
+        found = column_type(conn, self.target.table)
+        if found is None:
+            raise self.not_written_yet()
+        name, dim = found
+        if name not in COLUMN_TYPES.values():
+            raise VectorDBError(f"{self.target.describe()} stores {name}, not halfvec or vector")
+        return name, dim  # type: ignore[return-value]  # checked just above
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+        self._conn = None
+        self._staging_ready = False
+
+    # --- writing ---------------------------------------------------------------------------
+    def setup(self, model: str, dim: int, dtype: VectorDType | None = None) -> None:
+        import psycopg
+        from psycopg import sql
+
+        self.dim = dim
+        requested = COLUMN_TYPES[dtype] if dtype is not None else None
+        try:
+            conn = self._connection()
+        except psycopg.OperationalError as error:
+            raise SinkSetupError(
+                f"cannot connect to PostgreSQL (EMBEDFLEET_SINK): {str(error).strip()}"
+            ) from error
+        table = sql.Identifier(self.target.table)
+        # Workers of a fleet start together; CREATE EXTENSION / TABLE IF NOT EXISTS can still
+        # collide in the catalog, so they take turns (the lock is released just below).
+        lock = f"embedfleet:{self.target.table}"
+        conn.execute("SELECT pg_advisory_lock(hashtext(%s))", (lock,))
+        try:
+            chosen = requested or vector_type_for(_ensure_extension(conn))
+            conn.execute(
+                sql.SQL(
+                    "CREATE TABLE IF NOT EXISTS {table} ("
+                    " id text PRIMARY KEY,"
+                    " embedding {type} NOT NULL,"
+                    " job text,"
+                    " model text NOT NULL,"
+                    " truncated boolean NOT NULL DEFAULT false,"
+                    " meta jsonb,"
+                    " text text,"
+                    " updated_at timestamptz NOT NULL DEFAULT now())"
+                ).format(table=table, type=sql.SQL(f"{chosen}({dim})"))
+            )
+            # a table from before texts were stored: a nullable column is a catalog change only
+            conn.execute(sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS text text").format(table))
+            existing = column_type(conn, self.target.table)
+        finally:
+            conn.execute("SELECT pg_advisory_unlock(hashtext(%s))", (lock,))
+        if existing is None:
+            raise SinkSetupError(f"{self.target.describe()} has no 'embedding' column")
+        existing_type, existing_dim = existing
+        if existing_dim != dim or existing_type not in COLUMN_TYPES.values():
+            raise self.dim_mismatch(f"{existing_type}({existing_dim}) vectors", dim)
+        if requested and existing_type != requested:
+            raise self.dtype_mismatch(existing_type, dtype)  # type: ignore[arg-type]
+        self.column_type = existing_type  # type: ignore[assignment]  # checked just above
+        log.info("pgvector table ready", table=self.target.table, type=f"{existing_type}({dim})")
+
+    def _write_connection(self) -> psycopg.Connection:
+        if self.column_type is None or self.dim is None:
+            raise RuntimeError("PgvectorBackend.setup(model, dim) must run before upsert()")
+        from pgvector.psycopg import register_vector
+        from psycopg import sql
+
+        conn = self._connection()
+        if not self._staging_ready:
+            register_vector(conn)
+            conn.execute(
+                sql.SQL(
+                    "CREATE TEMP TABLE IF NOT EXISTS {staging} (id text, embedding {type},"
+                    " job text, model text, truncated boolean, meta text, text text)"
+                    " ON COMMIT DELETE ROWS"
+                ).format(
+                    staging=sql.Identifier(f"{self.target.table}_staging"),
+                    type=sql.SQL(f"{self.column_type}({self.dim})"),
+                )
+            )
+            self._staging_ready = True
+        return conn
+
+    def upsert(self, results: Sequence[Result]) -> None:
+        from pgvector import HalfVector, Vector
+        from psycopg import sql
+
+        conn = self._write_connection()
+        staging = sql.Identifier(f"{self.target.table}_staging")
+        wrap = HalfVector if self.column_type == "halfvec" else Vector
+        dtype = np.float16 if self.column_type == "halfvec" else np.float32
+        columns = ["text", self.column_type, "text", "text", "bool", "text", "text"]
+        try:
+            with conn.transaction(), conn.cursor() as cursor:
+                copy_sql = sql.SQL(
+                    "COPY {staging} (id, embedding, job, model, truncated, meta, text)"
+                    " FROM STDIN (FORMAT BINARY)"
+                ).format(staging=staging)
+                with cursor.copy(copy_sql) as copy:
+                    copy.set_types(columns)
+                    for r in sorted(results, key=lambda r: r.id):
+                        vector = wrap(np.asarray(r.vector, dtype=dtype))
+                        meta = meta_to_json(r.meta)
+                        text = self.stored_text(r)
+                        copy.write_row((r.id, vector, r.job, r.model, r.truncated, meta, text))
+                cursor.execute(
+                    sql.SQL(
+                        "INSERT INTO {table} (id, embedding, job, model, truncated, meta, text)"
+                        " SELECT id, embedding, job, model, truncated, meta::jsonb, text"
+                        " FROM {staging} ORDER BY id"
+                        " ON CONFLICT (id) DO UPDATE SET embedding = EXCLUDED.embedding,"
+                        " job = EXCLUDED.job, model = EXCLUDED.model,"
+                        " truncated = EXCLUDED.truncated, meta = EXCLUDED.meta,"
+                        " text = EXCLUDED.text, updated_at = now()"
+                    ).format(table=sql.Identifier(self.target.table), staging=staging)
+                )
+        except Exception:
+            # A failed COPY can leave the connection mid-protocol; start clean on the retry.
+            self.close()
+            raise
+
+    # --- reading ---------------------------------------------------------------------------
+    def nearest(self, vector: np.ndarray, k: int = 10) -> list[Hit]:
+        from psycopg import sql
+
+        query = np.asarray(vector, dtype=np.float32).reshape(-1)
+        literal = "[" + ",".join(f"{value:.7g}" for value in query) + "]"
+        with self._reading() as conn:
+            if k > DEFAULT_EF_SEARCH:
+                conn.execute(sql.SQL("SET hnsw.ef_search = {}").format(sql.Literal(k)))
+            # the same operator (<=> cosine distance) and type as the index, so HNSW serves it
+            cursor = conn.execute(
+                sql.SQL(
+                    "SELECT {columns}, {text}, 1 - (embedding <=> %(q)s::{type}) AS score"
+                    " FROM {table} ORDER BY embedding <=> %(q)s::{type} LIMIT %(k)s"
+                ).format(
+                    columns=sql.SQL(SELECTED),
+                    text=sql.SQL(self._text_column),
+                    type=sql.SQL(self.column_type or "vector"),
+                    table=sql.Identifier(self.target.table),
+                ),
+                {"q": literal, "k": k},
+            )
+            rows = _records(cursor)
+        return [Hit(score=float(row["score"]), **row_fields(row, row["meta"])) for row in rows]
+
+    def build_index(self, *, force: bool = False) -> list[str]:
+        from psycopg import sql
+
+        table = sql.Identifier(self.target.table)
+        with self._reading() as conn:
+            ops = f"{self.column_type}_cosine_ops"
+            name = f"{self.target.table}_embedding_hnsw"[:63]
+            started = time.perf_counter()
+            conn.execute(
+                sql.SQL(
+                    "CREATE INDEX IF NOT EXISTS {name} ON {table} USING hnsw (embedding {ops})"
+                ).format(name=sql.Identifier(name), table=table, ops=sql.SQL(ops))
+            )
+            conn.execute(sql.SQL("ANALYZE {}").format(table))
+            count = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table)).fetchone()
+        rows = 0 if count is None else int(count[0])
+        return [
+            f"{self.target.describe()}: {rows:,} rows; HNSW index {name!r} ({ops}) "
+            f"ready in {time.perf_counter() - started:.1f} s"
+        ]
+
+    def export_rows(self, job: str | None = None) -> list[StoredVector]:
+        from psycopg import sql
+
+        with self._reading() as conn:
+            cursor = conn.execute(
+                sql.SQL(
+                    "SELECT {columns}, {text}, embedding FROM {table}"
+                    " WHERE %(job)s::text IS NULL OR job = %(job)s ORDER BY id"
+                ).format(
+                    columns=sql.SQL(SELECTED),
+                    text=sql.SQL(self._text_column),
+                    table=sql.Identifier(self.target.table),
+                ),
+                {"job": job},
+            )
+            rows = _records(cursor)
+        return [
+            StoredVector(
+                vector=np.asarray(_numpy(row["embedding"])).astype(np.float16),
+                **row_fields(row, row["meta"]),
+            )
+            for row in rows
+        ]
+
+
+def _records(cursor: psycopg.Cursor[Any]) -> list[dict[str, Any]]:
+    names = [column.name for column in cursor.description or ()]
+    return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+
+
+def _numpy(value: Any) -> Any:
+    return value.to_numpy() if hasattr(value, "to_numpy") else value
+
+
+def _ensure_extension(conn: psycopg.Connection) -> str:
+    """pgvector's version in this database, enabling it when this user may."""
+    import psycopg
+
+    query = "SELECT extversion FROM pg_extension WHERE extname = 'vector'"
+    row = conn.execute(query).fetchone()
+    if row is None:
+        try:
+            conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
+        except psycopg.errors.InsufficientPrivilege as error:
+            raise SinkSetupError(
+                "the pgvector extension is not enabled in this database and this user may "
+                "not enable it: ask a superuser to run `CREATE EXTENSION vector;` there"
+            ) from error
+        except (psycopg.errors.FeatureNotSupported, psycopg.errors.UndefinedFile) as error:
+            raise SinkSetupError(
+                "this PostgreSQL server has no pgvector extension installed: install "
+                "pgvector ≥ 0.7 on the server (https://github.com/pgvector/pgvector)"
+            ) from error
+        row = conn.execute(query).fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+def _column_format(conn: psycopg.Connection, table: str, column: str) -> str | None:
+    """``format_type`` of a column ("halfvec(384)", "text"), or None if there is none."""
+    from psycopg import sql
+
+    query = sql.SQL(
+        "SELECT format_type(atttypid, atttypmod) FROM pg_attribute"
+        " WHERE attrelid = to_regclass({name}) AND attname = %s AND NOT attisdropped"
+    ).format(name=sql.Literal(sql.Identifier(table).as_string(conn)))
+    row = conn.execute(query, (column,)).fetchone()
+    return None if row is None else str(row[0])
+
+
+def has_column(conn: psycopg.Connection, table: str, column: str) -> bool:
+    return _column_format(conn, table, column) is not None
+
+
+def column_type(conn: psycopg.Connection, table: str) -> tuple[str, int] | None:
+    """("halfvec", 384) for the table's ``embedding`` column, or None if there is none."""
+    found = _column_format(conn, table, "embedding")
+    if found is None:
+        return None
+    name, _, rest = found.partition("(")
+    return name, int(rest.rstrip(")") or 0)

@@ -1,0 +1,241 @@
+"""Qdrant: points upserted by a deterministic id, fp16 vectors, the row in the payload.
+
+Production points at a Qdrant server (``qdrant://host:6333``, ``https://…`` for Qdrant Cloud
+with the API key as the URL's password). ``qdrant+local:///path`` runs the client's local mode
+in-process, for tests and single-process use: it takes a file lock on the directory, so only one
+process at a time can open it, and it searches by brute force.
+
+Qdrant point ids must be UUIDs or integers, so a point's id is ``uuid5(NAMESPACE_URL, chunk id)``
+and the chunk id itself is kept in the payload. A new collection starts with HNSW indexing off
+(``indexing_threshold=0``, Qdrant's advice for bulk loads); ``embedfleet index`` turns it on.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from embedfleet.shared.logging import get_logger
+from embedfleet.shared.protocol import Result
+from embedfleet.shared.vectordb.backend import (
+    Hit,
+    SinkSetupError,
+    StoredVector,
+    VectorBackend,
+    VectorDBError,
+    VectorDType,
+    meta_from_json,
+    meta_to_json,
+    row_fields,
+)
+
+if TYPE_CHECKING:
+    from qdrant_client import QdrantClient
+
+log = get_logger("embedfleet.sink")
+# Qdrant's default: segments larger than this many KB of vectors get an HNSW graph.
+INDEXING_THRESHOLD_KB = 20_000
+SCROLL_PAGE = 1000
+
+
+def point_id(chunk_id: str) -> str:
+    """Qdrant point ids must be integers or UUIDs: the chunk id, mapped deterministically."""
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, chunk_id))
+
+
+class QdrantBackend(VectorBackend):
+    def __init__(self, target: Any, *, store_text: bool = True) -> None:
+        super().__init__(target, store_text=store_text)
+        self.local = target.kind == "qdrant-local"
+        self._client: QdrantClient | None = None
+
+    def _connect(self) -> QdrantClient:
+        from qdrant_client import QdrantClient
+
+        if self._client is None:
+            if self.local:
+                self._client = QdrantClient(path=self.target.location)
+            else:
+                self._client = QdrantClient(
+                    url=self.target.location, api_key=self.target.api_key, timeout=60
+                )
+        return self._client
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+        self._client = None
+
+    # --- writing ---------------------------------------------------------------------------
+    def setup(self, model: str, dim: int, dtype: VectorDType | None = None) -> None:
+        try:
+            self._create(dim, dtype)
+        except SinkSetupError:
+            self.close()
+            raise
+        except RuntimeError as error:
+            self.close()
+            if "already accessed" not in str(error):
+                raise
+            raise SinkSetupError(
+                f"Qdrant local mode directory {self.target.location} is open in another "
+                "process: local mode allows one process; for several workers run a Qdrant "
+                "server (EMBEDFLEET_SINK=qdrant://host:6333)"
+            ) from error
+        except Exception as error:  # connection refused, TLS, bad API key, ...
+            self.close()
+            raise SinkSetupError(
+                f"cannot set up {self.target.describe()}: {type(error).__name__}: {error}"
+            ) from error
+
+    def _create(self, dim: int, dtype: VectorDType | None) -> None:
+        from qdrant_client import models
+        from qdrant_client.http.exceptions import UnexpectedResponse
+
+        qdrant = self._connect()
+        name = self.target.table
+        if not qdrant.collection_exists(name):
+            stored = None if dtype == "float32" else models.Datatype.FLOAT16
+            params = models.VectorParams(size=dim, distance=models.Distance.COSINE, datatype=stored)
+            bulk_load = models.OptimizersConfigDiff(indexing_threshold=0)
+            try:
+                qdrant.create_collection(name, vectors_config=params, optimizers_config=bulk_load)
+            except UnexpectedResponse as error:
+                if qdrant.collection_exists(name):  # another worker was first
+                    pass
+                elif error.status_code == 400 and "datatype" in str(error).lower() and not dtype:
+                    # servers before 1.9 know no float16 vectors: store float32
+                    log.warning("Qdrant server has no float16 vectors; storing float32")
+                    params.datatype = None
+                    qdrant.create_collection(
+                        name, vectors_config=params, optimizers_config=bulk_load
+                    )
+                else:
+                    raise
+            log.info("created Qdrant collection", collection=name, dim=dim)
+        vectors = qdrant.get_collection(name).config.params.vectors
+        size = getattr(vectors, "size", None)
+        if size != dim:
+            raise self.dim_mismatch("named vectors" if size is None else f"{size}-dim vectors", dim)
+        datatype = getattr(vectors, "datatype", None)
+        stored_dtype = "float16" if datatype == models.Datatype.FLOAT16 else "float32"
+        if dtype is not None and stored_dtype != dtype:
+            raise self.dtype_mismatch(stored_dtype, dtype)
+
+    def upsert(self, results: Sequence[Result]) -> None:
+        from qdrant_client import models
+
+        if self._client is None:
+            raise RuntimeError("QdrantBackend.setup(model, dim) must run before upsert()")
+        vectors = np.stack([np.asarray(r.vector, dtype=np.float32) for r in results]).tolist()
+        points = [
+            models.PointStruct(id=point_id(r.id), vector=vector, payload=self._payload(r))
+            for r, vector in zip(results, vectors, strict=True)
+        ]
+        # wait=True: the call returns once the points are applied (written to Qdrant's WAL),
+        # which is the durability the acknowledgement that follows relies on
+        self._client.upsert(self.target.table, points=points, wait=True)
+
+    def _payload(self, result: Result) -> dict[str, Any]:
+        payload = {
+            "id": result.id,
+            "job": result.job,
+            "model": result.model,
+            "truncated": result.truncated,
+            # nested, so a meta key called "id" or "job" cannot overwrite ours
+            "meta": meta_from_json(meta_to_json(result.meta)),
+        }
+        text = self.stored_text(result)
+        if text is not None:
+            payload["text"] = text
+        return payload
+
+    # --- reading ---------------------------------------------------------------------------
+    def _opened(self) -> QdrantClient:
+        """The client on an existing collection (a reader must not create one)."""
+        if self._client is None:
+            if self.local and not Path(self.target.location).is_dir():
+                # QdrantClient(path=) would create the directory, empty
+                raise VectorDBError(f"no {self.target.describe()}: the directory does not exist")
+            try:
+                self._connect()
+            except RuntimeError as error:  # local mode locks its directory to one process
+                raise VectorDBError(
+                    f"{self.target.describe()} is open in another process ({error}); local "
+                    "mode allows one process at a time: stop the worker, or run a Qdrant server"
+                ) from None
+        assert self._client is not None
+        if not self._client.collection_exists(self.target.table):
+            self.close()
+            raise self.not_written_yet()
+        return self._client
+
+    def nearest(self, vector: np.ndarray, k: int = 10) -> list[Hit]:
+        query = np.asarray(vector, dtype=np.float32).reshape(-1).tolist()
+        points = (
+            self._opened()
+            .query_points(self.target.table, query=query, limit=k, with_payload=True)
+            .points
+        )
+        return [
+            Hit(score=float(p.score), **row_fields(p.payload, p.payload.get("meta")))
+            for p in points
+            if p.payload is not None
+        ]
+
+    def build_index(self, *, force: bool = False) -> list[str]:
+        from qdrant_client import models
+
+        qdrant = self._opened()
+        qdrant.update_collection(
+            self.target.table,
+            optimizers_config=models.OptimizersConfigDiff(indexing_threshold=INDEXING_THRESHOLD_KB),
+            hnsw_config=models.HnswConfigDiff(m=16, ef_construct=100),
+        )
+        if not self.local:  # local mode has no payload indexes (and warns)
+            qdrant.create_payload_index(self.target.table, "job", models.PayloadSchemaType.KEYWORD)
+        count = qdrant.count(self.target.table).count
+        done = [
+            f"{self.target.describe()}: {count:,} points; HNSW indexing on (m=16, "
+            f"ef_construct=100, threshold {INDEXING_THRESHOLD_KB:,} KB)"
+        ]
+        if self.local:
+            done.append("local mode always searches exactly; a Qdrant server builds the graph")
+        else:
+            done.append(
+                "payload index on job; the server builds the graph in the background "
+                "(collection status: yellow until done)"
+            )
+        return done
+
+    def export_rows(self, job: str | None = None) -> list[StoredVector]:
+        from qdrant_client import models
+
+        qdrant = self._opened()
+        selector = (
+            None
+            if job is None
+            else models.Filter(
+                must=[models.FieldCondition(key="job", match=models.MatchValue(value=job))]
+            )
+        )
+        found: list[StoredVector] = []
+        offset = None
+        while True:
+            points, offset = qdrant.scroll(
+                self.target.table,
+                scroll_filter=selector,
+                limit=SCROLL_PAGE,
+                offset=offset,
+                with_payload=True,
+                with_vectors=True,
+            )
+            for p in points:
+                payload = p.payload or {}
+                fields = row_fields(payload, payload.get("meta"))
+                found.append(StoredVector(vector=np.asarray(p.vector, np.float16), **fields))
+            if offset is None:
+                return sorted(found, key=lambda row: row.id)
