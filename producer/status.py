@@ -2,7 +2,8 @@
 
 Everything comes from the same commands an operator would type (the README's Operations section
 lists them): XLEN, XINFO GROUPS, XINFO CONSUMERS, XREVRANGE on the dead-letter stream, and the
-job hashes.
+job hashes, read by ``shared/fleet.py``, the same reader the worker's stream gauges use; this
+module renders what it reads as tables and JSON.
 
 Throughput is measured, not guessed: Redis (>= 7) counts, per consumer group, the entries ever
 delivered (``entries-read``); minus the ones still pending, that is the number of entries the
@@ -20,9 +21,7 @@ import contextlib
 import json
 import math
 import sys
-import time
 from collections import deque
-from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -30,21 +29,12 @@ from urllib.parse import urlsplit, urlunsplit
 
 import click
 import redis.asyncio as aioredis
+from embedfleet.shared.fleet import FLEET_STREAMS, INPUT_STREAMS, FleetState, read_fleet
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings, SettingsError, load_settings
-from embedfleet.shared.streams import (
-    ConsumerState,
-    GroupState,
-    find_group,
-    is_missing_key,
-    parse_consumers,
-    text,
-)
 from redis.exceptions import RedisError
 
-INPUT_STREAMS = ("ingest", "query")  # read through the consumer group
-ALL_STREAMS = ("ingest", "query", "results", "dead")
 THROUGHPUT_WINDOW_S = 60.0
 DEAD_LETTERS_SHOWN = 3
 METHOD = (
@@ -54,143 +44,19 @@ METHOD = (
 
 
 @dataclass(frozen=True)
-class StreamStatus:
-    name: str
-    key: str
-    length: int
-    group: GroupState | None = None  # input streams only; None while the group does not exist
-    consumers: tuple[ConsumerState, ...] = ()
-
-    @property
-    def lag(self) -> int | None:
-        """Entries not yet delivered. With no group yet, all of them: it is created at id 0."""
-        return self.length if self.group is None else self.group.lag
-
-    @property
-    def pending(self) -> int:
-        return 0 if self.group is None else self.group.pending
-
-    @property
-    def finished(self) -> int | None:
-        return 0 if self.group is None else self.group.acknowledged
-
-
-@dataclass(frozen=True)
-class JobStatus:
-    job: str
-    enqueued: int
-    done: int
-    dead: int
-
-    @property
-    def remaining(self) -> int:
-        return max(0, self.enqueued - self.done - self.dead)
-
-
-@dataclass(frozen=True)
-class DeadLetter:
-    entry_id: str
-    reason: str
-    chunk_id: str | None
-    stream: str | None
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    taken_at: float  # time.time()
-    monotonic: float  # time.monotonic(), for rates that survive a clock change
-    streams: dict[str, StreamStatus]
-    jobs: tuple[JobStatus, ...]
-    dead_latest: tuple[DeadLetter, ...]
-
-
-@dataclass(frozen=True)
 class Throughput:
     per_s: float
     by_stream: dict[str, float]
     window_s: float
 
 
+# The status view is the fleet reader's fullest read; the worker's gauges are its other rendering.
+Snapshot = FleetState
+
+
 async def take_snapshot(client: aioredis.Redis, keys: Keys) -> Snapshot:
-    """One consistent-enough look at everything: two pipelined round trips (three with jobs)."""
-    names = {"ingest": keys.ingest, "query": keys.query, "results": keys.results, "dead": keys.dead}
-    pipe = client.pipeline(transaction=False)
-    for key in names.values():
-        pipe.xlen(key)
-    for stream in INPUT_STREAMS:
-        pipe.xinfo_groups(names[stream])
-    pipe.xrevrange(keys.dead, count=DEAD_LETTERS_SHOWN)
-    pipe.smembers(keys.jobs_index)
-    replies = await pipe.execute(raise_on_error=False)
-    lengths = dict(zip(ALL_STREAMS, _raise_errors(replies[:4]), strict=True))
-    group_replies = dict(zip(INPUT_STREAMS, replies[4:6], strict=True))
-    dead_entries, job_names = _raise_errors(replies[6:8])
-
-    groups: dict[str, GroupState | None] = {}
-    for stream, reply in group_replies.items():
-        if isinstance(reply, Exception):
-            if not is_missing_key(reply):
-                raise reply
-            groups[stream] = None
-        else:
-            groups[stream] = find_group(reply, keys.group)
-
-    pipe = client.pipeline(transaction=False)
-    with_group = [stream for stream in INPUT_STREAMS if groups[stream] is not None]
-    for stream in with_group:
-        pipe.xinfo_consumers(names[stream], keys.group)
-    jobs = sorted(text(name) for name in job_names)
-    for job in jobs:
-        pipe.hgetall(keys.job(job))
-    replies = _raise_errors(await pipe.execute(raise_on_error=False)) if with_group or jobs else []
-    consumer_replies, job_counters = replies[: len(with_group)], replies[len(with_group) :]
-    consumers = {
-        stream: tuple(parse_consumers(reply))
-        for stream, reply in zip(with_group, consumer_replies, strict=True)
-    }
-
-    streams = {
-        name: StreamStatus(
-            name=name,
-            key=names[name],
-            length=int(lengths[name]),
-            group=groups.get(name),
-            consumers=consumers.get(name, ()),
-        )
-        for name in ALL_STREAMS
-    }
-    return Snapshot(
-        taken_at=time.time(),
-        monotonic=time.monotonic(),
-        streams=streams,
-        jobs=tuple(_job(job, counters) for job, counters in zip(jobs, job_counters, strict=True)),
-        dead_latest=tuple(_dead_letter(entry_id, fields) for entry_id, fields in dead_entries),
-    )
-
-
-def _raise_errors(replies: list[Any]) -> list[Any]:
-    for reply in replies:
-        if isinstance(reply, Exception):
-            raise reply
-    return replies
-
-
-def _job(job: str, counters: Mapping[bytes, bytes]) -> JobStatus:
-    values = {text(key): int(value) for key, value in counters.items()}
-    return JobStatus(job, values.get("enqueued", 0), values.get("done", 0), values.get("dead", 0))
-
-
-def _dead_letter(entry_id: bytes, fields: Mapping[bytes, bytes]) -> DeadLetter:
-    def field(name: bytes) -> str | None:
-        value = fields.get(name)
-        return None if value is None else value.decode(errors="replace")
-
-    return DeadLetter(
-        entry_id=text(entry_id),
-        reason=field(b"reason") or "(no reason field)",
-        chunk_id=field(b"id") or None,
-        stream=field(b"stream"),
-    )
+    """Everything the status view shows: streams, consumers, jobs, the latest dead letters."""
+    return await read_fleet(client, keys, consumers=True, jobs=True, dead_latest=DEAD_LETTERS_SHOWN)
 
 
 def throughput(older: Snapshot, newer: Snapshot) -> Throughput | None:
@@ -378,7 +244,7 @@ def render(data: dict[str, Any], *, consumers_shown: int = 10, jobs_shown: int =
     ]
     streams = data["streams"]
     rows = [["stream", "key", "length", "lag", "pending", "consumers"]]
-    for name in ALL_STREAMS:
+    for name in FLEET_STREAMS:
         s = streams[name]
         if name in INPUT_STREAMS:
             consumers = str(len(s["consumers"])) if s["group_exists"] else "no group yet"

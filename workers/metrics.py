@@ -6,8 +6,9 @@ so a test or a benchmark can run several workers in one process and read each on
 
 Counters and histograms are fed by the worker's hooks on the event loop. The stream gauges (lag,
 pending, length) describe the whole fleet, not this worker, so ``StreamGauges`` reads them from
-Redis when Prometheus scrapes (at most once a second, however many scrapers ask); every worker
-reports the same values, so aggregate them with ``max``, not ``sum``.
+Redis when Prometheus scrapes (at most once a second, however many scrapers ask), through the
+reader `embedfleet status` uses (``shared/fleet.py``); every worker reports the same values, so
+aggregate them with ``max``, not ``sum``.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import re
 import time
 
 import redis.asyncio as aioredis
+from embedfleet.shared.fleet import FLEET_STREAMS, INPUT_STREAMS, read_fleet
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
-from embedfleet.shared.streams import find_group, is_missing_key
 from embedfleet.workers.events import WorkerEvents
 from prometheus_client import (
     CollectorRegistry,
@@ -59,10 +60,6 @@ def reason_class(reason: str) -> str:
         if pattern.match(reason):
             return name
     return OTHER_REASON
-
-
-STREAMS = ("ingest", "query", "results", "dead")
-GROUP_STREAMS = ("ingest", "query")  # the streams read through the consumer group
 
 
 class WorkerMetrics(WorkerEvents):
@@ -191,9 +188,9 @@ class WorkerMetrics(WorkerEvents):
         for name, _ in REASON_CLASSES:
             self.dead_letters.labels(reason=name)
         self.dead_letters.labels(reason=OTHER_REASON)
-        for stream in STREAMS:
+        for stream in FLEET_STREAMS:
             self.stream_length.labels(stream=stream)
-        for stream in GROUP_STREAMS:
+        for stream in INPUT_STREAMS:
             self.stream_lag.labels(stream=stream).set(math.nan)
             self.stream_pending.labels(stream=stream)
             self.group_consumers.labels(stream=stream)
@@ -310,35 +307,15 @@ class StreamGauges:
             return self._last_ok
 
     async def _read(self) -> None:
-        keys = {
-            "ingest": self.keys.ingest,
-            "query": self.keys.query,
-            "results": self.keys.results,
-            "dead": self.keys.dead,
-        }
-        pipe = self.client.pipeline(transaction=False)
-        for key in keys.values():
-            pipe.xlen(key)
-        for stream in GROUP_STREAMS:
-            pipe.xinfo_groups(keys[stream])
-        replies = await pipe.execute(raise_on_error=False)
-        lengths = dict(zip(keys, replies[: len(keys)], strict=True))
-        groups = replies[len(keys) :]
-        for stream, length in lengths.items():
-            if isinstance(length, Exception):
-                raise length
-            self.metrics.stream_length.labels(stream=stream).set(length)
-        for stream, reply in zip(GROUP_STREAMS, groups, strict=True):
-            if isinstance(reply, Exception) and not is_missing_key(reply):
-                raise reply
-            state = None if isinstance(reply, Exception) else find_group(reply, self.keys.group)
-            if state is None:
-                # No group yet: it will be created at id 0, so every entry is still to deliver.
-                self.metrics.stream_lag.labels(stream=stream).set(lengths[stream])
-                self.metrics.stream_pending.labels(stream=stream).set(0)
-                self.metrics.group_consumers.labels(stream=stream).set(0)
-                continue
-            lag = math.nan if state.lag is None else state.lag
-            self.metrics.stream_lag.labels(stream=stream).set(lag)
-            self.metrics.stream_pending.labels(stream=stream).set(state.pending)
-            self.metrics.group_consumers.labels(stream=stream).set(state.consumers)
+        # the fleet reader `embedfleet status` uses too, asked for the streams only
+        state = await read_fleet(self.client, self.keys)
+        for name, stream in state.streams.items():
+            self.metrics.stream_length.labels(stream=name).set(stream.length)
+        for name in INPUT_STREAMS:
+            stream = state.streams[name]
+            # no group yet: it will be created at id 0, so every entry is still to deliver
+            self.metrics.stream_lag.labels(stream=name).set(
+                math.nan if stream.lag is None else stream.lag
+            )
+            self.metrics.stream_pending.labels(stream=name).set(stream.pending)
+            self.metrics.group_consumers.labels(stream=name).set(stream.group_consumers)
