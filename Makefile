@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-quick lint bench
+.PHONY: install demo test test-quick lint bench gpu-carry
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -30,3 +30,9 @@ lint: install
 
 bench: install
 	$(PY) -m loadtest.bench
+
+# The folder a device run carries (Python 3.12 wheels the GPU image lacks + an fp16 copy of the
+# packaged model), sizes printed and checked under the 64 MiB a run may send; see
+# docs/BENCHMARKS.md (GPU check) for the device command that uses it.
+gpu-carry: install
+	$(PY) -m loadtest.gpu_carry
