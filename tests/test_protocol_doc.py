@@ -1,0 +1,134 @@
+"""The README's protocol section is generated from the code and says all the code does.
+
+Each message's table (shared/protocol_doc.py) is checked against what shared/protocol.py writes
+and accepts; the README must hold the section as generated; and a query is asked of a real
+worker by following the README's steps with plain redis and msgpack, as a client in another
+language would.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import redis.asyncio as aioredis
+from embedfleet.shared import protocol_doc
+from embedfleet.shared.protocol import (
+    Chunk,
+    ProtocolError,
+    Result,
+    dead_letter_fields,
+    decode_chunk,
+    encode_chunk,
+    encode_query_error,
+    encode_result,
+)
+from embedfleet.shared.protocol_doc import (
+    CHUNK_FIELDS,
+    DEAD_LETTER_FIELDS,
+    ERROR_REPLY_FIELDS,
+    QUERY_FIELDS,
+    RESULT_FIELDS,
+    WireField,
+)
+from embedfleet.shared.settings import Settings
+
+from tests.conftest import running_worker
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+FIX = (
+    "document it in shared/protocol_doc.py, then regenerate the README's block: "
+    "python -m embedfleet.shared.protocol_doc --write README.md"
+)
+
+
+def _names(fields: tuple[WireField, ...]) -> set[str]:
+    return {f.name for f in fields}
+
+
+def _required(fields: tuple[WireField, ...]) -> list[str]:
+    return [f.name for f in fields if f.required]
+
+
+def test_readme_protocol_section_is_current() -> None:
+    assert protocol_doc.protocol_section() in README.read_text(), (
+        "README's protocol section is stale: regenerate it with "
+        "`python -m embedfleet.shared.protocol_doc --write README.md`"
+    )
+
+
+def test_every_field_the_code_writes_is_documented() -> None:
+    every_option = Chunk(
+        id="a",
+        text="t",
+        job="j",
+        meta={"k": 1},
+        prompt_name="query",
+        prompt="q: ",
+        dimensions=8,
+        dtype="int8",
+    )
+    written = set(msgpack.unpackb(encode_chunk(every_option)))
+    assert written == _names(CHUNK_FIELDS), f"chunk fields differ: {FIX}"
+    query = Chunk(id="a", text="t", reply="r", deadline_ms=1)
+    query_only = set(msgpack.unpackb(encode_chunk(query))) - _names(CHUNK_FIELDS)
+    assert query_only == _names(QUERY_FIELDS), f"query fields differ: {FIX}"
+
+    result = Result(id="a", model="m", vector=np.zeros(4, np.float16), job="j", meta={"k": 1})
+    assert set(msgpack.unpackb(encode_result(result))) <= _names(RESULT_FIELDS), FIX
+    required = set(_required(RESULT_FIELDS))
+    assert required <= set(msgpack.unpackb(encode_result(result))), FIX
+    assert set(msgpack.unpackb(encode_query_error("a", "why"))) == _names(ERROR_REPLY_FIELDS), FIX
+
+    dead = dead_letter_fields(
+        reason="r", stream="s", entry_id="1-0", payload=b"x", chunk_id="a", job="j"
+    )
+    assert set(dead) == _names(DEAD_LETTER_FIELDS), f"dead-letter fields differ: {FIX}"
+    bare = dead_letter_fields(reason="r", stream="s", entry_id="1-0", payload=None)
+    assert set(bare) == set(_required(DEAD_LETTER_FIELDS)), FIX
+
+
+@pytest.mark.parametrize("missing", _required(CHUNK_FIELDS))
+def test_a_chunk_without_a_required_field_is_refused(missing: str) -> None:
+    message = {"v": 1, "id": "a", "text": "some text"}
+    assert set(message) == set(_required(CHUNK_FIELDS))  # the table's required fields
+    assert decode_chunk(msgpack.packb(message)).id == "a"  # ... are enough
+    del message[missing]
+    with pytest.raises(ProtocolError):
+        decode_chunk(msgpack.packb(message))
+
+
+async def test_a_query_asked_by_the_readme_steps_alone_is_answered(
+    settings: Settings, client: aioredis.Redis, encoder
+) -> None:
+    """Steps 1-3 with plain redis and msgpack; nothing of embedfleet's client is used."""
+    namespace = settings.namespace
+    texts = ["where is the station", "how do I open a file"]
+    request = uuid.uuid4().hex  # step 1
+    async with running_worker(settings, encoder, client):
+        deadline = int((time.time() + 60) * 1000)
+        for n, text in enumerate(texts):  # step 2
+            chunk = {"v": 1, "id": f"{request}:{n}", "text": text, "reply": request}
+            chunk["deadline"] = deadline
+            await client.xadd(f"{namespace}:query", {"m": msgpack.packb(chunk)})
+        answers = {}
+        while len(answers) < len(texts):  # step 3
+            popped = await client.blpop([f"{namespace}:reply:{request}"], timeout=60)
+            assert popped is not None, "no answer within 60 s"
+            answer = msgpack.unpackb(popped[1])
+            assert "error" not in answer, answer
+            assert answer.keys() <= _names(RESULT_FIELDS)
+            vector = np.frombuffer(answer["vec"], dtype="<f2")
+            assert answer.get("dtype", "float16") == "float16"
+            assert vector.shape == (answer["dim"],) == (encoder.dim,)
+            answers[int(answer["id"].rsplit(":", 1)[1])] = vector.astype(np.float32)
+        ttl = await client.ttl(f"{namespace}:reply:{request}")
+    expected = encoder.embed_texts(texts)
+    for n in range(len(texts)):
+        cosine = answers[n] @ expected[n] / np.linalg.norm(answers[n]) / np.linalg.norm(expected[n])
+        assert cosine > 0.99
+    assert ttl == -2 or 0 < ttl <= settings.reply_ttl_s  # gone once emptied, or expiring
