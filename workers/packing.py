@@ -17,9 +17,14 @@ Three ways to lay out a micro-batch of tokenized texts for the forward pass:
     where installed (CUDA, fp16/bf16), else SDPA on nested jagged tensors, else a plain loop
     over the texts (the fallback that always exists). No padding anywhere.
 
-Which layout the worker uses is decided in :func:`preferred_layout` from benchmark figures
-(``python -m loadtest.bench --engines`` and per-window interleaved runs; docs/BENCHMARKS.md),
-not from theory. On the 2-core CPU we measure:
+The worker does not run these layouts yet: it embeds sorted, padded micro-batches
+(``workers.batcher`` + ``Encoder.collate``) on every device, and this module is imported only by
+``loadtest/bench.py`` and ``tests/test_packing.py``. It is kept for the two places where the
+figures say a packed layout should win, each with its issue: ``varlen`` as the CUDA worker's
+path (issue 18) and ``rows`` for bf16 on a CPU with several threads (issue 17, which measures
+it again first). :func:`preferred_layout` says which layout the figures favour, from benchmark
+runs (``python -m loadtest.bench --engines`` and per-window interleaved runs;
+docs/BENCHMARKS.md), not from theory. On a 2-core Intel Xeon we measured:
 
 - fp32: sorted ``padded`` micro-batches are fastest (rows 0.90x, greedy fill 0.96x, per window
   interleaved, 2 threads, quiet machine). With ~4% padding left there is little to win, and
