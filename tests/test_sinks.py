@@ -24,7 +24,7 @@ import pytest
 from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.producer.client import JobProgress
-from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, decode_result
+from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, Result, decode_result
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
 from embedfleet.shared.vectordb import (
@@ -453,6 +453,7 @@ async def test_worker_process_search_and_index_verbs_end_to_end(
     assert found.returncode == 0, found.stderr[-2000:]
     hits = [json.loads(line) for line in found.stdout.splitlines()]
     assert [h["id"] for h in hits][:1] == [chunks[3].id] and len(hits) == 2
+    assert hits[0]["text"] == chunks[3].text  # --json carries the full stored text
     indexed = subprocess.run(
         [sys.executable, "-m", "embedfleet.cli", "index"],
         capture_output=True,
@@ -486,20 +487,35 @@ async def test_a_table_of_another_dimension_is_refused_clearly(
     assert "EMBEDFLEET_SINK_TABLE" in str(raised.value)
 
 
+def _database(
+    backend: str, request: pytest.FixtureRequest, settings: Settings, tmp_path: Path
+) -> Settings:
+    """``settings`` with a fresh table of ``backend`` as the sink."""
+    url = _sink_url(backend, request, tmp_path)
+    return settings.model_copy(update={"sink": url, "sink_table": f"t_{uuid.uuid4().hex[:8]}"})
+
+
+async def _write(sink: Sink, settings: Settings, client: Any, results: list[Result]) -> None:
+    """``sink.write`` as the worker calls it, each result answering a real pending entry."""
+    from embedfleet.shared.redis_conn import ensure_group
+    from embedfleet.workers.sinks import Delivery
+
+    entry_ids = [await client.xadd(settings.keys.ingest, {"m": b"x"}) for _ in results]
+    # delivered to a consumer, so pending: only pending entries are acknowledged and counted
+    await ensure_group(client, settings.keys, settings.keys.ingest)
+    await client.xreadgroup(settings.group, "sink-test", {settings.keys.ingest: ">"})
+    deliveries = [
+        Delivery(settings.keys.ingest, e.decode(), r.job)
+        for e, r in zip(entry_ids, results, strict=True)
+    ]
+    await sink.write(results, deliveries)
+
+
 @pytest.mark.parametrize("backend", DATABASES)
 async def test_an_id_twice_in_one_batch_is_written_once_last_wins(
     backend: str, request: pytest.FixtureRequest, settings: Settings, client, tmp_path: Path
 ) -> None:
-    from embedfleet.shared.protocol import Result
-    from embedfleet.shared.redis_conn import ensure_group
-    from embedfleet.workers.sinks import Delivery
-
-    settings = settings.model_copy(
-        update={
-            "sink": _sink_url(backend, request, tmp_path),
-            "sink_table": f"twice_{uuid.uuid4().hex[:8]}",
-        }
-    )
+    settings = _database(backend, request, settings, tmp_path)
     sink = _sink(backend, settings, client)
     await sink.setup("tiny-model", 4)
     first, last = np.eye(4, dtype=np.float16)[0], np.eye(4, dtype=np.float16)[1]
@@ -507,12 +523,7 @@ async def test_an_id_twice_in_one_batch_is_written_once_last_wins(
         Result(id="same", model="tiny-model", vector=first, job="j", meta={"v": 1}),
         Result(id="same", model="tiny-model", vector=last, job="j", meta={"v": 2}),
     ]
-    entry_ids = [await client.xadd(settings.keys.ingest, {"m": b"x"}) for _ in results]
-    # delivered to a consumer, so pending: only pending entries are acknowledged and counted
-    await ensure_group(client, settings.keys, settings.keys.ingest)
-    await client.xreadgroup(settings.group, "sink-test", {settings.keys.ingest: ">"})
-    deliveries = [Delivery(settings.keys.ingest, e.decode(), "j") for e in entry_ids]
-    await sink.write(results, deliveries)
+    await _write(sink, settings, client, results)
     await sink.close()
     stored = stored_vectors(parse_sink_url(settings.sink, settings.sink_table))
     assert [(s.id, s.meta) for s in stored] == [("same", {"v": 2})]
@@ -525,28 +536,58 @@ async def test_an_id_twice_in_one_batch_is_written_once_last_wins(
 async def test_texts_are_stored_unless_store_text_is_off(
     backend: str, request: pytest.FixtureRequest, settings: Settings, client, tmp_path: Path
 ) -> None:
-    from embedfleet.shared.protocol import Result
-    from embedfleet.shared.redis_conn import ensure_group
-    from embedfleet.workers.sinks import Delivery
-
-    settings = settings.model_copy(
-        update={
-            "sink": _sink_url(backend, request, tmp_path),
-            "sink_table": f"texts_{uuid.uuid4().hex[:8]}",
-        }
-    )
-    await ensure_group(client, settings.keys, settings.keys.ingest)
+    settings = _database(backend, request, settings, tmp_path)
     for store_text, chunk_id in ((True, "kept"), (False, "elsewhere")):
         sink = _sink(backend, settings.model_copy(update={"store_text": store_text}), client)
         await sink.setup("tiny-model", 4)
-        entry = (await client.xadd(settings.keys.ingest, {"m": b"x"})).decode()
-        await client.xreadgroup(settings.group, "sink-test", {settings.keys.ingest: ">"})
         vector = np.eye(4, dtype=np.float16)[0]
         result = Result(id=chunk_id, model="tiny-model", vector=vector, text="the chunk's text")
-        await sink.write([result], [Delivery(settings.keys.ingest, entry, None)])
+        await _write(sink, settings, client, [result])
         await sink.close()
     stored = stored_vectors(parse_sink_url(settings.sink, settings.sink_table))
     assert {row.id: row.text for row in stored} == {"kept": "the chunk's text", "elsewhere": None}
+
+
+@pytest.mark.parametrize("backend", ["lancedb", "pgvector"])
+async def test_a_table_from_before_texts_were_stored_gets_the_column(
+    backend: str, request: pytest.FixtureRequest, settings: Settings, client, tmp_path: Path
+) -> None:
+    """Readers show no text for an old table; a worker's setup adds the column, then writes."""
+    settings = _database(backend, request, settings, tmp_path)
+    target = parse_sink_url(settings.sink, settings.sink_table)
+    old = Result(id="old", model="tiny-model", vector=np.eye(4, dtype=np.float16)[0])
+    if backend == "lancedb":  # the layout before the text column, written with lancedb itself
+        import lancedb
+        import pyarrow as pa
+        from embedfleet.shared.vectordb.lancedb import lance_schema
+
+        schema = lance_schema(4)
+        schema = schema.remove(schema.get_field_index("text"))
+        rows = {"id": ["old"], "vector": [old.vector.tolist()], "job": [None], "model": ["m"]}
+        rows |= {"truncated": [False], "meta": [None]}
+        lancedb.connect(target.location).create_table(target.table, pa.table(rows, schema=schema))
+    else:
+        import psycopg
+
+        with psycopg.connect(target.location, autocommit=True) as conn:
+            conn.execute(
+                f"CREATE TABLE {target.table} (id text PRIMARY KEY, embedding halfvec(4) NOT NULL,"
+                " job text, model text NOT NULL, truncated boolean NOT NULL DEFAULT false,"
+                " meta jsonb, updated_at timestamptz NOT NULL DEFAULT now())"
+            )
+            conn.execute(
+                f"INSERT INTO {target.table} (id, embedding, model) VALUES ('old', "
+                "'[1,0,0,0]', 'm')"
+            )
+    assert [(row.id, row.text) for row in stored_vectors(target)] == [("old", None)]
+    assert nearest(target, np.eye(4, dtype=np.float32)[0], 1)[0].text is None
+
+    sink = _sink(backend, settings, client)
+    await sink.setup("tiny-model", 4)
+    new = Result(id="new", model="tiny-model", vector=np.eye(4, dtype=np.float16)[1], text="hi")
+    await _write(sink, settings, client, [new])
+    await sink.close()
+    assert {row.id: row.text for row in stored_vectors(target)} == {"old": None, "new": "hi"}
 
 
 async def test_unknown_sink_scheme_is_a_clear_error(settings: Settings, client) -> None:

@@ -96,6 +96,25 @@ class PgvectorBackend(VectorBackend):
             raise VectorDBError(f"{self.target.describe()} stores {name}, not halfvec or vector")
         return name, dim  # type: ignore[return-value]  # checked just above
 
+    def _select(
+        self, conn: psycopg.Connection, extra: str, tail: str, params: dict[str, Any]
+    ) -> list[dict[str, Any]]:
+        """The row fields and ``extra`` of the rows ``tail`` picks, as dicts by column name.
+
+        ``{type}`` in ``extra`` and ``tail`` stands for the embedding column's type.
+        """
+        from psycopg import sql
+
+        query = sql.SQL(f"SELECT {{columns}}, {{text}}, {extra} FROM {{table}} {tail}").format(
+            columns=sql.SQL(SELECTED),
+            text=sql.SQL(self._text_column),
+            table=sql.Identifier(self.target.table),
+            type=sql.SQL(self.column_type or "vector"),
+        )
+        cursor = conn.execute(query, params)
+        names = [column.name for column in cursor.description or ()]
+        return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
@@ -220,19 +239,12 @@ class PgvectorBackend(VectorBackend):
             if k > DEFAULT_EF_SEARCH:
                 conn.execute(sql.SQL("SET hnsw.ef_search = {}").format(sql.Literal(k)))
             # the same operator (<=> cosine distance) and type as the index, so HNSW serves it
-            cursor = conn.execute(
-                sql.SQL(
-                    "SELECT {columns}, {text}, 1 - (embedding <=> %(q)s::{type}) AS score"
-                    " FROM {table} ORDER BY embedding <=> %(q)s::{type} LIMIT %(k)s"
-                ).format(
-                    columns=sql.SQL(SELECTED),
-                    text=sql.SQL(self._text_column),
-                    type=sql.SQL(self.column_type or "vector"),
-                    table=sql.Identifier(self.target.table),
-                ),
+            rows = self._select(
+                conn,
+                "1 - (embedding <=> %(q)s::{type}) AS score",
+                "ORDER BY embedding <=> %(q)s::{type} LIMIT %(k)s",
                 {"q": literal, "k": k},
             )
-            rows = _records(cursor)
         return [Hit(score=float(row["score"]), **row_fields(row, row["meta"])) for row in rows]
 
     def build_index(self, *, force: bool = False) -> list[str]:
@@ -257,21 +269,13 @@ class PgvectorBackend(VectorBackend):
         ]
 
     def export_rows(self, job: str | None = None) -> list[StoredVector]:
-        from psycopg import sql
-
         with self._reading() as conn:
-            cursor = conn.execute(
-                sql.SQL(
-                    "SELECT {columns}, {text}, embedding FROM {table}"
-                    " WHERE %(job)s::text IS NULL OR job = %(job)s ORDER BY id"
-                ).format(
-                    columns=sql.SQL(SELECTED),
-                    text=sql.SQL(self._text_column),
-                    table=sql.Identifier(self.target.table),
-                ),
+            rows = self._select(
+                conn,
+                "embedding",
+                "WHERE %(job)s::text IS NULL OR job = %(job)s ORDER BY id",
                 {"job": job},
             )
-            rows = _records(cursor)
         return [
             StoredVector(
                 vector=np.asarray(_numpy(row["embedding"])).astype(np.float16),
@@ -279,11 +283,6 @@ class PgvectorBackend(VectorBackend):
             )
             for row in rows
         ]
-
-
-def _records(cursor: psycopg.Cursor[Any]) -> list[dict[str, Any]]:
-    names = [column.name for column in cursor.description or ()]
-    return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
 
 
 def _numpy(value: Any) -> Any:
