@@ -29,6 +29,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import click
 import redis.asyncio as aioredis
+from embedfleet.producer.sparkline import Trend
 from embedfleet.shared.fleet import FLEET_STREAMS, INPUT_STREAMS, FleetState, read_fleet
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.redis_conn import connect
@@ -412,6 +413,7 @@ async def _status(
             _emit(report(latest, rate, settings), as_json)
             return
         history = History()
+        trend = Trend()  # the last minutes as sparklines, below the text view
         while True:
             try:
                 snapshot = await take_snapshot(client, settings.keys)
@@ -422,10 +424,12 @@ async def _status(
                 history.add(snapshot)
                 rate = history.throughput()
                 data = report(snapshot, rate, settings, measuring=rate is None)
+                trend.add(snapshot.monotonic, data)
                 if not as_json and sys.stdout.isatty():
                     click.clear()
                 _emit(data, as_json)
                 if not as_json:
+                    click.echo("\n" + "\n".join(trend.lines(snapshot.monotonic)))
                     click.echo(f"\nrefreshing every {interval:g}s; Ctrl-C to stop")
             await asyncio.sleep(interval)
     finally:
