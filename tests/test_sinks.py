@@ -590,6 +590,27 @@ async def test_a_table_from_before_texts_were_stored_gets_the_column(
     assert {row.id: row.text for row in stored_vectors(target)} == {"old": None, "new": "hi"}
 
 
+@pytest.mark.parametrize("backend", DATABASES)
+def test_a_row_the_table_cannot_take_is_named_in_a_value_error(
+    backend: str, request: pytest.FixtureRequest, settings: Settings, tmp_path: Path
+) -> None:
+    """Quantized or truncated results (a chunk's dtype/dimensions options) are refused per row
+    with a ValueError, the kind of fault that dead-letters the row and writes the others."""
+    settings = _database(backend, request, settings, tmp_path)
+    target = parse_sink_url(settings.sink, settings.sink_table)
+    good = Result(id="good", model="m", vector=np.eye(4, dtype=np.float16)[0])
+    codes = Result(id="codes", model="m", vector=np.zeros(4, np.int8), dtype="int8")
+    short = Result(id="short", model="m", vector=np.ones(2, np.float16))
+    with open_backend(target) as backend_:
+        backend_.setup("m", 4, "float32" if backend == "pgvector-vector" else None)
+        with pytest.raises(ValueError, match=r"row 'codes'.*int8"):
+            backend_.upsert([good, codes])
+        with pytest.raises(ValueError, match="row 'short' has 2 dimensions"):
+            backend_.upsert([short, good])
+        backend_.upsert([good])
+        assert [row.id for row in backend_.export_rows()] == ["good"]
+
+
 async def test_unknown_sink_scheme_is_a_clear_error(settings: Settings, client) -> None:
     with pytest.raises(SinkURLError, match="unknown sink scheme 'mongodb://'") as raised:
         build_sink(settings.model_copy(update={"sink": "mongodb://db:27017"}), client)

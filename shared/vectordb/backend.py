@@ -22,7 +22,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 from embedfleet.shared.protocol import Result
@@ -161,6 +161,27 @@ class VectorBackend(abc.ABC):
     # --- for the backends --------------------------------------------------------------------
     def stored_text(self, result: Result) -> str | None:
         return result.text if self.store_text else None
+
+    def float_vectors(self, results: Sequence[Result], dtype: Any, dim: int | None) -> np.ndarray:
+        """The results' vectors as one (rows, dim) array of ``dtype``.
+
+        A ValueError names the row a table cannot take (a result quantized by a chunk's
+        ``dtype`` option, or truncated by its ``dimensions``): the sink dead-letters that row
+        alone and writes the others.
+        """
+        for result in results:
+            if result.dtype not in get_args(VectorDType):
+                raise ValueError(
+                    f"row {result.id!r}: {self.target.describe()} stores float vectors, and "
+                    f"this result is {result.dtype} (the chunk's dtype option): send it without "
+                    "one, or read such results from the Redis sink"
+                )
+            if dim is not None and result.dim != dim:
+                raise ValueError(
+                    f"row {result.id!r} has {result.dim} dimensions, {self.target.describe()} "
+                    f"{dim} (the chunk's dimensions option?)"
+                )
+        return np.stack([np.asarray(r.vector, dtype=dtype) for r in results])
 
     def not_written_yet(self) -> VectorDBError:
         return VectorDBError(

@@ -123,9 +123,7 @@ class LanceDBBackend(VectorBackend):
         vector_type = schema.field(VECTOR_COLUMN).type
         dim = vector_type.list_size
         numpy_type = vector_type.value_type.to_pandas_dtype()
-        vectors = np.stack([np.asarray(r.vector, dtype=numpy_type) for r in results])
-        if vectors.shape[1] != dim:
-            raise ValueError(f"vectors have {vectors.shape[1]} dimensions, the table {dim}")
+        vectors = self.float_vectors(results, numpy_type, dim)
         columns: dict[str, Any] = {
             "id": [r.id for r in results],
             VECTOR_COLUMN: pa.FixedSizeListArray.from_arrays(

@@ -200,6 +200,8 @@ class PgvectorBackend(VectorBackend):
         wrap = HalfVector if self.column_type == "halfvec" else Vector
         dtype = np.float16 if self.column_type == "halfvec" else np.float32
         columns = ["text", self.column_type, "text", "text", "bool", "text", "text"]
+        rows = sorted(results, key=lambda r: r.id)
+        vectors = self.float_vectors(rows, dtype, self.dim)
         try:
             with conn.transaction(), conn.cursor() as cursor:
                 copy_sql = sql.SQL(
@@ -208,11 +210,11 @@ class PgvectorBackend(VectorBackend):
                 ).format(staging=staging)
                 with cursor.copy(copy_sql) as copy:
                     copy.set_types(columns)
-                    for r in sorted(results, key=lambda r: r.id):
-                        vector = wrap(np.asarray(r.vector, dtype=dtype))
+                    for r, values in zip(rows, vectors, strict=True):
                         meta = meta_to_json(r.meta)
                         text = self.stored_text(r)
-                        copy.write_row((r.id, vector, r.job, r.model, r.truncated, meta, text))
+                        row = (r.id, wrap(values), r.job, r.model, r.truncated, meta, text)
+                        copy.write_row(row)
                 cursor.execute(
                     sql.SQL(
                         "INSERT INTO {table} (id, embedding, job, model, truncated, meta, text)"

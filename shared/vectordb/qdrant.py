@@ -50,6 +50,7 @@ class QdrantBackend(VectorBackend):
     def __init__(self, target: Any, *, store_text: bool = True) -> None:
         super().__init__(target, store_text=store_text)
         self.local = target.kind == "qdrant-local"
+        self.dim: int | None = None  # the collection's, once set up
         self._client: QdrantClient | None = None
 
     def _connect(self) -> QdrantClient:
@@ -124,13 +125,14 @@ class QdrantBackend(VectorBackend):
         stored_dtype = "float16" if datatype == models.Datatype.FLOAT16 else "float32"
         if dtype is not None and stored_dtype != dtype:
             raise self.dtype_mismatch(stored_dtype, dtype)
+        self.dim = dim
 
     def upsert(self, results: Sequence[Result]) -> None:
         from qdrant_client import models
 
         if self._client is None:
             raise RuntimeError("QdrantBackend.setup(model, dim) must run before upsert()")
-        vectors = np.stack([np.asarray(r.vector, dtype=np.float32) for r in results]).tolist()
+        vectors = self.float_vectors(results, np.float32, self.dim).tolist()
         points = [
             models.PointStruct(id=point_id(r.id), vector=vector, payload=self._payload(r))
             for r, vector in zip(results, vectors, strict=True)
