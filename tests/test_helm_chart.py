@@ -404,6 +404,56 @@ def test_defaults(rendered_cases: dict[str, Rendered], chart_values: dict[str, A
         r.deployment("query-worker")
 
 
+# --------------------------------------------------------------------------- image
+
+
+def _makefile_image() -> str:
+    """The repository and version `make image` tags (Makefile's IMAGE, pyproject's version)."""
+    makefile = (REPO / "Makefile").read_text()
+    repository = re.search(r"^IMAGE \?= (\S+)$", makefile, re.MULTILINE)
+    version = re.search(r'^version = "(.+)"$', (REPO / "pyproject.toml").read_text(), re.MULTILINE)
+    assert repository and version
+    return f"{repository.group(1)}:{version.group(1)}"
+
+
+def test_default_image_is_what_make_image_tags(rendered_cases: dict[str, Rendered]) -> None:
+    r = rendered_cases["chart-defaults"]
+    assert container(r.deployment("worker"))["image"] == _makefile_image()
+
+
+def test_cuda_variant_is_one_value_away(rendered_cases: dict[str, Rendered]) -> None:
+    assert container(rendered_cases["gpu-values.yaml"].deployment("worker"))["image"] == (
+        _makefile_image() + "-cuda"
+    )
+    explicit = render({"image": {"variant": "cuda", "tag": "v9"}})
+    assert container(explicit.deployment("worker"))["image"].endswith(":v9"), "a tag wins"
+
+
+def test_pods_fit_the_image(rendered_cases: dict[str, Rendered]) -> None:
+    """The Dockerfile's non-root uid, a read-only root and a writable /tmp, as the image expects."""
+    dockerfile = (REPO / "Dockerfile").read_text()
+    uid = re.search(r"^USER (\d+):(\d+)$", dockerfile, re.MULTILINE)
+    assert uid, "the image runs as a fixed uid"
+    image_env = dict(re.findall(r"^\s+(HOME|TMPDIR)=(\S+)", dockerfile, re.MULTILINE))
+    assert image_env == {"HOME": "/tmp", "TMPDIR": "/tmp"}
+    for case in ("chart-defaults", "gpu-values.yaml", "query-workers-values.yaml"):
+        r = rendered_cases[case]
+        for deployment in r.all("Deployment"):
+            pod = deployment["spec"]["template"]["spec"]
+            worker = pod["containers"][0]
+            assert pod["securityContext"]["runAsUser"] == int(uid.group(1))
+            assert pod["securityContext"]["runAsGroup"] == int(uid.group(2))
+            assert worker["securityContext"]["readOnlyRootFilesystem"] is True
+            mounts = {m["mountPath"]: m["name"] for m in worker["volumeMounts"]}
+            assert mounts["/tmp"] == "tmp"
+            assert {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}} in pod["volumes"]
+
+
+def test_chart_app_version_is_the_package_version() -> None:
+    chart = yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())
+    assert _makefile_image().endswith(":" + chart["appVersion"])
+
+
 # --------------------------------------------------------------------------- GPU
 
 

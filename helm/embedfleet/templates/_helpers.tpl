@@ -70,7 +70,9 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
 {{- define "embedfleet.image" -}}
-{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion | toString) }}
+{{- $variantTag := .Chart.AppVersion -}}
+{{- if eq (.Values.image.variant | default "cpu") "cuda" }}{{ $variantTag = printf "%s-cuda" .Chart.AppVersion }}{{ end -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default $variantTag | toString) }}
 {{- end }}
 
 {{/*
