@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-quick lint bench gpu-carry
+.PHONY: install demo test test-quick lint bench gpu-carry wheelhouse base-image image image-cuda
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -23,7 +23,7 @@ test: install
 	$(PY) -m pytest
 
 test-quick: install
-	$(PY) -m pytest -m "not chaos and not chart"
+	$(PY) -m pytest -m "not chaos and not chart and not image and not packaging"
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
@@ -36,3 +36,42 @@ bench: install
 # docs/BENCHMARKS.md (GPU check) for the device command that uses it.
 gpu-carry: install
 	$(PY) -m loadtest.gpu_carry
+
+# Worker images (see Dockerfile and the README's "Images"). `make image` builds the CPU image on
+# this kind of machine with nothing pulled: a Debian base from mmdebstrap, every wheel from the
+# host (wheelhouse/), buildah with chroot isolation. Both need root (or rootless buildah).
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGE ?= embedfleet/embedfleet
+BASE_IMAGE ?= localhost/embedfleet-base:bookworm
+BUILDAH ?= buildah
+BUILD_DIR ?= build
+
+# Every wheel the CPU image installs, for an offline build (the torch file pinned by constraints.txt)
+wheelhouse: install
+	$(PIP) wheel -q -c constraints.txt --wheel-dir wheelhouse '.[worker]' 'setuptools>=68' wheel \
+	  'async-timeout>=4.0.3'  # redis needs it on Debian's Python 3.11.2 (< 3.11.3), not on ours
+	# the project's own wheel is built inside the image from its sources; a copy here would change
+	# on every build (zip timestamps) and invalidate every cached layer after it
+	rm -f wheelhouse/embedfleet-*.whl
+
+# A minimal Debian bookworm with Python 3.11, imported as a local image (no registry pull)
+$(BUILD_DIR)/base.tar:
+	mkdir -p $(BUILD_DIR)
+	mmdebstrap --variant=minbase --include=python3,python3-venv bookworm $@
+
+base-image: $(BUILD_DIR)/base.tar
+	if ! $(BUILDAH) inspect --type image $(BASE_IMAGE) >/dev/null 2>&1; then \
+	  ctr=$$($(BUILDAH) from scratch) && $(BUILDAH) add $$ctr $(BUILD_DIR)/base.tar / && \
+	  $(BUILDAH) commit -q $$ctr $(BASE_IMAGE) && $(BUILDAH) rm $$ctr; fi
+
+image: wheelhouse base-image
+	$(BUILDAH) bud --isolation chroot --layers --target cpu \
+	  --build-arg BASE_IMAGE=$(BASE_IMAGE) --build-arg PIP_NO_INDEX=1 \
+	  --build-arg TORCH_SPEC===$(shell sed -n 's/^torch==//p' constraints.txt) \
+	  --build-arg VERSION=$(VERSION) -t $(IMAGE):$(VERSION) .
+
+# The CUDA image needs PyPI and download.pytorch.org (about 3 GB of CUDA wheels)
+image-cuda: base-image
+	$(BUILDAH) bud --isolation chroot --layers --target cuda \
+	  --build-arg BASE_IMAGE=$(BASE_IMAGE) --build-arg VERSION=$(VERSION) \
+	  -t $(IMAGE):$(VERSION)-cuda .
