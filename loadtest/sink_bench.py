@@ -43,7 +43,13 @@ from embedfleet.shared.logging import configure_logging
 from embedfleet.shared.protocol import Chunk, Result
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
-from embedfleet.shared.vectordb import SinkTarget, StoredVector, open_backend, parse_sink_url
+from embedfleet.shared.vectordb import (
+    SinkTarget,
+    StoredVector,
+    local_sink_url,
+    open_backend,
+    parse_sink_url,
+)
 from embedfleet.workers.sinks import Delivery, Sink, build_sink
 
 from embedfleet.server import ServerProcess, preferred_server_binary
@@ -95,16 +101,6 @@ class Bench:
     chunks: list[Chunk]
     runs: list[Run] = field(default_factory=list)
 
-    def sink_url(self, sink: str, run_id: str) -> str:
-        if sink == "redis":
-            return "redis"
-        if sink == "lancedb":
-            return f"lancedb://{self.workdir / 'lancedb'}"
-        if sink == "qdrant-local":
-            return f"qdrant+local://{self.workdir / f'qdrant-{run_id}'}"
-        assert self.pg_uri is not None
-        return self.pg_uri
-
     def settings(self, sink: str) -> Settings:
         """A fresh namespace and a fresh table (a new Qdrant directory) for every run."""
         run_id = uuid.uuid4().hex[:8]
@@ -115,7 +111,8 @@ class Bench:
             block_ms=100,
             log_format="json",
             log_level="warning",
-            sink=self.sink_url(sink, run_id),
+            # a directory per run: Qdrant's local mode holds a lock on its directory
+            sink=local_sink_url(sink, self.workdir / run_id, self.pg_uri),
             sink_table=f"bench_{run_id}",
         )
 

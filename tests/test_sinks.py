@@ -33,6 +33,7 @@ from embedfleet.shared.vectordb import (
     SinkURLError,
     StoredVector,
     VectorDBError,
+    local_sink_url,
     meta_to_json,
     open_backend,
     parse_sink_url,
@@ -100,13 +101,9 @@ def stored_vectors(target: SinkTarget, job: str | None = None) -> list[StoredVec
 
 
 def _sink_url(backend: str, request: pytest.FixtureRequest, tmp: Path) -> str:
-    if backend == "redis":
-        return "redis"
-    if backend == "lancedb":
-        return f"lancedb://{tmp / 'lancedb'}"
-    if backend == "qdrant-local":
-        return f"qdrant+local://{tmp / 'qdrant'}"
-    return request.getfixturevalue("pg_server").get_uri()
+    # the PostgreSQL server starts only for the tests that use it
+    pg = request.getfixturevalue("pg_server").get_uri() if backend.startswith("pgvector") else None
+    return local_sink_url(backend, tmp, pg)
 
 
 @pytest.fixture(scope="module", params=BACKENDS)

@@ -27,6 +27,7 @@ from embedfleet.shared.vectordb.target import (
     SinkKind,
     SinkTarget,
     SinkURLError,
+    local_sink_url,
     parse_sink_url,
 )
 
@@ -44,6 +45,7 @@ __all__ = [
     "VectorBackend",
     "VectorDBError",
     "VectorDType",
+    "local_sink_url",
     "meta_from_json",
     "meta_to_json",
     "open_backend",

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import abc
 import base64
+import contextlib
 import importlib
 import importlib.util
 import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, Literal, get_args
 
 import numpy as np
@@ -101,7 +101,7 @@ def row_fields(record: Mapping[str, Any], meta: dict[str, Any] | None) -> dict[s
     }
 
 
-class VectorBackend(abc.ABC):
+class VectorBackend(contextlib.AbstractContextManager["VectorBackend"], abc.ABC):
     """One vector database, written by the worker and read by the CLI.
 
     A writer calls ``setup`` once (it creates the table), then ``upsert`` per micro-batch. A
@@ -144,21 +144,25 @@ class VectorBackend(abc.ABC):
     def export_rows(self, job: str | None = None) -> list[StoredVector]:
         """Every stored row (optionally one job's), one per id, sorted by id."""
 
-    def close(self) -> None:  # noqa: B027 - optional hook
+    def close(self) -> None:
         """Release the connection; the next call opens a new one."""
 
-    def __enter__(self) -> VectorBackend:
-        return self
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exception: object) -> None:
         self.close()
 
     # --- for the backends --------------------------------------------------------------------
+    def hit(self, record: Mapping[str, Any], meta: dict[str, Any] | None, score: float) -> Hit:
+        """A search result from a row or payload holding ``ROW_FIELDS``."""
+        return Hit(score=score, **row_fields(record, meta))
+
+    def stored(
+        self, record: Mapping[str, Any], meta: dict[str, Any] | None, vector: np.ndarray
+    ) -> StoredVector:
+        """An exported row from a row or payload holding ``ROW_FIELDS``, and its vector."""
+        return StoredVector(
+            vector=np.asarray(vector).astype(np.float16), **row_fields(record, meta)
+        )
+
     def stored_text(self, result: Result) -> str | None:
         return result.text if self.store_text else None
 

@@ -14,22 +14,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from embedfleet.shared.logging import get_logger
-from embedfleet.shared.protocol import Result
 from embedfleet.shared.vectordb.backend import (
     DEFAULT_DTYPE,
     ROW_FIELDS,
-    Hit,
     SinkSetupError,
-    StoredVector,
     VectorBackend,
-    VectorDType,
     meta_from_json,
     meta_to_json,
-    row_fields,
 )
 
 if TYPE_CHECKING:
     import pyarrow as pa
+    from embedfleet.shared.protocol import Result
+    from embedfleet.shared.vectordb.backend import Hit, StoredVector, VectorDType
     from lancedb.table import Table
 
 log = get_logger("embedfleet.sink")
@@ -181,7 +178,7 @@ class LanceDBBackend(VectorBackend):
         )
         return [
             # LanceDB's cosine distance is 1 - similarity
-            Hit(score=1.0 - float(row["_distance"]), **row_fields(row, meta_from_json(row["meta"])))
+            self.hit(row, meta_from_json(row["meta"]), 1.0 - float(row["_distance"]))
             for row in rows
         ]
 
@@ -219,6 +216,6 @@ class LanceDBBackend(VectorBackend):
         vectors = vectors.astype(np.float16).reshape(-1, dim)
         columns = data.select(self._columns(table)).to_pylist()
         return [
-            StoredVector(vector=vectors[i], **row_fields(row, meta_from_json(row["meta"])))
+            self.stored(row, meta_from_json(row["meta"]), vectors[i])
             for i, row in enumerate(columns)
         ]

@@ -19,20 +19,17 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from embedfleet.shared.logging import get_logger
-from embedfleet.shared.protocol import Result
 from embedfleet.shared.vectordb.backend import (
-    Hit,
     SinkSetupError,
-    StoredVector,
     VectorBackend,
     VectorDBError,
-    VectorDType,
     meta_to_json,
-    row_fields,
 )
 
 if TYPE_CHECKING:
     import psycopg
+    from embedfleet.shared.protocol import Result
+    from embedfleet.shared.vectordb.backend import Hit, StoredVector, VectorDType
 
 log = get_logger("embedfleet.sink")
 ColumnType = Literal["halfvec", "vector"]
@@ -247,7 +244,7 @@ class PgvectorBackend(VectorBackend):
                 "ORDER BY embedding <=> %(q)s::{type} LIMIT %(k)s",
                 {"q": literal, "k": k},
             )
-        return [Hit(score=float(row["score"]), **row_fields(row, row["meta"])) for row in rows]
+        return [self.hit(row, row["meta"], float(row["score"])) for row in rows]
 
     def build_index(self, *, force: bool = False) -> list[str]:
         from psycopg import sql
@@ -278,13 +275,7 @@ class PgvectorBackend(VectorBackend):
                 "WHERE %(job)s::text IS NULL OR job = %(job)s ORDER BY id",
                 {"job": job},
             )
-        return [
-            StoredVector(
-                vector=np.asarray(_numpy(row["embedding"])).astype(np.float16),
-                **row_fields(row, row["meta"]),
-            )
-            for row in rows
-        ]
+        return [self.stored(row, row["meta"], _numpy(row["embedding"])) for row in rows]
 
 
 def _numpy(value: Any) -> Any:

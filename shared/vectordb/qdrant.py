@@ -19,20 +19,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from embedfleet.shared.logging import get_logger
-from embedfleet.shared.protocol import Result
 from embedfleet.shared.vectordb.backend import (
-    Hit,
     SinkSetupError,
-    StoredVector,
     VectorBackend,
     VectorDBError,
-    VectorDType,
     meta_from_json,
     meta_to_json,
-    row_fields,
 )
 
 if TYPE_CHECKING:
+    from embedfleet.shared.protocol import Result
+    from embedfleet.shared.vectordb.backend import Hit, StoredVector, VectorDType
     from qdrant_client import QdrantClient
 
 log = get_logger("embedfleet.sink")
@@ -183,7 +180,7 @@ class QdrantBackend(VectorBackend):
             .points
         )
         return [
-            Hit(score=float(p.score), **row_fields(p.payload, p.payload.get("meta")))
+            self.hit(p.payload, p.payload.get("meta"), float(p.score))
             for p in points
             if p.payload is not None
         ]
@@ -237,7 +234,6 @@ class QdrantBackend(VectorBackend):
             )
             for p in points:
                 payload = p.payload or {}
-                fields = row_fields(payload, payload.get("meta"))
-                found.append(StoredVector(vector=np.asarray(p.vector, np.float16), **fields))
+                found.append(self.stored(payload, payload.get("meta"), np.asarray(p.vector)))
             if offset is None:
                 return sorted(found, key=lambda row: row.id)

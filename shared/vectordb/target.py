@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 SinkKind = Literal["redis", "lancedb", "pgvector", "qdrant", "qdrant-local"]
@@ -94,6 +95,23 @@ def parse_sink_url(url: str, table: str = "embeddings") -> SinkTarget:
         f"EMBEDFLEET_SINK={url!r}: unknown sink scheme {scheme + '://'!r}; "
         f"use one of: {SINK_URL_FORMS}"
     )
+
+
+def local_sink_url(kind: str, directory: Path, postgres_uri: str | None = None) -> str:
+    """``EMBEDFLEET_SINK`` for a sink on this machine (tests, benchmarks, the demo).
+
+    The embedded databases (LanceDB, Qdrant local mode) live in ``directory``; PostgreSQL is a
+    server, so a ``pgvector*`` kind takes its URI.
+    """
+    if kind == "redis":
+        return "redis"
+    if kind == "lancedb":
+        return f"lancedb://{directory / 'lancedb'}"
+    if kind == "qdrant-local":
+        return f"qdrant+local://{directory / 'qdrant'}"
+    if kind.startswith("pgvector") and postgres_uri is not None:
+        return postgres_uri
+    raise SinkURLError(f"no local {kind} sink (a pgvector sink needs the server's URI)")
 
 
 def _path_of(url: str, rest: str) -> str:
