@@ -4,38 +4,15 @@ Every stream entry has one field, ``m``, holding a msgpack map with ``v`` (the p
 Anything that can speak Redis and msgpack can produce chunks and read results; nothing is ever
 pickled, and unpacking is bounded so a hostile payload cannot make a worker allocate gigabytes.
 
-chunk (ingest stream, query stream)::
-
-    {"v": 1, "id": str, "text": str, "job": str | nil, "meta": map | nil,
-     "prompt_name": str, "prompt": str, "dimensions": int, "dtype": str}   # all four optional
-    query entries also carry "reply": str (suffix of the reply key the caller waits on) and
-    "deadline": int (unix ms after which the caller has gone and the query is skipped)
-
-    ``prompt`` is a literal prefix and wins over ``prompt_name`` (a key of the model's
-    ``prompts``), as in ``SentenceTransformer.encode``; neither means the lane's default (the
-    model's ``query`` prompt on the query stream, ``document``/``passage`` on the ingest stream).
-    ``dimensions`` truncates the vector (Matryoshka) and ``dtype`` picks the output precision,
-    one of :data:`OUTPUT_DTYPES`; absent means the worker's settings.
-
-result (results stream)::
-
-    {"v": 1, "id": str, "job": str | nil, "model": str, "dim": int, "dtype": str,
-     "vec": bin, "truncated": bool, "meta": map | nil}
-
-    ``dim`` is the vector's dimension (after any truncation) and ``dtype`` says how ``vec``
-    holds it: ``float16`` (little-endian, dim * 2 bytes; the default, and what a result without
-    ``dtype`` means), ``float32`` (dim * 4), ``int8`` / ``uint8`` (dim bytes, scalar-quantized
-    with the model's fixed calibration ranges), ``binary`` / ``ubinary`` (ceil(dim / 8) bytes,
-    one bit per dimension, most significant bit first; ``binary`` stores each byte minus 128 as
-    int8). Exactly ``sentence_transformers.quantize_embeddings``' layouts.
+The messages (chunk, query fields, result, error reply, dead letter), field by field, and how a
+caller waits for a query's answer are listed once, in ``shared/protocol_doc.py``: the README's
+protocol section is generated from it, and ``tests/test_protocol_doc.py`` checks it against what
+this module writes and accepts.
 
 Why still v1: every new field is optional and a v1 reader that ignores them still reads every
 result it asked for (fp16 unless it asked otherwise), and a v1 chunk without them means what it
 always meant. A version bump would have made every existing producer's chunks unreadable to new
 workers, or every new worker's results unreadable to existing consumers, for no gain.
-
-dead letter (dead-letter stream) has plain string fields for ``redis-cli XRANGE``:
-``reason``, ``stream``, ``entry_id``, ``id`` (when known), ``deliveries``, ``payload_prefix``.
 """
 
 from __future__ import annotations

@@ -128,9 +128,9 @@ RESULT_FIELDS: tuple[WireField, ...] = (
         "bin",
         True,
         "`float16` little-endian (dim × 2 bytes), `float32` (dim × 4), `int8`/`uint8` (dim "
-        "bytes), `binary`/`ubinary` (⌈dim/8⌉ bytes, one bit per dimension, most significant "
-        "first; `binary` is each byte − 128 as int8): `sentence_transformers."
-        "quantize_embeddings`' layouts",
+        "bytes, scalar-quantized with the model's fixed calibration ranges), `binary`/"
+        "`ubinary` (⌈dim/8⌉ bytes, one bit per dimension, most significant first; `binary` is "
+        "each byte − 128 as int8): `sentence_transformers.quantize_embeddings`' layouts",
     ),
     WireField(
         "truncated",
