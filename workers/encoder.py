@@ -8,11 +8,11 @@ forward pass on their own threads.
 
 from __future__ import annotations
 
-import json
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 import numpy as np
 import torch
@@ -20,6 +20,7 @@ from embedfleet.shared.logging import adopt_library_logger
 from embedfleet.shared.settings import PACKAGED_MODEL
 from embedfleet.workers.cpus import usable_cpus
 from embedfleet.workers.frozen import FrozenForward, build_checked, freeze
+from embedfleet.workers.model_dir import ModelSpec, SentenceHead, read_model_spec
 from embedfleet.workers.precision import (
     PROBE_TEXTS,
     ParityReport,
@@ -34,7 +35,8 @@ from transformers.utils import logging as transformers_logging
 # (above a progress bar, quiet below --verbose), once the process has configured logging.
 adopt_library_logger("transformers")
 
-PoolingMode = Literal["mean", "cls", "lasttoken", "max"]
+PoolingMode = Literal["mean", "cls", "lasttoken", "max", "weightedmean", "mean_sqrt_len_tokens"]
+Lane = Literal["query", "document"]
 # A text this many characters per allowed token long certainly has more tokens than the model
 # takes; cutting it first keeps a 10 MB text from costing seconds of tokenization.
 CHARS_PER_TOKEN_CUT = 50
@@ -44,12 +46,19 @@ class ModelNotFoundError(RuntimeError):
     """The configured model cannot be found or loaded; the message says what to set."""
 
 
+class PromptError(ValueError):
+    """A chunk names a prompt the model does not declare (dead-lettered with this reason)."""
+
+
 @dataclass(frozen=True)
 class Tokenized:
     """One text's token ids (with special tokens), and whether it was cut to fit the model."""
 
     ids: list[int]
     truncated: bool
+    # leading tokens that are the prompt (with the tokenizer's leading special tokens), as
+    # sentence-transformers counts them; excluded from pooling when include_prompt is false
+    prompt_length: int = 0
 
     @property
     def length(self) -> int:
@@ -62,6 +71,7 @@ class EncodeBatch:
 
     input_ids: torch.Tensor  # (batch, seq) int64
     attention_mask: torch.Tensor  # (batch, seq) int64
+    prompt_lengths: torch.Tensor | None = None  # (batch,) int64, when pooling leaves prompts out
 
     @property
     def size(self) -> int:
@@ -78,8 +88,14 @@ class EncodeBatch:
 
 @dataclass(frozen=True)
 class PoolingConfig:
-    mode: PoolingMode
+    modes: tuple[str, ...]
     normalize: bool
+    include_prompt: bool = True
+
+    @property
+    def mode(self) -> PoolingMode:
+        """The single pooling mode (packed layouts support one mode only)."""
+        return cast(PoolingMode, self.modes[0])
 
 
 def resolve_model_path(model: str) -> Path:
@@ -103,52 +119,11 @@ def resolve_model_path(model: str) -> Path:
     return path
 
 
-def read_pooling_config(model_dir: Path) -> PoolingConfig:
-    """Pooling and normalisation from modules.json + the Pooling module's config.json.
-
-    A plain HF directory without sentence-transformers files gets mean pooling, normalised,
-    which is what sentence-transformers itself does for such a model.
-    """
-    modules_file = model_dir / "modules.json"
-    if not modules_file.is_file():
-        return PoolingConfig(mode="mean", normalize=True)
-    modules = json.loads(modules_file.read_text())
-    mode: PoolingMode = "mean"
-    normalize = False
-    for module in modules:
-        module_type = module.get("type", "")
-        if module_type.endswith("Pooling"):
-            config = json.loads((model_dir / module["path"] / "config.json").read_text())
-            mode = _pooling_mode(config)
-        elif module_type.endswith("Normalize"):
-            normalize = True
-    return PoolingConfig(mode=mode, normalize=normalize)
-
-
-def _pooling_mode(config: dict[str, object]) -> PoolingMode:
-    if "pooling_mode" in config:  # newer sentence-transformers write a single key
-        named = str(config["pooling_mode"]).replace("_token", "").replace("_tokens", "")
-        aliases = {"mean": "mean", "cls": "cls", "lasttoken": "lasttoken", "max": "max"}
-        if named in aliases:
-            return aliases[named]  # type: ignore[return-value]
-    if config.get("pooling_mode_cls_token"):
-        return "cls"
-    if config.get("pooling_mode_lasttoken"):
-        return "lasttoken"
-    if config.get("pooling_mode_max_tokens"):
-        return "max"
-    if config.get("pooling_mode_mean_tokens"):
-        return "mean"
-    raise ModelNotFoundError(f"unsupported pooling configuration: {config}")
-
-
-def read_max_length(model_dir: Path, tokenizer_max: int, position_limit: int) -> int:
-    """sentence-transformers' max_seq_length when declared, else what tokenizer and model allow."""
-    st_config = model_dir / "sentence_bert_config.json"
-    if st_config.is_file():
-        declared = json.loads(st_config.read_text()).get("max_seq_length")
-        if isinstance(declared, int) and declared > 0:
-            return declared
+def read_max_length(spec: ModelSpec, tokenizer_max: int, position_limit: int) -> int:
+    """sentence-transformers' max_seq_length when declared, else what tokenizer and model allow
+    (sentence-transformers caps the tokenizer's model_max_length at max_position_embeddings)."""
+    if spec.max_seq_length is not None:
+        return spec.max_seq_length
     return min(tokenizer_max, position_limit)
 
 
@@ -185,21 +160,37 @@ class Encoder:
         self.parity: ParityReport | None = None
         if self.device.type == "cpu":
             torch.set_num_threads(threads or usable_cpus())
-        self.pooling = read_pooling_config(self.model_dir)
-        self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        # modules, pooling, Dense, Normalize, prompts; refuses what it cannot reproduce
+        self.spec = read_model_spec(self.model_dir)
+        self.pooling = PoolingConfig(
+            modes=self.spec.pooling_modes,
+            normalize=self.spec.normalize,
+            include_prompt=self.spec.include_prompt,
+        )
+        transformer_dir = self.spec.transformer_dir
+        self._tokenizer = AutoTokenizer.from_pretrained(transformer_dir)
         if not self._tokenizer.is_fast:
-            raise ModelNotFoundError(f"{self.model_dir} has no fast tokenizer (tokenizer.json)")
+            raise ModelNotFoundError(f"{transformer_dir} has no fast tokenizer (tokenizer.json)")
         transformers_logging.disable_progress_bar()  # a local load needs no progress bar
         load_dtype = torch.float32 if dtype == "auto" else self.precision.weights_dtype
-        self._model = AutoModel.from_pretrained(self.model_dir, dtype=load_dtype)
+        self._model = AutoModel.from_pretrained(transformer_dir, dtype=load_dtype)
         self._model.to(self.device).eval()
+        self._head = SentenceHead(self.spec).to(self.device).eval()
         position_limit = getattr(self._model.config, "max_position_embeddings", 512)
         self.max_length = read_max_length(
-            self.model_dir, self._tokenizer.model_max_length, position_limit
+            self.spec, self._tokenizer.model_max_length, position_limit
         )
-        self.dim = int(self._model.config.hidden_size)
+        self.dim = self.spec.output_dim(int(self._model.config.hidden_size))
+        # sentence-transformers' prompt table: "query" and "document" exist (empty) unless the
+        # model sets them, which is why encode_query / encode_document never fall back to
+        # default_prompt_name; see resolve_prompt.
+        self.prompts: dict[str, str] = {"query": "", "document": "", **self.spec.prompts}
         self.pad_id = int(self._tokenizer.pad_token_id or 0)
+        # decoder-only embedders declare left padding; the pooling reads either side
+        self.pad_left = self._tokenizer.padding_side == "left"
         self._backend = self._tokenizer.backend_tokenizer
+        if self.spec.do_lower_case:
+            _lowercase_normalizer(self._backend)
         self._backend.no_padding()
         # One token over the limit tells us a text was cut; see tokenize().
         self._backend.enable_truncation(self.max_length + 1)
@@ -244,42 +235,101 @@ class Encoder:
         encoding = self._backend.encode("a")
         return bool(encoding.special_tokens_mask and encoding.special_tokens_mask[-1])
 
+    # --- prompts ----------------------------------------------------------------------
+    def resolve_prompt(
+        self,
+        lane: Lane,
+        *,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        lane_default: str = "",
+    ) -> str:
+        """The prompt text for one chunk, chosen as ``encode_query`` (query lane) or
+        ``encode_document`` (bulk) choose it; ``lane_default`` is the operator's override
+        (EMBEDFLEET_QUERY_PROMPT_NAME / _DOCUMENT_PROMPT_NAME). Raises PromptError for a
+        prompt name the model does not declare. An empty string means no prompt."""
+        if prompt is not None:
+            return prompt  # a literal prompt wins over any name, as in sentence-transformers
+        if prompt_name is None:
+            prompt_name = lane_default or self._lane_prompt_name(lane)
+        if prompt_name is None:
+            return ""
+        if prompt_name not in self.prompts:
+            raise PromptError(
+                f"prompt_name {prompt_name!r} is not one of the model's prompts "
+                f"({', '.join(sorted(self.prompts))})"
+            )
+        return self.prompts[prompt_name]
+
+    def _lane_prompt_name(self, lane: Lane) -> str | None:
+        candidates = ("query",) if lane == "query" else ("document", "passage", "corpus")
+        for name in candidates:
+            if name in self.prompts:
+                return name
+        return self.spec.default_prompt_name
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - a few prompts per model, encoder lives on
+    def prompt_length(self, prompt: str) -> int:
+        """Tokens of ``prompt`` at the start of ``prompt + text`` (leading special tokens
+        included, a trailing one not): sentence-transformers' ``_get_prompt_length``."""
+        encoding = self._backend.encode(prompt)
+        length = len(encoding.ids)
+        if encoding.special_tokens_mask and encoding.special_tokens_mask[-1]:
+            length -= 1
+        return length
+
     # --- tokenize ---------------------------------------------------------------------
-    def tokenize(self, texts: list[str]) -> list[Tokenized]:
-        """Token ids per text, cut to the model's maximum with the truncated flag set.
+    def tokenize(self, texts: list[str], prompts: list[str] | None = None) -> list[Tokenized]:
+        """Token ids per text (``prompt + text`` where a prompt is given, as
+        sentence-transformers joins them, so prompt tokens count against the maximum), cut to
+        the model's maximum with the truncated flag set.
 
         The batch call runs in Rust and releases the GIL, so callers put it on a thread.
         """
         cut_at = self.max_length * CHARS_PER_TOKEN_CUT
+        if prompts is not None:
+            texts = [prompt + text for prompt, text in zip(prompts, texts, strict=True)]
         prepared = [text[:cut_at] for text in texts]
         encodings = self._backend.encode_batch(prepared)
         results: list[Tokenized] = []
-        for text, cut_text, encoding in zip(texts, prepared, encodings, strict=True):
+        for row, (text, cut_text, encoding) in enumerate(
+            zip(texts, prepared, encodings, strict=True)
+        ):
             ids = encoding.ids
             if len(ids) <= self.max_length and len(cut_text) < len(text):
                 # Rare: a text so sparse in tokens that the cut lost some. Do it properly.
                 ids = self._backend.encode(text).ids
-            results.append(self._fit(ids))
+            prompt = prompts[row] if prompts is not None else ""
+            results.append(self._fit(ids, self.prompt_length(prompt) if prompt else 0))
         return results
 
-    def _fit(self, ids: list[int]) -> Tokenized:
+    def _fit(self, ids: list[int], prompt_length: int = 0) -> Tokenized:
         if len(ids) <= self.max_length:
-            return Tokenized(ids=ids, truncated=False)
+            return Tokenized(ids=ids, truncated=False, prompt_length=prompt_length)
         if self._ends_with_special:  # keep [SEP]: same ids as truncating at max_length
-            return Tokenized(ids=[*ids[: self.max_length - 1], ids[-1]], truncated=True)
-        return Tokenized(ids=ids[: self.max_length], truncated=True)
+            ids = [*ids[: self.max_length - 1], ids[-1]]
+        else:
+            ids = ids[: self.max_length]
+        return Tokenized(ids=ids, truncated=True, prompt_length=prompt_length)
 
     # --- batch and embed --------------------------------------------------------------
     def collate(self, items: list[Tokenized]) -> EncodeBatch:
-        """Right-pad to the longest sequence in the batch (callers sort by length first)."""
+        """Pad to the longest sequence in the batch (callers sort by length first), on the side
+        the tokenizer declares."""
         longest = max(item.length for item in items)
         input_ids = np.full((len(items), longest), self.pad_id, dtype=np.int64)
         attention_mask = np.zeros((len(items), longest), dtype=np.int64)
         for row, item in enumerate(items):
-            input_ids[row, : item.length] = item.ids
-            attention_mask[row, : item.length] = 1
+            start = longest - item.length if self.pad_left else 0
+            input_ids[row, start : start + item.length] = item.ids
+            attention_mask[row, start : start + item.length] = 1
+        prompt_lengths = None
+        if not self.pooling.include_prompt:
+            prompt_lengths = torch.tensor([item.prompt_length for item in items])
         return EncodeBatch(
-            input_ids=torch.from_numpy(input_ids), attention_mask=torch.from_numpy(attention_mask)
+            input_ids=torch.from_numpy(input_ids),
+            attention_mask=torch.from_numpy(attention_mask),
+            prompt_lengths=prompt_lengths,
         )
 
     @torch.inference_mode()
@@ -289,7 +339,7 @@ class Encoder:
         attention_mask = batch.attention_mask.to(self.device, non_blocking=True)
         with self.precision.context(self.device):
             output = self._model(input_ids=input_ids, attention_mask=attention_mask)
-        return self._vectors(output.last_hidden_state, attention_mask)
+        return self._vectors(output.last_hidden_state, attention_mask, batch.prompt_lengths)
 
     def embed_query(self, batch: EncodeBatch) -> np.ndarray:
         """Like ``embed``, through the frozen graph when one was prepared (short inputs on a
@@ -301,13 +351,22 @@ class Encoder:
     @torch.inference_mode()
     def _embed_frozen(self, forward: FrozenForward, batch: EncodeBatch) -> np.ndarray:
         hidden = forward(batch.input_ids, batch.attention_mask)
-        return self._vectors(hidden, batch.attention_mask)
+        return self._vectors(hidden, batch.attention_mask, batch.prompt_lengths)
 
-    def _vectors(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> np.ndarray:
-        pooled = pool(hidden.float(), attention_mask, self.pooling.mode)
-        if self.pooling.normalize:
-            pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
-        return pooled.cpu().numpy()
+    def _vectors(
+        self,
+        hidden: torch.Tensor,
+        attention_mask: torch.Tensor,
+        prompt_lengths: torch.Tensor | None = None,
+    ) -> np.ndarray:
+        if prompt_lengths is not None:
+            prompt_lengths = prompt_lengths.to(hidden.device)
+        pooled = pool(hidden.float(), attention_mask, self.pooling.modes, prompt_lengths)
+        return self.head(pooled).cpu().numpy()
+
+    def head(self, pooled: torch.Tensor) -> torch.Tensor:
+        """The modules after pooling (Dense, Normalize), on float32 pooled vectors."""
+        return self._head(pooled)
 
     # --- the query graph --------------------------------------------------------------
     @property
@@ -347,14 +406,61 @@ def _transformer_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(max(candidates, key=len)) if candidates else []
 
 
-def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: PoolingMode) -> torch.Tensor:
-    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-    if mode == "mean":
-        return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
-    if mode == "cls":
-        return hidden[:, 0]
-    if mode == "max":
-        return hidden.masked_fill(mask == 0, -1e9).max(dim=1).values
-    # last token: right padding, so the last real token sits at length - 1
-    last = attention_mask.sum(dim=1) - 1
-    return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+def _lowercase_normalizer(backend: object) -> None:
+    """``do_lower_case``: lower-case before the tokenizer's own normalizer, as
+    sentence-transformers does for a fast tokenizer."""
+    from tokenizers.normalizers import Lowercase, Sequence
+
+    normalizer = backend.normalizer  # type: ignore[attr-defined]
+    if normalizer is not None and "Lowercase" in repr(normalizer):
+        return
+    parts = [Lowercase()]
+    if normalizer is not None:
+        parts.append(normalizer)
+    backend.normalizer = Sequence(parts)  # type: ignore[attr-defined]
+
+
+def pool(
+    hidden: torch.Tensor,
+    attention_mask: torch.Tensor,
+    modes: str | tuple[str, ...],
+    prompt_lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """sentence-transformers' Pooling over a padded batch (left or right padding): each mode's
+    vector, concatenated in the order given. ``prompt_lengths`` leaves each row's first
+    prompt tokens out (``include_prompt: false``), keeping the other tokens' positions."""
+    if isinstance(modes, str):
+        modes = (modes,)
+    seq_len = hidden.shape[1]
+    positions = torch.arange(seq_len, device=hidden.device).unsqueeze(0)
+    leading_pad = attention_mask.to(torch.int32).argmax(dim=1)  # 0 for right padding
+    mask = attention_mask
+    if prompt_lengths is not None:
+        mask = mask.masked_fill(positions < (leading_pad + prompt_lengths).unsqueeze(1), 0)
+    float_mask = mask.unsqueeze(-1).to(hidden.dtype)
+    outputs: list[torch.Tensor] = []
+    for mode in modes:
+        if mode == "cls":  # the first token pooled over (after the prompt, if left out)
+            first = mask.to(torch.int32).argmax(dim=1)
+            outputs.append(hidden[torch.arange(hidden.shape[0], device=hidden.device), first])
+        elif mode == "max":
+            outputs.append(hidden.masked_fill(float_mask == 0, float("-inf")).max(dim=1).values)
+        elif mode in ("mean", "mean_sqrt_len_tokens"):
+            counts = float_mask.sum(dim=1).clamp(min=1e-9)
+            if mode == "mean_sqrt_len_tokens":
+                counts = counts.sqrt()
+            outputs.append((hidden * float_mask).sum(dim=1) / counts)
+        elif mode == "weightedmean":  # weights 1, 2, ... from the first real token
+            weights = (positions + 1 - leading_pad.unsqueeze(1)).to(hidden.dtype).unsqueeze(-1)
+            weighted = float_mask * weights
+            total = weighted.sum(dim=1).clamp(min=1e-9)
+            outputs.append((hidden * weighted).sum(dim=1) / total)
+        elif mode == "lasttoken":  # the last token pooled over, on either padding side
+            values, from_end = mask.flip(1).max(dim=1)
+            from_end = torch.where(values == 0, seq_len - 1, from_end)
+            last = seq_len - from_end - 1
+            rows = torch.arange(hidden.shape[0], device=hidden.device)
+            outputs.append((hidden * float_mask)[rows, last])
+        else:
+            raise ValueError(f"unknown pooling mode {mode!r}")
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)

@@ -60,6 +60,7 @@ from embedfleet.workers.encoder import Encoder, PoolingMode, Tokenized
 log = get_logger("embedfleet.packing")
 
 PackLayout = Literal["padded", "rows", "varlen"]
+PACKED_POOLING = ("mean", "cls", "max", "lasttoken")
 # transformers' attention registry is global: one name per kernel (``embedfleet_varlen_<kernel>``)
 # so that two models in one process (the bench's fp32 and bf16 contenders) each keep their own.
 VARLEN_ATTENTION = "embedfleet_varlen"
@@ -434,6 +435,17 @@ class PackedEncoder:
     def __init__(self, encoder: Encoder, layout: PackLayout) -> None:
         if layout == "padded":
             raise ValueError("padded batches go through Encoder.embed")
+        pooling = encoder.pooling
+        if (
+            len(pooling.modes) > 1
+            or pooling.mode not in PACKED_POOLING
+            or not (pooling.include_prompt)
+        ):
+            raise ValueError(
+                f"packed layouts pool one of {', '.join(PACKED_POOLING)} over whole texts; "
+                f"this model pools {'+'.join(pooling.modes)}"
+                + ("" if pooling.include_prompt else " without its prompt")
+            )
         self.encoder = encoder
         self.layout = layout
         self.kernel: str | None = None
@@ -478,6 +490,4 @@ class PackedEncoder:
         with self.encoder.precision.context(device):
             hidden = self._model(**kwargs).last_hidden_state
         pooled = pool_packed(hidden.float(), batch, self.encoder.pooling.mode)
-        if self.encoder.pooling.normalize:
-            pooled = F.normalize(pooled, p=2, dim=1)
-        return pooled.cpu().numpy()
+        return self.encoder.head(pooled).cpu().numpy()

@@ -1,0 +1,297 @@
+"""Tiny random-weight models of every family the worker serves, built in seconds, no hub.
+
+Each family: a ``transformers`` config (2 layers, hidden 32), a tokenizer trained by the
+``tokenizers`` library on text that ships with Python (``pydoc_data``'s topic help: WordPiece for
+the BERT class, Unigram for XLM-R, byte-level BPE for the decoder, which appends its EOS the way
+Qwen3-Embedding's tokenizer does and pads on the left), saved as a Hugging Face directory.
+:func:`sentence_transformers_dir` wraps one in sentence-transformers modules (Pooling mode,
+``include_prompt``, Dense, Normalize, prompts) and saves it with sentence-transformers itself,
+so the directory is exactly what a real published model looks like.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from pydoc_data.topics import topics
+
+import torch
+import transformers
+from tokenizers import (
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
+from transformers import PreTrainedTokenizerFast
+
+FAMILIES = ("bert", "mpnet", "xlm-roberta", "distilbert", "modernbert", "qwen2", "qwen3")
+VOCAB = 600
+MAX_POSITIONS = 128
+
+
+def corpus_lines() -> list[str]:
+    """Text that ships with every Python: the interactive help's topic pages, as lines."""
+    lines = []
+    for key in sorted(topics):
+        lines.extend(line.strip() for line in topics[key].splitlines() if line.strip())
+    return lines
+
+
+def _batches(lines: list[str], size: int = 1000) -> Iterator[list[str]]:
+    for start in range(0, len(lines), size):
+        yield lines[start : start + size]
+
+
+def _wordpiece(cls: str, sep: str, pad: str, unk: str, mask: str, lowercase: bool) -> Tokenizer:
+    tokenizer = Tokenizer(models.WordPiece(unk_token=unk))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=lowercase)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece()
+    specials = [pad, unk, cls, sep, mask] if pad != "<pad>" else [cls, pad, sep, unk, mask]
+    trainer = trainers.WordPieceTrainer(vocab_size=VOCAB, special_tokens=specials)
+    tokenizer.train_from_iterator(_batches(corpus_lines()), trainer=trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{cls} $A {sep}",
+        special_tokens=[(cls, tokenizer.token_to_id(cls)), (sep, tokenizer.token_to_id(sep))],
+    )
+    return tokenizer
+
+
+def _unigram() -> Tokenizer:
+    """XLM-R's kind: SentencePiece-style Unigram over Metaspace pieces, <pad> at id 1."""
+    tokenizer = Tokenizer(models.Unigram())
+    tokenizer.normalizer = normalizers.NFKC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    trainer = trainers.UnigramTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
+        unk_token="<unk>",
+    )
+    tokenizer.train_from_iterator(_batches(corpus_lines()), trainer=trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 2)]
+    )
+    return tokenizer
+
+
+def _byte_level_bpe() -> Tokenizer:
+    """Qwen's kind: byte-level BPE; the post-processor appends <|endoftext|> to every text,
+    as Qwen3-Embedding's tokenizer does (its last-token pooling reads that EOS)."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(_batches(corpus_lines()), trainer=trainer)
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    tokenizer.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single="$A <|endoftext|>", special_tokens=[("<|endoftext|>", eos)]
+            ),
+        ]
+    )
+    return tokenizer
+
+
+def _fast_tokenizer(family: str) -> PreTrainedTokenizerFast:
+    if family in ("bert", "distilbert", "modernbert"):
+        raw = _wordpiece("[CLS]", "[SEP]", "[PAD]", "[UNK]", "[MASK]", lowercase=True)
+        names = dict(
+            cls_token="[CLS]",
+            sep_token="[SEP]",
+            pad_token="[PAD]",
+            unk_token="[UNK]",
+            mask_token="[MASK]",
+        )
+    elif family == "mpnet":  # MPNet uses <s> </s> and <pad> at id 1 around a WordPiece vocab
+        raw = _wordpiece("<s>", "</s>", "<pad>", "[UNK]", "<mask>", lowercase=True)
+        names = dict(
+            bos_token="<s>",
+            eos_token="</s>",
+            cls_token="<s>",
+            sep_token="</s>",
+            pad_token="<pad>",
+            unk_token="[UNK]",
+            mask_token="<mask>",
+        )
+    elif family == "xlm-roberta":
+        raw = _unigram()
+        names = dict(
+            bos_token="<s>",
+            eos_token="</s>",
+            cls_token="<s>",
+            sep_token="</s>",
+            pad_token="<pad>",
+            unk_token="<unk>",
+            mask_token="<mask>",
+        )
+    else:
+        raw = _byte_level_bpe()
+        names = dict(eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    side = "left" if family in ("qwen2", "qwen3") else "right"
+    return PreTrainedTokenizerFast(
+        tokenizer_object=raw, model_max_length=MAX_POSITIONS, padding_side=side, **names
+    )
+
+
+def _config(family: str, tokenizer: PreTrainedTokenizerFast) -> transformers.PretrainedConfig:
+    vocab = len(tokenizer)
+    pad = tokenizer.pad_token_id
+    small = dict(vocab_size=vocab, num_hidden_layers=2, num_attention_heads=2, pad_token_id=pad)
+    if family == "bert":
+        return transformers.BertConfig(
+            hidden_size=32, intermediate_size=64, max_position_embeddings=MAX_POSITIONS, **small
+        )
+    if family == "mpnet":
+        return transformers.MPNetConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            max_position_embeddings=MAX_POSITIONS + 2,  # positions start after padding_idx
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            **small,
+        )
+    if family == "xlm-roberta":
+        return transformers.XLMRobertaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            max_position_embeddings=MAX_POSITIONS + 2,
+            bos_token_id=0,
+            eos_token_id=2,
+            **small,
+        )
+    if family == "distilbert":
+        return transformers.DistilBertConfig(
+            vocab_size=vocab,
+            dim=32,
+            hidden_dim=64,
+            n_layers=2,
+            n_heads=2,
+            max_position_embeddings=MAX_POSITIONS,
+            pad_token_id=pad,
+        )
+    if family == "modernbert":
+        return transformers.ModernBertConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            max_position_embeddings=MAX_POSITIONS,
+            local_attention=16,
+            global_attn_every_n_layers=2,
+            cls_token_id=tokenizer.cls_token_id,
+            sep_token_id=tokenizer.sep_token_id,
+            bos_token_id=tokenizer.cls_token_id,
+            eos_token_id=tokenizer.sep_token_id,
+            **small,
+        )
+    config_class = transformers.Qwen2Config if family == "qwen2" else transformers.Qwen3Config
+    return config_class(
+        hidden_size=32,
+        intermediate_size=64,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=MAX_POSITIONS,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+        architectures=[f"{config_class.__name__.removesuffix('Config')}ForCausalLM"],
+        **small,
+    )
+
+
+@functools.cache
+def _trained_tokenizer(family: str) -> PreTrainedTokenizerFast:
+    return _fast_tokenizer(family)
+
+
+def hf_model_dir(family: str, root: Path) -> Path:
+    """A plain Hugging Face directory of ``family`` (config, weights, tokenizer) under root."""
+    target = root / f"hf-{family}"
+    if (target / "config.json").is_file():
+        return target
+    tokenizer = _trained_tokenizer(family)
+    torch.manual_seed(sum(map(ord, family)))  # the same random weights every run
+    model = transformers.AutoModel.from_config(_config(family, tokenizer))
+    # random init is small; larger weights make the hidden states differ more between texts
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, 0.2)
+    model.eval().save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    if family in ("qwen2", "qwen3"):
+        # as published (a causal-LM checkpoint): save_pretrained wrote the base class's name
+        config_file = target / "config.json"
+        config = json.loads(config_file.read_text())
+        config["architectures"] = [type(model).__name__.replace("Model", "ForCausalLM")]
+        config_file.write_text(json.dumps(config, indent=2))
+    return target
+
+
+def sentence_transformers_dir(
+    family: str,
+    root: Path,
+    *,
+    pooling: str | tuple[str, ...] = "mean",
+    include_prompt: bool = True,
+    dense: int | None = None,
+    normalize: bool = True,
+    prompts: dict[str, str] | None = None,
+    default_prompt_name: str | None = None,
+    max_seq_length: int = 48,
+    name: str | None = None,
+) -> Path:
+    """A sentence-transformers directory of ``family`` with the modules asked for, saved by
+    sentence-transformers itself (Transformer at the root, modules in numbered folders)."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Dense, Normalize, Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+
+    hf_dir = hf_model_dir(family, root)
+    name = name or f"st-{family}-{'+'.join([pooling] if isinstance(pooling, str) else pooling)}"
+    target = root / name
+    if (target / "modules.json").is_file():
+        return target
+    transformer = Transformer(str(hf_dir), max_seq_length=max_seq_length)
+    hidden = transformer.get_embedding_dimension()
+    modules: list[torch.nn.Module] = [
+        transformer,
+        Pooling(hidden, pooling_mode=pooling, include_prompt=include_prompt),
+    ]
+    width = hidden * (1 if isinstance(pooling, str) else len(pooling))
+    if dense is not None:
+        torch.manual_seed(7)
+        modules.append(Dense(width, dense, activation_function=torch.nn.Tanh()))
+    if normalize:
+        modules.append(Normalize())
+    model = SentenceTransformer(
+        modules=modules, prompts=prompts, default_prompt_name=default_prompt_name, device="cpu"
+    )
+    model.save(str(target))
+    return target
+
+
+def with_extra_module(source: Path, target: Path, module_type: str) -> Path:
+    """A copy of ``source`` with one more module appended to modules.json (for refusals)."""
+    shutil.copytree(source, target)
+    modules = json.loads((target / "modules.json").read_text())
+    modules.append(
+        {"idx": len(modules), "name": str(len(modules)), "path": "", "type": module_type}
+    )
+    (target / "modules.json").write_text(json.dumps(modules))
+    return target
+
+
+Builder = Callable[..., Path]

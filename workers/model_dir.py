@@ -1,0 +1,374 @@
+"""What a sentence-transformers directory asks for, read without sentence-transformers.
+
+The worker embeds exactly what ``SentenceTransformer(path).encode`` would, so it must honour
+every module and option the directory declares. This module reads ``modules.json`` and each
+module's config into a :class:`ModelSpec` and **refuses** (``UnsupportedModelError``, naming
+the module and the option) anything it cannot reproduce faithfully, rather than serving vectors
+computed with a guess. What it accepts:
+
+- ``Transformer`` (``sentence_transformers.models.Transformer`` or the newer
+  ``sentence_transformers.base.modules.transformer.Transformer``) first, feature extraction on
+  text; ``max_seq_length`` and ``do_lower_case`` from ``sentence_bert_config.json``.
+- ``Pooling``: modes ``mean``, ``cls``, ``max``, ``lasttoken``, ``weightedmean``,
+  ``mean_sqrt_len_tokens``, alone or concatenated, legacy ``pooling_mode_*`` keys or the single
+  ``pooling_mode`` key, and ``include_prompt``.
+- ``Dense`` (a linear layer, an activation from ``torch.nn``, optional residual) after pooling.
+- ``Normalize``.
+- ``config_sentence_transformers.json``: ``prompts`` and ``default_prompt_name``.
+
+A plain Hugging Face directory (no ``modules.json``) gets what sentence-transformers gives it:
+mean pooling (last-token for a ``*ForCausalLM`` architecture), not normalised.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
+# Legacy keys, in the order sentence-transformers concatenates them.
+LEGACY_POOLING_KEYS = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_lasttoken": "lasttoken",
+}
+POOLING_KEYS = {
+    "embedding_dimension",
+    "word_embedding_dimension",
+    "pooling_mode",
+    "include_prompt",
+    *LEGACY_POOLING_KEYS,
+}
+DENSE_KEYS = {
+    "in_features",
+    "out_features",
+    "bias",
+    "activation_function",
+    "module_input_name",
+    "module_output_name",
+    "use_residual",
+}
+# sentence_bert_config.json keys that change nothing the worker computes
+TRANSFORMER_HARMLESS_KEYS = {
+    "max_seq_length",
+    "do_lower_case",
+    "model_args",
+    "tokenizer_args",
+    "config_args",
+    "processor_kwargs",
+    "model_kwargs",
+    "config_kwargs",
+    "backend",
+}
+
+
+# What sentence-transformers >= 5.2 writes for a text model run through its forward pass.
+TEXT_MODALITY = {"text": {"method": "forward", "method_output_name": "last_hidden_state"}}
+
+
+class UnsupportedModelError(RuntimeError):
+    """The model directory asks for something the worker cannot reproduce; the message says
+    which module or option. The worker refuses to start rather than serve different vectors."""
+
+
+@dataclass(frozen=True)
+class DenseSpec:
+    """One ``Dense`` module: ``activation(x @ weight.T + bias) (+ residual)``."""
+
+    path: str
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    activation: str  # a class name in torch.nn
+    residual: torch.Tensor | None  # projection when use_residual and in != out
+    use_residual: bool
+
+    @property
+    def out_features(self) -> int:
+        return int(self.weight.shape[0])
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The pipeline a sentence-transformers directory declares, in worker terms."""
+
+    transformer_dir: Path
+    pooling_modes: tuple[str, ...] = ("mean",)
+    include_prompt: bool = True
+    dense: tuple[DenseSpec, ...] = ()
+    normalize: bool = False
+    max_seq_length: int | None = None
+    do_lower_case: bool = False
+    prompts: dict[str, str] = field(default_factory=dict)
+    default_prompt_name: str | None = None
+
+    def output_dim(self, hidden_size: int) -> int:
+        if self.dense:
+            return self.dense[-1].out_features
+        return hidden_size * len(self.pooling_modes)
+
+
+def _module_kind(module_type: str) -> str:
+    """``sentence_transformers.models.Pooling`` (and the 5.x+ paths) -> ``Pooling``."""
+    return module_type.rsplit(".", 1)[-1]
+
+
+def read_model_spec(model_dir: Path) -> ModelSpec:
+    """The spec of ``model_dir``; UnsupportedModelError for anything not reproducible."""
+    st_config = _read_json(model_dir / "config_sentence_transformers.json")
+    prompts, default_prompt = _read_prompts(model_dir, st_config)
+    modules_file = model_dir / "modules.json"
+    if not modules_file.is_file():
+        modes = ("lasttoken",) if _is_causal_lm(model_dir) else ("mean",)
+        return ModelSpec(
+            transformer_dir=model_dir,
+            pooling_modes=modes,
+            prompts=prompts,
+            default_prompt_name=default_prompt,
+        )
+    model_type = st_config.get("model_type", "SentenceTransformer")
+    if model_type != "SentenceTransformer":
+        raise UnsupportedModelError(
+            f"{model_dir}: config_sentence_transformers.json says model_type={model_type!r}; "
+            "the worker serves SentenceTransformer (dense embedding) models only"
+        )
+    modules = json.loads(modules_file.read_text())
+    spec: dict[str, Any] = {
+        "prompts": prompts,
+        "default_prompt_name": default_prompt,
+    }
+    dense: list[DenseSpec] = []
+    seen: list[str] = []
+    for index, module in enumerate(modules):
+        kind = _module_kind(str(module.get("type", "")))
+        path = str(module.get("path", ""))
+        where = f"{model_dir}: module {index} ({module.get('type')!r} at {path or '.'!r})"
+        module_dir = model_dir / path
+        if index == 0:
+            if kind != "Transformer":
+                raise UnsupportedModelError(
+                    f"{where}: the first module must be a Transformer; the worker cannot run "
+                    f"a {kind} input module"
+                )
+            spec.update(_read_transformer(module_dir, where))
+        elif kind == "Pooling":
+            if "Pooling" in seen or "Dense" in seen or "Normalize" in seen:
+                raise UnsupportedModelError(
+                    f"{where}: Pooling must come once, right after the Transformer"
+                )
+            spec.update(_read_pooling(module_dir, where))
+        elif kind == "Dense":
+            if "Pooling" not in seen or "Normalize" in seen:
+                raise UnsupportedModelError(
+                    f"{where}: a Dense module is supported only after Pooling and before "
+                    "Normalize (on the sentence embedding)"
+                )
+            dense.append(_read_dense(module_dir, path, where))
+        elif kind == "Normalize":
+            if "Pooling" not in seen or "Normalize" in seen:
+                raise UnsupportedModelError(f"{where}: Normalize must come after Pooling, once")
+            spec["normalize"] = True
+        else:
+            raise UnsupportedModelError(
+                f"{where}: the worker cannot run a {kind} module (it supports Transformer, "
+                "Pooling, Dense, Normalize); refusing rather than serving different vectors "
+                "than sentence-transformers would"
+            )
+        seen.append(kind)
+    if "Pooling" not in seen:
+        raise UnsupportedModelError(
+            f"{model_dir}: modules.json has no Pooling module; the worker needs one sentence "
+            "vector per text"
+        )
+    return ModelSpec(transformer_dir=spec.pop("transformer_dir"), dense=tuple(dense), **spec)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _read_prompts(model_dir: Path, st_config: dict[str, Any]) -> tuple[dict[str, str], str | None]:
+    prompts = st_config.get("prompts") or {}
+    if not isinstance(prompts, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in prompts.items()
+    ):
+        raise UnsupportedModelError(
+            f"{model_dir}: config_sentence_transformers.json 'prompts' must map names to strings"
+        )
+    default = st_config.get("default_prompt_name")
+    if default is not None and default not in prompts:
+        raise UnsupportedModelError(
+            f"{model_dir}: default_prompt_name {default!r} is not one of its prompts "
+            f"({', '.join(prompts) or 'none'})"
+        )
+    return dict(prompts), default
+
+
+def _is_causal_lm(model_dir: Path) -> bool:
+    config = _read_json(model_dir / "config.json")
+    architectures = config.get("architectures") or []
+    return bool(
+        architectures
+        and str(architectures[0]).endswith("ForCausalLM")
+        and config.get("is_causal", True)
+    )
+
+
+def _read_transformer(module_dir: Path, where: str) -> dict[str, Any]:
+    config = _read_json(module_dir / "sentence_bert_config.json")
+    unknown = set(config) - TRANSFORMER_HARMLESS_KEYS
+    task = config.get("transformer_task", "feature-extraction")
+    if task != "feature-extraction":
+        raise UnsupportedModelError(
+            f"{where}: transformer_task={task!r}; the worker runs feature extraction only"
+        )
+    unknown.discard("transformer_task")
+    modality = config.get("modality_config", TEXT_MODALITY)
+    if modality != TEXT_MODALITY:
+        raise UnsupportedModelError(
+            f"{where}: modality_config={modality!r}; the worker embeds text through the "
+            f"model's forward pass only ({TEXT_MODALITY!r})"
+        )
+    output_name = config.get("module_output_name", "token_embeddings")
+    if output_name != "token_embeddings":
+        raise UnsupportedModelError(
+            f"{where}: module_output_name={output_name!r}; the worker pools token embeddings"
+        )
+    unknown -= {"modality_config", "module_output_name"}
+    if unknown:
+        raise UnsupportedModelError(
+            f"{where}: sentence_bert_config.json option(s) {sorted(unknown)} are not supported "
+            "(the worker embeds plain text with the tokenizer and model as saved)"
+        )
+    for name in ("model_args", "tokenizer_args", "config_args"):
+        if config.get(name):
+            raise UnsupportedModelError(
+                f"{where}: sentence_bert_config.json {name}={config[name]!r} is not supported; "
+                "save the model with those settings applied instead"
+            )
+    max_length = config.get("max_seq_length")
+    if not (module_dir / "config.json").is_file():
+        raise UnsupportedModelError(f"{where}: no config.json for the transformer")
+    return {
+        "transformer_dir": module_dir,
+        "max_seq_length": max_length if isinstance(max_length, int) and max_length > 0 else None,
+        "do_lower_case": bool(config.get("do_lower_case", False)),
+    }
+
+
+def _read_pooling(module_dir: Path, where: str) -> dict[str, Any]:
+    config = _read_json(module_dir / "config.json")
+    unknown = set(config) - POOLING_KEYS
+    if unknown:
+        raise UnsupportedModelError(f"{where}: Pooling option(s) {sorted(unknown)} not supported")
+    named = config.get("pooling_mode")
+    if named is None:
+        modes = tuple(mode for key, mode in LEGACY_POOLING_KEYS.items() if config.get(key))
+        modes = modes or ("mean",)
+    elif isinstance(named, str):
+        modes = (named,)
+    else:
+        modes = tuple(named)
+    for mode in modes:
+        if mode not in POOLING_MODES:
+            raise UnsupportedModelError(
+                f"{where}: pooling mode {mode!r} is not one of {', '.join(POOLING_MODES)}"
+            )
+    return {"pooling_modes": modes, "include_prompt": bool(config.get("include_prompt", True))}
+
+
+def _read_dense(module_dir: Path, path: str, where: str) -> DenseSpec:
+    config = _read_json(module_dir / "config.json")
+    unknown = set(config) - DENSE_KEYS
+    if unknown:
+        raise UnsupportedModelError(f"{where}: Dense option(s) {sorted(unknown)} not supported")
+    for name in ("module_input_name", "module_output_name"):
+        if config.get(name, "sentence_embedding") != "sentence_embedding":
+            raise UnsupportedModelError(
+                f"{where}: Dense {name}={config[name]!r}; only a Dense on the sentence "
+                "embedding is supported (not on token embeddings)"
+            )
+    activation = str(config.get("activation_function", "torch.nn.modules.activation.Tanh"))
+    class_name = activation.rsplit(".", 1)[-1]
+    if not activation.startswith("torch.") or not isinstance(
+        getattr(torch.nn, class_name, None), type
+    ):
+        raise UnsupportedModelError(
+            f"{where}: Dense activation_function {activation!r} is not a torch.nn class"
+        )
+    state = _load_weights(module_dir, where)
+    weight = state.get("linear.weight")
+    if weight is None:
+        raise UnsupportedModelError(f"{where}: Dense weights have no 'linear.weight'")
+    expected = (int(config["out_features"]), int(config["in_features"]))
+    if tuple(weight.shape) != expected:
+        raise UnsupportedModelError(
+            f"{where}: Dense weight has shape {tuple(weight.shape)}, config says {expected}"
+        )
+    use_residual = bool(config.get("use_residual", False))
+    return DenseSpec(
+        path=path,
+        weight=weight.float(),
+        bias=state["linear.bias"].float() if config.get("bias", True) else None,
+        activation=class_name,
+        residual=state["residual.weight"].float() if "residual.weight" in state else None,
+        use_residual=use_residual,
+    )
+
+
+def _load_weights(module_dir: Path, where: str) -> dict[str, torch.Tensor]:
+    safetensors_file = module_dir / "model.safetensors"
+    if safetensors_file.is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(safetensors_file))
+    torch_file = module_dir / "pytorch_model.bin"
+    if torch_file.is_file():
+        # weights_only: a tensor file, never arbitrary pickled objects
+        return torch.load(torch_file, map_location="cpu", weights_only=True)
+    raise UnsupportedModelError(f"{where}: no model.safetensors or pytorch_model.bin")
+
+
+class SentenceHead(torch.nn.Module):
+    """Everything after pooling: the Dense modules, then Normalize, in float32."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList()
+        self.residuals: list[torch.nn.Module | None] = []
+        for dense in spec.dense:
+            linear = torch.nn.Linear(
+                dense.weight.shape[1], dense.weight.shape[0], bias=dense.bias is not None
+            )
+            with torch.no_grad():
+                linear.weight.copy_(dense.weight)
+                if dense.bias is not None:
+                    linear.bias.copy_(dense.bias)
+            residual: torch.nn.Module | None = None
+            if dense.use_residual:
+                if dense.residual is not None:
+                    projection = torch.nn.Linear(
+                        dense.residual.shape[1], dense.residual.shape[0], bias=False
+                    )
+                    with torch.no_grad():
+                        projection.weight.copy_(dense.residual)
+                    residual = projection
+                else:
+                    residual = torch.nn.Identity()
+            self.layers.append(torch.nn.Sequential(linear, getattr(torch.nn, dense.activation)()))
+            self.residuals.append(residual)
+        self.normalize = spec.normalize
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        for layer, residual in zip(self.layers, self.residuals, strict=True):
+            out = layer(pooled)
+            pooled = out if residual is None else out + residual(pooled)
+        if self.normalize:
+            pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+        return pooled
