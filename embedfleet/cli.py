@@ -5,7 +5,12 @@ from __future__ import annotations
 import click
 
 from embedfleet.demo import demo_command
-from embedfleet.producer.cli import enqueue_command, query_command, results_command
+from embedfleet.producer.cli import (
+    calibration_command,
+    enqueue_command,
+    query_command,
+    results_command,
+)
 from embedfleet.producer.search import index_command, search_command
 from embedfleet.producer.status import status_command
 from embedfleet.verbosity import verbose_option
@@ -31,6 +36,7 @@ for command in (
     query_command,
     results_command,
     status_command,
+    calibration_command,
 ):
     main.add_command(command)
 for command in (search_command, index_command):  # the vector database sinks

@@ -189,3 +189,42 @@ def query_command(text: str, timeout: float, as_json: bool, redis_url: str | Non
 async def _query(settings: Settings, text: str, timeout: float) -> np.ndarray:
     async with Producer(settings) as producer:
         return await producer.embed_query(text, timeout=timeout)
+
+
+@click.command("calibration")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print the stored calibrations as JSON (a file EMBEDFLEET_CALIBRATION_FILE accepts).",
+)
+@redis_url_option
+def calibration_command(as_json: bool, redis_url: str | None) -> None:
+    """Show the int8/uint8 calibration ranges the workers share.
+
+    One per model and dimension variant, stored at {namespace}:calibration:<model>:<variant> by
+    the first worker that needed it (or from EMBEDFLEET_CALIBRATION_FILE). Every worker
+    quantizes with these, so a text gets the same bytes everywhere, every day.
+    """
+    settings = _settings(redis_url)
+    entries = asyncio.run(_calibrations(settings))
+    if as_json:
+        click.echo(json.dumps([entry for _, entry in entries], indent=1))
+        return
+    if not entries:
+        click.echo("no calibration stored yet (a worker makes one when int8/uint8 is asked for)")
+    for key, entry in entries:
+        low, high = np.array(entry["min"]), np.array(entry["max"])
+        click.echo(
+            f"{key}\n  model {entry['model']}, variant {entry['variant']}, dim {entry['dim']}, "
+            f"from {entry['texts']} texts ({entry['source']})\n"
+            f"  min {low.min():+.4f}..{low.max():+.4f}, max {high.min():+.4f}..{high.max():+.4f}"
+        )
+
+
+async def _calibrations(settings: Settings) -> list[tuple[str, dict]]:
+    async with Producer(settings) as producer:
+        pattern = producer.keys.calibration("*", "*").replace("*:*", "*")
+        keys = sorted([key.decode() async for key in producer.client.scan_iter(match=pattern)])
+        values = await producer.client.mget(keys) if keys else []
+    return [(key, json.loads(value)) for key, value in zip(keys, values, strict=True) if value]

@@ -67,7 +67,8 @@ class Keys:
         max_length), so producers and the gateway can check options before enqueueing."""
         return f"{self.namespace}:model"
 
-    def calibration(self, model: str, dim: int) -> str:
-        """int8/uint8 calibration ranges of ``model`` at ``dim`` dimensions (JSON): written once,
-        by the first worker that needs them or by ``embedfleet calibration load``, then shared."""
-        return f"{self.namespace}:calibration:{model}:{dim}"
+    def calibration(self, model: str, variant: str) -> str:
+        """int8/uint8 calibration ranges of ``model`` for one dimension variant (JSON; ``384``,
+        ``64``, ``64-raw``): written once, by the first worker that needs them or from
+        ``EMBEDFLEET_CALIBRATION_FILE``, then shared (workers/calibration.py)."""
+        return f"{self.namespace}:calibration:{model}:{variant}"

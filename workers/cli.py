@@ -38,9 +38,19 @@ def worker_command(redis_url: str | None, model: str | None, query_only: bool | 
         check_sink(settings)  # a bad EMBEDFLEET_SINK fails now, not after the model loads
     except (SettingsError, SinkURLError, MissingExtraError) as error:
         raise click.ClickException(str(error)) from None
+    from embedfleet.workers.calibration import CalibrationError
+    from embedfleet.workers.encoder import ModelNotFoundError
+    from embedfleet.workers.model_dir import UnsupportedModelError
+    from embedfleet.workers.output import OutputOptionError
     from embedfleet.workers.runtime import run_worker  # heavy imports (torch) only when running
 
     try:
         run_worker(settings)
-    except SinkSetupError as error:  # the database is unreachable or holds another model's table
+    except (
+        SinkSetupError,  # the database is unreachable or holds another model's table
+        ModelNotFoundError,
+        UnsupportedModelError,  # a module or option the worker would not reproduce faithfully
+        OutputOptionError,  # EMBEDFLEET_DIMENSIONS / *_PROMPT_NAME the model cannot honour
+        CalibrationError,
+    ) as error:
         raise click.ClickException(str(error)) from None

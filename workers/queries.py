@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -25,15 +26,17 @@ import redis
 import redis.asyncio as aioredis
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
-from embedfleet.shared.protocol import Result, encode_result
+from embedfleet.shared.protocol import Chunk, encode_result
 from embedfleet.shared.redis_conn import connect_sync
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.backoff import REDIS_FAULTS, Backoff
+from embedfleet.workers.calibration import Calibration
 from embedfleet.workers.consumer import StreamConsumer, StreamEntry
 from embedfleet.workers.deadletter import DeadLetters, Rejected
 from embedfleet.workers.decode import decode_entries
 from embedfleet.workers.encoder import Encoder, Tokenized
 from embedfleet.workers.events import WorkerEvents
+from embedfleet.workers.output import Outputs
 from embedfleet.workers.sinks import Delivery, queue_acknowledgements
 
 log = get_logger("embedfleet.queries")
@@ -41,7 +44,7 @@ log = get_logger("embedfleet.queries")
 
 @dataclass(frozen=True)
 class PendingQuery:
-    chunk_id: str
+    chunk: Chunk
     reply: str
     delivery: Delivery
     tokens: Tokenized
@@ -57,6 +60,8 @@ class QueryLane:
         model_thread: ThreadPoolExecutor,
         dead_letters: DeadLetters,
         events: WorkerEvents,
+        outputs: Outputs,
+        on_model_thread: Callable[[Callable[[], Calibration]], Awaitable[Calibration]],
     ) -> None:
         self.settings = settings
         self.keys: Keys = settings.keys
@@ -65,6 +70,8 @@ class QueryLane:
         self.model_thread = model_thread
         self.dead_letters = dead_letters
         self.events = events
+        self.outputs = outputs
+        self.on_model_thread = on_model_thread
         self.consumer = StreamConsumer(client, self.keys, settings.consumer)
         self._inbox: deque[PendingQuery] = deque()
         self._serving = False  # only touched on the model thread
@@ -107,6 +114,7 @@ class QueryLane:
         now_ms = time.time() * 1000
         expired: list[Delivery] = []
         fresh = []
+        prompts: list[str] = []
         for item in accepted:
             chunk = item.chunk
             if chunk.reply is None:
@@ -121,6 +129,19 @@ class QueryLane:
             elif chunk.deadline_ms is not None and chunk.deadline_ms < now_ms:
                 expired.append(item.delivery)
             else:
+                try:  # the model's query prompt unless the query names one (encode_query)
+                    prompts.append(self.outputs.prompt_for(chunk, "query"))
+                except ValueError as error:
+                    rejected.append(
+                        Rejected(
+                            item.delivery.stream,
+                            item.delivery.entry_id,
+                            str(error),
+                            chunk_id=chunk.id,
+                            reply=chunk.reply,
+                        )
+                    )
+                    continue
                 fresh.append(item)
         await self.dead_letters.send(rejected)
         if expired:  # the caller timed out and left: answering would only leave garbage
@@ -129,11 +150,14 @@ class QueryLane:
             await pipe.execute()
         if not fresh:
             return
-        tokens = self.encoder.tokenize([item.chunk.text for item in fresh])
+        await self.outputs.prepare([item.chunk for item in fresh], self.on_model_thread)
+        tokens = self.encoder.tokenize(
+            [item.chunk.text for item in fresh], prompts if any(prompts) else None
+        )
         for item, tokenized in zip(fresh, tokens, strict=True):
             self._inbox.append(
                 PendingQuery(
-                    chunk_id=item.chunk.id,
+                    chunk=item.chunk,
                     reply=item.chunk.reply or "",
                     delivery=item.delivery,
                     tokens=tokenized,
@@ -174,17 +198,16 @@ class QueryLane:
         If Redis is unreachable the entries stay pending: the reclaimer hands them to a worker
         again once their lease runs out, while the caller may still be waiting.
         """
-        vectors16 = vectors.astype("<f2")
+        results = self.outputs.results(
+            [item.chunk for item in items],
+            vectors,
+            [item.tokens.truncated for item in items],
+            with_meta=False,
+        )
         if self._reply_client is None:
             self._reply_client = connect_sync(self.settings.effective_redis_url)
         pipe = self._reply_client.pipeline(transaction=True)
-        for row, item in enumerate(items):
-            result = Result(
-                id=item.chunk_id,
-                model=self.encoder.name,
-                vector=vectors16[row],
-                truncated=item.tokens.truncated,
-            )
+        for item, result in zip(items, results, strict=True):
             reply_key = self.keys.reply(item.reply)
             pipe.rpush(reply_key, encode_result(result))
             pipe.expire(reply_key, self.settings.reply_ttl_s)
@@ -221,7 +244,7 @@ class QueryLane:
                     i.delivery.stream,
                     i.delivery.entry_id,
                     reason,
-                    chunk_id=i.chunk_id,
+                    chunk_id=i.chunk.id,
                     reply=i.reply,
                 )
                 for i in items

@@ -18,7 +18,9 @@ acknowledged; cancelling ``run()`` aborts at once and leaves entries pending for
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -30,12 +32,14 @@ from embedfleet.shared.protocol import Chunk, Result
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.backoff import REDIS_FAULTS, Backoff
 from embedfleet.workers.batcher import PlannedBatch, plan_batches
+from embedfleet.workers.calibration import Calibration, CalibrationStore
 from embedfleet.workers.consumer import StreamConsumer, StreamEntry
 from embedfleet.workers.deadletter import DeadLetters, Rejected
-from embedfleet.workers.decode import decode_entries
+from embedfleet.workers.decode import Accepted, decode_entries
 from embedfleet.workers.encoder import Encoder, Tokenized
 from embedfleet.workers.events import WorkerEvents
 from embedfleet.workers.memory import release_free_memory
+from embedfleet.workers.output import Outputs
 from embedfleet.workers.queries import QueryLane
 from embedfleet.workers.reclaim import InFlight, Reclaimer
 from embedfleet.workers.sinks import Delivery, Sink
@@ -149,8 +153,19 @@ class Worker:
         self.dead_letters = DeadLetters(client, self.keys, self.events, settings.reply_ttl_s)
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self.calibrations = CalibrationStore(
+            client, self.keys, encoder.name, settings.calibration_file
+        )
+        self.outputs = Outputs(settings, encoder, self.calibrations)
         self.queries = QueryLane(
-            settings, encoder, client, self._model_thread, self.dead_letters, self.events
+            settings,
+            encoder,
+            client,
+            self._model_thread,
+            self.dead_letters,
+            self.events,
+            self.outputs,
+            self.on_model_thread,
         )
         self.reclaimer = Reclaimer(settings, client, self.in_flight, self.dead_letters, self.events)
         self._reclaimed: asyncio.Queue[list[StreamEntry]] = asyncio.Queue()
@@ -173,8 +188,27 @@ class Worker:
             configured = SLICE_MS_AUTO.get(self.encoder.device.type, 100.0)
         return configured / 1000
 
+    async def on_model_thread(self, function: Callable[[], Calibration]) -> Calibration:
+        return await asyncio.get_running_loop().run_in_executor(self._model_thread, function)
+
+    async def publish_model(self) -> None:
+        """What this namespace's workers serve (Keys.model), for producers and the gateway to
+        check dimensions and prompt names before they enqueue."""
+        await self.client.hset(
+            self.keys.model,
+            mapping={
+                "name": self.encoder.name,
+                "dim": self.encoder.dim,
+                "normalize": int(self.encoder.pooling.normalize),
+                "max_length": self.encoder.max_length,
+                "prompts": json.dumps(self.encoder.spec.prompts),
+            },
+        )
+
     async def run(self) -> None:
+        self.outputs.check_settings()
         await self.consumer.setup()
+        await self.publish_model()
         self.stats.started_at = time.perf_counter()
         windows: asyncio.Queue[Window | None] = asyncio.Queue(maxsize=1)
         encoded: asyncio.Queue[Encoded | None] = asyncio.Queue(maxsize=4)
@@ -241,18 +275,47 @@ class Worker:
         self, entries: list[StreamEntry], windows: asyncio.Queue[Window | None]
     ) -> None:
         accepted, rejected = decode_entries(entries, self.settings)
+        accepted, prompts = self._with_prompts(accepted, rejected)
         await self._dead_letter(rejected)
         if not accepted:
             return
         self.in_flight.add(self.keys.ingest, [a.delivery.entry_id for a in accepted])
         loop = asyncio.get_running_loop()
         tokens = await loop.run_in_executor(
-            self._tokenizer_thread, self.encoder.tokenize, [a.chunk.text for a in accepted]
+            self._tokenizer_thread,
+            self.encoder.tokenize,
+            [a.chunk.text for a in accepted],
+            prompts if any(prompts) else None,
         )
         window = Window([a.chunk for a in accepted], [a.delivery for a in accepted], tokens)
         window = await self._reject_overlong(window)
         if window.chunks:
             await windows.put(window)
+
+    def _with_prompts(
+        self, accepted: list[Accepted], rejected: list[Rejected]
+    ) -> tuple[list[Accepted], list[str]]:
+        """Each chunk's prompt (the document lane's unless it names one); chunks whose options
+        the model cannot honour go to ``rejected`` with the reason."""
+        kept: list[Accepted] = []
+        prompts: list[str] = []
+        for item in accepted:
+            try:
+                prompts.append(self.outputs.prompt_for(item.chunk, "document"))
+            except ValueError as error:
+                delivery, chunk = item.delivery, item.chunk
+                rejected.append(
+                    Rejected(
+                        delivery.stream,
+                        delivery.entry_id,
+                        str(error),
+                        chunk_id=chunk.id,
+                        job=chunk.job,
+                    )
+                )
+                continue
+            kept.append(item)
+        return kept, prompts
 
     async def _reject_overlong(self, window: Window) -> Window:
         if self.settings.truncate or not any(t.truncated for t in window.tokens):
@@ -379,19 +442,11 @@ class Worker:
     # --- writer -----------------------------------------------------------------------
     async def _write_loop(self, encoded: asyncio.Queue[Encoded | None]) -> None:
         while (item := await encoded.get()) is not _END:
-            vectors16 = item.vectors.astype("<f2")
-            results = [
-                Result(
-                    id=chunk.id,
-                    job=chunk.job,
-                    model=self.encoder.name,
-                    vector=vectors16[row],
-                    truncated=item.tokens[row].truncated,
-                    meta=chunk.meta,
-                    text=chunk.text,
-                )
-                for row, chunk in enumerate(item.chunks)
-            ]
+            # int8/uint8 need the fleet's calibration; read (or made) once, then cached
+            await self.outputs.prepare(item.chunks, self.on_model_thread)
+            results = self.outputs.results(
+                item.chunks, item.vectors, [t.truncated for t in item.tokens]
+            )
             started = time.perf_counter()
             if await self._write_with_retries(results, item.deliveries):
                 self.events.results_written(

@@ -1,0 +1,224 @@
+"""The last stage before a sink: Matryoshka truncation and the output precision.
+
+The model gives float32 vectors of its full dimension. Per chunk (or job, or setting):
+
+``dimensions``
+    Keep the first ``dimensions`` values (Matryoshka). Where the model normalises, the kept part
+    is normalised again (``renormalize``, the default; what TEI and vLLM do), because a
+    truncated unit vector is no longer unit length and cosine/dot search then disagree.
+    ``EMBEDFLEET_RENORMALIZE=false`` gives sentence-transformers' ``truncate_dim`` exactly
+    (``SentenceTransformer(..., truncate_dim=d).encode``): the first d values, not renormalised.
+``dtype``
+    ``float16`` / ``float32``, or ``sentence_transformers.quantize_embeddings``' ``int8``,
+    ``uint8``, ``binary``, ``ubinary``, reproduced operation for operation so the bytes are the
+    same (:func:`quantize`). int8/uint8 need calibration ranges (workers/calibration.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from embedfleet.shared.protocol import DEFAULT_DTYPE, STORAGE_DTYPES, Chunk, Result
+from embedfleet.shared.settings import Settings
+from embedfleet.workers.batcher import plan_batches
+from embedfleet.workers.calibration import (
+    Calibration,
+    CalibrationStore,
+    calibration_texts,
+    compute,
+    variant_label,
+)
+from embedfleet.workers.encoder import Encoder, Lane
+
+QUANTIZED = ("int8", "uint8")
+
+
+class OutputOptionError(ValueError):
+    """A chunk's dimensions or dtype cannot be produced for this model (dead-lettered)."""
+
+
+def resolve_dimensions(requested: int | None, default: int, model_dim: int) -> int:
+    """The dimension one chunk gets: its own, else the setting (0 = full), checked."""
+    dim = requested if requested is not None else (default or model_dim)
+    if not 1 <= dim <= model_dim:
+        raise OutputOptionError(
+            f"dimensions={dim} is out of range for this model: use 1..{model_dim}"
+        )
+    return dim
+
+
+def truncate(vectors: np.ndarray, dim: int, *, renormalize: bool) -> np.ndarray:
+    """The first ``dim`` values of each row, renormalised when asked (float32)."""
+    if dim >= vectors.shape[1]:
+        return vectors
+    kept = np.ascontiguousarray(vectors[:, :dim], dtype=np.float32)
+    if renormalize:
+        # torch.nn.functional.normalize's rule: divide by max(norm, 1e-12)
+        norms = np.linalg.norm(kept, axis=1, keepdims=True)
+        kept = kept / np.maximum(norms, 1e-12)
+    return kept
+
+
+def quantize(vectors: np.ndarray, dtype: str, ranges: np.ndarray | None = None) -> np.ndarray:
+    """``vectors`` (float32, (n, dim)) in ``dtype``'s stored form.
+
+    The integer and binary branches are sentence-transformers' ``quantize_embeddings`` step for
+    step (same operations in the same order, so the same bytes); ``ranges`` is (2, dim):
+    per-dimension minimum and maximum from calibration.
+    """
+    if dtype == DEFAULT_DTYPE:
+        return vectors.astype(STORAGE_DTYPES[dtype])
+    if dtype == "float32":
+        return vectors.astype(np.float32)
+    if dtype in QUANTIZED:
+        if ranges is None or ranges.shape != (2, vectors.shape[1]):
+            raise ValueError(f"{dtype} needs calibration ranges of shape (2, {vectors.shape[1]})")
+        ranges = ranges.astype(np.float32, copy=False)
+        starts = ranges[0, :]
+        steps = (ranges[1, :] - starts) / 255
+        steps = np.where(steps == 0, 1, steps)
+        codes = np.clip(np.floor((vectors - starts) / steps), 0, 255)
+        if dtype == "uint8":
+            return codes.astype(np.uint8)
+        return (codes - 128).astype(np.int8)
+    if dtype == "binary":
+        return (np.packbits(vectors > 0, axis=-1) - 128).astype(np.int8)
+    if dtype == "ubinary":
+        return np.packbits(vectors > 0, axis=-1)
+    raise ValueError(f"unknown output dtype {dtype!r}")
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """What one chunk's vector becomes: its dimension and stored precision."""
+
+    dim: int
+    dtype: str
+
+
+class Outputs:
+    """Per-chunk prompts and output shapes for one worker: checks them on intake, turns the
+    model's float32 vectors into results on the way out. Shared by the bulk path and the query
+    lane, so both lanes apply the same rules."""
+
+    def __init__(self, settings: Settings, encoder: Encoder, calibrations: CalibrationStore):
+        self.settings = settings
+        self.encoder = encoder
+        self.calibrations = calibrations
+        # a truncated vector of a normalising model is renormalised unless the operator asked
+        # for sentence-transformers' truncate_dim exactly
+        self.renormalize = settings.renormalize and encoder.pooling.normalize
+        self._lane_defaults = {
+            "query": settings.query_prompt_name,
+            "document": settings.document_prompt_name,
+        }
+
+    def check_settings(self) -> None:
+        """Fail at start on settings this model cannot honour (names the variable)."""
+        model_dim = self.encoder.dim
+        if self.settings.dimensions > model_dim:
+            raise OutputOptionError(
+                f"EMBEDFLEET_DIMENSIONS={self.settings.dimensions} is more than the model's "
+                f"{model_dim} dimensions; use 1..{model_dim} or 0 for all"
+            )
+        for lane, name in self._lane_defaults.items():
+            if name and name not in self.encoder.prompts:
+                raise OutputOptionError(
+                    f"EMBEDFLEET_{lane.upper()}_PROMPT_NAME={name!r} is not one of the model's "
+                    f"prompts ({', '.join(sorted(self.encoder.prompts))})"
+                )
+
+    def prompt_for(self, chunk: Chunk, lane: Lane) -> str:
+        """The chunk's prompt text, after checking its output options; ValueError with a
+        reason to dead-letter (unknown prompt name, dimensions out of range)."""
+        self.spec_for(chunk)
+        return self.encoder.resolve_prompt(
+            lane,
+            prompt_name=chunk.prompt_name,
+            prompt=chunk.prompt,
+            lane_default=self._lane_defaults[lane],
+        )
+
+    def spec_for(self, chunk: Chunk) -> OutputSpec:
+        dim = resolve_dimensions(chunk.dimensions, self.settings.dimensions, self.encoder.dim)
+        return OutputSpec(dim=dim, dtype=chunk.dtype or self.settings.output_dtype)
+
+    def variant(self, dim: int) -> str:
+        return variant_label(dim, self.encoder.dim, self.renormalize)
+
+    async def prepare(
+        self,
+        chunks: Sequence[Chunk],
+        run_on_model_thread: Callable[[Callable[[], Calibration]], Awaitable[Calibration]],
+    ) -> None:
+        """Load (or compute, once, fleet-wide) the calibrations these chunks' int8/uint8
+        outputs need, so that :meth:`results` can run anywhere without I/O."""
+        needed = {spec.dim for spec in map(self.spec_for, chunks) if spec.dtype in QUANTIZED}
+        for dim in sorted(needed):
+            variant = self.variant(dim)
+            await self.calibrations.get(
+                variant,
+                lambda dim=dim, variant=variant: run_on_model_thread(
+                    lambda: self._calibrate(dim, variant)
+                ),
+            )
+
+    def _calibrate(self, dim: int, variant: str) -> Calibration:
+        """On the model thread: embed the calibration corpus as documents and measure."""
+        texts = calibration_texts()
+        prompt = self.encoder.resolve_prompt(
+            "document", lane_default=self._lane_defaults["document"]
+        )
+
+        def embed(batch_texts: list[str]) -> np.ndarray:
+            tokens = self.encoder.tokenize(batch_texts, [prompt] * len(batch_texts))
+            vectors = np.zeros((len(tokens), self.encoder.dim), dtype=np.float32)
+            for planned in plan_batches([t.length for t in tokens], 4096, 128):
+                batch = self.encoder.collate([tokens[p] for p in planned.positions])
+                vectors[planned.positions] = self.encoder.embed(batch)
+            return truncate(vectors, dim, renormalize=self.renormalize)
+
+        return compute(self.encoder.name, variant, embed, texts)
+
+    def results(
+        self,
+        chunks: Sequence[Chunk],
+        vectors: np.ndarray,
+        truncated: Sequence[bool],
+        *,
+        with_meta: bool = True,
+    ) -> list[Result]:
+        """Results in chunk order: each vector truncated and stored as its chunk asks, rows
+        that ask for the same thing shaped together."""
+        specs = [self.spec_for(chunk) for chunk in chunks]
+        stored: list[np.ndarray | None] = [None] * len(chunks)
+        groups: dict[OutputSpec, list[int]] = {}
+        for row, spec in enumerate(specs):
+            groups.setdefault(spec, []).append(row)
+        for spec, rows in groups.items():
+            shaped = truncate(vectors[rows], spec.dim, renormalize=self.renormalize)
+            ranges = None
+            if spec.dtype in QUANTIZED:
+                cached = self.calibrations.cached(self.variant(spec.dim))
+                if cached is None:
+                    raise RuntimeError("Outputs.prepare() must load calibrations first")
+                ranges = cached.ranges
+            quantized = quantize(shaped, spec.dtype, ranges)
+            for index, row in enumerate(rows):
+                stored[row] = quantized[index]
+        return [
+            Result(
+                id=chunk.id,
+                job=chunk.job,
+                model=self.encoder.name,
+                vector=vector,
+                truncated=truncated[row],
+                meta=chunk.meta if with_meta else None,
+                text=chunk.text if with_meta else None,  # a database sink stores it
+                dtype=spec.dtype,
+                dimension=spec.dim,
+            )
+            for row, (chunk, spec, vector) in enumerate(zip(chunks, specs, stored, strict=True))
+        ]
