@@ -51,6 +51,8 @@ class _SlicingEncoder:
 
     layer_count = 6
     device = types.SimpleNamespace(type="cpu")
+    name = "slicing"
+    pooling = types.SimpleNamespace(normalize=True)
 
 
 def _worker_with_speed(slice_ms: float, seconds_per_token: float | None) -> Worker:

@@ -69,7 +69,7 @@ async def _serve(
     )
     sink = build_sink(settings, client)
     # the table/collection exists, with the model's dimension, before the first write
-    await sink.setup(encoder.name, encoder.dim)
+    await sink.setup(encoder.name, settings.dimensions or encoder.dim)
     worker = Worker(settings, encoder, client, sink, metrics)
     if health is not None:
         # The readiness probe's forward pass queues on the worker's one model thread.
