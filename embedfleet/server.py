@@ -115,6 +115,17 @@ class ServerProcess:
         if self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
+    def kill(self) -> None:
+        """SIGKILL the server, as a crash would, and keep its data directory: ``start()`` brings
+        it back on the same port from what it had persisted (its AOF, when started with one)."""
+        if self.process is None:
+            return
+        self.process.kill()
+        self.process.wait()
+        if self.process.stderr is not None:
+            self.process.stderr.close()
+        self.process = None
+
     def __enter__(self) -> ServerProcess:
         return self.start()
 

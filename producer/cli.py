@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 import time
@@ -13,6 +12,7 @@ import numpy as np
 from embedfleet.producer.client import JobProgress, Producer, QueryTimeoutError
 from embedfleet.producer.export import SUPPORTED_SUFFIXES, ExportRow, write_export
 from embedfleet.producer.jsonl import BadLine, read_chunks
+from embedfleet.producer.waiting import client_for, run_client
 from embedfleet.shared.logging import configure_logging
 from embedfleet.shared.progress import Progress
 from embedfleet.shared.protocol import QueryFailedError, Result
@@ -60,7 +60,7 @@ def enqueue_command(
     """
     job = job or f"job-{time.strftime('%Y%m%d-%H%M%S')}"
     rejected: list[BadLine] = []
-    count = asyncio.run(_enqueue(_settings(redis_url), source, job, wait, timeout, rejected))
+    count = run_client(_enqueue(_settings(redis_url), source, job, wait, timeout, rejected))
     click.echo(f"enqueued {count} chunks as job {job!r}")
     for bad in rejected[:20]:
         click.echo(f"line {bad.line_number}: {bad.reason}", err=True)
@@ -77,7 +77,7 @@ async def _enqueue(
     timeout: float | None,
     rejected: list[BadLine],
 ) -> int:
-    async with Producer(settings) as producer:
+    async with client_for(settings) as producer:
         with Progress("enqueue", "chunks") as bar:
             count = await producer.enqueue(read_chunks(source, job, rejected), on_batch=bar.update)
         if wait and count:
@@ -123,7 +123,7 @@ def results_command(job: str | None, out: Path, redis_url: str | None) -> None:
     try:
         target = parse_sink_url(settings.sink, settings.sink_table)
         if target.kind == "redis":
-            rows: list[ExportRow] = list(asyncio.run(_collect(settings, job)).values())
+            rows: list[ExportRow] = list(run_client(_collect(settings, job)).values())
             where = f"the results stream {settings.keys.results}"
         else:
             with open_backend(target) as backend:
@@ -137,7 +137,7 @@ def results_command(job: str | None, out: Path, redis_url: str | None) -> None:
 
 async def _collect(settings: Settings, job: str | None) -> dict[str, Result]:
     latest: dict[str, Result] = {}
-    async with Producer(settings) as producer:
+    async with client_for(settings) as producer:
         with Progress("read results", "results") as bar:
             async for result in producer.results(job=job):
                 latest[result.id] = result
@@ -165,7 +165,7 @@ def query_command(text: str, timeout: float, as_json: bool, redis_url: str | Non
     settings = _settings(redis_url)
     started = time.perf_counter()
     try:
-        vector = asyncio.run(_query(settings, text, timeout))
+        vector = run_client(_query(settings, text, timeout))
     except QueryTimeoutError as error:
         raise click.ClickException(str(error)) from None
     except QueryFailedError as error:
@@ -187,8 +187,13 @@ def query_command(text: str, timeout: float, as_json: bool, redis_url: str | Non
 
 
 async def _query(settings: Settings, text: str, timeout: float) -> np.ndarray:
-    async with Producer(settings) as producer:
+    # Not `async with`: its set-up would wait for Redis for EMBEDFLEET_REDIS_RETRY_S, while a
+    # query waits no longer than its --timeout (embed_query sets up within it).
+    producer = client_for(settings)
+    try:
         return await producer.embed_query(text, timeout=timeout)
+    finally:
+        await producer.close()
 
 
 @click.command("calibration")
@@ -207,7 +212,7 @@ def calibration_command(as_json: bool, redis_url: str | None) -> None:
     quantizes with these, so a text gets the same bytes everywhere, every day.
     """
     settings = _settings(redis_url)
-    entries = asyncio.run(_calibrations(settings))
+    entries = run_client(_calibrations(settings))
     if as_json:
         click.echo(json.dumps([entry for _, entry in entries], indent=1))
         return

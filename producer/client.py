@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import redis.asyncio as aioredis
 from embedfleet.producer.enqueue import queue_enqueue
+from embedfleet.shared.faults import is_transient
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import (
@@ -24,7 +25,8 @@ from embedfleet.shared.protocol import (
     decode_result,
     encode_chunk,
 )
-from embedfleet.shared.redis_conn import connect, ensure_groups
+from embedfleet.shared.redis_conn import connect_client, ensure_groups, redact_url
+from embedfleet.shared.retry import OutageListener, RedisRetry, RedisUnavailableError, describe
 from embedfleet.shared.settings import Settings
 
 log = get_logger("embedfleet.producer")
@@ -132,12 +134,24 @@ class Producer:
     ``async with Producer() as producer: await producer.enqueue([...], job="docs-v1")``
     """
 
-    def __init__(self, settings: Settings | None = None, client: aioredis.Redis | None = None):
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        client: aioredis.Redis | None = None,
+        *,
+        on_outage: OutageListener | None = None,
+    ):
+        """``on_outage`` is told once when Redis becomes unreachable and once when it is back
+        (default: a log line each); every call waits for it, for at most
+        ``EMBEDFLEET_REDIS_RETRY_S``, then raises ``RedisUnavailableError``."""
         self.settings = settings or Settings()
         self.keys: Keys = self.settings.keys
-        self.client = client or connect(self.settings.effective_redis_url)
+        self.client = client or connect_client(self.settings.effective_redis_url)
         self._owns_client = client is None
         self._ready = False
+        self.retry = RedisRetry(
+            redact_url(self.settings.effective_redis_url), self.settings.redis_retry_s, on_outage
+        )
         self._served: ServedModel | None = None
 
     async def __aenter__(self) -> Producer:
@@ -147,20 +161,28 @@ class Producer:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    async def setup(self) -> None:
+    async def setup(self, *, deadline: float | None = None) -> None:
         """Create the consumer group if no worker has yet (at id 0: nothing is skipped)."""
         if not self._ready:
-            await ensure_groups(self.client, self.keys)
+            await self.retry.call(
+                "create the consumer groups",
+                lambda: ensure_groups(self.client, self.keys),
+                deadline=deadline,
+            )
             self._ready = True
 
     async def close(self) -> None:
         if self._owns_client:
             await self.client.aclose()
 
-    async def served_model(self) -> ServedModel | None:
+    async def served_model(self, *, deadline: float | None = None) -> ServedModel | None:
         """The model the workers published (Keys.model), or None before any worker started."""
         if self._served is None:
-            fields = await self.client.hgetall(self.keys.model)
+            fields = await self.retry.call(
+                "read the served model",
+                lambda: self.client.hgetall(self.keys.model),
+                deadline=deadline,
+            )
             if fields:
                 values = {key.decode(): value.decode() for key, value in fields.items()}
                 self._served = ServedModel(
@@ -170,8 +192,8 @@ class Producer:
                 )
         return self._served
 
-    async def _checked(self, chunk: Chunk) -> Chunk:
-        served = await self.served_model()
+    async def _checked(self, chunk: Chunk, *, deadline: float | None = None) -> Chunk:
+        served = await self.served_model(deadline=deadline)
         if served is not None:
             served.check(chunk)
         return chunk
@@ -210,7 +232,7 @@ class Producer:
         """Backpressure: hold enqueueing while the backlog is over the high-water mark."""
         mark = self.settings.backlog_high_water
         waited_since: float | None = None
-        while (backlog := await self.client.xlen(self.keys.ingest)) >= mark:
+        while (backlog := await self._backlog()) >= mark:
             if waited_since is None:
                 waited_since = time.monotonic()
                 log.warning(
@@ -225,18 +247,44 @@ class Producer:
                 "backlog below the mark again", waited_s=round(time.monotonic() - waited_since, 1)
             )
 
+    async def _backlog(self) -> int:
+        return await self.retry.call("read the backlog", lambda: self.client.xlen(self.keys.ingest))
+
     async def _send(self, batch: list[Chunk], on_batch: Callable[[int], None] | None) -> int:
-        """One pipelined round trip: per job, the enqueue script (re-sent ids are added and
-        counted once); chunks without a job, a plain XADD each."""
+        """Send one batch, again after a fault: whether or not the server applied the lost
+        try, the enqueue script adds and counts each chunk of a job once."""
         await self._wait_for_room()
+        jobless: list[bytes] = []
         by_job: dict[str, list[tuple[str, bytes]]] = {}
-        pipe = self.client.pipeline(transaction=False)
         for chunk in batch:
             payload = encode_chunk(chunk)
             if chunk.job is None:
-                pipe.xadd(self.keys.ingest, {PAYLOAD_FIELD: payload})
+                jobless.append(payload)
             else:
                 by_job.setdefault(chunk.job, []).append((chunk.id, payload))
+        replies = await self.retry.call(
+            f"enqueue a batch of {len(batch)} chunks",
+            lambda: self._send_once(jobless, by_job),
+        )
+        if by_job:
+            added = sum(replies[-1 - len(by_job) : -1])
+            repeated = sum(len(chunks) for chunks in by_job.values()) - added
+            if repeated:
+                log.info(
+                    "chunks already enqueued in their job were not added again", repeated=repeated
+                )
+        if on_batch is not None:
+            on_batch(len(batch))
+        return len(batch)
+
+    async def _send_once(
+        self, jobless: list[bytes], by_job: dict[str, list[tuple[str, bytes]]]
+    ) -> list[Any]:
+        """One pipelined round trip: per job, the enqueue script; chunks without a job, a plain
+        XADD each (nothing counts them: a re-sent one is at worst embedded twice)."""
+        pipe = self.client.pipeline(transaction=False)
+        for payload in jobless:
+            pipe.xadd(self.keys.ingest, {PAYLOAD_FIELD: payload})
         for job, chunks in by_job.items():
             queue_enqueue(
                 pipe,
@@ -249,17 +297,7 @@ class Producer:
         if by_job:
             # Outside the script: the index of job names need not share the streams' slot.
             pipe.sadd(self.keys.jobs_index, *by_job)
-        replies = await pipe.execute()
-        if by_job:
-            added = sum(replies[-1 - len(by_job) : -1])
-            repeated = sum(len(chunks) for chunks in by_job.values()) - added
-            if repeated:
-                log.info(
-                    "chunks already enqueued in their job were not added again", repeated=repeated
-                )
-        if on_batch is not None:
-            on_batch(len(batch))
-        return len(batch)
+        return await pipe.execute()
 
     # --- priority queries -------------------------------------------------------------
     async def embed_query(
@@ -291,34 +329,56 @@ class Producer:
             raise ValueError("every query must be a non-empty string")
         if not timeout > 0:  # BLPOP with timeout 0 would wait forever
             raise ValueError(f"timeout must be a positive number of seconds, not {timeout}")
-        await self.setup()
+        give_up_at = time.monotonic() + timeout
         request = uuid.uuid4().hex
         reply_key = self.keys.reply(request)
         deadline_ms = int((time.time() + timeout) * 1000)
-        # The XADDs and the first BLPOP go out together: one round trip for a single query.
-        pipe = self.client.pipeline(transaction=False)
-        for index, text in enumerate(texts):
-            chunk = Chunk(
-                id=f"{request}:{index}", text=text, reply=request, deadline_ms=deadline_ms
-            )
-            if options is not None:
-                chunk = await self._checked(as_chunk(chunk, None, options))
-            pipe.xadd(self.keys.query, {PAYLOAD_FIELD: encode_chunk(chunk)})
-        pipe.blpop([reply_key], timeout=timeout)
-        *entry_ids, popped = await pipe.execute()
         vectors: dict[int, np.ndarray] = {}
-        give_up_at = time.monotonic() + timeout
+        entry_ids: list[bytes] = []
+        tries = self.retry.attempts("embed queries", deadline=give_up_at)
+        send = True  # at first, and again after a fault: the server may have lost them
         try:
-            while popped is not None:
+            await self.setup(deadline=give_up_at)
+            payloads: list[bytes] = []
+            for index, text in enumerate(texts):
+                chunk = Chunk(
+                    id=f"{request}:{index}", text=text, reply=request, deadline_ms=deadline_ms
+                )
+                if options is not None:
+                    chunk = await self._checked(as_chunk(chunk, None, options), deadline=give_up_at)
+                payloads.append(encode_chunk(chunk))
+            while len(vectors) < len(texts):
+                remaining = give_up_at - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    if send:
+                        unanswered = [i for i in range(len(texts)) if i not in vectors]
+                        sent, popped = await self._send_queries(
+                            [payloads[i] for i in unanswered], reply_key, remaining
+                        )
+                        entry_ids += sent
+                        send = False
+                    else:
+                        popped = await self.client.blpop([reply_key], timeout=remaining)
+                except Exception as error:
+                    send = True
+                    await tries.failed(error)
+                    continue
+                tries.succeeded()
+                if popped is None:
+                    break  # BLPOP timed out: no worker answered in time
                 result = decode_result(popped[1])  # raises QueryFailedError for a bad query
                 vector = result.vector
                 if result.dtype in ("float16", "float32"):
                     vector = vector.astype(np.float32)
+                # A query sent twice is answered twice: the index keeps one answer.
                 vectors[int(result.id.rsplit(":", 1)[1])] = vector
-                remaining = give_up_at - time.monotonic()
-                if len(vectors) == len(texts) or remaining <= 0:
-                    break
-                popped = await self.client.blpop([reply_key], timeout=remaining)
+        except RedisUnavailableError as error:
+            raise QueryTimeoutError(
+                f"no answer within {timeout}s for {len(texts) - len(vectors)} of {len(texts)} "
+                f"queries: {error}"
+            ) from error
         finally:
             if len(vectors) < len(texts):
                 await self._withdraw(entry_ids, reply_key)
@@ -329,15 +389,38 @@ class Producer:
             )
         return np.stack([vectors[i] for i in range(len(texts))])
 
+    async def _send_queries(
+        self, payloads: list[bytes], reply_key: str, timeout: float
+    ) -> tuple[list[bytes], Any]:
+        """The XADDs and the first BLPOP in one round trip: one round trip for a single query."""
+        pipe = self.client.pipeline(transaction=False)
+        for payload in payloads:
+            pipe.xadd(self.keys.query, {PAYLOAD_FIELD: payload})
+        pipe.blpop([reply_key], timeout=timeout)
+        *entry_ids, popped = await pipe.execute()
+        return entry_ids, popped
+
     async def _withdraw(self, entry_ids: list[bytes], reply_key: str) -> None:
+        """Take unanswered queries back, once: if Redis is away, the workers skip them anyway
+        (they are past their deadline) and the reply key expires."""
         pipe = self.client.pipeline(transaction=True)
-        pipe.xdel(self.keys.query, *entry_ids)
+        if entry_ids:
+            pipe.xdel(self.keys.query, *entry_ids)
         pipe.delete(reply_key)
-        await pipe.execute()
+        try:
+            await pipe.execute()
+        except Exception as error:
+            if not is_transient(error):
+                raise
+            log.info("could not withdraw queries: redis unavailable", error=describe(error))
 
     # --- jobs ---------------------------------------------------------------------------
-    async def progress(self, job: str) -> JobProgress:
-        counters = await self.client.hgetall(self.keys.job(job))
+    async def progress(self, job: str, *, deadline: float | None = None) -> JobProgress:
+        counters = await self.retry.call(
+            f"read job {job!r}'s progress",
+            lambda: self.client.hgetall(self.keys.job(job)),
+            deadline=deadline,
+        )
         values = {key.decode(): int(value) for key, value in counters.items()}
         return JobProgress(
             job=job,
@@ -357,7 +440,14 @@ class Producer:
         """Return once every enqueued chunk of ``job`` is embedded or dead-lettered."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            progress = await self.progress(job)
+            try:
+                progress = await self.progress(job, deadline=deadline)
+            except RedisUnavailableError as error:
+                if deadline is None or time.monotonic() < deadline:
+                    raise  # EMBEDFLEET_REDIS_RETRY_S passed first
+                raise JobTimeoutError(
+                    f"job {job!r} not finished after {timeout}s: {error}"
+                ) from error
             if on_progress is not None:
                 on_progress(progress)
             if progress.finished:
@@ -377,7 +467,11 @@ class Producer:
         """
         start = "-"
         while True:
-            entries = await self.client.xrange(self.keys.results, min=start, count=page)
+            entries = await self.retry.call(
+                "read results",
+                # Paged by entry id, so a page read again after a fault is the same page.
+                lambda start=start: self.client.xrange(self.keys.results, min=start, count=page),
+            )
             if not entries:
                 return
             for _, fields in entries:

@@ -12,8 +12,9 @@ import json
 
 import click
 import numpy as np
-from embedfleet.producer.client import Producer
+from embedfleet.producer.waiting import client_for, run_client
 from embedfleet.shared.protocol import QueryFailedError
+from embedfleet.shared.retry import RedisUnavailableError
 from embedfleet.shared.settings import Settings, SettingsError, load_settings
 from embedfleet.shared.vectordb import (
     Hit,
@@ -47,8 +48,11 @@ async def search(
     settings: Settings, target: SinkTarget, text: str, k: int, timeout: float
 ) -> list[Hit]:
     """Embed ``text`` through the fleet's priority lane, then ask the database for ``k``."""
-    async with Producer(settings) as producer:
+    producer = client_for(settings)  # not `async with`: the query's timeout bounds its set-up
+    try:
         vector = await producer.embed_query(text, timeout=timeout)
+    finally:
+        await producer.close()
     with open_backend(target) as backend:
         return await asyncio.to_thread(backend.nearest, np.asarray(vector), k)
 
@@ -104,8 +108,10 @@ def search_command(text: str, k: int, as_json: bool, timeout: float) -> None:
     """
     settings, target = _target("search")
     try:
-        hits = asyncio.run(search(settings, target, text, k, timeout))
-    except TimeoutError:
+        hits = run_client(search(settings, target, text, k, timeout))
+    except TimeoutError as error:
+        if isinstance(error.__cause__, RedisUnavailableError):
+            raise click.ClickException(str(error)) from None  # it names the server
         raise click.ClickException(
             f"no worker embedded the query within {timeout:g} s: is `embedfleet worker` running "
             f"against {settings.effective_redis_url}?"

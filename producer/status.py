@@ -25,14 +25,15 @@ from collections import deque
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import click
 import redis.asyncio as aioredis
 from embedfleet.producer.sparkline import Trend
+from embedfleet.producer.waiting import StderrNotice, run_client
 from embedfleet.shared.fleet import FLEET_STREAMS, INPUT_STREAMS, FleetState, read_fleet
 from embedfleet.shared.keys import Keys
-from embedfleet.shared.redis_conn import connect
+from embedfleet.shared.redis_conn import connect_client, redact_url
+from embedfleet.shared.retry import RedisRetry
 from embedfleet.shared.settings import Settings, SettingsError, load_settings
 from redis.exceptions import RedisError
 
@@ -188,18 +189,6 @@ def report(
             for j in snapshot.jobs
         ],
     }
-
-
-def redact_url(url: str) -> str:
-    """The URL without its password, fit to print."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 def _n(value: int | None) -> str:
@@ -392,7 +381,7 @@ def status_command(
         raise click.ClickException(str(error)) from None
     # Ctrl-C is how --watch is meant to end: no traceback, exit status 0.
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(
+        run_client(
             _status(settings, watch=watch, interval=interval, sample=sample, as_json=as_json)
         )
 
@@ -400,7 +389,9 @@ def status_command(
 async def _status(
     settings: Settings, *, watch: bool, interval: float, sample: float, as_json: bool
 ) -> None:
-    client = connect(settings.effective_redis_url, socket_connect_timeout=5, socket_timeout=10)
+    client = connect_client(
+        settings.effective_redis_url, socket_connect_timeout=5, socket_timeout=10
+    )
     try:
         if not watch:
             first = await _snapshot_or_fail(client, settings)
@@ -412,25 +403,27 @@ async def _status(
                 rate = throughput(first, latest)
             _emit(report(latest, rate, settings), as_json)
             return
+        # Keep watching through an outage (the point of --watch is to see it end): say once on
+        # stderr that Redis is away and when it is back; give up after EMBEDFLEET_REDIS_RETRY_S.
+        retry = RedisRetry(
+            redact_url(settings.effective_redis_url), settings.redis_retry_s, StderrNotice()
+        )
         history = History()
         trend = Trend()  # the last minutes as sparklines, below the text view
         while True:
-            try:
-                snapshot = await take_snapshot(client, settings.keys)
-            except (RedisError, OSError) as error:
-                # Keep watching through an outage: the point of --watch is to see it end.
-                _emit_error(settings, error, as_json)
-            else:
-                history.add(snapshot)
-                rate = history.throughput()
-                data = report(snapshot, rate, settings, measuring=rate is None)
-                trend.add(snapshot.monotonic, data)
-                if not as_json and sys.stdout.isatty():
-                    click.clear()
-                _emit(data, as_json)
-                if not as_json:
-                    click.echo("\n" + "\n".join(trend.lines(snapshot.monotonic)))
-                    click.echo(f"\nrefreshing every {interval:g}s; Ctrl-C to stop")
+            snapshot = await retry.call(
+                "read the fleet's state", lambda: take_snapshot(client, settings.keys)
+            )
+            history.add(snapshot)
+            rate = history.throughput()
+            data = report(snapshot, rate, settings, measuring=rate is None)
+            trend.add(snapshot.monotonic, data)
+            if not as_json and sys.stdout.isatty():
+                click.clear()
+            _emit(data, as_json)
+            if not as_json:
+                click.echo("\n" + "\n".join(trend.lines(snapshot.monotonic)))
+                click.echo(f"\nrefreshing every {interval:g}s; Ctrl-C to stop")
             await asyncio.sleep(interval)
     finally:
         await client.aclose()
@@ -452,14 +445,3 @@ def _error_text(settings: Settings, error: BaseException) -> str:
 
 def _emit(data: dict[str, Any], as_json: bool) -> None:
     click.echo(json.dumps(data) if as_json else render(data))
-
-
-def _emit_error(settings: Settings, error: BaseException, as_json: bool) -> None:
-    message = _error_text(settings, error)
-    if as_json:
-        now = datetime.now(UTC).isoformat(timespec="seconds")
-        click.echo(json.dumps({"time": now, "error": message}))
-        return
-    if sys.stdout.isatty():
-        click.clear()
-    click.echo(message, err=True)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit, urlunsplit
+
 import redis
 import redis.asyncio as aioredis
 from embedfleet.shared.keys import Keys
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import ResponseError
 
 
@@ -25,6 +29,25 @@ def connect(url: str, **kwargs: object) -> aioredis.Redis:
     }
     options.update(kwargs)
     return aioredis.Redis.from_url(url, **options)
+
+
+def connect_client(url: str, **kwargs: object) -> aioredis.Redis:
+    """``connect`` for the client side (producer, CLI verbs), whose retries are all
+    ``shared/retry.py``'s: redis-py's own (10 quiet tries in redis-py 8, pipelines included)
+    are turned off, so an outage is seen, announced and bounded in one place."""
+    return connect(url, retry=Retry(NoBackoff(), 0), **kwargs)
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password, fit to print."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 def connect_sync(url: str, *, timeout_s: float = 5.0) -> redis.Redis:

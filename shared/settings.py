@@ -166,6 +166,14 @@ class Settings(BaseSettings):
         ge=1,
         description="Tries of a failing sink write before the batch is dead-lettered.",
     )
+    redis_retry_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="How long the client (`Producer`, `enqueue`, `results`, `query`, `search`, "
+        "`status --watch`, `dead`) keeps retrying while Redis is unreachable (restart, "
+        "failover, dropped connection), with the workers' capped, jittered backoff, before it "
+        "gives up with an error that names the server. Queries stop at their own timeout.",
+    )
     job_ids_ttl_s: int = Field(
         default=7 * 24 * 3600,
         ge=0,

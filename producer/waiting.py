@@ -1,0 +1,56 @@
+"""How the CLI verbs wait for Redis: they say so once on stderr, say when it is back, and end
+with a message (exit status 1, no traceback) if it stays away past EMBEDFLEET_REDIS_RETRY_S.
+
+The notices are written with ``tqdm.write``, which clears an active progress bar, prints the
+line above it and draws the bar again, so ``embedfleet enqueue --wait`` keeps its bar across an
+outage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import click
+from embedfleet.producer.client import JobTimeoutError, Producer
+from embedfleet.shared.logging import configure_logging
+from embedfleet.shared.retry import RedisUnavailableError, describe
+from embedfleet.shared.settings import Settings
+from tqdm import tqdm
+
+T = TypeVar("T")
+
+
+class StderrNotice:
+    """An ``OutageListener`` for people at a terminal (and for logs that keep stderr)."""
+
+    def redis_down(self, server: str, error: BaseException, give_up_after_s: float) -> None:
+        tqdm.write(
+            f"waiting for Redis at {server} ({describe(error)}); retrying for up to "
+            f"{give_up_after_s:g}s (EMBEDFLEET_REDIS_RETRY_S)",
+            file=sys.stderr,
+        )
+
+    def redis_back(self, server: str, down_s: float) -> None:
+        tqdm.write(f"Redis at {server} is back after {down_s:.1f}s", file=sys.stderr)
+
+
+def client_for(settings: Settings) -> Producer:
+    """The verbs' client: it says on stderr when it waits for Redis, and when Redis is back.
+
+    Its log lines go to stderr too (structlog would print them on stdout, among the verb's
+    output: `status --json` frames, `enqueue`'s summary).
+    """
+    configure_logging(settings.log_level, settings.log_format)
+    return Producer(settings, on_outage=StderrNotice())
+
+
+def run_client(main: Coroutine[Any, Any, T]) -> T:
+    """Run a verb's coroutine; Redis away for longer than EMBEDFLEET_REDIS_RETRY_S (or a job
+    not finished within --timeout) ends it with the message, exit status 1, no traceback."""
+    try:
+        return asyncio.run(main)
+    except (RedisUnavailableError, JobTimeoutError) as error:
+        raise click.ClickException(str(error)) from None

@@ -1,0 +1,546 @@
+"""The client rides out Redis restarts and dropped connections, on every path.
+
+Each test runs its own redis-server with an AOF (appendfsync always) and SIGKILLs it, as a crash
+would, while the path under test is in use, then starts it again on the same port: the path
+completes with the right result, no job counter is off by one, and the client said once that it
+was waiting and once that Redis was back. A TCP proxy the test controls cuts the connection at
+the moment that matters for a pipelined batch: after the server applied it, before the client
+read the reply. Synchronisation is on events (the client's outage notices, the proxy's cut, the
+CLI's own output), never on sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis.asyncio as aioredis
+from embedfleet.producer import Producer, QueryTimeoutError
+from embedfleet.producer.chunker import builtin_corpus
+from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, Result, decode_chunk, encode_result
+from embedfleet.shared.redis_conn import connect
+from embedfleet.shared.retry import RedisUnavailableError
+from embedfleet.shared.settings import Settings
+
+from embedfleet.server import ServerProcess, free_port, system_server_binary
+from tests.conftest import running_sink_worker, running_worker, worker_env
+
+AOF = ["--appendonly", "yes", "--appendfsync", "always"]
+
+
+# --- the test's own Redis, and what the client says about it --------------------------------------
+@pytest.fixture
+def aof_server(tmp_path: Path) -> Iterator[ServerProcess]:
+    binary = system_server_binary()
+    if binary is None:
+        pytest.skip("needs redis-server for an AOF restart")
+    data = tmp_path / "redis"
+    data.mkdir()
+    server = ServerProcess(binary, data_dir=data, extra_args=AOF).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def aof_settings(aof_server: ServerProcess) -> Settings:
+    return Settings(
+        redis_url=aof_server.url,
+        namespace=f"t{uuid.uuid4().hex[:10]}",
+        consumer=f"test-{uuid.uuid4().hex[:6]}",
+        block_ms=100,
+        log_format="json",
+        frozen_queries=False,  # queries run eager: no graph to build at the first worker's start
+    )
+
+
+@pytest.fixture
+async def direct(aof_settings: Settings) -> AsyncIterator[aioredis.Redis]:
+    """A client of the test's own, straight to the server (never through the proxy)."""
+    connection = connect(aof_settings.effective_redis_url)
+    yield connection
+    await connection.aclose()
+
+
+async def reconnected(client: aioredis.Redis) -> aioredis.Redis:
+    """``client`` without the connections the killed server left it (the test's checks are
+    not the client under test: they should not have to ride anything out)."""
+    await client.connection_pool.disconnect()
+    return client
+
+
+class Outages:
+    """An OutageListener that counts the notices and lets the test wait for them."""
+
+    def __init__(self) -> None:
+        self.down, self.back = asyncio.Event(), asyncio.Event()
+        self.downs = self.backs = 0
+
+    def redis_down(self, server: str, error: BaseException, give_up_after_s: float) -> None:
+        self.downs += 1
+        self.down.set()
+
+    def redis_back(self, server: str, down_s: float) -> None:
+        self.backs += 1
+        self.back.set()
+
+
+async def restart_when_down(server: ServerProcess, outages: Outages) -> None:
+    """Start the killed server again once the client has found it gone (same port, its AOF)."""
+    await outages.down.wait()
+    await asyncio.to_thread(server.start)
+
+
+def chunks_of(count: int, job: str) -> list[Chunk]:
+    texts = [chunk.text for chunk in builtin_corpus(max_chars=200)]
+    return [Chunk(id=f"c{i}", text=texts[i % len(texts)], job=job) for i in range(count)]
+
+
+async def stream_ids(client: aioredis.Redis, stream: str) -> list[str]:
+    return [decode_chunk(fields[PAYLOAD_FIELD]).id for _, fields in await client.xrange(stream)]
+
+
+async def counters(client: aioredis.Redis, settings: Settings, job: str) -> dict[str, int]:
+    values = await client.hgetall(settings.keys.job(job))
+    return {"enqueued": 0, "done": 0, "dead": 0} | {k.decode(): int(v) for k, v in values.items()}
+
+
+async def wait_for(predicate: Callable[[], Awaitable[bool]], timeout: float = 60) -> None:
+    """Poll a condition on the server (the client under test gives no event for it)."""
+    async with asyncio.timeout(timeout):
+        while not await predicate():
+            await asyncio.sleep(0.02)
+
+
+# --- a proxy that cuts the connection at the moment the test chooses ------------------------------
+EVAL = b"\r\nEVAL\r\n"  # how a pipelined EVAL command's name looks in RESP
+
+
+class BatchCutter:
+    """A TCP proxy between the client and Redis that cuts one pipelined batch's connection.
+
+    It counts the EVAL commands (one enqueue script per batch) the client sends. At the
+    ``cut_at``-th it calls ``on_cut`` and closes both sides: with ``applied=True`` after Redis
+    ran the batch, when its first reply bytes come back (they are not passed on), so the client
+    never learns that it was applied; with ``applied=False`` before the batch reaches Redis.
+    """
+
+    def __init__(
+        self,
+        upstream_port: int,
+        *,
+        cut_at: int,
+        applied: bool,
+        on_cut: Callable[[], Awaitable[None]],
+    ) -> None:
+        self.upstream_port = upstream_port
+        self.cut_at, self.applied, self.on_cut = cut_at, applied, on_cut
+        self.evals_seen = 0
+        self.cut = asyncio.Event()
+        self._handlers: set[asyncio.Task[None]] = set()
+        self._sockets: set[asyncio.StreamWriter] = set()
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    async def __aenter__(self) -> BatchCutter:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for socket in self._sockets:  # each relay then sees its end of file and returns
+            socket.close()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        handler = asyncio.current_task()  # asyncio runs each connection as a task of its own
+        assert handler is not None
+        self._handlers.add(handler)
+        handler.add_done_callback(self._handlers.discard)
+        try:
+            upstream_reader, upstream = await asyncio.open_connection(
+                "127.0.0.1", self.upstream_port
+            )
+        except OSError:  # Redis is down: so is this connection
+            writer.close()
+            return
+        self._sockets |= {writer, upstream}
+        reply_to_cut = asyncio.Event()
+
+        async def to_server() -> None:
+            tail = b""
+            while data := await reader.read(65536):
+                window = tail + data
+                tail = window[-(len(EVAL) - 1) :]
+                before = self.evals_seen
+                self.evals_seen += window.count(EVAL)
+                if not self.cut.is_set() and before < self.cut_at <= self.evals_seen:
+                    if not self.applied:
+                        await self._cut()
+                        return
+                    reply_to_cut.set()  # before forwarding: the reply cannot come sooner
+                upstream.write(data)
+                await upstream.drain()
+
+        async def to_client() -> None:
+            while data := await upstream_reader.read(65536):
+                if reply_to_cut.is_set() and not self.cut.is_set():
+                    await self._cut()
+                    return
+                writer.write(data)
+                await writer.drain()
+
+        pumps = [asyncio.create_task(to_server()), asyncio.create_task(to_client())]
+        try:
+            await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for pump in pumps:
+                pump.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+            writer.close()
+            upstream.close()
+            self._sockets -= {writer, upstream}
+
+    async def _cut(self) -> None:
+        await self.on_cut()
+        self.cut.set()
+
+
+# --- enqueue, mid-pipelined batch -----------------------------------------------------------------
+@pytest.mark.parametrize("applied", [True, False], ids=["after-redis-applied-it", "before"])
+async def test_enqueue_rides_out_a_sigkill_mid_batch(
+    aof_server: ServerProcess, aof_settings: Settings, direct: aioredis.Redis, applied: bool
+) -> None:
+    """Redis SIGKILLed with a batch in flight: the batch is sent again after the restart and
+    every chunk is added and counted once, whether or not Redis had applied it."""
+    chunks = chunks_of(150, "j")
+    counted_at_cut: list[int] = []
+
+    async def kill() -> None:
+        counted_at_cut.append((await counters(direct, aof_settings, "j"))["enqueued"])
+        aof_server.kill()
+
+    outages = Outages()
+    async with BatchCutter(aof_server.port, cut_at=2, applied=applied, on_cut=kill) as cutter:
+        proxied = aof_settings.model_copy(
+            update={"redis_url": f"redis://127.0.0.1:{cutter.port}/0"}
+        )
+        restart = asyncio.create_task(restart_when_down(aof_server, outages))
+        async with Producer(proxied, on_outage=outages) as producer:
+            sent = await producer.enqueue(chunks, job="j", batch_size=50)
+            progress = await producer.progress("j")
+        await restart
+    assert cutter.cut.is_set() and counted_at_cut == [100 if applied else 50]
+    assert cutter.evals_seen == 4  # three batches, the second one twice
+    assert (outages.downs, outages.backs) == (1, 1)
+    assert sent == 150 and progress.enqueued == 150
+    ids = await stream_ids(await reconnected(direct), aof_settings.keys.ingest)
+    assert len(ids) == 150 and set(ids) == {c.id for c in chunks}
+
+
+async def test_a_reply_lost_after_the_batch_was_applied_is_re_sent_and_counted_once(
+    aof_server: ServerProcess, aof_settings: Settings, direct: aioredis.Redis, encoder
+) -> None:
+    """The connection dropped between a batch's write and its reply: the client cannot tell
+    whether it was applied and sends it again; every id is embedded once and ``enqueued``
+    equals the number of distinct ids."""
+    chunks = chunks_of(120, "drop")
+    counted_at_cut: list[int] = []
+
+    async def note() -> None:
+        counted_at_cut.append((await counters(direct, aof_settings, "drop"))["enqueued"])
+
+    outages = Outages()
+    async with BatchCutter(aof_server.port, cut_at=2, applied=True, on_cut=note) as cutter:
+        proxied = aof_settings.model_copy(
+            update={"redis_url": f"redis://127.0.0.1:{cutter.port}/0"}
+        )
+        async with Producer(proxied, on_outage=outages) as producer:
+            await producer.enqueue(chunks, job="drop", batch_size=40)
+    async with Producer(aof_settings, direct) as producer:
+        async with running_worker(aof_settings, encoder, direct):
+            progress = await producer.wait_for_job("drop", timeout=300)
+        results = [result async for result in producer.results(job="drop")]
+    assert counted_at_cut == [80] and cutter.evals_seen == 4  # applied, then re-sent
+    assert outages.downs == 1 and outages.backs == 1
+    ids = [result.id for result in results]
+    assert len(ids) == 120 and set(ids) == {c.id for c in chunks}  # each embedded once
+    assert (progress.enqueued, progress.done, progress.dead) == (120, 120, 0)
+
+
+# --- following a job, reading results, queries ----------------------------------------------------
+async def test_wait_for_job_rides_out_a_sigkill(
+    aof_server: ServerProcess, aof_settings: Settings, direct: aioredis.Redis, encoder
+) -> None:
+    outages = Outages()
+    polled = asyncio.Event()
+    chunks = chunks_of(40, "w")
+    async with Producer(aof_settings, on_outage=outages) as producer:
+        await producer.enqueue(chunks, job="w")
+        waiting = asyncio.create_task(
+            producer.wait_for_job("w", interval=0.05, on_progress=lambda _: polled.set())
+        )
+        await polled.wait()  # the wait is under way, with nothing done yet
+        aof_server.kill()
+        await restart_when_down(aof_server, outages)
+        async with running_worker(aof_settings, encoder, await reconnected(direct)):
+            progress = await asyncio.wait_for(waiting, 300)
+    assert (progress.enqueued, progress.done, progress.dead) == (40, 40, 0)
+    assert (outages.downs, outages.backs) == (1, 1)
+    assert await counters(direct, aof_settings, "w") == {"enqueued": 40, "done": 40, "dead": 0}
+
+
+async def test_results_ride_out_a_sigkill_between_pages(
+    aof_server: ServerProcess, aof_settings: Settings, direct: aioredis.Redis
+) -> None:
+    rng = np.random.default_rng(20)
+    written = [
+        Result(id=f"r{i}", model="m", vector=rng.standard_normal(8).astype(np.float16), job="r")
+        for i in range(35)
+    ]
+    for result in written:
+        await direct.xadd(aof_settings.keys.results, {PAYLOAD_FIELD: encode_result(result)})
+    outages = Outages()
+    read: list[Result] = []
+    async with Producer(aof_settings, on_outage=outages) as producer:
+        restart = asyncio.create_task(restart_when_down(aof_server, outages))
+        async for result in producer.results(job="r", page=10):
+            read.append(result)
+            if len(read) == 5:  # in the middle of the first page: the next page meets no server
+                aof_server.kill()
+        await restart
+    assert [r.id for r in read] == [r.id for r in written]  # each once, in order
+    assert all(np.array_equal(a.vector, b.vector) for a, b in zip(read, written, strict=True))
+    assert (outages.downs, outages.backs) == (1, 1)
+
+
+async def test_queries_ride_out_a_sigkill_within_their_timeout(
+    aof_server: ServerProcess, aof_settings: Settings, direct: aioredis.Redis, encoder
+) -> None:
+    texts = ["how do I open a file?", "what is a generator?", "sort a list in place"]
+    outages = Outages()
+    async with Producer(aof_settings, on_outage=outages) as producer:
+        asking = asyncio.create_task(producer.embed_queries(texts, timeout=240))
+        one = asyncio.create_task(producer.embed_query(texts[0], timeout=240))
+
+        async def all_queued() -> bool:
+            return await direct.xlen(aof_settings.keys.query) == 4
+
+        await wait_for(all_queued)  # both calls are blocked on their reply keys: no worker yet
+        aof_server.kill()
+        await restart_when_down(aof_server, outages)
+        async with running_worker(aof_settings, encoder, await reconnected(direct)):
+            vectors, single = await asyncio.wait_for(asyncio.gather(asking, one), 240)
+    expected = encoder.embed_texts(texts)
+    assert vectors.shape == (3, 384)
+    assert min(float(v @ e) for v, e in zip(vectors, expected, strict=True)) > 0.999
+    assert float(single @ expected[0]) > 0.999
+    assert (outages.downs, outages.backs) == (1, 1)
+
+
+# --- the bound, and the message that names the server ---------------------------------------------
+async def test_the_client_gives_up_after_the_bound_and_names_the_server() -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    outages = Outages()
+    bounded = Settings(redis_url=url, redis_retry_s=0.5)
+    started = time.monotonic()
+    with pytest.raises(RedisUnavailableError) as raised:
+        async with Producer(bounded, on_outage=outages) as producer:
+            await producer.enqueue([Chunk("a", "text")], job="j")
+    assert time.monotonic() - started < 5
+    assert url in str(raised.value) and "EMBEDFLEET_REDIS_RETRY_S" in str(raised.value)
+    assert (outages.downs, outages.backs) == (1, 0)
+
+    # a query gives up at its own timeout, not at the (long) bound
+    patient = Producer(Settings(redis_url=url, redis_retry_s=300), on_outage=Outages())
+    started = time.monotonic()
+    with pytest.raises(QueryTimeoutError, match="unreachable") as timed_out:
+        await patient.embed_query("anything", timeout=0.5)
+    await patient.close()
+    assert time.monotonic() - started < 5 and url in str(timed_out.value)
+
+
+# --- the command line -----------------------------------------------------------------------------
+class Output:
+    """A subprocess's stdout or stderr, read as it comes; the test waits for text in it."""
+
+    def __init__(self, stream: asyncio.StreamReader) -> None:
+        self.data = bytearray()
+        self.closed = False
+        self._changed = asyncio.Condition()
+        self._task = asyncio.create_task(self._read(stream))
+
+    async def _read(self, stream: asyncio.StreamReader) -> None:
+        while chunk := await stream.read(4096):
+            async with self._changed:
+                self.data += chunk
+                self._changed.notify_all()
+        async with self._changed:
+            self.closed = True
+            self._changed.notify_all()
+
+    @property
+    def text(self) -> str:
+        return self.data.decode(errors="replace")
+
+    async def wait_for(self, text: str, *, count: int = 1, timeout: float = 120) -> None:
+        async with asyncio.timeout(timeout), self._changed:
+            await self._changed.wait_for(lambda: self.text.count(text) >= count or self.closed)
+        assert self.text.count(text) >= count, f"{text!r} not seen in: {self.text[-3000:]}"
+
+    async def finished(self) -> str:
+        await self._task
+        return self.text
+
+
+@contextlib.asynccontextmanager
+async def cli(
+    env: dict[str, str], *args: str
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, Output, Output]]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "embedfleet.cli",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    assert process.stdout is not None and process.stderr is not None
+    stdout, stderr = Output(process.stdout), Output(process.stderr)
+    try:
+        yield process, stdout, stderr
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+def said_once(stderr: str, server: str) -> None:
+    assert stderr.count(f"waiting for Redis at {server}") == 1, stderr[-3000:]
+    assert stderr.count(f"Redis at {server} is back after") == 1, stderr[-3000:]
+    assert "Traceback" not in stderr
+
+
+async def test_cli_enqueue_wait_keeps_its_bar_across_a_sigkill(
+    aof_server: ServerProcess,
+    aof_settings: Settings,
+    direct: aioredis.Redis,
+    encoder,
+    tmp_path: Path,
+) -> None:
+    source = tmp_path / "chunks.jsonl"
+    chunks = chunks_of(60, "cli")
+    source.write_text("".join(json.dumps({"id": c.id, "text": c.text}) + "\n" for c in chunks))
+    env = worker_env(aof_settings)
+    async with cli(env, "enqueue", str(source), "--job", "cli", "--wait") as (process, out, err):
+        await err.wait_for("enqueue: finished")  # every chunk sent: now it follows the job
+        aof_server.kill()
+        await err.wait_for("waiting for Redis")
+        await asyncio.to_thread(aof_server.start)
+        await err.wait_for("is back")
+        async with running_worker(aof_settings, encoder, await reconnected(direct)):
+            code = await asyncio.wait_for(process.wait(), 300)
+        stdout, stderr = await out.finished(), await err.finished()
+    assert code == 0, stderr[-3000:]
+    assert "enqueued 60 chunks as job 'cli'" in stdout
+    said_once(stderr, aof_settings.effective_redis_url)
+    # Off a terminal the bar is a log line per 10 s and one at the end: the same one, across
+    # the outage, finishing with the right totals.
+    after_outage = stderr.rsplit("is back", 1)[1]
+    finished = [json.loads(line) for line in after_outage.splitlines() if "embedded: fin" in line]
+    assert [(line["chunks"], line["total"]) for line in finished] == [(60, 60)]
+    assert await counters(direct, aof_settings, "cli") == {"enqueued": 60, "done": 60, "dead": 0}
+
+
+async def test_cli_status_watch_rides_out_a_sigkill(
+    aof_server: ServerProcess, aof_settings: Settings, direct: aioredis.Redis
+) -> None:
+    async with Producer(aof_settings, direct) as producer:
+        await producer.enqueue(chunks_of(23, "st"), job="st")
+    env = {**worker_env(aof_settings)}
+    args = ("status", "--watch", "--json", "--interval", "0.2")
+    async with cli(env, *args) as (process, out, err):
+        await out.wait_for("\n")
+        aof_server.kill()
+        await err.wait_for("waiting for Redis")
+        await asyncio.to_thread(aof_server.start)
+        await err.wait_for("is back")
+        frames_before = out.text.count("\n")
+        await out.wait_for("\n", count=frames_before + 1)  # watching again
+        process.send_signal(signal.SIGINT)
+        code = await asyncio.wait_for(process.wait(), 60)
+        stdout, stderr = await out.finished(), await err.finished()
+    assert code == 0, stderr[-3000:]
+    said_once(stderr, aof_settings.effective_redis_url)
+    last = json.loads(stdout.splitlines()[-1])
+    assert last["jobs"] == [{"job": "st", "enqueued": 23, "done": 0, "dead": 0, "remaining": 23}]
+    assert last["streams"]["ingest"]["lag"] == 23
+
+
+async def test_cli_search_rides_out_a_sigkill(
+    aof_server: ServerProcess,
+    aof_settings: Settings,
+    direct: aioredis.Redis,
+    encoder,
+    tmp_path: Path,
+) -> None:
+    from embedfleet.workers.sinks import build_sink
+
+    sink = f"lancedb://{tmp_path / 'vectors'}"
+    settings = aof_settings.model_copy(update={"sink": sink})
+    chunks = chunks_of(12, "s")
+    sink_worker = running_sink_worker(settings, encoder, direct, build_sink(settings, direct))
+    async with Producer(settings, direct) as producer, sink_worker:
+        await producer.enqueue(chunks, job="s")
+        await producer.wait_for_job("s", timeout=300)
+    env = worker_env(settings, EMBEDFLEET_SINK=sink)
+    args = ("search", chunks[3].text, "--k", "2", "--json", "--timeout", "240")
+    async with cli(env, *args) as (process, out, err):
+
+        async def queued() -> bool:
+            return await direct.xlen(settings.keys.query) > 0
+
+        await wait_for(queued)  # the query is in: the CLI is blocked on its reply, no worker
+        aof_server.kill()
+        await err.wait_for("waiting for Redis")
+        await asyncio.to_thread(aof_server.start)
+        await reconnected(direct)
+        async with running_sink_worker(settings, encoder, direct, build_sink(settings, direct)):
+            code = await asyncio.wait_for(process.wait(), 300)
+        stdout, stderr = await out.finished(), await err.finished()
+    assert code == 0, stderr[-3000:]
+    said_once(stderr, settings.effective_redis_url)
+    hits = [json.loads(line) for line in stdout.splitlines()]
+    assert [hit["id"] for hit in hits][:1] == [chunks[3].id] and len(hits) == 2
+
+
+def test_cli_gives_up_after_the_bound_with_a_clear_error(tmp_path: Path) -> None:
+    import subprocess
+
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    source = tmp_path / "one.jsonl"
+    source.write_text('{"id": "a", "text": "hello"}\n')
+    env = {**os.environ, "EMBEDFLEET_REDIS_URL": url, "EMBEDFLEET_REDIS_RETRY_S": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "embedfleet.cli", "enqueue", str(source)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert result.stderr.count(f"waiting for Redis at {url}") == 1
+    assert f"Error: Redis at {url} unreachable" in result.stderr
+    assert "EMBEDFLEET_REDIS_RETRY_S" in result.stderr and "Traceback" not in result.stderr
