@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         QueryTimeoutError,
     )
     from embedfleet.shared.protocol import Chunk, QueryFailedError, Result
+    from embedfleet.shared.retry import RedisUnavailableError
     from embedfleet.shared.settings import Settings
 
 # The client's names, imported on first use so `import embedfleet.workers...` stays cheap.
@@ -38,6 +39,7 @@ _EXPORTS = {
     "JobTimeoutError": "embedfleet.producer.client",
     "QueryTimeoutError": "embedfleet.producer.client",
     "QueryFailedError": "embedfleet.shared.protocol",
+    "RedisUnavailableError": "embedfleet.shared.retry",
     "Chunk": "embedfleet.shared.protocol",
     "Result": "embedfleet.shared.protocol",
     "Settings": "embedfleet.shared.settings",
@@ -51,6 +53,7 @@ __all__ = [
     "Producer",
     "QueryFailedError",
     "QueryTimeoutError",
+    "RedisUnavailableError",
     "Result",
     "Settings",
 ]

@@ -8,6 +8,7 @@ from embedfleet.producer.client import (
     QueryTimeoutError,
 )
 from embedfleet.shared.protocol import QueryFailedError
+from embedfleet.shared.retry import RedisUnavailableError
 
 __all__ = [
     "EmbeddingOptions",
@@ -16,4 +17,5 @@ __all__ = [
     "Producer",
     "QueryFailedError",
     "QueryTimeoutError",
+    "RedisUnavailableError",
 ]

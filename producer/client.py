@@ -1,4 +1,10 @@
-"""The asyncio client: enqueue chunks in pipelined batches, follow a job, read results back."""
+"""The asyncio client: enqueue chunks in pipelined batches, follow a job, read results back.
+
+Every call rides out Redis restarts, failovers and dropped connections through the client's one
+``RedisRetry`` (``shared/retry.py``): capped, jittered backoff for at most
+``EMBEDFLEET_REDIS_RETRY_S`` (a query: its timeout), then ``RedisUnavailableError``. What is sent
+again after a fault is safe to send again (see each call).
+"""
 
 from __future__ import annotations
 
@@ -322,6 +328,11 @@ class Producer:
         The worker pushes each answer onto a reply list this call blocks on (BLPOP: no
         polling). On timeout the queries are withdrawn from the stream and the reply key is
         deleted, so nothing is left behind; a late answer would expire with the key's TTL.
+
+        Redis away (restart, failover, dropped connection) is waited out within ``timeout``;
+        after a reconnection the unanswered queries are sent again under the same request id
+        (a server that lost them would never answer), so a query may be embedded twice: the
+        answers are kept one per index and a spare one expires with the reply key.
         """
         if not texts:
             raise ValueError("embed_queries needs at least one text")
