@@ -13,16 +13,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
+import re
 import signal
+import struct
+import subprocess
 import sys
+import termios
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import numpy as np
+import pyte
 import pytest
 import redis.asyncio as aioredis
 from embedfleet.producer import Producer, QueryTimeoutError
@@ -464,6 +470,107 @@ async def test_cli_enqueue_wait_keeps_its_bar_across_a_sigkill(
     assert await counters(direct, aof_settings, "cli") == {"enqueued": 60, "done": 60, "dead": 0}
 
 
+class Terminal:
+    """A CLI run in a pseudo-terminal, its output fed to ``pyte`` (a VT100 emulator): the test
+    reads the screen a person would see, and waits for text to appear on it."""
+
+    COLUMNS, ROWS = 120, 200
+
+    def __init__(self, env: dict[str, str], *args: str) -> None:
+        self._leader, follower = os.openpty()
+        # the window size tqdm reads to draw its bar (TIOCGWINSZ)
+        size = struct.pack("HHHH", self.ROWS, self.COLUMNS, 0, 0)
+        fcntl.ioctl(follower, termios.TIOCSWINSZ, size)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "embedfleet.cli", *args],
+            stdin=follower,
+            stdout=follower,
+            stderr=follower,
+            env={**env, "COLUMNS": str(self.COLUMNS), "TERM": "xterm-256color"},
+            start_new_session=True,
+        )
+        os.close(follower)
+        self.screen = pyte.Screen(self.COLUMNS, self.ROWS)
+        self._stream = pyte.ByteStream(self.screen)
+        self._fed = asyncio.Event()
+        self.closed = False
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._leader, self._read)
+
+    def _read(self) -> None:
+        try:
+            data = os.read(self._leader, 65536)
+        except OSError:  # EIO: every process holding the terminal has exited
+            data = b""
+        if data:
+            self._stream.feed(data)
+        else:
+            self._loop.remove_reader(self._leader)
+            self.closed = True
+        self._fed.set()
+
+    @property
+    def lines(self) -> list[str]:
+        return [line.rstrip() for line in self.screen.display if line.strip()]
+
+    async def wait_for(self, text: str, timeout: float = 120) -> None:
+        async with asyncio.timeout(timeout):
+            while not any(text in line for line in self.lines) and not self.closed:
+                self._fed.clear()
+                await self._fed.wait()
+        assert any(text in line for line in self.lines), "\n".join(self.lines)
+
+    async def finished(self, timeout: float = 300) -> int:
+        code = await asyncio.wait_for(asyncio.to_thread(self.process.wait), timeout)
+        async with asyncio.timeout(30):
+            while not self.closed:
+                self._fed.clear()
+                await self._fed.wait()
+        return code
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        if not self.closed:
+            self._loop.remove_reader(self._leader)
+        os.close(self._leader)
+
+
+async def test_cli_enqueue_wait_keeps_its_bar_on_a_terminal_across_a_sigkill(
+    aof_server: ServerProcess, aof_settings: Settings, direct: aioredis.Redis, encoder, tmp_path
+) -> None:
+    """What a person at a terminal sees: the two notices above one bar, finished at 60/60."""
+    source = tmp_path / "chunks.jsonl"
+    chunks = chunks_of(60, "tty")
+    source.write_text("".join(json.dumps({"id": c.id, "text": c.text}) + "\n" for c in chunks))
+    terminal = Terminal(worker_env(aof_settings), "enqueue", str(source), "--job", "tty", "--wait")
+    try:
+        await terminal.wait_for("embedded:")  # the wait's bar is drawn: every chunk was sent
+        aof_server.kill()
+        await terminal.wait_for("waiting for Redis")
+        await asyncio.to_thread(aof_server.start)
+        await terminal.wait_for("is back")
+        async with running_worker(aof_settings, encoder, await reconnected(direct)):
+            code = await terminal.finished()
+        screen = terminal.lines
+    finally:
+        terminal.close()
+    text = "\n".join(screen)
+    print(text)  # the screen, for whoever reads a failure
+    assert code == 0
+    server = aof_settings.effective_redis_url
+    waiting = [i for i, line in enumerate(screen) if f"waiting for Redis at {server}" in line]
+    back = [i for i, line in enumerate(screen) if f"Redis at {server} is back after" in line]
+    bars = [i for i, line in enumerate(screen) if line.startswith("embedded:")]
+    assert len(waiting) == 1 and len(back) == 1 and len(bars) == 1, text
+    # the notices went above the bar, which was drawn again below them and finished there
+    assert waiting[0] < back[0] < bars[0]
+    assert re.search(r"100%\|.*\| 60/60 \[", screen[bars[0]]), screen[bars[0]]
+    assert "enqueued 60 chunks as job 'tty'" in text
+    assert await counters(direct, aof_settings, "tty") == {"enqueued": 60, "done": 60, "dead": 0}
+
+
 async def test_cli_status_watch_rides_out_a_sigkill(
     aof_server: ServerProcess, aof_settings: Settings, direct: aioredis.Redis
 ) -> None:
@@ -527,8 +634,6 @@ async def test_cli_search_rides_out_a_sigkill(
 
 
 def test_cli_gives_up_after_the_bound_with_a_clear_error(tmp_path: Path) -> None:
-    import subprocess
-
     url = f"redis://127.0.0.1:{free_port()}/0"
     source = tmp_path / "one.jsonl"
     source.write_text('{"id": "a", "text": "hello"}\n')
