@@ -218,7 +218,7 @@ def run_demo(corpus: Path | None, limit: int | None, out_dir: Path) -> DemoRepor
         embedded=embedded,
         export_path=export_path,
         target=target,
-        results_key=settings.keys.results,
+        results_key=", ".join(p.results for p in settings.keys.partitions_keys),
         sample=sample,
     )
 

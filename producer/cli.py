@@ -96,7 +96,8 @@ async def _wait_with_bar(
         progress = await producer.wait_for_job(job, timeout=timeout, on_progress=update)
     if progress.dead:
         click.echo(
-            f"{progress.dead} chunks dead-lettered; see: redis-cli XRANGE {producer.keys.dead} - +",
+            f"{progress.dead} chunks dead-lettered; see: "
+            + " and ".join(f"redis-cli XRANGE {p.dead} - +" for p in producer.keys.partitions_keys),
             err=True,
         )
     return progress

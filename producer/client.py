@@ -31,9 +31,15 @@ from embedfleet.shared.protocol import (
     decode_result,
     encode_chunk,
 )
-from embedfleet.shared.redis_conn import connect_client, ensure_groups, redact_url
+from embedfleet.shared.redis_conn import (
+    connect_client_settings,
+    ensure_groups,
+    is_cluster,
+    redact_url,
+)
 from embedfleet.shared.retry import OutageListener, RedisRetry, RedisUnavailableError, describe
 from embedfleet.shared.settings import Settings
+from redis import exceptions as redis_errors
 
 log = get_logger("embedfleet.producer")
 ChunkLike = Chunk | Mapping[str, Any]
@@ -49,6 +55,11 @@ class JobProgress:
     @property
     def finished(self) -> bool:
         return self.enqueued > 0 and self.done + self.dead >= self.enqueued
+
+
+class ReplicasNotConfirmedError(redis_errors.ConnectionError):
+    """Fewer replicas than EMBEDFLEET_MIN_REPLICAS acknowledged a batch: it is sent again
+    (a transient fault, retried with the client's backoff like a dropped connection)."""
 
 
 class JobTimeoutError(TimeoutError):
@@ -152,7 +163,7 @@ class Producer:
         ``EMBEDFLEET_REDIS_RETRY_S``, then raises ``RedisUnavailableError``."""
         self.settings = settings or Settings()
         self.keys: Keys = self.settings.keys
-        self.client = client or connect_client(self.settings.effective_redis_url)
+        self.client = client or connect_client_settings(self.settings)
         self._owns_client = client is None
         self._ready = False
         self.retry = RedisRetry(
@@ -234,11 +245,13 @@ class Producer:
             total += await self._send(batch, on_batch)
         return total
 
-    async def _wait_for_room(self) -> None:
-        """Backpressure: hold enqueueing while the backlog is over the high-water mark."""
+    async def _wait_for_room(self, partitions: Iterable[Keys]) -> None:
+        """Backpressure: hold enqueueing while a partition this batch goes to holds more than
+        the high-water mark (each partition's stream is bounded on its own node)."""
         mark = self.settings.backlog_high_water
+        streams = [partition.ingest for partition in partitions]
         waited_since: float | None = None
-        while (backlog := await self._backlog()) >= mark:
+        while (backlog := await self._backlog(streams)) >= mark:
             if waited_since is None:
                 waited_since = time.monotonic()
                 log.warning(
@@ -253,57 +266,108 @@ class Producer:
                 "backlog below the mark again", waited_s=round(time.monotonic() - waited_since, 1)
             )
 
-    async def _backlog(self) -> int:
-        return await self.retry.call("read the backlog", lambda: self.client.xlen(self.keys.ingest))
+    async def _backlog(self, streams: list[str]) -> int:
+        """The longest of these ingest streams."""
+        if len(streams) == 1:
+            return await self.retry.call("read the backlog", lambda: self.client.xlen(streams[0]))
+
+        async def lengths() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for stream in streams:
+                pipe.xlen(stream)
+            return await pipe.execute()
+
+        return max(int(n) for n in await self.retry.call("read the backlog", lengths))
 
     async def _send(self, batch: list[Chunk], on_batch: Callable[[int], None] | None) -> int:
-        """Send one batch, again after a fault: whether or not the server applied the lost
-        try, the enqueue script adds and counts each chunk of a job once."""
-        await self._wait_for_room()
-        jobless: list[bytes] = []
-        by_job: dict[str, list[tuple[str, bytes]]] = {}
+        """Send one batch, each chunk to its partition, again after a fault: whether or not the
+        server applied the lost try, the enqueue script adds and counts each chunk of a job once.
+        With EMBEDFLEET_MIN_REPLICAS, a partition whose replicas did not confirm its chunks is
+        sent again the same way."""
+        by_partition: dict[Keys, list[Chunk]] = {}
         for chunk in batch:
-            payload = encode_chunk(chunk)
-            if chunk.job is None:
-                jobless.append(payload)
-            else:
-                by_job.setdefault(chunk.job, []).append((chunk.id, payload))
-        replies = await self.retry.call(
-            f"enqueue a batch of {len(batch)} chunks",
-            lambda: self._send_once(jobless, by_job),
-        )
-        if by_job:
-            added = sum(replies[-1 - len(by_job) : -1])
-            repeated = sum(len(chunks) for chunks in by_job.values()) - added
-            if repeated:
-                log.info(
-                    "chunks already enqueued in their job were not added again", repeated=repeated
+            by_partition.setdefault(self.keys.partition_for(chunk.id), []).append(chunk)
+        await self._wait_for_room(by_partition)
+        unsent = by_partition
+
+        async def attempt() -> None:
+            nonlocal unsent
+            unsent = await self._send_once(unsent)
+            if unsent:
+                raise ReplicasNotConfirmedError(
+                    f"fewer than EMBEDFLEET_MIN_REPLICAS={self.settings.min_replicas} replicas "
+                    f"confirmed the chunks of partitions {sorted(k.index for k in unsent)} "
+                    "within EMBEDFLEET_MIN_REPLICAS_TIMEOUT_MS: sending them again"
                 )
+
+        await self.retry.call(f"enqueue a batch of {len(batch)} chunks", attempt)
         if on_batch is not None:
             on_batch(len(batch))
         return len(batch)
 
-    async def _send_once(
-        self, jobless: list[bytes], by_job: dict[str, list[tuple[str, bytes]]]
-    ) -> list[Any]:
-        """One pipelined round trip: per job, the enqueue script; chunks without a job, a plain
-        XADD each (nothing counts them: a re-sent one is at worst embedded twice)."""
+    async def _send_once(self, by_partition: dict[Keys, list[Chunk]]) -> dict[Keys, list[Chunk]]:
+        """One pipelined round trip (per node, on a cluster, the nodes in parallel): per
+        partition and job, the enqueue script, whose keys all share the partition's slot;
+        chunks without a job, a plain XADD each (nothing counts them: a re-sent one is at worst
+        embedded twice). Returns the partitions whose replicas did not confirm them."""
         pipe = self.client.pipeline(transaction=False)
-        for payload in jobless:
-            pipe.xadd(self.keys.ingest, {PAYLOAD_FIELD: payload})
-        for job, chunks in by_job.items():
-            queue_enqueue(
-                pipe,
-                stream=self.keys.ingest,
-                counters=self.keys.job(job),
-                id_record=self.keys.job_ids(job),
-                chunks=chunks,
-                id_record_ttl_s=self.settings.job_ids_ttl_s,
-            )
-        if by_job:
-            # Outside the script: the index of job names need not share the streams' slot.
-            pipe.sadd(self.keys.jobs_index, *by_job)
-        return await pipe.execute()
+        scripts: list[int] = []  # positions of the script replies
+        for partition, chunks in by_partition.items():
+            by_job: dict[str, list[tuple[str, bytes]]] = {}
+            for chunk in chunks:
+                payload = encode_chunk(chunk)
+                if chunk.job is None:
+                    pipe.xadd(partition.ingest, {PAYLOAD_FIELD: payload})
+                else:
+                    by_job.setdefault(chunk.job, []).append((chunk.id, payload))
+            for job, job_chunks in by_job.items():
+                scripts.append(len(pipe))
+                queue_enqueue(
+                    pipe,
+                    stream=partition.ingest,
+                    counters=partition.job(job),
+                    id_record=partition.job_ids(job),
+                    chunks=job_chunks,
+                    id_record_ttl_s=self.settings.job_ids_ttl_s,
+                )
+            if by_job:
+                # Outside the script, but in the partition's slot too (its own jobs index).
+                pipe.sadd(partition.jobs_index, *by_job)
+        waits = self._queue_replica_waits(pipe, by_partition)
+        replies = await pipe.execute()
+        with_job = sum(1 for chunks in by_partition.values() for c in chunks if c.job is not None)
+        repeated = with_job - sum(int(replies[position]) for position in scripts)
+        if repeated:
+            log.info("chunks already enqueued in their job were not added again", repeated=repeated)
+        if not waits:
+            return {}
+        needed = self.settings.min_replicas
+        return {
+            partition: by_partition[partition]
+            for partitions, replicas in zip(waits, replies[-len(waits) :], strict=True)
+            if int(replicas) < needed
+            for partition in partitions
+        }
+
+    def _queue_replica_waits(
+        self, pipe: Any, by_partition: dict[Keys, list[Chunk]]
+    ) -> list[list[Keys]]:
+        """``WAIT min_replicas timeout`` at the end of the pipeline, once per node written to:
+        WAIT confirms the writes made before it on the same connection, and a cluster pipeline
+        sends each node's commands, in order, on one connection."""
+        if not self.settings.min_replicas:
+            return []
+        wait = ("WAIT", self.settings.min_replicas, self.settings.min_replicas_timeout_ms)
+        if not is_cluster(self.client):
+            pipe.execute_command(*wait)
+            return [list(by_partition)]
+        by_node: dict[str, tuple[Any, list[Keys]]] = {}
+        for partition in by_partition:
+            node = self.client.get_node_from_key(partition.ingest)  # type: ignore[attr-defined]
+            by_node.setdefault(node.name, (node, []))[1].append(partition)
+        for node, _ in by_node.values():
+            pipe.execute_command(*wait, target_nodes=node)
+        return [partitions for _, partitions in by_node.values()]
 
     # --- priority queries -------------------------------------------------------------
     async def embed_query(
@@ -342,7 +406,7 @@ class Producer:
             raise ValueError(f"timeout must be a positive number of seconds, not {timeout}")
         give_up_at = time.monotonic() + timeout
         request = uuid.uuid4().hex
-        reply_key = self.keys.reply(request)
+        reply_key = self.keys.query_lane.reply(request)
         deadline_ms = int((time.time() + timeout) * 1000)
         vectors: dict[int, np.ndarray] = {}
         entry_ids: list[bytes] = []
@@ -396,7 +460,8 @@ class Producer:
         if len(vectors) < len(texts):
             raise QueryTimeoutError(
                 f"no answer within {timeout}s for {len(texts) - len(vectors)} of {len(texts)} "
-                f"queries. Are workers running? Check: redis-cli XINFO GROUPS {self.keys.query}"
+                "queries. Are workers running? Check: redis-cli XINFO GROUPS "
+                + self.keys.query_lane.query
             )
         return np.stack([vectors[i] for i in range(len(texts))])
 
@@ -406,7 +471,7 @@ class Producer:
         """The XADDs and the first BLPOP in one round trip: one round trip for a single query."""
         pipe = self.client.pipeline(transaction=False)
         for payload in payloads:
-            pipe.xadd(self.keys.query, {PAYLOAD_FIELD: payload})
+            pipe.xadd(self.keys.query_lane.query, {PAYLOAD_FIELD: payload})
         pipe.blpop([reply_key], timeout=timeout)
         *entry_ids, popped = await pipe.execute()
         return entry_ids, popped
@@ -414,9 +479,9 @@ class Producer:
     async def _withdraw(self, entry_ids: list[bytes], reply_key: str) -> None:
         """Take unanswered queries back, once: if Redis is away, the workers skip them anyway
         (they are past their deadline) and the reply key expires."""
-        pipe = self.client.pipeline(transaction=True)
+        pipe = self.client.pipeline(transaction=True)  # the query lane's keys share a slot
         if entry_ids:
-            pipe.xdel(self.keys.query, *entry_ids)
+            pipe.xdel(self.keys.query_lane.query, *entry_ids)
         pipe.delete(reply_key)
         try:
             await pipe.execute()
@@ -427,12 +492,20 @@ class Producer:
 
     # --- jobs ---------------------------------------------------------------------------
     async def progress(self, job: str, *, deadline: float | None = None) -> JobProgress:
-        counters = await self.retry.call(
-            f"read job {job!r}'s progress",
-            lambda: self.client.hgetall(self.keys.job(job)),
-            deadline=deadline,
-        )
-        values = {key.decode(): int(value) for key, value in counters.items()}
+        """The job's counters, summed over the partitions (each counts its own chunks)."""
+
+        async def read() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for partition in self.keys.partitions_keys:
+                pipe.hgetall(partition.job(job))
+            return await pipe.execute()
+
+        values: dict[str, int] = {}
+        for counters in await self.retry.call(
+            f"read job {job!r}'s progress", read, deadline=deadline
+        ):
+            for key, value in counters.items():
+                values[key.decode()] = values.get(key.decode(), 0) + int(value)
         return JobProgress(
             job=job,
             enqueued=values.get("enqueued", 0),
@@ -467,29 +540,33 @@ class Producer:
                 raise JobTimeoutError(
                     f"job {job!r} not finished after {timeout}s: {progress.done} done, "
                     f"{progress.dead} dead of {progress.enqueued}. Are workers running? "
-                    f"Check with: redis-cli XINFO GROUPS {self.keys.ingest}"
+                    "Check with: embedfleet status"
                 )
             await asyncio.sleep(interval)
 
     async def results(self, *, job: str | None = None, page: int = 1000) -> AsyncIterator[Result]:
-        """Every result in the results stream (optionally one job's), oldest first.
+        """Every result in the results streams (optionally one job's), oldest first within each
+        partition, one partition after the other.
 
-        Redeliveries can write an id twice; callers that need one vector per id keep the last.
+        Redeliveries can write an id twice; callers that need one vector per id keep the last
+        (a chunk id always routes to the same partition, so its copies are in one stream).
         """
-        start = "-"
-        while True:
-            entries = await self.retry.call(
-                "read results",
-                # Paged by entry id, so a page read again after a fault is the same page.
-                lambda start=start: self.client.xrange(self.keys.results, min=start, count=page),
-            )
-            if not entries:
-                return
-            for _, fields in entries:
-                result = decode_result(fields[PAYLOAD_FIELD])
-                if job is None or result.job == job:
-                    yield result
-            last_id = entries[-1][0].decode()
-            start = "(" + last_id
-            if len(entries) < page:
-                return
+        for partition in self.keys.partitions_keys:
+            start = "-"
+            while True:
+                entries = await self.retry.call(
+                    "read results",
+                    # Paged by entry id, so a page read again after a fault is the same page.
+                    lambda start=start, key=partition.results: self.client.xrange(
+                        key, min=start, count=page
+                    ),
+                )
+                if not entries:
+                    break
+                for _, fields in entries:
+                    result = decode_result(fields[PAYLOAD_FIELD])
+                    if job is None or result.job == job:
+                        yield result
+                start = "(" + entries[-1][0].decode()
+                if len(entries) < page:
+                    break

@@ -32,7 +32,7 @@ from embedfleet.producer.sparkline import Trend
 from embedfleet.producer.waiting import StderrNotice, run_client
 from embedfleet.shared.fleet import FLEET_STREAMS, INPUT_STREAMS, FleetState, read_fleet
 from embedfleet.shared.keys import Keys
-from embedfleet.shared.redis_conn import connect_client, redact_url
+from embedfleet.shared.redis_conn import connect_client_settings, redact_url
 from embedfleet.shared.retry import RedisRetry
 from embedfleet.shared.settings import Settings, SettingsError, load_settings
 from redis.exceptions import RedisError
@@ -389,9 +389,7 @@ def status_command(
 async def _status(
     settings: Settings, *, watch: bool, interval: float, sample: float, as_json: bool
 ) -> None:
-    client = connect_client(
-        settings.effective_redis_url, socket_connect_timeout=5, socket_timeout=10
-    )
+    client = connect_client_settings(settings, socket_connect_timeout=5, socket_timeout=10)
     try:
         if not watch:
             first = await _snapshot_or_fail(client, settings)

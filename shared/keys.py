@@ -1,48 +1,194 @@
 """Every Redis key embedfleet touches, in one place (the arq way).
 
-All keys start with one namespace. Put a Redis Cluster hash tag in it (``{embedfleet}``) and every
-key of a deployment lands on one shard, so the multi-key pipelines (write result + XACK + progress)
-stay legal on a cluster.
+All keys start with one namespace. With one partition (the default) the keys are
+``{ns}:ingest``, ``{ns}:results``, ... as they have always been; put a hash tag in the namespace
+(``{embedfleet}``) and every key of the deployment lands on one shard of a Redis Cluster.
+
+With ``EMBEDFLEET_PARTITIONS=N > 1`` each partition has its own ingest, results and dead-letter
+streams, job counters and jobs index, all under one hash tag of its own
+(``{ns}:{p3of6.57}:ingest``), so every multi-key command and Lua script stays inside one slot.
+The tags are searched so that partition ``i`` hashes into the middle of the ``i``-th of ``N``
+equal shares of the 16384 slots: a cluster whose masters hold equal slot ranges then gets the
+partitions spread evenly (plain ``{p0}``..``{p5}`` put 4 of 6 on one master of three). The query
+lane (query stream, its reply keys and its dead letters) has a key set of its own,
+``{ns}:{q}:...``. A chunk's partition is ``crc32(utf-8 id) mod N``: any language can route.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import zlib
+from dataclasses import dataclass, replace
 
 DEFAULT_NAMESPACE = "embedfleet"
 DEFAULT_GROUP = "workers"
+CLUSTER_SLOTS = 16384
+MAX_PARTITIONS = 256
+QUERY_LANE_TAG = "q"
+
+
+class PartitionedKeyError(LookupError):
+    """A per-partition key was asked of the fleet-wide key set of a partitioned deployment."""
+
+
+def _crc16_table() -> tuple[int, ...]:
+    table = []
+    for byte in range(256):
+        crc = byte << 8
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x1021) & 0xFFFF if crc & 0x8000 else (crc << 1) & 0xFFFF
+        table.append(crc)
+    return tuple(table)
+
+
+_CRC16_TABLE = _crc16_table()
+
+
+def crc16(data: bytes) -> int:
+    """CRC16-CCITT (XMODEM), the hash Redis Cluster maps keys to slots with."""
+    crc = 0
+    for byte in data:
+        crc = ((crc << 8) & 0xFFFF) ^ _CRC16_TABLE[(crc >> 8) ^ byte]
+    return crc
+
+
+def key_slot(key: str | bytes) -> int:
+    """The cluster slot of a key, as ``CLUSTER KEYSLOT`` computes it (hash tags included)."""
+    data = key.encode() if isinstance(key, str) else key
+    start = data.find(b"{")
+    if start != -1:
+        end = data.find(b"}", start + 1)
+        if end > start + 1:
+            data = data[start + 1 : end]
+    return crc16(data) % CLUSTER_SLOTS
+
+
+def slot_range(index: int, count: int) -> tuple[int, int]:
+    """The ``index``-th of ``count`` equal shares of the slot space: [first, end)."""
+    return index * CLUSTER_SLOTS // count, (index + 1) * CLUSTER_SLOTS // count
+
+
+@functools.cache
+def partition_tag(index: int, count: int) -> str:
+    """The hash tag of partition ``index`` of ``count``: its slot lies in the middle half of the
+    partition's share of the slot space, so it stays on the intended master even when a
+    cluster's slot boundaries are not exactly at the shares' edges."""
+    if not 0 <= index < count <= MAX_PARTITIONS:
+        raise ValueError(f"partition {index} of {count} does not exist")
+    first, end = slot_range(index, count)
+    width = end - first
+    low, high = first + width // 4, max(first + width // 4 + 1, end - width // 4)
+    suffix = 0
+    while True:
+        tag = f"p{index}of{count}.{suffix}"
+        if low <= crc16(tag.encode()) % CLUSTER_SLOTS < high:
+            return tag
+        suffix += 1
+
+
+def partition_of(chunk_id: str, count: int) -> int:
+    """The partition a chunk id routes to: stable across processes, versions and languages."""
+    return 0 if count == 1 else zlib.crc32(chunk_id.encode()) % count
 
 
 @dataclass(frozen=True)
 class Keys:
-    """Key names for one namespace. Build it once from settings and pass it around."""
+    """Key names for one namespace. Build it once from settings and pass it around.
+
+    The fleet's ``Keys`` (``tag`` None) names the keys directly when there is one partition.
+    With more, ask it for a partition's key set (``partition(i)``, ``partition_for(id)``,
+    ``partitions_keys``) or the query lane's (``query_lane``); asking the fleet-wide set for a
+    per-partition key raises, so no code path can silently write to an unread key.
+    """
 
     namespace: str = DEFAULT_NAMESPACE
     group: str = DEFAULT_GROUP
+    partitions: int = 1
+    tag: str | None = None  # this key set's hash tag; None for the fleet-wide set
 
+    # --- the key sets ---------------------------------------------------------------------
+    @property
+    def partitioned(self) -> bool:
+        return self.partitions > 1
+
+    def partition(self, index: int) -> Keys:
+        """Partition ``index``'s keys (the fleet's own keys when there is one partition)."""
+        if not self.partitioned:
+            if index != 0:
+                raise ValueError(f"partition {index} of 1 does not exist")
+            return self
+        return replace(self, tag=partition_tag(index, self.partitions))
+
+    @functools.cached_property
+    def partitions_keys(self) -> tuple[Keys, ...]:
+        """Every partition's key set, in partition order."""
+        fleet = replace(self, tag=None)
+        return tuple(fleet.partition(index) for index in range(self.partitions))
+
+    def partition_for(self, chunk_id: str) -> Keys:
+        """The key set of the partition a chunk id routes to."""
+        return self.partitions_keys[partition_of(chunk_id, self.partitions)]
+
+    @property
+    def query_lane(self) -> Keys:
+        """The query stream, reply keys and the lane's dead letters, in one slot."""
+        return replace(self, tag=QUERY_LANE_TAG) if self.partitioned else self
+
+    @property
+    def index(self) -> int:
+        """This set's partition number (0 with one partition); -1 for the query lane."""
+        if not self.partitioned:
+            return 0
+        if self.tag == QUERY_LANE_TAG:
+            return -1
+        return next(i for i, keys in enumerate(self.partitions_keys) if keys.tag == self.tag)
+
+    def owner_of(self, stream: str) -> Keys:
+        """The key set a stream (an ingest or query stream) belongs to."""
+        return self._owners[stream]
+
+    @functools.cached_property
+    def _owners(self) -> dict[str, Keys]:
+        owners = {keys.ingest: keys for keys in self.partitions_keys}
+        owners[self.query_lane.query] = self.query_lane
+        return owners
+
+    @property
+    def prefix(self) -> str:
+        return self.namespace if self.tag is None else f"{self.namespace}:{{{self.tag}}}"
+
+    def _key(self, suffix: str) -> str:
+        if self.partitioned and self.tag is None:
+            raise PartitionedKeyError(
+                f"{suffix!r} is a per-partition key with EMBEDFLEET_PARTITIONS={self.partitions}: "
+                "take it from keys.partition(i), keys.partition_for(chunk_id) or keys.query_lane"
+            )
+        return f"{self.prefix}:{suffix}"
+
+    # --- the keys of one set ----------------------------------------------------------------
     @property
     def ingest(self) -> str:
         """Stream of bulk chunks, read by workers through the consumer group."""
-        return f"{self.namespace}:ingest"
+        return self._key("ingest")
 
     @property
     def query(self) -> str:
         """Stream of priority single queries, read before every bulk batch."""
-        return f"{self.namespace}:query"
+        return self._key("query")
 
     @property
     def results(self) -> str:
         """Stream of embedding results (msgpack, fp16 vectors) written by the Redis sink."""
-        return f"{self.namespace}:results"
+        return self._key("results")
 
     @property
     def dead(self) -> str:
         """Dead-letter stream: entries that could not be embedded, with a readable reason."""
-        return f"{self.namespace}:dead"
+        return self._key("dead")
 
     def job(self, job_id: str) -> str:
-        """Hash of a job's counters: ``enqueued``, ``done``, ``dead``."""
-        return f"{self.namespace}:job:{job_id}"
+        """Hash of a job's counters: ``enqueued``, ``done``, ``dead`` (per partition)."""
+        return self._key(f"job:{job_id}")
 
     def job_ids(self, job_id: str) -> str:
         """Hash of the chunk ids a job has enqueued (id -> digest of the payload sent).
@@ -50,21 +196,22 @@ class Keys:
         The enqueue script reads it so that a re-sent chunk is added and counted once. Its own
         prefix (not ``job:<job>:ids``) so that no job name can collide with another's counters.
         """
-        return f"{self.namespace}:jobids:{job_id}"
+        return self._key(f"jobids:{job_id}")
 
     def reply(self, request_id: str) -> str:
         """List a query's caller blocks on (BLPOP); it expires if the caller has gone."""
-        return f"{self.namespace}:reply:{request_id}"
+        return self._key(f"reply:{request_id}")
 
     @property
     def jobs_index(self) -> str:
-        """Set of known job ids, so ``embedfleet status`` can list them."""
-        return f"{self.namespace}:jobs"
+        """Set of known job ids, so ``embedfleet status`` can list them (per partition)."""
+        return self._key("jobs")
 
     @property
     def model(self) -> str:
         """Hash a worker writes at start: the model it serves (name, dim, normalize, prompts,
-        max_length), so producers and the gateway can check options before enqueueing."""
+        max_length), so producers and the gateway can check options before enqueueing. One for
+        the fleet, partitions or not (a single key: any slot will do)."""
         return f"{self.namespace}:model"
 
     def calibration(self, model: str, variant: str) -> str:

@@ -11,8 +11,9 @@ import os
 import socket
 from typing import Literal
 
-from embedfleet.shared.keys import DEFAULT_GROUP, DEFAULT_NAMESPACE, Keys
-from pydantic import Field, ValidationError, field_validator
+from embedfleet.shared.keys import DEFAULT_GROUP, DEFAULT_NAMESPACE, MAX_PARTITIONS, Keys
+from embedfleet.shared.redis_conn import split_cluster_url
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "EMBEDFLEET_"
@@ -44,6 +45,32 @@ class Settings(BaseSettings):
     consumer: str = Field(
         default_factory=_default_consumer_name,
         description="This worker's consumer name in the group (default: hostname-pid).",
+    )
+    redis_cluster: bool = Field(
+        default=False,
+        description="Talk to a Redis Cluster (redis-py's cluster client: MOVED/ASK and failovers "
+        "are followed). A `redis+cluster://` or `rediss+cluster://` URL does the same.",
+    )
+    partitions: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_PARTITIONS,
+        description="Partitions of the queue, each with its own streams in one hash slot, spread "
+        "over a cluster's slots; a chunk goes to partition crc32(id) mod N. 1 = the single-node "
+        "keys. Every producer, worker and `embedfleet status` of a deployment must agree.",
+    )
+    partition_set: str = Field(
+        default="",
+        description="Partitions this worker reads, e.g. `0,2,4-5` (pinning); empty = all.",
+    )
+    min_replicas: int = Field(
+        default=0,
+        ge=0,
+        description="Producers confirm each batch with `WAIT <n>` and re-send one that fewer "
+        "replicas acknowledged, so a failover right after an enqueue loses nothing. 0 = off.",
+    )
+    min_replicas_timeout_ms: int = Field(
+        default=2000, ge=1, description="How long one `WAIT` for the replicas may take."
     )
 
     # --- model ---------------------------------------------------------------------------
@@ -251,13 +278,60 @@ class Settings(BaseSettings):
             raise ValueError("must be non-empty and contain no whitespace")
         return value
 
+    @field_validator("partition_set")
+    @classmethod
+    def _partition_list(cls, value: str) -> str:
+        parse_partition_set(value, MAX_PARTITIONS)  # the syntax; the range is checked below
+        return value
+
+    @model_validator(mode="after")
+    def _partitions_agree(self) -> Settings:
+        if self.partitions > 1 and ("{" in self.namespace or "}" in self.namespace):
+            raise ValueError(
+                "EMBEDFLEET_NAMESPACE must not hold a hash tag when EMBEDFLEET_PARTITIONS > 1: "
+                "each partition brings its own (a tag in the namespace would put them all in "
+                "one slot)"
+            )
+        parse_partition_set(self.partition_set, self.partitions)
+        return self
+
     @property
     def keys(self) -> Keys:
-        return Keys(namespace=self.namespace, group=self.group)
+        return Keys(namespace=self.namespace, group=self.group, partitions=self.partitions)
+
+    @property
+    def read_partitions(self) -> list[int]:
+        """The partitions this worker reads (EMBEDFLEET_PARTITION_SET, or all)."""
+        return parse_partition_set(self.partition_set, self.partitions) or list(
+            range(self.partitions)
+        )
+
+    @property
+    def cluster(self) -> bool:
+        """Whether to use the cluster client (the setting or the URL's scheme says so)."""
+        return split_cluster_url(self.effective_redis_url, self.redis_cluster)[1]
 
     @property
     def effective_redis_url(self) -> str:
         return self.redis_url or "redis://localhost:6379/0"
+
+
+def parse_partition_set(value: str, partitions: int) -> list[int]:
+    """``0,2,4-5`` → [0, 2, 4, 5]; each must be below ``partitions``."""
+    chosen: set[int] = set()
+    for part in filter(None, (item.strip() for item in value.split(","))):
+        first, _, last = part.partition("-")
+        try:
+            low, high = int(first), int(last or first)
+        except ValueError:
+            raise ValueError(f"{part!r} is not a partition number or range like 4-5") from None
+        if not 0 <= low <= high < partitions:
+            raise ValueError(
+                f"partition {part} does not exist: EMBEDFLEET_PARTITIONS={partitions} numbers "
+                f"them 0 to {partitions - 1}"
+            )
+        chosen.update(range(low, high + 1))
+    return sorted(chosen)
 
 
 class SettingsError(ValueError):
@@ -270,7 +344,12 @@ def load_settings(**overrides: object) -> Settings:
         return Settings(**overrides)
     except ValidationError as error:
         problems = [
-            f"{ENV_PREFIX}{'_'.join(str(p) for p in item['loc']).upper()}: {item['msg']}"
+            (
+                f"{ENV_PREFIX}{'_'.join(str(p) for p in item['loc']).upper()}: "
+                if item["loc"]
+                else ""
+            )
+            + item["msg"]
             for item in error.errors()
         ]
         raise SettingsError("bad settings:\n  " + "\n  ".join(problems)) from None

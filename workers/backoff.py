@@ -5,12 +5,11 @@ from __future__ import annotations
 import asyncio
 import random
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from embedfleet.shared.redis_conn import TRANSIENT_FAULTS
 from structlog.typing import FilteringBoundLogger
 
-# What a restarting or unreachable server looks like to redis-py.
-REDIS_FAULTS: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError, OSError)
+# What a restarting or unreachable server (or a cluster failing over) looks like to redis-py.
+REDIS_FAULTS: tuple[type[BaseException], ...] = TRANSIENT_FAULTS
 
 
 class Backoff:

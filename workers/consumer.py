@@ -1,13 +1,32 @@
-"""Reading from the streams through the consumer group, queries first."""
+"""Reading from the streams through the consumer group, queries first.
+
+With partitions, a worker reads the ingest stream of every partition it serves. One XREADGROUP
+cannot name keys of different slots on a cluster, so each round sends one read per partition,
+pipelined (redis-py's cluster pipeline sends each node its share in one round trip, the nodes in
+parallel). Each partition is asked for a share of the window in proportion to its backlog
+(XLEN, read in the round trip before), so under load the partitions drain together and none is
+starved. When every partition is empty the worker blocks on all of them at once, one blocking
+read per partition on its own connection, and goes on as soon as the first returns: new work in
+any partition is picked up within one block interval. The reads still waiting are kept and
+collected by the next call, so an entry they deliver is never left behind.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import PAYLOAD_FIELD
 from embedfleet.shared.redis_conn import ensure_groups
+from redis.exceptions import ResponseError
+
+# A blocked XREADGROUP is woken with this error when its key leaves the node (Redis >= 7).
+STREAM_MOVED_AWAY = "UNBLOCKED"
 
 
 @dataclass(frozen=True)
@@ -21,12 +40,25 @@ class StreamEntry:
 
 
 class StreamConsumer:
-    """One consumer in the group. Reads the query stream first, then the ingest stream in bulk."""
+    """One consumer in the group. Reads the query stream first, then the ingest stream in bulk.
 
-    def __init__(self, client: aioredis.Redis, keys: Keys, consumer: str) -> None:
+    ``partitions``: the partitions whose ingest streams ``read_ingest`` reads (default all).
+    """
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        keys: Keys,
+        consumer: str,
+        partitions: Sequence[int] | None = None,
+    ) -> None:
         self.client = client
         self.keys = keys
         self.consumer = consumer
+        chosen = range(keys.partitions) if partitions is None else partitions
+        self.ingest_streams = [keys.partition(index).ingest for index in chosen]
+        # Blocking reads still waiting on a partition (stream -> task), from an idle wait.
+        self._waiting: dict[str, asyncio.Task[list[StreamEntry]]] = {}
 
     async def setup(self) -> None:
         await ensure_groups(self.client, self.keys)
@@ -39,30 +71,114 @@ class StreamConsumer:
         The blocking read names both streams, so a query arriving while the worker is idle
         wakes it at once: no polling loop, no sleep.
         """
-        queries = await self._read({self.keys.query: ">"}, count, block_ms=None)
+        queries = await self._read({self.keys.query_lane.query: ">"}, count, block_ms=None)
         if queries:
             return queries
         if not include_ingest:
-            return await self._read({self.keys.query: ">"}, count, block_ms=block_ms)
+            return await self._read({self.keys.query_lane.query: ">"}, count, block_ms=block_ms)
         bulk = await self._read({self.keys.ingest: ">"}, count, block_ms=None)
         if bulk:
             return bulk
-        return await self._read({self.keys.query: ">", self.keys.ingest: ">"}, count, block_ms)
+        return await self._read(
+            {self.keys.query_lane.query: ">", self.keys.ingest: ">"}, count, block_ms
+        )
 
     async def read_stream(self, stream: str, count: int, block_ms: int | None) -> list[StreamEntry]:
         """New entries of one stream; blocks up to ``block_ms`` when there are none."""
         return await self._read({stream: ">"}, count, block_ms)
 
+    async def read_ingest(self, count: int, block_ms: int) -> list[StreamEntry]:
+        """Up to about ``count`` new bulk entries from the partitions this consumer reads;
+        blocks up to ``block_ms`` when all of them are empty."""
+        if len(self.ingest_streams) == 1:
+            return await self.read_stream(self.ingest_streams[0], count, block_ms)
+        entries = self._collect_waiting()
+        if entries:
+            return entries
+        entries = await self._read_backlogs(count)
+        if entries:
+            return entries
+        for stream in self.ingest_streams:
+            if stream not in self._waiting:
+                self._waiting[stream] = asyncio.create_task(
+                    self.read_stream(stream, count, block_ms)
+                )
+        # The reads end by themselves after block_ms; the margin covers the round trip.
+        await asyncio.wait(
+            self._waiting.values(), timeout=block_ms / 1000 + 5, return_when="FIRST_COMPLETED"
+        )
+        return self._collect_waiting()
+
+    async def _read_backlogs(self, count: int) -> list[StreamEntry]:
+        lengths_pipe = self.client.pipeline(transaction=False)
+        for stream in self.ingest_streams:
+            lengths_pipe.xlen(stream)
+        lengths = [int(length) for length in await lengths_pipe.execute()]
+        shares = backlog_shares(count, dict(zip(self.ingest_streams, lengths, strict=True)))
+        if not shares:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for stream, share in shares.items():
+            pipe.xreadgroup(self.keys.group, self.consumer, {stream: ">"}, count=share)
+        entries: list[StreamEntry] = []
+        for response in await pipe.execute():
+            entries.extend(self._entries(response))
+        return entries
+
+    def _collect_waiting(self) -> list[StreamEntry]:
+        """Entries of the blocking reads that have returned; a failed read raises only when no
+        other read brought anything (then the caller backs off and reads again)."""
+        entries: list[StreamEntry] = []
+        failure: BaseException | None = None
+        for stream, task in list(self._waiting.items()):
+            if not task.done():
+                continue
+            del self._waiting[stream]
+            if task.cancelled():
+                continue
+            if (error := task.exception()) is not None:
+                failure = error
+                continue
+            entries.extend(task.result())
+        if failure is not None and not entries:
+            raise failure
+        return entries
+
+    async def finish_waiting(self) -> list[StreamEntry]:
+        """On drain: let the blocking reads still waiting end (within one block interval) and
+        return what they delivered, so it is worked on rather than left pending."""
+        if self._waiting:
+            await asyncio.wait(self._waiting.values())
+        with contextlib.suppress(Exception):
+            return self._collect_waiting()
+        return []
+
+    def abandon_waiting(self) -> None:
+        """On abort: entries a cancelled read had delivered stay pending and are reclaimed."""
+        for task in self._waiting.values():
+            task.cancel()
+        self._waiting.clear()
+
     async def _read(
         self, streams: dict[str, str], count: int, block_ms: int | None
     ) -> list[StreamEntry]:
-        response = await self.client.xreadgroup(
-            self.keys.group, self.consumer, streams, count=count, block=block_ms
-        )
+        try:
+            response = await self.client.xreadgroup(
+                self.keys.group, self.consumer, streams, count=count, block=block_ms
+            )
+        except ResponseError as error:
+            if not str(error).startswith(STREAM_MOVED_AWAY):
+                raise
+            # The stream was migrated to another node (a cluster reshard) while this read
+            # blocked on it: nothing was delivered, and the next read follows it there.
+            return []
+        return self._entries(response)
+
+    def _entries(self, response: object) -> list[StreamEntry]:
         entries: list[StreamEntry] = []
         # Query stream first when a blocking read returns both.
         for stream_name, stream_entries in sorted(
-            response or [], key=lambda item: as_str(item[0]) != self.keys.query
+            response or [], key=lambda item: as_str(item[0]) != self.keys.query_lane.query
         ):
             stream = as_str(stream_name)
             for entry_id, fields in stream_entries:
@@ -76,6 +192,17 @@ class StreamConsumer:
                     )
                 )
         return entries
+
+
+def backlog_shares(count: int, lengths: dict[str, int]) -> dict[str, int]:
+    """How many entries to ask each stream for: ``count`` split in proportion to the backlogs
+    (at least one each, so a small partition is never starved by a big one)."""
+    total = sum(lengths.values())
+    return {
+        stream: max(1, math.ceil(count * length / total))
+        for stream, length in lengths.items()
+        if length > 0
+    }
 
 
 def as_str(value: bytes | str) -> str:

@@ -39,18 +39,11 @@ class DeadLetters:
         self.events = events
         self.reply_ttl_s = reply_ttl_s
 
-    async def send(self, rejected: Sequence[Rejected]) -> None:
-        """XADD each to the dead stream and XACK + XDEL its entry, in one MULTI/EXEC.
-
-        A rejected query also answers its caller with the reason, so nobody waits for a
-        timeout to learn that their text was empty.
-        """
-        if not rejected:
-            return
+    async def _send(self, keys: Keys, rejected: Sequence[Rejected]) -> None:
         pipe = self.client.pipeline(transaction=True)
         for item in rejected:
             pipe.xadd(
-                self.keys.dead,
+                keys.dead,
                 dead_letter_fields(
                     reason=item.reason,
                     stream=item.stream,
@@ -62,12 +55,28 @@ class DeadLetters:
                 ),
             )
             if item.reply is not None and item.chunk_id is not None:
-                reply_key = self.keys.reply(item.reply)
+                reply_key = keys.reply(item.reply)
                 pipe.rpush(reply_key, encode_query_error(item.chunk_id, item.reason))
                 pipe.expire(reply_key, self.reply_ttl_s)
         deliveries = [Delivery(item.stream, item.entry_id, item.job) for item in rejected]
-        queue_acknowledgements(pipe, self.keys, deliveries, counter="dead")
+        queue_acknowledgements(pipe, keys, deliveries, counter="dead")
         await pipe.execute()
+
+    async def send(self, rejected: Sequence[Rejected]) -> None:
+        """XADD each to its partition's dead stream and XACK + XDEL its entry, in one MULTI/EXEC
+        per partition.
+
+        A rejected query also answers its caller with the reason, so nobody waits for a
+        timeout to learn that their text was empty.
+        """
+        if not rejected:
+            return
+        by_owner: dict[Keys, list[Rejected]] = {}
+        for item in rejected:
+            by_owner.setdefault(self.keys.owner_of(item.stream), []).append(item)
+        # One MULTI per partition: a cluster runs a transaction only within one slot.
+        for owner, items in by_owner.items():
+            await self._send(owner, items)
         for item in rejected:
             log.warning(
                 "dead-lettered",

@@ -64,7 +64,7 @@ class QueryLane:
         on_model_thread: Callable[[Callable[[], Calibration]], Awaitable[Calibration]],
     ) -> None:
         self.settings = settings
-        self.keys: Keys = settings.keys
+        self.keys: Keys = settings.keys.query_lane  # query stream, replies, dead letters: one slot
         self.encoder = encoder
         self.client = client
         self.model_thread = model_thread
@@ -205,7 +205,9 @@ class QueryLane:
             with_meta=False,
         )
         if self._reply_client is None:
-            self._reply_client = connect_sync(self.settings.effective_redis_url)
+            self._reply_client = connect_sync(
+                self.settings.effective_redis_url, cluster=self.settings.redis_cluster
+            )
         pipe = self._reply_client.pipeline(transaction=True)
         for item, result in zip(items, results, strict=True):
             reply_key = self.keys.reply(item.reply)

@@ -8,7 +8,7 @@ import signal
 import redis.asyncio as aioredis
 import uvloop
 from embedfleet.shared.logging import configure_logging, get_logger
-from embedfleet.shared.redis_conn import connect
+from embedfleet.shared.redis_conn import connect_settings
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.encoder import Encoder
 from embedfleet.workers.health import HealthServer
@@ -28,7 +28,7 @@ def load_encoder(settings: Settings) -> Encoder:
 
 async def serve(settings: Settings, encoder: Encoder | None = None) -> None:
     """Run until SIGTERM/SIGINT: the first drains in-flight work, a second aborts at once."""
-    client = connect(settings.effective_redis_url)
+    client = connect_settings(settings)
     metrics = WorkerMetrics()
     # Up before the model loads: /healthz answers during a long load (the startup probe) and
     # /readyz says "loading" until the model is in memory.

@@ -148,7 +148,9 @@ class Worker:
         self.listener = events or WorkerEvents()
         self.stats = WorkerStats()
         self.events: WorkerEvents = _StatsEvents(self.stats, self.listener)
-        self.consumer = StreamConsumer(client, self.keys, settings.consumer)
+        self.consumer = StreamConsumer(
+            client, self.keys, settings.consumer, partitions=settings.read_partitions
+        )
         self.in_flight = InFlight()
         self.dead_letters = DeadLetters(client, self.keys, self.events, settings.reply_ttl_s)
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
@@ -212,8 +214,11 @@ class Worker:
         self.stats.started_at = time.perf_counter()
         windows: asyncio.Queue[Window | None] = asyncio.Queue(maxsize=1)
         encoded: asyncio.Queue[Encoded | None] = asyncio.Queue(maxsize=4)
+        query_stream = self.keys.query_lane.query
         streams = (
-            [self.keys.query] if self.settings.query_only else [self.keys.ingest, self.keys.query]
+            [query_stream]
+            if self.settings.query_only
+            else [*self.consumer.ingest_streams, query_stream]
         )
         log.info(
             "worker started",
@@ -221,6 +226,7 @@ class Worker:
             model=self.encoder.name,
             device=str(self.encoder.device),
             query_only=self.settings.query_only,
+            partitions=self.settings.read_partitions,
             dtype=str(self.encoder.dtype).removeprefix("torch."),
             slice_ms=round(self.slice_seconds * 1000),
         )
@@ -242,7 +248,7 @@ class Worker:
         log.info("worker stopped", texts=self.stats.texts, dead_letters=self.stats.dead_letters)
 
     async def _deliver_reclaimed(self, stream: str, entries: list[StreamEntry]) -> None:
-        if stream == self.keys.query:
+        if stream == self.keys.query_lane.query:
             await self.queries.accept(entries)
         else:
             # ours from now on: renew their lease while they wait for the reader
@@ -252,6 +258,7 @@ class Worker:
     # --- reader -----------------------------------------------------------------------
     async def _read_loop(self, windows: asyncio.Queue[Window | None]) -> None:
         backoff = Backoff(log)
+        drained = False
         try:
             while not self._stopping.is_set():
                 try:
@@ -261,15 +268,20 @@ class Worker:
                     backoff.reset()
                 except REDIS_FAULTS as error:
                     await backoff.wait("ingest stream", error)
+            # partitions still blocked on when the drain began: what they bring is finished too
+            leftover = await self.consumer.finish_waiting()
+            if leftover:
+                await self._intake(leftover, windows)
+            drained = True
         finally:
+            if not drained:
+                self.consumer.abandon_waiting()
             await windows.put(_END)
 
     async def _next_entries(self) -> list[StreamEntry]:
         if not self._reclaimed.empty():
             return self._reclaimed.get_nowait()
-        return await self.consumer.read_stream(
-            self.keys.ingest, self.settings.read_count, self.settings.block_ms
-        )
+        return await self.consumer.read_ingest(self.settings.read_count, self.settings.block_ms)
 
     async def _intake(
         self, entries: list[StreamEntry], windows: asyncio.Queue[Window | None]
@@ -279,7 +291,8 @@ class Worker:
         await self._dead_letter(rejected)
         if not accepted:
             return
-        self.in_flight.add(self.keys.ingest, [a.delivery.entry_id for a in accepted])
+        for delivery in (a.delivery for a in accepted):
+            self.in_flight.add(delivery.stream, [delivery.entry_id])
         loop = asyncio.get_running_loop()
         tokens = await loop.run_in_executor(
             self._tokenizer_thread,

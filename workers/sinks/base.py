@@ -66,7 +66,8 @@ class Sink(abc.ABC):
 # really acknowledged: when a slow worker and the one that reclaimed its entries both finish
 # the same entry, the second XACK returns 0, so the job counter and the results stream see the
 # entry once. Job keys are built from ARGV; with a hash tag in the namespace they share the
-# streams' slot, as the MULTI/EXEC around this needs anyway.
+# streams' slot, as the MULTI/EXEC around this needs anyway; with partitions each partition's
+# keys share its hash tag.
 ACK_SCRIPT = """
 local acked = 0
 for i = 4, #ARGV, 3 do
@@ -102,7 +103,17 @@ def queue_acknowledgements(
             [delivery.entry_id, delivery.job or "", payload]
         )
     for stream, triples in by_stream.items():
-        pipe.eval(ACK_SCRIPT, 2, stream, keys.results, keys.group, counter, keys.job(""), *triples)
+        owner = keys.owner_of(stream)  # the partition (or query lane) the stream belongs to
+        pipe.eval(
+            ACK_SCRIPT, 2, stream, owner.results, owner.group, counter, owner.job(""), *triples
+        )
+
+
+def acknowledgement_pipeline(client: aioredis.Redis, keys: Keys) -> aioredis.client.Pipeline:
+    """MULTI/EXEC with one partition. With several, a plain pipeline: a cluster runs a
+    transaction only within one slot, and each stream's script is atomic on its own (a batch
+    acknowledged in part is written again and its acknowledged part counted once)."""
+    return client.pipeline(transaction=not keys.partitioned)
 
 
 def latest_per_id(results: Sequence[Result]) -> list[Result]:
@@ -147,7 +158,7 @@ class DatabaseSink(Sink):
             raise ValueError("one delivery per result")
         if results:
             await self._blocking(self.backend.upsert, latest_per_id(results))
-        pipe = self.client.pipeline(transaction=True)
+        pipe = acknowledgement_pipeline(self.client, self.keys)
         queue_acknowledgements(pipe, self.keys, deliveries, counter="done")
         await pipe.execute()
 

@@ -7,11 +7,17 @@ from collections.abc import Sequence
 import redis.asyncio as aioredis
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import Result, encode_result
-from embedfleet.workers.sinks.base import Delivery, Sink, queue_acknowledgements
+from embedfleet.workers.sinks.base import (
+    Delivery,
+    Sink,
+    acknowledgement_pipeline,
+    queue_acknowledgements,
+)
 
 
 class RedisStreamSink(Sink):
-    """Results as msgpack entries on ``{ns}:results``; ack + delete + job progress atomically.
+    """Results as msgpack entries on ``{ns}:results`` (each partition's own); ack + delete + job
+    progress atomically.
 
     Both happen in one MULTI/EXEC round trip: either the results are written and the entries
     acknowledged, or neither (the entries are then redelivered).
@@ -24,7 +30,7 @@ class RedisStreamSink(Sink):
     async def write(self, results: Sequence[Result], deliveries: Sequence[Delivery]) -> None:
         if len(results) != len(deliveries):
             raise ValueError("one delivery per result")
-        pipe = self.client.pipeline(transaction=True)
+        pipe = acknowledgement_pipeline(self.client, self.keys)
         payloads = [encode_result(result) for result in results]
         queue_acknowledgements(pipe, self.keys, deliveries, counter="done", payloads=payloads)
         await pipe.execute()

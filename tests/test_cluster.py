@@ -1,0 +1,263 @@
+"""Partitions on a real Redis Cluster: 3 masters + 3 replicas of Debian's redis-server.
+
+One cluster and one fleet of 3 worker processes serve the whole module (each test its own job),
+so the module costs one cluster start and one model load per worker. The failover test runs
+last: it leaves the cluster with one master fewer replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import numpy as np
+import pytest
+import redis.asyncio as aioredis
+from embedfleet.producer import Producer
+from embedfleet.producer.chunker import builtin_corpus
+from embedfleet.shared.keys import key_slot
+from embedfleet.shared.protocol import Chunk
+from embedfleet.shared.redis_conn import TRANSIENT_FAULTS, connect_settings
+from embedfleet.shared.settings import Settings
+from embedfleet.shared.streams import find_group
+
+from loadtest.local_cluster import LocalCluster
+from tests.conftest import worker_env
+
+pytestmark = pytest.mark.cluster
+PARTITIONS = 6
+WORKERS = 3
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(masters=3, replicas_per_master=1) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def cluster_settings(cluster: LocalCluster) -> Settings:
+    return Settings(
+        redis_url=cluster.url,
+        namespace=f"c{uuid.uuid4().hex[:8]}",
+        partitions=PARTITIONS,
+        min_replicas=1,
+        block_ms=200,
+        log_format="json",
+    )
+
+
+@pytest.fixture(scope="module")
+def fleet(
+    cluster_settings: Settings, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """3 `embedfleet worker` processes reading all 6 partitions through the cluster client."""
+    extra = {
+        "EMBEDFLEET_PARTITIONS": str(PARTITIONS),
+        "EMBEDFLEET_READ_COUNT": "64",
+        "EMBEDFLEET_THREADS": "1",
+        "EMBEDFLEET_FROZEN_QUERIES": "false",
+        # a result write lost with a dead master comes back this soon
+        "EMBEDFLEET_RECLAIM_IDLE_MS": "3000",
+    }
+    log_dir = tmp_path_factory.mktemp("cluster-workers")
+    log_files = [(log_dir / f"cw{i}.log").open("wb") for i in range(WORKERS)]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "embedfleet.cli", "worker"],
+            env=worker_env(cluster_settings, EMBEDFLEET_CONSUMER=f"cw{i}", **extra),
+            stdout=subprocess.DEVNULL,
+            stderr=log_file,
+        )
+        for i, log_file in enumerate(log_files)
+    ]
+    print(f"worker logs in {log_dir}")
+    yield processes
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    codes = [process.wait(timeout=90) for process in processes]
+    for log_file in log_files:
+        log_file.close()
+    assert codes == [0] * WORKERS, (log_dir / "cw0.log").read_text()[-3000:]
+
+
+@pytest.fixture
+async def cluster_client(cluster_settings: Settings) -> AsyncIterator[aioredis.Redis]:
+    client = connect_settings(cluster_settings)
+    yield client
+    await client.aclose()
+
+
+def _chunks(job: str, count: int) -> list[Chunk]:
+    return [Chunk(f"{job}-{c.id}", c.text, meta=c.meta) for c in builtin_corpus(count)]
+
+
+async def _drained(client: aioredis.Redis, settings: Settings) -> tuple[int, int]:
+    """(lag, pending) summed over the partitions' groups, through faults."""
+    lag = pending = 0
+    for partition in settings.keys.partitions_keys:
+        state = find_group(await client.xinfo_groups(partition.ingest), settings.group)
+        assert state is not None
+        lag += state.lag or 0
+        pending += state.pending
+    return lag, pending
+
+
+async def _wait_all_done(
+    producer: Producer, client: aioredis.Redis, settings: Settings, job: str, timeout: float
+) -> None:
+    """Until the job's counters are complete and no partition has anything left to deliver or
+    acknowledge; Redis faults (a failover in progress) are waited out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(*TRANSIENT_FAULTS):
+            progress = await producer.progress(job)
+            if progress.finished and await _drained(client, settings) == (0, 0):
+                return
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"job {job} not drained in {timeout}s: {progress}")
+
+
+async def _result_ids(producer: Producer, job: str) -> list[str]:
+    return [result.id async for result in producer.results(job=job)]
+
+
+def test_partitions_spread_over_every_master(
+    cluster: LocalCluster, cluster_settings: Settings
+) -> None:
+    client = cluster.client()
+    holders: dict[int, int] = {}
+    for partition in cluster_settings.keys.partitions_keys:
+        keys = [partition.ingest, partition.results, partition.dead, partition.job("j")]
+        slots = {int(client.execute_command("CLUSTER", "KEYSLOT", key)) for key in keys}
+        assert slots == {key_slot(partition.ingest)}, "a partition's keys share one slot"
+        holders[partition.index] = cluster.master_of(slots.pop()).port
+    lane = cluster_settings.keys.query_lane
+    assert client.execute_command("CLUSTER", "KEYSLOT", lane.reply("r")) == key_slot(lane.query)
+    assert set(holders.values()) == {m.port for m in cluster.masters()}
+    assert sorted(list(holders.values()).count(port) for port in set(holders.values())) == [2, 2, 2]
+
+
+async def test_six_partitions_three_workers_every_id_once_with_parity(
+    cluster: LocalCluster,
+    cluster_settings: Settings,
+    fleet: list[subprocess.Popen[bytes]],
+    cluster_client: aioredis.Redis,
+) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    chunks = _chunks("parity", 300)
+    async with Producer(cluster_settings, cluster_client) as producer:
+        await producer.enqueue(chunks, job="parity", batch_size=50)
+        await _wait_all_done(producer, cluster_client, cluster_settings, "parity", timeout=240)
+        results = {r.id: r async for r in producer.results(job="parity")}
+        ids = await _result_ids(producer, "parity")
+        progress = await producer.progress("parity")
+    assert sorted(ids) == sorted(c.id for c in chunks), "every id back exactly once"
+    assert (progress.enqueued, progress.done, progress.dead) == (300, 300, 0)
+
+    # every partition got work, and every worker read from the partitions
+    consumers: set[str] = set()
+    for partition in cluster_settings.keys.partitions_keys:
+        assert await cluster_client.xlen(partition.results) > 0
+        for consumer in await cluster_client.xinfo_consumers(partition.ingest, "workers"):
+            consumers.add(consumer["name"].decode())
+    assert consumers == {f"cw{i}" for i in range(WORKERS)}
+
+    from embedfleet.workers.encoder import resolve_model_path
+
+    model_dir = resolve_model_path(cluster_settings.model)
+    reference = SentenceTransformer(str(model_dir), device="cpu").encode(
+        [c.text for c in chunks], batch_size=64
+    )
+    ours = np.stack([results[c.id].vector.astype(np.float32) for c in chunks])
+    cosines = (ours * reference).sum(1) / (
+        np.linalg.norm(ours, axis=1) * np.linalg.norm(reference, axis=1)
+    )
+    print(f"cluster parity over {len(chunks)} texts: min cosine {cosines.min():.6f}")
+    assert cosines.min() >= 0.999
+
+
+async def _enqueue_in_batches(producer: Producer, chunks: list[Chunk], job: str) -> int:
+    """Enqueue a little at a time, so the run is still enqueueing when the cluster changes."""
+    sent = 0
+    for start in range(0, len(chunks), 25):
+        sent += await producer.enqueue(chunks[start : start + 25], job=job, batch_size=25)
+        await asyncio.sleep(0.02)
+    return sent
+
+
+async def _run_through(
+    cluster_settings: Settings,
+    cluster_client: aioredis.Redis,
+    job: str,
+    disturb,
+    count: int = 600,
+) -> None:
+    """Enqueue ``count`` chunks while workers embed them; ``disturb()`` runs (on a thread) once
+    both are in flight: some results are written and the last two thirds are being enqueued.
+    Then: 0 missing, 0 pending."""
+    chunks = _chunks(job, count)
+    first, rest = chunks[: count // 3], chunks[count // 3 :]
+    async with Producer(cluster_settings, cluster_client) as producer:
+        await producer.enqueue(first, job=job, batch_size=50)
+        while (await producer.progress(job)).done < 20:
+            await asyncio.sleep(0.05)
+        assert (await producer.progress(job)).done < len(first), "embedding is still in flight"
+        # the rest is enqueued in small batches while the cluster changes under it
+        disturbing = asyncio.create_task(asyncio.to_thread(disturb))
+        await _enqueue_in_batches(producer, rest, job)
+        await disturbing
+        await _wait_all_done(producer, cluster_client, cluster_settings, job, timeout=120)
+        ids = set(await _result_ids(producer, job))
+        lag, pending = await _drained(cluster_client, cluster_settings)
+    missing = {c.id for c in chunks} - ids
+    assert not missing, f"{len(missing)} ids missing"
+    assert (lag, pending) == (0, 0)
+
+
+async def test_slot_migration_mid_run_loses_nothing(
+    cluster: LocalCluster,
+    cluster_settings: Settings,
+    fleet: list[subprocess.Popen[bytes]],
+    cluster_client: aioredis.Redis,
+) -> None:
+    slot = key_slot(cluster_settings.keys.partition(0).ingest)
+    source = cluster.master_of(slot)
+    target = next(m for m in cluster.masters() if m.port != source.port)
+
+    def migrate() -> None:
+        cluster.reshard(slot, target.port)
+
+    await _run_through(cluster_settings, cluster_client, "reshard", migrate)
+    assert cluster.master_of(slot).port == target.port, "the partition's slot moved"
+    assert all(process.poll() is None for process in fleet), "no worker died"
+
+
+async def test_master_killed_mid_run_loses_nothing(
+    cluster: LocalCluster,
+    cluster_settings: Settings,
+    fleet: list[subprocess.Popen[bytes]],
+    cluster_client: aioredis.Redis,
+) -> None:
+    # the master holding partition 1 dies without a word (SIGKILL) while enqueue and embedding
+    # are both in flight; EMBEDFLEET_MIN_REPLICAS=1 makes every confirmed batch be on its replica
+    slot = key_slot(cluster_settings.keys.partition(1).ingest)
+    victim = cluster.master_of(slot)
+    cluster.remember_masters()
+    promoted: list[int] = []
+
+    def kill_master() -> None:
+        cluster.kill(victim.port)
+        promoted.append(cluster.wait_failover(victim.port))
+
+    await _run_through(cluster_settings, cluster_client, "failover", kill_master)
+    assert cluster.master_of(slot).port == promoted[0] != victim.port
+    assert all(process.poll() is None for process in fleet), "no worker died"
