@@ -11,6 +11,7 @@ from embedfleet.producer.cli import (
     query_command,
     results_command,
 )
+from embedfleet.producer.plan import plan_command
 from embedfleet.producer.search import index_command, search_command
 from embedfleet.producer.status import status_command
 from embedfleet.verbosity import verbose_option
@@ -37,6 +38,7 @@ for command in (
     results_command,
     status_command,
     calibration_command,
+    plan_command,
 ):
     main.add_command(command)
 for command in (search_command, index_command):  # the vector database sinks

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import redis
 
@@ -73,6 +75,7 @@ class LocalCluster:
         self.size = masters * (1 + replicas_per_master)
         self.replicas_per_master = replicas_per_master
         self.servers: dict[int, ServerProcess] = {}
+        self._revived_dirs: list[Path] = []
 
     @property
     def url(self) -> str:
@@ -124,6 +127,8 @@ class LocalCluster:
         for server in self.servers.values():
             server.stop()
         self.servers.clear()
+        for directory in self._revived_dirs:
+            shutil.rmtree(directory, ignore_errors=True)
 
     def __enter__(self) -> LocalCluster:
         try:
@@ -221,6 +226,15 @@ class LocalCluster:
         assert process is not None
         os.kill(process.pid, signal.SIGKILL)
         process.wait()
+
+    def revive(self, port: int) -> None:
+        """Start a killed node again on its own data directory: it knows the cluster from its
+        nodes.conf and rejoins, as a replica of the master that took its slots."""
+        old = self.servers[port]
+        self._revived_dirs.append(old.data_dir)
+        self.servers[port] = ServerProcess(
+            self.binary, port=port, extra_args=old.extra_args, data_dir=old.data_dir
+        ).start()
 
     def wait_failover(self, dead_port: int, timeout: float = 30.0) -> int:
         """Until a replica of the killed master serves its slots; returns the new master's port."""

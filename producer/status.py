@@ -22,7 +22,7 @@ import json
 import math
 import sys
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -50,6 +50,8 @@ class Throughput:
     per_s: float
     by_stream: dict[str, float]
     window_s: float
+    # ingest entries finished per second in each partition (absent where it cannot be told)
+    by_partition: dict[int, float] = field(default_factory=dict)
 
 
 # The status view is the fleet reader's fullest read; the worker's gauges are its other rendering.
@@ -76,7 +78,17 @@ def throughput(older: Snapshot, newer: Snapshot) -> Throughput | None:
         if before is None or after is None or after < before:
             return None
         by_stream[name] = (after - before) / window
-    return Throughput(per_s=sum(by_stream.values()), by_stream=by_stream, window_s=window)
+    by_partition: dict[int, float] = {}
+    for old, new in zip(older.partitions, newer.partitions, strict=False):
+        before, after = old.ingest.finished, new.ingest.finished
+        if old.index == new.index and before is not None and after is not None and after >= before:
+            by_partition[new.index] = (after - before) / window
+    return Throughput(
+        per_s=sum(by_stream.values()),
+        by_stream=by_stream,
+        window_s=window,
+        by_partition=by_partition,
+    )
 
 
 class History:
@@ -152,12 +164,35 @@ def report(
             }
         streams[name] = entry
     eta = eta_seconds(snapshot, rate)
+    partitions = [
+        {
+            "partition": p.index,
+            "key": p.ingest.key,
+            "slot": p.slot,
+            "node": p.node,
+            "length": p.ingest.length,
+            "lag": p.ingest.lag,
+            "pending": p.ingest.pending,
+            "consumers": p.ingest.group_consumers,
+            "entries_read": None if p.ingest.group is None else p.ingest.group.entries_read,
+            "last_delivered_id": None
+            if p.ingest.group is None
+            else p.ingest.group.last_delivered_id,
+            "results": p.results_length,
+            "dead": p.dead_length,
+            "per_s": None
+            if rate is None or p.index not in rate.by_partition
+            else round(rate.by_partition[p.index], 3),
+        }
+        for p in snapshot.partitions
+    ]
     return {
         "time": datetime.fromtimestamp(snapshot.taken_at, UTC).isoformat(timespec="seconds"),
         "redis": redact_url(settings.effective_redis_url),
         "namespace": settings.namespace,
         "group": settings.group,
         "streams": streams,
+        "partitions": partitions,
         "dead_letters": {
             "count": snapshot.streams["dead"].length,
             "latest": [
@@ -245,6 +280,8 @@ def render(data: dict[str, Any], *, consumers_shown: int = 10, jobs_shown: int =
             rows.append([name, s["key"], _n(s["length"]), "", "", ""])
     lines += _table(rows, right={2, 3, 4, 5})
     lines.append("")
+    if len(data["partitions"]) > 1:
+        lines += _render_partitions(data["partitions"])
 
     rate = data["throughput"]
     if rate["per_s"] is not None:
@@ -283,6 +320,24 @@ def render(data: dict[str, Any], *, consumers_shown: int = 10, jobs_shown: int =
     else:
         lines.append("dead letters  none")
     return "\n".join(lines)
+
+
+def _render_partitions(partitions: list[dict[str, Any]]) -> list[str]:
+    rows = [["partition", "key", "node", "length", "lag", "pending", "consumers", "rate"]]
+    for p in partitions:
+        rows.append(
+            [
+                str(p["partition"]),
+                p["key"],
+                p["node"] or "-",
+                _n(p["length"]),
+                _n(p["lag"]),
+                _n(p["pending"]),
+                _n(p["consumers"]),
+                "-" if p["per_s"] is None else f"{p['per_s']:,.1f}/s",
+            ]
+        )
+    return [*_table(rows, right={3, 4, 5, 6, 7}), ""]
 
 
 def _render_consumers(streams: dict[str, Any], shown: int) -> list[str]:

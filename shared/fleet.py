@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
-from embedfleet.shared.keys import Keys
+from embedfleet.shared.keys import Keys, key_slot
+from embedfleet.shared.redis_conn import is_cluster
 from embedfleet.shared.streams import (
     ConsumerState,
     GroupState,
@@ -31,8 +32,36 @@ FLEET_STREAMS = ("ingest", "query", "results", "dead")
 
 
 def stream_keys(keys: Keys) -> dict[str, str]:
-    """Each stream of FLEET_STREAMS by name, with its key."""
-    return {"ingest": keys.ingest, "query": keys.query, "results": keys.results, "dead": keys.dead}
+    """Each stream of FLEET_STREAMS by name, with its key (with partitions, a pattern that
+    names them all: ``{ns}:{p*of6.*}:ingest``)."""
+    lane = keys.query_lane
+    if not keys.partitioned:
+        return {
+            "ingest": keys.ingest,
+            "query": lane.query,
+            "results": keys.results,
+            "dead": keys.dead,
+        }
+    pattern = f"{keys.namespace}:{{p*of{keys.partitions}.*}}"
+    return {
+        "ingest": f"{pattern}:ingest",
+        "query": lane.query,
+        "results": f"{pattern}:results",
+        "dead": f"{pattern}:dead",
+    }
+
+
+def _partition_streams(keys: Keys) -> dict[str, list[str]]:
+    """The keys whose figures make each total, partition by partition (the query lane's dead
+    letters count with the others)."""
+    parts = keys.partitions_keys
+    lane_dead = [keys.query_lane.dead] if keys.partitioned else []
+    return {
+        "ingest": [p.ingest for p in parts],
+        "query": [keys.query_lane.query],
+        "results": [p.results for p in parts],
+        "dead": [p.dead for p in parts] + lane_dead,
+    }
 
 
 @dataclass(frozen=True)
@@ -83,12 +112,25 @@ class DeadLetter:
 
 
 @dataclass(frozen=True)
+class PartitionState:
+    """One partition: its ingest stream's state, its other streams' lengths, where it lives."""
+
+    index: int
+    slot: int
+    node: str | None  # host:port of the master holding the slot (a cluster), else None
+    ingest: StreamState
+    results_length: int
+    dead_length: int
+
+
+@dataclass(frozen=True)
 class FleetState:
     taken_at: float  # time.time()
     monotonic: float  # time.monotonic(), for rates that survive a clock change
-    streams: dict[str, StreamState]
+    streams: dict[str, StreamState]  # totals over the partitions
     jobs: tuple[JobState, ...] = ()
     dead_latest: tuple[DeadLetter, ...] = ()
+    partitions: tuple[PartitionState, ...] = ()
 
 
 async def read_fleet(
@@ -103,64 +145,177 @@ async def read_fleet(
 
     One pipelined round trip for the streams (and the dead letters and job names); a second
     one, only when asked for, for the consumers and each job's counters. A Redis error raises.
+    With partitions, ``streams`` holds the totals and ``partitions`` one row each; on a cluster
+    the pipelines go to every node at once.
     """
     names = stream_keys(keys)
+    per_stream = _partition_streams(keys)
     pipe = client.pipeline(transaction=False)
-    for key in names.values():
-        pipe.xlen(key)
+    for stream in FLEET_STREAMS:
+        for key in per_stream[stream]:
+            pipe.xlen(key)
     for stream in INPUT_STREAMS:
-        pipe.xinfo_groups(names[stream])
+        for key in per_stream[stream]:
+            pipe.xinfo_groups(key)
     if dead_latest:
-        pipe.xrevrange(keys.dead, count=dead_latest)
+        for key in per_stream["dead"]:
+            pipe.xrevrange(key, count=dead_latest)
     if jobs:
-        pipe.smembers(keys.jobs_index)
-    replies = await pipe.execute(raise_on_error=False)
-    lengths = dict(zip(FLEET_STREAMS, _raise_errors(replies[:4]), strict=True))
-    group_replies = dict(zip(INPUT_STREAMS, replies[4:6], strict=True))
-    extras = _raise_errors(replies[6:])
-    dead_entries = extras.pop(0) if dead_latest else []
-    job_names = sorted(text(name) for name in extras.pop(0)) if jobs else []
-
+        for partition in keys.partitions_keys:
+            pipe.smembers(partition.jobs_index)
+    replies = iter(await pipe.execute(raise_on_error=False))
+    lengths = {key: int(_raised(next(replies))) for s in FLEET_STREAMS for key in per_stream[s]}
     groups: dict[str, GroupState | None] = {}
-    for stream, reply in group_replies.items():
+    for key in (key for s in INPUT_STREAMS for key in per_stream[s]):
+        reply = next(replies)
         if isinstance(reply, Exception):
             if not is_missing_key(reply):
                 raise reply
-            groups[stream] = None
+            groups[key] = None
         else:
-            groups[stream] = find_group(reply, keys.group)
+            groups[key] = find_group(reply, keys.group)
+    dead_entries = []
+    if dead_latest:
+        for _ in per_stream["dead"]:
+            dead_entries.extend(_raised(next(replies)))
+        # newest first over every dead-letter stream (ids start with the server's milliseconds)
+        dead_entries.sort(key=lambda entry: _id_order(entry[0]), reverse=True)
+        dead_entries = dead_entries[:dead_latest]
+    job_names: list[str] = []
+    if jobs:
+        found = set()
+        for _ in keys.partitions_keys:
+            found.update(text(name) for name in _raised(next(replies)))
+        job_names = sorted(found)
 
-    with_group = [s for s in INPUT_STREAMS if consumers and groups[s] is not None]
+    consumer_keys = [
+        key for s in INPUT_STREAMS for key in per_stream[s] if consumers and groups[key] is not None
+    ]
     consumer_replies: list[Any] = []
     job_counters: list[Any] = []
-    if with_group or job_names:
+    if consumer_keys or job_names:
         pipe = client.pipeline(transaction=False)
-        for stream in with_group:
-            pipe.xinfo_consumers(names[stream], keys.group)
+        for key in consumer_keys:
+            pipe.xinfo_consumers(key, keys.group)
         for job in job_names:
-            pipe.hgetall(keys.job(job))
+            for partition in keys.partitions_keys:
+                pipe.hgetall(partition.job(job))
         second = _raise_errors(await pipe.execute(raise_on_error=False))
-        consumer_replies, job_counters = second[: len(with_group)], second[len(with_group) :]
+        consumer_replies = second[: len(consumer_keys)]
+        job_counters = second[len(consumer_keys) :]
     consumer_states = {
-        stream: tuple(parse_consumers(reply))
-        for stream, reply in zip(with_group, consumer_replies, strict=True)
+        key: tuple(parse_consumers(reply))
+        for key, reply in zip(consumer_keys, consumer_replies, strict=True)
     }
+    states = {
+        key: StreamState(
+            name=name,
+            key=key,
+            length=lengths[key],
+            group=groups.get(key),
+            consumers=consumer_states.get(key, ()),
+        )
+        for name in FLEET_STREAMS
+        for key in per_stream[name]
+    }
+    per_job = len(keys.partitions_keys)
     return FleetState(
         taken_at=time.time(),
         monotonic=time.monotonic(),
         streams={
-            name: StreamState(
-                name=name,
-                key=names[name],
-                length=int(lengths[name]),
-                group=groups.get(name),
-                consumers=consumer_states.get(name, ()),
-            )
+            name: _total(name, names[name], [states[key] for key in per_stream[name]])
             for name in FLEET_STREAMS
         },
-        jobs=tuple(_job(job, counts) for job, counts in zip(job_names, job_counters, strict=True)),
+        jobs=tuple(
+            _job(job, job_counters[i * per_job : (i + 1) * per_job])
+            for i, job in enumerate(job_names)
+        ),
         dead_latest=tuple(_dead_letter(entry_id, fields) for entry_id, fields in dead_entries),
+        partitions=tuple(
+            PartitionState(
+                index=partition.index,
+                slot=key_slot(partition.ingest),
+                node=_node_of(client, partition.ingest),
+                ingest=states[partition.ingest],
+                results_length=lengths[partition.results],
+                dead_length=lengths[partition.dead],
+            )
+            for partition in keys.partitions_keys
+        ),
     )
+
+
+def _total(name: str, key: str, parts: list[StreamState]) -> StreamState:
+    """One stream's figures summed over its partitions (itself, with one partition)."""
+    if len(parts) == 1:
+        return parts[0]
+    with_group = [p for p in parts if p.group is not None]
+    group = None
+    if with_group:
+        entries_read: int | None = 0
+        lag: int | None = 0
+        for part in parts:
+            if part.group is None:  # created at id 0 later: all its entries are still to do
+                lag = None if lag is None else lag + part.length
+                continue
+            read = part.group.entries_read
+            if read is None and part.group.last_delivered_id == "0-0":
+                read = 0
+            entries_read = None if entries_read is None or read is None else entries_read + read
+            lag = None if lag is None or part.group.lag is None else lag + part.group.lag
+        group = GroupState(
+            name=with_group[0].group.name,
+            consumers=max(p.group.consumers for p in with_group),
+            pending=sum(p.group.pending for p in with_group),
+            last_delivered_id="",  # one per partition: see the partition rows
+            entries_read=entries_read,
+            lag=lag,
+        )
+    return StreamState(
+        name=name,
+        key=key,
+        length=sum(p.length for p in parts),
+        group=group,
+        consumers=_merged_consumers([c for p in parts for c in p.consumers]),
+    )
+
+
+def _merged_consumers(consumers: list[ConsumerState]) -> tuple[ConsumerState, ...]:
+    """A worker is one consumer in every partition's group: one row per name, pending summed,
+    idle the shortest."""
+    merged: dict[str, ConsumerState] = {}
+    for c in consumers:
+        seen = merged.get(c.name)
+        if seen is None:
+            merged[c.name] = c
+            continue
+        inactive = [v for v in (seen.inactive_ms, c.inactive_ms) if v is not None]
+        merged[c.name] = ConsumerState(
+            name=c.name,
+            pending=seen.pending + c.pending,
+            idle_ms=min(seen.idle_ms, c.idle_ms),
+            inactive_ms=min(inactive) if inactive else None,
+        )
+    return tuple(sorted(merged.values(), key=lambda c: c.name))
+
+
+def _node_of(client: aioredis.Redis, key: str) -> str | None:
+    """The master serving ``key`` as the cluster client's slot map has it (None off a cluster)."""
+    if not is_cluster(client):
+        return None
+    node = client.get_node_from_key(key)  # type: ignore[attr-defined]
+    return None if node is None else str(node.name)
+
+
+def _id_order(entry_id: bytes | str) -> tuple[int, int]:
+    milliseconds, _, sequence = text(entry_id).partition("-")
+    return int(milliseconds), int(sequence or 0)
+
+
+def _raised(reply: Any) -> Any:
+    if isinstance(reply, Exception):
+        raise reply
+    return reply
 
 
 def _raise_errors(replies: list[Any]) -> list[Any]:
@@ -170,8 +325,12 @@ def _raise_errors(replies: list[Any]) -> list[Any]:
     return list(replies)
 
 
-def _job(job: str, counters: Mapping[bytes, bytes]) -> JobState:
-    values = {text(key): int(value) for key, value in counters.items()}
+def _job(job: str, partitions: list[Mapping[bytes, bytes]]) -> JobState:
+    """A job's counters summed over the partitions (each counts the chunks routed to it)."""
+    values: dict[str, int] = {}
+    for counters in partitions:
+        for key, value in counters.items():
+            values[text(key)] = values.get(text(key), 0) + int(value)
     return JobState(job, values.get("enqueued", 0), values.get("done", 0), values.get("dead", 0))
 
 

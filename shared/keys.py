@@ -219,3 +219,22 @@ class Keys:
         ``64``, ``64-raw``): written once, by the first worker that needs them or from
         ``EMBEDFLEET_CALIBRATION_FILE``, then shared (workers/calibration.py)."""
         return f"{self.namespace}:calibration:{model}:{variant}"
+
+
+CHART_PARTITIONS = 64  # the Helm chart carries the tags of up to this many partitions
+
+
+def chart_tag_table() -> str:
+    """The Helm chart's ``files/partition-tags.json`` (Helm templates cannot search CRC16
+    tags): for each partition count 2..64, every partition's hash tag. A test checks it."""
+    import json
+
+    table = {
+        str(count): [partition_tag(index, count) for index in range(count)]
+        for count in range(2, CHART_PARTITIONS + 1)
+    }
+    return json.dumps(table, separators=(",", ":")) + "\n"
+
+
+if __name__ == "__main__":
+    print(chart_tag_table(), end="")

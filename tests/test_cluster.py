@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
 import signal
 import subprocess
 import sys
@@ -18,14 +20,16 @@ from collections.abc import AsyncIterator, Iterator
 
 import numpy as np
 import pytest
+import redis
 import redis.asyncio as aioredis
 from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.keys import key_slot
 from embedfleet.shared.protocol import Chunk
-from embedfleet.shared.redis_conn import TRANSIENT_FAULTS, connect_settings
+from embedfleet.shared.redis_conn import TRANSIENT_FAULTS, connect_settings, split_cluster_url
 from embedfleet.shared.settings import Settings
 from embedfleet.shared.streams import find_group
+from redis.cluster import RedisCluster
 
 from loadtest.local_cluster import LocalCluster
 from tests.conftest import worker_env
@@ -78,6 +82,7 @@ def fleet(
         for i, log_file in enumerate(log_files)
     ]
     print(f"worker logs in {log_dir}")
+    _wait_for_consumers(cluster_settings, {f"cw{i}" for i in range(WORKERS)}, processes)
     yield processes
     for process in processes:
         if process.poll() is None:
@@ -86,6 +91,27 @@ def fleet(
     for log_file in log_files:
         log_file.close()
     assert codes == [0] * WORKERS, (log_dir / "cw0.log").read_text()[-3000:]
+
+
+def _wait_for_consumers(
+    settings: Settings, names: set[str], processes: list[subprocess.Popen[bytes]]
+) -> None:
+    """Until every worker has loaded its model and read from the partitions: an idle worker
+    blocks on every partition, which makes it a consumer of each partition's group."""
+    stream = settings.keys.partition(PARTITIONS - 1).ingest
+    client = RedisCluster.from_url(split_cluster_url(settings.effective_redis_url)[0])
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline:
+            assert all(p.poll() is None for p in processes), "a worker exited at start"
+            with contextlib.suppress(redis.ResponseError):  # no group before the first worker
+                seen = {c["name"].decode() for c in client.xinfo_consumers(stream, "workers")}
+                if names <= seen:
+                    return
+            time.sleep(0.2)
+        raise AssertionError(f"workers did not all start in 300 s: {names}")
+    finally:
+        client.close()
 
 
 @pytest.fixture
@@ -257,7 +283,68 @@ async def test_master_killed_mid_run_loses_nothing(
     def kill_master() -> None:
         cluster.kill(victim.port)
         promoted.append(cluster.wait_failover(victim.port))
+        # the dead machine comes back (as a replica of the promoted one): until it has synced,
+        # the promoted master has no replica and enqueues to it wait, unconfirmed, and re-send
+        cluster.revive(victim.port)
+        cluster.wait_healthy()
 
     await _run_through(cluster_settings, cluster_client, "failover", kill_master)
     assert cluster.master_of(slot).port == promoted[0] != victim.port
+    assert victim.port in {r.port for r in cluster.replicas_of(cluster.master_of(slot))}
     assert all(process.poll() is None for process in fleet), "no worker died"
+
+
+async def test_status_agrees_with_xinfo_groups_on_every_partition(
+    cluster: LocalCluster, cluster_settings: Settings
+) -> None:
+    # a namespace of its own, without workers: some entries read and not acknowledged (pending),
+    # the rest undelivered (lag), so every column has something to agree on
+    settings = cluster_settings.model_copy(
+        update={"namespace": f"s{uuid.uuid4().hex[:8]}", "min_replicas": 0}
+    )
+    client = connect_settings(settings)
+    try:
+        async with Producer(settings, client) as producer:
+            await producer.enqueue(_chunks("status", 120), job="status")
+        for partition in settings.keys.partitions_keys[::2]:
+            await client.xreadgroup(settings.group, "reader", {partition.ingest: ">"}, count=5)
+        env = {
+            "EMBEDFLEET_REDIS_URL": settings.effective_redis_url,
+            "EMBEDFLEET_NAMESPACE": settings.namespace,
+            "EMBEDFLEET_PARTITIONS": str(PARTITIONS),
+        }
+        shown = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "embedfleet.cli", "status", "--json", "--sample", "0"],
+            env={**os.environ, **env},
+            capture_output=True,
+            check=True,
+        )
+        data = json.loads(shown.stdout)
+        rows = {row["partition"]: row for row in data["partitions"]}
+        assert sorted(rows) == list(range(PARTITIONS))
+        total_lag = total_pending = 0
+        for partition in settings.keys.partitions_keys:
+            row = rows[partition.index]
+            group = find_group(await client.xinfo_groups(partition.ingest), settings.group)
+            assert group is not None
+            assert row["key"] == partition.ingest
+            assert (row["lag"], row["pending"], row["consumers"]) == (
+                group.lag,
+                group.pending,
+                group.consumers,
+            )
+            assert row["entries_read"] == group.entries_read
+            assert row["last_delivered_id"] == group.last_delivered_id
+            assert row["length"] == await client.xlen(partition.ingest)
+            assert row["node"] == f"127.0.0.1:{cluster.master_of(row['slot']).port}"
+            total_lag += group.lag or 0
+            total_pending += group.pending
+        assert total_pending == 15 and total_lag == 120 - 15
+        assert data["streams"]["ingest"]["lag"] == total_lag
+        assert data["streams"]["ingest"]["pending"] == total_pending
+        assert data["jobs"] == [
+            {"job": "status", "enqueued": 120, "done": 0, "dead": 0, "remaining": 120}
+        ]
+    finally:
+        await client.aclose()

@@ -570,6 +570,75 @@ def test_lag_trigger_follows_the_namespace_and_group(namespace: str) -> None:
     assert r.config()["EMBEDFLEET_NAMESPACE"] == namespace
 
 
+def test_partition_tag_table_is_current() -> None:
+    from embedfleet.shared.keys import chart_tag_table
+
+    assert (CHART_DIR / "files" / "partition-tags.json").read_text() == chart_tag_table(), (
+        "regenerate it: python -m embedfleet.shared.keys"
+        " > helm/embedfleet/files/partition-tags.json"
+    )
+
+
+def test_partitions_get_one_lag_trigger_each_summed() -> None:
+    from embedfleet.shared.keys import Keys
+
+    r = render({"partitions": 6, "keda": {"lagCount": 2000, "queryLagCount": 20}})
+    so = r.scaled_object("worker")
+    triggers = so["spec"]["triggers"]
+    keys = Keys(partitions=6)
+    assert [t["name"] for t in triggers] == [f"p{i}" for i in range(6)] + ["query"]
+    assert [t["metadata"]["stream"] for t in triggers] == [
+        *(p.ingest for p in keys.partitions_keys),
+        keys.query_lane.query,
+    ], "the chart's streams are the ones shared/keys.py names"
+    assert all(t["type"] == "redis-streams" for t in triggers)
+    modifiers = so["spec"]["advanced"]["scalingModifiers"]
+    assert modifiers == {
+        "formula": "p0 + p1 + p2 + p3 + p4 + p5 + query * 100",
+        "target": "2000",
+        "activationTarget": "0",
+        "metricType": "AverageValue",
+    }
+    assert r.config()["EMBEDFLEET_PARTITIONS"] == "6"
+    validate_objects(r)
+
+
+def test_cluster_uses_the_cluster_streams_scaler() -> None:
+    r = render(
+        {
+            "partitions": 3,
+            "redis": {"cluster": True, "url": "redis://:pw@redis-cluster.data:6379/0"},
+            "queryWorkers": {"enabled": True},
+        }
+    )
+    bulk = r.scaled_object("worker")["spec"]
+    assert {t["type"] for t in bulk["triggers"]} == {"redis-cluster-streams"}
+    assert [t["name"] for t in bulk["triggers"]] == ["p0", "p1", "p2"]
+    assert bulk["advanced"]["scalingModifiers"]["formula"] == "p0 + p1 + p2"
+    for t in bulk["triggers"]:
+        assert t["metadata"]["addresses"] == "redis-cluster.data:6379"
+        assert "address" not in t["metadata"] and "databaseIndex" not in t["metadata"]
+    query = r.scaled_object("query-worker")["spec"]["triggers"]
+    assert [(t["type"], t["metadata"]["stream"]) for t in query] == [
+        ("redis-cluster-streams", "embedfleet:{q}:query")
+    ]
+    config = r.config()
+    assert (config["EMBEDFLEET_PARTITIONS"], config["EMBEDFLEET_REDIS_CLUSTER"]) == ("3", "true")
+    validate_objects(r)
+
+
+def test_one_partition_renders_as_before() -> None:
+    plain, explicit = render(), render({"partitions": 1})
+    assert plain.scaled_object("worker") == explicit.scaled_object("worker")
+    assert "advanced" not in plain.scaled_object("worker")["spec"]
+    assert "EMBEDFLEET_PARTITIONS" not in plain.config()
+
+
+def test_partitions_refuse_a_hash_tag_in_the_namespace() -> None:
+    with pytest.raises(helm.HelmError, match="must not hold a hash tag"):
+        render({"partitions": 2, "config": {"NAMESPACE": "{emb}"}})
+
+
 def test_redis_url_parsing_for_keda() -> None:
     r = render({"redis": {"url": "redis://:pw@redis.example:7000/3"}})
     md = trigger(r.scaled_object("worker"))["metadata"]

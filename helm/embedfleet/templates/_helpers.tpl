@@ -94,6 +94,34 @@ Redis key names, as in shared/keys.py: <namespace>:ingest, <namespace>:query.
 {{- printf "%s:query" (include "embedfleet.keyNamespace" .) }}
 {{- end }}
 
+{{/*
+With partitions: every partition's ingest stream, as a JSON list, from the tag table that
+shared/keys.py generates (files/partition-tags.json): <namespace>:{<tag>}:ingest.
+*/}}
+{{- define "embedfleet.ingestStreams" -}}
+{{- $n := int .Values.partitions }}
+{{- if le $n 1 }}
+{{- list (include "embedfleet.ingestStream" .) | toJson }}
+{{- else }}
+{{- $tags := get (.Files.Get "files/partition-tags.json" | fromJson) (toString $n) }}
+{{- $ns := include "embedfleet.keyNamespace" . }}
+{{- $streams := list }}
+{{- range $tags }}
+{{- $streams = append $streams (printf "%s:{%s}:ingest" $ns .) }}
+{{- end }}
+{{- $streams | toJson }}
+{{- end }}
+{{- end }}
+
+{{/* The query stream: the query lane has its own tag when there are partitions. */}}
+{{- define "embedfleet.queryLaneStream" -}}
+{{- if gt (int .Values.partitions) 1 }}
+{{- printf "%s:{q}:query" (include "embedfleet.keyNamespace" .) }}
+{{- else }}
+{{- include "embedfleet.queryStream" . }}
+{{- end }}
+{{- end }}
+
 {{- define "embedfleet.healthPort" -}}
 {{- (.Values.config | default dict).HEALTH_PORT | default 9400 | int }}
 {{- end }}
@@ -204,15 +232,26 @@ Metadata of a KEDA redis-streams lag trigger. Call with
 (dict "root" $ "stream" "<ns>:ingest" "lagCount" 5000 "activationLagCount" 0).
 All values are strings, as KEDA requires.
 */}}
+{{/* "true" when the workers talk to a Redis Cluster (redis.cluster). */}}
+{{- define "embedfleet.redisCluster" -}}
+{{- if .Values.redis.cluster }}true{{ else }}false{{ end }}
+{{- end }}
+
+{{/* KEDA's scaler type for a stream: the cluster scaler on a Redis Cluster. */}}
+{{- define "embedfleet.streamScaler" -}}
+{{- ternary "redis-cluster-streams" "redis-streams" (eq (include "embedfleet.redisCluster" .) "true") }}
+{{- end }}
+
 {{- define "embedfleet.redisStreamsTriggerMetadata" -}}
 {{- $root := .root }}
 {{- $u := include "embedfleet.redisUrlParts" $root | fromJson }}
+{{- $field := ternary "addresses" "address" (eq (include "embedfleet.redisCluster" $root) "true") }}
 {{- if $root.Values.redis.address }}
-address: {{ $root.Values.redis.address | quote }}
+{{ $field }}: {{ $root.Values.redis.address | quote }}
 {{- else if $u.address }}
-address: {{ $u.address | quote }}
+{{ $field }}: {{ $u.address | quote }}
 {{- else if $root.Values.redis.existingSecretAddressKey }}
-addressFromEnv: REDIS_ADDRESS
+{{ $field }}FromEnv: REDIS_ADDRESS
 {{- else }}
 {{- fail "KEDA needs the Redis address: set redis.address (host:port) or redis.existingSecretAddressKey when redis.existingSecret is used" }}
 {{- end }}
@@ -220,7 +259,9 @@ stream: {{ .stream | quote }}
 consumerGroup: {{ include "embedfleet.consumerGroup" $root | quote }}
 lagCount: {{ include "embedfleet.envString" .lagCount | quote }}
 activationLagCount: {{ include "embedfleet.envString" .activationLagCount | quote }}
-{{- if not (kindIs "invalid" $root.Values.redis.database) }}
+{{- if eq (include "embedfleet.redisCluster" $root) "true" }}
+{{- /* a cluster has database 0 only; the scaler takes no index */}}
+{{- else if not (kindIs "invalid" $root.Values.redis.database) }}
 databaseIndex: {{ include "embedfleet.envString" $root.Values.redis.database | quote }}
 {{- else if regexMatch "^[0-9]+$" ($u.database | default "") }}
 databaseIndex: {{ $u.database | quote }}

@@ -1,0 +1,61 @@
+"""`embedfleet plan`: the capacity arithmetic, checked by hand, and the command."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from click.testing import CliRunner
+from embedfleet.producer.plan import make_plan
+
+from embedfleet.cli import main
+
+FIGURES = {
+    "enqueue_per_s": 50_000,
+    "read_per_s": 200_000,
+    "write_dim384_per_s": 40_000,
+    "write_dim1024_per_s": 20_000,
+    "bytes_per_backlog_entry": 1_000,
+    "bytes_per_result_dim384": 1_000,
+    "bytes_per_result_dim1024": 2_200,
+}
+
+
+def test_the_plan_is_the_documented_arithmetic() -> None:
+    plan = make_plan(
+        chunks=1e9, dim=1024, texts_per_s_per_worker=15_000, workers=8, figures=FIGURES
+    )
+    assert plan.fleet_per_s == 120_000
+    assert plan.hours_to_drain == pytest.approx(1e9 / 120_000 / 3600)
+    busy = 1 / 50_000 + 1 / 200_000 + 1 / 20_000  # seconds of one shard per chunk
+    assert plan.shard_seconds_per_chunk == pytest.approx(busy)
+    assert plan.shards == math.ceil(120_000 * busy / 0.5) == 18
+    assert plan.peak_backlog == 18 * 1_000_000  # high water per partition, one per shard
+    assert plan.backlog_gib == pytest.approx(18e9 / 2**30)
+    assert plan.result_mb_per_s == pytest.approx(120_000 * (1024 * 2 + 80) / 1e6)
+    assert plan.results_gib == pytest.approx(1e9 * 2_200 / 2**30)
+
+
+def test_dimensions_between_the_measured_ones_are_interpolated() -> None:
+    mid = make_plan(chunks=1e6, dim=704, texts_per_s_per_worker=1, workers=1, figures=FIGURES)
+    # halfway between 384 and 1024: write rate 30,000/s, 1,600 bytes per stored result
+    assert mid.results_gib == pytest.approx(1e6 * 1_600 / 2**30)
+    assert mid.shard_seconds_per_chunk == pytest.approx(1 / 50_000 + 1 / 200_000 + 1 / 30_000)
+
+
+def test_a_small_run_fits_one_shard_and_its_whole_backlog_counts() -> None:
+    plan = make_plan(chunks=10_000, dim=384, texts_per_s_per_worker=100, workers=2, figures=FIGURES)
+    assert (plan.shards, plan.peak_backlog) == (1, 10_000)
+
+
+def test_the_command() -> None:
+    result = CliRunner().invoke(
+        main,
+        [
+            "plan", "--chunks", "1e9", "--dim", "1024",
+            "--texts-per-second-per-worker", "15000", "--workers", "8",
+        ],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "120,000 chunks/s" in result.output and "2.31 h" in result.output
+    assert "shards needed" in result.output and "GiB" in result.output
