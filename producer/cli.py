@@ -125,7 +125,8 @@ def results_command(job: str | None, out: Path, redis_url: str | None) -> None:
         target = parse_sink_url(settings.sink, settings.sink_table)
         if target.kind == "redis":
             rows: list[ExportRow] = list(run_client(_collect(settings, job)).values())
-            where = f"the results stream {settings.keys.results}"
+            streams = ", ".join(p.results for p in settings.keys.partitions_keys)
+            where = f"the results stream {streams}"
         else:
             with open_backend(target) as backend:
                 rows = list(backend.export_rows(job))

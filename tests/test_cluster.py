@@ -15,22 +15,22 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import numpy as np
 import pytest
-import redis
 import redis.asyncio as aioredis
 from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.keys import key_slot
 from embedfleet.shared.protocol import Chunk
-from embedfleet.shared.redis_conn import TRANSIENT_FAULTS, connect_settings, split_cluster_url
+from embedfleet.shared.redis_conn import TRANSIENT_FAULTS, connect_settings
 from embedfleet.shared.settings import Settings
 from embedfleet.shared.streams import find_group
-from redis.cluster import RedisCluster
 
+from embedfleet.server import free_port
 from loadtest.local_cluster import LocalCluster
 from tests.conftest import worker_env
 
@@ -70,19 +70,25 @@ def fleet(
         # a result write lost with a dead master comes back this soon
         "EMBEDFLEET_RECLAIM_IDLE_MS": "3000",
     }
+    health_ports = [free_port() for _ in range(WORKERS)]
     log_dir = tmp_path_factory.mktemp("cluster-workers")
     log_files = [(log_dir / f"cw{i}.log").open("wb") for i in range(WORKERS)]
     processes = [
         subprocess.Popen(
             [sys.executable, "-m", "embedfleet.cli", "worker"],
-            env=worker_env(cluster_settings, EMBEDFLEET_CONSUMER=f"cw{i}", **extra),
+            env=worker_env(
+                cluster_settings,
+                EMBEDFLEET_CONSUMER=f"cw{i}",
+                EMBEDFLEET_HEALTH_PORT=str(health_ports[i]),
+                **extra,
+            ),
             stdout=subprocess.DEVNULL,
             stderr=log_file,
         )
         for i, log_file in enumerate(log_files)
     ]
     print(f"worker logs in {log_dir}")
-    _wait_for_consumers(cluster_settings, {f"cw{i}" for i in range(WORKERS)}, processes)
+    _wait_until_ready(health_ports, processes)
     yield processes
     for process in processes:
         if process.poll() is None:
@@ -93,25 +99,19 @@ def fleet(
     assert codes == [0] * WORKERS, (log_dir / "cw0.log").read_text()[-3000:]
 
 
-def _wait_for_consumers(
-    settings: Settings, names: set[str], processes: list[subprocess.Popen[bytes]]
-) -> None:
-    """Until every worker has loaded its model and read from the partitions: an idle worker
-    blocks on every partition, which makes it a consumer of each partition's group."""
-    stream = settings.keys.partition(PARTITIONS - 1).ingest
-    client = RedisCluster.from_url(split_cluster_url(settings.effective_redis_url)[0])
-    deadline = time.monotonic() + 300
-    try:
-        while time.monotonic() < deadline:
-            assert all(p.poll() is None for p in processes), "a worker exited at start"
-            with contextlib.suppress(redis.ResponseError):  # no group before the first worker
-                seen = {c["name"].decode() for c in client.xinfo_consumers(stream, "workers")}
-                if names <= seen:
-                    return
-            time.sleep(0.2)
-        raise AssertionError(f"workers did not all start in 300 s: {names}")
-    finally:
-        client.close()
+def _wait_until_ready(ports: list[int], processes: list[subprocess.Popen[bytes]]) -> None:
+    """Until every worker's /readyz says it can embed (model loaded, cluster answering)."""
+    deadline = time.monotonic() + 600  # three model loads on a small, busy CPU
+    waiting = set(ports)
+    while waiting and time.monotonic() < deadline:
+        assert all(p.poll() is None for p in processes), "a worker exited at start"
+        for port in list(waiting):
+            url = f"http://127.0.0.1:{port}/readyz"
+            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=5) as reply:
+                if reply.status == 200:
+                    waiting.discard(port)
+        time.sleep(0.2)
+    assert not waiting, f"workers on health ports {sorted(waiting)} never became ready"
 
 
 @pytest.fixture
