@@ -7,15 +7,15 @@ refreshes its slot map after a failover, and everything above it talks to it as 
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit, urlunsplit
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.asyncio as aioredis
 from embedfleet.shared.keys import Keys
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import RedisCluster
 from redis.exceptions import (
     AskError,
