@@ -118,3 +118,40 @@ def test_the_eager_fallback_is_said_once_at_info_with_its_reason(monkeypatch) ->
     assert [entry["event"] for entry in said] == ["queries run eager (frozen query graph not used)"]
     assert said[0]["log_level"] == "info"
     assert "min cosine" in said[0]["reason"] and "differ" in said[0]["reason"]
+
+
+def test_reduced_precision_gets_the_rounding_bar_and_a_wrong_graph_still_fails() -> None:
+    import torch
+    from embedfleet.workers.frozen import FROZEN_MIN_COSINE_REDUCED, frozen_min_cosine
+
+    assert frozen_min_cosine(torch.float32) == FROZEN_MIN_COSINE
+    assert frozen_min_cosine(torch.bfloat16) == FROZEN_MIN_COSINE_REDUCED < FROZEN_MIN_COSINE
+    wrong = build_checked(
+        build=lambda: FrozenForward(None),  # type: ignore[arg-type]
+        eager=lambda texts: _vectors(len(texts), 1),
+        frozen=lambda _forward, texts: _vectors(len(texts), 2),
+        probe_batches=[["a"], ["b", "c"]],
+        min_cosine=FROZEN_MIN_COSINE_REDUCED,
+    )
+    assert wrong is None
+
+
+def test_bf16_frozen_copy_is_kept_where_bf16_is_native() -> None:
+    """Rejected on Zen 5 at 0.999922 vs eager: bf16 rounding (the same figure on Zen 4 with
+    avx512_bf16), not a wrong graph. Kept now, and as close to float32 as eager bf16 is."""
+    import torch
+    from embedfleet.workers.encoder import Encoder
+    from embedfleet.workers.precision import PROBE_TEXTS, requested_precision
+
+    if requested_precision("auto", torch.device("cpu")).dtype == torch.float32:
+        pytest.skip("this CPU has no native bf16: auto stays float32")
+    bf16 = Encoder(dtype="auto")
+    if bf16.precision.method != "weights":
+        pytest.skip(f"auto settled on {bf16.precision.describe()}")
+    assert bf16.prepare_query_graph()
+    fp32 = Encoder(dtype="float32")
+    batch = fp32.collate(fp32.tokenize(list(PROBE_TEXTS)))
+    frozen = cosines(fp32.embed(batch), bf16.embed_query(batch))
+    eager = cosines(fp32.embed(batch), bf16.embed(batch))
+    assert frozen.min() >= 0.99 and frozen.mean() >= 0.999  # the precision probe's bars
+    assert frozen.min() >= eager.min() - 1e-4

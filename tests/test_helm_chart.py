@@ -470,7 +470,10 @@ def test_gpu_values(rendered_cases: dict[str, Rendered]) -> None:
     config = r.config()
     assert config["EMBEDFLEET_DEVICE"] == "cuda"
     assert config["EMBEDFLEET_DTYPE"] == "float16"
+    # all three batching budgets for a GPU (the worker's defaults are the CPU's)
     assert config["EMBEDFLEET_TOKEN_BUDGET"] == "131072"
+    assert config["EMBEDFLEET_MAX_BATCH"] == "1024"
+    assert config["EMBEDFLEET_READ_COUNT"] == "8192"
 
     # the model PVC is mounted read-only and becomes EMBEDFLEET_MODEL
     mount = next(m for m in container(worker)["volumeMounts"] if m["name"] == "model")

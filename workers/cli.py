@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import click
+from embedfleet.shared.faults import WorkerFault
 from embedfleet.shared.settings import SettingsError, load_settings
 from embedfleet.workers.sinks import MissingExtraError, SinkSetupError, SinkURLError, check_sink
 
@@ -30,13 +31,16 @@ def worker_command(redis_url: str | None, model: str | None, query_only: bool | 
     what it holds, then exits 0); a second signal exits at once and leaves entries pending for
     other workers. Every setting comes from EMBEDFLEET_* variables (see the README table).
     """
-    require_worker_extra("worker")
     given = {"redis_url": redis_url, "model": model, "query_only": query_only}
     overrides = {key: value for key, value in given.items() if value}
     try:
         settings = load_settings(**overrides)
+    except SettingsError as error:
+        raise click.ClickException(str(error)) from None
+    require_worker_extra("worker", settings.model)
+    try:
         check_sink(settings)  # a bad EMBEDFLEET_SINK fails now, not after the model loads
-    except (SettingsError, SinkURLError, MissingExtraError) as error:
+    except (SinkURLError, MissingExtraError) as error:
         raise click.ClickException(str(error)) from None
     from embedfleet.workers.calibration import CalibrationError
     from embedfleet.workers.encoder import ModelNotFoundError
@@ -53,4 +57,6 @@ def worker_command(redis_url: str | None, model: str | None, query_only: bool | 
         OutputOptionError,  # EMBEDFLEET_DIMENSIONS / *_PROMPT_NAME the model cannot honour
         CalibrationError,
     ) as error:
+        raise click.ClickException(str(error)) from None
+    except WorkerFault as error:  # e.g. a CUDA error (DeviceFault): exit 1, entries redelivered
         raise click.ClickException(str(error)) from None

@@ -36,9 +36,16 @@ from embedfleet.workers.calibration import Calibration, CalibrationStore
 from embedfleet.workers.consumer import StreamConsumer, StreamEntry
 from embedfleet.workers.deadletter import DeadLetters, Rejected
 from embedfleet.workers.decode import Accepted, decode_entries
+from embedfleet.workers.device_faults import (
+    OOM_RETRIES_ONE_TEXT,
+    DeviceFault,
+    free_device_memory,
+    is_device_fault,
+    is_out_of_memory,
+)
 from embedfleet.workers.encoder import Encoder, Tokenized
 from embedfleet.workers.events import WorkerEvents
-from embedfleet.workers.memory import release_free_memory
+from embedfleet.workers.memory import TrimTimer, release_free_memory
 from embedfleet.workers.output import Outputs
 from embedfleet.workers.queries import QueryLane
 from embedfleet.workers.reclaim import InFlight, Reclaimer
@@ -173,6 +180,7 @@ class Worker:
         self._reclaimed: asyncio.Queue[list[StreamEntry]] = asyncio.Queue()
         self._stopping = asyncio.Event()
         self._seconds_per_token: float | None = None  # measured, sizes batches to the slice
+        self._trim_timer = TrimTimer()
 
     @property
     def model_thread(self) -> ThreadPoolExecutor:
@@ -240,9 +248,29 @@ class Worker:
                 self._compute_loop(windows, encoded),
                 self._write_loop(encoded),
             ]
+        # One forward pass before the first timed batch: the slice estimator (_learn_speed)
+        # must not learn from cold kernels, lazy allocations and first-shape dispatch.
         try:
-            await asyncio.gather(*tasks)
+            await asyncio.get_running_loop().run_in_executor(
+                self._model_thread, self.encoder.warm_up
+            )
+        except Exception as error:
+            if is_device_fault(error):
+                raise DeviceFault(f"CUDA error in the warm-up forward pass: {error}") from error
+            log.warning("warm-up forward pass failed; going on", error=str(error))
+        running = [asyncio.ensure_future(task) for task in tasks]
+        try:
+            # The first stage to fail stops the others (a DeviceFault must not leave the
+            # reclaimer renewing leases on entries this worker will never finish).
+            done, pending = await asyncio.wait(running, return_when=asyncio.FIRST_EXCEPTION)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            for task in done:
+                task.result()  # raises the stage's error
         finally:
+            for task in running:
+                task.cancel()
             self._model_thread.shutdown(wait=False, cancel_futures=True)
             self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
         log.info("worker stopped", texts=self.stats.texts, dead_letters=self.stats.dead_letters)
@@ -375,15 +403,21 @@ class Worker:
                 lengths = [t.length for t in window.tokens]
                 for planned in plan_batches(lengths, self._token_cap(), self.settings.max_batch):
                     await self._encode(window, planned, encoded)
-                # on the model thread, between windows: keeps RSS flat (workers/memory.py)
-                await asyncio.get_running_loop().run_in_executor(
-                    self._model_thread, release_free_memory
-                )
+                # on the model thread, between windows, on a timer: keeps RSS flat
+                # (workers/memory.py)
+                if self._trim_timer.due():
+                    await asyncio.get_running_loop().run_in_executor(
+                        self._model_thread, release_free_memory
+                    )
         finally:
             await encoded.put(_END)
 
     async def _encode(
-        self, window: Window, planned: PlannedBatch, encoded: asyncio.Queue[Encoded | None]
+        self,
+        window: Window,
+        planned: PlannedBatch,
+        encoded: asyncio.Queue[Encoded | None],
+        oom_retries: int = 0,
     ) -> None:
         loop = asyncio.get_running_loop()
         tokens = [window.tokens[p] for p in planned.positions]
@@ -394,7 +428,7 @@ class Worker:
                 self._model_thread, self.encoder.embed, self.encoder.collate(tokens)
             )
         except Exception as error:
-            await self._on_model_error(window, planned, encoded, error)
+            await self._on_model_error(window, planned, encoded, error, oom_retries)
             return
         # queries served at layer boundaries ran inside this call; they are not bulk time
         seconds = (
@@ -422,9 +456,32 @@ class Worker:
         planned: PlannedBatch,
         encoded: asyncio.Queue[Encoded | None],
         error: Exception,
+        oom_retries: int = 0,
     ) -> None:
-        """Halve the batch until the text that fails is alone (out-of-memory shrinks too)."""
+        """Halve the batch until the text that fails is alone (workers/device_faults.py).
+
+        A CUDA error that poisons the context stops the worker (DeviceFault: entries are
+        redelivered). Out of memory frees the cache and halves too, but a text alone that
+        still does not fit is retried, then stops the worker: never dead-lettered for OOM.
+        """
         positions = planned.positions
+        if is_device_fault(error):
+            raise DeviceFault(f"CUDA error in a forward pass: {error}") from error
+        out_of_memory = is_out_of_memory(error)
+        if out_of_memory:
+            await asyncio.get_running_loop().run_in_executor(
+                self._model_thread, free_device_memory, self.encoder.device
+            )
+        if len(positions) == 1 and out_of_memory:
+            if oom_retries >= OOM_RETRIES_ONE_TEXT:
+                raise DeviceFault(
+                    f"out of memory on one text of {planned.real_tokens} tokens after "
+                    f"{oom_retries} retries: {error}"
+                ) from error
+            log.warning("out of memory on one text, retrying", tries=oom_retries + 1)
+            await asyncio.sleep(0.5 * 2**oom_retries)  # give another replica time to free
+            await self._encode(window, planned, encoded, oom_retries + 1)
+            return
         if len(positions) == 1:
             chunk, delivery = window.chunks[positions[0]], window.deliveries[positions[0]]
             await self._dead_letter(
@@ -439,7 +496,12 @@ class Worker:
                 ]
             )
             return
-        log.warning("model error, splitting the batch", texts=len(positions), error=str(error))
+        log.warning(
+            "model error, splitting the batch",
+            texts=len(positions),
+            out_of_memory=out_of_memory,
+            error=str(error),
+        )
         for half in (positions[: len(positions) // 2], positions[len(positions) // 2 :]):
             lengths = [window.tokens[p].length for p in half]
             sub = PlannedBatch(positions=half, longest=max(lengths), real_tokens=sum(lengths))

@@ -1,0 +1,133 @@
+"""Failures on a GPU, run on CPU: out of memory never dead-letters a valid text, and a CUDA error
+that poisons the context stops the worker with its entries left pending for a healthy one.
+
+The real worker, Redis server and model; the forward pass is wrapped to raise the errors torch
+raises on a GPU (the exception types and messages are torch's own), since a CPU cannot be made
+to run out of device memory or trip a device-side assert on demand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+import torch
+from embedfleet.producer import Producer
+from embedfleet.shared.settings import Settings
+from embedfleet.workers.device_faults import DeviceFault, is_device_fault, is_out_of_memory
+from embedfleet.workers.encoder import EncodeBatch, Encoder
+
+from tests.conftest import running_worker
+
+TEXTS = [f"document number {n} about the device faults a worker survives" for n in range(24)]
+OOM_MESSAGE = "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 139.8 GiB total capacity)"
+ASSERT_MESSAGE = "CUDA error: device-side assert triggered\nCompile with TORCH_USE_CUDA_DSA"
+
+
+@pytest.mark.parametrize(
+    ("error", "oom", "device"),
+    [
+        (torch.OutOfMemoryError(OOM_MESSAGE), True, False),
+        (RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"), True, False),
+        (RuntimeError(ASSERT_MESSAGE), False, True),
+        (RuntimeError("CUDA error: an illegal memory access was encountered"), False, True),
+        (RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED when calling cublasGemmEx"), False, True),
+        (RuntimeError("The size of tensor a (600) must match the size of tensor b (512)"), 0, 0),
+        (ValueError("text is not a string"), False, False),
+    ],
+)
+def test_classification(error: Exception, oom: bool, device: bool) -> None:
+    assert is_out_of_memory(error) == bool(oom)
+    assert is_device_fault(error) == bool(device)
+
+
+async def _run_job(settings: Settings, job: str) -> tuple[int, int]:
+    async with Producer(settings) as producer:
+        await producer.enqueue(
+            [{"id": f"{job}-{i}", "text": t} for i, t in enumerate(TEXTS)], job=job
+        )
+        progress = await producer.wait_for_job(job, interval=0.05, timeout=120)
+    return progress.done, progress.dead
+
+
+async def test_out_of_memory_splits_and_retries_never_dead_letters(
+    settings: Settings,
+    encoder: Encoder,
+    client: aioredis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Batches over 4 texts do not fit; one single text fails once more before it fits."""
+    real_embed = encoder.embed
+    calls = {"single": 0}
+
+    def short_of_memory(batch: EncodeBatch):
+        if batch.size > 4:
+            raise torch.OutOfMemoryError(OOM_MESSAGE)
+        if batch.size == 1 and calls["single"] == 0:
+            calls["single"] += 1
+            raise torch.OutOfMemoryError(OOM_MESSAGE)
+        return real_embed(batch)
+
+    monkeypatch.setattr(encoder, "embed", short_of_memory)
+    settings = settings.model_copy(update={"max_batch": 8})  # batches of 8, halves of 4 fit
+    async with running_worker(settings, encoder, client) as worker:
+        done, dead = await _run_job(settings, "oom")
+    assert (done, dead) == (len(TEXTS), 0)
+    assert worker.stats.dead_letters == 0
+
+
+async def test_cuda_error_stops_the_worker_and_leaves_entries_pending(
+    settings: Settings,
+    encoder: Encoder,
+    client: aioredis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from embedfleet.workers.sinks import RedisStreamSink
+    from embedfleet.workers.worker import Worker
+
+    real_embed = encoder.embed
+    forward_passes = []
+
+    def poisoned(batch: EncodeBatch):
+        forward_passes.append(batch.size)
+        if len(forward_passes) <= 2:  # the worker's warm-up (Encoder.warm_up) goes through
+            return real_embed(batch)
+        raise RuntimeError(ASSERT_MESSAGE)
+
+    monkeypatch.setattr(encoder, "embed", poisoned)
+    worker = Worker(settings, encoder, client, RedisStreamSink(client, settings.keys))
+    task = asyncio.create_task(worker.run())
+    async with Producer(settings) as producer:
+        await producer.enqueue([{"id": f"c-{i}", "text": t} for i, t in enumerate(TEXTS)], job="c")
+        with pytest.raises(DeviceFault, match="device-side assert"):
+            await asyncio.wait_for(task, timeout=60)
+        progress = await producer.progress("c")
+    assert progress.dead == 0 and worker.stats.dead_letters == 0
+    pending = await client.xpending(settings.keys.ingest, settings.group)
+    assert pending["pending"] == len(TEXTS)  # read, never acknowledged: another worker's now
+
+
+def test_tf32_for_float32_work_on_cuda_only() -> None:
+    from embedfleet.workers.encoder import configure_device_math
+
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        configure_device_math(torch.device("cpu"))
+        assert not torch.backends.cuda.matmul.allow_tf32
+        configure_device_math(torch.device("cuda"))  # sets flags only: no device needed
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def test_malloc_trim_runs_on_a_timer_not_per_window() -> None:
+    from embedfleet.workers.memory import TrimTimer
+
+    timer = TrimTimer(interval=5.0)
+    # windows every 10 ms (a GPU) for 12 s: trims at 0, 5 and 10 s, not 1,200 times
+    trims = [t for t in range(1200) if timer.due(now=1000 + t * 0.01)]
+    assert [round(t * 0.01, 2) for t in trims] == [0.0, 5.0, 10.0]
+    slow = TrimTimer(interval=5.0)
+    assert all(slow.due(now=2000 + t * 6.0) for t in range(5))  # CPU windows: every one
