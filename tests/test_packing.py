@@ -27,7 +27,8 @@ from embedfleet.workers.packing import (
 )
 from embedfleet.workers.precision import cosines
 
-from loadtest.corpus import build_corpus
+from loadtest.corpus import build_corpus, load_tokenizer
+from tests.conftest import model_under_test
 
 MIN_COSINE = 0.9999
 TEXTS = 96
@@ -35,7 +36,9 @@ TEXTS = 96
 
 @pytest.fixture(scope="module")
 def corpus_tokens(encoder: Encoder) -> tuple[list[str], list[Tokenized]]:
-    texts = [item.text for item in build_corpus(TEXTS, seed=11)]
+    # the encoder's own tokenizer: on the device check the model is a carried folder
+    tokenizer = load_tokenizer(str(encoder.model_dir))
+    texts = [item.text for item in build_corpus(TEXTS, seed=11, tokenizer=tokenizer)]
     return texts, encoder.tokenize(texts)
 
 
@@ -63,7 +66,7 @@ def test_rows_match_unpacked(encoder: Encoder, corpus_tokens: tuple) -> None:
 @pytest.fixture(scope="module")
 def varlen_encoder() -> Encoder:
     # Its own model: installing the varlen attention must not touch the session's encoder.
-    return Encoder()
+    return Encoder(model_under_test())
 
 
 def test_varlen_matches_unpacked_and_leaves_padded_path_alone(
@@ -151,7 +154,7 @@ def test_two_varlen_models_keep_their_own_kernels(
 
     for name in ("loop_sdpa", "nested_sdpa"):
         monkeypatch.setitem(packing.VARLEN_KERNELS, name, recording(name))
-    other = Encoder()
+    other = Encoder(model_under_test())
     packers = {
         "loop_sdpa": PackedEncoder(varlen_encoder, "varlen"),
         "nested_sdpa": PackedEncoder(other, "varlen"),
