@@ -354,6 +354,12 @@ def machine_line() -> str:
 @click.option("--only", default="", help="Comma-separated contender names to run (debugging).")
 @click.option("--redis-url", default=None, help="Use this server instead of starting one.")
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also draw texts/s per contender, parity marked, to this PNG (needs matplotlib).",
+)
 def main(
     count: int,
     rounds: int,
@@ -365,6 +371,7 @@ def main(
     only: str,
     redis_url: str | None,
     json_out: Path | None,
+    plot: Path | None,
 ) -> None:
     """Side-by-side throughput: sentence-transformers vs a naive loop vs the fleet."""
     import logging
@@ -554,6 +561,14 @@ def main(
         f"st encode batch sweep (texts/s): {', '.join(f'{k}: {v:.0f}' for k, v in sweep.items())}"
     )
     print(table)
+    if plot is not None:
+        from loadtest.plots import plot_throughput
+
+        subtitle = (
+            f"{machine_line()}\n{count} texts (seed {seed}), {rounds} rounds interleaved; "
+            f"min cos vs st: the worst text's cosine to sentence-transformers' vector"
+        )
+        print(f"chart: {plot_throughput(rows, plot, subtitle)}")
     if json_out is not None:
         json_out.write_text(
             json.dumps(

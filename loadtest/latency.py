@@ -23,6 +23,7 @@ import asyncio
 import statistics
 import time
 import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -190,10 +191,23 @@ async def scenario(args: argparse.Namespace) -> None:
                     with_queries.append(await bulk_rate(producer, metrics_url, args.window, 10))
                 left_after = await producer.client.xlen(settings.keys.ingest)
     print_table(bare, rows, left, without, with_queries, left_after, args)
+    if args.plot is not None:
+        from loadtest.plots import plot_latency_cdf
+
+        labelled = {"bare in-process forward": bare}
+        for (state, concurrency), samples in rows.items():
+            how = "1 at a time" if concurrency == 1 else f"{concurrency} concurrent"
+            labelled[f"{state}, {how}"] = samples
+        bound = 2 * percentile_ms(rows[("idle", 1)], 99) + SLICE_MS
+        subtitle = f"{args.queries} queries per line; {machine_load()}"
+        print(f"chart: {plot_latency_cdf(labelled, args.plot, subtitle, bound)}")
+
+
+SLICE_MS = 100.0  # the CPU default of EMBEDFLEET_SLICE_MS=-1 (auto)
 
 
 def print_table(bare, rows, left, without, with_queries, left_after, args) -> None:
-    slice_ms = 100.0  # the CPU default of EMBEDFLEET_SLICE_MS=-1 (auto)
+    slice_ms = SLICE_MS
     print(
         f"# query latency ({args.queries} queries per row; bare/idle pairs "
         f"{args.pair_pause * 1000:.0f} ms apart; {machine_load()})"
@@ -257,6 +271,12 @@ def main() -> None:
         help="seconds between the bare and the queued query of a pair, and between pairs",
     )
     parser.add_argument("--rounds", type=int, default=5, help="A/B throughput pairs")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="also draw the latency CDFs, idle vs saturated, to this PNG (needs matplotlib)",
+    )
     args = parser.parse_args()
     uvloop.run(scenario(args))
 

@@ -1,10 +1,12 @@
 """Worker memory over a long run: RSS after 2,000 and after 20,000 chunks.
 
-    python -m loadtest.soak [--chunks 20000]
+    python -m loadtest.soak [--chunks 20000] [--plot FILE.png]
 
 A worker process embeds a long stream of chunks; its resident memory is read from /proc as the
 job passes each mark. Acknowledged entries are deleted and every queue inside the worker is
-bounded, so the two figures should differ by well under 10%.
+bounded, so the two figures should differ by well under 10%. Every half second the RSS and the
+backlog (the ingest stream's length: finished entries are deleted) are sampled too, for
+``--plot``: RSS over chunks and the backlog draining over time.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 import itertools
 import time
 import uuid
+from pathlib import Path
 
 import uvloop
 from embedfleet.producer import Producer
@@ -29,19 +32,40 @@ def chunks(count: int) -> list[Chunk]:
     return [Chunk(id=f"s{i}", text=t) for i, t in zip(range(count), itertools.cycle(texts))]
 
 
-async def soak(count: int, marks: list[int]) -> None:
+SAMPLE_EVERY_S = 0.5
+
+
+async def soak(count: int, marks: list[int], plot: Path | None = None) -> None:
     with redis_server() as server:
         settings = Settings(redis_url=server.url, namespace=f"soak{uuid.uuid4().hex[:6]}")
         with worker_process(settings, "soak-worker") as worker:
             async with Producer(settings) as producer:
                 await producer.embed_query("warm up", timeout=120)
                 readings = {0: rss_mib(worker.pid)}
+                samples: list[dict[str, float]] = []
                 started = time.perf_counter()
+
+                async def sample(done: int) -> float:
+                    rss = rss_mib(worker.pid)
+                    samples.append(
+                        {
+                            "seconds": time.perf_counter() - started,
+                            "done": done,
+                            "rss_mib": rss,
+                            "backlog": await producer.client.xlen(settings.keys.ingest),
+                        }
+                    )
+                    return rss
+
                 enqueue = asyncio.create_task(producer.enqueue(chunks(count), job="soak"))
+                next_sample = started
                 for mark in marks:
-                    while (await producer.progress("soak")).done < mark:
-                        await asyncio.sleep(0.2)
-                    readings[mark] = rss_mib(worker.pid)
+                    while (done := (await producer.progress("soak")).done) < mark:
+                        if time.perf_counter() >= next_sample:
+                            next_sample += SAMPLE_EVERY_S
+                            await sample(done)
+                        await asyncio.sleep(0.1)
+                    readings[mark] = await sample(done)
                     print(
                         f"{mark:>6} chunks: RSS {readings[mark]:.1f} MiB "
                         f"({time.perf_counter() - started:.0f} s)",
@@ -58,6 +82,11 @@ async def soak(count: int, marks: list[int]) -> None:
         f"\nRSS at {marks[-1]} vs {marks[0]}: {100 * (last - first) / first:+.1f}% "
         f"(target: within 10%); entries left in the ingest stream: {stream_left}"
     )
+    if plot is not None:
+        from loadtest.plots import plot_soak
+
+        subtitle = f"one worker process, {count:,} chunks of the built-in corpus; {machine_load()}"
+        print(f"chart: {plot_soak(samples, plot, subtitle, marks)}")
 
 
 def main() -> None:
@@ -65,9 +94,15 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--chunks", type=int, default=20_000)
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="also draw RSS over chunks and the backlog over time to this PNG (needs matplotlib)",
+    )
     args = parser.parse_args()
     marks = sorted({min(2_000, args.chunks), args.chunks // 2, args.chunks})
-    uvloop.run(soak(args.chunks, marks))
+    uvloop.run(soak(args.chunks, marks, args.plot))
 
 
 if __name__ == "__main__":
