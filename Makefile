@@ -23,7 +23,7 @@ test: install
 	$(PY) -m pytest
 
 test-quick: install
-	$(PY) -m pytest -m "not chaos and not chart and not image and not packaging"
+	$(PY) -m pytest -m "not chaos and not chart and not image and not packaging and not cluster"
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
