@@ -179,7 +179,7 @@ async def test_six_partitions_three_workers_every_id_once_with_parity(
 ) -> None:
     from sentence_transformers import SentenceTransformer
 
-    chunks = _chunks("parity", 300)
+    chunks = _chunks("parity", 180)
     async with Producer(cluster_settings, cluster_client) as producer:
         await producer.enqueue(chunks, job="parity", batch_size=50)
         await _wait_all_done(producer, cluster_client, cluster_settings, "parity", timeout=240)
@@ -187,7 +187,7 @@ async def test_six_partitions_three_workers_every_id_once_with_parity(
         ids = await _result_ids(producer, "parity")
         progress = await producer.progress("parity")
     assert sorted(ids) == sorted(c.id for c in chunks), "every id back exactly once"
-    assert (progress.enqueued, progress.done, progress.dead) == (300, 300, 0)
+    assert (progress.enqueued, progress.done, progress.dead) == (180, 180, 0)
 
     # every partition got work, and every worker read from the partitions
     consumers: set[str] = set()
@@ -225,7 +225,7 @@ async def _run_through(
     cluster_client: aioredis.Redis,
     job: str,
     disturb,
-    count: int = 600,
+    count: int = 450,
 ) -> None:
     """Enqueue ``count`` chunks while workers embed them; ``disturb()`` runs (on a thread) once
     both are in flight: some results are written and the last two thirds are being enqueued.
