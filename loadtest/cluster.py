@@ -1,6 +1,6 @@
 """Per-shard capacity of the queue on a loopback Redis Cluster: the rates that bound a fleet.
 
-    python -m loadtest.cluster [--entries 20000] [--json figures.json]
+    python -m loadtest.cluster [--entries 20000] [--json figures.json] [--plot FILE.png]
 
 Starts a 3-master + 3-replica cluster (loadtest/local_cluster.py) and measures, on one shard
 (one partition, whose keys share a slot), with one client connection:
@@ -28,6 +28,7 @@ import platform
 import subprocess
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -202,6 +203,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--entries", type=int, default=20_000)
     parser.add_argument("--json", help="also write the figures to this JSON file")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="also draw the rates and memory per entry to this PNG (needs matplotlib)",
+    )
     args = parser.parse_args()
     with LocalCluster(masters=3, replicas_per_master=1) as cluster:
         figures = asyncio.run(measure(cluster, args.entries))
@@ -214,6 +221,14 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(figures, handle, indent=2)
+    if args.plot is not None:
+        from loadtest.plots import plot_cluster
+
+        subtitle = (
+            f"one partition (shard) of a loopback 3+3 cluster, {args.entries:,} entries; "
+            f"{figures['cpu']}, {figures['redis_server'].split(' sha=')[0]}"
+        )
+        print(f"chart: {plot_cluster(figures, args.plot, subtitle, DIMS)}")
 
 
 if __name__ == "__main__":

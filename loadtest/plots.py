@@ -3,7 +3,8 @@
 - ``loadtest.bench``: texts/s per contender, one dot per round, parity with
   sentence-transformers marked on each bar;
 - ``loadtest.latency``: query latency CDFs, idle vs with the ingest stream saturated;
-- ``loadtest.soak``: worker RSS over the chunks embedded, and the backlog draining over time.
+- ``loadtest.soak``: worker RSS over the chunks embedded, and the backlog draining over time;
+- ``loadtest.cluster``: one shard's queue operations per second, and memory per entry.
 
 matplotlib comes with the ``plot`` extra (``pip install 'embedfleet[plot]'``, in ``dev`` too);
 it draws off-screen (Agg), so the scenarios run on servers without a display. Every chart is
@@ -149,5 +150,42 @@ def plot_soak(
     backlog_axes.set_ylim(bottom=0)
     backlog_axes.set_title("Backlog draining", fontsize=10)
     backlog_axes.grid(True, alpha=0.3)
+    figure.suptitle(subtitle, fontsize=9)
+    return _save(figure, path)
+
+
+def plot_cluster(
+    figures: Mapping[str, Any], path: Path, subtitle: str, dims: Sequence[int]
+) -> Path:
+    """Two panels from ``loadtest.cluster``'s figures for one shard: entries/s per queue
+    operation, and Redis memory per backlog entry and per stored result."""
+    figure, (rate_axes, memory_axes) = _figure(columns=2)
+    rates = {
+        "enqueue (script, 1000/batch)": figures["enqueue_per_s"],
+        "enqueue + WAIT 1": figures["enqueue_wait1_per_s"],
+        "bulk read (COUNT 1024)": figures["read_per_s"],
+        **{f"write-back, dim {dim}": figures[f"write_dim{dim}_per_s"] for dim in dims},
+    }
+    positions = np.arange(len(rates))[::-1]
+    rate_axes.barh(positions, list(rates.values()), color="#264653", height=0.6)
+    for position, value in zip(positions, rates.values(), strict=True):
+        rate_axes.text(value, position, f" {value:,.0f}/s", va="center", fontsize=8)
+    rate_axes.set_yticks(positions, list(rates))
+    rate_axes.set_xlim(0, max(rates.values()) * 1.3)
+    rate_axes.set_xlabel("entries/s, one client on one shard")
+    rate_axes.set_title("Queue operations per shard", fontsize=10)
+
+    memory = {
+        "backlog entry": figures["bytes_per_backlog_entry"],
+        **{f"result, dim {dim}": figures[f"bytes_per_result_dim{dim}"] for dim in dims},
+    }
+    positions = np.arange(len(memory))[::-1]
+    memory_axes.barh(positions, list(memory.values()), color="#2a9d8f", height=0.6)
+    for position, value in zip(positions, memory.values(), strict=True):
+        memory_axes.text(value, position, f" {value:,.0f} B", va="center", fontsize=8)
+    memory_axes.set_yticks(positions, list(memory))
+    memory_axes.set_xlim(0, max(memory.values()) * 1.3)
+    memory_axes.set_xlabel("bytes of Redis memory per entry")
+    memory_axes.set_title("Memory per entry", fontsize=10)
     figure.suptitle(subtitle, fontsize=9)
     return _save(figure, path)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from loadtest.plots import FIGURE_PX, plot_latency_cdf, plot_soak, plot_throughput
+from loadtest.plots import FIGURE_PX, plot_cluster, plot_latency_cdf, plot_soak, plot_throughput
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 # chart file -> the scenario whose --plot draws it
@@ -18,6 +18,7 @@ DOCS_CHARTS = {
     "bench-throughput.png": "loadtest.bench",
     "latency-cdf.png": "loadtest.latency",
     "soak.png": "loadtest.soak",
+    "cluster.png": "loadtest.cluster",
 }
 
 
@@ -61,6 +62,17 @@ def test_soak_chart(tmp_path: Path) -> None:
         for t in range(0, 200, 2)
     ]
     assert_real_chart(plot_soak(samples, tmp_path / "soak.png", "test", [1000, 2000]))
+
+
+def test_cluster_chart(tmp_path: Path) -> None:
+    dims = (384, 768)
+    figures = {
+        "enqueue_per_s": 20_000, "enqueue_wait1_per_s": 18_000, "read_per_s": 35_000,
+        "write_dim384_per_s": 12_000, "write_dim768_per_s": 9_000,
+        "bytes_per_backlog_entry": 460, "bytes_per_result_dim384": 1_020,
+        "bytes_per_result_dim768": 1_900,
+    }  # fmt: skip
+    assert_real_chart(plot_cluster(figures, tmp_path / "cluster.png", "test", dims))
 
 
 @pytest.mark.parametrize(("chart", "scenario"), DOCS_CHARTS.items())
