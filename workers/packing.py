@@ -93,10 +93,10 @@ def preferred_layout(device: torch.device, dtype: torch.dtype = torch.float32) -
     """The layout the worker should use: the one that measured fastest for this device and
     compute dtype (figures in the module docstring).
 
-    CUDA: ``varlen`` (no padding computed at all; loadtest/gpu_check.sh runs the layout
-    contenders on a GPU to confirm it), ``padded`` on a transformers without the attention
-    interface varlen needs. CPU: ``rows`` in bf16/fp16, ``padded`` (sorted
-    micro-batches from ``workers.batcher``) in fp32.
+    CUDA: ``varlen`` (no padding computed at all; loadtest/gpu_check.sh checks its parity on a
+    GPU, ``python -m loadtest.bench --engines --device cuda`` runs the layout contenders),
+    ``padded`` on a transformers without the attention interface varlen needs. CPU: ``rows``
+    in bf16/fp16, ``padded`` (sorted micro-batches from ``workers.batcher``) in fp32.
     """
     if device.type == "cuda":
         return "varlen" if varlen_supported() else "padded"
