@@ -292,7 +292,10 @@ class Settings(BaseSettings):
                 "each partition brings its own (a tag in the namespace would put them all in "
                 "one slot)"
             )
-        parse_partition_set(self.partition_set, self.partitions)
+        try:
+            parse_partition_set(self.partition_set, self.partitions)
+        except ValueError as error:
+            raise ValueError(f"EMBEDFLEET_PARTITION_SET: {error}") from None
         return self
 
     @property
