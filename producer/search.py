@@ -12,6 +12,7 @@ import json
 
 import click
 import numpy as np
+from embedfleet.producer.client import EmbeddingOptions
 from embedfleet.producer.waiting import client_for, run_client
 from embedfleet.shared.protocol import QueryFailedError
 from embedfleet.shared.retry import RedisUnavailableError
@@ -48,12 +49,17 @@ async def search(
     settings: Settings, target: SinkTarget, text: str, k: int, timeout: float
 ) -> list[Hit]:
     """Embed ``text`` through the fleet's priority lane, then ask the database for ``k``."""
-    producer = client_for(settings)  # not `async with`: the query's timeout bounds its set-up
-    try:
-        vector = await producer.embed_query(text, timeout=timeout)
-    finally:
-        await producer.close()
     with open_backend(target) as backend:
+        # the query as the stored vectors were made: the model's query prompt (the worker's
+        # query lane), the table's dimension (Matryoshka), float32 for the database's own
+        # search or the rescoring of quantized rows
+        _, dim = await asyncio.to_thread(backend.vector_format)
+        options = EmbeddingOptions(dimensions=dim, dtype="float32")
+        producer = client_for(settings)  # not `async with`: the query's timeout bounds its set-up
+        try:
+            vector = await producer.embed_query(text, timeout=timeout, options=options)
+        finally:
+            await producer.close()
         return await asyncio.to_thread(backend.nearest, np.asarray(vector), k)
 
 

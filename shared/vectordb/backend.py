@@ -28,11 +28,17 @@ import numpy as np
 from embedfleet.shared.protocol import Result
 from embedfleet.shared.vectordb.target import SinkKind, SinkTarget
 
-# What one stored vector component is. float16 is the default everywhere (half of float32's
-# size, and the precision results travel in); float32 is what pgvector before 0.7 stores.
-# Further precisions (int8, binary) are added here and by each backend that can store them.
-VectorDType = Literal["float16", "float32"]
+# What one stored vector component is: the output dtypes (shared/protocol.py). float16 is the
+# default everywhere (half of float32's size, and the precision results travel in); float32 is
+# what pgvector before 0.7 stores. Each backend lists the ones it stores natively (``DTYPES``)
+# and the worker's sink refuses the others at setup.
+VectorDType = Literal["float16", "float32", "int8", "uint8", "binary", "ubinary"]
+FLOAT_DTYPES: tuple[str, ...] = ("float16", "float32")
+BINARY_DTYPES: tuple[str, ...] = ("binary", "ubinary")
 DEFAULT_DTYPE: VectorDType = "float16"
+# Binary search finds this many times k candidates by Hamming distance, then rescores them with
+# the float query against their bits (sentence-transformers' binary search + rescoring recipe).
+RESCORE_MULTIPLIER = 4
 # The row fields every backend stores beside the vector (see shared/vectordb/target.py).
 ROW_FIELDS = ("id", "job", "model", "truncated", "meta", "text")
 
@@ -109,9 +115,16 @@ class VectorBackend(contextlib.AbstractContextManager["VectorBackend"], abc.ABC)
     VectorDBError when there is nothing to read yet. ``close`` releases the connection.
     """
 
+    # the vector dtypes this database stores natively (see VectorDType)
+    DTYPES: tuple[str, ...] = FLOAT_DTYPES
+
     def __init__(self, target: SinkTarget, *, store_text: bool = True) -> None:
         self.target = target
         self.store_text = store_text
+
+    def vector_format(self) -> tuple[str, int]:
+        """(dtype, dimension) of the stored vectors: what a search must embed its query as."""
+        raise VectorDBError(f"{self.target.describe()} cannot say what it stores")
 
     # --- writing (the worker's sink) -------------------------------------------------------
     @abc.abstractmethod
@@ -159,9 +172,10 @@ class VectorBackend(contextlib.AbstractContextManager["VectorBackend"], abc.ABC)
         self, record: Mapping[str, Any], meta: dict[str, Any] | None, vector: np.ndarray
     ) -> StoredVector:
         """An exported row from a row or payload holding ``ROW_FIELDS``, and its vector."""
-        return StoredVector(
-            vector=np.asarray(vector).astype(np.float16), **row_fields(record, meta)
-        )
+        array = np.asarray(vector)
+        if array.dtype.kind == "f":  # quantized vectors are exported as stored
+            array = array.astype(np.float16)
+        return StoredVector(vector=array, **row_fields(record, meta))
 
     def stored_text(self, result: Result) -> str | None:
         return result.text if self.store_text else None
@@ -187,6 +201,26 @@ class VectorBackend(contextlib.AbstractContextManager["VectorBackend"], abc.ABC)
                 )
         return np.stack([np.asarray(r.vector, dtype=dtype) for r in results])
 
+    def quantized_vectors(self, results: Sequence[Result], dtype: str, dim: int) -> np.ndarray:
+        """The results' stored codes (int8/uint8) or packed bits as ``ubinary`` bytes (binary
+        is each byte - 128, so + 128 gives the same bits), one row each; a ValueError names a
+        row of another dtype or dimension (dead-lettered alone, as in float_vectors)."""
+        for result in results:
+            same = result.dtype == dtype or {result.dtype, dtype} == set(BINARY_DTYPES)
+            if not same:
+                raise ValueError(
+                    f"row {result.id!r}: {self.target.describe()} stores {dtype} vectors, and "
+                    f"this result is {result.dtype} (the chunk's dtype option)"
+                )
+            if result.dim != dim:
+                raise ValueError(
+                    f"row {result.id!r} has {result.dim} dimensions, {self.target.describe()} "
+                    f"{dim} (the chunk's dimensions option?)"
+                )
+        if dtype in BINARY_DTYPES:
+            return np.stack([_as_ubinary(r) for r in results])
+        return np.stack([np.asarray(r.vector, dtype=dtype) for r in results])
+
     def not_written_yet(self) -> VectorDBError:
         return VectorDBError(
             f"no {self.target.describe()}: have workers written there yet? (EMBEDFLEET_SINK, "
@@ -204,6 +238,27 @@ class VectorBackend(contextlib.AbstractContextManager["VectorBackend"], abc.ABC)
             f"{self.target.describe()} has {stored}, the model makes {dim}-dim vectors: set "
             "EMBEDFLEET_SINK_TABLE to a new table name, or delete the old one"
         )
+
+
+def _as_ubinary(result: Result) -> np.ndarray:
+    vector = np.asarray(result.vector)
+    if result.dtype == "binary":
+        return (vector.astype(np.int16) + 128).astype(np.uint8)
+    return vector.astype(np.uint8)
+
+
+def rescore_binary(query: np.ndarray, packed: np.ndarray, dim: int) -> np.ndarray:
+    """Scores of bit-packed rows for a float query: query . bits (0/1), the rescoring step of
+    sentence-transformers' binary search (``quantization.semantic_search_*`` with rescore)."""
+    bits = np.unpackbits(packed.astype(np.uint8), axis=-1)[:, :dim].astype(np.float32)
+    return bits @ np.asarray(query, np.float32).reshape(-1)[:dim]
+
+
+def rescore_codes(query: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """Scores of int8/uint8 rows for a float query: query . codes, uint8 centred as int8
+    (int8 is uint8 - 128 in quantize_embeddings), the int8 rescoring step."""
+    centred = codes.astype(np.float32) - (128.0 if codes.dtype == np.uint8 else 0.0)
+    return centred @ np.asarray(query, np.float32).reshape(-1)
 
 
 def require_extra(kind: SinkKind) -> None:

@@ -15,12 +15,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.vectordb.backend import (
+    BINARY_DTYPES,
     DEFAULT_DTYPE,
+    FLOAT_DTYPES,
+    RESCORE_MULTIPLIER,
     ROW_FIELDS,
     SinkSetupError,
     VectorBackend,
     meta_from_json,
     meta_to_json,
+    rescore_binary,
+    rescore_codes,
 )
 
 if TYPE_CHECKING:
@@ -37,23 +42,45 @@ VECTOR_COLUMN = "vector"  # LanceDB's default vector column name: plain `table.s
 MIN_INDEX_ROWS = 100_000
 
 
+# The precision and dimension a table holds, in its schema metadata: binary and ubinary rows
+# are both packed bits (uint8, dim / 8 per row), told apart only by this.
+DTYPE_KEY = b"embedfleet_dtype"
+DIM_KEY = b"embedfleet_dim"
+
+
 def lance_schema(dim: int, dtype: VectorDType = DEFAULT_DTYPE) -> pa.Schema:
+    """Fixed-size lists of float16/float32/int8/uint8; binary types as uint8 lists of the packed
+    bits (LanceDB's Hamming distance reads those)."""
     import pyarrow as pa
 
+    value_type = pa.uint8() if dtype in BINARY_DTYPES else pa.from_numpy_dtype(np.dtype(dtype))
+    width = (dim + 7) // 8 if dtype in BINARY_DTYPES else dim
     return pa.schema(
         [
             pa.field("id", pa.string(), nullable=False),
-            pa.field(VECTOR_COLUMN, pa.list_(pa.from_numpy_dtype(np.dtype(dtype)), dim), False),
+            pa.field(VECTOR_COLUMN, pa.list_(value_type, width), False),
             pa.field("job", pa.string()),
             pa.field("model", pa.string(), nullable=False),
             pa.field("truncated", pa.bool_(), nullable=False),
             pa.field("meta", pa.string()),  # JSON text: meta has no fixed schema
             pa.field("text", pa.string()),
-        ]
+        ],
+        metadata={DTYPE_KEY: dtype.encode(), DIM_KEY: str(dim).encode()},
     )
 
 
+def stored_format(schema: pa.Schema) -> tuple[str, int]:
+    """(dtype, dimension) of a table: from its metadata, or (older tables) its vector type."""
+    field = schema.field(VECTOR_COLUMN)
+    metadata = schema.metadata or {}
+    if DTYPE_KEY in metadata:
+        return metadata[DTYPE_KEY].decode(), int(metadata[DIM_KEY])
+    return str(field.type.value_type.to_pandas_dtype().__name__), field.type.list_size
+
+
 class LanceDBBackend(VectorBackend):
+    DTYPES = (*FLOAT_DTYPES, "int8", "uint8", *BINARY_DTYPES)
+
     def __init__(self, target: Any, *, store_text: bool = True) -> None:
         super().__init__(target, store_text=store_text)
         self._table: Table | None = None
@@ -70,9 +97,9 @@ class LanceDBBackend(VectorBackend):
             raise SinkSetupError(
                 f"cannot open {self.target.describe()}: {type(error).__name__}: {error}"
             ) from error
-        self._schema = lance_schema(dim, stored)
+        self._schema = lance_schema(dim, stored)  # type: ignore[arg-type]
 
-    def _open_or_create(self, dim: int, dtype: VectorDType | None) -> tuple[Table, VectorDType]:
+    def _open_or_create(self, dim: int, dtype: VectorDType | None) -> tuple[Table, str]:
         import lancedb
         import pyarrow as pa
 
@@ -85,11 +112,11 @@ class LanceDBBackend(VectorBackend):
             table = database.create_table(name, schema=schema, exist_ok=True)
             log.info("created LanceDB table", path=self.target.location, table=name, dim=dim)
         field = table.schema.field(VECTOR_COLUMN) if VECTOR_COLUMN in table.schema.names else None
-        existing = getattr(field.type, "list_size", None) if field is not None else None
-        if field is None or existing != dim:
-            has = "no fixed-size vector column" if existing is None else f"{existing}-dim vectors"
-            raise self.dim_mismatch(has, dim)
-        stored: VectorDType = str(field.type.value_type.to_pandas_dtype().__name__)  # type: ignore[assignment]
+        if field is None or getattr(field.type, "list_size", None) is None:
+            raise self.dim_mismatch("no fixed-size vector column", dim)
+        stored, existing = stored_format(table.schema)
+        if existing != dim:
+            raise self.dim_mismatch(f"{existing}-dim vectors", dim)
         if dtype is not None and stored != dtype:
             raise self.dtype_mismatch(stored, dtype)
         if "text" not in table.schema.names:  # a table from before texts were stored
@@ -118,13 +145,15 @@ class LanceDBBackend(VectorBackend):
         import pyarrow as pa
 
         vector_type = schema.field(VECTOR_COLUMN).type
-        dim = vector_type.list_size
-        numpy_type = vector_type.value_type.to_pandas_dtype()
-        vectors = self.float_vectors(results, numpy_type, dim)
+        dtype, dim = stored_format(schema)
+        if dtype in FLOAT_DTYPES:
+            vectors = self.float_vectors(results, vector_type.value_type.to_pandas_dtype(), dim)
+        else:
+            vectors = self.quantized_vectors(results, dtype, dim)
         columns: dict[str, Any] = {
             "id": [r.id for r in results],
             VECTOR_COLUMN: pa.FixedSizeListArray.from_arrays(
-                pa.array(vectors.reshape(-1), type=vector_type.value_type), dim
+                pa.array(vectors.reshape(-1), type=vector_type.value_type), vector_type.list_size
             ),
             "job": [r.job for r in results],
             "model": [r.model for r in results],
@@ -166,9 +195,17 @@ class LanceDBBackend(VectorBackend):
         """The row fields this table has (one from before texts were stored has no text)."""
         return [name for name in ROW_FIELDS if name in table.schema.names]
 
+    def vector_format(self) -> tuple[str, int]:
+        return stored_format(self._opened().schema)
+
     def nearest(self, vector: np.ndarray, k: int = 10) -> list[Hit]:
         table = self._opened()
         query = np.asarray(vector, np.float32).reshape(-1)
+        dtype, dim = stored_format(table.schema)
+        if dtype in BINARY_DTYPES:
+            return self._nearest_binary(table, query, dim, k)
+        if dtype not in FLOAT_DTYPES:
+            return self._nearest_codes(table, query, k)
         rows = (
             table.search(query, vector_column_name=VECTOR_COLUMN)
             .distance_type("cosine")
@@ -182,6 +219,39 @@ class LanceDBBackend(VectorBackend):
             for row in rows
         ]
 
+    def _nearest_binary(self, table: Table, query: np.ndarray, dim: int, k: int) -> list[Hit]:
+        """Hamming distance on the packed bits for k x RESCORE_MULTIPLIER candidates, then the
+        float query against their bits decides the order (the score is that dot product)."""
+        bits = np.packbits(query[:dim] > 0)
+        rows = (
+            table.search(bits, vector_column_name=VECTOR_COLUMN)
+            .distance_type("hamming")
+            .limit(k * RESCORE_MULTIPLIER)
+            .select([*self._columns(table), VECTOR_COLUMN])
+            .to_list()
+        )
+        if not rows:
+            return []
+        scores = rescore_binary(query, np.array([row[VECTOR_COLUMN] for row in rows]), dim)
+        best = np.argsort(-scores, kind="stable")[:k]
+        return [self.hit(rows[i], meta_from_json(rows[i]["meta"]), float(scores[i])) for i in best]
+
+    def _nearest_codes(self, table: Table, query: np.ndarray, k: int) -> list[Hit]:
+        """int8/uint8 rows: LanceDB has no distance for them, so an exact scan scores every row
+        with the float query against its codes (int8 rescoring over the whole table)."""
+        data = table.to_arrow()
+        if data.num_rows == 0:
+            return []
+        width = data.schema.field(VECTOR_COLUMN).type.list_size
+        flat = data[VECTOR_COLUMN].combine_chunks().flatten().to_numpy(zero_copy_only=False)
+        scores = rescore_codes(query, flat.reshape(-1, width))
+        best = np.argsort(-scores, kind="stable")[:k]
+        rows = data.take(best).select(self._columns(table)).to_pylist()
+        return [
+            self.hit(row, meta_from_json(row["meta"]), float(scores[i]))
+            for i, row in zip(best, rows, strict=True)
+        ]
+
     def build_index(self, *, force: bool = False) -> list[str]:
         from lancedb.index import BTree, IvfHnswSq
 
@@ -191,6 +261,13 @@ class LanceDBBackend(VectorBackend):
         # the id index makes each upsert's match on id a lookup instead of a scan of the table
         table.create_index("id", config=BTree(), replace=True)
         done = [f"{self.target.describe()}: {rows:,} rows, compacted; id index (BTree) built"]
+        dtype, _ = stored_format(table.schema)
+        if dtype not in FLOAT_DTYPES:
+            done.append(
+                f"vector index not built: the table holds {dtype} vectors, searched exactly "
+                "(binary: Hamming distance, then rescored; int8/uint8: a scan)"
+            )
+            return done
         if rows < MIN_INDEX_ROWS and not force:
             done.append(
                 f"vector index not built: under {MIN_INDEX_ROWS:,} rows an exact search "
@@ -211,9 +288,9 @@ class LanceDBBackend(VectorBackend):
         if job is not None:
             data = data.filter(pc.equal(data["job"], job))
         data = data.sort_by("id")
-        dim = data.schema.field(VECTOR_COLUMN).type.list_size
+        width = data.schema.field(VECTOR_COLUMN).type.list_size
         vectors = data[VECTOR_COLUMN].combine_chunks().flatten().to_numpy(zero_copy_only=False)
-        vectors = vectors.astype(np.float16).reshape(-1, dim)
+        vectors = vectors.reshape(-1, width)  # floats become float16 in stored(); codes stay
         columns = data.select(self._columns(table)).to_pylist()
         return [
             self.stored(row, meta_from_json(row["meta"]), vectors[i])

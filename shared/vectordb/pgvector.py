@@ -5,9 +5,12 @@ into PostgreSQL), then ``INSERT … SELECT … ON CONFLICT (id) DO UPDATE``. The
 temporary table that empties itself at commit. Rows go in sorted by id so two workers upserting
 overlapping ids lock them in the same order and cannot deadlock.
 
-Vectors are ``halfvec`` (fp16, half the size) on pgvector ≥ 0.7 and ``vector`` (fp32) before.
-Search uses the cosine operator ``<=>`` on the column's own type, so the HNSW index that
-``embedfleet index`` builds (``{type}_cosine_ops``) serves it.
+Vectors are ``halfvec`` (fp16, half the size) on pgvector ≥ 0.7 and ``vector`` (fp32) before;
+``binary``/``ubinary`` outputs are stored as ``bit(dim)``. Search uses the cosine operator
+``<=>`` on the column's own type, so the HNSW index that ``embedfleet index`` builds
+(``{type}_cosine_ops``) serves it; a ``bit`` column is searched by Hamming distance ``<~>``
+(``bit_hamming_ops``) and the candidates rescored with the float query. pgvector has no int8
+vector type: int8/uint8 outputs are refused at setup.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.vectordb.backend import (
+    RESCORE_MULTIPLIER,
     SinkSetupError,
     VectorBackend,
     VectorDBError,
     meta_to_json,
+    rescore_binary,
 )
 
 if TYPE_CHECKING:
@@ -32,9 +37,19 @@ if TYPE_CHECKING:
     from embedfleet.shared.vectordb.backend import Hit, StoredVector, VectorDType
 
 log = get_logger("embedfleet.sink")
-ColumnType = Literal["halfvec", "vector"]
+ColumnType = Literal["halfvec", "vector", "bit"]
 HALFVEC_SINCE = (0, 7)
-COLUMN_TYPES: dict[VectorDType, ColumnType] = {"float16": "halfvec", "float32": "vector"}
+COLUMN_TYPES: dict[str, ColumnType] = {
+    "float16": "halfvec",
+    "float32": "vector",
+    "binary": "bit",
+    "ubinary": "bit",
+}
+INDEX_OPS = {
+    "halfvec": "halfvec_cosine_ops",
+    "vector": "vector_cosine_ops",
+    "bit": "bit_hamming_ops",
+}
 # HNSW returns at most ef_search rows (pgvector's default 40): a larger k raises it per query
 DEFAULT_EF_SEARCH = 40
 SELECTED = "id, job, model, truncated, meta"
@@ -47,6 +62,8 @@ def vector_type_for(extension_version: str) -> ColumnType:
 
 
 class PgvectorBackend(VectorBackend):
+    DTYPES = ("float16", "float32", "binary", "ubinary")
+
     def __init__(self, target: Any, *, store_text: bool = True) -> None:
         super().__init__(target, store_text=store_text)
         self.column_type: ColumnType | None = None  # the embedding column's type, once known
@@ -90,7 +107,9 @@ class PgvectorBackend(VectorBackend):
             raise self.not_written_yet()
         name, dim = found
         if name not in COLUMN_TYPES.values():
-            raise VectorDBError(f"{self.target.describe()} stores {name}, not halfvec or vector")
+            raise VectorDBError(
+                f"{self.target.describe()} stores {name}, not halfvec, vector or bit"
+            )
         return name, dim  # type: ignore[return-value]  # checked just above
 
     def _select(
@@ -137,7 +156,8 @@ class PgvectorBackend(VectorBackend):
         lock = f"embedfleet:{self.target.table}"
         conn.execute("SELECT pg_advisory_lock(hashtext(%s))", (lock,))
         try:
-            chosen = requested or vector_type_for(_ensure_extension(conn))
+            version = _ensure_extension(conn)  # also for a requested type: bit needs it too
+            chosen = requested or vector_type_for(version)
             conn.execute(
                 sql.SQL(
                     "CREATE TABLE IF NOT EXISTS {table} ("
@@ -175,6 +195,9 @@ class PgvectorBackend(VectorBackend):
         conn = self._connection()
         if not self._staging_ready:
             register_vector(conn)
+            # bits travel as '0101…' text (no binary COPY form in pgvector's client) and are
+            # cast to bit(dim) by the upsert
+            staged = "text" if self.column_type == "bit" else f"{self.column_type}({self.dim})"
             conn.execute(
                 sql.SQL(
                     "CREATE TEMP TABLE IF NOT EXISTS {staging} (id text, embedding {type},"
@@ -182,7 +205,7 @@ class PgvectorBackend(VectorBackend):
                     " ON COMMIT DELETE ROWS"
                 ).format(
                     staging=sql.Identifier(f"{self.target.table}_staging"),
-                    type=sql.SQL(f"{self.column_type}({self.dim})"),
+                    type=sql.SQL(staged),
                 )
             )
             self._staging_ready = True
@@ -194,11 +217,19 @@ class PgvectorBackend(VectorBackend):
 
         conn = self._write_connection()
         staging = sql.Identifier(f"{self.target.table}_staging")
-        wrap = HalfVector if self.column_type == "halfvec" else Vector
-        dtype = np.float16 if self.column_type == "halfvec" else np.float32
-        columns = ["text", self.column_type, "text", "text", "bool", "text", "text"]
         rows = sorted(results, key=lambda r: r.id)
-        vectors = self.float_vectors(rows, dtype, self.dim)
+        wrap: Any
+        if self.column_type == "bit":
+            columns = ["text", "text", "text", "text", "bool", "text", "text"]
+            packed = self.quantized_vectors(rows, "ubinary", self.dim or 0)
+            bits = np.unpackbits(packed, axis=-1)[:, : self.dim]
+            vectors = ["".join("1" if bit else "0" for bit in row) for row in bits.tolist()]
+            wrap = str
+        else:
+            wrap = HalfVector if self.column_type == "halfvec" else Vector
+            dtype = np.float16 if self.column_type == "halfvec" else np.float32
+            columns = ["text", self.column_type, "text", "text", "bool", "text", "text"]
+            vectors = self.float_vectors(rows, dtype, self.dim)
         try:
             with conn.transaction(), conn.cursor() as cursor:
                 copy_sql = sql.SQL(
@@ -215,13 +246,17 @@ class PgvectorBackend(VectorBackend):
                 cursor.execute(
                     sql.SQL(
                         "INSERT INTO {table} (id, embedding, job, model, truncated, meta, text)"
-                        " SELECT id, embedding, job, model, truncated, meta::jsonb, text"
+                        " SELECT id, embedding::{type}, job, model, truncated, meta::jsonb, text"
                         " FROM {staging} ORDER BY id"
                         " ON CONFLICT (id) DO UPDATE SET embedding = EXCLUDED.embedding,"
                         " job = EXCLUDED.job, model = EXCLUDED.model,"
                         " truncated = EXCLUDED.truncated, meta = EXCLUDED.meta,"
                         " text = EXCLUDED.text, updated_at = now()"
-                    ).format(table=sql.Identifier(self.target.table), staging=staging)
+                    ).format(
+                        table=sql.Identifier(self.target.table),
+                        staging=staging,
+                        type=sql.SQL(f"{self.column_type}({self.dim})"),
+                    )
                 )
         except Exception:
             # A failed COPY can leave the connection mid-protocol; start clean on the retry.
@@ -229,10 +264,18 @@ class PgvectorBackend(VectorBackend):
             raise
 
     # --- reading ---------------------------------------------------------------------------
+    def vector_format(self) -> tuple[str, int]:
+        with self._reading():
+            pass
+        dtypes = {"halfvec": "float16", "vector": "float32", "bit": "ubinary"}
+        return dtypes[self.column_type or "vector"], int(self.dim or 0)
+
     def nearest(self, vector: np.ndarray, k: int = 10) -> list[Hit]:
         from psycopg import sql
 
         query = np.asarray(vector, dtype=np.float32).reshape(-1)
+        if self.vector_format()[0] == "ubinary":
+            return self._nearest_bits(query, k)
         literal = "[" + ",".join(f"{value:.7g}" for value in query) + "]"
         with self._reading() as conn:
             if k > DEFAULT_EF_SEARCH:
@@ -246,12 +289,36 @@ class PgvectorBackend(VectorBackend):
             )
         return [self.hit(row, row["meta"], float(row["score"])) for row in rows]
 
+    def _nearest_bits(self, query: np.ndarray, k: int) -> list[Hit]:
+        """Hamming distance (``<~>``, served by a bit_hamming_ops index) for k x
+        RESCORE_MULTIPLIER candidates, rescored with the float query against their bits."""
+        from psycopg import sql
+
+        dim = self.dim or 0
+        literal = "".join("1" if value > 0 else "0" for value in query[:dim])
+        candidates = k * RESCORE_MULTIPLIER
+        with self._reading() as conn:
+            if candidates > DEFAULT_EF_SEARCH:
+                conn.execute(sql.SQL("SET hnsw.ef_search = {}").format(sql.Literal(candidates)))
+            rows = self._select(
+                conn,
+                "embedding::text AS bits",
+                f"ORDER BY embedding <~> %(q)s::bit({dim}) LIMIT %(k)s",
+                {"q": literal, "k": candidates},
+            )
+        if not rows:
+            return []
+        packed = np.packbits(np.array([[c == "1" for c in row["bits"]] for row in rows]), axis=-1)
+        scores = rescore_binary(query, packed, dim)
+        best = np.argsort(-scores, kind="stable")[:k]
+        return [self.hit(rows[i], rows[i]["meta"], float(scores[i])) for i in best]
+
     def build_index(self, *, force: bool = False) -> list[str]:
         from psycopg import sql
 
         table = sql.Identifier(self.target.table)
         with self._reading() as conn:
-            ops = f"{self.column_type}_cosine_ops"
+            ops = INDEX_OPS[self.column_type or "vector"]
             name = f"{self.target.table}_embedding_hnsw"[:63]
             started = time.perf_counter()
             conn.execute(
@@ -271,10 +338,15 @@ class PgvectorBackend(VectorBackend):
         with self._reading() as conn:
             rows = self._select(
                 conn,
-                "embedding",
+                "embedding::text AS bits" if self.column_type == "bit" else "embedding",
                 "WHERE %(job)s::text IS NULL OR job = %(job)s ORDER BY id",
                 {"job": job},
             )
+        if self.column_type == "bit":  # exported as ubinary bytes, as the results carry them
+            return [
+                self.stored(row, row["meta"], np.packbits([c == "1" for c in row["bits"]]))
+                for row in rows
+            ]
         return [self.stored(row, row["meta"], _numpy(row["embedding"])) for row in rows]
 
 

@@ -124,6 +124,17 @@ class QdrantBackend(VectorBackend):
             raise self.dtype_mismatch(stored_dtype, dtype)
         self.dim = dim
 
+    def vector_format(self) -> tuple[str, int]:
+        from qdrant_client import models
+
+        qdrant = self._connect()
+        if not qdrant.collection_exists(self.target.table):
+            raise self.not_written_yet()
+        vectors = qdrant.get_collection(self.target.table).config.params.vectors
+        datatype = getattr(vectors, "datatype", None)
+        dtype = "float16" if datatype == models.Datatype.FLOAT16 else "float32"
+        return dtype, int(getattr(vectors, "size", 0) or 0)
+
     def upsert(self, results: Sequence[Result]) -> None:
         from qdrant_client import models
 

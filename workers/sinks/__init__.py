@@ -9,8 +9,6 @@ optional extras, imported only when their backend is chosen.
 
 from __future__ import annotations
 
-from typing import get_args
-
 import redis.asyncio as aioredis
 from embedfleet.shared.settings import Settings
 from embedfleet.shared.vectordb import (
@@ -58,18 +56,12 @@ def check_sink(settings: Settings) -> SinkTarget:
 def build_sink(settings: Settings, client: aioredis.Redis) -> Sink:
     """The sink ``EMBEDFLEET_SINK`` names; SinkURLError says which forms exist when it is bad.
 
-    A database sink stores EMBEDFLEET_OUTPUT_DTYPE's vectors; one it cannot hold is refused
-    here, before the first write, with SinkSetupError.
+    A database sink stores EMBEDFLEET_OUTPUT_DTYPE's vectors natively; its setup refuses, with
+    SinkSetupError, a precision the database cannot hold.
     """
     target = parse_sink_url(settings.sink, settings.sink_table)
     if target.kind == "redis":
         return sink_for_target(target, settings, client)
-    if settings.output_dtype not in get_args(VectorDType):
-        raise SinkSetupError(
-            f"EMBEDFLEET_OUTPUT_DTYPE={settings.output_dtype}: the {target.kind} sink stores "
-            f"{' or '.join(get_args(VectorDType))} vectors; write {settings.output_dtype} "
-            "vectors to the Redis sink (EMBEDFLEET_SINK=redis), or store floats here"
-        )
     return sink_for_target(target, settings, client, dtype=settings.output_dtype)
 
 

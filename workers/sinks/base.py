@@ -151,6 +151,12 @@ class DatabaseSink(Sink):
         self._thread: ThreadPoolExecutor | None = None
 
     async def setup(self, model: str, dim: int) -> None:
+        if self.dtype is not None and self.dtype not in self.backend.DTYPES:
+            raise SinkSetupError(
+                f"EMBEDFLEET_OUTPUT_DTYPE={self.dtype}: {self.backend.target.describe()} stores "
+                f"{', '.join(self.backend.DTYPES)} vectors natively, not {self.dtype}; choose "
+                "one of those, or another sink (the Redis sink carries every dtype)"
+            )
         await self._blocking(self.backend.setup, model, dim, self.dtype)
 
     async def write(self, results: Sequence[Result], deliveries: Sequence[Delivery]) -> None:
