@@ -22,7 +22,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import numpy as np
 from embedfleet.shared.protocol import Result
@@ -188,7 +188,7 @@ class VectorBackend(contextlib.AbstractContextManager["VectorBackend"], abc.ABC)
         alone and writes the others.
         """
         for result in results:
-            if result.dtype not in get_args(VectorDType):
+            if result.dtype not in FLOAT_DTYPES:
                 raise ValueError(
                     f"row {result.id!r}: {self.target.describe()} stores float vectors, and "
                     f"this result is {result.dtype} (the chunk's dtype option): send it without "
