@@ -425,7 +425,8 @@ def main(
     contenders.append(
         Contender("naive padded(32)", "fp32", lambda n: naive_contender(fp32, texts[:n]))
     )
-    window, budget, max_batch = defaults.read_count, defaults.token_budget, defaults.max_batch
+    batching = defaults.batching(dev.type)
+    window, budget, max_batch = batching.read_count, batching.token_budget, batching.max_batch
     if engines:
         varlen32 = Encoder(device=device, dtype="float32", threads=threads)
         varlen_auto = Encoder(device=device, dtype="auto", threads=threads)

@@ -9,15 +9,35 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import dataclass
 from typing import Literal
 
 from embedfleet.shared.keys import DEFAULT_GROUP, DEFAULT_NAMESPACE, MAX_PARTITIONS, Keys
 from embedfleet.shared.redis_conn import split_cluster_url
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "EMBEDFLEET_"
 PACKAGED_MODEL = "all-MiniLM-L6-v2"
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How much the worker reads and batches at a time (resolved for one device)."""
+
+    read_count: int
+    token_budget: int
+    max_batch: int
+
+
+# EMBEDFLEET_READ_COUNT / TOKEN_BUDGET / MAX_BATCH = -1: CPU figures from docs/BENCHMARKS.md;
+# CUDA's are the chart's GPU values (helm/embedfleet/ci/gpu-values.yaml), the ones the device
+# check runs with (loadtest/gpu_check.py), for MiniLM-class models on an H200.
+AUTO_BATCHING = {
+    "cpu": Batching(read_count=1024, token_budget=4096, max_batch=128),
+    "cuda": Batching(read_count=8192, token_budget=131072, max_batch=1024),
+}
+BATCHING_MINIMUM = {"read_count": 1, "token_budget": 16, "max_batch": 1}
 
 
 def _default_consumer_name() -> str:
@@ -137,25 +157,23 @@ class Settings(BaseSettings):
 
     # --- batching ------------------------------------------------------------------------
     read_count: int = Field(
-        default=1024,
-        ge=1,
+        default=-1,
         description="Entries read from the ingest stream per XREADGROUP: the window sorted by "
-        "length before batching. Larger windows pad less (3.7% at 1024 on the benchmark corpus, "
-        "5% at 512); see docs/BENCHMARKS.md.",
+        "length before batching. -1 = auto for the device: 1024 on CPU (3.7% padding on the "
+        "benchmark corpus, 5% at 512; see docs/BENCHMARKS.md), 8192 on CUDA.",
     )
     block_ms: int = Field(
         default=2000, ge=1, description="How long an idle worker blocks waiting for entries."
     )
     token_budget: int = Field(
-        default=4096,
-        ge=16,
-        description="Most padded tokens per micro-batch (batch size × longest sequence). 4096 "
-        "measured fastest on CPU (8192 was slower); on CUDA use 16384 or more.",
+        default=-1,
+        description="Most padded tokens per micro-batch (batch size × longest sequence). -1 = "
+        "auto for the device: 4096 on CPU (measured fastest; 8192 was slower), 131072 on CUDA.",
     )
     max_batch: int = Field(
-        default=128,
-        ge=1,
-        description="Most texts in one micro-batch (CPU default; on CUDA use 512).",
+        default=-1,
+        description="Most texts in one micro-batch. -1 = auto for the device: 128 on CPU, "
+        "1024 on CUDA.",
     )
 
     # --- priority lane ------------------------------------------------------------------
@@ -277,6 +295,24 @@ class Settings(BaseSettings):
         if not value or any(ch.isspace() for ch in value):
             raise ValueError("must be non-empty and contain no whitespace")
         return value
+
+    @field_validator("read_count", "token_budget", "max_batch")
+    @classmethod
+    def _auto_or_at_least(cls, value: int, info: ValidationInfo) -> int:
+        least = BATCHING_MINIMUM[info.field_name]
+        if value != -1 and value < least:
+            raise ValueError(f"must be -1 (auto, per device) or at least {least}")
+        return value
+
+    def batching(self, device_type: str) -> Batching:
+        """read_count, token_budget and max_batch for a device: what is set, else the device's
+        defaults (``AUTO_BATCHING``; an unknown device gets the CPU's)."""
+        auto = AUTO_BATCHING.get(device_type, AUTO_BATCHING["cpu"])
+        return Batching(
+            read_count=self.read_count if self.read_count != -1 else auto.read_count,
+            token_budget=self.token_budget if self.token_budget != -1 else auto.token_budget,
+            max_batch=self.max_batch if self.max_batch != -1 else auto.max_batch,
+        )
 
     @field_validator("partition_set")
     @classmethod

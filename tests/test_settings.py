@@ -30,3 +30,18 @@ def test_bad_values_are_refused_with_the_variable_named(monkeypatch: pytest.Monk
     monkeypatch.setenv("EMBEDFLEET_DTYPE", "int3")
     with pytest.raises(ValidationError, match="dtype"):
         Settings()
+
+
+def test_batching_auto_per_device_and_explicit_values_win() -> None:
+    from embedfleet.shared.settings import AUTO_BATCHING
+
+    auto = Settings()
+    assert auto.batching("cpu") == AUTO_BATCHING["cpu"]
+    assert auto.batching("cuda") == AUTO_BATCHING["cuda"]
+    assert auto.batching("mps") == AUTO_BATCHING["cpu"]  # unknown devices get the CPU's
+    assert AUTO_BATCHING["cuda"].token_budget > AUTO_BATCHING["cpu"].token_budget
+    mixed = Settings(token_budget=8192).batching("cuda")
+    assert (mixed.token_budget, mixed.max_batch) == (8192, AUTO_BATCHING["cuda"].max_batch)
+    for field, bad in (("token_budget", 8), ("max_batch", 0), ("read_count", -2)):
+        with pytest.raises(ValidationError, match="-1 \\(auto, per device\\) or at least"):
+            Settings(**{field: bad})

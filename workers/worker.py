@@ -181,6 +181,8 @@ class Worker:
         self._stopping = asyncio.Event()
         self._seconds_per_token: float | None = None  # measured, sizes batches to the slice
         self._trim_timer = TrimTimer()
+        # EMBEDFLEET_READ_COUNT / TOKEN_BUDGET / MAX_BATCH, -1 resolved for this device
+        self.batching = settings.batching(encoder.device.type)
 
     @property
     def model_thread(self) -> ThreadPoolExecutor:
@@ -309,7 +311,7 @@ class Worker:
     async def _next_entries(self) -> list[StreamEntry]:
         if not self._reclaimed.empty():
             return self._reclaimed.get_nowait()
-        return await self.consumer.read_ingest(self.settings.read_count, self.settings.block_ms)
+        return await self.consumer.read_ingest(self.batching.read_count, self.settings.block_ms)
 
     async def _intake(
         self, entries: list[StreamEntry], windows: asyncio.Queue[Window | None]
@@ -390,10 +392,10 @@ class Worker:
         a query then waits at most one slice. Sized from the throughput measured so far."""
         target = self.slice_seconds
         if target <= 0 or self._seconds_per_token is None:
-            return self.settings.token_budget
+            return self.batching.token_budget
         per_layer = self._seconds_per_token / max(1, self.encoder.layer_count)
         fitting = int(SLICE_HEADROOM * target / per_layer)
-        return max(MIN_SLICED_TOKENS, min(self.settings.token_budget, fitting))
+        return max(MIN_SLICED_TOKENS, min(self.batching.token_budget, fitting))
 
     async def _compute_loop(
         self, windows: asyncio.Queue[Window | None], encoded: asyncio.Queue[Encoded | None]
@@ -401,7 +403,7 @@ class Worker:
         try:
             while (window := await windows.get()) is not _END:
                 lengths = [t.length for t in window.tokens]
-                for planned in plan_batches(lengths, self._token_cap(), self.settings.max_batch):
+                for planned in plan_batches(lengths, self._token_cap(), self.batching.max_batch):
                     await self._encode(window, planned, encoded)
                 # on the model thread, between windows, on a timer: keeps RSS flat
                 # (workers/memory.py)
