@@ -137,8 +137,8 @@ class Attempts:
     async def failed(self, error: Exception) -> None:
         """Wait before the next try; re-raise ``error`` if waiting cannot fix it, and raise
         ``RedisUnavailableError`` once the time allowed has passed."""
-        if not is_transient(error):
-            raise error
+        if isinstance(error, RedisUnavailableError) or not is_transient(error):
+            raise error  # not transient, or an inner retry has already waited its bound
         now = time.monotonic()
         if self.first_failure is None:
             self.first_failure = now

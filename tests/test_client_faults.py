@@ -649,3 +649,18 @@ def test_cli_gives_up_after_the_bound_with_a_clear_error(tmp_path: Path) -> None
     assert result.stderr.count(f"waiting for Redis at {url}") == 1
     assert f"Error: Redis at {url} unreachable" in result.stderr
     assert "EMBEDFLEET_REDIS_RETRY_S" in result.stderr and "Traceback" not in result.stderr
+
+
+async def test_an_inner_retry_that_gave_up_is_not_retried_again() -> None:
+    """RedisUnavailableError is a redis ConnectionError (transient by type), yet final: a retry
+    around a call that retries on its own must not wait the bound a second time."""
+    from embedfleet.shared.retry import RedisRetry
+
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    inner = Producer(Settings(redis_url=url, redis_retry_s=0.3), on_outage=Outages())
+    outer = RedisRetry(url, give_up_after_s=300, listener=Outages())
+    started = time.monotonic()
+    with pytest.raises(RedisUnavailableError):
+        await outer.call("read progress", lambda: inner.progress("j"))
+    await inner.close()
+    assert time.monotonic() - started < 5
