@@ -63,7 +63,7 @@ def reference(model_dir: Path, inputs: list[str], **encode_options: object) -> n
 def assert_parity(ours: np.ndarray, theirs: np.ndarray, label: str) -> float:
     assert ours.shape == theirs.shape, label
     worst = float(cosines(ours, theirs).min())
-    print(f"PARITY {label}: min cosine {worst:.7f}")  # the matrix, read off `pytest -s`
+    print(f"PARITY {label}: min cosine {worst:.9f}")  # the matrix, read off `pytest -s`
     assert worst >= MIN_COSINE, f"{label}: min cosine {worst}"
     return worst
 

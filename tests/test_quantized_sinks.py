@@ -105,6 +105,18 @@ def test_pgvector_stores_bits_and_refuses_int8(pg_server) -> None:
     assert "EMBEDFLEET_OUTPUT_DTYPE=int8" in message and "binary" in message
 
 
-def test_qdrant_refuses_what_it_cannot_hold(tmp_path: Path) -> None:
-    target = parse_sink_url(f"qdrant+local://{tmp_path / 'q'}", "c")
-    assert "EMBEDFLEET_OUTPUT_DTYPE=binary" in refused_at_setup(target, "binary")
+def test_qdrant_stores_uint8_and_refuses_what_it_cannot_hold(tmp_path: Path) -> None:
+    target = parse_sink_url(f"qdrant+local://{tmp_path / 'q'}", "codes")
+    with open_backend(target) as backend:
+        backend.setup("m", DIM, "uint8")
+        backend.upsert(results("uint8"))
+    query, _ = corpus()
+    with open_backend(target) as backend:
+        assert backend.vector_format() == ("uint8", DIM)
+        hits = backend.nearest(query[9], k=3)
+        exported = {row.id: row.vector for row in backend.export_rows()}
+    assert hits[0].id == "r009"
+    assert exported["r004"].tobytes() == results("uint8")[4].vector.tobytes()
+    for dtype in ("int8", "binary", "ubinary"):
+        other = parse_sink_url(f"qdrant+local://{tmp_path / dtype}", "c")
+        assert f"EMBEDFLEET_OUTPUT_DTYPE={dtype}" in refused_at_setup(other, dtype)

@@ -25,6 +25,7 @@ from embedfleet.shared.vectordb.backend import (
     VectorDBError,
     meta_from_json,
     meta_to_json,
+    rescore_codes,
 )
 
 if TYPE_CHECKING:
@@ -44,10 +45,14 @@ def point_id(chunk_id: str) -> str:
 
 
 class QdrantBackend(VectorBackend):
+    # uint8: Qdrant's UINT8 vectors hold quantize_embeddings' uint8 codes
+    DTYPES = ("float16", "float32", "uint8")
+
     def __init__(self, target: Any, *, store_text: bool = True) -> None:
         super().__init__(target, store_text=store_text)
         self.local = target.kind == "qdrant-local"
         self.dim: int | None = None  # the collection's, once set up
+        self.dtype: str | None = None
         self._client: QdrantClient | None = None
 
     def _connect(self) -> QdrantClient:
@@ -96,7 +101,9 @@ class QdrantBackend(VectorBackend):
         qdrant = self._connect()
         name = self.target.table
         if not qdrant.collection_exists(name):
-            stored = None if dtype == "float32" else models.Datatype.FLOAT16
+            stored = {"float32": None, "uint8": models.Datatype.UINT8}.get(
+                dtype or "", models.Datatype.FLOAT16
+            )
             params = models.VectorParams(size=dim, distance=models.Distance.COSINE, datatype=stored)
             bulk_load = models.OptimizersConfigDiff(indexing_threshold=0)
             try:
@@ -118,29 +125,28 @@ class QdrantBackend(VectorBackend):
         size = getattr(vectors, "size", None)
         if size != dim:
             raise self.dim_mismatch("named vectors" if size is None else f"{size}-dim vectors", dim)
-        datatype = getattr(vectors, "datatype", None)
-        stored_dtype = "float16" if datatype == models.Datatype.FLOAT16 else "float32"
+        stored_dtype = _dtype_of(vectors)
         if dtype is not None and stored_dtype != dtype:
             raise self.dtype_mismatch(stored_dtype, dtype)
         self.dim = dim
+        self.dtype = stored_dtype
 
     def vector_format(self) -> tuple[str, int]:
-        from qdrant_client import models
-
         qdrant = self._connect()
         if not qdrant.collection_exists(self.target.table):
             raise self.not_written_yet()
         vectors = qdrant.get_collection(self.target.table).config.params.vectors
-        datatype = getattr(vectors, "datatype", None)
-        dtype = "float16" if datatype == models.Datatype.FLOAT16 else "float32"
-        return dtype, int(getattr(vectors, "size", 0) or 0)
+        return _dtype_of(vectors), int(getattr(vectors, "size", 0) or 0)
 
     def upsert(self, results: Sequence[Result]) -> None:
         from qdrant_client import models
 
         if self._client is None:
             raise RuntimeError("QdrantBackend.setup(model, dim) must run before upsert()")
-        vectors = self.float_vectors(results, np.float32, self.dim).tolist()
+        if self.dtype == "uint8":  # quantize_embeddings' codes, as stored
+            vectors = self.quantized_vectors(results, "uint8", self.dim or 0).tolist()
+        else:
+            vectors = self.float_vectors(results, np.float32, self.dim).tolist()
         points = [
             models.PointStruct(id=point_id(r.id), vector=vector, payload=self._payload(r))
             for r, vector in zip(results, vectors, strict=True)
@@ -184,6 +190,8 @@ class QdrantBackend(VectorBackend):
         return self._client
 
     def nearest(self, vector: np.ndarray, k: int = 10) -> list[Hit]:
+        if self.vector_format()[0] == "uint8":
+            return self._nearest_codes(np.asarray(vector, dtype=np.float32).reshape(-1), k)
         query = np.asarray(vector, dtype=np.float32).reshape(-1).tolist()
         points = (
             self._opened()
@@ -195,6 +203,17 @@ class QdrantBackend(VectorBackend):
             for p in points
             if p.payload is not None
         ]
+
+    def _nearest_codes(self, query: np.ndarray, k: int) -> list[Hit]:
+        """uint8 codes: Qdrant's own distances would treat them as plain unsigned numbers, not
+        quantize_embeddings' buckets, so an exact scan scores every point with the float query
+        against its codes (the int8 rescoring step, over the whole collection)."""
+        rows = self.export_rows()
+        if not rows:
+            return []
+        scores = rescore_codes(query, np.stack([row.vector for row in rows]))
+        best = np.argsort(-scores, kind="stable")[:k]
+        return [self.hit(rows[i].as_dict(), rows[i].meta, float(scores[i])) for i in best.tolist()]
 
     def build_index(self, *, force: bool = False) -> list[str]:
         from qdrant_client import models
@@ -233,6 +252,7 @@ class QdrantBackend(VectorBackend):
             )
         )
         found: list[StoredVector] = []
+        codes = self.vector_format()[0] == "uint8"
         offset = None
         while True:
             points, offset = qdrant.scroll(
@@ -245,6 +265,21 @@ class QdrantBackend(VectorBackend):
             )
             for p in points:
                 payload = p.payload or {}
-                found.append(self.stored(payload, payload.get("meta"), np.asarray(p.vector)))
+                vector = np.asarray(p.vector)
+                if codes:
+                    vector = vector.astype(np.uint8)  # the stored codes, not floats
+                found.append(self.stored(payload, payload.get("meta"), vector))
             if offset is None:
                 return sorted(found, key=lambda row: row.id)
+
+
+def _dtype_of(vectors: Any) -> str:
+    """The collection's vector dtype: float16, uint8 or (no datatype) float32."""
+    from qdrant_client import models
+
+    datatype = getattr(vectors, "datatype", None)
+    if datatype == models.Datatype.FLOAT16:
+        return "float16"
+    if datatype == models.Datatype.UINT8:
+        return "uint8"
+    return "float32"
