@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from embedfleet.demo import demo_command
+from embedfleet.gateway.cli import serve_command
 from embedfleet.producer.cli import (
     calibration_command,
     enqueue_command,
@@ -39,6 +40,7 @@ for command in (
     status_command,
     calibration_command,
     plan_command,
+    serve_command,
 ):
     main.add_command(command)
 for command in (search_command, index_command):  # the vector database sinks

@@ -220,6 +220,24 @@ class Keys:
         ``EMBEDFLEET_CALIBRATION_FILE``, then shared (workers/calibration.py)."""
         return f"{self.namespace}:calibration:{model}:{variant}"
 
+    def batch(self, batch_id: str) -> str:
+        """Hash of one Batch API batch (the gateway's): its OpenAI fields and progress."""
+        return f"{self.namespace}:batch:{batch_id}"
+
+    @property
+    def batches(self) -> str:
+        """Sorted set of batch ids by creation time, for ``GET /v1/batches``."""
+        return f"{self.namespace}:batches"
+
+    @property
+    def batches_active(self) -> str:
+        """Set of batches some gateway still has to enqueue or finalize."""
+        return f"{self.namespace}:batches:active"
+
+    def batch_lease(self, batch_id: str) -> str:
+        """Lease a gateway holds while it works on a batch, so replicas never both do."""
+        return f"{self.namespace}:batch:{batch_id}:lease"
+
 
 CHART_PARTITIONS = 64  # the Helm chart carries the tags of up to this many partitions
 

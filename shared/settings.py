@@ -196,6 +196,13 @@ class Settings(BaseSettings):
         default=60, ge=1, description="Reply keys expire after this long if the caller has gone."
     )
 
+    job_reply_ttl_s: int = Field(
+        default=7 * 24 * 3600,
+        ge=60,
+        description="Reply lists of ingest chunks sent with a `reply` (the gateway's large "
+        "requests and batches) expire this long after their last result if nobody collects them.",
+    )
+
     # --- reliability ----------------------------------------------------------------------
     reclaim_idle_ms: int = Field(
         default=60_000,
@@ -266,6 +273,84 @@ class Settings(BaseSettings):
         default="info",
         description="debug, info, warning or error. Other libraries' warnings (transformers, "
         "torch, Python's `warnings`) show only at debug (`embedfleet --verbose`).",
+    )
+
+    # --- HTTP gateway (`embedfleet serve`) -------------------------------------------------
+    gateway_host: str = Field(default="127.0.0.1", description="Address `embedfleet serve` binds.")
+    gateway_port: int = Field(
+        default=8000, ge=0, le=65535, description="Port of `embedfleet serve`."
+    )
+    served_model_name: str | None = Field(
+        default=None,
+        description="Model name the gateway answers to (`model` in requests, /v1/models). "
+        "Unset: the worker's model name.",
+    )
+    api_keys: str | None = Field(
+        default=None,
+        description="Comma-separated API keys the gateway accepts as `Authorization: Bearer`. "
+        "Unset together with EMBEDFLEET_API_KEYS_FILE: no authentication.",
+    )
+    api_keys_file: str | None = Field(
+        default=None,
+        description="File of API keys, one per line (a mounted Secret); read at start.",
+    )
+    gateway_max_body_bytes: int = Field(
+        default=16 * 1024 * 1024,
+        ge=1024,
+        description="Largest JSON request body the gateway reads (413 beyond it).",
+    )
+    gateway_max_inputs: int = Field(
+        default=2048, ge=1, description="Most inputs in one embeddings request (OpenAI's limit)."
+    )
+    gateway_max_input_chars: int = Field(
+        default=100_000,
+        ge=1,
+        description="Longest text input in characters (413 beyond it); texts over the model's "
+        "token limit are truncated as the workers do.",
+    )
+    gateway_lane_max_inputs: int = Field(
+        default=16,
+        ge=1,
+        description="Requests with at most this many inputs ride the priority query lane; larger "
+        "ones become a job on the ingest stream and are awaited.",
+    )
+    gateway_lane_high_water: int = Field(
+        default=512,
+        ge=1,
+        description="429 for lane requests while the query stream holds this many entries.",
+    )
+    gateway_timeout_s: float = Field(
+        default=120.0, gt=0, description="How long the gateway waits for a request's vectors."
+    )
+    gateway_retry_after_s: int = Field(
+        default=5, ge=1, description="`Retry-After` seconds sent with a 429."
+    )
+    gateway_worker_idle_ms: int = Field(
+        default=15_000,
+        ge=100,
+        description="A consumer that read the query stream within this long counts as a live "
+        "worker; with none the gateway answers 503.",
+    )
+    files_dir: str = Field(
+        default="embedfleet-files",
+        description="Directory of the Batch API's files (uploads, outputs); a shared volume "
+        "when the gateway has several replicas.",
+    )
+    batch_max_lines: int = Field(
+        default=50_000, ge=1, description="Most requests in one batch input file (OpenAI's)."
+    )
+    batch_max_file_bytes: int = Field(
+        default=200 * 1024 * 1024,
+        ge=1024,
+        description="Largest batch input file (OpenAI's limit: 200 MB).",
+    )
+
+    # --- documents ------------------------------------------------------------------------
+    document_overlap_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="Tokens each document chunk shares with the one before it "
+        "(`enqueue --documents`, `Producer.enqueue_documents`).",
     )
 
     # --- vector sink -----------------------------------------------------------------------

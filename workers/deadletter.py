@@ -32,12 +32,19 @@ class Rejected:
 
 class DeadLetters:
     def __init__(
-        self, client: aioredis.Redis, keys: Keys, events: WorkerEvents, reply_ttl_s: int
+        self,
+        client: aioredis.Redis,
+        keys: Keys,
+        events: WorkerEvents,
+        reply_ttl_s: int,
+        job_reply_ttl_s: int | None = None,
     ) -> None:
         self.client = client
         self.keys = keys
         self.events = events
         self.reply_ttl_s = reply_ttl_s
+        # ingest chunks with a reply (gateway jobs) keep their list as long as their results
+        self.job_reply_ttl_s = job_reply_ttl_s or reply_ttl_s
 
     async def _send(self, keys: Keys, rejected: Sequence[Rejected]) -> None:
         pipe = self.client.pipeline(transaction=True)
@@ -57,7 +64,8 @@ class DeadLetters:
             if item.reply is not None and item.chunk_id is not None:
                 reply_key = keys.reply(item.reply)
                 pipe.rpush(reply_key, encode_query_error(item.chunk_id, item.reason))
-                pipe.expire(reply_key, self.reply_ttl_s)
+                ingest = item.stream != self.keys.query_lane.query
+                pipe.expire(reply_key, self.job_reply_ttl_s if ingest else self.reply_ttl_s)
         deliveries = [Delivery(item.stream, item.entry_id, item.job) for item in rejected]
         queue_acknowledgements(pipe, keys, deliveries, counter="dead")
         await pipe.execute()

@@ -18,9 +18,10 @@ acknowledged; cancelling ``run()`` aborts at once and leaves entries pending for
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -50,6 +51,7 @@ from embedfleet.workers.output import Outputs
 from embedfleet.workers.queries import QueryLane
 from embedfleet.workers.reclaim import InFlight, Reclaimer
 from embedfleet.workers.sinks import Delivery, Sink
+from embedfleet.workers.sinks.reply import ReplyListWriter
 
 log = get_logger("embedfleet.worker")
 _END = None  # queue sentinel: the stage before has finished
@@ -159,7 +161,10 @@ class Worker:
             client, self.keys, settings.consumer, partitions=settings.read_partitions
         )
         self.in_flight = InFlight()
-        self.dead_letters = DeadLetters(client, self.keys, self.events, settings.reply_ttl_s)
+        self.dead_letters = DeadLetters(
+            client, self.keys, self.events, settings.reply_ttl_s, settings.job_reply_ttl_s
+        )
+        self.replies = ReplyListWriter(client, self.keys, settings.job_reply_ttl_s)
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.calibrations = CalibrationStore(
@@ -354,6 +359,7 @@ class Worker:
                         str(error),
                         chunk_id=chunk.id,
                         job=chunk.job,
+                        reply=chunk.reply,
                     )
                 )
                 continue
@@ -369,7 +375,7 @@ class Worker:
         )
         await self._dead_letter(
             [
-                Rejected(d.stream, d.entry_id, reason, chunk_id=c.id, job=c.job)
+                Rejected(d.stream, d.entry_id, reason, chunk_id=c.id, job=c.job, reply=c.reply)
                 for c, d, t in zip(window.chunks, window.deliveries, window.tokens, strict=True)
                 if t.truncated
             ]
@@ -494,6 +500,7 @@ class Worker:
                         f"model error: {type(error).__name__}: {error}",
                         chunk_id=chunk.id,
                         job=chunk.job,
+                        reply=chunk.reply,
                     )
                 ]
             )
@@ -525,17 +532,36 @@ class Worker:
                 item.chunks, item.vectors, [t.truncated for t in item.tokens]
             )
             started = time.perf_counter()
-            if await self._write_with_retries(results, item.deliveries):
-                self.events.results_written(
-                    texts=len(results), seconds=time.perf_counter() - started
-                )
+            written = 0
+            # chunks with a reply (the gateway's) go back to their caller, the rest to the sink
+            replied = [row for row, chunk in enumerate(item.chunks) if chunk.reply is not None]
+            sunk = [row for row, chunk in enumerate(item.chunks) if chunk.reply is None]
+            if sunk and await self._write_with_retries(
+                [results[r] for r in sunk], [item.deliveries[r] for r in sunk], self.sink.write
+            ):
+                written += len(sunk)
+            if replied:
+                replies = [item.chunks[r].reply or "" for r in replied]
+                if await self._write_with_retries(
+                    [results[r] for r in replied],
+                    [item.deliveries[r] for r in replied],
+                    functools.partial(self.replies.write, replies=replies),
+                ):
+                    written += len(replied)
+            if written:
+                self.events.results_written(texts=written, seconds=time.perf_counter() - started)
             by_stream: dict[str, list[str]] = {}
             for delivery in item.deliveries:
                 by_stream.setdefault(delivery.stream, []).append(delivery.entry_id)
             for stream, entry_ids in by_stream.items():
                 self.in_flight.remove(stream, entry_ids)
 
-    async def _write_with_retries(self, results: list[Result], deliveries: list[Delivery]) -> bool:
+    async def _write_with_retries(
+        self,
+        results: list[Result],
+        deliveries: list[Delivery],
+        write: Callable[[list[Result], list[Delivery]], Awaitable[None]],
+    ) -> bool:
         """Write, retrying: Redis faults forever (nothing is lost by waiting), sink errors
         ``sink_retries`` times with backoff, then the batch is dead-lettered with the error."""
         backoff = Backoff(log, base=0.5, cap=10.0)
@@ -543,7 +569,7 @@ class Worker:
         last_error: Exception | None = None
         while True:
             try:
-                await self.sink.write(results, deliveries)
+                await write(results, deliveries)
                 return True
             except REDIS_FAULTS as error:
                 await backoff.wait("write results", error)

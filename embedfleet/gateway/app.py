@@ -1,0 +1,227 @@
+"""The FastAPI app: lifespan (Redis, tokenizer, batch runner), the front door, the routes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from embedfleet.gateway import batch_api, openai_api, tei_api
+from embedfleet.gateway.auth import OPEN_PATHS, KeyChecker, load_api_keys
+from embedfleet.gateway.batches import BatchRunner, BatchStore
+from embedfleet.gateway.embedder import Embedder, FleetState
+from embedfleet.gateway.errors import (
+    APIError,
+    api_error_handler,
+    error_body,
+    validation_error_handler,
+)
+from embedfleet.gateway.files import FileStore
+from embedfleet.gateway.metrics import GatewayMetrics
+from embedfleet.gateway.state import Gateway
+from embedfleet.producer.client import Producer
+from embedfleet.producer.tokens import ModelTokenizer
+from embedfleet.shared.logging import get_logger
+from embedfleet.shared.modeldir import ModelFiles
+from embedfleet.shared.redis_conn import connect
+from embedfleet.shared.settings import Settings
+
+log = get_logger("embedfleet.gateway")
+
+
+class FrontDoor:
+    """Pure ASGI middleware (no per-request task, unlike BaseHTTPMiddleware): API key, body size
+    limit, and the request metrics by route template and status."""
+
+    def __init__(self, app: ASGIApp, gateway: Gateway) -> None:
+        self.app = app
+        self.gateway = gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        gateway = self.gateway
+        metrics = gateway.metrics
+        started = time.perf_counter()
+        status = 500
+        path: str = scope["path"]
+
+        async def send_counted(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        metrics.in_flight.inc()
+        try:
+            headers = dict(scope["headers"])
+            if path not in OPEN_PATHS and gateway.keys.enabled:
+                try:
+                    gateway.keys.check(_header(headers, b"authorization"))
+                except APIError as error:
+                    await _send_error(scope, receive, send_counted, path, error)
+                    return
+            limit = (
+                gateway.settings.batch_max_file_bytes + 64 * 1024  # multipart overhead
+                if path == "/v1/files"
+                else gateway.settings.gateway_max_body_bytes
+            )
+            declared = _header(headers, b"content-length")
+            if declared is not None and declared.isdigit() and int(declared) > limit:
+                await _send_error(scope, receive, send_counted, path, _too_large(limit))
+                return
+            await self.app(scope, _limited(receive, limit), send_counted)
+        finally:
+            metrics.in_flight.dec()
+            route = scope.get("route")
+            template = getattr(route, "path", None) or "unmatched"
+            metrics.requests.labels(template, scope["method"], str(status)).inc()
+            metrics.latency.labels(template, str(status)).observe(time.perf_counter() - started)
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(
+        413,
+        f"request body over {limit:,} bytes (EMBEDFLEET_GATEWAY_MAX_BODY_BYTES); "
+        "split the request or use the Batch API",
+        code="request_too_large",
+    )
+
+
+def _limited(receive: Receive, limit: int) -> Receive:
+    """A chunked body without Content-Length is counted as it arrives."""
+    received = 0
+
+    async def receive_limited() -> Message:
+        nonlocal received
+        message = await receive()
+        if message["type"] == "http.request":
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise BodyTooLarge(limit)
+        return message
+
+    return receive_limited
+
+
+def _header(headers: dict[bytes, bytes], name: bytes) -> str | None:
+    value = headers.get(name)
+    return None if value is None else value.decode("latin-1")
+
+
+async def _send_error(
+    scope: Scope, receive: Receive, send: Send, path: str, error: APIError
+) -> None:
+    response = JSONResponse(error_body(path, error), error.status, headers=error.headers)
+    await response(scope, receive, send)
+
+
+def build_gateway(settings: Settings) -> Gateway:
+    model = ModelFiles.read(settings.model)
+    client = connect(settings.effective_redis_url)
+    producer = Producer(settings, client)
+    metrics = GatewayMetrics()
+    fleet = FleetState(client, settings)
+    return Gateway(
+        settings=settings,
+        model=model,
+        tokenizer=ModelTokenizer(model),
+        client=client,
+        producer=producer,
+        fleet=fleet,
+        embedder=Embedder(settings, producer, fleet, metrics),
+        keys=KeyChecker(load_api_keys(settings)),
+        metrics=metrics,
+        started_at=int(time.time()),
+    )
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The gateway app for ``settings`` (default: from EMBEDFLEET_* variables)."""
+    settings = settings or Settings()
+    gateway = build_gateway(settings)
+    files = FileStore(settings.files_dir)
+    store = BatchStore(gateway.client, settings.keys)
+    runner = BatchRunner(gateway, files, store)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await gateway.producer.setup()
+        task = asyncio.create_task(runner.run())
+        log.info(
+            "gateway started",
+            model=gateway.served_name,
+            dim=gateway.model.dim,
+            api_keys=len(gateway.keys.keys),
+            files_dir=str(files.root),
+        )
+        try:
+            yield
+        finally:
+            runner.stop()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await gateway.client.aclose()
+
+    app = FastAPI(
+        title="embedfleet gateway",
+        summary="OpenAI- and TEI-compatible embeddings over an embedfleet worker fleet",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.gateway = gateway
+    app.state.files = files
+    app.state.batches = store
+    app.state.runner = runner
+    app.add_exception_handler(APIError, api_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.add_exception_handler(BodyTooLarge, _body_too_large_handler)
+    app.include_router(openai_api.router)
+    app.include_router(batch_api.router)
+    app.include_router(tei_api.router)
+    _add_ops_routes(app, gateway)
+    app.add_middleware(FrontDoor, gateway=gateway)
+    return app
+
+
+async def _body_too_large_handler(request: Request, error: Exception) -> JSONResponse:
+    limit = int(error.args[0]) if error.args else 0
+    too_large = _too_large(limit)
+    return JSONResponse(
+        error_body(request.url.path, too_large), too_large.status, headers=too_large.headers
+    )
+
+
+def _add_ops_routes(app: FastAPI, gateway: Gateway) -> None:
+    @app.get("/healthz", include_in_schema=False)
+    async def healthz() -> dict[str, str]:
+        """Liveness: the process answers."""
+        return {"status": "ok"}
+
+    @app.get("/readyz", include_in_schema=False)
+    async def readyz() -> JSONResponse:
+        """Readiness: Redis answers. Live workers are reported, not required: without one the
+        gateway still answers, with 503 on embedding routes."""
+        try:
+            await gateway.client.ping()
+            workers = await gateway.fleet.live_workers()
+        except Exception as error:
+            return JSONResponse({"status": "redis unreachable", "error": str(error)}, 503)
+        return JSONResponse({"status": "ready", "live_workers": workers})
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)

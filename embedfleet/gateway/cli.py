@@ -1,0 +1,55 @@
+"""`embedfleet serve`: run the HTTP gateway with uvicorn."""
+
+from __future__ import annotations
+
+import click
+from embedfleet.shared.logging import configure_logging
+from embedfleet.shared.settings import SettingsError, load_settings
+
+from embedfleet.extras import missing_modules
+
+GATEWAY_MODULES = ("fastapi", "uvicorn", "multipart", "tokenizers", "prometheus_client")
+
+
+@click.command("serve")
+@click.option("--host", default=None, help="Bind address (default EMBEDFLEET_GATEWAY_HOST).")
+@click.option("--port", type=int, default=None, help="Port (default EMBEDFLEET_GATEWAY_PORT).")
+@click.option("--workers", type=int, default=1, show_default=True, help="uvicorn processes.")
+def serve_command(host: str | None, port: int | None, workers: int) -> None:
+    """Serve OpenAI's /v1/embeddings, /v1/models and Batch API, and TEI's /embed, /info and
+    /health over the fleet (stateless: run as many as you like behind a load balancer).
+
+    Small requests ride the priority query lane; large ones and batches go through the ingest
+    stream. Settings: EMBEDFLEET_* (API keys, limits, EMBEDFLEET_FILES_DIR; see README).
+    """
+    missing = missing_modules(GATEWAY_MODULES)
+    if missing:
+        raise click.ClickException(
+            f"`embedfleet serve` needs the gateway extra (missing: {', '.join(missing)}): "
+            "pip install 'embedfleet[gateway]'"
+        )
+    import uvicorn
+
+    try:
+        settings = load_settings()
+    except SettingsError as error:
+        raise click.ClickException(str(error)) from None
+    configure_logging(
+        settings.log_level, "console" if settings.log_format == "auto" else settings.log_format
+    )
+    uvicorn.run(
+        "embedfleet.gateway.cli:app_factory",
+        factory=True,
+        host=host or settings.gateway_host,
+        port=settings.gateway_port if port is None else port,
+        workers=workers,
+        log_level=settings.log_level,
+        access_log=False,  # /metrics counts requests; an access line each would cost more
+    )
+
+
+def app_factory():
+    """The app from the environment (uvicorn's factory: each worker process builds its own)."""
+    from embedfleet.gateway.app import create_app
+
+    return create_app(load_settings())

@@ -1,0 +1,172 @@
+"""Texts in, vectors out, through the fleet: the lane a request rides, backpressure, liveness.
+
+Small requests go to the priority query lane (``Producer.embed_queries``); large ones are sent
+to the ingest stream with a ``reply`` so the workers push their vectors back to a list this
+gateway drains into one preallocated array (memory bounded by EMBEDFLEET_GATEWAY_MAX_INPUTS).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+
+import numpy as np
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from embedfleet.gateway.errors import APIError, overloaded
+from embedfleet.gateway.metrics import GatewayMetrics
+from embedfleet.producer.client import Producer, QueryTimeoutError
+from embedfleet.shared.protocol import (
+    Chunk,
+    ProtocolError,
+    QueryFailedError,
+    decode_result,
+)
+from embedfleet.shared.settings import Settings
+from embedfleet.shared.streams import is_missing_key
+
+LIVENESS_CACHE_S = 1.0
+# Results taken off a reply list per round trip while collecting a large request
+COLLECT_PAGE = 512
+
+
+class FleetState:
+    """Is any worker alive? Read from XINFO CONSUMERS of the query stream (every worker's query
+    lane reads it at least every EMBEDFLEET_BLOCK_MS), cached for a second."""
+
+    def __init__(self, client: aioredis.Redis, settings: Settings) -> None:
+        self.client = client
+        self.settings = settings
+        self._checked_at = 0.0
+        self._alive = 0
+
+    async def live_workers(self) -> int:
+        now = time.monotonic()
+        if now - self._checked_at < LIVENESS_CACHE_S:
+            return self._alive
+        keys = self.settings.keys
+        try:
+            consumers = await self.client.xinfo_consumers(keys.query, keys.group)
+        except ResponseError as error:
+            if not (is_missing_key(error) or "NOGROUP" in str(error)):
+                raise
+            consumers = []
+        limit = self.settings.gateway_worker_idle_ms
+        self._alive = sum(1 for consumer in consumers if int(consumer["idle"]) < limit)
+        self._checked_at = now
+        return self._alive
+
+    async def require_worker(self) -> None:
+        if await self.live_workers() == 0:
+            keys = self.settings.keys
+            raise APIError(
+                503,
+                "no embedding worker is running (the consumer group has no active consumer); "
+                f"start one with `embedfleet worker`. Check: redis-cli XINFO CONSUMERS "
+                f"{keys.query} {keys.group}",
+                type="server_error",
+                code="no_worker",
+                headers={"Retry-After": str(self.settings.gateway_retry_after_s)},
+            )
+
+
+class Embedder:
+    def __init__(
+        self, settings: Settings, producer: Producer, fleet: FleetState, metrics: GatewayMetrics
+    ) -> None:
+        self.settings = settings
+        self.producer = producer
+        self.client = producer.client
+        self.keys = settings.keys
+        self.fleet = fleet
+        self.metrics = metrics
+
+    async def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """float32 vectors (len(texts), dim) as the workers return them (fp16 on the wire)."""
+        await self.fleet.require_worker()
+        if len(texts) <= self.settings.gateway_lane_max_inputs:
+            return await self._via_query_lane(texts)
+        return await self._via_ingest(texts)
+
+    async def check_backlog(self) -> None:
+        """429 while the ingest backlog is over the high-water mark (Producers wait there)."""
+        backlog = await self.client.xlen(self.keys.ingest)
+        if backlog >= self.settings.backlog_high_water:
+            raise overloaded(
+                f"the ingest backlog ({backlog:,} entries) is over the high-water mark "
+                f"(EMBEDFLEET_BACKLOG_HIGH_WATER={self.settings.backlog_high_water:,}); "
+                "retry after the Retry-After seconds",
+                self.settings.gateway_retry_after_s,
+            )
+
+    async def _via_query_lane(self, texts: Sequence[str]) -> np.ndarray:
+        queued = await self.client.xlen(self.keys.query)
+        if queued >= self.settings.gateway_lane_high_water:
+            raise overloaded(
+                f"the query lane is saturated ({queued} queries waiting, "
+                f"EMBEDFLEET_GATEWAY_LANE_HIGH_WATER={self.settings.gateway_lane_high_water}); "
+                "retry after the Retry-After seconds",
+                self.settings.gateway_retry_after_s,
+            )
+        self.metrics.inputs.labels("query").inc(len(texts))
+        try:
+            return await self.producer.embed_queries(
+                list(texts), timeout=self.settings.gateway_timeout_s
+            )
+        except QueryTimeoutError as error:
+            raise _timeout(str(error)) from None
+        except QueryFailedError as error:
+            raise APIError(
+                400, f"the worker rejected an input: {error}", code="input_rejected"
+            ) from None
+
+    async def _via_ingest(self, texts: Sequence[str]) -> np.ndarray:
+        await self.check_backlog()
+        self.metrics.inputs.labels("ingest").inc(len(texts))
+        request = uuid.uuid4().hex
+        reply_key = self.keys.reply(request)
+        # No job: a one-off request must not show up in `embedfleet status` as a job. Every
+        # chunk is answered on the reply list, with its vector or the reason it failed.
+        chunks = (Chunk(id=str(i), text=text, reply=request) for i, text in enumerate(texts))
+        await self.producer.enqueue(chunks)
+        vectors: np.ndarray | None = None
+        seen = np.zeros(len(texts), dtype=bool)
+        deadline = time.monotonic() + self.settings.gateway_timeout_s
+        try:
+            while not seen.all():
+                page = await self.client.lpop(reply_key, COLLECT_PAGE)
+                if not page:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise _timeout(
+                            f"{int((~seen).sum())} of {len(texts)} inputs not embedded within "
+                            f"EMBEDFLEET_GATEWAY_TIMEOUT_S={self.settings.gateway_timeout_s}"
+                        )
+                    popped = await self.client.blpop([reply_key], timeout=min(remaining, 5.0))
+                    page = [] if popped is None else [popped[1]]
+                for payload in page:
+                    try:
+                        result = decode_result(payload)
+                    except QueryFailedError as error:
+                        raise APIError(
+                            400, f"the worker rejected an input: {error}", code="input_rejected"
+                        ) from None
+                    except ProtocolError as error:
+                        raise APIError(
+                            500, f"bad reply from a worker: {error}", type="server_error"
+                        ) from None
+                    index = int(result.id)
+                    if vectors is None:
+                        vectors = np.empty((len(texts), result.dim), dtype=np.float32)
+                    vectors[index] = result.vector
+                    seen[index] = True
+        finally:
+            await self.client.delete(reply_key)
+        assert vectors is not None
+        return vectors
+
+
+def _timeout(message: str) -> APIError:
+    return APIError(504, message, type="server_error", code="timeout")

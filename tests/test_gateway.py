@@ -1,0 +1,268 @@
+"""The HTTP gateway with the real clients: `openai`, huggingface_hub's TEI client, over a
+running gateway, a real worker process and a real Redis server."""
+
+from __future__ import annotations
+
+import base64
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from embedfleet.producer.chunker import builtin_corpus
+from embedfleet.producer.client import Producer
+from embedfleet.producer.tokens import ModelTokenizer
+from embedfleet.shared.modeldir import ModelFiles
+from embedfleet.shared.redis_conn import connect
+from embedfleet.shared.settings import Settings
+
+from embedfleet.server import ServerProcess
+from tests.conftest import start_worker_process
+from tests.gateway_support import running_gateway, wait_for_worker
+
+API_KEY = "sk-test-" + uuid.uuid4().hex
+TEXTS = [
+    "How do I open a file in Python?",
+    "The quick brown fox jumps over the lazy dog.",
+    "Embeddings map text to vectors.",
+    "Redis streams make a durable queue.",
+]
+
+
+@pytest.fixture(scope="module")
+def fleet_settings(redis_server: ServerProcess, tmp_path_factory: pytest.TempPathFactory):
+    return Settings(
+        redis_url=redis_server.url,
+        namespace=f"gw{uuid.uuid4().hex[:8]}",
+        api_keys=f"other-key,{API_KEY}",
+        files_dir=str(tmp_path_factory.mktemp("files")),
+        gateway_lane_max_inputs=4,
+        gateway_max_inputs=300,
+        gateway_max_input_chars=5000,
+        block_ms=200,
+        log_format="json",
+    )
+
+
+@pytest.fixture(scope="module")
+def worker(fleet_settings: Settings) -> Iterator[subprocess.Popen[bytes]]:
+    # the frozen query graph takes a minute to build on a small shared CPU; eager is enough here
+    process = start_worker_process(
+        fleet_settings, f"gw-worker-{uuid.uuid4().hex[:6]}", EMBEDFLEET_FROZEN_QUERIES="false"
+    )
+    yield process
+    process.terminate()
+    process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def gateway(fleet_settings: Settings, worker) -> Iterator[str]:
+    with running_gateway(fleet_settings) as url:
+        wait_for_worker(url)
+        yield url
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """sentence-transformers itself on the same model directory: the vectors to match."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(ModelFiles.read("all-MiniLM-L6-v2").path), device="cpu")
+    return lambda texts: model.encode(list(texts), normalize_embeddings=False)
+
+
+@pytest.fixture
+def client(gateway: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway}/v1", api_key=API_KEY, max_retries=0)
+
+
+def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+    return float(cos.min())
+
+
+def test_one_string_matches_sentence_transformers(client: openai.OpenAI, reference) -> None:
+    response = client.embeddings.create(model="all-MiniLM-L6-v2", input=TEXTS[0])
+    assert len(response.data) == 1 and response.data[0].index == 0
+    vector = np.array(response.data[0].embedding)
+    assert vector.shape == (384,)
+    assert min_cosine(vector[None], reference(TEXTS[:1])) >= 0.999
+    assert response.model == "all-MiniLM-L6-v2"
+    assert response.usage.prompt_tokens == response.usage.total_tokens > 5
+
+
+def test_a_batch_in_order_default_base64_and_explicit_float(
+    client: openai.OpenAI, gateway: str, reference
+) -> None:
+    # the SDK asks for base64 by default and decodes it itself
+    default = client.embeddings.create(model="all-MiniLM-L6-v2", input=TEXTS)
+    floats = client.embeddings.create(
+        model="all-MiniLM-L6-v2", input=TEXTS, encoding_format="float"
+    )
+    expected = reference(TEXTS)
+    for response in (default, floats):
+        assert [item.index for item in response.data] == list(range(len(TEXTS)))
+        got = np.array([item.embedding for item in response.data])
+        assert min_cosine(got, expected) >= 0.999
+    # on the wire: base64 of little-endian float32, as OpenAI sends it
+    raw = httpx.post(
+        f"{gateway}/v1/embeddings",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        json={"model": "all-MiniLM-L6-v2", "input": TEXTS[1], "encoding_format": "base64"},
+    ).json()
+    decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
+    assert decoded.shape == (384,) and min_cosine(decoded[None], expected[1:2]) >= 0.999
+
+
+def test_a_large_request_goes_through_the_ingest_stream(
+    client: openai.OpenAI, fleet_settings: Settings, reference
+) -> None:
+    texts = [chunk.text for chunk in builtin_corpus(120)]  # over the lane's 4 inputs
+    response = client.embeddings.create(model="all-MiniLM-L6-v2", input=texts)
+    got = np.array([item.embedding for item in response.data])
+    assert [item.index for item in response.data] == list(range(len(texts)))
+    assert min_cosine(got, reference(texts)) >= 0.999
+    metrics = httpx.get(client.base_url.join("/metrics")).text
+    assert 'embedfleet_gateway_inputs_total{lane="ingest"} 120.0' in metrics
+    assert 'route="/v1/embeddings"' in metrics
+
+
+def test_token_ids(client: openai.OpenAI, reference) -> None:
+    tokenizer = ModelTokenizer(ModelFiles.read("all-MiniLM-L6-v2")).tokenizer
+    ids = [tokenizer.encode(text, add_special_tokens=False).ids for text in TEXTS[:2]]
+    many = client.embeddings.create(model="all-MiniLM-L6-v2", input=ids)
+    one = client.embeddings.create(model="all-MiniLM-L6-v2", input=ids[0])
+    expected = reference(TEXTS[:2])
+    assert min_cosine(np.array([d.embedding for d in many.data]), expected) >= 0.999
+    assert min_cosine(np.array([one.data[0].embedding]), expected[:1]) >= 0.999
+
+
+def test_dimensions_truncate_and_renormalise(client: openai.OpenAI, reference) -> None:
+    response = client.embeddings.create(model="all-MiniLM-L6-v2", input=TEXTS[:2], dimensions=64)
+    got = np.array([d.embedding for d in response.data])
+    assert got.shape == (2, 64)
+    assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    expected = reference(TEXTS[:2])[:, :64]  # sentence-transformers' truncate_dim, normalised
+    assert min_cosine(got, expected) >= 0.999
+
+
+def test_models_list(client: openai.OpenAI) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["all-MiniLM-L6-v2"]
+    assert models.data[0].model_extra["dimensions"] == 384
+
+
+def test_wrong_key_is_401_in_openais_envelope(gateway: str) -> None:
+    bad = openai.OpenAI(base_url=f"{gateway}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as caught:
+        bad.embeddings.create(model="all-MiniLM-L6-v2", input="hi")
+    assert caught.value.status_code == 401
+    body = caught.value.response.json()
+    assert body["error"]["code"] == "invalid_api_key"
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert httpx.post(f"{gateway}/v1/embeddings", json={}).status_code == 401  # no key at all
+    assert httpx.get(f"{gateway}/healthz").status_code == 200  # probes need none
+
+
+def test_bad_model_is_404_model_not_found(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.embeddings.create(model="text-embedding-3-small", input="hi")
+    error = caught.value.response.json()["error"]
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+    assert "all-MiniLM-L6-v2" in error["message"]
+
+
+def test_oversized_requests_are_413_and_bad_ones_400(client: openai.OpenAI, gateway: str) -> None:
+    with pytest.raises(openai.APIStatusError) as too_many:
+        client.embeddings.create(model="all-MiniLM-L6-v2", input=["x"] * 301)
+    assert too_many.value.status_code == 413
+    assert too_many.value.response.json()["error"]["code"] == "too_many_inputs"
+    with pytest.raises(openai.APIStatusError) as too_long:
+        client.embeddings.create(model="all-MiniLM-L6-v2", input="word " * 2000)
+    assert too_long.value.status_code == 413
+    assert "EMBEDFLEET_GATEWAY_MAX_INPUT_CHARS" in too_long.value.response.json()["error"]["message"]
+    huge = httpx.post(
+        f"{gateway}/v1/embeddings",
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+        content=b'{"model": "all-MiniLM-L6-v2", "input": "' + b"a" * (17 * 1024 * 1024) + b'"}',
+    )
+    assert huge.status_code == 413 and huge.json()["error"]["code"] == "request_too_large"
+    with pytest.raises(openai.BadRequestError) as empty:
+        client.embeddings.create(model="all-MiniLM-L6-v2", input="")
+    assert empty.value.response.json()["error"]["param"] == "input"
+    with pytest.raises(openai.BadRequestError) as dims:
+        client.embeddings.create(model="all-MiniLM-L6-v2", input="hi", dimensions=1000)
+    assert dims.value.response.json()["error"]["param"] == "dimensions"
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model="all-MiniLM-L6-v2", input=[{"not": "text"}])  # type: ignore
+
+
+def test_tei_client_gets_the_same_vectors(gateway: str, reference) -> None:
+    from huggingface_hub import InferenceClient
+
+    tei = InferenceClient(model=gateway, token=API_KEY)
+    one = tei.feature_extraction(TEXTS[0])
+    assert min_cosine(np.asarray(one).reshape(1, -1), reference(TEXTS[:1])) >= 0.999
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    many = httpx.post(f"{gateway}/embed", headers=headers, json={"inputs": TEXTS}).json()
+    assert min_cosine(np.array(many), reference(TEXTS)) >= 0.999
+    info = httpx.get(f"{gateway}/info", headers=headers).json()
+    assert info["max_input_length"] == 256 and info["model_id"] == "all-MiniLM-L6-v2"
+    # TEI's defaults and envelope: truncate=false refuses a text over the model's maximum
+    long = httpx.post(f"{gateway}/embed", headers=headers, json={"inputs": "word " * 400})
+    assert long.status_code == 413
+    assert long.json()["error_type"] == "Validation" and "256" in long.json()["error"]
+    cut = httpx.post(
+        f"{gateway}/embed", headers=headers, json={"inputs": "word " * 400, "truncate": True}
+    )
+    assert cut.status_code == 200 and len(cut.json()[0]) == 384
+    bad = httpx.post(f"{gateway}/embed", headers=headers, json={"input": "wrong field"})
+    assert bad.status_code == 422 and bad.json()["error_type"] == "Validation"
+
+
+def test_no_live_worker_is_503(fleet_settings: Settings) -> None:
+    lonely = fleet_settings.model_copy(update={"namespace": f"gw{uuid.uuid4().hex[:8]}"})
+    with running_gateway(lonely) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+        with pytest.raises(openai.InternalServerError) as caught:
+            client.embeddings.create(model="all-MiniLM-L6-v2", input="anyone?")
+        assert caught.value.status_code == 503
+        assert caught.value.response.json()["error"]["code"] == "no_worker"
+        assert httpx.get(f"{url}/health").status_code == 503
+        assert httpx.get(f"{url}/readyz").json() == {"status": "ready", "live_workers": 0}
+
+
+async def test_429_over_the_high_water_mark_then_success_after_drain(
+    fleet_settings: Settings, gateway: str
+) -> None:
+    marked = fleet_settings.model_copy(update={"backlog_high_water": 100})
+    texts = [f"backlog text number {n}" for n in range(400)]
+    redis = connect(marked.effective_redis_url)
+    try:
+        async with Producer(fleet_settings, redis) as producer:
+            await producer.enqueue(
+                ({"id": f"b{n}", "text": t} for n, t in enumerate(texts)), job="backlog"
+            )
+            with running_gateway(marked) as url:
+                client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+                large = [f"a request of many inputs {n}" for n in range(10)]
+                with pytest.raises(openai.RateLimitError) as caught:
+                    await client.embeddings.create(model="all-MiniLM-L6-v2", input=large)
+                assert caught.value.status_code == 429
+                assert caught.value.response.headers["retry-after"] == "5"
+                assert "EMBEDFLEET_BACKLOG_HIGH_WATER" in caught.value.message
+                await producer.wait_for_job("backlog", timeout=300)
+                response = await client.embeddings.create(model="all-MiniLM-L6-v2", input=large)
+                assert len(response.data) == 10
+    finally:
+        await redis.aclose()
+
+
+def test_files_dir_is_created(fleet_settings: Settings, gateway: str) -> None:
+    assert Path(fleet_settings.files_dir).is_dir()

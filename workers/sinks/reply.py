@@ -1,0 +1,83 @@
+"""Results that go back to whoever asked: the gateway's reply lists, not the vector sink.
+
+An ingest chunk that carries ``reply`` was sent by someone waiting for its vector (the HTTP
+gateway's large requests and batches). Its result is pushed onto that caller's reply list instead
+of the configured sink: a gateway request must not write rows into the user's vector database,
+and the gateway must get vectors back whichever sink the fleet writes to.
+
+Like the results stream, the push happens in the same script as the acknowledgement and only for
+entries this call really acknowledged, so a redelivered entry is never answered twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import redis.asyncio as aioredis
+from embedfleet.shared.keys import Keys
+from embedfleet.shared.protocol import Result, encode_result
+from embedfleet.workers.sinks.base import Delivery
+
+# ARGV: group, counter, job-key prefix, reply-key prefix, ttl, then (entry, job, reply, payload)
+REPLY_ACK_SCRIPT = """
+local acked = 0
+for i = 6, #ARGV, 4 do
+  local entry = ARGV[i]
+  if redis.call('XACK', KEYS[1], ARGV[1], entry) == 1 then
+    redis.call('XDEL', KEYS[1], entry)
+    if ARGV[i + 1] ~= '' then redis.call('HINCRBY', ARGV[3] .. ARGV[i + 1], ARGV[2], 1) end
+    local reply = ARGV[4] .. ARGV[i + 2]
+    redis.call('RPUSH', reply, ARGV[i + 3])
+    redis.call('EXPIRE', reply, tonumber(ARGV[5]))
+    acked = acked + 1
+  end
+end
+return acked
+"""
+
+
+def queue_replies(
+    pipe: aioredis.client.Pipeline,
+    keys: Keys,
+    deliveries: Sequence[Delivery],
+    replies: Sequence[str],
+    payloads: Sequence[bytes],
+    counter: str,
+    ttl_s: int,
+) -> None:
+    """Acknowledge ``deliveries`` and push each payload to its reply list, in one script call
+    per stream; the job counter ``counter`` counts only what was acknowledged here."""
+    by_stream: dict[str, list[str | bytes]] = {}
+    for delivery, reply, payload in zip(deliveries, replies, payloads, strict=True):
+        by_stream.setdefault(delivery.stream, []).extend(
+            [delivery.entry_id, delivery.job or "", reply, payload]
+        )
+    for stream, quads in by_stream.items():
+        pipe.eval(
+            REPLY_ACK_SCRIPT,
+            1,
+            stream,
+            keys.group,
+            counter,
+            keys.job(""),
+            keys.reply(""),
+            str(ttl_s),
+            *quads,
+        )
+
+
+class ReplyListWriter:
+    """Writes results of chunks with a ``reply`` to their reply lists, acknowledging them."""
+
+    def __init__(self, client: aioredis.Redis, keys: Keys, ttl_s: int) -> None:
+        self.client = client
+        self.keys = keys
+        self.ttl_s = ttl_s
+
+    async def write(
+        self, results: Sequence[Result], deliveries: Sequence[Delivery], replies: Sequence[str]
+    ) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        payloads = [encode_result(result) for result in results]
+        queue_replies(pipe, self.keys, deliveries, replies, payloads, "done", self.ttl_s)
+        await pipe.execute()
