@@ -238,6 +238,13 @@ class Keys:
         """Lease a gateway holds while it works on a batch, so replicas never both do."""
         return f"{self.namespace}:batch:{batch_id}:lease"
 
+    @property
+    def workers_alive(self) -> str:
+        """Sorted set of worker consumer names scored by their last heartbeat (unix ms): what
+        the gateway reads to answer 503 when no worker is alive. (XINFO CONSUMERS cannot tell:
+        before Redis 7.2 a consumer that has read nothing yet is not listed at all.)"""
+        return f"{self.namespace}:workers"
+
 
 CHART_PARTITIONS = 64  # the Helm chart carries the tags of up to this many partitions
 

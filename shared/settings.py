@@ -328,8 +328,8 @@ class Settings(BaseSettings):
     gateway_worker_idle_ms: int = Field(
         default=15_000,
         ge=100,
-        description="A consumer that read the query stream within this long counts as a live "
-        "worker; with none the gateway answers 503.",
+        description="A worker whose heartbeat is at most this old counts as live; with none "
+        "the gateway answers 503.",
     )
     files_dir: str = Field(
         default="embedfleet-files",

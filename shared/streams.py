@@ -6,9 +6,12 @@ same way, so a dashboard and the command line never disagree.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from embedfleet.shared.keys import Keys
 
 
 @dataclass(frozen=True)
@@ -93,3 +96,9 @@ def parse_consumers(consumers: Sequence[Mapping[str, Any]]) -> list[ConsumerStat
 def is_missing_key(error: BaseException) -> bool:
     """XINFO on a stream that does not exist yet (no producer or worker has created it)."""
     return "no such key" in str(error).lower()
+
+
+async def live_workers(client: Any, keys: Keys, idle_limit_ms: int) -> int:
+    """Workers whose heartbeat (workers/heartbeat.py) is at most ``idle_limit_ms`` old."""
+    since = int(time.time() * 1000) - idle_limit_ms
+    return int(await client.zcount(keys.workers_alive, since, "+inf"))

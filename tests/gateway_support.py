@@ -9,9 +9,9 @@ from collections.abc import Iterator
 
 import httpx
 import uvicorn
-from embedfleet.gateway.app import create_app
 from embedfleet.shared.settings import Settings
 
+from embedfleet.gateway.app import create_app
 from embedfleet.server import free_port
 
 

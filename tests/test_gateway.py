@@ -121,14 +121,14 @@ def test_a_batch_in_order_default_base64_and_explicit_float(
 
 
 def test_a_large_request_goes_through_the_ingest_stream(
-    client: openai.OpenAI, fleet_settings: Settings, reference
+    client: openai.OpenAI, gateway: str, reference
 ) -> None:
     texts = [chunk.text for chunk in builtin_corpus(120)]  # over the lane's 4 inputs
     response = client.embeddings.create(model="all-MiniLM-L6-v2", input=texts)
     got = np.array([item.embedding for item in response.data])
     assert [item.index for item in response.data] == list(range(len(texts)))
     assert min_cosine(got, reference(texts)) >= 0.999
-    metrics = httpx.get(client.base_url.join("/metrics")).text
+    metrics = httpx.get(f"{gateway}/metrics").text
     assert 'embedfleet_gateway_inputs_total{lane="ingest"} 120.0' in metrics
     assert 'route="/v1/embeddings"' in metrics
 
@@ -186,7 +186,9 @@ def test_oversized_requests_are_413_and_bad_ones_400(client: openai.OpenAI, gate
     with pytest.raises(openai.APIStatusError) as too_long:
         client.embeddings.create(model="all-MiniLM-L6-v2", input="word " * 2000)
     assert too_long.value.status_code == 413
-    assert "EMBEDFLEET_GATEWAY_MAX_INPUT_CHARS" in too_long.value.response.json()["error"]["message"]
+    assert (
+        "EMBEDFLEET_GATEWAY_MAX_INPUT_CHARS" in too_long.value.response.json()["error"]["message"]
+    )
     huge = httpx.post(
         f"{gateway}/v1/embeddings",
         headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
@@ -203,8 +205,14 @@ def test_oversized_requests_are_413_and_bad_ones_400(client: openai.OpenAI, gate
         client.embeddings.create(model="all-MiniLM-L6-v2", input=[{"not": "text"}])  # type: ignore
 
 
-def test_tei_client_gets_the_same_vectors(gateway: str, reference) -> None:
-    from huggingface_hub import InferenceClient
+def test_tei_client_gets_the_same_vectors(
+    gateway: str, reference, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from huggingface_hub import InferenceClient, constants
+
+    # the suite runs with HF_HUB_OFFLINE=1 (nothing from the Hub); this client only talks to
+    # the local gateway
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
 
     tei = InferenceClient(model=gateway, token=API_KEY)
     one = tei.feature_extraction(TEXTS[0])

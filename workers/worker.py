@@ -46,6 +46,7 @@ from embedfleet.workers.device_faults import (
 )
 from embedfleet.workers.encoder import Encoder, Tokenized
 from embedfleet.workers.events import WorkerEvents
+from embedfleet.workers.heartbeat import run_heartbeat
 from embedfleet.workers.memory import TrimTimer, release_free_memory
 from embedfleet.workers.output import Outputs
 from embedfleet.workers.queries import QueryLane
@@ -248,6 +249,7 @@ class Worker:
         tasks = [
             self.queries.run(self._stopping),
             self.reclaimer.run(self._stopping, self._deliver_reclaimed, streams),
+            run_heartbeat(self.client, self.keys, self.settings.consumer, self._stopping),
         ]
         if not self.settings.query_only:
             tasks += [

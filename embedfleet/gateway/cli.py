@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import click
-from embedfleet.shared.logging import configure_logging
-from embedfleet.shared.settings import SettingsError, load_settings
 
 from embedfleet.extras import missing_modules
+from embedfleet.shared.logging import configure_logging
+from embedfleet.shared.settings import SettingsError, load_settings
 
 GATEWAY_MODULES = ("fastapi", "uvicorn", "multipart", "tokenizers", "prometheus_client")
 

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
 
 from embedfleet.gateway.errors import APIError, overloaded
 from embedfleet.gateway.metrics import GatewayMetrics
@@ -25,7 +24,7 @@ from embedfleet.shared.protocol import (
     decode_result,
 )
 from embedfleet.shared.settings import Settings
-from embedfleet.shared.streams import is_missing_key
+from embedfleet.shared.streams import live_workers
 
 LIVENESS_CACHE_S = 1.0
 # Results taken off a reply list per round trip while collecting a large request
@@ -33,8 +32,7 @@ COLLECT_PAGE = 512
 
 
 class FleetState:
-    """Is any worker alive? Read from XINFO CONSUMERS of the query stream (every worker's query
-    lane reads it at least every EMBEDFLEET_BLOCK_MS), cached for a second."""
+    """Is any worker alive? From the workers' heartbeats (``{ns}:workers``), cached a second."""
 
     def __init__(self, client: aioredis.Redis, settings: Settings) -> None:
         self.client = client
@@ -46,15 +44,9 @@ class FleetState:
         now = time.monotonic()
         if now - self._checked_at < LIVENESS_CACHE_S:
             return self._alive
-        keys = self.settings.keys
-        try:
-            consumers = await self.client.xinfo_consumers(keys.query, keys.group)
-        except ResponseError as error:
-            if not (is_missing_key(error) or "NOGROUP" in str(error)):
-                raise
-            consumers = []
-        limit = self.settings.gateway_worker_idle_ms
-        self._alive = sum(1 for consumer in consumers if int(consumer["idle"]) < limit)
+        self._alive = await live_workers(
+            self.client, self.settings.keys, self.settings.gateway_worker_idle_ms
+        )
         self._checked_at = now
         return self._alive
 
@@ -63,9 +55,9 @@ class FleetState:
             keys = self.settings.keys
             raise APIError(
                 503,
-                "no embedding worker is running (the consumer group has no active consumer); "
-                f"start one with `embedfleet worker`. Check: redis-cli XINFO CONSUMERS "
-                f"{keys.query} {keys.group}",
+                "no embedding worker is running (no heartbeat in the last "
+                f"{self.settings.gateway_worker_idle_ms} ms); start one with `embedfleet "
+                f"worker`. Check: redis-cli ZRANGE {keys.workers_alive} 0 -1 WITHSCORES",
                 type="server_error",
                 code="no_worker",
                 headers={"Retry-After": str(self.settings.gateway_retry_after_s)},
