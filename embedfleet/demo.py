@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 import click
 
 from embedfleet.extras import require_worker_extra
-from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.producer.client import JobProgress, Producer
+from embedfleet.producer.documents import builtin_document_chunks
 from embedfleet.producer.export import write_export
 from embedfleet.producer.jsonl import BadLine, read_chunks
 from embedfleet.producer.search import format_hits
@@ -101,7 +101,7 @@ class DemoReport:
 
 def _load_corpus(corpus: Path | None, limit: int | None) -> list[Chunk]:
     if corpus is None:
-        return list(builtin_corpus(limit))
+        return list(builtin_document_chunks(limit))
     rejected: list[BadLine] = []
     with corpus.open(encoding="utf-8") as handle:
         chunks = list(read_chunks(handle, None, rejected))

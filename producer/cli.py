@@ -6,6 +6,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 import click
 import numpy as np
@@ -40,27 +41,56 @@ def _settings(redis_url: str | None) -> Settings:
 
 
 @click.command("enqueue")
-@click.argument("source", type=click.File("r", encoding="utf-8"))
+@click.argument("sources", nargs=-1, required=True)
 @click.option("--job", help="Job name to group these chunks (default: generated and printed).")
+@click.option(
+    "--documents",
+    is_flag=True,
+    help="SOURCES are whole documents (.txt/.md files, or JSONL of {id, text, meta}): split "
+    "with the model's own tokenizer into chunks that fit it, ids <doc>#<n>. Needs "
+    "pip install 'embedfleet[documents]'.",
+)
+@click.option(
+    "--overlap",
+    type=click.IntRange(min=0),
+    default=None,
+    help="With --documents: tokens shared by consecutive chunks "
+    "(default EMBEDFLEET_DOCUMENT_OVERLAP_TOKENS).",
+)
 @click.option("--wait", is_flag=True, help="Wait until every chunk is embedded or dead-lettered.")
 @click.option("--timeout", type=float, default=None, help="With --wait: give up after N seconds.")
 @redis_url_option
 def enqueue_command(
-    source: click.utils.LazyFile,
+    sources: tuple[str, ...],
     job: str | None,
+    documents: bool,
+    overlap: int | None,
     wait: bool,
     timeout: float | None,
     redis_url: str | None,
 ) -> None:
-    """Enqueue chunks from SOURCE, a JSON Lines file or - for stdin.
+    """Enqueue chunks from SOURCE, a JSON Lines file or - for stdin (or documents, see
+    --documents).
 
     One object per line: {"id": "doc1#0", "text": "...", "meta": {...}}. The id is your
     idempotency key (re-sending it overwrites, never duplicates); meta is passed through to the
     results. Bad lines are reported with their line numbers and not enqueued (exit status 1).
+
+    With --documents, each SOURCE is a whole document (text or Markdown file; its path is its
+    id) or a JSONL file of documents; every chunk carries the document's meta plus doc, n and
+    the character offsets start/end.
     """
     job = job or f"job-{time.strftime('%Y%m%d-%H%M%S')}"
+    settings = _settings(redis_url)
+    if documents:
+        count = run_client(_enqueue_documents(settings, sources, job, overlap, wait, timeout))
+        click.echo(f"enqueued {count} chunks of {len(sources)} sources as job {job!r}")
+        return
+    if len(sources) != 1:
+        raise click.UsageError("give one JSON Lines SOURCE (or --documents for several files)")
     rejected: list[BadLine] = []
-    count = run_client(_enqueue(_settings(redis_url), source, job, wait, timeout, rejected))
+    with click.open_file(sources[0], encoding="utf-8") as source:
+        count = run_client(_enqueue(settings, source, job, wait, timeout, rejected))
     click.echo(f"enqueued {count} chunks as job {job!r}")
     for bad in rejected[:20]:
         click.echo(f"line {bad.line_number}: {bad.reason}", err=True)
@@ -71,7 +101,7 @@ def enqueue_command(
 
 async def _enqueue(
     settings: Settings,
-    source: click.utils.LazyFile,
+    source: TextIO,
     job: str,
     wait: bool,
     timeout: float | None,
@@ -80,6 +110,37 @@ async def _enqueue(
     async with client_for(settings) as producer:
         with Progress("enqueue", "chunks") as bar:
             count = await producer.enqueue(read_chunks(source, job, rejected), on_batch=bar.update)
+        if wait and count:
+            await _wait_with_bar(producer, job, count, timeout)
+    return count
+
+
+async def _enqueue_documents(
+    settings: Settings,
+    sources: tuple[str, ...],
+    job: str,
+    overlap: int | None,
+    wait: bool,
+    timeout: float | None,
+) -> int:
+    from embedfleet.producer.documents import read_documents
+
+    paths = [Path(source) for source in sources]
+    for path in paths:
+        if not path.is_file():
+            raise click.BadParameter(f"{path} is not a file", param_hint="SOURCES")
+    async with Producer(settings) as producer:
+        try:
+            splitter = producer.document_splitter(overlap)
+        except (ImportError, ValueError) as error:
+            raise click.ClickException(str(error)) from None
+        with Progress("enqueue", "chunks") as bar:
+            try:
+                count = await producer.enqueue(
+                    splitter.split_all(read_documents(paths), job), job=job, on_batch=bar.update
+                )
+            except ValueError as error:  # a bad JSONL document line
+                raise click.ClickException(str(error)) from None
         if wait and count:
             await _wait_with_bar(producer, job, count, timeout)
     return count

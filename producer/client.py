@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import redis.asyncio as aioredis
@@ -40,6 +40,9 @@ from embedfleet.shared.redis_conn import (
 from embedfleet.shared.retry import OutageListener, RedisRetry, RedisUnavailableError, describe
 from embedfleet.shared.settings import Settings
 from redis import exceptions as redis_errors
+
+if TYPE_CHECKING:
+    from embedfleet.producer.documents import Document, DocumentSplitter
 
 log = get_logger("embedfleet.producer")
 ChunkLike = Chunk | Mapping[str, Any]
@@ -170,6 +173,7 @@ class Producer:
             redact_url(self.settings.effective_redis_url), self.settings.redis_retry_s, on_outage
         )
         self._served: ServedModel | None = None
+        self._splitters: dict[tuple[int, str | None], DocumentSplitter] = {}
 
     async def __aenter__(self) -> Producer:
         await self.setup()
@@ -244,6 +248,47 @@ class Producer:
         if batch:
             total += await self._send(batch, on_batch)
         return total
+
+    async def enqueue_documents(
+        self,
+        documents: Iterable[Document | Mapping[str, Any]],
+        *,
+        job: str | None = None,
+        overlap_tokens: int | None = None,
+        prompt_name: str | None = None,
+        batch_size: int = 1000,
+        on_batch: Callable[[int], None] | None = None,
+    ) -> int:
+        """Split whole documents ({"id", "text", "meta"?} or ``Document``) with the model's own
+        tokenizer and enqueue the chunks; returns how many chunks.
+
+        Chunks are ``<id>#<n>``, at most the model's maximum length minus special and prompt
+        tokens, overlapping by ``overlap_tokens`` (default EMBEDFLEET_DOCUMENT_OVERLAP_TOKENS),
+        with the document's meta plus ``doc``, ``n``, ``start`` and ``end`` (character offsets).
+        Needs ``pip install 'embedfleet[documents]'``; see producer/documents.py.
+        """
+        splitter = self.document_splitter(overlap_tokens, prompt_name)
+        return await self.enqueue(
+            splitter.split_all(documents, job), job=job, batch_size=batch_size, on_batch=on_batch
+        )
+
+    def document_splitter(
+        self, overlap_tokens: int | None = None, prompt_name: str | None = None
+    ) -> DocumentSplitter:
+        """The splitter for this producer's model (EMBEDFLEET_MODEL), built once per options."""
+        from embedfleet.producer.documents import DocumentSplitter
+        from embedfleet.shared.modeldir import ModelFiles
+
+        overlap = (
+            self.settings.document_overlap_tokens if overlap_tokens is None else overlap_tokens
+        )
+        key = (overlap, prompt_name)
+        if key not in self._splitters:
+            files = ModelFiles.read(self.settings.model)
+            self._splitters[key] = DocumentSplitter(
+                files, overlap_tokens=overlap, prompt_name=prompt_name
+            )
+        return self._splitters[key]
 
     async def _wait_for_room(self, partitions: Iterable[Keys]) -> None:
         """Backpressure: hold enqueueing while a partition this batch goes to holds more than

@@ -1,0 +1,143 @@
+"""Whole documents in: split with the model's own tokenizer into chunks that always fit it.
+
+``semantic-text-splitter`` (Rust, maintained) cuts at the largest semantic unit that fits:
+paragraphs, then sentences, then words, counting tokens with the same ``tokenizers.Tokenizer``
+the worker uses (``tokenizer.json``, no torch). A chunk holds at most the model's maximum length
+minus its special tokens ([CLS]/[SEP]) and the prompt's tokens, so the worker never truncates
+one. Ids are ``<document id>#<n>``; every chunk carries the document's meta plus ``doc``, ``n``
+and the character offsets ``start``/``end`` (``text[start:end]`` is the chunk).
+
+Needs ``pip install 'embedfleet[documents]'`` (tokenizers, semantic-text-splitter).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from embedfleet.producer.tokens import load_tokenizer
+from embedfleet.shared.modeldir import ModelFiles
+from embedfleet.shared.protocol import Chunk
+
+MARKDOWN_SUFFIXES = frozenset({".md", ".markdown"})
+
+
+@dataclass(frozen=True)
+class Document:
+    id: str
+    text: str
+    meta: dict[str, Any] | None = None
+    markdown: bool = False
+
+
+def as_document(item: Document | Mapping[str, Any]) -> Document:
+    """A Document, or a mapping like one JSONL line: {"id", "text", "meta"?, "markdown"?}."""
+    if isinstance(item, Document):
+        return item
+    doc_id, text, meta = item.get("id"), item.get("text"), item.get("meta")
+    if not isinstance(doc_id, str) or not doc_id:
+        raise ValueError(f"document needs a non-empty string 'id', got {doc_id!r}")
+    if not isinstance(text, str):
+        raise ValueError(f"document {doc_id!r} needs a string 'text'")
+    if meta is not None and not isinstance(meta, dict):
+        raise ValueError(f"document {doc_id!r}: 'meta' must be an object")
+    return Document(doc_id, text, meta, bool(item.get("markdown", False)))
+
+
+class DocumentSplitter:
+    """Splits documents for one model; build once, reuse (the tokenizer loads once)."""
+
+    def __init__(
+        self, files: ModelFiles, *, overlap_tokens: int = 0, prompt_name: str | None = None
+    ) -> None:
+        try:
+            from semantic_text_splitter import MarkdownSplitter, TextSplitter
+        except ImportError as error:
+            raise ImportError(
+                "splitting documents needs semantic-text-splitter: "
+                "pip install 'embedfleet[documents]'"
+            ) from error
+        self.files = files
+        self.tokenizer = load_tokenizer(files)
+        self.special_tokens = len(self.tokenizer.encode("", add_special_tokens=True).ids)
+        name = prompt_name or files.default_prompt_name
+        prompt = files.prompts.get(name, "") if name else ""
+        self.prompt_tokens = (
+            len(self.tokenizer.encode(prompt, add_special_tokens=False).ids) if prompt else 0
+        )
+        self.capacity = files.max_length - self.special_tokens - self.prompt_tokens
+        if self.capacity < 8:
+            raise ValueError(f"{files.name} leaves only {self.capacity} tokens for text")
+        if not 0 <= overlap_tokens < self.capacity:
+            raise ValueError(
+                f"overlap of {overlap_tokens} tokens must be below the chunk size {self.capacity} "
+                "(EMBEDFLEET_DOCUMENT_OVERLAP_TOKENS)"
+            )
+        self._text = TextSplitter.from_huggingface_tokenizer(
+            self.tokenizer, capacity=self.capacity, overlap=overlap_tokens
+        )
+        self._markdown = MarkdownSplitter.from_huggingface_tokenizer(
+            self.tokenizer, capacity=self.capacity, overlap=overlap_tokens
+        )
+
+    def split(self, document: Document | Mapping[str, Any], job: str | None = None) -> list[Chunk]:
+        doc = as_document(document)
+        splitter = self._markdown if doc.markdown else self._text
+        chunks = []
+        for number, (start, piece) in enumerate(splitter.chunk_indices(doc.text)):
+            meta = {**(doc.meta or {}), "doc": doc.id, "n": number}
+            meta.update(start=start, end=start + len(piece))
+            chunks.append(Chunk(id=f"{doc.id}#{number}", text=piece, job=job, meta=meta))
+        return chunks
+
+    def split_all(
+        self, documents: Iterable[Document | Mapping[str, Any]], job: str | None = None
+    ) -> Iterator[Chunk]:
+        for document in documents:
+            yield from self.split(document, job)
+
+
+def read_documents(paths: Iterable[Path]) -> Iterator[Document]:
+    """Text and Markdown files (id: the path as given), or JSONL files of {"id", "text",
+    "meta"} documents, one per line."""
+    for path in paths:
+        if path.suffix.lower() == ".jsonl":
+            with path.open(encoding="utf-8") as handle:
+                for number, line in enumerate(handle, start=1):
+                    if not line.strip():
+                        continue
+                    try:
+                        yield as_document(json.loads(line))
+                    except (ValueError, json.JSONDecodeError) as error:
+                        raise ValueError(f"{path}:{number}: {error}") from None
+        else:
+            yield Document(
+                id=str(path),
+                text=path.read_text(encoding="utf-8"),
+                meta={"path": str(path)},
+                markdown=path.suffix.lower() in MARKDOWN_SUFFIXES,
+            )
+
+
+def builtin_document_chunks(
+    limit: int | None = None, *, model: str | None = None, overlap_tokens: int = 0
+) -> Iterator[Chunk]:
+    """The built-in corpus (Python's documentation topics) split as documents for ``model``
+    (default: EMBEDFLEET_MODEL): what `embedfleet demo` embeds without --corpus."""
+    from embedfleet.producer.chunker import builtin_documents
+    from embedfleet.shared.settings import Settings
+
+    splitter = DocumentSplitter(
+        ModelFiles.read(model or Settings().model), overlap_tokens=overlap_tokens
+    )
+    documents = (
+        Document(id=topic, text=text, meta={"topic": topic})
+        for topic, text in builtin_documents().items()
+    )
+    for produced, chunk in enumerate(splitter.split_all(documents)):
+        if limit is not None and produced >= limit:
+            return
+        yield chunk
