@@ -4,7 +4,9 @@ running gateway, a real worker process and a real Redis server."""
 from __future__ import annotations
 
 import base64
+import json
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -274,3 +276,120 @@ async def test_429_over_the_high_water_mark_then_success_after_drain(
 
 def test_files_dir_is_created(fleet_settings: Settings, gateway: str) -> None:
     assert Path(fleet_settings.files_dir).is_dir()
+
+
+def _batch_line(custom_id: str, body_input: object, **extra: object) -> str:
+    body = {"model": "all-MiniLM-L6-v2", "input": body_input, **extra}
+    return json.dumps(
+        {"custom_id": custom_id, "method": "POST", "url": "/v1/embeddings", "body": body}
+    )
+
+
+def test_batch_api_on_1000_lines_survives_a_gateway_restart(
+    fleet_settings: Settings, gateway: str, reference, tmp_path: Path
+) -> None:
+    texts = [chunk.text for chunk in builtin_corpus(1000)]
+    lines = [_batch_line(f"req-{n}", text) for n, text in enumerate(texts[:997])]
+    lines.append(_batch_line("multi", texts[997:999]))  # two inputs on one line
+    lines.append(_batch_line("short", texts[999], dimensions=32, encoding_format="base64"))
+    lines.append(_batch_line("tokens", [101, 7592, 2088, 102]))
+    source = tmp_path / "batch.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    # created through one gateway, which then stops: another finishes it (state is in Redis
+    # and the files directory, nothing in the process)
+    with running_gateway(fleet_settings) as first_url:
+        first = openai.OpenAI(base_url=f"{first_url}/v1", api_key=API_KEY, max_retries=0)
+        uploaded = first.files.create(file=source.open("rb"), purpose="batch")
+        assert uploaded.purpose == "batch" and uploaded.bytes == source.stat().st_size
+        batch = first.batches.create(
+            input_file_id=uploaded.id,
+            endpoint="/v1/embeddings",
+            completion_window="24h",
+            metadata={"test": "restart"},
+        )
+        assert batch.status == "validating" and batch.request_counts.total == 1000
+    client = openai.OpenAI(base_url=f"{gateway}/v1", api_key=API_KEY, max_retries=0)
+    deadline = time.monotonic() + 600
+    seen_statuses = set()
+    while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed"):
+        seen_statuses.add(batch.status)
+        assert time.monotonic() < deadline, f"batch still {batch.status}: {batch.request_counts}"
+        time.sleep(0.5)
+    assert batch.request_counts.completed == 1000 and batch.request_counts.failed == 0
+    assert batch.error_file_id is None and batch.metadata == {"test": "restart"}
+    assert batch.id in [b.id for b in client.batches.list()]
+    output = client.files.content(batch.output_file_id).text.splitlines()
+    records = [json.loads(line) for line in output]
+    custom_ids = [record["custom_id"] for record in records]
+    assert sorted(custom_ids) == sorted(
+        [f"req-{n}" for n in range(997)] + ["multi", "short", "tokens"]
+    )
+    assert len(set(custom_ids)) == 1000  # every custom_id exactly once
+    by_id = {record["custom_id"]: record for record in records}
+    for record in records:
+        assert record["error"] is None and record["id"].startswith("batch_req_")
+        assert record["response"]["status_code"] == 200
+    sample = [
+        by_id[f"req-{n}"]["response"]["body"]["data"][0]["embedding"] for n in range(0, 997, 50)
+    ]
+    assert min_cosine(np.array(sample), reference(texts[0:997:50])) >= 0.999
+    multi = by_id["multi"]["response"]["body"]
+    assert [d["index"] for d in multi["data"]] == [0, 1]
+    got = np.array([d["embedding"] for d in multi["data"]])
+    assert min_cosine(got, reference(texts[997:999])) >= 0.999
+    short = by_id["short"]["response"]["body"]["data"][0]["embedding"]
+    assert np.frombuffer(base64.b64decode(short), dtype="<f4").shape == (32,)
+    assert by_id["tokens"]["response"]["body"]["usage"]["prompt_tokens"] == 4
+
+
+def test_batch_files_are_validated_line_by_line(client: openai.OpenAI, tmp_path: Path) -> None:
+    source = tmp_path / "bad.jsonl"
+    source.write_text(
+        "\n".join(
+            [
+                _batch_line("a", "fine"),
+                _batch_line("a", "custom_id used twice"),
+                json.dumps({"custom_id": "b", "method": "GET", "url": "/v1/embeddings"}),
+                "not json",
+                _batch_line("c", "x").replace("all-MiniLM-L6-v2", "gpt-4"),
+            ]
+        )
+    )
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.files.create(file=source.open("rb"), purpose="batch")
+    message = caught.value.response.json()["error"]["message"]
+    assert "4 invalid lines" in message
+    for fragment in (
+        "line 2: custom_id 'a' is used twice",
+        "line 3: 'method'",
+        "line 4: not JSON",
+        "line 5: the model 'gpt-4'",
+    ):
+        assert fragment in message
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch_missing")
+
+
+def test_a_cancelled_batch_ends_cancelled_with_what_was_done(
+    fleet_settings: Settings, client: openai.OpenAI, tmp_path: Path
+) -> None:
+    source = tmp_path / "cancel.jsonl"
+    source.write_text("\n".join(_batch_line(f"c{n}", f"text {n}") for n in range(3000)) + "\n")
+    uploaded = client.files.create(file=source.open("rb"), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+    )
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status == "cancelling"
+    deadline = time.monotonic() + 300
+    while (batch := client.batches.retrieve(batch.id)).status != "cancelled":
+        assert time.monotonic() < deadline, batch.status
+        time.sleep(0.25)
+    counts = batch.request_counts
+    assert counts.total == 3000 and counts.completed + counts.failed == 3000
+    assert batch.cancelled_at is not None and batch.error_file_id is not None
+    errors = [
+        json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()
+    ]
+    assert all(e["error"]["code"] == "batch_cancelled" for e in errors)
+    assert len(errors) == counts.failed
