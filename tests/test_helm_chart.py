@@ -61,6 +61,8 @@ CORE_KINDS = {
     "Service",
     "PodDisruptionBudget",
     "HorizontalPodAutoscaler",
+    "Ingress",  # the gateway's (optional)
+    "PersistentVolumeClaim",  # the gateway's files volume
 }
 CRD_SCHEMAS = {
     ("keda.sh/v1alpha1", "ScaledObject"): "scaledobject_v1alpha1.json",
