@@ -63,7 +63,11 @@ class DocumentSplitter:
         self.files = files
         self.tokenizer = load_tokenizer(files)
         self.special_tokens = len(self.tokenizer.encode("", add_special_tokens=True).ids)
-        name = prompt_name or files.default_prompt_name
+        # the prompt the worker puts in front of an ingest chunk: the one named, else the
+        # model's document/passage prompt, else its default one
+        name = prompt_name or next(
+            (n for n in ("document", "passage") if n in files.prompts), files.default_prompt_name
+        )
         prompt = files.prompts.get(name, "") if name else ""
         self.prompt_tokens = (
             len(self.tokenizer.encode(prompt, add_special_tokens=False).ids) if prompt else 0

@@ -277,7 +277,7 @@ class BatchRunner:
             offset = end_of_line
             line = parse_line(raw, self.gateway)  # validated at upload: cannot fail here
             for text in line.texts:
-                chunk = Chunk(id=str(inputs), text=text, job=batch_id, reply=batch_id)
+                chunk = Chunk(id=str(inputs), text=text, job=batch_id, reply=batch_id, prompt="")
                 pipe.xadd(self.keys.ingest, {PAYLOAD_FIELD: encode_chunk(chunk)})
                 inputs += 1
             sent_lines += 1

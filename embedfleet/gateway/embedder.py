@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 
 from embedfleet.gateway.errors import APIError, overloaded
 from embedfleet.gateway.metrics import GatewayMetrics
-from embedfleet.producer.client import Producer, QueryTimeoutError
+from embedfleet.producer.client import EmbeddingOptions, Producer, QueryTimeoutError
 from embedfleet.shared.protocol import (
     Chunk,
     ProtocolError,
@@ -27,6 +27,10 @@ from embedfleet.shared.settings import Settings
 from embedfleet.shared.streams import live_workers
 
 LIVENESS_CACHE_S = 1.0
+# The gateway has already put any prompt (TEI's prompt_name) in front of the text: an empty
+# literal prompt stops the worker adding its lane's default one (query vs document), so a
+# request gets the same vectors whichever lane it rides.
+AS_SENT = EmbeddingOptions(prompt="")
 # Results taken off a reply list per round trip while collecting a large request
 COLLECT_PAGE = 512
 
@@ -105,7 +109,7 @@ class Embedder:
         self.metrics.inputs.labels("query").inc(len(texts))
         try:
             return await self.producer.embed_queries(
-                list(texts), timeout=self.settings.gateway_timeout_s
+                list(texts), timeout=self.settings.gateway_timeout_s, options=AS_SENT
             )
         except QueryTimeoutError as error:
             raise _timeout(str(error)) from None
@@ -121,7 +125,10 @@ class Embedder:
         reply_key = self.keys.reply(request)
         # No job: a one-off request must not show up in `embedfleet status` as a job. Every
         # chunk is answered on the reply list, with its vector or the reason it failed.
-        chunks = (Chunk(id=str(i), text=text, reply=request) for i, text in enumerate(texts))
+        chunks = (
+            Chunk(id=str(i), text=text, reply=request, prompt=AS_SENT.prompt)
+            for i, text in enumerate(texts)
+        )
         await self.producer.enqueue(chunks)
         vectors: np.ndarray | None = None
         seen = np.zeros(len(texts), dtype=bool)
