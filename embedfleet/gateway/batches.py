@@ -34,7 +34,7 @@ from embedfleet.gateway.inputs import (
     check_limits,
     shape_vectors,
 )
-from embedfleet.gateway.state import Gateway
+from embedfleet.gateway.state import Gateway, wire_options
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import (
@@ -277,7 +277,10 @@ class BatchRunner:
             offset = end_of_line
             line = parse_line(raw, self.gateway)  # validated at upload: cannot fail here
             for text in line.texts:
-                chunk = Chunk(id=str(inputs), text=text, job=batch_id, reply=batch_id, prompt="")
+                options = wire_options(self.gateway, "", line.dimensions)
+                chunk = options.apply(
+                    Chunk(id=str(inputs), text=text, job=batch_id, reply=batch_id)
+                )
                 pipe.xadd(self.keys.ingest, {PAYLOAD_FIELD: encode_chunk(chunk)})
                 inputs += 1
             sent_lines += 1

@@ -27,10 +27,6 @@ from embedfleet.shared.settings import Settings
 from embedfleet.shared.streams import live_workers
 
 LIVENESS_CACHE_S = 1.0
-# The gateway has already put any prompt (TEI's prompt_name) in front of the text: an empty
-# literal prompt stops the worker adding its lane's default one (query vs document), so a
-# request gets the same vectors whichever lane it rides.
-AS_SENT = EmbeddingOptions(prompt="")
 # Results taken off a reply list per round trip while collecting a large request
 COLLECT_PAGE = 512
 
@@ -79,12 +75,12 @@ class Embedder:
         self.fleet = fleet
         self.metrics = metrics
 
-    async def embed(self, texts: Sequence[str]) -> np.ndarray:
+    async def embed(self, texts: Sequence[str], options: EmbeddingOptions) -> np.ndarray:
         """float32 vectors (len(texts), dim) as the workers return them (fp16 on the wire)."""
         await self.fleet.require_worker()
         if len(texts) <= self.settings.gateway_lane_max_inputs:
-            return await self._via_query_lane(texts)
-        return await self._via_ingest(texts)
+            return await self._via_query_lane(texts, options)
+        return await self._via_ingest(texts, options)
 
     async def check_backlog(self) -> None:
         """429 while the ingest backlog is over the high-water mark (Producers wait there)."""
@@ -97,7 +93,7 @@ class Embedder:
                 self.settings.gateway_retry_after_s,
             )
 
-    async def _via_query_lane(self, texts: Sequence[str]) -> np.ndarray:
+    async def _via_query_lane(self, texts: Sequence[str], options: EmbeddingOptions) -> np.ndarray:
         queued = await self.client.xlen(self.keys.query)
         if queued >= self.settings.gateway_lane_high_water:
             raise overloaded(
@@ -109,7 +105,7 @@ class Embedder:
         self.metrics.inputs.labels("query").inc(len(texts))
         try:
             return await self.producer.embed_queries(
-                list(texts), timeout=self.settings.gateway_timeout_s, options=AS_SENT
+                list(texts), timeout=self.settings.gateway_timeout_s, options=options
             )
         except QueryTimeoutError as error:
             raise _timeout(str(error)) from None
@@ -118,7 +114,7 @@ class Embedder:
                 400, f"the worker rejected an input: {error}", code="input_rejected"
             ) from None
 
-    async def _via_ingest(self, texts: Sequence[str]) -> np.ndarray:
+    async def _via_ingest(self, texts: Sequence[str], options: EmbeddingOptions) -> np.ndarray:
         await self.check_backlog()
         self.metrics.inputs.labels("ingest").inc(len(texts))
         request = uuid.uuid4().hex
@@ -126,7 +122,7 @@ class Embedder:
         # No job: a one-off request must not show up in `embedfleet status` as a job. Every
         # chunk is answered on the reply list, with its vector or the reason it failed.
         chunks = (
-            Chunk(id=str(i), text=text, reply=request, prompt=AS_SENT.prompt)
+            options.apply(Chunk(id=str(i), text=text, reply=request))
             for i, text in enumerate(texts)
         )
         await self.producer.enqueue(chunks)

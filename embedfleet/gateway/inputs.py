@@ -113,10 +113,10 @@ def check_dimensions(dimensions: int | None, model_dim: int) -> None:
 
 def shape_vectors(vectors: np.ndarray, dimensions: int | None, normalized: bool) -> np.ndarray:
     """Matryoshka ``dimensions``: keep the first ``dimensions`` values and renormalise (when the
-    model's output is normalised), as sentence-transformers' truncate_dim does.
+    model's output is normalised).
 
-    Done here until the workers take ``dimensions`` themselves (helper i15's protocol fields);
-    the result is the same, the workers would only send fewer bytes.
+    The workers already do this when a chunk carries ``dimensions`` (the gateway sends it); this
+    is a no-op then, and keeps the answer right with a worker that predates the option.
     """
     if dimensions is None or dimensions >= vectors.shape[1]:
         return vectors

@@ -14,7 +14,7 @@ from embedfleet.gateway.inputs import (
     prepare,
     shape_vectors,
 )
-from embedfleet.gateway.state import Gateway, GatewayDep
+from embedfleet.gateway.state import Gateway, GatewayDep, wire_options
 
 router = APIRouter()
 
@@ -32,7 +32,8 @@ async def create_embeddings(body: EmbeddingRequest, gateway: GatewayDep) -> dict
     gateway.check_model(body.model)
     check_dimensions(body.dimensions, gateway.model.dim)
     prepared = prepare(body.input, gateway.tokenizer, gateway.settings)
-    vectors = await gateway.embedder.embed(prepared.texts)
+    options = wire_options(gateway, "", body.dimensions)
+    vectors = await gateway.embedder.embed(prepared.texts, options)
     vectors = shape_vectors(vectors, body.dimensions, gateway.model.normalize)
     return embeddings_response(gateway.served_name, vectors, body.encoding_format, prepared.tokens)
 

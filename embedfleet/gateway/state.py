@@ -12,7 +12,7 @@ from embedfleet.gateway.auth import KeyChecker
 from embedfleet.gateway.embedder import Embedder, FleetState
 from embedfleet.gateway.errors import APIError
 from embedfleet.gateway.metrics import GatewayMetrics
-from embedfleet.producer.client import Producer
+from embedfleet.producer.client import EmbeddingOptions, Producer
 from embedfleet.producer.tokens import ModelTokenizer
 from embedfleet.shared.modeldir import ModelFiles
 from embedfleet.shared.settings import Settings
@@ -69,3 +69,13 @@ def gateway_of(request: Request) -> Gateway:
 
 
 GatewayDep = Annotated[Gateway, Depends(gateway_of)]
+
+
+def wire_options(gateway: Gateway, prompt: str, dimensions: int | None) -> EmbeddingOptions:
+    """What every chunk the gateway sends asks of the worker, explicitly, so the fleet's own
+    defaults (EMBEDFLEET_DIMENSIONS, EMBEDFLEET_OUTPUT_DTYPE, each lane's default prompt) never
+    change an HTTP answer: this prompt ("" for none), these dimensions (the model's when not
+    asked), fp16 on the wire (the gateway answers in floats)."""
+    return EmbeddingOptions(
+        prompt=prompt, dimensions=dimensions or gateway.model.dim, dtype="float16"
+    )

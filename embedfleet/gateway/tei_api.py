@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from embedfleet import __name__ as package_name
 from embedfleet.gateway.errors import APIError
 from embedfleet.gateway.inputs import as_texts, check_dimensions, check_limits, shape_vectors
-from embedfleet.gateway.state import GatewayDep
+from embedfleet.gateway.state import GatewayDep, wire_options
 
 router = APIRouter()
 
@@ -39,9 +39,10 @@ async def embed(body: EmbedRequest, gateway: GatewayDep) -> list[list[float]]:
             param="normalize",
         )
     prompt = gateway.prompt_text(body.prompt_name)
-    texts = [prompt + text for text in as_texts(body.inputs, gateway.tokenizer, "inputs")]
+    texts = as_texts(body.inputs, gateway.tokenizer, "inputs")
     check_limits(texts, gateway.settings, "inputs")
-    lengths = gateway.tokenizer.lengths(texts)
+    # the worker tokenizes prompt and text together, as sentence-transformers does
+    lengths = gateway.tokenizer.lengths([prompt + text for text in texts])
     longest = max(lengths)
     if longest > gateway.model.max_length:
         if not body.truncate:
@@ -58,7 +59,10 @@ async def embed(body: EmbedRequest, gateway: GatewayDep) -> list[list[float]]:
                 "truncation_direction=Left is not available: the workers keep the start",
                 param="truncation_direction",
             )
-    vectors = await gateway.embedder.embed(texts)
+    # the prompt travels as an option: models that pool without it (include_prompt=false) need
+    # to know where it ends
+    options = wire_options(gateway, prompt, body.dimensions)
+    vectors = await gateway.embedder.embed(texts, options)
     if normalize and not gateway.model.normalize:
         vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
     vectors = shape_vectors(vectors, body.dimensions, normalize)
