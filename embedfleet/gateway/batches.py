@@ -321,10 +321,14 @@ class BatchRunner:
                         continue
                     if vectors is None:  # on disk, not in memory: a batch can be large
                         vectors = np.lib.format.open_memmap(
-                            scratch, mode="w+", dtype="<f2", shape=(total_inputs, result.dim)
+                            scratch,
+                            mode="w+",
+                            dtype="<f2",
+                            shape=(total_inputs, self.gateway.model.dim),
                         )
                     index = int(result.id)
-                    vectors[index] = result.vector
+                    # a line that asked for fewer dimensions got that many from the worker
+                    vectors[index, : result.dim] = result.vector
                     seen[index] = True
                 if len(page) < REPLY_PAGE:
                     break
