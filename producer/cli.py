@@ -129,7 +129,7 @@ async def _enqueue_documents(
     for path in paths:
         if not path.is_file():
             raise click.BadParameter(f"{path} is not a file", param_hint="SOURCES")
-    async with Producer(settings) as producer:
+    async with client_for(settings) as producer:
         try:
             splitter = producer.document_splitter(overlap)
         except (ImportError, ValueError) as error:

@@ -31,7 +31,7 @@ from embedfleet.producer.tokens import ModelTokenizer
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.modeldir import ModelFiles
 from embedfleet.shared.redis_conn import connect
-from embedfleet.shared.settings import Settings
+from embedfleet.shared.settings import Settings, SettingsError
 
 log = get_logger("embedfleet.gateway")
 
@@ -129,6 +129,13 @@ async def _send_error(
 
 
 def build_gateway(settings: Settings) -> Gateway:
+    if settings.partitions > 1:
+        # large requests and batches await their results on reply lists the workers write in
+        # the same script as the acknowledgement: one slot, so one partition, for now
+        raise SettingsError(
+            f"EMBEDFLEET_PARTITIONS={settings.partitions}: `embedfleet serve` supports one "
+            "partition so far; run the gateway against an unpartitioned namespace"
+        )
     model = ModelFiles.read(settings.model)
     client = connect(settings.effective_redis_url)
     producer = Producer(settings, client)

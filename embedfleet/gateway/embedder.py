@@ -94,7 +94,7 @@ class Embedder:
             )
 
     async def _via_query_lane(self, texts: Sequence[str], options: EmbeddingOptions) -> np.ndarray:
-        queued = await self.client.xlen(self.keys.query)
+        queued = await self.client.xlen(self.keys.query_lane.query)
         if queued >= self.settings.gateway_lane_high_water:
             raise overloaded(
                 f"the query lane is saturated ({queued} queries waiting, "
