@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-quick lint bench gpu-carry wheelhouse base-image image image-cuda
+.PHONY: install demo test test-quick lint bench bench-peers gpu-carry wheelhouse base-image image image-cuda
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -28,7 +28,18 @@ test-quick: install
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
-bench: install
+# Infinity, the benchmark's serving-engine peer, in an environment of its own (see
+# loadtest/requirements-infinity.txt)
+INFINITY_VENV ?= .venv-infinity
+$(INFINITY_VENV)/.installed: loadtest/requirements-infinity.txt constraints.txt
+	python3 -m venv $(INFINITY_VENV)
+	$(INFINITY_VENV)/bin/pip install -q -c constraints.txt torch
+	$(INFINITY_VENV)/bin/pip install -q -c constraints.txt -r loadtest/requirements-infinity.txt
+	touch $@
+
+bench-peers: $(INFINITY_VENV)/.installed
+
+bench: install bench-peers
 	$(PY) -m loadtest.bench
 
 # The folder a device run carries (Python 3.12 wheels the GPU image lacks + an fp16 copy of the

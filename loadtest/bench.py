@@ -45,11 +45,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import click
 import numpy as np
 import torch
+from embedfleet.workers.cpus import usable_cpus
 from embedfleet.workers.encoder import Encoder, Tokenized, resolve_model_path
 from embedfleet.workers.packing import PackedEncoder, PackLayout
 from embedfleet.workers.precision import cosines
 
 from loadtest.corpus import build_corpus, describe, token_lengths
+from loadtest.peers import InfinityConfig, InfinityPeer, infinity_available
 
 ST_SWEEP = (16, 32, 64, 128, 256)
 
@@ -304,6 +306,57 @@ class Fleet:
         return Run(seconds, progress.done, stats.real_tokens, stats.padded_tokens, vectors, busy)
 
 
+# --- serving-engine peers ------------------------------------------------------------------
+def start_infinity_peers(
+    wanted: bool,
+    device: torch.device,
+    auto_precision: str,
+    texts: list[str],
+    lengths: list[int],
+    threads: int,
+    say: Callable[[str], None],
+) -> list[InfinityPeer]:
+    """Infinity's torch engine in float32 and (where the fleet runs bf16) bfloat16, and its ONNX
+    engine where the peer environment can export the model offline."""
+    if not wanted:
+        return []
+    if not infinity_available():
+        say("no Infinity contenders: `make bench-peers` builds .venv-infinity for them")
+        return []
+    configs = [InfinityConfig("torch", "float32")]
+    if auto_precision == "bf16":
+        configs.append(InfinityConfig("torch", "bfloat16"))
+    configs.append(InfinityConfig("optimum", "float32"))
+    model_dir = resolve_model_path("all-MiniLM-L6-v2")
+    started: list[InfinityPeer] = []
+    for config in configs:
+        try:
+            started.append(InfinityPeer(config, model_dir, texts, threads, str(device)))
+        except RuntimeError as error:  # e.g. no ONNX export possible offline: say so, go on
+            say(f"{config.label}: not run ({error})")
+    return started
+
+
+def peer_contender(peer: InfinityPeer, lengths: list[int]) -> Contender:
+    """A peer's run, with padding counted as for a length-sorted batch of its batch size."""
+    precision = "bf16" if peer.config.dtype == "bfloat16" else "fp32"
+
+    def run(n: int) -> Run:
+        seconds, vectors = peer.embed(n)
+        padded = sorted_batch_padded_tokens(lengths[:n], peer.config.batch_size)
+        return Run(seconds, n, sum(lengths[:n]), padded, vectors)
+
+    return Contender(peer.config.label, precision, run)
+
+
+def sorted_batch_padded_tokens(lengths: Sequence[int], batch_size: int) -> int:
+    ordered = sorted(lengths, reverse=True)
+    return sum(
+        max(ordered[i : i + batch_size]) * len(ordered[i : i + batch_size])
+        for i in range(0, len(ordered), batch_size)
+    )
+
+
 # --- the run -------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _server(redis_url: str | None) -> Iterator[str]:
@@ -353,6 +406,12 @@ def machine_line() -> str:
 @click.option("--compile", "use_compile", is_flag=True, help="Add a torch.compile contender.")
 @click.option("--only", default="", help="Comma-separated contender names to run (debugging).")
 @click.option("--redis-url", default=None, help="Use this server instead of starting one.")
+@click.option(
+    "--peers/--no-peers",
+    default=True,
+    show_default=True,
+    help="Add Infinity (infinity-emb) contenders from .venv-infinity (`make bench-peers`).",
+)
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option(
     "--plot",
@@ -370,6 +429,7 @@ def main(
     use_compile: bool,
     only: str,
     redis_url: str | None,
+    peers: bool,
     json_out: Path | None,
     plot: Path | None,
 ) -> None:
@@ -382,7 +442,7 @@ def main(
 
     configure_logging("warning", "console")
     logging.getLogger("sentence_transformers").setLevel(logging.WARNING)
-    threads = threads or os.cpu_count() or 1
+    threads = threads or usable_cpus()
     torch.set_num_threads(threads)
     say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
 
@@ -471,6 +531,8 @@ def main(
                 ),
             )
         )
+    infinity = start_infinity_peers(peers, dev, auto_precision, texts, lengths, threads, say)
+    contenders += [peer_contender(peer, lengths) for peer in infinity]
     if only:
         wanted = {name.strip() for name in only.split(",")}
         contenders = [c for c in contenders if c.name in wanted or c.name == "st encode(32)"]
@@ -509,6 +571,8 @@ def main(
                     f"{run.texts / run.seconds:.1f} texts/s ({run.seconds:.1f} s)"
                 )
         peak_after = measure_peak(dev, with_bf16)
+    for peer in infinity:
+        peer.close()
     peak = Peak(max(peak_before.fp32, peak_after.fp32), max(peak_before.bf16, peak_after.bf16))
 
     baseline = contenders[0]
@@ -522,12 +586,8 @@ def main(
         ]
         first_run = contender.runs[0]
         median_seconds = statistics.median(run.seconds for run in contender.runs)
-        parity_min = next(
-            (
-                float(cosines(reference, run.vectors).min())
-                for run in contender.runs
-                if run.vectors is not None
-            ),
+        parity = next(
+            (cosines(reference, run.vectors) for run in contender.runs if run.vectors is not None),
             None,
         )
         busy = [run.model_busy for run in contender.runs if run.model_busy is not None]
@@ -541,7 +601,8 @@ def main(
                 "ratio": statistics.median(ratios),
                 "mfu": flops / median_seconds / peak.of(contender.precision),
                 "model_busy": statistics.median(busy) if busy else None,
-                "min_cosine_vs_st": parity_min,
+                "min_cosine_vs_st": None if parity is None else float(parity.min()),
+                "mean_cosine_vs_st": None if parity is None else float(parity.mean()),
                 "rates": rates,
             }
         )
@@ -587,16 +648,17 @@ def main(
 def render_table(rows: list[dict]) -> str:
     lines = [
         "| contender | texts/s | real tokens/s | padding waste | × encode(32) | MFU | model busy "
-        "| min cos vs st |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| min cos vs st | mean cos vs st |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         busy = "" if row["model_busy"] is None else f"{row['model_busy']:.0%}"
         parity = "" if row["min_cosine_vs_st"] is None else f"{row['min_cosine_vs_st']:.5f}"
+        mean = "" if row["mean_cosine_vs_st"] is None else f"{row['mean_cosine_vs_st']:.6f}"
         lines.append(
             f"| {row['name']} ({row['precision']}) | {row['texts_per_s']:.1f} | "
             f"{row['tokens_per_s']:,.0f} | {row['padding_waste']:.1%} | {row['ratio']:.2f} | "
-            f"{row['mfu']:.1%} | {busy} | {parity} |"
+            f"{row['mfu']:.1%} | {busy} | {parity} | {mean} |"
         )
     return "\n".join(lines)
 

@@ -103,7 +103,7 @@ class Settings(BaseSettings):
         default="auto", description="Where the model runs; `auto` picks CUDA when available."
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        default="float32",
+        default="auto",
         description="Compute precision. `auto` uses bf16 (CPU with AVX512-BF16/AMX, GPU) or fp16 "
         "where the device runs it natively, kept only if a parity probe at model load matches "
         "float32 (min cosine ≥ 0.99, mean ≥ 0.999; logged), else float32.",
@@ -113,6 +113,14 @@ class Settings(BaseSettings):
         ge=0,
         description="torch intra-op threads on CPU; 0 = the CPUs this process may use (affinity "
         "mask and cgroup CPU quota, not the node's core count).",
+    )
+    replicas: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Model replicas in one worker: N processes reading the same group, each with "
+        "threads/N (one thread each on CUDA), consumers `<consumer>-r<i>`, health ports "
+        "HEALTH_PORT+i. See docs/BENCHMARKS.md (replicas) for how the default was chosen.",
     )
     output_dtype: Literal["float16", "float32", "int8", "uint8", "binary", "ubinary"] = Field(
         default="float16",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 from embedfleet.shared.faults import WorkerFault
 from embedfleet.shared.settings import SettingsError, load_settings
@@ -22,8 +24,16 @@ from embedfleet.verbosity import verbose_option
     default=None,
     help="Serve only the priority query stream (dedicated query replicas; EMBEDFLEET_QUERY_ONLY).",
 )
+@click.option(
+    "--replicas",
+    type=click.IntRange(1, 64),
+    default=None,
+    help="Model replicas in this worker, as processes sharing the threads (EMBEDFLEET_REPLICAS).",
+)
 @verbose_option
-def worker_command(redis_url: str | None, model: str | None, query_only: bool | None) -> None:
+def worker_command(
+    redis_url: str | None, model: str | None, query_only: bool | None, replicas: int | None
+) -> None:
     """Embed chunks from the ingest stream until SIGTERM.
 
     Reads {namespace}:ingest through the consumer group in bulk, embeds, writes fp16 vectors to
@@ -31,7 +41,12 @@ def worker_command(redis_url: str | None, model: str | None, query_only: bool | 
     what it holds, then exits 0); a second signal exits at once and leaves entries pending for
     other workers. Every setting comes from EMBEDFLEET_* variables (see the README table).
     """
-    given = {"redis_url": redis_url, "model": model, "query_only": query_only}
+    given = {
+        "redis_url": redis_url,
+        "model": model,
+        "query_only": query_only,
+        "replicas": replicas,
+    }
     overrides = {key: value for key, value in given.items() if value}
     try:
         settings = load_settings(**overrides)
@@ -42,6 +57,11 @@ def worker_command(redis_url: str | None, model: str | None, query_only: bool | 
         check_sink(settings)  # a bad EMBEDFLEET_SINK fails now, not after the model loads
     except (SinkURLError, MissingExtraError) as error:
         raise click.ClickException(str(error)) from None
+    if settings.replicas > 1:  # a supervisor of N worker processes, each loading the model
+        from embedfleet.workers.replicas import run_replicas
+
+        as_env = {f"EMBEDFLEET_{key.upper()}": str(value) for key, value in overrides.items()}
+        sys.exit(run_replicas(settings, as_env))
     from embedfleet.workers.calibration import CalibrationError
     from embedfleet.workers.encoder import ModelNotFoundError
     from embedfleet.workers.model_dir import UnsupportedModelError

@@ -1,0 +1,125 @@
+"""`embedfleet worker --replicas N`: N worker processes under one parent, one consumer group."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+from embedfleet.producer.chunker import builtin_corpus
+from embedfleet.producer.client import Producer
+from embedfleet.shared.settings import Settings
+from embedfleet.workers.replicas import plan_replicas, replica_environment
+
+from tests.conftest import worker_env
+
+
+def test_plan_shares_the_threads_and_names_each_replica() -> None:
+    settings = Settings(consumer="pod-7", threads=8, health_port=9400)
+    plans = plan_replicas(settings, 4, on_cuda=False)
+    assert [p.consumer for p in plans] == ["pod-7-r0", "pod-7-r1", "pod-7-r2", "pod-7-r3"]
+    assert {p.threads for p in plans} == {2}
+    assert [p.health_port for p in plans] == [9400, 9401, 9402, 9403]
+    assert {p.threads for p in plan_replicas(settings, 3, on_cuda=True)} == {1}, "1 each on CUDA"
+    assert {p.threads for p in plan_replicas(settings, 16, on_cuda=False)} == {1}, "never 0"
+    assert {p.health_port for p in plan_replicas(Settings(), 2, on_cuda=False)} == {0}
+    env = replica_environment(plans[1], {"EMBEDFLEET_MODEL": "/m"})
+    assert env["EMBEDFLEET_REPLICAS"] == "1", "a replica does not start replicas of its own"
+    assert (env["EMBEDFLEET_CONSUMER"], env["EMBEDFLEET_THREADS"]) == ("pod-7-r1", "2")
+    assert env["EMBEDFLEET_MODEL"] == "/m"
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(child) for child in path.read_text().split()] if path.exists() else []
+
+
+def _two_free_ports() -> int:
+    """A port p with p + 1 free too: the replicas' health ports are HEALTH_PORT + index."""
+    while True:
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+                return port
+
+
+async def _wait_until_ready(ports: list[int]) -> None:
+    """Every replica's /readyz says 200: model loaded, Redis answers, a forward pass works.
+    (A consumer appears in XINFO CONSUMERS only once it has read something, so the group
+    cannot tell an idle replica from a missing one.)"""
+    async with aiohttp.ClientSession() as session, asyncio.timeout(480):
+        for port in ports:
+            while True:
+                try:
+                    async with session.get(f"http://127.0.0.1:{port}/readyz") as response:
+                        if response.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass  # not listening yet: the replica is still importing
+                await asyncio.sleep(0.2)
+
+
+def _start(settings: Settings, consumer: str, port: int, **extra: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "embedfleet.cli", "worker", "--replicas", "2"],
+        env=worker_env(
+            settings, EMBEDFLEET_CONSUMER=consumer, EMBEDFLEET_HEALTH_PORT=str(port), **extra
+        ),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+async def test_replicas_embed_together_and_drain_on_sigterm(
+    settings: Settings,
+) -> None:
+    port = _two_free_ports()
+    parent = _start(settings, "rep", port, EMBEDFLEET_READ_COUNT="8")
+    try:
+        await _wait_until_ready([port, port + 1])
+        assert len(_children(parent.pid)) == 2
+        chunks = list(builtin_corpus(120))
+        async with Producer(settings) as producer:
+            await producer.enqueue(chunks, job="replicas")
+            progress = await producer.wait_for_job("replicas", timeout=300)
+            results = {r.id: r async for r in producer.results(job="replicas")}
+        assert progress.done == 120 and progress.dead == 0
+        assert set(results) == {c.id for c in chunks}
+        assert all(np.isfinite(r.vector.astype(np.float32)).all() for r in results.values())
+        parent.send_signal(signal.SIGTERM)
+        _, stderr = await asyncio.to_thread(parent.communicate, timeout=120)
+        assert parent.returncode == 0, stderr.decode()[-2000:]
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+
+
+async def test_a_replica_that_dies_takes_the_worker_down(
+    settings: Settings,
+) -> None:
+    port = _two_free_ports()
+    parent = _start(settings, "die", port)
+    try:
+        await _wait_until_ready([port, port + 1])
+        victim, survivor = _children(parent.pid)
+        os.kill(victim, signal.SIGKILL)
+        _, stderr = await asyncio.to_thread(parent.communicate, timeout=120)
+        assert parent.returncode != 0, "a partial worker must exit non-zero for its supervisor"
+        assert not Path(f"/proc/{survivor}").exists(), "the other replica was drained too"
+        assert b"a replica exited on its own" in stderr
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()

@@ -1,0 +1,126 @@
+"""N model replicas in one worker: N processes under this one, reading the same group.
+
+On a GPU a small embedder leaves the device mostly idle from one process (the seed's lesson:
+32 replicas of a small model per H200); on a CPU, N replicas with threads/N each trade one
+model's intra-op parallelism for N models' overlap of tokenizing, Redis and Python work. Either
+way the replicas are plain workers: consumers ``<consumer>-r0``..``-r{N-1}`` of the same group,
+each with its share of the threads (one each on CUDA) and its own health port (the base port +
+its index), so the group, reclaim and drain work exactly as for separate pods.
+
+The parent only supervises: the first SIGTERM/SIGINT is passed on (every replica drains), a
+second is passed on too (every replica exits at once). A replica that exits on its own while
+the others run means this worker is no longer whole: the others are drained and the parent
+exits non-zero, so the supervisor restarts the pod rather than running a fraction of it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from embedfleet.shared.logging import configure_logging, get_logger
+from embedfleet.shared.settings import Settings
+from embedfleet.workers.cpus import usable_cpus
+
+log = get_logger("embedfleet.replicas")
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    index: int
+    consumer: str
+    threads: int
+    health_port: int
+
+
+def plan_replicas(settings: Settings, replicas: int, on_cuda: bool) -> list[ReplicaPlan]:
+    """Each replica's consumer name, thread share and health port."""
+    threads = 1 if on_cuda else max(1, (settings.threads or usable_cpus()) // replicas)
+    return [
+        ReplicaPlan(
+            index=index,
+            consumer=f"{settings.consumer}-r{index}",
+            threads=threads,
+            health_port=settings.health_port + index if settings.health_port else 0,
+        )
+        for index in range(replicas)
+    ]
+
+
+def replica_environment(plan: ReplicaPlan, overrides: Mapping[str, str]) -> dict[str, str]:
+    """This process's environment, the CLI's overrides, and the replica's own settings."""
+    return {
+        **os.environ,
+        **overrides,
+        "EMBEDFLEET_REPLICAS": "1",
+        "EMBEDFLEET_CONSUMER": plan.consumer,
+        "EMBEDFLEET_THREADS": str(plan.threads),
+        "EMBEDFLEET_HEALTH_PORT": str(plan.health_port),
+    }
+
+
+def run_replicas(settings: Settings, overrides: Mapping[str, str]) -> int:
+    """Start ``settings.replicas`` worker processes and supervise them; the exit status."""
+    configure_logging(settings.log_level, settings.log_format)  # the replicas' stream: stderr
+    on_cuda = settings.device == "cuda" or (settings.device == "auto" and _cuda_available())
+    plans = plan_replicas(settings, settings.replicas, on_cuda)
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-m", "embedfleet.cli", "worker"],
+            env=replica_environment(plan, overrides),
+            # Their own process group: a terminal's Ctrl-C reaches the parent alone, which passes
+            # it on once (a replica that got it twice would abort instead of draining).
+            process_group=0,
+        )
+        for plan in plans
+    ]
+    log.info(
+        "replicas started",
+        replicas=len(children),
+        threads_each=plans[0].threads,
+        consumers=[plan.consumer for plan in plans],
+    )
+    signalled = False
+
+    def pass_on(signum: int, _frame: object) -> None:
+        nonlocal signalled
+        signalled = True
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        status = 0
+        running = set(range(len(children)))
+        while running:
+            pid, wait_status = os.wait()
+            index = next((i for i in running if children[i].pid == pid), None)
+            if index is None:
+                continue
+            running.discard(index)
+            code = os.waitstatus_to_exitcode(wait_status)
+            children[index].returncode = code
+            if code != 0 or not signalled:
+                status = status or (code if code > 0 else 1)
+                if not signalled:
+                    log.error(
+                        "a replica exited on its own; draining the others",
+                        consumer=plans[index].consumer,
+                        exit_code=code,
+                    )
+                    pass_on(signal.SIGTERM, None)
+        return status
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
