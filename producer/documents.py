@@ -80,11 +80,15 @@ class DocumentSplitter:
                 f"overlap of {overlap_tokens} tokens must be below the chunk size {self.capacity} "
                 "(EMBEDFLEET_DOCUMENT_OVERLAP_TOKENS)"
             )
+        # A chunk counts as full from half the capacity: without the range the splitter keeps
+        # to the largest semantic unit that fits and leaves many tiny chunks (a 144-character
+        # "Changed in version" line on its own), which embed poorly and rank above the text.
+        capacity = (self.capacity // 2, self.capacity)
         self._text = TextSplitter.from_huggingface_tokenizer(
-            self.tokenizer, capacity=self.capacity, overlap=overlap_tokens
+            self.tokenizer, capacity=capacity, overlap=overlap_tokens
         )
         self._markdown = MarkdownSplitter.from_huggingface_tokenizer(
-            self.tokenizer, capacity=self.capacity, overlap=overlap_tokens
+            self.tokenizer, capacity=capacity, overlap=overlap_tokens
         )
 
     def split(self, document: Document | Mapping[str, Any], job: str | None = None) -> list[Chunk]:
