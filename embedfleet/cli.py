@@ -12,6 +12,7 @@ from embedfleet.producer.cli import (
     query_command,
     results_command,
 )
+from embedfleet.producer.dead import dead_group
 from embedfleet.producer.plan import plan_command
 from embedfleet.producer.search import index_command, search_command
 from embedfleet.producer.status import status_command
@@ -41,6 +42,7 @@ for command in (
     calibration_command,
     plan_command,
     serve_command,
+    dead_group,
 ):
     main.add_command(command)
 for command in (search_command, index_command):  # the vector database sinks

@@ -109,7 +109,9 @@ async def _enqueue(
 ) -> int:
     async with client_for(settings) as producer:
         with Progress("enqueue", "chunks") as bar:
-            count = await producer.enqueue(read_chunks(source, job, rejected), on_batch=bar.update)
+            count = await producer.enqueue(
+                read_chunks(source, job, rejected, settings.chunk_limits), on_batch=bar.update
+            )
         if wait and count:
             await _wait_with_bar(producer, job, count, timeout)
     return count

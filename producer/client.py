@@ -24,12 +24,17 @@ from embedfleet.shared.faults import is_transient
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import (
+    DEFAULT_LIMITS,
+    OPTION_NAMES,
     PAYLOAD_FIELD,
     Chunk,
+    ChunkLimits,
+    ProtocolError,
     Result,
-    check_embedding_options,
+    chunk_from_mapping,
     decode_result,
     encode_chunk,
+    validate_chunk,
 )
 from embedfleet.shared.redis_conn import (
     connect_client_settings,
@@ -71,9 +76,6 @@ class JobTimeoutError(TimeoutError):
 
 class QueryTimeoutError(TimeoutError):
     """No worker answered a query in time; the query was withdrawn and nothing is left behind."""
-
-
-OPTION_NAMES = ("prompt_name", "prompt", "dimensions", "dtype")
 
 
 @dataclass(frozen=True)
@@ -119,33 +121,26 @@ class ServedModel:
             )
 
 
-def as_chunk(item: ChunkLike, job: str | None, options: EmbeddingOptions | None = None) -> Chunk:
-    """Accept a Chunk or a mapping like one JSONL line: {"id", "text", "meta"?, options?}."""
+def as_chunk(
+    item: ChunkLike,
+    job: str | None,
+    options: EmbeddingOptions | None = None,
+    limits: ChunkLimits = DEFAULT_LIMITS,
+) -> Chunk:
+    """Accept a Chunk or a mapping like one JSONL line: {"id", "text", "meta"?, options?},
+    checked by the protocol's one validator with ``limits`` (what the worker would
+    dead-letter is refused here, with a ``ValueError``, a ``ProtocolError``, saying why)."""
     if isinstance(item, Chunk):
         chunk = item if job is None or item.job == job else dataclasses.replace(item, job=job)
     else:
-        chunk_id, text = item.get("id"), item.get("text")
-        if not isinstance(chunk_id, str) or not chunk_id:
-            raise ValueError(f"chunk needs a non-empty string 'id', got {chunk_id!r}")
-        if not isinstance(text, str):
-            raise ValueError(f"chunk {chunk_id!r} needs a string 'text'")
-        meta = item.get("meta")
-        if meta is not None and not isinstance(meta, dict):
-            raise ValueError(f"chunk {chunk_id!r}: 'meta' must be an object")
-        chunk = Chunk(
-            id=chunk_id,
-            text=text,
-            job=job or item.get("job"),
-            meta=meta,
-            **{name: item.get(name) for name in OPTION_NAMES},
-        )
+        fields = {name: item.get(name) for name in ("id", "text", "meta", *OPTION_NAMES)}
+        chunk = chunk_from_mapping(fields, limits, job=job or item.get("job"))
     if options is not None:
         chunk = options.apply(chunk)
     try:
-        check_embedding_options(**{name: getattr(chunk, name) for name in OPTION_NAMES})
-    except ValueError as error:
-        raise ValueError(f"chunk {chunk.id!r}: {error}") from None
-    return chunk
+        return validate_chunk(chunk, limits)
+    except ProtocolError as error:
+        raise ProtocolError(f"chunk {chunk.id!r}: {error}", error.code) from None
 
 
 class Producer:
@@ -241,7 +236,8 @@ class Producer:
         total = 0
         batch: list[Chunk] = []
         for item in chunks:
-            batch.append(await self._checked(as_chunk(item, job, options)))
+            chunk = as_chunk(item, job, options, self.settings.chunk_limits)
+            batch.append(await self._checked(chunk))
             if len(batch) >= batch_size:
                 total += await self._send(batch, on_batch)
                 batch = []
@@ -445,8 +441,8 @@ class Producer:
         """
         if not texts:
             raise ValueError("embed_queries needs at least one text")
-        if any(not isinstance(t, str) or not t.strip() for t in texts):
-            raise ValueError("every query must be a non-empty string")
+        if any(not isinstance(t, str) for t in texts):
+            raise ValueError("every query must be a string")
         if not timeout > 0:  # BLPOP with timeout 0 would wait forever
             raise ValueError(f"timeout must be a positive number of seconds, not {timeout}")
         give_up_at = time.monotonic() + timeout
@@ -461,8 +457,11 @@ class Producer:
             await self.setup(deadline=give_up_at)
             payloads: list[bytes] = []
             for index, text in enumerate(texts):
-                chunk = Chunk(
-                    id=f"{request}:{index}", text=text, reply=request, deadline_ms=deadline_ms
+                chunk = validate_chunk(  # the worker's own checks, before anything is sent
+                    Chunk(
+                        id=f"{request}:{index}", text=text, reply=request, deadline_ms=deadline_ms
+                    ),
+                    self.settings.chunk_limits,
                 )
                 if options is not None:
                     chunk = await self._checked(as_chunk(chunk, None, options), deadline=give_up_at)

@@ -1,4 +1,8 @@
-"""Reading chunks from JSON Lines: one {"id", "text", "meta"?} object per line."""
+"""Reading chunks from JSON Lines: one {"id", "text", "meta"?, options?} object per line.
+
+Each line goes through the protocol's one chunk validator (``chunk_from_mapping``) with the
+configured limits, so a line accepted here is a chunk the worker will embed.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO
 
-from embedfleet.shared.protocol import Chunk
+from embedfleet.shared.protocol import (
+    DEFAULT_LIMITS,
+    OPTION_NAMES,
+    Chunk,
+    ChunkLimits,
+    ProtocolError,
+    chunk_from_mapping,
+)
 
 
 @dataclass(frozen=True)
@@ -16,7 +27,12 @@ class BadLine:
     reason: str
 
 
-def read_chunks(stream: IO[str], job: str | None, rejected: list[BadLine]) -> Iterator[Chunk]:
+def read_chunks(
+    stream: IO[str],
+    job: str | None,
+    rejected: list[BadLine],
+    limits: ChunkLimits = DEFAULT_LIMITS,
+) -> Iterator[Chunk]:
     """Yield valid chunks; record each bad line (with its number and why) in ``rejected``."""
     for line_number, line in enumerate(stream, start=1):
         if not line.strip():
@@ -26,20 +42,12 @@ def read_chunks(stream: IO[str], job: str | None, rejected: list[BadLine]) -> It
         except json.JSONDecodeError as error:
             rejected.append(BadLine(line_number, f"not JSON: {error.msg}"))
             continue
-        reason = _problem(item)
-        if reason:
-            rejected.append(BadLine(line_number, reason))
+        if not isinstance(item, dict):
+            rejected.append(BadLine(line_number, "expected a JSON object"))
             continue
-        yield Chunk(id=item["id"], text=item["text"], job=job, meta=item.get("meta"))
-
-
-def _problem(item: object) -> str | None:
-    if not isinstance(item, dict):
-        return "expected a JSON object"
-    if not isinstance(item.get("id"), str) or not item["id"]:
-        return "'id' must be a non-empty string"
-    if not isinstance(item.get("text"), str) or not item["text"].strip():
-        return "'text' must be a non-empty string"
-    if "meta" in item and item["meta"] is not None and not isinstance(item["meta"], dict):
-        return "'meta' must be an object"
-    return None
+        # a line's own reply/deadline would turn it into a query: only these fields count
+        fields = {name: item.get(name) for name in ("id", "text", "meta", *OPTION_NAMES)}
+        try:
+            yield chunk_from_mapping(fields, limits, job=job)
+        except ProtocolError as error:
+            rejected.append(BadLine(line_number, str(error)))

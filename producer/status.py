@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import math
+import signal
 import sys
 from collections import deque
 from dataclasses import dataclass, field
@@ -196,7 +197,13 @@ def report(
         "dead_letters": {
             "count": snapshot.streams["dead"].length,
             "latest": [
-                {"entry_id": d.entry_id, "reason": d.reason, "id": d.chunk_id, "stream": d.stream}
+                {
+                    "entry_id": d.entry_id,
+                    "reason": d.reason,
+                    "detail": d.detail,
+                    "id": d.chunk_id,
+                    "stream": d.stream,
+                }
                 for d in snapshot.dead_latest
             ],
         },
@@ -314,9 +321,10 @@ def render(data: dict[str, Any], *, consumers_shown: int = 10, jobs_shown: int =
     if dead["count"]:
         lines.append(f"dead letters  {dead['count']:,} in {streams['dead']['key']}; latest:")
         for item in dead["latest"]:
-            reason = item["reason"] if len(item["reason"]) <= 90 else item["reason"][:87] + "..."
-            lines.append(f"  {item['entry_id']}  {item['id'] or '-'}: {reason}")
-        lines.append(f"  all of them: redis-cli XRANGE {streams['dead']['key']} - + COUNT 100")
+            said = f"{item['reason']}: {item['detail']}" if item.get("detail") else item["reason"]
+            said = said if len(said) <= 90 else said[:87] + "..."
+            lines.append(f"  {item['entry_id']}  {item['id'] or '-'}: {said}")
+        lines.append("  all of them: embedfleet dead list (replay them: embedfleet dead replay)")
     else:
         lines.append("dead letters  none")
     return "\n".join(lines)
@@ -434,7 +442,8 @@ def status_command(
         settings = load_settings(**({"redis_url": redis_url} if redis_url else {}))
     except SettingsError as error:
         raise click.ClickException(str(error)) from None
-    # Ctrl-C is how --watch is meant to end: no traceback, exit status 0.
+    # Ctrl-C is how --watch is meant to end: no traceback, exit status 0. (--watch installs
+    # its own handlers; this covers a Ctrl-C before they are in place.)
     with contextlib.suppress(KeyboardInterrupt):
         run_client(
             _status(settings, watch=watch, interval=interval, sample=sample, as_json=as_json)
@@ -456,30 +465,63 @@ async def _status(
                 rate = throughput(first, latest)
             _emit(report(latest, rate, settings), as_json)
             return
-        # Keep watching through an outage (the point of --watch is to see it end): say once on
-        # stderr that Redis is away and when it is back; give up after EMBEDFLEET_REDIS_RETRY_S.
-        retry = RedisRetry(
-            redact_url(settings.effective_redis_url), settings.redis_retry_s, StderrNotice()
-        )
-        history = History()
-        trend = Trend()  # the last minutes as sparklines, below the text view
-        while True:
-            snapshot = await retry.call(
-                "read the fleet's state", lambda: take_snapshot(client, settings.keys)
-            )
-            history.add(snapshot)
-            rate = history.throughput()
-            data = report(snapshot, rate, settings, measuring=rate is None)
-            trend.add(snapshot.monotonic, data)
-            if not as_json and sys.stdout.isatty():
-                click.clear()
-            _emit(data, as_json)
-            if not as_json:
-                click.echo("\n" + "\n".join(trend.lines(snapshot.monotonic)))
-                click.echo(f"\nrefreshing every {interval:g}s; Ctrl-C to stop")
-            await asyncio.sleep(interval)
+        # Ctrl-C (or SIGTERM) ends the watch through handlers of its own. asyncio.run's
+        # KeyboardInterrupt alone was not enough: a process started with SIGINT ignored (a
+        # background job of a non-interactive shell, `make test &`, some CI runners) inherits
+        # SIG_IGN, asyncio then installs nothing, and Ctrl-C never stopped the watch.
+        ended = _end_on_signals(asyncio.current_task())
+        try:
+            await _watch(client, settings, interval, as_json)
+        except asyncio.CancelledError:
+            if not ended.is_set():
+                raise
     finally:
         await client.aclose()
+
+
+async def _watch(
+    client: aioredis.Redis, settings: Settings, interval: float, as_json: bool
+) -> None:
+    # Keep watching through an outage (the point of --watch is to see it end): say once on
+    # stderr that Redis is away and when it is back; give up after EMBEDFLEET_REDIS_RETRY_S.
+    retry = RedisRetry(
+        redact_url(settings.effective_redis_url), settings.redis_retry_s, StderrNotice()
+    )
+    history = History()
+    trend = Trend()  # the last minutes as sparklines, below the text view
+    while True:
+        snapshot = await retry.call(
+            "read the fleet's state", lambda: take_snapshot(client, settings.keys)
+        )
+        history.add(snapshot)
+        rate = history.throughput()
+        data = report(snapshot, rate, settings, measuring=rate is None)
+        trend.add(snapshot.monotonic, data)
+        if not as_json and sys.stdout.isatty():
+            click.clear()
+        _emit(data, as_json)
+        if not as_json:
+            click.echo("\n" + "\n".join(trend.lines(snapshot.monotonic)))
+            click.echo(f"\nrefreshing every {interval:g}s; Ctrl-C to stop")
+        await asyncio.sleep(interval)
+
+
+def _end_on_signals(task: asyncio.Task[Any] | None) -> asyncio.Event:
+    """SIGINT and SIGTERM cancel ``task`` (the watch), whatever their inherited disposition;
+    the event returned tells that cancellation from any other."""
+    loop = asyncio.get_running_loop()
+    ended = asyncio.Event()
+
+    def end(signum: signal.Signals) -> None:
+        for each in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(each)  # a second Ctrl-C gets Python's default
+        ended.set()
+        if task is not None:
+            task.cancel(msg=f"watch ended by {signum.name}")
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, end, signum)
+    return ended
 
 
 async def _snapshot_or_fail(client: aioredis.Redis, settings: Settings) -> Snapshot:

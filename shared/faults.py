@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import random
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -111,6 +112,7 @@ _REDIS_TRANSIENT = (
     redis_errors.MasterDownError,
     redis_errors.ReadOnlyError,
     redis_errors.ClusterError,
+    redis_errors.AskError,  # also MOVED: a slot migrating
 )
 _REDIS_TRANSIENT_REPLIES = ("OOM ", "LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "READONLY")
 _REDIS_WORKER = (
@@ -124,6 +126,14 @@ _SQLSTATE_TRANSIENT_CLASSES = ("08", "40", "53", "57", "58", "55")  # connection
 _SQLSTATE_ROW_CLASSES = ("22", "23")  # data exception, integrity constraint violation
 # 28: bad credentials; 3D: no such database; 42: no such table/column, no privilege.
 _SQLSTATE_WORKER_CLASSES = ("28", "3D", "42", "0A", "XX")
+
+
+# What PostgreSQL says, at connection time, when only a person can help.
+_PG_REFUSED = re.compile(
+    r"password authentication failed|authentication failed|no pg_hba\.conf entry"
+    r"|(database|role) \"[^\"]*\" does not exist|permission denied|no password supplied",
+    re.IGNORECASE,
+)
 
 
 def system_of(error: BaseException) -> System:
@@ -152,13 +162,19 @@ def classify(error: BaseException, system: System | None = None) -> Fault:
 def _kind(error: BaseException) -> FaultKind:
     if isinstance(error, redis_errors.RedisError):
         return _redis_kind(error)
+    if isinstance(error, redis_errors.RedisClusterException):
+        return FaultKind.TRANSIENT  # no node serves the slot yet: a cluster failing over
     sqlstate = getattr(error, "sqlstate", None)
     if isinstance(sqlstate, str) and len(sqlstate) == 5:
         return _sqlstate_kind(sqlstate)
     if system_of(error) is System.POSTGRESQL:
         # psycopg errors without a SQLSTATE: the connection is gone or never came
-        # (OperationalError, InterfaceError); anything else is the worker's to report.
+        # (OperationalError, InterfaceError); anything else is the worker's to report. A refused
+        # connection carries no SQLSTATE either (libpq reports it as text): the server's words
+        # tell bad credentials or a missing database, which no wait fixes, from a server away.
         lost = type(error).__name__ in ("OperationalError", "InterfaceError")
+        if lost and _PG_REFUSED.search(str(error)):
+            return FaultKind.WORKER
         return FaultKind.TRANSIENT if lost else FaultKind.WORKER
     status = _http_status(error)
     if status is not None:

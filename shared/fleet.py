@@ -106,9 +106,10 @@ class JobState:
 @dataclass(frozen=True)
 class DeadLetter:
     entry_id: str
-    reason: str
+    reason: str  # the code (shared/deadletters.py: DeadReason)
     chunk_id: str | None
     stream: str | None
+    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -344,4 +345,5 @@ def _dead_letter(entry_id: bytes, fields: Mapping[bytes, bytes]) -> DeadLetter:
         reason=field(b"reason") or "(no reason field)",
         chunk_id=field(b"id") or None,
         stream=field(b"stream"),
+        detail=field(b"detail") or "",
     )

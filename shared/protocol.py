@@ -13,22 +13,32 @@ Why still v1: every new field is optional and a v1 reader that ignores them stil
 result it asked for (fp16 unless it asked otherwise), and a v1 chunk without them means what it
 always meant. A version bump would have made every existing producer's chunks unreadable to new
 workers, or every new worker's results unreadable to existing consumers, for no gain.
+
+dead letter (dead-letter stream): plain string fields for ``redis-cli XRANGE``, described in
+``shared/deadletters.py``.
+
+Validation of a chunk is written once, here (``chunk_from_mapping``), with the limits Settings
+holds (``ChunkLimits``): the producer, the JSON Lines reader and the worker's decoder all call it,
+so what a producer accepts is what a worker embeds.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 import msgpack
 import numpy as np
+from embedfleet.shared.deadletters import DeadReason
 
 PROTOCOL_VERSION = 1
 PAYLOAD_FIELD = b"m"
 MAX_ID_CHARS = 512
 MAX_PROMPT_NAME_CHARS = 256
 MAX_PROMPT_CHARS = 16_384
-DEAD_PAYLOAD_PREFIX_BYTES = 256
+# The optional embedding options a chunk may carry (see the module docstring).
+OPTION_NAMES = ("prompt_name", "prompt", "dimensions", "dtype")
 
 # Output precisions, as sentence-transformers names them (plus float16, the default).
 OutputDtype = Literal["float16", "float32", "int8", "uint8", "binary", "ubinary"]
@@ -51,7 +61,25 @@ def stored_length(dtype: str, dim: int) -> int:
 
 
 class ProtocolError(ValueError):
-    """A payload that is not a valid v1 message; the message says why, for a person to read."""
+    """A payload that is not a valid v1 message; the message says why, for a person to read,
+    and ``code`` is the dead-letter reason it files under."""
+
+    def __init__(self, message: str, code: DeadReason = DeadReason.INVALID) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ChunkLimits:
+    """What a chunk may hold. ``Settings.chunk_limits`` gives the configured ones."""
+
+    max_id_chars: int = MAX_ID_CHARS
+    max_text_chars: int = 1_000_000
+    max_meta_bytes: int = 16 * 1024
+    max_message_bytes: int = 4 * 1024 * 1024
+
+
+DEFAULT_LIMITS = ChunkLimits()
 
 
 @dataclass(frozen=True)
@@ -151,7 +179,10 @@ def _unpack_bounded(payload: bytes, max_bytes: int) -> Any:
     buffer could possibly hold, before anything is allocated: the memory-bomb defence.
     """
     if len(payload) > max_bytes:
-        raise ProtocolError(f"payload is {len(payload)} bytes, over the {max_bytes}-byte limit")
+        raise ProtocolError(
+            f"payload is {len(payload)} bytes, over the {max_bytes}-byte limit",
+            DeadReason.TOO_LARGE,
+        )
     size = len(payload)
     try:
         return msgpack.unpackb(
@@ -165,58 +196,83 @@ def _unpack_bounded(payload: bytes, max_bytes: int) -> Any:
             max_ext_len=0,
         )
     except UnicodeDecodeError as error:
-        raise ProtocolError(f"invalid UTF-8 in a string: {error.reason}") from None
+        raise ProtocolError(
+            f"invalid UTF-8 in a string: {error.reason}", DeadReason.NOT_MSGPACK
+        ) from None
     except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as error:
-        raise ProtocolError(f"not msgpack: {error}") from None
+        raise ProtocolError(f"not msgpack: {error}", DeadReason.NOT_MSGPACK) from None
     except ValueError as error:  # msgpack raises ValueError for limits and truncated input
-        raise ProtocolError(f"not msgpack: {error}") from None
+        raise ProtocolError(f"not msgpack: {error}", DeadReason.NOT_MSGPACK) from None
     except Exception as error:
-        raise ProtocolError(f"not msgpack: {type(error).__name__}: {error}") from None
+        raise ProtocolError(
+            f"not msgpack: {type(error).__name__}: {error}", DeadReason.NOT_MSGPACK
+        ) from None
 
 
-def decode_chunk(
-    payload: bytes,
-    *,
-    max_bytes: int = 4 * 1024 * 1024,
-    max_text_chars: int = 1_000_000,
-    max_meta_bytes: int = 16 * 1024,
-) -> Chunk:
-    """Parse and validate one chunk; raise ProtocolError with a readable reason."""
-    message = _unpack_bounded(payload, max_bytes)
+def decode_chunk(payload: bytes, limits: ChunkLimits = DEFAULT_LIMITS) -> Chunk:
+    """Parse and validate one chunk from the wire; raise ProtocolError with a readable reason."""
+    message = _unpack_bounded(payload, limits.max_message_bytes)
     if not isinstance(message, dict):
-        raise ProtocolError(f"expected a msgpack map, got {type(message).__name__}")
+        raise ProtocolError(
+            f"expected a msgpack map, got {type(message).__name__}", DeadReason.NOT_MSGPACK
+        )
     version = message.get("v")
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"unknown protocol version {version!r} (this worker speaks v1)")
+    return chunk_from_mapping(message, limits)
+
+
+def chunk_from_mapping(
+    message: Mapping[str, Any], limits: ChunkLimits = DEFAULT_LIMITS, *, job: str | None = None
+) -> Chunk:
+    """The one chunk validator: a mapping (a decoded message, a JSON line, a caller's dict)
+    becomes a Chunk, or ProtocolError says what is wrong. ``job`` overrides the mapping's."""
     chunk_id = message.get("id")
     if not isinstance(chunk_id, str) or not chunk_id:
         raise ProtocolError("'id' must be a non-empty string")
-    if len(chunk_id) > MAX_ID_CHARS:
-        raise ProtocolError(f"'id' is longer than {MAX_ID_CHARS} characters")
+    if len(chunk_id) > limits.max_id_chars:
+        raise ProtocolError(
+            f"'id' has {len(chunk_id)} characters, over the {limits.max_id_chars} limit",
+            DeadReason.TOO_LARGE,
+        )
     text = message.get("text")
     if not isinstance(text, str):
         raise ProtocolError(f"'text' must be a string, got {type(text).__name__}")
     if not text.strip():
         raise ProtocolError("'text' is empty or whitespace only")
-    if len(text) > max_text_chars:
-        raise ProtocolError(f"'text' has {len(text)} characters, over the {max_text_chars} limit")
-    job = message.get("job")
-    if job is not None and (not isinstance(job, str) or not job or len(job) > MAX_ID_CHARS):
+    if len(text) > limits.max_text_chars:
+        raise ProtocolError(
+            f"'text' has {len(text)} characters, over the {limits.max_text_chars} limit",
+            DeadReason.TOO_LARGE,
+        )
+    job = job if job is not None else message.get("job")
+    if job is not None and (not isinstance(job, str) or not job):
         raise ProtocolError("'job' must be a non-empty string when given")
+    if job is not None and len(job) > limits.max_id_chars:
+        raise ProtocolError(
+            f"'job' has {len(job)} characters, over the {limits.max_id_chars} limit",
+            DeadReason.TOO_LARGE,
+        )
     meta = message.get("meta")
     if meta is not None:
         if not isinstance(meta, dict):
             raise ProtocolError(f"'meta' must be a map, got {type(meta).__name__}")
-        meta_size = len(msgpack.packb(meta, use_bin_type=True))
-        if meta_size > max_meta_bytes:
-            raise ProtocolError(f"'meta' is {meta_size} bytes, over the {max_meta_bytes} limit")
+        try:
+            meta_size = len(msgpack.packb(meta, use_bin_type=True))
+        except (TypeError, ValueError, OverflowError) as error:
+            raise ProtocolError(f"'meta' cannot be sent as msgpack: {error}") from None
+        if meta_size > limits.max_meta_bytes:
+            raise ProtocolError(
+                f"'meta' is {meta_size} bytes, over the {limits.max_meta_bytes} limit",
+                DeadReason.TOO_LARGE,
+            )
     reply = message.get("reply")
     if reply is not None and (not isinstance(reply, str) or not reply):
         raise ProtocolError("'reply' must be a non-empty string when given")
     deadline = message.get("deadline")
     if deadline is not None and (not isinstance(deadline, int) or isinstance(deadline, bool)):
         raise ProtocolError("'deadline' must be an integer (unix milliseconds) when given")
-    options = {name: message.get(name) for name in ("prompt_name", "prompt", "dimensions", "dtype")}
+    options = {name: message.get(name) for name in OPTION_NAMES}
     check_embedding_options(**options)
     return Chunk(
         id=chunk_id,
@@ -226,6 +282,22 @@ def decode_chunk(
         reply=reply,
         deadline_ms=deadline,
         **options,
+    )
+
+
+def validate_chunk(chunk: Chunk, limits: ChunkLimits = DEFAULT_LIMITS) -> Chunk:
+    """A Chunk built in code passes the same checks as one read from the wire."""
+    return chunk_from_mapping(
+        {
+            "id": chunk.id,
+            "text": chunk.text,
+            "job": chunk.job,
+            "meta": chunk.meta,
+            "reply": chunk.reply,
+            "deadline": chunk.deadline_ms,
+            **{name: getattr(chunk, name) for name in OPTION_NAMES},
+        },
+        limits,
     )
 
 
@@ -282,30 +354,3 @@ def decode_result(payload: bytes) -> Result:
         dtype=dtype,
         dimension=dim,
     )
-
-
-def dead_letter_fields(
-    *,
-    reason: str,
-    stream: str,
-    entry_id: str,
-    payload: bytes | None,
-    chunk_id: str | None = None,
-    job: str | None = None,
-    deliveries: int = 1,
-) -> dict[str, str | bytes]:
-    """Fields of a dead-letter entry: readable strings, and never more than a prefix of input."""
-    fields: dict[str, str | bytes] = {
-        "reason": reason,
-        "stream": stream,
-        "entry_id": entry_id,
-        "deliveries": str(deliveries),
-    }
-    if chunk_id is not None:
-        fields["id"] = chunk_id
-    if job is not None:
-        fields["job"] = job
-    if payload is not None:
-        fields["payload_bytes"] = str(len(payload))
-        fields["payload_prefix"] = payload[:DEAD_PAYLOAD_PREFIX_BYTES]
-    return fields

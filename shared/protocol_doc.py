@@ -15,8 +15,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from embedfleet.shared.deadletters import PAYLOAD_PREFIX_BYTES, DeadReason
 from embedfleet.shared.protocol import (
-    DEAD_PAYLOAD_PREFIX_BYTES,
     DEFAULT_DTYPE,
     MAX_ID_CHARS,
     MAX_PROMPT_CHARS,
@@ -149,7 +149,15 @@ ERROR_REPLY_FIELDS: tuple[WireField, ...] = (
 )
 
 DEAD_LETTER_FIELDS: tuple[WireField, ...] = (
-    WireField("reason", "string", True, "why the entry could not be embedded"),
+    WireField(
+        "reason",
+        "string",
+        True,
+        "a code: "
+        + ", ".join(f"`{reason.value}`" for reason in DeadReason)
+        + " (`other`: written before codes existed); the metrics' `reason` label",
+    ),
+    WireField("detail", "string", True, "why, in words, for a person"),
     WireField("stream", "string", True, "the stream the entry came from"),
     WireField("entry_id", "string", True, "its entry id there"),
     WireField("deliveries", "string", True, "how many times it was delivered"),
@@ -157,10 +165,17 @@ DEAD_LETTER_FIELDS: tuple[WireField, ...] = (
     WireField("job", "string", False, "the chunk's job, when it could be read"),
     WireField("payload_bytes", "string", False, "the size of the entry's `m` field"),
     WireField(
+        "payload",
+        "bytes",
+        False,
+        "the entry's `m` field, whole, when at most `EMBEDFLEET_DEAD_PAYLOAD_MAX_BYTES` "
+        f"({_default('dead_payload_max_bytes'):,}): what `embedfleet dead replay` sends again",
+    ),
+    WireField(
         "payload_prefix",
         "bytes",
         False,
-        f"the first {DEAD_PAYLOAD_PREFIX_BYTES} bytes of the entry's `m` field",
+        f"instead of `payload` when it is bigger: its first {PAYLOAD_PREFIX_BYTES} bytes",
     ),
 )
 

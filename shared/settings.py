@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from embedfleet.shared.keys import DEFAULT_GROUP, DEFAULT_NAMESPACE, MAX_PARTITIONS, Keys
+from embedfleet.shared.protocol import ChunkLimits
 from embedfleet.shared.redis_conn import split_cluster_url
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -224,7 +225,9 @@ class Settings(BaseSettings):
     sink_retries: int = Field(
         default=5,
         ge=1,
-        description="Tries of a failing sink write before the batch is dead-lettered.",
+        description="Tries of a sink write failing with an error not known to be passing "
+        "(not an outage, not one refused row) before the worker exits non-zero. Outages are "
+        "waited out however long they last; a refused row is dead-lettered alone.",
     )
     redis_retry_s: float = Field(
         default=300.0,
@@ -262,6 +265,15 @@ class Settings(BaseSettings):
         default=16 * 1024,
         ge=0,
         description="Largest metadata (msgpack-encoded) passed through to results.",
+    )
+    max_id_chars: int = Field(
+        default=512, ge=1, description="Longest chunk id and job id accepted (characters)."
+    )
+    dead_payload_max_bytes: int = Field(
+        default=64 * 1024,
+        ge=0,
+        description="Dead letters keep the whole original payload up to this size, so "
+        "`embedfleet dead replay` can re-enqueue it; bigger ones keep a 256-byte prefix.",
     )
 
     # --- operations ----------------------------------------------------------------------
@@ -442,6 +454,16 @@ class Settings(BaseSettings):
     def cluster(self) -> bool:
         """Whether to use the cluster client (the setting or the URL's scheme says so)."""
         return split_cluster_url(self.effective_redis_url, self.redis_cluster)[1]
+
+    @property
+    def chunk_limits(self) -> ChunkLimits:
+        """The limits every side validates chunks with (producer, JSONL reader, worker)."""
+        return ChunkLimits(
+            max_id_chars=self.max_id_chars,
+            max_text_chars=self.max_text_chars,
+            max_meta_bytes=self.max_meta_bytes,
+            max_message_bytes=self.max_message_bytes,
+        )
 
     @property
     def effective_redis_url(self) -> str:

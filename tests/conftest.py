@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import subprocess
 import sys
+import threading
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
+from embedfleet.workers.events import WorkerEvents
 
 from embedfleet.server import ServerProcess, embedded_server_binary, preferred_server_binary
 
@@ -64,21 +70,123 @@ def model_under_test() -> str:
     return os.environ.get("EMBEDFLEET_TEST_MODEL") or PACKAGED_MODEL
 
 
-@pytest.fixture(scope="session")
-def encoder():
+@functools.cache
+def shared_encoder():
+    """The real model, loaded once per session, on first use."""
     from embedfleet.workers.encoder import Encoder
 
     return Encoder(model_under_test())
 
 
-@contextlib.asynccontextmanager
-async def running_worker(settings: Settings, encoder, client: aioredis.Redis):
-    """An in-process worker on ``settings``' namespace; drained and awaited on exit."""
-    from embedfleet.workers.sinks import RedisStreamSink
+@pytest.fixture(scope="session")
+def encoder():
+    return shared_encoder()
 
-    sink = RedisStreamSink(client, settings.keys)
-    async with running_sink_worker(settings, encoder, client, sink) as worker:
-        yield worker
+
+class Recorder(WorkerEvents):
+    """What an in-process worker reported, with waits on it: tests synchronise on the worker's
+    own events, never on sleeps. Hooks called from the model thread are moved to the loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._changed = asyncio.Event()
+        self.read: Counter[str] = Counter()  # stream → entries read
+        self.batches_started = 0
+        self.batches_encoded = 0
+        self.in_forward = False  # a bulk batch is on the model thread right now
+        self.texts_written = 0
+        self.dead: Counter[str] = Counter()  # reason code → entries
+        self.answered_mid_forward: list[bool] = []  # per query answered
+        self.lease_renewals = 0
+        self.transient: Counter[str] = Counter()  # system → waits
+        self.outages: dict[str, bool] = {}
+        self.sink_errors: list[tuple[str, str]] = []  # (exception type, fault kind)
+        self.rows_isolated = 0
+        self.reclaimed_count = 0
+
+    def _record(self, change: Callable[[], None]) -> None:
+        def apply() -> None:
+            change()
+            self._changed.set()
+
+        if threading.get_ident() == self._loop_thread:
+            apply()
+        else:
+            self.loop.call_soon_threadsafe(apply)
+
+    async def wait_for(
+        self, predicate: Callable[[Recorder], bool], what: str, timeout: float = 300.0
+    ) -> None:
+        """Until ``predicate(self)`` holds after some event; fails naming ``what``."""
+        try:
+            async with asyncio.timeout(timeout):
+                while not predicate(self):
+                    self._changed.clear()
+                    await self._changed.wait()
+        except TimeoutError:
+            raise AssertionError(f"no {what} within {timeout:g}s; recorded: {vars(self)}") from None
+
+    # --- hooks ------------------------------------------------------------------------
+    def entries_read(self, *, stream: str, count: int) -> None:
+        self._record(lambda: self.read.update({stream: count}))
+
+    def batch_started(self, *, texts: int, padded_tokens: int) -> None:
+        def change() -> None:
+            self.batches_started += 1
+            self.in_forward = True
+
+        self._record(change)
+
+    def batch_encoded(
+        self, *, texts: int, real_tokens: int, padded_tokens: int, seconds: float
+    ) -> None:
+        def change() -> None:
+            self.batches_encoded += 1
+            self.in_forward = False
+
+        self._record(change)
+
+    def query_answered(self, *, latency_seconds: float) -> None:
+        # read here, on the model thread, while the bulk forward (if any) is still running
+        mid_forward = self.in_forward
+        self._record(lambda: self.answered_mid_forward.append(mid_forward))
+
+    def results_written(self, *, texts: int, seconds: float) -> None:
+        def change() -> None:
+            self.texts_written += texts
+
+        self._record(change)
+
+    def dead_lettered(self, *, count: int, reason: str) -> None:
+        self._record(lambda: self.dead.update({reason: count}))
+
+    def leases_renewed(self, *, count: int) -> None:
+        def change() -> None:
+            self.lease_renewals += 1
+
+        self._record(change)
+
+    def reclaimed(self, *, count: int) -> None:
+        def change() -> None:
+            self.reclaimed_count += count
+
+        self._record(change)
+
+    def transient_fault(self, *, system: str, doing: str) -> None:
+        self._record(lambda: self.transient.update({system: 1}))
+
+    def outage(self, *, system: str, active: bool) -> None:
+        self._record(lambda: self.outages.__setitem__(system, active))
+
+    def sink_error(self, *, error: BaseException, kind: str) -> None:
+        self._record(lambda: self.sink_errors.append((type(error).__name__, kind)))
+
+    def row_isolated(self, *, rows: int) -> None:
+        def change() -> None:
+            self.rows_isolated += 1
+
+        self._record(change)
 
 
 def worker_env(settings: Settings, **extra: str) -> dict[str, str]:
@@ -93,13 +201,117 @@ def worker_env(settings: Settings, **extra: str) -> dict[str, str]:
     }
 
 
-def start_worker_process(settings: Settings, name: str, **extra: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "embedfleet.cli", "worker"],
-        env=worker_env(settings, EMBEDFLEET_CONSUMER=name, **extra),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+class WorkerProcess:
+    """An `embedfleet worker` process; its log (JSON lines) goes to a file, never a pipe that
+    could fill up and stall it."""
+
+    def __init__(self, settings: Settings, name: str, log_path: Path, env: dict[str, str]) -> None:
+        self.name = name
+        self.log_path = log_path
+        with log_path.open("wb") as log_file:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", "embedfleet.cli", "worker"],
+                env=worker_env(settings, EMBEDFLEET_CONSUMER=name, **env),
+                stdout=subprocess.DEVNULL,
+                stderr=log_file,
+            )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    async def wait_for_log(self, text: str, timeout: float = 300.0) -> None:
+        """Until the worker has logged a line holding ``text``: its log is what a process
+        emits as events (read every 50 ms; the line itself is the signal, not the time)."""
+        async with asyncio.timeout(timeout):
+            while text not in self.log():
+                if self.popen.poll() is not None:
+                    raise AssertionError(f"worker exited before logging {text!r}: {self.log()}")
+                await asyncio.sleep(0.05)
+
+    def send_signal(self, signum: int) -> None:
+        self.popen.send_signal(signum)
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.popen.wait(timeout)
+
+    def stop(self) -> None:
+        """Kill it if it still runs (test teardown)."""
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait()
+
+
+class WorkerLauncher:
+    """The one way tests start workers.
+
+    ``async with workers.run(settings, sink=...) as worker``: in this process, with a Recorder
+    as its listener (``worker.listener``) to synchronise on; drained and awaited on exit.
+    ``workers.process(name, settings, **env)``: an `embedfleet worker` process, killed at the
+    end of the test if it still runs.
+    """
+
+    def __init__(
+        self, settings: Settings, encoder_source: Callable[[], Any], log_dir: Path
+    ) -> None:
+        self.settings = settings
+        self._encoder_source = encoder_source
+        self.log_dir = log_dir
+        self.processes: list[WorkerProcess] = []
+
+    @contextlib.asynccontextmanager
+    async def run(
+        self,
+        settings: Settings | None = None,
+        *,
+        sink: Any = None,
+        client: aioredis.Redis | None = None,
+        encoder: Any = None,
+    ) -> AsyncIterator[Any]:
+        """``encoder`` None: the packaged model, loaded once per session."""
+        from embedfleet.workers.sinks import RedisStreamSink
+        from embedfleet.workers.worker import Worker
+
+        settings = settings or self.settings
+        encoder = encoder or self._encoder_source()
+        own_client = client is None
+        client = client or connect(settings.effective_redis_url)
+        sink = sink or RedisStreamSink(client, settings.keys)
+        try:
+            await sink.setup(encoder.name, encoder.dim)
+            worker = Worker(settings, encoder, client, sink, Recorder())
+            task = asyncio.create_task(worker.run())
+            try:
+                yield worker
+            finally:
+                worker.drain()
+                # the drain's own bound, and some: a loaded machine may need all of it
+                await asyncio.wait_for(task, timeout=settings.drain_timeout_s + 30)
+                await sink.close()
+        finally:
+            if own_client:
+                await client.aclose()
+
+    def process(self, name: str, settings: Settings | None = None, **env: str) -> WorkerProcess:
+        log_path = self.log_dir / f"worker-{name}-{len(self.processes)}.log"
+        process = WorkerProcess(settings or self.settings, name, log_path, env)
+        self.processes.append(process)
+        return process
+
+    def stop_all(self) -> None:
+        for process in self.processes:
+            process.stop()
+
+
+@pytest.fixture
+def workers(settings: Settings, tmp_path: Path) -> Iterator[WorkerLauncher]:
+    """The worker launcher (in-process or `embedfleet worker` processes) on ``settings``.
+    The model is loaded only when an in-process worker is started."""
+    launcher = WorkerLauncher(settings, shared_encoder, tmp_path)
+    yield launcher
+    launcher.stop_all()
 
 
 @pytest.fixture(scope="session")
@@ -115,19 +327,3 @@ def pg_server(tmp_path_factory: pytest.TempPathFactory):
     server = pgserver.get_server(data, cleanup_mode="delete")
     yield server
     server.cleanup()
-
-
-@contextlib.asynccontextmanager
-async def running_sink_worker(settings: Settings, encoder, client: aioredis.Redis, sink):
-    """``running_worker`` writing to ``sink``: set up for the model first, closed on exit."""
-    from embedfleet.workers.worker import Worker
-
-    await sink.setup(encoder.name, encoder.dim)
-    worker = Worker(settings, encoder, client, sink)
-    task = asyncio.create_task(worker.run())
-    try:
-        yield worker
-    finally:
-        worker.drain()
-        await asyncio.wait_for(task, timeout=60)
-        await sink.close()

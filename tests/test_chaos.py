@@ -20,7 +20,7 @@ from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk
 from embedfleet.shared.settings import Settings
 
-from tests.conftest import start_worker_process
+from tests.conftest import WorkerLauncher
 
 pytestmark = pytest.mark.chaos
 CHUNKS = 3000
@@ -33,7 +33,9 @@ def corpus() -> list[Chunk]:
     return [Chunk(id=f"c{i}", text=text) for i, text in zip(range(CHUNKS), itertools.cycle(texts))]
 
 
-async def test_random_sigkills_lose_nothing(settings: Settings, client: aioredis.Redis) -> None:
+async def test_random_sigkills_lose_nothing(
+    workers: WorkerLauncher, settings: Settings, client: aioredis.Redis
+) -> None:
     rng = random.Random(20261129)
     env = {
         "EMBEDFLEET_RECLAIM_IDLE_MS": "3000",
@@ -41,7 +43,7 @@ async def test_random_sigkills_lose_nothing(settings: Settings, client: aioredis
         "EMBEDFLEET_READ_COUNT": "128",
     }
     names = ["chaos-0", "chaos-1", "chaos-2"]
-    workers = {name: start_worker_process(settings, name, **env) for name in names}
+    processes = {name: workers.process(name, settings, **env) for name in names}
     kills = 0
     chunks = corpus()
     started = time.monotonic()
@@ -56,13 +58,13 @@ async def test_random_sigkills_lose_nothing(settings: Settings, client: aioredis
             while kills < KILLS:
                 await asyncio.sleep(rng.uniform(1.0, 4.0))
                 victim = rng.choice(names)
-                workers[victim].send_signal(signal.SIGKILL)
-                await asyncio.to_thread(workers[victim].wait, 30)
+                processes[victim].send_signal(signal.SIGKILL)
+                await asyncio.to_thread(processes[victim].wait, 30)
                 kills += 1
                 done = (await producer.progress("chaos")).done
                 print(f"kill {kills}: {victim} at {time.monotonic() - started:.1f}s, done={done}")
                 # restarted under a new name: the old consumer's entries must be reclaimed
-                workers[victim] = start_worker_process(settings, f"{victim}-r{kills}", **env)
+                processes[victim] = workers.process(f"{victim}-r{kills}", settings, **env)
             progress = await producer.wait_for_job("chaos", timeout=600)
             results = [r async for r in producer.results(job="chaos")]
             deadline = time.monotonic() + 60
@@ -72,9 +74,9 @@ async def test_random_sigkills_lose_nothing(settings: Settings, client: aioredis
                 await asyncio.sleep(0.5)
             dead = await client.xrange(settings.keys.dead)
     finally:
-        for process in workers.values():
+        for process in processes.values():
             process.send_signal(signal.SIGTERM)
-        for process in workers.values():
+        for process in processes.values():
             process.wait(timeout=60)
     ids = [r.id for r in results]
     expected = {c.id for c in chunks}
@@ -89,4 +91,7 @@ async def test_random_sigkills_lose_nothing(settings: Settings, client: aioredis
     assert set(ids) == expected
     assert pending["pending"] == 0
     assert len(dead) == len(BAD)
-    assert progress.done >= CHUNKS
+    # exact: the Lua acknowledgement counts and writes each entry once, however many workers
+    # finished it (a killed worker's entries are redone by another)
+    assert duplicates == 0 and len(ids) == CHUNKS
+    assert (progress.done, progress.dead) == (CHUNKS, 0)

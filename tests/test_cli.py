@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 from embedfleet.shared.settings import Settings
 
-VERBS = ["demo", "worker", "enqueue", "results", "query", "status", "search", "index"]
+from tests.conftest import WorkerLauncher
+
+VERBS = ["demo", "worker", "enqueue", "results", "query", "status", "search", "index", "dead"]
 
 
 def embedfleet(
@@ -58,13 +60,11 @@ def test_enqueue_reports_bad_lines_and_keeps_the_good(settings: Settings, tmp_pa
     assert "line 2: not JSON" in result.stderr and "line 3: 'id' must be" in result.stderr
 
 
-def test_enqueue_wait_then_export(settings: Settings, tmp_path: Path) -> None:
+def test_enqueue_wait_then_export(
+    workers: WorkerLauncher, settings: Settings, tmp_path: Path
+) -> None:
     env = _env(settings)
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "embedfleet.cli", "worker"],
-        env={**os.environ, **env},
-        stderr=subprocess.DEVNULL,
-    )
+    worker = workers.process("cli", settings)
     try:
         lines = [
             json.dumps({"id": f"doc{i}", "text": f"document number {i} about cats"})
@@ -93,7 +93,7 @@ def test_enqueue_wait_then_export(settings: Settings, tmp_path: Path) -> None:
         assert bad.returncode == 2 and ".npz or .jsonl" in bad.stderr
     finally:
         worker.send_signal(signal.SIGTERM)
-        assert worker.wait(timeout=60) == 0
+        assert worker.wait(timeout=60) == 0, worker.log()[-2000:]
     archive = np.load(npz)
     assert sorted(archive["ids"].tolist()) == sorted(f"doc{i}" for i in range(25))
     assert archive["vectors"].shape == (25, 384) and archive["vectors"].dtype == np.float16
@@ -118,7 +118,9 @@ def test_demo_runs_on_embedded_defaults(tmp_path: Path) -> None:
     assert np.load(tmp_path / "vectors.npz")["vectors"].shape == (150, 384)
 
 
-async def test_readme_redis_cli_example_is_embedded(redis_server, encoder, tmp_path: Path) -> None:
+async def test_readme_redis_cli_example_is_embedded(
+    workers: WorkerLauncher, redis_server, encoder, tmp_path: Path
+) -> None:
     """The README's by-hand XADD, run literally with redis-cli, comes back as a vector."""
     import asyncio
     import re
@@ -126,8 +128,6 @@ async def test_readme_redis_cli_example_is_embedded(redis_server, encoder, tmp_p
 
     from embedfleet.producer import Producer
     from embedfleet.shared.redis_conn import connect
-
-    from tests.conftest import running_worker
 
     if shutil.which("redis-cli") is None:
         pytest.skip("redis-cli not on PATH")
@@ -139,7 +139,7 @@ async def test_readme_redis_cli_example_is_embedded(redis_server, encoder, tmp_p
     client = connect(settings.effective_redis_url)
     try:
         await client.delete(settings.keys.results, settings.keys.ingest)
-        async with running_worker(settings, encoder, client):
+        async with workers.run(settings):
             subprocess.run(["sh", "-c", line], check=True, capture_output=True)
             for _ in range(100):
                 if await client.xlen(settings.keys.results):

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,7 +13,7 @@ from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import Settings
 
-from tests.conftest import running_worker
+from tests.conftest import WorkerLauncher
 
 LONG_TEXT = " ".join(f"word{i} and some filler text" for i in range(600))  # ~3,000 tokens
 
@@ -26,12 +23,12 @@ def corpus(count: int) -> list[Chunk]:
 
 
 async def test_fleet_matches_sentence_transformers(
-    settings: Settings, client: aioredis.Redis, encoder
+    workers: WorkerLauncher, settings: Settings, client: aioredis.Redis, encoder
 ) -> None:
     from sentence_transformers import SentenceTransformer
 
     chunks = [*corpus(300), Chunk(id="long", text=LONG_TEXT, meta={"kind": "long"})]
-    async with Producer(settings, client) as producer, running_worker(settings, encoder, client):
+    async with Producer(settings, client) as producer, workers.run(settings):
         await producer.enqueue(chunks, job="parity")
         progress = await producer.wait_for_job("parity", timeout=300)
         results = {r.id: r async for r in producer.results(job="parity")}
@@ -51,29 +48,13 @@ async def test_fleet_matches_sentence_transformers(
     assert all(r.dim == 384 and r.model == "all-MiniLM-L6-v2" for r in results.values())
 
 
-def _worker_process(settings: Settings, name: str) -> subprocess.Popen[bytes]:
-    env = {
-        **os.environ,
-        "EMBEDFLEET_REDIS_URL": settings.effective_redis_url,
-        "EMBEDFLEET_NAMESPACE": settings.namespace,
-        "EMBEDFLEET_CONSUMER": name,
-        "EMBEDFLEET_READ_COUNT": "64",
-        "EMBEDFLEET_BLOCK_MS": "200",
-        "EMBEDFLEET_LOG_FORMAT": "json",
-    }
-    return subprocess.Popen(
-        [sys.executable, "-m", "embedfleet.cli", "worker"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-
-
 async def test_two_worker_processes_every_id_exactly_once(
-    settings: Settings, client: aioredis.Redis
+    workers: WorkerLauncher, settings: Settings, client: aioredis.Redis
 ) -> None:
     chunks = corpus(600)
-    workers = [_worker_process(settings, f"worker-{i}") for i in range(2)]
+    processes = [
+        workers.process(f"worker-{i}", settings, EMBEDFLEET_READ_COUNT="64") for i in range(2)
+    ]
     try:
         async with Producer(settings, client) as producer:
             await producer.enqueue(chunks, job="two")
@@ -82,11 +63,11 @@ async def test_two_worker_processes_every_id_exactly_once(
             consumers = await client.xinfo_consumers(settings.keys.ingest, settings.group)
             pending = await client.xpending(settings.keys.ingest, settings.group)
     finally:
-        for process in workers:
+        for process in processes:
             process.send_signal(signal.SIGTERM)
-        codes = [process.wait(timeout=60) for process in workers]
-        logs = [process.stderr.read().decode() for process in workers]
-    assert progress.done == 600
+        codes = [process.wait(timeout=60) for process in processes]
+        logs = [process.log() for process in processes]
+    assert (progress.done, progress.dead) == (600, 0)  # exact: the Lua ack counts each once
     assert sorted(ids) == sorted(c.id for c in chunks)  # each exactly once
     assert pending["pending"] == 0
     busy = {c["name"].decode() for c in consumers}
@@ -97,11 +78,11 @@ async def test_two_worker_processes_every_id_exactly_once(
 
 
 async def test_bad_entries_are_dead_lettered_and_the_worker_goes_on(
-    settings: Settings, client: aioredis.Redis, encoder
+    workers: WorkerLauncher, settings: Settings, client: aioredis.Redis, encoder
 ) -> None:
     from embedfleet.shared.protocol import PAYLOAD_FIELD, encode_chunk
 
-    async with running_worker(settings, encoder, client):
+    async with workers.run(settings):
         await client.xadd(settings.keys.ingest, {PAYLOAD_FIELD: b"\xc1 not msgpack"})
         await client.xadd(settings.keys.ingest, {"text": "no m field"})
         await client.xadd(settings.keys.ingest, {PAYLOAD_FIELD: encode_chunk(Chunk("ok", "fine"))})
@@ -113,8 +94,9 @@ async def test_bad_entries_are_dead_lettered_and_the_worker_goes_on(
                 break
             await asyncio.sleep(0.1)
     dead = await client.xrange(settings.keys.dead)
-    reasons = sorted(fields[b"reason"].decode() for _, fields in dead)
-    assert reasons[0].startswith("entry has no 'm' field") and reasons[1].startswith("not msgpack")
+    reasons = sorted((fields[b"reason"].decode(), fields[b"detail"].decode()) for _, fields in dead)
+    assert reasons[0][0] == "no_payload" and reasons[0][1].startswith("entry has no 'm' field")
+    assert reasons[1][0] == "not_msgpack" and reasons[1][1].startswith("not msgpack")
     assert await client.xlen(settings.keys.results) == 1
     pending = await client.xpending(settings.keys.ingest, settings.group)
     assert pending["pending"] == 0
@@ -122,12 +104,13 @@ async def test_bad_entries_are_dead_lettered_and_the_worker_goes_on(
 
 @pytest.mark.parametrize("truncate", [False])
 async def test_overlong_text_dead_lettered_when_truncation_is_off(
-    settings: Settings, client: aioredis.Redis, encoder, truncate: bool
+    workers: WorkerLauncher, settings: Settings, client: aioredis.Redis, encoder, truncate: bool
 ) -> None:
     strict = settings.model_copy(update={"truncate": truncate})
-    async with Producer(strict, client) as producer, running_worker(strict, encoder, client):
+    async with Producer(strict, client) as producer, workers.run(strict):
         await producer.enqueue([Chunk("long", LONG_TEXT), Chunk("short", "hello")], job="t")
         progress = await producer.wait_for_job("t", timeout=60)
     assert (progress.done, progress.dead) == (1, 1)
     ((_, fields),) = await client.xrange(strict.keys.dead)
-    assert fields[b"id"] == b"long" and b"EMBEDFLEET_TRUNCATE=false" in fields[b"reason"]
+    assert fields[b"id"] == b"long" and b"EMBEDFLEET_TRUNCATE=false" in fields[b"detail"]
+    assert fields[b"reason"] == b"too_long"

@@ -13,7 +13,7 @@ from embedfleet.shared.settings import Settings
 from embedfleet.workers.frozen import FROZEN_MIN_COSINE, FrozenForward, build_checked
 from embedfleet.workers.precision import cosines
 
-from tests.conftest import running_worker
+from tests.conftest import WorkerLauncher
 
 
 def test_frozen_queries_match_sentence_transformers(encoder) -> None:
@@ -92,13 +92,13 @@ def test_a_model_that_does_not_trace_keeps_the_eager_path() -> None:
 
 @pytest.mark.parametrize("frozen", [True, False])
 async def test_the_lane_answers_with_and_without_the_frozen_graph(
-    settings: Settings, client: aioredis.Redis, frozen: bool
+    workers: WorkerLauncher, settings: Settings, client: aioredis.Redis, frozen: bool
 ) -> None:
     from embedfleet.workers.encoder import Encoder
 
     encoder = Encoder()  # its own: the session encoder may already hold a graph
     settings = settings.model_copy(update={"frozen_queries": frozen})
-    async with Producer(settings, client) as producer, running_worker(settings, encoder, client):
+    async with Producer(settings, client) as producer, workers.run(settings):
         vector = await producer.embed_query("how do I open a file?", timeout=30)
     assert encoder.has_query_graph is frozen
     expected = encoder.embed_texts(["how do I open a file?"])[0]

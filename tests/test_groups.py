@@ -58,9 +58,19 @@ async def test_blocking_read_wakes_on_a_query(settings: Settings, client: aiored
     other = connect(settings.effective_redis_url)
     try:
         reader = asyncio.create_task(consumer.read(count=10, block_ms=5000))
-        await asyncio.sleep(0.2)
+        # the server says when the read is blocked: it must be, for the wake-up to mean anything
+        await until_blocked(other, "xreadgroup")
         await other.xadd(settings.keys.query, {PAYLOAD_FIELD: encode_chunk(Chunk("q", "find"))})
         entries = await asyncio.wait_for(reader, timeout=2)
     finally:
         await other.aclose()
     assert [e.stream for e in entries] == [settings.keys.query]
+
+
+async def until_blocked(client: aioredis.Redis, command: str, timeout: float = 10.0) -> None:
+    """Until some connection is blocked in ``command`` (CLIENT LIST flag ``b``)."""
+    async with asyncio.timeout(timeout):
+        while not any(
+            "b" in c["flags"] and c["cmd"] == command for c in await client.client_list()
+        ):
+            await asyncio.sleep(0.01)  # polling the server's own state, not waiting blind

@@ -24,7 +24,7 @@ from embedfleet.workers.output import OutputOptionError, Outputs, quantize
 from embedfleet.workers.precision import cosines
 
 from tests import model_zoo
-from tests.conftest import running_worker, worker_env
+from tests.conftest import WorkerLauncher, worker_env
 from tests.test_model_families import MIN_COSINE, assert_parity, fleet_vectors, texts
 
 QUANTIZED_DTYPES = ("int8", "uint8", "binary", "ubinary")
@@ -104,7 +104,7 @@ def test_quantized_bytes_are_quantize_embeddings_bytes(tiny_encoder: Encoder, dt
 
 
 async def test_results_carry_dtype_and_dimension_through_redis(
-    settings: Settings, client: aioredis.Redis, tiny_encoder: Encoder
+    workers: WorkerLauncher, settings: Settings, client: aioredis.Redis, tiny_encoder: Encoder
 ) -> None:
     """Every precision and a Matryoshka dimension, per chunk, through a worker; int8 uses the
     calibration the worker stored in Redis, the same bytes a second reader computes from it."""
@@ -114,7 +114,7 @@ async def test_results_carry_dtype_and_dimension_through_redis(
         for dim in (13, 48)
     ]
     async with Producer(settings, client) as producer:
-        async with running_worker(settings, tiny_encoder, client):
+        async with workers.run(settings, encoder=tiny_encoder):
             await producer.enqueue(chunks, job="dtypes")
             progress = await producer.wait_for_job("dtypes", timeout=120)
             assert progress.done == len(chunks)
@@ -179,7 +179,11 @@ async def test_calibration_is_fixed_once_for_the_fleet(
 
 # --- prompts and options through the lanes ---------------------------------------------------
 async def test_lanes_use_query_and_document_prompts(
-    settings: Settings, client: aioredis.Redis, tiny_encoder: Encoder, model_dir: Path
+    workers: WorkerLauncher,
+    settings: Settings,
+    client: aioredis.Redis,
+    tiny_encoder: Encoder,
+    model_dir: Path,
 ) -> None:
     from sentence_transformers import SentenceTransformer
 
@@ -187,7 +191,7 @@ async def test_lanes_use_query_and_document_prompts(
     text = "how do I open a file?"
     options = EmbeddingOptions(dtype="float32")
     async with Producer(settings, client) as producer:
-        async with running_worker(settings, tiny_encoder, client):
+        async with workers.run(settings, encoder=tiny_encoder):
             query = await producer.embed_query(text, timeout=60, options=options)
             named = await producer.embed_query(
                 text, timeout=60, options=EmbeddingOptions(prompt_name="document", dtype="float32")
@@ -205,18 +209,11 @@ async def test_lanes_use_query_and_document_prompts(
 
 
 def test_worker_refuses_an_unsupported_module_at_start(
-    settings: Settings, model_dir: Path, tmp_path: Path
+    workers: WorkerLauncher, settings: Settings, model_dir: Path, tmp_path: Path
 ) -> None:
     broken = model_zoo.with_extra_module(
         model_dir, tmp_path / "broken", "sentence_transformers.models.WeightedLayerPooling"
     )
-    env = worker_env(settings, EMBEDFLEET_MODEL=str(broken))
-    run = subprocess.run(
-        [sys.executable, "-m", "embedfleet.cli", "worker"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 1
-    assert "cannot run a WeightedLayerPooling module" in run.stderr
+    worker = workers.process("broken", settings, EMBEDFLEET_MODEL=str(broken))
+    assert worker.wait(timeout=300) == 1
+    assert "cannot run a WeightedLayerPooling module" in worker.log()

@@ -5,12 +5,18 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 import pytest
+from embedfleet.shared.deadletters import (
+    PAYLOAD_PREFIX_BYTES,
+    DeadLetter,
+    DeadReason,
+    dead_letter_fields,
+)
 from embedfleet.shared.protocol import (
-    DEAD_PAYLOAD_PREFIX_BYTES,
     Chunk,
+    ChunkLimits,
     ProtocolError,
     Result,
-    dead_letter_fields,
+    chunk_from_mapping,
     decode_chunk,
     decode_result,
     encode_chunk,
@@ -91,15 +97,62 @@ def test_bad_payloads_get_readable_reasons(payload: bytes, reason: str) -> None:
 def test_size_limits() -> None:
     big = encode_chunk(Chunk(id="a", text="x" * 5000))
     with pytest.raises(ProtocolError, match="over the 1024-byte limit"):
-        decode_chunk(big, max_bytes=1024)
+        decode_chunk(big, ChunkLimits(max_message_bytes=1024))
     with pytest.raises(ProtocolError, match="over the 100 limit"):
-        decode_chunk(big, max_text_chars=100)
+        decode_chunk(big, ChunkLimits(max_text_chars=100))
 
 
-def test_dead_letter_echoes_only_a_prefix() -> None:
-    fields = dead_letter_fields(reason="r", stream="s", entry_id="1-0", payload=b"x" * 100_000)
-    assert len(fields["payload_prefix"]) == DEAD_PAYLOAD_PREFIX_BYTES
+def test_dead_letter_keeps_the_whole_payload_under_the_limit_and_a_prefix_over_it() -> None:
+    small = encode_chunk(Chunk(id="a", text="short"))
+    fields = dead_letter_fields(
+        reason=DeadReason.INVALID,
+        detail="why",
+        stream="s",
+        entry_id="1-0",
+        payload=small,
+        max_payload_bytes=1024,
+    )
+    assert fields["payload"] == small and "payload_prefix" not in fields
+    assert DeadLetter.from_fields("9-0", as_redis_reply(fields)).payload == small
+    big = b"x" * 100_000
+    fields = dead_letter_fields(
+        reason=DeadReason.INVALID,
+        detail="why",
+        stream="s",
+        entry_id="1-0",
+        payload=big,
+        max_payload_bytes=1024,
+    )
+    assert "payload" not in fields and len(fields["payload_prefix"]) == PAYLOAD_PREFIX_BYTES
     assert fields["payload_bytes"] == "100000"
+    letter = DeadLetter.from_fields("9-0", as_redis_reply(fields))
+    assert not letter.replayable and letter.payload_bytes == 100_000
+
+
+def test_a_dead_letter_from_before_reason_codes_reads_as_other() -> None:
+    letter = DeadLetter.from_fields("9-0", {b"reason": b"sink error after 5 tries: boom"})
+    assert letter.reason is DeadReason.OTHER and letter.detail.startswith("sink error")
+
+
+def as_redis_reply(fields: dict[str, str | bytes]) -> dict[bytes, bytes]:
+    return {k.encode(): v if isinstance(v, bytes) else v.encode() for k, v in fields.items()}
+
+
+@pytest.mark.parametrize(
+    ("mapping", "code", "words"),
+    [
+        ({"id": "a", "text": ""}, DeadReason.INVALID, "empty"),
+        ({"id": "", "text": "x"}, DeadReason.INVALID, "non-empty"),
+        ({"id": "a" * 513, "text": "x"}, DeadReason.TOO_LARGE, "over the 512 limit"),
+        ({"id": "a", "text": "x", "job": "j" * 513}, DeadReason.TOO_LARGE, "over the 512"),
+        ({"id": "a", "text": "x", "meta": [1]}, DeadReason.INVALID, "'meta' must be a map"),
+        ({"id": "a", "text": "x", "meta": {"k": object()}}, DeadReason.INVALID, "msgpack"),
+    ],
+)
+def test_one_validator_with_codes(mapping: dict, code: DeadReason, words: str) -> None:
+    with pytest.raises(ProtocolError, match=words) as caught:
+        chunk_from_mapping(mapping)
+    assert caught.value.code is code
 
 
 # --- embedding options and result dtypes (issue 15) -------------------------------------------

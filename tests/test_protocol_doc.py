@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 from embedfleet.shared import protocol_doc
+from embedfleet.shared.deadletters import DeadReason, dead_letter_fields
 from embedfleet.shared.protocol import (
     Chunk,
     ProtocolError,
     Result,
-    dead_letter_fields,
     decode_chunk,
     encode_chunk,
     encode_query_error,
@@ -37,7 +37,7 @@ from embedfleet.shared.protocol_doc import (
 )
 from embedfleet.shared.settings import Settings
 
-from tests.conftest import running_worker
+from tests.conftest import WorkerLauncher
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 FIX = (
@@ -84,11 +84,11 @@ def test_every_field_the_code_writes_is_documented() -> None:
     assert required <= set(msgpack.unpackb(encode_result(result))), FIX
     assert set(msgpack.unpackb(encode_query_error("a", "why"))) == _names(ERROR_REPLY_FIELDS), FIX
 
-    dead = dead_letter_fields(
-        reason="r", stream="s", entry_id="1-0", payload=b"x", chunk_id="a", job="j"
-    )
-    assert set(dead) == _names(DEAD_LETTER_FIELDS), f"dead-letter fields differ: {FIX}"
-    bare = dead_letter_fields(reason="r", stream="s", entry_id="1-0", payload=None)
+    common = {"reason": DeadReason.INVALID, "detail": "d", "stream": "s", "entry_id": "1-0"}
+    whole = dead_letter_fields(**common, payload=b"x", max_payload_bytes=8, chunk_id="a", job="j")
+    prefix = dead_letter_fields(**common, payload=b"x" * 9, max_payload_bytes=8)
+    assert set(whole) | set(prefix) == _names(DEAD_LETTER_FIELDS), f"dead letters: {FIX}"
+    bare = dead_letter_fields(**common, payload=None, max_payload_bytes=8)
     assert set(bare) == set(_required(DEAD_LETTER_FIELDS)), FIX
 
 
@@ -103,13 +103,13 @@ def test_a_chunk_without_a_required_field_is_refused(missing: str) -> None:
 
 
 async def test_a_query_asked_by_the_readme_steps_alone_is_answered(
-    settings: Settings, client: aioredis.Redis, encoder
+    workers: WorkerLauncher, settings: Settings, client: aioredis.Redis, encoder
 ) -> None:
     """Steps 1-3 with plain redis and msgpack; nothing of embedfleet's client is used."""
     namespace = settings.namespace
     texts = ["where is the station", "how do I open a file"]
     request = uuid.uuid4().hex  # step 1
-    async with running_worker(settings, encoder, client):
+    async with workers.run(settings):
         deadline = int((time.time() + 60) * 1000)
         for n, text in enumerate(texts):  # step 2
             chunk = {"v": 1, "id": f"{request}:{n}", "text": text, "reply": request}

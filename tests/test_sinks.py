@@ -42,7 +42,7 @@ from embedfleet.shared.vectordb.pgvector import vector_type_for
 from embedfleet.shared.vectordb.qdrant import point_id
 from embedfleet.workers.sinks import Sink, SinkSetupError, build_sink, sink_for_target
 
-from tests.conftest import running_sink_worker, running_worker, start_worker_process, worker_env
+from tests.conftest import WorkerLauncher, shared_encoder, worker_env
 
 BACKENDS = ["redis", "lancedb", "pgvector", "pgvector-vector", "qdrant-local"]
 DATABASES = [b for b in BACKENDS if b != "redis"]
@@ -125,9 +125,10 @@ async def loaded(
     client = connect(settings.effective_redis_url)
     progress = []
     sink = _sink(backend, settings, client)
+    workers = WorkerLauncher(settings, shared_encoder, tmp_path_factory.mktemp("workers"))
     async with (
         Producer(settings, client) as producer,
-        running_sink_worker(settings, encoder, client, sink),
+        workers.run(settings, sink=sink, client=client),
     ):
         # one round at a time: the second must overwrite rows the first wrote durably
         for job, chunks in (("round1", first), ("round2", final)):
@@ -277,14 +278,16 @@ async def test_search_finds_the_chunk_a_query_was_made_from(loaded: Loaded, enco
     assert pasta[0].id == loaded.final[CHANGED].id and pasta[0].meta == {"changed": True}
 
 
-async def test_search_embeds_the_query_through_the_priority_lane(loaded: Loaded, encoder) -> None:
+async def test_search_embeds_the_query_through_the_priority_lane(
+    workers: WorkerLauncher, loaded: Loaded, encoder
+) -> None:
     from embedfleet.producer.search import format_hits, search
 
     client = connect(loaded.settings.effective_redis_url)
     query = "boiling pasta in tomato sauce"
     try:
         # queries are answered on reply keys, whatever sink the bulk results go to
-        async with running_worker(loaded.settings, encoder, client):
+        async with workers.run(loaded.settings):
             if loaded.backend == "redis":
                 with pytest.raises(VectorDBError, match="EMBEDFLEET_SINK is `redis`"):
                     await search(loaded.settings, loaded.target, query, 2, 30)
@@ -414,14 +417,14 @@ async def test_index_builds_and_search_still_finds_the_chunk(loaded: Loaded, enc
 
 
 async def test_worker_process_search_and_index_verbs_end_to_end(
-    settings: Settings, client, tmp_path: Path
+    workers: WorkerLauncher, settings: Settings, client, tmp_path: Path
 ) -> None:
     """`embedfleet worker` with EMBEDFLEET_SINK, then `search` and `index` as a user runs them."""
     import signal
 
     sink = {"EMBEDFLEET_SINK": f"lancedb://{tmp_path / 'vectors'}"}
     chunks = first_round()[:12]
-    worker = start_worker_process(settings, "e2e", **sink)
+    worker = workers.process("e2e", settings, **sink)
     try:
         async with Producer(settings, client) as producer:
             await producer.enqueue(chunks, job="e2e")
@@ -445,7 +448,7 @@ async def test_worker_process_search_and_index_verbs_end_to_end(
     finally:
         worker.send_signal(signal.SIGTERM)
         code = worker.wait(timeout=60)
-        log = worker.stderr.read().decode() if worker.stderr else ""
+        log = worker.log()
     assert progress.done == 12 and code == 0, log[-2000:]
     assert found.returncode == 0, found.stderr[-2000:]
     hits = [json.loads(line) for line in found.stdout.splitlines()]

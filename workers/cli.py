@@ -71,12 +71,12 @@ def worker_command(
     try:
         run_worker(settings)
     except (
-        SinkSetupError,  # the database is unreachable or holds another model's table
+        SinkSetupError,  # the database holds another model's table, or refuses our credentials
+        WorkerFault,  # permanent for this worker (a setting, a CUDA error): exit 1, entries
+        # are redelivered to a healthy worker
         ModelNotFoundError,
         UnsupportedModelError,  # a module or option the worker would not reproduce faithfully
         OutputOptionError,  # EMBEDFLEET_DIMENSIONS / *_PROMPT_NAME the model cannot honour
         CalibrationError,
     ) as error:
-        raise click.ClickException(str(error)) from None
-    except WorkerFault as error:  # e.g. a CUDA error (DeviceFault): exit 1, entries redelivered
         raise click.ClickException(str(error)) from None

@@ -1,4 +1,9 @@
-"""Writing entries to the dead-letter stream: with a reason, acknowledged, never dropped."""
+"""Writing entries to the dead-letter stream: with a reason code, acknowledged, never dropped.
+
+Each dead letter keeps the entry's whole payload when it fits
+``EMBEDFLEET_DEAD_PAYLOAD_MAX_BYTES``, so ``embedfleet dead replay`` can put it back once its
+cause is fixed (shared/deadletters.py describes the fields).
+"""
 
 from __future__ import annotations
 
@@ -7,9 +12,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from embedfleet.shared.deadletters import DeadReason, dead_letter_fields
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
-from embedfleet.shared.protocol import dead_letter_fields, encode_query_error
+from embedfleet.shared.protocol import Chunk, encode_chunk, encode_query_error
 from embedfleet.workers.events import WorkerEvents
 from embedfleet.workers.sinks import Delivery, queue_acknowledgements
 
@@ -18,16 +24,32 @@ log = get_logger("embedfleet.worker")
 
 @dataclass(frozen=True)
 class Rejected:
-    """One entry that will not be embedded, and why."""
+    """One entry that will not be embedded: the reason code, and the detail for a person."""
 
     stream: str
     entry_id: str
-    reason: str
+    code: DeadReason
+    detail: str
     payload: bytes | None = None
     chunk_id: str | None = None
     job: str | None = None
     reply: str | None = None
     deliveries: int = 1
+
+    @classmethod
+    def chunk(cls, delivery: Delivery, chunk: Chunk, code: DeadReason, detail: str) -> Rejected:
+        """A decoded chunk refused later (model, sink): its payload is the chunk re-encoded,
+        which decodes to the same chunk, so a replay sends exactly what was sent."""
+        return cls(
+            delivery.stream,
+            delivery.entry_id,
+            code,
+            detail,
+            payload=encode_chunk(chunk),
+            chunk_id=chunk.id,
+            job=chunk.job,
+            reply=chunk.reply,
+        )
 
 
 class DeadLetters:
@@ -37,12 +59,14 @@ class DeadLetters:
         keys: Keys,
         events: WorkerEvents,
         reply_ttl_s: int,
+        max_payload_bytes: int,
         job_reply_ttl_s: int | None = None,
     ) -> None:
         self.client = client
         self.keys = keys
         self.events = events
         self.reply_ttl_s = reply_ttl_s
+        self.max_payload_bytes = max_payload_bytes
         # ingest chunks with a reply (gateway jobs) keep their list as long as their results
         self.job_reply_ttl_s = job_reply_ttl_s or reply_ttl_s
 
@@ -52,10 +76,12 @@ class DeadLetters:
             pipe.xadd(
                 keys.dead,
                 dead_letter_fields(
-                    reason=item.reason,
+                    reason=item.code,
+                    detail=item.detail,
                     stream=item.stream,
                     entry_id=item.entry_id,
                     payload=item.payload,
+                    max_payload_bytes=self.max_payload_bytes,
                     chunk_id=item.chunk_id,
                     job=item.job,
                     deliveries=item.deliveries,
@@ -63,7 +89,7 @@ class DeadLetters:
             )
             if item.reply is not None and item.chunk_id is not None:
                 reply_key = keys.reply(item.reply)
-                pipe.rpush(reply_key, encode_query_error(item.chunk_id, item.reason))
+                pipe.rpush(reply_key, encode_query_error(item.chunk_id, item.detail))
                 ingest = item.stream != self.keys.query_lane.query
                 pipe.expire(reply_key, self.job_reply_ttl_s if ingest else self.reply_ttl_s)
         deliveries = [Delivery(item.stream, item.entry_id, item.job) for item in rejected]
@@ -91,7 +117,8 @@ class DeadLetters:
                 stream=item.stream,
                 entry_id=item.entry_id,
                 id=item.chunk_id,
-                reason=item.reason,
+                reason=item.code.value,
+                detail=item.detail,
             )
-        for reason, count in Counter(item.reason for item in rejected).items():
-            self.events.dead_lettered(count=count, reason=reason)
+        for code, count in Counter(item.code for item in rejected).items():
+            self.events.dead_lettered(count=count, reason=code.value)

@@ -1,10 +1,15 @@
-"""Stream entries → valid chunks, or rejections with a reason a person can read."""
+"""Stream entries → valid chunks, or rejections with a reason code and a detail to read.
+
+The checks are the protocol's one chunk validator, with the limits Settings holds: the same
+the producer applied before sending.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from embedfleet.shared.deadletters import DeadReason
 from embedfleet.shared.protocol import Chunk, ProtocolError, decode_chunk
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.consumer import StreamEntry
@@ -23,25 +28,27 @@ def decode_entries(
 ) -> tuple[list[Accepted], list[Rejected]]:
     accepted: list[Accepted] = []
     rejected: list[Rejected] = []
+    limits = settings.chunk_limits
     for entry in entries:
         if entry.payload is None:
-            reason = "entry has no 'm' field (expected msgpack in field m)"
-            rejected.append(Rejected(entry.stream, entry.entry_id, reason, _fields_preview(entry)))
+            detail = (
+                "entry has no 'm' field (expected msgpack in field m); it has: "
+                + _field_names(entry)
+            )
+            rejected.append(Rejected(entry.stream, entry.entry_id, DeadReason.NO_PAYLOAD, detail))
             continue
         try:
-            chunk = decode_chunk(
-                entry.payload,
-                max_bytes=settings.max_message_bytes,
-                max_text_chars=settings.max_text_chars,
-                max_meta_bytes=settings.max_meta_bytes,
-            )
+            chunk = decode_chunk(entry.payload, limits)
         except ProtocolError as error:
-            rejected.append(Rejected(entry.stream, entry.entry_id, str(error), entry.payload))
+            rejected.append(
+                Rejected(entry.stream, entry.entry_id, error.code, str(error), entry.payload)
+            )
             continue
         accepted.append(Accepted(chunk, Delivery(entry.stream, entry.entry_id, chunk.job)))
     return accepted, rejected
 
 
-def _fields_preview(entry: StreamEntry) -> bytes:
+def _field_names(entry: StreamEntry) -> str:
     """Field names of an entry without ``m``, so the dead letter shows what was sent instead."""
-    return b" ".join(name for name in list(entry.fields)[:16])
+    names = [name.decode("utf-8", "replace")[:64] for name in list(entry.fields)[:16]]
+    return ", ".join(names) or "(no fields)"

@@ -10,6 +10,15 @@ from __future__ import annotations
 class WorkerEvents:
     """Subclass and override what you need; every hook is called on the event loop."""
 
+    def entries_read(self, *, stream: str, count: int) -> None:
+        """``count`` entries of ``stream`` were read (new or reclaimed) and are now held."""
+
+    def batch_started(self, *, texts: int, padded_tokens: int) -> None:
+        """A bulk micro-batch was handed to the model thread; ``batch_encoded`` follows."""
+
+    def leases_renewed(self, *, count: int) -> None:
+        """The reclaimer renewed this worker's lease on ``count`` entries it still holds."""
+
     def batch_encoded(
         self, *, texts: int, real_tokens: int, padded_tokens: int, seconds: float
     ) -> None:
@@ -19,16 +28,28 @@ class WorkerEvents:
         """A batch of results was written to the sink and its entries acknowledged."""
 
     def query_answered(self, *, latency_seconds: float) -> None:
-        """A priority query was answered; latency from enqueue (entry id time) to reply."""
+        """A priority query was answered; latency from enqueue (entry id time) to reply.
+        Called on the model thread (between transformer layers when a bulk batch is running)."""
 
     def dead_lettered(self, *, count: int, reason: str) -> None:
-        """Entries went to the dead-letter stream."""
+        """Entries went to the dead-letter stream; ``reason`` is a DeadReason value."""
 
     def reclaimed(self, *, count: int) -> None:
         """Entries of a dead or stuck consumer were claimed by this worker."""
 
-    def sink_error(self, *, error: BaseException) -> None:
-        """A sink write failed (it will be retried, then dead-lettered)."""
+    def sink_error(self, *, error: BaseException, kind: str) -> None:
+        """A sink write failed; ``kind`` is its FaultKind (shared/faults.py) and says what
+        happens next: waited out, the row isolated and dead-lettered, or the worker exits."""
+
+    def transient_fault(self, *, system: str, doing: str) -> None:
+        """``system`` (a shared.faults.System value) failed in a passing way while ``doing``;
+        the worker waits (capped backoff) and tries again."""
+
+    def outage(self, *, system: str, active: bool) -> None:
+        """The worker started (``active``) or stopped waiting for ``system``."""
+
+    def row_isolated(self, *, rows: int) -> None:
+        """A sink write refused a row: the batch of ``rows`` is being split to find it."""
 
     def model_busy(self, *, fraction: float) -> None:
         """Share of wall time the model spent computing, since the worker started."""

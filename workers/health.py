@@ -10,7 +10,9 @@ probes time out, which is exactly what a liveness probe should notice.
   worker's own batches or queries, or else a probe of the real model on one short text, run on
   the worker's model thread (the encoder is single-threaded: its layer hooks serve queries) and
   cached for that long, so frequent probes stay cheap. PING is not cached, so an outage shows
-  at once. Draining (after SIGTERM) is not ready.
+  at once. Draining (after SIGTERM) is not ready, and neither is a worker waiting out an outage
+  of a system it needs (the database, Redis): each open outage is a failed check, named after
+  the system, with what failed and for how long (workers/faults.py).
 - ``/metrics``: the worker's Prometheus registry, the stream gauges refreshed first.
 """
 
@@ -32,6 +34,7 @@ from prometheus_client.exposition import choose_encoder
 
 if TYPE_CHECKING:
     from embedfleet.workers.encoder import EncodeBatch, Encoder
+    from embedfleet.workers.faults import Outages
 
 log = get_logger("embedfleet.health")
 OK = "ok"
@@ -73,6 +76,7 @@ class HealthServer:
         self._executor: Executor | None = None
         self._own_executor: ThreadPoolExecutor | None = None
         self._draining = False
+        self._outages: Outages | None = None
         self.device_checks = 0  # forward passes run for /readyz, to see that the cache works
         self._started = time.monotonic()
         self._runner: web.AppRunner | None = None
@@ -119,6 +123,10 @@ class HealthServer:
         self._executor = model_thread
         self._encoder = encoder
 
+    def watch_outages(self, outages: Outages) -> None:
+        """Report not ready while the worker waits for a system (workers/faults.py)."""
+        self._outages = outages
+
     def draining(self) -> None:
         """After SIGTERM: report not ready, so Kubernetes stops counting this pod as available."""
         self._draining = True
@@ -154,6 +162,10 @@ class HealthServer:
             checks["draining"] = "draining after SIGTERM: finishing in-flight work"
         checks["model"] = OK if self._encoder is not None else "loading"
         checks["redis"] = await self._check_redis()
+        if self._outages is not None:
+            for system, detail in self._outages.describe().items():
+                if checks.get(system, OK) == OK:
+                    checks[system] = detail
         checks["device"] = await self._check_device() if self._encoder else "model not loaded yet"
         return checks
 

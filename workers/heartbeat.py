@@ -8,9 +8,9 @@ import contextlib
 import time
 
 import redis.asyncio as aioredis
+from embedfleet.shared.faults import is_transient
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
-from embedfleet.workers.backoff import REDIS_FAULTS
 
 log = get_logger("embedfleet.worker")
 HEARTBEAT_PERIOD_S = 1.0
@@ -34,9 +34,14 @@ async def run_heartbeat(
     while not stopping.is_set():
         try:
             await beat(client, keys, consumer)
-        except REDIS_FAULTS as error:  # the read loops report Redis trouble; keep beating
+        except Exception as error:  # the read loops report Redis trouble; keep beating
+            if not is_transient(error):
+                raise
             log.debug("heartbeat not written", error=str(error))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stopping.wait(), HEARTBEAT_PERIOD_S)
-    with contextlib.suppress(*REDIS_FAULTS):
+    try:
         await client.zrem(keys.workers_alive, consumer)
+    except Exception as error:  # leaving the set is a courtesy: its entry ages out anyway
+        if not is_transient(error):
+            raise

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import math
-import re
 import time
 
 import redis.asyncio as aioredis
+from embedfleet.shared.deadletters import DeadReason
+from embedfleet.shared.faults import System
 from embedfleet.shared.fleet import FLEET_STREAMS, INPUT_STREAMS, read_fleet
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
@@ -36,30 +37,6 @@ from prometheus_client import (
 log = get_logger("embedfleet.metrics")
 
 PREFIX = "embedfleet"
-
-# Dead-letter reasons are free text (they name sizes, ids, limits); a label needs a small fixed
-# set, so each reason is filed under the class whose prefix it starts with. Matching the start
-# only matters: "sink error after 5 tries: ..." may quote anything after its prefix. The full
-# reason is in the dead-letter stream (`redis-cli XRANGE {ns}:dead - +`).
-REASON_CLASSES: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("no_payload", re.compile(r"entry has no 'm' field")),
-    ("not_msgpack", re.compile(r"not msgpack|invalid UTF-8|expected a msgpack map")),
-    ("too_large", re.compile(r"(payload is|'text' has|'meta' is) \d+ \w+, over the")),
-    ("too_long", re.compile(r"text is longer than the model")),
-    ("invalid", re.compile(r"unknown protocol version|'\w+' (must|is)|query has no 'reply'")),
-    ("deliveries", re.compile(r"delivered \d+ times")),
-    ("model", re.compile(r"model error")),
-    ("sink", re.compile(r"sink error")),
-)
-OTHER_REASON = "other"
-
-
-def reason_class(reason: str) -> str:
-    """The label value for a dead-letter reason: one of REASON_CLASSES' names, or "other"."""
-    for name, pattern in REASON_CLASSES:
-        if pattern.match(reason):
-            return name
-    return OTHER_REASON
 
 
 class WorkerMetrics(WorkerEvents):
@@ -141,7 +118,7 @@ class WorkerMetrics(WorkerEvents):
         self.model_busy_fraction.set_function(self._busy_fraction)
         self.dead_letters = Counter(
             f"{PREFIX}_dead_letters",
-            "Entries sent to the dead-letter stream by this worker, by class of reason.",
+            "Entries sent to the dead-letter stream by this worker, by reason code.",
             ["reason"],
             registry=r,
         )
@@ -152,8 +129,21 @@ class WorkerMetrics(WorkerEvents):
         )
         self.sink_errors = Counter(
             f"{PREFIX}_sink_errors",
-            "Failed sink writes (retried, then dead-lettered), by exception type.",
-            ["error"],
+            "Failed sink writes, by exception type and kind of fault (transient: waited out; "
+            "row: the row is isolated and dead-lettered; worker: the worker exits).",
+            ["error", "kind"],
+            registry=r,
+        )
+        self.transient_faults = Counter(
+            f"{PREFIX}_transient_faults",
+            "Waits on a system that was unreachable or said try again, by system.",
+            ["system"],
+            registry=r,
+        )
+        self.outages = Gauge(
+            f"{PREFIX}_outages",
+            "Systems this worker is waiting for right now (1 while it waits), by system.",
+            ["system"],
             registry=r,
         )
         # Fleet-wide stream state, filled in by StreamGauges.
@@ -185,9 +175,11 @@ class WorkerMetrics(WorkerEvents):
             registry=r,
         )
         # Every label value exists from the start, so a dashboard shows 0, not "no data".
-        for name, _ in REASON_CLASSES:
-            self.dead_letters.labels(reason=name)
-        self.dead_letters.labels(reason=OTHER_REASON)
+        for reason in DeadReason:
+            self.dead_letters.labels(reason=reason.value)
+        for system in System:
+            self.transient_faults.labels(system=system.value)
+            self.outages.labels(system=system.value)
         for stream in FLEET_STREAMS:
             self.stream_length.labels(stream=stream)
         for stream in INPUT_STREAMS:
@@ -237,13 +229,19 @@ class WorkerMetrics(WorkerEvents):
         self.last_forward_at = time.monotonic()
 
     def dead_lettered(self, *, count: int, reason: str) -> None:
-        self.dead_letters.labels(reason=reason_class(reason)).inc(count)
+        self.dead_letters.labels(reason=reason).inc(count)
 
     def reclaimed(self, *, count: int) -> None:
         self.reclaims.inc(count)
 
-    def sink_error(self, *, error: BaseException) -> None:
-        self.sink_errors.labels(error=type(error).__name__).inc()
+    def sink_error(self, *, error: BaseException, kind: str) -> None:
+        self.sink_errors.labels(error=type(error).__name__, kind=kind).inc()
+
+    def transient_fault(self, *, system: str, doing: str) -> None:
+        self.transient_faults.labels(system=system).inc()
+
+    def outage(self, *, system: str, active: bool) -> None:
+        self.outages.labels(system=system).set(1 if active else 0)
 
     def model_busy(self, *, fraction: float) -> None:
         self._reported_busy = fraction

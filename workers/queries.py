@@ -24,18 +24,20 @@ from dataclasses import dataclass
 import numpy as np
 import redis
 import redis.asyncio as aioredis
+from embedfleet.shared.deadletters import DeadReason
+from embedfleet.shared.faults import System, is_transient
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import Chunk, encode_result
 from embedfleet.shared.redis_conn import connect_sync
 from embedfleet.shared.settings import Settings
-from embedfleet.workers.backoff import REDIS_FAULTS, Backoff
 from embedfleet.workers.calibration import Calibration
 from embedfleet.workers.consumer import StreamConsumer, StreamEntry
 from embedfleet.workers.deadletter import DeadLetters, Rejected
 from embedfleet.workers.decode import decode_entries
 from embedfleet.workers.encoder import Encoder, Tokenized
 from embedfleet.workers.events import WorkerEvents
+from embedfleet.workers.faults import Outages, RideOut, transient_or_raise
 from embedfleet.workers.output import Outputs
 from embedfleet.workers.sinks import Delivery, queue_acknowledgements
 
@@ -62,8 +64,10 @@ class QueryLane:
         events: WorkerEvents,
         outputs: Outputs,
         on_model_thread: Callable[[Callable[[], Calibration]], Awaitable[Calibration]],
+        outages: Outages | None = None,
     ) -> None:
         self.settings = settings
+        self.outages = outages or Outages(events)
         self.keys: Keys = settings.keys.query_lane  # query stream, replies, dead letters: one slot
         self.encoder = encoder
         self.client = client
@@ -87,7 +91,7 @@ class QueryLane:
             # on the model thread, before any query or bulk batch (it runs the model)
             await self._loop.run_in_executor(self.model_thread, self.encoder.prepare_query_graph)
         self.encoder.set_layer_callback(self.serve_at_layer_boundary)
-        backoff = Backoff(log)
+        ride = RideOut("reading the query stream", self.outages, self.events)
         try:
             while not stopping.is_set():
                 try:
@@ -95,9 +99,9 @@ class QueryLane:
                         self.keys.query, count=64, block_ms=self.settings.block_ms
                     )
                     await self.accept(entries)
-                    backoff.reset()
-                except REDIS_FAULTS as error:
-                    await backoff.wait("query stream", error)
+                    ride.succeeded()
+                except Exception as error:
+                    await ride.wait(transient_or_raise(error, System.REDIS))
         finally:
             self.encoder.set_layer_callback(None)
             # the last answers are written on the model thread: let them finish
@@ -119,11 +123,11 @@ class QueryLane:
             chunk = item.chunk
             if chunk.reply is None:
                 rejected.append(
-                    Rejected(
-                        item.delivery.stream,
-                        item.delivery.entry_id,
+                    Rejected.chunk(
+                        item.delivery,
+                        chunk,
+                        DeadReason.INVALID,
                         "query has no 'reply' (use Producer.embed_query)",
-                        chunk_id=chunk.id,
                     )
                 )
             elif chunk.deadline_ms is not None and chunk.deadline_ms < now_ms:
@@ -133,13 +137,7 @@ class QueryLane:
                     prompts.append(self.outputs.prompt_for(chunk, "query"))
                 except ValueError as error:
                     rejected.append(
-                        Rejected(
-                            item.delivery.stream,
-                            item.delivery.entry_id,
-                            str(error),
-                            chunk_id=chunk.id,
-                            reply=chunk.reply,
-                        )
+                        Rejected.chunk(item.delivery, chunk, DeadReason.OPTIONS, str(error))
                     )
                     continue
                 fresh.append(item)
@@ -185,7 +183,7 @@ class QueryLane:
             try:
                 vectors = self.encoder.embed_query(self.encoder.collate([i.tokens for i in items]))
             except Exception as error:
-                self._on_loop(self._fail, items, f"model error: {error}")
+                self._on_loop(self._fail, items, f"model error: {type(error).__name__}: {error}")
                 return
             self._answer(items, vectors)
         finally:
@@ -216,7 +214,9 @@ class QueryLane:
         queue_acknowledgements(pipe, self.keys, [i.delivery for i in items], counter="done")
         try:
             pipe.execute()
-        except REDIS_FAULTS as error:
+        except Exception as error:
+            if not is_transient(error):
+                raise
             log.warning("query answers not written; left pending", error=str(error))
             return
         now = time.time()
@@ -241,16 +241,7 @@ class QueryLane:
     # --- failures (event loop) --------------------------------------------------------
     async def _fail(self, items: list[PendingQuery], reason: str) -> None:
         await self.dead_letters.send(
-            [
-                Rejected(
-                    i.delivery.stream,
-                    i.delivery.entry_id,
-                    reason,
-                    chunk_id=i.chunk.id,
-                    reply=i.reply,
-                )
-                for i in items
-            ]
+            [Rejected.chunk(i.delivery, i.chunk, DeadReason.MODEL, reason) for i in items]
         )
 
 

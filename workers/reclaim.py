@@ -16,13 +16,15 @@ import contextlib
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
+from embedfleet.shared.deadletters import DeadReason
+from embedfleet.shared.faults import System
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import PAYLOAD_FIELD
 from embedfleet.shared.settings import Settings
-from embedfleet.workers.backoff import REDIS_FAULTS, Backoff
 from embedfleet.workers.consumer import StreamEntry, as_str
 from embedfleet.workers.deadletter import DeadLetters, Rejected
 from embedfleet.workers.events import WorkerEvents
+from embedfleet.workers.faults import Outages, RideOut, transient_or_raise
 
 log = get_logger("embedfleet.reclaim")
 Deliver = Callable[[str, list[StreamEntry]], Awaitable[None]]
@@ -42,6 +44,9 @@ class InFlight:
     def remove(self, stream: str, entry_ids: list[str]) -> None:
         self._ids.get(stream, set()).difference_update(entry_ids)
 
+    def holds(self, stream: str, entry_id: str) -> bool:
+        return entry_id in self._ids.get(stream, ())
+
     def snapshot(self) -> dict[str, list[str]]:
         return {stream: list(ids) for stream, ids in self._ids.items() if ids}
 
@@ -57,6 +62,7 @@ class Reclaimer:
         in_flight: InFlight,
         dead_letters: DeadLetters,
         events: WorkerEvents,
+        outages: Outages | None = None,
     ) -> None:
         self.settings = settings
         self.keys = settings.keys
@@ -64,13 +70,14 @@ class Reclaimer:
         self.in_flight = in_flight
         self.dead_letters = dead_letters
         self.events = events
+        self.outages = outages or Outages(events)
 
     @property
     def period_s(self) -> float:
         return max(0.1, self.settings.reclaim_idle_ms / 3000)
 
     async def run(self, stopping: asyncio.Event, deliver: Deliver, streams: list[str]) -> None:
-        backoff = Backoff(log)
+        ride = RideOut("reclaiming idle entries", self.outages, self.events)
         while not stopping.is_set():
             try:
                 await self.renew_leases()
@@ -79,15 +86,17 @@ class Reclaimer:
                     if claimed:
                         await deliver(stream, claimed)
                 await self.forget_dead_consumers(streams)
-                backoff.reset()
-            except REDIS_FAULTS as error:
-                await backoff.wait("reclaim", error)
+                ride.succeeded()
+            except Exception as error:
+                await ride.wait(transient_or_raise(error, System.REDIS))
                 continue
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stopping.wait(), self.period_s)
 
     async def renew_leases(self) -> None:
+        renewed = 0
         for stream, entry_ids in self.in_flight.snapshot().items():
+            renewed += len(entry_ids)
             for start in range(0, len(entry_ids), 500):
                 await self.client.xclaim(
                     stream,
@@ -97,6 +106,8 @@ class Reclaimer:
                     message_ids=entry_ids[start : start + 500],
                     justid=True,
                 )
+        if renewed:
+            self.events.leases_renewed(count=renewed)
 
     async def claim(self, stream: str) -> list[StreamEntry]:
         """Entries idle past the limit, now ours; over-delivered ones are dead-lettered."""
@@ -135,11 +146,17 @@ class Reclaimer:
             fields = fields or {}
             deliveries = int(info[0]["times_delivered"]) if info else 1
             entry = StreamEntry(stream, as_str(entry_id), fields.get(PAYLOAD_FIELD), fields)
+            if self.in_flight.holds(stream, entry.entry_id):
+                # Our own, still being worked on: a renewal came late (a starved event loop or
+                # a slow Redis) and XAUTOCLAIM cannot leave out one consumer. Taking it again
+                # would embed it twice and, repeated, dead-letter a healthy entry as poison.
+                continue
             if deliveries > self.settings.max_deliveries:
                 poison.append(
                     Rejected(
                         stream,
                         entry.entry_id,
+                        DeadReason.DELIVERIES,
                         f"delivered {deliveries - 1} times and never acknowledged (a worker "
                         f"died or stalled on it each time; EMBEDFLEET_MAX_DELIVERIES="
                         f"{self.settings.max_deliveries})",

@@ -11,6 +11,7 @@ from embedfleet.shared.logging import configure_logging, get_logger
 from embedfleet.shared.redis_conn import connect_settings
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.encoder import Encoder
+from embedfleet.workers.faults import RideOut, classify_sink_error, ride_out
 from embedfleet.workers.health import HealthServer
 from embedfleet.workers.metrics import StreamGauges, WorkerMetrics
 from embedfleet.workers.sinks import build_sink
@@ -68,9 +69,14 @@ async def _serve(
         dtype=str(encoder.dtype).removeprefix("torch."),
     )
     sink = build_sink(settings, client)
-    # the table/collection exists, with the model's dimension, before the first write
-    await sink.setup(encoder.name, settings.dimensions or encoder.dim)
     worker = Worker(settings, encoder, client, sink, metrics)
+    if health is not None:
+        health.watch_outages(worker.outages)
+    # the table/collection exists, with the model's dimension, before the first write; a
+    # database that is not up yet is waited for, like one that goes away later
+    ride = RideOut("setting up the sink", worker.outages, metrics)
+    dim = settings.dimensions or encoder.dim
+    await ride_out(ride, sink.system, lambda: sink.setup(encoder.name, dim), classify_sink_error)
     if health is not None:
         # The readiness probe's forward pass queues on the worker's one model thread.
         health.model_loaded(encoder, worker.model_thread)

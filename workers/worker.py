@@ -13,25 +13,35 @@ Beside them: the query lane (workers/queries.py) and the reclaimer (workers/recl
 
 Shutdown (arq's two modes): ``drain()`` stops reading and lets in-flight work finish and be
 acknowledged; cancelling ``run()`` aborts at once and leaves entries pending for others.
+
+The stages run in one ``asyncio.TaskGroup``: when one fails, the worker drains what the stages
+after it can still finish, then ``run()`` raises and the process exits non-zero for its
+supervisor to restart it. Nothing half-alive keeps holding entries.
+
+Faults (shared/faults.py): transient ones (Redis or the database away) are waited out by each
+stage with capped backoff and show on /readyz; a row the database refuses is isolated by
+splitting its batch and dead-lettered alone; a fault that is permanent for the worker ends
+``run()`` with a ``WorkerFault`` naming the setting to fix.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import redis.asyncio as aioredis
+from embedfleet.shared.deadletters import DeadReason
+from embedfleet.shared.faults import FaultKind, System, WorkerFault
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import Chunk, Result
 from embedfleet.shared.settings import Settings
-from embedfleet.workers.backoff import REDIS_FAULTS, Backoff
 from embedfleet.workers.batcher import PlannedBatch, plan_batches
 from embedfleet.workers.calibration import Calibration, CalibrationStore
 from embedfleet.workers.consumer import StreamConsumer, StreamEntry
@@ -46,6 +56,13 @@ from embedfleet.workers.device_faults import (
 )
 from embedfleet.workers.encoder import Encoder, Tokenized
 from embedfleet.workers.events import WorkerEvents
+from embedfleet.workers.faults import (
+    Outages,
+    RideOut,
+    classify_sink_error,
+    ride_out,
+    transient_or_raise,
+)
 from embedfleet.workers.heartbeat import run_heartbeat
 from embedfleet.workers.memory import TrimTimer, release_free_memory
 from embedfleet.workers.output import Outputs
@@ -55,6 +72,9 @@ from embedfleet.workers.sinks import Delivery, Sink
 from embedfleet.workers.sinks.reply import ReplyListWriter
 
 log = get_logger("embedfleet.worker")
+# The bulk stages feed each other through bounded queues: a stage's upstream may be blocked on
+# handing it work, so when the stage fails only the others are waited for.
+_UPSTREAM = {"compute": ("reader",), "writer": ("reader", "compute")}
 _END = None  # queue sentinel: the stage before has finished
 SLICE_MS_AUTO = {"cpu": 100.0, "cuda": 20.0}
 # Batches are never cut below this many tokens for the slice target: smaller ones cost more
@@ -111,6 +131,15 @@ class _StatsEvents(WorkerEvents):
     def __init__(self, stats: WorkerStats, listener: WorkerEvents) -> None:
         self.stats, self.listener = stats, listener
 
+    def entries_read(self, *, stream: str, count: int) -> None:
+        self.listener.entries_read(stream=stream, count=count)
+
+    def batch_started(self, *, texts: int, padded_tokens: int) -> None:
+        self.listener.batch_started(texts=texts, padded_tokens=padded_tokens)
+
+    def leases_renewed(self, *, count: int) -> None:
+        self.listener.leases_renewed(count=count)
+
     def batch_encoded(
         self, *, texts: int, real_tokens: int, padded_tokens: int, seconds: float
     ) -> None:
@@ -137,8 +166,17 @@ class _StatsEvents(WorkerEvents):
     def reclaimed(self, *, count: int) -> None:
         self.listener.reclaimed(count=count)
 
-    def sink_error(self, *, error: BaseException) -> None:
-        self.listener.sink_error(error=error)
+    def sink_error(self, *, error: BaseException, kind: str) -> None:
+        self.listener.sink_error(error=error, kind=kind)
+
+    def transient_fault(self, *, system: str, doing: str) -> None:
+        self.listener.transient_fault(system=system, doing=doing)
+
+    def outage(self, *, system: str, active: bool) -> None:
+        self.listener.outage(system=system, active=active)
+
+    def row_isolated(self, *, rows: int) -> None:
+        self.listener.row_isolated(rows=rows)
 
 
 class Worker:
@@ -163,9 +201,15 @@ class Worker:
         )
         self.in_flight = InFlight()
         self.dead_letters = DeadLetters(
-            client, self.keys, self.events, settings.reply_ttl_s, settings.job_reply_ttl_s
+            client,
+            self.keys,
+            self.events,
+            settings.reply_ttl_s,
+            settings.dead_payload_max_bytes,
+            settings.job_reply_ttl_s,
         )
         self.replies = ReplyListWriter(client, self.keys, settings.job_reply_ttl_s)
+        self.outages = Outages(self.events)
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.calibrations = CalibrationStore(
@@ -181,10 +225,14 @@ class Worker:
             self.events,
             self.outputs,
             self.on_model_thread,
+            self.outages,
         )
-        self.reclaimer = Reclaimer(settings, client, self.in_flight, self.dead_letters, self.events)
+        self.reclaimer = Reclaimer(
+            settings, client, self.in_flight, self.dead_letters, self.events, self.outages
+        )
         self._reclaimed: asyncio.Queue[list[StreamEntry]] = asyncio.Queue()
         self._stopping = asyncio.Event()
+        self._stage_tasks: dict[str, asyncio.Task[None]] = {}
         self._seconds_per_token: float | None = None  # measured, sizes batches to the slice
         self._trim_timer = TrimTimer()
         # EMBEDFLEET_READ_COUNT / TOKEN_BUDGET / MAX_BATCH, -1 resolved for this device
@@ -224,9 +272,13 @@ class Worker:
         )
 
     async def run(self) -> None:
+        """Run until drained. Raises when a stage failed (after draining what it could):
+        ``WorkerFault`` for a fault that names its setting, else the stage's error."""
         self.outputs.check_settings()
-        await self.consumer.setup()
-        await self.publish_model()
+        # A worker started before its Redis waits for it, as it would for an outage later.
+        ride = RideOut("creating the consumer group", self.outages, self.events)
+        await ride_out(ride, System.REDIS, self.consumer.setup)
+        await ride_out(ride, System.REDIS, self.publish_model)
         self.stats.started_at = time.perf_counter()
         windows: asyncio.Queue[Window | None] = asyncio.Queue(maxsize=1)
         encoded: asyncio.Queue[Encoded | None] = asyncio.Queue(maxsize=4)
@@ -246,17 +298,6 @@ class Worker:
             dtype=str(self.encoder.dtype).removeprefix("torch."),
             slice_ms=round(self.slice_seconds * 1000),
         )
-        tasks = [
-            self.queries.run(self._stopping),
-            self.reclaimer.run(self._stopping, self._deliver_reclaimed, streams),
-            run_heartbeat(self.client, self.keys, self.settings.consumer, self._stopping),
-        ]
-        if not self.settings.query_only:
-            tasks += [
-                self._read_loop(windows),
-                self._compute_loop(windows, encoded),
-                self._write_loop(encoded),
-            ]
         # One forward pass before the first timed batch: the slice estimator (_learn_speed)
         # must not learn from cold kernels, lazy allocations and first-shape dispatch.
         try:
@@ -267,22 +308,58 @@ class Worker:
             if is_device_fault(error):
                 raise DeviceFault(f"CUDA error in the warm-up forward pass: {error}") from error
             log.warning("warm-up forward pass failed; going on", error=str(error))
-        running = [asyncio.ensure_future(task) for task in tasks]
+        stages: dict[str, Coroutine[Any, Any, None]] = {
+            "queries": self.queries.run(self._stopping),
+            "reclaim": self.reclaimer.run(self._stopping, self._deliver_reclaimed, streams),
+            "heartbeat": run_heartbeat(
+                self.client, self.keys, self.settings.consumer, self._stopping
+            ),
+        }
+        if not self.settings.query_only:
+            stages["reader"] = self._read_loop(windows)
+            stages["compute"] = self._compute_loop(windows, encoded)
+            stages["writer"] = self._write_loop(encoded)
         try:
-            # The first stage to fail stops the others (a DeviceFault must not leave the
-            # reclaimer renewing leases on entries this worker will never finish).
-            done, pending = await asyncio.wait(running, return_when=asyncio.FIRST_EXCEPTION)
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            for task in done:
-                task.result()  # raises the stage's error
+            async with asyncio.TaskGroup() as group:
+                for name, coroutine in stages.items():
+                    self._stage_tasks[name] = group.create_task(
+                        self._stage(name, coroutine), name=f"worker-{name}"
+                    )
+        except ExceptionGroup as failed:
+            errors = failed.exceptions
+            raise errors[0] if len(errors) == 1 else failed from None
         finally:
-            for task in running:
-                task.cancel()
             self._model_thread.shutdown(wait=False, cancel_futures=True)
             self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
         log.info("worker stopped", texts=self.stats.texts, dead_letters=self.stats.dead_letters)
+
+    async def _stage(self, name: str, coroutine: Coroutine[Any, Any, None]) -> None:
+        """Run one stage; if it fails, drain the stages that can still finish, then raise
+        (the TaskGroup then cancels whatever is still running)."""
+        try:
+            await coroutine
+        except Exception as error:
+            log.error(
+                "worker stage failed: draining what the others can finish, then exiting",
+                stage=name,
+                error=f"{type(error).__name__}: {error}",
+            )
+            self.drain()
+            if isinstance(error, DeviceFault):
+                # The device is unusable: nothing more can be computed here, and the
+                # reclaimer must not keep renewing leases on entries this worker will never
+                # finish. Stop at once; a healthy worker reclaims them.
+                raise
+            # Stages before this one may be blocked handing it work; the others can finish.
+            upstream = _UPSTREAM.get(name, ())
+            finishing = [
+                task
+                for other, task in self._stage_tasks.items()
+                if other != name and other not in upstream
+            ]
+            if finishing:
+                await asyncio.wait(finishing, timeout=self.settings.drain_timeout_s)
+            raise
 
     async def _deliver_reclaimed(self, stream: str, entries: list[StreamEntry]) -> None:
         if stream == self.keys.query_lane.query:
@@ -294,17 +371,18 @@ class Worker:
 
     # --- reader -----------------------------------------------------------------------
     async def _read_loop(self, windows: asyncio.Queue[Window | None]) -> None:
-        backoff = Backoff(log)
+        ride = RideOut("reading the ingest stream", self.outages, self.events)
         drained = False
         try:
             while not self._stopping.is_set():
                 try:
                     entries = await self._next_entries()
                     if entries:
+                        self.events.entries_read(stream=entries[0].stream, count=len(entries))
                         await self._intake(entries, windows)
-                    backoff.reset()
-                except REDIS_FAULTS as error:
-                    await backoff.wait("ingest stream", error)
+                    ride.succeeded()
+                except Exception as error:
+                    await ride.wait(transient_or_raise(error, System.REDIS))
             # partitions still blocked on when the drain began: what they bring is finished too
             leftover = await self.consumer.finish_waiting()
             if leftover:
@@ -354,16 +432,7 @@ class Worker:
                 prompts.append(self.outputs.prompt_for(item.chunk, "document"))
             except ValueError as error:
                 delivery, chunk = item.delivery, item.chunk
-                rejected.append(
-                    Rejected(
-                        delivery.stream,
-                        delivery.entry_id,
-                        str(error),
-                        chunk_id=chunk.id,
-                        job=chunk.job,
-                        reply=chunk.reply,
-                    )
-                )
+                rejected.append(Rejected.chunk(delivery, chunk, DeadReason.OPTIONS, str(error)))
                 continue
             kept.append(item)
         return kept, prompts
@@ -377,7 +446,7 @@ class Worker:
         )
         await self._dead_letter(
             [
-                Rejected(d.stream, d.entry_id, reason, chunk_id=c.id, job=c.job, reply=c.reply)
+                Rejected.chunk(d, c, DeadReason.TOO_LONG, reason)
                 for c, d, t in zip(window.chunks, window.deliveries, window.tokens, strict=True)
                 if t.truncated
             ]
@@ -433,6 +502,7 @@ class Worker:
         tokens = [window.tokens[p] for p in planned.positions]
         started = time.perf_counter()
         query_seconds_before = self.queries.serving_seconds
+        self.events.batch_started(texts=len(tokens), padded_tokens=planned.padded_tokens)
         try:
             vectors = await loop.run_in_executor(
                 self._model_thread, self.encoder.embed, self.encoder.collate(tokens)
@@ -494,18 +564,8 @@ class Worker:
             return
         if len(positions) == 1:
             chunk, delivery = window.chunks[positions[0]], window.deliveries[positions[0]]
-            await self._dead_letter(
-                [
-                    Rejected(
-                        delivery.stream,
-                        delivery.entry_id,
-                        f"model error: {type(error).__name__}: {error}",
-                        chunk_id=chunk.id,
-                        job=chunk.job,
-                        reply=chunk.reply,
-                    )
-                ]
-            )
+            detail = f"model error: {type(error).__name__}: {error}"
+            await self._dead_letter([Rejected.chunk(delivery, chunk, DeadReason.MODEL, detail)])
             return
         log.warning(
             "model error, splitting the batch",
@@ -529,7 +589,11 @@ class Worker:
     async def _write_loop(self, encoded: asyncio.Queue[Encoded | None]) -> None:
         while (item := await encoded.get()) is not _END:
             # int8/uint8 need the fleet's calibration; read (or made) once, then cached
-            await self.outputs.prepare(item.chunks, self.on_model_thread)
+            await ride_out(
+                RideOut("reading the calibration", self.outages, self.events),
+                System.REDIS,
+                lambda chunks=item.chunks: self.outputs.prepare(chunks, self.on_model_thread),
+            )
             results = self.outputs.results(
                 item.chunks, item.vectors, [t.truncated for t in item.tokens]
             )
@@ -538,18 +602,25 @@ class Worker:
             # chunks with a reply (the gateway's) go back to their caller, the rest to the sink
             replied = [row for row, chunk in enumerate(item.chunks) if chunk.reply is not None]
             sunk = [row for row, chunk in enumerate(item.chunks) if chunk.reply is None]
-            if sunk and await self._write_with_retries(
-                [results[r] for r in sunk], [item.deliveries[r] for r in sunk], self.sink.write
-            ):
-                written += len(sunk)
+            if sunk:
+                written += await self._write(
+                    [results[r] for r in sunk],
+                    [item.deliveries[r] for r in sunk],
+                    [item.chunks[r] for r in sunk],
+                    lambda results, deliveries, rows: self.sink.write(results, deliveries),
+                    self.sink.system,
+                )
             if replied:
                 replies = [item.chunks[r].reply or "" for r in replied]
-                if await self._write_with_retries(
+                written += await self._write(
                     [results[r] for r in replied],
                     [item.deliveries[r] for r in replied],
-                    functools.partial(self.replies.write, replies=replies),
-                ):
-                    written += len(replied)
+                    [item.chunks[r] for r in replied],
+                    lambda results, deliveries, rows, replies=replies: self.replies.write(
+                        results, deliveries, replies=[replies[i] for i in rows]
+                    ),
+                    System.REDIS,
+                )
             if written:
                 self.events.results_written(texts=written, seconds=time.perf_counter() - started)
             by_stream: dict[str, list[str]] = {}
@@ -558,35 +629,70 @@ class Worker:
             for stream, entry_ids in by_stream.items():
                 self.in_flight.remove(stream, entry_ids)
 
-    async def _write_with_retries(
+    async def _write(
         self,
         results: list[Result],
         deliveries: list[Delivery],
-        write: Callable[[list[Result], list[Delivery]], Awaitable[None]],
-    ) -> bool:
-        """Write, retrying: Redis faults forever (nothing is lost by waiting), sink errors
-        ``sink_retries`` times with backoff, then the batch is dead-lettered with the error."""
-        backoff = Backoff(log, base=0.5, cap=10.0)
+        chunks: list[Chunk],
+        write: Callable[[list[Result], list[Delivery], list[int]], Awaitable[None]],
+        system: System,
+    ) -> int:
+        """Write a batch with ``write`` (given the rows' results, deliveries and indices);
+        returns how many results were written.
+
+        By kind of fault (shared/faults.py): transient ones are waited out, however long;
+        a refused row is found by halving the batch (each half written on its own) and
+        dead-lettered alone with the database's message; any other fault is tried
+        ``sink_retries`` times (a fault not known to pass might still) and then stops the
+        worker with a WorkerFault naming the setting.
+        """
+        ride = RideOut("writing results", self.outages, self.events, base_s=0.5, cap_s=10.0)
+        written = 0
         failures = 0
-        last_error: Exception | None = None
-        while True:
+        todo = [list(range(len(results)))]  # index lists still to write, last first
+        while todo:
+            rows = todo.pop()
             try:
-                await write(results, deliveries)
-                return True
-            except REDIS_FAULTS as error:
-                await backoff.wait("write results", error)
+                await write([results[i] for i in rows], [deliveries[i] for i in rows], rows)
             except Exception as error:
-                failures += 1
-                last_error = error
-                self.events.sink_error(error=error)
-                if failures >= self.settings.sink_retries:
-                    break
-                await backoff.wait("sink write", error)
-        reason = f"sink error after {failures} tries: {type(last_error).__name__}: {last_error}"
-        await self._dead_letter(
-            [
-                Rejected(d.stream, d.entry_id, reason, chunk_id=r.id, job=r.job)
-                for r, d in zip(results, deliveries, strict=True)
-            ]
-        )
-        return False
+                fault = classify_sink_error(error, system)
+                if fault.system is not System.REDIS:
+                    self.events.sink_error(error=error, kind=fault.kind.value)
+                todo.append(rows)  # until decided otherwise, it is still to write
+                if fault.kind is FaultKind.TRANSIENT:
+                    await ride.wait(fault)
+                elif fault.kind is FaultKind.ROW and len(rows) > 1:
+                    todo.pop()
+                    self.events.row_isolated(rows=len(rows))
+                    half = len(rows) // 2
+                    todo += [rows[half:], rows[:half]]
+                elif fault.kind is FaultKind.ROW:
+                    row = rows[0]
+                    detail = f"{fault.system} refused the row: {fault.detail}"
+                    refused = Rejected.chunk(
+                        deliveries[row], chunks[row], DeadReason.SINK_REFUSED, detail
+                    )
+                    try:
+                        await self._dead_letter([refused])
+                    except Exception as redis_error:  # the row is tried again after the wait
+                        await ride.wait(transient_or_raise(redis_error, System.REDIS))
+                    else:
+                        todo.pop()
+                else:
+                    failures += 1
+                    if failures >= self.settings.sink_retries:
+                        raise WorkerFault.from_fault(
+                            fault, f"writing results ({failures} tries)"
+                        ) from error
+                    log.warning(
+                        "sink write failed, retrying",
+                        system=fault.system.value,
+                        error=fault.detail,
+                        tries=failures,
+                        of=self.settings.sink_retries,
+                    )
+                    await ride.pause(fault)
+                continue
+            ride.succeeded()
+            written += len(rows)
+        return written

@@ -18,6 +18,7 @@ from typing import TypeVar
 
 import redis
 import redis.asyncio as aioredis
+from embedfleet.shared.faults import System
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import Result
 from embedfleet.shared.vectordb import SinkSetupError, VectorBackend, VectorDType
@@ -47,9 +48,13 @@ class Sink(abc.ABC):
 
     The worker's owner calls ``setup(model, dim)`` once after the model loads, the worker calls
     ``write`` per micro-batch, and ``close`` on shutdown. ``write`` raising means nothing was
-    acknowledged: the worker retries with backoff and dead-letters the batch after
-    ``EMBEDFLEET_SINK_RETRIES`` tries.
+    acknowledged; what the worker does next depends on the kind of fault (shared/faults.py):
+    waits out an outage, splits the batch to isolate a refused row, or exits. A sink only
+    raises its library's own errors and says which system it is (``system``), so a builtin
+    ``TimeoutError`` is filed under the right database.
     """
+
+    system: System = System.UNKNOWN
 
     async def setup(self, model: str, dim: int) -> None:  # noqa: B027 - optional hook
         """Create the collection/table if missing, with the model's dimension."""
@@ -126,6 +131,14 @@ def latest_per_id(results: Sequence[Result]) -> list[Result]:
     return list(latest.values())
 
 
+SYSTEM_OF_KIND = {
+    "lancedb": System.LANCEDB,
+    "pgvector": System.POSTGRESQL,
+    "qdrant": System.QDRANT,
+    "qdrant-local": System.QDRANT,
+}
+
+
 class DatabaseSink(Sink):
     """A sink that upserts into a vector database through its backend, then acknowledges.
 
@@ -148,6 +161,8 @@ class DatabaseSink(Sink):
         self.keys = keys
         self.backend = backend
         self.dtype = dtype
+        # which database a builtin TimeoutError or OSError of this sink came from
+        self.system = SYSTEM_OF_KIND.get(backend.target.kind, System.UNKNOWN)
         self._thread: ThreadPoolExecutor | None = None
 
     async def setup(self, model: str, dim: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import redis.asyncio as aioredis
+from embedfleet.shared.faults import System
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import Result, encode_result
 from embedfleet.workers.sinks.base import (
@@ -22,6 +23,8 @@ class RedisStreamSink(Sink):
     Both happen in one MULTI/EXEC round trip: either the results are written and the entries
     acknowledged, or neither (the entries are then redelivered).
     """
+
+    system = System.REDIS
 
     def __init__(self, client: aioredis.Redis, keys: Keys) -> None:
         self.client = client

@@ -1,0 +1,319 @@
+"""Dead letters you can act on: `embedfleet dead list | show | replay | purge`.
+
+``replay`` puts a dead letter's original payload (same chunk id, same job) back on the stream it
+came from, once its cause is fixed. One Lua script per letter writes the new entry, moves the
+job's count from ``dead`` back to pending and deletes the dead letter, atomically: the dead
+entry disappears only with the new entry written, and two replays racing cannot both send it
+(the second finds the letter gone). Were a chunk sent twice anyway, ids are idempotency keys:
+every sink upserts by id.
+
+Queries are not replayed (their caller has gone), nor letters that kept only a prefix of their
+payload (over ``EMBEDFLEET_DEAD_PAYLOAD_MAX_BYTES``) or had none: they are listed as skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import click
+import redis.asyncio as aioredis
+from embedfleet.shared.deadletters import DeadLetter, DeadReason
+from embedfleet.shared.keys import Keys
+from embedfleet.shared.protocol import ProtocolError, decode_chunk
+from embedfleet.shared.redis_conn import connect_settings
+from embedfleet.shared.settings import Settings, SettingsError, load_settings
+
+PAGE = 500
+T = TypeVar("T")
+
+# KEYS: the dead stream, the stream to replay onto, and the job's counters when it has a job
+# (every key in KEYS[], so the script stays in one slot on a cluster); ARGV: the dead entry's id,
+# the payload.
+REPLAY_SCRIPT = """
+if #redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1]) == 0 then return false end
+local id = redis.call('XADD', KEYS[2], '*', 'm', ARGV[2])
+if KEYS[3] then redis.call('HINCRBY', KEYS[3], 'dead', -1) end
+redis.call('XDEL', KEYS[1], ARGV[1])
+return id
+"""
+
+
+@dataclass(frozen=True)
+class Filters:
+    reason: DeadReason | None = None
+    job: str | None = None
+
+    def match(self, letter: DeadLetter) -> bool:
+        return (self.reason is None or letter.reason is self.reason) and (
+            self.job is None or letter.job == self.job
+        )
+
+
+@dataclass
+class ReplayReport:
+    replayed: list[DeadLetter]
+    skipped: list[tuple[DeadLetter, str]]
+
+
+class DeadLetterStore:
+    """The dead-letter streams of one namespace (one per partition, and the query lane's),
+    read and acted on."""
+
+    def __init__(self, client: aioredis.Redis, keys: Keys) -> None:
+        self.client = client
+        self.keys = keys
+        # every key set that has a dead stream: each partition's, and the query lane's
+        self.sets: list[Keys] = list(keys.partitions_keys)
+        if keys.partitioned:
+            self.sets.append(keys.query_lane)
+        self._replay = client.register_script(REPLAY_SCRIPT)
+
+    async def letters(self, filters: Filters = Filters()) -> AsyncIterator[DeadLetter]:
+        """Every matching letter, oldest first within each dead stream."""
+        async for _, letter in self._letters(filters):
+            yield letter
+
+    async def _letters(self, filters: Filters) -> AsyncIterator[tuple[Keys, DeadLetter]]:
+        for owner in self.sets:
+            start = "-"
+            while True:
+                page = await self.client.xrange(owner.dead, min=start, max="+", count=PAGE)
+                for dead_id, fields in page:
+                    letter = DeadLetter.from_fields(dead_id, fields)
+                    if filters.match(letter):
+                        yield owner, letter
+                if len(page) < PAGE:
+                    break
+                start = "(" + DeadLetter.from_fields(page[-1][0], {}).dead_id
+
+    async def get(self, dead_id: str) -> DeadLetter | None:
+        for owner in self.sets:
+            found = await self.client.xrange(owner.dead, min=dead_id, max=dead_id)
+            if found:
+                return DeadLetter.from_fields(*found[0])
+        return None
+
+    def why_not_replayable(self, letter: DeadLetter, owner: Keys | None = None) -> str | None:
+        owner = owner or self.keys.partitions_keys[0]
+        if letter.stream == self.keys.query_lane.query:
+            return "a query: its caller has gone"
+        if letter.stream != owner.ingest:
+            return f"it came from {letter.stream!r}, not an ingest stream of this namespace"
+        if letter.payload is None and letter.payload_prefix is not None:
+            return (
+                f"only a prefix was kept ({letter.payload_bytes} bytes, over "
+                "EMBEDFLEET_DEAD_PAYLOAD_MAX_BYTES)"
+            )
+        if letter.payload is None:
+            return "the entry had no payload to send again"
+        return None
+
+    def owner_of(self, letter: DeadLetter) -> Keys | None:
+        try:
+            return self.keys.owner_of(letter.stream)
+        except KeyError:
+            return None
+
+    async def replay(self, filters: Filters, *, dry_run: bool = False) -> ReplayReport:
+        report = ReplayReport([], [])
+        async for owner, letter in self._letters(filters):
+            problem = self.why_not_replayable(letter, owner)
+            if problem is not None:
+                report.skipped.append((letter, problem))
+                continue
+            if not dry_run:
+                assert letter.payload is not None  # checked by why_not_replayable
+                # the dead stream, the ingest stream and the job's counters of one partition:
+                # one hash slot, so one script
+                keys = [owner.dead, owner.ingest]
+                if letter.job:
+                    keys.append(owner.job(letter.job))
+                new_id = await self._replay(keys=keys, args=[letter.dead_id, letter.payload])
+                if new_id is None:  # replayed or purged meanwhile by someone else
+                    report.skipped.append((letter, "already gone from the dead-letter stream"))
+                    continue
+            report.replayed.append(letter)
+        return report
+
+    async def purge(self, filters: Filters) -> int:
+        by_stream: dict[str, list[str]] = {}
+        async for owner, letter in self._letters(filters):
+            by_stream.setdefault(owner.dead, []).append(letter.dead_id)
+        deleted = 0
+        for stream, ids in by_stream.items():
+            for start in range(0, len(ids), PAGE):
+                deleted += await self.client.xdel(stream, *ids[start : start + PAGE])
+        return deleted
+
+
+# --- CLI ------------------------------------------------------------------------------
+def _settings(redis_url: str | None) -> Settings:
+    try:
+        return load_settings(**({"redis_url": redis_url} if redis_url else {}))
+    except SettingsError as error:
+        raise click.ClickException(str(error)) from None
+
+
+async def _with_store(redis_url: str | None, work: Callable[[DeadLetterStore], Awaitable[T]]) -> T:
+    settings = _settings(redis_url)
+    client = connect_settings(settings)
+    try:
+        return await work(DeadLetterStore(client, settings.keys))
+    finally:
+        await client.aclose()
+
+
+redis_url_option = click.option(
+    "--redis-url", envvar="EMBEDFLEET_REDIS_URL", help="Redis URL (or EMBEDFLEET_REDIS_URL)."
+)
+reason_option = click.option(
+    "--reason",
+    type=click.Choice([reason.value for reason in DeadReason]),
+    help="Only letters with this reason code.",
+)
+job_option = click.option("--job", help="Only letters of this job.")
+
+
+def _filters(reason: str | None, job: str | None) -> Filters:
+    return Filters(DeadReason(reason) if reason else None, job)
+
+
+def _line(letter: DeadLetter) -> str:
+    detail = letter.detail if len(letter.detail) <= 100 else letter.detail[:97] + "..."
+    return (
+        f"{letter.dead_id}  {letter.reason.value:<12}  id={letter.chunk_id or '-'}  "
+        f"job={letter.job or '-'}  {detail}"
+    )
+
+
+def _as_json(letter: DeadLetter) -> dict[str, object]:
+    return {
+        "dead_id": letter.dead_id,
+        "reason": letter.reason.value,
+        "detail": letter.detail,
+        "stream": letter.stream,
+        "entry_id": letter.entry_id,
+        "id": letter.chunk_id,
+        "job": letter.job,
+        "deliveries": letter.deliveries,
+        "payload_bytes": letter.payload_bytes,
+        "replayable": letter.replayable,
+    }
+
+
+@click.group("dead")
+def dead_group() -> None:
+    """List, inspect, replay and purge dead letters ({namespace}:dead).
+
+    Every dead letter has a reason code (the metrics' `reason` label) and a detail text.
+    Fix the cause (a model setting, the database, the input), then `replay` puts the original
+    chunks back on the ingest stream with their ids and jobs.
+    """
+
+
+@dead_group.command("list")
+@reason_option
+@job_option
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@redis_url_option
+def list_command(reason: str | None, job: str | None, as_json: bool, redis_url: str | None) -> None:
+    """Dead letters, oldest first: id in the dead stream, reason code, chunk id, job, detail."""
+
+    async def work(store: DeadLetterStore) -> list[DeadLetter]:
+        return [letter async for letter in store.letters(_filters(reason, job))]
+
+    letters = asyncio.run(_with_store(redis_url, work))
+    for letter in letters:
+        click.echo(json.dumps(_as_json(letter)) if as_json else _line(letter))
+    if not as_json:
+        counts = Counter(letter.reason.value for letter in letters)
+        summary = ", ".join(f"{code} {n}" for code, n in sorted(counts.items())) or "none"
+        click.echo(f"{len(letters)} dead letters ({summary})", err=True)
+
+
+@dead_group.command("show")
+@click.argument("dead_id")
+@redis_url_option
+def show_command(dead_id: str, redis_url: str | None) -> None:
+    """Every field of one dead letter, with its payload decoded when it is a chunk."""
+
+    async def work(store: DeadLetterStore) -> tuple[DeadLetter | None, str | None]:
+        letter = await store.get(dead_id)
+        if letter is None:
+            return None, None
+        return letter, store.why_not_replayable(letter, store.owner_of(letter))
+
+    letter, problem = asyncio.run(_with_store(redis_url, work))
+    if letter is None:
+        raise click.ClickException(f"no dead letter {dead_id!r} (see `embedfleet dead list`)")
+    shown = _as_json(letter)
+    shown["replayable"] = problem is None
+    if problem is not None:
+        shown["not_replayable_because"] = problem
+    raw = letter.payload if letter.payload is not None else letter.payload_prefix
+    if letter.payload is not None:
+        try:
+            chunk = decode_chunk(letter.payload)
+            shown["chunk"] = {
+                "id": chunk.id,
+                "text": chunk.text,
+                "job": chunk.job,
+                "meta": chunk.meta,
+            }
+        except ProtocolError as error:
+            shown["payload_problem"] = str(error)
+    if raw is not None:
+        shown["payload_hex" if letter.payload is not None else "payload_prefix_hex"] = raw[
+            :512
+        ].hex()
+    click.echo(json.dumps(shown, indent=2, ensure_ascii=False, default=str))
+
+
+@dead_group.command("replay")
+@reason_option
+@job_option
+@click.option("--dry-run", is_flag=True, help="Only say what would be replayed.")
+@redis_url_option
+def replay_command(
+    reason: str | None, job: str | None, dry_run: bool, redis_url: str | None
+) -> None:
+    """Send matching dead letters again: same payload, id and job, to the ingest stream.
+
+    Each letter is deleted only together with its new entry being written (one Lua script),
+    so nothing is lost, and replaying twice does not send a chunk twice.
+    """
+
+    async def work(store: DeadLetterStore) -> ReplayReport:
+        return await store.replay(_filters(reason, job), dry_run=dry_run)
+
+    report = asyncio.run(_with_store(redis_url, work))
+    verb = "would replay" if dry_run else "replayed"
+    for letter in report.replayed:
+        click.echo(f"{verb} {letter.dead_id}  id={letter.chunk_id or '-'}  job={letter.job or '-'}")
+    for letter, why in report.skipped:
+        click.echo(f"skipped {letter.dead_id}  id={letter.chunk_id or '-'}: {why}", err=True)
+    click.echo(f"{verb} {len(report.replayed)}, skipped {len(report.skipped)}")
+
+
+@dead_group.command("purge")
+@reason_option
+@job_option
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@redis_url_option
+def purge_command(reason: str | None, job: str | None, yes: bool, redis_url: str | None) -> None:
+    """Delete matching dead letters for good (all of them without filters)."""
+    if not yes:
+        scope = " and ".join(
+            part for part in (reason and f"reason {reason}", job and f"job {job}") if part
+        )
+        click.confirm(f"delete every dead letter{' with ' + scope if scope else ''}?", abort=True)
+
+    async def work(store: DeadLetterStore) -> int:
+        return await store.purge(_filters(reason, job))
+
+    click.echo(f"purged {asyncio.run(_with_store(redis_url, work))} dead letters")
