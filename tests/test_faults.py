@@ -199,7 +199,7 @@ async def test_postgresql_stopped_20s_mid_run_is_waited_out_with_readyz_503(
         table = f"outage_{uuid.uuid4().hex[:6]}"
         sink = sink_for_target(parse_sink_url(dsn, table), settings, client)
         before, during = (
-            builtin_corpus(60),
+            list(builtin_corpus(60)),
             [
                 Chunk(f"late-{n}", f"written while PostgreSQL was down, number {n}")
                 for n in range(40)
