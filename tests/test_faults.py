@@ -225,7 +225,7 @@ async def test_postgresql_stopped_20s_mid_run_is_waited_out_with_readyz_503(
             seen = []
             while time.monotonic() - stopped_at < OUTAGE_S:
                 status, body = await readiness(url)
-                seen.append(status)
+                seen.append(time.monotonic() - stopped_at)
                 assert status == 503, body
                 assert "postgresql" in body["checks"], body  # names the system that is down
                 assert await client.xlen(settings.keys.dead) == 0
@@ -239,7 +239,8 @@ async def test_postgresql_stopped_20s_mid_run_is_waited_out_with_readyz_503(
             )
             status, body = await readiness(url)
             assert status == 200 and "postgresql" not in body["checks"], body
-        assert len(seen) >= 10 and time.monotonic() - stopped_at >= OUTAGE_S
+        # probed (503 every time) from the start of the outage to its end
+        assert seen[0] < 5 and seen[-1] > OUTAGE_S - 5 and len(seen) >= 4, seen
         assert (progress.done, progress.dead) == (100, 0)
         assert await client.xlen(settings.keys.dead) == 0
         assert pg_ids(dsn, table) == {c.id for c in before} | {c.id for c in during}
