@@ -69,7 +69,7 @@ PG_BAD_PASSWORD = (
         (redis_errors.BusyLoadingError("LOADING"), FaultKind.TRANSIENT, System.REDIS),
         (redis_errors.ReadOnlyError("READONLY replica"), FaultKind.TRANSIENT, System.REDIS),
         (redis_errors.ClusterDownError("CLUSTERDOWN"), FaultKind.TRANSIENT, System.REDIS),
-        (redis_errors.AskError("MOVED 3999 127.0.0.1:6381"), FaultKind.TRANSIENT, System.REDIS),
+        (redis_errors.AskError("3999 127.0.0.1:6381"), FaultKind.TRANSIENT, System.REDIS),
         (redis_errors.RedisClusterException("no node"), FaultKind.TRANSIENT, System.REDIS),
         (redis_errors.ResponseError("OOM command not allowed"), FaultKind.TRANSIENT, System.REDIS),
         # AuthenticationError is a ConnectionError subclass: it must not be waited out
