@@ -13,7 +13,6 @@ payload (over ``EMBEDFLEET_DEAD_PAYLOAD_MAX_BYTES``) or had none: they are liste
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,10 +21,12 @@ from typing import TypeVar
 
 import click
 import redis.asyncio as aioredis
+from embedfleet.producer.waiting import StderrNotice, run_client
 from embedfleet.shared.deadletters import DeadLetter, DeadReason
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import ProtocolError, decode_chunk
-from embedfleet.shared.redis_conn import connect_settings
+from embedfleet.shared.redis_conn import connect_client_settings, redact_url
+from embedfleet.shared.retry import RedisRetry
 from embedfleet.shared.settings import Settings, SettingsError, load_settings
 
 PAGE = 500
@@ -159,13 +160,25 @@ def _settings(redis_url: str | None) -> Settings:
         raise click.ClickException(str(error)) from None
 
 
-async def _with_store(redis_url: str | None, work: Callable[[DeadLetterStore], Awaitable[T]]) -> T:
+def _with_store(
+    redis_url: str | None, doing: str, work: Callable[[DeadLetterStore], Awaitable[T]]
+) -> T:
+    """Run ``work`` on the namespace's dead letters, riding out a Redis restart as every verb
+    does (EMBEDFLEET_REDIS_RETRY_S). Each verb is safe to repeat: a letter replayed or purged
+    before a fault is gone when the work runs again."""
     settings = _settings(redis_url)
-    client = connect_settings(settings)
-    try:
-        return await work(DeadLetterStore(client, settings.keys))
-    finally:
-        await client.aclose()
+
+    async def main() -> T:
+        client = connect_client_settings(settings)
+        server = redact_url(settings.effective_redis_url)
+        retry = RedisRetry(server, settings.redis_retry_s, StderrNotice())
+        store = DeadLetterStore(client, settings.keys)
+        try:
+            return await retry.call(doing, lambda: work(store))
+        finally:
+            await client.aclose()
+
+    return run_client(main())
 
 
 redis_url_option = click.option(
@@ -227,7 +240,7 @@ def list_command(reason: str | None, job: str | None, as_json: bool, redis_url: 
     async def work(store: DeadLetterStore) -> list[DeadLetter]:
         return [letter async for letter in store.letters(_filters(reason, job))]
 
-    letters = asyncio.run(_with_store(redis_url, work))
+    letters = _with_store(redis_url, "list the dead letters", work)
     for letter in letters:
         click.echo(json.dumps(_as_json(letter)) if as_json else _line(letter))
     if not as_json:
@@ -248,7 +261,7 @@ def show_command(dead_id: str, redis_url: str | None) -> None:
             return None, None
         return letter, store.why_not_replayable(letter, store.owner_of(letter))
 
-    letter, problem = asyncio.run(_with_store(redis_url, work))
+    letter, problem = _with_store(redis_url, "read a dead letter", work)
     if letter is None:
         raise click.ClickException(f"no dead letter {dead_id!r} (see `embedfleet dead list`)")
     shown = _as_json(letter)
@@ -291,7 +304,7 @@ def replay_command(
     async def work(store: DeadLetterStore) -> ReplayReport:
         return await store.replay(_filters(reason, job), dry_run=dry_run)
 
-    report = asyncio.run(_with_store(redis_url, work))
+    report = _with_store(redis_url, "replay dead letters", work)
     verb = "would replay" if dry_run else "replayed"
     for letter in report.replayed:
         click.echo(f"{verb} {letter.dead_id}  id={letter.chunk_id or '-'}  job={letter.job or '-'}")
@@ -316,4 +329,4 @@ def purge_command(reason: str | None, job: str | None, yes: bool, redis_url: str
     async def work(store: DeadLetterStore) -> int:
         return await store.purge(_filters(reason, job))
 
-    click.echo(f"purged {asyncio.run(_with_store(redis_url, work))} dead letters")
+    click.echo(f"purged {_with_store(redis_url, 'purge dead letters', work)} dead letters")
