@@ -18,7 +18,7 @@ from embedfleet.shared.settings import Settings
 from embedfleet.workers.device_faults import DeviceFault, is_device_fault, is_out_of_memory
 from embedfleet.workers.encoder import EncodeBatch, Encoder
 
-from tests.conftest import running_worker
+from tests.conftest import WorkerLauncher
 
 TEXTS = [f"document number {n} about the device faults a worker survives" for n in range(24)]
 OOM_MESSAGE = "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 139.8 GiB total capacity)"
@@ -52,6 +52,7 @@ async def _run_job(settings: Settings, job: str) -> tuple[int, int]:
 
 
 async def test_out_of_memory_splits_and_retries_never_dead_letters(
+    workers: WorkerLauncher,
     settings: Settings,
     encoder: Encoder,
     client: aioredis.Redis,
@@ -71,7 +72,7 @@ async def test_out_of_memory_splits_and_retries_never_dead_letters(
 
     monkeypatch.setattr(encoder, "embed", short_of_memory)
     settings = settings.model_copy(update={"max_batch": 8})  # batches of 8, halves of 4 fit
-    async with running_worker(settings, encoder, client) as worker:
+    async with workers.run(settings, encoder=encoder) as worker:
         done, dead = await _run_job(settings, "oom")
     assert (done, dead) == (len(TEXTS), 0)
     assert worker.stats.dead_letters == 0
