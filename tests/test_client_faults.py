@@ -39,7 +39,7 @@ from embedfleet.shared.retry import RedisUnavailableError
 from embedfleet.shared.settings import Settings
 
 from embedfleet.server import ServerProcess, free_port, system_server_binary
-from tests.conftest import running_sink_worker, running_worker, worker_env
+from tests.conftest import WorkerLauncher, worker_env
 
 AOF = ["--appendonly", "yes", "--appendfsync", "always"]
 
@@ -256,7 +256,11 @@ async def test_enqueue_rides_out_a_sigkill_mid_batch(
 
 
 async def test_a_reply_lost_after_the_batch_was_applied_is_re_sent_and_counted_once(
-    aof_server: ServerProcess, aof_settings: Settings, direct: aioredis.Redis, encoder
+    workers: WorkerLauncher,
+    aof_server: ServerProcess,
+    aof_settings: Settings,
+    direct: aioredis.Redis,
+    encoder,
 ) -> None:
     """The connection dropped between a batch's write and its reply: the client cannot tell
     whether it was applied and sends it again; every id is embedded once and ``enqueued``
@@ -275,7 +279,7 @@ async def test_a_reply_lost_after_the_batch_was_applied_is_re_sent_and_counted_o
         async with Producer(proxied, on_outage=outages) as producer:
             await producer.enqueue(chunks, job="drop", batch_size=40)
     async with Producer(aof_settings, direct) as producer:
-        async with running_worker(aof_settings, encoder, direct):
+        async with workers.run(aof_settings, client=direct):
             progress = await producer.wait_for_job("drop", timeout=300)
         results = [result async for result in producer.results(job="drop")]
     assert counted_at_cut == [80] and cutter.evals_seen == 4  # applied, then re-sent
@@ -287,7 +291,11 @@ async def test_a_reply_lost_after_the_batch_was_applied_is_re_sent_and_counted_o
 
 # --- following a job, reading results, queries ----------------------------------------------------
 async def test_wait_for_job_rides_out_a_sigkill(
-    aof_server: ServerProcess, aof_settings: Settings, direct: aioredis.Redis, encoder
+    workers: WorkerLauncher,
+    aof_server: ServerProcess,
+    aof_settings: Settings,
+    direct: aioredis.Redis,
+    encoder,
 ) -> None:
     outages = Outages()
     polled = asyncio.Event()
@@ -300,7 +308,7 @@ async def test_wait_for_job_rides_out_a_sigkill(
         await polled.wait()  # the wait is under way, with nothing done yet
         aof_server.kill()
         await restart_when_down(aof_server, outages)
-        async with running_worker(aof_settings, encoder, await reconnected(direct)):
+        async with workers.run(aof_settings, client=await reconnected(direct)):
             progress = await asyncio.wait_for(waiting, 300)
     assert (progress.enqueued, progress.done, progress.dead) == (40, 40, 0)
     assert (outages.downs, outages.backs) == (1, 1)
@@ -332,7 +340,11 @@ async def test_results_ride_out_a_sigkill_between_pages(
 
 
 async def test_queries_ride_out_a_sigkill_within_their_timeout(
-    aof_server: ServerProcess, aof_settings: Settings, direct: aioredis.Redis, encoder
+    workers: WorkerLauncher,
+    aof_server: ServerProcess,
+    aof_settings: Settings,
+    direct: aioredis.Redis,
+    encoder,
 ) -> None:
     texts = ["how do I open a file?", "what is a generator?", "sort a list in place"]
     outages = Outages()
@@ -346,7 +358,7 @@ async def test_queries_ride_out_a_sigkill_within_their_timeout(
         await wait_for(all_queued)  # both calls are blocked on their reply keys: no worker yet
         aof_server.kill()
         await restart_when_down(aof_server, outages)
-        async with running_worker(aof_settings, encoder, await reconnected(direct)):
+        async with workers.run(aof_settings, client=await reconnected(direct)):
             vectors, single = await asyncio.wait_for(asyncio.gather(asking, one), 240)
     expected = encoder.embed_texts(texts)
     assert vectors.shape == (3, 384)
@@ -440,6 +452,7 @@ def said_once(stderr: str, server: str) -> None:
 
 
 async def test_cli_enqueue_wait_keeps_its_bar_across_a_sigkill(
+    workers: WorkerLauncher,
     aof_server: ServerProcess,
     aof_settings: Settings,
     direct: aioredis.Redis,
@@ -456,7 +469,7 @@ async def test_cli_enqueue_wait_keeps_its_bar_across_a_sigkill(
         await err.wait_for("waiting for Redis")
         await asyncio.to_thread(aof_server.start)
         await err.wait_for("is back")
-        async with running_worker(aof_settings, encoder, await reconnected(direct)):
+        async with workers.run(aof_settings, client=await reconnected(direct)):
             code = await asyncio.wait_for(process.wait(), 300)
         stdout, stderr = await out.finished(), await err.finished()
     assert code == 0, stderr[-3000:]
@@ -538,7 +551,12 @@ class Terminal:
 
 
 async def test_cli_enqueue_wait_keeps_its_bar_on_a_terminal_across_a_sigkill(
-    aof_server: ServerProcess, aof_settings: Settings, direct: aioredis.Redis, encoder, tmp_path
+    workers: WorkerLauncher,
+    aof_server: ServerProcess,
+    aof_settings: Settings,
+    direct: aioredis.Redis,
+    encoder,
+    tmp_path,
 ) -> None:
     """What a person at a terminal sees: the two notices above one bar, finished at 60/60."""
     source = tmp_path / "chunks.jsonl"
@@ -551,7 +569,7 @@ async def test_cli_enqueue_wait_keeps_its_bar_on_a_terminal_across_a_sigkill(
         await terminal.wait_for("waiting for Redis")
         await asyncio.to_thread(aof_server.start)
         await terminal.wait_for("is back")
-        async with running_worker(aof_settings, encoder, await reconnected(direct)):
+        async with workers.run(aof_settings, client=await reconnected(direct)):
             code = await terminal.finished()
         screen = terminal.lines
     finally:
@@ -597,6 +615,7 @@ async def test_cli_status_watch_rides_out_a_sigkill(
 
 
 async def test_cli_search_rides_out_a_sigkill(
+    workers: WorkerLauncher,
     aof_server: ServerProcess,
     aof_settings: Settings,
     direct: aioredis.Redis,
@@ -608,7 +627,7 @@ async def test_cli_search_rides_out_a_sigkill(
     sink = f"lancedb://{tmp_path / 'vectors'}"
     settings = aof_settings.model_copy(update={"sink": sink})
     chunks = chunks_of(12, "s")
-    sink_worker = running_sink_worker(settings, encoder, direct, build_sink(settings, direct))
+    sink_worker = workers.run(settings, sink=build_sink(settings, direct), client=direct)
     async with Producer(settings, direct) as producer, sink_worker:
         await producer.enqueue(chunks, job="s")
         await producer.wait_for_job("s", timeout=300)
@@ -624,7 +643,7 @@ async def test_cli_search_rides_out_a_sigkill(
         await err.wait_for("waiting for Redis")
         await asyncio.to_thread(aof_server.start)
         await reconnected(direct)
-        async with running_sink_worker(settings, encoder, direct, build_sink(settings, direct)):
+        async with workers.run(settings, sink=build_sink(settings, direct), client=direct):
             code = await asyncio.wait_for(process.wait(), 300)
         stdout, stderr = await out.finished(), await err.finished()
     assert code == 0, stderr[-3000:]

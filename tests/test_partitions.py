@@ -24,7 +24,7 @@ from embedfleet.shared.redis_conn import split_cluster_url
 from embedfleet.shared.settings import Settings, SettingsError, load_settings
 from embedfleet.workers.consumer import StreamConsumer, backlog_shares
 
-from tests.conftest import running_worker
+from tests.conftest import WorkerLauncher
 
 
 def test_one_partition_is_the_single_node_layout_byte_for_byte() -> None:
@@ -128,7 +128,7 @@ async def test_an_idle_reader_wakes_for_any_partition(
 
 
 async def test_partitions_on_one_server_end_to_end(
-    partitioned: Settings, client: aioredis.Redis, encoder
+    workers: WorkerLauncher, partitioned: Settings, client: aioredis.Redis, encoder
 ) -> None:
     chunks = [Chunk(f"id-{i}", f"text number {i}") for i in range(60)]
     async with Producer(partitioned, client) as producer:
@@ -136,7 +136,7 @@ async def test_partitions_on_one_server_end_to_end(
         await producer.enqueue(chunks[:10], job="p")  # re-sent: added and counted once
         bad = partitioned.keys.partition(1).ingest
         await client.xadd(bad, {PAYLOAD_FIELD: b"\xc1 not msgpack"})
-        async with running_worker(partitioned, encoder, client):
+        async with workers.run(partitioned, client=client):
             progress = await producer.wait_for_job("p", timeout=120)
             for _ in range(100):
                 if await client.xlen(partitioned.keys.partition(1).dead) == 1:
