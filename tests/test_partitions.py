@@ -152,4 +152,4 @@ async def test_partitions_on_one_server_end_to_end(
         pending = await client.xpending(partition.ingest, partitioned.group)
         assert pending["pending"] == 0
     ((_, dead),) = await client.xrange(partitioned.keys.partition(1).dead)
-    assert dead[b"reason"].startswith(b"not msgpack")
+    assert dead[b"reason"] == b"not_msgpack" and dead[b"detail"].startswith(b"not msgpack")
