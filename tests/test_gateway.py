@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
-import subprocess
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,7 +23,7 @@ from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
 
 from embedfleet.server import ServerProcess
-from tests.conftest import start_worker_process
+from tests.conftest import WorkerLauncher, WorkerProcess, shared_encoder
 from tests.gateway_support import running_gateway, wait_for_worker
 
 API_KEY = "sk-test-" + uuid.uuid4().hex
@@ -51,14 +51,18 @@ def fleet_settings(redis_server: ServerProcess, tmp_path_factory: pytest.TempPat
 
 
 @pytest.fixture(scope="module")
-def worker(fleet_settings: Settings) -> Iterator[subprocess.Popen[bytes]]:
+def worker(
+    fleet_settings: Settings, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[WorkerProcess]:
+    workers = WorkerLauncher(fleet_settings, shared_encoder, tmp_path_factory.mktemp("workers"))
     # the frozen query graph takes a minute to build on a small shared CPU; eager is enough here
-    process = start_worker_process(
-        fleet_settings, f"gw-worker-{uuid.uuid4().hex[:6]}", EMBEDFLEET_FROZEN_QUERIES="false"
+    process = workers.process(
+        f"gw-worker-{uuid.uuid4().hex[:6]}", fleet_settings, EMBEDFLEET_FROZEN_QUERIES="false"
     )
     yield process
-    process.terminate()
+    process.send_signal(signal.SIGTERM)
     process.wait(timeout=60)
+    workers.stop_all()
 
 
 @pytest.fixture(scope="module")
