@@ -14,6 +14,8 @@ payload (over ``EMBEDFLEET_DEAD_PAYLOAD_MAX_BYTES``) or had none: they are liste
 from __future__ import annotations
 
 import json
+import math
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -32,16 +34,27 @@ from embedfleet.shared.settings import Settings, SettingsError, load_settings
 PAGE = 500
 T = TypeVar("T")
 
-# KEYS: the dead stream, the stream to replay onto, and the job's counters when it has a job
-# (every key in KEYS[], so the script stays in one slot on a cluster); ARGV: the dead entry's id,
-# the payload.
+# KEYS: the dead stream, the stream to replay onto, the letter's replay marker, and the job's
+# counters when it has a job (every key in KEYS[], so the script stays in one slot on a
+# cluster); ARGV: the dead entry's id, the payload, the replaying command's token, the marker's
+# lifetime in seconds. The marker makes a replay whose reply was lost (a dropped connection, a
+# restarted server) safe to send again and exact to report: the same command, finding the
+# letter gone and its own token in the marker, gets back the id it wrote; another command
+# racing it finds the letter gone and replays nothing.
 REPLAY_SCRIPT = """
-if #redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1]) == 0 then return false end
+if #redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1]) == 0 then
+  local marker = redis.call('GET', KEYS[3])
+  local mine = ARGV[3] .. ' '
+  if marker and string.sub(marker, 1, #mine) == mine then return string.sub(marker, #mine + 1) end
+  return false
+end
 local id = redis.call('XADD', KEYS[2], '*', 'm', ARGV[2])
-if KEYS[3] then redis.call('HINCRBY', KEYS[3], 'dead', -1) end
+if KEYS[4] then redis.call('HINCRBY', KEYS[4], 'dead', -1) end
 redis.call('XDEL', KEYS[1], ARGV[1])
+redis.call('SET', KEYS[3], ARGV[3] .. ' ' .. id, 'EX', ARGV[4])
 return id
 """
+REPLAY_MARKER_MIN_S = 3600
 
 
 @dataclass(frozen=True)
@@ -65,14 +78,22 @@ class DeadLetterStore:
     """The dead-letter streams of one namespace (one per partition, and the query lane's),
     read and acted on."""
 
-    def __init__(self, client: aioredis.Redis, keys: Keys) -> None:
+    def __init__(self, client: aioredis.Redis, keys: Keys, retry: RedisRetry | None = None) -> None:
+        """``retry`` rides out Redis restarts and dropped connections call by call (the CLI's,
+        with its stderr notices); without it each call is tried once."""
         self.client = client
         self.keys = keys
+        self.retry = retry
         # every key set that has a dead stream: each partition's, and the query lane's
         self.sets: list[Keys] = list(keys.partitions_keys)
         if keys.partitioned:
             self.sets.append(keys.query_lane)
-        self._replay = client.register_script(REPLAY_SCRIPT)
+
+    async def _call(self, doing: str, operation: Callable[[], Awaitable[T]]) -> T:
+        """One Redis call, again after a transient fault: each call here is safe to repeat."""
+        if self.retry is None:
+            return await operation()
+        return await self.retry.call(doing, operation)
 
     async def letters(self, filters: Filters = Filters()) -> AsyncIterator[DeadLetter]:
         """Every matching letter, oldest first within each dead stream."""
@@ -83,7 +104,12 @@ class DeadLetterStore:
         for owner in self.sets:
             start = "-"
             while True:
-                page = await self.client.xrange(owner.dead, min=start, max="+", count=PAGE)
+                page = await self._call(
+                    "read the dead letters",
+                    lambda owner=owner, start=start: self.client.xrange(
+                        owner.dead, min=start, max="+", count=PAGE
+                    ),
+                )
                 for dead_id, fields in page:
                     letter = DeadLetter.from_fields(dead_id, fields)
                     if filters.match(letter):
@@ -94,7 +120,10 @@ class DeadLetterStore:
 
     async def get(self, dead_id: str) -> DeadLetter | None:
         for owner in self.sets:
-            found = await self.client.xrange(owner.dead, min=dead_id, max=dead_id)
+            found = await self._call(
+                "read a dead letter",
+                lambda owner=owner: self.client.xrange(owner.dead, min=dead_id, max=dead_id),
+            )
             if found:
                 return DeadLetter.from_fields(*found[0])
         return None
@@ -122,6 +151,9 @@ class DeadLetterStore:
 
     async def replay(self, filters: Filters, *, dry_run: bool = False) -> ReplayReport:
         report = ReplayReport([], [])
+        token = uuid.uuid4().hex  # this command's replays, told apart from another's
+        bound = 0 if self.retry is None else self.retry.give_up_after_s
+        marker_s = max(REPLAY_MARKER_MIN_S, math.ceil(2 * bound))  # outlives any retry
         async for owner, letter in self._letters(filters):
             problem = self.why_not_replayable(letter, owner)
             if problem is not None:
@@ -131,10 +163,17 @@ class DeadLetterStore:
                 assert letter.payload is not None  # checked by why_not_replayable
                 # the dead stream, the ingest stream and the job's counters of one partition:
                 # one hash slot, so one script
-                keys = [owner.dead, owner.ingest]
+                keys = [owner.dead, owner.ingest, owner.replayed(letter.dead_id)]
                 if letter.job:
                     keys.append(owner.job(letter.job))
-                new_id = await self._replay(keys=keys, args=[letter.dead_id, letter.payload])
+                args = [letter.dead_id, letter.payload, token, marker_s]
+                new_id = await self._call(
+                    f"replay dead letter {letter.dead_id}",
+                    # EVAL: one round trip, nothing to load again on a restarted server
+                    lambda keys=keys, args=args: self.client.eval(
+                        REPLAY_SCRIPT, len(keys), *keys, *args
+                    ),
+                )
                 if new_id is None:  # replayed or purged meanwhile by someone else
                     report.skipped.append((letter, "already gone from the dead-letter stream"))
                     continue
@@ -148,7 +187,13 @@ class DeadLetterStore:
         deleted = 0
         for stream, ids in by_stream.items():
             for start in range(0, len(ids), PAGE):
-                deleted += await self.client.xdel(stream, *ids[start : start + PAGE])
+                page = ids[start : start + PAGE]
+                # XDEL again after a lost reply deletes nothing more; the count of the
+                # repeat misses what the lost try deleted, never counts it twice
+                deleted += await self._call(
+                    "delete dead letters",
+                    lambda stream=stream, page=page: self.client.xdel(stream, *page),
+                )
         return deleted
 
 
@@ -160,21 +205,18 @@ def _settings(redis_url: str | None) -> Settings:
         raise click.ClickException(str(error)) from None
 
 
-def _with_store(
-    redis_url: str | None, doing: str, work: Callable[[DeadLetterStore], Awaitable[T]]
-) -> T:
-    """Run ``work`` on the namespace's dead letters, riding out a Redis restart as every verb
-    does (EMBEDFLEET_REDIS_RETRY_S). Each verb is safe to repeat: a letter replayed or purged
-    before a fault is gone when the work runs again."""
+def _with_store(redis_url: str | None, work: Callable[[DeadLetterStore], Awaitable[T]]) -> T:
+    """Run ``work`` on the namespace's dead letters, riding out Redis restarts and dropped
+    connections as every verb does (EMBEDFLEET_REDIS_RETRY_S): call by call, so that what was
+    done before a fault is neither done again nor left out of the report."""
     settings = _settings(redis_url)
 
     async def main() -> T:
         client = connect_client_settings(settings)
         server = redact_url(settings.effective_redis_url)
         retry = RedisRetry(server, settings.redis_retry_s, StderrNotice())
-        store = DeadLetterStore(client, settings.keys)
         try:
-            return await retry.call(doing, lambda: work(store))
+            return await work(DeadLetterStore(client, settings.keys, retry))
         finally:
             await client.aclose()
 
@@ -240,7 +282,7 @@ def list_command(reason: str | None, job: str | None, as_json: bool, redis_url: 
     async def work(store: DeadLetterStore) -> list[DeadLetter]:
         return [letter async for letter in store.letters(_filters(reason, job))]
 
-    letters = _with_store(redis_url, "list the dead letters", work)
+    letters = _with_store(redis_url, work)
     for letter in letters:
         click.echo(json.dumps(_as_json(letter)) if as_json else _line(letter))
     if not as_json:
@@ -261,7 +303,7 @@ def show_command(dead_id: str, redis_url: str | None) -> None:
             return None, None
         return letter, store.why_not_replayable(letter, store.owner_of(letter))
 
-    letter, problem = _with_store(redis_url, "read a dead letter", work)
+    letter, problem = _with_store(redis_url, work)
     if letter is None:
         raise click.ClickException(f"no dead letter {dead_id!r} (see `embedfleet dead list`)")
     shown = _as_json(letter)
@@ -304,7 +346,7 @@ def replay_command(
     async def work(store: DeadLetterStore) -> ReplayReport:
         return await store.replay(_filters(reason, job), dry_run=dry_run)
 
-    report = _with_store(redis_url, "replay dead letters", work)
+    report = _with_store(redis_url, work)
     verb = "would replay" if dry_run else "replayed"
     for letter in report.replayed:
         click.echo(f"{verb} {letter.dead_id}  id={letter.chunk_id or '-'}  job={letter.job or '-'}")
@@ -329,4 +371,4 @@ def purge_command(reason: str | None, job: str | None, yes: bool, redis_url: str
     async def work(store: DeadLetterStore) -> int:
         return await store.purge(_filters(reason, job))
 
-    click.echo(f"purged {_with_store(redis_url, 'purge dead letters', work)} dead letters")
+    click.echo(f"purged {_with_store(redis_url, work)} dead letters")

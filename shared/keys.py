@@ -198,6 +198,11 @@ class Keys:
         """
         return self._key(f"jobids:{job_id}")
 
+    def replayed(self, dead_id: str) -> str:
+        """What a dead-letter replay leaves for a while (the replaying command's token and the
+        new entry's id), so that a replay whose reply was lost can be sent again exactly."""
+        return self._key(f"replayed:{dead_id}")
+
     def reply(self, request_id: str) -> str:
         """List a query's caller blocks on (BLPOP); it expires if the caller has gone."""
         return self._key(f"reply:{request_id}")

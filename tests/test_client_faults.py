@@ -33,7 +33,14 @@ import pytest
 import redis.asyncio as aioredis
 from embedfleet.producer import Producer, QueryTimeoutError
 from embedfleet.producer.chunker import builtin_corpus
-from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, Result, decode_chunk, encode_result
+from embedfleet.shared.protocol import (
+    PAYLOAD_FIELD,
+    Chunk,
+    Result,
+    decode_chunk,
+    encode_chunk,
+    encode_result,
+)
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.retry import RedisUnavailableError
 from embedfleet.shared.settings import Settings
@@ -683,3 +690,72 @@ async def test_an_inner_retry_that_gave_up_is_not_retried_again() -> None:
         await outer.call("read progress", lambda: inner.progress("j"))
     await inner.close()
     assert time.monotonic() - started < 5
+
+
+# --- dead letters ------------------------------------------------------------------------------
+async def write_dead_letters(
+    client: aioredis.Redis, settings: Settings, job: str, count: int
+) -> list[Chunk]:
+    """A job whose chunks all ended as dead letters, written as a worker writes them."""
+    from embedfleet.shared.deadletters import DeadReason, dead_letter_fields
+
+    chunks = chunks_of(count, job)
+    for index, chunk in enumerate(chunks):
+        fields = dead_letter_fields(
+            reason=DeadReason.TOO_LONG,
+            detail="over the model's 256 tokens",
+            stream=settings.keys.ingest,
+            entry_id=f"1-{index}",
+            payload=encode_chunk(chunk),
+            max_payload_bytes=settings.dead_payload_max_bytes,
+            chunk_id=chunk.id,
+            job=job,
+        )
+        await client.xadd(settings.keys.dead, fields)
+    await client.hset(settings.keys.job(job), mapping={"enqueued": count, "dead": count})
+    return chunks
+
+
+async def test_cli_dead_replay_rides_out_a_sigkill_after_a_replay_was_applied(
+    aof_server: ServerProcess, aof_settings: Settings, direct: aioredis.Redis
+) -> None:
+    """Redis killed right after it ran the second letter's replay, before the CLI read the
+    reply: the CLI waits, sends that replay again, and every letter is replayed exactly once."""
+    chunks = await write_dead_letters(direct, aof_settings, "dj", 5)
+
+    async def kill() -> None:
+        aof_server.kill()
+
+    async with BatchCutter(aof_server.port, cut_at=2, applied=True, on_cut=kill) as cutter:
+        proxied = f"redis://127.0.0.1:{cutter.port}/0"
+        env = {**worker_env(aof_settings), "EMBEDFLEET_REDIS_URL": proxied}
+        async with cli(env, "dead", "replay", "--job", "dj") as (process, out, err):
+            await err.wait_for("waiting for Redis")
+            await asyncio.to_thread(aof_server.start)
+            code = await asyncio.wait_for(process.wait(), 120)
+            stdout, stderr = await out.finished(), await err.finished()
+    assert code == 0, stderr[-3000:]
+    assert cutter.cut.is_set() and cutter.evals_seen == 6  # five replays, the second one twice
+    said_once(stderr, proxied)
+    assert "replayed 5, skipped 0" in stdout, stdout + stderr
+    await reconnected(direct)
+    assert await direct.xlen(aof_settings.keys.dead) == 0
+    ids = await stream_ids(direct, aof_settings.keys.ingest)
+    assert sorted(ids) == sorted(chunk.id for chunk in chunks)  # each sent once
+    assert await counters(direct, aof_settings, "dj") == {"enqueued": 5, "done": 0, "dead": 0}
+
+
+async def test_cli_dead_list_waits_for_redis_to_come_back(
+    aof_server: ServerProcess, aof_settings: Settings, direct: aioredis.Redis
+) -> None:
+    chunks = await write_dead_letters(direct, aof_settings, "dl", 3)
+    aof_server.kill()  # the verb starts while Redis is away
+    async with cli(worker_env(aof_settings), "dead", "list", "--json") as (process, out, err):
+        await err.wait_for("waiting for Redis")
+        await asyncio.to_thread(aof_server.start)
+        code = await asyncio.wait_for(process.wait(), 120)
+        stdout, stderr = await out.finished(), await err.finished()
+    assert code == 0, stderr[-3000:]
+    said_once(stderr, aof_settings.effective_redis_url)
+    listed = [json.loads(line) for line in stdout.splitlines()]
+    assert [letter["id"] for letter in listed] == [chunk.id for chunk in chunks]
