@@ -17,7 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import click
 import torch
-from embedfleet.shared.settings import Settings
+from embedfleet.shared.settings import Batching, Settings
 from embedfleet.workers.batcher import plan_batches
 from embedfleet.workers.cpus import usable_cpus
 from embedfleet.workers.encoder import Encoder
@@ -27,13 +27,13 @@ from loadtest.bench import machine_line, measure_peak, useful_flops
 from loadtest.corpus import build_corpus
 
 
-def run_window(encoder: Encoder, texts: list[str], settings: Settings) -> tuple[float, float]:
+def run_window(encoder: Encoder, texts: list[str], batching: Batching) -> tuple[float, float]:
     """(seconds in all, seconds in embed) for one window, as the worker runs it."""
     started = time.perf_counter()
     tokens = encoder.tokenize(texts)
     lengths = [t.length for t in tokens]
     in_model = 0.0
-    for planned in plan_batches(lengths, settings.token_budget, settings.max_batch):
+    for planned in plan_batches(lengths, batching.token_budget, batching.max_batch):
         batch = encoder.collate([tokens[p] for p in planned.positions])
         before = time.perf_counter()
         encoder.embed(batch)
@@ -50,18 +50,19 @@ def main(count: int, rows: int) -> None:
     threads = settings.threads or usable_cpus()
     torch.set_num_threads(threads)
     encoder = Encoder(settings.model, device="cpu", dtype=settings.dtype, threads=threads)
-    texts = [item.text for item in build_corpus(count)][: settings.read_count]
+    batching = settings.batching("cpu")
+    texts = [item.text for item in build_corpus(count)][: batching.read_count]
     lengths = [t.length for t in encoder.tokenize(texts)]
-    run_window(encoder, texts, settings)  # warm-up: allocator, oneDNN primitives
+    run_window(encoder, texts, batching)  # warm-up: allocator, oneDNN primitives
     with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as profiler:
-        seconds, in_model = run_window(encoder, texts, settings)
+        seconds, in_model = run_window(encoder, texts, batching)
     peak = measure_peak(torch.device("cpu"), with_bf16=True)
     precision = "bf16" if encoder.precision.dtype != torch.float32 else "fp32"
     mfu = useful_flops(lengths, encoder) / seconds / peak.of(precision)
     print(f"machine: {machine_line()}")
     print(
         f"window: {len(texts)} texts, {sum(lengths)} real tokens, {encoder.precision.describe()}, "
-        f"token_budget {settings.token_budget}, max_batch {settings.max_batch}"
+        f"token_budget {batching.token_budget}, max_batch {batching.max_batch}"
     )
     print(
         f"window {seconds:.2f} s, in embed {in_model / seconds:.0%}; MFU {mfu:.1%} of this run's "
