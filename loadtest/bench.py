@@ -185,6 +185,7 @@ def engine_contender(
     window: int,
     token_budget: int,
     max_batch: int,
+    frozen: bool = False,
 ) -> Run:
     """The worker's compute path without Redis: windows of ``window`` texts, tokenize, plan,
     embed; tokenization is inline (no overlap), as in the sentence-transformers contenders."""
@@ -201,7 +202,9 @@ def engine_contender(
         if layout == "padded":
             for planned in plan_batches(lengths, token_budget, max_batch):
                 batch = encoder.collate([tokens[p] for p in planned.positions])
-                vectors[[base + p for p in planned.positions]] = encoder.embed(batch)
+                # frozen: the query lane's frozen, pre-packed graph (no layer hooks) for bulk too
+                embed = encoder.embed_query if frozen else encoder.embed
+                vectors[[base + p for p in planned.positions]] = embed(batch)
                 real += batch.real_tokens
                 padded += batch.padded_tokens
             continue
@@ -516,6 +519,18 @@ def main(
                     "bf16",
                     lambda n: engine_contender(
                         autocast, texts[:n], "padded", window, budget, max_batch
+                    ),
+                )
+            )
+    if engines and dev.type == "cpu":
+        frozen_auto = Encoder(device=device, dtype="auto", threads=threads)
+        if frozen_auto.prepare_query_graph():
+            contenders.append(
+                Contender(
+                    "engine padded auto frozen",
+                    auto_precision,
+                    lambda n: engine_contender(
+                        frozen_auto, texts[:n], "padded", window, budget, max_batch, frozen=True
                     ),
                 )
             )
