@@ -198,6 +198,13 @@ class Settings(BaseSettings):
         "pre-packed once): about half the time of the eager pass for a short text. Kept only if "
         "it matches the eager model at startup; `false` runs queries eager.",
     )
+    frozen_bulk: bool = Field(
+        default=True,
+        description="On CPU in bf16/fp16, bulk batches run through the same frozen copy as "
+        "queries (needs FROZEN_QUERIES): eager reduced-precision linear layers are slow there "
+        "(docs/BENCHMARKS.md). The copy has no layer boundaries, so bulk batches are sized "
+        "whole to the query slice instead of one layer. `false`: eager, sliced per layer.",
+    )
     query_only: bool = Field(
         default=False, description="Serve only the query stream (dedicated query replicas)."
     )

@@ -383,6 +383,10 @@ class Encoder:
     def has_query_graph(self) -> bool:
         return self._query_forward is not None
 
+    @property
+    def computes_in_reduced_precision(self) -> bool:
+        return self.precision.dtype != torch.float32
+
     def prepare_query_graph(self) -> bool:
         """Build the frozen query graph, once, where it helps and holds parity: on a CPU, with
         the weights in their compute dtype (not autocast). Returns whether queries use it.

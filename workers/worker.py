@@ -464,14 +464,27 @@ class Worker:
             self.in_flight.remove(item.stream, [item.entry_id])
 
     # --- compute ----------------------------------------------------------------------
+    def _bulk_frozen(self) -> bool:
+        """Bulk batches through the frozen, pre-packed copy: where it was kept (CPU) and the
+        model computes in bf16/fp16, whose eager linear layers measured several times slower
+        than the frozen graph's (docs/BENCHMARKS.md, Throughput II). In float32 the two are
+        even, and eager keeps its layer boundaries for queries."""
+        return (
+            self.settings.frozen_bulk
+            and self.encoder.has_query_graph
+            and self.encoder.computes_in_reduced_precision
+        )
+
     def _token_cap(self) -> int:
-        """Token budget, shrunk so one transformer layer of a batch fits in the slice target:
-        a query then waits at most one slice. Sized from the throughput measured so far."""
+        """Token budget, shrunk so one slice of a batch fits in the slice target: a query then
+        waits at most one slice. A slice is one transformer layer of an eager batch, the whole
+        batch in the frozen copy (no layer boundaries). Sized from the throughput so far."""
         target = self.slice_seconds
         if target <= 0 or self._seconds_per_token is None:
             return self.batching.token_budget
-        per_layer = self._seconds_per_token / max(1, self.encoder.layer_count)
-        fitting = int(SLICE_HEADROOM * target / per_layer)
+        slices = 1 if self._bulk_frozen() else max(1, self.encoder.layer_count)
+        per_slice = self._seconds_per_token / slices
+        fitting = int(SLICE_HEADROOM * target / per_slice)
         return max(MIN_SLICED_TOKENS, min(self.batching.token_budget, fitting))
 
     async def _compute_loop(
@@ -504,8 +517,9 @@ class Worker:
         query_seconds_before = self.queries.serving_seconds
         self.events.batch_started(texts=len(tokens), padded_tokens=planned.padded_tokens)
         try:
+            embed = self.encoder.embed_query if self._bulk_frozen() else self.encoder.embed
             vectors = await loop.run_in_executor(
-                self._model_thread, self.encoder.embed, self.encoder.collate(tokens)
+                self._model_thread, embed, self.encoder.collate(tokens)
             )
         except Exception as error:
             await self._on_model_error(window, planned, encoded, error, oom_retries)
