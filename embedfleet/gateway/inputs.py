@@ -116,9 +116,10 @@ def shape_vectors(vectors: np.ndarray, dimensions: int | None, normalized: bool)
     model's output is normalised).
 
     The workers already do this when a chunk carries ``dimensions`` (the gateway sends it); this
-    is a no-op then, and keeps the answer right with a worker that predates the option.
+    keeps the answer right with a worker that predates the option, and renormalises in float32
+    what crossed the wire as fp16 (a norm 1 +- 1e-4 there), so callers get unit vectors.
     """
-    if dimensions is None or dimensions >= vectors.shape[1]:
+    if dimensions is None:
         return vectors
     cut = np.ascontiguousarray(vectors[:, :dimensions], dtype=np.float32)
     if normalized:
