@@ -45,11 +45,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import click
 import numpy as np
 import torch
+
 from embedfleet.workers.cpus import usable_cpus
 from embedfleet.workers.encoder import Encoder, Tokenized, resolve_model_path
 from embedfleet.workers.packing import PackedEncoder, PackLayout
 from embedfleet.workers.precision import cosines
-
 from loadtest.corpus import build_corpus, describe, token_lengths
 from loadtest.peers import InfinityConfig, InfinityPeer, infinity_available
 
@@ -439,9 +439,10 @@ def main(
     """Side-by-side throughput: sentence-transformers vs a naive loop vs the fleet."""
     import logging
 
+    from sentence_transformers import SentenceTransformer
+
     from embedfleet.shared.logging import configure_logging
     from embedfleet.shared.settings import Settings
-    from sentence_transformers import SentenceTransformer
 
     configure_logging("warning", "console")
     logging.getLogger("sentence_transformers").setLevel(logging.WARNING)

@@ -32,13 +32,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.producer.enqueue import queue_enqueue
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import Chunk, Result, encode_chunk, encode_result
 from embedfleet.shared.redis_conn import connect
 from embedfleet.workers.sinks.base import Delivery, queue_acknowledgements
-
 from loadtest.local_cluster import LocalCluster
 
 DIMS = (384, 768, 1024)

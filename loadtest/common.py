@@ -11,9 +11,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
-from embedfleet.shared.settings import Settings
 
 from embedfleet.server import ServerProcess, preferred_server_binary
+from embedfleet.shared.settings import Settings
 
 
 @contextlib.contextmanager

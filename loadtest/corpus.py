@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import click
-from embedfleet.shared.settings import PACKAGED_MODEL
 from tokenizers import Tokenizer
+
+from embedfleet.shared.settings import PACKAGED_MODEL
 
 # The length distribution, in tokens including [CLS] and [SEP]. A log-normal body (median
 # ~44, the sentence/short-paragraph chunks) plus a 6% tail of long chunks spread evenly

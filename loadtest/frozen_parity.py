@@ -10,6 +10,7 @@ has the figures and what follows from them.
 from __future__ import annotations
 
 import torch
+
 from embedfleet.workers.encoder import Encoder
 from embedfleet.workers.frozen import freeze
 from embedfleet.workers.precision import PROBE_TEXTS, cosines

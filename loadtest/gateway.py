@@ -22,12 +22,12 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterator
 
 import httpx
+
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.producer.client import Producer
+from embedfleet.server import free_port
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import Settings
-
-from embedfleet.server import free_port
 from loadtest.common import machine_load, percentile_ms, redis_server, worker_process
 
 QUERY = "how do I open a file for reading in Python?"

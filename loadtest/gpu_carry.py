@@ -204,9 +204,10 @@ def unmet_requirements(wheels: list[Path], python_version: str) -> list[str]:
 def fp16_model(target: Path) -> Path:
     """The packaged model with fp16 weights: loads as fp32 (or bf16) there, within 1e-3."""
     import torch
+    from safetensors.torch import load_file, save_file
+
     from embedfleet.shared.settings import PACKAGED_MODEL
     from embedfleet.workers.encoder import resolve_model_path
-    from safetensors.torch import load_file, save_file
 
     source = resolve_model_path(PACKAGED_MODEL)
     if target.exists():

@@ -213,10 +213,11 @@ def _corpus(count: int, config: CheckConfig, offset: int = 0) -> tuple[list[str]
 
 def parity(config: CheckConfig, record: Record) -> None:
     import numpy as np
+    from sentence_transformers import SentenceTransformer
+
     from embedfleet.workers.batcher import plan_batches
     from embedfleet.workers.encoder import Encoder
     from embedfleet.workers.packing import PackedEncoder, plan_token_batches
-    from sentence_transformers import SentenceTransformer
 
     texts, _ = _corpus(config.parity_texts, config, offset=7)
     st = SentenceTransformer(config.model, device=config.device)
@@ -273,8 +274,8 @@ def _parity_row(
 # --- bench -------------------------------------------------------------------------------
 def bench(config: CheckConfig, record: Record) -> None:
     import torch
-    from embedfleet.workers.encoder import Encoder
 
+    from embedfleet.workers.encoder import Encoder
     from loadtest.bench import Fleet, measure_peak, st_contender, useful_flops
 
     texts, ids = _corpus(config.texts, config)
@@ -498,7 +499,6 @@ def _percentiles(samples: list[float]) -> dict[str, float]:
 
 async def _latency(config: CheckConfig, record: Record) -> None:
     from embedfleet.producer import Producer
-
     from loadtest.latency import bulk_corpus
 
     namespace = f"lat{uuid.uuid4().hex[:6]}"

@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING
 import aiohttp
 import numpy as np
 import uvloop
-from embedfleet.producer import Producer
-from embedfleet.producer.chunker import builtin_corpus
-from embedfleet.shared.protocol import Chunk
-from embedfleet.shared.settings import Settings
 from prometheus_client.parser import text_string_to_metric_families
 
+from embedfleet.producer import Producer
+from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.server import free_port
+from embedfleet.shared.protocol import Chunk
+from embedfleet.shared.settings import Settings
 from loadtest.common import machine_load, percentile_ms, redis_server, worker_process
 
 if TYPE_CHECKING:

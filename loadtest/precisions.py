@@ -21,9 +21,9 @@ import uuid
 
 import click
 import numpy as np
+
 from embedfleet.shared.protocol import OUTPUT_DTYPES, Chunk
 from embedfleet.workers.encoder import Encoder
-
 from loadtest.bench import _server, machine_line
 from loadtest.corpus import build_corpus
 

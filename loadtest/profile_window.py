@@ -17,12 +17,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import click
 import torch
+from torch.profiler import ProfilerActivity, profile
+
 from embedfleet.shared.settings import Batching, Settings
 from embedfleet.workers.batcher import plan_batches
 from embedfleet.workers.cpus import usable_cpus
 from embedfleet.workers.encoder import Encoder
-from torch.profiler import ProfilerActivity, profile
-
 from loadtest.bench import machine_line, measure_peak, useful_flops
 from loadtest.corpus import build_corpus
 

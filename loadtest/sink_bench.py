@@ -37,8 +37,10 @@ from typing import TYPE_CHECKING
 import click
 import numpy as np
 import redis.asyncio as aioredis
+
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.producer.client import Producer
+from embedfleet.server import ServerProcess, preferred_server_binary
 from embedfleet.shared.logging import configure_logging
 from embedfleet.shared.protocol import Chunk, Result
 from embedfleet.shared.redis_conn import connect
@@ -51,8 +53,6 @@ from embedfleet.shared.vectordb import (
     parse_sink_url,
 )
 from embedfleet.workers.sinks import Delivery, Sink, build_sink
-
-from embedfleet.server import ServerProcess, preferred_server_binary
 
 if TYPE_CHECKING:
     from embedfleet.workers.encoder import Encoder
@@ -248,6 +248,7 @@ async def _main(
     texts: int, rounds: int, sinks: Sequence[str], warmup: int, batch: int, end_to_end: bool
 ) -> list[str]:
     import torch
+
     from embedfleet.workers.encoder import Encoder
 
     chunks = list(builtin_corpus(texts))

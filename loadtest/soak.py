@@ -19,11 +19,11 @@ import uuid
 from pathlib import Path
 
 import uvloop
+
 from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import Settings
-
 from loadtest.common import machine_load, redis_server, rss_mib, worker_process
 
 

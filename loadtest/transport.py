@@ -20,11 +20,11 @@ import uuid
 
 import numpy as np
 import uvloop
+
 from embedfleet.producer import Producer
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Result, decode_chunk, encode_result
 from embedfleet.shared.redis_conn import connect, ensure_groups
 from embedfleet.shared.settings import Settings
-
 from loadtest.common import percentile_ms, redis_server
 from loadtest.latency import QUERY
 

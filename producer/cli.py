@@ -10,6 +10,7 @@ from typing import TextIO
 
 import click
 import numpy as np
+
 from embedfleet.producer.client import JobProgress, Producer, QueryTimeoutError
 from embedfleet.producer.export import SUPPORTED_SUFFIXES, ExportRow, write_export
 from embedfleet.producer.jsonl import BadLine, read_chunks

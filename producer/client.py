@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import redis.asyncio as aioredis
+from redis import exceptions as redis_errors
+
 from embedfleet.producer.enqueue import queue_enqueue
 from embedfleet.shared.faults import is_transient
 from embedfleet.shared.keys import Keys
@@ -44,7 +46,6 @@ from embedfleet.shared.redis_conn import (
 )
 from embedfleet.shared.retry import OutageListener, RedisRetry, RedisUnavailableError, describe
 from embedfleet.shared.settings import Settings
-from redis import exceptions as redis_errors
 
 if TYPE_CHECKING:
     from embedfleet.producer.documents import Document, DocumentSplitter

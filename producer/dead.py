@@ -23,6 +23,7 @@ from typing import TypeVar
 
 import click
 import redis.asyncio as aioredis
+
 from embedfleet.producer.waiting import StderrNotice, run_client
 from embedfleet.shared.deadletters import DeadLetter, DeadReason
 from embedfleet.shared.keys import Keys

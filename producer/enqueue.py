@@ -27,6 +27,7 @@ import hashlib
 from collections.abc import Sequence
 
 import redis.asyncio as aioredis
+
 from embedfleet.shared.protocol import PAYLOAD_FIELD
 
 # KEYS[1] ingest stream, KEYS[2] job counters (hash), KEYS[3] job id record (hash)

@@ -12,6 +12,7 @@ import json
 
 import click
 import numpy as np
+
 from embedfleet.producer.client import EmbeddingOptions
 from embedfleet.producer.waiting import client_for, run_client
 from embedfleet.shared.protocol import QueryFailedError

@@ -29,6 +29,8 @@ from typing import Any
 
 import click
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
 from embedfleet.producer.sparkline import Trend
 from embedfleet.producer.waiting import StderrNotice, run_client
 from embedfleet.shared.fleet import FLEET_STREAMS, INPUT_STREAMS, FleetState, read_fleet
@@ -36,7 +38,6 @@ from embedfleet.shared.keys import Keys
 from embedfleet.shared.redis_conn import connect_client_settings, redact_url
 from embedfleet.shared.retry import RedisRetry
 from embedfleet.shared.settings import Settings, SettingsError, load_settings
-from redis.exceptions import RedisError
 
 THROUGHPUT_WINDOW_S = 60.0
 DEAD_LETTERS_SHOWN = 3

@@ -14,11 +14,12 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import click
+from tqdm import tqdm
+
 from embedfleet.producer.client import JobTimeoutError, Producer
 from embedfleet.shared.logging import configure_logging
 from embedfleet.shared.retry import RedisUnavailableError, describe
 from embedfleet.shared.settings import Settings
-from tqdm import tqdm
 
 T = TypeVar("T")
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
+
 from embedfleet.shared.keys import Keys, key_slot
 from embedfleet.shared.redis_conn import is_cluster
 from embedfleet.shared.streams import (

@@ -12,8 +12,9 @@ import sys
 import time
 from types import TracebackType
 
-from embedfleet.shared.logging import get_logger
 from tqdm import tqdm
+
+from embedfleet.shared.logging import get_logger
 
 log = get_logger("embedfleet.progress")
 

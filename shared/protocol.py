@@ -30,6 +30,7 @@ from typing import Any, Literal, get_args
 
 import msgpack
 import numpy as np
+
 from embedfleet.shared.deadletters import DeadReason
 
 PROTOCOL_VERSION = 1

@@ -12,7 +12,6 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.asyncio as aioredis
-from embedfleet.shared.keys import Keys
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -27,6 +26,8 @@ from redis.exceptions import (
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from embedfleet.shared.keys import Keys
 
 if TYPE_CHECKING:
     from embedfleet.shared.settings import Settings

@@ -20,9 +20,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
+from redis import exceptions as redis_errors
+
 from embedfleet.shared.faults import BackoffPolicy, classify, is_transient
 from embedfleet.shared.logging import get_logger
-from redis import exceptions as redis_errors
 
 log = get_logger("embedfleet.client")
 T = TypeVar("T")

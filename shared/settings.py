@@ -12,11 +12,12 @@ import socket
 from dataclasses import dataclass
 from typing import Literal
 
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
 from embedfleet.shared.keys import DEFAULT_GROUP, DEFAULT_NAMESPACE, MAX_PARTITIONS, Keys
 from embedfleet.shared.protocol import ChunkLimits
 from embedfleet.shared.redis_conn import split_cluster_url
-from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "EMBEDFLEET_"
 PACKAGED_MODEL = "all-MiniLM-L6-v2"

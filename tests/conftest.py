@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+
+from embedfleet.server import ServerProcess, embedded_server_binary, preferred_server_binary
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.events import WorkerEvents
-
-from embedfleet.server import ServerProcess, embedded_server_binary, preferred_server_binary
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

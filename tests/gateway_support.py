@@ -9,10 +9,10 @@ from collections.abc import Iterator
 
 import httpx
 import uvicorn
-from embedfleet.shared.settings import Settings
 
 from embedfleet.gateway.app import create_app
 from embedfleet.server import free_port
+from embedfleet.shared.settings import Settings
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ import random
 import types
 
 import pytest
+
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.batcher import padding_waste, plan_batches
 from embedfleet.workers.worker import MIN_SLICED_TOKENS, SLICE_HEADROOM, Worker

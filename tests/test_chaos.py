@@ -15,11 +15,11 @@ import time
 
 import pytest
 import redis.asyncio as aioredis
+
 from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk
 from embedfleet.shared.settings import Settings
-
 from tests.conftest import WorkerLauncher
 
 pytestmark = pytest.mark.chaos

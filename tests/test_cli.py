@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from embedfleet.shared.settings import Settings
 
+from embedfleet.shared.settings import Settings
 from tests.conftest import WorkerLauncher
 
 VERBS = ["demo", "worker", "enqueue", "results", "query", "status", "search", "index", "dead"]

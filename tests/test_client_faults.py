@@ -31,8 +31,10 @@ import numpy as np
 import pyte
 import pytest
 import redis.asyncio as aioredis
+
 from embedfleet.producer import Producer, QueryTimeoutError
 from embedfleet.producer.chunker import builtin_corpus
+from embedfleet.server import ServerProcess, free_port, system_server_binary
 from embedfleet.shared.protocol import (
     PAYLOAD_FIELD,
     Chunk,
@@ -44,8 +46,6 @@ from embedfleet.shared.protocol import (
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.retry import RedisUnavailableError
 from embedfleet.shared.settings import Settings
-
-from embedfleet.server import ServerProcess, free_port, system_server_binary
 from tests.conftest import WorkerLauncher, worker_env
 
 AOF = ["--appendonly", "yes", "--appendfsync", "always"]

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from embedfleet.shared.settings import Settings
 
 pytestmark = pytest.mark.packaging

@@ -22,15 +22,15 @@ from collections.abc import AsyncIterator, Iterator
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
+
 from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
+from embedfleet.server import free_port
 from embedfleet.shared.keys import key_slot
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.redis_conn import TRANSIENT_FAULTS, connect_settings
 from embedfleet.shared.settings import Settings
 from embedfleet.shared.streams import find_group
-
-from embedfleet.server import free_port
 from loadtest.local_cluster import LocalCluster
 from tests.conftest import worker_env
 

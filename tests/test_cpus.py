@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from embedfleet.workers import cpus
 from embedfleet.workers.cpus import cgroup_cpu_limit, usable_cpus
 

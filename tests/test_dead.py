@@ -14,11 +14,11 @@ import sys
 from collections import Counter
 
 import redis.asyncio as aioredis
+
 from embedfleet.producer import Producer
 from embedfleet.shared.deadletters import DeadLetter, DeadReason
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, decode_result, encode_chunk
 from embedfleet.shared.settings import Settings
-
 from tests.conftest import Recorder, WorkerLauncher
 
 LONG = "a sentence that keeps going and going, " * 200  # far over the model's 256 tokens

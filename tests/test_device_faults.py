@@ -13,11 +13,11 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 import torch
+
 from embedfleet.producer import Producer
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.device_faults import DeviceFault, is_device_fault, is_out_of_memory
 from embedfleet.workers.encoder import EncodeBatch, Encoder
-
 from tests.conftest import WorkerLauncher
 
 TEXTS = [f"document number {n} about the device faults a worker survives" for n in range(24)]

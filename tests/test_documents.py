@@ -11,14 +11,14 @@ import msgpack
 import pytest
 import redis.asyncio as aioredis
 from click.testing import CliRunner
+
+from embedfleet.cli import main
 from embedfleet.producer.chunker import builtin_documents
 from embedfleet.producer.client import Producer
 from embedfleet.producer.documents import Document, DocumentSplitter, builtin_document_chunks
 from embedfleet.shared.modeldir import ModelFiles
 from embedfleet.shared.protocol import PAYLOAD_FIELD
 from embedfleet.shared.settings import Settings
-
-from embedfleet.cli import main
 
 MODEL = "all-MiniLM-L6-v2"
 

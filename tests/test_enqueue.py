@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import redis.asyncio as aioredis
+
 from embedfleet.producer import Producer
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, decode_chunk
 from embedfleet.shared.settings import Settings

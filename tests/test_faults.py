@@ -22,8 +22,12 @@ import httpx
 import psycopg
 import pytest
 import redis.asyncio as aioredis
+from qdrant_client.http.exceptions import ResponseHandlingException, UnexpectedResponse
+from redis import exceptions as redis_errors
+
 from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
+from embedfleet.server import ServerProcess, free_port, system_server_binary
 from embedfleet.shared.deadletters import DeadLetter, DeadReason
 from embedfleet.shared.faults import (
     BackoffPolicy,
@@ -41,10 +45,6 @@ from embedfleet.workers.health import HealthServer
 from embedfleet.workers.metrics import WorkerMetrics
 from embedfleet.workers.sinks import sink_for_target
 from embedfleet.workers.worker import Worker
-from qdrant_client.http.exceptions import ResponseHandlingException, UnexpectedResponse
-from redis import exceptions as redis_errors
-
-from embedfleet.server import ServerProcess, free_port, system_server_binary
 from tests.conftest import Recorder, WorkerLauncher
 
 PG_DOWN = (

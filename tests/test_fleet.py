@@ -8,11 +8,11 @@ import signal
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
+
 from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import Settings
-
 from tests.conftest import WorkerLauncher
 
 LONG_TEXT = " ".join(f"word{i} and some filler text" for i in range(600))  # ~3,000 tokens

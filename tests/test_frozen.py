@@ -7,12 +7,12 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
+
 from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.frozen import FROZEN_MIN_COSINE, FrozenForward, build_checked
 from embedfleet.workers.precision import cosines
-
 from tests.conftest import WorkerLauncher
 
 
@@ -107,8 +107,9 @@ async def test_the_lane_answers_with_and_without_the_frozen_graph(
 
 def test_the_eager_fallback_is_said_once_at_info_with_its_reason(monkeypatch) -> None:
     """Designed behaviour, not a fault: one info line with the reason, not a warning per load."""
-    from embedfleet.workers import frozen
     from structlog.testing import capture_logs
+
+    from embedfleet.workers import frozen
 
     monkeypatch.setattr(frozen, "_fallback_reported", False)
     with capture_logs() as logs:
@@ -122,6 +123,7 @@ def test_the_eager_fallback_is_said_once_at_info_with_its_reason(monkeypatch) ->
 
 def test_reduced_precision_gets_the_rounding_bar_and_a_wrong_graph_still_fails() -> None:
     import torch
+
     from embedfleet.workers.frozen import FROZEN_MIN_COSINE_REDUCED, frozen_min_cosine
 
     assert frozen_min_cosine(torch.float32) == FROZEN_MIN_COSINE
@@ -140,6 +142,7 @@ def test_bf16_frozen_copy_is_kept_where_bf16_is_native() -> None:
     """Rejected on Zen 5 at 0.999922 vs eager: bf16 rounding (the same figure on Zen 4 with
     avx512_bf16), not a wrong graph. Kept now, and as close to float32 as eager bf16 is."""
     import torch
+
     from embedfleet.workers.encoder import Encoder
     from embedfleet.workers.precision import PROBE_TEXTS, requested_precision
 

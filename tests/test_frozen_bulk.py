@@ -9,12 +9,12 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
+
 from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.encoder import Encoder
 from embedfleet.workers.precision import cosines
-
 from tests.conftest import running_worker
 
 

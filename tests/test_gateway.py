@@ -15,14 +15,14 @@ import httpx
 import numpy as np
 import openai
 import pytest
+
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.producer.client import Producer
 from embedfleet.producer.tokens import ModelTokenizer
+from embedfleet.server import ServerProcess
 from embedfleet.shared.modeldir import ModelFiles
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
-
-from embedfleet.server import ServerProcess
 from tests.conftest import WorkerLauncher, WorkerProcess, shared_encoder
 from tests.gateway_support import running_gateway, wait_for_worker
 

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from embedfleet.producer.tokens import ModelTokenizer
-from embedfleet.shared.modeldir import ModelFiles
-from embedfleet.shared.settings import Settings
 
 from embedfleet.gateway.auth import KeyChecker, load_api_keys
 from embedfleet.gateway.errors import APIError, error_body
 from embedfleet.gateway.inputs import as_texts, encode_vector, shape_vectors
+from embedfleet.producer.tokens import ModelTokenizer
+from embedfleet.shared.modeldir import ModelFiles
+from embedfleet.shared.settings import Settings
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
 from embedfleet.workers.encoder import Encoder
 from embedfleet.workers.precision import PROBE_TEXTS, cosines
-
 from loadtest.gpu_carry import fp16_model, unmet_requirements
 
 
@@ -61,9 +61,9 @@ def test_worker_runs_a_model_folder_without_the_model_package(
     import importlib.util
 
     import click
-    from embedfleet.shared.settings import PACKAGED_MODEL
 
     from embedfleet import extras
+    from embedfleet.shared.settings import PACKAGED_MODEL
 
     real_find_spec = importlib.util.find_spec
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import redis.asyncio as aioredis
+
 from embedfleet.producer import Producer
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, encode_chunk
 from embedfleet.shared.redis_conn import connect, ensure_group

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from embedfleet import Producer
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import Settings
-
-from embedfleet import Producer
 
 pytestmark = pytest.mark.image
 

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 import structlog
+
 from embedfleet.shared import logging as shared_logging
 from embedfleet.shared.logging import adopt_library_logger, configure_logging
 from embedfleet.shared.progress import Progress

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from embedfleet.workers.batcher import plan_batches
 from embedfleet.workers.encoder import Encoder
 from embedfleet.workers.model_dir import UnsupportedModelError
 from embedfleet.workers.precision import cosines
-
 from tests import model_zoo
 from tests.model_zoo import FAMILIES, corpus_lines, sentence_transformers_dir
 

@@ -22,18 +22,18 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 import redis.asyncio as aioredis
+from prometheus_client.parser import text_string_to_metric_families
+
 from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.producer.status import History, eta_seconds, take_snapshot, throughput
+from embedfleet.server import ServerProcess, free_port
 from embedfleet.shared.deadletters import DeadReason
 from embedfleet.shared.protocol import PAYLOAD_FIELD
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.health import HealthServer
 from embedfleet.workers.metrics import StreamGauges, WorkerMetrics
-from prometheus_client.parser import text_string_to_metric_families
-
-from embedfleet.server import ServerProcess, free_port
 from tests.conftest import WorkerLauncher
 
 CHUNKS = 300

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
+
 from embedfleet.producer.client import EmbeddingOptions, Producer
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import Settings
@@ -22,7 +23,6 @@ from embedfleet.workers.calibration import CalibrationError, CalibrationStore
 from embedfleet.workers.encoder import Encoder
 from embedfleet.workers.output import OutputOptionError, Outputs, quantize
 from embedfleet.workers.precision import cosines
-
 from tests import model_zoo
 from tests.conftest import WorkerLauncher, worker_env
 from tests.test_model_families import MIN_COSINE, assert_parity, fleet_vectors, texts

@@ -10,6 +10,7 @@ import random
 
 import numpy as np
 import pytest
+
 from embedfleet.workers.batcher import padding_waste, plan_batches
 from embedfleet.workers.encoder import Encoder, Tokenized
 from embedfleet.workers.packing import (
@@ -26,7 +27,6 @@ from embedfleet.workers.packing import (
     padding_waste as packed_waste,
 )
 from embedfleet.workers.precision import cosines
-
 from loadtest.corpus import build_corpus, load_tokenizer
 from tests.conftest import model_under_test
 
@@ -109,6 +109,7 @@ def test_pooling_modes_match_unpacked(encoder: Encoder, corpus_tokens: tuple) ->
     encoder (the fixture picks CUDA when present) as it runs here.
     """
     import torch
+
     from embedfleet.workers.encoder import pool
     from embedfleet.workers.packing import pool_packed
 
@@ -209,8 +210,9 @@ def test_transformers_floor_covers_the_varlen_interface(monkeypatch: pytest.Monk
 
     import torch
     import transformers.masking_utils
-    from embedfleet.workers import packing
     from packaging.version import Version
+
+    from embedfleet.workers import packing
 
     pyproject = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
     (requirement,) = [

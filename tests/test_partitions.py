@@ -9,6 +9,7 @@ import zlib
 
 import pytest
 import redis.asyncio as aioredis
+
 from embedfleet.producer import Producer
 from embedfleet.shared.keys import (
     CLUSTER_SLOTS,
@@ -23,7 +24,6 @@ from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, encode_chunk
 from embedfleet.shared.redis_conn import split_cluster_url
 from embedfleet.shared.settings import Settings, SettingsError, load_settings
 from embedfleet.workers.consumer import StreamConsumer, backlog_shares
-
 from tests.conftest import WorkerLauncher
 
 

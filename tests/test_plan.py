@@ -6,9 +6,9 @@ import math
 
 import pytest
 from click.testing import CliRunner
-from embedfleet.producer.plan import make_plan
 
 from embedfleet.cli import main
+from embedfleet.producer.plan import make_plan
 
 FIGURES = {
     "enqueue_per_s": 50_000,

@@ -5,6 +5,9 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from embedfleet.shared.deadletters import (
     PAYLOAD_PREFIX_BYTES,
     DeadLetter,
@@ -22,8 +25,6 @@ from embedfleet.shared.protocol import (
     encode_chunk,
     encode_result,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 int64 = st.integers(min_value=-(2**63), max_value=2**64 - 1)
 texts = st.text(min_size=1).filter(lambda t: t.strip())

@@ -16,6 +16,7 @@ import msgpack
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
+
 from embedfleet.shared import protocol_doc
 from embedfleet.shared.deadletters import DeadReason, dead_letter_fields
 from embedfleet.shared.protocol import (
@@ -36,7 +37,6 @@ from embedfleet.shared.protocol_doc import (
     WireField,
 )
 from embedfleet.shared.settings import Settings
-
 from tests.conftest import WorkerLauncher
 
 README = Path(__file__).resolve().parents[1] / "README.md"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from embedfleet.shared.protocol import Result
 from embedfleet.shared.vectordb import SinkSetupError
 from embedfleet.shared.vectordb.backend import open_backend, rescore_binary, rescore_codes

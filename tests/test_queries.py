@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
+
 from embedfleet.producer import Producer, QueryTimeoutError
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, encode_chunk
 from embedfleet.shared.settings import Settings
-
 from tests.conftest import Recorder, WorkerLauncher
 
 

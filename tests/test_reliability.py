@@ -14,14 +14,14 @@ import msgpack
 import pytest
 import redis.asyncio as aioredis
 import structlog
+
 from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
+from embedfleet.server import ServerProcess, free_port, system_server_binary
 from embedfleet.shared.deadletters import DeadLetter, DeadReason
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, encode_chunk
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
-
-from embedfleet.server import ServerProcess, free_port, system_server_binary
 from tests.conftest import Recorder, WorkerLauncher
 
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
+
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.producer.client import Producer
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.replicas import plan_replicas, replica_environment
-
 from tests.conftest import worker_env
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from embedfleet.shared.settings import Settings, settings_table
 from pydantic import ValidationError
+
+from embedfleet.shared.settings import Settings, settings_table
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

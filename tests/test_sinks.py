@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.producer.client import JobProgress
@@ -41,7 +42,6 @@ from embedfleet.shared.vectordb import (
 from embedfleet.shared.vectordb.pgvector import vector_type_for
 from embedfleet.shared.vectordb.qdrant import point_id
 from embedfleet.workers.sinks import Sink, SinkSetupError, build_sink, sink_for_target
-
 from tests.conftest import WorkerLauncher, shared_encoder, worker_env
 
 BACKENDS = ["redis", "lancedb", "pgvector", "pgvector-vector", "qdrant-local"]
@@ -559,6 +559,7 @@ async def test_a_table_from_before_texts_were_stored_gets_the_column(
     if backend == "lancedb":  # the layout before the text column, written with lancedb itself
         import lancedb
         import pyarrow as pa
+
         from embedfleet.shared.vectordb.lancedb import lance_schema
 
         schema = lance_schema(4)

@@ -9,6 +9,7 @@ import signal
 import sys
 
 import redis.asyncio as aioredis
+
 from embedfleet.producer.sparkline import ASCII_LEVELS, BLOCKS, Trend, levels_for, sparkline
 from embedfleet.shared.settings import Settings
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import redis.asyncio as aioredis
+
 from embedfleet.shared.keys import Keys
 
 CALIBRATION_TEXTS = 1000

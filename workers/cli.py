@@ -5,12 +5,12 @@ from __future__ import annotations
 import sys
 
 import click
-from embedfleet.shared.faults import WorkerFault
-from embedfleet.shared.settings import SettingsError, load_settings
-from embedfleet.workers.sinks import MissingExtraError, SinkSetupError, SinkURLError, check_sink
 
 from embedfleet.extras import require_worker_extra
+from embedfleet.shared.faults import WorkerFault
+from embedfleet.shared.settings import SettingsError, load_settings
 from embedfleet.verbosity import verbose_option
+from embedfleet.workers.sinks import MissingExtraError, SinkSetupError, SinkURLError, check_sink
 
 
 @click.command("worker")

@@ -20,10 +20,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import PAYLOAD_FIELD
 from embedfleet.shared.redis_conn import ensure_groups
-from redis.exceptions import ResponseError
 
 # A blocked XREADGROUP is woken with this error when its key leaves the node (Redis >= 7).
 STREAM_MOVED_AWAY = "UNBLOCKED"

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+
 from embedfleet.shared.deadletters import DeadReason, dead_letter_fields
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger

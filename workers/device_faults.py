@@ -21,6 +21,7 @@ from __future__ import annotations
 import gc
 
 import torch
+
 from embedfleet.shared.faults import WorkerFault
 
 # How often one text is retried after an out-of-memory error before the worker gives up.

@@ -15,6 +15,9 @@ from typing import Literal, cast
 
 import numpy as np
 import torch
+from transformers import AutoModel, AutoTokenizer
+from transformers.utils import logging as transformers_logging
+
 from embedfleet.shared.logging import adopt_library_logger
 
 # one definition for the worker, the gateway and the splitter (those need no torch)
@@ -30,8 +33,6 @@ from embedfleet.workers.precision import (
     requested_precision,
     settle_auto,
 )
-from transformers import AutoModel, AutoTokenizer
-from transformers.utils import logging as transformers_logging
 
 # transformers installs its own stderr handler on import; its records go through ours instead
 # (above a progress bar, quiet below --verbose), once the process has configured logging.

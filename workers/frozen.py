@@ -25,6 +25,7 @@ from typing import TypeVar
 
 import numpy as np
 import torch
+
 from embedfleet.shared.logging import get_logger
 from embedfleet.workers.precision import cosines
 

@@ -28,9 +28,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import redis.asyncio as aioredis
 from aiohttp import web
+from prometheus_client.exposition import choose_encoder
+
 from embedfleet.shared.logging import get_logger
 from embedfleet.workers.metrics import StreamGauges, WorkerMetrics
-from prometheus_client.exposition import choose_encoder
 
 if TYPE_CHECKING:
     from embedfleet.workers.encoder import EncodeBatch, Encoder

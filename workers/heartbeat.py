@@ -8,6 +8,7 @@ import contextlib
 import time
 
 import redis.asyncio as aioredis
+
 from embedfleet.shared.faults import is_transient
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger

@@ -18,12 +18,6 @@ import math
 import time
 
 import redis.asyncio as aioredis
-from embedfleet.shared.deadletters import DeadReason
-from embedfleet.shared.faults import System
-from embedfleet.shared.fleet import FLEET_STREAMS, INPUT_STREAMS, read_fleet
-from embedfleet.shared.keys import Keys
-from embedfleet.shared.logging import get_logger
-from embedfleet.workers.events import WorkerEvents
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -33,6 +27,13 @@ from prometheus_client import (
     PlatformCollector,
     ProcessCollector,
 )
+
+from embedfleet.shared.deadletters import DeadReason
+from embedfleet.shared.faults import System
+from embedfleet.shared.fleet import FLEET_STREAMS, INPUT_STREAMS, read_fleet
+from embedfleet.shared.keys import Keys
+from embedfleet.shared.logging import get_logger
+from embedfleet.workers.events import WorkerEvents
 
 log = get_logger("embedfleet.metrics")
 

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
 from embedfleet.shared.protocol import DEFAULT_DTYPE, STORAGE_DTYPES, Chunk, Result
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.batcher import plan_batches

@@ -54,6 +54,7 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
+
 from embedfleet.shared.logging import get_logger
 from embedfleet.workers.encoder import Encoder, PoolingMode, Tokenized
 

@@ -27,6 +27,7 @@ from typing import Literal
 
 import numpy as np
 import torch
+
 from embedfleet.shared.logging import get_logger
 
 log = get_logger("embedfleet.precision")

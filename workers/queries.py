@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import redis
 import redis.asyncio as aioredis
+
 from embedfleet.shared.deadletters import DeadReason
 from embedfleet.shared.faults import System, is_transient
 from embedfleet.shared.keys import Keys

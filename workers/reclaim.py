@@ -16,6 +16,7 @@ import contextlib
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
+
 from embedfleet.shared.deadletters import DeadReason
 from embedfleet.shared.faults import System
 from embedfleet.shared.logging import get_logger

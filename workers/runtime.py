@@ -7,6 +7,8 @@ import signal
 
 import redis.asyncio as aioredis
 import uvloop
+from prometheus_client import disable_created_metrics
+
 from embedfleet.shared.logging import configure_logging, get_logger
 from embedfleet.shared.redis_conn import connect_settings
 from embedfleet.shared.settings import Settings
@@ -16,7 +18,6 @@ from embedfleet.workers.health import HealthServer
 from embedfleet.workers.metrics import StreamGauges, WorkerMetrics
 from embedfleet.workers.sinks import build_sink
 from embedfleet.workers.worker import Worker
-from prometheus_client import disable_created_metrics
 
 log = get_logger("embedfleet.worker")
 

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 import redis.asyncio as aioredis
+
 from embedfleet.shared.deadletters import DeadReason
 from embedfleet.shared.faults import FaultKind, System, WorkerFault
 from embedfleet.shared.keys import Keys

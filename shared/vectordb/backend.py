@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
+
 from embedfleet.shared.protocol import Result
 from embedfleet.shared.vectordb.target import SinkKind, SinkTarget
 

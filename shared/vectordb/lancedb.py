@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.vectordb.backend import (
     BINARY_DTYPES,
@@ -30,9 +31,10 @@ from embedfleet.shared.vectordb.backend import (
 
 if TYPE_CHECKING:
     import pyarrow as pa
+    from lancedb.table import Table
+
     from embedfleet.shared.protocol import Result
     from embedfleet.shared.vectordb.backend import Hit, StoredVector, VectorDType
-    from lancedb.table import Table
 
 log = get_logger("embedfleet.sink")
 COMPACT_EVERY = 100

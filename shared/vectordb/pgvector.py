@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.vectordb.backend import (
     RESCORE_MULTIPLIER,
@@ -33,6 +34,7 @@ from embedfleet.shared.vectordb.backend import (
 
 if TYPE_CHECKING:
     import psycopg
+
     from embedfleet.shared.protocol import Result
     from embedfleet.shared.vectordb.backend import Hit, StoredVector, VectorDType
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.vectordb.backend import (
     SinkSetupError,
@@ -29,9 +30,10 @@ from embedfleet.shared.vectordb.backend import (
 )
 
 if TYPE_CHECKING:
+    from qdrant_client import QdrantClient
+
     from embedfleet.shared.protocol import Result
     from embedfleet.shared.vectordb.backend import Hit, StoredVector, VectorDType
-    from qdrant_client import QdrantClient
 
 log = get_logger("embedfleet.sink")
 # Qdrant's default: segments larger than this many KB of vectors get an HNSW graph.

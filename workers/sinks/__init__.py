@@ -10,6 +10,7 @@ optional extras, imported only when their backend is chosen.
 from __future__ import annotations
 
 import redis.asyncio as aioredis
+
 from embedfleet.shared.settings import Settings
 from embedfleet.shared.vectordb import (
     MissingExtraError,

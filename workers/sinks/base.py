@@ -18,6 +18,7 @@ from typing import TypeVar
 
 import redis
 import redis.asyncio as aioredis
+
 from embedfleet.shared.faults import System
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import Result

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import redis.asyncio as aioredis
+
 from embedfleet.shared.faults import System
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import Result, encode_result

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import redis.asyncio as aioredis
+
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import Result, encode_result
 from embedfleet.workers.sinks.base import Delivery
