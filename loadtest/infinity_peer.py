@@ -30,6 +30,18 @@ def reply(**fields: object) -> None:
     print(json.dumps(fields), flush=True)
 
 
+def pooling_method(model_dir: str) -> str:
+    """What the model's sentence-transformers Pooling module says, for Infinity's ONNX engine,
+    which otherwise pools the [CLS] token ("auto" is not mean there)."""
+    import glob
+
+    for path in glob.glob(os.path.join(model_dir, "*Pooling*", "config.json")):
+        with open(path, encoding="utf-8") as handle:
+            if json.load(handle).get("pooling_mode_mean_tokens"):
+                return "mean"
+    return "cls"
+
+
 def onnx_copy(model_dir: str) -> str:
     """A copy of the model directory with ``model.onnx`` beside its weights, for Infinity's
     ONNX (optimum) engine, which wants the file there. Exported here with optimum, offline."""
@@ -59,6 +71,7 @@ async def serve() -> None:
                 with open(command["texts"], encoding="utf-8") as handle:
                     texts = json.load(handle)
                 model = command["model"]
+                pooling = pooling_method(model)
                 if command["engine"] == "optimum":  # not timed: an export, done once
                     # Infinity 0.0.78 hands optimum 2.x the ONNX file as the path its glob found,
                     # which optimum wants relative to the model: run from inside the copy.
@@ -74,6 +87,7 @@ async def serve() -> None:
                         batch_size=int(command["batch_size"]),
                         model_warmup=False,
                         bettertransformer=False,
+                        pooling_method=pooling,
                     )
                 )
                 await engine.astart()
