@@ -15,7 +15,7 @@ from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.encoder import Encoder
 from embedfleet.workers.precision import cosines
-from tests.conftest import running_worker
+from tests.conftest import WorkerLauncher
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +41,14 @@ def _count_calls(encoder: Encoder, monkeypatch: pytest.MonkeyPatch) -> Counter[s
 
 
 async def _embed_corpus(
-    settings: Settings, client: aioredis.Redis, encoder: Encoder, count: int
+    workers: WorkerLauncher,
+    settings: Settings,
+    client: aioredis.Redis,
+    encoder: Encoder,
+    count: int,
 ) -> dict[str, np.ndarray]:
     chunks = list(builtin_corpus(count))
-    async with Producer(settings, client) as producer, running_worker(settings, encoder, client):
+    async with Producer(settings, client) as producer, workers.run(settings, encoder=encoder):
         await producer.enqueue(chunks, job="bulk")
         progress = await producer.wait_for_job("bulk", timeout=300)
         results = {r.id: r.vector.astype(np.float32) async for r in producer.results(job="bulk")}
@@ -53,6 +57,7 @@ async def _embed_corpus(
 
 
 async def test_bulk_runs_frozen_in_bf16_with_parity(
+    workers: WorkerLauncher,
     settings: Settings,
     client: aioredis.Redis,
     bf16_encoder: Encoder,
@@ -61,7 +66,7 @@ async def test_bulk_runs_frozen_in_bf16_with_parity(
     from sentence_transformers import SentenceTransformer
 
     calls = _count_calls(bf16_encoder, monkeypatch)
-    results = await _embed_corpus(settings, client, bf16_encoder, 60)
+    results = await _embed_corpus(workers, settings, client, bf16_encoder, 60)
     assert calls["embed_query"] >= 60, calls  # every bulk text went through the frozen copy
     assert calls["embed"] <= 6, calls  # the warm-up: two eager passes of 2 and 4 probe texts
     texts = {chunk.id: chunk.text for chunk in builtin_corpus(60)}
@@ -75,6 +80,7 @@ async def test_bulk_runs_frozen_in_bf16_with_parity(
 
 
 async def test_bulk_stays_eager_when_the_setting_is_off(
+    workers: WorkerLauncher,
     settings: Settings,
     client: aioredis.Redis,
     bf16_encoder: Encoder,
@@ -82,14 +88,18 @@ async def test_bulk_stays_eager_when_the_setting_is_off(
 ) -> None:
     calls = _count_calls(bf16_encoder, monkeypatch)
     off = settings.model_copy(update={"frozen_bulk": False})
-    await _embed_corpus(off, client, bf16_encoder, 20)
+    await _embed_corpus(workers, off, client, bf16_encoder, 20)
     assert calls["embed"] >= 20 and calls["embed_query"] == 0, calls
 
 
 async def test_float32_bulk_stays_eager(
-    settings: Settings, client: aioredis.Redis, encoder: Encoder, monkeypatch: pytest.MonkeyPatch
+    workers: WorkerLauncher,
+    settings: Settings,
+    client: aioredis.Redis,
+    encoder: Encoder,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     assert encoder.prepare_query_graph() and not encoder.computes_in_reduced_precision
     calls = _count_calls(encoder, monkeypatch)
-    await _embed_corpus(settings, client, encoder, 20)
+    await _embed_corpus(workers, settings, client, encoder, 20)
     assert calls["embed"] >= 20 and calls["embed_query"] == 0, calls
