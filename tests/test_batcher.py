@@ -54,6 +54,23 @@ class _SlicingEncoder:
     device = types.SimpleNamespace(type="cpu")
     name = "slicing"
     pooling = types.SimpleNamespace(normalize=True)
+    has_query_graph = False  # eager: sliced per layer
+    computes_in_reduced_precision = True
+
+
+def test_frozen_bulk_sizes_whole_batches_to_the_slice() -> None:
+    """Through the frozen copy (no layer boundaries) a query waits for the whole batch: the
+    cap fits a whole batch, not one layer, in the slice target."""
+    worker = _worker_with_speed(100, seconds_per_token=0.6e-3)
+    worker.encoder.has_query_graph = True  # type: ignore[misc]
+    assert worker._bulk_frozen()
+    assert worker._token_cap() == max(MIN_SLICED_TOKENS, int(SLICE_HEADROOM * 0.100 / 0.6e-3))
+    eager = _worker_with_speed(100, seconds_per_token=0.6e-3)
+    assert not eager._bulk_frozen() and eager._token_cap() == int(SLICE_HEADROOM * 1000)
+    off = _worker_with_speed(100, seconds_per_token=0.6e-3)
+    off.settings = off.settings.model_copy(update={"frozen_bulk": False})
+    off.encoder.has_query_graph = True  # type: ignore[misc]
+    assert not off._bulk_frozen()
 
 
 def _worker_with_speed(slice_ms: float, seconds_per_token: float | None) -> Worker:
