@@ -98,7 +98,7 @@ async def test_the_lane_answers_with_and_without_the_frozen_graph(
 
     encoder = Encoder()  # its own: the session encoder may already hold a graph
     settings = settings.model_copy(update={"frozen_queries": frozen})
-    async with Producer(settings, client) as producer, workers.run(settings):
+    async with Producer(settings, client) as producer, workers.run(settings, encoder=encoder):
         vector = await producer.embed_query("how do I open a file?", timeout=30)
     assert encoder.has_query_graph is frozen
     expected = encoder.embed_texts(["how do I open a file?"])[0]
