@@ -109,7 +109,11 @@ async def test_worker_metrics_health_and_readiness(
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
             # small reads, so the lag goes down in steps a scraper can see
             worker = workers.process(
-                "ops-worker", own, EMBEDFLEET_HEALTH_PORT=str(port), EMBEDFLEET_READ_COUNT="32"
+                "ops-worker",
+                own,
+                EMBEDFLEET_HEALTH_PORT=str(port),
+                EMBEDFLEET_READ_COUNT="32",
+                EMBEDFLEET_DTYPE="float32",  # the info metric's dtype label is checked below
             )
             logs = lambda: worker.log()[-3000:]  # noqa: E731 - for failure messages
 
