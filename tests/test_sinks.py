@@ -42,7 +42,7 @@ from embedfleet.shared.vectordb import (
 from embedfleet.shared.vectordb.pgvector import vector_type_for
 from embedfleet.shared.vectordb.qdrant import point_id
 from embedfleet.workers.sinks import Sink, SinkSetupError, build_sink, sink_for_target
-from tests.conftest import WorkerLauncher, shared_encoder, worker_env
+from tests.conftest import WorkerLauncher, running_pg, shared_encoder, worker_env
 
 BACKENDS = ["redis", "lancedb", "pgvector", "pgvector-vector", "qdrant-local"]
 DATABASES = [b for b in BACKENDS if b != "redis"]
@@ -102,7 +102,9 @@ def stored_vectors(target: SinkTarget, job: str | None = None) -> list[StoredVec
 
 def _sink_url(backend: str, request: pytest.FixtureRequest, tmp: Path) -> str:
     # the PostgreSQL server starts only for the tests that use it
-    pg = request.getfixturevalue("pg_server").get_uri() if backend.startswith("pgvector") else None
+    pg = None
+    if backend.startswith("pgvector"):
+        pg = running_pg(request.getfixturevalue("pg_session_server")).get_uri()
     return local_sink_url(backend, tmp, pg)
 
 
