@@ -44,6 +44,9 @@ def free_ports(count: int) -> int:
 
 
 async def wait_ready(ports: list[int], timeout: float = 600) -> None:
+    """Until every replica's /readyz says 200 (model loaded, Redis answers, a forward pass
+    works). A consumer shows in XINFO CONSUMERS only once it has read something, so the group
+    cannot tell an idle replica from a missing one."""
     async with aiohttp.ClientSession() as session, asyncio.timeout(timeout):
         for port in ports:
             while True:

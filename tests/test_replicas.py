@@ -5,18 +5,17 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-import aiohttp
 import numpy as np
 
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.producer.client import Producer
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.replicas import plan_replicas, replica_environment
+from loadtest.replicas import free_ports, wait_ready
 from tests.conftest import worker_env
 
 
@@ -40,36 +39,6 @@ def _children(pid: int) -> list[int]:
     return [int(child) for child in path.read_text().split()] if path.exists() else []
 
 
-def _two_free_ports() -> int:
-    """A port p with p + 1 free too: the replicas' health ports are HEALTH_PORT + index."""
-    while True:
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            with socket.socket() as second:
-                try:
-                    second.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-                return port
-
-
-async def _wait_until_ready(ports: list[int]) -> None:
-    """Every replica's /readyz says 200: model loaded, Redis answers, a forward pass works.
-    (A consumer appears in XINFO CONSUMERS only once it has read something, so the group
-    cannot tell an idle replica from a missing one.)"""
-    async with aiohttp.ClientSession() as session, asyncio.timeout(480):
-        for port in ports:
-            while True:
-                try:
-                    async with session.get(f"http://127.0.0.1:{port}/readyz") as response:
-                        if response.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass  # not listening yet: the replica is still importing
-                await asyncio.sleep(0.2)
-
-
 def _start(settings: Settings, consumer: str, port: int, **extra: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "embedfleet.cli", "worker", "--replicas", "2"],
@@ -84,10 +53,10 @@ def _start(settings: Settings, consumer: str, port: int, **extra: str) -> subpro
 async def test_replicas_embed_together_and_drain_on_sigterm(
     settings: Settings,
 ) -> None:
-    port = _two_free_ports()
+    port = free_ports(2)
     parent = _start(settings, "rep", port, EMBEDFLEET_READ_COUNT="8")
     try:
-        await _wait_until_ready([port, port + 1])
+        await wait_ready([port, port + 1])
         assert len(_children(parent.pid)) == 2
         chunks = list(builtin_corpus(120))
         async with Producer(settings) as producer:
@@ -109,10 +78,10 @@ async def test_replicas_embed_together_and_drain_on_sigterm(
 async def test_a_replica_that_dies_takes_the_worker_down(
     settings: Settings,
 ) -> None:
-    port = _two_free_ports()
+    port = free_ports(2)
     parent = _start(settings, "die", port)
     try:
-        await _wait_until_ready([port, port + 1])
+        await wait_ready([port, port + 1])
         victim, survivor = _children(parent.pid)
         os.kill(victim, signal.SIGKILL)
         _, stderr = await asyncio.to_thread(parent.communicate, timeout=120)
