@@ -28,7 +28,6 @@ import platform
 import subprocess
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,6 +38,7 @@ from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import Chunk, Result, encode_chunk, encode_result
 from embedfleet.shared.redis_conn import connect
 from embedfleet.workers.sinks.base import Delivery, queue_acknowledgements
+from loadtest.common import add_plot_argument
 from loadtest.local_cluster import LocalCluster
 
 DIMS = (384, 768, 1024)
@@ -72,6 +72,30 @@ async def _used_memory(client: Any, key: str) -> int:
     return int(info["used_memory"])
 
 
+async def _enqueue_rate(
+    client: Any, keys: Keys, payloads: list[tuple[str, bytes]], confirm_on: Any = None
+) -> int:
+    """Entries/s of the producer's enqueue script, pipelined in batches of ENQUEUE_BATCH; with
+    ``confirm_on`` (the stream's node), every batch also waits for one replica (``WAIT 1``)."""
+    started = time.perf_counter()
+    for start in range(0, len(payloads), ENQUEUE_BATCH):
+        pipe = client.pipeline(transaction=False)
+        queue_enqueue(
+            pipe,
+            stream=keys.ingest,
+            counters=keys.job("cap"),
+            id_record=keys.job_ids("cap"),
+            chunks=payloads[start : start + ENQUEUE_BATCH],
+            id_record_ttl_s=0,
+        )
+        if confirm_on is not None:
+            pipe.execute_command("WAIT", 1, 2000, target_nodes=confirm_on)
+        replies = await pipe.execute()
+        if confirm_on is not None:
+            assert int(replies[-1]) >= 1, "the replica did not confirm"
+    return round(len(payloads) / (time.perf_counter() - started))
+
+
 async def measure(cluster: LocalCluster, entries: int) -> dict[str, Any]:
     client = connect(cluster.url)
     keys = Keys(namespace=f"cap{uuid.uuid4().hex[:6]}", partitions=3).partition(0)
@@ -84,39 +108,15 @@ async def measure(cluster: LocalCluster, entries: int) -> dict[str, Any]:
 
         # --- enqueue, plain and confirmed by one replica ---------------------------------
         memory_before = await _used_memory(client, keys.ingest)
-        started = time.perf_counter()
-        for start in range(0, entries, ENQUEUE_BATCH):
-            pipe = client.pipeline(transaction=False)
-            queue_enqueue(
-                pipe,
-                stream=keys.ingest,
-                counters=keys.job("cap"),
-                id_record=keys.job_ids("cap"),
-                chunks=payloads[start : start + ENQUEUE_BATCH],
-                id_record_ttl_s=0,
-            )
-            await pipe.execute()
-        figures["enqueue_per_s"] = round(entries / (time.perf_counter() - started))
+        figures["enqueue_per_s"] = await _enqueue_rate(client, keys, payloads)
         memory_after = await _used_memory(client, keys.ingest)
         figures["bytes_per_backlog_entry"] = round((memory_after - memory_before) / entries)
 
         confirmed = Keys(namespace=keys.namespace + "w", partitions=3).partition(0)
         node = client.get_node_from_key(confirmed.ingest)
-        started = time.perf_counter()
-        for start in range(0, entries, ENQUEUE_BATCH):
-            pipe = client.pipeline(transaction=False)
-            queue_enqueue(
-                pipe,
-                stream=confirmed.ingest,
-                counters=confirmed.job("cap"),
-                id_record=confirmed.job_ids("cap"),
-                chunks=payloads[start : start + ENQUEUE_BATCH],
-                id_record_ttl_s=0,
-            )
-            pipe.execute_command("WAIT", 1, 2000, target_nodes=node)
-            replies = await pipe.execute()
-            assert int(replies[-1]) >= 1, "the replica did not confirm"
-        figures["enqueue_wait1_per_s"] = round(entries / (time.perf_counter() - started))
+        figures["enqueue_wait1_per_s"] = await _enqueue_rate(
+            client, confirmed, payloads, confirm_on=node
+        )
 
         # --- bulk reads ----------------------------------------------------------------------
         read: list[tuple[str, str]] = []
@@ -203,12 +203,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--entries", type=int, default=20_000)
     parser.add_argument("--json", help="also write the figures to this JSON file")
-    parser.add_argument(
-        "--plot",
-        type=Path,
-        default=None,
-        help="also draw the rates and memory per entry to this PNG (needs matplotlib)",
-    )
+    add_plot_argument(parser, "the rates and memory per entry")
     args = parser.parse_args()
     with LocalCluster(masters=3, replicas_per_master=1) as cluster:
         figures = asyncio.run(measure(cluster, args.entries))

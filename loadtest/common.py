@@ -1,14 +1,16 @@
-"""Pieces the load scenarios share: a server, worker processes, percentiles, RSS."""
+"""Pieces the load scenarios share: a server, fleet processes, settings, percentiles, RSS."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
-import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -23,11 +25,47 @@ def redis_server() -> Iterator[ServerProcess]:
         yield server
 
 
+def isolated_settings(redis_url: str, namespace: str | None = None, **overrides: Any) -> Settings:
+    """Settings for one test or benchmark run on a shared server: a namespace (``t`` + random
+    hex unless given) and a consumer of its own, so runs never see each other's keys; reads
+    block 100 ms, so a worker drains quickly; JSON logs. ``overrides``: any other settings."""
+    namespace = namespace or f"t{uuid.uuid4().hex[:10]}"
+    return Settings(
+        redis_url=redis_url,
+        namespace=namespace,
+        consumer=f"{namespace}-{uuid.uuid4().hex[:6]}",
+        block_ms=100,
+        log_format="json",
+        **overrides,
+    )
+
+
+@contextlib.contextmanager
+def embedfleet_process(
+    command: str, environment: Mapping[str, str], stop_timeout_s: float
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`embedfleet <command>` as its own process, output discarded; SIGTERM on exit (a worker
+    drains on it), SIGKILL when it has not exited within ``stop_timeout_s``."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "embedfleet.cli", command],
+        env={**os.environ, **environment},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        yield process
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
 @contextlib.contextmanager
 def worker_process(settings: Settings, name: str, **env: str) -> Iterator[subprocess.Popen[bytes]]:
     """`embedfleet worker` as its own process, drained with SIGTERM on exit."""
     environment = {
-        **os.environ,
         "EMBEDFLEET_REDIS_URL": settings.effective_redis_url,
         "EMBEDFLEET_NAMESPACE": settings.namespace,
         "EMBEDFLEET_CONSUMER": name,
@@ -35,20 +73,18 @@ def worker_process(settings: Settings, name: str, **env: str) -> Iterator[subpro
         "EMBEDFLEET_LOG_LEVEL": "warning",
         **env,
     }
-    process = subprocess.Popen(
-        [sys.executable, "-m", "embedfleet.cli", "worker"],
-        env=environment,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
+    with embedfleet_process("worker", environment, stop_timeout_s=60) as process:
         yield process
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
+
+
+def add_plot_argument(parser: argparse.ArgumentParser, draws: str) -> None:
+    """Every scenario's ``--plot FILE.png`` (loadtest/plots.py draws it); ``draws`` says what."""
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help=f"also draw {draws} to this PNG (needs matplotlib)",
+    )
 
 
 def percentile_ms(samples: Sequence[float], q: float) -> float:

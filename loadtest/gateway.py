@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
@@ -28,7 +26,13 @@ from embedfleet.producer.client import Producer
 from embedfleet.server import free_port
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import Settings
-from loadtest.common import machine_load, percentile_ms, redis_server, worker_process
+from loadtest.common import (
+    embedfleet_process,
+    machine_load,
+    percentile_ms,
+    redis_server,
+    worker_process,
+)
 
 QUERY = "how do I open a file for reading in Python?"
 MODEL = "all-MiniLM-L6-v2"
@@ -38,7 +42,6 @@ MODEL = "all-MiniLM-L6-v2"
 def gateway_process(settings: Settings, port: int) -> Iterator[subprocess.Popen[bytes]]:
     """`embedfleet serve` as its own process, stopped with SIGTERM on exit."""
     environment = {
-        **os.environ,
         "EMBEDFLEET_REDIS_URL": settings.effective_redis_url,
         "EMBEDFLEET_NAMESPACE": settings.namespace,
         "EMBEDFLEET_GATEWAY_PORT": str(port),
@@ -46,20 +49,8 @@ def gateway_process(settings: Settings, port: int) -> Iterator[subprocess.Popen[
         "EMBEDFLEET_LOG_LEVEL": "warning",
         "EMBEDFLEET_BACKLOG_HIGH_WATER": "10000000",  # the backlog phase is meant to be over it
     }
-    process = subprocess.Popen(
-        [sys.executable, "-m", "embedfleet.cli", "serve"],
-        env=environment,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
+    with embedfleet_process("serve", environment, stop_timeout_s=30) as process:
         yield process
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 def cpu_model() -> str:

@@ -23,7 +23,6 @@ import asyncio
 import statistics
 import time
 import uuid
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -36,7 +35,13 @@ from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.server import free_port
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import Settings
-from loadtest.common import machine_load, percentile_ms, redis_server, worker_process
+from loadtest.common import (
+    add_plot_argument,
+    machine_load,
+    percentile_ms,
+    redis_server,
+    worker_process,
+)
 
 if TYPE_CHECKING:
     from embedfleet.workers.encoder import Encoder
@@ -271,12 +276,7 @@ def main() -> None:
         help="seconds between the bare and the queued query of a pair, and between pairs",
     )
     parser.add_argument("--rounds", type=int, default=5, help="A/B throughput pairs")
-    parser.add_argument(
-        "--plot",
-        type=Path,
-        default=None,
-        help="also draw the latency CDFs, idle vs saturated, to this PNG (needs matplotlib)",
-    )
+    add_plot_argument(parser, "the latency CDFs, idle vs saturated,")
     args = parser.parse_args()
     uvloop.run(scenario(args))
 

@@ -154,6 +154,16 @@ def plot_soak(
     return _save(figure, path)
 
 
+def _labelled_bars(axes: Any, values: Mapping[str, float], colour: str, unit: str) -> None:
+    """Horizontal bars, the first on top, each with its value and ``unit`` written after it."""
+    positions = np.arange(len(values))[::-1]
+    axes.barh(positions, list(values.values()), color=colour, height=0.6)
+    for position, value in zip(positions, values.values(), strict=True):
+        axes.text(value, position, f" {value:,.0f}{unit}", va="center", fontsize=8)
+    axes.set_yticks(positions, list(values))
+    axes.set_xlim(0, max(values.values()) * 1.3)  # room for the labels right of the bars
+
+
 def plot_cluster(
     figures: Mapping[str, Any], path: Path, subtitle: str, dims: Sequence[int]
 ) -> Path:
@@ -166,12 +176,7 @@ def plot_cluster(
         "bulk read (COUNT 1024)": figures["read_per_s"],
         **{f"write-back, dim {dim}": figures[f"write_dim{dim}_per_s"] for dim in dims},
     }
-    positions = np.arange(len(rates))[::-1]
-    rate_axes.barh(positions, list(rates.values()), color="#264653", height=0.6)
-    for position, value in zip(positions, rates.values(), strict=True):
-        rate_axes.text(value, position, f" {value:,.0f}/s", va="center", fontsize=8)
-    rate_axes.set_yticks(positions, list(rates))
-    rate_axes.set_xlim(0, max(rates.values()) * 1.3)
+    _labelled_bars(rate_axes, rates, "#264653", "/s")
     rate_axes.set_xlabel("entries/s, one client on one shard")
     rate_axes.set_title("Queue operations per shard", fontsize=10)
 
@@ -179,12 +184,7 @@ def plot_cluster(
         "backlog entry": figures["bytes_per_backlog_entry"],
         **{f"result, dim {dim}": figures[f"bytes_per_result_dim{dim}"] for dim in dims},
     }
-    positions = np.arange(len(memory))[::-1]
-    memory_axes.barh(positions, list(memory.values()), color="#2a9d8f", height=0.6)
-    for position, value in zip(positions, memory.values(), strict=True):
-        memory_axes.text(value, position, f" {value:,.0f} B", va="center", fontsize=8)
-    memory_axes.set_yticks(positions, list(memory))
-    memory_axes.set_xlim(0, max(memory.values()) * 1.3)
+    _labelled_bars(memory_axes, memory, "#2a9d8f", " B")
     memory_axes.set_xlabel("bytes of Redis memory per entry")
     memory_axes.set_title("Memory per entry", fontsize=10)
     figure.suptitle(subtitle, fontsize=9)

@@ -24,7 +24,7 @@ from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import Settings
-from loadtest.common import machine_load, redis_server, rss_mib, worker_process
+from loadtest.common import add_plot_argument, machine_load, redis_server, rss_mib, worker_process
 
 
 def chunks(count: int) -> list[Chunk]:
@@ -94,12 +94,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--chunks", type=int, default=20_000)
-    parser.add_argument(
-        "--plot",
-        type=Path,
-        default=None,
-        help="also draw RSS over chunks and the backlog over time to this PNG (needs matplotlib)",
-    )
+    add_plot_argument(parser, "RSS over chunks and the backlog over time")
     args = parser.parse_args()
     marks = sorted({min(2_000, args.chunks), args.chunks // 2, args.chunks})
     uvloop.run(soak(args.chunks, marks, args.plot))
