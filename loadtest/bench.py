@@ -247,7 +247,8 @@ class Fleet:
         slice_ms: float = -1,
         settings: dict[str, object] | None = None,
     ) -> Run:
-        """One end-to-end run; ``settings`` overrides worker settings (the GPU check's budgets)."""
+        """One end-to-end run; ``settings`` overrides worker settings (the GPU check's budgets,
+        loadtest.precisions' output dtype)."""
         return asyncio.run(self._run(encoder, texts, ids, keep, slice_ms, settings or {}))
 
     async def _run(
@@ -260,6 +261,7 @@ class Fleet:
         overrides: dict[str, object],
     ) -> Run:
         from embedfleet.producer.client import Producer
+        from embedfleet.shared.protocol import Chunk
         from embedfleet.shared.redis_conn import connect
         from embedfleet.shared.settings import load_settings
         from embedfleet.workers.sinks import RedisStreamSink
@@ -278,6 +280,9 @@ class Fleet:
         worker = Worker(
             settings, encoder, worker_client, RedisStreamSink(worker_client, settings.keys)
         )
+        # an int8/uint8 output's fleet-wide calibration exists before the clock starts (a
+        # worker makes it once per model and dimension, not per run); other dtypes need none
+        await worker.outputs.prepare([Chunk(id="c", text="c")], worker.on_model_thread)
         task = asyncio.create_task(worker.run())
         job = "bench"
         try:
@@ -361,6 +366,12 @@ def sorted_batch_padded_tokens(lengths: Sequence[int], batch_size: int) -> int:
 
 
 # --- the run -------------------------------------------------------------------------------
+# the server of the fleet runs (here and in loadtest.precisions): --redis-url, else _server's own
+redis_url_option = click.option(
+    "--redis-url", default=None, help="Use this server instead of starting one."
+)
+
+
 @contextlib.contextmanager
 def _server(redis_url: str | None) -> Iterator[str]:
     if redis_url:
@@ -408,7 +419,7 @@ def machine_line() -> str:
 @click.option("--engines", is_flag=True, help="Add in-process layout/precision contenders.")
 @click.option("--compile", "use_compile", is_flag=True, help="Add a torch.compile contender.")
 @click.option("--only", default="", help="Comma-separated contender names to run (debugging).")
-@click.option("--redis-url", default=None, help="Use this server instead of starting one.")
+@redis_url_option
 @click.option(
     "--peers/--no-peers",
     default=True,

@@ -12,61 +12,27 @@ quantization, Result objects), which is what a dtype adds to the write path.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import statistics
 import sys
 import time
-import uuid
 
 import click
 import numpy as np
 
 from embedfleet.shared.protocol import OUTPUT_DTYPES, Chunk
 from embedfleet.workers.encoder import Encoder
-from loadtest.bench import _server, machine_line
-from loadtest.corpus import build_corpus
+from loadtest.bench import Fleet, _server, machine_line, redis_url_option
+from loadtest.corpus import CorpusText, build_corpus
 
 
-async def fleet_run(url: str, encoder: Encoder, chunks: list[dict], dtype: str) -> float:
+def fleet_run(fleet: Fleet, encoder: Encoder, corpus: list[CorpusText], dtype: str) -> float:
     """Seconds from the first enqueue to the last result, every chunk written as ``dtype``."""
-    from embedfleet.producer.client import Producer
-    from embedfleet.shared.redis_conn import connect
-    from embedfleet.shared.settings import load_settings
-    from embedfleet.workers.sinks import RedisStreamSink
-    from embedfleet.workers.worker import Worker
-
-    settings = load_settings(
-        redis_url=url,
-        namespace=f"prec{uuid.uuid4().hex[:8]}",
-        consumer="bench",
-        log_level="warning",
-        output_dtype=dtype,
-    )
-    client = connect(url)
-    worker = Worker(settings, encoder, client, RedisStreamSink(client, settings.keys))
-    # the fleet-wide calibration exists before the clock starts (made once per model and dim)
-    await worker.outputs.prepare([Chunk(id="c", text="c", dtype=dtype)], worker.on_model_thread)
-    task = asyncio.create_task(worker.run())
-    try:
-        async with Producer(settings) as producer:
-            await asyncio.sleep(0.2)  # the worker is up and blocked on XREADGROUP
-            started = time.perf_counter()
-            await producer.enqueue(chunks, job="bench")
-            progress = await producer.wait_for_job("bench", interval=0.01, timeout=3600)
-            seconds = time.perf_counter() - started
-            worker.drain()
-            await asyncio.wait_for(task, timeout=60)
-            await producer.client.flushdb()
-    finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-        await client.aclose()
-    if progress.done != len(chunks):
-        raise RuntimeError(f"{dtype}: {progress.done} of {len(chunks)} done")
-    return seconds
+    texts = [item.text for item in corpus]
+    ids = [item.id for item in corpus]
+    run = fleet.run(encoder, texts, ids, keep=False, settings={"output_dtype": dtype})
+    if run.texts != len(corpus):
+        raise RuntimeError(f"{dtype}: {run.texts} of {len(corpus)} done")
+    return run.seconds
 
 
 def output_stage_us(encoder: Encoder, dtype: str, repeats: int = 20) -> float:
@@ -99,7 +65,7 @@ def output_stage_us(encoder: Encoder, dtype: str, repeats: int = 20) -> float:
 @click.option("--texts", "count", type=int, default=600, show_default=True)
 @click.option("--rounds", type=int, default=3, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--redis-url", default=None, help="Use this server instead of starting one.")
+@redis_url_option
 def main(count: int, rounds: int, seed: int, redis_url: str | None) -> None:
     """Fleet throughput per output dtype, relative to float16, interleaved."""
     from embedfleet.shared.logging import configure_logging
@@ -107,19 +73,19 @@ def main(count: int, rounds: int, seed: int, redis_url: str | None) -> None:
     configure_logging("warning", "console")
     encoder = Encoder(device="cpu", dtype="float32")
     corpus = build_corpus(count, seed=seed)
-    chunks = [{"id": item.id, "text": item.text} for item in corpus]
     print(f"machine: {machine_line()}", file=sys.stderr)
     rates: dict[str, list[float]] = {dtype: [] for dtype in OUTPUT_DTYPES}
     ratios: dict[str, list[float]] = {dtype: [] for dtype in OUTPUT_DTYPES}
     with _server(redis_url) as url:
-        asyncio.run(fleet_run(url, encoder, chunks[:64], "float16"))  # warm-up
+        fleet = Fleet(url)
+        fleet_run(fleet, encoder, corpus[:64], "float16")  # warm-up
         for round_number in range(rounds):
             shift = round_number % len(OUTPUT_DTYPES)
             order = OUTPUT_DTYPES[shift:] + OUTPUT_DTYPES[:shift]
             this_round: dict[str, float] = {}
             for dtype in order:
-                seconds = asyncio.run(fleet_run(url, encoder, chunks, dtype))
-                this_round[dtype] = len(chunks) / seconds
+                seconds = fleet_run(fleet, encoder, corpus, dtype)
+                this_round[dtype] = len(corpus) / seconds
                 print(
                     f"round {round_number + 1} {dtype}: {this_round[dtype]:.1f} texts/s",
                     file=sys.stderr,
