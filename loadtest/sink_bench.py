@@ -53,6 +53,7 @@ from embedfleet.shared.vectordb import (
     parse_sink_url,
 )
 from embedfleet.workers.sinks import Delivery, Sink, build_sink
+from loadtest.common import isolated_settings
 
 if TYPE_CHECKING:
     from embedfleet.workers.encoder import Encoder
@@ -104,12 +105,9 @@ class Bench:
     def settings(self, sink: str) -> Settings:
         """A fresh namespace and a fresh table (a new Qdrant directory) for every run."""
         run_id = uuid.uuid4().hex[:8]
-        return Settings(
-            redis_url=self.redis_url,
-            namespace=f"bench{run_id}",
-            consumer=f"bench-{run_id}",
-            block_ms=100,
-            log_format="json",
+        return isolated_settings(
+            self.redis_url,
+            f"bench{run_id}",
             log_level="warning",
             # a directory per run: Qdrant's local mode holds a lock on its directory
             sink=local_sink_url(sink, self.workdir / run_id, self.pg_uri),

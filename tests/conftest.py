@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import threading
-import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ from embedfleet.server import ServerProcess, embedded_server_binary, preferred_s
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.events import WorkerEvents
+from loadtest.common import isolated_settings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -46,13 +46,7 @@ def redis_server() -> Iterator[ServerProcess]:
 @pytest.fixture
 def settings(redis_server: ServerProcess) -> Settings:
     """Settings on the test server with a namespace of its own, so tests never see each other."""
-    return Settings(
-        redis_url=redis_server.url,
-        namespace=f"t{uuid.uuid4().hex[:10]}",
-        consumer=f"test-{uuid.uuid4().hex[:6]}",
-        block_ms=100,
-        log_format="json",
-    )
+    return isolated_settings(redis_server.url)
 
 
 @pytest.fixture

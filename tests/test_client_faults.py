@@ -23,7 +23,6 @@ import subprocess
 import sys
 import termios
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -46,6 +45,7 @@ from embedfleet.shared.protocol import (
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.retry import RedisUnavailableError
 from embedfleet.shared.settings import Settings
+from loadtest.common import isolated_settings
 from tests.conftest import WorkerLauncher, worker_env
 
 AOF = ["--appendonly", "yes", "--appendfsync", "always"]
@@ -66,14 +66,8 @@ def aof_server(tmp_path: Path) -> Iterator[ServerProcess]:
 
 @pytest.fixture
 def aof_settings(aof_server: ServerProcess) -> Settings:
-    return Settings(
-        redis_url=aof_server.url,
-        namespace=f"t{uuid.uuid4().hex[:10]}",
-        consumer=f"test-{uuid.uuid4().hex[:6]}",
-        block_ms=100,
-        log_format="json",
-        frozen_queries=False,  # queries run eager: no graph to build at the first worker's start
-    )
+    # queries run eager: no graph to build at the first worker's start
+    return isolated_settings(aof_server.url, frozen_queries=False)
 
 
 @pytest.fixture
