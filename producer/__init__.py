@@ -1,21 +1,12 @@
-"""The client ingestion services use (``from embedfleet import Producer`` re-exports it)."""
+"""The client ingestion services use (``from embedfleet import Producer`` re-exports it).
 
-from embedfleet.producer.client import (
-    EmbeddingOptions,
-    JobProgress,
-    JobTimeoutError,
-    Producer,
-    QueryTimeoutError,
-)
-from embedfleet.shared.protocol import QueryFailedError
-from embedfleet.shared.retry import RedisUnavailableError
+Each name is re-exported in the ``import X as X`` form, the typing convention for a re-export.
+"""
 
-__all__ = [
-    "EmbeddingOptions",
-    "JobProgress",
-    "JobTimeoutError",
-    "Producer",
-    "QueryFailedError",
-    "QueryTimeoutError",
-    "RedisUnavailableError",
-]
+from embedfleet.producer.client import EmbeddingOptions as EmbeddingOptions
+from embedfleet.producer.client import JobProgress as JobProgress
+from embedfleet.producer.client import JobTimeoutError as JobTimeoutError
+from embedfleet.producer.client import Producer as Producer
+from embedfleet.producer.client import QueryTimeoutError as QueryTimeoutError
+from embedfleet.shared.protocol import QueryFailedError as QueryFailedError
+from embedfleet.shared.retry import RedisUnavailableError as RedisUnavailableError
