@@ -148,22 +148,28 @@ ERROR_REPLY_FIELDS: tuple[WireField, ...] = (
     WireField("error", "str", True, "why the worker could not embed it, for a person"),
 )
 
+
+def _string_field(name: str, required: bool, meaning: str) -> WireField:
+    """A dead-letter field holding text: the dead letter is plain stream fields (not msgpack),
+    strings but for the payload's bytes."""
+    return WireField(name, "string", required, meaning)
+
+
 DEAD_LETTER_FIELDS: tuple[WireField, ...] = (
-    WireField(
+    _string_field(
         "reason",
-        "string",
         True,
         "a code: "
         + ", ".join(f"`{reason.value}`" for reason in DeadReason)
         + " (`other`: written before codes existed); the metrics' `reason` label",
     ),
-    WireField("detail", "string", True, "why, in words, for a person"),
-    WireField("stream", "string", True, "the stream the entry came from"),
-    WireField("entry_id", "string", True, "its entry id there"),
-    WireField("deliveries", "string", True, "how many times it was delivered"),
-    WireField("id", "string", False, "the chunk's id, when it could be read"),
-    WireField("job", "string", False, "the chunk's job, when it could be read"),
-    WireField("payload_bytes", "string", False, "the size of the entry's `m` field"),
+    _string_field("detail", True, "why, in words, for a person"),
+    _string_field("stream", True, "the stream the entry came from"),
+    _string_field("entry_id", True, "its entry id there"),
+    _string_field("deliveries", True, "how many times it was delivered"),
+    _string_field("id", False, "the chunk's id, when it could be read"),
+    _string_field("job", False, "the chunk's job, when it could be read"),
+    _string_field("payload_bytes", False, "the size of the entry's `m` field"),
     WireField(
         "payload",
         "bytes",
