@@ -84,24 +84,33 @@ class Embedder:
 
     async def check_backlog(self) -> None:
         """429 while the ingest backlog is over the high-water mark (Producers wait there)."""
-        backlog = await self.client.xlen(self.keys.ingest)
-        if backlog >= self.settings.backlog_high_water:
+        await self._refuse_when_full(
+            "ingest backlog",
+            self.keys.ingest,
+            self.settings.backlog_high_water,
+            "EMBEDFLEET_BACKLOG_HIGH_WATER",
+        )
+
+    async def _refuse_when_full(
+        self, what: str, stream: str, high_water: int, variable: str
+    ) -> None:
+        """429 (retry after EMBEDFLEET_GATEWAY_RETRY_AFTER_S) while ``stream`` holds
+        ``high_water`` entries or more; the message names the ``variable`` that sets it."""
+        waiting = await self.client.xlen(stream)
+        if waiting >= high_water:
             raise overloaded(
-                f"the ingest backlog ({backlog:,} entries) is over the high-water mark "
-                f"(EMBEDFLEET_BACKLOG_HIGH_WATER={self.settings.backlog_high_water:,}); "
-                "retry after the Retry-After seconds",
+                f"the {what} ({waiting:,} entries) is over the high-water mark "
+                f"({variable}={high_water:,}); retry after the Retry-After seconds",
                 self.settings.gateway_retry_after_s,
             )
 
     async def _via_query_lane(self, texts: Sequence[str], options: EmbeddingOptions) -> np.ndarray:
-        queued = await self.client.xlen(self.keys.query_lane.query)
-        if queued >= self.settings.gateway_lane_high_water:
-            raise overloaded(
-                f"the query lane is saturated ({queued} queries waiting, "
-                f"EMBEDFLEET_GATEWAY_LANE_HIGH_WATER={self.settings.gateway_lane_high_water}); "
-                "retry after the Retry-After seconds",
-                self.settings.gateway_retry_after_s,
-            )
+        await self._refuse_when_full(
+            "query lane",
+            self.keys.query_lane.query,
+            self.settings.gateway_lane_high_water,
+            "EMBEDFLEET_GATEWAY_LANE_HIGH_WATER",
+        )
         self.metrics.inputs.labels("query").inc(len(texts))
         try:
             return await self.producer.embed_queries(
