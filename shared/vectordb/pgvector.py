@@ -273,41 +273,44 @@ class PgvectorBackend(VectorBackend):
         return dtypes[self.column_type or "vector"], int(self.dim or 0)
 
     def nearest(self, vector: np.ndarray, k: int = 10) -> list[Hit]:
-        from psycopg import sql
 
         query = np.asarray(vector, dtype=np.float32).reshape(-1)
         if self.vector_format()[0] == "ubinary":
             return self._nearest_bits(query, k)
         literal = "[" + ",".join(f"{value:.7g}" for value in query) + "]"
-        with self._reading() as conn:
-            if k > DEFAULT_EF_SEARCH:
-                conn.execute(sql.SQL("SET hnsw.ef_search = {}").format(sql.Literal(k)))
-            # the same operator (<=> cosine distance) and type as the index, so HNSW serves it
-            rows = self._select(
-                conn,
-                "1 - (embedding <=> %(q)s::{type}) AS score",
-                "ORDER BY embedding <=> %(q)s::{type} LIMIT %(k)s",
-                {"q": literal, "k": k},
-            )
+        # the same operator (<=> cosine distance) and type as the index, so HNSW serves it
+        rows = self._nearest_rows(
+            "1 - (embedding <=> %(q)s::{type}) AS score", "embedding <=> %(q)s::{type}", literal, k
+        )
         return [self.hit(row, row["meta"], float(row["score"])) for row in rows]
+
+    def _nearest_rows(
+        self, extra: str, distance: str, literal: str, limit: int
+    ) -> list[dict[str, Any]]:
+        """The ``limit`` rows nearest the query ``literal`` (``%(q)s``) by the ``distance``
+        expression, with ``extra`` (as in ``_select``). HNSW returns at most ef_search rows, so
+        a larger ``limit`` raises it on the connection first."""
+        from psycopg import sql
+
+        with self._reading() as conn:
+            if limit > DEFAULT_EF_SEARCH:
+                conn.execute(sql.SQL("SET hnsw.ef_search = {}").format(sql.Literal(limit)))
+            return self._select(
+                conn, extra, f"ORDER BY {distance} LIMIT %(k)s", {"q": literal, "k": limit}
+            )
 
     def _nearest_bits(self, query: np.ndarray, k: int) -> list[Hit]:
         """Hamming distance (``<~>``, served by a bit_hamming_ops index) for k x
         RESCORE_MULTIPLIER candidates, rescored with the float query against their bits."""
-        from psycopg import sql
 
         dim = self.dim or 0
         literal = "".join("1" if value > 0 else "0" for value in query[:dim])
-        candidates = k * RESCORE_MULTIPLIER
-        with self._reading() as conn:
-            if candidates > DEFAULT_EF_SEARCH:
-                conn.execute(sql.SQL("SET hnsw.ef_search = {}").format(sql.Literal(candidates)))
-            rows = self._select(
-                conn,
-                "embedding::text AS bits",
-                f"ORDER BY embedding <~> %(q)s::bit({dim}) LIMIT %(k)s",
-                {"q": literal, "k": candidates},
-            )
+        rows = self._nearest_rows(
+            "embedding::text AS bits",
+            f"embedding <~> %(q)s::bit({dim})",
+            literal,
+            k * RESCORE_MULTIPLIER,
+        )
         if not rows:
             return []
         packed = np.packbits(np.array([[c == "1" for c in row["bits"]] for row in rows]), axis=-1)
