@@ -229,6 +229,15 @@ def _figure(value: Any, spec: str = ",.0f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _table(header: str, rows: list[str]) -> list[str]:
+    """A markdown table after a blank line, names left and figures right, or nothing when it
+    has no rows (the step did not run or measured nothing)."""
+    if not rows:
+        return []
+    alignment = "|---|" + "---:|" * (header.count("|") - 2)
+    return ["", header, alignment, *rows]
+
+
 def summarize(results: dict[str, Any]) -> str:
     steps = results["steps"]
     config = results["config"]
@@ -276,30 +285,24 @@ def summarize(results: dict[str, Any]) -> str:
         if "infinity" in bench:
             lines.append(f"\nInfinity: {bench['infinity']}")
     latency = steps.get("latency", {}).get("results", {})
-    rows = {k: v for k, v in latency.items() if isinstance(v, dict) and "p50_ms" in v}
-    if rows:
-        lines += [
-            "",
-            "| query latency | n | p50 ms | p99 ms | backlog left |",
-            "|---|---:|---:|---:|---:|",
-        ]
-        for name, row in rows.items():
-            lines.append(
-                f"| {name} | {row['n']} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} | "
-                f"{row.get('backlog_left', '')} |"
-            )
+    lines += _table(
+        "| query latency | n | p50 ms | p99 ms | backlog left |",
+        [
+            f"| {name} | {row['n']} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} | "
+            f"{row.get('backlog_left', '')} |"
+            for name, row in latency.items()
+            if isinstance(row, dict) and "p50_ms" in row
+        ],
+    )
     replicas = steps.get("replicas", {}).get("results", {})
-    rows = {k: v for k, v in replicas.items() if isinstance(v, dict)}
-    if rows:
-        lines += [
-            "",
-            "| worker processes | texts/s | threads each | ready s |",
-            "|---|---:|---:|---:|",
-        ]
-        for name, row in rows.items():
-            lines.append(
-                f"| {name} | {row['texts_per_s']:,.0f} | {row['threads_each']} | {row['ready_s']} |"
-            )
+    lines += _table(
+        "| worker processes | texts/s | threads each | ready s |",
+        [
+            f"| {name} | {row['texts_per_s']:,.0f} | {row['threads_each']} | {row['ready_s']} |"
+            for name, row in replicas.items()
+            if isinstance(row, dict)
+        ],
+    )
     tests = steps.get("tests", {}).get("results", {})
     if tests:
         lines += ["", f"tests/test_packing.py: {tests.get('last_line')}"]

@@ -36,7 +36,6 @@ from typing import Any
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-QUERY = "how do I read a file line by line in python"
 VERSIONED = (
     "torch",
     "transformers",
@@ -473,19 +472,6 @@ def latency(config: CheckConfig, record: Record) -> None:
     asyncio.run(_latency(config, record))
 
 
-async def _query_samples(producer: Any, count: int, concurrency: int) -> list[float]:
-    samples: list[float] = []
-
-    async def one_client(n: int) -> None:
-        for _ in range(n):
-            started = time.perf_counter()
-            await producer.embed_query(QUERY, timeout=30)
-            samples.append(time.perf_counter() - started)
-
-    await asyncio.gather(*(one_client(max(1, count // concurrency)) for _ in range(concurrency)))
-    return samples
-
-
 def _percentiles(samples: list[float]) -> dict[str, float]:
     import numpy as np
 
@@ -499,23 +485,23 @@ def _percentiles(samples: list[float]) -> dict[str, float]:
 
 async def _latency(config: CheckConfig, record: Record) -> None:
     from embedfleet.producer import Producer
-    from loadtest.latency import bulk_corpus
+    from loadtest.latency import bulk_corpus, query_latencies
 
     namespace = f"lat{uuid.uuid4().hex[:6]}"
     settings = _settings(config, namespace)
     with workers(config, namespace, 1, config.threads) as started:
         record.put("ready_s", await wait_ready(started, 120))
         async with Producer(settings) as producer:
-            await _query_samples(producer, 10, 1)  # warm-up (and the first CUDA kernels)
+            await query_latencies(producer, 10, 1)  # warm-up (and the first CUDA kernels)
             for concurrency in (1, 8):
-                samples = await _query_samples(producer, config.queries, concurrency)
+                samples = await query_latencies(producer, config.queries, concurrency)
                 record.put(f"idle x{concurrency}", _percentiles(samples))
                 say(f"idle x{concurrency}: {_percentiles(samples)}")
             await producer.enqueue(bulk_corpus(config.backlog), job="saturate")
             backlog_start = await producer.client.xlen(settings.keys.ingest)
             await asyncio.sleep(1.0)  # the worker is deep in bulk batches
             for concurrency in (1, 8):
-                samples = await _query_samples(producer, config.queries, concurrency)
+                samples = await query_latencies(producer, config.queries, concurrency)
                 left = await producer.client.xlen(settings.keys.ingest)
                 pending = await producer.client.xpending(settings.keys.ingest, settings.group)
                 still_busy = left > 0 or int(pending.get("pending", 0)) > 0

@@ -93,6 +93,7 @@ async def paired_latencies(
 
 
 async def query_latencies(producer: Producer, count: int, concurrency: int) -> list[float]:
+    """Round trips of ``count`` queries (at least one per client), ``concurrency`` in flight."""
     samples: list[float] = []
 
     async def one_client(n: int) -> None:
@@ -101,7 +102,7 @@ async def query_latencies(producer: Producer, count: int, concurrency: int) -> l
             await producer.embed_query(QUERY, timeout=30)
             samples.append(time.perf_counter() - started)
 
-    await asyncio.gather(*(one_client(count // concurrency) for _ in range(concurrency)))
+    await asyncio.gather(*(one_client(max(1, count // concurrency)) for _ in range(concurrency)))
     return samples
 
 
