@@ -69,6 +69,16 @@ transformers treescope triton typer typing-extensions typing-inspect urllib3 uvl
 wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp
 """
 IMAGE_PACKAGES = frozenset(canonicalize_name(name) for name in _IMAGE_LIST.split())
+# The image's interpreter and platform as requirement markers see them (the Python version is
+# --python-version's); no extra is asked for, so requirements behind one are not needed.
+IMAGE_MARKERS = {
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "extra": "",
+}
 
 # What the fleet imports that the image lacks, at the versions this environment runs.
 CARRIED = (
@@ -174,14 +184,9 @@ def unmet_requirements(wheels: list[Path], python_version: str) -> list[str]:
     environment = default_environment()
     parts = python_version.split(".")
     environment.update(
+        IMAGE_MARKERS,
         python_version=".".join(parts[:2]),
         python_full_version=".".join([*parts, "0"][:3]),
-        sys_platform="linux",
-        platform_system="Linux",
-        platform_machine="x86_64",
-        implementation_name="cpython",
-        platform_python_implementation="CPython",
-        extra="",
     )
     carried = {canonicalize_name(w.name.split("-")[0]) for w in wheels}
     unmet = []
