@@ -44,7 +44,13 @@ from embedfleet.shared.redis_conn import (
     is_cluster,
     redact_url,
 )
-from embedfleet.shared.retry import OutageListener, RedisRetry, RedisUnavailableError, describe
+from embedfleet.shared.retry import (
+    LogOutages,
+    OutageListener,
+    RedisRetry,
+    RedisUnavailableError,
+    describe,
+)
 from embedfleet.shared.settings import Settings
 
 if TYPE_CHECKING:
@@ -166,7 +172,9 @@ class Producer:
         self._owns_client = client is None
         self._ready = False
         self.retry = RedisRetry(
-            redact_url(self.settings.effective_redis_url), self.settings.redis_retry_s, on_outage
+            redact_url(self.settings.effective_redis_url),
+            self.settings.redis_retry_s,
+            on_outage or LogOutages(),
         )
         self._served: ServedModel | None = None
         self._splitters: dict[tuple[int, str | None], DocumentSplitter] = {}

@@ -65,22 +65,18 @@ def describe(error: BaseException) -> str:
     return classify(error).detail
 
 
+@dataclass(eq=False)  # one per client, stateful: compared by identity
 class RedisRetry:
     """One client's view of whether Redis is reachable, and its retry loop.
 
-    ``server`` is what messages call the server (a URL without its password).
+    ``server`` is what messages call the server (a URL without its password); ``listener`` is
+    told when an outage starts and ends.
     """
 
-    def __init__(
-        self,
-        server: str,
-        give_up_after_s: float,
-        listener: OutageListener | None = None,
-    ) -> None:
-        self.server = server
-        self.give_up_after_s = give_up_after_s
-        self.listener: OutageListener = listener or LogOutages()
-        self._down_since: float | None = None
+    server: str
+    give_up_after_s: float
+    listener: OutageListener = field(default_factory=LogOutages)
+    _down_since: float | None = field(default=None, init=False, repr=False)
 
     @property
     def down(self) -> bool:
