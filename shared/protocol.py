@@ -128,20 +128,22 @@ class Result:
         return int(self.vector.shape[0])
 
 
+def _chunk_fields(chunk: Chunk) -> dict[str, Any]:
+    """A chunk's wire fields (all but ``v``), the unset optional ones left out."""
+    fields = {
+        "id": chunk.id,
+        "text": chunk.text,
+        "job": chunk.job,
+        "meta": chunk.meta,
+        "reply": chunk.reply,
+        "deadline": chunk.deadline_ms,  # the one field named otherwise on the wire
+        **{name: getattr(chunk, name) for name in OPTION_NAMES},
+    }
+    return {name: value for name, value in fields.items() if value is not None}
+
+
 def encode_chunk(chunk: Chunk) -> bytes:
-    message: dict[str, Any] = {"v": PROTOCOL_VERSION, "id": chunk.id, "text": chunk.text}
-    if chunk.job is not None:
-        message["job"] = chunk.job
-    if chunk.meta is not None:
-        message["meta"] = chunk.meta
-    if chunk.reply is not None:
-        message["reply"] = chunk.reply
-    if chunk.deadline_ms is not None:
-        message["deadline"] = chunk.deadline_ms
-    for name in ("prompt_name", "prompt", "dimensions", "dtype"):
-        value = getattr(chunk, name)
-        if value is not None:
-            message[name] = value
+    message = {"v": PROTOCOL_VERSION, **_chunk_fields(chunk)}
     return msgpack.packb(message, use_bin_type=True)
 
 
@@ -275,31 +277,12 @@ def chunk_from_mapping(
         raise ProtocolError("'deadline' must be an integer (unix milliseconds) when given")
     options = {name: message.get(name) for name in OPTION_NAMES}
     check_embedding_options(**options)
-    return Chunk(
-        id=chunk_id,
-        text=text,
-        job=job,
-        meta=meta,
-        reply=reply,
-        deadline_ms=deadline,
-        **options,
-    )
+    return Chunk(chunk_id, text, job=job, meta=meta, reply=reply, deadline_ms=deadline, **options)
 
 
 def validate_chunk(chunk: Chunk, limits: ChunkLimits = DEFAULT_LIMITS) -> Chunk:
     """A Chunk built in code passes the same checks as one read from the wire."""
-    return chunk_from_mapping(
-        {
-            "id": chunk.id,
-            "text": chunk.text,
-            "job": chunk.job,
-            "meta": chunk.meta,
-            "reply": chunk.reply,
-            "deadline": chunk.deadline_ms,
-            **{name: getattr(chunk, name) for name in OPTION_NAMES},
-        },
-        limits,
-    )
+    return chunk_from_mapping(_chunk_fields(chunk), limits)
 
 
 def encode_result(result: Result) -> bytes:
