@@ -52,27 +52,54 @@ SAMPLE_QUERY = "how do I define an asynchronous function"
 
 
 @dataclass
-class DemoReport:
-    texts: int
-    dead: int
+class DemoRun:
+    """What the fleet did with the corpus."""
+
+    progress: JobProgress
     seconds: float
     stats: WorkerStats
+    vectors: list[Result] | list[StoredVector]  # the latest one per id, for the export
+    sample: list[Hit]  # the sample query's nearest (none with the Redis sink)
+
+    @property
+    def texts_per_s(self) -> float:
+        return self.progress.done / self.seconds if self.seconds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.stats.real_tokens / self.seconds if self.seconds else 0.0
+
+    def summary(self) -> dict[str, float]:
+        """The figures ``summary.json`` holds."""
+        return {
+            "texts": self.progress.done,
+            "dead": self.progress.dead,
+            "seconds": self.seconds,
+            "texts_per_s": self.texts_per_s,
+            "tokens_per_s": self.tokens_per_s,
+            "padding_waste": self.stats.padding_waste,
+        }
+
+
+@dataclass
+class DemoReport:
+    run: DemoRun
     redis_url: str
     embedded: bool
     export_path: Path
     target: SinkTarget
     results_key: str
-    sample: list[Hit]
 
     def lines(self) -> list[str]:
-        rate = self.texts / self.seconds if self.seconds else 0.0
-        tokens_rate = self.stats.real_tokens / self.seconds if self.seconds else 0.0
+        run, stats = self.run, self.run.stats
         where = "embedded Valkey (stopped at exit)" if self.embedded else self.redis_url
         return [
-            f"embedded {self.texts} texts in {self.seconds:.1f} s ({self.dead} dead-lettered)",
-            f"  {rate:,.1f} texts/s, {tokens_rate:,.0f} tokens/s (real tokens, no padding)",
-            f"  padding waste {self.stats.padding_waste:.1%}, model busy "
-            f"{self.stats.model_busy_fraction:.0%}, {self.stats.batches} batches",
+            f"embedded {run.progress.done} texts in {run.seconds:.1f} s "
+            f"({run.progress.dead} dead-lettered)",
+            f"  {run.texts_per_s:,.1f} texts/s, {run.tokens_per_s:,.0f} tokens/s "
+            "(real tokens, no padding)",
+            f"  padding waste {stats.padding_waste:.1%}, model busy "
+            f"{stats.model_busy_fraction:.0%}, {stats.batches} batches",
             f"vectors: {self._stored_in(where)}",
             f"         exported to {self.export_path} (arrays ids, vectors fp16)",
             *self._search_lines(),
@@ -92,7 +119,7 @@ class DemoReport:
         }.get(self.target.kind, "")
         lines = [f"search: top 3 for {SAMPLE_QUERY!r}"]
         # score, id, a snippet of the text the sink stored beside the vector, meta
-        lines += [f"  {line}" for line in format_hits(self.sample)]
+        lines += [f"  {line}" for line in format_hits(self.run.sample)]
         return [
             *lines,
             f"  again, with a worker running: {sink}embedfleet search {SAMPLE_QUERY!r} --k 3",
@@ -119,9 +146,7 @@ def _redis(settings: Settings) -> Iterator[tuple[str, bool]]:
         yield server.url, True
 
 
-async def _run(
-    settings: Settings, target: SinkTarget, chunks: list[Chunk], job: str
-) -> tuple[JobProgress, float, WorkerStats, list[Result] | list[StoredVector], list[Hit]]:
+async def _run(settings: Settings, target: SinkTarget, chunks: list[Chunk], job: str) -> DemoRun:
     # torch loads only when the demo runs, so `embedfleet --help` stays instant
     from embedfleet.workers.runtime import load_encoder
     from embedfleet.workers.sinks import build_sink
@@ -147,12 +172,12 @@ async def _run(
         await sink.close()
         if target.kind == "redis":
             latest = {result.id: result async for result in producer.results(job=job)}
-            return progress, seconds, worker.stats, list(latest.values()), []
+            return DemoRun(progress, seconds, worker.stats, list(latest.values()), sample=[])
     # the worker has stopped, so its model is free to embed the sample query here; the
     # `embedfleet search` verb sends its query through a running worker's priority lane instead
     query = await asyncio.to_thread(encoder.embed_texts, [SAMPLE_QUERY])
     stored, sample = await asyncio.to_thread(_read_back, target, job, query[0])
-    return progress, seconds, worker.stats, stored, sample
+    return DemoRun(progress, seconds, worker.stats, stored, sample)
 
 
 def _read_back(
@@ -193,33 +218,17 @@ def run_demo(corpus: Path | None, limit: int | None, out_dir: Path) -> DemoRepor
             f"{len(chunks)} chunks; model {settings.model}; vectors to {target.describe()}",
             err=True,
         )
-        progress, seconds, stats, latest, sample = asyncio.run(_run(settings, target, chunks, job))
+        run = asyncio.run(_run(settings, target, chunks, job))
     export_path = out_dir / "vectors.npz"
-    write_export(latest, export_path)
-    (out_dir / "summary.json").write_text(
-        json.dumps(
-            {
-                "texts": progress.done,
-                "dead": progress.dead,
-                "seconds": seconds,
-                "texts_per_s": progress.done / seconds,
-                "tokens_per_s": stats.real_tokens / seconds,
-                "padding_waste": stats.padding_waste,
-            },
-            indent=2,
-        )
-    )
+    write_export(run.vectors, export_path)
+    (out_dir / "summary.json").write_text(json.dumps(run.summary(), indent=2))
     return DemoReport(
-        texts=progress.done,
-        dead=progress.dead,
-        seconds=seconds,
-        stats=stats,
+        run=run,
         redis_url=url,
         embedded=embedded,
         export_path=export_path,
         target=target,
         results_key=", ".join(p.results for p in settings.keys.partitions_keys),
-        sample=sample,
     )
 
 
