@@ -99,6 +99,11 @@ class Settings(BaseSettings):
     """Model replicas in one worker: N processes reading the same group, each with threads/N (one
     thread each on CUDA), consumers `<consumer>-r<i>`, health ports HEALTH_PORT+i. See
     docs/BENCHMARKS.md (replicas) for how the default was chosen."""
+    gpu_memory_fraction: float = Field(default=-1, ge=-1, le=1)
+    """Share of the GPU's memory this process may use (its allocator is capped at the share less
+    ~1 GiB for the CUDA context). -1 = auto: 1/REPLICAS for each replica of a worker with
+    REPLICAS > 1, no cap for a single one; 0 = no cap. Set it per pod when pods share a GPU
+    (time-slicing, MPS: docs/SCALING.md)."""
     output_dtype: Literal["float16", "float32", "int8", "uint8", "binary", "ubinary"] = "float16"
     """Precision of the vectors written (a chunk's `dtype` overrides):
     `sentence_transformers.quantize_embeddings` semantics. int8/uint8 use the model's fixed
@@ -150,6 +155,12 @@ class Settings(BaseSettings):
     FROZEN_QUERIES): eager reduced-precision linear layers are slow there (docs/BENCHMARKS.md). The
     copy has no layer boundaries, so bulk batches are sized whole to the query slice instead of one
     layer. `false`: eager, sliced per layer."""
+    cuda_query_lane: Literal["graph", "stream", "off"] = "graph"
+    """On CUDA, queries run on their own model copy, on a high-priority stream, from their own
+    thread beside the bulk pass (no layer hooks): `graph` also replays a CUDA graph per batch x
+    length bucket where it beat eager at startup (a failed capture falls back to `stream`);
+    `stream` without graphs; `off` serves them on the bulk model as on a CPU. No effect on a
+    CPU."""
     query_only: bool = False
     """Serve only the query stream (dedicated query replicas)."""
     reply_ttl_s: int = Field(default=60, ge=1)
@@ -276,6 +287,13 @@ class Settings(BaseSettings):
         least = BATCHING_MINIMUM[info.field_name]
         if value != -1 and value < least:
             raise ValueError(f"must be -1 (auto, per device) or at least {least}")
+        return value
+
+    @field_validator("gpu_memory_fraction")
+    @classmethod
+    def _share_or_auto(cls, value: float) -> float:
+        if value < 0 and value != -1:
+            raise ValueError("must be -1 (auto), 0 (no cap) or a share in (0, 1]")
         return value
 
     def batching(self, device_type: str) -> Batching:

@@ -50,6 +50,7 @@ FAMILIES = {
     "embedfleet_write_seconds": "histogram",
     "embedfleet_query_latency_seconds": "histogram",
     "embedfleet_model_seconds": "counter",
+    "embedfleet_queries_served": "counter",
     "embedfleet_padding_ratio": "gauge",
     "embedfleet_model_busy_fraction": "gauge",
     "embedfleet_dead_letters": "counter",
@@ -184,6 +185,12 @@ async def test_worker_metrics_health_and_readiness(
             assert final("embedfleet_model_seconds_total") > 0
             assert 0 < final("embedfleet_model_busy_fraction") <= 1
             assert final("embedfleet_query_latency_seconds_count") == 1
+            served = {
+                dict(labels)["path"]: value
+                for (name, labels), value in final.samples.items()
+                if name == "embedfleet_queries_served_total"
+            }
+            assert sum(served.values()) == 1 and set(served) <= {"frozen", "eager"}, served
             assert 0 < final("embedfleet_query_latency_seconds_sum") < 60
             assert final("embedfleet_dead_letters_total", reason="not_msgpack") == 1
             assert final("embedfleet_dead_letters_total", reason="too_long") == 0

@@ -10,11 +10,19 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
+from pydantic import ValidationError
 
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.producer.client import Producer
 from embedfleet.shared.settings import Settings
-from embedfleet.workers.replicas import plan_replicas, replica_environment
+from embedfleet.workers.replicas import (
+    CUDA_CONTEXT_BYTES,
+    allocator_fraction,
+    gpu_memory_share,
+    plan_replicas,
+    replica_environment,
+)
 from loadtest.replicas import free_ports, wait_ready
 from tests.conftest import worker_env
 
@@ -32,6 +40,34 @@ def test_plan_shares_the_threads_and_names_each_replica() -> None:
     assert env["EMBEDFLEET_REPLICAS"] == "1", "a replica does not start replicas of its own"
     assert (env["EMBEDFLEET_CONSUMER"], env["EMBEDFLEET_THREADS"]) == ("pod-7-r1", "2")
     assert env["EMBEDFLEET_MODEL"] == "/m"
+
+
+def test_each_replica_on_a_gpu_gets_its_share_of_the_memory() -> None:
+    assert gpu_memory_share(-1, 4) == 0.25, "auto: 1/replicas"
+    assert gpu_memory_share(-1, 1) == 0.0, "auto for a single worker: no cap"
+    assert gpu_memory_share(0, 8) == 0.0, "0: no cap, however many replicas"
+    assert gpu_memory_share(0.1, 4) == 0.1, "an explicit share is each replica's"
+    h200 = 141 * 10**9
+    assert allocator_fraction(0.25, h200) == pytest.approx(0.25 - CUDA_CONTEXT_BYTES / h200)
+    assert allocator_fraction(1 / 32, h200) == pytest.approx(0.03125 - 0.0076, abs=1e-4)
+    assert allocator_fraction(0.0, h200) is None and allocator_fraction(1.0, h200) is None
+    with pytest.raises(ValueError, match="fewer replicas"):
+        allocator_fraction(1 / 32, 16 * 2**30)  # 0.5 GiB each on a 16 GiB card
+
+    settings = Settings(consumer="gpu", threads=16)
+    plans = plan_replicas(settings, 4, on_cuda=True)
+    assert {(p.threads, p.gpu_memory_share) for p in plans} == {(1, 0.25)}
+    env = replica_environment(plans[2], {})
+    assert (env["EMBEDFLEET_THREADS"], env["EMBEDFLEET_GPU_MEMORY_FRACTION"]) == ("1", "0.25")
+    # what the replica reads back: its share, though it runs with REPLICAS=1
+    child = Settings(gpu_memory_fraction=float(env["EMBEDFLEET_GPU_MEMORY_FRACTION"]))
+    assert gpu_memory_share(child.gpu_memory_fraction, child.replicas) == 0.25
+    explicit = Settings(consumer="gpu", gpu_memory_fraction=0.2)
+    assert {p.gpu_memory_share for p in plan_replicas(explicit, 4, on_cuda=True)} == {0.2}
+    assert {p.gpu_memory_share for p in plan_replicas(settings, 4, on_cuda=False)} == {0.0}
+    for bad in (-0.5, 1.5, -2):
+        with pytest.raises(ValidationError):
+            Settings(gpu_memory_fraction=bad)
 
 
 def _children(pid: int) -> list[int]:

@@ -24,6 +24,7 @@ from embedfleet.shared.logging import adopt_library_logger
 from embedfleet.shared.modeldir import ModelNotFoundError, resolve_model_path
 from embedfleet.shared.settings import PACKAGED_MODEL
 from embedfleet.workers.cpus import usable_cpus
+from embedfleet.workers.cuda_queries import CudaLaneMode, CudaQueryRunner, QueryPath
 from embedfleet.workers.frozen import FrozenForward, build_checked, freeze, frozen_min_cosine
 from embedfleet.workers.model_dir import ModelSpec, SentenceHead, read_model_spec
 from embedfleet.workers.precision import (
@@ -148,6 +149,8 @@ class Encoder:
         self.parity: ParityReport | None = None
         if self.device.type == "cpu":
             torch.set_num_threads(threads or usable_cpus())
+        elif threads:  # CUDA: host-side torch work only (replicas on one GPU get one each)
+            torch.set_num_threads(threads)
         # modules, pooling, Dense, Normalize, prompts; refuses what it cannot reproduce
         self.spec = read_model_spec(self.model_dir)
         self.pooling = PoolingConfig(
@@ -190,6 +193,7 @@ class Encoder:
         self.dtype = self.precision.dtype
         self._layer_hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._query_forward: FrozenForward | None = None
+        self._cuda_queries: CudaQueryRunner | None = None
 
     # --- slice boundaries ----------------------------------------------------------
     def set_layer_callback(self, callback: Callable[[], None] | None) -> int:
@@ -332,9 +336,18 @@ class Encoder:
     def embed_query(self, batch: EncodeBatch) -> np.ndarray:
         """Like ``embed``, through the frozen graph when one was prepared (short inputs on a
         CPU, see workers/frozen.py). No layer hooks fire in it."""
+        return self.serve_query(batch)[0]
+
+    def serve_query(self, batch: EncodeBatch) -> tuple[np.ndarray, QueryPath]:
+        """``embed_query``, and which path computed the vectors: the CUDA query lane's graph or
+        stream (workers/cuda_queries.py), the frozen CPU graph, or the bulk model (eager)."""
+        if self._cuda_queries is not None:
+            return self._cuda_queries.embed(
+                batch.input_ids, batch.attention_mask, batch.prompt_lengths
+            )
         if self._query_forward is None:
-            return self.embed(batch)
-        return self._embed_frozen(self._query_forward, batch)
+            return self.embed(batch), "eager"
+        return self._embed_frozen(self._query_forward, batch), "frozen"
 
     @torch.inference_mode()
     def _embed_frozen(self, forward: FrozenForward, batch: EncodeBatch) -> np.ndarray:
@@ -386,6 +399,33 @@ class Encoder:
             min_cosine=frozen_min_cosine(self.precision.dtype),
         )
         return self._query_forward is not None
+
+    @property
+    def serves_queries_concurrently(self) -> bool:
+        """Queries have their own model copy and stream (CUDA): serve them from their own
+        thread, beside the bulk pass, not at its layer boundaries."""
+        return self._cuda_queries is not None
+
+    def prepare_cuda_queries(self, mode: CudaLaneMode) -> bool:
+        """On CUDA, the query lane of workers/cuda_queries.py (``mode``: ``graph`` captures CUDA
+        graphs too, ``stream`` does not, ``off`` keeps queries on the bulk model). Returns
+        whether queries use it. Call on the model thread, before serving queries."""
+        if self.device.type != "cuda" or mode == "off":
+            return False
+        if self._cuda_queries is None:
+            runner = CudaQueryRunner(
+                self._model,
+                self._vectors,
+                self.precision,
+                self.device,
+                pad_id=self.pad_id,
+                pad_left=self.pad_left,
+                max_length=self.max_length,
+            )
+            if mode == "graph":
+                runner.capture()
+            self._cuda_queries = runner
+        return True
 
     def warm_up(self) -> None:
         """Two forward passes of different shapes (kernels chosen, memory allocated, on CUDA

@@ -29,7 +29,13 @@ class WorkerEvents:
 
     def query_answered(self, *, latency_seconds: float) -> None:
         """A priority query was answered; latency from enqueue (entry id time) to reply.
-        Called on the model thread (between transformer layers when a bulk batch is running)."""
+        Called on the model thread (between transformer layers when a bulk batch is running),
+        or on CUDA on the query lane's own thread."""
+
+    def queries_served(self, *, count: int, path: str) -> None:
+        """``count`` queries went through the model in one batch, by ``path`` (a
+        workers.cuda_queries.QueryPath: graph, stream, frozen or eager). Same thread as
+        ``query_answered``."""
 
     def dead_lettered(self, *, count: int, reason: str) -> None:
         """Entries went to the dead-letter stream; ``reason`` is a DeadReason value."""

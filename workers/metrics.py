@@ -100,6 +100,13 @@ class WorkerMetrics(WorkerEvents):
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
             registry=r,
         )
+        self.queries_by_path = Counter(
+            f"{PREFIX}_queries_served",
+            "Queries through the model, by path: graph or stream (CUDA query lane), frozen "
+            "(CPU query graph), eager (the bulk model).",
+            ["path"],
+            registry=r,
+        )
         self.model_seconds = Counter(
             f"{PREFIX}_model_seconds",
             "Seconds the model spent computing; rate() of it is the busy fraction over a window.",
@@ -228,6 +235,9 @@ class WorkerMetrics(WorkerEvents):
     def query_answered(self, *, latency_seconds: float) -> None:
         self.query_seconds.observe(max(0.0, latency_seconds))
         self.last_forward_at = time.monotonic()
+
+    def queries_served(self, *, count: int, path: str) -> None:
+        self.queries_by_path.labels(path=path).inc(count)
 
     def dead_lettered(self, *, count: int, reason: str) -> None:
         self.dead_letters.labels(reason=reason).inc(count)

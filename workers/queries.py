@@ -9,12 +9,17 @@ The model thread also writes the answer (reply list + acknowledgement, one MULTI
 own blocking connection, straight after the forward pass. Handing the vectors back to the event
 loop first cost two more thread wake-ups per query, and on a small CPU every extra runnable
 thread also stalls the OpenMP team of a bulk batch in flight.
+
+On CUDA the layer hooks fire at launch, not at run time, so they are not installed: queries are
+served from a thread of their own through the encoder's CUDA query lane (its own model copy on
+a high-priority stream, CUDA graphs; see workers/cuda_queries.py), beside the bulk pass.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -79,7 +84,13 @@ class QueryLane:
         self.on_model_thread = on_model_thread
         self.consumer = StreamConsumer(client, self.keys, settings.consumer)
         self._inbox: deque[PendingQuery] = deque()
-        self._serving = False  # only touched on the model thread
+        # Re-entrance from the layer hook (the nested forward pass fires them too); the lock
+        # keeps the model thread and the CUDA query thread from serving at once while the
+        # lane switches from one to the other at startup.
+        self._serving = False
+        self._serve_lock = threading.Lock()
+        # where serve_inbox runs: the model thread, or on CUDA a thread of the lane's own
+        self._serve_thread: ThreadPoolExecutor = model_thread
         # Model-thread seconds spent on queries, so bulk timing can leave them out.
         self.serving_seconds = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -91,7 +102,13 @@ class QueryLane:
         if self.settings.frozen_queries:
             # on the model thread, before any query or bulk batch (it runs the model)
             await self._loop.run_in_executor(self.model_thread, self.encoder.prepare_query_graph)
-        self.encoder.set_layer_callback(self.serve_at_layer_boundary)
+        mode = self.settings.cuda_query_lane
+        if await self._loop.run_in_executor(
+            self.model_thread, lambda: self.encoder.prepare_cuda_queries(mode)
+        ):
+            self._serve_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="queries")
+        else:
+            self.encoder.set_layer_callback(self.serve_at_layer_boundary)
         ride = RideOut("reading the query stream", self.outages, self.events)
         try:
             while not stopping.is_set():
@@ -105,9 +122,11 @@ class QueryLane:
                     await ride.wait(transient_or_raise(error, System.REDIS))
         finally:
             self.encoder.set_layer_callback(None)
-            # the last answers are written on the model thread: let them finish
+            # the last answers are written on the serving thread: let them finish
             with contextlib.suppress(RuntimeError):  # the executor is already shut down
-                await asyncio.get_running_loop().run_in_executor(self.model_thread, self._close)
+                await asyncio.get_running_loop().run_in_executor(self._serve_thread, self._close)
+            if self._serve_thread is not self.model_thread:
+                self._serve_thread.shutdown(wait=False)
             if self._failures:
                 await asyncio.gather(*self._failures, return_exceptions=True)
 
@@ -167,7 +186,7 @@ class QueryLane:
         # serves the inbox first and this call finds it empty. A plain submit, not
         # run_in_executor: nothing awaits it, and its completion would wake the event loop
         # just while the answer travels to the caller.
-        self.model_thread.submit(self.serve_inbox).add_done_callback(_log_unexpected)
+        self._serve_thread.submit(self.serve_inbox).add_done_callback(_log_unexpected)
 
     # --- model thread ------------------------------------------------------------------
     def serve_at_layer_boundary(self) -> None:
@@ -175,20 +194,30 @@ class QueryLane:
             self.serve_inbox()
 
     def serve_inbox(self) -> None:
-        if self._serving or not self._inbox:
+        if not self._inbox:
+            return
+        with self._serve_lock:
+            self._serve_locked()
+
+    def _serve_locked(self) -> None:
+        if not self._inbox:  # served by the other thread while this one waited
             return
         self._serving = True  # the nested forward pass fires the layer hooks too
         started = time.perf_counter()
+        on_model_thread = self._serve_thread is self.model_thread
         try:
             items = [self._inbox.popleft() for _ in range(len(self._inbox))]
             try:
-                vectors = self.encoder.embed_query(self.encoder.collate([i.tokens for i in items]))
+                batch = self.encoder.collate([i.tokens for i in items])
+                vectors, path = self.encoder.serve_query(batch)
             except Exception as error:
                 self._on_loop(self._fail, items, f"model error: {type(error).__name__}: {error}")
                 return
+            self.events.queries_served(count=len(items), path=path)
             self._answer(items, vectors)
         finally:
-            self.serving_seconds += time.perf_counter() - started
+            if on_model_thread:  # time the bulk batch in flight did not spend on itself
+                self.serving_seconds += time.perf_counter() - started
             self._serving = False
 
     def _answer(self, items: list[PendingQuery], vectors: np.ndarray) -> None:
@@ -225,6 +254,10 @@ class QueryLane:
             self.events.query_answered(latency_seconds=max(0.0, now - item.enqueued_at))
 
     def _close(self) -> None:
+        with self._serve_lock:
+            self._close_locked()
+
+    def _close_locked(self) -> None:
         if self._reply_client is not None:
             self._reply_client.close()
             self._reply_client = None

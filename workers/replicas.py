@@ -5,7 +5,9 @@ On a GPU a small embedder leaves the device mostly idle from one process (the se
 model's intra-op parallelism for N models' overlap of tokenizing, Redis and Python work. Either
 way the replicas are plain workers: consumers ``<consumer>-r0``..``-r{N-1}`` of the same group,
 each with its share of the threads (one each on CUDA) and its own health port (the base port +
-its index), so the group, reclaim and drain work exactly as for separate pods.
+its index), so the group, reclaim and drain work exactly as for separate pods. On CUDA each also
+gets a share of the GPU's memory (EMBEDFLEET_GPU_MEMORY_FRACTION, auto 1/N), so that one
+replica's long-text batch cannot take the memory another one is about to need.
 
 The parent only supervises: the first SIGTERM/SIGINT is passed on (every replica drains), a
 second is passed on too (every replica exits at once). A replica that exits on its own while
@@ -29,23 +31,70 @@ from embedfleet.workers.cpus import usable_cpus
 log = get_logger("embedfleet.replicas")
 
 
+# What a CUDA process holds on the device outside PyTorch's caching allocator, which is all that
+# set_per_process_memory_fraction caps: the context and loaded kernel modules (~0.5 GiB on
+# Hopper with lazy loading), with a margin.
+CUDA_CONTEXT_BYTES = 1 << 30
+
+
 @dataclass(frozen=True)
 class ReplicaPlan:
     index: int
     consumer: str
     threads: int
     health_port: int
+    gpu_memory_share: float = 0.0  # of the device's memory; 0 = no cap
+
+
+def gpu_memory_share(setting: float, replicas: int) -> float:
+    """The share of the GPU's memory each of ``replicas`` processes gets; 0 = no cap.
+    ``setting`` is EMBEDFLEET_GPU_MEMORY_FRACTION: -1 (auto) = 1/replicas, none for one."""
+    if setting == -1:
+        return 1 / replicas if replicas > 1 else 0.0
+    return setting
+
+
+def allocator_fraction(share: float, device_bytes: int) -> float | None:
+    """The caching allocator's cap for a process with ``share`` of a ``device_bytes`` GPU: the
+    share less the context's memory outside the allocator. None: no cap."""
+    if share <= 0 or share >= 1:
+        return None
+    fraction = share - CUDA_CONTEXT_BYTES / device_bytes
+    if fraction <= 0:
+        raise ValueError(
+            f"a GPU memory share of {share:.3f} ({share * device_bytes / 2**30:.1f} GiB) leaves "
+            f"nothing beside the CUDA context (~{CUDA_CONTEXT_BYTES / 2**30:.0f} GiB): run fewer "
+            "replicas per GPU or raise EMBEDFLEET_GPU_MEMORY_FRACTION"
+        )
+    return fraction
+
+
+def limit_gpu_memory(share: float, device: object) -> float | None:
+    """Cap this process's allocator at its share of the GPU (a CUDA ``device`` only); the
+    fraction set, or None."""
+    import torch
+
+    if not isinstance(device, torch.device) or device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = allocator_fraction(share, total)
+    if fraction is not None:
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+        log.info("GPU memory capped", share=round(share, 4), allocator_fraction=round(fraction, 4))
+    return fraction
 
 
 def plan_replicas(settings: Settings, replicas: int, on_cuda: bool) -> list[ReplicaPlan]:
-    """Each replica's consumer name, thread share and health port."""
+    """Each replica's consumer name, thread share, health port and (CUDA) GPU memory share."""
     threads = 1 if on_cuda else max(1, (settings.threads or usable_cpus()) // replicas)
+    share = gpu_memory_share(settings.gpu_memory_fraction, replicas) if on_cuda else 0.0
     return [
         ReplicaPlan(
             index=index,
             consumer=f"{settings.consumer}-r{index}",
             threads=threads,
             health_port=settings.health_port + index if settings.health_port else 0,
+            gpu_memory_share=share,
         )
         for index in range(replicas)
     ]
@@ -60,6 +109,8 @@ def replica_environment(plan: ReplicaPlan, overrides: Mapping[str, str]) -> dict
         "EMBEDFLEET_CONSUMER": plan.consumer,
         "EMBEDFLEET_THREADS": str(plan.threads),
         "EMBEDFLEET_HEALTH_PORT": str(plan.health_port),
+        # the share itself: a replica sees REPLICAS=1, where auto would mean no cap
+        "EMBEDFLEET_GPU_MEMORY_FRACTION": repr(plan.gpu_memory_share),
     }
 
 
@@ -82,6 +133,7 @@ def run_replicas(settings: Settings, overrides: Mapping[str, str]) -> int:
         "replicas started",
         replicas=len(children),
         threads_each=plans[0].threads,
+        gpu_memory_share=round(plans[0].gpu_memory_share, 4),
         consumers=[plan.consumer for plan in plans],
     )
     signalled = False

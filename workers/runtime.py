@@ -16,6 +16,7 @@ from embedfleet.workers.encoder import Encoder
 from embedfleet.workers.faults import RideOut, classify_sink_error, ride_out
 from embedfleet.workers.health import HealthServer
 from embedfleet.workers.metrics import StreamGauges, WorkerMetrics
+from embedfleet.workers.replicas import gpu_memory_share, limit_gpu_memory
 from embedfleet.workers.sinks import build_sink
 from embedfleet.workers.worker import Worker
 
@@ -23,9 +24,15 @@ log = get_logger("embedfleet.worker")
 
 
 def load_encoder(settings: Settings) -> Encoder:
-    return Encoder(
+    encoder = Encoder(
         settings.model, device=settings.device, dtype=settings.dtype, threads=settings.threads
     )
+    # a replica's share of a GPU it shares (the parent passes it); the allocator's cap counts
+    # the weights already loaded as well as what comes
+    limit_gpu_memory(
+        gpu_memory_share(settings.gpu_memory_fraction, settings.replicas), encoder.device
+    )
+    return encoder
 
 
 async def serve(settings: Settings, encoder: Encoder | None = None) -> None:

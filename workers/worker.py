@@ -164,6 +164,9 @@ class _StatsEvents(WorkerEvents):
     def query_answered(self, *, latency_seconds: float) -> None:
         self.listener.query_answered(latency_seconds=latency_seconds)
 
+    def queries_served(self, *, count: int, path: str) -> None:
+        self.listener.queries_served(count=count, path=path)
+
     def reclaimed(self, *, count: int) -> None:
         self.listener.reclaimed(count=count)
 
