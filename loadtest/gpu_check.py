@@ -17,8 +17,9 @@ PYTHONPATH, missing packages come as wheels in ``.gpu-carry/``, see ``make gpu-c
 
 Steps: preflight, parity (padded and varlen vs sentence-transformers), bench (fleet end to end vs
 sentence-transformers fp32/bf16 at their best batch, MFU against the measured and the nominal
-bf16 peak), latency (query p50/p99 idle and under a saturating backlog), replicas (texts/s with
-N worker processes on one group) and tests (tests/test_packing.py on the device).
+bf16 peak), latency (query p50/p99 idle and under a saturating backlog), replicas (texts/s of
+one worker with N model replicas, EMBEDFLEET_REPLICAS) and tests (tests/test_packing.py on the
+device).
 """
 
 from __future__ import annotations
@@ -294,11 +295,15 @@ def summarize(results: dict[str, Any]) -> str:
             if isinstance(row, dict) and "p50_ms" in row
         ],
     )
+    if "query_paths" in latency:  # graph / stream on CUDA; frozen / eager on a CPU
+        served = ", ".join(f"{path} {count:,.0f}" for path, count in latency["query_paths"].items())
+        lines += ["", f"queries served by path: {served or 'none recorded'}"]
     replicas = steps.get("replicas", {}).get("results", {})
     lines += _table(
-        "| worker processes | texts/s | threads each | ready s |",
+        "| one worker, model replicas | texts/s | threads each | GPU memory each | ready s |",
         [
-            f"| {name} | {row['texts_per_s']:,.0f} | {row['threads_each']} | {row['ready_s']} |"
+            f"| {name} | {row['texts_per_s']:,.0f} | {row['threads_each']} | "
+            f"{_figure(row.get('gpu_memory_share'), '.0%')} | {row['ready_s']} |"
             for name, row in replicas.items()
             if isinstance(row, dict)
         ],

@@ -11,7 +11,8 @@ killed at its timeout still leaves what it measured. Steps:
 ``bench``      texts/s and MFU: sentence-transformers fp32 and bf16 at their best batch size,
                Infinity where carried, the fleet end to end (enqueue → Redis → worker → results)
 ``latency``    query p50/p99 through the priority lane, idle and under a saturating backlog
-``replicas``   texts/s with N worker processes reading one group (N = 1, 2, 4, 8 on a GPU)
+``replicas``   texts/s of one worker with N model replicas (EMBEDFLEET_REPLICAS; N = 1, 2, 4,
+               8 on a GPU: one host thread and 1/N of the memory each)
 ``tests``      tests/test_packing.py on the device (the CUDA forms of the packed paths)
 """
 
@@ -377,7 +378,7 @@ def _free(device: Any) -> None:
 @dataclass
 class WorkerProcess:
     process: subprocess.Popen[bytes]
-    port: int
+    ports: list[int]  # one health port per model replica: base, base + 1, ...
     log: Path
 
     def tail(self) -> str:
@@ -387,78 +388,109 @@ class WorkerProcess:
 
 
 @contextlib.contextmanager
-def workers(
-    config: CheckConfig, namespace: str, count: int, threads: int
-) -> Iterator[list[WorkerProcess]]:
-    """``count`` ``embedfleet worker`` processes on one namespace, each with a health port and
-    its stderr in a file beside the config (quoted when one dies or never gets ready)."""
-    from embedfleet.server import free_port
+def worker(
+    config: CheckConfig, namespace: str, threads: int, replicas: int = 1
+) -> Iterator[WorkerProcess]:
+    """One ``embedfleet worker`` on ``namespace`` with ``replicas`` model replicas under it
+    (EMBEDFLEET_REPLICAS: what a pod runs; on CUDA one host thread and 1/N of the GPU's memory
+    each, on a CPU ``threads`` shared out), its stderr in a file beside the config (quoted when
+    it dies or never gets ready)."""
+    from loadtest.replicas import free_ports
 
     folder = Path(config.extra.get("corpus_file", "/tmp/x")).parent
-    started: list[WorkerProcess] = []
+    port = free_ports(replicas)
+    env = {
+        **os.environ,
+        **config.worker_env(),
+        "EMBEDFLEET_REDIS_URL": config.redis_url,
+        "EMBEDFLEET_NAMESPACE": namespace,
+        "EMBEDFLEET_CONSUMER": "w",
+        "EMBEDFLEET_HEALTH_PORT": str(port),
+        "EMBEDFLEET_THREADS": str(threads),
+        "EMBEDFLEET_REPLICAS": str(replicas),
+        "EMBEDFLEET_LOG_FORMAT": "json",
+    }
+    log = folder / f"worker-{namespace}.log"
+    with log.open("wb") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "embedfleet.cli", "worker"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+    started = WorkerProcess(process, [port + i for i in range(replicas)], log)
     try:
-        for number in range(count):
-            port = free_port()
-            env = {
-                **os.environ,
-                **config.worker_env(),
-                "EMBEDFLEET_REDIS_URL": config.redis_url,
-                "EMBEDFLEET_NAMESPACE": namespace,
-                "EMBEDFLEET_CONSUMER": f"w{number}",
-                "EMBEDFLEET_HEALTH_PORT": str(port),
-                "EMBEDFLEET_THREADS": str(threads),
-                "EMBEDFLEET_LOG_FORMAT": "json",
-            }
-            log = folder / f"worker-{namespace}-{number}.log"
-            with log.open("wb") as stderr:
-                process = subprocess.Popen(
-                    [sys.executable, "-m", "embedfleet.cli", "worker"],
-                    env=env,
-                    stdout=subprocess.DEVNULL,
-                    stderr=stderr,
-                )
-            started.append(WorkerProcess(process, port, log))
         yield started
     finally:
         # Abort, not drain: a second SIGTERM exits at once and leaves entries pending (a
-        # benchmark's backlog need not be finished; draining one took minutes on a CPU).
+        # benchmark's backlog need not be finished; draining one took minutes on a CPU). The
+        # replicas' parent passes both on.
         for _ in range(2):
-            for worker in started:
-                if worker.process.poll() is None:
-                    worker.process.send_signal(signal.SIGTERM)
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
             time.sleep(0.5)
-        for worker in started:
-            try:
-                worker.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                worker.process.kill()
-                worker.process.wait()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            _kill_with_replicas(process)
 
 
-async def wait_ready(started: list[WorkerProcess], timeout: float) -> float:
-    """Seconds until every worker's /readyz answers 200 (model loaded, device checked)."""
+def _kill_with_replicas(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a worker and the replicas under it (they run in their own process group, so
+    they would outlive their parent holding GPU memory)."""
+    children = Path(f"/proc/{process.pid}/task/{process.pid}/children")
+    with contextlib.suppress(OSError):
+        for pid in children.read_text().split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+    process.kill()
+    process.wait()
+
+
+async def wait_ready(started: WorkerProcess, timeout: float) -> float:
+    """Seconds until every replica's /readyz answers 200 (model loaded, device checked)."""
     import aiohttp
 
     began = time.perf_counter()
-    pending = list(started)
+    pending = list(started.ports)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
         while pending:
-            for worker in list(pending):
-                if worker.process.poll() is not None:
-                    raise RuntimeError(
-                        f"worker exited with {worker.process.returncode}:\n{worker.tail()}"
-                    )
+            if started.process.poll() is not None:
+                raise RuntimeError(
+                    f"worker exited with {started.process.returncode}:\n{started.tail()}"
+                )
+            for port in list(pending):
                 with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-                    url = f"http://127.0.0.1:{worker.port}/readyz"
+                    url = f"http://127.0.0.1:{port}/readyz"
                     async with session.get(url) as response:
                         if response.status == 200:
-                            pending.remove(worker)
+                            pending.remove(port)
             if pending and time.perf_counter() - began > timeout:
-                raise TimeoutError(f"{len(pending)} workers not ready in {timeout} s")
+                raise TimeoutError(f"{len(pending)} replicas not ready in {timeout} s")
             await asyncio.sleep(0.2)
     seconds = time.perf_counter() - began
-    say(f"{len(started)} workers ready in {seconds:.1f} s")
+    say(f"{len(started.ports)} replicas ready in {seconds:.1f} s")
     return seconds
+
+
+async def query_paths(port: int) -> dict[str, float]:
+    """Queries served per path (embedfleet_queries_served_total: graph, stream, frozen, eager)
+    from a worker's /metrics: which query lane actually ran."""
+    import aiohttp
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session,
+        session.get(f"http://127.0.0.1:{port}/metrics") as response,
+    ):
+        page = await response.text()
+    return {
+        sample.labels["path"]: sample.value
+        for family in text_string_to_metric_families(page)
+        if family.name == "embedfleet_queries_served"
+        for sample in family.samples
+        if sample.name == "embedfleet_queries_served_total"
+    }
 
 
 def _settings(config: CheckConfig, namespace: str) -> Any:
@@ -489,7 +521,7 @@ async def _latency(config: CheckConfig, record: Record) -> None:
 
     namespace = f"lat{uuid.uuid4().hex[:6]}"
     settings = _settings(config, namespace)
-    with workers(config, namespace, 1, config.threads) as started:
+    with worker(config, namespace, config.threads) as started:
         record.put("ready_s", await wait_ready(started, 120))
         async with Producer(settings) as producer:
             await query_latencies(producer, 10, 1)  # warm-up (and the first CUDA kernels)
@@ -497,6 +529,7 @@ async def _latency(config: CheckConfig, record: Record) -> None:
                 samples = await query_latencies(producer, config.queries, concurrency)
                 record.put(f"idle x{concurrency}", _percentiles(samples))
                 say(f"idle x{concurrency}: {_percentiles(samples)}")
+            record.put("query_paths", await query_paths(started.ports[0]))
             await producer.enqueue(bulk_corpus(config.backlog), job="saturate")
             backlog_start = await producer.client.xlen(settings.keys.ingest)
             await asyncio.sleep(1.0)  # the worker is deep in bulk batches
@@ -511,6 +544,9 @@ async def _latency(config: CheckConfig, record: Record) -> None:
                 )
                 say(f"saturated x{concurrency}: {_percentiles(samples)}, backlog left {left}")
             record.put("backlog", {"enqueued": config.backlog, "in_stream": backlog_start})
+            paths = await query_paths(started.ports[0])
+            record.put("query_paths", paths)
+            say(f"queries served by path: {paths}")
 
 
 # --- replicas ----------------------------------------------------------------------------
@@ -525,9 +561,11 @@ async def _replicas(config: CheckConfig, record: Record) -> None:
     for count in config.replicas:
         namespace = f"rep{count}{uuid.uuid4().hex[:6]}"
         settings = _settings(config, namespace)
-        # On a CPU the cores are shared out; on a GPU each replica keeps one host thread.
-        threads = max(1, config.threads // count) if config.device == "cpu" else 1
-        with workers(config, namespace, count, threads) as started:
+        # One worker with N replicas under it, as a pod runs them: on a CPU the cores are
+        # shared out, on a GPU each replica keeps one host thread and 1/N of the memory.
+        on_cpu = config.device == "cpu"
+        threads = max(1, config.threads // count) if on_cpu else 1
+        with worker(config, namespace, config.threads, replicas=count) as started:
             ready = await wait_ready(started, 180)
             async with Producer(settings) as producer:
                 warm_texts = texts[: max(4, min(64, len(texts) // 4))]
@@ -545,6 +583,7 @@ async def _replicas(config: CheckConfig, record: Record) -> None:
             "done": progress.done,
             "dead": progress.dead,
             "threads_each": threads,
+            "gpu_memory_share": None if on_cpu else round(1 / count, 4),
             "ready_s": round(ready, 1),
         }
         record.put(f"{count} replicas", value)

@@ -45,6 +45,7 @@ K8S_NAMESPACE = "ml"
 EXPECTED_CI_FILES = {
     "default-values.yaml",
     "gpu-values.yaml",
+    "gpu-replicas-values.yaml",
     "keda-values.yaml",
     "no-keda-hpa-values.yaml",
     "query-workers-values.yaml",
@@ -507,6 +508,33 @@ def test_gpu_resource_type_and_count_are_configurable() -> None:
     validate_objects(r)
 
 
+def test_model_replicas_share_the_pods_gpu(rendered_cases: dict[str, Rendered]) -> None:
+    r = rendered_cases["gpu-replicas-values.yaml"]
+    worker = r.deployment("worker")
+    assert gpu_resources(worker) == {"requests.nvidia.com/gpu": 1, "limits.nvidia.com/gpu": 1}
+    assert env_of(worker)["EMBEDFLEET_REPLICAS"]["value"] == "8"
+    assert r.config()["EMBEDFLEET_GPU_MEMORY_FRACTION"] == "-1", "auto: 1/8 each"
+    # a health/metrics port per replica, where the worker opens them (HEALTH_PORT + i)
+    expected = [("http", 9400)] + [(f"http-r{i}", 9400 + i) for i in range(1, 8)]
+    assert [(p["name"], p["containerPort"]) for p in container(worker)["ports"]] == expected
+    assert container(worker)["readinessProbe"]["httpGet"]["port"] == "http"
+    service = r.one("Service", f"{RELEASE}-embedfleet-metrics")
+    assert [(p["name"], p["targetPort"]) for p in service["spec"]["ports"]] == [
+        (name, name) for name, _ in expected
+    ]
+    monitor = r.one("ServiceMonitor")
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] == [name for name, _ in expected]
+
+    single = rendered_cases["gpu-values.yaml"]
+    assert "EMBEDFLEET_REPLICAS" not in env_of(single.deployment("worker"))
+    assert [p["name"] for p in container(single.deployment("worker"))["ports"]] == ["http"]
+    # query workers run one replica, whatever the bulk pods do
+    both = render({"modelReplicas": 4, "queryWorkers": {"enabled": True}})
+    assert "EMBEDFLEET_REPLICAS" not in env_of(both.deployment("query-worker"))
+    assert env_of(both.deployment("worker"))["EMBEDFLEET_REPLICAS"]["value"] == "4"
+    validate_objects(both)
+
+
 def test_gpu_disabled_means_no_gpu_anywhere() -> None:
     r = render({"gpu": {"enabled": False}, "queryWorkers": {"enabled": True}})
     for component in ("worker", "query-worker"):
@@ -861,6 +889,10 @@ def test_grace_period_covers_the_drain(drain: int, margin: int) -> None:
         {"redis": {"existingSecrett": "x"}},
         {"drainTimeoutSeconds": "60"},
         {"modelVolume": {"type": "nfs"}},
+        {"modelReplicas": 0},
+        {"config": {"REPLICAS": 4}},  # from modelReplicas, with a port per replica
+        {"config": {"GPU_MEMORY_FRACTION": 2}},
+        {"config": {"CUDA_QUERY_LANE": "fast"}},
     ],
     ids=lambda v: json.dumps(v, sort_keys=True),
 )
@@ -881,6 +913,7 @@ def test_schema_rejects_bad_values(values: dict[str, Any]) -> None:
             {"metrics": {"service": {"enabled": False}, "serviceMonitor": {"enabled": True}}},
             "metrics.service.enabled",
         ),
+        ({"modelReplicas": 2, "gpu": {"enabled": True, "count": 2}}, "set gpu.count to 1"),
     ],
 )
 def test_incomplete_values_fail_with_a_clear_message(values: dict[str, Any], message: str) -> None:

@@ -283,6 +283,10 @@ The worker pod template. Call with
 {{- $root := .root }}
 {{- $v := $root.Values }}
 {{- $gpu := .gpu }}
+{{- $modelReplicas := int (.modelReplicas | default 1) }}
+{{- if and $gpu.enabled (gt $modelReplicas 1) (gt (int $gpu.count) 1) }}
+{{- fail "modelReplicas > 1 shares one GPU among the replicas (each uses the first device it sees): set gpu.count to 1" }}
+{{- end }}
 {{- $resources := deepCopy (.resources | default dict) }}
 {{- if $gpu.enabled }}
 {{- $limits := $resources.limits | default dict }}
@@ -343,6 +347,11 @@ spec:
         - name: http
           containerPort: {{ include "embedfleet.healthPort" $root }}
           protocol: TCP
+        {{- range $i := untilStep 1 $modelReplicas 1 }}
+        - name: {{ printf "http-r%d" $i }}
+          containerPort: {{ add (include "embedfleet.healthPort" $root | int) $i }}
+          protocol: TCP
+        {{- end }}
       envFrom:
         - configMapRef:
             name: {{ include "embedfleet.fullname" $root }}
@@ -368,6 +377,10 @@ spec:
           value: {{ $v.cache.mountPath | quote }}
         - name: HOME
           value: /tmp
+        {{- if gt $modelReplicas 1 }}
+        - name: EMBEDFLEET_REPLICAS
+          value: {{ $modelReplicas | quote }}
+        {{- end }}
         {{- with $v.extraEnv }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
