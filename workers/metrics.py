@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from typing import NamedTuple
 
 import redis.asyncio as aioredis
 from prometheus_client import (
@@ -40,148 +41,168 @@ log = get_logger("embedfleet.metrics")
 PREFIX = "embedfleet"
 
 
+class MetricSpec(NamedTuple):
+    """One of a worker's metrics, as ``WorkerMetrics`` registers it."""
+
+    kind: type[Counter] | type[Gauge] | type[Histogram] | type[Info]
+    name: str  # after the "embedfleet_" prefix
+    documentation: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None  # histograms only
+
+    def register(self, registry: CollectorRegistry) -> Counter | Gauge | Histogram | Info:
+        options = {} if self.buckets is None else {"buckets": self.buckets}
+        return self.kind(
+            self.name,
+            self.documentation,
+            self.labels,
+            namespace=PREFIX,
+            registry=registry,
+            **options,
+        )
+
+
+# WorkerMetrics attribute -> its metric, in the order they are exposed.
+METRICS: dict[str, MetricSpec] = {
+    "info": MetricSpec(Info, "worker", "This worker: consumer, model, device, dtype."),
+    "texts": MetricSpec(
+        Counter, "texts_embedded", "Texts embedded, written to the sink and acknowledged."
+    ),
+    "tokens": MetricSpec(
+        Counter, "tokens_embedded", "Real (non-padding) tokens that went through the model."
+    ),
+    "padded_tokens": MetricSpec(
+        Counter,
+        "padded_tokens",
+        "Tokens the model computed, padding included (batch size × longest sequence).",
+    ),
+    "batches": MetricSpec(Counter, "batches", "Micro-batches that went through the model."),
+    "batch_texts": MetricSpec(
+        Histogram,
+        "batch_texts",
+        "Texts per micro-batch.",
+        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+    ),
+    "batch_tokens": MetricSpec(
+        Histogram,
+        "batch_padded_tokens",
+        "Padded tokens per micro-batch (what EMBEDFLEET_TOKEN_BUDGET bounds).",
+        buckets=(64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536),
+    ),
+    "batch_seconds": MetricSpec(
+        Histogram,
+        "batch_seconds",
+        "Forward-pass time of one bulk micro-batch.",
+        buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+    ),
+    "write_seconds": MetricSpec(
+        Histogram,
+        "write_seconds",
+        "Time to write one batch of results to the sink and acknowledge its entries.",
+        buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
+    ),
+    "query_seconds": MetricSpec(
+        Histogram,
+        "query_latency_seconds",
+        "Priority query latency, from enqueue (the entry id's time) to reply.",
+        buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+    ),
+    "queries_by_path": MetricSpec(
+        Counter,
+        "queries_served",
+        "Queries through the model, by path: graph or stream (CUDA query lane), frozen "
+        "(CPU query graph), eager (the bulk model).",
+        ("path",),
+    ),
+    "model_seconds": MetricSpec(
+        Counter,
+        "model_seconds",
+        "Seconds the model spent computing; rate() of it is the busy fraction over a window.",
+    ),
+    "padding_ratio": MetricSpec(
+        Gauge,
+        "padding_ratio",
+        "Share of computed tokens that were padding, since the worker started.",
+    ),
+    "model_busy_fraction": MetricSpec(
+        Gauge,
+        "model_busy_fraction",
+        "Share of wall time the model spent computing, since the worker started.",
+    ),
+    "dead_letters": MetricSpec(
+        Counter,
+        "dead_letters",
+        "Entries sent to the dead-letter stream by this worker, by reason code.",
+        ("reason",),
+    ),
+    "reclaims": MetricSpec(
+        Counter,
+        "reclaimed",
+        "Entries of a dead or stuck consumer claimed by this worker (XAUTOCLAIM).",
+    ),
+    "sink_errors": MetricSpec(
+        Counter,
+        "sink_errors",
+        "Failed sink writes, by exception type and kind of fault (transient: waited out; "
+        "row: the row is isolated and dead-lettered; worker: the worker exits).",
+        ("error", "kind"),
+    ),
+    "transient_faults": MetricSpec(
+        Counter,
+        "transient_faults",
+        "Waits on a system that was unreachable or said try again, by system.",
+        ("system",),
+    ),
+    "outages": MetricSpec(
+        Gauge,
+        "outages",
+        "Systems this worker is waiting for right now (1 while it waits), by system.",
+        ("system",),
+    ),
+    # Fleet-wide stream state, filled in by StreamGauges.
+    "stream_length": MetricSpec(Gauge, "stream_length", "XLEN of each stream.", ("stream",)),
+    "stream_lag": MetricSpec(
+        Gauge,
+        "stream_lag",
+        "Entries not yet delivered to the consumer group (XINFO GROUPS lag); NaN when "
+        "Redis cannot tell.",
+        ("stream",),
+    ),
+    "stream_pending": MetricSpec(
+        Gauge,
+        "stream_pending",
+        "Entries delivered but not yet acknowledged (XINFO GROUPS pending).",
+        ("stream",),
+    ),
+    "group_consumers": MetricSpec(
+        Gauge,
+        "group_consumers",
+        "Consumers registered in the group (XINFO GROUPS consumers), live or not.",
+        ("stream",),
+    ),
+    "redis_up": MetricSpec(
+        Gauge,
+        "redis_up",
+        "1 when the last read of the stream state from Redis succeeded, else 0.",
+    ),
+}
+
+
 class WorkerMetrics(WorkerEvents):
-    """The worker's hooks, counted into a registry of this worker's own."""
+    """The worker's hooks, counted into a registry of this worker's own.
+
+    Each entry of ``METRICS`` is an attribute of the same name (``self.texts``, ...).
+    """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
-        r = self.registry
         # The process's CPU, memory and open files, as every Prometheus exporter reports them.
-        ProcessCollector(registry=r)
-        PlatformCollector(registry=r)
-        self.info = Info(
-            f"{PREFIX}_worker", "This worker: consumer, model, device, dtype.", registry=r
-        )
-        self.texts = Counter(
-            f"{PREFIX}_texts_embedded",
-            "Texts embedded, written to the sink and acknowledged.",
-            registry=r,
-        )
-        self.tokens = Counter(
-            f"{PREFIX}_tokens_embedded",
-            "Real (non-padding) tokens that went through the model.",
-            registry=r,
-        )
-        self.padded_tokens = Counter(
-            f"{PREFIX}_padded_tokens",
-            "Tokens the model computed, padding included (batch size × longest sequence).",
-            registry=r,
-        )
-        self.batches = Counter(
-            f"{PREFIX}_batches", "Micro-batches that went through the model.", registry=r
-        )
-        self.batch_texts = Histogram(
-            f"{PREFIX}_batch_texts",
-            "Texts per micro-batch.",
-            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
-            registry=r,
-        )
-        self.batch_tokens = Histogram(
-            f"{PREFIX}_batch_padded_tokens",
-            "Padded tokens per micro-batch (what EMBEDFLEET_TOKEN_BUDGET bounds).",
-            buckets=(64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536),
-            registry=r,
-        )
-        self.batch_seconds = Histogram(
-            f"{PREFIX}_batch_seconds",
-            "Forward-pass time of one bulk micro-batch.",
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-            registry=r,
-        )
-        self.write_seconds = Histogram(
-            f"{PREFIX}_write_seconds",
-            "Time to write one batch of results to the sink and acknowledge its entries.",
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
-            registry=r,
-        )
-        self.query_seconds = Histogram(
-            f"{PREFIX}_query_latency_seconds",
-            "Priority query latency, from enqueue (the entry id's time) to reply.",
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-            registry=r,
-        )
-        self.queries_by_path = Counter(
-            f"{PREFIX}_queries_served",
-            "Queries through the model, by path: graph or stream (CUDA query lane), frozen "
-            "(CPU query graph), eager (the bulk model).",
-            ["path"],
-            registry=r,
-        )
-        self.model_seconds = Counter(
-            f"{PREFIX}_model_seconds",
-            "Seconds the model spent computing; rate() of it is the busy fraction over a window.",
-            registry=r,
-        )
-        self.padding_ratio = Gauge(
-            f"{PREFIX}_padding_ratio",
-            "Share of computed tokens that were padding, since the worker started.",
-            registry=r,
-        )
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        for attribute, spec in METRICS.items():
+            setattr(self, attribute, spec.register(self.registry))
         self.padding_ratio.set_function(self._padding_ratio)
-        self.model_busy_fraction = Gauge(
-            f"{PREFIX}_model_busy_fraction",
-            "Share of wall time the model spent computing, since the worker started.",
-            registry=r,
-        )
         self.model_busy_fraction.set_function(self._busy_fraction)
-        self.dead_letters = Counter(
-            f"{PREFIX}_dead_letters",
-            "Entries sent to the dead-letter stream by this worker, by reason code.",
-            ["reason"],
-            registry=r,
-        )
-        self.reclaims = Counter(
-            f"{PREFIX}_reclaimed",
-            "Entries of a dead or stuck consumer claimed by this worker (XAUTOCLAIM).",
-            registry=r,
-        )
-        self.sink_errors = Counter(
-            f"{PREFIX}_sink_errors",
-            "Failed sink writes, by exception type and kind of fault (transient: waited out; "
-            "row: the row is isolated and dead-lettered; worker: the worker exits).",
-            ["error", "kind"],
-            registry=r,
-        )
-        self.transient_faults = Counter(
-            f"{PREFIX}_transient_faults",
-            "Waits on a system that was unreachable or said try again, by system.",
-            ["system"],
-            registry=r,
-        )
-        self.outages = Gauge(
-            f"{PREFIX}_outages",
-            "Systems this worker is waiting for right now (1 while it waits), by system.",
-            ["system"],
-            registry=r,
-        )
-        # Fleet-wide stream state, filled in by StreamGauges.
-        self.stream_length = Gauge(
-            f"{PREFIX}_stream_length", "XLEN of each stream.", ["stream"], registry=r
-        )
-        self.stream_lag = Gauge(
-            f"{PREFIX}_stream_lag",
-            "Entries not yet delivered to the consumer group (XINFO GROUPS lag); NaN when "
-            "Redis cannot tell.",
-            ["stream"],
-            registry=r,
-        )
-        self.stream_pending = Gauge(
-            f"{PREFIX}_stream_pending",
-            "Entries delivered but not yet acknowledged (XINFO GROUPS pending).",
-            ["stream"],
-            registry=r,
-        )
-        self.group_consumers = Gauge(
-            f"{PREFIX}_group_consumers",
-            "Consumers registered in the group (XINFO GROUPS consumers), live or not.",
-            ["stream"],
-            registry=r,
-        )
-        self.redis_up = Gauge(
-            f"{PREFIX}_redis_up",
-            "1 when the last read of the stream state from Redis succeeded, else 0.",
-            registry=r,
-        )
         # Every label value exists from the start, so a dashboard shows 0, not "no data".
         for reason in DeadReason:
             self.dead_letters.labels(reason=reason.value)
