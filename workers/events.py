@@ -6,6 +6,9 @@ default does nothing, so the hot path pays for a method call and no more.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 
 class WorkerEvents:
     """Subclass and override what you need; every hook is called on the event loop."""
@@ -59,3 +62,27 @@ class WorkerEvents:
 
     def model_busy(self, *, fraction: float) -> None:
         """Share of wall time the model spent computing, since the worker started."""
+
+
+class ForwardingEvents(WorkerEvents):
+    """Passes every hook on to ``listener``. To watch some of them on the way, subclass,
+    override those hooks and call ``super()`` in them to pass them on."""
+
+    def __init__(self, listener: WorkerEvents) -> None:
+        self.listener = listener
+
+
+def _forwarding(hook: str) -> Callable[..., None]:
+    def forward(self: ForwardingEvents, **arguments: Any) -> None:
+        getattr(self.listener, hook)(**arguments)
+
+    forward.__name__ = hook
+    forward.__qualname__ = f"{ForwardingEvents.__name__}.{hook}"
+    forward.__doc__ = getattr(WorkerEvents, hook).__doc__
+    return forward
+
+
+# Made from WorkerEvents' own list rather than written out, so that a hook added there is
+# forwarded too instead of silently stopping here. Every hook takes keyword arguments only.
+for _hook in [name for name in vars(WorkerEvents) if not name.startswith("_")]:
+    setattr(ForwardingEvents, _hook, _forwarding(_hook))

@@ -56,7 +56,7 @@ from embedfleet.workers.device_faults import (
     is_out_of_memory,
 )
 from embedfleet.workers.encoder import Encoder, Tokenized
-from embedfleet.workers.events import WorkerEvents
+from embedfleet.workers.events import ForwardingEvents, WorkerEvents
 from embedfleet.workers.faults import (
     Outages,
     RideOut,
@@ -126,20 +126,12 @@ class WorkerStats:
         return 0.0 if elapsed <= 0 else min(1.0, self.model_seconds / elapsed)
 
 
-class _StatsEvents(WorkerEvents):
+class _StatsEvents(ForwardingEvents):
     """Keeps WorkerStats current and forwards every event to the user's listener."""
 
     def __init__(self, stats: WorkerStats, listener: WorkerEvents) -> None:
-        self.stats, self.listener = stats, listener
-
-    def entries_read(self, *, stream: str, count: int) -> None:
-        self.listener.entries_read(stream=stream, count=count)
-
-    def batch_started(self, *, texts: int, padded_tokens: int) -> None:
-        self.listener.batch_started(texts=texts, padded_tokens=padded_tokens)
-
-    def leases_renewed(self, *, count: int) -> None:
-        self.listener.leases_renewed(count=count)
+        super().__init__(listener)
+        self.stats = stats
 
     def batch_encoded(
         self, *, texts: int, real_tokens: int, padded_tokens: int, seconds: float
@@ -148,39 +140,18 @@ class _StatsEvents(WorkerEvents):
         self.stats.real_tokens += real_tokens
         self.stats.padded_tokens += padded_tokens
         self.stats.model_seconds += seconds
-        self.listener.batch_encoded(
+        super().batch_encoded(
             texts=texts, real_tokens=real_tokens, padded_tokens=padded_tokens, seconds=seconds
         )
         self.listener.model_busy(fraction=self.stats.model_busy_fraction)
 
     def results_written(self, *, texts: int, seconds: float) -> None:
         self.stats.texts += texts
-        self.listener.results_written(texts=texts, seconds=seconds)
+        super().results_written(texts=texts, seconds=seconds)
 
     def dead_lettered(self, *, count: int, reason: str) -> None:
         self.stats.dead_letters += count
-        self.listener.dead_lettered(count=count, reason=reason)
-
-    def query_answered(self, *, latency_seconds: float) -> None:
-        self.listener.query_answered(latency_seconds=latency_seconds)
-
-    def queries_served(self, *, count: int, path: str) -> None:
-        self.listener.queries_served(count=count, path=path)
-
-    def reclaimed(self, *, count: int) -> None:
-        self.listener.reclaimed(count=count)
-
-    def sink_error(self, *, error: BaseException, kind: str) -> None:
-        self.listener.sink_error(error=error, kind=kind)
-
-    def transient_fault(self, *, system: str, doing: str) -> None:
-        self.listener.transient_fault(system=system, doing=doing)
-
-    def outage(self, *, system: str, active: bool) -> None:
-        self.listener.outage(system=system, active=active)
-
-    def row_isolated(self, *, rows: int) -> None:
-        self.listener.row_isolated(rows=rows)
+        super().dead_lettered(count=count, reason=reason)
 
 
 class Worker:
