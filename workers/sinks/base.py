@@ -68,25 +68,44 @@ class Sink(abc.ABC):
         """Release connections; the default sink has nothing of its own."""
 
 
-# Acknowledge entries one by one and count (and write the result of) only those this call
-# really acknowledged: when a slow worker and the one that reclaimed its entries both finish
-# the same entry, the second XACK returns 0, so the job counter and the results stream see the
-# entry once. Job keys are built from ARGV; with a hash tag in the namespace they share the
-# streams' slot, as the MULTI/EXEC around this needs anyway; with partitions each partition's
-# keys share its hash tag.
-ACK_SCRIPT = """
+# The core of every acknowledging script: XACK entries one by one and, only for those this call
+# really acknowledged, XDEL them, count them for their job and run what the caller adds. When a
+# slow worker and the one that reclaimed its entries both finish the same entry, the second XACK
+# returns 0, so the job counter and whatever the caller writes (a result, a reply) see the entry
+# once. Job keys are built from ARGV; with a hash tag in the namespace they share the streams'
+# slot, as the MULTI/EXEC around this needs anyway; with partitions each partition's keys share
+# its hash tag.
+_ACKNOWLEDGING_SCRIPT = """
 local acked = 0
-for i = 4, #ARGV, 3 do
+for i = {first}, #ARGV, {step} do
   local entry = ARGV[i]
   if redis.call('XACK', KEYS[1], ARGV[1], entry) == 1 then
     redis.call('XDEL', KEYS[1], entry)
     if ARGV[i + 1] ~= '' then redis.call('HINCRBY', ARGV[3] .. ARGV[i + 1], ARGV[2], 1) end
-    if ARGV[i + 2] ~= '' then redis.call('XADD', KEYS[2], '*', 'm', ARGV[i + 2]) end
+{then}
     acked = acked + 1
   end
 end
 return acked
 """
+
+
+def acknowledging_script(*, first: int, step: int, then: str) -> str:
+    """The Lua acknowledging script with ``then`` run for each entry it acknowledged.
+
+    KEYS[1] is the stream; ARGV[1] the group, ARGV[2] the job counter, ARGV[3] the job-key
+    prefix, and the entries start at ARGV[``first``], ``step`` arguments each: the entry id,
+    its job ('' for none), then what ``then`` reads (ARGV[i + 2], ...).
+    """
+    return _ACKNOWLEDGING_SCRIPT.format(first=first, step=step, then=then)
+
+
+# ARGV after the entry and its job: the result to XADD to the results stream (KEYS[2]), if any
+ACK_SCRIPT = acknowledging_script(
+    first=4,
+    step=3,
+    then="    if ARGV[i + 2] ~= '' then redis.call('XADD', KEYS[2], '*', 'm', ARGV[i + 2]) end",
+)
 
 
 def queue_acknowledgements(

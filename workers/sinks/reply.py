@@ -17,24 +17,16 @@ import redis.asyncio as aioredis
 
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import Result, encode_result
-from embedfleet.workers.sinks.base import Delivery
+from embedfleet.workers.sinks.base import Delivery, acknowledging_script
 
 # ARGV: group, counter, job-key prefix, reply-key prefix, ttl, then (entry, job, reply, payload)
-REPLY_ACK_SCRIPT = """
-local acked = 0
-for i = 6, #ARGV, 4 do
-  local entry = ARGV[i]
-  if redis.call('XACK', KEYS[1], ARGV[1], entry) == 1 then
-    redis.call('XDEL', KEYS[1], entry)
-    if ARGV[i + 1] ~= '' then redis.call('HINCRBY', ARGV[3] .. ARGV[i + 1], ARGV[2], 1) end
-    local reply = ARGV[4] .. ARGV[i + 2]
+REPLY_ACK_SCRIPT = acknowledging_script(
+    first=6,
+    step=4,
+    then="""    local reply = ARGV[4] .. ARGV[i + 2]
     redis.call('RPUSH', reply, ARGV[i + 3])
-    redis.call('EXPIRE', reply, tonumber(ARGV[5]))
-    acked = acked + 1
-  end
-end
-return acked
-"""
+    redis.call('EXPIRE', reply, tonumber(ARGV[5]))""",
+)
 
 
 def queue_replies(
