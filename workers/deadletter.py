@@ -53,23 +53,18 @@ class Rejected:
         )
 
 
+@dataclass(eq=False)
 class DeadLetters:
-    def __init__(
-        self,
-        client: aioredis.Redis,
-        keys: Keys,
-        events: WorkerEvents,
-        reply_ttl_s: int,
-        max_payload_bytes: int,
-        job_reply_ttl_s: int | None = None,
-    ) -> None:
-        self.client = client
-        self.keys = keys
-        self.events = events
-        self.reply_ttl_s = reply_ttl_s
-        self.max_payload_bytes = max_payload_bytes
-        # ingest chunks with a reply (gateway jobs) keep their list as long as their results
-        self.job_reply_ttl_s = job_reply_ttl_s or reply_ttl_s
+    client: aioredis.Redis
+    keys: Keys
+    events: WorkerEvents
+    reply_ttl_s: int
+    max_payload_bytes: int
+    # ingest chunks with a reply (gateway jobs) keep their list as long as their results
+    job_reply_ttl_s: int | None = None
+
+    def __post_init__(self) -> None:
+        self.job_reply_ttl_s = self.job_reply_ttl_s or self.reply_ttl_s
 
     async def _send(self, keys: Keys, rejected: Sequence[Rejected]) -> None:
         pipe = self.client.pipeline(transaction=True)

@@ -22,7 +22,7 @@ import asyncio
 import math
 import time
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -48,28 +48,20 @@ class DeviceCheck:
     checked_at: float
 
 
+@dataclass(eq=False)
 class HealthServer:
     """Serves the probes and the metrics; ``start`` before loading the model, ``stop`` at exit."""
 
-    def __init__(
-        self,
-        port: int,
-        client: aioredis.Redis,
-        metrics: WorkerMetrics,
-        gauges: StreamGauges | None = None,
-        *,
-        host: str | None = None,
-        device_check_ttl_s: float = 5.0,
-        check_timeout_s: float = 2.0,
-    ) -> None:
-        """``host`` None listens on every interface (IPv4 and IPv6); the kubelet probes pod IPs."""
-        self.port = port
-        self.host = host
-        self.client = client
-        self.metrics = metrics
-        self.gauges = gauges
-        self.device_check_ttl_s = device_check_ttl_s
-        self.check_timeout_s = check_timeout_s
+    port: int
+    client: aioredis.Redis
+    metrics: WorkerMetrics
+    gauges: StreamGauges | None = None
+    _: KW_ONLY
+    host: str | None = None  # None: every interface (IPv4 and IPv6); the kubelet probes pod IPs
+    device_check_ttl_s: float = 5.0
+    check_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
         self._encoder: Encoder | None = None
         self._probe_batch: EncodeBatch | None = None
         self._device_check: DeviceCheck | None = None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from dataclasses import KW_ONLY, dataclass
 from typing import NamedTuple
 
 import redis.asyncio as aioredis
@@ -292,6 +293,7 @@ class WorkerMetrics(WorkerEvents):
         return 0.0 if elapsed <= 0 else min(1.0, self._model_seconds / elapsed)
 
 
+@dataclass(eq=False)
 class StreamGauges:
     """Fills the stream gauges from Redis: XLEN of every stream, XINFO GROUPS of the inputs.
 
@@ -300,20 +302,14 @@ class StreamGauges:
     Redis one round trip a second.
     """
 
-    def __init__(
-        self,
-        metrics: WorkerMetrics,
-        client: aioredis.Redis,
-        keys: Keys,
-        *,
-        min_interval_s: float = 1.0,
-        timeout_s: float = 2.0,
-    ) -> None:
-        self.metrics = metrics
-        self.client = client
-        self.keys = keys
-        self.min_interval_s = min_interval_s
-        self.timeout_s = timeout_s
+    metrics: WorkerMetrics
+    client: aioredis.Redis
+    keys: Keys
+    _: KW_ONLY
+    min_interval_s: float = 1.0
+    timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
         self._refreshed_at = -math.inf
         self._last_ok = False
         self._lock = asyncio.Lock()
