@@ -34,13 +34,13 @@ from embedfleet.shared.deadletters import DeadReason
 from embedfleet.shared.faults import System, is_transient
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
-from embedfleet.shared.protocol import Chunk, encode_result
+from embedfleet.shared.protocol import encode_result
 from embedfleet.shared.redis_conn import connect_sync
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.calibration import Calibration
 from embedfleet.workers.consumer import StreamConsumer, StreamEntry
 from embedfleet.workers.deadletter import DeadLetters, Rejected
-from embedfleet.workers.decode import decode_entries
+from embedfleet.workers.decode import Accepted, decode_entries
 from embedfleet.workers.encoder import Encoder, Tokenized
 from embedfleet.workers.events import WorkerEvents
 from embedfleet.workers.faults import Outages, RideOut, transient_or_raise
@@ -51,12 +51,19 @@ log = get_logger("embedfleet.queries")
 
 
 @dataclass(frozen=True)
-class PendingQuery:
-    chunk: Chunk
-    reply: str
-    delivery: Delivery
+class PendingQuery(Accepted):
+    """An accepted query, tokenized, waiting in the inbox for the model thread."""
+
     tokens: Tokenized
-    enqueued_at: float  # unix seconds, from the stream entry id
+
+    @property
+    def reply(self) -> str:
+        return self.chunk.reply or ""  # accept() dead-letters a query without one
+
+    @property
+    def enqueued_at(self) -> float:
+        """Unix seconds, from the stream entry id."""
+        return _entry_time(self.delivery.entry_id)
 
 
 class QueryLane:
@@ -173,15 +180,7 @@ class QueryLane:
             [item.chunk.text for item in fresh], prompts if any(prompts) else None
         )
         for item, tokenized in zip(fresh, tokens, strict=True):
-            self._inbox.append(
-                PendingQuery(
-                    chunk=item.chunk,
-                    reply=item.chunk.reply or "",
-                    delivery=item.delivery,
-                    tokens=tokenized,
-                    enqueued_at=_entry_time(item.delivery.entry_id),
-                )
-            )
+            self._inbox.append(PendingQuery(item.chunk, item.delivery, tokenized))
         # Runs at once if the model is idle; if a bulk batch is in flight, the layer hook
         # serves the inbox first and this call finds it empty. A plain submit, not
         # run_in_executor: nothing awaits it, and its completion would wake the event loop
