@@ -52,7 +52,7 @@ log = get_logger("embedfleet.queries")
 
 @dataclass(frozen=True)
 class PendingQuery(Accepted):
-    """An accepted query, tokenized, waiting in the inbox for the model thread."""
+    """An accepted query, tokenized, waiting in the inbox to be served."""
 
     tokens: Tokenized
 
