@@ -94,7 +94,8 @@ class Settings(BaseSettings):
     mean ≥ 0.999; logged), else float32."""
     threads: int = Field(default=0, ge=0)
     """torch intra-op threads on CPU; 0 = the CPUs this process may use (affinity mask and cgroup
-    CPU quota, not the node's core count)."""
+    CPU quota, not the node's core count). On CUDA, torch's host-side threads when set (each GPU
+    replica runs with 1); 0 leaves torch's default."""
     replicas: int = Field(default=1, ge=1, le=64)
     """Model replicas in one worker: N processes reading the same group, each with threads/N (one
     thread each on CUDA), consumers `<consumer>-r<i>`, health ports HEALTH_PORT+i. See
