@@ -15,7 +15,8 @@ during the run affects every contender alike. Contenders:
 ``--engines`` adds in-process contenders for the forward-pass layout and precision choices
 (sorted padded micro-batches vs packed rows vs varlen, fp32 vs auto; ``--compile`` adds
 ``torch.compile``), which is how ``workers.packing.preferred_layout`` and
-``workers.precision.CPU_BF16_METHOD`` were chosen.
+``workers.precision.CPU_BF16_METHOD`` were chosen. Rows (``loadtest/packed_rows.py``) is a
+contender only; varlen is the worker's own CUDA path (``workers/bulk.py``).
 
 Per contender: texts/s, real tokens/s, padding waste, ratio to (1) (median of the per-round
 ratios), and model-FLOPs utilisation: useful model FLOPs (matmuls on real tokens only:
@@ -48,9 +49,10 @@ import torch
 
 from embedfleet.workers.cpus import usable_cpus
 from embedfleet.workers.encoder import Encoder, Tokenized, resolve_model_path
-from embedfleet.workers.packing import PackedEncoder, PackLayout
+from embedfleet.workers.packing import PackedEncoder
 from embedfleet.workers.precision import cosines
 from loadtest.corpus import build_corpus, describe, token_lengths
+from loadtest.packed_rows import RowsEncoder, plan_rows
 from loadtest.peers import InfinityConfig, InfinityPeer, infinity_available
 
 ST_SWEEP = (16, 32, 64, 128, 256)
@@ -181,7 +183,7 @@ def naive_contender(encoder: Encoder, texts: list[str], batch_size: int = 32) ->
 def engine_contender(
     encoder: Encoder,
     texts: list[str],
-    layout: PackLayout,
+    layout: str,
     window: int,
     token_budget: int,
     max_batch: int,
@@ -189,8 +191,7 @@ def engine_contender(
 ) -> Run:
     """The worker's compute path without Redis: windows of ``window`` texts, tokenize, plan,
     embed; tokenization is inline (no overlap), as in the sentence-transformers contenders."""
-    from embedfleet.workers.batcher import plan_batches
-    from embedfleet.workers.packing import plan_rows, plan_token_batches
+    from embedfleet.workers.batcher import plan_batches, plan_packed_batches
 
     packer = None if layout == "padded" else _packer(encoder, layout)
     started = time.perf_counter()
@@ -210,7 +211,7 @@ def engine_contender(
             continue
         assert packer is not None
         if layout == "varlen":
-            groups = plan_token_batches(lengths, token_budget, max_batch)
+            groups = [b.positions for b in plan_packed_batches(lengths, token_budget, max_batch)]
         else:  # rows as wide as the model's limit, token_budget // width rows per batch
             groups = plan_rows(lengths, token_budget, encoder.max_length)
         for positions in groups:
@@ -221,14 +222,14 @@ def engine_contender(
     return Run(time.perf_counter() - started, len(texts), real, padded, vectors)
 
 
-_PACKERS: dict[tuple[int, str], PackedEncoder] = {}
+_PACKERS: dict[tuple[int, str], PackedEncoder | RowsEncoder] = {}
 
 
-def _packer(encoder: Encoder, layout: PackLayout) -> PackedEncoder:
-    """One PackedEncoder per encoder and layout (varlen installs its attention once)."""
+def _packer(encoder: Encoder, layout: str) -> PackedEncoder | RowsEncoder:
+    """One packer per encoder and layout (varlen installs its attention once)."""
     key = (id(encoder), layout)
     if key not in _PACKERS:
-        _PACKERS[key] = PackedEncoder(encoder, layout)
+        _PACKERS[key] = PackedEncoder(encoder) if layout == "varlen" else RowsEncoder(encoder)
     return _PACKERS[key]
 
 

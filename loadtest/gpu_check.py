@@ -18,8 +18,8 @@ PYTHONPATH, missing packages come as wheels in ``.gpu-carry/``, see ``make gpu-c
 Steps: preflight, parity (padded and varlen vs sentence-transformers), bench (fleet end to end vs
 sentence-transformers fp32/bf16 at their best batch, MFU against the measured and the nominal
 bf16 peak), latency (query p50/p99 idle and under a saturating backlog), replicas (texts/s of
-one worker with N model replicas, EMBEDFLEET_REPLICAS) and tests (tests/test_packing.py on the
-device).
+one worker with N model replicas, EMBEDFLEET_REPLICAS) and tests (tests/test_packing.py and
+tests/test_bulk.py on the device).
 """
 
 from __future__ import annotations
@@ -310,7 +310,7 @@ def summarize(results: dict[str, Any]) -> str:
     )
     tests = steps.get("tests", {}).get("results", {})
     if tests:
-        lines += ["", f"tests/test_packing.py: {tests.get('last_line')}"]
+        lines += ["", f"tests/test_packing.py, tests/test_bulk.py: {tests.get('last_line')}"]
     return "\n".join(lines) + "\n"
 
 

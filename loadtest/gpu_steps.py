@@ -13,7 +13,8 @@ killed at its timeout still leaves what it measured. Steps:
 ``latency``    query p50/p99 through the priority lane, idle and under a saturating backlog
 ``replicas``   texts/s of one worker with N model replicas (EMBEDFLEET_REPLICAS; N = 1, 2, 4,
                8 on a GPU: one host thread and 1/N of the memory each)
-``tests``      tests/test_packing.py on the device (the CUDA forms of the packed paths)
+``tests``      tests/test_packing.py and tests/test_bulk.py on the device (the CUDA forms of
+               the packed paths, launches ahead of their copy back with real events)
 """
 
 from __future__ import annotations
@@ -215,9 +216,8 @@ def parity(config: CheckConfig, record: Record) -> None:
     import numpy as np
     from sentence_transformers import SentenceTransformer
 
-    from embedfleet.workers.batcher import plan_batches
+    from embedfleet.workers.bulk import BulkForward, LaunchAhead, Launched
     from embedfleet.workers.encoder import Encoder
-    from embedfleet.workers.packing import PackedEncoder, plan_token_batches
 
     texts, _ = _corpus(config.parity_texts, config, offset=7)
     st = SentenceTransformer(config.model, device=config.device)
@@ -231,17 +231,22 @@ def parity(config: CheckConfig, record: Record) -> None:
         precision = encoder.precision.describe()
         tokens = encoder.tokenize(texts)
         lengths = [t.length for t in tokens]
-        padded = np.zeros_like(reference)
-        for planned in plan_batches(lengths, config.token_budget, config.max_batch):
-            batch = encoder.collate([tokens[p] for p in planned.positions])
-            padded[planned.positions] = encoder.embed(batch)
-        _parity_row(record, f"padded {dtype}", reference, padded, precision, None, label)
-        packer = PackedEncoder(encoder, "varlen")
-        varlen = np.zeros_like(reference)
-        for positions in plan_token_batches(lengths, config.token_budget, config.max_batch):
-            varlen[positions] = packer.embed(packer.collate([tokens[p] for p in positions]))
-        _parity_row(record, f"varlen {dtype}", reference, varlen, precision, packer.kernel, label)
-        del encoder, packer
+        # the worker's own bulk path (workers/bulk.py): collation into pinned buffers, launches
+        # queued one ahead of their copy back, on the same encoder (varlen leaves padded alone)
+        for layout in ("padded", "varlen"):
+            bulk = BulkForward(encoder, layout)
+            vectors = np.zeros_like(reference)
+            ahead: LaunchAhead[tuple[list[int], Launched]] = LaunchAhead(bulk.asynchronous)
+            for planned in bulk.plan(lengths, config.token_budget, config.max_batch):
+                batch = bulk.collate([tokens[p] for p in planned.positions])
+                done = ahead.push((planned.positions, bulk.launch(batch)))
+                if done is not None:
+                    vectors[done[0]] = done[1].vectors()
+            if (done := ahead.pop()) is not None:
+                vectors[done[0]] = done[1].vectors()
+            kernel = bulk.packer.kernel if bulk.packer else None
+            _parity_row(record, f"{layout} {dtype}", reference, vectors, precision, kernel, label)
+        del encoder, bulk
 
 
 def _parity_row(
@@ -593,7 +598,10 @@ async def _replicas(config: CheckConfig, record: Record) -> None:
 # --- tests -------------------------------------------------------------------------------
 def tests(config: CheckConfig, record: Record) -> None:
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x"]
-    command += ["tests/test_packing.py"]
+    # the packed layouts and the launch-ahead path with real CUDA events (the worker end to end
+    # is the bench step's fleet run)
+    command += ["tests/test_packing.py", "tests/test_bulk.py", "--deselect"]
+    command += ["tests/test_bulk.py::test_worker_varlen_on_cpu_matches_sentence_transformers"]
     if config.pytest_filter:
         command += ["-k", config.pytest_filter]
     result = subprocess.run(

@@ -156,6 +156,12 @@ class Settings(BaseSettings):
     FROZEN_QUERIES): eager reduced-precision linear layers are slow there (docs/BENCHMARKS.md). The
     copy has no layer boundaries, so bulk batches are sized whole to the query slice instead of one
     layer. `false`: eager, sliced per layer."""
+    layout: Literal["auto", "padded", "varlen"] = "auto"
+    """How bulk batches are laid out for the forward pass. `auto`: `varlen` on CUDA (every text of a
+    batch end to end in one row, attention per text: no padding computed), `padded` on CPU (sorted,
+    right-padded micro-batches; varlen measured 0.54x there). Forcing `varlen` on CPU runs the CUDA
+    path's code, slowly; `padded` on CUDA is the fallback if a varlen kernel misbehaves
+    (docs/BENCHMARKS.md)."""
     cuda_query_lane: Literal["graph", "stream", "off"] = "graph"
     """On CUDA, queries run on their own model copy, on a high-priority stream, from their own
     thread beside the bulk pass (no layer hooks): `graph` also replays a CUDA graph per batch x

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -77,6 +78,71 @@ def shared_encoder():
 @pytest.fixture(scope="session")
 def encoder():
     return shared_encoder()
+
+
+@pytest.fixture(scope="session")
+def varlen_encoder():
+    """Its own model for the varlen layout: installing the varlen attention must not touch the
+    session's encoder (the padded path's reference)."""
+    from embedfleet.workers.encoder import Encoder
+
+    return Encoder(model_under_test())
+
+
+# --- the bulk lane's CUDA path on a CPU (tests/test_bulk.py, tests/test_device_faults.py)
+class FakeEvent:
+    """A CUDA event's interface that logs when it is recorded and waited on; on a GPU it
+    wraps a real event, on a CPU it stands in for one."""
+
+    def __init__(self, source: FakeEvents, name: str) -> None:
+        self.source, self.name, self.at = source, name, time.perf_counter()
+        self.real = source.real.record() if source.real is not None else None
+        source.log.append(f"record {name}")
+
+    def synchronize(self) -> None:
+        self.source.log.append(f"wait {self.name}")
+        self.source.waits += 1
+        if self.real is not None:
+            self.real.synchronize()
+        failure = self.source.failure
+        if failure is not None and self.source.waits >= failure[0]:
+            raise failure[1]  # as a CUDA error surfaces: where the host first waits
+
+    def query(self) -> bool:
+        return False  # never done before it is waited on: the worker takes the waiting path
+
+    def elapsed_time(self, end_event: FakeEvent) -> float:
+        if self.real is not None and end_event.real is not None:
+            return self.real.elapsed_time(end_event.real)
+        return (end_event.at - self.at) * 1000
+
+
+class FakeEvents:
+    """Stands in for ``workers.bulk.CudaEvents`` (wrapping it on a GPU), so that the
+    asynchronous launch path runs, logged, on any device."""
+
+    def __init__(self, device: Any = None) -> None:
+        from embedfleet.workers.bulk import device_events
+
+        self.real = device_events(device) if device is not None else None
+        self.log: list[str] = []
+        self.count = 0
+        self.waits = 0
+        self.failure: tuple[int, BaseException] | None = None  # (from which wait, error)
+
+    def record(self) -> FakeEvent:
+        self.count += 1
+        return FakeEvent(self, str(self.count))
+
+
+@pytest.fixture
+def fake_cuda_events(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeEvents]:
+    """The worker's bulk lane takes the asynchronous (CUDA) path on this CPU."""
+    from embedfleet.workers import bulk
+
+    events = FakeEvents()
+    monkeypatch.setattr(bulk, "device_events", lambda device: events)
+    yield events
 
 
 class Recorder(WorkerEvents):

@@ -18,7 +18,7 @@ from embedfleet.producer import Producer
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.device_faults import DeviceFault, is_device_fault, is_out_of_memory
 from embedfleet.workers.encoder import EncodeBatch, Encoder
-from tests.conftest import WorkerLauncher
+from tests.conftest import FakeEvents, WorkerLauncher
 
 TEXTS = [f"document number {n} about the device faults a worker survives" for n in range(24)]
 OOM_MESSAGE = "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 139.8 GiB total capacity)"
@@ -107,6 +107,61 @@ async def test_cuda_error_stops_the_worker_and_leaves_entries_pending(
     assert progress.dead == 0 and worker.stats.dead_letters == 0
     pending = await client.xpending(settings.keys.ingest, settings.group)
     assert pending["pending"] == len(TEXTS)  # read, never acknowledged: another worker's now
+
+
+async def test_out_of_memory_on_the_varlen_launch_path_never_dead_letters(
+    workers: WorkerLauncher,
+    settings: Settings,
+    varlen_encoder: Encoder,
+    fake_cuda_events: FakeEvents,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The CUDA path (varlen, launched one ahead): an OOM at launch, while the batch before is
+    still in flight, halves the batch as on the padded path; every text is embedded."""
+    from embedfleet.workers.packing import PackedEncoder, VarlenBatch
+
+    real_vectors = PackedEncoder.vectors
+    sizes: list[int] = []
+
+    def short_of_memory(self: PackedEncoder, batch: VarlenBatch) -> torch.Tensor:
+        sizes.append(batch.size)
+        if batch.size > 4:
+            raise torch.OutOfMemoryError(OOM_MESSAGE)
+        return real_vectors(self, batch)
+
+    monkeypatch.setattr(PackedEncoder, "vectors", short_of_memory)
+    settings = settings.model_copy(update={"max_batch": 8, "layout": "varlen"})
+    async with workers.run(settings, encoder=varlen_encoder) as worker:
+        done, dead = await _run_job(settings, "oom-varlen")
+    assert (done, dead) == (len(TEXTS), 0)
+    assert worker.stats.dead_letters == 0 and 8 in sizes  # the full batches were tried
+
+
+async def test_cuda_error_at_the_copy_back_stops_the_worker(
+    settings: Settings,
+    varlen_encoder: Encoder,
+    client: aioredis.Redis,
+    fake_cuda_events: FakeEvents,
+) -> None:
+    """On the CUDA path a device-side assert surfaces when the host waits on the batch's
+    event, not at launch: the worker stops the same way, nothing dead-lettered."""
+    from embedfleet.workers.sinks import RedisStreamSink
+    from embedfleet.workers.worker import Worker
+
+    # the warm-up's varlen batch is waited on once; every later wait fails
+    fake_cuda_events.failure = (2, RuntimeError(ASSERT_MESSAGE))
+    settings = settings.model_copy(update={"layout": "varlen"})
+    worker = Worker(settings, varlen_encoder, client, RedisStreamSink(client, settings.keys))
+    task = asyncio.create_task(worker.run())
+    async with Producer(settings) as producer:
+        await producer.enqueue([{"id": f"e-{i}", "text": t} for i, t in enumerate(TEXTS)], job="e")
+        with pytest.raises(DeviceFault, match="device-side assert"):
+            await asyncio.wait_for(task, timeout=60)
+        progress = await producer.progress("e")
+    assert progress.dead == 0 and worker.stats.dead_letters == 0
+    assert fake_cuda_events.waits >= 2
+    pending = await client.xpending(settings.keys.ingest, settings.group)
+    assert pending["pending"] == len(TEXTS)
 
 
 def test_tf32_for_float32_work_on_cuda_only() -> None:

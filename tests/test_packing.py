@@ -1,7 +1,8 @@
 """Packed batches give the vectors unpacked batches give (fp32, real texts), with less padding.
 
-The CPU form of the same code the GPU runs: rows with a block-diagonal mask, and varlen with
-whichever kernel is available here (nested-tensor SDPA or the per-text loop; flash-attn on CUDA).
+The CPU form of the same code the GPU runs: varlen (the worker's CUDA layout) with whichever
+kernel is available here (nested-tensor SDPA or the per-text loop; torch's flash varlen or
+flash-attn on CUDA), and the benchmark's rows with a block-diagonal mask (loadtest/packed_rows.py).
 """
 
 from __future__ import annotations
@@ -11,23 +12,17 @@ import random
 import numpy as np
 import pytest
 
-from embedfleet.workers.batcher import padding_waste, plan_batches
+from embedfleet.workers.batcher import padding_waste, plan_batches, plan_packed_batches
 from embedfleet.workers.encoder import Encoder, Tokenized
 from embedfleet.workers.packing import (
     VARLEN_KERNELS,
     PackedEncoder,
-    collate_rows,
     collate_varlen,
-    pack_rows,
-    plan_rows,
-    plan_token_batches,
     preferred_layout,
-)
-from embedfleet.workers.packing import (
-    padding_waste as packed_waste,
 )
 from embedfleet.workers.precision import cosines
 from loadtest.corpus import build_corpus, load_tokenizer
+from loadtest.packed_rows import RowsEncoder, collate_rows, pack_rows, plan_rows, pool_rows
 from tests.conftest import model_under_test
 
 MIN_COSINE = 0.9999
@@ -54,19 +49,13 @@ def unpacked(encoder: Encoder, tokens: list[Tokenized]) -> np.ndarray:
 def test_rows_match_unpacked(encoder: Encoder, corpus_tokens: tuple) -> None:
     _, tokens = corpus_tokens
     reference = unpacked(encoder, tokens)
-    packer = PackedEncoder(encoder, "rows")
+    packer = RowsEncoder(encoder, width=256)
     vectors = np.zeros_like(reference)
-    for positions in plan_token_batches([t.length for t in tokens], 2048, 256):
-        batch = packer.collate([tokens[p] for p in positions], width=256)
+    for positions in plan_rows([t.length for t in tokens], 2048, 256):
+        batch = packer.collate([tokens[p] for p in positions])
         assert batch.size == len(positions)
         vectors[positions] = packer.embed(batch)
     assert cosines(reference, vectors).min() >= MIN_COSINE
-
-
-@pytest.fixture(scope="module")
-def varlen_encoder() -> Encoder:
-    # Its own model: installing the varlen attention must not touch the session's encoder.
-    return Encoder(model_under_test())
 
 
 def test_varlen_matches_unpacked_and_leaves_padded_path_alone(
@@ -74,10 +63,11 @@ def test_varlen_matches_unpacked_and_leaves_padded_path_alone(
 ) -> None:
     _, tokens = corpus_tokens
     reference = unpacked(encoder, tokens)
-    packer = PackedEncoder(varlen_encoder, "varlen")
+    packer = PackedEncoder(varlen_encoder)
     assert packer.kernel in VARLEN_KERNELS
     vectors = np.zeros_like(reference)
-    for positions in plan_token_batches([t.length for t in tokens], 2048, 256):
+    for planned in plan_packed_batches([t.length for t in tokens], 2048, 256):
+        positions = planned.positions
         vectors[positions] = packer.embed(packer.collate([tokens[p] for p in positions]))
     assert cosines(reference, vectors).min() >= MIN_COSINE
     # The switched attention sends padded batches to stock SDPA: Encoder.embed is unchanged.
@@ -96,14 +86,15 @@ def test_each_cpu_varlen_kernel_matches(
     _, tokens = corpus_tokens
     subset = tokens[:24]
     reference = unpacked(encoder, subset)
-    packer = PackedEncoder(varlen_encoder, "varlen")
+    packer = PackedEncoder(varlen_encoder)
     install_varlen_attention(varlen_encoder._model, kernel)
     vectors = packer.embed(collate_varlen(subset))
     assert cosines(reference, vectors).min() >= MIN_COSINE
 
 
 def test_pooling_modes_match_unpacked(encoder: Encoder, corpus_tokens: tuple) -> None:
-    """cls / max / last-token pooling read the right tokens of each packed text.
+    """cls / max / last-token pooling read the right tokens of each packed text, in both packed
+    layouts; varlen builds its token-to-text map on the device from cu_seqlens.
 
     Inputs go to the model's device and outputs come back to the host, so this runs on a CUDA
     encoder (the fixture picks CUDA when present) as it runs here.
@@ -111,27 +102,36 @@ def test_pooling_modes_match_unpacked(encoder: Encoder, corpus_tokens: tuple) ->
     import torch
 
     from embedfleet.workers.encoder import pool
-    from embedfleet.workers.packing import pool_packed
+    from embedfleet.workers.packing import pool_packed, token_map
 
     _, tokens = corpus_tokens
     subset = tokens[:16]
     device = encoder.device
     padded = encoder.collate(subset)
-    packed = collate_rows(subset, width=256)
+    rows = collate_rows(subset, width=256)
+    varlen = collate_varlen(subset)
     padded_mask = padded.attention_mask.to(device)
     with torch.inference_mode():
         hidden_padded = encoder._model(
             input_ids=padded.input_ids.to(device), attention_mask=padded_mask
         ).last_hidden_state.float()
-        hidden_packed = encoder._model(
-            input_ids=packed.input_ids.to(device),
-            position_ids=packed.position_ids.to(device),
-            attention_mask=packed.attention_mask.to(device),
+        hidden_rows = encoder._model(
+            input_ids=rows.input_ids.to(device),
+            position_ids=rows.position_ids.to(device),
+            attention_mask=rows.attention_mask.to(device),
         ).last_hidden_state.float()
+    # varlen: the same hidden states laid end to end, text by text, mapped on the device
+    laid_out = torch.cat([hidden_padded[r, : subset[r].length] for r in range(len(subset))])
+    mapped = token_map(varlen.cu_seqlens.to(device), varlen.real_tokens)
+    expected_owner = [r for r, item in enumerate(subset) for _ in range(item.length)]
+    assert mapped.owner.tolist() == expected_owner
+    assert mapped.position_ids.tolist() == [p for item in subset for p in range(item.length)]
     for mode in ("mean", "cls", "max", "lasttoken"):
         expected = pool(hidden_padded, padded_mask, mode).cpu().numpy()
-        got = pool_packed(hidden_packed, packed, mode).cpu().numpy()
-        assert cosines(expected, got).min() >= MIN_COSINE, mode
+        got_rows = pool_rows(hidden_rows, rows, mode).cpu().numpy()
+        assert cosines(expected, got_rows).min() >= MIN_COSINE, ("rows", mode)
+        got_varlen = pool_packed(laid_out, mapped.owner, mapped.first, mapped.lengths, mode)
+        assert cosines(expected, got_varlen.cpu().numpy()).min() >= MIN_COSINE, ("varlen", mode)
 
 
 def test_two_varlen_models_keep_their_own_kernels(
@@ -157,8 +157,8 @@ def test_two_varlen_models_keep_their_own_kernels(
         monkeypatch.setitem(packing.VARLEN_KERNELS, name, recording(name))
     other = Encoder(model_under_test())
     packers = {
-        "loop_sdpa": PackedEncoder(varlen_encoder, "varlen"),
-        "nested_sdpa": PackedEncoder(other, "varlen"),
+        "loop_sdpa": PackedEncoder(varlen_encoder),
+        "nested_sdpa": PackedEncoder(other),
     }
     # Installed one after the other, as the bench installs its fp32 and bf16 contenders.
     names = {
@@ -184,20 +184,20 @@ def test_packed_rows_wider_than_position_limit_get_token_types(
     subset = [t for t in tokens if t.length > 40][:30]
     batch = collate_varlen(subset)
     limit = varlen_encoder._model.config.max_position_embeddings
-    assert batch.input_ids.shape[1] > limit
+    assert batch.real_tokens > limit
     seen: list[tuple[int, ...]] = []
 
     def record(_module: object, _args: object, kwargs: dict) -> None:
         token_types = kwargs.get("token_type_ids")
         seen.append(() if token_types is None else tuple(token_types.shape))
 
-    packer = PackedEncoder(varlen_encoder, "varlen")
+    packer = PackedEncoder(varlen_encoder)
     handle = varlen_encoder._model.embeddings.register_forward_pre_hook(record, with_kwargs=True)
     try:
         vectors = packer.embed(batch)
     finally:
         handle.remove()
-    assert seen == [tuple(batch.input_ids.shape)]
+    assert seen == [(1, batch.real_tokens)]
     assert cosines(unpacked(encoder, subset), vectors).min() >= MIN_COSINE
 
 
@@ -243,8 +243,10 @@ def test_padding_waste_figures(corpus_tokens: tuple) -> None:
     rows = pack_rows(lengths, 256)
     rows_waste = 1 - sum(lengths) / (256 * len(rows))
     items = [Tokenized(ids=[1] * n, truncated=False) for n in lengths]
-    varlen_waste = packed_waste(
-        [collate_varlen([items[p] for p in b]) for b in plan_token_batches(lengths, 4096, 128)]
+    varlen_waste = padding_waste(plan_packed_batches(lengths, 4096, 128))
+    assert all(
+        collate_varlen([items[p] for p in b.positions]).padded_tokens == b.real_tokens
+        for b in plan_packed_batches(lengths, 4096, 128)
     )
     print(
         f"\npadding waste: arrival order {naive:.1%}, sorted {sorted_waste:.1%}, "
@@ -264,10 +266,12 @@ def test_pack_rows_keeps_every_text_once_within_width() -> None:
 
 
 def test_layout_choice_is_explicit() -> None:
+    """varlen on CUDA; padded on CPU in every dtype (rows was measured against eager bf16, not
+    the frozen bf16 bulk the worker runs now: it is a benchmark contender only)."""
     import torch
 
     assert preferred_layout(torch.device("cpu"), torch.float32) == "padded"
-    assert preferred_layout(torch.device("cpu"), torch.bfloat16) == "rows"
+    assert preferred_layout(torch.device("cpu"), torch.bfloat16) == "padded"
     assert preferred_layout(torch.device("cuda"), torch.float32) == "varlen"
     assert preferred_layout(torch.device("cuda"), torch.bfloat16) == "varlen"
 

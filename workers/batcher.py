@@ -28,15 +28,19 @@ BATCH_COST_TOKENS = 128
 
 @dataclass(frozen=True)
 class PlannedBatch:
-    """Positions (into the window) of the texts in one micro-batch, shortest first."""
+    """Positions (into the window) of the texts in one micro-batch, shortest first (longest
+    first when packed)."""
 
     positions: list[int]
     longest: int
     real_tokens: int
+    # varlen (workers/packing.py): every text end to end in one row, no padding computed
+    packed: bool = False
 
     @property
     def padded_tokens(self) -> int:
-        return self.longest * len(self.positions)
+        """Tokens the forward pass computes: padding included, unless the batch is packed."""
+        return self.real_tokens if self.packed else self.longest * len(self.positions)
 
 
 def plan_batches(
@@ -87,6 +91,34 @@ def plan_batches(
         )
         end = begin
     batches.reverse()
+    return batches
+
+
+def plan_packed_batches(
+    lengths: Sequence[int], token_budget: int, max_batch: int
+) -> list[PlannedBatch]:
+    """For the varlen layout, where real tokens are all that is computed: positions grouped,
+    longest first, so each batch holds at most ``token_budget`` real tokens and ``max_batch``
+    texts (a text over the budget alone)."""
+    if token_budget < 1 or max_batch < 1:
+        raise ValueError("token_budget and max_batch must be positive")
+    batches: list[PlannedBatch] = []
+    current: list[int] = []
+    tokens = 0
+
+    def close() -> None:
+        longest = lengths[current[0]]
+        batches.append(PlannedBatch(current, longest=longest, real_tokens=tokens, packed=True))
+
+    for position in sorted(range(len(lengths)), key=lambda p: lengths[p], reverse=True):
+        length = lengths[position]
+        if current and (len(current) >= max_batch or tokens + length > token_budget):
+            close()
+            current, tokens = [], 0
+        current.append(position)
+        tokens += length
+    if current:
+        close()
     return batches
 
 

@@ -305,12 +305,17 @@ class Encoder:
         return Tokenized(ids=ids, truncated=True, prompt_length=prompt_length)
 
     # --- batch and embed --------------------------------------------------------------
-    def collate(self, items: list[Tokenized]) -> EncodeBatch:
+    def collate(self, items: list[Tokenized], *, pin: bool = False) -> EncodeBatch:
         """Pad to the longest sequence in the batch (callers sort by length first), on the side
-        the tokenizer declares."""
+        the tokenizer declares. ``pin``: into pinned memory, for a non-blocking copy to a GPU.
+
+        int64, as the frozen CPU graph was traced with (the varlen layout's buffers are int32).
+        """
         longest = max(item.length for item in items)
-        input_ids = np.full((len(items), longest), self.pad_id, dtype=np.int64)
-        attention_mask = np.zeros((len(items), longest), dtype=np.int64)
+        shape = (len(items), longest)
+        ids_tensor = torch.full(shape, self.pad_id, dtype=torch.int64, pin_memory=pin)
+        mask_tensor = torch.zeros(shape, dtype=torch.int64, pin_memory=pin)
+        input_ids, attention_mask = ids_tensor.numpy(), mask_tensor.numpy()
         for row, item in enumerate(items):
             start = longest - item.length if self.pad_left else 0
             input_ids[row, start : start + item.length] = item.ids
@@ -319,19 +324,21 @@ class Encoder:
         if not self.pooling.include_prompt:
             prompt_lengths = torch.tensor([item.prompt_length for item in items])
         return EncodeBatch(
-            input_ids=torch.from_numpy(input_ids),
-            attention_mask=torch.from_numpy(attention_mask),
-            prompt_lengths=prompt_lengths,
+            input_ids=ids_tensor, attention_mask=mask_tensor, prompt_lengths=prompt_lengths
         )
 
-    @torch.inference_mode()
     def embed(self, batch: EncodeBatch) -> np.ndarray:
         """Vectors for one batch: float32, shape (batch, dim), normalised if the model says so."""
+        return self.vectors(batch).cpu().numpy()
+
+    @torch.inference_mode()
+    def vectors(self, batch: EncodeBatch) -> torch.Tensor:
+        """:meth:`embed`'s vectors left on the model's device (on CUDA: returns once queued)."""
         input_ids = batch.input_ids.to(self.device, non_blocking=True)
         attention_mask = batch.attention_mask.to(self.device, non_blocking=True)
         with self.precision.context(self.device):
             output = self._model(input_ids=input_ids, attention_mask=attention_mask)
-        return self._vectors(output.last_hidden_state, attention_mask, batch.prompt_lengths)
+        return self._pooled(output.last_hidden_state, attention_mask, batch.prompt_lengths)
 
     def embed_query(self, batch: EncodeBatch) -> np.ndarray:
         """Like ``embed``, through the frozen graph when one was prepared (short inputs on a
@@ -360,10 +367,20 @@ class Encoder:
         attention_mask: torch.Tensor,
         prompt_lengths: torch.Tensor | None = None,
     ) -> np.ndarray:
+        """:meth:`_pooled`, on the host."""
+        return self._pooled(hidden, attention_mask, prompt_lengths).cpu().numpy()
+
+    def _pooled(
+        self,
+        hidden: torch.Tensor,
+        attention_mask: torch.Tensor,
+        prompt_lengths: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Pooling and the head, on the device the hidden states are on (float32)."""
         if prompt_lengths is not None:
             prompt_lengths = prompt_lengths.to(hidden.device)
         pooled = pool(hidden.float(), attention_mask, self.pooling.modes, prompt_lengths)
-        return self.head(pooled).cpu().numpy()
+        return self.head(pooled)
 
     def head(self, pooled: torch.Tensor) -> torch.Tensor:
         """The modules after pooling (Dense, Normalize), on float32 pooled vectors."""

@@ -146,6 +146,13 @@ class Outputs:
         dim = resolve_dimensions(chunk.dimensions, self.settings.dimensions, self.encoder.dim)
         return OutputSpec(dim=dim, dtype=chunk.dtype or self.settings.output_dtype)
 
+    def full_float16(self, chunks: Sequence[Chunk]) -> bool:
+        """Whether every chunk stores the model's whole vector in float16 (the default): then
+        the device may cast before the copy back, since nothing after it needs more precision
+        (a truncated or quantized vector is computed from float32)."""
+        full = OutputSpec(dim=self.encoder.dim, dtype="float16")
+        return all(self.spec_for(chunk) == full for chunk in chunks)
+
     def variant(self, dim: int) -> str:
         return variant_label(dim, self.encoder.dim, self.renormalize)
 

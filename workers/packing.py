@@ -1,50 +1,43 @@
-"""Packed batches: several sequences per row, so padding is not computed.
+"""The varlen layout: every text of a batch end to end in one row, attention kept to each text.
 
-Three ways to lay out a micro-batch of tokenized texts for the forward pass:
+The worker's bulk path has two layouts, chosen by :func:`preferred_layout` (or
+``EMBEDFLEET_LAYOUT``) and run by ``workers/bulk.py``:
 
 ``padded``
-    One text per row, right-padded to the longest (``Encoder.collate``). After sorting the
-    window by length (``workers.batcher``) padding is a few percent of the tokens.
-``rows``
-    Texts packed first-fit-decreasing into rows of a fixed width; positions restart at 0 for
-    each text and a boolean block-diagonal mask keeps texts from attending to each other. The
-    linear layers see no padding, but attention is computed over the whole row (the mask only
-    zeroes the cross terms), so wide rows of short texts cost more attention than they save.
-    Works with stock SDPA on any device.
+    One text per row, right-padded to the longest (``Encoder.collate``), after the window is
+    sorted by length and cut where it costs least (``workers.batcher``): a few percent of
+    padding. The CPU's layout (in bf16/fp16 through the frozen copy, EMBEDFLEET_FROZEN_BULK).
 ``varlen``
-    All texts of the batch concatenated into one row with ``cu_seqlens`` offsets; attention
-    runs per text through a variable-length kernel: flash-attn's ``flash_attn_varlen_func``
-    where installed (CUDA, fp16/bf16), else SDPA on nested jagged tensors, else a plain loop
-    over the texts (the fallback that always exists). No padding anywhere.
+    All texts of a batch concatenated into one row with ``cu_seqlens`` offsets; attention runs
+    per text through a variable-length kernel. No padding anywhere: the CUDA layout, where a
+    GPU pays a padded token's full cost and kernels exist that skip padding entirely.
 
-The worker does not run these layouts yet: it embeds sorted, padded micro-batches
-(``workers.batcher`` + ``Encoder.collate``) on every device, and this module is imported only by
-``loadtest/bench.py`` and ``tests/test_packing.py``. It is kept for the two places where the
-figures say a packed layout should win, each with its issue: ``varlen`` as the CUDA worker's
-path (issue 18) and ``rows`` for bf16 on a CPU with several threads (issue 17, which measures
-it again first). :func:`preferred_layout` says which layout the figures favour, from benchmark
-runs (``python -m loadtest.bench --engines`` and per-window interleaved runs;
-docs/BENCHMARKS.md), not from theory. On a 2-core Intel Xeon we measured:
+Host side (:func:`collate_varlen`, on the worker's tokenizer thread): one int32 buffer,
+``cu_seqlens`` then the token ids, pinned on CUDA so that one non-blocking copy moves it. The
+longest and shortest text are known there from the lengths, so no kernel has to ask the device.
+Device side (:meth:`PackedEncoder.vectors`): position ids, the token-to-text map and the
+pooling are built on the device from ``cu_seqlens``; nothing in the forward pass waits for the
+host or makes the host wait.
 
-- fp32: sorted ``padded`` micro-batches are fastest (rows 0.90x, greedy fill 0.96x, per window
-  interleaved, 2 threads, quiet machine). With ~4% padding left there is little to win, and
-  rows compute attention over the whole row.
-- bf16: packed ``rows`` of 256 are faster (1.38x and 1.43x per window on the quiet machine,
-  1.87x under load, 2 threads; in the 3-round benchmark rows won 2 rounds of 3, ratio 5.17 vs
-  4.64). In bf16 the matmuls are cheap and each forward pass's fixed costs (dispatch, thread
-  barriers, oneDNN primitives for each new shape) dominate; rows give few, large,
-  identically-shaped batches. With one thread rows were 0.89x: the gain is parallel efficiency.
-- varlen on CPU runs attention text by text: 0.54x (bf16), 0.91x (fp32).
+Kernels, the first that runs and is right here (:func:`choose_varlen_kernel`, probed at
+start): torch's own flash varlen kernel (``torch.nn.attention.varlen``; CUDA, fp16/bf16),
+flash-attn's ``flash_attn_varlen_func`` where installed, SDPA on nested jagged tensors given
+their min/max lengths (fp32 on CUDA), and a plain loop over the texts (always there; the CPU's).
 
-On CUDA, ``varlen`` is the layout: there kernels exist that skip padding entirely, and a GPU
-pays a padded token's full cost.
+Why not varlen on CPU: there attention runs text by text, 0.54x of padded in bf16 and 0.91x in
+fp32 (2-core Xeon, docs/BENCHMARKS.md); nested-tensor SDPA on CPU is a padded math fallback,
+~18x slower than the loop. ``EMBEDFLEET_LAYOUT=varlen`` still runs it there, which is how the
+tests run the CUDA code path on a CPU. The third layout measured, packed ``rows``, is a
+benchmark contender only (``loadtest/packed_rows.py`` says why).
 
 Every layout must give the vectors the unpadded model gives: ``tests/test_packing.py`` checks
-min cosine >= 0.9999 in fp32 on real texts, on the CPU form of this same code.
+min cosine >= 0.9999 in fp32 on real texts, on the CPU form of this same code, and the device
+check (``loadtest/gpu_check.py``, step ``parity``) on a GPU.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 from collections.abc import Callable, Sequence
@@ -56,11 +49,11 @@ import torch
 import torch.nn.functional as F
 
 from embedfleet.shared.logging import get_logger
-from embedfleet.workers.encoder import Encoder, PoolingMode, Tokenized
+from embedfleet.workers.encoder import Encoder, Tokenized
 
 log = get_logger("embedfleet.packing")
 
-PackLayout = Literal["padded", "rows", "varlen"]
+BulkLayout = Literal["padded", "varlen"]
 PACKED_POOLING = ("mean", "cls", "max", "lasttoken")
 # transformers' attention registry is global: one name per kernel (``embedfleet_varlen_<kernel>``)
 # so that two models in one process (the bench's fp32 and bf16 contenders) each keep their own.
@@ -69,6 +62,7 @@ VARLEN_ATTENTION = "embedfleet_varlen"
 # and a registered mask function: transformers 5's AttentionInterface + masking_utils (BERT in
 # 4.x sliced ``token_type_ids`` to the row width and built its own masks). pyproject's floor.
 MIN_TRANSFORMERS = "5.0"
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class VarlenUnavailableError(RuntimeError):
@@ -90,225 +84,222 @@ def varlen_supported() -> bool:
     return True
 
 
-def preferred_layout(device: torch.device, dtype: torch.dtype = torch.float32) -> PackLayout:
-    """The layout the worker should use: the one that measured fastest for this device and
-    compute dtype (figures in the module docstring).
+def preferred_layout(device: torch.device, dtype: torch.dtype = torch.float32) -> BulkLayout:
+    """The bulk layout for this device and compute dtype: the one measured or known to win.
 
-    CUDA: ``varlen`` (no padding computed at all; loadtest/gpu_check.sh checks its parity on a
-    GPU, ``python -m loadtest.bench --engines --device cuda`` runs the layout contenders),
-    ``padded`` on a transformers without the attention interface varlen needs. CPU: ``rows``
-    in bf16/fp16, ``padded`` (sorted micro-batches from ``workers.batcher``) in fp32.
+    CUDA: ``varlen`` in every dtype (no padding computed; fp32 runs the nested-tensor kernel),
+    ``padded`` on a transformers without the attention interface varlen needs. CPU: ``padded``
+    in every dtype: varlen measured 0.54x (bf16) and 0.91x (fp32), and the rows layout that
+    beat eager bf16 was never measured against the frozen bf16 bulk the worker runs now.
     """
+    del dtype  # no dtype changes the choice today; callers say it so that one may
     if device.type == "cuda":
         return "varlen" if varlen_supported() else "padded"
-    return "padded" if dtype == torch.float32 else "rows"
+    return "padded"
 
 
-# --- planning ----------------------------------------------------------------------------
-def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
-    """First-fit-decreasing: positions grouped into rows whose lengths sum to at most ``width``.
-
-    A text longer than ``width`` gets a row of its own (the row is then that wide).
-    """
-    rows: list[list[int]] = []
-    free: list[int] = []
-    for position in sorted(range(len(lengths)), key=lambda p: lengths[p], reverse=True):
-        length = lengths[position]
-        for row, room in enumerate(free):
-            if length <= room:
-                rows[row].append(position)
-                free[row] -= length
-                break
-        else:
-            rows.append([position])
-            free.append(max(0, width - length))
-    return rows
+def check_packed_pooling(encoder: Encoder) -> None:
+    """Raise ValueError unless the model pools one of ``PACKED_POOLING`` over whole texts (the
+    packed layouts' pooling reads no prompt lengths and no second mode)."""
+    pooling = encoder.pooling
+    if len(pooling.modes) > 1 or pooling.mode not in PACKED_POOLING or not pooling.include_prompt:
+        raise ValueError(
+            f"packed layouts pool one of {', '.join(PACKED_POOLING)} over whole texts; "
+            f"this model pools {'+'.join(pooling.modes)}"
+            + ("" if pooling.include_prompt else " without its prompt")
+        )
 
 
-def plan_rows(lengths: Sequence[int], token_budget: int, width: int) -> list[list[int]]:
-    """Positions packed into rows ``width`` tokens wide, ``token_budget // width`` rows a batch.
-
-    Each inner list is one batch for :func:`collate_rows` (with the same ``width``).
-    """
-    rows = pack_rows(lengths, width)
-    per_batch = max(1, token_budget // width)
-    return [
-        [position for row in rows[start : start + per_batch] for position in row]
-        for start in range(0, len(rows), per_batch)
-    ]
-
-
-def plan_token_batches(
-    lengths: Sequence[int], token_budget: int, max_batch: int
-) -> list[list[int]]:
-    """Positions grouped, longest first, so each batch holds at most ``token_budget`` *real*
-    tokens and ``max_batch`` texts (for ``varlen``, where real tokens are all that is computed).
-    """
-    batches: list[list[int]] = []
-    current: list[int] = []
-    tokens = 0
-    for position in sorted(range(len(lengths)), key=lambda p: lengths[p], reverse=True):
-        length = lengths[position]
-        if current and (len(current) >= max_batch or tokens + length > token_budget):
-            batches.append(current)
-            current, tokens = [], 0
-        current.append(position)
-        tokens += length
-    if current:
-        batches.append(current)
-    return batches
+def takes_token_types(model: torch.nn.Module) -> bool:
+    """Packed rows are wider than the model's position limit. BERT-class embeddings given no
+    token_type_ids take them from a buffer as wide as that limit (sliced to the row width in
+    transformers 4 and in several architectures still): such models get zeros of the row's
+    shape."""
+    return "token_type_ids" in inspect.signature(model.forward).parameters
 
 
 # --- batches -----------------------------------------------------------------------------
 @dataclass
-class PackedBatch:
-    """Texts packed into rows. Vectors come out in the order of the items given to collate."""
+class VarlenBatch:
+    """One batch collated for the varlen layout; vectors come out in the order of its items.
 
-    input_ids: torch.Tensor  # (rows, width) int64
-    position_ids: torch.Tensor  # (rows, width) int64, restarting at 0 for each text
-    attention_mask: torch.Tensor | None  # rows: (rows, 1, width, width) bool; varlen: None
-    token_index: torch.Tensor  # (real tokens,) flat index into rows*width, text by text
-    sequence_of_token: torch.Tensor  # (real tokens,) which text each token belongs to
-    starts: torch.Tensor  # (texts,) flat index of each text's first token
-    lengths: torch.Tensor  # (texts,) int64
-    layout: PackLayout
+    ``buffer`` holds ``cu_seqlens`` (texts + 1 offsets) then every text's ids end to end, int32,
+    in pinned memory when it is bound for a GPU: one non-blocking copy moves the whole batch.
+    """
 
-    @property
-    def size(self) -> int:
-        return int(self.lengths.shape[0])
+    buffer: torch.Tensor  # (texts + 1 + tokens,) int32
+    size: int  # texts
+    real_tokens: int
+    longest: int
+    shortest: int
 
     @property
     def padded_tokens(self) -> int:
-        return int(self.input_ids.numel())
-
-    @property
-    def real_tokens(self) -> int:
-        return int(self.lengths.sum())
+        return self.real_tokens  # nothing is padded
 
     @property
     def cu_seqlens(self) -> torch.Tensor:
-        """Offsets of each text in the flat row (varlen), int32 as the kernels want them."""
-        return F.pad(self.lengths.cumsum(0), (1, 0)).to(torch.int32)
+        return self.buffer[: self.size + 1]
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.buffer[self.size + 1 :]
 
 
-def collate_rows(items: Sequence[Tokenized], width: int, pad_id: int = 0) -> PackedBatch:
-    """Pack ``items`` into rows ``width`` tokens wide with a block-diagonal attention mask."""
-    rows = pack_rows([item.length for item in items], width)
-    row_width = max(width, max(item.length for item in items))
-    return _collate(items, rows, row_width, pad_id, "rows")
-
-
-def collate_varlen(items: Sequence[Tokenized], pad_id: int = 0) -> PackedBatch:
-    """All ``items`` in one row, in order; attention is confined to each text by ``cu_seqlens``."""
-    total = sum(item.length for item in items)
-    return _collate(items, [list(range(len(items)))], total, pad_id, "varlen")
-
-
-def _collate(
-    items: Sequence[Tokenized],
-    rows: list[list[int]],
-    width: int,
-    pad_id: int,
-    layout: PackLayout,
-) -> PackedBatch:
-    input_ids = np.full((len(rows), width), pad_id, dtype=np.int64)
-    position_ids = np.zeros((len(rows), width), dtype=np.int64)
-    # Segment number per token; padding is its own segment (-1) so that no query row of the
-    # mask is all False (SDPA returns NaN for a query that may attend to nothing).
-    segments = np.full((len(rows), width), -1, dtype=np.int64)
-    starts = np.zeros(len(items), dtype=np.int64)
-    lengths = np.array([item.length for item in items], dtype=np.int64)
-    for row, positions in enumerate(rows):
-        column = 0
-        for position in positions:
-            item = items[position]
-            end = column + item.length
-            input_ids[row, column:end] = item.ids
-            position_ids[row, column:end] = np.arange(item.length)
-            segments[row, column:end] = position
-            starts[position] = row * width + column
-            column = end
-    token_index = np.concatenate(
-        [np.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)]
+def collate_varlen(items: Sequence[Tokenized], *, pin: bool = False) -> VarlenBatch:
+    """All ``items`` in one row, in order, into one int32 buffer (pinned when ``pin``: only
+    for a CUDA device, where it lets the copy run asynchronously; pinning costs on a CPU)."""
+    lengths = np.fromiter((item.length for item in items), dtype=np.int64, count=len(items))
+    total = int(lengths.sum())
+    buffer = torch.empty(len(items) + 1 + total, dtype=torch.int32, pin_memory=pin)
+    view = buffer.numpy()
+    view[0] = 0
+    np.cumsum(lengths, out=view[1 : len(items) + 1], dtype=np.int32)
+    view[len(items) + 1 :] = np.fromiter(
+        itertools.chain.from_iterable(item.ids for item in items), dtype=np.int32, count=total
     )
-    sequence_of_token = np.repeat(np.arange(len(items)), lengths)
-    mask = None
-    if layout == "rows":
-        segment_tensor = torch.from_numpy(segments)
-        mask = (segment_tensor[:, :, None] == segment_tensor[:, None, :]).unsqueeze(1)
-    return PackedBatch(
-        input_ids=torch.from_numpy(input_ids),
-        position_ids=torch.from_numpy(position_ids),
-        attention_mask=mask,
-        token_index=torch.from_numpy(token_index),
-        sequence_of_token=torch.from_numpy(sequence_of_token),
-        starts=torch.from_numpy(starts),
-        lengths=torch.from_numpy(lengths),
-        layout=layout,
+    return VarlenBatch(
+        buffer=buffer,
+        size=len(items),
+        real_tokens=total,
+        longest=int(lengths.max()),
+        shortest=int(lengths.min()),
     )
 
 
-def padding_waste(batches: Sequence[PackedBatch]) -> float:
-    padded = sum(batch.padded_tokens for batch in batches)
-    real = sum(batch.real_tokens for batch in batches)
-    return 0.0 if padded == 0 else 1.0 - real / padded
+# --- on the device -----------------------------------------------------------------------
+@dataclass
+class TokenMap:
+    """Where each token of a varlen row belongs, built on the row's device from cu_seqlens."""
+
+    owner: torch.Tensor  # (tokens,) int64: which text
+    position_ids: torch.Tensor  # (tokens,) int64: position in that text
+    first: torch.Tensor  # (texts,) int64: each text's first token
+    lengths: torch.Tensor  # (texts,) int64
 
 
-# --- pooling -----------------------------------------------------------------------------
-def pool_packed(hidden: torch.Tensor, batch: PackedBatch, mode: PoolingMode) -> torch.Tensor:
-    """Per-text pooling over a packed (rows, width, dim) output: same as ``encoder.pool``."""
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    device = flat.device
+def token_map(cu_seqlens: torch.Tensor, real_tokens: int) -> TokenMap:
+    """The :class:`TokenMap` of a row, with kernels only: ``real_tokens`` comes from the host
+    (the collation knows it) so that ``repeat_interleave`` need not read the total back."""
+    first = cu_seqlens[:-1].to(torch.int64)
+    lengths = cu_seqlens.diff().to(torch.int64)
+    texts = torch.arange(first.shape[0], device=cu_seqlens.device)
+    owner = torch.repeat_interleave(texts, lengths, output_size=real_tokens)
+    position_ids = torch.arange(real_tokens, device=cu_seqlens.device) - first[owner]
+    return TokenMap(owner=owner, position_ids=position_ids, first=first, lengths=lengths)
+
+
+def pool_packed(
+    tokens: torch.Tensor,
+    owner: torch.Tensor,
+    first: torch.Tensor,
+    lengths: torch.Tensor,
+    mode: str,
+) -> torch.Tensor:
+    """Per-text pooling over real tokens laid end to end, text by text: same as
+    ``encoder.pool`` on the padded batch. ``tokens`` (real tokens, dim), ``owner`` each token's
+    text, ``first`` each text's first token, ``lengths`` its token count; all on one device,
+    so nothing here waits for the host."""
     if mode == "cls":
-        return flat[batch.starts.to(device)]
+        return tokens[first]
     if mode == "lasttoken":
-        return flat[(batch.starts + batch.lengths - 1).to(device)]
-    tokens = flat[batch.token_index.to(device)]
-    owners = batch.sequence_of_token.to(device)
+        return tokens[first + lengths - 1]
+    size, dim = first.shape[0], tokens.shape[-1]
     if mode == "mean":
-        sums = torch.zeros(batch.size, flat.shape[-1], dtype=flat.dtype, device=device)
-        sums.index_add_(0, owners, tokens)
-        return sums / batch.lengths.to(device=device, dtype=flat.dtype).clamp(min=1).unsqueeze(1)
-    # max
-    out = torch.full((batch.size, flat.shape[-1]), -1e9, dtype=flat.dtype, device=device)
-    return out.scatter_reduce(
-        0, owners.unsqueeze(1).expand_as(tokens), tokens, reduce="amax", include_self=True
-    )
+        sums = torch.zeros(size, dim, dtype=tokens.dtype, device=tokens.device)
+        sums.index_add_(0, owner, tokens)
+        return sums / lengths.to(tokens.dtype).clamp(min=1).unsqueeze(1)
+    if mode == "max":
+        out = torch.full((size, dim), -1e9, dtype=tokens.dtype, device=tokens.device)
+        return out.scatter_reduce(
+            0, owner.unsqueeze(1).expand_as(tokens), tokens, reduce="amax", include_self=True
+        )
+    raise ValueError(f"packed layouts cannot pool {mode!r}")
 
 
 # --- variable-length attention -----------------------------------------------------------
+# (q, k, v: (tokens, heads, dim), cu_seqlens int32, longest, shortest, scale) -> like q
 VarlenKernel = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, float], torch.Tensor
 ]
 
 
-def _flash_varlen(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float
+@functools.cache
+def _torch_varlen_takes_scale() -> bool:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "scale" in inspect.signature(varlen_attn).parameters
+
+
+def _torch_flash_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: torch.Tensor,
+    longest: int,
+    shortest: int,
+    scale: float,
 ) -> torch.Tensor:
-    if q.dtype not in (torch.float16, torch.bfloat16):
+    if q.dtype not in HALF_DTYPES:
+        raise TypeError(f"torch's flash varlen takes fp16/bf16, got {q.dtype}")
+    from torch.nn.attention.varlen import varlen_attn  # torch >= 2.9
+
+    if _torch_varlen_takes_scale():
+        return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale)
+    if abs(scale - q.shape[-1] ** -0.5) > 1e-9:  # an older torch's varlen_attn has no scale
+        raise ValueError("this torch's varlen_attn takes no scale, and the model's is not 1/√d")
+    return varlen_attn(q, k, v, cu, cu, longest, longest)
+
+
+def _flash_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: torch.Tensor,
+    longest: int,
+    shortest: int,
+    scale: float,
+) -> torch.Tensor:
+    if q.dtype not in HALF_DTYPES:
         # flash-attn's own message is a CUDA-side assert; say which model got the wrong kernel
         raise TypeError(f"flash_attn varlen takes fp16/bf16, got {q.dtype}: use another kernel")
     from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
 
-    return flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, softmax_scale=scale)
+    return flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, softmax_scale=scale)
 
 
 def _nested_varlen(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: torch.Tensor,
+    longest: int,
+    shortest: int,
+    scale: float,
 ) -> torch.Tensor:
     offsets = cu.to(torch.int64)
 
     def jagged(x: torch.Tensor) -> torch.Tensor:  # (total, heads, dim) -> (texts, heads, j, dim)
-        return torch.nested.nested_tensor_from_jagged(x, offsets=offsets).transpose(1, 2)
+        # min/max given: SDPA would otherwise read them back from the device, every layer
+        nested = torch.nested.nested_tensor_from_jagged(
+            x, offsets=offsets, min_seqlen=shortest, max_seqlen=longest
+        )
+        return nested.transpose(1, 2)
 
     out = F.scaled_dot_product_attention(jagged(q), jagged(k), jagged(v), scale=scale)
     return out.transpose(1, 2).values()
 
 
 def _loop_varlen(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: torch.Tensor,
+    longest: int,
+    shortest: int,
+    scale: float,
 ) -> torch.Tensor:
-    bounds = cu.tolist()
+    bounds = cu.tolist()  # a host read: the CPU's kernel (on a CPU it costs nothing)
     pieces = []
     for start, end in itertools.pairwise(bounds):
         pieces.append(
@@ -323,18 +314,20 @@ def _loop_varlen(
 
 
 VARLEN_KERNELS: dict[str, VarlenKernel] = {
+    "torch_flash": _torch_flash_varlen,
     "flash_attn": _flash_varlen,
     "nested_sdpa": _nested_varlen,
     "loop_sdpa": _loop_varlen,
 }
+_HALF_ONLY = ("torch_flash", "flash_attn")
 
 
 def choose_varlen_kernel(device: torch.device, dtype: torch.dtype) -> str:
     """The first kernel that runs and is correct here, tried on a tiny ragged batch.
 
-    Kernels go missing in practice (flash-attn not installed, a dtype or head size a build
-    does not cover, nested tensors without a fused SDPA on some torch/device); each is probed
-    and a failure falls through to the next, down to the plain loop.
+    Kernels go missing in practice (an older torch, flash-attn not installed, a dtype or head
+    size a build does not cover, nested tensors without a fused SDPA on some torch/device);
+    each is probed and a failure falls through to the next, down to the plain loop.
     """
     generator = torch.Generator().manual_seed(0)
     lengths = [3, 7, 1]
@@ -343,16 +336,17 @@ def choose_varlen_kernel(device: torch.device, dtype: torch.dtype) -> str:
         torch.randn(sum(lengths), 2, 32, generator=generator).to(device=device, dtype=dtype)
         for _ in range(3)
     )
-    reference = _loop_varlen(q, k, v, cu, max(lengths), 32**-0.5).float()
+    probe = (cu, max(lengths), min(lengths), 32**-0.5)
+    reference = _loop_varlen(q, k, v, *probe).float()
     for name, kernel in VARLEN_KERNELS.items():
-        if name == "flash_attn" and (device.type != "cuda" or dtype == torch.float32):
+        if name in _HALF_ONLY and (device.type != "cuda" or dtype not in HALF_DTYPES):
             continue
         if name == "nested_sdpa" and device.type != "cuda":
             # On CPU nested-tensor SDPA runs a padded math fallback (masked_select, cat, bmm):
             # measured ~18x slower than the loop over texts. Correct, so tests still cover it.
             continue
         try:
-            out = kernel(q, k, v, cu, max(lengths), 32**-0.5).float()
+            out = kernel(q, k, v, *probe).float()
         except Exception as error:  # any failure means "not available here": fall through
             log.info("varlen kernel unavailable", kernel=name, error=str(error))
             continue
@@ -375,6 +369,7 @@ def _make_varlen_attention(kernel: VarlenKernel) -> Callable[..., tuple[torch.Te
         scaling: float | None = None,
         cu_seq_lens_q: torch.Tensor | None = None,
         max_length_q: int | None = None,
+        min_length_q: int | None = None,
         **kwargs: object,
     ) -> tuple[torch.Tensor, None]:
         if cu_seq_lens_q is None:
@@ -393,7 +388,11 @@ def _make_varlen_attention(kernel: VarlenKernel) -> Callable[..., tuple[torch.Te
         # (1, heads, total, dim) -> (total, heads, dim), the layout varlen kernels take
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out = kernel(q, k, v, cu_seq_lens_q, int(max_length_q or 0), scale)
+        longest = int(max_length_q or 0)
+        # min_length_q is ours (PackedEncoder passes it; transformers hands unknown keyword
+        # arguments down to the attention function)
+        shortest = int(min_length_q) if min_length_q is not None else 1
+        out = kernel(q, k, v, cu_seq_lens_q, longest, shortest, scale)
         return out.unsqueeze(0), None  # (1, total, heads, dim), as sdpa_attention_forward
 
     return varlen_attention
@@ -406,7 +405,7 @@ def install_varlen_attention(model: torch.nn.Module, kernel_name: str) -> str:
     is process-wide, and one shared name would send every varlen model to the kernel installed
     last (an fp32 model to flash-attn, which takes only fp16/bf16). Padded calls (no
     ``cu_seq_lens_q``) go to stock SDPA with the stock mask, so the switch changes nothing for
-    ``Encoder.embed``. Returns the name the model now uses.
+    ``Encoder.embed`` (queries, warm-up, calibration). Returns the name the model now uses.
     """
     if not varlen_supported():
         import transformers
@@ -414,7 +413,7 @@ def install_varlen_attention(model: torch.nn.Module, kernel_name: str) -> str:
         raise VarlenUnavailableError(
             f"the varlen layout needs transformers>={MIN_TRANSFORMERS} (attention and mask "
             f"interfaces); this is {transformers.__version__}: upgrade it, or use the padded "
-            "or rows layout"
+            "layout (EMBEDFLEET_LAYOUT=padded)"
         )
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -428,67 +427,51 @@ def install_varlen_attention(model: torch.nn.Module, kernel_name: str) -> str:
 
 # --- the packed forward pass -------------------------------------------------------------
 class PackedEncoder:
-    """Runs packed batches through an :class:`Encoder`'s model, precision and pooling.
+    """Runs varlen batches through an :class:`Encoder`'s model, precision and pooling.
 
-    Like the encoder, not thread-safe: call ``embed`` from the model thread only.
+    Like the encoder, not thread-safe: call ``vectors``/``embed`` from the model thread only.
     """
 
-    def __init__(self, encoder: Encoder, layout: PackLayout) -> None:
-        if layout == "padded":
-            raise ValueError("padded batches go through Encoder.embed")
-        pooling = encoder.pooling
-        if (
-            len(pooling.modes) > 1
-            or pooling.mode not in PACKED_POOLING
-            or not (pooling.include_prompt)
-        ):
-            raise ValueError(
-                f"packed layouts pool one of {', '.join(PACKED_POOLING)} over whole texts; "
-                f"this model pools {'+'.join(pooling.modes)}"
-                + ("" if pooling.include_prompt else " without its prompt")
-            )
+    def __init__(self, encoder: Encoder) -> None:
+        check_packed_pooling(encoder)
         self.encoder = encoder
-        self.layout = layout
-        self.kernel: str | None = None
         # The encoder owns its model; packing borrows it (same weights, same precision).
         self._model = encoder._model
-        # Packed rows are wider than the model's position limit. BERT-class embeddings given no
-        # token_type_ids take them from a buffer as wide as that limit (sliced to the row width
-        # in transformers 4 and in several architectures still): pass zeros of the row's shape.
-        self._takes_token_types = (
-            "token_type_ids" in inspect.signature(self._model.forward).parameters
-        )
-        if layout == "varlen":
-            compute_dtype = next(self._model.parameters()).dtype
-            if encoder.precision.autocast_dtype is not None:
-                compute_dtype = encoder.precision.autocast_dtype
-            self.kernel = choose_varlen_kernel(encoder.device, compute_dtype)
-            install_varlen_attention(self._model, self.kernel)
-            log.info("varlen attention", kernel=self.kernel)
+        self._token_types = takes_token_types(self._model)
+        compute_dtype = encoder.precision.autocast_dtype or next(self._model.parameters()).dtype
+        self.kernel = choose_varlen_kernel(encoder.device, compute_dtype)
+        install_varlen_attention(self._model, self.kernel)
+        log.info("varlen attention", kernel=self.kernel)
 
-    def collate(self, items: Sequence[Tokenized], width: int | None = None) -> PackedBatch:
-        if self.layout == "rows":
-            return collate_rows(items, width or self.encoder.max_length, self.encoder.pad_id)
-        return collate_varlen(items, self.encoder.pad_id)
+    def collate(self, items: Sequence[Tokenized], *, pin: bool = False) -> VarlenBatch:
+        return collate_varlen(items, pin=pin)
 
     @torch.inference_mode()
-    def embed(self, batch: PackedBatch) -> np.ndarray:
-        """Vectors in item order: float32, (texts, dim), normalised if the model says so."""
+    def vectors(self, batch: VarlenBatch) -> torch.Tensor:
+        """Vectors in item order on the model's device: float32, (texts, dim), normalised if
+        the model says so. On CUDA this returns once the work is queued."""
         device = self.encoder.device
+        on_device = batch.buffer.to(device, non_blocking=True)
+        cu_seqlens = on_device[: batch.size + 1]
+        input_ids = on_device[batch.size + 1 :].unsqueeze(0)
+        tokens = token_map(cu_seqlens, batch.real_tokens)
         kwargs: dict[str, object] = {
-            "input_ids": batch.input_ids.to(device, non_blocking=True),
-            "position_ids": batch.position_ids.to(device, non_blocking=True),
+            "input_ids": input_ids,
+            "position_ids": tokens.position_ids.unsqueeze(0),
+            "cu_seq_lens_q": cu_seqlens,
+            "cu_seq_lens_k": cu_seqlens,
+            "max_length_q": batch.longest,
+            "max_length_k": batch.longest,
+            "min_length_q": batch.shortest,
         }
-        if self._takes_token_types:
-            kwargs["token_type_ids"] = torch.zeros(
-                batch.input_ids.shape, dtype=torch.int64, device=device
-            )
-        if batch.layout == "rows":
-            kwargs["attention_mask"] = batch.attention_mask.to(device, non_blocking=True)  # type: ignore[union-attr]
-        else:
-            kwargs["cu_seq_lens_q"] = kwargs["cu_seq_lens_k"] = batch.cu_seqlens.to(device)
-            kwargs["max_length_q"] = kwargs["max_length_k"] = int(batch.lengths.max())
+        if self._token_types:
+            kwargs["token_type_ids"] = torch.zeros_like(input_ids)
         with self.encoder.precision.context(device):
-            hidden = self._model(**kwargs).last_hidden_state
-        pooled = pool_packed(hidden.float(), batch, self.encoder.pooling.mode)
-        return self.encoder.head(pooled).cpu().numpy()
+            hidden = self._model(**kwargs).last_hidden_state[0]
+        mode = self.encoder.pooling.mode
+        pooled = pool_packed(hidden.float(), tokens.owner, tokens.first, tokens.lengths, mode)
+        return self.encoder.head(pooled)
+
+    def embed(self, batch: VarlenBatch) -> np.ndarray:
+        """:meth:`vectors`, on the host (waits for them)."""
+        return self.vectors(batch).cpu().numpy()

@@ -4,9 +4,11 @@ Three bulk tasks joined by bounded queues (Infinity's shape), so Redis I/O, toke
 the forward pass overlap while memory stays bounded:
 
     reader   XREADGROUP (and reclaimed entries), decode, dead-letter bad input,
-             tokenize on a thread                                               → windows
-    compute  sort by length, batches by token budget, forward pass on the model
-             thread; queries get in between transformer layers                  → encoded
+             tokenize, sort by length, plan batches by token budget and collate
+             them into host buffers, on the tokenizer thread                    → windows
+    compute  launch each batch on the model thread (workers/bulk.py: padded or
+             varlen; on CUDA batch i+1 is queued before batch i is collected);
+             queries get in between transformer layers                          → encoded
     writer   fp16 results to the sink, XACK in the same round trip
 
 Beside them: the query lane (workers/queries.py) and the reclaimer (workers/reclaim.py).
@@ -27,6 +29,7 @@ splitting its batch and dead-lettered alone; a fault that is permanent for the w
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -43,7 +46,8 @@ from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import Chunk, Result
 from embedfleet.shared.settings import Settings
-from embedfleet.workers.batcher import PlannedBatch, plan_batches
+from embedfleet.workers.batcher import PlannedBatch
+from embedfleet.workers.bulk import BulkBatch, BulkForward, LaunchAhead, Launched, resolve_layout
 from embedfleet.workers.calibration import Calibration, CalibrationStore
 from embedfleet.workers.consumer import StreamConsumer, StreamEntry
 from embedfleet.workers.deadletter import DeadLetters, Rejected
@@ -67,6 +71,7 @@ from embedfleet.workers.faults import (
 from embedfleet.workers.heartbeat import run_heartbeat
 from embedfleet.workers.memory import TrimTimer, release_free_memory
 from embedfleet.workers.output import Outputs
+from embedfleet.workers.precision import PROBE_TEXTS
 from embedfleet.workers.queries import QueryLane
 from embedfleet.workers.reclaim import InFlight, Reclaimer
 from embedfleet.workers.sinks import Delivery, Sink
@@ -88,12 +93,33 @@ SLICE_HEADROOM = 0.6
 
 
 @dataclass
+class Prepared:
+    """One planned batch of a window, collated into host buffers."""
+
+    planned: PlannedBatch
+    batch: BulkBatch
+
+
+@dataclass
 class Window:
-    """Valid chunks read together, tokenized, with the entries they came from."""
+    """Valid chunks read together, tokenized, with the entries they came from, and their
+    batches ready to launch."""
 
     chunks: list[Chunk]
     deliveries: list[Delivery]
     tokens: list[Tokenized]
+    batches: list[Prepared] = field(default_factory=list)
+
+
+@dataclass
+class InFlightBatch:
+    """A launched batch with what the worker needs to finish it (or retry it)."""
+
+    window: Window
+    planned: PlannedBatch
+    launched: Launched
+    oom_retries: int
+    query_seconds: float  # queries served inside the launch (not bulk time)
 
 
 @dataclass
@@ -210,6 +236,12 @@ class Worker:
         self._stage_tasks: dict[str, asyncio.Task[None]] = {}
         self._seconds_per_token: float | None = None  # measured, sizes batches to the slice
         self._trim_timer = TrimTimer()
+        # the bulk lane's layout and launches (workers/bulk.py); made in run(), on the model
+        # thread, since varlen probes its kernels there
+        self.bulk: BulkForward | None = None
+        self._ahead: LaunchAhead[InFlightBatch] = LaunchAhead(ahead=False)
+        # waits for copy backs off the event loop and off the model thread (CUDA only)
+        self._collect_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="collect")
         # EMBEDFLEET_READ_COUNT / TOKEN_BUDGET / MAX_BATCH, -1 resolved for this device
         self.batching = settings.batching(encoder.device.type)
 
@@ -273,12 +305,15 @@ class Worker:
             dtype=str(self.encoder.dtype).removeprefix("torch."),
             slice_ms=round(self.slice_seconds * 1000),
         )
+        if not self.settings.query_only:
+            self.bulk = await asyncio.get_running_loop().run_in_executor(
+                self._model_thread, self._make_bulk
+            )
+            self._ahead = LaunchAhead(ahead=self.bulk.asynchronous)
         # One forward pass before the first timed batch: the slice estimator (_learn_speed)
         # must not learn from cold kernels, lazy allocations and first-shape dispatch.
         try:
-            await asyncio.get_running_loop().run_in_executor(
-                self._model_thread, self.encoder.warm_up
-            )
+            await asyncio.get_running_loop().run_in_executor(self._model_thread, self._warm_up)
         except Exception as error:
             if is_device_fault(error):
                 raise DeviceFault(f"CUDA error in the warm-up forward pass: {error}") from error
@@ -306,6 +341,7 @@ class Worker:
         finally:
             self._model_thread.shutdown(wait=False, cancel_futures=True)
             self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+            self._collect_thread.shutdown(wait=False, cancel_futures=True)
         log.info("worker stopped", texts=self.stats.texts, dead_letters=self.stats.dead_letters)
 
     async def _stage(self, name: str, coroutine: Coroutine[Any, Any, None]) -> None:
@@ -393,7 +429,20 @@ class Worker:
         window = Window([a.chunk for a in accepted], [a.delivery for a in accepted], tokens)
         window = await self._reject_overlong(window)
         if window.chunks:
+            window.batches = await loop.run_in_executor(
+                self._tokenizer_thread, self._prepare, window
+            )
             await windows.put(window)
+
+    def _prepare(self, window: Window) -> list[Prepared]:
+        """On the tokenizer thread: the window's batches, planned and collated."""
+        assert self.bulk is not None
+        lengths = [t.length for t in window.tokens]
+        plans = self.bulk.plan(lengths, self._token_cap(), self.batching.max_batch)
+        return [
+            Prepared(planned, self.bulk.collate([window.tokens[p] for p in planned.positions]))
+            for planned in plans
+        ]
 
     def _with_prompts(
         self, accepted: list[Accepted], rejected: list[Rejected]
@@ -439,15 +488,37 @@ class Worker:
             self.in_flight.remove(item.stream, [item.entry_id])
 
     # --- compute ----------------------------------------------------------------------
+    def _make_bulk(self) -> BulkForward:
+        """On the model thread: the bulk lane for EMBEDFLEET_LAYOUT (varlen installs its
+        attention in the model, which still runs padded batches as before)."""
+        layout = resolve_layout(self.settings.layout, self.encoder)
+        bulk = BulkForward(self.encoder, layout)
+        log.info(
+            "bulk layout",
+            layout=layout,
+            kernel=bulk.packer.kernel if bulk.packer else None,
+            launch_ahead=bulk.asynchronous,
+        )
+        return bulk
+
+    def _warm_up(self) -> None:
+        """The encoder's warm-up, then one batch through the bulk lane's own path (varlen
+        kernels, pinned buffers and events get their first call here, not in a timed batch)."""
+        self.encoder.warm_up()
+        if self.bulk is not None and self.bulk.layout == "varlen":
+            tokens = self.encoder.tokenize(list(PROBE_TEXTS[:4]))
+            self.bulk.launch(self.bulk.collate(tokens)).vectors()
+
     def _bulk_frozen(self) -> bool:
         """Bulk batches through the frozen, pre-packed copy: where it was kept (CPU) and the
         model computes in bf16/fp16, whose eager linear layers measured several times slower
         than the frozen graph's (docs/BENCHMARKS.md, Throughput II). In float32 the two are
-        even, and eager keeps its layer boundaries for queries."""
+        even, and eager keeps its layer boundaries for queries. Padded batches only."""
         return (
             self.settings.frozen_bulk
             and self.encoder.has_query_graph
             and self.encoder.computes_in_reduced_precision
+            and (self.bulk is None or self.bulk.layout == "padded")
         )
 
     def _token_cap(self) -> int:
@@ -467,15 +538,19 @@ class Worker:
     ) -> None:
         try:
             while (window := await windows.get()) is not _END:
-                lengths = [t.length for t in window.tokens]
-                for planned in plan_batches(lengths, self._token_cap(), self.batching.max_batch):
-                    await self._encode(window, planned, encoded)
+                for prepared in window.batches:
+                    await self._encode(window, prepared.planned, encoded, batch=prepared.batch)
+                if windows.empty():
+                    # nothing to launch behind the batch in flight: collect it now rather than
+                    # hold its results until the next window comes
+                    await self._collect_in_flight(encoded)
                 # on the model thread, between windows, on a timer: keeps RSS flat
                 # (workers/memory.py)
                 if self._trim_timer.due():
                     await asyncio.get_running_loop().run_in_executor(
                         self._model_thread, release_free_memory
                     )
+            await self._collect_in_flight(encoded)
         finally:
             await encoded.put(_END)
 
@@ -485,27 +560,62 @@ class Worker:
         planned: PlannedBatch,
         encoded: asyncio.Queue[Encoded | None],
         oom_retries: int = 0,
+        batch: BulkBatch | None = None,
     ) -> None:
+        """Launch one batch; then collect the batch launched before it (on CUDA it ran
+        meanwhile; on CPU the launch was the computation and it is this one)."""
+        assert self.bulk is not None
         loop = asyncio.get_running_loop()
         tokens = [window.tokens[p] for p in planned.positions]
-        started = time.perf_counter()
+        if batch is None:  # a retried or split batch: collated again, off the event loop
+            batch = await loop.run_in_executor(self._tokenizer_thread, self.bulk.collate, tokens)
         query_seconds_before = self.queries.serving_seconds
         self.events.batch_started(texts=len(tokens), padded_tokens=planned.padded_tokens)
+        launch = functools.partial(
+            self.bulk.launch,
+            batch,
+            frozen=self._bulk_frozen(),
+            half=self.outputs.full_float16([window.chunks[p] for p in planned.positions]),
+        )
         try:
-            embed = self.encoder.embed_query if self._bulk_frozen() else self.encoder.embed
-            vectors = await loop.run_in_executor(
-                self._model_thread, embed, self.encoder.collate(tokens)
-            )
+            launched = await loop.run_in_executor(self._model_thread, launch)
         except Exception as error:
             await self._on_model_error(window, planned, encoded, error, oom_retries)
             return
-        # queries served at layer boundaries ran inside this call; they are not bulk time
-        seconds = (
-            time.perf_counter() - started - (self.queries.serving_seconds - query_seconds_before)
+        query_seconds = self.queries.serving_seconds - query_seconds_before
+        collect = self._ahead.push(
+            InFlightBatch(window, planned, launched, oom_retries, query_seconds)
         )
+        if collect is not None:
+            await self._collect(collect, encoded)
+
+    async def _collect_in_flight(self, encoded: asyncio.Queue[Encoded | None]) -> None:
+        if (in_flight := self._ahead.pop()) is not None:
+            await self._collect(in_flight, encoded)
+
+    async def _collect(
+        self, in_flight: InFlightBatch, encoded: asyncio.Queue[Encoded | None]
+    ) -> None:
+        """Wait for a launched batch's vectors and hand them to the writer."""
+        window, planned, launched = in_flight.window, in_flight.planned, in_flight.launched
+        try:
+            if launched.done:
+                vectors = launched.vectors()
+            else:  # the wait blocks a thread: neither the event loop nor the model thread
+                vectors = await asyncio.get_running_loop().run_in_executor(
+                    self._collect_thread, launched.vectors
+                )
+        except Exception as error:  # a CUDA error surfaces where the host first waits
+            await self._on_model_error(window, planned, encoded, error, in_flight.oom_retries)
+            return
+        # On CPU: the launch's wall time, less the queries served at layer boundaries inside
+        # it. On CUDA: the device's time between the batch's events.
+        seconds = launched.seconds
+        if launched.copied is None:
+            seconds -= in_flight.query_seconds
         self._learn_speed(seconds, planned.padded_tokens)
         self.events.batch_encoded(
-            texts=len(tokens),
+            texts=len(planned.positions),
             real_tokens=planned.real_tokens,
             padded_tokens=planned.padded_tokens,
             seconds=seconds,
@@ -514,7 +624,7 @@ class Worker:
             Encoded(
                 chunks=[window.chunks[p] for p in planned.positions],
                 deliveries=[window.deliveries[p] for p in planned.positions],
-                tokens=tokens,
+                tokens=[window.tokens[p] for p in planned.positions],
                 vectors=vectors,
             )
         )
@@ -564,7 +674,7 @@ class Worker:
         )
         for half in (positions[: len(positions) // 2], positions[len(positions) // 2 :]):
             lengths = [window.tokens[p].length for p in half]
-            sub = PlannedBatch(positions=half, longest=max(lengths), real_tokens=sum(lengths))
+            sub = PlannedBatch(half, max(lengths), sum(lengths), packed=planned.packed)
             await self._encode(window, sub, encoded)
 
     def _learn_speed(self, seconds: float, padded_tokens: int) -> None:
