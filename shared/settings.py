@@ -137,8 +137,9 @@ class Settings(BaseSettings):
     block_ms: int = Field(default=2000, ge=1)
     """How long an idle worker blocks waiting for entries."""
     token_budget: int = -1
-    """Most padded tokens per micro-batch (batch size × longest sequence). -1 = auto for the device:
-    4096 on CPU (measured fastest; 8192 was slower), 131072 on CUDA."""
+    """Most tokens a micro-batch computes: batch size × longest sequence in the padded layout, the
+    texts' own tokens in varlen (EMBEDFLEET_LAYOUT). -1 = auto for the device: 4096 on CPU
+    (measured fastest; 8192 was slower), 131072 on CUDA."""
     max_batch: int = -1
     """Most texts in one micro-batch. -1 = auto for the device: 128 on CPU, 1024 on CUDA."""
 

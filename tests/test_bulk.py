@@ -19,17 +19,10 @@ from embedfleet.shared.settings import Settings
 from embedfleet.workers.bulk import BulkForward, LaunchAhead, Launched, resolve_layout
 from embedfleet.workers.encoder import Encoder
 from embedfleet.workers.packing import VarlenBatch, collate_varlen
-from embedfleet.workers.precision import cosines
+from embedfleet.workers.precision import PROBE_TEXTS, cosines
 from tests.conftest import FakeEvents, WorkerLauncher
 
-TEXTS = [
-    "A short one.",
-    "Sentence embeddings map text to vectors that can be compared with cosine similarity.",
-    "Redis streams hold the work; consumer groups share it between the workers of a fleet.",
-    "Padding costs a GPU as much as a real token, which is why the varlen layout packs texts.",
-    "ok",
-    "The quick brown fox jumps over the lazy dog, twice, and then once more for good measure.",
-]
+TEXTS = list(PROBE_TEXTS[:6])  # real sentences of mixed lengths
 
 
 def test_collate_varlen_is_one_int32_buffer(encoder: Encoder) -> None:
@@ -144,3 +137,18 @@ async def test_worker_varlen_on_cpu_matches_sentence_transformers(
     parity = cosines(reference, np.stack([results[i] for i in ids]))
     print(f"worker varlen (CPU) vs sentence-transformers fp32: min {parity.min():.6f}")
     assert parity.min() >= 0.9999
+
+
+def test_device_casts_to_float16_only_for_full_float16_outputs(encoder: Encoder) -> None:
+    """The fp16 cast before the copy back is for batches whose every chunk stores the whole
+    vector in float16; a truncated, float32 or quantized output is computed from float32."""
+    from embedfleet.shared.protocol import Chunk
+    from embedfleet.workers.output import Outputs
+
+    outputs = Outputs(Settings(), encoder, calibrations=None)  # type: ignore[arg-type]
+    plain = Chunk(id="a", text="x")
+    assert outputs.full_float16([plain, Chunk(id="b", text="y", dtype="float16")])
+    assert not outputs.full_float16([plain, Chunk(id="c", text="z", dimensions=64)])
+    assert not outputs.full_float16([plain, Chunk(id="d", text="z", dtype="float32")])
+    assert not outputs.full_float16([Chunk(id="e", text="z", dtype="int8")])
+    assert not Outputs(Settings(output_dtype="float32"), encoder, None).full_float16([plain])  # type: ignore[arg-type]

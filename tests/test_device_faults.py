@@ -84,9 +84,6 @@ async def test_cuda_error_stops_the_worker_and_leaves_entries_pending(
     client: aioredis.Redis,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from embedfleet.workers.sinks import RedisStreamSink
-    from embedfleet.workers.worker import Worker
-
     real_embed = encoder.embed
     forward_passes = []
 
@@ -97,13 +94,26 @@ async def test_cuda_error_stops_the_worker_and_leaves_entries_pending(
         raise RuntimeError(ASSERT_MESSAGE)
 
     monkeypatch.setattr(encoder, "embed", poisoned)
+    await _stops_with_entries_pending(settings, encoder, client, "c")
+
+
+async def _stops_with_entries_pending(
+    settings: Settings, encoder: Encoder, client: aioredis.Redis, job: str
+) -> None:
+    """A worker given TEXTS stops with a DeviceFault for the device-side assert, nothing
+    dead-lettered, every entry read and left pending."""
+    from embedfleet.workers.sinks import RedisStreamSink
+    from embedfleet.workers.worker import Worker
+
     worker = Worker(settings, encoder, client, RedisStreamSink(client, settings.keys))
     task = asyncio.create_task(worker.run())
     async with Producer(settings) as producer:
-        await producer.enqueue([{"id": f"c-{i}", "text": t} for i, t in enumerate(TEXTS)], job="c")
+        await producer.enqueue(
+            [{"id": f"{job}-{i}", "text": t} for i, t in enumerate(TEXTS)], job=job
+        )
         with pytest.raises(DeviceFault, match="device-side assert"):
             await asyncio.wait_for(task, timeout=60)
-        progress = await producer.progress("c")
+        progress = await producer.progress(job)
     assert progress.dead == 0 and worker.stats.dead_letters == 0
     pending = await client.xpending(settings.keys.ingest, settings.group)
     assert pending["pending"] == len(TEXTS)  # read, never acknowledged: another worker's now
@@ -145,23 +155,11 @@ async def test_cuda_error_at_the_copy_back_stops_the_worker(
 ) -> None:
     """On the CUDA path a device-side assert surfaces when the host waits on the batch's
     event, not at launch: the worker stops the same way, nothing dead-lettered."""
-    from embedfleet.workers.sinks import RedisStreamSink
-    from embedfleet.workers.worker import Worker
-
     # the warm-up's varlen batch is waited on once; every later wait fails
     fake_cuda_events.failure = (2, RuntimeError(ASSERT_MESSAGE))
     settings = settings.model_copy(update={"layout": "varlen"})
-    worker = Worker(settings, varlen_encoder, client, RedisStreamSink(client, settings.keys))
-    task = asyncio.create_task(worker.run())
-    async with Producer(settings) as producer:
-        await producer.enqueue([{"id": f"e-{i}", "text": t} for i, t in enumerate(TEXTS)], job="e")
-        with pytest.raises(DeviceFault, match="device-side assert"):
-            await asyncio.wait_for(task, timeout=60)
-        progress = await producer.progress("e")
-    assert progress.dead == 0 and worker.stats.dead_letters == 0
+    await _stops_with_entries_pending(settings, varlen_encoder, client, "e")
     assert fake_cuda_events.waits >= 2
-    pending = await client.xpending(settings.keys.ingest, settings.group)
-    assert pending["pending"] == len(TEXTS)
 
 
 def test_tf32_for_float32_work_on_cuda_only() -> None:

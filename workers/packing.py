@@ -47,6 +47,7 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from embedfleet.shared.logging import get_logger
 from embedfleet.workers.encoder import Encoder, Tokenized
@@ -218,10 +219,19 @@ def pool_packed(
 
 
 # --- variable-length attention -----------------------------------------------------------
-# (q, k, v: (tokens, heads, dim), cu_seqlens int32, longest, shortest, scale) -> like q
-VarlenKernel = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, float], torch.Tensor
-]
+@dataclass(frozen=True)
+class Ragged:
+    """How a varlen row splits into texts, for a kernel: all known on the host, so no kernel
+    reads a length back from the device."""
+
+    cu_seqlens: torch.Tensor  # (texts + 1,) int32, on the row's device
+    longest: int
+    shortest: int
+    scale: float
+
+
+# (q, k, v: (tokens, heads, dim), ragged) -> (tokens, heads, dim)
+VarlenKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Ragged], torch.Tensor]
 
 
 @functools.cache
@@ -231,75 +241,45 @@ def _torch_varlen_takes_scale() -> bool:
     return "scale" in inspect.signature(varlen_attn).parameters
 
 
-def _torch_flash_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu: torch.Tensor,
-    longest: int,
-    shortest: int,
-    scale: float,
-) -> torch.Tensor:
+def _torch_flash_varlen(q: Tensor, k: Tensor, v: Tensor, ragged: Ragged) -> Tensor:
     if q.dtype not in HALF_DTYPES:
         raise TypeError(f"torch's flash varlen takes fp16/bf16, got {q.dtype}")
     from torch.nn.attention.varlen import varlen_attn  # torch >= 2.9
 
+    cu, longest = ragged.cu_seqlens, ragged.longest
     if _torch_varlen_takes_scale():
-        return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale)
-    if abs(scale - q.shape[-1] ** -0.5) > 1e-9:  # an older torch's varlen_attn has no scale
+        return varlen_attn(q, k, v, cu, cu, longest, longest, scale=ragged.scale)
+    if abs(ragged.scale - q.shape[-1] ** -0.5) > 1e-9:  # an older torch's takes no scale
         raise ValueError("this torch's varlen_attn takes no scale, and the model's is not 1/√d")
     return varlen_attn(q, k, v, cu, cu, longest, longest)
 
 
-def _flash_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu: torch.Tensor,
-    longest: int,
-    shortest: int,
-    scale: float,
-) -> torch.Tensor:
+def _flash_varlen(q: Tensor, k: Tensor, v: Tensor, ragged: Ragged) -> Tensor:
     if q.dtype not in HALF_DTYPES:
         # flash-attn's own message is a CUDA-side assert; say which model got the wrong kernel
         raise TypeError(f"flash_attn varlen takes fp16/bf16, got {q.dtype}: use another kernel")
     from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
 
-    return flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, softmax_scale=scale)
+    cu, longest = ragged.cu_seqlens, ragged.longest
+    return flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, softmax_scale=ragged.scale)
 
 
-def _nested_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu: torch.Tensor,
-    longest: int,
-    shortest: int,
-    scale: float,
-) -> torch.Tensor:
-    offsets = cu.to(torch.int64)
+def _nested_varlen(q: Tensor, k: Tensor, v: Tensor, ragged: Ragged) -> Tensor:
+    offsets = ragged.cu_seqlens.to(torch.int64)
 
     def jagged(x: torch.Tensor) -> torch.Tensor:  # (total, heads, dim) -> (texts, heads, j, dim)
         # min/max given: SDPA would otherwise read them back from the device, every layer
         nested = torch.nested.nested_tensor_from_jagged(
-            x, offsets=offsets, min_seqlen=shortest, max_seqlen=longest
+            x, offsets=offsets, min_seqlen=ragged.shortest, max_seqlen=ragged.longest
         )
         return nested.transpose(1, 2)
 
-    out = F.scaled_dot_product_attention(jagged(q), jagged(k), jagged(v), scale=scale)
+    out = F.scaled_dot_product_attention(jagged(q), jagged(k), jagged(v), scale=ragged.scale)
     return out.transpose(1, 2).values()
 
 
-def _loop_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu: torch.Tensor,
-    longest: int,
-    shortest: int,
-    scale: float,
-) -> torch.Tensor:
-    bounds = cu.tolist()  # a host read: the CPU's kernel (on a CPU it costs nothing)
+def _loop_varlen(q: Tensor, k: Tensor, v: Tensor, ragged: Ragged) -> Tensor:
+    bounds = ragged.cu_seqlens.tolist()  # a host read: the CPU's kernel (costs nothing there)
     pieces = []
     for start, end in itertools.pairwise(bounds):
         pieces.append(
@@ -307,7 +287,7 @@ def _loop_varlen(
                 q[start:end].transpose(0, 1),
                 k[start:end].transpose(0, 1),
                 v[start:end].transpose(0, 1),
-                scale=scale,
+                scale=ragged.scale,
             ).transpose(0, 1)
         )
     return torch.cat(pieces)
@@ -336,8 +316,8 @@ def choose_varlen_kernel(device: torch.device, dtype: torch.dtype) -> str:
         torch.randn(sum(lengths), 2, 32, generator=generator).to(device=device, dtype=dtype)
         for _ in range(3)
     )
-    probe = (cu, max(lengths), min(lengths), 32**-0.5)
-    reference = _loop_varlen(q, k, v, *probe).float()
+    probe = Ragged(cu, longest=max(lengths), shortest=min(lengths), scale=32**-0.5)
+    reference = _loop_varlen(q, k, v, probe).float()
     for name, kernel in VARLEN_KERNELS.items():
         if name in _HALF_ONLY and (device.type != "cuda" or dtype not in HALF_DTYPES):
             continue
@@ -346,7 +326,7 @@ def choose_varlen_kernel(device: torch.device, dtype: torch.dtype) -> str:
             # measured ~18x slower than the loop over texts. Correct, so tests still cover it.
             continue
         try:
-            out = kernel(q, k, v, *probe).float()
+            out = kernel(q, k, v, probe).float()
         except Exception as error:  # any failure means "not available here": fall through
             log.info("varlen kernel unavailable", kernel=name, error=str(error))
             continue
@@ -387,12 +367,15 @@ def _make_varlen_attention(kernel: VarlenKernel) -> Callable[..., tuple[torch.Te
             )
         # (1, heads, total, dim) -> (total, heads, dim), the layout varlen kernels take
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        longest = int(max_length_q or 0)
         # min_length_q is ours (PackedEncoder passes it; transformers hands unknown keyword
         # arguments down to the attention function)
-        shortest = int(min_length_q) if min_length_q is not None else 1
-        out = kernel(q, k, v, cu_seq_lens_q, longest, shortest, scale)
+        ragged = Ragged(
+            cu_seq_lens_q,
+            longest=int(max_length_q or 0),
+            shortest=int(min_length_q) if min_length_q is not None else 1,
+            scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
+        )
+        out = kernel(q, k, v, ragged)
         return out.unsqueeze(0), None  # (1, total, heads, dim), as sdpa_attention_forward
 
     return varlen_attention

@@ -505,9 +505,18 @@ class Worker:
         """The encoder's warm-up, then one batch through the bulk lane's own path (varlen
         kernels, pinned buffers and events get their first call here, not in a timed batch)."""
         self.encoder.warm_up()
-        if self.bulk is not None and self.bulk.layout == "varlen":
+        if self.bulk is None or self.bulk.layout != "varlen":
+            return
+        try:
             tokens = self.encoder.tokenize(list(PROBE_TEXTS[:4]))
             self.bulk.launch(self.bulk.collate(tokens)).vectors()
+        except Exception as error:
+            if is_device_fault(error) or self.settings.layout == "varlen":
+                raise
+            # a kernel that passed its probe but fails in the model: better padded batches
+            # than every text dead-lettered as a model error
+            log.warning("varlen layout failed its warm-up batch; padded batches", error=str(error))
+            self.bulk = BulkForward(self.encoder, "padded")
 
     def _bulk_frozen(self) -> bool:
         """Bulk batches through the frozen, pre-packed copy: where it was kept (CPU) and the
