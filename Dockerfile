@@ -68,7 +68,6 @@ ENV PATH=/opt/embedfleet/bin:${PATH} \
     XDG_CACHE_HOME=/tmp/.cache \
     HF_HOME=/tmp/.cache/huggingface \
     HF_HUB_OFFLINE=1 \
-    TOKENIZERS_PARALLELISM=false \
     TORCHINDUCTOR_CACHE_DIR=/tmp/.cache/torchinductor \
     TRITON_CACHE_DIR=/tmp/.cache/triton \
     PYTHONDONTWRITEBYTECODE=1 \

@@ -24,5 +24,5 @@ if ! compgen -G "$CARRY/wheels/*.whl" > /dev/null; then
 fi
 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target "$SITE" "$CARRY"/wheels/*.whl || { echo "gpu_check: wheel install failed" >&2; exit 3; }
-export PYTHONPATH="$SITE:$PWD" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export PYTHONPATH="$SITE:$PWD" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 exec "$PYTHON" -m loadtest.gpu_check "$@"

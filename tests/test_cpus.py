@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,24 @@ def test_usable_cpus_on_this_machine_is_within_the_affinity_mask() -> None:
     import os
 
     assert 1 <= usable_cpus() <= len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize(
+    ("device", "preset", "parallel"),
+    [("cpu", None, False), ("cuda", None, True), ("cuda", "false", False), ("cpu", "true", True)],
+)
+def test_tokenizer_threads_follow_the_device_unless_set(
+    monkeypatch: pytest.MonkeyPatch, device: str, preset: str | None, parallel: bool
+) -> None:
+    """On a CPU the model's threads own the cores; on CUDA the tokenizer gets them all; an
+    operator's TOKENIZERS_PARALLELISM wins either way."""
+    import torch
+
+    from embedfleet.workers.encoder import configure_tokenizer_threads
+
+    if preset is None:
+        monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    else:
+        monkeypatch.setenv("TOKENIZERS_PARALLELISM", preset)
+    assert configure_tokenizer_threads(torch.device(device)) is parallel
+    assert os.environ["TOKENIZERS_PARALLELISM"] == (preset or str(parallel).lower())

@@ -9,6 +9,7 @@ forward pass on their own threads.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, cast
@@ -123,6 +124,17 @@ def configure_device_math(device: torch.device) -> None:
         torch.backends.cudnn.allow_tf32 = True
 
 
+def configure_tokenizer_threads(device: torch.device) -> bool:
+    """Whether the Rust tokenizer batch-encodes on all cores, decided by the device unless
+    TOKENIZERS_PARALLELISM is set: on a CPU the model's threads own the cores (a tokenizer pool
+    beside them stalls their barriers, docs/BENCHMARKS.md "Threads under contention"); on CUDA
+    the host cores are otherwise idle, and one tokenizing core cannot feed a GPU doing tens of
+    thousands of texts a second. The tokenizers library reads the variable at each batch call."""
+    if "TOKENIZERS_PARALLELISM" not in os.environ:
+        os.environ["TOKENIZERS_PARALLELISM"] = "true" if device.type == "cuda" else "false"
+    return os.environ["TOKENIZERS_PARALLELISM"].lower() in ("1", "true", "yes", "on")
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """The dtype asked for; for ``auto``, the reduced precision the device runs natively (the
     parity probe at load may still fall back to float32: see workers/precision.py)."""
@@ -144,6 +156,7 @@ class Encoder:
         self.name = model if model == PACKAGED_MODEL else self.model_dir.name
         self.device = resolve_device(device)
         configure_device_math(self.device)
+        self.parallel_tokenizer = configure_tokenizer_threads(self.device)
         # `auto` loads fp32 and settles on a precision after the parity probe, below.
         self.precision: Precision = requested_precision(dtype, self.device)
         self.parity: ParityReport | None = None
