@@ -147,7 +147,9 @@ class Settings(BaseSettings):
     slice_ms: float = -1
     """Longest stretch of bulk compute a query may wait behind (one transformer layer of one
     batch; batches are sized to fit). -1 = auto (100 on CPU, 20 on CUDA), 0 = no limit (bulk-only
-    workers)."""
+    workers). Applies only where queries are served between bulk layers: not on the CUDA query
+    lane (EMBEDFLEET_CUDA_QUERY_LANE graph or stream), where queries run beside the bulk pass and
+    bulk batches use the full token budget."""
     frozen_queries: bool = True
     """On CPU, queries run through a frozen TorchScript copy of the model (weights pre-packed once):
     about half the time of the eager pass for a short text. Kept only if it matches the eager model

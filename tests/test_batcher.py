@@ -56,6 +56,7 @@ class _SlicingEncoder:
     pooling = types.SimpleNamespace(normalize=True)
     has_query_graph = False  # eager: sliced per layer
     computes_in_reduced_precision = True
+    serves_queries_concurrently = False  # queries served at layer boundaries (CPU)
 
 
 def test_frozen_bulk_sizes_whole_batches_to_the_slice() -> None:
@@ -94,3 +95,14 @@ def test_token_cap_bounds() -> None:
     assert _worker_with_speed(0, 0.6e-3)._token_cap() == 4096  # slicing off
     assert _worker_with_speed(100, 60e-3)._token_cap() == MIN_SLICED_TOKENS  # very slow model
     assert _worker_with_speed(100, 1e-6)._token_cap() == 4096  # very fast model
+
+
+def test_queries_served_concurrently_leave_bulk_batches_the_full_budget() -> None:
+    """On the CUDA query lane queries never wait on a bulk layer: no slice target, whatever
+    EMBEDFLEET_SLICE_MS says, and batches use the whole token budget."""
+    for slice_ms in (-1, 20, 100):
+        worker = _worker_with_speed(slice_ms, seconds_per_token=0.6e-3)
+        worker.encoder.device = types.SimpleNamespace(type="cuda")  # type: ignore[misc]
+        assert worker._token_cap() < 4096  # queries at layer boundaries: sliced
+        worker.encoder.serves_queries_concurrently = True  # type: ignore[misc]
+        assert worker.slice_seconds == 0 and worker._token_cap() == 4096

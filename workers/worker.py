@@ -256,6 +256,15 @@ class Worker:
 
     @property
     def slice_seconds(self) -> float:
+        """The longest stretch of bulk compute a query may wait behind, which bulk batches are
+        sized to (``_token_cap``); 0 = no limit.
+
+        No limit where queries are served concurrently (the CUDA query lane: its own model copy
+        and stream, its own thread, never at a bulk layer boundary): a query does not wait on
+        bulk layers there, so capping batches would only cost throughput. Bulk batches then use
+        the full token budget whatever EMBEDFLEET_SLICE_MS says."""
+        if self.encoder.serves_queries_concurrently:
+            return 0.0
         configured = self.settings.slice_ms
         if configured < 0:
             configured = SLICE_MS_AUTO.get(self.encoder.device.type, 100.0)
@@ -531,9 +540,10 @@ class Worker:
         )
 
     def _token_cap(self) -> int:
-        """Token budget, shrunk so one slice of a batch fits in the slice target: a query then
-        waits at most one slice. A slice is one transformer layer of an eager batch, the whole
-        batch in the frozen copy (no layer boundaries). Sized from the throughput so far."""
+        """Token budget, shrunk so one slice of a batch fits in the slice target (none where
+        queries do not wait on bulk work, see ``slice_seconds``): a query then waits at most one
+        slice. A slice is one transformer layer of an eager batch, the whole batch in the
+        frozen copy (no layer boundaries). Sized from the throughput so far."""
         target = self.slice_seconds
         if target <= 0 or self._seconds_per_token is None:
             return self.batching.token_budget
