@@ -251,16 +251,35 @@ class Recorder(WorkerEvents):
         self._record(change)
 
 
-def worker_env(settings: Settings, **extra: str) -> dict[str, str]:
-    """Environment for an `embedfleet worker` process on ``settings``' server and namespace."""
+def cli_env(settings: Settings, **extra: str) -> dict[str, str]:
+    """Environment for an `embedfleet` command on ``settings``' server and namespace."""
     return {
         **os.environ,
         "EMBEDFLEET_REDIS_URL": settings.effective_redis_url,
         "EMBEDFLEET_NAMESPACE": settings.namespace,
-        "EMBEDFLEET_BLOCK_MS": "200",
-        "EMBEDFLEET_LOG_FORMAT": "json",
         **extra,
     }
+
+
+async def start_cli(env: dict[str, str], *args: str, **options: Any) -> asyncio.subprocess.Process:
+    """`embedfleet <args>` as a subprocess, its stdout and stderr piped for the test to read;
+    ``options`` go to ``asyncio.create_subprocess_exec``."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "embedfleet.cli",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+        **options,
+    )
+
+
+def worker_env(settings: Settings, **extra: str) -> dict[str, str]:
+    """Environment for an `embedfleet worker` process on ``settings``' server and namespace."""
+    worker_defaults = {"EMBEDFLEET_BLOCK_MS": "200", "EMBEDFLEET_LOG_FORMAT": "json"}
+    return cli_env(settings, **(worker_defaults | extra))
 
 
 class WorkerProcess:

@@ -12,7 +12,6 @@ import dataclasses
 import itertools
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -34,7 +33,7 @@ from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.health import HealthServer
 from embedfleet.workers.metrics import StreamGauges, WorkerMetrics
-from tests.conftest import WorkerLauncher
+from tests.conftest import WorkerLauncher, cli_env, start_cli
 
 CHUNKS = 300
 FAMILIES = {
@@ -347,11 +346,7 @@ def embedfleet(settings: Settings, *args: str, timeout: float = 60) -> subproces
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={
-            **os.environ,
-            "EMBEDFLEET_REDIS_URL": settings.effective_redis_url,
-            "EMBEDFLEET_NAMESPACE": settings.namespace,
-        },
+        env=cli_env(settings),
     )
 
 
@@ -459,24 +454,9 @@ async def test_status_watch_json_until_ctrl_c(
     def default_sigint() -> None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
 
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "embedfleet.cli",
-        "status",
-        "--watch",
-        "--json",
-        "--interval",
-        "0.2",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env={
-            **os.environ,
-            "EMBEDFLEET_REDIS_URL": settings.effective_redis_url,
-            "EMBEDFLEET_NAMESPACE": settings.namespace,
-        },
-        preexec_fn=ignore_sigint if inherited == "ignored" else default_sigint,
-    )
+    args = ("status", "--watch", "--json", "--interval", "0.2")
+    preexec = ignore_sigint if inherited == "ignored" else default_sigint
+    process = await start_cli(cli_env(settings), *args, preexec_fn=preexec)
     assert process.stdout is not None
     frames = [json.loads(await asyncio.wait_for(process.stdout.readline(), 30)) for _ in range(3)]
     process.send_signal(signal.SIGINT)

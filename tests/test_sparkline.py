@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import signal
-import sys
 
 import redis.asyncio as aioredis
 
 from embedfleet.producer.sparkline import ASCII_LEVELS, BLOCKS, Trend, levels_for, sparkline
 from embedfleet.shared.settings import Settings
+from tests.conftest import cli_env, start_cli
 
 
 def test_sparkline_scales_to_the_highest_value() -> None:
@@ -62,23 +61,8 @@ async def test_status_watch_draws_throughput_and_backlog(
     await client.xgroup_create(keys.ingest, settings.group, id="0", mkstream=True)
     for number in range(50):
         await client.xadd(keys.ingest, {"m": f"chunk {number}"})
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "embedfleet.cli",
-        "status",
-        "--watch",
-        "--interval",
-        "0.2",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env={
-            **os.environ,
-            "EMBEDFLEET_REDIS_URL": settings.effective_redis_url,
-            "EMBEDFLEET_NAMESPACE": settings.namespace,
-            "PYTHONIOENCODING": "utf-8",
-        },
-    )
+    env = cli_env(settings, PYTHONIOENCODING="utf-8")
+    process = await start_cli(env, "status", "--watch", "--interval", "0.2")
     assert process.stdout is not None
 
     async def next_trend_line(pattern: str) -> str:
