@@ -106,38 +106,29 @@ def _byte_level_bpe() -> Tokenizer:
     return tokenizer
 
 
+def _special_token_names(
+    cls: str, sep: str, pad: str, unk: str, mask: str, *, bos_eos: bool = False
+) -> dict[str, str]:
+    """The special-token arguments of PreTrainedTokenizerFast; ``bos_eos``: RoBERTa's way (MPNet,
+    XLM-R), where the CLS and SEP tokens are also BOS and EOS."""
+    names = dict(cls_token=cls, sep_token=sep, pad_token=pad, unk_token=unk, mask_token=mask)
+    if bos_eos:
+        names.update(bos_token=cls, eos_token=sep)
+    return names
+
+
 def _fast_tokenizer(family: str) -> PreTrainedTokenizerFast:
     if family in ("bert", "distilbert", "modernbert"):
-        raw = _wordpiece("[CLS]", "[SEP]", "[PAD]", "[UNK]", "[MASK]", lowercase=True)
-        names = dict(
-            cls_token="[CLS]",
-            sep_token="[SEP]",
-            pad_token="[PAD]",
-            unk_token="[UNK]",
-            mask_token="[MASK]",
-        )
+        specials = ("[CLS]", "[SEP]", "[PAD]", "[UNK]", "[MASK]")
+        raw = _wordpiece(*specials, lowercase=True)
+        names = _special_token_names(*specials)
     elif family == "mpnet":  # MPNet uses <s> </s> and <pad> at id 1 around a WordPiece vocab
-        raw = _wordpiece("<s>", "</s>", "<pad>", "[UNK]", "<mask>", lowercase=True)
-        names = dict(
-            bos_token="<s>",
-            eos_token="</s>",
-            cls_token="<s>",
-            sep_token="</s>",
-            pad_token="<pad>",
-            unk_token="[UNK]",
-            mask_token="<mask>",
-        )
+        specials = ("<s>", "</s>", "<pad>", "[UNK]", "<mask>")
+        raw = _wordpiece(*specials, lowercase=True)
+        names = _special_token_names(*specials, bos_eos=True)
     elif family == "xlm-roberta":
         raw = _unigram()
-        names = dict(
-            bos_token="<s>",
-            eos_token="</s>",
-            cls_token="<s>",
-            sep_token="</s>",
-            pad_token="<pad>",
-            unk_token="<unk>",
-            mask_token="<mask>",
-        )
+        names = _special_token_names("<s>", "</s>", "<pad>", "<unk>", "<mask>", bos_eos=True)
     else:
         raw = _byte_level_bpe()
         names = dict(eos_token="<|endoftext|>", pad_token="<|endoftext|>")
