@@ -24,7 +24,9 @@ import sys
 import termios
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import pyte
@@ -46,7 +48,7 @@ from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.retry import RedisUnavailableError
 from embedfleet.shared.settings import Settings
 from loadtest.common import isolated_settings
-from tests.conftest import WorkerLauncher, worker_env
+from tests.conftest import WorkerLauncher, shared_encoder, start_cli, worker_env
 
 AOF = ["--appendonly", "yes", "--appendfsync", "always"]
 
@@ -64,25 +66,65 @@ def aof_server(tmp_path: Path) -> Iterator[ServerProcess]:
     server.stop()
 
 
+@dataclass
+class AofRedis:
+    """The test's own Redis, which it SIGKILLs and starts again on the same port (its AOF keeps
+    what was written); the settings on it; and a client of the test's own, straight to the
+    server (never through the proxy)."""
+
+    server: ServerProcess
+    settings: Settings
+    direct: aioredis.Redis
+
+    async def start_again(self) -> None:
+        await asyncio.to_thread(self.server.start)
+
+    async def restart_when_down(self, outages: Outages) -> None:
+        """Start the killed server again once the client has found it gone."""
+        await outages.down.wait()
+        await self.start_again()
+
+    async def reconnected(self) -> aioredis.Redis:
+        """The direct client without the connections the killed server left it (the test's
+        checks are not the client under test: they should not have to ride anything out)."""
+        await self.direct.connection_pool.disconnect()
+        return self.direct
+
+    async def restart_seen_by(self, cli_output: WaitsForText) -> None:
+        """SIGKILL the server; start it again once the CLI says it is waiting for Redis, and
+        return once it says Redis is back."""
+        self.server.kill()
+        await cli_output.wait_for("waiting for Redis")
+        await self.start_again()
+        await cli_output.wait_for("is back")
+
+    async def counters(self, job: str) -> dict[str, int]:
+        values = await self.direct.hgetall(self.settings.keys.job(job))
+        zero = {"enqueued": 0, "done": 0, "dead": 0}
+        return zero | {k.decode(): int(v) for k, v in values.items()}
+
+
+class WaitsForText(Protocol):
+    """A CLI's output as the test reads it (a pipe, or the screen of a terminal)."""
+
+    async def wait_for(self, text: str) -> None: ...
+
+
 @pytest.fixture
-def aof_settings(aof_server: ServerProcess) -> Settings:
+async def aof(aof_server: ServerProcess) -> AsyncIterator[AofRedis]:
     # queries run eager: no graph to build at the first worker's start
-    return isolated_settings(aof_server.url, frozen_queries=False)
+    settings = isolated_settings(aof_server.url, frozen_queries=False)
+    direct = connect(settings.effective_redis_url)
+    yield AofRedis(aof_server, settings, direct)
+    await direct.aclose()
 
 
 @pytest.fixture
-async def direct(aof_settings: Settings) -> AsyncIterator[aioredis.Redis]:
-    """A client of the test's own, straight to the server (never through the proxy)."""
-    connection = connect(aof_settings.effective_redis_url)
-    yield connection
-    await connection.aclose()
-
-
-async def reconnected(client: aioredis.Redis) -> aioredis.Redis:
-    """``client`` without the connections the killed server left it (the test's checks are
-    not the client under test: they should not have to ride anything out)."""
-    await client.connection_pool.disconnect()
-    return client
+def aof_workers(aof: AofRedis, encoder, tmp_path: Path) -> Iterator[WorkerLauncher]:
+    """Workers on the test's own server; the model is loaded before the test kills anything."""
+    launcher = WorkerLauncher(aof.settings, shared_encoder, tmp_path)
+    yield launcher
+    launcher.stop_all()
 
 
 class Outages:
@@ -101,24 +143,18 @@ class Outages:
         self.back.set()
 
 
-async def restart_when_down(server: ServerProcess, outages: Outages) -> None:
-    """Start the killed server again once the client has found it gone (same port, its AOF)."""
-    await outages.down.wait()
-    await asyncio.to_thread(server.start)
-
-
 def chunks_of(count: int, job: str) -> list[Chunk]:
     texts = [chunk.text for chunk in builtin_corpus(max_chars=200)]
     return [Chunk(id=f"c{i}", text=texts[i % len(texts)], job=job) for i in range(count)]
 
 
+def write_jsonl(path: Path, chunks: list[Chunk]) -> None:
+    """``chunks`` as the JSON lines `embedfleet enqueue` reads."""
+    path.write_text("".join(json.dumps({"id": c.id, "text": c.text}) + "\n" for c in chunks))
+
+
 async def stream_ids(client: aioredis.Redis, stream: str) -> list[str]:
     return [decode_chunk(fields[PAYLOAD_FIELD]).id for _, fields in await client.xrange(stream)]
-
-
-async def counters(client: aioredis.Redis, settings: Settings, job: str) -> dict[str, int]:
-    values = await client.hgetall(settings.keys.job(job))
-    return {"enqueued": 0, "done": 0, "dead": 0} | {k.decode(): int(v) for k, v in values.items()}
 
 
 async def wait_for(predicate: Callable[[], Awaitable[bool]], timeout: float = 60) -> None:
@@ -226,24 +262,22 @@ class BatchCutter:
 
 # --- enqueue, mid-pipelined batch -----------------------------------------------------------------
 @pytest.mark.parametrize("applied", [True, False], ids=["after-redis-applied-it", "before"])
-async def test_enqueue_rides_out_a_sigkill_mid_batch(
-    aof_server: ServerProcess, aof_settings: Settings, direct: aioredis.Redis, applied: bool
-) -> None:
+async def test_enqueue_rides_out_a_sigkill_mid_batch(aof: AofRedis, applied: bool) -> None:
     """Redis SIGKILLed with a batch in flight: the batch is sent again after the restart and
     every chunk is added and counted once, whether or not Redis had applied it."""
     chunks = chunks_of(150, "j")
     counted_at_cut: list[int] = []
 
     async def kill() -> None:
-        counted_at_cut.append((await counters(direct, aof_settings, "j"))["enqueued"])
-        aof_server.kill()
+        counted_at_cut.append((await aof.counters("j"))["enqueued"])
+        aof.server.kill()
 
     outages = Outages()
-    async with BatchCutter(aof_server.port, cut_at=2, applied=applied, on_cut=kill) as cutter:
-        proxied = aof_settings.model_copy(
+    async with BatchCutter(aof.server.port, cut_at=2, applied=applied, on_cut=kill) as cutter:
+        proxied = aof.settings.model_copy(
             update={"redis_url": f"redis://127.0.0.1:{cutter.port}/0"}
         )
-        restart = asyncio.create_task(restart_when_down(aof_server, outages))
+        restart = asyncio.create_task(aof.restart_when_down(outages))
         async with Producer(proxied, on_outage=outages) as producer:
             sent = await producer.enqueue(chunks, job="j", batch_size=50)
             progress = await producer.progress("j")
@@ -252,16 +286,12 @@ async def test_enqueue_rides_out_a_sigkill_mid_batch(
     assert cutter.evals_seen == 4  # three batches, the second one twice
     assert (outages.downs, outages.backs) == (1, 1)
     assert sent == 150 and progress.enqueued == 150
-    ids = await stream_ids(await reconnected(direct), aof_settings.keys.ingest)
+    ids = await stream_ids(await aof.reconnected(), aof.settings.keys.ingest)
     assert len(ids) == 150 and set(ids) == {c.id for c in chunks}
 
 
 async def test_a_reply_lost_after_the_batch_was_applied_is_re_sent_and_counted_once(
-    workers: WorkerLauncher,
-    aof_server: ServerProcess,
-    aof_settings: Settings,
-    direct: aioredis.Redis,
-    encoder,
+    aof: AofRedis, aof_workers: WorkerLauncher
 ) -> None:
     """The connection dropped between a batch's write and its reply: the client cannot tell
     whether it was applied and sends it again; every id is embedded once and ``enqueued``
@@ -270,17 +300,17 @@ async def test_a_reply_lost_after_the_batch_was_applied_is_re_sent_and_counted_o
     counted_at_cut: list[int] = []
 
     async def note() -> None:
-        counted_at_cut.append((await counters(direct, aof_settings, "drop"))["enqueued"])
+        counted_at_cut.append((await aof.counters("drop"))["enqueued"])
 
     outages = Outages()
-    async with BatchCutter(aof_server.port, cut_at=2, applied=True, on_cut=note) as cutter:
-        proxied = aof_settings.model_copy(
+    async with BatchCutter(aof.server.port, cut_at=2, applied=True, on_cut=note) as cutter:
+        proxied = aof.settings.model_copy(
             update={"redis_url": f"redis://127.0.0.1:{cutter.port}/0"}
         )
         async with Producer(proxied, on_outage=outages) as producer:
             await producer.enqueue(chunks, job="drop", batch_size=40)
-    async with Producer(aof_settings, direct) as producer:
-        async with workers.run(aof_settings, client=direct):
+    async with Producer(aof.settings, aof.direct) as producer:
+        async with aof_workers.run(client=aof.direct):
             progress = await producer.wait_for_job("drop", timeout=300)
         results = [result async for result in producer.results(job="drop")]
     assert counted_at_cut == [80] and cutter.evals_seen == 4  # applied, then re-sent
@@ -291,49 +321,41 @@ async def test_a_reply_lost_after_the_batch_was_applied_is_re_sent_and_counted_o
 
 
 # --- following a job, reading results, queries ----------------------------------------------------
-async def test_wait_for_job_rides_out_a_sigkill(
-    workers: WorkerLauncher,
-    aof_server: ServerProcess,
-    aof_settings: Settings,
-    direct: aioredis.Redis,
-    encoder,
-) -> None:
+async def test_wait_for_job_rides_out_a_sigkill(aof: AofRedis, aof_workers: WorkerLauncher) -> None:
     outages = Outages()
     polled = asyncio.Event()
     chunks = chunks_of(40, "w")
-    async with Producer(aof_settings, on_outage=outages) as producer:
+    async with Producer(aof.settings, on_outage=outages) as producer:
         await producer.enqueue(chunks, job="w")
         waiting = asyncio.create_task(
             producer.wait_for_job("w", interval=0.05, on_progress=lambda _: polled.set())
         )
         await polled.wait()  # the wait is under way, with nothing done yet
-        aof_server.kill()
-        await restart_when_down(aof_server, outages)
-        async with workers.run(aof_settings, client=await reconnected(direct)):
+        aof.server.kill()
+        await aof.restart_when_down(outages)
+        async with aof_workers.run(client=await aof.reconnected()):
             progress = await asyncio.wait_for(waiting, 300)
     assert (progress.enqueued, progress.done, progress.dead) == (40, 40, 0)
     assert (outages.downs, outages.backs) == (1, 1)
-    assert await counters(direct, aof_settings, "w") == {"enqueued": 40, "done": 40, "dead": 0}
+    assert await aof.counters("w") == {"enqueued": 40, "done": 40, "dead": 0}
 
 
-async def test_results_ride_out_a_sigkill_between_pages(
-    aof_server: ServerProcess, aof_settings: Settings, direct: aioredis.Redis
-) -> None:
+async def test_results_ride_out_a_sigkill_between_pages(aof: AofRedis) -> None:
     rng = np.random.default_rng(20)
     written = [
         Result(id=f"r{i}", model="m", vector=rng.standard_normal(8).astype(np.float16), job="r")
         for i in range(35)
     ]
     for result in written:
-        await direct.xadd(aof_settings.keys.results, {PAYLOAD_FIELD: encode_result(result)})
+        await aof.direct.xadd(aof.settings.keys.results, {PAYLOAD_FIELD: encode_result(result)})
     outages = Outages()
     read: list[Result] = []
-    async with Producer(aof_settings, on_outage=outages) as producer:
-        restart = asyncio.create_task(restart_when_down(aof_server, outages))
+    async with Producer(aof.settings, on_outage=outages) as producer:
+        restart = asyncio.create_task(aof.restart_when_down(outages))
         async for result in producer.results(job="r", page=10):
             read.append(result)
             if len(read) == 5:  # in the middle of the first page: the next page meets no server
-                aof_server.kill()
+                aof.server.kill()
         await restart
     assert [r.id for r in read] == [r.id for r in written]  # each once, in order
     assert all(np.array_equal(a.vector, b.vector) for a, b in zip(read, written, strict=True))
@@ -341,25 +363,21 @@ async def test_results_ride_out_a_sigkill_between_pages(
 
 
 async def test_queries_ride_out_a_sigkill_within_their_timeout(
-    workers: WorkerLauncher,
-    aof_server: ServerProcess,
-    aof_settings: Settings,
-    direct: aioredis.Redis,
-    encoder,
+    aof: AofRedis, aof_workers: WorkerLauncher, encoder
 ) -> None:
     texts = ["how do I open a file?", "what is a generator?", "sort a list in place"]
     outages = Outages()
-    async with Producer(aof_settings, on_outage=outages) as producer:
+    async with Producer(aof.settings, on_outage=outages) as producer:
         asking = asyncio.create_task(producer.embed_queries(texts, timeout=240))
         one = asyncio.create_task(producer.embed_query(texts[0], timeout=240))
 
         async def all_queued() -> bool:
-            return await direct.xlen(aof_settings.keys.query) == 4
+            return await aof.direct.xlen(aof.settings.keys.query) == 4
 
         await wait_for(all_queued)  # both calls are blocked on their reply keys: no worker yet
-        aof_server.kill()
-        await restart_when_down(aof_server, outages)
-        async with workers.run(aof_settings, client=await reconnected(direct)):
+        aof.server.kill()
+        await aof.restart_when_down(outages)
+        async with aof_workers.run(client=await aof.reconnected()):
             vectors, single = await asyncio.wait_for(asyncio.gather(asking, one), 240)
     expected = encoder.embed_texts(texts)
     assert vectors.shape == (3, 384)
@@ -427,15 +445,7 @@ class Output:
 async def cli(
     env: dict[str, str], *args: str
 ) -> AsyncIterator[tuple[asyncio.subprocess.Process, Output, Output]]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "embedfleet.cli",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=env,
-    )
+    process = await start_cli(env, *args)
     assert process.stdout is not None and process.stderr is not None
     stdout, stderr = Output(process.stdout), Output(process.stderr)
     try:
@@ -453,35 +463,26 @@ def said_once(stderr: str, server: str) -> None:
 
 
 async def test_cli_enqueue_wait_keeps_its_bar_across_a_sigkill(
-    workers: WorkerLauncher,
-    aof_server: ServerProcess,
-    aof_settings: Settings,
-    direct: aioredis.Redis,
-    encoder,
-    tmp_path: Path,
+    aof: AofRedis, aof_workers: WorkerLauncher, tmp_path: Path
 ) -> None:
-    source = tmp_path / "chunks.jsonl"
-    chunks = chunks_of(60, "cli")
-    source.write_text("".join(json.dumps({"id": c.id, "text": c.text}) + "\n" for c in chunks))
-    env = worker_env(aof_settings)
+    source, chunks = tmp_path / "chunks.jsonl", chunks_of(60, "cli")
+    write_jsonl(source, chunks)
+    env = worker_env(aof.settings)
     async with cli(env, "enqueue", str(source), "--job", "cli", "--wait") as (process, out, err):
         await err.wait_for("enqueue: finished")  # every chunk sent: now it follows the job
-        aof_server.kill()
-        await err.wait_for("waiting for Redis")
-        await asyncio.to_thread(aof_server.start)
-        await err.wait_for("is back")
-        async with workers.run(aof_settings, client=await reconnected(direct)):
+        await aof.restart_seen_by(err)
+        async with aof_workers.run(client=await aof.reconnected()):
             code = await asyncio.wait_for(process.wait(), 300)
         stdout, stderr = await out.finished(), await err.finished()
     assert code == 0, stderr[-3000:]
     assert "enqueued 60 chunks as job 'cli'" in stdout
-    said_once(stderr, aof_settings.effective_redis_url)
+    said_once(stderr, aof.settings.effective_redis_url)
     # Off a terminal the bar is a log line per 10 s and one at the end: the same one, across
     # the outage, finishing with the right totals.
     after_outage = stderr.rsplit("is back", 1)[1]
     finished = [json.loads(line) for line in after_outage.splitlines() if "embedded: fin" in line]
     assert [(line["chunks"], line["total"]) for line in finished] == [(60, 60)]
-    assert await counters(direct, aof_settings, "cli") == {"enqueued": 60, "done": 60, "dead": 0}
+    assert await aof.counters("cli") == {"enqueued": 60, "done": 60, "dead": 0}
 
 
 class Terminal:
@@ -552,25 +553,16 @@ class Terminal:
 
 
 async def test_cli_enqueue_wait_keeps_its_bar_on_a_terminal_across_a_sigkill(
-    workers: WorkerLauncher,
-    aof_server: ServerProcess,
-    aof_settings: Settings,
-    direct: aioredis.Redis,
-    encoder,
-    tmp_path,
+    aof: AofRedis, aof_workers: WorkerLauncher, tmp_path: Path
 ) -> None:
     """What a person at a terminal sees: the two notices above one bar, finished at 60/60."""
-    source = tmp_path / "chunks.jsonl"
-    chunks = chunks_of(60, "tty")
-    source.write_text("".join(json.dumps({"id": c.id, "text": c.text}) + "\n" for c in chunks))
-    terminal = Terminal(worker_env(aof_settings), "enqueue", str(source), "--job", "tty", "--wait")
+    source, chunks = tmp_path / "chunks.jsonl", chunks_of(60, "tty")
+    write_jsonl(source, chunks)
+    terminal = Terminal(worker_env(aof.settings), "enqueue", str(source), "--job", "tty", "--wait")
     try:
         await terminal.wait_for("embedded:")  # the wait's bar is drawn: every chunk was sent
-        aof_server.kill()
-        await terminal.wait_for("waiting for Redis")
-        await asyncio.to_thread(aof_server.start)
-        await terminal.wait_for("is back")
-        async with workers.run(aof_settings, client=await reconnected(direct)):
+        await aof.restart_seen_by(terminal)
+        async with aof_workers.run(client=await aof.reconnected()):
             code = await terminal.finished()
         screen = terminal.lines
     finally:
@@ -578,7 +570,7 @@ async def test_cli_enqueue_wait_keeps_its_bar_on_a_terminal_across_a_sigkill(
     text = "\n".join(screen)
     print(text)  # the screen, for whoever reads a failure
     assert code == 0
-    server = aof_settings.effective_redis_url
+    server = aof.settings.effective_redis_url
     waiting = [i for i, line in enumerate(screen) if f"waiting for Redis at {server}" in line]
     back = [i for i, line in enumerate(screen) if f"Redis at {server} is back after" in line]
     bars = [i for i, line in enumerate(screen) if line.startswith("embedded:")]
@@ -587,49 +579,42 @@ async def test_cli_enqueue_wait_keeps_its_bar_on_a_terminal_across_a_sigkill(
     assert waiting[0] < back[0] < bars[0]
     assert re.search(r"100%\|.*\| 60/60 \[", screen[bars[0]]), screen[bars[0]]
     assert "enqueued 60 chunks as job 'tty'" in text
-    assert await counters(direct, aof_settings, "tty") == {"enqueued": 60, "done": 60, "dead": 0}
+    assert await aof.counters("tty") == {"enqueued": 60, "done": 60, "dead": 0}
 
 
-async def test_cli_status_watch_rides_out_a_sigkill(
-    aof_server: ServerProcess, aof_settings: Settings, direct: aioredis.Redis
-) -> None:
-    async with Producer(aof_settings, direct) as producer:
+async def test_cli_status_watch_rides_out_a_sigkill(aof: AofRedis) -> None:
+    async with Producer(aof.settings, aof.direct) as producer:
         await producer.enqueue(chunks_of(23, "st"), job="st")
-    env = {**worker_env(aof_settings)}
+    env = {**worker_env(aof.settings)}
     args = ("status", "--watch", "--json", "--interval", "0.2")
     async with cli(env, *args) as (process, out, err):
         await out.wait_for("\n")
-        aof_server.kill()
-        await err.wait_for("waiting for Redis")
-        await asyncio.to_thread(aof_server.start)
-        await err.wait_for("is back")
+        await aof.restart_seen_by(err)
         frames_before = out.text.count("\n")
         await out.wait_for("\n", count=frames_before + 1)  # watching again
         process.send_signal(signal.SIGINT)
         code = await asyncio.wait_for(process.wait(), 60)
         stdout, stderr = await out.finished(), await err.finished()
     assert code == 0, stderr[-3000:]
-    said_once(stderr, aof_settings.effective_redis_url)
+    said_once(stderr, aof.settings.effective_redis_url)
     last = json.loads(stdout.splitlines()[-1])
     assert last["jobs"] == [{"job": "st", "enqueued": 23, "done": 0, "dead": 0, "remaining": 23}]
     assert last["streams"]["ingest"]["lag"] == 23
 
 
 async def test_cli_search_rides_out_a_sigkill(
-    workers: WorkerLauncher,
-    aof_server: ServerProcess,
-    aof_settings: Settings,
-    direct: aioredis.Redis,
-    encoder,
-    tmp_path: Path,
+    aof: AofRedis, aof_workers: WorkerLauncher, tmp_path: Path
 ) -> None:
     from embedfleet.workers.sinks import build_sink
 
     sink = f"lancedb://{tmp_path / 'vectors'}"
-    settings = aof_settings.model_copy(update={"sink": sink})
+    settings = aof.settings.model_copy(update={"sink": sink})
     chunks = chunks_of(12, "s")
-    sink_worker = workers.run(settings, sink=build_sink(settings, direct), client=direct)
-    async with Producer(settings, direct) as producer, sink_worker:
+
+    def sink_worker() -> contextlib.AbstractAsyncContextManager[object]:
+        return aof_workers.run(settings, sink=build_sink(settings, aof.direct), client=aof.direct)
+
+    async with Producer(settings, aof.direct) as producer, sink_worker():
         await producer.enqueue(chunks, job="s")
         await producer.wait_for_job("s", timeout=300)
     env = worker_env(settings, EMBEDFLEET_SINK=sink)
@@ -637,14 +622,14 @@ async def test_cli_search_rides_out_a_sigkill(
     async with cli(env, *args) as (process, out, err):
 
         async def queued() -> bool:
-            return await direct.xlen(settings.keys.query) > 0
+            return await aof.direct.xlen(settings.keys.query) > 0
 
         await wait_for(queued)  # the query is in: the CLI is blocked on its reply, no worker
-        aof_server.kill()
+        aof.server.kill()
         await err.wait_for("waiting for Redis")
-        await asyncio.to_thread(aof_server.start)
-        await reconnected(direct)
-        async with workers.run(settings, sink=build_sink(settings, direct), client=direct):
+        await aof.start_again()
+        await aof.reconnected()
+        async with sink_worker():
             code = await asyncio.wait_for(process.wait(), 300)
         stdout, stderr = await out.finished(), await err.finished()
     assert code == 0, stderr[-3000:]
@@ -711,45 +696,43 @@ async def write_dead_letters(
 
 
 async def test_cli_dead_replay_rides_out_a_sigkill_after_a_replay_was_applied(
-    aof_server: ServerProcess, aof_settings: Settings, direct: aioredis.Redis
+    aof: AofRedis,
 ) -> None:
     """Redis killed right after it ran the second letter's replay, before the CLI read the
     reply: the CLI waits, sends that replay again, and every letter is replayed exactly once."""
-    chunks = await write_dead_letters(direct, aof_settings, "dj", 5)
+    chunks = await write_dead_letters(aof.direct, aof.settings, "dj", 5)
 
     async def kill() -> None:
-        aof_server.kill()
+        aof.server.kill()
 
-    async with BatchCutter(aof_server.port, cut_at=2, applied=True, on_cut=kill) as cutter:
+    async with BatchCutter(aof.server.port, cut_at=2, applied=True, on_cut=kill) as cutter:
         proxied = f"redis://127.0.0.1:{cutter.port}/0"
-        env = {**worker_env(aof_settings), "EMBEDFLEET_REDIS_URL": proxied}
+        env = {**worker_env(aof.settings), "EMBEDFLEET_REDIS_URL": proxied}
         async with cli(env, "dead", "replay", "--job", "dj") as (process, out, err):
             await err.wait_for("waiting for Redis")
-            await asyncio.to_thread(aof_server.start)
+            await aof.start_again()
             code = await asyncio.wait_for(process.wait(), 120)
             stdout, stderr = await out.finished(), await err.finished()
     assert code == 0, stderr[-3000:]
     assert cutter.cut.is_set() and cutter.evals_seen == 6  # five replays, the second one twice
     said_once(stderr, proxied)
     assert "replayed 5, skipped 0" in stdout, stdout + stderr
-    await reconnected(direct)
-    assert await direct.xlen(aof_settings.keys.dead) == 0
-    ids = await stream_ids(direct, aof_settings.keys.ingest)
+    await aof.reconnected()
+    assert await aof.direct.xlen(aof.settings.keys.dead) == 0
+    ids = await stream_ids(aof.direct, aof.settings.keys.ingest)
     assert sorted(ids) == sorted(chunk.id for chunk in chunks)  # each sent once
-    assert await counters(direct, aof_settings, "dj") == {"enqueued": 5, "done": 0, "dead": 0}
+    assert await aof.counters("dj") == {"enqueued": 5, "done": 0, "dead": 0}
 
 
-async def test_cli_dead_list_waits_for_redis_to_come_back(
-    aof_server: ServerProcess, aof_settings: Settings, direct: aioredis.Redis
-) -> None:
-    chunks = await write_dead_letters(direct, aof_settings, "dl", 3)
-    aof_server.kill()  # the verb starts while Redis is away
-    async with cli(worker_env(aof_settings), "dead", "list", "--json") as (process, out, err):
+async def test_cli_dead_list_waits_for_redis_to_come_back(aof: AofRedis) -> None:
+    chunks = await write_dead_letters(aof.direct, aof.settings, "dl", 3)
+    aof.server.kill()  # the verb starts while Redis is away
+    async with cli(worker_env(aof.settings), "dead", "list", "--json") as (process, out, err):
         await err.wait_for("waiting for Redis")
-        await asyncio.to_thread(aof_server.start)
+        await aof.start_again()
         code = await asyncio.wait_for(process.wait(), 120)
         stdout, stderr = await out.finished(), await err.finished()
     assert code == 0, stderr[-3000:]
-    said_once(stderr, aof_settings.effective_redis_url)
+    said_once(stderr, aof.settings.effective_redis_url)
     listed = [json.loads(line) for line in stdout.splitlines()]
     assert [letter["id"] for letter in listed] == [chunk.id for chunk in chunks]
