@@ -61,63 +61,64 @@ PG_BAD_PASSWORD = (
 )
 
 
+def qdrant_status(code: int, reason: str) -> UnexpectedResponse:
+    """What qdrant-client raises for an HTTP answer of ``code``."""
+    return UnexpectedResponse(code, reason, b"", httpx.Headers())
+
+
+# Each library's errors (builtin ones: System.UNKNOWN), and the kind each must land in.
+FAULTS: dict[System, list[tuple[BaseException, FaultKind]]] = {
+    System.REDIS: [
+        (redis_errors.ConnectionError("Connection refused"), FaultKind.TRANSIENT),
+        (redis_errors.TimeoutError("Timeout reading"), FaultKind.TRANSIENT),
+        (redis_errors.BusyLoadingError("LOADING"), FaultKind.TRANSIENT),
+        (redis_errors.ReadOnlyError("READONLY replica"), FaultKind.TRANSIENT),
+        (redis_errors.ClusterDownError("CLUSTERDOWN"), FaultKind.TRANSIENT),
+        (redis_errors.AskError("3999 127.0.0.1:6381"), FaultKind.TRANSIENT),
+        (redis_errors.RedisClusterException("no node"), FaultKind.TRANSIENT),
+        (redis_errors.ResponseError("OOM command not allowed"), FaultKind.TRANSIENT),
+        # AuthenticationError is a ConnectionError subclass: it must not be waited out
+        (redis_errors.AuthenticationError("invalid password"), FaultKind.WORKER),
+        (redis_errors.NoPermissionError("NOPERM"), FaultKind.WORKER),
+        (redis_errors.ResponseError("WRONGTYPE"), FaultKind.WORKER),
+    ],
+    System.POSTGRESQL: [
+        (psycopg.OperationalError("connection refused"), FaultKind.TRANSIENT),
+        (psycopg.errors.AdminShutdown(), FaultKind.TRANSIENT),
+        # libpq's connection failures carry no SQLSTATE: the words decide
+        (psycopg.OperationalError(PG_DOWN), FaultKind.TRANSIENT),
+        (psycopg.OperationalError(PG_NO_DB), FaultKind.WORKER),
+        (psycopg.OperationalError(PG_BAD_PASSWORD), FaultKind.WORKER),
+        (psycopg.errors.SerializationFailure(), FaultKind.TRANSIENT),
+        (psycopg.errors.DeadlockDetected(), FaultKind.TRANSIENT),
+        (psycopg.errors.UntranslatableCharacter(), FaultKind.ROW),
+        (psycopg.errors.CheckViolation(), FaultKind.ROW),
+        (psycopg.errors.InvalidPassword(), FaultKind.WORKER),
+        (psycopg.errors.UndefinedTable(), FaultKind.WORKER),
+        (psycopg.errors.InsufficientPrivilege(), FaultKind.WORKER),
+    ],
+    System.QDRANT: [
+        (httpx.ConnectError("refused"), FaultKind.TRANSIENT),
+        (httpx.ReadTimeout("slow"), FaultKind.TRANSIENT),
+        (ResponseHandlingException(OSError("reset")), FaultKind.TRANSIENT),
+        (qdrant_status(503, "Unavailable"), FaultKind.TRANSIENT),
+        (qdrant_status(429, "Too Many"), FaultKind.TRANSIENT),
+        (qdrant_status(400, "Bad Request"), FaultKind.ROW),
+        (qdrant_status(401, "Unauthorized"), FaultKind.WORKER),
+    ],
+    System.UNKNOWN: [
+        (TimeoutError(), FaultKind.TRANSIENT),
+        (ConnectionResetError(), FaultKind.TRANSIENT),
+        (OSError(errno.EHOSTUNREACH, "no route"), FaultKind.TRANSIENT),
+        (PermissionError(errno.EACCES, "denied"), FaultKind.WORKER),
+        (ValueError("cannot encode"), FaultKind.ROW),
+    ],
+}
+
+
 @pytest.mark.parametrize(
     ("error", "kind", "system"),
-    [
-        (redis_errors.ConnectionError("Connection refused"), FaultKind.TRANSIENT, System.REDIS),
-        (redis_errors.TimeoutError("Timeout reading"), FaultKind.TRANSIENT, System.REDIS),
-        (redis_errors.BusyLoadingError("LOADING"), FaultKind.TRANSIENT, System.REDIS),
-        (redis_errors.ReadOnlyError("READONLY replica"), FaultKind.TRANSIENT, System.REDIS),
-        (redis_errors.ClusterDownError("CLUSTERDOWN"), FaultKind.TRANSIENT, System.REDIS),
-        (redis_errors.AskError("3999 127.0.0.1:6381"), FaultKind.TRANSIENT, System.REDIS),
-        (redis_errors.RedisClusterException("no node"), FaultKind.TRANSIENT, System.REDIS),
-        (redis_errors.ResponseError("OOM command not allowed"), FaultKind.TRANSIENT, System.REDIS),
-        # AuthenticationError is a ConnectionError subclass: it must not be waited out
-        (redis_errors.AuthenticationError("invalid password"), FaultKind.WORKER, System.REDIS),
-        (redis_errors.NoPermissionError("NOPERM"), FaultKind.WORKER, System.REDIS),
-        (redis_errors.ResponseError("WRONGTYPE"), FaultKind.WORKER, System.REDIS),
-        (psycopg.OperationalError("connection refused"), FaultKind.TRANSIENT, System.POSTGRESQL),
-        (psycopg.errors.AdminShutdown(), FaultKind.TRANSIENT, System.POSTGRESQL),
-        # libpq's connection failures carry no SQLSTATE: the words decide
-        (psycopg.OperationalError(PG_DOWN), FaultKind.TRANSIENT, System.POSTGRESQL),
-        (psycopg.OperationalError(PG_NO_DB), FaultKind.WORKER, System.POSTGRESQL),
-        (psycopg.OperationalError(PG_BAD_PASSWORD), FaultKind.WORKER, System.POSTGRESQL),
-        (psycopg.errors.SerializationFailure(), FaultKind.TRANSIENT, System.POSTGRESQL),
-        (psycopg.errors.DeadlockDetected(), FaultKind.TRANSIENT, System.POSTGRESQL),
-        (psycopg.errors.UntranslatableCharacter(), FaultKind.ROW, System.POSTGRESQL),
-        (psycopg.errors.CheckViolation(), FaultKind.ROW, System.POSTGRESQL),
-        (psycopg.errors.InvalidPassword(), FaultKind.WORKER, System.POSTGRESQL),
-        (psycopg.errors.UndefinedTable(), FaultKind.WORKER, System.POSTGRESQL),
-        (psycopg.errors.InsufficientPrivilege(), FaultKind.WORKER, System.POSTGRESQL),
-        (httpx.ConnectError("refused"), FaultKind.TRANSIENT, System.QDRANT),
-        (httpx.ReadTimeout("slow"), FaultKind.TRANSIENT, System.QDRANT),
-        (ResponseHandlingException(OSError("reset")), FaultKind.TRANSIENT, System.QDRANT),
-        (
-            UnexpectedResponse(503, "Unavailable", b"", httpx.Headers()),
-            FaultKind.TRANSIENT,
-            System.QDRANT,
-        ),
-        (
-            UnexpectedResponse(429, "Too Many", b"", httpx.Headers()),
-            FaultKind.TRANSIENT,
-            System.QDRANT,
-        ),
-        (
-            UnexpectedResponse(400, "Bad Request", b"", httpx.Headers()),
-            FaultKind.ROW,
-            System.QDRANT,
-        ),
-        (
-            UnexpectedResponse(401, "Unauthorized", b"", httpx.Headers()),
-            FaultKind.WORKER,
-            System.QDRANT,
-        ),
-        (TimeoutError(), FaultKind.TRANSIENT, System.UNKNOWN),
-        (ConnectionResetError(), FaultKind.TRANSIENT, System.UNKNOWN),
-        (OSError(errno.EHOSTUNREACH, "no route"), FaultKind.TRANSIENT, System.UNKNOWN),
-        (PermissionError(errno.EACCES, "denied"), FaultKind.WORKER, System.UNKNOWN),
-        (ValueError("cannot encode"), FaultKind.ROW, System.UNKNOWN),
-    ],
+    [(error, kind, system) for system, faults in FAULTS.items() for error, kind in faults],
     ids=lambda value: type(value).__name__ if isinstance(value, BaseException) else str(value),
 )
 def test_each_error_has_the_kind_its_meaning_calls_for(

@@ -91,26 +91,30 @@ class Rendered:
         assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
         return found[0]
 
-    def deployment(self, component: str) -> dict[str, Any]:
+    def of_component(self, kind: str, component: str) -> dict[str, Any]:
+        """The one ``kind`` object labelled with ``component`` (app.kubernetes.io/component)."""
         found = [
             d
-            for d in self.all("Deployment")
+            for d in self.all(kind)
             if d["metadata"]["labels"].get("app.kubernetes.io/component") == component
         ]
-        assert len(found) == 1, f"expected one {component} Deployment, found {len(found)}"
+        assert len(found) == 1, f"expected one {component} {kind}, found {len(found)}"
         return found[0]
 
+    def deployment(self, component: str) -> dict[str, Any]:
+        return self.of_component("Deployment", component)
+
     def scaled_object(self, component: str) -> dict[str, Any]:
-        found = [
-            d
-            for d in self.all("ScaledObject")
-            if d["metadata"]["labels"].get("app.kubernetes.io/component") == component
-        ]
-        assert len(found) == 1, f"expected one {component} ScaledObject, found {len(found)}"
-        return found[0]
+        return self.of_component("ScaledObject", component)
 
     def config(self) -> dict[str, str]:
         return self.one("ConfigMap")["data"]
+
+
+def assert_entries(mapping: dict[str, Any], expected: dict[str, Any]) -> None:
+    """``mapping`` holds every entry of ``expected`` (compared whole: a failure shows each
+    difference at once)."""
+    assert {key: mapping.get(key) for key in expected} == expected
 
 
 def render(
@@ -370,10 +374,15 @@ def test_defaults(rendered_cases: dict[str, Rendered], chart_values: dict[str, A
     assert "replicas" not in worker["spec"], "KEDA owns the replica count"
 
     config = r.config()
-    assert config["EMBEDFLEET_NAMESPACE"] == "embedfleet"
-    assert config["EMBEDFLEET_GROUP"] == "workers"
-    assert config["EMBEDFLEET_HEALTH_PORT"] == "9400"
-    assert config["EMBEDFLEET_DRAIN_TIMEOUT_S"] == "60"
+    assert_entries(
+        config,
+        {
+            "EMBEDFLEET_NAMESPACE": "embedfleet",
+            "EMBEDFLEET_GROUP": "workers",
+            "EMBEDFLEET_HEALTH_PORT": "9400",
+            "EMBEDFLEET_DRAIN_TIMEOUT_S": "60",
+        },
+    )
     assert (
         pod["terminationGracePeriodSeconds"] == 60 + chart_values["terminationGraceMarginSeconds"]
     )
@@ -387,12 +396,17 @@ def test_defaults(rendered_cases: dict[str, Rendered], chart_values: dict[str, A
     assert so["spec"]["scaleTargetRef"]["name"] == worker["metadata"]["name"]
     assert so["spec"]["minReplicaCount"] == 0, "bulk workers scale to zero"
     md = trigger(so)["metadata"]
-    assert md["stream"] == "embedfleet:ingest"
-    assert md["consumerGroup"] == "workers"
-    assert md["lagCount"] == "5000"
-    assert md["activationLagCount"] == "0"
-    assert md["address"] == "redis-master:6379"
-    assert md["databaseIndex"] == "0"
+    assert_entries(
+        md,
+        {
+            "stream": "embedfleet:ingest",
+            "consumerGroup": "workers",
+            "lagCount": "5000",
+            "activationLagCount": "0",
+            "address": "redis-master:6379",
+            "databaseIndex": "0",
+        },
+    )
     assert "enableTLS" not in md
     assert "authenticationRef" not in trigger(so), "no password, no TriggerAuthentication"
     # without query workers a query wakes the bulk fleet from zero
@@ -549,12 +563,17 @@ def test_keda_values(rendered_cases: dict[str, Rendered]) -> None:
     so = r.scaled_object("worker")
     t = trigger(so)
     md = t["metadata"]
-    assert md["stream"] == "{prod}:ingest", "the stream follows config.NAMESPACE"
-    assert md["consumerGroup"] == "bulk"
-    assert md["lagCount"] == "20000"
-    assert md["activationLagCount"] == "10"
-    assert md["address"] == "redis.data.svc.cluster.local:6380"
-    assert md["databaseIndex"] == "0"
+    assert_entries(
+        md,
+        {
+            "stream": "{prod}:ingest",  # the stream follows config.NAMESPACE
+            "consumerGroup": "bulk",
+            "lagCount": "20000",
+            "activationLagCount": "10",
+            "address": "redis.data.svc.cluster.local:6380",
+            "databaseIndex": "0",
+        },
+    )
     assert md["enableTLS"] == "true", "rediss:// turns TLS on"
     spec = so["spec"]
     assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (0, 32)
@@ -834,14 +853,19 @@ def test_config_map_rendering() -> None:
         }
     )
     config = r.config()
-    assert config["EMBEDFLEET_TOKEN_BUDGET"] == "1048576", "no float formatting of big ints"
-    assert config["EMBEDFLEET_READ_COUNT"] == "4096"
-    assert config["EMBEDFLEET_SLICE_MS"] == "12.5"
-    assert config["EMBEDFLEET_MODEL"] == "BAAI/bge-small-en-v1.5"
-    assert config["EMBEDFLEET_LOG_FORMAT"] == "console"
-    assert config["EMBEDFLEET_SOME_FUTURE_SETTING"] == "true"
+    assert_entries(
+        config,
+        {
+            "EMBEDFLEET_TOKEN_BUDGET": "1048576",  # no float formatting of big ints
+            "EMBEDFLEET_READ_COUNT": "4096",
+            "EMBEDFLEET_SLICE_MS": "12.5",
+            "EMBEDFLEET_MODEL": "BAAI/bge-small-en-v1.5",
+            "EMBEDFLEET_LOG_FORMAT": "console",
+            "EMBEDFLEET_SOME_FUTURE_SETTING": "true",
+            "EMBEDFLEET_DRAIN_TIMEOUT_S": "300",
+        },
+    )
     assert "EMBEDFLEET_THREADS" not in config
-    assert config["EMBEDFLEET_DRAIN_TIMEOUT_S"] == "300"
     worker = r.deployment("worker")
     assert worker["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 300
     assert env_of(worker)["TOKENIZERS_PARALLELISM"]["value"] == "false"

@@ -104,26 +104,22 @@ def test_size_limits() -> None:
 
 
 def test_dead_letter_keeps_the_whole_payload_under_the_limit_and_a_prefix_over_it() -> None:
+    def fields_for(payload: bytes) -> dict:
+        return dead_letter_fields(
+            reason=DeadReason.INVALID,
+            detail="why",
+            stream="s",
+            entry_id="1-0",
+            payload=payload,
+            max_payload_bytes=1024,
+        )
+
     small = encode_chunk(Chunk(id="a", text="short"))
-    fields = dead_letter_fields(
-        reason=DeadReason.INVALID,
-        detail="why",
-        stream="s",
-        entry_id="1-0",
-        payload=small,
-        max_payload_bytes=1024,
-    )
+    fields = fields_for(small)
     assert fields["payload"] == small and "payload_prefix" not in fields
     assert DeadLetter.from_fields("9-0", as_redis_reply(fields)).payload == small
     big = b"x" * 100_000
-    fields = dead_letter_fields(
-        reason=DeadReason.INVALID,
-        detail="why",
-        stream="s",
-        entry_id="1-0",
-        payload=big,
-        max_payload_bytes=1024,
-    )
+    fields = fields_for(big)
     assert "payload" not in fields and len(fields["payload_prefix"]) == PAYLOAD_PREFIX_BYTES
     assert fields["payload_bytes"] == "100000"
     letter = DeadLetter.from_fields("9-0", as_redis_reply(fields))

@@ -36,6 +36,13 @@ def results(dtype: str) -> list[Result]:
     ]
 
 
+def store(target, dtype: str) -> None:
+    """The corpus, quantized to ``dtype``, written through a backend that is closed again."""
+    with open_backend(target) as backend:
+        backend.setup("m", DIM, dtype)
+        backend.upsert(results(dtype))
+
+
 def lancedb_target(tmp_path: Path, name: str):
     return parse_sink_url(f"lancedb://{tmp_path / 'lance'}", name)
 
@@ -46,9 +53,7 @@ def test_lancedb_stores_quantized_natively(tmp_path: Path, dtype: str) -> None:
     import pyarrow as pa
 
     target = lancedb_target(tmp_path, f"t_{dtype}")
-    with open_backend(target) as backend:
-        backend.setup("m", DIM, dtype)
-        backend.upsert(results(dtype))
+    store(target, dtype)
     table = lancedb.connect(target.location).open_table(target.table)
     field_type = table.schema.field("vector").type
     expected = pa.int8() if dtype == "int8" else pa.uint8()
@@ -90,9 +95,7 @@ def refused_at_setup(target, dtype: str) -> str:
 def test_pgvector_stores_bits_and_refuses_int8(pg_server) -> None:
     url = pg_server.get_uri()
     target = parse_sink_url(url, "bits_table")
-    with open_backend(target) as backend:
-        backend.setup("m", DIM, "binary")
-        backend.upsert(results("binary"))
+    store(target, "binary")
     query, _ = corpus()
     with open_backend(target) as backend:
         assert backend.vector_format() == ("ubinary", DIM)
@@ -108,9 +111,7 @@ def test_pgvector_stores_bits_and_refuses_int8(pg_server) -> None:
 
 def test_qdrant_stores_uint8_and_refuses_what_it_cannot_hold(tmp_path: Path) -> None:
     target = parse_sink_url(f"qdrant+local://{tmp_path / 'q'}", "codes")
-    with open_backend(target) as backend:
-        backend.setup("m", DIM, "uint8")
-        backend.upsert(results("uint8"))
+    store(target, "uint8")
     query, _ = corpus()
     with open_backend(target) as backend:
         assert backend.vector_format() == ("uint8", DIM)
