@@ -28,16 +28,15 @@ def redis_server() -> Iterator[ServerProcess]:
 def isolated_settings(redis_url: str, namespace: str | None = None, **overrides: Any) -> Settings:
     """Settings for one test or benchmark run on a shared server: a namespace (``t`` + random
     hex unless given) and a consumer of its own, so runs never see each other's keys; reads
-    block 100 ms, so a worker drains quickly; JSON logs. ``overrides``: any other settings."""
+    block 100 ms, so a worker drains quickly; JSON logs. ``overrides``: any other settings, or
+    other values for these."""
     namespace = namespace or f"t{uuid.uuid4().hex[:10]}"
-    return Settings(
-        redis_url=redis_url,
-        namespace=namespace,
-        consumer=f"{namespace}-{uuid.uuid4().hex[:6]}",
-        block_ms=100,
-        log_format="json",
-        **overrides,
-    )
+    defaults: dict[str, Any] = {
+        "consumer": f"{namespace}-{uuid.uuid4().hex[:6]}",
+        "block_ms": 100,
+        "log_format": "json",
+    }
+    return Settings(redis_url=redis_url, namespace=namespace, **(defaults | overrides))
 
 
 @contextlib.contextmanager

@@ -39,15 +39,24 @@ def client_venv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     yield venv
 
 
-def _python(venv: Path, code: str) -> subprocess.CompletedProcess[str]:
+def _run(
+    venv: Path, program: str, *args: str, env: dict[str, str] = CLEAN_ENV, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``program`` of the venv (python, pip, embedfleet), run in the venv's folder: not the
+    checkout, whose folders would shadow the installed package."""
     return subprocess.run(
-        [str(venv / "bin" / "python"), "-c", code],
+        [str(venv / "bin" / program), *args],
+        input=stdin,
         capture_output=True,
         text=True,
         cwd=venv,
-        env=CLEAN_ENV,
+        env=env,
         timeout=120,
     )
+
+
+def _python(venv: Path, code: str) -> subprocess.CompletedProcess[str]:
+    return _run(venv, "python", "-c", code)
 
 
 def test_client_installs_without_torch_under_one_root(client_venv: Path) -> None:
@@ -55,12 +64,7 @@ def test_client_installs_without_torch_under_one_root(client_venv: Path) -> None
     assert imported.returncode == 0, imported.stderr
     assert imported.stdout.strip() == "embedfleet.producer.client"
 
-    show = subprocess.run(
-        [str(client_venv / "bin" / "pip"), "show", "torch"],
-        capture_output=True,
-        text=True,
-        env=CLEAN_ENV,
-    )
+    show = _run(client_venv, "pip", "show", "torch")
     assert show.returncode != 0, "the client must not pull torch"
     for heavy in ("torch", "transformers", "tokenizers"):
         found = _python(client_venv, f"import importlib.util as u; print(u.find_spec({heavy!r}))")
@@ -76,14 +80,7 @@ def test_client_installs_without_torch_under_one_root(client_venv: Path) -> None
 
 
 def test_worker_without_the_extra_says_what_to_install(client_venv: Path) -> None:
-    worker = subprocess.run(
-        [str(client_venv / "bin" / "embedfleet"), "worker"],
-        capture_output=True,
-        text=True,
-        cwd=client_venv,
-        env=CLEAN_ENV,
-        timeout=60,
-    )
+    worker = _run(client_venv, "embedfleet", "worker")
     assert worker.returncode != 0
     lines = worker.stderr.strip().splitlines()
     assert len(lines) == 1 and "pip install 'embedfleet[worker]'" in lines[0], worker.stderr
@@ -95,29 +92,15 @@ def test_enqueue_and_status_from_the_client_venv(client_venv: Path, settings: Se
         "EMBEDFLEET_REDIS_URL": settings.effective_redis_url,
         "EMBEDFLEET_NAMESPACE": settings.namespace,
     }
-    lines = "".join(
+    chunks = "".join(
         json.dumps({"id": f"c{i}", "text": f"chunk number {i}"}) + "\n" for i in range(7)
     )
-    enqueue = subprocess.run(
-        ["embedfleet", "enqueue", "-", "--job", "client"],
-        input=lines,
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=client_venv,
-        timeout=120,
-    )
+    args = ("enqueue", "-", "--job", "client")
+    enqueue = _run(client_venv, "embedfleet", *args, env=env, stdin=chunks)
     assert enqueue.returncode == 0, enqueue.stderr
     assert "enqueued 7 chunks as job 'client'" in enqueue.stdout
 
-    status = subprocess.run(
-        ["embedfleet", "status", "--json", "--sample", "0"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=client_venv,
-        timeout=120,
-    )
+    status = _run(client_venv, "embedfleet", "status", "--json", "--sample", "0", env=env)
     assert status.returncode == 0, status.stderr
     report = json.loads(status.stdout)
     jobs = {job["job"]: job for job in report["jobs"]}

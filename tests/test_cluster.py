@@ -17,7 +17,7 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import numpy as np
 import pytest
@@ -31,6 +31,7 @@ from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.redis_conn import TRANSIENT_FAULTS, connect_settings
 from embedfleet.shared.settings import Settings
 from embedfleet.shared.streams import find_group
+from loadtest.common import isolated_settings
 from loadtest.local_cluster import LocalCluster
 from tests.conftest import worker_env
 
@@ -47,13 +48,9 @@ def cluster() -> Iterator[LocalCluster]:
 
 @pytest.fixture(scope="module")
 def cluster_settings(cluster: LocalCluster) -> Settings:
-    return Settings(
-        redis_url=cluster.url,
-        namespace=f"c{uuid.uuid4().hex[:8]}",
-        partitions=PARTITIONS,
-        min_replicas=1,
-        block_ms=200,
-        log_format="json",
+    namespace = f"c{uuid.uuid4().hex[:8]}"
+    return isolated_settings(
+        cluster.url, namespace, partitions=PARTITIONS, min_replicas=1, block_ms=200
     )
 
 
@@ -220,40 +217,45 @@ async def _enqueue_in_batches(producer: Producer, chunks: list[Chunk], job: str)
     return sent
 
 
-async def _run_through(
+RunThrough = Callable[[str, Callable[[], None]], Awaitable[None]]
+
+
+@pytest.fixture
+def run_through(
     cluster_settings: Settings,
     cluster_client: aioredis.Redis,
-    job: str,
-    disturb,
-    count: int = 450,
-) -> None:
-    """Enqueue ``count`` chunks while workers embed them; ``disturb()`` runs (on a thread) once
-    both are in flight: some results are written and the last two thirds are being enqueued.
-    Then: 0 missing, 0 pending."""
-    chunks = _chunks(job, count)
-    first, rest = chunks[: count // 3], chunks[count // 3 :]
-    async with Producer(cluster_settings, cluster_client) as producer:
-        await producer.enqueue(first, job=job, batch_size=50)
-        while (await producer.progress(job)).done < 20:
-            await asyncio.sleep(0.05)
-        assert (await producer.progress(job)).done < len(first), "embedding is still in flight"
-        # the rest is enqueued in small batches while the cluster changes under it
-        disturbing = asyncio.create_task(asyncio.to_thread(disturb))
-        await _enqueue_in_batches(producer, rest, job)
-        await disturbing
-        await _wait_all_done(producer, cluster_client, cluster_settings, job, timeout=120)
-        ids = set(await _result_ids(producer, job))
-        lag, pending = await _drained(cluster_client, cluster_settings)
-    missing = {c.id for c in chunks} - ids
-    assert not missing, f"{len(missing)} ids missing"
-    assert (lag, pending) == (0, 0)
+    fleet: list[subprocess.Popen[bytes]],
+) -> RunThrough:
+    """``await run_through(job, disturb)``: enqueue 450 chunks while the fleet embeds them;
+    ``disturb()`` runs (on a thread) once both are in flight: some results are written and the
+    last two thirds are being enqueued. Then: 0 missing, 0 pending, and no worker died."""
+
+    async def run(job: str, disturb: Callable[[], None]) -> None:
+        count = 450
+        chunks = _chunks(job, count)
+        first, rest = chunks[: count // 3], chunks[count // 3 :]
+        async with Producer(cluster_settings, cluster_client) as producer:
+            await producer.enqueue(first, job=job, batch_size=50)
+            while (await producer.progress(job)).done < 20:
+                await asyncio.sleep(0.05)
+            assert (await producer.progress(job)).done < len(first), "embedding is still in flight"
+            # the rest is enqueued in small batches while the cluster changes under it
+            disturbing = asyncio.create_task(asyncio.to_thread(disturb))
+            await _enqueue_in_batches(producer, rest, job)
+            await disturbing
+            await _wait_all_done(producer, cluster_client, cluster_settings, job, timeout=120)
+            ids = set(await _result_ids(producer, job))
+            lag, pending = await _drained(cluster_client, cluster_settings)
+        missing = {c.id for c in chunks} - ids
+        assert not missing, f"{len(missing)} ids missing"
+        assert (lag, pending) == (0, 0)
+        assert all(process.poll() is None for process in fleet), "no worker died"
+
+    return run
 
 
 async def test_slot_migration_mid_run_loses_nothing(
-    cluster: LocalCluster,
-    cluster_settings: Settings,
-    fleet: list[subprocess.Popen[bytes]],
-    cluster_client: aioredis.Redis,
+    cluster: LocalCluster, cluster_settings: Settings, run_through: RunThrough
 ) -> None:
     slot = key_slot(cluster_settings.keys.partition(0).ingest)
     source = cluster.master_of(slot)
@@ -262,16 +264,12 @@ async def test_slot_migration_mid_run_loses_nothing(
     def migrate() -> None:
         cluster.reshard(slot, target.port)
 
-    await _run_through(cluster_settings, cluster_client, "reshard", migrate)
+    await run_through("reshard", migrate)
     assert cluster.master_of(slot).port == target.port, "the partition's slot moved"
-    assert all(process.poll() is None for process in fleet), "no worker died"
 
 
 async def test_master_killed_mid_run_loses_nothing(
-    cluster: LocalCluster,
-    cluster_settings: Settings,
-    fleet: list[subprocess.Popen[bytes]],
-    cluster_client: aioredis.Redis,
+    cluster: LocalCluster, cluster_settings: Settings, run_through: RunThrough
 ) -> None:
     # the master holding partition 1 dies without a word (SIGKILL) while enqueue and embedding
     # are both in flight; EMBEDFLEET_MIN_REPLICAS=1 makes every confirmed batch be on its replica
@@ -288,10 +286,9 @@ async def test_master_killed_mid_run_loses_nothing(
         cluster.revive(victim.port)
         cluster.wait_healthy()
 
-    await _run_through(cluster_settings, cluster_client, "failover", kill_master)
+    await run_through("failover", kill_master)
     assert cluster.master_of(slot).port == promoted[0] != victim.port
     assert victim.port in {r.port for r in cluster.replicas_of(cluster.master_of(slot))}
-    assert all(process.poll() is None for process in fleet), "no worker died"
 
 
 async def test_status_agrees_with_xinfo_groups_on_every_partition(

@@ -42,21 +42,19 @@ def test_classification(error: Exception, oom: bool, device: bool) -> None:
     assert is_device_fault(error) == bool(device)
 
 
+def documents(job: str) -> list[dict[str, str]]:
+    return [{"id": f"{job}-{i}", "text": text} for i, text in enumerate(TEXTS)]
+
+
 async def _run_job(settings: Settings, job: str) -> tuple[int, int]:
     async with Producer(settings) as producer:
-        await producer.enqueue(
-            [{"id": f"{job}-{i}", "text": t} for i, t in enumerate(TEXTS)], job=job
-        )
+        await producer.enqueue(documents(job), job=job)
         progress = await producer.wait_for_job(job, interval=0.05, timeout=120)
     return progress.done, progress.dead
 
 
 async def test_out_of_memory_splits_and_retries_never_dead_letters(
-    workers: WorkerLauncher,
-    settings: Settings,
-    encoder: Encoder,
-    client: aioredis.Redis,
-    monkeypatch: pytest.MonkeyPatch,
+    workers: WorkerLauncher, settings: Settings, encoder: Encoder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Batches over 4 texts do not fit; one single text fails once more before it fits."""
     real_embed = encoder.embed
@@ -108,9 +106,7 @@ async def _stops_with_entries_pending(
     worker = Worker(settings, encoder, client, RedisStreamSink(client, settings.keys))
     task = asyncio.create_task(worker.run())
     async with Producer(settings) as producer:
-        await producer.enqueue(
-            [{"id": f"{job}-{i}", "text": t} for i, t in enumerate(TEXTS)], job=job
-        )
+        await producer.enqueue(documents(job), job=job)
         with pytest.raises(DeviceFault, match="device-side assert"):
             await asyncio.wait_for(task, timeout=60)
         progress = await producer.progress(job)

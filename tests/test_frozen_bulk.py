@@ -79,27 +79,27 @@ async def test_bulk_runs_frozen_in_bf16_with_parity(
     assert parity.min() >= 0.999 and parity.mean() >= 0.9999
 
 
-async def test_bulk_stays_eager_when_the_setting_is_off(
+@pytest.mark.parametrize(
+    ("encoder_fixture", "frozen_bulk", "reduced_precision"),
+    [("bf16_encoder", False, True), ("encoder", True, False)],
+    ids=["bf16-with-the-setting-off", "float32"],
+)
+async def test_bulk_stays_eager(
+    encoder_fixture: str,
+    frozen_bulk: bool,
+    reduced_precision: bool,
+    request: pytest.FixtureRequest,
     workers: WorkerLauncher,
     settings: Settings,
     client: aioredis.Redis,
-    bf16_encoder: Encoder,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    calls = _count_calls(bf16_encoder, monkeypatch)
-    off = settings.model_copy(update={"frozen_bulk": False})
-    await _embed_corpus(workers, off, client, bf16_encoder, 20)
-    assert calls["embed"] >= 20 and calls["embed_query"] == 0, calls
-
-
-async def test_float32_bulk_stays_eager(
-    workers: WorkerLauncher,
-    settings: Settings,
-    client: aioredis.Redis,
-    encoder: Encoder,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    assert encoder.prepare_query_graph() and not encoder.computes_in_reduced_precision
+    """Eager when EMBEDFLEET_FROZEN_BULK is off, and for a float32 model even when it is on:
+    in both cases the frozen query graph exists, so staying eager is the worker's choice."""
+    encoder: Encoder = request.getfixturevalue(encoder_fixture)
+    assert encoder.prepare_query_graph()
+    assert encoder.computes_in_reduced_precision == reduced_precision
     calls = _count_calls(encoder, monkeypatch)
-    await _embed_corpus(workers, settings, client, encoder, 20)
+    bulk = settings.model_copy(update={"frozen_bulk": frozen_bulk})
+    await _embed_corpus(workers, bulk, client, encoder, 20)
     assert calls["embed"] >= 20 and calls["embed_query"] == 0, calls

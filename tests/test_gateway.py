@@ -23,6 +23,7 @@ from embedfleet.server import ServerProcess
 from embedfleet.shared.modeldir import ModelFiles
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
+from loadtest.common import isolated_settings
 from tests.conftest import WorkerLauncher, WorkerProcess, shared_encoder
 from tests.gateway_support import running_gateway, wait_for_worker
 
@@ -37,16 +38,15 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def fleet_settings(redis_server: ServerProcess, tmp_path_factory: pytest.TempPathFactory):
-    return Settings(
-        redis_url=redis_server.url,
-        namespace=f"gw{uuid.uuid4().hex[:8]}",
+    return isolated_settings(
+        redis_server.url,
+        f"gw{uuid.uuid4().hex[:8]}",
         api_keys=f"other-key,{API_KEY}",
         files_dir=str(tmp_path_factory.mktemp("files")),
         gateway_lane_max_inputs=4,
         gateway_max_inputs=300,
         gateway_max_input_chars=5000,
         block_ms=200,
-        log_format="json",
     )
 
 

@@ -4,10 +4,12 @@ TLS and ACL users. Everything against real redis-server processes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgpack
@@ -86,6 +88,16 @@ REASON_OF = {
 }
 
 
+@contextlib.asynccontextmanager
+async def enqueued(
+    settings: Settings, client: aioredis.Redis, count: int, job: str
+) -> AsyncIterator[Producer]:
+    """A producer that has enqueued the first ``count`` chunks of the built-in corpus as ``job``."""
+    async with Producer(settings, client) as producer:
+        await producer.enqueue(builtin_corpus(count), job=job)
+        yield producer
+
+
 async def wait_until(predicate, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not await predicate():
@@ -136,8 +148,7 @@ async def test_entries_of_a_dead_consumer_are_reclaimed(
     workers: WorkerLauncher, settings: Settings, client: aioredis.Redis, encoder
 ) -> None:
     fast = settings.model_copy(update={"reclaim_idle_ms": 300})
-    async with Producer(fast, client) as producer:
-        await producer.enqueue(builtin_corpus(40), job="r")
+    async with enqueued(fast, client, 40, "r") as producer:
         # a consumer that reads and dies without acknowledging
         await client.xreadgroup(fast.group, "dead-worker", {fast.keys.ingest: ">"}, count=40)
         async with workers.run(fast) as worker:
@@ -193,31 +204,29 @@ async def test_live_worker_keeps_its_long_batch(
     tight = settings.model_copy(update={"reclaim_idle_ms": 500, "read_count": COUNT})
     thief = tight.model_copy(update={"consumer": "thief"})
     idle_s = tight.reclaim_idle_ms / 1000
-    async with Producer(tight, client) as producer:
-        await producer.enqueue(builtin_corpus(COUNT), job="lease")
-        async with workers.run(tight) as worker:
-            recorder: Recorder = worker.listener
-            await recorder.wait_for(
-                lambda r: r.read[tight.keys.ingest] >= COUNT, "all entries read in one go"
-            )
-            read_at = time.monotonic()
-            # two renewals after the read: a full reclaim period has passed, entries still held
-            renewals = recorder.lease_renewals
-            await recorder.wait_for(
-                lambda r: r.lease_renewals >= renewals + 2 and time.monotonic() - read_at > idle_s,
-                "leases renewed past the reclaim idle time",
-            )
-            held_for = time.monotonic() - read_at
-            pending = await client.xpending(tight.keys.ingest, tight.group)
-            stolen = await Reclaimer(
-                thief,
-                client,
-                InFlight(),
-                DeadLetters(client, thief.keys, WorkerEvents(), 60, 65536),
-                WorkerEvents(),
-            ).claim(thief.keys.ingest)
-            written_when_stolen = recorder.texts_written
-            await producer.wait_for_job("lease", timeout=600)
+    async with enqueued(tight, client, COUNT, "lease") as producer, workers.run(tight) as worker:
+        recorder: Recorder = worker.listener
+        await recorder.wait_for(
+            lambda r: r.read[tight.keys.ingest] >= COUNT, "all entries read in one go"
+        )
+        read_at = time.monotonic()
+        # two renewals after the read: a full reclaim period has passed, entries still held
+        renewals = recorder.lease_renewals
+        await recorder.wait_for(
+            lambda r: r.lease_renewals >= renewals + 2 and time.monotonic() - read_at > idle_s,
+            "leases renewed past the reclaim idle time",
+        )
+        held_for = time.monotonic() - read_at
+        pending = await client.xpending(tight.keys.ingest, tight.group)
+        stolen = await Reclaimer(
+            thief,
+            client,
+            InFlight(),
+            DeadLetters(client, thief.keys, WorkerEvents(), 60, 65536),
+            WorkerEvents(),
+        ).claim(thief.keys.ingest)
+        written_when_stolen = recorder.texts_written
+        await producer.wait_for_job("lease", timeout=600)
     assert held_for > idle_s and written_when_stolen < COUNT
     # still held by the worker when the thief came: pending past the reclaim idle time
     assert pending["pending"] > 0 and {c["name"] for c in pending["consumers"]} == {
@@ -229,8 +238,7 @@ async def test_live_worker_keeps_its_long_batch(
 async def test_sigterm_drains_and_exits_zero(
     workers: WorkerLauncher, settings: Settings, client: aioredis.Redis
 ) -> None:
-    async with Producer(settings, client) as producer:
-        await producer.enqueue(builtin_corpus(400), job="d")
+    async with enqueued(settings, client, 400, "d") as producer:
         # a drain bound far above what finishing its windows takes, even on a loaded machine:
         # the test is that it drains, not that it runs out of time and is cancelled
         worker = workers.process(
@@ -257,8 +265,7 @@ async def test_second_signal_exits_at_once_and_others_reclaim(
     workers: WorkerLauncher, settings: Settings, client: aioredis.Redis, encoder
 ) -> None:
     fast = settings.model_copy(update={"reclaim_idle_ms": 500})
-    async with Producer(fast, client) as producer:
-        await producer.enqueue(builtin_corpus(300), job="k")
+    async with enqueued(fast, client, 300, "k") as producer:
         worker = workers.process(
             "impatient", fast, EMBEDFLEET_READ_COUNT="300", EMBEDFLEET_RECLAIM_IDLE_MS="500"
         )
