@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 import redis.asyncio as aioredis
 import torch
 
 from embedfleet.producer import Producer
+from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, decode_result, encode_chunk
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.device_faults import DeviceFault, is_device_fault, is_out_of_memory
 from embedfleet.workers.encoder import EncodeBatch, Encoder
@@ -156,6 +158,91 @@ async def test_cuda_error_at_the_copy_back_stops_the_worker(
     settings = settings.model_copy(update={"layout": "varlen"})
     await _stops_with_entries_pending(settings, varlen_encoder, client, "e")
     assert fake_cuda_events.waits >= 2
+
+
+QUERIES = [f"question {n}: what does a worker do when the device fails?" for n in range(8)]
+
+
+async def _enqueue_queries(client: aioredis.Redis, settings: Settings, request: str) -> None:
+    """QUERIES on the query stream before any worker runs: its first read takes them all,
+    so they are served as one batch."""
+    for index, text in enumerate(QUERIES):
+        chunk = Chunk(id=f"{request}:{index}", text=text, reply=request)
+        await client.xadd(settings.keys.query_lane.query, {PAYLOAD_FIELD: encode_chunk(chunk)})
+
+
+@pytest.fixture(params=[False, True], ids=["model-thread", "own-thread"])
+def query_settings(
+    request: pytest.FixtureRequest,
+    settings: Settings,
+    encoder: Encoder,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Settings:
+    """A query-only worker, its queries served on the model thread (a CPU's lane, at layer
+    boundaries) or on a thread of the lane's own (the CUDA lane's wiring, a CPU standing in)."""
+    if request.param:  # the encoder says its CUDA lane is ready: queries get their own thread
+        monkeypatch.setattr(encoder, "prepare_cuda_queries", lambda mode: True)
+    return settings.model_copy(update={"query_only": True})
+
+
+async def test_out_of_memory_on_a_query_batch_splits_and_never_dead_letters(
+    workers: WorkerLauncher,
+    query_settings: Settings,
+    encoder: Encoder,
+    client: aioredis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only single queries fit, and the first single one fails once more: the batch is halved
+    down to single queries, that one is retried, and every query is answered."""
+    serve_query = encoder.serve_query
+    sizes: list[int] = []
+
+    def short_of_memory(batch: EncodeBatch):
+        sizes.append(batch.size)
+        if batch.size > 1 or sizes.count(1) == 1:
+            raise torch.OutOfMemoryError(OOM_MESSAGE)
+        return serve_query(batch)
+
+    monkeypatch.setattr(encoder, "serve_query", short_of_memory)
+    settings = query_settings
+    await _enqueue_queries(client, settings, "oom")
+    async with workers.run(settings, encoder=encoder) as worker:
+        reply = settings.keys.query_lane.reply("oom")
+        answers = [await client.blpop([reply], timeout=60) for _ in QUERIES]
+    results = sorted(
+        (decode_result(answer[1]) for answer in answers if answer is not None),
+        key=lambda result: int(result.id.split(":")[1]),
+    )
+    assert [r.id for r in results] == [f"oom:{i}" for i in range(len(QUERIES))]
+    expected = encoder.embed_texts(QUERIES)
+    for result, vector in zip(results, expected, strict=True):
+        assert float(result.vector.astype(np.float32) @ vector) > 0.999
+    assert sizes[:4] == [8, 4, 2, 1] and sizes.count(1) == len(QUERIES) + 1  # one retry
+    assert worker.stats.dead_letters == 0
+
+
+async def test_cuda_error_on_a_query_stops_the_worker_and_leaves_it_pending(
+    query_settings: Settings,
+    encoder: Encoder,
+    client: aioredis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from embedfleet.workers.sinks import RedisStreamSink
+    from embedfleet.workers.worker import Worker
+
+    def poisoned(batch: EncodeBatch):
+        raise RuntimeError(ASSERT_MESSAGE)
+
+    monkeypatch.setattr(encoder, "serve_query", poisoned)
+    settings = query_settings
+    await _enqueue_queries(client, settings, "assert")
+    worker = Worker(settings, encoder, client, RedisStreamSink(client, settings.keys))
+    with pytest.raises(DeviceFault, match="device-side assert"):
+        await asyncio.wait_for(worker.run(), timeout=60)
+    assert worker.stats.dead_letters == 0
+    assert not await client.exists(settings.keys.query_lane.reply("assert"))  # no answer
+    pending = await client.xpending(settings.keys.query_lane.query, settings.group)
+    assert pending["pending"] == len(QUERIES)  # read, never acknowledged: another worker's now
 
 
 def test_tf32_for_float32_work_on_cuda_only() -> None:

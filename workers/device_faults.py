@@ -14,6 +14,10 @@ valid work:
 
 Everything else (a tokenizer edge case, a shape the model rejects) stays a per-text model error:
 the batch is halved until the failing text is alone, and only that one is dead-lettered.
+
+The query lane (workers/queries.py) applies the same classification to its batches, on whichever
+thread serves them (the model thread on a CPU, the CUDA lane's own thread): out of memory halves
+the query batch, any other CUDA error stops the worker with the queries left pending.
 """
 
 from __future__ import annotations
@@ -68,6 +72,12 @@ def is_device_fault(error: BaseException) -> bool:
         return True
     message = str(error).lower()
     return isinstance(error, RuntimeError) and any(text in message for text in _CONTEXT_ERRORS)
+
+
+def oom_retry_pause_s(retries: int) -> float:
+    """How long to wait before one text's next try after out of memory: time for another replica
+    on the device to free what it holds (0.5, 1, 2 s)."""
+    return 0.5 * 2**retries
 
 
 def free_device_memory(device: torch.device) -> None:

@@ -13,6 +13,11 @@ thread also stalls the OpenMP team of a bulk batch in flight.
 On CUDA the layer hooks fire at launch, not at run time, so they are not installed: queries are
 served from a thread of their own through the encoder's CUDA query lane (its own model copy on
 a high-priority stream, CUDA graphs; see workers/cuda_queries.py), beside the bulk pass.
+
+A failed query forward pass is handled by one method on either thread (``_on_model_error``,
+workers/device_faults.py's classification): out of memory halves the batch and never
+dead-letters a query for it; any other CUDA error stops the worker (``DeviceFault`` out of
+``run``) with the queries left pending for a healthy worker; other errors dead-letter the batch.
 """
 
 from __future__ import annotations
@@ -37,10 +42,12 @@ from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import encode_result
 from embedfleet.shared.redis_conn import connect_sync
 from embedfleet.shared.settings import Settings
+from embedfleet.workers import device_faults
 from embedfleet.workers.calibration import Calibration
 from embedfleet.workers.consumer import StreamConsumer, StreamEntry
 from embedfleet.workers.deadletter import DeadLetters, Rejected
 from embedfleet.workers.decode import Accepted, decode_entries
+from embedfleet.workers.device_faults import DeviceFault
 from embedfleet.workers.encoder import Encoder, Tokenized
 from embedfleet.workers.events import WorkerEvents
 from embedfleet.workers.faults import Outages, RideOut, transient_or_raise
@@ -103,6 +110,10 @@ class QueryLane:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._failures: set[asyncio.Task[None]] = set()
         self._reply_client: redis.Redis | None = None  # only touched on the model thread
+        # A CUDA error that poisoned the context, set once by the serving thread: nothing more
+        # is served, and run() raises it (the worker stops, the queries stay pending).
+        self._device_fault: DeviceFault | None = None
+        self._faulted: asyncio.Future[None] | None = None
 
     async def run(self, stopping: asyncio.Event) -> None:
         self._loop = asyncio.get_running_loop()
@@ -116,18 +127,16 @@ class QueryLane:
             self._serve_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="queries")
         else:
             self.encoder.set_layer_callback(self.serve_at_layer_boundary)
-        ride = RideOut("reading the query stream", self.outages, self.events)
+        self._faulted = self._loop.create_future()
+        reading = asyncio.create_task(self._read_loop(stopping), name="query-reader")
         try:
-            while not stopping.is_set():
-                try:
-                    entries = await self.consumer.read_stream(
-                        self.keys.query, count=64, block_ms=self.settings.block_ms
-                    )
-                    await self.accept(entries)
-                    ride.succeeded()
-                except Exception as error:
-                    await ride.wait(transient_or_raise(error, System.REDIS))
+            await asyncio.wait((reading, self._faulted), return_when=asyncio.FIRST_COMPLETED)
+            if self._device_fault is not None:
+                raise self._device_fault
+            reading.result()
         finally:
+            reading.cancel()
+            await asyncio.gather(reading, return_exceptions=True)
             self.encoder.set_layer_callback(None)
             # the last answers are written on the serving thread: let them finish
             with contextlib.suppress(RuntimeError):  # the executor is already shut down
@@ -136,6 +145,18 @@ class QueryLane:
                 self._serve_thread.shutdown(wait=False)
             if self._failures:
                 await asyncio.gather(*self._failures, return_exceptions=True)
+
+    async def _read_loop(self, stopping: asyncio.Event) -> None:
+        ride = RideOut("reading the query stream", self.outages, self.events)
+        while not stopping.is_set():
+            try:
+                entries = await self.consumer.read_stream(
+                    self.keys.query, count=64, block_ms=self.settings.block_ms
+                )
+                await self.accept(entries)
+                ride.succeeded()
+            except Exception as error:
+                await ride.wait(transient_or_raise(error, System.REDIS))
 
     async def accept(self, entries: list[StreamEntry]) -> None:
         """Decode, skip queries whose caller has gone, tokenize, hand to the model thread."""
@@ -199,25 +220,69 @@ class QueryLane:
             self._serve_locked()
 
     def _serve_locked(self) -> None:
-        if not self._inbox:  # served by the other thread while this one waited
+        # served by the other thread while this one waited; or the device is lost, and what
+        # is left stays pending for a healthy worker
+        if not self._inbox or self._device_fault is not None:
             return
         self._serving = True  # the nested forward pass fires the layer hooks too
         started = time.perf_counter()
         on_model_thread = self._serve_thread is self.model_thread
         try:
-            items = [self._inbox.popleft() for _ in range(len(self._inbox))]
-            try:
-                batch = self.encoder.collate([i.tokens for i in items])
-                vectors, path = self.encoder.serve_query(batch)
-            except Exception as error:
-                self._on_loop(self._fail, items, f"model error: {type(error).__name__}: {error}")
-                return
-            self.events.queries_served(count=len(items), path=path)
-            self._answer(items, vectors)
+            self._serve([self._inbox.popleft() for _ in range(len(self._inbox))])
         finally:
             if on_model_thread:  # time the bulk batch in flight did not spend on itself
                 self.serving_seconds += time.perf_counter() - started
             self._serving = False
+
+    def _serve(self, items: list[PendingQuery], oom_retries: int = 0) -> None:
+        """One forward pass for ``items``, then their answers."""
+        if self._device_fault is not None:  # an earlier part of the batch lost the device
+            return
+        try:
+            batch = self.encoder.collate([i.tokens for i in items])
+            vectors, path = self.encoder.serve_query(batch)
+        except Exception as error:
+            self._on_model_error(items, error, oom_retries)
+            return
+        self.events.queries_served(count=len(items), path=path)
+        self._answer(items, vectors)
+
+    def _on_model_error(
+        self, items: list[PendingQuery], error: Exception, oom_retries: int
+    ) -> None:
+        """A failed query forward pass, by kind (workers/device_faults.py), on the serving
+        thread. Out of memory: free the cache and serve the halves; one query is retried after
+        a pause (time for another replica to free memory; on a CPU the model thread waits too,
+        short of memory as it is), and one that still does not fit stops the worker. Any other
+        CUDA error stops it at once. Stopped, the queries are neither answered nor
+        acknowledged: a healthy worker reclaims them. Other errors are the queries' own: the
+        batch is dead-lettered."""
+        if device_faults.is_device_fault(error):
+            self._stop(DeviceFault(f"CUDA error in a query forward pass: {error}"), error)
+            return
+        if not device_faults.is_out_of_memory(error):
+            self._on_loop(self._fail, items, f"model error: {type(error).__name__}: {error}")
+            return
+        device_faults.free_device_memory(self.encoder.device)
+        if len(items) > 1:
+            log.warning("out of memory on a query batch, splitting it", queries=len(items))
+            half = len(items) // 2
+            self._serve(items[:half])
+            self._serve(items[half:])
+        elif oom_retries < device_faults.OOM_RETRIES_ONE_TEXT:
+            log.warning("out of memory on one query, retrying", tries=oom_retries + 1)
+            time.sleep(device_faults.oom_retry_pause_s(oom_retries))
+            self._serve(items, oom_retries + 1)
+        else:
+            message = f"out of memory on one query after {oom_retries} retries: {error}"
+            self._stop(DeviceFault(message), error)
+
+    def _stop(self, fault: DeviceFault, error: Exception) -> None:
+        """From the serving thread: serve nothing more, and have run() raise ``fault``."""
+        fault.__cause__ = error
+        self._device_fault = fault
+        assert self._loop is not None and self._faulted is not None
+        self._loop.call_soon_threadsafe(_set_once, self._faulted)
 
     def _answer(self, items: list[PendingQuery], vectors: np.ndarray) -> None:
         """Reply lists and acknowledgement in one MULTI, from the model thread.
@@ -282,6 +347,11 @@ def _log_unexpected(future: Future[None]) -> None:
     """serve_inbox handles model and Redis errors itself; anything else must not vanish."""
     if not future.cancelled() and (error := future.exception()) is not None:
         log.error("query lane failed", error=repr(error))
+
+
+def _set_once(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _entry_time(entry_id: str) -> float:

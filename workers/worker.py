@@ -58,6 +58,7 @@ from embedfleet.workers.device_faults import (
     free_device_memory,
     is_device_fault,
     is_out_of_memory,
+    oom_retry_pause_s,
 )
 from embedfleet.workers.encoder import Encoder, Tokenized
 from embedfleet.workers.events import ForwardingEvents, WorkerEvents
@@ -677,7 +678,7 @@ class Worker:
                     f"{oom_retries} retries: {error}"
                 ) from error
             log.warning("out of memory on one text, retrying", tries=oom_retries + 1)
-            await asyncio.sleep(0.5 * 2**oom_retries)  # give another replica time to free
+            await asyncio.sleep(oom_retry_pause_s(oom_retries))
             await self._encode(window, planned, encoded, oom_retries + 1)
             return
         if len(positions) == 1:
