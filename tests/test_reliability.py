@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import signal
 import subprocess
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -107,8 +108,22 @@ async def wait_until(predicate, timeout: float = 60.0) -> None:
 
 
 async def test_every_bad_input_is_dead_lettered_and_the_worker_goes_on(
-    workers: WorkerLauncher, settings: Settings, client: aioredis.Redis, encoder
+    workers: WorkerLauncher,
+    settings: Settings,
+    client: aioredis.Redis,
+    encoder,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from embedfleet.workers import worker as worker_module
+
+    decoding_threads: list[str] = []
+    decode_entries = worker_module.decode_entries
+
+    def recorded(*args, **kwargs):
+        decoding_threads.append(threading.current_thread().name)
+        return decode_entries(*args, **kwargs)
+
+    monkeypatch.setattr(worker_module, "decode_entries", recorded)
     async with workers.run(settings) as worker:
         recorder: Recorder = worker.listener
         entry_reasons = {}
@@ -142,6 +157,8 @@ async def test_every_bad_input_is_dead_lettered_and_the_worker_goes_on(
         else:  # kept whole, so it can be replayed once fixed
             assert letter.payload == sent, name
     assert (await client.xpending(settings.keys.ingest, settings.group))["pending"] == 0
+    # bulk entries are decoded with their tokenization, off the event loop
+    assert decoding_threads and all(name.startswith("tokenize") for name in decoding_threads)
 
 
 async def test_entries_of_a_dead_consumer_are_reclaimed(

@@ -3,12 +3,13 @@
 Three bulk tasks joined by bounded queues (Infinity's shape), so Redis I/O, tokenization and
 the forward pass overlap while memory stays bounded:
 
-    reader   XREADGROUP (and reclaimed entries), decode, dead-letter bad input,
-             tokenize, sort by length, plan batches by token budget and collate
-             them into host buffers, on the tokenizer thread                    → windows
+    reader   XREADGROUP (and reclaimed entries); then in one call on the tokenizer
+             thread decode and validate, tokenize, sort by length, plan batches by
+             token budget and collate them into host buffers; dead-letter bad
+             input (on the event loop)                                          → windows
     compute  launch each batch on the model thread (workers/bulk.py: padded or
              varlen; on CUDA batch i+1 is queued before batch i is collected);
-             queries get in between transformer layers                          → encoded
+             on a CPU queries get in between transformer layers                 → encoded
     writer   fp16 results to the sink, XACK in the same round trip
 
 Beside them: the query lane (workers/queries.py) and the reclaimer (workers/reclaim.py).
@@ -422,30 +423,45 @@ class Worker:
     async def _intake(
         self, entries: list[StreamEntry], windows: asyncio.Queue[Window | None]
     ) -> None:
+        """Entries → one window, made in one call on the tokenizer thread (``_open_window``);
+        what it rejects is dead-lettered here, on the event loop, before the window goes on.
+
+        Decoding and validation run there too, not on the event loop: at ~4 µs an entry
+        (docs/BENCHMARKS.md, GPU check) a GPU's 100k texts/s would take 0.4 s of each second
+        of the loop, in ~33 ms stalls per 8,192-entry read that delay writes, acks and query
+        reads alike."""
+        window, rejected = await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_thread, self._open_window, entries
+        )
+        await self._dead_letter(rejected)
+        if not window.chunks:
+            return
+        # ours until written: the reclaimer renews their leases from now on (only once the
+        # dead letters are sent, so that entries of a window dropped by a failed send are
+        # left for their lease to run out and be read again)
+        for delivery in window.deliveries:
+            self.in_flight.add(delivery.stream, [delivery.entry_id])
+        await windows.put(window)
+
+    def _open_window(self, entries: list[StreamEntry]) -> tuple[Window, list[Rejected]]:
+        """On the tokenizer thread: entries decoded and validated, prompts chosen, texts
+        tokenized, those over the model's maximum set aside (EMBEDFLEET_TRUNCATE=false), the
+        rest planned into batches and collated. Returns the window and what to dead-letter."""
         accepted, rejected = decode_entries(entries, self.settings)
         accepted, prompts = self._with_prompts(accepted, rejected)
-        await self._dead_letter(rejected)
         if not accepted:
-            return
-        for delivery in (a.delivery for a in accepted):
-            self.in_flight.add(delivery.stream, [delivery.entry_id])
-        loop = asyncio.get_running_loop()
-        tokens = await loop.run_in_executor(
-            self._tokenizer_thread,
-            self.encoder.tokenize,
-            [a.chunk.text for a in accepted],
-            prompts if any(prompts) else None,
+            return Window([], [], []), rejected
+        tokens = self.encoder.tokenize(
+            [a.chunk.text for a in accepted], prompts if any(prompts) else None
         )
         window = Window([a.chunk for a in accepted], [a.delivery for a in accepted], tokens)
-        window = await self._reject_overlong(window)
+        window = self._set_aside_overlong(window, rejected)
         if window.chunks:
-            window.batches = await loop.run_in_executor(
-                self._tokenizer_thread, self._prepare, window
-            )
-            await windows.put(window)
+            window.batches = self._prepare(window)
+        return window, rejected
 
     def _prepare(self, window: Window) -> list[Prepared]:
-        """On the tokenizer thread: the window's batches, planned and collated."""
+        """The window's batches, planned and collated."""
         assert self.bulk is not None
         lengths = [t.length for t in window.tokens]
         plans = self.bulk.plan(lengths, self._token_cap(), self.batching.max_batch)
@@ -471,20 +487,19 @@ class Worker:
             kept.append(item)
         return kept, prompts
 
-    async def _reject_overlong(self, window: Window) -> Window:
+    def _set_aside_overlong(self, window: Window, rejected: list[Rejected]) -> Window:
+        """Without truncation, texts over the model's maximum go to ``rejected``."""
         if self.settings.truncate or not any(t.truncated for t in window.tokens):
             return window
         reason = (
             f"text is longer than the model's {self.encoder.max_length} tokens "
             "(EMBEDFLEET_TRUNCATE=false)"
         )
-        await self._dead_letter(
-            [
-                Rejected.chunk(d, c, DeadReason.TOO_LONG, reason)
-                for c, d, t in zip(window.chunks, window.deliveries, window.tokens, strict=True)
-                if t.truncated
-            ]
-        )
+        rejected += [
+            Rejected.chunk(d, c, DeadReason.TOO_LONG, reason)
+            for c, d, t in zip(window.chunks, window.deliveries, window.tokens, strict=True)
+            if t.truncated
+        ]
         keep = [i for i, t in enumerate(window.tokens) if not t.truncated]
         return Window(
             [window.chunks[i] for i in keep],
