@@ -365,6 +365,7 @@ class WorkerLauncher:
             worker = Worker(settings, encoder, client, sink, Recorder())
             task = asyncio.create_task(worker.run())
             try:
+                await until_serving(worker, task)
                 yield worker
             finally:
                 worker.drain()
@@ -393,6 +394,18 @@ def workers(settings: Settings, tmp_path: Path) -> Iterator[WorkerLauncher]:
     launcher = WorkerLauncher(settings, shared_encoder, tmp_path)
     yield launcher
     launcher.stop_all()
+
+
+async def until_serving(worker: Any, task: asyncio.Task[None]) -> None:
+    """Until the worker's query lane is prepared (after the bulk path's warm-up), so that a
+    test's own timeouts time its scenario, not a start a loaded machine can stretch past them:
+    the frozen query graph took 41 s with both cores busy, and a 30 s query timed out. A worker
+    that stops first is left to the test, which sees why when it awaits the task."""
+    ready = asyncio.ensure_future(worker.queries.ready.wait())
+    try:
+        await asyncio.wait({ready, task}, timeout=600, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        ready.cancel()
 
 
 @pytest.fixture(scope="session")

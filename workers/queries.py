@@ -114,6 +114,8 @@ class QueryLane:
         # is served, and run() raises it (the worker stops, the queries stay pending).
         self._device_fault: DeviceFault | None = None
         self._faulted: asyncio.Future[None] | None = None
+        # Set once the lane is prepared (frozen graph or CUDA copy built) and about to read.
+        self.ready = asyncio.Event()
 
     async def run(self, stopping: asyncio.Event) -> None:
         self._loop = asyncio.get_running_loop()
@@ -127,6 +129,7 @@ class QueryLane:
             self._serve_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="queries")
         else:
             self.encoder.set_layer_callback(self.serve_at_layer_boundary)
+        self.ready.set()
         self._faulted = self._loop.create_future()
         reading = asyncio.create_task(self._read_loop(stopping), name="query-reader")
         try:
