@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-quick lint bench bench-peers gpu-carry wheelhouse base-image image image-cuda
+.PHONY: install demo test test-quick lint bench bench-peers gpu-carry gpu-rehearsal wheelhouse base-image image image-cuda
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -47,6 +47,11 @@ bench: install bench-peers
 # docs/BENCHMARKS.md (GPU check) for the device command that uses it.
 gpu-carry: install
 	$(PY) -m loadtest.gpu_carry
+
+# The same check rehearsed here on the CPU, in a Python 3.12 venv with only the GPU image's
+# packages (.venv-rehearsal312, built once) and the carry: loadtest/gpu_rehearsal.sh.
+gpu-rehearsal: gpu-carry
+	bash loadtest/gpu_rehearsal.sh
 
 # Worker images (see Dockerfile and the README's "Images"). `make image` builds the CPU image on
 # this kind of machine with nothing pulled: a Debian base from mmdebstrap, every wheel from the
