@@ -130,14 +130,16 @@ class QueryLane:
         else:
             self.encoder.set_layer_callback(self.serve_at_layer_boundary)
         self.ready.set()
-        concurrent = self._serve_thread is not self.model_thread
         log.info(
             "query lane ready",
-            # on CUDA queries run beside bulk batches, which are then not sliced (the
-            # "worker started" line's slice_ms was logged before this was known)
-            served_on="own thread and model copy" if concurrent else "model thread",
+            # on its own thread (CUDA) queries run beside bulk batches, which are then not
+            # sliced (Worker.slice_seconds; the "worker started" line's slice_ms came before)
+            served_on=(
+                "own thread and model copy"
+                if self.encoder.serves_queries_concurrently
+                else "model thread"
+            ),
             frozen_graph=self.encoder.has_query_graph,
-            bulk_sliced=not concurrent and self.settings.slice_ms != 0,
         )
         self._faulted = self._loop.create_future()
         reading = asyncio.create_task(self._read_loop(stopping), name="query-reader")
