@@ -408,6 +408,18 @@ async def until_serving(worker: Any, task: asyncio.Task[None]) -> None:
         ready.cancel()
 
 
+async def until_blocked(
+    client: aioredis.Redis, command: str, count: int = 1, timeout: float = 10.0
+) -> None:
+    """Until ``count`` connections are blocked in ``command`` (CLIENT LIST flag ``b``)."""
+    async with asyncio.timeout(timeout):
+        while (
+            sum("b" in c["flags"] and c["cmd"] == command for c in await client.client_list())
+            < count
+        ):
+            await asyncio.sleep(0.01)  # polling the server's own state, not waiting blind
+
+
 @pytest.fixture(scope="session")
 def pg_session_server():
     """One PostgreSQL server with pgvector for the session (tests/test_sinks.py).

@@ -11,6 +11,7 @@ from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, encode_chunk
 from embedfleet.shared.redis_conn import connect, ensure_group
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.consumer import StreamConsumer
+from tests.conftest import until_blocked
 
 
 async def test_concurrent_creation_creates_exactly_once(settings: Settings) -> None:
@@ -66,12 +67,3 @@ async def test_blocking_read_wakes_on_a_query(settings: Settings, client: aiored
     finally:
         await other.aclose()
     assert [e.stream for e in entries] == [settings.keys.query]
-
-
-async def until_blocked(client: aioredis.Redis, command: str, timeout: float = 10.0) -> None:
-    """Until some connection is blocked in ``command`` (CLIENT LIST flag ``b``)."""
-    async with asyncio.timeout(timeout):
-        while not any(
-            "b" in c["flags"] and c["cmd"] == command for c in await client.client_list()
-        ):
-            await asyncio.sleep(0.01)  # polling the server's own state, not waiting blind

@@ -24,7 +24,7 @@ from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, encode_chunk
 from embedfleet.shared.redis_conn import split_cluster_url
 from embedfleet.shared.settings import Settings, SettingsError, load_settings
 from embedfleet.workers.consumer import StreamConsumer, backlog_shares
-from tests.conftest import WorkerLauncher
+from tests.conftest import WorkerLauncher, until_blocked
 
 
 def test_one_partition_is_the_single_node_layout_byte_for_byte() -> None:
@@ -115,7 +115,8 @@ async def test_an_idle_reader_wakes_for_any_partition(
     await consumer.setup()
     for index in (2, 0):  # the last partition, then the first
         reading = asyncio.create_task(consumer.read_ingest(count=10, block_ms=2000))
-        await asyncio.sleep(0.3)  # blocked on every partition by now
+        # the server says when a read is blocked on every partition: the wake-up is timed from then
+        await until_blocked(client, "xreadgroup", count=keys.partitions)
         sent_at = time.monotonic()
         payload = encode_chunk(Chunk(f"wake-{index}", "hello"))
         await client.xadd(keys.partition(index).ingest, {PAYLOAD_FIELD: payload})
