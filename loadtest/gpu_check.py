@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -230,9 +231,20 @@ def _figure(value: Any, spec: str = ",.0f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _table(header: str, rows: list[str]) -> list[str]:
-    """A markdown table after a blank line, names left and figures right, or nothing when it
-    has no rows (the step did not run or measured nothing)."""
+def _table(
+    header: str,
+    results: dict[str, Any],
+    cells: Callable[[dict[str, Any]], list[object]],
+    needs: str | None = None,
+) -> list[str]:
+    """A markdown table after a blank line, one row per measurement in a step's ``results``
+    (the dict entries, holding ``needs`` where given), names left and ``cells(row)`` right, or
+    nothing when it has no rows (the step did not run or measured nothing)."""
+    rows = [
+        f"| {name} | " + " | ".join(str(cell) for cell in cells(row)) + " |"
+        for name, row in results.items()
+        if isinstance(row, dict) and (needs is None or needs in row)
+    ]
     if not rows:
         return []
     alignment = "|---|" + "---:|" * (header.count("|") - 2)
@@ -288,12 +300,14 @@ def summarize(results: dict[str, Any]) -> str:
     latency = steps.get("latency", {}).get("results", {})
     lines += _table(
         "| query latency | n | p50 ms | p99 ms | backlog left |",
-        [
-            f"| {name} | {row['n']} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} | "
-            f"{row.get('backlog_left', '')} |"
-            for name, row in latency.items()
-            if isinstance(row, dict) and "p50_ms" in row
+        latency,
+        lambda row: [
+            row["n"],
+            f"{row['p50_ms']:.1f}",
+            f"{row['p99_ms']:.1f}",
+            row.get("backlog_left", ""),
         ],
+        needs="p50_ms",
     )
     if "query_paths" in latency:  # graph / stream on CUDA; frozen / eager on a CPU
         served = ", ".join(f"{path} {count:,.0f}" for path, count in latency["query_paths"].items())
@@ -301,11 +315,12 @@ def summarize(results: dict[str, Any]) -> str:
     replicas = steps.get("replicas", {}).get("results", {})
     lines += _table(
         "| one worker, model replicas | texts/s | threads each | GPU memory each | ready s |",
-        [
-            f"| {name} | {row['texts_per_s']:,.0f} | {row['threads_each']} | "
-            f"{_figure(row.get('gpu_memory_share'), '.0%')} | {row['ready_s']} |"
-            for name, row in replicas.items()
-            if isinstance(row, dict)
+        replicas,
+        lambda row: [
+            f"{row['texts_per_s']:,.0f}",
+            row["threads_each"],
+            _figure(row.get("gpu_memory_share"), ".0%"),
+            row["ready_s"],
         ],
     )
     tests = steps.get("tests", {}).get("results", {})
