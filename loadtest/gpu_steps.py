@@ -6,6 +6,7 @@ Each step writes its result file after every measurement it completes (atomicall
 killed at its timeout still leaves what it measured. Steps:
 
 ``preflight``  versions, ``nvidia-smi``, the device torch sees, one forward pass
+``corpus``     the texts every later step embeds, built once
 ``parity``     the worker's CUDA paths (padded and varlen, fp32 and ``auto``) against
                sentence-transformers on the same device, min/mean cosine
 ``bench``      texts/s and MFU: sentence-transformers fp32 and bf16 at their best batch size,
@@ -630,6 +631,8 @@ STEPS: dict[str, Callable[[CheckConfig, Record], None]] = {
 
 
 def main() -> None:
+    if len(sys.argv) != 4 or sys.argv[1] not in STEPS:  # --help, or a step misspelt
+        sys.exit(__doc__)
     step, config_file, result_file = sys.argv[1:4]
     config = CheckConfig(**json.loads(Path(config_file).read_text()))
     if config.device == "cpu":
