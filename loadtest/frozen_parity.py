@@ -9,6 +9,8 @@ has the figures and what follows from them.
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 from embedfleet.workers.encoder import Encoder
@@ -17,6 +19,10 @@ from embedfleet.workers.precision import PROBE_TEXTS, cosines
 
 
 def main() -> None:
+    # No options; the parser is there so that --help explains instead of loading two models.
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()
     torch.set_num_threads(1)
     reference = Encoder(dtype="float32", threads=1)
     probe = [[PROBE_TEXTS[0]], [PROBE_TEXTS[-1]], list(PROBE_TEXTS[:4]), list(PROBE_TEXTS)]
