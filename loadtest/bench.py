@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -51,6 +50,7 @@ from embedfleet.workers.cpus import usable_cpus
 from embedfleet.workers.encoder import Encoder, Tokenized, resolve_model_path
 from embedfleet.workers.packing import PackedEncoder
 from embedfleet.workers.precision import cosines
+from loadtest.common import cpu_name
 from loadtest.corpus import build_corpus, describe, token_lengths
 from loadtest.packed_rows import RowsEncoder, plan_rows
 from loadtest.peers import InfinityConfig, InfinityPeer, infinity_available
@@ -399,14 +399,8 @@ def best_st_batch(
 
 def machine_line() -> str:
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
     return (
-        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
     )
 

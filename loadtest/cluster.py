@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import subprocess
 import time
 import uuid
@@ -38,24 +37,13 @@ from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import Chunk, Result, encode_chunk, encode_result
 from embedfleet.shared.redis_conn import connect
 from embedfleet.workers.sinks.base import Delivery, queue_acknowledgements
-from loadtest.common import add_plot_argument
+from loadtest.common import add_plot_argument, cpu_name
 from loadtest.local_cluster import LocalCluster
 
 DIMS = (384, 768, 1024)
 ENQUEUE_BATCH = 1000
 READ_COUNT = 1024
 WRITE_BATCH = 256
-
-
-def _cpu_model() -> str:
-    try:
-        lines = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor() or "unknown"
-    for line in lines.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def _chunks(count: int) -> list[Chunk]:
@@ -207,7 +195,7 @@ def main() -> None:
     args = parser.parse_args()
     with LocalCluster(masters=3, replicas_per_master=1) as cluster:
         figures = asyncio.run(measure(cluster, args.entries))
-    figures["cpu"] = _cpu_model()
+    figures["cpu"] = cpu_name()
     figures["redis_server"] = subprocess.run(
         ["redis-server", "--version"], capture_output=True, text=True
     ).stdout.strip()

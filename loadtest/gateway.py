@@ -27,6 +27,7 @@ from embedfleet.server import free_port
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import Settings
 from loadtest.common import (
+    cpu_name,
     embedfleet_process,
     machine_load,
     percentile_ms,
@@ -51,17 +52,6 @@ def gateway_process(settings: Settings, port: int) -> Iterator[subprocess.Popen[
     }
     with embedfleet_process("serve", environment, stop_timeout_s=30) as process:
         yield process
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown CPU"
-    for line in out.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 async def wait_ready(http: httpx.AsyncClient, timeout: float = 600) -> None:
@@ -163,7 +153,7 @@ async def scenario(args: argparse.Namespace) -> None:
                 busy_gateway, busy_direct = await paired(gateway, lane, args.requests)
                 left = await producer.progress("backlog")
                 backlog_left = left.enqueued - left.done - left.dead
-    print(f"CPU: {cpu_model()}; {machine_load()}")
+    print(f"CPU: {cpu_name()}; {machine_load()}")
     print(
         f"python -m loadtest.gateway --requests {args.requests} --backlog {args.backlog} "
         f"--concurrency {args.concurrency} --seconds {args.seconds}"

@@ -121,14 +121,6 @@ def _versions() -> dict[str, str]:
     return found
 
 
-def _cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
 def _sync(device: Any) -> None:
     import torch
 
@@ -138,8 +130,10 @@ def _sync(device: Any) -> None:
 
 # --- preflight ---------------------------------------------------------------------------
 def preflight(config: CheckConfig, record: Record) -> None:
+    from loadtest.common import cpu_name
+
     record.put("versions", _versions())
-    record.put("cpu", f"{_cpu_name()}, {os.cpu_count()} CPUs")
+    record.put("cpu", f"{cpu_name()}, {os.cpu_count()} CPUs")
     if config.device == "cuda":
         smi = subprocess.run(
             [
