@@ -13,7 +13,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -406,6 +406,16 @@ async def until_serving(worker: Any, task: asyncio.Task[None]) -> None:
         await asyncio.wait({ready, task}, timeout=600, return_when=asyncio.FIRST_COMPLETED)
     finally:
         ready.cancel()
+
+
+async def until(predicate: Callable[[], Awaitable[bool]], timeout: float = 60.0) -> None:
+    """Until ``predicate()`` holds, for a condition on the server that no event reports."""
+    try:
+        async with asyncio.timeout(timeout):
+            while not await predicate():
+                await asyncio.sleep(0.02)  # polling the server's own state, not waiting blind
+    except TimeoutError:
+        raise AssertionError(f"{predicate.__name__} not met within {timeout:g}s") from None
 
 
 async def until_blocked(

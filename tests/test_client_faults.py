@@ -48,7 +48,7 @@ from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.retry import RedisUnavailableError
 from embedfleet.shared.settings import Settings
 from loadtest.common import isolated_settings
-from tests.conftest import WorkerLauncher, shared_encoder, start_cli, worker_env
+from tests.conftest import WorkerLauncher, shared_encoder, start_cli, until, worker_env
 
 AOF = ["--appendonly", "yes", "--appendfsync", "always"]
 
@@ -155,13 +155,6 @@ def write_jsonl(path: Path, chunks: list[Chunk]) -> None:
 
 async def stream_ids(client: aioredis.Redis, stream: str) -> list[str]:
     return [decode_chunk(fields[PAYLOAD_FIELD]).id for _, fields in await client.xrange(stream)]
-
-
-async def wait_for(predicate: Callable[[], Awaitable[bool]], timeout: float = 60) -> None:
-    """Poll a condition on the server (the client under test gives no event for it)."""
-    async with asyncio.timeout(timeout):
-        while not await predicate():
-            await asyncio.sleep(0.02)
 
 
 # --- a proxy that cuts the connection at the moment the test chooses ------------------------------
@@ -383,7 +376,7 @@ async def test_queries_ride_out_a_sigkill_within_their_timeout(
         async def all_queued() -> bool:
             return await aof.direct.xlen(aof.settings.keys.query) == 4
 
-        await wait_for(all_queued)  # both calls are blocked on their reply keys: no worker yet
+        await until(all_queued)  # both calls are blocked on their reply keys: no worker yet
         aof.server.kill()
         await aof.restart_when_down(outages)
         async with aof_workers.run(client=await aof.reconnected()):
@@ -633,7 +626,7 @@ async def test_cli_search_rides_out_a_sigkill(
         async def queued() -> bool:
             return await aof.direct.xlen(settings.keys.query) > 0
 
-        await wait_for(queued)  # the query is in: the CLI is blocked on its reply, no worker
+        await until(queued)  # the query is in: the CLI is blocked on its reply, no worker
         aof.server.kill()
         await err.wait_for("waiting for Redis")
         await aof.start_again()

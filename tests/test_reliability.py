@@ -25,7 +25,7 @@ from embedfleet.shared.deadletters import DeadLetter, DeadReason
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, encode_chunk
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
-from tests.conftest import Recorder, WorkerLauncher
+from tests.conftest import Recorder, WorkerLauncher, until
 
 
 def raw(message: object) -> bytes:
@@ -99,14 +99,6 @@ async def enqueued(
         yield producer
 
 
-async def wait_until(predicate, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not await predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.1)
-
-
 async def test_every_bad_input_is_dead_lettered_and_the_worker_goes_on(
     workers: WorkerLauncher,
     settings: Settings,
@@ -176,7 +168,7 @@ async def test_entries_of_a_dead_consumer_are_reclaimed(
                 consumers = await client.xinfo_consumers(fast.keys.ingest, fast.group)
                 return b"dead-worker" not in {c["name"] for c in consumers}
 
-            await wait_until(ghost_removed, timeout=30)
+            await until(ghost_removed, timeout=30)
     assert (progress.done, progress.dead) == (40, 0)
     assert recorder.reclaimed_count == 40 and recorder.texts_written == 40
     assert (await client.xpending(fast.keys.ingest, fast.group))["pending"] == 0
@@ -265,7 +257,7 @@ async def test_sigterm_drains_and_exits_zero(
         async def started() -> bool:
             return (await producer.progress("d")).done > 0
 
-        await wait_until(started, timeout=300)
+        await until(started, timeout=300)
         worker.send_signal(signal.SIGTERM)
         code = await asyncio.to_thread(worker.wait, 600)
         stderr = worker.log()
@@ -290,7 +282,7 @@ async def test_second_signal_exits_at_once_and_others_reclaim(
         async def holding() -> bool:
             return (await client.xpending(fast.keys.ingest, fast.group))["pending"] > 0
 
-        await wait_until(holding, timeout=300)
+        await until(holding, timeout=300)
         worker.send_signal(signal.SIGINT)
         # Two signals sent back to back can arrive as one (POSIX does not queue them): the
         # second goes once the worker says it is draining.
