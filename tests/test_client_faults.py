@@ -624,7 +624,7 @@ async def test_cli_search_rides_out_a_sigkill(
     async with cli(env, *args) as (process, out, err):
 
         async def queued() -> bool:
-            return await aof.direct.xlen(settings.keys.query) > 0
+            return await aof.direct.xlen(settings.keys.query) == 1
 
         await until(queued)  # the query is in: the CLI is blocked on its reply, no worker
         aof.server.kill()
