@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import aiohttp
 import numpy as np
 import pytest
 from pydantic import ValidationError
@@ -25,6 +26,7 @@ from embedfleet.workers.replicas import (
 )
 from loadtest.replicas import free_ports, wait_ready
 from tests.conftest import worker_env
+from tests.test_ops import scrape
 
 
 def test_plan_shares_the_threads_and_names_each_replica() -> None:
@@ -102,6 +104,13 @@ async def test_replicas_embed_together_and_drain_on_sigterm(
         assert progress.done == 120 and progress.dead == 0
         assert set(results) == {c.id for c in chunks}
         assert all(np.isfinite(r.vector.astype(np.float32)).all() for r in results.values())
+        # together: each replica embedded some of the job, and each text was embedded once
+        async with aiohttp.ClientSession() as session:
+            embedded = [
+                (await scrape(session, p))("embedfleet_texts_embedded_total")
+                for p in (port, port + 1)
+            ]
+        assert sum(embedded) == 120 and min(embedded) > 0, embedded
         parent.send_signal(signal.SIGTERM)
         _, stderr = await asyncio.to_thread(parent.communicate, timeout=120)
         assert parent.returncode == 0, stderr.decode()[-2000:]
