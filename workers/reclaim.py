@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+import itertools
+from collections.abc import Awaitable, Callable, Iterable
+from operator import attrgetter
+from typing import Protocol
 
 import redis.asyncio as aioredis
 
@@ -33,6 +36,19 @@ Deliver = Callable[[str, list[StreamEntry]], Awaitable[None]]
 FORGET_AFTER_PERIODS = 10
 
 
+class EntryRef(Protocol):
+    """Where an entry came from (a ``Delivery``, a ``Rejected``)."""
+
+    @property
+    def stream(self) -> str: ...
+
+    @property
+    def entry_id(self) -> str: ...
+
+
+_by_stream = attrgetter("stream")
+
+
 class InFlight:
     """Entry ids this worker has read and not yet acknowledged, per stream."""
 
@@ -42,8 +58,16 @@ class InFlight:
     def add(self, stream: str, entry_ids: list[str]) -> None:
         self._ids.setdefault(stream, set()).update(entry_ids)
 
-    def remove(self, stream: str, entry_ids: list[str]) -> None:
-        self._ids.get(stream, set()).difference_update(entry_ids)
+    def hold(self, entries: Iterable[EntryRef]) -> None:
+        """Add each entry under its stream: one set update per run of one stream (a window is
+        read from one stream at a time), not one call per entry on the event loop."""
+        for stream, run in itertools.groupby(entries, key=_by_stream):
+            self._ids.setdefault(stream, set()).update(entry.entry_id for entry in run)
+
+    def release(self, entries: Iterable[EntryRef]) -> None:
+        """Remove each entry from its stream's ids (written, or dead-lettered)."""
+        for stream, run in itertools.groupby(entries, key=_by_stream):
+            self._ids.get(stream, set()).difference_update(entry.entry_id for entry in run)
 
     def holds(self, stream: str, entry_id: str) -> bool:
         return entry_id in self._ids.get(stream, ())

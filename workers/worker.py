@@ -439,8 +439,7 @@ class Worker:
         # ours until written: the reclaimer renews their leases from now on (only once the
         # dead letters are sent, so that entries of a window dropped by a failed send are
         # left for their lease to run out and be read again)
-        for delivery in window.deliveries:
-            self.in_flight.add(delivery.stream, [delivery.entry_id])
+        self.in_flight.hold(window.deliveries)
         await windows.put(window)
 
     def _open_window(self, entries: list[StreamEntry]) -> tuple[Window, list[Rejected]]:
@@ -509,8 +508,7 @@ class Worker:
 
     async def _dead_letter(self, rejected: list[Rejected]) -> None:
         await self.dead_letters.send(rejected)
-        for item in rejected:
-            self.in_flight.remove(item.stream, [item.entry_id])
+        self.in_flight.release(rejected)
 
     # --- compute ----------------------------------------------------------------------
     def _make_bulk(self) -> BulkForward:
@@ -757,11 +755,7 @@ class Worker:
                 )
             if written:
                 self.events.results_written(texts=written, seconds=time.perf_counter() - started)
-            by_stream: dict[str, list[str]] = {}
-            for delivery in item.deliveries:
-                by_stream.setdefault(delivery.stream, []).append(delivery.entry_id)
-            for stream, entry_ids in by_stream.items():
-                self.in_flight.remove(stream, entry_ids)
+            self.in_flight.release(item.deliveries)
 
     async def _write(
         self,
