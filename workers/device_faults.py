@@ -23,6 +23,7 @@ the query batch, any other CUDA error stops the worker with the queries left pen
 from __future__ import annotations
 
 import gc
+from enum import Enum
 
 import torch
 
@@ -72,6 +73,32 @@ def is_device_fault(error: BaseException) -> bool:
         return True
     message = str(error).lower()
     return isinstance(error, RuntimeError) and any(text in message for text in _CONTEXT_ERRORS)
+
+
+class Recovery(Enum):
+    """What to do with a batch whose forward pass failed: one policy for the bulk lane
+    (workers/worker.py) and the query lane (workers/queries.py)."""
+
+    DEVICE_LOST = "device lost"  # stop the worker (DeviceFault), its entries left pending
+    SPLIT = "split"  # run each half of the batch on its own
+    RETRY = "retry"  # one text out of memory: again after oom_retry_pause_s
+    NEVER_FITS = "never fits"  # one text still out of memory after the retries: stop, too
+    DEAD_LETTER = "dead letter"  # the texts' own error
+
+
+def recovery(
+    error: BaseException, texts: int, oom_retries: int, *, isolate_model_errors: bool
+) -> Recovery:
+    """The recovery for ``error`` on a batch of ``texts`` already retried ``oom_retries``
+    times. ``isolate_model_errors``: halve a batch on a model error until the failing text is
+    alone (the bulk lane), rather than dead-letter the whole batch (the query lane)."""
+    if is_device_fault(error):
+        return Recovery.DEVICE_LOST
+    if not is_out_of_memory(error):
+        return Recovery.SPLIT if isolate_model_errors and texts > 1 else Recovery.DEAD_LETTER
+    if texts > 1:
+        return Recovery.SPLIT
+    return Recovery.RETRY if oom_retries < OOM_RETRIES_ONE_TEXT else Recovery.NEVER_FITS
 
 
 def oom_retry_pause_s(retries: int) -> float:

@@ -47,7 +47,7 @@ from embedfleet.workers.calibration import Calibration
 from embedfleet.workers.consumer import StreamConsumer, StreamEntry
 from embedfleet.workers.deadletter import DeadLetters, Rejected
 from embedfleet.workers.decode import Accepted, decode_entries
-from embedfleet.workers.device_faults import DeviceFault
+from embedfleet.workers.device_faults import DeviceFault, Recovery
 from embedfleet.workers.encoder import Encoder, Tokenized
 from embedfleet.workers.events import WorkerEvents
 from embedfleet.workers.faults import Outages, RideOut, transient_or_raise
@@ -271,19 +271,20 @@ class QueryLane:
         CUDA error stops it at once. Stopped, the queries are neither answered nor
         acknowledged: a healthy worker reclaims them. Other errors are the queries' own: the
         batch is dead-lettered."""
-        if device_faults.is_device_fault(error):
+        action = device_faults.recovery(error, len(items), oom_retries, isolate_model_errors=False)
+        if action is Recovery.DEVICE_LOST:
             self._stop(DeviceFault(f"CUDA error in a query forward pass: {error}"), error)
             return
-        if not device_faults.is_out_of_memory(error):
+        if action is Recovery.DEAD_LETTER:
             self._on_loop(self._fail, items, f"model error: {type(error).__name__}: {error}")
             return
-        device_faults.free_device_memory(self.encoder.device)
-        if len(items) > 1:
+        device_faults.free_device_memory(self.encoder.device)  # what is left is out of memory
+        if action is Recovery.SPLIT:
             log.warning("out of memory on a query batch, splitting it", queries=len(items))
             half = len(items) // 2
             self._serve(items[:half])
             self._serve(items[half:])
-        elif oom_retries < device_faults.OOM_RETRIES_ONE_TEXT:
+        elif action is Recovery.RETRY:
             log.warning("out of memory on one query, retrying", tries=oom_retries + 1)
             time.sleep(device_faults.oom_retry_pause_s(oom_retries))
             self._serve(items, oom_retries + 1)

@@ -54,12 +54,13 @@ from embedfleet.workers.consumer import StreamConsumer, StreamEntry
 from embedfleet.workers.deadletter import DeadLetters, Rejected
 from embedfleet.workers.decode import Accepted, decode_entries
 from embedfleet.workers.device_faults import (
-    OOM_RETRIES_ONE_TEXT,
     DeviceFault,
+    Recovery,
     free_device_memory,
     is_device_fault,
     is_out_of_memory,
     oom_retry_pause_s,
+    recovery,
 )
 from embedfleet.workers.encoder import Encoder, Tokenized
 from embedfleet.workers.events import ForwardingEvents, WorkerEvents
@@ -677,24 +678,25 @@ class Worker:
         still does not fit is retried, then stops the worker: never dead-lettered for OOM.
         """
         positions = planned.positions
-        if is_device_fault(error):
+        action = recovery(error, len(positions), oom_retries, isolate_model_errors=True)
+        if action is Recovery.DEVICE_LOST:
             raise DeviceFault(f"CUDA error in a forward pass: {error}") from error
         out_of_memory = is_out_of_memory(error)
         if out_of_memory:
             await asyncio.get_running_loop().run_in_executor(
                 self._model_thread, free_device_memory, self.encoder.device
             )
-        if len(positions) == 1 and out_of_memory:
-            if oom_retries >= OOM_RETRIES_ONE_TEXT:
-                raise DeviceFault(
-                    f"out of memory on one text of {planned.real_tokens} tokens after "
-                    f"{oom_retries} retries: {error}"
-                ) from error
+        if action is Recovery.NEVER_FITS:
+            raise DeviceFault(
+                f"out of memory on one text of {planned.real_tokens} tokens after "
+                f"{oom_retries} retries: {error}"
+            ) from error
+        if action is Recovery.RETRY:
             log.warning("out of memory on one text, retrying", tries=oom_retries + 1)
             await asyncio.sleep(oom_retry_pause_s(oom_retries))
             await self._encode(window, planned, encoded, oom_retries + 1)
             return
-        if len(positions) == 1:
+        if action is Recovery.DEAD_LETTER:
             chunk, delivery = window.chunks[positions[0]], window.deliveries[positions[0]]
             detail = f"model error: {type(error).__name__}: {error}"
             await self._dead_letter([Rejected.chunk(delivery, chunk, DeadReason.MODEL, detail)])
