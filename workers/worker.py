@@ -600,11 +600,11 @@ class Worker:
         meanwhile; on CPU the launch was the computation and it is this one)."""
         assert self.bulk is not None
         loop = asyncio.get_running_loop()
-        tokens = [window.tokens[p] for p in planned.positions]
         if batch is None:  # a retried or split batch: collated again, off the event loop
+            tokens = [window.tokens[p] for p in planned.positions]
             batch = await loop.run_in_executor(self._tokenizer_thread, self.bulk.collate, tokens)
         query_seconds_before = self.queries.serving_seconds
-        self.events.batch_started(texts=len(tokens), padded_tokens=planned.padded_tokens)
+        self.events.batch_started(texts=len(planned.positions), padded_tokens=planned.padded_tokens)
         launch = functools.partial(
             self.bulk.launch,
             batch,
