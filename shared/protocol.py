@@ -305,6 +305,11 @@ def encode_result(result: Result) -> bytes:
 class QueryFailedError(RuntimeError):
     """The worker could not embed a query (the reason comes from the worker)."""
 
+    def __init__(self, chunk_id: object, reason: object) -> None:
+        super().__init__(f"query {chunk_id!r}: {reason}")
+        self.chunk_id = chunk_id
+        self.reason = reason
+
 
 def encode_query_error(chunk_id: str, reason: str) -> bytes:
     """What a worker pushes to a reply key instead of a result when a query cannot be embedded."""
@@ -317,7 +322,7 @@ def decode_result(payload: bytes) -> Result:
     if not isinstance(message, dict) or message.get("v") != PROTOCOL_VERSION:
         raise ProtocolError("not a v1 result")
     if "error" in message:
-        raise QueryFailedError(f"query {message.get('id')!r}: {message['error']}")
+        raise QueryFailedError(message.get("id"), message["error"])
     dtype = message.get("dtype", DEFAULT_DTYPE)  # results written before dtype existed: fp16
     if dtype not in STORAGE_DTYPES:
         raise ProtocolError(f"unknown result dtype {dtype!r}")

@@ -311,10 +311,9 @@ class BatchRunner:
                 for payload in page:
                     try:
                         result = decode_result(payload)
-                    except QueryFailedError as error:  # "query '<index>': <reason>"
-                        quoted, _, reason = str(error).partition(": ")
-                        with contextlib.suppress(ValueError, IndexError):
-                            failures[int(quoted.split("'")[1])] = reason
+                    except QueryFailedError as error:
+                        with contextlib.suppress(TypeError, ValueError):
+                            failures[int(error.chunk_id)] = str(error.reason)
                         continue
                     except ProtocolError as error:
                         log.warning("bad reply in a batch", batch=batch_id, error=str(error))
