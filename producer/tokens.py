@@ -55,6 +55,10 @@ class ModelTokenizer:
         encodings = self.tokenizer.encode_batch([text[:cut_at] for text in texts])
         return [len(encoding.ids) for encoding in encodings]
 
+    def usage(self, texts: Sequence[str]) -> int:
+        """Tokens the model reads for these texts: each text's length capped at the maximum."""
+        return sum(min(n, self.max_length) for n in self.lengths(texts))
+
     def prompt_tokens(self, prompt: str) -> int:
         """Tokens a prompt adds in front of a text (without special tokens)."""
         return len(self.tokenizer.encode(prompt, add_special_tokens=False).ids) if prompt else 0

@@ -34,6 +34,7 @@ from embedfleet.gateway.inputs import (
     check_limits,
     shape_vectors,
 )
+from embedfleet.gateway.openai_api import EmbeddingRequest, embeddings_response
 from embedfleet.gateway.state import Gateway, wire_options
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
@@ -71,8 +72,6 @@ class BatchLine:
 
 def parse_line(raw: bytes, gateway: Gateway) -> BatchLine:
     """One JSONL request line, validated as the online endpoint would; APIError says why not."""
-    from embedfleet.gateway.openai_api import EmbeddingRequest
-
     try:
         line = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -276,8 +275,8 @@ class BatchRunner:
         for end_of_line, raw in self.files.lines(batch["input_file_id"], offset):
             offset = end_of_line
             line = parse_line(raw, self.gateway)  # validated at upload: cannot fail here
+            options = wire_options(self.gateway, "", line.dimensions)
             for text in line.texts:
-                options = wire_options(self.gateway, "", line.dimensions)
                 chunk = options.apply(
                     Chunk(id=str(inputs), text=text, job=batch_id, reply=batch_id)
                 )
@@ -414,12 +413,7 @@ class BatchRunner:
                     continue
                 block = np.asarray(vectors[span.start : span.stop], dtype=np.float32)
                 block = shape_vectors(block, line.dimensions, gateway.model.normalize)
-                tokens = sum(
-                    min(n, gateway.tokenizer.max_length)
-                    for n in gateway.tokenizer.lengths(line.texts)
-                )
-                from embedfleet.gateway.openai_api import embeddings_response
-
+                tokens = gateway.tokenizer.usage(line.texts)
                 body = embeddings_response(gateway.served_name, block, line.encoding_format, tokens)
                 record.update(
                     response={"status_code": 200, "request_id": request_id, "body": body},

@@ -97,8 +97,7 @@ def prepare(
 ) -> PreparedInputs:
     texts = as_texts(value, tokenizer, param)
     check_limits(texts, settings, param)
-    lengths = tokenizer.lengths(texts)
-    return PreparedInputs(texts, sum(min(n, tokenizer.max_length) for n in lengths))
+    return PreparedInputs(texts, tokenizer.usage(texts))
 
 
 def check_dimensions(dimensions: int | None, model_dim: int) -> None:
