@@ -21,6 +21,7 @@ from embedfleet.gateway.errors import (
     APIError,
     api_error_handler,
     error_body,
+    render,
     validation_error_handler,
 )
 from embedfleet.gateway.files import FileStore
@@ -206,10 +207,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 async def _body_too_large_handler(request: Request, error: Exception) -> JSONResponse:
     limit = int(error.args[0]) if error.args else 0
-    too_large = _too_large(limit)
-    return JSONResponse(
-        error_body(request.url.path, too_large), too_large.status, headers=too_large.headers
-    )
+    return render(request, _too_large(limit))
 
 
 def _add_ops_routes(app: FastAPI, gateway: Gateway) -> None:

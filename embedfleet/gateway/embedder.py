@@ -119,9 +119,7 @@ class Embedder:
         except QueryTimeoutError as error:
             raise _timeout(str(error)) from None
         except QueryFailedError as error:
-            raise APIError(
-                400, f"the worker rejected an input: {error}", code="input_rejected"
-            ) from None
+            raise _rejected(error) from None
 
     async def _via_ingest(self, texts: Sequence[str], options: EmbeddingOptions) -> np.ndarray:
         await self.check_backlog()
@@ -154,9 +152,7 @@ class Embedder:
                     try:
                         result = decode_result(payload)
                     except QueryFailedError as error:
-                        raise APIError(
-                            400, f"the worker rejected an input: {error}", code="input_rejected"
-                        ) from None
+                        raise _rejected(error) from None
                     except ProtocolError as error:
                         raise APIError(
                             500, f"bad reply from a worker: {error}", type="server_error"
@@ -174,3 +170,7 @@ class Embedder:
 
 def _timeout(message: str) -> APIError:
     return APIError(504, message, type="server_error", code="timeout")
+
+
+def _rejected(error: QueryFailedError) -> APIError:
+    return APIError(400, f"the worker rejected an input: {error}", code="input_rejected")
