@@ -466,14 +466,17 @@ class Producer:
             await self.setup(deadline=give_up_at)
             payloads: list[bytes] = []
             for index, text in enumerate(texts):
-                chunk = validate_chunk(  # the worker's own checks, before anything is sent
+                # the worker's own checks, with the configured limits, before anything is sent
+                chunk = as_chunk(
                     Chunk(
                         id=f"{request}:{index}", text=text, reply=request, deadline_ms=deadline_ms
                     ),
+                    None,
+                    options,
                     self.settings.chunk_limits,
                 )
                 if options is not None:
-                    chunk = await self._checked(as_chunk(chunk, None, options), deadline=give_up_at)
+                    chunk = await self._checked(chunk, deadline=give_up_at)
                 payloads.append(encode_chunk(chunk))
             while len(vectors) < len(texts):
                 remaining = give_up_at - time.monotonic()
