@@ -117,7 +117,7 @@ class DeadLetterStore:
                         yield owner, letter
                 if len(page) < PAGE:
                     break
-                start = "(" + DeadLetter.from_fields(page[-1][0], {}).dead_id
+                start = "(" + letter.dead_id  # the page's last entry
 
     async def get(self, dead_id: str) -> DeadLetter | None:
         for owner in self.sets:
