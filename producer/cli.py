@@ -14,11 +14,11 @@ import numpy as np
 from embedfleet.producer.client import JobProgress, Producer, QueryTimeoutError
 from embedfleet.producer.export import SUPPORTED_SUFFIXES, ExportRow, write_export
 from embedfleet.producer.jsonl import BadLine, read_chunks
-from embedfleet.producer.waiting import client_for, run_client
+from embedfleet.producer.waiting import client_for, redis_url_option, run_client, verb_settings
 from embedfleet.shared.logging import configure_logging
 from embedfleet.shared.progress import Progress
 from embedfleet.shared.protocol import QueryFailedError, Result
-from embedfleet.shared.settings import Settings, SettingsError, load_settings
+from embedfleet.shared.settings import Settings
 from embedfleet.shared.vectordb import (
     MissingExtraError,
     SinkURLError,
@@ -27,16 +27,9 @@ from embedfleet.shared.vectordb import (
     parse_sink_url,
 )
 
-redis_url_option = click.option(
-    "--redis-url", envvar="EMBEDFLEET_REDIS_URL", help="Redis URL (or EMBEDFLEET_REDIS_URL)."
-)
-
 
 def _settings(redis_url: str | None) -> Settings:
-    try:
-        settings = load_settings(**({"redis_url": redis_url} if redis_url else {}))
-    except SettingsError as error:
-        raise click.ClickException(str(error)) from None
+    settings = verb_settings(redis_url)
     configure_logging(settings.log_level, settings.log_format)
     return settings
 

@@ -24,13 +24,17 @@ from typing import TypeVar
 import click
 import redis.asyncio as aioredis
 
-from embedfleet.producer.waiting import StderrNotice, run_client
+from embedfleet.producer.waiting import (
+    StderrNotice,
+    redis_url_option,
+    run_client,
+    verb_settings,
+)
 from embedfleet.shared.deadletters import DeadLetter, DeadReason
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import ProtocolError, decode_chunk
 from embedfleet.shared.redis_conn import connect_client_settings, redact_url
 from embedfleet.shared.retry import RedisRetry
-from embedfleet.shared.settings import Settings, SettingsError, load_settings
 
 PAGE = 500
 T = TypeVar("T")
@@ -199,18 +203,11 @@ class DeadLetterStore:
 
 
 # --- CLI ------------------------------------------------------------------------------
-def _settings(redis_url: str | None) -> Settings:
-    try:
-        return load_settings(**({"redis_url": redis_url} if redis_url else {}))
-    except SettingsError as error:
-        raise click.ClickException(str(error)) from None
-
-
 def _with_store(redis_url: str | None, work: Callable[[DeadLetterStore], Awaitable[T]]) -> T:
     """Run ``work`` on the namespace's dead letters, riding out Redis restarts and dropped
     connections as every verb does (EMBEDFLEET_REDIS_RETRY_S): call by call, so that what was
     done before a fault is neither done again nor left out of the report."""
-    settings = _settings(redis_url)
+    settings = verb_settings(redis_url)
 
     async def main() -> T:
         client = connect_client_settings(settings)
@@ -224,9 +221,6 @@ def _with_store(redis_url: str | None, work: Callable[[DeadLetterStore], Awaitab
     return run_client(main())
 
 
-redis_url_option = click.option(
-    "--redis-url", envvar="EMBEDFLEET_REDIS_URL", help="Redis URL (or EMBEDFLEET_REDIS_URL)."
-)
 reason_option = click.option(
     "--reason",
     type=click.Choice([reason.value for reason in DeadReason]),

@@ -32,12 +32,17 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from embedfleet.producer.sparkline import Trend
-from embedfleet.producer.waiting import StderrNotice, run_client
+from embedfleet.producer.waiting import (
+    StderrNotice,
+    redis_url_option,
+    run_client,
+    verb_settings,
+)
 from embedfleet.shared.fleet import FLEET_STREAMS, INPUT_STREAMS, FleetState, read_fleet
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.redis_conn import connect_client_settings, redact_url
 from embedfleet.shared.retry import RedisRetry
-from embedfleet.shared.settings import Settings, SettingsError, load_settings
+from embedfleet.shared.settings import Settings
 
 THROUGHPUT_WINDOW_S = 60.0
 DEAD_LETTERS_SHOWN = 3
@@ -425,9 +430,7 @@ def _render_jobs(jobs: list[dict[str, Any]], shown: int) -> list[str]:
     is_flag=True,
     help="Print one JSON object (with --watch: one per line per refresh).",
 )
-@click.option(
-    "--redis-url", envvar="EMBEDFLEET_REDIS_URL", help="Redis URL (or EMBEDFLEET_REDIS_URL)."
-)
+@redis_url_option
 def status_command(
     watch: bool, interval: float, sample: float, as_json: bool, redis_url: str | None
 ) -> None:
@@ -439,10 +442,7 @@ def status_command(
     from the group's counters sampled over time: over the last minute with --watch) and the
     time to drain the backlog at that rate; job progress; the latest dead letters.
     """
-    try:
-        settings = load_settings(**({"redis_url": redis_url} if redis_url else {}))
-    except SettingsError as error:
-        raise click.ClickException(str(error)) from None
+    settings = verb_settings(redis_url)
     # Ctrl-C is how --watch is meant to end: no traceback, exit status 0. (--watch installs
     # its own handlers; this covers a Ctrl-C before they are in place.)
     with contextlib.suppress(KeyboardInterrupt):

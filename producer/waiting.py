@@ -19,9 +19,23 @@ from tqdm import tqdm
 from embedfleet.producer.client import JobTimeoutError, Producer
 from embedfleet.shared.logging import configure_logging
 from embedfleet.shared.retry import RedisUnavailableError, describe
-from embedfleet.shared.settings import Settings
+from embedfleet.shared.settings import Settings, SettingsError, load_settings
 
 T = TypeVar("T")
+
+
+redis_url_option = click.option(
+    "--redis-url", envvar="EMBEDFLEET_REDIS_URL", help="Redis URL (or EMBEDFLEET_REDIS_URL)."
+)
+
+
+def verb_settings(redis_url: str | None) -> Settings:
+    """The settings from EMBEDFLEET_* variables, ``--redis-url`` over them; a bad value ends
+    the verb with its message (no traceback)."""
+    try:
+        return load_settings(**({"redis_url": redis_url} if redis_url else {}))
+    except SettingsError as error:
+        raise click.ClickException(str(error)) from None
 
 
 class StderrNotice:
