@@ -310,6 +310,10 @@ class QueryFailedError(RuntimeError):
         self.chunk_id = chunk_id
         self.reason = reason
 
+    def __reduce__(self) -> tuple[type[QueryFailedError], tuple[object, object]]:
+        # args holds the message only; pickling (a process pool, a task queue) rebuilds from both
+        return type(self), (self.chunk_id, self.reason)
+
 
 def encode_query_error(chunk_id: str, reason: str) -> bytes:
     """What a worker pushes to a reply key instead of a result when a query cannot be embedded."""

@@ -18,11 +18,13 @@ from embedfleet.shared.protocol import (
     Chunk,
     ChunkLimits,
     ProtocolError,
+    QueryFailedError,
     Result,
     chunk_from_mapping,
     decode_chunk,
     decode_result,
     encode_chunk,
+    encode_query_error,
     encode_result,
 )
 
@@ -212,3 +214,14 @@ def test_result_dim_must_fit_the_bytes() -> None:
     message = {"v": 1, "id": "a", "model": "m", "dim": 17, "dtype": "ubinary", "vec": b"\x00\x01"}
     with pytest.raises(ProtocolError, match="needs 3"):
         decode_result(msgpack.packb(message))
+
+
+def test_a_query_error_reply_raises_with_id_and_reason_and_survives_pickling() -> None:
+    import pickle
+
+    with pytest.raises(QueryFailedError) as raised:
+        decode_result(encode_query_error("req:0", "text is empty"))
+    error = raised.value
+    assert (error.chunk_id, error.reason) == ("req:0", "text is empty")
+    copy = pickle.loads(pickle.dumps(error))
+    assert (copy.chunk_id, copy.reason, str(copy)) == ("req:0", "text is empty", str(error))
