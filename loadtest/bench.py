@@ -293,7 +293,7 @@ class Fleet:
                 busy_before = worker.stats.model_seconds
                 started = time.perf_counter()
                 await producer.enqueue(chunks, job=job)
-                progress = await producer.wait_for_job(job, interval=0.01, timeout=3600)
+                progress = await producer.wait_for_job(job, timeout=3600)
                 seconds = time.perf_counter() - started
                 busy = (worker.stats.model_seconds - busy_before) / seconds
                 stats = worker.stats

@@ -574,7 +574,7 @@ async def _replicas(config: CheckConfig, record: Record) -> None:
                 chunks = [{"id": f"r{i}", "text": t} for i, t in enumerate(texts)]
                 started_at = time.perf_counter()
                 await producer.enqueue(chunks, job="replicas")
-                progress = await producer.wait_for_job("replicas", interval=0.02, timeout=600)
+                progress = await producer.wait_for_job("replicas", timeout=600)
                 seconds = time.perf_counter() - started_at
         value = {
             "texts_per_s": progress.done / seconds,

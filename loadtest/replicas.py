@@ -74,7 +74,7 @@ async def _timed(settings: Settings, chunks: list[dict[str, str]]) -> float:
     async with Producer(settings) as producer:
         started = time.perf_counter()
         await producer.enqueue(chunks, job="replicas")
-        progress = await producer.wait_for_job("replicas", interval=0.01, timeout=3600)
+        progress = await producer.wait_for_job("replicas", timeout=3600)
         seconds = time.perf_counter() - started
     if progress.done != len(chunks):
         raise RuntimeError(f"only {progress.done} of {len(chunks)} chunks were embedded")

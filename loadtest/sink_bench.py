@@ -128,7 +128,7 @@ class Bench:
             async with Producer(settings, client) as producer:
                 started = time.perf_counter()
                 await producer.enqueue(self.chunks, job="bench")
-                progress = await producer.wait_for_job("bench", timeout=900, interval=0.02)
+                progress = await producer.wait_for_job("bench", timeout=900)
                 seconds = time.perf_counter() - started
         finally:
             worker.drain()

@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
 
 from embedfleet.producer.enqueue import queue_enqueue
+from embedfleet.producer.polling import PollPacer
 from embedfleet.shared.faults import is_transient
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
@@ -577,8 +578,14 @@ class Producer:
         interval: float = 0.25,
         on_progress: Callable[[JobProgress], None] | None = None,
     ) -> JobProgress:
-        """Return once every enqueued chunk of ``job`` is embedded or dead-lettered."""
+        """Return once every enqueued chunk of ``job`` is embedded or dead-lettered.
+
+        ``interval`` is the longest wait between two reads of the job's counters; as the job
+        nears its end (by its rate so far) the reads come sooner, down to 10 ms, so that the
+        end is seen promptly without polling fast all along (producer/polling.py).
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
+        pacer = PollPacer(longest=interval)
         while True:
             try:
                 progress = await self.progress(job, deadline=deadline)
@@ -598,7 +605,9 @@ class Producer:
                     f"{progress.dead} dead of {progress.enqueued}. Are workers running? "
                     "Check with: embedfleet status"
                 )
-            await asyncio.sleep(interval)
+            await asyncio.sleep(
+                pacer.delay(time.monotonic(), progress.done + progress.dead, progress.enqueued)
+            )
 
     async def results(self, *, job: str | None = None, page: int = 1000) -> AsyncIterator[Result]:
         """Every result in the results streams (optionally one job's), oldest first within each
