@@ -247,10 +247,12 @@ class Fleet:
         keep: bool,
         slice_ms: float = -1,
         settings: dict[str, object] | None = None,
+        poll_s: float | None = None,
     ) -> Run:
         """One end-to-end run; ``settings`` overrides worker settings (the GPU check's budgets,
-        loadtest.precisions' output dtype)."""
-        return asyncio.run(self._run(encoder, texts, ids, keep, slice_ms, settings or {}))
+        loadtest.precisions' output dtype); ``poll_s`` reads the job's counters at that fixed
+        interval instead of the producer's paced reads (producer/polling.py)."""
+        return asyncio.run(self._run(encoder, texts, ids, keep, slice_ms, settings or {}, poll_s))
 
     async def _run(
         self,
@@ -260,6 +262,7 @@ class Fleet:
         keep: bool,
         slice_ms: float,
         overrides: dict[str, object],
+        poll_s: float | None,
     ) -> Run:
         from embedfleet.producer.client import Producer
         from embedfleet.shared.protocol import Chunk
@@ -293,7 +296,9 @@ class Fleet:
                 busy_before = worker.stats.model_seconds
                 started = time.perf_counter()
                 await producer.enqueue(chunks, job=job)
-                progress = await producer.wait_for_job(job, timeout=3600)
+                # an interval of 10 ms or less is a fixed one (the pacer never waits less)
+                pacing = {} if poll_s is None else {"interval": poll_s}
+                progress = await producer.wait_for_job(job, timeout=3600, **pacing)
                 seconds = time.perf_counter() - started
                 busy = (worker.stats.model_seconds - busy_before) / seconds
                 stats = worker.stats
@@ -583,12 +588,13 @@ def main(
     with _server(redis_url) as url:
         fleet = Fleet(url)
 
-        def fleet_run(encoder: Encoder, n: int, slice_ms: float = -1) -> Run:
+        def fleet_run(
+            encoder: Encoder, n: int, slice_ms: float = -1, poll_s: float | None = None
+        ) -> Run:
             # Vectors are read back (for parity) only on full runs; warm-ups use other ids.
             prefix = "" if n == len(texts) else "warm-"
-            return fleet.run(
-                encoder, texts[:n], [prefix + i for i in ids[:n]], not prefix, slice_ms
-            )
+            run_ids = [prefix + i for i in ids[:n]]
+            return fleet.run(encoder, texts[:n], run_ids, not prefix, slice_ms, poll_s=poll_s)
 
         if not only or "fleet fp32" in only:
             contenders.append(Contender("fleet fp32", "fp32", lambda n: fleet_run(fp32, n)))
@@ -598,6 +604,14 @@ def main(
             )
         if not only or "fleet auto" in only:
             contenders.append(Contender("fleet auto", auto_precision, lambda n: fleet_run(auto, n)))
+        if "fleet auto 10ms polls" in only:  # what a producer polling beside the worker costs
+            contenders.append(
+                Contender(
+                    "fleet auto 10ms polls",
+                    auto_precision,
+                    lambda n: fleet_run(auto, n, poll_s=0.01),
+                )
+            )
 
         say(f"warming up {len(contenders)} contenders")
         for contender in contenders:
