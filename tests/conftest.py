@@ -28,6 +28,10 @@ from loadtest.common import isolated_settings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Workers the tests start (in process and as `embedfleet worker` processes) keep the bf16 copy:
+# the int8 copy's compile costs up to a minute per process on 2 cores. tests/test_int8.py turns
+# it on where it is under test.
+os.environ.setdefault("EMBEDFLEET_CPU_INT8", "false")
 
 
 def _server_binary() -> str:

@@ -45,7 +45,7 @@ log = get_logger("embedfleet.cuda_queries")
 
 # Which path served a query batch (reported per worker as embedfleet_queries_served_total):
 # graph/stream on CUDA (this module), frozen on a CPU (workers/frozen.py), eager otherwise.
-QueryPath = Literal["graph", "stream", "frozen", "eager"]
+QueryPath = Literal["graph", "stream", "frozen", "int8", "eager"]
 CudaLaneMode = Literal["graph", "stream", "off"]
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16)

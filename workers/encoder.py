@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, cast
 
@@ -19,7 +20,7 @@ import torch
 from transformers import AutoModel, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
-from embedfleet.shared.logging import adopt_library_logger
+from embedfleet.shared.logging import adopt_library_logger, get_logger
 
 # one definition for the worker, the gateway and the splitter (those need no torch)
 from embedfleet.shared.modeldir import ModelNotFoundError, resolve_model_path
@@ -27,11 +28,13 @@ from embedfleet.shared.settings import PACKAGED_MODEL
 from embedfleet.workers.cpus import usable_cpus
 from embedfleet.workers.cuda_queries import CudaLaneMode, CudaQueryRunner, QueryPath
 from embedfleet.workers.frozen import FrozenForward, build_checked, freeze, frozen_min_cosine
+from embedfleet.workers.int8 import Int8Forward, build_int8
 from embedfleet.workers.model_dir import ModelSpec, SentenceHead, read_model_spec
 from embedfleet.workers.precision import (
     PROBE_TEXTS,
     ParityReport,
     Precision,
+    parity,
     requested_precision,
     settle_auto,
 )
@@ -39,6 +42,7 @@ from embedfleet.workers.precision import (
 # transformers installs its own stderr handler on import; its records go through ours instead
 # (above a progress bar, quiet below --verbose), once the process has configured logging.
 adopt_library_logger("transformers")
+log = get_logger("embedfleet.encoder")
 
 PoolingMode = Literal["mean", "cls", "lasttoken", "max", "weightedmean", "mean_sqrt_len_tokens"]
 Lane = Literal["query", "document"]
@@ -205,7 +209,8 @@ class Encoder:
             )
         self.dtype = self.precision.dtype
         self._layer_hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._query_forward: FrozenForward | None = None
+        self._query_forward: FrozenForward | Int8Forward | None = None
+        self._int8 = False  # the query graph is the int8 copy (workers/int8.py)
         self._cuda_queries: CudaQueryRunner | None = None
 
     # --- slice boundaries ----------------------------------------------------------
@@ -367,10 +372,10 @@ class Encoder:
             )
         if self._query_forward is None:
             return self.embed(batch), "eager"
-        return self._embed_frozen(self._query_forward, batch), "frozen"
+        return self._embed_frozen(self._query_forward, batch), "int8" if self._int8 else "frozen"
 
     @torch.inference_mode()
-    def _embed_frozen(self, forward: FrozenForward, batch: EncodeBatch) -> np.ndarray:
+    def _embed_frozen(self, forward: FrozenForward | Int8Forward, batch: EncodeBatch) -> np.ndarray:
         hidden = forward(batch.input_ids, batch.attention_mask)
         return self._vectors(hidden, batch.attention_mask, batch.prompt_lengths)
 
@@ -408,27 +413,113 @@ class Encoder:
     def computes_in_reduced_precision(self) -> bool:
         return self.precision.dtype != torch.float32
 
-    def prepare_query_graph(self) -> bool:
+    def prepare_query_graph(self, int8: bool = False) -> bool:
         """Build the frozen query graph, once, where it helps and holds parity: on a CPU, with
         the weights in their compute dtype (not autocast). Returns whether queries use it.
 
-        Call it on the thread that runs the model; it takes about a second.
+        ``int8`` (EMBEDFLEET_CPU_INT8): the int8 copy of workers/int8.py is built too and takes
+        the frozen graph's place if it holds the float32 bar and runs a bulk-shaped batch
+        faster here (int8 wins where the CPU's int8 rate is well over its bf16 rate).
+
+        Call it on the thread that runs the model; it takes about a second (with ``int8``, the
+        copy's compile: up to about a minute on 2 cores, less with inductor's cache warm).
         """
         if self._query_forward is not None:
             return True
         if self.device.type != "cpu" or self.precision.method == "autocast":
             return False
+        int8_forward = self._build_int8() if int8 else None
+        self._query_forward = self._build_frozen()
+        if int8_forward is not None:
+            self._keep_faster(int8_forward)
+        return self._query_forward is not None
+
+    def _build_frozen(self) -> FrozenForward | None:
         example = self.collate(self.tokenize(["a query", "a longer query, so the batch pads"]))
         # single texts (no padding) and padded batches of mixed lengths
         probe = [[PROBE_TEXTS[0]], [PROBE_TEXTS[-1]], list(PROBE_TEXTS[:4]), list(PROBE_TEXTS)]
-        self._query_forward = build_checked(
+        return build_checked(
             build=lambda: freeze(self._model, (example.input_ids, example.attention_mask)),
             eager=self.embed,
             frozen=self._embed_frozen,
             probe_batches=[self.collate(self.tokenize(texts)) for texts in probe],
             min_cosine=frozen_min_cosine(self.precision.dtype),
         )
-        return self._query_forward is not None
+
+    @property
+    def computes_in_int8(self) -> bool:
+        return self._int8
+
+    def _build_int8(self) -> Int8Forward | None:
+        """The int8 copy, if it matches float32 on the probe texts with the bar ``auto`` holds
+        bf16 to; else say why and return None."""
+        if not self.computes_in_reduced_precision:
+            return None  # float32 asked for, or auto fell back to it: no int8 either
+        report = self.parity
+        if report is None or report.reference is None:
+            log.info(
+                "int8 compute not used: it is checked against float32's vectors, which "
+                "EMBEDFLEET_DTYPE=auto computes at load (not bfloat16/float16 asked for)"
+            )
+            return None
+        try:
+            forward = build_int8(self._model, _layer_stack, self._run_model, PROBE_TEXTS)
+            # one single text, then the rest padded: both compiled shapes made now, not at a
+            # query
+            vectors = np.concatenate(
+                [
+                    self._embed_frozen(forward, self.collate(self.tokenize(list(texts))))
+                    for texts in (PROBE_TEXTS[:1], PROBE_TEXTS[1:])
+                ]
+            )
+        except Exception as error:  # no C++ compiler for inductor, an untraceable model, ...
+            log.warning(
+                "int8 compute not used: the int8 copy could not be built or compiled here "
+                "(torch.compile needs a C++ compiler on a CPU); set EMBEDFLEET_CPU_INT8=false "
+                "to skip the attempt",
+                error=repr(error)[:300],
+            )
+            return None
+        checked = parity(report.reference, vectors, self.precision)
+        (log.info if checked.passed else log.warning)(
+            "int8 probe",
+            min_cosine=round(checked.min_cosine, 6),
+            mean_cosine=round(checked.mean_cosine, 7),
+            texts=checked.texts,
+            verdict="passed" if checked.passed else "rejected: the bf16 copy instead",
+        )
+        return forward if checked.passed else None
+
+    def _keep_faster(self, int8_forward: Int8Forward) -> None:
+        """Time one bulk-shaped batch through the int8 copy and the bf16 frozen graph (or the
+        eager model, where the graph was not kept) and keep the faster for queries and bulk."""
+        texts = list(PROBE_TEXTS[1:17]) * 4  # 64 short and mid-length texts, ~1,500 tokens
+        batch = self.collate(self.tokenize(texts))
+        bf16 = self._query_forward
+        contenders: dict[str, Callable[[], object]] = {
+            "int8": lambda: self._embed_frozen(int8_forward, batch),
+            "bf16": functools.partial(self._embed_frozen, bf16, batch)
+            if bf16
+            else functools.partial(self.embed, batch),
+        }
+        seconds = {name: _best_of(run, 3) for name, run in contenders.items()}
+        keep_int8 = seconds["int8"] < seconds["bf16"]
+        log.info(
+            "int8 copy timed",
+            int8_ms=round(seconds["int8"] * 1000, 1),
+            bf16_ms=round(seconds["bf16"] * 1000, 1),
+            kept="int8" if keep_int8 else "bf16",
+        )
+        if keep_int8:
+            self._query_forward = int8_forward
+            self._int8 = True
+
+    @torch.inference_mode()
+    def _run_model(self, model: torch.nn.Module, texts: Sequence[str]) -> None:
+        """``model`` (a copy of this one) over ``texts`` in one padded batch."""
+        batch = self.collate(self.tokenize(list(texts)))
+        with self.precision.context(self.device):
+            model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
 
     @property
     def serves_queries_concurrently(self) -> bool:
@@ -468,11 +559,16 @@ class Encoder:
         return self.embed(self.collate(self.tokenize(texts)))
 
 
-def _transformer_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+def _layer_stack(model: torch.nn.Module) -> torch.nn.Module:
     """The stack of transformer layers: the longest ModuleList in the model (BERT's
-    ``encoder.layer``, and the equivalent in other encoder architectures)."""
+    ``encoder.layer``, and the equivalent in other encoder architectures); an empty one if
+    there is none."""
     candidates = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
-    return list(max(candidates, key=len)) if candidates else []
+    return max(candidates, key=len) if candidates else torch.nn.ModuleList()
+
+
+def _transformer_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return list(_layer_stack(model))
 
 
 def _lowercase_normalizer(backend: object) -> None:
@@ -533,3 +629,14 @@ def pool(
         else:
             raise ValueError(f"unknown pooling mode {mode!r}")
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+
+
+def _best_of(run: Callable[[], object], repeat: int) -> float:
+    """The shortest of ``repeat`` timed calls, after one untimed (warm-up) call."""
+    run()
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return min(times)

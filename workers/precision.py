@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -171,6 +171,8 @@ class ParityReport:
     min_cosine: float
     mean_cosine: float
     texts: int
+    # float32's vectors of PROBE_TEXTS, kept for later checks against float32 (workers/int8.py)
+    reference: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     @property
     def passed(self) -> bool:
@@ -201,6 +203,7 @@ def parity(reference: np.ndarray, candidate: np.ndarray, precision: Precision) -
         min_cosine=float(values.min()),
         mean_cosine=float(values.mean()),
         texts=len(values),
+        reference=reference,
     )
 
 

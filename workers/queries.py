@@ -121,7 +121,9 @@ class QueryLane:
         self._loop = asyncio.get_running_loop()
         if self.settings.frozen_queries:
             # on the model thread, before any query or bulk batch (it runs the model)
-            await self._loop.run_in_executor(self.model_thread, self.encoder.prepare_query_graph)
+            await self._loop.run_in_executor(
+                self.model_thread, self.encoder.prepare_query_graph, self.settings.cpu_int8
+            )
         mode = self.settings.cuda_query_lane
         if await self._loop.run_in_executor(
             self.model_thread, lambda: self.encoder.prepare_cuda_queries(mode)
