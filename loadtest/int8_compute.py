@@ -10,7 +10,7 @@ Two questions, each answered on this machine:
 - **Parity.** That W8A8 layer in place of every linear layer of the transformer (weights per
   output channel, inputs per token, symmetric, 127 levels), optionally with SmoothQuant
   (``--smooth ALPHA``: each input channel's range moved into the weights by
-  ``max|x|^alpha / max|w|^(1 - alpha)``, from 64 calibration texts apart from the measured ones),
+  ``max|x|^alpha / max|w|^(1 - alpha)``, from the built-in probe texts, as the worker does),
   vectors compared with float32 sentence-transformers on the benchmark corpus against the
   issue's bar (min cosine >= 0.99, mean >= 0.999). ``--keep`` leaves the linear layers whose
   names contain a pattern in float (e.g. ``output.dense``). Computed in float32 around the int8
@@ -35,12 +35,11 @@ import torch
 from embedfleet.workers.cpus import usable_cpus
 from embedfleet.workers.encoder import Encoder, resolve_model_path
 from embedfleet.workers.int8 import W8A8Linear, input_ranges, quantize_layers
-from embedfleet.workers.precision import cosines
+from embedfleet.workers.precision import PROBE_TEXTS, cosines
 from loadtest.bench import machine_line
 from loadtest.corpus import build_corpus
 
 PARITY_MIN, PARITY_MEAN = 0.99, 0.999
-CALIBRATION_TEXTS, CALIBRATION_SEED = 64, 7
 
 
 def _milliseconds(function: Callable[[], object], repeat: int = 20) -> float:
@@ -127,7 +126,7 @@ def main(
     threads = usable_cpus()
     torch.set_num_threads(threads)
     texts = [item.text for item in build_corpus(count)]
-    calibration = [item.text for item in build_corpus(CALIBRATION_TEXTS, seed=CALIBRATION_SEED)]
+    calibration = list(PROBE_TEXTS)  # what the worker calibrates on (workers/int8.py)
     encoder = Encoder(dtype="float32", threads=threads)
     print(f"machine: {machine_line()}")
     if not no_speed:
