@@ -164,8 +164,8 @@ class Settings(BaseSettings):
     compute its linear layers in int8 (weights per channel, inputs per token, SmoothQuant): kept if
     it holds the bar `auto` holds bf16 to against float32 and a timed batch runs faster than the
     bf16 copy; vectors are further from float32 than bf16's (docs/BENCHMARKS.md). The copy is
-    compiled (`torch.compile`, needs a C++ compiler) at start-up: up to about a minute on 2 cores.
-    `false`: the bf16 copy, no compile."""
+    compiled (`torch.compile`, which needs a C++ compiler: the CPU image has none, so it runs the
+    bf16 copy) at start-up: up to about a minute on 2 cores. `false`: the bf16 copy, no compile."""
     layout: Literal["auto", "padded", "varlen"] = "auto"
     """How bulk batches are laid out for the forward pass. `auto`: `varlen` on CUDA (every text of a
     batch end to end in one row, attention per text: no padding computed), `padded` on CPU (sorted,

@@ -3,6 +3,9 @@ the copy's parity against float32, and a worker's bulk batches through it."""
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
@@ -12,7 +15,7 @@ from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.encoder import Encoder
-from embedfleet.workers.int8 import W8A8Linear, quantize_layers
+from embedfleet.workers.int8 import W8A8Linear, cpp_compiler_available, quantize_layers
 from embedfleet.workers.precision import MEAN_COSINE, MIN_COSINE, cosines
 from tests.conftest import WorkerLauncher
 
@@ -89,6 +92,20 @@ def test_no_int8_without_bf16() -> None:
     assert encoder.prepare_query_graph(int8=True)
     assert not encoder.computes_in_int8
     assert encoder.serve_query(encoder.collate(encoder.tokenize(["a query"])))[1] == "frozen"
+
+
+def test_no_compiler_no_int8_and_no_attempt(
+    auto_encoder: Encoder, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Without a C++ compiler (the CPU image) the copy is not even tried: inductor would fail
+    after tracing the whole model, at every start."""
+    _needs_bf16(auto_encoder)
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert not cpp_compiler_available()
+    started = time.perf_counter()
+    assert auto_encoder._build_int8() is None
+    assert time.perf_counter() - started < 5
 
 
 def test_the_int8_copy_holds_the_float32_bar_on_a_corpus(

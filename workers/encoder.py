@@ -28,7 +28,7 @@ from embedfleet.shared.settings import PACKAGED_MODEL
 from embedfleet.workers.cpus import usable_cpus
 from embedfleet.workers.cuda_queries import CudaLaneMode, CudaQueryRunner, QueryPath
 from embedfleet.workers.frozen import FrozenForward, build_checked, freeze, frozen_min_cosine
-from embedfleet.workers.int8 import Int8Forward, build_int8
+from embedfleet.workers.int8 import Int8Forward, build_int8, cpp_compiler_available
 from embedfleet.workers.model_dir import ModelSpec, SentenceHead, read_model_spec
 from embedfleet.workers.precision import (
     PROBE_TEXTS,
@@ -460,6 +460,12 @@ class Encoder:
             log.info(
                 "int8 compute not used: it is checked against float32's vectors, which "
                 "EMBEDFLEET_DTYPE=auto computes at load (not bfloat16/float16 asked for)"
+            )
+            return None
+        if not cpp_compiler_available():
+            log.info(
+                "int8 compute not used: torch.compile builds its CPU kernels with a C++ compiler "
+                "($CXX, g++ or clang++), and none is on PATH (the CPU image has none)"
             )
             return None
         try:

@@ -21,6 +21,8 @@ batches through it are sized whole to the query slice.
 from __future__ import annotations
 
 import copy
+import os
+import shutil
 from collections.abc import Callable, Sequence
 
 import torch
@@ -117,6 +119,13 @@ def quantize_layers(
         setattr(layers.get_submodule(parent), attribute, W8A8Linear(module, smoothing))
         swapped += 1
     return swapped
+
+
+def cpp_compiler_available() -> bool:
+    """Whether inductor can build CPU kernels here: a C++ compiler ($CXX, g++ or clang++) on
+    PATH. Checked first, so a host without one (the CPU image) is not made to try."""
+    candidates = [os.environ.get("CXX", ""), "g++", "clang++"]
+    return any(name and shutil.which(name) for name in candidates)
 
 
 class Int8Forward:
