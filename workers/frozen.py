@@ -63,18 +63,25 @@ class FrozenForward:
         return output["last_hidden_state"] if isinstance(output, dict) else output[0]
 
 
+def hook_free_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``model`` in eval mode to build a graph from: without the slice-boundary
+    hooks (the graph must not call them) and without BERT's [CLS] pooler (never used here)."""
+    model_copy = copy.deepcopy(model).eval()
+    for module in model_copy.modules():
+        module._forward_pre_hooks.clear()
+        module._forward_hooks.clear()
+    if getattr(model_copy, "pooler", None) is not None:
+        model_copy.pooler = None
+    return model_copy
+
+
 def freeze(model: torch.nn.Module, example: tuple[torch.Tensor, torch.Tensor]) -> FrozenForward:
     """Trace a copy of ``model`` on ``example`` (input_ids, attention_mask) and freeze it.
 
     The example should have padding in it: branches that depend on the mask are recorded as
     taken at trace time.
     """
-    frozen_copy = copy.deepcopy(model).eval()
-    for module in frozen_copy.modules():  # the copy must not call the slice-boundary hooks
-        module._forward_pre_hooks.clear()
-        module._forward_hooks.clear()
-    if getattr(frozen_copy, "pooler", None) is not None:
-        frozen_copy.pooler = None  # BERT's [CLS] pooler: its output is never used here
+    frozen_copy = hook_free_copy(model)
     with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
         # TracerWarnings about shape checks that are constant for our inputs (mask given)
         warnings.simplefilter("ignore")

@@ -20,7 +20,6 @@ batches through it are sized whole to the query slice.
 
 from __future__ import annotations
 
-import copy
 import os
 import shutil
 from collections.abc import Callable, Sequence
@@ -28,6 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from embedfleet.shared.logging import get_logger
+from embedfleet.workers.frozen import hook_free_copy
 
 log = get_logger("embedfleet.int8")
 
@@ -148,12 +148,7 @@ def build_int8(
     """An int8 copy of ``model`` (its own weights; the eager model is untouched), smoothed with
     the input ranges of its transformer layers (``layers_of``) while ``run`` embeds
     ``calibration_texts`` through the copy before it is quantized."""
-    int8_model = copy.deepcopy(model).eval()
-    for module in int8_model.modules():  # the copy must not call the slice-boundary hooks
-        module._forward_pre_hooks.clear()
-        module._forward_hooks.clear()
-    if getattr(int8_model, "pooler", None) is not None:
-        int8_model.pooler = None  # BERT's [CLS] pooler: its output is never used here
+    int8_model = hook_free_copy(model)
     layers = layers_of(int8_model)
     ranges = input_ranges(layers, lambda texts: run(int8_model, texts), calibration_texts)
     swapped = quantize_layers(layers, ranges)
