@@ -26,7 +26,7 @@ from embedfleet.producer.export import write_export
 from embedfleet.producer.jsonl import BadLine, read_chunks
 from embedfleet.producer.search import format_hits
 from embedfleet.server import ServerProcess
-from embedfleet.shared.logging import configure_logging
+from embedfleet.shared.logging import configure_logging, get_logger
 from embedfleet.shared.progress import Progress
 from embedfleet.shared.protocol import Chunk, Result
 from embedfleet.shared.settings import Settings, SettingsError, load_settings
@@ -43,11 +43,13 @@ from embedfleet.verbosity import verbose_option
 if TYPE_CHECKING:
     import numpy as np
 
-    from embedfleet.workers.worker import WorkerStats
+    from embedfleet.workers.worker import Worker, WorkerStats
 
 # The built-in corpus is Python's own docs (pydoc topics, alphabetical): "async" is among the
 # first topics, so even a `--limit 100` run holds the answer ("Functions defined with async def
 # syntax are always coroutine functions ...").
+log = get_logger("embedfleet.demo")
+
 SAMPLE_QUERY = "how do I define an asynchronous function"
 
 
@@ -158,6 +160,7 @@ async def _run(settings: Settings, target: SinkTarget, chunks: list[Chunk], job:
         await sink.setup(encoder.name, encoder.dim)
         worker = Worker(settings, encoder, producer.client, sink)
         worker_task = asyncio.create_task(worker.run())
+        await _until_ready(worker, worker_task)
         started = time.perf_counter()
         with Progress("embedding", "texts", total=len(chunks)) as bar:
 
@@ -178,6 +181,19 @@ async def _run(settings: Settings, target: SinkTarget, chunks: list[Chunk], job:
     query = await asyncio.to_thread(encoder.embed_texts, [SAMPLE_QUERY])
     stored, sample = await asyncio.to_thread(_read_back, target, job, query[0])
     return DemoRun(progress, seconds, worker.stats, stored, sample)
+
+
+async def _until_ready(worker: Worker, task: asyncio.Task[None]) -> None:
+    """Wait until the worker has prepared its model (the query graph: on a CPU the int8 copy
+    compiles for up to a minute), so that the figures printed are the embedding's alone; a
+    worker that fails first raises its error here."""
+    log.info("preparing the model (on a CPU with EMBEDFLEET_CPU_INT8, up to a minute)")
+    ready = asyncio.ensure_future(worker.queries.ready.wait())
+    done, _ = await asyncio.wait({ready, task}, return_when=asyncio.FIRST_COMPLETED)
+    if ready not in done:
+        ready.cancel()
+        task.result()  # the worker's error
+        raise click.ClickException("the worker stopped before it was ready")
 
 
 def _read_back(

@@ -571,6 +571,12 @@ class Worker:
         self, windows: asyncio.Queue[Window | None], encoded: asyncio.Queue[Encoded | None]
     ) -> None:
         try:
+            # Bulk batches start once the query lane has settled the graph they run through
+            # (the frozen or int8 copy, which can take a minute to compile), not eager before
+            # it; the model's busy share counts from then. A drain (the lane failed) ends the
+            # wait too: what was read is then finished without the graph.
+            await _first_set(self.queries.ready, self._stopping)
+            self.stats.started_at = time.perf_counter()
             while (window := await windows.get()) is not _END:
                 for prepared in window.batches:
                     await self._encode(window, prepared.planned, encoded, batch=prepared.batch)
@@ -826,3 +832,13 @@ class Worker:
             ride.succeeded()
             written += len(rows)
         return written
+
+
+async def _first_set(*events: asyncio.Event) -> None:
+    """Return once any of ``events`` is set."""
+    waits = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
