@@ -60,11 +60,13 @@ PAIR_PAUSE_S = 0.1
 
 def bare_encoder() -> Encoder:
     """The floor: the same query through the model in this process, no queue at all, on the
-    forward pass the worker's query lane uses (the frozen graph, workers/frozen.py)."""
+    forward pass a default worker's query lane uses (its precision, and the frozen graph or the
+    int8 copy: workers/frozen.py, workers/int8.py)."""
     from embedfleet.workers.encoder import Encoder
 
-    encoder = Encoder()
-    encoder.prepare_query_graph()
+    defaults = Settings()
+    encoder = Encoder(dtype=defaults.dtype)
+    encoder.prepare_query_graph(int8=defaults.cpu_int8)
     for _ in range(10):
         bare_forward(encoder)
     return encoder
