@@ -238,6 +238,9 @@ class Worker:
         self._stopping = asyncio.Event()
         self._stage_tasks: dict[str, asyncio.Task[None]] = {}
         self._seconds_per_token: float | None = None  # measured, sizes batches to the slice
+        # set once the compute stage can take windows (graph settled, speed seeded): nothing is
+        # read, and so held from other workers, before
+        self._bulk_ready = asyncio.Event()
         self._trim_timer = TrimTimer()
         # the bulk lane's layout and launches (workers/bulk.py); made in run(), on the model
         # thread, since varlen probes its kernels there
@@ -397,6 +400,7 @@ class Worker:
         ride = RideOut("reading the ingest stream", self.outages, self.events)
         drained = False
         try:
+            await _first_set(self._bulk_ready, self._stopping)
             while not self._stopping.is_set():
                 try:
                     entries = await self._next_entries()
@@ -576,6 +580,8 @@ class Worker:
             # it; the model's busy share counts from then. A drain (the lane failed) ends the
             # wait too: what was read is then finished without the graph.
             await _first_set(self.queries.ready, self._stopping)
+            await self._seed_speed()
+            self._bulk_ready.set()
             self.stats.started_at = time.perf_counter()
             while (window := await windows.get()) is not _END:
                 for prepared in window.batches:
@@ -593,6 +599,37 @@ class Worker:
             await self._collect_in_flight(encoded)
         finally:
             await encoded.put(_END)
+
+    async def _seed_speed(self) -> None:
+        """Time one bulk-shaped batch through the bulk path before the first window is read.
+
+        A window's batches are planned when it is opened, with the token cap known then: without
+        a measured speed the first windows would get the whole token budget, batches several
+        times the query slice. Any error here is left for the first real batch to meet (and
+        handle: split on out-of-memory, exit on a device fault)."""
+        if self.slice_seconds <= 0 or self.bulk is None or self._stopping.is_set():
+            return
+        loop = asyncio.get_running_loop()
+        texts = list(PROBE_TEXTS[1:17]) * 4  # 64 short and mid-length texts
+        try:
+            batch = await loop.run_in_executor(
+                self._tokenizer_thread, lambda: self.bulk.collate(self.encoder.tokenize(texts))
+            )
+            query_seconds_before = self.queries.serving_seconds
+            launched = await loop.run_in_executor(
+                self._model_thread,
+                functools.partial(self.bulk.launch, batch, frozen=self._bulk_frozen()),
+            )
+            await loop.run_in_executor(self._collect_thread, launched.vectors)
+        except Exception as error:
+            log.warning(
+                "speed probe batch failed; the first batches are not sliced", error=str(error)
+            )
+            return
+        seconds = launched.seconds
+        if launched.copied is None:  # CPU: less the queries served at its layer boundaries
+            seconds -= self.queries.serving_seconds - query_seconds_before
+        self._learn_speed(seconds, batch.padded_tokens)
 
     async def _encode(
         self,
