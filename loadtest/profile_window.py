@@ -34,8 +34,14 @@ from loadtest.corpus import build_corpus
 
 # Operator names by kind of work (self CPU time; aten::linear and aten::matmul only dispatch)
 KINDS: dict[str, tuple[str, ...]] = {
-    "linear layers (mm/addmm)": ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn"),
-    "attention (SDPA kernels)": ("scaled_dot_product", "flash_attention", "aten::_softmax"),
+    "linear layers (mm/addmm)": ("aten::mm", "aten::addmm", "mkldnn"),
+    # bmm: the batched QK^T and attention x V of eager (non-SDPA) attention
+    "attention (SDPA kernels)": (
+        "scaled_dot_product",
+        "flash_attention",
+        "aten::_softmax",
+        "aten::bmm",
+    ),
 }
 
 

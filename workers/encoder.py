@@ -31,6 +31,7 @@ from embedfleet.workers.frozen import FrozenForward, build_checked, freeze, froz
 from embedfleet.workers.int8 import Int8Forward, build_int8, cpp_compiler_available
 from embedfleet.workers.model_dir import ModelSpec, SentenceHead, read_model_spec
 from embedfleet.workers.precision import (
+    BULK_PROBE_TEXTS,
     PROBE_TEXTS,
     ParityReport,
     Precision,
@@ -210,7 +211,6 @@ class Encoder:
         self.dtype = self.precision.dtype
         self._layer_hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._query_forward: FrozenForward | Int8Forward | None = None
-        self._int8 = False  # the query graph is the int8 copy (workers/int8.py)
         self._cuda_queries: CudaQueryRunner | None = None
 
     # --- slice boundaries ----------------------------------------------------------
@@ -372,7 +372,9 @@ class Encoder:
             )
         if self._query_forward is None:
             return self.embed(batch), "eager"
-        return self._embed_frozen(self._query_forward, batch), "int8" if self._int8 else "frozen"
+        return self._embed_frozen(
+            self._query_forward, batch
+        ), "int8" if self.computes_in_int8 else "frozen"
 
     @torch.inference_mode()
     def _embed_frozen(self, forward: FrozenForward | Int8Forward, batch: EncodeBatch) -> np.ndarray:
@@ -448,7 +450,8 @@ class Encoder:
 
     @property
     def computes_in_int8(self) -> bool:
-        return self._int8
+        """The query (and frozen bulk) graph is the int8 copy of workers/int8.py."""
+        return isinstance(self._query_forward, Int8Forward)
 
     def _build_int8(self) -> Int8Forward | None:
         """The int8 copy, if it matches float32 on the probe texts with the bar ``auto`` holds
@@ -499,8 +502,7 @@ class Encoder:
     def _keep_faster(self, int8_forward: Int8Forward) -> None:
         """Time one bulk-shaped batch through the int8 copy and the bf16 frozen graph (or the
         eager model, where the graph was not kept) and keep the faster for queries and bulk."""
-        texts = list(PROBE_TEXTS[1:17]) * 4  # 64 short and mid-length texts, ~1,500 tokens
-        batch = self.collate(self.tokenize(texts))
+        batch = self.collate(self.tokenize(list(BULK_PROBE_TEXTS)))
         bf16 = self._query_forward
         contenders: dict[str, Callable[[], object]] = {
             "int8": lambda: self._embed_frozen(int8_forward, batch),
@@ -518,7 +520,6 @@ class Encoder:
         )
         if keep_int8:
             self._query_forward = int8_forward
-            self._int8 = True
 
     @torch.inference_mode()
     def _run_model(self, model: torch.nn.Module, texts: Sequence[str]) -> None:

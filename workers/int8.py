@@ -132,7 +132,6 @@ class Int8Forward:
     """``(input_ids, attention_mask) -> last_hidden_state`` through the compiled int8 copy."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self._model = model
         self._compiled = torch.compile(model, dynamic=True)
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

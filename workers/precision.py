@@ -93,6 +93,9 @@ PROBE_TEXTS: tuple[str, ...] = (
     _LONG_PASSAGE + " " + _LONG_PASSAGE,  # over the limit: the truncated path
     "https://docs.python.org/3/library/stdtypes.html#str.split?highlight=split&lang=en",
 )
+# A bulk-shaped batch for timing (the worker's speed seed, the int8 copy's race with bf16): 64
+# short and mid-length probe texts, about 1,500 tokens.
+BULK_PROBE_TEXTS: tuple[str, ...] = PROBE_TEXTS[1:17] * 4
 
 
 @dataclass(frozen=True)

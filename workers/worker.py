@@ -74,7 +74,7 @@ from embedfleet.workers.faults import (
 from embedfleet.workers.heartbeat import run_heartbeat
 from embedfleet.workers.memory import TrimTimer, release_free_memory
 from embedfleet.workers.output import Outputs
-from embedfleet.workers.precision import PROBE_TEXTS
+from embedfleet.workers.precision import BULK_PROBE_TEXTS, PROBE_TEXTS
 from embedfleet.workers.queries import QueryLane
 from embedfleet.workers.reclaim import InFlight, Reclaimer
 from embedfleet.workers.sinks import Delivery, Sink
@@ -610,7 +610,7 @@ class Worker:
         if self.slice_seconds <= 0 or self.bulk is None or self._stopping.is_set():
             return
         loop = asyncio.get_running_loop()
-        texts = list(PROBE_TEXTS[1:17]) * 4  # 64 short and mid-length texts
+        texts = list(BULK_PROBE_TEXTS)
         try:
             batch = await loop.run_in_executor(
                 self._tokenizer_thread, lambda: self.bulk.collate(self.encoder.tokenize(texts))
