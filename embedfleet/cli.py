@@ -12,7 +12,7 @@ from embedfleet.producer.cli import (
     query_command,
     results_command,
 )
-from embedfleet.producer.dead import dead_group
+from embedfleet.producer.dead_letter_admin import dead_group
 from embedfleet.producer.plan import plan_command
 from embedfleet.producer.search import index_command, search_command
 from embedfleet.producer.status import status_command

@@ -23,7 +23,7 @@ from redis import exceptions as redis_errors
 
 from embedfleet.producer.enqueue import queue_enqueue
 from embedfleet.producer.polling import PollPacer
-from embedfleet.shared.faults import is_transient
+from embedfleet.shared.fault_kinds import is_transient
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import (

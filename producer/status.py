@@ -204,8 +204,8 @@ def report(
             "count": snapshot.streams["dead"].length,
             "latest": [
                 {
-                    "entry_id": d.entry_id,
-                    "reason": d.reason,
+                    "entry_id": d.dead_id,
+                    "reason": d.reason.value,
                     "detail": d.detail,
                     "id": d.chunk_id,
                     "stream": d.stream,

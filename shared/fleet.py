@@ -17,6 +17,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from embedfleet.shared.dead_letters import DeadLetter
 from embedfleet.shared.keys import Keys, key_slot
 from embedfleet.shared.redis_conn import is_cluster
 from embedfleet.shared.streams import (
@@ -102,15 +103,6 @@ class JobState:
     @property
     def remaining(self) -> int:
         return max(0, self.enqueued - self.done - self.dead)
-
-
-@dataclass(frozen=True)
-class DeadLetter:
-    entry_id: str
-    reason: str  # the code (shared/deadletters.py: DeadReason)
-    chunk_id: str | None
-    stream: str | None
-    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -232,7 +224,9 @@ async def read_fleet(
             _job(job, job_counters[i * per_job : (i + 1) * per_job])
             for i, job in enumerate(job_names)
         ),
-        dead_latest=tuple(_dead_letter(entry_id, fields) for entry_id, fields in dead_entries),
+        dead_latest=tuple(
+            DeadLetter.from_fields(dead_id, fields) for dead_id, fields in dead_entries
+        ),
         partitions=tuple(
             PartitionState(
                 index=partition.index,
@@ -334,17 +328,3 @@ def _job(job: str, partitions: list[Mapping[bytes, bytes]]) -> JobState:
         for key, value in counters.items():
             values[text(key)] = values.get(text(key), 0) + int(value)
     return JobState(job, values.get("enqueued", 0), values.get("done", 0), values.get("dead", 0))
-
-
-def _dead_letter(entry_id: bytes, fields: Mapping[bytes, bytes]) -> DeadLetter:
-    def field(name: bytes) -> str | None:
-        value = fields.get(name)
-        return None if value is None else value.decode(errors="replace")
-
-    return DeadLetter(
-        entry_id=text(entry_id),
-        reason=field(b"reason") or "(no reason field)",
-        chunk_id=field(b"id") or None,
-        stream=field(b"stream"),
-        detail=field(b"detail") or "",
-    )

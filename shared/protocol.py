@@ -15,7 +15,7 @@ always meant. A version bump would have made every existing producer's chunks un
 workers, or every new worker's results unreadable to existing consumers, for no gain.
 
 dead letter (dead-letter stream): plain string fields for ``redis-cli XRANGE``, described in
-``shared/deadletters.py``.
+``shared/dead_letters.py``.
 
 Validation of a chunk is written once, here (``chunk_from_mapping``), with the limits Settings
 holds (``ChunkLimits``): the producer, the JSON Lines reader and the worker's decoder all call it,
@@ -31,7 +31,7 @@ from typing import Any, Literal, get_args
 import msgpack
 import numpy as np
 
-from embedfleet.shared.deadletters import DeadReason
+from embedfleet.shared.dead_letters import DeadReason
 
 PROTOCOL_VERSION = 1
 PAYLOAD_FIELD = b"m"

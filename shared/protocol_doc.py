@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from embedfleet.shared.deadletters import PAYLOAD_PREFIX_BYTES, DeadReason
+from embedfleet.shared.dead_letters import PAYLOAD_PREFIX_BYTES, DeadReason
 from embedfleet.shared.protocol import (
     DEFAULT_DTYPE,
     MAX_ID_CHARS,

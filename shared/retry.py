@@ -22,7 +22,7 @@ from typing import Protocol, TypeVar
 
 from redis import exceptions as redis_errors
 
-from embedfleet.shared.faults import BackoffPolicy, classify, is_transient
+from embedfleet.shared.fault_kinds import BackoffPolicy, classify, is_transient
 from embedfleet.shared.logging import get_logger
 
 log = get_logger("embedfleet.client")
@@ -127,7 +127,7 @@ class Attempts:
     retry: RedisRetry
     doing: str
     deadline: float | None
-    # The workers' backoff (shared/faults.py): full jitter, doubling from 100 ms, capped at 5 s.
+    # The workers' backoff (shared/fault_kinds.py): full jitter, doubling, capped.
     backoff: BackoffPolicy = field(default_factory=BackoffPolicy)
     first_failure: float | None = None
 

@@ -678,7 +678,7 @@ async def write_dead_letters(
     client: aioredis.Redis, settings: Settings, job: str, count: int
 ) -> list[Chunk]:
     """A job whose chunks all ended as dead letters, written as a worker writes them."""
-    from embedfleet.shared.deadletters import DeadReason, dead_letter_fields
+    from embedfleet.shared.dead_letters import DeadReason, dead_letter_fields
 
     chunks = chunks_of(count, job)
     for index, chunk in enumerate(chunks):

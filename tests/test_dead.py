@@ -16,7 +16,7 @@ from collections import Counter
 import redis.asyncio as aioredis
 
 from embedfleet.producer import Producer
-from embedfleet.shared.deadletters import DeadLetter, DeadReason
+from embedfleet.shared.dead_letters import DeadLetter, DeadReason
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, decode_result, encode_chunk
 from embedfleet.shared.settings import Settings
 from tests.conftest import Recorder, WorkerLauncher
@@ -113,7 +113,7 @@ async def test_letters_that_cannot_be_replayed_are_skipped_and_kept(
     settings: Settings, client: aioredis.Redis
 ) -> None:
     """A query's caller has gone; a prefix is not the payload: both stay, each says why."""
-    from embedfleet.shared.deadletters import dead_letter_fields
+    from embedfleet.shared.dead_letters import dead_letter_fields
 
     common = {"detail": "d", "entry_id": "1-0", "max_payload_bytes": 8}
     await client.xadd(

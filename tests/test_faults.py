@@ -28,8 +28,8 @@ from redis import exceptions as redis_errors
 from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.server import ServerProcess, free_port, system_server_binary
-from embedfleet.shared.deadletters import DeadLetter, DeadReason
-from embedfleet.shared.faults import (
+from embedfleet.shared.dead_letters import DeadLetter, DeadReason
+from embedfleet.shared.fault_kinds import (
     BackoffPolicy,
     FaultKind,
     System,

@@ -27,7 +27,7 @@ from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.producer.status import History, eta_seconds, take_snapshot, throughput
 from embedfleet.server import ServerProcess, free_port
-from embedfleet.shared.deadletters import DeadReason
+from embedfleet.shared.dead_letters import DeadReason
 from embedfleet.shared.protocol import PAYLOAD_FIELD
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings

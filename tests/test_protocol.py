@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embedfleet.shared.deadletters import (
+from embedfleet.shared.dead_letters import (
     PAYLOAD_PREFIX_BYTES,
     DeadLetter,
     DeadReason,
@@ -128,9 +128,11 @@ def test_dead_letter_keeps_the_whole_payload_under_the_limit_and_a_prefix_over_i
     assert not letter.replayable and letter.payload_bytes == 100_000
 
 
-def test_a_dead_letter_from_before_reason_codes_reads_as_other() -> None:
-    letter = DeadLetter.from_fields("9-0", {b"reason": b"sink error after 5 tries: boom"})
-    assert letter.reason is DeadReason.OTHER and letter.detail.startswith("sink error")
+def test_a_dead_letter_without_a_known_code_reads_as_other_and_keeps_its_text() -> None:
+    letter = DeadLetter.from_fields("9-0", {b"reason": b"added by hand: boom"})
+    assert letter.reason is DeadReason.OTHER and letter.detail == "added by hand: boom"
+    coded = DeadLetter.from_fields("9-1", {b"reason": b"invalid", b"detail": b"no id"})
+    assert coded.reason is DeadReason.INVALID and coded.detail == "no id"
 
 
 def as_redis_reply(fields: dict[str, str | bytes]) -> dict[bytes, bytes]:

@@ -18,7 +18,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from embedfleet.shared import protocol_doc
-from embedfleet.shared.deadletters import DeadReason, dead_letter_fields
+from embedfleet.shared.dead_letters import DeadReason, dead_letter_fields
 from embedfleet.shared.protocol import (
     Chunk,
     ProtocolError,

@@ -21,7 +21,7 @@ import structlog
 from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.server import ServerProcess, free_port, system_server_binary
-from embedfleet.shared.deadletters import DeadLetter, DeadReason
+from embedfleet.shared.dead_letters import DeadLetter, DeadReason
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, encode_chunk
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
@@ -205,7 +205,7 @@ async def test_live_worker_keeps_its_long_batch(
 
     The test first proves the entries were held past the reclaim idle time (else a thief
     finding nothing would prove nothing), then tries to steal them."""
-    from embedfleet.workers.deadletter import DeadLetters
+    from embedfleet.workers.dead_letter_writer import DeadLetters
     from embedfleet.workers.events import WorkerEvents
     from embedfleet.workers.reclaim import InFlight, Reclaimer
 

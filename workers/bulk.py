@@ -29,7 +29,7 @@ from typing import Generic, Protocol, TypeVar
 import numpy as np
 import torch
 
-from embedfleet.shared.faults import WorkerFault
+from embedfleet.shared.fault_kinds import WorkerFault
 from embedfleet.shared.logging import get_logger
 from embedfleet.workers.batcher import PlannedBatch, plan_batches, plan_packed_batches
 from embedfleet.workers.encoder import EncodeBatch, Encoder, Tokenized

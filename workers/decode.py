@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from embedfleet.shared.deadletters import DeadReason
+from embedfleet.shared.dead_letters import DeadReason
 from embedfleet.shared.protocol import Chunk, ProtocolError, decode_chunk
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.consumer import StreamEntry
-from embedfleet.workers.deadletter import Rejected
+from embedfleet.workers.dead_letter_writer import Rejected
 from embedfleet.workers.sinks import Delivery
 
 

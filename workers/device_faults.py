@@ -27,7 +27,7 @@ from enum import Enum
 
 import torch
 
-from embedfleet.shared.faults import WorkerFault
+from embedfleet.shared.fault_kinds import WorkerFault
 
 # How often one text is retried after an out-of-memory error before the worker gives up.
 OOM_RETRIES_ONE_TEXT = 3

@@ -47,11 +47,11 @@ class WorkerEvents:
         """Entries of a dead or stuck consumer were claimed by this worker."""
 
     def sink_error(self, *, error: BaseException, kind: str) -> None:
-        """A sink write failed; ``kind`` is its FaultKind (shared/faults.py) and says what
+        """A sink write failed; ``kind`` is its FaultKind (shared/fault_kinds.py) and says what
         happens next: waited out, the row isolated and dead-lettered, or the worker exits."""
 
     def transient_fault(self, *, system: str, doing: str) -> None:
-        """``system`` (a shared.faults.System value) failed in a passing way while ``doing``;
+        """``system`` (a shared.fault_kinds.System value) failed in a passing way while ``doing``;
         the worker waits (capped backoff) and tries again."""
 
     def outage(self, *, system: str, active: bool) -> None:

@@ -12,7 +12,7 @@ probes time out, which is exactly what a liveness probe should notice.
   cached for that long, so frequent probes stay cheap. PING is not cached, so an outage shows
   at once. Draining (after SIGTERM) is not ready, and neither is a worker waiting out an outage
   of a system it needs (the database, Redis): each open outage is a failed check, named after
-  the system, with what failed and for how long (workers/faults.py).
+  the system, with what failed and for how long (workers/outages.py).
 - ``/metrics``: the worker's Prometheus registry, the stream gauges refreshed first.
 """
 
@@ -35,7 +35,7 @@ from embedfleet.workers.metrics import StreamGauges, WorkerMetrics
 
 if TYPE_CHECKING:
     from embedfleet.workers.encoder import EncodeBatch, Encoder
-    from embedfleet.workers.faults import Outages
+    from embedfleet.workers.outages import Outages
 
 log = get_logger("embedfleet.health")
 OK = "ok"
@@ -117,7 +117,7 @@ class HealthServer:
         self._encoder = encoder
 
     def watch_outages(self, outages: Outages) -> None:
-        """Report not ready while the worker waits for a system (workers/faults.py)."""
+        """Report not ready while the worker waits for a system (workers/outages.py)."""
         self._outages = outages
 
     def draining(self) -> None:

@@ -9,7 +9,7 @@ import time
 
 import redis.asyncio as aioredis
 
-from embedfleet.shared.faults import is_transient
+from embedfleet.shared.fault_kinds import is_transient
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
 

@@ -30,8 +30,8 @@ from prometheus_client import (
     ProcessCollector,
 )
 
-from embedfleet.shared.deadletters import DeadReason
-from embedfleet.shared.faults import System
+from embedfleet.shared.dead_letters import DeadReason
+from embedfleet.shared.fault_kinds import System
 from embedfleet.shared.fleet import FLEET_STREAMS, INPUT_STREAMS, read_fleet
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger

@@ -35,8 +35,8 @@ import numpy as np
 import redis
 import redis.asyncio as aioredis
 
-from embedfleet.shared.deadletters import DeadReason
-from embedfleet.shared.faults import System, is_transient
+from embedfleet.shared.dead_letters import DeadReason
+from embedfleet.shared.fault_kinds import System, is_transient
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import encode_result
@@ -45,12 +45,12 @@ from embedfleet.shared.settings import Settings
 from embedfleet.workers import device_faults
 from embedfleet.workers.calibration import Calibration
 from embedfleet.workers.consumer import StreamConsumer, StreamEntry
-from embedfleet.workers.deadletter import DeadLetters, Rejected
+from embedfleet.workers.dead_letter_writer import DeadLetters, Rejected
 from embedfleet.workers.decode import Accepted, decode_entries
 from embedfleet.workers.device_faults import DeviceFault, Recovery
 from embedfleet.workers.encoder import Encoder, Tokenized
 from embedfleet.workers.events import WorkerEvents
-from embedfleet.workers.faults import Outages, RideOut, transient_or_raise
+from embedfleet.workers.outages import Outages, RideOut, transient_or_raise
 from embedfleet.workers.output import Outputs
 from embedfleet.workers.sinks import Delivery, queue_acknowledgements
 

@@ -20,15 +20,15 @@ from typing import Protocol
 
 import redis.asyncio as aioredis
 
-from embedfleet.shared.deadletters import DeadReason
-from embedfleet.shared.faults import System
+from embedfleet.shared.dead_letters import DeadReason
+from embedfleet.shared.fault_kinds import System
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import PAYLOAD_FIELD
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.consumer import StreamEntry, as_str
-from embedfleet.workers.deadletter import DeadLetters, Rejected
+from embedfleet.workers.dead_letter_writer import DeadLetters, Rejected
 from embedfleet.workers.events import WorkerEvents
-from embedfleet.workers.faults import Outages, RideOut, transient_or_raise
+from embedfleet.workers.outages import Outages, RideOut, transient_or_raise
 
 log = get_logger("embedfleet.reclaim")
 Deliver = Callable[[str, list[StreamEntry]], Awaitable[None]]

@@ -13,9 +13,9 @@ from embedfleet.shared.logging import configure_logging, get_logger
 from embedfleet.shared.redis_conn import connect_settings
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.encoder import Encoder
-from embedfleet.workers.faults import RideOut, classify_sink_error, ride_out
 from embedfleet.workers.health import HealthServer
 from embedfleet.workers.metrics import StreamGauges, WorkerMetrics
+from embedfleet.workers.outages import RideOut, classify_sink_error, ride_out
 from embedfleet.workers.replicas import gpu_memory_share, limit_gpu_memory
 from embedfleet.workers.sinks import build_sink
 from embedfleet.workers.worker import Worker

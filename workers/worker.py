@@ -21,7 +21,7 @@ The stages run in one ``asyncio.TaskGroup``: when one fails, the worker drains w
 after it can still finish, then ``run()`` raises and the process exits non-zero for its
 supervisor to restart it. Nothing half-alive keeps holding entries.
 
-Faults (shared/faults.py): transient ones (Redis or the database away) are waited out by each
+Faults (shared/fault_kinds.py): transient ones (Redis or the database away) are waited out by each
 stage with capped backoff and show on /readyz; a row the database refuses is isolated by
 splitting its batch and dead-lettered alone; a fault that is permanent for the worker ends
 ``run()`` with a ``WorkerFault`` naming the setting to fix.
@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 import redis.asyncio as aioredis
 
-from embedfleet.shared.deadletters import DeadReason
-from embedfleet.shared.faults import FaultKind, System, WorkerFault
+from embedfleet.shared.dead_letters import DeadReason
+from embedfleet.shared.fault_kinds import FaultKind, System, WorkerFault
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import Chunk, Result
@@ -51,7 +51,7 @@ from embedfleet.workers.batcher import PlannedBatch
 from embedfleet.workers.bulk import BulkBatch, BulkForward, LaunchAhead, Launched, resolve_layout
 from embedfleet.workers.calibration import Calibration, CalibrationStore
 from embedfleet.workers.consumer import StreamConsumer, StreamEntry
-from embedfleet.workers.deadletter import DeadLetters, Rejected
+from embedfleet.workers.dead_letter_writer import DeadLetters, Rejected
 from embedfleet.workers.decode import Accepted, decode_entries
 from embedfleet.workers.device_faults import (
     DeviceFault,
@@ -64,15 +64,15 @@ from embedfleet.workers.device_faults import (
 )
 from embedfleet.workers.encoder import Encoder, Tokenized
 from embedfleet.workers.events import ForwardingEvents, WorkerEvents
-from embedfleet.workers.faults import (
+from embedfleet.workers.heartbeat import run_heartbeat
+from embedfleet.workers.memory import TrimTimer, release_free_memory
+from embedfleet.workers.outages import (
     Outages,
     RideOut,
     classify_sink_error,
     ride_out,
     transient_or_raise,
 )
-from embedfleet.workers.heartbeat import run_heartbeat
-from embedfleet.workers.memory import TrimTimer, release_free_memory
 from embedfleet.workers.output import Outputs
 from embedfleet.workers.precision import BULK_PROBE_TEXTS, PROBE_TEXTS
 from embedfleet.workers.queries import QueryLane
@@ -813,7 +813,7 @@ class Worker:
         """Write a batch with ``write`` (given the rows' results, deliveries and indices);
         returns how many results were written.
 
-        By kind of fault (shared/faults.py): transient ones are waited out, however long;
+        By kind of fault (shared/fault_kinds.py): transient ones are waited out, however long;
         a refused row is found by halving the batch (each half written on its own) and
         dead-lettered alone with the database's message; any other fault is tried
         ``sink_retries`` times (a fault not known to pass might still) and then stops the

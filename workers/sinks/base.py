@@ -19,7 +19,7 @@ from typing import TypeVar
 import redis
 import redis.asyncio as aioredis
 
-from embedfleet.shared.faults import System
+from embedfleet.shared.fault_kinds import System
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import Result
 from embedfleet.shared.vectordb import SinkSetupError, VectorBackend, VectorDType
@@ -49,7 +49,7 @@ class Sink(abc.ABC):
 
     The worker's owner calls ``setup(model, dim)`` once after the model loads, the worker calls
     ``write`` per micro-batch, and ``close`` on shutdown. ``write`` raising means nothing was
-    acknowledged; what the worker does next depends on the kind of fault (shared/faults.py):
+    acknowledged; what the worker does next depends on the kind of fault (shared/fault_kinds.py):
     waits out an outage, splits the batch to isolate a refused row, or exits. A sink only
     raises its library's own errors and says which system it is (``system``), so a builtin
     ``TimeoutError`` is filed under the right database.

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 
-from embedfleet.shared.faults import System
+from embedfleet.shared.fault_kinds import System
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import Result, encode_result
 from embedfleet.workers.sinks.base import (

@@ -31,7 +31,7 @@ class DeadReason(StrEnum):
     OPTIONS = "options"  # an option the served model cannot honour (prompt name, dimensions)
     MODEL = "model"  # the model failed on this text alone
     SINK_REFUSED = "sink_refused"  # the vector database refused this row alone
-    OTHER = "other"  # a dead letter written before reason codes existed
+    OTHER = "other"  # an entry without a known code (added by hand or by another tool)
 
 
 def reason_help() -> str:
@@ -101,9 +101,9 @@ class DeadLetter:
         raw_reason = text(b"reason") or ""
         try:
             reason = DeadReason(raw_reason)
-            detail = text(b"detail") or ""
-        except ValueError:  # written before reason codes: the reason was the free text
-            reason, detail = DeadReason.OTHER, raw_reason
+        except ValueError:  # an entry a person or another tool added by hand: keep what it says
+            reason = DeadReason.OTHER
+        detail = text(b"detail") or ("" if reason.value == raw_reason else raw_reason)
         size = text(b"payload_bytes")
         return cls(
             dead_id=dead_id.decode() if isinstance(dead_id, bytes) else dead_id,

@@ -1,6 +1,6 @@
 """Riding out faults in the worker: wait on the passing ones, and know what is being waited on.
 
-The kinds come from ``shared/faults.py``. Here the worker's side of them:
+The kinds come from ``shared/fault_kinds.py``. Here the worker's side of them:
 
 - ``RideOut``: one activity's capped backoff (reading the ingest stream, writing results, ...).
   Each wait logs which system failed and why, counts it (``transient_fault``), and opens an
@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from embedfleet.shared.faults import BackoffPolicy, Fault, FaultKind, System, classify
+from embedfleet.shared.fault_kinds import BackoffPolicy, Fault, FaultKind, System, classify
 from embedfleet.shared.logging import get_logger
 from embedfleet.workers.events import WorkerEvents
 from embedfleet.workers.sinks.base import SinkSetupError

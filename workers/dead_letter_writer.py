@@ -2,7 +2,7 @@
 
 Each dead letter keeps the entry's whole payload when it fits
 ``EMBEDFLEET_DEAD_PAYLOAD_MAX_BYTES``, so ``embedfleet dead replay`` can put it back once its
-cause is fixed (shared/deadletters.py describes the fields).
+cause is fixed (shared/dead_letters.py describes the fields).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from embedfleet.shared.deadletters import DeadReason, dead_letter_fields
+from embedfleet.shared.dead_letters import DeadReason, dead_letter_fields
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import Chunk, encode_chunk, encode_query_error

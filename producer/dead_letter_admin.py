@@ -30,7 +30,7 @@ from embedfleet.producer.waiting import (
     run_client,
     verb_settings,
 )
-from embedfleet.shared.deadletters import DeadLetter, DeadReason
+from embedfleet.shared.dead_letters import DeadLetter, DeadReason
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import ProtocolError, decode_chunk
 from embedfleet.shared.redis_conn import connect_client_settings, redact_url
