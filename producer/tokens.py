@@ -8,13 +8,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from embedfleet.shared.modeldir import ModelFiles
+from embedfleet.shared.tokens import counting_head
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
-
-# Same shortcut as the worker's tokenizer: a text this many characters per allowed token long
-# certainly fills the model, so only its head is tokenized to count it.
-CHARS_PER_TOKEN_CUT = 50
 
 
 def load_tokenizer(files: ModelFiles) -> Tokenizer:
@@ -51,8 +48,9 @@ class ModelTokenizer:
 
     def lengths(self, texts: Sequence[str]) -> list[int]:
         """Tokens of each text with special tokens, before truncation."""
-        cut_at = self.max_length * CHARS_PER_TOKEN_CUT
-        encodings = self.tokenizer.encode_batch([text[:cut_at] for text in texts])
+        encodings = self.tokenizer.encode_batch(
+            [counting_head(text, self.max_length) for text in texts]
+        )
         return [len(encoding.ids) for encoding in encodings]
 
     def usage(self, texts: Sequence[str]) -> int:

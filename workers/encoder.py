@@ -25,6 +25,7 @@ from embedfleet.shared.logging import adopt_library_logger, get_logger
 # one definition for the worker, the gateway and the splitter (those need no torch)
 from embedfleet.shared.modeldir import ModelNotFoundError, resolve_model_path
 from embedfleet.shared.settings import PACKAGED_MODEL
+from embedfleet.shared.tokens import counting_head
 from embedfleet.workers.cpus import usable_cpus
 from embedfleet.workers.cuda_queries import CudaLaneMode, CudaQueryRunner, QueryPath
 from embedfleet.workers.frozen import FrozenForward, build_checked, freeze, frozen_min_cosine
@@ -47,9 +48,6 @@ log = get_logger("embedfleet.encoder")
 
 PoolingMode = Literal["mean", "cls", "lasttoken", "max", "weightedmean", "mean_sqrt_len_tokens"]
 Lane = Literal["query", "document"]
-# A text this many characters per allowed token long certainly has more tokens than the model
-# takes; cutting it first keeps a 10 MB text from costing seconds of tokenization.
-CHARS_PER_TOKEN_CUT = 50
 
 
 class PromptError(ValueError):
@@ -296,10 +294,9 @@ class Encoder:
 
         The batch call runs in Rust and releases the GIL, so callers put it on a thread.
         """
-        cut_at = self.max_length * CHARS_PER_TOKEN_CUT
         if prompts is not None:
             texts = [prompt + text for prompt, text in zip(prompts, texts, strict=True)]
-        prepared = [text[:cut_at] for text in texts]
+        prepared = [counting_head(text, self.max_length) for text in texts]
         encodings = self._backend.encode_batch(prepared)
         results: list[Tokenized] = []
         for row, (text, cut_text, encoding) in enumerate(
