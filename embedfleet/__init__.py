@@ -22,11 +22,11 @@ if (_checkout / "pyproject.toml").is_file() and (_checkout / "workers" / "worker
 if TYPE_CHECKING:
     from embedfleet.producer.client import (
         EmbeddingOptions,
-        JobProgress,
         JobTimeoutError,
         Producer,
         QueryTimeoutError,
     )
+    from embedfleet.shared.jobs import JobProgress
     from embedfleet.shared.protocol import Chunk, QueryFailedError, Result
     from embedfleet.shared.retry import RedisUnavailableError
     from embedfleet.shared.settings import Settings
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "Producer": "embedfleet.producer.client",
     "EmbeddingOptions": "embedfleet.producer.client",
-    "JobProgress": "embedfleet.producer.client",
+    "JobProgress": "embedfleet.shared.jobs",
     "JobTimeoutError": "embedfleet.producer.client",
     "QueryTimeoutError": "embedfleet.producer.client",
     "QueryFailedError": "embedfleet.shared.protocol",

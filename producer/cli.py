@@ -11,10 +11,11 @@ from typing import TextIO
 import click
 import numpy as np
 
-from embedfleet.producer.client import JobProgress, Producer, QueryTimeoutError
+from embedfleet.producer.client import Producer, QueryTimeoutError
 from embedfleet.producer.export import SUPPORTED_SUFFIXES, ExportRow, write_export
 from embedfleet.producer.jsonl import BadLine, read_chunks
 from embedfleet.producer.waiting import client_for, redis_url_option, run_client, verb_settings
+from embedfleet.shared.jobs import JobProgress
 from embedfleet.shared.logging import configure_logging
 from embedfleet.shared.progress import Progress
 from embedfleet.shared.protocol import QueryFailedError, Result

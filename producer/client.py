@@ -24,6 +24,7 @@ from redis import exceptions as redis_errors
 from embedfleet.producer.enqueue import queue_enqueue
 from embedfleet.producer.polling import PollPacer
 from embedfleet.shared.fault_kinds import is_transient
+from embedfleet.shared.jobs import JobProgress
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import (
@@ -59,18 +60,6 @@ if TYPE_CHECKING:
 
 log = get_logger("embedfleet.producer")
 ChunkLike = Chunk | Mapping[str, Any]
-
-
-@dataclass(frozen=True)
-class JobProgress:
-    job: str
-    enqueued: int
-    done: int
-    dead: int
-
-    @property
-    def finished(self) -> bool:
-        return self.enqueued > 0 and self.done + self.dead >= self.enqueued
 
 
 class ReplicasNotConfirmedError(redis_errors.ConnectionError):
@@ -557,18 +546,8 @@ class Producer:
                 pipe.hgetall(partition.job(job))
             return await pipe.execute()
 
-        values: dict[str, int] = {}
-        for counters in await self.retry.call(
-            f"read job {job!r}'s progress", read, deadline=deadline
-        ):
-            for key, value in counters.items():
-                values[key.decode()] = values.get(key.decode(), 0) + int(value)
-        return JobProgress(
-            job=job,
-            enqueued=values.get("enqueued", 0),
-            done=values.get("done", 0),
-            dead=values.get("dead", 0),
-        )
+        counters = await self.retry.call(f"read job {job!r}'s progress", read, deadline=deadline)
+        return JobProgress.summed(job, counters)
 
     async def wait_for_job(
         self,

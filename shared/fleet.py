@@ -11,13 +11,13 @@ latest dead letters (a second round trip).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
 
 from embedfleet.shared.dead_letters import DeadLetter
+from embedfleet.shared.jobs import JobProgress
 from embedfleet.shared.keys import Keys, key_slot
 from embedfleet.shared.redis_conn import is_cluster
 from embedfleet.shared.streams import (
@@ -94,18 +94,6 @@ class StreamState:
 
 
 @dataclass(frozen=True)
-class JobState:
-    job: str
-    enqueued: int
-    done: int
-    dead: int
-
-    @property
-    def remaining(self) -> int:
-        return max(0, self.enqueued - self.done - self.dead)
-
-
-@dataclass(frozen=True)
 class PartitionState:
     """One partition: its ingest stream's state, its other streams' lengths, where it lives."""
 
@@ -122,7 +110,7 @@ class FleetState:
     taken_at: float  # time.time()
     monotonic: float  # time.monotonic(), for rates that survive a clock change
     streams: dict[str, StreamState]  # totals over the partitions
-    jobs: tuple[JobState, ...] = ()
+    jobs: tuple[JobProgress, ...] = ()
     dead_latest: tuple[DeadLetter, ...] = ()
     partitions: tuple[PartitionState, ...] = ()
 
@@ -221,7 +209,7 @@ async def read_fleet(
             for name in FLEET_STREAMS
         },
         jobs=tuple(
-            _job(job, job_counters[i * per_job : (i + 1) * per_job])
+            JobProgress.summed(job, job_counters[i * per_job : (i + 1) * per_job])
             for i, job in enumerate(job_names)
         ),
         dead_latest=tuple(
@@ -319,12 +307,3 @@ def _raise_errors(replies: list[Any]) -> list[Any]:
         if isinstance(reply, Exception):
             raise reply
     return list(replies)
-
-
-def _job(job: str, partitions: list[Mapping[bytes, bytes]]) -> JobState:
-    """A job's counters summed over the partitions (each counts the chunks routed to it)."""
-    values: dict[str, int] = {}
-    for counters in partitions:
-        for key, value in counters.items():
-            values[text(key)] = values.get(text(key), 0) + int(value)
-    return JobState(job, values.get("enqueued", 0), values.get("done", 0), values.get("dead", 0))

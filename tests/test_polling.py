@@ -9,8 +9,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from embedfleet.producer import Producer
-from embedfleet.producer.client import JobProgress
 from embedfleet.producer.polling import PollPacer
+from embedfleet.shared.jobs import JobProgress
 from embedfleet.shared.settings import Settings
 
 

@@ -24,7 +24,7 @@ import pytest
 
 from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
-from embedfleet.producer.client import JobProgress
+from embedfleet.shared.jobs import JobProgress
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, Result, decode_result
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings

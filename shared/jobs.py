@@ -1,0 +1,37 @@
+"""A job's counters: the one reading of ``{ns}:job:<id>`` for the client, the CLI and status.
+
+Each partition holds its own counters hash for the chunks routed to it (``enqueued`` by the
+enqueue script, ``done`` by the workers' acknowledgement script, ``dead`` by dead-lettering and
+replay); a job's progress is their sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    job: str
+    enqueued: int
+    done: int
+    dead: int
+
+    @property
+    def finished(self) -> bool:
+        return self.enqueued > 0 and self.done + self.dead >= self.enqueued
+
+    @property
+    def remaining(self) -> int:
+        return max(0, self.enqueued - self.done - self.dead)
+
+    @classmethod
+    def summed(cls, job: str, partitions: Iterable[Mapping[bytes, bytes]]) -> JobProgress:
+        """The job's progress from each partition's counters hash (HGETALL replies)."""
+        values: dict[str, int] = {}
+        for counters in partitions:
+            for key, value in counters.items():
+                name = key.decode() if isinstance(key, bytes) else key
+                values[name] = values.get(name, 0) + int(value)
+        return cls(job, values.get("enqueued", 0), values.get("done", 0), values.get("dead", 0))
