@@ -36,6 +36,16 @@ async def test_producers_and_workers_racing_all_succeed(settings: Settings) -> N
     ]
     try:
         await asyncio.gather(*(p.setup() for p in producers), *(c.setup() for c in consumers))
+        # one group, at id 0, on every stream the two sides set up; a producer can enqueue and a
+        # worker read it afterwards
+        for stream in (settings.keys.ingest, settings.keys.query):
+            groups = await producers[0].client.xinfo_groups(stream)
+            assert [(g["name"].decode(), g["last-delivered-id"]) for g in groups] == [
+                (settings.group, b"0-0")
+            ]
+        await producers[0].enqueue([Chunk("raced", "hello")])
+        entries = await consumers[0].read(count=10, block_ms=1000)
+        assert [e.stream for e in entries] == [settings.keys.ingest]
     finally:
         await asyncio.gather(*(p.close() for p in producers))
         await asyncio.gather(*(c.client.aclose() for c in consumers))
