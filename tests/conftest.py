@@ -84,6 +84,17 @@ def encoder():
     return shared_encoder()
 
 
+@functools.cache
+def reference_model():
+    """sentence-transformers' own ``SentenceTransformer`` of the model under test, the parity
+    reference, loaded once per session on first use."""
+    from sentence_transformers import SentenceTransformer
+
+    from embedfleet.shared.modeldir import resolve_model_path
+
+    return SentenceTransformer(str(resolve_model_path(model_under_test())), device="cpu")
+
+
 @pytest.fixture(scope="session")
 def varlen_encoder():
     """Its own model for the varlen layout: installing the varlen attention must not touch the

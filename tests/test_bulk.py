@@ -20,7 +20,7 @@ from embedfleet.workers.bulk import BulkForward, LaunchAhead, Launched, resolve_
 from embedfleet.workers.encoder import Encoder
 from embedfleet.workers.packing import VarlenBatch, collate_varlen
 from embedfleet.workers.precision import PROBE_TEXTS, cosines
-from tests.conftest import FakeEvents, WorkerLauncher
+from tests.conftest import FakeEvents, WorkerLauncher, reference_model
 
 TEXTS = list(PROBE_TEXTS[:6])  # real sentences of mixed lengths
 
@@ -112,7 +112,6 @@ async def test_worker_varlen_on_cpu_matches_sentence_transformers(
 ) -> None:
     """EMBEDFLEET_LAYOUT=varlen through the whole worker, on the launch-ahead path: the vectors
     sentence-transformers gives in fp32 (min cosine >= 0.9999 on real texts)."""
-    from sentence_transformers import SentenceTransformer
 
     count = 48
     chunks = list(builtin_corpus(count))
@@ -131,9 +130,7 @@ async def test_worker_varlen_on_cpu_matches_sentence_transformers(
     assert len(waits) >= count // 8  # every batch came back through its copy event
     texts = {chunk.id: chunk.text for chunk in chunks}
     ids = sorted(results)
-    reference = SentenceTransformer(str(varlen_encoder.model_dir), device="cpu").encode(
-        [texts[i] for i in ids]
-    )
+    reference = reference_model().encode([texts[i] for i in ids])
     parity = cosines(reference, np.stack([results[i] for i in ids]))
     print(f"worker varlen (CPU) vs sentence-transformers fp32: min {parity.min():.6f}")
     assert parity.min() >= 0.9999

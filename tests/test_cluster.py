@@ -33,7 +33,7 @@ from embedfleet.shared.settings import Settings
 from embedfleet.shared.streams import find_group
 from loadtest.common import isolated_settings
 from loadtest.local_cluster import LocalCluster
-from tests.conftest import worker_env
+from tests.conftest import reference_model, worker_env
 
 pytestmark = pytest.mark.cluster
 PARTITIONS = 6
@@ -174,7 +174,6 @@ async def test_six_partitions_three_workers_every_id_once_with_parity(
     fleet: list[subprocess.Popen[bytes]],
     cluster_client: aioredis.Redis,
 ) -> None:
-    from sentence_transformers import SentenceTransformer
 
     # Every worker reads every partition: each has joined each partition's group (XREADGROUP
     # registers the consumer) before the work goes in. Who then takes which entries is a race
@@ -209,12 +208,7 @@ async def test_six_partitions_three_workers_every_id_once_with_parity(
     for partition in cluster_settings.keys.partitions_keys:
         assert await cluster_client.xlen(partition.results) > 0
 
-    from embedfleet.workers.encoder import resolve_model_path
-
-    model_dir = resolve_model_path(cluster_settings.model)
-    reference = SentenceTransformer(str(model_dir), device="cpu").encode(
-        [c.text for c in chunks], batch_size=64
-    )
+    reference = reference_model().encode([c.text for c in chunks], batch_size=64)
     ours = np.stack([results[c.id].vector.astype(np.float32) for c in chunks])
     cosines = (ours * reference).sum(1) / (
         np.linalg.norm(ours, axis=1) * np.linalg.norm(reference, axis=1)

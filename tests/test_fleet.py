@@ -13,7 +13,7 @@ from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import Settings
-from tests.conftest import WorkerLauncher
+from tests.conftest import WorkerLauncher, reference_model
 
 LONG_TEXT = " ".join(f"word{i} and some filler text" for i in range(600))  # ~3,000 tokens
 
@@ -25,7 +25,6 @@ def corpus(count: int) -> list[Chunk]:
 async def test_fleet_matches_sentence_transformers(
     workers: WorkerLauncher, settings: Settings, client: aioredis.Redis, encoder
 ) -> None:
-    from sentence_transformers import SentenceTransformer
 
     chunks = [*corpus(300), Chunk(id="long", text=LONG_TEXT, meta={"kind": "long"})]
     async with Producer(settings, client) as producer, workers.run(settings):
@@ -35,8 +34,7 @@ async def test_fleet_matches_sentence_transformers(
     assert progress.done == len(chunks) and progress.dead == 0
     assert set(results) == {c.id for c in chunks}
 
-    reference_model = SentenceTransformer(str(encoder.model_dir), device="cpu")
-    reference = reference_model.encode([c.text for c in chunks], batch_size=32)
+    reference = reference_model().encode([c.text for c in chunks], batch_size=32)
     ours = np.stack([results[c.id].vector.astype(np.float32) for c in chunks])
     cosines = (ours * reference).sum(1) / (
         np.linalg.norm(ours, axis=1) * np.linalg.norm(reference, axis=1)

@@ -13,11 +13,10 @@ from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.frozen import FROZEN_MIN_COSINE, FrozenForward, build_checked
 from embedfleet.workers.precision import cosines
-from tests.conftest import WorkerLauncher
+from tests.conftest import WorkerLauncher, reference_model
 
 
 def test_frozen_queries_match_sentence_transformers(encoder) -> None:
-    from sentence_transformers import SentenceTransformer
 
     assert encoder.prepare_query_graph(), "the packaged model must freeze on this CPU"
     texts = [chunk.text for chunk in builtin_corpus(120)]
@@ -27,7 +26,7 @@ def test_frozen_queries_match_sentence_transformers(encoder) -> None:
     # a padded batch of mixed lengths, as when several queries arrive together
     batched = encoder.embed_query(encoder.collate(encoder.tokenize(texts[:16])))
 
-    reference = SentenceTransformer(str(encoder.model_dir), device="cpu").encode(texts)
+    reference = reference_model().encode(texts)
     print(
         f"frozen vs sentence-transformers over {len(texts)} texts: "
         f"min cosine {cosines(singles, reference).min():.7f} (one at a time), "

@@ -15,7 +15,7 @@ from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.encoder import Encoder
 from embedfleet.workers.precision import cosines
-from tests.conftest import WorkerLauncher
+from tests.conftest import WorkerLauncher, reference_model
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,6 @@ async def test_bulk_runs_frozen_in_bf16_with_parity(
     bf16_encoder: Encoder,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from sentence_transformers import SentenceTransformer
 
     calls = _count_calls(bf16_encoder, monkeypatch)
     results = await _embed_corpus(workers, settings, client, bf16_encoder, 60)
@@ -71,9 +70,7 @@ async def test_bulk_runs_frozen_in_bf16_with_parity(
     assert calls["embed"] <= 6, calls  # the warm-up: two eager passes of 2 and 4 probe texts
     texts = {chunk.id: chunk.text for chunk in builtin_corpus(60)}
     ids = sorted(results)
-    reference = SentenceTransformer(str(bf16_encoder.model_dir), device="cpu").encode(
-        [texts[i] for i in ids]
-    )
+    reference = reference_model().encode([texts[i] for i in ids])
     parity = cosines(reference, np.stack([results[i] for i in ids]))
     print(f"frozen bulk bf16 vs sentence-transformers fp32: min {parity.min():.6f}")
     assert parity.min() >= 0.999 and parity.mean() >= 0.9999

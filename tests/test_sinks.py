@@ -42,7 +42,7 @@ from embedfleet.shared.vectordb import (
 from embedfleet.shared.vectordb.pgvector import vector_type_for
 from embedfleet.shared.vectordb.qdrant import point_id
 from embedfleet.workers.sinks import Sink, SinkSetupError, build_sink, sink_for_target
-from tests.conftest import WorkerLauncher, running_pg, shared_encoder, worker_env
+from tests.conftest import WorkerLauncher, reference_model, running_pg, shared_encoder, worker_env
 
 BACKENDS = ["redis", "lancedb", "pgvector", "pgvector-vector", "qdrant-local"]
 DATABASES = [b for b in BACKENDS if b != "redis"]
@@ -146,9 +146,8 @@ async def loaded(
 @pytest.fixture(scope="module")
 def reference(encoder) -> tuple[np.ndarray, np.ndarray]:
     """sentence-transformers' vectors of the final texts, and of the changed chunk's first text."""
-    from sentence_transformers import SentenceTransformer
 
-    model = SentenceTransformer(str(encoder.model_dir), device="cpu")
+    model = reference_model()
     first = first_round()
     return model.encode([c.text for c in second_round(first)]), model.encode([first[CHANGED].text])
 
