@@ -288,7 +288,7 @@ def calibration_command(as_json: bool, redis_url: str | None) -> None:
 
 
 async def _calibrations(settings: Settings) -> list[tuple[str, dict]]:
-    async with Producer(settings) as producer:
+    async with client_for(settings) as producer:
         pattern = producer.keys.calibration("*", "*").replace("*:*", "*")
         keys = sorted([key.decode() async for key in producer.client.scan_iter(match=pattern)])
         values = await producer.client.mget(keys) if keys else []

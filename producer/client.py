@@ -152,10 +152,13 @@ class Producer:
         client: aioredis.Redis | None = None,
         *,
         on_outage: OutageListener | None = None,
+        first_contact_s: float | None = None,
     ):
         """``on_outage`` is told once when Redis becomes unreachable and once when it is back
         (default: a log line each); every call waits for it, for at most
-        ``EMBEDFLEET_REDIS_RETRY_S``, then raises ``RedisUnavailableError``."""
+        ``EMBEDFLEET_REDIS_RETRY_S``, then raises ``RedisUnavailableError``. With
+        ``first_contact_s``, a Redis this client has not reached yet is given up on after that
+        long instead (the CLI verbs: a server that was never up is not an outage)."""
         self.settings = settings or Settings()
         self.keys: Keys = self.settings.keys
         self.client = client or connect_client_settings(self.settings)
@@ -165,6 +168,7 @@ class Producer:
             redact_url(self.settings.effective_redis_url),
             self.settings.redis_retry_s,
             on_outage or LogOutages(),
+            first_contact_s,
         )
         self._served: ServedModel | None = None
         self._splitters: dict[tuple[int, str | None], DocumentSplitter] = {}

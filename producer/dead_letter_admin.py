@@ -212,7 +212,7 @@ def _with_store(redis_url: str | None, work: Callable[[DeadLetterStore], Awaitab
     async def main() -> T:
         client = connect_client_settings(settings)
         server = redact_url(settings.effective_redis_url)
-        retry = RedisRetry(server, settings.redis_retry_s, StderrNotice())
+        retry = RedisRetry(server, settings.redis_retry_s, StderrNotice(), settings.redis_connect_s)
         try:
             return await work(DeadLetterStore(client, settings.keys, retry))
         finally:

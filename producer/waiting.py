@@ -44,7 +44,7 @@ class StderrNotice:
     def redis_down(self, server: str, error: BaseException, give_up_after_s: float) -> None:
         tqdm.write(
             f"waiting for Redis at {server} ({describe(error)}); retrying for up to "
-            f"{give_up_after_s:g}s (EMBEDFLEET_REDIS_RETRY_S)",
+            f"{give_up_after_s:g}s",
             file=sys.stderr,
         )
 
@@ -59,7 +59,7 @@ def client_for(settings: Settings) -> Producer:
     output: `status --json` frames, `enqueue`'s summary).
     """
     configure_logging(settings.log_level, settings.log_format)
-    return Producer(settings, on_outage=StderrNotice())
+    return Producer(settings, on_outage=StderrNotice(), first_contact_s=settings.redis_connect_s)
 
 
 def run_client(main: Coroutine[Any, Any, T]) -> T:

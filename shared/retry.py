@@ -76,7 +76,17 @@ class RedisRetry:
     server: str
     give_up_after_s: float
     listener: OutageListener = field(default_factory=LogOutages)
+    # The bound while this client has never reached the server (None: ``give_up_after_s``)
+    first_contact_s: float | None = None
     _down_since: float | None = field(default=None, init=False, repr=False)
+    _reached: bool = field(default=False, init=False, repr=False)
+
+    @property
+    def bound(self) -> tuple[float, str]:
+        """How long a failing operation is retried now, and the setting that says so."""
+        if not self._reached and self.first_contact_s is not None:
+            return self.first_contact_s, "EMBEDFLEET_REDIS_CONNECT_S"
+        return self.give_up_after_s, "EMBEDFLEET_REDIS_RETRY_S"
 
     @property
     def down(self) -> bool:
@@ -110,9 +120,10 @@ class RedisRetry:
     def went_down(self, error: BaseException) -> None:
         if self._down_since is None:
             self._down_since = time.monotonic()
-            self.listener.redis_down(self.server, error, self.give_up_after_s)
+            self.listener.redis_down(self.server, error, self.bound[0])
 
     def came_back(self) -> None:
+        self._reached = True
         if self._down_since is not None:
             down_s = time.monotonic() - self._down_since
             self._down_since = None
@@ -140,8 +151,9 @@ class Attempts:
         if self.first_failure is None:
             self.first_failure = now
         self.retry.went_down(error)
-        limit = self.first_failure + self.retry.give_up_after_s
-        gave_up = f"gave up after {self.retry.give_up_after_s:g}s (EMBEDFLEET_REDIS_RETRY_S)"
+        bound, setting = self.retry.bound
+        limit = self.first_failure + bound
+        gave_up = f"gave up after {bound:g}s ({setting})"
         if self.deadline is not None and self.deadline < limit:
             limit, gave_up = self.deadline, "gave up at the caller's timeout"
         if now >= limit:

@@ -202,6 +202,12 @@ class Settings(BaseSettings):
     `dead`) keeps retrying while Redis is unreachable (restart, failover, dropped connection), with
     the workers' capped, jittered backoff, before it gives up with an error that names the server.
     Queries stop at their own timeout."""
+    redis_connect_s: float = Field(default=5.0, gt=0)
+    """How long a CLI verb waits for a Redis it has not reached yet before it stops with an error
+    that names the server: a server that was never up is a wrong URL or a server not started, not
+    an outage to ride out. Once the verb has reached Redis, outages are ridden out for
+    `EMBEDFLEET_REDIS_RETRY_S`. The `Producer` library waits `EMBEDFLEET_REDIS_RETRY_S` in both
+    cases unless given `first_contact_s`."""
     job_ids_ttl_s: int = Field(default=7 * 24 * 3600, ge=0)
     """How long a job remembers the chunk ids it has enqueued (`{ns}:jobids:<job>`), counted from
     its latest enqueue: within it a re-sent chunk (same id, same payload) is added and counted once.

@@ -640,22 +640,45 @@ async def test_cli_search_rides_out_a_sigkill(
     assert [hit["id"] for hit in hits][:1] == [chunks[3].id] and len(hits) == 2
 
 
-def test_cli_gives_up_after_the_bound_with_a_clear_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "verb", [["enqueue", "{source}"], ["query", "hello"], ["dead", "list"], ["calibration"]]
+)
+def test_a_verb_whose_redis_never_came_up_says_so_within_seconds(
+    tmp_path: Path, verb: list[str]
+) -> None:
+    """A Redis that was never reached is a wrong URL or a server not started: the verb names the
+    server and EMBEDFLEET_REDIS_CONNECT_S and exits 1 within seconds, not after the 300 s an
+    outage is ridden out for."""
     url = f"redis://127.0.0.1:{free_port()}/0"
     source = tmp_path / "one.jsonl"
     source.write_text('{"id": "a", "text": "hello"}\n')
-    env = {**os.environ, "EMBEDFLEET_REDIS_URL": url, "EMBEDFLEET_REDIS_RETRY_S": "1"}
+    env = {**os.environ, "EMBEDFLEET_REDIS_URL": url, "EMBEDFLEET_REDIS_CONNECT_S": "1"}
+    args = [part.format(source=source) for part in verb]
+    started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "embedfleet.cli", "enqueue", str(source)],
+        [sys.executable, "-m", "embedfleet.cli", *args],
         capture_output=True,
         text=True,
         env=env,
         timeout=120,
     )
-    assert result.returncode == 1
-    assert result.stderr.count(f"waiting for Redis at {url}") == 1
-    assert f"Error: Redis at {url} unreachable" in result.stderr
-    assert "EMBEDFLEET_REDIS_RETRY_S" in result.stderr and "Traceback" not in result.stderr
+    elapsed = time.monotonic() - started
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.count(f"waiting for Redis at {url}") <= 1
+    assert f"Redis at {url} unreachable" in result.stderr
+    assert "EMBEDFLEET_REDIS_CONNECT_S" in result.stderr and "Traceback" not in result.stderr
+    # the bound (1 s) plus the interpreter's start and imports, far from EMBEDFLEET_REDIS_RETRY_S
+    assert elapsed < 60, f"{verb} took {elapsed:.1f}s to give up"
+
+
+def test_the_first_contact_bound_holds_only_until_redis_was_reached() -> None:
+    from embedfleet.shared.retry import RedisRetry
+
+    retry = RedisRetry("redis://x", give_up_after_s=300.0, first_contact_s=2.0)
+    assert retry.bound == (2.0, "EMBEDFLEET_REDIS_CONNECT_S")
+    retry.attempts("read").succeeded()
+    assert retry.bound == (300.0, "EMBEDFLEET_REDIS_RETRY_S")  # now an outage: ride it out
+    assert RedisRetry("redis://x", 300.0).bound == (300.0, "EMBEDFLEET_REDIS_RETRY_S")
 
 
 async def test_an_inner_retry_that_gave_up_is_not_retried_again() -> None:
