@@ -15,6 +15,7 @@ from embedfleet.producer.client import Producer, QueryTimeoutError
 from embedfleet.producer.export import SUPPORTED_SUFFIXES, ExportRow, write_export
 from embedfleet.producer.jsonl import BadLine, read_chunks
 from embedfleet.producer.waiting import client_for, redis_url_option, run_client, verb_settings
+from embedfleet.shared.exit_codes import ExitCode
 from embedfleet.shared.jobs import JobProgress
 from embedfleet.shared.logging import configure_logging
 from embedfleet.shared.progress import Progress
@@ -75,23 +76,33 @@ def enqueue_command(
     id) or a JSONL file of documents; every chunk carries the document's meta plus doc, n and
     the character offsets start/end.
     """
+    if timeout is not None and not wait:
+        raise click.UsageError("--timeout applies only with --wait")
+    if overlap is not None and not documents:
+        raise click.UsageError("--overlap applies only with --documents")
     job = job or f"job-{time.strftime('%Y%m%d-%H%M%S')}"
     settings = _settings(redis_url)
+    dead: list[int] = []  # the dead-lettered count, once --wait has seen the job finish
     if documents:
-        count = run_client(_enqueue_documents(settings, sources, job, overlap, wait, timeout))
+        count = run_client(_enqueue_documents(settings, sources, job, overlap, wait, timeout, dead))
         click.echo(f"enqueued {count} chunks of {len(sources)} sources as job {job!r}")
+        if any(dead):
+            sys.exit(ExitCode.DEAD_LETTERS)
         return
     if len(sources) != 1:
         raise click.UsageError("give one JSON Lines SOURCE (or --documents for several files)")
     rejected: list[BadLine] = []
     with click.open_file(sources[0], encoding="utf-8") as source:
-        count = run_client(_enqueue(settings, source, job, wait, timeout, rejected))
+        count = run_client(_enqueue(settings, source, job, wait, timeout, rejected, dead))
     click.echo(f"enqueued {count} chunks as job {job!r}")
     for bad in rejected[:20]:
         click.echo(f"line {bad.line_number}: {bad.reason}", err=True)
     if rejected:
         click.echo(f"{len(rejected)} lines rejected, not enqueued", err=True)
-        sys.exit(1)
+    if any(dead):
+        sys.exit(ExitCode.DEAD_LETTERS)
+    if rejected:
+        sys.exit(ExitCode.REJECTED_LINES)
 
 
 async def _enqueue(
@@ -101,6 +112,7 @@ async def _enqueue(
     wait: bool,
     timeout: float | None,
     rejected: list[BadLine],
+    dead: list[int],
 ) -> int:
     async with client_for(settings) as producer:
         with Progress("enqueue", "chunks") as bar:
@@ -108,7 +120,7 @@ async def _enqueue(
                 read_chunks(source, job, rejected, settings.chunk_limits), on_batch=bar.update
             )
         if wait and count:
-            await _wait_with_bar(producer, job, count, timeout)
+            dead.append((await _wait_with_bar(producer, job, count, timeout)).dead)
     return count
 
 
@@ -119,6 +131,7 @@ async def _enqueue_documents(
     overlap: int | None,
     wait: bool,
     timeout: float | None,
+    dead: list[int],
 ) -> int:
     from embedfleet.producer.documents import read_documents
 
@@ -139,7 +152,7 @@ async def _enqueue_documents(
             except ValueError as error:  # a bad JSONL document line
                 raise click.ClickException(str(error)) from None
         if wait and count:
-            await _wait_with_bar(producer, job, count, timeout)
+            dead.append((await _wait_with_bar(producer, job, count, timeout)).dead)
     return count
 
 
@@ -154,8 +167,8 @@ async def _wait_with_bar(
         progress = await producer.wait_for_job(job, timeout=timeout, on_progress=update)
     if progress.dead:
         click.echo(
-            f"{progress.dead} chunks dead-lettered; see: "
-            + " and ".join(f"redis-cli XRANGE {p.dead} - +" for p in producer.keys.partitions_keys),
+            f"{progress.dead} chunks dead-lettered; see them with: embedfleet dead list --job "
+            f"{job} (replay them once fixed: embedfleet dead replay --job {job})",
             err=True,
         )
     return progress

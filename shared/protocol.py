@@ -68,6 +68,12 @@ class ProtocolError(ValueError):
     def __init__(self, message: str, code: DeadReason = DeadReason.INVALID) -> None:
         super().__init__(message)
         self.code = code
+        # Who the refused message belongs to, where it says so in valid fields: the dead letter
+        # then counts against its job and its caller's reply list gets the error, so a job with
+        # an oversized chunk still finishes and a waiting caller is answered.
+        self.chunk_id: str | None = None
+        self.job: str | None = None
+        self.reply: str | None = None
 
 
 @dataclass(frozen=True)
@@ -222,7 +228,18 @@ def decode_chunk(payload: bytes, limits: ChunkLimits = DEFAULT_LIMITS) -> Chunk:
     version = message.get("v")
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"unknown protocol version {version!r} (this worker speaks v1)")
-    return chunk_from_mapping(message, limits)
+    try:
+        return chunk_from_mapping(message, limits)
+    except ProtocolError as error:
+        error.chunk_id, error.job, error.reply = (
+            _identity(message.get(name), limits.max_id_chars) for name in ("id", "job", "reply")
+        )
+        raise
+
+
+def _identity(value: Any, max_chars: int) -> str | None:
+    """An id-like field of a refused message, when it is itself valid."""
+    return value if isinstance(value, str) and 0 < len(value) <= max_chars else None
 
 
 def chunk_from_mapping(

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from embedfleet.shared.exit_codes import ExitCode
 from embedfleet.shared.settings import Settings
 from tests.conftest import WorkerLauncher
 
@@ -55,7 +56,7 @@ def test_enqueue_reports_bad_lines_and_keeps_the_good(settings: Settings, tmp_pa
         '{"id": "b", "text": "beta", "meta": {"page": 2}}\n'
     )
     result = embedfleet("enqueue", str(source), "--job", "j1", env=_env(settings))
-    assert result.returncode == 1
+    assert result.returncode == ExitCode.REJECTED_LINES == 4
     assert "enqueued 2 chunks as job 'j1'" in result.stdout
     assert "line 2: not JSON" in result.stderr and "line 3: 'id' must be" in result.stderr
 
@@ -64,7 +65,8 @@ def test_enqueue_wait_then_export(
     workers: WorkerLauncher, settings: Settings, tmp_path: Path
 ) -> None:
     env = _env(settings)
-    worker = workers.process("cli", settings)
+    # The worker's text limit is below the client's: a chunk over it is dead-lettered (too_large)
+    worker = workers.process("cli", settings, EMBEDFLEET_MAX_TEXT_CHARS="2000")
     try:
         lines = [
             json.dumps({"id": f"doc{i}", "text": f"document number {i} about cats"})
@@ -81,7 +83,17 @@ def test_enqueue_wait_then_export(
             env=env,
             stdin="\n".join(lines) + "\n",
         )
-        assert result.returncode == 0, result.stderr
+        assert result.returncode == ExitCode.OK, result.stderr
+        oversized = json.dumps({"id": "huge", "text": "cats " * 1000})
+        with_dead = embedfleet(
+            "enqueue", "-", "--job", "dead", "--wait", env=env, stdin=oversized + "\n"
+        )
+        assert with_dead.returncode == ExitCode.DEAD_LETTERS == 3, with_dead.stderr
+        assert "embedfleet dead list --job dead" in with_dead.stderr
+        misused = embedfleet("enqueue", "-", "--timeout", "5", env=env, stdin=lines[0] + "\n")
+        assert misused.returncode == ExitCode.USAGE and "--timeout applies only with --wait" in (
+            misused.stderr
+        )
         npz = tmp_path / "out.npz"
         jsonl = tmp_path / "out.jsonl"
         assert embedfleet("results", "--job", "cats", "--out", str(npz), env=env).returncode == 0

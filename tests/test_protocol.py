@@ -227,3 +227,18 @@ def test_a_query_error_reply_raises_with_id_and_reason_and_survives_pickling() -
     assert (error.chunk_id, error.reason) == ("req:0", "text is empty")
     copy = pickle.loads(pickle.dumps(error))
     assert (copy.chunk_id, copy.reason, str(copy)) == ("req:0", "text is empty", str(error))
+
+
+def test_a_refused_chunk_still_says_whose_it_is() -> None:
+    """An oversized chunk is refused, but its valid id, job and reply come with the error, so
+    its dead letter counts against its job and its caller is answered."""
+    payload = encode_chunk(Chunk("big", "x" * 50, job="j", reply="r"))
+    with pytest.raises(ProtocolError) as refused:
+        decode_chunk(payload, ChunkLimits(max_text_chars=10))
+    error = refused.value
+    assert (error.code, error.chunk_id, error.job, error.reply) == (
+        DeadReason.TOO_LARGE,
+        "big",
+        "j",
+        "r",
+    )

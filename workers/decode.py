@@ -41,7 +41,16 @@ def decode_entries(
             chunk = decode_chunk(entry.payload, limits)
         except ProtocolError as error:
             rejected.append(
-                Rejected(entry.stream, entry.entry_id, error.code, str(error), entry.payload)
+                Rejected(
+                    entry.stream,
+                    entry.entry_id,
+                    error.code,
+                    str(error),
+                    entry.payload,
+                    chunk_id=error.chunk_id,
+                    job=error.job,
+                    reply=error.reply,
+                )
             )
             continue
         accepted.append(Accepted(chunk, Delivery(entry.stream, entry.entry_id, chunk.job)))
