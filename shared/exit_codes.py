@@ -30,11 +30,12 @@ def exit_codes_table() -> str:
     """The Markdown table of the exit statuses, from the docstrings above."""
     import ast
     import inspect
+    from itertools import pairwise
 
     source = ast.parse(inspect.getsource(ExitCode))
     meaning: dict[str, str] = {}
     body = source.body[0].body  # type: ignore[attr-defined]
-    for statement, following in zip(body, body[1:], strict=False):
+    for statement, following in pairwise(body):
         if isinstance(statement, ast.Assign) and isinstance(following, ast.Expr):
             name = statement.targets[0].id  # type: ignore[attr-defined]
             meaning[name] = " ".join(str(following.value.value).split())  # type: ignore[attr-defined]
