@@ -7,7 +7,9 @@ every batch of the namespace, and the caps are checked by whichever runner valid
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import signal
 import time
 import uuid
@@ -18,7 +20,9 @@ from typing import Any
 
 import openai
 import pytest
+import redis
 
+from embedfleet.gateway.files import STALE_TEMP_S, FileStore
 from embedfleet.server import ServerProcess
 from embedfleet.shared.settings import Settings
 from loadtest.common import isolated_settings
@@ -233,6 +237,63 @@ def test_a_deleted_input_file_fails_only_its_batch(
         assert batch.status == "completed" and batch.request_counts.completed == 20
         assert sorted(r["custom_id"] for r in records) == sorted(f"b{n}-{i}" for i in range(20))
     assert list(Path(fleet_settings.files_dir).glob(".tmp-*")) == []
+
+
+def test_a_full_disk_is_retried_with_its_reason_counted_and_leaves_no_temporaries(
+    gateway: Gateway,
+    fleet_settings: Settings,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ENOSPC while one batch's output is published (the gateway runs in this process): that
+    batch is retried, its reason counted, until the disk has room; the others are not held up."""
+    publish = FileStore.publish
+    refusals: dict[str, int] = {}
+    target: list[str] = []
+
+    def full_disk_for_one_batch(self, temp, filename, purpose, expires_after_s=None):
+        if target and filename.startswith(target[0]) and refusals.get(target[0], 0) < 3:
+            refusals[target[0]] = refusals.get(target[0], 0) + 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return publish(self, temp, filename, purpose, expires_after_s)
+
+    monkeypatch.setattr(FileStore, "publish", full_disk_for_one_batch)
+    with gateway() as client:
+        uploads = [
+            upload(
+                client, tmp_path / f"d{n}.jsonl", [batch_line(f"d{n}-{i}", "t") for i in range(5)]
+            )
+            for n in range(3)
+        ]
+        target.append(create_batch(client, uploads[0].id).id)
+        others = [create_batch(client, f.id) for f in uploads[1:]]
+        final = [wait_final(client, batch_id) for batch_id in [target[0], *(b.id for b in others)]]
+    assert [b.status for b in final] == ["completed"] * 3
+    assert refusals == {target[0]: 3}
+    record = redis.Redis.from_url(fleet_settings.effective_redis_url).hgetall(
+        fleet_settings.keys.batch(target[0])
+    )
+    assert int(record[b"faults"]) == 3 and record[b"last_fault"].startswith(b"disk: ")
+    assert list(Path(fleet_settings.files_dir).glob(".tmp-*")) == []
+
+
+def test_the_sweep_removes_expired_files_and_stale_temporaries_only(tmp_path: Path) -> None:
+    files = FileStore(tmp_path)
+    source = files.temp_path("upload")
+    source.write_text("x\n")
+    gone = files.publish(source, "a.jsonl", "batch", expires_after_s=0)  # expires at once
+    kept_source = files.temp_path("upload")
+    kept_source.write_text("y\n")
+    kept = files.publish(kept_source, "b.jsonl", "batch", expires_after_s=3600)
+    stale, live = files.temp_path("output"), files.temp_path("output")
+    stale.write_text("left by a writer that died")
+    live.write_text("being written")
+    old = time.time() - STALE_TEMP_S - 60
+    os.utime(stale, (old, old))
+    assert files.sweep() == (1, 1)
+    assert not files.data_path(gone.id).exists() and files.data_path(kept.id).exists()
+    assert not stale.exists() and live.exists()
+    assert [f.id for f in files.list()[0]] == [kept.id]
 
 
 def test_an_uploaded_file_expires_and_is_swept(
