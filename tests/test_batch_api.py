@@ -94,9 +94,9 @@ def upload(client: openai.OpenAI, path: Path, lines: list[str], **options: Any):
         return client.files.create(file=handle, purpose="batch", **options)
 
 
-def create_batch(client: openai.OpenAI, file_id: str):
+def create_batch(client: openai.OpenAI, file_id: str, **options: Any):
     return client.batches.create(
-        input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h"
+        input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h", **options
     )
 
 
@@ -185,9 +185,14 @@ def test_the_request_and_input_caps_fail_the_batch_and_a_batch_within_them_runs(
     within = [batch_line("one", "a"), batch_line("many", [f"t{n}" for n in range(7)])]
     over_inputs = [*within, batch_line("more", ["x", "y"])]  # 10 inputs
     over_lines = [batch_line(f"r{n}", "a") for n in range(4)]
+    hour = {"anchor": "created_at", "seconds": 3600}
     with gateway(batch_max_inputs=9, batch_max_lines=3) as client:
         batches = {
-            name: create_batch(client, upload(client, tmp_path / f"{name}.jsonl", lines).id)
+            name: create_batch(
+                client,
+                upload(client, tmp_path / f"{name}.jsonl", lines).id,
+                output_expires_after=hour,
+            )
             for name, lines in (
                 ("within", within),
                 ("inputs", over_inputs),
@@ -196,7 +201,9 @@ def test_the_request_and_input_caps_fail_the_batch_and_a_batch_within_them_runs(
         }
         final = {name: wait_final(client, b.id) for name, b in batches.items()}
         output = jsonl(client, final["within"].output_file_id)
+        output_file = client.files.retrieve(final["within"].output_file_id)
     assert final["within"].status == "completed" and len(output) == 2
+    assert output_file.expires_at == output_file.created_at + 3600  # output_expires_after
     for name, setting in (("inputs", "BATCH_MAX_INPUTS"), ("lines", "BATCH_MAX_LINES")):
         batch = final[name]
         assert batch.status == "failed", name

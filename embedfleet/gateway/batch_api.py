@@ -188,7 +188,11 @@ async def create_batch(
             400, f"{stored.id} was not uploaded with purpose=batch", param="input_file_id"
         )
     # the total shows at once; the lines themselves are checked in the validating step
-    lines = await asyncio.to_thread(lambda: sum(1 for _ in files.lines(stored.id)))
+    try:
+        lines = await asyncio.to_thread(lambda: sum(1 for _ in files.lines(stored.id)))
+    except FileNotFoundError:  # deleted meanwhile
+        files.get(stored.id)  # the 404
+        raise
     batch = new_batch(
         stored.id, body.completion_window, body.metadata, settings.batch_completion_window_s
     )

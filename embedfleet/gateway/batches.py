@@ -413,7 +413,35 @@ class BatchRunner:
         """One batch's step raised: fail the batch when retrying cannot help, else count the
         reason and retry it later. Other batches are not held up either way."""
         faults = self._back_off(batch_id)
-        fields = await self.store.fields(batch_id)
+        transient = isinstance(error, RedisError | OSError)
+        reason = "redis" if isinstance(error, RedisError) else "disk" if transient else "error"
+        log.warning(
+            "batch step failed; retrying it",
+            batch=batch_id,
+            reason=reason,
+            faults=faults,
+            error=repr(error),
+        )
+        try:
+            fields = await self.store.fields(batch_id)
+        except APIError:  # its record is gone: there is nothing left to run
+            await self.client.srem(self.keys.batches_active, batch_id)
+            return
+        except (KeyError, TypeError, ValueError):  # its record is unreadable
+            fields = None
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hincrby(self.keys.batch(batch_id), "faults", 1)
+        pipe.hset(self.keys.batch(batch_id), "last_fault", f"{reason}: {error!r}")
+        await pipe.execute()
+        if fields is None:
+            if faults >= MAX_UNEXPECTED_FAULTS:
+                await self.client.srem(self.keys.batches_active, batch_id)
+                log.error(
+                    "batch record unreadable; no longer run (HGETALL its key to inspect it)",
+                    batch=batch_id,
+                    key=self.keys.batch(batch_id),
+                )
+            return
         batch = fields["object"]
         if isinstance(error, InputFileGone) or not self.files.exists(batch["input_file_id"]):
             await self._fail(
@@ -428,19 +456,6 @@ class BatchRunner:
                 ],
             )
             return
-        transient = isinstance(error, RedisError | OSError)
-        reason = "redis" if isinstance(error, RedisError) else "disk" if transient else "error"
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hincrby(self.keys.batch(batch_id), "faults", 1)
-        pipe.hset(self.keys.batch(batch_id), "last_fault", f"{reason}: {error!r}")
-        await pipe.execute()
-        log.warning(
-            "batch step failed; retrying it",
-            batch=batch_id,
-            reason=reason,
-            faults=faults,
-            error=repr(error),
-        )
         # Redis and disk faults (disk full) pass, or the completion window ends the batch;
         # an unexplained error that keeps coming is a bug that retrying will not fix
         if not transient and faults >= MAX_UNEXPECTED_FAULTS:
@@ -461,7 +476,12 @@ class BatchRunner:
         status = batch["status"]
         now = int(time.time())
         running = status in ("validating", "in_progress")
-        if running and not fields.get("expire") and now >= batch["expires_at"]:
+        if (
+            running
+            and not fields.get("expire")
+            and now >= batch["expires_at"]
+            and not await self._all_finished(batch_id, fields)  # done just in time: completed
+        ):
             await self.client.hset(self.keys.batch(batch_id), "expire", now)
             fields["expire"] = now
         if fields.get("expire") and running:
@@ -490,9 +510,7 @@ class BatchRunner:
             await self._enqueue_slice(batch, fields)
             return
         if status in ("in_progress", "cancelling"):
-            counters = await self.client.hgetall(self.keys.job(batch_id))
-            finished = int(counters.get(b"done", 0)) + int(counters.get(b"dead", 0))
-            if finished < fields["inputs"]:
+            if not await self._all_finished(batch_id, fields):
                 return
             batch.update(status="finalizing", finalizing_at=now)
             await self.store.save(batch)
@@ -501,6 +519,15 @@ class BatchRunner:
             await self._finalize(
                 batch, fields, "cancelled" if fields.get("cancel") else "completed"
             )
+
+    async def _all_finished(self, batch_id: str, fields: dict[str, Any]) -> bool:
+        """Whether every input sent is done or dead, by the job's counters (all lines sent,
+        unless the batch is being cancelled)."""
+        if fields["object"]["status"] != "cancelling" and fields["cursor"] < fields["lines"]:
+            return False
+        counters = await self.client.hgetall(self.keys.job(batch_id))
+        finished = int(counters.get(b"done", 0)) + int(counters.get(b"dead", 0))
+        return finished >= fields["inputs"]
 
     def _input_path(self, batch: dict) -> Path:
         """The input file's data; InputFileGone once it was deleted or has expired."""
