@@ -275,9 +275,23 @@ class Settings(BaseSettings):
     """Directory of the Batch API's files (uploads, outputs); a shared volume when the gateway has
     several replicas."""
     batch_max_lines: int = Field(default=50_000, ge=1)
-    """Most requests in one batch input file (OpenAI's)."""
+    """Most requests in one batch (OpenAI's); a batch over it fails validation
+    (`too_many_tasks`)."""
+    batch_max_inputs: int = Field(default=50_000, ge=1)
+    """Most embedding inputs over all requests of one batch (OpenAI's); a batch over it fails
+    validation (`too_many_tasks`)."""
     batch_max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1024)
-    """Largest batch input file (OpenAI's limit: 200 MB)."""
+    """Largest batch input file (OpenAI's limit: 200 MB); a larger upload gets a 413."""
+    batch_completion_window_s: int = Field(default=24 * 3600, ge=1)
+    """How long a batch has to finish: the length of OpenAI's only `completion_window`, `24h`.
+    A batch still running then ends `expired`: finished requests in its output file, the rest
+    in its error file (`batch_expired`)."""
+    files_default_expiry_s: int = Field(default=30 * 24 * 3600, ge=0)
+    """Seconds until a file expires when its upload sets no `expires_after`, and until a batch's
+    output and error files expire (OpenAI's default for batch files: 30 days). `0`: kept until
+    deleted."""
+    files_min_expiry_s: int = Field(default=3600, ge=1)
+    """Shortest `expires_after.seconds` an upload may ask for (OpenAI's: 3600)."""
 
     # --- documents ------------------------------------------------------------------------
     document_overlap_tokens: int = Field(default=0, ge=0)

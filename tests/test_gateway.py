@@ -346,7 +346,8 @@ def test_batch_api_on_1000_lines_survives_a_gateway_restart(
     assert by_id["tokens"]["response"]["body"]["usage"]["prompt_tokens"] == 4
 
 
-def test_batch_files_are_validated_line_by_line(client: openai.OpenAI, tmp_path: Path) -> None:
+def test_batch_lines_are_validated_by_the_batch(client: openai.OpenAI, tmp_path: Path) -> None:
+    """As OpenAI does: the upload is taken as it is, and the batch fails naming each bad line."""
     source = tmp_path / "bad.jsonl"
     source.write_text(
         "\n".join(
@@ -359,17 +360,20 @@ def test_batch_files_are_validated_line_by_line(client: openai.OpenAI, tmp_path:
             ]
         )
     )
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.files.create(file=source.open("rb"), purpose="batch")
-    message = caught.value.response.json()["error"]["message"]
-    assert "4 invalid lines" in message
-    for fragment in (
-        "line 2: custom_id 'a' is used twice",
-        "line 3: 'method'",
-        "line 4: not JSON",
-        "line 5: the model 'gpt-4'",
-    ):
-        assert fragment in message
+    uploaded = client.files.create(file=source.open("rb"), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+    )
+    deadline = time.monotonic() + 60
+    while (batch := client.batches.retrieve(batch.id)).status == "validating":
+        assert time.monotonic() < deadline, batch.status
+        time.sleep(0.1)
+    assert batch.status == "failed"
+    messages = {error.line: error.message for error in batch.errors.data}
+    assert sorted(messages) == [2, 3, 4, 5]
+    assert "custom_id 'a' is used twice" in messages[2]
+    assert "'method'" in messages[3] and "not JSON" in messages[4]
+    assert "the model 'gpt-4'" in messages[5]
     with pytest.raises(openai.NotFoundError):
         client.batches.retrieve("batch_missing")
 

@@ -2,10 +2,15 @@
 
 Every write goes to a temporary name first and is renamed into place, so a reader (another
 replica on the shared volume, or this one after a restart) sees a whole file or none.
+
+A file with an ``expires_at`` in the past is gone for every reader at once (404, left out of
+the list); ``sweep`` then frees its disk space, and that of temporary files a crashed writer
+left behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -13,9 +18,17 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from embedfleet.gateway.errors import APIError
+
+TEMP_PREFIX = ".tmp-"
+# a temporary file nobody has written for this long belongs to a writer that died (a live
+# writer touches its file as it goes; a whole batch output is written in one go)
+STALE_TEMP_S = 3600
+ID_PREFIX = "file-"
+# ids sort by creation time: a list cursor (``after``) stays meaningful once its file is gone
+_TIME_HEX = 16  # nanoseconds since the epoch, zero-padded hex
 
 
 @dataclass(frozen=True)
@@ -35,9 +48,28 @@ class StoredFile:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def expired(self, now: float) -> bool:
+        return self.expires_at is not None and self.expires_at <= now
 
-def new_file_id() -> str:
-    return f"file-{uuid.uuid4().hex}"
+    @property
+    def order_key(self) -> tuple[int, str]:
+        return (self.created_at, self.id)
+
+
+def new_file_id(created_ns: int) -> str:
+    return f"{ID_PREFIX}{created_ns:0{_TIME_HEX}x}{uuid.uuid4().hex[:16]}"
+
+
+def order_key_of(file_id: str) -> tuple[int, str] | None:
+    """Where ``file_id`` sits in the list without its record (it may have been deleted);
+    None for an id this store did not make."""
+    stamp = file_id.removeprefix(ID_PREFIX)[:_TIME_HEX]
+    if not file_id.startswith(ID_PREFIX) or len(stamp) != _TIME_HEX:
+        return None
+    try:
+        return (int(stamp, 16) // 1_000_000_000, file_id)
+    except ValueError:
+        return None
 
 
 class FileStore:
@@ -53,43 +85,119 @@ class FileStore:
 
     def temp_path(self, stem: str) -> Path:
         """A scratch path in the same directory (same filesystem, so rename is atomic)."""
-        return self.root / f".tmp-{stem}-{uuid.uuid4().hex}"
+        return self.root / f"{TEMP_PREFIX}{stem}-{uuid.uuid4().hex}"
 
-    def publish(self, temp: Path, filename: str, purpose: str) -> StoredFile:
-        """Move a finished temporary file into place and record it; returns its File object."""
-        file_id = new_file_id()
+    @contextlib.contextmanager
+    def scratch(self, stem: str) -> Iterator[Path]:
+        """A temporary path that is gone afterwards, whether it was published or not."""
+        path = self.temp_path(stem)
+        try:
+            yield path
+        finally:
+            path.unlink(missing_ok=True)
+
+    def publish(
+        self, temp: Path, filename: str, purpose: str, expires_after_s: int | None = None
+    ) -> StoredFile:
+        """Move a finished temporary file into place and record it; returns its File object.
+        ``expires_after_s``: seconds from now until it expires (None: kept until deleted)."""
+        created_ns = time.time_ns()
+        created_at = created_ns // 1_000_000_000
         stored = StoredFile(
-            id=file_id,
+            id=new_file_id(created_ns),
             bytes=temp.stat().st_size,
-            created_at=int(time.time()),
+            created_at=created_at,
             filename=filename,
             purpose=purpose,
+            expires_at=None if expires_after_s is None else created_at + expires_after_s,
         )
-        os.replace(temp, self.data_path(file_id))
-        record = self.temp_path("record")
-        record.write_text(json.dumps(stored.as_dict()))
-        os.replace(record, self._record_path(file_id))
+        with self.scratch("record") as record:
+            record.write_text(json.dumps(stored.as_dict()))
+            os.replace(temp, self.data_path(stored.id))
+            os.replace(record, self._record_path(stored.id))
         return stored
 
+    def _read(self, path: Path) -> StoredFile | None:
+        """The record at ``path``; None if it went away (deleted meanwhile)."""
+        try:
+            return StoredFile(**json.loads(path.read_text()))
+        except FileNotFoundError:
+            return None
+
     def get(self, file_id: str) -> StoredFile:
-        path = self._record_path(file_id)
-        if "/" in file_id or not path.is_file():
+        stored = None if "/" in file_id else self._read(self._record_path(file_id))
+        if stored is None or stored.expired(time.time()):
             raise APIError(
                 404, f"no file with id {file_id!r}", param="file_id", code="file_not_found"
             )
-        return StoredFile(**json.loads(path.read_text()))
+        return stored
 
-    def list(self, purpose: str | None = None) -> list[StoredFile]:
+    def exists(self, file_id: str) -> bool:
+        """Whether the file is there to read (not deleted, not expired)."""
+        try:
+            self.get(file_id)
+        except APIError:
+            return False
+        return self.data_path(file_id).is_file()
+
+    def _all(self) -> list[StoredFile]:
+        records = (self._read(path) for path in self.root.glob(f"{ID_PREFIX}*.json"))
+        return [stored for stored in records if stored is not None]
+
+    def list(
+        self,
+        purpose: str | None = None,
+        *,
+        after: str | None = None,
+        limit: int | None = None,
+        order: Literal["asc", "desc"] = "desc",
+    ) -> tuple[list[StoredFile], bool]:
+        """One page of the live files by creation time, and whether more follow it.
+
+        ``after`` is the last id of the previous page; the page starts past it even if that
+        file has since been deleted or expired."""
+        now = time.time()
         files = [
-            StoredFile(**json.loads(path.read_text())) for path in self.root.glob("file-*.json")
+            f
+            for f in self._all()
+            if not f.expired(now) and (purpose is None or f.purpose == purpose)
         ]
-        files = [f for f in files if purpose is None or f.purpose == purpose]
-        return sorted(files, key=lambda f: (f.created_at, f.id), reverse=True)
+        descending = order == "desc"
+        files.sort(key=lambda f: f.order_key, reverse=descending)
+        if after is not None:
+            known = next((f for f in files if f.id == after), None)
+            cursor = known.order_key if known else order_key_of(after)
+            if cursor is None:
+                raise APIError(400, f"after: no file with id {after!r}", param="after")
+            files = [
+                f for f in files if (f.order_key < cursor if descending else f.order_key > cursor)
+            ]
+        if limit is None:
+            return files, False
+        return files[:limit], len(files) > limit
 
     def delete(self, file_id: str) -> None:
         self.get(file_id)
+        self._remove(file_id)
+
+    def _remove(self, file_id: str) -> None:
         self._record_path(file_id).unlink(missing_ok=True)
         self.data_path(file_id).unlink(missing_ok=True)
+
+    def sweep(self) -> tuple[int, int]:
+        """Delete expired files and stale temporary files; (files, temporaries) removed.
+        Safe on a volume several replicas share: each removal tolerates the others'."""
+        now = time.time()
+        expired = [f.id for f in self._all() if f.expired(now)]
+        for file_id in expired:
+            self._remove(file_id)
+        stale = 0
+        for path in self.root.glob(f"{TEMP_PREFIX}*"):
+            with contextlib.suppress(FileNotFoundError):
+                if now - path.stat().st_mtime > STALE_TEMP_S:
+                    path.unlink()
+                    stale += 1
+        return len(expired), stale
 
     def lines(self, file_id: str, start_offset: int = 0) -> Iterator[tuple[int, bytes]]:
         """(byte offset after the line, line) from ``start_offset``; blank lines skipped."""
