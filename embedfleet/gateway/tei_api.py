@@ -149,11 +149,9 @@ async def tokenize(body: TokenizeRequest, gateway: GatewayDep) -> list[list[dict
 
 @router.post("/decode")
 async def decode(body: DecodeRequest, gateway: GatewayDep) -> list[str]:
-    ids: Sequence[list[int]] = (
-        [body.ids] if not body.ids or isinstance(body.ids[0], int) else body.ids  # type: ignore[list-item]
-    )
-    if not ids:
-        raise APIError(400, "`ids` cannot be empty", param="ids", code="empty_input")
+    # [] is one empty sequence, as TEI reads it (its untagged enum tries a single one first)
+    single = not body.ids or isinstance(body.ids[0], int)
+    ids: Sequence[list[int]] = [body.ids] if single else body.ids  # type: ignore[list-item]
     limit = gateway.settings.gateway_max_inputs
     if len(ids) > limit:
         raise APIError(
