@@ -285,7 +285,7 @@ def test_batch_api_on_1000_lines_survives_a_gateway_restart(
     lines = [_batch_line(f"req-{n}", text) for n, text in enumerate(texts[:997])]
     lines.append(_batch_line("multi", texts[997:999]))  # two inputs on one line
     lines.append(_batch_line("short", texts[999], dimensions=32, encoding_format="base64"))
-    lines.append(_batch_line("tokens", "four tokens"))  # token ids: tests/test_gateway_clients.py
+    lines.append(_batch_line("tokens", "hello world"))  # token ids: tests/test_gateway_clients.py
     source = tmp_path / "batch.jsonl"
     source.write_text("\n".join(lines) + "\n")
     # created through one gateway, which then stops: another finishes it (state is in Redis
