@@ -5,6 +5,8 @@ and TEI's routes and statuses, every error in its route's envelope."""
 
 from __future__ import annotations
 
+import base64
+import json
 import signal
 import uuid
 from collections.abc import Iterator
@@ -126,6 +128,10 @@ def test_openai_sdk_float_base64_and_dimensions(client: openai.OpenAI, reference
     for response in (default, floats):
         assert [item.index for item in response.data] == list(range(len(TEXTS)))
         assert min_cosine(np.array([d.embedding for d in response.data]), expected) >= 0.999
+    # asked for explicitly, the SDK hands the base64 over as it came: little-endian float32
+    raw = client.embeddings.create(model=MODEL, input=TEXTS, encoding_format="base64")
+    decoded = np.array([np.frombuffer(base64.b64decode(d.embedding), "<f4") for d in raw.data])
+    assert min_cosine(decoded, expected) >= 0.999
     cut = client.embeddings.create(model=MODEL, input=TEXTS, dimensions=128)
     got = np.array([d.embedding for d in cut.data])
     assert got.shape == (4, 128) and np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
@@ -144,16 +150,28 @@ def test_openai_sdk_gets_token_ids_refused_with_the_fix_named(client: openai.Ope
 
 
 def test_the_models_own_token_ids_behind_the_setting(
-    fleet_settings: Settings, worker: WorkerProcess, tokenizer: ModelTokenizer, reference
+    fleet_settings: Settings,
+    client: openai.OpenAI,
+    tokenizer: ModelTokenizer,
+    reference,
+    tmp_path: Path,
 ) -> None:
     accepting = fleet_settings.model_copy(update={"gateway_accept_token_ids": True})
     ids = [tokenizer.tokenizer.encode(t, add_special_tokens=False).ids for t in TEXTS[:2]]
+    line = {"custom_id": "ids", "method": "POST", "url": "/v1/embeddings"}
+    line["body"] = {"model": MODEL, "input": ids}
+    batch_file = tmp_path / "ids.jsonl"
+    batch_file.write_text(json.dumps(line) + "\n")
+    with pytest.raises(openai.BadRequestError, match="check_embedding_ctx_length=False"):
+        client.files.create(file=batch_file.open("rb"), purpose="batch")  # refused by default
     with running_gateway(accepting) as url:
         wait_for_worker(url)
         sdk = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
         many = sdk.embeddings.create(model=MODEL, input=ids, encoding_format="float")
         one = sdk.embeddings.create(model=MODEL, input=ids[0])
         tei = httpx.post(f"{url}/embed", headers=AUTH, json={"inputs": ids}).json()
+        # batch lines follow the same setting
+        assert sdk.files.create(file=batch_file.open("rb"), purpose="batch").purpose == "batch"
     expected = reference(TEXTS[:2])
     assert min_cosine(np.array([d.embedding for d in many.data]), expected) >= 0.999
     assert min_cosine(np.array(one.data[0].embedding), expected[:1]) >= 0.999
