@@ -271,6 +271,11 @@ class Settings(BaseSettings):
     gateway_worker_idle_ms: int = Field(default=15_000, ge=100)
     """A worker whose heartbeat is at most this old counts as live; with none the gateway answers
     503."""
+    gateway_accept_token_ids: bool = False
+    """Accept token ids as `input` on /v1/embeddings (and in batch lines), decoded with the served
+    model's own tokenizer. Off: token ids get a 400, because ids from another tokenizer (LangChain's
+    `OpenAIEmbeddings` sends tiktoken ids unless `check_embedding_ctx_length=False`) would embed
+    the wrong text without an error."""
     files_dir: str = "embedfleet-files"
     """Directory of the Batch API's files (uploads, outputs); a shared volume when the gateway has
     several replicas."""

@@ -9,8 +9,14 @@ import numpy as np
 import pytest
 
 from embedfleet.gateway.auth import KeyChecker, load_api_keys
-from embedfleet.gateway.errors import APIError, error_body
-from embedfleet.gateway.inputs import as_texts, encode_vector, shape_vectors
+from embedfleet.gateway.errors import APIError, error_body, error_status
+from embedfleet.gateway.inputs import (
+    as_texts,
+    encode_vector,
+    fit_to_model,
+    keep_last_tokens,
+    shape_vectors,
+)
 from embedfleet.producer.tokens import ModelTokenizer
 from embedfleet.shared.modeldir import ModelFiles
 from embedfleet.shared.settings import Settings
@@ -41,12 +47,46 @@ def test_input_shapes(tokenizer: ModelTokenizer) -> None:
     ids = tokenizer.tokenizer.encode("hello world", add_special_tokens=False).ids
     assert as_texts("hello world", tokenizer) == ["hello world"]
     assert as_texts(["a", "b"], tokenizer) == ["a", "b"]
-    assert as_texts(ids, tokenizer) == ["hello world"]
-    assert as_texts([ids, ids], tokenizer) == ["hello world", "hello world"]
-    for bad in ([], [""], ["  "], [[10**9]], ["text", 3.5]):
+    assert as_texts(ids, tokenizer, accept_token_ids=True) == ["hello world"]
+    assert as_texts([ids, ids], tokenizer, accept_token_ids=True) == ["hello world"] * 2
+    for bad in ([], [""], ["  "], ["text", 3.5]):
         with pytest.raises(APIError) as caught:
             as_texts(bad, tokenizer)  # type: ignore[arg-type]
         assert caught.value.status == 400 and caught.value.param == "input"
+    with pytest.raises(APIError) as outside:
+        as_texts([[10**9]], tokenizer, accept_token_ids=True)
+    assert outside.value.code == "invalid_input"
+
+
+def test_token_ids_are_refused_by_default_naming_the_fix(tokenizer: ModelTokenizer) -> None:
+    for ids in ([9906, 1917], [[9906, 1917], [15339]]):  # tiktoken's, as LangChain sends them
+        with pytest.raises(APIError) as caught:
+            as_texts(ids, tokenizer)
+        error = caught.value
+        assert (error.status, error.code, error.param) == (400, "token_ids_not_accepted", "input")
+        assert "check_embedding_ctx_length=False" in error.message
+        assert "EMBEDFLEET_GATEWAY_ACCEPT_TOKEN_IDS" in error.message
+
+
+def test_left_truncation_keeps_the_end_within_the_budget(tokenizer: ModelTokenizer) -> None:
+    words = [f"w{n} unbelievably" for n in range(400)]
+    text = " ".join(words)
+    assert tokenizer.lengths([text])[0] > tokenizer.max_length
+    [right] = fit_to_model([text], tokenizer, "", truncate=True, direction="Right")
+    assert right == text  # the worker keeps the start itself
+    [left] = fit_to_model([text], tokenizer, "", truncate=True, direction="left")
+    assert text.endswith(left) and left.endswith("w399 unbelievably")
+    assert tokenizer.lengths([left])[0] == tokenizer.max_length
+    with pytest.raises(APIError) as caught:
+        fit_to_model([text], tokenizer, "", truncate=False)
+    assert caught.value.status == 422 and "must have less than 256 tokens" in caught.value.message
+    short = ["short text"]
+    assert fit_to_model(short, tokenizer, "", truncate=False) == short
+    # a cut inside a word: its continuation pieces re-tokenize from the cut and still fit
+    budget = 5
+    tail = keep_last_tokens("tokenization unbelievably", tokenizer, budget)
+    assert "unbelievably".endswith(tail) or tail.endswith("unbelievably")
+    assert len(tokenizer.tokenizer.encode(tail, add_special_tokens=False).ids) <= budget
 
 
 def test_dimensions_cut_and_renormalise() -> None:
@@ -80,3 +120,54 @@ def test_each_dialect_has_its_envelope() -> None:
     }
     assert error_body("/embed", error) == {"error": "slow down", "error_type": "Overloaded"}
     assert error_body("/health", APIError(503, "none"))["error_type"] == "Unhealthy"
+    # TEI answers its validation errors 422 (too many inputs included), an empty batch 400
+    too_many = APIError(413, "2049 inputs", code="too_many_inputs")
+    assert (error_status("/embed", too_many), error_status("/v1/embeddings", too_many)) == (
+        422,
+        413,
+    )
+    assert error_body("/embed", too_many)["error_type"] == "Validation"
+    empty = APIError(400, "empty", code="empty_input")
+    assert error_status("/embed", empty) == 400
+    assert error_body("/embed", empty)["error_type"] == "Empty"
+    assert error_status("/embed", APIError(400, "bad dimensions")) == 422
+    body_too_large = APIError(413, "too large", code="request_too_large")
+    assert error_status("/embed", body_too_large) == 413
+
+
+def test_unexpected_errors_answer_in_the_routes_envelope() -> None:
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from redis import exceptions as redis_errors
+
+    from embedfleet.gateway.errors import EXCEPTION_HANDLERS
+
+    app = FastAPI()
+    app.state.gateway = SimpleNamespace(settings=Settings(gateway_retry_after_s=3))
+    for error_class, handler in EXCEPTION_HANDLERS:
+        app.add_exception_handler(error_class, handler)
+    raised = {
+        "down": redis_errors.ConnectionError("Error 111 connecting to redis:6379"),
+        "denied": redis_errors.AuthenticationError("invalid username-password pair"),
+        "bug": ValueError("unexpected"),
+    }
+
+    for prefix in ("/v1", ""):
+
+        @app.get(prefix + "/fail/{kind}")
+        async def fail(kind: str) -> None:
+            raise raised[kind]
+
+    http = TestClient(app, raise_server_exceptions=False)
+    down = http.get("/v1/fail/down")
+    assert down.status_code == 503 and down.headers["retry-after"] == "3"
+    assert down.json()["error"]["code"] == "queue_unavailable"
+    tei_down = http.get("/fail/down")
+    assert tei_down.status_code == 503 and tei_down.json()["error_type"] == "Unhealthy"
+    denied = http.get("/v1/fail/denied").json()["error"]
+    assert denied["code"] == "queue_error" and "EMBEDFLEET_REDIS_URL" in denied["message"]
+    bug = http.get("/v1/fail/bug")
+    assert bug.status_code == 500 and bug.json()["error"]["code"] == "internal_error"
+    assert http.get("/fail/bug").json()["error_type"] == "Backend"

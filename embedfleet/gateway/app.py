@@ -8,22 +8,15 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from embedfleet.gateway import batch_api, openai_api, tei_api
-from embedfleet.gateway.auth import OPEN_PATHS, KeyChecker, load_api_keys
+from embedfleet.gateway.auth import KeyChecker, is_open, load_api_keys
 from embedfleet.gateway.batches import BatchRunner, BatchStore
 from embedfleet.gateway.embedder import Embedder, FleetState
-from embedfleet.gateway.errors import (
-    APIError,
-    api_error_handler,
-    error_body,
-    render,
-    validation_error_handler,
-)
+from embedfleet.gateway.errors import EXCEPTION_HANDLERS, APIError, error_response, render
 from embedfleet.gateway.files import FileStore
 from embedfleet.gateway.metrics import GatewayMetrics
 from embedfleet.gateway.state import Gateway
@@ -64,7 +57,7 @@ class FrontDoor:
         metrics.in_flight.inc()
         try:
             headers = dict(scope["headers"])
-            if path not in OPEN_PATHS and gateway.keys.enabled:
+            if gateway.keys.enabled and not is_open(scope["method"], path):
                 try:
                     gateway.keys.check(_header(headers, b"authorization"))
                 except APIError as error:
@@ -125,8 +118,7 @@ def _header(headers: dict[bytes, bytes], name: bytes) -> str | None:
 async def _send_error(
     scope: Scope, receive: Receive, send: Send, path: str, error: APIError
 ) -> None:
-    response = JSONResponse(error_body(path, error), error.status, headers=error.headers)
-    await response(scope, receive, send)
+    await error_response(path, error)(scope, receive, send)
 
 
 def build_gateway(settings: Settings) -> Gateway:
@@ -194,8 +186,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.files = files
     app.state.batches = store
     app.state.runner = runner
-    app.add_exception_handler(APIError, api_error_handler)
-    app.add_exception_handler(RequestValidationError, validation_error_handler)
+    for error_class, handler in EXCEPTION_HANDLERS:
+        app.add_exception_handler(error_class, handler)
     app.add_exception_handler(BodyTooLarge, _body_too_large_handler)
     app.include_router(openai_api.router)
     app.include_router(batch_api.router)

@@ -8,8 +8,13 @@ from pathlib import Path
 from embedfleet.gateway.errors import APIError
 from embedfleet.shared.settings import Settings
 
-# Probes and scrapes come from the cluster itself, without a key.
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/health"})
+# Probes and scrapes come from the cluster itself, without a key: the gateway's own and TEI's
+# public routes (GET / is TEI's health check; POST / embeds, and needs a key).
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/health", "/ping"})
+
+
+def is_open(method: str, path: str) -> bool:
+    return path in OPEN_PATHS or (path == "/" and method in ("GET", "HEAD"))
 
 
 def load_api_keys(settings: Settings) -> list[bytes]:

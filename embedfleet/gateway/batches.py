@@ -120,7 +120,12 @@ def parse_line(raw: bytes, gateway: Gateway) -> BatchLine:
         ) from None
     gateway.check_model(body.model, "body.model")
     check_dimensions(body.dimensions, gateway.model.dim)
-    texts = as_texts(body.input, gateway.tokenizer, "body.input")
+    texts = as_texts(
+        body.input,
+        gateway.tokenizer,
+        "body.input",
+        accept_token_ids=gateway.settings.gateway_accept_token_ids,
+    )
     check_limits(texts, gateway.settings, "body.input")
     return BatchLine(custom_id, texts, body.encoding_format, body.dimensions)
 

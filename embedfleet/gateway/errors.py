@@ -1,7 +1,8 @@
-"""Errors in each dialect's envelope: OpenAI's on /v1 routes, TEI's on TEI's routes.
+"""Errors in each dialect's envelope: OpenAI's on /v1 routes, TEI's on every other route.
 
-OpenAI: ``{"error": {"message", "type", "param", "code"}}``. TEI: ``{"error", "error_type"}``.
-Every error the gateway raises is an ``APIError``; the app's handler renders it for the route.
+OpenAI: ``{"error": {"message", "type", "param", "code"}}``. TEI: ``{"error", "error_type"}``,
+with TEI's status for the type. Every error the gateway raises is an ``APIError``; the app's
+handlers render it, FastAPI's own 404/405/422 and Redis faults too, for the route's dialect.
 """
 
 from __future__ import annotations
@@ -11,22 +12,32 @@ from typing import Any
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis import exceptions as redis_errors
+from starlette.exceptions import HTTPException
 
-# TEI's routes; everything else speaks OpenAI's dialect (and the ops routes have no errors)
-TEI_PATHS = frozenset({"/", "/embed", "/info", "/health"})
+from embedfleet.shared.faults import FaultKind, classify
 
-# TEI's error_type by status (text-embeddings-inference router/src/lib.rs ErrorType)
+OPENAI_PREFIX = "/v1"
+
+# TEI's error_type by the status an APIError carries (text-embeddings-inference's ErrorType);
+# TEI answers validation errors 422 where OpenAI answers 400 or 413, see tei_status
 _TEI_TYPES = {
-    400: "Validation",
+    400: "Empty",
     401: "Unauthorized",
     404: "Validation",
+    405: "Validation",
     413: "Validation",
     422: "Validation",
     424: "Backend",
     429: "Overloaded",
+    500: "Backend",
     503: "Unhealthy",
     504: "Backend",
 }
+
+
+def is_openai_path(path: str) -> bool:
+    return path == OPENAI_PREFIX or path.startswith(OPENAI_PREFIX + "/")
 
 
 class APIError(Exception):
@@ -61,9 +72,24 @@ def overloaded(message: str, retry_after_s: int) -> APIError:
     )
 
 
+def tei_status(error: APIError) -> int:
+    """The status TEI answers for an error: its ``Validation`` type is 422 (too many inputs, a
+    text too long, a bad value), ``Empty`` 400; a body over the limit stays 413."""
+    if error.status == 400:
+        return 400 if error.code == "empty_input" else 422
+    if error.status == 413 and error.code != "request_too_large":
+        return 422
+    return error.status
+
+
+def error_status(path: str, error: APIError) -> int:
+    return error.status if is_openai_path(path) else tei_status(error)
+
+
 def error_body(path: str, error: APIError) -> dict[str, Any]:
-    if path in TEI_PATHS:
-        return {"error": error.message, "error_type": _TEI_TYPES.get(error.status, "Backend")}
+    if not is_openai_path(path):
+        status = tei_status(error)
+        return {"error": error.message, "error_type": _TEI_TYPES.get(status, "Backend")}
     return {
         "error": {
             "message": error.message,
@@ -74,10 +100,14 @@ def error_body(path: str, error: APIError) -> dict[str, Any]:
     }
 
 
-def render(request: Request, error: APIError) -> JSONResponse:
+def error_response(path: str, error: APIError) -> JSONResponse:
     return JSONResponse(
-        error_body(request.url.path, error), status_code=error.status, headers=error.headers
+        error_body(path, error), status_code=error_status(path, error), headers=error.headers
     )
+
+
+def render(request: Request, error: APIError) -> JSONResponse:
+    return error_response(request.url.path, error)
 
 
 async def api_error_handler(request: Request, error: Exception) -> JSONResponse:
@@ -95,6 +125,73 @@ async def validation_error_handler(request: Request, error: Exception) -> JSONRe
         location = ".".join(str(part) for part in item.get("loc", ()) if part != "body")
         param = param or location or None
         problems.append(f"{location or 'body'}: {item.get('msg')}")
-    status = 422 if request.url.path in TEI_PATHS else 400
     message = "invalid request: " + "; ".join(problems)
-    return render(request, APIError(status, message, param=param, code="invalid_request"))
+    return render(request, APIError(400, message, param=param, code="invalid_request"))
+
+
+async def http_error_handler(request: Request, error: Exception) -> JSONResponse:
+    """Starlette's own answers (no such route, a method the route does not take) in the
+    route's envelope, with their headers (``Allow`` on a 405)."""
+    assert isinstance(error, HTTPException)
+    where = f"{request.method} {request.url.path}"
+    if error.status_code == 404:
+        message = f"Invalid URL ({where}): no such route here"
+    elif error.status_code == 405:
+        allowed = (error.headers or {}).get("allow") or (error.headers or {}).get("Allow")
+        message = f"Invalid method for URL ({where})" + (f"; use {allowed}" if allowed else "")
+    else:
+        message = str(error.detail)
+    return render(
+        request,
+        APIError(error.status_code, message, code=None, headers=dict(error.headers or {})),
+    )
+
+
+async def redis_error_handler(request: Request, error: Exception) -> JSONResponse:
+    """Redis unreachable, timing out or failing over: 503 with Retry-After, the request lost
+    nothing it could not send again. Any other Redis refusal (credentials, ACL) is the
+    gateway's configuration: 500, naming the setting."""
+    fault = classify(error)
+    settings = request.app.state.gateway.settings
+    if fault.kind is FaultKind.TRANSIENT:
+        api_error = APIError(
+            503,
+            f"the queue (Redis) is unavailable ({fault.detail}); retry after the Retry-After "
+            "seconds",
+            type="server_error",
+            code="queue_unavailable",
+            headers={"Retry-After": str(settings.gateway_retry_after_s)},
+        )
+    else:
+        api_error = APIError(
+            500,
+            f"the queue (Redis) refused the gateway ({fault.detail}); check "
+            f"{fault.setting} (address, credentials, ACL)",
+            type="server_error",
+            code="queue_error",
+        )
+    return render(request, api_error)
+
+
+async def unexpected_error_handler(request: Request, error: Exception) -> JSONResponse:
+    """Anything else still answers in the route's envelope (the server logs the traceback)."""
+    return render(
+        request,
+        APIError(
+            500,
+            f"internal error ({type(error).__name__}); the gateway's log has the traceback",
+            type="server_error",
+            code="internal_error",
+        ),
+    )
+
+
+# (exception class, handler) for the app, in one list so every error has its envelope
+EXCEPTION_HANDLERS = (
+    (APIError, api_error_handler),
+    (RequestValidationError, validation_error_handler),
+    (HTTPException, http_error_handler),
+    (redis_errors.RedisError, redis_error_handler),
+    (redis_errors.RedisClusterException, redis_error_handler),
+    (Exception, unexpected_error_handler),
+)

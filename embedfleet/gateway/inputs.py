@@ -1,8 +1,14 @@
 """Request inputs → texts the workers embed, checked against the limits; vectors → the answer.
 
 OpenAI's ``input`` may be a string, a list of strings, one list of token ids or a list of them.
-Token ids are decoded with the model's tokenizer (special tokens dropped) and the worker
-tokenizes the text again: for the ids a tokenizer produced from text this gives the same ids.
+Token ids are refused unless EMBEDFLEET_GATEWAY_ACCEPT_TOKEN_IDS is set: the gateway cannot tell
+which tokenizer made them (LangChain's ``OpenAIEmbeddings`` sends tiktoken ids by default), and
+ids of another vocabulary decode to other text without an error. Accepted ids are decoded with
+the model's tokenizer (special tokens dropped) and the worker tokenizes the text again: for the
+ids this tokenizer produced from text this gives the same ids.
+
+Fitting a text to the model's maximum (``fit_to_model``) is decided here, with the model's
+tokenizer, for every route that offers a choice.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import base64
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -18,6 +25,15 @@ from embedfleet.producer.tokens import ModelTokenizer
 from embedfleet.shared.settings import Settings
 
 EmbeddingInput = str | list[str] | list[int] | list[list[int]]
+TruncationDirection = Literal["Right", "Left", "right", "left"]
+
+TOKEN_IDS_REFUSED = (
+    "'{param}' holds token ids, and this gateway does not accept them: it cannot tell which "
+    "tokenizer made them, and ids of another vocabulary would embed other text without an error. "
+    "Send the text itself. LangChain's OpenAIEmbeddings sends tiktoken ids by default: create it "
+    "with OpenAIEmbeddings(..., check_embedding_ctx_length=False). To accept ids made with the "
+    "served model's own tokenizer, start the gateway with EMBEDFLEET_GATEWAY_ACCEPT_TOKEN_IDS=true."
+)
 
 
 @dataclass(frozen=True)
@@ -26,23 +42,42 @@ class PreparedInputs:
     tokens: int  # as the model counts them (special tokens in, capped at its maximum)
 
 
-def as_texts(value: EmbeddingInput, tokenizer: ModelTokenizer, param: str = "input") -> list[str]:
-    """The texts of an OpenAI ``input`` (or TEI ``inputs``), in order; 400 for a bad shape."""
+def _is_token_ids(item: object) -> bool:
+    return isinstance(item, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in item
+    )
+
+
+def as_texts(
+    value: EmbeddingInput,
+    tokenizer: ModelTokenizer,
+    param: str = "input",
+    *,
+    accept_token_ids: bool = False,
+) -> list[str]:
+    """The texts of an OpenAI ``input`` (or TEI ``inputs``), in order; 400 for a bad shape, and
+    for token ids unless ``accept_token_ids`` (EMBEDFLEET_GATEWAY_ACCEPT_TOKEN_IDS)."""
     if isinstance(value, str):
         items: list[object] = [value]
-    elif isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+    elif isinstance(value, list) and value and _is_token_ids(value):
         items = [value]  # one list of token ids
     else:
         items = list(value)
     if not items:
-        raise APIError(400, f"'{param}' must not be empty", param=param, code="invalid_input")
+        raise APIError(400, f"'{param}' must not be empty", param=param, code="empty_input")
     texts: list[str] = []
     for index, item in enumerate(items):
         if isinstance(item, str):
             text = item
-        elif isinstance(item, list) and all(
-            isinstance(v, int) and not isinstance(v, bool) for v in item
-        ):
+        elif _is_token_ids(item):
+            if not accept_token_ids:
+                raise APIError(
+                    400,
+                    TOKEN_IDS_REFUSED.format(param=param),
+                    param=param,
+                    code="token_ids_not_accepted",
+                )
+            assert isinstance(item, list)
             bad = [v for v in item if not 0 <= v < tokenizer.vocab_size]
             if bad:
                 raise APIError(
@@ -95,9 +130,77 @@ def check_limits(texts: Sequence[str], settings: Settings, param: str = "input")
 def prepare(
     value: EmbeddingInput, tokenizer: ModelTokenizer, settings: Settings, param: str = "input"
 ) -> PreparedInputs:
-    texts = as_texts(value, tokenizer, param)
+    texts = as_texts(value, tokenizer, param, accept_token_ids=settings.gateway_accept_token_ids)
     check_limits(texts, settings, param)
     return PreparedInputs(texts, tokenizer.usage(texts))
+
+
+def fit_to_model(
+    texts: Sequence[str],
+    tokenizer: ModelTokenizer,
+    prompt: str,
+    *,
+    truncate: bool,
+    direction: TruncationDirection = "Right",
+    param: str = "inputs",
+) -> list[str]:
+    """The texts as the model will read them, with ``prompt`` in front (the worker tokenizes
+    the two together, as sentence-transformers does).
+
+    A text over the model's maximum is refused (422, TEI's answer) unless ``truncate``. Then
+    ``Right`` keeps its start: the worker's own truncation, token for token what
+    sentence-transformers does, so the text goes as it is. ``Left`` keeps its end: the text is
+    cut here, at the start of the first token that still fits.
+    """
+    limit = tokenizer.max_length
+    lengths = tokenizer.lengths([prompt + text for text in texts])
+    longest = max(lengths, default=0)
+    if longest <= limit:
+        return list(texts)
+    if not truncate:
+        index = lengths.index(longest)
+        raise APIError(
+            422,
+            f"Input validation error: `{param}` must have less than {limit} tokens. "
+            f"Given: {longest} (`{param}[{index}]`). Send truncate=true to cut them to fit, "
+            "or split the text into chunks.",
+            param=param,
+            code="input_too_long",
+        )
+    if direction.lower() == "right":
+        return list(texts)
+    budget = limit - tokenizer.special_tokens - tokenizer.prompt_tokens(prompt)
+    if budget < 1:
+        raise APIError(
+            422,
+            f"the prompt alone fills the model's {limit} tokens; nothing of `{param}` would fit",
+            param="prompt_name",
+            code="input_too_long",
+        )
+    return [
+        keep_last_tokens(text, tokenizer, budget) if length > limit else text
+        for text, length in zip(texts, lengths, strict=True)
+    ]
+
+
+def keep_last_tokens(text: str, tokenizer: ModelTokenizer, budget: int) -> str:
+    """The end of ``text`` that tokenizes to at most ``budget`` tokens (no special tokens).
+
+    The cut falls at a token's start in the text; a word cut there tokenizes from its cut (a
+    continuation piece becomes a word piece), which can take more tokens, so the cut moves on a
+    token at a time until the tail fits.
+    """
+    encoding = tokenizer.tokenizer.encode(text, add_special_tokens=False)
+    starts = [start for start, _ in encoding.offsets]
+    first = len(starts) - budget
+    if first <= 0:
+        return text
+    while first < len(starts) - 1:
+        tail = text[starts[first] :]
+        if len(tokenizer.tokenizer.encode(tail, add_special_tokens=False).ids) <= budget:
+            return tail
+        first += 1
+    return text[starts[-1] :]
 
 
 def check_dimensions(dimensions: int | None, model_dim: int) -> None:
