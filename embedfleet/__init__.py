@@ -8,16 +8,7 @@ client and its verbs) and ``embedfleet.workers`` (the worker, with ``pip install
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-# Run from a source checkout with only PYTHONPATH set (no install, as on a device machine that
-# reaches no index), the subpackages are this folder's siblings: let the import system find them
-# there. An installed wheel (or an editable install's finder) maps them itself, and the marker
-# file keeps an unrelated top-level `shared` in site-packages from ever being picked up.
-_checkout = Path(__file__).resolve().parent.parent
-if (_checkout / "pyproject.toml").is_file() and (_checkout / "workers" / "worker.py").is_file():
-    __path__.append(str(_checkout))
 
 if TYPE_CHECKING:
     from embedfleet.producer.client import (

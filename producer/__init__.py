@@ -3,6 +3,16 @@
 Each name is re-exported in the ``import X as X`` form, the typing convention for a re-export.
 """
 
+# One module, one name: this folder is the package ``embedfleet.producer``. From a checkout the
+# folder is also reachable as a top-level ``producer`` (a name other PyPI packages own); loading it
+# so would load every module a second time under another name.
+if __name__ != "embedfleet.producer":
+    raise ImportError(
+        f"import embedfleet.producer, not {__name__}: install the checkout "
+        "(pip install -e .) or put an import root on PYTHONPATH (python loadtest/import_root.py)"
+    )
+
+
 from embedfleet.producer.client import EmbeddingOptions as EmbeddingOptions
 from embedfleet.producer.client import JobTimeoutError as JobTimeoutError
 from embedfleet.producer.client import Producer as Producer

@@ -3,3 +3,12 @@
 This package imports nothing else of the project, so producers in other services can depend on it
 alone.
 """
+
+# One module, one name: this folder is the package ``embedfleet.shared``. From a checkout the
+# folder is also reachable as a top-level ``shared`` (a name other PyPI packages own); loading it
+# so would load every module a second time under another name.
+if __name__ != "embedfleet.shared":
+    raise ImportError(
+        f"import embedfleet.shared, not {__name__}: install the checkout "
+        "(pip install -e .) or put an import root on PYTHONPATH (python loadtest/import_root.py)"
+    )
