@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-quick lint bench bench-peers gpu-carry gpu-rehearsal wheelhouse base-image image image-cuda
+.PHONY: install demo test test-quick lint bench bench-peers gpu-carry gpu-rehearsal wheelhouse image-tools base-image image image-gateway image-cuda
 
 # The editable install is setuptools' strict mode: a tree of links under build/ that IDEs and
 # type checkers follow (embedfleet.shared -> shared/), instead of an import hook they cannot see.
@@ -65,41 +65,70 @@ gpu-carry: install
 gpu-rehearsal: gpu-carry
 	bash loadtest/gpu_rehearsal.sh
 
-# Worker images (see Dockerfile and the README's "Images"). `make image` builds the CPU image on
-# this kind of machine with nothing pulled: a Debian base from mmdebstrap, every wheel from the
-# host (wheelhouse/), buildah with chroot isolation. Both need root (or rootless buildah).
+# Images (see Dockerfile and the README's "Images"). With Docker, `docker build .` builds the CPU
+# worker image and `docker build --target gateway .` the gateway's, from PyPI. `make image` and
+# `make image-gateway` build them on this kind of machine with nothing pulled: a Debian base from
+# mmdebstrap, every wheel from the host (wheelhouse/), buildah with chroot isolation. Both tools
+# need root (or rootless buildah).
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 IMAGE ?= embedfleet/embedfleet
 BASE_IMAGE ?= localhost/embedfleet-base:bookworm
 BUILDAH ?= buildah
+MMDEBSTRAP ?= mmdebstrap
 BUILD_DIR ?= build
+IMAGE_BUILD_ARGS = --build-arg BASE_IMAGE=$(BASE_IMAGE) --build-arg PIP_NO_INDEX=1 \
+  --build-arg VERSION=$(VERSION)
 
-# Every wheel the CPU image installs, for an offline build (the torch file pinned by constraints.txt)
+# Before anything slow: buildah, and mmdebstrap unless the base image (or its tarball) is there.
+image-tools:
+	@missing=""; \
+	command -v $(BUILDAH) >/dev/null 2>&1 || missing="$(BUILDAH)"; \
+	if [ ! -f $(BUILD_DIR)/base.tar ] && { [ -n "$$missing" ] || \
+	    ! $(BUILDAH) inspect --type image $(BASE_IMAGE) >/dev/null 2>&1; }; then \
+	  command -v $(MMDEBSTRAP) >/dev/null 2>&1 || missing="$$missing $(MMDEBSTRAP)"; fi; \
+	if [ -n "$$missing" ]; then \
+	  echo "make image: needs $$missing (not found on PATH)." >&2; \
+	  echo "  Install them as root on Debian/Ubuntu: apt-get install buildah mmdebstrap" >&2; \
+	  echo "  Or build with Docker instead: docker build -t $(IMAGE):$(VERSION) ." >&2; \
+	  echo "  (the gateway: docker build --target gateway -t $(IMAGE):$(VERSION)-gateway .)" >&2; \
+	  exit 1; fi
+
+# Every wheel the images install, for an offline build: the CPU worker's in wheelhouse/ (the torch
+# file pinned by constraints.txt), those only the gateway adds in wheelhouse/gateway/ (the worker
+# image installs every wheel of wheelhouse/, and must not get the gateway's)
 wheelhouse: install
 	$(PIP) wheel -q -c constraints.txt --wheel-dir wheelhouse '.[worker]' 'setuptools>=68' wheel \
 	  'async-timeout>=4.0.3'  # redis needs it on Debian's Python 3.11.2 (< 3.11.3), not on ours
+	$(PIP) wheel -q -c constraints.txt --find-links wheelhouse --wheel-dir wheelhouse/gateway \
+	  '.[gateway]' packaging
+	cd wheelhouse/gateway && for wheel in *.whl; do if [ -e "../$$wheel" ]; then rm "$$wheel"; fi; done
 	# the project's own wheel is built inside the image from its sources; a copy here would change
 	# on every build (zip timestamps) and invalidate every cached layer after it
-	rm -f wheelhouse/embedfleet-*.whl
+	rm -f wheelhouse/embedfleet-*.whl wheelhouse/gateway/embedfleet-*.whl
 
 # A minimal Debian bookworm with Python 3.11, imported as a local image (no registry pull)
-$(BUILD_DIR)/base.tar:
+$(BUILD_DIR)/base.tar: | image-tools
 	mkdir -p $(BUILD_DIR)
-	mmdebstrap --variant=minbase --include=python3,python3-venv bookworm $@
+	$(MMDEBSTRAP) --variant=minbase --include=python3,python3-venv bookworm $@
 
-base-image: $(BUILD_DIR)/base.tar
+base-image: image-tools
 	if ! $(BUILDAH) inspect --type image $(BASE_IMAGE) >/dev/null 2>&1; then \
+	  $(MAKE) --no-print-directory $(BUILD_DIR)/base.tar && \
 	  ctr=$$($(BUILDAH) from scratch) && $(BUILDAH) add $$ctr $(BUILD_DIR)/base.tar / && \
 	  $(BUILDAH) commit -q $$ctr $(BASE_IMAGE) && $(BUILDAH) rm $$ctr; fi
 
-image: wheelhouse base-image
-	$(BUILDAH) bud --isolation chroot --layers --target cpu \
-	  --build-arg BASE_IMAGE=$(BASE_IMAGE) --build-arg PIP_NO_INDEX=1 \
+image: image-tools wheelhouse base-image
+	$(BUILDAH) bud --isolation chroot --layers --target cpu $(IMAGE_BUILD_ARGS) \
 	  --build-arg TORCH_SPEC===$(shell sed -n 's/^torch==//p' constraints.txt) \
-	  --build-arg VERSION=$(VERSION) -t $(IMAGE):$(VERSION) .
+	  -t $(IMAGE):$(VERSION) .
+
+# The gateway (`embedfleet serve`): the gateway extra, no torch; the chart's gateway.image
+image-gateway: image-tools wheelhouse base-image
+	$(BUILDAH) bud --isolation chroot --layers --target gateway $(IMAGE_BUILD_ARGS) \
+	  -t $(IMAGE):$(VERSION)-gateway .
 
 # The CUDA image needs PyPI and download.pytorch.org (about 3 GB of CUDA wheels)
-image-cuda: base-image
+image-cuda: image-tools base-image
 	$(BUILDAH) bud --isolation chroot --layers --target cuda \
 	  --build-arg BASE_IMAGE=$(BASE_IMAGE) --build-arg VERSION=$(VERSION) \
 	  -t $(IMAGE):$(VERSION)-cuda .

@@ -24,6 +24,7 @@ from typing import Any
 # Imported, not skipped: CI installs these with the dev extra, and a chart test that silently
 # skips would let a broken template land.
 import helm_python as helm
+import helm_python._native as helm_native
 import jsonschema
 import kubernetes_validate
 import pytest
@@ -40,6 +41,9 @@ CRD_SCHEMA_DIR = CI_DIR / "schemas"
 # kubernetes-validate) and that `helm lint` checks the chart's kubeVersion against.
 KUBE_VERSION = "1.33.0"
 RELEASE = "ef"
+# The API group/version a cluster with KEDA serves (what `.Capabilities.APIVersions.Has` asks)
+KEDA_API = "keda.sh/v1alpha1"
+WITH_KEDA = (KEDA_API,)
 K8S_NAMESPACE = "ml"
 
 EXPECTED_CI_FILES = {
@@ -123,15 +127,33 @@ def render(
     chart_dir: Path = CHART_DIR,
     release: str = RELEASE,
     namespace: str = K8S_NAMESPACE,
+    api_versions: tuple[str, ...] = WITH_KEDA,
 ) -> Rendered:
-    """Render the chart like `helm template` and parse every manifest.
+    """Render the chart like `helm template --kube-version … --api-versions …` and parse every
+    manifest. By default the cluster serves KEDA's API, as the chart's KEDA defaults assume;
+    ``api_versions=()`` renders for a cluster without it.
 
     Raises the engine's ``helm_python.HelmError`` subclasses (schema violations,
     template syntax errors, ``fail``/``required``) and ``yaml.YAMLError`` when a
     template renders text that is not YAML.
     """
+    # helm-python-sdk's Chart.render does not expose `--api-versions`; its engine's render call
+    # takes them in the same options object (Helm's own InstallOptions field names).
+    opts = {
+        "name": release,
+        "namespace": namespace,
+        "kube_version": f"v{KUBE_VERSION}",
+        "api_versions": list(api_versions),
+    }
     with helm.Chart.load(chart_dir) as chart:
-        raw = chart.render(values=values, name=release, namespace=namespace)
+        raw = json.loads(
+            helm_native.call_string(
+                "helm_render",
+                chart._raw(),
+                None if values is None else json.dumps(values),
+                json.dumps(opts),
+            )
+        )
     docs: list[dict[str, Any]] = []
     notes = ""
     for path in sorted(raw):
@@ -1020,3 +1042,91 @@ def test_readme_documents_every_value(chart_values: dict[str, Any]) -> None:
         "LOG_LEVEL", "MAX_DELIVERIES", "RECLAIM_IDLE_MS", "REDIS_URL",
     ):  # fmt: skip
         assert f"EMBEDFLEET_{setting}" in readme, setting
+
+
+# --------------------------------------------------------------------------- a cluster without KEDA
+
+
+def _keda_objects(r: Rendered) -> list[dict[str, Any]]:
+    return [d for d in r.docs if d["apiVersion"].startswith("keda.sh/")]
+
+
+@pytest.mark.parametrize("query_workers", [False, True])
+@pytest.mark.parametrize("hpa", [False, True])
+def test_without_keda_the_chart_falls_back(hpa: bool, query_workers: bool) -> None:
+    """keda.enabled (the default) on a cluster that does not serve keda.sh/v1alpha1: no KEDA
+    object (the install would fail on an unknown kind), the HPA or fixed replicas instead, and
+    the notes say why. With KEDA's API the same values give the ScaledObjects and no HPA."""
+    values = {
+        "replicaCount": 3,
+        "autoscaling": {"hpa": {"enabled": hpa}},
+        "queryWorkers": {"enabled": query_workers},
+        "redis": {"url": "redis://user:pw@redis:6379/0"},  # credentials: a TriggerAuthentication
+        "gateway": {"enabled": True},
+    }
+    components = ["worker", "query-worker"] if query_workers else ["worker"]
+    without = render(values, api_versions=())
+    validate_objects(without)
+    assert _keda_objects(without) == []
+    hpas = {d["spec"]["scaleTargetRef"]["name"] for d in without.all("HorizontalPodAutoscaler")}
+    for component in components:
+        deployment = without.deployment(component)
+        name = deployment["metadata"]["name"]
+        if hpa:
+            assert name in hpas and "replicas" not in deployment["spec"]
+        else:
+            assert name not in hpas and deployment["spec"]["replicas"] >= 1
+    if not hpa:
+        assert without.deployment("worker")["spec"]["replicas"] == 3
+    assert "KEDA is not installed in this cluster" in without.notes
+    assert "--api-versions keda.sh/v1alpha1" in without.notes
+    assert ("HorizontalPodAutoscaler on CPU" in without.notes) is hpa
+    assert ("fixed, 3 replica(s)" in without.notes) is not hpa
+
+    with_keda = render(values)
+    validate_objects(with_keda)
+    assert {d["kind"] for d in _keda_objects(with_keda)} == {
+        "ScaledObject",
+        "TriggerAuthentication",
+    }
+    for component in components:
+        assert "replicas" not in with_keda.deployment(component)["spec"]
+        with_keda.scaled_object(component)
+    # the gateway's own CPU HPA is the only one KEDA leaves
+    assert [h["metadata"]["name"] for h in with_keda.all("HorizontalPodAutoscaler")] == [
+        with_keda.deployment("gateway")["metadata"]["name"]
+    ]
+    assert "KEDA is not installed" not in with_keda.notes
+
+
+def test_keda_off_says_nothing_about_a_missing_keda() -> None:
+    r = render({"keda": {"enabled": False}}, api_versions=())
+    assert "KEDA is not installed" not in r.notes
+    assert "fixed, 1 replica(s)" in r.notes
+
+
+@pytest.mark.parametrize("partitions", [1, 6])
+@pytest.mark.parametrize("query_workers", [False, True])
+def test_triggers_count_every_stream_the_gateway_and_producer_enqueue_to(
+    partitions: int, query_workers: bool
+) -> None:
+    """Scale from zero: whatever is enqueued (the gateway's small requests on the query lane, its
+    large ones and the Producer's chunks on the ingest streams) sits on a stream some ScaledObject
+    counts, with the names from shared/keys.py (the keys' one owner)."""
+    from embedfleet.shared.keys import Keys
+
+    keys = Keys(namespace="embedfleet", partitions=partitions)
+    ingest = {p.ingest for p in keys.partitions_keys}
+    query = keys.query_lane.query
+    r = render({"partitions": partitions, "queryWorkers": {"enabled": query_workers}})
+    bulk = {t["metadata"]["stream"] for t in r.scaled_object("worker")["spec"]["triggers"]}
+    if query_workers:
+        assert bulk == ingest
+        query_so = r.scaled_object("query-worker")
+        assert [t["metadata"]["stream"] for t in query_so["spec"]["triggers"]] == [query]
+        assert query_so["spec"]["minReplicaCount"] >= 1
+    else:
+        assert bulk == ingest | {query}
+        assert r.scaled_object("worker")["spec"]["minReplicaCount"] == 0
+    for t in r.scaled_object("worker")["spec"]["triggers"]:
+        assert t["metadata"]["consumerGroup"] == keys.group

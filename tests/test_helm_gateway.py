@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import base64
+import re
 from typing import Any
 
 import pytest
 
-from tests.test_helm_chart import container, env_of, lint_problems, render, validate_objects
+from tests.test_helm_chart import (
+    REPO,
+    _makefile_image,
+    container,
+    env_of,
+    lint_problems,
+    render,
+    validate_objects,
+)
 
 pytestmark = pytest.mark.chart
 
@@ -114,3 +123,62 @@ def test_an_open_gateway_has_no_keys_file() -> None:
     assert "EMBEDFLEET_API_KEYS_FILE" not in env_of(deployment)
     volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
     assert "emptyDir" in volumes["files"]
+
+
+def test_gateway_runs_from_the_gateway_image() -> None:
+    """Not the worker image, which lacks the gateway extra: by default the tag `make
+    image-gateway` gives (the Dockerfile's `gateway` target), in the workers' repository."""
+    makefile = (REPO / "Makefile").read_text()
+    recipe = re.search(r"^image-gateway:.*\n((?:\t.*\n)+)", makefile, re.MULTILINE)
+    assert recipe and "--target gateway" in recipe.group(1)
+    assert "-t $(IMAGE):$(VERSION)-gateway" in recipe.group(1)
+    assert re.search(r"^FROM \S+ AS gateway$", (REPO / "Dockerfile").read_text(), re.MULTILINE)
+
+    r = _gateway_objects({"gateway": {"enabled": True}})
+    gateway = container(r.deployment("gateway"))
+    assert gateway["image"] == _makefile_image() + "-gateway"
+    assert gateway["imagePullPolicy"] == "IfNotPresent"  # image.pullPolicy
+    assert container(r.deployment("worker"))["image"] == _makefile_image()
+    assert f"image {_makefile_image()}-gateway" in r.notes
+
+    r = _gateway_objects(
+        {
+            "image": {"repository": "registry.example.com/ef", "pullPolicy": "Always"},
+            "gateway": {"enabled": True},
+        }
+    )
+    assert container(r.deployment("gateway"))["image"].startswith("registry.example.com/ef:")
+    assert container(r.deployment("gateway"))["imagePullPolicy"] == "Always"
+    r = _gateway_objects(
+        {
+            "gateway": {
+                "enabled": True,
+                "image": {"repository": "gw", "tag": "1.2", "pullPolicy": "Never"},
+            }
+        }
+    )
+    gateway = container(r.deployment("gateway"))
+    assert (gateway["image"], gateway["imagePullPolicy"]) == ("gw:1.2", "Never")
+
+
+def test_gateway_on_a_cluster_without_keda() -> None:
+    """The gateway with the chart's defaults (KEDA on) where KEDA is not installed: no KEDA
+    object, the workers on fixed replicas so that the gateway has a worker to wait for."""
+    r = render(GATEWAY, api_versions=())
+    validate_objects(r)
+    assert not [d for d in r.docs if d["apiVersion"].startswith("keda.sh/")]
+    assert r.deployment("worker")["spec"]["replicas"] == 1
+    assert container(r.deployment("gateway"))["command"] == ["embedfleet", "serve"]
+    # the gateway's own HPA is unaffected
+    assert (
+        r.one("HorizontalPodAutoscaler")["spec"]["scaleTargetRef"]["name"]
+        == (r.deployment("gateway")["metadata"]["name"])
+    )
+
+
+def test_gateway_readiness_does_not_wait_for_workers() -> None:
+    """/readyz is the gateway's and Redis's readiness: a gateway in front of a fleet scaled to
+    zero must be ready (in the Service) so that its requests reach a stream and wake KEDA."""
+    c = container(_gateway_objects(GATEWAY).deployment("gateway"))
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert "initialDelaySeconds" not in c["readinessProbe"]

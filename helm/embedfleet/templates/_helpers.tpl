@@ -76,6 +76,33 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
 {{/*
+The gateway's image: `make image-gateway`'s tag (<appVersion>-gateway) of the workers'
+repository unless gateway.image says otherwise. The worker images lack the gateway extra.
+*/}}
+{{- define "embedfleet.gatewayImage" -}}
+{{- $g := .Values.gateway.image | default dict }}
+{{- $repository := $g.repository | default .Values.image.repository }}
+{{- printf "%s:%s" $repository ($g.tag | default (printf "%s-gateway" .Chart.AppVersion) | toString) }}
+{{- end }}
+
+{{/*
+Autoscaling of the workers. KEDA's objects are rendered only when keda.enabled and the cluster
+serves KEDA's API, so the chart installs on a cluster without KEDA (an unknown kind would fail
+the whole release); the workers then fall back to the CPU HPA when autoscaling.hpa.enabled, or
+to replicaCount, and NOTES.txt says so. `helm template` sees no cluster: give it
+`--api-versions keda.sh/v1alpha1` to render the ScaledObject.
+*/}}
+{{- define "embedfleet.kedaApi" -}}keda.sh/v1alpha1{{- end }}
+
+{{- define "embedfleet.kedaActive" -}}
+{{- if and .Values.keda.enabled (.Capabilities.APIVersions.Has (include "embedfleet.kedaApi" .)) }}true{{- end }}
+{{- end }}
+
+{{- define "embedfleet.hpaActive" -}}
+{{- if and (not (include "embedfleet.kedaActive" .)) .Values.autoscaling.hpa.enabled }}true{{- end }}
+{{- end }}
+
+{{/*
 Redis key names, as in shared/keys.py: <namespace>:ingest, <namespace>:query.
 */}}
 {{- define "embedfleet.keyNamespace" -}}
@@ -240,6 +267,38 @@ All values are strings, as KEDA requires.
 {{/* KEDA's scaler type for a stream: the cluster scaler on a Redis Cluster. */}}
 {{- define "embedfleet.streamScaler" -}}
 {{- ternary "redis-cluster-streams" "redis-streams" (eq (include "embedfleet.redisCluster" .) "true") }}
+{{- end }}
+
+{{/*
+Several lag triggers (one per partition, or the cluster scaler's) are summed into one metric
+(advanced.scalingModifiers) rather than KEDA's default, the largest of them.
+*/}}
+{{- define "embedfleet.triggersSummed" -}}
+{{- $streams := include "embedfleet.ingestStreams" . | fromJsonArray }}
+{{- if or (gt (len $streams) 1) (eq (include "embedfleet.streamScaler" .) "redis-cluster-streams") }}true{{- end }}
+{{- end }}
+
+{{/*
+What wakes and sizes the bulk workers, as a JSON list: one entry per stream that work arrives
+on, from the Producer and from the gateway (small requests go to the query lane, large ones and
+batches to the ingest streams). Each entry: the trigger's name, its stream, the lag per replica,
+the activation lag, and its weight, how many ingest entries one of its entries counts as when
+the triggers are summed. A stream the workers start reading is one more `append` here.
+*/}}
+{{- define "embedfleet.workerTriggers" -}}
+{{- $k := .Values.keda }}
+{{- $summed := eq (include "embedfleet.triggersSummed" .) "true" }}
+{{- $triggers := list }}
+{{- range $i, $stream := include "embedfleet.ingestStreams" . | fromJsonArray }}
+{{- $triggers = append $triggers (dict "name" (ternary (printf "p%d" $i) "ingest-lag" $summed) "stream" $stream "lagCount" $k.lagCount "activationLagCount" $k.activationLagCount "weight" 1) }}
+{{- end }}
+{{- if not .Values.queryWorkers.enabled }}
+{{- /* No query workers: a query (the gateway's small requests) must wake a fleet scaled to zero;
+      it activates at any lag and counts as much as lagCount/queryLagCount bulk entries. */}}
+{{- $queryWeight := max 1 (div (int $k.lagCount) (max 1 (int $k.queryLagCount))) }}
+{{- $triggers = append $triggers (dict "name" (ternary "query" "query-lag" $summed) "stream" (include "embedfleet.queryLaneStream" .) "lagCount" $k.queryLagCount "activationLagCount" 0 "weight" $queryWeight) }}
+{{- end }}
+{{- toJson $triggers }}
 {{- end }}
 
 {{- define "embedfleet.redisStreamsTriggerMetadata" -}}
