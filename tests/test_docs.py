@@ -50,6 +50,7 @@ class Snippet:
     path: Path
     line: int
     code: str
+    runnable: bool = False  # a line of a fenced block: a command as one would run it
 
     def where(self) -> str:
         return f"{self.path.relative_to(REPO)}:{self.line}"
@@ -74,7 +75,7 @@ def _snippets(path: Path, text: str) -> Iterator[Snippet]:
             # its prompt lines are commands
             prompted = [(n, code[2:]) for n, code in block if code.startswith("$ ")]
             for n, code in prompted or block:
-                yield Snippet(path, n, code)
+                yield Snippet(path, n, code, runnable=True)
             block = None
         elif block is not None:
             block.append((number, line))
@@ -137,8 +138,11 @@ def is_flag(word: str) -> bool:
     return word.startswith("-") and word != "-" and not re.match(r"^-\d", word)
 
 
-def check_command(words: list[str]) -> list[str]:
-    """What in ``embedfleet WORDS`` the command line does not have (empty: all of it exists)."""
+def check_command(words: list[str], *, runnable: bool = False) -> list[str]:
+    """What in ``embedfleet WORDS`` the command line does not have (empty: all of it exists).
+
+    ``runnable`` (a command in a code block, not a verb named in prose): it must also give the
+    options the verb requires."""
     problems: list[str] = []
     path = ["embedfleet"]
     commands: list[click.Command] = [main]
@@ -169,14 +173,25 @@ def check_command(words: list[str]) -> list[str]:
         position += 1
     rest = words[position:]
     positionals: list[str] = []
+    given: set[str] = set()
     while rest:
         word, rest = rest[0], rest[1:]
         if is_flag(word):
             option = _check_flag(word, commands, path, problems)
-            if option is not None and "=" not in word:
-                rest = rest[_values_taken(option) :]
+            if option is not None:
+                given.add(option.name or "")
+                if "=" not in word:
+                    rest = rest[_values_taken(option) :]
         else:
             positionals.append(word)
+    asks_help = any(word in HELP_FLAGS for word in words)
+    if runnable and len(commands) == 1 and not asks_help:
+        required = [p for p in commands[0].params if isinstance(p, click.Option) and p.required]
+        problems += [
+            f"`{' '.join(path)}`: {option.opts[-1]} is required"
+            for option in required
+            if option.name not in given
+        ]
     taken = [_arguments_taken(command) for command in commands]
     most = None if None in taken else max(n for n in taken if n is not None)
     if most is not None and len(positionals) > most:
@@ -215,7 +230,8 @@ def stale_commands(path: Path, text: str | None = None) -> list[str]:
     found = []
     for snippet in snippets(path, text):
         for words in command_lines(snippet.code):
-            found += [f"{snippet.where()}: {problem}" for problem in check_command(words)]
+            problems = check_command(words, runnable=snippet.runnable)
+            found += [f"{snippet.where()}: {problem}" for problem in problems]
     return found
 
 
@@ -245,6 +261,8 @@ export EMBEDFLEET_SINK=lancedb:///tmp/x
 embedfleet status --bogus | jq .   # a flag that does not exist
 EMBEDFLEET_LOG_LEVEL=debug embedfleet frobnicate
 kubectl exec deploy/w -- embedfleet dead list --reason too_long --dry-run
+embedfleet plan --chunks 1e9 --workers 8
+embedfleet plan --help
 ```
 
 | `embedfleet dead list\\|show\\|explode [--reason CODE]` | a table row |
@@ -258,6 +276,7 @@ def test_stale_verbs_and_flags_are_found() -> None:
         "`embedfleet status --bogus`: no such flag",
         "`embedfleet frobnicate`: no such verb",
         "`embedfleet dead list --dry-run`: no such flag",
+        "`embedfleet plan`: --texts-per-second-per-worker is required",
         "`embedfleet dead explode`: no such verb",
     ]
 
