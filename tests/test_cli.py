@@ -133,7 +133,8 @@ def test_demo_runs_on_embedded_defaults(tmp_path: Path) -> None:
 async def test_readme_redis_cli_example_is_embedded(
     workers: WorkerLauncher, redis_server, encoder, tmp_path: Path
 ) -> None:
-    """The README's by-hand XADD, run literally with redis-cli, comes back as a vector."""
+    """The ingestion page's by-hand XADD (docs/INGESTION.md), run literally with redis-cli,
+    comes back as a vector."""
     import asyncio
     import re
     import shutil
@@ -143,9 +144,9 @@ async def test_readme_redis_cli_example_is_embedded(
 
     if shutil.which("redis-cli") is None:
         pytest.skip("redis-cli not on PATH")
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    command = re.search(r"^(printf '[^']+' \\\n\s+\| redis-cli -x XADD [^\n]+)$", readme, re.M)
-    assert command, "README lost its redis-cli example"
+    page = (Path(__file__).resolve().parents[1] / "docs" / "INGESTION.md").read_text()
+    command = re.search(r"^(printf '[^']+' \\\n\s+\| redis-cli -x XADD [^\n]+)$", page, re.M)
+    assert command, "docs/INGESTION.md lost its redis-cli example"
     line = command.group(1).replace("redis-cli", f"redis-cli -p {redis_server.port}")
     settings = Settings(redis_url=redis_server.url, block_ms=100, log_format="json")
     client = connect(settings.effective_redis_url)

@@ -1,9 +1,9 @@
-"""The README's protocol section is generated from the code and says all the code does.
+"""The protocol reference (docs/PROTOCOL.md) is generated from the code and says all it does.
 
 Each message's table (shared/protocol_doc.py) is checked against what shared/protocol.py writes
-and accepts; the README must hold the section as generated; and a query is asked of a real
-worker by following the README's steps with plain redis and msgpack, as a client in another
-language would.
+and accepts; docs/PROTOCOL.md must hold the section as generated, and the README must link it;
+and a query is asked of a real worker by following the documented steps with plain redis and
+msgpack, as a client in another language would.
 """
 
 from __future__ import annotations
@@ -39,10 +39,11 @@ from embedfleet.shared.protocol_doc import (
 from embedfleet.shared.settings import Settings
 from tests.conftest import WorkerLauncher
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+REPO = Path(__file__).resolve().parents[1]
+PROTOCOL_DOC = REPO / protocol_doc.PROTOCOL_DOC
 FIX = (
-    "document it in shared/protocol_doc.py, then regenerate the README's block: "
-    "python -m embedfleet.shared.protocol_doc --write README.md"
+    "document it in shared/protocol_doc.py, then regenerate the block in "
+    f"{protocol_doc.PROTOCOL_DOC}: {protocol_doc.WRITE_COMMAND}"
 )
 
 
@@ -54,11 +55,26 @@ def _required(fields: tuple[WireField, ...]) -> list[str]:
     return [f.name for f in fields if f.required]
 
 
-def test_readme_protocol_section_is_current() -> None:
-    assert protocol_doc.protocol_section() in README.read_text(), (
-        "README's protocol section is stale: regenerate it with "
-        "`python -m embedfleet.shared.protocol_doc --write README.md`"
+def test_protocol_doc_section_is_current() -> None:
+    assert protocol_doc.protocol_section() in PROTOCOL_DOC.read_text(), (
+        f"{protocol_doc.PROTOCOL_DOC}'s protocol section is stale: regenerate it with "
+        f"`{protocol_doc.WRITE_COMMAND}` (from the repository root)"
     )
+
+
+def test_the_readme_links_the_protocol_reference() -> None:
+    assert f"]({protocol_doc.PROTOCOL_DOC})" in (REPO / "README.md").read_text()
+
+
+def test_write_replaces_only_the_generated_block(tmp_path: Path) -> None:
+    stale = tmp_path / "PROTOCOL.md"
+    stale.write_text(
+        f"# Protocol\n\nintro\n{protocol_doc.BEGIN}\nold table\n{protocol_doc.END}\n\noutro\n"
+    )
+    stale.write_text(protocol_doc.replace_section(stale.read_text()))
+    text = stale.read_text()
+    assert "old table" not in text and protocol_doc.protocol_section() in text
+    assert text.startswith("# Protocol\n\nintro\n") and text.endswith("\n\noutro\n")
 
 
 def test_every_field_the_code_writes_is_documented() -> None:
@@ -102,7 +118,7 @@ def test_a_chunk_without_a_required_field_is_refused(missing: str) -> None:
         decode_chunk(msgpack.packb(message))
 
 
-async def test_a_query_asked_by_the_readme_steps_alone_is_answered(
+async def test_a_query_asked_by_the_documented_steps_alone_is_answered(
     workers: WorkerLauncher, settings: Settings, client: aioredis.Redis, encoder
 ) -> None:
     """Steps 1-3 with plain redis and msgpack; nothing of embedfleet's client is used."""

@@ -1,4 +1,4 @@
-"""Settings come from EMBEDFLEET_* variables, and the README documents every one of them."""
+"""Settings come from EMBEDFLEET_* variables, and docs/SETTINGS.md documents every one of them."""
 
 from __future__ import annotations
 
@@ -7,16 +7,35 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from embedfleet.shared.settings import Settings, settings_table
+from embedfleet.shared.settings import (
+    SETTINGS_BEGIN,
+    SETTINGS_DOC,
+    SETTINGS_END,
+    Settings,
+    replace_settings_table,
+    settings_table,
+)
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+REPO = Path(__file__).resolve().parents[1]
 
 
-def test_readme_settings_table_is_current() -> None:
-    assert settings_table() in README.read_text(), (
-        "README's settings table is stale: regenerate it with "
-        "`python -m embedfleet.shared.settings`"
+def test_settings_doc_table_is_current() -> None:
+    text = (REPO / SETTINGS_DOC).read_text()
+    assert f"{SETTINGS_BEGIN}\n{settings_table()}\n{SETTINGS_END}" in text, (
+        f"{SETTINGS_DOC}'s settings table is stale: regenerate it with "
+        "`python -m embedfleet.shared.settings --write` (from the repository root)"
     )
+
+
+def test_the_readme_links_the_settings_reference() -> None:
+    assert f"]({SETTINGS_DOC})" in (REPO / "README.md").read_text()
+
+
+def test_write_replaces_only_the_generated_table() -> None:
+    stale = f"# Settings\n\nintro\n{SETTINGS_BEGIN}\n| old |\n{SETTINGS_END}\n\noutro\n"
+    fresh = replace_settings_table(stale)
+    assert "| old |" not in fresh and settings_table() in fresh
+    assert fresh.startswith("# Settings\n\nintro\n") and fresh.endswith("\n\noutro\n")
 
 
 def test_environment_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -46,3 +65,12 @@ def test_batching_auto_per_device_and_explicit_values_win() -> None:
     for field, bad in (("token_budget", 8), ("max_batch", 0), ("read_count", -2)):
         with pytest.raises(ValidationError, match="-1 \\(auto, per device\\) or at least"):
             Settings(**{field: bad})
+
+
+def test_readme_exit_codes_table_is_current() -> None:
+    from embedfleet.shared.exit_codes import exit_codes_table
+
+    assert exit_codes_table() in (REPO / "README.md").read_text(), (
+        "README's exit codes are stale: regenerate them with "
+        "`python -m embedfleet.shared.exit_codes --write`"
+    )

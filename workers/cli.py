@@ -39,7 +39,7 @@ def worker_command(
     Reads {namespace}:ingest through the consumer group in bulk, embeds, writes fp16 vectors to
     {namespace}:results and acknowledges. SIGTERM or Ctrl-C drains (finishes and acknowledges
     what it holds, then exits 0); a second signal exits at once and leaves entries pending for
-    other workers. Every setting comes from EMBEDFLEET_* variables (see the README table).
+    other workers. Every setting comes from EMBEDFLEET_* variables (see docs/SETTINGS.md).
     """
     given = {
         "redis_url": redis_url,
