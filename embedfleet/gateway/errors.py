@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from redis import exceptions as redis_errors
 from starlette.exceptions import HTTPException
 
-from embedfleet.shared.faults import FaultKind, classify
+from embedfleet.shared.fault_kinds import FaultKind, classify
 
 OPENAI_PREFIX = "/v1"
 
