@@ -5,9 +5,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
-
-from embedfleet.shared.modeldir import ModelFiles
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -17,7 +16,7 @@ if TYPE_CHECKING:
 CHARS_PER_TOKEN_CUT = 50
 
 
-def load_tokenizer(files: ModelFiles) -> Tokenizer:
+def load_tokenizer(model_dir: Path) -> Tokenizer:
     """The model directory's fast tokenizer, untruncated and unpadded."""
     try:
         from tokenizers import Tokenizer
@@ -26,9 +25,9 @@ def load_tokenizer(files: ModelFiles) -> Tokenizer:
             "the model's tokenizer needs the tokenizers package: "
             "pip install 'embedfleet[documents]' (or [gateway])"
         ) from error
-    path = files.path / "tokenizer.json"
+    path = model_dir / "tokenizer.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{files.path} has no tokenizer.json (a fast tokenizer is needed)")
+        raise FileNotFoundError(f"{model_dir} has no tokenizer.json (a fast tokenizer is needed)")
     tokenizer = Tokenizer.from_file(str(path))
     tokenizer.no_truncation()
     tokenizer.no_padding()
@@ -36,28 +35,27 @@ def load_tokenizer(files: ModelFiles) -> Tokenizer:
 
 
 class ModelTokenizer:
-    """Token counts as the worker sees them (special tokens included, capped at the maximum)."""
+    """Token counts as the worker sees them (special tokens included, capped at the maximum).
 
-    def __init__(self, files: ModelFiles) -> None:
-        self.files = files
-        self.tokenizer = load_tokenizer(files)
+    The maximum is the model card's (``max_length``, published by the workers), passed in by
+    the caller: the tokenizer file does not say what the worker cuts at."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.tokenizer = load_tokenizer(model_dir)
         # [CLS] ... [SEP] for BERT, <s> ... </s> for RoBERTa, maybe only EOS for a decoder
         self.special_tokens = len(self.tokenizer.encode("", add_special_tokens=True).ids)
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
 
-    @property
-    def max_length(self) -> int:
-        return self.files.max_length
-
-    def lengths(self, texts: Sequence[str]) -> list[int]:
-        """Tokens of each text with special tokens, before truncation."""
-        cut_at = self.max_length * CHARS_PER_TOKEN_CUT
+    def lengths(self, texts: Sequence[str], max_length: int) -> list[int]:
+        """Tokens of each text with special tokens, before truncation; exact up to
+        ``max_length``, and over it for any text longer than that."""
+        cut_at = max_length * CHARS_PER_TOKEN_CUT
         encodings = self.tokenizer.encode_batch([text[:cut_at] for text in texts])
         return [len(encoding.ids) for encoding in encodings]
 
-    def usage(self, texts: Sequence[str]) -> int:
-        """Tokens the model reads for these texts: each text's length capped at the maximum."""
-        return sum(min(n, self.max_length) for n in self.lengths(texts))
+    def usage(self, texts: Sequence[str], max_length: int) -> int:
+        """Tokens the model reads for these texts: each text's length capped at ``max_length``."""
+        return sum(min(n, max_length) for n in self.lengths(texts, max_length))
 
     def prompt_tokens(self, prompt: str) -> int:
         """Tokens a prompt adds in front of a text (without special tokens)."""

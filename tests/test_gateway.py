@@ -20,7 +20,7 @@ from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.producer.client import Producer
 from embedfleet.producer.tokens import ModelTokenizer
 from embedfleet.server import ServerProcess
-from embedfleet.shared.modeldir import ModelFiles
+from embedfleet.shared.model_path import resolve_model_path
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
 from loadtest.common import isolated_settings
@@ -77,7 +77,7 @@ def reference():
     """sentence-transformers itself on the same model directory: the vectors to match."""
     from sentence_transformers import SentenceTransformer
 
-    model = SentenceTransformer(str(ModelFiles.read("all-MiniLM-L6-v2").path), device="cpu")
+    model = SentenceTransformer(str(resolve_model_path("all-MiniLM-L6-v2")), device="cpu")
     return lambda texts: model.encode(list(texts), normalize_embeddings=False)
 
 
@@ -140,7 +140,7 @@ def test_a_large_request_goes_through_the_ingest_stream(
 
 
 def test_token_ids(client: openai.OpenAI, reference) -> None:
-    tokenizer = ModelTokenizer(ModelFiles.read("all-MiniLM-L6-v2")).tokenizer
+    tokenizer = ModelTokenizer(resolve_model_path("all-MiniLM-L6-v2")).tokenizer
     ids = [tokenizer.encode(text, add_special_tokens=False).ids for text in TEXTS[:2]]
     many = client.embeddings.create(model="all-MiniLM-L6-v2", input=ids)
     one = client.embeddings.create(model="all-MiniLM-L6-v2", input=ids[0])

@@ -9,21 +9,15 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from embedfleet.gateway.errors import APIError
 from embedfleet.producer.tokens import ModelTokenizer
+from embedfleet.shared.postprocess import normalize
 from embedfleet.shared.settings import Settings
 
 EmbeddingInput = str | list[str] | list[int] | list[list[int]]
-
-
-@dataclass(frozen=True)
-class PreparedInputs:
-    texts: list[str]
-    tokens: int  # as the model counts them (special tokens in, capped at its maximum)
 
 
 def as_texts(value: EmbeddingInput, tokenizer: ModelTokenizer, param: str = "input") -> list[str]:
@@ -94,37 +88,32 @@ def check_limits(texts: Sequence[str], settings: Settings, param: str = "input")
 
 def prepare(
     value: EmbeddingInput, tokenizer: ModelTokenizer, settings: Settings, param: str = "input"
-) -> PreparedInputs:
+) -> list[str]:
     texts = as_texts(value, tokenizer, param)
     check_limits(texts, settings, param)
-    return PreparedInputs(texts, tokenizer.usage(texts))
+    return texts
 
 
-def check_dimensions(dimensions: int | None, model_dim: int) -> None:
-    if dimensions is not None and not 1 <= dimensions <= model_dim:
+def check_dimensions(dimensions: int | None, model_dim: int | None) -> None:
+    """400 for ``dimensions`` out of range; ``model_dim`` None (no model card yet): only the
+    lower bound here, the worker refuses one over the model's dimension."""
+    if dimensions is None:
+        return
+    if dimensions < 1 or (model_dim is not None and dimensions > model_dim):
+        upper = f"the model's {model_dim}" if model_dim is not None else "the model's dimension"
         raise APIError(
             400,
-            f"'dimensions' must be between 1 and the model's {model_dim}, got {dimensions}",
+            f"'dimensions' must be between 1 and {upper}, got {dimensions}",
             param="dimensions",
             code="invalid_dimensions",
         )
 
 
-def shape_vectors(vectors: np.ndarray, dimensions: int | None, normalized: bool) -> np.ndarray:
-    """Matryoshka ``dimensions``: keep the first ``dimensions`` values and renormalise (when the
-    model's output is normalised).
-
-    The workers already do this when a chunk carries ``dimensions`` (the gateway sends it); this
-    keeps the answer right with a worker that predates the option, and renormalises in float32
-    what crossed the wire as fp16 (a norm 1 +- 1e-4 there), so callers get unit vectors.
-    """
-    if dimensions is None:
-        return vectors
-    cut = np.ascontiguousarray(vectors[:, :dimensions], dtype=np.float32)
-    if normalized:
-        norms = np.linalg.norm(cut, axis=1, keepdims=True)
-        cut /= np.maximum(norms, 1e-12)
-    return cut
+def unit_vectors(vectors: np.ndarray, unit: bool) -> np.ndarray:
+    """The answer's vectors in float32: unit length when ``unit`` (the model normalises, or TEI's
+    ``normalize``), normalised once here, in float32, so what crossed the wire as fp16 (and was
+    truncated and renormalised by the worker) leaves at norm 1."""
+    return normalize(vectors) if unit else np.asarray(vectors, dtype=np.float32)
 
 
 def encode_vector(vector: np.ndarray, encoding_format: str) -> list[float] | str:

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-import numpy as np
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from embedfleet import __name__ as package_name
 from embedfleet.gateway.errors import APIError
-from embedfleet.gateway.inputs import as_texts, check_dimensions, check_limits, shape_vectors
-from embedfleet.gateway.state import GatewayDep, wire_options
+from embedfleet.gateway.inputs import as_texts, check_dimensions, check_limits, unit_vectors
+from embedfleet.gateway.state import Gateway, GatewayDep, wire_options
+from embedfleet.shared.modelcard import ModelCard
 
 router = APIRouter()
 
@@ -29,27 +29,52 @@ class EmbedRequest(BaseModel):
 @router.post("/embed")
 @router.post("/")
 async def embed(body: EmbedRequest, gateway: GatewayDep) -> list[list[float]]:
-    check_dimensions(body.dimensions, gateway.model.dim)
+    card = await gateway.model_card()  # None before any worker started: checked afterwards
+    check_dimensions(body.dimensions, card.dim if card is not None else None)
     normalize = True if body.normalize is None else body.normalize
-    if gateway.model.normalize and not normalize:
+    texts = as_texts(body.inputs, gateway.tokenizer, "inputs")
+    check_limits(texts, gateway.settings, "inputs")
+    if card is not None:
+        _check_against_card(card, body, texts, gateway, normalize)
+    # the prompt travels by name: the worker owns the model's prompts and knows where one ends
+    # (models that pool without it, include_prompt=false)
+    vectors = await gateway.embedder.embed(texts, wire_options(body.prompt_name, body.dimensions))
+    if card is None:
+        # a worker answered, so its card is published: what could not be checked before is now
+        # (the vectors are thrown away for a request it refuses)
+        card = await gateway.require_card()
+        _check_against_card(card, body, texts, gateway, normalize)
+    return unit_vectors(vectors, normalize).tolist()
+
+
+def _check_against_card(
+    card: ModelCard, body: EmbedRequest, texts: list[str], gateway: Gateway, normalize: bool
+) -> None:
+    """What TEI refuses that only the model card can tell: a prompt name the model lacks,
+    ``normalize=false`` for a normalising model, a text over the maximum without ``truncate``."""
+    check_dimensions(body.dimensions, card.dim)
+    if card.normalize and not normalize:
         raise APIError(
             422,
             "normalize=false is not available: this model's pipeline ends in a Normalize "
             "module and the workers return its normalised output",
             param="normalize",
         )
-    prompt = gateway.prompt_text(body.prompt_name)
-    texts = as_texts(body.inputs, gateway.tokenizer, "inputs")
-    check_limits(texts, gateway.settings, "inputs")
+    prompt = ""
+    if body.prompt_name is not None:
+        try:
+            prompt = card.prompt_text(body.prompt_name)
+        except ValueError as error:
+            raise APIError(422, str(error), param="prompt_name", code="invalid_prompt") from None
     # the worker tokenizes prompt and text together, as sentence-transformers does
-    lengths = gateway.tokenizer.lengths([prompt + text for text in texts])
+    lengths = gateway.tokenizer.lengths([prompt + text for text in texts], card.max_length)
     longest = max(lengths)
-    if longest > gateway.model.max_length:
+    if longest > card.max_length:
         if not body.truncate:
             raise APIError(
                 413,
                 f"Input validation error: `inputs` must have less than "
-                f"{gateway.model.max_length} tokens. Given: {longest}. Send truncate=true "
+                f"{card.max_length} tokens. Given: {longest}. Send truncate=true "
                 "to cut them to fit.",
                 param="inputs",
             )
@@ -59,26 +84,21 @@ async def embed(body: EmbedRequest, gateway: GatewayDep) -> list[list[float]]:
                 "truncation_direction=Left is not available: the workers keep the start",
                 param="truncation_direction",
             )
-    # the prompt travels as an option: models that pool without it (include_prompt=false) need
-    # to know where it ends
-    options = wire_options(gateway, prompt, body.dimensions)
-    vectors = await gateway.embedder.embed(texts, options)
-    if normalize and not gateway.model.normalize:
-        vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
-    vectors = shape_vectors(vectors, body.dimensions, normalize)
-    return vectors.tolist()
 
 
 @router.get("/info")
 async def info(gateway: GatewayDep) -> dict[str, object]:
+    """TEI's model description, from the workers' model card; 503 with Retry-After before any
+    worker published one (limits a client sizes its batches by must not be made up)."""
     settings = gateway.settings
+    card = await gateway.require_card()
     return {
         "model_id": gateway.served_name,
         "model_sha": None,
         "model_dtype": "float16",  # on the wire, results are fp16
-        "model_type": {"embedding": {"pooling": "model"}},
+        "model_type": {"embedding": {"pooling": "+".join(card.pooling)}},
         "max_concurrent_requests": settings.gateway_lane_high_water,
-        "max_input_length": gateway.model.max_length,
+        "max_input_length": card.max_length,
         "max_batch_tokens": settings.token_budget,
         "max_batch_requests": settings.max_batch,
         "max_client_batch_size": settings.gateway_max_inputs,
@@ -87,7 +107,7 @@ async def info(gateway: GatewayDep) -> dict[str, object]:
         "version": _version(),
         "sha": None,
         "docker_label": None,
-        "prompts": gateway.model.prompts or None,
+        "prompts": card.prompts or None,
     }
 
 
