@@ -161,7 +161,7 @@ def check_embedding_options(
     """Raise ProtocolError unless the optional embedding options are well-formed.
 
     Whether they fit the model (a prompt name it declares, a dimension it has) is the worker's
-    check (and the producer's, when a worker has published the model: ``Keys.model``).
+    check (and the producer's, when a worker has published its model card: ``Keys.model``).
     """
     if prompt_name is not None and (
         not isinstance(prompt_name, str)

@@ -29,6 +29,8 @@ class EmbedRequest(BaseModel):
 @router.post("/embed")
 @router.post("/")
 async def embed(body: EmbedRequest, gateway: GatewayDep) -> list[list[float]]:
+    """TEI's embed. ``prompt_name`` absent means no prompt, as in TEI (sentence-transformers'
+    ``default_prompt_name`` is what its ``encode`` applies, not what TEI's request means)."""
     card = await gateway.model_card()  # None before any worker started: checked afterwards
     check_dimensions(body.dimensions, card.dim if card is not None else None)
     normalize = True if body.normalize is None else body.normalize
