@@ -58,6 +58,8 @@ if TYPE_CHECKING:
     from embedfleet.producer.documents import Document, DocumentSplitter
 
 log = get_logger("embedfleet.producer")
+# How often a client without the model card asks Redis for it again (no worker has started yet)
+CARD_RECHECK_S = 1.0
 ChunkLike = Chunk | Mapping[str, Any]
 
 
@@ -154,6 +156,7 @@ class Producer:
             on_outage or LogOutages(),
         )
         self._card: ModelCard | None = None
+        self._card_missing_at = float("-inf")
         self._splitters: dict[tuple[int, str | None, bool], DocumentSplitter] = {}
 
     async def __aenter__(self) -> Producer:
@@ -180,13 +183,16 @@ class Producer:
     async def model_card(self, *, deadline: float | None = None) -> ModelCard | None:
         """The facts the workers published about their model (``Keys.model``,
         shared/modelcard.py), or None while no worker ever started in this namespace. Read once,
-        then kept (a namespace serves one model)."""
-        if self._card is None:
+        then kept (a namespace serves one model); while there is none, asked again at most every
+        CARD_RECHECK_S, so enqueueing before any worker started is not one read per chunk."""
+        now = time.monotonic()
+        if self._card is None and now - self._card_missing_at >= CARD_RECHECK_S:
             self._card = await self.retry.call(
                 "read the model card",
                 lambda: read_card(self.client, self.keys),
                 deadline=deadline,
             )
+            self._card_missing_at = now
         return self._card
 
     async def _checked(self, chunk: Chunk, *, deadline: float | None = None) -> Chunk:

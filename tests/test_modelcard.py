@@ -118,3 +118,25 @@ def test_the_worker_publishes_what_it_loaded(build, dim, normalize, tmp_path: Pa
     assert card.normalize is normalize
     assert card.max_length == reference.max_seq_length
     assert card.name == model_dir.name and card.architecture == "BertModel"
+
+
+async def test_a_producer_reads_the_card_it_checks_chunks_against(
+    settings: Settings, client: aioredis.Redis
+) -> None:
+    from embedfleet.producer.client import Producer
+
+    async def hgetall_calls() -> int:
+        stats = await client.info("commandstats")
+        return int(stats.get("cmdstat_hgetall", {}).get("calls", 0))
+
+    async with Producer(settings, client) as producer:
+        # no worker ever started: chunks go out unchecked, without one read per chunk
+        before = await hgetall_calls()
+        chunks = [{"id": f"c{n}", "text": "t", "dimensions": 4096} for n in range(200)]
+        assert await producer.enqueue(chunks) == 200
+        assert await hgetall_calls() - before <= 2
+    await publish_card(client, settings.keys, CARD)
+    async with Producer(settings, client) as producer:
+        assert await producer.model_card() == CARD
+        with pytest.raises(ValueError, match="dimensions=4096 is more than the model 'tiny'"):
+            await producer.enqueue([{"id": "x", "text": "t", "dimensions": 4096}])
