@@ -184,6 +184,33 @@ async def test_a_plain_hf_directory_is_not_normalised_unless_asked(
                 assert np.allclose(openai_got, got, rtol=1e-3, atol=1e-4)
 
 
+async def test_concatenated_pooling_is_answered_whole(
+    redis_server: ServerProcess, launcher: WorkerLauncher, tmp_path: Path
+) -> None:
+    """mean + cls pooling: twice the hidden size, all of it in both dialects (the gateway once
+    asked for the hidden size and cut the rest off)."""
+    from sentence_transformers import SentenceTransformer
+
+    from embedfleet.workers.encoder import Encoder
+
+    model_dir = model_zoo.sentence_transformers_dir("bert", tmp_path, pooling=("mean", "cls"))
+    settings = _settings(redis_server, model_dir, tmp_path / "files")
+    reference = SentenceTransformer(str(model_dir), device="cpu")
+    expected = reference.encode(TEXTS)
+    with running_gateway(settings) as url:
+        async with launcher.run(settings, encoder=Encoder(str(model_dir), device="cpu")):
+            card = await _published(settings)
+            assert card.dim == 2 * card.hidden_size == expected.shape[1]
+            async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+                await _live(http)
+                client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+                response = await client.embeddings.create(model=model_dir.name, input=TEXTS)
+                got = np.array([item.embedding for item in response.data])
+                assert got.shape == expected.shape and min_cosine(got, expected) >= 0.999
+                tei = np.array((await http.post("/embed", json={"inputs": TEXTS[:2]})).json())
+                assert tei.shape == (2, card.dim) and min_cosine(tei, expected[:2]) >= 0.999
+
+
 async def _published(settings: Settings):
     """The card the worker wrote at start (it writes before it reads anything)."""
     client = connect(settings.effective_redis_url)
