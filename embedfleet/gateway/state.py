@@ -31,7 +31,13 @@ from embedfleet.gateway.errors import APIError
 from embedfleet.gateway.metrics import GatewayMetrics
 from embedfleet.producer.client import EmbeddingOptions, Producer
 from embedfleet.producer.tokens import ModelTokenizer
-from embedfleet.shared.modelcard import PACKAGED_ALIASES, ModelCard, read_card, served_name
+from embedfleet.shared.modelcard import (
+    PACKAGED_ALIASES,
+    ModelCard,
+    ModelCardError,
+    read_card,
+    served_name,
+)
 from embedfleet.shared.protocol import FULL_DIMENSIONS
 from embedfleet.shared.settings import Settings
 
@@ -65,7 +71,12 @@ class Gateway:
         there is none: one HGETALL); None while no worker ever started in this namespace."""
         now = time.monotonic()
         if self._card is None or now - self._card_read_at >= CARD_MAX_AGE_S:
-            card = await read_card(self.client, self.settings.keys)
+            try:
+                card = await read_card(self.client, self.settings.keys)
+            except ModelCardError as error:  # the message says what to do
+                raise APIError(
+                    503, str(error), type="server_error", code="model_card_unreadable"
+                ) from None
             self._card_read_at = now
             if card is not None:
                 self._card = card
