@@ -140,6 +140,7 @@ async def _enqueue_documents(
         if not path.is_file():
             raise click.BadParameter(f"{path} is not a file", param_hint="SOURCES")
     async with client_for(settings) as producer:
+        await producer.model_card()  # the published maximum and prompts, where a worker ran
         try:
             splitter = producer.document_splitter(overlap)
         except (ImportError, ValueError) as error:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -27,6 +26,7 @@ from embedfleet.shared.fault_kinds import is_transient
 from embedfleet.shared.jobs import JobProgress
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
+from embedfleet.shared.modelcard import ModelCard, read_card
 from embedfleet.shared.protocol import (
     DEFAULT_LIMITS,
     OPTION_NAMES,
@@ -59,6 +59,8 @@ if TYPE_CHECKING:
     from embedfleet.producer.documents import Document, DocumentSplitter
 
 log = get_logger("embedfleet.producer")
+# How often a client without the model card asks Redis for it again (no worker has started yet)
+CARD_RECHECK_S = 1.0
 ChunkLike = Chunk | Mapping[str, Any]
 
 
@@ -92,30 +94,6 @@ class EmbeddingOptions:
             if getattr(self, name) is not None and getattr(chunk, name) is None
         }
         return dataclasses.replace(chunk, **changes) if changes else chunk
-
-
-@dataclass(frozen=True)
-class ServedModel:
-    """What the workers of a namespace serve, as the first of them published it (Keys.model)."""
-
-    name: str
-    dim: int
-    prompts: dict[str, str]
-
-    def check(self, chunk: Chunk) -> None:
-        """Reject options this model cannot honour, before they reach a worker."""
-        if chunk.dimensions is not None and chunk.dimensions > self.dim:
-            raise ValueError(
-                f"chunk {chunk.id!r}: dimensions={chunk.dimensions} is more than the model "
-                f"{self.name!r} has ({self.dim}); use 1..{self.dim}"
-            )
-        name = chunk.prompt_name
-        if chunk.prompt is None and name is not None and name not in self.prompts:
-            known = ", ".join(sorted(self.prompts)) or "none"
-            raise ValueError(
-                f"chunk {chunk.id!r}: prompt_name={name!r} is not one of the "
-                f"model's prompts ({known}); pass a literal 'prompt' instead"
-            )
 
 
 def as_chunk(
@@ -170,8 +148,9 @@ class Producer:
             on_outage or LogOutages(),
             first_contact_s,
         )
-        self._served: ServedModel | None = None
-        self._splitters: dict[tuple[int, str | None], DocumentSplitter] = {}
+        self._card: ModelCard | None = None
+        self._card_missing_at = float("-inf")
+        self._splitters: dict[tuple[int, str | None, bool], DocumentSplitter] = {}
 
     async def __aenter__(self) -> Producer:
         await self.setup()
@@ -194,27 +173,25 @@ class Producer:
         if self._owns_client:
             await self.client.aclose()
 
-    async def served_model(self, *, deadline: float | None = None) -> ServedModel | None:
-        """The model the workers published (Keys.model), or None before any worker started."""
-        if self._served is None:
-            fields = await self.retry.call(
-                "read the served model",
-                lambda: self.client.hgetall(self.keys.model),
+    async def model_card(self, *, deadline: float | None = None) -> ModelCard | None:
+        """The facts the workers published about their model (``Keys.model``,
+        shared/modelcard.py), or None while no worker ever started in this namespace. Read once,
+        then kept (a namespace serves one model); while there is none, asked again at most every
+        CARD_RECHECK_S, so enqueueing before any worker started is not one read per chunk."""
+        now = time.monotonic()
+        if self._card is None and now - self._card_missing_at >= CARD_RECHECK_S:
+            self._card = await self.retry.call(
+                "read the model card",
+                lambda: read_card(self.client, self.keys),
                 deadline=deadline,
             )
-            if fields:
-                values = {key.decode(): value.decode() for key, value in fields.items()}
-                self._served = ServedModel(
-                    name=values["name"],
-                    dim=int(values["dim"]),
-                    prompts=json.loads(values.get("prompts", "{}")),
-                )
-        return self._served
+            self._card_missing_at = now
+        return self._card
 
     async def _checked(self, chunk: Chunk, *, deadline: float | None = None) -> Chunk:
-        served = await self.served_model(deadline=deadline)
-        if served is not None:
-            served.check(chunk)
+        card = await self.model_card(deadline=deadline)
+        if card is not None:
+            card.check(chunk)
         return chunk
 
     async def enqueue(
@@ -266,6 +243,7 @@ class Producer:
         with the document's meta plus ``doc``, ``n``, ``start`` and ``end`` (character offsets).
         Needs ``pip install 'embedfleet[documents]'``; see producer/documents.py.
         """
+        await self.model_card()  # the published maximum and prompts, where a worker ran
         splitter = self.document_splitter(overlap_tokens, prompt_name)
         return await self.enqueue(
             splitter.split_all(documents, job), job=job, batch_size=batch_size, on_batch=on_batch
@@ -274,18 +252,23 @@ class Producer:
     def document_splitter(
         self, overlap_tokens: int | None = None, prompt_name: str | None = None
     ) -> DocumentSplitter:
-        """The splitter for this producer's model (EMBEDFLEET_MODEL), built once per options."""
-        from embedfleet.producer.documents import DocumentSplitter
-        from embedfleet.shared.modeldir import ModelFiles
+        """The splitter for this producer's model (EMBEDFLEET_MODEL), built once per options:
+        its tokenizer from the model's files, its maximum and prompts from the model card once
+        :meth:`model_card` has read one, else as the directory declares them."""
+        from embedfleet.producer.documents import DocumentSplitter, SplitLimits
+        from embedfleet.shared.model_path import resolve_model_path
 
         overlap = (
             self.settings.document_overlap_tokens if overlap_tokens is None else overlap_tokens
         )
-        key = (overlap, prompt_name)
+        key = (overlap, prompt_name, self._card is not None)
         if key not in self._splitters:
-            files = ModelFiles.read(self.settings.model)
+            limits = None if self._card is None else SplitLimits.of_card(self._card)
             self._splitters[key] = DocumentSplitter(
-                files, overlap_tokens=overlap, prompt_name=prompt_name
+                resolve_model_path(self.settings.model),
+                limits,
+                overlap_tokens=overlap,
+                prompt_name=prompt_name,
             )
         return self._splitters[key]
 

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from embedfleet.producer.tokens import load_tokenizer
-from embedfleet.shared.modeldir import ModelFiles
+from embedfleet.shared.model_path import resolve_model_path
+from embedfleet.shared.modelcard import ModelCard, max_input_tokens
 from embedfleet.shared.protocol import Chunk
 
 MARKDOWN_SUFFIXES = frozenset({".md", ".markdown"})
@@ -47,12 +48,54 @@ def as_document(item: Document | Mapping[str, Any]) -> Document:
     return Document(doc_id, text, meta, bool(item.get("markdown", False)))
 
 
+@dataclass(frozen=True)
+class SplitLimits:
+    """What the splitter must know of the model besides its tokenizer: how many tokens fit and
+    which prompt the worker puts in front of an ingest chunk."""
+
+    name: str
+    max_length: int
+    prompts: dict[str, str]
+    default_prompt_name: str | None = None
+
+    @classmethod
+    def of_card(cls, card: ModelCard) -> SplitLimits:
+        """From the facts the workers published: what ``Producer.enqueue_documents`` uses."""
+        return cls(card.name, card.max_length, card.prompts, card.default_prompt_name)
+
+    @classmethod
+    def declared(cls, model_dir: Path) -> SplitLimits:
+        """From the directory's JSON files, for splitting before any worker has published its
+        card (the demo's corpus, a split with no fleet): the same rule the worker applies
+        (``max_input_tokens``), on the values the directory declares."""
+
+        def read(name: str) -> dict[str, Any]:
+            path = model_dir / name
+            return json.loads(path.read_text()) if path.is_file() else {}
+
+        config = read("config.json")
+        st_config = read("config_sentence_transformers.json")
+        max_length = max_input_tokens(
+            read("sentence_bert_config.json").get("max_seq_length"),
+            read("tokenizer_config.json").get("model_max_length"),
+            config.get("max_position_embeddings"),
+        )
+        prompts = {str(k): str(v) for k, v in (st_config.get("prompts") or {}).items()}
+        return cls(model_dir.name, max_length, prompts, st_config.get("default_prompt_name"))
+
+
 class DocumentSplitter:
     """Splits documents for one model; build once, reuse (the tokenizer loads once)."""
 
     def __init__(
-        self, files: ModelFiles, *, overlap_tokens: int = 0, prompt_name: str | None = None
+        self,
+        model_dir: Path,
+        limits: SplitLimits | None = None,
+        *,
+        overlap_tokens: int = 0,
+        prompt_name: str | None = None,
     ) -> None:
+        """``model_dir`` holds ``tokenizer.json``; ``limits`` default to what it declares."""
         try:
             from semantic_text_splitter import MarkdownSplitter, TextSplitter
         except ImportError as error:
@@ -60,21 +103,22 @@ class DocumentSplitter:
                 "splitting documents needs semantic-text-splitter: "
                 "pip install 'embedfleet[documents]'"
             ) from error
-        self.files = files
-        self.tokenizer = load_tokenizer(files)
+        limits = limits or SplitLimits.declared(model_dir)
+        self.limits = limits
+        self.tokenizer = load_tokenizer(model_dir)
         self.special_tokens = len(self.tokenizer.encode("", add_special_tokens=True).ids)
         # the prompt the worker puts in front of an ingest chunk: the one named, else the
         # model's document/passage prompt, else its default one
         name = prompt_name or next(
-            (n for n in ("document", "passage") if n in files.prompts), files.default_prompt_name
+            (n for n in ("document", "passage") if n in limits.prompts), limits.default_prompt_name
         )
-        prompt = files.prompts.get(name, "") if name else ""
+        prompt = limits.prompts.get(name, "") if name else ""
         self.prompt_tokens = (
             len(self.tokenizer.encode(prompt, add_special_tokens=False).ids) if prompt else 0
         )
-        self.capacity = files.max_length - self.special_tokens - self.prompt_tokens
+        self.capacity = limits.max_length - self.special_tokens - self.prompt_tokens
         if self.capacity < 8:
-            raise ValueError(f"{files.name} leaves only {self.capacity} tokens for text")
+            raise ValueError(f"{limits.name} leaves only {self.capacity} tokens for text")
         if not 0 <= overlap_tokens < self.capacity:
             raise ValueError(
                 f"overlap of {overlap_tokens} tokens must be below the chunk size {self.capacity} "
@@ -139,7 +183,7 @@ def builtin_document_chunks(
     from embedfleet.shared.settings import Settings
 
     splitter = DocumentSplitter(
-        ModelFiles.read(model or Settings().model), overlap_tokens=overlap_tokens
+        resolve_model_path(model or Settings().model), overlap_tokens=overlap_tokens
     )
     documents = (
         Document(id=topic, text=text, meta={"topic": topic})

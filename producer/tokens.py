@@ -5,16 +5,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from embedfleet.shared.modeldir import ModelFiles
 from embedfleet.shared.tokens import counting_head
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 
-def load_tokenizer(files: ModelFiles) -> Tokenizer:
+def load_tokenizer(model_dir: Path) -> Tokenizer:
     """The model directory's fast tokenizer, untruncated and unpadded."""
     try:
         from tokenizers import Tokenizer
@@ -23,9 +23,9 @@ def load_tokenizer(files: ModelFiles) -> Tokenizer:
             "the model's tokenizer needs the tokenizers package: "
             "pip install 'embedfleet[documents]' (or [gateway])"
         ) from error
-    path = files.path / "tokenizer.json"
+    path = model_dir / "tokenizer.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{files.path} has no tokenizer.json (a fast tokenizer is needed)")
+        raise FileNotFoundError(f"{model_dir} has no tokenizer.json (a fast tokenizer is needed)")
     tokenizer = Tokenizer.from_file(str(path))
     tokenizer.no_truncation()
     tokenizer.no_padding()
@@ -33,29 +33,26 @@ def load_tokenizer(files: ModelFiles) -> Tokenizer:
 
 
 class ModelTokenizer:
-    """Token counts as the worker sees them (special tokens included, capped at the maximum)."""
+    """Token counts as the worker sees them (special tokens included, capped at the maximum).
 
-    def __init__(self, files: ModelFiles) -> None:
-        self.files = files
-        self.tokenizer = load_tokenizer(files)
+    The maximum is the model card's (``max_length``, published by the workers), passed in by
+    the caller: the tokenizer file does not say what the worker cuts at."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.tokenizer = load_tokenizer(model_dir)
         # [CLS] ... [SEP] for BERT, <s> ... </s> for RoBERTa, maybe only EOS for a decoder
         self.special_tokens = len(self.tokenizer.encode("", add_special_tokens=True).ids)
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
 
-    @property
-    def max_length(self) -> int:
-        return self.files.max_length
-
-    def lengths(self, texts: Sequence[str]) -> list[int]:
-        """Tokens of each text with special tokens, before truncation."""
-        encodings = self.tokenizer.encode_batch(
-            [counting_head(text, self.max_length) for text in texts]
-        )
+    def lengths(self, texts: Sequence[str], max_length: int) -> list[int]:
+        """Tokens of each text with special tokens, before truncation; exact up to
+        ``max_length``, and over it for any text longer than that."""
+        encodings = self.tokenizer.encode_batch([counting_head(text, max_length) for text in texts])
         return [len(encoding.ids) for encoding in encodings]
 
-    def usage(self, texts: Sequence[str]) -> int:
-        """Tokens the model reads for these texts: each text's length capped at the maximum."""
-        return sum(min(n, self.max_length) for n in self.lengths(texts))
+    def usage(self, texts: Sequence[str], max_length: int) -> int:
+        """Tokens the model reads for these texts: each text's length capped at ``max_length``."""
+        return sum(min(n, max_length) for n in self.lengths(texts, max_length))
 
     def prompt_tokens(self, prompt: str) -> int:
         """Tokens a prompt adds in front of a text (without special tokens)."""

@@ -214,9 +214,9 @@ class Keys:
 
     @property
     def model(self) -> str:
-        """Hash a worker writes at start: the model it serves (name, dim, normalize, prompts,
-        max_length), so producers and the gateway can check options before enqueueing. One for
-        the fleet, partitions or not (a single key: any slot will do)."""
+        """Hash a worker writes at start: the model card (shared/modelcard.py: name, dim,
+        max_length, normalize, prompts, ...), the one source producers and the gateway read the
+        model's facts from. One for the fleet, partitions or not (a single key: any slot)."""
         return f"{self.namespace}:model"
 
     def calibration(self, model: str, variant: str) -> str:

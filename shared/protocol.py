@@ -40,6 +40,10 @@ MAX_PROMPT_NAME_CHARS = 256
 MAX_PROMPT_CHARS = 16_384
 # The optional embedding options a chunk may carry (see the module docstring).
 OPTION_NAMES = ("prompt_name", "prompt", "dimensions", "dtype")
+# ``dimensions`` meaning "the model's whole vector", whatever the fleet's EMBEDFLEET_DIMENSIONS
+# says: what a caller that does not know the model's dimension (the gateway before any worker
+# published it) sends to get the model's native output.
+FULL_DIMENSIONS = 0
 
 # Output precisions, as sentence-transformers names them (plus float16, the default).
 OutputDtype = Literal["float16", "float32", "int8", "uint8", "binary", "ubinary"]
@@ -163,7 +167,7 @@ def check_embedding_options(
     """Raise ProtocolError unless the optional embedding options are well-formed.
 
     Whether they fit the model (a prompt name it declares, a dimension it has) is the worker's
-    check (and the producer's, when a worker has published the model: ``Keys.model``).
+    check (and the producer's, when a worker has published its model card: ``Keys.model``).
     """
     if prompt_name is not None and (
         not isinstance(prompt_name, str)
@@ -174,9 +178,14 @@ def check_embedding_options(
     if prompt is not None and (not isinstance(prompt, str) or len(prompt) > MAX_PROMPT_CHARS):
         raise ProtocolError(f"'prompt' must be a string of at most {MAX_PROMPT_CHARS} characters")
     if dimensions is not None and (
-        not isinstance(dimensions, int) or isinstance(dimensions, bool) or dimensions < 1
+        not isinstance(dimensions, int)
+        or isinstance(dimensions, bool)
+        or dimensions < FULL_DIMENSIONS
     ):
-        raise ProtocolError(f"'dimensions' must be a positive integer, got {dimensions!r}")
+        raise ProtocolError(
+            f"'dimensions' must be a positive integer (or {FULL_DIMENSIONS}: the model's "
+            f"whole vector), got {dimensions!r}"
+        )
     if dtype is not None and dtype not in OUTPUT_DTYPES:
         raise ProtocolError(f"'dtype' must be one of {', '.join(OUTPUT_DTYPES)}, got {dtype!r}")
 

@@ -91,7 +91,13 @@ CHUNK_FIELDS: tuple[WireField, ...] = (
         False,
         f"a literal prefix (at most {MAX_PROMPT_CHARS:,} characters); wins over `prompt_name`",
     ),
-    WireField("dimensions", "int", False, "truncate the vector to this many dimensions"),
+    WireField(
+        "dimensions",
+        "int",
+        False,
+        "truncate the vector to this many dimensions; `0`: the model's whole vector, whatever "
+        "`EMBEDFLEET_DIMENSIONS` says; absent: `EMBEDFLEET_DIMENSIONS`",
+    ),
     WireField(
         "dtype",
         "str",

@@ -90,7 +90,7 @@ def reference_model():
     reference, loaded once per session on first use."""
     from sentence_transformers import SentenceTransformer
 
-    from embedfleet.shared.modeldir import resolve_model_path
+    from embedfleet.shared.model_path import resolve_model_path
 
     return SentenceTransformer(str(resolve_model_path(model_under_test())), device="cpu")
 

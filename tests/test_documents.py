@@ -16,7 +16,7 @@ from embedfleet.cli import main
 from embedfleet.producer.chunker import builtin_documents
 from embedfleet.producer.client import Producer
 from embedfleet.producer.documents import Document, DocumentSplitter, builtin_document_chunks
-from embedfleet.shared.modeldir import ModelFiles
+from embedfleet.shared.model_path import resolve_model_path
 from embedfleet.shared.protocol import PAYLOAD_FIELD
 from embedfleet.shared.settings import Settings
 
@@ -40,14 +40,14 @@ def test_no_chunk_of_the_builtin_corpus_is_over_the_models_maximum(encoder) -> N
 
 
 def test_prompt_and_special_tokens_come_off_the_chunk_size(tmp_path: Path) -> None:
-    source = ModelFiles.read(MODEL).path
+    source = resolve_model_path(MODEL)
     model_dir = tmp_path / "prompted"
     shutil.copytree(source, model_dir, ignore=shutil.ignore_patterns("*.safetensors"))
     (model_dir / "config_sentence_transformers.json").write_text(
         json.dumps({"prompts": {"passage": "passage: "}, "default_prompt_name": "passage"})
     )
-    plain = DocumentSplitter(ModelFiles.read(MODEL))
-    prompted = DocumentSplitter(ModelFiles.read(str(model_dir)))
+    plain = DocumentSplitter(resolve_model_path(MODEL))
+    prompted = DocumentSplitter(model_dir)
     assert plain.capacity == 256 - 2  # [CLS] and [SEP]
     assert prompted.prompt_tokens == 2  # "passage", ":"
     assert prompted.capacity == 256 - 2 - 2
@@ -59,12 +59,12 @@ def test_prompt_and_special_tokens_come_off_the_chunk_size(tmp_path: Path) -> No
 
 def test_overlap_is_a_setting_and_offsets_slice_back() -> None:
     text = builtin_documents()["compound"]
-    splitter = DocumentSplitter(ModelFiles.read(MODEL), overlap_tokens=40)
+    splitter = DocumentSplitter(resolve_model_path(MODEL), overlap_tokens=40)
     chunks = splitter.split(Document("compound", text, {"source": "pydoc"}))
     assert len(chunks) > 5
     # overlap is an upper bound (the splitter keeps to semantic boundaries): many neighbours
     # share text with it, none without it
-    plain = DocumentSplitter(ModelFiles.read(MODEL)).split(Document("compound", text))
+    plain = DocumentSplitter(resolve_model_path(MODEL)).split(Document("compound", text))
     assert sum(a.meta["start"] < b.meta["end"] for b, a in itertools.pairwise(plain)) == 0
     shared = [
         text[a.meta["start"] : b.meta["end"]]
@@ -77,7 +77,7 @@ def test_overlap_is_a_setting_and_offsets_slice_back() -> None:
     assert all(text[c.meta["start"] : c.meta["end"]] == c.text for c in chunks)
     assert chunks[0].meta["source"] == "pydoc"
     with pytest.raises(ValueError, match="EMBEDFLEET_DOCUMENT_OVERLAP_TOKENS"):
-        DocumentSplitter(ModelFiles.read(MODEL), overlap_tokens=254)
+        DocumentSplitter(resolve_model_path(MODEL), overlap_tokens=254)
 
 
 async def test_producer_enqueues_documents(settings: Settings, client: aioredis.Redis) -> None:

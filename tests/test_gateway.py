@@ -19,7 +19,7 @@ import pytest
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.producer.client import Producer
 from embedfleet.server import ServerProcess
-from embedfleet.shared.modeldir import ModelFiles
+from embedfleet.shared.model_path import resolve_model_path
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
 from loadtest.common import isolated_settings
@@ -76,7 +76,7 @@ def reference():
     """sentence-transformers itself on the same model directory: the vectors to match."""
     from sentence_transformers import SentenceTransformer
 
-    model = SentenceTransformer(str(ModelFiles.read("all-MiniLM-L6-v2").path), device="cpu")
+    model = SentenceTransformer(str(resolve_model_path("all-MiniLM-L6-v2")), device="cpu")
     return lambda texts: model.encode(list(texts), normalize_embeddings=False)
 
 

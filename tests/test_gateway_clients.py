@@ -19,7 +19,7 @@ import pytest
 
 from embedfleet.producer.tokens import ModelTokenizer
 from embedfleet.server import ServerProcess
-from embedfleet.shared.modeldir import ModelFiles
+from embedfleet.shared.model_path import resolve_model_path
 from embedfleet.shared.settings import Settings
 from loadtest.common import isolated_settings
 from tests.conftest import WorkerLauncher, WorkerProcess, _server_binary, shared_encoder
@@ -75,7 +75,7 @@ def gateway(fleet_settings: Settings, worker: WorkerProcess) -> Iterator[str]:
 def model_st():
     from sentence_transformers import SentenceTransformer
 
-    return SentenceTransformer(str(ModelFiles.read(MODEL).path), device="cpu")
+    return SentenceTransformer(str(resolve_model_path(MODEL)), device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def reference(model_st):
 
 @pytest.fixture(scope="module")
 def tokenizer() -> ModelTokenizer:
-    return ModelTokenizer(ModelFiles.read(MODEL))
+    return ModelTokenizer(resolve_model_path(MODEL))
 
 
 @pytest.fixture
@@ -255,7 +255,7 @@ def test_inference_client_feature_extraction(
     left = tei.feature_extraction(long, truncate=True, truncation_direction="left")
     assert min_cosine(right.reshape(1, -1), reference([long])) >= 0.999
     # the last tokens that fit, as sentence-transformers reads them
-    budget = tokenizer.max_length - tokenizer.special_tokens
+    budget = 256 - tokenizer.special_tokens  # the model card's max_length (/info, below)
     last_ids = tokenizer.tokenizer.encode(long, add_special_tokens=False).ids[-budget:]
     kept = tokenizer.tokenizer.decode(last_ids)
     assert tail.lower().endswith(kept)

@@ -12,19 +12,22 @@ from embedfleet.gateway.auth import KeyChecker, load_api_keys
 from embedfleet.gateway.errors import APIError, error_body, error_status
 from embedfleet.gateway.inputs import (
     as_texts,
+    check_dimensions,
     encode_vector,
     fit_to_model,
     keep_last_tokens,
-    shape_vectors,
+    unit_vectors,
 )
+from embedfleet.gateway.state import wire_options
 from embedfleet.producer.tokens import ModelTokenizer
-from embedfleet.shared.modeldir import ModelFiles
+from embedfleet.shared.model_path import resolve_model_path
+from embedfleet.shared.protocol import FULL_DIMENSIONS
 from embedfleet.shared.settings import Settings
 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> ModelTokenizer:
-    return ModelTokenizer(ModelFiles.read("all-MiniLM-L6-v2"))
+    return ModelTokenizer(resolve_model_path("all-MiniLM-L6-v2"))
 
 
 def test_keys_from_the_setting_and_a_file(tmp_path: Path) -> None:
@@ -71,17 +74,23 @@ def test_token_ids_are_refused_by_default_naming_the_fix(tokenizer: ModelTokeniz
 def test_left_truncation_keeps_the_end_within_the_budget(tokenizer: ModelTokenizer) -> None:
     words = [f"w{n} unbelievably" for n in range(400)]
     text = " ".join(words)
-    assert tokenizer.lengths([text])[0] > tokenizer.max_length
-    [right] = fit_to_model([text], tokenizer, "", truncate=True, direction="Right")
+    limit = 256  # all-MiniLM-L6-v2's max_seq_length, as its card says
+    assert tokenizer.lengths([text], limit)[0] > limit
+    [right] = fit_to_model([text], tokenizer, "", limit, truncate=True, direction="Right")
     assert right == text  # the worker keeps the start itself
-    [left] = fit_to_model([text], tokenizer, "", truncate=True, direction="left")
+    [left] = fit_to_model([text], tokenizer, "", limit, truncate=True, direction="left")
     assert text.endswith(left) and left.endswith("w399 unbelievably")
-    assert tokenizer.lengths([left])[0] == tokenizer.max_length
+    assert tokenizer.lengths([left], limit)[0] == limit
     with pytest.raises(APIError) as caught:
-        fit_to_model([text], tokenizer, "", truncate=False)
+        fit_to_model([text], tokenizer, "", limit, truncate=False)
     assert caught.value.status == 422 and "must have less than 256 tokens" in caught.value.message
     short = ["short text"]
-    assert fit_to_model(short, tokenizer, "", truncate=False) == short
+    assert fit_to_model(short, tokenizer, "", limit, truncate=False) == short
+    # no card yet: the texts go as they are (the worker truncates), but Left needs the maximum
+    assert fit_to_model([text], tokenizer, "", None, truncate=True) == [text]
+    with pytest.raises(APIError) as unknown:
+        fit_to_model([text], tokenizer, "", None, truncate=True, direction="Left")
+    assert (unknown.value.status, unknown.value.code) == (503, "no_model_card")
     # a cut inside a word: its continuation pieces re-tokenize from the cut and still fit
     budget = 5
     tail = keep_last_tokens("tokenization unbelievably", tokenizer, budget)
@@ -89,15 +98,37 @@ def test_left_truncation_keeps_the_end_within_the_budget(tokenizer: ModelTokeniz
     assert len(tokenizer.tokenizer.encode(tail, add_special_tokens=False).ids) <= budget
 
 
-def test_dimensions_cut_and_renormalise() -> None:
+def test_answers_are_unit_length_only_when_the_model_or_the_caller_says() -> None:
+    # what crossed the wire as fp16: a norm of 1 +- 1e-4 comes out at 1 in float32
     vectors = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
-    cut = shape_vectors(vectors, 4, normalized=True)
-    assert cut.shape == (3, 4) and np.allclose(np.linalg.norm(cut, axis=1), 1.0)
-    assert np.allclose(cut / cut[:, :1], vectors[:, :4] / vectors[:, :1])  # same direction
-    assert shape_vectors(vectors, None, True) is vectors
-    raw = shape_vectors(vectors * 3, 4, normalized=False)
-    assert np.allclose(raw, vectors[:, :4] * 3)
+    wire = vectors.astype(np.float16).astype(np.float32)
+    unit = unit_vectors(wire, True)
+    assert unit.dtype == np.float32
+    assert np.abs(np.linalg.norm(unit, axis=1) - 1.0).max() < 1e-6
+    assert np.allclose(unit, vectors, atol=1e-3)  # same direction
+    raw = unit_vectors(wire * 3, False)
+    assert np.array_equal(raw, wire * 3)  # not normalised when neither asks
+
+
+def test_wire_options_need_no_model_card() -> None:
+    """The gateway enqueues before any worker published: nothing it sends depends on the card,
+    and nothing is left to the fleet's defaults (EMBEDFLEET_DIMENSIONS, lane prompts)."""
+    plain = wire_options(None, None)
+    assert (plain.prompt, plain.prompt_name) == ("", None)  # no prompt, explicitly
+    assert plain.dimensions == FULL_DIMENSIONS and plain.dtype == "float16"
+    named = wire_options("query", 64)
+    assert (named.prompt, named.prompt_name, named.dimensions) == (None, "query", 64)
+
+
+def test_dimensions_are_checked_against_the_card_when_there_is_one() -> None:
+    check_dimensions(None, None)
+    check_dimensions(5000, None)  # no card yet: the worker refuses it, per chunk
+    check_dimensions(48, 48)
+    for dimensions, model_dim in ((0, None), (49, 48), (-1, 48)):
+        with pytest.raises(APIError) as caught:
+            check_dimensions(dimensions, model_dim)
+        assert caught.value.status == 400 and caught.value.param == "dimensions"
 
 
 def test_base64_is_little_endian_float32() -> None:

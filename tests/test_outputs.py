@@ -17,11 +17,12 @@ import pytest
 import redis.asyncio as aioredis
 
 from embedfleet.producer.client import EmbeddingOptions, Producer
+from embedfleet.shared.postprocess import quantize
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.calibration import CalibrationError, CalibrationStore
 from embedfleet.workers.encoder import Encoder
-from embedfleet.workers.output import OutputOptionError, Outputs, quantize
+from embedfleet.workers.output import OutputOptionError, Outputs
 from embedfleet.workers.precision import cosines
 from tests import model_zoo
 from tests.conftest import WorkerLauncher, worker_env

@@ -169,7 +169,7 @@ def test_chunk_options_round_trip() -> None:
 @pytest.mark.parametrize(
     ("field", "value", "reason"),
     [
-        ("dimensions", 0, "'dimensions' must be a positive integer"),
+        ("dimensions", -1, "'dimensions' must be a positive integer"),
         ("dimensions", True, "'dimensions' must be a positive integer"),
         ("dimensions", "64", "'dimensions' must be a positive integer"),
         ("dtype", "int4", "'dtype' must be one of float16, float32, int8, uint8, binary, ubinary"),

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from embedfleet.shared.postprocess import quantize
 from embedfleet.shared.protocol import Result
 from embedfleet.shared.vectordb import SinkSetupError
 from embedfleet.shared.vectordb.backend import open_backend, rescore_binary, rescore_codes
 from embedfleet.shared.vectordb.target import parse_sink_url
-from embedfleet.workers.output import quantize
 
 DIM = 40
 ROWS = 60

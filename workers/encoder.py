@@ -23,14 +23,15 @@ from transformers.utils import logging as transformers_logging
 from embedfleet.shared.logging import adopt_library_logger, get_logger
 
 # one definition for the worker, the gateway and the splitter (those need no torch)
-from embedfleet.shared.modeldir import ModelNotFoundError, resolve_model_path
+from embedfleet.shared.model_path import ModelNotFoundError, resolve_model_path
+from embedfleet.shared.modelcard import ModelCard, max_input_tokens, served_name
 from embedfleet.shared.settings import PACKAGED_MODEL
 from embedfleet.shared.tokens import counting_head
 from embedfleet.workers.cpus import usable_cpus
 from embedfleet.workers.cuda_queries import CudaLaneMode, CudaQueryRunner, QueryPath
 from embedfleet.workers.frozen import FrozenForward, build_checked, freeze, frozen_min_cosine
 from embedfleet.workers.int8 import Int8Forward, build_int8, cpp_compiler_available
-from embedfleet.workers.model_dir import ModelSpec, SentenceHead, read_model_spec
+from embedfleet.workers.model_dir import SentenceHead, read_model_spec
 from embedfleet.workers.precision import (
     BULK_PROBE_TEXTS,
     PROBE_TEXTS,
@@ -102,14 +103,6 @@ class PoolingConfig:
         return cast(PoolingMode, self.modes[0])
 
 
-def read_max_length(spec: ModelSpec, tokenizer_max: int, position_limit: int) -> int:
-    """sentence-transformers' max_seq_length when declared, else what tokenizer and model allow
-    (sentence-transformers caps the tokenizer's model_max_length at max_position_embeddings)."""
-    if spec.max_seq_length is not None:
-        return spec.max_seq_length
-    return min(tokenizer_max, position_limit)
-
-
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -156,7 +149,7 @@ class Encoder:
         threads: int = 0,
     ) -> None:
         self.model_dir = resolve_model_path(model)
-        self.name = model if model == PACKAGED_MODEL else self.model_dir.name
+        self.name = served_name(model)
         self.device = resolve_device(device)
         configure_device_math(self.device)
         self.parallel_tokenizer = configure_tokenizer_threads(self.device)
@@ -184,8 +177,8 @@ class Encoder:
         self._model.to(self.device).eval()
         self._head = SentenceHead(self.spec).to(self.device).eval()
         position_limit = getattr(self._model.config, "max_position_embeddings", 512)
-        self.max_length = read_max_length(
-            self.spec, self._tokenizer.model_max_length, position_limit
+        self.max_length = max_input_tokens(
+            self.spec.max_seq_length, self._tokenizer.model_max_length, position_limit
         )
         self.dim = self.spec.output_dim(int(self._model.config.hidden_size))
         # sentence-transformers' prompt table: "query" and "document" exist (empty) unless the
@@ -210,6 +203,23 @@ class Encoder:
         self._layer_hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._query_forward: FrozenForward | Int8Forward | None = None
         self._cuda_queries: CudaQueryRunner | None = None
+
+    @property
+    def card(self) -> ModelCard:
+        """The facts this worker publishes about what it serves (shared/modelcard.py)."""
+        config = self._model.config
+        return ModelCard(
+            name=self.name,
+            dim=self.dim,
+            max_length=self.max_length,
+            normalize=self.spec.normalize,
+            prompts=dict(self.spec.prompts),
+            default_prompt_name=self.spec.default_prompt_name,
+            hidden_size=int(config.hidden_size),
+            pooling=self.spec.pooling_modes,
+            include_prompt=self.spec.include_prompt,
+            architecture=str((getattr(config, "architectures", None) or [""])[0]),
+        )
 
     # --- slice boundaries ----------------------------------------------------------
     def set_layer_callback(self, callback: Callable[[], None] | None) -> int:

@@ -1,4 +1,5 @@
-"""The last stage before a sink: Matryoshka truncation and the output precision.
+"""The last stage before a sink: Matryoshka truncation and the output precision, per chunk
+(the operations themselves are shared/postprocess.py's, which the gateway uses too).
 
 The model gives float32 vectors of its full dimension. Per chunk (or job, or setting):
 
@@ -9,9 +10,9 @@ The model gives float32 vectors of its full dimension. Per chunk (or job, or set
     ``EMBEDFLEET_RENORMALIZE=false`` gives sentence-transformers' ``truncate_dim`` exactly
     (``SentenceTransformer(..., truncate_dim=d).encode``): the first d values, not renormalised.
 ``dtype``
-    ``float16`` / ``float32``, or ``sentence_transformers.quantize_embeddings``' ``int8``,
-    ``uint8``, ``binary``, ``ubinary``, reproduced operation for operation so the bytes are the
-    same (:func:`quantize`). int8/uint8 need calibration ranges (workers/calibration.py).
+    ``float16`` / ``float32``, or ``int8``, ``uint8``, ``binary``, ``ubinary`` as
+    sentence-transformers' ``quantize_embeddings`` stores them. int8/uint8 need calibration
+    ranges (workers/calibration.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from embedfleet.shared.protocol import DEFAULT_DTYPE, STORAGE_DTYPES, Chunk, Result
+from embedfleet.shared.postprocess import QUANTIZED, quantize, truncate
+from embedfleet.shared.protocol import FULL_DIMENSIONS, Chunk, Result
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.batcher import plan_batches
 from embedfleet.workers.calibration import (
@@ -33,62 +35,22 @@ from embedfleet.workers.calibration import (
 )
 from embedfleet.workers.encoder import Encoder, Lane
 
-QUANTIZED = ("int8", "uint8")
-
 
 class OutputOptionError(ValueError):
     """A chunk's dimensions or dtype cannot be produced for this model (dead-lettered)."""
 
 
 def resolve_dimensions(requested: int | None, default: int, model_dim: int) -> int:
-    """The dimension one chunk gets: its own, else the setting (0 = full), checked."""
+    """The dimension one chunk gets: its own (``FULL_DIMENSIONS``: the model's whole vector,
+    whatever the setting says), else the setting (0 = full), checked."""
+    if requested == FULL_DIMENSIONS:
+        return model_dim
     dim = requested if requested is not None else (default or model_dim)
     if not 1 <= dim <= model_dim:
         raise OutputOptionError(
             f"dimensions={dim} is out of range for this model: use 1..{model_dim}"
         )
     return dim
-
-
-def truncate(vectors: np.ndarray, dim: int, *, renormalize: bool) -> np.ndarray:
-    """The first ``dim`` values of each row, renormalised when asked (float32)."""
-    if dim >= vectors.shape[1]:
-        return vectors
-    kept = np.ascontiguousarray(vectors[:, :dim], dtype=np.float32)
-    if renormalize:
-        # torch.nn.functional.normalize's rule: divide by max(norm, 1e-12)
-        norms = np.linalg.norm(kept, axis=1, keepdims=True)
-        kept = kept / np.maximum(norms, 1e-12)
-    return kept
-
-
-def quantize(vectors: np.ndarray, dtype: str, ranges: np.ndarray | None = None) -> np.ndarray:
-    """``vectors`` (float32, (n, dim)) in ``dtype``'s stored form.
-
-    The integer and binary branches are sentence-transformers' ``quantize_embeddings`` step for
-    step (same operations in the same order, so the same bytes); ``ranges`` is (2, dim):
-    per-dimension minimum and maximum from calibration.
-    """
-    if dtype == DEFAULT_DTYPE:
-        return vectors.astype(STORAGE_DTYPES[dtype])
-    if dtype == "float32":
-        return vectors.astype(np.float32)
-    if dtype in QUANTIZED:
-        if ranges is None or ranges.shape != (2, vectors.shape[1]):
-            raise ValueError(f"{dtype} needs calibration ranges of shape (2, {vectors.shape[1]})")
-        ranges = ranges.astype(np.float32, copy=False)
-        starts = ranges[0, :]
-        steps = (ranges[1, :] - starts) / 255
-        steps = np.where(steps == 0, 1, steps)
-        codes = np.clip(np.floor((vectors - starts) / steps), 0, 255)
-        if dtype == "uint8":
-            return codes.astype(np.uint8)
-        return (codes - 128).astype(np.int8)
-    if dtype == "binary":
-        return (np.packbits(vectors > 0, axis=-1) - 128).astype(np.int8)
-    if dtype == "ubinary":
-        return np.packbits(vectors > 0, axis=-1)
-    raise ValueError(f"unknown output dtype {dtype!r}")
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +44,7 @@ from embedfleet.shared.dead_letters import DeadReason
 from embedfleet.shared.fault_kinds import FaultKind, System, WorkerFault
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
+from embedfleet.shared.modelcard import publish_card
 from embedfleet.shared.protocol import Chunk, Result
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.batcher import PlannedBatch
@@ -280,18 +280,10 @@ class Worker:
         return await asyncio.get_running_loop().run_in_executor(self._model_thread, function)
 
     async def publish_model(self) -> None:
-        """What this namespace's workers serve (Keys.model), for producers and the gateway to
-        check dimensions and prompt names before they enqueue."""
-        await self.client.hset(
-            self.keys.model,
-            mapping={
-                "name": self.encoder.name,
-                "dim": self.encoder.dim,
-                "normalize": int(self.encoder.pooling.normalize),
-                "max_length": self.encoder.max_length,
-                "prompts": json.dumps(self.encoder.spec.prompts),
-            },
-        )
+        """What this namespace's workers serve (the model card at Keys.model): the one source
+        the gateway and producers read the model's dimension, maximum, normalisation and
+        prompts from."""
+        await publish_card(self.client, self.keys, self.encoder.card)
 
     async def run(self) -> None:
         """Run until drained. Raises when a stage failed (after draining what it could):

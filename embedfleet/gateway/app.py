@@ -23,7 +23,7 @@ from embedfleet.gateway.state import Gateway
 from embedfleet.producer.client import Producer
 from embedfleet.producer.tokens import ModelTokenizer
 from embedfleet.shared.logging import get_logger
-from embedfleet.shared.modeldir import ModelFiles
+from embedfleet.shared.model_path import resolve_model_path
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings, SettingsError
 
@@ -129,15 +129,16 @@ def build_gateway(settings: Settings) -> Gateway:
             f"EMBEDFLEET_PARTITIONS={settings.partitions}: `embedfleet serve` supports one "
             "partition so far; run the gateway against an unpartitioned namespace"
         )
-    model = ModelFiles.read(settings.model)
+    # the tokenizer is read from the model's files (token ids, usage, TEI's length check); what
+    # the model is comes from the workers' card (state.py)
+    tokenizer = ModelTokenizer(resolve_model_path(settings.model))
     client = connect(settings.effective_redis_url)
     producer = Producer(settings, client)
     metrics = GatewayMetrics()
     fleet = FleetState(client, settings)
     return Gateway(
         settings=settings,
-        model=model,
-        tokenizer=ModelTokenizer(model),
+        tokenizer=tokenizer,
         client=client,
         producer=producer,
         fleet=fleet,
@@ -159,11 +160,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await gateway.producer.setup()
+        card = await gateway.model_card()  # None until a worker has started once: fine
         task = asyncio.create_task(runner.run())
         log.info(
             "gateway started",
             model=gateway.served_name,
-            dim=gateway.model.dim,
+            dim=card.dim if card is not None else "not published yet",
             api_keys=len(gateway.keys.keys),
             files_dir=str(files.root),
         )

@@ -43,7 +43,7 @@ from embedfleet.gateway.inputs import (
     as_texts,
     check_dimensions,
     check_limits,
-    shape_vectors,
+    unit_vectors,
 )
 from embedfleet.gateway.openai_api import EmbeddingRequest, embeddings_response
 from embedfleet.gateway.state import Gateway, wire_options
@@ -119,7 +119,8 @@ def parse_line(raw: bytes, gateway: Gateway) -> BatchLine:
             400, f"body.{where}: {first.get('msg')}", param="body", code="invalid_request"
         ) from None
     gateway.check_model(body.model, "body.model")
-    check_dimensions(body.dimensions, gateway.model.dim)
+    card = gateway.known_card  # None before any worker published: the worker checks
+    check_dimensions(body.dimensions, card.dim if card is not None else None)
     texts = as_texts(
         body.input,
         gateway.tokenizer,
@@ -585,7 +586,7 @@ class BatchRunner:
         for end_of_line, raw in self.files.lines(batch["input_file_id"], offset):
             offset = end_of_line
             line = parse_line(raw, self.gateway)  # passed the validating step
-            options = wire_options(self.gateway, "", line.dimensions)
+            options = wire_options(None, line.dimensions)
             for text in line.texts:
                 chunk = options.apply(
                     Chunk(id=str(inputs), text=text, job=batch_id, reply=batch_id)
@@ -629,11 +630,13 @@ class BatchRunner:
                         log.warning("bad reply in a batch", batch=batch_id, error=str(error))
                         continue
                     if vectors is None:  # on disk, not in memory: a batch can be large
+                        # a worker answered: its model card is published
+                        card = await self.gateway.require_card()
                         vectors = np.lib.format.open_memmap(
                             scratch,
                             mode="w+",
                             dtype="<f2",
-                            shape=(total_inputs, self.gateway.model.dim),
+                            shape=(total_inputs, card.dim),
                         )
                     index = int(result.id)
                     # a line that asked for fewer dimensions got that many from the worker
@@ -745,9 +748,11 @@ class BatchRunner:
                     errors.write(json.dumps(record) + "\n")
                     failed += 1
                     continue
-                block = np.asarray(vectors[span.start : span.stop], dtype=np.float32)
-                block = shape_vectors(block, line.dimensions, gateway.model.normalize)
-                tokens = gateway.tokenizer.usage(line.texts)
+                card = gateway.known_card  # read in _finalize, before the first vector
+                assert card is not None
+                block = vectors[span.start : span.stop, : line.dimensions or card.dim]
+                block = unit_vectors(block, card.normalize)
+                tokens = gateway.tokenizer.usage(line.texts, card.max_length)
                 body = embeddings_response(gateway.served_name, block, line.encoding_format, tokens)
                 record.update(
                     response={"status_code": 200, "request_id": request_id, "body": body},

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 
 from embedfleet.gateway.errors import APIError
 from embedfleet.producer.tokens import ModelTokenizer
+from embedfleet.shared.postprocess import normalize
 from embedfleet.shared.settings import Settings
 
 EmbeddingInput = str | list[str] | list[int] | list[list[int]]
@@ -34,12 +34,6 @@ TOKEN_IDS_REFUSED = (
     "with OpenAIEmbeddings(..., check_embedding_ctx_length=False). To accept ids made with the "
     "served model's own tokenizer, start the gateway with EMBEDFLEET_GATEWAY_ACCEPT_TOKEN_IDS=true."
 )
-
-
-@dataclass(frozen=True)
-class PreparedInputs:
-    texts: list[str]
-    tokens: int  # as the model counts them (special tokens in, capped at its maximum)
 
 
 def _is_token_ids(item: object) -> bool:
@@ -129,16 +123,17 @@ def check_limits(texts: Sequence[str], settings: Settings, param: str = "input")
 
 def prepare(
     value: EmbeddingInput, tokenizer: ModelTokenizer, settings: Settings, param: str = "input"
-) -> PreparedInputs:
+) -> list[str]:
     texts = as_texts(value, tokenizer, param, accept_token_ids=settings.gateway_accept_token_ids)
     check_limits(texts, settings, param)
-    return PreparedInputs(texts, tokenizer.usage(texts))
+    return texts
 
 
 def fit_to_model(
     texts: Sequence[str],
     tokenizer: ModelTokenizer,
     prompt: str,
+    max_length: int | None,
     *,
     truncate: bool,
     direction: TruncationDirection = "Right",
@@ -151,9 +146,23 @@ def fit_to_model(
     ``Right`` keeps its start: the worker's own truncation, token for token what
     sentence-transformers does, so the text goes as it is. ``Left`` keeps its end: the text is
     cut here, at the start of the first token that still fits.
+
+    ``max_length`` None: no worker has published the model card yet. The texts go as they are
+    and the worker applies its maximum: truncation on the right, or a per-input refusal with
+    ``EMBEDFLEET_TRUNCATE=false``. Only ``Left`` needs the maximum here, and says so.
     """
-    limit = tokenizer.max_length
-    lengths = tokenizer.lengths([prompt + text for text in texts])
+    if max_length is None:
+        if truncate and direction.lower() == "left":
+            raise APIError(
+                503,
+                "truncation_direction=Left needs the model's maximum length, which the workers "
+                "publish when they start; no worker has started yet. Retry in a moment.",
+                type="server_error",
+                code="no_model_card",
+            )
+        return list(texts)
+    limit = max_length
+    lengths = tokenizer.lengths([prompt + text for text in texts], limit)
     longest = max(lengths, default=0)
     if longest <= limit:
         return list(texts)
@@ -203,31 +212,26 @@ def keep_last_tokens(text: str, tokenizer: ModelTokenizer, budget: int) -> str:
     return text[starts[-1] :]
 
 
-def check_dimensions(dimensions: int | None, model_dim: int) -> None:
-    if dimensions is not None and not 1 <= dimensions <= model_dim:
+def check_dimensions(dimensions: int | None, model_dim: int | None) -> None:
+    """400 for ``dimensions`` out of range; ``model_dim`` None (no model card yet): only the
+    lower bound here, the worker refuses one over the model's dimension."""
+    if dimensions is None:
+        return
+    if dimensions < 1 or (model_dim is not None and dimensions > model_dim):
+        upper = f"the model's {model_dim}" if model_dim is not None else "the model's dimension"
         raise APIError(
             400,
-            f"'dimensions' must be between 1 and the model's {model_dim}, got {dimensions}",
+            f"'dimensions' must be between 1 and {upper}, got {dimensions}",
             param="dimensions",
             code="invalid_dimensions",
         )
 
 
-def shape_vectors(vectors: np.ndarray, dimensions: int | None, normalized: bool) -> np.ndarray:
-    """Matryoshka ``dimensions``: keep the first ``dimensions`` values and renormalise (when the
-    model's output is normalised).
-
-    The workers already do this when a chunk carries ``dimensions`` (the gateway sends it); this
-    keeps the answer right with a worker that predates the option, and renormalises in float32
-    what crossed the wire as fp16 (a norm 1 +- 1e-4 there), so callers get unit vectors.
-    """
-    if dimensions is None:
-        return vectors
-    cut = np.ascontiguousarray(vectors[:, :dimensions], dtype=np.float32)
-    if normalized:
-        norms = np.linalg.norm(cut, axis=1, keepdims=True)
-        cut /= np.maximum(norms, 1e-12)
-    return cut
+def unit_vectors(vectors: np.ndarray, unit: bool) -> np.ndarray:
+    """The answer's vectors in float32: unit length when ``unit`` (the model normalises, or TEI's
+    ``normalize``), normalised once here, in float32, so what crossed the wire as fp16 (and was
+    truncated and renormalised by the worker) leaves at norm 1."""
+    return normalize(vectors) if unit else np.asarray(vectors, dtype=np.float32)
 
 
 def encode_vector(vector: np.ndarray, encoding_format: str) -> list[float] | str:

@@ -12,7 +12,7 @@ from embedfleet.gateway.inputs import (
     check_dimensions,
     encode_vector,
     prepare,
-    shape_vectors,
+    unit_vectors,
 )
 from embedfleet.gateway.state import Gateway, GatewayDep, wire_options
 
@@ -29,13 +29,15 @@ class EmbeddingRequest(BaseModel):
 
 @router.post("/v1/embeddings")
 async def create_embeddings(body: EmbeddingRequest, gateway: GatewayDep) -> dict[str, object]:
+    card = await gateway.model_card()  # None before any worker started: the worker checks
     gateway.check_model(body.model)
-    check_dimensions(body.dimensions, gateway.model.dim)
-    prepared = prepare(body.input, gateway.tokenizer, gateway.settings)
-    options = wire_options(gateway, "", body.dimensions)
-    vectors = await gateway.embedder.embed(prepared.texts, options)
-    vectors = shape_vectors(vectors, body.dimensions, gateway.model.normalize)
-    return embeddings_response(gateway.served_name, vectors, body.encoding_format, prepared.tokens)
+    check_dimensions(body.dimensions, card.dim if card is not None else None)
+    texts = prepare(body.input, gateway.tokenizer, gateway.settings)
+    vectors = await gateway.embedder.embed(texts, wire_options(None, body.dimensions))
+    card = await gateway.require_card()  # a worker answered: it has published its card
+    vectors = unit_vectors(vectors, card.normalize)
+    tokens = gateway.tokenizer.usage(texts, card.max_length)
+    return embeddings_response(gateway.served_name, vectors, body.encoding_format, tokens)
 
 
 def embeddings_response(
@@ -58,21 +60,27 @@ def embeddings_response(
 
 @router.get("/v1/models")
 async def list_models(gateway: GatewayDep) -> dict[str, object]:
-    return {"object": "list", "data": [model_card(gateway)]}
+    return {"object": "list", "data": [await model_entry(gateway)]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, gateway: GatewayDep) -> dict[str, object]:
+    await gateway.model_card()  # the name to check against is the card's, once published
     gateway.check_model(model_id)
-    return model_card(gateway)
+    return await model_entry(gateway)
 
 
-def model_card(gateway: Gateway) -> dict[str, object]:
-    return {
+async def model_entry(gateway: Gateway) -> dict[str, object]:
+    """The served model. Before any worker published the model card, from the settings alone:
+    the served name, without ``dimensions`` and ``max_input_tokens`` (nothing here knows them
+    before a worker loaded the model), so a scaled-to-zero fleet still lists its model."""
+    card = await gateway.model_card()
+    entry: dict[str, object] = {
         "id": gateway.served_name,
         "object": "model",
         "created": gateway.started_at,
         "owned_by": "embedfleet",
-        "dimensions": gateway.model.dim,
-        "max_input_tokens": gateway.model.max_length,
     }
+    if card is not None:
+        entry.update(dimensions=card.dim, max_input_tokens=card.max_length)
+    return entry

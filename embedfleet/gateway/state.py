@@ -1,8 +1,25 @@
-"""What every route shares: settings, the model's files and tokenizer, Redis, the embedder."""
+"""What every route shares: settings, the model card the workers publish, the tokenizer, Redis,
+the embedder.
+
+The model's facts (dimension, maximum length, normalisation, prompts) come from the card the
+workers publish at start (shared/modelcard.py), never from the model's files: only a worker that
+loaded the model knows them (a Dense head, concatenated pooling). The gateway enqueues without a
+card (scale from zero: the request wakes the first worker), so the options it sends never need
+one (``wire_options``); a route that must *describe* the model waits for a card as follows:
+
+- ``/v1/models`` answers from the settings alone before any worker published (the served name,
+  without ``dimensions`` and ``max_input_tokens``);
+- ``/info`` answers 503 ``no_model_card`` with Retry-After (TEI's clients read limits from it
+  and must not get made-up ones);
+- an embedding request checks what it can against the card when one is known, and otherwise
+  lets the worker refuse an option it cannot honour (an error reply per chunk: 400); the card
+  is read again once the vectors are back (a worker answered, so it has published).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Annotated
 
 import redis.asyncio as aioredis
@@ -14,14 +31,24 @@ from embedfleet.gateway.errors import APIError
 from embedfleet.gateway.metrics import GatewayMetrics
 from embedfleet.producer.client import EmbeddingOptions, Producer
 from embedfleet.producer.tokens import ModelTokenizer
-from embedfleet.shared.modeldir import ModelFiles
+from embedfleet.shared.modelcard import (
+    PACKAGED_ALIASES,
+    ModelCard,
+    ModelCardError,
+    read_card,
+    served_name,
+)
+from embedfleet.shared.protocol import FULL_DIMENSIONS
 from embedfleet.shared.settings import Settings
+
+# How long a card read from Redis is trusted: a restarted fleet may serve a new revision of the
+# model (same namespace, new card), and a re-read is one HGETALL.
+CARD_MAX_AGE_S = 5.0
 
 
 @dataclass
 class Gateway:
     settings: Settings
-    model: ModelFiles
     tokenizer: ModelTokenizer
     client: aioredis.Redis
     producer: Producer
@@ -30,14 +57,64 @@ class Gateway:
     keys: KeyChecker
     metrics: GatewayMetrics
     started_at: int
+    _card: ModelCard | None = field(default=None, repr=False)
+    _card_read_at: float = field(default=-CARD_MAX_AGE_S, repr=False)
+
+    @property
+    def known_card(self) -> ModelCard | None:
+        """The card as last read (None before any worker published one); sync, for code that
+        cannot await. ``model_card()`` refreshes it."""
+        return self._card
+
+    async def model_card(self) -> ModelCard | None:
+        """The workers' model card, re-read at most every CARD_MAX_AGE_S (at every call while
+        there is none: one HGETALL); None while no worker ever started in this namespace."""
+        now = time.monotonic()
+        if self._card is None or now - self._card_read_at >= CARD_MAX_AGE_S:
+            try:
+                card = await read_card(self.client, self.settings.keys)
+            except ModelCardError as error:  # the message says what to do
+                raise APIError(
+                    503, str(error), type="server_error", code="model_card_unreadable"
+                ) from None
+            self._card_read_at = now
+            if card is not None:
+                self._card = card
+        return self._card
+
+    async def require_card(self) -> ModelCard:
+        """The card, or 503 ``no_model_card`` with Retry-After: no worker has started yet."""
+        card = await self.model_card()
+        if card is None:
+            raise APIError(
+                503,
+                "no worker has published the model's facts yet (dimension, maximum length); "
+                "they come with the first worker to start: retry after the Retry-After seconds. "
+                f"Check: redis-cli HGETALL {self.settings.keys.model}",
+                type="server_error",
+                code="no_model_card",
+                headers={"Retry-After": str(self.settings.gateway_retry_after_s)},
+            )
+        return card
+
+    @property
+    def model_name(self) -> str:
+        """The name the workers give the model (their card's), or, before any published, the
+        same rule applied to EMBEDFLEET_MODEL."""
+        card = self._card
+        return card.name if card is not None else served_name(self.settings.model)
 
     @property
     def served_name(self) -> str:
-        return self.settings.served_model_name or self.model.name
+        """The name this gateway answers to: EMBEDFLEET_SERVED_MODEL_NAME, else the model's."""
+        return self.settings.served_model_name or self.model_name
 
     def check_model(self, requested: str | None, param: str = "model") -> None:
         """An unknown model name is an error (404 model_not_found, as OpenAI answers)."""
-        accepted = {self.served_name, self.model.name, f"sentence-transformers/{self.model.name}"}
+        name = self.model_name
+        accepted = {self.served_name, name, f"sentence-transformers/{name}"}
+        if name in PACKAGED_ALIASES:
+            accepted.update(PACKAGED_ALIASES)
         if requested not in accepted:
             raise APIError(
                 404,
@@ -47,22 +124,6 @@ class Gateway:
                 code="model_not_found",
             )
 
-    def prompt_text(self, prompt_name: str | None) -> str:
-        """The prompt sentence-transformers would prepend (the model's config_sentence_transformers
-        ``prompts``); the default prompt when none is named."""
-        name = prompt_name or self.model.default_prompt_name
-        if name is None:
-            return ""
-        if name not in self.model.prompts:
-            known = ", ".join(sorted(self.model.prompts)) or "none"
-            raise APIError(
-                422,
-                f"unknown prompt_name {name!r}; the model's prompts: {known}",
-                param="prompt_name",
-                code="invalid_prompt",
-            )
-        return self.model.prompts[name]
-
 
 def gateway_of(request: Request) -> Gateway:
     return request.app.state.gateway
@@ -71,11 +132,16 @@ def gateway_of(request: Request) -> Gateway:
 GatewayDep = Annotated[Gateway, Depends(gateway_of)]
 
 
-def wire_options(gateway: Gateway, prompt: str, dimensions: int | None) -> EmbeddingOptions:
+def wire_options(prompt_name: str | None, dimensions: int | None) -> EmbeddingOptions:
     """What every chunk the gateway sends asks of the worker, explicitly, so the fleet's own
     defaults (EMBEDFLEET_DIMENSIONS, EMBEDFLEET_OUTPUT_DTYPE, each lane's default prompt) never
-    change an HTTP answer: this prompt ("" for none), these dimensions (the model's when not
-    asked), fp16 on the wire (the gateway answers in floats)."""
+    change an HTTP answer, and without the model card (the gateway may enqueue before any worker
+    published one): the named prompt, which the worker resolves (an unknown name comes back as
+    that chunk's error), else none; these dimensions, else the model's whole vector
+    (FULL_DIMENSIONS); fp16 on the wire (the gateway answers in floats)."""
     return EmbeddingOptions(
-        prompt=prompt, dimensions=dimensions or gateway.model.dim, dtype="float16"
+        prompt_name=prompt_name,
+        prompt=None if prompt_name else "",
+        dimensions=dimensions or FULL_DIMENSIONS,
+        dtype="float16",
     )

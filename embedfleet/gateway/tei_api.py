@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 from fastapi import APIRouter
 from fastapi.responses import Response
 from pydantic import BaseModel
@@ -21,18 +20,12 @@ from embedfleet.gateway.inputs import (
     check_dimensions,
     check_limits,
     fit_to_model,
-    shape_vectors,
+    unit_vectors,
 )
-from embedfleet.gateway.state import Gateway, GatewayDep, wire_options
-from embedfleet.shared.modeldir import ModelFiles
+from embedfleet.gateway.state import GatewayDep, wire_options
+from embedfleet.shared.modelcard import ModelCard
 
 router = APIRouter()
-
-
-def served_model(gateway: Gateway) -> ModelFiles:
-    """The model facts these routes answer with (dimension, normalisation, maximum length,
-    prompts): one access, so the source can change in one place."""
-    return gateway.model
 
 
 class EmbedRequest(BaseModel):
@@ -58,18 +51,11 @@ class DecodeRequest(BaseModel):
 @router.post("/embed")
 @router.post("/")
 async def embed(body: EmbedRequest, gateway: GatewayDep) -> list[list[float]]:
-    model = served_model(gateway)
-    check_dimensions(body.dimensions, model.dim)
+    """TEI's embed. ``prompt_name`` absent means no prompt, as in TEI (sentence-transformers'
+    ``default_prompt_name`` is what its ``encode`` applies, not what TEI's request means)."""
+    card = await gateway.model_card()  # None before any worker started: checked afterwards
+    check_dimensions(body.dimensions, card.dim if card is not None else None)
     normalize = True if body.normalize is None else body.normalize
-    if model.normalize and not normalize:
-        raise APIError(
-            422,
-            "normalize=false is not available for this model: its pipeline ends in a Normalize "
-            "module and the workers return its normalised output. Leave normalize at true.",
-            param="normalize",
-            code="normalize_not_available",
-        )
-    prompt = gateway.prompt_text(body.prompt_name)
     texts = as_texts(
         body.inputs,
         gateway.tokenizer,
@@ -77,38 +63,66 @@ async def embed(body: EmbedRequest, gateway: GatewayDep) -> list[list[float]]:
         accept_token_ids=gateway.settings.gateway_accept_token_ids,
     )
     check_limits(texts, gateway.settings, "inputs")
+    prompt = ""
+    if card is not None:
+        prompt = _check_against_card(card, body, normalize)
     texts = fit_to_model(
         texts,
         gateway.tokenizer,
         prompt,
+        card.max_length if card is not None else None,
         truncate=bool(body.truncate),
         direction=body.truncation_direction,
     )
-    # the prompt travels as an option: models that pool without it (include_prompt=false) need
-    # to know where it ends
-    options = wire_options(gateway, prompt, body.dimensions)
-    vectors = await gateway.embedder.embed(texts, options)
-    if normalize and not model.normalize:
-        vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
-    vectors = shape_vectors(vectors, body.dimensions, normalize)
-    return vectors.tolist()
+    # the prompt travels by name: the worker owns the model's prompts and knows where one ends
+    # (models that pool without it, include_prompt=false)
+    vectors = await gateway.embedder.embed(texts, wire_options(body.prompt_name, body.dimensions))
+    if card is None:
+        # a worker answered, so its card is published: what could not be checked before is now
+        # (the vectors are thrown away for a request it refuses)
+        card = await gateway.require_card()
+        _check_against_card(card, body, normalize)
+    return unit_vectors(vectors, normalize).tolist()
+
+
+def _check_against_card(card: ModelCard, body: EmbedRequest, normalize: bool) -> str:
+    """What TEI refuses that only the model card can tell (``dimensions`` over the model's, a
+    prompt name the model lacks, ``normalize=false`` for a normalising model); the prompt's
+    text."""
+    check_dimensions(body.dimensions, card.dim)
+    if card.normalize and not normalize:
+        raise APIError(
+            422,
+            "normalize=false is not available for this model: its pipeline ends in a Normalize "
+            "module and the workers return its normalised output. Leave normalize at true.",
+            param="normalize",
+            code="normalize_not_available",
+        )
+    if body.prompt_name is None:
+        return ""
+    try:
+        return card.prompt_text(body.prompt_name)
+    except ValueError as error:
+        raise APIError(422, str(error), param="prompt_name", code="invalid_prompt") from None
 
 
 @router.get("/info")
 async def info(gateway: GatewayDep) -> dict[str, object]:
-    """TEI's Info. The batching figures are the workers' (EMBEDFLEET_TOKEN_BUDGET and
-    EMBEDFLEET_MAX_BATCH, auto resolved for EMBEDFLEET_DEVICE, CPU's under auto)."""
+    """TEI's Info, from the workers' model card; 503 with Retry-After before any worker
+    published one (limits a client sizes its batches by must not be made up). The batching
+    figures are the workers' (EMBEDFLEET_TOKEN_BUDGET and EMBEDFLEET_MAX_BATCH, auto resolved
+    for EMBEDFLEET_DEVICE, CPU's under auto)."""
     settings = gateway.settings
-    model = served_model(gateway)
+    card = await gateway.require_card()
     batching = settings.batching("cuda" if settings.device == "cuda" else "cpu")
     return {
-        "model_id": model.name,
+        "model_id": card.name,
         "model_sha": None,
         "model_dtype": "float16",  # on the wire, results are fp16
         "served_model_name": gateway.served_name,
-        "model_type": {"embedding": {"pooling": "model"}},
+        "model_type": {"embedding": {"pooling": "+".join(card.pooling)}},
         "max_concurrent_requests": settings.gateway_lane_high_water,
-        "max_input_length": model.max_length,
+        "max_input_length": card.max_length,
         "max_batch_tokens": batching.token_budget,
         "max_batch_requests": batching.max_batch,
         "max_client_batch_size": settings.gateway_max_inputs,
@@ -117,7 +131,7 @@ async def info(gateway: GatewayDep) -> dict[str, object]:
         "version": _version(),
         "sha": None,
         "docker_label": None,
-        "prompts": model.prompts or None,
+        "prompts": card.prompts or None,
     }
 
 
@@ -139,7 +153,13 @@ async def tokenize(body: TokenizeRequest, gateway: GatewayDep) -> list[list[dict
     if not inputs:
         raise APIError(400, "`inputs` cannot be empty", param="inputs", code="empty_input")
     check_limits(inputs, gateway.settings, "inputs")
-    prompt = gateway.prompt_text(body.prompt_name) if body.prompt_name else ""
+    prompt = ""
+    if body.prompt_name:
+        card = await gateway.require_card()  # the prompts are the workers' to publish
+        try:
+            prompt = card.prompt_text(body.prompt_name)
+        except ValueError as error:
+            raise APIError(422, str(error), param="prompt_name", code="invalid_prompt") from None
     texts = [prompt + text for text in inputs]
     encodings = gateway.tokenizer.tokenizer.encode_batch(
         texts, add_special_tokens=body.add_special_tokens

@@ -1,0 +1,177 @@
+"""The model facts the workers publish: the one source the gateway and the client read.
+
+A worker knows what it serves only once it has loaded the model (a Dense head changes the
+output dimension, concatenated pooling multiplies it, a plain Hugging Face directory is not
+normalised): it writes a :class:`ModelCard` to ``Keys.model`` at start (:func:`publish_card`),
+and the gateway and ``Producer`` read it from there (:func:`read_card`); nobody re-derives these
+facts from the model's files. The two rules a caller must apply before any worker ran (the name
+the fleet serves, the longest input) are here too, so the worker and everyone else use the same.
+
+On Redis the card is a plain hash, readable with ``redis-cli HGETALL {ns}:model``: numbers and
+names as strings, ``prompts`` and ``pooling`` as JSON. A card is fleet-wide (one per namespace:
+a namespace serves one model); the last worker to start writes it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from embedfleet.shared.keys import Keys
+from embedfleet.shared.protocol import FULL_DIMENSIONS, Chunk
+from embedfleet.shared.settings import PACKAGED_MODEL
+
+# The card's layout version (the ``version`` field); a reader refuses a newer one it cannot read.
+CARD_VERSION = 1
+# Names under which the packaged model is also asked for (the Hub id people know it by)
+PACKAGED_ALIASES = (PACKAGED_MODEL, f"sentence-transformers/{PACKAGED_MODEL}")
+# Where neither the tokenizer nor the model declares a length (sentence-transformers' fallback)
+FALLBACK_MAX_LENGTH = 512
+
+
+class ModelCardError(ValueError):
+    """A card on Redis that cannot be read; the message says which field and what to do."""
+
+
+def served_name(model: str) -> str:
+    """The name results carry and the gateway serves by default, from ``EMBEDFLEET_MODEL``: the
+    packaged model's name, else the model directory's folder name."""
+    if model in PACKAGED_ALIASES:
+        return PACKAGED_MODEL
+    return Path(model).expanduser().name
+
+
+def max_input_tokens(
+    declared: int | None, tokenizer_max: int | None, position_limit: int | None
+) -> int:
+    """The longest input in tokens, as sentence-transformers decides it: the directory's
+    ``max_seq_length`` when declared, else the tokenizer's ``model_max_length`` capped at the
+    model's ``max_position_embeddings``."""
+    if declared is not None and declared > 0:
+        return declared
+    return min(tokenizer_max or FALLBACK_MAX_LENGTH, position_limit or FALLBACK_MAX_LENGTH)
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """What the workers of a namespace serve, as they computed it from the loaded model."""
+
+    name: str
+    """The served name: what results carry in ``model`` and the gateway answers to."""
+    dim: int
+    """Output dimension of a vector, after Dense heads and concatenated pooling."""
+    max_length: int
+    """Longest input in tokens (special and prompt tokens included); longer ones are cut."""
+    normalize: bool
+    """Whether vectors come out unit length (the pipeline ends in a Normalize module); a plain
+    Hugging Face directory is not normalised, as in sentence-transformers."""
+    prompts: dict[str, str] = field(default_factory=dict)
+    """The model's own prompts (``config_sentence_transformers.json``), name to text."""
+    default_prompt_name: str | None = None
+    """The prompt ``SentenceTransformer.encode`` applies when none is named."""
+    hidden_size: int = 0
+    """Width of the transformer's token embeddings (before pooling and Dense heads)."""
+    pooling: tuple[str, ...] = ("mean",)
+    """Pooling modes, concatenated in this order."""
+    include_prompt: bool = True
+    """Whether the prompt's tokens are pooled with the text's."""
+    architecture: str = ""
+    """``config.json``'s first architecture, e.g. ``BertModel``."""
+
+    def check(self, chunk: Chunk) -> None:
+        """Reject options this model cannot honour, before they reach a worker (ValueError)."""
+        if chunk.dimensions is not None and chunk.dimensions > self.dim:
+            raise ValueError(
+                f"chunk {chunk.id!r}: dimensions={chunk.dimensions} is more than the model "
+                f"{self.name!r} has ({self.dim}); use 1..{self.dim} (or {FULL_DIMENSIONS}: all)"
+            )
+        name = chunk.prompt_name
+        if chunk.prompt is None and name is not None:
+            self.prompt_text(name, where=f"chunk {chunk.id!r}: ")
+
+    def prompt_text(self, name: str, *, where: str = "") -> str:
+        """The text of the model's prompt ``name``; ValueError naming the known ones.
+
+        sentence-transformers declares ``query`` and ``document`` (empty) for every model, so
+        those names are always accepted, as the worker accepts them."""
+        table = {"query": "", "document": "", **self.prompts}
+        if name not in table:
+            known = ", ".join(sorted(table))
+            raise ValueError(
+                f"{where}prompt_name={name!r} is not one of the model's prompts ({known}); "
+                "pass a literal 'prompt' instead"
+            )
+        return table[name]
+
+    def to_fields(self) -> dict[str, str]:
+        """The hash fields :func:`publish_card` writes (strings, JSON for the structured ones)."""
+        return {
+            "version": str(CARD_VERSION),
+            "name": self.name,
+            "dim": str(self.dim),
+            "max_length": str(self.max_length),
+            "normalize": str(int(self.normalize)),
+            "prompts": json.dumps(self.prompts, sort_keys=True),
+            "default_prompt_name": self.default_prompt_name or "",
+            "hidden_size": str(self.hidden_size),
+            "pooling": json.dumps(list(self.pooling)),
+            "include_prompt": str(int(self.include_prompt)),
+            "architecture": self.architecture,
+        }
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[Any, Any]) -> ModelCard:
+        """A card from its hash (bytes or str keys and values, as redis-py returns them)."""
+        values = {_text(key): _text(value) for key, value in fields.items()}
+        try:
+            version = int(values.get("version", "1"))
+            if version > CARD_VERSION:
+                raise ModelCardError(
+                    f"the model card was written by a newer worker (layout {version}, this "
+                    f"reads {CARD_VERSION}); upgrade embedfleet here to the workers' version"
+                )
+            prompts = json.loads(values.get("prompts") or "{}")
+            return cls(
+                name=values["name"],
+                dim=int(values["dim"]),
+                max_length=int(values["max_length"]),
+                normalize=values["normalize"] == "1",
+                prompts={str(k): str(v) for k, v in prompts.items()},
+                default_prompt_name=values.get("default_prompt_name") or None,
+                hidden_size=int(values.get("hidden_size") or 0),
+                pooling=tuple(json.loads(values.get("pooling") or '["mean"]')),
+                include_prompt=values.get("include_prompt", "1") == "1",
+                architecture=values.get("architecture", ""),
+            )
+        except (KeyError, ValueError, TypeError, AttributeError) as error:
+            if isinstance(error, ModelCardError):
+                raise
+            raise ModelCardError(
+                f"the model card on Redis is unreadable ({type(error).__name__}: {error}); "
+                "restart a worker to publish it again"
+            ) from None
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+async def publish_card(client: aioredis.Redis, keys: Keys, card: ModelCard) -> None:
+    """Write ``card`` to ``Keys.model``, replacing any older one whole (a field an older
+    worker wrote and this card lacks must not survive)."""
+    pipe = client.pipeline(transaction=True)  # one key: any slot, atomic on a cluster too
+    pipe.delete(keys.model)
+    pipe.hset(keys.model, mapping=card.to_fields())
+    await pipe.execute()
+
+
+async def read_card(client: aioredis.Redis, keys: Keys) -> ModelCard | None:
+    """The card the workers published, or None while no worker ever started in this
+    namespace. ModelCardError for one that cannot be read."""
+    fields = await client.hgetall(keys.model)
+    return ModelCard.from_fields(fields) if fields else None
