@@ -7,26 +7,14 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install demo test test-quick lint bench bench-peers gpu-carry gpu-rehearsal wheelhouse image-tools base-image image image-gateway image-cuda
 
-# The editable install is setuptools' strict mode: a tree of links under build/ that IDEs and
-# type checkers follow (embedfleet.shared -> shared/), instead of an import hook they cannot see.
-# A link tree knows the files of its install, so a module file added since is linked anew (the
-# .linked stamp); tests/conftest.py stops with this hint if one is missing.
-EDITABLE := --config-settings editable_mode=strict
-PACKAGE_SOURCES := $(wildcard embedfleet/*.py embedfleet/*/*.py shared/*.py shared/*/*.py \
-  producer/*.py workers/*.py workers/*/*.py embedfleet/py.typed)
-
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	# torch first, from the CPU wheel the constraints file pins (pyproject keeps a range for GPUs)
 	$(PIP) install -q -c constraints.txt torch
-	$(PIP) install -q -c constraints.txt -e '.[dev]' $(EDITABLE)
+	$(PIP) install -q -c constraints.txt -e '.[dev]'
 	touch $@
 
-$(VENV)/.linked: $(VENV)/.installed $(PACKAGE_SOURCES)
-	$(PIP) install -q --no-deps -e . $(EDITABLE)
-	touch $@
-
-install: $(VENV)/.linked
+install: $(VENV)/.installed
 
 demo: install
 	$(VENV)/bin/embedfleet demo

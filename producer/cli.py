@@ -14,7 +14,13 @@ import numpy as np
 from embedfleet.producer.client import Producer, QueryTimeoutError
 from embedfleet.producer.export import SUPPORTED_SUFFIXES, ExportRow, write_export
 from embedfleet.producer.jsonl import BadLine, read_chunks
-from embedfleet.producer.waiting import client_for, redis_url_option, run_client, verb_settings
+from embedfleet.producer.waiting import (
+    client_for,
+    json_report_option,
+    redis_url_option,
+    run_client,
+    verb_settings,
+)
 from embedfleet.shared.exit_codes import ExitCode
 from embedfleet.shared.jobs import JobProgress
 from embedfleet.shared.logging import configure_logging
@@ -55,6 +61,7 @@ def _settings(redis_url: str | None) -> Settings:
 )
 @click.option("--wait", is_flag=True, help="Wait until every chunk is embedded or dead-lettered.")
 @click.option("--timeout", type=float, default=None, help="With --wait: give up after N seconds.")
+@json_report_option("the job, the chunks enqueued and, with --wait, how they ended,")
 @redis_url_option
 def enqueue_command(
     sources: tuple[str, ...],
@@ -63,6 +70,7 @@ def enqueue_command(
     overlap: int | None,
     wait: bool,
     timeout: float | None,
+    as_json: bool,
     redis_url: str | None,
 ) -> None:
     """Enqueue chunks from SOURCE, a JSON Lines file or - for stdin (or documents, see
@@ -85,7 +93,10 @@ def enqueue_command(
     dead: list[int] = []  # the dead-lettered count, once --wait has seen the job finish
     if documents:
         count = run_client(_enqueue_documents(settings, sources, job, overlap, wait, timeout, dead))
-        click.echo(f"enqueued {count} chunks of {len(sources)} sources as job {job!r}")
+        if as_json:
+            _report_enqueue(job, count, [], dead)
+        else:
+            click.echo(f"enqueued {count} chunks of {len(sources)} sources as job {job!r}")
         if any(dead):
             sys.exit(ExitCode.DEAD_LETTERS)
         return
@@ -94,7 +105,10 @@ def enqueue_command(
     rejected: list[BadLine] = []
     with click.open_file(sources[0], encoding="utf-8") as source:
         count = run_client(_enqueue(settings, source, job, wait, timeout, rejected, dead))
-    click.echo(f"enqueued {count} chunks as job {job!r}")
+    if as_json:
+        _report_enqueue(job, count, rejected, dead)
+    else:
+        click.echo(f"enqueued {count} chunks as job {job!r}")
     for bad in rejected[:20]:
         click.echo(f"line {bad.line_number}: {bad.reason}", err=True)
     if rejected:
@@ -103,6 +117,17 @@ def enqueue_command(
         sys.exit(ExitCode.DEAD_LETTERS)
     if rejected:
         sys.exit(ExitCode.REJECTED_LINES)
+
+
+def _report_enqueue(job: str, count: int, rejected: list[BadLine], dead: list[int]) -> None:
+    report: dict[str, object] = {
+        "job": job,
+        "enqueued": count,
+        "rejected_lines": [{"line": bad.line_number, "reason": bad.reason} for bad in rejected],
+    }
+    if dead:  # --wait saw the job end
+        report["dead_lettered"] = dead[0]
+    click.echo(json.dumps(report))
 
 
 async def _enqueue(
@@ -183,8 +208,9 @@ async def _wait_with_bar(
     type=click.Path(dir_okay=False, path_type=Path),
     help="Output file: .npz (arrays ids, vectors fp16) or .jsonl ({id, vector}).",
 )
+@json_report_option("what was written, and from where,")
 @redis_url_option
-def results_command(job: str | None, out: Path, redis_url: str | None) -> None:
+def results_command(job: str | None, out: Path, as_json: bool, redis_url: str | None) -> None:
     """Export vectors, one per id, from wherever the workers write them (EMBEDFLEET_SINK).
 
     The Redis sink: read from the results stream, the latest result per id winning. A vector
@@ -206,7 +232,10 @@ def results_command(job: str | None, out: Path, redis_url: str | None) -> None:
     except (SinkURLError, VectorDBError, MissingExtraError) as error:
         raise click.ClickException(str(error)) from None
     count = write_export(rows, out)
-    click.echo(f"wrote {count} vectors from {where} to {out}")
+    if as_json:
+        click.echo(json.dumps({"vectors": count, "source": where, "out": str(out)}))
+    else:
+        click.echo(f"wrote {count} vectors from {where} to {out}")
 
 
 async def _collect(settings: Settings, job: str | None) -> dict[str, Result]:

@@ -26,6 +26,7 @@ import redis.asyncio as aioredis
 
 from embedfleet.producer.waiting import (
     StderrNotice,
+    json_report_option,
     redis_url_option,
     run_client,
     verb_settings,
@@ -328,9 +329,10 @@ def show_command(dead_id: str, redis_url: str | None) -> None:
 @reason_option
 @job_option
 @click.option("--dry-run", is_flag=True, help="Only say what would be replayed.")
+@json_report_option("the letters replayed and skipped")
 @redis_url_option
 def replay_command(
-    reason: str | None, job: str | None, dry_run: bool, redis_url: str | None
+    reason: str | None, job: str | None, dry_run: bool, as_json: bool, redis_url: str | None
 ) -> None:
     """Send matching dead letters again: same payload, id and job, to the ingest stream.
 
@@ -342,6 +344,13 @@ def replay_command(
         return await store.replay(_filters(reason, job), dry_run=dry_run)
 
     report = _with_store(redis_url, work)
+    if as_json:
+        replayed = [{"dead_id": x.dead_id, "id": x.chunk_id, "job": x.job} for x in report.replayed]
+        skipped = [
+            {"dead_id": x.dead_id, "id": x.chunk_id, "why": why} for x, why in report.skipped
+        ]
+        click.echo(json.dumps({"dry_run": dry_run, "replayed": replayed, "skipped": skipped}))
+        return
     verb = "would replay" if dry_run else "replayed"
     for letter in report.replayed:
         click.echo(f"{verb} {letter.dead_id}  id={letter.chunk_id or '-'}  job={letter.job or '-'}")
@@ -354,8 +363,11 @@ def replay_command(
 @reason_option
 @job_option
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@json_report_option("how many letters were deleted")
 @redis_url_option
-def purge_command(reason: str | None, job: str | None, yes: bool, redis_url: str | None) -> None:
+def purge_command(
+    reason: str | None, job: str | None, yes: bool, as_json: bool, redis_url: str | None
+) -> None:
     """Delete matching dead letters for good (all of them without filters)."""
     if not yes:
         scope = " and ".join(
@@ -366,4 +378,5 @@ def purge_command(reason: str | None, job: str | None, yes: bool, redis_url: str
     async def work(store: DeadLetterStore) -> int:
         return await store.purge(_filters(reason, job))
 
-    click.echo(f"purged {_with_store(redis_url, work)} dead letters")
+    purged = _with_store(redis_url, work)
+    click.echo(json.dumps({"purged": purged}) if as_json else f"purged {purged} dead letters")

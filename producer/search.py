@@ -14,7 +14,7 @@ import click
 import numpy as np
 
 from embedfleet.producer.client import EmbeddingOptions
-from embedfleet.producer.waiting import client_for, run_client
+from embedfleet.producer.waiting import client_for, json_report_option, run_client
 from embedfleet.shared.protocol import QueryFailedError
 from embedfleet.shared.retry import RedisUnavailableError
 from embedfleet.shared.settings import Settings, SettingsError, load_settings
@@ -95,7 +95,13 @@ def format_hits(hits: list[Hit], *, as_json: bool = False) -> list[str]:
 
 @click.command("search")
 @click.argument("text")
-@click.option("--k", type=click.IntRange(1, 1000), default=10, show_default=True)
+@click.option(
+    "--k",
+    type=click.IntRange(1, 1000),
+    default=10,
+    show_default=True,
+    help="How many nearest chunks to print.",
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.option(
     "--timeout",
@@ -133,7 +139,8 @@ def search_command(text: str, k: int, as_json: bool, timeout: float) -> None:
 @click.option(
     "--force", is_flag=True, help="LanceDB: build the vector index even on a small table."
 )
-def index_command(force: bool) -> None:
+@json_report_option("the steps done")
+def index_command(force: bool, as_json: bool) -> None:
     """Build the vector index of EMBEDFLEET_SINK's table once a bulk load has finished.
 
     Workers only upsert; indexing every micro-batch would slow a bulk load many times over.
@@ -146,5 +153,8 @@ def index_command(force: bool) -> None:
             done = backend.build_index(force=force)
     except (VectorDBError, MissingExtraError) as error:
         raise click.ClickException(str(error)) from None
+    if as_json:
+        click.echo(json.dumps({"table": target.describe(), "done": list(done)}))
+        return
     for line in done:
         click.echo(line)

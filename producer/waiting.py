@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import click
@@ -22,11 +22,17 @@ from embedfleet.shared.retry import RedisUnavailableError, describe
 from embedfleet.shared.settings import Settings, SettingsError, load_settings
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 redis_url_option = click.option(
     "--redis-url", envvar="EMBEDFLEET_REDIS_URL", help="Redis URL (or EMBEDFLEET_REDIS_URL)."
 )
+
+
+def json_report_option(what: str) -> Callable[[F], F]:
+    """``--json``: the verb's report as one JSON object on stdout, for scripts."""
+    return click.option("--json", "as_json", is_flag=True, help=f"Print {what} as one JSON object.")
 
 
 def verb_settings(redis_url: str | None) -> Settings:

@@ -86,10 +86,18 @@ def test_enqueue_wait_then_export(
         assert result.returncode == ExitCode.OK, result.stderr
         oversized = json.dumps({"id": "huge", "text": "cats " * 1000})
         with_dead = embedfleet(
-            "enqueue", "-", "--job", "dead", "--wait", env=env, stdin=oversized + "\n"
+            "enqueue", "-", "--job", "dead", "--wait", "--json", env=env, stdin=oversized + "\n"
         )
         assert with_dead.returncode == ExitCode.DEAD_LETTERS == 3, with_dead.stderr
         assert "embedfleet dead list --job dead" in with_dead.stderr
+        assert json.loads(with_dead.stdout) == {
+            "job": "dead",
+            "enqueued": 1,
+            "rejected_lines": [],
+            "dead_lettered": 1,
+        }
+        purged = embedfleet("dead", "purge", "--job", "dead", "--yes", "--json", env=env)
+        assert json.loads(purged.stdout) == {"purged": 1}, purged.stderr
         misused = embedfleet("enqueue", "-", "--timeout", "5", env=env, stdin=lines[0] + "\n")
         assert misused.returncode == ExitCode.USAGE and "--timeout applies only with --wait" in (
             misused.stderr

@@ -42,11 +42,8 @@ def test_a_folder_does_not_load_as_a_top_level_package(folder: str) -> None:
     assert said.startswith(f"import embedfleet.{folder}, not {folder}")
 
 
-def test_the_editable_install_is_a_link_tree_into_the_checkout() -> None:
-    """What type checkers and IDEs follow: real files under the package's own name, which lead
-    back to the checkout's folders (setuptools' strict editable mode)."""
+def test_outside_the_checkout_the_install_gives_the_same_names() -> None:
     location = Path(_python("import embedfleet.shared.keys as m; print(m.__file__)", cwd=Path("/")))
-    assert location.parts[-3:] == ("embedfleet", "shared", "keys.py")
     assert location.resolve() == REPO / "shared" / "keys.py"
 
 
