@@ -170,7 +170,7 @@ class Settings(BaseSettings):
     layout: Literal["auto", "padded", "varlen"] = "auto"
     """How bulk batches are laid out for the forward pass. `auto`: `varlen` on CUDA (every text of a
     batch end to end in one row, attention per text: no padding computed), `padded` on CPU (sorted,
-    right-padded micro-batches; varlen measured 0.54x there). Forcing `varlen` on CPU runs the CUDA
+    right-padded micro-batches; varlen measured slower there). Forcing `varlen` on CPU runs the CUDA
     path's code, slowly; `padded` on CUDA is the fallback if a varlen kernel misbehaves
     (docs/BENCHMARKS.md)."""
     cuda_query_lane: Literal["graph", "stream", "off"] = "graph"

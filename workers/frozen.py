@@ -1,14 +1,13 @@
-"""A frozen TorchScript copy of the model for the query lane on CPU.
+"""A frozen TorchScript copy of the model on CPU, for the query lane and (by default) bulk.
 
 A query is one forward pass of a dozen tokens. On a CPU that pass costs little arithmetic and a
 lot of fixed work: eager PyTorch hands every weight to oneDNN afresh on each call, and runs
 each op through the Python module tree. ``torch.jit.freeze`` + ``optimize_for_inference``
-pre-packs the weights once and fuses the graph. Measured on the 2-core Sapphire Rapids VM
-(13-token query, docs/BENCHMARKS.md): 6.8 → 3.3 ms back to back, 10.7 → 7.8 ms when run
-between two layers of a bulk batch, which is what a query costs bulk throughput.
+pre-packs the weights once and fuses the graph (docs/BENCHMARKS.md has the measurements).
 
-Bulk batches stay eager: they need the per-layer hooks that let queries in (a traced graph
-has no Python hooks), and at thousands of tokens per batch the fixed costs do not show.
+Bulk batches run the frozen graph too unless ``EMBEDFLEET_FROZEN_BULK=false``. A traced graph
+has no Python hooks between layers, so queries get in between bulk batches, not inside one:
+the worker sizes bulk batches to the query slice instead (``EMBEDFLEET_SLICE_MS``).
 
 The copy is kept only if it matches the eager model on the precision probe texts (padded
 batches and single texts); a model that does not trace, or traces wrong, keeps the eager path.

@@ -1,8 +1,8 @@
 """Keep a long-running worker's resident memory flat.
 
-Batches of ever-changing shapes leave glibc's heaps full of freed-but-kept blocks: measured
-here, a worker's RSS grew 60% over 15,000 texts without trimming and 4% with ``malloc_trim``
-after every window (see docs/BENCHMARKS.md, memory). So the worker trims between windows, at
+Batches of ever-changing shapes leave glibc's heaps full of freed-but-kept blocks: a worker's
+RSS grows steadily without trimming and stays nearly flat with ``malloc_trim`` after every
+window (docs/BENCHMARKS.md, memory). So the worker trims between windows, at
 most every ``TRIM_INTERVAL_S``: on a CPU a window takes seconds and every window is trimmed as
 before; on a GPU windows take milliseconds, and a trim per window (a walk over every heap,
 holding the model thread) would cost more than the memory it returns.

@@ -24,9 +24,9 @@ start): torch's own flash varlen kernel (``torch.nn.attention.varlen``; CUDA, fp
 flash-attn's ``flash_attn_varlen_func`` where installed, SDPA on nested jagged tensors given
 their min/max lengths (fp32 on CUDA), and a plain loop over the texts (always there; the CPU's).
 
-Why not varlen on CPU: there attention runs text by text, 0.54x of padded in bf16 and 0.91x in
-fp32 (2-core Xeon, docs/BENCHMARKS.md); nested-tensor SDPA on CPU is a padded math fallback,
-~18x slower than the loop. ``EMBEDFLEET_LAYOUT=varlen`` still runs it there, which is how the
+Why not varlen on CPU: there attention runs text by text, slower than padded in both bf16 and
+fp32, and nested-tensor SDPA on CPU is a padded math fallback, slower still than the loop
+(docs/BENCHMARKS.md, layouts). ``EMBEDFLEET_LAYOUT=varlen`` still runs it there, which is how the
 tests run the CUDA code path on a CPU. The third layout measured, packed ``rows``, is a
 benchmark contender only (``loadtest/packed_rows.py`` says why).
 
@@ -90,7 +90,7 @@ def preferred_layout(device: torch.device, dtype: torch.dtype = torch.float32) -
 
     CUDA: ``varlen`` in every dtype (no padding computed; fp32 runs the nested-tensor kernel),
     ``padded`` on a transformers without the attention interface varlen needs. CPU: ``padded``
-    in every dtype: varlen measured 0.54x (bf16) and 0.91x (fp32), and the rows layout that
+    in every dtype: varlen measured slower there (docs/BENCHMARKS.md), and the rows layout that
     beat eager bf16 was never measured against the frozen bf16 bulk the worker runs now.
     """
     del dtype  # no dtype changes the choice today; callers say it so that one may
@@ -323,7 +323,7 @@ def choose_varlen_kernel(device: torch.device, dtype: torch.dtype) -> str:
             continue
         if name == "nested_sdpa" and device.type != "cuda":
             # On CPU nested-tensor SDPA runs a padded math fallback (masked_select, cat, bmm):
-            # measured ~18x slower than the loop over texts. Correct, so tests still cover it.
+            # measured far slower than the loop over texts. Correct, so tests still cover it.
             continue
         try:
             out = kernel(q, k, v, probe).float()

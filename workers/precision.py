@@ -41,10 +41,8 @@ Method = Literal["none", "weights", "autocast"]
 MIN_COSINE = 0.99
 MEAN_COSINE = 0.999
 
-# How bf16 runs on CPU. Measured per batch, interleaved, on the 2-core Sapphire Rapids box
-# (docs/BENCHMARKS.md): weights cast to bf16 264.6 texts/s, autocast 231.8 (0.87x: autocast
-# re-casts every weight on every call), fp32 121.7. Both hold parity: min cosine vs fp32
-# sentence-transformers 0.999928 (weights) / 0.999971 (autocast) on 300 corpus texts.
+# How bf16 runs on CPU: weights cast to bf16 once, not autocast (which re-casts every weight on
+# every call, and measured slower; both hold parity; docs/BENCHMARKS.md, precisions).
 CPU_BF16_METHOD: Method = "weights"
 
 DTYPES: dict[str, torch.dtype] = {

@@ -90,8 +90,8 @@ SLICE_MS_AUTO = {"cpu": 100.0, "cuda": 20.0}
 # per token, and measuring them would shrink the next batches further (a feedback loop).
 MIN_SLICED_TOKENS = 512
 # Batches are sized for this share of the slice target, not all of it: the per-token estimate
-# is an average, and on a 2-core CPU one layer of a batch measured 0.7-1.4x its prediction
-# (sequence-length mix, other threads taking a core). Sized at 100%, half the slices overran.
+# is an average, and one layer of a batch can take well over or under its prediction (the
+# sequence-length mix, other threads taking a core): sized at 100%, half the slices overran.
 SLICE_HEADROOM = 0.6
 
 
@@ -423,10 +423,9 @@ class Worker:
         """Entries → one window, made in one call on the tokenizer thread (``_open_window``);
         what it rejects is dead-lettered here, on the event loop, before the window goes on.
 
-        Decoding and validation run there too, not on the event loop: at ~4 µs an entry
-        (docs/BENCHMARKS.md, GPU check) a GPU's 100k texts/s would take 0.4 s of each second
-        of the loop, in ~33 ms stalls per 8,192-entry read that delay writes, acks and query
-        reads alike."""
+        Decoding and validation run there too, not on the event loop: at a GPU's rate they would
+        take a large share of each second of the loop, in stalls per read that delay writes, acks
+        and query reads alike (docs/BENCHMARKS.md, GPU check)."""
         window, rejected = await asyncio.get_running_loop().run_in_executor(
             self._tokenizer_thread, self._open_window, entries
         )
