@@ -16,7 +16,7 @@ from embedfleet.producer.dead_letter_admin import dead_group
 from embedfleet.producer.plan import plan_command
 from embedfleet.producer.search import index_command, search_command
 from embedfleet.producer.status import status_command
-from embedfleet.verbosity import verbose_option
+from embedfleet.shared.verbosity import verbose_option
 from embedfleet.workers.cli import worker_command
 
 

@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING
 
 import click
 
-from embedfleet.extras import require_worker_extra
 from embedfleet.producer.client import Producer
 from embedfleet.producer.documents import builtin_document_chunks
 from embedfleet.producer.export import write_export
 from embedfleet.producer.jsonl import BadLine, read_chunks
 from embedfleet.producer.search import format_hits
 from embedfleet.server import ServerProcess
+from embedfleet.shared.extras import require_worker_extra
 from embedfleet.shared.jobs import JobProgress
 from embedfleet.shared.logging import configure_logging, get_logger
 from embedfleet.shared.progress import Progress
@@ -39,7 +39,7 @@ from embedfleet.shared.vectordb import (
     open_backend,
     parse_sink_url,
 )
-from embedfleet.verbosity import verbose_option
+from embedfleet.shared.verbosity import verbose_option
 
 if TYPE_CHECKING:
     import numpy as np

@@ -62,7 +62,7 @@ def test_worker_runs_a_model_folder_without_the_model_package(
 
     import click
 
-    from embedfleet import extras
+    from embedfleet.shared import extras
     from embedfleet.shared.settings import PACKAGED_MODEL
 
     real_find_spec = importlib.util.find_spec

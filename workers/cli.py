@@ -6,10 +6,10 @@ import sys
 
 import click
 
-from embedfleet.extras import require_worker_extra
+from embedfleet.shared.extras import require_worker_extra
 from embedfleet.shared.fault_kinds import WorkerFault
 from embedfleet.shared.settings import SettingsError, load_settings
-from embedfleet.verbosity import verbose_option
+from embedfleet.shared.verbosity import verbose_option
 from embedfleet.workers.sinks import MissingExtraError, SinkSetupError, SinkURLError, check_sink
 
 

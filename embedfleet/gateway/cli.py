@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from embedfleet.extras import missing_modules
+from embedfleet.shared.extras import missing_modules
 from embedfleet.shared.logging import configure_logging
 from embedfleet.shared.settings import SettingsError, load_settings
 
