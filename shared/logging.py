@@ -15,6 +15,7 @@ One writer for everything that logs, so that log lines and a progress bar can sh
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from dataclasses import dataclass
 
@@ -59,6 +60,11 @@ class _Configured:
 _configured: _Configured | None = None
 
 
+def wants_colour() -> bool:
+    """Colour on stderr: a terminal, and NO_COLOR unset or empty."""
+    return sys.stderr.isatty() and not os.environ.get("NO_COLOR")
+
+
 def configure_logging(level: str = "info", fmt: str = "auto") -> None:
     """Configure structlog and the standard ``logging`` module once per process.
 
@@ -67,8 +73,9 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
     global _configured
     use_console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
     renderer: structlog.typing.Processor = (
-        # no colour codes in a file or a pipe: they would be bytes of noise there
-        structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        # no colour codes in a file or a pipe (they would be bytes of noise there), nor where
+        # the person asked for none (https://no-color.org: NO_COLOR set and not empty)
+        structlog.dev.ConsoleRenderer(colors=wants_colour())
         if use_console
         else structlog.processors.JSONRenderer()
     )

@@ -113,3 +113,15 @@ def test_progress_off_a_terminal_logs_once_per_interval(capsys) -> None:
             progress.update(5)
     lines = _json_lines(capsys.readouterr().err)
     assert [(line["event"], line["chunks"]) for line in lines] == [("enqueue: finished", 5000)]
+
+
+def test_no_color_turns_colours_off_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    from embedfleet.shared import logging as fleet_logging
+
+    monkeypatch.setattr(fleet_logging.sys.stderr, "isatty", lambda: True)
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    assert fleet_logging.wants_colour()
+    monkeypatch.setenv("NO_COLOR", "")  # empty: as if unset (no-color.org)
+    assert fleet_logging.wants_colour()
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert not fleet_logging.wants_colour()
