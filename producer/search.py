@@ -14,7 +14,12 @@ import click
 import numpy as np
 
 from embedfleet.producer.client import EmbeddingOptions
-from embedfleet.producer.waiting import client_for, json_report_option, run_client
+from embedfleet.producer.waiting import (
+    client_for,
+    json_report_option,
+    redis_url_option,
+    run_client,
+)
 from embedfleet.shared.protocol import QueryFailedError
 from embedfleet.shared.retry import RedisUnavailableError
 from embedfleet.shared.settings import Settings, SettingsError, load_settings
@@ -31,9 +36,9 @@ from embedfleet.shared.vectordb import (
 SNIPPET_CHARS = 72  # one line of a 120-column terminal, with the score, id and meta beside it
 
 
-def _target(verb: str) -> tuple[Settings, SinkTarget]:
+def _target(verb: str, redis_url: str | None = None) -> tuple[Settings, SinkTarget]:
     try:
-        settings = load_settings()
+        settings = load_settings(**({"redis_url": redis_url} if redis_url else {}))
         target = parse_sink_url(settings.sink, settings.sink_table)
     except (SettingsError, SinkURLError) as error:
         raise click.ClickException(str(error)) from None
@@ -110,7 +115,8 @@ def format_hits(hits: list[Hit], *, as_json: bool = False) -> list[str]:
     show_default=True,
     help="Seconds to wait for a worker to embed the query.",
 )
-def search_command(text: str, k: int, as_json: bool, timeout: float) -> None:
+@redis_url_option
+def search_command(text: str, k: int, as_json: bool, timeout: float, redis_url: str | None) -> None:
     """Print the K stored chunks nearest to TEXT: similarity, id, a snippet of the text, meta.
 
     With --json, one object per line with the full stored text (EMBEDFLEET_STORE_TEXT).
@@ -119,7 +125,7 @@ def search_command(text: str, k: int, as_json: bool, timeout: float) -> None:
     named by EMBEDFLEET_SINK (lancedb://, postgresql://, qdrant://) is searched. Needs a worker
     running on the same Redis (EMBEDFLEET_REDIS_URL).
     """
-    settings, target = _target("search")
+    settings, target = _target("search", redis_url)
     try:
         hits = run_client(search(settings, target, text, k, timeout))
     except TimeoutError as error:
