@@ -31,6 +31,7 @@ from embedfleet.producer.waiting import (
     run_client,
     verb_settings,
 )
+from embedfleet.shared import scripts
 from embedfleet.shared.dead_letters import DeadLetter, DeadReason
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import ProtocolError, decode_chunk
@@ -40,26 +41,7 @@ from embedfleet.shared.retry import RedisRetry
 PAGE = 500
 T = TypeVar("T")
 
-# KEYS: the dead stream, the stream to replay onto, the letter's replay marker, and the job's
-# counters when it has a job (every key in KEYS[], so the script stays in one slot on a
-# cluster); ARGV: the dead entry's id, the payload, the replaying command's token, the marker's
-# lifetime in seconds. The marker makes a replay whose reply was lost (a dropped connection, a
-# restarted server) safe to send again and exact to report: the same command, finding the
-# letter gone and its own token in the marker, gets back the id it wrote; another command
-# racing it finds the letter gone and replays nothing.
-REPLAY_SCRIPT = """
-if #redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1]) == 0 then
-  local marker = redis.call('GET', KEYS[3])
-  local mine = ARGV[3] .. ' '
-  if marker and string.sub(marker, 1, #mine) == mine then return string.sub(marker, #mine + 1) end
-  return false
-end
-local id = redis.call('XADD', KEYS[2], '*', 'm', ARGV[2])
-if KEYS[4] then redis.call('HINCRBY', KEYS[4], 'dead', -1) end
-redis.call('XDEL', KEYS[1], ARGV[1])
-redis.call('SET', KEYS[3], ARGV[3] .. ' ' .. id, 'EX', ARGV[4])
-return id
-"""
+REPLAY_SCRIPT = scripts.load("replay_dead_letter")  # shared/scripts/replay_dead_letter.lua
 REPLAY_MARKER_MIN_S = 3600
 
 

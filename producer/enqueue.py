@@ -28,25 +28,10 @@ from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 
+from embedfleet.shared import scripts
 from embedfleet.shared.protocol import PAYLOAD_FIELD
 
-# KEYS[1] ingest stream, KEYS[2] job counters (hash), KEYS[3] job id record (hash)
-# ARGV[1] seconds the id record lives after the job's latest enqueue (0: for ever),
-# then one (chunk id, payload digest, payload) triple per chunk.
-ENQUEUE_SCRIPT = """
-local added = 0
-for i = 2, #ARGV, 3 do
-  if redis.call('HGET', KEYS[3], ARGV[i]) ~= ARGV[i + 1] then
-    redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1])
-    redis.call('XADD', KEYS[1], '*', 'm', ARGV[i + 2])
-    added = added + 1
-  end
-end
-if added > 0 then redis.call('HINCRBY', KEYS[2], 'enqueued', added) end
-local ttl = tonumber(ARGV[1])
-if ttl > 0 then redis.call('EXPIRE', KEYS[3], ttl) end
-return added
-"""
+ENQUEUE_SCRIPT = scripts.load("enqueue")
 
 if PAYLOAD_FIELD != b"m":  # the script writes the field by name
     raise RuntimeError("ENQUEUE_SCRIPT must write the protocol's payload field")
@@ -68,10 +53,8 @@ def queue_enqueue(
 ) -> None:
     """Queue one script call on ``pipe`` for ``chunks`` (id, encoded payload) of one job.
 
-    Its reply in the pipeline's results is how many entries were really added. EVAL rather than
-    EVALSHA: the batch goes out in one round trip, and a restarted server (empty script cache)
-    needs no SCRIPT LOAD first; Redis compiles the script once and caches it by its digest.
-    """
+    Its reply in the pipeline's results is how many entries were really added
+    (``shared/scripts/enqueue.lua``)."""
     args: list[str | bytes | int] = [id_record_ttl_s]
     for chunk_id, payload in chunks:
         args += [chunk_id, payload_digest(payload), payload]
