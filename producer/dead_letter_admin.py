@@ -19,7 +19,7 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import click
 import redis.asyncio as aioredis
@@ -40,6 +40,7 @@ from embedfleet.shared.retry import RedisRetry
 
 PAGE = 500
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 
 REPLAY_SCRIPT = scripts.load("replay_dead_letter")  # shared/scripts/replay_dead_letter.lua
 REPLAY_MARKER_MIN_S = 3600
@@ -212,6 +213,11 @@ reason_option = click.option(
 job_option = click.option("--job", help="Only letters of this job.")
 
 
+def letter_filters(command: F) -> F:
+    """``--reason`` and ``--job``: which letters a verb acts on."""
+    return reason_option(job_option(command))
+
+
 def _filters(reason: str | None, job: str | None) -> Filters:
     return Filters(DeadReason(reason) if reason else None, job)
 
@@ -250,8 +256,7 @@ def dead_group() -> None:
 
 
 @dead_group.command("list")
-@reason_option
-@job_option
+@letter_filters
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @redis_url_option
 def list_command(reason: str | None, job: str | None, as_json: bool, redis_url: str | None) -> None:
@@ -308,8 +313,7 @@ def show_command(dead_id: str, redis_url: str | None) -> None:
 
 
 @dead_group.command("replay")
-@reason_option
-@job_option
+@letter_filters
 @click.option("--dry-run", is_flag=True, help="Only say what would be replayed.")
 @json_report_option("the letters replayed and skipped")
 @redis_url_option
@@ -342,8 +346,7 @@ def replay_command(
 
 
 @dead_group.command("purge")
-@reason_option
-@job_option
+@letter_filters
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @json_report_option("how many letters were deleted")
 @redis_url_option

@@ -100,13 +100,7 @@ def format_hits(hits: list[Hit], *, as_json: bool = False) -> list[str]:
 
 @click.command("search")
 @click.argument("text")
-@click.option(
-    "--k",
-    type=click.IntRange(1, 1000),
-    default=10,
-    show_default=True,
-    help="How many nearest chunks to print.",
-)
+@click.option("--k", default=10, type=click.IntRange(1, 1000), help="Chunks to print (default 10).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.option(
     "--timeout",

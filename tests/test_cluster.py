@@ -31,6 +31,7 @@ from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.redis_conn import TRANSIENT_FAULTS, connect_settings
 from embedfleet.shared.settings import Settings
 from embedfleet.shared.streams import find_group
+from embedfleet.workers.precision import cosines as row_cosines
 from loadtest.common import isolated_settings
 from loadtest.local_cluster import LocalCluster
 from tests.conftest import reference_model, worker_env
@@ -210,9 +211,7 @@ async def test_six_partitions_three_workers_every_id_once_with_parity(
 
     reference = reference_model().encode([c.text for c in chunks], batch_size=64)
     ours = np.stack([results[c.id].vector.astype(np.float32) for c in chunks])
-    cosines = (ours * reference).sum(1) / (
-        np.linalg.norm(ours, axis=1) * np.linalg.norm(reference, axis=1)
-    )
+    cosines = row_cosines(reference, ours)
     print(f"cluster parity over {len(chunks)} texts: min cosine {cosines.min():.6f}")
     assert cosines.min() >= 0.999
 

@@ -13,6 +13,7 @@ from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import Settings
+from embedfleet.workers.precision import cosines as row_cosines
 from tests.conftest import WorkerLauncher, reference_model
 
 LONG_TEXT = " ".join(f"word{i} and some filler text" for i in range(600))  # ~3,000 tokens
@@ -36,9 +37,7 @@ async def test_fleet_matches_sentence_transformers(
 
     reference = reference_model().encode([c.text for c in chunks], batch_size=32)
     ours = np.stack([results[c.id].vector.astype(np.float32) for c in chunks])
-    cosines = (ours * reference).sum(1) / (
-        np.linalg.norm(ours, axis=1) * np.linalg.norm(reference, axis=1)
-    )
+    cosines = row_cosines(reference, ours)
     print(f"parity over {len(chunks)} texts: min cosine {cosines.min():.6f}")
     assert cosines.min() >= 0.999
     assert results["long"].truncated and results["long"].meta == {"kind": "long"}
