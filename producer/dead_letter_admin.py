@@ -214,8 +214,8 @@ job_option = click.option("--job", help="Only letters of this job.")
 
 
 def letter_filters(command: F) -> F:
-    """``--reason`` and ``--job``: which letters a verb acts on."""
-    return reason_option(job_option(command))
+    """``--reason`` and ``--job``: which letters a verb acts on; ``--redis-url``."""
+    return reason_option(job_option(redis_url_option(command)))
 
 
 def _filters(reason: str | None, job: str | None) -> Filters:
@@ -258,7 +258,6 @@ def dead_group() -> None:
 @dead_group.command("list")
 @letter_filters
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
-@redis_url_option
 def list_command(reason: str | None, job: str | None, as_json: bool, redis_url: str | None) -> None:
     """Dead letters, oldest first: id in the dead stream, reason code, chunk id, job, detail."""
 
@@ -316,9 +315,8 @@ def show_command(dead_id: str, redis_url: str | None) -> None:
 @letter_filters
 @click.option("--dry-run", is_flag=True, help="Only say what would be replayed.")
 @json_report_option("the letters replayed and skipped")
-@redis_url_option
 def replay_command(
-    reason: str | None, job: str | None, dry_run: bool, as_json: bool, redis_url: str | None
+    reason: str | None, job: str | None, redis_url: str | None, dry_run: bool, as_json: bool
 ) -> None:
     """Send matching dead letters again: same payload, id and job, to the ingest stream.
 
@@ -347,11 +345,10 @@ def replay_command(
 
 @dead_group.command("purge")
 @letter_filters
-@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @json_report_option("how many letters were deleted")
-@redis_url_option
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 def purge_command(
-    reason: str | None, job: str | None, yes: bool, as_json: bool, redis_url: str | None
+    reason: str | None, job: str | None, redis_url: str | None, as_json: bool, yes: bool
 ) -> None:
     """Delete matching dead letters for good (all of them without filters)."""
     if not yes:
