@@ -308,7 +308,7 @@ class Worker:
         streams = (
             [query_stream]
             if self.settings.query_only
-            else [*self.consumer.ingest_streams, query_stream]
+            else [*self.consumer.ingest_streams, self.consumer.interactive_stream, query_stream]
         )
         log.info(
             "worker started",

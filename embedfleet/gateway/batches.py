@@ -5,10 +5,13 @@ EMBEDFLEET_FILES_DIR, so any gateway replica can serve any batch and a restart l
 ``BatchRunner`` of every replica moves active batches along under a lease (only one works on a
 batch at a time):
 
-    validating → in_progress   enqueue the input file's inputs in slices (cursor saved in the
-                               same MULTI as the XADDs: a restart resumes, never re-sends)
+    validating → in_progress   enqueue the input file's inputs in slices, through the client's
+                               one enqueue path (partitions, backpressure, job counters); the
+                               cursor is saved after each slice, and a slice sent again after
+                               a restart adds nothing (each input id of a job is added once)
     in_progress → finalizing   once the job's counters say every input is done or dead
-    finalizing → completed     output and error files written from the reply list
+    finalizing → completed     output and error files written from the reply lists (one per
+                               partition; the client's collector, producer/replies.py)
     cancelling → cancelled     enqueueing stops; what was sent is finished and written out
 """
 
@@ -23,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import redis.asyncio as aioredis
 from pydantic import ValidationError
 
 from embedfleet.gateway.errors import APIError
@@ -36,16 +38,10 @@ from embedfleet.gateway.inputs import (
 )
 from embedfleet.gateway.openai_api import EmbeddingRequest, embeddings_response
 from embedfleet.gateway.state import Gateway, wire_options
-from embedfleet.shared.keys import Keys
+from embedfleet.producer.client import Producer
+from embedfleet.producer.replies import Answers, ingest_reply_keys, read_answers
 from embedfleet.shared.logging import get_logger
-from embedfleet.shared.protocol import (
-    PAYLOAD_FIELD,
-    Chunk,
-    ProtocolError,
-    QueryFailedError,
-    decode_result,
-    encode_chunk,
-)
+from embedfleet.shared.protocol import Chunk
 
 log = get_logger("embedfleet.gateway.batches")
 
@@ -127,9 +123,10 @@ def new_batch(input_file_id: str, completion_window: str, metadata: dict | None)
 class BatchStore:
     """Batch records in Redis: the Batch object (JSON) plus the runner's cursor fields."""
 
-    def __init__(self, client: aioredis.Redis, keys: Keys) -> None:
-        self.client = client
-        self.keys = keys
+    def __init__(self, producer: Producer) -> None:
+        self.producer = producer  # job counters are the client's to read (summed over partitions)
+        self.client = producer.client
+        self.keys = producer.keys
 
     async def create(self, batch: dict, lines: int) -> None:
         batch["request_counts"]["total"] = lines
@@ -165,9 +162,8 @@ class BatchStore:
         fields = await self.fields(batch_id)
         batch = fields["object"]
         if batch["status"] in ACTIVE and fields["inputs"]:
-            counters = await self.client.hgetall(self.keys.job(batch_id))
-            done = int(counters.get(b"done", 0))
-            dead = int(counters.get(b"dead", 0))
+            progress = await self.producer.progress(batch_id)
+            done, dead = progress.done, progress.dead
             # exact when every line has one input (the usual batch); otherwise inputs are
             # scaled to lines until the output is written and the exact counts are known
             scale = fields["cursor"] / fields["inputs"]
@@ -253,8 +249,8 @@ class BatchRunner:
             await self._enqueue_slice(batch, fields)
             return
         if status in ("in_progress", "cancelling"):
-            counters = await self.client.hgetall(self.keys.job(batch_id))
-            finished = int(counters.get(b"done", 0)) + int(counters.get(b"dead", 0))
+            progress = await self.store.producer.progress(batch_id)
+            finished = progress.done + progress.dead
             if finished < fields["inputs"]:
                 return
             batch.update(status="finalizing", finalizing_at=now)
@@ -264,78 +260,60 @@ class BatchRunner:
             await self._finalize(batch, fields)
 
     async def _enqueue_slice(self, batch: dict, fields: dict[str, Any]) -> None:
-        """The next slice of input lines as chunks; XADDs, counters and cursor in one MULTI."""
+        """The next slice of input lines as chunks of the batch's job, through the client's
+        enqueue path; then the cursor. A slice sent again (a restart before the cursor was
+        saved) is added and counted once: its ids and payloads are the same."""
         settings = self.gateway.settings
-        if await self.client.xlen(self.keys.ingest) >= settings.backlog_high_water:
-            return  # backpressure: wait, as Producers do
+        producer = self.store.producer
+        if await producer.backlog() >= settings.backlog_high_water:
+            return  # backpressure: wait, as Producers do (without holding the runner)
         batch_id = batch["id"]
         cursor, offset, inputs = fields["cursor"], fields["offset"], fields["inputs"]
-        pipe = self.client.pipeline(transaction=True)
+        chunks: list[Chunk] = []
         sent_lines = 0
         for end_of_line, raw in self.files.lines(batch["input_file_id"], offset):
             offset = end_of_line
             line = parse_line(raw, self.gateway)  # validated at upload: cannot fail here
             options = wire_options(self.gateway, "", line.dimensions)
             for text in line.texts:
-                chunk = options.apply(
-                    Chunk(id=str(inputs), text=text, job=batch_id, reply=batch_id)
+                chunks.append(
+                    options.apply(Chunk(id=str(inputs), text=text, job=batch_id, reply=batch_id))
                 )
-                pipe.xadd(self.keys.ingest, {PAYLOAD_FIELD: encode_chunk(chunk)})
                 inputs += 1
             sent_lines += 1
             if sent_lines >= LINES_PER_SLICE:
                 break
-        pipe.hincrby(self.keys.job(batch_id), "enqueued", inputs - fields["inputs"])
-        pipe.sadd(self.keys.jobs_index, batch_id)
-        pipe.hset(
+        await producer.enqueue(chunks, job=batch_id)
+        await self.client.hset(
             self.keys.batch(batch_id),
             mapping={"cursor": cursor + sent_lines, "offset": offset, "inputs": inputs},
         )
-        await pipe.execute()
         self.wake.set()  # more to send: come back without waiting a tick
 
     async def _finalize(self, batch: dict, fields: dict[str, Any]) -> None:
         """Output and error files from the reply list; idempotent, so a restart redoes it."""
         batch_id = batch["id"]
         total_inputs = fields["inputs"]
-        vectors: np.ndarray | None = None
-        seen = np.zeros(total_inputs, dtype=bool)
-        failures: dict[int, str] = {}
         scratch = self.files.temp_path("vectors")
-        reply_key = self.keys.reply(batch_id)
-        start = 0
+        reply_keys = ingest_reply_keys(self.keys, batch_id)
+        answers = Answers(
+            total_inputs,
+            # on disk, not in memory: a batch can be large; a line that asked for fewer
+            # dimensions got that many from the worker and fills the start of its row
+            lambda count, width, dtype: np.lib.format.open_memmap(
+                scratch, mode="w+", dtype="<f2", shape=(count, self.gateway.model.dim)
+            ),
+        )
         try:
-            while True:
-                page = await self.client.lrange(reply_key, start, start + REPLY_PAGE - 1)
-                for payload in page:
-                    try:
-                        result = decode_result(payload)
-                    except QueryFailedError as error:
-                        with contextlib.suppress(TypeError, ValueError):
-                            failures[int(error.chunk_id)] = str(error.reason)
-                        continue
-                    except ProtocolError as error:
-                        log.warning("bad reply in a batch", batch=batch_id, error=str(error))
-                        continue
-                    if vectors is None:  # on disk, not in memory: a batch can be large
-                        vectors = np.lib.format.open_memmap(
-                            scratch,
-                            mode="w+",
-                            dtype="<f2",
-                            shape=(total_inputs, self.gateway.model.dim),
-                        )
-                    index = int(result.id)
-                    # a line that asked for fewer dimensions got that many from the worker
-                    vectors[index, : result.dim] = result.vector
-                    seen[index] = True
-                if len(page) < REPLY_PAGE:
-                    break
-                start += REPLY_PAGE
+            unreadable = await read_answers(self.client, reply_keys, answers, REPLY_PAGE)
+            if unreadable:
+                log.warning("bad replies in a batch", batch=batch_id, count=unreadable)
+            failures = {index: str(error.reason) for index, error in answers.failures.items()}
             counts, output, errors = await asyncio.to_thread(
-                self._write_files, batch, fields, vectors, seen, failures
+                self._write_files, batch, fields, answers.vectors, answers.succeeded, failures
             )
         finally:
-            del vectors
+            answers.vectors = None
             scratch.unlink(missing_ok=True)
         cancelled = bool(fields.get("cancel"))
         now = int(time.time())
@@ -349,7 +327,12 @@ class BatchRunner:
         pipe = self.client.pipeline(transaction=True)
         pipe.hset(self.keys.batch(batch_id), "object", json.dumps(batch))
         pipe.srem(self.keys.batches_active, batch_id)
-        pipe.delete(reply_key)
+        await pipe.execute()
+        # the reply lists are in their partitions' slots, not the batch records': apart (they
+        # expire by themselves should this not happen)
+        pipe = self.client.pipeline(transaction=False)
+        for reply_key in reply_keys:
+            pipe.delete(reply_key)
         await pipe.execute()
         log.info("batch finished", batch=batch_id, status=batch["status"], **counts)
 
