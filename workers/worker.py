@@ -9,7 +9,9 @@ the forward pass overlap while memory stays bounded:
              input (on the event loop)                                          → windows
     compute  launch each batch on the model thread (workers/bulk.py: padded or
              varlen; on CUDA batch i+1 is queued before batch i is collected);
-             on a CPU queries get in between transformer layers                 → encoded
+             on a CPU queries get in between transformer layers; before a batch,
+             the interactive stream's new entries (large requests someone waits
+             on) are read and encoded first                                     → encoded
     writer   fp16 results to the sink, XACK in the same round trip
 
 Beside them: the query lane (workers/queries.py) and the reclaimer (workers/reclaim.py).
@@ -30,6 +32,7 @@ splitting its batch and dead-lettered alone; a fault that is permanent for the w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import time
@@ -93,6 +96,10 @@ MIN_SLICED_TOKENS = 512
 # is an average, and on a 2-core CPU one layer of a batch measured 0.7-1.4x its prediction
 # (sequence-length mix, other threads taking a core). Sized at 100%, half the slices overran.
 SLICE_HEADROOM = 0.6
+# The compute stage looks for interactive entries before a bulk batch at most this often: a
+# request then waits about one batch, and a short-batch GPU pays one read per interval, not per
+# batch.
+URGENT_CHECK_S = 0.05
 
 
 @dataclass
@@ -248,6 +255,10 @@ class Worker:
         self._ahead: LaunchAhead[InFlightBatch] = LaunchAhead(ahead=False)
         # waits for copy backs off the event loop and off the model thread (CUDA only)
         self._collect_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="collect")
+        # when the compute stage next looks for interactive entries (_jump_the_queue)
+        self._next_urgent_check = 0.0
+        # windows of interactive entries the reader opened, for the compute stage to take first
+        self._urgent: asyncio.Queue[Window] = asyncio.Queue(maxsize=2)
         # EMBEDFLEET_READ_COUNT / TOKEN_BUDGET / MAX_BATCH, -1 resolved for this device
         self.batching = settings.batching(encoder.device.type)
 
@@ -406,14 +417,14 @@ class Worker:
                     entries = await self._next_entries()
                     if entries:
                         self.events.entries_read(stream=entries[0].stream, count=len(entries))
-                        await self._intake(entries, windows)
+                        await self._intake_by_lane(entries, windows)
                     ride.succeeded()
                 except Exception as error:
                     await ride.wait(transient_or_raise(error, System.REDIS))
             # partitions still blocked on when the drain began: what they bring is finished too
             leftover = await self.consumer.finish_waiting()
             if leftover:
-                await self._intake(leftover, windows)
+                await self._intake_by_lane(leftover, windows)
             drained = True
         finally:
             if not drained:
@@ -425,8 +436,25 @@ class Worker:
             return self._reclaimed.get_nowait()
         return await self.consumer.read_ingest(self.batching.read_count, self.settings.block_ms)
 
-    async def _intake(
+    async def _intake_by_lane(
         self, entries: list[StreamEntry], windows: asyncio.Queue[Window | None]
+    ) -> None:
+        """Interactive entries to the compute stage's urgent queue, the rest as a bulk window
+        (a read can bring both: blocking reads on several streams, reclaimed entries)."""
+        interactive = self.consumer.interactive_stream
+        urgent = [entry for entry in entries if entry.stream == interactive]
+        bulk = [entry for entry in entries if entry.stream != interactive]
+        if urgent:
+            await self._intake(urgent, windows, urgent=True)
+        if bulk:
+            await self._intake(bulk, windows)
+
+    async def _intake(
+        self,
+        entries: list[StreamEntry],
+        windows: asyncio.Queue[Window | None],
+        *,
+        urgent: bool = False,
     ) -> None:
         """Entries → one window, made in one call on the tokenizer thread (``_open_window``);
         what it rejects is dead-lettered here, on the event loop, before the window goes on.
@@ -445,7 +473,14 @@ class Worker:
         # dead letters are sent, so that entries of a window dropped by a failed send are
         # left for their lease to run out and be read again)
         self.in_flight.hold(window.deliveries)
-        await windows.put(window)
+        if not urgent:
+            await windows.put(window)
+            return
+        # ahead of the bulk windows already queued (_jump_the_queue takes it before the next
+        # batch); an idle compute stage is woken by an empty window
+        await self._urgent.put(window)
+        with contextlib.suppress(asyncio.QueueFull):
+            windows.put_nowait(Window([], [], []))
 
     def _open_window(self, entries: list[StreamEntry]) -> tuple[Window, list[Rejected]]:
         """On the tokenizer thread: entries decoded and validated, prompts chosen, texts
@@ -585,7 +620,10 @@ class Worker:
             self.stats.started_at = time.perf_counter()
             while (window := await windows.get()) is not _END:
                 for prepared in window.batches:
+                    await self._jump_the_queue(encoded)
                     await self._encode(window, prepared.planned, encoded, batch=prepared.batch)
+                # (an empty window is how the reader wakes this stage for interactive windows)
+                await self._jump_the_queue(encoded)
                 if windows.empty():
                     # nothing to launch behind the batch in flight: collect it now rather than
                     # hold its results until the next window comes
@@ -596,9 +634,49 @@ class Worker:
                     await asyncio.get_running_loop().run_in_executor(
                         self._model_thread, release_free_memory
                     )
+            await self._jump_the_queue(encoded, read=False)  # what the reader left there
             await self._collect_in_flight(encoded)
         finally:
             await encoded.put(_END)
+
+    async def _jump_the_queue(
+        self, encoded: asyncio.Queue[Encoded | None], *, read: bool = True
+    ) -> None:
+        """Before a bulk batch: interactive entries (large requests someone waits on) are
+        encoded now, ahead of the bulk windows this worker already holds (up to three:
+        reading, queued, computing), so a request waits for one bulk batch, not for those
+        windows. First the windows the reader opened from them (``_urgent``); then, at most
+        every URGENT_CHECK_S, one non-blocking read of the stream, for entries that came while
+        the reader waits on the bulk queue. A Redis fault on that read is left to the reader and
+        the reclaimer: entries read and not held are redelivered after their lease."""
+        while not self._urgent.empty():
+            await self._encode_window(self._urgent.get_nowait(), encoded)
+        now = time.monotonic()
+        if not read or self._stopping.is_set() or now < self._next_urgent_check:
+            return
+        self._next_urgent_check = now + URGENT_CHECK_S
+        try:
+            entries = await self.consumer.read_stream(
+                self.consumer.interactive_stream, self.batching.read_count, None
+            )
+            if not entries:
+                return
+            self.events.entries_read(stream=entries[0].stream, count=len(entries))
+            window, rejected = await asyncio.get_running_loop().run_in_executor(
+                self._tokenizer_thread, self._open_window, entries
+            )
+            await self._dead_letter(rejected)
+        except Exception as error:
+            fault = transient_or_raise(error, System.REDIS)
+            log.warning("interactive entries left for the reader", error=fault.detail)
+            return
+        if window.chunks:
+            self.in_flight.hold(window.deliveries)
+            await self._encode_window(window, encoded)
+
+    async def _encode_window(self, window: Window, encoded: asyncio.Queue[Encoded | None]) -> None:
+        for prepared in window.batches:
+            await self._encode(window, prepared.planned, encoded, batch=prepared.batch)
 
     async def _seed_speed(self) -> None:
         """Time one bulk-shaped batch through the bulk path before the first window is read.
