@@ -80,7 +80,8 @@ from embedfleet.workers.output import Outputs
 from embedfleet.workers.precision import BULK_PROBE_TEXTS, PROBE_TEXTS
 from embedfleet.workers.queries import QueryLane
 from embedfleet.workers.reclaim import InFlight, Reclaimer
-from embedfleet.workers.sinks import Delivery, Sink
+from embedfleet.workers.sinks import Delivery, Sink, queue_acknowledgements
+from embedfleet.workers.sinks.base import acknowledgement_pipeline
 from embedfleet.workers.sinks.reply import ReplyListWriter
 
 log = get_logger("embedfleet.worker")
@@ -119,6 +120,8 @@ class Window:
     deliveries: list[Delivery]
     tokens: list[Tokenized]
     batches: list[Prepared] = field(default_factory=list)
+    # entries read with the window whose caller's deadline had passed: acknowledged unembedded
+    expired: list[Delivery] = field(default_factory=list)
 
 
 @dataclass
@@ -467,6 +470,7 @@ class Worker:
             self._tokenizer_thread, self._open_window, entries
         )
         await self._dead_letter(rejected)
+        await self._drop_expired(window.expired)
         if not window.chunks:
             return
         # ours until written: the reclaimer renews their leases from now on (only once the
@@ -487,13 +491,26 @@ class Worker:
         tokenized, those over the model's maximum set aside (EMBEDFLEET_TRUNCATE=false), the
         rest planned into batches and collated. Returns the window and what to dead-letter."""
         accepted, rejected = decode_entries(entries, self.settings)
+        # a caller past its deadline (a timed-out interactive request) has gone: not embedded
+        now_ms = time.time() * 1000
+        expired = [
+            a.delivery
+            for a in accepted
+            if a.chunk.deadline_ms is not None and a.chunk.deadline_ms < now_ms
+        ]
+        if expired:
+            accepted = [
+                a for a in accepted if a.chunk.deadline_ms is None or a.chunk.deadline_ms >= now_ms
+            ]
         accepted, prompts = self._with_prompts(accepted, rejected)
         if not accepted:
-            return Window([], [], []), rejected
+            return Window([], [], [], expired=expired), rejected
         tokens = self.encoder.tokenize(
             [a.chunk.text for a in accepted], prompts if any(prompts) else None
         )
-        window = Window([a.chunk for a in accepted], [a.delivery for a in accepted], tokens)
+        window = Window(
+            [a.chunk for a in accepted], [a.delivery for a in accepted], tokens, expired=expired
+        )
         window = self._set_aside_overlong(window, rejected)
         if window.chunks:
             window.batches = self._prepare(window)
@@ -544,7 +561,17 @@ class Worker:
             [window.chunks[i] for i in keep],
             [window.deliveries[i] for i in keep],
             [window.tokens[i] for i in keep],
+            expired=window.expired,
         )
+
+    async def _drop_expired(self, expired: list[Delivery]) -> None:
+        """Acknowledge (and delete) entries nobody waits for any more, counted as expired, as
+        the query lane does: answering them would only leave a reply list to expire."""
+        if not expired:
+            return
+        pipe = acknowledgement_pipeline(self.client, self.keys)
+        queue_acknowledgements(pipe, self.keys, expired, counter="expired")
+        await pipe.execute()
 
     async def _dead_letter(self, rejected: list[Rejected]) -> None:
         await self.dead_letters.send(rejected)
@@ -666,6 +693,7 @@ class Worker:
                 self._tokenizer_thread, self._open_window, entries
             )
             await self._dead_letter(rejected)
+            await self._drop_expired(window.expired)
         except Exception as error:
             fault = transient_or_raise(error, System.REDIS)
             log.warning("interactive entries left for the reader", error=fault.detail)

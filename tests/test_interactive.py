@@ -1,19 +1,25 @@
-"""Scale from zero: the gateway up, no worker; requests are enqueued and wait; a worker starts
-once their entries are on the streams (what KEDA counts); they succeed at parity."""
+"""Requests someone waits on: scale from zero through the gateway (requests are enqueued and
+wait; a worker starts once their entries are on the streams KEDA counts; they succeed at
+parity), and the interactive stream's entries of a caller who has gone are skipped."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from pathlib import Path
 
 import numpy as np
 import openai
 import pytest
+import redis.asyncio as aioredis
 
+from embedfleet.producer.client import Producer
 from embedfleet.server import ServerProcess
 from embedfleet.shared.modeldir import ModelFiles
-from embedfleet.shared.redis_conn import connect
+from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, encode_chunk
+from embedfleet.shared.redis_conn import connect, ensure_groups
+from embedfleet.shared.settings import Settings
 from embedfleet.shared.streams import find_group
 from loadtest.common import isolated_settings
 from tests.conftest import WorkerLauncher, shared_encoder, until
@@ -80,3 +86,21 @@ async def test_requests_wait_for_a_worker_that_starts_after_they_are_enqueued(
         assert [item.index for item in response.data] == list(range(len(texts)))
         got = np.array([item.embedding for item in response.data])
         assert min_cosine(got, reference.encode(texts)) >= 0.999
+
+
+async def test_a_worker_skips_interactive_entries_whose_caller_has_gone(
+    settings: Settings, client: aioredis.Redis, workers: WorkerLauncher
+) -> None:
+    lane = settings.keys.query_lane
+    await ensure_groups(client, settings.keys)
+    past = int(time.time() * 1000) - 1000  # its caller timed out a second ago
+    gone = Chunk("gone:0", "nobody waits for this", reply="gone", deadline_ms=past)
+    await client.xadd(lane.interactive, {PAYLOAD_FIELD: encode_chunk(gone)})
+    async with workers.run(settings), Producer(settings, client) as producer:
+        # read after the expired entry (a stream delivers in order), answered after it
+        vectors = await producer.embed_texts(["someone waits for this"], timeout=120)
+        assert vectors.shape == (1, 384)
+        group = find_group(await client.xinfo_groups(lane.interactive), settings.group)
+        assert group is not None and group.pending == 0 and group.lag == 0
+    assert await client.xlen(lane.interactive) == 0, "acknowledged and deleted"
+    assert not await client.exists(lane.reply("gone")), "not embedded, nothing left to expire"
