@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import redis
 import redis.asyncio as aioredis
 
 from embedfleet.shared.keys import Keys
@@ -35,7 +36,7 @@ REPLY_ACK_SCRIPT = acknowledging_script(
 
 
 def queue_replies(
-    pipe: aioredis.client.Pipeline,
+    pipe: aioredis.client.Pipeline | redis.client.Pipeline,
     keys: Keys,
     deliveries: Sequence[Delivery],
     replies: Sequence[str],
@@ -44,7 +45,9 @@ def queue_replies(
     ttl_s: int,
 ) -> None:
     """Acknowledge ``deliveries`` and push each payload to its reply list, in one script call
-    per stream; the job counter ``counter`` counts only what was acknowledged here.
+    per stream; the job counter ``counter`` counts only what was acknowledged here. The one
+    writer of answers: the bulk path's (``ReplyListWriter``) and the query lane's, from the
+    model thread on a blocking pipeline.
 
     Job counters and reply lists are those of the stream's own key set (its partition's, or
     the query lane's for the interactive stream), in the stream's slot, which is where the
@@ -56,7 +59,8 @@ def queue_replies(
         )
     for stream, quads in by_stream.items():
         owner = keys.owner_of(stream)
-        pipe.eval(
+        pipe.execute_command(  # EVAL by name: see queue_acknowledgements
+            "EVAL",
             REPLY_ACK_SCRIPT,
             1,
             stream,
