@@ -22,6 +22,7 @@ from redis import exceptions as redis_errors
 
 from embedfleet.producer.enqueue import queue_enqueue
 from embedfleet.producer.polling import PollPacer
+from embedfleet.producer.replies import Answers, pop_answers
 from embedfleet.shared.fault_kinds import is_transient
 from embedfleet.shared.jobs import JobProgress
 from embedfleet.shared.keys import Keys
@@ -293,6 +294,11 @@ class Producer:
                 "backlog below the mark again", waited_s=round(time.monotonic() - waited_since, 1)
             )
 
+    async def backlog(self) -> int:
+        """The bulk backlog as the high-water mark (EMBEDFLEET_BACKLOG_HIGH_WATER) reads it:
+        the longest ingest stream of all partitions (each is bounded on its own node)."""
+        return await self._backlog([partition.ingest for partition in self.keys.partitions_keys])
+
     async def _backlog(self, streams: list[str]) -> int:
         """The longest of these ingest streams."""
         if len(streams) == 1:
@@ -414,7 +420,9 @@ class Producer:
         """Embed a few queries now, ahead of any bulk backlog; shape (len(texts), dim).
 
         The worker uses the model's ``query`` prompt unless ``options`` names another (as
-        ``SentenceTransformer.encode_query`` does).
+        ``SentenceTransformer.encode_query`` does). The query stream is served between the
+        transformer layers of bulk batches: keep requests on it small (the gateway sends at
+        most EMBEDFLEET_GATEWAY_LANE_MAX_INPUTS), and send many texts with ``embed_texts``.
 
         The worker pushes each answer onto a reply list this call blocks on (BLPOP: no
         polling). On timeout the queries are withdrawn from the stream and the reply key is
@@ -425,19 +433,51 @@ class Producer:
         (a server that lost them would never answer), so a query may be embedded twice: the
         answers are kept one per index and a spare one expires with the reply key.
         """
+        return await self._request(self.keys.query_lane.query, "queries", texts, timeout, options)
+
+    async def embed_texts(
+        self,
+        texts: Sequence[str],
+        *,
+        timeout: float = 60.0,
+        options: EmbeddingOptions | None = None,
+    ) -> np.ndarray:
+        """Embed many texts for someone waiting, ahead of any bulk backlog; shape
+        (len(texts), dim).
+
+        The texts go to the interactive stream (``Keys.interactive``), which workers read
+        before every ingest stream, in bulk-sized batches: a request of a thousand texts waits
+        for the windows a worker already holds, not for the backlog, and does not slow the
+        query stream's few-input answers. The model's ``document`` prompt applies unless
+        ``options`` names one. Timeouts, withdrawal and Redis faults as ``embed_queries``.
+        """
+        return await self._request(
+            self.keys.query_lane.interactive, "texts", texts, timeout, options
+        )
+
+    async def _request(
+        self,
+        stream: str,
+        what: str,
+        texts: Sequence[str],
+        timeout: float,
+        options: EmbeddingOptions | None,
+    ) -> np.ndarray:
+        """Send ``texts`` to ``stream`` under one request id and collect their answers from the
+        request's reply list (producer/replies.py), withdrawing them if they come too late."""
         if not texts:
-            raise ValueError("embed_queries needs at least one text")
+            raise ValueError(f"embedding {what} needs at least one text")
         if any(not isinstance(t, str) for t in texts):
-            raise ValueError("every query must be a string")
+            raise ValueError(f"every one of the {what} must be a string")
         if not timeout > 0:  # BLPOP with timeout 0 would wait forever
             raise ValueError(f"timeout must be a positive number of seconds, not {timeout}")
         give_up_at = time.monotonic() + timeout
         request = uuid.uuid4().hex
         reply_key = self.keys.query_lane.reply(request)
         deadline_ms = int((time.time() + timeout) * 1000)
-        vectors: dict[int, np.ndarray] = {}
+        answers = Answers(len(texts))
         entry_ids: list[bytes] = []
-        tries = self.retry.attempts("embed queries", deadline=give_up_at)
+        tries = self.retry.attempts(f"embed {what}", deadline=give_up_at)
         send = True  # at first, and again after a fault: the server may have lost them
         try:
             await self.setup(deadline=give_up_at)
@@ -455,66 +495,63 @@ class Producer:
                 if options is not None:
                     chunk = await self._checked(chunk, deadline=give_up_at)
                 payloads.append(encode_chunk(chunk))
-            while len(vectors) < len(texts):
+            while not answers.complete:
                 remaining = give_up_at - time.monotonic()
                 if remaining <= 0:
                     break
                 try:
                     if send:
-                        unanswered = [i for i in range(len(texts)) if i not in vectors]
-                        sent, popped = await self._send_queries(
-                            [payloads[i] for i in unanswered], reply_key, remaining
+                        unanswered = answers.unanswered()
+                        sent, popped = await self._send_request(
+                            stream, [payloads[i] for i in unanswered], reply_key, remaining
                         )
                         entry_ids += sent
                         send = False
                     else:
-                        popped = await self.client.blpop([reply_key], timeout=remaining)
+                        popped = await pop_answers(self.client, reply_key, remaining)
                 except Exception as error:
                     send = True
                     await tries.failed(error)
                     continue
                 tries.succeeded()
-                if popped is None:
+                if not popped:
                     break  # BLPOP timed out: no worker answered in time
-                result = decode_result(popped[1])  # raises QueryFailedError for a bad query
-                vector = result.vector
-                if result.dtype in ("float16", "float32"):
-                    vector = vector.astype(np.float32)
-                # A query sent twice is answered twice: the index keeps one answer.
-                vectors[int(result.id.rsplit(":", 1)[1])] = vector
+                for payload in popped:
+                    failure = answers.take(payload)
+                    if failure is not None:
+                        raise failure  # the worker's reason for a bad input
         except RedisUnavailableError as error:
             raise QueryTimeoutError(
-                f"no answer within {timeout}s for {len(texts) - len(vectors)} of {len(texts)} "
-                f"queries: {error}"
+                f"no answer within {timeout}s for {answers.missing} of {len(texts)} {what}: {error}"
             ) from error
         finally:
-            if len(vectors) < len(texts):
-                await self._withdraw(entry_ids, reply_key)
-        if len(vectors) < len(texts):
+            if not answers.complete or answers.failures:
+                await self._withdraw(stream, entry_ids, reply_key)
+        if not answers.complete:
             raise QueryTimeoutError(
-                f"no answer within {timeout}s for {len(texts) - len(vectors)} of {len(texts)} "
-                "queries. Are workers running? Check: redis-cli XINFO GROUPS "
-                + self.keys.query_lane.query
+                f"no answer within {timeout}s for {answers.missing} of {len(texts)} "
+                f"{what}. Are workers running? Check: redis-cli XINFO GROUPS {stream}"
             )
-        return np.stack([vectors[i] for i in range(len(texts))])
+        return answers.array()
 
-    async def _send_queries(
-        self, payloads: list[bytes], reply_key: str, timeout: float
-    ) -> tuple[list[bytes], Any]:
+    async def _send_request(
+        self, stream: str, payloads: list[bytes], reply_key: str, timeout: float
+    ) -> tuple[list[bytes], list[bytes]]:
         """The XADDs and the first BLPOP in one round trip: one round trip for a single query."""
         pipe = self.client.pipeline(transaction=False)
         for payload in payloads:
-            pipe.xadd(self.keys.query_lane.query, {PAYLOAD_FIELD: payload})
+            pipe.xadd(stream, {PAYLOAD_FIELD: payload})
         pipe.blpop([reply_key], timeout=timeout)
         *entry_ids, popped = await pipe.execute()
-        return entry_ids, popped
+        return entry_ids, [] if popped is None else [popped[1]]
 
-    async def _withdraw(self, entry_ids: list[bytes], reply_key: str) -> None:
-        """Take unanswered queries back, once: if Redis is away, the workers skip them anyway
-        (they are past their deadline) and the reply key expires."""
+    async def _withdraw(self, stream: str, entry_ids: list[bytes], reply_key: str) -> None:
+        """Take an unanswered request's entries back, once: if Redis is away, the workers skip
+        them anyway (they are past their deadline) and the reply key expires. An entry a worker
+        has already read is answered onto the deleted key, which then expires."""
         pipe = self.client.pipeline(transaction=True)  # the query lane's keys share a slot
         if entry_ids:
-            pipe.xdel(self.keys.query_lane.query, *entry_ids)
+            pipe.xdel(stream, *entry_ids)
         pipe.delete(reply_key)
         try:
             await pipe.execute()

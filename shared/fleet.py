@@ -29,8 +29,8 @@ from embedfleet.shared.streams import (
     text,
 )
 
-INPUT_STREAMS = ("ingest", "query")  # read through the consumer group
-FLEET_STREAMS = ("ingest", "query", "results", "dead")
+INPUT_STREAMS = ("ingest", "query", "interactive")  # read through the consumer group
+FLEET_STREAMS = ("ingest", "query", "interactive", "results", "dead")
 
 
 def stream_keys(keys: Keys) -> dict[str, str]:
@@ -41,6 +41,7 @@ def stream_keys(keys: Keys) -> dict[str, str]:
         return {
             "ingest": keys.ingest,
             "query": lane.query,
+            "interactive": lane.interactive,
             "results": keys.results,
             "dead": keys.dead,
         }
@@ -48,6 +49,7 @@ def stream_keys(keys: Keys) -> dict[str, str]:
     return {
         "ingest": f"{pattern}:ingest",
         "query": lane.query,
+        "interactive": lane.interactive,
         "results": f"{pattern}:results",
         "dead": f"{pattern}:dead",
     }
@@ -61,6 +63,7 @@ def _partition_streams(keys: Keys) -> dict[str, list[str]]:
     return {
         "ingest": [p.ingest for p in parts],
         "query": [keys.query_lane.query],
+        "interactive": [keys.query_lane.interactive],
         "results": [p.results for p in parts],
         "dead": [p.dead for p in parts] + lane_dead,
     }

@@ -10,8 +10,9 @@ streams, job counters and jobs index, all under one hash tag of its own
 The tags are searched so that partition ``i`` hashes into the middle of the ``i``-th of ``N``
 equal shares of the 16384 slots: a cluster whose masters hold equal slot ranges then gets the
 partitions spread evenly (plain ``{p0}``..``{p5}`` put 4 of 6 on one master of three). The query
-lane (query stream, its reply keys and its dead letters) has a key set of its own,
-``{ns}:{q}:...``. A chunk's partition is ``crc32(utf-8 id) mod N``: any language can route.
+lane (query stream, the interactive stream, their reply keys and dead letters) has a key set
+of its own, ``{ns}:{q}:...``, and so have the gateway's Batch API records, ``{ns}:{b}:...``. A
+chunk's partition is ``crc32(utf-8 id) mod N``: any language can route.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ DEFAULT_GROUP = "workers"
 CLUSTER_SLOTS = 16384
 MAX_PARTITIONS = 256
 QUERY_LANE_TAG = "q"
+BATCHES_TAG = "b"
 
 
 class PartitionedKeyError(LookupError):
@@ -151,6 +153,7 @@ class Keys:
     def _owners(self) -> dict[str, Keys]:
         owners = {keys.ingest: keys for keys in self.partitions_keys}
         owners[self.query_lane.query] = self.query_lane
+        owners[self.query_lane.interactive] = self.query_lane
         return owners
 
     @property
@@ -175,6 +178,15 @@ class Keys:
     def query(self) -> str:
         """Stream of priority single queries, read before every bulk batch."""
         return self._key("query")
+
+    @property
+    def interactive(self) -> str:
+        """Stream of the inputs of large interactive requests (the gateway's requests over
+        EMBEDFLEET_GATEWAY_LANE_MAX_INPUTS inputs): read by the bulk reader before any ingest
+        stream, so a request someone waits on never queues behind a bulk backlog, while the
+        query stream keeps its few-input answers ahead of it. In the query lane's key set: its
+        entries answer on reply keys of that set (``query_lane.reply``), in the same slot."""
+        return self._key("interactive")
 
     @property
     def results(self) -> str:
@@ -204,7 +216,9 @@ class Keys:
         return self._key(f"replayed:{dead_id}")
 
     def reply(self, request_id: str) -> str:
-        """List a query's caller blocks on (BLPOP); it expires if the caller has gone."""
+        """List a request's caller collects its answers from (producer/replies.py); it expires
+        if the caller has gone. Queries and interactive requests use the query lane's; a chunk
+        of the ingest stream with a ``reply`` (a Batch API batch) answers on its partition's."""
         return self._key(f"reply:{request_id}")
 
     @property
@@ -225,28 +239,36 @@ class Keys:
         ``EMBEDFLEET_CALIBRATION_FILE``, then shared (workers/calibration.py)."""
         return f"{self.namespace}:calibration:{model}:{variant}"
 
+    @property
+    def _batch_prefix(self) -> str:
+        """The Batch API's keys: with partitions (Redis Cluster) under one hash tag of their own,
+        since a batch's record, the index and the active set change together in one MULTI,
+        which a cluster runs only within one slot."""
+        return f"{self.namespace}:{{{BATCHES_TAG}}}" if self.partitioned else self.namespace
+
     def batch(self, batch_id: str) -> str:
         """Hash of one Batch API batch (the gateway's): its OpenAI fields and progress."""
-        return f"{self.namespace}:batch:{batch_id}"
+        return f"{self._batch_prefix}:batch:{batch_id}"
 
     @property
     def batches(self) -> str:
         """Sorted set of batch ids by creation time, for ``GET /v1/batches``."""
-        return f"{self.namespace}:batches"
+        return f"{self._batch_prefix}:batches"
 
     @property
     def batches_active(self) -> str:
         """Set of batches some gateway still has to enqueue or finalize."""
-        return f"{self.namespace}:batches:active"
+        return f"{self._batch_prefix}:batches:active"
 
     def batch_lease(self, batch_id: str) -> str:
         """Lease a gateway holds while it works on a batch, so replicas never both do."""
-        return f"{self.namespace}:batch:{batch_id}:lease"
+        return f"{self._batch_prefix}:batch:{batch_id}:lease"
 
     @property
     def workers_alive(self) -> str:
         """Sorted set of worker consumer names scored by their last heartbeat (unix ms): what
-        the gateway reads to answer 503 when no worker is alive. (XINFO CONSUMERS cannot tell:
+        the gateway reads to say, in a timeout's message and on /readyz, that no worker is
+        alive (it enqueues all the same: KEDA starts one). (XINFO CONSUMERS cannot tell:
         before Redis 7.2 a consumer that has read nothing yet is not listed at all.)"""
         return f"{self.namespace}:workers"
 

@@ -207,6 +207,9 @@ QUERY_STEPS = (
     "On timeout, XDEL your entries from `{ns}:query` and DEL `{ns}:reply:R`; the worker sets the "
     "key to expire after `EMBEDFLEET_REPLY_TTL_S` "
     f"({_default('reply_ttl_s')} s) anyway, so a late answer leaves nothing behind.",
+    "Many texts (more than a few): the same steps on `{ns}:interactive` instead of `{ns}:query`. "
+    "Workers read it before any bulk backlog, in bulk-sized batches, and skip an entry past its "
+    "`deadline`; the query stream stays for the few-text answers that go ahead of everything.",
 )
 
 

@@ -154,7 +154,9 @@ async def ensure_group(client: aioredis.Redis, keys: Keys, stream: str) -> bool:
 
 
 async def ensure_groups(client: aioredis.Redis, keys: Keys) -> None:
-    """Every input stream gets the group: each partition's ingest stream and the query stream."""
+    """Every input stream gets the group: each partition's ingest stream, the query stream and
+    the interactive stream."""
     for partition in keys.partitions_keys:
         await ensure_group(client, keys, partition.ingest)
     await ensure_group(client, keys, keys.query_lane.query)
+    await ensure_group(client, keys, keys.query_lane.interactive)

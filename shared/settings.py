@@ -214,7 +214,8 @@ class Settings(BaseSettings):
     its latest enqueue: within it a re-sent chunk (same id, same payload) is added and counted once.
     0 = for ever. Costs about the id's length + 60 bytes per chunk."""
     backlog_high_water: int = Field(default=1_000_000, ge=1)
-    """Producers wait while the ingest stream holds more entries than this."""
+    """Producers wait while an ingest stream (each partition's) holds more entries than this; the
+    gateway answers 429 to large requests while the interactive stream does."""
 
     # --- limits on input ------------------------------------------------------------------
     max_message_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
@@ -261,17 +262,18 @@ class Settings(BaseSettings):
     """Longest text input in characters (413 beyond it); texts over the model's token limit are
     truncated as the workers do."""
     gateway_lane_max_inputs: int = Field(default=16, ge=1)
-    """Requests with at most this many inputs ride the priority query lane; larger ones become a job
-    on the ingest stream and are awaited."""
+    """Requests with at most this many inputs ride the priority query lane; larger ones go to the
+    interactive stream, which workers read before any bulk backlog."""
     gateway_lane_high_water: int = Field(default=512, ge=1)
     """429 for lane requests while the query stream holds this many entries."""
     gateway_timeout_s: float = Field(default=120.0, gt=0)
-    """How long the gateway waits for a request's vectors."""
+    """How long the gateway waits for a request's vectors, a worker's start included (scale from
+    zero); then 504, the request withdrawn."""
     gateway_retry_after_s: int = Field(default=5, ge=1)
     """`Retry-After` seconds sent with a 429."""
     gateway_worker_idle_ms: int = Field(default=15_000, ge=100)
-    """A worker whose heartbeat is at most this old counts as live; with none the gateway answers
-    503."""
+    """A worker whose heartbeat is at most this old counts as live; with none, TEI's /health is 503
+    and a timed-out request's message says so (requests are enqueued all the same)."""
     gateway_accept_token_ids: bool = False
     """Accept token ids as `input` on /v1/embeddings (and in batch lines), decoded with the served
     model's own tokenizer. Off: token ids get a 400, because ids from another tokenizer (LangChain's

@@ -18,6 +18,7 @@ import time
 import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -165,6 +166,10 @@ def test_partitions_spread_over_every_master(
         holders[partition.index] = cluster.master_of(slots.pop()).port
     lane = cluster_settings.keys.query_lane
     assert client.execute_command("CLUSTER", "KEYSLOT", lane.reply("r")) == key_slot(lane.query)
+    assert key_slot(lane.interactive) == key_slot(lane.query)
+    keys = cluster_settings.keys
+    batch_keys = [keys.batch("b"), keys.batches, keys.batches_active, keys.batch_lease("b")]
+    assert len({key_slot(key) for key in batch_keys}) == 1, "a batch's MULTI stays in one slot"
     assert set(holders.values()) == {m.port for m in cluster.masters()}
     assert sorted(list(holders.values()).count(port) for port in set(holders.values())) == [2, 2, 2]
 
@@ -214,6 +219,73 @@ async def test_six_partitions_three_workers_every_id_once_with_parity(
     cosines = row_cosines(reference, ours)
     print(f"cluster parity over {len(chunks)} texts: min cosine {cosines.min():.6f}")
     assert cosines.min() >= 0.999
+
+
+def test_the_gateway_and_the_batch_api_on_the_cluster_every_custom_id_once(
+    cluster_settings: Settings,
+    fleet: list[subprocess.Popen[bytes]],
+    tmp_path: Path,
+) -> None:
+    """`embedfleet serve` on the 6 partitions of the cluster: small requests (query lane),
+    large ones (interactive stream) and a Batch API batch (its inputs routed to every partition
+    by the client's enqueue path, collected from every partition's reply list)."""
+    import openai
+    from sentence_transformers import SentenceTransformer
+
+    from embedfleet.workers.encoder import resolve_model_path
+    from tests.gateway_support import running_gateway
+
+    settings = cluster_settings.model_copy(
+        update={"files_dir": str(tmp_path / "files"), "gateway_lane_max_inputs": 4}
+    )
+    texts = [chunk.text[:200] for chunk in builtin_corpus(240)]
+    reference = SentenceTransformer(str(resolve_model_path(settings.model)), device="cpu")
+    expected = reference.encode(texts, batch_size=64)
+    lines = [
+        json.dumps(
+            {
+                "custom_id": f"req-{n}",
+                "method": "POST",
+                "url": "/v1/embeddings",
+                "body": {"model": "all-MiniLM-L6-v2", "input": text},
+            }
+        )
+        for n, text in enumerate(texts[:200])
+    ]
+    source = tmp_path / "batch.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    with running_gateway(settings) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        small = client.embeddings.create(model="all-MiniLM-L6-v2", input=texts[200:203])
+        large = client.embeddings.create(model="all-MiniLM-L6-v2", input=texts[200:240])
+        uploaded = client.files.create(file=source.open("rb"), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+        )
+        deadline = time.monotonic() + 400
+        while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed"):
+            assert time.monotonic() < deadline, f"batch still {batch.status}"
+            time.sleep(0.5)
+        output = client.files.content(batch.output_file_id).text.splitlines()
+    for response, first in ((small, 200), (large, 200)):
+        got = np.array([item.embedding for item in response.data])
+        assert min_cosine(got, expected[first : first + len(got)]) >= 0.999
+    assert batch.status == "completed" and batch.request_counts.completed == 200
+    records = [json.loads(line) for line in output]
+    custom_ids = [record["custom_id"] for record in records]
+    assert sorted(custom_ids) == sorted(f"req-{n}" for n in range(200))
+    assert len(set(custom_ids)) == len(custom_ids) == 200, "every custom_id exactly once"
+    by_id = {record["custom_id"]: record for record in records}
+    got = np.array(
+        [by_id[f"req-{n}"]["response"]["body"]["data"][0]["embedding"] for n in range(200)]
+    )
+    assert min_cosine(got, expected[:200]) >= 0.999
+
+
+def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    return float(((a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))).min())
 
 
 async def _enqueue_in_batches(producer: Producer, chunks: list[Chunk], job: str) -> int:

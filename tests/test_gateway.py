@@ -3,6 +3,7 @@ running gateway, a real worker process and a real Redis server."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import signal
@@ -125,7 +126,7 @@ def test_a_batch_in_order_default_base64_and_explicit_float(
     assert decoded.shape == (384,) and min_cosine(decoded[None], expected[1:2]) >= 0.999
 
 
-def test_a_large_request_goes_through_the_ingest_stream(
+def test_a_large_request_goes_through_the_interactive_stream(
     client: openai.OpenAI, gateway: str, reference
 ) -> None:
     texts = [chunk.text[:300] for chunk in builtin_corpus(120)]  # over the lane's 4 inputs
@@ -134,7 +135,7 @@ def test_a_large_request_goes_through_the_ingest_stream(
     assert [item.index for item in response.data] == list(range(len(texts)))
     assert min_cosine(got, reference(texts)) >= 0.999
     metrics = httpx.get(f"{gateway}/metrics").text
-    assert 'embedfleet_gateway_inputs_total{lane="ingest"} 120.0' in metrics
+    assert 'embedfleet_gateway_inputs_total{lane="interactive"} 120.0' in metrics
     assert 'route="/v1/embeddings"' in metrics
 
 
@@ -229,40 +230,88 @@ def test_tei_client_gets_the_same_vectors(
     assert bad.status_code == 422 and bad.json()["error_type"] == "Validation"
 
 
-def test_no_live_worker_is_503(fleet_settings: Settings) -> None:
-    lonely = fleet_settings.model_copy(update={"namespace": f"gw{uuid.uuid4().hex[:8]}"})
-    with running_gateway(lonely) as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
-        with pytest.raises(openai.InternalServerError) as caught:
-            client.embeddings.create(model="all-MiniLM-L6-v2", input="anyone?")
-        assert caught.value.status_code == 503
-        assert caught.value.response.json()["error"]["code"] == "no_worker"
-        assert httpx.get(f"{url}/health").status_code == 503
-        assert httpx.get(f"{url}/readyz").json() == {"status": "ready", "live_workers": 0}
-
-
-async def test_429_over_the_high_water_mark_then_success_after_drain(
-    fleet_settings: Settings, gateway: str
+async def test_without_a_worker_a_request_waits_its_deadline_then_504s_leaving_nothing(
+    fleet_settings: Settings,
 ) -> None:
+    lonely = fleet_settings.model_copy(
+        update={"namespace": f"gw{uuid.uuid4().hex[:8]}", "gateway_timeout_s": 1.5}
+    )
+    lane = lonely.keys.query_lane
+    redis = connect(lonely.effective_redis_url)
+    try:
+        with running_gateway(lonely) as url:
+            # ready means the gateway and its Redis serve: a request sent now is enqueued
+            assert httpx.get(f"{url}/readyz").json() == {"status": "ready", "live_workers": 0}
+            client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+            for inputs in (["anyone?"], [f"many inputs {n}" for n in range(10)]):
+                started = time.monotonic()
+                with pytest.raises(openai.APIStatusError) as caught:
+                    await client.embeddings.create(model="all-MiniLM-L6-v2", input=inputs)
+                assert caught.value.status_code == 504, "it waited for a worker, not 503"
+                assert time.monotonic() - started >= 1.5
+                error = caught.value.response.json()["error"]
+                assert error["code"] == "timeout"
+                assert "no embedding worker is running" in error["message"], "the hint"
+                # withdrawn on timeout: nothing is left for a late worker to embed
+                assert await redis.xlen(lane.query) == 0
+                assert await redis.xlen(lane.interactive) == 0
+            assert httpx.get(f"{url}/health").status_code == 503, "TEI's health: can it answer"
+    finally:
+        await redis.aclose()
+
+
+async def test_a_large_request_is_429_while_the_interactive_stream_is_full(
+    fleet_settings: Settings,
+) -> None:
+    full = fleet_settings.model_copy(
+        update={"namespace": f"gw{uuid.uuid4().hex[:8]}", "backlog_high_water": 20}
+    )
+    redis = connect(full.effective_redis_url)
+    try:
+        for _ in range(20):  # a backlog of large requests no worker has read
+            await redis.xadd(full.keys.query_lane.interactive, {"m": b"x"})
+        with running_gateway(full) as url:
+            client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+            with pytest.raises(openai.RateLimitError) as caught:
+                await client.embeddings.create(
+                    model="all-MiniLM-L6-v2", input=[f"large {n}" for n in range(10)]
+                )
+            assert caught.value.status_code == 429
+            assert caught.value.response.headers["retry-after"] == "5"
+            assert "EMBEDFLEET_BACKLOG_HIGH_WATER" in caught.value.message
+            assert "interactive stream" in caught.value.message
+    finally:
+        await redis.aclose()
+
+
+async def test_a_large_request_during_a_bulk_backlog_answers_before_it_drains(
+    fleet_settings: Settings, gateway: str, reference
+) -> None:
+    """Over the high-water mark even: the backlog neither refuses nor holds up a request."""
     marked = fleet_settings.model_copy(update={"backlog_high_water": 100})
-    texts = [f"backlog text number {n}" for n in range(400)]
+    backlog = [chunk.text[:200] for chunk in builtin_corpus(1200)]  # over 1 window of 1024
+    large = [f"a request of many inputs, number {n}" for n in range(40)]
     redis = connect(marked.effective_redis_url)
     try:
         async with Producer(fleet_settings, redis) as producer:
             await producer.enqueue(
-                ({"id": f"b{n}", "text": t} for n, t in enumerate(texts)), job="backlog"
+                ({"id": f"b{n}", "text": t} for n, t in enumerate(backlog)), job="backlog"
             )
             with running_gateway(marked) as url:
                 client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
-                large = [f"a request of many inputs {n}" for n in range(10)]
-                with pytest.raises(openai.RateLimitError) as caught:
-                    await client.embeddings.create(model="all-MiniLM-L6-v2", input=large)
-                assert caught.value.status_code == 429
-                assert caught.value.response.headers["retry-after"] == "5"
-                assert "EMBEDFLEET_BACKLOG_HIGH_WATER" in caught.value.message
-                await producer.wait_for_job("backlog", timeout=300)
+                # once the worker is busy on the backlog (it has acknowledged some of it)
+                while (await producer.progress("backlog")).done == 0:
+                    await asyncio.sleep(0.05)
                 response = await client.embeddings.create(model="all-MiniLM-L6-v2", input=large)
-                assert len(response.data) == 10
+                progress = await producer.progress("backlog")
+                still_queued = await redis.xlen(marked.keys.ingest)
+            got = np.array([item.embedding for item in response.data])
+            assert min_cosine(got, reference(large)) >= 0.999
+            print(f"answered with {still_queued} backlog entries queued, {progress}")
+            assert still_queued > 0 and progress.done < progress.enqueued // 2, (
+                "answered well before the backlog drained"
+            )
+            await producer.wait_for_job("backlog", timeout=600)
     finally:
         await redis.aclose()
 

@@ -9,6 +9,12 @@ starved. When every partition is empty the worker blocks on all of them at once,
 read per partition on its own connection, and goes on as soon as the first returns: new work in
 any partition is picked up within one block interval. The reads still waiting are kept and
 collected by the next call, so an entry they deliver is never left behind.
+
+Before any ingest stream comes the interactive stream (``Keys.interactive``: the inputs of large
+requests someone waits on, the gateway's): its entries are read first, in the same round trip
+as the backlogs' lengths, and the bulk streams only when it is empty, so a large request waits
+for the windows a worker already holds, never for the backlog. Idle, the worker blocks on it
+too. (The query stream has its own reader, the query lane, which goes ahead of both.)
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ class StreamConsumer:
         self.consumer = consumer
         chosen = range(keys.partitions) if partitions is None else partitions
         self.ingest_streams = [keys.partition(index).ingest for index in chosen]
+        self.interactive_stream = keys.query_lane.interactive
         # Blocking reads still waiting on a partition (stream -> task), from an idle wait.
         self._waiting: dict[str, asyncio.Task[list[StreamEntry]]] = {}
 
@@ -89,17 +96,16 @@ class StreamConsumer:
         return await self._read({stream: ">"}, count, block_ms)
 
     async def read_ingest(self, count: int, block_ms: int) -> list[StreamEntry]:
-        """Up to about ``count`` new bulk entries from the partitions this consumer reads;
-        blocks up to ``block_ms`` when all of them are empty."""
-        if len(self.ingest_streams) == 1:
-            return await self.read_stream(self.ingest_streams[0], count, block_ms)
+        """Up to about ``count`` new entries: the interactive stream's if it has any, else bulk
+        entries from the partitions this consumer reads; blocks up to ``block_ms`` when all of
+        them are empty."""
         entries = self._collect_waiting()
         if entries:
             return entries
         entries = await self._read_backlogs(count)
         if entries:
             return entries
-        for stream in self.ingest_streams:
+        for stream in (self.interactive_stream, *self.ingest_streams):
             if stream not in self._waiting:
                 self._waiting[stream] = asyncio.create_task(
                     self.read_stream(stream, count, block_ms)
@@ -111,17 +117,26 @@ class StreamConsumer:
         return self._collect_waiting()
 
     async def _read_backlogs(self, count: int) -> list[StreamEntry]:
+        """The interactive stream's new entries, read in the round trip that measures the
+        backlogs; when there are none, each backlog's share of ``count``."""
         lengths_pipe = self.client.pipeline(transaction=False)
+        lengths_pipe.xreadgroup(
+            self.keys.group, self.consumer, {self.interactive_stream: ">"}, count=count
+        )
         for stream in self.ingest_streams:
             lengths_pipe.xlen(stream)
-        lengths = [int(length) for length in await lengths_pipe.execute()]
-        shares = backlog_shares(count, dict(zip(self.ingest_streams, lengths, strict=True)))
+        interactive, *lengths = await lengths_pipe.execute()
+        entries = self._entries(interactive)
+        if entries:
+            return entries
+        shares = backlog_shares(
+            count, dict(zip(self.ingest_streams, (int(n) for n in lengths), strict=True))
+        )
         if not shares:
             return []
         pipe = self.client.pipeline(transaction=False)
         for stream, share in shares.items():
             pipe.xreadgroup(self.keys.group, self.consumer, {stream: ">"}, count=share)
-        entries: list[StreamEntry] = []
         for response in await pipe.execute():
             entries.extend(self._entries(response))
         return entries

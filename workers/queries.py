@@ -53,6 +53,7 @@ from embedfleet.workers.events import WorkerEvents
 from embedfleet.workers.outages import Outages, RideOut, transient_or_raise
 from embedfleet.workers.output import Outputs
 from embedfleet.workers.sinks import Delivery, queue_acknowledgements
+from embedfleet.workers.sinks.reply import queue_replies
 
 log = get_logger("embedfleet.queries")
 
@@ -302,7 +303,7 @@ class QueryLane:
         self._loop.call_soon_threadsafe(_set_once, self._faulted)
 
     def _answer(self, items: list[PendingQuery], vectors: np.ndarray) -> None:
-        """Reply lists and acknowledgement in one MULTI, from the model thread.
+        """Answers and acknowledgement in one MULTI, from the model thread.
 
         If Redis is unreachable the entries stay pending: the reclaimer hands them to a worker
         again once their lease runs out, while the caller may still be waiting.
@@ -318,11 +319,17 @@ class QueryLane:
                 self.settings.effective_redis_url, cluster=self.settings.redis_cluster
             )
         pipe = self._reply_client.pipeline(transaction=True)
-        for item, result in zip(items, results, strict=True):
-            reply_key = self.keys.reply(item.reply)
-            pipe.rpush(reply_key, encode_result(result))
-            pipe.expire(reply_key, self.settings.reply_ttl_s)
-        queue_acknowledgements(pipe, self.keys, [i.delivery for i in items], counter="done")
+        # the reply contract's one writer (workers/sinks/reply.py): an answer is pushed only for
+        # an entry this call acknowledged, so a query redelivered meanwhile is answered once
+        queue_replies(
+            pipe,
+            self.keys,
+            [item.delivery for item in items],
+            [item.reply for item in items],
+            [encode_result(result) for result in results],
+            "done",
+            self.settings.reply_ttl_s,
+        )
         try:
             pipe.execute()
         except Exception as error:

@@ -9,7 +9,9 @@ the forward pass overlap while memory stays bounded:
              input (on the event loop)                                          → windows
     compute  launch each batch on the model thread (workers/bulk.py: padded or
              varlen; on CUDA batch i+1 is queued before batch i is collected);
-             on a CPU queries get in between transformer layers                 → encoded
+             on a CPU queries get in between transformer layers; before a batch,
+             the interactive stream's new entries (large requests someone waits
+             on) are read and encoded first                                     → encoded
     writer   fp16 results to the sink, XACK in the same round trip
 
 Beside them: the query lane (workers/queries.py) and the reclaimer (workers/reclaim.py).
@@ -30,6 +32,7 @@ splitting its batch and dead-lettered alone; a fault that is permanent for the w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -77,7 +80,8 @@ from embedfleet.workers.output import Outputs
 from embedfleet.workers.precision import BULK_PROBE_TEXTS, PROBE_TEXTS
 from embedfleet.workers.queries import QueryLane
 from embedfleet.workers.reclaim import InFlight, Reclaimer
-from embedfleet.workers.sinks import Delivery, Sink
+from embedfleet.workers.sinks import Delivery, Sink, queue_acknowledgements
+from embedfleet.workers.sinks.base import acknowledgement_pipeline
 from embedfleet.workers.sinks.reply import ReplyListWriter
 
 log = get_logger("embedfleet.worker")
@@ -93,6 +97,10 @@ MIN_SLICED_TOKENS = 512
 # is an average, and one layer of a batch can take well over or under its prediction (the
 # sequence-length mix, other threads taking a core): sized at 100%, half the slices overran.
 SLICE_HEADROOM = 0.6
+# The compute stage looks for interactive entries before a bulk batch at most this often: a
+# request then waits about one batch, and a short-batch GPU pays one read per interval, not per
+# batch.
+URGENT_CHECK_S = 0.05
 
 
 @dataclass
@@ -112,6 +120,8 @@ class Window:
     deliveries: list[Delivery]
     tokens: list[Tokenized]
     batches: list[Prepared] = field(default_factory=list)
+    # entries read with the window whose caller's deadline had passed: acknowledged unembedded
+    expired: list[Delivery] = field(default_factory=list)
 
 
 @dataclass
@@ -248,6 +258,10 @@ class Worker:
         self._ahead: LaunchAhead[InFlightBatch] = LaunchAhead(ahead=False)
         # waits for copy backs off the event loop and off the model thread (CUDA only)
         self._collect_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="collect")
+        # when the compute stage next looks for interactive entries (_jump_the_queue)
+        self._next_urgent_check = 0.0
+        # windows of interactive entries the reader opened, for the compute stage to take first
+        self._urgent: asyncio.Queue[Window] = asyncio.Queue(maxsize=2)
         # EMBEDFLEET_READ_COUNT / TOKEN_BUDGET / MAX_BATCH, -1 resolved for this device
         self.batching = settings.batching(encoder.device.type)
 
@@ -300,7 +314,7 @@ class Worker:
         streams = (
             [query_stream]
             if self.settings.query_only
-            else [*self.consumer.ingest_streams, query_stream]
+            else [*self.consumer.ingest_streams, self.consumer.interactive_stream, query_stream]
         )
         log.info(
             "worker started",
@@ -398,14 +412,14 @@ class Worker:
                     entries = await self._next_entries()
                     if entries:
                         self.events.entries_read(stream=entries[0].stream, count=len(entries))
-                        await self._intake(entries, windows)
+                        await self._intake_by_lane(entries, windows)
                     ride.succeeded()
                 except Exception as error:
                     await ride.wait(transient_or_raise(error, System.REDIS))
             # partitions still blocked on when the drain began: what they bring is finished too
             leftover = await self.consumer.finish_waiting()
             if leftover:
-                await self._intake(leftover, windows)
+                await self._intake_by_lane(leftover, windows)
             drained = True
         finally:
             if not drained:
@@ -417,8 +431,25 @@ class Worker:
             return self._reclaimed.get_nowait()
         return await self.consumer.read_ingest(self.batching.read_count, self.settings.block_ms)
 
-    async def _intake(
+    async def _intake_by_lane(
         self, entries: list[StreamEntry], windows: asyncio.Queue[Window | None]
+    ) -> None:
+        """Interactive entries to the compute stage's urgent queue, the rest as a bulk window
+        (a read can bring both: blocking reads on several streams, reclaimed entries)."""
+        interactive = self.consumer.interactive_stream
+        urgent = [entry for entry in entries if entry.stream == interactive]
+        bulk = [entry for entry in entries if entry.stream != interactive]
+        if urgent:
+            await self._intake(urgent, windows, urgent=True)
+        if bulk:
+            await self._intake(bulk, windows)
+
+    async def _intake(
+        self,
+        entries: list[StreamEntry],
+        windows: asyncio.Queue[Window | None],
+        *,
+        urgent: bool = False,
     ) -> None:
         """Entries → one window, made in one call on the tokenizer thread (``_open_window``);
         what it rejects is dead-lettered here, on the event loop, before the window goes on.
@@ -430,26 +461,47 @@ class Worker:
             self._tokenizer_thread, self._open_window, entries
         )
         await self._dead_letter(rejected)
+        await self._drop_expired(window.expired)
         if not window.chunks:
             return
         # ours until written: the reclaimer renews their leases from now on (only once the
         # dead letters are sent, so that entries of a window dropped by a failed send are
         # left for their lease to run out and be read again)
         self.in_flight.hold(window.deliveries)
-        await windows.put(window)
+        if not urgent:
+            await windows.put(window)
+            return
+        # ahead of the bulk windows already queued (_jump_the_queue takes it before the next
+        # batch); an idle compute stage is woken by an empty window
+        await self._urgent.put(window)
+        with contextlib.suppress(asyncio.QueueFull):
+            windows.put_nowait(Window([], [], []))
 
     def _open_window(self, entries: list[StreamEntry]) -> tuple[Window, list[Rejected]]:
         """On the tokenizer thread: entries decoded and validated, prompts chosen, texts
         tokenized, those over the model's maximum set aside (EMBEDFLEET_TRUNCATE=false), the
         rest planned into batches and collated. Returns the window and what to dead-letter."""
         accepted, rejected = decode_entries(entries, self.settings)
+        # a caller past its deadline (a timed-out interactive request) has gone: not embedded
+        now_ms = time.time() * 1000
+        expired = [
+            a.delivery
+            for a in accepted
+            if a.chunk.deadline_ms is not None and a.chunk.deadline_ms < now_ms
+        ]
+        if expired:
+            accepted = [
+                a for a in accepted if a.chunk.deadline_ms is None or a.chunk.deadline_ms >= now_ms
+            ]
         accepted, prompts = self._with_prompts(accepted, rejected)
         if not accepted:
-            return Window([], [], []), rejected
+            return Window([], [], [], expired=expired), rejected
         tokens = self.encoder.tokenize(
             [a.chunk.text for a in accepted], prompts if any(prompts) else None
         )
-        window = Window([a.chunk for a in accepted], [a.delivery for a in accepted], tokens)
+        window = Window(
+            [a.chunk for a in accepted], [a.delivery for a in accepted], tokens, expired=expired
+        )
         window = self._set_aside_overlong(window, rejected)
         if window.chunks:
             window.batches = self._prepare(window)
@@ -500,7 +552,17 @@ class Worker:
             [window.chunks[i] for i in keep],
             [window.deliveries[i] for i in keep],
             [window.tokens[i] for i in keep],
+            expired=window.expired,
         )
+
+    async def _drop_expired(self, expired: list[Delivery]) -> None:
+        """Acknowledge (and delete) entries nobody waits for any more, counted as expired, as
+        the query lane does: answering them would only leave a reply list to expire."""
+        if not expired:
+            return
+        pipe = acknowledgement_pipeline(self.client, self.keys)
+        queue_acknowledgements(pipe, self.keys, expired, counter="expired")
+        await pipe.execute()
 
     async def _dead_letter(self, rejected: list[Rejected]) -> None:
         await self.dead_letters.send(rejected)
@@ -576,7 +638,10 @@ class Worker:
             self.stats.started_at = time.perf_counter()
             while (window := await windows.get()) is not _END:
                 for prepared in window.batches:
+                    await self._jump_the_queue(encoded)
                     await self._encode(window, prepared.planned, encoded, batch=prepared.batch)
+                # (an empty window is how the reader wakes this stage for interactive windows)
+                await self._jump_the_queue(encoded)
                 if windows.empty():
                     # nothing to launch behind the batch in flight: collect it now rather than
                     # hold its results until the next window comes
@@ -587,9 +652,50 @@ class Worker:
                     await asyncio.get_running_loop().run_in_executor(
                         self._model_thread, release_free_memory
                     )
+            await self._jump_the_queue(encoded, read=False)  # what the reader left there
             await self._collect_in_flight(encoded)
         finally:
             await encoded.put(_END)
+
+    async def _jump_the_queue(
+        self, encoded: asyncio.Queue[Encoded | None], *, read: bool = True
+    ) -> None:
+        """Before a bulk batch: interactive entries (large requests someone waits on) are
+        encoded now, ahead of the bulk windows this worker already holds (up to three:
+        reading, queued, computing), so a request waits for one bulk batch, not for those
+        windows. First the windows the reader opened from them (``_urgent``); then, at most
+        every URGENT_CHECK_S, one non-blocking read of the stream, for entries that came while
+        the reader waits on the bulk queue. A Redis fault on that read is left to the reader and
+        the reclaimer: entries read and not held are redelivered after their lease."""
+        while not self._urgent.empty():
+            await self._encode_window(self._urgent.get_nowait(), encoded)
+        now = time.monotonic()
+        if not read or self._stopping.is_set() or now < self._next_urgent_check:
+            return
+        self._next_urgent_check = now + URGENT_CHECK_S
+        try:
+            entries = await self.consumer.read_stream(
+                self.consumer.interactive_stream, self.batching.read_count, None
+            )
+            if not entries:
+                return
+            self.events.entries_read(stream=entries[0].stream, count=len(entries))
+            window, rejected = await asyncio.get_running_loop().run_in_executor(
+                self._tokenizer_thread, self._open_window, entries
+            )
+            await self._dead_letter(rejected)
+            await self._drop_expired(window.expired)
+        except Exception as error:
+            fault = transient_or_raise(error, System.REDIS)
+            log.warning("interactive entries left for the reader", error=fault.detail)
+            return
+        if window.chunks:
+            self.in_flight.hold(window.deliveries)
+            await self._encode_window(window, encoded)
+
+    async def _encode_window(self, window: Window, encoded: asyncio.Queue[Encoded | None]) -> None:
+        for prepared in window.batches:
+            await self._encode(window, prepared.planned, encoded, batch=prepared.batch)
 
     async def _seed_speed(self) -> None:
         """Time one bulk-shaped batch through the bulk path before the first window is read.

@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from embedfleet.gateway import batch_api, openai_api, tei_api
 from embedfleet.gateway.auth import KeyChecker, is_open, load_api_keys
 from embedfleet.gateway.batches import BatchRunner, BatchStore
-from embedfleet.gateway.embedder import Embedder, FleetState
+from embedfleet.gateway.embedder import Embedder, WorkerHeartbeats
 from embedfleet.gateway.errors import EXCEPTION_HANDLERS, APIError, error_response, render
 from embedfleet.gateway.files import FileStore
 from embedfleet.gateway.metrics import GatewayMetrics
@@ -24,8 +24,8 @@ from embedfleet.producer.client import Producer
 from embedfleet.producer.tokens import ModelTokenizer
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.model_path import resolve_model_path
-from embedfleet.shared.redis_conn import connect
-from embedfleet.shared.settings import Settings, SettingsError
+from embedfleet.shared.redis_conn import connect_settings
+from embedfleet.shared.settings import Settings
 
 log = get_logger("embedfleet.gateway")
 
@@ -122,20 +122,13 @@ async def _send_error(
 
 
 def build_gateway(settings: Settings) -> Gateway:
-    if settings.partitions > 1:
-        # large requests and batches await their results on reply lists the workers write in
-        # the same script as the acknowledgement: one slot, so one partition, for now
-        raise SettingsError(
-            f"EMBEDFLEET_PARTITIONS={settings.partitions}: `embedfleet serve` supports one "
-            "partition so far; run the gateway against an unpartitioned namespace"
-        )
     # the tokenizer is read from the model's files (token ids, usage, TEI's length check); what
     # the model is comes from the workers' card (state.py)
     tokenizer = ModelTokenizer(resolve_model_path(settings.model))
-    client = connect(settings.effective_redis_url)
+    client = connect_settings(settings)  # one server, or a Redis Cluster
     producer = Producer(settings, client)
     metrics = GatewayMetrics()
-    fleet = FleetState(client, settings)
+    fleet = WorkerHeartbeats(client, settings)
     return Gateway(
         settings=settings,
         tokenizer=tokenizer,
@@ -154,7 +147,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     gateway = build_gateway(settings)
     files = FileStore(settings.files_dir)
-    store = BatchStore(gateway.client, settings.keys)
+    store = BatchStore(gateway.producer)
     runner = BatchRunner(gateway, files, store)
 
     @contextlib.asynccontextmanager
@@ -212,8 +205,10 @@ def _add_ops_routes(app: FastAPI, gateway: Gateway) -> None:
 
     @app.get("/readyz", include_in_schema=False)
     async def readyz() -> JSONResponse:
-        """Readiness: Redis answers. Live workers are reported, not required: without one the
-        gateway still answers, with 503 on embedding routes."""
+        """Readiness: this gateway serves and its Redis (or cluster) answers, so a request
+        sent here is enqueued. It does not mean a worker is alive: with scale-to-zero, none is
+        until KEDA sees what the gateway enqueued, and a request waits for one within
+        EMBEDFLEET_GATEWAY_TIMEOUT_S. Live workers are reported, for people."""
         try:
             await gateway.client.ping()
             workers = await gateway.fleet.live_workers()

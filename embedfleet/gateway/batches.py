@@ -7,10 +7,13 @@ batch at a time):
 
     validating → in_progress   every line checked as the online endpoint would, the caps too
     validating → failed        a bad line, too many requests or inputs: ``errors`` names them
-    in_progress                the input file's inputs enqueued in slices (cursor saved in the
-                               same MULTI as the XADDs: a restart resumes, never re-sends)
+    in_progress                the input file's inputs enqueued in slices, through the client's
+                               one enqueue path (partitions, backpressure, job counters); the
+                               cursor is saved after each slice, and a slice sent again after
+                               a restart adds nothing (each input id of a job is added once)
     in_progress → finalizing   once the job's counters say every input is done or dead
-    finalizing → completed     output and error files written from the reply list
+    finalizing → completed     output and error files written from the reply lists (one per
+                               partition; the client's collector, producer/replies.py)
     in_progress → expired      the completion window passed: what finished is in the output
                                file, the rest in the error file (``batch_expired``)
     cancelling → cancelled     enqueueing stops; what was sent is finished and written out
@@ -33,7 +36,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import redis.asyncio as aioredis
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
@@ -47,16 +49,10 @@ from embedfleet.gateway.inputs import (
 )
 from embedfleet.gateway.openai_api import EmbeddingRequest, embeddings_response
 from embedfleet.gateway.state import Gateway, wire_options
-from embedfleet.shared.keys import Keys
+from embedfleet.producer.client import Producer
+from embedfleet.producer.replies import Answers, ingest_reply_keys, read_answers
 from embedfleet.shared.logging import get_logger
-from embedfleet.shared.protocol import (
-    PAYLOAD_FIELD,
-    Chunk,
-    ProtocolError,
-    QueryFailedError,
-    decode_result,
-    encode_chunk,
-)
+from embedfleet.shared.protocol import Chunk
 
 log = get_logger("embedfleet.gateway.batches")
 
@@ -251,9 +247,10 @@ def new_batch(
 class BatchStore:
     """Batch records in Redis: the Batch object (JSON) plus the runner's cursor fields."""
 
-    def __init__(self, client: aioredis.Redis, keys: Keys) -> None:
-        self.client = client
-        self.keys = keys
+    def __init__(self, producer: Producer) -> None:
+        self.producer = producer  # job counters are the client's to read (summed over partitions)
+        self.client = producer.client
+        self.keys = producer.keys
 
     async def create(self, batch: dict, lines: int, output_expiry_s: int | None = None) -> None:
         """Record a new batch; ``output_expiry_s``: its output files' expiry (OpenAI's
@@ -292,9 +289,8 @@ class BatchStore:
         fields = await self.fields(batch_id)
         batch = fields["object"]
         if batch["status"] in ACTIVE and fields["inputs"]:
-            counters = await self.client.hgetall(self.keys.job(batch_id))
-            done = int(counters.get(b"done", 0))
-            dead = int(counters.get(b"dead", 0))
+            progress = await self.producer.progress(batch_id)
+            done, dead = progress.done, progress.dead
             # exact when every line has one input (the usual batch); otherwise inputs are
             # scaled to lines until the output is written and the exact counts are known
             scale = fields["cursor"] / fields["inputs"]
@@ -531,9 +527,8 @@ class BatchRunner:
         unless the batch is being cancelled)."""
         if fields["object"]["status"] != "cancelling" and fields["cursor"] < fields["lines"]:
             return False
-        counters = await self.client.hgetall(self.keys.job(batch_id))
-        finished = int(counters.get(b"done", 0)) + int(counters.get(b"dead", 0))
-        return finished >= fields["inputs"]
+        progress = await self.store.producer.progress(batch_id)  # summed over the partitions
+        return progress.done + progress.dead >= fields["inputs"]
 
     def _input_path(self, batch: dict) -> Path:
         """The input file's data; InputFileGone once it was deleted or has expired."""
@@ -570,39 +565,44 @@ class BatchRunner:
         pipe = self.client.pipeline(transaction=True)
         pipe.hset(self.keys.batch(batch["id"]), "object", json.dumps(batch))
         pipe.srem(self.keys.batches_active, batch["id"])
-        pipe.delete(self.keys.reply(batch["id"]))
+        await pipe.execute()
+        # the reply lists are in their partitions' slots, not the batch records': apart (they
+        # expire by themselves should this not happen)
+        pipe = self.client.pipeline(transaction=False)
+        for reply_key in ingest_reply_keys(self.keys, batch["id"]):
+            pipe.delete(reply_key)
         await pipe.execute()
         log.info("batch finished", batch=batch["id"], status=status, **counts)
 
     async def _enqueue_slice(self, batch: dict, fields: dict[str, Any]) -> None:
-        """The next slice of input lines as chunks; XADDs, counters and cursor in one MULTI."""
+        """The next slice of input lines as chunks of the batch's job, through the client's
+        enqueue path; then the cursor. A slice sent again (a restart before the cursor was
+        saved) is added and counted once: its ids and payloads are the same."""
         settings = self.gateway.settings
-        if await self.client.xlen(self.keys.ingest) >= settings.backlog_high_water:
-            return  # backpressure: wait, as Producers do
+        producer = self.store.producer
+        if await producer.backlog() >= settings.backlog_high_water:
+            return  # backpressure: wait, as Producers do (without holding the runner)
         batch_id = batch["id"]
         cursor, offset, inputs = fields["cursor"], fields["offset"], fields["inputs"]
-        pipe = self.client.pipeline(transaction=True)
+        chunks: list[Chunk] = []
         sent_lines = 0
         for end_of_line, raw in self.files.lines(batch["input_file_id"], offset):
             offset = end_of_line
             line = parse_line(raw, self.gateway)  # passed the validating step
             options = wire_options(None, line.dimensions)
             for text in line.texts:
-                chunk = options.apply(
-                    Chunk(id=str(inputs), text=text, job=batch_id, reply=batch_id)
+                chunks.append(
+                    options.apply(Chunk(id=str(inputs), text=text, job=batch_id, reply=batch_id))
                 )
-                pipe.xadd(self.keys.ingest, {PAYLOAD_FIELD: encode_chunk(chunk)})
                 inputs += 1
             sent_lines += 1
             if sent_lines >= LINES_PER_SLICE:
                 break
-        pipe.hincrby(self.keys.job(batch_id), "enqueued", inputs - fields["inputs"])
-        pipe.sadd(self.keys.jobs_index, batch_id)
-        pipe.hset(
+        await producer.enqueue(chunks, job=batch_id)
+        await self.client.hset(
             self.keys.batch(batch_id),
             mapping={"cursor": cursor + sent_lines, "offset": offset, "inputs": inputs},
         )
-        await pipe.execute()
         self.wake.set()  # more to send: come back without waiting a tick
 
     async def _finalize(self, batch: dict, fields: dict[str, Any], outcome: Outcome) -> None:
@@ -611,46 +611,36 @@ class BatchRunner:
         batch_id = batch["id"]
         input_path = self._input_path(batch)
         total_inputs = fields["inputs"]
-        vectors: np.ndarray | None = None
-        seen = np.zeros(total_inputs, dtype=bool)
-        failures: dict[int, str] = {}
-        reply_key = self.keys.reply(batch_id)
-        start = 0
+        # a worker answered if there are vectors: its card gives the rows' width (a line that
+        # asked for fewer dimensions fills the start of its row)
+        card = await self.gateway.model_card()
         with self.files.scratch("vectors") as scratch:
-            while True:
-                page = await self.client.lrange(reply_key, start, start + REPLY_PAGE - 1)
-                for payload in page:
-                    try:
-                        result = decode_result(payload)
-                    except QueryFailedError as error:
-                        with contextlib.suppress(TypeError, ValueError):
-                            failures[int(error.chunk_id)] = str(error.reason)
-                        continue
-                    except ProtocolError as error:
-                        log.warning("bad reply in a batch", batch=batch_id, error=str(error))
-                        continue
-                    if vectors is None:  # on disk, not in memory: a batch can be large
-                        # a worker answered: its model card is published
-                        card = await self.gateway.require_card()
-                        vectors = np.lib.format.open_memmap(
-                            scratch,
-                            mode="w+",
-                            dtype="<f2",
-                            shape=(total_inputs, card.dim),
-                        )
-                    index = int(result.id)
-                    # a line that asked for fewer dimensions got that many from the worker
-                    vectors[index, : result.dim] = result.vector
-                    seen[index] = True
-                if len(page) < REPLY_PAGE:
-                    break
-                start += REPLY_PAGE
+            answers = Answers(
+                total_inputs,
+                # on disk, not in memory: a batch can be large
+                lambda count, width, dtype: np.lib.format.open_memmap(
+                    scratch, mode="w+", dtype="<f2", shape=(count, card.dim if card else width)
+                ),
+            )
+            unreadable = await read_answers(
+                self.client, ingest_reply_keys(self.keys, batch_id), answers, REPLY_PAGE
+            )
+            if unreadable:
+                log.warning("bad replies in a batch", batch=batch_id, count=unreadable)
+            failures = {index: str(error.reason) for index, error in answers.failures.items()}
             try:
                 counts, output, errors = await asyncio.to_thread(
-                    self._write_files, batch, fields, input_path, vectors, seen, failures, outcome
+                    self._write_files,
+                    batch,
+                    fields,
+                    input_path,
+                    answers.vectors,
+                    answers.succeeded,
+                    failures,
+                    outcome,
                 )
             finally:
-                del vectors  # the memmap's file is open until then
+                answers.vectors = None  # the memmap's file is open until then
         await self._end(batch, outcome, counts, output, errors)
 
     def _write_files(

@@ -27,7 +27,7 @@ class GatewayMetrics:
         )
         self.inputs = Counter(
             "embedfleet_gateway_inputs",
-            "Texts embedded for HTTP requests, by lane (query or ingest)",
+            "Texts embedded for HTTP requests, by lane (query or interactive)",
             ["lane"],
             registry=self.registry,
         )

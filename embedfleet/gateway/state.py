@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 from fastapi import Depends, Request
 
 from embedfleet.gateway.auth import KeyChecker
-from embedfleet.gateway.embedder import Embedder, FleetState
+from embedfleet.gateway.embedder import Embedder, WorkerHeartbeats
 from embedfleet.gateway.errors import APIError
 from embedfleet.gateway.metrics import GatewayMetrics
 from embedfleet.producer.client import EmbeddingOptions, Producer
@@ -52,7 +52,7 @@ class Gateway:
     tokenizer: ModelTokenizer
     client: aioredis.Redis
     producer: Producer
-    fleet: FleetState
+    fleet: WorkerHeartbeats  # informative: requests are enqueued with or without a worker
     embedder: Embedder
     keys: KeyChecker
     metrics: GatewayMetrics

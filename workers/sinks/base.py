@@ -129,8 +129,18 @@ def queue_acknowledgements(
         )
     for stream, triples in by_stream.items():
         owner = keys.owner_of(stream)  # the partition (or query lane) the stream belongs to
-        pipe.eval(
-            ACK_SCRIPT, 2, stream, owner.results, owner.group, counter, owner.job(""), *triples
+        # EVAL by name, not pipe.eval(): redis-py's blocking cluster pipeline (the query lane's
+        # answers on a Redis Cluster) implements no eval(), and routes EVAL by its keys
+        pipe.execute_command(
+            "EVAL",
+            ACK_SCRIPT,
+            2,
+            stream,
+            owner.results,
+            owner.group,
+            counter,
+            owner.job(""),
+            *triples,
         )
 
 

@@ -1,7 +1,8 @@
 """Results that go back to whoever asked: the gateway's reply lists, not the vector sink.
 
-An ingest chunk that carries ``reply`` was sent by someone waiting for its vector (the HTTP
-gateway's large requests and batches). Its result is pushed onto that caller's reply list instead
+A chunk of the interactive or an ingest stream that carries ``reply`` was sent by someone
+waiting for its vector (``Producer.embed_texts``, the HTTP gateway's large requests and Batch
+API batches). Its result is pushed onto that caller's reply list instead
 of the configured sink: a gateway request must not write rows into the user's vector database,
 and the gateway must get vectors back whichever sink the fleet writes to.
 
@@ -13,11 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import redis
 import redis.asyncio as aioredis
 
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import Result, encode_result
-from embedfleet.workers.sinks.base import Delivery, acknowledging_script
+from embedfleet.workers.sinks.base import (
+    Delivery,
+    acknowledgement_pipeline,
+    acknowledging_script,
+)
 
 # ARGV: group, counter, job-key prefix, reply-key prefix, ttl, then (entry, job, reply, payload)
 REPLY_ACK_SCRIPT = acknowledging_script(
@@ -30,7 +36,7 @@ REPLY_ACK_SCRIPT = acknowledging_script(
 
 
 def queue_replies(
-    pipe: aioredis.client.Pipeline,
+    pipe: aioredis.client.Pipeline | redis.client.Pipeline,
     keys: Keys,
     deliveries: Sequence[Delivery],
     replies: Sequence[str],
@@ -39,21 +45,29 @@ def queue_replies(
     ttl_s: int,
 ) -> None:
     """Acknowledge ``deliveries`` and push each payload to its reply list, in one script call
-    per stream; the job counter ``counter`` counts only what was acknowledged here."""
+    per stream; the job counter ``counter`` counts only what was acknowledged here. The one
+    writer of answers: the bulk path's (``ReplyListWriter``) and the query lane's, from the
+    model thread on a blocking pipeline.
+
+    Job counters and reply lists are those of the stream's own key set (its partition's, or
+    the query lane's for the interactive stream), in the stream's slot, which is where the
+    collector (producer/replies.py) looks for them."""
     by_stream: dict[str, list[str | bytes]] = {}
     for delivery, reply, payload in zip(deliveries, replies, payloads, strict=True):
         by_stream.setdefault(delivery.stream, []).extend(
             [delivery.entry_id, delivery.job or "", reply, payload]
         )
     for stream, quads in by_stream.items():
-        pipe.eval(
+        owner = keys.owner_of(stream)
+        pipe.execute_command(  # EVAL by name: see queue_acknowledgements
+            "EVAL",
             REPLY_ACK_SCRIPT,
             1,
             stream,
-            keys.group,
+            owner.group,
             counter,
-            keys.job(""),
-            keys.reply(""),
+            owner.job(""),
+            owner.reply(""),
             str(ttl_s),
             *quads,
         )
@@ -70,7 +84,7 @@ class ReplyListWriter:
     async def write(
         self, results: Sequence[Result], deliveries: Sequence[Delivery], replies: Sequence[str]
     ) -> None:
-        pipe = self.client.pipeline(transaction=True)
+        pipe = acknowledgement_pipeline(self.client, self.keys)
         payloads = [encode_result(result) for result in results]
         queue_replies(pipe, self.keys, deliveries, replies, payloads, "done", self.ttl_s)
         await pipe.execute()
