@@ -51,6 +51,7 @@ from embedfleet.gateway.openai_api import EmbeddingRequest, embeddings_response
 from embedfleet.gateway.state import Gateway, wire_options
 from embedfleet.producer.client import Producer
 from embedfleet.producer.replies import Answers, ingest_reply_keys, read_answers
+from embedfleet.shared import scripts
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import Chunk
 
@@ -66,11 +67,7 @@ SHOWN_LINE_ERRORS = 100  # errors.data entries a failed batch keeps (its object 
 RETRY_MAX_S = 30.0  # a faulting batch is retried after TICK_S, doubling up to this
 MAX_UNEXPECTED_FAULTS = 5  # consecutive unexplained errors before a batch is failed
 SWEEP_EVERY_S = 10.0  # expired files and stale temporaries removed this often
-# Release the lease only if it is still ours (it may have expired and been taken).
-RELEASE_SCRIPT = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
+RELEASE_SCRIPT = scripts.load("release_lease")  # only if it is still ours
 
 
 @dataclass(frozen=True)

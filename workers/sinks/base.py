@@ -19,6 +19,7 @@ from typing import TypeVar
 import redis
 import redis.asyncio as aioredis
 
+from embedfleet.shared import scripts
 from embedfleet.shared.fault_kinds import System
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import Result
@@ -68,44 +69,45 @@ class Sink(abc.ABC):
         """Release connections; the default sink has nothing of its own."""
 
 
-# The core of every acknowledging script: XACK entries one by one and, only for those this call
-# really acknowledged, XDEL them, count them for their job and run what the caller adds. When a
-# slow worker and the one that reclaimed its entries both finish the same entry, the second XACK
-# returns 0, so the job counter and whatever the caller writes (a result, a reply) see the entry
-# once. Job keys are built from ARGV; with a hash tag in the namespace they share the streams'
-# slot, as the MULTI/EXEC around this needs anyway; with partitions each partition's keys share
-# its hash tag.
-_ACKNOWLEDGING_SCRIPT = """
-local acked = 0
-for i = {first}, #ARGV, {step} do
-  local entry = ARGV[i]
-  if redis.call('XACK', KEYS[1], ARGV[1], entry) == 1 then
-    redis.call('XDEL', KEYS[1], entry)
-    if ARGV[i + 1] ~= '' then redis.call('HINCRBY', ARGV[3] .. ARGV[i + 1], ARGV[2], 1) end
-{then}
-    acked = acked + 1
-  end
-end
-return acked
-"""
+# XACK + XDEL + job counter + the answer, for what this call really acknowledged
+ACK_SCRIPT = scripts.load("acknowledge")  # shared/scripts/acknowledge.lua
 
 
-def acknowledging_script(*, first: int, step: int, then: str) -> str:
-    """The Lua acknowledging script with ``then`` run for each entry it acknowledged.
+def queue_acknowledgement_script(
+    pipe: aioredis.client.Pipeline | redis.client.Pipeline,
+    keys: Keys,
+    deliveries: Sequence[Delivery],
+    counter: str,
+    replies: Sequence[str],
+    payloads: Sequence[bytes],
+    reply_ttl_s: int = 0,
+) -> None:
+    """One acknowledge.lua call per stream of ``deliveries``: each entry acknowledged, counted
+    in ``counter`` of its job, and its payload ('' for none) pushed to its reply list ('' for
+    none: to the results stream), only if this call acknowledged it.
 
-    KEYS[1] is the stream; ARGV[1] the group, ARGV[2] the job counter, ARGV[3] the job-key
-    prefix, and the entries start at ARGV[``first``], ``step`` arguments each: the entry id,
-    its job ('' for none), then what ``then`` reads (ARGV[i + 2], ...).
-    """
-    return _ACKNOWLEDGING_SCRIPT.format(first=first, step=step, then=then)
-
-
-# ARGV after the entry and its job: the result to XADD to the results stream (KEYS[2]), if any
-ACK_SCRIPT = acknowledging_script(
-    first=4,
-    step=3,
-    then="    if ARGV[i + 2] ~= '' then redis.call('XADD', KEYS[2], '*', 'm', ARGV[i + 2]) end",
-)
+    EVAL by name, not pipe.eval(): redis-py's blocking cluster pipeline (the query lane's answers
+    on a Redis Cluster) implements no eval(), and routes EVAL by its keys."""
+    by_stream: dict[str, list[str | bytes]] = {}
+    for delivery, reply, payload in zip(deliveries, replies, payloads, strict=True):
+        by_stream.setdefault(delivery.stream, []).extend(
+            [delivery.entry_id, delivery.job or "", reply, payload]
+        )
+    for stream, quads in by_stream.items():
+        owner = keys.owner_of(stream)  # the partition (or query lane) the stream belongs to
+        pipe.execute_command(
+            "EVAL",
+            ACK_SCRIPT,
+            2,
+            stream,
+            owner.results,
+            owner.group,
+            counter,
+            owner.job(""),
+            owner.reply(""),
+            str(reply_ttl_s),
+            *quads,
+        )
 
 
 def queue_acknowledgements(
@@ -121,27 +123,10 @@ def queue_acknowledgements(
     Deleting only delivered, acknowledged entries keeps the group's lag exact, which KEDA reads.
     Works on an asyncio or a blocking pipeline (the query lane replies from the model thread).
     """
-    by_stream: dict[str, list[str | bytes]] = {}
-    for index, delivery in enumerate(deliveries):
-        payload = payloads[index] if payloads is not None else b""
-        by_stream.setdefault(delivery.stream, []).extend(
-            [delivery.entry_id, delivery.job or "", payload]
-        )
-    for stream, triples in by_stream.items():
-        owner = keys.owner_of(stream)  # the partition (or query lane) the stream belongs to
-        # EVAL by name, not pipe.eval(): redis-py's blocking cluster pipeline (the query lane's
-        # answers on a Redis Cluster) implements no eval(), and routes EVAL by its keys
-        pipe.execute_command(
-            "EVAL",
-            ACK_SCRIPT,
-            2,
-            stream,
-            owner.results,
-            owner.group,
-            counter,
-            owner.job(""),
-            *triples,
-        )
+    none = [""] * len(deliveries)
+    queue_acknowledgement_script(
+        pipe, keys, deliveries, counter, none, payloads if payloads is not None else none
+    )
 
 
 def acknowledgement_pipeline(client: aioredis.Redis, keys: Keys) -> aioredis.client.Pipeline:

@@ -22,16 +22,7 @@ from embedfleet.shared.protocol import Result, encode_result
 from embedfleet.workers.sinks.base import (
     Delivery,
     acknowledgement_pipeline,
-    acknowledging_script,
-)
-
-# ARGV: group, counter, job-key prefix, reply-key prefix, ttl, then (entry, job, reply, payload)
-REPLY_ACK_SCRIPT = acknowledging_script(
-    first=6,
-    step=4,
-    then="""    local reply = ARGV[4] .. ARGV[i + 2]
-    redis.call('RPUSH', reply, ARGV[i + 3])
-    redis.call('EXPIRE', reply, tonumber(ARGV[5]))""",
+    queue_acknowledgement_script,
 )
 
 
@@ -52,25 +43,7 @@ def queue_replies(
     Job counters and reply lists are those of the stream's own key set (its partition's, or
     the query lane's for the interactive stream), in the stream's slot, which is where the
     collector (producer/replies.py) looks for them."""
-    by_stream: dict[str, list[str | bytes]] = {}
-    for delivery, reply, payload in zip(deliveries, replies, payloads, strict=True):
-        by_stream.setdefault(delivery.stream, []).extend(
-            [delivery.entry_id, delivery.job or "", reply, payload]
-        )
-    for stream, quads in by_stream.items():
-        owner = keys.owner_of(stream)
-        pipe.execute_command(  # EVAL by name: see queue_acknowledgements
-            "EVAL",
-            REPLY_ACK_SCRIPT,
-            1,
-            stream,
-            owner.group,
-            counter,
-            owner.job(""),
-            owner.reply(""),
-            str(ttl_s),
-            *quads,
-        )
+    queue_acknowledgement_script(pipe, keys, deliveries, counter, replies, payloads, ttl_s)
 
 
 class ReplyListWriter:
