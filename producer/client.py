@@ -439,8 +439,8 @@ class Producer:
         self,
         texts: Sequence[str],
         *,
-        timeout: float = 60.0,
         options: EmbeddingOptions | None = None,
+        timeout: float = 60.0,
     ) -> np.ndarray:
         """Embed many texts for someone waiting, ahead of any bulk backlog; shape
         (len(texts), dim).

@@ -1,18 +1,25 @@
-"""Running the gateway for tests: uvicorn on a free port in a thread, with its own loop."""
+"""Running the gateway for tests: uvicorn on a free port in a thread, with its own loop; the
+worker a module's gateway tests share; the parity measure they use."""
 
 from __future__ import annotations
 
 import contextlib
+import signal
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 
 import httpx
+import numpy as np
+import pytest
 import uvicorn
 
 from embedfleet.gateway.app import create_app
 from embedfleet.server import free_port
 from embedfleet.shared.settings import Settings
+from embedfleet.workers.precision import cosines
+from tests.conftest import WorkerLauncher, WorkerProcess, shared_encoder
 
 
 @contextlib.contextmanager
@@ -45,3 +52,38 @@ def wait_for_worker(base_url: str, timeout: float = 300.0) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError("no worker became live")
             time.sleep(0.1)
+
+
+def gateway_worker(
+    settings: Settings, tmp_path_factory: pytest.TempPathFactory, name: str
+) -> Iterator[WorkerProcess]:
+    """One worker process for a module's gateway tests (a module-scoped fixture yields from it).
+
+    Eager queries: the frozen query graph takes a minute to build on a small shared CPU."""
+    workers = WorkerLauncher(settings, shared_encoder, tmp_path_factory.mktemp("workers"))
+    process = workers.process(
+        f"{name}-worker-{uuid.uuid4().hex[:6]}", settings, EMBEDFLEET_FROZEN_QUERIES="false"
+    )
+    yield process
+    process.send_signal(signal.SIGCONT)  # in case a test stopped it and then failed
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=120)
+    workers.stop_all()
+
+
+def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """The lowest row-wise cosine of two (n, dim) arrays (one row: a vector)."""
+    return float(cosines(np.atleast_2d(b), np.atleast_2d(a)).min())
+
+
+def module_worker(name: str):
+    """The module-scoped ``worker`` fixture of a gateway test module (``fleet_settings`` its
+    settings): ``worker = module_worker("gw")``."""
+
+    @pytest.fixture(scope="module", name="worker")
+    def worker(
+        fleet_settings: Settings, tmp_path_factory: pytest.TempPathFactory
+    ) -> Iterator[WorkerProcess]:
+        yield from gateway_worker(fleet_settings, tmp_path_factory, name)
+
+    return worker

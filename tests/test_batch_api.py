@@ -13,7 +13,7 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -26,8 +26,8 @@ from embedfleet.gateway.files import STALE_TEMP_S, FileStore
 from embedfleet.server import ServerProcess
 from embedfleet.shared.settings import Settings
 from loadtest.common import isolated_settings
-from tests.conftest import WorkerLauncher, WorkerProcess, shared_encoder
-from tests.gateway_support import running_gateway, wait_for_worker
+from tests.conftest import WorkerProcess
+from tests.gateway_support import module_worker, running_gateway, wait_for_worker
 
 MODEL = "all-MiniLM-L6-v2"
 FINAL = ("completed", "failed", "expired", "cancelled")
@@ -43,20 +43,7 @@ def fleet_settings(redis_server: ServerProcess, tmp_path_factory: pytest.TempPat
     )
 
 
-@pytest.fixture(scope="module")
-def worker(
-    fleet_settings: Settings, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[WorkerProcess]:
-    workers = WorkerLauncher(fleet_settings, shared_encoder, tmp_path_factory.mktemp("workers"))
-    # the frozen query graph takes a minute to build on a small shared CPU; eager is enough here
-    process = workers.process(
-        f"ba-worker-{uuid.uuid4().hex[:6]}", fleet_settings, EMBEDFLEET_FROZEN_QUERIES="false"
-    )
-    yield process
-    process.send_signal(signal.SIGCONT)  # in case a test stopped it and then failed
-    process.send_signal(signal.SIGTERM)
-    process.wait(timeout=120)
-    workers.stop_all()
+worker = module_worker("ba")
 
 
 Gateway = Callable[..., AbstractContextManager[openai.OpenAI]]

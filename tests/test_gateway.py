@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -24,8 +23,7 @@ from embedfleet.shared.model_path import resolve_model_path
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
 from loadtest.common import isolated_settings
-from tests.conftest import WorkerLauncher, WorkerProcess, shared_encoder
-from tests.gateway_support import running_gateway, wait_for_worker
+from tests.gateway_support import min_cosine, module_worker, running_gateway, wait_for_worker
 
 API_KEY = "sk-test-" + uuid.uuid4().hex
 TEXTS = [
@@ -50,19 +48,7 @@ def fleet_settings(redis_server: ServerProcess, tmp_path_factory: pytest.TempPat
     )
 
 
-@pytest.fixture(scope="module")
-def worker(
-    fleet_settings: Settings, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[WorkerProcess]:
-    workers = WorkerLauncher(fleet_settings, shared_encoder, tmp_path_factory.mktemp("workers"))
-    # the frozen query graph takes a minute to build on a small shared CPU; eager is enough here
-    process = workers.process(
-        f"gw-worker-{uuid.uuid4().hex[:6]}", fleet_settings, EMBEDFLEET_FROZEN_QUERIES="false"
-    )
-    yield process
-    process.send_signal(signal.SIGTERM)
-    process.wait(timeout=60)
-    workers.stop_all()
+worker = module_worker("gw")
 
 
 @pytest.fixture(scope="module")
@@ -84,13 +70,6 @@ def reference():
 @pytest.fixture
 def client(gateway: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{gateway}/v1", api_key=API_KEY, max_retries=0)
-
-
-def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
-    return float(cos.min())
 
 
 def test_one_string_matches_sentence_transformers(client: openai.OpenAI, reference) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import json
-import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -24,8 +23,8 @@ from embedfleet.server import ServerProcess
 from embedfleet.shared.model_path import resolve_model_path
 from embedfleet.shared.settings import Settings
 from loadtest.common import isolated_settings
-from tests.conftest import WorkerLauncher, WorkerProcess, _server_binary, shared_encoder
-from tests.gateway_support import running_gateway, wait_for_worker
+from tests.conftest import WorkerProcess, _server_binary
+from tests.gateway_support import min_cosine, module_worker, running_gateway, wait_for_worker
 
 API_KEY = "sk-clients-" + uuid.uuid4().hex
 MODEL = "all-MiniLM-L6-v2"
@@ -51,19 +50,7 @@ def fleet_settings(redis_server: ServerProcess, tmp_path_factory: pytest.TempPat
     )
 
 
-@pytest.fixture(scope="module")
-def worker(
-    fleet_settings: Settings, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[WorkerProcess]:
-    workers = WorkerLauncher(fleet_settings, shared_encoder, tmp_path_factory.mktemp("workers"))
-    # eager queries: the frozen query graph takes a minute to build on a small shared CPU
-    process = workers.process(
-        f"gc-worker-{uuid.uuid4().hex[:6]}", fleet_settings, EMBEDFLEET_FROZEN_QUERIES="false"
-    )
-    yield process
-    process.send_signal(signal.SIGTERM)
-    process.wait(timeout=60)
-    workers.stop_all()
+worker = module_worker("gc")
 
 
 @pytest.fixture(scope="module")
@@ -103,13 +90,6 @@ def hub_online(monkeypatch: pytest.MonkeyPatch) -> None:
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-
-
-def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
-    a = np.atleast_2d(np.asarray(a, dtype=np.float64))
-    b = np.atleast_2d(np.asarray(b, dtype=np.float64))
-    cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
-    return float(cos.min())
 
 
 def long_text_with_a_different_end() -> tuple[str, str]:

@@ -28,7 +28,7 @@ from embedfleet.shared.settings import Settings
 from loadtest.common import isolated_settings
 from tests import model_zoo
 from tests.conftest import WorkerLauncher
-from tests.gateway_support import running_gateway
+from tests.gateway_support import min_cosine, running_gateway
 
 TEXTS = [
     "How do I open a file in Python?",
@@ -39,13 +39,6 @@ TEXTS = [
     "Dictionaries map keys to values.",
 ]
 DENSE_DIM = 128  # MiniLM's hidden size is 384
-
-
-def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
-    return float(cos.min())
 
 
 @pytest.fixture(scope="module")

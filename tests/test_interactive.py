@@ -22,18 +22,11 @@ from embedfleet.shared.settings import Settings
 from embedfleet.shared.streams import find_group
 from loadtest.common import isolated_settings
 from tests.conftest import WorkerLauncher, reference_model, shared_encoder, until
-from tests.gateway_support import running_gateway
+from tests.gateway_support import min_cosine, running_gateway
 
 pytestmark = pytest.mark.timeout(900)
 SMALL = ["How do I open a file in Python?", "Redis streams make a durable queue."]
 LARGE = [f"an input of a large request, number {n}, about embeddings" for n in range(24)]
-
-
-def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
-    return float(cos.min())
 
 
 async def test_requests_wait_for_a_worker_that_starts_after_they_are_enqueued(

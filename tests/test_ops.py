@@ -362,7 +362,12 @@ async def _known_state(settings: Settings, client: aioredis.Redis) -> list[bytes
         read += [entry_id for entry_id, _ in reply[0][1]]
     await client.xadd(
         settings.keys.dead,
-        {"reason": "not msgpack: test", "stream": settings.keys.ingest, "entry_id": "1-1"},
+        {
+            "reason": "not_msgpack",
+            "detail": "test",
+            "stream": settings.keys.ingest,
+            "entry_id": "1-1",
+        },
     )
     return read
 
@@ -395,7 +400,12 @@ async def test_status_json_agrees_with_xinfo_and_xpending(
     assert data["streams"]["query"]["lag"] == 0 and data["streams"]["query"]["consumers"] == []
     assert data["streams"]["results"]["length"] == 0
     assert data["dead_letters"]["count"] == 1
-    assert data["dead_letters"]["latest"][0]["reason"] == "not msgpack: test"
+    latest = data["dead_letters"]["latest"][0]
+    assert (latest["reason"], latest["detail"], latest["entry_id"]) == (
+        "not_msgpack",
+        "test",
+        "1-1",
+    )
     assert data["jobs"] == [{"job": "st", "enqueued": 40, "done": 0, "dead": 0, "remaining": 40}]
     assert data["backlog"] == 40 and data["throughput"]["per_s"] is None
 
@@ -406,7 +416,7 @@ async def test_status_json_agrees_with_xinfo_and_xpending(
     assert ingest_row.split()[1:5] == [settings.keys.ingest, "40", "23", "17"]
     assert any(line.split()[:3] == ["alpha", "12", "0"] for line in lines), text.stdout
     assert any(line.split()[:2] == ["st", "40"] for line in lines), text.stdout
-    assert "not msgpack: test" in text.stdout
+    assert "not_msgpack" in text.stdout
 
 
 async def test_status_throughput_counts_acknowledged_entries(

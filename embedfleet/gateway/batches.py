@@ -42,9 +42,8 @@ from redis.exceptions import RedisError
 from embedfleet.gateway.errors import APIError
 from embedfleet.gateway.files import FileStore
 from embedfleet.gateway.inputs import (
-    as_texts,
     check_dimensions,
-    check_limits,
+    prepare,
     unit_vectors,
 )
 from embedfleet.gateway.openai_api import EmbeddingRequest, embeddings_response
@@ -114,13 +113,7 @@ def parse_line(raw: bytes, gateway: Gateway) -> BatchLine:
     gateway.check_model(body.model, "body.model")
     card = gateway.known_card  # None before any worker published: the worker checks
     check_dimensions(body.dimensions, card.dim if card is not None else None)
-    texts = as_texts(
-        body.input,
-        gateway.tokenizer,
-        "body.input",
-        accept_token_ids=gateway.settings.gateway_accept_token_ids,
-    )
-    check_limits(texts, gateway.settings, "body.input")
+    texts = prepare(body.input, gateway.tokenizer, gateway.settings, "body.input")
     return BatchLine(custom_id, texts, body.encoding_format, body.dimensions)
 
 
@@ -626,39 +619,27 @@ class BatchRunner:
                 log.warning("bad replies in a batch", batch=batch_id, count=unreadable)
             failures = {index: str(error.reason) for index, error in answers.failures.items()}
             try:
-                counts, output, errors = await asyncio.to_thread(
-                    self._write_files,
-                    batch,
-                    fields,
-                    input_path,
-                    answers.vectors,
-                    answers.succeeded,
-                    failures,
-                    outcome,
-                )
+                with (
+                    self.files.scratch("output") as output_path,
+                    self.files.scratch("errors") as error_path,
+                ):
+                    counts, output, errors = await asyncio.to_thread(
+                        self._write_files,
+                        batch,
+                        fields,
+                        input_path,
+                        answers.vectors,
+                        answers.succeeded,
+                        failures,
+                        outcome,
+                        output_path,
+                        error_path,
+                    )
             finally:
                 answers.vectors = None  # the memmap's file is open until then
         await self._end(batch, outcome, counts, output, errors)
 
     def _write_files(
-        self,
-        batch: dict,
-        fields: dict[str, Any],
-        input_path: Path,
-        vectors: np.ndarray | None,
-        seen: np.ndarray,
-        failures: dict[int, str],
-        outcome: Outcome,
-    ) -> tuple[dict[str, int], str | None, str | None]:
-        with (
-            self.files.scratch("output") as output_path,
-            self.files.scratch("errors") as error_path,
-        ):
-            return self._write_files_to(
-                batch, fields, input_path, vectors, seen, failures, outcome, output_path, error_path
-            )
-
-    def _write_files_to(
         self,
         batch: dict,
         fields: dict[str, Any],

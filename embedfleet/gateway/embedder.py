@@ -88,26 +88,20 @@ class Embedder:
     async def embed(self, texts: Sequence[str], options: EmbeddingOptions) -> np.ndarray:
         """float32 vectors (len(texts), dim) as the workers return them (fp16 on the wire)."""
         lane = self.keys.query_lane
-        if len(texts) <= self.settings.gateway_lane_max_inputs:
-            await self._refuse_when_full(
-                "query lane",
-                await self.client.xlen(lane.query),
-                self.settings.gateway_lane_high_water,
-                "EMBEDFLEET_GATEWAY_LANE_HIGH_WATER",
-            )
-            self.metrics.inputs.labels("query").inc(len(texts))
-            call = self.producer.embed_queries
+        settings = self.settings
+        if len(texts) <= settings.gateway_lane_max_inputs:
+            label, stream, call = "query", lane.query, self.producer.embed_queries
+            bound = ("query lane", settings.gateway_lane_high_water, "GATEWAY_LANE_HIGH_WATER")
         else:
             # the interactive stream is bounded like a backlog; the bulk backlog itself does
             # not hold a request up, so it does not refuse one either
-            await self._refuse_when_full(
-                "interactive stream",
-                await self.client.xlen(lane.interactive),
-                self.settings.backlog_high_water,
-                "EMBEDFLEET_BACKLOG_HIGH_WATER",
-            )
-            self.metrics.inputs.labels("interactive").inc(len(texts))
-            call = self.producer.embed_texts
+            label, stream, call = "interactive", lane.interactive, self.producer.embed_texts
+            bound = ("interactive stream", settings.backlog_high_water, "BACKLOG_HIGH_WATER")
+        what, high_water, variable = bound
+        await self._refuse_when_full(
+            what, await self.client.xlen(stream), high_water, f"EMBEDFLEET_{variable}"
+        )
+        self.metrics.inputs.labels(label).inc(len(texts))
         try:
             return await call(list(texts), timeout=self.settings.gateway_timeout_s, options=options)
         except QueryTimeoutError as error:

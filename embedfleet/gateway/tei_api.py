@@ -16,10 +16,10 @@ from embedfleet.gateway.errors import APIError
 from embedfleet.gateway.inputs import (
     EmbeddingInput,
     TruncationDirection,
-    as_texts,
     check_dimensions,
     check_limits,
     fit_to_model,
+    prepare,
     unit_vectors,
 )
 from embedfleet.gateway.state import GatewayDep, wire_options
@@ -56,13 +56,7 @@ async def embed(body: EmbedRequest, gateway: GatewayDep) -> list[list[float]]:
     card = await gateway.model_card()  # None before any worker started: checked afterwards
     check_dimensions(body.dimensions, card.dim if card is not None else None)
     normalize = True if body.normalize is None else body.normalize
-    texts = as_texts(
-        body.inputs,
-        gateway.tokenizer,
-        "inputs",
-        accept_token_ids=gateway.settings.gateway_accept_token_ids,
-    )
-    check_limits(texts, gateway.settings, "inputs")
+    texts = prepare(body.inputs, gateway.tokenizer, gateway.settings, "inputs")
     prompt = ""
     if card is not None:
         prompt = _check_against_card(card, body, normalize)
