@@ -102,9 +102,12 @@ _NETWORK_ERRNOS = frozenset(
     }
 )
 
-# Redis replies that mean "not now": loading, failing over, cluster resharding, out of memory.
+# Redis replies that mean "not now": loading, failing over, cluster resharding, out of memory
+# (with maxmemory-policy noeviction, a write waits until consumers drain the backlog or a
+# person raises maxmemory; nothing is lost by waiting).
 _REDIS_TRANSIENT = (
     redis_errors.ConnectionError,
+    redis_errors.OutOfMemoryError,  # redis-py strips the reply's "OOM" prefix
     redis_errors.TimeoutError,
     redis_errors.BusyLoadingError,
     redis_errors.TryAgainError,
@@ -115,6 +118,9 @@ _REDIS_TRANSIENT = (
     redis_errors.AskError,  # also MOVED: a slot migrating
 )
 _REDIS_TRANSIENT_REPLIES = ("OOM ", "LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "READONLY")
+# The OOM reply's words, wherever redis-py puts them (a pipeline's error says which command
+# first, a script's error comes as a plain ResponseError)
+_REDIS_OOM_TEXT = "command not allowed when used memory > 'maxmemory'"
 _REDIS_WORKER = (
     redis_errors.AuthenticationError,
     redis_errors.AuthorizationError,
@@ -207,8 +213,8 @@ def _redis_kind(error: redis_errors.RedisError) -> FaultKind:
         return FaultKind.WORKER
     if isinstance(error, _REDIS_TRANSIENT):
         return FaultKind.TRANSIENT
-    if isinstance(error, redis_errors.ResponseError) and str(error).startswith(
-        _REDIS_TRANSIENT_REPLIES
+    if isinstance(error, redis_errors.ResponseError) and (
+        str(error).startswith(_REDIS_TRANSIENT_REPLIES) or _REDIS_OOM_TEXT in str(error)
     ):
         return FaultKind.TRANSIENT
     return FaultKind.WORKER
