@@ -378,6 +378,20 @@ async def test_enqueue_waits_while_redis_is_out_of_memory(full_server: ServerPro
     assert (outages.downs, outages.backs) == (1, 1)
 
 
+async def test_a_client_that_gives_up_on_a_full_redis_says_it_is_full(
+    full_server: ServerProcess,
+) -> None:
+    settings = isolated_settings(full_server.url, redis_retry_s=0.5)
+    other = connect(settings.effective_redis_url)
+    async with Producer(settings, on_outage=Outages()) as producer:
+        await producer.progress("full")
+        await fill_up(other)
+        with pytest.raises(RedisUnavailableError, match="maxmemory") as raised:
+            await producer.enqueue(chunks_of(3, "full"), job="full")
+    await other.aclose()
+    assert "refused writes" in str(raised.value) and "drain the backlog" in str(raised.value)
+
+
 # --- following a job, reading results, queries ----------------------------------------------------
 async def test_wait_for_job_rides_out_a_sigkill(aof: AofRedis, aof_workers: WorkerLauncher) -> None:
     outages = Outages()
