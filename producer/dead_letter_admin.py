@@ -5,7 +5,8 @@ came from, once its cause is fixed. One Lua script per letter writes the new ent
 job's count from ``dead`` back to pending and deletes the dead letter, atomically: the dead
 entry disappears only with the new entry written, and two replays racing cannot both send it
 (the second finds the letter gone). Were a chunk sent twice anyway, ids are idempotency keys:
-every sink upserts by id.
+every sink upserts by id. A replay sends only the letters there when it starts: one that fails
+again comes back as a new letter, for the next replay.
 
 Queries are not replayed (their caller has gone), nor letters that kept only a prefix of their
 payload (over ``EMBEDFLEET_DEAD_PAYLOAD_MAX_BYTES``) or had none: they are listed as skipped.
@@ -89,14 +90,21 @@ class DeadLetterStore:
         async for _, letter in self._letters(filters):
             yield letter
 
-    async def _letters(self, filters: Filters) -> AsyncIterator[tuple[Keys, DeadLetter]]:
+    async def _letters(
+        self, filters: Filters, upto: dict[str, str] | None = None
+    ) -> AsyncIterator[tuple[Keys, DeadLetter]]:
+        """``upto``: the last id to read of each dead stream (one missing: none of it); None
+        reads each to its end, as it grows."""
         for owner in self.sets:
+            last = "+" if upto is None else upto.get(owner.dead)
+            if last is None:
+                continue
             start = "-"
             while True:
                 page = await self._call(
                     "read the dead letters",
-                    lambda owner=owner, start=start: self.client.xrange(
-                        owner.dead, min=start, max="+", count=PAGE
+                    lambda owner=owner, start=start, last=last: self.client.xrange(
+                        owner.dead, min=start, max=last, count=PAGE
                     ),
                 )
                 for dead_id, fields in page:
@@ -106,6 +114,19 @@ class DeadLetterStore:
                 if len(page) < PAGE:
                     break
                 start = "(" + letter.dead_id  # the page's last entry
+
+    async def _newest_ids(self) -> dict[str, str]:
+        """Each non-empty dead stream's newest id, now."""
+        newest: dict[str, str] = {}
+        for owner in self.sets:
+            found = await self._call(
+                "read the dead letters",
+                lambda owner=owner: self.client.xrevrange(owner.dead, count=1),
+            )
+            if found:
+                dead_id = found[0][0]
+                newest[owner.dead] = dead_id.decode() if isinstance(dead_id, bytes) else dead_id
+        return newest
 
     async def get(self, dead_id: str) -> DeadLetter | None:
         for owner in self.sets:
@@ -143,7 +164,10 @@ class DeadLetterStore:
         token = uuid.uuid4().hex  # this command's replays, told apart from another's
         bound = 0 if self.retry is None else self.retry.give_up_after_s
         marker_s = max(REPLAY_MARKER_MIN_S, math.ceil(2 * bound))  # outlives any retry
-        async for owner, letter in self._letters(filters):
+        # Only the letters there now: a replay that fails again is dead-lettered again, at the
+        # end of the stream being read, and reading to the end would replay it for ever.
+        upto = await self._newest_ids()
+        async for owner, letter in self._letters(filters, upto):
             problem = self.why_not_replayable(letter, owner)
             if problem is not None:
                 report.skipped.append((letter, problem))

@@ -2,8 +2,9 @@
 
 Everything comes from the same commands an operator would type (the README's Operations section
 lists them): XLEN, XINFO GROUPS, XINFO CONSUMERS, XREVRANGE on the dead-letter stream, and the
-job hashes, read by ``shared/fleet.py``, the same reader the worker's stream gauges use; this
-module renders what it reads as tables and JSON.
+job hashes, read by ``shared/fleet.py``, the same reader the worker's stream gauges use; and
+CONFIG GET maxmemory-policy, checked by ``shared/eviction.py``. This module renders what it
+reads as tables and JSON.
 
 Throughput is measured, not guessed: Redis (>= 7) counts, per consumer group, the entries ever
 delivered (``entries-read``); minus the ones still pending, that is the number of entries the
@@ -23,9 +24,10 @@ import math
 import signal
 import sys
 from collections import deque
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 import redis.asyncio as aioredis
@@ -38,12 +40,14 @@ from embedfleet.producer.waiting import (
     run_client,
     verb_settings,
 )
+from embedfleet.shared.eviction import EvictionPolicy, check_eviction_policy
 from embedfleet.shared.fleet import FLEET_STREAMS, INPUT_STREAMS, FleetState, read_fleet
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.redis_conn import connect_client_settings, redact_url
 from embedfleet.shared.retry import RedisRetry
 from embedfleet.shared.settings import Settings
 
+T = TypeVar("T")
 THROUGHPUT_WINDOW_S = 60.0
 DEAD_LETTERS_SHOWN = 3
 METHOD = (
@@ -145,9 +149,15 @@ def eta_seconds(snapshot: Snapshot, rate: Throughput | None) -> float | None:
 
 # --- output ---------------------------------------------------------------------------
 def report(
-    snapshot: Snapshot, rate: Throughput | None, settings: Settings, *, measuring: bool = False
+    snapshot: Snapshot,
+    rate: Throughput | None,
+    settings: Settings,
+    *,
+    measuring: bool = False,
+    eviction: EvictionPolicy | None = None,
 ) -> dict[str, Any]:
-    """The JSON object ``--json`` prints (and the text view renders)."""
+    """The JSON object ``--json`` prints (and the text view renders). ``eviction``: Redis's
+    maxmemory-policy as checked (None: not checked)."""
     streams: dict[str, Any] = {}
     for name, stream in snapshot.streams.items():
         entry: dict[str, Any] = {"key": stream.key, "length": stream.length}
@@ -198,6 +208,7 @@ def report(
         "redis": redact_url(settings.effective_redis_url),
         "namespace": settings.namespace,
         "group": settings.group,
+        "eviction_policy": None if eviction is None else eviction.as_json(),
         "streams": streams,
         "partitions": partitions,
         "dead_letters": {
@@ -321,6 +332,13 @@ def render(data: dict[str, Any], *, consumers_shown: int = 10, jobs_shown: int =
         lines.append(f"drain       ~{eta} for {_n(data['backlog'])} entries (lag + pending)")
     lines.append("")
 
+    eviction = data.get("eviction_policy")
+    if eviction is not None:
+        if eviction["warning"] is None:
+            lines.append(f"eviction    {eviction['policy']} (a full Redis refuses writes: safe)")
+        else:
+            lines.append(f"eviction    WARNING: {eviction['warning']}")
+        lines.append("")
     lines += _render_consumers(streams, consumers_shown)
     lines += _render_jobs(data["jobs"], jobs_shown)
     dead = data["dead_letters"]
@@ -458,13 +476,14 @@ async def _status(
     try:
         if not watch:
             first = await _snapshot_or_fail(client, settings)
+            eviction = await _or_fail(settings, check_eviction_policy(client))
             rate = None
             latest = first
             if sample > 0:
                 await asyncio.sleep(sample)
                 latest = await _snapshot_or_fail(client, settings)
                 rate = throughput(first, latest)
-            _emit(report(latest, rate, settings), as_json)
+            _emit(report(latest, rate, settings, eviction=eviction), as_json)
             return
         # Ctrl-C (or SIGTERM) ends the watch through handlers of its own. asyncio.run's
         # KeyboardInterrupt alone was not enough: a process started with SIGINT ignored (a
@@ -490,13 +509,16 @@ async def _watch(
     )
     history = History()
     trend = Trend()  # the last minutes as sparklines, below the text view
+    eviction = await retry.call(
+        "check Redis's eviction policy", lambda: check_eviction_policy(client)
+    )
     while True:
         snapshot = await retry.call(
             "read the fleet's state", lambda: take_snapshot(client, settings.keys)
         )
         history.add(snapshot)
         rate = history.throughput()
-        data = report(snapshot, rate, settings, measuring=rate is None)
+        data = report(snapshot, rate, settings, measuring=rate is None, eviction=eviction)
         trend.add(snapshot.monotonic, data)
         if not as_json and sys.stdout.isatty():
             click.clear()
@@ -526,8 +548,12 @@ def _end_on_signals(task: asyncio.Task[Any] | None) -> asyncio.Event:
 
 
 async def _snapshot_or_fail(client: aioredis.Redis, settings: Settings) -> Snapshot:
+    return await _or_fail(settings, take_snapshot(client, settings.keys))
+
+
+async def _or_fail(settings: Settings, reading: Awaitable[T]) -> T:
     try:
-        return await take_snapshot(client, settings.keys)
+        return await reading
     except (RedisError, OSError) as error:
         raise click.ClickException(_error_text(settings, error)) from None
 

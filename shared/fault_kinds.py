@@ -102,7 +102,9 @@ _NETWORK_ERRNOS = frozenset(
     }
 )
 
-# Redis replies that mean "not now": loading, failing over, cluster resharding, out of memory.
+# Redis replies that mean "not now": loading, failing over, cluster resharding, and out of
+# memory (is_out_of_memory: with maxmemory-policy noeviction, a write waits until consumers
+# drain the backlog or a person raises maxmemory; nothing is lost by waiting).
 _REDIS_TRANSIENT = (
     redis_errors.ConnectionError,
     redis_errors.TimeoutError,
@@ -114,7 +116,10 @@ _REDIS_TRANSIENT = (
     redis_errors.ClusterError,
     redis_errors.AskError,  # also MOVED: a slot migrating
 )
-_REDIS_TRANSIENT_REPLIES = ("OOM ", "LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "READONLY")
+_REDIS_TRANSIENT_REPLIES = ("LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "READONLY")
+# The OOM reply's words, wherever redis-py puts them (a pipeline's error says which command
+# first, a script's error comes as a plain ResponseError)
+_REDIS_OOM_TEXT = "command not allowed when used memory > 'maxmemory'"
 _REDIS_WORKER = (
     redis_errors.AuthenticationError,
     redis_errors.AuthorizationError,
@@ -207,11 +212,20 @@ def _redis_kind(error: redis_errors.RedisError) -> FaultKind:
         return FaultKind.WORKER
     if isinstance(error, _REDIS_TRANSIENT):
         return FaultKind.TRANSIENT
-    if isinstance(error, redis_errors.ResponseError) and str(error).startswith(
-        _REDIS_TRANSIENT_REPLIES
+    if is_out_of_memory(error) or (
+        isinstance(error, redis_errors.ResponseError)
+        and str(error).startswith(_REDIS_TRANSIENT_REPLIES)
     ):
         return FaultKind.TRANSIENT
     return FaultKind.WORKER
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Redis refused a write at its maxmemory (up, but full: the fix is memory, not the URL)."""
+    return isinstance(error, redis_errors.OutOfMemoryError) or (
+        isinstance(error, redis_errors.ResponseError)
+        and (str(error).startswith("OOM ") or _REDIS_OOM_TEXT in str(error))
+    )
 
 
 def _sqlstate_kind(sqlstate: str) -> FaultKind:

@@ -32,6 +32,7 @@ import numpy as np
 import pyte
 import pytest
 import redis.asyncio as aioredis
+from redis import exceptions as redis_errors
 
 from embedfleet.producer import Producer, QueryTimeoutError
 from embedfleet.producer.chunker import builtin_corpus
@@ -320,6 +321,75 @@ async def test_a_reply_lost_after_the_batch_was_applied_is_re_sent_and_counted_o
     ids = [result.id for result in results]
     assert len(ids) == 120 and set(ids) == {c.id for c in chunks}  # each embedded once
     assert (progress.enqueued, progress.done, progress.dead) == (120, 120, 0)
+
+
+# --- Redis out of memory (maxmemory, noeviction) --------------------------------------------------
+FILLER = "filler"
+
+
+async def fill_up(client: aioredis.Redis) -> int:
+    """Write filler keys until Redis refuses writes (OOM); how many it took. Large values first,
+    then small ones: a refused large SET frees its own query buffer and can leave memory just
+    under the limit; a refused small one leaves it over, so every write is refused after."""
+    keys = 0
+    for size in (64 * 1024, 64):
+        with contextlib.suppress(redis_errors.OutOfMemoryError):
+            while True:
+                await client.set(f"{FILLER}:{keys}", b"x" * size)
+                keys += 1
+    return keys
+
+
+@pytest.fixture
+def full_server() -> Iterator[ServerProcess]:
+    """A Redis with a small maxmemory and noeviction, the fleet's policy: full, it refuses
+    writes instead of dropping keys."""
+    extra = ["--maxmemory", "8mb", "--maxmemory-policy", "noeviction"]
+    with ServerProcess(system_server_binary() or None, extra_args=extra) as server:
+        yield server
+
+
+async def test_enqueue_waits_while_redis_is_out_of_memory(full_server: ServerProcess) -> None:
+    """OOM is transient: the producer waits (one outage notice) and sends once memory is freed."""
+    settings = isolated_settings(full_server.url, redis_retry_s=120)
+    chunks = chunks_of(30, "oom")
+    other = connect(settings.effective_redis_url)
+    outages = Outages()
+    async with Producer(settings, on_outage=outages) as producer:
+        await producer.progress("oom")  # connected before Redis fills up
+        filler_keys = await fill_up(other)
+        enqueue = asyncio.create_task(producer.enqueue(chunks, job="oom"))
+        down = asyncio.create_task(outages.down.wait())
+        await asyncio.wait({enqueue, down}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+        down.cancel()
+        if enqueue.done():  # failed at once (or, full as it is, wrote): either way, not waiting
+            raise AssertionError(f"enqueue did not wait for memory: {enqueue.exception()!r}")
+        assert outages.down.is_set() and outages.backs == 0
+        # an operator (or the workers draining the backlog) frees memory
+        for start in range(0, filler_keys, 500):
+            await other.unlink(
+                *(f"{FILLER}:{n}" for n in range(start, min(start + 500, filler_keys)))
+            )
+        sent = await asyncio.wait_for(enqueue, timeout=60)
+        progress = await producer.progress("oom")
+    ids = await stream_ids(other, settings.keys.ingest)
+    await other.aclose()
+    assert sent == 30 and progress.enqueued == 30 and sorted(ids) == sorted(c.id for c in chunks)
+    assert (outages.downs, outages.backs) == (1, 1)
+
+
+async def test_a_client_that_gives_up_on_a_full_redis_says_it_is_full(
+    full_server: ServerProcess,
+) -> None:
+    settings = isolated_settings(full_server.url, redis_retry_s=0.5)
+    other = connect(settings.effective_redis_url)
+    async with Producer(settings, on_outage=Outages()) as producer:
+        await producer.progress("full")
+        await fill_up(other)
+        with pytest.raises(RedisUnavailableError, match="maxmemory") as raised:
+            await producer.enqueue(chunks_of(3, "full"), job="full")
+    await other.aclose()
+    assert "refused writes" in str(raised.value) and "drain the backlog" in str(raised.value)
 
 
 # --- following a job, reading results, queries ----------------------------------------------------

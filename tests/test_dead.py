@@ -137,3 +137,64 @@ async def test_letters_that_cannot_be_replayed_are_skipped_and_kept(
     )
     shown = await asyncio.to_thread(embedfleet, settings, "dead", "show", "0-1")
     assert shown.returncode == 1 and "no dead letter '0-1'" in shown.stderr
+
+
+class PagedAfterTheWorker:
+    """The dead-letter store's retry hook: before it reads a page, the worker has dead-lettered
+    again every letter replayed so far, so a replay that read to the stream's end would find
+    them there (the real race, made certain). Fails the test past twice the letters there."""
+
+    give_up_after_s = 0.0
+
+    def __init__(self, recorder: Recorder, letters: int) -> None:
+        self.recorder, self.letters, self.replays = recorder, letters, 0
+
+    async def call(self, doing: str, operation):
+        if doing.startswith("replay dead letter"):
+            self.replays += 1
+            assert self.replays <= 2 * self.letters, "replay went on past the letters it found"
+        elif doing == "read the dead letters" and self.replays:
+            replays = self.replays
+            await self.recorder.wait_for(
+                lambda r: r.dead["too_large"] == self.letters + replays,
+                "the replayed letters dead-lettered again",
+            )
+        return await operation()
+
+
+async def test_replay_of_letters_that_fail_again_ends_after_one_pass(
+    workers: WorkerLauncher,
+    settings: Settings,
+    client: aioredis.Redis,
+    encoder,
+    monkeypatch,
+) -> None:
+    """Letters that fail again at once (the cause is not fixed) are replayed once each."""
+    from embedfleet.producer import dead_letter_admin
+    from embedfleet.producer.dead_letter_admin import DeadLetterStore, Filters
+
+    LETTERS = 12
+    monkeypatch.setattr(dead_letter_admin, "PAGE", 5)  # pages end within the letters
+    narrow = settings.model_copy(update={"max_text_chars": 8})  # the worker refuses them all
+    async with Producer(settings, client) as producer, workers.run(narrow) as worker:
+        recorder: Recorder = worker.listener
+        await producer.enqueue(
+            [Chunk(f"wide-{n}", f"longer than eight, {n}") for n in range(LETTERS)], job="again"
+        )
+        await recorder.wait_for(lambda r: r.dead["too_large"] == LETTERS, "all dead-lettered")
+        pacer = PagedAfterTheWorker(recorder, LETTERS)
+        store = DeadLetterStore(client, settings.keys, retry=pacer)
+        report = await store.replay(Filters())
+        await recorder.wait_for(
+            lambda r: r.dead["too_large"] == 2 * LETTERS, "the replays dead-lettered again"
+        )
+        progress = await producer.progress("again")
+    assert len(report.replayed) == LETTERS and pacer.replays == LETTERS
+    assert sorted(letter.chunk_id for letter in report.replayed) == sorted(
+        f"wide-{n}" for n in range(LETTERS)
+    )
+    letters = await dead_letters(client, settings)
+    assert sorted(letter.chunk_id for letter in letters) == sorted(
+        f"wide-{n}" for n in range(LETTERS)
+    )
+    assert (progress.enqueued, progress.done, progress.dead) == (LETTERS, 0, LETTERS)

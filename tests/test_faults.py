@@ -77,6 +77,18 @@ FAULTS: dict[System, list[tuple[BaseException, FaultKind]]] = {
         (redis_errors.AskError("3999 127.0.0.1:6381"), FaultKind.TRANSIENT),
         (redis_errors.RedisClusterException("no node"), FaultKind.TRANSIENT),
         (redis_errors.ResponseError("OOM command not allowed"), FaultKind.TRANSIENT),
+        # what redis-py raises for OOM: its own type, the "OOM" prefix stripped
+        (
+            redis_errors.OutOfMemoryError("command not allowed when used memory > 'maxmemory'."),
+            FaultKind.TRANSIENT,
+        ),
+        (
+            redis_errors.ResponseError(
+                "Command # 1 (SET a b) of pipeline caused error: command not allowed when used "
+                "memory > 'maxmemory'."
+            ),
+            FaultKind.TRANSIENT,
+        ),
         # AuthenticationError is a ConnectionError subclass: it must not be waited out
         (redis_errors.AuthenticationError("invalid password"), FaultKind.WORKER),
         (redis_errors.NoPermissionError("NOPERM"), FaultKind.WORKER),

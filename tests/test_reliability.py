@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -22,10 +24,16 @@ from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.server import ServerProcess, free_port, system_server_binary
 from embedfleet.shared.dead_letters import DeadLetter, DeadReason
-from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, encode_chunk
+from embedfleet.shared.protocol import (
+    PAYLOAD_FIELD,
+    Chunk,
+    QueryFailedError,
+    decode_result,
+    encode_chunk,
+)
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
-from tests.conftest import Recorder, WorkerLauncher, until
+from tests.conftest import Recorder, WorkerLauncher, cli_env, until
 
 
 def raw(message: object) -> bytes:
@@ -196,6 +204,83 @@ async def test_poison_entry_is_dead_lettered_after_max_deliveries(
     assert fields[b"reason"] == DeadReason.DELIVERIES.value.encode()
     assert await client.xlen(strict.keys.results) == 0
     assert (await client.xpending(strict.keys.ingest, strict.group))["pending"] == 0
+
+
+async def crash_on(client: aioredis.Redis, settings: Settings, times: int) -> None:
+    """Workers that read the one ingest entry and die on it ``times`` times in a row (each
+    XCLAIM with min-idle 0 counts a delivery at once)."""
+    entry_id = (await client.xreadgroup(settings.group, "c1", {settings.keys.ingest: ">"}))[0][1][
+        0
+    ][0]
+    for n in range(2, times + 1):
+        await client.xclaim(settings.keys.ingest, settings.group, f"c{n}", 0, [entry_id])
+
+
+async def test_a_poison_chunk_counts_against_its_job_and_answers_its_caller(
+    workers: WorkerLauncher, settings: Settings, client: aioredis.Redis, encoder
+) -> None:
+    """A chunk dead-lettered by the reclaimer keeps its id, job and reply: the job finishes
+    (wait_for_job returns), the caller's reply list gets the error, `dead list --job` shows it."""
+    strict = settings.model_copy(update={"reclaim_idle_ms": 200, "max_deliveries": 3})
+    async with Producer(strict, client) as producer:
+        await producer.enqueue(
+            [Chunk("poison", "kills every worker that reads it", reply="caller-1")], job="p"
+        )
+        await crash_on(client, strict, 3)
+        async with workers.run(strict):
+            progress = await producer.wait_for_job("p", timeout=60)
+    assert (progress.enqueued, progress.done, progress.dead) == (1, 0, 1)
+    (answer,) = await client.lrange(strict.keys.reply("caller-1"), 0, -1)
+    with pytest.raises(QueryFailedError, match="never acknowledged"):
+        decode_result(answer)
+    listed = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "embedfleet.cli", "dead", "list", "--job", "p", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=cli_env(strict),
+    )
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    (row,) = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert (row["id"], row["job"], row["reason"]) == ("poison", "p", "deliveries")
+    assert (await client.xpending(strict.keys.ingest, strict.group))["pending"] == 0
+
+
+async def test_one_reclaim_claims_at_most_one_read(
+    settings: Settings, client: aioredis.Redis
+) -> None:
+    """After a mass restart, one pass takes one read's worth; the next pass goes on from there."""
+    from embedfleet.workers.dead_letter_writer import DeadLetters
+    from embedfleet.workers.events import WorkerEvents
+    from embedfleet.workers.reclaim import InFlight, Reclaimer
+
+    READ, IDLE = 10, 35
+    small = settings.model_copy(update={"reclaim_idle_ms": 100, "read_count": READ})
+    async with Producer(small, client) as producer:
+        await producer.enqueue([Chunk(f"c{n}", f"text {n}") for n in range(IDLE)], job="mass")
+    await client.xreadgroup(small.group, "gone", {small.keys.ingest: ">"}, count=IDLE)
+
+    async def all_idle() -> bool:
+        rows = await client.xpending_range(
+            small.keys.ingest, small.group, min="-", max="+", count=IDLE, idle=small.reclaim_idle_ms
+        )
+        return len(rows) == IDLE
+
+    await until(all_idle)
+    reclaimer = Reclaimer(
+        small,
+        client,
+        InFlight(),
+        DeadLetters(client, small.keys, WorkerEvents(), 60, 65536),
+        WorkerEvents(),
+    )
+    pages = [len(await reclaimer.claim(small.keys.ingest)) for _ in range(4)]
+    assert pages == [READ, READ, READ, IDLE - 3 * READ]
+    pending = await client.xpending(small.keys.ingest, small.group)
+    assert {c["name"]: int(c["pending"]) for c in pending["consumers"]} == {
+        small.consumer.encode(): IDLE
+    }
 
 
 async def test_live_worker_keeps_its_long_batch(

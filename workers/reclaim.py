@@ -3,9 +3,12 @@
 Every ``reclaim_idle_ms / 3`` a worker
 1. renews the lease on the entries it is still working on (XCLAIM to itself, JUSTID: resets
    their idle time without counting a delivery), so a long batch is never stolen;
-2. claims entries idle longer than ``reclaim_idle_ms`` on any consumer (XAUTOCLAIM), and
-   dead-letters those already delivered ``max_deliveries`` times (a poison message that kills
-   workers must not kill them forever);
+2. claims entries idle longer than ``reclaim_idle_ms`` on any consumer (XAUTOCLAIM), at most
+   one read's worth per stream and period (after a mass restart, one worker taking every idle
+   entry as one window would hold them all while the others idle; the cursor goes on from
+   there next period), and dead-letters those already delivered ``max_deliveries`` times (a
+   poison message that kills workers must not kill them forever) the way the worker does: its
+   job counts it dead and its caller's reply list gets the error;
 3. removes consumers that have nothing pending and have not been seen for a long while.
 """
 
@@ -23,7 +26,7 @@ import redis.asyncio as aioredis
 from embedfleet.shared.dead_letters import DeadReason
 from embedfleet.shared.fault_kinds import System
 from embedfleet.shared.logging import get_logger
-from embedfleet.shared.protocol import PAYLOAD_FIELD
+from embedfleet.shared.protocol import PAYLOAD_FIELD, ProtocolError, decode_chunk
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.consumer import StreamEntry, as_str
 from embedfleet.workers.dead_letter_writer import DeadLetters, Rejected
@@ -88,8 +91,18 @@ class Reclaimer:
         dead_letters: DeadLetters,
         events: WorkerEvents,
         outages: Outages | None = None,
+        read_count: int | None = None,
     ) -> None:
+        """``read_count``: the worker's resolved EMBEDFLEET_READ_COUNT; None resolves it for
+        EMBEDFLEET_DEVICE, "auto" as the CPU (the smaller window: a CUDA worker then claims
+        its reader's window in more than one period, never more than it)."""
         self.settings = settings
+        self.read_count = (
+            read_count
+            or settings.batching("cpu" if settings.device == "auto" else settings.device).read_count
+        )
+        # where each stream's XAUTOCLAIM scan goes on next period ("0-0": from the start)
+        self._cursors: dict[str, str] = {}
         self.keys = settings.keys
         self.client = client
         self.in_flight = in_flight
@@ -135,24 +148,20 @@ class Reclaimer:
             self.events.leases_renewed(count=renewed)
 
     async def claim(self, stream: str) -> list[StreamEntry]:
-        """Entries idle past the limit, now ours; over-delivered ones are dead-lettered."""
-        claimed: list[StreamEntry] = []
-        start = "0-0"
-        while True:
-            response = await self.client.xautoclaim(
-                stream,
-                self.keys.group,
-                self.settings.consumer,
-                min_idle_time=self.settings.reclaim_idle_ms,
-                start_id=start,
-                count=200,
-            )
-            next_start, entries = response[0], response[1]
-            if entries:
-                claimed.extend(await self._sort_out(stream, entries))
-            start = as_str(next_start)
-            if start == "0-0":
-                break
+        """Up to one read's worth of entries idle past the limit, now ours; over-delivered ones
+        are dead-lettered. The scan goes on from where it stopped at the next call."""
+        response = await self.client.xautoclaim(
+            stream,
+            self.keys.group,
+            self.settings.consumer,
+            min_idle_time=self.settings.reclaim_idle_ms,
+            start_id=self._cursors.get(stream, "0-0"),
+            count=self.read_count,
+        )
+        next_start, entries = response[0], response[1]
+        # "0-0" once the scan has passed the end: the next one starts over
+        self._cursors[stream] = as_str(next_start)
+        claimed = await self._sort_out(stream, entries) if entries else []
         if claimed:
             log.info("reclaimed entries of another consumer", stream=stream, count=len(claimed))
             self.events.reclaimed(count=len(claimed))
@@ -177,6 +186,7 @@ class Reclaimer:
                 # would embed it twice and, repeated, dead-letter a healthy entry as poison.
                 continue
             if deliveries > self.settings.max_deliveries:
+                chunk_id, job, reply = self._owner(entry)
                 poison.append(
                     Rejected(
                         stream,
@@ -186,6 +196,9 @@ class Reclaimer:
                         f"died or stalled on it each time; EMBEDFLEET_MAX_DELIVERIES="
                         f"{self.settings.max_deliveries})",
                         payload=entry.payload,
+                        chunk_id=chunk_id,
+                        job=job,
+                        reply=reply,
                         deliveries=deliveries - 1,
                     )
                 )
@@ -193,6 +206,17 @@ class Reclaimer:
                 keep.append(entry)
         await self.dead_letters.send(poison)
         return keep
+
+    def _owner(self, entry: StreamEntry) -> tuple[str | None, str | None, str | None]:
+        """The chunk id, job and reply list of an entry, as far as its payload says: its dead
+        letter counts against its job (else the job never finishes) and answers its caller."""
+        if entry.payload is None:
+            return None, None, None
+        try:
+            chunk = decode_chunk(entry.payload, self.settings.chunk_limits)
+        except ProtocolError as error:  # what valid fields a refused payload has
+            return error.chunk_id, error.job, error.reply
+        return chunk.id, chunk.job, chunk.reply
 
     async def forget_dead_consumers(self, streams: list[str]) -> None:
         # Removing a live consumer by mistake is harmless (its next read recreates it), so

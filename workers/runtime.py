@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 
 import redis.asyncio as aioredis
 import uvloop
 from prometheus_client import disable_created_metrics
 
+from embedfleet.shared.eviction import FIX, EvictionPolicy, check_eviction_policy
+from embedfleet.shared.fault_kinds import BackoffPolicy, classify, is_transient
 from embedfleet.shared.logging import configure_logging, get_logger
 from embedfleet.shared.redis_conn import connect_settings
 from embedfleet.shared.settings import Settings
@@ -38,6 +41,8 @@ def load_encoder(settings: Settings) -> Encoder:
 async def serve(settings: Settings, encoder: Encoder | None = None) -> None:
     """Run until SIGTERM/SIGINT: the first drains in-flight work, a second aborts at once."""
     client = connect_settings(settings)
+    # beside the start (the model loads meanwhile): a person reads the warning early
+    policy_check = asyncio.ensure_future(warn_on_eviction_policy(client))
     metrics = WorkerMetrics()
     # Up before the model loads: /healthz answers during a long load (the startup probe) and
     # /readyz says "loading" until the model is in memory.
@@ -45,9 +50,38 @@ async def serve(settings: Settings, encoder: Encoder | None = None) -> None:
     try:
         await _serve(settings, encoder, client, metrics, health)
     finally:
+        policy_check.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await policy_check
         if health is not None:
             await health.stop()
         await client.aclose()
+
+
+async def warn_on_eviction_policy(client: aioredis.Redis) -> EvictionPolicy:
+    """Check Redis's maxmemory-policy once it answers and warn unless it is noeviction (see
+    shared/eviction.py). A Redis not up yet is retried without a word: the worker's own start
+    reports that outage."""
+    backoff = BackoffPolicy()
+    while True:
+        try:
+            found = await check_eviction_policy(client)
+            break
+        except Exception as error:
+            if not is_transient(error):  # the worker's own start says what is wrong
+                found = EvictionPolicy(None, classify(error).detail)
+                break
+            await asyncio.sleep(backoff.next_delay())
+    if found.warning is not None:
+        log.warning(
+            "redis may evict the fleet's keys",
+            policy=found.policy,
+            fix=FIX,
+            detail=found.warning,
+        )
+    else:
+        log.info("redis eviction policy checked", policy=found.policy)
+    return found
 
 
 async def start_health_server(
