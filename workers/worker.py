@@ -242,7 +242,14 @@ class Worker:
             self.outages,
         )
         self.reclaimer = Reclaimer(
-            settings, client, self.in_flight, self.dead_letters, self.events, self.outages
+            settings,
+            client,
+            self.in_flight,
+            self.dead_letters,
+            self.events,
+            self.outages,
+            # one claim takes at most one read's worth, as this worker's device reads
+            read_count=settings.batching(encoder.device.type).read_count,
         )
         self._reclaimed: asyncio.Queue[list[StreamEntry]] = asyncio.Queue()
         self._stopping = asyncio.Event()
