@@ -660,15 +660,16 @@ def test_partitions_get_one_lag_trigger_each_summed() -> None:
     so = r.scaled_object("worker")
     triggers = so["spec"]["triggers"]
     keys = Keys(partitions=6)
-    assert [t["name"] for t in triggers] == [f"p{i}" for i in range(6)] + ["query"]
+    assert [t["name"] for t in triggers] == [f"p{i}" for i in range(6)] + ["interactive", "query"]
     assert [t["metadata"]["stream"] for t in triggers] == [
         *(p.ingest for p in keys.partitions_keys),
+        keys.query_lane.interactive,
         keys.query_lane.query,
     ], "the chart's streams are the ones shared/keys.py names"
     assert all(t["type"] == "redis-streams" for t in triggers)
     modifiers = so["spec"]["advanced"]["scalingModifiers"]
     assert modifiers == {
-        "formula": "p0 + p1 + p2 + p3 + p4 + p5 + query * 100",
+        "formula": "p0 + p1 + p2 + p3 + p4 + p5 + interactive + query * 100",
         "target": "2000",
         "activationTarget": "0",
         "metricType": "AverageValue",
@@ -687,8 +688,8 @@ def test_cluster_uses_the_cluster_streams_scaler() -> None:
     )
     bulk = r.scaled_object("worker")["spec"]
     assert {t["type"] for t in bulk["triggers"]} == {"redis-cluster-streams"}
-    assert [t["name"] for t in bulk["triggers"]] == ["p0", "p1", "p2"]
-    assert bulk["advanced"]["scalingModifiers"]["formula"] == "p0 + p1 + p2"
+    assert [t["name"] for t in bulk["triggers"]] == ["p0", "p1", "p2", "interactive"]
+    assert bulk["advanced"]["scalingModifiers"]["formula"] == "p0 + p1 + p2 + interactive"
     for t in bulk["triggers"]:
         assert t["metadata"]["addresses"] == "redis-cluster.data:6379"
         assert "address" not in t["metadata"] and "databaseIndex" not in t["metadata"]
@@ -800,8 +801,9 @@ def test_query_workers_values(rendered_cases: dict[str, Rendered]) -> None:
     assert md["lagCount"] == "20"
     bulk_so = r.scaled_object("worker")
     assert bulk_so["spec"]["minReplicaCount"] == 0
-    assert [t["name"] for t in bulk_so["spec"]["triggers"]] == ["ingest-lag"], (
-        "with query workers, queries do not wake the bulk fleet"
+    assert [t["name"] for t in bulk_so["spec"]["triggers"]] == ["ingest-lag", "interactive-lag"], (
+        "with query workers, queries do not wake the bulk fleet (large requests do: bulk "
+        "workers read the interactive stream)"
     )
     assert len(r.all("PodDisruptionBudget")) == 2
 
@@ -1111,22 +1113,23 @@ def test_triggers_count_every_stream_the_gateway_and_producer_enqueue_to(
     partitions: int, query_workers: bool
 ) -> None:
     """Scale from zero: whatever is enqueued (the gateway's small requests on the query lane, its
-    large ones and the Producer's chunks on the ingest streams) sits on a stream some ScaledObject
-    counts, with the names from shared/keys.py (the keys' one owner)."""
+    large ones on the interactive stream, the Producer's chunks on the ingest streams) sits on a
+    stream some ScaledObject counts, with the names from shared/keys.py (the keys' one owner)."""
     from embedfleet.shared.keys import Keys
 
     keys = Keys(namespace="embedfleet", partitions=partitions)
     ingest = {p.ingest for p in keys.partitions_keys}
     query = keys.query_lane.query
+    interactive = keys.query_lane.interactive  # the gateway's large requests
     r = render({"partitions": partitions, "queryWorkers": {"enabled": query_workers}})
     bulk = {t["metadata"]["stream"] for t in r.scaled_object("worker")["spec"]["triggers"]}
     if query_workers:
-        assert bulk == ingest
+        assert bulk == ingest | {interactive}
         query_so = r.scaled_object("query-worker")
         assert [t["metadata"]["stream"] for t in query_so["spec"]["triggers"]] == [query]
         assert query_so["spec"]["minReplicaCount"] >= 1
     else:
-        assert bulk == ingest | {query}
+        assert bulk == ingest | {interactive, query}
         assert r.scaled_object("worker")["spec"]["minReplicaCount"] == 0
     for t in r.scaled_object("worker")["spec"]["triggers"]:
         assert t["metadata"]["consumerGroup"] == keys.group

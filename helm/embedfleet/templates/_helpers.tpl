@@ -149,6 +149,16 @@ shared/keys.py generates (files/partition-tags.json): <namespace>:{<tag>}:ingest
 {{- end }}
 {{- end }}
 
+{{- /* The gateway's large requests (shared/keys.py Keys.interactive): in the query lane's key
+      set, so under its hash tag with partitions. */}}
+{{- define "embedfleet.interactiveStream" -}}
+{{- if gt (int .Values.partitions) 1 }}
+{{- printf "%s:{q}:interactive" (include "embedfleet.keyNamespace" .) }}
+{{- else }}
+{{- printf "%s:interactive" (include "embedfleet.keyNamespace" .) }}
+{{- end }}
+{{- end }}
+
 {{- define "embedfleet.healthPort" -}}
 {{- (.Values.config | default dict).HEALTH_PORT | default 9400 | int }}
 {{- end }}
@@ -292,6 +302,9 @@ the triggers are summed. A stream the workers start reading is one more `append`
 {{- range $i, $stream := include "embedfleet.ingestStreams" . | fromJsonArray }}
 {{- $triggers = append $triggers (dict "name" (ternary (printf "p%d" $i) "ingest-lag" $summed) "stream" $stream "lagCount" $k.lagCount "activationLagCount" $k.activationLagCount "weight" 1) }}
 {{- end }}
+{{- /* The gateway's large requests: someone waits on them, so any entry wakes a fleet scaled to
+      zero; one entry is one text, as on the ingest streams. Bulk workers read the stream. */}}
+{{- $triggers = append $triggers (dict "name" (ternary "interactive" "interactive-lag" $summed) "stream" (include "embedfleet.interactiveStream" .) "lagCount" $k.lagCount "activationLagCount" 0 "weight" 1) }}
 {{- if not .Values.queryWorkers.enabled }}
 {{- /* No query workers: a query (the gateway's small requests) must wake a fleet scaled to zero;
       it activates at any lag and counts as much as lagCount/queryLagCount bulk entries. */}}
