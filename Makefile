@@ -23,10 +23,10 @@ test: install
 	$(PY) -m pytest
 
 test-quick: install
-	$(PY) -m pytest -m "not chaos and not chart and not image and not packaging and not cluster"
+	$(PY) -m pytest -m "not chaos and not chart and not image and not packaging and not cluster and not slow"
 
 lint: install
-	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy
 
 # Infinity, the benchmark's serving-engine peer, in an environment of its own (see
 # loadtest/requirements-infinity.txt)

@@ -6,7 +6,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import IO
 
 import click
 import numpy as np
@@ -132,7 +132,7 @@ def _report_enqueue(job: str, count: int, rejected: list[BadLine], dead: list[in
 
 async def _enqueue(
     settings: Settings,
-    source: TextIO,
+    source: IO[str],  # click.open_file: a text file, or stdin for "-"
     job: str,
     wait: bool,
     timeout: float | None,

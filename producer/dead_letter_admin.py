@@ -14,6 +14,7 @@ payload (over ``EMBEDFLEET_DEAD_PAYLOAD_MAX_BYTES``) or had none: they are liste
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import uuid
@@ -36,7 +37,7 @@ from embedfleet.shared import scripts
 from embedfleet.shared.dead_letters import DeadLetter, DeadReason
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import ProtocolError, decode_chunk
-from embedfleet.shared.redis_conn import connect_client_settings, redact_url
+from embedfleet.shared.redis_conn import connect_client_settings, redact_url, stream_entries
 from embedfleet.shared.retry import RedisRetry
 
 PAGE = 500
@@ -101,11 +102,13 @@ class DeadLetterStore:
                 continue
             start = "-"
             while True:
-                page = await self._call(
-                    "read the dead letters",
-                    lambda owner=owner, start=start, last=last: self.client.xrange(
-                        owner.dead, min=start, max=last, count=PAGE
-                    ),
+                page = stream_entries(
+                    await self._call(
+                        "read the dead letters",
+                        functools.partial(
+                            self.client.xrange, owner.dead, min=start, max=last, count=PAGE
+                        ),
+                    )
                 )
                 for dead_id, fields in page:
                     letter = DeadLetter.from_fields(dead_id, fields)
@@ -121,7 +124,7 @@ class DeadLetterStore:
         for owner in self.sets:
             found = await self._call(
                 "read the dead letters",
-                lambda owner=owner: self.client.xrevrange(owner.dead, count=1),
+                functools.partial(self.client.xrevrange, owner.dead, count=1),
             )
             if found:
                 dead_id = found[0][0]
@@ -130,9 +133,11 @@ class DeadLetterStore:
 
     async def get(self, dead_id: str) -> DeadLetter | None:
         for owner in self.sets:
-            found = await self._call(
-                "read a dead letter",
-                lambda owner=owner: self.client.xrange(owner.dead, min=dead_id, max=dead_id),
+            found = stream_entries(
+                await self._call(
+                    "read a dead letter",
+                    functools.partial(self.client.xrange, owner.dead, min=dead_id, max=dead_id),
+                )
             )
             if found:
                 return DeadLetter.from_fields(*found[0])
@@ -179,13 +184,11 @@ class DeadLetterStore:
                 keys = [owner.dead, owner.ingest, owner.replayed(letter.dead_id)]
                 if letter.job:
                     keys.append(owner.job(letter.job))
-                args = [letter.dead_id, letter.payload, token, marker_s]
+                args: list[str | bytes | int] = [letter.dead_id, letter.payload, token, marker_s]
                 new_id = await self._call(
                     f"replay dead letter {letter.dead_id}",
                     # EVAL: one round trip, nothing to load again on a restarted server
-                    lambda keys=keys, args=args: self.client.eval(
-                        REPLAY_SCRIPT, len(keys), *keys, *args
-                    ),
+                    functools.partial(self.client.eval, REPLAY_SCRIPT, len(keys), *keys, *args),
                 )
                 if new_id is None:  # replayed or purged meanwhile by someone else
                     report.skipped.append((letter, "already gone from the dead-letter stream"))
@@ -205,7 +208,7 @@ class DeadLetterStore:
                 # repeat misses what the lost try deleted, never counts it twice
                 deleted += await self._call(
                     "delete dead letters",
-                    lambda stream=stream, page=page: self.client.xdel(stream, *page),
+                    functools.partial(self.client.xdel, stream, *page),
                 )
         return deleted
 

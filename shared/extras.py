@@ -32,7 +32,7 @@ def require_worker_extra(verb: str, model: str | None = None) -> None:
     """
     from embedfleet.shared.settings import PACKAGED_MODEL
 
-    needed = WORKER_MODULES
+    needed: tuple[str, ...] = WORKER_MODULES
     if model is not None and model not in (
         PACKAGED_MODEL,
         f"sentence-transformers/{PACKAGED_MODEL}",

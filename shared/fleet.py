@@ -168,7 +168,7 @@ async def read_fleet(
         dead_entries = dead_entries[:dead_latest]
     job_names: list[str] = []
     if jobs:
-        found = set()
+        found: set[str] = set()
         for _ in keys.partitions_keys:
             found.update(text(name) for name in _raised(next(replies)))
         job_names = sorted(found)
@@ -236,9 +236,9 @@ def _total(name: str, key: str, parts: list[StreamState]) -> StreamState:
     """One stream's figures summed over its partitions (itself, with one partition)."""
     if len(parts) == 1:
         return parts[0]
-    with_group = [p for p in parts if p.group is not None]
+    groups = [p.group for p in parts if p.group is not None]
     group = None
-    if with_group:
+    if groups:
         entries_read: int | None = 0
         lag: int | None = 0
         for part in parts:
@@ -251,9 +251,9 @@ def _total(name: str, key: str, parts: list[StreamState]) -> StreamState:
             entries_read = None if entries_read is None or read is None else entries_read + read
             lag = None if lag is None or part.group.lag is None else lag + part.group.lag
         group = GroupState(
-            name=with_group[0].group.name,
-            consumers=max(p.group.consumers for p in with_group),
-            pending=sum(p.group.pending for p in with_group),
+            name=groups[0].name,
+            consumers=max(g.consumers for g in groups),
+            pending=sum(g.pending for g in groups),
             last_delivered_id="",  # one per partition: see the partition rows
             entries_read=entries_read,
             lag=lag,

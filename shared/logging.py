@@ -98,7 +98,7 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
         cache_logger_on_first_use=False,
     )
     # The standard library's records (other libraries) render like ours, on the same stream.
-    handler = logging.StreamHandler(stream)  # type: ignore[arg-type]
+    handler = logging.StreamHandler(stream)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             processor=renderer,

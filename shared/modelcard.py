@@ -166,7 +166,9 @@ async def publish_card(client: aioredis.Redis, keys: Keys, card: ModelCard) -> N
     worker wrote and this card lacks must not survive)."""
     pipe = client.pipeline(transaction=True)  # one key: any slot, atomic on a cluster too
     pipe.delete(keys.model)
-    pipe.hset(keys.model, mapping=card.to_fields())
+    # redis-py types `mapping` as Mapping[EncodableT, EncodableT], invariant in the key, which
+    # no dict[str, str] matches although it is what hset takes
+    pipe.hset(keys.model, mapping=card.to_fields())  # type: ignore[arg-type]
     await pipe.execute()
 
 

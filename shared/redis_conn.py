@@ -7,7 +7,7 @@ refreshes its slot map after a failover, and everything above it talks to it as 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -63,12 +63,12 @@ def is_cluster(client: object) -> bool:
     return isinstance(client, (AsyncRedisCluster, RedisCluster))
 
 
-def connect_settings(settings: Settings, **kwargs: object) -> aioredis.Redis:
+def connect_settings(settings: Settings, **kwargs: Any) -> aioredis.Redis:
     """The asyncio client the settings name: one server, or a cluster."""
     return connect(settings.effective_redis_url, cluster=settings.redis_cluster, **kwargs)
 
 
-def connect(url: str, *, cluster: bool = False, **kwargs: object) -> aioredis.Redis:
+def connect(url: str, *, cluster: bool = False, **kwargs: Any) -> aioredis.Redis:
     """An asyncio client for ``redis://`` or ``rediss://`` (TLS) URLs, with ACL user/password.
 
     Responses stay as bytes: payloads are binary msgpack, and decoding is the protocol's job.
@@ -77,7 +77,8 @@ def connect(url: str, *, cluster: bool = False, **kwargs: object) -> aioredis.Re
     because it answers the same commands.
     """
     url, cluster = split_cluster_url(url, cluster)
-    options: dict[str, object] = {
+    # redis-py keyword arguments of many types, passed through to from_url
+    options: dict[str, Any] = {
         "decode_responses": False,
         "health_check_interval": 30,
         "socket_keepalive": True,
@@ -92,7 +93,19 @@ def connect(url: str, *, cluster: bool = False, **kwargs: object) -> aioredis.Re
     return aioredis.Redis.from_url(url, **options)
 
 
-def connect_client(url: str, *, cluster: bool = False, **kwargs: object) -> aioredis.Redis:
+# An XRANGE (or XREVRANGE) reply as a client of `connect` gets it: ids and fields stay bytes.
+StreamEntries = list[tuple[bytes, dict[bytes, bytes]]]
+
+
+def stream_entries(reply: object) -> StreamEntries:
+    """``reply`` typed as what a client of :func:`connect` receives. redis-py types XRANGE's
+    reply for any client (str or bytes, each entry's fields possibly None, the whole None);
+    one made with ``decode_responses=False`` gets bytes, and Redis answers an empty range with
+    an empty list."""
+    return cast("StreamEntries", reply)
+
+
+def connect_client(url: str, *, cluster: bool = False, **kwargs: Any) -> aioredis.Redis:
     """``connect`` for the client side (producer, CLI verbs), whose retries are all
     ``shared/retry.py``'s: redis-py's own (10 quiet tries in redis-py 8, pipelines included)
     are turned off, so an outage is seen, announced and bounded in one place. The cluster
@@ -103,7 +116,7 @@ def connect_client(url: str, *, cluster: bool = False, **kwargs: object) -> aior
     return connect(url, retry=Retry(NoBackoff(), 0), **kwargs)
 
 
-def connect_client_settings(settings: Settings, **kwargs: object) -> aioredis.Redis:
+def connect_client_settings(settings: Settings, **kwargs: Any) -> aioredis.Redis:
     """``connect_client`` for the server (or cluster) the settings name."""
     return connect_client(settings.effective_redis_url, cluster=settings.redis_cluster, **kwargs)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -329,6 +329,7 @@ class Settings(BaseSettings):
     @field_validator("read_count", "token_budget", "max_batch")
     @classmethod
     def _auto_or_at_least(cls, value: int, info: ValidationInfo) -> int:
+        assert info.field_name is not None  # a field validator's info names its field
         least = BATCHING_MINIMUM[info.field_name]
         if value != -1 and value < least:
             raise ValueError(f"must be -1 (auto, per device) or at least {least}")
@@ -424,7 +425,7 @@ class SettingsError(ValueError):
     """A setting has a bad value; the message names the variable and what is allowed."""
 
 
-def load_settings(**overrides: object) -> Settings:
+def load_settings(**overrides: Any) -> Settings:
     """Settings from the environment, with bad values reported as EMBEDFLEET_* variables."""
     try:
         return Settings(**overrides)

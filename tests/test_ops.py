@@ -16,11 +16,13 @@ import signal
 import subprocess
 import sys
 import time
+import typing
 from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
 import redis.asyncio as aioredis
+from prometheus_client import Counter, Gauge, Histogram, Info
 from prometheus_client.parser import text_string_to_metric_families
 
 from embedfleet.producer import Producer
@@ -32,7 +34,7 @@ from embedfleet.shared.protocol import PAYLOAD_FIELD
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.health import HealthServer
-from embedfleet.workers.metrics import StreamGauges, WorkerMetrics
+from embedfleet.workers.metrics import METRICS, MetricSpec, StreamGauges, WorkerMetrics
 from tests.conftest import WorkerLauncher, cli_env, start_cli
 
 CHUNKS = 300
@@ -313,6 +315,27 @@ def test_each_worker_has_its_own_registry() -> None:
     )
     one.model_busy(fraction=0.42)
     assert Scrape(generate_latest(one.registry).decode())("embedfleet_model_busy_fraction") == 0.42
+
+
+def test_every_metric_is_an_attribute_annotated_with_its_kind() -> None:
+    """``WorkerMetrics``' annotations (what the type checker sees) match ``METRICS`` (what is
+    registered): a metric added to one and not the other, or of another kind, fails here."""
+    hints = typing.get_type_hints(WorkerMetrics)
+    kinds = (Counter, Gauge, Histogram, Info)
+    annotated = {name for name, hint in hints.items() if hint in kinds}
+    assert annotated == set(METRICS)
+    metrics = WorkerMetrics()
+    for attribute, spec in METRICS.items():
+        assert hints[attribute] is spec.kind, attribute
+        assert type(getattr(metrics, attribute)) is spec.kind, attribute
+
+
+def test_buckets_are_for_histograms_only() -> None:
+    from prometheus_client import CollectorRegistry
+
+    spec = MetricSpec(Counter, "not_a_histogram", "A counter given buckets.", buckets=(1, 2))
+    with pytest.raises(TypeError, match="histograms only"):
+        spec.register(CollectorRegistry())
 
 
 def test_every_dead_letter_reason_code_is_a_label_from_the_start() -> None:

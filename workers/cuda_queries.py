@@ -201,7 +201,7 @@ class CudaQueryRunner:
         )
         return len(self.graphs)
 
-    def _capture(self, shape: Shape, pool: object) -> _Graph:
+    def _capture(self, shape: Shape, pool: torch.cuda._POOL_HANDLE) -> _Graph:
         # static inputs: one real token a row until a replay copies a batch in
         ids = torch.full((shape.batch, shape.length), self.pad_id, device=self.device)
         mask = torch.zeros_like(ids)

@@ -67,11 +67,15 @@ class DeadLetters:
         self.job_reply_ttl_s = self.job_reply_ttl_s or self.reply_ttl_s
 
     async def _send(self, keys: Keys, rejected: Sequence[Rejected]) -> None:
+        job_reply_ttl_s = self.job_reply_ttl_s
+        assert job_reply_ttl_s is not None  # defaulted to reply_ttl_s in __post_init__
         pipe = self.client.pipeline(transaction=True)
         for item in rejected:
             pipe.xadd(
                 keys.dead,
-                dead_letter_fields(
+                # redis-py types `fields` as Dict[FieldT, EncodableT]: dict is invariant, so no
+                # dict[str, str | bytes] matches, although it is what XADD takes
+                dead_letter_fields(  # type: ignore[arg-type]
                     reason=item.code,
                     detail=item.detail,
                     stream=item.stream,
@@ -87,7 +91,7 @@ class DeadLetters:
                 reply_key = keys.reply(item.reply)
                 pipe.rpush(reply_key, encode_query_error(item.chunk_id, item.detail))
                 ingest = item.stream != self.keys.query_lane.query
-                pipe.expire(reply_key, self.job_reply_ttl_s if ingest else self.reply_ttl_s)
+                pipe.expire(reply_key, job_reply_ttl_s if ingest else self.reply_ttl_s)
         deliveries = [Delivery(item.stream, item.entry_id, item.job) for item in rejected]
         queue_acknowledgements(pipe, keys, deliveries, counter="dead")
         await pipe.execute()

@@ -297,7 +297,9 @@ class Encoder:
         return length
 
     # --- tokenize ---------------------------------------------------------------------
-    def tokenize(self, texts: list[str], prompts: list[str] | None = None) -> list[Tokenized]:
+    def tokenize(
+        self, texts: Sequence[str], prompts: Sequence[str] | None = None
+    ) -> list[Tokenized]:
         """Token ids per text (``prompt + text`` where a prompt is given, as
         sentence-transformers joins them, so prompt tokens count against the maximum), cut to
         the model's maximum with the truncated flag set.
@@ -568,12 +570,12 @@ class Encoder:
         self.embed_texts(list(PROBE_TEXTS[:2]))
         self.embed_texts(list(PROBE_TEXTS[:4]))
 
-    def embed_texts(self, texts: list[str]) -> np.ndarray:
+    def embed_texts(self, texts: Sequence[str]) -> np.ndarray:
         """Convenience for tests and the CLI: tokenize, one batch, embed."""
         return self.embed(self.collate(self.tokenize(texts)))
 
 
-def _layer_stack(model: torch.nn.Module) -> torch.nn.Module:
+def _layer_stack(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The stack of transformer layers: the longest ModuleList in the model (BERT's
     ``encoder.layer``, and the equivalent in other encoder architectures); an empty one if
     there is none."""

@@ -70,7 +70,9 @@ def hook_free_copy(model: torch.nn.Module) -> torch.nn.Module:
         module._forward_pre_hooks.clear()
         module._forward_hooks.clear()
     if getattr(model_copy, "pooler", None) is not None:
-        model_copy.pooler = None
+        # torch types Module.__setattr__'s value as Tensor | Module; None is what it takes to
+        # drop a submodule (it stays registered, as None)
+        model_copy.pooler = None  # type: ignore[assignment]
     return model_copy
 
 

@@ -44,6 +44,12 @@ class W8A8Linear(torch.nn.Module):
     either is quantized, which leaves the product unchanged and the inputs' range flatter.
     """
 
+    # the buffers __init__ registers (Module.__getattr__ alone types them as Tensor | Module)
+    smoothing: torch.Tensor | None
+    weight_scale: torch.Tensor
+    weight_codes: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, linear: torch.nn.Linear, smoothing: torch.Tensor | None = None) -> None:
         super().__init__()
         weight = linear.weight.detach().float()

@@ -15,12 +15,17 @@ import ctypes.util
 import functools
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    # ctypes re-exports it at run time as ctypes._CFuncPtr; typeshed only under this name
+    from _ctypes import CFuncPtr
 
 TRIM_INTERVAL_S = 5.0
 
 
 @functools.cache
-def _libc_malloc_trim() -> ctypes._CFuncPtr | None:
+def _libc_malloc_trim() -> CFuncPtr | None:
     if not sys.platform.startswith("linux"):
         return None
     try:

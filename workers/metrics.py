@@ -52,14 +52,19 @@ class MetricSpec(NamedTuple):
     buckets: tuple[float, ...] | None = None  # histograms only
 
     def register(self, registry: CollectorRegistry) -> Counter | Gauge | Histogram | Info:
-        options = {} if self.buckets is None else {"buckets": self.buckets}
+        if self.buckets is None:
+            return self.kind(
+                self.name, self.documentation, self.labels, namespace=PREFIX, registry=registry
+            )
+        if not issubclass(self.kind, Histogram):
+            raise TypeError(f"metric {self.name!r}: buckets are for histograms only")
         return self.kind(
             self.name,
             self.documentation,
             self.labels,
             namespace=PREFIX,
             registry=registry,
-            **options,
+            buckets=self.buckets,
         )
 
 
@@ -192,8 +197,35 @@ METRICS: dict[str, MetricSpec] = {
 class WorkerMetrics(WorkerEvents):
     """The worker's hooks, counted into a registry of this worker's own.
 
-    Each entry of ``METRICS`` is an attribute of the same name (``self.texts``, ...).
+    Each entry of ``METRICS`` is an attribute of the same name (``self.texts``, ...), set in
+    ``__init__``; the annotations below give each its type for the type checker
+    (tests/test_ops.py checks that they match ``METRICS``).
     """
+
+    info: Info
+    texts: Counter
+    tokens: Counter
+    padded_tokens: Counter
+    batches: Counter
+    batch_texts: Histogram
+    batch_tokens: Histogram
+    batch_seconds: Histogram
+    write_seconds: Histogram
+    query_seconds: Histogram
+    queries_by_path: Counter
+    model_seconds: Counter
+    padding_ratio: Gauge
+    model_busy_fraction: Gauge
+    dead_letters: Counter
+    reclaims: Counter
+    sink_errors: Counter
+    transient_faults: Counter
+    outages: Gauge
+    stream_length: Gauge
+    stream_lag: Gauge
+    stream_pending: Gauge
+    group_consumers: Gauge
+    redis_up: Gauge
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)

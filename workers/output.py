@@ -17,6 +17,7 @@ The model gives float32 vectors of its full dimension. Per chunk (or job, or set
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -130,8 +131,8 @@ class Outputs:
             variant = self.variant(dim)
             await self.calibrations.get(
                 variant,
-                lambda dim=dim, variant=variant: run_on_model_thread(
-                    lambda: self._calibrate(dim, variant)
+                functools.partial(
+                    run_on_model_thread, functools.partial(self._calibrate, dim, variant)
                 ),
             )
 
@@ -163,7 +164,7 @@ class Outputs:
         """Results in chunk order: each vector truncated and stored as its chunk asks, rows
         that ask for the same thing shaped together."""
         specs = [self.spec_for(chunk) for chunk in chunks]
-        stored: list[np.ndarray | None] = [None] * len(chunks)
+        stored: dict[int, np.ndarray] = {}  # row -> its vector; every row is in one group
         groups: dict[OutputSpec, list[int]] = {}
         for row, spec in enumerate(specs):
             groups.setdefault(spec, []).append(row)
@@ -183,12 +184,12 @@ class Outputs:
                 id=chunk.id,
                 job=chunk.job,
                 model=self.encoder.name,
-                vector=vector,
+                vector=stored[row],
                 truncated=truncated[row],
                 meta=chunk.meta if with_meta else None,
                 text=chunk.text if with_meta else None,  # a database sink stores it
                 dtype=spec.dtype,
                 dimension=spec.dim,
             )
-            for row, (chunk, spec, vector) in enumerate(zip(chunks, specs, stored, strict=True))
+            for row, (chunk, spec) in enumerate(zip(chunks, specs, strict=True))
         ]

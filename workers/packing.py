@@ -42,7 +42,7 @@ import inspect
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -247,18 +247,19 @@ def _torch_flash_varlen(q: Tensor, k: Tensor, v: Tensor, ragged: Ragged) -> Tens
     from torch.nn.attention.varlen import varlen_attn  # torch >= 2.9
 
     cu, longest = ragged.cu_seqlens, ragged.longest
+    # varlen_attn returns an (output, aux) tuple only when return_aux asks for one
     if _torch_varlen_takes_scale():
-        return varlen_attn(q, k, v, cu, cu, longest, longest, scale=ragged.scale)
+        return cast(Tensor, varlen_attn(q, k, v, cu, cu, longest, longest, scale=ragged.scale))
     if abs(ragged.scale - q.shape[-1] ** -0.5) > 1e-9:  # an older torch's takes no scale
         raise ValueError("this torch's varlen_attn takes no scale, and the model's is not 1/√d")
-    return varlen_attn(q, k, v, cu, cu, longest, longest)
+    return cast(Tensor, varlen_attn(q, k, v, cu, cu, longest, longest))
 
 
 def _flash_varlen(q: Tensor, k: Tensor, v: Tensor, ragged: Ragged) -> Tensor:
     if q.dtype not in HALF_DTYPES:
         # flash-attn's own message is a CUDA-side assert; say which model got the wrong kernel
         raise TypeError(f"flash_attn varlen takes fp16/bf16, got {q.dtype}: use another kernel")
-    from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
+    from flash_attn import flash_attn_varlen_func  # optional: CUDA builds only
 
     cu, longest = ragged.cu_seqlens, ragged.longest
     return flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, softmax_scale=ragged.scale)
@@ -350,7 +351,7 @@ def _make_varlen_attention(kernel: VarlenKernel) -> Callable[..., tuple[torch.Te
         cu_seq_lens_q: torch.Tensor | None = None,
         max_length_q: int | None = None,
         min_length_q: int | None = None,
-        **kwargs: object,
+        **kwargs: Any,  # transformers' attention keyword arguments, passed through
     ) -> tuple[torch.Tensor, None]:
         if cu_seq_lens_q is None:
             # An ordinary padded batch (Encoder.embed): exactly the stock SDPA path, so the

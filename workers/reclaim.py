@@ -141,7 +141,9 @@ class Reclaimer:
                     self.keys.group,
                     self.settings.consumer,
                     min_idle_time=0,
-                    message_ids=entry_ids[start : start + 500],
+                    # redis-py wants List[StreamIdT]: list is invariant, so a list[str] of ids
+                    # does not match, although it is what XCLAIM takes
+                    message_ids=entry_ids[start : start + 500],  # type: ignore[arg-type]
                     justid=True,
                 )
         if renewed:

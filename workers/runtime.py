@@ -103,7 +103,8 @@ async def _serve(
     metrics: WorkerMetrics,
     health: HealthServer | None,
 ) -> None:
-    encoder = encoder or await asyncio.to_thread(load_encoder, settings)
+    if encoder is None:  # (`encoder or await ...` is not narrowed by mypy)
+        encoder = await asyncio.to_thread(load_encoder, settings)
     metrics.describe_worker(
         consumer=settings.consumer,
         model=encoder.name,

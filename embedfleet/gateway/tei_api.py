@@ -5,7 +5,7 @@ POST /decode."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter
 from fastapi.responses import Response
@@ -24,6 +24,9 @@ from embedfleet.gateway.inputs import (
 )
 from embedfleet.gateway.state import GatewayDep, wire_options
 from embedfleet.shared.modelcard import ModelCard
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 router = APIRouter()
 
@@ -161,11 +164,15 @@ async def tokenize(body: TokenizeRequest, gateway: GatewayDep) -> list[list[dict
     return [simple_tokens(text, encoding) for text, encoding in zip(texts, encodings, strict=True)]
 
 
+def _one_sequence(ids: list[int] | list[list[int]]) -> TypeIs[list[int]]:
+    """Whether /decode was given one sequence of ids rather than a batch of them."""
+    # [] is one empty sequence, as TEI reads it (its untagged enum tries a single one first)
+    return not ids or isinstance(ids[0], int)
+
+
 @router.post("/decode")
 async def decode(body: DecodeRequest, gateway: GatewayDep) -> list[str]:
-    # [] is one empty sequence, as TEI reads it (its untagged enum tries a single one first)
-    single = not body.ids or isinstance(body.ids[0], int)
-    ids: Sequence[list[int]] = [body.ids] if single else body.ids  # type: ignore[list-item]
+    ids: Sequence[list[int]] = [body.ids] if _one_sequence(body.ids) else body.ids
     limit = gateway.settings.gateway_max_inputs
     if len(ids) > limit:
         raise APIError(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -31,12 +31,14 @@ from embedfleet.shared.vectordb.backend import (
 
 if TYPE_CHECKING:
     import pyarrow as pa
+    from lancedb.query import LanceVectorQueryBuilder
     from lancedb.table import Table
 
     from embedfleet.shared.protocol import Result
     from embedfleet.shared.vectordb.backend import Hit, StoredVector, VectorDType
 
 log = get_logger("embedfleet.sink")
+
 COMPACT_EVERY = 100
 VECTOR_COLUMN = "vector"  # LanceDB's default vector column name: plain `table.search(q)` finds it
 # Under this many rows a brute-force scan of fp16 vectors takes milliseconds and an approximate
@@ -78,6 +80,13 @@ def stored_format(schema: pa.Schema) -> tuple[str, int]:
     if DTYPE_KEY in metadata:
         return metadata[DTYPE_KEY].decode(), int(metadata[DIM_KEY])
     return str(field.type.value_type.to_pandas_dtype().__name__), field.type.list_size
+
+
+def _vector_search(table: Table, query: np.ndarray) -> LanceVectorQueryBuilder:
+    """``table.search`` for a vector, typed as the vector query it is: the abstract
+    ``Table.search`` is typed as returning any ``LanceQueryBuilder``, which has no
+    ``distance_type``; only ``LanceTable``'s overloads say a vector gets a vector query."""
+    return cast("LanceVectorQueryBuilder", table.search(query, vector_column_name=VECTOR_COLUMN))
 
 
 class LanceDBBackend(VectorBackend):
@@ -209,7 +218,7 @@ class LanceDBBackend(VectorBackend):
         if dtype not in FLOAT_DTYPES:
             return self._nearest_codes(table, query, k)
         rows = (
-            table.search(query, vector_column_name=VECTOR_COLUMN)
+            _vector_search(table, query)
             .distance_type("cosine")
             .limit(k)
             .select([*self._columns(table), "_distance"])
@@ -226,8 +235,10 @@ class LanceDBBackend(VectorBackend):
         float query against their bits decides the order (the score is that dot product)."""
         bits = np.packbits(query[:dim] > 0)
         rows = (
-            table.search(bits, vector_column_name=VECTOR_COLUMN)
-            .distance_type("hamming")
+            _vector_search(table, bits)
+            # typed Literal["l2", "cosine", "dot"] by LanceDB, which takes "hamming" for its
+            # binary vectors too
+            .distance_type("hamming")  # type: ignore[arg-type]
             .limit(k * RESCORE_MULTIPLIER)
             .select([*self._columns(table), VECTOR_COLUMN])
             .to_list()

@@ -218,9 +218,11 @@ class PgvectorBackend(VectorBackend):
         from psycopg import sql
 
         conn = self._write_connection()
+        assert self.column_type is not None  # _write_connection raised otherwise
         staging = sql.Identifier(f"{self.target.table}_staging")
         rows = sorted(results, key=lambda r: r.id)
         wrap: Any
+        vectors: list[str] | np.ndarray  # bits as '0101…' text, or the float rows
         if self.column_type == "bit":
             columns = ["text", "text", "text", "text", "bool", "text", "text"]
             packed = self.quantized_vectors(rows, "ubinary", self.dim or 0)
