@@ -39,6 +39,7 @@ from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import ProtocolError, decode_chunk
 from embedfleet.shared.redis_conn import connect_client_settings, redact_url, stream_entries
 from embedfleet.shared.retry import RedisRetry
+from embedfleet.shared.streams import text
 
 PAGE = 500
 T = TypeVar("T")
@@ -97,7 +98,7 @@ class DeadLetterStore:
         """``upto``: the last id to read of each dead stream (one missing: none of it); None
         reads each to its end, as it grows."""
         for owner in self.sets:
-            last = "+" if upto is None else upto.get(owner.dead)
+            last: str | None = "+" if upto is None else upto.get(owner.dead)
             if last is None:
                 continue
             start = "-"
@@ -122,13 +123,14 @@ class DeadLetterStore:
         """Each non-empty dead stream's newest id, now."""
         newest: dict[str, str] = {}
         for owner in self.sets:
-            found = await self._call(
-                "read the dead letters",
-                functools.partial(self.client.xrevrange, owner.dead, count=1),
+            found = stream_entries(
+                await self._call(
+                    "read the dead letters",
+                    functools.partial(self.client.xrevrange, owner.dead, count=1),
+                )
             )
             if found:
-                dead_id = found[0][0]
-                newest[owner.dead] = dead_id.decode() if isinstance(dead_id, bytes) else dead_id
+                newest[owner.dead] = text(found[0][0])
         return newest
 
     async def get(self, dead_id: str) -> DeadLetter | None:

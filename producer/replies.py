@@ -12,6 +12,7 @@ the input's position, which its chunk id carries: ``<request>:<index>``, or ``<i
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import numpy as np
 import redis.asyncio as aioredis
@@ -110,10 +111,12 @@ class Answers:
 async def pop_answers(client: aioredis.Redis, reply_key: str, timeout_s: float) -> list[bytes]:
     """Answers taken off ``reply_key``: what is there (up to a page, one round trip), else the
     first to arrive within ``timeout_s`` (BLPOP: no polling); [] when none came in time."""
-    page = await client.lpop(reply_key, PAGE)
+    # the client is made without decode_responses: replies are bytes (redis-py types them
+    # as bytes | str whatever the client)
+    page = cast("list[bytes] | None", await client.lpop(reply_key, PAGE))
     if page:
         return list(page)
-    popped = await client.blpop([reply_key], timeout=timeout_s)
+    popped = cast("tuple[bytes, bytes] | None", await client.blpop([reply_key], timeout=timeout_s))
     return [] if popped is None else [popped[1]]
 
 
@@ -127,7 +130,7 @@ async def read_answers(
     for reply_key in reply_keys:
         start = 0
         while True:
-            payloads = await client.lrange(reply_key, start, start + page - 1)
+            payloads = cast("list[bytes]", await client.lrange(reply_key, start, start + page - 1))
             for payload in payloads:
                 try:
                     answers.take(payload)

@@ -14,7 +14,7 @@ says it could not be made, never that all is well.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -78,7 +78,9 @@ async def check_eviction_policy(client: aioredis.Redis) -> EvictionPolicy:
     except ResponseError as error:
         refused.append(f"CONFIG GET: {error}")
     else:
-        policy = _text(reply.get("maxmemory-policy") or reply.get(b"maxmemory-policy"))
+        # a client with decode_responses answers str keys, ours bytes ones
+        values = cast("dict[object, object]", reply)
+        policy = _text(values.get("maxmemory-policy") or values.get(b"maxmemory-policy"))
         if policy is not None:
             return EvictionPolicy(policy)
         refused.append("CONFIG GET returned no maxmemory-policy")

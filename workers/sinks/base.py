@@ -123,10 +123,9 @@ def queue_acknowledgements(
     Deleting only delivered, acknowledged entries keeps the group's lag exact, which KEDA reads.
     Works on an asyncio or a blocking pipeline (the query lane replies from the model thread).
     """
-    none = [""] * len(deliveries)
-    queue_acknowledgement_script(
-        pipe, keys, deliveries, counter, none, payloads if payloads is not None else none
-    )
+    no_replies = [""] * len(deliveries)  # the answers, if any, go to the results stream
+    answers = payloads if payloads is not None else [b""] * len(deliveries)
+    queue_acknowledgement_script(pipe, keys, deliveries, counter, no_replies, answers)
 
 
 def acknowledgement_pipeline(client: aioredis.Redis, keys: Keys) -> aioredis.client.Pipeline:
