@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-quick lint bench bench-peers gpu-carry gpu-rehearsal wheelhouse image-tools base-image image image-gateway image-cuda
+.PHONY: install demo test test-full lint bench bench-peers gpu-carry gpu-rehearsal wheelhouse image-tools base-image image image-gateway image-cuda
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -19,11 +19,17 @@ install: $(VENV)/.installed
 demo: install
 	$(VENV)/bin/embedfleet demo
 
-test: install
-	$(PY) -m pytest
+# `make test`: the fast tier a developer runs many times a day (minutes on 2 cores): everything
+# but the modules that start worker or gateway processes, the image, the cluster, chaos and
+# packaging (tests/conftest.py SLOW_MODULES, the markers in pyproject.toml). `make test-full`:
+# the whole suite, as CI runs it (.ci/run).
+FAST_TIER := not slow and not chaos and not image and not packaging and not cluster
 
-test-quick: install
-	$(PY) -m pytest -m "not chaos and not chart and not image and not packaging and not cluster and not slow"
+test: install
+	$(PY) -m pytest -m "$(FAST_TIER)"
+
+test-full: install
+	$(PY) -m pytest
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy

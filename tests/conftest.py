@@ -498,3 +498,42 @@ def pg_data_folder() -> Iterator[Path]:
 @pytest.fixture
 def pg_server(pg_session_server):
     return running_pg(pg_session_server)
+
+
+# The modules that start worker or gateway processes, servers of other kinds, or compile a
+# model: the full suite (CI, `make test-full`) runs them, the fast tier (`make test`) does not.
+# A module is listed here, not marked in itself, so the two tiers are read in one place.
+SLOW_MODULES = frozenset(
+    {
+        "test_batch_api",
+        "test_bulk",
+        "test_cli",
+        "test_client_faults",
+        "test_dead",
+        "test_device_faults",
+        "test_eviction",
+        "test_faults",
+        "test_fleet",
+        "test_frozen",
+        "test_frozen_bulk",
+        "test_gateway",
+        "test_gateway_clients",
+        "test_gateway_model_card",
+        "test_int8",
+        "test_interactive",
+        "test_ops",
+        "test_outputs",
+        "test_quantized_sinks",
+        "test_queries",
+        "test_reliability",
+        "test_replicas",
+        "test_sinks",
+        "test_terminal",
+    }
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)

@@ -2,7 +2,7 @@
 
 Afterwards every id has a result (duplicates allowed in the stream, one per id in the export),
 nothing is pending, and nothing is dead but what was sent bad. Marked ``chaos``: `make
-test-quick` skips it, CI runs it.
+test` skips it, `make test-full` and CI run it.
 """
 
 from __future__ import annotations

@@ -135,7 +135,6 @@ def _run_in(container: str, *command: str, env: dict[str, str] | None = None) ->
     ]
 
 
-@pytest.mark.image
 def _stop(process: subprocess.Popen[bytes]) -> None:
     """SIGTERM (a worker drains, the gateway shuts down), SIGKILL if it does not exit."""
     os.killpg(process.pid, signal.SIGTERM)
@@ -146,6 +145,7 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         process.wait()
 
 
+@pytest.mark.image
 def test_help_runs_as_the_non_root_user(container: str) -> None:
     who = subprocess.run(
         _run_in(container, "sh", "-c", "id -u; embedfleet --help"),
