@@ -270,9 +270,12 @@ def run_demo(
     envvar="EMBEDFLEET_REDIS_URL",
     help="Run against this Redis instead of starting an embedded one (or EMBEDFLEET_REDIS_URL).",
 )
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the run's figures (summary.json) as JSON."
+)
 @verbose_option
 def demo_command(
-    corpus: Path | None, limit: int | None, out_dir: Path, redis_url: str | None
+    corpus: Path | None, limit: int | None, out_dir: Path, redis_url: str | None, as_json: bool
 ) -> None:
     """Run the whole fleet on this machine: server, worker, enqueue, embed, export, search.
 
@@ -282,5 +285,8 @@ def demo_command(
     """
     require_worker_extra("demo")
     report = run_demo(corpus, limit, out_dir, redis_url)
+    if as_json:  # the figures run_demo wrote, as one object
+        click.echo(json.dumps(json.loads((out_dir / "summary.json").read_text())))
+        return
     for line in report.lines():
         click.echo(line)

@@ -179,3 +179,31 @@ def test_bad_setting_is_a_clear_error_not_a_traceback() -> None:
     result = embedfleet("worker", env={"EMBEDFLEET_DTYPE": "int3"})
     assert result.returncode == 1
     assert "EMBEDFLEET_DTYPE" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_demo_json_prints_the_summary_it_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--json prints summary.json as one object instead of the report's lines (the run itself
+    is test_demo_runs_on_embedded_defaults')."""
+    from click.testing import CliRunner
+
+    from embedfleet import demo
+
+    figures = {"texts": 3, "dead": 0, "seconds": 1.5, "texts_per_s": 2.0}
+
+    class Report:
+        def lines(self) -> list[str]:
+            return ["the text report"]
+
+    def fake_run(corpus, limit, out_dir: Path, redis_url) -> Report:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "summary.json").write_text(json.dumps(figures, indent=2))
+        return Report()
+
+    monkeypatch.setattr(demo, "run_demo", fake_run)
+    as_json = CliRunner().invoke(demo.demo_command, ["--out-dir", str(tmp_path), "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    assert json.loads(as_json.output) == figures
+    as_text = CliRunner().invoke(demo.demo_command, ["--out-dir", str(tmp_path)])
+    assert as_text.output.strip() == "the text report"
