@@ -186,6 +186,10 @@ def _kind(error: BaseException) -> FaultKind:
         return _http_kind(status)
     if isinstance(error, (TimeoutError, ConnectionError)):
         return FaultKind.TRANSIENT
+    if isinstance(error, RuntimeError) and "handler is closed" in str(error):
+        # asyncio's transport of a connection whose node died under it (seen when a cluster
+        # master is killed while redis-py asks it for a command's keys): a lost connection
+        return FaultKind.TRANSIENT
     if isinstance(error, PermissionError):
         return FaultKind.WORKER
     if isinstance(error, OSError) and error.errno in _NETWORK_ERRNOS:

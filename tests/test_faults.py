@@ -371,3 +371,14 @@ def test_a_worker_whose_database_does_not_exist_exits_non_zero_naming_the_settin
     log = worker.log()
     assert code == 1, log[-3000:]
     assert "EMBEDFLEET_SINK" in log and "no_such_database" in log and "Traceback" not in log
+
+
+def test_a_connection_closed_under_asyncio_is_transient() -> None:
+    """A cluster master killed mid-command: asyncio's transport says its handler is closed."""
+    from embedfleet.shared.fault_kinds import FaultKind, classify
+
+    lost = RuntimeError(
+        "unable to perform operation on <TCPTransport closed=True>; the handler is closed"
+    )
+    assert classify(lost).kind is FaultKind.TRANSIENT
+    assert classify(RuntimeError("something else")).kind is not FaultKind.TRANSIENT
