@@ -274,6 +274,7 @@ async def test_one_reclaim_claims_at_most_one_read(
         InFlight(),
         DeadLetters(client, small.keys, WorkerEvents(), 60, 65536),
         WorkerEvents(),
+        read_count=small.batching("cpu").read_count,
     )
     pages = [len(await reclaimer.claim(small.keys.ingest)) for _ in range(4)]
     assert pages == [READ, READ, READ, IDLE - 3 * READ]
@@ -318,6 +319,7 @@ async def test_live_worker_keeps_its_long_batch(
             InFlight(),
             DeadLetters(client, thief.keys, WorkerEvents(), 60, 65536),
             WorkerEvents(),
+            read_count=thief.batching("cpu").read_count,
         ).claim(thief.keys.ingest)
         written_when_stolen = recorder.texts_written
         await producer.wait_for_job("lease", timeout=600)

@@ -91,16 +91,13 @@ class Reclaimer:
         dead_letters: DeadLetters,
         events: WorkerEvents,
         outages: Outages | None = None,
-        read_count: int | None = None,
+        *,
+        read_count: int,
     ) -> None:
-        """``read_count``: the worker's resolved EMBEDFLEET_READ_COUNT; None resolves it for
-        EMBEDFLEET_DEVICE, "auto" as the CPU (the smaller window: a CUDA worker then claims
-        its reader's window in more than one period, never more than it)."""
+        """``read_count``: the worker's resolved EMBEDFLEET_READ_COUNT (``Settings.batching``
+        for its device): one claim takes at most that many entries."""
         self.settings = settings
-        self.read_count = (
-            read_count
-            or settings.batching("cpu" if settings.device == "auto" else settings.device).read_count
-        )
+        self.read_count = read_count
         # where each stream's XAUTOCLAIM scan goes on next period ("0-0": from the start)
         self._cursors: dict[str, str] = {}
         self.keys = settings.keys

@@ -241,6 +241,7 @@ class Worker:
             self.on_model_thread,
             self.outages,
         )
+        self.batching = settings.batching(encoder.device.type)
         self.reclaimer = Reclaimer(
             settings,
             client,
@@ -249,7 +250,7 @@ class Worker:
             self.events,
             self.outages,
             # one claim takes at most one read's worth, as this worker's device reads
-            read_count=settings.batching(encoder.device.type).read_count,
+            read_count=self.batching.read_count,
         )
         self._reclaimed: asyncio.Queue[list[StreamEntry]] = asyncio.Queue()
         self._stopping = asyncio.Event()
@@ -270,7 +271,6 @@ class Worker:
         # windows of interactive entries the reader opened, for the compute stage to take first
         self._urgent: asyncio.Queue[Window] = asyncio.Queue(maxsize=2)
         # EMBEDFLEET_READ_COUNT / TOKEN_BUDGET / MAX_BATCH, -1 resolved for this device
-        self.batching = settings.batching(encoder.device.type)
 
     @property
     def model_thread(self) -> ThreadPoolExecutor:
