@@ -9,11 +9,12 @@ of that node, so a WAIT queued for a node after its writes covers them, as long 
 stay there. A slot that moved (MOVED) or is moving (ASK) breaks that: redis-py re-sends each
 redirected command on its own, on the new owner, after the old owner's WAIT already answered
 for writes it never made; the batch would read as confirmed while the new owner's replicas may
-have none of it. So here the pipeline is sent without redirections (``allow_redirections=False``,
-``raise_on_error=False``), each group's commands explicitly to its owner, a WAIT per node after
-them; a redirected command is sent again in a next round, to the node the redirection names
-(after ``ASKING`` for an ASK), with a WAIT on that node, and a group counts as confirmed only
-when every node that applied any of its commands confirmed them.
+have none of it (and after a dropped connection it re-sends a node's commands routed afresh,
+the WAIT to whichever node). So here each node's commands go out through the node itself
+(``ClusterNode.execute_pipeline``: one connection, in order, once), each group's to its owner,
+a WAIT per node after them; a redirected command is sent again in a next round, to the node the
+redirection names (after ``ASKING`` for an ASK), with a WAIT on that node, and a group counts
+as confirmed only when every node that applied any of its commands confirmed them.
 
 A group is the unit of routing (on a cluster, every key of a group's commands shares the slot
 of its ``route`` key) and of confirmation.
@@ -21,10 +22,12 @@ of its ``route`` key) and of confirmation.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from redis.asyncio.cluster import PipelineCommand
 from redis.exceptions import AskError, MovedError, TryAgainError
 
 from embedfleet.shared.fault_kinds import is_transient
@@ -52,6 +55,29 @@ class Written(Generic[G]):
 
     replies: dict[G, list[Any]]
     unconfirmed: set[G]
+
+
+class _RoundTrip(Generic[G]):
+    """Commands per node, each node's sent in order on one of its connections, once: no
+    redirection followed and no retry on another connection behind this code's back (redis-py's
+    pipeline re-sends a failed node's commands routed afresh, a WAIT among them)."""
+
+    def __init__(self) -> None:
+        self.batches: dict[str, tuple[Any, list[PipelineCommand]]] = {}
+        self.sent: list[tuple[PipelineCommand, tuple[G, int] | None]] = []  # None: ASKING, WAIT
+
+    def queue(self, node: Any, command: Command, what: tuple[G, int] | None) -> PipelineCommand:
+        queued = PipelineCommand(len(self.sent), *command)
+        self.batches.setdefault(node.name, (node, []))[1].append(queued)
+        self.sent.append((queued, what))
+        return queued
+
+    async def send(self) -> None:
+        """Every node's commands, the nodes in parallel; each command's ``result`` is its reply
+        or its error. Raises when a node could not be reached at all."""
+        await asyncio.gather(
+            *(node.execute_pipeline(commands) for node, commands in self.batches.values())
+        )
 
 
 async def write_confirmed(
@@ -99,29 +125,31 @@ async def _write_cluster(
         if not pending:
             return written
         await client.initialize()  # the layout again, after a fault below asked for it
-        pipe = client.pipeline(transaction=False)
-        sent: list[tuple[G, int] | None] = []  # what each queued command is (None: ASKING/WAIT)
+        trip: _RoundTrip[G] = _RoundTrip()
         nodes: dict[str, tuple[Any, list[G]]] = {}
         for name, indices in pending.items():
             node = asking.get(name) or client.get_node_from_key(groups[name].route)
             for index in indices:
                 if name in asking:  # ASKING lets only the next command in
-                    pipe.execute_command("ASKING", target_nodes=node)
-                    sent.append(None)
-                pipe.execute_command(*groups[name].commands[index], target_nodes=node)
-                sent.append((name, index))
+                    trip.queue(node, ("ASKING",), None)
+                trip.queue(node, groups[name].commands[index], (name, index))
             nodes.setdefault(node.name, (node, []))[1].append(name)
-        waits: list[tuple[int, list[G]]] = []  # WAIT's position, the groups sent to its node
+        waits: list[tuple[PipelineCommand, list[G]]] = []  # a node's WAIT, the groups sent there
         if min_replicas:
             for node, names in nodes.values():
-                waits.append((len(sent), names))
-                pipe.execute_command("WAIT", min_replicas, timeout_ms, target_nodes=node)
-                sent.append(None)
-        replies = await pipe.execute(raise_on_error=False, allow_redirections=False)
+                wait = trip.queue(node, ("WAIT", min_replicas, timeout_ms), None)
+                waits.append((wait, names))
+        try:
+            await trip.send()
+        except Exception as error:  # a node unreachable: nothing of its commands is known
+            if is_transient(error):
+                await client.aclose()  # read the layout again on the next call
+            raise
         pending, asking = {}, {}
         applied: set[G] = set()
         failure: BaseException | None = None
-        for what, reply in zip(sent, replies, strict=True):
+        for queued, what in trip.sent:
+            reply = queued.result
             if what is None:
                 if isinstance(reply, Exception) and failure is None:
                     failure = reply  # an ASKING or a WAIT that failed
@@ -145,8 +173,8 @@ async def _write_cluster(
             else:
                 written.replies[name][index] = reply
                 applied.add(name)
-        for position, names in waits:
-            reply = replies[position]
+        for queued, names in waits:
+            reply = queued.result
             if isinstance(reply, Exception) or int(reply) < min_replicas:
                 written.unconfirmed.update(name for name in names if name in applied)
         if failure is not None:
