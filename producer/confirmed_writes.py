@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from redis.asyncio.cluster import PipelineCommand
-from redis.exceptions import AskError, MovedError, TryAgainError
+from redis.exceptions import AskError, ClusterDownError, MovedError, TryAgainError
 
 from embedfleet.shared.fault_kinds import is_transient
 from embedfleet.shared.redis_conn import is_cluster
@@ -85,8 +85,8 @@ async def write_confirmed(
 ) -> Written[G]:
     """Send every group's commands in one pipelined round trip (per node; a few more after a
     redirection) and, with ``min_replicas``, confirm them with WAIT. An error reply other than a
-    redirection is raised (a transient one after telling the cluster client to read the
-    cluster's layout again: a failover moved its masters)."""
+    redirection is raised; after an unreachable node or CLUSTERDOWN the cluster client is told
+    to read the cluster's layout again (a failover moved its masters)."""
     if not is_cluster(client):
         return await _write_single(client, groups, min_replicas, timeout_ms)
     return await _write_cluster(client, groups, min_replicas, timeout_ms)
@@ -143,7 +143,8 @@ async def _write_cluster(
             await trip.send()
         except Exception as error:  # a node unreachable: nothing of its commands is known
             if is_transient(error):
-                await client.aclose()  # read the layout again on the next call
+                # as redis-py's pipeline does: a failover may have moved the masters
+                await client.aclose()
             raise
         pending, asking = {}, {}
         applied: set[G] = set()
@@ -178,8 +179,8 @@ async def _write_cluster(
             if isinstance(reply, Exception) or int(reply) < min_replicas:
                 written.unconfirmed.update(name for name in names if name in applied)
         if failure is not None:
-            if is_transient(failure):
-                await client.aclose()  # read the layout again on the next command
+            if isinstance(failure, (ClusterDownError, AskError)):  # AskError: an unknown node
+                await client.aclose()  # the layout changed: read it again on the next call
             raise failure
     if pending:
         assert redirect is not None
