@@ -203,7 +203,8 @@ class Keys:
         return self._key(f"job:{job_id}")
 
     def job_ids(self, job_id: str) -> str:
-        """Hash of the chunk ids a job has enqueued (id -> digest of the payload sent).
+        """Hash of the chunk ids a job has enqueued (id -> digest of the payload sent, then the
+        token of the enqueue call that added it).
 
         The enqueue script reads it so that a re-sent chunk is added and counted once. Its own
         prefix (not ``job:<job>:ids``) so that no job name can collide with another's counters.
