@@ -24,6 +24,7 @@ from embedfleet.workers.encoder import Encoder, _layer_stack
 from embedfleet.workers.heldout import GROUPS, HELDOUT_TEXTS
 from embedfleet.workers.int8 import (
     Int8Forward,
+    SmoothedDynamicLinear,
     W8A8Linear,
     build_int8,
     cpp_compiler_available,
@@ -75,6 +76,20 @@ def test_smoothing_keeps_the_product_and_tames_an_outlier_channel() -> None:
         smoothed = _row_cosines(W8A8Linear(linear, smoothing)(inputs), want)
     assert plain.min() < 0.95  # what the outlier does without smoothing
     assert smoothed.min() > 0.999
+
+
+def test_the_smoothed_dynamic_int8_layer_keeps_the_product() -> None:
+    """PyTorch's dynamic int8 Linear on x / s with weights w * s: the float layer's output, in
+    the input's dtype."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 32)
+    inputs = torch.randn(3, 50, 64)
+    smoothing = inputs.abs().amax(dim=(0, 1)) ** 0.5 / linear.weight.abs().amax(dim=0) ** 0.5
+    layer = SmoothedDynamicLinear(linear, smoothing)
+    with torch.no_grad():
+        want, got = linear(inputs), layer(inputs)
+        assert layer(inputs.bfloat16()).dtype == torch.bfloat16
+    assert got.shape == want.shape and _row_cosines(got, want).min() > 0.99
 
 
 def test_quantize_layers_leaves_the_kept_layers_in_float() -> None:

@@ -28,7 +28,8 @@ inputs are quantized per tensor (one scale for a whole batch), which is what cos
 on the held-out set per-tensor weights read 0.72 / 0.894, per-channel 0.90 / 0.966, smoothed
 with the output projections kept 0.99306 / 0.998020 (alpha 0.75): below the bar for
 all-MiniLM-L6-v2, so the gate rejects it there; it is tried because it is cheap to build and
-another model may hold the bar with it.
+another model may hold the bar with it. torch 2.13 deprecates this eager ``torch.ao`` API in
+favour of torchao (not a dependency here); its warnings are silenced while the copy is built.
 
 Like the frozen graph it replaces (workers/frozen.py) a copy has no layer boundaries: bulk
 batches through it are sized whole to the query slice.
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -216,16 +218,20 @@ class SmoothedDynamicLinear(torch.nn.Module):
 
     def __init__(self, linear: torch.nn.Linear, smoothing: torch.Tensor) -> None:
         super().__init__()
-        from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
-        from torch.ao.quantization import per_channel_dynamic_qconfig
-
         scaled = torch.nn.Linear(linear.in_features, linear.out_features, linear.bias is not None)
         with torch.no_grad():
             scaled.weight.copy_(linear.weight.float() * smoothing)
             if linear.bias is not None:
                 scaled.bias.copy_(linear.bias.float())
-        scaled.qconfig = per_channel_dynamic_qconfig  # type: ignore[assignment]
-        self.quantized = DynamicLinear.from_float(scaled)
+        # torch 2.13 deprecates torch.ao's eager quantization (for torchao) and warns at import
+        # and at each quantized weight: known, and said once in the module docstring instead
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+            from torch.ao.quantization import per_channel_dynamic_qconfig
+
+            scaled.qconfig = per_channel_dynamic_qconfig  # type: ignore[assignment]
+            self.quantized = DynamicLinear.from_float(scaled)
         self.register_buffer("smoothing", smoothing.float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
