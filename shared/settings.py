@@ -161,12 +161,20 @@ class Settings(BaseSettings):
     copy has no layer boundaries, so bulk batches are sized whole to the query slice instead of one
     layer. `false`: eager, sliced per layer."""
     cpu_int8: bool = True
-    """On CPU where DTYPE=auto kept bf16, the frozen copy (queries, and bulk with FROZEN_BULK) may
-    compute its linear layers in int8 (weights per channel, inputs per token, SmoothQuant): kept if
-    it holds the bar `auto` holds bf16 to against float32 and a timed batch runs faster than the
-    bf16 copy; vectors are further from float32 than bf16's (docs/BENCHMARKS.md). The copy is
-    compiled (`torch.compile`, which needs a C++ compiler: the CPU image has none, so it runs the
-    bf16 copy) at start-up: up to about a minute on 2 cores. `false`: the bf16 copy, no compile."""
+    """On CPU with DTYPE=auto (whether it kept bf16 or float32), the frozen copy (queries, and bulk
+    with FROZEN_BULK) may compute its linear layers in int8 (CPU_INT8_PATH): kept if it holds the
+    bar `auto` holds bf16 to against float32 on the held-out parity set and a timed batch runs
+    faster than the bf16/float32 copy; vectors are further from float32 than bf16's
+    (docs/BENCHMARKS.md). The W8A8 copy is compiled (`torch.compile`, which needs a C++ compiler:
+    the CPU image has none) at start-up: up to about a minute on 2 cores. `false`: no int8 copy, no
+    compile."""
+    cpu_int8_path: Literal["auto", "w8a8", "dynamic"] = "auto"
+    """Which int8 copies CPU_INT8 tries. `auto`: every one this CPU can run (`dynamic`: PyTorch's
+    dynamic int8 Linear, FBGEMM/oneDNN kernels on AVX2 and up; `w8a8`: SmoothQuant W8A8 compiled
+    with `torch.compile`, needs a C++ compiler), each kept only if it holds the float32 bar on the
+    held-out parity set (multilingual, long and odd texts none was calibrated on), the fastest of
+    those and the frozen copy on a timed batch at start. `w8a8` / `dynamic`: only that copy, used
+    whenever it holds the bar (no timing race): to force a path for a benchmark."""
     layout: Literal["auto", "padded", "varlen"] = "auto"
     """How bulk batches are laid out for the forward pass. `auto`: `varlen` on CUDA (every text of a
     batch end to end in one row, attention per text: no padding computed), `padded` on CPU (sorted,
@@ -401,6 +409,12 @@ class Settings(BaseSettings):
     @property
     def effective_redis_url(self) -> str:
         return self.redis_url or "redis://localhost:6379/0"
+
+    @property
+    def cpu_int8_choice(self) -> Literal["auto", "w8a8", "dynamic", "off"]:
+        """The int8 copies a CPU worker tries (``Encoder.prepare_query_graph``): CPU_INT8_PATH,
+        or ``off`` where CPU_INT8 is false."""
+        return self.cpu_int8_path if self.cpu_int8 else "off"
 
 
 def parse_partition_set(value: str, partitions: int) -> list[int]:
