@@ -82,7 +82,20 @@ class PgvectorBackend(VectorBackend):
         if self._conn is not None and not self._conn.closed and not self._conn.broken:
             return self._conn
         self.close()
-        self._conn = psycopg.connect(self.target.location, autocommit=True)
+        conn = psycopg.connect(self.target.location, autocommit=True)
+        if self.statement_timeout_s is not None:
+            # for the session: every statement the server runs for this connection (the COPY,
+            # the upsert, a wait for a row lock) is cancelled past it, SQLSTATE 57014: a
+            # transient fault (shared/fault_kinds.py), the batch retried
+            try:
+                conn.execute(
+                    "SELECT set_config('statement_timeout', %s, false)",
+                    (f"{max(1, round(self.statement_timeout_s * 1000))}ms",),
+                )
+            except BaseException:
+                conn.close()
+                raise
+        self._conn = conn
         return self._conn
 
     @contextmanager
