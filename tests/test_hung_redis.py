@@ -8,25 +8,41 @@ too), the gateway's ``/v1/embeddings`` with a 2 s gateway timeout (a JSON 503 wi
 in each dialect's envelope) and ``/readyz`` (not ready). A watchdog SIGCONTs the server after
 ``WATCHDOG_S``, so code that waits on a hung Redis (today's before the fix) ends late, and
 fails on its measured time, instead of never; the server is always resumed on the way out.
+
+The PostgreSQL sink (the session's server, as in tests/test_sinks.py) is bounded the same way:
+an upsert stuck on another session's lock is cancelled by the server at
+EMBEDFLEET_SINK_STATEMENT_TIMEOUT_S as a transient fault; a connection whose server process is
+stopped (no statement timeout can fire) turns the worker's /healthz red once the call outlives
+its bound.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 
 import httpx
+import numpy as np
 import pytest
 
 from embedfleet.producer import Producer, QueryTimeoutError
-from embedfleet.server import ServerProcess
+from embedfleet.server import ServerProcess, free_port
+from embedfleet.shared.fault_kinds import FaultKind, classify
+from embedfleet.shared.protocol import Result
+from embedfleet.shared.redis_conn import connect_settings
 from embedfleet.shared.settings import Settings
+from embedfleet.shared.vectordb.pgvector import PgvectorBackend
+from embedfleet.workers.health import HealthServer
+from embedfleet.workers.metrics import WorkerMetrics
+from embedfleet.workers.sinks import DatabaseSink, Delivery, build_sink
 from loadtest.common import isolated_settings
-from tests.conftest import _server_binary
+from tests.conftest import _server_binary, running_pg, until
 from tests.gateway_support import running_gateway
 
 # A caller may take this much longer than its own timeout (its clean-up included)
@@ -168,3 +184,112 @@ def test_gateway_answers_json_503_with_retry_after_while_redis_is_down(
             assert body["error"]["code"] == "queue_unavailable", (route, body)
         elif route != "/readyz":
             assert body["error_type"] == "Unhealthy", (route, body)
+
+
+# --- a hung PostgreSQL sink ----------------------------------------------------------------------
+def _pg_sink(pg_server, settings: Settings, statement_timeout_s: float) -> DatabaseSink:
+    """The worker's own sink (workers/sinks: build_sink) on the session's PostgreSQL, in a table
+    of its own, with a 4-dimension table set up."""
+    settings = settings.model_copy(
+        update={
+            "sink": running_pg(pg_server).get_uri(),
+            "sink_table": f"hung_{uuid.uuid4().hex[:8]}",
+            "sink_statement_timeout_s": statement_timeout_s,
+        }
+    )
+    sink = build_sink(settings, connect_settings(settings))
+    assert isinstance(sink, DatabaseSink)
+    sink.backend.setup("m", 4, None)
+    return sink
+
+
+def _result(row: int) -> Result:
+    return Result(id="a", model="m", vector=np.eye(4, dtype=np.float16)[row])
+
+
+def test_a_postgresql_upsert_stuck_on_a_lock_fails_as_transient_at_the_statement_timeout(
+    pg_server, settings: Settings
+) -> None:
+    """Another session holds the row's lock: the upsert is cancelled by the server at
+    EMBEDFLEET_SINK_STATEMENT_TIMEOUT_S (SQLSTATE 57014), a transient fault, and the retry
+    once the lock is gone writes the row (the connection reopened with the same bound)."""
+    import psycopg
+
+    sink = _pg_sink(pg_server, settings, statement_timeout_s=1.0)
+    backend = sink.backend
+    backend.upsert([_result(0)])
+    locker = psycopg.connect(backend.target.location)  # a transaction until it closes
+    locker_pid = locker.info.backend_pid
+
+    def end_the_lock() -> None:  # the watchdog: code without the bound waits until then
+        with psycopg.connect(backend.target.location, autocommit=True) as other:
+            other.execute("SELECT pg_terminate_backend(%s)", (locker_pid,))
+
+    watchdog = threading.Timer(WATCHDOG_S, end_the_lock)
+    try:
+        table = psycopg.sql.Identifier(backend.target.table)
+        locker.execute(psycopg.sql.SQL("SELECT id FROM {} WHERE id = 'a' FOR UPDATE").format(table))
+        watchdog.start()
+        started = time.monotonic()
+        with pytest.raises(psycopg.errors.QueryCanceled) as raised:
+            backend.upsert([_result(1)])
+        elapsed = time.monotonic() - started
+    finally:
+        watchdog.cancel()
+        locker.close()  # its transaction ends, and the lock with it
+    assert 1.0 <= elapsed < 1.0 + GRACE_S, elapsed
+    assert classify(raised.value).kind is FaultKind.TRANSIENT
+    backend.upsert([_result(1)])
+    (row,) = backend.export_rows()
+    assert np.array_equal(row.vector, np.eye(4, dtype=np.float32)[1])
+    backend.close()
+
+
+async def test_worker_healthz_turns_red_while_a_sink_call_outlives_its_bound(
+    pg_server, settings: Settings
+) -> None:
+    """The database stops answering the sink's connection (its backend process SIGSTOPped: no
+    statement timeout can fire there): /healthz answers 503, naming the sink, once the call has
+    run past 3 x the statement timeout, and 200 again once the call has ended."""
+    import psycopg
+
+    sink = _pg_sink(pg_server, settings, statement_timeout_s=0.5)
+    backend = sink.backend
+    backend.upsert([_result(0)])  # the sink's connection, open
+    assert isinstance(backend, PgvectorBackend)
+    # the server process of the sink's own connection
+    backend_pid = backend._connection().info.backend_pid
+    health = HealthServer(free_port(), sink.client, WorkerMetrics(), host="127.0.0.1")
+    await health.start()
+    health.watch_sink(sink)
+    url = f"http://127.0.0.1:{health.port}/healthz"
+    stalled_at: float | None = None
+    try:
+        async with httpx.AsyncClient(timeout=10) as http:
+            assert (await http.get(url)).status_code == 200
+            os.kill(backend_pid, signal.SIGSTOP)
+            try:
+                write = asyncio.ensure_future(
+                    sink.write([_result(1)], [Delivery(settings.keys.ingest, "0-1", None)])
+                )
+                started = time.monotonic()
+
+                async def red() -> bool:
+                    return (await http.get(url)).status_code == 503
+
+                await until(red, timeout=WATCHDOG_S)
+                stalled_at = time.monotonic() - started
+                answer = (await http.get(url)).json()
+                assert answer["alive"] is False and "postgresql call" in answer["sink"]
+                assert not write.done()
+            finally:
+                os.kill(backend_pid, signal.SIGCONT)
+            await write
+            assert (await http.get(url)).status_code == 200
+    finally:
+        await health.stop()
+        await sink.close()
+        await sink.client.aclose()
+    assert stalled_at is not None and 1.5 <= stalled_at < 1.5 + GRACE_S, stalled_at
+    with psycopg.connect(backend.target.location) as check:
+        assert check.execute("SELECT count(*) FROM " + backend.target.table).fetchone() == (1,)
