@@ -333,7 +333,8 @@ class Settings(BaseSettings):
     model's dimension when missing."""
     sink_statement_timeout_s: float = Field(default=60.0, gt=0)
     """Longest a PostgreSQL sink statement (an upsert, the table's creation) may run before the
-    server cancels it (`statement_timeout`): a hung upsert fails as a transient fault, so the batch
+    server cancels it (`statement_timeout`), and a connection attempt may wait (`connect_timeout`,
+    unless the URL sets one): a hung upsert fails as a transient fault, so the batch
     is retried while its entries stay pending; a sink call that outlives three times this bound (a
     server that no longer answers the connection, which cannot cancel anything) turns the worker's
     `/healthz` red, so it is restarted and others reclaim its entries."""
