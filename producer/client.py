@@ -62,6 +62,9 @@ if TYPE_CHECKING:
 log = get_logger("embedfleet.producer")
 # How often a client without the model card asks Redis for it again (no worker has started yet)
 CARD_RECHECK_S = 1.0
+# How late past a query's deadline a round trip may still answer (a BLPOP ends at the deadline
+# by itself) before it counts as a hung Redis and is cancelled
+REPLY_MARGIN_S = 0.25
 ChunkLike = Chunk | Mapping[str, Any]
 
 
@@ -510,25 +513,28 @@ class Producer:
                 payloads.append(encode_chunk(chunk))
             while not answers.complete:
                 remaining = give_up_at - time.monotonic()
-                if remaining <= 0:
+                if remaining <= 0.01:  # BLPOP's timeout 0 would wait for ever
                     break
+                # one BLPOP waits at most EMBEDFLEET_BLOCK_MS (the connection's read timeout is
+                # sized for it); the round trip as a whole is bounded by the deadline, so a hung
+                # Redis is given up on there (a TimeoutError: transient, then past the deadline)
+                blocking = min(remaining, self.settings.block_ms / 1000)
                 try:
-                    if send:
-                        unanswered = answers.unanswered()
-                        sent, popped = await self._send_request(
-                            stream, [payloads[i] for i in unanswered], reply_key, remaining
-                        )
-                        entry_ids += sent
-                        send = False
-                    else:
-                        popped = await pop_answers(self.client, reply_key, remaining)
+                    async with asyncio.timeout(remaining + REPLY_MARGIN_S):
+                        if send:
+                            unanswered = answers.unanswered()
+                            sent, popped = await self._send_request(
+                                stream, [payloads[i] for i in unanswered], reply_key, blocking
+                            )
+                            entry_ids += sent
+                            send = False
+                        else:
+                            popped = await pop_answers(self.client, reply_key, blocking)
                 except Exception as error:
                     send = True
                     await tries.failed(error)
                     continue
                 tries.succeeded()
-                if not popped:
-                    break  # BLPOP timed out: no worker answered in time
                 for payload in popped:
                     failure = answers.take(payload)
                     if failure is not None:
@@ -559,15 +565,18 @@ class Producer:
         return entry_ids, [] if popped is None else [popped[1]]
 
     async def _withdraw(self, stream: str, entry_ids: list[bytes], reply_key: str) -> None:
-        """Take an unanswered request's entries back, once: if Redis is away, the workers skip
-        them anyway (they are past their deadline) and the reply key expires. An entry a worker
-        has already read is answered onto the deleted key, which then expires."""
+        """Take an unanswered request's entries back, once, within
+        EMBEDFLEET_REDIS_CLEANUP_TIMEOUT_S: if Redis is away or hung, the workers skip them
+        anyway (they are past their deadline) and the reply key expires. An entry a worker has
+        already read is answered onto the deleted key, which then expires."""
         pipe = self.client.pipeline(transaction=True)  # the query lane's keys share a slot
         if entry_ids:
             pipe.xdel(stream, *entry_ids)
         pipe.delete(reply_key)
         try:
-            await pipe.execute()
+            # bounded: the caller's timeout (or cancellation) must hold with Redis hung
+            async with asyncio.timeout(self.settings.redis_cleanup_timeout_s):
+                await pipe.execute()
         except Exception as error:
             if not is_transient(error):
                 raise

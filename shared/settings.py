@@ -217,6 +217,17 @@ class Settings(BaseSettings):
     an outage to ride out. Once the verb has reached Redis, outages are ridden out for
     `EMBEDFLEET_REDIS_RETRY_S`. The `Producer` library waits `EMBEDFLEET_REDIS_RETRY_S` in both
     cases unless given `first_contact_s`."""
+    redis_socket_timeout_s: float = Field(default=5.0, gt=0)
+    """How late a Redis reply may come, beyond the longest blocking time the connection's commands
+    ask for (`XREADGROUP BLOCK` of EMBEDFLEET_BLOCK_MS, a query's BLPOP, which waits at most that
+    long per call, `WAIT` of EMBEDFLEET_MIN_REPLICAS_TIMEOUT_MS), before the connection is dropped
+    and the call fails as a transient fault, retried like an outage: a hung server (a stopped
+    process, a blackholed failover, a stalled fork) is never waited on for ever. A caller with a
+    deadline (a query's timeout, a gateway request) gives up at its deadline, whichever is first."""
+    redis_cleanup_timeout_s: float = Field(default=0.5, gt=0)
+    """How long the clean-up after a query that timed out or was cancelled (withdrawing its
+    entries, deleting its reply key) may wait on Redis; past it the workers skip the entries
+    (they are past their deadline) and the reply key expires, so the caller's timeout holds."""
     job_ids_ttl_s: int = Field(default=7 * 24 * 3600, ge=0)
     """How long a job remembers the chunk ids it has enqueued (`{ns}:jobids:<job>`), counted from
     its latest enqueue: within it a re-sent chunk (same id, same payload) is added and counted once.
@@ -278,7 +289,12 @@ class Settings(BaseSettings):
     """How long the gateway waits for a request's vectors, a worker's start included (scale from
     zero); then 504, the request withdrawn."""
     gateway_retry_after_s: int = Field(default=5, ge=1)
-    """`Retry-After` seconds sent with a 429."""
+    """`Retry-After` seconds sent with a 429, and with a 503 while Redis is unreachable or hung."""
+    gateway_redis_timeout_s: float = Field(default=2.0, gt=0)
+    """How long `/readyz` and the gateway's short Redis reads (the model card, worker heartbeats)
+    wait on Redis: past it `/readyz` answers 503 (not ready) and a route 503 `queue_unavailable`
+    with `Retry-After`. An embeddings request as a whole is bounded by EMBEDFLEET_GATEWAY_TIMEOUT_S
+    (plus one second for its clean-up)."""
     gateway_worker_idle_ms: int = Field(default=15_000, ge=100)
     """A worker whose heartbeat is at most this old counts as live; with none, TEI's /health is 503
     and a timed-out request's message says so (requests are enqueued all the same)."""
@@ -323,6 +339,13 @@ class Settings(BaseSettings):
     sink_table: str = "embeddings"
     """Table (LanceDB, PostgreSQL) or collection (Qdrant) the sink upserts into; created with the
     model's dimension when missing."""
+    sink_statement_timeout_s: float = Field(default=60.0, gt=0)
+    """Longest a PostgreSQL sink statement (an upsert, the table's creation) may run before the
+    server cancels it (`statement_timeout`), and a connection attempt may wait (`connect_timeout`,
+    unless the URL sets one): a hung upsert fails as a transient fault, so the batch
+    is retried while its entries stay pending; a sink call that outlives three times this bound (a
+    server that no longer answers the connection, which cannot cancel anything) turns the worker's
+    `/healthz` red, so it is restarted and others reclaim its entries."""
     store_text: bool = True
     """Database sinks store each chunk's text beside its vector, so `embedfleet search` shows what
     it found. `false` if you keep the texts elsewhere (the column stays, empty)."""

@@ -33,6 +33,11 @@ class EmbeddingRequest(BaseModel):
 
 @router.post("/v1/embeddings")
 async def create_embeddings(body: EmbeddingRequest, gateway: GatewayDep) -> dict[str, object]:
+    async with gateway.request_bound():
+        return await _create_embeddings(body, gateway)
+
+
+async def _create_embeddings(body: EmbeddingRequest, gateway: Gateway) -> dict[str, object]:
     card = await gateway.model_card()  # None before any worker started: the worker checks
     gateway.check_model(body.model)
     check_dimensions(body.dimensions, card.dim if card is not None else None)
