@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from embedfleet.gateway.batches import ENDPOINT, BatchRunner, BatchStore, new_batch
 from embedfleet.gateway.errors import APIError
-from embedfleet.gateway.files import FileStore
+from embedfleet.gateway.files import FileStore, bounded_lines
 from embedfleet.gateway.state import GatewayDep
 from embedfleet.shared.settings import Settings
 
@@ -138,6 +138,12 @@ def _copy(upload: UploadFile, temp: Path, max_bytes: int, max_line_bytes: int) -
             out.write(block)
 
 
+def _count_lines(path: Path, max_line_bytes: int) -> int:
+    """Request lines (not blank) of an input file, none of them held whole past the cap."""
+    with path.open("rb") as handle:
+        return sum(1 for raw in bounded_lines(handle, max_line_bytes) if raw is None or raw.strip())
+
+
 @router.get("/v1/files")
 async def list_files(
     files: FilesDep,
@@ -228,7 +234,9 @@ async def create_batch(
         )
     # the total shows at once; the lines themselves are checked in the validating step
     try:
-        lines = await asyncio.to_thread(lambda: sum(1 for _ in files.lines(stored.id)))
+        lines = await asyncio.to_thread(
+            _count_lines, files.data_path(stored.id), settings.batch_max_line_bytes
+        )
     except FileNotFoundError:  # deleted meanwhile
         files.get(stored.id, owner)  # the 404
         raise

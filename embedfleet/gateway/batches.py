@@ -499,9 +499,7 @@ class BatchRunner:
 
     async def _still_ours(self, lease: Lease, lease_ms: int) -> bool:
         """Renew the lease if it is still ours; whether it was."""
-        renewed = await self.client.eval(
-            RENEW_SCRIPT, 1, lease.key, lease.token, lease_ms
-        )
+        renewed = await self.client.eval(RENEW_SCRIPT, 1, lease.key, lease.token, lease_ms)
         lease.lost = lease.lost or not renewed
         return not lease.lost
 
