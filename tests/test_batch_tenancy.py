@@ -168,6 +168,24 @@ def test_a_line_or_file_over_its_cap_is_a_400_and_nothing_is_stored_or_queued(
     assert [server.xlen(key) for key in ingest] == queued
 
 
+def test_a_stored_line_over_a_lowered_cap_fails_its_batch_naming_the_line(
+    fleet_settings: Settings, worker: WorkerProcess, tmp_path: Path
+) -> None:
+    """A file stored before the cap was lowered: validation names the line (read in bounded
+    pieces, never whole) and fails the batch before anything is sent."""
+    lines = [batch_line("short", "fine"), batch_line("long", "x" * 3000), batch_line("s2", "ok")]
+    with running_gateway(fleet_settings) as url:
+        stored = upload(client(url, KEY_A), tmp_path / "before.jsonl", lines)
+    with running_gateway(fleet_settings.model_copy(update={"batch_max_line_bytes": 2048})) as url:
+        wait_for_worker(url)
+        a = client(url, KEY_A)
+        batch = wait_final(a, create_batch(a, stored.id).id)
+    assert batch.status == "failed" and batch.request_counts.total == 3
+    [error] = batch.errors.data
+    assert (error.code, error.line) == ("line_too_large", 2)
+    assert "EMBEDFLEET_BATCH_MAX_LINE_BYTES" in error.message
+
+
 def test_bounded_lines_never_holds_a_line_over_the_cap(tmp_path: Path) -> None:
     path = tmp_path / "lines"
     path.write_bytes(b"short\n" + b"x" * 10_000 + b"\n\n" + b"y" * 16 + b"\nend")
