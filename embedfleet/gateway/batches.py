@@ -30,8 +30,9 @@ records in one step).
 
 The lease (EMBEDFLEET_BATCH_LEASE_MS) is renewed every third of its length while a step runs
 (``renew_lease.lua``, only if still ours), and it is a fencing token: the batch is ended by
-``end_batch.lua`` only if the lease still holds this step's token, and the output is published
-only after the same check. The output and error files' ids are reserved in the batch's hash
+``end_batch.lua`` only if the lease still holds this step's token, its state and cursor are
+saved by ``save_batch.lua`` on the same condition, and the output is published only after the
+same check. The output and error files' ids are reserved in the batch's hash
 before they are written, so a finalize run twice (a replica that lost its lease and one that
 took it over) publishes one file under one id, whichever writes last.
 
@@ -88,6 +89,7 @@ RELEASE_SCRIPT = scripts.load("release_lease")  # only if it is still ours
 RENEW_SCRIPT = scripts.load("renew_lease")  # only if it is still ours
 CREATE_SCRIPT = scripts.load("create_batch")  # within the owner's limit of active batches
 END_SCRIPT = scripts.load("end_batch")  # only with the lease's token: the fence
+SAVE_SCRIPT = scripts.load("save_batch")  # the runner's writes, fenced the same way
 
 
 @dataclass(frozen=True)
@@ -270,7 +272,8 @@ def new_batch(
 
 
 class BatchStore:
-    """Batch records in Redis: the Batch object (JSON) plus the runner's cursor fields."""
+    """Batch records in Redis: the Batch object (JSON) plus the runner's cursor fields (which
+    the runner writes itself, under its lease: BatchRunner._save)."""
 
     def __init__(self, producer: Producer) -> None:
         self.producer = producer  # job counters are the client's to read (summed over partitions)
@@ -346,11 +349,6 @@ class BatchStore:
                 "failed": min(int(np.ceil(dead * scale)), fields["lines"]),
             }
         return batch
-
-    async def save(self, batch: dict, **cursor: int) -> None:
-        await self.client.hset(
-            self.keys.batch(batch["id"]), mapping={"object": json.dumps(batch), **cursor}
-        )
 
     async def request_cancel(self, batch_id: str, owner: str | None = None) -> dict:
         batch = await self.get(batch_id, owner)
@@ -503,6 +501,22 @@ class BatchRunner:
         lease.lost = lease.lost or not renewed
         return not lease.lost
 
+    async def _save(self, batch_id: str, mapping: dict[str, Any]) -> None:
+        """Fields of the batch's hash written while this step's lease holds; LeaseLost (and
+        nothing written) once it is another's."""
+        lease = self._lease(batch_id)
+        saved = await self.client.eval(
+            SAVE_SCRIPT,
+            2,
+            lease.key,
+            self.keys.batch(batch_id),
+            lease.token,
+            *(item for pair in mapping.items() for item in pair),
+        )
+        if not saved:
+            lease.lost = True
+            raise LeaseLost(batch_id)
+
     def _lease(self, batch_id: str) -> Lease:
         lease = self._leases.get(batch_id)
         if lease is None:  # a step always runs under its lease
@@ -582,7 +596,7 @@ class BatchRunner:
             and now >= batch["expires_at"]
             and not await self._all_finished(batch_id, fields)  # done just in time: completed
         ):
-            await self.client.hset(self.keys.batch(batch_id), "expire", now)
+            await self._save(batch_id, {"expire": now})
             fields["expire"] = now
         if fields.get("expire") and running:
             if status == "validating":  # nothing was sent: there is nothing to write out
@@ -592,7 +606,7 @@ class BatchRunner:
             return
         if fields.get("cancel") and status in ("validating", "in_progress"):
             batch.update(status="cancelling", cancelling_at=now)
-            await self.store.save(batch)
+            await self._save(batch_id, {"object": json.dumps(batch)})
             status = "cancelling"
         if status == "validating":
             path = self._input_path(batch)
@@ -603,7 +617,7 @@ class BatchRunner:
                 return
             batch.update(status="in_progress", in_progress_at=now)
             batch["request_counts"]["total"] = found.lines
-            await self.store.save(batch, lines=found.lines)
+            await self._save(batch_id, {"object": json.dumps(batch), "lines": found.lines})
             fields["lines"] = found.lines
             status = "in_progress"
         if status == "in_progress" and fields["cursor"] < fields["lines"]:
@@ -613,7 +627,7 @@ class BatchRunner:
             if not await self._all_finished(batch_id, fields):
                 return
             batch.update(status="finalizing", finalizing_at=now)
-            await self.store.save(batch)
+            await self._save(batch_id, {"object": json.dumps(batch)})
             status = "finalizing"
         if status == "finalizing":
             await self._finalize(
@@ -713,9 +727,8 @@ class BatchRunner:
             if sent_lines >= LINES_PER_SLICE:
                 break
         await producer.enqueue(chunks, job=batch_id)
-        await self.client.hset(
-            self.keys.batch(batch_id),
-            mapping={"cursor": cursor + sent_lines, "offset": offset, "inputs": inputs},
+        await self._save(
+            batch_id, {"cursor": cursor + sent_lines, "offset": offset, "inputs": inputs}
         )
         self.wake.set()  # more to send: come back without waiting a tick
 
