@@ -251,7 +251,7 @@ class HeldFinalize:
         monkeypatch.setattr(BatchRunner, "_still_ours", counted, raising=False)
 
 
-LEASE_MS = 300  # short: without renewal, another replica would take over within it
+LEASE_MS = 1000  # short: without renewal, another replica takes over within it
 
 LEASE_TEXTS = 10
 
