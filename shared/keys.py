@@ -261,6 +261,15 @@ class Keys:
         """Set of batches some gateway still has to enqueue or finalize."""
         return f"{self._batch_prefix}:batches:active"
 
+    def owner_batches(self, owner: str) -> str:
+        """Sorted set of one owner's batch ids by creation time: ``GET /v1/batches`` lists only
+        the caller's (an owner is a hash of its API key, gateway/auth.py)."""
+        return f"{self._batch_prefix}:owner:{owner}:batches"
+
+    def owner_batches_active(self, owner: str) -> str:
+        """Set of one owner's active batches, for EMBEDFLEET_BATCH_MAX_ACTIVE_PER_OWNER."""
+        return f"{self._batch_prefix}:owner:{owner}:batches:active"
+
     def batch_lease(self, batch_id: str) -> str:
         """Lease a gateway holds while it works on a batch, so replicas never both do."""
         return f"{self._batch_prefix}:batch:{batch_id}:lease"
