@@ -152,7 +152,10 @@ async def test_worker_metrics_health_and_readiness(
             while True:
                 assert worker.poll() is None, logs()
                 assert time.monotonic() < deadline, f"lags {lags}\n{logs()}"
-                page = await scrape(session, port)
+                try:
+                    page = await scrape(session, port)
+                except aiohttp.ClientConnectionError as error:
+                    raise AssertionError(f"the worker stopped answering\n{logs()}") from error
                 lags.append(page("embedfleet_stream_lag", stream="ingest"))
                 texts_seen.append(page("embedfleet_texts_embedded_total"))
                 progress = await Producer(own, client).progress("ops")

@@ -267,10 +267,9 @@ class WorkerMetrics(WorkerEvents):
         self._description.update(dtype=dtype, forward_path="choosing")
         self.info.info(self._description)
 
-    def describe_forward_path(self, forward_path: str) -> None:
-        """The path the encoder chose at start (an int8 copy, the frozen graph, eager): the dtype
-        label alone says bfloat16 or float32 even where an int8 copy runs the batches."""
-        self._description["forward_path"] = forward_path
+    def forward_path_chosen(self, *, path: str) -> None:
+        # The dtype label alone says bfloat16 or float32 even where an int8 copy runs batches.
+        self._description["forward_path"] = path
         self.info.info(self._description)
 
     def restart_clock(self) -> None:
