@@ -62,6 +62,7 @@ from embedfleet.gateway.auth import ANONYMOUS
 from embedfleet.gateway.errors import APIError
 from embedfleet.gateway.files import FileStore, bounded_lines, new_file_id
 from embedfleet.gateway.inputs import (
+    check_context,
     check_dimensions,
     prepare,
     unit_vectors,
@@ -100,8 +101,10 @@ class BatchLine:
     dimensions: int | None
 
 
-def parse_line(raw: bytes, gateway: Gateway) -> BatchLine:
-    """One JSONL request line, validated as the online endpoint would; APIError says why not."""
+def parse_line(raw: bytes, gateway: Gateway, *, validating: bool = False) -> BatchLine:
+    """One JSONL request line, validated as the online endpoint would; APIError says why not.
+    The context check runs in the validating step only (``validating``): a line that passed it
+    is never refused later, when the card may have become known."""
     try:
         line = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -137,6 +140,8 @@ def parse_line(raw: bytes, gateway: Gateway) -> BatchLine:
     card = gateway.known_card  # None before any worker published: the worker checks
     check_dimensions(body.dimensions, card.dim if card is not None else None)
     texts = prepare(body.input, gateway.tokenizer, gateway.settings, "body.input")
+    if validating and card is not None and not body.truncate:  # as online: refused, not cut
+        check_context(texts, gateway.tokenizer, card.max_length, "body.input")
     return BatchLine(custom_id, texts, body.encoding_format, body.dimensions)
 
 
@@ -184,7 +189,7 @@ def validate_file(path: Path, gateway: Gateway) -> Validation:
                 continue
             found.lines += 1
             try:
-                line = parse_line(raw, gateway)
+                line = parse_line(raw, gateway, validating=True)
             except APIError as error:
                 bad_lines += 1
                 if len(errors) < SHOWN_LINE_ERRORS:
@@ -610,6 +615,9 @@ class BatchRunner:
             status = "cancelling"
         if status == "validating":
             path = self._input_path(batch)
+            # the card (the model's maximum length) as the workers last published it; a batch
+            # created before any worker started is checked without it, and the worker cuts
+            await self.gateway.model_card()
             found = await asyncio.to_thread(validate_file, path, self.gateway)
             if found.errors:
                 counts = {"total": found.lines, "completed": 0, "failed": 0}
