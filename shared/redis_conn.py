@@ -123,6 +123,12 @@ def connect(url: str, *, cluster: bool = False, **kwargs: Any) -> aioredis.Redis
 StreamEntries = list[tuple[bytes, dict[bytes, bytes]]]
 
 
+def as_str(value: bytes | str) -> str:
+    """A key, field or member as text: redis-py types replies as bytes or str whichever way
+    the client decodes; a client of :func:`connect` gets bytes."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def stream_entries(reply: object) -> StreamEntries:
     """``reply`` typed as what a client of :func:`connect` receives. redis-py types XRANGE's
     reply for any client (str or bytes, each entry's fields possibly None, the whole None);

@@ -52,7 +52,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 from pydantic import ValidationError
@@ -74,6 +74,7 @@ from embedfleet.producer.replies import Answers, ingest_reply_keys, read_answers
 from embedfleet.shared import scripts
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import Chunk
+from embedfleet.shared.redis_conn import as_str
 
 log = get_logger("embedfleet.gateway.batches")
 
@@ -327,7 +328,7 @@ class BatchStore:
     async def fields(self, batch_id: str, owner: str | None = None) -> dict[str, Any]:
         """The batch's hash; 404 if it is missing or (given ``owner``) another owner's."""
         raw = await self.client.hgetall(self.keys.batch(batch_id))
-        fields: dict[str, Any] = {key.decode(): value for key, value in raw.items()}
+        fields: dict[str, Any] = {as_str(key): value for key, value in raw.items()}
         fields["owner"] = fields["owner"].decode() if "owner" in fields else ANONYMOUS
         if not raw or (owner is not None and fields["owner"] != owner):
             raise APIError(
@@ -364,7 +365,8 @@ class BatchStore:
     async def page(self, owner: str, after: str | None, limit: int) -> tuple[list[dict], bool]:
         """One page of ``owner``'s batches, newest first."""
         index = self.keys.owner_batches(owner)
-        ids = [i.decode() for i in await self.client.zrevrange(index, 0, -1)]
+        members = cast("list[bytes]", await self.client.zrevrange(index, 0, -1))  # no scores
+        ids = [as_str(i) for i in members]
         if after is not None and after in ids:
             ids = ids[ids.index(after) + 1 :]
         batches = [await self.get(batch_id) for batch_id in ids[:limit]]
@@ -418,7 +420,7 @@ class BatchRunner:
         while not self._stopping.is_set():
             try:
                 active = sorted(
-                    m.decode() for m in await self.client.smembers(self.keys.batches_active)
+                    as_str(m) for m in await self.client.smembers(self.keys.batches_active)
                 )
             except Exception as error:  # Redis down: say so, keep trying
                 log.warning("batch runner cannot list batches; retrying", error=repr(error))
@@ -687,7 +689,7 @@ class BatchRunner:
         )
         keys = self.keys
         owner_raw = await self.client.hget(keys.batch(batch_id), "owner")
-        owner = owner_raw.decode() if owner_raw else ANONYMOUS
+        owner = as_str(owner_raw) if owner_raw else ANONYMOUS
         ended = await self.client.eval(
             END_SCRIPT,
             4,
@@ -924,7 +926,7 @@ class BatchRunner:
                     failed += 1
                     continue
                 card = gateway.known_card  # read in _finalize, before the first vector
-                assert card is not None
+                assert card is not None and vectors is not None  # (else all were missing)
                 block = vectors[span.start : span.stop, : line.dimensions or card.dim]
                 block = unit_vectors(block, card.normalize)
                 tokens = gateway.tokenizer.usage(line.texts, card.max_length)
