@@ -74,6 +74,6 @@ def sink_for_target(
     dtype: VectorDType | None = None,
 ) -> Sink:
     if target.kind == "redis":
-        return RedisStreamSink(client, settings.keys)
+        return RedisStreamSink(client, settings.keys, settings.results_max_entries)
     backend = open_backend(target, store_text=settings.store_text)
     return DatabaseSink(client, settings.keys, backend, dtype=dtype)
