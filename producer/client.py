@@ -363,6 +363,7 @@ class Producer:
                     id_record=partition.job_ids(job),
                     chunks=job_chunks,
                     id_record_ttl_s=self.settings.job_ids_ttl_s,
+                    finished_ttl_s=self.settings.job_ids_finished_ttl_s,
                 )
             if by_job:
                 # Outside the script, but in the partition's slot too (its own jobs index).

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import redis.asyncio as aioredis
 
 from embedfleet.shared import scripts
+from embedfleet.shared.jobs import IDS_TTL_AFTER_DONE_FIELD
 from embedfleet.shared.protocol import PAYLOAD_FIELD
 
 ENQUEUE_SCRIPT = scripts.load("enqueue")
@@ -50,12 +51,17 @@ def queue_enqueue(
     id_record: str,
     chunks: Sequence[tuple[str, bytes]],
     id_record_ttl_s: int,
+    finished_ttl_s: int = 0,
 ) -> None:
     """Queue one script call on ``pipe`` for ``chunks`` (id, encoded payload) of one job.
 
     Its reply in the pipeline's results is how many entries were really added
-    (``shared/scripts/enqueue.lua``)."""
+    (``shared/scripts/enqueue.lua``). ``finished_ttl_s`` (EMBEDFLEET_JOB_IDS_FINISHED_TTL_S)
+    is then written to the job's counters hash, after the script: the workers' acknowledgement
+    script gives the id record that TTL once the job has finished."""
     args: list[str | bytes | int] = [id_record_ttl_s]
     for chunk_id, payload in chunks:
         args += [chunk_id, payload_digest(payload), payload]
     pipe.eval(ENQUEUE_SCRIPT, 3, stream, counters, id_record, *args)
+    if finished_ttl_s and (id_record_ttl_s == 0 or finished_ttl_s < id_record_ttl_s):
+        pipe.hset(counters, IDS_TTL_AFTER_DONE_FIELD, finished_ttl_s)

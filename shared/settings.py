@@ -213,6 +213,12 @@ class Settings(BaseSettings):
     """How long a job remembers the chunk ids it has enqueued (`{ns}:jobids:<job>`), counted from
     its latest enqueue: within it a re-sent chunk (same id, same payload) is added and counted once.
     0 = for ever. Costs about the id's length + 60 bytes per chunk."""
+    job_ids_finished_ttl_s: int = Field(default=3600, ge=0)
+    """Once a job has finished (every chunk embedded or dead-lettered), its id record expires
+    this long after its last acknowledgement instead, so a finished job's record costs nothing
+    for long; an enqueue to the job later gives it `EMBEDFLEET_JOB_IDS_TTL_S` again. A re-sent
+    chunk after it has expired is embedded and counted again (the job still finishes). 0 = the
+    record lives `EMBEDFLEET_JOB_IDS_TTL_S` however the job ends."""
     backlog_high_water: int = Field(default=1_000_000, ge=1)
     """Producers wait while an ingest stream (each partition's) holds more entries than this; the
     gateway answers 429 to large requests while the interactive stream does."""

@@ -129,30 +129,32 @@ async def test_worker_waits_at_the_results_bound_and_goes_on_once_a_reader_drain
     )
     sink = RedisStreamSink(client, settings.keys, settings.results_max_entries)
     stream = settings.keys.results
-    async with workers.run(settings, sink=sink, encoder=standin_encoder()):
-        async with Producer(settings) as producer:
-            await producer.enqueue(
-                ({"id": f"c{i}", "text": f"text number {i} " * (1 + i % 7)} for i in range(chunks)),
-                job="bound",
-            )
+    async with (
+        workers.run(settings, sink=sink, encoder=standin_encoder()),
+        Producer(settings) as producer,
+    ):
+        await producer.enqueue(
+            ({"id": f"c{i}", "text": f"text number {i} " * (1 + i % 7)} for i in range(chunks)),
+            job="bound",
+        )
 
-            async def at_the_bound() -> bool:
-                return sink.waiting
+        async def at_the_bound() -> bool:
+            return sink.waiting
 
-            await until(at_the_bound, timeout=120)
-            held = await client.xlen(stream)
-            assert bound <= held < bound + max_batch
-            assert (await producer.progress("bound")).done == held < chunks
-            stop = asyncio.Event()
-            reader = producer.results_reader(page=50)
-            seen: list[str] = []
-            while len(seen) < chunks:
-                page = await reader.next_page(follow=True, stop=stop)
-                assert page is not None
-                seen += [r.id for r in page.results]
-                await reader.acknowledge(page)
-            await reader.close()
-            progress = await producer.wait_for_job("bound", timeout=60)
+        await until(at_the_bound, timeout=120)
+        held = await client.xlen(stream)
+        assert bound <= held < bound + max_batch
+        assert (await producer.progress("bound")).done == held < chunks
+        stop = asyncio.Event()
+        reader = producer.results_reader(page=50)
+        seen: list[str] = []
+        while len(seen) < chunks:
+            page = await reader.next_page(follow=True, stop=stop)
+            assert page is not None
+            seen += [r.id for r in page.results]
+            await reader.acknowledge(page)
+        await reader.close()
+        progress = await producer.wait_for_job("bound", timeout=60)
     assert progress.done == chunks and sink.waits >= 1
     assert sorted(seen) == sorted(f"c{i}" for i in range(chunks))
     assert await client.xlen(stream) == 0
@@ -250,3 +252,27 @@ async def test_results_out_consume_drains_the_stream_into_the_file(
     )
     _, stderr = await refused.communicate()
     assert refused.returncode == 2 and "--consume drains every job" in stderr.decode()
+
+
+async def test_a_finished_jobs_id_record_expires_soon_and_an_enqueue_extends_it_again(
+    settings: Settings, workers, client: aioredis.Redis
+) -> None:
+    """EMBEDFLEET_JOB_IDS_FINISHED_TTL_S: once the job's last chunk is acknowledged its id record
+    gets that TTL, not EMBEDFLEET_JOB_IDS_TTL_S; the next enqueue to the job gives it the long
+    one again, and it is cut once more when that chunk is done."""
+    settings = settings.model_copy(update={"job_ids_finished_ttl_s": 120})
+    record = settings.keys.job_ids("ttl")
+    encoder = standin_encoder()
+    async with Producer(settings) as producer:
+        async with workers.run(settings, encoder=encoder):
+            chunks = ({"id": f"t{i}", "text": f"text {i}"} for i in range(40))
+            await producer.enqueue(chunks, job="ttl")
+            assert (await producer.wait_for_job("ttl", timeout=60)).done == 40
+            assert 0 < await client.ttl(record) <= 120
+        await producer.enqueue([{"id": "late", "text": "one more"}], job="ttl")
+        assert await client.ttl(record) > 120  # the job has work again: the long TTL
+        async with workers.run(settings, encoder=encoder):
+            progress = await producer.wait_for_job("ttl", timeout=60)
+            assert progress.done == progress.enqueued == 41
+            assert 0 < await client.ttl(record) <= 120
+    assert await client.hlen(record) == 41
