@@ -10,8 +10,7 @@ import redis.asyncio as aioredis
 import uvloop
 from prometheus_client import disable_created_metrics
 
-from embedfleet.shared.eviction import FIX, EvictionPolicy, check_eviction_policy
-from embedfleet.shared.fault_kinds import BackoffPolicy, classify, is_transient
+from embedfleet.shared.eviction import warn_on_eviction_policy
 from embedfleet.shared.logging import configure_logging, get_logger
 from embedfleet.shared.redis_conn import connect_settings
 from embedfleet.shared.settings import Settings
@@ -70,32 +69,6 @@ async def serve(settings: Settings, encoder: Encoder | None = None) -> None:
         if health is not None:
             await health.stop()
         await client.aclose()
-
-
-async def warn_on_eviction_policy(client: aioredis.Redis) -> EvictionPolicy:
-    """Check Redis's maxmemory-policy once it answers and warn unless it is noeviction (see
-    shared/eviction.py). A Redis not up yet is retried without a word: the worker's own start
-    reports that outage."""
-    backoff = BackoffPolicy()
-    while True:
-        try:
-            found = await check_eviction_policy(client)
-            break
-        except Exception as error:
-            if not is_transient(error):  # the worker's own start says what is wrong
-                found = EvictionPolicy(None, classify(error).detail)
-                break
-            await asyncio.sleep(backoff.next_delay())
-    if found.warning is not None:
-        log.warning(
-            "redis may evict the fleet's keys",
-            policy=found.policy,
-            fix=FIX,
-            detail=found.warning,
-        )
-    else:
-        log.info("redis eviction policy checked", policy=found.policy)
-    return found
 
 
 async def start_health_server(
