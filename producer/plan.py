@@ -186,7 +186,7 @@ def render(plan: Plan, *, chunks: float, dim: int, workers: int, rate: float) ->
                 else "(Redis sink, the whole run: nothing bounds it below the run's size; 0 with "
                 "a vector database or Parquet sink)"
             ),
-            f"job id records   {plan.job_ids_gib:,.1f} GiB (one per chunk of a running job, "
+            f"job id records    {plan.job_ids_gib:,.1f} GiB (one per chunk of a running job, "
             "until EMBEDFLEET_JOB_IDS_FINISHED_TTL_S after it ends: enqueue in smaller jobs to "
             "bound it)",
             f"Redis memory      {plan.redis_gib:,.1f} GiB in all (set maxmemory above it, "
