@@ -276,3 +276,31 @@ async def test_a_finished_jobs_id_record_expires_soon_and_an_enqueue_extends_it_
             assert progress.done == progress.enqueued == 41
             assert 0 < await client.ttl(record) <= 120
     assert await client.hlen(record) == 41
+
+
+async def test_consuming_readers_drain_every_partitions_results_stream(
+    redis_server, client: aioredis.Redis
+) -> None:
+    """With EMBEDFLEET_PARTITIONS each partition's results stream has the readers' group; two
+    readers drain them all, each result once, every stream empty after."""
+    settings = isolated_settings(redis_server.url, partitions=3)
+    for index, partition in enumerate(settings.keys.partitions_keys):
+        await write_results(client, partition.results, index * 1000, 700)
+
+    async def read(name: str) -> list[str]:
+        async with Producer(settings) as producer:
+            return [r.id async for r in producer.results(consume=True, consumer=name, page=64)]
+
+    first, second = await asyncio.gather(read("a"), read("b"))
+    expected = [f"r{p * 1000 + i}" for p in range(3) for i in range(700)]
+    assert sorted(first + second) == sorted(expected)
+    for partition in settings.keys.partitions_keys:
+        assert await client.xlen(partition.results) == 0
+
+
+def test_the_workers_sink_takes_the_bound_from_the_setting(client: aioredis.Redis) -> None:
+    from embedfleet.workers.sinks import build_sink
+
+    assert build_sink(Settings(), client).max_entries == 1_000_000  # type: ignore[attr-defined]
+    bounded = build_sink(Settings(results_max_entries=7), client)
+    assert bounded.max_entries == 7  # type: ignore[attr-defined]
