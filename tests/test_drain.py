@@ -304,3 +304,34 @@ def test_the_workers_sink_takes_the_bound_from_the_setting(client: aioredis.Redi
     assert build_sink(Settings(), client).max_entries == 1_000_000  # type: ignore[attr-defined]
     bounded = build_sink(Settings(results_max_entries=7), client)
     assert bounded.max_entries == 7  # type: ignore[attr-defined]
+
+
+async def test_status_says_when_a_results_stream_is_at_its_bound(
+    settings: Settings, client: aioredis.Redis
+) -> None:
+    """A fleet waiting at the results bound is not stalled for want of workers: status says
+    which partition is full and what drains it."""
+    await write_results(client, settings.keys.results, 0, 30)
+    env = cli_env(settings, EMBEDFLEET_RESULTS_MAX_ENTRIES="30")
+
+    async def status(*flags: str) -> str:
+        ran = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "embedfleet.cli",
+            "status",
+            "--sample",
+            "0",
+            *flags,
+            stdout=asyncio.subprocess.PIPE,
+            env=env,
+        )
+        out, _ = await ran.communicate()
+        assert ran.returncode == 0
+        return out.decode()
+
+    data = json.loads(await status("--json"))
+    assert data["results_full"] == [0] and data["results_max_entries"] == 30
+    assert "results     WARNING: at EMBEDFLEET_RESULTS_MAX_ENTRIES (30)" in await status()
+    await client.xtrim(settings.keys.results, maxlen=10, approximate=False)
+    assert json.loads(await status("--json"))["results_full"] == []
