@@ -275,7 +275,7 @@ async def _export_stream(
                 reader = producer.results_reader(page=page)
                 try:
                     while (taken := await reader.next_page()) is not None:
-                        writer.write(taken.results)
+                        writer.write(taken.results, durable=True)  # on disk, then acked
                         await reader.acknowledge(taken)
                         bar.update(len(taken.results))
                 finally:

@@ -9,6 +9,11 @@ written as they come, a page at a time, so the export holds one page in memory, 
   the two are copied, in blocks, into the archive's ``vectors.npy`` and ``ids.npy`` members (an
   .npy header needs the row count and the longest id first). The archive appears under its name
   only once complete.
+
+An export that fails midway (Redis away for longer than EMBEDFLEET_REDIS_RETRY_S, Ctrl-C) still
+finishes its file with the rows written so far: a consuming export has acknowledged them. A
+process killed outright leaves a .jsonl whole up to its last page, and an .npz's pages in its
+two ``.part`` files (prefer .jsonl for a consuming export that must survive a kill).
 """
 
 from __future__ import annotations
@@ -55,9 +60,15 @@ class ExportWriter:
         else:
             self._lines: IO[str] = out.open("w")
 
-    def write(self, rows: Iterable[ExportRow]) -> None:
-        """Append one page of rows (flushed: what a consuming reader acknowledges next is on
-        disk's way)."""
+    def write(self, rows: Iterable[ExportRow], *, durable: bool = False) -> None:
+        """Append one page of rows, flushed; ``durable`` (a consuming export, which acknowledges
+        the page next): fsynced too, so an acknowledged page survives a crash of the machine."""
+        self._write(rows)
+        if durable:
+            for handle in (self._vectors, self._ids) if self.npz else (self._lines,):
+                os.fsync(handle.fileno())
+
+    def _write(self, rows: Iterable[ExportRow]) -> None:
         if self.npz:
             for row in rows:
                 vector = np.ascontiguousarray(row.vector, np.float16)
@@ -101,7 +112,13 @@ class ExportWriter:
         return self.count
 
     def abort(self) -> None:
-        """Remove what a failed export left."""
+        """After a failure: finish the file with the rows written so far (a consuming export
+        has acknowledged them: they must not be lost), or remove it when there are none."""
+        if self._done:
+            return
+        if self.count:
+            self.close()
+            return
         self._done = True
         if self.npz:
             self._vectors.close()
@@ -110,6 +127,7 @@ class ExportWriter:
                 Path(name).unlink(missing_ok=True)
         else:
             self._lines.close()
+            self.out.unlink(missing_ok=True)
 
     def _assemble(self, target: Path) -> None:
         """The archive np.savez writes (stored members ``ids.npy``, ``vectors.npy``), from the

@@ -335,3 +335,26 @@ async def test_status_says_when_a_results_stream_is_at_its_bound(
     assert "results     WARNING: at EMBEDFLEET_RESULTS_MAX_ENTRIES (30)" in await status()
     await client.xtrim(settings.keys.results, maxlen=10, approximate=False)
     assert json.loads(await status("--json"))["results_full"] == []
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".npz"])
+def test_an_export_that_fails_midway_keeps_what_it_wrote(tmp_path: Path, suffix: str) -> None:
+    """A consuming export has acknowledged the pages it wrote: a failure after them finishes
+    the file with them; a failure before any leaves no file."""
+    from embedfleet.producer.export import ExportWriter
+
+    out = tmp_path / f"partial{suffix}"
+    with pytest.raises(ConnectionError), ExportWriter(out) as writer:
+        writer.write([make_result(i) for i in range(5)], durable=True)
+        raise ConnectionError("redis went away")
+    if suffix == ".npz":
+        with np.load(out) as archive:
+            assert list(archive["ids"]) == [f"r{i}" for i in range(5)]
+    else:
+        assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [
+            f"r{i}" for i in range(5)
+        ]
+    empty = tmp_path / f"empty{suffix}"
+    with pytest.raises(ConnectionError), ExportWriter(empty):
+        raise ConnectionError("before anything")
+    assert not empty.exists() and not list(tmp_path.glob("*.part"))
