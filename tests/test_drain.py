@@ -255,26 +255,37 @@ async def test_results_out_consume_drains_the_stream_into_the_file(
 
 
 async def test_a_finished_jobs_id_record_expires_soon_and_an_enqueue_extends_it_again(
-    settings: Settings, workers, client: aioredis.Redis
+    settings: Settings, client: aioredis.Redis
 ) -> None:
-    """EMBEDFLEET_JOB_IDS_FINISHED_TTL_S: once the job's last chunk is acknowledged its id record
-    gets that TTL, not EMBEDFLEET_JOB_IDS_TTL_S; the next enqueue to the job gives it the long
-    one again, and it is cut once more when that chunk is done."""
+    """EMBEDFLEET_JOB_IDS_FINISHED_TTL_S: the id record keeps EMBEDFLEET_JOB_IDS_TTL_S while the
+    job runs and gets the short TTL with its last acknowledgement; the next enqueue to the job
+    gives it the long one again, cut once more when that chunk is done. The acknowledgements
+    are the Redis sink's own (``RedisStreamSink.write``, acknowledge.lua) on entries read
+    through the workers' group, so no model is needed."""
+    from embedfleet.workers.sinks import Delivery, RedisStreamSink
+
     settings = settings.model_copy(update={"job_ids_finished_ttl_s": 120})
-    record = settings.keys.job_ids("ttl")
-    encoder = standin_encoder()
+    record, ingest = settings.keys.job_ids("ttl"), settings.keys.ingest
+    sink = RedisStreamSink(client, settings.keys)
+
+    async def finish(count: int) -> None:
+        reply = await client.xreadgroup(settings.group, "t", {ingest: ">"}, count=count)
+        entries = reply[0][1]
+        deliveries = [Delivery(ingest, entry_id.decode(), "ttl") for entry_id, _ in entries]
+        await sink.write([make_result(i, job="ttl") for i in range(len(entries))], deliveries)
+
     async with Producer(settings) as producer:
-        async with workers.run(settings, encoder=encoder):
-            chunks = ({"id": f"t{i}", "text": f"text {i}"} for i in range(40))
-            await producer.enqueue(chunks, job="ttl")
-            assert (await producer.wait_for_job("ttl", timeout=60)).done == 40
-            assert 0 < await client.ttl(record) <= 120
+        await producer.enqueue(({"id": f"t{i}", "text": f"text {i}"} for i in range(40)), job="ttl")
+        await finish(39)
+        assert await client.ttl(record) > 120  # one chunk to go: the long TTL
+        await finish(1)
+        assert (await producer.progress("ttl")).finished
+        assert 0 < await client.ttl(record) <= 120
         await producer.enqueue([{"id": "late", "text": "one more"}], job="ttl")
-        assert await client.ttl(record) > 120  # the job has work again: the long TTL
-        async with workers.run(settings, encoder=encoder):
-            progress = await producer.wait_for_job("ttl", timeout=60)
-            assert progress.done == progress.enqueued == 41
-            assert 0 < await client.ttl(record) <= 120
+        assert await client.ttl(record) > 120  # the job has work again
+        await finish(1)
+        assert (await producer.progress("ttl")).done == 41
+        assert 0 < await client.ttl(record) <= 120
     assert await client.hlen(record) == 41
 
 
