@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -217,6 +219,12 @@ async def _wait_with_bar(
     "after EMBEDFLEET_RESULTS_CLAIM_IDLE_MS. Ends once nothing is left on the streams.",
 )
 @click.option(
+    "--follow",
+    is_flag=True,
+    help="With --consume: keep draining as results arrive, until SIGTERM or Ctrl-C (then the "
+    "file is finished with every page taken).",
+)
+@click.option(
     "--page",
     type=click.IntRange(min=1),
     default=1000,
@@ -226,7 +234,13 @@ async def _wait_with_bar(
 @json_report_option("what was written, and from where,")
 @redis_url_option
 def results_command(
-    job: str | None, out: Path, consume: bool, page: int, as_json: bool, redis_url: str | None
+    job: str | None,
+    out: Path,
+    consume: bool,
+    follow: bool,
+    page: int,
+    as_json: bool,
+    redis_url: str | None,
 ) -> None:
     """Export vectors from wherever the workers write them (EMBEDFLEET_SINK), a page at a time:
     the export holds one page in memory, not the job.
@@ -237,6 +251,8 @@ def results_command(
     """
     if out.suffix.lower() not in SUPPORTED_SUFFIXES:
         raise click.BadParameter("must end in .npz or .jsonl", param_hint="--out")
+    if follow and not consume:
+        raise click.UsageError("--follow applies only with --consume")
     if consume and job is not None:
         raise click.UsageError(
             "--consume drains every job's results; export one job without --consume"
@@ -246,7 +262,7 @@ def results_command(
         target = parse_sink_url(settings.sink, settings.sink_table)
         if target.kind == "redis":
             with ExportWriter(out) as writer:
-                run_client(_export_stream(settings, writer, job, page, consume))
+                run_client(_export_stream(settings, writer, job, page, consume, follow))
             count = writer.count
             streams = ", ".join(p.results for p in settings.keys.partitions_keys)
             where = f"the results stream {streams}"
@@ -265,16 +281,27 @@ def results_command(
 
 
 async def _export_stream(
-    settings: Settings, writer: ExportWriter, job: str | None, page: int, consume: bool
+    settings: Settings,
+    writer: ExportWriter,
+    job: str | None,
+    page: int,
+    consume: bool,
+    follow: bool = False,
 ) -> None:
     """The results streams into ``writer``, one page held at a time; with ``consume`` each page
-    is acknowledged (and deleted) only once written and flushed."""
+    is acknowledged (and deleted) only once written and fsynced; with ``follow`` until SIGTERM
+    or SIGINT, which end it between pages."""
+    stop = asyncio.Event()
+    if follow:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
     async with client_for(settings) as producer:
         with Progress("read results", "results") as bar:
             if consume:
                 reader = producer.results_reader(page=page)
                 try:
-                    while (taken := await reader.next_page()) is not None:
+                    while (taken := await reader.next_page(follow=follow, stop=stop)) is not None:
                         writer.write(taken.results, durable=True)  # on disk, then acked
                         await reader.acknowledge(taken)
                         bar.update(len(taken.results))

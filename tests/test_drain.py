@@ -369,3 +369,40 @@ def test_an_export_that_fails_midway_keeps_what_it_wrote(tmp_path: Path, suffix:
     with pytest.raises(ConnectionError), ExportWriter(empty):
         raise ConnectionError("before anything")
     assert not empty.exists() and not list(tmp_path.glob("*.part"))
+
+
+async def test_results_consume_follow_drains_as_results_arrive_until_sigterm(
+    settings: Settings, client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """`results --out F.npz --consume --follow` beside a fleet: it drains what arrives, and
+    SIGTERM ends it between pages with the archive finished, every result in it once."""
+    out = tmp_path / "followed.npz"
+    follower = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "embedfleet.cli",
+        "results",
+        "--out",
+        str(out),
+        "--consume",
+        "--follow",
+        "--page",
+        "100",
+        stderr=asyncio.subprocess.PIPE,
+        env=cli_env(settings),
+    )
+    stream = settings.keys.results
+
+    async def drained() -> bool:
+        groups = await client.xinfo_groups(stream) if await client.exists(stream) else []
+        return bool(groups) and await client.xlen(stream) == 0
+
+    for first in (0, 600):  # two bursts, the second after the first was drained
+        await until(drained, timeout=120)
+        await write_results(client, stream, first, 600)
+    await until(drained, timeout=120)
+    follower.send_signal(signal.SIGTERM)
+    _, stderr = await follower.communicate()
+    assert follower.returncode == 0, stderr.decode()
+    with np.load(out) as archive:
+        assert sorted(archive["ids"]) == sorted(f"r{i}" for i in range(1200))
