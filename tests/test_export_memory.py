@@ -16,8 +16,8 @@ from tests.conftest import cli_env
 from tests.test_drain import write_results
 
 SMALL = 50_000
-# EMBEDFLEET_TEST_EXPORT_RESULTS=1000000 for the million-result job (minutes, ~1 GB of
-# Redis and of disk)
+# EMBEDFLEET_TEST_EXPORT_RESULTS=1000000 for the million-result job (a few minutes,
+# ~200 MB of Redis and of disk)
 LARGE = int(os.environ.get("EMBEDFLEET_TEST_EXPORT_RESULTS", 200_000))
 # what a job 4x the size may add to the export's peak RSS: the old export (every result held,
 # then written) grew by 78 MB over these sizes
