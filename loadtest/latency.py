@@ -66,7 +66,9 @@ def bare_encoder() -> Encoder:
 
     defaults = Settings()
     encoder = Encoder(dtype=defaults.dtype)
-    encoder.prepare_query_graph(int8=defaults.cpu_int8)
+    if defaults.frozen_queries:  # as the worker's query lane does (EMBEDFLEET_* settings)
+        encoder.prepare_query_graph(int8=defaults.cpu_int8_choice)
+    print(f"bare forward path: {encoder.forward_path}")
     for _ in range(10):
         bare_forward(encoder)
     return encoder

@@ -14,6 +14,7 @@ import click
 import numpy as np
 
 from embedfleet.producer.client import Producer, QueryTimeoutError
+from embedfleet.producer.enqueue import Enqueued
 from embedfleet.producer.export import SUPPORTED_SUFFIXES, ExportWriter, write_export
 from embedfleet.producer.jsonl import BadLine, read_chunks
 from embedfleet.producer.waiting import (
@@ -61,15 +62,25 @@ def _settings(redis_url: str | None) -> Settings:
     help="With --documents: tokens shared by consecutive chunks "
     "(default EMBEDFLEET_DOCUMENT_OVERLAP_TOKENS).",
 )
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Add every chunk, also those the job already has with the same text (a job remembers "
+    "its ids for EMBEDFLEET_JOB_IDS_TTL_S and skips them): to embed them again, say after "
+    "their vectors' table was wiped.",
+)
 @click.option("--wait", is_flag=True, help="Wait until every chunk is embedded or dead-lettered.")
 @click.option("--timeout", type=float, default=None, help="With --wait: give up after N seconds.")
-@json_report_option("the job, the chunks enqueued and, with --wait, how they ended,")
+@json_report_option(
+    "the job, the chunks enqueued, those already in the job and, with --wait, how they ended,"
+)
 @redis_url_option
 def enqueue_command(
     sources: tuple[str, ...],
     job: str | None,
     documents: bool,
     overlap: int | None,
+    force: bool,
     wait: bool,
     timeout: float | None,
     as_json: bool,
@@ -85,6 +96,9 @@ def enqueue_command(
     With --documents, each SOURCE is a whole document (text or Markdown file; its path is its
     id) or a JSONL file of documents; every chunk carries the document's meta plus doc, n and
     the character offsets start/end.
+
+    A job skips the chunks it already has (same id, same text and meta): re-running an enqueue
+    adds nothing, and says so. --force adds them again.
     """
     if timeout is not None and not wait:
         raise click.UsageError("--timeout applies only with --wait")
@@ -94,11 +108,16 @@ def enqueue_command(
     settings = _settings(redis_url)
     dead: list[int] = []  # the dead-lettered count, once --wait has seen the job finish
     if documents:
-        count = run_client(_enqueue_documents(settings, sources, job, overlap, wait, timeout, dead))
+        count = run_client(
+            _enqueue_documents(settings, sources, job, overlap, force, wait, timeout, dead)
+        )
         if as_json:
             _report_enqueue(job, count, [], dead)
         else:
-            click.echo(f"enqueued {count} chunks of {len(sources)} sources as job {job!r}")
+            click.echo(
+                f"enqueued {_counted(count)} chunks of {len(sources)} sources as job {job!r}"
+            )
+            _say_present(count, job)
         if any(dead):
             sys.exit(ExitCode.DEAD_LETTERS)
         return
@@ -106,11 +125,12 @@ def enqueue_command(
         raise click.UsageError("give one JSON Lines SOURCE (or --documents for several files)")
     rejected: list[BadLine] = []
     with click.open_file(sources[0], encoding="utf-8") as source:
-        count = run_client(_enqueue(settings, source, job, wait, timeout, rejected, dead))
+        count = run_client(_enqueue(settings, source, job, force, wait, timeout, rejected, dead))
     if as_json:
         _report_enqueue(job, count, rejected, dead)
     else:
-        click.echo(f"enqueued {count} chunks as job {job!r}")
+        click.echo(f"enqueued {_counted(count)} chunks as job {job!r}")
+        _say_present(count, job)
     for bad in rejected[:20]:
         click.echo(f"line {bad.line_number}: {bad.reason}", err=True)
     if rejected:
@@ -121,10 +141,26 @@ def enqueue_command(
         sys.exit(ExitCode.REJECTED_LINES)
 
 
-def _report_enqueue(job: str, count: int, rejected: list[BadLine], dead: list[int]) -> None:
+def _counted(count: Enqueued) -> str:
+    """``30``, or ``0 of 30`` when some chunks were already in the job."""
+    return f"{int(count)} of {count.chunks}" if count.present else str(int(count))
+
+
+def _say_present(count: Enqueued, job: str) -> None:
+    if count.present:
+        click.echo(
+            f"{count.present} chunks were already in job {job!r} with the same text and were "
+            "not added again (a job remembers its ids for EMBEDFLEET_JOB_IDS_TTL_S). To embed "
+            "them again, say after their table was wiped: the same enqueue with --force",
+            err=True,
+        )
+
+
+def _report_enqueue(job: str, count: Enqueued, rejected: list[BadLine], dead: list[int]) -> None:
     report: dict[str, object] = {
         "job": job,
-        "enqueued": count,
+        "enqueued": int(count),
+        "already_present": count.present,
         "rejected_lines": [{"line": bad.line_number, "reason": bad.reason} for bad in rejected],
     }
     if dead:  # --wait saw the job end
@@ -136,18 +172,21 @@ async def _enqueue(
     settings: Settings,
     source: IO[str],  # click.open_file: a text file, or stdin for "-"
     job: str,
+    force: bool,
     wait: bool,
     timeout: float | None,
     rejected: list[BadLine],
     dead: list[int],
-) -> int:
+) -> Enqueued:
     async with client_for(settings) as producer:
         with Progress("enqueue", "chunks") as bar:
             count = await producer.enqueue(
-                read_chunks(source, job, rejected, settings.chunk_limits), on_batch=bar.update
+                read_chunks(source, job, rejected, settings.chunk_limits),
+                on_batch=bar.update,
+                force=force,
             )
-        if wait and count:
-            dead.append((await _wait_with_bar(producer, job, count, timeout)).dead)
+        if wait and count.chunks:  # chunks already in the job may still be on their way
+            dead.append((await _wait_with_bar(producer, job, count.chunks, timeout)).dead)
     return count
 
 
@@ -156,10 +195,11 @@ async def _enqueue_documents(
     sources: tuple[str, ...],
     job: str,
     overlap: int | None,
+    force: bool,
     wait: bool,
     timeout: float | None,
     dead: list[int],
-) -> int:
+) -> Enqueued:
     from embedfleet.producer.documents import read_documents
 
     paths = [Path(source) for source in sources]
@@ -175,12 +215,15 @@ async def _enqueue_documents(
         with Progress("enqueue", "chunks") as bar:
             try:
                 count = await producer.enqueue(
-                    splitter.split_all(read_documents(paths), job), job=job, on_batch=bar.update
+                    splitter.split_all(read_documents(paths), job),
+                    job=job,
+                    on_batch=bar.update,
+                    force=force,
                 )
             except ValueError as error:  # a bad JSONL document line
                 raise click.ClickException(str(error)) from None
-        if wait and count:
-            dead.append((await _wait_with_bar(producer, job, count, timeout)).dead)
+        if wait and count.chunks:
+            dead.append((await _wait_with_bar(producer, job, count.chunks, timeout)).dead)
     return count
 
 

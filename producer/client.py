@@ -20,7 +20,14 @@ import numpy as np
 import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
 
-from embedfleet.producer.enqueue import queue_enqueue
+from embedfleet.producer.confirmed_writes import Group, write_confirmed
+from embedfleet.producer.enqueue import (
+    EnqueueCall,
+    Enqueued,
+    enqueue_command,
+    finished_ttl_command,
+    script_counts,
+)
 from embedfleet.producer.polling import PollPacer
 from embedfleet.producer.replies import Answers, pop_answers
 from embedfleet.producer.results_reader import ResultsReader
@@ -45,7 +52,6 @@ from embedfleet.shared.protocol import (
 from embedfleet.shared.redis_conn import (
     connect_client_settings,
     ensure_groups,
-    is_cluster,
     redact_url,
 )
 from embedfleet.shared.retry import (
@@ -63,6 +69,9 @@ if TYPE_CHECKING:
 log = get_logger("embedfleet.producer")
 # How often a client without the model card asks Redis for it again (no worker has started yet)
 CARD_RECHECK_S = 1.0
+# How late past a query's deadline a round trip may still answer (a BLPOP ends at the deadline
+# by itself) before it counts as a hung Redis and is cancelled
+REPLY_MARGIN_S = 0.25
 ChunkLike = Chunk | Mapping[str, Any]
 
 
@@ -204,8 +213,16 @@ class Producer:
         batch_size: int = 1000,
         on_batch: Callable[[int], None] | None = None,
         options: EmbeddingOptions | None = None,
-    ) -> int:
-        """XADD every chunk, ``batch_size`` per pipelined round trip; returns how many.
+        force: bool = False,
+    ) -> Enqueued:
+        """XADD every chunk, ``batch_size`` per pipelined round trip; returns how many were
+        added (an ``Enqueued``: an int, with ``present``, the chunks skipped because their job
+        already had them with the same payload, and ``chunks``, all of them).
+
+        A job remembers its chunk ids for EMBEDFLEET_JOB_IDS_TTL_S after its latest enqueue
+        (producer/enqueue.py): enqueueing them again adds nothing, unless ``force`` (after
+        their vectors were lost, say a wiped table); a batch re-sent after a fault still adds
+        each chunk once.
 
         ``options`` (prompt, dimensions, dtype) apply to every chunk that has none of its own.
         A malformed option, or one the served model cannot honour (when a worker has published
@@ -215,16 +232,24 @@ class Producer:
         entries once they are acknowledged.
         """
         await self.setup()
-        total = 0
+        call = EnqueueCall(force=force)
+        total = Enqueued()
         batch: list[Chunk] = []
         for item in chunks:
             chunk = as_chunk(item, job, options, self.settings.chunk_limits)
             batch.append(await self._checked(chunk))
             if len(batch) >= batch_size:
-                total += await self._send(batch, on_batch)
+                total += await self._send(batch, on_batch, call)
                 batch = []
         if batch:
-            total += await self._send(batch, on_batch)
+            total += await self._send(batch, on_batch, call)
+        if total.present:
+            log.info(
+                "chunks already enqueued in their job were not added again",
+                present=total.present,
+                added=int(total),
+                override="force=True (embedfleet enqueue --force) adds them again",
+            )
         return total
 
     async def enqueue_documents(
@@ -236,9 +261,10 @@ class Producer:
         prompt_name: str | None = None,
         batch_size: int = 1000,
         on_batch: Callable[[int], None] | None = None,
-    ) -> int:
+        force: bool = False,
+    ) -> Enqueued:
         """Split whole documents ({"id", "text", "meta"?} or ``Document``) with the model's own
-        tokenizer and enqueue the chunks; returns how many chunks.
+        tokenizer and enqueue the chunks; returns how many chunks were added (``enqueue``).
 
         Chunks are ``<id>#<n>``, at most the model's maximum length minus special and prompt
         tokens, overlapping by ``overlap_tokens`` (default EMBEDFLEET_DOCUMENT_OVERLAP_TOKENS),
@@ -248,7 +274,11 @@ class Producer:
         await self.model_card()  # the published maximum and prompts, where a worker ran
         splitter = self.document_splitter(overlap_tokens, prompt_name)
         return await self.enqueue(
-            splitter.split_all(documents, job), job=job, batch_size=batch_size, on_batch=on_batch
+            splitter.split_all(documents, job),
+            job=job,
+            batch_size=batch_size,
+            on_batch=on_batch,
+            force=force,
         )
 
     def document_splitter(
@@ -313,7 +343,9 @@ class Producer:
 
         return max(int(n) for n in await self.retry.call("read the backlog", lengths))
 
-    async def _send(self, batch: list[Chunk], on_batch: Callable[[int], None] | None) -> int:
+    async def _send(
+        self, batch: list[Chunk], on_batch: Callable[[int], None] | None, call: EnqueueCall
+    ) -> Enqueued:
         """Send one batch, each chunk to its partition, again after a fault: whether or not the
         server applied the lost try, the enqueue script adds and counts each chunk of a job once.
         With EMBEDFLEET_MIN_REPLICAS, a partition whose replicas did not confirm its chunks is
@@ -323,10 +355,14 @@ class Producer:
             by_partition.setdefault(self.keys.partition_for(chunk.id), []).append(chunk)
         await self._wait_for_room(by_partition)
         unsent = by_partition
+        # per partition, what this call added: a partition's latest try counts all of it (the
+        # script counts a chunk the call added before a lost reply as added by it again)
+        added: dict[Keys, int] = {}
 
         async def attempt() -> None:
             nonlocal unsent
-            unsent = await self._send_once(unsent)
+            unsent, added_now = await self._send_once(unsent, call)
+            added.update(added_now)
             if unsent:
                 raise ReplicasNotConfirmedError(
                     f"fewer than EMBEDFLEET_MIN_REPLICAS={self.settings.min_replicas} replicas "
@@ -337,72 +373,64 @@ class Producer:
         await self.retry.call(f"enqueue a batch of {len(batch)} chunks", attempt)
         if on_batch is not None:
             on_batch(len(batch))
-        return len(batch)
+        total = sum(added.values())
+        return Enqueued(total, len(batch) - total)
 
-    async def _send_once(self, by_partition: dict[Keys, list[Chunk]]) -> dict[Keys, list[Chunk]]:
+    async def _send_once(
+        self, by_partition: dict[Keys, list[Chunk]], call: EnqueueCall
+    ) -> tuple[dict[Keys, list[Chunk]], dict[Keys, int]]:
         """One pipelined round trip (per node, on a cluster, the nodes in parallel): per
         partition and job, the enqueue script, whose keys all share the partition's slot;
         chunks without a job, a plain XADD each (nothing counts them: a re-sent one is at worst
-        embedded twice). Returns the partitions whose replicas did not confirm them."""
-        pipe = self.client.pipeline(transaction=False)
-        scripts: list[int] = []  # positions of the script replies
+        embedded twice). With EMBEDFLEET_MIN_REPLICAS, WAIT on the connection that made each
+        partition's writes, wherever a moving slot sent them (producer/confirmed_writes.py).
+        Returns the partitions whose replicas did not confirm them (to be sent again), and how
+        many of each partition's chunks this call has added."""
+        groups: dict[Keys, Group[Keys]] = {}
+        added: dict[Keys, int] = {}
         for partition, chunks in by_partition.items():
+            commands: list[tuple[Any, ...]] = []
             by_job: dict[str, list[tuple[str, bytes]]] = {}
             for chunk in chunks:
                 payload = encode_chunk(chunk)
                 if chunk.job is None:
-                    pipe.xadd(partition.ingest, {PAYLOAD_FIELD: payload})
+                    commands.append(("XADD", partition.ingest, "*", PAYLOAD_FIELD, payload))
+                    added[partition] = added.get(partition, 0) + 1
                 else:
                     by_job.setdefault(chunk.job, []).append((chunk.id, payload))
             for job, job_chunks in by_job.items():
-                scripts.append(len(pipe))
-                queue_enqueue(
-                    pipe,
-                    stream=partition.ingest,
-                    counters=partition.job(job),
-                    id_record=partition.job_ids(job),
-                    chunks=job_chunks,
-                    id_record_ttl_s=self.settings.job_ids_ttl_s,
-                    finished_ttl_s=self.settings.job_ids_finished_ttl_s,
+                commands.append(
+                    enqueue_command(
+                        stream=partition.ingest,
+                        counters=partition.job(job),
+                        id_record=partition.job_ids(job),
+                        chunks=job_chunks,
+                        id_record_ttl_s=self.settings.job_ids_ttl_s,
+                        call=call,
+                    )
                 )
+                finished = finished_ttl_command(
+                    partition.job(job),
+                    self.settings.job_ids_ttl_s,
+                    self.settings.job_ids_finished_ttl_s,
+                )
+                if finished is not None:
+                    commands.append(finished)
             if by_job:
                 # Outside the script, but in the partition's slot too (its own jobs index).
-                pipe.sadd(partition.jobs_index, *by_job)
-        waits = self._queue_replica_waits(pipe, by_partition)
-        replies = await pipe.execute()
-        with_job = sum(1 for chunks in by_partition.values() for c in chunks if c.job is not None)
-        repeated = with_job - sum(int(replies[position]) for position in scripts)
-        if repeated:
-            log.info("chunks already enqueued in their job were not added again", repeated=repeated)
-        if not waits:
-            return {}
-        needed = self.settings.min_replicas
-        return {
-            partition: by_partition[partition]
-            for partitions, replicas in zip(waits, replies[-len(waits) :], strict=True)
-            if int(replicas) < needed
-            for partition in partitions
-        }
-
-    def _queue_replica_waits(
-        self, pipe: Any, by_partition: dict[Keys, list[Chunk]]
-    ) -> list[list[Keys]]:
-        """``WAIT min_replicas timeout`` at the end of the pipeline, once per node written to:
-        WAIT confirms the writes made before it on the same connection, and a cluster pipeline
-        sends each node's commands, in order, on one connection."""
-        if not self.settings.min_replicas:
-            return []
-        wait = ("WAIT", self.settings.min_replicas, self.settings.min_replicas_timeout_ms)
-        if not is_cluster(self.client):
-            pipe.execute_command(*wait)
-            return [list(by_partition)]
-        by_node: dict[str, tuple[Any, list[Keys]]] = {}
-        for partition in by_partition:
-            node = self.client.get_node_from_key(partition.ingest)  # type: ignore[attr-defined]
-            by_node.setdefault(node.name, (node, []))[1].append(partition)
-        for node, _ in by_node.values():
-            pipe.execute_command(*wait, target_nodes=node)
-        return [partitions for _, partitions in by_node.values()]
+                commands.append(("SADD", partition.jobs_index, *by_job))
+            groups[partition] = Group(partition.ingest, commands)
+        written = await write_confirmed(
+            self.client,
+            groups,
+            self.settings.min_replicas,
+            self.settings.min_replicas_timeout_ms,
+        )
+        for partition, replies in written.replies.items():
+            for reply in replies:
+                if isinstance(reply, list):  # an enqueue script's [added, again]
+                    added[partition] = added.get(partition, 0) + sum(script_counts(reply))
+        return {partition: by_partition[partition] for partition in written.unconfirmed}, added
 
     # --- priority queries -------------------------------------------------------------
     async def embed_query(
@@ -499,25 +527,28 @@ class Producer:
                 payloads.append(encode_chunk(chunk))
             while not answers.complete:
                 remaining = give_up_at - time.monotonic()
-                if remaining <= 0:
+                if remaining <= 0.01:  # BLPOP's timeout 0 would wait for ever
                     break
+                # one BLPOP waits at most EMBEDFLEET_BLOCK_MS (the connection's read timeout is
+                # sized for it); the round trip as a whole is bounded by the deadline, so a hung
+                # Redis is given up on there (a TimeoutError: transient, then past the deadline)
+                blocking = min(remaining, self.settings.block_ms / 1000)
                 try:
-                    if send:
-                        unanswered = answers.unanswered()
-                        sent, popped = await self._send_request(
-                            stream, [payloads[i] for i in unanswered], reply_key, remaining
-                        )
-                        entry_ids += sent
-                        send = False
-                    else:
-                        popped = await pop_answers(self.client, reply_key, remaining)
+                    async with asyncio.timeout(remaining + REPLY_MARGIN_S):
+                        if send:
+                            unanswered = answers.unanswered()
+                            sent, popped = await self._send_request(
+                                stream, [payloads[i] for i in unanswered], reply_key, blocking
+                            )
+                            entry_ids += sent
+                            send = False
+                        else:
+                            popped = await pop_answers(self.client, reply_key, blocking)
                 except Exception as error:
                     send = True
                     await tries.failed(error)
                     continue
                 tries.succeeded()
-                if not popped:
-                    break  # BLPOP timed out: no worker answered in time
                 for payload in popped:
                     failure = answers.take(payload)
                     if failure is not None:
@@ -548,15 +579,18 @@ class Producer:
         return entry_ids, [] if popped is None else [popped[1]]
 
     async def _withdraw(self, stream: str, entry_ids: list[bytes], reply_key: str) -> None:
-        """Take an unanswered request's entries back, once: if Redis is away, the workers skip
-        them anyway (they are past their deadline) and the reply key expires. An entry a worker
-        has already read is answered onto the deleted key, which then expires."""
+        """Take an unanswered request's entries back, once, within
+        EMBEDFLEET_REDIS_CLEANUP_TIMEOUT_S: if Redis is away or hung, the workers skip them
+        anyway (they are past their deadline) and the reply key expires. An entry a worker has
+        already read is answered onto the deleted key, which then expires."""
         pipe = self.client.pipeline(transaction=True)  # the query lane's keys share a slot
         if entry_ids:
             pipe.xdel(stream, *entry_ids)
         pipe.delete(reply_key)
         try:
-            await pipe.execute()
+            # bounded: the caller's timeout (or cancellation) must hold with Redis hung
+            async with asyncio.timeout(self.settings.redis_cleanup_timeout_s):
+                await pipe.execute()
         except Exception as error:
             if not is_transient(error):
                 raise

@@ -46,7 +46,7 @@ import click
 import numpy as np
 import redis.asyncio as aioredis
 
-from embedfleet.producer.enqueue import payload_digest
+from embedfleet.producer.enqueue import new_call_token, payload_digest
 from embedfleet.producer.waiting import client_for, redis_url_option, run_client, verb_settings
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, Result, encode_chunk, encode_result
@@ -217,7 +217,9 @@ async def measure_entry_sizes(
             pipe.xadd(keys.ingest, {PAYLOAD_FIELD: encode_chunk(chunk)})
             result = Result(id=chunk_id, model="model", vector=vector, job="plan")
             pipe.xadd(keys.results, {PAYLOAD_FIELD: encode_result(result)})
-            pipe.hset(keys.job_ids("plan"), chunk_id, payload_digest(encode_chunk(chunk)))
+            # the record's value: the payload's digest and the enqueue call's token
+            record = payload_digest(encode_chunk(chunk)) + new_call_token()
+            pipe.hset(keys.job_ids("plan"), chunk_id, record)
         await pipe.execute()
 
     measured_keys = (keys.ingest, keys.results, keys.job_ids("plan"))

@@ -520,6 +520,7 @@ SLOW_MODULES = frozenset(
         "test_gateway",
         "test_gateway_clients",
         "test_gateway_model_card",
+        "test_hung_redis",
         "test_int8",
         "test_interactive",
         "test_ops",

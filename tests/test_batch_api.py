@@ -245,11 +245,11 @@ def test_a_full_disk_is_retried_with_its_reason_counted_and_leaves_no_temporarie
     refusals: dict[str, int] = {}
     target: list[str] = []
 
-    def full_disk_for_one_batch(self, temp, filename, purpose, expires_after_s=None):
+    def full_disk_for_one_batch(self, temp, filename, purpose, expires_after_s=None, **named):
         if target and filename.startswith(target[0]) and refusals.get(target[0], 0) < 3:
             refusals[target[0]] = refusals.get(target[0], 0) + 1
             raise OSError(errno.ENOSPC, "No space left on device")
-        return publish(self, temp, filename, purpose, expires_after_s)
+        return publish(self, temp, filename, purpose, expires_after_s, **named)
 
     monkeypatch.setattr(FileStore, "publish", full_disk_for_one_batch)
     with gateway() as client:

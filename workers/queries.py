@@ -123,7 +123,9 @@ class QueryLane:
         if self.settings.frozen_queries:
             # on the model thread, before any query or bulk batch (it runs the model)
             await self._loop.run_in_executor(
-                self.model_thread, self.encoder.prepare_query_graph, self.settings.cpu_int8
+                self.model_thread,
+                self.encoder.prepare_query_graph,
+                self.settings.cpu_int8_choice,
             )
         mode = self.settings.cuda_query_lane
         if await self._loop.run_in_executor(
@@ -143,6 +145,7 @@ class QueryLane:
                 else "model thread"
             ),
             frozen_graph=self.encoder.has_query_graph,
+            forward_path=self.encoder.forward_path,
         )
         self._faulted = self._loop.create_future()
         reading = asyncio.create_task(self._read_loop(stopping), name="query-reader")

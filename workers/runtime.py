@@ -102,6 +102,7 @@ async def _serve(
     worker = Worker(settings, encoder, client, sink, metrics)
     if health is not None:
         health.watch_outages(worker.outages)
+        health.watch_sink(sink)
     # the table/collection exists, with the model's dimension, before the first write; a
     # database that is not up yet is waited for, like one that goes away later
     ride = RideOut("setting up the sink", worker.outages, metrics)

@@ -92,7 +92,8 @@ class StandInEncoder(Encoder):
     def computes_in_int8(self) -> bool:
         return False
 
-    def prepare_query_graph(self, int8: bool = False) -> bool:
+    def prepare_query_graph(self, *args: object, **kwargs: object) -> bool:
+        # any arguments the real one takes (its int8 choices change): nothing is built
         return False
 
     def prepare_cuda_queries(self, mode: CudaLaneMode) -> bool:

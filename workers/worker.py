@@ -640,6 +640,7 @@ class Worker:
             # it; the model's busy share counts from then. A drain (the lane failed) ends the
             # wait too: what was read is then finished without the graph.
             await _first_set(self.queries.ready, self._stopping)
+            self.events.forward_path_chosen(path=self.encoder.forward_path)
             await self._seed_speed()
             self._bulk_ready.set()
             self.stats.started_at = time.perf_counter()

@@ -25,7 +25,7 @@ from embedfleet.producer.tokens import ModelTokenizer
 from embedfleet.shared.eviction import warn_on_eviction_policy
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.model_path import resolve_model_path
-from embedfleet.shared.redis_conn import connect_settings
+from embedfleet.shared.redis_conn import connect_settings, redis_deadline
 from embedfleet.shared.settings import Settings
 
 log = get_logger("embedfleet.gateway")
@@ -214,12 +214,19 @@ def _add_ops_routes(app: FastAPI, gateway: Gateway) -> None:
         """Readiness: this gateway serves and its Redis (or cluster) answers, so a request
         sent here is enqueued. It does not mean a worker is alive: with scale-to-zero, none is
         until KEDA sees what the gateway enqueued, and a request waits for one within
-        EMBEDFLEET_GATEWAY_TIMEOUT_S. Live workers are reported, for people."""
+        EMBEDFLEET_GATEWAY_TIMEOUT_S. Live workers are reported, for people. Answers within
+        EMBEDFLEET_GATEWAY_REDIS_TIMEOUT_S: a hung Redis is not ready."""
+        settings = gateway.settings
         try:
-            await gateway.client.ping()
-            workers = await gateway.fleet.live_workers()
+            async with redis_deadline(settings.gateway_redis_timeout_s, "answer /readyz"):
+                await gateway.client.ping()
+                workers = await gateway.fleet.live_workers()
         except Exception as error:
-            return JSONResponse({"status": "redis unreachable", "error": str(error)}, 503)
+            return JSONResponse(
+                {"status": "redis unreachable", "error": str(error)},
+                503,
+                headers={"Retry-After": str(settings.gateway_retry_after_s)},
+            )
         return JSONResponse({"status": "ready", "live_workers": workers})
 
     @app.get("/metrics", include_in_schema=False)

@@ -22,6 +22,8 @@ from embedfleet.gateway.errors import APIError, overloaded
 from embedfleet.gateway.metrics import GatewayMetrics
 from embedfleet.producer.client import EmbeddingOptions, Producer, QueryTimeoutError
 from embedfleet.shared.protocol import QueryFailedError
+from embedfleet.shared.redis_conn import redis_deadline
+from embedfleet.shared.retry import RedisUnavailableError
 from embedfleet.shared.settings import Settings
 from embedfleet.shared.streams import live_workers
 
@@ -44,9 +46,12 @@ class WorkerHeartbeats:
         now = time.monotonic()
         if now - self._checked_at < LIVENESS_CACHE_S:
             return self._alive
-        self._alive = await live_workers(
-            self.client, self.settings.keys, self.settings.gateway_worker_idle_ms
-        )
+        async with redis_deadline(
+            self.settings.gateway_redis_timeout_s, "read the workers' heartbeats"
+        ):
+            self._alive = await live_workers(
+                self.client, self.settings.keys, self.settings.gateway_worker_idle_ms
+            )
         self._checked_at = now
         return self._alive
 
@@ -98,13 +103,17 @@ class Embedder:
             label, stream, call = "interactive", lane.interactive, self.producer.embed_texts
             bound = ("interactive stream", settings.backlog_high_water, "BACKLOG_HIGH_WATER")
         what, high_water, variable = bound
-        await self._refuse_when_full(
-            what, await self.client.xlen(stream), high_water, f"EMBEDFLEET_{variable}"
-        )
+        async with redis_deadline(settings.gateway_redis_timeout_s, f"read the {what}'s length"):
+            waiting = await self.client.xlen(stream)
+        await self._refuse_when_full(what, waiting, high_water, f"EMBEDFLEET_{variable}")
         self.metrics.inputs.labels(label).inc(len(texts))
         try:
             return await call(list(texts), timeout=self.settings.gateway_timeout_s, options=options)
         except QueryTimeoutError as error:
+            if isinstance(error.__cause__, RedisUnavailableError):
+                # Redis unreachable or hung, not a slow fleet: 503 with Retry-After
+                # (errors.redis_error_handler), in the route's envelope
+                raise error.__cause__ from None
             message = str(error)
             if await self.workers.live_workers() == 0:
                 message += "; " + self.workers.none_alive()

@@ -22,7 +22,7 @@ from embedfleet.gateway.inputs import (
     prepare,
     unit_vectors,
 )
-from embedfleet.gateway.state import GatewayDep, wire_options
+from embedfleet.gateway.state import Gateway, GatewayDep, wire_options
 from embedfleet.shared.modelcard import ModelCard
 
 if TYPE_CHECKING:
@@ -56,6 +56,11 @@ class DecodeRequest(BaseModel):
 async def embed(body: EmbedRequest, gateway: GatewayDep) -> list[list[float]]:
     """TEI's embed. ``prompt_name`` absent means no prompt, as in TEI (sentence-transformers'
     ``default_prompt_name`` is what its ``encode`` applies, not what TEI's request means)."""
+    async with gateway.request_bound():
+        return await _embed(body, gateway)
+
+
+async def _embed(body: EmbedRequest, gateway: Gateway) -> list[list[float]]:
     card = await gateway.model_card()  # None before any worker started: checked afterwards
     check_dimensions(body.dimensions, card.dim if card is not None else None)
     normalize = True if body.normalize is None else body.normalize

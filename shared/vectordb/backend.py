@@ -118,6 +118,10 @@ class VectorBackend(contextlib.AbstractContextManager["VectorBackend"], abc.ABC)
 
     # the vector dtypes this database stores natively (see VectorDType)
     DTYPES: tuple[str, ...] = FLOAT_DTYPES
+    # The longest one statement may run (the worker's sink sets EMBEDFLEET_SINK_STATEMENT_TIMEOUT_S;
+    # None: the database's own default). A backend whose server can enforce it does (PostgreSQL's
+    # statement_timeout): a hung write then fails as a transient fault instead of waiting for ever.
+    statement_timeout_s: float | None = None
 
     def __init__(self, target: SinkTarget, *, store_text: bool = True) -> None:
         self.target = target
