@@ -69,9 +69,10 @@ MEASURED_FIGURES: dict[str, Any] = {
     "bytes_per_result_dim384": 1_018,
     "bytes_per_result_dim768": 1_895,
     "bytes_per_result_dim1024": 2_675,
-    # `embedfleet plan --measure` on redis-server 7.0.15 (ids of 13 characters)
+    # `embedfleet plan --measure` on redis-server 7.0.15 (ids of 13 characters; a record is the
+    # payload digest and the enqueue call token, 16 bytes)
     "bytes_per_pending_entry": 110,
-    "bytes_per_job_id": 64,
+    "bytes_per_job_id": 80,
 }
 ENVELOPE_BYTES = 80  # a result's msgpack fields besides the vector (id, model, dim, dtype, ...)
 
