@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -13,7 +15,7 @@ import numpy as np
 
 from embedfleet.producer.client import Producer, QueryTimeoutError
 from embedfleet.producer.enqueue import Enqueued
-from embedfleet.producer.export import SUPPORTED_SUFFIXES, ExportRow, write_export
+from embedfleet.producer.export import SUPPORTED_SUFFIXES, ExportWriter, write_export
 from embedfleet.producer.jsonl import BadLine, read_chunks
 from embedfleet.producer.waiting import (
     client_for,
@@ -244,51 +246,120 @@ async def _wait_with_bar(
 
 
 @click.command("results")
-@click.option("--job", help="Only this job's results.")
+@click.option("--job", help="Only this job's results (not with --consume).")
 @click.option(
     "--out",
     required=True,
     type=click.Path(dir_okay=False, path_type=Path),
-    help="Output file: .npz (arrays ids, vectors fp16) or .jsonl ({id, vector}).",
+    help="Output file: .npz (arrays ids, vectors fp16) or .jsonl ({id, vector}), written a "
+    "page at a time.",
+)
+@click.option(
+    "--consume",
+    is_flag=True,
+    help="Redis sink: drain the results streams: each page is written, then acknowledged and "
+    "deleted; several readers share the work, and a crashed reader's page is claimed by another "
+    "after EMBEDFLEET_RESULTS_CLAIM_IDLE_MS. Ends once nothing is left on the streams.",
+)
+@click.option(
+    "--follow",
+    is_flag=True,
+    help="With --consume: keep draining as results arrive, until SIGTERM or Ctrl-C (then the "
+    "file is finished with every page taken).",
+)
+@click.option(
+    "--page",
+    type=click.IntRange(min=1),
+    default=1000,
+    show_default=True,
+    help="Results read, held and written at a time.",
 )
 @json_report_option("what was written, and from where,")
 @redis_url_option
-def results_command(job: str | None, out: Path, as_json: bool, redis_url: str | None) -> None:
-    """Export vectors, one per id, from wherever the workers write them (EMBEDFLEET_SINK).
+def results_command(
+    job: str | None,
+    out: Path,
+    consume: bool,
+    follow: bool,
+    page: int,
+    as_json: bool,
+    redis_url: str | None,
+) -> None:
+    """Export vectors from wherever the workers write them (EMBEDFLEET_SINK), a page at a time:
+    the export holds one page in memory, not the job.
 
-    The Redis sink: read from the results stream, the latest result per id winning. A vector
-    database (lancedb://, postgresql://, qdrant://): its rows, sorted by id.
+    The Redis sink: the results streams in stream order, read, or with --consume drained (read,
+    written, acknowledged and deleted). A chunk enqueued twice has its id twice; keep the last.
+    A vector database (lancedb://, postgresql://, qdrant://): its rows, one per id.
     """
     if out.suffix.lower() not in SUPPORTED_SUFFIXES:
         raise click.BadParameter("must end in .npz or .jsonl", param_hint="--out")
+    if follow and not consume:
+        raise click.UsageError("--follow applies only with --consume")
+    if consume and job is not None:
+        raise click.UsageError(
+            "--consume drains every job's results; export one job without --consume"
+        )
     settings = _settings(redis_url)
     try:
         target = parse_sink_url(settings.sink, settings.sink_table)
         if target.kind == "redis":
-            rows: list[ExportRow] = list(run_client(_collect(settings, job)).values())
+            with ExportWriter(out) as writer:
+                run_client(_export_stream(settings, writer, job, page, consume, follow))
+            count = writer.count
             streams = ", ".join(p.results for p in settings.keys.partitions_keys)
             where = f"the results stream {streams}"
         else:
+            if consume:
+                raise click.UsageError("--consume applies to the Redis sink's results streams")
             with open_backend(target) as backend:
-                rows = list(backend.export_rows(job))
+                count = write_export(backend.export_rows(job), out, page)
             where = target.describe()
     except (SinkURLError, VectorDBError, MissingExtraError) as error:
         raise click.ClickException(str(error)) from None
-    count = write_export(rows, out)
     if as_json:
         click.echo(json.dumps({"vectors": count, "source": where, "out": str(out)}))
     else:
         click.echo(f"wrote {count} vectors from {where} to {out}")
 
 
-async def _collect(settings: Settings, job: str | None) -> dict[str, Result]:
-    latest: dict[str, Result] = {}
+async def _export_stream(
+    settings: Settings,
+    writer: ExportWriter,
+    job: str | None,
+    page: int,
+    consume: bool,
+    follow: bool = False,
+) -> None:
+    """The results streams into ``writer``, one page held at a time; with ``consume`` each page
+    is acknowledged (and deleted) only once written and fsynced; with ``follow`` until SIGTERM
+    or SIGINT, which end it between pages."""
+    stop = asyncio.Event()
+    if follow:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
     async with client_for(settings) as producer:
         with Progress("read results", "results") as bar:
-            async for result in producer.results(job=job):
-                latest[result.id] = result
-                bar.update()
-    return latest
+            if consume:
+                reader = producer.results_reader(page=page)
+                try:
+                    while (taken := await reader.next_page(follow=follow, stop=stop)) is not None:
+                        writer.write(taken.results, durable=True)  # on disk, then acked
+                        await reader.acknowledge(taken)
+                        bar.update(len(taken.results))
+                finally:
+                    await reader.close()
+                return
+            batch: list[Result] = []
+            async for result in producer.results(job=job, page=page):
+                batch.append(result)
+                if len(batch) >= page:
+                    writer.write(batch)
+                    bar.update(len(batch))
+                    batch = []
+            writer.write(batch)
+            bar.update(len(batch))
 
 
 @click.command("query")

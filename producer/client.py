@@ -21,9 +21,16 @@ import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
 
 from embedfleet.producer.confirmed_writes import Group, write_confirmed
-from embedfleet.producer.enqueue import EnqueueCall, Enqueued, enqueue_command, script_counts
+from embedfleet.producer.enqueue import (
+    EnqueueCall,
+    Enqueued,
+    enqueue_command,
+    finished_ttl_command,
+    script_counts,
+)
 from embedfleet.producer.polling import PollPacer
 from embedfleet.producer.replies import Answers, pop_answers
+from embedfleet.producer.results_reader import ResultsReader
 from embedfleet.shared.fault_kinds import is_transient
 from embedfleet.shared.jobs import JobProgress
 from embedfleet.shared.keys import Keys
@@ -402,6 +409,13 @@ class Producer:
                         call=call,
                     )
                 )
+                finished = finished_ttl_command(
+                    partition.job(job),
+                    self.settings.job_ids_ttl_s,
+                    self.settings.job_ids_finished_ttl_s,
+                )
+                if finished is not None:
+                    commands.append(finished)
             if by_job:
                 # Outside the script, but in the partition's slot too (its own jobs index).
                 commands.append(("SADD", partition.jobs_index, *by_job))
@@ -582,6 +596,18 @@ class Producer:
                 raise
             log.info("could not withdraw queries: redis unavailable", error=describe(error))
 
+    def results_reader(self, *, consumer: str | None = None, page: int = 1000) -> ResultsReader:
+        """A consuming reader of the results streams, page by page (``next_page`` /
+        ``acknowledge``), for callers that acknowledge only once a page is stored."""
+        return ResultsReader(
+            self.client,
+            self.keys,
+            self.retry,
+            consumer=consumer,
+            page=page,
+            claim_idle_ms=self.settings.results_claim_idle_ms,
+        )
+
     # --- jobs ---------------------------------------------------------------------------
     async def progress(self, job: str, *, deadline: float | None = None) -> JobProgress:
         """The job's counters, summed over the partitions (each counts its own chunks)."""
@@ -634,13 +660,41 @@ class Producer:
                 pacer.delay(time.monotonic(), progress.done + progress.dead, progress.enqueued)
             )
 
-    async def results(self, *, job: str | None = None, page: int = 1000) -> AsyncIterator[Result]:
+    async def results(
+        self,
+        *,
+        job: str | None = None,
+        page: int = 1000,
+        consume: bool = False,
+        consumer: str | None = None,
+    ) -> AsyncIterator[Result]:
         """Every result in the results streams (optionally one job's), oldest first within each
         partition, one partition after the other.
 
-        Redeliveries can write an id twice; callers that need one vector per id keep the last
-        (a chunk id always routes to the same partition, so its copies are in one stream).
+        A chunk enqueued twice (a changed text, a re-sent chunk without a job) has its id
+        written twice; callers that need one vector per id keep the last (a chunk id always
+        routes to the same partition, so its copies are in one stream).
+
+        ``consume``: drain the streams instead of only reading them (producer/results_reader.py):
+        each page is acknowledged and deleted once the loop asks for the next one, several
+        readers share the work, and results a crashed reader held are claimed after
+        EMBEDFLEET_RESULTS_CLAIM_IDLE_MS. Ends when nothing is left on the streams or pending.
+        A consuming read takes every job's results (``job`` must be None); ``consumer`` names
+        this reader in the group (default: host, pid and a random suffix).
         """
+        if consume:
+            if job is not None:
+                raise ValueError(
+                    "a consuming read takes every job's results: filter them yourself, or read "
+                    "one job without consuming"
+                )
+            reader = self.results_reader(consumer=consumer, page=page)
+            try:
+                async for result in reader.consume():
+                    yield result
+            finally:
+                await reader.close()
+            return
         for partition in self.keys.partitions_keys:
             start = "-"
             while True:

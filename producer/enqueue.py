@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 
 from embedfleet.shared import scripts
+from embedfleet.shared.jobs import IDS_TTL_AFTER_DONE_FIELD
 from embedfleet.shared.protocol import PAYLOAD_FIELD
 
 ENQUEUE_SCRIPT = scripts.load("enqueue")
@@ -81,6 +82,18 @@ def enqueue_command(
     for chunk_id, payload in chunks:
         args += [chunk_id, payload_digest(payload), payload]
     return ("EVAL", ENQUEUE_SCRIPT, 3, stream, counters, id_record, *args)
+
+
+def finished_ttl_command(
+    counters: str, id_record_ttl_s: int, finished_ttl_s: int
+) -> tuple[str | int, ...] | None:
+    """The HSET that tells the workers' acknowledgement script (acknowledge.lua) to give the
+    job's id record ``finished_ttl_s`` (EMBEDFLEET_JOB_IDS_FINISHED_TTL_S) once the job has
+    finished; None when that would not shorten its life. Sent after the job's enqueue script,
+    in the partition's slot (the job's counters hash)."""
+    if not finished_ttl_s or (id_record_ttl_s and finished_ttl_s >= id_record_ttl_s):
+        return None
+    return ("HSET", counters, IDS_TTL_AFTER_DONE_FIELD, finished_ttl_s)
 
 
 def script_counts(reply: Sequence[int]) -> tuple[int, int]:

@@ -23,6 +23,8 @@ from dataclasses import dataclass, replace
 
 DEFAULT_NAMESPACE = "embedfleet"
 DEFAULT_GROUP = "workers"
+# the group consuming results readers read each results stream through (producer/results_reader.py)
+RESULTS_GROUP = "results-readers"
 CLUSTER_SLOTS = 16384
 MAX_PARTITIONS = 256
 QUERY_LANE_TAG = "q"
@@ -192,6 +194,13 @@ class Keys:
     def results(self) -> str:
         """Stream of embedding results (msgpack, fp16 vectors) written by the Redis sink."""
         return self._key("results")
+
+    @property
+    def results_group(self) -> str:
+        """Consumer group the consuming results readers (``embedfleet results --consume``,
+        ``Producer.results(consume=True)``) read every results stream through; each result they
+        acknowledge is deleted from the stream."""
+        return RESULTS_GROUP
 
     @property
     def dead(self) -> str:

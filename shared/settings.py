@@ -232,9 +232,23 @@ class Settings(BaseSettings):
     """How long a job remembers the chunk ids it has enqueued (`{ns}:jobids:<job>`), counted from
     its latest enqueue: within it a re-sent chunk (same id, same payload) is added and counted once.
     0 = for ever. Costs about the id's length + 60 bytes per chunk."""
+    job_ids_finished_ttl_s: int = Field(default=3600, ge=0)
+    """Once a job has finished (every chunk embedded or dead-lettered), its id record expires
+    this long after its last acknowledgement instead, so a finished job's record costs nothing
+    for long; an enqueue to the job later gives it `EMBEDFLEET_JOB_IDS_TTL_S` again. A re-sent
+    chunk after it has expired is embedded and counted again (the job still finishes). 0 = the
+    record lives `EMBEDFLEET_JOB_IDS_TTL_S` however the job ends."""
     backlog_high_water: int = Field(default=1_000_000, ge=1)
     """Producers wait while an ingest stream (each partition's) holds more entries than this; the
     gateway answers 429 to large requests while the interactive stream does."""
+    results_max_entries: int = Field(default=1_000_000, ge=0)
+    """Most results a results stream (each partition's) may hold: at it, workers wait, saying so
+    in their log, until a consuming reader (`embedfleet results --consume`,
+    `Producer.results(consume=True)`) drains it below. The bound applies whether or not a reader
+    runs, as the backlog's does. 0 = no bound (results kept until trimmed by hand)."""
+    results_claim_idle_ms: int = Field(default=60_000, ge=100)
+    """A consuming results reader claims results another reader has held unacknowledged this long
+    (a reader that crashed mid-page). Keep it above the time a reader takes over one page."""
 
     # --- limits on input ------------------------------------------------------------------
     max_message_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
@@ -336,6 +350,13 @@ class Settings(BaseSettings):
     deleted."""
     files_min_expiry_s: int = Field(default=3600, ge=1)
     """Shortest `expires_after.seconds` an upload may ask for (OpenAI's: 3600)."""
+
+    # --- benchmarks -----------------------------------------------------------------------
+    benchmark_standin_encoder_us_per_token: float | None = Field(default=None, ge=0)
+    """BENCHMARKS ONLY, never in production: set, the worker embeds nothing; it returns made-up
+    vectors of the model's shape after this many microseconds per real token (0 = at once), with
+    the model's real tokenizer (workers/standin.py). Its model card and results name it
+    `benchmark-standin:<model>`, and it logs a warning at start. Unset = the real model."""
 
     # --- documents ------------------------------------------------------------------------
     document_overlap_tokens: int = Field(default=0, ge=0)

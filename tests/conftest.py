@@ -512,6 +512,7 @@ SLOW_MODULES = frozenset(
         "test_dead",
         "test_device_faults",
         "test_eviction",
+        "test_export_memory",
         "test_faults",
         "test_fleet",
         "test_frozen",

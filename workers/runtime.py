@@ -10,8 +10,7 @@ import redis.asyncio as aioredis
 import uvloop
 from prometheus_client import disable_created_metrics
 
-from embedfleet.shared.eviction import FIX, EvictionPolicy, check_eviction_policy
-from embedfleet.shared.fault_kinds import BackoffPolicy, classify, is_transient
+from embedfleet.shared.eviction import warn_on_eviction_policy
 from embedfleet.shared.logging import configure_logging, get_logger
 from embedfleet.shared.redis_conn import connect_settings
 from embedfleet.shared.settings import Settings
@@ -27,9 +26,23 @@ log = get_logger("embedfleet.worker")
 
 
 def load_encoder(settings: Settings) -> Encoder:
-    encoder = Encoder(
-        settings.model, device=settings.device, dtype=settings.dtype, threads=settings.threads
-    )
+    encoder: Encoder
+    if settings.benchmark_standin_encoder_us_per_token is not None:
+        from embedfleet.workers.standin import StandInEncoder
+
+        cost = settings.benchmark_standin_encoder_us_per_token
+        encoder = StandInEncoder(settings.model, us_per_token=cost, threads=settings.threads)
+        log.warning(
+            "BENCHMARK STAND-IN ENCODER: no model runs, the vectors are made up; never use this "
+            "in production",
+            setting="EMBEDFLEET_BENCHMARK_STANDIN_ENCODER_US_PER_TOKEN",
+            us_per_token=cost,
+            model=encoder.name,
+        )
+    else:
+        encoder = Encoder(
+            settings.model, device=settings.device, dtype=settings.dtype, threads=settings.threads
+        )
     # a replica's share of a GPU it shares (the parent passes it); the allocator's cap counts
     # the weights already loaded as well as what comes
     limit_gpu_memory(
@@ -56,32 +69,6 @@ async def serve(settings: Settings, encoder: Encoder | None = None) -> None:
         if health is not None:
             await health.stop()
         await client.aclose()
-
-
-async def warn_on_eviction_policy(client: aioredis.Redis) -> EvictionPolicy:
-    """Check Redis's maxmemory-policy once it answers and warn unless it is noeviction (see
-    shared/eviction.py). A Redis not up yet is retried without a word: the worker's own start
-    reports that outage."""
-    backoff = BackoffPolicy()
-    while True:
-        try:
-            found = await check_eviction_policy(client)
-            break
-        except Exception as error:
-            if not is_transient(error):  # the worker's own start says what is wrong
-                found = EvictionPolicy(None, classify(error).detail)
-                break
-            await asyncio.sleep(backoff.next_delay())
-    if found.warning is not None:
-        log.warning(
-            "redis may evict the fleet's keys",
-            policy=found.policy,
-            fix=FIX,
-            detail=found.warning,
-        )
-    else:
-        log.info("redis eviction policy checked", policy=found.policy)
-    return found
 
 
 async def start_health_server(

@@ -22,6 +22,7 @@ from embedfleet.gateway.metrics import GatewayMetrics
 from embedfleet.gateway.state import Gateway
 from embedfleet.producer.client import Producer
 from embedfleet.producer.tokens import ModelTokenizer
+from embedfleet.shared.eviction import warn_on_eviction_policy
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.model_path import resolve_model_path
 from embedfleet.shared.redis_conn import connect_settings, redis_deadline
@@ -152,6 +153,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # beside the start: a Redis that may evict reply lists or the backlog is said loudly
+        policy_check = asyncio.ensure_future(warn_on_eviction_policy(gateway.client))
         await gateway.producer.setup()
         card = await gateway.model_card()  # None until a worker has started once: fine
         task = asyncio.create_task(runner.run())
@@ -166,8 +169,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             yield
         finally:
             runner.stop()
+            policy_check.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            with contextlib.suppress(asyncio.CancelledError):
+                await policy_check
             await gateway.client.aclose()
 
     app = FastAPI(

@@ -74,7 +74,7 @@ def sink_for_target(
     dtype: VectorDType | None = None,
 ) -> Sink:
     if target.kind == "redis":
-        return RedisStreamSink(client, settings.keys)
+        return RedisStreamSink(client, settings.keys, settings.results_max_entries)
     backend = open_backend(target, store_text=settings.store_text)
     backend.statement_timeout_s = settings.sink_statement_timeout_s
     return DatabaseSink(client, settings.keys, backend, dtype=dtype)

@@ -113,6 +113,7 @@ def queue_acknowledgement_script(
             owner.job(""),
             owner.reply(""),
             str(reply_ttl_s),
+            owner.job_ids(""),
             *quads,
         )
 
