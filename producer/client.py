@@ -53,6 +53,7 @@ from embedfleet.shared.redis_conn import (
     connect_client_settings,
     ensure_groups,
     redact_url,
+    stream_entries,
 )
 from embedfleet.shared.retry import (
     LogOutages,
@@ -698,13 +699,12 @@ class Producer:
         for partition in self.keys.partitions_keys:
             start = "-"
             while True:
-                entries = await self.retry.call(
-                    "read results",
-                    # Paged by entry id, so a page read again after a fault is the same page.
-                    lambda start=start, key=partition.results: self.client.xrange(
-                        key, min=start, count=page
-                    ),
-                )
+
+                async def read_page(start: str = start, key: str = partition.results) -> object:
+                    return await self.client.xrange(key, min=start, count=page)
+
+                # Paged by entry id, so a page read again after a fault is the same page.
+                entries = stream_entries(await self.retry.call("read results", read_page))
                 if not entries:
                     break
                 for _, fields in entries:
