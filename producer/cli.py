@@ -220,7 +220,7 @@ def results_command(job: str | None, out: Path, as_json: bool, redis_url: str | 
         raise click.BadParameter("must end in .npz or .jsonl", param_hint="--out")
     settings = _settings(redis_url)
     try:
-        target = parse_sink_url(settings.sink, settings.sink_table)
+        target = parse_sink_url(settings.sink, settings.sink_table, settings.s3_endpoint_url)
         if target.kind == "redis":
             rows: list[ExportRow] = list(run_client(_collect(settings, job)).values())
             streams = ", ".join(p.results for p in settings.keys.partitions_keys)

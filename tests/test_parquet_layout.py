@@ -1,0 +1,125 @@
+"""The Parquet layout on a real folder: shards stored atomically (a writer that dies before
+its rename leaves nothing visible), one manifest per shard, one row per id read back (the last
+wins), the settings checked against each other. The fleet runs into Parquet, on S3 and in a
+folder, are in tests/test_parquet_sink.py."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from embedfleet.shared.protocol import Result
+from embedfleet.shared.settings import SettingsError, load_settings
+from embedfleet.shared.vectordb import open_backend, parse_sink_url
+from embedfleet.shared.vectordb.parquet import ParquetBackend
+
+
+def read_dataset(path: str) -> Any:
+    """The folder as a user's tool reads it: ``pyarrow.dataset`` on the directory, as it is."""
+    import pyarrow.dataset as ds
+
+    return ds.dataset(path, format="parquet").to_table()
+
+
+def _results(count: int, dim: int = 8) -> list[Result]:
+    rng = np.random.default_rng(5)
+    return [
+        Result(
+            id=f"r{i:03d}",
+            model="m",
+            vector=rng.standard_normal(dim).astype(np.float16),
+            job="j",
+            meta={"i": i},
+            text=f"text {i}",
+        )
+        for i in range(count)
+    ]
+
+
+def test_a_shard_write_that_dies_before_its_rename_leaves_nothing_visible(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "run"
+    backend = open_backend(parse_sink_url(f"parquet://{root}"))
+    assert isinstance(backend, ParquetBackend)
+    backend.setup("m", 8)
+    backend.upsert(_results(10))
+    assert len(backend.shard_files()) == 1
+
+    # the process "dies" after the bytes are written and fsynced, before the rename
+    def crash(source: str, destination: str) -> None:
+        raise KeyboardInterrupt("killed between write and rename")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(KeyboardInterrupt):
+        backend.upsert(_results(20)[10:])
+    monkeypatch.undo()
+    # what the dead writer left is a hidden temporary file, complete or not
+    leftovers = [p.name for p in root.iterdir() if p.name.endswith(".tmp")]
+    assert len(leftovers) == 1 and leftovers[0].startswith(".")
+    (root / leftovers[0]).write_bytes(b"PAR1 torn")  # as a write cut short would leave it
+    # the dataset as tools load it, and our reader, see only the first, complete shard
+    assert sorted(read_dataset(str(root)).column("id").to_pylist()) == [
+        f"r{i:03d}" for i in range(10)
+    ]
+    assert [row.id for row in backend.export_rows()] == [f"r{i:03d}" for i in range(10)]
+    assert len(backend.manifests()) == 1  # the manifest comes only after its shard
+    # the next shard goes in whole, with its manifest, and no temporary file of its own
+    backend.upsert(_results(20)[10:])
+    assert len(backend.shard_files()) == 2
+    assert [m.rows for m in backend.manifests()] == [10, 10]
+    assert len([p for p in root.iterdir() if p.name.endswith(".tmp")]) == 1
+    assert read_dataset(str(root)).num_rows == 20
+
+
+def test_the_reader_keeps_the_last_row_per_id(tmp_path: Path) -> None:
+    backend = open_backend(parse_sink_url(f"parquet://{tmp_path / 'run'}"))
+    assert isinstance(backend, ParquetBackend)
+    backend.setup("m", 8)
+    first = _results(5)
+    backend.upsert(first)
+    again = [Result(id="r002", model="m", vector=np.ones(8, np.float16), job="k", text="new")]
+    backend.upsert(again)  # a redelivery after a crash: the same id in a later shard
+    assert read_dataset(str(tmp_path / "run")).num_rows == 6  # the raw dataset holds both
+    rows = {row.id: row for row in backend.export_rows()}
+    assert sorted(rows) == [r.id for r in first]
+    assert rows["r002"].text == "new" and rows["r002"].job == "k"
+    assert np.array_equal(rows["r002"].vector, np.ones(8, np.float16))
+    assert [row.id for row in backend.export_rows(job="k")] == ["r002"]
+
+
+def test_another_dimension_or_precision_in_the_same_place_is_refused(tmp_path: Path) -> None:
+    from embedfleet.shared.vectordb import SinkSetupError
+
+    target = parse_sink_url(f"parquet://{tmp_path / 'run'}")
+    with open_backend(target) as backend:
+        backend.setup("m", 8, "float16")
+        backend.upsert(_results(3))
+    with pytest.raises(SinkSetupError, match="8-dim"), open_backend(target) as backend:
+        backend.setup("m", 16)
+    with pytest.raises(SinkSetupError, match="float16"), open_backend(target) as backend:
+        backend.setup("m", 8, "int8")
+
+
+def test_a_shard_time_bound_past_the_reclaim_idle_time_is_refused_at_start() -> None:
+    with pytest.raises(SettingsError, match="EMBEDFLEET_PARQUET_SHARD_MAX_S=40"):
+        load_settings(sink="s3://b/p", parquet_shard_max_s=40, reclaim_idle_ms=60_000)
+    # the same bound is fine with another sink, and within half of the idle time
+    load_settings(sink="redis", parquet_shard_max_s=40, reclaim_idle_ms=60_000)
+    load_settings(sink="parquet:///tmp/x", parquet_shard_max_s=30, reclaim_idle_ms=60_000)
+
+
+def test_parquet_sink_urls() -> None:
+    local = parse_sink_url("parquet:///data/run")
+    assert (local.kind, local.location) == ("parquet", "/data/run")
+    s3 = parse_sink_url("s3://bucket/some/prefix/", s3_endpoint_url="http://minio:9000")
+    assert (s3.kind, s3.location, s3.endpoint_url) == (
+        "parquet",
+        "s3://bucket/some/prefix",
+        "http://minio:9000",
+    )
+    assert "s3://bucket/some/prefix" in s3.describe()
