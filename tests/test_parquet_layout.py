@@ -5,6 +5,7 @@ folder, are in tests/test_parquet_sink.py."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 from typing import Any
@@ -123,3 +124,79 @@ def test_parquet_sink_urls() -> None:
         "http://minio:9000",
     )
     assert "s3://bucket/some/prefix" in s3.describe()
+
+
+# --- the sink's buffering: acknowledged only once the shard is stored ---------------------------
+async def _pending_deliveries(client: Any, settings: Any, count: int) -> list[Any]:
+    """``count`` entries read through the group and not acknowledged: what a worker holds."""
+    from embedfleet.workers.sinks import Delivery
+
+    keys = settings.keys
+    await client.xgroup_create(keys.ingest, keys.group, id="0", mkstream=True)
+    for n in range(count):
+        await client.xadd(keys.ingest, {"p": f"chunk {n}"})
+    read = await client.xreadgroup(keys.group, "w", {keys.ingest: ">"}, count=count)
+    return [Delivery(keys.ingest, entry_id.decode(), "j") for entry_id, _ in read[0][1]]
+
+
+async def _pending(client: Any, settings: Any) -> int:
+    return int((await client.xpending(settings.keys.ingest, settings.keys.group))["pending"])
+
+
+def _sink(settings: Any, client: Any, root: Path, **bounds: Any) -> Any:
+    from embedfleet.workers.sinks.parquet import ParquetSink
+
+    backend = open_backend(parse_sink_url(f"parquet://{root}"))
+    assert isinstance(backend, ParquetBackend)
+    limits = {"shard_rows": 10, "shard_bytes": 1 << 20, "shard_max_s": 3600.0} | bounds
+    return ParquetSink(client, settings.keys, backend, writer="w", **limits)
+
+
+async def test_the_sink_acknowledges_a_shard_only_once_it_is_stored(
+    settings: Any, client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from embedfleet.shared.vectordb.parquet import ObjectStoreUnavailable
+
+    deliveries = await _pending_deliveries(client, settings, 10)
+    results = _results(10)
+    sink = _sink(settings, client, tmp_path / "run")
+    await sink.setup("m", 8)
+    await sink.write(results[:6], deliveries[:6])
+    # buffered: nothing stored, nothing acknowledged
+    assert sink.buffered == 6 and await _pending(client, settings) == 10
+    assert not sink.parquet.shard_files()
+    # the store fails as the shard fills: the write raises, nothing is acknowledged
+    real = sink.parquet.write_shard
+
+    def unavailable(*args: Any) -> Any:
+        raise ObjectStoreUnavailable("the store is away")
+
+    monkeypatch.setattr(sink.parquet, "write_shard", unavailable)
+    with pytest.raises(ObjectStoreUnavailable):
+        await sink.write(results[6:], deliveries[6:])
+    assert await _pending(client, settings) == 10 and not sink.parquet.shard_files()
+    # the worker tries the same write again: its rows are buffered once, stored, acknowledged
+    monkeypatch.setattr(sink.parquet, "write_shard", real)
+    await sink.write(results[6:], deliveries[6:])
+    assert await _pending(client, settings) == 0
+    assert await client.xlen(settings.keys.ingest) == 0  # acknowledged entries are deleted
+    assert int(await client.hget(settings.keys.job("j"), "done") or 0) == 10
+    assert [m.rows for m in sink.parquet.manifests()] == [10]
+    await sink.close()
+
+
+async def test_the_sink_stores_a_shard_by_time_and_on_close(
+    settings: Any, client: Any, tmp_path: Path
+) -> None:
+    deliveries = await _pending_deliveries(client, settings, 5)
+    sink = _sink(settings, client, tmp_path / "run", shard_max_s=0.2)
+    await sink.setup("m", 8)
+    await sink.write(_results(5)[:3], deliveries[:3])
+    # the timer cuts the shard once its first row is 0.2 s old, with no write to prompt it
+    async with asyncio.timeout(30):
+        while await _pending(client, settings) != 2:
+            await asyncio.sleep(0.02)  # polling the server's state: the timer emits nothing
+    await sink.write(_results(5)[3:], deliveries[3:])
+    await sink.close()  # a drain: the last shard is stored before the worker exits
+    assert await _pending(client, settings) == 0
+    assert [m.rows for m in sink.parquet.manifests()] == [3, 2]

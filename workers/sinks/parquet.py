@@ -84,7 +84,9 @@ class ParquetSink(DatabaseSink):
         self._rows = 0
         self._bytes = 0
         self._started: float | None = None  # time.monotonic() of the shard's first row
-        # a stored shard's deliveries, until their acknowledgement has gone through
+        # the deliveries of the shard being stored, then of a stored shard until their
+        # acknowledgement has gone through
+        self._writing: dict[tuple[str, str], Delivery] = {}
         self._unacked: dict[tuple[str, str], Delivery] = {}
         self._flushing = asyncio.Lock()
         self._shard_started = asyncio.Event()
@@ -103,6 +105,7 @@ class ParquetSink(DatabaseSink):
             (result, delivery)
             for result, delivery in zip(results, deliveries, strict=True)
             if (key := (delivery.stream, delivery.entry_id)) not in self._held
+            and key not in self._writing
             and key not in self._unacked
         ]
         if new:
@@ -127,15 +130,30 @@ class ParquetSink(DatabaseSink):
             await self._acknowledge()  # a stored shard whose acknowledgement failed, first
             if not self._held:
                 return
-            tables, held, rows = self._tables, self._held, self._rows
-            age = 0.0 if self._started is None else time.monotonic() - self._started
-            manifest = await self._blocking(self.parquet.write_shard, tables, self.writer)
-            # durable: from here the entries only need their acknowledgement
-            self._unacked.update(held)
+            # The shard is taken out of the buffer before it is stored: writes that come while
+            # it uploads start the next one. Until it is stored, its entries are ``_writing``.
+            tables, rows, started = self._tables, self._rows, self._started
+            self._writing = self._held
             self._tables, self._held, self._rows, self._bytes = [], {}, 0, 0
             self._started = None
             self._shard_started.clear()
+            try:
+                manifest = await self._blocking(self.parquet.write_shard, tables, self.writer)
+            except BaseException:
+                # not stored: back in front of what came meanwhile, to be tried again
+                self._tables = tables + self._tables
+                self._held = {**self._writing, **self._held}
+                self._rows = sum(table.num_rows for table in self._tables)
+                self._bytes = sum(table.nbytes for table in self._tables)
+                self._started = started
+                self._shard_started.set()
+                self._writing = {}
+                raise
+            # durable: from here the entries only need their acknowledgement
+            held, self._writing = self._writing, {}
+            self._unacked.update(held)
             self.shards_written += 1
+            age = 0.0 if started is None else time.monotonic() - started
             log.info(
                 "parquet shard written",
                 file=manifest.file,
@@ -190,7 +208,8 @@ class ParquetSink(DatabaseSink):
         """Store what is buffered (a drain's last shard); if that fails its entries stay
         pending, for another worker to claim."""
         if self._timer is not None:
-            self._timer.cancel()
+            async with self._flushing:  # never cancelled halfway through storing a shard
+                self._timer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._timer
             self._timer = None
