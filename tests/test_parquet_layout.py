@@ -200,3 +200,37 @@ async def test_the_sink_stores_a_shard_by_time_and_on_close(
     await sink.close()  # a drain: the last shard is stored before the worker exits
     assert await _pending(client, settings) == 0
     assert [m.rows for m in sink.parquet.manifests()] == [3, 2]
+
+
+async def test_writes_while_a_shard_is_being_stored_go_into_the_next_one(
+    settings: Any, client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    deliveries = await _pending_deliveries(client, settings, 12)
+    results = _results(12)
+    sink = _sink(settings, client, tmp_path / "run", shard_rows=4)
+    await sink.setup("m", 8)
+    real = sink.parquet.write_shard
+    storing, release = threading.Event(), threading.Event()
+
+    def slow_store(*args: Any) -> Any:
+        storing.set()
+        release.wait(30)  # an upload in progress, held until the test has written more
+        return real(*args)
+
+    monkeypatch.setattr(sink.parquet, "write_shard", slow_store)
+    first = asyncio.create_task(sink.write(results[:4], deliveries[:4]))  # fills shard 1
+    await asyncio.to_thread(storing.wait, 30)
+    await sink.write(results[4:6], deliveries[4:6])  # while shard 1 uploads
+    assert sink.buffered == 2
+    monkeypatch.setattr(sink.parquet, "write_shard", real)
+    release.set()
+    await first
+    assert await _pending(client, settings) == 8  # shard 1's four, and only those
+    await sink.write(results[6:], deliveries[6:])
+    await sink.close()
+    assert await _pending(client, settings) == 0
+    stored = sorted(row.id for row in sink.parquet.export_rows())
+    assert stored == [r.id for r in results]  # every row acknowledged was stored
+    assert read_dataset(str(tmp_path / "run")).num_rows == 12
