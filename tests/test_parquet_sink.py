@@ -19,7 +19,7 @@ import sys
 import urllib.request
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ from embedfleet.shared.vectordb.parquet import MANIFESTS
 from embedfleet.workers.sinks import build_sink
 from embedfleet.workers.sinks.parquet import ParquetSink
 from loadtest.common import isolated_settings
-from tests.conftest import WorkerLauncher, cli_env, reference_model, shared_encoder
+from tests.conftest import WorkerLauncher, cli_env, reference_model, shared_encoder, start_cli
 
 BUCKET = "embeddings"
 CREDENTIALS = {
@@ -138,10 +138,15 @@ def parquet_settings(redis_url: str, sink: str, **overrides: Any) -> Settings:
 
 # --- a fleet run into Parquet -------------------------------------------------------------------
 async def _run(
-    settings: Settings, chunks: list[Chunk], job: str, tmp_path: Path
+    settings: Settings,
+    chunks: list[Chunk],
+    job: str,
+    tmp_path: Path,
+    then: Callable[[], Awaitable[None]] | None = None,
 ) -> tuple[ParquetSink, int]:
-    """``chunks`` embedded by an in-process worker into ``settings``' Parquet sink; returns
-    the sink and the entries still pending once the job is done."""
+    """``chunks`` embedded by an in-process worker into ``settings``' Parquet sink, then
+    ``then()`` while the worker still serves; returns the sink and the entries still pending
+    once the job is done."""
     client = connect(settings.effective_redis_url)
     sink = build_sink(settings, client)
     assert isinstance(sink, ParquetSink)
@@ -154,6 +159,8 @@ async def _run(
             await producer.enqueue(chunks, job=job)
             progress = await producer.wait_for_job(job, timeout=600)
             assert progress.done == len(chunks)
+            if then is not None:
+                await then()
         pending = (await client.xpending(settings.keys.ingest, settings.group))["pending"]
     finally:
         await client.aclose()
@@ -205,12 +212,12 @@ async def test_a_worker_killed_mid_shard_loses_nothing_and_leaves_no_partial_fil
 
     chunks = list(builtin_corpus(1200))
     prefix = f"{BUCKET}/kill-{uuid.uuid4().hex[:8]}"
-    # shards of 300 rows or 1.5 s, whichever first; entries idle 3 s are reclaimed
+    # shards of 300 rows or 1.5 s, whichever first; entries idle 4 s are reclaimed
     common: dict[str, Any] = {
         "s3_endpoint_url": s3_endpoint,
         "parquet_shard_rows": 300,
         "parquet_shard_max_s": 1.5,
-        "reclaim_idle_ms": 3000,
+        "reclaim_idle_ms": 4000,
     }
     settings = parquet_settings(redis_server.url, f"s3://{prefix}", **common)
     launcher = WorkerLauncher(settings, shared_encoder, tmp_path)
@@ -219,7 +226,7 @@ async def test_a_worker_killed_mid_shard_loses_nothing_and_leaves_no_partial_fil
         "EMBEDFLEET_S3_ENDPOINT_URL": s3_endpoint,
         "EMBEDFLEET_PARQUET_SHARD_ROWS": "300",
         "EMBEDFLEET_PARQUET_SHARD_MAX_S": "1.5",
-        "EMBEDFLEET_RECLAIM_IDLE_MS": "3000",
+        "EMBEDFLEET_RECLAIM_IDLE_MS": "4000",
     }
     s3 = s3_filesystem(s3_endpoint)
     client = connect(settings.effective_redis_url)
@@ -296,7 +303,20 @@ async def test_a_run_lands_in_a_local_folder_and_the_cli_reads_it(
     chunks = list(builtin_corpus(600))
     root = tmp_path / "run"
     settings = parquet_settings(redis_server.url, f"parquet://{root}", parquet_shard_rows=250)
-    sink, pending = await _run(settings, chunks, "local", tmp_path)
+    env = cli_env(settings, EMBEDFLEET_SINK=settings.sink)
+    texts = Counter(chunk.text for chunk in chunks)
+    wanted = next(chunk for chunk in chunks if texts[chunk.text] == 1 and len(chunk.text) > 80)
+
+    async def search() -> None:
+        # `embedfleet search` reads the same setting; a running worker embeds the query
+        process = await start_cli(env, "search", wanted.text, "--k", "3", "--json")
+        stdout, stderr = await asyncio.wait_for(process.communicate(), 300)
+        assert process.returncode == 0, stderr.decode()
+        hits = [json.loads(line) for line in stdout.decode().splitlines()]
+        assert hits[0]["id"] == wanted.id and hits[0]["text"] == wanted.text
+        assert hits[0]["score"] > 0.99
+
+    sink, pending = await _run(settings, chunks, "local", tmp_path, then=search)
     assert pending == 0 and sink.shards_written >= 3
     table = read_dataset(str(root))
     ids = Counter(table.column("id").to_pylist())
@@ -311,7 +331,6 @@ async def test_a_run_lands_in_a_local_folder_and_the_cli_reads_it(
     assert loaded.count_rows() == len(chunks)
     # `embedfleet results` reads the same setting
     out = tmp_path / "out.npz"
-    env = cli_env(settings, EMBEDFLEET_SINK=settings.sink)
     done = subprocess.run(
         [sys.executable, "-m", "embedfleet.cli", "results", "--out", str(out), "--json"],
         env=env,

@@ -17,8 +17,8 @@ bits as uint8 for binary / ubinary, told apart by the schema's metadata), ``job`
 never read as data.
 
 **Atomic shards.** A shard is serialised in memory, then stored under its final name in one
-step: on S3 one upload of the final key (an object is visible only once its upload completes,
-PUT or multipart alike), in a folder a temporary ``.<name>.tmp`` beside it, fsynced, renamed over
+step: on S3 one upload of the final key (one PUT, multipart for a shard over pyarrow's part size:
+an object is visible only once its upload completes), in a folder a temporary ``.<name>.tmp`` beside it, fsynced, renamed over
 and the folder fsynced. A writer killed on the way leaves no partial ``.parquet``.
 
 **One manifest per shard**, not one appended list: an S3 object cannot be appended to, and many
@@ -152,7 +152,10 @@ def open_location(target: Any) -> tuple[pafs.FileSystem, str]:
     location: str = target.location
     if not location.startswith("s3://"):
         return pafs.LocalFileSystem(), os.path.abspath(location)
-    options: dict[str, Any] = {}
+    # delayed open: an object smaller than one upload part goes up as one PUT on close (else
+    # pyarrow starts a multipart upload at open); larger ones as a multipart upload, which S3
+    # also shows only once it completes
+    options: dict[str, Any] = {"allow_delayed_open": True}
     if target.endpoint_url:
         endpoint = urlsplit(target.endpoint_url)
         options["endpoint_override"] = endpoint.netloc or endpoint.path
