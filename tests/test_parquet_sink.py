@@ -38,6 +38,8 @@ from embedfleet.workers.sinks.parquet import ParquetSink
 from loadtest.common import isolated_settings
 from tests.conftest import WorkerLauncher, cli_env, reference_model, shared_encoder, start_cli
 
+# thousands of chunks through the real model on a shared CI core take minutes
+pytestmark = pytest.mark.timeout(1500)
 BUCKET = "embeddings"
 CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -245,7 +247,8 @@ async def test_a_worker_killed_mid_shard_loses_nothing_and_leaves_no_partial_fil
             held = await client.xpending_range(
                 settings.keys.ingest, settings.group, "-", "+", 10_000, consumername="doomed"
             )
-            assert held, "the killed worker held no entries: it was not mid-shard"
+            summary = await client.xpending(settings.keys.ingest, settings.group)
+            assert held, f"the killed worker held no entries: {summary}; {doomed.log()[-3000:]}"
             # another worker claims what the dead one held, once idle, and finishes the job
             survivor = settings.model_copy(update={"consumer": "survivor"})
             sink = build_sink(survivor, client)
