@@ -6,7 +6,10 @@ folder, are in tests/test_parquet_sink.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -234,3 +237,35 @@ async def test_writes_while_a_shard_is_being_stored_go_into_the_next_one(
     stored = sorted(row.id for row in sink.parquet.export_rows())
     assert stored == [r.id for r in results]  # every row acknowledged was stored
     assert read_dataset(str(tmp_path / "run")).num_rows == 12
+
+
+def test_a_store_that_cannot_be_reached_is_waited_for_and_a_bad_shard_is_no_bad_row(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import pyarrow as pa
+
+    from embedfleet.shared.fault_kinds import FaultKind, System, classify
+    from embedfleet.shared.vectordb import SinkSetupError
+    from embedfleet.shared.vectordb.parquet import storage_error
+    from embedfleet.workers.outages import classify_sink_error
+
+    for name, value in {"AWS_ACCESS_KEY_ID": "t", "AWS_SECRET_ACCESS_KEY": "t"}.items():
+        monkeypatch.setenv(name, value)
+    with socket_closed() as port:
+        target = parse_sink_url("s3://bucket/run", s3_endpoint_url=f"http://127.0.0.1:{port}")
+        with pytest.raises(SinkSetupError) as refused, open_backend(target) as backend:
+            backend.setup("m", 8)
+    # the worker waits for an object store that is not up yet, as for a database
+    assert classify_sink_error(refused.value, System.PARQUET).kind is FaultKind.TRANSIENT
+    # pyarrow's ArrowInvalid is a ValueError: failing to store a shard must not read as one
+    # refused row (the worker would dead-letter the batch at hand)
+    error = storage_error(pa.ArrowInvalid("bad footer"), "writing a shard")
+    assert classify(error, System.PARQUET).kind is FaultKind.WORKER
+
+
+@contextlib.contextmanager
+def socket_closed() -> Iterator[int]:
+    """A loopback port nothing listens on."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        yield int(probe.getsockname()[1])  # bound, not listening: connections are refused

@@ -17,9 +17,10 @@ bits as uint8 for binary / ubinary, told apart by the schema's metadata), ``job`
 never read as data.
 
 **Atomic shards.** A shard is serialised in memory, then stored under its final name in one
-step: on S3 one upload of the final key (one PUT, multipart for a shard over pyarrow's part size:
-an object is visible only once its upload completes), in a folder a temporary ``.<name>.tmp`` beside it, fsynced, renamed over
-and the folder fsynced. A writer killed on the way leaves no partial ``.parquet``.
+step: on S3 one upload of the final key (one PUT, multipart for a shard over pyarrow's part
+size: an object is visible only once its upload completes); in a folder a temporary
+``.<name>.tmp`` beside it, fsynced, renamed over, and the folder fsynced. A writer killed on
+the way leaves no partial ``.parquet``.
 
 **One manifest per shard**, not one appended list: an S3 object cannot be appended to, and many
 workers rewriting one list lose each other's updates without conditional writes; a manifest of
@@ -88,6 +89,7 @@ _PASSING_S3_ERRORS = (
     "REQUEST_TIMEOUT",
     "Connection refused",
     "Couldn't connect",
+    "Could not connect",
     "timed out",
 )
 
