@@ -302,7 +302,7 @@ def results_command(
         )
     settings = _settings(redis_url)
     try:
-        target = parse_sink_url(settings.sink, settings.sink_table)
+        target = parse_sink_url(settings.sink, settings.sink_table, settings.s3_endpoint_url)
         if target.kind == "redis":
             with ExportWriter(out) as writer:
                 run_client(_export_stream(settings, writer, job, page, consume, follow))

@@ -382,6 +382,18 @@ class Settings(BaseSettings):
     store_text: bool = True
     """Database sinks store each chunk's text beside its vector, so `embedfleet search` shows what
     it found. `false` if you keep the texts elsewhere (the column stays, empty)."""
+    s3_endpoint_url: str = ""
+    """The S3-compatible server of an `s3://bucket/prefix` sink (MinIO, Ceph, R2, ...), e.g.
+    `http://minio:9000`; empty = AWS. Credentials and region come from the standard AWS variables
+    (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, `AWS_REGION`) or files."""
+    parquet_shard_rows: int = Field(default=100_000, ge=1)
+    """The Parquet sink writes a shard once it holds this many rows."""
+    parquet_shard_bytes: int = Field(default=128 * 1024 * 1024, ge=1024)
+    """...or this many bytes of vectors, ids, texts and metadata (before compression), whichever
+    comes first: what one worker holds in memory."""
+    parquet_shard_max_s: float = Field(default=20.0, gt=0)
+    """...or once its first row is this old. Its entries stay unacknowledged until the shard is
+    written, so this must be at most half of EMBEDFLEET_RECLAIM_IDLE_MS (checked at start)."""
 
     @field_validator("namespace", "group")
     @classmethod
@@ -435,6 +447,28 @@ class Settings(BaseSettings):
         except ValueError as error:
             raise ValueError(f"EMBEDFLEET_PARTITION_SET: {error}") from None
         return self
+
+    @model_validator(mode="after")
+    def _shards_before_reclaim(self) -> Settings:
+        # A Parquet shard's entries are acknowledged when it is written; until then they are
+        # pending, and no longer renewed once the worker has handed them to the sink (their
+        # last renewal may be a reclaim period, a third of the idle time, old). Another worker
+        # would claim and embed them again past the idle time, so a shard is written by half of
+        # it, leaving the other sixth for the upload itself.
+        if not self.parquet_sink or self.parquet_shard_max_s * 1000 <= self.reclaim_idle_ms / 2:
+            return self
+        raise ValueError(
+            f"EMBEDFLEET_PARQUET_SHARD_MAX_S={self.parquet_shard_max_s:g} is too long for "
+            f"EMBEDFLEET_RECLAIM_IDLE_MS={self.reclaim_idle_ms}: a shard's entries stay pending "
+            "until it is written, and other workers claim entries idle that long. Set "
+            f"EMBEDFLEET_PARQUET_SHARD_MAX_S to at most {self.reclaim_idle_ms / 2000:g} or "
+            f"EMBEDFLEET_RECLAIM_IDLE_MS to at least {self.parquet_shard_max_s * 2000:.0f}"
+        )
+
+    @property
+    def parquet_sink(self) -> bool:
+        """Whether EMBEDFLEET_SINK is the Parquet sink (``parquet://`` or ``s3://``)."""
+        return self.sink.strip().lower().startswith(("parquet://", "s3://"))
 
     @property
     def keys(self) -> Keys:

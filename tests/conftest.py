@@ -525,6 +525,7 @@ SLOW_MODULES = frozenset(
         "test_interactive",
         "test_ops",
         "test_outputs",
+        "test_parquet_sink",
         "test_quantized_sinks",
         "test_queries",
         "test_reliability",

@@ -162,6 +162,7 @@ SYSTEM_OF_KIND = {
     "pgvector": System.POSTGRESQL,
     "qdrant": System.QDRANT,
     "qdrant-local": System.QDRANT,
+    "parquet": System.PARQUET,
 }
 
 
