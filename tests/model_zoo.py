@@ -16,8 +16,8 @@ import json
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 from pydoc_data.topics import topics
+from typing import Any
 
 import torch
 import transformers

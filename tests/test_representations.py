@@ -13,14 +13,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis.asyncio as aioredis
 
-from embedfleet.shared.protocol import Chunk, decode_result, encode_result
+from embedfleet.producer import Producer
+from embedfleet.shared.protocol import Chunk, QueryFailedError, decode_result, encode_result
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.batcher import plan_batches
 from embedfleet.workers.calibration import CalibrationStore
 from embedfleet.workers.encoder import Encoder
 from embedfleet.workers.model_dir import read_model_spec
 from embedfleet.workers.output import Outputs
+from tests.conftest import WorkerLauncher
 from tests.model_zoo import corpus_lines, cross_encoder_dir, splade_dir
 
 SCORE_TOLERANCE = 1e-4
@@ -83,9 +86,8 @@ def test_splade_matches_sparse_encoder(zoo: Path, strategy: str, activation: str
             result.sparse.values, theirs[row][expected], rtol=WEIGHT_TOLERANCE, atol=1e-5
         )
         assert result.sparse.dim == theirs.shape[1]
-    print(
-        f"SPARSE {strategy}/{activation}: {np.mean([r.sparse.indices.size for r in results]):.0f} active"
-    )
+    active = np.mean([r.sparse.indices.size for r in results if r.sparse is not None])
+    print(f"SPARSE {strategy}/{activation}: {active:.0f} of {theirs.shape[1]} active")
 
 
 def test_max_active_dims_matches_sparse_encoder(zoo: Path) -> None:
@@ -166,3 +168,66 @@ def test_options_the_model_does_not_serve_are_refused(zoo: Path) -> None:
             out.prompt_for(chunk, "document")
     sparse.prompt_for(Chunk(id="a", text="x", representations=("sparse",)), "document")
     rerank.prompt_for(Chunk(id="a", text="x", pair="y"), "query")
+
+
+# --- through Redis and a worker -------------------------------------------------------------
+async def test_sparse_through_a_worker(
+    workers: WorkerLauncher, settings: Settings, client: aioredis.Redis, zoo: Path
+) -> None:
+    """Query lane, interactive lane and bulk (a job's results stream) all give SparseEncoder's
+    weights; the card says the fleet serves sparse."""
+    from sentence_transformers import SparseEncoder
+
+    model_dir = splade_dir(zoo)
+    encoder = Encoder(str(model_dir), device="cpu")
+    inputs = texts()
+    async with Producer(settings, client) as producer, workers.run(settings, encoder=encoder):
+        card = await producer.model_card()
+        queried = await producer.embed_sparse(inputs[:3], timeout=30)
+        pruned = await producer.embed_sparse(inputs[:3], timeout=30, max_active_dims=5)
+        interactive = await producer.embed_sparse(inputs, timeout=60, lane="texts")
+        chunks = [
+            Chunk(id=f"d{i}", text=t, representations=("sparse",)) for i, t in enumerate(inputs)
+        ]
+        await producer.enqueue(chunks, job="sparse-job")
+        await producer.wait_for_job("sparse-job", timeout=120)
+        bulk = {r.id: r async for r in producer.results(job="sparse-job")}
+        with pytest.raises(ValueError, match="serves sparse, not rerank"):
+            await producer.rerank("q", ["d"], timeout=5)
+    assert card is not None and card.representations == ("sparse",)
+    theirs = SparseEncoder(str(model_dir), device="cpu").encode(inputs).to_dense().numpy()
+    top5 = SparseEncoder(str(model_dir), device="cpu").encode(inputs[:3], max_active_dims=5)
+    top5 = top5.to_dense().numpy()
+    bulk_vectors = [bulk[f"d{i}"].sparse for i in range(len(inputs))]
+    for row, vector in [*enumerate(queried), *enumerate(interactive), *enumerate(bulk_vectors)]:
+        assert vector is not None
+        np.testing.assert_array_equal(vector.indices, np.flatnonzero(theirs[row]))
+        np.testing.assert_allclose(vector.values, theirs[row][vector.indices], rtol=1e-4, atol=1e-5)
+    for row, vector in enumerate(pruned):
+        np.testing.assert_array_equal(vector.indices, np.flatnonzero(top5[row]))
+
+
+async def test_rerank_through_a_worker(
+    workers: WorkerLauncher, settings: Settings, client: aioredis.Redis, zoo: Path
+) -> None:
+    """Pairs scored on the query lane and in bulk as CrossEncoder.predict scores them; a text
+    without its document is refused with the worker's reason."""
+    from sentence_transformers import CrossEncoder
+
+    model_dir = cross_encoder_dir(zoo)
+    encoder = Encoder(str(model_dir), device="cpu")
+    query, documents = pairs()[0][0], [d for _, d in pairs()[:-1]]
+    async with Producer(settings, client) as producer, workers.run(settings, encoder=encoder):
+        scores = await producer.rerank(query, documents, timeout=30)
+        chunks = [Chunk(id=f"p{i}", text=query, pair=d) for i, d in enumerate(documents)]
+        await producer.enqueue(chunks, job="pairs")
+        await producer.wait_for_job("pairs", timeout=120)
+        bulk = {r.id: r.score async for r in producer.results(job="pairs")}
+        with pytest.raises(QueryFailedError, match="give the document as 'pair'"):
+            await producer.embed_queries(["a lonely query"], timeout=30)
+    theirs = CrossEncoder(str(model_dir), device="cpu").predict([(query, d) for d in documents])
+    np.testing.assert_allclose(scores, theirs, atol=SCORE_TOLERANCE)
+    np.testing.assert_allclose(
+        [bulk[f"p{i}"] for i in range(len(documents))], theirs, atol=SCORE_TOLERANCE
+    )
+    assert list(np.argsort(-scores, kind="stable")) == list(np.argsort(-theirs, kind="stable"))

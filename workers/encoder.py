@@ -30,6 +30,7 @@ from embedfleet.shared.logging import adopt_library_logger, get_logger
 # one definition for the worker, the gateway and the splitter (those need no torch)
 from embedfleet.shared.model_path import ModelNotFoundError, resolve_model_path
 from embedfleet.shared.modelcard import ModelCard, max_input_tokens, served_name
+from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import PACKAGED_MODEL
 from embedfleet.shared.tokens import counting_head
 from embedfleet.workers.cpus import CpuClass, cpu_class, usable_cpus
@@ -354,14 +355,21 @@ class Encoder:
 
     # --- tokenize ---------------------------------------------------------------------
     def tokenize(
-        self, texts: Sequence[str], prompts: Sequence[str] | None = None
+        self,
+        texts: Sequence[str],
+        prompts: Sequence[str] | None = None,
+        *,
+        pairs: Sequence[str] | None = None,
     ) -> list[Tokenized]:
         """Token ids per text (``prompt + text`` where a prompt is given, as
         sentence-transformers joins them, so prompt tokens count against the maximum), cut to
-        the model's maximum with the truncated flag set.
+        the model's maximum with the truncated flag set. With ``pairs`` (a cross-encoder's
+        documents, one per text): the (text, pair) encodings of :meth:`tokenize_pairs`.
 
         The batch call runs in Rust and releases the GIL, so callers put it on a thread.
         """
+        if pairs is not None:
+            return self.tokenize_pairs(texts, pairs)
         if prompts is not None:
             texts = [prompt + text for prompt, text in zip(prompts, texts, strict=True)]
         prepared = [counting_head(text, self.max_length) for text in texts]
@@ -827,6 +835,14 @@ def pool(
         else:
             raise ValueError(f"unknown pooling mode {mode!r}")
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+
+
+def pairs_of(chunks: Sequence[Chunk]) -> list[str] | None:
+    """The chunks' ``pair`` documents for :meth:`Encoder.tokenize`, or None where no chunk
+    has one (a cross-encoder's chunks all do: ``Outputs.check_representation``)."""
+    if all(chunk.pair is None for chunk in chunks):
+        return None
+    return [chunk.pair or "" for chunk in chunks]
 
 
 def splade_pool(
