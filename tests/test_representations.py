@@ -231,3 +231,16 @@ async def test_rerank_through_a_worker(
         [bulk[f"p{i}"] for i in range(len(documents))], theirs, atol=SCORE_TOLERANCE
     )
     assert list(np.argsort(-scores, kind="stable")) == list(np.argsort(-theirs, kind="stable"))
+
+
+def test_a_sparse_encoder_with_other_modules_is_refused(zoo: Path, tmp_path: Path) -> None:
+    """A SparseEncoder the worker cannot reproduce (here: a module after SpladePooling) is
+    refused at load, naming what it has, rather than served with different weights."""
+    from embedfleet.workers.model_dir import UnsupportedModelError
+    from tests.model_zoo import with_extra_module
+
+    broken = with_extra_module(
+        splade_dir(zoo), tmp_path / "broken", "sentence_transformers.base.modules.Normalize"
+    )
+    with pytest.raises(UnsupportedModelError, match="MLMTransformer \\+ SpladePooling only"):
+        Encoder(str(broken), device="cpu")
