@@ -66,6 +66,9 @@ async def test_tei_embed_sparse_matches_sparse_encoder(
         refused_v1 = await http.post(
             "/v1/rerank", json={"model": model_dir.name, "query": QUERY, "documents": ["a"]}
         )
+        dense = await http.post("/embed", json={"inputs": "hi"})
+        dense_v1 = await http.post("/v1/embeddings", json={"model": model_dir.name, "input": "hi"})
+        info = await http.get("/info")
     assert answer.status_code == 200, answer.text
     theirs = SparseEncoder(str(model_dir), device="cpu").encode(inputs).to_dense().numpy()
     for row, weights in enumerate(answer.json()):
@@ -81,6 +84,10 @@ async def test_tei_embed_sparse_matches_sparse_encoder(
     assert "not a cross-encoder" in refused.json()["error"]
     assert refused_v1.status_code == 400
     assert refused_v1.json()["error"]["code"] == "representation_not_served"
+    assert dense.status_code == 424 and "/embed_sparse" in dense.json()["error"]
+    assert dense_v1.status_code == 400
+    assert dense_v1.json()["error"]["code"] == "representation_not_served"
+    assert info.json()["model_type"] == {"embedding": {"pooling": "splade"}}
 
 
 async def test_tei_and_cohere_rerank_match_cross_encoder(
