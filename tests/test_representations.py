@@ -244,3 +244,16 @@ def test_a_sparse_encoder_with_other_modules_is_refused(zoo: Path, tmp_path: Pat
     )
     with pytest.raises(UnsupportedModelError, match="MLMTransformer \\+ SpladePooling only"):
         Encoder(str(broken), device="cpu")
+
+
+def test_a_database_sink_is_refused_for_sparse_and_rerank_models(zoo: Path, tmp_path: Path) -> None:
+    """Until the sinks store sparse vectors and scores, such a worker refuses to start with one
+    (instead of failing every write); the results stream is accepted."""
+    from embedfleet.workers.model_dir import UnsupportedModelError
+    from embedfleet.workers.runtime import check_sink_holds
+
+    encoder = Encoder(str(splade_dir(zoo)), device="cpu")
+    lancedb = Settings(sink=f"lancedb://{tmp_path}/out")
+    with pytest.raises(UnsupportedModelError, match="EMBEDFLEET_SINK=redis"):
+        check_sink_holds(lancedb, encoder)
+    check_sink_holds(Settings(sink="redis"), encoder)
