@@ -301,13 +301,18 @@ def _random_head_model(model_class: type, config: transformers.PretrainedConfig,
     return model.eval()
 
 
-def splade_dir(root: Path, *, strategy: str = "max", activation: str = "relu") -> Path:
+def splade_dir(
+    root: Path, *, strategy: str = "max", activation: str = "relu", modern: bool = False
+) -> Path:
     """A SPLADE ``SparseEncoder`` directory (BERT with its MLM head, then SpladePooling),
-    saved by sentence-transformers itself."""
+    saved by sentence-transformers itself; ``modern``: its first module a ``Transformer`` with
+    ``transformer_task="fill-mask"`` (sentence-transformers 6's way) instead of the
+    ``MLMTransformer`` published SPLADE models have."""
     from sentence_transformers import SparseEncoder
+    from sentence_transformers.base.modules import Transformer
     from sentence_transformers.sparse_encoder.modules import MLMTransformer, SpladePooling
 
-    target = root / f"splade-{strategy}-{activation}"
+    target = root / f"splade-{strategy}-{activation}{'-modern' if modern else ''}"
     if (target / "modules.json").is_file():
         return target
     tokenizer = _trained_tokenizer("bert")
@@ -317,7 +322,9 @@ def splade_dir(root: Path, *, strategy: str = "max", activation: str = "relu") -
         model.save_pretrained(hf_dir)
         tokenizer.save_pretrained(hf_dir)
     modules = [
-        MLMTransformer(str(hf_dir)),
+        Transformer(str(hf_dir), transformer_task="fill-mask")
+        if modern
+        else MLMTransformer(str(hf_dir)),
         SpladePooling(pooling_strategy=strategy, activation_function=activation),  # type: ignore[arg-type]
     ]
     SparseEncoder(modules=modules, device="cpu").save(str(target))

@@ -56,11 +56,16 @@ def outputs(encoder: Encoder) -> Outputs:
 
 
 # --- sparse ---------------------------------------------------------------------------
-@pytest.mark.parametrize(("strategy", "activation"), [("max", "relu"), ("sum", "log1p_relu")])
-def test_splade_matches_sparse_encoder(zoo: Path, strategy: str, activation: str) -> None:
+@pytest.mark.parametrize(
+    ("strategy", "activation", "modern"),
+    [("max", "relu", False), ("sum", "log1p_relu", False), ("max", "relu", True)],
+)
+def test_splade_matches_sparse_encoder(
+    zoo: Path, strategy: str, activation: str, modern: bool
+) -> None:
     from sentence_transformers import SparseEncoder
 
-    model_dir = splade_dir(zoo, strategy=strategy, activation=activation)
+    model_dir = splade_dir(zoo, strategy=strategy, activation=activation, modern=modern)
     assert read_model_spec(model_dir).representation == "sparse"
     encoder = Encoder(str(model_dir), device="cpu")
     assert encoder.card.representations == ("sparse",)
@@ -257,3 +262,19 @@ def test_a_database_sink_is_refused_for_sparse_and_rerank_models(zoo: Path, tmp_
     with pytest.raises(UnsupportedModelError, match="EMBEDFLEET_SINK=redis"):
         check_sink_holds(lancedb, encoder)
     check_sink_holds(Settings(sink="redis"), encoder)
+
+
+def test_a_cross_encoder_without_sentence_transformers_files_matches_predict(zoo: Path) -> None:
+    """A bare ``*ForSequenceClassification`` directory (a cross-encoder saved before
+    sentence-transformers v4) is served as ``CrossEncoder(path)`` loads it."""
+    from sentence_transformers import CrossEncoder
+
+    cross_encoder_dir(zoo)
+    bare = zoo / "hf-bert-cls-1"
+    assert not (bare / "modules.json").exists()
+    encoder = Encoder(str(bare), device="cpu")
+    assert encoder.representation == "rerank"
+    queries, documents = zip(*pairs(), strict=True)
+    ours = fleet_rows(encoder, encoder.tokenize_pairs(queries, documents))[:, 0]
+    theirs = CrossEncoder(str(bare), device="cpu").predict(pairs())
+    np.testing.assert_allclose(ours, theirs, atol=SCORE_TOLERANCE)

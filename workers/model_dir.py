@@ -154,6 +154,10 @@ def read_model_spec(model_dir: Path) -> ModelSpec:
     if model_type == "SparseEncoder":
         return _read_sparse_encoder(model_dir, prompts, default_prompt)
     modules_file = model_dir / "modules.json"
+    if not modules_file.is_file() and _is_sequence_classifier(model_dir):
+        # a cross-encoder saved before sentence-transformers v4 (or by transformers alone):
+        # what CrossEncoder(path) loads it as
+        return _read_cross_encoder(model_dir, st_config, prompts, default_prompt)
     if not modules_file.is_file():
         modes = ("lasttoken",) if _is_causal_lm(model_dir) else ("mean",)
         return ModelSpec(
@@ -321,6 +325,11 @@ def _read_prompts(model_dir: Path, st_config: dict[str, Any]) -> tuple[dict[str,
             f"({', '.join(prompts) or 'none'})"
         )
     return dict(prompts), default
+
+
+def _is_sequence_classifier(model_dir: Path) -> bool:
+    architectures = _read_json(model_dir / "config.json").get("architectures") or []
+    return bool(architectures) and str(architectures[0]).endswith("ForSequenceClassification")
 
 
 def _is_causal_lm(model_dir: Path) -> bool:
