@@ -852,9 +852,11 @@ def splade_pool(
     (twice log1p for ``log1p_relu``) of the real tokens, max- or sum-pooled over the sequence:
     (batch, vocab), mostly zeros. Padding counts as 0, as SpladePooling masks it (every
     weight is >= 0, so a zero never wins a max over a real one)."""
-    weights = torch.log1p(torch.relu(logits * attention_mask.unsqueeze(-1).to(logits.dtype)))
+    # in place on the logits (the caller's to spend): they are (batch, seq, vocab) wide, a
+    # copy per step would triple the peak memory of the widest tensor the worker makes
+    weights = logits.mul_(attention_mask.unsqueeze(-1).to(logits.dtype)).relu_().log1p_()
     if activation == "log1p_relu":
-        weights = torch.log1p(weights)
+        weights = weights.log1p_()
     return weights.amax(dim=1) if strategy == "max" else weights.sum(dim=1)
 
 
