@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import redis.asyncio as aioredis
@@ -40,10 +40,12 @@ from embedfleet.shared.protocol import (
     DEFAULT_LIMITS,
     OPTION_NAMES,
     PAYLOAD_FIELD,
+    REPRESENTATION_OPTION_NAMES,
     Chunk,
     ChunkLimits,
     ProtocolError,
     Result,
+    SparseVector,
     chunk_from_mapping,
     decode_result,
     encode_chunk,
@@ -120,7 +122,10 @@ def as_chunk(
     if isinstance(item, Chunk):
         chunk = item if job is None or item.job == job else dataclasses.replace(item, job=job)
     else:
-        fields = {name: item.get(name) for name in ("id", "text", "meta", *OPTION_NAMES)}
+        fields = {
+            name: item.get(name)
+            for name in ("id", "text", "meta", *OPTION_NAMES, *REPRESENTATION_OPTION_NAMES)
+        }
         chunk = chunk_from_mapping(fields, limits, job=job or item.get("job"))
     if options is not None:
         chunk = options.apply(chunk)
@@ -486,6 +491,45 @@ class Producer:
             self.keys.query_lane.interactive, "texts", texts, timeout, options
         )
 
+    async def embed_sparse(
+        self,
+        texts: Sequence[str],
+        *,
+        timeout: float = 10.0,
+        max_active_dims: int | None = None,
+        lane: Literal["query", "texts"] = "query",
+    ) -> list[SparseVector]:
+        """Sparse (SPLADE) weights of ``texts`` from a fleet serving a SparseEncoder, as
+        ``SparseEncoder.encode`` gives them (``max_active_dims``: only the largest that many
+        per text). ``lane``: the query stream (few, short texts) or the interactive one.
+        Timeouts and Redis faults as :meth:`embed_queries`."""
+        stream = self.keys.query_lane.query if lane == "query" else self.keys.query_lane.interactive
+        extra = {"representations": ("sparse",), "max_active_dims": max_active_dims}
+        answers = await self._answers(stream, lane, texts, timeout, None, extra=extra)
+        vectors = [answers.results[index].sparse for index in range(len(texts))]
+        if any(vector is None for vector in vectors):
+            raise ValueError("the workers answered without sparse weights")
+        return [vector for vector in vectors if vector is not None]
+
+    async def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        timeout: float = 10.0,
+        lane: Literal["query", "texts"] = "query",
+    ) -> np.ndarray:
+        """Scores of (``query``, document) for each document, in the documents' order, from a
+        fleet serving a cross-encoder: ``CrossEncoder.predict``'s values. Sort them to rank.
+        A thousand documents belong on ``lane="texts"`` (bulk-sized batches)."""
+        stream = self.keys.query_lane.query if lane == "query" else self.keys.query_lane.interactive
+        answers = await self._answers(
+            stream, "pairs", [query] * len(documents), timeout, None, pairs=documents
+        )
+        return np.array(
+            [answers.results[index].score for index in range(len(documents))], dtype=np.float32
+        )
+
     async def _request(
         self,
         stream: str,
@@ -496,6 +540,23 @@ class Producer:
     ) -> np.ndarray:
         """Send ``texts`` to ``stream`` under one request id and collect their answers from the
         request's reply list (producer/replies.py), withdrawing them if they come too late."""
+        return (await self._answers(stream, what, texts, timeout, options)).array()
+
+    async def _answers(
+        self,
+        stream: str,
+        what: str,
+        texts: Sequence[str],
+        timeout: float,
+        options: EmbeddingOptions | None,
+        *,
+        pairs: Sequence[str] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> Answers:
+        """:meth:`_request`'s answers, whole (each input's Result); ``pairs``: each text's
+        document for a cross-encoder; ``extra``: Chunk fields every input gets."""
+        if pairs is not None and len(pairs) != len(texts):
+            raise ValueError("one document per query: pairs and texts differ in length")
         if not texts:
             raise ValueError(f"embedding {what} needs at least one text")
         if any(not isinstance(t, str) for t in texts):
@@ -517,13 +578,18 @@ class Producer:
                 # the worker's own checks, with the configured limits, before anything is sent
                 chunk = as_chunk(
                     Chunk(
-                        id=f"{request}:{index}", text=text, reply=request, deadline_ms=deadline_ms
+                        id=f"{request}:{index}",
+                        text=text,
+                        reply=request,
+                        deadline_ms=deadline_ms,
+                        pair=pairs[index] if pairs is not None else None,
+                        **(extra or {}),
                     ),
                     None,
                     options,
                     self.settings.chunk_limits,
                 )
-                if options is not None:
+                if options is not None or pairs is not None or extra:
                     chunk = await self._checked(chunk, deadline=give_up_at)
                 payloads.append(encode_chunk(chunk))
             while not answers.complete:
@@ -566,7 +632,7 @@ class Producer:
                 f"no answer within {timeout}s for {answers.missing} of {len(texts)} "
                 f"{what}. Are workers running? Check: redis-cli XINFO GROUPS {stream}"
             )
-        return answers.array()
+        return answers
 
     async def _send_request(
         self, stream: str, payloads: list[bytes], reply_key: str, timeout: float

@@ -17,7 +17,12 @@ from typing import Literal, cast
 
 import numpy as np
 import torch
-from transformers import AutoModel, AutoTokenizer
+from transformers import (
+    AutoModel,
+    AutoModelForMaskedLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+)
 from transformers.utils import logging as transformers_logging
 
 from embedfleet.shared.logging import adopt_library_logger, get_logger
@@ -25,6 +30,7 @@ from embedfleet.shared.logging import adopt_library_logger, get_logger
 # one definition for the worker, the gateway and the splitter (those need no torch)
 from embedfleet.shared.model_path import ModelNotFoundError, resolve_model_path
 from embedfleet.shared.modelcard import ModelCard, max_input_tokens, served_name
+from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import PACKAGED_MODEL
 from embedfleet.shared.tokens import counting_head
 from embedfleet.workers.cpus import CpuClass, cpu_class, usable_cpus
@@ -80,6 +86,8 @@ class Tokenized:
     # leading tokens that are the prompt (with the tokenizer's leading special tokens), as
     # sentence-transformers counts them; excluded from pooling when include_prompt is false
     prompt_length: int = 0
+    # segment ids of a (query, document) pair for a cross-encoder; None for a single text
+    type_ids: list[int] | None = None
 
     @property
     def length(self) -> int:
@@ -93,6 +101,7 @@ class EncodeBatch:
     input_ids: torch.Tensor  # (batch, seq) int64
     attention_mask: torch.Tensor  # (batch, seq) int64
     prompt_lengths: torch.Tensor | None = None  # (batch,) int64, when pooling leaves prompts out
+    token_type_ids: torch.Tensor | None = None  # (batch, seq) int64, for (query, document) pairs
 
     @property
     def size(self) -> int:
@@ -193,7 +202,15 @@ class Encoder:
             raise ModelNotFoundError(f"{transformer_dir} has no fast tokenizer (tokenizer.json)")
         transformers_logging.disable_progress_bar()  # a local load needs no progress bar
         load_dtype = torch.float32 if dtype == "auto" else self.precision.weights_dtype
-        self._model = AutoModel.from_pretrained(transformer_dir, dtype=load_dtype)
+        # dense: the bare transformer; sparse: its MLM head too (vocabulary logits, SPLADE);
+        # rerank: its classification head (a score per pair, CrossEncoder)
+        self.representation = self.spec.representation
+        model_class = {
+            "dense": AutoModel,
+            "sparse": AutoModelForMaskedLM,
+            "rerank": AutoModelForSequenceClassification,
+        }[self.representation]
+        self._model = model_class.from_pretrained(transformer_dir, dtype=load_dtype)
         self._model.to(self.device).eval()
         self._head = SentenceHead(self.spec).to(self.device).eval()
         position_limit = getattr(self._model.config, "max_position_embeddings", 512)
@@ -201,6 +218,19 @@ class Encoder:
             self.spec.max_seq_length, self._tokenizer.model_max_length, position_limit
         )
         self.dim = self.spec.output_dim(int(self._model.config.hidden_size))
+        if self.representation == "sparse":
+            self.dim = int(self._model.config.vocab_size)  # one weight per vocabulary entry
+        elif self.representation == "rerank":
+            self.dim = int(self._model.config.num_labels)  # CrossEncoder.predict's scores
+        self._score_activation = getattr(torch.nn, self.spec.score_activation)()
+        # (query, document) pairs: the tokenizer's own pair encoding, cut "longest_first" as
+        # sentence-transformers' Transformer.tokenize cuts them (its own instance: the call
+        # sets truncation on the backend, which the single-text path below configures itself)
+        self._pair_tokenizer = (
+            AutoTokenizer.from_pretrained(transformer_dir)
+            if self.representation == "rerank"
+            else None
+        )
         # sentence-transformers' prompt table: "query" and "document" exist (empty) unless the
         # model sets them, which is why encode_query / encode_document never fall back to
         # default_prompt_name; see resolve_prompt.
@@ -215,7 +245,11 @@ class Encoder:
         # One token over the limit tells us a text was cut; see tokenize().
         self._backend.enable_truncation(self.max_length + 1)
         self._ends_with_special = self._last_token_is_special()
-        if dtype == "auto":
+        if dtype == "auto" and self.representation != "dense":
+            # the parity probe compares pooled sentence vectors by cosine: not what a sparse
+            # or score head gives; float32 until it has its own bar
+            self.precision = FP32
+        elif dtype == "auto":
             self.precision, self.parity = settle_auto(
                 self._model, self.precision, self.embed_texts, self._set_precision
             )
@@ -241,6 +275,7 @@ class Encoder:
             pooling=self.spec.pooling_modes,
             include_prompt=self.spec.include_prompt,
             architecture=str((getattr(config, "architectures", None) or [""])[0]),
+            representations=(self.representation,),
         )
 
     # --- slice boundaries ----------------------------------------------------------
@@ -320,14 +355,21 @@ class Encoder:
 
     # --- tokenize ---------------------------------------------------------------------
     def tokenize(
-        self, texts: Sequence[str], prompts: Sequence[str] | None = None
+        self,
+        texts: Sequence[str],
+        prompts: Sequence[str] | None = None,
+        *,
+        pairs: Sequence[str] | None = None,
     ) -> list[Tokenized]:
         """Token ids per text (``prompt + text`` where a prompt is given, as
         sentence-transformers joins them, so prompt tokens count against the maximum), cut to
-        the model's maximum with the truncated flag set.
+        the model's maximum with the truncated flag set. With ``pairs`` (a cross-encoder's
+        documents, one per text): the (text, pair) encodings of :meth:`tokenize_pairs`.
 
         The batch call runs in Rust and releases the GIL, so callers put it on a thread.
         """
+        if pairs is not None:
+            return self.tokenize_pairs(texts, pairs)
         if prompts is not None:
             texts = [prompt + text for prompt, text in zip(prompts, texts, strict=True)]
         prepared = [counting_head(text, self.max_length) for text in texts]
@@ -353,6 +395,32 @@ class Encoder:
             ids = ids[: self.max_length]
         return Tokenized(ids=ids, truncated=True, prompt_length=prompt_length)
 
+    def tokenize_pairs(self, queries: Sequence[str], documents: Sequence[str]) -> list[Tokenized]:
+        """Token and segment ids of (query, document) pairs for a cross-encoder, cut to the
+        model's maximum ``longest_first`` as ``CrossEncoder.predict`` cuts them; ``truncated``
+        says a pair lost tokens."""
+        if self._pair_tokenizer is None:
+            raise ValueError("pairs are scored by a cross-encoder; this model is not one")
+        whole = self._pair_tokenizer(list(queries), list(documents), truncation=False)
+        cut = self._pair_tokenizer(
+            list(queries),
+            list(documents),
+            truncation="longest_first",
+            max_length=self.max_length,
+        )
+        # segment ids where the tokenizer declares them (BERT's), as CrossEncoder passes them
+        types = cut.get("token_type_ids")
+        return [
+            Tokenized(
+                ids=list(ids),
+                truncated=len(full) > len(ids),
+                type_ids=list(types[row]) if types is not None else None,
+            )
+            for row, (ids, full) in enumerate(
+                zip(cut["input_ids"], whole["input_ids"], strict=True)
+            )
+        ]
+
     # --- batch and embed --------------------------------------------------------------
     def collate(self, items: list[Tokenized], *, pin: bool = False) -> EncodeBatch:
         """Pad to the longest sequence in the batch (callers sort by length first), on the side
@@ -365,15 +433,23 @@ class Encoder:
         ids_tensor = torch.full(shape, self.pad_id, dtype=torch.int64, pin_memory=pin)
         mask_tensor = torch.zeros(shape, dtype=torch.int64, pin_memory=pin)
         input_ids, attention_mask = ids_tensor.numpy(), mask_tensor.numpy()
+        types_tensor = None
+        if any(item.type_ids is not None for item in items):
+            types_tensor = torch.zeros(shape, dtype=torch.int64, pin_memory=pin)
         for row, item in enumerate(items):
             start = longest - item.length if self.pad_left else 0
             input_ids[row, start : start + item.length] = item.ids
             attention_mask[row, start : start + item.length] = 1
+            if types_tensor is not None and item.type_ids is not None:
+                types_tensor.numpy()[row, start : start + item.length] = item.type_ids
         prompt_lengths = None
         if not self.pooling.include_prompt:
             prompt_lengths = torch.tensor([item.prompt_length for item in items])
         return EncodeBatch(
-            input_ids=ids_tensor, attention_mask=mask_tensor, prompt_lengths=prompt_lengths
+            input_ids=ids_tensor,
+            attention_mask=mask_tensor,
+            prompt_lengths=prompt_lengths,
+            token_type_ids=types_tensor,
         )
 
     def embed(self, batch: EncodeBatch) -> np.ndarray:
@@ -385,8 +461,20 @@ class Encoder:
         """:meth:`embed`'s vectors left on the model's device (on CUDA: returns once queued)."""
         input_ids = batch.input_ids.to(self.device, non_blocking=True)
         attention_mask = batch.attention_mask.to(self.device, non_blocking=True)
+        extra: dict[str, torch.Tensor] = {}
+        if batch.token_type_ids is not None:
+            extra["token_type_ids"] = batch.token_type_ids.to(self.device, non_blocking=True)
         with self.precision.context(self.device):
-            output = self._model(input_ids=input_ids, attention_mask=attention_mask)
+            output = self._model(input_ids=input_ids, attention_mask=attention_mask, **extra)
+        if self.representation == "sparse":
+            return splade_pool(
+                output.logits.float(),
+                attention_mask,
+                self.spec.splade_strategy,
+                self.spec.splade_activation,
+            )
+        if self.representation == "rerank":
+            return self._score_activation(output.logits.float())
         return self._pooled(output.last_hidden_state, attention_mask, batch.prompt_lengths)
 
     def embed_query(self, batch: EncodeBatch) -> np.ndarray:
@@ -466,6 +554,8 @@ class Encoder:
         if self._query_forward is not None:
             return True
         if self.device.type != "cpu" or self.precision.method == "autocast":
+            return False
+        if self.representation != "dense":  # the frozen and int8 copies end in pooling
             return False
         choice: Int8Choice = "auto" if int8 is True else "off" if int8 is False else int8
         candidates = self._build_int8_paths(choice)
@@ -631,7 +721,7 @@ class Encoder:
         """On CUDA, the query lane of workers/cuda_queries.py (``mode``: ``graph`` captures CUDA
         graphs too, ``stream`` does not, ``off`` keeps queries on the bulk model). Returns
         whether queries use it. Call on the model thread, before serving queries."""
-        if self.device.type != "cuda" or mode == "off":
+        if self.device.type != "cuda" or mode == "off" or self.representation != "dense":
             return False
         if self._cuda_queries is None:
             runner = CudaQueryRunner(
@@ -745,6 +835,29 @@ def pool(
         else:
             raise ValueError(f"unknown pooling mode {mode!r}")
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+
+
+def pairs_of(chunks: Sequence[Chunk]) -> list[str] | None:
+    """The chunks' ``pair`` documents for :meth:`Encoder.tokenize`, or None where no chunk
+    has one (a cross-encoder's chunks all do: ``Outputs.check_representation``)."""
+    if all(chunk.pair is None for chunk in chunks):
+        return None
+    return [chunk.pair or "" for chunk in chunks]
+
+
+def splade_pool(
+    logits: torch.Tensor, attention_mask: torch.Tensor, strategy: str, activation: str
+) -> torch.Tensor:
+    """sentence-transformers' SpladePooling over a padded batch: ``log(1 + relu(logits))``
+    (twice log1p for ``log1p_relu``) of the real tokens, max- or sum-pooled over the sequence:
+    (batch, vocab), mostly zeros. Padding counts as 0, as SpladePooling masks it (every
+    weight is >= 0, so a zero never wins a max over a real one)."""
+    # in place on the logits (the caller's to spend): they are (batch, seq, vocab) wide, a
+    # copy per step would triple the peak memory of the widest tensor the worker makes
+    weights = logits.mul_(attention_mask.unsqueeze(-1).to(logits.dtype)).relu_().log1p_()
+    if activation == "log1p_relu":
+        weights = weights.log1p_()
+    return weights.amax(dim=1) if strategy == "max" else weights.sum(dim=1)
 
 
 def _milliseconds(seconds: dict[str, float]) -> dict[str, float]:

@@ -48,7 +48,7 @@ from embedfleet.workers.consumer import StreamConsumer, StreamEntry
 from embedfleet.workers.dead_letter_writer import DeadLetters, Rejected
 from embedfleet.workers.decode import Accepted, decode_entries
 from embedfleet.workers.device_faults import DeviceFault, Recovery
-from embedfleet.workers.encoder import Encoder, Tokenized
+from embedfleet.workers.encoder import Encoder, Tokenized, pairs_of
 from embedfleet.workers.events import WorkerEvents
 from embedfleet.workers.outages import Outages, RideOut, transient_or_raise
 from embedfleet.workers.output import Outputs
@@ -218,7 +218,9 @@ class QueryLane:
             return
         await self.outputs.prepare([item.chunk for item in fresh], self.on_model_thread)
         tokens = self.encoder.tokenize(
-            [item.chunk.text for item in fresh], prompts if any(prompts) else None
+            [item.chunk.text for item in fresh],
+            prompts if any(prompts) else None,
+            pairs=pairs_of([item.chunk for item in fresh]),
         )
         for item, tokenized in zip(fresh, tokens, strict=True):
             self._inbox.append(PendingQuery(item.chunk, item.delivery, tokenized))

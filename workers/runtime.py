@@ -14,15 +14,32 @@ from embedfleet.shared.eviction import warn_on_eviction_policy
 from embedfleet.shared.logging import configure_logging, get_logger
 from embedfleet.shared.redis_conn import connect_settings
 from embedfleet.shared.settings import Settings
+from embedfleet.shared.vectordb.target import parse_sink_url
 from embedfleet.workers.encoder import Encoder
 from embedfleet.workers.health import HealthServer
 from embedfleet.workers.metrics import StreamGauges, WorkerMetrics
+from embedfleet.workers.model_dir import UnsupportedModelError
 from embedfleet.workers.outages import RideOut, classify_sink_error, ride_out
 from embedfleet.workers.replicas import gpu_memory_share, limit_gpu_memory
 from embedfleet.workers.sinks import build_sink
 from embedfleet.workers.worker import Worker
 
 log = get_logger("embedfleet.worker")
+
+
+def check_sink_holds(settings: Settings, encoder: Encoder) -> None:
+    """Refuse (UnsupportedModelError, exit 1) a sparse or rerank model with a database sink:
+    their results are index/value pairs and scores, which only the results stream carries in
+    this release (Qdrant sparse vectors, pgvector ``sparsevec``, Parquet/LanceDB columns come
+    next), and a sink given an empty vector would fail on every write instead."""
+    if encoder.representation == "dense":
+        return
+    kind = parse_sink_url(settings.sink, settings.sink_table).kind
+    if kind != "redis":
+        raise UnsupportedModelError(
+            f"the model {encoder.name!r} gives {encoder.representation} results, which the "
+            f"{kind} sink cannot store yet; use EMBEDFLEET_SINK=redis (the results stream)"
+        )
 
 
 def load_encoder(settings: Settings) -> Encoder:
@@ -98,6 +115,7 @@ async def _serve(
         device=str(encoder.device),
         dtype=str(encoder.dtype).removeprefix("torch."),
     )
+    check_sink_holds(settings, encoder)
     sink = build_sink(settings, client)
     worker = Worker(settings, encoder, client, sink, metrics)
     if health is not None:

@@ -65,7 +65,7 @@ from embedfleet.workers.device_faults import (
     oom_retry_pause_s,
     recovery,
 )
-from embedfleet.workers.encoder import Encoder, Tokenized
+from embedfleet.workers.encoder import Encoder, Tokenized, pairs_of
 from embedfleet.workers.events import ForwardingEvents, WorkerEvents
 from embedfleet.workers.heartbeat import run_heartbeat
 from embedfleet.workers.memory import TrimTimer, release_free_memory
@@ -504,7 +504,9 @@ class Worker:
         if not accepted:
             return Window([], [], [], expired=expired), rejected
         tokens = self.encoder.tokenize(
-            [a.chunk.text for a in accepted], prompts if any(prompts) else None
+            [a.chunk.text for a in accepted],
+            prompts if any(prompts) else None,
+            pairs=pairs_of([a.chunk for a in accepted]),
         )
         window = Window(
             [a.chunk for a in accepted], [a.delivery for a in accepted], tokens, expired=expired

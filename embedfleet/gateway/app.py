@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from embedfleet.gateway import batch_api, openai_api, tei_api
+from embedfleet.gateway import batch_api, openai_api, rerank_api, tei_api
 from embedfleet.gateway.auth import KeyChecker, is_open, load_api_keys
 from embedfleet.gateway.batches import BatchRunner, BatchStore
 from embedfleet.gateway.embedder import Embedder, WorkerHeartbeats
@@ -193,6 +193,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(openai_api.router)
     app.include_router(batch_api.router)
     app.include_router(tei_api.router)
+    app.include_router(rerank_api.router)
     _add_ops_routes(app, gateway)
     app.add_middleware(FrontDoor, gateway=gateway)
     return app

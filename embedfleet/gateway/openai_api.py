@@ -7,6 +7,7 @@ from typing import Literal
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
+from embedfleet.gateway.errors import APIError
 from embedfleet.gateway.inputs import (
     EmbeddingInput,
     check_context,
@@ -40,6 +41,14 @@ async def create_embeddings(body: EmbeddingRequest, gateway: GatewayDep) -> dict
 async def _create_embeddings(body: EmbeddingRequest, gateway: Gateway) -> dict[str, object]:
     card = await gateway.model_card()  # None before any worker started: the worker checks
     gateway.check_model(body.model)
+    if card is not None and not card.serves("dense"):
+        raise APIError(
+            400,
+            f"the model {card.name!r} gives no dense embeddings (it serves "
+            f"{', '.join(card.representations)}): use /v1/rerank, or TEI's /embed_sparse",
+            param="model",
+            code="representation_not_served",
+        )
     check_dimensions(body.dimensions, card.dim if card is not None else None)
     texts = prepare(body.input, gateway.tokenizer, gateway.settings)
     if card is not None and not body.truncate:

@@ -91,6 +91,13 @@ def _check_against_card(card: ModelCard, body: EmbedRequest, normalize: bool) ->
     """What TEI refuses that only the model card can tell (``dimensions`` over the model's, a
     prompt name the model lacks, ``normalize=false`` for a normalising model); the prompt's
     text."""
+    if not card.serves("dense"):
+        raise APIError(
+            424,
+            f"the model {card.name!r} gives no dense embeddings (it serves "
+            f"{', '.join(card.representations)}): use /embed_sparse or /rerank",
+            code="representation_not_served",
+        )
     check_dimensions(body.dimensions, card.dim)
     if card.normalize and not normalize:
         raise APIError(
@@ -122,7 +129,10 @@ async def info(gateway: GatewayDep) -> dict[str, object]:
         "model_sha": None,
         "model_dtype": "float16",  # on the wire, results are fp16
         "served_model_name": gateway.served_name,
-        "model_type": {"embedding": {"pooling": "+".join(card.pooling)}},
+        # TEI names a SPLADE model's pooling "splade"
+        "model_type": {
+            "embedding": {"pooling": "splade" if card.serves("sparse") else "+".join(card.pooling)}
+        },
         "max_concurrent_requests": settings.gateway_lane_high_water,
         "max_input_length": card.max_length,
         "max_batch_tokens": batching.token_budget,
