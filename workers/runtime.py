@@ -27,9 +27,23 @@ log = get_logger("embedfleet.worker")
 
 
 def load_encoder(settings: Settings) -> Encoder:
-    encoder = Encoder(
-        settings.model, device=settings.device, dtype=settings.dtype, threads=settings.threads
-    )
+    encoder: Encoder
+    if settings.benchmark_standin_encoder_us_per_token is not None:
+        from embedfleet.workers.standin import StandInEncoder
+
+        cost = settings.benchmark_standin_encoder_us_per_token
+        encoder = StandInEncoder(settings.model, us_per_token=cost, threads=settings.threads)
+        log.warning(
+            "BENCHMARK STAND-IN ENCODER: no model runs, the vectors are made up; never use this "
+            "in production",
+            setting="EMBEDFLEET_BENCHMARK_STANDIN_ENCODER_US_PER_TOKEN",
+            us_per_token=cost,
+            model=encoder.name,
+        )
+    else:
+        encoder = Encoder(
+            settings.model, device=settings.device, dtype=settings.dtype, threads=settings.threads
+        )
     # a replica's share of a GPU it shares (the parent passes it); the allocator's cap counts
     # the weights already loaded as well as what comes
     limit_gpu_memory(
