@@ -337,6 +337,13 @@ class Settings(BaseSettings):
     files_min_expiry_s: int = Field(default=3600, ge=1)
     """Shortest `expires_after.seconds` an upload may ask for (OpenAI's: 3600)."""
 
+    # --- benchmarks -----------------------------------------------------------------------
+    benchmark_standin_encoder_us_per_token: float | None = Field(default=None, ge=0)
+    """BENCHMARKS ONLY, never in production: set, the worker embeds nothing; it returns made-up
+    vectors of the model's shape after this many microseconds per real token (0 = at once), with
+    the model's real tokenizer (workers/standin.py). Its model card and results name it
+    `benchmark-standin:<model>`, and it logs a warning at start. Unset = the real model."""
+
     # --- documents ------------------------------------------------------------------------
     document_overlap_tokens: int = Field(default=0, ge=0)
     """Tokens each document chunk shares with the one before it (`enqueue --documents`,
