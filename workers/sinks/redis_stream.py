@@ -8,7 +8,7 @@ import redis.asyncio as aioredis
 
 from embedfleet.shared.fault_kinds import System
 from embedfleet.shared.keys import Keys
-from embedfleet.shared.protocol import Result, encode_result
+from embedfleet.shared.protocol import Result, encode_results
 from embedfleet.workers.sinks.base import (
     Delivery,
     Sink,
@@ -35,6 +35,6 @@ class RedisStreamSink(Sink):
         if len(results) != len(deliveries):
             raise ValueError("one delivery per result")
         pipe = acknowledgement_pipeline(self.client, self.keys)
-        payloads = [encode_result(result) for result in results]
+        payloads = encode_results(results)  # the batch packed at once (issue 29)
         queue_acknowledgements(pipe, self.keys, deliveries, counter="done", payloads=payloads)
         await pipe.execute()
