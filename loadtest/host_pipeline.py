@@ -5,7 +5,7 @@ benchmark stand-in encoder at zero cost (workers/standin.py: the model's real to
 maximum and dimension, made-up vectors, no forward pass): read, decode and validate, prompt,
 tokenize, sort and plan, collate, "encode", cast, pack msgpack, write and acknowledge.
 
-Each round, for each configuration (``--processes`` × ``--pack``, interleaved, the order
+Each round, for each configuration (``--processes`` × ``--path``, interleaved, the order
 rotated every round):
 
 1. the ingest stream is filled with the corpus (loadtest/corpus.py, RAG-sized texts) before
@@ -22,9 +22,9 @@ and per thread (event loop, tokenizer, model) the CPU share. Alongside, in the p
 tokenizer's rate on the same texts, in windows of the worker's read count, on one thread (as a
 CPU worker tokenizes: TOKENIZERS_PARALLELISM=false): the floor the pipeline is compared with.
 
-``--pack per-result`` packs each result with ``encode_result`` (the path before issue 29),
-``--pack batch`` with ``encode_results`` (the sink's path now): both in one run, so the ratio
-between them is measured under the same load.
+``--path before`` undoes issue 29's fixes in the child (one ``encode_result`` per result, the
+masked-window planning programme, both kept here), ``--path after`` runs the worker as it is:
+both in one run, so the ratio between them is measured under the same load.
 
 Prints one table of rates and one per-stage table per packing path; ``--json FILE`` writes
 every figure.
@@ -43,7 +43,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -52,15 +52,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import click
+import numpy as np
 import redis
 
-from embedfleet.shared.protocol import Chunk, encode_chunk
+from embedfleet.shared.protocol import Chunk, Result, encode_chunk, encode_result, encode_results
 from embedfleet.shared.settings import Settings
+from embedfleet.workers.batcher import BATCH_COST_TOKENS, PlannedBatch
 from loadtest.common import cpu_name, machine_load, redis_server
 from loadtest.corpus import build_corpus
 
 STANDIN_SETTING = "EMBEDFLEET_BENCHMARK_STANDIN_ENCODER_US_PER_TOKEN"
-PACK_PATHS = ("per-result", "batch")
+# the host path before issue 29's fixes (one encode_result per result, the masked-window
+# planning programme) and after them (encode_results, the sliced programme)
+PATHS = ("before", "after")
 # (stage, thread it runs on), in pipeline order. An "(await)" stage's time is the wall time of
 # its awaits: waiting on Redis included, overlapping the loop's other work (a blocking read
 # waits for the stream to refill), so it is not the loop's CPU.
@@ -79,6 +83,39 @@ STAGES: tuple[tuple[str, str], ...] = (
 # ThreadPoolExecutor name prefixes of the worker's threads (workers/worker.py)
 THREAD_PREFIXES = {"tokenize": "tokenizer", "model": "model", "collect": "collect"}
 FILL_PIPELINE = 2000  # XADDs per round trip when filling the ingest stream
+
+
+def masked_window_plan(
+    lengths: Sequence[int], token_budget: int, max_batch: int
+) -> list[PlannedBatch]:
+    """``plan_batches`` as it was before issue 29 (each step costs every cut of the window, those
+    over the budget set to infinity): the "before" path, and the reference the faster programme
+    is tested against (tests/test_batcher.py)."""
+    order = sorted(range(len(lengths)), key=lambda position: lengths[position], reverse=True)
+    ordered = np.array([lengths[p] for p in order], dtype=np.int64)
+    best = np.full(len(ordered) + 1, np.inf)
+    best[0] = 0.0
+    start = np.zeros(len(ordered) + 1, dtype=np.int64)
+    for end in range(1, len(ordered) + 1):
+        first = max(0, end - max_batch)
+        sizes = end - np.arange(first, end)
+        cost = best[first:end] + sizes * ordered[first:end] + BATCH_COST_TOKENS
+        cost[(sizes * ordered[first:end] > token_budget) & (sizes > 1)] = np.inf
+        pick = int(np.argmin(cost))
+        best[end], start[end] = cost[pick], first + pick
+    batches: list[PlannedBatch] = []
+    end = len(ordered)
+    while end > 0:
+        begin = int(start[end])
+        positions = [order[k] for k in range(end - 1, begin - 1, -1)]
+        batches.append(PlannedBatch(positions, int(ordered[begin]), int(ordered[begin:end].sum())))
+        end = begin
+    return batches[::-1]
+
+
+def per_result_packing(results: Sequence[Result]) -> list[bytes]:
+    """The Redis sink's packing before issue 29: one ``encode_result`` per result."""
+    return [encode_result(result) for result in results]
 
 
 # --- the child: one worker process with stage timers --------------------------------------
@@ -175,9 +212,8 @@ def replace(owner: object, name: str, wrapper: Callable[..., Any]) -> None:
     setattr(owner, name, wrapper)
 
 
-def install_clock(clock: StageClock, pack: str) -> None:
+def install_clock(clock: StageClock, path: str) -> None:
     """Wrap the functions that do each stage (in this process only; the worker is unchanged)."""
-    from embedfleet.shared import protocol
     from embedfleet.workers import bulk, output, worker
     from embedfleet.workers.sinks import redis_stream
 
@@ -189,18 +225,14 @@ def install_clock(clock: StageClock, pack: str) -> None:
     ):
         replace(bulk.BulkForward, method, clock.sync(stage, getattr(bulk.BulkForward, method)))
     replace(output.Outputs, "results", clock.sync("cast", output.Outputs.results))
-    packer: Callable[..., list[bytes]]
-    if pack == "per-result":
-
-        def packer(results: Any) -> list[bytes]:
-            return [protocol.encode_result(result) for result in results]
-
-    else:
-        packer = protocol.encode_results
+    packer: Callable[..., list[bytes]] = encode_results
+    if path == "before":
+        packer = per_result_packing
+        replace(bulk, "plan_batches", masked_window_plan)
     replace(redis_stream, "encode_results", clock.sync("pack msgpack", packer))
 
 
-async def run_child(stats: Path, pack: str) -> None:
+async def run_child(stats: Path, path: str) -> None:
     """One worker process: load, say ``loaded``, wait for ``go`` on stdin, run until ``stop``,
     then write the stage figures to ``stats``."""
     from embedfleet.shared.logging import configure_logging
@@ -213,7 +245,7 @@ async def run_child(stats: Path, pack: str) -> None:
     settings = Settings()
     configure_logging("error", "json")
     clock = StageClock()
-    install_clock(clock, pack)
+    install_clock(clock, path)
 
     class Listener(WorkerMetrics):  # the metrics a worker keeps, as the CLI's worker does
         def results_written(self, *, texts: int, seconds: float) -> None:
@@ -245,11 +277,11 @@ async def run_child(stats: Path, pack: str) -> None:
 @dataclass(frozen=True)
 class Config:
     processes: int
-    pack: str
+    path: str
 
     @property
     def label(self) -> str:
-        return f"{self.processes} process{'es' if self.processes > 1 else ''}, pack {self.pack}"
+        return f"{self.processes} process{'es' if self.processes > 1 else ''}, {self.path}"
 
 
 @contextlib.contextmanager
@@ -268,7 +300,7 @@ def children(settings: Settings, config: Config, folder: Path) -> Iterator[list[
         for index in range(config.processes):
             stats = folder / f"child{index}.json"
             command = [sys.executable, "-m", "loadtest.host_pipeline", "--child", str(stats)]
-            command += ["--pack", config.pack]
+            command += ["--path", config.path]
             child_env = {**environment, "EMBEDFLEET_CONSUMER": f"host-{index}"}
             processes.append(
                 subprocess.Popen(
@@ -392,7 +424,7 @@ def thread_shares(figures: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def measure(count: int, process_counts: list[int], packs: list[str], rounds: int) -> dict[str, Any]:
+def measure(count: int, process_counts: list[int], paths: list[str], rounds: int) -> dict[str, Any]:
     settings = Settings()
     window = settings.batching("cpu").read_count
     corpus = build_corpus(count)
@@ -402,7 +434,7 @@ def measure(count: int, process_counts: list[int], packs: list[str], rounds: int
 
     encoder = _floor_encoder(StandInEncoder)
     tokens = sum(t.length for t in encoder.tokenize(texts))
-    configs = [Config(n, pack) for n in process_counts for pack in packs]
+    configs = [Config(n, path) for n in process_counts for path in paths]
     runs: dict[Config, list[dict[str, Any]]] = {config: [] for config in configs}
     floors: list[float] = []
     load_before = os.getloadavg()
@@ -434,7 +466,7 @@ def measure(count: int, process_counts: list[int], packs: list[str], rounds: int
         results.append(
             {
                 "processes": config.processes,
-                "pack": config.pack,
+                "path": config.path,
                 "texts_per_s": statistics.median(rates),
                 "tokens_per_s": statistics.median(rates) * tokens / count,
                 "per_process_to_floor": statistics.median(to_floor),
@@ -476,11 +508,11 @@ def print_report(report: dict[str, Any]) -> None:
     first = report["configs"][0]
     print(
         f"| configuration | texts/s | tokens/s | per process ÷ tokenizer floor | "
-        f"× {first['processes']} process, pack {first['pack']} |"
+        f"× {Config(first['processes'], first['path']).label} |"
     )
     print("|---|---:|---:|---:|---:|")
     for config in report["configs"]:
-        label = Config(config["processes"], config["pack"]).label
+        label = Config(config["processes"], config["path"]).label
         print(
             f"| {label} | {config['texts_per_s']:.0f} | {config['tokens_per_s']:.0f} | "
             f"{config['per_process_to_floor']:.2f} | {config['to_first_config']:.2f} |"
@@ -489,7 +521,7 @@ def print_report(report: dict[str, Any]) -> None:
         if config["processes"] != 1:
             continue
         print()
-        print(f"stages, 1 process, pack {config['pack']} (median of rounds):")
+        print(f"stages, 1 process, {config['path']} (median of rounds):")
         print("| stage | thread | µs per entry | share of the thread's wall time |")
         print("|---|---|---:|---:|")
         for row in config["stages"]:
@@ -508,29 +540,29 @@ def print_report(report: dict[str, Any]) -> None:
 @click.option("--texts", "count", type=int, default=20000, show_default=True)
 @click.option("--processes", default="1,2", show_default=True, help="Worker processes to compare.")
 @click.option(
-    "--pack",
-    "packs",
-    default=",".join(PACK_PATHS),
+    "--path",
+    "paths",
+    default=",".join(PATHS),
     show_default=True,
-    help="Result packing paths to compare (per-result: before issue 29; batch: now).",
+    help="Host paths to compare: before (issue 29's fixes undone in the child) and after.",
 )
 @click.option("--rounds", type=int, default=3, show_default=True)
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None)
 @click.option("--child", type=click.Path(path_type=Path), default=None, hidden=True)
 def main(
-    count: int, processes: str, packs: str, rounds: int, json_out: Path | None, child: Path | None
+    count: int, processes: str, paths: str, rounds: int, json_out: Path | None, child: Path | None
 ) -> None:
     """Texts/s of the host pipeline with the stand-in encoder, per stage, against the
     tokenizer alone."""
     if child is not None:
         import uvloop  # the worker's event loop (workers/runtime.py)
 
-        uvloop.run(run_child(child, packs))
+        uvloop.run(run_child(child, paths))
         return
-    chosen = [pack for pack in packs.split(",") if pack]
-    unknown = set(chosen) - set(PACK_PATHS)
+    chosen = [path for path in paths.split(",") if path]
+    unknown = set(chosen) - set(PATHS)
     if unknown:
-        raise click.BadParameter(f"unknown packing path {sorted(unknown)}", param_hint="--pack")
+        raise click.BadParameter(f"unknown path {sorted(unknown)}", param_hint="--path")
     report = measure(count, [int(n) for n in processes.split(",")], chosen, rounds)
     print_report(report)
     if json_out is not None:

@@ -23,9 +23,9 @@ def test_host_pipeline_smoke(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert report["tokenizer_floor_texts_per_s"] > 0
-    assert {(c["processes"], c["pack"]) for c in report["configs"]} == {
-        (1, "per-result"),
-        (1, "batch"),
+    assert {(c["processes"], c["path"]) for c in report["configs"]} == {
+        (1, "before"),
+        (1, "after"),
     }
     for config in report["configs"]:
         assert config["texts_per_s"] > 0 and config["tokens_per_s"] > config["texts_per_s"]
