@@ -12,6 +12,11 @@ the seed's billion-chunk case through it):
 - the backlog is bounded by backpressure: producers wait while a partition holds
   EMBEDFLEET_BACKLOG_HIGH_WATER entries, so at most ``high_water × partitions`` chunks wait, at
   the measured bytes per entry;
+- host cores per worker (GPU) = its texts/s ÷ the texts/s one host core carries through the
+  worker's pipeline around the model (read, decode, tokenize, plan, collate, cast, pack, write:
+  ``python -m loadtest.host_pipeline``, issue 29), and worker processes per GPU
+  (EMBEDFLEET_REPLICAS) = its texts/s ÷ one process's rate, since one process keeps about one
+  core busy (its tokenizer thread sets the pace);
 - result bandwidth = F × result payload bytes (fp16: 2 bytes per dimension plus the envelope),
   and with the Redis sink the results stream grows by the measured bytes per stored result until
   a reader trims it (a vector database sink stores nothing in Redis).
@@ -48,6 +53,19 @@ MEASURED_FIGURES: dict[str, Any] = {
     "bytes_per_result_dim768": 1_895,
     "bytes_per_result_dim1024": 2_675,
 }
+# `python -m loadtest.host_pipeline --texts 10000 --rounds 3 --processes 1,2` (issue 29;
+# docs/BENCHMARKS.md, "Host pipeline"): the worker with the stand-in encoder at zero cost on the
+# benchmark corpus (~64 tokens a text), one process, on the same 2-core AMD EPYC VM under load
+# from other jobs (load ~7), so floors. One place for these figures: the plan uses them and
+# docs/BENCHMARKS.md quotes them; `--figures` with a host_pipeline run's keys overrides them.
+HOST_FIGURES: dict[str, float] = {
+    # texts/s one worker process carries around the model (1 process, path "after")
+    "host_texts_per_s_per_process": 6_158,
+    # the same divided by the cores that process keeps busy (all its threads; Redis not counted)
+    "host_texts_per_core_s": 8_554,
+    # the raw tokenizer alone on one thread, same texts, per CPU second: the floor compared with
+    "tokenizer_texts_per_core_s": 14_135,
+}
 ENVELOPE_BYTES = 80  # a result's msgpack fields besides the vector (id, model, dim, dtype, ...)
 
 
@@ -62,6 +80,8 @@ class Plan:
     result_mb_per_s: float
     results_gib: float
     per_shard_backlog_gib: float
+    host_cores_per_worker: int
+    host_processes_per_worker: int
 
 
 def _at_dim(figures: dict[str, Any], name: str, dim: int) -> float:
@@ -115,7 +135,18 @@ def make_plan(
         result_mb_per_s=fleet * result_payload / 1e6,
         results_gib=chunks * result_bytes / 2**30,
         per_shard_backlog_gib=peak_backlog * entry_bytes / 2**30 / shards,
+        host_cores_per_worker=math.ceil(
+            texts_per_s_per_worker / _host_figure(figures, "host_texts_per_core_s")
+        ),
+        host_processes_per_worker=math.ceil(
+            texts_per_s_per_worker / _host_figure(figures, "host_texts_per_s_per_process")
+        ),
     )
+
+
+def _host_figure(figures: dict[str, Any], name: str) -> float:
+    """A host pipeline figure: the given figures' (a host_pipeline run), else HOST_FIGURES."""
+    return float(figures.get(name, HOST_FIGURES[name]))
 
 
 def render(plan: Plan, *, chunks: float, dim: int, workers: int, rate: float) -> str:
@@ -130,6 +161,10 @@ def render(plan: Plan, *, chunks: float, dim: int, workers: int, rate: float) ->
             f"peak backlog      {plan.peak_backlog:,} entries = {plan.backlog_gib:,.1f} GiB "
             f"({plan.per_shard_backlog_gib:,.2f} GiB per shard; bounded by "
             "EMBEDFLEET_BACKLOG_HIGH_WATER per partition)",
+            f"host per worker   {plan.host_cores_per_worker} cores and "
+            f"{plan.host_processes_per_worker} worker processes (EMBEDFLEET_REPLICAS) to feed "
+            f"{rate:,.0f} texts/s: tokenizing, decoding, packing and writing around the model "
+            "(docs/BENCHMARKS.md, host pipeline)",
             f"result bandwidth  {plan.result_mb_per_s:,.0f} MB/s of fp16 results",
             f"results in Redis  {plan.results_gib:,.0f} GiB if all kept on the results stream "
             "(Redis sink, never trimmed); 0 with a vector database sink",
