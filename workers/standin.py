@@ -28,7 +28,7 @@ import torch
 from embedfleet.shared.modelcard import ModelCard
 from embedfleet.shared.settings import PACKAGED_MODEL
 from embedfleet.workers.cuda_queries import CudaLaneMode, QueryPath
-from embedfleet.workers.encoder import EncodeBatch, Encoder
+from embedfleet.workers.encoder import EncodeBatch, Encoder, Int8Choice
 
 STANDIN_PREFIX = "benchmark-standin:"
 # distinct unit vectors the stand-in picks from (a hash of a text's token ids picks one)
@@ -92,7 +92,7 @@ class StandInEncoder(Encoder):
     def computes_in_int8(self) -> bool:
         return False
 
-    def prepare_query_graph(self, int8: bool = False) -> bool:
+    def prepare_query_graph(self, int8: bool | Int8Choice = False) -> bool:
         return False
 
     def prepare_cuda_queries(self, mode: CudaLaneMode) -> bool:
