@@ -12,6 +12,11 @@ the seed's billion-chunk case through it):
 - the backlog is bounded by backpressure: producers wait while a partition holds
   EMBEDFLEET_BACKLOG_HIGH_WATER entries, so at most ``high_water × partitions`` chunks wait, at
   the measured bytes per entry;
+- host cores per worker (GPU) = its texts/s ÷ the texts/s one host core carries through the
+  worker's pipeline around the model (read, decode, tokenize, plan, collate, cast, pack, write:
+  ``python -m loadtest.host_pipeline``, issue 29), and worker processes per GPU
+  (EMBEDFLEET_REPLICAS) = its texts/s ÷ one process's rate, since one process keeps about one
+  core busy (its tokenizer thread sets the pace);
 - in-flight entries: each worker holds about two reads (``--read-count`` entries each: one
   window being computed, one queued) pending in the group, at the bytes of a backlog entry plus
   the bytes of its pending-list record;
@@ -74,6 +79,19 @@ MEASURED_FIGURES: dict[str, Any] = {
     "bytes_per_pending_entry": 110,
     "bytes_per_job_id": 80,
 }
+# `python -m loadtest.host_pipeline --texts 10000 --rounds 3 --processes 1,2` (issue 29;
+# docs/BENCHMARKS.md, "Host pipeline"): the worker with the stand-in encoder at zero cost on the
+# benchmark corpus (~64 tokens a text), one process, on the same 2-core AMD EPYC VM under load
+# from other jobs (load ~7), so floors. One place for these figures: the plan uses them and
+# docs/BENCHMARKS.md quotes them; `--figures` with a host_pipeline run's keys overrides them.
+HOST_FIGURES: dict[str, float] = {
+    # texts/s one worker process carries around the model (1 process, path "after")
+    "host_texts_per_s_per_process": 6_158,
+    # the same divided by the cores that process keeps busy (all its threads; Redis not counted)
+    "host_texts_per_core_s": 8_554,
+    # the raw tokenizer alone on one thread, same texts, per CPU second: the floor compared with
+    "tokenizer_texts_per_core_s": 14_135,
+}
 ENVELOPE_BYTES = 80  # a result's msgpack fields besides the vector (id, model, dim, dtype, ...)
 
 
@@ -92,6 +110,9 @@ class Plan:
     inflight_gib: float = 0.0
     results_entries: int = 0
     job_ids_gib: float = 0.0
+
+    host_cores_per_worker: int = 0
+    host_processes_per_worker: int = 0
 
     @property
     def redis_gib(self) -> float:
@@ -161,7 +182,18 @@ def make_plan(
         inflight_gib=inflight * (entry_bytes + pending_bytes) / 2**30,
         results_entries=results_entries,
         job_ids_gib=chunks * float(figures.get("bytes_per_job_id", 0)) / 2**30,
+        host_cores_per_worker=math.ceil(
+            texts_per_s_per_worker / _host_figure(figures, "host_texts_per_core_s")
+        ),
+        host_processes_per_worker=math.ceil(
+            texts_per_s_per_worker / _host_figure(figures, "host_texts_per_s_per_process")
+        ),
     )
+
+
+def _host_figure(figures: dict[str, Any], name: str) -> float:
+    """A host pipeline figure: the given figures' (a host_pipeline run), else HOST_FIGURES."""
+    return float(figures.get(name, HOST_FIGURES[name]))
 
 
 def render(plan: Plan, *, chunks: float, dim: int, workers: int, rate: float) -> str:
@@ -178,6 +210,10 @@ def render(plan: Plan, *, chunks: float, dim: int, workers: int, rate: float) ->
             "EMBEDFLEET_BACKLOG_HIGH_WATER per partition)",
             f"in flight         {plan.inflight_entries:,} entries = {plan.inflight_gib:,.2f} GiB "
             "(two reads per worker, pending in the group)",
+            f"host per worker   {plan.host_cores_per_worker} cores and "
+            f"{plan.host_processes_per_worker} worker processes (EMBEDFLEET_REPLICAS) to feed "
+            f"{rate:,.0f} texts/s: tokenizing, decoding, packing and writing around the model "
+            "(docs/BENCHMARKS.md, host pipeline)",
             f"result bandwidth  {plan.result_mb_per_s:,.0f} MB/s of fp16 results",
             f"results in Redis  {plan.results_entries:,} = {plan.results_gib:,.1f} GiB "
             + (

@@ -10,6 +10,7 @@ import pytest
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.batcher import padding_waste, plan_batches
 from embedfleet.workers.worker import MIN_SLICED_TOKENS, SLICE_HEADROOM, Worker
+from loadtest.host_pipeline import masked_window_plan
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -106,3 +107,21 @@ def test_queries_served_concurrently_leave_bulk_batches_the_full_budget() -> Non
         assert worker._token_cap() < 4096  # queries at layer boundaries: sliced
         worker.encoder.serves_queries_concurrently = True  # type: ignore[misc]
         assert worker.slice_seconds == 0 and worker._token_cap() == 4096
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_plan_is_the_masked_window_programme_s_tie_for_tie(seed: int) -> None:
+    """The sliced programme (issue 29) cuts exactly where the masked one did, ties included:
+    skewed and flat lengths, budgets that bind and budgets that do not, texts over the budget.
+    The masked one is kept as the benchmark's "before" path (loadtest/host_pipeline.py)."""
+    rng = random.Random(seed)
+    count = rng.choice([1, 2, 17, 300, 1024])
+    if seed % 3 == 0:
+        lengths = [rng.choice([8, 8, 16, 64]) for _ in range(count)]  # many ties
+    else:
+        lengths = [min(512, int(rng.lognormvariate(3.8, 0.7)) + 3) for _ in range(count)]
+    budget = rng.choice([64, 300, 4096, 131072])
+    max_batch = rng.choice([1, 8, 128, 1024])
+    planned = [batch.positions for batch in plan_batches(lengths, budget, max_batch)]
+    reference = masked_window_plan(lengths, budget, max_batch)
+    assert planned == [batch.positions for batch in reference]

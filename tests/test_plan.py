@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from embedfleet.cli import main
-from embedfleet.producer.plan import make_plan
+from embedfleet.producer.plan import HOST_FIGURES, make_plan
 
 FIGURES = {
     "enqueue_per_s": 50_000,
@@ -19,6 +19,8 @@ FIGURES = {
     "bytes_per_backlog_entry": 1_000,
     "bytes_per_result_dim384": 1_000,
     "bytes_per_result_dim1024": 2_200,
+    "host_texts_per_core_s": 4_000,
+    "host_texts_per_s_per_process": 3_000,
 }
 
 
@@ -35,6 +37,16 @@ def test_the_plan_is_the_documented_arithmetic() -> None:
     assert plan.backlog_gib == pytest.approx(18e9 / 2**30)
     assert plan.result_mb_per_s == pytest.approx(120_000 * (1024 * 2 + 80) / 1e6)
     assert plan.results_gib == pytest.approx(1e9 * 2_200 / 2**30)
+    # the host around the model (issue 29): 15,000 texts/s at 4,000 a core, 3,000 a process
+    assert (plan.host_cores_per_worker, plan.host_processes_per_worker) == (4, 5)
+
+
+def test_host_figures_default_to_the_measured_ones() -> None:
+    cluster_only = {k: v for k, v in FIGURES.items() if not k.startswith("host_")}
+    plan = make_plan(
+        chunks=1e6, dim=384, texts_per_s_per_worker=40_000, workers=1, figures=cluster_only
+    )
+    assert plan.host_cores_per_worker == math.ceil(40_000 / HOST_FIGURES["host_texts_per_core_s"])
 
 
 def test_dimensions_between_the_measured_ones_are_interpolated() -> None:
@@ -59,6 +71,7 @@ def test_the_command() -> None:
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "120,000 chunks/s" in result.output and "2.31 h" in result.output
+    assert "worker processes (EMBEDFLEET_REPLICAS) to feed 15,000 texts/s" in result.output
     assert "shards needed" in result.output and "GiB" in result.output
 
 

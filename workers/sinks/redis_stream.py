@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from embedfleet.shared.fault_kinds import System
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
-from embedfleet.shared.protocol import Result, encode_result
+from embedfleet.shared.protocol import Result, encode_results
 from embedfleet.workers.sinks.base import (
     Delivery,
     Sink,
@@ -59,7 +59,7 @@ class RedisStreamSink(Sink):
         if self.max_entries:
             await self._wait_for_room(streams)
         pipe = acknowledgement_pipeline(self.client, self.keys)
-        payloads = [encode_result(result) for result in results]
+        payloads = encode_results(results)  # the batch packed at once (issue 29)
         queue_acknowledgements(pipe, self.keys, deliveries, counter="done", payloads=payloads)
         if self.max_entries:
             for stream in streams:
