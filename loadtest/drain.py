@@ -11,6 +11,11 @@ the workers write them to the results stream (waiting at EMBEDFLEET_RESULTS_MAX_
 consuming reader in its own process drains it (`Producer.results_reader`: XREADGROUP, XACK +
 XDEL per page), counting every id once. Every half second Redis's `used_memory` is sampled.
 
+With `--sink parquet:///dir` (or `s3://bucket/prefix` with EMBEDFLEET_S3_ENDPOINT_URL and the
+AWS variables) the workers write Parquet shards instead (workers/sinks/parquet.py): no reader
+runs, the results never enter Redis, and the run ends when the job does; every id is then
+counted once in the dataset (shards read back with pyarrow, the `id` column only).
+
 Reported: `used_memory` at the start (workers up, nothing enqueued), its peak and at the end
 (the job's id record expired: EMBEDFLEET_JOB_IDS_FINISHED_TTL_S is set to --finished-ttl-s),
 the bound the settings imply (backlog mark × bytes per backlog entry + results bound × bytes
@@ -144,6 +149,29 @@ def _reader(url: str, namespace: str, chunks: int, page: int, drained: Any, out:
     uvloop.run(main())
 
 
+def _count_shard_ids(settings: Settings, sink: str) -> dict[str, int]:
+    """Every id in the Parquet shards, read back (the ``id`` column only): how many distinct,
+    and how many rows repeat one (a redelivery after a crash; none in a clean run)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from embedfleet.shared.vectordb.backend import open_backend
+    from embedfleet.shared.vectordb.parquet import ParquetBackend, open_location
+    from embedfleet.shared.vectordb.target import parse_sink_url
+
+    backend = open_backend(parse_sink_url(sink, settings.sink_table, settings.s3_endpoint_url))
+    assert isinstance(backend, ParquetBackend)
+    fs, _ = open_location(backend.target)
+    rows = 0
+    seen: set[str] = set()
+    for path in backend.shard_files():
+        ids = pq.read_table(path, filesystem=fs, columns=["id"]).column("id")
+        rows += len(ids)
+        seen.update(pc.unique(ids).to_pylist())
+    distinct = len(seen)
+    return {"read": distinct, "duplicates": rows - distinct}
+
+
 async def _sample(
     client: aioredis.Redis, settings: Settings, drained: Any, started: float
 ) -> Sample:
@@ -173,6 +201,8 @@ async def run(args: argparse.Namespace, url: str) -> Report:
         "EMBEDFLEET_DEVICE": "cpu",
         "EMBEDFLEET_THREADS": "1",
     }
+    if args.sink:
+        env["EMBEDFLEET_SINK"] = args.sink
     context = multiprocessing.get_context("spawn")
     drained = context.Value("q", 0)
     finished: Any = context.Queue()
@@ -189,7 +219,8 @@ async def run(args: argparse.Namespace, url: str) -> Report:
                 args=(url, namespace, args.chunks, args.page, drained, finished),
                 daemon=True,
             )
-            reader.start()
+            if not args.sink:
+                reader.start()
             began = time.monotonic()
             samples = [start]
 
@@ -200,10 +231,15 @@ async def run(args: argparse.Namespace, url: str) -> Report:
 
             sampling = asyncio.create_task(sampler())
             await producer.enqueue(texts(args.chunks), job="drain")
-            result = await asyncio.to_thread(finished.get)
-            seconds = time.monotonic() - began
-            reader.join(30)
-            progress = await producer.wait_for_job("drain", timeout=60)
+            if args.sink:  # the shards are the results: the run ends with the job
+                progress = await producer.wait_for_job("drain")
+                seconds = time.monotonic() - began
+                result = await asyncio.to_thread(_count_shard_ids, settings, args.sink)
+            else:
+                result = await asyncio.to_thread(finished.get)
+                seconds = time.monotonic() - began
+                reader.join(30)
+                progress = await producer.wait_for_job("drain", timeout=60)
             # the finished job's id record expires after --finished-ttl-s
             deadline = time.monotonic() + args.finished_ttl_s + 30
             while await client.exists(settings.keys.job_ids("drain")):
@@ -217,9 +253,10 @@ async def run(args: argparse.Namespace, url: str) -> Report:
     assert result["read"] == args.chunks == progress.done, (result, progress)
     peak = max(sample.used_memory for sample in samples)
     inflight = 2 * 1024 * args.workers  # two CPU reads per worker
+    results_bound = 0 if args.sink else args.results_max  # Parquet: no results in Redis
     bound = (
         args.high_water * sizes["bytes_per_backlog_entry"]
-        + args.results_max * sizes["bytes_per_result_dim384"]
+        + results_bound * sizes["bytes_per_result_dim384"]
         + args.chunks * sizes["bytes_per_job_id"]
         + inflight * (sizes["bytes_per_backlog_entry"] + sizes["bytes_per_pending_entry"])
     )
@@ -238,7 +275,8 @@ async def run(args: argparse.Namespace, url: str) -> Report:
         most_results_held=max(sample.results_held for sample in samples),
         duplicates=result["duplicates"],
         sizes=sizes,
-        settings=overrides | {"us_per_token": args.us_per_token, "page": args.page},
+        settings=overrides
+        | {"us_per_token": args.us_per_token, "page": args.page, "sink": args.sink or "redis"},
         machine=f"{cpu_name()}; {machine_load()}",
         samples=samples,
     )
@@ -248,7 +286,12 @@ def render(report: Report) -> str:
     mib = 2**20
     return "\n".join(
         [
-            f"{report.chunks:,} chunks, {report.workers} stand-in workers, one draining reader",
+            f"{report.chunks:,} chunks, {report.workers} stand-in workers, "
+            + (
+                f"sink {report.settings['sink']}"
+                if report.settings["sink"] != "redis"
+                else "one draining reader"
+            ),
             f"throughput        {report.chunks_per_s:,} chunks/s end to end "
             f"({report.seconds:,} s, first enqueue to last result drained)",
             f"used_memory       start {report.used_memory_start / mib:,.1f} MiB, peak "
@@ -276,6 +319,9 @@ def main() -> None:
     parser.add_argument("--us-per-token", type=float, default=0.0, help="stand-in cost")
     parser.add_argument("--finished-ttl-s", type=int, default=2, help="finished job's id record")
     parser.add_argument("--redis-url", default=None, help="default: a fresh local server")
+    parser.add_argument(
+        "--sink", default="", help="parquet:///dir or s3://bucket/prefix (default: results stream)"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
     args = parser.parse_args()
     # the producer's "waiting at the high-water mark" lines are the run working as meant
