@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
+from embedfleet.shared.logging import get_logger
 from embedfleet.shared.settings import Settings
 from embedfleet.shared.vectordb import (
     MissingExtraError,
@@ -31,6 +32,8 @@ from embedfleet.workers.sinks.base import (
     queue_acknowledgements,
 )
 from embedfleet.workers.sinks.redis_stream import RedisStreamSink
+
+log = get_logger(__name__)
 
 __all__ = [
     "DatabaseSink",
@@ -83,6 +86,18 @@ def sink_for_target(
         from embedfleet.workers.sinks.parquet import ParquetSink  # pyarrow: only when chosen
 
         assert isinstance(backend, ParquetBackend)  # open_backend's class for the kind
+        if settings.parquet_shard_rows * 2 > settings.backlog_high_water:
+            # A shard's entries stay in the ingest stream until it is written, and the producer
+            # counts them against the mark: with shards this large it waits for every shard,
+            # and the fleet runs at about high_water / shard_max_s (measured: loadtest.drain).
+            log.warning(
+                "parquet shards hold more than half the backlog mark: producers will wait for "
+                "each shard. Lower EMBEDFLEET_PARQUET_SHARD_ROWS or raise "
+                "EMBEDFLEET_BACKLOG_HIGH_WATER",
+                shard_rows=settings.parquet_shard_rows,
+                high_water=settings.backlog_high_water,
+                at_most_per_s=round(settings.backlog_high_water / settings.parquet_shard_max_s),
+            )
         return ParquetSink(
             client,
             settings.keys,
