@@ -203,6 +203,7 @@ async def run(args: argparse.Namespace, url: str) -> Report:
     }
     if args.sink:
         env["EMBEDFLEET_SINK"] = args.sink
+        env["EMBEDFLEET_PARQUET_SHARD_ROWS"] = str(args.shard_rows)
     context = multiprocessing.get_context("spawn")
     drained = context.Value("q", 0)
     finished: Any = context.Queue()
@@ -253,6 +254,8 @@ async def run(args: argparse.Namespace, url: str) -> Report:
     assert result["read"] == args.chunks == progress.done, (result, progress)
     peak = max(sample.used_memory for sample in samples)
     inflight = 2 * 1024 * args.workers  # two CPU reads per worker
+    if args.sink:  # and the shard being filled: pending until it is written
+        inflight += args.shard_rows * args.workers
     results_bound = 0 if args.sink else args.results_max  # Parquet: no results in Redis
     bound = (
         args.high_water * sizes["bytes_per_backlog_entry"]
@@ -321,6 +324,9 @@ def main() -> None:
     parser.add_argument("--redis-url", default=None, help="default: a fresh local server")
     parser.add_argument(
         "--sink", default="", help="parquet:///dir or s3://bucket/prefix (default: results stream)"
+    )
+    parser.add_argument(
+        "--shard-rows", type=int, default=20_000, help="with --sink: EMBEDFLEET_PARQUET_SHARD_ROWS"
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
     args = parser.parse_args()
