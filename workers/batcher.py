@@ -14,7 +14,7 @@ lengths jump and fills where they are even.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,9 +49,11 @@ def plan_batches(
     max_batch: int,
     *,
     batch_cost_tokens: int = BATCH_COST_TOKENS,
+    max_texts: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> list[PlannedBatch]:
     """Group positions so that ``len(batch) * longest <= token_budget`` and ``len <= max_batch``,
-    cut where it costs least (see the module docstring).
+    cut where it costs least (see the module docstring). ``max_texts``: the most texts a batch
+    of each width may hold (the query slice's limit), as an array for an array of widths.
 
     A single text longer than the budget still gets a batch of its own (it cannot be split).
     Batches come out longest first, so the largest allocation happens at the start of a window.
@@ -65,6 +67,8 @@ def plan_batches(
     count = len(ordered)
     # best[j]: least cost of batching the j longest texts; start[j]: where the last batch of
     # that best plan begins. A batch [i, j) is as wide as its first (longest) text, ordered[i].
+    # the most texts a batch led by each text may hold, where time bounds it
+    cap = None if max_texts is None else np.asarray(max_texts(ordered), dtype=np.int64)
     best = np.full(count + 1, np.inf)
     best[0] = 0.0
     start = np.zeros(count + 1, dtype=np.int64)
@@ -73,7 +77,10 @@ def plan_batches(
         sizes = end - np.arange(first, end)
         widths = ordered[first:end]
         cost = best[first:end] + sizes * widths + batch_cost_tokens
-        cost[(sizes * widths > token_budget) & (sizes > 1)] = np.inf
+        over = sizes * widths > token_budget
+        if cap is not None:
+            over |= sizes > cap[first:end]
+        cost[over & (sizes > 1)] = np.inf
         pick = int(np.argmin(cost))
         best[end] = cost[pick]
         start[end] = first + pick
@@ -95,16 +102,21 @@ def plan_batches(
 
 
 def plan_packed_batches(
-    lengths: Sequence[int], token_budget: int, max_batch: int
+    lengths: Sequence[int],
+    token_budget: int,
+    max_batch: int,
+    fits: Callable[[int, int], bool] | None = None,
 ) -> list[PlannedBatch]:
     """For the varlen layout, where real tokens are all that is computed: positions grouped,
     longest first, so each batch holds at most ``token_budget`` real tokens and ``max_batch``
-    texts (a text over the budget alone)."""
+    texts (a text over the budget alone); ``fits(tokens, squares)``, where given, must hold of
+    the batch's sums of lengths and squared lengths too (the query slice's limit)."""
     if token_budget < 1 or max_batch < 1:
         raise ValueError("token_budget and max_batch must be positive")
     batches: list[PlannedBatch] = []
     current: list[int] = []
     tokens = 0
+    squares = 0
 
     def close() -> None:
         longest = lengths[current[0]]
@@ -112,11 +124,16 @@ def plan_packed_batches(
 
     for position in sorted(range(len(lengths)), key=lambda p: lengths[p], reverse=True):
         length = lengths[position]
-        if current and (len(current) >= max_batch or tokens + length > token_budget):
+        if current and (
+            len(current) >= max_batch
+            or tokens + length > token_budget
+            or (fits is not None and not fits(tokens + length, squares + length * length))
+        ):
             close()
-            current, tokens = [], 0
+            current, tokens, squares = [], 0, 0
         current.append(position)
         tokens += length
+        squares += length * length
     if current:
         close()
     return batches
