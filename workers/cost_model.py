@@ -154,7 +154,7 @@ class SliceCost:
     """One forward path's slice time, fitted from what it measured (see the module docstring).
 
     ``observe`` and ``seed`` run on the event loop; ``limit`` may be called from any thread
-    (it reads one reference to an immutable snapshot).
+    (it reads two attributes that the event loop replaces whole, never mutates).
     """
 
     def __init__(self, path: BulkPath) -> None:
@@ -163,6 +163,7 @@ class SliceCost:
         self._recent: deque[tuple[np.ndarray, float]] = deque(maxlen=RECENT)
         self._ratios: deque[float] = deque(maxlen=RECENT)
         self._cost: Coefficients | None = None
+        self._headroom = SLICE_HEADROOM
         self.observed = 0
 
     @property
@@ -173,10 +174,13 @@ class SliceCost:
     @property
     def headroom(self) -> float:
         """Share of the slice target a batch's predicted slice may take."""
+        return self._headroom
+
+    def _measure_headroom(self) -> None:
         if len(self._ratios) < HEADROOM_AFTER:
-            return SLICE_HEADROOM
+            return
         spread = float(np.percentile(np.asarray(self._ratios), HEADROOM_QUANTILE))
-        return min(MAX_HEADROOM, max(MIN_HEADROOM, HEADROOM_SAFETY / max(spread, 1e-9)))
+        self._headroom = min(MAX_HEADROOM, max(MIN_HEADROOM, HEADROOM_SAFETY / max(spread, 1e-9)))
 
     def predict(self, shape: Shape) -> float | None:
         return None if self._cost is None else self._cost.seconds(shape)
@@ -196,6 +200,7 @@ class SliceCost:
         if predicted is not None and predicted > 0:
             ratio = seconds / predicted
             self._ratios.append(ratio)
+            self._measure_headroom()
             seconds = predicted * min(CLIP, max(1 / CLIP, ratio))
         self._recent.append((shape.features(), seconds))
         self._refit()

@@ -646,8 +646,10 @@ class Worker:
         target (None where queries do not wait on bulk work, see ``slice_seconds``, or before
         anything was measured): a query then waits at most one slice. A slice is one
         transformer layer of an eager batch, the whole batch through the frozen or int8 copy
-        (no layer boundaries); workers/cost_model.py predicts it per path and batch shape."""
-        return self._slice_cost(self._bulk_path()).limit(self.slice_seconds)
+        (no layer boundaries); workers/cost_model.py predicts it per path and batch shape.
+        Called on the tokenizer thread: it reads the path's model, never makes one."""
+        cost = self.slice_costs.get(self._bulk_path())
+        return None if cost is None else cost.limit(self.slice_seconds)
 
     def _launch_timed(
         self, batch: BulkBatch, *, frozen: bool, half: bool = False
