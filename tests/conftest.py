@@ -181,6 +181,7 @@ class Recorder(WorkerEvents):
         self.sink_errors: list[tuple[str, str]] = []  # (exception type, fault kind)
         self.rows_isolated = 0
         self.reclaimed_count = 0
+        self.batch_seconds: list[float] = []  # per bulk batch, as batch_encoded reports it
         # per bulk batch: (path, longest slice seconds, target seconds, texts, longest text)
         self.slices: list[tuple[str, float, float, int, int]] = []
 
@@ -222,6 +223,7 @@ class Recorder(WorkerEvents):
     ) -> None:
         def change() -> None:
             self.batches_encoded += 1
+            self.batch_seconds.append(seconds)
             self.in_forward = False
 
         self._record(change)

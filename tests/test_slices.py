@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import time
 
 import numpy as np
 import pytest
@@ -132,3 +133,39 @@ async def test_every_bulk_slice_stays_within_the_target_on_each_path(
     print(report)
     assert statistics.median(seconds) <= target, report
     assert within >= WITHIN_SHARE, report
+
+
+async def test_queries_served_between_bulk_batches_are_not_taken_off_their_time(
+    workers: WorkerLauncher,
+    settings: Settings,
+    client: aioredis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bulk batch's time is its launch less the queries served at its layer boundaries, and
+    not less queries the model thread served just before it (queued ahead of the launch, or
+    running when the launch was queued): through the frozen copy, where every query is served
+    between batches, those made a short batch's time negative, and a worker process died on it
+    (its metrics counter refuses a negative increment)."""
+    encoder = _frozen()
+    serve_query = encoder.serve_query
+
+    def slow_query(batch):  # type: ignore[no-untyped-def]
+        if batch.size == 1 and int(batch.input_ids.shape[1]) > 4:  # a query, not a bulk batch
+            time.sleep(0.03)  # a query forward pass far longer than a one-text bulk batch
+        return serve_query(batch)
+
+    monkeypatch.setattr(encoder, "serve_query", slow_query)
+    one_by_one = settings.model_copy(update={"max_batch": 1, "slice_ms": 100.0})
+    chunks = [Chunk(id=f"q{i}", text=f"text {i}") for i in range(200)]
+    async with (
+        Producer(one_by_one, client) as producer,
+        workers.run(one_by_one, encoder=encoder) as w,
+    ):
+        await producer.enqueue(chunks, job="short")
+        for i in range(20):
+            await producer.embed_query(f"a query about item {i}", timeout=120)
+        progress = await producer.wait_for_job("short", timeout=300)
+    assert progress.done == len(chunks)
+    seconds = w.listener.batch_seconds
+    assert len(seconds) >= len(chunks) and min(seconds) >= 0, sorted(seconds)[:5]
+    assert all(s >= 0 for _, s, *_ in w.listener.slices)

@@ -653,18 +653,24 @@ class Worker:
 
     def _launch_timed(
         self, batch: BulkBatch, *, frozen: bool, half: bool = False
-    ) -> tuple[Launched, float]:
-        """On the model thread: launch one batch with the slice clock running; returns it and
-        its longest stretch between query boundaries (the whole pass through a frozen copy).
-        Where the launch only queues the work (CUDA) the clock times nothing: the device's
-        time, shared among the layers a query could get between, stands in once collected."""
+    ) -> tuple[Launched, float, float]:
+        """On the model thread: launch one batch with the slice clock running; returns it, its
+        longest stretch between query boundaries (the whole pass through a frozen copy) and the
+        seconds of queries served at its layer boundaries. Where the launch only queues the
+        work (CUDA) the clock times nothing: the device's time, shared among the layers a query
+        could get between, stands in once collected.
+
+        The queries' time is read here, on the model thread, around the launch itself: read on
+        the event loop it also took in queries the model thread served just before the launch
+        (queued ahead of it), which made a short batch's time negative."""
         assert self.bulk is not None
+        serving_before = self.queries.serving_seconds
         self.slice_clock.start()
         try:
             launched = self.bulk.launch(batch, frozen=frozen, half=half)
         finally:
             longest = self.slice_clock.stop()
-        return launched, longest
+        return launched, longest, self.queries.serving_seconds - serving_before
 
     def _slice_seconds(self, launched: Launched, clocked: float, frozen: bool) -> float:
         """A collected batch's longest slice: clocked on a CPU; on CUDA its device time over
@@ -775,7 +781,7 @@ class Worker:
                 batch = await loop.run_in_executor(self._tokenizer_thread, bulk.collate, tokens)
                 times = []
                 for _ in range(2):
-                    launched, clocked = await loop.run_in_executor(
+                    launched, clocked, _ = await loop.run_in_executor(
                         self._model_thread,
                         functools.partial(self._launch_timed, batch, frozen=frozen),
                     )
@@ -819,7 +825,6 @@ class Worker:
         if batch is None:  # a retried or split batch: collated again, off the event loop
             tokens = [window.tokens[p] for p in planned.positions]
             batch = await loop.run_in_executor(self._tokenizer_thread, self.bulk.collate, tokens)
-        query_seconds_before = self.queries.serving_seconds
         self.events.batch_started(texts=len(planned.positions), padded_tokens=planned.padded_tokens)
         path, frozen = self._bulk_path(), self._bulk_frozen()
         launch = functools.partial(
@@ -829,11 +834,12 @@ class Worker:
             half=self.outputs.full_float16([window.chunks[p] for p in planned.positions]),
         )
         try:
-            launched, clocked = await loop.run_in_executor(self._model_thread, launch)
+            launched, clocked, query_seconds = await loop.run_in_executor(
+                self._model_thread, launch
+            )
         except Exception as error:
             await self._on_model_error(window, planned, encoded, error, oom_retries)
             return
-        query_seconds = self.queries.serving_seconds - query_seconds_before
         collect = self._ahead.push(
             InFlightBatch(
                 window,
@@ -871,7 +877,7 @@ class Worker:
         # it. On CUDA: the device's time between the batch's events.
         seconds = launched.seconds
         if launched.copied is None:
-            seconds -= in_flight.query_seconds
+            seconds = max(0.0, seconds - in_flight.query_seconds)
         self._learn_slice(in_flight)
         self.events.batch_encoded(
             texts=len(planned.positions),
