@@ -179,3 +179,20 @@ def test_the_slice_clock_keeps_the_longest_stretch_without_the_queries(
     clock.start()  # a graph without boundaries: the whole pass
     now[0] = 16.0
     assert clock.stop() == pytest.approx(4.0)
+
+
+def test_the_latency_benchmark_forces_each_path_with_real_settings() -> None:
+    """loadtest.latency --paths: every path's environment names settings that exist and sets
+    them to what the path needs (a misspelt variable would be ignored, and the path not
+    forced)."""
+    from embedfleet.shared.settings import Settings
+    from loadtest.latency import PATHS, path_settings
+
+    fields = {f"EMBEDFLEET_{name.upper()}" for name in Settings.model_fields}
+    for path, env in PATHS.items():
+        assert set(env) <= fields, path
+    assert path_settings("eager").dtype == "float32"
+    frozen = path_settings("frozen")
+    assert frozen.dtype == "bfloat16" and frozen.frozen_bulk and not frozen.cpu_int8
+    assert path_settings("int8").cpu_int8 and path_settings("varlen").layout == "varlen"
+    assert not path_settings("eager-bf16").frozen_bulk
