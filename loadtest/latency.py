@@ -109,19 +109,39 @@ def path_settings(path: str) -> Settings:
 PAIR_PAUSE_S = 0.1
 
 
-def bare_encoder(settings: Settings | None = None) -> Encoder:
+def bare_encoder(settings: Settings | None = None, worker_path: str | None = None) -> Encoder:
     """The floor: the same query through the model in this process, no queue at all, on the
     forward pass the worker's query lane uses with ``settings`` (the default worker's when
     None: its precision, and the frozen graph or the int8 copy: workers/frozen.py,
-    workers/int8.py)."""
+    workers/int8.py).
+
+    ``worker_path``: the query path the worker reports it took. The int8 copy is kept where it
+    wins a timed race at start, which this process can decide the other way (it did: the worker
+    kept int8, this process bf16); then this process takes the worker's choice too."""
     from embedfleet.workers.encoder import Encoder
 
     settings = settings or Settings()
     encoder = Encoder(dtype=settings.dtype)
     if settings.frozen_queries:
         encoder.prepare_query_graph(int8=settings.cpu_int8)
+        if worker_path not in (None, bare_path(encoder)):
+            encoder = _follow_worker(encoder, worker_path, settings)
     for _ in range(10):
         bare_forward(encoder)
+    return encoder
+
+
+def _follow_worker(encoder: Encoder, worker_path: str | None, settings: Settings) -> Encoder:
+    """The bare pass on the query path the worker took (see ``bare_encoder``)."""
+    from embedfleet.workers.encoder import Encoder
+
+    if worker_path == "int8":
+        forward = encoder._build_int8()
+        if forward is not None:
+            encoder._query_forward = forward  # kept whether or not it won the race here
+    elif worker_path == "frozen" and encoder.computes_in_int8:
+        encoder = Encoder(dtype=settings.dtype)  # the bf16 copy, without the int8 one
+        encoder.prepare_query_graph(int8=False)
     return encoder
 
 
@@ -350,7 +370,6 @@ async def run_path(path: str, args: argparse.Namespace) -> PathRun:
     if args.slice_ms is not None:
         env["EMBEDFLEET_SLICE_MS"] = f"{args.slice_ms:g}"
         forced = forced.model_copy(update={"slice_ms": args.slice_ms})
-    encoder = bare_encoder(forced)
     with redis_server() as server:
         settings = Settings(redis_url=server.url, namespace=f"lat{uuid.uuid4().hex[:6]}")
         port = free_port()
@@ -360,6 +379,9 @@ async def run_path(path: str, args: argparse.Namespace) -> PathRun:
                 await producer.embed_query(QUERY, timeout=300)  # waits for the model to load
                 for _ in range(20):
                     await producer.embed_query(QUERY, timeout=30)
+                # built now: it takes the query path the worker reports (see bare_encoder)
+                worker_query_path = (await slice_report(metrics_url)).query_path
+                encoder = bare_encoder(forced, worker_query_path)
                 rows = {}
                 bare, rows[("idle", 1)] = await paired_latencies(
                     encoder, producer, args.queries, args.pair_pause
