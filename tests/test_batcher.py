@@ -10,7 +10,13 @@ import pytest
 
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.batcher import padding_waste, plan_batches
-from embedfleet.workers.cost_model import SLICE_HEADROOM, Coefficients, Shape
+from embedfleet.workers.cost_model import (
+    SLICE_HEADROOM,
+    TRUSTED_AFTER,
+    Coefficients,
+    Shape,
+    SliceCost,
+)
 from embedfleet.workers.worker import Worker
 
 
@@ -72,7 +78,10 @@ def _worker(slice_ms: float, measured: bool = True) -> Worker:
     if measured:
         for path in ("eager", "frozen", "int8"):
             shapes = [Shape.padded(n, w) for n, w in ((64, 24), (8, 24), (4, 256))]
-            worker._slice_cost(path).seed([(s, _PER_TOKEN.seconds(s)) for s in shapes])
+            cost = worker._slice_cost(path)
+            cost.seed([(s, _PER_TOKEN.seconds(s)) for s in shapes])
+            for shape in shapes * 3:  # its own batches measured: the fit alone sizes them
+                cost.observe(shape, _PER_TOKEN.seconds(shape))
     return worker
 
 
@@ -85,7 +94,11 @@ def test_each_forward_path_has_its_own_cost_model() -> None:
     assert worker._bulk_frozen() and worker._bulk_path() == "frozen"
     worker.encoder.computes_in_int8 = True  # type: ignore[misc]
     assert worker._bulk_path() == "int8"
-    worker._slice_cost("int8").seed([(Shape.padded(64, 24), 0.5)])  # int8 here: much slower
+    slow = SliceCost("int8")  # int8 here: much slower
+    slow.seed([(Shape.padded(64, 24), 0.5)])
+    for _ in range(TRUSTED_AFTER):
+        slow.observe(Shape.padded(64, 24), 0.5)
+    worker.slice_costs["int8"] = slow
     int8_limit = worker._slice_limit()
     worker.encoder.computes_in_int8 = False  # type: ignore[misc]
     frozen_limit = worker._slice_limit()

@@ -16,6 +16,8 @@ from embedfleet.workers.cost_model import (
     MAX_HEADROOM,
     MIN_HEADROOM,
     SLICE_HEADROOM,
+    TRUSTED_AFTER,
+    UNPROVEN_MIN_TOKENS,
     Coefficients,
     Shape,
     SliceClock,
@@ -30,9 +32,16 @@ TRUE = Coefficients(fixed=1e-3, per_token=20e-6, per_square=0.1e-6)
 SHAPES = [Shape.padded(n, w) for n, w in ((64, 24), (8, 24), (4, 256), (32, 64), (16, 128))]
 
 
-def _seeded(coefficients: Coefficients = TRUE, path: str = "frozen") -> SliceCost:
+def _seeded(
+    coefficients: Coefficients = TRUE, path: str = "frozen", trusted: bool = False
+) -> SliceCost:
+    """A path's model seeded from three probe shapes; ``trusted``: and TRUSTED_AFTER running
+    batches measured exactly as predicted (no floor left)."""
     cost = SliceCost(path)  # type: ignore[arg-type]
     cost.seed([(shape, coefficients.seconds(shape)) for shape in SHAPES[:3]])
+    for n in range(TRUSTED_AFTER if trusted else 0):
+        shape = SHAPES[n % len(SHAPES)]
+        cost.observe(shape, coefficients.seconds(shape))
     return cost
 
 
@@ -68,8 +77,9 @@ def test_a_long_sequence_mix_gets_a_smaller_batch_whose_predicted_slice_fits() -
     predicted slice stays within headroom x target. One rate per token (the old sizing) would
     give both the same tokens and let the long batch overrun."""
     target = 0.050
-    limit = _seeded().limit(target)
+    limit = _seeded(trusted=True).limit(target)
     assert limit is not None and limit.seconds == pytest.approx(SLICE_HEADROOM * target)
+    assert limit.min_tokens == 0
     short, long_ = ([32] * 400, [256] * 400)
     plans = {
         name: plan_batches(lengths, 4096, 128, max_texts=limit.max_texts)
@@ -86,6 +96,24 @@ def test_a_long_sequence_mix_gets_a_smaller_batch_whose_predicted_slice_fits() -
     for width, batches in ((32, plans["short"]), (256, plans["long"])):
         fullest = max(len(b.positions) for b in batches)
         assert limit.predicted(Shape.padded(fullest + 1, width)) > limit.seconds
+
+
+def test_until_a_path_has_measured_its_own_batches_none_is_cut_below_the_old_floor() -> None:
+    """A seed timed in a burst of contention (here: every probe 50x slow) would cut the first
+    windows, planned from the seed alone, into single texts; until TRUSTED_AFTER running
+    batches are measured, no batch is cut below UNPROVEN_MIN_TOKENS, then the fit alone rules."""
+    slow = Coefficients(50 * TRUE.fixed, 50 * TRUE.per_token, 50 * TRUE.per_square)
+    cost = _seeded(slow)
+    limit = cost.limit(0.050)
+    assert limit is not None and limit.min_tokens == UNPROVEN_MIN_TOKENS
+    assert limit.max_texts(np.array([16]))[0] == UNPROVEN_MIN_TOKENS // 16
+    assert limit.fits(UNPROVEN_MIN_TOKENS, UNPROVEN_MIN_TOKENS * 16)
+    for n in range(TRUSTED_AFTER):
+        shape = SHAPES[n % len(SHAPES)]
+        cost.observe(shape, slow.seconds(shape))
+    trusted = cost.limit(0.050)
+    assert trusted is not None and trusted.min_tokens == 0
+    assert trusted.max_texts(np.array([16]))[0] < UNPROVEN_MIN_TOKENS // 16
 
 
 def test_max_texts_is_the_largest_count_that_fits_and_at_least_one() -> None:

@@ -34,6 +34,10 @@ nearly every slice. So the headroom is measured too: SAFETY over the 90th percen
 (measured / predicted) ratios, unclipped, within [MIN_HEADROOM, MAX_HEADROOM]; SLICE_HEADROOM
 until enough ratios are known. A noisy machine gets smaller batches; a quiet one, fuller ones.
 
+Until a path has measured TRUSTED_AFTER of its own batches, none is cut below
+UNPROVEN_MIN_TOKENS: the first windows are planned from the seed alone, and one seed timed in a
+burst of contention must not cut a whole window into single texts.
+
 **Sizing** (:class:`SliceLimit`): an immutable snapshot of one path's coefficients and limit
 that the planner reads on the tokenizer thread while the event loop refits (a new snapshot is
 swapped in whole). For a padded batch it gives the most texts of each width that fit; for a
@@ -75,6 +79,13 @@ HEADROOM_QUANTILE = 90
 # observation enters the fit with (see the module docstring).
 RECENT = 48
 CLIP = 2.0
+# Until a path has this many running observations its batches are never cut below
+# UNPROVEN_MIN_TOKENS (the old sizing's floor): the first windows are planned from the seed
+# alone, a window of up to 1,024 texts at once, and a seed timed while another process held a
+# core (probe slices 40-80x their quiet time were seen on a shared 2-core VM) cut a whole window
+# into single texts. Once the path has measured its own batches, the fit is trusted alone.
+TRUSTED_AFTER = 8
+UNPROVEN_MIN_TOKENS = 512
 # Recent observations weigh less with age: halved every HALF_LIFE batches.
 HALF_LIFE = 24
 # Each seed observation counts as SEED_WEIGHT recent ones at first, halved every SEED_HALF_LIFE
@@ -131,20 +142,24 @@ class SliceLimit:
 
     cost: Coefficients
     seconds: float  # headroom x slice target
+    min_tokens: int = 0  # never cut below this many tokens (UNPROVEN_MIN_TOKENS, or none)
 
     def max_texts(self, widths: np.ndarray) -> np.ndarray:
         """The most texts a padded batch of each width may hold (at least 1: a text cannot be
-        split; a single text over the limit gets its own batch)."""
+        split; a single text over the limit gets its own batch; at least ``min_tokens``)."""
         widths = np.asarray(widths, dtype=np.float64)
         per_text = self.cost.per_token * widths + self.cost.per_square * widths * widths
         room = self.seconds - self.cost.fixed
         with np.errstate(divide="ignore", invalid="ignore"):
             fitting = np.where(per_text > 0, np.floor(room / np.maximum(per_text, 1e-300)), _NO_CAP)
-        return np.clip(fitting, 1, _NO_CAP).astype(np.int64)
+            floor = np.floor(self.min_tokens / np.maximum(widths, 1))
+        return np.clip(np.maximum(fitting, floor), 1, _NO_CAP).astype(np.int64)
 
     def fits(self, tokens: int, squares: int) -> bool:
         """Whether a packed batch with these sums stays inside the limit."""
-        return self.cost.seconds(Shape(tokens, squares)) <= self.seconds
+        return (
+            tokens <= self.min_tokens or self.cost.seconds(Shape(tokens, squares)) <= self.seconds
+        )
 
     def predicted(self, shape: Shape) -> float:
         return self.cost.seconds(shape)
@@ -210,7 +225,8 @@ class SliceCost:
         cost = self._cost
         if cost is None or target_seconds <= 0:
             return None
-        return SliceLimit(cost, self.headroom * target_seconds)
+        floor = UNPROVEN_MIN_TOKENS if self.observed < TRUSTED_AFTER else 0
+        return SliceLimit(cost, self.headroom * target_seconds, floor)
 
     def _refit(self) -> None:
         rows: list[np.ndarray] = []
