@@ -489,7 +489,7 @@ def main(
     auto_precision = "bf16" if auto.precision.dtype != torch.float32 else "fp32"
     # the worker's query/bulk graph, built now as a default worker would (EMBEDFLEET_CPU_INT8),
     # so that "fleet auto" is labelled with what it computes in and no round pays the compile
-    auto.prepare_query_graph(int8=defaults.cpu_int8)
+    auto.prepare_query_graph(int8=defaults.cpu_int8_choice)
     auto_label = "int8" if auto.computes_in_int8 else auto_precision
 
     st = SentenceTransformer(str(resolve_model_path(fp32.name)), device=str(dev))

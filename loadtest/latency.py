@@ -74,10 +74,23 @@ PATHS: dict[str, dict[str, str]] = {
         "EMBEDFLEET_CPU_INT8": "false",
         "EMBEDFLEET_FROZEN_BULK": "true",
     },
-    # the int8 copy, where the worker builds and keeps it (auto kept bf16, the copy was faster)
+    # an int8 copy where one wins the timed race at start (CPU_INT8_PATH auto)
     "int8": {
         "EMBEDFLEET_DTYPE": "auto",
         "EMBEDFLEET_CPU_INT8": "true",
+        "EMBEDFLEET_FROZEN_BULK": "true",
+    },
+    # each int8 copy forced (kept whenever it holds the float32 bar, no race)
+    "int8-w8a8": {
+        "EMBEDFLEET_DTYPE": "auto",
+        "EMBEDFLEET_CPU_INT8": "true",
+        "EMBEDFLEET_CPU_INT8_PATH": "w8a8",
+        "EMBEDFLEET_FROZEN_BULK": "true",
+    },
+    "int8-dynamic": {
+        "EMBEDFLEET_DTYPE": "auto",
+        "EMBEDFLEET_CPU_INT8": "true",
+        "EMBEDFLEET_CPU_INT8_PATH": "dynamic",
         "EMBEDFLEET_FROZEN_BULK": "true",
     },
     # packed rows (the CUDA layout) on the CPU, eager, sliced per layer
@@ -109,39 +122,22 @@ def path_settings(path: str) -> Settings:
 PAIR_PAUSE_S = 0.1
 
 
-def bare_encoder(settings: Settings | None = None, worker_path: str | None = None) -> Encoder:
+def bare_encoder(settings: Settings | None = None) -> Encoder:
     """The floor: the same query through the model in this process, no queue at all, on the
     forward pass the worker's query lane uses with ``settings`` (the default worker's when
-    None: its precision, and the frozen graph or the int8 copy: workers/frozen.py,
-    workers/int8.py).
-
-    ``worker_path``: the query path the worker reports it took. The int8 copy is kept where it
-    wins a timed race at start, which this process can decide the other way (it did: the worker
-    kept int8, this process bf16); then this process takes the worker's choice too."""
+    None: its precision, and the frozen graph or an int8 copy: workers/frozen.py,
+    workers/int8.py). Where the int8 copy is chosen by a timed race at start (CPU_INT8_PATH
+    auto) this process can decide it the other way: the table shows both paths; the forced
+    int8 paths (``int8-w8a8``, ``int8-dynamic``) skip the race."""
     from embedfleet.workers.encoder import Encoder
 
     settings = settings or Settings()
     encoder = Encoder(dtype=settings.dtype)
-    if settings.frozen_queries:
-        encoder.prepare_query_graph(int8=settings.cpu_int8)
-        if worker_path not in (None, bare_path(encoder)):
-            encoder = _follow_worker(encoder, worker_path, settings)
+    if settings.frozen_queries:  # as the worker's query lane does (EMBEDFLEET_* settings)
+        encoder.prepare_query_graph(int8=settings.cpu_int8_choice)
+    print(f"bare forward path: {encoder.forward_path}")
     for _ in range(10):
         bare_forward(encoder)
-    return encoder
-
-
-def _follow_worker(encoder: Encoder, worker_path: str | None, settings: Settings) -> Encoder:
-    """The bare pass on the query path the worker took (see ``bare_encoder``)."""
-    from embedfleet.workers.encoder import Encoder
-
-    if worker_path == "int8":
-        forward = encoder._build_int8()
-        if forward is not None:
-            encoder._query_forward = forward  # kept whether or not it won the race here
-    elif worker_path == "frozen" and encoder.computes_in_int8:
-        encoder = Encoder(dtype=settings.dtype)  # the bf16 copy, without the int8 one
-        encoder.prepare_query_graph(int8=False)
     return encoder
 
 
@@ -379,9 +375,7 @@ async def run_path(path: str, args: argparse.Namespace) -> PathRun:
                 await producer.embed_query(QUERY, timeout=300)  # waits for the model to load
                 for _ in range(20):
                     await producer.embed_query(QUERY, timeout=30)
-                # built now: it takes the query path the worker reports (see bare_encoder)
-                worker_query_path = (await slice_report(metrics_url)).query_path
-                encoder = bare_encoder(forced, worker_query_path)
+                encoder = bare_encoder(forced)
                 rows = {}
                 bare, rows[("idle", 1)] = await paired_latencies(
                     encoder, producer, args.queries, args.pair_pause

@@ -286,3 +286,46 @@ class LocalCluster:
             capture_output=True,
             timeout=120,
         )
+
+    def move_slot(self, slot: int, to_port: int, *, finish: bool = True) -> None:
+        """Move one slot by hand, the steps ``redis-cli --cluster reshard`` takes: IMPORTING on
+        the target, MIGRATING on the source, MIGRATE of every key in the slot, then (``finish``)
+        the target named as the slot's owner on every master. Unfinished, the slot is left
+        half-moved: the source answers ASK for the keys it no longer holds."""
+        source = self.master_of(slot)
+        target = next(node for node in self.masters() if node.port == to_port)
+        with (
+            contextlib.closing(self.client(source.port)) as from_client,
+            contextlib.closing(self.client(to_port)) as to_client,
+        ):
+            to_client.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source.node_id)
+            from_client.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target.node_id)
+            while keys := from_client.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+                from_client.execute_command(
+                    "MIGRATE", "127.0.0.1", to_port, "", 0, 5000, "KEYS", *keys
+                )
+        if finish:
+            self.finish_slot_move(slot, to_port)
+
+    def finish_slot_move(self, slot: int, to_port: int) -> None:
+        """Name the node on ``to_port`` the owner of ``slot`` on every master (the target
+        first, as redis-cli does), and wait until the nodes agree."""
+        target = next(node for node in self.nodes() if node.port == to_port)
+        ports = [to_port, *(m.port for m in self.masters() if m.port != to_port)]
+        for port in ports:
+            with contextlib.closing(self.client(port)) as client:
+                client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target.node_id)
+        self.wait_healthy()
+        if self.master_of(slot).port != to_port:
+            raise RuntimeError(f"slot {slot} is not on {to_port} after the move")
+
+    def pause(self, port: int) -> None:
+        """SIGSTOP one node: it holds its sockets open and answers nothing (a hung machine)."""
+        process = self.servers[port].process
+        assert process is not None
+        os.kill(process.pid, signal.SIGSTOP)
+
+    def resume(self, port: int) -> None:
+        process = self.servers[port].process
+        assert process is not None
+        os.kill(process.pid, signal.SIGCONT)

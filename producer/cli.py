@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -12,7 +14,8 @@ import click
 import numpy as np
 
 from embedfleet.producer.client import Producer, QueryTimeoutError
-from embedfleet.producer.export import SUPPORTED_SUFFIXES, ExportRow, write_export
+from embedfleet.producer.enqueue import Enqueued
+from embedfleet.producer.export import SUPPORTED_SUFFIXES, ExportWriter, write_export
 from embedfleet.producer.jsonl import BadLine, read_chunks
 from embedfleet.producer.waiting import (
     client_for,
@@ -59,15 +62,25 @@ def _settings(redis_url: str | None) -> Settings:
     help="With --documents: tokens shared by consecutive chunks "
     "(default EMBEDFLEET_DOCUMENT_OVERLAP_TOKENS).",
 )
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Add every chunk, also those the job already has with the same text (a job remembers "
+    "its ids for EMBEDFLEET_JOB_IDS_TTL_S and skips them): to embed them again, say after "
+    "their vectors' table was wiped.",
+)
 @click.option("--wait", is_flag=True, help="Wait until every chunk is embedded or dead-lettered.")
 @click.option("--timeout", type=float, default=None, help="With --wait: give up after N seconds.")
-@json_report_option("the job, the chunks enqueued and, with --wait, how they ended,")
+@json_report_option(
+    "the job, the chunks enqueued, those already in the job and, with --wait, how they ended,"
+)
 @redis_url_option
 def enqueue_command(
     sources: tuple[str, ...],
     job: str | None,
     documents: bool,
     overlap: int | None,
+    force: bool,
     wait: bool,
     timeout: float | None,
     as_json: bool,
@@ -83,6 +96,9 @@ def enqueue_command(
     With --documents, each SOURCE is a whole document (text or Markdown file; its path is its
     id) or a JSONL file of documents; every chunk carries the document's meta plus doc, n and
     the character offsets start/end.
+
+    A job skips the chunks it already has (same id, same text and meta): re-running an enqueue
+    adds nothing, and says so. --force adds them again.
     """
     if timeout is not None and not wait:
         raise click.UsageError("--timeout applies only with --wait")
@@ -92,11 +108,16 @@ def enqueue_command(
     settings = _settings(redis_url)
     dead: list[int] = []  # the dead-lettered count, once --wait has seen the job finish
     if documents:
-        count = run_client(_enqueue_documents(settings, sources, job, overlap, wait, timeout, dead))
+        count = run_client(
+            _enqueue_documents(settings, sources, job, overlap, force, wait, timeout, dead)
+        )
         if as_json:
             _report_enqueue(job, count, [], dead)
         else:
-            click.echo(f"enqueued {count} chunks of {len(sources)} sources as job {job!r}")
+            click.echo(
+                f"enqueued {_counted(count)} chunks of {len(sources)} sources as job {job!r}"
+            )
+            _say_present(count, job)
         if any(dead):
             sys.exit(ExitCode.DEAD_LETTERS)
         return
@@ -104,11 +125,12 @@ def enqueue_command(
         raise click.UsageError("give one JSON Lines SOURCE (or --documents for several files)")
     rejected: list[BadLine] = []
     with click.open_file(sources[0], encoding="utf-8") as source:
-        count = run_client(_enqueue(settings, source, job, wait, timeout, rejected, dead))
+        count = run_client(_enqueue(settings, source, job, force, wait, timeout, rejected, dead))
     if as_json:
         _report_enqueue(job, count, rejected, dead)
     else:
-        click.echo(f"enqueued {count} chunks as job {job!r}")
+        click.echo(f"enqueued {_counted(count)} chunks as job {job!r}")
+        _say_present(count, job)
     for bad in rejected[:20]:
         click.echo(f"line {bad.line_number}: {bad.reason}", err=True)
     if rejected:
@@ -119,10 +141,26 @@ def enqueue_command(
         sys.exit(ExitCode.REJECTED_LINES)
 
 
-def _report_enqueue(job: str, count: int, rejected: list[BadLine], dead: list[int]) -> None:
+def _counted(count: Enqueued) -> str:
+    """``30``, or ``0 of 30`` when some chunks were already in the job."""
+    return f"{int(count)} of {count.chunks}" if count.present else str(int(count))
+
+
+def _say_present(count: Enqueued, job: str) -> None:
+    if count.present:
+        click.echo(
+            f"{count.present} chunks were already in job {job!r} with the same text and were "
+            "not added again (a job remembers its ids for EMBEDFLEET_JOB_IDS_TTL_S). To embed "
+            "them again, say after their table was wiped: the same enqueue with --force",
+            err=True,
+        )
+
+
+def _report_enqueue(job: str, count: Enqueued, rejected: list[BadLine], dead: list[int]) -> None:
     report: dict[str, object] = {
         "job": job,
-        "enqueued": count,
+        "enqueued": int(count),
+        "already_present": count.present,
         "rejected_lines": [{"line": bad.line_number, "reason": bad.reason} for bad in rejected],
     }
     if dead:  # --wait saw the job end
@@ -134,18 +172,21 @@ async def _enqueue(
     settings: Settings,
     source: IO[str],  # click.open_file: a text file, or stdin for "-"
     job: str,
+    force: bool,
     wait: bool,
     timeout: float | None,
     rejected: list[BadLine],
     dead: list[int],
-) -> int:
+) -> Enqueued:
     async with client_for(settings) as producer:
         with Progress("enqueue", "chunks") as bar:
             count = await producer.enqueue(
-                read_chunks(source, job, rejected, settings.chunk_limits), on_batch=bar.update
+                read_chunks(source, job, rejected, settings.chunk_limits),
+                on_batch=bar.update,
+                force=force,
             )
-        if wait and count:
-            dead.append((await _wait_with_bar(producer, job, count, timeout)).dead)
+        if wait and count.chunks:  # chunks already in the job may still be on their way
+            dead.append((await _wait_with_bar(producer, job, count.chunks, timeout)).dead)
     return count
 
 
@@ -154,10 +195,11 @@ async def _enqueue_documents(
     sources: tuple[str, ...],
     job: str,
     overlap: int | None,
+    force: bool,
     wait: bool,
     timeout: float | None,
     dead: list[int],
-) -> int:
+) -> Enqueued:
     from embedfleet.producer.documents import read_documents
 
     paths = [Path(source) for source in sources]
@@ -173,12 +215,15 @@ async def _enqueue_documents(
         with Progress("enqueue", "chunks") as bar:
             try:
                 count = await producer.enqueue(
-                    splitter.split_all(read_documents(paths), job), job=job, on_batch=bar.update
+                    splitter.split_all(read_documents(paths), job),
+                    job=job,
+                    on_batch=bar.update,
+                    force=force,
                 )
             except ValueError as error:  # a bad JSONL document line
                 raise click.ClickException(str(error)) from None
-        if wait and count:
-            dead.append((await _wait_with_bar(producer, job, count, timeout)).dead)
+        if wait and count.chunks:
+            dead.append((await _wait_with_bar(producer, job, count.chunks, timeout)).dead)
     return count
 
 
@@ -201,51 +246,120 @@ async def _wait_with_bar(
 
 
 @click.command("results")
-@click.option("--job", help="Only this job's results.")
+@click.option("--job", help="Only this job's results (not with --consume).")
 @click.option(
     "--out",
     required=True,
     type=click.Path(dir_okay=False, path_type=Path),
-    help="Output file: .npz (arrays ids, vectors fp16) or .jsonl ({id, vector}).",
+    help="Output file: .npz (arrays ids, vectors fp16) or .jsonl ({id, vector}), written a "
+    "page at a time.",
+)
+@click.option(
+    "--consume",
+    is_flag=True,
+    help="Redis sink: drain the results streams: each page is written, then acknowledged and "
+    "deleted; several readers share the work, and a crashed reader's page is claimed by another "
+    "after EMBEDFLEET_RESULTS_CLAIM_IDLE_MS. Ends once nothing is left on the streams.",
+)
+@click.option(
+    "--follow",
+    is_flag=True,
+    help="With --consume: keep draining as results arrive, until SIGTERM or Ctrl-C (then the "
+    "file is finished with every page taken).",
+)
+@click.option(
+    "--page",
+    type=click.IntRange(min=1),
+    default=1000,
+    show_default=True,
+    help="Results read, held and written at a time.",
 )
 @json_report_option("what was written, and from where,")
 @redis_url_option
-def results_command(job: str | None, out: Path, as_json: bool, redis_url: str | None) -> None:
-    """Export vectors, one per id, from wherever the workers write them (EMBEDFLEET_SINK).
+def results_command(
+    job: str | None,
+    out: Path,
+    consume: bool,
+    follow: bool,
+    page: int,
+    as_json: bool,
+    redis_url: str | None,
+) -> None:
+    """Export vectors from wherever the workers write them (EMBEDFLEET_SINK), a page at a time:
+    the export holds one page in memory, not the job.
 
-    The Redis sink: read from the results stream, the latest result per id winning. A vector
-    database (lancedb://, postgresql://, qdrant://): its rows, sorted by id.
+    The Redis sink: the results streams in stream order, read, or with --consume drained (read,
+    written, acknowledged and deleted). A chunk enqueued twice has its id twice; keep the last.
+    A vector database (lancedb://, postgresql://, qdrant://): its rows, one per id.
     """
     if out.suffix.lower() not in SUPPORTED_SUFFIXES:
         raise click.BadParameter("must end in .npz or .jsonl", param_hint="--out")
+    if follow and not consume:
+        raise click.UsageError("--follow applies only with --consume")
+    if consume and job is not None:
+        raise click.UsageError(
+            "--consume drains every job's results; export one job without --consume"
+        )
     settings = _settings(redis_url)
     try:
-        target = parse_sink_url(settings.sink, settings.sink_table)
+        target = parse_sink_url(settings.sink, settings.sink_table, settings.s3_endpoint_url)
         if target.kind == "redis":
-            rows: list[ExportRow] = list(run_client(_collect(settings, job)).values())
+            with ExportWriter(out) as writer:
+                run_client(_export_stream(settings, writer, job, page, consume, follow))
+            count = writer.count
             streams = ", ".join(p.results for p in settings.keys.partitions_keys)
             where = f"the results stream {streams}"
         else:
+            if consume:
+                raise click.UsageError("--consume applies to the Redis sink's results streams")
             with open_backend(target) as backend:
-                rows = list(backend.export_rows(job))
+                count = write_export(backend.export_rows(job), out, page)
             where = target.describe()
     except (SinkURLError, VectorDBError, MissingExtraError) as error:
         raise click.ClickException(str(error)) from None
-    count = write_export(rows, out)
     if as_json:
         click.echo(json.dumps({"vectors": count, "source": where, "out": str(out)}))
     else:
         click.echo(f"wrote {count} vectors from {where} to {out}")
 
 
-async def _collect(settings: Settings, job: str | None) -> dict[str, Result]:
-    latest: dict[str, Result] = {}
+async def _export_stream(
+    settings: Settings,
+    writer: ExportWriter,
+    job: str | None,
+    page: int,
+    consume: bool,
+    follow: bool = False,
+) -> None:
+    """The results streams into ``writer``, one page held at a time; with ``consume`` each page
+    is acknowledged (and deleted) only once written and fsynced; with ``follow`` until SIGTERM
+    or SIGINT, which end it between pages."""
+    stop = asyncio.Event()
+    if follow:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
     async with client_for(settings) as producer:
         with Progress("read results", "results") as bar:
-            async for result in producer.results(job=job):
-                latest[result.id] = result
-                bar.update()
-    return latest
+            if consume:
+                reader = producer.results_reader(page=page)
+                try:
+                    while (taken := await reader.next_page(follow=follow, stop=stop)) is not None:
+                        writer.write(taken.results, durable=True)  # on disk, then acked
+                        await reader.acknowledge(taken)
+                        bar.update(len(taken.results))
+                finally:
+                    await reader.close()
+                return
+            batch: list[Result] = []
+            async for result in producer.results(job=job, page=page):
+                batch.append(result)
+                if len(batch) >= page:
+                    writer.write(batch)
+                    bar.update(len(batch))
+                    batch = []
+            writer.write(batch)
+            bar.update(len(batch))
 
 
 @click.command("query")

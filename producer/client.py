@@ -14,15 +14,23 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
 
-from embedfleet.producer.enqueue import queue_enqueue
+from embedfleet.producer.confirmed_writes import Group, write_confirmed
+from embedfleet.producer.enqueue import (
+    EnqueueCall,
+    Enqueued,
+    enqueue_command,
+    finished_ttl_command,
+    script_counts,
+)
 from embedfleet.producer.polling import PollPacer
 from embedfleet.producer.replies import Answers, pop_answers
+from embedfleet.producer.results_reader import ResultsReader
 from embedfleet.shared.fault_kinds import is_transient
 from embedfleet.shared.jobs import JobProgress
 from embedfleet.shared.keys import Keys
@@ -32,10 +40,12 @@ from embedfleet.shared.protocol import (
     DEFAULT_LIMITS,
     OPTION_NAMES,
     PAYLOAD_FIELD,
+    REPRESENTATION_OPTION_NAMES,
     Chunk,
     ChunkLimits,
     ProtocolError,
     Result,
+    SparseVector,
     chunk_from_mapping,
     decode_result,
     encode_chunk,
@@ -44,8 +54,8 @@ from embedfleet.shared.protocol import (
 from embedfleet.shared.redis_conn import (
     connect_client_settings,
     ensure_groups,
-    is_cluster,
     redact_url,
+    stream_entries,
 )
 from embedfleet.shared.retry import (
     LogOutages,
@@ -62,6 +72,9 @@ if TYPE_CHECKING:
 log = get_logger("embedfleet.producer")
 # How often a client without the model card asks Redis for it again (no worker has started yet)
 CARD_RECHECK_S = 1.0
+# How late past a query's deadline a round trip may still answer (a BLPOP ends at the deadline
+# by itself) before it counts as a hung Redis and is cancelled
+REPLY_MARGIN_S = 0.25
 ChunkLike = Chunk | Mapping[str, Any]
 
 
@@ -109,7 +122,10 @@ def as_chunk(
     if isinstance(item, Chunk):
         chunk = item if job is None or item.job == job else dataclasses.replace(item, job=job)
     else:
-        fields = {name: item.get(name) for name in ("id", "text", "meta", *OPTION_NAMES)}
+        fields = {
+            name: item.get(name)
+            for name in ("id", "text", "meta", *OPTION_NAMES, *REPRESENTATION_OPTION_NAMES)
+        }
         chunk = chunk_from_mapping(fields, limits, job=job or item.get("job"))
     if options is not None:
         chunk = options.apply(chunk)
@@ -203,8 +219,16 @@ class Producer:
         batch_size: int = 1000,
         on_batch: Callable[[int], None] | None = None,
         options: EmbeddingOptions | None = None,
-    ) -> int:
-        """XADD every chunk, ``batch_size`` per pipelined round trip; returns how many.
+        force: bool = False,
+    ) -> Enqueued:
+        """XADD every chunk, ``batch_size`` per pipelined round trip; returns how many were
+        added (an ``Enqueued``: an int, with ``present``, the chunks skipped because their job
+        already had them with the same payload, and ``chunks``, all of them).
+
+        A job remembers its chunk ids for EMBEDFLEET_JOB_IDS_TTL_S after its latest enqueue
+        (producer/enqueue.py): enqueueing them again adds nothing, unless ``force`` (after
+        their vectors were lost, say a wiped table); a batch re-sent after a fault still adds
+        each chunk once.
 
         ``options`` (prompt, dimensions, dtype) apply to every chunk that has none of its own.
         A malformed option, or one the served model cannot honour (when a worker has published
@@ -214,16 +238,24 @@ class Producer:
         entries once they are acknowledged.
         """
         await self.setup()
-        total = 0
+        call = EnqueueCall(force=force)
+        total = Enqueued()
         batch: list[Chunk] = []
         for item in chunks:
             chunk = as_chunk(item, job, options, self.settings.chunk_limits)
             batch.append(await self._checked(chunk))
             if len(batch) >= batch_size:
-                total += await self._send(batch, on_batch)
+                total += await self._send(batch, on_batch, call)
                 batch = []
         if batch:
-            total += await self._send(batch, on_batch)
+            total += await self._send(batch, on_batch, call)
+        if total.present:
+            log.info(
+                "chunks already enqueued in their job were not added again",
+                present=total.present,
+                added=int(total),
+                override="force=True (embedfleet enqueue --force) adds them again",
+            )
         return total
 
     async def enqueue_documents(
@@ -235,9 +267,10 @@ class Producer:
         prompt_name: str | None = None,
         batch_size: int = 1000,
         on_batch: Callable[[int], None] | None = None,
-    ) -> int:
+        force: bool = False,
+    ) -> Enqueued:
         """Split whole documents ({"id", "text", "meta"?} or ``Document``) with the model's own
-        tokenizer and enqueue the chunks; returns how many chunks.
+        tokenizer and enqueue the chunks; returns how many chunks were added (``enqueue``).
 
         Chunks are ``<id>#<n>``, at most the model's maximum length minus special and prompt
         tokens, overlapping by ``overlap_tokens`` (default EMBEDFLEET_DOCUMENT_OVERLAP_TOKENS),
@@ -247,7 +280,11 @@ class Producer:
         await self.model_card()  # the published maximum and prompts, where a worker ran
         splitter = self.document_splitter(overlap_tokens, prompt_name)
         return await self.enqueue(
-            splitter.split_all(documents, job), job=job, batch_size=batch_size, on_batch=on_batch
+            splitter.split_all(documents, job),
+            job=job,
+            batch_size=batch_size,
+            on_batch=on_batch,
+            force=force,
         )
 
     def document_splitter(
@@ -312,7 +349,9 @@ class Producer:
 
         return max(int(n) for n in await self.retry.call("read the backlog", lengths))
 
-    async def _send(self, batch: list[Chunk], on_batch: Callable[[int], None] | None) -> int:
+    async def _send(
+        self, batch: list[Chunk], on_batch: Callable[[int], None] | None, call: EnqueueCall
+    ) -> Enqueued:
         """Send one batch, each chunk to its partition, again after a fault: whether or not the
         server applied the lost try, the enqueue script adds and counts each chunk of a job once.
         With EMBEDFLEET_MIN_REPLICAS, a partition whose replicas did not confirm its chunks is
@@ -322,10 +361,14 @@ class Producer:
             by_partition.setdefault(self.keys.partition_for(chunk.id), []).append(chunk)
         await self._wait_for_room(by_partition)
         unsent = by_partition
+        # per partition, what this call added: a partition's latest try counts all of it (the
+        # script counts a chunk the call added before a lost reply as added by it again)
+        added: dict[Keys, int] = {}
 
         async def attempt() -> None:
             nonlocal unsent
-            unsent = await self._send_once(unsent)
+            unsent, added_now = await self._send_once(unsent, call)
+            added.update(added_now)
             if unsent:
                 raise ReplicasNotConfirmedError(
                     f"fewer than EMBEDFLEET_MIN_REPLICAS={self.settings.min_replicas} replicas "
@@ -336,71 +379,64 @@ class Producer:
         await self.retry.call(f"enqueue a batch of {len(batch)} chunks", attempt)
         if on_batch is not None:
             on_batch(len(batch))
-        return len(batch)
+        total = sum(added.values())
+        return Enqueued(total, len(batch) - total)
 
-    async def _send_once(self, by_partition: dict[Keys, list[Chunk]]) -> dict[Keys, list[Chunk]]:
+    async def _send_once(
+        self, by_partition: dict[Keys, list[Chunk]], call: EnqueueCall
+    ) -> tuple[dict[Keys, list[Chunk]], dict[Keys, int]]:
         """One pipelined round trip (per node, on a cluster, the nodes in parallel): per
         partition and job, the enqueue script, whose keys all share the partition's slot;
         chunks without a job, a plain XADD each (nothing counts them: a re-sent one is at worst
-        embedded twice). Returns the partitions whose replicas did not confirm them."""
-        pipe = self.client.pipeline(transaction=False)
-        scripts: list[int] = []  # positions of the script replies
+        embedded twice). With EMBEDFLEET_MIN_REPLICAS, WAIT on the connection that made each
+        partition's writes, wherever a moving slot sent them (producer/confirmed_writes.py).
+        Returns the partitions whose replicas did not confirm them (to be sent again), and how
+        many of each partition's chunks this call has added."""
+        groups: dict[Keys, Group[Keys]] = {}
+        added: dict[Keys, int] = {}
         for partition, chunks in by_partition.items():
+            commands: list[tuple[Any, ...]] = []
             by_job: dict[str, list[tuple[str, bytes]]] = {}
             for chunk in chunks:
                 payload = encode_chunk(chunk)
                 if chunk.job is None:
-                    pipe.xadd(partition.ingest, {PAYLOAD_FIELD: payload})
+                    commands.append(("XADD", partition.ingest, "*", PAYLOAD_FIELD, payload))
+                    added[partition] = added.get(partition, 0) + 1
                 else:
                     by_job.setdefault(chunk.job, []).append((chunk.id, payload))
             for job, job_chunks in by_job.items():
-                scripts.append(len(pipe))
-                queue_enqueue(
-                    pipe,
-                    stream=partition.ingest,
-                    counters=partition.job(job),
-                    id_record=partition.job_ids(job),
-                    chunks=job_chunks,
-                    id_record_ttl_s=self.settings.job_ids_ttl_s,
+                commands.append(
+                    enqueue_command(
+                        stream=partition.ingest,
+                        counters=partition.job(job),
+                        id_record=partition.job_ids(job),
+                        chunks=job_chunks,
+                        id_record_ttl_s=self.settings.job_ids_ttl_s,
+                        call=call,
+                    )
                 )
+                finished = finished_ttl_command(
+                    partition.job(job),
+                    self.settings.job_ids_ttl_s,
+                    self.settings.job_ids_finished_ttl_s,
+                )
+                if finished is not None:
+                    commands.append(finished)
             if by_job:
                 # Outside the script, but in the partition's slot too (its own jobs index).
-                pipe.sadd(partition.jobs_index, *by_job)
-        waits = self._queue_replica_waits(pipe, by_partition)
-        replies = await pipe.execute()
-        with_job = sum(1 for chunks in by_partition.values() for c in chunks if c.job is not None)
-        repeated = with_job - sum(int(replies[position]) for position in scripts)
-        if repeated:
-            log.info("chunks already enqueued in their job were not added again", repeated=repeated)
-        if not waits:
-            return {}
-        needed = self.settings.min_replicas
-        return {
-            partition: by_partition[partition]
-            for partitions, replicas in zip(waits, replies[-len(waits) :], strict=True)
-            if int(replicas) < needed
-            for partition in partitions
-        }
-
-    def _queue_replica_waits(
-        self, pipe: Any, by_partition: dict[Keys, list[Chunk]]
-    ) -> list[list[Keys]]:
-        """``WAIT min_replicas timeout`` at the end of the pipeline, once per node written to:
-        WAIT confirms the writes made before it on the same connection, and a cluster pipeline
-        sends each node's commands, in order, on one connection."""
-        if not self.settings.min_replicas:
-            return []
-        wait = ("WAIT", self.settings.min_replicas, self.settings.min_replicas_timeout_ms)
-        if not is_cluster(self.client):
-            pipe.execute_command(*wait)
-            return [list(by_partition)]
-        by_node: dict[str, tuple[Any, list[Keys]]] = {}
-        for partition in by_partition:
-            node = self.client.get_node_from_key(partition.ingest)  # type: ignore[attr-defined]
-            by_node.setdefault(node.name, (node, []))[1].append(partition)
-        for node, _ in by_node.values():
-            pipe.execute_command(*wait, target_nodes=node)
-        return [partitions for _, partitions in by_node.values()]
+                commands.append(("SADD", partition.jobs_index, *by_job))
+            groups[partition] = Group(partition.ingest, commands)
+        written = await write_confirmed(
+            self.client,
+            groups,
+            self.settings.min_replicas,
+            self.settings.min_replicas_timeout_ms,
+        )
+        for partition, replies in written.replies.items():
+            for reply in replies:
+                if isinstance(reply, list):  # an enqueue script's [added, again]
+                    added[partition] = added.get(partition, 0) + sum(script_counts(reply))
+        return {partition: by_partition[partition] for partition in written.unconfirmed}, added
 
     # --- priority queries -------------------------------------------------------------
     async def embed_query(
@@ -455,6 +491,45 @@ class Producer:
             self.keys.query_lane.interactive, "texts", texts, timeout, options
         )
 
+    async def embed_sparse(
+        self,
+        texts: Sequence[str],
+        *,
+        timeout: float = 10.0,
+        max_active_dims: int | None = None,
+        lane: Literal["query", "texts"] = "query",
+    ) -> list[SparseVector]:
+        """Sparse (SPLADE) weights of ``texts`` from a fleet serving a SparseEncoder, as
+        ``SparseEncoder.encode`` gives them (``max_active_dims``: only the largest that many
+        per text). ``lane``: the query stream (few, short texts) or the interactive one.
+        Timeouts and Redis faults as :meth:`embed_queries`."""
+        stream = self.keys.query_lane.query if lane == "query" else self.keys.query_lane.interactive
+        extra = {"representations": ("sparse",), "max_active_dims": max_active_dims}
+        answers = await self._answers(stream, lane, texts, timeout, None, extra=extra)
+        vectors = [answers.results[index].sparse for index in range(len(texts))]
+        if any(vector is None for vector in vectors):
+            raise ValueError("the workers answered without sparse weights")
+        return [vector for vector in vectors if vector is not None]
+
+    async def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        timeout: float = 10.0,
+        lane: Literal["query", "texts"] = "query",
+    ) -> np.ndarray:
+        """Scores of (``query``, document) for each document, in the documents' order, from a
+        fleet serving a cross-encoder: ``CrossEncoder.predict``'s values. Sort them to rank.
+        A thousand documents belong on ``lane="texts"`` (bulk-sized batches)."""
+        stream = self.keys.query_lane.query if lane == "query" else self.keys.query_lane.interactive
+        answers = await self._answers(
+            stream, "pairs", [query] * len(documents), timeout, None, pairs=documents
+        )
+        return np.array(
+            [answers.results[index].score for index in range(len(documents))], dtype=np.float32
+        )
+
     async def _request(
         self,
         stream: str,
@@ -465,6 +540,23 @@ class Producer:
     ) -> np.ndarray:
         """Send ``texts`` to ``stream`` under one request id and collect their answers from the
         request's reply list (producer/replies.py), withdrawing them if they come too late."""
+        return (await self._answers(stream, what, texts, timeout, options)).array()
+
+    async def _answers(
+        self,
+        stream: str,
+        what: str,
+        texts: Sequence[str],
+        timeout: float,
+        options: EmbeddingOptions | None,
+        *,
+        pairs: Sequence[str] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> Answers:
+        """:meth:`_request`'s answers, whole (each input's Result); ``pairs``: each text's
+        document for a cross-encoder; ``extra``: Chunk fields every input gets."""
+        if pairs is not None and len(pairs) != len(texts):
+            raise ValueError("one document per query: pairs and texts differ in length")
         if not texts:
             raise ValueError(f"embedding {what} needs at least one text")
         if any(not isinstance(t, str) for t in texts):
@@ -486,36 +578,44 @@ class Producer:
                 # the worker's own checks, with the configured limits, before anything is sent
                 chunk = as_chunk(
                     Chunk(
-                        id=f"{request}:{index}", text=text, reply=request, deadline_ms=deadline_ms
+                        id=f"{request}:{index}",
+                        text=text,
+                        reply=request,
+                        deadline_ms=deadline_ms,
+                        pair=pairs[index] if pairs is not None else None,
+                        **(extra or {}),
                     ),
                     None,
                     options,
                     self.settings.chunk_limits,
                 )
-                if options is not None:
+                if options is not None or pairs is not None or extra:
                     chunk = await self._checked(chunk, deadline=give_up_at)
                 payloads.append(encode_chunk(chunk))
             while not answers.complete:
                 remaining = give_up_at - time.monotonic()
-                if remaining <= 0:
+                if remaining <= 0.01:  # BLPOP's timeout 0 would wait for ever
                     break
+                # one BLPOP waits at most EMBEDFLEET_BLOCK_MS (the connection's read timeout is
+                # sized for it); the round trip as a whole is bounded by the deadline, so a hung
+                # Redis is given up on there (a TimeoutError: transient, then past the deadline)
+                blocking = min(remaining, self.settings.block_ms / 1000)
                 try:
-                    if send:
-                        unanswered = answers.unanswered()
-                        sent, popped = await self._send_request(
-                            stream, [payloads[i] for i in unanswered], reply_key, remaining
-                        )
-                        entry_ids += sent
-                        send = False
-                    else:
-                        popped = await pop_answers(self.client, reply_key, remaining)
+                    async with asyncio.timeout(remaining + REPLY_MARGIN_S):
+                        if send:
+                            unanswered = answers.unanswered()
+                            sent, popped = await self._send_request(
+                                stream, [payloads[i] for i in unanswered], reply_key, blocking
+                            )
+                            entry_ids += sent
+                            send = False
+                        else:
+                            popped = await pop_answers(self.client, reply_key, blocking)
                 except Exception as error:
                     send = True
                     await tries.failed(error)
                     continue
                 tries.succeeded()
-                if not popped:
-                    break  # BLPOP timed out: no worker answered in time
                 for payload in popped:
                     failure = answers.take(payload)
                     if failure is not None:
@@ -532,7 +632,7 @@ class Producer:
                 f"no answer within {timeout}s for {answers.missing} of {len(texts)} "
                 f"{what}. Are workers running? Check: redis-cli XINFO GROUPS {stream}"
             )
-        return answers.array()
+        return answers
 
     async def _send_request(
         self, stream: str, payloads: list[bytes], reply_key: str, timeout: float
@@ -546,19 +646,34 @@ class Producer:
         return entry_ids, [] if popped is None else [popped[1]]
 
     async def _withdraw(self, stream: str, entry_ids: list[bytes], reply_key: str) -> None:
-        """Take an unanswered request's entries back, once: if Redis is away, the workers skip
-        them anyway (they are past their deadline) and the reply key expires. An entry a worker
-        has already read is answered onto the deleted key, which then expires."""
+        """Take an unanswered request's entries back, once, within
+        EMBEDFLEET_REDIS_CLEANUP_TIMEOUT_S: if Redis is away or hung, the workers skip them
+        anyway (they are past their deadline) and the reply key expires. An entry a worker has
+        already read is answered onto the deleted key, which then expires."""
         pipe = self.client.pipeline(transaction=True)  # the query lane's keys share a slot
         if entry_ids:
             pipe.xdel(stream, *entry_ids)
         pipe.delete(reply_key)
         try:
-            await pipe.execute()
+            # bounded: the caller's timeout (or cancellation) must hold with Redis hung
+            async with asyncio.timeout(self.settings.redis_cleanup_timeout_s):
+                await pipe.execute()
         except Exception as error:
             if not is_transient(error):
                 raise
             log.info("could not withdraw queries: redis unavailable", error=describe(error))
+
+    def results_reader(self, *, consumer: str | None = None, page: int = 1000) -> ResultsReader:
+        """A consuming reader of the results streams, page by page (``next_page`` /
+        ``acknowledge``), for callers that acknowledge only once a page is stored."""
+        return ResultsReader(
+            self.client,
+            self.keys,
+            self.retry,
+            consumer=consumer,
+            page=page,
+            claim_idle_ms=self.settings.results_claim_idle_ms,
+        )
 
     # --- jobs ---------------------------------------------------------------------------
     async def progress(self, job: str, *, deadline: float | None = None) -> JobProgress:
@@ -612,23 +727,50 @@ class Producer:
                 pacer.delay(time.monotonic(), progress.done + progress.dead, progress.enqueued)
             )
 
-    async def results(self, *, job: str | None = None, page: int = 1000) -> AsyncIterator[Result]:
+    async def results(
+        self,
+        *,
+        job: str | None = None,
+        page: int = 1000,
+        consume: bool = False,
+        consumer: str | None = None,
+    ) -> AsyncIterator[Result]:
         """Every result in the results streams (optionally one job's), oldest first within each
         partition, one partition after the other.
 
-        Redeliveries can write an id twice; callers that need one vector per id keep the last
-        (a chunk id always routes to the same partition, so its copies are in one stream).
+        A chunk enqueued twice (a changed text, a re-sent chunk without a job) has its id
+        written twice; callers that need one vector per id keep the last (a chunk id always
+        routes to the same partition, so its copies are in one stream).
+
+        ``consume``: drain the streams instead of only reading them (producer/results_reader.py):
+        each page is acknowledged and deleted once the loop asks for the next one, several
+        readers share the work, and results a crashed reader held are claimed after
+        EMBEDFLEET_RESULTS_CLAIM_IDLE_MS. Ends when nothing is left on the streams or pending.
+        A consuming read takes every job's results (``job`` must be None); ``consumer`` names
+        this reader in the group (default: host, pid and a random suffix).
         """
+        if consume:
+            if job is not None:
+                raise ValueError(
+                    "a consuming read takes every job's results: filter them yourself, or read "
+                    "one job without consuming"
+                )
+            reader = self.results_reader(consumer=consumer, page=page)
+            try:
+                async for result in reader.consume():
+                    yield result
+            finally:
+                await reader.close()
+            return
         for partition in self.keys.partitions_keys:
             start = "-"
             while True:
-                entries = await self.retry.call(
-                    "read results",
-                    # Paged by entry id, so a page read again after a fault is the same page.
-                    lambda start=start, key=partition.results: self.client.xrange(
-                        key, min=start, count=page
-                    ),
-                )
+
+                async def read_page(start: str = start, key: str = partition.results) -> object:
+                    return await self.client.xrange(key, min=start, count=page)
+
+                # Paged by entry id, so a page read again after a fault is the same page.
+                entries = stream_entries(await self.retry.call("read results", read_page))
                 if not entries:
                     break
                 for _, fields in entries:

@@ -19,16 +19,26 @@ per partition with that partition's keys. Nothing here assumes a single ingest s
 
 Chunks without a job have no counter that a re-send could put off, and are added with a plain
 XADD: a re-sent one is at worst embedded twice, and the sinks upsert by id.
+
+Each record also holds the token of the enqueue call that added it, so the script can tell the
+caller the truth: ``added`` now, ``again`` (this same call added them before a reply was lost:
+added by this call all the same) and the rest, already in the job before this call. ``force``
+(``enqueue --force``) adds ids the job already has, for a re-embed after their vectors were
+lost (a wiped table): the records then hold this call's token, so a re-send within the call
+still adds each chunk once.
 """
 
 from __future__ import annotations
 
 import hashlib
+import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
 from embedfleet.shared import scripts
+from embedfleet.shared.jobs import IDS_TTL_AFTER_DONE_FIELD
 from embedfleet.shared.protocol import PAYLOAD_FIELD
 
 ENQUEUE_SCRIPT = scripts.load("enqueue")
@@ -42,6 +52,56 @@ def payload_digest(payload: bytes) -> bytes:
     return hashlib.blake2b(payload, digest_size=8).digest()
 
 
+def new_call_token() -> bytes:
+    """The token one enqueue call writes into the id records it adds (8 bytes)."""
+    return secrets.token_bytes(8)
+
+
+@dataclass(frozen=True)
+class EnqueueCall:
+    """What one ``Producer.enqueue`` call passes to every script call it makes."""
+
+    token: bytes = field(default_factory=new_call_token)
+    force: bool = False
+
+
+def enqueue_command(
+    *,
+    stream: str,
+    counters: str,
+    id_record: str,
+    chunks: Sequence[tuple[str, bytes]],
+    id_record_ttl_s: int,
+    call: EnqueueCall,
+) -> tuple[str | bytes | int, ...]:
+    """The script call (EVAL and its arguments) for ``chunks`` (id, encoded payload) of one job.
+
+    Its reply is ``[added, again]`` (``shared/scripts/enqueue.lua``); read it with
+    :func:`script_counts`."""
+    args: list[str | bytes | int] = [id_record_ttl_s, call.token, int(call.force)]
+    for chunk_id, payload in chunks:
+        args += [chunk_id, payload_digest(payload), payload]
+    return ("EVAL", ENQUEUE_SCRIPT, 3, stream, counters, id_record, *args)
+
+
+def finished_ttl_command(
+    counters: str, id_record_ttl_s: int, finished_ttl_s: int
+) -> tuple[str | int, ...] | None:
+    """The HSET that tells the workers' acknowledgement script (acknowledge.lua) to give the
+    job's id record ``finished_ttl_s`` (EMBEDFLEET_JOB_IDS_FINISHED_TTL_S) once the job has
+    finished; None when that would not shorten its life. Sent after the job's enqueue script,
+    in the partition's slot (the job's counters hash)."""
+    if not finished_ttl_s or (id_record_ttl_s and finished_ttl_s >= id_record_ttl_s):
+        return None
+    return ("HSET", counters, IDS_TTL_AFTER_DONE_FIELD, finished_ttl_s)
+
+
+def script_counts(reply: Sequence[int]) -> tuple[int, int]:
+    """(added now, added by this same call before a lost reply) from the script's reply."""
+    added, again = reply
+    return int(added), int(again)
+
+
 def queue_enqueue(
     pipe: aioredis.client.Pipeline,
     *,
@@ -50,12 +110,48 @@ def queue_enqueue(
     id_record: str,
     chunks: Sequence[tuple[str, bytes]],
     id_record_ttl_s: int,
+    call: EnqueueCall | None = None,
 ) -> None:
-    """Queue one script call on ``pipe`` for ``chunks`` (id, encoded payload) of one job.
+    """Queue one script call on ``pipe`` (see :func:`enqueue_command`; by default a call of
+    its own that skips ids the job already has)."""
+    pipe.execute_command(
+        *enqueue_command(
+            stream=stream,
+            counters=counters,
+            id_record=id_record,
+            chunks=chunks,
+            id_record_ttl_s=id_record_ttl_s,
+            call=call or EnqueueCall(),
+        )
+    )
 
-    Its reply in the pipeline's results is how many entries were really added
-    (``shared/scripts/enqueue.lua``)."""
-    args: list[str | bytes | int] = [id_record_ttl_s]
-    for chunk_id, payload in chunks:
-        args += [chunk_id, payload_digest(payload), payload]
-    pipe.eval(ENQUEUE_SCRIPT, 3, stream, counters, id_record, *args)
+
+class Enqueued(int):
+    """What ``Producer.enqueue`` did: the int is how many chunks this call added to the ingest
+    stream (each will be embedded); ``present`` how many it skipped because their job already
+    had them, with the same payload, from an earlier enqueue (``enqueue --force`` adds them
+    again). Chunks without a job are always added."""
+
+    present: int
+
+    def __new__(cls, added: int = 0, present: int = 0) -> Enqueued:
+        self = super().__new__(cls, added)
+        self.present = present
+        return self
+
+    @property
+    def added(self) -> int:
+        return int(self)
+
+    @property
+    def chunks(self) -> int:
+        """Every chunk the call was given: added or already present."""
+        return int(self) + self.present
+
+    def __add__(self, other: object) -> Enqueued:
+        if isinstance(other, Enqueued):
+            return Enqueued(int(self) + int(other), self.present + other.present)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"Enqueued(added={int(self)}, present={self.present})"

@@ -12,9 +12,26 @@ the seed's billion-chunk case through it):
 - the backlog is bounded by backpressure: producers wait while a partition holds
   EMBEDFLEET_BACKLOG_HIGH_WATER entries, so at most ``high_water × partitions`` chunks wait, at
   the measured bytes per entry;
-- result bandwidth = F × result payload bytes (fp16: 2 bytes per dimension plus the envelope),
-  and with the Redis sink the results stream grows by the measured bytes per stored result until
-  a reader trims it (a vector database sink stores nothing in Redis).
+- host cores per worker (GPU) = its texts/s ÷ the texts/s one host core carries through the
+  worker's pipeline around the model (read, decode, tokenize, plan, collate, cast, pack, write:
+  ``python -m loadtest.host_pipeline``, issue 29), and worker processes per GPU
+  (EMBEDFLEET_REPLICAS) = its texts/s ÷ one process's rate, since one process keeps about one
+  core busy (its tokenizer thread sets the pace);
+- in-flight entries: each worker holds about two reads (``--read-count`` entries each: one
+  window being computed, one queued) pending in the group, at the bytes of a backlog entry plus
+  the bytes of its pending-list record;
+- result bandwidth = F × result payload bytes (fp16: 2 bytes per dimension plus the envelope);
+  with the Redis sink each partition's results stream holds at most
+  EMBEDFLEET_RESULTS_MAX_ENTRIES results (workers wait at the bound until a consuming reader
+  drains it), so at most ``results_max × partitions`` results at the bytes per stored result
+  (0: no bound, the whole run; a vector database sink stores nothing in Redis);
+- job id records: one field per chunk of a running job (the id and an 8-byte digest), until
+  EMBEDFLEET_JOB_IDS_FINISHED_TTL_S after the job finishes: the whole run's chunks if it is one
+  job (enqueue in smaller jobs, or without a job, to bound it).
+
+Redis memory is the sum. ``--measure`` measures the bytes per entry of each kind on the Redis at
+hand (``MEMORY USAGE`` of sample keys written to a scratch namespace, then deleted) instead of
+taking the figures' ones.
 
 The per-shard figures default to the ones measured by ``python -m loadtest.cluster`` and quoted
 in docs/SCALING.md; ``--figures`` reads another run's ``--json`` output.
@@ -25,11 +42,21 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import click
+import numpy as np
+import redis.asyncio as aioredis
+
+from embedfleet.producer.enqueue import new_call_token, payload_digest
+from embedfleet.producer.waiting import client_for, redis_url_option, run_client, verb_settings
+from embedfleet.shared.keys import Keys
+from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, Result, encode_chunk, encode_result
+from embedfleet.shared.redis_conn import redact_url
+from embedfleet.shared.settings import AUTO_BATCHING, Settings
 
 # `python -m loadtest.cluster --entries 12000` on the 2-core AMD EPYC VM at load ~20 (shared with
 # other jobs): one Python client per shard, so floors (docs/SCALING.md)
@@ -47,6 +74,23 @@ MEASURED_FIGURES: dict[str, Any] = {
     "bytes_per_result_dim384": 1_018,
     "bytes_per_result_dim768": 1_895,
     "bytes_per_result_dim1024": 2_675,
+    # `embedfleet plan --measure` on redis-server 7.0.15 (ids of 13 characters; a record is the
+    # payload digest and the enqueue call token, 16 bytes)
+    "bytes_per_pending_entry": 110,
+    "bytes_per_job_id": 80,
+}
+# `python -m loadtest.host_pipeline --texts 10000 --rounds 3 --processes 1,2` (issue 29;
+# docs/BENCHMARKS.md, "Host pipeline"): the worker with the stand-in encoder at zero cost on the
+# benchmark corpus (~64 tokens a text), one process, on the same 2-core AMD EPYC VM under load
+# from other jobs (load ~7), so floors. One place for these figures: the plan uses them and
+# docs/BENCHMARKS.md quotes them; `--figures` with a host_pipeline run's keys overrides them.
+HOST_FIGURES: dict[str, float] = {
+    # texts/s one worker process carries around the model (1 process, path "after")
+    "host_texts_per_s_per_process": 6_158,
+    # the same divided by the cores that process keeps busy (all its threads; Redis not counted)
+    "host_texts_per_core_s": 8_554,
+    # the raw tokenizer alone on one thread, same texts, per CPU second: the floor compared with
+    "tokenizer_texts_per_core_s": 14_135,
 }
 ENVELOPE_BYTES = 80  # a result's msgpack fields besides the vector (id, model, dim, dtype, ...)
 
@@ -62,6 +106,18 @@ class Plan:
     result_mb_per_s: float
     results_gib: float
     per_shard_backlog_gib: float
+    inflight_entries: int = 0
+    inflight_gib: float = 0.0
+    results_entries: int = 0
+    job_ids_gib: float = 0.0
+
+    host_cores_per_worker: int = 0
+    host_processes_per_worker: int = 0
+
+    @property
+    def redis_gib(self) -> float:
+        """Redis memory for the fleet's entries: backlog, in flight, results, job ids."""
+        return self.backlog_gib + self.inflight_gib + self.results_gib + self.job_ids_gib
 
 
 def _at_dim(figures: dict[str, Any], name: str, dim: int) -> float:
@@ -93,6 +149,8 @@ def make_plan(
     figures: dict[str, Any],
     shard_utilization: float = 0.5,
     high_water: int = 1_000_000,
+    results_max_entries: int = 0,
+    read_count: int = 8192,
 ) -> Plan:
     fleet = texts_per_s_per_worker * workers
     write_per_s = _at_dim(figures, "write_{dim}_per_s", dim)
@@ -105,6 +163,11 @@ def make_plan(
     entry_bytes = float(figures["bytes_per_backlog_entry"])
     result_payload = dim * 2 + ENVELOPE_BYTES
     result_bytes = _at_dim(figures, "bytes_per_result_{dim}", dim)
+    inflight = int(min(chunks, 2 * read_count * workers))
+    pending_bytes = float(figures.get("bytes_per_pending_entry", 0))
+    results_entries = int(
+        chunks if results_max_entries <= 0 else min(chunks, results_max_entries * shards)
+    )
     return Plan(
         fleet_per_s=fleet,
         hours_to_drain=chunks / fleet / 3600,
@@ -113,9 +176,24 @@ def make_plan(
         peak_backlog=peak_backlog,
         backlog_gib=peak_backlog * entry_bytes / 2**30,
         result_mb_per_s=fleet * result_payload / 1e6,
-        results_gib=chunks * result_bytes / 2**30,
+        results_gib=results_entries * result_bytes / 2**30,
         per_shard_backlog_gib=peak_backlog * entry_bytes / 2**30 / shards,
+        inflight_entries=inflight,
+        inflight_gib=inflight * (entry_bytes + pending_bytes) / 2**30,
+        results_entries=results_entries,
+        job_ids_gib=chunks * float(figures.get("bytes_per_job_id", 0)) / 2**30,
+        host_cores_per_worker=math.ceil(
+            texts_per_s_per_worker / _host_figure(figures, "host_texts_per_core_s")
+        ),
+        host_processes_per_worker=math.ceil(
+            texts_per_s_per_worker / _host_figure(figures, "host_texts_per_s_per_process")
+        ),
     )
+
+
+def _host_figure(figures: dict[str, Any], name: str) -> float:
+    """A host pipeline figure: the given figures' (a host_pipeline run), else HOST_FIGURES."""
+    return float(figures.get(name, HOST_FIGURES[name]))
 
 
 def render(plan: Plan, *, chunks: float, dim: int, workers: int, rate: float) -> str:
@@ -130,11 +208,79 @@ def render(plan: Plan, *, chunks: float, dim: int, workers: int, rate: float) ->
             f"peak backlog      {plan.peak_backlog:,} entries = {plan.backlog_gib:,.1f} GiB "
             f"({plan.per_shard_backlog_gib:,.2f} GiB per shard; bounded by "
             "EMBEDFLEET_BACKLOG_HIGH_WATER per partition)",
+            f"in flight         {plan.inflight_entries:,} entries = {plan.inflight_gib:,.2f} GiB "
+            "(two reads per worker, pending in the group)",
+            f"host per worker   {plan.host_cores_per_worker} cores and "
+            f"{plan.host_processes_per_worker} worker processes (EMBEDFLEET_REPLICAS) to feed "
+            f"{rate:,.0f} texts/s: tokenizing, decoding, packing and writing around the model "
+            "(docs/BENCHMARKS.md, host pipeline)",
             f"result bandwidth  {plan.result_mb_per_s:,.0f} MB/s of fp16 results",
-            f"results in Redis  {plan.results_gib:,.0f} GiB if all kept on the results stream "
-            "(Redis sink, never trimmed); 0 with a vector database sink",
+            f"results in Redis  {plan.results_entries:,} = {plan.results_gib:,.1f} GiB "
+            + (
+                "(Redis sink: bounded by EMBEDFLEET_RESULTS_MAX_ENTRIES per partition while a "
+                "consuming reader drains; 0 with a vector database or Parquet sink)"
+                if plan.results_entries < chunks
+                else "(Redis sink, the whole run: nothing bounds it below the run's size; 0 with "
+                "a vector database or Parquet sink)"
+            ),
+            f"job id records    {plan.job_ids_gib:,.1f} GiB (one per chunk of a running job, "
+            "until EMBEDFLEET_JOB_IDS_FINISHED_TTL_S after it ends: enqueue in smaller jobs to "
+            "bound it)",
+            f"Redis memory      {plan.redis_gib:,.1f} GiB in all (set maxmemory above it, "
+            "maxmemory-policy noeviction, appendonly yes)",
         ]
     )
+
+
+async def measure_entry_sizes(
+    client: aioredis.Redis, namespace: str, *, dim: int, text_chars: int, samples: int = 1000
+) -> dict[str, float]:
+    """Bytes per backlog entry, pending entry, stored result (at ``dim``) and job id record,
+    from MEMORY USAGE of sample keys in a scratch namespace (deleted after): each the growth
+    from ``samples`` to twice as many entries, so a key's fixed overhead is not counted. The
+    pending entry: the server's used_memory growth when the samples are read in a group."""
+    keys = Keys(namespace=f"{namespace}:plan-sample-{uuid.uuid4().hex[:8]}")
+    text = ("lorem ipsum dolor sit amet " * (text_chars // 27 + 1))[:text_chars]
+    vector = np.linspace(-1, 1, dim).astype(np.float16)
+
+    async def usage(key: str) -> int:
+        return int(await client.memory_usage(key, samples=0) or 0)
+
+    async def add(first: int) -> None:
+        pipe = client.pipeline(transaction=False)
+        for i in range(first, first + samples):
+            chunk_id = f"doc-{i:08d}#0"
+            chunk = Chunk(id=chunk_id, text=text, job="plan", meta={"source": "plan"})
+            pipe.xadd(keys.ingest, {PAYLOAD_FIELD: encode_chunk(chunk)})
+            result = Result(id=chunk_id, model="model", vector=vector, job="plan")
+            pipe.xadd(keys.results, {PAYLOAD_FIELD: encode_result(result)})
+            # the record's value: the payload's digest and the enqueue call's token
+            record = payload_digest(encode_chunk(chunk)) + new_call_token()
+            pipe.hset(keys.job_ids("plan"), chunk_id, record)
+        await pipe.execute()
+
+    measured_keys = (keys.ingest, keys.results, keys.job_ids("plan"))
+    try:
+        await add(0)
+        before = [await usage(key) for key in measured_keys]
+        await add(samples)
+        after = [await usage(key) for key in measured_keys]
+        # MEMORY USAGE counts a group's pending list several times over (Redis 7.0: ~550 B per
+        # entry for ~85 B), so that one is the server's used_memory growth: exact on a quiet
+        # server, noisy on a busy one
+        await client.xgroup_create(keys.ingest, keys.group, id="0")
+        used_before = int((await client.info("memory"))["used_memory"])
+        await client.xreadgroup(keys.group, "plan", {keys.ingest: ">"}, count=2 * samples)
+        used_after = int((await client.info("memory"))["used_memory"])
+    finally:
+        await client.delete(*measured_keys)
+    backlog, results, job_ids = ((a - b) / samples for a, b in zip(after, before, strict=True))
+    return {
+        "bytes_per_backlog_entry": round(backlog),
+        f"bytes_per_result_dim{dim}": round(results),
+        "bytes_per_pending_entry": max(0, round((used_after - used_before) / (2 * samples))),
+        "bytes_per_job_id": round(job_ids),
+    }
 
 
 @click.command("plan")
@@ -167,6 +313,34 @@ def render(plan: Plan, *, chunks: float, dim: int, workers: int, rate: float) ->
     show_default=True,
     help="EMBEDFLEET_BACKLOG_HIGH_WATER (per partition).",
 )
+@click.option(
+    "--results-max-entries",
+    type=click.IntRange(min=0),
+    default=Settings.model_fields["results_max_entries"].default,
+    show_default=True,
+    help="EMBEDFLEET_RESULTS_MAX_ENTRIES (per partition; 0: results kept, the whole run).",
+)
+@click.option(
+    "--read-count",
+    type=click.IntRange(min=1),
+    default=AUTO_BATCHING["cuda"].read_count,
+    show_default=True,
+    help="EMBEDFLEET_READ_COUNT of the workers (entries each holds, twice, in flight).",
+)
+@click.option(
+    "--measure",
+    is_flag=True,
+    help="Measure the bytes per backlog entry, pending entry, result and job id on the Redis at "
+    "EMBEDFLEET_REDIS_URL (MEMORY USAGE of sample keys, deleted after).",
+)
+@click.option(
+    "--text-chars",
+    type=click.IntRange(min=1),
+    default=500,
+    show_default=True,
+    help="With --measure: the characters of a sample chunk's text.",
+)
+@redis_url_option
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan_command(
     chunks: float,
@@ -176,6 +350,11 @@ def plan_command(
     figures: Path | None,
     shard_utilization: float,
     high_water: int,
+    results_max_entries: int,
+    read_count: int,
+    measure: bool,
+    text_chars: int,
+    redis_url: str | None,
     as_json: bool,
 ) -> None:
     """Shards, time, memory and bandwidth for embedding CHUNKS with WORKERS workers.
@@ -185,7 +364,10 @@ def plan_command(
     """
     if chunks <= 0 or rate <= 0 or workers <= 0:
         raise click.BadParameter("chunks, rate and workers must be positive")
-    loaded = MEASURED_FIGURES if figures is None else json.loads(figures.read_text())
+    loaded = dict(MEASURED_FIGURES if figures is None else json.loads(figures.read_text()))
+    if measure:
+        settings = verb_settings(redis_url)
+        loaded |= run_client(_measure(settings, dim, text_chars))
     result = make_plan(
         chunks=chunks,
         dim=dim,
@@ -194,8 +376,22 @@ def plan_command(
         figures=loaded,
         shard_utilization=shard_utilization,
         high_water=high_water,
+        results_max_entries=results_max_entries,
+        read_count=read_count,
     )
     if as_json:
-        click.echo(json.dumps(result.__dict__))
+        click.echo(json.dumps(result.__dict__ | {"redis_gib": result.redis_gib}))
     else:
         click.echo(render(result, chunks=chunks, dim=dim, workers=workers, rate=rate))
+
+
+async def _measure(settings: Settings, dim: int, text_chars: int) -> dict[str, float]:
+    async with client_for(settings) as producer:
+        sizes = await producer.retry.call(
+            "measure entry sizes",
+            lambda: measure_entry_sizes(
+                producer.client, settings.namespace, dim=dim, text_chars=text_chars
+            ),
+        )
+    click.echo(f"measured on {redact_url(settings.effective_redis_url)}: {sizes}", err=True)
+    return sizes

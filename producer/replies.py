@@ -59,6 +59,8 @@ class Answers:
         self.vectors: np.ndarray | None = None
         self.answered = np.zeros(count, dtype=bool)
         self.failures: dict[int, QueryFailedError] = {}
+        # each answered input's whole result (sparse weights, scores), by position
+        self.results: dict[int, Result] = {}
 
     @property
     def complete(self) -> bool:
@@ -92,6 +94,7 @@ class Answers:
         return None
 
     def _store(self, index: int, result: Result) -> None:
+        self.results[index] = result
         vector = result.vector
         if result.dtype in ("float16", "float32"):
             vector = vector.astype(np.float32)

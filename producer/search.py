@@ -39,7 +39,7 @@ SNIPPET_CHARS = 72  # one line of a 120-column terminal, with the score, id and 
 def _target(verb: str, redis_url: str | None = None) -> tuple[Settings, SinkTarget]:
     try:
         settings = load_settings(**({"redis_url": redis_url} if redis_url else {}))
-        target = parse_sink_url(settings.sink, settings.sink_table)
+        target = parse_sink_url(settings.sink, settings.sink_table, settings.s3_endpoint_url)
     except (SettingsError, SinkURLError) as error:
         raise click.ClickException(str(error)) from None
     if target.kind == "redis":

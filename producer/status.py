@@ -234,6 +234,14 @@ def report(
             "method": METHOD,
         },
         "backlog": backlog(snapshot),
+        # the partitions whose results stream is at EMBEDFLEET_RESULTS_MAX_ENTRIES: their
+        # workers wait for a consuming reader (workers/sinks/redis_stream.py)
+        "results_max_entries": settings.results_max_entries,
+        "results_full": [
+            p.index
+            for p in snapshot.partitions
+            if settings.results_max_entries and p.results_length >= settings.results_max_entries
+        ],
         # JSON has no infinity: a stalled fleet (backlog, no progress) has eta null + stalled.
         "eta_s": None if eta is None or math.isinf(eta) else round(eta, 1),
         "stalled": eta is not None and math.isinf(eta),
@@ -318,6 +326,13 @@ def render(data: dict[str, Any], *, consumers_shown: int = 10, jobs_shown: int =
         lines.append("throughput  measuring (needs a second snapshot)")
     else:
         lines.append("throughput  not measured (--sample 0)")
+    if data.get("results_full"):
+        lines.append(
+            f"results     WARNING: at EMBEDFLEET_RESULTS_MAX_ENTRIES "
+            f"({_n(data['results_max_entries'])}) on partition(s) "
+            f"{', '.join(str(i) for i in data['results_full'])}: workers wait until a reader "
+            "drains it (embedfleet results --out FILE --consume)"
+        )
     if data["backlog"] == 0:
         lines.append("drain       nothing to do: no lag, nothing pending")
     elif data["stalled"]:

@@ -6,18 +6,25 @@ lists (a caller waits for an answer that is gone) and job id records (a re-sent 
 twice). The ``allkeys-*`` policies can delete the backlog itself. With ``noeviction`` a full
 Redis refuses writes instead; the fleet waits that out (a transient fault), so nothing is lost.
 
-The worker checks at start and warns; ``embedfleet status`` reports it. Managed services often
+The worker and ``embedfleet serve`` check at start and warn (``warn_on_eviction_policy``);
+``embedfleet status`` reports it. Managed services often
 disable CONFIG: the policy is then read from ``INFO memory``, and when neither answers the check
 says it could not be made, never that all is well.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
+
+from embedfleet.shared.fault_kinds import BackoffPolicy, classify, is_transient
+from embedfleet.shared.logging import get_logger
+
+log = get_logger("embedfleet.redis")
 
 REQUIRED_POLICY = "noeviction"
 FIX = f"maxmemory-policy {REQUIRED_POLICY}"
@@ -94,3 +101,29 @@ async def check_eviction_policy(client: aioredis.Redis) -> EvictionPolicy:
             return EvictionPolicy(policy)
         refused.append("INFO memory has no maxmemory_policy")
     return EvictionPolicy(None, "; ".join(refused))
+
+
+async def warn_on_eviction_policy(client: aioredis.Redis) -> EvictionPolicy:
+    """Check Redis's maxmemory-policy once it answers and warn unless it is noeviction. A Redis
+    not up yet is retried without a word: the process's own start reports that outage. Run it
+    beside the start (a task), so that a person reads the warning early."""
+    backoff = BackoffPolicy()
+    while True:
+        try:
+            found = await check_eviction_policy(client)
+            break
+        except Exception as error:
+            if not is_transient(error):  # the process's own start says what is wrong
+                found = EvictionPolicy(None, classify(error).detail)
+                break
+            await asyncio.sleep(backoff.next_delay())
+    if found.warning is not None:
+        log.warning(
+            "redis may evict the fleet's keys",
+            policy=found.policy,
+            fix=FIX,
+            detail=found.warning,
+        )
+    else:
+        log.info("redis eviction policy checked", policy=found.policy)
+    return found

@@ -41,6 +41,7 @@ class System(StrEnum):
     POSTGRESQL = "postgresql"
     QDRANT = "qdrant"
     LANCEDB = "lancedb"
+    PARQUET = "parquet"  # the Parquet sink's folder or object store
     UNKNOWN = "unknown"
 
 
@@ -50,6 +51,7 @@ SETTING_FOR_SYSTEM: dict[System, str] = {
     System.POSTGRESQL: "EMBEDFLEET_SINK",
     System.QDRANT: "EMBEDFLEET_SINK",
     System.LANCEDB: "EMBEDFLEET_SINK",
+    System.PARQUET: "EMBEDFLEET_SINK",
     System.UNKNOWN: "EMBEDFLEET_SINK",
 }
 

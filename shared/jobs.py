@@ -10,6 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+# Not a counter: the enqueue sets it (EMBEDFLEET_JOB_IDS_FINISHED_TTL_S), and the workers'
+# acknowledgement script gives the job's id record this TTL once the job has finished.
+IDS_TTL_AFTER_DONE_FIELD = "ids_ttl_after_done_s"
+
 
 @dataclass(frozen=True)
 class JobProgress:
@@ -33,5 +37,7 @@ class JobProgress:
         for counters in partitions:
             for key, value in counters.items():
                 name = key.decode() if isinstance(key, bytes) else key
+                if name == IDS_TTL_AFTER_DONE_FIELD:
+                    continue
                 values[name] = values.get(name, 0) + int(value)
         return cls(job, values.get("enqueued", 0), values.get("done", 0), values.get("dead", 0))

@@ -23,6 +23,8 @@ from dataclasses import dataclass, replace
 
 DEFAULT_NAMESPACE = "embedfleet"
 DEFAULT_GROUP = "workers"
+# the group consuming results readers read each results stream through (producer/results_reader.py)
+RESULTS_GROUP = "results-readers"
 CLUSTER_SLOTS = 16384
 MAX_PARTITIONS = 256
 QUERY_LANE_TAG = "q"
@@ -194,6 +196,13 @@ class Keys:
         return self._key("results")
 
     @property
+    def results_group(self) -> str:
+        """Consumer group the consuming results readers (``embedfleet results --consume``,
+        ``Producer.results(consume=True)``) read every results stream through; each result they
+        acknowledge is deleted from the stream."""
+        return RESULTS_GROUP
+
+    @property
     def dead(self) -> str:
         """Dead-letter stream: entries that could not be embedded, with a readable reason."""
         return self._key("dead")
@@ -203,7 +212,8 @@ class Keys:
         return self._key(f"job:{job_id}")
 
     def job_ids(self, job_id: str) -> str:
-        """Hash of the chunk ids a job has enqueued (id -> digest of the payload sent).
+        """Hash of the chunk ids a job has enqueued (id -> digest of the payload sent, then the
+        token of the enqueue call that added it).
 
         The enqueue script reads it so that a re-sent chunk is added and counted once. Its own
         prefix (not ``job:<job>:ids``) so that no job name can collide with another's counters.
@@ -259,6 +269,15 @@ class Keys:
     def batches_active(self) -> str:
         """Set of batches some gateway still has to enqueue or finalize."""
         return f"{self._batch_prefix}:batches:active"
+
+    def owner_batches(self, owner: str) -> str:
+        """Sorted set of one owner's batch ids by creation time: ``GET /v1/batches`` lists only
+        the caller's (an owner is a hash of its API key, gateway/auth.py)."""
+        return f"{self._batch_prefix}:owner:{owner}:batches"
+
+    def owner_batches_active(self, owner: str) -> str:
+        """Set of one owner's active batches, for EMBEDFLEET_BATCH_MAX_ACTIVE_PER_OWNER."""
+        return f"{self._batch_prefix}:owner:{owner}:batches:active"
 
     def batch_lease(self, batch_id: str) -> str:
         """Lease a gateway holds while it works on a batch, so replicas never both do."""

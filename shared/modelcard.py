@@ -82,9 +82,23 @@ class ModelCard:
     """Whether the prompt's tokens are pooled with the text's."""
     architecture: str = ""
     """``config.json``'s first architecture, e.g. ``BertModel``."""
+    representations: tuple[str, ...] = ("dense",)
+    """What the model gives (shared/protocol.py ``REPRESENTATIONS``): ``dense`` vectors
+    (SentenceTransformer), ``sparse`` weights (SparseEncoder, SPLADE; ``dim`` is then the
+    vocabulary size) or ``rerank`` scores of (query, document) pairs (CrossEncoder; ``dim`` is
+    its number of labels). A card written before this field existed serves ``dense``."""
+
+    def serves(self, representation: str) -> bool:
+        return representation in self.representations
 
     def check(self, chunk: Chunk) -> None:
         """Reject options this model cannot honour, before they reach a worker (ValueError)."""
+        for wanted in chunk.wanted_representations:
+            if not self.serves(wanted):
+                raise ValueError(
+                    f"chunk {chunk.id!r}: the model {self.name!r} serves "
+                    f"{', '.join(self.representations)}, not {wanted}"
+                )
         if chunk.dimensions is not None and chunk.dimensions > self.dim:
             raise ValueError(
                 f"chunk {chunk.id!r}: dimensions={chunk.dimensions} is more than the model "
@@ -122,6 +136,7 @@ class ModelCard:
             "pooling": json.dumps(list(self.pooling)),
             "include_prompt": str(int(self.include_prompt)),
             "architecture": self.architecture,
+            "representations": json.dumps(list(self.representations)),
         }
 
     @classmethod
@@ -147,6 +162,7 @@ class ModelCard:
                 pooling=tuple(json.loads(values.get("pooling") or '["mean"]')),
                 include_prompt=values.get("include_prompt", "1") == "1",
                 architecture=values.get("architecture", ""),
+                representations=tuple(json.loads(values.get("representations") or '["dense"]')),
             )
         except (KeyError, ValueError, TypeError, AttributeError) as error:
             if isinstance(error, ModelCardError):

@@ -24,7 +24,7 @@ so what a producer accepts is what a worker embeds.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -40,6 +40,15 @@ MAX_PROMPT_NAME_CHARS = 256
 MAX_PROMPT_CHARS = 16_384
 # The optional embedding options a chunk may carry (see the module docstring).
 OPTION_NAMES = ("prompt_name", "prompt", "dimensions", "dtype")
+# Options of the other representations (sparse weights, pair scores); a v1 worker that predates
+# them never sees them (the gateway checks the model card first).
+REPRESENTATION_OPTION_NAMES = ("representations", "max_active_dims", "pair")
+# What a model may give for a text (the model card's ``representations``): a dense vector, a
+# SPLADE-style sparse weight vector, or, for a (query, document) pair, a relevance score.
+# ("multivector" is the next: ColBERT per-token vectors.)
+Representation = Literal["dense", "sparse", "rerank"]
+REPRESENTATIONS: tuple[str, ...] = get_args(Representation)
+MAX_PAIR_CHARS = 1_000_000
 # ``dimensions`` meaning "the model's whole vector", whatever the fleet's EMBEDFLEET_DIMENSIONS
 # says: what a caller that does not know the model's dimension (the gateway before any worker
 # published it) sends to get the model's native output.
@@ -107,6 +116,32 @@ class Chunk:
     prompt: str | None = None
     dimensions: int | None = None
     dtype: str | None = None
+    # which representations to compute (None: the one the model serves)
+    representations: tuple[str, ...] | None = None
+    # sparse: keep only the largest this many weights (SparseEncoder's max_active_dims)
+    max_active_dims: int | None = None
+    # rerank: the document scored against ``text`` (the query), as CrossEncoder.predict's pair
+    pair: str | None = None
+
+    @property
+    def wanted_representations(self) -> tuple[str, ...]:
+        """What the chunk asks for explicitly: its ``representations``, and ``rerank`` for a
+        pair (empty: whatever the model serves)."""
+        wanted = tuple(self.representations or ())
+        if self.pair is not None and "rerank" not in wanted:
+            wanted = (*wanted, "rerank")
+        return wanted
+
+
+@dataclass(frozen=True)
+class SparseVector:
+    """A sparse weight vector: the non-zero ``values`` at ``indices`` (ascending) of a
+    ``dim``-wide vector (the vocabulary, for SPLADE). On the wire: ``indices`` little-endian
+    uint32 bytes, ``values`` little-endian float32 bytes."""
+
+    indices: np.ndarray  # uint32, ascending
+    values: np.ndarray  # float32, same length
+    dim: int
 
 
 @dataclass(frozen=True)
@@ -128,6 +163,11 @@ class Result:
     # The chunk's text, in the process only: a database sink stores it beside the vector
     # (EMBEDFLEET_STORE_TEXT); the results stream does not carry it (the producer has it).
     text: str | None = None
+    # a sparse model's weights (then ``vector`` is empty, ``dimension`` 0)
+    sparse: SparseVector | None = None
+    # a cross-encoder's score of (text, pair), CrossEncoder.predict's value; ``vector`` holds
+    # all its labels' scores in float32 (one, for a reranker)
+    score: float | None = None
 
     @property
     def dim(self) -> int:
@@ -148,6 +188,9 @@ def _chunk_fields(chunk: Chunk) -> dict[str, Any]:
         "reply": chunk.reply,
         "deadline": chunk.deadline_ms,  # the one field named otherwise on the wire
         **{name: getattr(chunk, name) for name in OPTION_NAMES},
+        "representations": list(chunk.representations) if chunk.representations else None,
+        "max_active_dims": chunk.max_active_dims,
+        "pair": chunk.pair,
     }
     return {name: value for name, value in fields.items() if value is not None}
 
@@ -303,7 +346,39 @@ def chunk_from_mapping(
         raise ProtocolError("'deadline' must be an integer (unix milliseconds) when given")
     options = {name: message.get(name) for name in OPTION_NAMES}
     check_embedding_options(**options)
-    return Chunk(chunk_id, text, job=job, meta=meta, reply=reply, deadline_ms=deadline, **options)
+    extra = _representation_options(message)
+    return Chunk(
+        chunk_id, text, job=job, meta=meta, reply=reply, deadline_ms=deadline, **options, **extra
+    )
+
+
+def _representation_options(message: Mapping[str, Any]) -> dict[str, Any]:
+    """``representations``, ``max_active_dims`` and ``pair``, checked for form (whether the
+    model serves them is the worker's check, and the gateway's from the model card)."""
+    wanted = message.get("representations")
+    if wanted is not None:
+        if (
+            not isinstance(wanted, list | tuple)
+            or not wanted
+            or any(name not in REPRESENTATIONS for name in wanted)
+            or len(set(wanted)) != len(wanted)
+        ):
+            raise ProtocolError(
+                f"'representations' must be a non-empty list of distinct names from "
+                f"{', '.join(REPRESENTATIONS)}, got {wanted!r}"
+            )
+        wanted = tuple(wanted)
+    top = message.get("max_active_dims")
+    if top is not None and (not isinstance(top, int) or isinstance(top, bool) or top < 1):
+        raise ProtocolError(f"'max_active_dims' must be a positive integer, got {top!r}")
+    pair = message.get("pair")
+    if pair is not None and (
+        not isinstance(pair, str) or not pair.strip() or len(pair) > MAX_PAIR_CHARS
+    ):
+        raise ProtocolError(
+            f"'pair' must be a non-empty string of at most {MAX_PAIR_CHARS} characters"
+        )
+    return {"representations": wanted, "max_active_dims": top, "pair": pair}
 
 
 def validate_chunk(chunk: Chunk, limits: ChunkLimits = DEFAULT_LIMITS) -> Chunk:
@@ -325,7 +400,59 @@ def encode_result(result: Result) -> bytes:
     }
     if result.meta is not None:
         message["meta"] = result.meta
+    if result.sparse is not None:
+        message["sparse"] = {
+            "indices": np.asarray(result.sparse.indices, dtype="<u4").tobytes(),
+            "values": np.asarray(result.sparse.values, dtype="<f4").tobytes(),
+            "dim": result.sparse.dim,
+        }
+    if result.score is not None:
+        message["score"] = float(result.score)
     return msgpack.packb(message, use_bin_type=True)
+
+
+_PACKED_V = msgpack.packb("v") + msgpack.packb(PROTOCOL_VERSION)
+_PACKED_ID, _PACKED_JOB, _PACKED_VEC, _PACKED_META = (
+    msgpack.packb(name) for name in ("id", "job", "vec", "meta")
+)
+_PACKED_TRUNCATED = {
+    flag: msgpack.packb("truncated") + msgpack.packb(flag) for flag in (False, True)
+}
+
+
+def encode_results(results: Sequence[Result]) -> list[bytes]:
+    """``[encode_result(r) for r in results]``, byte for byte, at about half the cost per
+    result (issue 29, docs/BENCHMARKS.md): the map's keys and the fields a batch shares (model,
+    dim, dtype) are packed once, not per result, and no dict is built per result. The fields
+    keep encode_result's order, so the bytes are the same."""
+    packer = msgpack.Packer(use_bin_type=True)
+    shared: dict[tuple[str, int, str], bytes] = {}
+    payloads: list[bytes] = []
+    for result in results:
+        dim = result.dim
+        key = (result.model, dim, result.dtype)
+        middle = shared.get(key)
+        if middle is None:
+            middle = shared[key] = b"".join(
+                packer.pack(value) for value in ("model", key[0], "dim", dim, "dtype", key[2])
+            )
+        vector = np.asarray(result.vector, dtype=STORAGE_DTYPES[result.dtype])
+        parts = [
+            b"\x88" if result.meta is None else b"\x89",  # fixmap of 8 (9 with meta) fields
+            _PACKED_V,
+            _PACKED_ID,
+            packer.pack(result.id),
+            _PACKED_JOB,
+            packer.pack(result.job),
+            middle,
+            _PACKED_VEC,
+            packer.pack(vector.tobytes()),
+            _PACKED_TRUNCATED[bool(result.truncated)],
+        ]
+        if result.meta is not None:
+            parts += [_PACKED_META, packer.pack(result.meta)]
+        payloads.append(b"".join(parts))
+    return payloads
 
 
 class QueryFailedError(RuntimeError):
@@ -363,6 +490,15 @@ def decode_result(payload: bytes) -> Result:
             f"vector has {vector.shape[0]} values, 'dim' {dim} in {dtype} needs "
             f"{stored_length(dtype, dim)}"
         )
+    sparse = None
+    if isinstance(message.get("sparse"), dict):
+        fields = message["sparse"]
+        indices = np.frombuffer(fields["indices"], dtype="<u4")
+        values = np.frombuffer(fields["values"], dtype="<f4")
+        if indices.shape != values.shape:
+            raise ProtocolError("sparse 'indices' and 'values' differ in length")
+        sparse = SparseVector(indices=indices, values=values, dim=int(fields["dim"]))
+    score = message.get("score")
     return Result(
         id=message["id"],
         job=message.get("job"),
@@ -372,4 +508,6 @@ def decode_result(payload: bytes) -> Result:
         meta=message.get("meta"),
         dtype=dtype,
         dimension=dim,
+        sparse=sparse,
+        score=float(score) if score is not None else None,
     )

@@ -20,11 +20,13 @@ from embedfleet.shared.dead_letters import PAYLOAD_PREFIX_BYTES, DeadReason
 from embedfleet.shared.protocol import (
     DEFAULT_DTYPE,
     MAX_ID_CHARS,
+    MAX_PAIR_CHARS,
     MAX_PROMPT_CHARS,
     MAX_PROMPT_NAME_CHARS,
     OUTPUT_DTYPES,
     PAYLOAD_FIELD,
     PROTOCOL_VERSION,
+    REPRESENTATIONS,
 )
 from embedfleet.shared.settings import Settings
 
@@ -104,6 +106,31 @@ CHUNK_FIELDS: tuple[WireField, ...] = (
         False,
         "output precision, one of " + ", ".join(f"`{d}`" for d in OUTPUT_DTYPES),
     ),
+    WireField(
+        "representations",
+        "array of str",
+        False,
+        "what to compute, from "
+        + ", ".join(f"`{r}`" for r in REPRESENTATIONS)
+        + " (absent: what the model serves, the model card's `representations`); one the "
+        "model does not serve is dead-lettered (`options`). This release computes the one "
+        "representation its model serves; several at once is the next release's",
+    ),
+    WireField(
+        "max_active_dims",
+        "int",
+        False,
+        "sparse only: keep the largest this many weights (`SparseEncoder`'s "
+        "`max_active_dims`); absent: every non-zero weight",
+    ),
+    WireField(
+        "pair",
+        "str",
+        False,
+        f"rerank only: the document (at most {MAX_PAIR_CHARS:,} characters) scored against "
+        "`text`, the query, as the pair `(text, pair)` of `CrossEncoder.predict`; a "
+        "cross-encoder dead-letters a chunk without it",
+    ),
 )
 
 QUERY_FIELDS: tuple[WireField, ...] = (
@@ -152,6 +179,22 @@ RESULT_FIELDS: tuple[WireField, ...] = (
         " dead-letters it instead)",
     ),
     WireField("meta", "map", False, "the chunk's meta, when it had one"),
+    WireField(
+        "sparse",
+        "map",
+        False,
+        "a sparse model's weights (then `vec` is empty, `dim` 0, `dtype` `float32`): "
+        "`indices` (bin, little-endian uint32, ascending), `values` (bin, little-endian "
+        "float32, one per index), `dim` (int, the vocabulary size): `SparseEncoder.encode`'s "
+        "non-zero entries",
+    ),
+    WireField(
+        "score",
+        "float",
+        False,
+        "a cross-encoder's score of `(text, pair)`, `CrossEncoder.predict`'s value (its "
+        "activation applied); `vec` holds every label's score in `float32`, `dim` of them",
+    ),
 )
 
 ERROR_REPLY_FIELDS: tuple[WireField, ...] = (

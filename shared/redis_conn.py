@@ -3,10 +3,20 @@
 A Redis Cluster is reached through redis-py's cluster client (``EMBEDFLEET_REDIS_CLUSTER=true``
 or a ``redis+cluster://`` / ``rediss+cluster://`` URL); it follows MOVED/ASK redirections and
 refreshes its slot map after a failover, and everything above it talks to it as to one server.
+
+Every call is bounded in time. A connection built from the settings has a finite read timeout
+(``socket_timeout_s``): the longest blocking time its commands ask for plus
+EMBEDFLEET_REDIS_SOCKET_TIMEOUT_S, so a hung server (its sockets open, nothing answering) fails
+a call as a transient ``TimeoutError`` instead of holding it for ever; blocking calls on the
+client side wait at most EMBEDFLEET_BLOCK_MS per call and loop. A caller with a deadline of its
+own bounds its calls by it as well (``redis_deadline``, ``RedisRetry.call(deadline=)``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit, urlunsplit
 
@@ -63,9 +73,24 @@ def is_cluster(client: object) -> bool:
     return isinstance(client, (AsyncRedisCluster, RedisCluster))
 
 
+def longest_block_s(settings: Settings) -> float:
+    """The longest a command of a fleet connection blocks by its own asking: a worker's
+    XREADGROUP BLOCK, a client's BLPOP (each call waits at most EMBEDFLEET_BLOCK_MS), a
+    producer's WAIT for its replicas."""
+    return max(settings.block_ms, settings.min_replicas_timeout_ms) / 1000
+
+
+def socket_timeout_s(settings: Settings) -> float:
+    """The read timeout of every connection built from ``settings``: its longest blocking
+    command plus EMBEDFLEET_REDIS_SOCKET_TIMEOUT_S. A reply later than that is a hung server."""
+    return longest_block_s(settings) + settings.redis_socket_timeout_s
+
+
 def connect_settings(settings: Settings, **kwargs: Any) -> aioredis.Redis:
-    """The asyncio client the settings name: one server, or a cluster."""
-    return connect(settings.effective_redis_url, cluster=settings.redis_cluster, **kwargs)
+    """The asyncio client the settings name: one server, or a cluster, with the settings' read
+    timeout (``socket_timeout_s``)."""
+    options = {"socket_timeout": socket_timeout_s(settings)} | kwargs
+    return connect(settings.effective_redis_url, cluster=settings.redis_cluster, **options)
 
 
 def connect(url: str, *, cluster: bool = False, **kwargs: Any) -> aioredis.Redis:
@@ -82,8 +107,9 @@ def connect(url: str, *, cluster: bool = False, **kwargs: Any) -> aioredis.Redis
         "decode_responses": False,
         "health_check_interval": 30,
         "socket_keepalive": True,
-        # Blocking reads (XREADGROUP BLOCK, BLPOP for query replies) wait longer than redis-py's
-        # default read timeout; dead connections are found by keepalive and health checks.
+        # No read timeout for a bare URL (tests, scripts issue blocking reads of any length);
+        # every fleet connection comes from the settings (connect_settings,
+        # connect_client_settings), which bound it by the longest block they issue.
         "socket_timeout": None,
         "socket_connect_timeout": 10,
     }
@@ -95,6 +121,12 @@ def connect(url: str, *, cluster: bool = False, **kwargs: Any) -> aioredis.Redis
 
 # An XRANGE (or XREVRANGE) reply as a client of `connect` gets it: ids and fields stay bytes.
 StreamEntries = list[tuple[bytes, dict[bytes, bytes]]]
+
+
+def as_str(value: bytes | str) -> str:
+    """A key, field or member as text: redis-py types replies as bytes or str whichever way
+    the client decodes; a client of :func:`connect` gets bytes."""
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def stream_entries(reply: object) -> StreamEntries:
@@ -117,8 +149,28 @@ def connect_client(url: str, *, cluster: bool = False, **kwargs: Any) -> aioredi
 
 
 def connect_client_settings(settings: Settings, **kwargs: Any) -> aioredis.Redis:
-    """``connect_client`` for the server (or cluster) the settings name."""
-    return connect_client(settings.effective_redis_url, cluster=settings.redis_cluster, **kwargs)
+    """``connect_client`` for the server (or cluster) the settings name, with the settings'
+    read timeout (``socket_timeout_s``)."""
+    options = {"socket_timeout": socket_timeout_s(settings)} | kwargs
+    return connect_client(settings.effective_redis_url, cluster=settings.redis_cluster, **options)
+
+
+@contextlib.asynccontextmanager
+async def redis_deadline(seconds: float, doing: str) -> AsyncIterator[None]:
+    """Bound the Redis calls inside to ``seconds``: past it they are cancelled (redis-py drops
+    the connection of a cancelled command) and redis-py's ``TimeoutError`` is raised, a
+    transient fault that names what was being done (the gateway answers it 503 with
+    Retry-After). Another ``TimeoutError`` raised inside passes through unchanged."""
+    bound = asyncio.timeout(seconds)
+    try:
+        async with bound:
+            yield
+    except TimeoutError:
+        if not bound.expired():
+            raise
+        raise RedisTimeoutError(
+            f"Redis did not answer within {seconds:g}s while trying to {doing}"
+        ) from None
 
 
 def redact_url(url: str) -> str:

@@ -105,12 +105,19 @@ class RedisRetry:
     ) -> T:
         """``await operation()`` until it succeeds, waiting out transient faults; raises
         anything else at once, and ``RedisUnavailableError`` once the bound (or ``deadline``,
-        a ``time.monotonic()`` value) has passed. ``operation`` must be safe to repeat: a fault
+        a ``time.monotonic()`` value) has passed; with a ``deadline``, a try still waiting on
+        Redis there is cancelled. ``operation`` must be safe to repeat: a fault
         can come after the server applied the commands, before their reply was read."""
         tries = self.attempts(doing, deadline=deadline)
         while True:
             try:
-                result = await operation()
+                if deadline is None:
+                    result = await operation()  # bounded by the connection's read timeout
+                else:
+                    # a hung server must not hold the caller past its deadline: the try is
+                    # cancelled there (a TimeoutError, transient: ``failed`` then gives up)
+                    async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
+                        result = await operation()
             except Exception as error:
                 await tries.failed(error)
             else:

@@ -162,12 +162,20 @@ class Settings(BaseSettings):
     copy has no layer boundaries, so bulk batches are sized whole to the query slice instead of one
     layer. `false`: eager, sliced per layer."""
     cpu_int8: bool = True
-    """On CPU where DTYPE=auto kept bf16, the frozen copy (queries, and bulk with FROZEN_BULK) may
-    compute its linear layers in int8 (weights per channel, inputs per token, SmoothQuant): kept if
-    it holds the bar `auto` holds bf16 to against float32 and a timed batch runs faster than the
-    bf16 copy; vectors are further from float32 than bf16's (docs/BENCHMARKS.md). The copy is
-    compiled (`torch.compile`, which needs a C++ compiler: the CPU image has none, so it runs the
-    bf16 copy) at start-up: up to about a minute on 2 cores. `false`: the bf16 copy, no compile."""
+    """On CPU with DTYPE=auto (whether it kept bf16 or float32), the frozen copy (queries, and bulk
+    with FROZEN_BULK) may compute its linear layers in int8 (CPU_INT8_PATH): kept if it holds the
+    bar `auto` holds bf16 to against float32 on the held-out parity set and a timed batch runs
+    faster than the bf16/float32 copy; vectors are further from float32 than bf16's
+    (docs/BENCHMARKS.md). The W8A8 copy is compiled (`torch.compile`, which needs a C++ compiler:
+    the CPU image has none) at start-up: up to about a minute on 2 cores. `false`: no int8 copy, no
+    compile."""
+    cpu_int8_path: Literal["auto", "w8a8", "dynamic"] = "auto"
+    """Which int8 copies CPU_INT8 tries. `auto`: every one this CPU can run (`dynamic`: PyTorch's
+    dynamic int8 Linear, FBGEMM/oneDNN kernels on AVX2 and up; `w8a8`: SmoothQuant W8A8 compiled
+    with `torch.compile`, needs a C++ compiler), each kept only if it holds the float32 bar on the
+    held-out parity set (multilingual, long and odd texts none was calibrated on), the fastest of
+    those and the frozen copy on a timed batch at start. `w8a8` / `dynamic`: only that copy, used
+    whenever it holds the bar (no timing race): to force a path for a benchmark."""
     layout: Literal["auto", "padded", "varlen"] = "auto"
     """How bulk batches are laid out for the forward pass. `auto`: `varlen` on CUDA (every text of a
     batch end to end in one row, attention per text: no padding computed), `padded` on CPU (sorted,
@@ -210,13 +218,38 @@ class Settings(BaseSettings):
     an outage to ride out. Once the verb has reached Redis, outages are ridden out for
     `EMBEDFLEET_REDIS_RETRY_S`. The `Producer` library waits `EMBEDFLEET_REDIS_RETRY_S` in both
     cases unless given `first_contact_s`."""
+    redis_socket_timeout_s: float = Field(default=5.0, gt=0)
+    """How late a Redis reply may come, beyond the longest blocking time the connection's commands
+    ask for (`XREADGROUP BLOCK` of EMBEDFLEET_BLOCK_MS, a query's BLPOP, which waits at most that
+    long per call, `WAIT` of EMBEDFLEET_MIN_REPLICAS_TIMEOUT_MS), before the connection is dropped
+    and the call fails as a transient fault, retried like an outage: a hung server (a stopped
+    process, a blackholed failover, a stalled fork) is never waited on for ever. A caller with a
+    deadline (a query's timeout, a gateway request) gives up at its deadline, whichever is first."""
+    redis_cleanup_timeout_s: float = Field(default=0.5, gt=0)
+    """How long the clean-up after a query that timed out or was cancelled (withdrawing its
+    entries, deleting its reply key) may wait on Redis; past it the workers skip the entries
+    (they are past their deadline) and the reply key expires, so the caller's timeout holds."""
     job_ids_ttl_s: int = Field(default=7 * 24 * 3600, ge=0)
     """How long a job remembers the chunk ids it has enqueued (`{ns}:jobids:<job>`), counted from
     its latest enqueue: within it a re-sent chunk (same id, same payload) is added and counted once.
     0 = for ever. Costs about the id's length + 60 bytes per chunk."""
+    job_ids_finished_ttl_s: int = Field(default=3600, ge=0)
+    """Once a job has finished (every chunk embedded or dead-lettered), its id record expires
+    this long after its last acknowledgement instead, so a finished job's record costs nothing
+    for long; an enqueue to the job later gives it `EMBEDFLEET_JOB_IDS_TTL_S` again. A re-sent
+    chunk after it has expired is embedded and counted again (the job still finishes). 0 = the
+    record lives `EMBEDFLEET_JOB_IDS_TTL_S` however the job ends."""
     backlog_high_water: int = Field(default=1_000_000, ge=1)
     """Producers wait while an ingest stream (each partition's) holds more entries than this; the
     gateway answers 429 to large requests while the interactive stream does."""
+    results_max_entries: int = Field(default=1_000_000, ge=0)
+    """Most results a results stream (each partition's) may hold: at it, workers wait, saying so
+    in their log, until a consuming reader (`embedfleet results --consume`,
+    `Producer.results(consume=True)`) drains it below. The bound applies whether or not a reader
+    runs, as the backlog's does. 0 = no bound (results kept until trimmed by hand)."""
+    results_claim_idle_ms: int = Field(default=60_000, ge=100)
+    """A consuming results reader claims results another reader has held unacknowledged this long
+    (a reader that crashed mid-page). Keep it above the time a reader takes over one page."""
 
     # --- limits on input ------------------------------------------------------------------
     max_message_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
@@ -271,7 +304,12 @@ class Settings(BaseSettings):
     """How long the gateway waits for a request's vectors, a worker's start included (scale from
     zero); then 504, the request withdrawn."""
     gateway_retry_after_s: int = Field(default=5, ge=1)
-    """`Retry-After` seconds sent with a 429."""
+    """`Retry-After` seconds sent with a 429, and with a 503 while Redis is unreachable or hung."""
+    gateway_redis_timeout_s: float = Field(default=2.0, gt=0)
+    """How long `/readyz` and the gateway's short Redis reads (the model card, worker heartbeats)
+    wait on Redis: past it `/readyz` answers 503 (not ready) and a route 503 `queue_unavailable`
+    with `Retry-After`. An embeddings request as a whole is bounded by EMBEDFLEET_GATEWAY_TIMEOUT_S
+    (plus one second for its clean-up)."""
     gateway_worker_idle_ms: int = Field(default=15_000, ge=100)
     """A worker whose heartbeat is at most this old counts as live; with none, TEI's /health is 503
     and a timed-out request's message says so (requests are enqueued all the same)."""
@@ -290,7 +328,19 @@ class Settings(BaseSettings):
     """Most embedding inputs over all requests of one batch (OpenAI's); a batch over it fails
     validation (`too_many_tasks`)."""
     batch_max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1024)
-    """Largest batch input file (OpenAI's limit: 200 MB); a larger upload gets a 413."""
+    """Largest batch input file (OpenAI's limit: 200 MB); a larger upload gets a 400
+    (`file_too_large`; a declared body well over it, a 413 before it is read)."""
+    batch_max_line_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    """Longest request line of a batch input file, in bytes; an upload with a longer line gets a
+    400 (`line_too_large`) and is not stored. It bounds what the gateway holds to check one line
+    (a line is parsed whole: 2,048 inputs of the longest text make about 200 MB)."""
+    batch_max_active_per_owner: int = Field(default=100, ge=0)
+    """Most batches one API key may have running (not yet completed, failed, expired or
+    cancelled); one more gets a 429 (`too_many_active_batches`). `0`: no limit."""
+    batch_lease_ms: int = Field(default=120_000, ge=100)
+    """A gateway replica's lease on the batch it works on; renewed every third of it while the
+    step runs, so another replica takes over only from one that stopped renewing (died, or lost
+    Redis). A replica that lost its lease cannot end the batch: the end is fenced by its token."""
     batch_completion_window_s: int = Field(default=24 * 3600, ge=1)
     """How long a batch has to finish: the length of OpenAI's only `completion_window`, `24h`.
     A batch still running then ends `expired`: finished requests in its output file, the rest
@@ -301,6 +351,13 @@ class Settings(BaseSettings):
     deleted."""
     files_min_expiry_s: int = Field(default=3600, ge=1)
     """Shortest `expires_after.seconds` an upload may ask for (OpenAI's: 3600)."""
+
+    # --- benchmarks -----------------------------------------------------------------------
+    benchmark_standin_encoder_us_per_token: float | None = Field(default=None, ge=0)
+    """BENCHMARKS ONLY, never in production: set, the worker embeds nothing; it returns made-up
+    vectors of the model's shape after this many microseconds per real token (0 = at once), with
+    the model's real tokenizer (workers/standin.py). Its model card and results name it
+    `benchmark-standin:<model>`, and it logs a warning at start. Unset = the real model."""
 
     # --- documents ------------------------------------------------------------------------
     document_overlap_tokens: int = Field(default=0, ge=0)
@@ -316,9 +373,28 @@ class Settings(BaseSettings):
     sink_table: str = "embeddings"
     """Table (LanceDB, PostgreSQL) or collection (Qdrant) the sink upserts into; created with the
     model's dimension when missing."""
+    sink_statement_timeout_s: float = Field(default=60.0, gt=0)
+    """Longest a PostgreSQL sink statement (an upsert, the table's creation) may run before the
+    server cancels it (`statement_timeout`), and a connection attempt may wait (`connect_timeout`,
+    unless the URL sets one): a hung upsert fails as a transient fault, so the batch
+    is retried while its entries stay pending; a sink call that outlives three times this bound (a
+    server that no longer answers the connection, which cannot cancel anything) turns the worker's
+    `/healthz` red, so it is restarted and others reclaim its entries."""
     store_text: bool = True
     """Database sinks store each chunk's text beside its vector, so `embedfleet search` shows what
     it found. `false` if you keep the texts elsewhere (the column stays, empty)."""
+    s3_endpoint_url: str = ""
+    """The S3-compatible server of an `s3://bucket/prefix` sink (MinIO, Ceph, R2, ...), e.g.
+    `http://minio:9000`; empty = AWS. Credentials and region come from the standard AWS variables
+    (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, `AWS_REGION`) or files."""
+    parquet_shard_rows: int = Field(default=100_000, ge=1)
+    """The Parquet sink writes a shard once it holds this many rows."""
+    parquet_shard_bytes: int = Field(default=128 * 1024 * 1024, ge=1024)
+    """...or this many bytes of vectors, ids, texts and metadata (before compression), whichever
+    comes first: what one worker holds in memory."""
+    parquet_shard_max_s: float = Field(default=20.0, gt=0)
+    """...or once its first row is this old. Its entries stay unacknowledged until the shard is
+    written, so this must be at most half of EMBEDFLEET_RECLAIM_IDLE_MS (checked at start)."""
 
     @field_validator("namespace", "group")
     @classmethod
@@ -373,6 +449,28 @@ class Settings(BaseSettings):
             raise ValueError(f"EMBEDFLEET_PARTITION_SET: {error}") from None
         return self
 
+    @model_validator(mode="after")
+    def _shards_before_reclaim(self) -> Settings:
+        # A Parquet shard's entries are acknowledged when it is written; until then they are
+        # pending, and no longer renewed once the worker has handed them to the sink (their
+        # last renewal may be a reclaim period, a third of the idle time, old). Another worker
+        # would claim and embed them again past the idle time, so a shard is written by half of
+        # it, leaving the other sixth for the upload itself.
+        if not self.parquet_sink or self.parquet_shard_max_s * 1000 <= self.reclaim_idle_ms / 2:
+            return self
+        raise ValueError(
+            f"EMBEDFLEET_PARQUET_SHARD_MAX_S={self.parquet_shard_max_s:g} is too long for "
+            f"EMBEDFLEET_RECLAIM_IDLE_MS={self.reclaim_idle_ms}: a shard's entries stay pending "
+            "until it is written, and other workers claim entries idle that long. Set "
+            f"EMBEDFLEET_PARQUET_SHARD_MAX_S to at most {self.reclaim_idle_ms / 2000:g} or "
+            f"EMBEDFLEET_RECLAIM_IDLE_MS to at least {self.parquet_shard_max_s * 2000:.0f}"
+        )
+
+    @property
+    def parquet_sink(self) -> bool:
+        """Whether EMBEDFLEET_SINK is the Parquet sink (``parquet://`` or ``s3://``)."""
+        return self.sink.strip().lower().startswith(("parquet://", "s3://"))
+
     @property
     def keys(self) -> Keys:
         return Keys(namespace=self.namespace, group=self.group, partitions=self.partitions)
@@ -402,6 +500,12 @@ class Settings(BaseSettings):
     @property
     def effective_redis_url(self) -> str:
         return self.redis_url or "redis://localhost:6379/0"
+
+    @property
+    def cpu_int8_choice(self) -> Literal["auto", "w8a8", "dynamic", "off"]:
+        """The int8 copies a CPU worker tries (``Encoder.prepare_query_graph``): CPU_INT8_PATH,
+        or ``off`` where CPU_INT8 is false."""
+        return self.cpu_int8_path if self.cpu_int8 else "off"
 
 
 def parse_partition_set(value: str, partitions: int) -> list[int]:

@@ -17,6 +17,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from pydoc_data.topics import topics
+from typing import Any
 
 import torch
 import transformers
@@ -59,6 +60,7 @@ def _wordpiece(cls: str, sep: str, pad: str, unk: str, mask: str, lowercase: boo
     tokenizer.train_from_iterator(_batches(corpus_lines()), trainer=trainer)
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{cls} $A {sep}",
+        pair=f"{cls} $A {sep} $B:1 {sep}:1",  # BERT's pair layout (cross-encoders)
         special_tokens=[(cls, tokenizer.token_to_id(cls)), (sep, tokenizer.token_to_id(sep))],
     )
     return tokenizer
@@ -286,3 +288,69 @@ def with_extra_module(source: Path, target: Path, module_type: str) -> Path:
 
 
 Builder = Callable[..., Path]
+
+
+def _random_head_model(model_class: type, config: transformers.PretrainedConfig, seed: int) -> Any:
+    """``model_class`` from ``config`` with weights wide enough that texts differ clearly."""
+    torch.manual_seed(seed)
+    model = model_class(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, 0.2)
+    return model.eval()
+
+
+def splade_dir(
+    root: Path, *, strategy: str = "max", activation: str = "relu", modern: bool = False
+) -> Path:
+    """A SPLADE ``SparseEncoder`` directory (BERT with its MLM head, then SpladePooling),
+    saved by sentence-transformers itself; ``modern``: its first module a ``Transformer`` with
+    ``transformer_task="fill-mask"`` (sentence-transformers 6's way) instead of the
+    ``MLMTransformer`` published SPLADE models have."""
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.sparse_encoder.modules import MLMTransformer, SpladePooling
+
+    target = root / f"splade-{strategy}-{activation}{'-modern' if modern else ''}"
+    if (target / "modules.json").is_file():
+        return target
+    tokenizer = _trained_tokenizer("bert")
+    hf_dir = root / "hf-bert-mlm"
+    if not (hf_dir / "config.json").is_file():
+        model = _random_head_model(transformers.BertForMaskedLM, _config("bert", tokenizer), 11)
+        model.save_pretrained(hf_dir)
+        tokenizer.save_pretrained(hf_dir)
+    modules = [
+        Transformer(str(hf_dir), transformer_task="fill-mask")
+        if modern
+        else MLMTransformer(str(hf_dir)),
+        SpladePooling(pooling_strategy=strategy, activation_function=activation),  # type: ignore[arg-type]
+    ]
+    SparseEncoder(modules=modules, device="cpu").save(str(target))
+    return target
+
+
+def cross_encoder_dir(root: Path, *, num_labels: int = 1) -> Path:
+    """A ``CrossEncoder`` directory (BERT with a classification head), saved by
+    sentence-transformers itself."""
+    from sentence_transformers import CrossEncoder
+
+    target = root / f"cross-encoder-{num_labels}"
+    if (target / "modules.json").is_file():
+        return target
+    tokenizer = _trained_tokenizer("bert")
+    hf_dir = root / f"hf-bert-cls-{num_labels}"
+    if not (hf_dir / "config.json").is_file():
+        config = _config("bert", tokenizer)
+        config.num_labels = num_labels
+        model = _random_head_model(transformers.BertForSequenceClassification, config, 13)
+        model.save_pretrained(hf_dir)
+        tokenizer.save_pretrained(hf_dir)
+        # as BERT's tokenizer declares them: pairs carry segment ids (0 query, 1 document)
+        tokenizer_config = hf_dir / "tokenizer_config.json"
+        declared = json.loads(tokenizer_config.read_text())
+        declared["model_input_names"] = ["input_ids", "token_type_ids", "attention_mask"]
+        tokenizer_config.write_text(json.dumps(declared, indent=2))
+    CrossEncoder(str(hf_dir), device="cpu").save(str(target))
+    return target

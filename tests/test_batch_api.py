@@ -166,6 +166,31 @@ def test_a_bad_line_is_accepted_at_upload_and_fails_the_batch(
     assert "custom_id 'a' is used twice" in by_line[2] and "gpt-4" in by_line[6]
 
 
+def test_a_line_over_the_model_context_fails_the_batch_unless_it_asks_to_truncate(
+    gateway: Gateway, tmp_path: Path
+) -> None:
+    """As the online route: an input over the model's maximum is refused (no silent cut) with
+    OpenAI's code, naming the line; ``"truncate": true`` on the line has it cut to fit."""
+    long_text = "many words " * 400  # far over the model's 256 tokens
+    with gateway() as client:
+        refused = create_batch(
+            client, upload(client, tmp_path / "long.jsonl", [batch_line("a", ["ok", long_text])]).id
+        )
+        cut = create_batch(
+            client,
+            upload(client, tmp_path / "cut.jsonl", [batch_line("b", long_text, truncate=True)]).id,
+        )
+        refused, cut = wait_final(client, refused.id), wait_final(client, cut.id)
+        [row] = jsonl(client, cut.output_file_id) if cut.output_file_id else [None]
+    assert refused.status == "failed", refused
+    [error] = refused.errors.data
+    assert (error.line, error.code, error.param) == (1, "context_length_exceeded", "body.input")
+    assert "body.input[1]" in error.message and "truncate" in error.message
+    assert cut.status == "completed", cut
+    assert row["response"]["status_code"] == 200
+    assert row["response"]["body"]["usage"]["prompt_tokens"] == 256
+
+
 def test_the_request_and_input_caps_fail_the_batch_and_a_batch_within_them_runs(
     gateway: Gateway, tmp_path: Path
 ) -> None:
@@ -245,11 +270,11 @@ def test_a_full_disk_is_retried_with_its_reason_counted_and_leaves_no_temporarie
     refusals: dict[str, int] = {}
     target: list[str] = []
 
-    def full_disk_for_one_batch(self, temp, filename, purpose, expires_after_s=None):
+    def full_disk_for_one_batch(self, temp, filename, purpose, expires_after_s=None, **named):
         if target and filename.startswith(target[0]) and refusals.get(target[0], 0) < 3:
             refusals[target[0]] = refusals.get(target[0], 0) + 1
             raise OSError(errno.ENOSPC, "No space left on device")
-        return publish(self, temp, filename, purpose, expires_after_s)
+        return publish(self, temp, filename, purpose, expires_after_s, **named)
 
     monkeypatch.setattr(FileStore, "publish", full_disk_for_one_batch)
     with gateway() as client:

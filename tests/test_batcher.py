@@ -16,8 +16,10 @@ from embedfleet.workers.cost_model import (
     Coefficients,
     Shape,
     SliceCost,
+    SliceLimit,
 )
 from embedfleet.workers.worker import Worker
+from loadtest.host_pipeline import masked_window_plan
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -138,3 +140,61 @@ def test_queries_served_concurrently_leave_bulk_batches_the_full_budget() -> Non
         assert worker._slice_limit() is not None  # queries at layer boundaries: sliced
         worker.encoder.serves_queries_concurrently = True  # type: ignore[misc]
         assert worker.slice_seconds == 0 and worker._slice_limit() is None
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_plan_is_the_masked_window_programme_s_tie_for_tie(seed: int) -> None:
+    """The sliced programme (issue 29) cuts exactly where the masked one did, ties included:
+    skewed and flat lengths, budgets that bind and budgets that do not, texts over the budget.
+    The masked one is kept as the benchmark's "before" path (loadtest/host_pipeline.py)."""
+    rng = random.Random(seed)
+    count = rng.choice([1, 2, 17, 300, 1024])
+    if seed % 3 == 0:
+        lengths = [rng.choice([8, 8, 16, 64]) for _ in range(count)]  # many ties
+    else:
+        lengths = [min(512, int(rng.lognormvariate(3.8, 0.7)) + 3) for _ in range(count)]
+    budget = rng.choice([64, 300, 4096, 131072])
+    max_batch = rng.choice([1, 8, 128, 1024])
+    planned = [batch.positions for batch in plan_batches(lengths, budget, max_batch)]
+    reference = masked_window_plan(lengths, budget, max_batch)
+    assert planned == [batch.positions for batch in reference]
+
+
+def _masked_plan_with_cap(lengths: list[int], budget: int, max_batch: int, cap) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """The masked programme with the slice limit's cap, as the worker planned before issue 29:
+    the reference the sliced one must match with a cap too."""
+    order = sorted(range(len(lengths)), key=lambda p: lengths[p], reverse=True)
+    ordered = np.array([lengths[p] for p in order], dtype=np.int64)
+    count = len(ordered)
+    caps = cap(ordered)
+    best = np.full(count + 1, np.inf)
+    best[0] = 0.0
+    start = np.zeros(count + 1, dtype=np.int64)
+    for end in range(1, count + 1):
+        first = max(0, end - max_batch)
+        sizes = end - np.arange(first, end)
+        widths = ordered[first:end]
+        cost = best[first:end] + sizes * widths + 128
+        over = (sizes * widths > budget) | (sizes > caps[first:end])
+        cost[over & (sizes > 1)] = np.inf
+        pick = int(np.argmin(cost))
+        best[end] = cost[pick]
+        start[end] = first + pick
+    plan = []
+    end = count
+    while end > 0:
+        begin = int(start[end])
+        plan.append([order[k] for k in range(end - 1, begin - 1, -1)])
+        end = begin
+    return plan[::-1]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_slice_limit_cuts_as_the_masked_programme_with_its_cap(seed: int) -> None:
+    rng = random.Random(seed)
+    lengths = [min(256, int(rng.lognormvariate(3.8, 0.7)) + 3) for _ in range(rng.choice([5, 300]))]
+    limit = SliceLimit(Coefficients(1e-3, 20e-6, 0.1e-6), rng.choice([0.005, 0.02, 0.06]))
+    planned = plan_batches(lengths, 4096, 128, max_texts=limit.max_texts)
+    assert [b.positions for b in planned] == _masked_plan_with_cap(
+        lengths, 4096, 128, limit.max_texts
+    )

@@ -61,6 +61,29 @@ def test_enqueue_reports_bad_lines_and_keeps_the_good(settings: Settings, tmp_pa
     assert "line 2: not JSON" in result.stderr and "line 3: 'id' must be" in result.stderr
 
 
+def test_enqueue_again_says_what_was_already_there_and_force_adds_it(
+    settings: Settings, tmp_path: Path
+) -> None:
+    source = tmp_path / "chunks.jsonl"
+    source.write_text('{"id": "a", "text": "alpha"}\n{"id": "b", "text": "beta"}\n')
+    env = _env(settings)
+    first = embedfleet("enqueue", str(source), "--job", "j", env=env)
+    assert first.returncode == 0 and "enqueued 2 chunks as job 'j'" in first.stdout
+    again = embedfleet("enqueue", str(source), "--job", "j", env=env)
+    assert again.returncode == 0, again.stderr
+    assert "enqueued 0 of 2 chunks as job 'j'" in again.stdout
+    assert "2 chunks were already in job 'j'" in again.stderr and "--force" in again.stderr
+    report = embedfleet("enqueue", str(source), "--job", "j", "--json", env=env)
+    assert json.loads(report.stdout) == {
+        "job": "j",
+        "enqueued": 0,
+        "already_present": 2,
+        "rejected_lines": [],
+    }
+    forced = embedfleet("enqueue", str(source), "--job", "j", "--force", "--json", env=env)
+    assert json.loads(forced.stdout)["enqueued"] == 2, forced.stderr
+
+
 def test_enqueue_wait_then_export(
     workers: WorkerLauncher, settings: Settings, tmp_path: Path
 ) -> None:
@@ -93,6 +116,7 @@ def test_enqueue_wait_then_export(
         assert json.loads(with_dead.stdout) == {
             "job": "dead",
             "enqueued": 1,
+            "already_present": 0,
             "rejected_lines": [],
             "dead_lettered": 1,
         }

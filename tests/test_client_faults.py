@@ -37,6 +37,7 @@ from redis import exceptions as redis_errors
 from embedfleet.producer import Producer, QueryTimeoutError
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.server import ServerProcess, free_port, system_server_binary
+from embedfleet.shared.jobs import IDS_TTL_AFTER_DONE_FIELD
 from embedfleet.shared.protocol import (
     PAYLOAD_FIELD,
     Chunk,
@@ -102,7 +103,9 @@ class AofRedis:
     async def counters(self, job: str) -> dict[str, int]:
         values = await self.direct.hgetall(self.settings.keys.job(job))
         zero = {"enqueued": 0, "done": 0, "dead": 0}
-        return zero | {k.decode(): int(v) for k, v in values.items()}
+        counters = {k.decode(): int(v) for k, v in values.items()}
+        counters.pop(IDS_TTL_AFTER_DONE_FIELD, None)  # not a counter: the id record's TTL
+        return zero | counters
 
 
 class WaitsForText(Protocol):

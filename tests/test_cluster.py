@@ -168,7 +168,14 @@ def test_partitions_spread_over_every_master(
     assert client.execute_command("CLUSTER", "KEYSLOT", lane.reply("r")) == key_slot(lane.query)
     assert key_slot(lane.interactive) == key_slot(lane.query)
     keys = cluster_settings.keys
-    batch_keys = [keys.batch("b"), keys.batches, keys.batches_active, keys.batch_lease("b")]
+    batch_keys = [
+        keys.batch("b"),
+        keys.batches,
+        keys.batches_active,
+        keys.batch_lease("b"),
+        keys.owner_batches("o"),
+        keys.owner_batches_active("o"),
+    ]
     assert len({key_slot(key) for key in batch_keys}) == 1, "a batch's MULTI stays in one slot"
     assert set(holders.values()) == {m.port for m in cluster.masters()}
     assert sorted(list(holders.values()).count(port) for port in set(holders.values())) == [2, 2, 2]

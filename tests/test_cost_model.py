@@ -223,4 +223,6 @@ def test_the_latency_benchmark_forces_each_path_with_real_settings() -> None:
     frozen = path_settings("frozen")
     assert frozen.dtype == "bfloat16" and frozen.frozen_bulk and not frozen.cpu_int8
     assert path_settings("int8").cpu_int8 and path_settings("varlen").layout == "varlen"
+    assert path_settings("int8-w8a8").cpu_int8_choice == "w8a8"
+    assert path_settings("int8-dynamic").cpu_int8_choice == "dynamic"
     assert not path_settings("eager-bf16").frozen_bulk

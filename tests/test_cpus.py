@@ -87,3 +87,56 @@ def test_tokenizer_threads_follow_the_device_unless_set(
         monkeypatch.setenv("TOKENIZERS_PARALLELISM", preset)
     assert configure_tokenizer_threads(torch.device(device)) is parallel
     assert os.environ["TOKENIZERS_PARALLELISM"] == (preset or str(parallel).lower())
+
+
+# --- the CPU class ---------------------------------------------------------------------------
+
+ZEN5 = frozenset({"avx", "avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni"})
+ZEN3 = frozenset({"avx", "avx2", "fma"})  # AMD EPYC family 25 model 1: the issue's machine
+SAPPHIRE_RAPIDS = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8"})
+
+
+@pytest.mark.parametrize(
+    ("flags", "capability", "fast_bf16", "int8_dot"),
+    [
+        (ZEN5, "AVX512", True, "vnni"),
+        (ZEN3, "AVX2", False, "avx2"),
+        (SAPPHIRE_RAPIDS, "AMX", True, "amx"),
+        # ATEN_CPU_CAPABILITY=avx2 on Zen 5: torch dispatches AVX2 kernels, bf16 is emulated
+        (ZEN5, "AVX2", False, "vnni"),
+        (frozenset(), "DEFAULT", False, "none"),
+    ],
+)
+def test_cpu_class_caps_the_flags_at_torchs_dispatch_level(
+    flags: frozenset[str], capability: str, fast_bf16: bool, int8_dot: str
+) -> None:
+    found = cpus.cpu_class(flags, capability)
+    assert found.fast_bf16 is fast_bf16
+    assert found.int8_dot == int8_dot
+    if capability not in ("AVX512", "AMX"):  # what torch will not dispatch to is not claimed
+        assert not found.avx512 and not any(f.startswith("avx512") for f in found.flags)
+
+
+def test_onednn_isa_cap_hides_avx_vnni(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ONEDNN_MAX_CPU_ISA=AVX2 (the emulation of an AVX2-only CPU) leaves out AVX-VNNI too."""
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert cpus.cpu_class(ZEN5, "AVX2").int8_dot == "avx2"
+
+
+def test_cpu_flags_reads_the_first_flags_line(tmp_path: Path) -> None:
+    _write(tmp_path, "cpuinfo", "processor\t: 0\nflags\t\t: fpu avx2 fma\nflags\t: other")
+    assert cpus.cpu_flags(tmp_path / "cpuinfo") == {"fpu", "avx2", "fma"}
+    assert cpus.cpu_flags(tmp_path / "missing") == frozenset()
+
+
+def test_cpu_paths_per_class() -> None:
+    """Every class gets float32 and an int8 path; bf16 only where it is native."""
+    from embedfleet.workers.encoder import cpu_paths
+
+    assert cpu_paths(cpus.cpu_class(ZEN3, "AVX2"), compiler=False) == ["float32", "int8-dynamic"]
+    assert cpu_paths(cpus.cpu_class(ZEN5, "AVX512"), compiler=True) == [
+        "float32",
+        "bfloat16",
+        "int8-dynamic",
+        "int8-w8a8",
+    ]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 
 from embedfleet.producer import Producer
-from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, decode_chunk
+from embedfleet.producer.enqueue import EnqueueCall, enqueue_command, script_counts
+from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, decode_chunk, encode_chunk
 from embedfleet.shared.settings import Settings
 
 
@@ -64,3 +65,59 @@ async def test_id_record_can_be_kept_for_ever(settings: Settings, client: aiored
     async with Producer(forever, client) as producer:
         await producer.enqueue(chunks(3), job="j")
     assert await client.ttl(settings.keys.job_ids("j")) == -1
+
+
+async def test_a_re_run_reports_the_chunks_already_in_the_job(
+    settings: Settings, client: aioredis.Redis
+) -> None:
+    async with Producer(settings, client) as producer:
+        first = await producer.enqueue(chunks(30), job="j", batch_size=7)
+        assert (int(first), first.present) == (30, 0)
+        # the same file again, with one text changed and one chunk more
+        again = [*chunks(30), Chunk(id="c30", text="new")]
+        again[2] = Chunk(id="c2", text="a changed text")
+        second = await producer.enqueue(again, job="j", batch_size=11)
+        assert (int(second), second.present, second.chunks) == (2, 29, 31)
+        assert await producer.enqueue(chunks(3, job=None)) == 3  # no job: always added
+        assert (await producer.progress("j")).enqueued == 32
+
+
+async def test_force_adds_the_chunks_the_job_already_has(
+    settings: Settings, client: aioredis.Redis
+) -> None:
+    async with Producer(settings, client) as producer:
+        await producer.enqueue(chunks(10), job="j")
+        # their vectors were lost (a wiped table): embed them again
+        forced = await producer.enqueue(chunks(10), job="j", force=True, batch_size=4)
+        assert (int(forced), forced.present) == (10, 0)
+        progress = await producer.progress("j")
+    assert progress.enqueued == 20
+    assert sorted(await entry_ids(client, settings)) == sorted(2 * [f"c{i}" for i in range(10)])
+
+
+async def test_a_re_send_within_one_call_counts_as_that_calls_own(
+    settings: Settings, client: aioredis.Redis
+) -> None:
+    # the script sent twice for one call, as after a lost reply: the second try adds nothing
+    # and reports the chunks as added by this call ("again"), even with force
+    keys = settings.keys
+    payloads = [(c.id, encode_chunk(c)) for c in chunks(4)]
+
+    async def send(call: EnqueueCall) -> tuple[int, int]:
+        command = enqueue_command(
+            stream=keys.ingest,
+            counters=keys.job("j"),
+            id_record=keys.job_ids("j"),
+            chunks=payloads,
+            id_record_ttl_s=60,
+            call=call,
+        )
+        return script_counts(await client.execute_command(*command))
+
+    first, forced = EnqueueCall(), EnqueueCall(force=True)
+    assert await send(first) == (4, 0)
+    assert await send(first) == (0, 4)
+    assert await send(EnqueueCall()) == (0, 0)  # another call: already in the job
+    assert await send(forced) == (4, 0)
+    assert await send(forced) == (0, 4)
+    assert int(await client.hget(keys.job("j"), "enqueued")) == 8

@@ -60,6 +60,39 @@ async def test_a_worker_warns_at_start_naming_the_policy_and_the_fix(
     assert "allkeys-lru" in line["detail"] and "maxmemory-policy noeviction" in line["detail"]
 
 
+async def test_serve_warns_at_start_naming_the_policy_and_the_fix(
+    evicting_server: ServerProcess, tmp_path
+) -> None:
+    """`embedfleet serve` holds reply lists and Batch API records in Redis: it checks too."""
+    settings = isolated_settings(evicting_server.url)
+    log_path = tmp_path / "serve.log"
+    env = cli_env(
+        settings,
+        EMBEDFLEET_GATEWAY_PORT="0",
+        EMBEDFLEET_LOG_FORMAT="json",
+        EMBEDFLEET_FILES_DIR=str(tmp_path / "files"),
+    )
+    with log_path.open("wb") as log_file:
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "embedfleet.cli", "serve"],
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        async with asyncio.timeout(120):
+            while WARNING not in log_path.read_text(errors="replace"):
+                assert serve.poll() is None, log_path.read_text(errors="replace")
+                await asyncio.sleep(0.05)  # the process's log line is the signal
+    finally:
+        serve.terminate()
+        serve.wait(30)
+    lines = log_path.read_text(errors="replace").splitlines()
+    (line,) = [json.loads(x) for x in lines if WARNING in x]
+    assert line["level"] == "warning" and line["policy"] == "allkeys-lru"
+    assert line["fix"] == "maxmemory-policy noeviction"
+
+
 async def test_status_reports_the_policy(
     evicting_server: ServerProcess, settings: Settings
 ) -> None:

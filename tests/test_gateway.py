@@ -180,6 +180,26 @@ def test_oversized_requests_are_413_and_bad_ones_400(client: openai.OpenAI, gate
         client.embeddings.create(model="all-MiniLM-L6-v2", input=[{"not": "text"}])  # type: ignore
 
 
+def test_an_input_over_the_models_maximum_is_400_unless_truncate_is_asked(
+    client: openai.OpenAI, reference
+) -> None:
+    # OpenAI's answer to an input over the context: 400, nothing embedded from a cut text
+    long = "word " * 400  # 400 tokens; the model reads 256
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.embeddings.create(model="all-MiniLM-L6-v2", input=["short", long])
+    error = caught.value.response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "input"
+    assert "256 tokens" in error["message"] and "'input[1]'" in error["message"]
+    assert '"truncate": true' in error["message"]
+    # asked for: cut to fit as sentence-transformers cuts it, and counted as what was read
+    cut = client.embeddings.create(
+        model="all-MiniLM-L6-v2", input=[long], extra_body={"truncate": True}
+    )
+    vector = np.array([cut.data[0].embedding])
+    assert min_cosine(vector, reference([long])) >= 0.999
+    assert cut.usage.prompt_tokens == 256
+
+
 def test_tei_client_gets_the_same_vectors(
     gateway: str, reference, monkeypatch: pytest.MonkeyPatch
 ) -> None:

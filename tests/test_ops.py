@@ -152,7 +152,10 @@ async def test_worker_metrics_health_and_readiness(
             while True:
                 assert worker.poll() is None, logs()
                 assert time.monotonic() < deadline, f"lags {lags}\n{logs()}"
-                page = await scrape(session, port)
+                try:
+                    page = await scrape(session, port)
+                except aiohttp.ClientConnectionError as error:
+                    raise AssertionError(f"the worker stopped answering\n{logs()}") from error
                 lags.append(page("embedfleet_stream_lag", stream="ingest"))
                 texts_seen.append(page("embedfleet_texts_embedded_total"))
                 progress = await Producer(own, client).progress("ops")
@@ -197,14 +200,20 @@ async def test_worker_metrics_health_and_readiness(
             assert final("embedfleet_dead_letters_total", reason="too_long") == 0
             assert final("embedfleet_reclaimed_total") == 0
             assert final("embedfleet_redis_up") == 1
-            info = final(
-                "embedfleet_worker_info",
-                consumer="ops-worker",
-                model="all-MiniLM-L6-v2",
-                device="cpu",
-                dtype="float32",
-            )
-            assert info == 1
+            (info,) = [
+                dict(labels)
+                for (name, labels), value in final.samples.items()
+                if name == "embedfleet_worker_info" and value == 1
+            ]
+            # The forward path is the one chosen at start, not the placeholder set before it.
+            forward_path = info.pop("forward_path")
+            assert forward_path.startswith(("float32", "int8")), forward_path
+            assert info == {
+                "consumer": "ops-worker",
+                "model": "all-MiniLM-L6-v2",
+                "device": "cpu",
+                "dtype": "float32",
+            }
             print(f"ingest lag as scraped: {lags}")
             # The lag starts at the whole backlog, only goes down, and ends at 0.
             assert lags[0] > 0, lags

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 from click.testing import CliRunner
 
 from embedfleet.cli import main
-from embedfleet.producer.plan import make_plan
+from embedfleet.producer.plan import HOST_FIGURES, make_plan
 
 FIGURES = {
     "enqueue_per_s": 50_000,
@@ -18,6 +19,8 @@ FIGURES = {
     "bytes_per_backlog_entry": 1_000,
     "bytes_per_result_dim384": 1_000,
     "bytes_per_result_dim1024": 2_200,
+    "host_texts_per_core_s": 4_000,
+    "host_texts_per_s_per_process": 3_000,
 }
 
 
@@ -34,6 +37,16 @@ def test_the_plan_is_the_documented_arithmetic() -> None:
     assert plan.backlog_gib == pytest.approx(18e9 / 2**30)
     assert plan.result_mb_per_s == pytest.approx(120_000 * (1024 * 2 + 80) / 1e6)
     assert plan.results_gib == pytest.approx(1e9 * 2_200 / 2**30)
+    # the host around the model (issue 29): 15,000 texts/s at 4,000 a core, 3,000 a process
+    assert (plan.host_cores_per_worker, plan.host_processes_per_worker) == (4, 5)
+
+
+def test_host_figures_default_to_the_measured_ones() -> None:
+    cluster_only = {k: v for k, v in FIGURES.items() if not k.startswith("host_")}
+    plan = make_plan(
+        chunks=1e6, dim=384, texts_per_s_per_worker=40_000, workers=1, figures=cluster_only
+    )
+    assert plan.host_cores_per_worker == math.ceil(40_000 / HOST_FIGURES["host_texts_per_core_s"])
 
 
 def test_dimensions_between_the_measured_ones_are_interpolated() -> None:
@@ -58,4 +71,52 @@ def test_the_command() -> None:
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "120,000 chunks/s" in result.output and "2.31 h" in result.output
+    assert "worker processes (EMBEDFLEET_REPLICAS) to feed 15,000 texts/s" in result.output
     assert "shards needed" in result.output and "GiB" in result.output
+
+
+def test_redis_memory_counts_in_flight_bounded_results_and_job_ids() -> None:
+    """The results stream holds at most EMBEDFLEET_RESULTS_MAX_ENTRIES per partition (one per
+    shard), each worker two reads in flight, and a running job one id record per chunk."""
+    figures = FIGURES | {"bytes_per_pending_entry": 100, "bytes_per_job_id": 64}
+    plan = make_plan(
+        chunks=1e9,
+        dim=1024,
+        texts_per_s_per_worker=15_000,
+        workers=8,
+        figures=figures,
+        results_max_entries=500_000,
+        read_count=8192,
+    )
+    assert plan.results_entries == 18 * 500_000
+    assert plan.results_gib == pytest.approx(18 * 500_000 * 2_200 / 2**30)
+    assert plan.inflight_entries == 2 * 8192 * 8
+    assert plan.inflight_gib == pytest.approx(2 * 8192 * 8 * (1_000 + 100) / 2**30)
+    assert plan.job_ids_gib == pytest.approx(1e9 * 64 / 2**30)
+    assert plan.redis_gib == pytest.approx(
+        plan.backlog_gib + plan.inflight_gib + plan.results_gib + plan.job_ids_gib
+    )
+
+
+async def test_entry_sizes_are_measured_on_the_redis_at_hand(client, settings) -> None:
+    """MEMORY USAGE of sample keys (and used_memory for the pending list), the keys deleted."""
+    from embedfleet.producer.plan import measure_entry_sizes
+
+    sizes = await measure_entry_sizes(client, settings.namespace, dim=384, text_chars=500)
+    assert 500 < sizes["bytes_per_backlog_entry"] < 1_500  # the payload and its overhead
+    assert 2 * 384 < sizes["bytes_per_result_dim384"] < 2_000
+    assert 20 < sizes["bytes_per_job_id"] < 200 and 0 < sizes["bytes_per_pending_entry"] < 400
+    assert not [key async for key in client.scan_iter(match=f"{settings.namespace}:*")]
+
+
+def test_the_command_measures_with_measure(settings) -> None:
+    result = CliRunner().invoke(
+        main,
+        [
+            "plan", "--chunks", "1e7", "--texts-per-second-per-worker", "1000", "--workers",
+            "2", "--measure", "--redis-url", settings.effective_redis_url, "--json",
+        ],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output.splitlines()[-1])
+    assert plan["redis_gib"] > plan["backlog_gib"] > 0 and plan["job_ids_gib"] > 0

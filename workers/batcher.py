@@ -10,6 +10,12 @@ pays a forward pass's fixed cost per text. :func:`plan_batches` minimises the to
 ``padded tokens + batches x BATCH_COST_TOKENS`` over every way of cutting the sorted window
 (an exact dynamic programme, O(window x max_batch), a few ms per 512 texts), so it cuts where
 lengths jump and fills where they are even.
+
+Beside the token budget, a batch may be bounded by time: where queries wait on bulk work (a
+CPU), the worker passes the query slice's limit from its cost model (workers/cost_model.py):
+``max_texts(widths)``, the most texts a padded batch of each width may hold, or for packed
+batches ``fits(tokens, squares)``. A batch of long texts then holds fewer tokens than one of
+short texts, as its attention costs more per token.
 """
 
 from __future__ import annotations
@@ -53,7 +59,9 @@ def plan_batches(
 ) -> list[PlannedBatch]:
     """Group positions so that ``len(batch) * longest <= token_budget`` and ``len <= max_batch``,
     cut where it costs least (see the module docstring). ``max_texts``: the most texts a batch
-    of each width may hold (the query slice's limit), as an array for an array of widths.
+    of each width may hold (the query slice's limit), as an array for an array of widths; it
+    must not grow with the width (a wider text never allows more texts), which keeps the
+    batches that fit a suffix, as the budget does.
 
     A single text longer than the budget still gets a batch of its own (it cannot be split).
     Batches come out longest first, so the largest allocation happens at the start of a window.
@@ -66,33 +74,42 @@ def plan_batches(
     ordered = np.array([lengths[p] for p in order], dtype=np.int64)
     count = len(ordered)
     # best[j]: least cost of batching the j longest texts; start[j]: where the last batch of
-    # that best plan begins. A batch [i, j) is as wide as its first (longest) text, ordered[i].
-    # the most texts a batch led by each text may hold, where time bounds it
-    cap = None if max_texts is None else np.asarray(max_texts(ordered), dtype=np.int64)
-    best = np.full(count + 1, np.inf)
-    best[0] = 0.0
-    start = np.zeros(count + 1, dtype=np.int64)
+    # that best plan begins. A batch [i, j) is as wide as its first (longest) text, ordered[i],
+    # and costs best[i] + (j - i) * ordered[i] + batch_cost_tokens = base[i] + j * ordered[i]
+    # + batch_cost_tokens, with base[i] = best[i] - i * ordered[i] (known once best[i] is).
+    # The batches [i, j) that fit the budget are those from some ``low`` on: (j - i) and
+    # ordered[i] both shrink as i grows. So each step is one slice, not a masked window
+    # (issue 29: the masked window cost ~40 µs a text on a loaded host, at CUDA's window as at
+    # the CPU's; this is the same plan, tie for tie, in a fraction of it). Integer costs, exact.
+    widths = ordered.tolist()  # scalars from a list: numpy scalar access costs more per step
+    # the most texts a batch led by each text may hold, where time bounds it: (j - i) shrinks
+    # and cap[i] grows as i grows, so the batches that fit are still those from ``low`` on
+    cap = None if max_texts is None else np.asarray(max_texts(ordered), dtype=np.int64).tolist()
+    best = [0] * (count + 1)
+    base = np.zeros(count + 1, dtype=np.int64)  # base[0] = best[0] - 0 = 0
+    start = [0] * (count + 1)
+    low = 0
     for end in range(1, count + 1):
-        first = max(0, end - max_batch)
-        sizes = end - np.arange(first, end)
-        widths = ordered[first:end]
-        cost = best[first:end] + sizes * widths + batch_cost_tokens
-        over = sizes * widths > token_budget
-        if cap is not None:
-            over |= sizes > cap[first:end]
-        cost[over & (sizes > 1)] = np.inf
-        pick = int(np.argmin(cost))
-        best[end] = cost[pick]
-        start[end] = first + pick
+        low = max(low, end - max_batch)
+        while low < end - 1 and (
+            (end - low) * widths[low] > token_budget or (cap is not None and end - low > cap[low])
+        ):
+            low += 1
+        cost = base[low:end] + end * ordered[low:end]
+        pick = int(cost.argmin())
+        best[end] = int(cost[pick]) + batch_cost_tokens
+        start[end] = low + pick
+        if end < count:
+            base[end] = best[end] - end * widths[end]
     batches: list[PlannedBatch] = []
     end = count
     while end > 0:
-        begin = int(start[end])
+        begin = start[end]
         positions = [order[k] for k in range(end - 1, begin - 1, -1)]  # shortest first
         batches.append(
             PlannedBatch(
                 positions=positions,
-                longest=int(ordered[begin]),
+                longest=widths[begin],
                 real_tokens=int(ordered[begin:end].sum()),
             )
         )

@@ -24,13 +24,15 @@ import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
+from redis.typing import KeyT, StreamIdT
 
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import PAYLOAD_FIELD
-from embedfleet.shared.redis_conn import ensure_groups
+from embedfleet.shared.redis_conn import as_str, ensure_groups
 
 # A blocked XREADGROUP is woken with this error when its key leaves the node (Redis >= 7).
 STREAM_MOVED_AWAY = "UNBLOCKED"
@@ -180,7 +182,11 @@ class StreamConsumer:
     ) -> list[StreamEntry]:
         try:
             response = await self.client.xreadgroup(
-                self.keys.group, self.consumer, streams, count=count, block=block_ms
+                self.keys.group,
+                self.consumer,
+                cast("dict[KeyT, StreamIdT]", streams),  # (redis-py's dict is invariant)
+                count=count,
+                block=block_ms,
             )
         except ResponseError as error:
             if not str(error).startswith(STREAM_MOVED_AWAY):
@@ -193,8 +199,10 @@ class StreamConsumer:
     def _entries(self, response: object) -> list[StreamEntry]:
         entries: list[StreamEntry] = []
         # Query stream first when a blocking read returns both.
+        # XREADGROUP's reply: [(stream, [(id, fields), ...]), ...], or None when nothing came
+        streams = cast("list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]", response)
         for stream_name, stream_entries in sorted(
-            response or [], key=lambda item: as_str(item[0]) != self.keys.query_lane.query
+            streams or [], key=lambda item: as_str(item[0]) != self.keys.query_lane.query
         ):
             stream = as_str(stream_name)
             for entry_id, fields in stream_entries:
@@ -219,7 +227,3 @@ def backlog_shares(count: int, lengths: dict[str, int]) -> dict[str, int]:
         for stream, length in lengths.items()
         if length > 0
     }
-
-
-def as_str(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

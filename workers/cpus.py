@@ -5,6 +5,9 @@
 worth of time: they fight, and a 9 ms query forward took ~500 ms under that contention. The
 quota is what a container may use, so ``EMBEDFLEET_THREADS=0`` means the smaller of the two.
 
+:func:`cpu_class` says which fast kernels those CPUs have (bf16, int8 dot products), as torch
+will use them: the forward paths a worker tries at start follow from it (workers/encoder.py).
+
 loky (joblib) has a similar ``cpu_count``, but it reads fixed paths, which a unit test cannot
 point at fake cgroup files, and it would be a dependency for twenty lines.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -65,3 +69,74 @@ def usable_cpus(root: Path = CGROUP_ROOT) -> int:
     if limit is not None:
         cpus = min(cpus, max(1, math.ceil(limit)))
     return max(1, cpus)
+
+
+# --- the CPU class: which fast kernels this process can use ---------------------------------
+
+# ATen's dispatch levels that include AVX-512 (torch.backends.cpu.get_cpu_capability()).
+_AVX512_CAPABILITIES = frozenset({"AVX512", "AVX512_BF16", "AVX512_VNNI", "AVX512_FP16", "AMX"})
+# Flags torch's kernels use only at its AVX-512 level: capped off below it (ATEN_CPU_CAPABILITY)
+_AVX512_ONLY_PREFIXES = ("avx512", "amx")
+# ONEDNN_MAX_CPU_ISA values that leave out AVX-VNNI (a 256-bit extension an AVX2-only CPU lacks)
+_ONEDNN_BELOW_AVX_VNNI = frozenset({"SSE41", "AVX", "AVX2"})
+
+
+@dataclass(frozen=True)
+class CpuClass:
+    """What this process's CPU runs fast: the flags of ``/proc/cpuinfo``, capped at the ISA torch
+    dispatches to (``ATEN_CPU_CAPABILITY=avx2`` on an AVX-512 CPU makes torch, and this class,
+    see an AVX2-only CPU: how the tests emulate one; ``ONEDNN_MAX_CPU_ISA=AVX2`` caps oneDNN's
+    kernels the same way)."""
+
+    flags: frozenset[str]
+    capability: str  # torch's dispatch level: "AVX512", "AVX2", "DEFAULT", ...
+
+    @property
+    def avx512(self) -> bool:
+        return self.capability in _AVX512_CAPABILITIES
+
+    @property
+    def fast_bf16(self) -> bool:
+        """bf16 matmuls run natively (AVX512-BF16 or AMX); elsewhere bf16 is emulated, slower
+        than float32."""
+        return bool({"avx512_bf16", "amx_bf16"} & self.flags)
+
+    @property
+    def int8_dot(self) -> str:
+        """The int8 dot-product instructions: ``amx``, ``vnni`` (AVX512-VNNI or AVX-VNNI) or
+        ``avx2`` (vpmaddubsw: FBGEMM's and oneDNN's AVX2 int8 kernels)."""
+        if "amx_int8" in self.flags:
+            return "amx"
+        if {"avx512_vnni", "avx_vnni"} & self.flags:
+            return "vnni"
+        return "avx2" if "avx2" in self.flags else "none"
+
+    def describe(self) -> str:
+        bf16 = "fast bf16" if self.fast_bf16 else "no fast bf16"
+        return f"{self.capability} ({bf16}, int8 dot: {self.int8_dot})"
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The first ``flags`` line of ``/proc/cpuinfo`` (empty where there is none)."""
+    try:
+        with cpuinfo.open() as lines:
+            for line in lines:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_class(flags: frozenset[str] | None = None, capability: str | None = None) -> CpuClass:
+    """This CPU's class as torch will use it (arguments: for tests)."""
+    if capability is None:
+        import torch
+
+        capability = str(torch.backends.cpu.get_cpu_capability())
+    found = cpu_flags() if flags is None else flags
+    if capability not in _AVX512_CAPABILITIES:
+        found = frozenset(f for f in found if not f.startswith(_AVX512_ONLY_PREFIXES))
+    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in _ONEDNN_BELOW_AVX_VNNI:
+        found = found - {"avx_vnni"}  # oneDNN's AVX2_VNNI level is above the cap
+    return CpuClass(flags=found, capability=capability)

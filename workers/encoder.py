@@ -17,7 +17,12 @@ from typing import Literal, cast
 
 import numpy as np
 import torch
-from transformers import AutoModel, AutoTokenizer
+from transformers import (
+    AutoModel,
+    AutoModelForMaskedLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+)
 from transformers.utils import logging as transformers_logging
 
 from embedfleet.shared.logging import adopt_library_logger, get_logger
@@ -25,19 +30,32 @@ from embedfleet.shared.logging import adopt_library_logger, get_logger
 # one definition for the worker, the gateway and the splitter (those need no torch)
 from embedfleet.shared.model_path import ModelNotFoundError, resolve_model_path
 from embedfleet.shared.modelcard import ModelCard, max_input_tokens, served_name
+from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import PACKAGED_MODEL
 from embedfleet.shared.tokens import counting_head
-from embedfleet.workers.cpus import usable_cpus
+from embedfleet.workers.cpus import CpuClass, cpu_class, usable_cpus
 from embedfleet.workers.cuda_queries import CudaLaneMode, CudaQueryRunner, QueryPath
 from embedfleet.workers.frozen import FrozenForward, build_checked, freeze, frozen_min_cosine
-from embedfleet.workers.int8 import Int8Forward, build_int8, cpp_compiler_available
+from embedfleet.workers.int8 import (
+    DynamicInt8Forward,
+    Int8Forward,
+    W8A8Forward,
+    build_dynamic_int8,
+    build_int8,
+    cpp_compiler_available,
+)
 from embedfleet.workers.model_dir import SentenceHead, read_model_spec
 from embedfleet.workers.precision import (
     BULK_PROBE_TEXTS,
+    FP32,
+    GATE_TEXTS,
+    PROBE_BATCH,
     PROBE_TEXTS,
+    GateReport,
     ParityReport,
     Precision,
-    parity,
+    embed_in_batches,
+    gate,
     requested_precision,
     settle_auto,
 )
@@ -46,6 +64,10 @@ from embedfleet.workers.precision import (
 # (above a progress bar, quiet below --verbose), once the process has configured logging.
 adopt_library_logger("transformers")
 log = get_logger("embedfleet.encoder")
+
+# EMBEDFLEET_CPU_INT8_PATH: which int8 copies are tried ("auto": every one this CPU can run)
+Int8Choice = Literal["auto", "w8a8", "dynamic", "off"]
+INT8_PATHS: dict[str, str] = {"w8a8": W8A8Forward.name, "dynamic": DynamicInt8Forward.name}
 
 PoolingMode = Literal["mean", "cls", "lasttoken", "max", "weightedmean", "mean_sqrt_len_tokens"]
 Lane = Literal["query", "document"]
@@ -64,6 +86,8 @@ class Tokenized:
     # leading tokens that are the prompt (with the tokenizer's leading special tokens), as
     # sentence-transformers counts them; excluded from pooling when include_prompt is false
     prompt_length: int = 0
+    # segment ids of a (query, document) pair for a cross-encoder; None for a single text
+    type_ids: list[int] | None = None
 
     @property
     def length(self) -> int:
@@ -77,6 +101,7 @@ class EncodeBatch:
     input_ids: torch.Tensor  # (batch, seq) int64
     attention_mask: torch.Tensor  # (batch, seq) int64
     prompt_lengths: torch.Tensor | None = None  # (batch,) int64, when pooling leaves prompts out
+    token_type_ids: torch.Tensor | None = None  # (batch, seq) int64, for (query, document) pairs
 
     @property
     def size(self) -> int:
@@ -156,6 +181,10 @@ class Encoder:
         # `auto` loads fp32 and settles on a precision after the parity probe, below.
         self.precision: Precision = requested_precision(dtype, self.device)
         self.parity: ParityReport | None = None
+        # int8 copies are gated against float32's vectors, which only `auto` computes (an
+        # explicit dtype is what the operator wants, not a candidate to beat)
+        self._auto_dtype = dtype == "auto"
+        self.gate_reports: dict[str, GateReport] = {}
         if self.device.type == "cpu":
             torch.set_num_threads(threads or usable_cpus())
         elif threads:  # CUDA: host-side torch work only (replicas on one GPU get one each)
@@ -173,7 +202,15 @@ class Encoder:
             raise ModelNotFoundError(f"{transformer_dir} has no fast tokenizer (tokenizer.json)")
         transformers_logging.disable_progress_bar()  # a local load needs no progress bar
         load_dtype = torch.float32 if dtype == "auto" else self.precision.weights_dtype
-        self._model = AutoModel.from_pretrained(transformer_dir, dtype=load_dtype)
+        # dense: the bare transformer; sparse: its MLM head too (vocabulary logits, SPLADE);
+        # rerank: its classification head (a score per pair, CrossEncoder)
+        self.representation = self.spec.representation
+        model_class = {
+            "dense": AutoModel,
+            "sparse": AutoModelForMaskedLM,
+            "rerank": AutoModelForSequenceClassification,
+        }[self.representation]
+        self._model = model_class.from_pretrained(transformer_dir, dtype=load_dtype)
         self._model.to(self.device).eval()
         self._head = SentenceHead(self.spec).to(self.device).eval()
         position_limit = getattr(self._model.config, "max_position_embeddings", 512)
@@ -181,6 +218,19 @@ class Encoder:
             self.spec.max_seq_length, self._tokenizer.model_max_length, position_limit
         )
         self.dim = self.spec.output_dim(int(self._model.config.hidden_size))
+        if self.representation == "sparse":
+            self.dim = int(self._model.config.vocab_size)  # one weight per vocabulary entry
+        elif self.representation == "rerank":
+            self.dim = int(self._model.config.num_labels)  # CrossEncoder.predict's scores
+        self._score_activation = getattr(torch.nn, self.spec.score_activation)()
+        # (query, document) pairs: the tokenizer's own pair encoding, cut "longest_first" as
+        # sentence-transformers' Transformer.tokenize cuts them (its own instance: the call
+        # sets truncation on the backend, which the single-text path below configures itself)
+        self._pair_tokenizer = (
+            AutoTokenizer.from_pretrained(transformer_dir)
+            if self.representation == "rerank"
+            else None
+        )
         # sentence-transformers' prompt table: "query" and "document" exist (empty) unless the
         # model sets them, which is why encode_query / encode_document never fall back to
         # default_prompt_name; see resolve_prompt.
@@ -195,11 +245,17 @@ class Encoder:
         # One token over the limit tells us a text was cut; see tokenize().
         self._backend.enable_truncation(self.max_length + 1)
         self._ends_with_special = self._last_token_is_special()
-        if dtype == "auto":
+        if dtype == "auto" and self.representation != "dense":
+            # the parity probe compares pooled sentence vectors by cosine: not what a sparse
+            # or score head gives; float32 until it has its own bar
+            self.precision = FP32
+        elif dtype == "auto":
             self.precision, self.parity = settle_auto(
                 self._model, self.precision, self.embed_texts, self._set_precision
             )
         self.dtype = self.precision.dtype
+        # the forward path kept for queries (and frozen bulk), as logged: prepare_query_graph
+        self.forward_path = f"{self.precision.name} eager"
         self._layer_hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._query_forward: FrozenForward | Int8Forward | None = None
         self._cuda_queries: CudaQueryRunner | None = None
@@ -219,6 +275,7 @@ class Encoder:
             pooling=self.spec.pooling_modes,
             include_prompt=self.spec.include_prompt,
             architecture=str((getattr(config, "architectures", None) or [""])[0]),
+            representations=(self.representation,),
         )
 
     # --- slice boundaries ----------------------------------------------------------
@@ -298,14 +355,21 @@ class Encoder:
 
     # --- tokenize ---------------------------------------------------------------------
     def tokenize(
-        self, texts: Sequence[str], prompts: Sequence[str] | None = None
+        self,
+        texts: Sequence[str],
+        prompts: Sequence[str] | None = None,
+        *,
+        pairs: Sequence[str] | None = None,
     ) -> list[Tokenized]:
         """Token ids per text (``prompt + text`` where a prompt is given, as
         sentence-transformers joins them, so prompt tokens count against the maximum), cut to
-        the model's maximum with the truncated flag set.
+        the model's maximum with the truncated flag set. With ``pairs`` (a cross-encoder's
+        documents, one per text): the (text, pair) encodings of :meth:`tokenize_pairs`.
 
         The batch call runs in Rust and releases the GIL, so callers put it on a thread.
         """
+        if pairs is not None:
+            return self.tokenize_pairs(texts, pairs)
         if prompts is not None:
             texts = [prompt + text for prompt, text in zip(prompts, texts, strict=True)]
         prepared = [counting_head(text, self.max_length) for text in texts]
@@ -331,6 +395,32 @@ class Encoder:
             ids = ids[: self.max_length]
         return Tokenized(ids=ids, truncated=True, prompt_length=prompt_length)
 
+    def tokenize_pairs(self, queries: Sequence[str], documents: Sequence[str]) -> list[Tokenized]:
+        """Token and segment ids of (query, document) pairs for a cross-encoder, cut to the
+        model's maximum ``longest_first`` as ``CrossEncoder.predict`` cuts them; ``truncated``
+        says a pair lost tokens."""
+        if self._pair_tokenizer is None:
+            raise ValueError("pairs are scored by a cross-encoder; this model is not one")
+        whole = self._pair_tokenizer(list(queries), list(documents), truncation=False)
+        cut = self._pair_tokenizer(
+            list(queries),
+            list(documents),
+            truncation="longest_first",
+            max_length=self.max_length,
+        )
+        # segment ids where the tokenizer declares them (BERT's), as CrossEncoder passes them
+        types = cut.get("token_type_ids")
+        return [
+            Tokenized(
+                ids=list(ids),
+                truncated=len(full) > len(ids),
+                type_ids=list(types[row]) if types is not None else None,
+            )
+            for row, (ids, full) in enumerate(
+                zip(cut["input_ids"], whole["input_ids"], strict=True)
+            )
+        ]
+
     # --- batch and embed --------------------------------------------------------------
     def collate(self, items: list[Tokenized], *, pin: bool = False) -> EncodeBatch:
         """Pad to the longest sequence in the batch (callers sort by length first), on the side
@@ -343,15 +433,23 @@ class Encoder:
         ids_tensor = torch.full(shape, self.pad_id, dtype=torch.int64, pin_memory=pin)
         mask_tensor = torch.zeros(shape, dtype=torch.int64, pin_memory=pin)
         input_ids, attention_mask = ids_tensor.numpy(), mask_tensor.numpy()
+        types_tensor = None
+        if any(item.type_ids is not None for item in items):
+            types_tensor = torch.zeros(shape, dtype=torch.int64, pin_memory=pin)
         for row, item in enumerate(items):
             start = longest - item.length if self.pad_left else 0
             input_ids[row, start : start + item.length] = item.ids
             attention_mask[row, start : start + item.length] = 1
+            if types_tensor is not None and item.type_ids is not None:
+                types_tensor.numpy()[row, start : start + item.length] = item.type_ids
         prompt_lengths = None
         if not self.pooling.include_prompt:
             prompt_lengths = torch.tensor([item.prompt_length for item in items])
         return EncodeBatch(
-            input_ids=ids_tensor, attention_mask=mask_tensor, prompt_lengths=prompt_lengths
+            input_ids=ids_tensor,
+            attention_mask=mask_tensor,
+            prompt_lengths=prompt_lengths,
+            token_type_ids=types_tensor,
         )
 
     def embed(self, batch: EncodeBatch) -> np.ndarray:
@@ -363,8 +461,20 @@ class Encoder:
         """:meth:`embed`'s vectors left on the model's device (on CUDA: returns once queued)."""
         input_ids = batch.input_ids.to(self.device, non_blocking=True)
         attention_mask = batch.attention_mask.to(self.device, non_blocking=True)
+        extra: dict[str, torch.Tensor] = {}
+        if batch.token_type_ids is not None:
+            extra["token_type_ids"] = batch.token_type_ids.to(self.device, non_blocking=True)
         with self.precision.context(self.device):
-            output = self._model(input_ids=input_ids, attention_mask=attention_mask)
+            output = self._model(input_ids=input_ids, attention_mask=attention_mask, **extra)
+        if self.representation == "sparse":
+            return splade_pool(
+                output.logits.float(),
+                attention_mask,
+                self.spec.splade_strategy,
+                self.spec.splade_activation,
+            )
+        if self.representation == "rerank":
+            return self._score_activation(output.logits.float())
         return self._pooled(output.last_hidden_state, attention_mask, batch.prompt_lengths)
 
     def embed_query(self, batch: EncodeBatch) -> np.ndarray:
@@ -381,9 +491,8 @@ class Encoder:
             )
         if self._query_forward is None:
             return self.embed(batch), "eager"
-        return self._embed_frozen(
-            self._query_forward, batch
-        ), "int8" if self.computes_in_int8 else "frozen"
+        path: QueryPath = "int8" if self.computes_in_int8 else "frozen"
+        return self._embed_frozen(self._query_forward, batch), path
 
     @torch.inference_mode()
     def _embed_frozen(self, forward: FrozenForward | Int8Forward, batch: EncodeBatch) -> np.ndarray:
@@ -422,27 +531,53 @@ class Encoder:
 
     @property
     def computes_in_reduced_precision(self) -> bool:
-        return self.precision.dtype != torch.float32
+        """The model, or the copy kept for queries and frozen bulk, computes in less than
+        float32: bf16/fp16, or int8 linear layers (the worker then runs bulk through the copy)."""
+        return self.precision.dtype != torch.float32 or self.computes_in_int8
 
-    def prepare_query_graph(self, int8: bool = False) -> bool:
+    def prepare_query_graph(self, int8: bool | Int8Choice = False) -> bool:
         """Build the frozen query graph, once, where it helps and holds parity: on a CPU, with
         the weights in their compute dtype (not autocast). Returns whether queries use it.
 
-        ``int8`` (EMBEDFLEET_CPU_INT8): the int8 copy of workers/int8.py is built too and takes
-        the frozen graph's place if it holds the float32 bar and runs a bulk-shaped batch
-        faster here (int8 wins where the CPU's int8 rate is well over its bf16 rate).
+        ``int8`` (EMBEDFLEET_CPU_INT8 and EMBEDFLEET_CPU_INT8_PATH): ``True``/``"auto"`` builds
+        every int8 copy of workers/int8.py this CPU can run (:func:`cpu_paths`), holds each to
+        the float32 bar on the held-out set (:func:`~embedfleet.workers.precision.gate`), and
+        keeps the fastest of those that pass and the frozen graph (or the eager model) on a
+        timed bulk-shaped batch. ``"w8a8"``/``"dynamic"``: only that copy, kept whenever it
+        passes the gate, without the race (to force a path for a benchmark). ``False``/``"off"``:
+        no int8. Only with EMBEDFLEET_DTYPE=auto, which computes float32's vectors to gate on.
 
-        Call it on the thread that runs the model; it takes about a second (with ``int8``, the
-        copy's compile: up to about a minute on 2 cores, less with inductor's cache warm).
+        The choice is made once, here, and logged ("forward path chosen", :attr:`forward_path`).
+        Call it on the thread that runs the model; it takes about a second (with the W8A8 copy,
+        its compile: up to about a minute on 2 cores, less with inductor's cache warm).
         """
         if self._query_forward is not None:
             return True
         if self.device.type != "cpu" or self.precision.method == "autocast":
             return False
-        int8_forward = self._build_int8() if int8 else None
+        if self.representation != "dense":  # the frozen and int8 copies end in pooling
+            return False
+        choice: Int8Choice = "auto" if int8 is True else "off" if int8 is False else int8
+        candidates = self._build_int8_paths(choice)
         self._query_forward = self._build_frozen()
-        if int8_forward is not None:
-            self._keep_faster(int8_forward)
+        if self._query_forward is not None:
+            self.forward_path = f"{self.precision.name} frozen"
+        timings: dict[str, float] = {}
+        if candidates and choice == "auto":
+            timings = self._keep_fastest(candidates)
+        elif candidates:
+            self._query_forward = candidates[0]
+        if isinstance(self._query_forward, Int8Forward):
+            self.forward_path = f"{self._query_forward.name} ({self.precision.name} around it)"
+        cpu = cpu_class()
+        log.info(
+            "forward path chosen",
+            path=self.forward_path,
+            cpu=cpu.describe(),
+            candidates=",".join(cpu_paths(cpu, cpp_compiler_available())),
+            gated=",".join(f"{name}:{r.passed}" for name, r in self.gate_reports.items()),
+            **_milliseconds(timings),
+        )
         return self._query_forward is not None
 
     def _build_frozen(self) -> FrozenForward | None:
@@ -459,76 +594,115 @@ class Encoder:
 
     @property
     def computes_in_int8(self) -> bool:
-        """The query (and frozen bulk) graph is the int8 copy of workers/int8.py."""
+        """The query (and frozen bulk) graph is one of the int8 copies of workers/int8.py."""
         return isinstance(self._query_forward, Int8Forward)
 
-    def _build_int8(self) -> Int8Forward | None:
-        """The int8 copy, if it matches float32 on the probe texts with the bar ``auto`` holds
-        bf16 to; else say why and return None."""
-        if not self.computes_in_reduced_precision:
-            return None  # float32 asked for, or auto fell back to it: no int8 either
-        report = self.parity
-        if report is None or report.reference is None:
-            log.info(
-                "int8 compute not used: it is checked against float32's vectors, which "
-                "EMBEDFLEET_DTYPE=auto computes at load (not bfloat16/float16 asked for)"
-            )
+    def float32_heldout(self) -> np.ndarray | None:
+        """float32's vectors of the held-out set, to gate other paths on: kept from `auto`'s
+        probe, or computed now where the model is float32 under `auto`; None with an explicit
+        dtype (nothing is gated then)."""
+        if not self._auto_dtype:
             return None
-        if not cpp_compiler_available():
-            log.info(
-                "int8 compute not used: torch.compile builds its CPU kernels with a C++ compiler "
-                "($CXX, g++ or clang++), and none is on PATH (the CPU image has none)"
-            )
+        if self.parity is not None and self.parity.heldout_reference is not None:
+            return self.parity.heldout_reference
+        if self.precision != FP32:
             return None
+        return embed_in_batches(self.embed_texts, GATE_TEXTS)
+
+    def _build_int8_paths(self, choice: Int8Choice) -> list[Int8Forward]:
+        """The int8 copies ``choice`` names that this CPU runs, built, each kept only if it
+        passes the held-out gate (in :attr:`gate_reports` either way)."""
+        if choice == "off":
+            return []
+        reference = self.float32_heldout()
+        if reference is None:
+            log.info(
+                "int8 compute not used: it is gated against float32's vectors of the held-out "
+                "set, which only EMBEDFLEET_DTYPE=auto computes (not an explicit dtype)"
+            )
+            return []
+        compiler = cpp_compiler_available()
+        runnable = cpu_paths(cpu_class(), compiler)
+        wanted = list(INT8_PATHS.values()) if choice == "auto" else [INT8_PATHS[choice]]
+        if W8A8Forward.name in wanted and not compiler:
+            log.info(
+                "int8 W8A8 copy not tried: torch.compile builds its CPU kernels with a C++ "
+                "compiler ($CXX, g++ or clang++), and none is on PATH (the CPU image has none)"
+            )
+        kept: list[Int8Forward] = []
+        for name in wanted:
+            if name not in runnable:
+                continue
+            forward = self._build_int8_path(name)
+            if forward is not None and self.gate_int8(forward, reference).passed:
+                kept.append(forward)
+        return kept
+
+    def _build_int8_path(self, name: str) -> Int8Forward | None:
         try:
-            forward = build_int8(self._model, _layer_stack, self._run_model, PROBE_TEXTS)
-            # one single text, then the rest padded: both compiled shapes made now, not at a
-            # query
-            vectors = np.concatenate(
-                [
-                    self._embed_frozen(forward, self.collate(self.tokenize(list(texts))))
-                    for texts in (PROBE_TEXTS[:1], PROBE_TEXTS[1:])
-                ]
-            )
-        except Exception as error:  # no C++ compiler for inductor, an untraceable model, ...
+            if name == W8A8Forward.name:
+                return build_int8(self._model, _layer_stack, self._run_model, PROBE_TEXTS)
+            return build_dynamic_int8(self._model, _layer_stack, self._run_model, PROBE_TEXTS)
+        except Exception as error:  # an untraceable model, a compiler that fails, ...
             log.warning(
-                "int8 compute not used: the int8 copy could not be built or compiled here "
-                "(torch.compile needs a C++ compiler on a CPU); set EMBEDFLEET_CPU_INT8=false "
-                "to skip the attempt",
+                "int8 compute not used: the int8 copy could not be built here; set "
+                "EMBEDFLEET_CPU_INT8=false to skip the attempt",
+                path=name,
                 error=repr(error)[:300],
             )
             return None
-        checked = parity(report.reference, vectors, self.precision)
-        (log.info if checked.passed else log.warning)(
-            "int8 probe",
-            min_cosine=round(checked.min_cosine, 6),
-            mean_cosine=round(checked.mean_cosine, 7),
-            texts=checked.texts,
-            verdict="passed" if checked.passed else "rejected: the bf16 copy instead",
-        )
-        return forward if checked.passed else None
 
-    def _keep_faster(self, int8_forward: Int8Forward) -> None:
-        """Time one bulk-shaped batch through the int8 copy and the bf16 frozen graph (or the
-        eager model, where the graph was not kept) and keep the faster for queries and bulk."""
+    def gate_int8(self, forward: Int8Forward, reference: np.ndarray) -> GateReport:
+        """Hold ``forward`` to the float32 bar on the held-out set (never the probe texts its
+        smoothing was calibrated on). A W8A8 copy compiles here: one single text first, then
+        padded batches, so both compiled shapes are made now rather than at a query."""
+        try:
+            self._embed_frozen(forward, self.collate(self.tokenize(list(GATE_TEXTS[:1]))))
+            vectors = embed_in_batches(
+                lambda texts: self._embed_frozen(forward, self.collate(self.tokenize(list(texts)))),
+                GATE_TEXTS,
+                PROBE_BATCH,
+            )
+        except Exception as error:  # inductor fails to compile, ...
+            log.warning(
+                "int8 compute not used: the int8 copy does not run here (torch.compile needs a "
+                "C++ compiler on a CPU); set EMBEDFLEET_CPU_INT8=false to skip the attempt",
+                path=forward.name,
+                error=repr(error)[:300],
+            )
+            vectors = np.full_like(reference, np.nan)
+        report = gate(forward.name, reference, vectors)
+        self.gate_reports[forward.name] = report
+        return report
+
+    def _keep_fastest(self, candidates: Sequence[Int8Forward]) -> dict[str, float]:
+        """Time one bulk-shaped batch through each int8 copy that passed the gate and through
+        the frozen graph (or the eager model, where the graph was not kept); keep the fastest
+        for queries and bulk. Returns the seconds measured, by path."""
         batch = self.collate(self.tokenize(list(BULK_PROBE_TEXTS)))
-        bf16 = self._query_forward
-        contenders: dict[str, Callable[[], object]] = {
-            "int8": lambda: self._embed_frozen(int8_forward, batch),
-            "bf16": functools.partial(self._embed_frozen, bf16, batch)
-            if bf16
-            else functools.partial(self.embed, batch),
+        baseline = self._query_forward
+        contenders: dict[str, tuple[FrozenForward | Int8Forward | None, Callable[[], object]]] = {
+            self.forward_path: (
+                baseline,
+                functools.partial(self._embed_frozen, baseline, batch)
+                if baseline
+                else functools.partial(self.embed, batch),
+            )
         }
-        seconds = {name: _best_of(run, 3) for name, run in contenders.items()}
-        keep_int8 = seconds["int8"] < seconds["bf16"]
+        for forward in candidates:
+            contenders[forward.name] = (
+                forward,
+                functools.partial(self._embed_frozen, forward, batch),
+            )
+        seconds = {name: _best_of(run, 3) for name, (_, run) in contenders.items()}
+        fastest = min(seconds, key=seconds.__getitem__)
         log.info(
-            "int8 copy timed",
-            int8_ms=round(seconds["int8"] * 1000, 1),
-            bf16_ms=round(seconds["bf16"] * 1000, 1),
-            kept="int8" if keep_int8 else "bf16",
+            "forward paths timed",
+            **_milliseconds(seconds),
+            kept=fastest,
         )
-        if keep_int8:
-            self._query_forward = int8_forward
+        self._query_forward = contenders[fastest][0]
+        return seconds
 
     @torch.inference_mode()
     def _run_model(self, model: torch.nn.Module, texts: Sequence[str]) -> None:
@@ -547,7 +721,7 @@ class Encoder:
         """On CUDA, the query lane of workers/cuda_queries.py (``mode``: ``graph`` captures CUDA
         graphs too, ``stream`` does not, ``off`` keeps queries on the bulk model). Returns
         whether queries use it. Call on the model thread, before serving queries."""
-        if self.device.type != "cuda" or mode == "off":
+        if self.device.type != "cuda" or mode == "off" or self.representation != "dense":
             return False
         if self._cuda_queries is None:
             runner = CudaQueryRunner(
@@ -573,6 +747,22 @@ class Encoder:
     def embed_texts(self, texts: Sequence[str]) -> np.ndarray:
         """Convenience for tests and the CLI: tokenize, one batch, embed."""
         return self.embed(self.collate(self.tokenize(texts)))
+
+
+def cpu_paths(cpu: CpuClass, compiler: bool) -> list[str]:
+    """Every forward path a CPU worker with EMBEDFLEET_DTYPE=auto may choose at start, each held
+    to the same parity bar: float32; bfloat16 where the CPU runs it natively (elsewhere it is
+    emulated, slower than float32); the dynamic int8 copy wherever FBGEMM/oneDNN have int8
+    kernels (AVX2 and up: vpmaddubsw, VNNI, AMX); the W8A8 copy where inductor can compile its
+    kernels (a C++ compiler). Which of them is kept is measured at start (prepare_query_graph)."""
+    paths = ["float32"]
+    if cpu.fast_bf16:
+        paths.append("bfloat16")
+    if cpu.int8_dot != "none":
+        paths.append(DynamicInt8Forward.name)
+    if compiler:
+        paths.append(W8A8Forward.name)
+    return paths
 
 
 def _layer_stack(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -645,6 +835,37 @@ def pool(
         else:
             raise ValueError(f"unknown pooling mode {mode!r}")
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+
+
+def pairs_of(chunks: Sequence[Chunk]) -> list[str] | None:
+    """The chunks' ``pair`` documents for :meth:`Encoder.tokenize`, or None where no chunk
+    has one (a cross-encoder's chunks all do: ``Outputs.check_representation``)."""
+    if all(chunk.pair is None for chunk in chunks):
+        return None
+    return [chunk.pair or "" for chunk in chunks]
+
+
+def splade_pool(
+    logits: torch.Tensor, attention_mask: torch.Tensor, strategy: str, activation: str
+) -> torch.Tensor:
+    """sentence-transformers' SpladePooling over a padded batch: ``log(1 + relu(logits))``
+    (twice log1p for ``log1p_relu``) of the real tokens, max- or sum-pooled over the sequence:
+    (batch, vocab), mostly zeros. Padding counts as 0, as SpladePooling masks it (every
+    weight is >= 0, so a zero never wins a max over a real one)."""
+    # in place on the logits (the caller's to spend): they are (batch, seq, vocab) wide, a
+    # copy per step would triple the peak memory of the widest tensor the worker makes
+    weights = logits.mul_(attention_mask.unsqueeze(-1).to(logits.dtype)).relu_().log1p_()
+    if activation == "log1p_relu":
+        weights = weights.log1p_()
+    return weights.amax(dim=1) if strategy == "max" else weights.sum(dim=1)
+
+
+def _milliseconds(seconds: dict[str, float]) -> dict[str, float]:
+    """Log fields ``<path>_ms`` (``bfloat16_frozen_ms``, ``int8_w8a8_ms``) of timed paths."""
+    return {
+        f"{name.replace(' ', '_').replace('-', '_')}_ms": round(value * 1000, 1)
+        for name, value in seconds.items()
+    }
 
 
 def _best_of(run: Callable[[], object], repeat: int) -> float:

@@ -13,6 +13,10 @@ from typing import Any
 class WorkerEvents:
     """Subclass and override what you need; every hook is called on the event loop."""
 
+    def forward_path_chosen(self, *, path: str) -> None:
+        """The encoder settled the path bulk batches and queries run through (an int8 copy, the
+        frozen graph, eager), once at start; e.g. "int8-w8a8 (float32 around it)"."""
+
     def entries_read(self, *, stream: str, count: int) -> None:
         """``count`` entries of ``stream`` were read (new or reclaimed) and are now held."""
 

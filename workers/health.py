@@ -4,7 +4,9 @@ An aiohttp server on the worker's own event loop, not on a thread: when the loop
 probes time out, which is exactly what a liveness probe should notice.
 
 - ``/healthz``: alive. Answering at all proves the event loop runs; it answers while the model
-  is still loading, so a startup probe passes during a long load.
+  is still loading, so a startup probe passes during a long load. It answers 503 when a sink
+  call has outlived its bound (``Sink.stalled``: a database that no longer answers the worker's
+  connection, which only a restart frees; the entries it holds are then reclaimed by others).
 - ``/readyz``: ready to embed: the model is loaded, Redis answers PING, and the device works.
   The device works when a forward pass succeeded in the last ``device_check_ttl_s``: one of the
   worker's own batches or queries, or else a probe of the real model on one short text, run on
@@ -36,6 +38,7 @@ from embedfleet.workers.metrics import StreamGauges, WorkerMetrics
 if TYPE_CHECKING:
     from embedfleet.workers.encoder import EncodeBatch, Encoder
     from embedfleet.workers.outages import Outages
+    from embedfleet.workers.sinks import Sink
 
 log = get_logger("embedfleet.health")
 OK = "ok"
@@ -70,6 +73,7 @@ class HealthServer:
         self._own_executor: ThreadPoolExecutor | None = None
         self._draining = False
         self._outages: Outages | None = None
+        self._sink: Sink | None = None
         self.device_checks = 0  # forward passes run for /readyz, to see that the cache works
         self._started = time.monotonic()
         self._runner: web.AppRunner | None = None
@@ -120,19 +124,25 @@ class HealthServer:
         """Report not ready while the worker waits for a system (workers/outages.py)."""
         self._outages = outages
 
+    def watch_sink(self, sink: Sink) -> None:
+        """Report not alive while a call to ``sink`` outlives its bound (``Sink.stalled``)."""
+        self._sink = sink
+
     def draining(self) -> None:
         """After SIGTERM: report not ready, so Kubernetes stops counting this pod as available."""
         self._draining = True
 
     # --- handlers -----------------------------------------------------------------------
     async def _healthz(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "alive": True,
-                "model_loaded": self._encoder is not None,
-                "uptime_s": round(time.monotonic() - self._started, 3),
-            }
-        )
+        stalled = self._sink.stalled() if self._sink is not None else None
+        body: dict[str, object] = {
+            "alive": stalled is None,
+            "model_loaded": self._encoder is not None,
+            "uptime_s": round(time.monotonic() - self._started, 3),
+        }
+        if stalled is not None:
+            body["sink"] = stalled
+        return web.json_response(body, status=200 if stalled is None else 503)
 
     async def _readyz(self, request: web.Request) -> web.Response:
         checks = await self.readiness()

@@ -70,7 +70,9 @@ class MetricSpec(NamedTuple):
 
 # WorkerMetrics attribute -> its metric, in the order they are exposed.
 METRICS: dict[str, MetricSpec] = {
-    "info": MetricSpec(Info, "worker", "This worker: consumer, model, device, dtype."),
+    "info": MetricSpec(
+        Info, "worker", "This worker: consumer, model, device, dtype, forward path (once chosen)."
+    ),
     "texts": MetricSpec(
         Counter, "texts_embedded", "Texts embedded, written to the sink and acknowledged."
     ),
@@ -273,10 +275,18 @@ class WorkerMetrics(WorkerEvents):
         # When the model last produced vectors (time.monotonic()); /readyz takes it as proof
         # that the device works, instead of running a probe of its own.
         self.last_forward_at: float | None = None
+        self._description: dict[str, str] = {}
 
     # --- what the runtime tells us ----------------------------------------------------
     def describe_worker(self, *, consumer: str, model: str, device: str, dtype: str) -> None:
-        self.info.info({"consumer": consumer, "model": model, "device": device, "dtype": dtype})
+        self._description = {"consumer": consumer, "model": model, "device": device}
+        self._description.update(dtype=dtype, forward_path="choosing")
+        self.info.info(self._description)
+
+    def forward_path_chosen(self, *, path: str) -> None:
+        # The dtype label alone says bfloat16 or float32 even where an int8 copy runs batches.
+        self._description["forward_path"] = path
+        self.info.info(self._description)
 
     def restart_clock(self) -> None:
         """Busy fraction counts from here: call when the model is loaded and work can start."""

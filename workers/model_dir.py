@@ -15,6 +15,13 @@ computed with a guess. What it accepts:
 - ``Dense`` (a linear layer, an activation from ``torch.nn``, optional residual) after pooling.
 - ``Normalize``.
 - ``config_sentence_transformers.json``: ``prompts`` and ``default_prompt_name``.
+- A ``SparseEncoder`` (SPLADE): an ``MLMTransformer`` (or a ``Transformer`` with
+  ``transformer_task: fill-mask``) then ``SpladePooling`` (max or sum, relu or log1p_relu): the
+  spec's ``representation`` is ``sparse``, one vocabulary-wide weight vector per text.
+- A ``CrossEncoder``: one ``Transformer`` with ``transformer_task: sequence-classification``
+  (or a v3/v4 cross-encoder directory without modules.json, ``model_type: CrossEncoder``),
+  its ``activation_fn``: the spec's ``representation`` is ``rerank``, a score per (query,
+  document) pair.
 
 A plain Hugging Face directory (no ``modules.json``) gets what sentence-transformers gives it:
 mean pooling (last-token for a ``*ForCausalLM`` architecture), not normalised.
@@ -25,7 +32,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -69,8 +76,20 @@ TRANSFORMER_HARMLESS_KEYS = {
 }
 
 
-# What sentence-transformers >= 5.2 writes for a text model run through its forward pass.
-TEXT_MODALITY = {"text": {"method": "forward", "method_output_name": "last_hidden_state"}}
+# What a model dir serves: dense vectors (SentenceTransformer), SPLADE-style sparse weights
+# (SparseEncoder) or pair scores (CrossEncoder). Multi-vector (ColBERT) will be a fourth.
+Representation = Literal["dense", "sparse", "rerank"]
+SPLADE_STRATEGIES = ("max", "sum")
+SPLADE_ACTIVATIONS = ("relu", "log1p_relu")
+SPLADE_KEYS = {
+    "pooling_strategy",
+    "activation_function",
+    "embedding_dimension",
+    "word_embedding_dimension",
+    "chunk_size",
+}
+# CrossEncoder.predict's default activation for one label, and the ones it may declare
+SIGMOID = "torch.nn.modules.activation.Sigmoid"
 
 
 class UnsupportedModelError(RuntimeError):
@@ -107,6 +126,12 @@ class ModelSpec:
     do_lower_case: bool = False
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
+    representation: Representation = "dense"
+    # sparse: SpladePooling's strategy and activation
+    splade_strategy: str = "max"
+    splade_activation: str = "relu"
+    # rerank: the torch.nn class applied to the logits (CrossEncoder's activation_fn)
+    score_activation: str = "Identity"
 
     def output_dim(self, hidden_size: int) -> int:
         if self.dense:
@@ -123,7 +148,16 @@ def read_model_spec(model_dir: Path) -> ModelSpec:
     """The spec of ``model_dir``; UnsupportedModelError for anything not reproducible."""
     st_config = _read_json(model_dir / "config_sentence_transformers.json")
     prompts, default_prompt = _read_prompts(model_dir, st_config)
+    model_type = st_config.get("model_type", "SentenceTransformer")
+    if model_type == "CrossEncoder":
+        return _read_cross_encoder(model_dir, st_config, prompts, default_prompt)
+    if model_type == "SparseEncoder":
+        return _read_sparse_encoder(model_dir, prompts, default_prompt)
     modules_file = model_dir / "modules.json"
+    if not modules_file.is_file() and _is_sequence_classifier(model_dir):
+        # a cross-encoder saved before sentence-transformers v4 (or by transformers alone):
+        # what CrossEncoder(path) loads it as
+        return _read_cross_encoder(model_dir, st_config, prompts, default_prompt)
     if not modules_file.is_file():
         modes = ("lasttoken",) if _is_causal_lm(model_dir) else ("mean",)
         return ModelSpec(
@@ -132,7 +166,6 @@ def read_model_spec(model_dir: Path) -> ModelSpec:
             prompts=prompts,
             default_prompt_name=default_prompt,
         )
-    model_type = st_config.get("model_type", "SentenceTransformer")
     if model_type != "SentenceTransformer":
         raise UnsupportedModelError(
             f"{model_dir}: config_sentence_transformers.json says model_type={model_type!r}; "
@@ -189,6 +222,90 @@ def read_model_spec(model_dir: Path) -> ModelSpec:
     return ModelSpec(transformer_dir=spec.pop("transformer_dir"), dense=tuple(dense), **spec)
 
 
+def _modules(model_dir: Path) -> list[dict[str, Any]]:
+    file = model_dir / "modules.json"
+    return json.loads(file.read_text()) if file.is_file() else []
+
+
+def _read_sparse_encoder(
+    model_dir: Path, prompts: dict[str, str], default_prompt: str | None
+) -> ModelSpec:
+    """SPLADE: an MLM transformer then SpladePooling, as ``SparseEncoder`` runs them."""
+    modules = _modules(model_dir)
+    kinds = [_module_kind(str(m.get("type", ""))) for m in modules]
+    if (
+        len(kinds) != 2
+        or kinds[0] not in ("MLMTransformer", "Transformer")
+        or kinds[1] != ("SpladePooling")
+    ):
+        raise UnsupportedModelError(
+            f"{model_dir}: a SparseEncoder is served as MLMTransformer + SpladePooling only; "
+            f"this one has {' + '.join(kinds) or 'no modules'}"
+        )
+    where = f"{model_dir}: module 0 ({modules[0].get('type')!r})"
+    transformer = _read_transformer(model_dir / str(modules[0].get("path", "")), where, "fill-mask")
+    config = _read_json(model_dir / str(modules[1].get("path", "")) / "config.json")
+    where = f"{model_dir}: SpladePooling"
+    unknown = set(config) - SPLADE_KEYS
+    if unknown:
+        raise UnsupportedModelError(f"{where}: option(s) {sorted(unknown)} not supported")
+    strategy = config.get("pooling_strategy", "max")
+    activation = config.get("activation_function", "relu")
+    if strategy not in SPLADE_STRATEGIES or activation not in SPLADE_ACTIVATIONS:
+        raise UnsupportedModelError(
+            f"{where}: pooling_strategy={strategy!r} activation_function={activation!r}; "
+            f"supported: {SPLADE_STRATEGIES} and {SPLADE_ACTIVATIONS}"
+        )
+    return ModelSpec(
+        transformer_dir=transformer["transformer_dir"],
+        max_seq_length=transformer["max_seq_length"],
+        do_lower_case=transformer["do_lower_case"],
+        prompts=prompts,
+        default_prompt_name=default_prompt,
+        representation="sparse",
+        splade_strategy=strategy,
+        splade_activation=activation,
+    )
+
+
+def _read_cross_encoder(
+    model_dir: Path, st_config: dict[str, Any], prompts: dict[str, str], default_prompt: str | None
+) -> ModelSpec:
+    """A cross-encoder: a sequence-classification transformer, its logits through
+    ``activation_fn`` (CrossEncoder's default: Sigmoid for one label, else Identity)."""
+    modules = _modules(model_dir)
+    kinds = [_module_kind(str(m.get("type", ""))) for m in modules]
+    if modules and kinds != ["Transformer"]:
+        raise UnsupportedModelError(
+            f"{model_dir}: a CrossEncoder is served as one Transformer module only; "
+            f"this one has {' + '.join(kinds)}"
+        )
+    module_dir = model_dir / (str(modules[0].get("path", "")) if modules else "")
+    transformer = _read_transformer(module_dir, f"{model_dir}: module 0", "sequence-classification")
+    config = _read_json(module_dir / "config.json")
+    labels = int(config.get("num_labels") or len(config.get("id2label") or {}) or 1)
+    declared = st_config.get("activation_fn") or (
+        (config.get("sentence_transformers") or {}).get("activation_fn")
+    )
+    activation = str(declared or (SIGMOID if labels == 1 else "torch.nn.modules.linear.Identity"))
+    class_name = activation.rsplit(".", 1)[-1]
+    if not activation.startswith("torch.") or not isinstance(
+        getattr(torch.nn, class_name, None), type
+    ):
+        raise UnsupportedModelError(
+            f"{model_dir}: activation_fn {activation!r} is not a torch.nn class"
+        )
+    return ModelSpec(
+        transformer_dir=transformer["transformer_dir"],
+        max_seq_length=transformer["max_seq_length"],
+        do_lower_case=transformer["do_lower_case"],
+        prompts=prompts,
+        default_prompt_name=default_prompt,
+        representation="rerank",
+        score_activation=class_name,
+    )
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
@@ -210,6 +327,11 @@ def _read_prompts(model_dir: Path, st_config: dict[str, Any]) -> tuple[dict[str,
     return dict(prompts), default
 
 
+def _is_sequence_classifier(model_dir: Path) -> bool:
+    architectures = _read_json(model_dir / "config.json").get("architectures") or []
+    return bool(architectures) and str(architectures[0]).endswith("ForSequenceClassification")
+
+
 def _is_causal_lm(model_dir: Path) -> bool:
     config = _read_json(model_dir / "config.json")
     architectures = config.get("architectures") or []
@@ -220,25 +342,37 @@ def _is_causal_lm(model_dir: Path) -> bool:
     )
 
 
-def _read_transformer(module_dir: Path, where: str) -> dict[str, Any]:
+# per transformer task: the forward output sentence-transformers reads, and the module's
+TASK_OUTPUTS = {
+    "feature-extraction": ("last_hidden_state", "token_embeddings"),
+    "fill-mask": ("logits", "token_embeddings"),
+    "sequence-classification": ("logits", "scores"),
+}
+
+
+def _read_transformer(
+    module_dir: Path, where: str, expected_task: str = "feature-extraction"
+) -> dict[str, Any]:
     config = _read_json(module_dir / "sentence_bert_config.json")
     unknown = set(config) - TRANSFORMER_HARMLESS_KEYS
-    task = config.get("transformer_task", "feature-extraction")
-    if task != "feature-extraction":
+    task = config.get("transformer_task", expected_task)
+    if task != expected_task:
         raise UnsupportedModelError(
-            f"{where}: transformer_task={task!r}; the worker runs feature extraction only"
+            f"{where}: transformer_task={task!r}; this kind of model runs {expected_task}"
         )
     unknown.discard("transformer_task")
-    modality = config.get("modality_config", TEXT_MODALITY)
-    if modality != TEXT_MODALITY:
+    method_output, module_output = TASK_OUTPUTS[expected_task]
+    expected_modality = {"text": {"method": "forward", "method_output_name": method_output}}
+    modality = config.get("modality_config", expected_modality)
+    if modality != expected_modality:
         raise UnsupportedModelError(
-            f"{where}: modality_config={modality!r}; the worker embeds text through the "
-            f"model's forward pass only ({TEXT_MODALITY!r})"
+            f"{where}: modality_config={modality!r}; the worker runs text through the "
+            f"model's forward pass only ({expected_modality!r})"
         )
-    output_name = config.get("module_output_name", "token_embeddings")
-    if output_name != "token_embeddings":
+    output_name = config.get("module_output_name", module_output)
+    if output_name != module_output:
         raise UnsupportedModelError(
-            f"{where}: module_output_name={output_name!r}; the worker pools token embeddings"
+            f"{where}: module_output_name={output_name!r}; expected {module_output!r}"
         )
     unknown -= {"modality_config", "module_output_name"}
     if unknown:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from embedfleet.shared.postprocess import QUANTIZED, quantize, truncate
-from embedfleet.shared.protocol import FULL_DIMENSIONS, Chunk, Result
+from embedfleet.shared.protocol import FULL_DIMENSIONS, Chunk, Result, SparseVector
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.batcher import plan_batches
 from embedfleet.workers.calibration import (
@@ -105,7 +105,32 @@ class Outputs:
             lane_default=self._lane_defaults[lane],
         )
 
+    def check_representation(self, chunk: Chunk) -> None:
+        """ValueError (dead-lettered as options) for a chunk that asks what the model does not
+        give: another representation, a pair for a model that embeds, no pair for a
+        cross-encoder, or dense-only options on a sparse or rerank model."""
+        served = self.encoder.representation
+        for wanted in chunk.wanted_representations:
+            if wanted != served:
+                raise OutputOptionError(
+                    f"the model {self.encoder.name!r} serves {served}, not {wanted}"
+                )
+        if served == "rerank" and chunk.pair is None:
+            raise OutputOptionError(
+                "this model is a cross-encoder: it scores (query, document) pairs; give the "
+                "document as 'pair'"
+            )
+        if served != "dense" and (chunk.dimensions is not None or chunk.dtype is not None):
+            raise OutputOptionError(
+                f"'dimensions' and 'dtype' shape dense vectors; this model gives {served}"
+            )
+        if chunk.max_active_dims is not None and served != "sparse":
+            raise OutputOptionError("'max_active_dims' prunes sparse weights; none here")
+
     def spec_for(self, chunk: Chunk) -> OutputSpec:
+        self.check_representation(chunk)
+        if self.encoder.representation != "dense":  # scores and weights travel as float32
+            return OutputSpec(dim=self.encoder.dim, dtype="float32")
         dim = resolve_dimensions(chunk.dimensions, self.settings.dimensions, self.encoder.dim)
         return OutputSpec(dim=dim, dtype=chunk.dtype or self.settings.output_dtype)
 
@@ -163,6 +188,8 @@ class Outputs:
     ) -> list[Result]:
         """Results in chunk order: each vector truncated and stored as its chunk asks, rows
         that ask for the same thing shaped together."""
+        if self.encoder.representation != "dense":
+            return self._other_results(chunks, vectors, truncated, with_meta=with_meta)
         specs = [self.spec_for(chunk) for chunk in chunks]
         stored: dict[int, np.ndarray] = {}  # row -> its vector; every row is in one group
         groups: dict[OutputSpec, list[int]] = {}
@@ -193,3 +220,61 @@ class Outputs:
             )
             for row, (chunk, spec) in enumerate(zip(chunks, specs, strict=True))
         ]
+
+    def _other_results(
+        self,
+        chunks: Sequence[Chunk],
+        vectors: np.ndarray,
+        truncated: Sequence[bool],
+        *,
+        with_meta: bool,
+    ) -> list[Result]:
+        """A sparse model's rows as index/value pairs (pruned to ``max_active_dims``), a
+        cross-encoder's as its scores."""
+        results = []
+        sparse = self.encoder.representation == "sparse"
+        for row, chunk in enumerate(chunks):
+            values = np.asarray(vectors[row], dtype=np.float32)
+            common = dict(
+                id=chunk.id,
+                job=chunk.job,
+                model=self.encoder.name,
+                truncated=truncated[row],
+                meta=chunk.meta if with_meta else None,
+                text=chunk.text if with_meta else None,
+                dtype="float32",
+            )
+            if sparse:
+                results.append(
+                    Result(
+                        vector=np.zeros(0, dtype=np.float32),
+                        dimension=0,
+                        sparse=sparse_vector(values, chunk.max_active_dims),
+                        **common,  # type: ignore[arg-type]
+                    )
+                )
+            else:
+                results.append(
+                    Result(
+                        vector=values,
+                        dimension=int(values.shape[0]),
+                        score=float(values[0]),
+                        **common,  # type: ignore[arg-type]
+                    )
+                )
+        return results
+
+
+def sparse_vector(weights: np.ndarray, max_active_dims: int | None = None) -> SparseVector:
+    """The non-zero weights of one vocabulary-wide row, indices ascending; with
+    ``max_active_dims``, only the largest that many (``select_max_active_dims``: top-k by
+    magnitude; ties fall to the lower index)."""
+    indices = np.flatnonzero(weights)
+    if max_active_dims is not None and indices.shape[0] > max_active_dims:
+        order = np.argsort(-np.abs(weights[indices]), kind="stable")[:max_active_dims]
+        indices = np.sort(indices[order])
+    return SparseVector(
+        indices=indices.astype(np.uint32),
+        values=weights[indices].astype(np.float32),
+        dim=int(weights.shape[0]),
+    )

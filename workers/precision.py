@@ -2,11 +2,16 @@
 
 ``float32`` / ``bfloat16`` / ``float16`` are used as asked. ``auto`` picks the faster reduced
 precision of the device (bf16 on a CPU with AVX512-BF16/AMX or a GPU that has it, else fp16 on
-a GPU) and keeps it **only if its vectors match fp32's** on a fixed built-in probe set: min
-cosine >= 0.99 and mean >= 0.999 (:data:`MIN_COSINE`, :data:`MEAN_COSINE`). The probe runs
-once, at model load; its figures are logged (and printed by
-``python -m embedfleet.workers.precision``), and a failing probe falls back to fp32 with a
-warning rather than serving worse vectors.
+a GPU) and keeps it **only if its vectors match fp32's** on a fixed built-in set: min
+cosine >= 0.99 and mean >= 0.999 (:data:`MIN_COSINE`, :data:`MEAN_COSINE`), on the probe texts
+and the held-out set (:data:`GATE_TEXTS`, workers/heldout.py: multilingual, long and odd
+inputs, disjoint from every calibration text). The probe runs once, at model load; its figures
+are logged (and printed by ``python -m embedfleet.workers.precision``), and a failing probe
+falls back to fp32 with a warning rather than serving worse vectors.
+
+Every other forward path the worker may choose at start (the int8 copies of workers/int8.py)
+is held to the same bar on the same held-out set by :func:`gate`, against the float32 vectors
+kept from that probe (:attr:`ParityReport.heldout_reference`).
 
 How reduced precision runs (:class:`Precision.method`):
 
@@ -29,6 +34,8 @@ import numpy as np
 import torch
 
 from embedfleet.shared.logging import get_logger
+from embedfleet.workers.cpus import cpu_class
+from embedfleet.workers.heldout import GROUPS, HELDOUT_TEXTS
 
 log = get_logger("embedfleet.precision")
 
@@ -91,6 +98,12 @@ PROBE_TEXTS: tuple[str, ...] = (
     _LONG_PASSAGE + " " + _LONG_PASSAGE,  # over the limit: the truncated path
     "https://docs.python.org/3/library/stdtypes.html#str.split?highlight=split&lang=en",
 )
+# The held-out gate set: no path was calibrated on it (workers/heldout.py).
+GATE_TEXTS: tuple[str, ...] = HELDOUT_TEXTS
+# Texts per forward pass while probing: the long held-out passages padded into one batch with
+# everything else would compute (and hold in attention) every text at the longest length.
+PROBE_BATCH = 16
+
 # A bulk-shaped batch for timing (the worker's speed seed, the int8 copy's race with bf16): 64
 # short and mid-length probe texts, about 1,500 tokens.
 BULK_PROBE_TEXTS: tuple[str, ...] = PROBE_TEXTS[1:17] * 4
@@ -130,19 +143,9 @@ FP32 = Precision(torch.float32, "none")
 
 
 def cpu_supports_bf16() -> bool:
-    flags = _cpu_flags()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    """bf16 runs natively here, as torch dispatches (workers/cpus.py: AVX512-BF16 or AMX, and
+    torch at its AVX-512 level; an AVX2-only CPU, or one emulated, emulates bf16 slowly)."""
+    return cpu_class().fast_bf16
 
 
 def reduced_dtype(device: torch.device) -> torch.dtype:
@@ -172,20 +175,89 @@ class ParityReport:
     min_cosine: float
     mean_cosine: float
     texts: int
-    # float32's vectors of PROBE_TEXTS, kept for later checks against float32 (workers/int8.py)
-    reference: np.ndarray | None = field(default=None, repr=False, compare=False)
+    # float32's vectors of GATE_TEXTS, kept to gate the other paths against (workers/int8.py)
+    heldout_reference: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     @property
     def passed(self) -> bool:
-        return self.min_cosine >= MIN_COSINE and self.mean_cosine >= MEAN_COSINE
+        return holds_bar(self.min_cosine, self.mean_cosine)
 
     def line(self) -> str:
         verdict = "kept" if self.passed else "rejected, using float32"
         return (
-            f"precision auto: {self.candidate.describe()} vs float32 on {self.texts} probe texts: "
-            f"min cosine {self.min_cosine:.6f} (>= {MIN_COSINE}), mean {self.mean_cosine:.7f} "
-            f"(>= {MEAN_COSINE}): {verdict}"
+            f"precision auto: {self.candidate.describe()} vs float32 on {self.texts} probe and "
+            f"held-out texts: min cosine {self.min_cosine:.6f} (>= {MIN_COSINE}), mean "
+            f"{self.mean_cosine:.7f} (>= {MEAN_COSINE}): {verdict}"
         )
+
+
+def holds_bar(min_cosine: float, mean_cosine: float) -> bool:
+    """The one parity bar of every precision and path (NaN fails it)."""
+    return min_cosine >= MIN_COSINE and mean_cosine >= MEAN_COSINE
+
+
+@dataclass(frozen=True)
+class GateReport:
+    """A forward path's vectors of the held-out set against float32's: the bar, overall and
+    per group (the log says which group failed)."""
+
+    path: str
+    min_cosine: float
+    mean_cosine: float
+    texts: int
+    groups: dict[str, tuple[float, float]]  # group -> (min, mean)
+
+    @property
+    def passed(self) -> bool:
+        return holds_bar(self.min_cosine, self.mean_cosine)
+
+    def log_fields(self) -> dict[str, object]:
+        return {
+            "path": self.path,
+            "min_cosine": round(self.min_cosine, 6),
+            "mean_cosine": round(self.mean_cosine, 7),
+            "texts": self.texts,
+            **{
+                f"{group}_min_mean": f"{low:.5f}/{mean:.6f}"
+                for group, (low, mean) in self.groups.items()
+            },
+            "verdict": "passed" if self.passed else "rejected",
+        }
+
+
+def gate(path: str, reference: np.ndarray, vectors: np.ndarray) -> GateReport:
+    """Hold ``vectors`` (a path's, of :data:`GATE_TEXTS` in order) to the bar against float32's
+    ``reference``; logged either way."""
+    if reference.shape != vectors.shape or len(vectors) != len(GATE_TEXTS):
+        raise ValueError(
+            f"the gate compares {len(GATE_TEXTS)} held-out vectors: got {vectors.shape} "
+            f"against {reference.shape}"
+        )
+    values = cosines(reference, vectors)
+    groups: dict[str, tuple[float, float]] = {}
+    start = 0
+    for group, texts in GROUPS.items():
+        part = values[start : start + len(texts)]
+        groups[group] = (float(part.min()), float(part.mean()))
+        start += len(texts)
+    report = GateReport(
+        path=path,
+        min_cosine=float(values.min()),
+        mean_cosine=float(values.mean()),
+        texts=len(values),
+        groups=groups,
+    )
+    (log.info if report.passed else log.warning)("held-out parity gate", **report.log_fields())
+    return report
+
+
+def embed_in_batches(
+    embed: Callable[[Sequence[str]], np.ndarray], texts: Sequence[str], size: int = PROBE_BATCH
+) -> np.ndarray:
+    """``embed`` over ``texts`` a few at a time, vectors in the texts' order."""
+    return np.concatenate(
+        [embed(texts[start : start + size]) for start in range(0, len(texts), size)]
+    )
 
 
 def cosines(reference: np.ndarray, candidate: np.ndarray) -> np.ndarray:
@@ -197,14 +269,19 @@ def cosines(reference: np.ndarray, candidate: np.ndarray) -> np.ndarray:
     return dots / np.maximum(norms, 1e-12)
 
 
-def parity(reference: np.ndarray, candidate: np.ndarray, precision: Precision) -> ParityReport:
+def parity(
+    reference: np.ndarray,
+    candidate: np.ndarray,
+    precision: Precision,
+    heldout_reference: np.ndarray | None = None,
+) -> ParityReport:
     values = cosines(reference, candidate)
     return ParityReport(
         candidate=precision,
         min_cosine=float(values.min()),
         mean_cosine=float(values.mean()),
         texts=len(values),
-        reference=reference,
+        heldout_reference=heldout_reference,
     )
 
 
@@ -244,15 +321,22 @@ def settle_auto(
     """Run the parity probe for ``auto`` and return the precision to use, with its report.
 
     ``model`` holds fp32 weights on entry; ``embed`` encodes texts with whatever precision
-    ``set_precision`` last set. The model is left in the dtype of the precision returned.
+    ``set_precision`` last set. The model is left in the dtype of the precision returned. The
+    report keeps float32's vectors of the held-out set, for :func:`gate`.
     """
     if candidate == FP32:
         return FP32, None
+    texts = PROBE_TEXTS + GATE_TEXTS
     set_precision(FP32)
-    reference = embed(PROBE_TEXTS)
+    reference = embed_in_batches(embed, texts)
     with _reversible_cast(model, candidate.weights_dtype) as keep:
         set_precision(candidate)
-        report = parity(reference, embed(PROBE_TEXTS), candidate)
+        report = parity(
+            reference,
+            embed_in_batches(embed, texts),
+            candidate,
+            heldout_reference=reference[len(PROBE_TEXTS) :],
+        )
         if report.passed:
             keep()
     chosen = candidate if report.passed else FP32

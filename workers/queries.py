@@ -49,7 +49,7 @@ from embedfleet.workers.cost_model import SliceClock
 from embedfleet.workers.dead_letter_writer import DeadLetters, Rejected
 from embedfleet.workers.decode import Accepted, decode_entries
 from embedfleet.workers.device_faults import DeviceFault, Recovery
-from embedfleet.workers.encoder import Encoder, Tokenized
+from embedfleet.workers.encoder import Encoder, Tokenized, pairs_of
 from embedfleet.workers.events import WorkerEvents
 from embedfleet.workers.outages import Outages, RideOut, transient_or_raise
 from embedfleet.workers.output import Outputs
@@ -128,7 +128,9 @@ class QueryLane:
         if self.settings.frozen_queries:
             # on the model thread, before any query or bulk batch (it runs the model)
             await self._loop.run_in_executor(
-                self.model_thread, self.encoder.prepare_query_graph, self.settings.cpu_int8
+                self.model_thread,
+                self.encoder.prepare_query_graph,
+                self.settings.cpu_int8_choice,
             )
         mode = self.settings.cuda_query_lane
         if await self._loop.run_in_executor(
@@ -148,6 +150,7 @@ class QueryLane:
                 else "model thread"
             ),
             frozen_graph=self.encoder.has_query_graph,
+            forward_path=self.encoder.forward_path,
         )
         self._faulted = self._loop.create_future()
         reading = asyncio.create_task(self._read_loop(stopping), name="query-reader")
@@ -220,7 +223,9 @@ class QueryLane:
             return
         await self.outputs.prepare([item.chunk for item in fresh], self.on_model_thread)
         tokens = self.encoder.tokenize(
-            [item.chunk.text for item in fresh], prompts if any(prompts) else None
+            [item.chunk.text for item in fresh],
+            prompts if any(prompts) else None,
+            pairs=pairs_of([item.chunk for item in fresh]),
         )
         for item, tokenized in zip(fresh, tokens, strict=True):
             self._inbox.append(PendingQuery(item.chunk, item.delivery, tokenized))

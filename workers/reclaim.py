@@ -27,8 +27,9 @@ from embedfleet.shared.dead_letters import DeadReason
 from embedfleet.shared.fault_kinds import System
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import PAYLOAD_FIELD, ProtocolError, decode_chunk
+from embedfleet.shared.redis_conn import as_str
 from embedfleet.shared.settings import Settings
-from embedfleet.workers.consumer import StreamEntry, as_str
+from embedfleet.workers.consumer import StreamEntry
 from embedfleet.workers.dead_letter_writer import DeadLetters, Rejected
 from embedfleet.workers.events import WorkerEvents
 from embedfleet.workers.outages import Outages, RideOut, transient_or_raise

@@ -10,14 +10,15 @@ import redis.asyncio as aioredis
 import uvloop
 from prometheus_client import disable_created_metrics
 
-from embedfleet.shared.eviction import FIX, EvictionPolicy, check_eviction_policy
-from embedfleet.shared.fault_kinds import BackoffPolicy, classify, is_transient
+from embedfleet.shared.eviction import warn_on_eviction_policy
 from embedfleet.shared.logging import configure_logging, get_logger
 from embedfleet.shared.redis_conn import connect_settings
 from embedfleet.shared.settings import Settings
+from embedfleet.shared.vectordb.target import parse_sink_url
 from embedfleet.workers.encoder import Encoder
 from embedfleet.workers.health import HealthServer
 from embedfleet.workers.metrics import StreamGauges, WorkerMetrics
+from embedfleet.workers.model_dir import UnsupportedModelError
 from embedfleet.workers.outages import RideOut, classify_sink_error, ride_out
 from embedfleet.workers.replicas import gpu_memory_share, limit_gpu_memory
 from embedfleet.workers.sinks import build_sink
@@ -26,10 +27,39 @@ from embedfleet.workers.worker import Worker
 log = get_logger("embedfleet.worker")
 
 
+def check_sink_holds(settings: Settings, encoder: Encoder) -> None:
+    """Refuse (UnsupportedModelError, exit 1) a sparse or rerank model with a database sink:
+    their results are index/value pairs and scores, which only the results stream carries in
+    this release (Qdrant sparse vectors, pgvector ``sparsevec``, Parquet/LanceDB columns come
+    next), and a sink given an empty vector would fail on every write instead."""
+    if encoder.representation == "dense":
+        return
+    kind = parse_sink_url(settings.sink, settings.sink_table).kind
+    if kind != "redis":
+        raise UnsupportedModelError(
+            f"the model {encoder.name!r} gives {encoder.representation} results, which the "
+            f"{kind} sink cannot store yet; use EMBEDFLEET_SINK=redis (the results stream)"
+        )
+
+
 def load_encoder(settings: Settings) -> Encoder:
-    encoder = Encoder(
-        settings.model, device=settings.device, dtype=settings.dtype, threads=settings.threads
-    )
+    encoder: Encoder
+    if settings.benchmark_standin_encoder_us_per_token is not None:
+        from embedfleet.workers.standin import StandInEncoder
+
+        cost = settings.benchmark_standin_encoder_us_per_token
+        encoder = StandInEncoder(settings.model, us_per_token=cost, threads=settings.threads)
+        log.warning(
+            "BENCHMARK STAND-IN ENCODER: no model runs, the vectors are made up; never use this "
+            "in production",
+            setting="EMBEDFLEET_BENCHMARK_STANDIN_ENCODER_US_PER_TOKEN",
+            us_per_token=cost,
+            model=encoder.name,
+        )
+    else:
+        encoder = Encoder(
+            settings.model, device=settings.device, dtype=settings.dtype, threads=settings.threads
+        )
     # a replica's share of a GPU it shares (the parent passes it); the allocator's cap counts
     # the weights already loaded as well as what comes
     limit_gpu_memory(
@@ -56,32 +86,6 @@ async def serve(settings: Settings, encoder: Encoder | None = None) -> None:
         if health is not None:
             await health.stop()
         await client.aclose()
-
-
-async def warn_on_eviction_policy(client: aioredis.Redis) -> EvictionPolicy:
-    """Check Redis's maxmemory-policy once it answers and warn unless it is noeviction (see
-    shared/eviction.py). A Redis not up yet is retried without a word: the worker's own start
-    reports that outage."""
-    backoff = BackoffPolicy()
-    while True:
-        try:
-            found = await check_eviction_policy(client)
-            break
-        except Exception as error:
-            if not is_transient(error):  # the worker's own start says what is wrong
-                found = EvictionPolicy(None, classify(error).detail)
-                break
-            await asyncio.sleep(backoff.next_delay())
-    if found.warning is not None:
-        log.warning(
-            "redis may evict the fleet's keys",
-            policy=found.policy,
-            fix=FIX,
-            detail=found.warning,
-        )
-    else:
-        log.info("redis eviction policy checked", policy=found.policy)
-    return found
 
 
 async def start_health_server(
@@ -111,10 +115,12 @@ async def _serve(
         device=str(encoder.device),
         dtype=str(encoder.dtype).removeprefix("torch."),
     )
+    check_sink_holds(settings, encoder)
     sink = build_sink(settings, client)
     worker = Worker(settings, encoder, client, sink, metrics)
     if health is not None:
         health.watch_outages(worker.outages)
+        health.watch_sink(sink)
     # the table/collection exists, with the model's dimension, before the first write; a
     # database that is not up yet is waited for, like one that goes away later
     ride = RideOut("setting up the sink", worker.outages, metrics)

@@ -69,7 +69,7 @@ from embedfleet.workers.device_faults import (
     oom_retry_pause_s,
     recovery,
 )
-from embedfleet.workers.encoder import Encoder, Tokenized
+from embedfleet.workers.encoder import Encoder, Tokenized, pairs_of
 from embedfleet.workers.events import ForwardingEvents, WorkerEvents
 from embedfleet.workers.heartbeat import run_heartbeat
 from embedfleet.workers.memory import TrimTimer, release_free_memory
@@ -512,7 +512,9 @@ class Worker:
         if not accepted:
             return Window([], [], [], expired=expired), rejected
         tokens = self.encoder.tokenize(
-            [a.chunk.text for a in accepted], prompts if any(prompts) else None
+            [a.chunk.text for a in accepted],
+            prompts if any(prompts) else None,
+            pairs=pairs_of([a.chunk for a in accepted]),
         )
         window = Window(
             [a.chunk for a in accepted], [a.delivery for a in accepted], tokens, expired=expired
@@ -688,6 +690,7 @@ class Worker:
             # it; the model's busy share counts from then. A drain (the lane failed) ends the
             # wait too: what was read is then finished without the graph.
             await _first_set(self.queries.ready, self._stopping)
+            self.events.forward_path_chosen(path=self.encoder.forward_path)
             await self._seed_speed()
             self._bulk_ready.set()
             self.stats.started_at = time.perf_counter()

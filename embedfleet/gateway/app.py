@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from embedfleet.gateway import batch_api, openai_api, tei_api
+from embedfleet.gateway import batch_api, openai_api, rerank_api, tei_api
 from embedfleet.gateway.auth import KeyChecker, is_open, load_api_keys
 from embedfleet.gateway.batches import BatchRunner, BatchStore
 from embedfleet.gateway.embedder import Embedder, WorkerHeartbeats
@@ -22,9 +22,10 @@ from embedfleet.gateway.metrics import GatewayMetrics
 from embedfleet.gateway.state import Gateway
 from embedfleet.producer.client import Producer
 from embedfleet.producer.tokens import ModelTokenizer
+from embedfleet.shared.eviction import warn_on_eviction_policy
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.model_path import resolve_model_path
-from embedfleet.shared.redis_conn import connect_settings
+from embedfleet.shared.redis_conn import connect_settings, redis_deadline
 from embedfleet.shared.settings import Settings
 
 log = get_logger("embedfleet.gateway")
@@ -152,6 +153,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # beside the start: a Redis that may evict reply lists or the backlog is said loudly
+        policy_check = asyncio.ensure_future(warn_on_eviction_policy(gateway.client))
         await gateway.producer.setup()
         card = await gateway.model_card()  # None until a worker has started once: fine
         task = asyncio.create_task(runner.run())
@@ -166,8 +169,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             yield
         finally:
             runner.stop()
+            policy_check.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            with contextlib.suppress(asyncio.CancelledError):
+                await policy_check
             await gateway.client.aclose()
 
     app = FastAPI(
@@ -187,6 +193,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(openai_api.router)
     app.include_router(batch_api.router)
     app.include_router(tei_api.router)
+    app.include_router(rerank_api.router)
     _add_ops_routes(app, gateway)
     app.add_middleware(FrontDoor, gateway=gateway)
     return app
@@ -208,12 +215,19 @@ def _add_ops_routes(app: FastAPI, gateway: Gateway) -> None:
         """Readiness: this gateway serves and its Redis (or cluster) answers, so a request
         sent here is enqueued. It does not mean a worker is alive: with scale-to-zero, none is
         until KEDA sees what the gateway enqueued, and a request waits for one within
-        EMBEDFLEET_GATEWAY_TIMEOUT_S. Live workers are reported, for people."""
+        EMBEDFLEET_GATEWAY_TIMEOUT_S. Live workers are reported, for people. Answers within
+        EMBEDFLEET_GATEWAY_REDIS_TIMEOUT_S: a hung Redis is not ready."""
+        settings = gateway.settings
         try:
-            await gateway.client.ping()
-            workers = await gateway.fleet.live_workers()
+            async with redis_deadline(settings.gateway_redis_timeout_s, "answer /readyz"):
+                await gateway.client.ping()
+                workers = await gateway.fleet.live_workers()
         except Exception as error:
-            return JSONResponse({"status": "redis unreachable", "error": str(error)}, 503)
+            return JSONResponse(
+                {"status": "redis unreachable", "error": str(error)},
+                503,
+                headers={"Retry-After": str(settings.gateway_retry_after_s)},
+            )
         return JSONResponse({"status": "ready", "live_workers": workers})
 
     @app.get("/metrics", include_in_schema=False)

@@ -1,4 +1,8 @@
-"""OpenAI's Batch API routes: /v1/files and /v1/batches."""
+"""OpenAI's Batch API routes: /v1/files and /v1/batches.
+
+Each route works for the caller's owner only (gateway/auth.py): another key's file or batch is
+a 404, as a missing one, in every route (list, retrieve, content, delete, cancel, and a batch
+created from another's file)."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from pydantic import BaseModel
 
 from embedfleet.gateway.batches import ENDPOINT, BatchRunner, BatchStore, new_batch
 from embedfleet.gateway.errors import APIError
-from embedfleet.gateway.files import FileStore
+from embedfleet.gateway.files import FileStore, bounded_lines
 from embedfleet.gateway.state import GatewayDep
 from embedfleet.shared.settings import Settings
 
@@ -35,6 +39,13 @@ def runner_of(request: Request) -> BatchRunner:
     return request.app.state.runner
 
 
+def owner_of(request: Request) -> str:
+    """The caller's owner: its key was checked at the front door (app.py); here it is mapped
+    to its owner (the same comparison, in constant time)."""
+    return request.app.state.gateway.keys.check(request.headers.get("authorization"))
+
+
+OwnerDep = Annotated[str, Depends(owner_of)]
 FilesDep = Annotated[FileStore, Depends(files_of)]
 StoreDep = Annotated[BatchStore, Depends(batches_of)]
 RunnerDep = Annotated[BatchRunner, Depends(runner_of)]
@@ -46,19 +57,26 @@ async def upload_file(
     purpose: Annotated[str, Form()],
     gateway: GatewayDep,
     files: FilesDep,
+    owner: OwnerDep,
     anchor: Annotated[str | None, Form(alias="expires_after[anchor]")] = None,
     seconds: Annotated[int | None, Form(alias="expires_after[seconds]")] = None,
 ) -> dict[str, Any]:
     """Store an upload as it is: its lines are checked when a batch uses it (a bad line fails
-    that batch with ``errors``, as OpenAI does), only its size here."""
+    that batch with ``errors``, as OpenAI does); here only its size and its lines' lengths,
+    which bound what checking one line holds in memory (400, nothing stored)."""
     if purpose != "batch":
         raise APIError(
             400, f"purpose {purpose!r} is not supported here; use purpose=batch", param="purpose"
         )
     expires_after_s = expiry_seconds(anchor, seconds, gateway.settings, "expires_after")
     with files.scratch("upload") as temp:
-        await asyncio.to_thread(_copy, file, temp, gateway.settings.batch_max_file_bytes)
-        stored = files.publish(temp, file.filename or "batch.jsonl", purpose, expires_after_s)
+        settings = gateway.settings
+        await asyncio.to_thread(
+            _copy, file, temp, settings.batch_max_file_bytes, settings.batch_max_line_bytes
+        )
+        stored = files.publish(
+            temp, file.filename or "batch.jsonl", purpose, expires_after_s, owner=owner
+        )
     return stored.as_dict()
 
 
@@ -84,26 +102,52 @@ def expiry_seconds(
     return seconds
 
 
-def _copy(upload: UploadFile, temp: Path, max_bytes: int) -> None:
-    """Stream the upload to disk; 413 past ``max_bytes``."""
+def _copy(upload: UploadFile, temp: Path, max_bytes: int, max_line_bytes: int) -> None:
+    """Stream the upload to disk, a block at a time; 400 past ``max_bytes`` or for a line
+    (without its newline) over ``max_line_bytes``."""
     size = 0
+    lines_before = 0  # newlines in the blocks before this one
+    line_bytes = 0  # length so far of the line the last block ended in
     upload.file.seek(0)
     with temp.open("wb") as out:
         while block := upload.file.read(COPY_BLOCK):
             size += len(block)
             if size > max_bytes:
                 raise APIError(
-                    413,
+                    400,
                     f"the file is over {max_bytes:,} bytes (EMBEDFLEET_BATCH_MAX_FILE_BYTES); "
                     "split it into several batches",
                     param="file",
+                    code="file_too_large",
                 )
+            pieces = block.split(b"\n")
+            # the first piece continues the line the last block ended in
+            lengths = [line_bytes + len(pieces[0]), *map(len, pieces[1:])]
+            if max(lengths) > max_line_bytes:
+                over = next(i for i, n in enumerate(lengths) if n > max_line_bytes)
+                raise APIError(
+                    400,
+                    f"line {lines_before + over + 1:,} is over {max_line_bytes:,} bytes "
+                    "(EMBEDFLEET_BATCH_MAX_LINE_BYTES); send fewer or shorter inputs per "
+                    "request",
+                    param="file",
+                    code="line_too_large",
+                )
+            lines_before += len(pieces) - 1
+            line_bytes = lengths[-1]
             out.write(block)
+
+
+def _count_lines(path: Path, max_line_bytes: int) -> int:
+    """Request lines (not blank) of an input file, none of them held whole past the cap."""
+    with path.open("rb") as handle:
+        return sum(1 for raw in bounded_lines(handle, max_line_bytes) if raw is None or raw.strip())
 
 
 @router.get("/v1/files")
 async def list_files(
     files: FilesDep,
+    owner: OwnerDep,
     purpose: str | None = None,
     after: str | None = None,
     limit: int = MAX_FILES_PAGE,
@@ -114,7 +158,7 @@ async def list_files(
     if not 1 <= limit <= MAX_FILES_PAGE:
         raise APIError(400, f"limit must be between 1 and {MAX_FILES_PAGE}", param="limit")
     page, has_more = await asyncio.to_thread(
-        files.list, purpose, after=after, limit=limit, order=order
+        files.list, purpose, after=after, limit=limit, order=order, owner=owner
     )
     return {
         "object": "list",
@@ -126,21 +170,21 @@ async def list_files(
 
 
 @router.get("/v1/files/{file_id}")
-async def retrieve_file(file_id: str, files: FilesDep) -> dict[str, Any]:
-    return files.get(file_id).as_dict()
+async def retrieve_file(file_id: str, files: FilesDep, owner: OwnerDep) -> dict[str, Any]:
+    return files.get(file_id, owner).as_dict()
 
 
 @router.get("/v1/files/{file_id}/content")
-async def file_content(file_id: str, files: FilesDep) -> FileResponse:
-    stored = files.get(file_id)
+async def file_content(file_id: str, files: FilesDep, owner: OwnerDep) -> FileResponse:
+    stored = files.get(file_id, owner)
     return FileResponse(
         files.data_path(file_id), media_type="application/jsonl", filename=stored.filename
     )
 
 
 @router.delete("/v1/files/{file_id}")
-async def delete_file(file_id: str, files: FilesDep) -> dict[str, Any]:
-    files.delete(file_id)
+async def delete_file(file_id: str, files: FilesDep, owner: OwnerDep) -> dict[str, Any]:
+    files.delete(file_id, owner)
     return {"id": file_id, "object": "file", "deleted": True}
 
 
@@ -164,6 +208,7 @@ async def create_batch(
     files: FilesDep,
     store: StoreDep,
     runner: RunnerDep,
+    owner: OwnerDep,
 ) -> dict[str, Any]:
     if body.endpoint != ENDPOINT:
         raise APIError(
@@ -182,37 +227,48 @@ async def create_batch(
         if output_expiry
         else None
     )
-    stored = files.get(body.input_file_id)
+    stored = files.get(body.input_file_id, owner)  # another's file: 404, as a missing one
     if stored.purpose != "batch":
         raise APIError(
             400, f"{stored.id} was not uploaded with purpose=batch", param="input_file_id"
         )
     # the total shows at once; the lines themselves are checked in the validating step
     try:
-        lines = await asyncio.to_thread(lambda: sum(1 for _ in files.lines(stored.id)))
+        lines = await asyncio.to_thread(
+            _count_lines, files.data_path(stored.id), settings.batch_max_line_bytes
+        )
     except FileNotFoundError:  # deleted meanwhile
-        files.get(stored.id)  # the 404
+        files.get(stored.id, owner)  # the 404
         raise
     batch = new_batch(
         stored.id, body.completion_window, body.metadata, settings.batch_completion_window_s
     )
-    await store.create(batch, lines, output_expiry_s)
+    limit = settings.batch_max_active_per_owner
+    if not await store.create(batch, lines, owner, output_expiry_s, max_active=limit):
+        raise APIError(
+            429,
+            f"this API key already has {limit} batches running "
+            "(EMBEDFLEET_BATCH_MAX_ACTIVE_PER_OWNER); wait for one to end or cancel one",
+            type="rate_limit_error",
+            code="too_many_active_batches",
+            headers={"Retry-After": str(settings.gateway_retry_after_s)},
+        )
     runner.wake.set()
     return batch
 
 
 @router.get("/v1/batches/{batch_id}")
-async def retrieve_batch(batch_id: str, store: StoreDep) -> dict:
-    return await store.get(batch_id)
+async def retrieve_batch(batch_id: str, store: StoreDep, owner: OwnerDep) -> dict:
+    return await store.get(batch_id, owner)
 
 
 @router.get("/v1/batches")
 async def list_batches(
-    store: StoreDep, after: str | None = None, limit: int = 20
+    store: StoreDep, owner: OwnerDep, after: str | None = None, limit: int = 20
 ) -> dict[str, Any]:
     if not 1 <= limit <= 100:
         raise APIError(400, "limit must be between 1 and 100", param="limit")
-    batches, has_more = await store.page(after, limit)
+    batches, has_more = await store.page(owner, after, limit)
     return {
         "object": "list",
         "data": batches,
@@ -223,8 +279,8 @@ async def list_batches(
 
 
 @router.post("/v1/batches/{batch_id}/cancel")
-async def cancel_batch(batch_id: str, store: StoreDep, runner: RunnerDep) -> dict:
-    batch = await store.request_cancel(batch_id)
+async def cancel_batch(batch_id: str, store: StoreDep, runner: RunnerDep, owner: OwnerDep) -> dict:
+    batch = await store.request_cancel(batch_id, owner)
     if batch["status"] in ("validating", "in_progress"):
         batch["status"] = "cancelling"
     runner.wake.set()

@@ -22,6 +22,25 @@ batch at a time):
 One batch's fault never holds up another: each batch's step runs on its own, and a batch that
 raises is retried later with its reason counted (``faults``, ``last_fault`` in its hash) or
 failed when retrying cannot help.
+
+Every batch has an owner (gateway/auth.py), kept in its hash (``owner``) and its owner's index;
+its output and error files are that owner's, and another owner's batch is a 404. An owner has
+at most EMBEDFLEET_BATCH_MAX_ACTIVE_PER_OWNER batches running (``create_batch.lua`` counts and
+records in one step).
+
+The lease (EMBEDFLEET_BATCH_LEASE_MS) is renewed every third of its length while a step runs
+(``renew_lease.lua``, only if still ours), and it is a fencing token: the batch is ended by
+``end_batch.lua`` only if the lease still holds this step's token, its state and cursor are
+saved by ``save_batch.lua`` on the same condition, and the output is published only after the
+same check. The output and error files' ids are reserved in the batch's hash
+before they are written, so a finalize run twice (a replica that lost its lease and one that
+took it over) publishes one file under one id, whichever writes last.
+
+Memory: a batch's vectors wait on its reply lists in Redis (EMBEDFLEET_BATCH_MAX_INPUTS bounds
+them: about 1 KB each); finalize reads them REPLY_PAGE answers at a time into a file on disk
+(a memory map), then writes the output one request line at a time. What the gateway holds is
+one page of answers, one line's vectors (EMBEDFLEET_GATEWAY_MAX_INPUTS) and one line's text
+(EMBEDFLEET_BATCH_MAX_LINE_BYTES), plus a flag per input.
 """
 
 from __future__ import annotations
@@ -33,15 +52,17 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
+from embedfleet.gateway.auth import ANONYMOUS
 from embedfleet.gateway.errors import APIError
-from embedfleet.gateway.files import FileStore
+from embedfleet.gateway.files import FileStore, bounded_lines, new_file_id
 from embedfleet.gateway.inputs import (
+    check_context,
     check_dimensions,
     prepare,
     unit_vectors,
@@ -53,13 +74,13 @@ from embedfleet.producer.replies import Answers, ingest_reply_keys, read_answers
 from embedfleet.shared import scripts
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import Chunk
+from embedfleet.shared.redis_conn import as_str
 
 log = get_logger("embedfleet.gateway.batches")
 
 ENDPOINT = "/v1/embeddings"
 LINES_PER_SLICE = 500  # input lines enqueued per MULTI
 REPLY_PAGE = 1000
-LEASE_MS = 120_000
 TICK_S = 0.25
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 SHOWN_LINE_ERRORS = 100  # errors.data entries a failed batch keeps (its object is in Redis)
@@ -67,6 +88,10 @@ RETRY_MAX_S = 30.0  # a faulting batch is retried after TICK_S, doubling up to t
 MAX_UNEXPECTED_FAULTS = 5  # consecutive unexplained errors before a batch is failed
 SWEEP_EVERY_S = 10.0  # expired files and stale temporaries removed this often
 RELEASE_SCRIPT = scripts.load("release_lease")  # only if it is still ours
+RENEW_SCRIPT = scripts.load("renew_lease")  # only if it is still ours
+CREATE_SCRIPT = scripts.load("create_batch")  # within the owner's limit of active batches
+END_SCRIPT = scripts.load("end_batch")  # only with the lease's token: the fence
+SAVE_SCRIPT = scripts.load("save_batch")  # the runner's writes, fenced the same way
 
 
 @dataclass(frozen=True)
@@ -77,8 +102,10 @@ class BatchLine:
     dimensions: int | None
 
 
-def parse_line(raw: bytes, gateway: Gateway) -> BatchLine:
-    """One JSONL request line, validated as the online endpoint would; APIError says why not."""
+def parse_line(raw: bytes, gateway: Gateway, *, validating: bool = False) -> BatchLine:
+    """One JSONL request line, validated as the online endpoint would; APIError says why not.
+    The context check runs in the validating step only (``validating``): a line that passed it
+    is never refused later, when the card may have become known."""
     try:
         line = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -114,6 +141,8 @@ def parse_line(raw: bytes, gateway: Gateway) -> BatchLine:
     card = gateway.known_card  # None before any worker published: the worker checks
     check_dimensions(body.dimensions, card.dim if card is not None else None)
     texts = prepare(body.input, gateway.tokenizer, gateway.settings, "body.input")
+    if validating and card is not None and not body.truncate:  # as online: refused, not cut
+        check_context(texts, gateway.tokenizer, card.max_length, "body.input")
     return BatchLine(custom_id, texts, body.encoding_format, body.dimensions)
 
 
@@ -142,12 +171,26 @@ def validate_file(path: Path, gateway: Gateway) -> Validation:
     bad_lines = 0
     seen_ids: set[str] = set()
     with path.open("rb") as handle:
-        for number, raw in enumerate(handle, start=1):
+        # bounded: a line over the cap (a file stored before it was lowered) is never held
+        for number, raw in enumerate(bounded_lines(handle, settings.batch_max_line_bytes), 1):
+            if raw is None:
+                found.lines += 1
+                bad_lines += 1
+                if len(errors) < SHOWN_LINE_ERRORS:
+                    errors.append(
+                        line_error(
+                            "line_too_large",
+                            f"the line is over {settings.batch_max_line_bytes:,} bytes "
+                            "(EMBEDFLEET_BATCH_MAX_LINE_BYTES)",
+                            number,
+                        )
+                    )
+                continue
             if not raw.strip():
                 continue
             found.lines += 1
             try:
-                line = parse_line(raw, gateway)
+                line = parse_line(raw, gateway, validating=True)
             except APIError as error:
                 bad_lines += 1
                 if len(errors) < SHOWN_LINE_ERRORS:
@@ -235,48 +278,70 @@ def new_batch(
 
 
 class BatchStore:
-    """Batch records in Redis: the Batch object (JSON) plus the runner's cursor fields."""
+    """Batch records in Redis: the Batch object (JSON) plus the runner's cursor fields (which
+    the runner writes itself, under its lease: BatchRunner._save)."""
 
     def __init__(self, producer: Producer) -> None:
         self.producer = producer  # job counters are the client's to read (summed over partitions)
         self.client = producer.client
         self.keys = producer.keys
 
-    async def create(self, batch: dict, lines: int, output_expiry_s: int | None = None) -> None:
-        """Record a new batch; ``output_expiry_s``: its output files' expiry (OpenAI's
-        ``output_expires_after``), unset for the default."""
+    async def create(
+        self,
+        batch: dict,
+        lines: int,
+        owner: str = ANONYMOUS,
+        output_expiry_s: int | None = None,
+        *,
+        max_active: int = 0,
+    ) -> bool:
+        """Record a new batch of ``owner``; False (nothing recorded) when the owner already has
+        ``max_active`` batches running (0: no limit). ``output_expiry_s``: its output files'
+        expiry (OpenAI's ``output_expires_after``), unset for the default."""
         batch["request_counts"]["total"] = lines
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hset(
-            self.keys.batch(batch["id"]),
-            mapping={
-                "object": json.dumps(batch),
-                "lines": lines,
-                "cursor": 0,
-                "offset": 0,
-                "inputs": 0,
-                **({"output_expiry_s": output_expiry_s} if output_expiry_s else {}),
-            },
+        batch_id = batch["id"]
+        mapping: dict[str, Any] = {
+            "object": json.dumps(batch),
+            "owner": owner,
+            "lines": lines,
+            "cursor": 0,
+            "offset": 0,
+            "inputs": 0,
+            **({"output_expiry_s": output_expiry_s} if output_expiry_s else {}),
+        }
+        keys = self.keys
+        created = await self.client.eval(
+            CREATE_SCRIPT,
+            5,
+            keys.batch(batch_id),
+            keys.batches,
+            keys.batches_active,
+            keys.owner_batches(owner),
+            keys.owner_batches_active(owner),
+            batch_id,
+            time.time(),
+            max_active,
+            *(item for pair in mapping.items() for item in pair),
         )
-        pipe.zadd(self.keys.batches, {batch["id"]: time.time()})
-        pipe.sadd(self.keys.batches_active, batch["id"])
-        await pipe.execute()
+        return bool(created)
 
-    async def fields(self, batch_id: str) -> dict[str, Any]:
+    async def fields(self, batch_id: str, owner: str | None = None) -> dict[str, Any]:
+        """The batch's hash; 404 if it is missing or (given ``owner``) another owner's."""
         raw = await self.client.hgetall(self.keys.batch(batch_id))
-        if not raw:
+        fields: dict[str, Any] = {as_str(key): value for key, value in raw.items()}
+        fields["owner"] = fields["owner"].decode() if "owner" in fields else ANONYMOUS
+        if not raw or (owner is not None and fields["owner"] != owner):
             raise APIError(
                 404, f"no batch with id {batch_id!r}", param="batch_id", code="batch_not_found"
             )
-        fields: dict[str, Any] = {key.decode(): value for key, value in raw.items()}
         fields["object"] = json.loads(fields["object"])
         for name in ("lines", "cursor", "offset", "inputs"):
             fields[name] = int(fields.get(name, 0))
         return fields
 
-    async def get(self, batch_id: str) -> dict:
+    async def get(self, batch_id: str, owner: str | None = None) -> dict:
         """The Batch object, with live request_counts from the job counters while it runs."""
-        fields = await self.fields(batch_id)
+        fields = await self.fields(batch_id, owner)
         batch = fields["object"]
         if batch["status"] in ACTIVE and fields["inputs"]:
             progress = await self.producer.progress(batch_id)
@@ -291,19 +356,17 @@ class BatchStore:
             }
         return batch
 
-    async def save(self, batch: dict, **cursor: int) -> None:
-        await self.client.hset(
-            self.keys.batch(batch["id"]), mapping={"object": json.dumps(batch), **cursor}
-        )
-
-    async def request_cancel(self, batch_id: str) -> dict:
-        batch = await self.get(batch_id)
+    async def request_cancel(self, batch_id: str, owner: str | None = None) -> dict:
+        batch = await self.get(batch_id, owner)
         if batch["status"] in ("validating", "in_progress"):
             await self.client.hset(self.keys.batch(batch_id), "cancel", int(time.time()))
         return batch
 
-    async def page(self, after: str | None, limit: int) -> tuple[list[dict], bool]:
-        ids = [i.decode() for i in await self.client.zrevrange(self.keys.batches, 0, -1)]
+    async def page(self, owner: str, after: str | None, limit: int) -> tuple[list[dict], bool]:
+        """One page of ``owner``'s batches, newest first."""
+        index = self.keys.owner_batches(owner)
+        members = cast("list[bytes]", await self.client.zrevrange(index, 0, -1))  # no scores
+        ids = [as_str(i) for i in members]
         if after is not None and after in ids:
             ids = ids[ids.index(after) + 1 :]
         batches = [await self.get(batch_id) for batch_id in ids[:limit]]
@@ -315,6 +378,18 @@ Outcome = Literal["completed", "cancelled", "expired"]
 
 class InputFileGone(Exception):
     """The batch's input file was deleted or expired: nothing more can be read or written."""
+
+
+class LeaseLost(Exception):
+    """This replica's lease on a batch expired and may be another's: it must not end the batch
+    or publish its output (the replica that holds the lease does)."""
+
+
+@dataclass
+class Lease:
+    key: str
+    token: str  # this step's own: a later step of the same replica has another
+    lost: bool = False
 
 
 class BatchRunner:
@@ -334,6 +409,7 @@ class BatchRunner:
         self._faults: dict[str, int] = {}
         self._retry_at: dict[str, float] = {}
         self._next_sweep = 0.0
+        self._leases: dict[str, Lease] = {}  # the batches this replica's steps hold now
 
     def stop(self) -> None:
         self._stopping.set()
@@ -344,7 +420,7 @@ class BatchRunner:
         while not self._stopping.is_set():
             try:
                 active = sorted(
-                    m.decode() for m in await self.client.smembers(self.keys.batches_active)
+                    as_str(m) for m in await self.client.smembers(self.keys.batches_active)
                 )
             except Exception as error:  # Redis down: say so, keep trying
                 log.warning("batch runner cannot list batches; retrying", error=repr(error))
@@ -387,19 +463,72 @@ class BatchRunner:
         return faults
 
     async def _with_lease(self, batch_id: str) -> None:
-        lease = self.keys.batch_lease(batch_id)
-        if not await self.client.set(lease, self.instance, nx=True, px=LEASE_MS):
+        lease = Lease(self.keys.batch_lease(batch_id), f"{self.instance}:{uuid.uuid4().hex}")
+        lease_ms = self.gateway.settings.batch_lease_ms
+        if not await self.client.set(lease.key, lease.token, nx=True, px=lease_ms):
             return
+        self._leases[batch_id] = lease
+        renewer = asyncio.create_task(self._renew(batch_id, lease, lease_ms))
         try:
             try:
                 await self.step(batch_id)
+            except LeaseLost:  # the replica that took the lease over runs the batch
+                log.warning("batch lease lost; its new holder runs the batch", batch=batch_id)
             except Exception as error:
                 await self._on_fault(batch_id, error)
             else:
                 self._faults.pop(batch_id, None)
                 self._retry_at.pop(batch_id, None)
         finally:
-            await self.client.eval(RELEASE_SCRIPT, 1, lease, self.instance)
+            renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewer
+            self._leases.pop(batch_id, None)
+            await self.client.eval(RELEASE_SCRIPT, 1, lease.key, lease.token)
+
+    async def _renew(self, batch_id: str, lease: Lease, lease_ms: int) -> None:
+        """Keep the lease while the step runs: every third of its length, so two renewals can
+        fail (a Redis blip) before it expires. Stops once the lease is another's."""
+        while True:
+            await asyncio.sleep(lease_ms / 3000)  # the renewal period, not a wait for an event
+            try:
+                renewed = await self._still_ours(lease, lease_ms)
+            except RedisError as error:
+                log.warning(
+                    "batch lease renewal failed; retrying", batch=batch_id, error=repr(error)
+                )
+                continue
+            if not renewed:
+                log.warning("batch lease expired while its step ran", batch=batch_id)
+                return
+
+    async def _still_ours(self, lease: Lease, lease_ms: int) -> bool:
+        """Renew the lease if it is still ours; whether it was."""
+        renewed = await self.client.eval(RENEW_SCRIPT, 1, lease.key, lease.token, lease_ms)
+        lease.lost = lease.lost or not renewed
+        return not lease.lost
+
+    async def _save(self, batch_id: str, mapping: dict[str, Any]) -> None:
+        """Fields of the batch's hash written while this step's lease holds; LeaseLost (and
+        nothing written) once it is another's."""
+        lease = self._lease(batch_id)
+        saved = await self.client.eval(
+            SAVE_SCRIPT,
+            2,
+            lease.key,
+            self.keys.batch(batch_id),
+            lease.token,
+            *(item for pair in mapping.items() for item in pair),
+        )
+        if not saved:
+            lease.lost = True
+            raise LeaseLost(batch_id)
+
+    def _lease(self, batch_id: str) -> Lease:
+        lease = self._leases.get(batch_id)
+        if lease is None:  # a step always runs under its lease
+            raise LeaseLost(batch_id)
+        return lease
 
     async def _on_fault(self, batch_id: str, error: Exception) -> None:
         """One batch's step raised: fail the batch when retrying cannot help, else count the
@@ -474,7 +603,7 @@ class BatchRunner:
             and now >= batch["expires_at"]
             and not await self._all_finished(batch_id, fields)  # done just in time: completed
         ):
-            await self.client.hset(self.keys.batch(batch_id), "expire", now)
+            await self._save(batch_id, {"expire": now})
             fields["expire"] = now
         if fields.get("expire") and running:
             if status == "validating":  # nothing was sent: there is nothing to write out
@@ -484,10 +613,13 @@ class BatchRunner:
             return
         if fields.get("cancel") and status in ("validating", "in_progress"):
             batch.update(status="cancelling", cancelling_at=now)
-            await self.store.save(batch)
+            await self._save(batch_id, {"object": json.dumps(batch)})
             status = "cancelling"
         if status == "validating":
             path = self._input_path(batch)
+            # the card (the model's maximum length) as the workers last published it; a batch
+            # created before any worker started is checked without it, and the worker cuts
+            await self.gateway.model_card()
             found = await asyncio.to_thread(validate_file, path, self.gateway)
             if found.errors:
                 counts = {"total": found.lines, "completed": 0, "failed": 0}
@@ -495,7 +627,7 @@ class BatchRunner:
                 return
             batch.update(status="in_progress", in_progress_at=now)
             batch["request_counts"]["total"] = found.lines
-            await self.store.save(batch, lines=found.lines)
+            await self._save(batch_id, {"object": json.dumps(batch), "lines": found.lines})
             fields["lines"] = found.lines
             status = "in_progress"
         if status == "in_progress" and fields["cursor"] < fields["lines"]:
@@ -505,7 +637,7 @@ class BatchRunner:
             if not await self._all_finished(batch_id, fields):
                 return
             batch.update(status="finalizing", finalizing_at=now)
-            await self.store.save(batch)
+            await self._save(batch_id, {"object": json.dumps(batch)})
             status = "finalizing"
         if status == "finalizing":
             await self._finalize(
@@ -544,7 +676,10 @@ class BatchRunner:
         output: str | None = None,
         errors: str | None = None,
     ) -> None:
-        """Record the final state, take the batch off the active set, drop its reply list."""
+        """Record the final state, take the batch off the active sets, drop its reply list;
+        only while this step's lease holds (LeaseLost otherwise: nothing is written)."""
+        batch_id = batch["id"]
+        lease = self._lease(batch_id)
         batch.update(
             status=status,
             output_file_id=output,
@@ -552,10 +687,23 @@ class BatchRunner:
             request_counts=counts,
             **{f"{status}_at": int(time.time())},
         )
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hset(self.keys.batch(batch["id"]), "object", json.dumps(batch))
-        pipe.srem(self.keys.batches_active, batch["id"])
-        await pipe.execute()
+        keys = self.keys
+        owner_raw = await self.client.hget(keys.batch(batch_id), "owner")
+        owner = as_str(owner_raw) if owner_raw else ANONYMOUS
+        ended = await self.client.eval(
+            END_SCRIPT,
+            4,
+            lease.key,
+            keys.batch(batch_id),
+            keys.batches_active,
+            keys.owner_batches_active(owner),
+            lease.token,
+            json.dumps(batch),
+            batch_id,
+        )
+        if not ended:
+            lease.lost = True
+            raise LeaseLost(batch_id)
         # the reply lists are in their partitions' slots, not the batch records': apart (they
         # expire by themselves should this not happen)
         pipe = self.client.pipeline(transaction=False)
@@ -589,9 +737,8 @@ class BatchRunner:
             if sent_lines >= LINES_PER_SLICE:
                 break
         await producer.enqueue(chunks, job=batch_id)
-        await self.client.hset(
-            self.keys.batch(batch_id),
-            mapping={"cursor": cursor + sent_lines, "offset": offset, "inputs": inputs},
+        await self._save(
+            batch_id, {"cursor": cursor + sent_lines, "offset": offset, "inputs": inputs}
         )
         self.wake.set()  # more to send: come back without waiting a tick
 
@@ -604,6 +751,7 @@ class BatchRunner:
         # a worker answered if there are vectors: its card gives the rows' width (a line that
         # asked for fewer dimensions fills the start of its row)
         card = await self.gateway.model_card()
+        output_id, error_id = await self._file_ids(batch_id)
         with self.files.scratch("vectors") as scratch:
             answers = Answers(
                 total_inputs,
@@ -623,7 +771,7 @@ class BatchRunner:
                     self.files.scratch("output") as output_path,
                     self.files.scratch("errors") as error_path,
                 ):
-                    counts, output, errors = await asyncio.to_thread(
+                    counts = await asyncio.to_thread(
                         self._write_files,
                         batch,
                         fields,
@@ -635,9 +783,69 @@ class BatchRunner:
                         output_path,
                         error_path,
                     )
+                    # a replica whose lease expired while it wrote publishes nothing (and
+                    # were it to, under the same ids: one file each still)
+                    if not await self._still_ours(
+                        self._lease(batch_id), self.gateway.settings.batch_lease_ms
+                    ):
+                        raise LeaseLost(batch_id)
+                    output, errors = await asyncio.to_thread(
+                        self._publish,
+                        batch,
+                        fields,
+                        output_path,
+                        error_path,
+                        (output_id, error_id if counts["failed"] else None),
+                    )
             finally:
                 answers.vectors = None  # the memmap's file is open until then
         await self._end(batch, outcome, counts, output, errors)
+
+    async def _file_ids(self, batch_id: str) -> tuple[str, str]:
+        """The ids the batch's output and error files get, reserved in its hash on the first
+        finalize, so that every finalize of the batch (a retry, another replica) uses them."""
+        key = self.keys.batch(batch_id)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hsetnx(key, "output_id", new_file_id(time.time_ns()))
+        pipe.hsetnx(key, "error_id", new_file_id(time.time_ns()))
+        pipe.hmget(key, ["output_id", "error_id"])
+        *_, (output_id, error_id) = await pipe.execute()
+        return output_id.decode(), error_id.decode()
+
+    def _publish(
+        self,
+        batch: dict,
+        fields: dict[str, Any],
+        output_path: Path,
+        error_path: Path,
+        ids: tuple[str, str | None],
+    ) -> tuple[str, str | None]:
+        """The written output (and error file, given its id) published under the reserved
+        ids as the batch owner's files; their ids."""
+        name = batch["id"]
+        expiry = fields.get("output_expiry_s")
+        expires_after_s = int(expiry) if expiry else self.gateway.settings.files_default_expiry_s
+        keep = expires_after_s or None  # 0: kept until deleted
+        output_id, error_id = ids
+        owner = fields["owner"]
+        self.files.publish(
+            output_path,
+            f"{name}_output.jsonl",
+            "batch_output",
+            keep,
+            owner=owner,
+            file_id=output_id,
+        )
+        if error_id is not None:
+            self.files.publish(
+                error_path,
+                f"{name}_error.jsonl",
+                "batch_output",
+                keep,
+                owner=owner,
+                file_id=error_id,
+            )
+        return output_id, error_id
 
     def _write_files(
         self,
@@ -650,7 +858,8 @@ class BatchRunner:
         outcome: Outcome,
         output_path: Path,
         error_path: Path,
-    ) -> tuple[dict[str, int], str | None, str | None]:
+    ) -> dict[str, int]:
+        """The output and error lines written to their temporary files; the request counts."""
         gateway = self.gateway
         completed = failed = 0
         first = 0
@@ -717,7 +926,7 @@ class BatchRunner:
                     failed += 1
                     continue
                 card = gateway.known_card  # read in _finalize, before the first vector
-                assert card is not None
+                assert card is not None and vectors is not None  # (else all were missing)
                 block = vectors[span.start : span.stop, : line.dimensions or card.dim]
                 block = unit_vectors(block, card.normalize)
                 tokens = gateway.tokenizer.usage(line.texts, card.max_length)
@@ -728,15 +937,4 @@ class BatchRunner:
                 )
                 output.write(json.dumps(record) + "\n")
                 completed += 1
-        name = batch["id"]
-        expiry = fields.get("output_expiry_s")
-        expires_after_s = int(expiry) if expiry else self.gateway.settings.files_default_expiry_s
-        keep = expires_after_s or None  # 0: kept until deleted
-        output_file = self.files.publish(output_path, f"{name}_output.jsonl", "batch_output", keep)
-        error_file = (
-            self.files.publish(error_path, f"{name}_error.jsonl", "batch_output", keep)
-            if failed
-            else None
-        )
-        counts = {"total": fields["lines"], "completed": completed, "failed": failed}
-        return counts, output_file.id, error_file.id if error_file else None
+        return {"total": fields["lines"], "completed": completed, "failed": failed}

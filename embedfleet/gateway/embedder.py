@@ -13,7 +13,8 @@ it within EMBEDFLEET_GATEWAY_TIMEOUT_S. Only the timeout's message says that no 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Literal, TypeVar
 
 import numpy as np
 import redis.asyncio as aioredis
@@ -21,11 +22,15 @@ import redis.asyncio as aioredis
 from embedfleet.gateway.errors import APIError, overloaded
 from embedfleet.gateway.metrics import GatewayMetrics
 from embedfleet.producer.client import EmbeddingOptions, Producer, QueryTimeoutError
-from embedfleet.shared.protocol import QueryFailedError
+from embedfleet.shared.protocol import QueryFailedError, SparseVector
+from embedfleet.shared.redis_conn import redis_deadline
+from embedfleet.shared.retry import RedisUnavailableError
 from embedfleet.shared.settings import Settings
 from embedfleet.shared.streams import live_workers
 
 LIVENESS_CACHE_S = 1.0
+Lane = Literal["query", "texts"]  # the query stream, or the interactive one
+T = TypeVar("T")
 
 
 class WorkerHeartbeats:
@@ -44,9 +49,12 @@ class WorkerHeartbeats:
         now = time.monotonic()
         if now - self._checked_at < LIVENESS_CACHE_S:
             return self._alive
-        self._alive = await live_workers(
-            self.client, self.settings.keys, self.settings.gateway_worker_idle_ms
-        )
+        async with redis_deadline(
+            self.settings.gateway_redis_timeout_s, "read the workers' heartbeats"
+        ):
+            self._alive = await live_workers(
+                self.client, self.settings.keys, self.settings.gateway_worker_idle_ms
+            )
         self._checked_at = now
         return self._alive
 
@@ -87,24 +95,59 @@ class Embedder:
 
     async def embed(self, texts: Sequence[str], options: EmbeddingOptions) -> np.ndarray:
         """float32 vectors (len(texts), dim) as the workers return them (fp16 on the wire)."""
+
+        async def call(lane: Lane, timeout: float) -> np.ndarray:
+            send = self.producer.embed_queries if lane == "query" else self.producer.embed_texts
+            return await send(list(texts), timeout=timeout, options=options)
+
+        return await self._through_lane(len(texts), call)
+
+    async def embed_sparse(
+        self, texts: Sequence[str], max_active_dims: int | None = None
+    ) -> list[SparseVector]:
+        """Sparse weights of ``texts`` (a fleet serving a SparseEncoder), on the same lanes."""
+
+        async def call(lane: Lane, timeout: float) -> list[SparseVector]:
+            return await self.producer.embed_sparse(
+                list(texts), timeout=timeout, max_active_dims=max_active_dims, lane=lane
+            )
+
+        return await self._through_lane(len(texts), call)
+
+    async def rerank(self, query: str, documents: Sequence[str]) -> np.ndarray:
+        """Scores of (``query``, document) per document, in order (a cross-encoder fleet)."""
+
+        async def call(lane: Lane, timeout: float) -> np.ndarray:
+            return await self.producer.rerank(query, list(documents), timeout=timeout, lane=lane)
+
+        return await self._through_lane(len(documents), call)
+
+    async def _through_lane(self, count: int, call: Callable[[Lane, float], Awaitable[T]]) -> T:
+        """``call`` on the lane ``count`` inputs ride, refused (429) while that lane is full;
+        a timeout or a worker's refusal as the gateway's errors."""
         lane = self.keys.query_lane
         settings = self.settings
-        if len(texts) <= settings.gateway_lane_max_inputs:
-            label, stream, call = "query", lane.query, self.producer.embed_queries
+        chosen: Lane
+        if count <= settings.gateway_lane_max_inputs:
+            label, stream, chosen = "query", lane.query, "query"
             bound = ("query lane", settings.gateway_lane_high_water, "GATEWAY_LANE_HIGH_WATER")
         else:
             # the interactive stream is bounded like a backlog; the bulk backlog itself does
             # not hold a request up, so it does not refuse one either
-            label, stream, call = "interactive", lane.interactive, self.producer.embed_texts
+            label, stream, chosen = "interactive", lane.interactive, "texts"
             bound = ("interactive stream", settings.backlog_high_water, "BACKLOG_HIGH_WATER")
         what, high_water, variable = bound
-        await self._refuse_when_full(
-            what, await self.client.xlen(stream), high_water, f"EMBEDFLEET_{variable}"
-        )
-        self.metrics.inputs.labels(label).inc(len(texts))
+        async with redis_deadline(settings.gateway_redis_timeout_s, f"read the {what}'s length"):
+            waiting = await self.client.xlen(stream)
+        await self._refuse_when_full(what, waiting, high_water, f"EMBEDFLEET_{variable}")
+        self.metrics.inputs.labels(label).inc(count)
         try:
-            return await call(list(texts), timeout=self.settings.gateway_timeout_s, options=options)
+            return await call(chosen, self.settings.gateway_timeout_s)
         except QueryTimeoutError as error:
+            if isinstance(error.__cause__, RedisUnavailableError):
+                # Redis unreachable or hung, not a slow fleet: 503 with Retry-After
+                # (errors.redis_error_handler), in the route's envelope
+                raise error.__cause__ from None
             message = str(error)
             if await self.workers.live_workers() == 0:
                 message += "; " + self.workers.none_alive()

@@ -6,6 +6,11 @@ replica on the shared volume, or this one after a restart) sees a whole file or 
 A file with an ``expires_at`` in the past is gone for every reader at once (404, left out of
 the list); ``sweep`` then frees its disk space, and that of temporary files a crashed writer
 left behind.
+
+Every file has an owner (gateway/auth.py: a hash of the API key that uploaded it, or of the key
+whose batch wrote it). Given an ``owner``, ``get``, ``list`` and ``delete`` see only that owner's
+files, and another owner's file is a 404 like a missing one, so its existence is not revealed.
+A record written before owners existed belongs to ``ANONYMOUS``.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
+from embedfleet.gateway.auth import ANONYMOUS
 from embedfleet.gateway.errors import APIError
 
 TEMP_PREFIX = ".tmp-"
@@ -44,8 +50,15 @@ class StoredFile:
     status: str = "processed"
     expires_at: int | None = None
     status_details: str | None = None
+    owner: str = ANONYMOUS  # in the record, not in the API's File object
 
     def as_dict(self) -> dict[str, Any]:
+        """The File object as the API shows it (without its owner)."""
+        fields = asdict(self)
+        del fields["owner"]
+        return fields
+
+    def record(self) -> dict[str, Any]:
         return asdict(self)
 
     def expired(self, now: float) -> bool:
@@ -97,22 +110,34 @@ class FileStore:
             path.unlink(missing_ok=True)
 
     def publish(
-        self, temp: Path, filename: str, purpose: str, expires_after_s: int | None = None
+        self,
+        temp: Path,
+        filename: str,
+        purpose: str,
+        expires_after_s: int | None = None,
+        *,
+        owner: str = ANONYMOUS,
+        file_id: str | None = None,
     ) -> StoredFile:
         """Move a finished temporary file into place and record it; returns its File object.
-        ``expires_after_s``: seconds from now until it expires (None: kept until deleted)."""
-        created_ns = time.time_ns()
-        created_at = created_ns // 1_000_000_000
+        ``expires_after_s``: seconds from now until it expires (None: kept until deleted).
+        ``file_id``: an id reserved beforehand (``new_file_id``); publishing under it again
+        replaces the file, so a batch's output written twice is still one file."""
+        if file_id is None:
+            file_id = new_file_id(time.time_ns())
+        order = order_key_of(file_id)
+        created_at = order[0] if order is not None else int(time.time())
         stored = StoredFile(
-            id=new_file_id(created_ns),
+            id=file_id,
             bytes=temp.stat().st_size,
             created_at=created_at,
             filename=filename,
             purpose=purpose,
             expires_at=None if expires_after_s is None else created_at + expires_after_s,
+            owner=owner,
         )
         with self.scratch("record") as record:
-            record.write_text(json.dumps(stored.as_dict()))
+            record.write_text(json.dumps(stored.record()))
             os.replace(temp, self.data_path(stored.id))
             os.replace(record, self._record_path(stored.id))
         return stored
@@ -124,9 +149,14 @@ class FileStore:
         except FileNotFoundError:
             return None
 
-    def get(self, file_id: str) -> StoredFile:
+    def get(self, file_id: str, owner: str | None = None) -> StoredFile:
+        """The file's record; 404 if it is missing, expired or (given ``owner``) another's."""
         stored = None if "/" in file_id else self._read(self._record_path(file_id))
-        if stored is None or stored.expired(time.time()):
+        if (
+            stored is None
+            or stored.expired(time.time())
+            or (owner is not None and stored.owner != owner)
+        ):
             raise APIError(
                 404, f"no file with id {file_id!r}", param="file_id", code="file_not_found"
             )
@@ -151,6 +181,7 @@ class FileStore:
         after: str | None = None,
         limit: int | None = None,
         order: Literal["asc", "desc"] = "desc",
+        owner: str | None = None,
     ) -> tuple[list[StoredFile], bool]:
         """One page of the live files by creation time, and whether more follow it.
 
@@ -160,7 +191,9 @@ class FileStore:
         files = [
             f
             for f in self._all()
-            if not f.expired(now) and (purpose is None or f.purpose == purpose)
+            if not f.expired(now)
+            and (purpose is None or f.purpose == purpose)
+            and (owner is None or f.owner == owner)
         ]
         descending = order == "desc"
         files.sort(key=lambda f: f.order_key, reverse=descending)
@@ -176,8 +209,8 @@ class FileStore:
             return files, False
         return files[:limit], len(files) > limit
 
-    def delete(self, file_id: str) -> None:
-        self.get(file_id)
+    def delete(self, file_id: str, owner: str | None = None) -> None:
+        self.get(file_id, owner)
         self._remove(file_id)
 
     def _remove(self, file_id: str) -> None:
@@ -208,3 +241,15 @@ class FileStore:
                 offset += len(raw)
                 if raw.strip():
                     yield offset, raw
+
+
+def bounded_lines(handle: IO[bytes], max_bytes: int) -> Iterator[bytes | None]:
+    """Every line of ``handle`` (blank ones too, so callers can number them), but ``None`` for
+    a line over ``max_bytes``: it is skipped in blocks, never held whole."""
+    while raw := handle.readline(max_bytes + 1):
+        if len(raw) <= max_bytes or (len(raw) == max_bytes + 1 and raw.endswith(b"\n")):
+            yield raw
+            continue
+        while raw and not raw.endswith(b"\n"):  # the rest of the long line
+            raw = handle.readline(1 << 20)
+        yield None

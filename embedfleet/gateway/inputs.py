@@ -129,6 +129,28 @@ def prepare(
     return texts
 
 
+def check_context(
+    texts: Sequence[str], tokenizer: ModelTokenizer, max_length: int, param: str = "input"
+) -> None:
+    """OpenAI's answer to an input over the model's maximum context: 400, nothing cut. (The
+    OpenAI route's extension ``"truncate": true`` skips this check: the worker then cuts each
+    text to fit, on the right, as sentence-transformers does.)"""
+    lengths = tokenizer.lengths(texts, max_length)
+    longest = max(lengths, default=0)
+    if longest <= max_length:
+        return
+    index = lengths.index(longest)
+    raise APIError(
+        400,
+        f"This model's maximum context length is {max_length} tokens, however "
+        f"'{param}[{index}]' has more. Shorten it or split it into chunks, or send "
+        '"truncate": true (an extension of this API; with the openai SDK, '
+        'extra_body={"truncate": True}) to have every input cut to fit.',
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
 def fit_to_model(
     texts: Sequence[str],
     tokenizer: ModelTokenizer,

@@ -7,8 +7,10 @@ from typing import Literal
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
+from embedfleet.gateway.errors import APIError
 from embedfleet.gateway.inputs import (
     EmbeddingInput,
+    check_context,
     check_dimensions,
     encode_vector,
     prepare,
@@ -25,15 +27,37 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None)
     user: str | None = None
+    # Not OpenAI's: an input over the model's maximum is a 400 there (and here), unless the
+    # client asks for it to be cut to fit (TEI's name for it)
+    truncate: bool = False
 
 
 @router.post("/v1/embeddings")
 async def create_embeddings(body: EmbeddingRequest, gateway: GatewayDep) -> dict[str, object]:
+    async with gateway.request_bound():
+        return await _create_embeddings(body, gateway)
+
+
+async def _create_embeddings(body: EmbeddingRequest, gateway: Gateway) -> dict[str, object]:
     card = await gateway.model_card()  # None before any worker started: the worker checks
     gateway.check_model(body.model)
+    if card is not None and not card.serves("dense"):
+        raise APIError(
+            400,
+            f"the model {card.name!r} gives no dense embeddings (it serves "
+            f"{', '.join(card.representations)}): use /v1/rerank, or TEI's /embed_sparse",
+            param="model",
+            code="representation_not_served",
+        )
     check_dimensions(body.dimensions, card.dim if card is not None else None)
     texts = prepare(body.input, gateway.tokenizer, gateway.settings)
+    if card is not None and not body.truncate:
+        check_context(texts, gateway.tokenizer, card.max_length)
     vectors = await gateway.embedder.embed(texts, wire_options(None, body.dimensions))
+    if card is None and not body.truncate:
+        # a worker answered, so its card is published: what could not be checked before is now
+        # (the vectors are thrown away for a request it refuses)
+        check_context(texts, gateway.tokenizer, (await gateway.require_card()).max_length)
     card = await gateway.require_card()  # a worker answered: it has published its card
     vectors = unit_vectors(vectors, card.normalize)
     tokens = gateway.tokenizer.usage(texts, card.max_length)

@@ -18,7 +18,9 @@ one (``wire_options``); a route that must *describe* the model waits for a card 
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -39,11 +41,15 @@ from embedfleet.shared.modelcard import (
     served_name,
 )
 from embedfleet.shared.protocol import FULL_DIMENSIONS
+from embedfleet.shared.redis_conn import redis_deadline
 from embedfleet.shared.settings import Settings
 
 # How long a card read from Redis is trusted: a restarted fleet may serve a new revision of the
 # model (same namespace, new card), and a re-read is one HGETALL.
 CARD_MAX_AGE_S = 5.0
+# What an embeddings request may take beyond EMBEDFLEET_GATEWAY_TIMEOUT_S: its clean-up (the
+# query's withdrawal, EMBEDFLEET_REDIS_CLEANUP_TIMEOUT_S) and the reads around the wait
+REQUEST_MARGIN_S = 1.0
 
 
 @dataclass
@@ -72,7 +78,10 @@ class Gateway:
         now = time.monotonic()
         if self._card is None or now - self._card_read_at >= CARD_MAX_AGE_S:
             try:
-                card = await read_card(self.client, self.settings.keys)
+                async with redis_deadline(
+                    self.settings.gateway_redis_timeout_s, "read the model card"
+                ):
+                    card = await read_card(self.client, self.settings.keys)
             except ModelCardError as error:  # the message says what to do
                 raise APIError(
                     503, str(error), type="server_error", code="model_card_unreadable"
@@ -81,6 +90,17 @@ class Gateway:
             if card is not None:
                 self._card = card
         return self._card
+
+    @contextlib.asynccontextmanager
+    async def request_bound(self) -> AsyncIterator[None]:
+        """An embeddings request as a whole, bounded: whatever it still waits on Redis for
+        (the card, the lane's length, the answers) past EMBEDFLEET_GATEWAY_TIMEOUT_S plus
+        REQUEST_MARGIN_S is cancelled and answered 503 ``queue_unavailable`` with Retry-After
+        (a hung Redis), in the route's envelope."""
+        async with redis_deadline(
+            self.settings.gateway_timeout_s + REQUEST_MARGIN_S, "answer the embeddings request"
+        ):
+            yield
 
     async def require_card(self) -> ModelCard:
         """The card, or 503 ``no_model_card`` with Retry-After: no worker has started yet."""

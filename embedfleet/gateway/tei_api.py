@@ -22,7 +22,7 @@ from embedfleet.gateway.inputs import (
     prepare,
     unit_vectors,
 )
-from embedfleet.gateway.state import GatewayDep, wire_options
+from embedfleet.gateway.state import Gateway, GatewayDep, wire_options
 from embedfleet.shared.modelcard import ModelCard
 
 if TYPE_CHECKING:
@@ -56,6 +56,11 @@ class DecodeRequest(BaseModel):
 async def embed(body: EmbedRequest, gateway: GatewayDep) -> list[list[float]]:
     """TEI's embed. ``prompt_name`` absent means no prompt, as in TEI (sentence-transformers'
     ``default_prompt_name`` is what its ``encode`` applies, not what TEI's request means)."""
+    async with gateway.request_bound():
+        return await _embed(body, gateway)
+
+
+async def _embed(body: EmbedRequest, gateway: Gateway) -> list[list[float]]:
     card = await gateway.model_card()  # None before any worker started: checked afterwards
     check_dimensions(body.dimensions, card.dim if card is not None else None)
     normalize = True if body.normalize is None else body.normalize
@@ -86,6 +91,13 @@ def _check_against_card(card: ModelCard, body: EmbedRequest, normalize: bool) ->
     """What TEI refuses that only the model card can tell (``dimensions`` over the model's, a
     prompt name the model lacks, ``normalize=false`` for a normalising model); the prompt's
     text."""
+    if not card.serves("dense"):
+        raise APIError(
+            424,
+            f"the model {card.name!r} gives no dense embeddings (it serves "
+            f"{', '.join(card.representations)}): use /embed_sparse or /rerank",
+            code="representation_not_served",
+        )
     check_dimensions(body.dimensions, card.dim)
     if card.normalize and not normalize:
         raise APIError(
@@ -117,7 +129,10 @@ async def info(gateway: GatewayDep) -> dict[str, object]:
         "model_sha": None,
         "model_dtype": "float16",  # on the wire, results are fp16
         "served_model_name": gateway.served_name,
-        "model_type": {"embedding": {"pooling": "+".join(card.pooling)}},
+        # TEI names a SPLADE model's pooling "splade"
+        "model_type": {
+            "embedding": {"pooling": "splade" if card.serves("sparse") else "+".join(card.pooling)}
+        },
         "max_concurrent_requests": settings.gateway_lane_high_water,
         "max_input_length": card.max_length,
         "max_batch_tokens": batching.token_budget,

@@ -3,19 +3,27 @@
 -- or XADD it to the results stream. When a slow worker and the one that reclaimed its entries
 -- both finish the same entry, the second XACK returns 0, so the job counter and the answer see
 -- the entry once. Deleting only acknowledged entries keeps the group's lag exact (KEDA reads it).
+-- A job this call counted in that has now finished (done + dead >= enqueued) and whose counters
+-- carry ids_ttl_after_done_s (EMBEDFLEET_JOB_IDS_FINISHED_TTL_S, set by the enqueue) gets its id
+-- record expired that soon: a finished job's record does not stay for the full
+-- EMBEDFLEET_JOB_IDS_TTL_S (the next enqueue to the job sets that again).
 -- KEYS[1] the stream the entries were read from; KEYS[2] the results stream of its key set
 -- ARGV[1] the consumer group; ARGV[2] the job counter to count in (done, dead); ARGV[3] the
 --   job-key prefix; ARGV[4] the reply-key prefix; ARGV[5] a reply list's lifetime in seconds;
---   then four per entry: entry id, job ('' for none), reply ('' for none: the answer, if any,
---   goes to the results stream), answer payload ('' for none)
--- Job and reply keys are built from the prefixes: they share the stream's hash tag, so the call
--- stays in one slot on a cluster. Returns how many entries this call acknowledged.
+--   ARGV[6] the job-id-record prefix; then four per entry: entry id, job ('' for none), reply
+--   ('' for none: the answer, if any, goes to the results stream), answer payload ('' for none)
+-- Job, id-record and reply keys are built from the prefixes: they share the stream's hash tag,
+-- so the call stays in one slot on a cluster. Returns how many entries this call acknowledged.
 local acked = 0
-for i = 6, #ARGV, 4 do
+local jobs = {}
+for i = 7, #ARGV, 4 do
   local entry = ARGV[i]
   if redis.call('XACK', KEYS[1], ARGV[1], entry) == 1 then
     redis.call('XDEL', KEYS[1], entry)
-    if ARGV[i + 1] ~= '' then redis.call('HINCRBY', ARGV[3] .. ARGV[i + 1], ARGV[2], 1) end
+    if ARGV[i + 1] ~= '' then
+      redis.call('HINCRBY', ARGV[3] .. ARGV[i + 1], ARGV[2], 1)
+      jobs[ARGV[i + 1]] = true
+    end
     if ARGV[i + 2] ~= '' then
       local reply = ARGV[4] .. ARGV[i + 2]
       redis.call('RPUSH', reply, ARGV[i + 3])
@@ -24,6 +32,15 @@ for i = 6, #ARGV, 4 do
       redis.call('XADD', KEYS[2], '*', 'm', ARGV[i + 3])
     end
     acked = acked + 1
+  end
+end
+for job in pairs(jobs) do
+  local c = redis.call('HMGET', ARGV[3] .. job, 'enqueued', 'done', 'dead', 'ids_ttl_after_done_s')
+  local ttl = tonumber(c[4])
+  if ttl and (tonumber(c[2]) or 0) + (tonumber(c[3]) or 0) >= (tonumber(c[1]) or 0) then
+    local record = ARGV[6] .. job
+    local left = redis.call('TTL', record)
+    if left == -1 or left > ttl then redis.call('EXPIRE', record, ttl) end
   end
 end
 return acked

@@ -49,6 +49,7 @@ _BACKENDS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
     "pgvector": ("pgvector", "PgvectorBackend", ("psycopg", "pgvector"), "pgvector"),
     "qdrant": ("qdrant", "QdrantBackend", ("qdrant_client",), "qdrant"),
     "qdrant-local": ("qdrant", "QdrantBackend", ("qdrant_client",), "qdrant"),
+    "parquet": ("parquet", "ParquetBackend", ("pyarrow",), "parquet"),
 }
 
 
@@ -118,6 +119,10 @@ class VectorBackend(contextlib.AbstractContextManager["VectorBackend"], abc.ABC)
 
     # the vector dtypes this database stores natively (see VectorDType)
     DTYPES: tuple[str, ...] = FLOAT_DTYPES
+    # The longest one statement may run (the worker's sink sets EMBEDFLEET_SINK_STATEMENT_TIMEOUT_S;
+    # None: the database's own default). A backend whose server can enforce it does (PostgreSQL's
+    # statement_timeout): a hung write then fails as a transient fault instead of waiting for ever.
+    statement_timeout_s: float | None = None
 
     def __init__(self, target: SinkTarget, *, store_text: bool = True) -> None:
         self.target = target
@@ -279,8 +284,8 @@ def open_backend(target: SinkTarget, *, store_text: bool = True) -> VectorBacken
     if target.kind not in _BACKENDS:
         raise VectorDBError(
             "EMBEDFLEET_SINK is `redis` (the results stream), which is not a vector database: "
-            "set EMBEDFLEET_SINK to the lancedb://, postgresql:// or qdrant:// URL the workers "
-            "write to"
+            "set EMBEDFLEET_SINK to the lancedb://, postgresql://, qdrant://, parquet:// or "
+            "s3:// URL the workers write to"
         )
     require_extra(target.kind)
     module_name, class_name, _, _ = _BACKENDS[target.kind]

@@ -15,6 +15,7 @@ vector type: int8/uint8 outputs are refused at setup.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -82,7 +83,24 @@ class PgvectorBackend(VectorBackend):
         if self._conn is not None and not self._conn.closed and not self._conn.broken:
             return self._conn
         self.close()
-        self._conn = psycopg.connect(self.target.location, autocommit=True)
+        options: dict[str, Any] = {}
+        if self.statement_timeout_s is not None and "connect_timeout" not in self.target.location:
+            # a server that does not answer (blackholed) is not waited on for ever either
+            options["connect_timeout"] = max(2, math.ceil(self.statement_timeout_s))
+        conn = psycopg.connect(self.target.location, autocommit=True, **options)
+        if self.statement_timeout_s is not None:
+            # for the session: every statement the server runs for this connection (the COPY,
+            # the upsert, a wait for a row lock) is cancelled past it, SQLSTATE 57014: a
+            # transient fault (shared/fault_kinds.py), the batch retried
+            try:
+                conn.execute(
+                    "SELECT set_config('statement_timeout', %s, false)",
+                    (f"{max(1, round(self.statement_timeout_s * 1000))}ms",),
+                )
+            except BaseException:
+                conn.close()
+                raise
+        self._conn = conn
         return self._conn
 
     @contextmanager

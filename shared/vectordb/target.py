@@ -14,6 +14,10 @@ PostgreSQL     ``id text primary key``, ``embedding halfvec(dim)`` (``vector(dim
                ``updated_at``
 Qdrant         point id ``uuid5(NAMESPACE_URL, id)``, payload ``id``, ``job``, ``model``,
                ``truncated``, ``meta`` (a nested object: filter on ``meta.<key>``), ``text``
+Parquet        LanceDB's columns, in immutable shards ``<UTC time>-<consumer>-<n>.parquet`` of
+               a local folder (``parquet:///dir``) or an S3 prefix (``s3://bucket/prefix``),
+               one manifest per shard in ``_manifests/``; read back one row per id, the last
+               shard's winning (``shared/vectordb/parquet.py``)
 =============  ================================================================================
 
 ``text`` is the chunk's text (``EMBEDFLEET_STORE_TEXT``, on by default; null when off).
@@ -26,11 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-SinkKind = Literal["redis", "lancedb", "pgvector", "qdrant", "qdrant-local"]
+SinkKind = Literal["redis", "lancedb", "pgvector", "qdrant", "qdrant-local", "parquet"]
 
 SINK_URL_FORMS = (
     "redis (the results stream), lancedb:///path/to/dir, postgresql://user:password@host/db, "
-    "qdrant://host:6333 (or http://, https://), qdrant+local:///path/to/dir"
+    "qdrant://host:6333 (or http://, https://), qdrant+local:///path/to/dir, "
+    "parquet:///path/to/dir, s3://bucket/prefix (Parquet)"
 )
 # PostgreSQL identifiers are the strictest of the three backends; one rule keeps a table name
 # portable between them and safe to quote.
@@ -49,6 +54,8 @@ class SinkTarget:
     location: str
     table: str
     api_key: str | None = None  # Qdrant Cloud: given as the URL's password
+    # Parquet on S3: the S3-compatible server to use instead of AWS (EMBEDFLEET_S3_ENDPOINT_URL)
+    endpoint_url: str = ""
 
     def describe(self) -> str:
         """For people: "LanceDB table 'embeddings' in /data/lancedb"; never shows secrets."""
@@ -60,11 +67,15 @@ class SinkTarget:
             return f"PostgreSQL table {self.table!r} at {_without_password(self.location)}"
         if self.kind == "qdrant-local":
             return f"Qdrant (local mode) collection {self.table!r} in {self.location}"
+        if self.kind == "parquet":
+            return f"the Parquet dataset {self.location}"
         return f"Qdrant collection {self.table!r} at {self.location}"
 
 
-def parse_sink_url(url: str, table: str = "embeddings") -> SinkTarget:
-    """Read ``EMBEDFLEET_SINK``; unknown forms raise SinkURLError naming the accepted ones."""
+def parse_sink_url(url: str, table: str = "embeddings", s3_endpoint_url: str = "") -> SinkTarget:
+    """Read ``EMBEDFLEET_SINK``; unknown forms raise SinkURLError naming the accepted ones.
+
+    ``s3_endpoint_url`` (EMBEDFLEET_S3_ENDPOINT_URL) goes with an ``s3://`` target."""
     if not _TABLE_NAME.match(table):
         raise SinkURLError(
             f"EMBEDFLEET_SINK_TABLE={table!r} is not a valid table name: use letters, digits and "
@@ -81,6 +92,14 @@ def parse_sink_url(url: str, table: str = "embeddings") -> SinkTarget:
         return SinkTarget("lancedb", _path_of(url, rest), table)
     if scheme == "qdrant+local":
         return SinkTarget("qdrant-local", _path_of(url, rest), table)
+    if scheme == "parquet":
+        return SinkTarget("parquet", _path_of(url, rest), table)
+    if scheme == "s3":
+        bucket = rest.split("/")[0]
+        if not bucket:
+            raise SinkURLError(f"EMBEDFLEET_SINK={url!r} names no bucket, e.g. s3://bucket/prefix")
+        location = "s3://" + rest.rstrip("/")
+        return SinkTarget("parquet", location, table, endpoint_url=s3_endpoint_url)
     if scheme in ("postgresql", "postgres", "postgresql+psycopg"):
         # psycopg takes the libpq URL as is; the SQLAlchemy-style dialect suffix is dropped
         return SinkTarget("pgvector", f"postgresql://{rest}", table)
@@ -109,6 +128,8 @@ def local_sink_url(kind: str, directory: Path, postgres_uri: str | None = None) 
         return f"lancedb://{directory / 'lancedb'}"
     if kind == "qdrant-local":
         return f"qdrant+local://{directory / 'qdrant'}"
+    if kind == "parquet":
+        return f"parquet://{directory / 'parquet'}"
     if kind.startswith("pgvector") and postgres_uri is not None:
         return postgres_uri
     raise SinkURLError(f"no local {kind} sink (a pgvector sink needs the server's URI)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -57,6 +58,12 @@ class Sink(abc.ABC):
     """
 
     system: System = System.UNKNOWN
+
+    def stalled(self) -> str | None:
+        """What is wrong when a call to the database has outlived its bound (the worker's
+        /healthz turns red on it: only a restart frees a connection the server no longer
+        answers), else None. The Redis sink's calls are bounded by the connection itself."""
+        return None
 
     async def setup(self, model: str, dim: int) -> None:  # noqa: B027 - optional hook
         """Create the collection/table if missing, with the model's dimension."""
@@ -106,6 +113,7 @@ def queue_acknowledgement_script(
             owner.job(""),
             owner.reply(""),
             str(reply_ttl_s),
+            owner.job_ids(""),
             *quads,
         )
 
@@ -145,11 +153,16 @@ def latest_per_id(results: Sequence[Result]) -> list[Result]:
     return list(latest.values())
 
 
+# A database call's bound, in statement timeouts: its statements (a COPY and an upsert), and
+# as long again for connecting and the round trips
+CALL_BOUND_STATEMENTS = 3
+
 SYSTEM_OF_KIND = {
     "lancedb": System.LANCEDB,
     "pgvector": System.POSTGRESQL,
     "qdrant": System.QDRANT,
     "qdrant-local": System.QDRANT,
+    "parquet": System.PARQUET,
 }
 
 
@@ -178,6 +191,29 @@ class DatabaseSink(Sink):
         # which database a builtin TimeoutError or OSError of this sink came from
         self.system = SYSTEM_OF_KIND.get(backend.target.kind, System.UNKNOWN)
         self._thread: ThreadPoolExecutor | None = None
+        # when the call now running on the sink's thread began (None: none is)
+        self._call_started: float | None = None
+
+    @property
+    def call_bound_s(self) -> float | None:
+        """How long one call may run: its statements (a COPY and an upsert, each under the
+        statement timeout) and as long again for connecting and the round trips; None without
+        a statement bound."""
+        timeout = self.backend.statement_timeout_s
+        return None if timeout is None else CALL_BOUND_STATEMENTS * timeout
+
+    def stalled(self) -> str | None:
+        started, bound = self._call_started, self.call_bound_s
+        if started is None or bound is None:
+            return None
+        running = time.monotonic() - started
+        if running <= bound:
+            return None
+        return (
+            f"a {self.system} call has run for {running:.1f}s, past its bound of {bound:g}s "
+            f"({CALL_BOUND_STATEMENTS} x EMBEDFLEET_SINK_STATEMENT_TIMEOUT_S): the database no "
+            "longer answers this connection"
+        )
 
     async def setup(self, model: str, dim: int) -> None:
         if self.dtype is not None and self.dtype not in self.backend.DTYPES:
@@ -200,7 +236,17 @@ class DatabaseSink(Sink):
     async def _blocking(self, function: Callable[..., T], *args: object) -> T:
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sink")
-        return await asyncio.get_running_loop().run_in_executor(self._thread, function, *args)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._thread, self._timed, function, *args
+        )
+
+    def _timed(self, function: Callable[..., T], *args: object) -> T:
+        """``function(*args)`` on the sink's thread, its start kept for ``stalled``."""
+        self._call_started = time.monotonic()
+        try:
+            return function(*args)
+        finally:
+            self._call_started = None
 
     async def close(self) -> None:
         await self._blocking(self.backend.close)

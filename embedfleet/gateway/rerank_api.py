@@ -1,0 +1,179 @@
+"""Sparse embeddings and reranking over the fleet, in TEI's shapes and in Cohere's/Jina's.
+
+- TEI ``POST /embed_sparse``: ``{inputs, truncate?, truncation_direction?, prompt_name?}`` ->
+  ``[[{"index", "value"}, ...], ...]`` per input (a SPLADE model's non-zero weights).
+- TEI ``POST /rerank``: ``{query, texts, raw_scores?, return_text?, truncate?}`` ->
+  ``[{"index", "score", "text"?}, ...]``, highest score first.
+- ``POST /v1/rerank`` (Cohere's and Jina's request): ``{model, query, documents, top_n?,
+  return_documents?}`` -> ``{"id", "model", "results": [{"index", "relevance_score",
+  "document"?: {"text"}}], "usage": {"total_tokens"}}``, highest score first.
+
+The scores are ``CrossEncoder.predict``'s (the model's declared activation: a sigmoid for a
+one-label reranker, what TEI returns without ``raw_scores``). A (query, document) pair longer
+than the model's maximum is cut ``longest_first`` by the worker, as ``CrossEncoder.predict``
+cuts it, whatever ``truncate`` says. A served model that lacks the representation is refused
+in the route's dialect (TEI: 424 ``Backend``, as TEI answers a rerank on an embedding model;
+``/v1``: 400 with OpenAI's error envelope).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter
+from pydantic import BaseModel
+
+from embedfleet.gateway.errors import APIError
+from embedfleet.gateway.inputs import (
+    EmbeddingInput,
+    TruncationDirection,
+    check_limits,
+    fit_to_model,
+    prepare,
+)
+from embedfleet.gateway.state import Gateway, GatewayDep
+from embedfleet.shared.modelcard import ModelCard
+
+router = APIRouter()
+
+
+class EmbedSparseRequest(BaseModel):
+    inputs: EmbeddingInput
+    truncate: bool | None = None
+    truncation_direction: TruncationDirection = "Right"
+    prompt_name: str | None = None
+
+
+class RerankRequest(BaseModel):
+    query: str
+    texts: list[str]
+    truncate: bool | None = None
+    truncation_direction: TruncationDirection = "Right"
+    raw_scores: bool = False
+    return_text: bool = False
+
+
+class Document(BaseModel):
+    text: str
+
+
+class CohereRerankRequest(BaseModel):
+    model: str
+    query: str
+    documents: list[str | Document]
+    top_n: int | None = None
+    return_documents: bool = False
+    max_chunks_per_doc: int | None = None  # Cohere v1's; documents are scored whole here
+
+
+def require_representation(card: ModelCard, wanted: str, *, tei: bool) -> None:
+    """Refuse a request for what the served model does not give, in the dialect's status."""
+    if card.serves(wanted):
+        return
+    what = {"sparse": "a SPLADE (SparseEncoder) model", "rerank": "a cross-encoder reranker"}
+    raise APIError(
+        424 if tei else 400,
+        f"the model {card.name!r} is not {what.get(wanted, wanted)}: it serves "
+        f"{', '.join(card.representations)}",
+        code="representation_not_served",
+        param=None if tei else "model",
+    )
+
+
+@router.post("/embed_sparse")
+async def embed_sparse(body: EmbedSparseRequest, gateway: GatewayDep) -> list[list[dict[str, Any]]]:
+    async with gateway.request_bound():
+        card = await gateway.require_card()
+        require_representation(card, "sparse", tei=True)
+        texts = prepare(body.inputs, gateway.tokenizer, gateway.settings, "inputs")
+        prompt = ""
+        if body.prompt_name is not None:
+            try:
+                prompt = card.prompt_text(body.prompt_name)
+            except ValueError as error:
+                raise APIError(422, str(error), code="invalid_prompt") from None
+        texts = fit_to_model(
+            texts,
+            gateway.tokenizer,
+            prompt,
+            card.max_length,
+            truncate=bool(body.truncate),
+            direction=body.truncation_direction,
+        )
+        # the prompt text is already in front (fit_to_model): none is added again
+        vectors = await gateway.embedder.embed_sparse(texts)
+    return [
+        [
+            {"index": int(index), "value": float(value)}
+            for index, value in zip(vector.indices, vector.values, strict=True)
+        ]
+        for vector in vectors
+    ]
+
+
+async def _scores(gateway: Gateway, query: str, documents: list[str], tei: bool) -> np.ndarray:
+    card = await gateway.require_card()
+    require_representation(card, "rerank", tei=tei)
+    param = "texts" if tei else "documents"
+    if not documents:
+        raise APIError(400, f"`{param}` cannot be empty", param=param, code="empty_input")
+    if not query.strip():
+        raise APIError(400, "`query` cannot be empty", param="query", code="empty_input")
+    check_limits([query, *documents], gateway.settings, param)
+    return await gateway.embedder.rerank(query, documents)
+
+
+def _ranked(scores: np.ndarray) -> list[int]:
+    """Document positions, highest score first (ties: the earlier document first)."""
+    return [int(i) for i in np.argsort(-scores, kind="stable")]
+
+
+@router.post("/rerank")
+async def rerank(body: RerankRequest, gateway: GatewayDep) -> list[dict[str, Any]]:
+    if body.raw_scores:
+        raise APIError(
+            422,
+            "raw_scores=true is not available: the workers return the model's activated "
+            "scores (CrossEncoder.predict's); leave raw_scores at false",
+            code="raw_scores_not_available",
+        )
+    async with gateway.request_bound():
+        scores = await _scores(gateway, body.query, body.texts, tei=True)
+    ranks = []
+    for index in _ranked(scores):
+        rank: dict[str, Any] = {"index": index, "score": float(scores[index])}
+        if body.return_text:
+            rank["text"] = body.texts[index]
+        ranks.append(rank)
+    return ranks
+
+
+@router.post("/v1/rerank")
+async def rerank_v1(body: CohereRerankRequest, gateway: GatewayDep) -> dict[str, Any]:
+    """Cohere's and Jina's rerank: documents as strings or ``{"text"}`` objects."""
+    documents = [d if isinstance(d, str) else d.text for d in body.documents]
+    if body.top_n is not None and body.top_n < 1:
+        raise APIError(400, "`top_n` must be at least 1", param="top_n", code="invalid_value")
+    async with gateway.request_bound():
+        await gateway.require_card()
+        gateway.check_model(body.model)
+        scores = await _scores(gateway, body.query, documents, tei=False)
+    order = _ranked(scores)[: body.top_n or len(documents)]
+    results = []
+    for index in order:
+        result: dict[str, Any] = {"index": index, "relevance_score": float(scores[index])}
+        if body.return_documents:
+            result["document"] = {"text": documents[index]}
+        results.append(result)
+    tokens = gateway.tokenizer.usage(
+        [body.query, *documents], (await gateway.require_card()).max_length
+    )
+    return {
+        "id": uuid.uuid4().hex,
+        "model": gateway.served_name,
+        "results": results,
+        "usage": {"total_tokens": tokens},
+        "meta": {"billed_units": {"search_units": 1}},
+    }

@@ -1,0 +1,585 @@
+"""The host pipeline without the model (issue 29): ``python -m loadtest.host_pipeline``.
+
+Everything a worker does around the model, end to end through a real redis-server, with the
+benchmark stand-in encoder at zero cost (workers/standin.py: the model's real tokenizer,
+maximum and dimension, made-up vectors, no forward pass): read, decode and validate, prompt,
+tokenize, sort and plan, collate, "encode", cast, pack msgpack, write and acknowledge.
+
+Each round, for each configuration (``--processes`` × ``--path``, interleaved, the order
+rotated every round):
+
+1. the ingest stream is filled with the corpus (loadtest/corpus.py, RAG-sized texts) before
+   any worker reads;
+2. N worker processes (this module's ``--child``: the worker the CLI builds, with the stand-in,
+   the Redis results sink, and stage timers) load their tokenizer and wait;
+3. all are told to go at once; the clock runs from then to the last result's entry id time
+   on the results stream (start-up after the model load, warm-up and the first read included).
+
+Each child times its stages by wrapping the functions that do them (the wrappers are installed
+in the benchmark's own process only; the worker runs unchanged) and reads its threads' CPU
+clocks; it reports, per stage, the wall time per entry and the share of its thread's wall time,
+and per thread (event loop, tokenizer, model) the CPU share. Alongside, in the parent, the raw
+tokenizer's rate on the same texts, in windows of the worker's read count, on one thread (as a
+CPU worker tokenizes: TOKENIZERS_PARALLELISM=false): the floor the pipeline is compared with.
+
+``--path before`` undoes issue 29's fixes in the child (one ``encode_result`` per result, the
+masked-window planning programme, both kept here), ``--path after`` runs the worker as it is:
+both in one run, so the ratio between them is measured under the same load.
+
+Prints one table of rates and one per-stage table per packing path; ``--json FILE`` writes
+every figure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import click
+import numpy as np
+import redis
+
+from embedfleet.shared.protocol import Chunk, Result, encode_chunk, encode_result, encode_results
+from embedfleet.shared.settings import Settings
+from embedfleet.workers.batcher import BATCH_COST_TOKENS, PlannedBatch
+from loadtest.common import cpu_name, machine_load, redis_server
+from loadtest.corpus import build_corpus
+
+STANDIN_SETTING = "EMBEDFLEET_BENCHMARK_STANDIN_ENCODER_US_PER_TOKEN"
+# the host path before issue 29's fixes (one encode_result per result, the masked-window
+# planning programme) and after them (encode_results, the sliced programme)
+PATHS = ("before", "after")
+# (stage, thread it runs on), in pipeline order. An "(await)" stage's time is the wall time of
+# its awaits: waiting on Redis included, overlapping the loop's other work (a blocking read
+# waits for the stream to refill), so it is not the loop's CPU.
+STAGES: tuple[tuple[str, str], ...] = (
+    ("read", "event loop (await)"),
+    ("decode + validate", "tokenizer"),
+    ("prompt", "tokenizer"),
+    ("tokenize", "tokenizer"),
+    ("sort + plan", "tokenizer"),
+    ("collate", "tokenizer"),
+    ("encode (stand-in)", "model"),
+    ("cast", "event loop"),
+    ("pack msgpack", "event loop"),
+    ("write + acknowledge", "event loop (await)"),
+)
+# ThreadPoolExecutor name prefixes of the worker's threads (workers/worker.py)
+THREAD_PREFIXES = {"tokenize": "tokenizer", "model": "model", "collect": "collect"}
+FILL_PIPELINE = 2000  # XADDs per round trip when filling the ingest stream
+
+
+def masked_window_plan(
+    lengths: Sequence[int], token_budget: int, max_batch: int
+) -> list[PlannedBatch]:
+    """``plan_batches`` as it was before issue 29 (each step costs every cut of the window, those
+    over the budget set to infinity): the "before" path, and the reference the faster programme
+    is tested against (tests/test_batcher.py)."""
+    order = sorted(range(len(lengths)), key=lambda position: lengths[position], reverse=True)
+    ordered = np.array([lengths[p] for p in order], dtype=np.int64)
+    best = np.full(len(ordered) + 1, np.inf)
+    best[0] = 0.0
+    start = np.zeros(len(ordered) + 1, dtype=np.int64)
+    for end in range(1, len(ordered) + 1):
+        first = max(0, end - max_batch)
+        sizes = end - np.arange(first, end)
+        cost = best[first:end] + sizes * ordered[first:end] + BATCH_COST_TOKENS
+        cost[(sizes * ordered[first:end] > token_budget) & (sizes > 1)] = np.inf
+        pick = int(np.argmin(cost))
+        best[end], start[end] = cost[pick], first + pick
+    batches: list[PlannedBatch] = []
+    end = len(ordered)
+    while end > 0:
+        begin = int(start[end])
+        positions = [order[k] for k in range(end - 1, begin - 1, -1)]
+        batches.append(PlannedBatch(positions, int(ordered[begin]), int(ordered[begin:end].sum())))
+        end = begin
+    return batches[::-1]
+
+
+def per_result_packing(results: Sequence[Result]) -> list[bytes]:
+    """The Redis sink's packing before issue 29: one ``encode_result`` per result."""
+    return [encode_result(result) for result in results]
+
+
+# --- the child: one worker process with stage timers --------------------------------------
+@dataclass
+class StageClock:
+    """Wall seconds and calls per stage, and the threads' CPU clocks over the timed span."""
+
+    wall: dict[str, float] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+    on: bool = False
+    started: float = 0.0
+    last_write: float = 0.0
+    texts: int = 0
+    cpu_at_start: dict[str, float] = field(default_factory=dict)
+    cpu_at_last_write: dict[str, float] = field(default_factory=dict)
+
+    def add(self, stage: str, seconds: float) -> None:
+        self.wall[stage] = self.wall.get(stage, 0.0) + seconds
+        self.calls[stage] = self.calls.get(stage, 0) + 1
+
+    def sync(self, stage: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.on:
+                return function(*args, **kwargs)
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.add(stage, time.perf_counter() - started)
+
+        return timed
+
+    def coroutine(
+        self, stage: str, function: Callable[..., Awaitable[Any]]
+    ) -> Callable[..., Awaitable[Any]]:
+        async def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.on:
+                return await function(*args, **kwargs)
+            started = time.perf_counter()
+            try:
+                return await function(*args, **kwargs)
+            finally:
+                self.add(stage, time.perf_counter() - started)
+
+        return timed
+
+    def start(self) -> None:
+        self.on = True
+        self.started = self.last_write = time.perf_counter()
+        self.cpu_at_start = thread_cpu_seconds()
+
+    def written(self, texts: int) -> None:
+        self.texts += texts
+        self.last_write = time.perf_counter()
+        self.cpu_at_last_write = thread_cpu_seconds()
+
+    def report(self) -> dict[str, Any]:
+        span = max(1e-9, self.last_write - self.started)
+        cpu = {
+            thread: seconds - self.cpu_at_start.get(thread, 0.0)
+            for thread, seconds in self.cpu_at_last_write.items()
+        }
+        wall = dict(self.wall)
+        # the sink's write includes the packing it does before its round trip
+        wall["write + acknowledge"] = wall.pop("sink write", 0.0) - wall.get("pack msgpack", 0.0)
+        return {
+            "texts": self.texts,
+            "seconds": span,
+            "stage_wall_s": wall,
+            "stage_calls": self.calls,
+            "thread_cpu_s": cpu,
+        }
+
+
+def thread_cpu_seconds() -> dict[str, float]:
+    """CPU seconds of each of this process's Python threads so far, by role (summed where
+    several threads share one)."""
+    totals: dict[str, float] = {}
+    for thread in threading.enumerate():
+        if thread.ident is None:
+            continue
+        role = "event loop" if thread is threading.main_thread() else "other"
+        for prefix, name in THREAD_PREFIXES.items():
+            if thread.name.startswith(prefix):
+                role = name
+        with contextlib.suppress(OSError, ProcessLookupError):
+            clock = time.pthread_getcpuclockid(thread.ident)
+            totals[role] = totals.get(role, 0.0) + time.clock_gettime(clock)
+    return totals
+
+
+def replace(owner: object, name: str, wrapper: Callable[..., Any]) -> None:
+    """``owner.name = wrapper``: the wrappers keep no signature mypy could check."""
+    setattr(owner, name, wrapper)
+
+
+def install_clock(clock: StageClock, path: str) -> None:
+    """Wrap the functions that do each stage (in this process only; the worker is unchanged)."""
+    from embedfleet.workers import bulk, output, worker
+    from embedfleet.workers.sinks import redis_stream
+
+    replace(worker, "decode_entries", clock.sync("decode + validate", worker.decode_entries))
+    for method, stage in (
+        ("plan", "sort + plan"),
+        ("collate", "collate"),
+        ("launch", "encode (stand-in)"),
+    ):
+        replace(bulk.BulkForward, method, clock.sync(stage, getattr(bulk.BulkForward, method)))
+    replace(output.Outputs, "results", clock.sync("cast", output.Outputs.results))
+    packer: Callable[..., list[bytes]] = encode_results
+    if path == "before":
+        packer = per_result_packing
+        replace(bulk, "plan_batches", masked_window_plan)
+    replace(redis_stream, "encode_results", clock.sync("pack msgpack", packer))
+
+
+async def run_child(stats: Path, path: str) -> None:
+    """One worker process: load, say ``loaded``, wait for ``go`` on stdin, run until ``stop``,
+    then write the stage figures to ``stats``."""
+    from embedfleet.shared.logging import configure_logging
+    from embedfleet.shared.redis_conn import connect_settings
+    from embedfleet.workers import worker as worker_module
+    from embedfleet.workers.metrics import WorkerMetrics
+    from embedfleet.workers.runtime import load_encoder
+    from embedfleet.workers.sinks.redis_stream import RedisStreamSink
+
+    settings = Settings()
+    configure_logging("error", "json")
+    clock = StageClock()
+    install_clock(clock, path)
+
+    class Listener(WorkerMetrics):  # the metrics a worker keeps, as the CLI's worker does
+        def results_written(self, *, texts: int, seconds: float) -> None:
+            super().results_written(texts=texts, seconds=seconds)
+            clock.written(texts)
+
+    encoder = await asyncio.to_thread(load_encoder, settings)
+    replace(encoder, "tokenize", clock.sync("tokenize", encoder.tokenize))
+    client = connect_settings(settings)
+    sink = RedisStreamSink(client, settings.keys)
+    worker = worker_module.Worker(settings, encoder, client, sink, Listener())
+    replace(worker.consumer, "read_ingest", clock.coroutine("read", worker.consumer.read_ingest))
+    replace(worker, "_with_prompts", clock.sync("prompt", worker._with_prompts))
+    replace(sink, "write", clock.coroutine("sink write", sink.write))
+    loop = asyncio.get_running_loop()
+    print("loaded", flush=True)
+    if (await loop.run_in_executor(None, sys.stdin.readline)).strip() != "go":
+        return
+    clock.start()
+    running = asyncio.ensure_future(worker.run())
+    await loop.run_in_executor(None, sys.stdin.readline)  # "stop" (or the parent gone)
+    worker.drain()
+    await running
+    stats.write_text(json.dumps(clock.report()))
+    await client.aclose()
+
+
+# --- the parent -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Config:
+    processes: int
+    path: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.processes} process{'es' if self.processes > 1 else ''}, {self.path}"
+
+
+@contextlib.contextmanager
+def children(settings: Settings, config: Config, folder: Path) -> Iterator[list[Any]]:
+    """``config.processes`` loaded children, each waiting for ``go``; stopped on exit."""
+    environment = {
+        **os.environ,
+        "EMBEDFLEET_REDIS_URL": settings.effective_redis_url,
+        "EMBEDFLEET_NAMESPACE": settings.namespace,
+        STANDIN_SETTING: "0",
+        "EMBEDFLEET_HEALTH_PORT": "0",
+        "EMBEDFLEET_BLOCK_MS": "100",
+    }
+    processes: list[subprocess.Popen[str]] = []
+    try:
+        for index in range(config.processes):
+            stats = folder / f"child{index}.json"
+            command = [sys.executable, "-m", "loadtest.host_pipeline", "--child", str(stats)]
+            command += ["--path", config.path]
+            child_env = {**environment, "EMBEDFLEET_CONSUMER": f"host-{index}"}
+            processes.append(
+                subprocess.Popen(
+                    command,
+                    env=child_env,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        for process in processes:
+            assert process.stdout is not None
+            line = process.stdout.readline()
+            if line.strip() != "loaded":
+                raise RuntimeError(f"a worker child failed to start (said {line!r})")
+        yield processes
+    finally:
+        for process in processes:
+            with contextlib.suppress(OSError, ValueError):
+                stdin: IO[str] | None = process.stdin
+                if stdin is not None:
+                    stdin.write("stop\n")
+                    stdin.close()
+        for process in processes:
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def fill(client: redis.Redis, stream: str, payloads: list[bytes]) -> None:
+    for start in range(0, len(payloads), FILL_PIPELINE):
+        pipe = client.pipeline(transaction=False)
+        for payload in payloads[start : start + FILL_PIPELINE]:
+            pipe.xadd(stream, {"m": payload})
+        pipe.execute()
+
+
+def one_run(url: str, config: Config, payloads: list[bytes]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as folder_name:
+        folder = Path(folder_name)
+        settings = Settings(redis_url=url, namespace=f"host{uuid.uuid4().hex[:8]}")
+        keys = settings.keys
+        client = redis.Redis.from_url(url)
+        try:
+            fill(client, keys.ingest, payloads)
+            with children(settings, config, folder) as processes:
+                go = time.time()
+                for process in processes:
+                    assert process.stdin is not None
+                    process.stdin.write("go\n")
+                    process.stdin.flush()
+                while client.xlen(keys.results) < len(payloads):
+                    for process in processes:
+                        if process.poll() is not None:
+                            raise RuntimeError(f"a worker child exited with {process.returncode}")
+                    time.sleep(0.02)
+                seconds = last_entry_time(client, keys.results) - go
+            figures = [json.loads(path.read_text()) for path in sorted(folder.glob("child*.json"))]
+            client.delete(keys.ingest, keys.results)
+        finally:
+            client.close()
+    return {"seconds": seconds, "texts_per_s": len(payloads) / seconds, "children": figures}
+
+
+def last_entry_time(client: redis.Redis, stream: str) -> float:
+    """Unix time of a stream's last entry, from its id (milliseconds-sequence)."""
+    newest: Any = client.xrevrange(stream, count=1)
+    entry_id = newest[0][0]
+    entry_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+    return int(entry_id.split("-")[0]) / 1000
+
+
+def tokenizer_floor(texts: list[str], window: int) -> tuple[float, float]:
+    """The model's raw tokenizer (``encode_batch`` on the texts as the worker cuts them) in
+    windows of ``window`` texts, on this one thread: (texts per wall second, texts per CPU
+    second of the thread; the second is what a shared machine's load changes least)."""
+    from embedfleet.workers.encoder import counting_head
+    from embedfleet.workers.standin import StandInEncoder
+
+    encoder = _floor_encoder(StandInEncoder)
+    prepared = [counting_head(text, encoder.max_length) for text in texts]
+    backend = encoder._backend
+    started, cpu_started = time.perf_counter(), time.thread_time()
+    for start in range(0, len(prepared), window):
+        backend.encode_batch(prepared[start : start + window])
+    wall, cpu = time.perf_counter() - started, time.thread_time() - cpu_started
+    return len(texts) / wall, len(texts) / max(1e-9, cpu)
+
+
+_ENCODERS: dict[str, Any] = {}
+
+
+def _floor_encoder(factory: Callable[[], Any]) -> Any:
+    if "floor" not in _ENCODERS:
+        _ENCODERS["floor"] = factory()
+    return _ENCODERS["floor"]
+
+
+def stage_rows(figures: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per stage (median over rounds of the first child): µs per entry and share of its
+    thread's wall time; per thread its CPU share."""
+    rows = []
+    for stage, thread in STAGES:
+        per_entry = [f["stage_wall_s"].get(stage, 0.0) / max(1, f["texts"]) for f in figures]
+        share = [f["stage_wall_s"].get(stage, 0.0) / f["seconds"] for f in figures]
+        rows.append(
+            {
+                "stage": stage,
+                "thread": thread,
+                "us_per_entry": statistics.median(per_entry) * 1e6,
+                "share_of_thread": statistics.median(share),
+            }
+        )
+    return rows
+
+
+def thread_shares(figures: list[dict[str, Any]]) -> dict[str, float]:
+    roles = sorted({role for f in figures for role in f["thread_cpu_s"]})
+    return {
+        role: statistics.median(f["thread_cpu_s"].get(role, 0.0) / f["seconds"] for f in figures)
+        for role in roles
+    }
+
+
+def measure(count: int, process_counts: list[int], paths: list[str], rounds: int) -> dict[str, Any]:
+    settings = Settings()
+    window = settings.batching("cpu").read_count
+    corpus = build_corpus(count)
+    texts = [item.text for item in corpus]
+    payloads = [encode_chunk(Chunk(id=item.id, text=item.text)) for item in corpus]
+    from embedfleet.workers.standin import StandInEncoder
+
+    encoder = _floor_encoder(StandInEncoder)
+    tokens = sum(t.length for t in encoder.tokenize(texts))
+    configs = [Config(n, path) for n in process_counts for path in paths]
+    runs: dict[Config, list[dict[str, Any]]] = {config: [] for config in configs}
+    floors: list[float] = []
+    cpu_floors: list[float] = []
+    load_before = os.getloadavg()
+    with redis_server() as server:
+        for number in range(rounds):
+            wall_rate, cpu_rate = tokenizer_floor(texts, window)
+            floors.append(wall_rate)
+            cpu_floors.append(cpu_rate)
+            shift = number % len(configs)
+            for config in configs[shift:] + configs[:shift]:
+                run = one_run(server.url, config, payloads)
+                runs[config].append(run)
+                print(
+                    f"round {number + 1}: {config.label}: {run['texts_per_s']:.0f} texts/s "
+                    f"(tokenizer floor {floors[-1]:.0f})",
+                    file=sys.stderr,
+                )
+    first = configs[0]
+    results = []
+    for config in configs:
+        rates = [run["texts_per_s"] for run in runs[config]]
+        to_floor = [
+            run["texts_per_s"] / config.processes / floor
+            for run, floor in zip(runs[config], floors, strict=True)
+        ]
+        to_first = [
+            run["texts_per_s"] / base["texts_per_s"]
+            for run, base in zip(runs[config], runs[first], strict=True)
+        ]
+        firsts = [run["children"][0] for run in runs[config] if run["children"]]
+        results.append(
+            {
+                "processes": config.processes,
+                "path": config.path,
+                "texts_per_s": statistics.median(rates),
+                "tokens_per_s": statistics.median(rates) * tokens / count,
+                "per_process_to_floor": statistics.median(to_floor),
+                "to_first_config": statistics.median(to_first),
+                "rounds": rates,
+                "stages": stage_rows(firsts),
+                "thread_cpu_share": thread_shares(firsts),
+                # the cores one worker process keeps busy (all its threads), and so the rate one
+                # host core carries (Redis's own CPU not counted: it is the shards')
+                "cores_per_process": sum(thread_shares(firsts).values()),
+                "texts_per_core_s": statistics.median(rates)
+                / config.processes
+                / max(1e-9, sum(thread_shares(firsts).values())),
+            }
+        )
+    return {
+        "machine": f"{cpu_name()}, {os.cpu_count()} cores",
+        "load_before": load_before,
+        "load_after": os.getloadavg(),
+        "texts": count,
+        "tokens": tokens,
+        "rounds": rounds,
+        "read_count": window,
+        "tokenizer_floor_texts_per_s": statistics.median(floors),
+        "tokenizer_floor_rounds": floors,
+        # per CPU second of the tokenizing thread: compare with texts_per_core_s
+        "tokenizer_texts_per_cpu_s": statistics.median(cpu_floors),
+        "configs": results,
+    }
+
+
+def print_report(report: dict[str, Any]) -> None:
+    floor = report["tokenizer_floor_texts_per_s"]
+    print(f"machine: {report['machine']}; {machine_load()}")
+    print(
+        f"corpus: {report['texts']} texts, {report['tokens']} tokens; {report['rounds']} rounds "
+        f"interleaved; read count {report['read_count']}; stand-in encoder at 0 µs/token"
+    )
+    print(
+        f"raw tokenizer floor (one thread, same texts): {floor:.0f} texts/s (median), "
+        f"{report['tokenizer_texts_per_cpu_s']:.0f} texts per CPU second"
+    )
+    print()
+    first = report["configs"][0]
+    print(
+        f"| configuration | texts/s | tokens/s | per process ÷ tokenizer floor | "
+        f"× {Config(first['processes'], first['path']).label} |"
+    )
+    print("|---|---:|---:|---:|---:|")
+    for config in report["configs"]:
+        label = Config(config["processes"], config["path"]).label
+        print(
+            f"| {label} | {config['texts_per_s']:.0f} | {config['tokens_per_s']:.0f} | "
+            f"{config['per_process_to_floor']:.2f} | {config['to_first_config']:.2f} |"
+        )
+    for config in report["configs"]:
+        if config["processes"] != 1:
+            continue
+        print()
+        print(f"stages, 1 process, {config['path']} (median of rounds):")
+        print("| stage | thread | µs per entry | share of the thread's wall time |")
+        print("|---|---|---:|---:|")
+        for row in config["stages"]:
+            print(
+                f"| {row['stage']} | {row['thread']} | {row['us_per_entry']:.2f} | "
+                f"{row['share_of_thread']:.1%} |"
+            )
+        shares = ", ".join(f"{r} {s:.0%}" for r, s in config["thread_cpu_share"].items())
+        print(
+            f"CPU share of each thread: {shares}; {config['cores_per_process']:.2f} cores busy, "
+            f"{config['texts_per_core_s']:.0f} texts/s per host core "
+            f"({config['texts_per_core_s'] / report['tokenizer_texts_per_cpu_s']:.2f} of the raw "
+            "tokenizer's texts per CPU second)"
+        )
+
+
+@click.command()
+@click.option("--texts", "count", type=int, default=20000, show_default=True)
+@click.option("--processes", default="1,2", show_default=True, help="Worker processes to compare.")
+@click.option(
+    "--path",
+    "paths",
+    default=",".join(PATHS),
+    show_default=True,
+    help="Host paths to compare: before (issue 29's fixes undone in the child) and after.",
+)
+@click.option("--rounds", type=int, default=3, show_default=True)
+@click.option("--json", "json_out", type=click.Path(path_type=Path), default=None)
+@click.option("--child", type=click.Path(path_type=Path), default=None, hidden=True)
+def main(
+    count: int, processes: str, paths: str, rounds: int, json_out: Path | None, child: Path | None
+) -> None:
+    """Texts/s of the host pipeline with the stand-in encoder, per stage, against the
+    tokenizer alone."""
+    if child is not None:
+        import uvloop  # the worker's event loop (workers/runtime.py)
+
+        uvloop.run(run_child(child, paths))
+        return
+    chosen = [path for path in paths.split(",") if path]
+    unknown = set(chosen) - set(PATHS)
+    if unknown:
+        raise click.BadParameter(f"unknown path {sorted(unknown)}", param_hint="--path")
+    report = measure(count, [int(n) for n in processes.split(",")], chosen, rounds)
+    print_report(report)
+    if json_out is not None:
+        json_out.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
