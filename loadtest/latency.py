@@ -1,10 +1,19 @@
 """Query latency through the priority lane, idle and with the ingest stream saturated.
 
     python -m loadtest.latency [--queries 200] [--window 15] [--rounds 5] [--pair-pause 0.1]
+                               [--slice-ms MS] [--paths default,eager,frozen,int8,varlen]
 
 Prints one table: query p50/p99 one at a time and 8 concurrent, with the ingest stream idle and
 saturated (a backlog that outlasts the measurement), beside a bare in-process forward pass of
 the same query; then bulk throughput with and without 10 queries/s, interleaved A B A B.
+
+``--paths`` runs all of that once per forward path, each with a worker of its own forced onto it
+by its settings (``PATHS``; the bare forward pass takes the same precision and query graph), and
+ends with one table of the query lane's three promises per path (issue 27): saturated p99 <=
+2 x idle p99 + slice, idle p50 within 2 ms of the bare forward, bulk throughput with 10
+queries/s >= 0.90 of without; beside them the path the worker's bulk batches really took and
+their longest slices (``embedfleet_bulk_slice_seconds{path}``), since a path forced by settings
+is still only taken where the CPU runs it (int8: where ``auto`` kept bf16 and the copy won).
 
 Bulk throughput is counted in real tokens (the worker's embedfleet_tokens_embedded_total), not
 texts: the worker sorts each window of 1,024 chunks by length, so texts/s over a 15 s stretch
@@ -20,10 +29,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
+import os
 import statistics
 import time
 import uuid
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import numpy as np
@@ -48,6 +60,58 @@ if TYPE_CHECKING:
 
 QUERY = "how do I read a file line by line in python"
 
+# Each forward path the worker may take for bulk batches, forced by its settings (the worker's
+# environment; the bare forward pass reads the same settings). "default" changes nothing.
+PATHS: dict[str, dict[str, str]] = {
+    "default": {},
+    # float32: bulk batches eager, queries served between transformer layers
+    "eager": {"EMBEDFLEET_DTYPE": "float32"},
+    # bf16 weights (emulated, slowly, on a CPU without bf16), bulk eager: sliced per layer
+    "eager-bf16": {"EMBEDFLEET_DTYPE": "bfloat16", "EMBEDFLEET_FROZEN_BULK": "false"},
+    # bf16 weights, bulk through the frozen copy: no layer boundaries, a batch is one slice
+    "frozen": {
+        "EMBEDFLEET_DTYPE": "bfloat16",
+        "EMBEDFLEET_CPU_INT8": "false",
+        "EMBEDFLEET_FROZEN_BULK": "true",
+    },
+    # an int8 copy where one wins the timed race at start (CPU_INT8_PATH auto)
+    "int8": {
+        "EMBEDFLEET_DTYPE": "auto",
+        "EMBEDFLEET_CPU_INT8": "true",
+        "EMBEDFLEET_FROZEN_BULK": "true",
+    },
+    # each int8 copy forced (kept whenever it holds the float32 bar, no race)
+    "int8-w8a8": {
+        "EMBEDFLEET_DTYPE": "auto",
+        "EMBEDFLEET_CPU_INT8": "true",
+        "EMBEDFLEET_CPU_INT8_PATH": "w8a8",
+        "EMBEDFLEET_FROZEN_BULK": "true",
+    },
+    "int8-dynamic": {
+        "EMBEDFLEET_DTYPE": "auto",
+        "EMBEDFLEET_CPU_INT8": "true",
+        "EMBEDFLEET_CPU_INT8_PATH": "dynamic",
+        "EMBEDFLEET_FROZEN_BULK": "true",
+    },
+    # packed rows (the CUDA layout) on the CPU, eager, sliced per layer
+    "varlen": {"EMBEDFLEET_LAYOUT": "varlen"},
+}
+
+
+def path_settings(path: str) -> Settings:
+    """The settings a worker forced onto ``path`` runs with (its environment over this one's)."""
+    overrides = PATHS[path]
+    saved = {name: os.environ.get(name) for name in overrides}
+    os.environ.update(overrides)
+    try:
+        return Settings()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
 
 # Between the two halves of a pair: long enough that each forward pass finds the machine as an
 # idle lane does, with caches that the other process's forward pass (its own 90 MB copy of
@@ -58,20 +122,28 @@ QUERY = "how do I read a file line by line in python"
 PAIR_PAUSE_S = 0.1
 
 
-def bare_encoder() -> Encoder:
+def bare_encoder(settings: Settings | None = None) -> Encoder:
     """The floor: the same query through the model in this process, no queue at all, on the
-    forward pass a default worker's query lane uses (its precision, and the frozen graph or the
-    int8 copy: workers/frozen.py, workers/int8.py)."""
+    forward pass the worker's query lane uses with ``settings`` (the default worker's when
+    None: its precision, and the frozen graph or an int8 copy: workers/frozen.py,
+    workers/int8.py). Where the int8 copy is chosen by a timed race at start (CPU_INT8_PATH
+    auto) this process can decide it the other way: the table shows both paths; the forced
+    int8 paths (``int8-w8a8``, ``int8-dynamic``) skip the race."""
     from embedfleet.workers.encoder import Encoder
 
-    defaults = Settings()
-    encoder = Encoder(dtype=defaults.dtype)
-    if defaults.frozen_queries:  # as the worker's query lane does (EMBEDFLEET_* settings)
-        encoder.prepare_query_graph(int8=defaults.cpu_int8_choice)
+    settings = settings or Settings()
+    encoder = Encoder(dtype=settings.dtype)
+    if settings.frozen_queries:  # as the worker's query lane does (EMBEDFLEET_* settings)
+        encoder.prepare_query_graph(int8=settings.cpu_int8_choice)
     print(f"bare forward path: {encoder.forward_path}")
     for _ in range(10):
         bare_forward(encoder)
     return encoder
+
+
+def bare_path(encoder: Encoder) -> str:
+    """Which forward pass the bare query took (the worker's query lane reports its own)."""
+    return encoder.serve_query(encoder.collate(encoder.tokenize([QUERY])))[1]
 
 
 def bare_forward(encoder: Encoder) -> None:
@@ -135,6 +207,81 @@ async def bulk_tokens(session: aiohttp.ClientSession, metrics_url: str) -> float
     raise RuntimeError(f"no embedfleet_tokens_embedded_total in {metrics_url}")
 
 
+@dataclass
+class SliceReport:
+    """What the worker's metrics say of its bulk slices and query paths (workers/metrics.py)."""
+
+    target_ms: float = math.nan  # embedfleet_slice_target_seconds
+    # path -> (slices, mean ms, bucket bounds: le -> cumulative count)
+    slices: dict[str, tuple[int, float, dict[float, float]]] = field(default_factory=dict)
+    query_paths: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def bulk_path(self) -> str:
+        """The path most bulk batches took ("-" if none was sliced)."""
+        if not self.slices:
+            return "-"
+        return max(self.slices, key=lambda path: self.slices[path][0])
+
+    @property
+    def query_path(self) -> str:
+        taken = {path: n for path, n in self.query_paths.items() if n > 0}
+        return max(taken, key=lambda path: taken[path]) if taken else "-"
+
+    def quantile_ms(self, q: float) -> float:
+        """The bucket bound under which ``q`` of the main path's slices fell (an upper bound)."""
+        if not self.slices:
+            return math.nan
+        count, _, buckets = self.slices[self.bulk_path]
+        for bound in sorted(buckets):
+            if buckets[bound] >= q * count:
+                return bound * 1000
+        return math.inf
+
+    def share_within_ms(self, limit_ms: float) -> float:
+        """Share of the main path's slices at most the largest bucket bound <= ``limit_ms``."""
+        if not self.slices:
+            return math.nan
+        count, _, buckets = self.slices[self.bulk_path]
+        under = [n for bound, n in buckets.items() if bound * 1000 <= limit_ms + 1e-9]
+        return (max(under) if under else 0.0) / max(1, count)
+
+
+async def slice_report(metrics_url: str) -> SliceReport:
+    report = SliceReport()
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    buckets: dict[str, dict[float, float]] = {}
+    async with aiohttp.ClientSession() as session, session.get(metrics_url) as response:
+        text = await response.text()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels: dict[str, Any] = sample.labels
+            if sample.name == "embedfleet_slice_target_seconds":
+                report.target_ms = sample.value * 1000
+            elif sample.name == "embedfleet_queries_served_total":
+                report.query_paths[labels["path"]] = sample.value
+            elif sample.name == "embedfleet_bulk_slice_seconds_sum":
+                sums[labels["path"]] = sample.value
+            elif sample.name == "embedfleet_bulk_slice_seconds_count":
+                counts[labels["path"]] = int(sample.value)
+            elif sample.name == "embedfleet_bulk_slice_seconds_bucket":
+                bound = float(labels["le"])
+                buckets.setdefault(labels["path"], {})[bound] = sample.value
+    for path, count in counts.items():
+        if count:
+            mean_ms = sums.get(path, 0.0) / count * 1000
+            report.slices[path] = (count, mean_ms, buckets.get(path, {}))
+    return report
+
+
+def resolved_slice_ms(settings: Settings) -> float:
+    """EMBEDFLEET_SLICE_MS as a CPU worker resolves it (-1: the CPU's auto value)."""
+    from embedfleet.workers.worker import SLICE_MS_AUTO
+
+    return settings.slice_ms if settings.slice_ms >= 0 else SLICE_MS_AUTO["cpu"]
+
+
 async def bulk_rate(
     producer: Producer, metrics_url: str, window: float, queries_per_s: float
 ) -> float:
@@ -169,17 +316,66 @@ async def bulk_rate(
     return float(slope)
 
 
-async def scenario(args: argparse.Namespace) -> None:
-    encoder = bare_encoder()
+@dataclass
+class PathRun:
+    """One worker's run: the samples, and what its metrics said."""
+
+    path: str
+    slice_ms: float
+    bare: list[float]
+    rows: dict[tuple[str, int], list[float]]
+    left: int
+    without: list[float]
+    with_queries: list[float]
+    left_after: int
+    slices: SliceReport
+    bare_query_path: str
+
+    @property
+    def idle_p99(self) -> float:
+        return percentile_ms(self.rows[("idle", 1)], 99)
+
+    @property
+    def saturated_p99(self) -> float:
+        return percentile_ms(self.rows[("saturated", 1)], 99)
+
+    @property
+    def bound(self) -> float:
+        return 2 * self.idle_p99 + self.slice_ms
+
+    @property
+    def idle_gap(self) -> float:
+        """Idle p50 less the bare forward's p50, ms."""
+        return percentile_ms(self.rows[("idle", 1)], 50) - percentile_ms(self.bare, 50)
+
+    @property
+    def paired_gap(self) -> float:
+        pairs = zip(self.bare, self.rows[("idle", 1)], strict=True)
+        return statistics.median((q - b) * 1000 for b, q in pairs)
+
+    @property
+    def ratio(self) -> float:
+        ratios = [b / a for a, b in zip(self.without, self.with_queries, strict=True) if a > 0]
+        return statistics.median(ratios) if ratios else math.nan
+
+
+async def run_path(path: str, args: argparse.Namespace) -> PathRun:
+    """The whole scenario with one worker forced onto ``path`` (PATHS)."""
+    forced = path_settings(path)
+    env = dict(PATHS[path])
+    if args.slice_ms is not None:
+        env["EMBEDFLEET_SLICE_MS"] = f"{args.slice_ms:g}"
+        forced = forced.model_copy(update={"slice_ms": args.slice_ms})
     with redis_server() as server:
         settings = Settings(redis_url=server.url, namespace=f"lat{uuid.uuid4().hex[:6]}")
         port = free_port()
         metrics_url = f"http://127.0.0.1:{port}/metrics"
-        with worker_process(settings, "latency-worker", EMBEDFLEET_HEALTH_PORT=str(port)):
+        with worker_process(settings, "latency-worker", EMBEDFLEET_HEALTH_PORT=str(port), **env):
             async with Producer(settings) as producer:
-                await producer.embed_query(QUERY, timeout=120)  # waits for the model to load
+                await producer.embed_query(QUERY, timeout=300)  # waits for the model to load
                 for _ in range(20):
                     await producer.embed_query(QUERY, timeout=30)
+                encoder = bare_encoder(forced)
                 rows = {}
                 bare, rows[("idle", 1)] = await paired_latencies(
                     encoder, producer, args.queries, args.pair_pause
@@ -200,24 +396,54 @@ async def scenario(args: argparse.Namespace) -> None:
                     await keep_saturated(producer, settings, args.backlog)
                     with_queries.append(await bulk_rate(producer, metrics_url, args.window, 10))
                 left_after = await producer.client.xlen(settings.keys.ingest)
-    print_table(bare, rows, left, without, with_queries, left_after, args)
-    if args.plot is not None:
+                slices = await slice_report(metrics_url)
+    slice_ms = slices.target_ms if math.isfinite(slices.target_ms) else resolved_slice_ms(forced)
+    return PathRun(
+        path,
+        slice_ms,
+        bare,
+        rows,
+        left,
+        without,
+        with_queries,
+        left_after,
+        slices,
+        bare_path(encoder),
+    )
+
+
+async def scenario(args: argparse.Namespace) -> None:
+    runs: list[PathRun | tuple[str, str]] = []
+    for path in args.paths:
+        if len(args.paths) > 1:
+            print(f"\n## path: {path} ({' '.join(f'{k}={v}' for k, v in PATHS[path].items())})")
+        try:
+            run = await run_path(path, args)
+        except Exception as error:  # one path failing (a query timed out) must not hide the rest
+            if len(args.paths) == 1:
+                raise
+            print(f"path {path} failed: {type(error).__name__}: {error}")
+            runs.append((path, f"{type(error).__name__}"))
+            continue
+        runs.append(run)
+        print_table(run, args)
+    if len(runs) > 1 or args.paths != ["default"]:
+        print_promises(runs)
+    measured = [run for run in runs if isinstance(run, PathRun)]
+    if args.plot is not None and measured:
         from loadtest.plots import plot_latency_cdf
 
-        labelled = {"bare in-process forward": bare}
-        for (state, concurrency), samples in rows.items():
+        run = measured[0]
+        labelled = {"bare in-process forward": run.bare}
+        for (state, concurrency), samples in run.rows.items():
             how = "1 at a time" if concurrency == 1 else f"{concurrency} concurrent"
             labelled[f"{state}, {how}"] = samples
-        bound = 2 * percentile_ms(rows[("idle", 1)], 99) + SLICE_MS
-        subtitle = f"{args.queries} queries per line; {machine_load()}"
-        print(f"chart: {plot_latency_cdf(labelled, args.plot, subtitle, bound)}")
+        subtitle = f"{args.queries} queries per line; {run.path} path; {machine_load()}"
+        print(f"chart: {plot_latency_cdf(labelled, args.plot, subtitle, run.bound)}")
 
 
-SLICE_MS = 100.0  # the CPU default of EMBEDFLEET_SLICE_MS=-1 (auto)
-
-
-def print_table(bare, rows, left, without, with_queries, left_after, args) -> None:
-    slice_ms = SLICE_MS
+def print_table(run: PathRun, args: argparse.Namespace) -> None:
+    bare, rows = run.bare, run.rows
     print(
         f"# query latency ({args.queries} queries per row; bare/idle pairs "
         f"{args.pair_pause * 1000:.0f} ms apart; {machine_load()})"
@@ -233,38 +459,79 @@ def print_table(bare, rows, left, without, with_queries, left_after, args) -> No
             f"| {state} | {concurrency} | {percentile_ms(samples, 50):.1f} | "
             f"{percentile_ms(samples, 99):.1f} |"
         )
-    idle_p99 = percentile_ms(rows[("idle", 1)], 99)
-    saturated_p99 = percentile_ms(rows[("saturated", 1)], 99)
-    bound = 2 * idle_p99 + slice_ms
     print(
-        f"\nsaturated p99 {saturated_p99:.1f} ms vs bound 2 x idle p99 + slice = {bound:.1f} ms: "
-        f"{'OK' if saturated_p99 <= bound else 'OVER'}"
-    )
-    gap = percentile_ms(rows[("idle", 1)], 50) - percentile_ms(bare, 50)
-    paired = statistics.median((q - b) * 1000 for b, q in zip(bare, rows[("idle", 1)], strict=True))
-    print(
-        f"idle p50 - bare p50 = {gap:.2f} ms; median of the paired differences = {paired:.2f} ms "
-        "(target <= 2 ms)"
+        f"\nsaturated p99 {run.saturated_p99:.1f} ms vs bound 2 x idle p99 + slice "
+        f"({run.slice_ms:g} ms) = {run.bound:.1f} ms: "
+        f"{'OK' if run.saturated_p99 <= run.bound else 'OVER'}"
     )
     print(
-        f"backlog left when the saturated rows ended: {left} entries; after the throughput "
-        f"rounds: {left_after}"
+        f"idle p50 - bare p50 = {run.idle_gap:.2f} ms; median of the paired differences = "
+        f"{run.paired_gap:.2f} ms (target <= 2 ms)"
     )
-    ratios = [b / a for a, b in zip(without, with_queries, strict=True)]
+    print(
+        f"backlog left when the saturated rows ended: {run.left} entries; after the throughput "
+        f"rounds: {run.left_after}"
+    )
+    print(_slice_line(run))
     print("\n| bulk load | real tokens/s (median of rounds) |")
     print("|---|---|")
-    print(f"| no queries | {statistics.median(without):,.0f} |")
-    print(f"| 10 queries/s | {statistics.median(with_queries):,.0f} |")
+    print(f"| no queries | {statistics.median(run.without):,.0f} |")
+    print(f"| 10 queries/s | {statistics.median(run.with_queries):,.0f} |")
     print(
         "rounds (tokens/s): without "
-        + " ".join(f"{r:.0f}" for r in without)
+        + " ".join(f"{r:.0f}" for r in run.without)
         + "; with "
-        + " ".join(f"{r:.0f}" for r in with_queries)
+        + " ".join(f"{r:.0f}" for r in run.with_queries)
     )
     print(
-        f"ratio with/without (median of {len(ratios)} interleaved pairs): "
-        f"{statistics.median(ratios):.3f} (target >= 0.90)"
+        f"ratio with/without (median of {len(run.without)} interleaved pairs): "
+        f"{run.ratio:.3f} (target >= 0.90)"
     )
+
+
+def _slice_line(run: PathRun) -> str:
+    report = run.slices
+    if not report.slices:
+        return "bulk slices: none reported (no slice target: EMBEDFLEET_SLICE_MS=0 or CUDA)"
+    parts = [
+        f"{path} {count} (mean {mean:.1f} ms)" for path, (count, mean, _) in report.slices.items()
+    ]
+    return (
+        f"bulk slices by path: {', '.join(parts)}; main path p99 <= "
+        f"{report.quantile_ms(0.99):g} ms, {report.share_within_ms(run.slice_ms):.0%} within "
+        f"the {run.slice_ms:g} ms target (bucket bounds); queries by path: "
+        + ", ".join(f"{p} {n:.0f}" for p, n in report.query_paths.items() if n)
+    )
+
+
+def print_promises(runs: list[PathRun | tuple[str, str]]) -> None:
+    """The query lane's three promises, one row per forced path."""
+    print(
+        "\n# the query lane's promises by forward path "
+        "(bound: saturated p99 <= 2 x idle p99 + slice; idle: p50 within 2 ms of the bare "
+        "forward; bulk: tokens/s with 10 queries/s >= 0.90 x without)"
+    )
+    print(
+        "| forced | bulk path taken | query path (bare) | slice ms | slice p99 ms | "
+        "idle p99 | saturated p99 | bound | OK | idle p50 - bare p50 (paired) | OK | "
+        "bulk ratio | OK |"
+    )
+    print("|---|---|---|---:|---:|---:|---:|---:|---|---:|---|---:|---|")
+    for run in runs:
+        if not isinstance(run, PathRun):
+            path, error = run
+            print(f"| {path} | failed: {error} |" + " |" * 11)
+            continue
+        bound_ok = run.saturated_p99 <= run.bound
+        idle_ok = run.idle_gap <= 2.0
+        ratio_ok = run.ratio >= 0.90
+        print(
+            f"| {run.path} | {run.slices.bulk_path} | {run.slices.query_path} "
+            f"({run.bare_query_path}) | {run.slice_ms:g} | {run.slices.quantile_ms(0.99):g} | "
+            f"{run.idle_p99:.1f} | {run.saturated_p99:.1f} | {run.bound:.1f} | "
+            f"{'yes' if bound_ok else 'NO'} | {run.idle_gap:.2f} ({run.paired_gap:.2f}) | "
+            f"{'yes' if idle_ok else 'NO'} | {run.ratio:.3f} | {'yes' if ratio_ok else 'NO'} |"
+        )
 
 
 def main() -> None:
@@ -281,9 +548,31 @@ def main() -> None:
         help="seconds between the bare and the queued query of a pair, and between pairs",
     )
     parser.add_argument("--rounds", type=int, default=5, help="A/B throughput pairs")
+    parser.add_argument(
+        "--slice-ms",
+        type=float,
+        default=None,
+        help="EMBEDFLEET_SLICE_MS for the worker (default: the environment's, else auto)",
+    )
+    parser.add_argument(
+        "--paths",
+        type=_path_list,
+        default=["default"],
+        help=f"comma-separated forward paths to force, one worker each: {', '.join(PATHS)}",
+    )
     add_plot_argument(parser, "the latency CDFs, idle vs saturated,")
     args = parser.parse_args()
     uvloop.run(scenario(args))
+
+
+def _path_list(text: str) -> list[str]:
+    paths = [path.strip() for path in text.split(",") if path.strip()]
+    unknown = [path for path in paths if path not in PATHS]
+    if unknown or not paths:
+        raise argparse.ArgumentTypeError(
+            f"unknown path(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(PATHS)}"
+        )
+    return paths
 
 
 if __name__ == "__main__":

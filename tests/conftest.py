@@ -181,6 +181,9 @@ class Recorder(WorkerEvents):
         self.sink_errors: list[tuple[str, str]] = []  # (exception type, fault kind)
         self.rows_isolated = 0
         self.reclaimed_count = 0
+        self.batch_seconds: list[float] = []  # per bulk batch, as batch_encoded reports it
+        # per bulk batch: (path, longest slice seconds, target seconds, texts, longest text)
+        self.slices: list[tuple[str, float, float, int, int]] = []
 
     def _record(self, change: Callable[[], None]) -> None:
         def apply() -> None:
@@ -220,9 +223,22 @@ class Recorder(WorkerEvents):
     ) -> None:
         def change() -> None:
             self.batches_encoded += 1
+            self.batch_seconds.append(seconds)
             self.in_forward = False
 
         self._record(change)
+
+    def bulk_slice(
+        self,
+        *,
+        path: str,
+        seconds: float,
+        predicted_seconds: float,
+        target_seconds: float,
+        texts: int,
+        longest: int,
+    ) -> None:
+        self._record(lambda: self.slices.append((path, seconds, target_seconds, texts, longest)))
 
     def query_answered(self, *, latency_seconds: float) -> None:
         # read here, on the model thread, while the bulk forward (if any) is still running
@@ -531,6 +547,7 @@ SLOW_MODULES = frozenset(
         "test_reliability",
         "test_replicas",
         "test_sinks",
+        "test_slices",
         "test_terminal",
     }
 )

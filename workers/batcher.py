@@ -10,11 +10,17 @@ pays a forward pass's fixed cost per text. :func:`plan_batches` minimises the to
 ``padded tokens + batches x BATCH_COST_TOKENS`` over every way of cutting the sorted window
 (an exact dynamic programme, O(window x max_batch), a few ms per 512 texts), so it cuts where
 lengths jump and fills where they are even.
+
+Beside the token budget, a batch may be bounded by time: where queries wait on bulk work (a
+CPU), the worker passes the query slice's limit from its cost model (workers/cost_model.py):
+``max_texts(widths)``, the most texts a padded batch of each width may hold, or for packed
+batches ``fits(tokens, squares)``. A batch of long texts then holds fewer tokens than one of
+short texts, as its attention costs more per token.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,9 +55,13 @@ def plan_batches(
     max_batch: int,
     *,
     batch_cost_tokens: int = BATCH_COST_TOKENS,
+    max_texts: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> list[PlannedBatch]:
     """Group positions so that ``len(batch) * longest <= token_budget`` and ``len <= max_batch``,
-    cut where it costs least (see the module docstring).
+    cut where it costs least (see the module docstring). ``max_texts``: the most texts a batch
+    of each width may hold (the query slice's limit), as an array for an array of widths; it
+    must not grow with the width (a wider text never allows more texts), which keeps the
+    batches that fit a suffix, as the budget does.
 
     A single text longer than the budget still gets a batch of its own (it cannot be split).
     Batches come out longest first, so the largest allocation happens at the start of a window.
@@ -72,13 +82,18 @@ def plan_batches(
     # (issue 29: the masked window cost ~40 µs a text on a loaded host, at CUDA's window as at
     # the CPU's; this is the same plan, tie for tie, in a fraction of it). Integer costs, exact.
     widths = ordered.tolist()  # scalars from a list: numpy scalar access costs more per step
+    # the most texts a batch led by each text may hold, where time bounds it: (j - i) shrinks
+    # and cap[i] grows as i grows, so the batches that fit are still those from ``low`` on
+    cap = None if max_texts is None else np.asarray(max_texts(ordered), dtype=np.int64).tolist()
     best = [0] * (count + 1)
     base = np.zeros(count + 1, dtype=np.int64)  # base[0] = best[0] - 0 = 0
     start = [0] * (count + 1)
     low = 0
     for end in range(1, count + 1):
         low = max(low, end - max_batch)
-        while low < end - 1 and (end - low) * widths[low] > token_budget:
+        while low < end - 1 and (
+            (end - low) * widths[low] > token_budget or (cap is not None and end - low > cap[low])
+        ):
             low += 1
         cost = base[low:end] + end * ordered[low:end]
         pick = int(cost.argmin())
@@ -104,16 +119,21 @@ def plan_batches(
 
 
 def plan_packed_batches(
-    lengths: Sequence[int], token_budget: int, max_batch: int
+    lengths: Sequence[int],
+    token_budget: int,
+    max_batch: int,
+    fits: Callable[[int, int], bool] | None = None,
 ) -> list[PlannedBatch]:
     """For the varlen layout, where real tokens are all that is computed: positions grouped,
     longest first, so each batch holds at most ``token_budget`` real tokens and ``max_batch``
-    texts (a text over the budget alone)."""
+    texts (a text over the budget alone); ``fits(tokens, squares)``, where given, must hold of
+    the batch's sums of lengths and squared lengths too (the query slice's limit)."""
     if token_budget < 1 or max_batch < 1:
         raise ValueError("token_budget and max_batch must be positive")
     batches: list[PlannedBatch] = []
     current: list[int] = []
     tokens = 0
+    squares = 0
 
     def close() -> None:
         longest = lengths[current[0]]
@@ -121,11 +141,16 @@ def plan_packed_batches(
 
     for position in sorted(range(len(lengths)), key=lambda p: lengths[p], reverse=True):
         length = lengths[position]
-        if current and (len(current) >= max_batch or tokens + length > token_budget):
+        if current and (
+            len(current) >= max_batch
+            or tokens + length > token_budget
+            or (fits is not None and not fits(tokens + length, squares + length * length))
+        ):
             close()
-            current, tokens = [], 0
+            current, tokens, squares = [], 0, 0
         current.append(position)
         tokens += length
+        squares += length * length
     if current:
         close()
     return batches

@@ -32,6 +32,7 @@ import torch
 from embedfleet.shared.fault_kinds import WorkerFault
 from embedfleet.shared.logging import get_logger
 from embedfleet.workers.batcher import PlannedBatch, plan_batches, plan_packed_batches
+from embedfleet.workers.cost_model import SliceLimit
 from embedfleet.workers.encoder import EncodeBatch, Encoder, Tokenized
 from embedfleet.workers.packing import (
     BulkLayout,
@@ -153,12 +154,22 @@ class BulkForward:
         """Whether a launch returns before its vectors are computed (then run one ahead)."""
         return self.events is not None
 
-    def plan(self, lengths: Sequence[int], token_budget: int, max_batch: int) -> list[PlannedBatch]:
+    def plan(
+        self,
+        lengths: Sequence[int],
+        token_budget: int,
+        max_batch: int,
+        limit: SliceLimit | None = None,
+    ) -> list[PlannedBatch]:
         """Batches of a window: real tokens under the budget for varlen (nothing is padded),
-        padded tokens with the cost-aware cuts of ``workers.batcher`` otherwise."""
+        padded tokens with the cost-aware cuts of ``workers.batcher`` otherwise; each batch's
+        predicted slice within ``limit`` where given (workers/cost_model.py)."""
         if self.packer is not None:
-            return plan_packed_batches(lengths, token_budget, max_batch)
-        return plan_batches(lengths, token_budget, max_batch)
+            fits = None if limit is None else limit.fits
+            return plan_packed_batches(lengths, token_budget, max_batch, fits)
+        return plan_batches(
+            lengths, token_budget, max_batch, max_texts=None if limit is None else limit.max_texts
+        )
 
     def collate(self, tokens: list[Tokenized]) -> BulkBatch:
         """Host buffers for one batch; run on the tokenizer thread."""

@@ -23,6 +23,22 @@ class WorkerEvents:
     def batch_started(self, *, texts: int, padded_tokens: int) -> None:
         """A bulk micro-batch was handed to the model thread; ``batch_encoded`` follows."""
 
+    def bulk_slice(
+        self,
+        *,
+        path: str,
+        seconds: float,
+        predicted_seconds: float,
+        target_seconds: float,
+        texts: int,
+        longest: int,
+    ) -> None:
+        """A bulk micro-batch's longest slice, the stretch a query could not get into: one
+        transformer layer (eager, varlen) or the whole batch (the frozen and int8 copies,
+        ``path``: a workers.cost_model.BulkPath), against the cost model's prediction for it
+        (0 before anything was measured) and the slice target (EMBEDFLEET_SLICE_MS) the batch
+        was sized to. Only where queries wait on bulk work (not on the CUDA query lane)."""
+
     def leases_renewed(self, *, count: int) -> None:
         """The reclaimer renewed this worker's lease on ``count`` entries it still holds."""
 

@@ -103,6 +103,20 @@ METRICS: dict[str, MetricSpec] = {
         "Forward-pass time of one bulk micro-batch.",
         buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
     ),
+    "slice_seconds": MetricSpec(
+        Histogram,
+        "bulk_slice_seconds",
+        "Longest stretch of one bulk micro-batch a query could not get into, by forward path "
+        "(eager and varlen: one layer; frozen and int8: the whole batch); sized to "
+        "EMBEDFLEET_SLICE_MS.",
+        ("path",),
+        buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5),
+    ),
+    "slice_target_seconds": MetricSpec(
+        Gauge,
+        "slice_target_seconds",
+        "The slice target bulk batches are sized to (EMBEDFLEET_SLICE_MS resolved).",
+    ),
     "write_seconds": MetricSpec(
         Histogram,
         "write_seconds",
@@ -212,6 +226,8 @@ class WorkerMetrics(WorkerEvents):
     batch_texts: Histogram
     batch_tokens: Histogram
     batch_seconds: Histogram
+    slice_seconds: Histogram
+    slice_target_seconds: Gauge
     write_seconds: Histogram
     query_seconds: Histogram
     queries_by_path: Counter
@@ -291,6 +307,19 @@ class WorkerMetrics(WorkerEvents):
         self.last_forward_at = time.monotonic()
         self._real_tokens += real_tokens
         self._padded_tokens += padded_tokens
+
+    def bulk_slice(
+        self,
+        *,
+        path: str,
+        seconds: float,
+        predicted_seconds: float,
+        target_seconds: float,
+        texts: int,
+        longest: int,
+    ) -> None:
+        self.slice_seconds.labels(path=path).observe(seconds)
+        self.slice_target_seconds.set(target_seconds)
 
     def results_written(self, *, texts: int, seconds: float) -> None:
         self.texts.inc(texts)

@@ -45,6 +45,7 @@ from embedfleet.shared.settings import Settings
 from embedfleet.workers import device_faults
 from embedfleet.workers.calibration import Calibration
 from embedfleet.workers.consumer import StreamConsumer, StreamEntry
+from embedfleet.workers.cost_model import SliceClock
 from embedfleet.workers.dead_letter_writer import DeadLetters, Rejected
 from embedfleet.workers.decode import Accepted, decode_entries
 from embedfleet.workers.device_faults import DeviceFault, Recovery
@@ -86,8 +87,12 @@ class QueryLane:
         outputs: Outputs,
         on_model_thread: Callable[[Callable[[], Calibration]], Awaitable[Calibration]],
         outages: Outages | None = None,
+        slice_clock: SliceClock | None = None,
     ) -> None:
         self.settings = settings
+        # told of every layer boundary of a bulk pass and of the queries served there, so the
+        # worker knows the longest stretch a query had to wait (workers/cost_model.py)
+        self.slice_clock = slice_clock or SliceClock()
         self.outages = outages or Outages(events)
         self.keys: Keys = settings.keys.query_lane  # query stream, replies, dead letters: one slot
         self.encoder = encoder
@@ -232,8 +237,12 @@ class QueryLane:
 
     # --- model thread ------------------------------------------------------------------
     def serve_at_layer_boundary(self) -> None:
-        if self._inbox and not self._serving:
+        if self._serving:  # a query's own forward pass fires the hooks too
+            return
+        self.slice_clock.boundary()
+        if self._inbox:
             self.serve_inbox()
+            self.slice_clock.resume()  # the queries' time is not part of a bulk slice
 
     def serve_inbox(self) -> None:
         if not self._inbox:

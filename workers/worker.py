@@ -9,7 +9,10 @@ the forward pass overlap while memory stays bounded:
              input (on the event loop)                                          → windows
     compute  launch each batch on the model thread (workers/bulk.py: padded or
              varlen; on CUDA batch i+1 is queued before batch i is collected);
-             on a CPU queries get in between transformer layers; before a batch,
+             on a CPU queries get in between transformer layers (or, through the
+             frozen and int8 copies, between batches), and batches are sized from
+             a cost model of each path so that a query waits at most one slice
+             (workers/cost_model.py); before a batch,
              the interactive stream's new entries (large requests someone waits
              on) are read and encoded first                                     → encoded
     writer   fp16 results to the sink, XACK in the same round trip
@@ -54,6 +57,7 @@ from embedfleet.workers.batcher import PlannedBatch
 from embedfleet.workers.bulk import BulkBatch, BulkForward, LaunchAhead, Launched, resolve_layout
 from embedfleet.workers.calibration import Calibration, CalibrationStore
 from embedfleet.workers.consumer import StreamConsumer, StreamEntry
+from embedfleet.workers.cost_model import BulkPath, Shape, SliceClock, SliceCost, SliceLimit
 from embedfleet.workers.dead_letter_writer import DeadLetters, Rejected
 from embedfleet.workers.decode import Accepted, decode_entries
 from embedfleet.workers.device_faults import (
@@ -90,13 +94,11 @@ log = get_logger("embedfleet.worker")
 _UPSTREAM = {"compute": ("reader",), "writer": ("reader", "compute")}
 _END = None  # queue sentinel: the stage before has finished
 SLICE_MS_AUTO = {"cpu": 100.0, "cuda": 20.0}
-# Batches are never cut below this many tokens for the slice target: smaller ones cost more
-# per token, and measuring them would shrink the next batches further (a feedback loop).
-MIN_SLICED_TOKENS = 512
-# Batches are sized for this share of the slice target, not all of it: the per-token estimate
-# is an average, and one layer of a batch can take well over or under its prediction (the
-# sequence-length mix, other threads taking a core): sized at 100%, half the slices overran.
-SLICE_HEADROOM = 0.6
+# The speed seed's probe batches (_seed_speed): a bulk-shaped batch, a small one (the fixed
+# cost) and one of long texts (attention's cost per pair of tokens), so the cost model tells
+# its three terms apart before the first window is planned.
+SEED_SMALL_TEXTS = 8
+SEED_LONG_TEXTS = 4
 # The compute stage looks for interactive entries before a bulk batch at most this often: a
 # request then waits about one batch, and a short-batch GPU pays one read per interval, not per
 # batch.
@@ -133,6 +135,8 @@ class InFlightBatch:
     launched: Launched
     oom_retries: int
     query_seconds: float  # queries served inside the launch (not bulk time)
+    path: BulkPath = "eager"
+    slice_seconds: float = 0.0  # the launch's longest stretch between query boundaries (CPU)
 
 
 @dataclass
@@ -230,6 +234,8 @@ class Worker:
             client, self.keys, encoder.name, settings.calibration_file
         )
         self.outputs = Outputs(settings, encoder, self.calibrations)
+        # the longest stretch of each bulk forward a query could not get into (model thread)
+        self.slice_clock = SliceClock()
         self.queries = QueryLane(
             settings,
             encoder,
@@ -240,6 +246,7 @@ class Worker:
             self.outputs,
             self.on_model_thread,
             self.outages,
+            slice_clock=self.slice_clock,
         )
         self.batching = settings.batching(encoder.device.type)
         self.reclaimer = Reclaimer(
@@ -255,7 +262,8 @@ class Worker:
         self._reclaimed: asyncio.Queue[list[StreamEntry]] = asyncio.Queue()
         self._stopping = asyncio.Event()
         self._stage_tasks: dict[str, asyncio.Task[None]] = {}
-        self._seconds_per_token: float | None = None  # measured, sizes batches to the slice
+        # each bulk path's slice time, fitted from every bulk forward; sizes batches to the slice
+        self.slice_costs: dict[BulkPath, SliceCost] = {}
         # set once the compute stage can take windows (graph settled, speed seeded): nothing is
         # read, and so held from other workers, before
         self._bulk_ready = asyncio.Event()
@@ -284,7 +292,7 @@ class Worker:
     @property
     def slice_seconds(self) -> float:
         """The longest stretch of bulk compute a query may wait behind, which bulk batches are
-        sized to (``_token_cap``); 0 = no limit.
+        sized to (``_slice_limit``); 0 = no limit.
 
         No limit where queries are served concurrently (the CUDA query lane: its own model copy
         and stream, its own thread, never at a bulk layer boundary): a query does not wait on
@@ -338,7 +346,7 @@ class Worker:
                 self._model_thread, self._make_bulk
             )
             self._ahead = LaunchAhead(ahead=self.bulk.asynchronous)
-        # One forward pass before the first timed batch: the slice estimator (_learn_speed)
+        # One forward pass before the first timed batch: the slice cost model (_seed_speed)
         # must not learn from cold kernels, lazy allocations and first-shape dispatch.
         try:
             await asyncio.get_running_loop().run_in_executor(self._model_thread, self._warm_up)
@@ -520,7 +528,9 @@ class Worker:
         """The window's batches, planned and collated."""
         assert self.bulk is not None
         lengths = [t.length for t in window.tokens]
-        plans = self.bulk.plan(lengths, self._token_cap(), self.batching.max_batch)
+        plans = self.bulk.plan(
+            lengths, self.batching.token_budget, self.batching.max_batch, self._slice_limit()
+        )
         return [
             Prepared(planned, self.bulk.collate([window.tokens[p] for p in planned.positions]))
             for planned in plans
@@ -620,18 +630,56 @@ class Worker:
             and (self.bulk is None or self.bulk.layout == "padded")
         )
 
-    def _token_cap(self) -> int:
-        """Token budget, shrunk so one slice of a batch fits in the slice target (none where
-        queries do not wait on bulk work, see ``slice_seconds``): a query then waits at most one
-        slice. A slice is one transformer layer of an eager batch, the whole batch in the
-        frozen copy (no layer boundaries). Sized from the throughput so far."""
-        target = self.slice_seconds
-        if target <= 0 or self._seconds_per_token is None:
-            return self.batching.token_budget
-        slices = 1 if self._bulk_frozen() else max(1, self.encoder.layer_count)
-        per_slice = self._seconds_per_token / slices
-        fitting = int(SLICE_HEADROOM * target / per_slice)
-        return max(MIN_SLICED_TOKENS, min(self.batching.token_budget, fitting))
+    def _bulk_path(self) -> BulkPath:
+        """The forward path bulk batches take now: each has its own cost model."""
+        if self.bulk is not None and self.bulk.layout == "varlen":
+            return "varlen"
+        if self._bulk_frozen():
+            return "int8" if self.encoder.computes_in_int8 else "frozen"
+        return "eager"
+
+    def _slice_cost(self, path: BulkPath) -> SliceCost:
+        if path not in self.slice_costs:
+            self.slice_costs[path] = SliceCost(path)
+        return self.slice_costs[path]
+
+    def _slice_limit(self) -> SliceLimit | None:
+        """What a batch planned now may cost, so that its longest slice fits in the slice
+        target (None where queries do not wait on bulk work, see ``slice_seconds``, or before
+        anything was measured): a query then waits at most one slice. A slice is one
+        transformer layer of an eager batch, the whole batch through the frozen or int8 copy
+        (no layer boundaries); workers/cost_model.py predicts it per path and batch shape.
+        Called on the tokenizer thread: it reads the path's model, never makes one."""
+        cost = self.slice_costs.get(self._bulk_path())
+        return None if cost is None else cost.limit(self.slice_seconds)
+
+    def _launch_timed(
+        self, batch: BulkBatch, *, frozen: bool, half: bool = False
+    ) -> tuple[Launched, float, float]:
+        """On the model thread: launch one batch with the slice clock running; returns it, its
+        longest stretch between query boundaries (the whole pass through a frozen copy) and the
+        seconds of queries served at its layer boundaries. Where the launch only queues the
+        work (CUDA) the clock times nothing: the device's time, shared among the layers a query
+        could get between, stands in once collected.
+
+        The queries' time is read here, on the model thread, around the launch itself: read on
+        the event loop it also took in queries the model thread served just before the launch
+        (queued ahead of it), which made a short batch's time negative."""
+        assert self.bulk is not None
+        serving_before = self.queries.serving_seconds
+        self.slice_clock.start()
+        try:
+            launched = self.bulk.launch(batch, frozen=frozen, half=half)
+        finally:
+            longest = self.slice_clock.stop()
+        return launched, longest, self.queries.serving_seconds - serving_before
+
+    def _slice_seconds(self, launched: Launched, clocked: float, frozen: bool) -> float:
+        """A collected batch's longest slice: clocked on a CPU; on CUDA its device time over
+        the layers a query could get between (hooks fire at launch there)."""
+        if launched.copied is None:
+            return clocked
+        return launched.seconds / (1 if frozen else max(1, self.encoder.layer_count))
 
     async def _compute_loop(
         self, windows: asyncio.Queue[Window | None], encoded: asyncio.Queue[Encoded | None]
@@ -708,35 +756,62 @@ class Worker:
             await self._encode(window, prepared.planned, encoded, batch=prepared.batch)
 
     async def _seed_speed(self) -> None:
-        """Time one bulk-shaped batch through the bulk path before the first window is read.
+        """Time probe batches of three shapes through the bulk path before the first window is
+        read, and seed the path's cost model with them (workers/cost_model.py).
 
-        A window's batches are planned when it is opened, with the token cap known then: without
-        a measured speed the first windows would get the whole token budget, batches several
-        times the query slice. Any error here is left for the first real batch to meet (and
-        handle: split on out-of-memory, exit on a device fault)."""
+        A window's batches are planned when it is opened, with the limit known then: without a
+        measured cost the first windows would get the whole token budget, batches several
+        times the query slice. Each probe runs twice and the faster counts (a graph's first
+        call at a new shape is slower). Any error here is left for the first real batch to
+        meet (and handle: split on out-of-memory, exit on a device fault)."""
         if self.slice_seconds <= 0 or self.bulk is None or self._stopping.is_set():
             return
         loop = asyncio.get_running_loop()
-        texts = list(BULK_PROBE_TEXTS)
+        bulk = self.bulk
+        long_text = max(PROBE_TEXTS, key=len)  # over the model's maximum: truncated to it
+        probes = [
+            list(BULK_PROBE_TEXTS),
+            list(BULK_PROBE_TEXTS[:SEED_SMALL_TEXTS]),
+            [long_text] * SEED_LONG_TEXTS,
+        ]
+        path, frozen = self._bulk_path(), self._bulk_frozen()
+        samples: list[tuple[Shape, float]] = []
         try:
-            batch = await loop.run_in_executor(
-                self._tokenizer_thread, lambda: self.bulk.collate(self.encoder.tokenize(texts))
-            )
-            query_seconds_before = self.queries.serving_seconds
-            launched = await loop.run_in_executor(
-                self._model_thread,
-                functools.partial(self.bulk.launch, batch, frozen=self._bulk_frozen()),
-            )
-            await loop.run_in_executor(self._collect_thread, launched.vectors)
+            for texts in probes:
+                tokens = await loop.run_in_executor(
+                    self._tokenizer_thread, self.encoder.tokenize, texts
+                )
+                batch = await loop.run_in_executor(self._tokenizer_thread, bulk.collate, tokens)
+                times = []
+                for _ in range(2):
+                    launched, clocked, _ = await loop.run_in_executor(
+                        self._model_thread,
+                        functools.partial(self._launch_timed, batch, frozen=frozen),
+                    )
+                    await loop.run_in_executor(self._collect_thread, launched.vectors)
+                    times.append(self._slice_seconds(launched, clocked, frozen))
+                samples.append((self._shape(path, [t.length for t in tokens]), min(times)))
         except Exception as error:
             log.warning(
                 "speed probe batch failed; the first batches are not sliced", error=str(error)
             )
             return
-        seconds = launched.seconds
-        if launched.copied is None:  # CPU: less the queries served at its layer boundaries
-            seconds -= self.queries.serving_seconds - query_seconds_before
-        self._learn_speed(seconds, batch.padded_tokens)
+        cost = self._slice_cost(path)
+        cost.seed(samples)
+        log.info(
+            "bulk slice cost seeded",
+            path=path,
+            slice_ms=round(self.slice_seconds * 1000, 1),
+            probe_ms=[round(seconds * 1000, 1) for _, seconds in samples],
+            fitted=str(cost.cost),
+        )
+
+    @staticmethod
+    def _shape(path: BulkPath, lengths: list[int]) -> Shape:
+        """A batch's shape as its path computes it: packed rows for varlen, padded otherwise."""
+        if path == "varlen":
+            return Shape.packed(lengths)
+        return Shape.padded(len(lengths), max(lengths))
 
     async def _encode(
         self,
@@ -753,22 +828,31 @@ class Worker:
         if batch is None:  # a retried or split batch: collated again, off the event loop
             tokens = [window.tokens[p] for p in planned.positions]
             batch = await loop.run_in_executor(self._tokenizer_thread, self.bulk.collate, tokens)
-        query_seconds_before = self.queries.serving_seconds
         self.events.batch_started(texts=len(planned.positions), padded_tokens=planned.padded_tokens)
+        path, frozen = self._bulk_path(), self._bulk_frozen()
         launch = functools.partial(
-            self.bulk.launch,
+            self._launch_timed,
             batch,
-            frozen=self._bulk_frozen(),
+            frozen=frozen,
             half=self.outputs.full_float16([window.chunks[p] for p in planned.positions]),
         )
         try:
-            launched = await loop.run_in_executor(self._model_thread, launch)
+            launched, clocked, query_seconds = await loop.run_in_executor(
+                self._model_thread, launch
+            )
         except Exception as error:
             await self._on_model_error(window, planned, encoded, error, oom_retries)
             return
-        query_seconds = self.queries.serving_seconds - query_seconds_before
         collect = self._ahead.push(
-            InFlightBatch(window, planned, launched, oom_retries, query_seconds)
+            InFlightBatch(
+                window,
+                planned,
+                launched,
+                oom_retries,
+                query_seconds,
+                path=path,
+                slice_seconds=clocked,
+            )
         )
         if collect is not None:
             await self._collect(collect, encoded)
@@ -796,8 +880,8 @@ class Worker:
         # it. On CUDA: the device's time between the batch's events.
         seconds = launched.seconds
         if launched.copied is None:
-            seconds -= in_flight.query_seconds
-        self._learn_speed(seconds, planned.padded_tokens)
+            seconds = max(0.0, seconds - in_flight.query_seconds)
+        self._learn_slice(in_flight)
         self.events.batch_encoded(
             texts=len(planned.positions),
             real_tokens=planned.real_tokens,
@@ -862,12 +946,27 @@ class Worker:
             sub = PlannedBatch(half, max(lengths), sum(lengths), packed=planned.packed)
             await self._encode(window, sub, encoded)
 
-    def _learn_speed(self, seconds: float, padded_tokens: int) -> None:
-        if padded_tokens < MIN_SLICED_TOKENS:
-            return  # small batches are dominated by fixed costs
-        sample = seconds / max(1, padded_tokens)
-        previous = self._seconds_per_token
-        self._seconds_per_token = sample if previous is None else 0.8 * previous + 0.2 * sample
+    def _learn_slice(self, in_flight: InFlightBatch) -> None:
+        """One more observation for the path's cost model, the batch's longest slice, and the
+        event that reports it against the target (metrics, tests, the latency benchmark)."""
+        target = self.slice_seconds
+        if target <= 0:
+            return
+        window, planned, path = in_flight.window, in_flight.planned, in_flight.path
+        frozen = path in ("frozen", "int8")
+        slice_seconds = self._slice_seconds(in_flight.launched, in_flight.slice_seconds, frozen)
+        shape = self._shape(path, [window.tokens[p].length for p in planned.positions])
+        cost = self._slice_cost(path)
+        predicted = cost.predict(shape)
+        cost.observe(shape, slice_seconds)
+        self.events.bulk_slice(
+            path=path,
+            seconds=slice_seconds,
+            predicted_seconds=predicted or 0.0,
+            target_seconds=target,
+            texts=len(planned.positions),
+            longest=planned.longest,
+        )
 
     # --- writer -----------------------------------------------------------------------
     async def _write_loop(self, encoded: asyncio.Queue[Encoded | None]) -> None:
