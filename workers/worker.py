@@ -975,7 +975,7 @@ class Worker:
             await ride_out(
                 RideOut("reading the calibration", self.outages, self.events),
                 System.REDIS,
-                lambda chunks=item.chunks: self.outputs.prepare(chunks, self.on_model_thread),
+                functools.partial(self.outputs.prepare, item.chunks, self.on_model_thread),
             )
             results = self.outputs.results(
                 item.chunks, item.vectors, [t.truncated for t in item.tokens]
@@ -995,13 +995,22 @@ class Worker:
                 )
             if replied:
                 replies = [item.chunks[r].reply or "" for r in replied]
+
+                def write_replies(
+                    results: list[Result],
+                    deliveries: list[Delivery],
+                    rows: list[int],
+                    replies: list[str] = replies,
+                ) -> Awaitable[None]:
+                    return self.replies.write(
+                        results, deliveries, replies=[replies[i] for i in rows]
+                    )
+
                 written += await self._write(
                     [results[r] for r in replied],
                     [item.deliveries[r] for r in replied],
                     [item.chunks[r] for r in replied],
-                    lambda results, deliveries, rows, replies=replies: self.replies.write(
-                        results, deliveries, replies=[replies[i] for i in rows]
-                    ),
+                    write_replies,
                     System.REDIS,
                 )
             if written:
