@@ -121,6 +121,17 @@ def row_columns(schema: pa.Schema) -> list[str]:
     return [name for name in ROW_FIELDS if name in schema.names]
 
 
+def top_hits(backend: VectorBackend, table: pa.Table, scores: np.ndarray, k: int) -> list[Hit]:
+    """The ``k`` rows of ``table`` with the highest ``scores`` (one per row), best first, ties
+    in row order: an exact scan's answer."""
+    best = np.argsort(-scores, kind="stable")[:k]
+    rows = table.take(best).select(row_columns(table.schema)).to_pylist()
+    return [
+        backend.hit(row, meta_from_json(row["meta"]), float(scores[i]))
+        for i, row in zip(best, rows, strict=True)
+    ]
+
+
 def _vector_search(table: Table, query: np.ndarray) -> LanceVectorQueryBuilder:
     """``table.search`` for a vector, typed as the vector query it is: the abstract
     ``Table.search`` is typed as returning any ``LanceQueryBuilder``, which has no
@@ -268,13 +279,7 @@ class LanceDBBackend(VectorBackend):
         data = table.to_arrow()
         if data.num_rows == 0:
             return []
-        scores = rescore_codes(query, vector_matrix(data))
-        best = np.argsort(-scores, kind="stable")[:k]
-        rows = data.take(best).select(row_columns(table.schema)).to_pylist()
-        return [
-            self.hit(row, meta_from_json(row["meta"]), float(scores[i]))
-            for i, row in zip(best, rows, strict=True)
-        ]
+        return top_hits(self, data, rescore_codes(query, vector_matrix(data)), k)
 
     def build_index(self, *, force: bool = False) -> list[str]:
         from lancedb.index import BTree, IvfHnswSq

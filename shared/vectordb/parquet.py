@@ -66,6 +66,7 @@ from embedfleet.shared.vectordb.lancedb import (
     lance_schema,
     row_columns,
     stored_format,
+    top_hits,
     vector_matrix,
 )
 
@@ -395,12 +396,7 @@ class ParquetBackend(VectorBackend):
             scores = floats @ query / np.maximum(norms, 1e-12)
         else:
             scores = rescore_codes(query, stored)
-        best = np.argsort(-scores, kind="stable")[:k]
-        rows = table.take(best).select(row_columns(table.schema)).to_pylist()
-        return [
-            self.hit(row, meta_from_json(row["meta"]), float(scores[i]))
-            for i, row in zip(best, rows, strict=True)
-        ]
+        return top_hits(self, table, scores, k)
 
     def build_index(self, *, force: bool = False) -> list[str]:
         files = self.shard_files()
