@@ -16,9 +16,10 @@ import pytest
 import uvicorn
 
 from embedfleet.gateway.app import create_app
-from embedfleet.server import free_port
+from embedfleet.server import ServerProcess, free_port
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.precision import cosines
+from loadtest.common import isolated_settings
 from tests.conftest import WorkerLauncher, WorkerProcess, shared_encoder
 
 
@@ -87,3 +88,21 @@ def module_worker(name: str):
         yield from gateway_worker(fleet_settings, tmp_path_factory, name)
 
     return worker
+
+
+def module_fleet_settings(name: str, **overrides: object):
+    """The module-scoped ``fleet_settings`` fixture of a gateway test module: a namespace of its
+    own (``name`` and a random suffix), a files folder of its own, short worker reads, and
+    ``overrides``: ``fleet_settings = module_fleet_settings("ba", api_keys=KEY)``."""
+
+    @pytest.fixture(scope="module", name="fleet_settings")
+    def fleet_settings(redis_server: ServerProcess, tmp_path_factory: pytest.TempPathFactory):
+        return isolated_settings(
+            redis_server.url,
+            f"{name}{uuid.uuid4().hex[:8]}",
+            files_dir=str(tmp_path_factory.mktemp(f"{name}-files")),
+            block_ms=200,
+            **overrides,
+        )
+
+    return fleet_settings

@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import time
-import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -27,20 +26,18 @@ from embedfleet.server import ServerProcess
 from embedfleet.shared.settings import Settings
 from loadtest.common import isolated_settings
 from tests.conftest import WorkerProcess
-from tests.gateway_support import module_worker, running_gateway, wait_for_worker
+from tests.gateway_support import (
+    module_fleet_settings,
+    module_worker,
+    running_gateway,
+    wait_for_worker,
+)
 
 MODEL = "all-MiniLM-L6-v2"
 FINAL = ("completed", "failed", "expired", "cancelled")
 
 
-@pytest.fixture(scope="module")
-def fleet_settings(redis_server: ServerProcess, tmp_path_factory: pytest.TempPathFactory):
-    return isolated_settings(
-        redis_server.url,
-        f"ba{uuid.uuid4().hex[:8]}",
-        files_dir=str(tmp_path_factory.mktemp("batch-files")),
-        block_ms=200,
-    )
+fleet_settings = module_fleet_settings("ba")
 
 
 worker = module_worker("ba")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,25 +25,20 @@ import redis
 
 from embedfleet.gateway.batches import BatchRunner
 from embedfleet.gateway.files import bounded_lines
-from embedfleet.server import ServerProcess
 from embedfleet.shared.settings import Settings
-from loadtest.common import isolated_settings
 from tests.conftest import WorkerProcess
-from tests.gateway_support import module_worker, running_gateway, wait_for_worker
+from tests.gateway_support import (
+    module_fleet_settings,
+    module_worker,
+    running_gateway,
+    wait_for_worker,
+)
 from tests.test_batch_api import batch_line, create_batch, jsonl, upload, wait_final, wait_until
 
 KEY_A, KEY_B = "key-of-tenant-a", "key-of-tenant-b"
 
 
-@pytest.fixture(scope="module")
-def fleet_settings(redis_server: ServerProcess, tmp_path_factory: pytest.TempPathFactory):
-    return isolated_settings(
-        redis_server.url,
-        f"bt{uuid.uuid4().hex[:8]}",
-        files_dir=str(tmp_path_factory.mktemp("tenancy-files")),
-        api_keys=f"{KEY_A},{KEY_B}",
-        block_ms=200,
-    )
+fleet_settings = module_fleet_settings("bt", api_keys=f"{KEY_A},{KEY_B}")
 
 
 worker = module_worker("bt")
@@ -134,11 +128,10 @@ def test_an_owner_over_its_limit_of_active_batches_gets_429(
 
 
 def test_a_line_or_file_over_its_cap_is_a_400_and_nothing_is_stored_or_queued(
-    fleet_settings: Settings, worker: WorkerProcess, tmp_path: Path
+    fleet_settings: Settings, worker: WorkerProcess, tmp_path: Path, server: redis.Redis
 ) -> None:
     caps = {"batch_max_line_bytes": 2048, "batch_max_file_bytes": 64 * 1024}
     files_dir = Path(fleet_settings.files_dir)
-    server = redis.Redis.from_url(fleet_settings.effective_redis_url)
     ingest = [keys.ingest for keys in fleet_settings.keys.partitions_keys]
     with running_gateway(fleet_settings.model_copy(update=caps)) as url:
         a = client(url, KEY_A)
@@ -250,6 +243,24 @@ class HeldFinalize:
 
         monkeypatch.setattr(BatchRunner, "_still_ours", counted, raising=False)
 
+    def let_go(self) -> None:
+        """Release the held finalize (marked released first: the holder's step reports its
+        return only after that)."""
+        self.released = True
+        self.release.set()
+
+
+@pytest.fixture
+def held(monkeypatch: pytest.MonkeyPatch) -> HeldFinalize:
+    return HeldFinalize(monkeypatch)
+
+
+@pytest.fixture
+def server(fleet_settings: Settings) -> Iterator[redis.Redis]:
+    """A plain client of the fleet's Redis, to look at its keys."""
+    with redis.Redis.from_url(fleet_settings.effective_redis_url) as connection:
+        yield connection
+
 
 LEASE_MS = 1000  # short: without renewal, another replica takes over within it
 
@@ -274,18 +285,16 @@ def two_replicas_one_finalize_held(
             assert held.inside.wait(timeout=300), "no replica finalized the batch"
             yield a, client(second_url, KEY_A), batch.id
         finally:
-            held.released = True
-            held.release.set()
+            held.let_go()
 
 
 def test_the_lease_is_renewed_while_a_finalize_runs(
     fleet_settings: Settings,
     worker: WorkerProcess,
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    held: HeldFinalize,
+    server: redis.Redis,
 ) -> None:
-    held = HeldFinalize(monkeypatch)
-    server = redis.Redis.from_url(fleet_settings.effective_redis_url)
     with two_replicas_one_finalize_held(fleet_settings, tmp_path, held) as (a, _, batch_id):
         lease_key = fleet_settings.keys.batch_lease(batch_id)
         token = server.get(lease_key)
@@ -296,8 +305,7 @@ def test_the_lease_is_renewed_while_a_finalize_runs(
         assert server.get(lease_key) == token
         assert a.batches.retrieve(batch_id).status == "finalizing" and held.writes == 1
         # let go: it ends the batch itself
-        held.released = True
-        held.release.set()
+        held.let_go()
         final = wait_final(a, batch_id)
     assert final.status == "completed" and held.writes == 1
 
@@ -306,18 +314,16 @@ def test_a_batch_finalized_by_two_replicas_has_one_output_file(
     fleet_settings: Settings,
     worker: WorkerProcess,
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    held: HeldFinalize,
+    server: redis.Redis,
 ) -> None:
-    held = HeldFinalize(monkeypatch)
-    server = redis.Redis.from_url(fleet_settings.effective_redis_url)
     with two_replicas_one_finalize_held(fleet_settings, tmp_path, held) as (a, b, batch_id):
         # the held replica loses its lease (as after a pause longer than it, or a Redis it
         # could not reach to renew it); the other replica takes the batch over and ends it
         server.delete(fleet_settings.keys.batch_lease(batch_id))
         ended = wait_until(b, batch_id, lambda x: x.status == "completed", timeout=120)
         # then the first replica's finalize goes on: it must publish and end nothing
-        held.released = True
-        held.release.set()
+        held.let_go()
         assert held.holder_done.wait(timeout=60), "the held replica's step did not return"
         final = a.batches.retrieve(batch_id)
         outputs = [f for f in a.files.list() if f.filename.startswith(batch_id)]

@@ -23,7 +23,7 @@ from embedfleet.producer import Producer
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Result, encode_result
 from embedfleet.shared.settings import Settings
 from loadtest.common import isolated_settings
-from tests.conftest import cli_env, until
+from tests.conftest import cli_env, start_cli, until
 
 DIM = 32
 
@@ -207,21 +207,7 @@ async def test_results_out_consume_drains_the_stream_into_the_file(
     await write_results(client, settings.keys.results, 0, 2500)
     out = tmp_path / f"drained{suffix}"
     env = cli_env(settings)
-    ran = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "embedfleet.cli",
-        "results",
-        "--out",
-        str(out),
-        "--consume",
-        "--page",
-        "300",
-        "--json",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=env,
-    )
+    ran = await start_cli(env, "results", "--out", str(out), "--consume", "--page", "300", "--json")
     stdout, stderr = await ran.communicate()
     assert ran.returncode == 0, stderr.decode()
     assert json.loads(stdout)["vectors"] == 2500
@@ -237,19 +223,7 @@ async def test_results_out_consume_drains_the_stream_into_the_file(
     assert by_id["r1234"][0] == 234  # each id's own vector
     assert await client.xlen(settings.keys.results) == 0
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".part")]
-    refused = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "embedfleet.cli",
-        "results",
-        "--out",
-        str(out),
-        "--consume",
-        "--job",
-        "j",
-        stderr=asyncio.subprocess.PIPE,
-        env=env,
-    )
+    refused = await start_cli(env, "results", "--out", str(out), "--consume", "--job", "j")
     _, stderr = await refused.communicate()
     assert refused.returncode == 2 and "--consume drains every job" in stderr.decode()
 
@@ -326,17 +300,7 @@ async def test_status_says_when_a_results_stream_is_at_its_bound(
     env = cli_env(settings, EMBEDFLEET_RESULTS_MAX_ENTRIES="30")
 
     async def status(*flags: str) -> str:
-        ran = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "embedfleet.cli",
-            "status",
-            "--sample",
-            "0",
-            *flags,
-            stdout=asyncio.subprocess.PIPE,
-            env=env,
-        )
+        ran = await start_cli(env, "status", "--sample", "0", *flags)
         out, _ = await ran.communicate()
         assert ran.returncode == 0
         return out.decode()
@@ -377,19 +341,8 @@ async def test_results_consume_follow_drains_as_results_arrive_until_sigterm(
     """`results --out F.npz --consume --follow` beside a fleet: it drains what arrives, and
     SIGTERM ends it between pages with the archive finished, every result in it once."""
     out = tmp_path / "followed.npz"
-    follower = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "embedfleet.cli",
-        "results",
-        "--out",
-        str(out),
-        "--consume",
-        "--follow",
-        "--page",
-        "100",
-        stderr=asyncio.subprocess.PIPE,
-        env=cli_env(settings),
+    follower = await start_cli(
+        cli_env(settings), "results", "--out", str(out), "--consume", "--follow", "--page", "100"
     )
     stream = settings.keys.results
 

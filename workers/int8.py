@@ -184,6 +184,20 @@ class DynamicInt8Forward(Int8Forward):
     name = "int8-dynamic"
 
 
+def calibrated_copy(
+    copy: torch.nn.Module,
+    layers_of: Callable[[torch.nn.Module], torch.nn.Module],
+    run: Callable[[torch.nn.Module, Sequence[str]], object],
+    calibration_texts: Sequence[str],
+) -> tuple[torch.nn.Module, torch.nn.Module, dict[str, torch.Tensor]]:
+    """``copy`` (the model's own copy, to be quantized), its transformer layers
+    (``layers_of``) and their linear layers' input ranges while ``run`` embeds
+    ``calibration_texts`` through it: what both int8 paths smooth with."""
+    layers = layers_of(copy)
+    ranges = input_ranges(layers, lambda texts: run(copy, texts), calibration_texts)
+    return copy, layers, ranges
+
+
 def build_int8(
     model: torch.nn.Module,
     layers_of: Callable[[torch.nn.Module], torch.nn.Module],
@@ -197,9 +211,9 @@ def build_int8(
     the input ranges of its transformer layers (``layers_of``) while ``run`` embeds
     ``calibration_texts`` through the copy before it is quantized. ``compiled=False``: eager
     (slow; for parity checks without a compile)."""
-    int8_model = hook_free_copy(model)
-    layers = layers_of(int8_model)
-    ranges = input_ranges(layers, lambda texts: run(int8_model, texts), calibration_texts)
+    int8_model, layers, ranges = calibrated_copy(
+        hook_free_copy(model), layers_of, run, calibration_texts
+    )
     swapped = quantize_layers(layers, ranges, kept=kept)
     log.info(
         "int8 copy made",
@@ -250,9 +264,9 @@ def build_dynamic_int8(
     """A float32 copy of ``model`` whose transformer linear layers (all but ``kept``) are
     PyTorch dynamic int8 ones, smoothed with the ranges seen while ``run`` embeds
     ``calibration_texts`` (``run`` takes the copy and computes in float32 around it)."""
-    int8_model = hook_free_copy(model).float()
-    layers = layers_of(int8_model)
-    ranges = input_ranges(layers, lambda texts: run(int8_model, texts), calibration_texts)
+    int8_model, layers, ranges = calibrated_copy(
+        hook_free_copy(model).float(), layers_of, run, calibration_texts
+    )
     swapped = 0
     for name, module in list(layers.named_modules()):
         if not isinstance(module, torch.nn.Linear) or any(k in name for k in kept):

@@ -257,9 +257,7 @@ def _read_sparse_encoder(
             f"supported: {SPLADE_STRATEGIES} and {SPLADE_ACTIVATIONS}"
         )
     return ModelSpec(
-        transformer_dir=transformer["transformer_dir"],
-        max_seq_length=transformer["max_seq_length"],
-        do_lower_case=transformer["do_lower_case"],
+        **transformer,
         prompts=prompts,
         default_prompt_name=default_prompt,
         representation="sparse",
@@ -296,9 +294,7 @@ def _read_cross_encoder(
             f"{model_dir}: activation_fn {activation!r} is not a torch.nn class"
         )
     return ModelSpec(
-        transformer_dir=transformer["transformer_dir"],
-        max_seq_length=transformer["max_seq_length"],
-        do_lower_case=transformer["do_lower_case"],
+        **transformer,
         prompts=prompts,
         default_prompt_name=default_prompt,
         representation="rerank",

@@ -15,7 +15,7 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel
 
 from embedfleet.gateway.batches import ENDPOINT, BatchRunner, BatchStore, new_batch
-from embedfleet.gateway.errors import APIError
+from embedfleet.gateway.errors import APIError, retry_later
 from embedfleet.gateway.files import FileStore, bounded_lines
 from embedfleet.gateway.state import GatewayDep
 from embedfleet.shared.settings import Settings
@@ -245,13 +245,12 @@ async def create_batch(
     )
     limit = settings.batch_max_active_per_owner
     if not await store.create(batch, lines, owner, output_expiry_s, max_active=limit):
-        raise APIError(
+        raise retry_later(
             429,
             f"this API key already has {limit} batches running "
             "(EMBEDFLEET_BATCH_MAX_ACTIVE_PER_OWNER); wait for one to end or cancel one",
-            type="rate_limit_error",
-            code="too_many_active_batches",
-            headers={"Retry-After": str(settings.gateway_retry_after_s)},
+            "too_many_active_batches",
+            settings.gateway_retry_after_s,
         )
     runner.wake.set()
     return batch

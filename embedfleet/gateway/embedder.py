@@ -19,7 +19,7 @@ from typing import Literal, TypeVar
 import numpy as np
 import redis.asyncio as aioredis
 
-from embedfleet.gateway.errors import APIError, overloaded
+from embedfleet.gateway.errors import APIError, overloaded, retry_later
 from embedfleet.gateway.metrics import GatewayMetrics
 from embedfleet.producer.client import EmbeddingOptions, Producer, QueryTimeoutError
 from embedfleet.shared.protocol import QueryFailedError, SparseVector
@@ -69,12 +69,8 @@ class WorkerHeartbeats:
 
     async def require_worker(self) -> None:
         if await self.live_workers() == 0:
-            raise APIError(
-                503,
-                self.none_alive(),
-                type="server_error",
-                code="no_worker",
-                headers={"Retry-After": str(self.settings.gateway_retry_after_s)},
+            raise retry_later(
+                503, self.none_alive(), "no_worker", self.settings.gateway_retry_after_s
             )
 
 

@@ -62,14 +62,20 @@ class APIError(Exception):
         self.headers = headers or {}
 
 
-def overloaded(message: str, retry_after_s: int) -> APIError:
+def retry_later(status: int, message: str, code: str, retry_after_s: int) -> APIError:
+    """A refusal the client should send again after ``retry_after_s`` (its Retry-After header):
+    429 is OpenAI's ``rate_limit_error``, any other status (503) a ``server_error``."""
     return APIError(
-        429,
+        status,
         message,
-        type="rate_limit_error",
-        code="rate_limit_exceeded",
+        type="rate_limit_error" if status == 429 else "server_error",
+        code=code,
         headers={"Retry-After": str(retry_after_s)},
     )
+
+
+def overloaded(message: str, retry_after_s: int) -> APIError:
+    return retry_later(429, message, "rate_limit_exceeded", retry_after_s)
 
 
 def tei_status(error: APIError) -> int:
@@ -154,13 +160,12 @@ async def redis_error_handler(request: Request, error: Exception) -> JSONRespons
     fault = classify(error)
     settings = request.app.state.gateway.settings
     if fault.kind is FaultKind.TRANSIENT:
-        api_error = APIError(
+        api_error = retry_later(
             503,
             f"the queue (Redis) is unavailable ({fault.detail}); retry after the Retry-After "
             "seconds",
-            type="server_error",
-            code="queue_unavailable",
-            headers={"Retry-After": str(settings.gateway_retry_after_s)},
+            "queue_unavailable",
+            settings.gateway_retry_after_s,
         )
     else:
         api_error = APIError(

@@ -29,7 +29,7 @@ from fastapi import Depends, Request
 
 from embedfleet.gateway.auth import KeyChecker
 from embedfleet.gateway.embedder import Embedder, WorkerHeartbeats
-from embedfleet.gateway.errors import APIError
+from embedfleet.gateway.errors import APIError, retry_later
 from embedfleet.gateway.metrics import GatewayMetrics
 from embedfleet.producer.client import EmbeddingOptions, Producer
 from embedfleet.producer.tokens import ModelTokenizer
@@ -106,14 +106,13 @@ class Gateway:
         """The card, or 503 ``no_model_card`` with Retry-After: no worker has started yet."""
         card = await self.model_card()
         if card is None:
-            raise APIError(
+            raise retry_later(
                 503,
                 "no worker has published the model's facts yet (dimension, maximum length); "
                 "they come with the first worker to start: retry after the Retry-After seconds. "
                 f"Check: redis-cli HGETALL {self.settings.keys.model}",
-                type="server_error",
-                code="no_model_card",
-                headers={"Retry-After": str(self.settings.gateway_retry_after_s)},
+                "no_model_card",
+                self.settings.gateway_retry_after_s,
             )
         return card
 

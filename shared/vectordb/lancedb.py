@@ -82,6 +82,56 @@ def stored_format(schema: pa.Schema) -> tuple[str, int]:
     return str(field.type.value_type.to_pandas_dtype().__name__), field.type.list_size
 
 
+def arrow_rows(backend: VectorBackend, results: Sequence[Result], schema: pa.Schema) -> pa.Table:
+    """``results`` as rows of ``schema`` (a ``lance_schema``), vectors in its precision: what a
+    LanceDB upsert and a Parquet shard both write. A ValueError names a row of another
+    precision or dimension."""
+    import pyarrow as pa
+
+    vector_type = schema.field(VECTOR_COLUMN).type
+    dtype, dim = stored_format(schema)
+    if dtype in FLOAT_DTYPES:
+        vectors = backend.float_vectors(results, vector_type.value_type.to_pandas_dtype(), dim)
+    else:
+        vectors = backend.quantized_vectors(results, dtype, dim)
+    columns: dict[str, Any] = {
+        "id": [r.id for r in results],
+        VECTOR_COLUMN: pa.FixedSizeListArray.from_arrays(
+            pa.array(vectors.reshape(-1), type=vector_type.value_type), vector_type.list_size
+        ),
+        "job": [r.job for r in results],
+        "model": [r.model for r in results],
+        "truncated": [r.truncated for r in results],
+        "meta": [meta_to_json(r.meta) for r in results],
+        "text": [backend.stored_text(r) for r in results],
+    }
+    return pa.table(columns, schema=schema)
+
+
+def vector_matrix(table: pa.Table) -> np.ndarray:
+    """The vector column of ``table`` as one (rows, width) array, in its stored type (floats,
+    codes, or packed bits)."""
+    width = table.schema.field(VECTOR_COLUMN).type.list_size
+    flat = table[VECTOR_COLUMN].combine_chunks().flatten().to_numpy(zero_copy_only=False)
+    return np.asarray(flat).reshape(-1, width)
+
+
+def row_columns(schema: pa.Schema) -> list[str]:
+    """The row fields a table of ``schema`` has (one from before texts were stored has none)."""
+    return [name for name in ROW_FIELDS if name in schema.names]
+
+
+def top_hits(backend: VectorBackend, table: pa.Table, scores: np.ndarray, k: int) -> list[Hit]:
+    """The ``k`` rows of ``table`` with the highest ``scores`` (one per row), best first, ties
+    in row order: an exact scan's answer."""
+    best = np.argsort(-scores, kind="stable")[:k]
+    rows = table.take(best).select(row_columns(table.schema)).to_pylist()
+    return [
+        backend.hit(row, meta_from_json(row["meta"]), float(scores[i]))
+        for i, row in zip(best, rows, strict=True)
+    ]
+
+
 def _vector_search(table: Table, query: np.ndarray) -> LanceVectorQueryBuilder:
     """``table.search`` for a vector, typed as the vector query it is: the abstract
     ``Table.search`` is typed as returning any ``LanceQueryBuilder``, which has no
@@ -146,33 +196,11 @@ class LanceDBBackend(VectorBackend):
             self._table.merge_insert("id")
             .when_matched_update_all()
             .when_not_matched_insert_all()
-            .execute(self._arrow(results, self._schema))
+            .execute(arrow_rows(self, results, self._schema))
         )
         self._writes += 1
         if self._writes % COMPACT_EVERY == 0:
             self._compact()
-
-    def _arrow(self, results: Sequence[Result], schema: pa.Schema) -> pa.Table:
-        import pyarrow as pa
-
-        vector_type = schema.field(VECTOR_COLUMN).type
-        dtype, dim = stored_format(schema)
-        if dtype in FLOAT_DTYPES:
-            vectors = self.float_vectors(results, vector_type.value_type.to_pandas_dtype(), dim)
-        else:
-            vectors = self.quantized_vectors(results, dtype, dim)
-        columns: dict[str, Any] = {
-            "id": [r.id for r in results],
-            VECTOR_COLUMN: pa.FixedSizeListArray.from_arrays(
-                pa.array(vectors.reshape(-1), type=vector_type.value_type), vector_type.list_size
-            ),
-            "job": [r.job for r in results],
-            "model": [r.model for r in results],
-            "truncated": [r.truncated for r in results],
-            "meta": [meta_to_json(r.meta) for r in results],
-            "text": [self.stored_text(r) for r in results],
-        }
-        return pa.table(columns, schema=schema)
 
     def _compact(self) -> None:
         # Best effort: the rows are already durable; a failed compaction (say, racing another
@@ -202,10 +230,6 @@ class LanceDBBackend(VectorBackend):
                 raise self.not_written_yet() from None
         return self._table
 
-    def _columns(self, table: Table) -> list[str]:
-        """The row fields this table has (one from before texts were stored has no text)."""
-        return [name for name in ROW_FIELDS if name in table.schema.names]
-
     def vector_format(self) -> tuple[str, int]:
         return stored_format(self._opened().schema)
 
@@ -221,7 +245,7 @@ class LanceDBBackend(VectorBackend):
             _vector_search(table, query)
             .distance_type("cosine")
             .limit(k)
-            .select([*self._columns(table), "_distance"])
+            .select([*row_columns(table.schema), "_distance"])
             .to_list()
         )
         return [
@@ -240,7 +264,7 @@ class LanceDBBackend(VectorBackend):
             # binary vectors too
             .distance_type("hamming")  # type: ignore[arg-type]
             .limit(k * RESCORE_MULTIPLIER)
-            .select([*self._columns(table), VECTOR_COLUMN])
+            .select([*row_columns(table.schema), VECTOR_COLUMN])
             .to_list()
         )
         if not rows:
@@ -255,15 +279,7 @@ class LanceDBBackend(VectorBackend):
         data = table.to_arrow()
         if data.num_rows == 0:
             return []
-        width = data.schema.field(VECTOR_COLUMN).type.list_size
-        flat = data[VECTOR_COLUMN].combine_chunks().flatten().to_numpy(zero_copy_only=False)
-        scores = rescore_codes(query, flat.reshape(-1, width))
-        best = np.argsort(-scores, kind="stable")[:k]
-        rows = data.take(best).select(self._columns(table)).to_pylist()
-        return [
-            self.hit(row, meta_from_json(row["meta"]), float(scores[i]))
-            for i, row in zip(best, rows, strict=True)
-        ]
+        return top_hits(self, data, rescore_codes(query, vector_matrix(data)), k)
 
     def build_index(self, *, force: bool = False) -> list[str]:
         from lancedb.index import BTree, IvfHnswSq
@@ -301,10 +317,8 @@ class LanceDBBackend(VectorBackend):
         if job is not None:
             data = data.filter(pc.equal(data["job"], job))
         data = data.sort_by("id")
-        width = data.schema.field(VECTOR_COLUMN).type.list_size
-        vectors = data[VECTOR_COLUMN].combine_chunks().flatten().to_numpy(zero_copy_only=False)
-        vectors = vectors.reshape(-1, width)  # floats become float16 in stored(); codes stay
-        columns = data.select(self._columns(table)).to_pylist()
+        vectors = vector_matrix(data)  # floats become float16 in stored(); codes stay
+        columns = data.select(row_columns(table.schema)).to_pylist()
         return [
             self.stored(row, meta_from_json(row["meta"]), vectors[i])
             for i, row in enumerate(columns)

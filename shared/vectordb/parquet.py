@@ -54,16 +54,21 @@ from embedfleet.shared.vectordb.backend import (
     BINARY_DTYPES,
     DEFAULT_DTYPE,
     FLOAT_DTYPES,
-    ROW_FIELDS,
     SinkSetupError,
     VectorBackend,
     VectorDBError,
     meta_from_json,
-    meta_to_json,
     rescore_binary,
     rescore_codes,
 )
-from embedfleet.shared.vectordb.lancedb import VECTOR_COLUMN, lance_schema, stored_format
+from embedfleet.shared.vectordb.lancedb import (
+    arrow_rows,
+    lance_schema,
+    row_columns,
+    stored_format,
+    top_hits,
+    vector_matrix,
+)
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -228,27 +233,7 @@ class ParquetBackend(VectorBackend):
     def rows(self, results: Sequence[Result]) -> pa.Table:
         """The results as a shard's rows; a ValueError names a row of another precision or
         dimension (the worker dead-letters it alone)."""
-        import pyarrow as pa
-
-        schema = self._written_schema()
-        vector_type = schema.field(VECTOR_COLUMN).type
-        dtype, dim = stored_format(schema)
-        if dtype in FLOAT_DTYPES:
-            vectors = self.float_vectors(results, vector_type.value_type.to_pandas_dtype(), dim)
-        else:
-            vectors = self.quantized_vectors(results, dtype, dim)
-        columns: dict[str, Any] = {
-            "id": [r.id for r in results],
-            VECTOR_COLUMN: pa.FixedSizeListArray.from_arrays(
-                pa.array(vectors.reshape(-1), type=vector_type.value_type), vector_type.list_size
-            ),
-            "job": [r.job for r in results],
-            "model": [r.model for r in results],
-            "truncated": [r.truncated for r in results],
-            "meta": [meta_to_json(r.meta) for r in results],
-            "text": [self.stored_text(r) for r in results],
-        }
-        return pa.table(columns, schema=schema)
+        return arrow_rows(self, results, self._written_schema())
 
     def write_shard(self, tables: Sequence[pa.Table], writer: str) -> Manifest:
         """Store ``tables`` as one shard, atomically, then its manifest; durable on return.
@@ -402,7 +387,7 @@ class ParquetBackend(VectorBackend):
             return []
         dtype, dim = stored_format(table.schema)
         query = np.asarray(vector, np.float32).reshape(-1)
-        stored = _vectors(table)
+        stored = vector_matrix(table)
         if dtype in BINARY_DTYPES:
             scores = rescore_binary(query, stored, dim)
         elif dtype in FLOAT_DTYPES:
@@ -411,12 +396,7 @@ class ParquetBackend(VectorBackend):
             scores = floats @ query / np.maximum(norms, 1e-12)
         else:
             scores = rescore_codes(query, stored)
-        best = np.argsort(-scores, kind="stable")[:k]
-        rows = table.take(best).select(self._columns(table)).to_pylist()
-        return [
-            self.hit(row, meta_from_json(row["meta"]), float(scores[i]))
-            for i, row in zip(best, rows, strict=True)
-        ]
+        return top_hits(self, table, scores, k)
 
     def build_index(self, *, force: bool = False) -> list[str]:
         files = self.shard_files()
@@ -432,18 +412,9 @@ class ParquetBackend(VectorBackend):
         if job is not None:
             table = table.filter(pc.equal(table["job"], job))
         table = table.sort_by("id")
-        vectors = _vectors(table)
-        columns = table.select(self._columns(table)).to_pylist()
+        vectors = vector_matrix(table)
+        columns = table.select(row_columns(table.schema)).to_pylist()
         return [
             self.stored(row, meta_from_json(row["meta"]), vectors[i])
             for i, row in enumerate(columns)
         ]
-
-    def _columns(self, table: pa.Table) -> list[str]:
-        return [name for name in ROW_FIELDS if name in table.schema.names]
-
-
-def _vectors(table: pa.Table) -> np.ndarray:
-    width = table.schema.field(VECTOR_COLUMN).type.list_size
-    flat = table[VECTOR_COLUMN].combine_chunks().flatten().to_numpy(zero_copy_only=False)
-    return np.asarray(flat).reshape(-1, width)
