@@ -429,6 +429,11 @@ def encode_results(results: Sequence[Result]) -> list[bytes]:
     shared: dict[tuple[str, int, str], bytes] = {}
     payloads: list[bytes] = []
     for result in results:
+        if result.sparse is not None or result.score is not None:
+            # the representations beyond a dense vector take encode_result's own path, so the
+            # field list has one owner and a field added there is never dropped here
+            payloads.append(encode_result(result))
+            continue
         dim = result.dim
         key = (result.model, dim, result.dtype)
         middle = shared.get(key)

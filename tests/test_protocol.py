@@ -20,6 +20,7 @@ from embedfleet.shared.protocol import (
     ProtocolError,
     QueryFailedError,
     Result,
+    SparseVector,
     chunk_from_mapping,
     decode_chunk,
     decode_result,
@@ -285,3 +286,21 @@ def test_results_packed_as_a_batch_are_the_same_bytes(
         for i, job, flag, meta, dtype in rows
     ]
     assert encode_results(results) == [encode_result(result) for result in results]
+
+
+def test_results_packed_as_a_batch_keep_sparse_vectors_and_scores() -> None:
+    """The representations beyond a dense vector (a SPLADE row, a rerank score) survive the
+    batch packing the Redis sink uses, beside dense rows in the same batch."""
+    sparse = SparseVector(
+        indices=np.array([3, 17], dtype="<u4"), values=np.array([0.5, 1.25], dtype="<f4"), dim=30
+    )
+    results = [
+        Result(id="dense", job=None, model="m", vector=np.arange(4, dtype="<f2")),
+        Result(id="sparse", job="j", model="m", vector=np.zeros(0, dtype="<f2"), sparse=sparse),
+        Result(id="score", job="j", model="m", vector=np.zeros(0, dtype="<f2"), score=0.75),
+    ]
+    payloads = encode_results(results)
+    assert payloads == [encode_result(result) for result in results]
+    decoded = [decode_result(payload) for payload in payloads]
+    assert decoded[1].sparse is not None and decoded[1].sparse.indices.tolist() == [3, 17]
+    assert decoded[1].sparse.values.tolist() == [0.5, 1.25] and decoded[2].score == 0.75
