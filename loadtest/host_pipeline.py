@@ -42,6 +42,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -86,21 +87,31 @@ FILL_PIPELINE = 2000  # XADDs per round trip when filling the ingest stream
 
 
 def masked_window_plan(
-    lengths: Sequence[int], token_budget: int, max_batch: int
+    lengths: Sequence[int],
+    token_budget: int,
+    max_batch: int,
+    *,
+    batch_cost_tokens: int = BATCH_COST_TOKENS,
+    max_texts: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> list[PlannedBatch]:
     """``plan_batches`` as it was before issue 29 (each step costs every cut of the window, those
-    over the budget set to infinity): the "before" path, and the reference the faster programme
-    is tested against (tests/test_batcher.py)."""
+    over the budget, or over ``max_texts`` for their width, set to infinity): the "before" path,
+    and the reference the faster programme is tested against (tests/test_batcher.py). It takes
+    plan_batches' arguments, so the worker can call either."""
     order = sorted(range(len(lengths)), key=lambda position: lengths[position], reverse=True)
     ordered = np.array([lengths[p] for p in order], dtype=np.int64)
+    cap = None if max_texts is None else np.asarray(max_texts(ordered), dtype=np.int64)
     best = np.full(len(ordered) + 1, np.inf)
     best[0] = 0.0
     start = np.zeros(len(ordered) + 1, dtype=np.int64)
     for end in range(1, len(ordered) + 1):
         first = max(0, end - max_batch)
         sizes = end - np.arange(first, end)
-        cost = best[first:end] + sizes * ordered[first:end] + BATCH_COST_TOKENS
-        cost[(sizes * ordered[first:end] > token_budget) & (sizes > 1)] = np.inf
+        cost = best[first:end] + sizes * ordered[first:end] + batch_cost_tokens
+        over = sizes * ordered[first:end] > token_budget
+        if cap is not None:
+            over |= sizes > cap[first:end]
+        cost[over & (sizes > 1)] = np.inf
         pick = int(np.argmin(cost))
         best[end], start[end] = cost[pick], first + pick
     batches: list[PlannedBatch] = []
@@ -266,7 +277,13 @@ async def run_child(stats: Path, path: str) -> None:
         return
     clock.start()
     running = asyncio.ensure_future(worker.run())
-    await loop.run_in_executor(None, sys.stdin.readline)  # "stop" (or the parent gone)
+    stop = loop.run_in_executor(None, sys.stdin.readline)  # "stop" (or the parent gone)
+    await asyncio.wait({running, stop}, return_when=asyncio.FIRST_COMPLETED)
+    if running.done():  # the worker ended before the parent said stop: it failed
+        traceback.print_exception(running.exception() or RuntimeError("worker ended early"))
+        # the stdin reader thread is still blocked: leave without joining it, so the parent
+        # sees the exit (and says so) instead of waiting on results that never come
+        os._exit(1)
     worker.drain()
     await running
     stats.write_text(json.dumps(clock.report()))
