@@ -616,6 +616,10 @@ def main(
             )
         if not only or "fleet auto" in only:
             contenders.append(Contender("fleet auto", auto_label, lambda n: fleet_run(auto, n)))
+        if "fleet auto unsliced" in only:  # the same, bulk batches not sized to the slice
+            contenders.append(
+                Contender("fleet auto unsliced", auto_label, lambda n: fleet_run(auto, n, 0))
+            )
         if "fleet auto bf16" in only and auto_label == "int8":
             # EMBEDFLEET_CPU_INT8=false: the bf16 frozen copy, as before int8 was the default
             bf16_copy = Encoder(device=device, dtype="auto", threads=threads)

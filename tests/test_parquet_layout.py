@@ -19,7 +19,7 @@ import pytest
 from embedfleet.shared.protocol import Result
 from embedfleet.shared.settings import SettingsError, load_settings
 from embedfleet.shared.vectordb import open_backend, parse_sink_url
-from embedfleet.shared.vectordb.parquet import ParquetBackend
+from embedfleet.shared.vectordb.parquet import STALE_TEMPORARY_S, ParquetBackend
 
 
 def read_dataset(path: str) -> Any:
@@ -78,6 +78,14 @@ def test_a_shard_write_that_dies_before_its_rename_leaves_nothing_visible(
     assert [m.rows for m in backend.manifests()] == [10, 10]
     assert len([p for p in root.iterdir() if p.name.endswith(".tmp")]) == 1
     assert read_dataset(str(root)).num_rows == 20
+    # the next writer to start there removes it once it is old enough to have no writer left
+    stale = root / leftovers[0]
+    backend.setup("m", 8)
+    assert stale.exists()  # fresh: a live writer may be about to rename it
+    old = stale.stat().st_mtime - STALE_TEMPORARY_S - 1
+    os.utime(stale, (old, old))
+    open_backend(parse_sink_url(f"parquet://{root}")).setup("m", 8)
+    assert not stale.exists() and read_dataset(str(root)).num_rows == 20
 
 
 def test_the_reader_keeps_the_last_row_per_id(tmp_path: Path) -> None:

@@ -37,9 +37,11 @@ such an id twice (docs/SINKS.md shows the query that keeps one).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -82,6 +84,8 @@ log = get_logger("embedfleet.sink")
 MANIFESTS = "_manifests"
 SHARD_SUFFIX = ".parquet"
 MANIFEST_FORMAT = 1
+# a temporary shard file this old has no writer left (a live write renames it within seconds)
+STALE_TEMPORARY_S = 15 * 60.0
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 # Words of the AWS SDK's errors (pyarrow raises them as OSError with the SDK's text) that mean
 # the store is away or busy for now, not refusing us for good.
@@ -204,6 +208,7 @@ class ParquetBackend(VectorBackend):
         try:
             if self.local:
                 os.makedirs(os.path.join(root, MANIFESTS), exist_ok=True)
+                self.remove_stale_temporaries(root)
             else:
                 bucket = root.split("/")[0]
                 if fs.get_file_info(bucket).type == pafs.FileType.NotFound:
@@ -307,6 +312,26 @@ class ParquetBackend(VectorBackend):
 
     def close(self) -> None:
         self._fs = None
+
+    @staticmethod
+    def remove_stale_temporaries(root: str, older_than_s: float = STALE_TEMPORARY_S) -> list[str]:
+        """Delete the ``.<name>.tmp`` files a writer killed mid-write left in ``root`` and its
+        manifests folder (a live write renames its file within seconds; one older than
+        ``older_than_s`` has no writer left). Returns the paths removed."""
+        removed: list[str] = []
+        cutoff = time.time() - older_than_s
+        for folder in (root, os.path.join(root, MANIFESTS)):
+            with contextlib.suppress(FileNotFoundError):
+                for entry in os.scandir(folder):
+                    if not (entry.name.startswith(".") and entry.name.endswith(".tmp")):
+                        continue
+                    with contextlib.suppress(FileNotFoundError):
+                        if entry.stat().st_mtime < cutoff:
+                            os.remove(entry.path)
+                            removed.append(entry.path)
+        if removed:
+            log.info("removed stale temporary shard files", files=len(removed), folder=root)
+        return removed
 
     # --- reading ---------------------------------------------------------------------------
     def shard_files(self) -> list[str]:
