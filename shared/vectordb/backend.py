@@ -180,7 +180,7 @@ class VectorBackend(contextlib.AbstractContextManager["VectorBackend"], abc.ABC)
 
     def resolve(self) -> str:
         """The table ``target.table`` names now: itself, or the table the alias points at."""
-        raise self.no_migrations()
+        return self.target.table
 
     def point_alias(self, alias: str) -> None:
         """Point the reader name ``alias`` at this table in one atomic step, creating it if
