@@ -341,7 +341,9 @@ async def copy(
                 if not differ:
                     report.verified = True
                     break
-                await producer.enqueue(differ)
+                # force: a chunk whose first copy was lost (dead-lettered, a table wiped) has
+                # the same payload, which its job's id record would skip
+                await producer.enqueue(differ, force=True)
                 report.resent += len(differ)
                 await client.hincrby(key, m.RESENT, len(differ))
             else:

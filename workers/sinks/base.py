@@ -233,9 +233,11 @@ class DatabaseSink(Sink):
             await self._blocking(self.backend.upsert, rows)
         # a live migration of this table (shared/migrations.py): read after the upsert, so a
         # row the migration's scan may have missed is copied to the new model's lane
-        dual = await dual_write_of(self.client, self.keys, self.backend.target.table)
+        dual = (
+            await dual_write_of(self.client, self.keys, self.backend.target.table) if rows else None
+        )
         pipe = acknowledgement_pipeline(self.client, self.keys)
-        if dual is not None and rows:
+        if dual is not None:
             queue_copies(pipe, dual, rows)
         queue_acknowledgements(pipe, self.keys, deliveries, counter="done")
         await pipe.execute()
