@@ -153,6 +153,8 @@ async def test_a_live_index_moves_to_another_model(
     kind: str, request: pytest.FixtureRequest, tmp_path: Path, redis_server: Any
 ) -> None:
     url = sink_url(kind, request, tmp_path)
+    suffix = os.urandom(3).hex()  # PostgreSQL's tables outlive a test: names of its own
+    a_table, b_table, alias = f"emb_a_{suffix}", f"emb_b_{suffix}", f"emb_live_{suffix}"
     base = isolated_settings(
         redis_server.url,
         sink=url,
@@ -161,16 +163,16 @@ async def test_a_live_index_moves_to_another_model(
         frozen_bulk=False,
         backlog_high_water=HIGH_WATER,
     )
-    a = base.model_copy(update={"sink_table": "emb_a"})
+    a = base.model_copy(update={"sink_table": a_table})
     b = base.model_copy(
-        update={"sink_table": "emb_b", "model_lane": LANE, "model": str(tiny_model_dir())}
+        update={"sink_table": b_table, "model_lane": LANE, "model": str(tiny_model_dir())}
     )
-    reader = base.model_copy(update={"sink_table": "emb_live"})
-    target = parse_sink_url(url, "emb_a")
+    reader = base.model_copy(update={"sink_table": alias})
+    target = parse_sink_url(url, a_table)
     env = cli_env(
         a,
         EMBEDFLEET_SINK=url,
-        EMBEDFLEET_SINK_TABLE="emb_a",
+        EMBEDFLEET_SINK_TABLE=a_table,
         EMBEDFLEET_BACKLOG_HIGH_WATER=str(HIGH_WATER),
         EMBEDFLEET_LOG_LEVEL="warning",
     )
@@ -195,19 +197,17 @@ async def test_a_live_index_moves_to_another_model(
                 a,
                 client,
                 target,
-                source="emb_a",
-                target="emb_b",
+                source=a_table,
+                target=b_table,
                 target_lane=LANE,
-                alias="emb_live",
+                alias=alias,
             )
-            loop = QueryLoop(
-                reader, parse_sink_url(url, "emb_live"), {c.id: c.text for c in corpus}
-            )
+            loop = QueryLoop(reader, parse_sink_url(url, alias), {c.id: c.text for c in corpus})
             queries = asyncio.create_task(loop.run())
             await loop.until_answers_after(0.0)
 
             # the copy, killed midway: it waits at the backlog mark, B's workers not up yet
-            key = a.keys.migration("emb_a")
+            key = a.keys.migration(a_table)
 
             async def at_the_mark() -> bool:
                 return int(await client.hget(key, records.SCANNED) or 0) >= HIGH_WATER
@@ -256,7 +256,7 @@ async def test_a_live_index_moves_to_another_model(
                 assert copied["rows_per_s"] > 0 and copied["tokens"] > 0
 
                 status = await asyncio.to_thread(invoke, env, "migrate", "status")
-                assert status["state"] == "copied" and status["alias_points_at"] == "emb_a"
+                assert status["state"] == "copied" and status["alias_points_at"] == a_table
                 assert status["dual_write"] and status["seconds_left"] == 0
 
                 queries_file = tmp_path / "queries.jsonl"
@@ -271,9 +271,9 @@ async def test_a_live_index_moves_to_another_model(
 
                 steps: list[tuple[float, float]] = []  # (began, returned) of each reader step
                 for verb, points_at in (
-                    ("switch", "emb_b"),
-                    ("rollback", "emb_a"),
-                    ("switch", "emb_b"),
+                    ("switch", b_table),
+                    ("rollback", a_table),
+                    ("switch", b_table),
                 ):
                     began = time.monotonic()
                     pointed = await asyncio.to_thread(invoke, env, "migrate", verb)
@@ -291,17 +291,17 @@ async def test_a_live_index_moves_to_another_model(
                 await queries
 
                 everything = {c.id: c.text for c in [*corpus, *live, *later]}
-                for table, model in (("emb_a", model_a), ("emb_b", model_b)):
+                for table, model in ((a_table, model_a), (b_table, model_b)):
                     stored = await asyncio.to_thread(rows_of, target, table)
                     assert len(stored) == len({row[0] for row in stored}), table  # once each
                     assert {row[0]: row[1] for row in stored} == everything, table
                     assert {row[2] for row in stored} == {model}, table
 
                 finished = await asyncio.to_thread(invoke, env, "migrate", "finish", "--drop-old")
-                assert finished["dropped"] == "emb_a" and not finished["dual_write"]
+                assert finished["dropped"] == a_table and not finished["dual_write"]
                 with pytest.raises(VectorDBError):
-                    await asyncio.to_thread(rows_of, target, "emb_a")
-                hits = await search(reader, parse_sink_url(url, "emb_live"), corpus[0].text, 1, 30)
+                    await asyncio.to_thread(rows_of, target, a_table)
+                hits = await search(reader, parse_sink_url(url, alias), corpus[0].text, 1, 30)
                 assert hits[0].id == corpus[0].id and hits[0].model == model_b
     finally:
         await client.aclose()
