@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+from tqdm import tqdm
 
 from embedfleet.producer import migration as mig
 from embedfleet.producer.waiting import (
@@ -36,6 +38,7 @@ from embedfleet.shared.vectordb import (
 )
 
 T = TypeVar("T")
+ESTIMATE_EVERY_S = 10.0  # how often `migrate start` prints the time and tokens left
 
 table_option = click.option(
     "--table",
@@ -159,9 +162,13 @@ def start_command(
             settings, client, sink, source=source, target=to_table, target_lane=to_lane, alias=alias
         )
         with Progress("migrate", "rows") as bar:
+            said = [time.monotonic()]
 
             def show(estimate: mig.Estimate) -> None:
                 bar.set(estimate.done, total=estimate.total)
+                if time.monotonic() - said[0] >= ESTIMATE_EVERY_S:  # above the bar, or logged
+                    said[0] = time.monotonic()
+                    tqdm.write(estimate.describe(), file=sys.stderr)
 
             report = await mig.copy(
                 migration,

@@ -329,7 +329,7 @@ async def copy(
             total = await asyncio.to_thread(source.count_rows)
             await client.hset(key, m.TOTAL, str(total))
             report = CopyReport(total=total)
-            monitor = _Monitor(migration, total, meter, on_progress)
+            monitor = _Monitor(migration, client, total, meter, on_progress)
             await monitor.tick(force=True)
             if migration.record.get(m.SCAN_DONE) != "1":
                 report.enqueued = await _scan(
@@ -419,11 +419,13 @@ class _Monitor:
     def __init__(
         self,
         migration: Migration,
+        client: aioredis.Redis,
         total: int,
         meter: TokenMeter,
         on_progress: Callable[[Estimate], None] | None,
     ) -> None:
         self.migration = migration
+        self.client = client
         self.total = total
         self.meter = meter
         self.on_progress = on_progress
@@ -442,6 +444,12 @@ class _Monitor:
             self._first = (now, self.done)
         elif now > self._first[0]:
             self.rate = (self.done - self._first[1]) / (now - self._first[0])
+            # for `embedfleet migrate status` in another shell: the rate as measured now
+            await self.client.hset(
+                self.migration.settings.keys.migration(self.migration.source),
+                m.ROWS_PER_S,
+                f"{self.rate:.3f}",
+            )
         if self.on_progress is not None:
             per_row = self.meter.per_row or float(
                 self.migration.record.get(m.TOKENS_PER_ROW) or 0.0
