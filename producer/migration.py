@@ -186,7 +186,7 @@ async def start(
     pipe = client.pipeline(transaction=True)
     pipe.delete(key)
     # the dual write is on before the first page is read (shared/migrations.py says why)
-    pipe.hset(key, mapping={**record, m.DUAL_WRITE: "1"})
+    pipe.hset(key, mapping=m.as_mapping({**record, m.DUAL_WRITE: "1"}))
     pipe.hset(
         settings.keys.table_lanes,
         mapping={source: record[m.SOURCE_LANE], target: record[m.TARGET_LANE]},
@@ -365,7 +365,7 @@ async def copy(
     }
     if report.verified:
         fields |= {m.STATE: "copied", m.COPIED_MS: str(int(time.time() * 1000))}
-    await client.hset(key, mapping=fields)
+    await client.hset(key, mapping=m.as_mapping(fields))
     migration.record.update(fields)
     return report
 
@@ -398,7 +398,7 @@ async def _scan(
             fields[m.SCAN_DONE] = "1"
         if meter.per_row:
             fields |= {m.TOKENS_PER_ROW: f"{meter.per_row:.3f}", m.TOKENS_MEASURED: meter.measured}
-        await client.hset(key, mapping=fields)
+        await client.hset(key, mapping=m.as_mapping(fields))
         migration.record.update(fields)
         await monitor.tick()
         if after is None:
@@ -587,7 +587,7 @@ async def lane_of(
     lane = await client.hget(keys.table_lanes, table)
     if lane is None:
         return default
-    return lane.decode() or None
+    return m.text(lane) or None
 
 
 # --- the canary ------------------------------------------------------------------------------
@@ -645,7 +645,7 @@ async def _nearest_all(
         _, dim = await asyncio.to_thread(backend.vector_format)
         options = EmbeddingOptions(dimensions=dim, dtype="float32")
         async with Producer(migration.lane_settings(lane), client) as producer:
-            vectors = []
+            vectors: list[np.ndarray] = []
             for start in range(0, len(texts), 16):  # the query lane takes small requests
                 batch = texts[start : start + 16]
                 vectors.extend(

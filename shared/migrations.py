@@ -61,7 +61,7 @@ async def dual_write_of(client: aioredis.Redis, keys: Keys, table: str) -> DualW
     flag, lane = await client.hmget(keys.migration(table), [DUAL_WRITE, TARGET_LANE])
     if flag != b"1" or lane is None:
         return None
-    return DualWrite(keys.for_model(lane.decode() or None))
+    return DualWrite(keys.for_model(text(lane) or None))
 
 
 def queue_copies(pipe: Any, dual: DualWrite, results: Sequence[Result]) -> int:
@@ -86,11 +86,15 @@ def lane_name(lane: str | None) -> str:
     return lane or ""
 
 
+def text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def decoded(fields: dict[Any, Any]) -> dict[str, str]:
     """HGETALL's answer as text."""
-    return {
-        (k.decode() if isinstance(k, bytes) else str(k)): (
-            v.decode() if isinstance(v, bytes) else str(v)
-        )
-        for k, v in fields.items()
-    }
+    return {text(key): text(value) for key, value in fields.items()}
+
+
+def as_mapping(fields: dict[str, str]) -> dict[Any, Any]:
+    """Record fields as HSET's mapping (redis-py types its keys and values as a union)."""
+    return dict(fields)
