@@ -254,6 +254,11 @@ async def test_a_live_index_moves_to_another_model(
                 assert copied["verified"] and copied["state"] == "copied"
                 assert copied["in_target"] == copied["total"] == len(corpus) + len(live)
                 assert copied["rows_per_s"] > 0 and copied["tokens"] > 0
+                # resumed from the cursor, not from the start (Qdrant scrolls in point-id
+                # order: a new chunk before the cursor came by the dual write alone)
+                resumed_rows = len(corpus) + len(live) - HIGH_WATER
+                assert copied["enqueued"] <= resumed_rows
+                assert kind == "qdrant-local" or copied["enqueued"] == resumed_rows
 
                 status = await asyncio.to_thread(invoke, env, "migrate", "status")
                 assert status["state"] == "copied" and status["alias_points_at"] == a_table
