@@ -13,6 +13,7 @@ from embedfleet.producer.cli import (
     results_command,
 )
 from embedfleet.producer.dead_letter_admin import dead_group
+from embedfleet.producer.migrate_cli import migrate_group
 from embedfleet.producer.plan import plan_command
 from embedfleet.producer.search import index_command, search_command
 from embedfleet.producer.status import status_command
@@ -45,7 +46,7 @@ for command in (
     dead_group,
 ):
     main.add_command(command)
-for command in (search_command, index_command):  # the vector database sinks
+for command in (search_command, index_command, migrate_group):  # the vector database sinks
     main.add_command(command)
 
 

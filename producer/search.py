@@ -8,12 +8,15 @@ vectors; the nearest-neighbour query then goes straight to the database the work
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import time
 
 import click
 import numpy as np
 
 from embedfleet.producer.client import EmbeddingOptions
+from embedfleet.producer.migration import lane_of
 from embedfleet.producer.waiting import (
     client_for,
     json_report_option,
@@ -54,19 +57,34 @@ def _target(verb: str, redis_url: str | None = None) -> tuple[Settings, SinkTarg
 async def search(
     settings: Settings, target: SinkTarget, text: str, k: int, timeout: float
 ) -> list[Hit]:
-    """Embed ``text`` through the fleet's priority lane, then ask the database for ``k``."""
-    with open_backend(target) as backend:
-        # the query as the stored vectors were made: the model's query prompt (the worker's
-        # query lane), the table's dimension (Matryoshka), float32 for the database's own
-        # search or the rescoring of quantized rows
-        _, dim = await asyncio.to_thread(backend.vector_format)
-        options = EmbeddingOptions(dimensions=dim, dtype="float32")
-        producer = client_for(settings)  # not `async with`: the query's timeout bounds its set-up
-        try:
-            vector = await producer.embed_query(text, timeout=timeout, options=options)
-        finally:
+    """Embed ``text`` through the fleet's priority lane, then ask the database for ``k``.
+
+    ``target.table`` may be a reader name (``embedfleet migrate``'s alias): it is resolved to
+    its table once, the query is embedded by the model lane that writes that table
+    (``Keys.table_lanes``) and that table is searched, so a switch between two models' tables
+    gives each query one model's answers, never a mix."""
+    with open_backend(target) as reader:
+        table = await asyncio.to_thread(reader.resolve)
+    producer = client_for(settings)  # not `async with`: the query's timeout bounds its set-up
+    try:
+        lane = await producer.retry.call(
+            "read which model writes the table",
+            lambda: lane_of(producer.client, settings.keys, table, settings.model_lane),
+            deadline=time.monotonic() + timeout,
+        )
+        if lane != settings.model_lane:
             await producer.close()
-        return await asyncio.to_thread(backend.nearest, np.asarray(vector), k)
+            producer = client_for(settings.model_copy(update={"model_lane": lane}))
+        with open_backend(dataclasses.replace(target, table=table)) as backend:
+            # the query as the stored vectors were made: the model's query prompt (the
+            # worker's query lane), the table's dimension (Matryoshka), float32 for the
+            # database's own search or the rescoring of quantized rows
+            _, dim = await asyncio.to_thread(backend.vector_format)
+            options = EmbeddingOptions(dimensions=dim, dtype="float32")
+            vector = await producer.embed_query(text, timeout=timeout, options=options)
+            return await asyncio.to_thread(backend.nearest, np.asarray(vector), k)
+    finally:
+        await producer.close()
 
 
 def snippet(text: str | None, width: int = SNIPPET_CHARS) -> str:

@@ -21,7 +21,8 @@ class ExitCode(IntEnum):
     missing extra, a query the worker rejected, an unknown dead letter (`dead show`), a declined
     `dead purge` prompt; `worker`: a fault permanent for the worker (a model it will not serve
     faithfully, a sink that refuses its credentials or holds another model's table), or a
-    replica that exited on its own (`--replicas`)."""
+    replica that exited on its own (`--replicas`); `migrate start`: the copy could not be
+    verified (run it again); `migrate canary`: a score under `--min-overlap` / `--min-recall`."""
     USAGE = 2
     """A wrong command line: an unknown verb or flag, a missing or malformed argument, a flag
     that applies only with another (`--timeout` without `--wait`)."""

@@ -138,6 +138,22 @@ class Keys:
         by. Fleet-wide: one key whatever the lane or partition."""
         return f"{self.namespace}:models"
 
+    def migration(self, table: str) -> str:
+        """Hash of the live migration of the vector table ``table`` to another model
+        (``embedfleet migrate``, producer/migration.py): the target lane and table, the alias
+        readers follow, the copy's cursor (resumable after a crash) and its measured rates.
+        While it holds ``dual_write``, every database sink writing ``table`` also enqueues what
+        it wrote to the target lane, so new chunks land in both tables. Fleet-wide: one key
+        whatever the lane or partition (read with one HMGET per write)."""
+        return f"{self.namespace}:migration:{table}"
+
+    @property
+    def table_lanes(self) -> str:
+        """Hash of vector table -> the model lane that writes it ('' for the default lane),
+        written by ``embedfleet migrate``: ``embedfleet search`` resolves an alias to its table
+        and embeds the query with that table's model, so a query never mixes two models."""
+        return f"{self.namespace}:tables"
+
     @property
     def _lane_namespace(self) -> str:
         return (

@@ -539,6 +539,7 @@ SLOW_MODULES = frozenset(
         "test_hung_redis",
         "test_int8",
         "test_interactive",
+        "test_migrate",
         "test_ops",
         "test_outputs",
         "test_parquet_sink",

@@ -163,6 +163,40 @@ class VectorBackend(contextlib.AbstractContextManager["VectorBackend"], abc.ABC)
     def export_rows(self, job: str | None = None) -> list[StoredVector]:
         """Every stored row (optionally one job's), one per id, sorted by id."""
 
+    # --- migrations (``embedfleet migrate``, producer/migration.py) --------------------------
+    # A migration copies a table's stored texts into a new table written by another model, then
+    # switches readers with one atomic step: the reader name (the alias) is a Qdrant collection
+    # alias, a PostgreSQL view, a LanceDB pointer file. A backend opened on an alias reads the
+    # table it points at.
+    def scan_rows(self, after: str | None, limit: int) -> tuple[list[StoredRow], str | None]:
+        """Up to ``limit`` stored rows (no vectors) after the cursor ``after`` (None: from the
+        start), and the cursor to pass next (None once there are no more). The cursor is the
+        backend's own string (a chunk id, a Qdrant point id), so a copy resumes where it was."""
+        raise self.no_migrations()
+
+    def count_rows(self) -> int:
+        """How many rows (ids) the table holds."""
+        raise self.no_migrations()
+
+    def resolve(self) -> str:
+        """The table ``target.table`` names now: itself, or the table the alias points at."""
+        return self.target.table
+
+    def point_alias(self, alias: str) -> None:
+        """Point the reader name ``alias`` at this table in one atomic step, creating it if
+        missing; refused (VectorDBError) when ``alias`` is a table itself."""
+        raise self.no_migrations()
+
+    def drop_table(self) -> None:
+        """Delete this table and its rows (``embedfleet migrate finish --drop-old``)."""
+        raise self.no_migrations()
+
+    def no_migrations(self) -> VectorDBError:
+        return VectorDBError(
+            f"{self.target.describe()} cannot be migrated: a live migration needs a vector "
+            "database sink (lancedb://, postgresql://, qdrant://)"
+        )
+
     def close(self) -> None:
         """Release the connection; the next call opens a new one."""
 

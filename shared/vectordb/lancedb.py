@@ -8,8 +8,11 @@ builds IVF_HNSW_SQ, which it does only from ``MIN_INDEX_ROWS`` rows (or with ``-
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -22,11 +25,14 @@ from embedfleet.shared.vectordb.backend import (
     RESCORE_MULTIPLIER,
     ROW_FIELDS,
     SinkSetupError,
+    StoredRow,
     VectorBackend,
+    VectorDBError,
     meta_from_json,
     meta_to_json,
     rescore_binary,
     rescore_codes,
+    row_fields,
 )
 
 if TYPE_CHECKING:
@@ -44,6 +50,10 @@ VECTOR_COLUMN = "vector"  # LanceDB's default vector column name: plain `table.s
 # Under this many rows a brute-force scan of fp16 vectors takes milliseconds and an approximate
 # index would only cost recall; LanceDB's own guidance starts indexing around here.
 MIN_INDEX_ROWS = 100_000
+# A reader name (``embedfleet migrate``'s alias) is a small JSON file beside the tables,
+# ``<alias>.alias.json`` = {"alias": ..., "table": ...}, replaced in one rename(2): LanceDB has no
+# aliases of its own, and a rename is atomic on every POSIX file system.
+ALIAS_SUFFIX = ".alias.json"
 
 
 # The precision and dimension a table holds, in its schema metadata: binary and ubinary rows
@@ -225,10 +235,59 @@ class LanceDBBackend(VectorBackend):
             import lancedb
 
             try:
-                self._table = lancedb.connect(self.target.location).open_table(self.target.table)
+                self._table = lancedb.connect(self.target.location).open_table(self.resolve())
             except ValueError:
                 raise self.not_written_yet() from None
         return self._table
+
+    # --- migrations ------------------------------------------------------------------------
+    def _alias_file(self, alias: str) -> Path:
+        return Path(self.target.location) / f"{alias}{ALIAS_SUFFIX}"
+
+    def _exists(self, name: str) -> bool:
+        return (Path(self.target.location) / f"{name}.lance").is_dir()
+
+    def resolve(self) -> str:
+        name = self.target.table
+        pointer = self._alias_file(name)
+        if self._exists(name) or not pointer.is_file():
+            return name
+        return str(json.loads(pointer.read_text())["table"])
+
+    def point_alias(self, alias: str) -> None:
+        if self._exists(alias):
+            raise VectorDBError(
+                f"{alias!r} is a LanceDB table in {self.target.location}, not an alias: choose "
+                "another reader name"
+            )
+        pointer = self._alias_file(alias)
+        scratch = pointer.with_name(f".{pointer.name}.{os.getpid()}")
+        scratch.write_text(json.dumps({"alias": alias, "table": self.target.table}))
+        with scratch.open("rb") as written:
+            os.fsync(written.fileno())
+        os.replace(scratch, pointer)  # the one atomic step: readers see the old or the new
+
+    def scan_rows(self, after: str | None, limit: int) -> tuple[list[StoredRow], str | None]:
+        # LanceDB's plain queries have no ORDER BY: the rows after the cursor (without their
+        # vectors) are read and the first ``limit`` by id kept
+        table = self._opened()
+        query = table.search().select(row_columns(table.schema)).limit(None)
+        if after is not None:
+            query = query.where("id > '" + after.replace("'", "''") + "'")
+        data = query.to_arrow().sort_by("id").slice(0, limit)
+        rows = [
+            StoredRow(**row_fields(row, meta_from_json(row["meta"]))) for row in data.to_pylist()
+        ]
+        return rows, (rows[-1].id if len(rows) == limit else None)
+
+    def count_rows(self) -> int:
+        return int(self._opened().count_rows())
+
+    def drop_table(self) -> None:
+        import lancedb
+
+        self._table = None
+        lancedb.connect(self.target.location).drop_table(self.target.table)
 
     def vector_format(self) -> tuple[str, int]:
         return stored_format(self._opened().schema)

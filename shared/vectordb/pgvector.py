@@ -27,10 +27,12 @@ from embedfleet.shared.logging import get_logger
 from embedfleet.shared.vectordb.backend import (
     RESCORE_MULTIPLIER,
     SinkSetupError,
+    StoredRow,
     VectorBackend,
     VectorDBError,
     meta_to_json,
     rescore_binary,
+    row_fields,
 )
 
 if TYPE_CHECKING:
@@ -373,6 +375,94 @@ class PgvectorBackend(VectorBackend):
                 for row in rows
             ]
         return [self.stored(row, row["meta"], _numpy(row["embedding"])) for row in rows]
+
+    # --- migrations: the reader name is a view, switched in one transaction ------------------
+    def resolve(self) -> str:
+        with self._connected() as conn:
+            return _resolve(conn, self.target.table)
+
+    def point_alias(self, alias: str) -> None:
+        from psycopg import sql
+
+        with self._connected() as conn, conn.transaction():
+            if _relkind(conn, alias) not in (None, "v"):
+                raise VectorDBError(
+                    f"{alias!r} is a PostgreSQL table, not a view: choose another reader name"
+                )
+            # DROP + CREATE in one transaction (CREATE OR REPLACE VIEW cannot change a column's
+            # type, and the new table's vectors have another dimension): a reader waits for the
+            # commit and then reads the new table, never half of each
+            conn.execute(sql.SQL("DROP VIEW IF EXISTS {}").format(sql.Identifier(alias)))
+            conn.execute(
+                sql.SQL("CREATE VIEW {} AS SELECT * FROM {}").format(
+                    sql.Identifier(alias), sql.Identifier(self.target.table)
+                )
+            )
+
+    def scan_rows(self, after: str | None, limit: int) -> tuple[list[StoredRow], str | None]:
+        with self._reading() as conn:
+            rows = self._select(
+                conn,
+                "1 AS one",
+                "WHERE %(after)s::text IS NULL OR id > %(after)s ORDER BY id LIMIT %(n)s",
+                {"after": after, "n": limit},
+            )
+        found = [StoredRow(**row_fields(row, row["meta"])) for row in rows]
+        return found, (found[-1].id if len(found) == limit else None)
+
+    def count_rows(self) -> int:
+        from psycopg import sql
+
+        with self._reading() as conn:
+            query = sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(self.target.table))
+            row = conn.execute(query).fetchone()
+        return 0 if row is None else int(row[0])
+
+    def drop_table(self) -> None:
+        from psycopg import sql
+
+        with self._connected() as conn:
+            conn.execute(
+                sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(self.target.table))
+            )
+
+    @contextmanager
+    def _connected(self) -> Iterator[psycopg.Connection]:
+        import psycopg
+
+        try:
+            yield self._connection()
+        except psycopg.OperationalError as error:
+            self.close()
+            raise VectorDBError(f"cannot connect to PostgreSQL: {str(error).strip()}") from None
+
+
+def _relkind(conn: psycopg.Connection, name: str) -> str | None:
+    """'r' for a table, 'v' for a view, None when there is neither."""
+    from psycopg import sql
+
+    query = sql.SQL("SELECT relkind FROM pg_class WHERE oid = to_regclass({})").format(
+        sql.Literal(sql.Identifier(name).as_string(conn))
+    )
+    row = conn.execute(query).fetchone()
+    return None if row is None else str(row[0])
+
+
+def _resolve(conn: psycopg.Connection, name: str) -> str:
+    """The table a view made by point_alias reads (the view's one table), or ``name``."""
+    from psycopg import sql
+
+    if _relkind(conn, name) != "v":
+        return name
+    query = sql.SQL(
+        "SELECT DISTINCT t.relname FROM pg_rewrite r JOIN pg_depend d ON d.objid = r.oid"
+        " JOIN pg_class t ON t.oid = d.refobjid"
+        " WHERE r.ev_class = to_regclass({}) AND t.relkind = 'r' AND t.oid <> r.ev_class"
+    ).format(sql.Literal(sql.Identifier(name).as_string(conn)))
+    tables = [str(row[0]) for row in conn.execute(query).fetchall()]
+    if len(tables) != 1:
+        raise VectorDBError(f"the view {name!r} reads {len(tables)} tables, not one")
+    return tables[0]
 
 
 def _numpy(value: Any) -> Any:

@@ -12,21 +12,24 @@ and the chunk id itself is kept in the payload. A new collection starts with HNS
 
 from __future__ import annotations
 
+import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.vectordb.backend import (
     SinkSetupError,
+    StoredRow,
     VectorBackend,
     VectorDBError,
     meta_from_json,
     meta_to_json,
     rescore_codes,
+    row_fields,
 )
 
 if TYPE_CHECKING:
@@ -39,6 +42,54 @@ log = get_logger("embedfleet.sink")
 # Qdrant's default: segments larger than this many KB of vectors get an HNSW graph.
 INDEXING_THRESHOLD_KB = 20_000
 SCROLL_PAGE = 1000
+
+
+class _SharedLocal:
+    """One local-mode client of a directory for the whole process, its calls one at a time.
+
+    Local mode locks its directory to one client, so the backends of one process (a worker's
+    sinks of two model lanes, a migration's source and target, a search) share one; the lock
+    makes the calls of their threads take turns, as a server would serialise them."""
+
+    def __init__(self, client: QdrantClient) -> None:
+        self.client = client
+        self.users = 0
+        self.lock = threading.RLock()
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self.client, name)
+        if not callable(attribute):
+            return attribute
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self.lock:
+                return attribute(*args, **kwargs)
+
+        return call
+
+
+_LOCAL: dict[str, _SharedLocal] = {}
+_LOCAL_LOCK = threading.Lock()
+
+
+def _local_client(path: str, make: Callable[[], QdrantClient]) -> QdrantClient:
+    with _LOCAL_LOCK:
+        shared = _LOCAL.get(path)
+        if shared is None:
+            shared = _LOCAL[path] = _SharedLocal(make())
+        shared.users += 1
+        return cast("QdrantClient", shared)
+
+
+def _release_local(path: str) -> None:
+    with _LOCAL_LOCK:
+        shared = _LOCAL.get(path)
+        if shared is None:
+            return
+        shared.users -= 1
+        if shared.users <= 0:
+            del _LOCAL[path]
+            shared.client.close()
 
 
 def point_id(chunk_id: str) -> str:
@@ -62,7 +113,10 @@ class QdrantBackend(VectorBackend):
 
         if self._client is None:
             if self.local:
-                self._client = QdrantClient(path=self.target.location)
+                location = self.target.location
+                self._client = _local_client(
+                    str(Path(location).resolve()), lambda: QdrantClient(path=location)
+                )
             else:
                 self._client = QdrantClient(
                     url=self.target.location, api_key=self.target.api_key, timeout=60
@@ -71,7 +125,10 @@ class QdrantBackend(VectorBackend):
 
     def close(self) -> None:
         if self._client is not None:
-            self._client.close()
+            if self.local:
+                _release_local(str(Path(self.target.location).resolve()))
+            else:
+                self._client.close()
         self._client = None
 
     # --- writing ---------------------------------------------------------------------------
@@ -134,9 +191,7 @@ class QdrantBackend(VectorBackend):
         self.dtype = stored_dtype
 
     def vector_format(self) -> tuple[str, int]:
-        qdrant = self._connect()
-        if not qdrant.collection_exists(self.target.table):
-            raise self.not_written_yet()
+        qdrant = self._opened()
         vectors = qdrant.get_collection(self.target.table).config.params.vectors
         return _dtype_of(vectors), int(getattr(vectors, "size", 0) or 0)
 
@@ -186,7 +241,8 @@ class QdrantBackend(VectorBackend):
                     "mode allows one process at a time: stop the worker, or run a Qdrant server"
                 ) from None
         assert self._client is not None
-        if not self._client.collection_exists(self.target.table):
+        name = self.target.table
+        if not (self._client.collection_exists(name) or name in self._aliases(self._client)):
             self.close()
             raise self.not_written_yet()
         return self._client
@@ -273,6 +329,47 @@ class QdrantBackend(VectorBackend):
                 found.append(self.stored(payload, payload.get("meta"), vector))
             if offset is None:
                 return sorted(found, key=lambda row: row.id)
+
+    # --- migrations: the reader name is a collection alias -----------------------------------
+    def _aliases(self, qdrant: QdrantClient) -> dict[str, str]:
+        return {a.alias_name: a.collection_name for a in qdrant.get_aliases().aliases}
+
+    def resolve(self) -> str:
+        return self._aliases(self._connect()).get(self.target.table, self.target.table)
+
+    def point_alias(self, alias: str) -> None:
+        from qdrant_client import models
+
+        qdrant = self._connect()
+        if alias in {c.name for c in qdrant.get_collections().collections}:
+            raise VectorDBError(
+                f"{alias!r} is a Qdrant collection, not an alias: choose another reader name"
+            )
+        create = models.CreateAliasOperation(
+            create_alias=models.CreateAlias(collection_name=self.target.table, alias_name=alias)
+        )
+        operations: list[Any] = [create]
+        if alias in self._aliases(qdrant):
+            # delete and create in one request: Qdrant applies them together, so readers of
+            # the alias never find it missing or pointing at both
+            delete = models.DeleteAliasOperation(delete_alias=models.DeleteAlias(alias_name=alias))
+            operations = [delete, create]
+        qdrant.update_collection_aliases(change_aliases_operations=operations)
+
+    def scan_rows(self, after: str | None, limit: int) -> tuple[list[StoredRow], str | None]:
+        points, offset = self._opened().scroll(
+            self.target.table, limit=limit, offset=after, with_payload=True, with_vectors=False
+        )
+        rows = [
+            StoredRow(**row_fields(p.payload or {}, (p.payload or {}).get("meta"))) for p in points
+        ]
+        return rows, (None if offset is None else str(offset))
+
+    def count_rows(self) -> int:
+        return int(self._opened().count(self.target.table, exact=True).count)
+
+    def drop_table(self) -> None:
+        self._connect().delete_collection(self.target.table)
 
 
 def _dtype_of(vectors: Any) -> str:

@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 from embedfleet.shared import scripts
 from embedfleet.shared.fault_kinds import System
 from embedfleet.shared.keys import Keys
+from embedfleet.shared.migrations import dual_write_of, queue_copies
 from embedfleet.shared.protocol import Result
 from embedfleet.shared.vectordb import SinkSetupError, VectorBackend, VectorDType
 
@@ -227,9 +228,17 @@ class DatabaseSink(Sink):
     async def write(self, results: Sequence[Result], deliveries: Sequence[Delivery]) -> None:
         if len(results) != len(deliveries):
             raise ValueError("one delivery per result")
-        if results:
-            await self._blocking(self.backend.upsert, latest_per_id(results))
+        rows = latest_per_id(results)
+        if rows:
+            await self._blocking(self.backend.upsert, rows)
+        # a live migration of this table (shared/migrations.py): read after the upsert, so a
+        # row the migration's scan may have missed is copied to the new model's lane
+        dual = (
+            await dual_write_of(self.client, self.keys, self.backend.target.table) if rows else None
+        )
         pipe = acknowledgement_pipeline(self.client, self.keys)
+        if dual is not None:
+            queue_copies(pipe, dual, rows)
         queue_acknowledgements(pipe, self.keys, deliveries, counter="done")
         await pipe.execute()
 
