@@ -78,10 +78,16 @@ class Scrape:
                 self.samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
 
     def __call__(self, name: str, **labels: str) -> float:
+        """The one sample of ``name`` with these labels (and any others: the per-model metrics
+        carry a ``model`` label, the one model of the worker under test)."""
         key = (name, frozenset(labels.items()))
-        if key not in self.samples:
-            raise AssertionError(f"no sample {name}{labels} in /metrics")
-        return self.samples[key]
+        if key in self.samples:
+            return self.samples[key]
+        wanted = set(labels.items())
+        found = [v for (n, have), v in self.samples.items() if n == name and wanted <= have]
+        if len(found) != 1:
+            raise AssertionError(f"{len(found)} samples {name}{labels} in /metrics, not one")
+        return found[0]
 
 
 async def get(session: aiohttp.ClientSession, port: int, path: str) -> tuple[int, str]:
