@@ -239,8 +239,8 @@ class Producer:
     async def model_card(self, *, deadline: float | None = None) -> ModelCard | None:
         """The facts the workers published about their model (``Keys.model``,
         shared/modelcard.py), or None while no worker ever started in this namespace. Read once,
-        then kept (a namespace serves one model); while there is none, asked again at most every
-        CARD_RECHECK_S, so enqueueing before any worker started is not one read per chunk."""
+        then kept (a producer's keys are one model's); while there is none, asked again at most
+        every CARD_RECHECK_S, so enqueueing before any worker started is not one read per chunk."""
         now = time.monotonic()
         if self._card is None and now - self._card_missing_at >= CARD_RECHECK_S:
             self._card = await self.retry.call(
@@ -357,10 +357,11 @@ class Producer:
         from embedfleet.shared.model_path import resolve_model_path
 
         if self.keys.model_lane != self.settings.model_lane:
+            model = self.keys.model_lane or "the namespace's default model"
             raise ValueError(
-                f"documents for the model {self.keys.model_lane or 'of the namespace'!r} are "
-                "split with that model's tokenizer: use a Producer whose settings name it "
-                "(EMBEDFLEET_MODEL_LANE and EMBEDFLEET_MODEL, the lane's model directory)"
+                f"documents for {model!r} are split with that model's tokenizer: use a Producer "
+                "whose settings name it (EMBEDFLEET_MODEL_LANE and EMBEDFLEET_MODEL, the "
+                "model's directory)"
             )
 
         overlap = (
