@@ -173,6 +173,8 @@ class Gateway:
         None), a view of another registered lane (its streams, card, heartbeats and the
         tokenizer its workers published) for another; 404 ``model_not_found``, as OpenAI
         answers, for a name that is neither (the message lists what is served)."""
+        if requested is None:  # no model named: this gateway's own, without a read
+            return self
         keys = await self.route(requested, param)
         if keys == self.settings.keys:
             return self
@@ -184,6 +186,8 @@ class Gateway:
     async def route(self, requested: str | None, param: str = "model") -> Keys:
         """The key set of the model ``requested`` names (``route_model``, the rule the
         client and the CLI apply too); 404 ``model_not_found`` for an unknown one."""
+        if requested is None:
+            return self.settings.keys
         await self.model_card()  # this model's name is its card's, once published
         try:
             return route_model(
