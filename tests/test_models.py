@@ -170,8 +170,8 @@ async def test_two_models_in_one_namespace_each_at_parity(
                     assert min_cosine(got, reference(TEXTS)) >= 0.999
                 with pytest.raises(openai.NotFoundError) as refused:
                     await sdk.embeddings.create(model="text-embedding-3-small", input=TEXTS)
-                error = refused.value.body
-                assert isinstance(error, dict) and error["code"] == "model_not_found"
+                error = refused.value.response.json()["error"]
+                assert (error["code"], error["param"]) == ("model_not_found", "model")
                 assert LANE in error["message"] and PACKAGED_MODEL in error["message"]
                 async with httpx.AsyncClient(base_url=url, timeout=60) as http:
                     tei = await http.post("/embed", json={"inputs": TEXTS[:2], "model": LANE})
