@@ -166,7 +166,8 @@ class Producer:
         self.keys: Keys = self.settings.keys
         self.model = model
         self._routed = model is None
-        self._lanes: dict[Keys, Producer] = {}
+        self._lanes: dict[Keys, Producer] = {}  # for_model's producers, by lane
+        self._named: dict[str, Producer] = {}  # and by the name they were asked by
         self.client = client or connect_client_settings(self.settings)
         self._owns_client = client is None
         self._ready = False
@@ -222,19 +223,25 @@ class Producer:
 
     async def for_model(self, model: str | None, *, deadline: float | None = None) -> Producer:
         """A producer for ``model``'s lane (``route``), sharing this one's connection and
-        retry; this one for None or its own model. Kept, one per lane."""
+        retry; this one for None or its own model. Kept, one per lane, and routed once per
+        name (``wait_for_job(..., model=)`` asks at every poll)."""
         if model is None:
             return self
+        if model in self._named:
+            return self._named[model]
         await self.setup(deadline=deadline)
         keys = await self.route(model, deadline=deadline)
         if keys == self.keys:
-            return self
-        if keys not in self._lanes:
+            lane = self
+        elif keys in self._lanes:
+            lane = self._lanes[keys]
+        else:
             lane = Producer(self.settings, self.client)
             lane.retry = self.retry
             lane.keys = keys
             self._lanes[keys] = lane
-        return self._lanes[keys]
+        self._named[model] = lane
+        return lane
 
     async def model_card(self, *, deadline: float | None = None) -> ModelCard | None:
         """The facts the workers published about their model (``Keys.model``,
