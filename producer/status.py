@@ -93,7 +93,7 @@ class ModelHistories:
         self._histories: dict[str, History] = {}
 
     def add(self, snapshots: dict[str, Snapshot]) -> dict[str, tuple[Snapshot, Throughput | None]]:
-        rated = {}
+        rated: dict[str, tuple[Snapshot, Throughput | None]] = {}
         for name, snapshot in snapshots.items():
             history = self._histories.setdefault(name, History())
             history.add(snapshot)

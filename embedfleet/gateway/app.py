@@ -225,7 +225,7 @@ def _add_ops_routes(app: FastAPI, gateway: Gateway) -> None:
             async with redis_deadline(settings.gateway_redis_timeout_s, "answer /readyz"):
                 await gateway.client.ping()
                 workers = await gateway.fleet.live_workers()
-                models = {}
+                models: dict[str, int] = {}
                 for lane in await gateway.models():
                     models[lane.name] = await live_workers(
                         gateway.client, lane.keys, settings.gateway_worker_idle_ms
