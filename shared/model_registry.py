@@ -159,4 +159,6 @@ async def register_model(
 async def read_tokenizer_json(client: aioredis.Redis, keys: Keys) -> str | None:
     """The ``tokenizer.json`` a lane's workers published, or None while none did."""
     data = await client.get(keys.tokenizer)
-    return None if data is None else zlib.decompress(data).decode()
+    if data is None:
+        return None
+    return zlib.decompress(data if isinstance(data, bytes) else data.encode("latin-1")).decode()
