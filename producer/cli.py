@@ -20,6 +20,7 @@ from embedfleet.producer.jsonl import BadLine, read_chunks
 from embedfleet.producer.waiting import (
     client_for,
     json_report_option,
+    model_option,
     redis_url_option,
     run_client,
     verb_settings,
@@ -74,6 +75,7 @@ def _settings(redis_url: str | None) -> Settings:
 @json_report_option(
     "the job, the chunks enqueued, those already in the job and, with --wait, how they ended,"
 )
+@model_option
 @redis_url_option
 def enqueue_command(
     sources: tuple[str, ...],
@@ -84,6 +86,7 @@ def enqueue_command(
     wait: bool,
     timeout: float | None,
     as_json: bool,
+    model: str | None,
     redis_url: str | None,
 ) -> None:
     """Enqueue chunks from SOURCE, a JSON Lines file or - for stdin (or documents, see
@@ -99,6 +102,9 @@ def enqueue_command(
 
     A job skips the chunks it already has (same id, same text and meta): re-running an enqueue
     adds nothing, and says so. --force adds them again.
+
+    --model sends the chunks (and their job) to that model's streams, where the namespace
+    serves several models; a name no worker registered is refused before anything is sent.
     """
     if timeout is not None and not wait:
         raise click.UsageError("--timeout applies only with --wait")
@@ -109,10 +115,10 @@ def enqueue_command(
     dead: list[int] = []  # the dead-lettered count, once --wait has seen the job finish
     if documents:
         count = run_client(
-            _enqueue_documents(settings, sources, job, overlap, force, wait, timeout, dead)
+            _enqueue_documents(settings, sources, job, overlap, force, wait, timeout, dead, model)
         )
         if as_json:
-            _report_enqueue(job, count, [], dead)
+            _report_enqueue(job, count, [], dead, model)
         else:
             click.echo(
                 f"enqueued {_counted(count)} chunks of {len(sources)} sources as job {job!r}"
@@ -125,9 +131,11 @@ def enqueue_command(
         raise click.UsageError("give one JSON Lines SOURCE (or --documents for several files)")
     rejected: list[BadLine] = []
     with click.open_file(sources[0], encoding="utf-8") as source:
-        count = run_client(_enqueue(settings, source, job, force, wait, timeout, rejected, dead))
+        count = run_client(
+            _enqueue(settings, source, job, force, wait, timeout, rejected, dead, model)
+        )
     if as_json:
-        _report_enqueue(job, count, rejected, dead)
+        _report_enqueue(job, count, rejected, dead, model)
     else:
         click.echo(f"enqueued {_counted(count)} chunks as job {job!r}")
         _say_present(count, job)
@@ -156,9 +164,12 @@ def _say_present(count: Enqueued, job: str) -> None:
         )
 
 
-def _report_enqueue(job: str, count: Enqueued, rejected: list[BadLine], dead: list[int]) -> None:
+def _report_enqueue(
+    job: str, count: Enqueued, rejected: list[BadLine], dead: list[int], model: str | None
+) -> None:
     report: dict[str, object] = {
         "job": job,
+        "model": model,
         "enqueued": int(count),
         "already_present": count.present,
         "rejected_lines": [{"line": bad.line_number, "reason": bad.reason} for bad in rejected],
@@ -177,8 +188,9 @@ async def _enqueue(
     timeout: float | None,
     rejected: list[BadLine],
     dead: list[int],
+    model: str | None = None,
 ) -> Enqueued:
-    async with client_for(settings) as producer:
+    async with client_for(settings, model) as producer:
         with Progress("enqueue", "chunks") as bar:
             count = await producer.enqueue(
                 read_chunks(source, job, rejected, settings.chunk_limits),
@@ -199,6 +211,7 @@ async def _enqueue_documents(
     wait: bool,
     timeout: float | None,
     dead: list[int],
+    model: str | None = None,
 ) -> Enqueued:
     from embedfleet.producer.documents import read_documents
 
@@ -206,7 +219,7 @@ async def _enqueue_documents(
     for path in paths:
         if not path.is_file():
             raise click.BadParameter(f"{path} is not a file", param_hint="SOURCES")
-    async with client_for(settings) as producer:
+    async with client_for(settings, model) as producer:
         await producer.model_card()  # the published maximum and prompts, where a worker ran
         try:
             splitter = producer.document_splitter(overlap)
@@ -372,17 +385,21 @@ async def _export_stream(
     help="Seconds to wait for a worker's answer.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the vector as a JSON list.")
+@model_option
 @redis_url_option
-def query_command(text: str, timeout: float, as_json: bool, redis_url: str | None) -> None:
+def query_command(
+    text: str, timeout: float, as_json: bool, model: str | None, redis_url: str | None
+) -> None:
     """Embed TEXT now through the priority lane, ahead of any bulk backlog.
 
     Workers look at the query stream before every bulk batch and between transformer layers,
-    so a query waits for at most one slice of bulk compute (EMBEDFLEET_SLICE_MS).
+    so a query waits for at most one slice of bulk compute (EMBEDFLEET_SLICE_MS). --model asks
+    that model's workers, where the namespace serves several.
     """
     settings = _settings(redis_url)
     started = time.perf_counter()
     try:
-        vector = run_client(_query(settings, text, timeout))
+        vector = run_client(_query(settings, text, timeout, model))
     except QueryTimeoutError as error:
         raise click.ClickException(str(error)) from None
     except QueryFailedError as error:
@@ -393,6 +410,7 @@ def query_command(text: str, timeout: float, as_json: bool, redis_url: str | Non
             json.dumps(
                 {
                     "text": text,
+                    "model": model,
                     "dim": int(vector.shape[0]),
                     "vector": [round(float(v), 6) for v in vector],
                 }
@@ -403,12 +421,14 @@ def query_command(text: str, timeout: float, as_json: bool, redis_url: str | Non
         click.echo(f"dim {vector.shape[0]}, {elapsed_ms:.0f} ms round trip: [{preview}, ...]")
 
 
-async def _query(settings: Settings, text: str, timeout: float) -> np.ndarray:
+async def _query(
+    settings: Settings, text: str, timeout: float, model: str | None = None
+) -> np.ndarray:
     # Not `async with`: its set-up would wait for Redis for EMBEDFLEET_REDIS_RETRY_S, while a
     # query waits no longer than its --timeout (embed_query sets up within it).
     producer = client_for(settings)
     try:
-        return await producer.embed_query(text, timeout=timeout)
+        return await producer.embed_query(text, timeout=timeout, model=model)
     finally:
         await producer.close()
 

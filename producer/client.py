@@ -35,6 +35,7 @@ from embedfleet.shared.fault_kinds import is_transient
 from embedfleet.shared.jobs import JobProgress
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
+from embedfleet.shared.model_registry import own_names, resolve_model
 from embedfleet.shared.modelcard import ModelCard, read_card
 from embedfleet.shared.protocol import (
     DEFAULT_LIMITS,
@@ -148,14 +149,25 @@ class Producer:
         *,
         on_outage: OutageListener | None = None,
         first_contact_s: float | None = None,
+        model: str | None = None,
     ):
         """``on_outage`` is told once when Redis becomes unreachable and once when it is back
         (default: a log line each); every call waits for it, for at most
         ``EMBEDFLEET_REDIS_RETRY_S``, then raises ``RedisUnavailableError``. With
         ``first_contact_s``, a Redis this client has not reached yet is given up on after that
-        long instead (the CLI verbs: a server that was never up is not an outage)."""
+        long instead (the CLI verbs: a server that was never up is not an outage).
+
+        ``model``: the model this producer's chunks, jobs and queries go to in a namespace
+        serving several (shared/model_registry.py), routed at ``setup()`` (``async with``); a
+        name no worker registered raises ``UnknownModelError`` there. None: the settings' own
+        (``EMBEDFLEET_MODEL_LANE``, else the namespace's default model). Single calls can name
+        another: ``enqueue(..., model=...)``, ``embed_queries(..., model=...)``."""
         self.settings = settings or Settings()
         self.keys: Keys = self.settings.keys
+        self.model = model
+        self._routed = model is None
+        self._lanes: dict[Keys, Producer] = {}  # for_model's producers, by lane
+        self._named: dict[str, Producer] = {}  # and by the name they were asked by
         self.client = client or connect_client_settings(self.settings)
         self._owns_client = client is None
         self._ready = False
@@ -177,7 +189,11 @@ class Producer:
         await self.close()
 
     async def setup(self, *, deadline: float | None = None) -> None:
-        """Create the consumer group if no worker has yet (at id 0: nothing is skipped)."""
+        """Route to this producer's model (``model=``), then create the consumer groups if no
+        worker has yet (at id 0: nothing is skipped)."""
+        if not self._routed:
+            self.keys = await self.route(self.model, deadline=deadline)
+            self._routed = True
         if not self._ready:
             await self.retry.call(
                 "create the consumer groups",
@@ -190,11 +206,48 @@ class Producer:
         if self._owns_client:
             await self.client.aclose()
 
+    # --- models -------------------------------------------------------------------------
+    async def route(self, model: str | None, *, deadline: float | None = None) -> Keys:
+        """The key set of ``model`` in this namespace: the one rule the producer, the gateway
+        and the CLI share (``shared/model_registry.route_model``: a registered name, or this
+        producer's own model; ``UnknownModelError`` for any other). None: this producer's."""
+        if model is None:
+            return self.keys
+        own = own_names(self.settings, None if self._card is None else self._card.name)
+        base = self.settings.keys
+        return await self.retry.call(
+            "read the registry of models",
+            lambda: resolve_model(self.client, base, model, own),
+            deadline=deadline,
+        )
+
+    async def for_model(self, model: str | None, *, deadline: float | None = None) -> Producer:
+        """A producer for ``model``'s lane (``route``), sharing this one's connection and
+        retry; this one for None or its own model. Kept, one per lane, and routed once per
+        name (``wait_for_job(..., model=)`` asks at every poll)."""
+        if model is None:
+            return self
+        if model in self._named:
+            return self._named[model]
+        await self.setup(deadline=deadline)
+        keys = await self.route(model, deadline=deadline)
+        if keys == self.keys:
+            lane = self
+        elif keys in self._lanes:
+            lane = self._lanes[keys]
+        else:
+            lane = Producer(self.settings, self.client)
+            lane.retry = self.retry
+            lane.keys = keys
+            self._lanes[keys] = lane
+        self._named[model] = lane
+        return lane
+
     async def model_card(self, *, deadline: float | None = None) -> ModelCard | None:
         """The facts the workers published about their model (``Keys.model``,
         shared/modelcard.py), or None while no worker ever started in this namespace. Read once,
-        then kept (a namespace serves one model); while there is none, asked again at most every
-        CARD_RECHECK_S, so enqueueing before any worker started is not one read per chunk."""
+        then kept (a producer's keys are one model's); while there is none, asked again at most
+        every CARD_RECHECK_S, so enqueueing before any worker started is not one read per chunk."""
         now = time.monotonic()
         if self._card is None and now - self._card_missing_at >= CARD_RECHECK_S:
             self._card = await self.retry.call(
@@ -220,6 +273,7 @@ class Producer:
         on_batch: Callable[[int], None] | None = None,
         options: EmbeddingOptions | None = None,
         force: bool = False,
+        model: str | None = None,
     ) -> Enqueued:
         """XADD every chunk, ``batch_size`` per pipelined round trip; returns how many were
         added (an ``Enqueued``: an int, with ``present``, the chunks skipped because their job
@@ -236,7 +290,20 @@ class Producer:
 
         Entries are never trimmed on add: an undelivered chunk must not be lost. Workers delete
         entries once they are acknowledged.
+
+        ``model``: the model these chunks (and their job) are for (``for_model``); its job's
+        progress is that model's: ``wait_for_job(job, model=...)``.
         """
+        if model is not None:
+            lane = await self.for_model(model)
+            return await lane.enqueue(
+                chunks,
+                job=job,
+                batch_size=batch_size,
+                on_batch=on_batch,
+                options=options,
+                force=force,
+            )
         await self.setup()
         call = EnqueueCall(force=force)
         total = Enqueued()
@@ -295,6 +362,14 @@ class Producer:
         :meth:`model_card` has read one, else as the directory declares them."""
         from embedfleet.producer.documents import DocumentSplitter, SplitLimits
         from embedfleet.shared.model_path import resolve_model_path
+
+        if self.keys.model_lane != self.settings.model_lane:
+            model = self.keys.model_lane or "the namespace's default model"
+            raise ValueError(
+                f"documents for {model!r} are split with that model's tokenizer: use a Producer "
+                "whose settings name it (EMBEDFLEET_MODEL_LANE and EMBEDFLEET_MODEL, the "
+                "model's directory)"
+            )
 
         overlap = (
             self.settings.document_overlap_tokens if overlap_tokens is None else overlap_tokens
@@ -440,11 +515,16 @@ class Producer:
 
     # --- priority queries -------------------------------------------------------------
     async def embed_query(
-        self, text: str, *, timeout: float = 10.0, options: EmbeddingOptions | None = None
+        self,
+        text: str,
+        *,
+        timeout: float = 10.0,
+        options: EmbeddingOptions | None = None,
+        model: str | None = None,
     ) -> np.ndarray:
         """Embed one query through the priority lane: a float32 vector (the model's dimension,
         or ``options.dimensions``), or int8/uint8 codes / packed bits for those dtypes."""
-        return (await self.embed_queries([text], timeout=timeout, options=options))[0]
+        return (await self.embed_queries([text], timeout=timeout, options=options, model=model))[0]
 
     async def embed_queries(
         self,
@@ -452,6 +532,7 @@ class Producer:
         *,
         timeout: float = 10.0,
         options: EmbeddingOptions | None = None,
+        model: str | None = None,
     ) -> np.ndarray:
         """Embed a few queries now, ahead of any bulk backlog; shape (len(texts), dim).
 
@@ -468,7 +549,12 @@ class Producer:
         after a reconnection the unanswered queries are sent again under the same request id
         (a server that lost them would never answer), so a query may be embedded twice: the
         answers are kept one per index and a spare one expires with the reply key.
+
+        ``model``: the model to ask (``for_model``), else this producer's.
         """
+        if model is not None:
+            lane = await self.for_model(model, deadline=time.monotonic() + timeout)
+            return await lane.embed_queries(texts, timeout=timeout, options=options)
         return await self._request(self.keys.query_lane.query, "queries", texts, timeout, options)
 
     async def embed_texts(
@@ -477,6 +563,7 @@ class Producer:
         *,
         options: EmbeddingOptions | None = None,
         timeout: float = 60.0,
+        model: str | None = None,
     ) -> np.ndarray:
         """Embed many texts for someone waiting, ahead of any bulk backlog; shape
         (len(texts), dim).
@@ -485,8 +572,12 @@ class Producer:
         before every ingest stream, in bulk-sized batches: a request of a thousand texts waits
         for the windows a worker already holds, not for the backlog, and does not slow the
         query stream's few-input answers. The model's ``document`` prompt applies unless
-        ``options`` names one. Timeouts, withdrawal and Redis faults as ``embed_queries``.
+        ``options`` names one. Timeouts, withdrawal and Redis faults as ``embed_queries``;
+        ``model`` too.
         """
+        if model is not None:
+            lane = await self.for_model(model, deadline=time.monotonic() + timeout)
+            return await lane.embed_texts(texts, options=options, timeout=timeout)
         return await self._request(
             self.keys.query_lane.interactive, "texts", texts, timeout, options
         )
@@ -676,8 +767,17 @@ class Producer:
         )
 
     # --- jobs ---------------------------------------------------------------------------
-    async def progress(self, job: str, *, deadline: float | None = None) -> JobProgress:
-        """The job's counters, summed over the partitions (each counts its own chunks)."""
+    async def progress(
+        self, job: str, *, deadline: float | None = None, model: str | None = None
+    ) -> JobProgress:
+        """The job's counters, summed over the partitions (each counts its own chunks); of
+        ``model``'s lane when named (a job's counters live in its model's keys)."""
+        if model is not None:
+            lane = await self.for_model(model, deadline=deadline)
+            if lane is not self:
+                return await lane.progress(job, deadline=deadline)
+        elif not self._routed:
+            await self.setup(deadline=deadline)
 
         async def read() -> list[Any]:
             pipe = self.client.pipeline(transaction=False)
@@ -695,8 +795,10 @@ class Producer:
         timeout: float | None = None,
         interval: float = 0.25,
         on_progress: Callable[[JobProgress], None] | None = None,
+        model: str | None = None,
     ) -> JobProgress:
-        """Return once every enqueued chunk of ``job`` is embedded or dead-lettered.
+        """Return once every enqueued chunk of ``job`` is embedded or dead-lettered (``model``:
+        a job enqueued for that model).
 
         ``interval`` is the longest wait between two reads of the job's counters; as the job
         nears its end (by its rate so far) the reads come sooner, down to 10 ms, so that the
@@ -706,7 +808,7 @@ class Producer:
         pacer = PollPacer(longest=interval)
         while True:
             try:
-                progress = await self.progress(job, deadline=deadline)
+                progress = await self.progress(job, deadline=deadline, model=model)
             except RedisUnavailableError as error:
                 if deadline is None or time.monotonic() < deadline:
                     raise  # EMBEDFLEET_REDIS_RETRY_S passed first
@@ -749,6 +851,8 @@ class Producer:
         A consuming read takes every job's results (``job`` must be None); ``consumer`` names
         this reader in the group (default: host, pid and a random suffix).
         """
+        if not self._routed:
+            await self.setup()
         if consume:
             if job is not None:
                 raise ValueError(

@@ -13,6 +13,11 @@ rate. ``--watch`` keeps the snapshots of the last minute and reports the rate ov
 a single ``status`` takes two snapshots ``--sample`` seconds apart. It works with any sink (the
 counters live in the consumer group, not in the results stream) and costs Redis nothing extra.
 The time to drain is the backlog (lag + pending) divided by that rate.
+
+A namespace serving several models (shared/model_registry.py) is shown model by model: the
+top of the view is the settings' own model (the default one, or EMBEDFLEET_MODEL_LANE's), and
+``models`` has a row for every model in the registry (``{ns}:models``): its streams' backlog,
+consumers, throughput, time to drain, jobs and dead letters, read from its lane's keys.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from embedfleet.producer.waiting import (
 from embedfleet.shared.eviction import EvictionPolicy, check_eviction_policy
 from embedfleet.shared.fleet import FLEET_STREAMS, INPUT_STREAMS, FleetState, read_fleet
 from embedfleet.shared.keys import Keys
+from embedfleet.shared.model_registry import read_registry, registered_lanes
 from embedfleet.shared.redis_conn import connect_client_settings, redact_url
 from embedfleet.shared.retry import RedisRetry
 from embedfleet.shared.settings import Settings
@@ -72,6 +78,78 @@ Snapshot = FleetState
 async def take_snapshot(client: aioredis.Redis, keys: Keys) -> Snapshot:
     """Everything the status view shows: streams, consumers, jobs, the latest dead letters."""
     return await read_fleet(client, keys, consumers=True, jobs=True, dead_latest=DEAD_LETTERS_SHOWN)
+
+
+async def take_model_snapshots(client: aioredis.Redis, keys: Keys) -> dict[str, Snapshot]:
+    """A snapshot of every model in the namespace's registry (``{ns}:models``), by name."""
+    lanes = registered_lanes(keys, await read_registry(client, keys))
+    return {lane.name: await take_snapshot(client, lane.keys) for lane in lanes}
+
+
+class ModelHistories:
+    """One ``History`` per model, for ``--watch``'s rates model by model."""
+
+    def __init__(self) -> None:
+        self._histories: dict[str, History] = {}
+
+    def add(self, snapshots: dict[str, Snapshot]) -> dict[str, tuple[Snapshot, Throughput | None]]:
+        rated: dict[str, tuple[Snapshot, Throughput | None]] = {}
+        for name, snapshot in snapshots.items():
+            history = self._histories.setdefault(name, History())
+            history.add(snapshot)
+            rated[name] = (snapshot, history.throughput())
+        return rated
+
+
+def rated_models(
+    older: dict[str, Snapshot], newer: dict[str, Snapshot]
+) -> dict[str, tuple[Snapshot, Throughput | None]]:
+    """Each model's latest snapshot with its rate between the two reads (None where it was
+    read once)."""
+    return {
+        name: (snapshot, throughput(older[name], snapshot) if name in older else None)
+        for name, snapshot in newer.items()
+    }
+
+
+def model_rows(
+    models: dict[str, tuple[Snapshot, Throughput | None]], keys: Keys
+) -> list[dict[str, Any]]:
+    """The ``models`` of the report: per registered model, what the view shows of a fleet."""
+    rows = []
+    for name, (snapshot, rate) in sorted(models.items()):
+        ingest, query = snapshot.streams["ingest"], snapshot.streams["query"]
+        eta = eta_seconds(snapshot, rate)
+        consumers = {c.name for stream in INPUT_STREAMS for c in snapshot.streams[stream].consumers}
+        lane = snapshot.streams["ingest"].key
+        rows.append(
+            {
+                "model": name,
+                "default": not lane.startswith(f"{keys.namespace}:m:"),
+                "ingest_key": lane,
+                "lag": ingest.lag,
+                "pending": ingest.pending,
+                "query_lag": query.lag,
+                "backlog": backlog(snapshot),
+                "consumers": len(consumers),
+                "results": snapshot.streams["results"].length,
+                "dead": snapshot.streams["dead"].length,
+                "per_s": None if rate is None else round(rate.per_s, 3),
+                "eta_s": None if eta is None or math.isinf(eta) else round(eta, 1),
+                "stalled": eta is not None and math.isinf(eta),
+                "jobs": [
+                    {
+                        "job": j.job,
+                        "enqueued": j.enqueued,
+                        "done": j.done,
+                        "dead": j.dead,
+                        "remaining": j.remaining,
+                    }
+                    for j in snapshot.jobs
+                ],
+            }
+        )
+    return rows
 
 
 def throughput(older: Snapshot, newer: Snapshot) -> Throughput | None:
@@ -155,9 +233,11 @@ def report(
     *,
     measuring: bool = False,
     eviction: EvictionPolicy | None = None,
+    models: dict[str, tuple[Snapshot, Throughput | None]] | None = None,
 ) -> dict[str, Any]:
     """The JSON object ``--json`` prints (and the text view renders). ``eviction``: Redis's
-    maxmemory-policy as checked (None: not checked)."""
+    maxmemory-policy as checked (None: not checked); ``models``: each registered model's
+    snapshot and rate (``take_model_snapshots``), its row in ``models``."""
     streams: dict[str, Any] = {}
     for name, stream in snapshot.streams.items():
         entry: dict[str, Any] = {"key": stream.key, "length": stream.length}
@@ -255,6 +335,8 @@ def report(
             }
             for j in snapshot.jobs
         ],
+        "model": settings.model_lane,
+        "models": model_rows(models or {}, settings.keys),
     }
 
 
@@ -354,6 +436,7 @@ def render(data: dict[str, Any], *, consumers_shown: int = 10, jobs_shown: int =
         else:
             lines.append(f"eviction    WARNING: {eviction['warning']}")
         lines.append("")
+    lines += _render_models(data.get("models", []))
     lines += _render_consumers(streams, consumers_shown)
     lines += _render_jobs(data["jobs"], jobs_shown)
     dead = data["dead_letters"]
@@ -367,6 +450,34 @@ def render(data: dict[str, Any], *, consumers_shown: int = 10, jobs_shown: int =
     else:
         lines.append("dead letters  none")
     return "\n".join(lines)
+
+
+def _render_models(models: list[dict[str, Any]]) -> list[str]:
+    """One row per model of the namespace, once more than one is registered."""
+    if len(models) < 2:
+        return []
+    rows = [["model", "ingest", "lag", "pending", "backlog", "consumers", "rate", "drain", "jobs"]]
+    for m in models:
+        if m["backlog"] == 0:
+            drain = "done"
+        elif m["stalled"]:
+            drain = "stalled"
+        else:
+            drain = human_duration(m["eta_s"])
+        rows.append(
+            [
+                m["model"],
+                m["ingest_key"],
+                _n(m["lag"]),
+                _n(m["pending"]),
+                _n(m["backlog"]),
+                str(m["consumers"]),
+                "-" if m["per_s"] is None else f"{m['per_s']:,.1f}/s",
+                drain,
+                str(len(m["jobs"])),
+            ]
+        )
+    return [*_table(rows, right={2, 3, 4, 5, 6, 8}), ""]
 
 
 def _render_partitions(partitions: list[dict[str, Any]]) -> list[str]:
@@ -473,7 +584,8 @@ def status_command(
     group's lag (entries not yet delivered) and pending (delivered, not acknowledged); every
     consumer with its pending entries and idle time; throughput (entries finished per second,
     from the group's counters sampled over time: over the last minute with --watch) and the
-    time to drain the backlog at that rate; job progress; the latest dead letters.
+    time to drain the backlog at that rate; job progress; the latest dead letters. Where the
+    namespace serves several models, a row per model (--json: ``models``, with its jobs).
     """
     settings = verb_settings(redis_url)
     # Ctrl-C is how --watch is meant to end: no traceback, exit status 0. (--watch installs
@@ -491,14 +603,19 @@ async def _status(
     try:
         if not watch:
             first = await _snapshot_or_fail(client, settings)
+            first_models = await _or_fail(settings, take_model_snapshots(client, settings.keys))
             eviction = await _or_fail(settings, check_eviction_policy(client))
             rate = None
-            latest = first
+            latest, latest_models = first, first_models
             if sample > 0:
                 await asyncio.sleep(sample)
                 latest = await _snapshot_or_fail(client, settings)
+                latest_models = await _or_fail(
+                    settings, take_model_snapshots(client, settings.keys)
+                )
                 rate = throughput(first, latest)
-            _emit(report(latest, rate, settings, eviction=eviction), as_json)
+            models = rated_models(first_models if sample > 0 else {}, latest_models)
+            _emit(report(latest, rate, settings, eviction=eviction, models=models), as_json)
             return
         # Ctrl-C (or SIGTERM) ends the watch through handlers of its own. asyncio.run's
         # KeyboardInterrupt alone was not enough: a process started with SIGINT ignored (a
@@ -523,6 +640,7 @@ async def _watch(
         redact_url(settings.effective_redis_url), settings.redis_retry_s, StderrNotice()
     )
     history = History()
+    histories = ModelHistories()
     trend = Trend()  # the last minutes as sparklines, below the text view
     eviction = await retry.call(
         "check Redis's eviction policy", lambda: check_eviction_policy(client)
@@ -533,7 +651,14 @@ async def _watch(
         )
         history.add(snapshot)
         rate = history.throughput()
-        data = report(snapshot, rate, settings, measuring=rate is None, eviction=eviction)
+        models = histories.add(
+            await retry.call(
+                "read the models' state", lambda: take_model_snapshots(client, settings.keys)
+            )
+        )
+        data = report(
+            snapshot, rate, settings, measuring=rate is None, eviction=eviction, models=models
+        )
         trend.add(snapshot.monotonic, data)
         if not as_json and sys.stdout.isatty():
             click.clear()

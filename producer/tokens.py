@@ -14,8 +14,7 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 
-def load_tokenizer(model_dir: Path) -> Tokenizer:
-    """The model directory's fast tokenizer, untruncated and unpadded."""
+def _tokenizer_class() -> type[Tokenizer]:
     try:
         from tokenizers import Tokenizer
     except ImportError as error:
@@ -23,10 +22,24 @@ def load_tokenizer(model_dir: Path) -> Tokenizer:
             "the model's tokenizer needs the tokenizers package: "
             "pip install 'embedfleet[documents]' (or [gateway])"
         ) from error
-    path = model_dir / "tokenizer.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{model_dir} has no tokenizer.json (a fast tokenizer is needed)")
-    tokenizer = Tokenizer.from_file(str(path))
+    return Tokenizer
+
+
+def load_tokenizer(model_dir: Path | None, *, json_text: str | None = None) -> Tokenizer:
+    """The model directory's fast tokenizer (or the one ``json_text`` holds, a
+    ``tokenizer.json`` a model lane's workers published), untruncated and unpadded."""
+    tokenizer_class = _tokenizer_class()
+    if json_text is not None:
+        tokenizer = tokenizer_class.from_str(json_text)
+    else:
+        if model_dir is None:
+            raise ValueError("a model directory or a tokenizer.json's text is needed")
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{model_dir} has no tokenizer.json (a fast tokenizer is needed)"
+            )
+        tokenizer = tokenizer_class.from_file(str(path))
     tokenizer.no_truncation()
     tokenizer.no_padding()
     return tokenizer
@@ -38,11 +51,17 @@ class ModelTokenizer:
     The maximum is the model card's (``max_length``, published by the workers), passed in by
     the caller: the tokenizer file does not say what the worker cuts at."""
 
-    def __init__(self, model_dir: Path) -> None:
-        self.tokenizer = load_tokenizer(model_dir)
+    def __init__(self, model_dir: Path | None, *, json_text: str | None = None) -> None:
+        self.tokenizer = load_tokenizer(model_dir, json_text=json_text)
         # [CLS] ... [SEP] for BERT, <s> ... </s> for RoBERTa, maybe only EOS for a decoder
         self.special_tokens = len(self.tokenizer.encode("", add_special_tokens=True).ids)
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_json(cls, json_text: str) -> ModelTokenizer:
+        """The tokenizer of a ``tokenizer.json``'s text (what a model lane's workers publish,
+        ``Keys.tokenizer``): the gateway's for a model whose files it does not have."""
+        return cls(None, json_text=json_text)
 
     def lengths(self, texts: Sequence[str], max_length: int) -> list[int]:
         """Tokens of each text with special tokens, before truncation; exact up to

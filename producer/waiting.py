@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from embedfleet.producer.client import JobTimeoutError, Producer
 from embedfleet.shared.logging import configure_logging
+from embedfleet.shared.model_registry import UnknownModelError
 from embedfleet.shared.retry import RedisUnavailableError, describe
 from embedfleet.shared.settings import Settings, SettingsError, load_settings
 
@@ -58,20 +59,36 @@ class StderrNotice:
         tqdm.write(f"Redis at {server} is back after {down_s:.1f}s", file=sys.stderr)
 
 
-def client_for(settings: Settings) -> Producer:
+model_option = click.option(
+    "--model",
+    default=None,
+    metavar="NAME",
+    help="The model to use in a namespace serving several (`embedfleet status` lists them; "
+    "a model lane's name, or the default model's served name). Default: the namespace's "
+    "default model (or EMBEDFLEET_MODEL_LANE's).",
+)
+
+
+def client_for(settings: Settings, model: str | None = None) -> Producer:
     """The verbs' client: it says on stderr when it waits for Redis, and when Redis is back.
 
     Its log lines go to stderr too (structlog would print them on stdout, among the verb's
     output: `status --json` frames, `enqueue`'s summary).
     """
     configure_logging(settings.log_level, settings.log_format)
-    return Producer(settings, on_outage=StderrNotice(), first_contact_s=settings.redis_connect_s)
+    return Producer(
+        settings,
+        on_outage=StderrNotice(),
+        first_contact_s=settings.redis_connect_s,
+        model=model,
+    )
 
 
 def run_client(main: Coroutine[Any, Any, T]) -> T:
     """Run a verb's coroutine; Redis away for longer than EMBEDFLEET_REDIS_RETRY_S (or a job
-    not finished within --timeout) ends it with the message, exit status 1, no traceback."""
+    not finished within --timeout, or a --model no worker serves) ends it with the message,
+    exit status 1, no traceback."""
     try:
         return asyncio.run(main)
-    except (RedisUnavailableError, JobTimeoutError) as error:
+    except (RedisUnavailableError, JobTimeoutError, UnknownModelError) as error:
         raise click.ClickException(str(error)) from None

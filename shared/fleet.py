@@ -45,7 +45,8 @@ def stream_keys(keys: Keys) -> dict[str, str]:
             "results": keys.results,
             "dead": keys.dead,
         }
-    pattern = f"{keys.namespace}:{{p*of{keys.partitions}.*}}"
+    # the lane's own prefix (``{ns}`` or ``{ns}:m:<lane>``): the fleet-wide set has no tag
+    pattern = f"{keys.for_model(keys.model_lane).prefix}:{{p*of{keys.partitions}.*}}"
     return {
         "ingest": f"{pattern}:ingest",
         "query": lane.query,

@@ -293,6 +293,13 @@ class Keys:
         model's facts from. One for the fleet, partitions or not (a single key: any slot)."""
         return f"{self._lane_namespace}:model"
 
+    @property
+    def tokenizer(self) -> str:
+        """String a lane's workers write at start beside the model card: the model's
+        ``tokenizer.json``, zlib-compressed (shared/model_registry.py), so a gateway counts and
+        checks tokens for every model of the namespace without the models' files."""
+        return f"{self._lane_namespace}:tokenizer"
+
     def calibration(self, model: str, variant: str) -> str:
         """int8/uint8 calibration ranges of ``model`` for one dimension variant (JSON; ``384``,
         ``64``, ``64-raw``): written once, by the first worker that needs them or from

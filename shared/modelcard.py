@@ -8,8 +8,9 @@ facts from the model's files. The two rules a caller must apply before any worke
 the fleet serves, the longest input) are here too, so the worker and everyone else use the same.
 
 On Redis the card is a plain hash, readable with ``redis-cli HGETALL {ns}:model``: numbers and
-names as strings, ``prompts`` and ``pooling`` as JSON. A card is fleet-wide (one per namespace:
-a namespace serves one model); the last worker to start writes it.
+names as strings, ``prompts`` and ``pooling`` as JSON. A card is one model's: the namespace's
+default model has ``{ns}:model``, each further model its lane's (``{ns}:m:<lane>:model``,
+shared/model_registry.py); the last worker of that model to start writes it.
 """
 
 from __future__ import annotations

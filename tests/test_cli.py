@@ -76,6 +76,7 @@ def test_enqueue_again_says_what_was_already_there_and_force_adds_it(
     report = embedfleet("enqueue", str(source), "--job", "j", "--json", env=env)
     assert json.loads(report.stdout) == {
         "job": "j",
+        "model": None,
         "enqueued": 0,
         "already_present": 2,
         "rejected_lines": [],
@@ -115,6 +116,7 @@ def test_enqueue_wait_then_export(
         assert "embedfleet dead list --job dead" in with_dead.stderr
         assert json.loads(with_dead.stdout) == {
             "job": "dead",
+            "model": None,
             "enqueued": 1,
             "already_present": 0,
             "rejected_lines": [],

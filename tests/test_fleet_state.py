@@ -16,7 +16,8 @@ from embedfleet.workers.metrics import StreamGauges, WorkerMetrics
 
 
 def _gauge(metrics: WorkerMetrics, name: str, stream: str) -> float:
-    value = metrics.registry.get_sample_value(f"embedfleet_{name}", {"stream": stream})
+    labels = {"model": metrics.model, "stream": stream}
+    value = metrics.registry.get_sample_value(f"embedfleet_{name}", labels)
     assert value is not None, (name, stream)
     return value
 

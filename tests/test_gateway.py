@@ -114,7 +114,8 @@ def test_a_large_request_goes_through_the_interactive_stream(
     assert [item.index for item in response.data] == list(range(len(texts)))
     assert min_cosine(got, reference(texts)) >= 0.999
     metrics = httpx.get(f"{gateway}/metrics").text
-    assert 'embedfleet_gateway_inputs_total{lane="interactive"} 120.0' in metrics
+    counted = 'embedfleet_gateway_inputs_total{lane="interactive",model="all-MiniLM-L6-v2"} 120.0'
+    assert counted in metrics
     assert 'route="/v1/embeddings"' in metrics
 
 
@@ -240,7 +241,11 @@ async def test_without_a_worker_a_request_waits_its_deadline_then_504s_leaving_n
     try:
         with running_gateway(lonely) as url:
             # ready means the gateway and its Redis serve: a request sent now is enqueued
-            assert httpx.get(f"{url}/readyz").json() == {"status": "ready", "live_workers": 0}
+            assert httpx.get(f"{url}/readyz").json() == {
+                "status": "ready",
+                "live_workers": 0,
+                "models": {"all-MiniLM-L6-v2": 0},
+            }
             client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
             for inputs in (["anyone?"], [f"many inputs {n}" for n in range(10)]):
                 started = time.monotonic()

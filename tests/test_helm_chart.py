@@ -941,6 +941,10 @@ def test_grace_period_covers_the_drain(drain: int, margin: int) -> None:
         {"config": {"REPLICAS": 4}},  # from modelReplicas, with a port per replica
         {"config": {"GPU_MEMORY_FRACTION": 2}},
         {"config": {"CUDA_QUERY_LANE": "fast"}},
+        {"models": [{"name": "code"}]},  # a model needs its model
+        {"models": [{"name": "a:b", "model": "/m"}]},  # not a lane name: ':' forges keys
+        {"models": [{"name": "code", "model": "/m", "replicas": 2}]},  # replicaCount
+        {"models": [{"name": "code", "model": "/m", "device": "tpu"}]},
     ],
     ids=lambda v: json.dumps(v, sort_keys=True),
 )
@@ -962,6 +966,11 @@ def test_schema_rejects_bad_values(values: dict[str, Any]) -> None:
             "metrics.service.enabled",
         ),
         ({"modelReplicas": 2, "gpu": {"enabled": True, "count": 2}}, "set gpu.count to 1"),
+        (
+            {"models": [{"name": "Code", "model": "/a"}, {"name": "code", "model": "/b"}]},
+            "both make the Deployment name",
+        ),
+        ({"models": [{"name": "code", "model": "/m", "config": {"MODEL": "/x"}}]}, "MODEL"),
     ],
 )
 def test_incomplete_values_fail_with_a_clear_message(values: dict[str, Any], message: str) -> None:
@@ -1133,3 +1142,85 @@ def test_triggers_count_every_stream_the_gateway_and_producer_enqueue_to(
         assert r.scaled_object("worker")["spec"]["minReplicaCount"] == 0
     for t in r.scaled_object("worker")["spec"]["triggers"]:
         assert t["metadata"]["consumerGroup"] == keys.group
+
+
+# --------------------------------------------------------------------------- several models
+
+TWO_MODELS: dict[str, Any] = {
+    "models": [
+        {
+            "name": "code",
+            "model": "/models/code-embedder",
+            "device": "cuda",
+            "replicaCount": 2,
+            "gpu": {"enabled": True, "count": 1},
+            "resources": {"limits": {"memory": "8Gi"}},
+            "keda": {"minReplicaCount": 1, "maxReplicaCount": 4},
+            "config": {"DTYPE": "float16"},
+        },
+        {"name": "BAAI/bge-m3", "model": "all-MiniLM-L6-v2", "device": "cpu"},
+    ]
+}
+
+
+@pytest.mark.parametrize("partitions", [1, 3])
+def test_two_models_render_a_worker_set_and_a_trigger_set_each(partitions: int) -> None:
+    """Each entry of `models`: its own Deployment (EMBEDFLEET_MODEL_LANE, its model, device,
+    resources, GPU), PDB and ScaledObject whose triggers watch exactly that lane's streams, as
+    shared/keys.py names them; the default model's objects are those of the single-model
+    chart, unchanged."""
+    from embedfleet.shared.keys import Keys
+
+    values = {**TWO_MODELS, "partitions": partitions}
+    r = render(values)
+    validate_objects(r)
+    assert not lint_problems(values)
+    single = render({"partitions": partitions})
+    assert r.deployment("worker") == single.deployment("worker")
+    assert r.scaled_object("worker") == single.scaled_object("worker")
+    assert len(r.all("Deployment")) == len(single.all("Deployment")) + 2
+    assert len(r.all("ScaledObject")) == len(single.all("ScaledObject")) + 2
+    keys = Keys(namespace="embedfleet", partitions=partitions)
+    for entry, slug in (
+        (TWO_MODELS["models"][0], "code"),
+        (TWO_MODELS["models"][1], "baai-bge-m3"),
+    ):
+        component = f"model-{slug}"
+        deployment = r.deployment(component)
+        assert deployment["metadata"]["name"] == f"{RELEASE}-embedfleet-m-{slug}"
+        env = env_of(deployment)
+        assert_entries(
+            {name: e.get("value") for name, e in env.items()},
+            {
+                "EMBEDFLEET_MODEL_LANE": entry["name"],
+                "EMBEDFLEET_MODEL": entry["model"],
+                "EMBEDFLEET_DEVICE": entry["device"],
+            },
+        )
+        assert r.of_component("PodDisruptionBudget", component)
+        lane = keys.for_model(entry["name"])
+        expected = {p.ingest for p in lane.partitions_keys}
+        expected |= {lane.query_lane.interactive, lane.query_lane.query}
+        so = r.scaled_object(component)
+        assert so["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+        streams = [t["metadata"]["stream"] for t in so["spec"]["triggers"]]
+        assert sorted(streams) == sorted(expected)  # one trigger per stream of the lane
+        assert all(t["metadata"]["consumerGroup"] == keys.group for t in so["spec"]["triggers"])
+        if partitions > 1:
+            assert "scalingModifiers" in so["spec"]["advanced"]
+    code = r.deployment("model-code")
+    assert env_of(code)["EMBEDFLEET_DTYPE"]["value"] == "float16"
+    assert gpu_resources(code) == {"requests.nvidia.com/gpu": 1, "limits.nvidia.com/gpu": 1}
+    assert container(code)["resources"]["limits"]["memory"] == "8Gi"
+    code_so = r.scaled_object("model-code")["spec"]
+    assert (code_so["minReplicaCount"], code_so["maxReplicaCount"]) == (1, 4)
+    bge_so = r.scaled_object("model-baai-bge-m3")["spec"]
+    assert (bge_so["minReplicaCount"], bge_so["maxReplicaCount"]) == (0, 10)  # the chart's keda
+
+
+def test_two_models_without_keda_get_fixed_replicas() -> None:
+    r = render(TWO_MODELS, api_versions=())
+    validate_objects(r)
+    assert not r.all("ScaledObject")
+    assert r.deployment("model-code")["spec"]["replicas"] == 2
+    assert r.deployment("model-baai-bge-m3")["spec"]["replicas"] == 1  # the chart's replicaCount

@@ -78,10 +78,16 @@ class Scrape:
                 self.samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
 
     def __call__(self, name: str, **labels: str) -> float:
+        """The one sample of ``name`` with these labels (and any others: the per-model metrics
+        carry a ``model`` label, the one model of the worker under test)."""
         key = (name, frozenset(labels.items()))
-        if key not in self.samples:
-            raise AssertionError(f"no sample {name}{labels} in /metrics")
-        return self.samples[key]
+        if key in self.samples:
+            return self.samples[key]
+        wanted = set(labels.items())
+        found = [v for (n, have), v in self.samples.items() if n == name and wanted <= have]
+        if len(found) != 1:
+            raise AssertionError(f"{len(found)} samples {name}{labels} in /metrics, not one")
+        return found[0]
 
 
 async def get(session: aiohttp.ClientSession, port: int, path: str) -> tuple[int, str]:
@@ -308,15 +314,17 @@ async def test_health_port_in_use_is_a_clear_error(client: aioredis.Redis) -> No
 def test_each_worker_has_its_own_registry() -> None:
     from prometheus_client import generate_latest
 
-    one, two = WorkerMetrics(), WorkerMetrics()
+    one, two = WorkerMetrics(model="all-MiniLM-L6-v2"), WorkerMetrics(model="code")
     one.batch_encoded(texts=8, real_tokens=60, padded_tokens=80, seconds=0.5)
     one.results_written(texts=8, seconds=0.01)
     one.dead_lettered(count=2, reason=DeadReason.TOO_LARGE.value)
     one.sink_error(error=ConnectionResetError("gone"), kind="transient")
     first = Scrape(generate_latest(one.registry).decode())
     second = Scrape(generate_latest(two.registry).decode())
-    assert first("embedfleet_texts_embedded_total") == 8
-    assert second("embedfleet_texts_embedded_total") == 0
+    assert first("embedfleet_texts_embedded_total", model="all-MiniLM-L6-v2") == 8
+    assert second("embedfleet_texts_embedded_total", model="code") == 0  # by model: its lane
+    assert math.isnan(second("embedfleet_stream_lag", model="code", stream="ingest"))  # unread
+    assert first("embedfleet_tokens_embedded_total", model="all-MiniLM-L6-v2") == 60
     assert first("embedfleet_padding_ratio") == pytest.approx(0.25)
     assert first("embedfleet_dead_letters_total", reason="too_large") == 2
     assert (

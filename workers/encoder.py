@@ -177,9 +177,12 @@ class Encoder:
         device: str = "auto",
         dtype: str = "float32",
         threads: int = 0,
+        name: str | None = None,
     ) -> None:
+        """``name``: the served name (results' ``model``, the card's ``name``); default
+        ``served_name(model)``, a model lane's workers serve under the lane's name."""
         self.model_dir = resolve_model_path(model)
-        self.name = served_name(model)
+        self.name = name or served_name(model)
         self.device = resolve_device(device)
         configure_device_math(self.device)
         self.parallel_tokenizer = configure_tokenizer_threads(self.device)

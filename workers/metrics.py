@@ -7,8 +7,10 @@ so a test or a benchmark can run several workers in one process and read each on
 Counters and histograms are fed by the worker's hooks on the event loop. The stream gauges (lag,
 pending, length) describe the whole fleet, not this worker, so ``StreamGauges`` reads them from
 Redis when Prometheus scrapes (at most once a second, however many scrapers ask), through the
-reader `embedfleet status` uses (``shared/fleet.py``); every worker reports the same values, so
-aggregate them with ``max``, not ``sum``.
+reader `embedfleet status` uses (``shared/fleet.py``); every worker of a model reports the same
+values, so aggregate them with ``max by (model, stream)``, not ``sum``. The per-model metrics
+carry a ``model`` label (the worker's model lane, or the default model's served name): a
+namespace serving several models breaks down by it.
 """
 
 from __future__ import annotations
@@ -74,10 +76,16 @@ METRICS: dict[str, MetricSpec] = {
         Info, "worker", "This worker: consumer, model, device, dtype, forward path (once chosen)."
     ),
     "texts": MetricSpec(
-        Counter, "texts_embedded", "Texts embedded, written to the sink and acknowledged."
+        Counter,
+        "texts_embedded",
+        "Texts embedded, written to the sink and acknowledged.",
+        ("model",),
     ),
     "tokens": MetricSpec(
-        Counter, "tokens_embedded", "Real (non-padding) tokens that went through the model."
+        Counter,
+        "tokens_embedded",
+        "Real (non-padding) tokens that went through the model.",
+        ("model",),
     ),
     "padded_tokens": MetricSpec(
         Counter,
@@ -140,6 +148,7 @@ METRICS: dict[str, MetricSpec] = {
         Counter,
         "model_seconds",
         "Seconds the model spent computing; rate() of it is the busy fraction over a window.",
+        ("model",),
     ),
     "padding_ratio": MetricSpec(
         Gauge,
@@ -155,7 +164,7 @@ METRICS: dict[str, MetricSpec] = {
         Counter,
         "dead_letters",
         "Entries sent to the dead-letter stream by this worker, by reason code.",
-        ("reason",),
+        ("model", "reason"),
     ),
     "reclaims": MetricSpec(
         Counter,
@@ -182,25 +191,27 @@ METRICS: dict[str, MetricSpec] = {
         ("system",),
     ),
     # Fleet-wide stream state, filled in by StreamGauges.
-    "stream_length": MetricSpec(Gauge, "stream_length", "XLEN of each stream.", ("stream",)),
+    "stream_length": MetricSpec(
+        Gauge, "stream_length", "XLEN of each stream, by model.", ("model", "stream")
+    ),
     "stream_lag": MetricSpec(
         Gauge,
         "stream_lag",
         "Entries not yet delivered to the consumer group (XINFO GROUPS lag); NaN when "
         "Redis cannot tell.",
-        ("stream",),
+        ("model", "stream"),
     ),
     "stream_pending": MetricSpec(
         Gauge,
         "stream_pending",
         "Entries delivered but not yet acknowledged (XINFO GROUPS pending).",
-        ("stream",),
+        ("model", "stream"),
     ),
     "group_consumers": MetricSpec(
         Gauge,
         "group_consumers",
         "Consumers registered in the group (XINFO GROUPS consumers), live or not.",
-        ("stream",),
+        ("model", "stream"),
     ),
     "redis_up": MetricSpec(
         Gauge,
@@ -245,8 +256,12 @@ class WorkerMetrics(WorkerEvents):
     group_consumers: Gauge
     redis_up: Gauge
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, *, model: str = "") -> None:
+        """``model``: the ``model`` label of the per-model metrics (texts, tokens, model
+        seconds, dead letters, the stream gauges): the worker's model lane, or its default
+        model's served name (``model_label``)."""
         self.registry = registry or CollectorRegistry(auto_describe=True)
+        self.model = model
         # The process's CPU, memory and open files, as every Prometheus exporter reports them.
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
@@ -255,17 +270,20 @@ class WorkerMetrics(WorkerEvents):
         self.padding_ratio.set_function(self._padding_ratio)
         self.model_busy_fraction.set_function(self._busy_fraction)
         # Every label value exists from the start, so a dashboard shows 0, not "no data".
+        self._texts = self.texts.labels(model=model)
+        self._tokens = self.tokens.labels(model=model)
+        self._model_seconds_counter = self.model_seconds.labels(model=model)
         for reason in DeadReason:
-            self.dead_letters.labels(reason=reason.value)
+            self.dead_letters.labels(model=model, reason=reason.value)
         for system in System:
             self.transient_faults.labels(system=system.value)
             self.outages.labels(system=system.value)
         for stream in FLEET_STREAMS:
-            self.stream_length.labels(stream=stream)
+            self.stream_length.labels(model=model, stream=stream)
         for stream in INPUT_STREAMS:
-            self.stream_lag.labels(stream=stream).set(math.nan)
-            self.stream_pending.labels(stream=stream)
-            self.group_consumers.labels(stream=stream)
+            self.stream_lag.labels(model=model, stream=stream).set(math.nan)
+            self.stream_pending.labels(model=model, stream=stream)
+            self.group_consumers.labels(model=model, stream=stream)
 
         self._started = time.perf_counter()
         self._model_seconds = 0.0
@@ -297,12 +315,12 @@ class WorkerMetrics(WorkerEvents):
         self, *, texts: int, real_tokens: int, padded_tokens: int, seconds: float
     ) -> None:
         self.batches.inc()
-        self.tokens.inc(real_tokens)
+        self._tokens.inc(real_tokens)
         self.padded_tokens.inc(padded_tokens)
         self.batch_texts.observe(texts)
         self.batch_tokens.observe(padded_tokens)
         self.batch_seconds.observe(seconds)
-        self.model_seconds.inc(seconds)
+        self._model_seconds_counter.inc(seconds)
         self._model_seconds += seconds
         self.last_forward_at = time.monotonic()
         self._real_tokens += real_tokens
@@ -322,7 +340,7 @@ class WorkerMetrics(WorkerEvents):
         self.slice_target_seconds.set(target_seconds)
 
     def results_written(self, *, texts: int, seconds: float) -> None:
-        self.texts.inc(texts)
+        self._texts.inc(texts)
         self.write_seconds.observe(seconds)
 
     def query_answered(self, *, latency_seconds: float) -> None:
@@ -333,7 +351,7 @@ class WorkerMetrics(WorkerEvents):
         self.queries_by_path.labels(path=path).inc(count)
 
     def dead_lettered(self, *, count: int, reason: str) -> None:
-        self.dead_letters.labels(reason=reason).inc(count)
+        self.dead_letters.labels(model=self.model, reason=reason).inc(count)
 
     def reclaimed(self, *, count: int) -> None:
         self.reclaims.inc(count)
@@ -406,13 +424,15 @@ class StreamGauges:
     async def _read(self) -> None:
         # the fleet reader `embedfleet status` uses too, asked for the streams only
         state = await read_fleet(self.client, self.keys)
+        metrics = self.metrics
+        model = metrics.model
         for name, stream in state.streams.items():
-            self.metrics.stream_length.labels(stream=name).set(stream.length)
+            metrics.stream_length.labels(model=model, stream=name).set(stream.length)
         for name in INPUT_STREAMS:
             stream = state.streams[name]
             # no group yet: it will be created at id 0, so every entry is still to deliver
-            self.metrics.stream_lag.labels(stream=name).set(
+            metrics.stream_lag.labels(model=model, stream=name).set(
                 math.nan if stream.lag is None else stream.lag
             )
-            self.metrics.stream_pending.labels(stream=name).set(stream.pending)
-            self.metrics.group_consumers.labels(stream=name).set(stream.group_consumers)
+            metrics.stream_pending.labels(model=model, stream=name).set(stream.pending)
+            metrics.group_consumers.labels(model=model, stream=name).set(stream.group_consumers)

@@ -12,6 +12,7 @@ from prometheus_client import disable_created_metrics
 
 from embedfleet.shared.eviction import warn_on_eviction_policy
 from embedfleet.shared.logging import configure_logging, get_logger
+from embedfleet.shared.model_registry import model_label
 from embedfleet.shared.redis_conn import connect_settings
 from embedfleet.shared.settings import Settings
 from embedfleet.shared.vectordb.target import parse_sink_url
@@ -48,7 +49,9 @@ def load_encoder(settings: Settings) -> Encoder:
         from embedfleet.workers.standin import StandInEncoder
 
         cost = settings.benchmark_standin_encoder_us_per_token
-        encoder = StandInEncoder(settings.model, us_per_token=cost, threads=settings.threads)
+        encoder = StandInEncoder(
+            settings.model, us_per_token=cost, threads=settings.threads, name=settings.model_lane
+        )
         log.warning(
             "BENCHMARK STAND-IN ENCODER: no model runs, the vectors are made up; never use this "
             "in production",
@@ -57,8 +60,13 @@ def load_encoder(settings: Settings) -> Encoder:
             model=encoder.name,
         )
     else:
+        # a model lane's workers serve under the lane's name: the name requests route by
         encoder = Encoder(
-            settings.model, device=settings.device, dtype=settings.dtype, threads=settings.threads
+            settings.model,
+            device=settings.device,
+            dtype=settings.dtype,
+            threads=settings.threads,
+            name=settings.model_lane,
         )
     # a replica's share of a GPU it shares (the parent passes it); the allocator's cap counts
     # the weights already loaded as well as what comes
@@ -73,7 +81,7 @@ async def serve(settings: Settings, encoder: Encoder | None = None) -> None:
     client = connect_settings(settings)
     # beside the start (the model loads meanwhile): a person reads the warning early
     policy_check = asyncio.ensure_future(warn_on_eviction_policy(client))
-    metrics = WorkerMetrics()
+    metrics = WorkerMetrics(model=model_label(settings))
     # Up before the model loads: /healthz answers during a long load (the startup probe) and
     # /readyz says "loading" until the model is in memory.
     health = await start_health_server(settings, client, metrics)

@@ -39,11 +39,16 @@ class StandInEncoder(Encoder):
     """:class:`Encoder`'s interface with the forward pass replaced by a fixed cost per token."""
 
     def __init__(
-        self, model: str = PACKAGED_MODEL, *, us_per_token: float = 0.0, threads: int = 0
+        self,
+        model: str = PACKAGED_MODEL,
+        *,
+        us_per_token: float = 0.0,
+        threads: int = 0,
+        name: str | None = None,
     ) -> None:
         if us_per_token < 0:
             raise ValueError("us_per_token must be 0 or more")
-        super().__init__(model, device="cpu", dtype="float32", threads=threads)
+        super().__init__(model, device="cpu", dtype="float32", threads=threads, name=name)
         self.name = STANDIN_PREFIX + self.name
         self.us_per_token = us_per_token
         generator = np.random.default_rng(29)

@@ -42,6 +42,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -51,6 +52,7 @@ from embedfleet.shared.dead_letters import DeadReason
 from embedfleet.shared.fault_kinds import FaultKind, System, WorkerFault
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
+from embedfleet.shared.model_registry import register_model
 from embedfleet.shared.modelcard import publish_card
 from embedfleet.shared.protocol import Chunk, Result
 from embedfleet.shared.settings import Settings
@@ -328,8 +330,17 @@ class Worker:
     async def publish_model(self) -> None:
         """What this namespace's workers serve (the model card at Keys.model): the one source
         the gateway and producers read the model's dimension, maximum, normalisation and
-        prompts from."""
-        await publish_card(self.client, self.keys, self.encoder.card)
+        prompts from. Then its name in the namespace's registry of models (``{ns}:models``:
+        a model lane's name, or the default model's served name) with its tokenizer, so the
+        gateway lists and routes to it (shared/model_registry.py)."""
+        card = self.encoder.card
+        await publish_card(self.client, self.keys, card)
+        await register_model(
+            self.client,
+            self.keys,
+            self.settings.model_lane or card.name,
+            tokenizer_json(self.encoder.spec.transformer_dir),
+        )
 
     async def run(self) -> None:
         """Run until drained. Raises when a stage failed (after draining what it could):
@@ -1122,6 +1133,13 @@ class Worker:
             ride.succeeded()
             written += len(rows)
         return written
+
+
+def tokenizer_json(transformer_dir: Path) -> bytes | None:
+    """The model's ``tokenizer.json``, which the worker publishes for the gateway; None where
+    the directory has none (then the gateway needs the model's files for this lane)."""
+    path = transformer_dir / "tokenizer.json"
+    return path.read_bytes() if path.is_file() else None
 
 
 async def _first_set(*events: asyncio.Event) -> None:

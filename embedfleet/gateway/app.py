@@ -27,6 +27,7 @@ from embedfleet.shared.logging import get_logger
 from embedfleet.shared.model_path import resolve_model_path
 from embedfleet.shared.redis_conn import connect_settings, redis_deadline
 from embedfleet.shared.settings import Settings
+from embedfleet.shared.streams import live_workers
 
 log = get_logger("embedfleet.gateway")
 
@@ -215,20 +216,27 @@ def _add_ops_routes(app: FastAPI, gateway: Gateway) -> None:
         """Readiness: this gateway serves and its Redis (or cluster) answers, so a request
         sent here is enqueued. It does not mean a worker is alive: with scale-to-zero, none is
         until KEDA sees what the gateway enqueued, and a request waits for one within
-        EMBEDFLEET_GATEWAY_TIMEOUT_S. Live workers are reported, for people. Answers within
-        EMBEDFLEET_GATEWAY_REDIS_TIMEOUT_S: a hung Redis is not ready."""
+        EMBEDFLEET_GATEWAY_TIMEOUT_S. Live workers are reported, for people: the gateway's own
+        model's, and each model's of the namespace (``models``: name -> live workers, from each
+        lane's heartbeats). Answers within EMBEDFLEET_GATEWAY_REDIS_TIMEOUT_S: a hung Redis is
+        not ready."""
         settings = gateway.settings
         try:
             async with redis_deadline(settings.gateway_redis_timeout_s, "answer /readyz"):
                 await gateway.client.ping()
                 workers = await gateway.fleet.live_workers()
+                models: dict[str, int] = {}
+                for lane in await gateway.models():
+                    models[lane.name] = await live_workers(
+                        gateway.client, lane.keys, settings.gateway_worker_idle_ms
+                    )
         except Exception as error:
             return JSONResponse(
                 {"status": "redis unreachable", "error": str(error)},
                 503,
                 headers={"Retry-After": str(settings.gateway_retry_after_s)},
             )
-        return JSONResponse({"status": "ready", "live_workers": workers})
+        return JSONResponse({"status": "ready", "live_workers": workers, "models": models})
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:

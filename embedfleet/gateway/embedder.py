@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 from embedfleet.gateway.errors import APIError, overloaded, retry_later
 from embedfleet.gateway.metrics import GatewayMetrics
 from embedfleet.producer.client import EmbeddingOptions, Producer, QueryTimeoutError
+from embedfleet.shared.model_registry import model_label
 from embedfleet.shared.protocol import QueryFailedError, SparseVector
 from embedfleet.shared.redis_conn import redis_deadline
 from embedfleet.shared.retry import RedisUnavailableError
@@ -88,6 +89,9 @@ class Embedder:
         self.keys = settings.keys
         self.workers = workers
         self.metrics = metrics
+        # the ``model`` label of the gateway's input counter: the lane's name, else the
+        # default model's served name
+        self.model = model_label(settings)
 
     async def embed(self, texts: Sequence[str], options: EmbeddingOptions) -> np.ndarray:
         """float32 vectors (len(texts), dim) as the workers return them (fp16 on the wire)."""
@@ -136,7 +140,7 @@ class Embedder:
         async with redis_deadline(settings.gateway_redis_timeout_s, f"read the {what}'s length"):
             waiting = await self.client.xlen(stream)
         await self._refuse_when_full(what, waiting, high_water, f"EMBEDFLEET_{variable}")
-        self.metrics.inputs.labels(label).inc(count)
+        self.metrics.inputs.labels(label, self.model).inc(count)
         try:
             return await call(chosen, self.settings.gateway_timeout_s)
         except QueryTimeoutError as error:

@@ -27,8 +27,8 @@ class GatewayMetrics:
         )
         self.inputs = Counter(
             "embedfleet_gateway_inputs",
-            "Texts embedded for HTTP requests, by lane (query or interactive)",
-            ["lane"],
+            "Texts embedded for HTTP requests, by lane (query or interactive) and model",
+            ["lane", "model"],
             registry=self.registry,
         )
         self.in_flight = Gauge(

@@ -17,6 +17,7 @@ from embedfleet.gateway.inputs import (
     unit_vectors,
 )
 from embedfleet.gateway.state import Gateway, GatewayDep, wire_options
+from embedfleet.shared.keys import Keys
 
 router = APIRouter()
 
@@ -39,8 +40,8 @@ async def create_embeddings(body: EmbeddingRequest, gateway: GatewayDep) -> dict
 
 
 async def _create_embeddings(body: EmbeddingRequest, gateway: Gateway) -> dict[str, object]:
+    gateway = await gateway.for_model(body.model)  # 404 model_not_found for an unknown one
     card = await gateway.model_card()  # None before any worker started: the worker checks
-    gateway.check_model(body.model)
     if card is not None and not card.serves("dense"):
         raise APIError(
             400,
@@ -84,23 +85,35 @@ def embeddings_response(
 
 @router.get("/v1/models")
 async def list_models(gateway: GatewayDep) -> dict[str, object]:
-    return {"object": "list", "data": [await model_entry(gateway)]}
+    """Every model served: the gateway's own, then each one registered in the namespace's
+    registry of models (``{ns}:models``), with its card's dimension and maximum length."""
+    await gateway.model_card()  # its name is the card's, once published
+    models = await gateway.models()
+    data = [await model_entry(gateway)]
+    for lane in models[1:]:
+        data.append(await model_entry(gateway, lane.name, lane.keys))
+    return {"object": "list", "data": data}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, gateway: GatewayDep) -> dict[str, object]:
-    await gateway.model_card()  # the name to check against is the card's, once published
-    gateway.check_model(model_id)
-    return await model_entry(gateway)
+    own = gateway.settings.keys
+    keys = await gateway.route(model_id)  # 404 model_not_found for an unknown one
+    if keys == own:
+        return await model_entry(gateway)
+    return await model_entry(gateway, model_id.removeprefix("sentence-transformers/"), keys)
 
 
-async def model_entry(gateway: Gateway) -> dict[str, object]:
-    """The served model. Before any worker published the model card, from the settings alone:
-    the served name, without ``dimensions`` and ``max_input_tokens`` (nothing here knows them
-    before a worker loaded the model), so a scaled-to-zero fleet still lists its model."""
-    card = await gateway.model_card()
+async def model_entry(
+    gateway: Gateway, name: str | None = None, keys: Keys | None = None
+) -> dict[str, object]:
+    """A served model: the gateway's own, or the registered model ``name`` of ``keys``'s lane.
+    Before any worker published the model card, from the settings alone: the served name,
+    without ``dimensions`` and ``max_input_tokens`` (nothing here knows them before a worker
+    loaded the model), so a scaled-to-zero fleet still lists its model."""
+    card = await (gateway.model_card() if keys is None else gateway.card_of(keys))
     entry: dict[str, object] = {
-        "id": gateway.served_name,
+        "id": gateway.served_name if name is None else name,
         "object": "model",
         "created": gateway.started_at,
         "owned_by": "embedfleet",

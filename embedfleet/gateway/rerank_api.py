@@ -44,6 +44,7 @@ class EmbedSparseRequest(BaseModel):
     truncate: bool | None = None
     truncation_direction: TruncationDirection = "Right"
     prompt_name: str | None = None
+    model: str | None = None  # not TEI's: another model of the namespace
 
 
 class RerankRequest(BaseModel):
@@ -53,6 +54,7 @@ class RerankRequest(BaseModel):
     truncation_direction: TruncationDirection = "Right"
     raw_scores: bool = False
     return_text: bool = False
+    model: str | None = None  # not TEI's: another model of the namespace
 
 
 class Document(BaseModel):
@@ -85,6 +87,7 @@ def require_representation(card: ModelCard, wanted: str, *, tei: bool) -> None:
 @router.post("/embed_sparse")
 async def embed_sparse(body: EmbedSparseRequest, gateway: GatewayDep) -> list[list[dict[str, Any]]]:
     async with gateway.request_bound():
+        gateway = await gateway.for_model(body.model)
         card = await gateway.require_card()
         require_representation(card, "sparse", tei=True)
         texts = prepare(body.inputs, gateway.tokenizer, gateway.settings, "inputs")
@@ -140,6 +143,7 @@ async def rerank(body: RerankRequest, gateway: GatewayDep) -> list[dict[str, Any
             code="raw_scores_not_available",
         )
     async with gateway.request_bound():
+        gateway = await gateway.for_model(body.model)
         scores = await _scores(gateway, body.query, body.texts, tei=True)
     ranks = []
     for index in _ranked(scores):
@@ -157,8 +161,7 @@ async def rerank_v1(body: CohereRerankRequest, gateway: GatewayDep) -> dict[str,
     if body.top_n is not None and body.top_n < 1:
         raise APIError(400, "`top_n` must be at least 1", param="top_n", code="invalid_value")
     async with gateway.request_bound():
-        await gateway.require_card()
-        gateway.check_model(body.model)
+        gateway = await gateway.for_model(body.model)
         scores = await _scores(gateway, body.query, documents, tei=False)
     order = _ranked(scores)[: body.top_n or len(documents)]
     results = []

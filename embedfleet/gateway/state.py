@@ -18,7 +18,9 @@ one (``wire_options``); a route that must *describe* the model waits for a card 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -33,6 +35,16 @@ from embedfleet.gateway.errors import APIError, retry_later
 from embedfleet.gateway.metrics import GatewayMetrics
 from embedfleet.producer.client import EmbeddingOptions, Producer
 from embedfleet.producer.tokens import ModelTokenizer
+from embedfleet.shared.keys import Keys
+from embedfleet.shared.model_registry import (
+    ModelLane,
+    UnknownModelError,
+    own_names,
+    read_registry,
+    read_tokenizer_json,
+    registered_lanes,
+    route_model,
+)
 from embedfleet.shared.modelcard import (
     PACKAGED_ALIASES,
     ModelCard,
@@ -65,6 +77,14 @@ class Gateway:
     started_at: int
     _card: ModelCard | None = field(default=None, repr=False)
     _card_read_at: float = field(default=-CARD_MAX_AGE_S, repr=False)
+    # several models in one namespace (shared/model_registry.py): the lane this view serves
+    # (None: the namespace's default model, or EMBEDFLEET_MODEL_LANE's), the registry as last
+    # read, and one view per other lane a request named (its producer, heartbeats, tokenizer)
+    lane_name: str | None = None
+    _registry: dict[str, str] = field(default_factory=dict, repr=False)
+    _registry_read_at: float = field(default=-CARD_MAX_AGE_S, repr=False)
+    _lanes: dict[Keys, Gateway] = field(default_factory=dict, repr=False)
+    _lane_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     @property
     def known_card(self) -> ModelCard | None:
@@ -119,9 +139,120 @@ class Gateway:
     @property
     def model_name(self) -> str:
         """The name the workers give the model (their card's), or, before any published, the
-        same rule applied to EMBEDFLEET_MODEL."""
+        same rule applied to EMBEDFLEET_MODEL (a lane's view: the lane's name)."""
         card = self._card
-        return card.name if card is not None else served_name(self.settings.model)
+        if card is not None:
+            return card.name
+        return self.lane_name or self.settings.model_lane or served_name(self.settings.model)
+
+    # --- several models -------------------------------------------------------------------
+    async def registry(self) -> dict[str, str]:
+        """The namespace's registry of models (``{ns}:models``), re-read at most every
+        CARD_MAX_AGE_S."""
+        now = time.monotonic()
+        if now - self._registry_read_at >= CARD_MAX_AGE_S:
+            async with redis_deadline(
+                self.settings.gateway_redis_timeout_s, "read the registry of models"
+            ):
+                self._registry = await read_registry(self.client, self.settings.keys)
+            self._registry_read_at = now
+        return self._registry
+
+    async def models(self) -> list[ModelLane]:
+        """Every model this gateway serves: its own (the default) first, then each
+        registered lane, by name."""
+        own_keys = self.settings.keys
+        lanes = registered_lanes(own_keys, await self.registry())
+        return [
+            ModelLane(self.served_name, own_keys),
+            *(lane for lane in lanes if lane.keys != own_keys),
+        ]
+
+    async def for_model(self, requested: str | None, param: str = "model") -> Gateway:
+        """The gateway of the model ``requested`` names: this one for its own model (or
+        None), a view of another registered lane (its streams, card, heartbeats and the
+        tokenizer its workers published) for another; 404 ``model_not_found``, as OpenAI
+        answers, for a name that is neither (the message lists what is served)."""
+        if requested is None:  # no model named: this gateway's own, without a read
+            return self
+        keys = await self.route(requested, param)
+        if keys == self.settings.keys:
+            return self
+        async with self._lane_lock:
+            if keys not in self._lanes:
+                self._lanes[keys] = await self._lane_view(keys)
+        return self._lanes[keys]
+
+    async def route(self, requested: str | None, param: str = "model") -> Keys:
+        """The key set of the model ``requested`` names (``route_model``, the rule the
+        client and the CLI apply too); 404 ``model_not_found`` for an unknown one."""
+        if requested is None:
+            return self.settings.keys
+        await self.model_card()  # this model's name is its card's, once published
+        try:
+            return route_model(
+                self.settings.keys, requested, await self.registry(), self.accepted_names()
+            )
+        except UnknownModelError as error:
+            served = sorted({self.served_name, *error.served})
+            raise APIError(
+                404,
+                f"the model {requested!r} does not exist here; this gateway serves "
+                f"{', '.join(repr(name) for name in served)} (GET /v1/models)",
+                param=param,
+                code="model_not_found",
+            ) from None
+
+    async def card_of(self, keys: Keys) -> ModelCard | None:
+        """The card another lane's workers published (None: none, or unreadable)."""
+        async with redis_deadline(self.settings.gateway_redis_timeout_s, "read a model card"):
+            try:
+                return await read_card(self.client, keys)
+            except ModelCardError:
+                return None
+
+    async def _lane_view(self, keys: Keys) -> Gateway:
+        """A view of this gateway on another model's lane: its own settings' keys, producer,
+        heartbeats and embedder; the tokenizer its workers published (``Keys.tokenizer``)."""
+        async with redis_deadline(self.settings.gateway_redis_timeout_s, "read a tokenizer"):
+            text = await read_tokenizer_json(self.client, keys)
+        if text is None:
+            raise retry_later(
+                503,
+                f"the workers of the model {keys.model_lane!r} have not published its "
+                f"tokenizer yet; retry after the Retry-After seconds. Check: redis-cli EXISTS "
+                f"{keys.tokenizer}",
+                "no_model_card",
+                self.settings.gateway_retry_after_s,
+            )
+        settings = self.settings.model_copy(
+            update={"model_lane": keys.model_lane, "served_model_name": None}
+        )
+        producer = Producer(settings, self.client)
+        producer.retry = self.producer.retry
+        producer.keys = keys
+        fleet = WorkerHeartbeats(self.client, settings)
+        return dataclasses.replace(
+            self,
+            settings=settings,
+            tokenizer=ModelTokenizer.from_json(text),
+            producer=producer,
+            fleet=fleet,
+            embedder=Embedder(settings, producer, fleet, self.metrics),
+            _card=None,
+            _card_read_at=-CARD_MAX_AGE_S,
+            lane_name=keys.model_lane,
+            _lanes={},
+        )
+
+    def accepted_names(self) -> set[str]:
+        """The names this gateway's own model answers to (its served name, its card's, the
+        Hub's ``sentence-transformers/`` form, the packaged model's aliases)."""
+        if self.lane_name is not None:
+            return {self.lane_name}
+        return own_names(self.settings, self._card.name if self._card else None) | {
+            self.served_name
+        }
 
     @property
     def served_name(self) -> str:

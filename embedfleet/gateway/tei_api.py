@@ -38,17 +38,22 @@ class EmbedRequest(BaseModel):
     normalize: bool | None = True
     prompt_name: str | None = None
     dimensions: int | None = None
+    # not TEI's (one model per server): the model to use where the namespace serves several;
+    # None is the gateway's own
+    model: str | None = None
 
 
 class TokenizeRequest(BaseModel):
     inputs: str | list[str]
     add_special_tokens: bool = True
     prompt_name: str | None = None
+    model: str | None = None
 
 
 class DecodeRequest(BaseModel):
     ids: list[int] | list[list[int]]
     skip_special_tokens: bool = True
+    model: str | None = None
 
 
 @router.post("/embed")
@@ -61,6 +66,7 @@ async def embed(body: EmbedRequest, gateway: GatewayDep) -> list[list[float]]:
 
 
 async def _embed(body: EmbedRequest, gateway: Gateway) -> list[list[float]]:
+    gateway = await gateway.for_model(body.model)
     card = await gateway.model_card()  # None before any worker started: checked afterwards
     check_dimensions(body.dimensions, card.dim if card is not None else None)
     normalize = True if body.normalize is None else body.normalize
@@ -116,11 +122,12 @@ def _check_against_card(card: ModelCard, body: EmbedRequest, normalize: bool) ->
 
 
 @router.get("/info")
-async def info(gateway: GatewayDep) -> dict[str, object]:
+async def info(gateway: GatewayDep, model: str | None = None) -> dict[str, object]:
     """TEI's Info, from the workers' model card; 503 with Retry-After before any worker
     published one (limits a client sizes its batches by must not be made up). The batching
     figures are the workers' (EMBEDFLEET_TOKEN_BUDGET and EMBEDFLEET_MAX_BATCH, auto resolved
-    for EMBEDFLEET_DEVICE, CPU's under auto)."""
+    for EMBEDFLEET_DEVICE, CPU's under auto). ``?model=``: another model of the namespace."""
+    gateway = await gateway.for_model(model)
     settings = gateway.settings
     card = await gateway.require_card()
     batching = settings.batching("cuda" if settings.device == "cuda" else "cpu")
@@ -150,9 +157,11 @@ async def info(gateway: GatewayDep) -> dict[str, object]:
 @router.get("/health")
 @router.get("/ping")
 @router.get("/")
-async def health(gateway: GatewayDep) -> Response:
+async def health(gateway: GatewayDep, model: str | None = None) -> Response:
     """200 (empty) while a worker is alive, 503 without one (TEI's meaning: the model can
-    answer). GET / and /ping are TEI's aliases for load balancers and SageMaker."""
+    answer). GET / and /ping are TEI's aliases for load balancers and SageMaker. ``?model=``:
+    a worker of that model of the namespace."""
+    gateway = await gateway.for_model(model)
     await gateway.fleet.require_worker()
     return Response(status_code=200)
 
@@ -161,6 +170,7 @@ async def health(gateway: GatewayDep) -> Response:
 async def tokenize(body: TokenizeRequest, gateway: GatewayDep) -> list[list[dict[str, Any]]]:
     """The model's tokens of each input (with the prompt in front, as it is embedded): id, text,
     special, and start/stop as byte offsets into the input (TEI's SimpleToken)."""
+    gateway = await gateway.for_model(body.model)
     inputs = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     if not inputs:
         raise APIError(400, "`inputs` cannot be empty", param="inputs", code="empty_input")
@@ -187,6 +197,7 @@ def _one_sequence(ids: list[int] | list[list[int]]) -> TypeIs[list[int]]:
 
 @router.post("/decode")
 async def decode(body: DecodeRequest, gateway: GatewayDep) -> list[str]:
+    gateway = await gateway.for_model(body.model)
     ids: Sequence[list[int]] = [body.ids] if _one_sequence(body.ids) else body.ids
     limit = gateway.settings.gateway_max_inputs
     if len(ids) > limit:

@@ -26,6 +26,22 @@ chart ("-query-worker", 13 characters) still fits in 63 characters.
 {{- printf "%s-worker" (include "embedfleet.fullname" .) }}
 {{- end }}
 
+{{/*
+A model lane's name (models[].name, shared/keys.py MODEL_LANE_PATTERN) as a DNS label: lower
+case, every other character a dash.
+*/}}
+{{- define "embedfleet.modelSlug" -}}
+{{- if not (regexMatch "^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$" (toString .)) }}
+{{- fail (printf "models[].name %q is not a model lane name: letters, digits and '.', '_', '/', '-', starting with a letter or digit" (toString .)) }}
+{{- end }}
+{{- regexReplaceAll "[^a-z0-9-]+" (lower (toString .)) "-" | trimAll "-" }}
+{{- end }}
+
+{{/* The worker Deployment of one entry of `models`: <fullname>-m-<slug>. */}}
+{{- define "embedfleet.modelWorkerName" -}}
+{{- printf "%s-m-%s" (include "embedfleet.fullname" .root) (include "embedfleet.modelSlug" .model.name) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
 {{- define "embedfleet.queryWorkerName" -}}
 {{- printf "%s-query-worker" (include "embedfleet.fullname" .) }}
 {{- end }}
@@ -452,6 +468,10 @@ spec:
         {{- if gt $modelReplicas 1 }}
         - name: EMBEDFLEET_REPLICAS
           value: {{ $modelReplicas | quote }}
+        {{- end }}
+        {{- range .env }}
+        - name: {{ .name }}
+          value: {{ .value | quote }}
         {{- end }}
         {{- with $v.extraEnv }}
         {{- toYaml . | nindent 8 }}
