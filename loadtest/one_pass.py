@@ -70,7 +70,10 @@ def main(hidden: int, layers: int, count: int, max_length: int, budget: int, rou
         outputs = Outputs(Settings(), encoder, CalibrationStore(None, None, encoder.name))  # type: ignore[arg-type]
         forwards: list[int] = []
         hook = encoder._model.register_forward_hook(lambda *_: forwards.append(1))
-        plans = {"one pass": [ALL], "separate": [(name,) for name in ALL]}
+        plans: dict[str, list[tuple[str, ...]]] = {
+            "one pass": [ALL],
+            "separate": [(name,) for name in ALL],
+        }
         figures: dict[str, dict[str, float]] = {}
         run(encoder, outputs, texts[:16], ALL, budget)  # warm-up
         for name, passes in plans.items():

@@ -98,9 +98,9 @@ def stored_extras(target: Any, chunk_id: str) -> tuple[dict[int, float], np.ndar
         (point,) = qdrant.retrieve(target.table, [point_id(chunk_id)], with_vectors=True)
     finally:
         qdrant.close()
-    vectors: Any = point.vector
-    sparse = dict(zip(vectors["sparse"].indices, vectors["sparse"].values, strict=True))
-    return sparse, np.array(vectors["multivector"], dtype=np.float32)
+    named: Any = point.vector
+    sparse = dict(zip(named["sparse"].indices, named["sparse"].values, strict=True))
+    return sparse, np.array(named["multivector"], dtype=np.float32)
 
 
 async def run_search(env: dict[str, str], *args: str) -> list[dict[str, Any]]:

@@ -281,7 +281,7 @@ class Encoder:
             )
         special = self._tokenizer.special_tokens_map
         unused = [
-            int(self._tokenizer.convert_tokens_to_ids(special[name]))
+            cast(int, self._tokenizer.convert_tokens_to_ids(special[name]))
             for name in ("cls_token", "eos_token", "pad_token", "unk_token")
             if isinstance(special.get(name), str)
         ]

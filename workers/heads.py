@@ -85,7 +85,7 @@ class TokenHeadModule(torch.nn.Module):
         if sparse:
             assert self.sparse is not None
             weights = torch.relu(self.sparse(hidden)).squeeze(-1) * mask
-            unused = torch.isin(input_ids, self.unused.to(input_ids.device))
+            unused = torch.isin(input_ids, self.get_buffer("unused").to(input_ids.device))
             parts += [weights.masked_fill(unused, 0.0), input_ids.to(hidden.dtype)]
         if multi:
             assert self.colbert is not None

@@ -365,7 +365,7 @@ class PgvectorBackend(VectorBackend):
         with self._reading() as conn:
             if not has_column(conn, self.target.table, "sparse"):
                 raise VectorDBError(f"{self.target.describe()} has no sparse column")
-        literal = sparsevec_text(sparse)
+        literal = sparsevec_text(sparse) or ""
         # <#> is the negative inner product; rows without weights (NULL) sort last, and rows
         # sharing no index with the query (0) are no match, as in Qdrant: both dropped
         rows = self._nearest_rows(
