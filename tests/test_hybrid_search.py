@@ -187,3 +187,60 @@ async def test_hybrid_search_returns_the_fused_order(
         np.testing.assert_allclose(
             [hit["score"] for hit in reranked], np.sort(scores)[::-1][:5], atol=1e-4
         )
+
+
+@pytest.mark.parametrize("backend", ["lancedb", "parquet"])
+def test_lancedb_and_parquet_keep_sparse_and_per_token_columns(
+    backend: str, tmp_path: Path
+) -> None:
+    """Rows upserted with sparse weights and per-token vectors (and one without either) read
+    back with LanceDB's and pyarrow's own readers: sparse_indices / sparse_values lists and a
+    list of fixed-size float16 lists; a table made without those columns is refused."""
+    import pyarrow.dataset as ds
+
+    from embedfleet.shared.protocol import MultiVector, Result, SparseVector
+    from embedfleet.shared.vectordb import Extras, SinkSetupError, open_backend
+
+    rng = np.random.default_rng(5)
+    tokens = rng.normal(size=(3, 4)).astype(np.float32)
+    sparse = SparseVector(
+        indices=np.array([2, 7, 9], np.uint32),
+        values=np.array([0.5, 1.25, 2.0], np.float32),
+        dim=10,
+    )
+    rows = [
+        Result(
+            id="a",
+            model="m",
+            vector=np.ones(8, np.float16),
+            sparse=sparse,
+            multivector=MultiVector.of(tokens),
+        ),
+        Result(id="b", model="m", vector=np.ones(8, np.float16)),
+    ]
+    target = parse_sink_url(local_sink_url(backend, tmp_path), "extras")
+    extras = Extras(sparse_dim=10, multivector_dim=4)
+    with open_backend(target) as writer:
+        writer.setup("m", 8, None, extras)
+        writer.upsert(rows)
+    if backend == "lancedb":
+        import lancedb
+
+        table = lancedb.connect(target.location).open_table("extras").to_arrow()
+    else:
+        table = ds.dataset(target.location, format="parquet").to_table()
+    read = {row["id"]: row for row in table.to_pylist()}
+    assert read["a"]["sparse_indices"] == [2, 7, 9]
+    assert read["a"]["sparse_values"] == [0.5, 1.25, 2.0]
+    np.testing.assert_allclose(np.array(read["a"]["multivector"]), tokens, atol=2e-3)
+    assert read["b"]["sparse_indices"] is None and read["b"]["multivector"] is None
+    kind = table.schema.field("multivector").type.value_type  # a list of these
+    assert (kind.list_size, str(kind.value_type)) == (4, "halffloat")
+    if backend == "lancedb":
+        with open_backend(parse_sink_url(local_sink_url(backend, tmp_path), "plain")) as plain:
+            plain.setup("m", 8)
+        with (
+            open_backend(parse_sink_url(local_sink_url(backend, tmp_path), "plain")) as again,
+            pytest.raises(SinkSetupError, match="sparse_indices"),
+        ):
+            again.setup("m", 8, None, extras)
