@@ -234,6 +234,9 @@ def test_lancedb_and_parquet_keep_sparse_and_per_token_columns(
     assert read["a"]["sparse_values"] == [0.5, 1.25, 2.0]
     np.testing.assert_allclose(np.array(read["a"]["multivector"]), tokens, atol=2e-3)
     assert read["b"]["sparse_indices"] is None and read["b"]["multivector"] is None
+    with open_backend(target) as writer, pytest.raises(ValueError, match="no dense vector"):
+        writer.setup("m", 8, None, extras)
+        writer.upsert([Result(id="c", model="m", vector=np.zeros(0), dimension=0, sparse=sparse)])
     kind = table.schema.field("multivector").type.value_type  # a list of these
     assert (kind.list_size, str(kind.value_type)) == (4, "halffloat")
     if backend == "lancedb":

@@ -239,6 +239,13 @@ class VectorBackend(contextlib.AbstractContextManager["VectorBackend"], abc.ABC)
         alone and writes the others.
         """
         for result in results:
+            if result.dim == 0:
+                raise ValueError(
+                    f"row {result.id!r} has no dense vector (its chunk asked for "
+                    "representations without 'dense'): a database row needs the dense vector "
+                    "beside its sparse and per-token vectors; ask for 'dense' too, or read such "
+                    "results from the Redis sink"
+                )
             if result.dtype not in FLOAT_DTYPES:
                 raise ValueError(
                     f"row {result.id!r}: {self.target.describe()} stores float vectors, and "
