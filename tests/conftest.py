@@ -541,6 +541,7 @@ SLOW_MODULES = frozenset(
         "test_gateway_clients",
         "test_gateway_model_card",
         "test_hung_redis",
+        "test_hybrid_search",
         "test_int8",
         "test_interactive",
         "test_ops",
