@@ -621,6 +621,48 @@ class Producer:
             [answers.results[index].score for index in range(len(documents))], dtype=np.float32
         )
 
+    async def score_pairs(
+        self,
+        pairs: Sequence[tuple[str, str]],
+        *,
+        timeout: float = 10.0,
+        lane: Literal["query", "texts"] = "query",
+    ) -> np.ndarray:
+        """Every label's score of each (text, text) pair from a cross-encoder fleet, shape
+        (len(pairs), labels): ``CrossEncoder.predict``'s values (one column for a reranker)."""
+        stream = self.keys.query_lane.query if lane == "query" else self.keys.query_lane.interactive
+        answers = await self._answers(
+            stream, "pairs", [a for a, _ in pairs], timeout, None, pairs=[b for _, b in pairs]
+        )
+        return np.stack(
+            [np.asarray(answers.results[i].vector, np.float32) for i in range(len(pairs))]
+        )
+
+    async def embed_representations(
+        self,
+        texts: Sequence[str],
+        representations: Sequence[str],
+        *,
+        timeout: float = 10.0,
+        lane: Literal["query", "texts"] = "query",
+        options: EmbeddingOptions | None = None,
+        max_active_dims: int | None = None,
+        multivector_dtype: str | None = None,
+    ) -> list[Result]:
+        """Several representations of each text from one forward pass of a model that gives
+        them (BGE-M3: ``dense``, ``sparse``, ``multivector``): each text's Result, in order,
+        with ``vector`` (dense), ``sparse`` and ``multivector`` (per-token vectors, float16 or
+        ``multivector_dtype="int8"`` on the wire) filled as asked. ``lane`` and timeouts as
+        :meth:`embed_sparse`; ``options`` shape the dense vector as :meth:`embed_queries`."""
+        stream = self.keys.query_lane.query if lane == "query" else self.keys.query_lane.interactive
+        extra = {
+            "representations": tuple(representations),
+            "max_active_dims": max_active_dims,
+            "multivector_dtype": multivector_dtype,
+        }
+        answers = await self._answers(stream, lane, texts, timeout, options, extra=extra)
+        return [answers.results[index] for index in range(len(texts))]
+
     async def _request(
         self,
         stream: str,

@@ -3,6 +3,13 @@
 The query text is embedded by the fleet itself, through the priority lane
 (``Producer.embed_query``), so it gets the same model, pooling and precision as the stored
 vectors; the nearest-neighbour query then goes straight to the database the workers write.
+
+``--hybrid`` (Qdrant, PostgreSQL): the query's dense vector and sparse weights come from one
+forward pass of a model that gives both (BGE-M3), each searches its own index for
+``--candidates`` rows, and the two rankings are fused by reciprocal rank
+(``shared.vectordb.reciprocal_rank_fusion``: ``1 / (k + rank)`` summed, k = ``--rrf-k``). With
+``--rerank-lane``, the fused top ``--rerank-top`` are scored by the cross-encoder that lane's
+workers serve (``Producer.rerank``, on their stored texts) and printed in its order.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from embedfleet.shared.protocol import QueryFailedError
 from embedfleet.shared.retry import RedisUnavailableError
 from embedfleet.shared.settings import Settings, SettingsError, load_settings
 from embedfleet.shared.vectordb import (
+    RRF_K,
     Hit,
     MissingExtraError,
     SinkTarget,
@@ -34,6 +42,7 @@ from embedfleet.shared.vectordb import (
     VectorDBError,
     open_backend,
     parse_sink_url,
+    reciprocal_rank_fusion,
 )
 
 SNIPPET_CHARS = 72  # one line of a 120-column terminal, with the score, id and meta beside it
@@ -87,6 +96,65 @@ async def search(
         await producer.close()
 
 
+async def hybrid_search(
+    settings: Settings,
+    target: SinkTarget,
+    text: str,
+    k: int,
+    timeout: float,
+    *,
+    candidates: int = 50,
+    rrf_k: int = RRF_K,
+    rerank_lane: str | None = None,
+    rerank_top: int | None = None,
+) -> list[Hit]:
+    """Dense + sparse, fused by reciprocal rank, optionally reranked (the module docstring).
+    The hits' ``score``: the fused score, or the cross-encoder's where reranked."""
+    with open_backend(target) as backend:
+        _, dim = await asyncio.to_thread(backend.vector_format)
+        options = EmbeddingOptions(dimensions=dim, dtype="float32")
+        producer = client_for(settings)  # not `async with`: the query's timeout bounds its set-up
+        try:
+            (query,) = await producer.embed_representations(
+                [text], ("dense", "sparse"), timeout=timeout, options=options
+            )
+        finally:
+            await producer.close()
+        if query.sparse is None or query.vector.size == 0:
+            raise VectorDBError(
+                "the fleet's model did not give dense and sparse: --hybrid needs both"
+            )
+        width = max(k, candidates)
+        dense = await asyncio.to_thread(backend.nearest, np.asarray(query.vector), width)
+        sparse = await asyncio.to_thread(backend.nearest_sparse, query.sparse, width)
+    fused = reciprocal_rank_fusion([dense, sparse], rrf_k)
+    if rerank_lane is None:
+        return fused[:k]
+    return (await rerank(settings, rerank_lane, text, fused[: rerank_top or k], timeout))[:k]
+
+
+async def rerank(
+    settings: Settings, lane: str, text: str, hits: list[Hit], timeout: float
+) -> list[Hit]:
+    """``hits`` in the order the cross-encoder of model lane ``lane`` scores (``text``, stored
+    text), best first (ties keep the fused order); each hit's score is its score."""
+    if not hits:
+        return []
+    missing = [hit.id for hit in hits if hit.text is None]
+    if missing:
+        raise VectorDBError(
+            f"--rerank-lane scores stored texts, and {missing[0]!r} has none "
+            "(EMBEDFLEET_STORE_TEXT was off when it was written)"
+        )
+    producer = client_for(settings.model_copy(update={"model_lane": lane}))
+    try:
+        scores = await producer.rerank(text, [hit.text or "" for hit in hits], timeout=timeout)
+    finally:
+        await producer.close()
+    order = np.argsort(-scores, kind="stable")
+    return [dataclasses.replace(hits[i], score=float(scores[i])) for i in order.tolist()]
+
+
 def snippet(text: str | None, width: int = SNIPPET_CHARS) -> str:
     """The text on one line (whitespace folded), cut at a word boundary to at most ``width``
     characters with an ellipsis."""
@@ -127,8 +195,52 @@ def format_hits(hits: list[Hit], *, as_json: bool = False) -> list[str]:
     show_default=True,
     help="Seconds to wait for a worker to embed the query.",
 )
+@click.option(
+    "--hybrid",
+    is_flag=True,
+    help="Dense and sparse search fused by reciprocal rank (Qdrant, PostgreSQL; a model that "
+    "gives both, such as BGE-M3, with its rows stored with sparse weights).",
+)
+@click.option(
+    "--candidates",
+    default=50,
+    show_default=True,
+    type=click.IntRange(1, 1000),
+    help="--hybrid: rows each of the dense and the sparse search brings to the fusion.",
+)
+@click.option(
+    "--rrf-k",
+    default=RRF_K,
+    show_default=True,
+    type=click.IntRange(0, 10_000),
+    help="--hybrid: the reciprocal rank fusion constant (score = sum of 1 / (k + rank)).",
+)
+@click.option(
+    "--rerank-lane",
+    default=None,
+    metavar="LANE",
+    help="--hybrid: rerank the fused top rows with the cross-encoder the workers of model lane "
+    "LANE serve (EMBEDFLEET_MODEL_LANE), on their stored texts; scores are then its scores.",
+)
+@click.option(
+    "--rerank-top",
+    default=None,
+    type=click.IntRange(1, 1000),
+    help="--rerank-lane: how many fused rows to rerank (default: K).",
+)
 @redis_url_option
-def search_command(text: str, k: int, as_json: bool, timeout: float, redis_url: str | None) -> None:
+def search_command(
+    text: str,
+    k: int,
+    as_json: bool,
+    timeout: float,
+    hybrid: bool,
+    candidates: int,
+    rrf_k: int,
+    rerank_lane: str | None,
+    rerank_top: int | None,
+    redis_url: str | None,
+) -> None:
     """Print the K stored chunks nearest to TEXT: similarity, id, a snippet of the text, meta.
 
     With --json, one object per line with the full stored text (EMBEDFLEET_STORE_TEXT).
@@ -136,10 +248,31 @@ def search_command(text: str, k: int, as_json: bool, timeout: float, redis_url: 
     TEXT is embedded by a running worker (it jumps the bulk queue), then the vector database
     named by EMBEDFLEET_SINK (lancedb://, postgresql://, qdrant://) is searched. Needs a worker
     running on the same Redis (EMBEDFLEET_REDIS_URL).
+
+    With --hybrid, one forward pass gives TEXT's dense vector and sparse weights; each
+    searches its index, and the two rankings are fused by reciprocal rank (the score printed
+    is the fused score); --rerank-lane then reorders the top by a cross-encoder.
     """
+    if (rerank_lane or rerank_top) and not hybrid:
+        raise click.UsageError("--rerank-lane and --rerank-top go with --hybrid")
     settings, target = _target("search", redis_url)
+    work = (
+        hybrid_search(
+            settings,
+            target,
+            text,
+            k,
+            timeout,
+            candidates=candidates,
+            rrf_k=rrf_k,
+            rerank_lane=rerank_lane,
+            rerank_top=rerank_top,
+        )
+        if hybrid
+        else search(settings, target, text, k, timeout)
+    )
     try:
-        hits = run_client(search(settings, target, text, k, timeout))
+        hits = run_client(work)
     except TimeoutError as error:
         if isinstance(error.__cause__, RedisUnavailableError):
             raise click.ClickException(str(error)) from None  # it names the server

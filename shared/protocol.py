@@ -42,12 +42,17 @@ MAX_PROMPT_CHARS = 16_384
 OPTION_NAMES = ("prompt_name", "prompt", "dimensions", "dtype")
 # Options of the other representations (sparse weights, pair scores); a v1 worker that predates
 # them never sees them (the gateway checks the model card first).
-REPRESENTATION_OPTION_NAMES = ("representations", "max_active_dims", "pair")
+REPRESENTATION_OPTION_NAMES = ("representations", "max_active_dims", "pair", "multivector_dtype")
 # What a model may give for a text (the model card's ``representations``): a dense vector, a
-# SPLADE-style sparse weight vector, or, for a (query, document) pair, a relevance score.
-# ("multivector" is the next: ColBERT per-token vectors.)
-Representation = Literal["dense", "sparse", "rerank"]
+# SPLADE-style sparse weight vector, ColBERT-style per-token vectors (``multivector``), or, for
+# a (query, document) pair, a relevance score. A model with several (BGE-M3: dense, sparse and
+# multivector) computes every one a chunk asks for from one forward pass.
+Representation = Literal["dense", "sparse", "multivector", "rerank"]
 REPRESENTATIONS: tuple[str, ...] = get_args(Representation)
+# How per-token vectors travel: float16 values, or int8 codes with one float32 scale per vector
+# (value = code * scale; symmetric, scale = max |value| / 127)
+MultivectorDtype = Literal["float16", "int8"]
+MULTIVECTOR_DTYPES: tuple[str, ...] = get_args(MultivectorDtype)
 MAX_PAIR_CHARS = 1_000_000
 # ``dimensions`` meaning "the model's whole vector", whatever the fleet's EMBEDFLEET_DIMENSIONS
 # says: what a caller that does not know the model's dimension (the gateway before any worker
@@ -122,6 +127,8 @@ class Chunk:
     max_active_dims: int | None = None
     # rerank: the document scored against ``text`` (the query), as CrossEncoder.predict's pair
     pair: str | None = None
+    # multivector: how the per-token vectors travel (None: float16)
+    multivector_dtype: str | None = None
 
     @property
     def wanted_representations(self) -> tuple[str, ...]:
@@ -142,6 +149,44 @@ class SparseVector:
     indices: np.ndarray  # uint32, ascending
     values: np.ndarray  # float32, same length
     dim: int
+
+
+@dataclass(frozen=True)
+class MultiVector:
+    """Per-token vectors (ColBERT, late interaction): ``count`` vectors of ``dim`` values, unit
+    length. On the wire: ``data`` is the (count, dim) matrix row-major, little-endian float16,
+    or int8 codes with ``scales`` (little-endian float32, one per vector: value = code * scale)."""
+
+    values: np.ndarray  # (count, dim): float16 values or int8 codes
+    dtype: str = "float16"  # MULTIVECTOR_DTYPES
+    scales: np.ndarray | None = None  # (count,) float32, int8 only
+
+    @property
+    def count(self) -> int:
+        return int(self.values.shape[0])
+
+    @property
+    def dim(self) -> int:
+        return int(self.values.shape[1])
+
+    def floats(self) -> np.ndarray:
+        """The vectors as float32, (count, dim)."""
+        values = np.asarray(self.values, dtype=np.float32)
+        if self.dtype == "int8":
+            assert self.scales is not None
+            return values * np.asarray(self.scales, dtype=np.float32)[:, None]
+        return values
+
+    @classmethod
+    def of(cls, vectors: np.ndarray, dtype: str = "float16") -> MultiVector:
+        """float32 (count, dim) vectors in their wire form ``dtype``."""
+        vectors = np.asarray(vectors, dtype=np.float32).reshape(len(vectors), -1)
+        if dtype == "int8":
+            peak = np.abs(vectors).max(axis=1) if vectors.size else np.zeros(len(vectors))
+            scales = np.where(peak > 0, peak / 127.0, 1.0).astype(np.float32)
+            codes = np.clip(np.rint(vectors / scales[:, None]), -127, 127).astype(np.int8)
+            return cls(values=codes, dtype="int8", scales=scales)
+        return cls(values=vectors.astype(np.float16), dtype="float16")
 
 
 @dataclass(frozen=True)
@@ -168,6 +213,8 @@ class Result:
     # a cross-encoder's score of (text, pair), CrossEncoder.predict's value; ``vector`` holds
     # all its labels' scores in float32 (one, for a reranker)
     score: float | None = None
+    # a multivector model's per-token vectors (ColBERT), where the chunk asked for them
+    multivector: MultiVector | None = None
 
     @property
     def dim(self) -> int:
@@ -191,6 +238,7 @@ def _chunk_fields(chunk: Chunk) -> dict[str, Any]:
         "representations": list(chunk.representations) if chunk.representations else None,
         "max_active_dims": chunk.max_active_dims,
         "pair": chunk.pair,
+        "multivector_dtype": chunk.multivector_dtype,
     }
     return {name: value for name, value in fields.items() if value is not None}
 
@@ -378,7 +426,18 @@ def _representation_options(message: Mapping[str, Any]) -> dict[str, Any]:
         raise ProtocolError(
             f"'pair' must be a non-empty string of at most {MAX_PAIR_CHARS} characters"
         )
-    return {"representations": wanted, "max_active_dims": top, "pair": pair}
+    multivector_dtype = message.get("multivector_dtype")
+    if multivector_dtype is not None and multivector_dtype not in MULTIVECTOR_DTYPES:
+        raise ProtocolError(
+            f"'multivector_dtype' must be one of {', '.join(MULTIVECTOR_DTYPES)}, "
+            f"got {multivector_dtype!r}"
+        )
+    return {
+        "representations": wanted,
+        "max_active_dims": top,
+        "pair": pair,
+        "multivector_dtype": multivector_dtype,
+    }
 
 
 def validate_chunk(chunk: Chunk, limits: ChunkLimits = DEFAULT_LIMITS) -> Chunk:
@@ -408,6 +467,19 @@ def encode_result(result: Result) -> bytes:
         }
     if result.score is not None:
         message["score"] = float(result.score)
+    if result.multivector is not None:
+        multi = result.multivector
+        fields: dict[str, Any] = {
+            "dtype": multi.dtype,
+            "dim": multi.dim,
+            "count": multi.count,
+            "data": np.asarray(
+                multi.values, dtype="<f2" if multi.dtype == "float16" else "i1"
+            ).tobytes(),
+        }
+        if multi.scales is not None:
+            fields["scales"] = np.asarray(multi.scales, dtype="<f4").tobytes()
+        message["multivector"] = fields
     return msgpack.packb(message, use_bin_type=True)
 
 
@@ -429,7 +501,7 @@ def encode_results(results: Sequence[Result]) -> list[bytes]:
     shared: dict[tuple[str, int, str], bytes] = {}
     payloads: list[bytes] = []
     for result in results:
-        if result.sparse is not None or result.score is not None:
+        if result.sparse is not None or result.score is not None or result.multivector is not None:
             # the representations beyond a dense vector take encode_result's own path, so the
             # field list has one owner and a field added there is never dropped here
             payloads.append(encode_result(result))
@@ -515,4 +587,26 @@ def decode_result(payload: bytes) -> Result:
         dimension=dim,
         sparse=sparse,
         score=float(score) if score is not None else None,
+        multivector=_multivector(message.get("multivector")),
     )
+
+
+def _multivector(fields: Any) -> MultiVector | None:
+    """A result's ``multivector`` field, checked: ``count`` x ``dim`` values in ``data``."""
+    if not isinstance(fields, dict):
+        return None
+    dtype = fields.get("dtype", "float16")
+    if dtype not in MULTIVECTOR_DTYPES:
+        raise ProtocolError(f"unknown multivector dtype {dtype!r}")
+    count, dim = int(fields["count"]), int(fields["dim"])
+    values = np.frombuffer(fields["data"], dtype="<f2" if dtype == "float16" else "i1")
+    if values.shape[0] != count * dim:
+        raise ProtocolError(
+            f"multivector 'data' has {values.shape[0]} values, {count} x {dim} expected"
+        )
+    scales = None
+    if dtype == "int8":
+        scales = np.frombuffer(fields.get("scales", b""), dtype="<f4")
+        if scales.shape[0] != count:
+            raise ProtocolError("multivector 'scales' must hold one float32 per vector")
+    return MultiVector(values=values.reshape(count, dim), dtype=dtype, scales=scales)

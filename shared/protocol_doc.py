@@ -23,6 +23,7 @@ from embedfleet.shared.protocol import (
     MAX_PAIR_CHARS,
     MAX_PROMPT_CHARS,
     MAX_PROMPT_NAME_CHARS,
+    MULTIVECTOR_DTYPES,
     OUTPUT_DTYPES,
     PAYLOAD_FIELD,
     PROTOCOL_VERSION,
@@ -112,9 +113,10 @@ CHUNK_FIELDS: tuple[WireField, ...] = (
         False,
         "what to compute, from "
         + ", ".join(f"`{r}`" for r in REPRESENTATIONS)
-        + " (absent: what the model serves, the model card's `representations`); one the "
-        "model does not serve is dead-lettered (`options`). This release computes the one "
-        "representation its model serves; several at once is the next release's",
+        + " (absent: the model's first, the model card's `representations`); one the "
+        "model does not serve is dead-lettered (`options`). A model that gives several "
+        "(BGE-M3: `dense`, `sparse`, `multivector`) computes all those asked for from one "
+        "forward pass",
     ),
     WireField(
         "max_active_dims",
@@ -130,6 +132,14 @@ CHUNK_FIELDS: tuple[WireField, ...] = (
         f"rerank only: the document (at most {MAX_PAIR_CHARS:,} characters) scored against "
         "`text`, the query, as the pair `(text, pair)` of `CrossEncoder.predict`; a "
         "cross-encoder dead-letters a chunk without it",
+    ),
+    WireField(
+        "multivector_dtype",
+        "str",
+        False,
+        "multivector only: how the per-token vectors travel, "
+        + ", ".join(f"`{d}`" for d in MULTIVECTOR_DTYPES)
+        + "; absent: `float16`",
     ),
 )
 
@@ -183,10 +193,21 @@ RESULT_FIELDS: tuple[WireField, ...] = (
         "sparse",
         "map",
         False,
-        "a sparse model's weights (then `vec` is empty, `dim` 0, `dtype` `float32`): "
+        "sparse weights, where asked (without `dense`, `vec` is empty, `dim` 0, `dtype` "
+        "`float32`): "
         "`indices` (bin, little-endian uint32, ascending), `values` (bin, little-endian "
         "float32, one per index), `dim` (int, the vocabulary size): `SparseEncoder.encode`'s "
-        "non-zero entries",
+        "non-zero entries (BGE-M3: each token id's largest `relu(sparse_linear)` weight, "
+        "special tokens left out)",
+    ),
+    WireField(
+        "multivector",
+        "map",
+        False,
+        "per-token vectors (ColBERT; BGE-M3's colbert head: every token after CLS, unit "
+        "length), where asked: `dtype` (`float16` or `int8`), `count` and `dim` (int), `data` "
+        "(bin, the count × dim matrix row-major: little-endian float16, or int8 codes), "
+        "`scales` (bin, int8 only: little-endian float32, one per vector; value = code × scale)",
     ),
     WireField(
         "score",

@@ -383,6 +383,8 @@ class WorkerLauncher:
         encoder: Any = None,
     ) -> AsyncIterator[Any]:
         """``encoder`` None: the packaged model, loaded once per session."""
+        from embedfleet.shared.vectordb import NO_EXTRAS
+        from embedfleet.workers.runtime import sink_extras
         from embedfleet.workers.sinks import RedisStreamSink
         from embedfleet.workers.worker import Worker
 
@@ -392,7 +394,9 @@ class WorkerLauncher:
         client = client or connect(settings.effective_redis_url)
         sink = sink or RedisStreamSink(client, settings.keys)
         try:
-            await sink.setup(encoder.name, encoder.dim)
+            # a multi-representation model's sparse / per-token columns, as the runtime adds
+            extras = sink_extras(encoder) if getattr(encoder, "layout", None) else NO_EXTRAS
+            await sink.setup(encoder.name, encoder.dim, extras)
             worker = Worker(settings, encoder, client, sink, Recorder())
             task = asyncio.create_task(worker.run())
             try:
@@ -537,6 +541,7 @@ SLOW_MODULES = frozenset(
         "test_gateway_clients",
         "test_gateway_model_card",
         "test_hung_redis",
+        "test_hybrid_search",
         "test_int8",
         "test_interactive",
         "test_migrate",

@@ -354,3 +354,46 @@ def cross_encoder_dir(root: Path, *, num_labels: int = 1) -> Path:
         tokenizer_config.write_text(json.dumps(declared, indent=2))
     CrossEncoder(str(hf_dir), device="cpu").save(str(target))
     return target
+
+
+def bge_m3_dir(
+    root: Path,
+    *,
+    hidden: int = 32,
+    layers: int = 2,
+    colbert_dim: int | None = None,
+    max_seq_length: int = 48,
+) -> Path:
+    """A BGE-M3-shaped directory: an XLM-R (``hidden`` wide, ``layers`` deep, random weights)
+    saved by sentence-transformers as Transformer + CLS Pooling + Normalize, with FlagEmbedding's
+    ``sparse_linear.pt`` (hidden -> 1) and ``colbert_linear.pt`` (hidden -> ``colbert_dim``,
+    default hidden) beside modules.json, as BAAI/bge-m3 ships them."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Normalize, Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+
+    colbert_dim = colbert_dim or hidden
+    target = root / f"bge-m3-{hidden}x{layers}-c{colbert_dim}-{max_seq_length}"
+    if (target / "colbert_linear.pt").is_file():
+        return target
+    tokenizer = _trained_tokenizer("xlm-roberta")
+    hf_dir = root / f"hf-xlm-roberta-{hidden}x{layers}"
+    if not (hf_dir / "config.json").is_file():
+        config = _config("xlm-roberta", tokenizer)
+        config.hidden_size, config.num_hidden_layers = hidden, layers
+        config.intermediate_size = 4 * hidden
+        config.num_attention_heads = max(2, hidden // 64)
+        model = _random_head_model(transformers.XLMRobertaModel, config, 19)
+        model.save_pretrained(hf_dir)
+        tokenizer.save_pretrained(hf_dir)
+    transformer = Transformer(str(hf_dir), max_seq_length=max_seq_length)
+    modules = [transformer, Pooling(hidden, pooling_mode="cls"), Normalize()]
+    SentenceTransformer(modules=modules, device="cpu").save(str(target))
+    torch.manual_seed(23)
+    for file, width in (("sparse_linear.pt", 1), ("colbert_linear.pt", colbert_dim)):
+        head = torch.nn.Linear(hidden, width)
+        with torch.no_grad():
+            head.weight.normal_(0.0, 0.3)
+            head.bias.normal_(0.0, 0.1)
+        torch.save(head.state_dict(), target / file)
+    return target

@@ -133,3 +133,60 @@ async def test_tei_and_cohere_rerank_match_cross_encoder(
     assert [r["document"]["text"] for r in jina.json()["results"]] == [texts[i] for i in order]
     assert sparse.status_code == 424 and "not a SPLADE" in sparse.json()["error"]
     assert bad_model.status_code == 404
+
+
+async def test_tei_embed_all_gives_bge_m3_colbert_vectors(
+    redis_server: ServerProcess, tmp_path: Path, zoo: Path
+) -> None:
+    """TEI's /embed_all on a BGE-M3-shaped model: one matrix of per-token (ColBERT) vectors
+    per input, FlagEmbedding's (cosine >= 0.999 per token); /embed_sparse serves its sparse
+    head; /embed_all on a model without per-token vectors is TEI's 424."""
+    from tests.model_zoo import bge_m3_dir
+    from tests.test_multi_representations import FlagReference
+
+    model_dir = bge_m3_dir(zoo)
+    inputs = ["hi", *documents()[:3]]
+    async with fleet(redis_server, tmp_path, model_dir) as http:
+        answer = await http.post("/embed_all", json={"inputs": inputs})
+        sparse = await http.post("/embed_sparse", json={"inputs": inputs[1]})
+    assert answer.status_code == 200, answer.text
+    assert sparse.status_code == 200, sparse.text
+    encoder_max = Encoder(str(model_dir), device="cpu").max_length
+    _, lexical, colbert = FlagReference(model_dir, encoder_max).encode(inputs)
+    for row, matrix in enumerate(answer.json()):
+        ours = np.array(matrix, dtype=np.float32)
+        assert ours.shape == colbert[row].shape
+        cosines = np.sum(ours * colbert[row], axis=1) / np.linalg.norm(ours, axis=1)
+        assert cosines.min() >= 0.999
+    assert [w["index"] for w in sparse.json()[0]] == sorted(lexical[1])
+    async with fleet(redis_server, tmp_path, cross_encoder_dir(zoo)) as http:
+        refused = await http.post("/embed_all", json={"inputs": "hi"})
+    assert refused.status_code == 424 and "multi-vector" in refused.text
+
+
+async def test_tei_predict_matches_cross_encoder(
+    redis_server: ServerProcess, tmp_path: Path, zoo: Path
+) -> None:
+    """TEI's /predict on a cross-encoder: one pair, a batch of pairs (each its own query), every
+    label's score highest first; a single text is refused."""
+    from sentence_transformers import CrossEncoder
+
+    pairs = [(QUERY, d) for d in documents()[:3]] + [(documents()[3], documents()[4])]
+    model_dir = cross_encoder_dir(zoo, num_labels=2)
+    async with fleet(redis_server, tmp_path, model_dir) as http:
+        batch = await http.post("/predict", json={"inputs": [list(p) for p in pairs]})
+        one = await http.post("/predict", json={"inputs": list(pairs[0])})
+        single = await http.post("/predict", json={"inputs": "just a text"})
+    assert batch.status_code == 200 and one.status_code == 200, batch.text + one.text
+    theirs = CrossEncoder(str(model_dir), device="cpu").predict(pairs)
+    for row, labels in enumerate(batch.json()):
+        scores = {int(item["label"].removeprefix("LABEL_")): item["score"] for item in labels}
+        np.testing.assert_allclose([scores[0], scores[1]], theirs[row], atol=1e-4)
+        assert labels[0]["score"] >= labels[1]["score"]
+    assert [item["label"] for item in one.json()] == [item["label"] for item in batch.json()[0]]
+    np.testing.assert_allclose(
+        [item["score"] for item in one.json()],
+        [item["score"] for item in batch.json()[0]],
+        atol=1e-5,
+    )
+    assert single.status_code == 422 and "pairs" in single.text

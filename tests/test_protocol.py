@@ -17,6 +17,7 @@ from embedfleet.shared.dead_letters import (
 from embedfleet.shared.protocol import (
     Chunk,
     ChunkLimits,
+    MultiVector,
     ProtocolError,
     QueryFailedError,
     Result,
@@ -304,3 +305,32 @@ def test_results_packed_as_a_batch_keep_sparse_vectors_and_scores() -> None:
     decoded = [decode_result(payload) for payload in payloads]
     assert decoded[1].sparse is not None and decoded[1].sparse.indices.tolist() == [3, 17]
     assert decoded[1].sparse.values.tolist() == [0.5, 1.25] and decoded[2].score == 0.75
+
+
+def test_multivector_results_round_trip_in_float16_and_int8() -> None:
+    """Per-token vectors on the wire: float16 values, or int8 codes with a scale per vector
+    (cosine >= 0.999 to the float32 vectors); a malformed field is refused."""
+    rng = np.random.default_rng(3)
+    vectors = rng.normal(size=(7, 32)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    for dtype in ("float16", "int8"):
+        multi = MultiVector.of(vectors, dtype)
+        back = decode_result(
+            encode_result(
+                Result(id="a", model="m", vector=np.zeros(0, np.float16), multivector=multi)
+            )
+        ).multivector
+        assert back is not None and back.dtype == dtype and (back.count, back.dim) == (7, 32)
+        floats = back.floats()
+        cosines = np.sum(floats * vectors, axis=1) / np.linalg.norm(floats, axis=1)
+        assert cosines.min() >= 0.999, dtype
+    payload = msgpack.unpackb(
+        encode_result(
+            Result(id="a", model="m", vector=np.zeros(0), multivector=MultiVector.of(vectors))
+        )
+    )
+    payload["multivector"]["count"] = 8
+    with pytest.raises(ProtocolError, match="8 x 32 expected"):
+        decode_result(msgpack.packb(payload))
+    with pytest.raises(ProtocolError, match="multivector_dtype"):
+        chunk_from_mapping({"id": "a", "text": "t", "multivector_dtype": "int4"})

@@ -21,6 +21,7 @@ from embedfleet.shared import protocol_doc
 from embedfleet.shared.dead_letters import DeadReason, dead_letter_fields
 from embedfleet.shared.protocol import (
     Chunk,
+    MultiVector,
     ProtocolError,
     Result,
     SparseVector,
@@ -91,6 +92,7 @@ def test_every_field_the_code_writes_is_documented() -> None:
         representations=("sparse",),
         max_active_dims=4,
         pair="a document",
+        multivector_dtype="int8",
     )
     written = set(msgpack.unpackb(encode_chunk(every_option)))
     assert written == _names(CHUNK_FIELDS), f"chunk fields differ: {FIX}"
@@ -107,6 +109,11 @@ def test_every_field_the_code_writes_is_documented() -> None:
     other = Result(id="a", model="m", vector=np.ones(1, np.float32), sparse=sparse, score=1.0)
     assert set(msgpack.unpackb(encode_result(other))) <= _names(RESULT_FIELDS), FIX
     assert {"sparse", "score"} <= set(msgpack.unpackb(encode_result(other))), FIX
+    tokens = MultiVector.of(np.ones((3, 4), np.float32), "int8")
+    multi = Result(id="a", model="m", vector=np.ones(4, np.float16), multivector=tokens)
+    written = msgpack.unpackb(encode_result(multi))
+    assert "multivector" in written and set(written) <= _names(RESULT_FIELDS), FIX
+    assert set(written["multivector"]) == {"dtype", "dim", "count", "data", "scales"}
 
     common = {"reason": DeadReason.INVALID, "detail": "d", "stream": "s", "entry_id": "1-0"}
     whole = dead_letter_fields(**common, payload=b"x", max_payload_bytes=8, chunk_id="a", job="j")

@@ -37,6 +37,7 @@ from embedfleet.shared.tokens import counting_head
 from embedfleet.workers.cpus import CpuClass, cpu_class, usable_cpus
 from embedfleet.workers.cuda_queries import CudaLaneMode, CudaQueryRunner, QueryPath
 from embedfleet.workers.frozen import FrozenForward, build_checked, freeze, frozen_min_cosine
+from embedfleet.workers.heads import ALL_HEADS, HeadLayout, TokenHeadModule
 from embedfleet.workers.int8 import (
     DynamicInt8Forward,
     Int8Forward,
@@ -45,7 +46,7 @@ from embedfleet.workers.int8 import (
     build_int8,
     cpp_compiler_available,
 )
-from embedfleet.workers.model_dir import SentenceHead, read_model_spec
+from embedfleet.workers.model_dir import SentenceHead, UnsupportedModelError, read_model_spec
 from embedfleet.workers.precision import (
     BULK_PROBE_TEXTS,
     FP32,
@@ -107,6 +108,9 @@ class EncodeBatch:
     attention_mask: torch.Tensor  # (batch, seq) int64
     prompt_lengths: torch.Tensor | None = None  # (batch,) int64, when pooling leaves prompts out
     token_type_ids: torch.Tensor | None = None  # (batch, seq) int64, for (query, document) pairs
+    # a multi-head model (BGE-M3): the representations to compute from this batch's forward
+    # pass, packed into one row per text (workers/heads.py); None: the dense vectors alone
+    heads: tuple[str, ...] | None = None
 
     @property
     def size(self) -> int:
@@ -221,6 +225,9 @@ class Encoder:
         self._model = model_class.from_pretrained(transformer_dir, dtype=load_dtype)
         self._model.to(self.device).eval()
         self._head = SentenceHead(self.spec).to(self.device).eval()
+        # BGE-M3's sparse and ColBERT heads beside the dense pipeline (workers/heads.py)
+        self._token_heads: TokenHeadModule | None = None
+        self.layout: HeadLayout | None = None
         position_limit = getattr(self._model.config, "max_position_embeddings", 512)
         self.max_length = max_input_tokens(
             self.spec.max_seq_length, self._tokenizer.model_max_length, position_limit
@@ -253,9 +260,11 @@ class Encoder:
         # One token over the limit tells us a text was cut; see tokenize().
         self._backend.enable_truncation(self.max_length + 1)
         self._ends_with_special = self._last_token_is_special()
-        if dtype == "auto" and self.representation != "dense":
-            # the parity probe compares pooled sentence vectors by cosine: not what a sparse
-            # or score head gives; float32 until it has its own bar
+        if self.spec.token_heads is not None:
+            self._build_token_heads()
+        if dtype == "auto" and not self.dense_only:
+            # the parity probe compares pooled sentence vectors by cosine: not what a sparse,
+            # per-token or score head gives; float32 until they have their own bar
             self.precision = FP32
         elif dtype == "auto":
             self.precision, self.parity = settle_auto(
@@ -267,6 +276,53 @@ class Encoder:
         self._layer_hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._query_forward: FrozenForward | Int8Forward | None = None
         self._cuda_queries: CudaQueryRunner | None = None
+
+    def _build_token_heads(self) -> None:
+        """BGE-M3's heads, and the ids its sparse weights leave out (FlagEmbedding's: the CLS,
+        EOS, PAD and UNK tokens the tokenizer declares)."""
+        heads = self.spec.token_heads
+        assert heads is not None
+        if self.pad_left:
+            raise UnsupportedModelError(
+                f"{self.model_dir}: sparse/ColBERT token heads are read after CLS at the first "
+                "position; this tokenizer pads on the left"
+            )
+        special = self._tokenizer.special_tokens_map
+        unused = [
+            cast(int, self._tokenizer.convert_tokens_to_ids(special[name]))
+            for name in ("cls_token", "eos_token", "pad_token", "unk_token")
+            if isinstance(special.get(name), str)
+        ]
+        self._token_heads = TokenHeadModule(heads, unused).to(self.device).eval()
+        self.layout = HeadLayout(
+            dense_dim=self.dim,
+            colbert_dim=self._token_heads.colbert_dim,
+            vocab_size=int(self._model.config.vocab_size),
+        )
+
+    @property
+    def representations(self) -> tuple[str, ...]:
+        """Everything the model gives (the card's ``representations``): one, or for a model
+        with token heads dense and what they add, all from one forward pass."""
+        if self.spec.token_heads is not None:
+            return ("dense", *self.spec.token_heads.representations)
+        return (self.representation,)
+
+    @property
+    def dense_only(self) -> bool:
+        """A dense model without token heads: what the frozen, int8, CUDA-query and packed
+        copies compute (they end in pooling)."""
+        return self.representation == "dense" and self.spec.token_heads is None
+
+    def heads_for(self, wanted: Sequence[Sequence[str]]) -> tuple[str, ...] | None:
+        """The heads a batch computes for its chunks' ``wanted`` representations (one tuple per
+        chunk, empty: the default, dense): None where that is the dense vector alone."""
+        if self._token_heads is None:
+            return None
+        union = {name for names in wanted for name in names}
+        if union <= {"dense"}:
+            return None
+        return tuple(name for name in ALL_HEADS if name in union or name == "dense")
 
     @property
     def card(self) -> ModelCard:
@@ -283,7 +339,7 @@ class Encoder:
             pooling=self.spec.pooling_modes,
             include_prompt=self.spec.include_prompt,
             architecture=str((getattr(config, "architectures", None) or [""])[0]),
-            representations=(self.representation,),
+            representations=self.representations,
         )
 
     # --- slice boundaries ----------------------------------------------------------
@@ -483,7 +539,13 @@ class Encoder:
             )
         if self.representation == "rerank":
             return self._score_activation(output.logits.float())
-        return self._pooled(output.last_hidden_state, attention_mask, batch.prompt_lengths)
+        dense = self._pooled(output.last_hidden_state, attention_mask, batch.prompt_lengths)
+        if batch.heads is None or self._token_heads is None:
+            return dense
+        # every head on the same hidden states: one forward pass for all of them
+        return self._token_heads(
+            dense, output.last_hidden_state, input_ids, attention_mask, batch.heads
+        )
 
     def embed_query(self, batch: EncodeBatch) -> np.ndarray:
         """Like ``embed``, through the frozen graph when one was prepared (short inputs on a
@@ -563,7 +625,7 @@ class Encoder:
             return True
         if self.device.type != "cpu" or self.precision.method == "autocast":
             return False
-        if self.representation != "dense":  # the frozen and int8 copies end in pooling
+        if not self.dense_only:  # the frozen and int8 copies end in pooling
             return False
         choice: Int8Choice = "auto" if int8 is True else "off" if int8 is False else int8
         candidates = self._build_int8_paths(choice)
@@ -733,7 +795,7 @@ class Encoder:
         """On CUDA, the query lane of workers/cuda_queries.py (``mode``: ``graph`` captures CUDA
         graphs too, ``stream`` does not, ``off`` keeps queries on the bulk model). Returns
         whether queries use it. Call on the model thread, before serving queries."""
-        if self.device.type != "cuda" or mode == "off" or self.representation != "dense":
+        if self.device.type != "cuda" or mode == "off" or not self.dense_only:
             return False
         if self._cuda_queries is None:
             runner = CudaQueryRunner(

@@ -22,6 +22,11 @@ computed with a guess. What it accepts:
   (or a v3/v4 cross-encoder directory without modules.json, ``model_type: CrossEncoder``),
   its ``activation_fn``: the spec's ``representation`` is ``rerank``, a score per (query,
   document) pair.
+- A BGE-M3-shaped directory: a dense SentenceTransformer (Transformer, Pooling, Normalize) with
+  FlagEmbedding's token heads beside it, ``sparse_linear.pt`` (hidden -> 1, relu: one weight
+  per token, the max over a token id's occurrences) and ``colbert_linear.pt`` (hidden -> d, on
+  every token state after CLS, normalised: ColBERT vectors): the spec's ``token_heads``, run on
+  the same forward pass as the dense vector (workers/heads.py).
 
 A plain Hugging Face directory (no ``modules.json``) gets what sentence-transformers gives it:
 mean pooling (last-token for a ``*ForCausalLM`` architecture), not normalised.
@@ -77,8 +82,12 @@ TRANSFORMER_HARMLESS_KEYS = {
 
 
 # What a model dir serves: dense vectors (SentenceTransformer), SPLADE-style sparse weights
-# (SparseEncoder) or pair scores (CrossEncoder). Multi-vector (ColBERT) will be a fourth.
+# (SparseEncoder) or pair scores (CrossEncoder); a dense model with BGE-M3's token heads gives
+# sparse and multivector (ColBERT) too, from the same forward pass (ModelSpec.token_heads).
 Representation = Literal["dense", "sparse", "rerank"]
+# BGE-M3's head files, FlagEmbedding's names (torch state dicts: weight, bias)
+SPARSE_HEAD_FILE = "sparse_linear.pt"
+COLBERT_HEAD_FILE = "colbert_linear.pt"
 SPLADE_STRATEGIES = ("max", "sum")
 SPLADE_ACTIVATIONS = ("relu", "log1p_relu")
 SPLADE_KEYS = {
@@ -114,6 +123,36 @@ class DenseSpec:
 
 
 @dataclass(frozen=True)
+class LinearWeights:
+    """One ``torch.nn.Linear``'s saved weights (a BGE-M3 head file)."""
+
+    weight: torch.Tensor  # (out, in)
+    bias: torch.Tensor | None
+
+    @property
+    def out_features(self) -> int:
+        return int(self.weight.shape[0])
+
+
+@dataclass(frozen=True)
+class TokenHeads:
+    """BGE-M3's heads on the token states, beside the dense vector: ``sparse`` (hidden -> 1)
+    and ``colbert`` (hidden -> d); either may be absent."""
+
+    sparse: LinearWeights | None = None
+    colbert: LinearWeights | None = None
+
+    @property
+    def representations(self) -> tuple[str, ...]:
+        """What they add to ``dense``: ``sparse``, ``multivector`` (shared/protocol.py names)."""
+        return tuple(
+            name
+            for name, head in (("sparse", self.sparse), ("multivector", self.colbert))
+            if head is not None
+        )
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """The pipeline a sentence-transformers directory declares, in worker terms."""
 
@@ -132,6 +171,8 @@ class ModelSpec:
     splade_activation: str = "relu"
     # rerank: the torch.nn class applied to the logits (CrossEncoder's activation_fn)
     score_activation: str = "Identity"
+    # dense models with BGE-M3's token heads (sparse and ColBERT); None for every other
+    token_heads: TokenHeads | None = None
 
     def output_dim(self, hidden_size: int) -> int:
         if self.dense:
@@ -219,7 +260,41 @@ def read_model_spec(model_dir: Path) -> ModelSpec:
             f"{model_dir}: modules.json has no Pooling module; the worker needs one sentence "
             "vector per text"
         )
-    return ModelSpec(transformer_dir=spec.pop("transformer_dir"), dense=tuple(dense), **spec)
+    heads = _read_token_heads(
+        model_dir, int(_read_json(spec["transformer_dir"] / "config.json").get("hidden_size", 0))
+    )
+    return ModelSpec(
+        transformer_dir=spec.pop("transformer_dir"), dense=tuple(dense), token_heads=heads, **spec
+    )
+
+
+def _read_token_heads(model_dir: Path, hidden_size: int) -> TokenHeads | None:
+    """BGE-M3's ``sparse_linear.pt`` and ``colbert_linear.pt`` beside modules.json, checked to
+    read the transformer's token states; None where there are none."""
+    found: dict[str, LinearWeights] = {}
+    for name, file, out in (("sparse", SPARSE_HEAD_FILE, 1), ("colbert", COLBERT_HEAD_FILE, None)):
+        path = model_dir / file
+        if not path.is_file():
+            continue
+        where = f"{model_dir}: {file}"
+        # weights_only: a tensor file, never arbitrary pickled objects
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        weight = state.get("weight") if isinstance(state, dict) else None
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise UnsupportedModelError(f"{where}: expected a Linear's state dict ('weight')")
+        if int(weight.shape[1]) != hidden_size or (out is not None and weight.shape[0] != out):
+            raise UnsupportedModelError(
+                f"{where}: weight of shape {tuple(weight.shape)} does not read the "
+                f"transformer's {hidden_size}-wide token states"
+                + (f" into {out} value per token" if out is not None else "")
+            )
+        bias = state.get("bias")
+        found[name] = LinearWeights(
+            weight=weight.float(), bias=bias.float() if isinstance(bias, torch.Tensor) else None
+        )
+    if not found:
+        return None
+    return TokenHeads(sparse=found.get("sparse"), colbert=found.get("colbert"))
 
 
 def _modules(model_dir: Path) -> list[dict[str, Any]]:

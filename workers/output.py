@@ -17,6 +17,7 @@ The model gives float32 vectors of its full dimension. Per chunk (or job, or set
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from embedfleet.shared.postprocess import QUANTIZED, quantize, truncate
-from embedfleet.shared.protocol import FULL_DIMENSIONS, Chunk, Result, SparseVector
+from embedfleet.shared.protocol import FULL_DIMENSIONS, Chunk, MultiVector, Result, SparseVector
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.batcher import plan_batches
 from embedfleet.workers.calibration import (
@@ -110,10 +111,11 @@ class Outputs:
         give: another representation, a pair for a model that embeds, no pair for a
         cross-encoder, or dense-only options on a sparse or rerank model."""
         served = self.encoder.representation
+        offered = self.encoder.representations
         for wanted in chunk.wanted_representations:
-            if wanted != served:
+            if wanted not in offered:
                 raise OutputOptionError(
-                    f"the model {self.encoder.name!r} serves {served}, not {wanted}"
+                    f"the model {self.encoder.name!r} serves {', '.join(offered)}, not {wanted}"
                 )
         if served == "rerank" and chunk.pair is None:
             raise OutputOptionError(
@@ -124,8 +126,10 @@ class Outputs:
             raise OutputOptionError(
                 f"'dimensions' and 'dtype' shape dense vectors; this model gives {served}"
             )
-        if chunk.max_active_dims is not None and served != "sparse":
+        if chunk.max_active_dims is not None and "sparse" not in offered:
             raise OutputOptionError("'max_active_dims' prunes sparse weights; none here")
+        if chunk.multivector_dtype is not None and "multivector" not in offered:
+            raise OutputOptionError("'multivector_dtype' shapes per-token vectors; none here")
 
     def spec_for(self, chunk: Chunk) -> OutputSpec:
         self.check_representation(chunk)
@@ -138,8 +142,15 @@ class Outputs:
         """Whether every chunk stores the model's whole vector in float16 (the default): then
         the device may cast before the copy back, since nothing after it needs more precision
         (a truncated or quantized vector is computed from float32)."""
+        if self.heads_for(chunks) is not None:  # packed rows hold token ids: float32
+            return False
         full = OutputSpec(dim=self.encoder.dim, dtype="float16")
         return all(self.spec_for(chunk) == full for chunk in chunks)
+
+    def heads_for(self, chunks: Sequence[Chunk]) -> tuple[str, ...] | None:
+        """The heads a batch of ``chunks`` computes on a multi-head model (``EncodeBatch.heads``;
+        None: the dense vectors alone, as any dense model gives them)."""
+        return self.encoder.heads_for([chunk.wanted_representations for chunk in chunks])
 
     def variant(self, dim: int) -> str:
         return variant_label(dim, self.encoder.dim, self.renormalize)
@@ -190,6 +201,18 @@ class Outputs:
         that ask for the same thing shaped together."""
         if self.encoder.representation != "dense":
             return self._other_results(chunks, vectors, truncated, with_meta=with_meta)
+        if self.heads_for(chunks) is not None:
+            return self._head_results(chunks, vectors, truncated, with_meta=with_meta)
+        return self._dense_results(chunks, vectors, truncated, with_meta=with_meta)
+
+    def _dense_results(
+        self,
+        chunks: Sequence[Chunk],
+        vectors: np.ndarray,
+        truncated: Sequence[bool],
+        *,
+        with_meta: bool,
+    ) -> list[Result]:
         specs = [self.spec_for(chunk) for chunk in chunks]
         stored: dict[int, np.ndarray] = {}  # row -> its vector; every row is in one group
         groups: dict[OutputSpec, list[int]] = {}
@@ -220,6 +243,38 @@ class Outputs:
             )
             for row, (chunk, spec) in enumerate(zip(chunks, specs, strict=True))
         ]
+
+    def _head_results(
+        self,
+        chunks: Sequence[Chunk],
+        rows: np.ndarray,
+        truncated: Sequence[bool],
+        *,
+        with_meta: bool,
+    ) -> list[Result]:
+        """A multi-head model's packed rows (workers/heads.py): each chunk gets the
+        representations it asked for (the dense vector shaped as any dense one is)."""
+        layout = self.encoder.layout
+        assert layout is not None
+        unpacked = [layout.unpack(row) for row in rows]
+        dense = np.stack([row.dense for row in unpacked])
+        results = self._dense_results(chunks, dense, truncated, with_meta=with_meta)
+        shaped = []
+        for chunk, result, row in zip(chunks, results, unpacked, strict=True):
+            wanted = chunk.wanted_representations or ("dense",)
+            changes: dict[str, object] = {}
+            if "dense" not in wanted:
+                changes.update(vector=np.zeros(0, np.float32), dimension=0, dtype="float32")
+            if "sparse" in wanted:
+                assert row.sparse is not None, "the batch computed the heads its chunks want"
+                changes["sparse"] = pruned(row.sparse, chunk.max_active_dims)
+            if "multivector" in wanted:
+                assert row.multivector is not None
+                changes["multivector"] = MultiVector.of(
+                    row.multivector, chunk.multivector_dtype or "float16"
+                )
+            shaped.append(dataclasses.replace(result, **changes) if changes else result)  # type: ignore[arg-type]
+        return shaped
 
     def _other_results(
         self,
@@ -263,6 +318,15 @@ class Outputs:
                     )
                 )
         return results
+
+
+def pruned(vector: SparseVector, max_active_dims: int | None) -> SparseVector:
+    """``vector`` with only its ``max_active_dims`` largest weights (as :func:`sparse_vector`
+    prunes: top-k by magnitude, ties to the lower index), indices ascending."""
+    if max_active_dims is None or vector.indices.shape[0] <= max_active_dims:
+        return vector
+    order = np.sort(np.argsort(-np.abs(vector.values), kind="stable")[:max_active_dims])
+    return SparseVector(indices=vector.indices[order], values=vector.values[order], dim=vector.dim)
 
 
 def sparse_vector(weights: np.ndarray, max_active_dims: int | None = None) -> SparseVector:

@@ -102,9 +102,10 @@ def preferred_layout(device: torch.device, dtype: torch.dtype = torch.float32) -
 def check_packed_pooling(encoder: Encoder) -> None:
     """Raise ValueError unless the model pools one of ``PACKED_POOLING`` over whole texts (the
     packed layouts' pooling reads no prompt lengths and no second mode)."""
-    if encoder.representation != "dense":
+    if not encoder.dense_only:
         raise ValueError(
-            f"packed layouts pool dense vectors; this model gives {encoder.representation}"
+            "packed layouts pool dense vectors; this model gives "
+            f"{', '.join(encoder.representations)}"
         )
     pooling = encoder.pooling
     if len(pooling.modes) > 1 or pooling.mode not in PACKED_POOLING or not pooling.include_prompt:

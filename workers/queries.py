@@ -271,6 +271,8 @@ class QueryLane:
             return
         try:
             batch = self.encoder.collate([i.tokens for i in items])
+            # a multi-head model's heads (it has no frozen or CUDA query copy: the eager pass)
+            batch.heads = self.outputs.heads_for([i.chunk for i in items])
             vectors, path = self.encoder.serve_query(batch)
         except Exception as error:
             self._on_model_error(items, error, oom_retries)

@@ -15,6 +15,7 @@ from embedfleet.shared.logging import configure_logging, get_logger
 from embedfleet.shared.model_registry import model_label
 from embedfleet.shared.redis_conn import connect_settings
 from embedfleet.shared.settings import Settings
+from embedfleet.shared.vectordb import NO_EXTRAS, Extras
 from embedfleet.shared.vectordb.target import parse_sink_url
 from embedfleet.workers.encoder import Encoder
 from embedfleet.workers.health import HealthServer
@@ -29,10 +30,11 @@ log = get_logger("embedfleet.worker")
 
 
 def check_sink_holds(settings: Settings, encoder: Encoder) -> None:
-    """Refuse (UnsupportedModelError, exit 1) a sparse or rerank model with a database sink:
-    their results are index/value pairs and scores, which only the results stream carries in
-    this release (Qdrant sparse vectors, pgvector ``sparsevec``, Parquet/LanceDB columns come
-    next), and a sink given an empty vector would fail on every write instead."""
+    """Refuse (UnsupportedModelError, exit 1) a sparse-only or rerank model with a database
+    sink: a table's row is keyed on its dense vector (a multi-representation model's sparse
+    and per-token vectors are kept beside it, ``sink_extras``); scores and sparse weights
+    alone only the results stream carries, and a sink given an empty vector would fail on
+    every write instead."""
     if encoder.representation == "dense":
         return
     kind = parse_sink_url(settings.sink, settings.sink_table).kind
@@ -41,6 +43,18 @@ def check_sink_holds(settings: Settings, encoder: Encoder) -> None:
             f"the model {encoder.name!r} gives {encoder.representation} results, which the "
             f"{kind} sink cannot store yet; use EMBEDFLEET_SINK=redis (the results stream)"
         )
+
+
+def sink_extras(encoder: Encoder) -> Extras:
+    """What a database sink keeps beside the dense vector for this model: the sparse weights
+    and per-token vectors of a multi-representation model (BGE-M3), else nothing."""
+    layout = encoder.layout
+    if layout is None:
+        return NO_EXTRAS
+    return Extras(
+        sparse_dim=layout.vocab_size if "sparse" in encoder.representations else None,
+        multivector_dim=layout.colbert_dim or None,
+    )
 
 
 def load_encoder(settings: Settings) -> Encoder:
@@ -133,7 +147,10 @@ async def _serve(
     # database that is not up yet is waited for, like one that goes away later
     ride = RideOut("setting up the sink", worker.outages, metrics)
     dim = settings.dimensions or encoder.dim
-    await ride_out(ride, sink.system, lambda: sink.setup(encoder.name, dim), classify_sink_error)
+    extras = sink_extras(encoder)
+    await ride_out(
+        ride, sink.system, lambda: sink.setup(encoder.name, dim, extras), classify_sink_error
+    )
     if health is not None:
         # The readiness probe's forward pass queues on the worker's one model thread.
         health.model_loaded(encoder, worker.model_thread)

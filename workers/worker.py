@@ -72,7 +72,7 @@ from embedfleet.workers.device_faults import (
     oom_retry_pause_s,
     recovery,
 )
-from embedfleet.workers.encoder import Encoder, Tokenized, pairs_of
+from embedfleet.workers.encoder import EncodeBatch, Encoder, Tokenized, pairs_of
 from embedfleet.workers.events import ForwardingEvents, WorkerEvents
 from embedfleet.workers.heartbeat import run_heartbeat
 from embedfleet.workers.memory import TrimTimer, release_free_memory
@@ -861,12 +861,15 @@ class Worker:
             tokens = [window.tokens[p] for p in planned.positions]
             batch = await loop.run_in_executor(self._tokenizer_thread, self.bulk.collate, tokens)
         self.events.batch_started(texts=len(planned.positions), padded_tokens=planned.padded_tokens)
+        chunks = [window.chunks[p] for p in planned.positions]
+        if isinstance(batch, EncodeBatch):  # a multi-head model: the heads its chunks want
+            batch.heads = self.outputs.heads_for(chunks)
         path, frozen = self._bulk_path(), self._bulk_frozen()
         launch = functools.partial(
             self._launch_timed,
             batch,
             frozen=frozen,
-            half=self.outputs.full_float16([window.chunks[p] for p in planned.positions]),
+            half=self.outputs.full_float16(chunks),
         )
         future = loop.run_in_executor(self._model_thread, launch)
         self._queued.append(QueuedLaunch(future, window, planned, oom_retries, path))

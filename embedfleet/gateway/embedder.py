@@ -23,7 +23,7 @@ from embedfleet.gateway.errors import APIError, overloaded, retry_later
 from embedfleet.gateway.metrics import GatewayMetrics
 from embedfleet.producer.client import EmbeddingOptions, Producer, QueryTimeoutError
 from embedfleet.shared.model_registry import model_label
-from embedfleet.shared.protocol import QueryFailedError, SparseVector
+from embedfleet.shared.protocol import QueryFailedError, Result, SparseVector
 from embedfleet.shared.redis_conn import redis_deadline
 from embedfleet.shared.retry import RedisUnavailableError
 from embedfleet.shared.settings import Settings
@@ -121,6 +121,26 @@ class Embedder:
             return await self.producer.rerank(query, list(documents), timeout=timeout, lane=lane)
 
         return await self._through_lane(len(documents), call)
+
+    async def embed_representations(
+        self, texts: Sequence[str], representations: Sequence[str]
+    ) -> list[Result]:
+        """Each text's Result with ``representations`` (a multi-head fleet), same lanes."""
+
+        async def call(lane: Lane, timeout: float) -> list[Result]:
+            return await self.producer.embed_representations(
+                list(texts), representations, timeout=timeout, lane=lane
+            )
+
+        return await self._through_lane(len(texts), call)
+
+    async def score_pairs(self, pairs: Sequence[tuple[str, str]]) -> np.ndarray:
+        """Every label's score per (text, text) pair (a cross-encoder fleet), same lanes."""
+
+        async def call(lane: Lane, timeout: float) -> np.ndarray:
+            return await self.producer.score_pairs(list(pairs), timeout=timeout, lane=lane)
+
+        return await self._through_lane(len(pairs), call)
 
     async def _through_lane(self, count: int, call: Callable[[Lane, float], Awaitable[T]]) -> T:
         """``call`` on the lane ``count`` inputs ride, refused (429) while that lane is full;

@@ -4,6 +4,15 @@
   ``[[{"index", "value"}, ...], ...]`` per input (a SPLADE model's non-zero weights).
 - TEI ``POST /rerank``: ``{query, texts, raw_scores?, return_text?, truncate?}`` ->
   ``[{"index", "score", "text"?}, ...]``, highest score first.
+- TEI ``POST /embed_all``: ``{inputs, truncate?, truncation_direction?, prompt_name?}`` ->
+  ``[[[float, ...], ...], ...]``, a matrix of per-token vectors per input. TEI returns the raw
+  token states there; a multi-vector model (BGE-M3) here returns its ColBERT vectors (every
+  token after CLS, projected and normalised: what late interaction compares), and a model
+  without them is refused (424).
+- TEI ``POST /predict``: ``{inputs: [text, text] | [[text, text], ...], raw_scores?,
+  truncate?}`` -> ``[{"score", "label"}, ...]`` per pair (a list of those for a batch), every
+  label of the cross-encoder, highest first; labels are ``LABEL_<i>``. A single text (TEI's
+  sequence classification) is refused: the fleet's classifiers are cross-encoders.
 - ``POST /v1/rerank`` (Cohere's and Jina's request): ``{model, query, documents, top_n?,
   return_documents?}`` -> ``{"id", "model", "results": [{"index", "relevance_score",
   "document"?: {"text"}}], "usage": {"total_tokens"}}``, highest score first.
@@ -57,6 +66,13 @@ class RerankRequest(BaseModel):
     model: str | None = None  # not TEI's: another model of the namespace
 
 
+class PredictRequest(BaseModel):
+    inputs: str | list[str] | list[list[str]]
+    truncate: bool | None = None
+    truncation_direction: TruncationDirection = "Right"
+    raw_scores: bool = False
+
+
 class Document(BaseModel):
     text: str
 
@@ -74,7 +90,11 @@ def require_representation(card: ModelCard, wanted: str, *, tei: bool) -> None:
     """Refuse a request for what the served model does not give, in the dialect's status."""
     if card.serves(wanted):
         return
-    what = {"sparse": "a SPLADE (SparseEncoder) model", "rerank": "a cross-encoder reranker"}
+    what = {
+        "sparse": "a SPLADE (SparseEncoder) model",
+        "rerank": "a cross-encoder reranker",
+        "multivector": "a multi-vector (ColBERT, BGE-M3) model",
+    }
     raise APIError(
         424 if tei else 400,
         f"the model {card.name!r} is not {what.get(wanted, wanted)}: it serves "
@@ -114,6 +134,83 @@ async def embed_sparse(body: EmbedSparseRequest, gateway: GatewayDep) -> list[li
         ]
         for vector in vectors
     ]
+
+
+@router.post("/embed_all")
+async def embed_all(body: EmbedSparseRequest, gateway: GatewayDep) -> list[list[list[float]]]:
+    """Per-token vectors of each input (a multi-vector model's ColBERT vectors)."""
+    async with gateway.request_bound():
+        card = await gateway.require_card()
+        require_representation(card, "multivector", tei=True)
+        texts = prepare(body.inputs, gateway.tokenizer, gateway.settings, "inputs")
+        prompt = ""
+        if body.prompt_name is not None:
+            try:
+                prompt = card.prompt_text(body.prompt_name)
+            except ValueError as error:
+                raise APIError(422, str(error), code="invalid_prompt") from None
+        texts = fit_to_model(
+            texts,
+            gateway.tokenizer,
+            prompt,
+            card.max_length,
+            truncate=bool(body.truncate),
+            direction=body.truncation_direction,
+        )
+        results = await gateway.embedder.embed_representations(texts, ("multivector",))
+    matrices = []
+    for result in results:
+        if result.multivector is None:
+            raise APIError(424, "the workers answered without per-token vectors", code="backend")
+        matrices.append(result.multivector.floats().tolist())
+    return matrices
+
+
+def _predict_pairs(inputs: str | list[str] | list[list[str]]) -> tuple[list[tuple[str, str]], bool]:
+    """TEI's ``inputs`` as (text, text) pairs, and whether it was one pair (not a batch)."""
+    single_text = "/predict scores (text, text) pairs here (the fleet's classifiers are "
+    if isinstance(inputs, str):
+        raise APIError(422, single_text + "cross-encoders): give [text, text]", code="validation")
+    if inputs and all(isinstance(item, str) for item in inputs):
+        batch: list[Any] = [inputs]
+        one = True
+    else:
+        batch, one = list(inputs), False
+    pairs = []
+    for item in batch:
+        if not isinstance(item, list) or len(item) != 2:
+            raise APIError(
+                422, single_text + "cross-encoders): every input is [text, text]", code="validation"
+            )
+        pairs.append((str(item[0]), str(item[1])))
+    if not pairs:
+        raise APIError(400, "`inputs` cannot be empty", code="empty_input")
+    return pairs, one
+
+
+@router.post("/predict")
+async def predict(body: PredictRequest, gateway: GatewayDep) -> list[Any]:
+    if body.raw_scores:
+        raise APIError(
+            422,
+            "raw_scores=true is not available: the workers return the model's activated "
+            "scores (CrossEncoder.predict's); leave raw_scores at false",
+            code="raw_scores_not_available",
+        )
+    pairs, one = _predict_pairs(body.inputs)
+    async with gateway.request_bound():
+        card = await gateway.require_card()
+        require_representation(card, "rerank", tei=True)
+        check_limits([text for pair in pairs for text in pair], gateway.settings, "inputs")
+        scores = await gateway.embedder.score_pairs(pairs)
+    answers = [
+        [
+            {"score": float(row[label]), "label": f"LABEL_{label}"}
+            for label in np.argsort(-row, kind="stable").tolist()
+        ]
+        for row in scores
+    ]
+    return answers[0] if one else answers
 
 
 async def _scores(gateway: Gateway, query: str, documents: list[str], tei: bool) -> np.ndarray:

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from embedfleet.shared.vectordb.backend import (
     DEFAULT_DTYPE,
+    NO_EXTRAS,
+    RRF_K,
+    Extras,
     Hit,
     MissingExtraError,
     SinkSetupError,
@@ -20,6 +23,7 @@ from embedfleet.shared.vectordb.backend import (
     meta_from_json,
     meta_to_json,
     open_backend,
+    reciprocal_rank_fusion,
     require_extra,
 )
 from embedfleet.shared.vectordb.target import (
@@ -33,7 +37,10 @@ from embedfleet.shared.vectordb.target import (
 
 __all__ = [
     "DEFAULT_DTYPE",
+    "NO_EXTRAS",
+    "RRF_K",
     "SINK_URL_FORMS",
+    "Extras",
     "Hit",
     "MissingExtraError",
     "SinkKind",
@@ -50,5 +57,6 @@ __all__ = [
     "meta_to_json",
     "open_backend",
     "parse_sink_url",
+    "reciprocal_rank_fusion",
     "require_extra",
 ]

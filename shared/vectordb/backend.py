@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 import base64
 import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -26,7 +27,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from embedfleet.shared.protocol import Result
+from embedfleet.shared.protocol import Result, SparseVector
 from embedfleet.shared.vectordb.target import SinkKind, SinkTarget
 
 # What one stored vector component is: the output dtypes (shared/protocol.py). float16 is the
@@ -51,6 +52,39 @@ _BACKENDS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
     "qdrant-local": ("qdrant", "QdrantBackend", ("qdrant_client",), "qdrant"),
     "parquet": ("parquet", "ParquetBackend", ("pyarrow",), "parquet"),
 }
+
+
+@dataclass(frozen=True)
+class Extras:
+    """What a table keeps beside each row's dense vector, for a model that gives several
+    representations from one pass (BGE-M3): sparse weights over ``sparse_dim`` entries (the
+    vocabulary) and per-token vectors of ``multivector_dim`` values. A row whose chunk did not
+    ask for one stores none (NULL, or no named vector)."""
+
+    sparse_dim: int | None = None
+    multivector_dim: int | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.sparse_dim or self.multivector_dim)
+
+
+NO_EXTRAS = Extras()
+# RRF's constant (Cormack et al. 2009, and what Elasticsearch and OpenSearch default to)
+RRF_K = 60
+
+
+def reciprocal_rank_fusion(rankings: Sequence[Sequence[Hit]], k: int = RRF_K) -> list[Hit]:
+    """Rankings fused by reciprocal rank: each id scores the sum over the rankings it is in of
+    ``1 / (k + rank)``, rank 1 the best; best first, ties by id. A hit keeps the row of the
+    first ranking that has it and the fused score."""
+    scores: dict[str, float] = {}
+    rows: dict[str, Hit] = {}
+    for ranking in rankings:
+        for rank, hit in enumerate(ranking, start=1):
+            scores[hit.id] = scores.get(hit.id, 0.0) + 1.0 / (k + rank)
+            rows.setdefault(hit.id, hit)
+    order = sorted(scores, key=lambda chunk_id: (-scores[chunk_id], chunk_id))
+    return [dataclasses.replace(rows[chunk_id], score=scores[chunk_id]) for chunk_id in order]
 
 
 class VectorDBError(RuntimeError):
@@ -134,12 +168,15 @@ class VectorBackend(contextlib.AbstractContextManager["VectorBackend"], abc.ABC)
 
     # --- writing (the worker's sink) -------------------------------------------------------
     @abc.abstractmethod
-    def setup(self, model: str, dim: int, dtype: VectorDType | None = None) -> None:
+    def setup(
+        self, model: str, dim: int, dtype: VectorDType | None = None, extras: Extras = NO_EXTRAS
+    ) -> None:
         """Create the table if missing; check an existing one takes ``dim``-dim vectors.
 
         ``dtype`` None: float16 for a new table (float32 where the database has no float16),
         and whatever an existing table stores; a given ``dtype`` must match an existing table.
-        Raises SinkSetupError naming the setting to change.
+        ``extras``: the sparse and per-token vectors it keeps too (a backend that cannot
+        raises SinkSetupError). Raises SinkSetupError naming the setting to change.
         """
 
     @abc.abstractmethod
@@ -150,6 +187,14 @@ class VectorBackend(contextlib.AbstractContextManager["VectorBackend"], abc.ABC)
     @abc.abstractmethod
     def nearest(self, vector: np.ndarray, k: int = 10) -> list[Hit]:
         """The ``k`` stored rows closest to ``vector`` by cosine similarity, best first."""
+
+    def nearest_sparse(self, sparse: SparseVector, k: int = 10) -> list[Hit]:
+        """The ``k`` stored rows with the largest dot product of their sparse weights with
+        ``sparse``, best first (the score is that dot product); rows without weights never."""
+        raise VectorDBError(
+            f"{self.target.describe()} has no sparse search: hybrid search runs on Qdrant and "
+            "PostgreSQL (pgvector sparsevec)"
+        )
 
     @abc.abstractmethod
     def build_index(self, *, force: bool = False) -> list[str]:
@@ -228,6 +273,13 @@ class VectorBackend(contextlib.AbstractContextManager["VectorBackend"], abc.ABC)
         alone and writes the others.
         """
         for result in results:
+            if result.dim == 0:
+                raise ValueError(
+                    f"row {result.id!r} has no dense vector (its chunk asked for "
+                    "representations without 'dense'): a database row needs the dense vector "
+                    "beside its sparse and per-token vectors; ask for 'dense' too, or read such "
+                    "results from the Redis sink"
+                )
             if result.dtype not in FLOAT_DTYPES:
                 raise ValueError(
                     f"row {result.id!r}: {self.target.describe()} stores float vectors, and "

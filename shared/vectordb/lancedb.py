@@ -4,6 +4,11 @@ Each upsert is a ``merge_insert`` on ``id`` that commits a new table version wit
 fragment; the writer compacts every ``COMPACT_EVERY`` upserts (and on close) so a long bulk
 load does not leave thousands of tiny files behind. Search is exact until ``embedfleet index``
 builds IVF_HNSW_SQ, which it does only from ``MIN_INDEX_ROWS`` rows (or with ``--force``).
+
+A model with several representations (BGE-M3, ``Extras``) adds nullable columns, the same in
+LanceDB and in Parquet shards (both write ``arrow_rows``): ``sparse_indices`` (list of uint32,
+ascending) and ``sparse_values`` (list of float32, one per index), and ``multivector`` (a list
+of fixed-size lists of float16: the per-token vectors in token order).
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ from embedfleet.shared.vectordb.backend import (
     BINARY_DTYPES,
     DEFAULT_DTYPE,
     FLOAT_DTYPES,
+    NO_EXTRAS,
     RESCORE_MULTIPLIER,
     ROW_FIELDS,
+    Extras,
     SinkSetupError,
     StoredRow,
     VectorBackend,
@@ -60,15 +67,42 @@ ALIAS_SUFFIX = ".alias.json"
 # are both packed bits (uint8, dim / 8 per row), told apart only by this.
 DTYPE_KEY = b"embedfleet_dtype"
 DIM_KEY = b"embedfleet_dim"
+SPARSE_DIM_KEY = b"embedfleet_sparse_dim"
+MULTIVECTOR_DIM_KEY = b"embedfleet_multivector_dim"
+SPARSE_COLUMNS = ("sparse_indices", "sparse_values")
+MULTIVECTOR_COLUMN = "multivector"
 
 
-def lance_schema(dim: int, dtype: VectorDType = DEFAULT_DTYPE) -> pa.Schema:
+def extra_fields(extras: Extras) -> list[pa.Field]:
+    """The nullable columns ``extras`` add (see the module docstring)."""
+    import pyarrow as pa
+
+    fields = []
+    if extras.sparse_dim:
+        fields += [
+            pa.field(SPARSE_COLUMNS[0], pa.list_(pa.uint32())),
+            pa.field(SPARSE_COLUMNS[1], pa.list_(pa.float32())),
+        ]
+    if extras.multivector_dim:
+        row = pa.list_(pa.float16(), extras.multivector_dim)
+        fields.append(pa.field(MULTIVECTOR_COLUMN, pa.list_(row)))
+    return fields
+
+
+def lance_schema(
+    dim: int, dtype: VectorDType = DEFAULT_DTYPE, extras: Extras = NO_EXTRAS
+) -> pa.Schema:
     """Fixed-size lists of float16/float32/int8/uint8; binary types as uint8 lists of the packed
-    bits (LanceDB's Hamming distance reads those)."""
+    bits (LanceDB's Hamming distance reads those); the ``extras`` columns after the row's."""
     import pyarrow as pa
 
     value_type = pa.uint8() if dtype in BINARY_DTYPES else pa.from_numpy_dtype(np.dtype(dtype))
     width = (dim + 7) // 8 if dtype in BINARY_DTYPES else dim
+    metadata = {DTYPE_KEY: dtype.encode(), DIM_KEY: str(dim).encode()}
+    if extras.sparse_dim:
+        metadata[SPARSE_DIM_KEY] = str(extras.sparse_dim).encode()
+    if extras.multivector_dim:
+        metadata[MULTIVECTOR_DIM_KEY] = str(extras.multivector_dim).encode()
     return pa.schema(
         [
             pa.field("id", pa.string(), nullable=False),
@@ -78,8 +112,9 @@ def lance_schema(dim: int, dtype: VectorDType = DEFAULT_DTYPE) -> pa.Schema:
             pa.field("truncated", pa.bool_(), nullable=False),
             pa.field("meta", pa.string()),  # JSON text: meta has no fixed schema
             pa.field("text", pa.string()),
+            *extra_fields(extras),
         ],
-        metadata={DTYPE_KEY: dtype.encode(), DIM_KEY: str(dim).encode()},
+        metadata=metadata,
     )
 
 
@@ -115,6 +150,18 @@ def arrow_rows(backend: VectorBackend, results: Sequence[Result], schema: pa.Sch
         "meta": [meta_to_json(r.meta) for r in results],
         "text": [backend.stored_text(r) for r in results],
     }
+    if SPARSE_COLUMNS[0] in schema.names:
+        columns[SPARSE_COLUMNS[0]] = [
+            None if r.sparse is None else r.sparse.indices.astype(np.uint32) for r in results
+        ]
+        columns[SPARSE_COLUMNS[1]] = [
+            None if r.sparse is None else r.sparse.values.astype(np.float32) for r in results
+        ]
+    if MULTIVECTOR_COLUMN in schema.names:
+        columns[MULTIVECTOR_COLUMN] = [
+            None if r.multivector is None else list(r.multivector.floats().astype(np.float16))
+            for r in results
+        ]
     return pa.table(columns, schema=schema)
 
 
@@ -159,18 +206,22 @@ class LanceDBBackend(VectorBackend):
         self._writes = 0
 
     # --- writing ---------------------------------------------------------------------------
-    def setup(self, model: str, dim: int, dtype: VectorDType | None = None) -> None:
+    def setup(
+        self, model: str, dim: int, dtype: VectorDType | None = None, extras: Extras = NO_EXTRAS
+    ) -> None:
         try:
-            self._table, stored = self._open_or_create(dim, dtype)
+            self._table, stored = self._open_or_create(dim, dtype, extras)
         except SinkSetupError:
             raise
         except Exception as error:  # a directory that cannot be created or read, ...
             raise SinkSetupError(
                 f"cannot open {self.target.describe()}: {type(error).__name__}: {error}"
             ) from error
-        self._schema = lance_schema(dim, stored)  # type: ignore[arg-type]
+        self._schema = lance_schema(dim, stored, extras)  # type: ignore[arg-type]
 
-    def _open_or_create(self, dim: int, dtype: VectorDType | None) -> tuple[Table, str]:
+    def _open_or_create(
+        self, dim: int, dtype: VectorDType | None, extras: Extras
+    ) -> tuple[Table, str]:
         import lancedb
         import pyarrow as pa
 
@@ -179,7 +230,7 @@ class LanceDBBackend(VectorBackend):
         try:
             table = database.open_table(name)
         except ValueError:  # not found; exist_ok covers a worker that created it meanwhile
-            schema = lance_schema(dim, dtype or DEFAULT_DTYPE)
+            schema = lance_schema(dim, dtype or DEFAULT_DTYPE, extras)
             table = database.create_table(name, schema=schema, exist_ok=True)
             log.info("created LanceDB table", path=self.target.location, table=name, dim=dim)
         field = table.schema.field(VECTOR_COLUMN) if VECTOR_COLUMN in table.schema.names else None
@@ -190,6 +241,12 @@ class LanceDBBackend(VectorBackend):
             raise self.dim_mismatch(f"{existing}-dim vectors", dim)
         if dtype is not None and stored != dtype:
             raise self.dtype_mismatch(stored, dtype)
+        missing = [f.name for f in extra_fields(extras) if f.name not in table.schema.names]
+        if missing:
+            raise SinkSetupError(
+                f"{self.target.describe()} has no {', '.join(missing)} column, which this "
+                "model's rows bring: set EMBEDFLEET_SINK_TABLE to a new table name"
+            )
         if "text" not in table.schema.names:  # a table from before texts were stored
             try:
                 table.add_columns(pa.field("text", pa.string()))

@@ -56,6 +56,8 @@ from embedfleet.shared.vectordb.backend import (
     BINARY_DTYPES,
     DEFAULT_DTYPE,
     FLOAT_DTYPES,
+    NO_EXTRAS,
+    Extras,
     SinkSetupError,
     VectorBackend,
     VectorDBError,
@@ -201,7 +203,9 @@ class ParquetBackend(VectorBackend):
         return self._fs, self._root
 
     # --- writing ---------------------------------------------------------------------------
-    def setup(self, model: str, dim: int, dtype: VectorDType | None = None) -> None:
+    def setup(
+        self, model: str, dim: int, dtype: VectorDType | None = None, extras: Extras = NO_EXTRAS
+    ) -> None:
         import pyarrow.fs as pafs
 
         fs, root = self._location()
@@ -232,7 +236,7 @@ class ParquetBackend(VectorBackend):
                 stored = latest.dtype  # type: ignore[assignment]
             elif latest.dtype != dtype:
                 raise self.dtype_mismatch(latest.dtype, dtype)
-        self._schema = lance_schema(dim, stored)
+        self._schema = lance_schema(dim, stored, extras)
         self._model = model
 
     def rows(self, results: Sequence[Result]) -> pa.Table:

@@ -11,6 +11,11 @@ Vectors are ``halfvec`` (fp16, half the size) on pgvector ≥ 0.7 and ``vector``
 (``{type}_cosine_ops``) serves it; a ``bit`` column is searched by Hamming distance ``<~>``
 (``bit_hamming_ops``) and the candidates rescored with the float query. pgvector has no int8
 vector type: int8/uint8 outputs are refused at setup.
+
+A model with several representations (BGE-M3, ``Extras``) adds two nullable columns to the same
+row: ``sparse sparsevec(vocabulary)`` (pgvector ≥ 0.7; searched by inner product ``<#>``) and
+``multivector halfvec(d)[]``, the per-token vectors as an array of fp16 vectors in token
+order. Both travel to the staging table as text and are cast by the upsert.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ import numpy as np
 
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.vectordb.backend import (
+    NO_EXTRAS,
     RESCORE_MULTIPLIER,
+    Extras,
     SinkSetupError,
     StoredRow,
     VectorBackend,
@@ -38,7 +45,7 @@ from embedfleet.shared.vectordb.backend import (
 if TYPE_CHECKING:
     import psycopg
 
-    from embedfleet.shared.protocol import Result
+    from embedfleet.shared.protocol import MultiVector, Result, SparseVector
     from embedfleet.shared.vectordb.backend import Hit, StoredVector, VectorDType
 
 log = get_logger("embedfleet.sink")
@@ -76,6 +83,7 @@ class PgvectorBackend(VectorBackend):
         self._conn: psycopg.Connection | None = None
         self._staging_ready = False  # the temporary staging table exists in this session
         self._text_column = "text"  # "NULL::text" for a table from before texts were stored
+        self.extras: Extras = NO_EXTRAS  # the sparse / multivector columns upserts fill
 
     # --- connection --------------------------------------------------------------------------
     def _connection(self) -> psycopg.Connection:
@@ -160,7 +168,9 @@ class PgvectorBackend(VectorBackend):
         self._staging_ready = False
 
     # --- writing ---------------------------------------------------------------------------
-    def setup(self, model: str, dim: int, dtype: VectorDType | None = None) -> None:
+    def setup(
+        self, model: str, dim: int, dtype: VectorDType | None = None, extras: Extras = NO_EXTRAS
+    ) -> None:
         import psycopg
         from psycopg import sql
 
@@ -196,6 +206,7 @@ class PgvectorBackend(VectorBackend):
             # a table from before texts were stored: a nullable column is a catalog change only
             conn.execute(sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS text text").format(table))
             existing = column_type(conn, self.target.table)
+            self._add_extra_columns(conn, version, extras)
         finally:
             conn.execute("SELECT pg_advisory_unlock(hashtext(%s))", (lock,))
         if existing is None:
@@ -207,6 +218,38 @@ class PgvectorBackend(VectorBackend):
             raise self.dtype_mismatch(existing_type, dtype)  # type: ignore[arg-type]
         self.column_type = existing_type  # type: ignore[assignment]  # checked just above
         log.info("pgvector table ready", table=self.target.table, type=f"{existing_type}({dim})")
+
+    def _extra_columns(self, extras: Extras) -> dict[str, str]:
+        """The extra columns ``extras`` need, name to type."""
+        columns = {}
+        if extras.sparse_dim:
+            columns["sparse"] = f"sparsevec({extras.sparse_dim})"
+        if extras.multivector_dim:
+            columns["multivector"] = f"halfvec({extras.multivector_dim})[]"
+        return columns
+
+    def _add_extra_columns(self, conn: psycopg.Connection, version: str, extras: Extras) -> None:
+        """The sparse and multivector columns (nullable: a catalog change only), checked."""
+        from psycopg import sql
+
+        if extras and vector_type_for(version) != "halfvec":
+            raise SinkSetupError(
+                f"pgvector {version} has no sparsevec or halfvec: this model's sparse and "
+                "per-token vectors need pgvector ≥ 0.7 on the server"
+            )
+        for name, kind in self._extra_columns(extras).items():
+            conn.execute(
+                sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} {}").format(
+                    sql.Identifier(self.target.table), sql.Identifier(name), sql.SQL(kind)
+                )
+            )
+            found = _column_format(conn, self.target.table, name)
+            if found != kind:
+                raise SinkSetupError(
+                    f"{self.target.describe()} has {name} {found}, this model's rows need "
+                    f"{kind}: set EMBEDFLEET_SINK_TABLE to a new table name"
+                )
+        self.extras = extras
 
     def _write_connection(self) -> psycopg.Connection:
         if self.column_type is None or self.dim is None:
@@ -223,7 +266,8 @@ class PgvectorBackend(VectorBackend):
             conn.execute(
                 sql.SQL(
                     "CREATE TEMP TABLE IF NOT EXISTS {staging} (id text, embedding {type},"
-                    " job text, model text, truncated boolean, meta text, text text)"
+                    " job text, model text, truncated boolean, meta text, text text,"
+                    " sparse text, multivector text)"
                     " ON COMMIT DELETE ROWS"
                 ).format(
                     staging=sql.Identifier(f"{self.target.table}_staging"),
@@ -254,32 +298,45 @@ class PgvectorBackend(VectorBackend):
             dtype = np.float16 if self.column_type == "halfvec" else np.float32
             columns = ["text", self.column_type, "text", "text", "bool", "text", "text"]
             vectors = self.float_vectors(rows, dtype, self.dim)
+        extra = self._extra_columns(self.extras)
+        names = ["id", "embedding", "job", "model", "truncated", "meta", "text", *extra]
+        selected = [
+            "id",
+            f"embedding::{self.column_type}({self.dim})",
+            "job",
+            "model",
+            "truncated",
+            "meta::jsonb",
+            "text",
+            *(f"{name}::{kind}" for name, kind in extra.items()),
+        ]
+        updates = ", ".join(f"{name} = EXCLUDED.{name}" for name in names[1:])
         try:
             with conn.transaction(), conn.cursor() as cursor:
-                copy_sql = sql.SQL(
-                    "COPY {staging} (id, embedding, job, model, truncated, meta, text)"
-                    " FROM STDIN (FORMAT BINARY)"
-                ).format(staging=staging)
+                copy_sql = sql.SQL("COPY {staging} ({names}) FROM STDIN (FORMAT BINARY)").format(
+                    staging=staging, names=sql.SQL(", ".join(names))
+                )
                 with cursor.copy(copy_sql) as copy:
-                    copy.set_types(columns)
+                    copy.set_types(columns + ["text"] * len(extra))
                     for r, values in zip(rows, vectors, strict=True):
                         meta = meta_to_json(r.meta)
                         text = self.stored_text(r)
-                        row = (r.id, wrap(values), r.job, r.model, r.truncated, meta, text)
+                        row = [r.id, wrap(values), r.job, r.model, r.truncated, meta, text]
+                        if "sparse" in extra:
+                            row.append(sparsevec_text(r.sparse))
+                        if "multivector" in extra:
+                            row.append(halfvec_array_text(r.multivector))
                         copy.write_row(row)
                 cursor.execute(
                     sql.SQL(
-                        "INSERT INTO {table} (id, embedding, job, model, truncated, meta, text)"
-                        " SELECT id, embedding::{type}, job, model, truncated, meta::jsonb, text"
-                        " FROM {staging} ORDER BY id"
-                        " ON CONFLICT (id) DO UPDATE SET embedding = EXCLUDED.embedding,"
-                        " job = EXCLUDED.job, model = EXCLUDED.model,"
-                        " truncated = EXCLUDED.truncated, meta = EXCLUDED.meta,"
-                        " text = EXCLUDED.text, updated_at = now()"
+                        "INSERT INTO {table} ({names}) SELECT {selected} FROM {staging} ORDER BY id"
+                        " ON CONFLICT (id) DO UPDATE SET {updates}, updated_at = now()"
                     ).format(
                         table=sql.Identifier(self.target.table),
+                        names=sql.SQL(", ".join(names)),
+                        selected=sql.SQL(", ".join(selected)),
                         staging=staging,
-                        type=sql.SQL(f"{self.column_type}({self.dim})"),
+                        updates=sql.SQL(updates),
                     )
                 )
         except Exception:
@@ -305,6 +362,22 @@ class PgvectorBackend(VectorBackend):
             "1 - (embedding <=> %(q)s::{type}) AS score", "embedding <=> %(q)s::{type}", literal, k
         )
         return [self.hit(row, row["meta"], float(row["score"])) for row in rows]
+
+    def nearest_sparse(self, sparse: SparseVector, k: int = 10) -> list[Hit]:
+        with self._reading() as conn:
+            if not has_column(conn, self.target.table, "sparse"):
+                raise VectorDBError(f"{self.target.describe()} has no sparse column")
+        literal = sparsevec_text(sparse) or ""
+        # <#> is the negative inner product; rows without weights (NULL) sort last, and rows
+        # sharing no index with the query (0) are no match, as in Qdrant: both dropped
+        rows = self._nearest_rows(
+            "-(sparse <#> %(q)s::sparsevec) AS score", "sparse <#> %(q)s::sparsevec", literal, k
+        )
+        return [
+            self.hit(row, row["meta"], float(row["score"]))
+            for row in rows
+            if row["score"] is not None and row["score"] > 0
+        ]
 
     def _nearest_rows(
         self, extra: str, distance: str, literal: str, limit: int
@@ -463,6 +536,25 @@ def _resolve(conn: psycopg.Connection, name: str) -> str:
     if len(tables) != 1:
         raise VectorDBError(f"the view {name!r} reads {len(tables)} tables, not one")
     return tables[0]
+
+
+def sparsevec_text(sparse: SparseVector | None) -> str | None:
+    """pgvector's sparsevec text form, ``{index:value,...}/dim`` with 1-based indices."""
+    if sparse is None:
+        return None
+    pairs = ",".join(
+        f"{int(index) + 1}:{float(value):.9g}"
+        for index, value in zip(sparse.indices.tolist(), sparse.values.tolist(), strict=True)
+    )
+    return f"{{{pairs}}}/{sparse.dim}"
+
+
+def halfvec_array_text(multi: MultiVector | None) -> str | None:
+    """A ``halfvec(d)[]`` array literal of per-token vectors, in token order."""
+    if multi is None or not multi.count:
+        return None
+    rows = ('"[' + ",".join(f"{x:.6g}" for x in row) + ']"' for row in multi.floats().tolist())
+    return "{" + ",".join(rows) + "}"
 
 
 def _numpy(value: Any) -> Any:

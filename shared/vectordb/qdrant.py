@@ -8,6 +8,12 @@ process at a time can open it, and it searches by brute force.
 Qdrant point ids must be UUIDs or integers, so a point's id is ``uuid5(NAMESPACE_URL, chunk id)``
 and the chunk id itself is kept in the payload. A new collection starts with HNSW indexing off
 (``indexing_threshold=0``, Qdrant's advice for bulk loads); ``embedfleet index`` turns it on.
+
+A collection for a model with several representations (BGE-M3, ``Extras``) has named vectors:
+``dense`` (the vector as above), ``multivector`` (the per-token vectors, a Qdrant multivector
+compared by MAX_SIM, fp16, no HNSW graph: it reranks, it does not index) and the sparse vector
+``sparse`` (Qdrant's sparse vectors, searched by dot product). A plain collection keeps its one
+unnamed vector.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import numpy as np
 
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.vectordb.backend import (
+    NO_EXTRAS,
+    Extras,
     SinkSetupError,
     StoredRow,
     VectorBackend,
@@ -35,13 +43,15 @@ from embedfleet.shared.vectordb.backend import (
 if TYPE_CHECKING:
     from qdrant_client import QdrantClient
 
-    from embedfleet.shared.protocol import Result
+    from embedfleet.shared.protocol import Result, SparseVector
     from embedfleet.shared.vectordb.backend import Hit, StoredVector, VectorDType
 
 log = get_logger("embedfleet.sink")
 # Qdrant's default: segments larger than this many KB of vectors get an HNSW graph.
 INDEXING_THRESHOLD_KB = 20_000
 SCROLL_PAGE = 1000
+# the named vectors of a collection with Extras
+DENSE, SPARSE, MULTIVECTOR = "dense", "sparse", "multivector"
 
 
 class _SharedLocal:
@@ -106,6 +116,7 @@ class QdrantBackend(VectorBackend):
         self.local = target.kind == "qdrant-local"
         self.dim: int | None = None  # the collection's, once set up
         self.dtype: str | None = None
+        self.named = False  # the collection has named vectors (dense, sparse, multivector)
         self._client: QdrantClient | None = None
 
     def _connect(self) -> QdrantClient:
@@ -132,9 +143,11 @@ class QdrantBackend(VectorBackend):
         self._client = None
 
     # --- writing ---------------------------------------------------------------------------
-    def setup(self, model: str, dim: int, dtype: VectorDType | None = None) -> None:
+    def setup(
+        self, model: str, dim: int, dtype: VectorDType | None = None, extras: Extras = NO_EXTRAS
+    ) -> None:
         try:
-            self._create(dim, dtype)
+            self._create(dim, dtype, extras)
         except SinkSetupError:
             self.close()
             raise
@@ -153,7 +166,7 @@ class QdrantBackend(VectorBackend):
                 f"cannot set up {self.target.describe()}: {type(error).__name__}: {error}"
             ) from error
 
-    def _create(self, dim: int, dtype: VectorDType | None) -> None:
+    def _create(self, dim: int, dtype: VectorDType | None, extras: Extras) -> None:
         from qdrant_client import models
         from qdrant_client.http.exceptions import UnexpectedResponse
 
@@ -165,8 +178,29 @@ class QdrantBackend(VectorBackend):
             )
             params = models.VectorParams(size=dim, distance=models.Distance.COSINE, datatype=stored)
             bulk_load = models.OptimizersConfigDiff(indexing_threshold=0)
+            vectors_config: Any = params
+            sparse_config: dict[str, Any] | None = None
+            if extras:
+                vectors_config = {DENSE: params}
+                if extras.multivector_dim:
+                    vectors_config[MULTIVECTOR] = models.VectorParams(
+                        size=extras.multivector_dim,
+                        distance=models.Distance.COSINE,
+                        datatype=models.Datatype.FLOAT16,
+                        multivector_config=models.MultiVectorConfig(
+                            comparator=models.MultiVectorComparator.MAX_SIM
+                        ),
+                        hnsw_config=models.HnswConfigDiff(m=0),
+                    )
+                if extras.sparse_dim:
+                    sparse_config = {SPARSE: models.SparseVectorParams()}
             try:
-                qdrant.create_collection(name, vectors_config=params, optimizers_config=bulk_load)
+                qdrant.create_collection(
+                    name,
+                    vectors_config=vectors_config,
+                    sparse_vectors_config=sparse_config,
+                    optimizers_config=bulk_load,
+                )
             except UnexpectedResponse as error:
                 if qdrant.collection_exists(name):  # another worker was first
                     pass
@@ -175,12 +209,18 @@ class QdrantBackend(VectorBackend):
                     log.warning("Qdrant server has no float16 vectors; storing float32")
                     params.datatype = None
                     qdrant.create_collection(
-                        name, vectors_config=params, optimizers_config=bulk_load
+                        name,
+                        vectors_config=vectors_config,
+                        sparse_vectors_config=sparse_config,
+                        optimizers_config=bulk_load,
                     )
                 else:
                     raise
-            log.info("created Qdrant collection", collection=name, dim=dim)
-        vectors = qdrant.get_collection(name).config.params.vectors
+            log.info("created Qdrant collection", collection=name, dim=dim, extras=str(extras))
+        config = qdrant.get_collection(name).config.params
+        self.named = isinstance(config.vectors, dict)
+        self._check_extras(config, extras)
+        vectors = _dense_params(config.vectors)
         size = getattr(vectors, "size", None)
         if size != dim:
             raise self.dim_mismatch("named vectors" if size is None else f"{size}-dim vectors", dim)
@@ -190,9 +230,29 @@ class QdrantBackend(VectorBackend):
         self.dim = dim
         self.dtype = stored_dtype
 
+    def _check_extras(self, config: Any, extras: Extras) -> None:
+        """An existing collection must hold what the model's rows bring (SinkSetupError)."""
+        named = config.vectors if isinstance(config.vectors, dict) else {}
+        sparse = config.sparse_vectors or {}
+        missing = []
+        if extras.sparse_dim and SPARSE not in sparse:
+            missing.append("a sparse vector 'sparse'")
+        multi = named.get(MULTIVECTOR)
+        if extras.multivector_dim and getattr(multi, "size", None) != extras.multivector_dim:
+            missing.append(f"a {extras.multivector_dim}-dim multivector 'multivector'")
+        if extras and DENSE not in named:
+            missing.append("a named vector 'dense'")
+        if missing:
+            raise SinkSetupError(
+                f"{self.target.describe()} has no {' or '.join(missing)}, which this model's "
+                "rows bring: set EMBEDFLEET_SINK_TABLE to a new collection name"
+            )
+
     def vector_format(self) -> tuple[str, int]:
         qdrant = self._opened()
-        vectors = qdrant.get_collection(self.target.table).config.params.vectors
+        config = qdrant.get_collection(self.target.table).config.params
+        self.named = isinstance(config.vectors, dict)
+        vectors = _dense_params(config.vectors)
         return _dtype_of(vectors), int(getattr(vectors, "size", 0) or 0)
 
     def upsert(self, results: Sequence[Result]) -> None:
@@ -205,12 +265,29 @@ class QdrantBackend(VectorBackend):
         else:
             vectors = self.float_vectors(results, np.float32, self.dim).tolist()
         points = [
-            models.PointStruct(id=point_id(r.id), vector=vector, payload=self._payload(r))
+            models.PointStruct(
+                id=point_id(r.id), vector=self._vectors(r, vector), payload=self._payload(r)
+            )
             for r, vector in zip(results, vectors, strict=True)
         ]
         # wait=True: the call returns once the points are applied (written to Qdrant's WAL),
         # which is the durability the acknowledgement that follows relies on
         self._client.upsert(self.target.table, points=points, wait=True)
+
+    def _vectors(self, result: Result, dense: list[Any]) -> Any:
+        """A point's vector: the dense one, or (named vectors) each the result carries."""
+        from qdrant_client import models
+
+        if not self.named:
+            return dense
+        named: dict[str, Any] = {DENSE: dense}
+        if result.sparse is not None and result.sparse.indices.size:
+            named[SPARSE] = models.SparseVector(
+                indices=result.sparse.indices.tolist(), values=result.sparse.values.tolist()
+            )
+        if result.multivector is not None and result.multivector.count:
+            named[MULTIVECTOR] = result.multivector.floats().tolist()
+        return named
 
     def _payload(self, result: Result) -> dict[str, Any]:
         payload = {
@@ -251,9 +328,25 @@ class QdrantBackend(VectorBackend):
         if self.vector_format()[0] == "uint8":
             return self._nearest_codes(np.asarray(vector, dtype=np.float32).reshape(-1), k)
         query = np.asarray(vector, dtype=np.float32).reshape(-1).tolist()
+        return self._query(query, DENSE if self.named else None, k)
+
+    def nearest_sparse(self, sparse: SparseVector, k: int = 10) -> list[Hit]:
+        from qdrant_client import models
+
+        qdrant = self._opened()
+        if SPARSE not in (
+            qdrant.get_collection(self.target.table).config.params.sparse_vectors or {}
+        ):
+            raise VectorDBError(f"{self.target.describe()} holds no sparse vectors")
+        query = models.SparseVector(
+            indices=np.asarray(sparse.indices).tolist(), values=np.asarray(sparse.values).tolist()
+        )
+        return self._query(query, SPARSE, k)
+
+    def _query(self, query: Any, using: str | None, k: int) -> list[Hit]:
         points = (
             self._opened()
-            .query_points(self.target.table, query=query, limit=k, with_payload=True)
+            .query_points(self.target.table, query=query, using=using, limit=k, with_payload=True)
             .points
         )
         return [
@@ -323,7 +416,7 @@ class QdrantBackend(VectorBackend):
             )
             for p in points:
                 payload = p.payload or {}
-                vector = np.asarray(p.vector)
+                vector = np.asarray(p.vector[DENSE] if isinstance(p.vector, dict) else p.vector)
                 if codes:
                     vector = vector.astype(np.uint8)  # the stored codes, not floats
                 found.append(self.stored(payload, payload.get("meta"), vector))
@@ -370,6 +463,11 @@ class QdrantBackend(VectorBackend):
 
     def drop_table(self) -> None:
         self._connect().delete_collection(self.target.table)
+
+
+def _dense_params(vectors: Any) -> Any:
+    """The dense vector's params: the unnamed vector's, or the named ``dense``."""
+    return vectors.get(DENSE) if isinstance(vectors, dict) else vectors
 
 
 def _dtype_of(vectors: Any) -> str:

@@ -25,7 +25,13 @@ from embedfleet.shared.fault_kinds import System
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.migrations import dual_write_of, queue_copies
 from embedfleet.shared.protocol import Result
-from embedfleet.shared.vectordb import SinkSetupError, VectorBackend, VectorDType
+from embedfleet.shared.vectordb import (
+    NO_EXTRAS,
+    Extras,
+    SinkSetupError,
+    VectorBackend,
+    VectorDType,
+)
 
 T = TypeVar("T")
 __all__ = [
@@ -66,8 +72,11 @@ class Sink(abc.ABC):
         answers), else None. The Redis sink's calls are bounded by the connection itself."""
         return None
 
-    async def setup(self, model: str, dim: int) -> None:  # noqa: B027 - optional hook
-        """Create the collection/table if missing, with the model's dimension."""
+    async def setup(  # noqa: B027 - optional hook
+        self, model: str, dim: int, extras: Extras = NO_EXTRAS
+    ) -> None:
+        """Create the collection/table if missing, with the model's dimension (and the sparse
+        and per-token vectors of a multi-representation model, ``extras``)."""
 
     @abc.abstractmethod
     async def write(self, results: Sequence[Result], deliveries: Sequence[Delivery]) -> None:
@@ -216,14 +225,14 @@ class DatabaseSink(Sink):
             "longer answers this connection"
         )
 
-    async def setup(self, model: str, dim: int) -> None:
+    async def setup(self, model: str, dim: int, extras: Extras = NO_EXTRAS) -> None:
         if self.dtype is not None and self.dtype not in self.backend.DTYPES:
             raise SinkSetupError(
                 f"EMBEDFLEET_OUTPUT_DTYPE={self.dtype}: {self.backend.target.describe()} stores "
                 f"{', '.join(self.backend.DTYPES)} vectors natively, not {self.dtype}; choose "
                 "one of those, or another sink (the Redis sink carries every dtype)"
             )
-        await self._blocking(self.backend.setup, model, dim, self.dtype)
+        await self._blocking(self.backend.setup, model, dim, self.dtype, extras)
 
     async def write(self, results: Sequence[Result], deliveries: Sequence[Delivery]) -> None:
         if len(results) != len(deliveries):
