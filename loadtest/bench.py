@@ -616,18 +616,6 @@ def main(
             )
         if not only or "fleet auto" in only:
             contenders.append(Contender("fleet auto", auto_label, lambda n: fleet_run(auto, n)))
-        if "fleet auto one launch" in only:  # CPU launches not queued ahead on the model thread
-
-            def one_launch(n: int) -> Run:
-                from embedfleet.workers import worker as worker_module
-
-                queued, worker_module.CPU_LAUNCHES_QUEUED = worker_module.CPU_LAUNCHES_QUEUED, 1
-                try:
-                    return fleet_run(auto, n)
-                finally:
-                    worker_module.CPU_LAUNCHES_QUEUED = queued
-
-            contenders.append(Contender("fleet auto one launch", auto_label, one_launch))
         if "fleet auto unsliced" in only:  # the same, bulk batches not sized to the slice
             contenders.append(
                 Contender("fleet auto unsliced", auto_label, lambda n: fleet_run(auto, n, 0))

@@ -38,7 +38,6 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -106,9 +105,6 @@ SEED_LONG_TEXTS = 4
 # request then waits about one batch, and a short-batch GPU pays one read per interval, not per
 # batch.
 URGENT_CHECK_S = 0.05
-# CPU bulk launches handed to the model thread ahead of their collection (_encode): the one
-# computing and the next, so the model never waits for the event loop between batches
-CPU_LAUNCHES_QUEUED = 2
 
 
 @dataclass
@@ -143,17 +139,6 @@ class InFlightBatch:
     query_seconds: float  # queries served inside the launch (not bulk time)
     path: BulkPath = "eager"
     slice_seconds: float = 0.0  # the launch's longest stretch between query boundaries (CPU)
-
-
-@dataclass
-class QueuedLaunch:
-    """A CPU batch handed to the model thread, not yet settled (see ``Worker._encode``)."""
-
-    future: asyncio.Future[tuple[Launched, float, float]]
-    window: Window
-    planned: PlannedBatch
-    oom_retries: int
-    path: BulkPath
 
 
 @dataclass
@@ -289,8 +274,6 @@ class Worker:
         # thread, since varlen probes its kernels there
         self.bulk: BulkForward | None = None
         self._ahead: LaunchAhead[InFlightBatch] = LaunchAhead(ahead=False)
-        # CPU batches queued on the model thread and not yet settled (_encode)
-        self._queued: deque[QueuedLaunch] = deque()
         # waits for copy backs off the event loop and off the model thread (CUDA only)
         self._collect_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="collect")
         # when the compute stage next looks for interactive entries (_jump_the_queue)
@@ -694,10 +677,6 @@ class Worker:
         the event loop it also took in queries the model thread served just before the launch
         (queued ahead of it), which made a short batch's time negative."""
         assert self.bulk is not None
-        if not self.encoder.serves_queries_concurrently:
-            # queries that came during the batch before: ahead of this one, which was queued
-            # on this thread before their own hand-off (see _encode)
-            self.queries.serve_inbox()
         serving_before = self.queries.serving_seconds
         self.slice_clock.start()
         try:
@@ -871,36 +850,21 @@ class Worker:
             frozen=frozen,
             half=self.outputs.full_float16(chunks),
         )
-        future = loop.run_in_executor(self._model_thread, launch)
-        self._queued.append(QueuedLaunch(future, window, planned, oom_retries, path))
-        # On a CPU the launch is the computation: the next batch waits in the model thread's
-        # queue while this coroutine collects the one before, so the model does not idle for
-        # an event-loop round trip between batches (with batches sized to a query's slice that
-        # was a tenth of the model's time). A query still waits for one batch at most: each
-        # launch serves the query inbox first (_launch_timed). On CUDA the launch only queues
-        # the work, and LaunchAhead keeps one batch on the device.
-        depth = 1 if self.bulk.asynchronous else CPU_LAUNCHES_QUEUED
-        while len(self._queued) >= depth:
-            await self._settle_oldest(encoded)
-
-    async def _settle_oldest(self, encoded: asyncio.Queue[Encoded | None]) -> None:
-        """Wait for the oldest queued launch, then collect it (or the batch before it, CUDA)."""
-        queued = self._queued.popleft()
         try:
-            launched, clocked, query_seconds = await queued.future
-        except Exception as error:
-            await self._on_model_error(
-                queued.window, queued.planned, encoded, error, queued.oom_retries
+            launched, clocked, query_seconds = await loop.run_in_executor(
+                self._model_thread, launch
             )
+        except Exception as error:
+            await self._on_model_error(window, planned, encoded, error, oom_retries)
             return
         collect = self._ahead.push(
             InFlightBatch(
-                queued.window,
-                queued.planned,
+                window,
+                planned,
                 launched,
-                queued.oom_retries,
+                oom_retries,
                 query_seconds,
-                path=queued.path,
+                path=path,
                 slice_seconds=clocked,
             )
         )
@@ -908,8 +872,6 @@ class Worker:
             await self._collect(collect, encoded)
 
     async def _collect_in_flight(self, encoded: asyncio.Queue[Encoded | None]) -> None:
-        while self._queued:
-            await self._settle_oldest(encoded)
         if (in_flight := self._ahead.pop()) is not None:
             await self._collect(in_flight, encoded)
 
