@@ -131,6 +131,15 @@ CHUNK_FIELDS: tuple[WireField, ...] = (
         "`text`, the query, as the pair `(text, pair)` of `CrossEncoder.predict`; a "
         "cross-encoder dead-letters a chunk without it",
     ),
+    WireField(
+        "tenant",
+        "str",
+        False,
+        "the producer the chunk is accounted to and shares the fleet as (letters, digits, "
+        "`.`, `_`, `-`, at most 64); a named tenant's chunks go to its own stream "
+        "`{ns}:ingest:t:<tenant>` (docs/FAIRNESS.md); absent: the default tenant "
+        "(`EMBEDFLEET_DEFAULT_TENANT`), whose stream is `{ns}:ingest`",
+    ),
 )
 
 QUERY_FIELDS: tuple[WireField, ...] = (

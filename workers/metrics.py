@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import NamedTuple
 
 import redis.asyncio as aioredis
@@ -32,9 +32,10 @@ from prometheus_client import (
 
 from embedfleet.shared.dead_letters import DeadReason
 from embedfleet.shared.fault_kinds import System
-from embedfleet.shared.fleet import FLEET_STREAMS, INPUT_STREAMS, read_fleet
+from embedfleet.shared.fleet import FLEET_STREAMS, INPUT_STREAMS, USAGE_COUNTERS, read_fleet
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
+from embedfleet.shared.tenants import TenantPolicy
 from embedfleet.workers.events import WorkerEvents
 
 log = get_logger("embedfleet.metrics")
@@ -202,6 +203,19 @@ METRICS: dict[str, MetricSpec] = {
         "Consumers registered in the group (XINFO GROUPS consumers), live or not.",
         ("stream",),
     ),
+    "tenant_backlog": MetricSpec(
+        Gauge,
+        "tenant_backlog",
+        "XLEN of each tenant's ingest streams, summed over the partitions (issue 30).",
+        ("tenant",),
+    ),
+    "usage": MetricSpec(
+        Gauge,
+        "usage",
+        "What each tenant used per model and job, from the fleet's usage hashes (kept in Redis "
+        "across worker restarts): counter chunks, tokens, model_us, dead, expired.",
+        ("tenant", "model", "job", "counter"),
+    ),
     "redis_up": MetricSpec(
         Gauge,
         "redis_up",
@@ -243,6 +257,8 @@ class WorkerMetrics(WorkerEvents):
     stream_lag: Gauge
     stream_pending: Gauge
     group_consumers: Gauge
+    tenant_backlog: Gauge
+    usage: Gauge
     redis_up: Gauge
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -377,6 +393,7 @@ class StreamGauges:
     client: aioredis.Redis
     keys: Keys
     _: KW_ONLY
+    policy: TenantPolicy = field(default_factory=TenantPolicy)
     min_interval_s: float = 1.0
     timeout_s: float = 2.0
 
@@ -405,7 +422,17 @@ class StreamGauges:
 
     async def _read(self) -> None:
         # the fleet reader `embedfleet status` uses too, asked for the streams only
-        state = await read_fleet(self.client, self.keys)
+        state = await read_fleet(self.client, self.keys, usage=True)
+        for tenant, stream in state.tenants.items():
+            self.metrics.tenant_backlog.labels(tenant=self.policy.named(tenant)).set(stream.length)
+        for row in state.usage:
+            labels = {
+                "tenant": self.policy.named(row.tenant),
+                "model": row.model,
+                "job": row.job or "",
+            }
+            for counter in USAGE_COUNTERS:
+                self.metrics.usage.labels(**labels, counter=counter).set(getattr(row, counter))
         for name, stream in state.streams.items():
             self.metrics.stream_length.labels(stream=name).set(stream.length)
         for name in INPUT_STREAMS:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -215,7 +216,11 @@ class Worker:
         self.stats = WorkerStats()
         self.events: WorkerEvents = _StatsEvents(self.stats, self.listener)
         self.consumer = StreamConsumer(
-            client, self.keys, settings.consumer, partitions=settings.read_partitions
+            client,
+            self.keys,
+            settings.consumer,
+            partitions=settings.read_partitions,
+            policy=settings.tenant_policy,
         )
         self.in_flight = InFlight()
         self.dead_letters = DeadLetters(
@@ -225,6 +230,7 @@ class Worker:
             settings.reply_ttl_s,
             settings.dead_payload_max_bytes,
             settings.job_reply_ttl_s,
+            model=encoder.name,
         )
         self.replies = ReplyListWriter(client, self.keys, settings.job_reply_ttl_s)
         self.outages = Outages(self.events)
@@ -326,10 +332,9 @@ class Worker:
         windows: asyncio.Queue[Window | None] = asyncio.Queue(maxsize=1)
         encoded: asyncio.Queue[Encoded | None] = asyncio.Queue(maxsize=4)
         query_stream = self.keys.query_lane.query
-        streams = (
-            [query_stream]
-            if self.settings.query_only
-            else [*self.consumer.ingest_streams, self.consumer.interactive_stream, query_stream]
+        # what the reclaimer scans, asked each period: tenants registered later are covered too
+        streams: Callable[[], list[str]] = (
+            (lambda: [query_stream]) if self.settings.query_only else self.consumer.streams
         )
         log.info(
             "worker started",
@@ -479,6 +484,9 @@ class Worker:
         await self._drop_expired(window.expired)
         if not window.chunks:
             return
+        if self.settings.tenant_policy.token_rate:
+            for delivery, tokens in zip(window.deliveries, window.tokens, strict=True):
+                self.consumer.charge(self.consumer.tenant_of_delivery(delivery), tokens.length)
         # ours until written: the reclaimer renews their leases from now on (only once the
         # dead letters are sent, so that entries of a window dropped by a failed send are
         # left for their lease to run out and be read again)
@@ -888,11 +896,17 @@ class Worker:
             padded_tokens=planned.padded_tokens,
             seconds=seconds,
         )
+        tokens = [window.tokens[p] for p in planned.positions]
         await encoded.put(
             Encoded(
                 chunks=[window.chunks[p] for p in planned.positions],
-                deliveries=[window.deliveries[p] for p in planned.positions],
-                tokens=[window.tokens[p] for p in planned.positions],
+                deliveries=accounted(
+                    [window.deliveries[p] for p in planned.positions],
+                    tokens,
+                    self.encoder.name,
+                    seconds,
+                ),
+                tokens=tokens,
                 vectors=vectors,
             )
         )
@@ -1084,6 +1098,22 @@ class Worker:
             ride.succeeded()
             written += len(rows)
         return written
+
+
+def accounted(
+    deliveries: list[Delivery], tokens: list[Tokenized], model: str, seconds: float
+) -> list[Delivery]:
+    """The batch's deliveries with what the acknowledgement accounts for them (issue 30): the
+    model, each text's tokens (as the tokenizer counted them, special tokens and prompt in,
+    truncated to the model's maximum) and its share of the batch's model time by tokens."""
+    total = sum(t.length for t in tokens) or 1
+    micros_per_token = seconds * 1e6 / total
+    return [
+        dataclasses.replace(
+            delivery, model=model, tokens=t.length, model_us=round(t.length * micros_per_token)
+        )
+        for delivery, t in zip(deliveries, tokens, strict=True)
+    ]
 
 
 async def _first_set(*events: asyncio.Event) -> None:
