@@ -7,7 +7,6 @@ checks that the two agree, so the documentation cannot drift from the code.
 
 from __future__ import annotations
 
-import functools
 import os
 import socket
 from dataclasses import dataclass
@@ -456,9 +455,10 @@ class Settings(BaseSettings):
         parse_map(value, "tenant_map")
         return value
 
-    @functools.cached_property
+    @property
     def tenant_policy(self) -> TenantPolicy:
-        """The tenant settings parsed (shared/tenants.py)."""
+        """The tenant settings parsed (shared/tenants.py); parsed on each call (a settings
+        copy with other values must not keep these), so callers keep what they need."""
         return TenantPolicy(
             default=self.default_tenant,
             rules=parse_map(self.tenant_map, "tenant_map"),

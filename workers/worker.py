@@ -484,7 +484,7 @@ class Worker:
         await self._drop_expired(window.expired)
         if not window.chunks:
             return
-        if self.settings.tenant_policy.token_rate:
+        if self.consumer.policy.token_rate:
             for delivery, tokens in zip(window.deliveries, window.tokens, strict=True):
                 self.consumer.charge(self.consumer.tenant_of_delivery(delivery), tokens.length)
         # ours until written: the reclaimer renews their leases from now on (only once the
