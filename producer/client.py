@@ -306,6 +306,7 @@ class Producer:
         batch_size: int = 1000,
         on_batch: Callable[[int], None] | None = None,
         force: bool = False,
+        tenant: str | None = None,
     ) -> Enqueued:
         """Split whole documents ({"id", "text", "meta"?} or ``Document``) with the model's own
         tokenizer and enqueue the chunks; returns how many chunks were added (``enqueue``).
@@ -323,6 +324,7 @@ class Producer:
             batch_size=batch_size,
             on_batch=on_batch,
             force=force,
+            tenant=tenant,
         )
 
     def document_splitter(
@@ -678,6 +680,8 @@ class Producer:
                         reply=request,
                         deadline_ms=deadline_ms,
                         pair=pairs[index] if pairs is not None else None,
+                        # accounted to the producer's tenant (the query lane has no shares)
+                        tenant=None if self.tenant is None else self.tenants.wire(self.tenant),
                         **(extra or {}),
                     ),
                     None,

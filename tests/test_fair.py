@@ -320,3 +320,43 @@ async def test_a_worker_sigkilled_during_fair_reads_loses_nothing_and_leaves_not
 
 async def _nothing_pending(pending) -> bool:  # type: ignore[no-untyped-def]
     return await pending() == 0
+
+
+# --- the chart ------------------------------------------------------------------------------
+
+
+def test_the_chart_gives_each_listed_tenant_its_streams_triggers_and_settings() -> None:
+    from tests.test_helm_chart import render, validate_objects
+
+    r = render(
+        {
+            "partitions": 2,
+            "tenants": [
+                {"name": "search", "weight": 3, "maxBacklog": 100000},
+                {"name": "backfill", "weight": 1, "tokenRate": 50000},
+                {"name": "default", "weight": 2},  # the plain streams: no triggers of its own
+            ],
+        }
+    )
+    so = r.scaled_object("worker")
+    triggers = so["spec"]["triggers"]
+    keys = Keys(partitions=2)
+    streams = [t["metadata"]["stream"] for t in triggers]
+    assert streams == [
+        *(p.ingest for p in keys.partitions_keys),
+        *(p.ingest_for("search") for p in keys.partitions_keys),
+        *(p.ingest_for("backfill") for p in keys.partitions_keys),
+        keys.query_lane.interactive,
+        keys.query_lane.query,
+    ], "the chart's tenant streams are the ones shared/keys.py names"
+    formula = so["spec"]["advanced"]["scalingModifiers"]["formula"]
+    assert formula.startswith("p0 + p1 + t0p0 + t0p1 + t1p0 + t1p1 + interactive + query")
+    config = r.config()
+    assert config["EMBEDFLEET_TENANT_WEIGHTS"] == "search=3,backfill=1,default=2"
+    assert config["EMBEDFLEET_TENANT_MAX_BACKLOG"] == "search=100000"
+    assert config["EMBEDFLEET_TENANT_TOKEN_RATE"] == "backfill=50000"
+    policy = Settings(
+        **{k.removeprefix("EMBEDFLEET_").lower(): v for k, v in config.items() if "TENANT" in k}
+    ).tenant_policy
+    assert policy.weight("search") == 3 and policy.backlog_limit("search") == 100000
+    validate_objects(r)

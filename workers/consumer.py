@@ -138,7 +138,7 @@ class StreamConsumer:
             for name in sorted(as_str(n) for n in cast("set[bytes]", names or set())):
                 if not TENANT_PATTERN.fullmatch(name):
                     continue  # nothing the producer registers; never a key to read
-                stream = partition.ingest_for(self.policy.wire(name))
+                stream = partition.ingest_for(name)  # a registered name: its own stream
                 if stream not in known:
                     known.append(stream)
                     new.append(stream)
