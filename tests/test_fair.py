@@ -168,6 +168,7 @@ async def test_reads_give_each_tenant_its_weight_however_large_the_others_backlo
         per_tenant = Counter(consumer.tenant_of(entry.stream) for entry in read)
         first_reads.append(per_tenant)
         seen.update(entry.entry_id + entry.stream for entry in read)
+    await consumer.finish_waiting()  # the idle wait's blocking reads end within 10 ms
     assert sum(seen.values()) == len(seen) == 2150, "every entry read once"
     # both a and b (and the default) have work in the first reads: 3:1:1 by weight
     early = first_reads[0]
