@@ -61,16 +61,18 @@ def test_a_light_tenant_gets_all_it_has_and_the_rest_goes_to_the_others() -> Non
 
 def test_no_tenant_is_starved_by_a_tiny_weight() -> None:
     fair = FairShare(TenantPolicy(weights={"tiny": 0.01, "huge": 100}).weight)
-    taken = run_rounds(fair, 200, 64, {"tiny": 10**6, "huge": 10**9})
-    assert taken["tiny"] >= 200 * 64 * 0.01 / 100.01 * 0.9
-    assert taken["tiny"] > 0
+    taken = run_rounds(fair, 2000, 64, {"tiny": 10**6, "huge": 10**9})
+    expected = 2000 * 64 * 0.01 / 100.01  # 12.8 entries
+    assert expected - 1 <= taken["tiny"] <= expected + 1
 
 
 def test_an_idle_tenant_saves_up_no_burst_and_a_held_one_is_left_out() -> None:
     fair = FairShare(TenantPolicy().weight)
-    fair.plan(100, {"a": 10, "b": 10**6})
-    assert fair.plan(100, {"a": 0, "b": 10**6}) == {"b": 100}
-    assert "a" not in fair.credit
+    asks = fair.plan(100, {"a": 10, "b": 10**6})
+    fair.settle(asks, asks)
+    asks = fair.plan(100, {"a": 0, "b": 10**6})
+    assert asks == {"b": 100} and "a" not in fair.credit
+    fair.settle(asks, asks)
     assert fair.plan(100, {"a": 10**6, "b": 10**6}, held=frozenset({"a"})) == {"b": 100}
 
 
@@ -282,7 +284,7 @@ async def test_a_worker_sigkilled_during_fair_reads_loses_nothing_and_leaves_not
         streams = [p.ingest_for(t) for p in settings.keys.partitions_keys for t in sizes]
 
         async def pending() -> int:
-            return sum((await client.xpending(s, settings.group))["pending"] for s in streams)
+            return sum([(await client.xpending(s, settings.group))["pending"] for s in streams])
 
         doomed = workers.process("doomed", settings, **env)
 

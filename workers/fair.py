@@ -48,6 +48,8 @@ class FairShare:
     credit: dict[str, float] = field(default_factory=dict)
     # the part of each tenant's latest ask that was spare, given free (not charged)
     free: dict[str, int] = field(default_factory=dict)
+    # the tenants whose latest ask was their whole backlog: once read, they have run out
+    emptied: set[str] = field(default_factory=set)
 
     def plan(
         self, count: int, backlogs: Mapping[str, int], held: frozenset[str] = frozenset()
@@ -91,14 +93,15 @@ class FairShare:
             if given == 0:
                 break
         self.free = {t: max(0, asks[t] - math.floor(self.credit[t])) for t in active}
+        self.emptied = {t for t in active if asks[t] >= active[t]}
         return {t: n for t, n in asks.items() if n > 0}
 
     def settle(self, asked: Mapping[str, int], received: Mapping[str, int]) -> None:
         """Charge each tenant what a read gave it (the free part of its ask excepted); a
-        tenant given less than it was asked for has run out: its credit goes."""
+        tenant given less than it was asked for, or all it had, has run out: its credit goes."""
         for tenant, ask in asked.items():
             got = received.get(tenant, 0)
-            if got < ask:
+            if got < ask or tenant in self.emptied:
                 self.credit.pop(tenant, None)
                 continue
             charged = max(0, got - self.free.get(tenant, 0))
