@@ -490,9 +490,9 @@ class Producer:
         for partition, chunks in by_partition.items():
             commands: list[tuple[Any, ...]] = []
             by_job: dict[tuple[str | None, str], list[tuple[str, bytes]]] = {}
-            for tenant in sorted({c.tenant for c in chunks if c.tenant is not None}):
+            for named in sorted({c.tenant for c in chunks if c.tenant is not None}):
                 # the tenant's stream in the registry, its group made, before its first entry
-                commands.append(register_tenant_command(partition, tenant))
+                commands.append(register_tenant_command(partition, named))
             for chunk in chunks:
                 payload = encode_chunk(chunk)
                 if chunk.job is None:
@@ -501,10 +501,10 @@ class Producer:
                     added[partition] = added.get(partition, 0) + 1
                 else:
                     by_job.setdefault((chunk.tenant, chunk.job), []).append((chunk.id, payload))
-            for (tenant, job), job_chunks in by_job.items():
+            for (owner, job), job_chunks in by_job.items():
                 commands.append(
                     enqueue_command(
-                        stream=partition.ingest_for(tenant),
+                        stream=partition.ingest_for(owner),
                         counters=partition.job(job),
                         id_record=partition.job_ids(job),
                         chunks=job_chunks,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections import Counter
+from collections.abc import Awaitable, Callable
 
 import pytest
 import redis.asyncio as aioredis
@@ -314,14 +315,14 @@ async def test_a_worker_sigkilled_during_fair_reads_loses_nothing_and_leaves_not
     assert {t: (p.done, p.dead) for t, p in progress.items()} == {
         t: (n, 0) for t, n in sizes.items()
     }
-    per_tenant = Counter()
+    per_tenant: Counter[str | None] = Counter()
     for row in state.usage:
         per_tenant[row.tenant] += row.chunks
     assert per_tenant == Counter({t: n for t, n in sizes.items()}), "counted once each"
     assert state.streams["ingest"].length == 0
 
 
-async def _nothing_pending(pending) -> bool:  # type: ignore[no-untyped-def]
+async def _nothing_pending(pending: Callable[[], Awaitable[int]]) -> bool:
     return await pending() == 0
 
 
@@ -358,7 +359,7 @@ def test_the_chart_gives_each_listed_tenant_its_streams_triggers_and_settings() 
     assert config["EMBEDFLEET_TENANT_WEIGHTS"] == "search=3,backfill=1,default=2"
     assert config["EMBEDFLEET_TENANT_MAX_BACKLOG"] == "search=100000"
     assert config["EMBEDFLEET_TENANT_TOKEN_RATE"] == "backfill=50000"
-    policy = Settings(
+    policy = load_settings(
         **{k.removeprefix("EMBEDFLEET_").lower(): v for k, v in config.items() if "TENANT" in k}
     ).tenant_policy
     assert policy.weight("search") == 3 and policy.backlog_limit("search") == 100000
