@@ -8,9 +8,11 @@ window) are benchmarks, not tests: loadtest/fairness.py, docs/BENCHMARKS.md.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
@@ -25,7 +27,7 @@ from embedfleet.shared.settings import Settings, SettingsError, load_settings
 from embedfleet.shared.tenants import TenantPolicy
 from embedfleet.workers.consumer import StreamConsumer
 from embedfleet.workers.fair import FairShare
-from tests.conftest import WorkerLauncher, until
+from tests.conftest import WorkerLauncher, cli_env, start_cli, until
 
 # --- the scheduler (pure) -------------------------------------------------------------------
 
@@ -364,3 +366,33 @@ def test_the_chart_gives_each_listed_tenant_its_streams_triggers_and_settings() 
     ).tenant_policy
     assert policy.weight("search") == 3 and policy.backlog_limit("search") == 100000
     validate_objects(r)
+
+
+async def test_enqueue_tenant_puts_the_lines_on_the_tenants_stream(
+    settings: Settings, client: aioredis.Redis, tmp_path: Path
+) -> None:
+    source = tmp_path / "chunks.jsonl"
+    source.write_text(
+        "\n".join(
+            [
+                json.dumps({"id": "1", "text": "one"}),
+                json.dumps({"id": "2", "text": "two"}),
+                json.dumps({"id": "3", "text": "three", "tenant": "own"}),
+            ]
+        )
+        + "\n"
+    )
+    env = cli_env(settings)
+    process = await start_cli(
+        env, "enqueue", str(source), "--job", "cli", "--tenant", "search", "--json"
+    )
+    out, err = await process.communicate()
+    assert process.returncode == 0, err.decode()
+    assert json.loads(out)["enqueued"] == 3
+    keys = settings.keys
+    assert await client.xlen(keys.ingest_for("search")) == 2
+    assert await client.xlen(keys.ingest_for("own")) == 1, "a line's own tenant wins"
+    assert await client.smembers(keys.tenants) == {b"search", b"own"}
+    bad = await start_cli(env, "enqueue", str(source), "--tenant", "a:b")
+    _, err = await bad.communicate()
+    assert bad.returncode != 0 and b"not a tenant name" in err
