@@ -396,3 +396,21 @@ async def test_enqueue_tenant_puts_the_lines_on_the_tenants_stream(
     bad = await start_cli(env, "enqueue", str(source), "--tenant", "a:b")
     _, err = await bad.communicate()
     assert bad.returncode != 0 and b"not a tenant name" in err
+
+
+async def test_a_tenant_over_its_token_rate_is_left_out_of_the_reads(
+    settings: Settings, client: aioredis.Redis
+) -> None:
+    settings = settings.model_copy(update={"tenant_token_rate": "a=1000"})
+    async with Producer(settings, client) as producer:
+        await producer.enqueue(chunks("a", 10), job="ja", tenant="a")
+        await producer.enqueue(chunks("b", 10), job="jb", tenant="b")
+    consumer = StreamConsumer(client, settings.keys, "reader", policy=settings.tenant_policy)
+    await consumer.setup()
+    consumer.charge("a", 1000)  # this second's tokens used up (counted fleet-wide in Redis)
+    consumer.charge("b", 10**6)  # b has no rate: not counted
+    read = await consumer.read_ingest(100, block_ms=10)
+    assert {consumer.tenant_of(entry.stream) for entry in read} == {"b"}
+    assert len(read) == 10
+    assert [key async for key in client.scan_iter(match=f"{settings.namespace}:tenantrate:*")]
+    await consumer.finish_waiting()
