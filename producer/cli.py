@@ -13,7 +13,7 @@ from typing import IO
 import click
 import numpy as np
 
-from embedfleet.producer.client import Producer, QueryTimeoutError
+from embedfleet.producer.client import Producer, QueryTimeoutError, TenantBacklogFullError
 from embedfleet.producer.enqueue import Enqueued
 from embedfleet.producer.export import SUPPORTED_SUFFIXES, ExportWriter, write_export
 from embedfleet.producer.jsonl import BadLine, read_chunks
@@ -31,6 +31,7 @@ from embedfleet.shared.logging import configure_logging
 from embedfleet.shared.progress import Progress
 from embedfleet.shared.protocol import QueryFailedError, Result
 from embedfleet.shared.settings import Settings
+from embedfleet.shared.tenants import check_tenant
 from embedfleet.shared.vectordb import (
     MissingExtraError,
     SinkURLError,
@@ -70,6 +71,13 @@ def _settings(redis_url: str | None) -> Settings:
     "its ids for EMBEDFLEET_JOB_IDS_TTL_S and skips them): to embed them again, say after "
     "their vectors' table was wiped.",
 )
+@click.option(
+    "--tenant",
+    default=None,
+    help="The tenant these chunks are accounted to and share the fleet as (its own streams, "
+    "read by its EMBEDFLEET_TENANT_WEIGHTS weight); default: what EMBEDFLEET_TENANT_MAP says "
+    'for the job, else EMBEDFLEET_DEFAULT_TENANT. A line\'s own "tenant" wins.',
+)
 @click.option("--wait", is_flag=True, help="Wait until every chunk is embedded or dead-lettered.")
 @click.option("--timeout", type=float, default=None, help="With --wait: give up after N seconds.")
 @json_report_option(
@@ -83,6 +91,7 @@ def enqueue_command(
     documents: bool,
     overlap: int | None,
     force: bool,
+    tenant: str | None,
     wait: bool,
     timeout: float | None,
     as_json: bool,
@@ -112,10 +121,17 @@ def enqueue_command(
         raise click.UsageError("--overlap applies only with --documents")
     job = job or f"job-{time.strftime('%Y%m%d-%H%M%S')}"
     settings = _settings(redis_url)
+    if tenant is not None:
+        try:
+            check_tenant(tenant, "--tenant")
+        except ValueError as error:
+            raise click.BadParameter(str(error), param_hint="--tenant") from None
     dead: list[int] = []  # the dead-lettered count, once --wait has seen the job finish
     if documents:
         count = run_client(
-            _enqueue_documents(settings, sources, job, overlap, force, wait, timeout, dead, model)
+            _enqueue_documents(
+                settings, sources, job, overlap, force, wait, timeout, dead, model, tenant
+            )
         )
         if as_json:
             _report_enqueue(job, count, [], dead, model)
@@ -132,7 +148,7 @@ def enqueue_command(
     rejected: list[BadLine] = []
     with click.open_file(sources[0], encoding="utf-8") as source:
         count = run_client(
-            _enqueue(settings, source, job, force, wait, timeout, rejected, dead, model)
+            _enqueue(settings, source, job, force, wait, timeout, rejected, dead, model, tenant)
         )
     if as_json:
         _report_enqueue(job, count, rejected, dead, model)
@@ -189,14 +205,19 @@ async def _enqueue(
     rejected: list[BadLine],
     dead: list[int],
     model: str | None = None,
+    tenant: str | None = None,
 ) -> Enqueued:
     async with client_for(settings, model) as producer:
         with Progress("enqueue", "chunks") as bar:
-            count = await producer.enqueue(
-                read_chunks(source, job, rejected, settings.chunk_limits),
-                on_batch=bar.update,
-                force=force,
-            )
+            try:
+                count = await producer.enqueue(
+                    read_chunks(source, job, rejected, settings.chunk_limits),
+                    on_batch=bar.update,
+                    force=force,
+                    tenant=tenant,
+                )
+            except TenantBacklogFullError as error:
+                raise click.ClickException(str(error)) from None
         if wait and count.chunks:  # chunks already in the job may still be on their way
             dead.append((await _wait_with_bar(producer, job, count.chunks, timeout)).dead)
     return count
@@ -212,6 +233,7 @@ async def _enqueue_documents(
     timeout: float | None,
     dead: list[int],
     model: str | None = None,
+    tenant: str | None = None,
 ) -> Enqueued:
     from embedfleet.producer.documents import read_documents
 
@@ -232,8 +254,9 @@ async def _enqueue_documents(
                     job=job,
                     on_batch=bar.update,
                     force=force,
+                    tenant=tenant,
                 )
-            except ValueError as error:  # a bad JSONL document line
+            except (ValueError, TenantBacklogFullError) as error:  # a bad document line
                 raise click.ClickException(str(error)) from None
         if wait and count.chunks:
             dead.append((await _wait_with_bar(producer, job, count.chunks, timeout)).dead)

@@ -26,11 +26,13 @@ from embedfleet.producer.enqueue import (
     Enqueued,
     enqueue_command,
     finished_ttl_command,
+    register_tenant_command,
     script_counts,
 )
 from embedfleet.producer.polling import PollPacer
 from embedfleet.producer.replies import Answers, pop_answers
 from embedfleet.producer.results_reader import ResultsReader
+from embedfleet.shared.backlog import PartitionBacklog, backlog_command, tenant_backlog
 from embedfleet.shared.fault_kinds import is_transient
 from embedfleet.shared.jobs import JobProgress
 from embedfleet.shared.keys import Keys
@@ -84,6 +86,11 @@ class ReplicasNotConfirmedError(redis_errors.ConnectionError):
     (a transient fault, retried with the client's backoff like a dropped connection)."""
 
 
+class TenantBacklogFullError(RuntimeError):
+    """A tenant's backlog stayed at its EMBEDFLEET_TENANT_MAX_BACKLOG for
+    EMBEDFLEET_TENANT_BACKLOG_WAIT_S: nothing of the batch was sent."""
+
+
 class JobTimeoutError(TimeoutError):
     """wait_for_job gave up; the job is still running and its entries are still queued."""
 
@@ -125,7 +132,14 @@ def as_chunk(
     else:
         fields = {
             name: item.get(name)
-            for name in ("id", "text", "meta", *OPTION_NAMES, *REPRESENTATION_OPTION_NAMES)
+            for name in (
+                "id",
+                "text",
+                "meta",
+                "tenant",
+                *OPTION_NAMES,
+                *REPRESENTATION_OPTION_NAMES,
+            )
         }
         chunk = chunk_from_mapping(fields, limits, job=job or item.get("job"))
     if options is not None:
@@ -150,6 +164,7 @@ class Producer:
         on_outage: OutageListener | None = None,
         first_contact_s: float | None = None,
         model: str | None = None,
+        tenant: str | None = None,
     ):
         """``on_outage`` is told once when Redis becomes unreachable and once when it is back
         (default: a log line each); every call waits for it, for at most
@@ -161,8 +176,14 @@ class Producer:
         serving several (shared/model_registry.py), routed at ``setup()`` (``async with``); a
         name no worker registered raises ``UnknownModelError`` there. None: the settings' own
         (``EMBEDFLEET_MODEL_LANE``, else the namespace's default model). Single calls can name
-        another: ``enqueue(..., model=...)``, ``embed_queries(..., model=...)``."""
+        another: ``enqueue(..., model=...)``, ``embed_queries(..., model=...)``.
+
+        ``tenant``: the tenant this producer's chunks are accounted to and share the fleet as
+        (shared/tenants.py), unless a call or a chunk names another; None: what
+        EMBEDFLEET_TENANT_MAP says for each chunk's job, else EMBEDFLEET_DEFAULT_TENANT."""
         self.settings = settings or Settings()
+        self.tenants = self.settings.tenant_policy
+        self.tenant = None if tenant is None else self.tenants.resolve(tenant)
         self.keys: Keys = self.settings.keys
         self.model = model
         self._routed = model is None
@@ -238,6 +259,7 @@ class Producer:
         else:
             lane = Producer(self.settings, self.client)
             lane.retry = self.retry
+            lane.tenant = self.tenant
             lane.keys = keys
             self._lanes[keys] = lane
         self._named[model] = lane
@@ -274,6 +296,7 @@ class Producer:
         options: EmbeddingOptions | None = None,
         force: bool = False,
         model: str | None = None,
+        tenant: str | None = None,
     ) -> Enqueued:
         """XADD every chunk, ``batch_size`` per pipelined round trip; returns how many were
         added (an ``Enqueued``: an int, with ``present``, the chunks skipped because their job
@@ -287,6 +310,11 @@ class Producer:
         ``options`` (prompt, dimensions, dtype) apply to every chunk that has none of its own.
         A malformed option, or one the served model cannot honour (when a worker has published
         it), raises ValueError before anything is sent for that chunk.
+
+        ``tenant`` (else the producer's, else the tenant map's for the job, else the default;
+        a chunk that names its own keeps it) goes to its own ingest streams, read by weight
+        (EMBEDFLEET_TENANT_WEIGHTS). While it holds EMBEDFLEET_TENANT_MAX_BACKLOG entries the
+        call waits, up to EMBEDFLEET_TENANT_BACKLOG_WAIT_S, then raises TenantBacklogFullError.
 
         Entries are never trimmed on add: an undelivered chunk must not be lost. Workers delete
         entries once they are acknowledged.
@@ -303,13 +331,25 @@ class Producer:
                 on_batch=on_batch,
                 options=options,
                 force=force,
+                tenant=tenant if tenant is not None else self.tenant,
             )
         await self.setup()
         call = EnqueueCall(force=force)
         total = Enqueued()
         batch: list[Chunk] = []
+        named = tenant if tenant is not None else self.tenant
+        by_job: dict[str | None, str | None] = {}
         for item in chunks:
             chunk = as_chunk(item, job, options, self.settings.chunk_limits)
+            if chunk.tenant is None:
+                if chunk.job not in by_job:
+                    by_job[chunk.job] = self.tenants.wire(
+                        self.tenants.resolve(named, job=chunk.job)
+                    )
+                if by_job[chunk.job] is not None:
+                    chunk = dataclasses.replace(chunk, tenant=by_job[chunk.job])
+            elif chunk.tenant == self.tenants.default:
+                chunk = dataclasses.replace(chunk, tenant=None)
             batch.append(await self._checked(chunk))
             if len(batch) >= batch_size:
                 total += await self._send(batch, on_batch, call)
@@ -335,6 +375,7 @@ class Producer:
         batch_size: int = 1000,
         on_batch: Callable[[int], None] | None = None,
         force: bool = False,
+        tenant: str | None = None,
     ) -> Enqueued:
         """Split whole documents ({"id", "text", "meta"?} or ``Document``) with the model's own
         tokenizer and enqueue the chunks; returns how many chunks were added (``enqueue``).
@@ -352,6 +393,7 @@ class Producer:
             batch_size=batch_size,
             on_batch=on_batch,
             force=force,
+            tenant=tenant,
         )
 
     def document_splitter(
@@ -385,13 +427,15 @@ class Producer:
             )
         return self._splitters[key]
 
-    async def _wait_for_room(self, partitions: Iterable[Keys]) -> None:
+    async def _wait_for_room(self, partitions: Iterable[Keys], tenants: set[str | None]) -> None:
         """Backpressure: hold enqueueing while a partition this batch goes to holds more than
-        the high-water mark (each partition's stream is bounded on its own node)."""
+        the high-water mark (each partition's streams, every tenant's, are bounded on its own
+        node), and while a tenant of the batch is at its EMBEDFLEET_TENANT_MAX_BACKLOG."""
+        await self._wait_for_tenants(tenants)
         mark = self.settings.backlog_high_water
-        streams = [partition.ingest for partition in partitions]
+        chosen = list(partitions)
         waited_since: float | None = None
-        while (backlog := await self._backlog(streams)) >= mark:
+        while (backlog := await self._backlog(chosen)) >= mark:
             if waited_since is None:
                 waited_since = time.monotonic()
                 log.warning(
@@ -408,21 +452,72 @@ class Producer:
 
     async def backlog(self) -> int:
         """The bulk backlog as the high-water mark (EMBEDFLEET_BACKLOG_HIGH_WATER) reads it:
-        the longest ingest stream of all partitions (each is bounded on its own node)."""
-        return await self._backlog([partition.ingest for partition in self.keys.partitions_keys])
+        the fullest partition's ingest streams, every tenant's (each partition is bounded on
+        its own node)."""
+        return await self._backlog(list(self.keys.partitions_keys))
 
-    async def _backlog(self, streams: list[str]) -> int:
-        """The longest of these ingest streams."""
-        if len(streams) == 1:
-            return await self.retry.call("read the backlog", lambda: self.client.xlen(streams[0]))
+    async def partition_backlogs(
+        self, partitions: Sequence[Keys] | None = None
+    ) -> list[PartitionBacklog]:
+        """Each partition's ingest streams' lengths, the total and every tenant's
+        (shared/backlog.py): one script call per partition, pipelined."""
+        chosen = list(self.keys.partitions_keys if partitions is None else partitions)
 
         async def lengths() -> list[Any]:
             pipe = self.client.pipeline(transaction=False)
-            for stream in streams:
-                pipe.xlen(stream)
+            for partition in chosen:
+                pipe.execute_command(*backlog_command(partition))
             return await pipe.execute()
 
-        return max(int(n) for n in await self.retry.call("read the backlog", lengths))
+        replies = await self.retry.call("read the backlog", lengths)
+        return [PartitionBacklog.parse(reply) for reply in replies]
+
+    async def tenant_backlog(self, tenant: str | None = None) -> int:
+        """A tenant's entries waiting or in flight over all partitions (its name, or None for
+        the producer's own tenant, else the default)."""
+        name = self.tenants.resolve(tenant if tenant is not None else self.tenant)
+        return tenant_backlog(await self.partition_backlogs(), self.tenants.wire(name))
+
+    async def _backlog(self, partitions: list[Keys]) -> int:
+        """The fullest of these partitions (all its tenants' streams together)."""
+        return max(b.total for b in await self.partition_backlogs(partitions))
+
+    async def _wait_for_tenants(self, tenants: set[str | None]) -> None:
+        """Wait while a tenant with EMBEDFLEET_TENANT_MAX_BACKLOG is at it, for at most
+        EMBEDFLEET_TENANT_BACKLOG_WAIT_S; then TenantBacklogFullError."""
+        limits = {
+            wire: limit
+            for wire in tenants
+            if (limit := self.tenants.backlog_limit(self.tenants.named(wire))) is not None
+        }
+        if not limits:
+            return
+        give_up_at = time.monotonic() + self.settings.tenant_backlog_wait_s
+        warned = False
+        while True:
+            backlogs = await self.partition_backlogs()
+            full = {
+                self.tenants.named(wire): (held, limit)
+                for wire, limit in limits.items()
+                if (held := tenant_backlog(backlogs, wire)) >= limit
+            }
+            if not full:
+                return
+            if time.monotonic() >= give_up_at:
+                raise TenantBacklogFullError(
+                    "tenant backlog full: "
+                    + ", ".join(f"{t} holds {h} of {lim}" for t, (h, lim) in full.items())
+                    + f" entries (EMBEDFLEET_TENANT_MAX_BACKLOG) after waiting "
+                    f"{self.settings.tenant_backlog_wait_s:g}s (EMBEDFLEET_TENANT_BACKLOG_WAIT_S)"
+                )
+            if not warned:
+                warned = True
+                log.warning(
+                    "tenant backlog at its limit: waiting for workers",
+                    tenants=sorted(full),
+                    setting="EMBEDFLEET_TENANT_MAX_BACKLOG",
+                )
+            await asyncio.sleep(0.5)
 
     async def _send(
         self, batch: list[Chunk], on_batch: Callable[[int], None] | None, call: EnqueueCall
@@ -434,7 +529,7 @@ class Producer:
         by_partition: dict[Keys, list[Chunk]] = {}
         for chunk in batch:
             by_partition.setdefault(self.keys.partition_for(chunk.id), []).append(chunk)
-        await self._wait_for_room(by_partition)
+        await self._wait_for_room(by_partition, {chunk.tenant for chunk in batch})
         unsent = by_partition
         # per partition, what this call added: a partition's latest try counts all of it (the
         # script counts a chunk the call added before a lost reply as added by it again)
@@ -471,18 +566,22 @@ class Producer:
         added: dict[Keys, int] = {}
         for partition, chunks in by_partition.items():
             commands: list[tuple[Any, ...]] = []
-            by_job: dict[str, list[tuple[str, bytes]]] = {}
+            by_job: dict[tuple[str | None, str], list[tuple[str, bytes]]] = {}
+            for named in sorted({c.tenant for c in chunks if c.tenant is not None}):
+                # the tenant's stream in the registry, its group made, before its first entry
+                commands.append(register_tenant_command(partition, named))
             for chunk in chunks:
                 payload = encode_chunk(chunk)
                 if chunk.job is None:
-                    commands.append(("XADD", partition.ingest, "*", PAYLOAD_FIELD, payload))
+                    stream = partition.ingest_for(chunk.tenant)
+                    commands.append(("XADD", stream, "*", PAYLOAD_FIELD, payload))
                     added[partition] = added.get(partition, 0) + 1
                 else:
-                    by_job.setdefault(chunk.job, []).append((chunk.id, payload))
-            for job, job_chunks in by_job.items():
+                    by_job.setdefault((chunk.tenant, chunk.job), []).append((chunk.id, payload))
+            for (owner, job), job_chunks in by_job.items():
                 commands.append(
                     enqueue_command(
-                        stream=partition.ingest,
+                        stream=partition.ingest_for(owner),
                         counters=partition.job(job),
                         id_record=partition.job_ids(job),
                         chunks=job_chunks,
@@ -499,7 +598,7 @@ class Producer:
                     commands.append(finished)
             if by_job:
                 # Outside the script, but in the partition's slot too (its own jobs index).
-                commands.append(("SADD", partition.jobs_index, *by_job))
+                commands.append(("SADD", partition.jobs_index, *{job for _, job in by_job}))
             groups[partition] = Group(partition.ingest, commands)
         written = await write_confirmed(
             self.client,
@@ -509,7 +608,7 @@ class Producer:
         )
         for partition, replies in written.replies.items():
             for reply in replies:
-                if isinstance(reply, list):  # an enqueue script's [added, again]
+                if isinstance(reply, list) and len(reply) == 2:  # an enqueue script's
                     added[partition] = added.get(partition, 0) + sum(script_counts(reply))
         return {partition: by_partition[partition] for partition in written.unconfirmed}, added
 
@@ -716,6 +815,8 @@ class Producer:
                         reply=request,
                         deadline_ms=deadline_ms,
                         pair=pairs[index] if pairs is not None else None,
+                        # accounted to the producer's tenant (the query lane has no shares)
+                        tenant=None if self.tenant is None else self.tenants.wire(self.tenant),
                         **(extra or {}),
                     ),
                     None,

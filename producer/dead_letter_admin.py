@@ -35,7 +35,7 @@ from embedfleet.producer.waiting import (
 )
 from embedfleet.shared import scripts
 from embedfleet.shared.dead_letters import DeadLetter, DeadReason
-from embedfleet.shared.keys import Keys
+from embedfleet.shared.keys import TENANT_STREAM_INFIX, Keys
 from embedfleet.shared.protocol import ProtocolError, decode_chunk
 from embedfleet.shared.redis_conn import connect_client_settings, redact_url, stream_entries
 from embedfleet.shared.retry import RedisRetry
@@ -149,7 +149,8 @@ class DeadLetterStore:
         owner = owner or self.keys.partitions_keys[0]
         if letter.stream == self.keys.query_lane.query:
             return "a query: its caller has gone"
-        if letter.stream != owner.ingest:
+        tenant_stream = letter.stream.startswith(owner.prefix + TENANT_STREAM_INFIX)
+        if letter.stream != owner.ingest and not tenant_stream:
             return f"it came from {letter.stream!r}, not an ingest stream of this namespace"
         if letter.payload is None and letter.payload_prefix is not None:
             return (
@@ -181,9 +182,9 @@ class DeadLetterStore:
                 continue
             if not dry_run:
                 assert letter.payload is not None  # checked by why_not_replayable
-                # the dead stream, the ingest stream and the job's counters of one partition:
-                # one hash slot, so one script
-                keys = [owner.dead, owner.ingest, owner.replayed(letter.dead_id)]
+                # the dead stream, the ingest stream it came from (the default tenant's or a
+                # named tenant's) and the job's counters of one partition: one slot, one script
+                keys = [owner.dead, letter.stream, owner.replayed(letter.dead_id)]
                 if letter.job:
                     keys.append(owner.job(letter.job))
                 args: list[str | bytes | int] = [letter.dead_id, letter.payload, token, marker_s]

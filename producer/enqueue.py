@@ -39,9 +39,11 @@ import redis.asyncio as aioredis
 
 from embedfleet.shared import scripts
 from embedfleet.shared.jobs import IDS_TTL_AFTER_DONE_FIELD
+from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import PAYLOAD_FIELD
 
 ENQUEUE_SCRIPT = scripts.load("enqueue")
+REGISTER_TENANT_SCRIPT = scripts.load("register_tenant")
 
 if PAYLOAD_FIELD != b"m":  # the script writes the field by name
     raise RuntimeError("ENQUEUE_SCRIPT must write the protocol's payload field")
@@ -82,6 +84,21 @@ def enqueue_command(
     for chunk_id, payload in chunks:
         args += [chunk_id, payload_digest(payload), payload]
     return ("EVAL", ENQUEUE_SCRIPT, 3, stream, counters, id_record, *args)
+
+
+def register_tenant_command(partition: Keys, tenant: str) -> tuple[str | int, ...]:
+    """The script call that lists a named tenant's stream in the partition's registry and
+    makes its consumer group (shared/scripts/register_tenant.lua); sent before the tenant's
+    chunks in each batch's pipeline. Its reply is 0 or 1 (not an enqueue script's pair)."""
+    return (
+        "EVAL",
+        REGISTER_TENANT_SCRIPT,
+        2,
+        partition.tenants,
+        partition.ingest_for(tenant),
+        tenant,
+        partition.group,
+    )
 
 
 def finished_ttl_command(

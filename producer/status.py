@@ -77,7 +77,9 @@ Snapshot = FleetState
 
 async def take_snapshot(client: aioredis.Redis, keys: Keys) -> Snapshot:
     """Everything the status view shows: streams, consumers, jobs, the latest dead letters."""
-    return await read_fleet(client, keys, consumers=True, jobs=True, dead_latest=DEAD_LETTERS_SHOWN)
+    return await read_fleet(
+        client, keys, consumers=True, jobs=True, dead_latest=DEAD_LETTERS_SHOWN, usage=True
+    )
 
 
 async def take_model_snapshots(client: aioredis.Redis, keys: Keys) -> dict[str, Snapshot]:
@@ -238,6 +240,7 @@ def report(
     """The JSON object ``--json`` prints (and the text view renders). ``eviction``: Redis's
     maxmemory-policy as checked (None: not checked); ``models``: each registered model's
     snapshot and rate (``take_model_snapshots``), its row in ``models``."""
+    policy = settings.tenant_policy
     streams: dict[str, Any] = {}
     for name, stream in snapshot.streams.items():
         entry: dict[str, Any] = {"key": stream.key, "length": stream.length}
@@ -337,6 +340,36 @@ def report(
         ],
         "model": settings.model_lane,
         "models": model_rows(models or {}, settings.keys),
+        # issue 30: each tenant's ingest streams (summed over the partitions) and share
+        "tenants": [
+            {
+                "tenant": policy.named(tenant),
+                "weight": policy.weight(policy.named(tenant)),
+                "max_backlog": policy.backlog_limit(policy.named(tenant)),
+                "token_rate": policy.rate(policy.named(tenant)),
+                "key": stream.key,
+                "length": stream.length,
+                "lag": stream.lag,
+                "pending": stream.pending,
+            }
+            for tenant, stream in sorted(
+                snapshot.tenants.items(), key=lambda item: policy.named(item[0])
+            )
+        ],
+        # what each tenant used, per model and job (the usage hashes, Keys.usage)
+        "usage": [
+            {
+                "tenant": policy.named(u.tenant),
+                "model": u.model,
+                "job": u.job,
+                "chunks": u.chunks,
+                "tokens": u.tokens,
+                "model_seconds": round(u.model_seconds, 6),
+                "dead": u.dead,
+                "expired": u.expired,
+            }
+            for u in snapshot.usage
+        ],
     }
 
 
@@ -439,6 +472,7 @@ def render(data: dict[str, Any], *, consumers_shown: int = 10, jobs_shown: int =
     lines += _render_models(data.get("models", []))
     lines += _render_consumers(streams, consumers_shown)
     lines += _render_jobs(data["jobs"], jobs_shown)
+    lines += _render_tenants(data.get("tenants", []), data.get("usage", []))
     dead = data["dead_letters"]
     if dead["count"]:
         lines.append(f"dead letters  {dead['count']:,} in {streams['dead']['key']}; latest:")
@@ -478,6 +512,43 @@ def _render_models(models: list[dict[str, Any]]) -> list[str]:
             ]
         )
     return [*_table(rows, right={2, 3, 4, 5, 6, 8}), ""]
+
+
+def _render_tenants(tenants: list[dict[str, Any]], usage: list[dict[str, Any]]) -> list[str]:
+    """The tenants' backlogs and weights, then what each used per model and job (shown once
+    there is more than the default tenant's plain stream, or any usage)."""
+    lines: list[str] = []
+    if len(tenants) > 1 or any(t["max_backlog"] or t["token_rate"] for t in tenants):
+        rows = [["tenant", "weight", "length", "lag", "pending", "max backlog", "tokens/s"]]
+        for t in tenants:
+            rows.append(
+                [
+                    t["tenant"],
+                    f"{t['weight']:g}",
+                    _n(t["length"]),
+                    _n(t["lag"]),
+                    _n(t["pending"]),
+                    "-" if t["max_backlog"] is None else _n(t["max_backlog"]),
+                    "-" if t["token_rate"] is None else f"{t['token_rate']:,.0f}",
+                ]
+            )
+        lines += [*_table(rows, right={1, 2, 3, 4, 5, 6}), ""]
+    if usage:
+        rows = [["usage: tenant", "model", "job", "chunks", "tokens", "model s", "dead"]]
+        for u in usage:
+            rows.append(
+                [
+                    u["tenant"],
+                    u["model"] or "-",
+                    u["job"] or "-",
+                    _n(u["chunks"]),
+                    _n(u["tokens"]),
+                    f"{u['model_seconds']:,.1f}",
+                    _n(u["dead"]),
+                ]
+            )
+        lines += [*_table(rows, right={3, 4, 5, 6}), ""]
+    return lines
 
 
 def _render_partitions(partitions: list[dict[str, Any]]) -> list[str]:

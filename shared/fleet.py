@@ -11,14 +11,14 @@ latest dead letters (a second round trip).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
 
 from embedfleet.shared.dead_letters import DeadLetter
 from embedfleet.shared.jobs import JobProgress
-from embedfleet.shared.keys import Keys, key_slot
+from embedfleet.shared.keys import USAGE_SEPARATOR, Keys, key_slot
 from embedfleet.shared.redis_conn import is_cluster
 from embedfleet.shared.streams import (
     ConsumerState,
@@ -56,18 +56,67 @@ def stream_keys(keys: Keys) -> dict[str, str]:
     }
 
 
-def _partition_streams(keys: Keys) -> dict[str, list[str]]:
+def _partition_streams(
+    keys: Keys, tenants: dict[Keys, list[str]] | None = None
+) -> dict[str, list[str]]:
     """The keys whose figures make each total, partition by partition (the query lane's dead
-    letters count with the others)."""
+    letters count with the others); ``tenants``: the named tenants of each partition, whose
+    ingest streams count with the default tenant's."""
     parts = keys.partitions_keys
     lane_dead = [keys.query_lane.dead] if keys.partitioned else []
     return {
-        "ingest": [p.ingest for p in parts],
+        "ingest": [s for p in parts for s in _ingest_streams(p, (tenants or {}).get(p, []))],
         "query": [keys.query_lane.query],
         "interactive": [keys.query_lane.interactive],
         "results": [p.results for p in parts],
         "dead": [p.dead for p in parts] + lane_dead,
     }
+
+
+def _ingest_streams(partition: Keys, tenants: list[str]) -> list[str]:
+    """A partition's ingest streams: the default tenant's, then each named tenant's."""
+    return [partition.ingest, *(partition.ingest_for(t) for t in tenants)]
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What one (tenant, model, job) used, from the usage hashes (Keys.usage), summed over
+    the partitions and the query lane. ``tenant`` None: the default tenant; ``job`` None: no
+    job."""
+
+    tenant: str | None
+    model: str
+    job: str | None
+    chunks: int = 0
+    tokens: int = 0
+    model_us: int = 0
+    dead: int = 0
+    expired: int = 0
+
+    @property
+    def model_seconds(self) -> float:
+        return self.model_us / 1e6
+
+
+USAGE_COUNTERS = ("chunks", "tokens", "model_us", "dead", "expired")
+
+
+def parse_usage(hashes: list[dict[Any, Any]]) -> tuple[Usage, ...]:
+    """The usage hashes' fields ``<counter>|<tenant>|<model>|<job>``, summed per (tenant,
+    model, job); a field that does not parse is left out."""
+    totals: dict[tuple[str, str, str], dict[str, int]] = {}
+    for fields in hashes:
+        for name, value in (fields or {}).items():
+            parts = text(name).split(USAGE_SEPARATOR, 3)
+            if len(parts) != 4 or parts[0] not in USAGE_COUNTERS:
+                continue
+            counter, tenant, model, job = parts
+            row = totals.setdefault((tenant, model, job), {})
+            row[counter] = row.get(counter, 0) + int(value)
+    return tuple(
+        Usage(tenant or None, model, job or None, **counts)
+        for (tenant, model, job), counts in sorted(totals.items())
+    )
 
 
 @dataclass(frozen=True)
@@ -115,6 +164,9 @@ class FleetState:
     monotonic: float  # time.monotonic(), for rates that survive a clock change
     streams: dict[str, StreamState]  # totals over the partitions
     jobs: tuple[JobProgress, ...] = ()
+    # each tenant's ingest streams summed over the partitions (None: the default tenant's)
+    tenants: dict[str | None, StreamState] = field(default_factory=dict)
+    usage: tuple[Usage, ...] = ()
     dead_latest: tuple[DeadLetter, ...] = ()
     partitions: tuple[PartitionState, ...] = ()
 
@@ -126,16 +178,32 @@ async def read_fleet(
     consumers: bool = False,
     jobs: bool = False,
     dead_latest: int = 0,
+    usage: bool = False,
 ) -> FleetState:
     """Every stream's length and group state; with the flags, consumers, jobs, dead letters.
 
     One pipelined round trip for the streams (and the dead letters and job names); a second
     one, only when asked for, for the consumers and each job's counters. A Redis error raises.
     With partitions, ``streams`` holds the totals and ``partitions`` one row each; on a cluster
-    the pipelines go to every node at once.
+    the pipelines go to every node at once. Every tenant's ingest streams count in the ingest
+    totals (the tenants registries are read first, in a round trip of their own); ``tenants``
+    holds each tenant's, and with ``usage`` the accounting hashes are read too.
     """
     names = stream_keys(keys)
-    per_stream = _partition_streams(keys)
+    pipe = client.pipeline(transaction=False)
+    for partition in keys.partitions_keys:
+        pipe.smembers(partition.tenants)
+    registered = {
+        partition: sorted(text(name) for name in members)
+        for partition, members in zip(keys.partitions_keys, await pipe.execute(), strict=True)
+    }
+    per_stream = _partition_streams(keys, registered)
+    usage_keys = (
+        [p.usage for p in keys.partitions_keys]
+        + ([keys.query_lane.usage] if keys.partitioned else [])
+        if usage
+        else []
+    )
     pipe = client.pipeline(transaction=False)
     for stream in FLEET_STREAMS:
         for key in per_stream[stream]:
@@ -149,6 +217,8 @@ async def read_fleet(
     if jobs:
         for partition in keys.partitions_keys:
             pipe.smembers(partition.jobs_index)
+    for key in usage_keys:
+        pipe.hgetall(key)
     replies = iter(await pipe.execute(raise_on_error=False))
     lengths = {key: int(_raised(next(replies))) for s in FLEET_STREAMS for key in per_stream[s]}
     groups: dict[str, GroupState | None] = {}
@@ -173,6 +243,7 @@ async def read_fleet(
         for _ in keys.partitions_keys:
             found.update(text(name) for name in _raised(next(replies)))
         job_names = sorted(found)
+    usage_rows = parse_usage([_raised(next(replies)) for _ in usage_keys])
 
     consumer_keys = [
         key for s in INPUT_STREAMS for key in per_stream[s] if consumers and groups[key] is not None
@@ -205,6 +276,12 @@ async def read_fleet(
         for key in per_stream[name]
     }
     per_job = len(keys.partitions_keys)
+    by_tenant: dict[str | None, list[StreamState]] = {}
+    for partition, tenants in registered.items():
+        for tenant, stream in zip(
+            [None, *tenants], _ingest_streams(partition, tenants), strict=True
+        ):
+            by_tenant.setdefault(tenant, []).append(states[stream])
     return FleetState(
         taken_at=time.time(),
         monotonic=time.monotonic(),
@@ -219,12 +296,20 @@ async def read_fleet(
         dead_latest=tuple(
             DeadLetter.from_fields(dead_id, fields) for dead_id, fields in dead_entries
         ),
+        tenants={
+            tenant: _total("ingest", parts[0].key, parts) for tenant, parts in by_tenant.items()
+        },
+        usage=usage_rows,
         partitions=tuple(
             PartitionState(
                 index=partition.index,
                 slot=key_slot(partition.ingest),
                 node=_node_of(client, partition.ingest),
-                ingest=states[partition.ingest],
+                ingest=_total(
+                    "ingest",
+                    partition.ingest,
+                    [states[s] for s in _ingest_streams(partition, registered[partition])],
+                ),
                 results_length=lengths[partition.results],
                 dead_length=lengths[partition.dead],
             )

@@ -33,6 +33,13 @@ QUERY_LANE_TAG = "q"
 # neither forge another lane's keys nor add a hash tag
 MODEL_LANE_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
 BATCHES_TAG = "b"
+# a tenant's name (``tenant`` in chunks, EMBEDFLEET_TENANT_WEIGHTS, the usage fields): no ':',
+# '|' or braces, so it can neither forge another key nor split a usage field
+TENANT_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+# what separates the parts of a usage hash field: ``<counter>|<tenant>|<model>|<job>``
+USAGE_SEPARATOR = "|"
+# the infix of a named tenant's ingest stream: ``<prefix>:ingest:t:<tenant>``
+TENANT_STREAM_INFIX = ":ingest:t:"
 
 
 class PartitionedKeyError(LookupError):
@@ -197,8 +204,14 @@ class Keys:
         return next(i for i, keys in enumerate(self.partitions_keys) if keys.tag == self.tag)
 
     def owner_of(self, stream: str) -> Keys:
-        """The key set a stream (an ingest or query stream) belongs to."""
-        return self._owners[stream]
+        """The key set a stream (an ingest stream, a tenant's, or a query stream) belongs to."""
+        owner = self._owners.get(stream)
+        if owner is not None:
+            return owner
+        for keys in self.partitions_keys:
+            if stream.startswith(keys.prefix + TENANT_STREAM_INFIX):
+                return keys
+        raise KeyError(stream)
 
     @functools.cached_property
     def _owners(self) -> dict[str, Keys]:
@@ -225,6 +238,44 @@ class Keys:
     def ingest(self) -> str:
         """Stream of bulk chunks, read by workers through the consumer group."""
         return self._key("ingest")
+
+    def ingest_for(self, tenant: str | None) -> str:
+        """The ingest stream of one tenant in this key set (issue 30's fair share): the default
+        tenant's (``None``) is the plain ``ingest`` stream, as it has always been (what any
+        language's XADD writes to); a named tenant's is ``<prefix>:ingest:t:<tenant>``, in the
+        same hash slot, registered in ``tenants`` by the producer that first writes to it."""
+        if tenant is None:
+            return self.ingest
+        if not TENANT_PATTERN.fullmatch(tenant):
+            raise ValueError(f"tenant {tenant!r} is not a valid name")
+        return self._key(f"ingest:t:{tenant}")  # the infix is TENANT_STREAM_INFIX
+
+    def tenant_of(self, stream: str) -> str | None:
+        """The named tenant whose ingest stream ``stream`` is; None for any other stream (the
+        plain ingest stream is the default tenant's)."""
+        at = stream.rfind(TENANT_STREAM_INFIX)
+        return None if at < 0 else stream[at + len(TENANT_STREAM_INFIX) :]
+
+    @property
+    def tenants(self) -> str:
+        """Set of the named tenants that have an ingest stream in this key set (the registry
+        the workers read their streams from; written with the group by register_tenant.lua).
+        Members stay when a stream empties: an empty stream costs a reader one XLEN."""
+        return self._key("tenants")
+
+    @property
+    def usage(self) -> str:
+        """Hash of the accounting counters of what this key set's entries used, written by the
+        acknowledgement script with the job counters: fields
+        ``<counter>|<tenant>|<model>|<job>`` (counter: ``chunks``, ``tokens``, ``model_us``,
+        ``dead``, ``expired``; tenant empty = the default tenant, job empty = no job)."""
+        return self._key("usage")
+
+    def tenant_rate(self, tenant: str, second: int) -> str:
+        """Tokens read for ``tenant`` in one unix second, over the whole lane (a string counter
+        the workers INCRBY and read, expiring soon): EMBEDFLEET_TENANT_TOKEN_RATE's window. One
+        key for every partition (single-key commands only: any slot)."""
+        return f"{self._lane_namespace}:tenantrate:{tenant}:{second}"
 
     @property
     def query(self) -> str:

@@ -32,6 +32,7 @@ import msgpack
 import numpy as np
 
 from embedfleet.shared.dead_letters import DeadReason
+from embedfleet.shared.keys import TENANT_PATTERN
 
 PROTOCOL_VERSION = 1
 PAYLOAD_FIELD = b"m"
@@ -92,6 +93,7 @@ class ProtocolError(ValueError):
         self.chunk_id: str | None = None
         self.job: str | None = None
         self.reply: str | None = None
+        self.tenant: str | None = None
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,8 @@ class Chunk:
     pair: str | None = None
     # multivector: how the per-token vectors travel (None: float16)
     multivector_dtype: str | None = None
+    # the producer it is accounted to and shares the fleet as (None: the default tenant)
+    tenant: str | None = None
 
     @property
     def wanted_representations(self) -> tuple[str, ...]:
@@ -239,6 +243,7 @@ def _chunk_fields(chunk: Chunk) -> dict[str, Any]:
         "max_active_dims": chunk.max_active_dims,
         "pair": chunk.pair,
         "multivector_dtype": chunk.multivector_dtype,
+        "tenant": chunk.tenant,
     }
     return {name: value for name, value in fields.items() if value is not None}
 
@@ -334,6 +339,10 @@ def decode_chunk(payload: bytes, limits: ChunkLimits = DEFAULT_LIMITS) -> Chunk:
         error.chunk_id, error.job, error.reply = (
             _identity(message.get(name), limits.max_id_chars) for name in ("id", "job", "reply")
         )
+        tenant = message.get("tenant")
+        error.tenant = (
+            tenant if isinstance(tenant, str) and TENANT_PATTERN.fullmatch(tenant) else None
+        )
         raise
 
 
@@ -392,11 +401,25 @@ def chunk_from_mapping(
     deadline = message.get("deadline")
     if deadline is not None and (not isinstance(deadline, int) or isinstance(deadline, bool)):
         raise ProtocolError("'deadline' must be an integer (unix milliseconds) when given")
+    tenant = message.get("tenant")
+    if tenant is not None and (not isinstance(tenant, str) or not TENANT_PATTERN.fullmatch(tenant)):
+        raise ProtocolError(
+            "'tenant' must be a name of letters, digits, '.', '_' and '-' (starting with a letter "
+            f"or digit, at most 64) when given, got {tenant!r}"
+        )
     options = {name: message.get(name) for name in OPTION_NAMES}
     check_embedding_options(**options)
     extra = _representation_options(message)
     return Chunk(
-        chunk_id, text, job=job, meta=meta, reply=reply, deadline_ms=deadline, **options, **extra
+        chunk_id,
+        text,
+        job=job,
+        meta=meta,
+        reply=reply,
+        deadline_ms=deadline,
+        tenant=tenant,
+        **options,
+        **extra,
     )
 
 

@@ -141,6 +141,15 @@ CHUNK_FIELDS: tuple[WireField, ...] = (
         + ", ".join(f"`{d}`" for d in MULTIVECTOR_DTYPES)
         + "; absent: `float16`",
     ),
+    WireField(
+        "tenant",
+        "str",
+        False,
+        "the producer the chunk is accounted to and shares the fleet as (letters, digits, "
+        "`.`, `_`, `-`, at most 64); a named tenant's chunks go to its own stream "
+        "`{ns}:ingest:t:<tenant>` (docs/FAIRNESS.md); absent: the default tenant "
+        "(`EMBEDFLEET_DEFAULT_TENANT`), whose stream is `{ns}:ingest`",
+    ),
 )
 
 QUERY_FIELDS: tuple[WireField, ...] = (

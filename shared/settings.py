@@ -24,6 +24,7 @@ from embedfleet.shared.keys import (
 )
 from embedfleet.shared.protocol import ChunkLimits
 from embedfleet.shared.redis_conn import split_cluster_url
+from embedfleet.shared.tenants import TenantPolicy, check_tenant, parse_map, parse_numbers
 
 ENV_PREFIX = "EMBEDFLEET_"
 PACKAGED_MODEL = "all-MiniLM-L6-v2"
@@ -253,6 +254,29 @@ class Settings(BaseSettings):
     backlog_high_water: int = Field(default=1_000_000, ge=1)
     """Producers wait while an ingest stream (each partition's) holds more entries than this; the
     gateway answers 429 to large requests while the interactive stream does."""
+    # --- tenants: fair share, limits, accounting (shared/tenants.py, docs/FAIRNESS.md) -----
+    default_tenant: str = "default"
+    """The tenant of work that names none (no `tenant` field, no `EMBEDFLEET_TENANT_MAP` rule
+    matches): its chunks go to the plain ingest stream `{ns}:ingest`."""
+    tenant_map: str = ""
+    """Which tenant a job or an API key belongs to: `<job glob>=<tenant>` and
+    `owner:<owner>=<tenant>` rules, comma-separated, the first match wins, e.g.
+    `docs-*=search,owner:3f2a9c01d4e5b6a7=rag` (an owner is the hash `embedfleet serve` logs for
+    an API key). A tenant named by the producer (`--tenant`) wins over the rules."""
+    tenant_weights: str = ""
+    """Each tenant's share of the fleet: `search=3,batch=1` (others 1). Workers read every
+    tenant with a backlog in proportion to its weight, whatever the others hold."""
+    tenant_max_backlog: str = ""
+    """Entries a tenant may have waiting over all partitions: `batch=100000`. Past it its
+    producers wait (up to `EMBEDFLEET_TENANT_BACKLOG_WAIT_S`, then `TenantBacklogFullError`) and
+    the gateway answers 429. Unnamed tenants: no limit (but `EMBEDFLEET_BACKLOG_HIGH_WATER`)."""
+    tenant_backlog_wait_s: float = Field(default=300.0, ge=0)
+    """How long a producer waits for its tenant's backlog to drop below its
+    `EMBEDFLEET_TENANT_MAX_BACKLOG` before it raises `TenantBacklogFullError`."""
+    tenant_token_rate: str = ""
+    """Tokens per second the workers read for a tenant at most, over the whole lane:
+    `batch=50000` (a one-second window counted in `{ns}:tenantrate:<tenant>:<s>`; a window
+    already read is finished). Unnamed tenants: no limit."""
     results_max_entries: int = Field(default=1_000_000, ge=0)
     """Most results a results stream (each partition's) may hold: at it, workers wait, saying so
     in their log, until a consuming reader (`embedfleet results --consume`,
@@ -413,6 +437,40 @@ class Settings(BaseSettings):
         if not value or any(ch.isspace() for ch in value):
             raise ValueError("must be non-empty and contain no whitespace")
         return value
+
+    @field_validator("default_tenant")
+    @classmethod
+    def _tenant_name(cls, value: str) -> str:
+        return check_tenant(value, "the default tenant")
+
+    @field_validator("tenant_weights", "tenant_max_backlog", "tenant_token_rate")
+    @classmethod
+    def _tenant_numbers(cls, value: str, info: ValidationInfo) -> str:
+        parse_numbers(value, str(info.field_name))
+        return value
+
+    @field_validator("tenant_map")
+    @classmethod
+    def _tenant_rules(cls, value: str) -> str:
+        parse_map(value, "tenant_map")
+        return value
+
+    @property
+    def tenant_policy(self) -> TenantPolicy:
+        """The tenant settings parsed (shared/tenants.py); parsed on each call (a settings
+        copy with other values must not keep these), so callers keep what they need."""
+        return TenantPolicy(
+            default=self.default_tenant,
+            rules=parse_map(self.tenant_map, "tenant_map"),
+            weights=parse_numbers(self.tenant_weights, "tenant_weights"),
+            max_backlog={
+                name: int(limit)
+                for name, limit in parse_numbers(
+                    self.tenant_max_backlog, "tenant_max_backlog"
+                ).items()
+            },
+            token_rate=parse_numbers(self.tenant_token_rate, "tenant_token_rate"),
+        )
 
     @field_validator("model_lane")
     @classmethod

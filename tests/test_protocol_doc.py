@@ -93,6 +93,7 @@ def test_every_field_the_code_writes_is_documented() -> None:
         max_active_dims=4,
         pair="a document",
         multivector_dtype="int8",
+        tenant="team-a",
     )
     written = set(msgpack.unpackb(encode_chunk(every_option)))
     assert written == _names(CHUNK_FIELDS), f"chunk fields differ: {FIX}"

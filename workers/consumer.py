@@ -10,6 +10,15 @@ read per partition on its own connection, and goes on as soon as the first retur
 any partition is picked up within one block interval. The reads still waiting are kept and
 collected by the next call, so an entry they deliver is never left behind.
 
+Tenants (issue 30): each partition holds one ingest stream per tenant, the default tenant's
+plain ``ingest`` and a named tenant's ``ingest:t:<tenant>``, listed in the partition's registry
+(``Keys.tenants``), which the same round trip reads. A read's ``count`` is split between the
+tenants with a backlog by weighted deficit round robin (workers/fair.py), each tenant's part
+over its partitions by its backlog there: every active tenant progresses by its weight whatever
+the others hold. A tenant over its token rate (EMBEDFLEET_TENANT_TOKEN_RATE, a fleet-wide
+counter per second the worker adds the tokens it read to) is left out until the next second.
+Idle, one blocking read per partition names all of its streams (they share the slot).
+
 Before any ingest stream comes the interactive stream (``Keys.interactive``: the inputs of large
 requests someone waits on, the gateway's): its entries are read first, in the same round trip
 as the backlogs' lengths, and the bulk streams only when it is empty, so a large request waits
@@ -21,21 +30,37 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 from redis.typing import KeyT, StreamIdT
 
-from embedfleet.shared.keys import Keys
+from embedfleet.shared.keys import TENANT_PATTERN, Keys
 from embedfleet.shared.protocol import PAYLOAD_FIELD
-from embedfleet.shared.redis_conn import as_str, ensure_groups
+from embedfleet.shared.redis_conn import as_str, ensure_group, ensure_groups
+from embedfleet.shared.tenants import TenantPolicy
+from embedfleet.workers.fair import FairShare, backlog_shares
+
+__all__ = ["STREAM_MOVED_AWAY", "StreamConsumer", "StreamEntry", "backlog_shares"]
 
 # A blocked XREADGROUP is woken with this error when its key leaves the node (Redis >= 7).
 STREAM_MOVED_AWAY = "UNBLOCKED"
+# a tenant's token counter of one second lives this long (read within its second only)
+RATE_KEY_TTL_S = 5
+
+
+class EntryOfTenant(Protocol):
+    """An entry read, as far as its tenant goes (a sink's ``Delivery``)."""
+
+    @property
+    def stream(self) -> str: ...
+
+    @property
+    def tenant(self) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -49,9 +74,11 @@ class StreamEntry:
 
 
 class StreamConsumer:
-    """One consumer in the group. Reads the query stream first, then the ingest stream in bulk.
+    """One consumer in the group. Reads the query stream first, then the ingest streams in bulk,
+    every tenant's by its weight (workers/fair.py).
 
     ``partitions``: the partitions whose ingest streams ``read_ingest`` reads (default all).
+    ``policy``: the tenants' weights and token rates (default: every tenant weighs 1).
     """
 
     def __init__(
@@ -60,18 +87,71 @@ class StreamConsumer:
         keys: Keys,
         consumer: str,
         partitions: Sequence[int] | None = None,
+        policy: TenantPolicy | None = None,
     ) -> None:
         self.client = client
         self.keys = keys
         self.consumer = consumer
+        self.policy = policy or TenantPolicy()
         chosen = range(keys.partitions) if partitions is None else partitions
-        self.ingest_streams = [keys.partition(index).ingest for index in chosen]
+        self.partitions = [keys.partition(index) for index in chosen]
         self.interactive_stream = keys.query_lane.interactive
-        # Blocking reads still waiting on a partition (stream -> task), from an idle wait.
+        # each partition's streams, the default tenant's first, then the named tenants' as the
+        # registry (Keys.tenants) last said
+        self._streams: dict[Keys, list[str]] = {p: [p.ingest] for p in self.partitions}
+        self.fair = FairShare(self.policy.weight)
+        # tokens read per tenant since the last round, for EMBEDFLEET_TENANT_TOKEN_RATE
+        self._charges: dict[str, int] = {}
+        # Blocking reads still waiting (the interactive stream's, or a partition's prefix ->
+        # task), from an idle wait.
         self._waiting: dict[str, asyncio.Task[list[StreamEntry]]] = {}
+
+    @property
+    def ingest_streams(self) -> list[str]:
+        """Every ingest stream this consumer reads now: each partition's, every tenant's."""
+        return [stream for streams in self._streams.values() for stream in streams]
+
+    def streams(self) -> list[str]:
+        """What the reclaimer scans: the ingest streams as known now, the interactive and the
+        query stream (a tenant registered later is scanned from the round after)."""
+        return [*self.ingest_streams, self.interactive_stream, self.keys.query_lane.query]
+
+    def tenant_of(self, stream: str) -> str:
+        """The tenant a stream's entries belong to (the plain ingest stream: the default)."""
+        return self.policy.named(self.keys.tenant_of(stream))
 
     async def setup(self) -> None:
         await ensure_groups(self.client, self.keys)
+        pipe = self.client.pipeline(transaction=False)
+        for partition in self.partitions:
+            pipe.smembers(partition.tenants)
+        self._learn_tenants(await pipe.execute())
+        # a registered tenant's group is made by its producer; made here too, should it be gone
+        for stream in self.ingest_streams:
+            await ensure_group(self.client, self.keys, stream)
+
+    def _learn_tenants(self, members: Sequence[object]) -> list[str]:
+        """Take the registries' members (one reply per partition); returns the new streams."""
+        new: list[str] = []
+        for partition, names in zip(self.partitions, members, strict=True):
+            known = self._streams[partition]
+            for name in sorted(as_str(n) for n in cast("set[bytes]", names or set())):
+                if not TENANT_PATTERN.fullmatch(name):
+                    continue  # nothing the producer registers; never a key to read
+                stream = partition.ingest_for(name)  # a registered name: its own stream
+                if stream not in known:
+                    known.append(stream)
+                    new.append(stream)
+        return new
+
+    def tenant_of_delivery(self, delivery: EntryOfTenant) -> str:
+        """The tenant an entry read is counted for: its chunk's, else its stream's."""
+        return self.policy.named(delivery.tenant or self.keys.tenant_of(delivery.stream))
+
+    def charge(self, tenant: str, tokens: int) -> None:
+        """Tokens read for a tenant with a token rate, counted fleet-wide with the next round."""
+        if self.policy.rate(tenant) is not None and tokens > 0:
+            self._charges[tenant] = self._charges.get(tenant, 0) + tokens
 
     async def read(
         self, count: int, block_ms: int, *, include_ingest: bool = True
@@ -99,18 +179,23 @@ class StreamConsumer:
 
     async def read_ingest(self, count: int, block_ms: int) -> list[StreamEntry]:
         """Up to about ``count`` new entries: the interactive stream's if it has any, else bulk
-        entries from the partitions this consumer reads; blocks up to ``block_ms`` when all of
-        them are empty."""
+        entries from the partitions this consumer reads, each tenant's by its weight; blocks up
+        to ``block_ms`` when all of them are empty."""
         entries = self._collect_waiting()
         if entries:
             return entries
         entries = await self._read_backlogs(count)
         if entries:
             return entries
-        for stream in (self.interactive_stream, *self.ingest_streams):
-            if stream not in self._waiting:
-                self._waiting[stream] = asyncio.create_task(
-                    self.read_stream(stream, count, block_ms)
+        if self.interactive_stream not in self._waiting:
+            self._waiting[self.interactive_stream] = asyncio.create_task(
+                self.read_stream(self.interactive_stream, count, block_ms)
+            )
+        for partition, streams in self._streams.items():
+            # one blocking read names all of a partition's streams: they share its slot
+            if partition.prefix not in self._waiting:
+                self._waiting[partition.prefix] = asyncio.create_task(
+                    self._read(dict.fromkeys(streams, ">"), count, block_ms)
                 )
         # The reads end by themselves after block_ms; the margin covers the round trip.
         await asyncio.wait(
@@ -120,27 +205,58 @@ class StreamConsumer:
 
     async def _read_backlogs(self, count: int) -> list[StreamEntry]:
         """The interactive stream's new entries, read in the round trip that measures the
-        backlogs; when there are none, each backlog's share of ``count``."""
-        lengths_pipe = self.client.pipeline(transaction=False)
-        lengths_pipe.xreadgroup(
-            self.keys.group, self.consumer, {self.interactive_stream: ">"}, count=count
-        )
-        for stream in self.ingest_streams:
-            lengths_pipe.xlen(stream)
-        interactive, *lengths = await lengths_pipe.execute()
+        backlogs (and reads the tenant registries and the token-rate counters); when there are
+        none, each tenant's share of ``count`` (workers/fair.py), split over its partitions."""
+        streams = self.ingest_streams
+        rated = [t for t in self.policy.token_rate if self.policy.rate(t) is not None]
+        second = int(time.time())
+        charges, self._charges = self._charges, {}
+        pipe = self.client.pipeline(transaction=False)
+        pipe.xreadgroup(self.keys.group, self.consumer, {self.interactive_stream: ">"}, count=count)
+        for stream in streams:
+            pipe.xlen(stream)
+        for partition in self.partitions:
+            pipe.smembers(partition.tenants)
+        for tenant, tokens in charges.items():
+            pipe.incrby(self.keys.tenant_rate(tenant, second), tokens)
+            pipe.expire(self.keys.tenant_rate(tenant, second), RATE_KEY_TTL_S)
+        for tenant in rated:
+            pipe.get(self.keys.tenant_rate(tenant, second))
+        replies = await pipe.execute()
+        interactive = replies[0]
+        lengths = [int(n) for n in replies[1 : 1 + len(streams)]]
+        registries = replies[1 + len(streams) : 1 + len(streams) + len(self.partitions)]
+        used = replies[len(replies) - len(rated) :] if rated else []
+        for stream in self._learn_tenants(registries):
+            await ensure_group(self.client, self.keys, stream)
         entries = self._entries(interactive)
         if entries:
             return entries
-        shares = backlog_shares(
-            count, dict(zip(self.ingest_streams, (int(n) for n in lengths), strict=True))
+        held = frozenset(
+            tenant
+            for tenant, tokens in zip(rated, used, strict=True)
+            if int(tokens or 0) >= (self.policy.rate(tenant) or 0)
         )
+        by_tenant: dict[str, dict[str, int]] = {}
+        for stream, length in zip(streams, lengths, strict=True):
+            by_tenant.setdefault(self.tenant_of(stream), {})[stream] = length
+        asks = self.fair.plan(
+            count, {t: sum(parts.values()) for t, parts in by_tenant.items()}, held
+        )
+        shares = self.fair.split(asks, by_tenant)
         if not shares:
             return []
         pipe = self.client.pipeline(transaction=False)
         for stream, share in shares.items():
             pipe.xreadgroup(self.keys.group, self.consumer, {stream: ">"}, count=share)
+        received: dict[str, int] = {}
         for response in await pipe.execute():
-            entries.extend(self._entries(response))
+            got = self._entries(response)
+            for entry in got:
+                tenant = self.tenant_of(entry.stream)
+                received[tenant] = received.get(tenant, 0) + 1
+            entries.extend(got)
+        self.fair.settle(asks, received)
         return entries
 
     def _collect_waiting(self) -> list[StreamEntry]:
@@ -216,14 +332,3 @@ class StreamConsumer:
                     )
                 )
         return entries
-
-
-def backlog_shares(count: int, lengths: dict[str, int]) -> dict[str, int]:
-    """How many entries to ask each stream for: ``count`` split in proportion to the backlogs
-    (at least one each, so a small partition is never starved by a big one)."""
-    total = sum(lengths.values())
-    return {
-        stream: max(1, math.ceil(count * length / total))
-        for stream, length in lengths.items()
-        if length > 0
-    }

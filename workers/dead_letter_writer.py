@@ -36,6 +36,7 @@ class Rejected:
     job: str | None = None
     reply: str | None = None
     deliveries: int = 1
+    tenant: str | None = None  # the chunk's, where its payload says (accounting)
 
     @classmethod
     def chunk(cls, delivery: Delivery, chunk: Chunk, code: DeadReason, detail: str) -> Rejected:
@@ -50,6 +51,7 @@ class Rejected:
             chunk_id=chunk.id,
             job=chunk.job,
             reply=chunk.reply,
+            tenant=chunk.tenant,
         )
 
 
@@ -62,6 +64,8 @@ class DeadLetters:
     max_payload_bytes: int
     # ingest chunks with a reply (gateway jobs) keep their list as long as their results
     job_reply_ttl_s: int | None = None
+    # the worker's model name, which its dead letters are accounted under (set once loaded)
+    model: str = ""
 
     def __post_init__(self) -> None:
         self.job_reply_ttl_s = self.job_reply_ttl_s or self.reply_ttl_s
@@ -92,7 +96,10 @@ class DeadLetters:
                 pipe.rpush(reply_key, encode_query_error(item.chunk_id, item.detail))
                 ingest = item.stream != self.keys.query_lane.query
                 pipe.expire(reply_key, job_reply_ttl_s if ingest else self.reply_ttl_s)
-        deliveries = [Delivery(item.stream, item.entry_id, item.job) for item in rejected]
+        deliveries = [
+            Delivery(item.stream, item.entry_id, item.job, tenant=item.tenant, model=self.model)
+            for item in rejected
+        ]
         queue_acknowledgements(pipe, keys, deliveries, counter="dead")
         await pipe.execute()
 

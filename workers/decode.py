@@ -50,10 +50,13 @@ def decode_entries(
                     chunk_id=error.chunk_id,
                     job=error.job,
                     reply=error.reply,
+                    tenant=error.tenant,
                 )
             )
             continue
-        accepted.append(Accepted(chunk, Delivery(entry.stream, entry.entry_id, chunk.job)))
+        accepted.append(
+            Accepted(chunk, Delivery(entry.stream, entry.entry_id, chunk.job, tenant=chunk.tenant))
+        )
     return accepted, rejected
 
 

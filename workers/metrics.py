@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import NamedTuple
 
 import redis.asyncio as aioredis
@@ -34,9 +34,10 @@ from prometheus_client import (
 
 from embedfleet.shared.dead_letters import DeadReason
 from embedfleet.shared.fault_kinds import System
-from embedfleet.shared.fleet import FLEET_STREAMS, INPUT_STREAMS, read_fleet
+from embedfleet.shared.fleet import FLEET_STREAMS, INPUT_STREAMS, USAGE_COUNTERS, read_fleet
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
+from embedfleet.shared.tenants import TenantPolicy
 from embedfleet.workers.events import WorkerEvents
 
 log = get_logger("embedfleet.metrics")
@@ -213,6 +214,19 @@ METRICS: dict[str, MetricSpec] = {
         "Consumers registered in the group (XINFO GROUPS consumers), live or not.",
         ("model", "stream"),
     ),
+    "tenant_backlog": MetricSpec(
+        Gauge,
+        "tenant_backlog",
+        "XLEN of each tenant's ingest streams, summed over the partitions (issue 30).",
+        ("tenant",),
+    ),
+    "usage": MetricSpec(
+        Gauge,
+        "usage",
+        "What each tenant used per model and job, from the fleet's usage hashes (kept in Redis "
+        "across worker restarts): counter chunks, tokens, model_us, dead, expired.",
+        ("tenant", "model", "job", "counter"),
+    ),
     "redis_up": MetricSpec(
         Gauge,
         "redis_up",
@@ -254,6 +268,8 @@ class WorkerMetrics(WorkerEvents):
     stream_lag: Gauge
     stream_pending: Gauge
     group_consumers: Gauge
+    tenant_backlog: Gauge
+    usage: Gauge
     redis_up: Gauge
 
     def __init__(self, registry: CollectorRegistry | None = None, *, model: str = "") -> None:
@@ -395,6 +411,7 @@ class StreamGauges:
     client: aioredis.Redis
     keys: Keys
     _: KW_ONLY
+    policy: TenantPolicy = field(default_factory=TenantPolicy)
     min_interval_s: float = 1.0
     timeout_s: float = 2.0
 
@@ -423,9 +440,19 @@ class StreamGauges:
 
     async def _read(self) -> None:
         # the fleet reader `embedfleet status` uses too, asked for the streams only
-        state = await read_fleet(self.client, self.keys)
+        state = await read_fleet(self.client, self.keys, usage=True)
         metrics = self.metrics
         model = metrics.model
+        for tenant, stream in state.tenants.items():
+            metrics.tenant_backlog.labels(tenant=self.policy.named(tenant)).set(stream.length)
+        for row in state.usage:
+            labels = {
+                "tenant": self.policy.named(row.tenant),
+                "model": row.model,
+                "job": row.job or "",
+            }
+            for counter in USAGE_COUNTERS:
+                metrics.usage.labels(**labels, counter=counter).set(getattr(row, counter))
         for name, stream in state.streams.items():
             metrics.stream_length.labels(model=model, stream=name).set(stream.length)
         for name in INPUT_STREAMS:

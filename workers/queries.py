@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -228,7 +229,11 @@ class QueryLane:
             pairs=pairs_of([item.chunk for item in fresh]),
         )
         for item, tokenized in zip(fresh, tokens, strict=True):
-            self._inbox.append(PendingQuery(item.chunk, item.delivery, tokenized))
+            # accounted with the query's tokens (its model time is the bulk batches' gaps)
+            delivery = dataclasses.replace(
+                item.delivery, model=self.encoder.name, tokens=tokenized.length
+            )
+            self._inbox.append(PendingQuery(item.chunk, delivery, tokenized))
         # Runs at once if the model is idle; if a bulk batch is in flight, the layer hook
         # serves the inbox first and this call finds it empty. A plain submit, not
         # run_in_executor: nothing awaits it, and its completion would wake the event loop

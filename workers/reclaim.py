@@ -112,16 +112,21 @@ class Reclaimer:
     def period_s(self) -> float:
         return max(0.1, self.settings.reclaim_idle_ms / 3000)
 
-    async def run(self, stopping: asyncio.Event, deliver: Deliver, streams: list[str]) -> None:
+    async def run(
+        self, stopping: asyncio.Event, deliver: Deliver, streams: Callable[[], list[str]]
+    ) -> None:
+        """``streams``: the streams to scan, asked each period (every tenant's ingest streams
+        as the worker's reader knows them, the interactive and query streams)."""
         ride = RideOut("reclaiming idle entries", self.outages, self.events)
         while not stopping.is_set():
             try:
                 await self.renew_leases()
-                for stream in streams:
+                scanned = streams()
+                for stream in scanned:
                     claimed = await self.claim(stream)
                     if claimed:
                         await deliver(stream, claimed)
-                await self.forget_dead_consumers(streams)
+                await self.forget_dead_consumers(scanned)
                 ride.succeeded()
             except Exception as error:
                 await ride.wait(transient_or_raise(error, System.REDIS))

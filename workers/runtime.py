@@ -116,7 +116,7 @@ async def start_health_server(
     """The /healthz, /readyz and /metrics server on EMBEDFLEET_HEALTH_PORT; None when it is 0."""
     if not settings.health_port:
         return None
-    gauges = StreamGauges(metrics, client, settings.keys)
+    gauges = StreamGauges(metrics, client, settings.keys, policy=settings.tenant_policy)
     health = HealthServer(settings.health_port, client, metrics, gauges)
     await health.start()
     return health

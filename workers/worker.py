@@ -217,7 +217,11 @@ class Worker:
         self.stats = WorkerStats()
         self.events: WorkerEvents = _StatsEvents(self.stats, self.listener)
         self.consumer = StreamConsumer(
-            client, self.keys, settings.consumer, partitions=settings.read_partitions
+            client,
+            self.keys,
+            settings.consumer,
+            partitions=settings.read_partitions,
+            policy=settings.tenant_policy,
         )
         self.in_flight = InFlight()
         self.dead_letters = DeadLetters(
@@ -227,6 +231,7 @@ class Worker:
             settings.reply_ttl_s,
             settings.dead_payload_max_bytes,
             settings.job_reply_ttl_s,
+            model=encoder.name,
         )
         self.replies = ReplyListWriter(client, self.keys, settings.job_reply_ttl_s)
         self.outages = Outages(self.events)
@@ -337,10 +342,9 @@ class Worker:
         windows: asyncio.Queue[Window | None] = asyncio.Queue(maxsize=1)
         encoded: asyncio.Queue[Encoded | None] = asyncio.Queue(maxsize=4)
         query_stream = self.keys.query_lane.query
-        streams = (
-            [query_stream]
-            if self.settings.query_only
-            else [*self.consumer.ingest_streams, self.consumer.interactive_stream, query_stream]
+        # what the reclaimer scans, asked each period: tenants registered later are covered too
+        streams: Callable[[], list[str]] = (
+            (lambda: [query_stream]) if self.settings.query_only else self.consumer.streams
         )
         log.info(
             "worker started",
@@ -490,6 +494,9 @@ class Worker:
         await self._drop_expired(window.expired)
         if not window.chunks:
             return
+        if self.consumer.policy.token_rate:
+            for delivery, tokens in zip(window.deliveries, window.tokens, strict=True):
+                self.consumer.charge(self.consumer.tenant_of_delivery(delivery), tokens.length)
         # ours until written: the reclaimer renews their leases from now on (only once the
         # dead letters are sent, so that entries of a window dropped by a failed send are
         # left for their lease to run out and be read again)
@@ -902,11 +909,17 @@ class Worker:
             padded_tokens=planned.padded_tokens,
             seconds=seconds,
         )
+        tokens = [window.tokens[p] for p in planned.positions]
         await encoded.put(
             Encoded(
                 chunks=[window.chunks[p] for p in planned.positions],
-                deliveries=[window.deliveries[p] for p in planned.positions],
-                tokens=[window.tokens[p] for p in planned.positions],
+                deliveries=accounted(
+                    [window.deliveries[p] for p in planned.positions],
+                    tokens,
+                    self.encoder.name,
+                    seconds,
+                ),
+                tokens=tokens,
                 vectors=vectors,
             )
         )
@@ -1105,6 +1118,21 @@ def tokenizer_json(transformer_dir: Path) -> bytes | None:
     the directory has none (then the gateway needs the model's files for this lane)."""
     path = transformer_dir / "tokenizer.json"
     return path.read_bytes() if path.is_file() else None
+
+
+def accounted(
+    deliveries: list[Delivery], tokens: list[Tokenized], model: str, seconds: float
+) -> list[Delivery]:
+    """The batch's deliveries with what the acknowledgement accounts for them (issue 30): the
+    model, each text's tokens (as the tokenizer counted them, special tokens and prompt in,
+    truncated to the model's maximum) and its share of the batch's model time by tokens."""
+    total = sum(t.length for t in tokens) or 1
+    micros = seconds * 1e6 / total  # per token
+    # built directly, not dataclasses.replace: this runs per text on the event loop
+    return [
+        Delivery(d.stream, d.entry_id, d.job, d.tenant, model, t.length, round(t.length * micros))
+        for d, t in zip(deliveries, tokens, strict=True)
+    ]
 
 
 async def _first_set(*events: asyncio.Event) -> None:

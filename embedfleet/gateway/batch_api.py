@@ -201,6 +201,24 @@ class BatchRequest(BaseModel):
     output_expires_after: ExpiresAfter | None = None
 
 
+async def refuse_full_tenant(store: BatchStore, settings: Settings, owner: str, job: str) -> None:
+    """429 while the tenant the owner (or the batch's job) maps to holds its
+    EMBEDFLEET_TENANT_MAX_BACKLOG entries (shared/tenants.py)."""
+    tenant = settings.tenant_policy.resolve(owner=owner, job=job)
+    limit = settings.tenant_policy.backlog_limit(tenant)
+    if limit is None:
+        return
+    held = await store.producer.tenant_backlog(tenant)
+    if held >= limit:
+        raise retry_later(
+            429,
+            f"tenant {tenant!r} has {held:,} entries waiting, at its limit "
+            f"(EMBEDFLEET_TENANT_MAX_BACKLOG: {limit:,}); retry after the Retry-After seconds",
+            "tenant_backlog_full",
+            settings.gateway_retry_after_s,
+        )
+
+
 @router.post("/v1/batches")
 async def create_batch(
     body: BatchRequest,
@@ -243,6 +261,7 @@ async def create_batch(
     batch = new_batch(
         stored.id, body.completion_window, body.metadata, settings.batch_completion_window_s
     )
+    await refuse_full_tenant(store, settings, owner, batch["id"])
     limit = settings.batch_max_active_per_owner
     if not await store.create(batch, lines, owner, output_expiry_s, max_active=limit):
         raise retry_later(

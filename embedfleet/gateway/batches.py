@@ -721,6 +721,11 @@ class BatchRunner:
         if await producer.backlog() >= settings.backlog_high_water:
             return  # backpressure: wait, as Producers do (without holding the runner)
         batch_id = batch["id"]
+        # the batch's tenant: its owner's (EMBEDFLEET_TENANT_MAP), else its job's, else the default
+        tenant = settings.tenant_policy.resolve(owner=fields["owner"], job=batch_id)
+        limit = settings.tenant_policy.backlog_limit(tenant)
+        if limit is not None and await producer.tenant_backlog(tenant) >= limit:
+            return  # the tenant at its EMBEDFLEET_TENANT_MAX_BACKLOG: wait, as its Producers do
         cursor, offset, inputs = fields["cursor"], fields["offset"], fields["inputs"]
         chunks: list[Chunk] = []
         sent_lines = 0
@@ -736,7 +741,7 @@ class BatchRunner:
             sent_lines += 1
             if sent_lines >= LINES_PER_SLICE:
                 break
-        await producer.enqueue(chunks, job=batch_id)
+        await producer.enqueue(chunks, job=batch_id, tenant=tenant)
         await self._save(
             batch_id, {"cursor": cursor + sent_lines, "offset": offset, "inputs": inputs}
         )

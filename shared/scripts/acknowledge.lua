@@ -7,16 +7,29 @@
 -- carry ids_ttl_after_done_s (EMBEDFLEET_JOB_IDS_FINISHED_TTL_S, set by the enqueue) gets its id
 -- record expired that soon: a finished job's record does not stay for the full
 -- EMBEDFLEET_JOB_IDS_TTL_S (the next enqueue to the job sets that again).
--- KEYS[1] the stream the entries were read from; KEYS[2] the results stream of its key set
+-- The same entries are counted for accounting (issue 30) in the key set's usage hash, so the
+-- usage matches the job counters exactly: per (tenant, model, job) the counter as ``chunks``
+-- (done), ``dead`` or ``expired``, and for embedded entries their ``tokens`` and ``model_us``
+-- (microseconds of model time, the batch's shared by tokens). Fields are
+-- ``<counter>|<tenant>|<model>|<job>`` (shared/keys.py Keys.usage), one HINCRBY per field.
+-- KEYS[1] the stream the entries were read from; KEYS[2] the results stream of its key set;
+--   KEYS[3] the key set's usage hash
 -- ARGV[1] the consumer group; ARGV[2] the job counter to count in (done, dead); ARGV[3] the
 --   job-key prefix; ARGV[4] the reply-key prefix; ARGV[5] a reply list's lifetime in seconds;
---   ARGV[6] the job-id-record prefix; then four per entry: entry id, job ('' for none), reply
---   ('' for none: the answer, if any, goes to the results stream), answer payload ('' for none)
+--   ARGV[6] the job-id-record prefix; then eight per entry: entry id, job ('' for none), reply
+--   ('' for none: the answer, if any, goes to the results stream), answer payload ('' for none),
+--   tenant ('' for the default), model name, tokens, model microseconds
 -- Job, id-record and reply keys are built from the prefixes: they share the stream's hash tag,
 -- so the call stays in one slot on a cluster. Returns how many entries this call acknowledged.
 local acked = 0
 local jobs = {}
-for i = 7, #ARGV, 4 do
+local usage = {}
+local counter = ARGV[2] == 'done' and 'chunks' or ARGV[2]
+local function count(name, tenant, model, job, n)
+  local key = name .. '|' .. tenant .. '|' .. model .. '|' .. job
+  usage[key] = (usage[key] or 0) + n
+end
+for i = 7, #ARGV, 8 do
   local entry = ARGV[i]
   if redis.call('XACK', KEYS[1], ARGV[1], entry) == 1 then
     redis.call('XDEL', KEYS[1], entry)
@@ -24,6 +37,11 @@ for i = 7, #ARGV, 4 do
       redis.call('HINCRBY', ARGV[3] .. ARGV[i + 1], ARGV[2], 1)
       jobs[ARGV[i + 1]] = true
     end
+    local tenant, model, job = ARGV[i + 4], ARGV[i + 5], ARGV[i + 1]
+    count(counter, tenant, model, job, 1)
+    local tokens, micros = tonumber(ARGV[i + 6]) or 0, tonumber(ARGV[i + 7]) or 0
+    if tokens > 0 then count('tokens', tenant, model, job, tokens) end
+    if micros > 0 then count('model_us', tenant, model, job, micros) end
     if ARGV[i + 2] ~= '' then
       local reply = ARGV[4] .. ARGV[i + 2]
       redis.call('RPUSH', reply, ARGV[i + 3])
@@ -34,6 +52,7 @@ for i = 7, #ARGV, 4 do
     acked = acked + 1
   end
 end
+for field, n in pairs(usage) do redis.call('HINCRBY', KEYS[3], field, n) end
 for job in pairs(jobs) do
   local c = redis.call('HMGET', ARGV[3] .. job, 'enqueued', 'done', 'dead', 'ids_ttl_after_done_s')
   local ttl = tonumber(c[4])

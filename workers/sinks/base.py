@@ -51,6 +51,12 @@ class Delivery:
     stream: str
     entry_id: str
     job: str | None
+    # accounting (issue 30): the chunk's tenant (None: its stream's, else the default), the
+    # worker's model, the tokens embedded and the model time they took, in microseconds
+    tenant: str | None = None
+    model: str = ""
+    tokens: int = 0
+    model_us: int = 0
 
 
 class Sink(abc.ABC):
@@ -100,7 +106,8 @@ def queue_acknowledgement_script(
     reply_ttl_s: int = 0,
 ) -> None:
     """One acknowledge.lua call per stream of ``deliveries``: each entry acknowledged, counted
-    in ``counter`` of its job, and its payload ('' for none) pushed to its reply list ('' for
+    in ``counter`` of its job and in the key set's usage (tenant, model, tokens, model time:
+    the delivery's), and its payload ('' for none) pushed to its reply list ('' for
     none: to the results stream), only if this call acknowledged it.
 
     EVAL by name, not pipe.eval(): redis-py's blocking cluster pipeline (the query lane's answers
@@ -108,23 +115,34 @@ def queue_acknowledgement_script(
     by_stream: dict[str, list[str | bytes]] = {}
     for delivery, reply, payload in zip(deliveries, replies, payloads, strict=True):
         by_stream.setdefault(delivery.stream, []).extend(
-            [delivery.entry_id, delivery.job or "", reply, payload]
+            [
+                delivery.entry_id,
+                delivery.job or "",
+                reply,
+                payload,
+                # the chunk's own tenant, else its stream's ('': the default tenant's stream)
+                delivery.tenant or keys.tenant_of(delivery.stream) or "",
+                delivery.model,
+                str(delivery.tokens),
+                str(delivery.model_us),
+            ]
         )
-    for stream, quads in by_stream.items():
+    for stream, per_entry in by_stream.items():
         owner = keys.owner_of(stream)  # the partition (or query lane) the stream belongs to
         pipe.execute_command(
             "EVAL",
             ACK_SCRIPT,
-            2,
+            3,
             stream,
             owner.results,
+            owner.usage,
             owner.group,
             counter,
             owner.job(""),
             owner.reply(""),
             str(reply_ttl_s),
             owner.job_ids(""),
-            *quads,
+            *per_entry,
         )
 
 

@@ -156,6 +156,26 @@ shared/keys.py generates (files/partition-tags.json): <namespace>:{<tag>}:ingest
 {{- end }}
 {{- end }}
 
+{{/*
+The named tenants' ingest streams (shared/keys.py Keys.ingest_for: <partition's ingest>:t:<name>),
+as a JSON list of {name, stream}: one per listed tenant (tenants) and partition, the trigger
+named t<j>p<i>. The default tenant (config.DEFAULT_TENANT, else "default") reads the plain
+ingest streams, which have their triggers already.
+*/}}
+{{- define "embedfleet.tenantStreams" -}}
+{{- $default := (.Values.config | default dict).DEFAULT_TENANT | default "default" | toString }}
+{{- $streams := include "embedfleet.ingestStreams" . | fromJsonArray }}
+{{- $out := list }}
+{{- range $j, $tenant := .Values.tenants }}
+{{- if ne $tenant.name $default }}
+{{- range $i, $stream := $streams }}
+{{- $out = append $out (dict "name" (printf "t%dp%d" $j $i) "stream" (printf "%s:t:%s" $stream $tenant.name)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- $out | toJson }}
+{{- end }}
+
 {{/* The query stream: the query lane has its own tag when there are partitions. */}}
 {{- define "embedfleet.queryLaneStream" -}}
 {{- if gt (int .Values.partitions) 1 }}
@@ -301,7 +321,8 @@ Several lag triggers (one per partition, or the cluster scaler's) are summed int
 */}}
 {{- define "embedfleet.triggersSummed" -}}
 {{- $streams := include "embedfleet.ingestStreams" . | fromJsonArray }}
-{{- if or (gt (len $streams) 1) (eq (include "embedfleet.streamScaler" .) "redis-cluster-streams") }}true{{- end }}
+{{- $tenants := include "embedfleet.tenantStreams" . | fromJsonArray }}
+{{- if or (gt (len $streams) 1) $tenants (eq (include "embedfleet.streamScaler" .) "redis-cluster-streams") }}true{{- end }}
 {{- end }}
 
 {{/*
@@ -317,6 +338,10 @@ the triggers are summed. A stream the workers start reading is one more `append`
 {{- $triggers := list }}
 {{- range $i, $stream := include "embedfleet.ingestStreams" . | fromJsonArray }}
 {{- $triggers = append $triggers (dict "name" (ternary (printf "p%d" $i) "ingest-lag" $summed) "stream" $stream "lagCount" $k.lagCount "activationLagCount" $k.activationLagCount "weight" 1) }}
+{{- end }}
+{{- /* every listed tenant's own streams: their lag is backlog like the plain streams' */}}
+{{- range include "embedfleet.tenantStreams" . | fromJsonArray }}
+{{- $triggers = append $triggers (dict "name" .name "stream" .stream "lagCount" $k.lagCount "activationLagCount" $k.activationLagCount "weight" 1) }}
 {{- end }}
 {{- /* The gateway's large requests: someone waits on them, so any entry wakes a fleet scaled to
       zero; one entry is one text, as on the ingest streams. Bulk workers read the stream. */}}
