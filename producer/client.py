@@ -124,7 +124,14 @@ def as_chunk(
     else:
         fields = {
             name: item.get(name)
-            for name in ("id", "text", "meta", *OPTION_NAMES, *REPRESENTATION_OPTION_NAMES)
+            for name in (
+                "id",
+                "text",
+                "meta",
+                *OPTION_NAMES,
+                *REPRESENTATION_OPTION_NAMES,
+                "reembed",
+            )
         }
         chunk = chunk_from_mapping(fields, limits, job=job or item.get("job"))
     if options is not None:
@@ -220,6 +227,7 @@ class Producer:
         on_batch: Callable[[int], None] | None = None,
         options: EmbeddingOptions | None = None,
         force: bool = False,
+        reembed: bool = False,
     ) -> Enqueued:
         """XADD every chunk, ``batch_size`` per pipelined round trip; returns how many were
         added (an ``Enqueued``: an int, with ``present``, the chunks skipped because their job
@@ -229,6 +237,10 @@ class Producer:
         (producer/enqueue.py): enqueueing them again adds nothing, unless ``force`` (after
         their vectors were lost, say a wiped table); a batch re-sent after a fault still adds
         each chunk once.
+
+        ``reembed`` marks every chunk ``reembed`` (the protocol field): the workers run the
+        model for it even where their vector cache holds its vector (``force`` is another
+        thing: it re-sends ids the job already has, which the cache may then answer).
 
         ``options`` (prompt, dimensions, dtype) apply to every chunk that has none of its own.
         A malformed option, or one the served model cannot honour (when a worker has published
@@ -243,6 +255,8 @@ class Producer:
         batch: list[Chunk] = []
         for item in chunks:
             chunk = as_chunk(item, job, options, self.settings.chunk_limits)
+            if reembed and not chunk.reembed:
+                chunk = dataclasses.replace(chunk, reembed=True)
             batch.append(await self._checked(chunk))
             if len(batch) >= batch_size:
                 total += await self._send(batch, on_batch, call)
@@ -268,6 +282,7 @@ class Producer:
         batch_size: int = 1000,
         on_batch: Callable[[int], None] | None = None,
         force: bool = False,
+        reembed: bool = False,
     ) -> Enqueued:
         """Split whole documents ({"id", "text", "meta"?} or ``Document``) with the model's own
         tokenizer and enqueue the chunks; returns how many chunks were added (``enqueue``).
@@ -285,6 +300,7 @@ class Producer:
             batch_size=batch_size,
             on_batch=on_batch,
             force=force,
+            reembed=reembed,
         )
 
     def document_splitter(

@@ -122,6 +122,9 @@ class Chunk:
     max_active_dims: int | None = None
     # rerank: the document scored against ``text`` (the query), as CrossEncoder.predict's pair
     pair: str | None = None
+    # embed it with the model even where the vector cache holds its vector (issue 31): a
+    # per-chunk opt-out of the cache (`embedfleet enqueue --reembed` sets it on every chunk)
+    reembed: bool = False
 
     @property
     def wanted_representations(self) -> tuple[str, ...]:
@@ -191,6 +194,7 @@ def _chunk_fields(chunk: Chunk) -> dict[str, Any]:
         "representations": list(chunk.representations) if chunk.representations else None,
         "max_active_dims": chunk.max_active_dims,
         "pair": chunk.pair,
+        "reembed": True if chunk.reembed else None,
     }
     return {name: value for name, value in fields.items() if value is not None}
 
@@ -347,8 +351,19 @@ def chunk_from_mapping(
     options = {name: message.get(name) for name in OPTION_NAMES}
     check_embedding_options(**options)
     extra = _representation_options(message)
+    reembed = message.get("reembed") or False
+    if not isinstance(reembed, bool):
+        raise ProtocolError(f"'reembed' must be true or false when given, got {reembed!r}")
     return Chunk(
-        chunk_id, text, job=job, meta=meta, reply=reply, deadline_ms=deadline, **options, **extra
+        chunk_id,
+        text,
+        job=job,
+        meta=meta,
+        reply=reply,
+        deadline_ms=deadline,
+        **options,
+        **extra,
+        reembed=reembed,
     )
 
 

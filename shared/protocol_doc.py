@@ -131,6 +131,14 @@ CHUNK_FIELDS: tuple[WireField, ...] = (
         "`text`, the query, as the pair `(text, pair)` of `CrossEncoder.predict`; a "
         "cross-encoder dead-letters a chunk without it",
     ),
+    WireField(
+        "reembed",
+        "bool",
+        False,
+        "`true`: run the model for this chunk even where the vector cache holds a vector for "
+        "its content key (text, model revision and options); absent or `false`: a cached "
+        "vector is written without running the model (`EMBEDFLEET_VECTOR_CACHE_MB`)",
+    ),
 )
 
 QUERY_FIELDS: tuple[WireField, ...] = (

@@ -440,7 +440,18 @@ async def test_status_json_agrees_with_xinfo_and_xpending(
         "test",
         dead_ids[-1],
     )
-    assert data["jobs"] == [{"job": "st", "enqueued": 40, "done": 0, "dead": 0, "remaining": 40}]
+    assert data["jobs"] == [
+        {
+            "job": "st",
+            "enqueued": 40,
+            "done": 0,
+            "dead": 0,
+            "remaining": 40,
+            "cache_hits": 0,
+            "cache_misses": 0,
+            "tokens_saved": 0,
+        }
+    ]
     assert data["backlog"] == 40 and data["throughput"]["per_s"] is None
 
     text = await asyncio.to_thread(embedfleet, settings, "status", "--sample", "0")

@@ -91,6 +91,7 @@ def test_every_field_the_code_writes_is_documented() -> None:
         representations=("sparse",),
         max_active_dims=4,
         pair="a document",
+        reembed=True,
     )
     written = set(msgpack.unpackb(encode_chunk(every_option)))
     assert written == _names(CHUNK_FIELDS), f"chunk fields differ: {FIX}"
