@@ -68,9 +68,7 @@ def test_the_text_and_the_pair_change_the_key_and_nothing_else_does() -> None:
         "a text", RECIPE, pair="another document"
     )
     # the separation between fields holds: the prompt is not just glued to the text
-    assert content_key("b", dataclasses.replace(RECIPE, prompt="a")) != content_key(
-        "ab", RECIPE
-    )
+    assert content_key("b", dataclasses.replace(RECIPE, prompt="a")) != content_key("ab", RECIPE)
 
 
 def test_the_card_makes_the_recipe_with_its_revision() -> None:
