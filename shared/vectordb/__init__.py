@@ -20,6 +20,7 @@ from embedfleet.shared.vectordb.backend import (
     meta_from_json,
     meta_to_json,
     open_backend,
+    prune_job,
     require_extra,
 )
 from embedfleet.shared.vectordb.target import (
@@ -50,5 +51,6 @@ __all__ = [
     "meta_to_json",
     "open_backend",
     "parse_sink_url",
+    "prune_job",
     "require_extra",
 ]
