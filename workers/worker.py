@@ -167,7 +167,8 @@ class Encoded:
 class WorkerStats:
     """Counters a run reports; the benchmark and the metrics read them."""
 
-    texts: int = 0
+    texts: int = 0  # results written (embedded or answered by the vector cache)
+    embedded: int = 0  # texts that went through the model in bulk batches
     real_tokens: int = 0
     padded_tokens: int = 0
     batches: int = 0
@@ -200,6 +201,7 @@ class _StatsEvents(ForwardingEvents):
         self, *, texts: int, real_tokens: int, padded_tokens: int, seconds: float
     ) -> None:
         self.stats.batches += 1
+        self.stats.embedded += texts
         self.stats.real_tokens += real_tokens
         self.stats.padded_tokens += padded_tokens
         self.stats.model_seconds += seconds
