@@ -12,6 +12,7 @@ import dataclasses
 import json
 import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -163,7 +164,7 @@ async def test_another_prompt_dimension_or_precision_reembeds(settings, workers,
     chunks = [Chunk(id=f"o{n}", text=text_of(n)) for n in range(20)]
     async with Producer(settings, client) as producer, workers.run(settings, client=client) as w:
 
-        async def embedded(job: str, reembed: bool = False, **options: object) -> int:
+        async def embedded(job: str, reembed: bool = False, **options: Any) -> int:
             """How many of the chunks the model ran for, sent as ``job`` with ``options``."""
             before = w.stats.embedded
             await producer.enqueue(
