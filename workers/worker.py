@@ -3,10 +3,12 @@
 Three bulk tasks joined by bounded queues (Infinity's shape), so Redis I/O, tokenization and
 the forward pass overlap while memory stays bounded:
 
-    reader   XREADGROUP (and reclaimed entries); then in one call on the tokenizer
-             thread decode and validate, tokenize, sort by length, plan batches by
-             token budget and collate them into host buffers; dead-letter bad
-             input (on the event loop)                                          → windows
+    reader   XREADGROUP (and reclaimed entries); on the tokenizer thread decode
+             and validate; look each chunk's content key up in the vector cache
+             (shared/vector_cache.py: a hit's result is made from the stored
+             vector and skips the model); on the tokenizer thread again tokenize
+             the rest, sort by length, plan batches by token budget and collate
+             them into host buffers; dead-letter bad input (on the event loop) → windows
     compute  launch each batch on the model thread (workers/bulk.py: padded or
              varlen; on CUDA batch i+1 is queued before batch i is collected);
              on a CPU queries get in between transformer layers (or, through the
