@@ -1125,6 +1125,8 @@ class Worker:
                 results = self.outputs.results(
                     item.chunks, item.vectors, [t.truncated for t in item.tokens]
                 )
+                # stored before the write: once the job has finished, its vectors are there
+                await self._remember(item, results)
             started = time.perf_counter()
             written = 0
             # chunks with a reply (the gateway's) go back to their caller, the rest to the sink
@@ -1161,13 +1163,13 @@ class Worker:
             if written:
                 self.events.results_written(texts=written, seconds=time.perf_counter() - started)
             self.in_flight.release(item.deliveries)
-            if item.cached is None:
-                await self._remember(item, results)
 
     async def _remember(self, item: Encoded, results: list[Result]) -> None:
         """Store the vectors just embedded in the vector cache, under their content keys, each
-        in its entry's key set. After the write: the cache never holds what no sink was given
-        first. Redis failing here costs only the cache."""
+        in its entry's key set. Before the write and its acknowledgement, so that a finished
+        job's vectors are all there; a vector whose row the sink then refuses is still the
+        model's vector for that content (a later hit is refused the same way). Redis failing
+        here costs only the cache."""
         by_owner: dict[Keys, list[tuple[str, bytes]]] = {}
         for row, key in enumerate(item.content_keys):
             if key is None:
