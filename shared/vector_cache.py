@@ -4,7 +4,7 @@ Before a chunk reaches the model, the worker looks its content key (shared/conte
 in its key set's cache (``Keys.vector_cache``, one per partition: the chunk's own slot). On a
 hit it writes the row and the result from the stored vector, through the same sink and the same
 acknowledgement as an embedded chunk, so job counters, dead letters and the result's bytes do
-not change; only the model is skipped. After a miss is written, its vector is stored.
+not change; only the model is skipped. A miss is stored once embedded, before its write.
 
 Why Redis and not the database sink's own rows: the check must work for every sink (the
 results stream, Parquet and the three databases alike), and for a chunk whose id changed (a
