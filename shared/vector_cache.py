@@ -98,7 +98,7 @@ class CacheState:
     """The fleet's vector cache, as ``embedfleet status`` shows it (shared/fleet.py)."""
 
     counts: CacheCounts
-    bytes: int
+    held_bytes: int  # what the entries take, as the store script counts them
     evicted: int
 
     @classmethod
@@ -118,7 +118,7 @@ class CacheState:
             "misses": self.counts.misses,
             "tokens_saved": self.counts.tokens_saved,
             "hit_ratio": None if ratio is None else round(ratio, 4),
-            "bytes": self.bytes,
+            "bytes": self.held_bytes,
             "evicted": self.evicted,
         }
 

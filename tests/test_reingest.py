@@ -67,7 +67,7 @@ def next_day(first: list[Chunk]) -> tuple[list[Chunk], list[Chunk], list[Chunk],
     second, changed = [], []
     for position, chunk in enumerate(kept):
         if position in changed_at:
-            chunk = dataclasses.replace(chunk, text=text_of(chunk.meta["n"], version=1))
+            chunk = dataclasses.replace(chunk, text=text_of(position, version=1))
             changed.append(chunk)
         second.append(chunk)
     new = [
