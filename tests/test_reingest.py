@@ -92,6 +92,7 @@ def lancedb_settings(redis_server, tmp_path: Path) -> Settings:
         sink_table="chunks",
         frozen_queries=False,  # eager is enough here; the frozen graph is slow on a small CPU
         cpu_int8=False,
+        slice_ms=0,  # bulk only: whole token-budget batches, no query slices to size them to
     )
 
 
@@ -112,7 +113,7 @@ async def test_a_reingested_corpus_embeds_only_what_changed(
             workers.run(settings, sink=sink, client=client) as worker,
         ):
             await producer.enqueue(first, job="docs")
-            run_one = await producer.wait_for_job("docs", timeout=120)
+            run_one = await producer.wait_for_job("docs", timeout=300)
             assert (run_one.done, run_one.cache_hits, run_one.cache_misses) == (CORPUS, 0, CORPUS)
             assert worker.stats.embedded == CORPUS
             before = dataclasses.replace(worker.stats)
@@ -120,7 +121,7 @@ async def test_a_reingested_corpus_embeds_only_what_changed(
             # so every chunk of the corpus is sent again and only the cache can tell
             await client.delete(*(keys.job_ids("docs") for keys in settings.keys.partitions_keys))
             await producer.enqueue(second, job="docs")
-            run_two = await producer.wait_for_job("docs", timeout=120)
+            run_two = await producer.wait_for_job("docs", timeout=300)
             data = report(await take_snapshot(client, settings.keys), None, settings)
         # the model ran for the changed and new chunks only, token for token
         assert worker.stats.embedded - before.embedded == CHANGED + NEW
@@ -160,7 +161,9 @@ async def test_a_reingested_corpus_embeds_only_what_changed(
 
 
 async def test_another_prompt_dimension_or_precision_reembeds(settings, workers, client) -> None:
-    settings = settings.model_copy(update={"frozen_queries": False, "cpu_int8": False})
+    settings = settings.model_copy(
+        update={"frozen_queries": False, "cpu_int8": False, "slice_ms": 0}
+    )
     chunks = [Chunk(id=f"o{n}", text=text_of(n)) for n in range(20)]
     async with Producer(settings, client) as producer, workers.run(settings, client=client) as w:
 
