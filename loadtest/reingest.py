@@ -67,9 +67,10 @@ def text_of(n: int, version: int) -> str:
 def corpora(count: int, changed: float, new: float, removed: float) -> tuple[list[Chunk], ...]:
     first = [Chunk(id=f"doc-{n}", text=text_of(n, 0)) for n in range(count)]
     kept = first[: count - round(count * removed)]
-    every = max(1, round(1 / changed)) if changed else 0
+    changing = round(count * changed)  # of the whole corpus, spread evenly over what is kept
+    positions = {position * len(kept) // changing for position in range(changing)}
     second = [
-        dataclasses.replace(c, text=text_of(n, 1)) if every and n % every == 0 else c
+        dataclasses.replace(c, text=text_of(n, 1)) if n in positions else c
         for n, c in enumerate(kept)
     ]
     second += [
@@ -128,7 +129,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     before = dataclasses.replace(worker.stats)
                     started = time.perf_counter()
                     await producer.enqueue(corpus, job="docs")
+                    enqueued = time.perf_counter()
                     await producer.wait_for_job("docs", timeout=3600)
+                    finished = time.perf_counter()
                     pruned = await prune(settings, "docs", {c.id for c in corpus}) if number else []
                     seconds = time.perf_counter() - started
                     stats = worker.stats
@@ -136,11 +139,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         {
                             "chunks": len(corpus),
                             "seconds": round(seconds, 3),
+                            "enqueue_seconds": round(enqueued - started, 3),
+                            "prune_seconds": round(seconds - (finished - started), 3),
                             "embedded_texts": stats.embedded - before.embedded,
                             "embedded_tokens": stats.real_tokens - before.real_tokens,
                             "cache_hits": stats.cache_hits - before.cache_hits,
                             "tokens_saved": stats.tokens_saved - before.tokens_saved,
                             "pruned": len(pruned),
+                            "model_seconds": round(stats.model_seconds - before.model_seconds, 3),
                         }
                     )
         finally:
@@ -166,11 +172,13 @@ def render(report: dict[str, Any]) -> str:
         f"$ {report['command']}",
         f"{report['cpu']} ({report['cpu_flags']}); {report['load_before']} before, "
         f"{report['load_after']} after; {report['model']}, {report['forward_path']}",
-        "run     chunks  seconds  model texts  model tokens  cache hits  tokens saved  pruned",
+        "run     chunks  seconds  (enqueue, prune, model)  model texts  model tokens  "
+        "cache hits  tokens saved  pruned",
     ]
     for name, r in zip(("first", "second"), report["runs"], strict=True):
         lines.append(
-            f"{name:<7} {r['chunks']:>6,}  {r['seconds']:>7.2f}  {r['embedded_texts']:>11,}  "
+            f"{name:<7} {r['chunks']:>6,}  {r['seconds']:>7.2f}  ({r['enqueue_seconds']:.2f}, "
+            f"{r['prune_seconds']:.2f}, {r['model_seconds']:.2f})  {r['embedded_texts']:>11,}  "
             f"{r['embedded_tokens']:>12,}  {r['cache_hits']:>10,}  {r['tokens_saved']:>12,}  "
             f"{r['pruned']:>6,}"
         )
