@@ -12,7 +12,7 @@ import pytest
 
 from embedfleet.shared.content_key import VectorRecipe, content_key
 from embedfleet.shared.modelcard import ModelCard
-from embedfleet.shared.protocol import Chunk, Result
+from embedfleet.shared.protocol import Chunk, Result, SparseVector
 from embedfleet.shared.vector_cache import CachedVector, pack_entry, unpack_entry
 from embedfleet.workers.model_dir import directory_revision
 
@@ -104,3 +104,26 @@ def test_an_entry_keeps_the_result_and_gives_each_chunk_its_own_row() -> None:
     assert row.truncated
     assert row.dtype == "float16" and np.array_equal(row.vector, vector)
     assert unpack_entry(b"not an entry") is None
+
+
+def test_a_sparse_or_rerank_entry_comes_back_whole() -> None:
+    sparse = SparseVector(
+        indices=np.array([3, 17], dtype=np.uint32), values=np.array([0.5, 1.25], np.float32), dim=30
+    )
+    weights = Result(
+        id="s",
+        model="splade",
+        vector=np.zeros(0, np.float32),
+        dtype="float32",
+        dimension=0,
+        sparse=sparse,
+    )
+    entry = unpack_entry(pack_entry(weights, tokens=5))
+    assert entry is not None and entry.result.sparse is not None
+    assert entry.result.sparse.indices.tolist() == [3, 17] and entry.result.sparse.dim == 30
+    assert entry.result.sparse.values.tolist() == [0.5, 1.25]
+    score = Result(
+        id="r", model="ce", vector=np.array([2.5], np.float32), dtype="float32", score=2.5
+    )
+    scored = unpack_entry(pack_entry(score, tokens=9))
+    assert scored is not None and scored.result.score == 2.5
