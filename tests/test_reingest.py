@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import redis
 from click.testing import CliRunner
 
 from embedfleet.cli import main
@@ -23,7 +24,8 @@ from embedfleet.producer import Producer
 from embedfleet.producer.client import EmbeddingOptions
 from embedfleet.producer.prune import prune
 from embedfleet.producer.status import report, take_snapshot
-from embedfleet.shared.protocol import Chunk, Result, decode_result
+from embedfleet.shared.keys import Keys
+from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, Result, decode_chunk, decode_result
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
 from embedfleet.shared.vectordb import local_sink_url, open_backend, parse_sink_url, prune_job
@@ -261,3 +263,47 @@ def test_the_prune_verb(tmp_path: Path) -> None:
         assert [r.id for r in backend.export_rows()] == ["d0", "d2"]
     refused = runner.invoke(main, args, env={**env, "EMBEDFLEET_SINK": "redis"})
     assert refused.exit_code == 1 and "database sink" in refused.output
+
+
+def test_enqueue_prune_deletes_the_rows_the_corpus_lost(redis_server, tmp_path: Path) -> None:
+    """`enqueue --job J --prune`: once the corpus is sent, the job's rows of ids it no longer
+    has go; with a rejected line nothing is pruned (its id was not sent, its row would go)."""
+    sink = local_sink_url("lancedb", tmp_path)
+    target = parse_sink_url(sink, "chunks")
+    vector = np.ones(4, dtype=np.float16)
+    with open_backend(target) as backend:
+        backend.setup("m", 4)
+        backend.upsert([Result(id=f"d{n}", model="m", vector=vector, job="docs") for n in range(4)])
+    corpus = tmp_path / "corpus.jsonl"
+    lines = [json.dumps({"id": f"d{n}", "text": f"text {n}"}) for n in (0, 1, 5)]
+    env = {
+        "EMBEDFLEET_REDIS_URL": redis_server.url,
+        "EMBEDFLEET_NAMESPACE": f"ep{uuid.uuid4().hex[:8]}",
+        "EMBEDFLEET_SINK": sink,
+        "EMBEDFLEET_SINK_TABLE": "chunks",
+        "EMBEDFLEET_LOG_FORMAT": "json",
+    }
+    runner = CliRunner()
+    corpus.write_text("\n".join([*lines, '{"id": "d2", "text": ""}']) + "\n")  # d2's line is bad
+    refused = runner.invoke(main, ["enqueue", str(corpus), "--job", "docs", "--prune"], env=env)
+    assert refused.exit_code != 0 and "not pruned" in refused.output
+    with open_backend(target) as backend:
+        assert len(backend.export_rows()) == 4
+    corpus.write_text("\n".join(lines) + "\n")
+    args = ["enqueue", str(corpus), "--job", "docs", "--prune", "--reembed", "--json"]
+    done = runner.invoke(main, args, env=env)
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.output.strip().splitlines()[-1])["pruned"] == ["d2", "d3"]
+    with open_backend(target) as backend:
+        assert [r.id for r in backend.export_rows()] == ["d0", "d1"]
+    no_job = runner.invoke(main, ["enqueue", str(corpus), "--prune"], env=env)
+    assert no_job.exit_code == 2 and "--prune needs --job" in no_job.output
+    # --reembed marked every chunk it sent (the protocol's reembed field)
+    direct = redis.Redis.from_url(redis_server.url)
+    entries: Any
+    try:
+        entries = direct.xrange(Keys(env["EMBEDFLEET_NAMESPACE"]).ingest)
+    finally:
+        direct.close()
+    sent = [decode_chunk(fields[PAYLOAD_FIELD]) for _, fields in entries]
+    assert {c.id: c.reembed for c in sent if c.reembed} == {"d0": True, "d1": True, "d5": True}
