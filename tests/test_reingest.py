@@ -28,6 +28,7 @@ from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, Result, decode_chunk, decode_result
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
+from embedfleet.shared.vector_cache import VectorCache, pack_entry
 from embedfleet.shared.vectordb import local_sink_url, open_backend, parse_sink_url, prune_job
 from embedfleet.workers.metrics import WorkerMetrics
 from embedfleet.workers.sinks import build_sink
@@ -307,3 +308,31 @@ def test_enqueue_prune_deletes_the_rows_the_corpus_lost(redis_server, tmp_path: 
         direct.close()
     sent = [decode_chunk(fields[PAYLOAD_FIELD]) for _, fields in entries]
     assert {c.id: c.reembed for c in sent if c.reembed} == {"d0": True, "d1": True, "d5": True}
+
+
+async def test_the_cache_keeps_to_its_bound_least_recently_used_first(settings, client) -> None:
+    """The store script's own bound (not the server's maxmemory policy): past it the least
+    recently used entries go, a looked-up entry counts as used, and idle ones past the TTL go
+    at the next store; the bytes it counts are what it holds."""
+    cache = VectorCache(client, settings.keys, max_mb=1, ttl_s=3600)
+    keys = settings.keys
+    entry = pack_entry(Result(id="", model="m", vector=np.ones(384, np.float16)), tokens=9)
+    size = 2 * len("v1:" + "0" * 32) + len(entry) + 64  # as the script counts an entry
+    cache.bound_bytes = 10 * size  # room for ten
+    names = [f"v1:{n:032x}" for n in range(15)]
+    assert await cache.store(keys, [(name, entry) for name in names[:10]]) == 0
+    found = await cache.lookup(keys, [names[0]])  # the oldest, used again: kept
+    assert found[0] is not None and found[0].tokens == 9
+    assert await cache.store(keys, [(name, entry) for name in names[10:]]) == 5
+    kept = await cache.lookup(keys, names)
+    assert [name for name, hit in zip(names, kept, strict=True) if hit] == [
+        names[0],
+        *names[6:],
+    ]
+    stats = await client.hgetall(keys.vector_cache_stats)
+    assert int(stats[b"bytes"]) == 10 * size and int(stats[b"evicted"]) == 5
+    assert await client.hlen(keys.vector_cache) == await client.zcard(keys.vector_cache_lru) == 10
+    # an entry idle past the TTL goes at the next store, whatever the room
+    await client.zadd(keys.vector_cache_lru, {names[0]: 1}, xx=True)  # last used in 1970
+    assert await cache.store(keys, [(names[6], entry)]) == 1
+    assert (await cache.lookup(keys, [names[0]]))[0] is None

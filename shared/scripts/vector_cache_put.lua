@@ -5,7 +5,7 @@
 --   then one (content key, packed entry) pair per vector
 -- An entry's size counts its key twice (the hash field and the set member), its value and 64
 -- bytes of Redis overhead. Entries idle past the TTL go first (at most 1000 per call), then the
--- least recently used, 100 at a time, until the bytes held fit the bound. The bound is this
+-- least recently used, one at a time, until the bytes held fit the bound. The bound is this
 -- script's own, not the server's maxmemory policy: on a shared server that would evict other
 -- tenants' keys (or the queue's) before the cache's.
 -- Returns the number of entries evicted.
@@ -33,7 +33,7 @@ local function evict(keys)
 end
 evict(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now - ttl, 'LIMIT', 0, 1000))
 while held > bound do
-  local oldest = redis.call('ZRANGE', KEYS[2], 0, 99)
+  local oldest = redis.call('ZRANGE', KEYS[2], 0, 0)
   if #oldest == 0 then
     held = 0
     break
