@@ -32,7 +32,11 @@ local function evict(keys)
   end
 end
 evict(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now - ttl, 'LIMIT', 0, 1000))
-while held > bound do
+-- at most 1000 more than this call stores (a bound lowered a lot is reached over several calls,
+-- so no one call blocks the server for long)
+local budget = 1000 + (#ARGV - 3) / 2
+while held > bound and budget > 0 do
+  budget = budget - 1
   local oldest = redis.call('ZRANGE', KEYS[2], 0, 0)
   if #oldest == 0 then
     held = 0
