@@ -55,7 +55,7 @@ MOODS = ("quiet", "bright", "rebuilt")
 
 def text_of(n: int, version: int = 0) -> str:
     first, second = WORDS[n % len(WORDS)], WORDS[(n // len(WORDS)) % len(WORDS)]
-    return f"Note {n}: the {first} by the {second} was {MOODS[version]} this morning."
+    return f"Note {n}: {first} and {second}, {MOODS[version]}."
 
 
 def first_corpus() -> list[Chunk]:
