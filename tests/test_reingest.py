@@ -23,7 +23,7 @@ from embedfleet.cli import main
 from embedfleet.producer import Producer
 from embedfleet.producer.client import EmbeddingOptions
 from embedfleet.producer.prune import prune
-from embedfleet.producer.status import report, take_snapshot
+from embedfleet.producer.status import _render_cache, _render_jobs, report, take_snapshot
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, Result, decode_chunk, decode_result
 from embedfleet.shared.redis_conn import connect
@@ -336,3 +336,15 @@ async def test_the_cache_keeps_to_its_bound_least_recently_used_first(settings, 
     await client.zadd(keys.vector_cache_lru, {names[0]: 1}, xx=True)  # last used in 1970
     assert await cache.store(keys, [(names[6], entry)]) == 1
     assert (await cache.lookup(keys, [names[0]]))[0] is None
+
+
+def test_status_shows_the_cache_in_its_text_view() -> None:
+    cache = {"max_mb": 256, "hits": 1700, "misses": 300, "tokens_saved": 20_000}
+    cache |= {"hit_ratio": 0.85, "bytes": 1_800_000, "evicted": 0}
+    jobs = [{"job": "docs", "enqueued": 2000, "done": 2000, "dead": 0, "remaining": 0}]
+    lines = _render_cache(cache) + _render_jobs([{**jobs[0], "cache_hits": 1700}], 10)
+    text = "\n".join(lines)
+    assert "vector cache  1,700 hits, 300 misses (85.0% hits), 20,000 tokens saved" in text
+    assert "1.8 of 256 MB, 0 evicted" in text
+    assert "cache hits" in lines[2] and lines[3].split()[-2] == "1,700"
+    assert "off" in _render_cache({"max_mb": 0})[0]
