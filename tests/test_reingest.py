@@ -339,7 +339,7 @@ async def test_the_cache_keeps_to_its_bound_least_recently_used_first(settings, 
 
 
 def test_status_shows_the_cache_in_its_text_view() -> None:
-    cache = {"max_mb": 256, "hits": 1700, "misses": 300, "tokens_saved": 20_000}
+    cache: dict[str, Any] = {"max_mb": 256, "hits": 1700, "misses": 300, "tokens_saved": 20_000}
     cache |= {"hit_ratio": 0.85, "bytes": 1_800_000, "evicted": 0}
     jobs = [{"job": "docs", "enqueued": 2000, "done": 2000, "dead": 0, "remaining": 0}]
     lines = _render_cache(cache) + _render_jobs([{**jobs[0], "cache_hits": 1700}], 10)
