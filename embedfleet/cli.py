@@ -15,6 +15,7 @@ from embedfleet.producer.cli import (
 from embedfleet.producer.dead_letter_admin import dead_group
 from embedfleet.producer.migrate_cli import migrate_group
 from embedfleet.producer.plan import plan_command
+from embedfleet.producer.prune import prune_command
 from embedfleet.producer.search import index_command, search_command
 from embedfleet.producer.status import status_command
 from embedfleet.shared.verbosity import verbose_option
@@ -46,7 +47,12 @@ for command in (
     dead_group,
 ):
     main.add_command(command)
-for command in (search_command, index_command, migrate_group):  # the vector database sinks
+for command in (
+    search_command,
+    index_command,
+    migrate_group,
+    prune_command,
+):  # the vector database sinks
     main.add_command(command)
 
 

@@ -280,7 +280,9 @@ class Fleet:
             consumer="bench",
             log_level="warning",
             slice_ms=slice_ms,
-            **overrides,
+            # every text through the model, as every other contender does: a corpus that
+            # repeats a text must not be answered from the vector cache (issue 31)
+            **({"vector_cache_mb": 0} | overrides),
         )
         worker_client = connect(self.url)
         worker = Worker(

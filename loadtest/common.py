@@ -71,6 +71,8 @@ def worker_process(settings: Settings, name: str, **env: str) -> Iterator[subpro
         "EMBEDFLEET_CONSUMER": name,
         "EMBEDFLEET_LOG_FORMAT": "json",
         "EMBEDFLEET_LOG_LEVEL": "warning",
+        # benchmarks measure the pipeline: no text answered from the vector cache (issue 31)
+        "EMBEDFLEET_VECTOR_CACHE_MB": "0",
         **env,
     }
     with embedfleet_process("worker", environment, stop_timeout_s=60) as process:

@@ -91,6 +91,8 @@ class CheckConfig:
             "EMBEDFLEET_MAX_BATCH": str(self.max_batch),
             "EMBEDFLEET_READ_COUNT": str(self.read_count),
             "EMBEDFLEET_LOG_LEVEL": "warning",
+            # throughput of the model and the pipeline: no text answered from the vector cache
+            "EMBEDFLEET_VECTOR_CACHE_MB": "0",
             **self.extra.get("worker_env", {}),
         }
 

@@ -310,6 +310,7 @@ def children(settings: Settings, config: Config, folder: Path) -> Iterator[list[
         "EMBEDFLEET_NAMESPACE": settings.namespace,
         STANDIN_SETTING: "0",
         "EMBEDFLEET_HEALTH_PORT": "0",
+        "EMBEDFLEET_VECTOR_CACHE_MB": "0",  # every text through the pipeline, none cached
         "EMBEDFLEET_BLOCK_MS": "100",
     }
     processes: list[subprocess.Popen[str]] = []

@@ -7,6 +7,7 @@ import json
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -17,6 +18,8 @@ from embedfleet.producer.client import Producer, QueryTimeoutError, TenantBacklo
 from embedfleet.producer.enqueue import Enqueued
 from embedfleet.producer.export import SUPPORTED_SUFFIXES, ExportWriter, write_export
 from embedfleet.producer.jsonl import BadLine, read_chunks
+from embedfleet.producer.prune import IdRecorder, check_database_sink, say_pruned
+from embedfleet.producer.prune import prune as prune_rows
 from embedfleet.producer.waiting import (
     client_for,
     json_report_option,
@@ -78,6 +81,20 @@ def _settings(redis_url: str | None) -> Settings:
     "read by its EMBEDFLEET_TENANT_WEIGHTS weight); default: what EMBEDFLEET_TENANT_MAP says "
     'for the job, else EMBEDFLEET_DEFAULT_TENANT. A line\'s own "tenant" wins.',
 )
+@click.option(
+    "--reembed",
+    is_flag=True,
+    help="Run the model for every chunk, even those whose vector the workers' vector cache "
+    "holds (same text, model revision and options). Not --force: --force re-sends ids the job "
+    "already has, and the cache may still answer them.",
+)
+@click.option(
+    "--prune",
+    is_flag=True,
+    help="With --job, once SOURCE is sent: delete from the database sink the rows of this job "
+    "whose ids SOURCE no longer has (chunks removed since the job's last run). Refused when "
+    "lines were rejected (their rows would go too). See also: embedfleet prune.",
+)
 @click.option("--wait", is_flag=True, help="Wait until every chunk is embedded or dead-lettered.")
 @click.option("--timeout", type=float, default=None, help="With --wait: give up after N seconds.")
 @json_report_option(
@@ -92,6 +109,8 @@ def enqueue_command(
     overlap: int | None,
     force: bool,
     tenant: str | None,
+    reembed: bool,
+    prune: bool,
     wait: bool,
     timeout: float | None,
     as_json: bool,
@@ -114,11 +133,17 @@ def enqueue_command(
 
     --model sends the chunks (and their job) to that model's streams, where the namespace
     serves several models; a name no worker registered is refused before anything is sent.
+
+    Re-ingesting a corpus: enqueue it again under its job. The workers' vector cache answers the
+    chunks whose text and options have not changed (no model runs for them; --reembed turns
+    that off), and --prune deletes the rows of the chunks the corpus no longer has.
     """
     if timeout is not None and not wait:
         raise click.UsageError("--timeout applies only with --wait")
     if overlap is not None and not documents:
         raise click.UsageError("--overlap applies only with --documents")
+    if prune and not job:
+        raise click.UsageError("--prune needs --job: the job whose earlier rows to compare with")
     job = job or f"job-{time.strftime('%Y%m%d-%H%M%S')}"
     settings = _settings(redis_url)
     if tenant is not None:
@@ -126,43 +151,65 @@ def enqueue_command(
             check_tenant(tenant, "--tenant")
         except ValueError as error:
             raise click.BadParameter(str(error), param_hint="--tenant") from None
+    if prune:
+        check_database_sink(settings)  # before anything is sent
+    sent = IdRecorder()
+    run = _Run(
+        force=force,
+        reembed=reembed,
+        wait=wait,
+        timeout=timeout,
+        sent=sent,
+        model=model,
+        tenant=tenant,
+    )
     dead: list[int] = []  # the dead-lettered count, once --wait has seen the job finish
-    if documents:
-        count = run_client(
-            _enqueue_documents(
-                settings, sources, job, overlap, force, wait, timeout, dead, model, tenant
-            )
-        )
-        if as_json:
-            _report_enqueue(job, count, [], dead, model)
-        else:
-            click.echo(
-                f"enqueued {_counted(count)} chunks of {len(sources)} sources as job {job!r}"
-            )
-            _say_present(count, job)
-        if any(dead):
-            sys.exit(ExitCode.DEAD_LETTERS)
-        return
-    if len(sources) != 1:
-        raise click.UsageError("give one JSON Lines SOURCE (or --documents for several files)")
     rejected: list[BadLine] = []
-    with click.open_file(sources[0], encoding="utf-8") as source:
-        count = run_client(
-            _enqueue(settings, source, job, force, wait, timeout, rejected, dead, model, tenant)
-        )
-    if as_json:
-        _report_enqueue(job, count, rejected, dead, model)
+    if documents:
+        count = run_client(_enqueue_documents(settings, sources, job, overlap, run, dead))
     else:
-        click.echo(f"enqueued {_counted(count)} chunks as job {job!r}")
+        if len(sources) != 1:
+            raise click.UsageError("give one JSON Lines SOURCE (or --documents for several files)")
+        with click.open_file(sources[0], encoding="utf-8") as source:
+            count = run_client(_enqueue(settings, source, job, run, rejected, dead))
+    pruned: list[str] | None = None
+    if prune and not rejected:
+        pruned = asyncio.run(prune_rows(settings, job, sent.ids))
+    if as_json:
+        _report_enqueue(job, count, rejected, dead, model, pruned)
+    else:
+        sources_said = f" of {len(sources)} sources" if documents else ""
+        click.echo(f"enqueued {_counted(count)} chunks{sources_said} as job {job!r}")
         _say_present(count, job)
+        if pruned is not None:
+            say_pruned(job, pruned, dry_run=False)
     for bad in rejected[:20]:
         click.echo(f"line {bad.line_number}: {bad.reason}", err=True)
     if rejected:
         click.echo(f"{len(rejected)} lines rejected, not enqueued", err=True)
+        if prune:
+            click.echo(
+                "not pruned: the rejected lines' ids were not sent, and their rows would have "
+                "been deleted; fix the lines and enqueue again with --prune",
+                err=True,
+            )
     if any(dead):
         sys.exit(ExitCode.DEAD_LETTERS)
     if rejected:
         sys.exit(ExitCode.REJECTED_LINES)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """How one enqueue call sends its chunks."""
+
+    force: bool
+    reembed: bool
+    wait: bool
+    timeout: float | None
+    sent: IdRecorder  # the ids sent, for --prune
+    model: str | None = None  # the model lane the chunks go to (None: the settings')
+    tenant: str | None = None  # the tenant they are accounted to (None: the tenant map's)
 
 
 def _counted(count: Enqueued) -> str:
@@ -181,7 +228,12 @@ def _say_present(count: Enqueued, job: str) -> None:
 
 
 def _report_enqueue(
-    job: str, count: Enqueued, rejected: list[BadLine], dead: list[int], model: str | None
+    job: str,
+    count: Enqueued,
+    rejected: list[BadLine],
+    dead: list[int],
+    model: str | None,
+    pruned: list[str] | None = None,
 ) -> None:
     report: dict[str, object] = {
         "job": job,
@@ -192,6 +244,8 @@ def _report_enqueue(
     }
     if dead:  # --wait saw the job end
         report["dead_lettered"] = dead[0]
+    if pruned is not None:  # --prune: the ids whose rows were deleted
+        report["pruned"] = pruned
     click.echo(json.dumps(report))
 
 
@@ -199,27 +253,24 @@ async def _enqueue(
     settings: Settings,
     source: IO[str],  # click.open_file: a text file, or stdin for "-"
     job: str,
-    force: bool,
-    wait: bool,
-    timeout: float | None,
+    run: _Run,
     rejected: list[BadLine],
     dead: list[int],
-    model: str | None = None,
-    tenant: str | None = None,
 ) -> Enqueued:
-    async with client_for(settings, model) as producer:
+    async with client_for(settings, run.model) as producer:
         with Progress("enqueue", "chunks") as bar:
             try:
                 count = await producer.enqueue(
-                    read_chunks(source, job, rejected, settings.chunk_limits),
+                    run.sent.through(read_chunks(source, job, rejected, settings.chunk_limits)),
                     on_batch=bar.update,
-                    force=force,
-                    tenant=tenant,
+                    force=run.force,
+                    reembed=run.reembed,
+                    tenant=run.tenant,
                 )
             except TenantBacklogFullError as error:
                 raise click.ClickException(str(error)) from None
-        if wait and count.chunks:  # chunks already in the job may still be on their way
-            dead.append((await _wait_with_bar(producer, job, count.chunks, timeout)).dead)
+        if run.wait and count.chunks:  # chunks already in the job may still be on their way
+            dead.append((await _wait_with_bar(producer, job, count.chunks, run.timeout)).dead)
     return count
 
 
@@ -228,12 +279,8 @@ async def _enqueue_documents(
     sources: tuple[str, ...],
     job: str,
     overlap: int | None,
-    force: bool,
-    wait: bool,
-    timeout: float | None,
+    run: _Run,
     dead: list[int],
-    model: str | None = None,
-    tenant: str | None = None,
 ) -> Enqueued:
     from embedfleet.producer.documents import read_documents
 
@@ -241,7 +288,7 @@ async def _enqueue_documents(
     for path in paths:
         if not path.is_file():
             raise click.BadParameter(f"{path} is not a file", param_hint="SOURCES")
-    async with client_for(settings, model) as producer:
+    async with client_for(settings, run.model) as producer:
         await producer.model_card()  # the published maximum and prompts, where a worker ran
         try:
             splitter = producer.document_splitter(overlap)
@@ -250,16 +297,17 @@ async def _enqueue_documents(
         with Progress("enqueue", "chunks") as bar:
             try:
                 count = await producer.enqueue(
-                    splitter.split_all(read_documents(paths), job),
+                    run.sent.through(splitter.split_all(read_documents(paths), job)),
                     job=job,
                     on_batch=bar.update,
-                    force=force,
-                    tenant=tenant,
+                    force=run.force,
+                    reembed=run.reembed,
+                    tenant=run.tenant,
                 )
             except (ValueError, TenantBacklogFullError) as error:  # a bad document line
                 raise click.ClickException(str(error)) from None
-        if wait and count.chunks:
-            dead.append((await _wait_with_bar(producer, job, count.chunks, timeout)).dead)
+        if run.wait and count.chunks:
+            dead.append((await _wait_with_bar(producer, job, count.chunks, run.timeout)).dead)
     return count
 
 

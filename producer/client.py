@@ -139,6 +139,7 @@ def as_chunk(
                 "tenant",
                 *OPTION_NAMES,
                 *REPRESENTATION_OPTION_NAMES,
+                "reembed",
             )
         }
         chunk = chunk_from_mapping(fields, limits, job=job or item.get("job"))
@@ -297,6 +298,7 @@ class Producer:
         force: bool = False,
         model: str | None = None,
         tenant: str | None = None,
+        reembed: bool = False,
     ) -> Enqueued:
         """XADD every chunk, ``batch_size`` per pipelined round trip; returns how many were
         added (an ``Enqueued``: an int, with ``present``, the chunks skipped because their job
@@ -306,6 +308,10 @@ class Producer:
         (producer/enqueue.py): enqueueing them again adds nothing, unless ``force`` (after
         their vectors were lost, say a wiped table); a batch re-sent after a fault still adds
         each chunk once.
+
+        ``reembed`` marks every chunk ``reembed`` (the protocol field): the workers run the
+        model for it even where their vector cache holds its vector (``force`` is another
+        thing: it re-sends ids the job already has, which the cache may then answer).
 
         ``options`` (prompt, dimensions, dtype) apply to every chunk that has none of its own.
         A malformed option, or one the served model cannot honour (when a worker has published
@@ -332,6 +338,7 @@ class Producer:
                 options=options,
                 force=force,
                 tenant=tenant if tenant is not None else self.tenant,
+                reembed=reembed,
             )
         await self.setup()
         call = EnqueueCall(force=force)
@@ -350,6 +357,8 @@ class Producer:
                     chunk = dataclasses.replace(chunk, tenant=by_job[chunk.job])
             elif chunk.tenant == self.tenants.default:
                 chunk = dataclasses.replace(chunk, tenant=None)
+            if reembed and not chunk.reembed:
+                chunk = dataclasses.replace(chunk, reembed=True)
             batch.append(await self._checked(chunk))
             if len(batch) >= batch_size:
                 total += await self._send(batch, on_batch, call)
@@ -376,6 +385,7 @@ class Producer:
         on_batch: Callable[[int], None] | None = None,
         force: bool = False,
         tenant: str | None = None,
+        reembed: bool = False,
     ) -> Enqueued:
         """Split whole documents ({"id", "text", "meta"?} or ``Document``) with the model's own
         tokenizer and enqueue the chunks; returns how many chunks were added (``enqueue``).
@@ -394,6 +404,7 @@ class Producer:
             on_batch=on_batch,
             force=force,
             tenant=tenant,
+            reembed=reembed,
         )
 
     def document_splitter(

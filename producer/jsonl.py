@@ -46,7 +46,10 @@ def read_chunks(
             rejected.append(BadLine(line_number, "expected a JSON object"))
             continue
         # a line's own reply/deadline would turn it into a query: only these fields count
-        fields = {name: item.get(name) for name in ("id", "text", "meta", "tenant", *OPTION_NAMES)}
+        fields = {
+            name: item.get(name)
+            for name in ("id", "text", "meta", "tenant", *OPTION_NAMES, "reembed")
+        }
         try:
             yield chunk_from_mapping(fields, limits, job=job)
         except ProtocolError as error:

@@ -328,6 +328,11 @@ def report(
         # JSON has no infinity: a stalled fleet (backlog, no progress) has eta null + stalled.
         "eta_s": None if eta is None or math.isinf(eta) else round(eta, 1),
         "stalled": eta is not None and math.isinf(eta),
+        # the vector cache (shared/vector_cache.py): chunks answered without the model
+        "vector_cache": {
+            "max_mb": settings.vector_cache_mb,
+            **(snapshot.cache.as_dict() if snapshot.cache is not None else {}),
+        },
         "jobs": [
             {
                 "job": j.job,
@@ -335,6 +340,9 @@ def report(
                 "done": j.done,
                 "dead": j.dead,
                 "remaining": j.remaining,
+                "cache_hits": j.cache_hits,
+                "cache_misses": j.cache_misses,
+                "tokens_saved": j.tokens_saved,
             }
             for j in snapshot.jobs
         ],
@@ -470,6 +478,7 @@ def render(data: dict[str, Any], *, consumers_shown: int = 10, jobs_shown: int =
             lines.append(f"eviction    WARNING: {eviction['warning']}")
         lines.append("")
     lines += _render_models(data.get("models", []))
+    lines += _render_cache(data.get("vector_cache"))
     lines += _render_consumers(streams, consumers_shown)
     lines += _render_jobs(data["jobs"], jobs_shown)
     lines += _render_tenants(data.get("tenants", []), data.get("usage", []))
@@ -605,17 +614,40 @@ def _render_consumers(streams: dict[str, Any], shown: int) -> list[str]:
     return [*lines, ""]
 
 
+def _render_cache(cache: dict[str, Any] | None) -> list[str]:
+    """One line: the vector cache's hits, misses, tokens saved and size against its bound."""
+    if not cache or not cache.get("max_mb"):
+        return ["vector cache  off (EMBEDFLEET_VECTOR_CACHE_MB=0): every chunk is embedded", ""]
+    if "hits" not in cache:
+        return []
+    ratio = "" if cache["hit_ratio"] is None else f" ({cache['hit_ratio']:.1%} hits)"
+    return [
+        f"vector cache  {_n(cache['hits'])} hits, {_n(cache['misses'])} misses{ratio}, "
+        f"{_n(cache['tokens_saved'])} tokens saved; {cache['bytes'] / 1e6:,.1f} of "
+        f"{cache['max_mb']:,} MB, {_n(cache['evicted'])} evicted",
+        "",
+    ]
+
+
 def _render_jobs(jobs: list[dict[str, Any]], shown: int) -> list[str]:
     if not jobs:
         return ["jobs  none recorded", ""]
     # Unfinished first, most remaining first: those are what an operator is waiting for.
     ordered = sorted(jobs, key=lambda j: (j["remaining"] == 0, -j["remaining"], j["job"]))
-    rows = [["job", "enqueued", "done", "dead", "remaining"]]
+    rows = [["job", "enqueued", "done", "dead", "remaining", "cache hits", "tokens saved"]]
     rows += [
-        [j["job"], _n(j["enqueued"]), _n(j["done"]), _n(j["dead"]), _n(j["remaining"])]
+        [
+            j["job"],
+            _n(j["enqueued"]),
+            _n(j["done"]),
+            _n(j["dead"]),
+            _n(j["remaining"]),
+            _n(j.get("cache_hits", 0)),
+            _n(j.get("tokens_saved", 0)),
+        ]
         for j in ordered[:shown]
     ]
-    lines = _table(rows, right={1, 2, 3, 4})
+    lines = _table(rows, right={1, 2, 3, 4, 5, 6})
     if len(ordered) > shown:
         lines.append(f"... and {len(ordered) - shown} more jobs (--json lists all)")
     return [*lines, ""]

@@ -28,6 +28,7 @@ from embedfleet.shared.streams import (
     parse_consumers,
     text,
 )
+from embedfleet.shared.vector_cache import CacheState, cache_key_sets
 
 INPUT_STREAMS = ("ingest", "query", "interactive")  # read through the consumer group
 FLEET_STREAMS = ("ingest", "query", "interactive", "results", "dead")
@@ -169,6 +170,8 @@ class FleetState:
     usage: tuple[Usage, ...] = ()
     dead_latest: tuple[DeadLetter, ...] = ()
     partitions: tuple[PartitionState, ...] = ()
+    # the vector cache's counters and size, summed over its key sets (with ``jobs``)
+    cache: CacheState | None = None
 
 
 async def read_fleet(
@@ -217,6 +220,8 @@ async def read_fleet(
     if jobs:
         for partition in keys.partitions_keys:
             pipe.smembers(partition.jobs_index)
+        for owner in cache_key_sets(keys):
+            pipe.hgetall(owner.vector_cache_stats)
     for key in usage_keys:
         pipe.hgetall(key)
     replies = iter(await pipe.execute(raise_on_error=False))
@@ -238,11 +243,13 @@ async def read_fleet(
         dead_entries.sort(key=lambda entry: _id_order(entry[0]), reverse=True)
         dead_entries = dead_entries[:dead_latest]
     job_names: list[str] = []
+    cache: CacheState | None = None
     if jobs:
         found: set[str] = set()
         for _ in keys.partitions_keys:
             found.update(text(name) for name in _raised(next(replies)))
         job_names = sorted(found)
+        cache = CacheState.summed(_raised(next(replies)) for _ in cache_key_sets(keys))
     usage_rows = parse_usage([_raised(next(replies)) for _ in usage_keys])
 
     consumer_keys = [
@@ -315,6 +322,7 @@ async def read_fleet(
             )
             for partition in keys.partitions_keys
         ),
+        cache=cache,
     )
 
 

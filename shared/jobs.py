@@ -21,6 +21,11 @@ class JobProgress:
     enqueued: int
     done: int
     dead: int
+    # the vector cache's counts (shared/vector_cache.py): chunks written from a stored vector,
+    # chunks looked up and embedded, and the tokens the hits did not compute
+    cache_hits: int = 0
+    cache_misses: int = 0
+    tokens_saved: int = 0
 
     @property
     def finished(self) -> bool:
@@ -40,4 +45,5 @@ class JobProgress:
                 if name == IDS_TTL_AFTER_DONE_FIELD:
                     continue
                 values[name] = values.get(name, 0) + int(value)
-        return cls(job, values.get("enqueued", 0), values.get("done", 0), values.get("dead", 0))
+        counted = ("enqueued", "done", "dead", "cache_hits", "cache_misses", "tokens_saved")
+        return cls(job, *(values.get(name, 0) for name in counted))

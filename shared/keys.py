@@ -321,6 +321,26 @@ class Keys:
         """
         return self._key(f"jobids:{job_id}")
 
+    @property
+    def vector_cache(self) -> str:
+        """Hash of the vector cache (issue 31): content key -> the stored result, packed
+        (shared/vector_cache.py). Per partition, so each partition's chunks are looked up in
+        their own slot; bounded by EMBEDFLEET_VECTOR_CACHE_MB (its store script,
+        shared/scripts/vector_cache_put.lua)."""
+        return self._key("vcache")
+
+    @property
+    def vector_cache_lru(self) -> str:
+        """Sorted set of the vector cache's content keys by their last use (unix ms): the
+        store script evicts from its low end past the bound or the idle TTL."""
+        return self._key("vcache:lru")
+
+    @property
+    def vector_cache_stats(self) -> str:
+        """Hash of the vector cache's counters: ``hits``, ``misses``, ``tokens_saved`` (the
+        hits' tokens, not computed), ``bytes`` (held now) and ``evicted``."""
+        return self._key("vcache:stats")
+
     def replayed(self, dead_id: str) -> str:
         """What a dead-letter replay leaves for a while (the replaying command's token and the
         new entry's id), so that a replay whose reply was lost can be sent again exactly."""

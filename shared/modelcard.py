@@ -23,6 +23,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from embedfleet.shared.content_key import VectorRecipe
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import FULL_DIMENSIONS, Chunk
 from embedfleet.shared.settings import PACKAGED_MODEL
@@ -88,6 +89,37 @@ class ModelCard:
     (SentenceTransformer), ``sparse`` weights (SparseEncoder, SPLADE; ``dim`` is then the
     vocabulary size) or ``rerank`` scores of (query, document) pairs (CrossEncoder; ``dim`` is
     its number of labels). A card written before this field existed serves ``dense``."""
+    revision: str = ""
+    """Which version of the model's weights and files this is: ``EMBEDFLEET_MODEL_REVISION``,
+    else a Hugging Face snapshot's commit (``hf:<sha>``) or a digest of the directory's files
+    (``blake2b:<hex>``). Part of every chunk's content key (shared/content_key.py), so vectors
+    of another revision are never reused. Empty on a card written before it existed."""
+
+    def recipe(
+        self,
+        *,
+        prompt: str,
+        dimensions: int,
+        renormalize: bool,
+        dtype: str,
+        max_active_dims: int | None = None,
+    ) -> VectorRecipe:
+        """The content key's recipe for one chunk of this model, its options resolved as the
+        worker resolves them (the prompt's text, the dimension after EMBEDFLEET_DIMENSIONS)."""
+        return VectorRecipe(
+            model=self.name,
+            revision=self.revision,
+            representation=self.representations[0] if self.representations else "dense",
+            pooling=tuple(self.pooling),
+            include_prompt=self.include_prompt,
+            normalize=self.normalize,
+            max_length=self.max_length,
+            prompt=prompt,
+            dimensions=dimensions,
+            renormalize=renormalize,
+            dtype=dtype,
+            max_active_dims=max_active_dims,
+        )
 
     def serves(self, representation: str) -> bool:
         return representation in self.representations
@@ -138,6 +170,7 @@ class ModelCard:
             "include_prompt": str(int(self.include_prompt)),
             "architecture": self.architecture,
             "representations": json.dumps(list(self.representations)),
+            "revision": self.revision,
         }
 
     @classmethod
@@ -164,6 +197,7 @@ class ModelCard:
                 include_prompt=values.get("include_prompt", "1") == "1",
                 architecture=values.get("architecture", ""),
                 representations=tuple(json.loads(values.get("representations") or '["dense"]')),
+                revision=values.get("revision", ""),
             )
         except (KeyError, ValueError, TypeError, AttributeError) as error:
             if isinstance(error, ModelCardError):

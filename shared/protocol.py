@@ -133,6 +133,9 @@ class Chunk:
     multivector_dtype: str | None = None
     # the producer it is accounted to and shares the fleet as (None: the default tenant)
     tenant: str | None = None
+    # embed it with the model even where the vector cache holds its vector (issue 31): a
+    # per-chunk opt-out of the cache (`embedfleet enqueue --reembed` sets it on every chunk)
+    reembed: bool = False
 
     @property
     def wanted_representations(self) -> tuple[str, ...]:
@@ -244,6 +247,7 @@ def _chunk_fields(chunk: Chunk) -> dict[str, Any]:
         "pair": chunk.pair,
         "multivector_dtype": chunk.multivector_dtype,
         "tenant": chunk.tenant,
+        "reembed": True if chunk.reembed else None,
     }
     return {name: value for name, value in fields.items() if value is not None}
 
@@ -410,6 +414,9 @@ def chunk_from_mapping(
     options = {name: message.get(name) for name in OPTION_NAMES}
     check_embedding_options(**options)
     extra = _representation_options(message)
+    reembed = message.get("reembed") or False
+    if not isinstance(reembed, bool):
+        raise ProtocolError(f"'reembed' must be true or false when given, got {reembed!r}")
     return Chunk(
         chunk_id,
         text,
@@ -420,6 +427,7 @@ def chunk_from_mapping(
         tenant=tenant,
         **options,
         **extra,
+        reembed=reembed,
     )
 
 

@@ -150,6 +150,14 @@ CHUNK_FIELDS: tuple[WireField, ...] = (
         "`{ns}:ingest:t:<tenant>` (docs/FAIRNESS.md); absent: the default tenant "
         "(`EMBEDFLEET_DEFAULT_TENANT`), whose stream is `{ns}:ingest`",
     ),
+    WireField(
+        "reembed",
+        "bool",
+        False,
+        "`true`: run the model for this chunk even where the vector cache holds a vector for "
+        "its content key (text, model revision and options); absent or `false`: a cached "
+        "vector is written without running the model (`EMBEDFLEET_VECTOR_CACHE_MB`)",
+    ),
 )
 
 QUERY_FIELDS: tuple[WireField, ...] = (

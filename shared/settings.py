@@ -140,6 +140,21 @@ class Settings(BaseSettings):
     truncate: bool = True
     """Texts over the model's maximum length are truncated and flagged; `false` dead-letters them
     instead."""
+    model_revision: str = ""
+    """The model's revision in every chunk's content key (the vector cache's key): set it to a
+    version you control (a commit, a release) to skip hashing the model directory at start;
+    empty = a Hugging Face snapshot's commit, else a digest of the directory's files."""
+
+    # --- re-ingestion: the vector cache --------------------------------------------------
+    vector_cache_mb: int = Field(default=256, ge=0)
+    """Size bound of the vector cache in Redis (MB, vectors and their keys, over all
+    partitions): before a chunk reaches the model, the worker looks its content key (a digest
+    of the text, model revision and every option that changes the vector) up there, and on a
+    hit writes the row and result from the stored vector without running the model. The least
+    recently used entries are evicted past the bound. 0 = no cache: every chunk is embedded."""
+    vector_cache_ttl_s: int = Field(default=30 * 24 * 3600, ge=60)
+    """A vector cache entry nobody has used for this long is dropped (at the next store into its
+    partition's cache)."""
 
     # --- batching ------------------------------------------------------------------------
     read_count: int = -1

@@ -550,6 +550,7 @@ SLOW_MODULES = frozenset(
         "test_parquet_sink",
         "test_quantized_sinks",
         "test_queries",
+        "test_reingest",
         "test_reliability",
         "test_replicas",
         "test_sinks",

@@ -673,7 +673,18 @@ async def test_cli_status_watch_rides_out_a_sigkill(aof: AofRedis) -> None:
     assert code == 0, stderr[-3000:]
     said_once(stderr, aof.settings.effective_redis_url)
     last = json.loads(stdout.splitlines()[-1])
-    assert last["jobs"] == [{"job": "st", "enqueued": 23, "done": 0, "dead": 0, "remaining": 23}]
+    assert last["jobs"] == [
+        {
+            "job": "st",
+            "enqueued": 23,
+            "done": 0,
+            "dead": 0,
+            "remaining": 23,
+            "cache_hits": 0,
+            "cache_misses": 0,
+            "tokens_saved": 0,
+        }
+    ]
     assert last["streams"]["ingest"]["lag"] == 23
 
 

@@ -411,7 +411,16 @@ async def test_status_agrees_with_xinfo_groups_on_every_partition(
         assert data["streams"]["ingest"]["lag"] == total_lag
         assert data["streams"]["ingest"]["pending"] == total_pending
         assert data["jobs"] == [
-            {"job": "status", "enqueued": 120, "done": 0, "dead": 0, "remaining": 120}
+            {
+                "job": "status",
+                "enqueued": 120,
+                "done": 0,
+                "dead": 0,
+                "remaining": 120,
+                "cache_hits": 0,
+                "cache_misses": 0,
+                "tokens_saved": 0,
+            }
         ]
     finally:
         await client.aclose()

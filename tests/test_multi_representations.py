@@ -231,6 +231,27 @@ def test_the_dense_path_is_unchanged_without_heads_asked(zoo: Path) -> None:
     assert out.heads_for(mixed) == ("dense", "sparse") and not out.full_float16(mixed)
 
 
+def test_what_a_chunk_asks_for_is_part_of_its_content_key(zoo: Path) -> None:
+    """The re-ingestion cache (issue 31) keys a vector by the text and every option that
+    changes the result: an entry stored for a dense-only chunk must not answer one that asks
+    for the per-token vectors, nor an fp16 multivector an int8 one."""
+    out = outputs(Encoder(str(bge_m3_dir(zoo)), device="cpu"))
+    asks = [
+        Chunk(id="a", text="same"),
+        Chunk(id="b", text="same", representations=("sparse",)),
+        Chunk(id="c", text="same", representations=("dense", "multivector")),
+        Chunk(
+            id="d", text="same", representations=("dense", "multivector"), multivector_dtype="int8"
+        ),
+        Chunk(id="e", text="same", representations=ALL),
+    ]
+    keys = [out.content_key(chunk, "") for chunk in asks]
+    assert None not in keys and len(set(keys)) == len(asks)
+    # the order a chunk names them in is not an option
+    reordered = Chunk(id="f", text="same", representations=("multivector", "dense"))
+    assert out.content_key(reordered, "") == keys[2]
+
+
 async def test_all_three_through_a_worker(
     workers: WorkerLauncher, settings: Settings, client: aioredis.Redis, zoo: Path
 ) -> None:

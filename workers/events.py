@@ -63,6 +63,11 @@ class WorkerEvents:
     def dead_lettered(self, *, count: int, reason: str) -> None:
         """Entries went to the dead-letter stream; ``reason`` is a DeadReason value."""
 
+    def vector_cache_checked(self, *, hits: int, misses: int, tokens_saved: int) -> None:
+        """A window's chunks were looked up in the vector cache (shared/vector_cache.py):
+        ``hits`` are written from stored vectors without the model (their ``tokens_saved`` not
+        computed), ``misses`` go on to the model (a chunk sent with ``reembed`` counts here)."""
+
     def reclaimed(self, *, count: int) -> None:
         """Entries of a dead or stuck consumer were claimed by this worker."""
 

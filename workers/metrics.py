@@ -167,6 +167,23 @@ METRICS: dict[str, MetricSpec] = {
         "Entries sent to the dead-letter stream by this worker, by reason code.",
         ("model", "reason"),
     ),
+    "cache_hits": MetricSpec(
+        Counter,
+        "vector_cache_hits",
+        "Chunks written from a vector found in the vector cache by content key (text, model "
+        "revision, options): the model did not run for them.",
+    ),
+    "cache_misses": MetricSpec(
+        Counter,
+        "vector_cache_misses",
+        "Chunks looked up in the vector cache and not found there (or sent with reembed): "
+        "embedded by the model.",
+    ),
+    "tokens_saved": MetricSpec(
+        Counter,
+        "tokens_saved",
+        "Tokens of the vector cache's hits: what the model would have computed for them.",
+    ),
     "reclaims": MetricSpec(
         Counter,
         "reclaimed",
@@ -260,6 +277,9 @@ class WorkerMetrics(WorkerEvents):
     padding_ratio: Gauge
     model_busy_fraction: Gauge
     dead_letters: Counter
+    cache_hits: Counter
+    cache_misses: Counter
+    tokens_saved: Counter
     reclaims: Counter
     sink_errors: Counter
     transient_faults: Counter
@@ -368,6 +388,11 @@ class WorkerMetrics(WorkerEvents):
 
     def dead_lettered(self, *, count: int, reason: str) -> None:
         self.dead_letters.labels(model=self.model, reason=reason).inc(count)
+
+    def vector_cache_checked(self, *, hits: int, misses: int, tokens_saved: int) -> None:
+        self.cache_hits.inc(hits)
+        self.cache_misses.inc(misses)
+        self.tokens_saved.inc(tokens_saved)
 
     def reclaimed(self, *, count: int) -> None:
         self.reclaims.inc(count)

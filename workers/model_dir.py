@@ -34,7 +34,10 @@ mean pooling (last-token for a ``*ForCausalLM`` architecture), not normalised.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -577,3 +580,45 @@ class SentenceHead(torch.nn.Module):
         if self.normalize:
             pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
         return pooled
+
+
+# A Hugging Face cache snapshot's folder is the commit it holds: .../snapshots/<40 hex>/
+_SNAPSHOT_COMMIT = re.compile(r"[0-9a-f]{40}")
+_REVISION_CHUNK = 1 << 20
+
+
+def directory_revision(model_dir: Path) -> str:
+    """The model's revision, for the content key (shared/content_key.py): a Hugging Face cache
+    snapshot's commit (``hf:<sha>``), else a digest of every file of the directory, names and
+    bytes (``blake2b:<hex>``), so a fine-tuned copy with the same layout and sizes is another
+    revision. Hashed once per process and directory state (a file's size and mtime); a
+    directory of several GB takes seconds, which EMBEDFLEET_MODEL_REVISION saves."""
+    resolved = Path(model_dir).resolve()
+    parts = resolved.parts
+    for index, part in enumerate(parts[:-1]):
+        if part == "snapshots" and _SNAPSHOT_COMMIT.fullmatch(parts[index + 1]):
+            return f"hf:{parts[index + 1]}"
+    files = sorted(
+        path
+        for path in resolved.rglob("*")
+        if path.is_file()
+        and not any(
+            p.startswith(".") or p == "__pycache__" for p in path.relative_to(resolved).parts
+        )
+    )
+    state = tuple(
+        (str(path.relative_to(resolved)), path.stat().st_size, path.stat().st_mtime_ns)
+        for path in files
+    )
+    return _hashed_revision(resolved, state)
+
+
+@functools.cache
+def _hashed_revision(root: Path, state: tuple[tuple[str, int, int], ...]) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    for relative, size, _ in state:
+        digest.update(f"{relative}\0{size}\0".encode())
+        with (root / relative).open("rb") as source:
+            while block := source.read(_REVISION_CHUNK):
+                digest.update(block)
+    return f"blake2b:{digest.hexdigest()}"

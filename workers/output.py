@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from embedfleet.shared.content_key import content_key
+from embedfleet.shared.modelcard import ModelCard
 from embedfleet.shared.postprocess import QUANTIZED, quantize, truncate
 from embedfleet.shared.protocol import FULL_DIMENSIONS, Chunk, MultiVector, Result, SparseVector
 from embedfleet.shared.settings import Settings
@@ -36,6 +38,7 @@ from embedfleet.workers.calibration import (
     variant_label,
 )
 from embedfleet.workers.encoder import Encoder, Lane
+from embedfleet.workers.model_dir import directory_revision
 
 
 class OutputOptionError(ValueError):
@@ -79,6 +82,41 @@ class Outputs:
             "query": settings.query_prompt_name,
             "document": settings.document_prompt_name,
         }
+
+    @functools.cached_property
+    def card(self) -> ModelCard:
+        """The model card the worker publishes, with the model's revision
+        (EMBEDFLEET_MODEL_REVISION, else the directory's: hashing it the first time may take a
+        while for a large model, so the worker asks for this at start, off the event loop)."""
+        model_dir = getattr(self.encoder, "model_dir", None)  # (a test's stand-in may have none)
+        revision = self.settings.model_revision or (
+            directory_revision(model_dir) if model_dir is not None else ""
+        )
+        return dataclasses.replace(self.encoder.card, revision=revision)
+
+    def content_key(self, chunk: Chunk, prompt: str) -> str | None:
+        """The chunk's content key (shared/content_key.py) with its options as this worker
+        resolves them; None where a stored vector must not be reused: int8/uint8 codes depend
+        on the fleet's calibration ranges, which `embedfleet calibration` can replace."""
+        spec = self.spec_for(chunk)
+        if spec.dtype in QUANTIZED:
+            return None
+        recipe = self.card.recipe(
+            prompt=prompt,
+            dimensions=spec.dim,
+            renormalize=self.renormalize and spec.dim < self.encoder.dim,
+            dtype=spec.dtype,
+            max_active_dims=chunk.max_active_dims,
+        )
+        if chunk.representations:
+            # what the chunk asks of a multi-head model (BGE-M3: dense, sparse, multivector from
+            # one pass) is part of what it gets back, so of its key: an entry stored for a
+            # dense-only chunk must not answer one that wants the per-token vectors too
+            wanted = "+".join(sorted(chunk.representations))
+            if "multivector" in chunk.representations:
+                wanted += f":{chunk.multivector_dtype or 'float16'}"
+            recipe = dataclasses.replace(recipe, representation=wanted)
+        return content_key(chunk.text, recipe, chunk.pair)
 
     def check_settings(self) -> None:
         """Fail at start on settings this model cannot honour (names the variable)."""

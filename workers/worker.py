@@ -3,10 +3,12 @@
 Three bulk tasks joined by bounded queues (Infinity's shape), so Redis I/O, tokenization and
 the forward pass overlap while memory stays bounded:
 
-    reader   XREADGROUP (and reclaimed entries); then in one call on the tokenizer
-             thread decode and validate, tokenize, sort by length, plan batches by
-             token budget and collate them into host buffers; dead-letter bad
-             input (on the event loop)                                          → windows
+    reader   XREADGROUP (and reclaimed entries); on the tokenizer thread decode
+             and validate; look each chunk's content key up in the vector cache
+             (shared/vector_cache.py: a hit's result is made from the stored
+             vector and skips the model); on the tokenizer thread again tokenize
+             the rest, sort by length, plan batches by token budget and collate
+             them into host buffers; dead-letter bad input (on the event loop) → windows
     compute  launch each batch on the model thread (workers/bulk.py: padded or
              varlen; on CUDA batch i+1 is queued before batch i is collected);
              on a CPU queries get in between transformer layers (or, through the
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -55,6 +58,7 @@ from embedfleet.shared.model_registry import register_model
 from embedfleet.shared.modelcard import publish_card
 from embedfleet.shared.protocol import Chunk, Result
 from embedfleet.shared.settings import Settings
+from embedfleet.shared.vector_cache import CacheCounts, CachedVector, VectorCache, pack_entry
 from embedfleet.workers.batcher import PlannedBatch
 from embedfleet.workers.bulk import BulkBatch, BulkForward, LaunchAhead, Launched, resolve_layout
 from embedfleet.workers.calibration import Calibration, CalibrationStore
@@ -126,6 +130,16 @@ class Window:
     batches: list[Prepared] = field(default_factory=list)
     # entries read with the window whose caller's deadline had passed: acknowledged unembedded
     expired: list[Delivery] = field(default_factory=list)
+    # chunks the vector cache answered (not in ``chunks``: they skip the model), with their
+    # entries and the results made from the stored vectors
+    cached: list[tuple[Chunk, Delivery, Result]] = field(default_factory=list)
+    # the content key of each chunk to embed that the cache may store (by its entry)
+    content_keys: dict[Delivery, str] = field(default_factory=dict)
+
+    @property
+    def held(self) -> list[Delivery]:
+        """Every entry the window answers: those to embed and those the cache answered."""
+        return [*self.deliveries, *(delivery for _, delivery, _ in self.cached)]
 
 
 @dataclass
@@ -147,17 +161,26 @@ class Encoded:
     deliveries: list[Delivery]
     tokens: list[Tokenized]
     vectors: np.ndarray
+    # each chunk's content key, for the vector cache to store its vector under (None: not)
+    content_keys: list[str | None] = field(default_factory=list)
+    # the results of chunks the vector cache answered: written as they are, no model ran
+    cached: list[Result] | None = None
 
 
 @dataclass
 class WorkerStats:
     """Counters a run reports; the benchmark and the metrics read them."""
 
-    texts: int = 0
+    texts: int = 0  # results written (embedded or answered by the vector cache)
+    embedded: int = 0  # texts that went through the model in bulk batches
     real_tokens: int = 0
     padded_tokens: int = 0
     batches: int = 0
     dead_letters: int = 0
+    # the vector cache: chunks answered from it, chunks embedded, the hits' tokens not computed
+    cache_hits: int = 0
+    cache_misses: int = 0
+    tokens_saved: int = 0
     model_seconds: float = 0.0
     started_at: float = field(default_factory=time.perf_counter)
 
@@ -182,6 +205,7 @@ class _StatsEvents(ForwardingEvents):
         self, *, texts: int, real_tokens: int, padded_tokens: int, seconds: float
     ) -> None:
         self.stats.batches += 1
+        self.stats.embedded += texts
         self.stats.real_tokens += real_tokens
         self.stats.padded_tokens += padded_tokens
         self.stats.model_seconds += seconds
@@ -197,6 +221,12 @@ class _StatsEvents(ForwardingEvents):
     def dead_lettered(self, *, count: int, reason: str) -> None:
         self.stats.dead_letters += count
         super().dead_lettered(count=count, reason=reason)
+
+    def vector_cache_checked(self, *, hits: int, misses: int, tokens_saved: int) -> None:
+        self.stats.cache_hits += hits
+        self.stats.cache_misses += misses
+        self.stats.tokens_saved += tokens_saved
+        super().vector_cache_checked(hits=hits, misses=misses, tokens_saved=tokens_saved)
 
 
 class Worker:
@@ -241,6 +271,10 @@ class Worker:
             client, self.keys, encoder.name, settings.calibration_file
         )
         self.outputs = Outputs(settings, encoder, self.calibrations)
+        # stored vectors by content key (shared/vector_cache.py): a hit skips the model
+        self.vector_cache = VectorCache(
+            client, self.keys, settings.vector_cache_mb, settings.vector_cache_ttl_s
+        )
         # the longest stretch of each bulk forward a query could not get into (model thread)
         self.slice_clock = SliceClock()
         self.queries = QueryLane(
@@ -318,10 +352,11 @@ class Worker:
     async def publish_model(self) -> None:
         """What this namespace's workers serve (the model card at Keys.model): the one source
         the gateway and producers read the model's dimension, maximum, normalisation and
-        prompts from. Then its name in the namespace's registry of models (``{ns}:models``:
-        a model lane's name, or the default model's served name) with its tokenizer, so the
-        gateway lists and routes to it (shared/model_registry.py)."""
-        card = self.encoder.card
+        prompts from. The card's revision (hashing the model directory, the first time) is
+        made off the event loop. Then its name in the namespace's registry of models
+        (``{ns}:models``: a model lane's name, or the default model's served name) with its
+        tokenizer, so the gateway lists and routes to it (shared/model_registry.py)."""
+        card = await asyncio.to_thread(lambda: self.outputs.card)
         await publish_card(self.client, self.keys, card)
         await register_model(
             self.client,
@@ -487,12 +522,10 @@ class Worker:
         Decoding and validation run there too, not on the event loop: at a GPU's rate they would
         take a large share of each second of the loop, in stalls per read that delay writes, acks
         and query reads alike (docs/BENCHMARKS.md, GPU check)."""
-        window, rejected = await asyncio.get_running_loop().run_in_executor(
-            self._tokenizer_thread, self._open_window, entries
-        )
+        window, rejected = await self._open_window(entries)
         await self._dead_letter(rejected)
         await self._drop_expired(window.expired)
-        if not window.chunks:
+        if not window.chunks and not window.cached:
             return
         if self.consumer.policy.token_rate:
             for delivery, tokens in zip(window.deliveries, window.tokens, strict=True):
@@ -500,7 +533,7 @@ class Worker:
         # ours until written: the reclaimer renews their leases from now on (only once the
         # dead letters are sent, so that entries of a window dropped by a failed send are
         # left for their lease to run out and be read again)
-        self.in_flight.hold(window.deliveries)
+        self.in_flight.hold(window.held)
         if not urgent:
             await windows.put(window)
             return
@@ -510,10 +543,30 @@ class Worker:
         with contextlib.suppress(asyncio.QueueFull):
             windows.put_nowait(Window([], [], []))
 
-    def _open_window(self, entries: list[StreamEntry]) -> tuple[Window, list[Rejected]]:
-        """On the tokenizer thread: entries decoded and validated, prompts chosen, texts
-        tokenized, those over the model's maximum set aside (EMBEDFLEET_TRUNCATE=false), the
-        rest planned into batches and collated. Returns the window and what to dead-letter."""
+    async def _open_window(self, entries: list[StreamEntry]) -> tuple[Window, list[Rejected]]:
+        """Entries → a window, and what to dead-letter: decoded, validated and given their
+        prompts and content keys on the tokenizer thread (``_decode_window``), looked up in the
+        vector cache here (``_look_up``: the hits skip the model), the rest tokenized, planned
+        and collated on the tokenizer thread again (``_tokenize_window``)."""
+        loop = asyncio.get_running_loop()
+        accepted, prompts, keys, expired, rejected = await loop.run_in_executor(
+            self._tokenizer_thread, self._decode_window, entries
+        )
+        hits = await self._look_up(accepted, keys)
+        window = await loop.run_in_executor(
+            self._tokenizer_thread,
+            functools.partial(
+                self._tokenize_window, accepted, prompts, keys, hits, expired, rejected
+            ),
+        )
+        return window, rejected
+
+    def _decode_window(
+        self, entries: list[StreamEntry]
+    ) -> tuple[list[Accepted], list[str], list[str | None], list[Delivery], list[Rejected]]:
+        """On the tokenizer thread: entries decoded and validated, those past their deadline
+        set aside, prompts chosen (chunks whose options the model cannot honour rejected) and
+        each chunk's content key made (None: not cached, or the cache is off)."""
         accepted, rejected = decode_entries(entries, self.settings)
         # a caller past its deadline (a timed-out interactive request) has gone: not embedded
         now_ms = time.time() * 1000
@@ -527,20 +580,94 @@ class Worker:
                 a for a in accepted if a.chunk.deadline_ms is None or a.chunk.deadline_ms >= now_ms
             ]
         accepted, prompts = self._with_prompts(accepted, rejected)
-        if not accepted:
-            return Window([], [], [], expired=expired), rejected
+        keys: list[str | None] = [None] * len(accepted)
+        if self.vector_cache.enabled:
+            keys = [
+                self.outputs.content_key(a.chunk, p) for a, p in zip(accepted, prompts, strict=True)
+            ]
+        return accepted, prompts, keys, expired, rejected
+
+    async def _look_up(
+        self, accepted: list[Accepted], keys: list[str | None]
+    ) -> dict[int, CachedVector]:
+        """The chunks the vector cache holds a vector for (by position in ``accepted``), one
+        round trip per key set; a chunk sent with ``reembed`` is not looked up. The hits and
+        misses are counted (the key set's and each job's counters, the worker's events). Redis
+        failing here costs only the cache: every chunk is embedded."""
+        if not self.vector_cache.enabled or not accepted:
+            return {}
+        by_owner: dict[Keys, list[int]] = {}
+        for position, item in enumerate(accepted):
+            with contextlib.suppress(KeyError):  # (a stream of no key set: not looked up)
+                by_owner.setdefault(self.keys.owner_of(item.delivery.stream), []).append(position)
+        hits: dict[int, CachedVector] = {}
+        for owner, positions in by_owner.items():
+            wanted = [p for p in positions if keys[p] is not None and not accepted[p].chunk.reembed]
+            try:
+                found = await self.vector_cache.lookup(owner, [keys[p] or "" for p in wanted])
+            except Exception as error:
+                transient_or_raise(error, System.REDIS)
+                log.warning("vector cache not read: embedding the window", error=str(error))
+                found = [None] * len(wanted)
+            for position, entry in zip(wanted, found, strict=True):
+                # a vector of a text cut to fit is not reused where cutting is refused
+                if entry is not None and (self.settings.truncate or not entry.result.truncated):
+                    hits[position] = entry
+            per_job: dict[str | None, CacheCounts] = {}
+            for position in positions:
+                entry = hits.get(position)
+                counts = CacheCounts(1, 0, entry.tokens) if entry else CacheCounts(0, 1, 0)
+                job = accepted[position].chunk.job
+                per_job[job] = per_job.get(job, CacheCounts()) + counts
+            total = sum(per_job.values(), CacheCounts())
+            self.events.vector_cache_checked(
+                hits=total.hits, misses=total.misses, tokens_saved=total.tokens_saved
+            )
+            try:
+                await self.vector_cache.count(owner, per_job)
+            except Exception as error:
+                transient_or_raise(error, System.REDIS)
+                log.warning("vector cache counters not updated", error=str(error))
+        return hits
+
+    def _tokenize_window(
+        self,
+        accepted: list[Accepted],
+        prompts: list[str],
+        keys: list[str | None],
+        hits: dict[int, CachedVector],
+        expired: list[Delivery],
+        rejected: list[Rejected],
+    ) -> Window:
+        """On the tokenizer thread: the cache's hits made into results, the other chunks
+        tokenized, those over the model's maximum set aside (EMBEDFLEET_TRUNCATE=false), the
+        rest planned into batches and collated."""
+        cached = [
+            (accepted[p].chunk, accepted[p].delivery, entry.for_chunk(accepted[p].chunk))
+            for p, entry in sorted(hits.items())
+        ]
+        rest = [p for p in range(len(accepted)) if p not in hits]
+        if not rest:
+            return Window([], [], [], expired=expired, cached=cached)
+        chunks = [accepted[p].chunk for p in rest]
+        texts_prompts = [prompts[p] for p in rest]
         tokens = self.encoder.tokenize(
-            [a.chunk.text for a in accepted],
-            prompts if any(prompts) else None,
-            pairs=pairs_of([a.chunk for a in accepted]),
+            [chunk.text for chunk in chunks],
+            texts_prompts if any(texts_prompts) else None,
+            pairs=pairs_of(chunks),
         )
         window = Window(
-            [a.chunk for a in accepted], [a.delivery for a in accepted], tokens, expired=expired
+            chunks,
+            [accepted[p].delivery for p in rest],
+            tokens,
+            expired=expired,
+            cached=cached,
+            content_keys={accepted[p].delivery: key for p in rest if (key := keys[p]) is not None},
         )
         window = self._set_aside_overlong(window, rejected)
         if window.chunks:
             window.batches = self._prepare(window)
-        return window, rejected
+        return window
 
     def _prepare(self, window: Window) -> list[Prepared]:
         """The window's batches, planned and collated."""
@@ -585,11 +712,11 @@ class Worker:
             if t.truncated
         ]
         keep = [i for i, t in enumerate(window.tokens) if not t.truncated]
-        return Window(
-            [window.chunks[i] for i in keep],
-            [window.deliveries[i] for i in keep],
-            [window.tokens[i] for i in keep],
-            expired=window.expired,
+        return dataclasses.replace(
+            window,
+            chunks=[window.chunks[i] for i in keep],
+            deliveries=[window.deliveries[i] for i in keep],
+            tokens=[window.tokens[i] for i in keep],
         )
 
     async def _drop_expired(self, expired: list[Delivery]) -> None:
@@ -713,6 +840,7 @@ class Worker:
             self._bulk_ready.set()
             self.stats.started_at = time.perf_counter()
             while (window := await windows.get()) is not _END:
+                await self._hand_on_cached(window, encoded)
                 for prepared in window.batches:
                     await self._jump_the_queue(encoded)
                     await self._encode(window, prepared.planned, encoded, batch=prepared.batch)
@@ -756,22 +884,32 @@ class Worker:
             if not entries:
                 return
             self.events.entries_read(stream=entries[0].stream, count=len(entries))
-            window, rejected = await asyncio.get_running_loop().run_in_executor(
-                self._tokenizer_thread, self._open_window, entries
-            )
+            window, rejected = await self._open_window(entries)
             await self._dead_letter(rejected)
             await self._drop_expired(window.expired)
         except Exception as error:
             fault = transient_or_raise(error, System.REDIS)
             log.warning("interactive entries left for the reader", error=fault.detail)
             return
-        if window.chunks:
-            self.in_flight.hold(window.deliveries)
+        if window.chunks or window.cached:
+            self.in_flight.hold(window.held)
             await self._encode_window(window, encoded)
 
     async def _encode_window(self, window: Window, encoded: asyncio.Queue[Encoded | None]) -> None:
+        await self._hand_on_cached(window, encoded)
         for prepared in window.batches:
             await self._encode(window, prepared.planned, encoded, batch=prepared.batch)
+
+    async def _hand_on_cached(self, window: Window, encoded: asyncio.Queue[Encoded | None]) -> None:
+        """The window's chunks the vector cache answered go to the writer as they are: their
+        results are ready, no model runs for them."""
+        if not window.cached:
+            return
+        chunks = [chunk for chunk, _, _ in window.cached]
+        deliveries = [delivery for _, delivery, _ in window.cached]
+        results = [result for _, _, result in window.cached]
+        empty = np.zeros((0, 0), dtype=np.float32)
+        await encoded.put(Encoded(chunks, deliveries, [], empty, cached=results))
 
     async def _seed_speed(self) -> None:
         """Time probe batches of three shapes through the bulk path before the first window is
@@ -921,6 +1059,9 @@ class Worker:
                 ),
                 tokens=tokens,
                 vectors=vectors,
+                content_keys=[
+                    window.content_keys.get(window.deliveries[p]) for p in planned.positions
+                ],
             )
         )
 
@@ -998,15 +1139,20 @@ class Worker:
     # --- writer -----------------------------------------------------------------------
     async def _write_loop(self, encoded: asyncio.Queue[Encoded | None]) -> None:
         while (item := await encoded.get()) is not _END:
-            # int8/uint8 need the fleet's calibration; read (or made) once, then cached
-            await ride_out(
-                RideOut("reading the calibration", self.outages, self.events),
-                System.REDIS,
-                functools.partial(self.outputs.prepare, item.chunks, self.on_model_thread),
-            )
-            results = self.outputs.results(
-                item.chunks, item.vectors, [t.truncated for t in item.tokens]
-            )
+            if item.cached is not None:  # answered by the vector cache: the results are ready
+                results = item.cached
+            else:
+                # int8/uint8 need the fleet's calibration; read (or made) once, then cached
+                await ride_out(
+                    RideOut("reading the calibration", self.outages, self.events),
+                    System.REDIS,
+                    functools.partial(self.outputs.prepare, item.chunks, self.on_model_thread),
+                )
+                results = self.outputs.results(
+                    item.chunks, item.vectors, [t.truncated for t in item.tokens]
+                )
+                # stored before the write: once the job has finished, its vectors are there
+                await self._remember(item, results)
             started = time.perf_counter()
             written = 0
             # chunks with a reply (the gateway's) go back to their caller, the rest to the sink
@@ -1043,6 +1189,27 @@ class Worker:
             if written:
                 self.events.results_written(texts=written, seconds=time.perf_counter() - started)
             self.in_flight.release(item.deliveries)
+
+    async def _remember(self, item: Encoded, results: list[Result]) -> None:
+        """Store the vectors just embedded in the vector cache, under their content keys, each
+        in its entry's key set. Before the write and its acknowledgement, so that a finished
+        job's vectors are all there; a vector whose row the sink then refuses is still the
+        model's vector for that content (a later hit is refused the same way). Redis failing
+        here costs only the cache."""
+        by_owner: dict[Keys, list[tuple[str, bytes]]] = {}
+        for row, key in enumerate(item.content_keys):
+            if key is None:
+                continue
+            with contextlib.suppress(KeyError):
+                owner = self.keys.owner_of(item.deliveries[row].stream)
+                entry = pack_entry(results[row], item.tokens[row].length)
+                by_owner.setdefault(owner, []).append((key, entry))
+        for owner, entries in by_owner.items():
+            try:
+                await self.vector_cache.store(owner, entries)
+            except Exception as error:
+                transient_or_raise(error, System.REDIS)
+                log.warning("vector cache not written", error=str(error), vectors=len(entries))
 
     async def _write(
         self,

@@ -23,6 +23,7 @@ from embedfleet.shared.vectordb.backend import (
     meta_from_json,
     meta_to_json,
     open_backend,
+    prune_job,
     reciprocal_rank_fusion,
     require_extra,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "meta_to_json",
     "open_backend",
     "parse_sink_url",
+    "prune_job",
     "reciprocal_rank_fusion",
     "require_extra",
 ]

@@ -21,7 +21,7 @@ import importlib
 import importlib.util
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -242,6 +242,15 @@ class VectorBackend(contextlib.AbstractContextManager["VectorBackend"], abc.ABC)
             "database sink (lancedb://, postgresql://, qdrant://)"
         )
 
+    # --- pruning (`embedfleet prune`, `enqueue --prune`) --------------------------------------
+    def job_ids(self, job: str) -> set[str]:
+        """The ids of the rows whose ``job`` is ``job`` (the job that last wrote them)."""
+        raise VectorDBError(f"{self.target.describe()} cannot list a job's rows")
+
+    def delete_ids(self, ids: Sequence[str]) -> None:
+        """Delete the rows of ``ids`` (those that exist); durable on return."""
+        raise VectorDBError(f"{self.target.describe()} cannot delete rows")
+
     def close(self) -> None:
         """Release the connection; the next call opens a new one."""
 
@@ -405,3 +414,25 @@ def _jsonable(value: Any) -> Any:
 
 def meta_from_json(text: str | None) -> dict[str, Any] | None:
     return None if text is None else json.loads(text)
+
+
+# ids per delete statement (an IN list, an ANY array, a point list)
+PRUNE_BATCH = 1000
+
+
+def prune_job(
+    backend: VectorBackend, job: str, keep: Collection[str], *, dry_run: bool = False
+) -> list[str]:
+    """Delete the rows of ``job`` whose ids are not in ``keep`` (the ids its latest run sent):
+    the chunks removed from its corpus since the run before. Returns those ids, sorted (with
+    ``dry_run``, only says which). A row another job wrote last is not the job's, and stays."""
+    gone = sorted(backend.job_ids(job) - set(keep))
+    if not dry_run:
+        for start in range(0, len(gone), PRUNE_BATCH):
+            backend.delete_ids(gone[start : start + PRUNE_BATCH])
+    return gone
+
+
+def sql_string(value: str) -> str:
+    """A SQL string literal (single quotes doubled), for the filters LanceDB takes as text."""
+    return "'" + value.replace("'", "''") + "'"

@@ -40,6 +40,7 @@ from embedfleet.shared.vectordb.backend import (
     rescore_binary,
     rescore_codes,
     row_fields,
+    sql_string,
 )
 
 if TYPE_CHECKING:
@@ -424,6 +425,21 @@ class LanceDBBackend(VectorBackend):
         seconds = time.perf_counter() - started
         done.append(f"vector index IVF_HNSW_SQ (cosine) built in {seconds:.1f} s")
         return done
+
+    def job_ids(self, job: str) -> set[str]:
+        rows = (
+            self._opened()
+            .search()
+            .where(f"job = {sql_string(job)}")
+            .select(["id"])
+            .limit(None)
+            .to_arrow()
+        )
+        return {str(value) for value in rows["id"].to_pylist()}
+
+    def delete_ids(self, ids: Sequence[str]) -> None:
+        if ids:
+            self._opened().delete(f"id IN ({', '.join(sql_string(i) for i in ids)})")
 
     def export_rows(self, job: str | None = None) -> list[StoredVector]:
         import pyarrow.compute as pc

@@ -434,6 +434,24 @@ class PgvectorBackend(VectorBackend):
             f"ready in {time.perf_counter() - started:.1f} s"
         ]
 
+    def job_ids(self, job: str) -> set[str]:
+        from psycopg import sql
+
+        with self._reading() as conn:
+            query = sql.SQL("SELECT id FROM {table} WHERE job = %s").format(
+                table=sql.Identifier(self.target.table)
+            )
+            return {str(row[0]) for row in conn.execute(query, (job,)).fetchall()}
+
+    def delete_ids(self, ids: Sequence[str]) -> None:
+        from psycopg import sql
+
+        with self._reading() as conn:  # autocommit: durable when it returns
+            query = sql.SQL("DELETE FROM {table} WHERE id = ANY(%s)").format(
+                table=sql.Identifier(self.target.table)
+            )
+            conn.execute(query, (list(ids),))
+
     def export_rows(self, job: str | None = None) -> list[StoredVector]:
         with self._reading() as conn:
             rows = self._select(

@@ -391,6 +391,35 @@ class QdrantBackend(VectorBackend):
             )
         return done
 
+    def job_ids(self, job: str) -> set[str]:
+        from qdrant_client import models
+
+        qdrant = self._opened()
+        selector = models.Filter(
+            must=[models.FieldCondition(key="job", match=models.MatchValue(value=job))]
+        )
+        found: set[str] = set()
+        offset = None
+        while True:
+            points, offset = qdrant.scroll(
+                self.target.table,
+                scroll_filter=selector,
+                limit=SCROLL_PAGE,
+                offset=offset,
+                with_payload=["id"],
+                with_vectors=False,
+            )
+            found.update(str((p.payload or {})["id"]) for p in points)
+            if offset is None:
+                return found
+
+    def delete_ids(self, ids: Sequence[str]) -> None:
+        from qdrant_client import models
+
+        points = models.PointIdsList(points=[point_id(chunk_id) for chunk_id in ids])
+        # wait=True: applied when it returns, as upserts are
+        self._opened().delete(self.target.table, points_selector=points, wait=True)
+
     def export_rows(self, job: str | None = None) -> list[StoredVector]:
         from qdrant_client import models
 
