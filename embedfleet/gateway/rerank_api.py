@@ -71,6 +71,7 @@ class PredictRequest(BaseModel):
     truncate: bool | None = None
     truncation_direction: TruncationDirection = "Right"
     raw_scores: bool = False
+    model: str | None = None  # not TEI's: another model of the namespace
 
 
 class Document(BaseModel):
@@ -104,27 +105,37 @@ def require_representation(card: ModelCard, wanted: str, *, tei: bool) -> None:
     )
 
 
+async def _tei_texts(
+    body: EmbedSparseRequest, gateway: Gateway, representation: str
+) -> tuple[Gateway, list[str]]:
+    """The gateway of the model a TEI body names (``model``, else the default one), refused
+    unless it serves ``representation``, and the inputs as the model will see them: the prompt
+    text in front, truncated or refused as TEI's ``truncate`` says."""
+    gateway = await gateway.for_model(body.model)
+    card = await gateway.require_card()
+    require_representation(card, representation, tei=True)
+    texts = prepare(body.inputs, gateway.tokenizer, gateway.settings, "inputs")
+    prompt = ""
+    if body.prompt_name is not None:
+        try:
+            prompt = card.prompt_text(body.prompt_name)
+        except ValueError as error:
+            raise APIError(422, str(error), code="invalid_prompt") from None
+    texts = fit_to_model(
+        texts,
+        gateway.tokenizer,
+        prompt,
+        card.max_length,
+        truncate=bool(body.truncate),
+        direction=body.truncation_direction,
+    )
+    return gateway, texts
+
+
 @router.post("/embed_sparse")
 async def embed_sparse(body: EmbedSparseRequest, gateway: GatewayDep) -> list[list[dict[str, Any]]]:
     async with gateway.request_bound():
-        gateway = await gateway.for_model(body.model)
-        card = await gateway.require_card()
-        require_representation(card, "sparse", tei=True)
-        texts = prepare(body.inputs, gateway.tokenizer, gateway.settings, "inputs")
-        prompt = ""
-        if body.prompt_name is not None:
-            try:
-                prompt = card.prompt_text(body.prompt_name)
-            except ValueError as error:
-                raise APIError(422, str(error), code="invalid_prompt") from None
-        texts = fit_to_model(
-            texts,
-            gateway.tokenizer,
-            prompt,
-            card.max_length,
-            truncate=bool(body.truncate),
-            direction=body.truncation_direction,
-        )
+        gateway, texts = await _tei_texts(body, gateway, "sparse")
         # the prompt text is already in front (fit_to_model): none is added again
         vectors = await gateway.embedder.embed_sparse(texts)
     return [
@@ -140,23 +151,7 @@ async def embed_sparse(body: EmbedSparseRequest, gateway: GatewayDep) -> list[li
 async def embed_all(body: EmbedSparseRequest, gateway: GatewayDep) -> list[list[list[float]]]:
     """Per-token vectors of each input (a multi-vector model's ColBERT vectors)."""
     async with gateway.request_bound():
-        card = await gateway.require_card()
-        require_representation(card, "multivector", tei=True)
-        texts = prepare(body.inputs, gateway.tokenizer, gateway.settings, "inputs")
-        prompt = ""
-        if body.prompt_name is not None:
-            try:
-                prompt = card.prompt_text(body.prompt_name)
-            except ValueError as error:
-                raise APIError(422, str(error), code="invalid_prompt") from None
-        texts = fit_to_model(
-            texts,
-            gateway.tokenizer,
-            prompt,
-            card.max_length,
-            truncate=bool(body.truncate),
-            direction=body.truncation_direction,
-        )
+        gateway, texts = await _tei_texts(body, gateway, "multivector")
         results = await gateway.embedder.embed_representations(texts, ("multivector",))
     matrices = []
     for result in results:
@@ -199,6 +194,7 @@ async def predict(body: PredictRequest, gateway: GatewayDep) -> list[Any]:
         )
     pairs, one = _predict_pairs(body.inputs)
     async with gateway.request_bound():
+        gateway = await gateway.for_model(body.model)
         card = await gateway.require_card()
         require_representation(card, "rerank", tei=True)
         check_limits([text for pair in pairs for text in pair], gateway.settings, "inputs")
