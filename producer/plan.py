@@ -81,16 +81,17 @@ MEASURED_FIGURES: dict[str, Any] = {
 }
 # `python -m loadtest.host_pipeline --texts 10000 --rounds 3 --processes 1,2` (issue 29;
 # docs/BENCHMARKS.md, "Host pipeline"): the worker with the stand-in encoder at zero cost on the
-# benchmark corpus (~64 tokens a text), one process, on the same 2-core AMD EPYC VM under load
-# from other jobs (load ~7), so floors. One place for these figures: the plan uses them and
+# benchmark corpus (~64 tokens a text), one process, on a quiet 2-core AMD EPYC Zen 4 VM (stop
+# 35; a Zen 5 under load ~7 read 6,158 / 8,554 / 14,135: its cores are faster, so the lower,
+# Zen 4 figures are kept). One place for these figures: the plan uses them and
 # docs/BENCHMARKS.md quotes them; `--figures` with a host_pipeline run's keys overrides them.
 HOST_FIGURES: dict[str, float] = {
     # texts/s one worker process carries around the model (1 process, path "after")
-    "host_texts_per_s_per_process": 6_158,
+    "host_texts_per_s_per_process": 5_592,
     # the same divided by the cores that process keeps busy (all its threads; Redis not counted)
-    "host_texts_per_core_s": 8_554,
+    "host_texts_per_core_s": 4_399,
     # the raw tokenizer alone on one thread, same texts, per CPU second: the floor compared with
-    "tokenizer_texts_per_core_s": 14_135,
+    "tokenizer_texts_per_core_s": 8_415,
 }
 ENVELOPE_BYTES = 80  # a result's msgpack fields besides the vector (id, model, dim, dtype, ...)
 
