@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import pytest
 
@@ -70,8 +70,8 @@ class SlotMovingProducer(Producer):
 
     before_next_batch: Callable[[], None] | None = None
 
-    async def _wait_for_room(self, by_partition: dict[Keys, list[Chunk]]) -> None:
-        await super()._wait_for_room(by_partition)
+    async def _wait_for_room(self, partitions: Iterable[Keys], tenants: set[str | None]) -> None:
+        await super()._wait_for_room(partitions, tenants)
         if self.before_next_batch is not None:
             disturb, self.before_next_batch = self.before_next_batch, None
             await asyncio.to_thread(disturb)
