@@ -177,6 +177,13 @@ async def test_tei_predict_matches_cross_encoder(
         batch = await http.post("/predict", json={"inputs": [list(p) for p in pairs]})
         one = await http.post("/predict", json={"inputs": list(pairs[0])})
         single = await http.post("/predict", json={"inputs": "just a text"})
+        raw = [
+            await http.post("/predict", json={"inputs": list(pairs[0]), "raw_scores": True}),
+            await http.post("/rerank", json={"query": "q", "texts": ["a"], "raw_scores": True}),
+        ]
+    for refused in raw:  # only the activated scores are served: said, not silently ignored
+        assert refused.status_code == 422, refused.text
+        assert "raw_scores" in refused.json()["error"], refused.text  # TEI's error shape
     assert batch.status_code == 200 and one.status_code == 200, batch.text + one.text
     theirs = CrossEncoder(str(model_dir), device="cpu").predict(pairs)
     for row, labels in enumerate(batch.json()):

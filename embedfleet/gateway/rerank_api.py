@@ -183,15 +183,20 @@ def _predict_pairs(inputs: str | list[str] | list[list[str]]) -> tuple[list[tupl
     return pairs, one
 
 
-@router.post("/predict")
-async def predict(body: PredictRequest, gateway: GatewayDep) -> list[Any]:
-    if body.raw_scores:
+def _refuse_raw_scores(raw_scores: bool) -> None:
+    """TEI's ``raw_scores``: the workers return the activated scores only."""
+    if raw_scores:
         raise APIError(
             422,
             "raw_scores=true is not available: the workers return the model's activated "
             "scores (CrossEncoder.predict's); leave raw_scores at false",
             code="raw_scores_not_available",
         )
+
+
+@router.post("/predict")
+async def predict(body: PredictRequest, gateway: GatewayDep) -> list[Any]:
+    _refuse_raw_scores(body.raw_scores)
     pairs, one = _predict_pairs(body.inputs)
     async with gateway.request_bound():
         gateway = await gateway.for_model(body.model)
@@ -228,13 +233,7 @@ def _ranked(scores: np.ndarray) -> list[int]:
 
 @router.post("/rerank")
 async def rerank(body: RerankRequest, gateway: GatewayDep) -> list[dict[str, Any]]:
-    if body.raw_scores:
-        raise APIError(
-            422,
-            "raw_scores=true is not available: the workers return the model's activated "
-            "scores (CrossEncoder.predict's); leave raw_scores at false",
-            code="raw_scores_not_available",
-        )
+    _refuse_raw_scores(body.raw_scores)
     async with gateway.request_bound():
         gateway = await gateway.for_model(body.model)
         scores = await _scores(gateway, body.query, body.texts, tei=True)

@@ -392,12 +392,9 @@ class QdrantBackend(VectorBackend):
         return done
 
     def job_ids(self, job: str) -> set[str]:
-        from qdrant_client import models
 
         qdrant = self._opened()
-        selector = models.Filter(
-            must=[models.FieldCondition(key="job", match=models.MatchValue(value=job))]
-        )
+        selector = _job_filter(job)
         found: set[str] = set()
         offset = None
         while True:
@@ -421,16 +418,9 @@ class QdrantBackend(VectorBackend):
         self._opened().delete(self.target.table, points_selector=points, wait=True)
 
     def export_rows(self, job: str | None = None) -> list[StoredVector]:
-        from qdrant_client import models
 
         qdrant = self._opened()
-        selector = (
-            None
-            if job is None
-            else models.Filter(
-                must=[models.FieldCondition(key="job", match=models.MatchValue(value=job))]
-            )
-        )
+        selector = None if job is None else _job_filter(job)
         found: list[StoredVector] = []
         codes = self.vector_format()[0] == "uint8"
         offset = None
@@ -509,3 +499,12 @@ def _dtype_of(vectors: Any) -> str:
     if datatype == models.Datatype.UINT8:
         return "uint8"
     return "float32"
+
+
+def _job_filter(job: str) -> Any:
+    """The Qdrant filter of the points one job wrote last (their payload's ``job``)."""
+    from qdrant_client import models
+
+    return models.Filter(
+        must=[models.FieldCondition(key="job", match=models.MatchValue(value=job))]
+    )
