@@ -275,6 +275,39 @@ async def slice_report(metrics_url: str) -> SliceReport:
     return report
 
 
+QUERY_STAGES = ("read", "tokenize", "wait", "forward", "reply")
+
+
+async def query_stage_totals(metrics_url: str) -> dict[str, tuple[float, float]]:
+    """Per stage of the worker's query lane (embedfleet_query_stage_seconds): (seconds, count)
+    so far; two snapshots give the stages' means over the queries between them."""
+    totals: dict[str, list[float]] = {stage: [0.0, 0.0] for stage in QUERY_STAGES}
+    async with aiohttp.ClientSession() as session, session.get(metrics_url) as response:
+        text = await response.text()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            stage = sample.labels.get("stage")
+            if stage not in totals:
+                continue
+            if sample.name == "embedfleet_query_stage_seconds_sum":
+                totals[stage][0] = sample.value
+            elif sample.name == "embedfleet_query_stage_seconds_count":
+                totals[stage][1] = sample.value
+    return {stage: (total[0], total[1]) for stage, total in totals.items()}
+
+
+def stage_means_ms(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, float]:
+    """Mean ms per stage over the queries answered between two snapshots."""
+    means = {}
+    for stage in QUERY_STAGES:
+        seconds = after[stage][0] - before[stage][0]
+        count = after[stage][1] - before[stage][1]
+        means[stage] = seconds / count * 1000 if count else math.nan
+    return means
+
+
 def resolved_slice_ms(settings: Settings) -> float:
     """EMBEDFLEET_SLICE_MS as a CPU worker resolves it (-1: the CPU's auto value)."""
     from embedfleet.workers.worker import SLICE_MS_AUTO
@@ -330,6 +363,8 @@ class PathRun:
     left_after: int
     slices: SliceReport
     bare_query_path: str
+    # "idle" / "saturated" (one at a time) -> mean ms per query stage (QUERY_STAGES)
+    stages: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def idle_p99(self) -> float:
@@ -377,17 +412,23 @@ async def run_path(path: str, args: argparse.Namespace) -> PathRun:
                     await producer.embed_query(QUERY, timeout=30)
                 encoder = bare_encoder(forced)
                 rows = {}
+                before_idle = await query_stage_totals(metrics_url)
                 bare, rows[("idle", 1)] = await paired_latencies(
                     encoder, producer, args.queries, args.pair_pause
                 )
+                after_idle = await query_stage_totals(metrics_url)
                 rows[("idle", 8)] = await query_latencies(producer, args.queries, 8)
                 backlog = bulk_corpus(args.backlog)
                 await producer.enqueue(backlog, job="saturate")
                 await asyncio.sleep(3)  # the worker is deep in bulk batches
-                for concurrency in (1, 8):
-                    rows[("saturated", concurrency)] = await query_latencies(
-                        producer, args.queries, concurrency
-                    )
+                before_saturated = await query_stage_totals(metrics_url)
+                rows[("saturated", 1)] = await query_latencies(producer, args.queries, 1)
+                after_saturated = await query_stage_totals(metrics_url)
+                rows[("saturated", 8)] = await query_latencies(producer, args.queries, 8)
+                stages = {
+                    "idle": stage_means_ms(before_idle, after_idle),
+                    "saturated": stage_means_ms(before_saturated, after_saturated),
+                }
                 left = await producer.client.xlen(settings.keys.ingest)
                 without, with_queries = [], []
                 for _ in range(args.rounds):
@@ -409,6 +450,7 @@ async def run_path(path: str, args: argparse.Namespace) -> PathRun:
         left_after,
         slices,
         bare_path(encoder),
+        stages,
     )
 
 
@@ -473,6 +515,12 @@ def print_table(run: PathRun, args: argparse.Namespace) -> None:
         f"rounds: {run.left_after}"
     )
     print(_slice_line(run))
+    for state, means in run.stages.items():
+        print(
+            f"query stages, {state}, 1 at a time (mean ms, the worker's "
+            "embedfleet_query_stage_seconds): "
+            + ", ".join(f"{stage} {ms:.1f}" for stage, ms in means.items())
+        )
     print("\n| bulk load | real tokens/s (median of rounds) |")
     print("|---|---|")
     print(f"| no queries | {statistics.median(run.without):,.0f} |")

@@ -50,6 +50,7 @@ FAMILIES = {
     "embedfleet_batch_seconds": "histogram",
     "embedfleet_write_seconds": "histogram",
     "embedfleet_query_latency_seconds": "histogram",
+    "embedfleet_query_stage_seconds": "histogram",
     "embedfleet_model_seconds": "counter",
     "embedfleet_queries_served": "counter",
     "embedfleet_padding_ratio": "gauge",
@@ -209,6 +210,20 @@ async def test_worker_metrics_health_and_readiness(
             }
             assert sum(served.values()) == 1 and set(served) <= {"frozen", "eager"}, served
             assert 0 < final("embedfleet_query_latency_seconds_sum") < 60
+            # the one query's stages, each observed once, add up to its latency (the same clock
+            # readings: enqueue, read, inbox, model thread, vectors, reply)
+            stages = {
+                stage: final("embedfleet_query_stage_seconds_sum", stage=stage)
+                for stage in ("read", "tokenize", "wait", "forward", "reply")
+            }
+            for stage in stages:
+                assert final("embedfleet_query_stage_seconds_count", stage=stage) == 1, stage
+            assert stages["forward"] > 0, stages
+            assert math.isclose(
+                sum(stages.values()),
+                final("embedfleet_query_latency_seconds_sum"),
+                abs_tol=1e-3,
+            ), stages
             assert final("embedfleet_dead_letters_total", reason="not_msgpack") == 1
             assert final("embedfleet_dead_letters_total", reason="too_long") == 0
             assert final("embedfleet_reclaimed_total") == 0

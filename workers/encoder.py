@@ -699,6 +699,11 @@ class Encoder:
                 "int8 W8A8 copy not tried: torch.compile builds its CPU kernels with a C++ "
                 "compiler ($CXX, g++ or clang++), and none is on PATH (the CPU image has none)"
             )
+        elif W8A8Forward.name in wanted and W8A8Forward.name not in runnable:
+            log.info(
+                "int8 W8A8 copy not tried: this CPU has no int8 dot-product instructions "
+                "(AVX512-VNNI, AVX-VNNI or AMX), where its int8 matmul runs slower than float32"
+            )
         kept: list[Int8Forward] = []
         for name in wanted:
             if name not in runnable:
@@ -828,13 +833,16 @@ def cpu_paths(cpu: CpuClass, compiler: bool) -> list[str]:
     to the same parity bar: float32; bfloat16 where the CPU runs it natively (elsewhere it is
     emulated, slower than float32); the dynamic int8 copy wherever FBGEMM/oneDNN have int8
     kernels (AVX2 and up: vpmaddubsw, VNNI, AMX); the W8A8 copy where inductor can compile its
-    kernels (a C++ compiler). Which of them is kept is measured at start (prepare_query_graph)."""
+    kernels (a C++ compiler) and the CPU has int8 dot-product instructions (VNNI, AMX): its
+    int8 matmul (``torch._int_mm``) has no fast kernel below them, and on a real AVX2-only Zen 3
+    it ran tens of times slower than float32 (docs/BENCHMARKS.md), after a minute's compile at
+    every start. Which of them is kept is measured at start (prepare_query_graph)."""
     paths = ["float32"]
     if cpu.fast_bf16:
         paths.append("bfloat16")
     if cpu.int8_dot != "none":
         paths.append(DynamicInt8Forward.name)
-    if compiler:
+    if compiler and cpu.int8_dot in ("vnni", "amx"):
         paths.append(W8A8Forward.name)
     return paths
 

@@ -55,6 +55,16 @@ class WorkerEvents:
         Called on the model thread (between transformer layers when a bulk batch is running),
         or on CUDA on the query lane's own thread."""
 
+    def query_stages(
+        self, *, read: float, tokenize: float, wait: float, forward: float, reply: float
+    ) -> None:
+        """Where one answered query's time went, in seconds (same thread as
+        ``query_answered``): ``read`` from enqueue (the entry id's time) until the event loop had
+        it, ``tokenize`` decoding and tokenizing it there, ``wait`` in the inbox until the model
+        thread took it (the rest of a bulk slice), ``forward`` its batch's forward pass,
+        ``reply`` writing the answer. What a query under bulk load waits beyond the slice it
+        landed in shows up here, stage by stage."""
+
     def queries_served(self, *, count: int, path: str) -> None:
         """``count`` queries went through the model in one batch, by ``path`` (a
         workers.cuda_queries.QueryPath: graph, stream, frozen or eager). Same thread as

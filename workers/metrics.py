@@ -138,6 +138,15 @@ METRICS: dict[str, MetricSpec] = {
         "Priority query latency, from enqueue (the entry id's time) to reply.",
         buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
     ),
+    "query_stage_seconds": MetricSpec(
+        Histogram,
+        "query_stage_seconds",
+        "Where an answered priority query's time went, by stage: read (enqueue until the "
+        "worker's event loop had it), tokenize, wait (in the inbox until the model thread took "
+        "it: the rest of a bulk slice), forward, reply (the answer written).",
+        ("stage",),
+        buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 1),
+    ),
     "queries_by_path": MetricSpec(
         Counter,
         "queries_served",
@@ -272,6 +281,7 @@ class WorkerMetrics(WorkerEvents):
     slice_target_seconds: Gauge
     write_seconds: Histogram
     query_seconds: Histogram
+    query_stage_seconds: Histogram
     queries_by_path: Counter
     model_seconds: Counter
     padding_ratio: Gauge
@@ -382,6 +392,13 @@ class WorkerMetrics(WorkerEvents):
     def query_answered(self, *, latency_seconds: float) -> None:
         self.query_seconds.observe(max(0.0, latency_seconds))
         self.last_forward_at = time.monotonic()
+
+    def query_stages(
+        self, *, read: float, tokenize: float, wait: float, forward: float, reply: float
+    ) -> None:
+        stages = {"read": read, "tokenize": tokenize, "wait": wait, "forward": forward}
+        for stage, seconds in (*stages.items(), ("reply", reply)):
+            self.query_stage_seconds.labels(stage=stage).observe(max(0.0, seconds))
 
     def queries_served(self, *, count: int, path: str) -> None:
         self.queries_by_path.labels(path=path).inc(count)

@@ -65,6 +65,10 @@ class PendingQuery(Accepted):
     """An accepted query, tokenized, waiting in the inbox to be served."""
 
     tokens: Tokenized
+    # wall clock (time.time) when the event loop got the entry and when it entered the inbox:
+    # the stages of a query's wait (WorkerEvents.query_stages)
+    read_at: float = 0.0
+    queued_at: float = 0.0
 
     @property
     def reply(self) -> str:
@@ -188,8 +192,9 @@ class QueryLane:
         """Decode, skip queries whose caller has gone, tokenize, hand to the model thread."""
         if not entries:
             return
+        read_at = time.time()
         accepted, rejected = decode_entries(entries, self.settings)
-        now_ms = time.time() * 1000
+        now_ms = read_at * 1000
         expired: list[Delivery] = []
         fresh = []
         prompts: list[str] = []
@@ -228,12 +233,13 @@ class QueryLane:
             prompts if any(prompts) else None,
             pairs=pairs_of([item.chunk for item in fresh]),
         )
+        queued_at = time.time()
         for item, tokenized in zip(fresh, tokens, strict=True):
             # accounted with the query's tokens (its model time is the bulk batches' gaps)
             delivery = dataclasses.replace(
                 item.delivery, model=self.encoder.name, tokens=tokenized.length
             )
-            self._inbox.append(PendingQuery(item.chunk, delivery, tokenized))
+            self._inbox.append(PendingQuery(item.chunk, delivery, tokenized, read_at, queued_at))
         # Runs at once if the model is idle; if a bulk batch is in flight, the layer hook
         # serves the inbox first and this call finds it empty. A plain submit, not
         # run_in_executor: nothing awaits it, and its completion would wake the event loop
@@ -274,6 +280,7 @@ class QueryLane:
         """One forward pass for ``items``, then their answers."""
         if self._device_fault is not None:  # an earlier part of the batch lost the device
             return
+        serving_at = time.time()
         try:
             batch = self.encoder.collate([i.tokens for i in items])
             # a multi-head model's heads (it has no frozen or CUDA query copy: the eager pass)
@@ -283,7 +290,7 @@ class QueryLane:
             self._on_model_error(items, error, oom_retries)
             return
         self.events.queries_served(count=len(items), path=path)
-        self._answer(items, vectors)
+        self._answer(items, vectors, serving_at, time.time())
 
     def _on_model_error(
         self, items: list[PendingQuery], error: Exception, oom_retries: int
@@ -323,7 +330,13 @@ class QueryLane:
         assert self._loop is not None and self._faulted is not None
         self._loop.call_soon_threadsafe(_set_once, self._faulted)
 
-    def _answer(self, items: list[PendingQuery], vectors: np.ndarray) -> None:
+    def _answer(
+        self,
+        items: list[PendingQuery],
+        vectors: np.ndarray,
+        serving_at: float = 0.0,
+        computed_at: float = 0.0,
+    ) -> None:
         """Answers and acknowledgement in one MULTI, from the model thread.
 
         If Redis is unreachable the entries stay pending: the reclaimer hands them to a worker
@@ -361,6 +374,14 @@ class QueryLane:
         now = time.time()
         for item in items:  # metrics are thread-safe (prometheus_client)
             self.events.query_answered(latency_seconds=max(0.0, now - item.enqueued_at))
+            if item.read_at and serving_at:
+                self.events.query_stages(
+                    read=item.read_at - item.enqueued_at,
+                    tokenize=item.queued_at - item.read_at,
+                    wait=serving_at - item.queued_at,
+                    forward=computed_at - serving_at,
+                    reply=now - computed_at,
+                )
 
     def _close(self) -> None:
         with self._serve_lock:
