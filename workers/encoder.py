@@ -700,10 +700,19 @@ class Encoder:
                 "compiler ($CXX, g++ or clang++), and none is on PATH (the CPU image has none)"
             )
         elif W8A8Forward.name in wanted and W8A8Forward.name not in runnable:
-            log.info(
-                "int8 W8A8 copy not tried: this CPU has no int8 dot-product instructions "
-                "(AVX512-VNNI, AVX-VNNI or AMX), where its int8 matmul runs slower than float32"
-            )
+            if choice == "auto":
+                log.info(
+                    "int8 W8A8 copy not tried: this CPU has no int8 dot-product instructions "
+                    "(AVX512-VNNI, AVX-VNNI or AMX), where its int8 matmul runs slower than "
+                    "float32"
+                )
+            else:  # forced (EMBEDFLEET_CPU_INT8_PATH=w8a8): the operator's choice, said
+                runnable = [*runnable, W8A8Forward.name]
+                log.warning(
+                    "int8 W8A8 copy forced on a CPU without int8 dot-product instructions "
+                    "(AVX512-VNNI, AVX-VNNI or AMX): its int8 matmul runs slower than float32 "
+                    "here; EMBEDFLEET_CPU_INT8_PATH=auto leaves it out"
+                )
         kept: list[Int8Forward] = []
         for name in wanted:
             if name not in runnable:
