@@ -44,22 +44,26 @@ def isolated_settings(redis_url: str, namespace: str | None = None, **overrides:
 def embedfleet_process(
     command: str, environment: Mapping[str, str], stop_timeout_s: float
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """`embedfleet <command>` as its own process, output discarded; SIGTERM on exit (a worker
-    drains on it), SIGKILL when it has not exited within ``stop_timeout_s``."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "embedfleet.cli", command],
-        env={**os.environ, **environment},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        yield process
-    finally:
-        process.terminate()
+    """`embedfleet <command>` as its own process, output discarded unless LOADTEST_PROCESS_LOG
+    names a file to append it to (to see why a benchmark's worker failed); SIGTERM on exit (a
+    worker drains on it), SIGKILL when it has not exited within ``stop_timeout_s``."""
+    log_path = os.environ.get("LOADTEST_PROCESS_LOG")
+    with contextlib.ExitStack() as stack:
+        output = stack.enter_context(open(log_path, "ab")) if log_path else subprocess.DEVNULL
+        process = subprocess.Popen(
+            [sys.executable, "-m", "embedfleet.cli", command],
+            env={**os.environ, **environment},
+            stdout=output,
+            stderr=output,
+        )
         try:
-            process.wait(timeout=stop_timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
+            yield process
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
 
 
 @contextlib.contextmanager

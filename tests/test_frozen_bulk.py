@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.settings import Settings
+from embedfleet.workers.cpus import cpu_class
 from embedfleet.workers.encoder import Encoder
 from embedfleet.workers.precision import cosines
 from tests.conftest import WorkerLauncher, reference_model
@@ -20,7 +21,10 @@ from tests.conftest import WorkerLauncher, reference_model
 
 @pytest.fixture(scope="module")
 def bf16_encoder() -> Encoder:
-    """bf16 weights whatever the CPU (slow where it has no bf16 instructions, but exact)."""
+    """bf16 weights, where the CPU runs them natively: elsewhere no frozen copy is built (its
+    emulated kernels ran slower than eager; tests/test_frozen.py)."""
+    if not cpu_class().fast_bf16:
+        pytest.skip(f"no frozen bf16 copy on this CPU: {cpu_class().describe()}")
     encoder = Encoder(dtype="bfloat16")
     assert encoder.computes_in_reduced_precision
     assert encoder.prepare_query_graph(), "the bf16 copy must freeze and hold parity"

@@ -21,7 +21,8 @@ from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.cost_model import SliceClock
-from embedfleet.workers.encoder import Encoder
+from embedfleet.workers.cpus import cpu_class
+from embedfleet.workers.encoder import Encoder, cpu_paths
 from embedfleet.workers.int8 import cpp_compiler_available
 from tests.conftest import WorkerLauncher
 
@@ -60,6 +61,8 @@ def _eager() -> Encoder:
 
 
 def _frozen() -> Encoder:
+    if not cpu_class().fast_bf16:  # emulated bf16 builds no frozen copy (tests/test_frozen.py)
+        pytest.skip(f"no frozen bf16 copy on this CPU: {cpu_class().describe()}")
     encoder = Encoder(dtype="bfloat16", threads=THREADS)  # bf16: bulk through the frozen copy
     assert encoder.prepare_query_graph(int8=False), "the bf16 copy must freeze and hold parity"
     return encoder
@@ -67,9 +70,11 @@ def _frozen() -> Encoder:
 
 def _int8() -> Encoder:
     encoder = Encoder(dtype="auto", threads=THREADS)
-    # forced: the W8A8 copy where a C++ compiler can build it, else the dynamic one (FBGEMM or
-    # oneDNN kernels, AVX2 and up), kept whenever it holds the float32 bar (no timing race)
-    encoder.prepare_query_graph(int8="w8a8" if cpp_compiler_available() else "dynamic")
+    # forced: the W8A8 copy where the CPU has it as a path (a C++ compiler, VNNI or AMX), else
+    # the dynamic one (FBGEMM or oneDNN kernels, AVX2 and up), kept whenever it holds the
+    # float32 bar (no timing race)
+    w8a8 = "int8-w8a8" in cpu_paths(cpu_class(), cpp_compiler_available())
+    encoder.prepare_query_graph(int8="w8a8" if w8a8 else "dynamic")
     if not encoder.computes_in_int8:
         pytest.skip(f"no int8 copy runs or holds the bar here: {encoder.forward_path}")
     return encoder

@@ -102,6 +102,19 @@ class CpuClass:
         return bool({"avx512_bf16", "amx_bf16"} & self.flags)
 
     @property
+    def fast_fp16(self) -> bool:
+        """fp16 matmuls run natively (AVX512-FP16 or AMX-FP16)."""
+        return bool({"avx512_fp16", "amx_fp16"} & self.flags)
+
+    def runs_natively(self, dtype_name: str) -> bool:
+        """Whether matmuls in ``dtype_name`` ("float32", "bfloat16", "float16") are native."""
+        if dtype_name == "bfloat16":
+            return self.fast_bf16
+        if dtype_name == "float16":
+            return self.fast_fp16
+        return True
+
+    @property
     def int8_dot(self) -> str:
         """The int8 dot-product instructions: ``amx``, ``vnni`` (AVX512-VNNI or AVX-VNNI) or
         ``avx2`` (vpmaddubsw: FBGEMM's and oneDNN's AVX2 int8 kernels)."""

@@ -627,6 +627,19 @@ class Encoder:
             return False
         if not self.dense_only:  # the frozen and int8 copies end in pooling
             return False
+        dtype_name = str(self.precision.dtype).removeprefix("torch.")
+        if not cpu_class().runs_natively(dtype_name):
+            # an explicit bf16/fp16 where the CPU emulates it: its frozen graph's fused kernels
+            # ran several times slower than the eager model and took over a minute to build
+            # (docs/BENCHMARKS.md); eager keeps the layer boundaries queries get in at
+            log.warning(
+                "no frozen query graph: this CPU has no native matmul in the dtype asked for "
+                "(emulated, slower than float32); queries and bulk run eager. "
+                "EMBEDFLEET_DTYPE=auto or float32 is faster here",
+                dtype=dtype_name,
+                cpu=cpu_class().describe(),
+            )
+            return False
         choice: Int8Choice = "auto" if int8 is True else "off" if int8 is False else int8
         candidates = self._build_int8_paths(choice)
         self._query_forward = self._build_frozen()
