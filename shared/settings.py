@@ -187,7 +187,8 @@ class Settings(BaseSettings):
     """On CPU in bf16/fp16, bulk batches run through the same frozen copy as queries (needs
     FROZEN_QUERIES): eager reduced-precision linear layers are slow there (docs/BENCHMARKS.md). The
     copy has no layer boundaries, so bulk batches are sized whole to the query slice instead of one
-    layer. `false`: eager, sliced per layer."""
+    layer. `false`: eager, sliced per layer. Where the CPU emulates the dtype (bf16 without
+    AVX512-BF16 or AMX) no frozen copy is built at all: its kernels ran slower than eager there."""
     cpu_int8: bool = True
     """On CPU with DTYPE=auto (whether it kept bf16 or float32), the frozen copy (queries, and bulk
     with FROZEN_BULK) may compute its linear layers in int8 (CPU_INT8_PATH): kept if it holds the
@@ -199,10 +200,12 @@ class Settings(BaseSettings):
     cpu_int8_path: Literal["auto", "w8a8", "dynamic"] = "auto"
     """Which int8 copies CPU_INT8 tries. `auto`: every one this CPU can run (`dynamic`: PyTorch's
     dynamic int8 Linear, FBGEMM/oneDNN kernels on AVX2 and up; `w8a8`: SmoothQuant W8A8 compiled
-    with `torch.compile`, needs a C++ compiler), each kept only if it holds the float32 bar on the
+    with `torch.compile`, needs a C++ compiler and int8 dot-product instructions, VNNI or AMX: below
+    them its int8 matmul is slower than float32), each kept only if it holds the float32 bar on the
     held-out parity set (multilingual, long and odd texts none was calibrated on), the fastest of
     those and the frozen copy on a timed batch at start. `w8a8` / `dynamic`: only that copy, used
-    whenever it holds the bar (no timing race): to force a path for a benchmark."""
+    whenever it holds the bar (no timing race): to force a path for a benchmark (`w8a8` is built
+    even without VNNI/AMX then, with a warning)."""
     layout: Literal["auto", "padded", "varlen"] = "auto"
     """How bulk batches are laid out for the forward pass. `auto`: `varlen` on CUDA (every text of a
     batch end to end in one row, attention per text: no padding computed), `padded` on CPU (sorted,
