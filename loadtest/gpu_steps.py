@@ -80,6 +80,9 @@ class CheckConfig:
     threads: int
     nominal_bf16_flops: float  # the chip's bf16 matmul peak (0 = use only the measured one)
     pytest_filter: str = ""
+    # the host step (loadtest/host_pipeline.py): worker processes with the stand-in encoder
+    host_processes: list[int] = field(default_factory=lambda: [1])
+    host_texts: int = 2000
     extra: dict[str, Any] = field(default_factory=dict)
 
     def worker_env(self) -> dict[str, str]:
@@ -591,6 +594,30 @@ async def _replicas(config: CheckConfig, record: Record) -> None:
         say(f"{count} replicas: {value['texts_per_s']:,.0f} texts/s")
 
 
+# --- host --------------------------------------------------------------------------------
+def host(config: CheckConfig, record: Record) -> None:
+    """The host pipeline without the model (issue 29, loadtest/host_pipeline.py) on this
+    machine's cores: N worker processes with the benchmark stand-in encoder at zero cost through
+    a server of their own, against the raw tokenizer on the same texts; one process count at a
+    time, each recorded as it ends (the step may be cut at its timeout). Beside the bench step's
+    fleet (the real model on the device, its busy share), this is what the host alone carries."""
+    from loadtest.host_pipeline import measure
+
+    for count in config.host_processes:
+        report = measure(config.host_texts, [count], ["after"], rounds=1)
+        row = report["configs"][0]
+        value = {
+            "texts_per_s": row["texts_per_s"],
+            "tokens_per_s": row["tokens_per_s"],
+            "per_process_to_floor": row["per_process_to_floor"],
+            "cores_per_process": row["cores_per_process"],
+            "texts_per_core_s": row["texts_per_core_s"],
+            "tokenizer_floor_texts_per_s": report["tokenizer_floor_texts_per_s"],
+        }
+        record.put(f"{count} processes", value)
+        say(f"host pipeline, {count} processes: {value['texts_per_s']:,.0f} texts/s")
+
+
 # --- tests -------------------------------------------------------------------------------
 def tests(config: CheckConfig, record: Record) -> None:
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x"]
@@ -622,6 +649,7 @@ STEPS: dict[str, Callable[[CheckConfig, Record], None]] = {
     "bench": bench,
     "latency": latency,
     "replicas": replicas,
+    "host": host,
     "tests": tests,
 }
 

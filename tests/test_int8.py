@@ -200,7 +200,10 @@ def test_a_real_w8a8_copy_passes_its_probe_texts_and_fails_heldout(
     """The issue's case with a real copy: the W8A8 scheme with only the attention output kept
     in float holds the bar on the 20 texts it was calibrated on and not on the held-out set;
     the scheme kept now (both output projections in float) holds it there. Eager (the compiled
-    copy computes the same, fused), on a float32 model: the scheme's own error."""
+    copy computes the same, fused), on a float32 model: the scheme's own error. Where W8A8 is
+    not a path (no VNNI/AMX) its eager int8 matmul alone took 128 s of CI: checked elsewhere."""
+    if "int8-w8a8" not in cpu_paths(cpu_class(), compiler=True):
+        pytest.skip(f"the W8A8 copy is not a path on this CPU: {cpu_class().describe()}")
     encoder = float32_encoder
     reference = embed_in_batches(encoder.embed_texts, GATE_TEXTS)
     old = build_int8(

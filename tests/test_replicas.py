@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.producer.client import Producer
+from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.replicas import (
     CUDA_CONTEXT_BYTES,
@@ -104,13 +105,26 @@ async def test_replicas_embed_together_and_drain_on_sigterm(
         assert progress.done == 120 and progress.dead == 0
         assert set(results) == {c.id for c in chunks}
         assert all(np.isfinite(r.vector.astype(np.float32)).all() for r in results.values())
-        # together: each replica embedded some of the job, and each text was embedded once
+        # together: each replica embeds some of the work, each text once. /readyz comes before
+        # a replica's first bulk read (its lane still settles the forward path and seeds the
+        # cost model), so on a slow CPU one replica can take a whole first job; a later job,
+        # with both reading, is shared (a CI run on Zen 3 read [0, 120] after the first)
+        total = 120
         async with aiohttp.ClientSession() as session:
-            embedded = [
-                (await scrape(session, p))("embedfleet_texts_embedded_total")
-                for p in (port, port + 1)
-            ]
-        assert sum(embedded) == 120 and min(embedded) > 0, embedded
+            for extra in range(4):
+                embedded = [
+                    (await scrape(session, p))("embedfleet_texts_embedded_total")
+                    for p in (port, port + 1)
+                ]
+                if min(embedded) > 0:
+                    break
+                more = [Chunk(id=f"more{extra}-{c.id}", text=c.text) for c in chunks]
+                async with Producer(settings) as producer:
+                    await producer.enqueue(more, job=f"more{extra}")
+                    done = await producer.wait_for_job(f"more{extra}", timeout=300)
+                assert done.done == len(more) and done.dead == 0
+                total += len(more)
+        assert sum(embedded) == total and min(embedded) > 0, embedded
         parent.send_signal(signal.SIGTERM)
         _, stderr = await asyncio.to_thread(parent.communicate, timeout=120)
         assert parent.returncode == 0, stderr.decode()[-2000:]
