@@ -47,6 +47,7 @@ from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.server import free_port
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import Settings
+from embedfleet.workers.events import QUERY_STAGES
 from loadtest.common import (
     add_plot_argument,
     machine_load,
@@ -273,9 +274,6 @@ async def slice_report(metrics_url: str) -> SliceReport:
             mean_ms = sums.get(path, 0.0) / count * 1000
             report.slices[path] = (count, mean_ms, buckets.get(path, {}))
     return report
-
-
-QUERY_STAGES = ("read", "tokenize", "wait", "forward", "reply")
 
 
 async def query_stage_totals(metrics_url: str) -> dict[str, tuple[float, float]]:

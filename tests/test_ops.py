@@ -33,6 +33,7 @@ from embedfleet.shared.dead_letters import DeadReason
 from embedfleet.shared.protocol import PAYLOAD_FIELD
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
+from embedfleet.workers.events import QUERY_STAGES
 from embedfleet.workers.health import HealthServer
 from embedfleet.workers.metrics import METRICS, MetricSpec, StreamGauges, WorkerMetrics
 from tests.conftest import WorkerLauncher, cli_env, start_cli
@@ -214,7 +215,7 @@ async def test_worker_metrics_health_and_readiness(
             # readings: enqueue, read, inbox, model thread, vectors, reply)
             stages = {
                 stage: final("embedfleet_query_stage_seconds_sum", stage=stage)
-                for stage in ("read", "tokenize", "wait", "forward", "reply")
+                for stage in QUERY_STAGES
             }
             for stage in stages:
                 assert final("embedfleet_query_stage_seconds_count", stage=stage) == 1, stage

@@ -627,8 +627,9 @@ class Encoder:
             return False
         if not self.dense_only:  # the frozen and int8 copies end in pooling
             return False
+        cpu = cpu_class()
         dtype_name = str(self.precision.dtype).removeprefix("torch.")
-        if not cpu_class().runs_natively(dtype_name):
+        if not cpu.runs_natively(dtype_name):
             # an explicit bf16/fp16 where the CPU emulates it: its frozen graph's fused kernels
             # ran several times slower than the eager model and took over a minute to build
             # (docs/BENCHMARKS.md); eager keeps the layer boundaries queries get in at
@@ -637,7 +638,7 @@ class Encoder:
                 "(emulated, slower than float32); queries and bulk run eager. "
                 "EMBEDFLEET_DTYPE=auto or float32 is faster here",
                 dtype=dtype_name,
-                cpu=cpu_class().describe(),
+                cpu=cpu.describe(),
             )
             return False
         choice: Int8Choice = "auto" if int8 is True else "off" if int8 is False else int8
@@ -652,7 +653,6 @@ class Encoder:
             self._query_forward = candidates[0]
         if isinstance(self._query_forward, Int8Forward):
             self.forward_path = f"{self._query_forward.name} ({self.precision.name} around it)"
-        cpu = cpu_class()
         log.info(
             "forward path chosen",
             path=self.forward_path,

@@ -9,6 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+# The stages of an answered query's time, in order (query_stages; the metric's ``stage`` label)
+QUERY_STAGES = ("read", "tokenize", "wait", "forward", "reply")
+
 
 class WorkerEvents:
     """Subclass and override what you need; every hook is called on the event loop."""

@@ -38,7 +38,7 @@ from embedfleet.shared.fleet import FLEET_STREAMS, INPUT_STREAMS, USAGE_COUNTERS
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.tenants import TenantPolicy
-from embedfleet.workers.events import WorkerEvents
+from embedfleet.workers.events import QUERY_STAGES, WorkerEvents
 
 log = get_logger("embedfleet.metrics")
 
@@ -396,8 +396,9 @@ class WorkerMetrics(WorkerEvents):
     def query_stages(
         self, *, read: float, tokenize: float, wait: float, forward: float, reply: float
     ) -> None:
-        stages = {"read": read, "tokenize": tokenize, "wait": wait, "forward": forward}
-        for stage, seconds in (*stages.items(), ("reply", reply)):
+        for stage, seconds in zip(
+            QUERY_STAGES, (read, tokenize, wait, forward, reply), strict=True
+        ):
             self.query_stage_seconds.labels(stage=stage).observe(max(0.0, seconds))
 
     def queries_served(self, *, count: int, path: str) -> None:

@@ -67,8 +67,8 @@ class PendingQuery(Accepted):
     tokens: Tokenized
     # wall clock (time.time) when the event loop got the entry and when it entered the inbox:
     # the stages of a query's wait (WorkerEvents.query_stages)
-    read_at: float = 0.0
-    queued_at: float = 0.0
+    read_at: float
+    queued_at: float
 
     @property
     def reply(self) -> str:
@@ -334,8 +334,8 @@ class QueryLane:
         self,
         items: list[PendingQuery],
         vectors: np.ndarray,
-        serving_at: float = 0.0,
-        computed_at: float = 0.0,
+        serving_at: float,
+        computed_at: float,
     ) -> None:
         """Answers and acknowledgement in one MULTI, from the model thread.
 
@@ -374,14 +374,13 @@ class QueryLane:
         now = time.time()
         for item in items:  # metrics are thread-safe (prometheus_client)
             self.events.query_answered(latency_seconds=max(0.0, now - item.enqueued_at))
-            if item.read_at and serving_at:
-                self.events.query_stages(
-                    read=item.read_at - item.enqueued_at,
-                    tokenize=item.queued_at - item.read_at,
-                    wait=serving_at - item.queued_at,
-                    forward=computed_at - serving_at,
-                    reply=now - computed_at,
-                )
+            self.events.query_stages(
+                read=item.read_at - item.enqueued_at,
+                tokenize=item.queued_at - item.read_at,
+                wait=serving_at - item.queued_at,
+                forward=computed_at - serving_at,
+                reply=now - computed_at,
+            )
 
     def _close(self) -> None:
         with self._serve_lock:
