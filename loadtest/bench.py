@@ -622,6 +622,15 @@ def main(
             contenders.append(
                 Contender("fleet auto unsliced", auto_label, lambda n: fleet_run(auto, n, 0))
             )
+        if "fleet auto eager bulk" in only and auto_label != "fp32":
+            # EMBEDFLEET_FROZEN_BULK=false: bulk batches eager, sliced per layer; queries frozen
+            contenders.append(
+                Contender(
+                    "fleet auto eager bulk",
+                    auto_label,
+                    lambda n: fleet_run(auto, n, settings={"frozen_bulk": False}),
+                )
+            )
         if "fleet auto bf16" in only and auto_label == "int8":
             # EMBEDFLEET_CPU_INT8=false: the bf16 frozen copy, as before int8 was the default
             bf16_copy = Encoder(device=device, dtype="auto", threads=threads)
