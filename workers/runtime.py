@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
+import sys
+import threading
 
 import redis.asyncio as aioredis
 import uvloop
@@ -26,6 +29,8 @@ from embedfleet.workers.replicas import gpu_memory_share, limit_gpu_memory
 from embedfleet.workers.sinks import build_sink
 from embedfleet.workers.worker import Worker
 
+# After a second signal, how long the worker may take to exit before it is cut short
+SECOND_SIGNAL_GRACE_S = 2.0
 log = get_logger("embedfleet.worker")
 
 
@@ -173,6 +178,12 @@ async def _serve(
         else:
             log.warning("second signal: exiting now; pending entries will be reclaimed")
             run_task.cancel()
+            # The model thread finishes the forward pass it is in, and the interpreter joins it
+            # (and runs what is queued behind it) before it exits: on a loaded CPU that was
+            # over a minute (CI). "At once" must not wait on it; a daemon timer cuts it short.
+            timer = threading.Timer(SECOND_SIGNAL_GRACE_S, _exit_now, (128 + signum,))
+            timer.daemon = True
+            timer.start()
 
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -186,6 +197,13 @@ async def _serve(
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
         await sink.close()
+
+
+def _exit_now(status: int) -> None:
+    """The second signal's hard exit (128 + the signal, as a shell reports one)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def run_worker(settings: Settings) -> None:
