@@ -25,10 +25,10 @@ demo: install
 # the whole suite, as CI runs it (.ci/run), listing its 30 slowest tests at the end: CI must
 # stay under 30 minutes on 2 cores, and that list says where the time goes.
 FAST_TIER := not slow and not chaos and not image and not packaging and not cluster
-# The image tests wait mostly on apt and buildah (under one core: 7 CPU minutes in 8.7 from
-# nothing), so test-full runs them in a second pytest beside the rest and prints their report
-# after it; either failing fails the target. The wheelhouse is made first, alone: it builds the
-# project in this tree, as the packaging tests do, and two builds in one tree collide.
+# The image tests wait mostly on apt and buildah (under one core between them), so test-full
+# runs them in a second pytest beside the rest and prints their report after it; either failing
+# fails the target. The wheelhouse is made first, alone: it builds the project in this tree, as
+# the packaging tests do, and two builds in one tree collide.
 # EMBEDFLEET_TEST_WHEELHOUSE=made tells tests/test_image.py not to make it again.
 test: install
 	$(PY) -m pytest -m "$(FAST_TIER)"

@@ -622,12 +622,13 @@ def main(
             contenders.append(
                 Contender("fleet auto unsliced", auto_label, lambda n: fleet_run(auto, n, 0))
             )
-        if "fleet auto eager bulk" in only and auto_label != "fp32":
-            # EMBEDFLEET_FROZEN_BULK=false: bulk batches eager, sliced per layer; queries frozen
+        if "fleet auto eager bulk" in only and auto_precision != "fp32":
+            # EMBEDFLEET_FROZEN_BULK=false: bulk batches eager in auto's precision (not through
+            # an int8 copy), sliced per layer; queries still through the frozen or int8 copy
             contenders.append(
                 Contender(
                     "fleet auto eager bulk",
-                    auto_label,
+                    auto_precision,
                     lambda n: fleet_run(auto, n, settings={"frozen_bulk": False}),
                 )
             )

@@ -178,9 +178,9 @@ async def _serve(
         else:
             log.warning("second signal: exiting now; pending entries will be reclaimed")
             run_task.cancel()
-            # The model thread finishes the forward pass it is in, and the interpreter joins it
-            # (and runs what is queued behind it) before it exits: on a loaded CPU that was
-            # over a minute (CI). "At once" must not wait on it; a daemon timer cuts it short.
+            # Queued model work is cancelled when the worker stops, but a forward pass already
+            # running is one native call the interpreter joins before it exits: on a loaded CPU
+            # that outlasted a minute (CI). "At once" must not wait on it; a daemon timer exits.
             timer = threading.Timer(SECOND_SIGNAL_GRACE_S, _exit_now, (128 + signum,))
             timer.daemon = True
             timer.start()
