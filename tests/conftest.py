@@ -84,6 +84,24 @@ def encoder():
     return shared_encoder()
 
 
+@pytest.fixture(scope="session")
+def forced_int8_encoder():
+    """A default CPU worker's encoder with its int8 copy forced (kept whenever it holds the
+    held-out gate, no timing race): the W8A8 copy where the CPU has it as a path (a C++
+    compiler, VNNI or AMX), else the dynamic one (FBGEMM/oneDNN kernels, AVX2 and up). Built
+    once per session and shared by tests/test_int8.py and tests/test_slices.py: the W8A8 copy's
+    compile took up to two minutes of CI on 2 cores, once per module. Whether the copy was kept
+    is each test's to check (``computes_in_int8``)."""
+    from embedfleet.workers.cpus import cpu_class
+    from embedfleet.workers.encoder import Encoder, cpu_paths
+    from embedfleet.workers.int8 import cpp_compiler_available
+
+    w8a8 = "int8-w8a8" in cpu_paths(cpu_class(), cpp_compiler_available())
+    encoder = Encoder(dtype="auto")
+    encoder.prepare_query_graph(int8="w8a8" if w8a8 else "dynamic")
+    return encoder
+
+
 @functools.cache
 def reference_model():
     """sentence-transformers' own ``SentenceTransformer`` of the model under test, the parity

@@ -310,17 +310,19 @@ def float32_encoder() -> Encoder:
 
 
 @pytest.fixture(scope="module")
-def int8_encoder() -> Encoder:
+def int8_encoder(request: pytest.FixtureRequest) -> Encoder:
     """A default CPU worker's encoder with the W8A8 copy forced (EMBEDFLEET_CPU_INT8_PATH=w8a8:
-    kept when it passes the held-out gate, without the timing race); compiled once here."""
+    kept when it passes the held-out gate, without the timing race): the session's
+    ``forced_int8_encoder`` (tests/conftest.py), compiled once for this module and
+    tests/test_slices.py."""
     if not cpp_compiler_available():
         pytest.skip("no C++ compiler: torch.compile cannot build the W8A8 copy here")
     if "int8-w8a8" not in cpu_paths(cpu_class(), compiler=True):
         # a path `auto` never takes here (no VNNI/AMX: its int8 matmul is tens of times slower
         # than float32), so its parity is checked on the CPUs that can choose it
         pytest.skip(f"the W8A8 copy is not a path on this CPU: {cpu_class().describe()}")
-    encoder = Encoder(dtype="auto")
-    encoder.prepare_query_graph("w8a8")
+    encoder: Encoder = request.getfixturevalue("forced_int8_encoder")
+    assert "int8-w8a8" in encoder.gate_reports, "the shared encoder must have built the W8A8 copy"
     return encoder
 
 

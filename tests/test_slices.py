@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
+import torch
 
 from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
@@ -22,8 +23,7 @@ from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.cost_model import SliceClock
 from embedfleet.workers.cpus import cpu_class
-from embedfleet.workers.encoder import Encoder, cpu_paths
-from embedfleet.workers.int8 import cpp_compiler_available
+from embedfleet.workers.encoder import Encoder
 from tests.conftest import WorkerLauncher
 
 # The slice target: at least this, and at least FLOOR_FACTOR x the path's longest slice for a
@@ -68,15 +68,15 @@ def _frozen() -> Encoder:
     return encoder
 
 
-def _int8() -> Encoder:
-    encoder = Encoder(dtype="auto", threads=THREADS)
-    # forced: the W8A8 copy where the CPU has it as a path (a C++ compiler, VNNI or AMX), else
-    # the dynamic one (FBGEMM or oneDNN kernels, AVX2 and up), kept whenever it holds the
-    # float32 bar (no timing race)
-    w8a8 = "int8-w8a8" in cpu_paths(cpu_class(), cpp_compiler_available())
-    encoder.prepare_query_graph(int8="w8a8" if w8a8 else "dynamic")
+def _int8(request: pytest.FixtureRequest) -> Encoder:
+    # forced: the W8A8 copy where the CPU has it as a path, else the dynamic one, kept whenever
+    # it holds the float32 bar (no timing race): the session's copy (tests/conftest.py), built
+    # with every core and run here on THREADS, as Encoder(threads=THREADS) would set them (the
+    # worker's cost model is seeded at its start, on the threads it then runs with)
+    encoder: Encoder = request.getfixturevalue("forced_int8_encoder")
     if not encoder.computes_in_int8:
         pytest.skip(f"no int8 copy runs or holds the bar here: {encoder.forward_path}")
+    torch.set_num_threads(THREADS)
     return encoder
 
 
@@ -100,9 +100,13 @@ def _one_long_text_slice(encoder: Encoder, frozen: bool) -> float:
 
 @pytest.mark.parametrize("path", ["eager", "frozen", "int8"])
 async def test_every_bulk_slice_stays_within_the_target_on_each_path(
-    path: str, workers: WorkerLauncher, settings: Settings, client: aioredis.Redis
+    path: str,
+    workers: WorkerLauncher,
+    settings: Settings,
+    client: aioredis.Redis,
+    request: pytest.FixtureRequest,
 ) -> None:
-    encoder = {"eager": _eager, "frozen": _frozen, "int8": _int8}[path]()
+    encoder = _int8(request) if path == "int8" else {"eager": _eager, "frozen": _frozen}[path]()
     floor_ms = _one_long_text_slice(encoder, frozen=path != "eager") * 1000
     slice_ms = max(SLICE_MS, FLOOR_FACTOR * floor_ms)
     print(f"{path}: one long text's slice {floor_ms:.1f} ms, target {slice_ms:.1f} ms")

@@ -86,6 +86,10 @@ def test_demo_screen_keeps_logs_above_the_bar_and_no_third_party_warnings(
     tmp_path: Path,
 ) -> None:
     env = {key: value for key, value in os.environ.items() if not key.startswith("EMBEDFLEET_")}
+    # but no int8 copy (as every test worker, tests/conftest.py): on a CPU with VNNI or AMX the
+    # demo's worker would compile the W8A8 copy first, up to two minutes of CI on 2 cores; the
+    # copy itself is tests/test_int8.py's, this test is the screen's layout and its warnings
+    env["EMBEDFLEET_CPU_INT8"] = "false"
     screen = run_in_terminal(
         [
             sys.executable,
