@@ -142,3 +142,34 @@ def test_cpu_paths_per_class() -> None:
         "int8-dynamic",
         "int8-w8a8",
     ]
+
+
+def test_the_linear_kernel_benchmark_times_every_shape_through_each_kernel(tmp_path: Path) -> None:
+    """loadtest.linear_kernels (docs/BENCHMARKS.md, stop 38) runs as documented: every layer
+    shape through aten's linear and each other kernel this torch has, and the kernels compute
+    the same product (a kernel timed on a wrong result would prove nothing)."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+
+    from loadtest.linear_kernels import SHAPES, kernels
+
+    out = tmp_path / "kernels.json"
+    command = ["loadtest.linear_kernels", "--tokens", "32", "--repeats", "1", "--json", str(out)]
+    subprocess.run(
+        [sys.executable, "-m", *command],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    rows = json.loads(out.read_text())
+    assert {tuple(row["shape"]) for row in rows} == set(SHAPES)
+    assert {"aten linear"} <= {row["kernel"] for row in rows}
+    assert all(row["ms"] > 0 for row in rows)
+    x, weight, bias = torch.randn(16, 384), torch.randn(1536, 384), torch.randn(1536)
+    with torch.inference_mode():
+        found = {name: call() for name, call in kernels(x, weight, bias).items()}
+    for name, product in found.items():
+        torch.testing.assert_close(product, found["aten linear"], rtol=1e-4, atol=1e-3, msg=name)
