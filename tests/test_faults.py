@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import httpx
@@ -382,3 +383,25 @@ def test_a_connection_closed_under_asyncio_is_transient() -> None:
     )
     assert classify(lost).kind is FaultKind.TRANSIENT
     assert classify(RuntimeError("something else")).kind is not FaultKind.TRANSIENT
+
+
+async def test_a_connection_disconnected_under_redis_py_is_transient() -> None:
+    """A cluster master SIGKILLed while redis-py asks it for a command's keys: another task's
+    disconnect cleared the connection's stream and redis-py's write raises an AttributeError
+    (a worker's query stage died on it in CI). Raised here by redis-py's own code, on a
+    connection with no stream; the same error raised outside redis-py stays a bug."""
+    from redis.asyncio.connection import Connection
+
+    from embedfleet.shared.fault_kinds import FaultKind, classify
+
+    with pytest.raises(AttributeError, match="'NoneType' object") as lost:
+        await Connection()._send_packed_command([b"PING"])
+    assert classify(lost.value).kind is FaultKind.TRANSIENT
+
+    def our_bug() -> None:
+        none: Any = None
+        none.writelines([b"PING"])
+
+    with pytest.raises(AttributeError) as bug:
+        our_bug()
+    assert classify(bug.value).kind is FaultKind.WORKER
