@@ -27,7 +27,7 @@ demo: install
 FAST_TIER := not slow and not chaos and not image and not packaging and not cluster
 # The image tests wait mostly on apt and buildah (under one core between them), so test-full
 # runs them in a second pytest beside the rest and prints their report after it; either failing
-# fails the target. The wheelhouse is made first, alone: it builds the project in this tree, as
+# fails the target. Tests marked `beside` (mypy: no model, no server) join them there. The wheelhouse is made first, alone: it builds the project in this tree, as
 # the packaging tests do, and two builds in one tree collide.
 # EMBEDFLEET_TEST_WHEELHOUSE=made tells tests/test_image.py not to make it again.
 test: install
@@ -37,9 +37,9 @@ test-full: install
 	mkdir -p $(BUILD_DIR)
 	if command -v $(BUILDAH) >/dev/null; then $(MAKE) --no-print-directory wheelhouse; fi
 	EMBEDFLEET_TEST_WHEELHOUSE=made $(PY) -m pytest -p no:cacheprovider \
-	  --basetemp=$(BUILD_DIR)/pytest-image --durations=10 -m image \
+	  --basetemp=$(BUILD_DIR)/pytest-image --durations=10 -m "image or beside" \
 	  > $(BUILD_DIR)/test-image.log 2>&1 & image=$$!; \
-	$(PY) -m pytest --durations=30 -m "not image"; rest=$$?; \
+	$(PY) -m pytest --durations=30 -m "not image and not beside"; rest=$$?; \
 	wait $$image; status=$$?; \
 	echo "== the image tests, run beside the rest ($(BUILD_DIR)/test-image.log) =="; \
 	cat $(BUILD_DIR)/test-image.log; \

@@ -16,6 +16,7 @@ REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
+@pytest.mark.beside
 def test_mypy_finds_no_errors() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "mypy"],
