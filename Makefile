@@ -27,8 +27,9 @@ demo: install
 FAST_TIER := not slow and not chaos and not image and not packaging and not cluster
 # The image tests wait mostly on apt and buildah (under one core between them), so test-full
 # runs them in a second pytest beside the rest and prints their report after it; either failing
-# fails the target. Tests marked `beside` (mypy: no model, no server) join them there. The wheelhouse is made first, alone: it builds the project in this tree, as
-# the packaging tests do, and two builds in one tree collide.
+# fails the target. Tests marked `beside` (mypy: no model, no server) join them there. The
+# wheelhouse is made first, alone: it builds the project in this tree, as the packaging tests
+# do, and two builds in one tree collide.
 # EMBEDFLEET_TEST_WHEELHOUSE=made tells tests/test_image.py not to make it again.
 test: install
 	$(PY) -m pytest -m "$(FAST_TIER)"

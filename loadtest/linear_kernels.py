@@ -8,37 +8,25 @@ all-MiniLM-L6-v2. This times each shape, over ``--tokens`` rows (a bulk batch's 
 through the kernels torch offers for it on a CPU: aten's ``linear`` (MKL's sgemm, what the
 eager model and the frozen graph run), MKL's packed sgemm with the weight packed once
 (``torch.ops.mkl._mkl_linear``, what inductor's freezing emits for float32), and oneDNN's
-``linear_pointwise`` on a reordered weight (what it emits for bf16). Median of ``--repeats``
-calls each, in GFLOP/s, beside this CPU's flags: if one kernel were clearly faster, the float32
-path would be worth building on it. Figures: docs/BENCHMARKS.md (stop 38). An experiment, not a
-worker path.
+``linear_pointwise`` on a reordered weight (what it emits for bf16). Best of ``--repeats``
+calls each (``workers.encoder._best_of``, the worker's own timing), in GFLOP/s, beside this
+CPU's flags: if one kernel were clearly faster, the float32 path would be worth building on it.
+Figures: docs/BENCHMARKS.md (stop 38). An experiment, not a worker path.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from embedfleet.workers.cpus import cpu_class
+from embedfleet.workers.encoder import _best_of
 
 SHAPES = ((384, 384), (384, 1536), (1536, 384))  # (in, out) of all-MiniLM-L6-v2's linear layers
-
-
-def _median_ms(call: Callable[[], torch.Tensor], repeats: int) -> float:
-    for _ in range(3):  # warm-up: first-call allocation, weight caches
-        call()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1000
 
 
 def kernels(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> dict[str, Callable]:
@@ -78,7 +66,7 @@ def main() -> None:
             bias = torch.randn(fan_out, generator=generator)
             flops = 2 * args.tokens * fan_in * fan_out
             for name, call in kernels(x, weight, bias).items():
-                ms = _median_ms(call, args.repeats)
+                ms = _best_of(call, args.repeats) * 1000
                 rows.append({"shape": [fan_in, fan_out], "kernel": name, "ms": ms})
                 print(f"| {fan_in} -> {fan_out} | {name} | {ms:.2f} | {flops / ms / 1e6:.0f} |")
     if args.json:
