@@ -543,9 +543,12 @@ def pg_server(pg_session_server):
 # A module is listed here, not marked in itself, so the two tiers are read in one place.
 SLOW_MODULES = frozenset(
     {
+        "test_backlog_limit",
         "test_batch_api",
+        "test_batch_withdrawal",
         "test_bulk",
         "test_cli",
+        "test_cli_bad_input",
         "test_client_faults",
         "test_dead",
         "test_device_faults",
@@ -556,6 +559,7 @@ SLOW_MODULES = frozenset(
         "test_frozen",
         "test_frozen_bulk",
         "test_gateway",
+        "test_gateway_big_bodies",
         "test_gateway_clients",
         "test_gateway_model_card",
         "test_hung_redis",
@@ -563,6 +567,7 @@ SLOW_MODULES = frozenset(
         "test_int8",
         "test_interactive",
         "test_migrate",
+        "test_migrate_rollback",
         "test_ops",
         "test_outputs",
         "test_parquet_sink",
@@ -571,8 +576,11 @@ SLOW_MODULES = frozenset(
         "test_reingest",
         "test_reliability",
         "test_replicas",
+        "test_results_rerun",
         "test_sinks",
         "test_slices",
+        "test_store_outage",
+        "test_tenant_pace",
         "test_terminal",
     }
 )
