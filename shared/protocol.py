@@ -350,6 +350,20 @@ def decode_chunk(payload: bytes, limits: ChunkLimits = DEFAULT_LIMITS) -> Chunk:
         raise
 
 
+def check_unicode(name: str, text: str) -> None:
+    """ProtocolError if ``text`` holds a character no UTF-8 can carry: a lone surrogate, which
+    JSON's ``"\\ud800"`` escape makes. Such a string is no text (msgpack cannot send it, no
+    tokenizer reads it), so every door refuses it as the caller's error; ``name`` says where."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        at = error.start
+        raise ProtocolError(
+            f"'{name}' holds a lone surrogate (U+{ord(text[at]):04X}) at character {at}: it is "
+            "not valid Unicode text (send the text itself, UTF-8 encoded)"
+        ) from None
+
+
 def _identity(value: Any, max_chars: int) -> str | None:
     """An id-like field of a refused message, when it is itself valid."""
     return value if isinstance(value, str) and 0 < len(value) <= max_chars else None
@@ -378,6 +392,7 @@ def chunk_from_mapping(
             f"'text' has {len(text)} characters, over the {limits.max_text_chars} limit",
             DeadReason.TOO_LARGE,
         )
+    check_unicode("text", text)
     job = job if job is not None else message.get("job")
     if job is not None and (not isinstance(job, str) or not job):
         raise ProtocolError("'job' must be a non-empty string when given")
@@ -457,6 +472,8 @@ def _representation_options(message: Mapping[str, Any]) -> dict[str, Any]:
         raise ProtocolError(
             f"'pair' must be a non-empty string of at most {MAX_PAIR_CHARS} characters"
         )
+    if pair is not None:
+        check_unicode("pair", pair)
     multivector_dtype = message.get("multivector_dtype")
     if multivector_dtype is not None and multivector_dtype not in MULTIVECTOR_DTYPES:
         raise ProtocolError(

@@ -334,3 +334,13 @@ def test_multivector_results_round_trip_in_float16_and_int8() -> None:
         decode_result(msgpack.packb(payload))
     with pytest.raises(ProtocolError, match="multivector_dtype"):
         chunk_from_mapping({"id": "a", "text": "t", "multivector_dtype": "int4"})
+
+
+def test_a_lone_surrogate_is_no_text() -> None:
+    """JSON's "\\ud800" makes a str that UTF-8 (msgpack, the tokenizer) cannot carry: refused as
+    the caller's error, naming the field and the place (issue 40)."""
+    for field in ("text", "pair"):
+        message = {"id": "a", "text": "fine", field: "bad \ud800 text"}
+        with pytest.raises(ProtocolError, match=rf"'{field}' holds a lone surrogate .* 4"):
+            chunk_from_mapping(message)
+    assert chunk_from_mapping({"id": "a", "text": "fine \U0001f600"}).text == "fine \U0001f600"

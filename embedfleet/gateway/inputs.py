@@ -22,6 +22,7 @@ import numpy as np
 from embedfleet.gateway.errors import APIError
 from embedfleet.producer.tokens import ModelTokenizer
 from embedfleet.shared.postprocess import normalize
+from embedfleet.shared.protocol import ProtocolError, check_unicode
 from embedfleet.shared.settings import Settings
 
 EmbeddingInput = str | list[str] | list[int] | list[list[int]]
@@ -101,6 +102,8 @@ def as_texts(
 
 
 def check_limits(texts: Sequence[str], settings: Settings, param: str = "input") -> None:
+    """Every route's texts within the request caps, and each of them text (the protocol's
+    check: a lone surrogate, which JSON's ``"\\ud800"`` makes, is the caller's error)."""
     if len(texts) > settings.gateway_max_inputs:
         raise APIError(
             413,
@@ -119,6 +122,10 @@ def check_limits(texts: Sequence[str], settings: Settings, param: str = "input")
                 param=param,
                 code="input_too_long",
             )
+        try:
+            check_unicode(f"{param}[{index}]", text)
+        except ProtocolError as error:
+            raise APIError(400, str(error), param=param, code="invalid_input") from None
 
 
 def prepare(

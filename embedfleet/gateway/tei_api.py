@@ -4,11 +4,12 @@ POST /decode."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from embedfleet import __name__ as package_name
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
     from typing_extensions import TypeIs
 
 router = APIRouter()
+
+TOKENIZE_SLICE = 64  # /tokenize's inputs tokenized and written per step of its answer
 
 
 class EmbedRequest(BaseModel):
@@ -166,10 +169,14 @@ async def health(gateway: GatewayDep, model: str | None = None) -> Response:
     return Response(status_code=200)
 
 
-@router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, gateway: GatewayDep) -> list[list[dict[str, Any]]]:
+@router.post("/tokenize", response_model=list[list[dict[str, Any]]])
+async def tokenize(body: TokenizeRequest, gateway: GatewayDep) -> StreamingResponse:
     """The model's tokens of each input (with the prompt in front, as it is embedded): id, text,
-    special, and start/stop as byte offsets into the input (TEI's SimpleToken)."""
+    special, and start/stop as byte offsets into the input (TEI's SimpleToken).
+
+    Tokenized and written off the event loop, a slice of inputs at a time (``token_lists``): a
+    body at the caps is millions of tokens, seconds of work and hundreds of MB of JSON, which
+    on the loop would hold /healthz (the liveness probe) and every other request for as long."""
     gateway = await gateway.for_model(body.model)
     inputs = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     if not inputs:
@@ -183,10 +190,26 @@ async def tokenize(body: TokenizeRequest, gateway: GatewayDep) -> list[list[dict
         except ValueError as error:
             raise APIError(422, str(error), param="prompt_name", code="invalid_prompt") from None
     texts = [prompt + text for text in inputs]
-    encodings = gateway.tokenizer.tokenizer.encode_batch(
-        texts, add_special_tokens=body.add_special_tokens
+    # a sync iterator: Starlette runs each step of it on a worker thread
+    return StreamingResponse(
+        token_lists(gateway.tokenizer.tokenizer, texts, body.add_special_tokens),
+        media_type="application/json",
     )
-    return [simple_tokens(text, encoding) for text, encoding in zip(texts, encodings, strict=True)]
+
+
+def token_lists(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> Iterator[bytes]:
+    """/tokenize's answer as JSON, TOKENIZE_SLICE inputs per step, so that what is held at once
+    is one slice's tokens, not the whole answer's."""
+    yield b"["
+    for start in range(0, len(texts), TOKENIZE_SLICE):
+        part = texts[start : start + TOKENIZE_SLICE]
+        encodings = tokenizer.encode_batch(part, add_special_tokens=add_special_tokens)
+        rows = [
+            json.dumps(simple_tokens(text, encoding), ensure_ascii=False, separators=(",", ":"))
+            for text, encoding in zip(part, encodings, strict=True)
+        ]
+        yield (("," if start else "") + ",".join(rows)).encode()
+    yield b"]"
 
 
 def _one_sequence(ids: list[int] | list[list[int]]) -> TypeIs[list[int]]:
