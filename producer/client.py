@@ -28,6 +28,7 @@ from embedfleet.producer.enqueue import (
     finished_ttl_command,
     register_tenant_command,
     script_counts,
+    script_handled,
 )
 from embedfleet.producer.polling import PollPacer
 from embedfleet.producer.replies import Answers, pop_answers
@@ -88,7 +89,32 @@ class ReplicasNotConfirmedError(redis_errors.ConnectionError):
 
 class TenantBacklogFullError(RuntimeError):
     """A tenant's backlog stayed at its EMBEDFLEET_TENANT_MAX_BACKLOG for
-    EMBEDFLEET_TENANT_BACKLOG_WAIT_S: nothing of the batch was sent."""
+    EMBEDFLEET_TENANT_BACKLOG_WAIT_S: ``added`` (an ``Enqueued``) is what the enqueue call
+    added before it gave up, and the message says how many; its other chunks were not added.
+    Enqueueing them all again under the same job adds only those (the job skips the others)."""
+
+    def __init__(self, full: str, added: Enqueued | None = None) -> None:
+        super().__init__(full)
+        self.full = full  # who holds what, and how long the call waited
+        self.added = added if added is not None else Enqueued()
+
+    def __str__(self) -> str:
+        return (
+            f"{self.full}; this call added {int(self.added)} of its chunks, the others were "
+            "not added: enqueue them again once there is room (a job skips the chunks it "
+            "already has)"
+        )
+
+
+@dataclass
+class _Sent:
+    """What became of one partition's chunks in one round: ``added`` (this batch's, a re-send's
+    included), ``present`` (skipped: in their job already), ``refused`` (no room under their
+    tenant's EMBEDFLEET_TENANT_MAX_BACKLOG share: to be sent again once there is room)."""
+
+    added: int = 0
+    present: int = 0
+    refused: list[Chunk] = dataclasses.field(default_factory=list)
 
 
 class JobTimeoutError(TimeoutError):
@@ -319,8 +345,11 @@ class Producer:
 
         ``tenant`` (else the producer's, else the tenant map's for the job, else the default;
         a chunk that names its own keeps it) goes to its own ingest streams, read by weight
-        (EMBEDFLEET_TENANT_WEIGHTS). While it holds EMBEDFLEET_TENANT_MAX_BACKLOG entries the
-        call waits, up to EMBEDFLEET_TENANT_BACKLOG_WAIT_S, then raises TenantBacklogFullError.
+        (EMBEDFLEET_TENANT_WEIGHTS). A tenant with EMBEDFLEET_TENANT_MAX_BACKLOG never holds
+        more: the enqueue script adds entry by entry while there is room (each partition its
+        share of the limit), and the call waits for room for the rest, giving up after
+        EMBEDFLEET_TENANT_BACKLOG_WAIT_S without room with TenantBacklogFullError, whose
+        ``added`` is what this call added before.
 
         Entries are never trimmed on add: an undelivered chunk must not be lost. Workers delete
         entries once they are acknowledged.
@@ -361,10 +390,10 @@ class Producer:
                 chunk = dataclasses.replace(chunk, reembed=True)
             batch.append(await self._checked(chunk))
             if len(batch) >= batch_size:
-                total += await self._send(batch, on_batch, call)
+                total += await self._send(batch, on_batch, call, total)
                 batch = []
         if batch:
-            total += await self._send(batch, on_batch, call)
+            total += await self._send(batch, on_batch, call, total)
         if total.present:
             log.info(
                 "chunks already enqueued in their job were not added again",
@@ -531,25 +560,59 @@ class Producer:
             await asyncio.sleep(0.5)
 
     async def _send(
-        self, batch: list[Chunk], on_batch: Callable[[int], None] | None, call: EnqueueCall
+        self,
+        batch: list[Chunk],
+        on_batch: Callable[[int], None] | None,
+        call: EnqueueCall,
+        earlier: Enqueued | None = None,
     ) -> Enqueued:
         """Send one batch, each chunk to its partition, again after a fault: whether or not the
         server applied the lost try, the enqueue script adds and counts each chunk of a job once.
         With EMBEDFLEET_MIN_REPLICAS, a partition whose replicas did not confirm its chunks is
-        sent again the same way."""
+        sent again the same way. Chunks the script found no room for (their tenant at its
+        EMBEDFLEET_TENANT_MAX_BACKLOG share in their partition) wait for room and are sent
+        again; ``earlier`` (what the call added before this batch) goes into the
+        TenantBacklogFullError raised when no room came for EMBEDFLEET_TENANT_BACKLOG_WAIT_S."""
+        # the batch's own token: an id the call repeats in a later batch is not a re-send
+        call = call.for_batch()
         by_partition: dict[Keys, list[Chunk]] = {}
         for chunk in batch:
             by_partition.setdefault(self.keys.partition_for(chunk.id), []).append(chunk)
-        await self._wait_for_room(by_partition, {chunk.tenant for chunk in batch})
-        unsent = by_partition
-        # per partition, what this call added: a partition's latest try counts all of it (the
-        # script counts a chunk the call added before a lost reply as added by it again)
-        added: dict[Keys, int] = {}
+        added, present = 0, 0
+        try:
+            await self._wait_for_room(by_partition, {chunk.tenant for chunk in batch})
+            waiting = by_partition
+            give_up_at = time.monotonic() + self.settings.tenant_backlog_wait_s
+            while True:
+                sent = await self._send_round(waiting, call, len(batch))
+                added += sum(s.added for s in sent.values())
+                present += sum(s.present for s in sent.values())
+                if on_batch is not None:
+                    on_batch(sum(len(waiting[p]) - len(s.refused) for p, s in sent.items()))
+                waiting = {p: s.refused for p, s in sent.items() if s.refused}
+                if not waiting:
+                    break
+                if any(s.added for s in sent.values()):  # room came: each entry waits anew
+                    give_up_at = time.monotonic() + self.settings.tenant_backlog_wait_s
+                await self._wait_for_share(waiting, give_up_at)
+        except TenantBacklogFullError as error:
+            error.added = (earlier or Enqueued()) + Enqueued(added, present)
+            raise
+        return Enqueued(added, present)
+
+    async def _send_round(
+        self, waiting: dict[Keys, list[Chunk]], call: EnqueueCall, size: int
+    ) -> dict[Keys, _Sent]:
+        """``waiting``'s chunks, each partition's in one pipelined try, again after a fault
+        (a partition's latest try tells all of it: the script counts a chunk this batch added
+        before a lost reply as added by it again)."""
+        unsent = waiting
+        sent: dict[Keys, _Sent] = {}
 
         async def attempt() -> None:
             nonlocal unsent
-            unsent, added_now = await self._send_once(unsent, call)
-            added.update(added_now)
+            unsent, sent_now = await self._send_once(unsent, call)
+            sent.update(sent_now)
             if unsent:
                 raise ReplicasNotConfirmedError(
                     f"fewer than EMBEDFLEET_MIN_REPLICAS={self.settings.min_replicas} replicas "
@@ -557,49 +620,93 @@ class Producer:
                     "within EMBEDFLEET_MIN_REPLICAS_TIMEOUT_MS: sending them again"
                 )
 
-        await self.retry.call(f"enqueue a batch of {len(batch)} chunks", attempt)
-        if on_batch is not None:
-            on_batch(len(batch))
-        total = sum(added.values())
-        return Enqueued(total, len(batch) - total)
+        await self.retry.call(f"enqueue a batch of {size} chunks", attempt)
+        return sent
+
+    def _backlog_share(self, partition: Keys, tenant: str | None) -> int | None:
+        """What ``tenant``'s stream (on the wire: None the default) may hold in ``partition``
+        (shared/tenants.py); None: no limit."""
+        return self.tenants.backlog_share(
+            self.tenants.named(tenant), max(partition.index, 0), self.keys.partitions
+        )
+
+    async def _wait_for_share(self, waiting: dict[Keys, list[Chunk]], give_up_at: float) -> None:
+        """Until a stream the ``waiting`` chunks go to has room under its tenant's share (the
+        script then decides, entry by entry); past ``give_up_at``, TenantBacklogFullError."""
+        wanted = {(p, c.tenant) for p, chunks in waiting.items() for c in chunks}
+        chosen = list(waiting)
+        warned = False
+        while True:
+            backlogs = dict(zip(chosen, await self.partition_backlogs(chosen), strict=True))
+            full: list[str] = []
+            for partition, tenant in sorted(wanted, key=lambda w: (w[0].index, w[1] or "")):
+                share = self._backlog_share(partition, tenant)
+                held = backlogs[partition].tenants.get(tenant, 0)
+                if share is None or held < share:
+                    return
+                full.append(self._said_full(partition, tenant, held, share))
+            if time.monotonic() >= give_up_at:
+                raise TenantBacklogFullError(
+                    "tenant backlog full: "
+                    + ", ".join(full)
+                    + f" (EMBEDFLEET_TENANT_MAX_BACKLOG) after waiting "
+                    f"{self.settings.tenant_backlog_wait_s:g}s (EMBEDFLEET_TENANT_BACKLOG_WAIT_S)"
+                )
+            if not warned:
+                warned = True
+                log.warning(
+                    "tenant backlog at its limit: waiting for room",
+                    full=full,
+                    setting="EMBEDFLEET_TENANT_MAX_BACKLOG",
+                )
+            await asyncio.sleep(0.5)
+
+    def _said_full(self, partition: Keys, tenant: str | None, held: int, share: int) -> str:
+        name = self.tenants.named(tenant)
+        if not self.keys.partitioned:
+            return f"{name} holds {held} of {share} entries"
+        limit = self.tenants.backlog_limit(name)
+        return (
+            f"{name} holds {held} of its {share} in partition {partition.index} (its limit "
+            f"{limit} split over {self.keys.partitions} partitions)"
+        )
 
     async def _send_once(
         self, by_partition: dict[Keys, list[Chunk]], call: EnqueueCall
-    ) -> tuple[dict[Keys, list[Chunk]], dict[Keys, int]]:
+    ) -> tuple[dict[Keys, list[Chunk]], dict[Keys, _Sent]]:
         """One pipelined round trip (per node, on a cluster, the nodes in parallel): per
-        partition and job, the enqueue script, whose keys all share the partition's slot;
-        chunks without a job, a plain XADD each (nothing counts them: a re-sent one is at worst
-        embedded twice). With EMBEDFLEET_MIN_REPLICAS, WAIT on the connection that made each
-        partition's writes, wherever a moving slot sent them (producer/confirmed_writes.py).
-        Returns the partitions whose replicas did not confirm them (to be sent again), and how
-        many of each partition's chunks this call has added."""
+        partition, tenant and job (or no job), the enqueue script, whose keys all share the
+        partition's slot, adding while the tenant's stream has room under its share of
+        EMBEDFLEET_TENANT_MAX_BACKLOG (chunks without a job: no id record, nothing counts
+        them; a re-sent one is at worst embedded twice). With EMBEDFLEET_MIN_REPLICAS, WAIT on
+        the connection that made each partition's writes, wherever a moving slot sent them
+        (producer/confirmed_writes.py). Returns the partitions whose replicas did not confirm
+        them (to be sent again), and what became of each partition's chunks."""
         groups: dict[Keys, Group[Keys]] = {}
-        added: dict[Keys, int] = {}
+        scripts_of: dict[Keys, list[tuple[int, list[Chunk]]]] = {}  # command index, chunks
         for partition, chunks in by_partition.items():
             commands: list[tuple[Any, ...]] = []
-            by_job: dict[tuple[str | None, str], list[tuple[str, bytes]]] = {}
+            by_job: dict[tuple[str | None, str | None], list[Chunk]] = {}
             for named in sorted({c.tenant for c in chunks if c.tenant is not None}):
                 # the tenant's stream in the registry, its group made, before its first entry
                 commands.append(register_tenant_command(partition, named))
             for chunk in chunks:
-                payload = encode_chunk(chunk)
-                if chunk.job is None:
-                    stream = partition.ingest_for(chunk.tenant)
-                    commands.append(("XADD", stream, "*", PAYLOAD_FIELD, payload))
-                    added[partition] = added.get(partition, 0) + 1
-                else:
-                    by_job.setdefault((chunk.tenant, chunk.job), []).append((chunk.id, payload))
+                by_job.setdefault((chunk.tenant, chunk.job), []).append(chunk)
             for (owner, job), job_chunks in by_job.items():
+                scripts_of.setdefault(partition, []).append((len(commands), job_chunks))
                 commands.append(
                     enqueue_command(
                         stream=partition.ingest_for(owner),
-                        counters=partition.job(job),
-                        id_record=partition.job_ids(job),
-                        chunks=job_chunks,
+                        counters=None if job is None else partition.job(job),
+                        id_record=None if job is None else partition.job_ids(job),
+                        chunks=[(c.id, encode_chunk(c)) for c in job_chunks],
                         id_record_ttl_s=self.settings.job_ids_ttl_s,
                         call=call,
+                        limit=self._backlog_share(partition, owner),
                     )
                 )
+                if job is None:
+                    continue
                 finished = finished_ttl_command(
                     partition.job(job),
                     self.settings.job_ids_ttl_s,
@@ -607,9 +714,10 @@ class Producer:
                 )
                 if finished is not None:
                     commands.append(finished)
-            if by_job:
+            jobs = {job for _, job in by_job if job is not None}
+            if jobs:
                 # Outside the script, but in the partition's slot too (its own jobs index).
-                commands.append(("SADD", partition.jobs_index, *{job for _, job in by_job}))
+                commands.append(("SADD", partition.jobs_index, *jobs))
             groups[partition] = Group(partition.ingest, commands)
         written = await write_confirmed(
             self.client,
@@ -617,11 +725,18 @@ class Producer:
             self.settings.min_replicas,
             self.settings.min_replicas_timeout_ms,
         )
+        sent: dict[Keys, _Sent] = {}
         for partition, replies in written.replies.items():
-            for reply in replies:
-                if isinstance(reply, list) and len(reply) == 2:  # an enqueue script's
-                    added[partition] = added.get(partition, 0) + sum(script_counts(reply))
-        return {partition: by_partition[partition] for partition in written.unconfirmed}, added
+            outcome = _Sent()
+            for index, chunks in scripts_of.get(partition, []):
+                reply = replies[index]
+                added, again = script_counts(reply)
+                handled = script_handled(reply)
+                outcome.added += added + again
+                outcome.present += handled - added - again
+                outcome.refused += chunks[handled:]
+            sent[partition] = outcome
+        return {partition: by_partition[partition] for partition in written.unconfirmed}, sent
 
     # --- priority queries -------------------------------------------------------------
     async def embed_query(

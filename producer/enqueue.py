@@ -17,15 +17,25 @@ counters, the job's id record), so on Redis Cluster it only needs them to share 
 partitions, each partition's keys share one hash tag and the producer calls the script once
 per partition with that partition's keys. Nothing here assumes a single ingest stream.
 
-Chunks without a job have no counter that a re-send could put off, and are added with a plain
-XADD: a re-sent one is at worst embedded twice, and the sinks upsert by id.
+Chunks without a job have no counter that a re-send could put off, and are added without a
+record (the script with the stream as its only key): a re-sent one is at worst embedded twice,
+and the sinks upsert by id.
 
-Each record also holds the token of the enqueue call that added it, so the script can tell the
-caller the truth: ``added`` now, ``again`` (this same call added them before a reply was lost:
-added by this call all the same) and the rest, already in the job before this call. ``force``
-(``enqueue --force``) adds ids the job already has, for a re-embed after their vectors were
-lost (a wiped table): the records then hold this call's token, so a re-send within the call
-still adds each chunk once.
+Each record also holds the token of the batch that added it (one per batch of an enqueue
+call, the same for every re-send of that batch), so the script can tell the caller the truth:
+``added`` now, ``again`` (this same batch added them before a reply was lost: added by this
+call all the same) and the rest, already in the job before (an id repeated in the input with
+the same payload, in this batch or an earlier one, is one of those: added once, and the call
+says the repeat was skipped). ``force`` (``enqueue --force``) adds ids the job already has,
+for a re-embed after their vectors were lost (a wiped table): the records then hold the batch's
+token, so a re-send of the batch still adds each chunk once.
+
+The tenant's backlog limit (EMBEDFLEET_TENANT_MAX_BACKLOG, its share in the partition:
+``TenantPolicy.backlog_share``) is checked by the same script, entry by entry, where it adds
+them: concurrent producers cannot pass it between a check and an add. The script stops at the
+first chunk the stream has no room for and says how many it dealt with; the producer sends the
+rest again once there is room (``Producer.enqueue``); so does the limit for chunks without
+a job.
 """
 
 from __future__ import annotations
@@ -61,28 +71,44 @@ def new_call_token() -> bytes:
 
 @dataclass(frozen=True)
 class EnqueueCall:
-    """What one ``Producer.enqueue`` call passes to every script call it makes."""
+    """What one ``Producer.enqueue`` call passes to the script calls of a batch: ``token`` is
+    the batch's (``for_batch``), written into the id records it adds, so that a re-send of the
+    batch is told from an id repeated in another batch of the call."""
 
     token: bytes = field(default_factory=new_call_token)
     force: bool = False
+
+    def for_batch(self) -> EnqueueCall:
+        """The same call with a token of a new batch's own."""
+        return EnqueueCall(force=self.force)
 
 
 def enqueue_command(
     *,
     stream: str,
-    counters: str,
-    id_record: str,
+    counters: str | None,
+    id_record: str | None,
     chunks: Sequence[tuple[str, bytes]],
     id_record_ttl_s: int,
     call: EnqueueCall,
+    limit: int | None = None,
 ) -> tuple[str | bytes | int, ...]:
-    """The script call (EVAL and its arguments) for ``chunks`` (id, encoded payload) of one job.
+    """The script call (EVAL and its arguments) for ``chunks`` (id, encoded payload) of one job
+    (``counters`` and ``id_record`` None: chunks without a job), adding to ``stream`` while it
+    holds fewer than ``limit`` entries (None: no limit).
 
-    Its reply is ``[added, again]`` (``shared/scripts/enqueue.lua``); read it with
-    :func:`script_counts`."""
-    args: list[str | bytes | int] = [id_record_ttl_s, call.token, int(call.force)]
+    Its reply is ``[added, again, handled]`` (``shared/scripts/enqueue.lua``); read it with
+    :func:`script_counts` and :func:`script_handled`."""
+    args: list[str | bytes | int] = [
+        id_record_ttl_s,
+        call.token,
+        int(call.force),
+        -1 if limit is None else limit,
+    ]
     for chunk_id, payload in chunks:
         args += [chunk_id, payload_digest(payload), payload]
+    if counters is None or id_record is None:
+        return ("EVAL", ENQUEUE_SCRIPT, 1, stream, *args)
     return ("EVAL", ENQUEUE_SCRIPT, 3, stream, counters, id_record, *args)
 
 
@@ -114,9 +140,15 @@ def finished_ttl_command(
 
 
 def script_counts(reply: Sequence[int]) -> tuple[int, int]:
-    """(added now, added by this same call before a lost reply) from the script's reply."""
-    added, again = reply
+    """(added now, added by this same batch before a lost reply) from the script's reply."""
+    added, again, _ = reply
     return int(added), int(again)
+
+
+def script_handled(reply: Sequence[int]) -> int:
+    """How many of the script's chunks, from the first, it dealt with: the rest found the
+    stream at the tenant's limit and are to be sent again once there is room."""
+    return int(reply[2])
 
 
 def queue_enqueue(

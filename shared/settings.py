@@ -285,12 +285,13 @@ class Settings(BaseSettings):
     """Each tenant's share of the fleet: `search=3,batch=1` (others 1). Workers read every
     tenant with a backlog in proportion to its weight, whatever the others hold."""
     tenant_max_backlog: str = ""
-    """Entries a tenant may have waiting over all partitions: `batch=100000`. Past it its
-    producers wait (up to `EMBEDFLEET_TENANT_BACKLOG_WAIT_S`, then `TenantBacklogFullError`) and
-    the gateway answers 429. Unnamed tenants: no limit (but `EMBEDFLEET_BACKLOG_HIGH_WATER`)."""
+    """Entries a tenant may have waiting over all partitions: `batch=100000` (each partition at
+    most its share), checked entry by entry where they are added. Past it its producers wait for
+    room (up to `EMBEDFLEET_TENANT_BACKLOG_WAIT_S`, then `TenantBacklogFullError`) and the
+    gateway answers 429. Unnamed tenants: no limit (but `EMBEDFLEET_BACKLOG_HIGH_WATER`)."""
     tenant_backlog_wait_s: float = Field(default=300.0, ge=0)
-    """How long a producer waits for its tenant's backlog to drop below its
-    `EMBEDFLEET_TENANT_MAX_BACKLOG` before it raises `TenantBacklogFullError`."""
+    """How long a producer waits for room under its tenant's `EMBEDFLEET_TENANT_MAX_BACKLOG`
+    (again after each entry added) before it raises `TenantBacklogFullError`."""
     tenant_token_rate: str = ""
     """Tokens per second the workers read for a tenant at most, over the whole lane:
     `batch=50000` (a one-second window counted in `{ns}:tenantrate:<tenant>:<s>`; a window

@@ -109,5 +109,17 @@ class TenantPolicy:
     def backlog_limit(self, name: str) -> int | None:
         return self.max_backlog.get(name)
 
+    def backlog_share(self, name: str, index: int, partitions: int) -> int | None:
+        """What the tenant's stream in partition ``index`` of ``partitions`` may hold: its
+        EMBEDFLEET_TENANT_MAX_BACKLOG split over the partitions (the remainder to the first),
+        at least 1; None without a limit. The enqueue script holds each partition to its share
+        where it adds entries: on a cluster no script sees every partition (each its own
+        slot), and shares that sum to the limit hold it over all of them, under concurrency."""
+        limit = self.backlog_limit(name)
+        if limit is None:
+            return None
+        share = limit // partitions + (1 if index < limit % partitions else 0)
+        return max(share, 1)
+
     def rate(self, name: str) -> float | None:
         return self.token_rate.get(name)
