@@ -15,9 +15,13 @@ plain ``ingest`` and a named tenant's ``ingest:t:<tenant>``, listed in the parti
 (``Keys.tenants``), which the same round trip reads. A read's ``count`` is split between the
 tenants with a backlog by weighted deficit round robin (workers/fair.py), each tenant's part
 over its partitions by its backlog there: every active tenant progresses by its weight whatever
-the others hold. A tenant over its token rate (EMBEDFLEET_TENANT_TOKEN_RATE, a fleet-wide
-counter per second the worker adds the tokens it read to) is left out until the next second.
-Idle, one blocking read per partition names all of its streams (they share the slot).
+the others hold. A tenant with a token rate (EMBEDFLEET_TENANT_TOKEN_RATE, a fleet-wide
+counter per second the worker adds the tokens it read to) is asked for no more entries than what
+is left of its second's tokens covers (at its tokens per entry so far), and once they are used
+it is left out until the next second: of the reads, and of the idle wait, which then ends with
+the second. Idle, one blocking read per partition names all of its streams (they share the slot)
+but a held tenant's, and takes one entry per stream: it only wakes the worker, whose read then
+takes the rest of the window by weight, so the weights hold from the first window on.
 
 Before any ingest stream comes the interactive stream (``Keys.interactive``: the inputs of large
 requests someone waits on, the gateway's): its entries are read first, in the same round trip
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -102,6 +107,12 @@ class StreamConsumer:
         self.fair = FairShare(self.policy.weight)
         # tokens read per tenant since the last round, for EMBEDFLEET_TENANT_TOKEN_RATE
         self._charges: dict[str, int] = {}
+        # tokens and entries charged per rated tenant so far: its tokens per entry, which turn
+        # what is left of its second's tokens into the entries a read may take
+        self._charged: dict[str, tuple[int, int]] = {}
+        # the rated tenants the latest round left out (their second's tokens used): the idle
+        # wait names none of their streams and ends with their second
+        self._held: frozenset[str] = frozenset()
         # Blocking reads still waiting (the interactive stream's, or a partition's prefix ->
         # task), from an idle wait.
         self._waiting: dict[str, asyncio.Task[list[StreamEntry]]] = {}
@@ -152,6 +163,22 @@ class StreamConsumer:
         """Tokens read for a tenant with a token rate, counted fleet-wide with the next round."""
         if self.policy.rate(tenant) is not None and tokens > 0:
             self._charges[tenant] = self._charges.get(tenant, 0) + tokens
+            total, entries = self._charged.get(tenant, (0, 0))
+            self._charged[tenant] = (total + tokens, entries + 1)
+
+    def _rate_cap(self, tenant: str, used: int) -> int:
+        """The most entries a read may take for a rated tenant that has used ``used`` tokens of
+        this second: what is left of its rate over its tokens per entry so far (one entry
+        before any is known, and at least one in a second it has not used, so a tenant whose
+        entries are each over its rate still progresses); 0: it is held to the next second."""
+        left = (self.policy.rate(tenant) or 0) - used
+        if left <= 0:
+            return 0
+        total, entries = self._charged.get(tenant, (0, 0))
+        if not entries:
+            return 1
+        cap = math.floor(left * entries / total) if total else 1
+        return max(cap, 1) if used <= 0 else cap
 
     async def read(
         self, count: int, block_ms: int, *, include_ingest: bool = True
@@ -183,25 +210,43 @@ class StreamConsumer:
         to ``block_ms`` when all of them are empty."""
         entries = self._collect_waiting()
         if entries:
-            return entries
+            return await self._with_shares(entries, count)
         entries = await self._read_backlogs(count)
         if entries:
             return entries
+        # The reads end by themselves after block_ms; the margin covers the round trip.
+        timeout = block_ms / 1000 + 5
+        if self._held:
+            # a tenant held to its token rate is read again from its next second: wait no
+            # longer than that (the margin: the counter of that second is the one read then),
+            # whatever the reads still waiting from an earlier wait block for
+            block_ms = min(block_ms, 1000 - int(time.time() * 1000) % 1000 + 10)
+            timeout = block_ms / 1000
         if self.interactive_stream not in self._waiting:
             self._waiting[self.interactive_stream] = asyncio.create_task(
                 self.read_stream(self.interactive_stream, count, block_ms)
             )
         for partition, streams in self._streams.items():
-            # one blocking read names all of a partition's streams: they share its slot
-            if partition.prefix not in self._waiting:
+            # One blocking read names all of a partition's streams (they share its slot) but a
+            # held tenant's, whose entries would be read past its rate. It takes one entry per
+            # stream (XREADGROUP's COUNT is per stream): it wakes the worker, and the read that
+            # follows takes the rest by weight (_with_shares), so the first window holds the
+            # weights too, rather than a whole read of every tenant that woke it.
+            wake = [s for s in streams if self.tenant_of(s) not in self._held]
+            if wake and partition.prefix not in self._waiting:
                 self._waiting[partition.prefix] = asyncio.create_task(
-                    self._read(dict.fromkeys(streams, ">"), count, block_ms)
+                    self._read(dict.fromkeys(wake, ">"), 1, block_ms)
                 )
-        # The reads end by themselves after block_ms; the margin covers the round trip.
-        await asyncio.wait(
-            self._waiting.values(), timeout=block_ms / 1000 + 5, return_when="FIRST_COMPLETED"
-        )
-        return self._collect_waiting()
+        await asyncio.wait(self._waiting.values(), timeout=timeout, return_when="FIRST_COMPLETED")
+        entries = self._collect_waiting()
+        return await self._with_shares(entries, count) if entries else entries
+
+    async def _with_shares(self, woken: list[StreamEntry], count: int) -> list[StreamEntry]:
+        """What the blocking reads brought (one entry per stream, or the interactive stream's),
+        and with bulk ones the rest of the read, each tenant by its weight: one window."""
+        if any(entry.stream == self.interactive_stream for entry in woken):
+            return woken  # the interactive window goes first, alone
+        return woken + await self._read_backlogs(max(count - len(woken), 0))
 
     async def _read_backlogs(self, count: int) -> list[StreamEntry]:
         """The interactive stream's new entries, read in the round trip that measures the
@@ -229,20 +274,23 @@ class StreamConsumer:
         used = replies[len(replies) - len(rated) :] if rated else []
         for stream in self._learn_tenants(registries):
             await ensure_group(self.client, self.keys, stream)
+        # each rated tenant's entries this read may take: what its second's tokens left cover
+        caps = {
+            tenant: self._rate_cap(tenant, int(tokens or 0))
+            for tenant, tokens in zip(rated, used, strict=True)
+        }
+        self._held = frozenset(tenant for tenant, cap in caps.items() if cap <= 0)
         entries = self._entries(interactive)
         if entries:
             return entries
-        held = frozenset(
-            tenant
-            for tenant, tokens in zip(rated, used, strict=True)
-            if int(tokens or 0) >= (self.policy.rate(tenant) or 0)
-        )
         by_tenant: dict[str, dict[str, int]] = {}
         for stream, length in zip(streams, lengths, strict=True):
             by_tenant.setdefault(self.tenant_of(stream), {})[stream] = length
-        asks = self.fair.plan(
-            count, {t: sum(parts.values()) for t, parts in by_tenant.items()}, held
-        )
+        backlogs = {
+            tenant: min(sum(parts.values()), caps.get(tenant, count))
+            for tenant, parts in by_tenant.items()
+        }
+        asks = self.fair.plan(count, backlogs, self._held)
         shares = self.fair.split(asks, by_tenant)
         if not shares:
             return []
