@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -142,20 +141,45 @@ async def test_partitions_hold_the_limit_over_all_of_them(
     """With 4 partitions (4 slots on a cluster: no script sees them all) each holds its share
     of the limit, checked atomically where its entries are added, so the total never exceeds
     the limit either (20 producers of 50)."""
-    partitions = 4
-    settings = limited(settings, partitions=partitions)
+    peaks = await _partitioned_run(limited(settings, partitions=4), client)
+    print(f"4 partitions, 20 producers x 50 at limit {LIMIT}: peaks {peaks}")
+
+
+async def _partitioned_run(settings: Settings, client: aioredis.Redis) -> list[int]:
+    """20 producers of 50 chunks, half of them in jobs, half without (the script holds the
+    limit for both), against the drain; each partition's peak (their sum at most the limit)."""
     streams = [p.ingest_for(TENANT) for p in settings.keys.partitions_keys]
-    drain = Drain(client, streams, at=math.ceil(LIMIT / partitions), step=10)
+    drain = Drain(client, streams, at=LIMIT // settings.partitions, step=10)
 
     async def produce(index: int) -> int:
+        job = f"job{index}" if index % 2 else None
         async with Producer(settings, tenant=TENANT) as producer:
-            return int(await producer.enqueue(chunks(f"p{index}-", 50), job=f"job{index}"))
+            return int(await producer.enqueue(chunks(f"p{index}-", 50), job=job))
 
     producing = asyncio.ensure_future(asyncio.gather(*(produce(i) for i in range(20))))
     await asyncio.gather(producing, drain.run(producing))
-    print(f"4 partitions, 20 producers x 50 at limit {LIMIT}: peaks {list(drain.peaks.values())}")
-    assert drain.peak_total <= LIMIT
+    assert drain.peak_total <= LIMIT, list(drain.peaks.values())
     assert sum(producing.result()) == 1000 and drain.drained == 1000
+    return list(drain.peaks.values())
+
+
+@pytest.mark.cluster
+async def test_on_a_cluster_the_partitions_hold_the_limit_over_all_of_them() -> None:
+    """The same on a 3-master + 3-replica Redis Cluster, 6 partitions (6 slots, spread over the
+    masters), every batch confirmed by a replica (EMBEDFLEET_MIN_REPLICAS=1): the script's keys
+    stay in their partition's slot, and the shares hold the limit. No workers (the drain)."""
+    from embedfleet.shared.redis_conn import connect_settings
+    from loadtest.common import isolated_settings
+    from loadtest.local_cluster import LocalCluster
+
+    with LocalCluster(masters=3, replicas_per_master=1) as cluster:
+        settings = limited(isolated_settings(cluster.url, partitions=6, min_replicas=1))
+        client = connect_settings(settings)
+        try:
+            peaks = await _partitioned_run(settings, client)
+        finally:
+            await client.aclose()
+    print(f"cluster, 6 partitions, 20 producers x 50 at limit {LIMIT}: peaks {peaks}")
 
 
 async def test_a_full_tenant_gives_up_naming_what_was_added(
