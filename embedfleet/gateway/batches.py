@@ -14,10 +14,22 @@ batch at a time):
     in_progress → finalizing   once the job's counters say every input is done or dead
     finalizing → completed     output and error files written from the reply lists (one per
                                partition; the client's collector, producer/replies.py)
-    in_progress → expired      the completion window passed: what finished is in the output
-                               file, the rest in the error file (``batch_expired``)
-    cancelling → cancelled     enqueueing stops; what was sent is finished and written out
-    any → failed               the input file went away, or the batch keeps raising
+    in_progress → expired      the completion window passed: its inputs no worker finished are
+                               withdrawn; what finished is in the output file, the rest in the
+                               error file (``batch_expired``)
+    cancelling → cancelled     enqueueing stops, its inputs no worker finished are withdrawn;
+                               what finished is written out, the rest is ``batch_cancelled``
+    any → failed               the input file went away, or the batch keeps raising; its inputs
+                               no worker finished are withdrawn
+
+Withdrawn, as the gateway withdraws a request that timed out (producer/client.py, ``_withdraw``):
+the entries are deleted from the ingest streams and the reply lists dropped, so nothing embeds
+them for a caller who has gone, and nothing writes a reply list (EMBEDFLEET_JOB_REPLY_TTL_S,
+7 days) nobody will read. They are acknowledged too, in the same step (``withdraw_job``): a worker
+that had already read one then finds it acknowledged, and its acknowledgement script answers
+nothing (shared/scripts/acknowledge.lua answers only what it acknowledged). A batch's chunks
+also carry its expiry as their deadline, so a worker drops them once the window has passed
+even while no gateway runs.
 
 One batch's fault never holds up another: each batch's step runs on its own, and a batch that
 raises is retried later with its reason counted (``faults``, ``last_fault`` in its hash) or
@@ -55,6 +67,7 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 import numpy as np
+import redis.asyncio as aioredis
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
@@ -72,8 +85,15 @@ from embedfleet.gateway.state import Gateway, wire_options
 from embedfleet.producer.client import Producer
 from embedfleet.producer.replies import Answers, ingest_reply_keys, read_answers
 from embedfleet.shared import scripts
+from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
-from embedfleet.shared.protocol import Chunk
+from embedfleet.shared.protocol import (
+    PAYLOAD_FIELD,
+    Chunk,
+    ChunkLimits,
+    ProtocolError,
+    decode_chunk,
+)
 from embedfleet.shared.redis_conn import as_str
 
 log = get_logger("embedfleet.gateway.batches")
@@ -87,6 +107,7 @@ SHOWN_LINE_ERRORS = 100  # errors.data entries a failed batch keeps (its object 
 RETRY_MAX_S = 30.0  # a faulting batch is retried after TICK_S, doubling up to this
 MAX_UNEXPECTED_FAULTS = 5  # consecutive unexplained errors before a batch is failed
 SWEEP_EVERY_S = 10.0  # expired files and stale temporaries removed this often
+WITHDRAW_PAGE = 1000  # ingest entries read per step when withdrawing a batch's inputs
 RELEASE_SCRIPT = scripts.load("release_lease")  # only if it is still ours
 RENEW_SCRIPT = scripts.load("renew_lease")  # only if it is still ours
 CREATE_SCRIPT = scripts.load("create_batch")  # within the owner's limit of active batches
@@ -275,6 +296,49 @@ def new_batch(
         "request_counts": {"total": 0, "completed": 0, "failed": 0},
         "metadata": metadata,
     }
+
+
+def _entries_of_job(
+    entries: list[tuple[bytes, dict[bytes, bytes]]], job: str, limits: ChunkLimits
+) -> list[bytes]:
+    """The ids of the entries whose chunk belongs to ``job`` (decoded as a worker would)."""
+    ids = []
+    for entry_id, fields in entries:
+        try:
+            chunk = decode_chunk(fields.get(PAYLOAD_FIELD, b""), limits)
+        except ProtocolError:  # not a chunk of any batch: a worker dead-letters it
+            continue
+        if chunk.job == job:
+            ids.append(entry_id)
+    return ids
+
+
+async def withdraw_job(client: aioredis.Redis, keys: Keys, job: str, limits: ChunkLimits) -> int:
+    """Take every entry of ``job`` out of the ingest streams (each partition's, every tenant's):
+    acknowledged and deleted, a page at a time, in one MULTI per page (the stream and its group
+    share a slot). An entry a worker has read and not yet acknowledged is acknowledged here, so
+    the worker's own acknowledgement finds nothing and answers nothing. Returns how many."""
+    withdrawn = 0
+    for partition in keys.partitions_keys:
+        tenants = sorted(as_str(t) for t in await client.smembers(partition.tenants))
+        for stream in [partition.ingest, *(partition.ingest_for(t) for t in tenants)]:
+            start = "-"
+            while True:
+                entries = await client.xrange(stream, start, "+", count=WITHDRAW_PAGE)
+                if not entries:
+                    break
+                # decoding a page is CPU work: off the event loop, as the batch's other work
+                ids = await asyncio.to_thread(_entries_of_job, entries, job, limits)
+                if ids:
+                    pipe = client.pipeline(transaction=True)
+                    pipe.xack(stream, partition.group, *ids)
+                    pipe.xdel(stream, *ids)
+                    await pipe.execute()
+                    withdrawn += len(ids)
+                if len(entries) < WITHDRAW_PAGE:
+                    break
+                start = "(" + as_str(entries[-1][0])
+    return withdrawn
 
 
 class BatchStore:
@@ -609,6 +673,7 @@ class BatchRunner:
             if status == "validating":  # nothing was sent: there is nothing to write out
                 await self._end(batch, "expired", counts=batch["request_counts"])
             else:
+                await self._withdraw(batch_id)
                 await self._finalize(batch, fields, "expired")
             return
         if fields.get("cancel") and status in ("validating", "in_progress"):
@@ -623,7 +688,7 @@ class BatchRunner:
             found = await asyncio.to_thread(validate_file, path, self.gateway)
             if found.errors:
                 counts = {"total": found.lines, "completed": 0, "failed": 0}
-                await self._fail(batch, found.errors, counts)
+                await self._fail(batch, found.errors, counts, sent=False)
                 return
             batch.update(status="in_progress", in_progress_at=now)
             batch["request_counts"]["total"] = found.lines
@@ -633,9 +698,16 @@ class BatchRunner:
         if status == "in_progress" and fields["cursor"] < fields["lines"]:
             await self._enqueue_slice(batch, fields)
             return
-        if status in ("in_progress", "cancelling"):
+        if status == "in_progress":
+            # a batch whose input file went away cannot be written out: it fails now (its
+            # inputs withdrawn), not once its inputs were embedded for nothing
+            self._input_path(batch)
             if not await self._all_finished(batch_id, fields):
                 return
+        if status == "cancelling":
+            # nothing more is answered: what finished is on the reply lists now
+            await self._withdraw(batch_id)
+        if status in ("in_progress", "cancelling"):
             batch.update(status="finalizing", finalizing_at=now)
             await self._save(batch_id, {"object": json.dumps(batch)})
             status = "finalizing"
@@ -645,9 +717,9 @@ class BatchRunner:
             )
 
     async def _all_finished(self, batch_id: str, fields: dict[str, Any]) -> bool:
-        """Whether every input sent is done or dead, by the job's counters (all lines sent,
-        unless the batch is being cancelled)."""
-        if fields["object"]["status"] != "cancelling" and fields["cursor"] < fields["lines"]:
+        """Whether every line is sent and every input sent is done or dead, by the job's
+        counters."""
+        if fields["cursor"] < fields["lines"]:
             return False
         progress = await self.store.producer.progress(batch_id)  # summed over the partitions
         return progress.done + progress.dead >= fields["inputs"]
@@ -659,14 +731,32 @@ class BatchRunner:
         return self.files.data_path(batch["input_file_id"])
 
     async def _fail(
-        self, batch: dict, errors: list[dict[str, Any]], counts: dict[str, int] | None = None
+        self,
+        batch: dict,
+        errors: list[dict[str, Any]],
+        counts: dict[str, int] | None = None,
+        *,
+        sent: bool = True,
     ) -> None:
-        """The batch ends ``failed`` with ``errors``; what it had sent is abandoned.
-        ``counts``: its request_counts (default: those it had reached)."""
+        """The batch ends ``failed`` with ``errors``; what it had sent and no worker finished
+        is withdrawn (``sent``: False when it has sent nothing). ``counts``: its request_counts
+        (default: those it had reached)."""
         if counts is None:
             counts = (await self.store.get(batch["id"]))["request_counts"]
+        if sent:
+            await self._withdraw(batch["id"])
         batch["errors"] = {"object": "list", "data": errors}
         await self._end(batch, "failed", counts=counts)
+
+    async def _withdraw(self, batch_id: str) -> None:
+        """The batch's inputs that no worker has finished taken out of the ingest streams
+        (``withdraw_job``); its reply lists are dropped by ``_end``. Run again, it finds what is
+        left: a step that raised half-way is retried from its start."""
+        withdrawn = await withdraw_job(
+            self.client, self.keys, batch_id, self.gateway.settings.chunk_limits
+        )
+        if withdrawn:
+            log.info("batch inputs withdrawn", batch=batch_id, entries=withdrawn)
 
     async def _end(
         self,
@@ -734,9 +824,15 @@ class BatchRunner:
             line = parse_line(raw, self.gateway)  # passed the validating step
             options = wire_options(None, line.dimensions)
             for text in line.texts:
-                chunks.append(
-                    options.apply(Chunk(id=str(inputs), text=text, job=batch_id, reply=batch_id))
+                chunk = Chunk(
+                    id=str(inputs),
+                    text=text,
+                    job=batch_id,
+                    reply=batch_id,
+                    # past the window nobody waits for it: a worker drops it unanswered
+                    deadline_ms=batch["expires_at"] * 1000,
                 )
+                chunks.append(options.apply(chunk))
                 inputs += 1
             sent_lines += 1
             if sent_lines >= LINES_PER_SLICE:
@@ -896,13 +992,16 @@ class BatchRunner:
                 span = range(first, first + len(line.texts))
                 first += len(line.texts)
                 missing = [i for i in span if vectors is None or not seen[i]]
-                if outcome == "expired" and missing and not any(i in failures for i in missing):
+                if outcome != "completed" and missing and not any(i in failures for i in missing):
+                    # withdrawn unfinished: expired or cancelled, as the requests never sent
                     record.update(
                         response=None,
                         error={
-                            "code": "batch_expired",
+                            "code": f"batch_{ended}",
                             "message": "the batch's completion window ended before this "
-                            "request finished; send it again in a new batch",
+                            "request finished; send it again in a new batch"
+                            if outcome == "expired"
+                            else "the batch was cancelled before this request finished",
                         },
                     )
                     errors.write(json.dumps(record) + "\n")

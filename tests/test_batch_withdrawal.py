@@ -1,0 +1,277 @@
+"""A Batch API batch that ends before its inputs are embedded takes them back (issue 40, point 5).
+
+With the real `openai` SDK against a running gateway, a real worker process and a real Redis
+server: a batch of 3,000 inputs whose worker is paused (SIGSTOP) after it has read some of them,
+so that when the batch expires, is cancelled or fails, part of its inputs wait in the ingest
+stream and part are held by the paused worker. Once the batch has ended, none of its entries may
+be left in the ingest streams (nor pending in the group) and no reply list may exist; then the
+worker is resumed, and it must answer none of them: the batch's job counters do not move and no
+reply key is created again (it would live EMBEDFLEET_JOB_REPLY_TTL_S, 7 days, ~1 KB per input).
+
+The completion window is shortened to 20 s (24 h in production) so the expiry is the same code
+path in a test's time. Each test runs one gateway (every gateway's runner works every batch).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import redis
+
+from embedfleet.shared.keys import Keys
+from embedfleet.shared.protocol import (
+    PAYLOAD_FIELD,
+    Chunk,
+    ProtocolError,
+    decode_chunk,
+    encode_chunk,
+)
+from embedfleet.shared.settings import Settings
+from tests.conftest import WorkerProcess
+from tests.gateway_support import (
+    module_fleet_settings,
+    module_worker,
+    running_gateway,
+    wait_for_worker,
+)
+
+MODEL = "all-MiniLM-L6-v2"
+COUNT = 3_000
+FINAL = ("completed", "failed", "expired", "cancelled")
+WINDOW_S = 20
+
+fleet_settings = module_fleet_settings("bw")
+worker = module_worker("bw")
+
+Gateway = Callable[..., AbstractContextManager[openai.OpenAI]]
+
+
+@pytest.fixture
+def gateway(fleet_settings: Settings, worker: WorkerProcess) -> Gateway:
+    """``with gateway(**settings) as client``: a gateway on the fleet with those settings."""
+
+    class _Gateway(AbstractContextManager[openai.OpenAI]):
+        def __init__(self, **overrides: Any) -> None:
+            self._running = running_gateway(fleet_settings.model_copy(update=overrides))
+
+        def __enter__(self) -> openai.OpenAI:
+            url = self._running.__enter__()
+            wait_for_worker(url)
+            return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+        def __exit__(self, *exc: object) -> None:
+            self._running.__exit__(*exc)
+
+    return _Gateway
+
+
+@pytest.fixture
+def store(fleet_settings: Settings) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(fleet_settings.redis_url)
+    yield client
+    client.close()
+
+
+def wait_for(what: str, predicate: Callable[[], bool], timeout: float = 120) -> None:
+    """Until ``predicate()`` holds (a condition on the server's state), else AssertionError."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:g}s"
+        time.sleep(0.05)  # polling the server's own state, not waiting blind
+
+
+def upload_batch(client: openai.OpenAI, tmp_path: Path) -> tuple[str, str]:
+    """A batch of COUNT one-input requests of a few dozen words each (so that the worker takes
+    seconds over them); (batch id, input file id)."""
+    words = "a batch input long enough to keep a small cpu busy for a while, number"
+    lines = [
+        json.dumps(
+            {
+                "custom_id": f"r{n}",
+                "method": "POST",
+                "url": "/v1/embeddings",
+                "body": {"model": MODEL, "input": f"{words} {n}: " + words * 3},
+            }
+        )
+        for n in range(COUNT)
+    ]
+    path = tmp_path / "batch.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with path.open("rb") as handle:
+        uploaded = client.files.create(file=handle, purpose="batch")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+    )
+    return batch.id, uploaded.id
+
+
+def ingest_streams(store: redis.Redis, keys: Keys) -> list[tuple[Keys, str]]:
+    """Every ingest stream of every partition: the default tenant's and each named one's."""
+    streams = []
+    for partition in keys.partitions_keys:
+        tenants = sorted(t.decode() for t in store.smembers(partition.tenants))
+        streams += [(partition, s) for s in [partition.ingest, *map(partition.ingest_for, tenants)]]
+    return streams
+
+
+def queued(store: redis.Redis, keys: Keys, job: str) -> int:
+    """The job's entries in the ingest streams (unread, or read and not acknowledged)."""
+    count = 0
+    for _, stream in ingest_streams(store, keys):
+        for _, fields in store.xrange(stream):
+            try:
+                count += decode_chunk(fields[PAYLOAD_FIELD]).job == job
+            except ProtocolError:
+                continue
+    return count
+
+
+def pending(store: redis.Redis, keys: Keys) -> int:
+    """Entries delivered to a worker and not acknowledged, over every ingest stream."""
+    return sum(
+        store.xpending(stream, partition.group)["pending"]
+        for partition, stream in ingest_streams(store, keys)
+    )
+
+
+def reply_keys(store: redis.Redis, keys: Keys, job: str) -> dict[str, tuple[int, int]]:
+    """The batch's reply lists that exist: key -> (answers, seconds to live)."""
+    found = {}
+    for partition in keys.partitions_keys:
+        key = partition.reply(job)
+        if store.exists(key):
+            found[key] = (store.llen(key), store.ttl(key))
+    return found
+
+
+def answered(store: redis.Redis, keys: Keys, job: str) -> int:
+    """What the workers acknowledged for the job (embedded or dead-lettered), all partitions."""
+    total = 0
+    for partition in keys.partitions_keys:
+        done, dead = store.hmget(partition.job(job), "done", "dead")
+        total += int(done or 0) + int(dead or 0)
+    return total
+
+
+def after_the_resumed_worker_caught_up(store: redis.Redis, keys: Keys) -> None:
+    """Until the resumed worker has gone past whatever it held when paused: a few chunks of a
+    job of their own, added after it, are acknowledged (windows are embedded in order)."""
+    sentinel = f"sentinel-{uuid.uuid4().hex[:8]}"
+    for n in range(3):
+        chunk = Chunk(id=f"{sentinel}:{n}", text=f"sentinel text {n}", job=sentinel)
+        store.xadd(keys.partition_for(chunk.id).ingest, {PAYLOAD_FIELD: encode_chunk(chunk)})
+    wait_for("the sentinel chunks embedded", lambda: answered(store, keys, sentinel) == 3, 300)
+
+
+def run_and_end(
+    client: openai.OpenAI,
+    store: redis.Redis,
+    keys: Keys,
+    worker: WorkerProcess,
+    tmp_path: Path,
+    end: Callable[[str, str], None],
+) -> dict[str, Any]:
+    """The scenario: the batch sent, the worker paused once it holds some of it, ``end(batch,
+    input file)`` ends the batch; the figures at its end and after the worker resumed."""
+    batch_id, file_id = upload_batch(client, tmp_path)
+    wait_for("the worker holds some inputs", lambda: pending(store, keys) > 0)
+    worker.send_signal(signal.SIGSTOP)
+    try:
+        wait_for(
+            "every input sent",
+            lambda: queued(store, keys, batch_id) + answered(store, keys, batch_id) >= COUNT,
+        )
+        figures: dict[str, Any] = {"held": pending(store, keys)}
+        end(batch_id, file_id)
+        deadline = time.monotonic() + WINDOW_S + 60
+        while (batch := client.batches.retrieve(batch_id)).status not in FINAL:
+            if time.monotonic() > deadline:
+                break  # figures taken anyway: the assertions below say what is wrong
+            time.sleep(0.1)  # polling the batch's state, not waiting blind
+        figures.update(
+            status=batch.status,
+            left=queued(store, keys, batch_id),
+            pending=pending(store, keys),
+            replies=reply_keys(store, keys, batch_id),
+            answered=answered(store, keys, batch_id),
+        )
+    finally:
+        worker.send_signal(signal.SIGCONT)
+    after_the_resumed_worker_caught_up(store, keys)
+    figures.update(
+        answered_after=answered(store, keys, batch_id),
+        replies_after=reply_keys(store, keys, batch_id),
+        left_after=queued(store, keys, batch_id),
+    )
+    print(f"batch {batch_id}: {figures}")
+    return figures
+
+
+def assert_withdrawn(figures: dict[str, Any], status: str) -> None:
+    assert figures["held"] > 0  # the paused worker held some when the batch ended
+    assert figures["status"] == status, figures
+    assert figures["left"] == 0 and figures["pending"] == 0, figures
+    assert figures["replies"] == {}, figures
+    # resumed, the worker answered none of what it held or what was queued
+    assert figures["answered_after"] == figures["answered"], figures
+    assert figures["replies_after"] == {} and figures["left_after"] == 0, figures
+
+
+def test_an_expired_batch_withdraws_its_queued_inputs(
+    gateway: Gateway,
+    worker: WorkerProcess,
+    store: redis.Redis,
+    fleet_settings: Settings,
+    tmp_path: Path,
+) -> None:
+    with gateway(batch_completion_window_s=WINDOW_S) as client:
+        figures = run_and_end(client, store, fleet_settings.keys, worker, tmp_path, lambda *_: None)
+    assert_withdrawn(figures, "expired")
+
+
+def test_a_cancelled_batch_withdraws_its_queued_inputs(
+    gateway: Gateway,
+    worker: WorkerProcess,
+    store: redis.Redis,
+    fleet_settings: Settings,
+    tmp_path: Path,
+) -> None:
+    with gateway() as client:
+        figures = run_and_end(
+            client,
+            store,
+            fleet_settings.keys,
+            worker,
+            tmp_path,
+            lambda batch_id, _: client.batches.cancel(batch_id) and None,
+        )
+    assert_withdrawn(figures, "cancelled")
+
+
+def test_a_failed_batch_withdraws_its_queued_inputs(
+    gateway: Gateway,
+    worker: WorkerProcess,
+    store: redis.Redis,
+    fleet_settings: Settings,
+    tmp_path: Path,
+) -> None:
+    """The input file deleted while the batch runs fails it (``input_file_missing``)."""
+    with gateway() as client:
+        figures = run_and_end(
+            client,
+            store,
+            fleet_settings.keys,
+            worker,
+            tmp_path,
+            lambda _, file_id: client.files.delete(file_id) and None,
+        )
+    assert_withdrawn(figures, "failed")
