@@ -18,6 +18,7 @@ import asyncio
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -75,7 +76,7 @@ class Drain:
         self.drained += taken
         return taken
 
-    async def run(self, producing: asyncio.Future[object]) -> None:
+    async def run(self, producing: asyncio.Future[Any]) -> None:
         async def full_or_done() -> bool:
             if producing.done():
                 return True
@@ -255,7 +256,7 @@ async def test_the_script_still_takes_the_layout_without_a_limit(
     from embedfleet.producer.enqueue import ENQUEUE_SCRIPT, payload_digest
 
     keys = settings.keys
-    args: list[object] = [60, b"12345678", 0]
+    args: list[str | bytes | int] = [60, b"12345678", 0]
     for i in range(3):
         args += [f"x{i}", payload_digest(b"p%d" % i), b"p%d" % i]
     reply = await client.eval(
