@@ -4,9 +4,11 @@ The results stream is a hand-off, not a store (DESIGN.md). A consuming reader re
 partition's results stream through one consumer group (``Keys.results_group``, created at id
 ``0`` so nothing written before the first reader is skipped), one page at a time:
 
-1. results another reader has held unacknowledged for ``EMBEDFLEET_RESULTS_CLAIM_IDLE_MS`` (it
-   crashed mid-page) are claimed first (``XAUTOCLAIM``), then new ones are read
-   (``XREADGROUP ... >``);
+1. results pending on this reader's own name are read first (``XREADGROUP ... 0``: a reader
+   started again under the name of one that was killed, as ``embedfleet results --consume``
+   is, takes its page back at once), then results another reader has held unacknowledged for
+   ``EMBEDFLEET_RESULTS_CLAIM_IDLE_MS`` (it crashed mid-page) are claimed (``XAUTOCLAIM``),
+   then new ones are read (``XREADGROUP ... >``);
 2. the caller handles the page (writes it to a file, a database, ...);
 3. the page is acknowledged and deleted in one transaction (``XACK`` + ``XDEL``), so the
    stream shrinks as it is read and the workers' bound (``EMBEDFLEET_RESULTS_MAX_ENTRIES``)
@@ -26,11 +28,13 @@ acknowledge them or they can be claimed. ``follow`` keeps reading until ``stop``
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import socket
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -50,6 +54,15 @@ FOLLOW_BLOCK_MS = 200
 def default_reader_name() -> str:
     """A consumer name no other reader has: host, process and a random suffix."""
     return f"reader-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def export_reader_name(out: Path) -> str:
+    """The consumer name of a consuming export to ``out`` on this host, the same for every run:
+    a run after a crash reads first what the killed run held (``XREADGROUP ... 0``), at once,
+    rather than waiting EMBEDFLEET_RESULTS_CLAIM_IDLE_MS to claim it. Two exports to one file
+    never run at once (producer/export.py locks it), so the name is never shared live."""
+    digest = hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:12]
+    return f"export-{socket.gethostname()}-{digest}"
 
 
 @dataclass
@@ -85,8 +98,10 @@ class ResultsReader:
         self._partitions = list(keys.partitions_keys)
         self._next = 0  # the partition to look at first, in turn
         self._ready = False
-        # after a read whose reply was lost, entries may be pending on us unseen: read them
-        self._own_pending_unseen = False
+        # the streams where entries may be pending on this consumer unseen, to read first: all
+        # at the start (a reader named as before, as an export is, takes back what its killed
+        # run held), and all again after a read whose reply was lost
+        self._own_pending_unseen = {p.results for p in self._partitions}
 
     async def _call(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
         tries = 0
@@ -98,7 +113,7 @@ class ResultsReader:
 
         result = await self.retry.call(what, attempt)
         if tries > 1:
-            self._own_pending_unseen = True
+            self._own_pending_unseen = {p.results for p in self._partitions}
         return result
 
     async def setup(self) -> None:
@@ -146,16 +161,19 @@ class ResultsReader:
 
     async def _read(self, partition: Keys, block_ms: int | None = None) -> ResultsPage | None:
         stream, group = partition.results, self.keys.results_group
-        if self._own_pending_unseen:
-            self._own_pending_unseen = False
+        if stream in self._own_pending_unseen:
             reply = await self._call(
                 "read results",
                 lambda: self.client.xreadgroup(
                     group, self.consumer, {stream: "0"}, count=self.page
                 ),
             )
-            page = self._page(partition, _entries(reply))
+            entries = _entries(reply)
+            if len(entries) < self.page:  # a full page: there may be more, read again next
+                self._own_pending_unseen.discard(stream)
+            page = self._page(partition, entries)
             if page is not None:
+                log.info("took back results this reader held", results=len(page.entry_ids))
                 return page
         claimed = await self._call(
             "claim results of a stopped reader",
