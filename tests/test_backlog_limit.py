@@ -274,3 +274,27 @@ def test_the_shares_of_a_limit_sum_to_it() -> None:
     assert policy.backlog_share("t", 0, 1) == 100
     assert [policy.backlog_share("tiny", i, 4) for i in range(4)] == [1, 1, 1, 1]  # at least 1
     assert policy.backlog_share("other", 0, 4) is None
+
+
+async def test_the_cli_at_a_full_tenant_says_how_many_it_added(
+    settings: Settings, client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """`embedfleet enqueue --tenant small` of 150 lines, no fleet: 100 added, then, after
+    EMBEDFLEET_TENANT_BACKLOG_WAIT_S, exit 1 with the error's message naming how many were
+    added (before: all 150 added, exit 0)."""
+    source = tmp_path / "chunks.jsonl"
+    source.write_text(
+        "".join(json.dumps({"id": f"c{i}", "text": f"t {i}"}) + "\n" for i in range(150))
+    )
+    env = cli_env(
+        settings,
+        EMBEDFLEET_TENANT_MAX_BACKLOG=f"{TENANT}={LIMIT}",
+        EMBEDFLEET_TENANT_BACKLOG_WAIT_S="0.5",
+    )
+    process = await start_cli(env, "enqueue", str(source), "--job", "j", "--tenant", TENANT)
+    _, err = await process.communicate()
+    held = await client.xlen(settings.keys.ingest_for(TENANT))
+    print(f"cli enqueue of 150 at limit {LIMIT}: exit {process.returncode}, {held} in the stream")
+    assert held == LIMIT
+    assert process.returncode == 1 and "Traceback" not in err.decode()
+    assert "this call added 100 of its chunks" in err.decode()
