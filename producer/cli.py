@@ -16,10 +16,16 @@ import numpy as np
 
 from embedfleet.producer.client import Producer, QueryTimeoutError, TenantBacklogFullError
 from embedfleet.producer.enqueue import Enqueued
-from embedfleet.producer.export import SUPPORTED_SUFFIXES, ExportWriter, write_export
+from embedfleet.producer.export import (
+    SUPPORTED_SUFFIXES,
+    ExportFileError,
+    ExportWriter,
+    write_export,
+)
 from embedfleet.producer.jsonl import BadLine, read_chunks
 from embedfleet.producer.prune import IdRecorder, check_database_sink, say_pruned
 from embedfleet.producer.prune import prune as prune_rows
+from embedfleet.producer.results_reader import export_reader_name
 from embedfleet.producer.waiting import (
     client_for,
     json_report_option,
@@ -30,6 +36,7 @@ from embedfleet.producer.waiting import (
 )
 from embedfleet.shared.exit_codes import ExitCode
 from embedfleet.shared.jobs import JobProgress
+from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import configure_logging
 from embedfleet.shared.progress import Progress
 from embedfleet.shared.protocol import QueryFailedError, Result
@@ -336,14 +343,16 @@ async def _wait_with_bar(
     required=True,
     type=click.Path(dir_okay=False, path_type=Path),
     help="Output file: .npz (arrays ids, vectors fp16) or .jsonl ({id, vector}), written a "
-    "page at a time.",
+    "page at a time. With --consume it is never overwritten: a .jsonl is appended to, a killed "
+    "run's .npz is finished by the next run, and an existing .npz is refused.",
 )
 @click.option(
     "--consume",
     is_flag=True,
-    help="Redis sink: drain the results streams: each page is written, then acknowledged and "
-    "deleted; several readers share the work, and a crashed reader's page is claimed by another "
-    "after EMBEDFLEET_RESULTS_CLAIM_IDLE_MS. Ends once nothing is left on the streams.",
+    help="Redis sink: drain the results streams: each page is written and fsynced, then "
+    "acknowledged and deleted; several readers share the work, and a crashed reader's page is "
+    "claimed by another after EMBEDFLEET_RESULTS_CLAIM_IDLE_MS (by the same command run again "
+    "at once). Ends once nothing is left on the streams.",
 )
 @click.option(
     "--follow",
@@ -359,6 +368,7 @@ async def _wait_with_bar(
     help="Results read, held and written at a time.",
 )
 @json_report_option("what was written, and from where,")
+@model_option
 @redis_url_option
 def results_command(
     job: str | None,
@@ -367,6 +377,7 @@ def results_command(
     follow: bool,
     page: int,
     as_json: bool,
+    model: str | None,
     redis_url: str | None,
 ) -> None:
     """Export vectors from wherever the workers write them (EMBEDFLEET_SINK), a page at a time:
@@ -374,7 +385,14 @@ def results_command(
 
     The Redis sink: the results streams in stream order, read, or with --consume drained (read,
     written, acknowledged and deleted). A chunk enqueued twice has its id twice; keep the last.
+    --model reads that model's results streams, where the namespace serves several.
     A vector database (lancedb://, postgresql://, qdrant://): its rows, one per id.
+
+    A consuming export's file is the only copy of what it took: it is added to, never
+    overwritten. Killed, run the same command again: it appends after the whole pages (cutting
+    a torn last line), takes back at once the page the killed run held, and drains the rest;
+    every result ends in the file at least once. An .npz is finished from the killed run's .part
+    files; a finished .npz is refused (give each run its own file).
     """
     if out.suffix.lower() not in SUPPORTED_SUFFIXES:
         raise click.BadParameter("must end in .npz or .jsonl", param_hint="--out")
@@ -385,26 +403,37 @@ def results_command(
             "--consume drains every job's results; export one job without --consume"
         )
     settings = _settings(redis_url)
+    earlier = 0
     try:
         target = parse_sink_url(settings.sink, settings.sink_table, settings.s3_endpoint_url)
         if target.kind == "redis":
-            with ExportWriter(out) as writer:
-                run_client(_export_stream(settings, writer, job, page, consume, follow))
-            count = writer.count
-            streams = ", ".join(p.results for p in settings.keys.partitions_keys)
+            # consuming: what the file holds was deleted from Redis: keep it, add to it
+            with ExportWriter(out, resume=consume) as writer:
+                keys = run_client(
+                    _export_stream(settings, writer, job, page, consume, follow, model)
+                )
+            count, earlier = writer.count, writer.earlier
+            streams = ", ".join(p.results for p in keys.partitions_keys)
             where = f"the results stream {streams}"
         else:
             if consume:
                 raise click.UsageError("--consume applies to the Redis sink's results streams")
+            if model is not None:
+                raise click.UsageError(
+                    "--model picks a model's results streams (the Redis sink); a database "
+                    "sink's table is EMBEDFLEET_SINK_TABLE's"
+                )
             with open_backend(target) as backend:
                 count = write_export(backend.export_rows(job), out, page)
             where = target.describe()
-    except (SinkURLError, VectorDBError, MissingExtraError) as error:
+    except (SinkURLError, VectorDBError, MissingExtraError, ExportFileError) as error:
         raise click.ClickException(str(error)) from None
     if as_json:
-        click.echo(json.dumps({"vectors": count, "source": where, "out": str(out)}))
+        report = {"vectors": count, "earlier": earlier, "source": where, "out": str(out)}
+        click.echo(json.dumps(report))
     else:
-        click.echo(f"wrote {count} vectors from {where} to {out}")
+        after = f" (after the {earlier} an earlier run wrote there)" if earlier else ""
+        click.echo(f"wrote {count} vectors from {where} to {out}{after}")
 
 
 async def _export_stream(
@@ -414,19 +443,22 @@ async def _export_stream(
     page: int,
     consume: bool,
     follow: bool = False,
-) -> None:
-    """The results streams into ``writer``, one page held at a time; with ``consume`` each page
-    is acknowledged (and deleted) only once written and fsynced; with ``follow`` until SIGTERM
-    or SIGINT, which end it between pages."""
+    model: str | None = None,
+) -> Keys:
+    """The results streams (``model``'s lane's, else the settings') into ``writer``, one page
+    held at a time; with ``consume`` each page is acknowledged (and deleted) only once written
+    and fsynced, by a reader named after the file (a re-run takes back what a killed run held);
+    with ``follow`` until SIGTERM or SIGINT, which end it between pages. Returns the lane's
+    keys."""
     stop = asyncio.Event()
     if follow:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
-    async with client_for(settings) as producer:
+    async with client_for(settings, model) as producer:
         with Progress("read results", "results") as bar:
             if consume:
-                reader = producer.results_reader(page=page)
+                reader = producer.results_reader(page=page, consumer=export_reader_name(writer.out))
                 try:
                     while (taken := await reader.next_page(follow=follow, stop=stop)) is not None:
                         writer.write(taken.results, durable=True)  # on disk, then acked
@@ -434,7 +466,7 @@ async def _export_stream(
                         bar.update(len(taken.results))
                 finally:
                     await reader.close()
-                return
+                return producer.keys
             batch: list[Result] = []
             async for result in producer.results(job=job, page=page):
                 batch.append(result)
@@ -444,6 +476,7 @@ async def _export_stream(
                     batch = []
             writer.write(batch)
             bar.update(len(batch))
+    return producer.keys
 
 
 @click.command("query")
