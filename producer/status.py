@@ -46,7 +46,7 @@ from embedfleet.producer.waiting import (
     verb_settings,
 )
 from embedfleet.shared.eviction import EvictionPolicy, check_eviction_policy
-from embedfleet.shared.fleet import FLEET_STREAMS, INPUT_STREAMS, FleetState, read_fleet
+from embedfleet.shared.fleet import FLEET_STREAMS, INPUT_STREAMS, FleetState, Usage, read_fleet
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.model_registry import read_registry, registered_lanes
 from embedfleet.shared.redis_conn import connect_client_settings, redact_url
@@ -112,6 +112,20 @@ def rated_models(
         name: (snapshot, throughput(older[name], snapshot) if name in older else None)
         for name, snapshot in newer.items()
     }
+
+
+def every_lanes_usage(
+    snapshot: Snapshot, models: dict[str, tuple[Snapshot, Throughput | None]]
+) -> list[Usage]:
+    """The usage rows of the settings' own lane (``snapshot``) and of every other registered
+    lane (``models``): each lane's workers count in that lane's own usage hashes."""
+    seen = {snapshot.streams["ingest"].key}
+    rows = list(snapshot.usage)
+    for _, (lane, _rate) in sorted(models.items()):
+        if lane.streams["ingest"].key not in seen:
+            seen.add(lane.streams["ingest"].key)
+            rows.extend(lane.usage)
+    return rows
 
 
 def model_rows(
@@ -364,7 +378,8 @@ def report(
                 snapshot.tenants.items(), key=lambda item: policy.named(item[0])
             )
         ],
-        # what each tenant used, per model and job (the usage hashes, Keys.usage)
+        # what each tenant used, per model and job (the usage hashes, Keys.usage): every
+        # lane's, as each lane counts in its own hash
         "usage": [
             {
                 "tenant": policy.named(u.tenant),
@@ -376,7 +391,7 @@ def report(
                 "dead": u.dead,
                 "expired": u.expired,
             }
-            for u in snapshot.usage
+            for u in every_lanes_usage(snapshot, models or {})
         ],
     }
 
