@@ -147,11 +147,14 @@ class Settings(BaseSettings):
 
     # --- re-ingestion: the vector cache --------------------------------------------------
     vector_cache_mb: int = Field(default=256, ge=0)
-    """Size bound of the vector cache in Redis (MB, vectors and their keys, over all
-    partitions): before a chunk reaches the model, the worker looks its content key (a digest
-    of the text, model revision and every option that changes the vector) up there, and on a
-    hit writes the row and result from the stored vector without running the model. The least
-    recently used entries are evicted past the bound. 0 = no cache: every chunk is embedded."""
+    """Size bound of the vector cache in Redis (MB, over all partitions), as Redis counts its
+    memory: each entry's vector, its key (twice: the cache and the use order) and Redis's own
+    overhead for them (strings, dict entries, skip list nodes, buckets, rounded up to the
+    allocator's size classes), checked against MEMORY USAGE. Before a chunk reaches the model,
+    the worker looks its content key (a digest of the text, model revision and every option
+    that changes the vector) up there, and on a hit writes the row and result from the stored
+    vector without running the model. The least recently used entries are evicted past the
+    bound. 0 = no cache: every chunk is embedded."""
     vector_cache_ttl_s: int = Field(default=30 * 24 * 3600, ge=60)
     """A vector cache entry nobody has used for this long is dropped (at the next store into its
     partition's cache)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -317,10 +318,23 @@ async def test_the_cache_keeps_to_its_bound_least_recently_used_first(settings, 
     cache = VectorCache(client, settings.keys, max_mb=1, ttl_s=3600)
     keys = settings.keys
     entry = pack_entry(Result(id="", model="m", vector=np.ones(384, np.float16)), tokens=9)
-    size = 2 * len("v1:" + "0" * 32) + len(entry) + 64  # as the script counts an entry
-    cache.bound_bytes = 10 * size  # room for ten
     names = [f"v1:{n:032x}" for n in range(15)]
-    assert await cache.store(keys, [(name, entry) for name in names[:10]]) == 0
+    assert await cache.store(keys, [(names[0], entry)]) == 0
+    # what the script counts for an entry (what Redis allocates for it, shared/scripts/
+    # vector_cache_put.lua), and no less than Redis reports for the cache's keys
+    size = int(await client.hget(keys.vector_cache_stats, "bytes"))
+    reported = sum(
+        [
+            await client.memory_usage(key, samples=0)
+            for key in (keys.vector_cache, keys.vector_cache_lru)
+        ]
+    )
+    assert len(entry) < size and reported <= size + 1000  # 1000: the two keys' fixed parts
+    cache.bound_bytes = 10 * size  # room for ten
+    assert await cache.store(keys, [(name, entry) for name in names[1:10]]) == 0
+    # stored in this order, a few seconds ago (not all in one millisecond: ties go by name)
+    past = int(time.time() * 1000) - 10_000
+    await client.zadd(keys.vector_cache_lru, {n: past + i for i, n in enumerate(names[:10])})
     found = await cache.lookup(keys, [names[0]])  # the oldest, used again: kept
     assert found[0] is not None and found[0].tokens == 9
     assert await cache.store(keys, [(name, entry) for name in names[10:]]) == 5
