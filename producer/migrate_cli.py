@@ -91,11 +91,12 @@ def migrate_group() -> None:
     \b
     1. start:    copy the stored texts into a new table, embedded by model B's lane
                  (run B's workers with EMBEDFLEET_MODEL_LANE=B EMBEDFLEET_SINK_TABLE=<new>);
-                 new chunks are written to both tables from now on; resumable
+                 what is written to the old table is copied to the new one from now on,
+                 and both ways once the copy is verified; resumable
     2. canary:   compare search on both tables (neighbour overlap, or recall on labels)
     3. switch:   point the readers' alias at the new table in one atomic step
-       rollback: point it back at the old table
-    4. finish:   stop writing both; --drop-old drops the table readers no longer use
+       rollback: point it back at the old table (it holds what lane B wrote meanwhile)
+    4. finish:   stop the copies; --drop-old drops the table readers no longer use
 
     Readers (and `embedfleet search` with EMBEDFLEET_SINK_TABLE=<alias>) read the alias: a
     Qdrant collection alias, a PostgreSQL view, a LanceDB pointer file.
@@ -152,8 +153,9 @@ def start_command(
     Turns the dual write on (sinks of the old table enqueue what they write to lane B too),
     enqueues every stored text to lane B page by page, waits until lane B has embedded them,
     then checks that the new table holds every id with its text and sends again what it does
-    not. Shows progress, the measured rows/s and tokens/s, the time left and the tokens in all.
-    Exit status 1 when the copy could not be verified.
+    not; once verified, the sinks of the new table copy what they write to lane A too. Shows
+    progress, the measured rows/s and tokens/s, the time left and the tokens in all. Exit
+    status 1 when the copy could not be verified.
     """
     settings, sink, source = _context(redis_url, table)
 
@@ -225,6 +227,7 @@ def status_command(table: str | None, as_json: bool, redis_url: str | None) -> N
         [
             f"{source!r} -> {migration.target!r} (lane {migration.target_lane}), state "
             f"{report['state']}, dual write {'on' if report['dual_write'] else 'off'}",
+            f"written: {migration.describe_copies()}",
             f"readers: alias {migration.alias!r} -> {reading!r}",
             estimate.describe(),
         ],
@@ -299,15 +302,23 @@ def canary_command(
 def _point(to: str, table: str | None, force: bool, as_json: bool, redis_url: str | None) -> None:
     settings, sink, source = _context(redis_url, table)
 
-    async def step(client: Any) -> tuple[mig.Migration, str]:
+    async def step(client: Any) -> tuple[mig.Migration, str, int]:
         migration = await mig.load(settings, client, sink, source)
-        return migration, await mig.point_readers(migration, client, to, force=force)
+        pointed = await mig.point_readers(migration, client, to, force=force)
+        lane = migration.target_lane if to == "target" else migration.source_lane
+        return migration, pointed, await mig.queued(client, settings.keys.for_model(lane))
 
-    migration, pointed = _run(settings, step)
+    migration, pointed, waiting = _run(settings, step)
+    lane = (migration.target_lane if to == "target" else migration.source_lane) or "default"
     _print(
-        {**migration.as_dict(), "alias_points_at": pointed},
+        {**migration.as_dict(), "alias_points_at": pointed, "queued": waiting},
         as_json,
-        [f"alias {migration.alias!r} -> {pointed!r}; both tables are still written"],
+        [
+            f"alias {migration.alias!r} -> {pointed!r}",
+            f"written: {migration.describe_copies()}",
+            f"lane {lane} has {waiting:,} entries queued (copies of the other lane's writes among "
+            f"them): they are searchable in {pointed!r} once its workers embed them",
+        ],
     )
 
 
@@ -319,7 +330,8 @@ def _point(to: str, table: str | None, force: bool, as_json: bool, redis_url: st
 def switch_command(table: str | None, force: bool, as_json: bool, redis_url: str | None) -> None:
     """Point the readers' alias at the new table, in one atomic step (Qdrant: one alias
     request; PostgreSQL: the view replaced in one transaction; LanceDB: the pointer file
-    replaced by one rename). The old table stays, and stays written: `rollback` goes back."""
+    replaced by one rename). The old table stays, and stays written (what lane B writes is
+    copied to lane A until `finish`): `rollback` goes back and loses nothing."""
     _point("target", table, force, as_json, redis_url)
 
 
@@ -328,7 +340,9 @@ def switch_command(table: str | None, force: bool, as_json: bool, redis_url: str
 @json_report_option("where the alias points now")
 @redis_url_option
 def rollback_command(table: str | None, as_json: bool, redis_url: str | None) -> None:
-    """Point the readers' alias back at the old table, in one atomic step."""
+    """Point the readers' alias back at the old table, in one atomic step. It holds what was
+    written through lane B since the switch: the sinks of the new table copy it to lane A until
+    `finish` (what lane A has not embedded yet is queued in its stream)."""
     _point("source", table, True, as_json, redis_url)
 
 
@@ -338,7 +352,7 @@ def rollback_command(table: str | None, as_json: bool, redis_url: str | None) ->
 @json_report_option("what was ended and dropped")
 @redis_url_option
 def finish_command(table: str | None, drop_old: bool, as_json: bool, redis_url: str | None) -> None:
-    """End the migration: sinks of the old table stop copying to the new model's lane. The
+    """End the migration: the sinks of each table stop copying to the other model's lane. The
     table readers do not use is kept unless --drop-old. Move your producers to the lane the
     alias reads (EMBEDFLEET_MODEL_LANE / the chunk's model) before."""
     settings, sink, source = _context(redis_url, table)
@@ -352,7 +366,7 @@ def finish_command(table: str | None, drop_old: bool, as_json: bool, redis_url: 
         {**migration.as_dict(), "dropped": dropped},
         as_json,
         [
-            "dual write off"
+            "dual write off, both ways: each lane writes only its own table"
             + (f"; dropped {dropped!r}" if dropped else "; both tables kept (--drop-old drops)")
         ],
     )

@@ -5,20 +5,25 @@ The steps, each a function here and a verb of ``embedfleet migrate`` (producer/m
 1. ``start``: write the migration record (``Keys.migration(source)``, shared/migrations.py)
    with ``dual_write`` set, so from now on every database sink writing the source table also
    enqueues what it wrote to model B's lane; register which lane writes which table
-   (``Keys.table_lanes``); point the reader name (the alias) at the source table if it does not
-   exist yet.
+   (``Keys.table_lanes``) and the target's source (``Keys.migration_targets``); point the reader
+   name (the alias) at the source table if it does not exist yet.
 2. ``copy``: scan the source's stored texts page by page and enqueue them to model B's lane
    (its workers write the target table), recording the scan's cursor after each page, so a
    copy killed at any point resumes where it was (a page sent twice is added once: the chunks
    keep their job, whose id record skips a re-sent payload; chunks without a job are embedded
    twice at worst and upserted by id). Then, once lane B is idle, verify: every id of the
    source must be in the target with the same text; what is missing or different is sent
-   again, until nothing is.
+   again, until nothing is. Once verified, the dual write goes both ways (``dual_write_back``):
+   what lane B's sinks write to the target is copied to lane A too, so producers may move to
+   lane B and a rollback still finds everything in the source.
 3. ``canary``: search both tables for a query set, each with its own model: neighbour overlap
    at k, or recall at k on a labelled set.
 4. ``switch`` / ``rollback``: point the alias at the target / the source in one atomic step
-   (a Qdrant alias, a PostgreSQL view, a LanceDB pointer file). Both tables stay written.
-5. ``finish``: stop the dual write; ``--drop-old`` also drops the table readers no longer use.
+   (a Qdrant alias, a PostgreSQL view, a LanceDB pointer file). A switch also turns the copy
+   back to lane A on (a forced switch before the copy was verified), so whichever lane the
+   producers write, both tables get it until ``finish``.
+5. ``finish``: stop the dual write both ways; ``--drop-old`` also drops the table readers no
+   longer use.
 
 ``embedfleet search`` resolves the alias to its table and embeds the query with that table's
 model (``Keys.table_lanes``), so a query gets A's answers or B's, never a mix.
@@ -98,6 +103,38 @@ class Migration:
     def lane_settings(self, lane: str | None) -> Settings:
         return self.settings.model_copy(update={"model_lane": lane})
 
+    @property
+    def copies(self) -> list[Copy]:
+        """The dual writes the record turns on now: which table's sinks copy to which lane."""
+        if self.record.get(m.DUAL_WRITE) != "1":
+            return []
+        ahead = Copy(self.source, m.lane_name(self.target_lane), self.target)
+        if self.record.get(m.DUAL_WRITE_BACK) != "1":
+            return [ahead]
+        return [ahead, Copy(self.target, m.lane_name(self.source_lane), self.source)]
+
+    def describe_copies(self) -> str:
+        """Which tables are written, as the workers' sinks do it now (from the record)."""
+        copies = self.copies
+        if not copies:
+            return (
+                f"no table is copied (the dual write is off): lane {_lane(self.source_lane)} "
+                f"writes only {self.source!r}, lane {_lane(self.target_lane)} only {self.target!r}"
+            )
+        writer = {self.source: self.source_lane, self.target: self.target_lane}
+        said = [
+            f"what is written to {c.from_table!r} (lane {_lane(writer[c.from_table])}) is "
+            f"copied to lane {_lane(c.to_lane or None)} ({c.to_table!r})"
+            for c in copies
+        ]
+        if len(copies) == 1:
+            said.append(
+                f"{self.target!r} (lane {_lane(self.target_lane)}) is not copied back to "
+                f"{self.source!r} until the copy is verified or the readers switched: keep "
+                f"producers on lane {_lane(self.source_lane)} until then"
+            )
+        return "; ".join(said) + " (until `embedfleet migrate finish`)"
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "source": self.source,
@@ -108,7 +145,23 @@ class Migration:
             "state": self.record.get(m.STATE),
             "readers": self.record.get(m.READERS),
             "dual_write": self.record.get(m.DUAL_WRITE) == "1",
+            "dual_write_back": bool(self.copies[1:]),
+            "copies": [dataclasses.asdict(copy) for copy in self.copies],
         }
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One direction of the dual write: the sinks of ``from_table`` copy what they write to
+    lane ``to_lane`` ('' the default lane), whose workers write ``to_table``."""
+
+    from_table: str
+    to_lane: str
+    to_table: str
+
+
+def _lane(lane: str | None) -> str:
+    return lane or "default"
 
 
 async def load(
@@ -191,6 +244,8 @@ async def start(
         settings.keys.table_lanes,
         mapping={source: record[m.SOURCE_LANE], target: record[m.TARGET_LANE]},
     )
+    # the target's sinks find the record here once the copy goes both ways
+    pipe.hset(settings.keys.migration_targets, target, source)
     await pipe.execute()
     migration.record[m.DUAL_WRITE] = "1"
     return migration
@@ -364,7 +419,13 @@ async def copy(
         m.TOKENS_MEASURED: report.tokens_measured,
     }
     if report.verified:
-        fields |= {m.STATE: "copied", m.COPIED_MS: str(int(time.time() * 1000))}
+        # the target holds what the source holds: from now on each table's sinks copy what
+        # they write to the other lane, so producers may move to lane B (shared/migrations.py)
+        fields |= {
+            m.STATE: "copied",
+            m.COPIED_MS: str(int(time.time() * 1000)),
+            m.DUAL_WRITE_BACK: "1",
+        }
     await client.hset(key, mapping=m.as_mapping(fields))
     migration.record.update(fields)
     return report
@@ -483,6 +544,16 @@ async def _until_idle(
         await asyncio.sleep(IDLE_POLL_S)
 
 
+async def queued(client: aioredis.Redis, lane: Keys) -> int:
+    """Entries in the lane's ingest streams: read and not acknowledged yet, or not read (an
+    acknowledged entry is deleted). After a switch or a rollback, the copies of what the other
+    lane wrote that are not in the table yet are among them."""
+    pipe = client.pipeline(transaction=False)
+    for partition in lane.partitions_keys:
+        pipe.xlen(partition.ingest)
+    return sum(int(length) for length in await pipe.execute())
+
+
 async def _idle(client: aioredis.Redis, lane: Keys) -> bool:
     pipe = client.pipeline(transaction=False)
     for partition in lane.partitions_keys:
@@ -551,9 +622,15 @@ async def point_readers(
             "switch anyway with --force"
         )
     table = migration.target if to == "target" else migration.source
+    key = migration.settings.keys.migration(migration.source)
+    if to == "target" and migration.record.get(m.DUAL_WRITE) == "1":
+        # before the readers move (a forced switch comes before the verified copy turned it
+        # on): what producers moved to lane B write must reach the source too, for a rollback
+        await client.hset(key, m.DUAL_WRITE_BACK, "1")
+        migration.record[m.DUAL_WRITE_BACK] = "1"
     with migration.backend(table) as backend:
         await asyncio.to_thread(backend.point_alias, migration.alias)
-    await client.hset(migration.settings.keys.migration(migration.source), m.READERS, to)
+    await client.hset(key, m.READERS, to)
     migration.record[m.READERS] = to
     return table
 
@@ -566,11 +643,13 @@ async def finish(migration: Migration, client: aioredis.Redis, *, drop_old: bool
         reading = await asyncio.to_thread(reader.resolve)
     other = migration.source if reading == migration.target else migration.target
     pipe = client.pipeline(transaction=True)
-    pipe.hdel(keys.migration(migration.source), m.DUAL_WRITE)
+    pipe.hdel(keys.migration(migration.source), m.DUAL_WRITE, m.DUAL_WRITE_BACK)
     pipe.hset(keys.migration(migration.source), m.STATE, "finished")
     await pipe.execute()
+    await client.hdel(keys.migration_targets, migration.target)  # another slot on a cluster
     migration.record[m.STATE] = "finished"
     migration.record.pop(m.DUAL_WRITE, None)
+    migration.record.pop(m.DUAL_WRITE_BACK, None)
     if not drop_old:
         return None
     with migration.backend(other) as backend:

@@ -155,6 +155,14 @@ class Keys:
         return f"{self.namespace}:migration:{table}"
 
     @property
+    def migration_targets(self) -> str:
+        """Hash of a live migration's target table -> its source table (``migration(source)``
+        holds the record), written by ``embedfleet migrate start`` and removed by ``finish``:
+        a database sink writing the target table finds there whether it copies back to the
+        source lane (shared/migrations.py)."""
+        return f"{self.namespace}:migration_targets"
+
+    @property
     def table_lanes(self) -> str:
         """Hash of vector table -> the model lane that writes it ('' for the default lane),
         written by ``embedfleet migrate``: ``embedfleet search`` resolves an alias to its table

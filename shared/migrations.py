@@ -13,11 +13,19 @@ after the upsert: the migration sets ``dual_write`` before it reads the first pa
 so a row is either committed before the flag was set (the copy's scan reads it) or written after
 (its sink sees the flag and copies it). A copy carries no embedding options (B's own defaults
 apply) and counts in lane B's job counters as an enqueue does.
+
+Both ways once the copy is verified (or the readers switched): from then on a producer may write
+either lane (they move to lane B after the switch, and may move back after a rollback), so the
+sinks of the target table copy what they write to lane A too (``dual_write_back``), until
+``finish``; a rollback then finds every chunk written since the switch in the old table. A copy
+is marked in its stream entry (``COPIED_FROM``, the table it was copied from) and is never
+copied again, so the two directions do not send a chunk back and forth. The sink of the target
+table finds its migration through ``Keys.migration_targets`` (target -> source).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +43,8 @@ ALIAS = "alias"  # the reader name readers follow
 READERS = "readers"  # which table the alias points at: 'source' or 'target'
 STATE = "state"  # copying, copied, finished
 DUAL_WRITE = "dual_write"  # '1' while sinks of the source table copy what they write
+# '1' (with dual_write) while sinks of the target table copy what they write to the source lane
+DUAL_WRITE_BACK = "dual_write_back"
 CURSOR = "cursor"  # the source scan's cursor after the last page enqueued ('' = from the start)
 SCANNED = "scanned"  # rows of the source enqueued for lane B so far
 SCAN_DONE = "scan_done"  # '1' once the scan reached the end of the source
@@ -48,32 +58,58 @@ TOKENS_MEASURED = "tokens_measured"  # 'tokenizer' or 'characters'
 
 STATES = ("copying", "copied", "finished")
 
+# the stream entry field that marks a dual write's copy (beside the payload, ``m``): the table
+# it was copied from. A worker's sink never copies a copy again.
+COPIED_FROM = b"copied_from"
+
 
 @dataclass(frozen=True)
 class DualWrite:
-    """Where a sink copies what it writes: the target lane's key set."""
+    """Where a sink copies what it writes: the other lane's key set, and the sink's table (the
+    copies' mark)."""
 
     lane: Keys
+    table: str
 
 
-async def dual_write_of(client: aioredis.Redis, keys: Keys, table: str) -> DualWrite | None:
-    """The dual write a sink of ``table`` must do now, or None (one HMGET)."""
-    flag, lane = await client.hmget(keys.migration(table), [DUAL_WRITE, TARGET_LANE])
-    if flag != b"1" or lane is None:
-        return None
-    return DualWrite(keys.for_model(text(lane) or None))
+async def dual_writes_of(client: aioredis.Redis, keys: Keys, table: str) -> list[DualWrite]:
+    """The dual writes a sink of ``table`` must do now: to the target lane when ``table`` is
+    being migrated, to the source lane when it is a migration's target and the copy goes both
+    ways. One round trip, two while ``table`` is a migration's target."""
+    pipe = client.pipeline(transaction=False)
+    pipe.hmget(keys.migration(table), [DUAL_WRITE, TARGET_LANE])
+    pipe.hget(keys.migration_targets, table)
+    (flag, lane), source = await pipe.execute()
+    found = []
+    if flag == b"1" and lane is not None:
+        found.append(DualWrite(keys.for_model(text(lane) or None), table))
+    if source is not None:
+        fields = [DUAL_WRITE, DUAL_WRITE_BACK, TARGET, SOURCE_LANE]
+        flag, back, target, source_lane = await client.hmget(keys.migration(text(source)), fields)
+        if (
+            flag == b"1"
+            and back == b"1"
+            and target is not None
+            and text(target) == table
+            and source_lane is not None
+        ):
+            found.append(DualWrite(keys.for_model(text(source_lane) or None), table))
+    return found
 
 
-def queue_copies(pipe: Any, dual: DualWrite, results: Sequence[Result]) -> int:
-    """XADD a copy of each result's chunk (those with their text) to the target lane's ingest
-    stream of its partition, counted in its job there as an enqueue; returns how many."""
+def queue_copies(
+    pipe: Any, dual: DualWrite, results: Sequence[Result], copies: Collection[str] = ()
+) -> int:
+    """XADD a copy of each result's chunk (those with their text, and not themselves a copy:
+    ``copies`` holds their ids) to the other lane's ingest stream of its partition, marked as a
+    copy and counted in its job there as an enqueue; returns how many."""
     copied = 0
     for result in results:
-        if result.text is None:
+        if result.text is None or result.id in copies:
             continue
         partition = dual.lane.partition_for(result.id)
         chunk = Chunk(id=result.id, text=result.text, job=result.job, meta=result.meta)
-        pipe.xadd(partition.ingest, {PAYLOAD_FIELD: encode_chunk(chunk)})
+        pipe.xadd(partition.ingest, {PAYLOAD_FIELD: encode_chunk(chunk), COPIED_FROM: dual.table})
         if result.job is not None:
             pipe.hincrby(partition.job(result.job), "enqueued", 1)
             pipe.sadd(partition.jobs_index, result.job)

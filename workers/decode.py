@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from embedfleet.shared.dead_letters import DeadReason
+from embedfleet.shared.migrations import COPIED_FROM
 from embedfleet.shared.protocol import Chunk, ProtocolError, decode_chunk
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.consumer import StreamEntry
@@ -55,7 +56,16 @@ def decode_entries(
             )
             continue
         accepted.append(
-            Accepted(chunk, Delivery(entry.stream, entry.entry_id, chunk.job, tenant=chunk.tenant))
+            Accepted(
+                chunk,
+                Delivery(
+                    entry.stream,
+                    entry.entry_id,
+                    chunk.job,
+                    tenant=chunk.tenant,
+                    copy=COPIED_FROM in entry.fields,
+                ),
+            )
         )
     return accepted, rejected
 

@@ -1297,7 +1297,9 @@ def accounted(
     micros = seconds * 1e6 / total  # per token
     # built directly, not dataclasses.replace: this runs per text on the event loop
     return [
-        Delivery(d.stream, d.entry_id, d.job, d.tenant, model, t.length, round(t.length * micros))
+        Delivery(
+            d.stream, d.entry_id, d.job, d.tenant, model, t.length, round(t.length * micros), d.copy
+        )
         for d, t in zip(deliveries, tokens, strict=True)
     ]
 

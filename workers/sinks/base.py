@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 from embedfleet.shared import scripts
 from embedfleet.shared.fault_kinds import System
 from embedfleet.shared.keys import Keys
-from embedfleet.shared.migrations import dual_write_of, queue_copies
+from embedfleet.shared.migrations import dual_writes_of, queue_copies
 from embedfleet.shared.protocol import Result
 from embedfleet.shared.vectordb import (
     NO_EXTRAS,
@@ -57,6 +57,9 @@ class Delivery:
     model: str = ""
     tokens: int = 0
     model_us: int = 0
+    # a live migration's copy (its entry carries shared/migrations.py's COPIED_FROM): written,
+    # never copied again, so a dual write that goes both ways does not send it back
+    copy: bool = False
 
 
 class Sink(abc.ABC):
@@ -259,13 +262,17 @@ class DatabaseSink(Sink):
         if rows:
             await self._blocking(self.backend.upsert, rows)
         # a live migration of this table (shared/migrations.py): read after the upsert, so a
-        # row the migration's scan may have missed is copied to the new model's lane
-        dual = (
-            await dual_write_of(self.client, self.keys, self.backend.target.table) if rows else None
+        # row the migration's scan may have missed is copied to the other model's lane
+        duals = (
+            await dual_writes_of(self.client, self.keys, self.backend.target.table) if rows else []
         )
         pipe = acknowledgement_pipeline(self.client, self.keys)
-        if dual is not None:
-            queue_copies(pipe, dual, rows)
+        if duals:
+            # the latest delivery of each id decides, as latest_per_id does
+            was_copy = {result.id: d.copy for result, d in zip(results, deliveries, strict=True)}
+            copies = {row_id for row_id, copy in was_copy.items() if copy}
+            for dual in duals:
+                queue_copies(pipe, dual, rows, copies)
         queue_acknowledgements(pipe, self.keys, deliveries, counter="done")
         await pipe.execute()
 
