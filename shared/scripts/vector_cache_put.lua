@@ -18,7 +18,8 @@
 local function allocated(n)  -- jemalloc's size class for n bytes
   if n <= 8 then return 8 end
   if n <= 128 then return math.ceil(n / 16) * 16 end
-  local group = 128  -- four classes per doubling above 128: (group, 2 * group] in steps of group / 4
+  -- four classes per doubling above 128: (group, 2 * group] in steps of group / 4
+  local group = 128
   while group * 2 < n do group = group * 2 end
   local step = group / 4
   return math.ceil(n / step) * step
