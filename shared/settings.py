@@ -553,10 +553,10 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _shards_before_reclaim(self) -> Settings:
         # A Parquet shard's entries are acknowledged when it is written; until then they are
-        # pending, and no longer renewed once the worker has handed them to the sink (their
-        # last renewal may be a reclaim period, a third of the idle time, old). Another worker
-        # would claim and embed them again past the idle time, so a shard is written by half of
-        # it, leaving the other sixth for the upload itself.
+        # pending. The bound was set when the worker stopped renewing their leases once it had
+        # handed them to the sink; it renews them now until they are acknowledged, also while
+        # the store is down (issue 40), so an older shard is no longer claimed by another worker.
+        # The bound is kept as it was: a shard is cut by half of the idle time.
         if not self.parquet_sink or self.parquet_shard_max_s * 1000 <= self.reclaim_idle_ms / 2:
             return self
         raise ValueError(

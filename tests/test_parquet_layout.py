@@ -247,6 +247,69 @@ async def test_writes_while_a_shard_is_being_stored_go_into_the_next_one(
     assert read_dataset(str(tmp_path / "run")).num_rows == 12
 
 
+async def test_the_sink_holds_its_entries_for_their_leases_until_their_shard_is_acknowledged(
+    settings: Any, client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 40: a shard waiting out an outage keeps its entries' leases. The worker's in-flight
+    set, which the reclaimer renews and leaves out of its claims, has what the sink holds."""
+    from embedfleet.shared.vectordb.parquet import ObjectStoreUnavailable
+    from embedfleet.workers.reclaim import InFlight
+
+    deliveries = await _pending_deliveries(client, settings, 6)
+    sink = _sink(settings, client, tmp_path / "run", shard_rows=6)
+    in_flight = InFlight(sink)
+    await sink.setup("m", 8)
+    await sink.write(_results(6)[:3], deliveries[:3])  # buffered
+    stream = settings.keys.ingest
+    assert sorted(in_flight.snapshot()[stream]) == sorted(d.entry_id for d in deliveries[:3])
+    assert in_flight.holds(stream, deliveries[0].entry_id) and len(in_flight) == 0
+
+    def unavailable(*args: Any) -> Any:
+        raise ObjectStoreUnavailable("the store is away")
+
+    monkeypatch.setattr(sink.parquet, "write_shard", unavailable)
+    with pytest.raises(ObjectStoreUnavailable):
+        await sink.write(_results(6)[3:], deliveries[3:])  # the shard is full: not stored
+    assert sorted(in_flight.snapshot()[stream]) == sorted(d.entry_id for d in deliveries)
+    monkeypatch.undo()
+    await sink.flush()  # the store is back: stored, acknowledged, no longer held
+    assert in_flight.snapshot() == {} and not in_flight.holds(stream, deliveries[0].entry_id)
+    assert await _pending(client, settings) == 0
+    await sink.close()
+
+
+def test_a_full_disk_is_waited_out_and_its_failed_shard_leaves_no_temporary_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 40: a shard write that fails removes its ``.tmp`` at once (each try has a name of
+    its own: they piled up until the next start's 15-minute sweep), and a full disk is an
+    outage of the store (waited out), not a fault of the worker."""
+    import errno
+
+    from embedfleet.shared.fault_kinds import FaultKind, System, classify
+    from embedfleet.shared.vectordb.parquet import ObjectStoreUnavailable
+
+    root = tmp_path / "run"
+    backend = open_backend(parse_sink_url(f"parquet://{root}"))
+    assert isinstance(backend, ParquetBackend)
+    backend.setup("m", 8)
+    real_fsync = os.fsync
+
+    def disk_full(descriptor: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", disk_full)  # the bytes do not fit when flushed
+    for _ in range(3):
+        with pytest.raises(ObjectStoreUnavailable) as failed:
+            backend.upsert(_results(10))
+        assert classify(failed.value, System.PARQUET).kind is FaultKind.TRANSIENT
+    assert [p.name for p in root.iterdir() if p.name.endswith(".tmp")] == []
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    backend.upsert(_results(10))
+    assert read_dataset(str(root)).num_rows == 10
+    assert [p.name for p in root.iterdir() if p.name.endswith(".tmp")] == []
+
+
 def test_a_store_that_cannot_be_reached_is_waited_for_and_a_bad_shard_is_no_bad_row(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -1,8 +1,10 @@
 """Nothing is lost when a worker dies: its pending entries are claimed by the living.
 
 Every ``reclaim_idle_ms / 3`` a worker
-1. renews the lease on the entries it is still working on (XCLAIM to itself, JUSTID: resets
-   their idle time without counting a delivery), so a long batch is never stolen;
+1. renews the lease on the entries it is still working on, and on those its sink holds written
+   but not yet acknowledged (a Parquet shard's, also while its store is down), with XCLAIM to
+   itself, JUSTID: resets their idle time without counting a delivery, so a long batch or a
+   shard waiting out an outage is never stolen;
 2. claims entries idle longer than ``reclaim_idle_ms`` on any consumer (XAUTOCLAIM), at most
    one read's worth per stream and period (after a mass restart, one worker taking every idle
    entry as one window would hold them all while the others idle; the cursor goes on from
@@ -53,11 +55,23 @@ class EntryRef(Protocol):
 _by_stream = attrgetter("stream")
 
 
-class InFlight:
-    """Entry ids this worker has read and not yet acknowledged, per stream."""
+class HeldBySink(Protocol):
+    """The entries a sink holds written and not yet acknowledged (``Sink.holding``)."""
 
-    def __init__(self) -> None:
+    def holding(self) -> Iterable[EntryRef]: ...
+
+    def holds(self, stream: str, entry_id: str) -> bool: ...
+
+
+class InFlight:
+    """Entry ids this worker has read and not yet acknowledged, per stream: those it computes
+    (added on intake, released once written) and those its sink still holds (``sink``: a
+    Parquet shard's, until the shard is stored and acknowledged, however long the store is
+    down). The reclaimer renews the leases of all of them."""
+
+    def __init__(self, sink: HeldBySink | None = None) -> None:
         self._ids: dict[str, set[str]] = {}
+        self._sink = sink
 
     def add(self, stream: str, entry_ids: list[str]) -> None:
         self._ids.setdefault(stream, set()).update(entry_ids)
@@ -74,12 +88,19 @@ class InFlight:
             self._ids.get(stream, set()).difference_update(entry.entry_id for entry in run)
 
     def holds(self, stream: str, entry_id: str) -> bool:
-        return entry_id in self._ids.get(stream, ())
+        return entry_id in self._ids.get(stream, ()) or (
+            self._sink is not None and self._sink.holds(stream, entry_id)
+        )
 
     def snapshot(self) -> dict[str, list[str]]:
-        return {stream: list(ids) for stream, ids in self._ids.items() if ids}
+        ids = {stream: set(held) for stream, held in self._ids.items() if held}
+        if self._sink is not None:
+            for stream, run in itertools.groupby(self._sink.holding(), key=_by_stream):
+                ids.setdefault(stream, set()).update(entry.entry_id for entry in run)
+        return {stream: list(held) for stream, held in ids.items()}
 
     def __len__(self) -> int:
+        """Entries the worker computes (not counting those its sink holds)."""
         return sum(len(ids) for ids in self._ids.values())
 
 

@@ -253,7 +253,9 @@ class Worker:
             partitions=settings.read_partitions,
             policy=settings.tenant_policy,
         )
-        self.in_flight = InFlight()
+        # what the reclaimer renews: the entries being computed, and those the sink holds
+        # written and not yet acknowledged (a Parquet shard's, also while its store is down)
+        self.in_flight = InFlight(sink)
         self.dead_letters = DeadLetters(
             client,
             self.keys,
@@ -1188,6 +1190,7 @@ class Worker:
                 )
             if written:
                 self.events.results_written(texts=written, seconds=time.perf_counter() - started)
+            # acknowledged, or held by the sink until it is (in_flight keeps their leases then)
             self.in_flight.release(item.deliveries)
 
     async def _remember(self, item: Encoded, results: list[Result]) -> None:

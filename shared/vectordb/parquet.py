@@ -38,6 +38,7 @@ such an id twice (docs/SINKS.md shows the query that keeps one).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -104,9 +105,14 @@ _PASSING_S3_ERRORS = (
     "timed out",
 )
 
+# A folder that is full (or over its quota) or whose network mount went stale: an outage of the
+# store, waited out like S3 away, not a fault for a person to fix before the worker may go on.
+_PASSING_FOLDER_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.ESTALE})
+
 
 class ObjectStoreUnavailable(ConnectionError):
-    """The folder or object store could not be reached or was busy; waited out (transient)."""
+    """The folder or object store could not be reached, was busy or full; waited out
+    (transient)."""
 
 
 class ShardWriteError(RuntimeError):
@@ -120,6 +126,8 @@ def storage_error(error: Exception, doing: str) -> Exception:
     dead-letter the batch at hand for a shard that failed to upload."""
     text = f"{doing}: {type(error).__name__}: {error}"
     if isinstance(error, OSError) and any(word in str(error) for word in _PASSING_S3_ERRORS):
+        return ObjectStoreUnavailable(text)
+    if isinstance(error, OSError) and error.errno in _PASSING_FOLDER_ERRNOS:
         return ObjectStoreUnavailable(text)
     if isinstance(error, TimeoutError | ConnectionError):
         return ObjectStoreUnavailable(text)
@@ -301,13 +309,21 @@ class ParquetBackend(VectorBackend):
         temporary = os.path.join(directory, f".{base}.tmp")  # hidden from readers and globs
         descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(descriptor, view) :]
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
-        os.replace(temporary, path)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(descriptor, view) :]
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
+            os.replace(temporary, path)
+        except Exception:
+            # A failed write (a full disk) removes its own file: the shard is tried again under
+            # a new name, and each try would leave one more until the next start's sweep,
+            # holding the space it waits for. Only a writer killed here leaves one behind.
+            with contextlib.suppress(OSError):
+                os.remove(temporary)
+            raise
         folder = os.open(directory, os.O_RDONLY)
         try:
             os.fsync(folder)  # the rename itself survives a power cut

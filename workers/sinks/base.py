@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -90,6 +90,19 @@ class Sink(abc.ABC):
     @abc.abstractmethod
     async def write(self, results: Sequence[Result], deliveries: Sequence[Delivery]) -> None:
         """Store ``results`` and only then acknowledge ``deliveries`` (same order, same length)."""
+
+    def holding(self) -> Iterable[Delivery]:
+        """The deliveries written to this sink and not yet acknowledged. A sink that
+        acknowledges after ``write`` returns (the Parquet sink, per stored shard) holds them
+        meanwhile, however long its store is down, and the worker keeps renewing their leases
+        until they leave this set: an entry the worker let go idle would be claimed back,
+        embedded again every reclaim period and dead-lettered for an outage. Default: none
+        (``write`` acknowledges before it returns)."""
+        return ()
+
+    def holds(self, stream: str, entry_id: str) -> bool:
+        """Whether ``holding()`` has this entry (asked per entry the reclaimer claims)."""
+        return False
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections; the default sink has nothing of its own."""

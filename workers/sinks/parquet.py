@@ -10,10 +10,12 @@ micro-batch: ``write`` only converts and buffers, and the deliveries stay unackn
 in the group) until their shard is durable; then they are acknowledged, and counted done for
 their job, in one round trip. A worker killed meanwhile leaves them pending, to be claimed by
 another worker once idle for EMBEDFLEET_RECLAIM_IDLE_MS: no chunk is lost, and no partial shard
-is visible. The worker stops renewing an entry's lease once it has handed it to the sink, so a
-shard must be written well before that idle time (settings check ``PARQUET_SHARD_MAX_S`` against
-it). An entry redelivered after its shard was written but before the acknowledgement lands twice
-in the dataset; readers keep the last row per id.
+is visible. Until then the sink is ``holding`` them (buffered, being stored, or stored and not yet
+acknowledged), and the worker keeps renewing their leases as for the entries it computes: an
+outage of the folder or S3, however long, is waited out, and nothing is claimed back, embedded
+again or dead-lettered for it (issue 40). An entry redelivered after its shard was written but
+before the acknowledgement (a worker killed in between) lands twice in the dataset; readers keep
+the last row per id.
 
 A failed write raises from ``write`` (the worker waits out a passing fault and tries again; its
 rows are buffered already, so nothing is added twice) or, for a shard cut by the timer, is logged
@@ -97,6 +99,13 @@ class ParquetSink(DatabaseSink):
     def buffered(self) -> int:
         """Rows in the shard being filled."""
         return self._rows
+
+    def holding(self) -> list[Delivery]:
+        return [*self._held.values(), *self._writing.values(), *self._unacked.values()]
+
+    def holds(self, stream: str, entry_id: str) -> bool:
+        key = (stream, entry_id)
+        return key in self._held or key in self._writing or key in self._unacked
 
     async def write(self, results: Sequence[Result], deliveries: Sequence[Delivery]) -> None:
         if len(results) != len(deliveries):
