@@ -274,3 +274,26 @@ async def test_the_servers_own_figure_bounds_the_cache_when_the_count_is_short(
     await client.hset(keys.vector_cache_stats, "bytes", counted // 2)
     await fill(4)  # ~1,000 entries the halved count alone would let in
     assert await used() <= 1_000_000
+
+
+async def test_a_server_that_refuses_memory_usage_still_stores_within_the_count(
+    redis_server: Any, settings: Any, client: Any
+) -> None:
+    """MEMORY renamed or outside the ACL user's rights (managed services): the store works and
+    the script's own count bounds the cache."""
+    await client.execute_command("ACL SETUSER nomemory on >pw ~* &* +@all -memory")
+    url = f"redis://nomemory:pw@127.0.0.1:{redis_server.port}/0"
+    limited = connect(url)
+    try:
+        cache = VectorCache(limited, settings.keys, max_mb=1, ttl_s=3600)
+        entry = pack_entry(Result(id="", model="m", vector=np.ones(384, np.float16)), tokens=4)
+        for window in range(8):  # about twice the bound
+            names = [f"v1:{window * 256 + n:032x}" for n in range(256)]
+            await cache.store(settings.keys, [(name, entry) for name in names])
+    finally:
+        await limited.aclose()
+    counted = int(await client.hget(settings.keys.vector_cache_stats, "bytes"))
+    used = 0
+    for key in (settings.keys.vector_cache, settings.keys.vector_cache_lru):
+        used += int(await client.memory_usage(key, samples=0) or 0)
+    assert used <= counted <= 1_000_000

@@ -77,9 +77,16 @@ if held < 0 then held = 0 end
 -- jemalloc; another allocator or a future layout may take more). It is sampled, so the guard
 -- keeps it to 99% of the bound, and measures again after each round (bucket arrays do not
 -- shrink as entries go: an entry frees a little less than the mean).
+-- A server that refuses MEMORY (renamed, or not in the ACL user's rights) gives no figure: the
+-- count alone bounds the cache there, and the store still works.
 local function measured()
-  return (redis.call('MEMORY', 'USAGE', KEYS[1], 'SAMPLES', SAMPLES) or 0)
-    + (redis.call('MEMORY', 'USAGE', KEYS[2], 'SAMPLES', SAMPLES) or 0)
+  local total = 0
+  for k = 1, 2 do
+    local usage = redis.pcall('MEMORY', 'USAGE', KEYS[k], 'SAMPLES', SAMPLES)
+    if type(usage) == 'table' then return 0 end  -- an error reply
+    total = total + (usage or 0)
+  end
+  return total
 end
 local used = held > 0 and measured() or 0
 local rounds = 0
