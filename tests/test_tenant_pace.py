@@ -25,14 +25,18 @@ from embedfleet.workers.consumer import StreamConsumer
 from tests.conftest import WorkerLauncher, until, until_blocked
 
 WORDS = ["the", "fleet", "reads", "every", "tenant", "by", "its", "weight", "and", "rate"]
+DIGITS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 
 
 def texts(prefix: str, count: int) -> list[Chunk]:
-    """Chunks alike in length (about 14 tokens each), every text distinct."""
+    """Distinct chunks of exactly 17 tokens each (ten words, then the number's five digits as
+    words): a window sorted by length puts no tenant's entries first."""
     return [
         Chunk(
             id=f"{prefix}{i}",
-            text=" ".join(WORDS[(i + k) % len(WORDS)] for k in range(10)) + f" {i}",
+            text=" ".join(WORDS[(i + k) % len(WORDS)] for k in range(10))
+            + " "
+            + " ".join(DIGITS[int(digit)] for digit in f"{i:05d}"),
         )
         for i in range(count)
     ]
@@ -47,7 +51,7 @@ async def tenant_tokens(client: aioredis.Redis, settings: Settings, tenant: str)
 async def test_a_lone_tenant_is_held_to_its_token_rate(
     settings: Settings, workers: WorkerLauncher, client: aioredis.Redis
 ) -> None:
-    """Tenant ``a`` (200 tokens/s) is the only one with work, 5,000 chunks of ~14 tokens (350
+    """Tenant ``a`` (200 tokens/s) is the only one with work, 5,000 chunks of 17 tokens (425
     s of its rate); over 15 s of steady running the worker acknowledges at most 10% over the
     rate, and some (at least a third of it: a loaded CPU slows the worker, never speeds it).
 
@@ -93,9 +97,12 @@ async def test_a_small_tenants_job_behind_a_big_backlog_gets_its_share_from_the_
     share is half the worker, so its share's time is 1,000 / (half the throughput measured on
     a's backlog just before, in the same run); the job must finish within 2x of that.
 
-    Before (issue 40): 8.2 s where its half share gave ~1.1 s: the windows already read (three
-    of a's 1,024 entries) were finished first, and only then did b get its share."""
-    us_per_token = 100  # ~1.4 ms a chunk of ~14 tokens: ~700 chunks/s, a device's pace
+    Before (issue 40): 8.2 s where its half share gave ~1.1 s (the review's run); here 3.96 s
+    for a share's 1.61 s (2.46x): the windows already read of a's (the reader read one ahead
+    of the queued one, up to three held) and one more read before b's new stream was learnt
+    were finished first, and only then did b get its share. After: 1.19 to 1.30 s for 1.48 to
+    1.52 s (0.80 to 0.86x). Measured loaded (2 cores shared with other test runs)."""
+    us_per_token = 40  # 0.7 ms a chunk of 17 tokens: ~1,400 chunks/s, a device's pace
     env = {
         "EMBEDFLEET_BENCHMARK_STANDIN_ENCODER_US_PER_TOKEN": str(us_per_token),
         "EMBEDFLEET_THREADS": "1",

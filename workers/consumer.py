@@ -272,8 +272,17 @@ class StreamConsumer:
         lengths = [int(n) for n in replies[1 : 1 + len(streams)]]
         registries = replies[1 + len(streams) : 1 + len(streams) + len(self.partitions)]
         used = replies[len(replies) - len(rated) :] if rated else []
-        for stream in self._learn_tenants(registries):
-            await ensure_group(self.client, self.keys, stream)
+        new = self._learn_tenants(registries)
+        if new:
+            # a tenant that registered since the last round is read from this one, not after
+            # one more whole read of the others: its streams' lengths, in one more round trip
+            for stream in new:
+                await ensure_group(self.client, self.keys, stream)
+            pipe = self.client.pipeline(transaction=False)
+            for stream in new:
+                pipe.xlen(stream)
+            streams = [*streams, *new]
+            lengths += [int(n) for n in await pipe.execute()]
         # each rated tenant's entries this read may take: what its second's tokens left cover
         caps = {
             tenant: self._rate_cap(tenant, int(tokens or 0))

@@ -109,6 +109,9 @@ SEED_LONG_TEXTS = 4
 # request then waits about one batch, and a short-batch GPU pays one read per interval, not per
 # batch.
 URGENT_CHECK_S = 0.05
+# The reader is asked for the next window this long (beyond twice its latest opening time)
+# before the compute stage's window ends: its read's round trips, and a loaded event loop.
+READ_MARGIN_S = 0.05
 
 
 @dataclass
@@ -321,6 +324,16 @@ class Worker:
         self._next_urgent_check = 0.0
         # windows of interactive entries the reader opened, for the compute stage to take first
         self._urgent: asyncio.Queue[Window] = asyncio.Queue(maxsize=2)
+        # Set when the compute stage wants the next bulk window read (_pace_reads): once its
+        # own window's batches left take about as long as the reader needs to open one. Read
+        # earlier, a window would hold entries read while the one before still ran: a tenant
+        # that came meanwhile would wait for them all, not get its share from the next window.
+        self._want_window = asyncio.Event()
+        self._want_window.set()
+        # the latest window's opening time (decode, cache, tokenize: the reader's lead), and a
+        # bulk batch's time (from launch to the next), seconds
+        self._open_s = 0.0
+        self._batch_s = 0.0
         # EMBEDFLEET_READ_COUNT / TOKEN_BUDGET / MAX_BATCH, -1 resolved for this device
 
     @property
@@ -476,10 +489,16 @@ class Worker:
             await _first_set(self._bulk_ready, self._stopping)
             while not self._stopping.is_set():
                 try:
+                    await _first_set(self._want_window, self._stopping)
+                    if self._stopping.is_set():
+                        break
                     entries = await self._next_entries()
                     if entries:
                         self.events.entries_read(stream=entries[0].stream, count=len(entries))
                         await self._intake_by_lane(entries, windows)
+                        # the window wanted is queued (or read and dropped); wanted while it
+                        # was opened (nothing queued yet), it is the one wanted all the same
+                        self._want_window.clear()
                     ride.succeeded()
                 except Exception as error:
                     await ride.wait(transient_or_raise(error, System.REDIS))
@@ -524,7 +543,10 @@ class Worker:
         Decoding and validation run there too, not on the event loop: at a GPU's rate they would
         take a large share of each second of the loop, in stalls per read that delay writes, acks
         and query reads alike (docs/BENCHMARKS.md, GPU check)."""
+        opened = time.monotonic()
         window, rejected = await self._open_window(entries)
+        if not urgent:
+            self._open_s = time.monotonic() - opened
         await self._dead_letter(rejected)
         await self._drop_expired(window.expired)
         if not window.chunks and not window.cached:
@@ -841,11 +863,14 @@ class Worker:
             await self._seed_speed()
             self._bulk_ready.set()
             self.stats.started_at = time.perf_counter()
-            while (window := await windows.get()) is not _END:
+            while (window := await self._next_window(windows)) is not _END:
                 await self._hand_on_cached(window, encoded)
-                for prepared in window.batches:
+                for index, prepared in enumerate(window.batches):
+                    self._pace_reads(windows, len(window.batches) - index)
+                    started = time.monotonic()
                     await self._jump_the_queue(encoded)
                     await self._encode(window, prepared.planned, encoded, batch=prepared.batch)
+                    self._batch_s = time.monotonic() - started
                 # (an empty window is how the reader wakes this stage for interactive windows)
                 await self._jump_the_queue(encoded)
                 if windows.empty():
@@ -863,16 +888,32 @@ class Worker:
         finally:
             await encoded.put(_END)
 
+    async def _next_window(self, windows: asyncio.Queue[Window | None]) -> Window | None:
+        """The next window; when none is queued, the reader is asked for one first."""
+        if windows.empty():
+            self._want_window.set()
+        return await windows.get()
+
+    def _pace_reads(self, windows: asyncio.Queue[Window | None], batches_left: int) -> None:
+        """Before a bulk batch: ask the reader for the next window once this window's batches
+        left (this one included) take about what the reader needs to open one (twice its
+        latest time, and a round trip's margin), so that it is queued when this one ends and
+        the model never waits for it, yet holds entries read as late as that allows: the
+        windows held when a tenant comes are this one's rest and at most one, not three."""
+        if windows.empty() and batches_left * self._batch_s <= 2 * self._open_s + READ_MARGIN_S:
+            self._want_window.set()
+
     async def _jump_the_queue(
         self, encoded: asyncio.Queue[Encoded | None], *, read: bool = True
     ) -> None:
         """Before a bulk batch: interactive entries (large requests someone waits on) are
-        encoded now, ahead of the bulk windows this worker already holds (up to three:
-        reading, queued, computing), so a request waits for one bulk batch, not for those
-        windows. First the windows the reader opened from them (``_urgent``); then, at most
-        every URGENT_CHECK_S, one non-blocking read of the stream, for entries that came while
-        the reader waits on the bulk queue. A Redis fault on that read is left to the reader and
-        the reclaimer: entries read and not held are redelivered after their lease."""
+        encoded now, ahead of the bulk windows this worker already holds (this one's rest,
+        and at most one more read near its end: _pace_reads), so a request waits for one bulk
+        batch, not for those windows. First the windows the reader opened from them
+        (``_urgent``); then, at most every URGENT_CHECK_S, one non-blocking read of the stream,
+        for entries that came while the reader waits for the compute stage to want a window. A
+        Redis fault on that read is left to the reader and the reclaimer: entries read and not
+        held are redelivered after their lease."""
         while not self._urgent.empty():
             await self._encode_window(self._urgent.get_nowait(), encoded)
         now = time.monotonic()
