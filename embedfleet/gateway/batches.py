@@ -62,6 +62,7 @@ import contextlib
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -299,13 +300,14 @@ def new_batch(
 
 
 def _entries_of_job(
-    entries: list[tuple[bytes, dict[bytes, bytes]]], job: str, limits: ChunkLimits
+    entries: Sequence[tuple[Any, Any]], job: str, limits: ChunkLimits
 ) -> list[bytes]:
-    """The ids of the entries whose chunk belongs to ``job`` (decoded as a worker would)."""
+    """The ids of the entries whose chunk belongs to ``job`` (decoded as a worker would), of a
+    page of XRANGE's (entry id, fields) pairs."""
     ids = []
     for entry_id, fields in entries:
         try:
-            chunk = decode_chunk(fields.get(PAYLOAD_FIELD, b""), limits)
+            chunk = decode_chunk((fields or {}).get(PAYLOAD_FIELD, b""), limits)
         except ProtocolError:  # not a chunk of any batch: a worker dead-letters it
             continue
         if chunk.job == job:
@@ -337,7 +339,7 @@ async def withdraw_job(client: aioredis.Redis, keys: Keys, job: str, limits: Chu
                     withdrawn += len(ids)
                 if len(entries) < WITHDRAW_PAGE:
                     break
-                start = "(" + as_str(entries[-1][0])
+                start = "(" + as_str(cast("bytes", entries[-1][0]))
     return withdrawn
 
 
