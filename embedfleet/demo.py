@@ -133,7 +133,7 @@ def _load_corpus(corpus: Path | None, limit: int | None) -> list[Chunk]:
     if corpus is None:
         return list(builtin_document_chunks(limit))
     rejected: list[BadLine] = []
-    with corpus.open(encoding="utf-8") as handle:
+    with corpus.open("rb") as handle:  # bytes: a line not UTF-8 is a bad line
         chunks = list(read_chunks(handle, None, rejected))
     for bad in rejected[:10]:
         click.echo(f"{corpus}:{bad.line_number}: {bad.reason} (skipped)", err=True)

@@ -129,7 +129,9 @@ def enqueue_command(
 
     One object per line: {"id": "doc1#0", "text": "...", "meta": {...}}. The id is your
     idempotency key (re-sending it overwrites, never duplicates); meta is passed through to the
-    results. Bad lines are reported with their line numbers and not enqueued (exit status 1).
+    results. Bad lines (not UTF-8, not JSON, not a valid chunk, an option the served model does
+    not have, longer than 6 x EMBEDFLEET_MAX_MESSAGE_BYTES) are reported with their line numbers
+    and not enqueued; every good line is (exit status 4).
 
     With --documents, each SOURCE is a whole document (text or Markdown file; its path is its
     id) or a JSONL file of documents; every chunk carries the document's meta plus doc, n and
@@ -173,11 +175,18 @@ def enqueue_command(
     dead: list[int] = []  # the dead-lettered count, once --wait has seen the job finish
     rejected: list[BadLine] = []
     if documents:
-        count = run_client(_enqueue_documents(settings, sources, job, overlap, run, dead))
+        count = run_client(_enqueue_documents(settings, sources, job, overlap, run, rejected, dead))
     else:
         if len(sources) != 1:
             raise click.UsageError("give one JSON Lines SOURCE (or --documents for several files)")
-        with click.open_file(sources[0], encoding="utf-8") as source:
+        try:
+            # bytes: the reader decodes each line itself, so a line not UTF-8 is a bad line
+            opened = click.open_file(sources[0], "rb")
+        except OSError as error:
+            raise click.BadParameter(
+                f"{sources[0]}: {error.strerror or error}", param_hint="SOURCES"
+            ) from None
+        with opened as source:
             count = run_client(_enqueue(settings, source, job, run, rejected, dead))
     pruned: list[str] | None = None
     if prune and not rejected:
@@ -258,23 +267,31 @@ def _report_enqueue(
 
 async def _enqueue(
     settings: Settings,
-    source: IO[str],  # click.open_file: a text file, or stdin for "-"
+    source: IO[bytes],  # click.open_file: a file, or stdin for "-"
     job: str,
     run: _Run,
     rejected: list[BadLine],
     dead: list[int],
 ) -> Enqueued:
     async with client_for(settings, run.model) as producer:
+        # the served model's own check, per line: a line it refuses (an unknown prompt_name)
+        # is a bad line, and the lines around it are still enqueued
+        card = await producer.model_card()
+        chunks = read_chunks(
+            source, job, rejected, settings.chunk_limits, None if card is None else card.check
+        )
         with Progress("enqueue", "chunks") as bar:
             try:
                 count = await producer.enqueue(
-                    run.sent.through(read_chunks(source, job, rejected, settings.chunk_limits)),
+                    run.sent.through(chunks),
                     on_batch=bar.update,
                     force=run.force,
                     reembed=run.reembed,
                     tenant=run.tenant,
                 )
-            except TenantBacklogFullError as error:
+            except (ValueError, TenantBacklogFullError) as error:
+                # ValueError: a model card published after the reader's (a worker's first
+                # start) refused a chunk; the lines before it were enqueued
                 raise click.ClickException(str(error)) from None
         if run.wait and count.chunks:  # chunks already in the job may still be on their way
             dead.append((await _wait_with_bar(producer, job, count.chunks, run.timeout)).dead)
@@ -287,9 +304,13 @@ async def _enqueue_documents(
     job: str,
     overlap: int | None,
     run: _Run,
+    rejected: list[BadLine],
     dead: list[int],
 ) -> Enqueued:
     from embedfleet.producer.documents import read_documents
+
+    def reject(line_number: int, reason: str) -> None:
+        rejected.append(BadLine(line_number, reason))
 
     paths = [Path(source) for source in sources]
     for path in paths:
@@ -304,7 +325,7 @@ async def _enqueue_documents(
         with Progress("enqueue", "chunks") as bar:
             try:
                 count = await producer.enqueue(
-                    run.sent.through(splitter.split_all(read_documents(paths), job)),
+                    run.sent.through(splitter.split_all(read_documents(paths, reject), job)),
                     job=job,
                     on_batch=bar.update,
                     force=run.force,
@@ -508,6 +529,8 @@ def query_command(
         raise click.ClickException(str(error)) from None
     except QueryFailedError as error:
         raise click.ClickException(f"the worker rejected the query: {error}") from None
+    except ValueError as error:  # the protocol's refusal: empty, too long, not valid Unicode
+        raise click.BadParameter(str(error), param_hint="TEXT") from None
     elapsed_ms = (time.perf_counter() - started) * 1000
     if as_json:
         click.echo(

@@ -13,7 +13,7 @@ Needs ``pip install 'embedfleet[documents]'`` (tokenizers, semantic-text-splitte
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,23 +152,45 @@ class DocumentSplitter:
             yield from self.split(document, job)
 
 
-def read_documents(paths: Iterable[Path]) -> Iterator[Document]:
+def read_documents(
+    paths: Iterable[Path], reject: Callable[[int, str], None] | None = None
+) -> Iterator[Document]:
     """Text and Markdown files (id: the path as given), or JSONL files of {"id", "text",
-    "meta"} documents, one per line."""
+    "meta"} documents, one per line.
+
+    A document it cannot read (not UTF-8, not JSON, not a document) raises ValueError naming
+    the file and line; with ``reject``, it is passed to ``reject(line number, reason)``
+    instead and the rest are still read (`embedfleet enqueue --documents`: exit status 4)."""
+
+    def bad(number: int, reason: str) -> None:
+        if reject is None:
+            raise ValueError(f"{reason} (line {number})")
+        reject(number, reason)
+
     for path in paths:
         if path.suffix.lower() == ".jsonl":
-            with path.open(encoding="utf-8") as handle:
-                for number, line in enumerate(handle, start=1):
-                    if not line.strip():
-                        continue
+            with path.open("rb") as handle:
+                for number, raw in enumerate(handle, start=1):
                     try:
-                        yield as_document(json.loads(line))
-                    except (ValueError, json.JSONDecodeError) as error:
-                        raise ValueError(f"{path}:{number}: {error}") from None
+                        line = raw.decode("utf-8")
+                        if not line.strip():
+                            continue
+                        document = as_document(json.loads(line))
+                    except (ValueError, json.JSONDecodeError) as error:  # UnicodeDecodeError too
+                        bad(number, f"{path}: {error}")
+                        continue
+                    yield document
         else:
+            data = path.read_bytes()
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError as error:
+                number = data.count(b"\n", 0, error.start) + 1
+                bad(number, f"{path}: not UTF-8 (byte 0x{data[error.start]:02x}, {error.reason})")
+                continue
             yield Document(
                 id=str(path),
-                text=path.read_text(encoding="utf-8"),
+                text=text,
                 meta={"path": str(path)},
                 markdown=path.suffix.lower() in MARKDOWN_SUFFIXES,
             )
