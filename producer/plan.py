@@ -121,6 +121,17 @@ class Plan:
         return self.backlog_gib + self.inflight_gib + self.results_gib + self.job_ids_gib
 
 
+def _read_figures(path: Path) -> dict[str, Any]:
+    """``--figures``: a JSON object, or the verb ends as on any malformed argument."""
+    try:
+        figures = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise click.BadParameter(f"{path} is not JSON ({error})", param_hint="--figures") from None
+    if not isinstance(figures, dict):
+        raise click.BadParameter(f"{path} holds no JSON object", param_hint="--figures")
+    return figures
+
+
 def _at_dim(figures: dict[str, Any], name: str, dim: int) -> float:
     """A per-dimension figure, interpolated linearly in the dimension between measured ones."""
     measured = sorted(
@@ -365,7 +376,7 @@ def plan_command(
     """
     if chunks <= 0 or rate <= 0 or workers <= 0:
         raise click.BadParameter("chunks, rate and workers must be positive")
-    loaded = dict(MEASURED_FIGURES if figures is None else json.loads(figures.read_text()))
+    loaded = dict(MEASURED_FIGURES if figures is None else _read_figures(figures))
     if measure:
         settings = verb_settings(redis_url)
         loaded |= run_client(_measure(settings, dim, text_chars))

@@ -38,11 +38,20 @@ class PruneError(click.ClickException):
     """The sink cannot be pruned (not a database, not reachable); the message says why."""
 
 
-def read_ids(source: IO[str]) -> set[str]:
-    """The ids of a JSON Lines corpus (each object's ``id``) or of a plain list, one a line."""
+def read_ids(source: IO[bytes]) -> set[str]:
+    """The ids of a JSON Lines corpus (each object's ``id``) or of a plain list, one a line.
+
+    A line it cannot read ends it (PruneError naming the line): an id left out would be a row
+    deleted."""
     ids: set[str] = set()
-    for number, line in enumerate(source, start=1):
-        line = line.strip()
+    for number, raw in enumerate(source, start=1):
+        try:
+            line = raw.decode("utf-8").strip()
+        except UnicodeDecodeError as error:
+            raise PruneError(
+                f"--keep line {number}: not UTF-8 (byte 0x{raw[error.start]:02x} at byte "
+                f"{error.start + 1})"
+            ) from None
         if not line:
             continue
         if line.startswith("{"):
@@ -114,14 +123,14 @@ def say_pruned(job: str, gone: list[str], *, dry_run: bool) -> None:
 @click.option(
     "--keep",
     "keep_source",
-    type=click.File("r", encoding="utf-8"),
+    type=click.File("rb"),  # decoded a line at a time: a line not UTF-8 is named
     required=True,
     help="The ids the job's latest run sent: its JSON Lines corpus (each line's id) or a file "
     "of ids, one a line; - for stdin.",
 )
 @click.option("--dry-run", is_flag=True, help="Only list the rows that would be deleted.")
 @json_report_option("the job, whether it was a dry run, and the ids deleted,")
-def prune_command(job: str, keep_source: IO[str], dry_run: bool, as_json: bool) -> None:
+def prune_command(job: str, keep_source: IO[bytes], dry_run: bool, as_json: bool) -> None:
     """Delete from the database sink the rows of --job whose ids --keep does not list.
 
     After a re-ingestion (the corpus enqueued again under the same job, the vector cache

@@ -30,7 +30,7 @@ from embedfleet.producer.waiting import (
     redis_url_option,
     run_client,
 )
-from embedfleet.shared.protocol import QueryFailedError
+from embedfleet.shared.protocol import ProtocolError, QueryFailedError
 from embedfleet.shared.retry import RedisUnavailableError
 from embedfleet.shared.settings import Settings, SettingsError, load_settings
 from embedfleet.shared.vectordb import (
@@ -280,7 +280,10 @@ def search_command(
             f"no worker embedded the query within {timeout:g} s: is `embedfleet worker` running "
             f"against {settings.effective_redis_url}?"
         ) from None
-    except (VectorDBError, QueryFailedError, MissingExtraError) as error:
+    except ProtocolError as error:  # the protocol's refusal of TEXT: empty, not valid Unicode
+        raise click.BadParameter(str(error), param_hint="TEXT") from None
+    except (VectorDBError, QueryFailedError, MissingExtraError, ValueError) as error:
+        # ValueError: the served model's refusal (its card): --hybrid on a dense-only model
         raise click.ClickException(str(error)) from None
     for line in format_hits(hits, as_json=as_json):
         click.echo(line)

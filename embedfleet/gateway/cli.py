@@ -39,15 +39,26 @@ def serve_command(host: str | None, port: int | None, workers: int) -> None:
     configure_logging(
         settings.log_level, "console" if settings.log_format == "auto" else settings.log_format
     )
-    uvicorn.run(
-        "embedfleet.gateway.cli:app_factory",
-        factory=True,
-        host=host or settings.gateway_host,
-        port=settings.gateway_port if port is None else port,
-        workers=workers,
-        log_level=settings.log_level,
-        access_log=False,  # /metrics counts requests; an access line each would cost more
-    )
+    host = host or settings.gateway_host
+    port = settings.gateway_port if port is None else port
+    try:
+        uvicorn.run(
+            "embedfleet.gateway.cli:app_factory",
+            factory=True,
+            host=host,
+            port=port,
+            workers=workers,
+            log_level=settings.log_level,
+            access_log=False,  # /metrics counts requests; an access line each would cost more
+        )
+    except SystemExit as stop:
+        if stop.code in (None, 0):
+            raise
+        # uvicorn exits 3 when it cannot start (a port taken), and 3 is DEAD_LETTERS in the
+        # table of exit statuses: an error that stops the verb is 1 (its log said why)
+        raise click.ClickException(
+            f"the gateway did not start on {host}:{port} (uvicorn's error is above)"
+        ) from None
 
 
 def app_factory():
