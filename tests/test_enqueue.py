@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import io
+import json
+from collections.abc import Callable
+
 import redis.asyncio as aioredis
 
 from embedfleet.producer import Producer
 from embedfleet.producer.enqueue import EnqueueCall, enqueue_command, script_counts
-from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, decode_chunk, encode_chunk
+from embedfleet.producer.jsonl import BadLine, line_cap, read_chunks
+from embedfleet.shared.protocol import (
+    DEFAULT_LIMITS,
+    PAYLOAD_FIELD,
+    Chunk,
+    ChunkLimits,
+    decode_chunk,
+    encode_chunk,
+)
 from embedfleet.shared.settings import Settings
 
 
@@ -121,3 +133,45 @@ async def test_a_re_send_within_one_call_counts_as_that_calls_own(
     assert await send(forced) == (4, 0)
     assert await send(forced) == (0, 4)
     assert int(await client.hget(keys.job("j"), "enqueued")) == 8
+
+
+# --- the JSON Lines reader (producer/jsonl.py): bad lines are named, the rest still read -------
+def _read(
+    data: bytes, limits: ChunkLimits = DEFAULT_LIMITS, check: Callable[[Chunk], None] | None = None
+) -> tuple[list[str], list[tuple[int, str]]]:
+    rejected: list[BadLine] = []
+    read = list(read_chunks(io.BytesIO(data), "j", rejected, limits, check))
+    return [chunk.id for chunk in read], [(bad.line_number, bad.reason) for bad in rejected]
+
+
+def _padded(chunk_id: str, size: int) -> bytes:
+    """A valid line of exactly ``size`` bytes before its newline (JSON whitespace pads it)."""
+    line = json.dumps({"id": chunk_id, "text": "t"}).encode()
+    return line[:-1] + b" " * (size - len(line)) + b"}"
+
+
+def test_a_line_of_the_cap_is_read_and_a_longer_one_is_named() -> None:
+    limits = ChunkLimits(max_message_bytes=100)  # lines of at most 600 bytes
+    assert line_cap(limits) == 600
+    data = _padded("at", 600) + b"\n" + _padded("over", 601) + b"\n" + _padded("after", 40)
+    ids, bad = _read(data, limits)
+    assert ids == ["at", "after"]
+    assert [number for number, _ in bad] == [2] and "longer than 600 bytes" in bad[0][1]
+
+
+def test_a_line_not_utf8_is_named_and_the_rest_is_read() -> None:
+    ids, bad = _read(
+        b'{"id": "a", "text": "x"}\n{"id": "b", "text": "caf\xe9"}\n{"id": "c", "text": "y"}'
+    )
+    assert ids == ["a", "c"]
+    assert bad == [(2, "not UTF-8: byte 0xe9 at byte 25 (invalid continuation byte)")]
+
+
+def test_a_line_the_model_refuses_is_named() -> None:
+    def check(chunk: Chunk) -> None:
+        if chunk.prompt_name == "nope":
+            raise ValueError(f"chunk {chunk.id!r}: prompt_name='nope' is not one of its prompts")
+
+    lines = [{"id": "a", "text": "x"}, {"id": "b", "text": "y", "prompt_name": "nope"}]
+    ids, bad = _read(b"\n".join(json.dumps(line).encode() for line in lines), check=check)
+    assert ids == ["a"] and bad == [(2, "chunk 'b': prompt_name='nope' is not one of its prompts")]
