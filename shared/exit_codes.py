@@ -22,15 +22,20 @@ class ExitCode(IntEnum):
     `dead purge` prompt; `worker`: a fault permanent for the worker (a model it will not serve
     faithfully, a sink that refuses its credentials or holds another model's table), or a
     replica that exited on its own (`--replicas`); `migrate start`: the copy could not be
-    verified (run it again); `migrate canary`: a score under `--min-overlap` / `--min-recall`."""
+    verified (run it again); `migrate canary`: a score under `--min-overlap` / `--min-recall`;
+    `prune`: a `--keep` line it cannot read (nothing is deleted); `serve`: the gateway could not
+    start (a port taken)."""
     USAGE = 2
-    """A wrong command line: an unknown verb or flag, a missing or malformed argument, a flag
-    that applies only with another (`--timeout` without `--wait`)."""
+    """A wrong command line: an unknown verb or flag, a missing or malformed argument (a file
+    that does not exist, a `--figures` file that is not JSON, a TEXT the protocol refuses: empty,
+    not valid Unicode), a flag that applies only with another (`--timeout` without `--wait`)."""
     DEAD_LETTERS = 3
     """`enqueue --wait`: the job finished, but some chunks were dead-lettered (`embedfleet dead
     list --job JOB` shows them, `embedfleet dead replay` re-sends them once fixed)."""
     REJECTED_LINES = 4
-    """`enqueue`: some input lines were rejected (printed with their line numbers); every good
+    """`enqueue`: some input lines were rejected (printed with their line numbers: not UTF-8,
+    not JSON, not a valid chunk, refused by the served model, longer than 6 x
+    `EMBEDFLEET_MAX_MESSAGE_BYTES`; with `--documents`, a document it cannot read); every good
     line was enqueued."""
 
 
