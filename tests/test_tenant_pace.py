@@ -173,3 +173,24 @@ async def test_an_idle_readers_first_window_holds_the_weights(
     assert 3 * per_tenant["b"] * 0.9 <= per_tenant["a"] <= 3 * per_tenant["b"] * 1.1, (
         f"a:b {dict(per_tenant)}, not 3:1"
     )
+
+
+def test_a_rated_tenants_read_is_sized_by_what_its_second_has_left() -> None:
+    """The entries a read may take for a rated tenant: one before its tokens per entry are
+    known; then what is left of its rate over them; none once used up; one in a fresh second
+    even when an entry is over the whole rate (it progresses, held the seconds after)."""
+    from embedfleet.shared.keys import Keys
+    from embedfleet.shared.tenants import TenantPolicy
+
+    policy = TenantPolicy(token_rate={"a": 200, "long": 100})
+    consumer = StreamConsumer(None, Keys(), "reader", policy=policy)  # type: ignore[arg-type]
+    assert consumer._rate_cap("a", 0) == 1, "nothing known of a's entries yet"
+    for _ in range(10):
+        consumer.charge("a", 17)
+    assert consumer._rate_cap("a", 0) == 11  # 200 // 17
+    assert consumer._rate_cap("a", 170) == 1 and consumer._rate_cap("a", 190) == 0
+    assert consumer._rate_cap("a", 200) == 0 and consumer._rate_cap("a", 250) == 0
+    consumer.charge("long", 512)
+    assert consumer._rate_cap("long", 0) == 1 and consumer._rate_cap("long", 512) == 0
+    consumer.charge("free", 10**6)  # no rate: not counted
+    assert "free" not in consumer._charged
