@@ -65,7 +65,8 @@ def payload_digest(payload: bytes) -> bytes:
 
 
 def new_call_token() -> bytes:
-    """The token one enqueue call writes into the id records it adds (8 bytes)."""
+    """The token one enqueue batch writes into the id records it adds (8 bytes; each batch of a
+    call has its own: ``EnqueueCall.for_batch``)."""
     return secrets.token_bytes(8)
 
 

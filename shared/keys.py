@@ -322,7 +322,8 @@ class Keys:
 
     def job_ids(self, job_id: str) -> str:
         """Hash of the chunk ids a job has enqueued (id -> digest of the payload sent, then the
-        token of the enqueue call that added it).
+        token of the enqueue batch that added it: each batch of an enqueue call has its own, the
+        same for every re-send of that batch).
 
         The enqueue script reads it so that a re-sent chunk is added and counted once. Its own
         prefix (not ``job:<job>:ids``) so that no job name can collide with another's counters.
