@@ -26,6 +26,7 @@ from typing import Any
 import openai
 import pytest
 import redis
+import redis.asyncio as aioredis
 
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import (
@@ -275,3 +276,61 @@ def test_a_failed_batch_withdraws_its_queued_inputs(
             lambda _, file_id: client.files.delete(file_id) and None,
         )
     assert_withdrawn(figures, "failed")
+
+
+async def test_a_withdrawn_entry_dead_lettered_by_its_worker_gets_no_reply(
+    settings: Settings, client: aioredis.Redis
+) -> None:
+    """A worker that dead-letters an entry someone else has acknowledged and deleted meanwhile
+    (``withdraw_job`` of an ended batch, a 504'd request's ``_withdraw``) must not create the
+    caller's reply key again (it would live EMBEDFLEET_JOB_REPLY_TTL_S, 7 days, read by nobody):
+    its error reply is written only for what its own acknowledgement acknowledged, as the
+    success path's (shared/scripts/acknowledge.lua). A job not withdrawn still gets its error.
+    Against a real Redis server, the worker's DeadLetters writer itself."""
+    from embedfleet.gateway.batches import withdraw_job
+    from embedfleet.producer.client import Producer
+    from embedfleet.shared.dead_letters import DeadReason
+    from embedfleet.workers.dead_letter_writer import DeadLetters, Rejected
+    from embedfleet.workers.events import WorkerEvents
+    from embedfleet.workers.sinks import Delivery
+
+    keys = settings.keys
+    gone, kept = f"gone-{uuid.uuid4().hex[:6]}", f"kept-{uuid.uuid4().hex[:6]}"
+    chunks = [Chunk(id=f"{job}:0", text="some text", job=job, reply=job) for job in (gone, kept)]
+    async with Producer(settings, client) as producer:  # its setup makes the groups
+        for chunk in chunks:
+            await producer.enqueue([chunk], job=chunk.job)
+    # the worker reads both entries
+    read: dict[str, tuple[str, Chunk]] = {}
+    for chunk in chunks:
+        stream = keys.partition_for(chunk.id).ingest
+        for _, entries in await client.xreadgroup(settings.group, "w", {stream: ">"}, count=10):
+            for entry_id, fields in entries:
+                got = decode_chunk(fields[PAYLOAD_FIELD])
+                read[got.id] = (stream, entry_id.decode())
+    assert set(read) == {c.id for c in chunks}
+    # the gateway withdraws one job: its entry acknowledged and deleted under the worker
+    assert await withdraw_job(client, keys, gone, settings.chunk_limits) == 1
+    # then the worker gives up on both (the model failed on them, say)
+    writer = DeadLetters(client, keys, WorkerEvents(), 60, 65536, job_reply_ttl_s=7 * 24 * 3600)
+    await writer.send(
+        [
+            Rejected.chunk(
+                Delivery(read[c.id][0], read[c.id][1], c.job), c, DeadReason.MODEL, "model failed"
+            )
+            for c in chunks
+        ]
+    )
+    gone_reply, kept_reply = (keys.partition_for(c.id).reply(c.job or "") for c in chunks)
+    figures = {
+        "gone_reply": (await client.llen(gone_reply), await client.ttl(gone_reply)),
+        "kept_reply": (await client.llen(kept_reply), await client.ttl(kept_reply)),
+        "gone_dead": (await client.hget(keys.partition_for(chunks[0].id).job(gone), "dead")),
+        "kept_dead": (await client.hget(keys.partition_for(chunks[1].id).job(kept), "dead")),
+    }
+    print(figures)
+    assert figures["gone_reply"] == (0, -2), figures  # no reply key: -2, it does not exist
+    assert figures["gone_dead"] is None, figures
+    # the job nobody withdrew gets its error reply, with the job reply lists' lifetime
+    assert figures["kept_reply"][0] == 1 and figures["kept_reply"][1] > 24 * 3600, figures
+    assert figures["kept_dead"] == b"1", figures

@@ -18,7 +18,8 @@ from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import Chunk, encode_chunk, encode_query_error
 from embedfleet.workers.events import WorkerEvents
-from embedfleet.workers.sinks import Delivery, queue_acknowledgements
+from embedfleet.workers.sinks import Delivery
+from embedfleet.workers.sinks.reply import queue_replies
 
 log = get_logger("embedfleet.worker")
 
@@ -53,6 +54,14 @@ class Rejected:
             reply=chunk.reply,
             tenant=chunk.tenant,
         )
+
+
+def _error_answer(item: Rejected) -> tuple[str, bytes]:
+    """The reply list (its key's suffix) and the error ``item`` answers its caller with; ("",
+    b"") when nobody waits for it (a payload without a reply list would go to the results)."""
+    if not item.reply or item.chunk_id is None:
+        return "", b""
+    return item.reply, encode_query_error(item.chunk_id, item.detail)
 
 
 @dataclass(eq=False)
@@ -91,16 +100,23 @@ class DeadLetters:
                     deliveries=item.deliveries,
                 ),
             )
-            if item.reply is not None and item.chunk_id is not None:
-                reply_key = keys.reply(item.reply)
-                pipe.rpush(reply_key, encode_query_error(item.chunk_id, item.detail))
-                ingest = item.stream != self.keys.query_lane.query
-                pipe.expire(reply_key, job_reply_ttl_s if ingest else self.reply_ttl_s)
-        deliveries = [
-            Delivery(item.stream, item.entry_id, item.job, tenant=item.tenant, model=self.model)
-            for item in rejected
-        ]
-        queue_acknowledgements(pipe, keys, deliveries, counter="dead")
+        # The error answer goes with the acknowledgement, in its script (the one writer of
+        # answers): pushed only for entries this call acknowledged. An entry withdrawn under
+        # the worker (an ended batch, a request that timed out: acknowledged and deleted by the
+        # gateway) or finished by another worker gets none, so its reply list is not made
+        # again, to live for a reply TTL with nobody to read it. Per reply lifetime: the query
+        # stream's replies are read at once, ingest replies (gateway jobs) as their results.
+        by_ttl: dict[int, list[Rejected]] = {}
+        for item in rejected:
+            ingest = item.stream != self.keys.query_lane.query
+            by_ttl.setdefault(job_reply_ttl_s if ingest else self.reply_ttl_s, []).append(item)
+        for ttl_s, items in by_ttl.items():
+            deliveries = [
+                Delivery(item.stream, item.entry_id, item.job, tenant=item.tenant, model=self.model)
+                for item in items
+            ]
+            replies, payloads = zip(*(_error_answer(item) for item in items), strict=True)
+            queue_replies(pipe, keys, deliveries, replies, payloads, "dead", ttl_s)
         await pipe.execute()
 
     async def send(self, rejected: Sequence[Rejected]) -> None:
@@ -108,7 +124,8 @@ class DeadLetters:
         per partition.
 
         A rejected query also answers its caller with the reason, so nobody waits for a
-        timeout to learn that their text was empty.
+        timeout to learn that their text was empty: in the acknowledgement's script, only if it
+        acknowledged the entry (one withdrawn meanwhile has nobody waiting for it).
         """
         if not rejected:
             return
