@@ -20,7 +20,9 @@ import redis.asyncio as aioredis
 from embedfleet.producer import Producer
 from embedfleet.shared.fleet import read_fleet
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, encode_chunk
+from embedfleet.shared.redis_conn import ensure_groups
 from embedfleet.shared.settings import Settings
+from embedfleet.shared.streams import find_group
 from embedfleet.workers.consumer import StreamConsumer
 from tests.conftest import WorkerLauncher, until, until_blocked
 
@@ -194,3 +196,27 @@ def test_a_rated_tenants_read_is_sized_by_what_its_second_has_left() -> None:
     assert consumer._rate_cap("long", 0) == 1 and consumer._rate_cap("long", 512) == 0
     consumer.charge("free", 10**6)  # no rate: not counted
     assert "free" not in consumer._charged
+
+
+async def test_a_read_that_leaves_nothing_to_compute_does_not_stall_the_reader(
+    settings: Settings, workers: WorkerLauncher, client: aioredis.Redis
+) -> None:
+    """The reader reads a bulk window when the compute stage wants one; a read whose entries
+    are all dropped (a caller's deadline passed) queues no window, so the want stands and the
+    next entries are read: a job enqueued after it is done."""
+    await ensure_groups(client, settings.keys)
+    past = int(time.time() * 1000) - 1000
+    for i in range(3):
+        gone = Chunk(f"gone:{i}", "nobody waits for this", deadline_ms=past)
+        await client.xadd(settings.keys.ingest, {PAYLOAD_FIELD: encode_chunk(gone)})
+    workers.process("dropped", settings, EMBEDFLEET_BENCHMARK_STANDIN_ENCODER_US_PER_TOKEN="10")
+
+    async def expired_acknowledged() -> bool:
+        group = find_group(await client.xinfo_groups(settings.keys.ingest), settings.group)
+        return group is not None and group.pending == 0 and group.lag == 0
+
+    await until(expired_acknowledged, timeout=300)
+    async with Producer(settings, client) as producer:
+        await producer.enqueue(texts("after", 5), job="after")
+        progress = await producer.wait_for_job("after", timeout=60)
+    assert progress.done == 5

@@ -496,9 +496,6 @@ class Worker:
                     if entries:
                         self.events.entries_read(stream=entries[0].stream, count=len(entries))
                         await self._intake_by_lane(entries, windows)
-                        # the window wanted is queued (or read and dropped); wanted while it
-                        # was opened (nothing queued yet), it is the one wanted all the same
-                        self._want_window.clear()
                     ride.succeeded()
                 except Exception as error:
                     await ride.wait(transient_or_raise(error, System.REDIS))
@@ -560,6 +557,9 @@ class Worker:
         self.in_flight.hold(window.held)
         if not urgent:
             await windows.put(window)
+            # the window wanted (wanted again while it was opened, nothing being queued then,
+            # it is the one wanted all the same); a read that queues none leaves the want set
+            self._want_window.clear()
             return
         # ahead of the bulk windows already queued (_jump_the_queue takes it before the next
         # batch); an idle compute stage is woken by an empty window
@@ -895,12 +895,13 @@ class Worker:
         return await windows.get()
 
     def _pace_reads(self, windows: asyncio.Queue[Window | None], batches_left: int) -> None:
-        """Before a bulk batch: ask the reader for the next window once this window's batches
-        left (this one included) take about what the reader needs to open one (twice its
-        latest time, and a round trip's margin), so that it is queued when this one ends and
-        the model never waits for it, yet holds entries read as late as that allows: the
-        windows held when a tenant comes are this one's rest and at most one, not three."""
-        if windows.empty() and batches_left * self._batch_s <= 2 * self._open_s + READ_MARGIN_S:
+        """Before a bulk batch: ask the reader for the next window once the batches after this
+        one take less than the reader needs to open one (twice its latest time, and a round
+        trip's margin; before the last batch at the latest), so that it is queued when this
+        one ends and the model never waits for it, yet holds entries read as late as that
+        allows: the windows held when a tenant comes are this one's rest and at most one."""
+        lead = 2 * self._open_s + READ_MARGIN_S
+        if windows.empty() and (batches_left - 1) * self._batch_s <= lead:
             self._want_window.set()
 
     async def _jump_the_queue(
