@@ -196,6 +196,14 @@ def test_a_rated_tenants_read_is_sized_by_what_its_second_has_left() -> None:
     assert consumer._rate_cap("long", 0) == 1 and consumer._rate_cap("long", 512) == 0
     consumer.charge("free", 10**6)  # no rate: not counted
     assert "free" not in consumer._charged
+    # entries the vector cache answered cost no tokens: a read of them is not held to one
+    cached = StreamConsumer(None, Keys(), "reader", policy=policy)  # type: ignore[arg-type]
+    cached.charge("a", 0)
+    assert cached._rate_cap("a", 0) >= 10**6
+    for _ in range(8):
+        cached.charge("a", 0)
+    cached.charge("a", 20)  # one of ten embedded: 2 tokens an entry read
+    assert cached._rate_cap("a", 0) == 100
 
 
 async def test_a_read_that_leaves_nothing_to_compute_does_not_stall_the_reader(

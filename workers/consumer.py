@@ -56,6 +56,9 @@ __all__ = ["STREAM_MOVED_AWAY", "StreamConsumer", "StreamEntry", "backlog_shares
 STREAM_MOVED_AWAY = "UNBLOCKED"
 # a tenant's token counter of one second lives this long (read within its second only)
 RATE_KEY_TTL_S = 5
+# the cap of a rated tenant whose entries read so far cost no tokens (all vector cache hits):
+# its weight's share of a read bounds it, not its rate
+MAX_FREE_READ = 1 << 30
 
 
 class EntryOfTenant(Protocol):
@@ -160,11 +163,15 @@ class StreamConsumer:
         return self.policy.named(delivery.tenant or self.keys.tenant_of(delivery.stream))
 
     def charge(self, tenant: str, tokens: int) -> None:
-        """Tokens read for a tenant with a token rate, counted fleet-wide with the next round."""
-        if self.policy.rate(tenant) is not None and tokens > 0:
+        """Tokens of an entry read for a tenant with a token rate, counted fleet-wide with the
+        next round (0: an entry that costs none, the vector cache's hit: it lowers the tenant's
+        tokens per entry, so a read of such entries is not held to one entry a round)."""
+        if self.policy.rate(tenant) is None:
+            return
+        if tokens > 0:
             self._charges[tenant] = self._charges.get(tenant, 0) + tokens
-            total, entries = self._charged.get(tenant, (0, 0))
-            self._charged[tenant] = (total + tokens, entries + 1)
+        total, entries = self._charged.get(tenant, (0, 0))
+        self._charged[tenant] = (total + max(tokens, 0), entries + 1)
 
     def _rate_cap(self, tenant: str, used: int) -> int:
         """The most entries a read may take for a rated tenant that has used ``used`` tokens of
@@ -177,7 +184,9 @@ class StreamConsumer:
         total, entries = self._charged.get(tenant, (0, 0))
         if not entries:
             return 1
-        cap = math.floor(left * entries / total) if total else 1
+        if not total:  # every entry read so far cost no tokens
+            return MAX_FREE_READ
+        cap = math.floor(left * entries / total)
         return max(cap, 1) if used <= 0 else cap
 
     async def read(

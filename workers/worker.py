@@ -551,6 +551,8 @@ class Worker:
         if self.consumer.policy.token_rate:
             for delivery, tokens in zip(window.deliveries, window.tokens, strict=True):
                 self.consumer.charge(self.consumer.tenant_of_delivery(delivery), tokens.length)
+            for _, delivery, _ in window.cached:  # read, and free: no model tokens
+                self.consumer.charge(self.consumer.tenant_of_delivery(delivery), 0)
         # ours until written: the reclaimer renews their leases from now on (only once the
         # dead letters are sent, so that entries of a window dropped by a failed send are
         # left for their lease to run out and be read again)
