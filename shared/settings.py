@@ -297,8 +297,9 @@ class Settings(BaseSettings):
     (again after each entry added) before it raises `TenantBacklogFullError`."""
     tenant_token_rate: str = ""
     """Tokens per second the workers read for a tenant at most, over the whole lane:
-    `batch=50000` (a one-second window counted in `{ns}:tenantrate:<tenant>:<s>`; a window
-    already read is finished). Unnamed tenants: no limit."""
+    `batch=50000` (a one-second window counted in `{ns}:tenantrate:<tenant>:<s>`; a read takes
+    what the second has left, a tenant alone included; approximate to one read per worker).
+    Unnamed tenants: no limit."""
     results_max_entries: int = Field(default=1_000_000, ge=0)
     """Most results a results stream (each partition's) may hold: at it, workers wait, saying so
     in their log, until a consuming reader (`embedfleet results --consume`,
