@@ -304,10 +304,12 @@ class StreamConsumer:
         by_tenant: dict[str, dict[str, int]] = {}
         for stream, length in zip(streams, lengths, strict=True):
             by_tenant.setdefault(self.tenant_of(stream), {})[stream] = length
-        backlogs = {
-            tenant: min(sum(parts.values()), caps.get(tenant, count))
-            for tenant, parts in by_tenant.items()
-        }
+        # a rated tenant's backlog as far as its cap goes: asked no more, what its weight would
+        # have given beyond goes to the others
+        backlogs = {tenant: sum(parts.values()) for tenant, parts in by_tenant.items()}
+        for tenant, cap in caps.items():
+            if tenant in backlogs:
+                backlogs[tenant] = min(backlogs[tenant], cap)
         asks = self.fair.plan(count, backlogs, self._held)
         shares = self.fair.split(asks, by_tenant)
         if not shares:
