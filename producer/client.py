@@ -89,14 +89,18 @@ class ReplicasNotConfirmedError(redis_errors.ConnectionError):
 
 class TenantBacklogFullError(RuntimeError):
     """A tenant's backlog stayed at its EMBEDFLEET_TENANT_MAX_BACKLOG for
-    EMBEDFLEET_TENANT_BACKLOG_WAIT_S: ``added`` (an ``Enqueued``) is what the enqueue call
-    added before it gave up, and the message says how many; its other chunks were not added.
-    Enqueueing them all again under the same job adds only those (the job skips the others)."""
+    EMBEDFLEET_TENANT_BACKLOG_WAIT_S (or the call's ``backlog_wait_s``): ``added`` (an
+    ``Enqueued``) is what the enqueue call added before it gave up, and the message says how
+    many; its other chunks were not added. Enqueueing them all again under the same job adds
+    only those (the job skips the others). ``handled``: how many of the call's chunks, from
+    its first, were dealt with (added, or in their job already); sending the rest from there
+    loses nothing (a chunk after it may have been added too: sent again, its job skips it)."""
 
-    def __init__(self, full: str, added: Enqueued | None = None) -> None:
+    def __init__(self, full: str, added: Enqueued | None = None, handled: int = 0) -> None:
         super().__init__(full)
         self.full = full  # who holds what, and how long the call waited
         self.added = added if added is not None else Enqueued()
+        self.handled = handled
 
     def __str__(self) -> str:
         return (
@@ -104,6 +108,13 @@ class TenantBacklogFullError(RuntimeError):
             "not added: enqueue them again once there is room (a job skips the chunks it "
             "already has)"
         )
+
+
+def _waited(wait_s: float) -> str:
+    """How long a call waited for room, for TenantBacklogFullError's message."""
+    if not wait_s:
+        return "(the call does not wait for room)"
+    return f"after waiting {wait_s:g}s (EMBEDFLEET_TENANT_BACKLOG_WAIT_S)"
 
 
 @dataclass
@@ -325,6 +336,7 @@ class Producer:
         model: str | None = None,
         tenant: str | None = None,
         reembed: bool = False,
+        backlog_wait_s: float | None = None,
     ) -> Enqueued:
         """XADD every chunk, ``batch_size`` per pipelined round trip; returns how many were
         added (an ``Enqueued``: an int, with ``present``, the chunks skipped because their job
@@ -349,7 +361,10 @@ class Producer:
         more: the enqueue script adds entry by entry while there is room (each partition its
         share of the limit), and the call waits for room for the rest, giving up after
         EMBEDFLEET_TENANT_BACKLOG_WAIT_S without room with TenantBacklogFullError, whose
-        ``added`` is what this call added before.
+        ``added`` is what this call added before. ``backlog_wait_s`` waits that long instead;
+        0 not at all: the call adds while there is room, then raises (the gateway's batch
+        runner, which serves other batches meanwhile and sends the rest from the error's
+        ``handled`` on a later turn).
 
         Entries are never trimmed on add: an undelivered chunk must not be lost. Workers delete
         entries once they are acknowledged.
@@ -368,8 +383,10 @@ class Producer:
                 force=force,
                 tenant=tenant if tenant is not None else self.tenant,
                 reembed=reembed,
+                backlog_wait_s=backlog_wait_s,
             )
         await self.setup()
+        wait_s = self.settings.tenant_backlog_wait_s if backlog_wait_s is None else backlog_wait_s
         call = EnqueueCall(force=force)
         total = Enqueued()
         batch: list[Chunk] = []
@@ -390,10 +407,10 @@ class Producer:
                 chunk = dataclasses.replace(chunk, reembed=True)
             batch.append(await self._checked(chunk))
             if len(batch) >= batch_size:
-                total += await self._send(batch, on_batch, call, total)
+                total += await self._send(batch, on_batch, call, wait_s, total)
                 batch = []
         if batch:
-            total += await self._send(batch, on_batch, call, total)
+            total += await self._send(batch, on_batch, call, wait_s, total)
         if total.present:
             log.info(
                 "chunks already enqueued in their job were not added again",
@@ -470,8 +487,8 @@ class Producer:
     async def _wait_for_room(self, partitions: Iterable[Keys], tenants: set[str | None]) -> None:
         """Backpressure: hold enqueueing while a partition this batch goes to holds more than
         the high-water mark (each partition's streams, every tenant's, are bounded on its own
-        node), and while a tenant of the batch is at its EMBEDFLEET_TENANT_MAX_BACKLOG."""
-        await self._wait_for_tenants(tenants)
+        node). A tenant of the batch (``tenants``) at its EMBEDFLEET_TENANT_MAX_BACKLOG is
+        waited for before, for as long as the call waits (``_wait_for_tenants``)."""
         mark = self.settings.backlog_high_water
         chosen = list(partitions)
         waited_since: float | None = None
@@ -522,9 +539,10 @@ class Producer:
         """The fullest of these partitions (all its tenants' streams together)."""
         return max(b.total for b in await self.partition_backlogs(partitions))
 
-    async def _wait_for_tenants(self, tenants: set[str | None]) -> None:
+    async def _wait_for_tenants(self, tenants: set[str | None], wait_s: float) -> None:
         """Wait while a tenant with EMBEDFLEET_TENANT_MAX_BACKLOG is at it, for at most
-        EMBEDFLEET_TENANT_BACKLOG_WAIT_S; then TenantBacklogFullError."""
+        ``wait_s`` (the call's, else EMBEDFLEET_TENANT_BACKLOG_WAIT_S); then
+        TenantBacklogFullError."""
         limits = {
             wire: limit
             for wire in tenants
@@ -532,7 +550,7 @@ class Producer:
         }
         if not limits:
             return
-        give_up_at = time.monotonic() + self.settings.tenant_backlog_wait_s
+        give_up_at = time.monotonic() + wait_s
         warned = False
         while True:
             backlogs = await self.partition_backlogs()
@@ -547,8 +565,8 @@ class Producer:
                 raise TenantBacklogFullError(
                     "tenant backlog full: "
                     + ", ".join(f"{t} holds {h} of {lim}" for t, (h, lim) in full.items())
-                    + f" entries (EMBEDFLEET_TENANT_MAX_BACKLOG) after waiting "
-                    f"{self.settings.tenant_backlog_wait_s:g}s (EMBEDFLEET_TENANT_BACKLOG_WAIT_S)"
+                    + " entries (EMBEDFLEET_TENANT_MAX_BACKLOG) "
+                    + _waited(wait_s)
                 )
             if not warned:
                 warned = True
@@ -564,6 +582,7 @@ class Producer:
         batch: list[Chunk],
         on_batch: Callable[[int], None] | None,
         call: EnqueueCall,
+        wait_s: float,
         earlier: Enqueued | None = None,
     ) -> Enqueued:
         """Send one batch, each chunk to its partition, again after a fault: whether or not the
@@ -572,17 +591,19 @@ class Producer:
         sent again the same way. Chunks the script found no room for (their tenant at its
         EMBEDFLEET_TENANT_MAX_BACKLOG share in their partition) wait for room and are sent
         again; ``earlier`` (what the call added before this batch) goes into the
-        TenantBacklogFullError raised when no room came for EMBEDFLEET_TENANT_BACKLOG_WAIT_S."""
+        TenantBacklogFullError raised when no room came for ``wait_s`` (the call's, else
+        EMBEDFLEET_TENANT_BACKLOG_WAIT_S)."""
         # the batch's own token: an id the call repeats in a later batch is not a re-send
         call = call.for_batch()
         by_partition: dict[Keys, list[Chunk]] = {}
         for chunk in batch:
             by_partition.setdefault(self.keys.partition_for(chunk.id), []).append(chunk)
         added, present = 0, 0
+        waiting = by_partition
         try:
+            await self._wait_for_tenants({chunk.tenant for chunk in batch}, wait_s)
             await self._wait_for_room(by_partition, {chunk.tenant for chunk in batch})
-            waiting = by_partition
-            give_up_at = time.monotonic() + self.settings.tenant_backlog_wait_s
+            give_up_at = time.monotonic() + wait_s
             while True:
                 sent = await self._send_round(waiting, call, len(batch))
                 added += sum(s.added for s in sent.values())
@@ -593,10 +614,15 @@ class Producer:
                 if not waiting:
                     break
                 if any(s.added for s in sent.values()):  # room came: each entry waits anew
-                    give_up_at = time.monotonic() + self.settings.tenant_backlog_wait_s
-                await self._wait_for_share(waiting, give_up_at)
+                    give_up_at = time.monotonic() + wait_s
+                await self._wait_for_share(waiting, give_up_at, wait_s)
         except TenantBacklogFullError as error:
             error.added = (earlier or Enqueued()) + Enqueued(added, present)
+            # every chunk of the earlier batches was dealt with (their added and present),
+            # and this batch's up to the first one still waiting
+            unsent = {id(chunk) for chunks in waiting.values() for chunk in chunks}
+            first_unsent = next((i for i, c in enumerate(batch) if id(c) in unsent), len(batch))
+            error.handled = (earlier.chunks if earlier is not None else 0) + first_unsent
             raise
         return Enqueued(added, present)
 
@@ -630,9 +656,12 @@ class Producer:
             self.tenants.named(tenant), max(partition.index, 0), self.keys.partitions
         )
 
-    async def _wait_for_share(self, waiting: dict[Keys, list[Chunk]], give_up_at: float) -> None:
+    async def _wait_for_share(
+        self, waiting: dict[Keys, list[Chunk]], give_up_at: float, wait_s: float
+    ) -> None:
         """Until a stream the ``waiting`` chunks go to has room under its tenant's share (the
-        script then decides, entry by entry); past ``give_up_at``, TenantBacklogFullError."""
+        script then decides, entry by entry); past ``give_up_at`` (``wait_s`` after the last
+        entry added), TenantBacklogFullError."""
         wanted = {(p, c.tenant) for p, chunks in waiting.items() for c in chunks}
         chosen = list(waiting)
         warned = False
@@ -649,8 +678,8 @@ class Producer:
                 raise TenantBacklogFullError(
                     "tenant backlog full: "
                     + ", ".join(full)
-                    + f" (EMBEDFLEET_TENANT_MAX_BACKLOG) after waiting "
-                    f"{self.settings.tenant_backlog_wait_s:g}s (EMBEDFLEET_TENANT_BACKLOG_WAIT_S)"
+                    + " (EMBEDFLEET_TENANT_MAX_BACKLOG) "
+                    + _waited(wait_s)
                 )
             if not warned:
                 warned = True

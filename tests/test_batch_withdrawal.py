@@ -28,6 +28,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from embedfleet.server import ServerProcess
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import (
     PAYLOAD_FIELD,
@@ -37,6 +38,7 @@ from embedfleet.shared.protocol import (
     encode_chunk,
 )
 from embedfleet.shared.settings import Settings
+from loadtest.common import isolated_settings
 from tests.conftest import WorkerProcess
 from tests.gateway_support import (
     module_fleet_settings,
@@ -334,3 +336,157 @@ async def test_a_withdrawn_entry_dead_lettered_by_its_worker_gets_no_reply(
     # the job nobody withdrew gets its error reply, with the job reply lists' lifetime
     assert figures["kept_reply"][0] == 1 and figures["kept_reply"][1] > 24 * 3600, figures
     assert figures["kept_dead"] == b"1", figures
+
+
+def tenant_held(store: redis.Redis, keys: Keys, tenant: str) -> int:
+    """The entries a tenant's ingest streams hold (every partition's)."""
+    return sum(store.xlen(partition.ingest_for(tenant)) for partition in keys.partitions_keys)
+
+
+def upload_lines(client: openai.OpenAI, path: Path, count: int, tag: str) -> str:
+    """A batch of ``count`` one-input requests ``<tag><n>``; its id."""
+    lines = [
+        json.dumps(
+            {
+                "custom_id": f"{tag}{n}",
+                "method": "POST",
+                "url": "/v1/embeddings",
+                "body": {"model": MODEL, "input": f"input {n} of the batch {tag}"},
+            }
+        )
+        for n in range(count)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    with path.open("rb") as handle:
+        uploaded = client.files.create(file=handle, purpose="batch")
+    return client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+    ).id
+
+
+def answered_once(client: openai.OpenAI, batch: Any, tag: str, count: int) -> None:
+    """Every request of a completed batch answered once, with a vector."""
+    assert batch.status == "completed" and batch.error_file_id is None, batch
+    assert batch.output_file_id is not None, batch
+    rows = [
+        json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()
+    ]
+    ids = [row["custom_id"] for row in rows]
+    assert sorted(ids) == sorted(f"{tag}{n}" for n in range(count)), (len(ids), len(set(ids)))
+    assert all(row["response"]["status_code"] == 200 for row in rows)
+
+
+def test_a_batch_at_its_tenants_backlog_limit_holds_up_no_other_batch(
+    worker: WorkerProcess, store: redis.Redis, fleet_settings: Settings, tmp_path: Path
+) -> None:
+    """One tenant's batch at its EMBEDFLEET_TENANT_MAX_BACKLOG must not hold up the runner.
+
+    The runner handles batches one after another; enqueueing a slice of a batch whose tenant
+    is at its limit used to wait inside ``Producer.enqueue`` for room (up to
+    EMBEDFLEET_TENANT_BACKLOG_WAIT_S, 300 s), so every other batch waited too. Here tenant
+    ``big`` (one API key's owner) may hold 10 entries and sends 1,000 inputs; the worker is
+    paused (SIGSTOP) once it holds its 10, so no room comes; another owner's (the default
+    tenant's) 5-input batch created then must be enqueued at once, and complete when the worker
+    resumes while ``big`` still waits for room (its 10 entries at a time); ``big`` then
+    completes too, every line answered once (a slice sent again adds only what it had not)."""
+    from embedfleet.gateway.auth import owner_id
+
+    keys = fleet_settings.keys
+    limit, big_count, small_count = 10, 1_000, 5
+    settings = fleet_settings.model_copy(
+        update={
+            "api_keys": "k-big,k-small",
+            "tenant_map": f"owner:{owner_id(b'k-big')}=big",
+            "tenant_max_backlog": f"big={limit}",
+        }
+    )
+    with running_gateway(settings) as url:
+        wait_for_worker(url)
+        big, small = (
+            openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+            for key in ("k-big", "k-small")
+        )
+        worker.send_signal(signal.SIGSTOP)
+        try:
+            big_id = upload_lines(big, tmp_path / "big.jsonl", big_count, "b")
+            wait_for("big at its limit", lambda: tenant_held(store, keys, "big") >= limit)
+            small_id = upload_lines(small, tmp_path / "small.jsonl", small_count, "s")
+            started = time.monotonic()
+            try:
+                wait_for(
+                    "the other tenant's batch enqueued",
+                    lambda: queued(store, keys, small_id) == small_count,
+                    timeout=60,
+                )
+            finally:
+                print(
+                    f"small batch: {queued(store, keys, small_id)} of {small_count} inputs "
+                    f"enqueued after {time.monotonic() - started:.1f}s, status "
+                    f"{small.batches.retrieve(small_id).status}; big holds "
+                    f"{tenant_held(store, keys, 'big')} of {limit}"
+                )
+            assert tenant_held(store, keys, "big") == limit  # the limit held, with no room
+        finally:
+            worker.send_signal(signal.SIGCONT)
+        done = wait_final_of(small, small_id)
+        big_then = big.batches.retrieve(big_id)
+        cursor = int(store.hget(keys.batch(big_id), "cursor") or 0)
+        print(f"small {done.status}; big then {big_then.status}, {cursor} of {big_count} sent")
+        answered_once(small, done, "s", small_count)
+        assert big_then.status == "in_progress" and cursor < big_count, (big_then, cursor)
+        answered_once(big, wait_final_of(big, big_id, timeout=600), "b", big_count)
+    progress = [store.hmget(p.job(big_id), "enqueued", "done") for p in keys.partitions_keys]
+    assert sum(int(enqueued or 0) for enqueued, _ in progress) == big_count, progress
+    assert sum(int(done or 0) for _, done in progress) == big_count, progress
+
+
+def wait_final_of(client: openai.OpenAI, batch_id: str, timeout: float = 300) -> Any:
+    """The batch once it has ended (polled), else AssertionError."""
+    deadline = time.monotonic() + timeout
+    while (batch := client.batches.retrieve(batch_id)).status not in FINAL:
+        assert time.monotonic() < deadline, f"{batch_id} still {batch.status}"
+        time.sleep(0.1)  # polling the batch's state, not waiting blind
+    return batch
+
+
+async def test_an_enqueue_that_does_not_wait_says_from_where_to_send_again(
+    redis_server: ServerProcess, client: aioredis.Redis
+) -> None:
+    """What the batch runner relies on: ``enqueue(..., backlog_wait_s=0)`` of 100 chunks for a
+    tenant that may hold 25 over 2 partitions adds what fits and raises at once (not after
+    EMBEDFLEET_TENANT_BACKLOG_WAIT_S, 300 s), and ``handled`` is a prefix of the chunks every one
+    of which is in the job: sending again from there loses none. Then, room made each time, the
+    rest sent again from ``handled`` completes the job with each chunk enqueued once."""
+    from embedfleet.producer.client import Producer, TenantBacklogFullError
+
+    limit, count = 25, 100
+    tight = isolated_settings(redis_server.url, partitions=2, tenant_max_backlog=f"t={limit}")
+    keys = tight.keys
+    chunks = [Chunk(id=f"c{n}", text=f"text {n}") for n in range(count)]
+    async with Producer(tight, client, tenant="t") as producer:
+        started = time.monotonic()
+        with pytest.raises(TenantBacklogFullError) as raised:
+            await producer.enqueue(chunks, job="j", batch_size=40, backlog_wait_s=0)
+        waited = time.monotonic() - started
+        handled = raised.value.handled
+        in_job = [
+            bool(await client.hexists(keys.partition_for(c.id).job_ids("j"), c.id)) for c in chunks
+        ]
+        print(f"added {int(raised.value.added)}, handled {handled}, waited {waited:.2f}s")
+        assert waited < 10 and int(raised.value.added) == limit == sum(in_job)
+        assert 0 < handled < count and all(in_job[:handled]) and not in_job[handled]
+        # room made (as a worker would), the rest sent again from where it said, until all
+        # went in: each chunk enqueued once
+        rest, rounds = chunks[handled:], 1
+        while True:
+            for partition in keys.partitions_keys:
+                await client.xtrim(partition.ingest_for("t"), maxlen=0)
+            try:
+                await producer.enqueue(rest, job="j", batch_size=40, backlog_wait_s=0)
+                break
+            except TenantBacklogFullError as full:
+                assert 0 < full.handled < len(rest) and rounds < count, (full.handled, rounds)
+                rest, rounds = rest[full.handled :], rounds + 1
+        progress = await producer.progress("j")
+    print(f"{rounds} rounds; the job counts {progress.enqueued} of {count}")
+    assert progress.enqueued == count

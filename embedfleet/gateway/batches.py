@@ -10,7 +10,9 @@ batch at a time):
     in_progress                the input file's inputs enqueued in slices, through the client's
                                one enqueue path (partitions, backpressure, job counters); the
                                cursor is saved after each slice, and a slice sent again after
-                               a restart adds nothing (each input id of a job is added once)
+                               a restart adds nothing (each input id of a job is added once);
+                               a tenant at its EMBEDFLEET_TENANT_MAX_BACKLOG gets what fits,
+                               the rest on a later tick (the runner never waits for room)
     in_progress → finalizing   once the job's counters say every input is done or dead
     finalizing → completed     output and error files written from the reply lists (one per
                                partition; the client's collector, producer/replies.py)
@@ -83,7 +85,7 @@ from embedfleet.gateway.inputs import (
 )
 from embedfleet.gateway.openai_api import EmbeddingRequest, embeddings_response
 from embedfleet.gateway.state import Gateway, wire_options
-from embedfleet.producer.client import Producer
+from embedfleet.producer.client import Producer, TenantBacklogFullError
 from embedfleet.producer.replies import Answers, ingest_reply_keys, read_answers
 from embedfleet.shared import scripts
 from embedfleet.shared.keys import Keys
@@ -807,7 +809,14 @@ class BatchRunner:
     async def _enqueue_slice(self, batch: dict, fields: dict[str, Any]) -> None:
         """The next slice of input lines as chunks of the batch's job, through the client's
         enqueue path; then the cursor. A slice sent again (a restart before the cursor was
-        saved) is added and counted once: its ids and payloads are the same."""
+        saved, or the rest of one its tenant had no room for) is added and counted once: its
+        ids and payloads are the same.
+
+        The runner handles one batch after another, so it never waits for room under the
+        batch's tenant's EMBEDFLEET_TENANT_MAX_BACKLOG (the enqueue would wait up to
+        EMBEDFLEET_TENANT_BACKLOG_WAIT_S, and every other batch with it): a slice is at most
+        what the tenant has room for, the enqueue adds what fits without waiting, and the
+        lines whose inputs all went in are saved as sent; the rest is sent on a later tick."""
         settings = self.gateway.settings
         producer = self.store.producer
         if await producer.backlog() >= settings.backlog_high_water:
@@ -816,13 +825,15 @@ class BatchRunner:
         # the batch's tenant: its owner's (EMBEDFLEET_TENANT_MAP), else its job's, else the default
         tenant = settings.tenant_policy.resolve(owner=fields["owner"], job=batch_id)
         limit = settings.tenant_policy.backlog_limit(tenant)
-        if limit is not None and await producer.tenant_backlog(tenant) >= limit:
-            return  # the tenant at its EMBEDFLEET_TENANT_MAX_BACKLOG: wait, as its Producers do
+        room: int | None = None
+        if limit is not None:
+            room = limit - await producer.tenant_backlog(tenant)
+            if room <= 0:
+                return  # the tenant at its EMBEDFLEET_TENANT_MAX_BACKLOG: a later tick
         cursor, offset, inputs = fields["cursor"], fields["offset"], fields["inputs"]
         chunks: list[Chunk] = []
-        sent_lines = 0
+        ends: list[tuple[int, int]] = []  # per line read: its end's offset, inputs up to it
         for end_of_line, raw in self.files.lines(batch["input_file_id"], offset):
-            offset = end_of_line
             line = parse_line(raw, self.gateway)  # passed the validating step
             options = wire_options(None, line.dimensions)
             for text in line.texts:
@@ -836,12 +847,31 @@ class BatchRunner:
                 )
                 chunks.append(options.apply(chunk))
                 inputs += 1
-            sent_lines += 1
-            if sent_lines >= LINES_PER_SLICE:
+            ends.append((end_of_line, inputs))
+            if len(ends) >= LINES_PER_SLICE or (room is not None and len(chunks) >= room):
                 break
-        await producer.enqueue(chunks, job=batch_id, tenant=tenant)
+        try:
+            await producer.enqueue(chunks, job=batch_id, tenant=tenant, backlog_wait_s=0)
+        except TenantBacklogFullError as full:
+            # backpressure, not a fault (another producer of the tenant took the room, or a
+            # partition's share of it was less): the lines whose inputs all went in are sent
+            sent = [end for end in ends if end[1] - fields["inputs"] <= full.handled]
+            log.debug(
+                "batch waits for room under its tenant's backlog limit",
+                batch=batch_id,
+                tenant=tenant,
+                lines_sent=len(sent),
+                lines_left=len(ends) - len(sent),
+            )
+            if sent:
+                offset, inputs = sent[-1]
+                await self._save(
+                    batch_id, {"cursor": cursor + len(sent), "offset": offset, "inputs": inputs}
+                )
+            return  # the rest on a later tick: the other batches go on meanwhile
+        offset, inputs = ends[-1] if ends else (offset, inputs)
         await self._save(
-            batch_id, {"cursor": cursor + sent_lines, "offset": offset, "inputs": inputs}
+            batch_id, {"cursor": cursor + len(ends), "offset": offset, "inputs": inputs}
         )
         self.wake.set()  # more to send: come back without waiting a tick
 
