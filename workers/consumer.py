@@ -54,8 +54,12 @@ __all__ = ["STREAM_MOVED_AWAY", "StreamConsumer", "StreamEntry", "backlog_shares
 
 # A blocked XREADGROUP is woken with this error when its key leaves the node (Redis >= 7).
 STREAM_MOVED_AWAY = "UNBLOCKED"
-# a tenant's token counter of one second lives this long (read within its second only)
+# a tenant's token counter of one second lives this long (read up to RATE_SPAN_S after)
 RATE_KEY_TTL_S = 5
+# A read may take a rated tenant's tokens of every second since this worker last read it, up to
+# this many: a worker whose windows take longer than a second reads it at its rate, not at one
+# second's worth a window (and a tenant idle a while starts with at most this many seconds').
+RATE_SPAN_S = 4
 # the cap of a rated tenant whose entries read so far cost no tokens (all vector cache hits):
 # its weight's share of a read bounds it, not its rate
 MAX_FREE_READ = 1 << 30
@@ -113,6 +117,10 @@ class StreamConsumer:
         # tokens and entries charged per rated tenant so far: its tokens per entry, which turn
         # what is left of its second's tokens into the entries a read may take
         self._charged: dict[str, tuple[int, int]] = {}
+        # the second of the latest round: the entries it read are charged to it
+        self._read_second: int | None = None
+        # the second this worker last asked each rated tenant for entries
+        self._last_asked: dict[str, int] = {}
         # the rated tenants the latest round left out (their second's tokens used): the idle
         # wait names none of their streams and ends with their second
         self._held: frozenset[str] = frozenset()
@@ -173,12 +181,20 @@ class StreamConsumer:
         total, entries = self._charged.get(tenant, (0, 0))
         self._charged[tenant] = (total + max(tokens, 0), entries + 1)
 
-    def _rate_cap(self, tenant: str, used: int) -> int:
+    def _rate_span(self, tenant: str, second: int) -> range:
+        """The seconds a read in ``second`` may take a rated tenant's tokens of: those since
+        this worker last asked for it (at most RATE_SPAN_S), else this one."""
+        last = self._last_asked.get(tenant)
+        if last is None or last >= second:
+            return range(second, second + 1)
+        return range(max(last + 1, second - RATE_SPAN_S + 1), second + 1)
+
+    def _rate_cap(self, tenant: str, used: int, seconds: int = 1) -> int:
         """The most entries a read may take for a rated tenant that has used ``used`` tokens of
-        this second: what is left of its rate over its tokens per entry so far (one entry
-        before any is known, and at least one in a second it has not used, so a tenant whose
-        entries are each over its rate still progresses); 0: it is held to the next second."""
-        left = (self.policy.rate(tenant) or 0) - used
+        the ``seconds`` it may take: what is left of its rate over them, over its tokens per
+        entry so far (one entry before any is known, and at least one when none are used, so a
+        tenant whose entries are each over its rate still progresses); 0: it is held."""
+        left = (self.policy.rate(tenant) or 0) * seconds - used
         if left <= 0:
             return 0
         total, entries = self._charged.get(tenant, (0, 0))
@@ -265,6 +281,11 @@ class StreamConsumer:
         rated = [t for t in self.policy.token_rate if self.policy.rate(t) is not None]
         second = int(time.time())
         charges, self._charges = self._charges, {}
+        # The tokens charged since the last round are those of the entries it read: counted in
+        # the second they were read in, not this one, or a worker whose windows take over a
+        # second would find each second used by the read before and read a tenant every other
+        # time. This round's reads (and the entries a wake read brought just before) are next.
+        charged_second, self._read_second = self._read_second or second, second
         pipe = self.client.pipeline(transaction=False)
         pipe.xreadgroup(self.keys.group, self.consumer, {self.interactive_stream: ">"}, count=count)
         for stream in streams:
@@ -272,15 +293,19 @@ class StreamConsumer:
         for partition in self.partitions:
             pipe.smembers(partition.tenants)
         for tenant, tokens in charges.items():
-            pipe.incrby(self.keys.tenant_rate(tenant, second), tokens)
-            pipe.expire(self.keys.tenant_rate(tenant, second), RATE_KEY_TTL_S)
-        for tenant in rated:
-            pipe.get(self.keys.tenant_rate(tenant, second))
+            pipe.incrby(self.keys.tenant_rate(tenant, charged_second), tokens)
+            pipe.expire(self.keys.tenant_rate(tenant, charged_second), RATE_KEY_TTL_S)
+        spans = {tenant: self._rate_span(tenant, second) for tenant in rated}
+        for rated_tenant, span in spans.items():
+            for counted in span:
+                pipe.get(self.keys.tenant_rate(rated_tenant, counted))
         replies = await pipe.execute()
         interactive = replies[0]
         lengths = [int(n) for n in replies[1 : 1 + len(streams)]]
         registries = replies[1 + len(streams) : 1 + len(streams) + len(self.partitions)]
-        used = replies[len(replies) - len(rated) :] if rated else []
+        counters = sum(len(span) for span in spans.values())
+        counts = iter(replies[len(replies) - counters :] if counters else [])
+        used = {t: sum(int(next(counts) or 0) for _ in span) for t, span in spans.items()}
         new = self._learn_tenants(registries)
         if new:
             # a tenant that registered since the last round is read from this one, not after
@@ -293,10 +318,7 @@ class StreamConsumer:
             streams = [*streams, *new]
             lengths += [int(n) for n in await pipe.execute()]
         # each rated tenant's entries this read may take: what its second's tokens left cover
-        caps = {
-            tenant: self._rate_cap(tenant, int(tokens or 0))
-            for tenant, tokens in zip(rated, used, strict=True)
-        }
+        caps = {t: self._rate_cap(t, used[t], len(span)) for t, span in spans.items()}
         self._held = frozenset(tenant for tenant, cap in caps.items() if cap <= 0)
         entries = self._entries(interactive)
         if entries:
@@ -311,6 +333,9 @@ class StreamConsumer:
             if tenant in backlogs:
                 backlogs[tenant] = min(backlogs[tenant], cap)
         asks = self.fair.plan(count, backlogs, self._held)
+        for tenant in spans:
+            if asks.get(tenant):
+                self._last_asked[tenant] = second
         shares = self.fair.split(asks, by_tenant)
         if not shares:
             return []
