@@ -298,7 +298,8 @@ class Settings(BaseSettings):
     tenant_token_rate: str = ""
     """Tokens per second the workers read for a tenant at most, over the whole lane:
     `batch=50000` (a one-second window counted in `{ns}:tenantrate:<tenant>:<s>`; a read takes
-    what the second has left, a tenant alone included; approximate to one read per worker).
+    what the seconds since the worker last read the tenant have left, a tenant alone included;
+    approximate to one read per worker).
     Unnamed tenants: no limit."""
     results_max_entries: int = Field(default=1_000_000, ge=0)
     """Most results a results stream (each partition's) may hold: at it, workers wait, saying so
