@@ -10,18 +10,19 @@ read per partition on its own connection, and goes on as soon as the first retur
 any partition is picked up within one block interval. The reads still waiting are kept and
 collected by the next call, so an entry they deliver is never left behind.
 
-Tenants (issue 30): each partition holds one ingest stream per tenant, the default tenant's
-plain ``ingest`` and a named tenant's ``ingest:t:<tenant>``, listed in the partition's registry
-(``Keys.tenants``), which the same round trip reads. A read's ``count`` is split between the
-tenants with a backlog by weighted deficit round robin (workers/fair.py), each tenant's part
-over its partitions by its backlog there: every active tenant progresses by its weight whatever
-the others hold. A tenant with a token rate (EMBEDFLEET_TENANT_TOKEN_RATE, a fleet-wide
-counter per second the worker adds the tokens it read to) is asked for no more entries than what
-is left of its second's tokens covers (at its tokens per entry so far), and once they are used
-it is left out until the next second: of the reads, and of the idle wait, which then ends with
-the second. Idle, one blocking read per partition names all of its streams (they share the slot)
-but a held tenant's, and takes one entry per stream: it only wakes the worker, whose read then
-takes the rest of the window by weight, so the weights hold from the first window on.
+Tenants (issue 30): each partition holds one ingest stream per tenant, the default tenant's plain
+``ingest`` and a named tenant's ``ingest:t:<tenant>``, listed in the partition's registry
+(``Keys.tenants``), which the same round trip reads. A read's ``count`` is split between the tenants
+with a backlog by weighted deficit round robin (workers/fair.py), each tenant's part over its
+partitions by its backlog there: every active tenant progresses by its weight whatever the others
+hold. A tenant with a token rate (EMBEDFLEET_TENANT_TOKEN_RATE, a fleet-wide counter per second the
+worker adds the tokens it read to, in the second it read them) is asked for no more entries than
+what is left of the seconds since this worker last read it covers (at its tokens per entry so far),
+and once they are used it is left out until the next second: of the reads, and of the idle wait,
+which then ends with the second. Idle, one blocking read per partition names all of its streams
+(they share the slot) but a held tenant's, and takes one entry per stream: it only wakes the worker,
+whose read then takes the rest of the window by weight, so the weights hold from the first window
+on.
 
 Before any ingest stream comes the interactive stream (``Keys.interactive``: the inputs of large
 requests someone waits on, the gateway's): its entries are read first, in the same round trip
