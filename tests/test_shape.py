@@ -1,0 +1,51 @@
+"""loadtest/shape.py: the figures issue 41 quotes are read correctly (pure logic, no servers)."""
+
+from __future__ import annotations
+
+import ast
+import json
+
+from loadtest import shape
+
+
+def test_cycles_finds_each_strongly_connected_group_and_nothing_else() -> None:
+    graph = {
+        "a": {"b"},
+        "b": {"c"},
+        "c": {"a", "d"},  # a -> b -> c -> a
+        "d": {"e"},
+        "e": {"d"},  # d <-> e
+        "f": {"a", "outside"},  # points into a cycle, is not in one; "outside" is no module
+    }
+    assert shape.cycles(graph) == [["a", "b", "c"], ["d", "e"]]
+    assert shape.cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_a_late_import_closes_a_cycle_only_when_every_import_counts() -> None:
+    early = ast.parse("from embedfleet.x import y\n")
+    late = ast.parse("def f():\n    from embedfleet.z import w\n")
+    assert shape.imports("embedfleet.m", early, every=False) == {"embedfleet.x", "embedfleet.x.y"}
+    assert shape.imports("embedfleet.m", late, every=False) == set()
+    assert shape.imports("embedfleet.m", late, every=True) == {"embedfleet.z", "embedfleet.z.w"}
+
+
+def test_a_literal_naming_two_sink_kinds_is_a_listing() -> None:
+    source = (
+        "KINDS = ('lancedb', 'pgvector')\n"
+        "ONE = ('lancedb', 'other')\n"
+        "TABLE = {'qdrant': 1, 'parquet': 2, 'redis': 3}\n"
+        "if kind in ('x', 'y'):\n    pass\n"
+    )
+    assert shape.sink_kind_listings(ast.parse(source)) == 2
+
+
+def test_the_script_reads_this_tree_once_per_file(capsys) -> None:
+    assert shape.main(["--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    names = [name for name, _ in shape.modules()]
+    assert len(names) == len(set(names)) == figures["files"]
+    # the symlinked folders under embedfleet/ are not read a second time
+    assert not any(name.startswith("embedfleet.shared.shared") for name in names)
+    assert "embedfleet.workers.worker" in names and "embedfleet.shared.keys" in names
+    assert figures["largest_classes"][0]["lines"] >= figures["largest_classes"][-1]["lines"] > 0
+    assert "embedfleet.shared.vectordb.target" in figures["sink_kind_listed_in"]
