@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -38,9 +38,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from embedfleet.shared.keys import Keys
-
-if TYPE_CHECKING:
-    from embedfleet.shared.settings import Settings
+from embedfleet.shared.redis_url import split_cluster_url
+from embedfleet.shared.settings import Settings
 
 # What a restarting or unreachable server, or a cluster in the middle of a failover or a slot
 # migration, looks like to redis-py: wait and try again, never give the work up. (ClusterError
@@ -56,17 +55,6 @@ TRANSIENT_FAULTS: tuple[type[BaseException], ...] = (
     ReadOnlyError,
     RedisClusterException,
 )
-CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
-
-
-def split_cluster_url(url: str, cluster: bool = False) -> tuple[str, bool]:
-    """``redis+cluster://host:port`` → (``redis://host:port``, True): the URL redis-py reads, and
-    whether it names a cluster (by its scheme or by ``cluster``)."""
-    scheme, separator, rest = url.partition("://")
-    plain = CLUSTER_SCHEMES.get(scheme.lower())
-    if plain is None:
-        return url, cluster
-    return f"{plain}{separator}{rest}", True
 
 
 def is_cluster(client: object) -> bool:

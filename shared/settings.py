@@ -23,7 +23,7 @@ from embedfleet.shared.keys import (
     Keys,
 )
 from embedfleet.shared.protocol import ChunkLimits
-from embedfleet.shared.redis_conn import split_cluster_url
+from embedfleet.shared.redis_url import split_cluster_url
 from embedfleet.shared.tenants import TenantPolicy, check_tenant, parse_map, parse_numbers
 
 ENV_PREFIX = "EMBEDFLEET_"

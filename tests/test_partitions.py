@@ -21,7 +21,7 @@ from embedfleet.shared.keys import (
     slot_range,
 )
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, encode_chunk
-from embedfleet.shared.redis_conn import split_cluster_url
+from embedfleet.shared.redis_url import split_cluster_url
 from embedfleet.shared.settings import Settings, SettingsError, load_settings
 from embedfleet.workers.consumer import StreamConsumer, backlog_shares
 from tests.conftest import WorkerLauncher, until_blocked

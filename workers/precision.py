@@ -6,7 +6,7 @@ a GPU) and keeps it **only if its vectors match fp32's** on a fixed built-in set
 cosine >= 0.99 and mean >= 0.999 (:data:`MIN_COSINE`, :data:`MEAN_COSINE`), on the probe texts
 and the held-out set (:data:`GATE_TEXTS`, workers/heldout.py: multilingual, long and odd
 inputs, disjoint from every calibration text). The probe runs once, at model load; its figures
-are logged (and printed by ``python -m embedfleet.workers.precision``), and a failing probe
+are logged (and printed by ``python -m embedfleet.workers.probe``), and a failing probe
 falls back to fp32 with a warning rather than serving worse vectors.
 
 Every other forward path the worker may choose at start (the int8 copies of workers/int8.py)
@@ -350,20 +350,3 @@ def settle_auto(
         verdict="kept" if report.passed else "rejected: using float32",
     )
     return chosen, report
-
-
-def main() -> None:
-    """Load the configured model with EMBEDFLEET_DTYPE=auto and print the probe's verdict."""
-    from embedfleet.shared.settings import load_settings
-    from embedfleet.workers.encoder import Encoder
-
-    settings = load_settings()
-    encoder = Encoder(
-        settings.model, device=settings.device, dtype="auto", threads=settings.threads
-    )
-    report = encoder.parity
-    print(report.line() if report else f"precision auto: {encoder.precision.describe()} (no probe)")
-
-
-if __name__ == "__main__":
-    main()
