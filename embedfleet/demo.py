@@ -31,7 +31,8 @@ from embedfleet.shared.logging import configure_logging, get_logger
 from embedfleet.shared.progress import Progress
 from embedfleet.shared.protocol import Chunk, Result
 from embedfleet.shared.settings import Settings, SettingsError, load_settings
-from embedfleet.shared.vectordb import (
+from embedfleet.shared.verbosity import verbose_option
+from embedfleet.sinks import (
     Hit,
     SinkTarget,
     SinkURLError,
@@ -39,7 +40,6 @@ from embedfleet.shared.vectordb import (
     open_backend,
     parse_sink_url,
 )
-from embedfleet.shared.verbosity import verbose_option
 
 if TYPE_CHECKING:
     import numpy as np
@@ -151,8 +151,8 @@ def _redis(settings: Settings) -> Iterator[tuple[str, bool]]:
 
 async def _run(settings: Settings, target: SinkTarget, chunks: list[Chunk], job: str) -> DemoRun:
     # torch loads only when the demo runs, so `embedfleet --help` stays instant
+    from embedfleet.sinks import build_sink
     from embedfleet.workers.runtime import load_encoder
-    from embedfleet.workers.sinks import build_sink
     from embedfleet.workers.worker import Worker
 
     encoder = await asyncio.to_thread(load_encoder, settings)

@@ -270,7 +270,7 @@ class Fleet:
         from embedfleet.shared.protocol import Chunk
         from embedfleet.shared.redis_conn import connect
         from embedfleet.shared.settings import load_settings
-        from embedfleet.workers.sinks import RedisStreamSink
+        from embedfleet.sinks import RedisStreamSink
         from embedfleet.workers.worker import Worker
 
         namespace = f"bench{uuid.uuid4().hex[:8]}"

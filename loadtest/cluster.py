@@ -36,7 +36,7 @@ from embedfleet.producer.enqueue import queue_enqueue
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import Chunk, Result, encode_chunk, encode_result
 from embedfleet.shared.redis_conn import connect
-from embedfleet.workers.sinks.base import Delivery, queue_acknowledgements
+from embedfleet.sinks.sink import Delivery, queue_acknowledgements
 from loadtest.common import add_plot_argument, cpu_name
 from loadtest.local_cluster import LocalCluster
 

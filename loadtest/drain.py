@@ -12,8 +12,8 @@ consuming reader in its own process drains it (`Producer.results_reader`: XREADG
 XDEL per page), counting every id once. Every half second Redis's `used_memory` is sampled.
 
 With `--sink parquet:///dir` (or `s3://bucket/prefix` with EMBEDFLEET_S3_ENDPOINT_URL and the
-AWS variables) the workers write Parquet shards instead (workers/sinks/parquet.py): no reader
-runs, the results never enter Redis, and the run ends when the job does; every id is then
+AWS variables) the workers write Parquet shards instead (embedfleet/sinks/parquet/sink.py): no
+reader runs, the results never enter Redis, and the run ends when the job does; every id is then
 counted once in the dataset (shards read back with pyarrow, the `id` column only).
 
 Reported: `used_memory` at the start (workers up, nothing enqueued), its peak and at the end
@@ -155,9 +155,9 @@ def _count_shard_ids(settings: Settings, sink: str) -> dict[str, int]:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from embedfleet.shared.vectordb.backend import open_backend
-    from embedfleet.shared.vectordb.parquet import ParquetBackend, open_location
-    from embedfleet.shared.vectordb.target import parse_sink_url
+    from embedfleet.sinks.backend import open_backend
+    from embedfleet.sinks.parquet import ParquetBackend, open_location
+    from embedfleet.sinks.target import parse_sink_url
 
     backend = open_backend(parse_sink_url(sink, settings.sink_table, settings.s3_endpoint_url))
     assert isinstance(backend, ParquetBackend)

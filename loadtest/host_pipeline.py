@@ -225,8 +225,8 @@ def replace(owner: object, name: str, wrapper: Callable[..., Any]) -> None:
 
 def install_clock(clock: StageClock, path: str) -> None:
     """Wrap the functions that do each stage (in this process only; the worker is unchanged)."""
+    from embedfleet.sinks import redis_stream
     from embedfleet.workers import bulk, output, worker
-    from embedfleet.workers.sinks import redis_stream
 
     replace(worker, "decode_entries", clock.sync("decode + validate", worker.decode_entries))
     for method, stage in (
@@ -248,10 +248,10 @@ async def run_child(stats: Path, path: str) -> None:
     then write the stage figures to ``stats``."""
     from embedfleet.shared.logging import configure_logging
     from embedfleet.shared.redis_conn import connect_settings
+    from embedfleet.sinks.redis_stream import RedisStreamSink
     from embedfleet.workers import worker as worker_module
     from embedfleet.workers.metrics import WorkerMetrics
     from embedfleet.workers.runtime import load_encoder
-    from embedfleet.workers.sinks.redis_stream import RedisStreamSink
 
     settings = Settings()
     configure_logging("error", "json")

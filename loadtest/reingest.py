@@ -35,9 +35,8 @@ from embedfleet.shared.logging import configure_logging
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
-from embedfleet.shared.vectordb import local_sink_url
+from embedfleet.sinks import build_sink, local_sink_url
 from embedfleet.workers.encoder import Encoder
-from embedfleet.workers.sinks import build_sink
 from embedfleet.workers.worker import Worker
 from loadtest.common import cpu_name, machine_load, redis_server
 

@@ -45,14 +45,16 @@ from embedfleet.shared.logging import configure_logging
 from embedfleet.shared.protocol import Chunk, Result
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
-from embedfleet.shared.vectordb import (
+from embedfleet.sinks import (
+    Delivery,
+    Sink,
     SinkTarget,
     StoredVector,
+    build_sink,
     local_sink_url,
     open_backend,
     parse_sink_url,
 )
-from embedfleet.workers.sinks import Delivery, Sink, build_sink
 from loadtest.common import isolated_settings
 
 if TYPE_CHECKING:

@@ -42,7 +42,7 @@ from embedfleet.shared.progress import Progress
 from embedfleet.shared.protocol import QueryFailedError, Result
 from embedfleet.shared.settings import Settings
 from embedfleet.shared.tenants import check_tenant
-from embedfleet.shared.vectordb import (
+from embedfleet.sinks import (
     MissingExtraError,
     SinkURLError,
     VectorDBError,

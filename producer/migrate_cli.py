@@ -29,7 +29,7 @@ from embedfleet.shared.exit_codes import ExitCode
 from embedfleet.shared.logging import configure_logging
 from embedfleet.shared.progress import Progress
 from embedfleet.shared.settings import Settings
-from embedfleet.shared.vectordb import (
+from embedfleet.sinks import (
     MissingExtraError,
     SinkTarget,
     SinkURLError,

@@ -49,7 +49,7 @@ from embedfleet.shared import migrations as m
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import Settings
-from embedfleet.shared.vectordb import (
+from embedfleet.sinks import (
     Hit,
     SinkTarget,
     StoredRow,

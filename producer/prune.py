@@ -20,7 +20,7 @@ import click
 
 from embedfleet.producer.waiting import json_report_option, verb_settings
 from embedfleet.shared.settings import Settings
-from embedfleet.shared.vectordb import (
+from embedfleet.sinks import (
     MissingExtraError,
     SinkURLError,
     VectorDBError,

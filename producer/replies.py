@@ -1,6 +1,6 @@
 """The reply contract's one collector: the answers to a request, taken off its reply lists.
 
-The workers are the one writer (workers/sinks/reply.py for what the bulk reader embeds, the
+The workers are the one writer (embedfleet/sinks/reply.py for what the bulk reader embeds, the
 query lane for queries, workers/deadletter.py for an input they refuse): one encoded ``Result``
 or query error per input, RPUSHed to ``keys.reply(request)`` of the key set of the stream the
 input was read from (the query lane's for queries and interactive requests, a partition's for a

@@ -7,7 +7,7 @@ vectors; the nearest-neighbour query then goes straight to the database the work
 ``--hybrid`` (Qdrant, PostgreSQL): the query's dense vector and sparse weights come from one
 forward pass of a model that gives both (BGE-M3), each searches its own index for
 ``--candidates`` rows, and the two rankings are fused by reciprocal rank
-(``shared.vectordb.reciprocal_rank_fusion``: ``1 / (k + rank)`` summed, k = ``--rrf-k``). With
+(``embedfleet.sinks.reciprocal_rank_fusion``: ``1 / (k + rank)`` summed, k = ``--rrf-k``). With
 ``--rerank-lane``, the fused top ``--rerank-top`` are scored by the cross-encoder that lane's
 workers serve (``Producer.rerank``, on their stored texts) and printed in its order.
 """
@@ -33,7 +33,7 @@ from embedfleet.producer.waiting import (
 from embedfleet.shared.protocol import ProtocolError, QueryFailedError
 from embedfleet.shared.retry import RedisUnavailableError
 from embedfleet.shared.settings import Settings, SettingsError, load_settings
-from embedfleet.shared.vectordb import (
+from embedfleet.sinks import (
     RRF_K,
     Hit,
     MissingExtraError,

@@ -332,7 +332,7 @@ def report(
         },
         "backlog": backlog(snapshot),
         # the partitions whose results stream is at EMBEDFLEET_RESULTS_MAX_ENTRIES: their
-        # workers wait for a consuming reader (workers/sinks/redis_stream.py)
+        # workers wait for a consuming reader (embedfleet/sinks/redis_stream.py)
         "results_max_entries": settings.results_max_entries,
         "results_full": [
             p.index

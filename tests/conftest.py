@@ -401,9 +401,8 @@ class WorkerLauncher:
         encoder: Any = None,
     ) -> AsyncIterator[Any]:
         """``encoder`` None: the packaged model, loaded once per session."""
-        from embedfleet.shared.vectordb import NO_EXTRAS
+        from embedfleet.sinks import NO_EXTRAS, RedisStreamSink
         from embedfleet.workers.runtime import sink_extras
-        from embedfleet.workers.sinks import RedisStreamSink
         from embedfleet.workers.worker import Worker
 
         settings = settings or self.settings

@@ -292,9 +292,9 @@ async def test_a_withdrawn_entry_dead_lettered_by_its_worker_gets_no_reply(
     from embedfleet.gateway.batches import withdraw_job
     from embedfleet.producer.client import Producer
     from embedfleet.shared.dead_letters import DeadReason
+    from embedfleet.sinks import Delivery
     from embedfleet.workers.dead_letter_writer import DeadLetters, Rejected
     from embedfleet.workers.events import WorkerEvents
-    from embedfleet.workers.sinks import Delivery
 
     keys = settings.keys
     gone, kept = f"gone-{uuid.uuid4().hex[:6]}", f"kept-{uuid.uuid4().hex[:6]}"

@@ -327,7 +327,7 @@ async def test_every_verb_on_bad_input_exits_with_its_status_and_no_traceback(
     the exit status shared/exit_codes.py documents and a message, never a traceback."""
     from embedfleet.cli import main
     from embedfleet.shared.protocol import Result
-    from embedfleet.shared.vectordb import open_backend, parse_sink_url
+    from embedfleet.sinks import open_backend, parse_sink_url
 
     worker = workers.process("dense")  # its model card and answers, for query and search
     files = {

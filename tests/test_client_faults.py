@@ -700,7 +700,7 @@ async def test_cli_status_watch_rides_out_a_sigkill(aof: AofRedis) -> None:
 async def test_cli_search_rides_out_a_sigkill(
     aof: AofRedis, aof_workers: WorkerLauncher, tmp_path: Path
 ) -> None:
-    from embedfleet.workers.sinks import build_sink
+    from embedfleet.sinks import build_sink
 
     sink = f"lancedb://{tmp_path / 'vectors'}"
     settings = aof.settings.model_copy(update={"sink": sink})

@@ -102,7 +102,7 @@ async def _stops_with_entries_pending(
 ) -> None:
     """A worker given TEXTS stops with a DeviceFault for the device-side assert, nothing
     dead-lettered, every entry read and left pending."""
-    from embedfleet.workers.sinks import RedisStreamSink
+    from embedfleet.sinks import RedisStreamSink
     from embedfleet.workers.worker import Worker
 
     worker = Worker(settings, encoder, client, RedisStreamSink(client, settings.keys))
@@ -227,7 +227,7 @@ async def test_cuda_error_on_a_query_stops_the_worker_and_leaves_it_pending(
     client: aioredis.Redis,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from embedfleet.workers.sinks import RedisStreamSink
+    from embedfleet.sinks import RedisStreamSink
     from embedfleet.workers.worker import Worker
 
     def poisoned(batch: EncodeBatch):

@@ -121,7 +121,7 @@ async def test_worker_waits_at_the_results_bound_and_goes_on_once_a_reader_drain
     """EMBEDFLEET_RESULTS_MAX_ENTRIES=N and no reader: the worker stops writing at about N
     (one micro-batch over at most) and the job does not finish; a consuming reader then drains
     the stream and the worker goes on until the job is done, every result read once."""
-    from embedfleet.workers.sinks import RedisStreamSink
+    from embedfleet.sinks import RedisStreamSink
 
     bound, chunks, max_batch = 120, 600, 16
     settings = settings.model_copy(
@@ -236,7 +236,7 @@ async def test_a_finished_jobs_id_record_expires_soon_and_an_enqueue_extends_it_
     gives it the long one again, cut once more when that chunk is done. The acknowledgements
     are the Redis sink's own (``RedisStreamSink.write``, acknowledge.lua) on entries read
     through the workers' group, so no model is needed."""
-    from embedfleet.workers.sinks import Delivery, RedisStreamSink
+    from embedfleet.sinks import Delivery, RedisStreamSink
 
     settings = settings.model_copy(update={"job_ids_finished_ttl_s": 120})
     record, ingest = settings.keys.job_ids("ttl"), settings.keys.ingest
@@ -284,7 +284,7 @@ async def test_consuming_readers_drain_every_partitions_results_stream(
 
 
 def test_the_workers_sink_takes_the_bound_from_the_setting(client: aioredis.Redis) -> None:
-    from embedfleet.workers.sinks import build_sink
+    from embedfleet.sinks import build_sink
 
     assert build_sink(Settings(), client).max_entries == 1_000_000  # type: ignore[attr-defined]
     bounded = build_sink(Settings(results_max_entries=7), client)

@@ -41,10 +41,9 @@ from embedfleet.shared.fault_kinds import (
 from embedfleet.shared.protocol import Chunk, decode_chunk
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
-from embedfleet.shared.vectordb import parse_sink_url
+from embedfleet.sinks import parse_sink_url, sink_for_target
 from embedfleet.workers.health import HealthServer
 from embedfleet.workers.metrics import WorkerMetrics
-from embedfleet.workers.sinks import sink_for_target
 from embedfleet.workers.worker import Worker
 from tests.conftest import Recorder, WorkerLauncher
 

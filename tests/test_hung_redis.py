@@ -37,10 +37,10 @@ from embedfleet.shared.fault_kinds import FaultKind, classify
 from embedfleet.shared.protocol import Result
 from embedfleet.shared.redis_conn import connect_settings
 from embedfleet.shared.settings import Settings
-from embedfleet.shared.vectordb.pgvector import PgvectorBackend
+from embedfleet.sinks import DatabaseSink, Delivery, build_sink
+from embedfleet.sinks.pgvector import PgvectorBackend
 from embedfleet.workers.health import HealthServer
 from embedfleet.workers.metrics import WorkerMetrics
-from embedfleet.workers.sinks import DatabaseSink, Delivery, build_sink
 from loadtest.common import isolated_settings
 from tests.conftest import _server_binary, running_pg, until
 from tests.gateway_support import running_gateway
@@ -188,7 +188,7 @@ def test_gateway_answers_json_503_with_retry_after_while_redis_is_down(
 
 # --- a hung PostgreSQL sink ----------------------------------------------------------------------
 def _pg_sink(pg_server, settings: Settings, statement_timeout_s: float) -> DatabaseSink:
-    """The worker's own sink (workers/sinks: build_sink) on the session's PostgreSQL, in a table
+    """The worker's own sink (embedfleet/sinks: build_sink) on the session's PostgreSQL, in a table
     of its own, with a 4-dimension table set up."""
     settings = settings.model_copy(
         update={

@@ -24,9 +24,8 @@ import redis.asyncio as aioredis
 from embedfleet.producer import Producer
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import Settings
-from embedfleet.shared.vectordb import local_sink_url, parse_sink_url
+from embedfleet.sinks import build_sink, local_sink_url, parse_sink_url
 from embedfleet.workers.encoder import Encoder
-from embedfleet.workers.sinks import build_sink
 from tests.conftest import WorkerLauncher, cli_env, running_pg, start_cli
 from tests.model_zoo import bge_m3_dir, corpus_lines, cross_encoder_dir
 from tests.test_multi_representations import FlagReference
@@ -91,7 +90,7 @@ def stored_extras(target: Any, chunk_id: str) -> tuple[dict[int, float], np.ndar
         return sparse, np.array(vectors, dtype=np.float32)
     from qdrant_client import QdrantClient
 
-    from embedfleet.shared.vectordb.qdrant import point_id
+    from embedfleet.sinks.qdrant import point_id
 
     qdrant = QdrantClient(path=target.location)
     try:
@@ -199,7 +198,7 @@ def test_lancedb_and_parquet_keep_sparse_and_per_token_columns(
     import pyarrow.dataset as ds
 
     from embedfleet.shared.protocol import MultiVector, Result, SparseVector
-    from embedfleet.shared.vectordb import Extras, SinkSetupError, open_backend
+    from embedfleet.sinks import Extras, SinkSetupError, open_backend
 
     rng = np.random.default_rng(5)
     tokens = rng.normal(size=(3, 4)).astype(np.float32)

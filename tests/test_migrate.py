@@ -42,8 +42,7 @@ from embedfleet.shared import migrations as records
 from embedfleet.shared.protocol import Chunk, Result
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
-from embedfleet.shared.vectordb import SinkTarget, VectorDBError, open_backend, parse_sink_url
-from embedfleet.workers.sinks import build_sink
+from embedfleet.sinks import SinkTarget, VectorDBError, build_sink, open_backend, parse_sink_url
 from loadtest.common import isolated_settings
 from tests.conftest import WorkerLauncher, cli_env, running_pg, shared_encoder, until
 from tests.model_zoo import sentence_transformers_dir

@@ -31,7 +31,7 @@ from embedfleet.server import ServerProcess, embedded_server_binary, preferred_s
 from embedfleet.shared.protocol import Chunk, Result
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.vector_cache import VectorCache, pack_entry
-from embedfleet.shared.vectordb import open_backend, parse_sink_url
+from embedfleet.sinks import open_backend, parse_sink_url
 from loadtest.common import isolated_settings
 from tests.conftest import WorkerLauncher, cli_env, until
 from tests.test_migrate import LANE, chunks, corpus_texts, tiny_model_dir

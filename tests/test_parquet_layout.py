@@ -18,8 +18,8 @@ import pytest
 
 from embedfleet.shared.protocol import Result
 from embedfleet.shared.settings import SettingsError, load_settings
-from embedfleet.shared.vectordb import open_backend, parse_sink_url
-from embedfleet.shared.vectordb.parquet import STALE_TEMPORARY_S, ParquetBackend
+from embedfleet.sinks import open_backend, parse_sink_url
+from embedfleet.sinks.parquet import STALE_TEMPORARY_S, ParquetBackend
 
 
 def read_dataset(path: str) -> Any:
@@ -105,7 +105,7 @@ def test_the_reader_keeps_the_last_row_per_id(tmp_path: Path) -> None:
 
 
 def test_another_dimension_or_precision_in_the_same_place_is_refused(tmp_path: Path) -> None:
-    from embedfleet.shared.vectordb import SinkSetupError
+    from embedfleet.sinks import SinkSetupError
 
     target = parse_sink_url(f"parquet://{tmp_path / 'run'}")
     with open_backend(target) as backend:
@@ -140,7 +140,7 @@ def test_parquet_sink_urls() -> None:
 # --- the sink's buffering: acknowledged only once the shard is stored ---------------------------
 async def _pending_deliveries(client: Any, settings: Any, count: int) -> list[Any]:
     """``count`` entries read through the group and not acknowledged: what a worker holds."""
-    from embedfleet.workers.sinks import Delivery
+    from embedfleet.sinks import Delivery
 
     keys = settings.keys
     await client.xgroup_create(keys.ingest, keys.group, id="0", mkstream=True)
@@ -155,7 +155,7 @@ async def _pending(client: Any, settings: Any) -> int:
 
 
 def _sink(settings: Any, client: Any, root: Path, **bounds: Any) -> Any:
-    from embedfleet.workers.sinks.parquet import ParquetSink
+    from embedfleet.sinks.parquet import ParquetSink
 
     backend = open_backend(parse_sink_url(f"parquet://{root}"))
     assert isinstance(backend, ParquetBackend)
@@ -166,7 +166,7 @@ def _sink(settings: Any, client: Any, root: Path, **bounds: Any) -> Any:
 async def test_the_sink_acknowledges_a_shard_only_once_it_is_stored(
     settings: Any, client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from embedfleet.shared.vectordb.parquet import ObjectStoreUnavailable
+    from embedfleet.sinks.parquet import ObjectStoreUnavailable
 
     deliveries = await _pending_deliveries(client, settings, 10)
     results = _results(10)
@@ -252,7 +252,7 @@ async def test_the_sink_holds_its_entries_for_their_leases_until_their_shard_is_
 ) -> None:
     """Issue 40: a shard waiting out an outage keeps its entries' leases. The worker's in-flight
     set, which the reclaimer renews and leaves out of its claims, has what the sink holds."""
-    from embedfleet.shared.vectordb.parquet import ObjectStoreUnavailable
+    from embedfleet.sinks.parquet import ObjectStoreUnavailable
     from embedfleet.workers.reclaim import InFlight
 
     deliveries = await _pending_deliveries(client, settings, 6)
@@ -287,7 +287,7 @@ def test_a_full_disk_is_waited_out_and_its_failed_shard_leaves_no_temporary_file
     import errno
 
     from embedfleet.shared.fault_kinds import FaultKind, System, classify
-    from embedfleet.shared.vectordb.parquet import ObjectStoreUnavailable
+    from embedfleet.sinks.parquet import ObjectStoreUnavailable
 
     root = tmp_path / "run"
     backend = open_backend(parse_sink_url(f"parquet://{root}"))
@@ -316,8 +316,8 @@ def test_a_store_that_cannot_be_reached_is_waited_for_and_a_bad_shard_is_no_bad_
     import pyarrow as pa
 
     from embedfleet.shared.fault_kinds import FaultKind, System, classify
-    from embedfleet.shared.vectordb import SinkSetupError
-    from embedfleet.shared.vectordb.parquet import storage_error
+    from embedfleet.sinks import SinkSetupError
+    from embedfleet.sinks.parquet import storage_error
     from embedfleet.workers.outages import classify_sink_error
 
     for name, value in {"AWS_ACCESS_KEY_ID": "t", "AWS_SECRET_ACCESS_KEY": "t"}.items():

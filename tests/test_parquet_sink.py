@@ -31,10 +31,8 @@ from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
-from embedfleet.shared.vectordb import open_backend, parse_sink_url
-from embedfleet.shared.vectordb.parquet import MANIFESTS
-from embedfleet.workers.sinks import build_sink
-from embedfleet.workers.sinks.parquet import ParquetSink
+from embedfleet.sinks import build_sink, open_backend, parse_sink_url
+from embedfleet.sinks.parquet import MANIFESTS, ParquetSink
 from loadtest.common import isolated_settings
 from tests.conftest import WorkerLauncher, cli_env, reference_model, shared_encoder, start_cli
 

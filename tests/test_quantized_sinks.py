@@ -12,9 +12,9 @@ import pytest
 
 from embedfleet.shared.postprocess import quantize
 from embedfleet.shared.protocol import Result
-from embedfleet.shared.vectordb import SinkSetupError
-from embedfleet.shared.vectordb.backend import open_backend, rescore_binary, rescore_codes
-from embedfleet.shared.vectordb.target import parse_sink_url
+from embedfleet.sinks import SinkSetupError
+from embedfleet.sinks.backend import open_backend, rescore_binary, rescore_codes
+from embedfleet.sinks.target import parse_sink_url
 
 DIM = 40
 ROWS = 60
@@ -83,7 +83,7 @@ def test_lancedb_stores_quantized_natively(tmp_path: Path, dtype: str) -> None:
 
 def refused_at_setup(target, dtype: str) -> str:
     """The message DatabaseSink.setup raises for ``dtype`` (the worker's start)."""
-    from embedfleet.workers.sinks.base import DatabaseSink
+    from embedfleet.sinks.sink import DatabaseSink
 
     with open_backend(target) as backend:
         sink = DatabaseSink(None, None, backend, dtype=dtype)  # type: ignore[arg-type]

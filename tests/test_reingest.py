@@ -30,9 +30,8 @@ from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, Result, decode_chun
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
 from embedfleet.shared.vector_cache import VectorCache, pack_entry
-from embedfleet.shared.vectordb import local_sink_url, open_backend, parse_sink_url, prune_job
+from embedfleet.sinks import build_sink, local_sink_url, open_backend, parse_sink_url, prune_job
 from embedfleet.workers.metrics import WorkerMetrics
-from embedfleet.workers.sinks import build_sink
 from tests.conftest import WorkerLauncher, reference_model, running_pg, shared_encoder
 
 CORPUS = 2000

@@ -28,20 +28,23 @@ from embedfleet.shared.jobs import JobProgress
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, Result, decode_result
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
-from embedfleet.shared.vectordb import (
+from embedfleet.sinks import (
     Hit,
+    Sink,
+    SinkSetupError,
     SinkTarget,
     SinkURLError,
     StoredVector,
     VectorDBError,
+    build_sink,
     local_sink_url,
     meta_to_json,
     open_backend,
     parse_sink_url,
+    sink_for_target,
 )
-from embedfleet.shared.vectordb.pgvector import vector_type_for
-from embedfleet.shared.vectordb.qdrant import point_id
-from embedfleet.workers.sinks import Sink, SinkSetupError, build_sink, sink_for_target
+from embedfleet.sinks.pgvector import vector_type_for
+from embedfleet.sinks.qdrant import point_id
 from tests.conftest import WorkerLauncher, reference_model, running_pg, shared_encoder, worker_env
 
 BACKENDS = ["redis", "lancedb", "pgvector", "pgvector-vector", "qdrant-local"]
@@ -499,7 +502,7 @@ def _database(
 async def _write(sink: Sink, settings: Settings, client: Any, results: list[Result]) -> None:
     """``sink.write`` as the worker calls it, each result answering a real pending entry."""
     from embedfleet.shared.redis_conn import ensure_group
-    from embedfleet.workers.sinks import Delivery
+    from embedfleet.sinks import Delivery
 
     entry_ids = [await client.xadd(settings.keys.ingest, {"m": b"x"}) for _ in results]
     # delivered to a consumer, so pending: only pending entries are acknowledged and counted
@@ -561,7 +564,7 @@ async def test_a_table_from_before_texts_were_stored_gets_the_column(
         import lancedb
         import pyarrow as pa
 
-        from embedfleet.shared.vectordb.lancedb import lance_schema
+        from embedfleet.sinks.lancedb import lance_schema
 
         schema = lance_schema(4)
         schema = schema.remove(schema.get_field_index("text"))

@@ -54,8 +54,8 @@ import pytest
 from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.redis_conn import connect
-from embedfleet.workers.sinks import build_sink
-from embedfleet.workers.sinks.parquet import ParquetSink
+from embedfleet.sinks import build_sink
+from embedfleet.sinks.parquet import ParquetSink
 from tests.conftest import WorkerLauncher, shared_encoder, until
 from tests.test_parquet_sink import (
     BUCKET,

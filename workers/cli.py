@@ -10,7 +10,7 @@ from embedfleet.shared.extras import require_worker_extra
 from embedfleet.shared.fault_kinds import WorkerFault
 from embedfleet.shared.settings import SettingsError, load_settings
 from embedfleet.shared.verbosity import verbose_option
-from embedfleet.workers.sinks import MissingExtraError, SinkSetupError, SinkURLError, check_sink
+from embedfleet.sinks import MissingExtraError, SinkSetupError, SinkURLError, check_sink
 
 
 @click.command("worker")

@@ -17,9 +17,9 @@ from embedfleet.shared.dead_letters import DeadReason, dead_letter_fields
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import Chunk, encode_chunk, encode_query_error
+from embedfleet.sinks import Delivery
+from embedfleet.sinks.reply import queue_replies
 from embedfleet.workers.events import WorkerEvents
-from embedfleet.workers.sinks import Delivery
-from embedfleet.workers.sinks.reply import queue_replies
 
 log = get_logger("embedfleet.worker")
 

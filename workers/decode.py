@@ -13,9 +13,9 @@ from embedfleet.shared.dead_letters import DeadReason
 from embedfleet.shared.migrations import COPIED_FROM
 from embedfleet.shared.protocol import Chunk, ProtocolError, decode_chunk
 from embedfleet.shared.settings import Settings
+from embedfleet.sinks import Delivery
 from embedfleet.workers.consumer import StreamEntry
 from embedfleet.workers.dead_letter_writer import Rejected
-from embedfleet.workers.sinks import Delivery
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,9 @@ from embedfleet.shared.logging import get_logger
 from embedfleet.workers.metrics import StreamGauges, WorkerMetrics
 
 if TYPE_CHECKING:
+    from embedfleet.sinks import Sink
     from embedfleet.workers.encoder import EncodeBatch, Encoder
     from embedfleet.workers.outages import Outages
-    from embedfleet.workers.sinks import Sink
 
 log = get_logger("embedfleet.health")
 OK = "ok"

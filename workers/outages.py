@@ -20,8 +20,8 @@ from typing import TypeVar
 
 from embedfleet.shared.fault_kinds import BackoffPolicy, Fault, FaultKind, System, classify
 from embedfleet.shared.logging import get_logger
+from embedfleet.sinks.sink import SinkSetupError
 from embedfleet.workers.events import WorkerEvents
-from embedfleet.workers.sinks.base import SinkSetupError
 
 log = get_logger("embedfleet.worker")
 T = TypeVar("T")

@@ -43,6 +43,8 @@ from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import encode_result
 from embedfleet.shared.redis_conn import connect_sync
 from embedfleet.shared.settings import Settings
+from embedfleet.sinks import Delivery, queue_acknowledgements
+from embedfleet.sinks.reply import queue_replies
 from embedfleet.workers import device_faults
 from embedfleet.workers.calibration import Calibration
 from embedfleet.workers.consumer import StreamConsumer, StreamEntry
@@ -54,8 +56,6 @@ from embedfleet.workers.encoder import Encoder, Tokenized, pairs_of
 from embedfleet.workers.events import WorkerEvents
 from embedfleet.workers.outages import Outages, RideOut, transient_or_raise
 from embedfleet.workers.output import Outputs
-from embedfleet.workers.sinks import Delivery, queue_acknowledgements
-from embedfleet.workers.sinks.reply import queue_replies
 
 log = get_logger("embedfleet.queries")
 
@@ -353,7 +353,7 @@ class QueryLane:
                 self.settings.effective_redis_url, cluster=self.settings.redis_cluster
             )
         pipe = self._reply_client.pipeline(transaction=True)
-        # the reply contract's one writer (workers/sinks/reply.py): an answer is pushed only for
+        # the reply contract's one writer (embedfleet/sinks/reply.py): an answer is pushed only for
         # an entry this call acknowledged, so a query redelivered meanwhile is answered once
         queue_replies(
             pipe,

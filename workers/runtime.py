@@ -18,15 +18,14 @@ from embedfleet.shared.logging import configure_logging, get_logger
 from embedfleet.shared.model_registry import model_label
 from embedfleet.shared.redis_conn import connect_settings
 from embedfleet.shared.settings import Settings
-from embedfleet.shared.vectordb import NO_EXTRAS, Extras
-from embedfleet.shared.vectordb.target import parse_sink_url
+from embedfleet.sinks import NO_EXTRAS, Extras, build_sink
+from embedfleet.sinks.target import parse_sink_url
 from embedfleet.workers.encoder import Encoder
 from embedfleet.workers.health import HealthServer
 from embedfleet.workers.metrics import StreamGauges, WorkerMetrics
 from embedfleet.workers.model_dir import UnsupportedModelError
 from embedfleet.workers.outages import RideOut, classify_sink_error, ride_out
 from embedfleet.workers.replicas import gpu_memory_share, limit_gpu_memory
-from embedfleet.workers.sinks import build_sink
 from embedfleet.workers.worker import Worker
 
 # After a second signal, how long the worker may take to exit before it is cut short

@@ -59,6 +59,9 @@ from embedfleet.shared.modelcard import publish_card
 from embedfleet.shared.protocol import Chunk, Result
 from embedfleet.shared.settings import Settings
 from embedfleet.shared.vector_cache import CacheCounts, CachedVector, VectorCache, pack_entry
+from embedfleet.sinks import Delivery, Sink, queue_acknowledgements
+from embedfleet.sinks.reply import ReplyListWriter
+from embedfleet.sinks.sink import acknowledgement_pipeline
 from embedfleet.workers.batcher import PlannedBatch
 from embedfleet.workers.bulk import BulkBatch, BulkForward, LaunchAhead, Launched, resolve_layout
 from embedfleet.workers.calibration import Calibration, CalibrationStore
@@ -90,9 +93,6 @@ from embedfleet.workers.output import Outputs
 from embedfleet.workers.precision import BULK_PROBE_TEXTS, PROBE_TEXTS
 from embedfleet.workers.queries import QueryLane
 from embedfleet.workers.reclaim import InFlight, Reclaimer
-from embedfleet.workers.sinks import Delivery, Sink, queue_acknowledgements
-from embedfleet.workers.sinks.base import acknowledgement_pipeline
-from embedfleet.workers.sinks.reply import ReplyListWriter
 
 log = get_logger("embedfleet.worker")
 # The bulk stages feed each other through bounded queues: a stage's upstream may be blocked on

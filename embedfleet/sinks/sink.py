@@ -25,7 +25,7 @@ from embedfleet.shared.fault_kinds import System
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.migrations import dual_writes_of, queue_copies
 from embedfleet.shared.protocol import Result
-from embedfleet.shared.vectordb import (
+from embedfleet.sinks.backend import (
     NO_EXTRAS,
     Extras,
     SinkSetupError,
@@ -213,7 +213,7 @@ SYSTEM_OF_KIND = {
 class DatabaseSink(Sink):
     """A sink that upserts into a vector database through its backend, then acknowledges.
 
-    The database's own code (layout, SQL, client) is in its ``shared.vectordb`` backend module;
+    The database's own code (layout, SQL, client) is in its ``embedfleet.sinks`` backend module;
     this class only runs it. The blocking client libraries run on one dedicated thread
     (``_blocking``), so the worker's event loop keeps reading and a client is never used from
     two threads at once. ``dtype`` is what the vectors are stored as (None: the backend's

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from embedfleet.shared.logging import get_logger
-from embedfleet.shared.vectordb.backend import (
+from embedfleet.sinks.backend import (
     NO_EXTRAS,
     RESCORE_MULTIPLIER,
     Extras,
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     import psycopg
 
     from embedfleet.shared.protocol import MultiVector, Result, SparseVector
-    from embedfleet.shared.vectordb.backend import Hit, StoredVector, VectorDType
+    from embedfleet.sinks.backend import Hit, StoredVector, VectorDType
 
 log = get_logger("embedfleet.sink")
 ColumnType = Literal["halfvec", "vector", "bit"]

@@ -21,7 +21,7 @@ from embedfleet.shared.fault_kinds import System
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import Result, encode_results
-from embedfleet.workers.sinks.base import (
+from embedfleet.sinks.sink import (
     Delivery,
     Sink,
     acknowledgement_pipeline,

@@ -1,7 +1,7 @@
 """The Parquet sink: results buffered into shards, each stored atomically, then acknowledged.
 
 ``EMBEDFLEET_SINK=parquet:///dir`` or ``s3://bucket/prefix``; the layout, the atomic write and
-the reader are in ``shared/vectordb/parquet.py``. A shard is cut when it holds
+the reader are in ``embedfleet/sinks/parquet/dataset.py``. A shard is cut when it holds
 EMBEDFLEET_PARQUET_SHARD_ROWS rows or EMBEDFLEET_PARQUET_SHARD_BYTES bytes, or when its first row
 is EMBEDFLEET_PARQUET_SHARD_MAX_S old (a timer here, so an idle stream still gets its last shard).
 
@@ -36,9 +36,9 @@ from embedfleet.shared.fault_kinds import System
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import Result
-from embedfleet.shared.vectordb import VectorDType
-from embedfleet.shared.vectordb.parquet import ParquetBackend
-from embedfleet.workers.sinks.base import (
+from embedfleet.sinks.backend import VectorDType
+from embedfleet.sinks.parquet.dataset import ParquetBackend
+from embedfleet.sinks.sink import (
     DatabaseSink,
     Delivery,
     acknowledgement_pipeline,

@@ -1,7 +1,7 @@
 """Where the vectors are: ``EMBEDFLEET_SINK`` parsed into a ``SinkTarget``, and the layout.
 
 Workers write and ``embedfleet search`` / ``index`` / ``results`` read through the backend this
-names (``shared.vectordb.open_backend``), so both sides agree on where the vectors are and how
+names (``embedfleet.sinks.open_backend``), so both sides agree on where the vectors are and how
 they are laid out:
 
 =============  ================================================================================
@@ -17,7 +17,7 @@ Qdrant         point id ``uuid5(NAMESPACE_URL, id)``, payload ``id``, ``job``, `
 Parquet        LanceDB's columns, in immutable shards ``<UTC time>-<consumer>-<n>.parquet`` of
                a local folder (``parquet:///dir``) or an S3 prefix (``s3://bucket/prefix``),
                one manifest per shard in ``_manifests/``; read back one row per id, the last
-               shard's winning (``shared/vectordb/parquet.py``)
+               shard's winning (``embedfleet/sinks/parquet/dataset.py``)
 =============  ================================================================================
 
 ``text`` is the chunk's text (``EMBEDFLEET_STORE_TEXT``, on by default; null when off).

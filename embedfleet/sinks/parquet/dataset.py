@@ -1,6 +1,6 @@
 """Parquet datasets: immutable shards in a local folder or under an S3 prefix.
 
-The Parquet sink (``workers/sinks/parquet.py``) writes them; ``embedfleet results`` and
+The Parquet sink (``embedfleet/sinks/parquet/sink.py``) writes them; ``embedfleet results`` and
 ``search`` read them through this backend; LanceDB, DuckDB and ``pyarrow.dataset`` load the
 folder as it is. ``EMBEDFLEET_SINK=parquet:///data/run`` or ``s3://bucket/prefix``
 (``EMBEDFLEET_S3_ENDPOINT_URL`` for an S3-compatible server; credentials from the standard AWS
@@ -53,7 +53,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from embedfleet.shared.logging import get_logger
-from embedfleet.shared.vectordb.backend import (
+from embedfleet.sinks.backend import (
     BINARY_DTYPES,
     DEFAULT_DTYPE,
     FLOAT_DTYPES,
@@ -66,7 +66,7 @@ from embedfleet.shared.vectordb.backend import (
     rescore_binary,
     rescore_codes,
 )
-from embedfleet.shared.vectordb.lancedb import (
+from embedfleet.sinks.lancedb import (
     arrow_rows,
     lance_schema,
     row_columns,
@@ -80,7 +80,7 @@ if TYPE_CHECKING:
     import pyarrow.fs as pafs
 
     from embedfleet.shared.protocol import Result
-    from embedfleet.shared.vectordb.backend import Hit, StoredVector, VectorDType
+    from embedfleet.sinks.backend import Hit, StoredVector, VectorDType
 
 log = get_logger("embedfleet.sink")
 

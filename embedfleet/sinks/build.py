@@ -1,7 +1,7 @@
 """Where vectors go. A sink writes a batch of results and acknowledges their entries.
 
 ``EMBEDFLEET_SINK`` picks one (``build_sink``): the Redis results stream (default), a vector
-database (LanceDB, PostgreSQL + pgvector, Qdrant) through its ``shared.vectordb`` backend, or
+database (LanceDB, PostgreSQL + pgvector, Qdrant) through its ``embedfleet.sinks`` backend, or
 Parquet shards in a folder or on S3 (``ParquetSink``, which acknowledges per stored shard).
 Every sink upserts by chunk id and acknowledges only after its write is durable, so delivery
 stays at-least-once and a redelivery never duplicates a row. The database client libraries are
@@ -14,16 +14,9 @@ import redis.asyncio as aioredis
 
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.settings import Settings
-from embedfleet.shared.vectordb import (
-    MissingExtraError,
-    SinkTarget,
-    SinkURLError,
-    VectorDType,
-    open_backend,
-    parse_sink_url,
-    require_extra,
-)
-from embedfleet.workers.sinks.base import (
+from embedfleet.sinks.backend import MissingExtraError, VectorDType, open_backend, require_extra
+from embedfleet.sinks.redis_stream import RedisStreamSink
+from embedfleet.sinks.sink import (
     DatabaseSink,
     Delivery,
     Sink,
@@ -31,7 +24,7 @@ from embedfleet.workers.sinks.base import (
     latest_per_id,
     queue_acknowledgements,
 )
-from embedfleet.workers.sinks.redis_stream import RedisStreamSink
+from embedfleet.sinks.target import SinkTarget, SinkURLError, parse_sink_url
 
 log = get_logger(__name__)
 
@@ -82,8 +75,7 @@ def sink_for_target(
     backend = open_backend(target, store_text=settings.store_text)
     backend.statement_timeout_s = settings.sink_statement_timeout_s
     if target.kind == "parquet":
-        from embedfleet.shared.vectordb.parquet import ParquetBackend
-        from embedfleet.workers.sinks.parquet import ParquetSink  # pyarrow: only when chosen
+        from embedfleet.sinks.parquet import ParquetBackend, ParquetSink  # pyarrow: when chosen
 
         assert isinstance(backend, ParquetBackend)  # open_backend's class for the kind
         if settings.parquet_shard_rows * 2 > settings.backlog_high_water:

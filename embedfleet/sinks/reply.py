@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import Result, encode_result
-from embedfleet.workers.sinks.base import (
+from embedfleet.sinks.sink import (
     Delivery,
     acknowledgement_pipeline,
     queue_acknowledgement_script,

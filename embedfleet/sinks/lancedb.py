@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from embedfleet.shared.logging import get_logger
-from embedfleet.shared.vectordb.backend import (
+from embedfleet.sinks.backend import (
     BINARY_DTYPES,
     DEFAULT_DTYPE,
     FLOAT_DTYPES,
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from lancedb.table import Table
 
     from embedfleet.shared.protocol import Result
-    from embedfleet.shared.vectordb.backend import Hit, StoredVector, VectorDType
+    from embedfleet.sinks.backend import Hit, StoredVector, VectorDType
 
 log = get_logger("embedfleet.sink")
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from embedfleet.shared.logging import get_logger
-from embedfleet.shared.vectordb.backend import (
+from embedfleet.sinks.backend import (
     NO_EXTRAS,
     Extras,
     SinkSetupError,
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from qdrant_client import QdrantClient
 
     from embedfleet.shared.protocol import Result, SparseVector
-    from embedfleet.shared.vectordb.backend import Hit, StoredVector, VectorDType
+    from embedfleet.sinks.backend import Hit, StoredVector, VectorDType
 
 log = get_logger("embedfleet.sink")
 # Qdrant's default: segments larger than this many KB of vectors get an HNSW graph.

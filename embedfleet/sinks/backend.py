@@ -2,7 +2,7 @@
 
 Each database has one module beside this one (``lancedb``, ``pgvector``, ``qdrant``) that does
 all of it, so its SQL, client construction and layout live in one place. The worker's sink
-writes through a backend (``workers.sinks.DatabaseSink``); ``embedfleet search``, ``index`` and
+writes through a backend (``embedfleet.sinks.DatabaseSink``); ``embedfleet search``, ``index`` and
 ``results`` read through one. The client libraries are optional extras, imported only when
 their backend is opened (``open_backend``).
 
@@ -28,7 +28,7 @@ from typing import Any, Literal
 import numpy as np
 
 from embedfleet.shared.protocol import Result, SparseVector
-from embedfleet.shared.vectordb.target import SinkKind, SinkTarget
+from embedfleet.sinks.target import SinkKind, SinkTarget
 
 # What one stored vector component is: the output dtypes (shared/protocol.py). float16 is the
 # default everywhere (half of float32's size, and the precision results travel in); float32 is
@@ -41,7 +41,7 @@ DEFAULT_DTYPE: VectorDType = "float16"
 # Binary search finds this many times k candidates by Hamming distance, then rescores them with
 # the float query against their bits (sentence-transformers' binary search + rescoring recipe).
 RESCORE_MULTIPLIER = 4
-# The row fields every backend stores beside the vector (see shared/vectordb/target.py).
+# The row fields every backend stores beside the vector (see embedfleet/sinks/target.py).
 ROW_FIELDS = ("id", "job", "model", "truncated", "meta", "text")
 
 # backend kind → (module beside this one, class, modules it imports, the pip extra)
