@@ -14,8 +14,8 @@ during the run affects every contender alike. Contenders:
 
 ``--engines`` adds in-process contenders for the forward-pass layout and precision choices
 (sorted padded micro-batches vs packed rows vs varlen, fp32 vs auto; ``--compile`` adds
-``torch.compile``), which is how ``workers.packing.preferred_layout`` and
-``workers.precision.CPU_BF16_METHOD`` were chosen. Rows (``loadtest/packed_rows.py``) is a
+``torch.compile``), which is how ``workers.model.packing.preferred_layout`` and
+``workers.model.precision.CPU_BF16_METHOD`` were chosen. Rows (``loadtest/packed_rows.py``) is a
 contender only; varlen is the worker's own CUDA path (``workers/bulk.py``).
 
 Per contender: texts/s, real tokens/s, padding waste, ratio to (1) (median of the per-round
@@ -47,9 +47,9 @@ import numpy as np
 import torch
 
 from embedfleet.workers.cpus import usable_cpus
-from embedfleet.workers.encoder import Encoder, Tokenized, resolve_model_path
-from embedfleet.workers.packing import PackedEncoder
-from embedfleet.workers.precision import cosines
+from embedfleet.workers.model.encoder import Encoder, Tokenized, resolve_model_path
+from embedfleet.workers.model.packing import PackedEncoder
+from embedfleet.workers.model.precision import cosines
 from loadtest.common import cpu_name
 from loadtest.corpus import build_corpus, describe, token_lengths
 from loadtest.packed_rows import RowsEncoder, plan_rows
@@ -535,7 +535,7 @@ def main(
                 )
         if auto.precision.method == "weights" and dev.type == "cpu":
             autocast = Encoder(device=device, dtype="float32", threads=threads)
-            from embedfleet.workers.precision import Precision
+            from embedfleet.workers.model.precision import Precision
 
             autocast.precision = Precision(torch.bfloat16, "autocast")
             contenders.append(

@@ -85,7 +85,7 @@ def target_lengths(count: int, seed: int) -> list[int]:
 
 
 def load_tokenizer(model: str = PACKAGED_MODEL) -> Tokenizer:
-    from embedfleet.workers.encoder import resolve_model_path
+    from embedfleet.workers.model.encoder import resolve_model_path
 
     tokenizer = Tokenizer.from_file(str(resolve_model_path(model) / "tokenizer.json"))
     tokenizer.no_padding()

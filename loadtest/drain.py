@@ -4,7 +4,7 @@
     python -m loadtest.drain --chunks 20000 --high-water 5000 --results-max 2000   # minutes
 
 Worker processes (`embedfleet worker`) run the benchmark stand-in encoder at zero cost
-(EMBEDFLEET_BENCHMARK_STANDIN_ENCODER_US_PER_TOKEN=0, workers/standin.py: the real tokenizer,
+(EMBEDFLEET_BENCHMARK_STANDIN_ENCODER_US_PER_TOKEN=0, workers/model/standin.py: the real tokenizer,
 no model), so the pace is the pipeline's: enqueue, read, tokenize, plan, write, acknowledge and
 drain. One producer enqueues CHUNKS chunks in one job (waiting at EMBEDFLEET_BACKLOG_HIGH_WATER),
 the workers write them to the results stream (waiting at EMBEDFLEET_RESULTS_MAX_ENTRIES), and a

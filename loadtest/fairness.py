@@ -5,7 +5,7 @@
     python -m loadtest.fairness --small 1000 --ratio 20 --us-per-token 100 --workers 1
 
 Worker processes (`embedfleet worker`) run the benchmark stand-in encoder
-(EMBEDFLEET_BENCHMARK_STANDIN_ENCODER_US_PER_TOKEN, workers/standin.py: the real tokenizer and
+(EMBEDFLEET_BENCHMARK_STANDIN_ENCODER_US_PER_TOKEN, workers/model/standin.py: the real tokenizer and
 pipeline, a fixed cost per real token instead of the model), so the pace is a device's that
 costs ``--us-per-token`` per token, and the reads, the weighted round robin, the writes and
 the acknowledgements are the fleet's own.

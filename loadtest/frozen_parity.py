@@ -13,9 +13,9 @@ import argparse
 
 import torch
 
-from embedfleet.workers.encoder import Encoder
-from embedfleet.workers.frozen import freeze
-from embedfleet.workers.precision import PROBE_TEXTS, cosines
+from embedfleet.workers.model.encoder import Encoder
+from embedfleet.workers.model.frozen import freeze
+from embedfleet.workers.model.precision import PROBE_TEXTS, cosines
 
 
 def main() -> None:

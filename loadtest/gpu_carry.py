@@ -212,7 +212,7 @@ def fp16_model(target: Path) -> Path:
     from safetensors.torch import load_file, save_file
 
     from embedfleet.shared.settings import PACKAGED_MODEL
-    from embedfleet.workers.encoder import resolve_model_path
+    from embedfleet.workers.model.encoder import resolve_model_path
 
     source = resolve_model_path(PACKAGED_MODEL)
     if target.exists():

@@ -166,7 +166,7 @@ def preflight(config: CheckConfig, record: Record) -> None:
                 "cuda": torch.version.cuda,
             },
         )
-    from embedfleet.workers.encoder import Encoder
+    from embedfleet.workers.model.encoder import Encoder
 
     started = time.perf_counter()
     encoder = Encoder(config.model, device=config.device, dtype="float32", threads=config.threads)
@@ -216,7 +216,7 @@ def parity(config: CheckConfig, record: Record) -> None:
     from sentence_transformers import SentenceTransformer
 
     from embedfleet.workers.bulk import BulkForward, LaunchAhead, Launched
-    from embedfleet.workers.encoder import Encoder
+    from embedfleet.workers.model.encoder import Encoder
 
     texts, _ = _corpus(config.parity_texts, config, offset=7)
     st = SentenceTransformer(config.model, device=config.device)
@@ -257,7 +257,7 @@ def _parity_row(
     kernel: str | None,
     label: str,
 ) -> None:
-    from embedfleet.workers.precision import cosines
+    from embedfleet.workers.model.precision import cosines
 
     similarity = cosines(reference, vectors)
     minimum, mean = float(similarity.min()), float(similarity.mean())
@@ -279,7 +279,7 @@ def _parity_row(
 def bench(config: CheckConfig, record: Record) -> None:
     import torch
 
-    from embedfleet.workers.encoder import Encoder
+    from embedfleet.workers.model.encoder import Encoder
     from loadtest.bench import Fleet, measure_peak, st_contender, useful_flops
 
     texts, ids = _corpus(config.texts, config)

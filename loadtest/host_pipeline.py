@@ -1,7 +1,7 @@
 """The host pipeline without the model (issue 29): ``python -m loadtest.host_pipeline``.
 
 Everything a worker does around the model, end to end through a real redis-server, with the
-benchmark stand-in encoder at zero cost (workers/standin.py: the model's real tokenizer,
+benchmark stand-in encoder at zero cost (workers/model/standin.py: the model's real tokenizer,
 maximum and dimension, made-up vectors, no forward pass): read, decode and validate, prompt,
 tokenize, sort and plan, collate, "encode", cast, pack msgpack, write and acknowledge.
 
@@ -396,8 +396,8 @@ def tokenizer_floor(texts: list[str], window: int) -> tuple[float, float]:
     """The model's raw tokenizer (``encode_batch`` on the texts as the worker cuts them) in
     windows of ``window`` texts, on this one thread: (texts per wall second, texts per CPU
     second of the thread; the second is what a shared machine's load changes least)."""
-    from embedfleet.workers.encoder import counting_head
-    from embedfleet.workers.standin import StandInEncoder
+    from embedfleet.workers.model.encoder import counting_head
+    from embedfleet.workers.model.standin import StandInEncoder
 
     encoder = _floor_encoder(StandInEncoder)
     prepared = [counting_head(text, encoder.max_length) for text in texts]
@@ -450,7 +450,7 @@ def measure(count: int, process_counts: list[int], paths: list[str], rounds: int
     corpus = build_corpus(count)
     texts = [item.text for item in corpus]
     payloads = [encode_chunk(Chunk(id=item.id, text=item.text)) for item in corpus]
-    from embedfleet.workers.standin import StandInEncoder
+    from embedfleet.workers.model.standin import StandInEncoder
 
     encoder = _floor_encoder(StandInEncoder)
     tokens = sum(t.length for t in encoder.tokenize(texts))

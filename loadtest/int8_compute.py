@@ -33,9 +33,9 @@ import numpy as np
 import torch
 
 from embedfleet.workers.cpus import usable_cpus
-from embedfleet.workers.encoder import Encoder, resolve_model_path
-from embedfleet.workers.int8 import W8A8Linear, input_ranges, quantize_layers
-from embedfleet.workers.precision import PROBE_TEXTS, cosines
+from embedfleet.workers.model.encoder import Encoder, resolve_model_path
+from embedfleet.workers.model.int8 import W8A8Linear, input_ranges, quantize_layers
+from embedfleet.workers.model.precision import PROBE_TEXTS, cosines
 from loadtest.bench import machine_line
 from loadtest.corpus import build_corpus
 
@@ -98,7 +98,7 @@ def speed_rows(encoder: Encoder, tokens: int, rounds: int) -> list[str]:
 def swap_in_w8a8(
     encoder: Encoder, keep: tuple[str, ...], smooth: float | None, calibration: list[str]
 ) -> int:
-    """Replace the transformer's linear layers by the worker's W8A8 ones (workers/int8.py);
+    """Replace the transformer's linear layers by the worker's W8A8 ones (workers/model/int8.py);
     returns how many."""
     layers = transformer_layers(encoder)
     ranges = input_ranges(layers, encoder.embed_texts, calibration) if smooth is not None else {}
@@ -126,7 +126,7 @@ def main(
     threads = usable_cpus()
     torch.set_num_threads(threads)
     texts = [item.text for item in build_corpus(count)]
-    calibration = list(PROBE_TEXTS)  # what the worker calibrates on (workers/int8.py)
+    calibration = list(PROBE_TEXTS)  # what the worker calibrates on (workers/model/int8.py)
     encoder = Encoder(dtype="float32", threads=threads)
     print(f"machine: {machine_line()}")
     if not no_speed:

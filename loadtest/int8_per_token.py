@@ -2,11 +2,11 @@
 
     python -m loadtest.int8_per_token
 
-The worker's dynamic int8 copy (workers/int8.py) quantizes each linear layer's whole input with
-one scale, which costs it parity. Dividing each token's row by its own max first (the one scale
-then suits every row) and multiplying the output rows back gives per-token input codes through
-the same kernel. This prints, per scheme, the held-out gate's verdict (min / mean cosine against
-float32, workers/heldout.py) and the speed-up over the float32 frozen graph on the worker's
+The worker's dynamic int8 copy (workers/model/int8.py) quantizes each linear layer's whole input
+with one scale, which costs it parity. Dividing each token's row by its own max first (the one scale
+then suits every row) and multiplying the output rows back gives per-token input codes through the
+same kernel. This prints, per scheme, the held-out gate's verdict (min / mean cosine against
+float32, workers/model/heldout.py) and the speed-up over the float32 frozen graph on the worker's
 64-text bulk probe (best of 3, interleaved). Figures: docs/BENCHMARKS.md (stop 36). An experiment,
 not a worker path: no scheme here was adopted.
 """
@@ -22,9 +22,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from embedfleet.workers import int8
-from embedfleet.workers.encoder import Encoder, _best_of_interleaved, _layer_stack
-from embedfleet.workers.precision import BULK_PROBE_TEXTS, PROBE_TEXTS
+from embedfleet.workers.model import int8
+from embedfleet.workers.model.encoder import Encoder, _best_of_interleaved, _layer_stack
+from embedfleet.workers.model.precision import BULK_PROBE_TEXTS, PROBE_TEXTS
 
 
 class PerTokenDynamicLinear(torch.nn.Module):
@@ -36,7 +36,7 @@ class PerTokenDynamicLinear(torch.nn.Module):
         scaled = torch.nn.Linear(linear.in_features, linear.out_features, bias=False)
         with torch.no_grad():
             scaled.weight.copy_(linear.weight.float() * smoothing)
-        with warnings.catch_warnings():  # torch.ao's deprecation (workers/int8.py)
+        with warnings.catch_warnings():  # torch.ao's deprecation (workers/model/int8.py)
             warnings.simplefilter("ignore")
             from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
             from torch.ao.quantization import per_channel_dynamic_qconfig

@@ -57,7 +57,7 @@ from loadtest.common import (
 )
 
 if TYPE_CHECKING:
-    from embedfleet.workers.encoder import Encoder
+    from embedfleet.workers.model.encoder import Encoder
 
 QUERY = "how do I read a file line by line in python"
 
@@ -126,11 +126,11 @@ PAIR_PAUSE_S = 0.1
 def bare_encoder(settings: Settings | None = None) -> Encoder:
     """The floor: the same query through the model in this process, no queue at all, on the
     forward pass the worker's query lane uses with ``settings`` (the default worker's when
-    None: its precision, and the frozen graph or an int8 copy: workers/frozen.py,
-    workers/int8.py). Where the int8 copy is chosen by a timed race at start (CPU_INT8_PATH
+    None: its precision, and the frozen graph or an int8 copy: workers/model/frozen.py,
+    workers/model/int8.py). Where the int8 copy is chosen by a timed race at start (CPU_INT8_PATH
     auto) this process can decide it the other way: the table shows both paths; the forced
     int8 paths (``int8-w8a8``, ``int8-dynamic``) skip the race."""
-    from embedfleet.workers.encoder import Encoder
+    from embedfleet.workers.model.encoder import Encoder
 
     settings = settings or Settings()
     encoder = Encoder(dtype=settings.dtype)

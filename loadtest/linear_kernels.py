@@ -9,7 +9,7 @@ through the kernels torch offers for it on a CPU: aten's ``linear`` (MKL's sgemm
 eager model and the frozen graph run), MKL's packed sgemm with the weight packed once
 (``torch.ops.mkl._mkl_linear``, what inductor's freezing emits for float32), and oneDNN's
 ``linear_pointwise`` on a reordered weight (what it emits for bf16). Best of ``--repeats``
-calls each (``workers.encoder._best_of``, the worker's own timing), in GFLOP/s, beside this
+calls each (``workers.model.encoder._best_of``, the worker's own timing), in GFLOP/s, beside this
 CPU's flags: if one kernel were clearly faster, the float32 path would be worth building on it.
 Figures: docs/BENCHMARKS.md (stop 38). An experiment, not a worker path.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from embedfleet.workers.cpus import cpu_class
-from embedfleet.workers.encoder import _best_of
+from embedfleet.workers.model.encoder import _best_of
 
 SHAPES = ((384, 384), (384, 1536), (1536, 384))  # (in, out) of all-MiniLM-L6-v2's linear layers
 

@@ -30,7 +30,7 @@ from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.batcher import plan_batches
 from embedfleet.workers.calibration import CalibrationStore
-from embedfleet.workers.encoder import Encoder
+from embedfleet.workers.model.encoder import Encoder
 from embedfleet.workers.output import Outputs
 
 ALL = ("dense", "sparse", "multivector")

@@ -10,7 +10,7 @@ On a 2-core Intel Xeon rows of 256 beat *eager* sorted padded micro-batches in b
 per window, 2 threads; 0.89x with one thread) and lost in fp32 (0.90x); docs/BENCHMARKS.md.
 The worker's bf16 bulk on CPU has since moved to the frozen, pre-packed copy
 (EMBEDFLEET_FROZEN_BULK), against which rows was never measured, so the worker keeps padded
-batches on CPU (``workers.packing.preferred_layout``) and rows lives here, for
+batches on CPU (``workers.model.packing.preferred_layout``) and rows lives here, for
 ``python -m loadtest.bench --engines`` to measure again.
 """
 
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from embedfleet.workers.encoder import Encoder, Tokenized
-from embedfleet.workers.packing import check_packed_pooling, pool_packed, takes_token_types
+from embedfleet.workers.model.encoder import Encoder, Tokenized
+from embedfleet.workers.model.packing import check_packed_pooling, pool_packed, takes_token_types
 
 
 def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
@@ -150,7 +150,8 @@ class RowsEncoder:
             "position_ids": batch.position_ids.to(device),
             "attention_mask": batch.attention_mask.to(device),
         }
-        if self._token_types:  # zeros of the row's shape (see workers.packing.takes_token_types)
+        # zeros of the row's shape (see workers.model.packing.takes_token_types)
+        if self._token_types:
             kwargs["token_type_ids"] = torch.zeros_like(input_ids)
         with self.encoder.precision.context(device):
             hidden = self._model(**kwargs).last_hidden_state

@@ -20,7 +20,7 @@ import click
 import numpy as np
 
 from embedfleet.shared.protocol import OUTPUT_DTYPES, Chunk
-from embedfleet.workers.encoder import Encoder
+from embedfleet.workers.model.encoder import Encoder
 from loadtest.bench import Fleet, _server, machine_line, redis_url_option
 from loadtest.corpus import CorpusText, build_corpus
 

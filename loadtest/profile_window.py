@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 from embedfleet.shared.settings import Batching, Settings
 from embedfleet.workers.batcher import plan_batches
 from embedfleet.workers.cpus import usable_cpus
-from embedfleet.workers.encoder import EncodeBatch, Encoder
+from embedfleet.workers.model.encoder import EncodeBatch, Encoder
 from loadtest.bench import machine_line, matmul_parameters, measure_peak, useful_flops
 from loadtest.corpus import build_corpus
 

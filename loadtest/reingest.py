@@ -36,7 +36,7 @@ from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
 from embedfleet.sinks import build_sink, local_sink_url
-from embedfleet.workers.encoder import Encoder
+from embedfleet.workers.model.encoder import Encoder
 from embedfleet.workers.worker import Worker
 from loadtest.common import cpu_name, machine_load, redis_server
 

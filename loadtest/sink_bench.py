@@ -58,7 +58,7 @@ from embedfleet.sinks import (
 from loadtest.common import isolated_settings
 
 if TYPE_CHECKING:
-    from embedfleet.workers.encoder import Encoder
+    from embedfleet.workers.model.encoder import Encoder
 
 SINKS = ("redis", "lancedb", "pgvector", "qdrant-local")
 
@@ -249,7 +249,7 @@ async def _main(
 ) -> list[str]:
     import torch
 
-    from embedfleet.workers.encoder import Encoder
+    from embedfleet.workers.model.encoder import Encoder
 
     chunks = list(builtin_corpus(texts))
     encoder = await asyncio.to_thread(Encoder)

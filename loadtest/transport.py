@@ -64,7 +64,7 @@ async def timed_query(producer: Producer) -> float:
 
 
 async def scenario(queries: int) -> None:
-    from embedfleet.workers.encoder import Encoder
+    from embedfleet.workers.model.encoder import Encoder
 
     encoder = Encoder()
     for _ in range(10):

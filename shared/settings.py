@@ -415,7 +415,7 @@ class Settings(BaseSettings):
     benchmark_standin_encoder_us_per_token: float | None = Field(default=None, ge=0)
     """BENCHMARKS ONLY, never in production: set, the worker embeds nothing; it returns made-up
     vectors of the model's shape after this many microseconds per real token (0 = at once), with
-    the model's real tokenizer (workers/standin.py). Its model card and results name it
+    the model's real tokenizer (workers/model/standin.py). Its model card and results name it
     `benchmark-standin:<model>`, and it logs a warning at start. Unset = the real model."""
 
     # --- documents ------------------------------------------------------------------------

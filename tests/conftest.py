@@ -74,7 +74,7 @@ def model_under_test() -> str:
 @functools.cache
 def shared_encoder():
     """The real model, loaded once per session, on first use."""
-    from embedfleet.workers.encoder import Encoder
+    from embedfleet.workers.model.encoder import Encoder
 
     return Encoder(model_under_test())
 
@@ -93,8 +93,8 @@ def forced_int8_encoder():
     compile took up to two minutes of CI on 2 cores, once per module. Whether the copy was kept
     is each test's to check (``computes_in_int8``)."""
     from embedfleet.workers.cpus import cpu_class
-    from embedfleet.workers.encoder import Encoder, cpu_paths
-    from embedfleet.workers.int8 import cpp_compiler_available
+    from embedfleet.workers.model.encoder import Encoder, cpu_paths
+    from embedfleet.workers.model.int8 import cpp_compiler_available
 
     w8a8 = "int8-w8a8" in cpu_paths(cpu_class(), cpp_compiler_available())
     encoder = Encoder(dtype="auto")
@@ -117,7 +117,7 @@ def reference_model():
 def varlen_encoder():
     """Its own model for the varlen layout: installing the varlen attention must not touch the
     session's encoder (the padded path's reference)."""
-    from embedfleet.workers.encoder import Encoder
+    from embedfleet.workers.model.encoder import Encoder
 
     return Encoder(model_under_test())
 

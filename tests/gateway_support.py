@@ -18,7 +18,7 @@ import uvicorn
 from embedfleet.gateway.app import create_app
 from embedfleet.server import ServerProcess, free_port
 from embedfleet.shared.settings import Settings
-from embedfleet.workers.precision import cosines
+from embedfleet.workers.model.precision import cosines
 from loadtest.common import isolated_settings
 from tests.conftest import WorkerLauncher, WorkerProcess, shared_encoder
 

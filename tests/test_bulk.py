@@ -17,9 +17,9 @@ from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.bulk import BulkForward, LaunchAhead, Launched, resolve_layout
-from embedfleet.workers.encoder import Encoder
-from embedfleet.workers.packing import VarlenBatch, collate_varlen
-from embedfleet.workers.precision import PROBE_TEXTS, cosines
+from embedfleet.workers.model.encoder import Encoder
+from embedfleet.workers.model.packing import VarlenBatch, collate_varlen
+from embedfleet.workers.model.precision import PROBE_TEXTS, cosines
 from tests.conftest import FakeEvents, WorkerLauncher, reference_model
 
 TEXTS = list(PROBE_TEXTS[:6])  # real sentences of mixed lengths

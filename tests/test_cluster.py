@@ -32,7 +32,7 @@ from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.redis_conn import TRANSIENT_FAULTS, connect_settings
 from embedfleet.shared.settings import Settings
 from embedfleet.shared.streams import find_group
-from embedfleet.workers.precision import cosines as row_cosines
+from embedfleet.workers.model.precision import cosines as row_cosines
 from loadtest.common import isolated_settings
 from loadtest.local_cluster import LocalCluster
 from tests.conftest import reference_model, worker_env
@@ -222,7 +222,7 @@ def test_the_gateway_and_the_batch_api_on_the_cluster_every_custom_id_once(
     import openai
     from sentence_transformers import SentenceTransformer
 
-    from embedfleet.workers.encoder import resolve_model_path
+    from embedfleet.workers.model.encoder import resolve_model_path
     from tests.gateway_support import running_gateway
 
     settings = cluster_settings.model_copy(

@@ -14,7 +14,7 @@ from embedfleet.shared.content_key import VectorRecipe, content_key
 from embedfleet.shared.modelcard import ModelCard
 from embedfleet.shared.protocol import Chunk, Result, SparseVector
 from embedfleet.shared.vector_cache import CachedVector, pack_entry, unpack_entry
-from embedfleet.workers.model_dir import directory_revision
+from embedfleet.workers.model.model_dir import directory_revision
 
 RECIPE = VectorRecipe(
     model="all-MiniLM-L6-v2",

@@ -1,4 +1,4 @@
-"""The query lane on CUDA (workers/cuda_queries.py): its shape logic and its wiring, on a CPU.
+"""The query lane on CUDA (workers/model/cuda_queries.py): its shape logic and its wiring, on a CPU.
 
 The CUDA code itself (stream, graphs) runs only on a GPU (the device check's latency step
 reports which path served); everything that decides is checked here.
@@ -15,7 +15,7 @@ import torch
 
 from embedfleet.producer import Producer
 from embedfleet.shared.settings import Settings
-from embedfleet.workers.cuda_queries import (
+from embedfleet.workers.model.cuda_queries import (
     BATCH_BUCKETS,
     CudaQueryRunner,
     Shape,
@@ -27,8 +27,8 @@ from embedfleet.workers.cuda_queries import (
     pad_to_shape,
     shape_for,
 )
-from embedfleet.workers.encoder import EncodeBatch
-from embedfleet.workers.precision import FP32, cosines
+from embedfleet.workers.model.encoder import EncodeBatch
+from embedfleet.workers.model.precision import FP32, cosines
 from tests.conftest import WorkerLauncher
 
 

@@ -19,7 +19,7 @@ from embedfleet.producer import Producer
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, decode_result, encode_chunk
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.device_faults import DeviceFault, is_device_fault, is_out_of_memory
-from embedfleet.workers.encoder import EncodeBatch, Encoder
+from embedfleet.workers.model.encoder import EncodeBatch, Encoder
 from tests.conftest import FakeEvents, WorkerLauncher
 
 TEXTS = [f"document number {n} about the device faults a worker survives" for n in range(24)]
@@ -126,7 +126,7 @@ async def test_out_of_memory_on_the_varlen_launch_path_never_dead_letters(
 ) -> None:
     """The CUDA path (varlen, launched one ahead): an OOM at launch, while the batch before is
     still in flight, halves the batch as on the padded path; every text is embedded."""
-    from embedfleet.workers.packing import PackedEncoder, VarlenBatch
+    from embedfleet.workers.model.packing import PackedEncoder, VarlenBatch
 
     real_vectors = PackedEncoder.vectors
     sizes: list[int] = []
@@ -246,7 +246,7 @@ async def test_cuda_error_on_a_query_stops_the_worker_and_leaves_it_pending(
 
 
 def test_tf32_for_float32_work_on_cuda_only() -> None:
-    from embedfleet.workers.encoder import configure_device_math
+    from embedfleet.workers.model.encoder import configure_device_math
 
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     try:

@@ -161,7 +161,7 @@ async def test_worker_waits_at_the_results_bound_and_goes_on_once_a_reader_drain
 
 
 def standin_encoder():
-    from embedfleet.workers.standin import StandInEncoder
+    from embedfleet.workers.model.standin import StandInEncoder
 
     return StandInEncoder(us_per_token=0)
 
@@ -171,7 +171,7 @@ def test_standin_encoder_names_itself_and_keeps_the_models_shape_and_tokenizer(
 ) -> None:
     """The stand-in keeps the real tokenizer (the same token ids), the model's dimension and
     maximum, returns unit vectors (equal texts, equal vectors), and its card names it."""
-    from embedfleet.workers.standin import StandInEncoder
+    from embedfleet.workers.model.standin import StandInEncoder
 
     standin = StandInEncoder(us_per_token=1.0)
     texts = ["a cat sat", "a cat sat", "something else entirely, and longer"]
@@ -186,8 +186,8 @@ def test_standin_encoder_names_itself_and_keeps_the_models_shape_and_tokenizer(
 
 def test_the_worker_builds_the_standin_only_when_its_setting_is_set(capsys) -> None:
     from embedfleet.shared.logging import configure_logging
+    from embedfleet.workers.model.standin import StandInEncoder
     from embedfleet.workers.runtime import load_encoder
-    from embedfleet.workers.standin import StandInEncoder
 
     configure_logging("info", "json")
     built = load_encoder(Settings(benchmark_standin_encoder_us_per_token=0))

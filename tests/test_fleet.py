@@ -13,7 +13,7 @@ from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import Settings
-from embedfleet.workers.precision import cosines as row_cosines
+from embedfleet.workers.model.precision import cosines as row_cosines
 from tests.conftest import WorkerLauncher, reference_model
 
 LONG_TEXT = " ".join(f"word{i} and some filler text" for i in range(600))  # ~3,000 tokens

@@ -1,4 +1,5 @@
-"""The frozen query graph (workers/frozen.py): same vectors as the model, or not used at all."""
+"""The frozen query graph (workers/model/frozen.py): same vectors as the model, or not used at
+all."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import redis.asyncio as aioredis
 from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.settings import Settings
-from embedfleet.workers.frozen import FROZEN_MIN_COSINE, FrozenForward, build_checked
-from embedfleet.workers.precision import cosines
+from embedfleet.workers.model.frozen import FROZEN_MIN_COSINE, FrozenForward, build_checked
+from embedfleet.workers.model.precision import cosines
 from tests.conftest import WorkerLauncher, reference_model
 
 
@@ -93,7 +94,7 @@ def test_a_model_that_does_not_trace_keeps_the_eager_path() -> None:
 async def test_the_lane_answers_with_and_without_the_frozen_graph(
     workers: WorkerLauncher, settings: Settings, client: aioredis.Redis, frozen: bool
 ) -> None:
-    from embedfleet.workers.encoder import Encoder
+    from embedfleet.workers.model.encoder import Encoder
 
     encoder = Encoder()  # its own: the session encoder may already hold a graph
     settings = settings.model_copy(update={"frozen_queries": frozen})
@@ -108,7 +109,7 @@ def test_the_eager_fallback_is_said_once_at_info_with_its_reason(monkeypatch) ->
     """Designed behaviour, not a fault: one info line with the reason, not a warning per load."""
     from structlog.testing import capture_logs
 
-    from embedfleet.workers import frozen
+    from embedfleet.workers.model import frozen
 
     monkeypatch.setattr(frozen, "_fallback_reported", False)
     with capture_logs() as logs:
@@ -123,7 +124,7 @@ def test_the_eager_fallback_is_said_once_at_info_with_its_reason(monkeypatch) ->
 def test_reduced_precision_gets_the_rounding_bar_and_a_wrong_graph_still_fails() -> None:
     import torch
 
-    from embedfleet.workers.frozen import FROZEN_MIN_COSINE_REDUCED, frozen_min_cosine
+    from embedfleet.workers.model.frozen import FROZEN_MIN_COSINE_REDUCED, frozen_min_cosine
 
     assert frozen_min_cosine(torch.float32) == FROZEN_MIN_COSINE
     assert frozen_min_cosine(torch.bfloat16) == FROZEN_MIN_COSINE_REDUCED < FROZEN_MIN_COSINE
@@ -142,8 +143,8 @@ def test_bf16_frozen_copy_is_kept_where_bf16_is_native() -> None:
     avx512_bf16), not a wrong graph. Kept now, and as close to float32 as eager bf16 is."""
     import torch
 
-    from embedfleet.workers.encoder import Encoder
-    from embedfleet.workers.precision import PROBE_TEXTS, requested_precision
+    from embedfleet.workers.model.encoder import Encoder
+    from embedfleet.workers.model.precision import PROBE_TEXTS, requested_precision
 
     if requested_precision("auto", torch.device("cpu")).dtype == torch.float32:
         pytest.skip("this CPU has no native bf16: auto stays float32")
@@ -165,8 +166,8 @@ def test_no_frozen_copy_where_the_cpu_emulates_the_dtype(monkeypatch: pytest.Mon
     eager bf16's 1.6 s, and a query waited over 30 s behind it); queries and bulk run eager,
     with their layer boundaries."""
     from embedfleet.workers import cpus
-    from embedfleet.workers import encoder as encoder_module
-    from embedfleet.workers.encoder import Encoder
+    from embedfleet.workers.model import encoder as encoder_module
+    from embedfleet.workers.model.encoder import Encoder
 
     zen3 = cpus.cpu_class(frozenset({"avx", "avx2", "fma"}), "AVX2")
     assert not zen3.runs_natively("bfloat16") and zen3.runs_natively("float32")

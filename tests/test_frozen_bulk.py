@@ -14,8 +14,8 @@ from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.cpus import cpu_class
-from embedfleet.workers.encoder import Encoder
-from embedfleet.workers.precision import cosines
+from embedfleet.workers.model.encoder import Encoder
+from embedfleet.workers.model.precision import cosines
 from tests.conftest import WorkerLauncher, reference_model
 
 

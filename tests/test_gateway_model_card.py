@@ -83,7 +83,7 @@ async def test_a_dense_head_through_both_dialects(
 ) -> None:
     from sentence_transformers import SentenceTransformer
 
-    from embedfleet.workers.encoder import Encoder
+    from embedfleet.workers.model.encoder import Encoder
 
     settings = _settings(redis_server, dense_model_dir, tmp_path / "files")
     reference = SentenceTransformer(str(dense_model_dir), device="cpu")
@@ -144,7 +144,7 @@ async def test_a_plain_hf_directory_is_not_normalised_unless_asked(
 ) -> None:
     from sentence_transformers import SentenceTransformer
 
-    from embedfleet.workers.encoder import Encoder
+    from embedfleet.workers.model.encoder import Encoder
 
     plain_dir = model_zoo.hf_model_dir("bert", tmp_path)
     assert not (plain_dir / "modules.json").exists()
@@ -184,7 +184,7 @@ async def test_concatenated_pooling_is_answered_whole(
     asked for the hidden size and cut the rest off)."""
     from sentence_transformers import SentenceTransformer
 
-    from embedfleet.workers.encoder import Encoder
+    from embedfleet.workers.model.encoder import Encoder
 
     model_dir = model_zoo.sentence_transformers_dir("bert", tmp_path, pooling=("mean", "cls"))
     settings = _settings(redis_server, model_dir, tmp_path / "files")

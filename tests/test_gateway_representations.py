@@ -18,7 +18,7 @@ import pytest
 
 from embedfleet.server import ServerProcess
 from embedfleet.shared.settings import Settings
-from embedfleet.workers.encoder import Encoder
+from embedfleet.workers.model.encoder import Encoder
 from loadtest.common import isolated_settings
 from tests.conftest import WorkerLauncher
 from tests.gateway_support import running_gateway

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from embedfleet.workers.encoder import Encoder
-from embedfleet.workers.precision import PROBE_TEXTS, cosines
+from embedfleet.workers.model.encoder import Encoder
+from embedfleet.workers.model.precision import PROBE_TEXTS, cosines
 from loadtest.gpu_carry import fp16_model, unmet_requirements
 
 

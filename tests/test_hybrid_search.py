@@ -25,7 +25,7 @@ from embedfleet.producer import Producer
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import Settings
 from embedfleet.sinks import build_sink, local_sink_url, parse_sink_url
-from embedfleet.workers.encoder import Encoder
+from embedfleet.workers.model.encoder import Encoder
 from tests.conftest import WorkerLauncher, cli_env, running_pg, start_cli
 from tests.model_zoo import bge_m3_dir, corpus_lines, cross_encoder_dir
 from tests.test_multi_representations import FlagReference

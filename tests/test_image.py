@@ -213,7 +213,7 @@ def _cosines_to_reference(vectors: np.ndarray, texts: list[str]) -> np.ndarray:
     """Row-wise cosines of ``vectors`` to sentence-transformers' embeddings of ``texts``."""
     from sentence_transformers import SentenceTransformer
 
-    from embedfleet.workers.encoder import PACKAGED_MODEL, resolve_model_path
+    from embedfleet.workers.model.encoder import PACKAGED_MODEL, resolve_model_path
 
     model_dir = resolve_model_path(PACKAGED_MODEL)  # the same packaged model, on the host
     reference = SentenceTransformer(str(model_dir), device="cpu").encode(texts)

@@ -1,6 +1,6 @@
-"""int8 compute on a CPU (workers/int8.py, EMBEDFLEET_CPU_INT8): the W8A8 layer, SmoothQuant,
-the held-out gate (workers/heldout.py) every copy must pass against float32, the copies tried on
-each CPU class, and a worker's bulk batches through the copy kept."""
+"""int8 compute on a CPU (workers/model/int8.py, EMBEDFLEET_CPU_INT8): the W8A8 layer,
+SmoothQuant, the held-out gate (workers/model/heldout.py) every copy must pass against float32,
+the copies tried on each CPU class, and a worker's bulk batches through the copy kept."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.calibration import calibration_texts
 from embedfleet.workers.cpus import cpu_class
-from embedfleet.workers.encoder import Encoder, _layer_stack, cpu_paths
-from embedfleet.workers.heldout import GROUPS, HELDOUT_TEXTS
-from embedfleet.workers.int8 import (
+from embedfleet.workers.model.encoder import Encoder, _layer_stack, cpu_paths
+from embedfleet.workers.model.heldout import GROUPS, HELDOUT_TEXTS
+from embedfleet.workers.model.int8 import (
     Int8Forward,
     SmoothedDynamicLinear,
     W8A8Linear,
@@ -31,7 +31,7 @@ from embedfleet.workers.int8 import (
     cpp_compiler_available,
     quantize_layers,
 )
-from embedfleet.workers.precision import (
+from embedfleet.workers.model.precision import (
     BULK_PROBE_TEXTS,
     GATE_TEXTS,
     MEAN_COSINE,
@@ -258,7 +258,7 @@ def test_an_avx2_only_cpu_tries_int8_where_auto_keeps_float32() -> None:
     found = _in_subprocess(
         "import json\n"
         "from embedfleet.workers.cpus import cpu_class\n"
-        "from embedfleet.workers.encoder import Encoder, cpu_paths\n"
+        "from embedfleet.workers.model.encoder import Encoder, cpu_paths\n"
         "cpu = cpu_class()\n"
         "encoder = Encoder(dtype='auto')\n"
         "encoder.prepare_query_graph('dynamic')\n"

@@ -57,7 +57,7 @@ def test_transformers_warnings_only_at_debug_and_in_our_format(capsys) -> None:
     import transformers  # noqa: F401  (installs its own stderr handler, as on any import)
 
     configure_logging("info", "json")
-    adopt_library_logger("transformers")  # what workers/encoder.py does after importing it
+    adopt_library_logger("transformers")  # what workers/model/encoder.py does after importing it
     _transformers_warning()
     assert capsys.readouterr().err == ""
 

@@ -62,7 +62,7 @@ def tiny_model_dir() -> Path:
 
 @functools.cache
 def tiny_encoder() -> Any:
-    from embedfleet.workers.encoder import Encoder
+    from embedfleet.workers.model.encoder import Encoder
 
     return Encoder(str(tiny_model_dir()), device="cpu")
 

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from embedfleet.workers.batcher import plan_batches
-from embedfleet.workers.encoder import Encoder
-from embedfleet.workers.model_dir import UnsupportedModelError
-from embedfleet.workers.precision import cosines
+from embedfleet.workers.model.encoder import Encoder
+from embedfleet.workers.model.model_dir import UnsupportedModelError
+from embedfleet.workers.model.precision import cosines
 from tests import model_zoo
 from tests.model_zoo import FAMILIES, corpus_lines, sentence_transformers_dir
 
@@ -163,7 +163,7 @@ def test_prompt_tokens_count_against_the_maximum(zoo: Path) -> None:
 
 
 def test_unknown_prompt_name_is_refused(zoo: Path) -> None:
-    from embedfleet.workers.encoder import PromptError
+    from embedfleet.workers.model.encoder import PromptError
 
     model_dir = sentence_transformers_dir("bert", zoo, prompts=QUERY_PROMPTS, name="st-bert-max")
     with pytest.raises(PromptError, match="'nope' is not one of the model's prompts"):

@@ -108,7 +108,7 @@ def test_the_served_name_and_max_length_rules() -> None:
 def test_the_worker_publishes_what_it_loaded(build, dim, normalize, tmp_path: Path) -> None:
     from sentence_transformers import SentenceTransformer
 
-    from embedfleet.workers.encoder import Encoder
+    from embedfleet.workers.model.encoder import Encoder
 
     model_dir = build(tmp_path)
     card = Encoder(str(model_dir), device="cpu").card

@@ -83,7 +83,7 @@ async def test_two_models_in_one_namespace_each_at_parity(
 ) -> None:
     from sentence_transformers import SentenceTransformer
 
-    from embedfleet.workers.encoder import Encoder
+    from embedfleet.workers.model.encoder import Encoder
 
     default = isolated_settings(
         redis_server.url, frozen_queries=False, files_dir=str(tmp_path / "files")

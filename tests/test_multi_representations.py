@@ -25,8 +25,8 @@ from embedfleet.shared.protocol import Chunk, MultiVector, Result, decode_result
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.batcher import plan_batches
 from embedfleet.workers.calibration import CalibrationStore
-from embedfleet.workers.encoder import Encoder
-from embedfleet.workers.model_dir import read_model_spec
+from embedfleet.workers.model.encoder import Encoder
+from embedfleet.workers.model.model_dir import read_model_spec
 from embedfleet.workers.output import Outputs
 from tests.conftest import WorkerLauncher
 from tests.model_zoo import bge_m3_dir, corpus_lines

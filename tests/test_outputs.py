@@ -21,9 +21,9 @@ from embedfleet.shared.postprocess import quantize
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.calibration import CalibrationError, CalibrationStore
-from embedfleet.workers.encoder import Encoder
+from embedfleet.workers.model.encoder import Encoder
+from embedfleet.workers.model.precision import cosines
 from embedfleet.workers.output import OutputOptionError, Outputs
-from embedfleet.workers.precision import cosines
 from tests import model_zoo
 from tests.conftest import WorkerLauncher, worker_env
 from tests.test_model_families import MIN_COSINE, assert_parity, fleet_vectors, texts

@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 
 from embedfleet.workers.batcher import padding_waste, plan_batches, plan_packed_batches
-from embedfleet.workers.encoder import Encoder, Tokenized
-from embedfleet.workers.packing import (
+from embedfleet.workers.model.encoder import Encoder, Tokenized
+from embedfleet.workers.model.packing import (
     VARLEN_KERNELS,
     PackedEncoder,
     collate_varlen,
     preferred_layout,
 )
-from embedfleet.workers.precision import cosines
+from embedfleet.workers.model.precision import cosines
 from loadtest.corpus import build_corpus, load_tokenizer
 from loadtest.packed_rows import RowsEncoder, collate_rows, pack_rows, plan_rows, pool_rows
 from tests.conftest import model_under_test
@@ -81,7 +81,7 @@ def test_each_cpu_varlen_kernel_matches(
     varlen_encoder: Encoder, encoder: Encoder, corpus_tokens: tuple, kernel: str
 ) -> None:
     """Every fallback must be right, not just the one this machine happens to pick."""
-    from embedfleet.workers.packing import install_varlen_attention
+    from embedfleet.workers.model.packing import install_varlen_attention
 
     _, tokens = corpus_tokens
     subset = tokens[:24]
@@ -101,8 +101,8 @@ def test_pooling_modes_match_unpacked(encoder: Encoder, corpus_tokens: tuple) ->
     """
     import torch
 
-    from embedfleet.workers.encoder import pool
-    from embedfleet.workers.packing import pool_packed, token_map
+    from embedfleet.workers.model.encoder import pool
+    from embedfleet.workers.model.packing import pool_packed, token_map
 
     _, tokens = corpus_tokens
     subset = tokens[:16]
@@ -140,7 +140,7 @@ def test_two_varlen_models_keep_their_own_kernels(
     """The attention registry is process-wide: installing a second model's kernel must not
     switch the first model (the bench's fp32 contender was sent to the bf16 model's flash-attn).
     """
-    from embedfleet.workers import packing
+    from embedfleet.workers.model import packing
 
     calls: list[str] = []
 
@@ -212,7 +212,7 @@ def test_transformers_floor_covers_the_varlen_interface(monkeypatch: pytest.Monk
     import transformers.masking_utils
     from packaging.version import Version
 
-    from embedfleet.workers import packing
+    from embedfleet.workers.model import packing
 
     pyproject = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
     (requirement,) = [

@@ -20,8 +20,8 @@ from embedfleet.shared.protocol import Chunk, QueryFailedError, decode_result, e
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.batcher import plan_batches
 from embedfleet.workers.calibration import CalibrationStore
-from embedfleet.workers.encoder import Encoder
-from embedfleet.workers.model_dir import read_model_spec
+from embedfleet.workers.model.encoder import Encoder
+from embedfleet.workers.model.model_dir import read_model_spec
 from embedfleet.workers.output import Outputs
 from tests.conftest import WorkerLauncher
 from tests.model_zoo import corpus_lines, cross_encoder_dir, splade_dir
@@ -241,7 +241,7 @@ async def test_rerank_through_a_worker(
 def test_a_sparse_encoder_with_other_modules_is_refused(zoo: Path, tmp_path: Path) -> None:
     """A SparseEncoder the worker cannot reproduce (here: a module after SpladePooling) is
     refused at load, naming what it has, rather than served with different weights."""
-    from embedfleet.workers.model_dir import UnsupportedModelError
+    from embedfleet.workers.model.model_dir import UnsupportedModelError
     from tests.model_zoo import with_extra_module
 
     broken = with_extra_module(
@@ -254,7 +254,7 @@ def test_a_sparse_encoder_with_other_modules_is_refused(zoo: Path, tmp_path: Pat
 def test_a_database_sink_is_refused_for_sparse_and_rerank_models(zoo: Path, tmp_path: Path) -> None:
     """Until the sinks store sparse vectors and scores, such a worker refuses to start with one
     (instead of failing every write); the results stream is accepted."""
-    from embedfleet.workers.model_dir import UnsupportedModelError
+    from embedfleet.workers.model.model_dir import UnsupportedModelError
     from embedfleet.workers.runtime import check_sink_holds
 
     encoder = Encoder(str(splade_dir(zoo)), device="cpu")

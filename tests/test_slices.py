@@ -23,7 +23,7 @@ from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.cost_model import SliceClock
 from embedfleet.workers.cpus import cpu_class
-from embedfleet.workers.encoder import Encoder
+from embedfleet.workers.model.encoder import Encoder
 from tests.conftest import WorkerLauncher
 
 # The slice target: at least this, and at least FLOOR_FACTOR x the path's longest slice for a

@@ -2,7 +2,7 @@
 and 10): a token rate holds for a tenant that runs alone, and a small tenant's job behind a big
 backlog gets its share from the first read, not after the windows already read.
 
-Both run the benchmark stand-in encoder (workers/standin.py: the real tokenizer, reads,
+Both run the benchmark stand-in encoder (workers/model/standin.py: the real tokenizer, reads,
 windows, writes and acknowledgements; a fixed sleep per token instead of the model), so the
 pace is the fleet's, not the loaded CPU's. Figures in the assertion messages were measured on
 a 2-core machine shared with other test runs (loaded): the assertions are ratios with margins.

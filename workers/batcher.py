@@ -40,7 +40,7 @@ class PlannedBatch:
     positions: list[int]
     longest: int
     real_tokens: int
-    # varlen (workers/packing.py): every text end to end in one row, no padding computed
+    # varlen (workers/model/packing.py): every text end to end in one row, no padding computed
     packed: bool = False
 
     @property

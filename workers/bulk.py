@@ -2,7 +2,7 @@
 launched ahead of their copy back so that a GPU never waits for the host between batches.
 
 - **Layout** (:func:`resolve_layout`): ``EMBEDFLEET_LAYOUT``; ``auto`` is
-  ``workers.packing.preferred_layout``: varlen on CUDA, padded on CPU.
+  ``workers.model.packing.preferred_layout``: varlen on CUDA, padded on CPU.
 - **Collation** (:meth:`BulkForward.collate`) runs on the worker's tokenizer thread with the
   window's planning, never on the event loop or the model thread: varlen batches into one
   int32 buffer, padded batches into int64 tensors, pinned only on CUDA (pinning is a page-locked
@@ -33,8 +33,8 @@ from embedfleet.shared.fault_kinds import WorkerFault
 from embedfleet.shared.logging import get_logger
 from embedfleet.workers.batcher import PlannedBatch, plan_batches, plan_packed_batches
 from embedfleet.workers.cost_model import SliceLimit
-from embedfleet.workers.encoder import EncodeBatch, Encoder, Tokenized
-from embedfleet.workers.packing import (
+from embedfleet.workers.model.encoder import EncodeBatch, Encoder, Tokenized
+from embedfleet.workers.model.packing import (
     BulkLayout,
     PackedEncoder,
     VarlenBatch,

@@ -63,8 +63,8 @@ def worker_command(
         as_env = {f"EMBEDFLEET_{key.upper()}": str(value) for key, value in overrides.items()}
         sys.exit(run_replicas(settings, as_env))
     from embedfleet.workers.calibration import CalibrationError
-    from embedfleet.workers.encoder import ModelNotFoundError
-    from embedfleet.workers.model_dir import UnsupportedModelError
+    from embedfleet.workers.model.encoder import ModelNotFoundError
+    from embedfleet.workers.model.model_dir import UnsupportedModelError
     from embedfleet.workers.output import OutputOptionError
     from embedfleet.workers.runtime import run_worker  # heavy imports (torch) only when running
 

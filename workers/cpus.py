@@ -6,7 +6,7 @@ worth of time: they fight, and a 9 ms query forward took ~500 ms under that cont
 quota is what a container may use, so ``EMBEDFLEET_THREADS=0`` means the smaller of the two.
 
 :func:`cpu_class` says which fast kernels those CPUs have (bf16, int8 dot products), as torch
-will use them: the forward paths a worker tries at start follow from it (workers/encoder.py).
+will use them: the forward paths a worker tries at start follow from it (workers/model/encoder.py).
 
 loky (joblib) has a similar ``cpu_count``, but it reads fixed paths, which a unit test cannot
 point at fake cgroup files, and it would be a dependency for twenty lines.

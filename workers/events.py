@@ -70,7 +70,7 @@ class WorkerEvents:
 
     def queries_served(self, *, count: int, path: str) -> None:
         """``count`` queries went through the model in one batch, by ``path`` (a
-        workers.cuda_queries.QueryPath: graph, stream, frozen or eager). Same thread as
+        workers.model.cuda_queries.QueryPath: graph, stream, frozen or eager). Same thread as
         ``query_answered``."""
 
     def dead_lettered(self, *, count: int, reason: str) -> None:

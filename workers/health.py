@@ -37,7 +37,7 @@ from embedfleet.workers.metrics import StreamGauges, WorkerMetrics
 
 if TYPE_CHECKING:
     from embedfleet.sinks import Sink
-    from embedfleet.workers.encoder import EncodeBatch, Encoder
+    from embedfleet.workers.model.encoder import EncodeBatch, Encoder
     from embedfleet.workers.outages import Outages
 
 log = get_logger("embedfleet.health")

@@ -37,8 +37,8 @@ from embedfleet.workers.calibration import (
     compute,
     variant_label,
 )
-from embedfleet.workers.encoder import Encoder, Lane
-from embedfleet.workers.model_dir import directory_revision
+from embedfleet.workers.model.encoder import Encoder, Lane
+from embedfleet.workers.model.model_dir import directory_revision
 
 
 class OutputOptionError(ValueError):
@@ -290,7 +290,7 @@ class Outputs:
         *,
         with_meta: bool,
     ) -> list[Result]:
-        """A multi-head model's packed rows (workers/heads.py): each chunk gets the
+        """A multi-head model's packed rows (workers/model/heads.py): each chunk gets the
         representations it asked for (the dense vector shaped as any dense one is)."""
         layout = self.encoder.layout
         assert layout is not None

@@ -12,7 +12,7 @@ thread also stalls the OpenMP team of a bulk batch in flight.
 
 On CUDA the layer hooks fire at launch, not at run time, so they are not installed: queries are
 served from a thread of their own through the encoder's CUDA query lane (its own model copy on
-a high-priority stream, CUDA graphs; see workers/cuda_queries.py), beside the bulk pass.
+a high-priority stream, CUDA graphs; see workers/model/cuda_queries.py), beside the bulk pass.
 
 A failed query forward pass is handled by one method on either thread (``_on_model_error``,
 workers/device_faults.py's classification): out of memory halves the batch and never
@@ -52,8 +52,8 @@ from embedfleet.workers.cost_model import SliceClock
 from embedfleet.workers.dead_letter_writer import DeadLetters, Rejected
 from embedfleet.workers.decode import Accepted, decode_entries
 from embedfleet.workers.device_faults import DeviceFault, Recovery
-from embedfleet.workers.encoder import Encoder, Tokenized, pairs_of
 from embedfleet.workers.events import WorkerEvents
+from embedfleet.workers.model.encoder import Encoder, Tokenized, pairs_of
 from embedfleet.workers.outages import Outages, RideOut, transient_or_raise
 from embedfleet.workers.output import Outputs
 

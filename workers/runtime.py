@@ -20,10 +20,10 @@ from embedfleet.shared.redis_conn import connect_settings
 from embedfleet.shared.settings import Settings
 from embedfleet.sinks import NO_EXTRAS, Extras, build_sink
 from embedfleet.sinks.target import parse_sink_url
-from embedfleet.workers.encoder import Encoder
 from embedfleet.workers.health import HealthServer
 from embedfleet.workers.metrics import StreamGauges, WorkerMetrics
-from embedfleet.workers.model_dir import UnsupportedModelError
+from embedfleet.workers.model.encoder import Encoder
+from embedfleet.workers.model.model_dir import UnsupportedModelError
 from embedfleet.workers.outages import RideOut, classify_sink_error, ride_out
 from embedfleet.workers.replicas import gpu_memory_share, limit_gpu_memory
 from embedfleet.workers.worker import Worker
@@ -64,7 +64,7 @@ def sink_extras(encoder: Encoder) -> Extras:
 def load_encoder(settings: Settings) -> Encoder:
     encoder: Encoder
     if settings.benchmark_standin_encoder_us_per_token is not None:
-        from embedfleet.workers.standin import StandInEncoder
+        from embedfleet.workers.model.standin import StandInEncoder
 
         cost = settings.benchmark_standin_encoder_us_per_token
         encoder = StandInEncoder(

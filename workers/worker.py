@@ -78,10 +78,11 @@ from embedfleet.workers.device_faults import (
     oom_retry_pause_s,
     recovery,
 )
-from embedfleet.workers.encoder import EncodeBatch, Encoder, Tokenized, pairs_of
 from embedfleet.workers.events import ForwardingEvents, WorkerEvents
 from embedfleet.workers.heartbeat import run_heartbeat
 from embedfleet.workers.memory import TrimTimer, release_free_memory
+from embedfleet.workers.model.encoder import EncodeBatch, Encoder, Tokenized, pairs_of
+from embedfleet.workers.model.precision import BULK_PROBE_TEXTS, PROBE_TEXTS
 from embedfleet.workers.outages import (
     Outages,
     RideOut,
@@ -90,7 +91,6 @@ from embedfleet.workers.outages import (
     transient_or_raise,
 )
 from embedfleet.workers.output import Outputs
-from embedfleet.workers.precision import BULK_PROBE_TEXTS, PROBE_TEXTS
 from embedfleet.workers.queries import QueryLane
 from embedfleet.workers.reclaim import InFlight, Reclaimer
 

@@ -14,7 +14,7 @@ per input channel from the built-in probe texts. The output projections (attenti
 the feed-forward output, whose GELU inputs quantize worst) stay in the compute dtype.
 
 **The gate.** The copy is kept only if it holds the bar of every precision (min cosine >= 0.99,
-mean >= 0.999 against float32) on the held-out set of workers/heldout.py, never on the probe
+mean >= 0.999 against float32) on the held-out set of workers/model/heldout.py, never on the probe
 texts it was calibrated on: calibrated and checked on the same 20 texts the copy with only the
 attention output kept passed, and then fell to a mean of 0.9986-0.9987 (min 0.9948) on unseen
 multilingual, long and odd inputs. Measured eagerly in float32 on the held-out set
@@ -31,7 +31,7 @@ all-MiniLM-L6-v2, so the gate rejects it there; it is tried because it is cheap 
 another model may hold the bar with it. torch 2.13 deprecates this eager ``torch.ao`` API in
 favour of torchao (not a dependency here); its warnings are silenced while the copy is built.
 
-Like the frozen graph it replaces (workers/frozen.py) a copy has no layer boundaries: bulk
+Like the frozen graph it replaces (workers/model/frozen.py) a copy has no layer boundaries: bulk
 batches through it are sized whole to the query slice.
 """
 
@@ -46,12 +46,12 @@ from typing import Any
 import torch
 
 from embedfleet.shared.logging import get_logger
-from embedfleet.workers.frozen import hook_free_copy
+from embedfleet.workers.model.frozen import hook_free_copy
 
 log = get_logger("embedfleet.int8")
 
 # SmoothQuant's migration strength and the layers left in the compute dtype, chosen on the
-# held-out set (workers/heldout.py; the figures are in the module docstring). "output.dense"
+# held-out set (workers/model/heldout.py; the figures are in the module docstring). "output.dense"
 # names both BERT output projections: attention.output.dense and the feed-forward output.
 SMOOTHQUANT_ALPHA = 0.6
 KEPT_IN_FLOAT: tuple[str, ...] = ("output.dense",)

@@ -1,8 +1,8 @@
 """The held-out parity set: texts no forward path was tuned on, the gate every path must pass.
 
 A copy that was calibrated on some texts (the int8 copy's SmoothQuant ranges come from
-:data:`~embedfleet.workers.precision.PROBE_TEXTS`) can match float32 on those texts and drift on
-others: measured, the W8A8 copy passed on its 20 probe texts and fell below the mean bar on
+:data:`~embedfleet.workers.model.precision.PROBE_TEXTS`) can match float32 on those texts and
+drift on others: measured, the W8A8 copy passed on its 20 probe texts and fell below the mean bar on
 unseen multilingual (0.99869), long (0.99859) and odd inputs (0.99722, min 0.99483). So each
 forward path the worker may choose (bf16, the int8 copies) is held to the bar on this fixed set,
 disjoint from every calibration text, shipped in the package so every worker checks the same.

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from embedfleet.shared.logging import get_logger
-from embedfleet.workers.precision import cosines
+from embedfleet.workers.model.precision import cosines
 
 log = get_logger("embedfleet.frozen")
 _fallback_reported = False

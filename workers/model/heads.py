@@ -1,6 +1,6 @@
 """One forward pass, several representations: BGE-M3's token heads beside the dense vector.
 
-A model directory with ``sparse_linear.pt`` / ``colbert_linear.pt`` (workers/model_dir.py,
+A model directory with ``sparse_linear.pt`` / ``colbert_linear.pt`` (workers/model/model_dir.py,
 ``TokenHeads``) gives, from the same last hidden states:
 
 - **dense**: the sentence-transformers pipeline (CLS pooling, Normalize for BGE-M3);
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from embedfleet.shared.protocol import SparseVector
-from embedfleet.workers.model_dir import LinearWeights, TokenHeads
+from embedfleet.workers.model.model_dir import LinearWeights, TokenHeads
 
 HEADER = 4  # tokens, seq, has_sparse, has_multivector
 # the representations of a multi-head model, in the order a batch computes them

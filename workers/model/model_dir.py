@@ -26,7 +26,7 @@ computed with a guess. What it accepts:
   FlagEmbedding's token heads beside it, ``sparse_linear.pt`` (hidden -> 1, relu: one weight
   per token, the max over a token id's occurrences) and ``colbert_linear.pt`` (hidden -> d, on
   every token state after CLS, normalised: ColBERT vectors): the spec's ``token_heads``, run on
-  the same forward pass as the dense vector (workers/heads.py).
+  the same forward pass as the dense vector (workers/model/heads.py).
 
 A plain Hugging Face directory (no ``modules.json``) gets what sentence-transformers gives it:
 mean pooling (last-token for a ``*ForCausalLM`` architecture), not normalised.

@@ -1,10 +1,10 @@
-"""``python -m embedfleet.workers.probe``: load the configured model with EMBEDFLEET_DTYPE=auto
-and print the parity probe's verdict (workers/precision.py)."""
+"""``python -m embedfleet.workers.model.probe``: load the configured model with
+EMBEDFLEET_DTYPE=auto and print the parity probe's verdict (workers/model/precision.py)."""
 
 from __future__ import annotations
 
 from embedfleet.shared.settings import load_settings
-from embedfleet.workers.encoder import Encoder
+from embedfleet.workers.model.encoder import Encoder
 
 
 def main() -> None:

@@ -27,8 +27,8 @@ import torch
 
 from embedfleet.shared.modelcard import ModelCard
 from embedfleet.shared.settings import PACKAGED_MODEL
-from embedfleet.workers.cuda_queries import CudaLaneMode, QueryPath
-from embedfleet.workers.encoder import EncodeBatch, Encoder
+from embedfleet.workers.model.cuda_queries import CudaLaneMode, QueryPath
+from embedfleet.workers.model.encoder import EncodeBatch, Encoder
 
 STANDIN_PREFIX = "benchmark-standin:"
 # distinct unit vectors the stand-in picks from (a hash of a text's token ids picks one)

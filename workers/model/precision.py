@@ -4,12 +4,12 @@
 precision of the device (bf16 on a CPU with AVX512-BF16/AMX or a GPU that has it, else fp16 on
 a GPU) and keeps it **only if its vectors match fp32's** on a fixed built-in set: min
 cosine >= 0.99 and mean >= 0.999 (:data:`MIN_COSINE`, :data:`MEAN_COSINE`), on the probe texts
-and the held-out set (:data:`GATE_TEXTS`, workers/heldout.py: multilingual, long and odd
+and the held-out set (:data:`GATE_TEXTS`, workers/model/heldout.py: multilingual, long and odd
 inputs, disjoint from every calibration text). The probe runs once, at model load; its figures
-are logged (and printed by ``python -m embedfleet.workers.probe``), and a failing probe
+are logged (and printed by ``python -m embedfleet.workers.model.probe``), and a failing probe
 falls back to fp32 with a warning rather than serving worse vectors.
 
-Every other forward path the worker may choose at start (the int8 copies of workers/int8.py)
+Every other forward path the worker may choose at start (the int8 copies of workers/model/int8.py)
 is held to the same bar on the same held-out set by :func:`gate`, against the float32 vectors
 kept from that probe (:attr:`ParityReport.heldout_reference`).
 
@@ -35,7 +35,7 @@ import torch
 
 from embedfleet.shared.logging import get_logger
 from embedfleet.workers.cpus import cpu_class
-from embedfleet.workers.heldout import GROUPS, HELDOUT_TEXTS
+from embedfleet.workers.model.heldout import GROUPS, HELDOUT_TEXTS
 
 log = get_logger("embedfleet.precision")
 
@@ -98,7 +98,7 @@ PROBE_TEXTS: tuple[str, ...] = (
     _LONG_PASSAGE + " " + _LONG_PASSAGE,  # over the limit: the truncated path
     "https://docs.python.org/3/library/stdtypes.html#str.split?highlight=split&lang=en",
 )
-# The held-out gate set: no path was calibrated on it (workers/heldout.py).
+# The held-out gate set: no path was calibrated on it (workers/model/heldout.py).
 GATE_TEXTS: tuple[str, ...] = HELDOUT_TEXTS
 # Texts per forward pass while probing: the long held-out passages padded into one batch with
 # everything else would compute (and hold in attention) every text at the longest length.
@@ -175,7 +175,7 @@ class ParityReport:
     min_cosine: float
     mean_cosine: float
     texts: int
-    # float32's vectors of GATE_TEXTS, kept to gate the other paths against (workers/int8.py)
+    # float32's vectors of GATE_TEXTS, kept to gate the other paths against (workers/model/int8.py)
     heldout_reference: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     @property

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from embedfleet.shared.logging import get_logger
-from embedfleet.workers.encoder import Encoder, Tokenized
+from embedfleet.workers.model.encoder import Encoder, Tokenized
 
 log = get_logger("embedfleet.packing")
 

@@ -39,12 +39,12 @@ import numpy as np
 import torch
 
 from embedfleet.shared.logging import get_logger
-from embedfleet.workers.precision import Precision
+from embedfleet.workers.model.precision import Precision
 
 log = get_logger("embedfleet.cuda_queries")
 
 # Which path served a query batch (reported per worker as embedfleet_queries_served_total):
-# graph/stream on CUDA (this module), frozen on a CPU (workers/frozen.py), eager otherwise.
+# graph/stream on CUDA (this module), frozen on a CPU (workers/model/frozen.py), eager otherwise.
 QueryPath = Literal["graph", "stream", "frozen", "int8", "eager"]
 CudaLaneMode = Literal["graph", "stream", "off"]
 

@@ -35,10 +35,10 @@ from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import PACKAGED_MODEL
 from embedfleet.shared.tokens import counting_head
 from embedfleet.workers.cpus import CpuClass, cpu_class, usable_cpus
-from embedfleet.workers.cuda_queries import CudaLaneMode, CudaQueryRunner, QueryPath
-from embedfleet.workers.frozen import FrozenForward, build_checked, freeze, frozen_min_cosine
-from embedfleet.workers.heads import ALL_HEADS, HeadLayout, TokenHeadModule
-from embedfleet.workers.int8 import (
+from embedfleet.workers.model.cuda_queries import CudaLaneMode, CudaQueryRunner, QueryPath
+from embedfleet.workers.model.frozen import FrozenForward, build_checked, freeze, frozen_min_cosine
+from embedfleet.workers.model.heads import ALL_HEADS, HeadLayout, TokenHeadModule
+from embedfleet.workers.model.int8 import (
     DynamicInt8Forward,
     Int8Forward,
     W8A8Forward,
@@ -46,8 +46,8 @@ from embedfleet.workers.int8 import (
     build_int8,
     cpp_compiler_available,
 )
-from embedfleet.workers.model_dir import SentenceHead, UnsupportedModelError, read_model_spec
-from embedfleet.workers.precision import (
+from embedfleet.workers.model.model_dir import SentenceHead, UnsupportedModelError, read_model_spec
+from embedfleet.workers.model.precision import (
     BULK_PROBE_TEXTS,
     FP32,
     GATE_TEXTS,
@@ -109,7 +109,7 @@ class EncodeBatch:
     prompt_lengths: torch.Tensor | None = None  # (batch,) int64, when pooling leaves prompts out
     token_type_ids: torch.Tensor | None = None  # (batch, seq) int64, for (query, document) pairs
     # a multi-head model (BGE-M3): the representations to compute from this batch's forward
-    # pass, packed into one row per text (workers/heads.py); None: the dense vectors alone
+    # pass, packed into one row per text (workers/model/heads.py); None: the dense vectors alone
     heads: tuple[str, ...] | None = None
 
     @property
@@ -167,7 +167,7 @@ def configure_tokenizer_threads(device: torch.device) -> bool:
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """The dtype asked for; for ``auto``, the reduced precision the device runs natively (the
-    parity probe at load may still fall back to float32: see workers/precision.py)."""
+    parity probe at load may still fall back to float32: see workers/model/precision.py)."""
     return requested_precision(dtype, device).dtype
 
 
@@ -225,7 +225,7 @@ class Encoder:
         self._model = model_class.from_pretrained(transformer_dir, dtype=load_dtype)
         self._model.to(self.device).eval()
         self._head = SentenceHead(self.spec).to(self.device).eval()
-        # BGE-M3's sparse and ColBERT heads beside the dense pipeline (workers/heads.py)
+        # BGE-M3's sparse and ColBERT heads beside the dense pipeline (workers/model/heads.py)
         self._token_heads: TokenHeadModule | None = None
         self.layout: HeadLayout | None = None
         position_limit = getattr(self._model.config, "max_position_embeddings", 512)
@@ -549,12 +549,12 @@ class Encoder:
 
     def embed_query(self, batch: EncodeBatch) -> np.ndarray:
         """Like ``embed``, through the frozen graph when one was prepared (short inputs on a
-        CPU, see workers/frozen.py). No layer hooks fire in it."""
+        CPU, see workers/model/frozen.py). No layer hooks fire in it."""
         return self.serve_query(batch)[0]
 
     def serve_query(self, batch: EncodeBatch) -> tuple[np.ndarray, QueryPath]:
         """``embed_query``, and which path computed the vectors: the CUDA query lane's graph or
-        stream (workers/cuda_queries.py), the frozen CPU graph, or the bulk model (eager)."""
+        stream (workers/model/cuda_queries.py), the frozen CPU graph, or the bulk model (eager)."""
         if self._cuda_queries is not None:
             return self._cuda_queries.embed(
                 batch.input_ids, batch.attention_mask, batch.prompt_lengths
@@ -610,8 +610,8 @@ class Encoder:
         the weights in their compute dtype (not autocast). Returns whether queries use it.
 
         ``int8`` (EMBEDFLEET_CPU_INT8 and EMBEDFLEET_CPU_INT8_PATH): ``True``/``"auto"`` builds
-        every int8 copy of workers/int8.py this CPU can run (:func:`cpu_paths`), holds each to
-        the float32 bar on the held-out set (:func:`~embedfleet.workers.precision.gate`), and
+        every int8 copy of workers/model/int8.py this CPU can run (:func:`cpu_paths`), holds each to
+        the float32 bar on the held-out set (:func:`~embedfleet.workers.model.precision.gate`), and
         keeps the fastest of those that pass and the frozen graph (or the eager model) on a
         timed bulk-shaped batch. ``"w8a8"``/``"dynamic"``: only that copy, kept whenever it
         passes the gate, without the race (to force a path for a benchmark). ``False``/``"off"``:
@@ -677,7 +677,7 @@ class Encoder:
 
     @property
     def computes_in_int8(self) -> bool:
-        """The query (and frozen bulk) graph is one of the int8 copies of workers/int8.py."""
+        """The query (and frozen bulk) graph is one of the int8 copies of workers/model/int8.py."""
         return isinstance(self._query_forward, Int8Forward)
 
     def float32_heldout(self) -> np.ndarray | None:
@@ -819,9 +819,9 @@ class Encoder:
         return self._cuda_queries is not None
 
     def prepare_cuda_queries(self, mode: CudaLaneMode) -> bool:
-        """On CUDA, the query lane of workers/cuda_queries.py (``mode``: ``graph`` captures CUDA
-        graphs too, ``stream`` does not, ``off`` keeps queries on the bulk model). Returns
-        whether queries use it. Call on the model thread, before serving queries."""
+        """On CUDA, the query lane of workers/model/cuda_queries.py (``mode``: ``graph``
+        captures CUDA graphs too, ``stream`` does not, ``off`` keeps queries on the bulk model).
+        Returns whether queries use it. Call on the model thread, before serving queries."""
         if self.device.type != "cuda" or mode == "off" or not self.dense_only:
             return False
         if self._cuda_queries is None:
