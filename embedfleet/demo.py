@@ -39,6 +39,7 @@ from embedfleet.sinks import (
     StoredVector,
     open_backend,
     parse_sink_url,
+    store_of,
 )
 
 if TYPE_CHECKING:
@@ -116,10 +117,10 @@ class DemoReport:
     def _search_lines(self) -> list[str]:
         if self.target.kind == "redis":
             return []
-        sink = {
-            "lancedb": f"EMBEDFLEET_SINK=lancedb://{self.target.location} ",
-            "qdrant-local": f"EMBEDFLEET_SINK=qdrant+local://{self.target.location} ",
-        }.get(self.target.kind, "")
+        store = store_of(self.target.kind)
+        # an embedded database's URL (a server's may hold a password: not shown)
+        embedded = store.database and store.local
+        sink = f"EMBEDFLEET_SINK={store.schemes[0]}://{self.target.location} " if embedded else ""
         lines = [f"search: top 3 for {SAMPLE_QUERY!r}"]
         # score, id, a snippet of the text the sink stored beside the vector, meta
         lines += [f"  {line}" for line in format_hits(self.run.sample)]

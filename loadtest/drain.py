@@ -155,9 +155,8 @@ def _count_shard_ids(settings: Settings, sink: str) -> dict[str, int]:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from embedfleet.sinks.backend import open_backend
+    from embedfleet.sinks import open_backend, parse_sink_url
     from embedfleet.sinks.parquet import ParquetBackend, open_location
-    from embedfleet.sinks.target import parse_sink_url
 
     backend = open_backend(parse_sink_url(sink, settings.sink_table, settings.s3_endpoint_url))
     assert isinstance(backend, ParquetBackend)

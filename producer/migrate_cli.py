@@ -35,6 +35,7 @@ from embedfleet.sinks import (
     SinkURLError,
     VectorDBError,
     parse_sink_url,
+    store_of,
 )
 
 T = TypeVar("T")
@@ -54,7 +55,7 @@ def _context(redis_url: str | None, table: str | None) -> tuple[Settings, SinkTa
         sink = parse_sink_url(settings.sink, settings.sink_table, settings.s3_endpoint_url)
     except SinkURLError as error:
         raise click.ClickException(str(error)) from None
-    if sink.kind not in ("lancedb", "pgvector", "qdrant", "qdrant-local"):
+    if not store_of(sink.kind).database:
         raise click.ClickException(
             "`embedfleet migrate` moves a vector database table: set EMBEDFLEET_SINK to the "
             "lancedb://, postgresql:// or qdrant:// URL the workers write to"

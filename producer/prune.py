@@ -27,10 +27,10 @@ from embedfleet.sinks import (
     open_backend,
     parse_sink_url,
     prune_job,
+    store_of,
 )
 
 T = TypeVar("T")
-DATABASE_KINDS = ("lancedb", "pgvector", "qdrant", "qdrant-local")
 SHOWN = 20  # removed ids printed by the text view (--json lists them all)
 
 
@@ -88,7 +88,7 @@ def check_database_sink(settings: Settings) -> None:
         target = parse_sink_url(settings.sink, settings.sink_table, settings.s3_endpoint_url)
     except SinkURLError as error:
         raise PruneError(str(error)) from None
-    if target.kind not in DATABASE_KINDS:
+    if not store_of(target.kind).database:
         raise PruneError(
             f"pruning deletes rows from a database sink (LanceDB, PostgreSQL, Qdrant), and "
             f"EMBEDFLEET_SINK is {target.kind}: nothing there to delete rows from"

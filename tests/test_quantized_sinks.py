@@ -12,9 +12,8 @@ import pytest
 
 from embedfleet.shared.postprocess import quantize
 from embedfleet.shared.protocol import Result
-from embedfleet.sinks import SinkSetupError
-from embedfleet.sinks.backend import open_backend, rescore_binary, rescore_codes
-from embedfleet.sinks.target import parse_sink_url
+from embedfleet.sinks import SinkSetupError, open_backend, parse_sink_url
+from embedfleet.sinks.backend import rescore_binary, rescore_codes
 
 DIM = 40
 ROWS = 60

@@ -48,4 +48,6 @@ def test_the_script_reads_this_tree_once_per_file(capsys) -> None:
     assert not any(name.startswith("embedfleet.shared.shared") for name in names)
     assert "embedfleet.workers.worker" in names and "embedfleet.shared.keys" in names
     assert figures["largest_classes"][0]["lines"] >= figures["largest_classes"][-1]["lines"] > 0
-    assert "embedfleet.sinks.target" in figures["sink_kind_listed_in"]
+    # each store declares its own kind and the registry lists the stores (issue 41): no module
+    # lists the kinds by hand any more (before: six, embedfleet.sinks.target's Literal among them)
+    assert figures["sink_kind_listed_in"] == {}

@@ -18,8 +18,7 @@ from embedfleet.shared.logging import configure_logging, get_logger
 from embedfleet.shared.model_registry import model_label
 from embedfleet.shared.redis_conn import connect_settings
 from embedfleet.shared.settings import Settings
-from embedfleet.sinks import NO_EXTRAS, Extras, build_sink
-from embedfleet.sinks.target import parse_sink_url
+from embedfleet.sinks import NO_EXTRAS, Extras, build_sink, parse_sink_url
 from embedfleet.workers.health import HealthServer
 from embedfleet.workers.metrics import StreamGauges, WorkerMetrics
 from embedfleet.workers.model.encoder import Encoder

@@ -1,12 +1,15 @@
 """Where vectors go: one home for every store ``EMBEDFLEET_SINK`` can name.
 
-``target`` parses the URL; ``backend`` is the reader-side contract every database implements
-(set up, upsert, nearest, build index, export rows, prune, migrate) and ``sink`` the worker-side
-one (write a batch and acknowledge its entries); ``build`` makes the worker's sink. One module per
-store holds both sides: ``redis_stream`` (the results stream), ``lancedb``, ``pgvector``,
-``qdrant`` and ``parquet``; a database's client library is an extra, imported only when opened.
-``reply`` writes the answers of chunks that carry a reply key. May import only
-``embedfleet.shared``.
+``backend`` is the reader-side contract every database implements (set up, upsert, nearest,
+build index, export rows, prune, migrate) and ``sink`` the worker-side one (write a batch and
+acknowledge its entries). One module per store holds both sides and ends with its ``Store``
+declaration (``store.py``: its schemes, extra, backend, sink): ``redis_stream`` (the results
+stream), ``lancedb``, ``pgvector``, ``qdrant`` (server and local mode) and ``parquet/``.
+``registry`` lists the stores, one line each, and derives the rest from them: parsing
+``EMBEDFLEET_SINK`` (``target`` is what it gives), the kinds, the extras, the worker's sink
+(``build_sink``) and the reader's backend (``open_backend``). A database's client library is an
+extra, imported only when opened. ``reply`` writes the answers of chunks that carry a reply
+key. May import only ``embedfleet.shared``.
 """
 
 from __future__ import annotations
@@ -26,13 +29,24 @@ from embedfleet.sinks.backend import (
     VectorDType,
     meta_from_json,
     meta_to_json,
-    open_backend,
     prune_job,
     reciprocal_rank_fusion,
-    require_extra,
 )
-from embedfleet.sinks.build import build_sink, check_sink, sink_for_target
 from embedfleet.sinks.redis_stream import RedisStreamSink
+from embedfleet.sinks.registry import (
+    SINK_URL_FORMS,
+    STORES,
+    build_sink,
+    check_sink,
+    database_kinds,
+    kinds,
+    local_sink_url,
+    open_backend,
+    parse_sink_url,
+    require_extra,
+    sink_for_target,
+    store_of,
+)
 from embedfleet.sinks.sink import (
     DatabaseSink,
     Delivery,
@@ -40,20 +54,15 @@ from embedfleet.sinks.sink import (
     latest_per_id,
     queue_acknowledgements,
 )
-from embedfleet.sinks.target import (
-    SINK_URL_FORMS,
-    SinkKind,
-    SinkTarget,
-    SinkURLError,
-    local_sink_url,
-    parse_sink_url,
-)
+from embedfleet.sinks.store import Store
+from embedfleet.sinks.target import SinkKind, SinkTarget, SinkURLError
 
 __all__ = [
     "DEFAULT_DTYPE",
     "NO_EXTRAS",
     "RRF_K",
     "SINK_URL_FORMS",
+    "STORES",
     "DatabaseSink",
     "Delivery",
     "Extras",
@@ -65,6 +74,7 @@ __all__ = [
     "SinkSetupError",
     "SinkTarget",
     "SinkURLError",
+    "Store",
     "StoredRow",
     "StoredVector",
     "VectorBackend",
@@ -72,6 +82,8 @@ __all__ = [
     "VectorDType",
     "build_sink",
     "check_sink",
+    "database_kinds",
+    "kinds",
     "latest_per_id",
     "local_sink_url",
     "meta_from_json",
@@ -83,4 +95,5 @@ __all__ = [
     "reciprocal_rank_fusion",
     "require_extra",
     "sink_for_target",
+    "store_of",
 ]

@@ -4,7 +4,7 @@ Each database has one module beside this one (``lancedb``, ``pgvector``, ``qdran
 all of it, so its SQL, client construction and layout live in one place. The worker's sink
 writes through a backend (``embedfleet.sinks.DatabaseSink``); ``embedfleet search``, ``index`` and
 ``results`` read through one. The client libraries are optional extras, imported only when
-their backend is opened (``open_backend``).
+their backend is opened (``registry.open_backend``).
 
 Everything here is synchronous, as the client libraries are: the worker calls its backend from
 one dedicated thread (a client is never used from two threads at once), the CLI through
@@ -17,8 +17,6 @@ import abc
 import base64
 import contextlib
 import dataclasses
-import importlib
-import importlib.util
 import json
 import math
 from collections.abc import Collection, Mapping, Sequence
@@ -27,8 +25,9 @@ from typing import Any, Literal
 
 import numpy as np
 
+from embedfleet.shared.fault_kinds import System
 from embedfleet.shared.protocol import Result, SparseVector
-from embedfleet.sinks.target import SinkKind, SinkTarget
+from embedfleet.sinks.target import SinkTarget
 
 # What one stored vector component is: the output dtypes (shared/protocol.py). float16 is the
 # default everywhere (half of float32's size, and the precision results travel in); float32 is
@@ -43,15 +42,6 @@ DEFAULT_DTYPE: VectorDType = "float16"
 RESCORE_MULTIPLIER = 4
 # The row fields every backend stores beside the vector (see embedfleet/sinks/target.py).
 ROW_FIELDS = ("id", "job", "model", "truncated", "meta", "text")
-
-# backend kind → (module beside this one, class, modules it imports, the pip extra)
-_BACKENDS: dict[str, tuple[str, str, tuple[str, ...], str]] = {
-    "lancedb": ("lancedb", "LanceDBBackend", ("lancedb", "pyarrow"), "lancedb"),
-    "pgvector": ("pgvector", "PgvectorBackend", ("psycopg", "pgvector"), "pgvector"),
-    "qdrant": ("qdrant", "QdrantBackend", ("qdrant_client",), "qdrant"),
-    "qdrant-local": ("qdrant", "QdrantBackend", ("qdrant_client",), "qdrant"),
-    "parquet": ("parquet", "ParquetBackend", ("pyarrow",), "parquet"),
-}
 
 
 @dataclass(frozen=True)
@@ -153,6 +143,8 @@ class VectorBackend(contextlib.AbstractContextManager["VectorBackend"], abc.ABC)
 
     # the vector dtypes this database stores natively (see VectorDType)
     DTYPES: tuple[str, ...] = FLOAT_DTYPES
+    # the system its errors are filed under (shared/fault_kinds.py): logs, metrics, the setting
+    system: System = System.UNKNOWN
     # The longest one statement may run (the worker's sink sets EMBEDFLEET_SINK_STATEMENT_TIMEOUT_S;
     # None: the database's own default). A backend whose server can enforce it does (PostgreSQL's
     # statement_timeout): a hung write then fails as a transient fault instead of waiting for ever.
@@ -360,33 +352,6 @@ def rescore_codes(query: np.ndarray, codes: np.ndarray) -> np.ndarray:
     (int8 is uint8 - 128 in quantize_embeddings), the int8 rescoring step."""
     centred = codes.astype(np.float32) - (128.0 if codes.dtype == np.uint8 else 0.0)
     return centred @ np.asarray(query, np.float32).reshape(-1)
-
-
-def require_extra(kind: SinkKind) -> None:
-    """Fail with the install command, rather than an ImportError deep inside a backend."""
-    if kind not in _BACKENDS:
-        return
-    _, _, modules, extra = _BACKENDS[kind]
-    missing = [name for name in modules if importlib.util.find_spec(name) is None]
-    if missing:
-        raise MissingExtraError(
-            f"the {kind} sink needs {', '.join(missing)}: pip install 'embedfleet[{extra}]'"
-        )
-
-
-def open_backend(target: SinkTarget, *, store_text: bool = True) -> VectorBackend:
-    """The backend for ``target``; connects lazily, on the first call that needs it."""
-    if target.kind not in _BACKENDS:
-        raise VectorDBError(
-            "EMBEDFLEET_SINK is `redis` (the results stream), which is not a vector database: "
-            "set EMBEDFLEET_SINK to the lancedb://, postgresql://, qdrant://, parquet:// or "
-            "s3:// URL the workers write to"
-        )
-    require_extra(target.kind)
-    module_name, class_name, _, _ = _BACKENDS[target.kind]
-    module = importlib.import_module(f"{__package__}.{module_name}")
-    backend: VectorBackend = getattr(module, class_name)(target, store_text=store_text)
-    return backend
 
 
 def meta_to_json(meta: dict[str, Any] | None) -> str | None:

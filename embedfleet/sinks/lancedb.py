@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from embedfleet.shared.fault_kinds import System
 from embedfleet.shared.logging import get_logger
 from embedfleet.sinks.backend import (
     BINARY_DTYPES,
@@ -42,6 +43,7 @@ from embedfleet.sinks.backend import (
     row_fields,
     sql_string,
 )
+from embedfleet.sinks.store import Store
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -199,6 +201,7 @@ def _vector_search(table: Table, query: np.ndarray) -> LanceVectorQueryBuilder:
 
 class LanceDBBackend(VectorBackend):
     DTYPES = (*FLOAT_DTYPES, "int8", "uint8", *BINARY_DTYPES)
+    system = System.LANCEDB
 
     def __init__(self, target: Any, *, store_text: bool = True) -> None:
         super().__init__(target, store_text=store_text)
@@ -455,3 +458,16 @@ class LanceDBBackend(VectorBackend):
             self.stored(row, meta_from_json(row["meta"]), vectors[i])
             for i, row in enumerate(columns)
         ]
+
+
+STORE = Store(
+    kind="lancedb",
+    schemes=("lancedb",),
+    forms="lancedb:///path/to/dir",
+    describe="LanceDB table {table!r} in {location}",
+    backend=LanceDBBackend,
+    extra="lancedb",
+    needs=("lancedb", "pyarrow"),
+    database=True,
+    local="lancedb",
+)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from embedfleet.shared.fault_kinds import System
 from embedfleet.shared.logging import get_logger
 from embedfleet.sinks.backend import (
     NO_EXTRAS,
@@ -41,6 +42,8 @@ from embedfleet.sinks.backend import (
     rescore_binary,
     row_fields,
 )
+from embedfleet.sinks.store import Store
+from embedfleet.sinks.target import SinkTarget, SinkURL
 
 if TYPE_CHECKING:
     import psycopg
@@ -75,6 +78,7 @@ def vector_type_for(extension_version: str) -> ColumnType:
 
 class PgvectorBackend(VectorBackend):
     DTYPES = ("float16", "float32", "binary", "ubinary")
+    system = System.POSTGRESQL
 
     def __init__(self, target: Any, *, store_text: bool = True) -> None:
         super().__init__(target, store_text=store_text)
@@ -626,3 +630,21 @@ def column_type(conn: psycopg.Connection, table: str) -> tuple[str, int] | None:
         return None
     name, _, rest = found.partition("(")
     return name, int(rest.rstrip(")") or 0)
+
+
+def _postgres_target(url: SinkURL) -> SinkTarget:
+    # psycopg takes the libpq URL as is; the SQLAlchemy-style dialect suffix is dropped
+    return STORE.target(f"postgresql://{url.rest}", url.table)
+
+
+STORE = Store(
+    kind="pgvector",
+    schemes=("postgresql", "postgres", "postgresql+psycopg"),
+    forms="postgresql://user:password@host/db",
+    describe="PostgreSQL table {table!r} at {location}",
+    backend=PgvectorBackend,
+    extra="pgvector",
+    needs=("psycopg", "pgvector"),
+    database=True,
+    parse=_postgres_target,
+)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from embedfleet.shared.fault_kinds import System
 from embedfleet.shared.logging import get_logger
 from embedfleet.sinks.backend import (
     NO_EXTRAS,
@@ -39,6 +40,8 @@ from embedfleet.sinks.backend import (
     rescore_codes,
     row_fields,
 )
+from embedfleet.sinks.store import Store
+from embedfleet.sinks.target import SinkTarget, SinkURL, SinkURLError
 
 if TYPE_CHECKING:
     from qdrant_client import QdrantClient
@@ -110,6 +113,7 @@ def point_id(chunk_id: str) -> str:
 class QdrantBackend(VectorBackend):
     # uint8: Qdrant's UINT8 vectors hold quantize_embeddings' uint8 codes
     DTYPES = ("float16", "float32", "uint8")
+    system = System.QDRANT
 
     def __init__(self, target: Any, *, store_text: bool = True) -> None:
         super().__init__(target, store_text=store_text)
@@ -508,3 +512,42 @@ def _job_filter(job: str) -> Any:
     return models.Filter(
         must=[models.FieldCondition(key="job", match=models.MatchValue(value=job))]
     )
+
+
+def _server_target(url: SinkURL) -> SinkTarget:
+    scheme = "https" if url.scheme == "https" else "http"
+    credentials, at, host = url.rest.rpartition("@")
+    if not host.split("/")[0]:
+        raise SinkURLError(
+            f"EMBEDFLEET_SINK={url.url!r} names no host, e.g. qdrant://localhost:6333"
+        )
+    api_key = (credentials.partition(":")[2] or None) if at else None
+    hostport = host.split("/")[0]
+    if ":" not in hostport.rsplit("]", 1)[-1]:
+        hostport += ":6333"  # Qdrant's REST port, not the scheme's 80/443
+    return STORE.target(f"{scheme}://{hostport}", url.table, api_key=api_key)
+
+
+STORE = Store(
+    kind="qdrant",
+    schemes=("qdrant", "http", "https"),
+    forms="qdrant://host:6333 (or http://, https://)",
+    describe="Qdrant collection {table!r} at {location}",
+    backend=QdrantBackend,
+    extra="qdrant",
+    needs=("qdrant_client",),
+    database=True,
+    parse=_server_target,
+)
+# local mode: the same backend, in-process on a directory
+LOCAL_STORE = Store(
+    kind="qdrant-local",
+    schemes=("qdrant+local",),
+    forms="qdrant+local:///path/to/dir",
+    describe="Qdrant (local mode) collection {table!r} in {location}",
+    backend=QdrantBackend,
+    extra="qdrant",
+    needs=("qdrant_client",),
+    database=True,
+    local="qdrant",
+)

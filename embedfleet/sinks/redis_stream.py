@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 
@@ -27,6 +28,12 @@ from embedfleet.sinks.sink import (
     acknowledgement_pipeline,
     queue_acknowledgements,
 )
+from embedfleet.sinks.store import Store
+from embedfleet.sinks.target import SinkTarget, SinkURL, SinkURLError
+
+if TYPE_CHECKING:
+    from embedfleet.shared.settings import Settings
+    from embedfleet.sinks.backend import VectorBackend, VectorDType
 
 log = get_logger("embedfleet.sink")
 # how often a worker at the bound reads the stream's length again
@@ -98,3 +105,33 @@ class RedisStreamSink(Sink):
         log.info(
             "results stream below its bound again", waited_s=round(time.monotonic() - started, 1)
         )
+
+
+def _results_target(url: SinkURL) -> SinkTarget:
+    if url.rest:
+        raise SinkURLError(
+            f"EMBEDFLEET_SINK={url.url!r}: the redis sink writes to the queue's own server "
+            "(EMBEDFLEET_REDIS_URL); set EMBEDFLEET_SINK=redis"
+        )
+    return STORE.target("", url.table)
+
+
+def _results_sink(
+    target: SinkTarget,
+    backend: VectorBackend | None,
+    settings: Settings,
+    client: aioredis.Redis,
+    dtype: VectorDType | None,
+) -> Sink:
+    return RedisStreamSink(client, settings.keys, settings.results_max_entries)
+
+
+STORE = Store(
+    kind="redis",
+    word="redis",
+    schemes=("redis", "rediss"),
+    forms="redis (the results stream)",
+    describe="the Redis results stream",
+    parse=_results_target,
+    sink=_results_sink,
+)

@@ -201,14 +201,6 @@ def latest_per_id(results: Sequence[Result]) -> list[Result]:
 # as long again for connecting and the round trips
 CALL_BOUND_STATEMENTS = 3
 
-SYSTEM_OF_KIND = {
-    "lancedb": System.LANCEDB,
-    "pgvector": System.POSTGRESQL,
-    "qdrant": System.QDRANT,
-    "qdrant-local": System.QDRANT,
-    "parquet": System.PARQUET,
-}
-
 
 class DatabaseSink(Sink):
     """A sink that upserts into a vector database through its backend, then acknowledges.
@@ -233,7 +225,7 @@ class DatabaseSink(Sink):
         self.backend = backend
         self.dtype = dtype
         # which database a builtin TimeoutError or OSError of this sink came from
-        self.system = SYSTEM_OF_KIND.get(backend.target.kind, System.UNKNOWN)
+        self.system = backend.system
         self._thread: ThreadPoolExecutor | None = None
         # when the call now running on the sink's thread began (None: none is)
         self._call_started: float | None = None

@@ -52,6 +52,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from embedfleet.shared.fault_kinds import System
 from embedfleet.shared.logging import get_logger
 from embedfleet.sinks.backend import (
     BINARY_DTYPES,
@@ -192,6 +193,7 @@ class ParquetBackend(VectorBackend):
     calls ``rows`` per micro-batch and ``write_shard`` per shard), the reads scan it all."""
 
     DTYPES = (*FLOAT_DTYPES, "int8", "uint8", *BINARY_DTYPES)
+    system = System.PARQUET
 
     def __init__(self, target: Any, *, store_text: bool = True) -> None:
         super().__init__(target, store_text=store_text)

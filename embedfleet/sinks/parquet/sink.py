@@ -49,6 +49,10 @@ from embedfleet.sinks.sink import (
 if TYPE_CHECKING:
     import pyarrow as pa
 
+    from embedfleet.shared.settings import Settings
+    from embedfleet.sinks.backend import VectorBackend
+    from embedfleet.sinks.target import SinkTarget
+
 log = get_logger("embedfleet.sink")
 # a shard the timer failed to store is tried again after this, doubling up to the cap
 RETRY_BASE_S = 0.5
@@ -232,3 +236,36 @@ class ParquetSink(DatabaseSink):
                 rows=self._rows,
             )
         await super().close()
+
+
+def parquet_sink(
+    target: SinkTarget,
+    backend: VectorBackend | None,
+    settings: Settings,
+    client: aioredis.Redis,
+    dtype: VectorDType | None,
+) -> ParquetSink:
+    """The worker's Parquet sink, its shards sized by the EMBEDFLEET_PARQUET_SHARD_* settings."""
+    assert isinstance(backend, ParquetBackend)  # the store's backend class
+    if settings.parquet_shard_rows * 2 > settings.backlog_high_water:
+        # A shard's entries stay in the ingest stream until it is written, and the producer
+        # counts them against the mark: with shards this large it waits for every shard,
+        # and the fleet runs at about high_water / shard_max_s (measured: loadtest.drain).
+        log.warning(
+            "parquet shards hold more than half the backlog mark: producers will wait for "
+            "each shard. Lower EMBEDFLEET_PARQUET_SHARD_ROWS or raise "
+            "EMBEDFLEET_BACKLOG_HIGH_WATER",
+            shard_rows=settings.parquet_shard_rows,
+            high_water=settings.backlog_high_water,
+            at_most_per_s=round(settings.backlog_high_water / settings.parquet_shard_max_s),
+        )
+    return ParquetSink(
+        client,
+        settings.keys,
+        backend,
+        writer=settings.consumer,
+        shard_rows=settings.parquet_shard_rows,
+        shard_bytes=settings.parquet_shard_bytes,
+        shard_max_s=settings.parquet_shard_max_s,
+        dtype=dtype,
+    )
