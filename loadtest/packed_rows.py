@@ -118,7 +118,7 @@ def collate_rows(items: Sequence[Tokenized], width: int, pad_id: int = 0) -> Row
 
 
 def pool_rows(hidden: torch.Tensor, batch: RowsBatch, mode: str) -> torch.Tensor:
-    """Per-text pooling over a packed (rows, width, dim) output: same as ``encoder.pool``."""
+    """Per-text pooling over a packed (rows, width, dim) output: same as ``dense.pool``."""
     device = hidden.device
     tokens = hidden.reshape(-1, hidden.shape[-1])[batch.token_index.to(device)]
     lengths = batch.lengths.to(device)

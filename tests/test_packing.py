@@ -101,7 +101,7 @@ def test_pooling_modes_match_unpacked(encoder: Encoder, corpus_tokens: tuple) ->
     """
     import torch
 
-    from embedfleet.workers.model.encoder import pool
+    from embedfleet.workers.model.dense import pool
     from embedfleet.workers.model.packing import pool_packed, token_map
 
     _, tokens = corpus_tokens

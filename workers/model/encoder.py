@@ -14,16 +14,11 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Literal
 
 import numpy as np
 import torch
-from transformers import (
-    AutoModel,
-    AutoModelForMaskedLM,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-)
+from transformers import AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from embedfleet.shared.logging import adopt_library_logger, get_logger
@@ -35,9 +30,10 @@ from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import PACKAGED_MODEL
 from embedfleet.shared.tokens import counting_head
 from embedfleet.workers.cpus import CpuClass, cpu_class, usable_cpus
+from embedfleet.workers.model.base import Representation
 from embedfleet.workers.model.cuda_queries import CudaLaneMode, CudaQueryRunner, QueryPath
+from embedfleet.workers.model.dense import Dense
 from embedfleet.workers.model.frozen import FrozenForward, build_checked, freeze, frozen_min_cosine
-from embedfleet.workers.model.heads import ALL_HEADS, HeadLayout, TokenHeadModule
 from embedfleet.workers.model.int8 import (
     DynamicInt8Forward,
     Int8Forward,
@@ -46,7 +42,8 @@ from embedfleet.workers.model.int8 import (
     build_int8,
     cpp_compiler_available,
 )
-from embedfleet.workers.model.model_dir import SentenceHead, UnsupportedModelError, read_model_spec
+from embedfleet.workers.model.model_dir import ModelSpec, read_model_spec
+from embedfleet.workers.model.multivector import MultiVector
 from embedfleet.workers.model.precision import (
     BULK_PROBE_TEXTS,
     FP32,
@@ -61,6 +58,8 @@ from embedfleet.workers.model.precision import (
     requested_precision,
     settle_auto,
 )
+from embedfleet.workers.model.rerank import Rerank
+from embedfleet.workers.model.sparse import Sparse
 
 # transformers installs its own stderr handler on import; its records go through ours instead
 # (above a progress bar, quiet below --verbose), once the process has configured logging.
@@ -75,7 +74,6 @@ INT8_PATHS: dict[str, str] = {"w8a8": W8A8Forward.name, "dynamic": DynamicInt8Fo
 # 28% fewer tokens/s in the bulk (docs/BENCHMARKS.md, the query lane's bound per path).
 INT8_MIN_GAIN = 0.10
 
-PoolingMode = Literal["mean", "cls", "lasttoken", "max", "weightedmean", "mean_sqrt_len_tokens"]
 Lane = Literal["query", "document"]
 
 
@@ -123,18 +121,6 @@ class EncodeBatch:
     @property
     def real_tokens(self) -> int:
         return int(self.attention_mask.sum())
-
-
-@dataclass(frozen=True)
-class PoolingConfig:
-    modes: tuple[str, ...]
-    normalize: bool
-    include_prompt: bool = True
-
-    @property
-    def mode(self) -> PoolingMode:
-        """The single pooling mode (packed layouts support one mode only)."""
-        return cast(PoolingMode, self.modes[0])
 
 
 def resolve_device(device: str) -> torch.device:
@@ -203,48 +189,28 @@ class Encoder:
             torch.set_num_threads(threads)
         # modules, pooling, Dense, Normalize, prompts; refuses what it cannot reproduce
         self.spec = read_model_spec(self.model_dir)
-        self.pooling = PoolingConfig(
-            modes=self.spec.pooling_modes,
-            normalize=self.spec.normalize,
-            include_prompt=self.spec.include_prompt,
-        )
         transformer_dir = self.spec.transformer_dir
         self._tokenizer = AutoTokenizer.from_pretrained(transformer_dir)
         if not self._tokenizer.is_fast:
             raise ModelNotFoundError(f"{transformer_dir} has no fast tokenizer (tokenizer.json)")
         transformers_logging.disable_progress_bar()  # a local load needs no progress bar
         load_dtype = torch.float32 if dtype == "auto" else self.precision.weights_dtype
-        # dense: the bare transformer; sparse: its MLM head too (vocabulary logits, SPLADE);
-        # rerank: its classification head (a score per pair, CrossEncoder)
+        # one class per representation (workers/model/base.py), chosen once: it names the
+        # transformers class to load (dense: the bare transformer; sparse: its MLM head too,
+        # SPLADE; rerank: its classification head, CrossEncoder) and reads the output
         self.representation = self.spec.representation
-        model_class = {
-            "dense": AutoModel,
-            "sparse": AutoModelForMaskedLM,
-            "rerank": AutoModelForSequenceClassification,
-        }[self.representation]
-        self._model = model_class.from_pretrained(transformer_dir, dtype=load_dtype)
+        kind = representation_class(self.spec)
+        self._model = kind.auto_model.from_pretrained(transformer_dir, dtype=load_dtype)
         self._model.to(self.device).eval()
-        self._head = SentenceHead(self.spec).to(self.device).eval()
-        # BGE-M3's sparse and ColBERT heads beside the dense pipeline (workers/model/heads.py)
-        self._token_heads: TokenHeadModule | None = None
-        self.layout: HeadLayout | None = None
-        position_limit = getattr(self._model.config, "max_position_embeddings", 512)
+        config = self._model.config
+        # the sentence pipeline (pooling, Dense, Normalize): on every model's card; the dense
+        # vectors and every copy that ends in pooling (frozen, int8, CUDA queries) run it
+        self._sentence = Dense(self.spec, self.device, int(config.hidden_size))
+        self.pooling = self._sentence.pooling
+        self._head = self._sentence.head
+        position_limit = getattr(config, "max_position_embeddings", 512)
         self.max_length = max_input_tokens(
             self.spec.max_seq_length, self._tokenizer.model_max_length, position_limit
-        )
-        self.dim = self.spec.output_dim(int(self._model.config.hidden_size))
-        if self.representation == "sparse":
-            self.dim = int(self._model.config.vocab_size)  # one weight per vocabulary entry
-        elif self.representation == "rerank":
-            self.dim = int(self._model.config.num_labels)  # CrossEncoder.predict's scores
-        self._score_activation = getattr(torch.nn, self.spec.score_activation)()
-        # (query, document) pairs: the tokenizer's own pair encoding, cut "longest_first" as
-        # sentence-transformers' Transformer.tokenize cuts them (its own instance: the call
-        # sets truncation on the backend, which the single-text path below configures itself)
-        self._pair_tokenizer = (
-            AutoTokenizer.from_pretrained(transformer_dir)
-            if self.representation == "rerank"
-            else None
         )
         # sentence-transformers' prompt table: "query" and "document" exist (empty) unless the
         # model sets them, which is why encode_query / encode_document never fall back to
@@ -260,8 +226,10 @@ class Encoder:
         # One token over the limit tells us a text was cut; see tokenize().
         self._backend.enable_truncation(self.max_length + 1)
         self._ends_with_special = self._last_token_is_special()
-        if self.spec.token_heads is not None:
-            self._build_token_heads()
+        self._representation = self._build_representation(kind)
+        self.dim = self._representation.dim
+        # BGE-M3's heads: where each head's values sit in a packed row (workers/model/heads.py)
+        self.layout = self._representation.layout
         if dtype == "auto" and not self.dense_only:
             # the parity probe compares pooled sentence vectors by cosine: not what a sparse,
             # per-token or score head gives; float32 until they have their own bar
@@ -277,52 +245,40 @@ class Encoder:
         self._query_forward: FrozenForward | Int8Forward | None = None
         self._cuda_queries: CudaQueryRunner | None = None
 
-    def _build_token_heads(self) -> None:
-        """BGE-M3's heads, and the ids its sparse weights leave out (FlagEmbedding's: the CLS,
-        EOS, PAD and UNK tokens the tokenizer declares)."""
-        heads = self.spec.token_heads
-        assert heads is not None
-        if self.pad_left:
-            raise UnsupportedModelError(
-                f"{self.model_dir}: sparse/ColBERT token heads are read after CLS at the first "
-                "position; this tokenizer pads on the left"
+    def _build_representation(self, kind: type[Representation]) -> Representation:
+        if kind is Dense:
+            return self._sentence
+        if kind is MultiVector:
+            heads = self.spec.token_heads
+            assert heads is not None
+            return MultiVector(
+                self._sentence,
+                heads,
+                self._tokenizer,
+                self._model.config,
+                self.device,
+                self.model_dir,
             )
-        special = self._tokenizer.special_tokens_map
-        unused = [
-            cast(int, self._tokenizer.convert_tokens_to_ids(special[name]))
-            for name in ("cls_token", "eos_token", "pad_token", "unk_token")
-            if isinstance(special.get(name), str)
-        ]
-        self._token_heads = TokenHeadModule(heads, unused).to(self.device).eval()
-        self.layout = HeadLayout(
-            dense_dim=self.dim,
-            colbert_dim=self._token_heads.colbert_dim,
-            vocab_size=int(self._model.config.vocab_size),
-        )
+        if kind is Sparse:
+            return Sparse(self.spec, self._model.config)
+        return Rerank(self.spec, self._model.config, self.spec.transformer_dir)
 
     @property
     def representations(self) -> tuple[str, ...]:
         """Everything the model gives (the card's ``representations``): one, or for a model
         with token heads dense and what they add, all from one forward pass."""
-        if self.spec.token_heads is not None:
-            return ("dense", *self.spec.token_heads.representations)
-        return (self.representation,)
+        return self._representation.representations
 
     @property
     def dense_only(self) -> bool:
         """A dense model without token heads: what the frozen, int8, CUDA-query and packed
         copies compute (they end in pooling)."""
-        return self.representation == "dense" and self.spec.token_heads is None
+        return self._representation.ends_in_pooling
 
     def heads_for(self, wanted: Sequence[Sequence[str]]) -> tuple[str, ...] | None:
         """The heads a batch computes for its chunks' ``wanted`` representations (one tuple per
         chunk, empty: the default, dense): None where that is the dense vector alone."""
-        if self._token_heads is None:
-            return None
-        union = {name for names in wanted for name in names}
-        if union <= {"dense"}:
-            return None
-        return tuple(name for name in ALL_HEADS if name in union or name == "dense")
+        return self._representation.heads_for(wanted)
 
     @property
     def card(self) -> ModelCard:
@@ -463,25 +419,10 @@ class Encoder:
         """Token and segment ids of (query, document) pairs for a cross-encoder, cut to the
         model's maximum ``longest_first`` as ``CrossEncoder.predict`` cuts them; ``truncated``
         says a pair lost tokens."""
-        if self._pair_tokenizer is None:
-            raise ValueError("pairs are scored by a cross-encoder; this model is not one")
-        whole = self._pair_tokenizer(list(queries), list(documents), truncation=False)
-        cut = self._pair_tokenizer(
-            list(queries),
-            list(documents),
-            truncation="longest_first",
-            max_length=self.max_length,
-        )
-        # segment ids where the tokenizer declares them (BERT's), as CrossEncoder passes them
-        types = cut.get("token_type_ids")
         return [
-            Tokenized(
-                ids=list(ids),
-                truncated=len(full) > len(ids),
-                type_ids=list(types[row]) if types is not None else None,
-            )
-            for row, (ids, full) in enumerate(
-                zip(cut["input_ids"], whole["input_ids"], strict=True)
+            Tokenized(ids=ids, truncated=truncated, type_ids=types)
+            for ids, truncated, types in self._representation.cut_pairs(
+                queries, documents, self.max_length
             )
         ]
 
@@ -530,21 +471,8 @@ class Encoder:
             extra["token_type_ids"] = batch.token_type_ids.to(self.device, non_blocking=True)
         with self.precision.context(self.device):
             output = self._model(input_ids=input_ids, attention_mask=attention_mask, **extra)
-        if self.representation == "sparse":
-            return splade_pool(
-                output.logits.float(),
-                attention_mask,
-                self.spec.splade_strategy,
-                self.spec.splade_activation,
-            )
-        if self.representation == "rerank":
-            return self._score_activation(output.logits.float())
-        dense = self._pooled(output.last_hidden_state, attention_mask, batch.prompt_lengths)
-        if batch.heads is None or self._token_heads is None:
-            return dense
-        # every head on the same hidden states: one forward pass for all of them
-        return self._token_heads(
-            dense, output.last_hidden_state, input_ids, attention_mask, batch.heads
+        return self._representation.vectors(
+            output, input_ids, attention_mask, batch.prompt_lengths, batch.heads
         )
 
     def embed_query(self, batch: EncodeBatch) -> np.ndarray:
@@ -575,20 +503,8 @@ class Encoder:
         attention_mask: torch.Tensor,
         prompt_lengths: torch.Tensor | None = None,
     ) -> np.ndarray:
-        """:meth:`_pooled`, on the host."""
-        return self._pooled(hidden, attention_mask, prompt_lengths).cpu().numpy()
-
-    def _pooled(
-        self,
-        hidden: torch.Tensor,
-        attention_mask: torch.Tensor,
-        prompt_lengths: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Pooling and the head, on the device the hidden states are on (float32)."""
-        if prompt_lengths is not None:
-            prompt_lengths = prompt_lengths.to(hidden.device)
-        pooled = pool(hidden.float(), attention_mask, self.pooling.modes, prompt_lengths)
-        return self.head(pooled)
+        """The sentence pipeline (:meth:`Dense.pooled`) on hidden states, on the host."""
+        return self._sentence.pooled(hidden, attention_mask, prompt_lengths).cpu().numpy()
 
     def head(self, pooled: torch.Tensor) -> torch.Tensor:
         """The modules after pooling (Dense, Normalize), on float32 pooled vectors."""
@@ -850,6 +766,21 @@ class Encoder:
         return self.embed(self.collate(self.tokenize(texts)))
 
 
+REPRESENTATIONS: dict[str, type[Representation]] = {
+    "dense": Dense,
+    "sparse": Sparse,
+    "rerank": Rerank,
+}
+
+
+def representation_class(spec: ModelSpec) -> type[Representation]:
+    """The class of what ``spec``'s model gives, chosen once at load: a dense model with
+    BGE-M3's token heads beside its pipeline gives several representations (MultiVector)."""
+    if spec.representation == "dense" and spec.token_heads is not None:
+        return MultiVector
+    return REPRESENTATIONS[spec.representation]
+
+
 def cpu_paths(cpu: CpuClass, compiler: bool) -> list[str]:
     """Every forward path a CPU worker with EMBEDFLEET_DTYPE=auto may choose at start, each held
     to the same parity bar: float32; bfloat16 where the CPU runs it natively (elsewhere it is
@@ -895,73 +826,12 @@ def _lowercase_normalizer(backend: object) -> None:
     backend.normalizer = Sequence(parts)  # type: ignore[attr-defined]
 
 
-def pool(
-    hidden: torch.Tensor,
-    attention_mask: torch.Tensor,
-    modes: str | tuple[str, ...],
-    prompt_lengths: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """sentence-transformers' Pooling over a padded batch (left or right padding): each mode's
-    vector, concatenated in the order given. ``prompt_lengths`` leaves each row's first
-    prompt tokens out (``include_prompt: false``), keeping the other tokens' positions."""
-    if isinstance(modes, str):
-        modes = (modes,)
-    seq_len = hidden.shape[1]
-    positions = torch.arange(seq_len, device=hidden.device).unsqueeze(0)
-    leading_pad = attention_mask.to(torch.int32).argmax(dim=1)  # 0 for right padding
-    mask = attention_mask
-    if prompt_lengths is not None:
-        mask = mask.masked_fill(positions < (leading_pad + prompt_lengths).unsqueeze(1), 0)
-    float_mask = mask.unsqueeze(-1).to(hidden.dtype)
-    outputs: list[torch.Tensor] = []
-    for mode in modes:
-        if mode == "cls":  # the first token pooled over (after the prompt, if left out)
-            first = mask.to(torch.int32).argmax(dim=1)
-            outputs.append(hidden[torch.arange(hidden.shape[0], device=hidden.device), first])
-        elif mode == "max":
-            outputs.append(hidden.masked_fill(float_mask == 0, float("-inf")).max(dim=1).values)
-        elif mode in ("mean", "mean_sqrt_len_tokens"):
-            counts = float_mask.sum(dim=1).clamp(min=1e-9)
-            if mode == "mean_sqrt_len_tokens":
-                counts = counts.sqrt()
-            outputs.append((hidden * float_mask).sum(dim=1) / counts)
-        elif mode == "weightedmean":  # weights 1, 2, ... from the first real token
-            weights = (positions + 1 - leading_pad.unsqueeze(1)).to(hidden.dtype).unsqueeze(-1)
-            weighted = float_mask * weights
-            total = weighted.sum(dim=1).clamp(min=1e-9)
-            outputs.append((hidden * weighted).sum(dim=1) / total)
-        elif mode == "lasttoken":  # the last token pooled over, on either padding side
-            values, from_end = mask.flip(1).max(dim=1)
-            from_end = torch.where(values == 0, seq_len - 1, from_end)
-            last = seq_len - from_end - 1
-            rows = torch.arange(hidden.shape[0], device=hidden.device)
-            outputs.append((hidden * float_mask)[rows, last])
-        else:
-            raise ValueError(f"unknown pooling mode {mode!r}")
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
-
-
 def pairs_of(chunks: Sequence[Chunk]) -> list[str] | None:
     """The chunks' ``pair`` documents for :meth:`Encoder.tokenize`, or None where no chunk
     has one (a cross-encoder's chunks all do: ``Outputs.check_representation``)."""
     if all(chunk.pair is None for chunk in chunks):
         return None
     return [chunk.pair or "" for chunk in chunks]
-
-
-def splade_pool(
-    logits: torch.Tensor, attention_mask: torch.Tensor, strategy: str, activation: str
-) -> torch.Tensor:
-    """sentence-transformers' SpladePooling over a padded batch: ``log(1 + relu(logits))``
-    (twice log1p for ``log1p_relu``) of the real tokens, max- or sum-pooled over the sequence:
-    (batch, vocab), mostly zeros. Padding counts as 0, as SpladePooling masks it (every
-    weight is >= 0, so a zero never wins a max over a real one)."""
-    # in place on the logits (the caller's to spend): they are (batch, seq, vocab) wide, a
-    # copy per step would triple the peak memory of the widest tensor the worker makes
-    weights = logits.mul_(attention_mask.unsqueeze(-1).to(logits.dtype)).relu_().log1p_()
-    if activation == "log1p_relu":
-        weights = weights.log1p_()
-    return weights.amax(dim=1) if strategy == "max" else weights.sum(dim=1)
 
 
 def _milliseconds(seconds: dict[str, float]) -> dict[str, float]:

@@ -203,7 +203,7 @@ def pool_packed(
     mode: str,
 ) -> torch.Tensor:
     """Per-text pooling over real tokens laid end to end, text by text: same as
-    ``encoder.pool`` on the padded batch. ``tokens`` (real tokens, dim), ``owner`` each token's
+    ``dense.pool`` on the padded batch. ``tokens`` (real tokens, dim), ``owner`` each token's
     text, ``first`` each text's first token, ``lengths`` its token count; all on one device,
     so nothing here waits for the host."""
     if mode == "cls":

@@ -1,0 +1,63 @@
+"""The contract of one representation: what a model gives from one forward pass.
+
+The encoder (workers/model/encoder.py) loads the tokenizer and the transformer, and picks the
+forward path once at start; what it does with the transformer's output depends on the kind of
+model, and that is one small class per representation (TEI's Python backend has one class per
+head the same way): ``dense`` (workers/model/dense.py, the sentence-transformers pipeline),
+``multivector`` (workers/model/multivector.py, BGE-M3's token heads beside the dense vector),
+``sparse`` (workers/model/sparse.py, SPLADE) and ``rerank`` (workers/model/rerank.py, a
+cross-encoder's score per pair). The encoder builds one at start and calls it once per batch.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from embedfleet.workers.model.heads import HeadLayout
+
+# one (query, document) pair cut to fit: its token ids, whether it lost some, its segment ids
+CutPair = tuple[list[int], bool, list[int] | None]
+
+
+class Representation(ABC):
+    """What the transformer's output becomes, for one kind of model."""
+
+    name: ClassVar[str]
+    # the transformers Auto class that loads the weights this representation reads
+    auto_model: ClassVar[Any]
+    # ends in the sentence pipeline's pooling, as the frozen, int8, CUDA-query and packed copies
+    # of the model do: they are used only for such a model
+    ends_in_pooling: ClassVar[bool] = False
+    dim: int
+    layout: HeadLayout | None = None  # where each head's values sit in a packed row
+
+    @property
+    def representations(self) -> tuple[str, ...]:
+        """Everything one forward pass gives (the card's ``representations``)."""
+        return (self.name,)
+
+    def heads_for(self, wanted: Sequence[Sequence[str]]) -> tuple[str, ...] | None:
+        """The heads a batch computes for its chunks' wanted representations; None: the one
+        this representation gives."""
+        return None
+
+    @abstractmethod
+    def vectors(
+        self,
+        output: Any,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        prompt_lengths: torch.Tensor | None,
+        heads: tuple[str, ...] | None,
+    ) -> torch.Tensor:
+        """One row per text from the transformer's ``output`` for the batch, on its device."""
+
+    def cut_pairs(
+        self, queries: Sequence[str], documents: Sequence[str], max_length: int
+    ) -> list[CutPair]:
+        """(query, document) pairs tokenized and cut to ``max_length``: a cross-encoder's."""
+        raise ValueError("pairs are scored by a cross-encoder; this model is not one")

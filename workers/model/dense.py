@@ -1,0 +1,118 @@
+"""The dense representation: sentence-transformers' pipeline after the transformer.
+
+Pooling over the last hidden states (the modes the model's Pooling config declares), then the
+modules after it (Dense, Normalize: ``SentenceHead``, workers/model/model_dir.py), in float32.
+Every model has this pipeline on its card; a dense model's vectors are its output, and every
+copy of the model that ends in pooling (frozen, int8, the CUDA query lane, the packed layout)
+runs it on its own hidden states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+import torch
+from transformers import AutoModel
+
+from embedfleet.workers.model.base import Representation
+from embedfleet.workers.model.model_dir import ModelSpec, SentenceHead
+
+PoolingMode = Literal["mean", "cls", "lasttoken", "max", "weightedmean", "mean_sqrt_len_tokens"]
+
+
+@dataclass(frozen=True)
+class PoolingConfig:
+    modes: tuple[str, ...]
+    normalize: bool
+    include_prompt: bool = True
+
+    @property
+    def mode(self) -> PoolingMode:
+        """The single pooling mode (packed layouts support one mode only)."""
+        return cast(PoolingMode, self.modes[0])
+
+
+class Dense(Representation):
+    """One vector per text: pooling, then the sentence head."""
+
+    name = "dense"
+    auto_model = AutoModel
+    ends_in_pooling = True
+
+    def __init__(self, spec: ModelSpec, device: torch.device, hidden_size: int) -> None:
+        self.pooling = PoolingConfig(
+            modes=spec.pooling_modes,
+            normalize=spec.normalize,
+            include_prompt=spec.include_prompt,
+        )
+        self.head = SentenceHead(spec).to(device).eval()
+        self.dim = spec.output_dim(hidden_size)
+
+    def pooled(
+        self,
+        hidden: torch.Tensor,
+        attention_mask: torch.Tensor,
+        prompt_lengths: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Pooling and the head, on the device the hidden states are on (float32)."""
+        if prompt_lengths is not None:
+            prompt_lengths = prompt_lengths.to(hidden.device)
+        pooled = pool(hidden.float(), attention_mask, self.pooling.modes, prompt_lengths)
+        return self.head(pooled)
+
+    def vectors(
+        self,
+        output: Any,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        prompt_lengths: torch.Tensor | None,
+        heads: tuple[str, ...] | None,
+    ) -> torch.Tensor:
+        return self.pooled(output.last_hidden_state, attention_mask, prompt_lengths)
+
+
+def pool(
+    hidden: torch.Tensor,
+    attention_mask: torch.Tensor,
+    modes: str | tuple[str, ...],
+    prompt_lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """sentence-transformers' Pooling over a padded batch (left or right padding): each mode's
+    vector, concatenated in the order given. ``prompt_lengths`` leaves each row's first
+    prompt tokens out (``include_prompt: false``), keeping the other tokens' positions."""
+    if isinstance(modes, str):
+        modes = (modes,)
+    seq_len = hidden.shape[1]
+    positions = torch.arange(seq_len, device=hidden.device).unsqueeze(0)
+    leading_pad = attention_mask.to(torch.int32).argmax(dim=1)  # 0 for right padding
+    mask = attention_mask
+    if prompt_lengths is not None:
+        mask = mask.masked_fill(positions < (leading_pad + prompt_lengths).unsqueeze(1), 0)
+    float_mask = mask.unsqueeze(-1).to(hidden.dtype)
+    outputs: list[torch.Tensor] = []
+    for mode in modes:
+        if mode == "cls":  # the first token pooled over (after the prompt, if left out)
+            first = mask.to(torch.int32).argmax(dim=1)
+            outputs.append(hidden[torch.arange(hidden.shape[0], device=hidden.device), first])
+        elif mode == "max":
+            outputs.append(hidden.masked_fill(float_mask == 0, float("-inf")).max(dim=1).values)
+        elif mode in ("mean", "mean_sqrt_len_tokens"):
+            counts = float_mask.sum(dim=1).clamp(min=1e-9)
+            if mode == "mean_sqrt_len_tokens":
+                counts = counts.sqrt()
+            outputs.append((hidden * float_mask).sum(dim=1) / counts)
+        elif mode == "weightedmean":  # weights 1, 2, ... from the first real token
+            weights = (positions + 1 - leading_pad.unsqueeze(1)).to(hidden.dtype).unsqueeze(-1)
+            weighted = float_mask * weights
+            total = weighted.sum(dim=1).clamp(min=1e-9)
+            outputs.append((hidden * weighted).sum(dim=1) / total)
+        elif mode == "lasttoken":  # the last token pooled over, on either padding side
+            values, from_end = mask.flip(1).max(dim=1)
+            from_end = torch.where(values == 0, seq_len - 1, from_end)
+            last = seq_len - from_end - 1
+            rows = torch.arange(hidden.shape[0], device=hidden.device)
+            outputs.append((hidden * float_mask)[rows, last])
+        else:
+            raise ValueError(f"unknown pooling mode {mode!r}")
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
