@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -21,6 +22,18 @@ from embedfleet.workers.model.heads import HeadLayout
 
 # one (query, document) pair cut to fit: its token ids, whether it lost some, its segment ids
 CutPair = tuple[list[int], bool, list[int] | None]
+
+
+@dataclass(frozen=True)
+class Forward:
+    """One batch's forward pass, on the model's device: what a representation reads."""
+
+    output: Any  # the transformer's output (its last hidden states, or its logits)
+    input_ids: torch.Tensor  # (batch, seq)
+    attention_mask: torch.Tensor  # (batch, seq)
+    prompt_lengths: torch.Tensor | None = None  # (batch,), when pooling leaves prompts out
+    # a multi-head model's heads to compute (workers/model/heads.py); None: its default
+    heads: tuple[str, ...] | None = None
 
 
 class Representation(ABC):
@@ -46,15 +59,8 @@ class Representation(ABC):
         return None
 
     @abstractmethod
-    def vectors(
-        self,
-        output: Any,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        prompt_lengths: torch.Tensor | None,
-        heads: tuple[str, ...] | None,
-    ) -> torch.Tensor:
-        """One row per text from the transformer's ``output`` for the batch, on its device."""
+    def vectors(self, forward: Forward) -> torch.Tensor:
+        """One row per text from the transformer's output for the batch, on its device."""
 
     def cut_pairs(
         self, queries: Sequence[str], documents: Sequence[str], max_length: int

@@ -10,12 +10,12 @@ runs it on its own hidden states.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Literal, cast
 
 import torch
 from transformers import AutoModel
 
-from embedfleet.workers.model.base import Representation
+from embedfleet.workers.model.base import Forward, Representation
 from embedfleet.workers.model.model_dir import ModelSpec, SentenceHead
 
 PoolingMode = Literal["mean", "cls", "lasttoken", "max", "weightedmean", "mean_sqrt_len_tokens"]
@@ -61,15 +61,10 @@ class Dense(Representation):
         pooled = pool(hidden.float(), attention_mask, self.pooling.modes, prompt_lengths)
         return self.head(pooled)
 
-    def vectors(
-        self,
-        output: Any,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        prompt_lengths: torch.Tensor | None,
-        heads: tuple[str, ...] | None,
-    ) -> torch.Tensor:
-        return self.pooled(output.last_hidden_state, attention_mask, prompt_lengths)
+    def vectors(self, forward: Forward) -> torch.Tensor:
+        return self.pooled(
+            forward.output.last_hidden_state, forward.attention_mask, forward.prompt_lengths
+        )
 
 
 def pool(

@@ -30,7 +30,7 @@ from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import PACKAGED_MODEL
 from embedfleet.shared.tokens import counting_head
 from embedfleet.workers.cpus import CpuClass, cpu_class, usable_cpus
-from embedfleet.workers.model.base import Representation
+from embedfleet.workers.model.base import Forward, Representation
 from embedfleet.workers.model.cuda_queries import CudaLaneMode, CudaQueryRunner, QueryPath
 from embedfleet.workers.model.dense import Dense
 from embedfleet.workers.model.frozen import FrozenForward, build_checked, freeze, frozen_min_cosine
@@ -472,7 +472,7 @@ class Encoder:
         with self.precision.context(self.device):
             output = self._model(input_ids=input_ids, attention_mask=attention_mask, **extra)
         return self._representation.vectors(
-            output, input_ids, attention_mask, batch.prompt_lengths, batch.heads
+            Forward(output, input_ids, attention_mask, batch.prompt_lengths, batch.heads)
         )
 
     def embed_query(self, batch: EncodeBatch) -> np.ndarray:

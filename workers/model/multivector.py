@@ -13,7 +13,7 @@ from typing import Any, cast
 
 import torch
 
-from embedfleet.workers.model.base import Representation
+from embedfleet.workers.model.base import Forward, Representation
 from embedfleet.workers.model.dense import Dense
 from embedfleet.workers.model.heads import ALL_HEADS, HeadLayout, TokenHeadModule
 from embedfleet.workers.model.model_dir import TokenHeads, UnsupportedModelError
@@ -69,17 +69,12 @@ class MultiVector(Representation):
             return None
         return tuple(name for name in ALL_HEADS if name in union or name == "dense")
 
-    def vectors(
-        self,
-        output: Any,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        prompt_lengths: torch.Tensor | None,
-        heads: tuple[str, ...] | None,
-    ) -> torch.Tensor:
-        hidden = output.last_hidden_state
-        dense = self.dense.pooled(hidden, attention_mask, prompt_lengths)
-        if heads is None:
+    def vectors(self, forward: Forward) -> torch.Tensor:
+        hidden = forward.output.last_hidden_state
+        dense = self.dense.pooled(hidden, forward.attention_mask, forward.prompt_lengths)
+        if forward.heads is None:
             return dense
         # every head on the same hidden states: one forward pass for all of them
-        return self.token_heads(dense, hidden, input_ids, attention_mask, heads)
+        return self.token_heads(
+            dense, hidden, forward.input_ids, forward.attention_mask, forward.heads
+        )

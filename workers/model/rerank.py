@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from embedfleet.workers.model.base import CutPair, Representation
+from embedfleet.workers.model.base import CutPair, Forward, Representation
 from embedfleet.workers.model.model_dir import ModelSpec
 
 
@@ -32,15 +32,8 @@ class Rerank(Representation):
         # encoder's single-text path configures itself
         self.pair_tokenizer = AutoTokenizer.from_pretrained(transformer_dir)
 
-    def vectors(
-        self,
-        output: Any,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        prompt_lengths: torch.Tensor | None,
-        heads: tuple[str, ...] | None,
-    ) -> torch.Tensor:
-        return self.activation(output.logits.float())
+    def vectors(self, forward: Forward) -> torch.Tensor:
+        return self.activation(forward.output.logits.float())
 
     def cut_pairs(
         self, queries: Sequence[str], documents: Sequence[str], max_length: int

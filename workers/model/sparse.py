@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForMaskedLM
 
-from embedfleet.workers.model.base import Representation
+from embedfleet.workers.model.base import Forward, Representation
 from embedfleet.workers.model.model_dir import ModelSpec
 
 
@@ -27,15 +27,9 @@ class Sparse(Representation):
         self.activation = spec.splade_activation
         self.dim = int(config.vocab_size)  # one weight per vocabulary entry
 
-    def vectors(
-        self,
-        output: Any,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        prompt_lengths: torch.Tensor | None,
-        heads: tuple[str, ...] | None,
-    ) -> torch.Tensor:
-        return splade_pool(output.logits.float(), attention_mask, self.strategy, self.activation)
+    def vectors(self, forward: Forward) -> torch.Tensor:
+        logits = forward.output.logits.float()
+        return splade_pool(logits, forward.attention_mask, self.strategy, self.activation)
 
 
 def splade_pool(
