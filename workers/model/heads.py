@@ -27,22 +27,11 @@ import numpy as np
 import torch
 
 from embedfleet.shared.protocol import SparseVector
-from embedfleet.workers.model.model_dir import LinearWeights, TokenHeads
+from embedfleet.workers.model.model_dir import TokenHeads
 
 HEADER = 4  # tokens, seq, has_sparse, has_multivector
 # the representations of a multi-head model, in the order a batch computes them
 ALL_HEADS = ("dense", "sparse", "multivector")
-
-
-def _linear(weights: LinearWeights) -> torch.nn.Linear:
-    layer = torch.nn.Linear(
-        weights.weight.shape[1], weights.weight.shape[0], bias=weights.bias is not None
-    )
-    with torch.no_grad():
-        layer.weight.copy_(weights.weight)
-        if weights.bias is not None:
-            layer.bias.copy_(weights.bias)
-    return layer
 
 
 class TokenHeadModule(torch.nn.Module):
@@ -50,8 +39,8 @@ class TokenHeadModule(torch.nn.Module):
 
     def __init__(self, heads: TokenHeads, unused_ids: Iterable[int]) -> None:
         super().__init__()
-        self.sparse = _linear(heads.sparse) if heads.sparse is not None else None
-        self.colbert = _linear(heads.colbert) if heads.colbert is not None else None
+        self.sparse = heads.sparse.linear() if heads.sparse is not None else None
+        self.colbert = heads.colbert.linear() if heads.colbert is not None else None
         self.register_buffer("unused", torch.tensor(sorted(set(unused_ids)), dtype=torch.int64))
 
     @property

@@ -136,6 +136,17 @@ class LinearWeights:
     def out_features(self) -> int:
         return int(self.weight.shape[0])
 
+    def linear(self) -> torch.nn.Linear:
+        """A float32 ``torch.nn.Linear`` holding a copy of these weights."""
+        layer = torch.nn.Linear(
+            self.weight.shape[1], self.weight.shape[0], bias=self.bias is not None
+        )
+        with torch.no_grad():
+            layer.weight.copy_(self.weight)
+            if self.bias is not None:
+                layer.bias.copy_(self.bias)
+        return layer
+
 
 @dataclass(frozen=True)
 class TokenHeads:
@@ -551,22 +562,11 @@ class SentenceHead(torch.nn.Module):
         self.layers = torch.nn.ModuleList()
         self.residuals: list[torch.nn.Module | None] = []
         for dense in spec.dense:
-            linear = torch.nn.Linear(
-                dense.weight.shape[1], dense.weight.shape[0], bias=dense.bias is not None
-            )
-            with torch.no_grad():
-                linear.weight.copy_(dense.weight)
-                if dense.bias is not None:
-                    linear.bias.copy_(dense.bias)
+            linear = LinearWeights(dense.weight, dense.bias).linear()
             residual: torch.nn.Module | None = None
             if dense.use_residual:
                 if dense.residual is not None:
-                    projection = torch.nn.Linear(
-                        dense.residual.shape[1], dense.residual.shape[0], bias=False
-                    )
-                    with torch.no_grad():
-                        projection.weight.copy_(dense.residual)
-                    residual = projection
+                    residual = LinearWeights(dense.residual, None).linear()
                 else:
                     residual = torch.nn.Identity()
             self.layers.append(torch.nn.Sequential(linear, getattr(torch.nn, dense.activation)()))
