@@ -2,8 +2,8 @@
 
 ``from embedfleet import Producer`` is the client. The design card's folders install under this
 one import root: ``embedfleet.shared`` (settings, protocol, keys), ``embedfleet.producer`` (the
-client and its verbs) and ``embedfleet.workers`` (the worker, with ``pip install
-'embedfleet[worker]'``).
+client) and ``embedfleet.workers`` (the worker, with ``pip install 'embedfleet[worker]'``); the
+operator's verbs are ``embedfleet.ops``.
 """
 
 from __future__ import annotations

@@ -6,18 +6,18 @@ import click
 
 from embedfleet.demo import demo_command
 from embedfleet.gateway.cli import serve_command
-from embedfleet.producer.cli import (
+from embedfleet.ops.client_verbs import (
     calibration_command,
     enqueue_command,
     query_command,
     results_command,
 )
-from embedfleet.producer.dead_letter_admin import dead_group
-from embedfleet.producer.migrate_cli import migrate_group
-from embedfleet.producer.plan import plan_command
-from embedfleet.producer.prune import prune_command
-from embedfleet.producer.search import index_command, search_command
-from embedfleet.producer.status import status_command
+from embedfleet.ops.dead_letter_admin import dead_group
+from embedfleet.ops.migrate_cli import migrate_group
+from embedfleet.ops.plan import plan_command
+from embedfleet.ops.prune import prune_command
+from embedfleet.ops.search import index_command, search_command
+from embedfleet.ops.status import status_command
 from embedfleet.shared.verbosity import verbose_option
 from embedfleet.workers.cli import worker_command
 

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 
 import click
 
+from embedfleet.ops.export import write_export
+from embedfleet.ops.search import format_hits
 from embedfleet.producer.client import Producer
 from embedfleet.producer.documents import builtin_document_chunks
-from embedfleet.producer.export import write_export
 from embedfleet.producer.jsonl import BadLine, read_chunks
-from embedfleet.producer.search import format_hits
 from embedfleet.server import ServerProcess
 from embedfleet.shared.extras import require_worker_extra
 from embedfleet.shared.jobs import JobProgress

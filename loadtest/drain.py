@@ -41,8 +41,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from embedfleet.ops.plan import measure_entry_sizes
 from embedfleet.producer import Producer
-from embedfleet.producer.plan import measure_entry_sizes
 from embedfleet.shared.logging import configure_logging
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings

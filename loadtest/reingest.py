@@ -29,8 +29,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from embedfleet.ops.prune import prune
 from embedfleet.producer import Producer
-from embedfleet.producer.prune import prune
 from embedfleet.shared.logging import configure_logging
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.redis_conn import connect

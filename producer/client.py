@@ -24,7 +24,7 @@ from embedfleet.producer.confirmed_writes import Group, write_confirmed
 from embedfleet.producer.enqueue import (
     EnqueueCall,
     Enqueued,
-    enqueue_command,
+    enqueue_script_command,
     finished_ttl_command,
     register_tenant_command,
     script_counts,
@@ -724,7 +724,7 @@ class Producer:
             for (owner, job), job_chunks in by_job.items():
                 scripts_of.setdefault(partition, []).append((len(commands), job_chunks))
                 commands.append(
-                    enqueue_command(
+                    enqueue_script_command(
                         stream=partition.ingest_for(owner),
                         counters=None if job is None else partition.job(job),
                         id_record=None if job is None else partition.job_ids(job),

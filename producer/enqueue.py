@@ -84,7 +84,7 @@ class EnqueueCall:
         return EnqueueCall(force=self.force)
 
 
-def enqueue_command(
+def enqueue_script_command(
     *,
     stream: str,
     counters: str | None,
@@ -162,10 +162,10 @@ def queue_enqueue(
     id_record_ttl_s: int,
     call: EnqueueCall | None = None,
 ) -> None:
-    """Queue one script call on ``pipe`` (see :func:`enqueue_command`; by default a call of
+    """Queue one script call on ``pipe`` (see :func:`enqueue_script_command`; by default a call of
     its own that skips ids the job already has)."""
     pipe.execute_command(
-        *enqueue_command(
+        *enqueue_script_command(
             stream=stream,
             counters=counters,
             id_record=id_record,

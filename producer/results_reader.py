@@ -60,7 +60,7 @@ def export_reader_name(out: Path) -> str:
     """The consumer name of a consuming export to ``out`` on this host, the same for every run:
     a run after a crash reads first what the killed run held (``XREADGROUP ... 0``), at once,
     rather than waiting EMBEDFLEET_RESULTS_CLAIM_IDLE_MS to claim it. Two exports to one file
-    never run at once (producer/export.py locks it), so the name is never shared live."""
+    never run at once (embedfleet/ops/export.py locks it), so the name is never shared live."""
     digest = hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:12]
     return f"export-{socket.gethostname()}-{digest}"
 

@@ -105,7 +105,7 @@ _NETWORK_ERRNOS = frozenset(
 )
 
 # Redis replies that mean "not now": loading, failing over, cluster resharding, and out of
-# memory (is_out_of_memory: with maxmemory-policy noeviction, a write waits until consumers
+# memory (is_redis_out_of_memory: with maxmemory-policy noeviction, a write waits until consumers
 # drain the backlog or a person raises maxmemory; nothing is lost by waiting).
 _REDIS_TRANSIENT = (
     redis_errors.ConnectionError,
@@ -241,7 +241,7 @@ def _redis_kind(error: redis_errors.RedisError) -> FaultKind:
         return FaultKind.WORKER
     if isinstance(error, _REDIS_TRANSIENT):
         return FaultKind.TRANSIENT
-    if is_out_of_memory(error) or (
+    if is_redis_out_of_memory(error) or (
         isinstance(error, redis_errors.ResponseError)
         and str(error).startswith(_REDIS_TRANSIENT_REPLIES)
     ):
@@ -249,7 +249,7 @@ def _redis_kind(error: redis_errors.RedisError) -> FaultKind:
     return FaultKind.WORKER
 
 
-def is_out_of_memory(error: BaseException) -> bool:
+def is_redis_out_of_memory(error: BaseException) -> bool:
     """Redis refused a write at its maxmemory (up, but full: the fix is memory, not the URL)."""
     return isinstance(error, redis_errors.OutOfMemoryError) or (
         isinstance(error, redis_errors.ResponseError)

@@ -1,6 +1,6 @@
 """The fleet's state, read from Redis once: one reader, two renderings.
 
-``embedfleet status`` (``producer/status.py``: tables and JSON) and the worker's stream gauges
+``embedfleet status`` (``embedfleet/ops/status.py``: tables and JSON) and the worker's stream gauges
 (``workers/metrics.py``: Prometheus) both call ``read_fleet``, so they read the same streams
 with the same commands an operator would type (XLEN, XINFO GROUPS, XINFO CONSUMERS, XREVRANGE
 on the dead-letter stream, the job hashes) and can never disagree. The gauges ask for the

@@ -147,7 +147,7 @@ class Keys:
 
     def migration(self, table: str) -> str:
         """Hash of the live migration of the vector table ``table`` to another model
-        (``embedfleet migrate``, producer/migration.py): the target lane and table, the alias
+        (``embedfleet migrate``, embedfleet/ops/migration.py): the target lane and table, the alias
         readers follow, the copy's cursor (resumable after a crash) and its measured rates.
         While it holds ``dual_write``, every database sink writing ``table`` also enqueues what
         it wrote to the target lane, so new chunks land in both tables. Fleet-wide: one key

@@ -2,8 +2,8 @@
 
 A live migration moves a vector table (written by model lane A) to a new table written by model
 lane B. Its record is one Redis hash, ``Keys.migration(source table)``; the migration
-(producer/migration.py) writes it, and every database sink writing the source table reads two of
-its fields after each upsert: while ``dual_write`` is set, the sink enqueues a copy of every
+(embedfleet/ops/migration.py) writes it, and every database sink writing the source table reads
+two of its fields after each upsert: while ``dual_write`` is set, the sink enqueues a copy of every
 chunk it wrote (id, text, job, meta) to lane B's ingest stream, so a chunk enqueued for the index
 during the migration lands in both tables.
 

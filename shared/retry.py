@@ -22,7 +22,12 @@ from typing import Protocol, TypeVar
 
 from redis import exceptions as redis_errors
 
-from embedfleet.shared.fault_kinds import BackoffPolicy, classify, is_out_of_memory, is_transient
+from embedfleet.shared.fault_kinds import (
+    BackoffPolicy,
+    classify,
+    is_redis_out_of_memory,
+    is_transient,
+)
 from embedfleet.shared.logging import get_logger
 
 log = get_logger("embedfleet.client")
@@ -163,7 +168,7 @@ class Attempts:
         gave_up = f"gave up after {bound:g}s ({setting})"
         if self.deadline is not None and self.deadline < limit:
             limit, gave_up = self.deadline, "gave up at the caller's timeout"
-        if now >= limit and is_out_of_memory(error):
+        if now >= limit and is_redis_out_of_memory(error):
             raise RedisUnavailableError(
                 f"Redis at {self.retry.server} refused writes for "
                 f"{now - self.first_failure:.1f}s while trying to {self.doing}: it is at its "

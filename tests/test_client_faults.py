@@ -34,9 +34,9 @@ import pytest
 import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
 
+from embedfleet.ops.dead_letter_admin import REPLAY_SCRIPT
 from embedfleet.producer import Producer, QueryTimeoutError
 from embedfleet.producer.chunker import builtin_corpus
-from embedfleet.producer.dead_letter_admin import REPLAY_SCRIPT
 from embedfleet.producer.enqueue import ENQUEUE_SCRIPT
 from embedfleet.server import ServerProcess, free_port, system_server_binary
 from embedfleet.shared.jobs import IDS_TTL_AFTER_DONE_FIELD

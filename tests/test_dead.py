@@ -170,8 +170,8 @@ async def test_replay_of_letters_that_fail_again_ends_after_one_pass(
     monkeypatch,
 ) -> None:
     """Letters that fail again at once (the cause is not fixed) are replayed once each."""
-    from embedfleet.producer import dead_letter_admin
-    from embedfleet.producer.dead_letter_admin import DeadLetterStore, Filters
+    from embedfleet.ops import dead_letter_admin
+    from embedfleet.ops.dead_letter_admin import DeadLetterStore, Filters
 
     LETTERS = 12
     monkeypatch.setattr(dead_letter_admin, "PAGE", 5)  # pages end within the letters

@@ -316,7 +316,7 @@ async def test_status_says_when_a_results_stream_is_at_its_bound(
 def test_an_export_that_fails_midway_keeps_what_it_wrote(tmp_path: Path, suffix: str) -> None:
     """A consuming export has acknowledged the pages it wrote: a failure after them finishes
     the file with them; a failure before any leaves no file."""
-    from embedfleet.producer.export import ExportWriter
+    from embedfleet.ops.export import ExportWriter
 
     out = tmp_path / f"partial{suffix}"
     with pytest.raises(ConnectionError), ExportWriter(out) as writer:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 
 from embedfleet.producer import Producer
-from embedfleet.producer.enqueue import EnqueueCall, enqueue_command, script_counts
+from embedfleet.producer.enqueue import EnqueueCall, enqueue_script_command, script_counts
 from embedfleet.producer.jsonl import BadLine, line_cap, read_chunks
 from embedfleet.shared.protocol import (
     DEFAULT_LIMITS,
@@ -116,7 +116,7 @@ async def test_a_re_send_within_one_call_counts_as_that_calls_own(
     payloads = [(c.id, encode_chunk(c)) for c in chunks(4)]
 
     async def send(call: EnqueueCall) -> tuple[int, int]:
-        command = enqueue_command(
+        command = enqueue_script_command(
             stream=keys.ingest,
             counters=keys.job("j"),
             id_record=keys.job_ids("j"),

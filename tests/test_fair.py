@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
+from embedfleet.ops.status import report, take_snapshot
 from embedfleet.producer import Producer
 from embedfleet.producer.client import TenantBacklogFullError
-from embedfleet.producer.status import report, take_snapshot
 from embedfleet.shared.fleet import read_fleet
 from embedfleet.shared.keys import Keys, key_slot
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, ProtocolError, decode_chunk

@@ -7,7 +7,7 @@ import math
 
 import redis.asyncio as aioredis
 
-from embedfleet.producer.status import report, take_snapshot
+from embedfleet.ops.status import report, take_snapshot
 from embedfleet.shared.fleet import FLEET_STREAMS, INPUT_STREAMS, read_fleet
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, encode_chunk
 from embedfleet.shared.redis_conn import ensure_group

@@ -34,10 +34,10 @@ import pytest
 from click.testing import CliRunner
 
 from embedfleet.cli import main
+from embedfleet.ops import migration as mig
+from embedfleet.ops.search import search
 from embedfleet.producer import Producer
-from embedfleet.producer import migration as mig
 from embedfleet.producer.chunker import builtin_corpus
-from embedfleet.producer.search import search
 from embedfleet.shared import migrations as records
 from embedfleet.shared.protocol import Chunk, Result
 from embedfleet.shared.redis_conn import connect

@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from embedfleet.ops import migration as mig
+from embedfleet.ops.search import search
 from embedfleet.producer import Producer
-from embedfleet.producer import migration as mig
-from embedfleet.producer.search import search
 from embedfleet.server import ServerProcess, embedded_server_binary, preferred_server_binary
 from embedfleet.shared.protocol import Chunk, Result
 from embedfleet.shared.redis_conn import connect

@@ -25,9 +25,9 @@ import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge, Histogram, Info
 from prometheus_client.parser import text_string_to_metric_families
 
+from embedfleet.ops.status import History, eta_seconds, take_snapshot, throughput
 from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
-from embedfleet.producer.status import History, eta_seconds, take_snapshot, throughput
 from embedfleet.server import ServerProcess, free_port
 from embedfleet.shared.dead_letters import DeadReason
 from embedfleet.shared.protocol import PAYLOAD_FIELD

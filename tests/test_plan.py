@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from embedfleet.cli import main
-from embedfleet.producer.plan import HOST_FIGURES, make_plan
+from embedfleet.ops.plan import HOST_FIGURES, make_plan
 
 FIGURES = {
     "enqueue_per_s": 50_000,
@@ -100,7 +100,7 @@ def test_redis_memory_counts_in_flight_bounded_results_and_job_ids() -> None:
 
 async def test_entry_sizes_are_measured_on_the_redis_at_hand(client, settings) -> None:
     """MEMORY USAGE of sample keys (and used_memory for the pending list), the keys deleted."""
-    from embedfleet.producer.plan import measure_entry_sizes
+    from embedfleet.ops.plan import measure_entry_sizes
 
     sizes = await measure_entry_sizes(client, settings.namespace, dim=384, text_chars=500)
     assert 500 < sizes["bytes_per_backlog_entry"] < 1_500  # the payload and its overhead

@@ -21,10 +21,10 @@ import redis
 from click.testing import CliRunner
 
 from embedfleet.cli import main
+from embedfleet.ops.prune import prune
+from embedfleet.ops.status import _render_cache, _render_jobs, report, take_snapshot
 from embedfleet.producer import Producer
 from embedfleet.producer.client import EmbeddingOptions
-from embedfleet.producer.prune import prune
-from embedfleet.producer.status import _render_cache, _render_jobs, report, take_snapshot
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, Result, decode_chunk, decode_result
 from embedfleet.shared.redis_conn import connect
@@ -32,24 +32,11 @@ from embedfleet.shared.settings import Settings
 from embedfleet.shared.vector_cache import VectorCache, pack_entry
 from embedfleet.sinks import build_sink, local_sink_url, open_backend, parse_sink_url, prune_job
 from embedfleet.workers.metrics import WorkerMetrics
+from loadtest.reingest import WORDS  # the benchmark's words, in other sentences
 from tests.conftest import WorkerLauncher, reference_model, running_pg, shared_encoder
 
 CORPUS = 2000
 CHANGED, NEW, REMOVED = CORPUS // 10, CORPUS // 20, CORPUS // 20  # 10%, 5%, 5%
-WORDS = [
-    "river",
-    "stone",
-    "garden",
-    "lamp",
-    "paper",
-    "cloud",
-    "engine",
-    "violin",
-    "harbor",
-    "maple",
-    "orbit",
-    "candle",
-]
 MOODS = ("quiet", "bright", "rebuilt")
 
 

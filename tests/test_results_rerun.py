@@ -193,7 +193,7 @@ KILLED_MID_PAGE = textwrap.dedent(
 
     import numpy as np
 
-    from embedfleet.producer.export import ExportWriter
+    from embedfleet.ops.export import ExportWriter
     from embedfleet.shared.protocol import Result
 
     def rows(first, count, kill_at=None):
@@ -232,7 +232,7 @@ def test_a_consuming_jsonl_export_adds_to_the_file_and_cuts_a_torn_tail(tmp_path
     """Resumed (a consuming export), a .jsonl keeps its whole lines, loses the torn one the
     killed run left (that page was not acknowledged: it comes again), and is appended to; a
     run that takes nothing leaves the file as it was. Without resume it is written afresh."""
-    from embedfleet.producer.export import ExportWriter
+    from embedfleet.ops.export import ExportWriter
 
     out = tmp_path / "out.jsonl"
     with ExportWriter(out, resume=True) as writer:
@@ -256,7 +256,7 @@ def test_a_consuming_npz_export_takes_up_a_killed_runs_parts(tmp_path: Path) -> 
     """A killed run's .part files are taken up by the next consuming run (their whole rows:
     a torn page is cut) and the archive holds both runs'; a finished archive is never replaced
     by a consuming run, and a plain export refuses to destroy the parts."""
-    from embedfleet.producer.export import ExportFileError, ExportWriter
+    from embedfleet.ops.export import ExportFileError, ExportWriter
 
     out = tmp_path / "out.npz"
     killed = ExportWriter(out, resume=True)
@@ -284,7 +284,7 @@ def test_a_consuming_npz_export_takes_up_a_killed_runs_parts(tmp_path: Path) -> 
 
 
 def test_two_exports_to_one_file_are_refused(tmp_path: Path) -> None:
-    from embedfleet.producer.export import ExportFileError, ExportWriter
+    from embedfleet.ops.export import ExportFileError, ExportWriter
 
     for suffix in (".jsonl", ".npz"):
         out = tmp_path / f"busy{suffix}"

@@ -285,7 +285,7 @@ async def test_search_finds_the_chunk_a_query_was_made_from(loaded: Loaded, enco
 async def test_search_embeds_the_query_through_the_priority_lane(
     workers: WorkerLauncher, loaded: Loaded, encoder
 ) -> None:
-    from embedfleet.producer.search import format_hits, search
+    from embedfleet.ops.search import format_hits, search
 
     client = connect(loaded.settings.effective_redis_url)
     query = "boiling pasta in tomato sauce"

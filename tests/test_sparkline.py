@@ -8,7 +8,7 @@ import signal
 
 import redis.asyncio as aioredis
 
-from embedfleet.producer.sparkline import ASCII_LEVELS, BLOCKS, Trend, levels_for, sparkline
+from embedfleet.ops.sparkline import ASCII_LEVELS, BLOCKS, Trend, levels_for, sparkline
 from embedfleet.shared.settings import Settings
 from tests.conftest import cli_env, start_cli
 

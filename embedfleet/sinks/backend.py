@@ -200,7 +200,7 @@ class VectorBackend(contextlib.AbstractContextManager["VectorBackend"], abc.ABC)
     def export_rows(self, job: str | None = None) -> list[StoredVector]:
         """Every stored row (optionally one job's), one per id, sorted by id."""
 
-    # --- migrations (``embedfleet migrate``, producer/migration.py) --------------------------
+    # --- migrations (``embedfleet migrate``, embedfleet/ops/migration.py) -----------------------
     # A migration copies a table's stored texts into a new table written by another model, then
     # switches readers with one atomic step: the reader name (the alias) is a Qdrant collection
     # alias, a PostgreSQL view, a LanceDB pointer file. A backend opened on an alias reads the

@@ -1,6 +1,6 @@
 """`embedfleet migrate`: move a live vector table to another model with no downtime.
 
-The verbs run the steps of producer/migration.py; each one reads the sink from EMBEDFLEET_SINK
+The verbs run the steps of embedfleet/ops/migration.py; each one reads the sink from EMBEDFLEET_SINK
 and the table being migrated from ``--table`` (default EMBEDFLEET_SINK_TABLE), as lane A's
 workers and producers have them.
 """
@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 import click
 from tqdm import tqdm
 
-from embedfleet.producer import migration as mig
-from embedfleet.producer.waiting import (
+from embedfleet.ops import migration as mig
+from embedfleet.ops.waiting import (
     client_for,
     json_report_option,
     redis_url_option,

@@ -38,8 +38,8 @@ import click
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from embedfleet.producer.sparkline import Trend
-from embedfleet.producer.waiting import (
+from embedfleet.ops.sparkline import Trend
+from embedfleet.ops.waiting import (
     StderrNotice,
     redis_url_option,
     run_client,

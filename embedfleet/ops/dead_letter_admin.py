@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import click
 import redis.asyncio as aioredis
 
-from embedfleet.producer.waiting import (
+from embedfleet.ops.waiting import (
     StderrNotice,
     json_report_option,
     redis_url_option,

@@ -18,7 +18,7 @@ from typing import IO, TypeVar
 
 import click
 
-from embedfleet.producer.waiting import json_report_option, verb_settings
+from embedfleet.ops.waiting import json_report_option, verb_settings
 from embedfleet.shared.settings import Settings
 from embedfleet.sinks import (
     MissingExtraError,

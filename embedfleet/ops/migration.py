@@ -1,6 +1,6 @@
 """Move a live vector table to another model with no downtime (``embedfleet migrate``).
 
-The steps, each a function here and a verb of ``embedfleet migrate`` (producer/migrate_cli.py):
+The steps, each a function here and a verb of ``embedfleet migrate`` (ops/migrate_cli.py):
 
 1. ``start``: write the migration record (``Keys.migration(source)``, shared/migrations.py)
    with ``dual_write`` set, so from now on every database sink writing the source table also

@@ -51,8 +51,8 @@ import click
 import numpy as np
 import redis.asyncio as aioredis
 
+from embedfleet.ops.waiting import client_for, redis_url_option, run_client, verb_settings
 from embedfleet.producer.enqueue import new_call_token, payload_digest
-from embedfleet.producer.waiting import client_for, redis_url_option, run_client, verb_settings
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, Result, encode_chunk, encode_result
 from embedfleet.shared.redis_conn import redact_url

@@ -1,4 +1,4 @@
-"""`embedfleet enqueue` and `embedfleet results`."""
+"""`embedfleet enqueue`, `results`, `query` and `calibration`: the verbs of the client."""
 
 from __future__ import annotations
 
@@ -14,19 +14,15 @@ from typing import IO
 import click
 import numpy as np
 
-from embedfleet.producer.client import Producer, QueryTimeoutError, TenantBacklogFullError
-from embedfleet.producer.enqueue import Enqueued
-from embedfleet.producer.export import (
+from embedfleet.ops.export import (
     SUPPORTED_SUFFIXES,
     ExportFileError,
     ExportWriter,
     write_export,
 )
-from embedfleet.producer.jsonl import BadLine, read_chunks
-from embedfleet.producer.prune import IdRecorder, check_database_sink, say_pruned
-from embedfleet.producer.prune import prune as prune_rows
-from embedfleet.producer.results_reader import export_reader_name
-from embedfleet.producer.waiting import (
+from embedfleet.ops.prune import IdRecorder, check_database_sink, say_pruned
+from embedfleet.ops.prune import prune as prune_rows
+from embedfleet.ops.waiting import (
     client_for,
     json_report_option,
     model_option,
@@ -34,6 +30,10 @@ from embedfleet.producer.waiting import (
     run_client,
     verb_settings,
 )
+from embedfleet.producer.client import Producer, QueryTimeoutError, TenantBacklogFullError
+from embedfleet.producer.enqueue import Enqueued
+from embedfleet.producer.jsonl import BadLine, read_chunks
+from embedfleet.producer.results_reader import export_reader_name
 from embedfleet.shared.exit_codes import ExitCode
 from embedfleet.shared.jobs import JobProgress
 from embedfleet.shared.keys import Keys

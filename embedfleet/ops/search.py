@@ -22,14 +22,14 @@ import time
 import click
 import numpy as np
 
-from embedfleet.producer.client import EmbeddingOptions
-from embedfleet.producer.migration import lane_of
-from embedfleet.producer.waiting import (
+from embedfleet.ops.migration import lane_of
+from embedfleet.ops.waiting import (
     client_for,
     json_report_option,
     redis_url_option,
     run_client,
 )
+from embedfleet.producer.client import EmbeddingOptions
 from embedfleet.shared.protocol import ProtocolError, QueryFailedError
 from embedfleet.shared.retry import RedisUnavailableError
 from embedfleet.shared.settings import Settings, SettingsError, load_settings
