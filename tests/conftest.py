@@ -12,18 +12,24 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import pytest
 import redis.asyncio as aioredis
 
-from embedfleet.server import ServerProcess, embedded_server_binary, preferred_server_binary
+from embedfleet.server import (
+    ServerProcess,
+    embedded_server_binary,
+    free_port,
+    preferred_server_binary,
+)
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
-from embedfleet.workers.events import WorkerEvents
+from embedfleet.workers.events import BulkSlice, WorkerEvents
 from loadtest.common import isolated_settings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -246,17 +252,10 @@ class Recorder(WorkerEvents):
 
         self._record(change)
 
-    def bulk_slice(
-        self,
-        *,
-        path: str,
-        seconds: float,
-        predicted_seconds: float,
-        target_seconds: float,
-        texts: int,
-        longest: int,
-    ) -> None:
-        self._record(lambda: self.slices.append((path, seconds, target_seconds, texts, longest)))
+    def bulk_slice(self, **slice_: Unpack[BulkSlice]) -> None:
+        path, seconds, target = slice_["path"], slice_["seconds"], slice_["target_seconds"]
+        seen = (path, seconds, target, slice_["texts"], slice_["longest"])
+        self._record(lambda: self.slices.append(seen))
 
     def query_answered(self, *, latency_seconds: float) -> None:
         # read here, on the model thread, while the bulk forward (if any) is still running
@@ -535,6 +534,61 @@ def pg_data_folder() -> Iterator[Path]:
 @pytest.fixture
 def pg_server(pg_session_server):
     return running_pg(pg_session_server)
+
+
+BUCKET = "embeddings"  # the bucket s3_endpoint's server has
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_REGION": "us-east-1",
+}
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[str]:
+    """A moto S3 server (moto's server mode, a real HTTP S3 API) on a free loopback port with
+    the bucket made, and the AWS variables every client here (pyarrow in this process,
+    `embedfleet` processes) reads its credentials from."""
+    import pyarrow.fs as pafs
+
+    saved = {name: os.environ.get(name) for name in CREDENTIALS}
+    os.environ.update(CREDENTIALS)
+    port = free_port()
+    moto = Path(sys.executable).with_name("moto_server")
+    server = subprocess.Popen(
+        [str(moto), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        _until_answers(endpoint, server)
+        s3 = pafs.S3FileSystem(
+            endpoint_override=f"127.0.0.1:{port}", scheme="http", allow_bucket_creation=True
+        )
+        s3.create_dir(BUCKET)
+        yield endpoint
+    finally:
+        server.terminate()
+        server.wait(10)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _until_answers(endpoint: str, server: subprocess.Popen[bytes], timeout: float = 60) -> None:
+    """Until the server answers HTTP (its own readiness, polled: it emits no event)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
+            return
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"moto_server did not start (exit {server.poll()})") from None
+            time.sleep(0.05)
 
 
 # The modules that start worker or gateway processes, servers of other kinds, or compile a

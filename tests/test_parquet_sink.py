@@ -1,25 +1,22 @@
 """The Parquet sink against a real S3-compatible server and a local folder.
 
-``moto_server`` (moto's server mode, a real HTTP S3 API) runs on a free loopback port for the
-module; the bucket is made with pyarrow's own S3 client. Real Redis, the real model. The rows are
-read back with ``pyarrow.dataset`` and LanceDB, not through the code under test, and compared with
-sentence-transformers. A worker SIGKILLed while its next shard is buffering loses nothing and
-leaves no partial file; the reader keeps one row per id.
+``moto_server`` (moto's server mode, a real HTTP S3 API: conftest's ``s3_endpoint``) runs on a
+free loopback port for the module; the bucket is made with pyarrow's own S3 client. Real Redis,
+the real model. The rows are read back with ``pyarrow.dataset`` and LanceDB, not through the
+code under test, and compared with sentence-transformers. A worker SIGKILLed while its next
+shard is buffering loses nothing and leaves no partial file; the reader keeps one row per id.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
-import urllib.request
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,71 +31,17 @@ from embedfleet.shared.settings import Settings
 from embedfleet.sinks import build_sink, open_backend, parse_sink_url
 from embedfleet.sinks.parquet import MANIFESTS, ParquetSink
 from loadtest.common import isolated_settings
-from tests.conftest import WorkerLauncher, cli_env, reference_model, shared_encoder, start_cli
+from tests.conftest import (
+    BUCKET,
+    WorkerLauncher,
+    cli_env,
+    reference_model,
+    shared_encoder,
+    start_cli,
+)
 
 # thousands of chunks through the real model on a shared CI core take minutes
 pytestmark = pytest.mark.timeout(1500)
-BUCKET = "embeddings"
-CREDENTIALS = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_REGION": "us-east-1",
-}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint() -> Iterator[str]:
-    """A moto S3 server on a free loopback port with the bucket made, and the AWS variables
-    every client here (pyarrow in this process, `embedfleet` processes) reads its credentials
-    from."""
-    import pyarrow.fs as pafs
-
-    saved = {name: os.environ.get(name) for name in CREDENTIALS}
-    os.environ.update(CREDENTIALS)
-    port = free_port()
-    moto = Path(sys.executable).with_name("moto_server")
-    server = subprocess.Popen(
-        [str(moto), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        _until_answers(endpoint, server)
-        s3 = pafs.S3FileSystem(
-            endpoint_override=f"127.0.0.1:{port}", scheme="http", allow_bucket_creation=True
-        )
-        s3.create_dir(BUCKET)
-        yield endpoint
-    finally:
-        server.terminate()
-        server.wait(10)
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-def _until_answers(endpoint: str, server: subprocess.Popen[bytes], timeout: float = 60) -> None:
-    """Until the server answers HTTP (its own readiness, polled: it emits no event)."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
-            return
-        except OSError:
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"moto_server did not start (exit {server.poll()})") from None
-            time.sleep(0.05)
 
 
 def s3_filesystem(endpoint: str) -> Any:

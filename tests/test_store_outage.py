@@ -36,15 +36,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import shutil
 import socket
 import subprocess
-import sys
 import threading
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,19 +51,12 @@ import pytest
 
 from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
+from embedfleet.server import free_port
 from embedfleet.shared.redis_conn import connect
 from embedfleet.sinks import build_sink
 from embedfleet.sinks.parquet import ParquetSink
-from tests.conftest import WorkerLauncher, shared_encoder, until
-from tests.test_parquet_sink import (
-    BUCKET,
-    CREDENTIALS,
-    _until_answers,
-    free_port,
-    parquet_settings,
-    read_dataset,
-    s3_filesystem,
-)
+from tests.conftest import BUCKET, WorkerLauncher, shared_encoder, until
+from tests.test_parquet_sink import parquet_settings, read_dataset, s3_filesystem
 
 pytestmark = pytest.mark.timeout(1500)
 CHUNKS = 600
@@ -159,39 +150,6 @@ class Store:
     restore: Any
     ids: Any  # () -> Counter of the ids stored, read with pyarrow.dataset
     leftovers: Any  # () -> names of files that are neither a shard nor a manifest
-
-
-@pytest.fixture(scope="module")
-def moto_endpoint() -> Iterator[str]:
-    """A moto S3 server on a free loopback port with the bucket made (as in
-    tests/test_parquet_sink.py), and the AWS variables every client here reads."""
-    import pyarrow.fs as pafs
-
-    saved = {name: os.environ.get(name) for name in CREDENTIALS}
-    os.environ.update(CREDENTIALS)
-    port = free_port()
-    moto = Path(sys.executable).with_name("moto_server")
-    server = subprocess.Popen(
-        [str(moto), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        _until_answers(endpoint, server)
-        s3 = pafs.S3FileSystem(
-            endpoint_override=f"127.0.0.1:{port}", scheme="http", allow_bucket_creation=True
-        )
-        s3.create_dir(BUCKET)
-        yield endpoint
-    finally:
-        server.terminate()
-        server.wait(10)
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 @contextlib.asynccontextmanager
@@ -298,7 +256,7 @@ async def test_a_store_outage_is_waited_out_with_no_dead_letter_and_every_id_sto
 ) -> None:
     chunks = list(builtin_corpus(CHUNKS))
     if kind == "s3":
-        place = s3_store(request.getfixturevalue("moto_endpoint"))
+        place = s3_store(request.getfixturevalue("s3_endpoint"))
     elif kind == "folder":
         place = folder_store(tmp_path)
     else:

@@ -7,10 +7,21 @@ default does nothing, so the hot path pays for a method call and no more.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 # The stages of an answered query's time, in order (query_stages; the metric's ``stage`` label)
 QUERY_STAGES = ("read", "tokenize", "wait", "forward", "reply")
+
+
+class BulkSlice(TypedDict):
+    """What :meth:`WorkerEvents.bulk_slice` is told, as keywords."""
+
+    path: str  # a workers.cost_model.BulkPath
+    seconds: float
+    predicted_seconds: float  # 0 before anything was measured
+    target_seconds: float  # EMBEDFLEET_SLICE_MS
+    texts: int
+    longest: int  # the batch's longest text, in tokens
 
 
 class WorkerEvents:
@@ -26,16 +37,7 @@ class WorkerEvents:
     def batch_started(self, *, texts: int, padded_tokens: int) -> None:
         """A bulk micro-batch was handed to the model thread; ``batch_encoded`` follows."""
 
-    def bulk_slice(
-        self,
-        *,
-        path: str,
-        seconds: float,
-        predicted_seconds: float,
-        target_seconds: float,
-        texts: int,
-        longest: int,
-    ) -> None:
+    def bulk_slice(self, **slice_: Unpack[BulkSlice]) -> None:
         """A bulk micro-batch's longest slice, the stretch a query could not get into: one
         transformer layer (eager, varlen) or the whole batch (the frozen and int8 copies,
         ``path``: a workers.cost_model.BulkPath), against the cost model's prediction for it

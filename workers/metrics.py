@@ -19,7 +19,7 @@ import asyncio
 import math
 import time
 from dataclasses import KW_ONLY, dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Unpack
 
 import redis.asyncio as aioredis
 from prometheus_client import (
@@ -38,7 +38,7 @@ from embedfleet.shared.fleet import FLEET_STREAMS, INPUT_STREAMS, USAGE_COUNTERS
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.tenants import TenantPolicy
-from embedfleet.workers.events import QUERY_STAGES, WorkerEvents
+from embedfleet.workers.events import QUERY_STAGES, BulkSlice, WorkerEvents
 
 log = get_logger("embedfleet.metrics")
 
@@ -372,18 +372,9 @@ class WorkerMetrics(WorkerEvents):
         self._real_tokens += real_tokens
         self._padded_tokens += padded_tokens
 
-    def bulk_slice(
-        self,
-        *,
-        path: str,
-        seconds: float,
-        predicted_seconds: float,
-        target_seconds: float,
-        texts: int,
-        longest: int,
-    ) -> None:
-        self.slice_seconds.labels(path=path).observe(seconds)
-        self.slice_target_seconds.set(target_seconds)
+    def bulk_slice(self, **slice_: Unpack[BulkSlice]) -> None:
+        self.slice_seconds.labels(path=slice_["path"]).observe(slice_["seconds"])
+        self.slice_target_seconds.set(slice_["target_seconds"])
 
     def results_written(self, *, texts: int, seconds: float) -> None:
         self._texts.inc(texts)
