@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -395,11 +395,11 @@ class QdrantBackend(VectorBackend):
             )
         return done
 
-    def job_ids(self, job: str) -> set[str]:
-
+    def _scroll_all(
+        self, selector: Any, *, with_payload: bool | list[str], with_vectors: bool
+    ) -> Iterator[Any]:
+        """Every point ``selector`` matches (None: all of them), a page at a time."""
         qdrant = self._opened()
-        selector = _job_filter(job)
-        found: set[str] = set()
         offset = None
         while True:
             points, offset = qdrant.scroll(
@@ -407,12 +407,16 @@ class QdrantBackend(VectorBackend):
                 scroll_filter=selector,
                 limit=SCROLL_PAGE,
                 offset=offset,
-                with_payload=["id"],
-                with_vectors=False,
+                with_payload=with_payload,
+                with_vectors=with_vectors,
             )
-            found.update(str((p.payload or {})["id"]) for p in points)
+            yield from points
             if offset is None:
-                return found
+                return
+
+    def job_ids(self, job: str) -> set[str]:
+        points = self._scroll_all(_job_filter(job), with_payload=["id"], with_vectors=False)
+        return {str((p.payload or {})["id"]) for p in points}
 
     def delete_ids(self, ids: Sequence[str]) -> None:
         from qdrant_client import models
@@ -422,29 +426,16 @@ class QdrantBackend(VectorBackend):
         self._opened().delete(self.target.table, points_selector=points, wait=True)
 
     def export_rows(self, job: str | None = None) -> list[StoredVector]:
-
-        qdrant = self._opened()
         selector = None if job is None else _job_filter(job)
         found: list[StoredVector] = []
         codes = self.vector_format()[0] == "uint8"
-        offset = None
-        while True:
-            points, offset = qdrant.scroll(
-                self.target.table,
-                scroll_filter=selector,
-                limit=SCROLL_PAGE,
-                offset=offset,
-                with_payload=True,
-                with_vectors=True,
-            )
-            for p in points:
-                payload = p.payload or {}
-                vector = np.asarray(p.vector[DENSE] if isinstance(p.vector, dict) else p.vector)
-                if codes:
-                    vector = vector.astype(np.uint8)  # the stored codes, not floats
-                found.append(self.stored(payload, payload.get("meta"), vector))
-            if offset is None:
-                return sorted(found, key=lambda row: row.id)
+        for p in self._scroll_all(selector, with_payload=True, with_vectors=True):
+            payload = p.payload or {}
+            vector = np.asarray(p.vector[DENSE] if isinstance(p.vector, dict) else p.vector)
+            if codes:
+                vector = vector.astype(np.uint8)  # the stored codes, not floats
+            found.append(self.stored(payload, payload.get("meta"), vector))
+        return sorted(found, key=lambda row: row.id)
 
     # --- migrations: the reader name is a collection alias -----------------------------------
     def _aliases(self, qdrant: QdrantClient) -> dict[str, str]:

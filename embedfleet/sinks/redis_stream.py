@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 
@@ -28,12 +27,8 @@ from embedfleet.sinks.sink import (
     acknowledgement_pipeline,
     queue_acknowledgements,
 )
-from embedfleet.sinks.store import Store
+from embedfleet.sinks.store import SinkParts, Store
 from embedfleet.sinks.target import SinkTarget, SinkURL, SinkURLError
-
-if TYPE_CHECKING:
-    from embedfleet.shared.settings import Settings
-    from embedfleet.sinks.backend import VectorBackend, VectorDType
 
 log = get_logger("embedfleet.sink")
 # how often a worker at the bound reads the stream's length again
@@ -116,14 +111,8 @@ def _results_target(url: SinkURL) -> SinkTarget:
     return STORE.target("", url.table)
 
 
-def _results_sink(
-    target: SinkTarget,
-    backend: VectorBackend | None,
-    settings: Settings,
-    client: aioredis.Redis,
-    dtype: VectorDType | None,
-) -> Sink:
-    return RedisStreamSink(client, settings.keys, settings.results_max_entries)
+def _results_sink(parts: SinkParts) -> Sink:
+    return RedisStreamSink(parts.client, parts.settings.keys, parts.settings.results_max_entries)
 
 
 STORE = Store(

@@ -21,7 +21,7 @@ import embedfleet.sinks.redis_stream as redis_stream
 from embedfleet.shared.settings import Settings
 from embedfleet.sinks.backend import VectorBackend, VectorDBError, VectorDType
 from embedfleet.sinks.sink import Sink
-from embedfleet.sinks.store import Store
+from embedfleet.sinks.store import SinkParts, Store
 from embedfleet.sinks.target import SinkKind, SinkTarget, SinkURL, SinkURLError, check_table
 
 STORES: tuple[Store, ...] = (
@@ -152,4 +152,4 @@ def sink_for_target(
     if store.backend is not None:
         backend = open_backend(target, store_text=settings.store_text)
         backend.statement_timeout_s = settings.sink_statement_timeout_s
-    return store.sink(target, backend, settings, client, dtype)
+    return store.sink(SinkParts(target, backend, settings, client, dtype))

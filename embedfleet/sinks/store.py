@@ -24,22 +24,26 @@ if TYPE_CHECKING:
 
     from embedfleet.shared.settings import Settings
 
-# the worker's sink for a target: (target, its backend or None, settings, client, dtype)
-SinkFactory = Callable[
-    [SinkTarget, "VectorBackend | None", "Settings", "aioredis.Redis", "VectorDType | None"], Sink
-]
+
+@dataclass(frozen=True)
+class SinkParts:
+    """What a store builds the worker's sink for a target from."""
+
+    target: SinkTarget
+    backend: VectorBackend | None  # the store's, open on the target; None: it has none
+    settings: Settings
+    client: aioredis.Redis
+    dtype: VectorDType | None  # the vectors' precision in the store (None: the store's own)
 
 
-def database_sink(
-    target: SinkTarget,
-    backend: VectorBackend | None,
-    settings: Settings,
-    client: aioredis.Redis,
-    dtype: VectorDType | None,
-) -> Sink:
+# the worker's sink for a target
+SinkFactory = Callable[[SinkParts], Sink]
+
+
+def database_sink(parts: SinkParts) -> Sink:
     """The sink of a database store: upserts through its backend, then acknowledges."""
-    assert backend is not None  # a database store has a backend
-    return DatabaseSink(client, settings.keys, backend, dtype=dtype)
+    assert parts.backend is not None  # a database store has a backend
+    return DatabaseSink(parts.client, parts.settings.keys, parts.backend, dtype=parts.dtype)
 
 
 @dataclass(frozen=True)

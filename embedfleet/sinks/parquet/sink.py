@@ -49,9 +49,7 @@ from embedfleet.sinks.sink import (
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from embedfleet.shared.settings import Settings
-    from embedfleet.sinks.backend import VectorBackend
-    from embedfleet.sinks.target import SinkTarget
+    from embedfleet.sinks.store import SinkParts
 
 log = get_logger("embedfleet.sink")
 # a shard the timer failed to store is tried again after this, doubling up to the cap
@@ -238,14 +236,9 @@ class ParquetSink(DatabaseSink):
         await super().close()
 
 
-def parquet_sink(
-    target: SinkTarget,
-    backend: VectorBackend | None,
-    settings: Settings,
-    client: aioredis.Redis,
-    dtype: VectorDType | None,
-) -> ParquetSink:
+def parquet_sink(parts: SinkParts) -> ParquetSink:
     """The worker's Parquet sink, its shards sized by the EMBEDFLEET_PARQUET_SHARD_* settings."""
+    backend, settings = parts.backend, parts.settings
     assert isinstance(backend, ParquetBackend)  # the store's backend class
     if settings.parquet_shard_rows * 2 > settings.backlog_high_water:
         # A shard's entries stay in the ingest stream until it is written, and the producer
@@ -260,12 +253,12 @@ def parquet_sink(
             at_most_per_s=round(settings.backlog_high_water / settings.parquet_shard_max_s),
         )
     return ParquetSink(
-        client,
+        parts.client,
         settings.keys,
         backend,
         writer=settings.consumer,
         shard_rows=settings.parquet_shard_rows,
         shard_bytes=settings.parquet_shard_bytes,
         shard_max_s=settings.parquet_shard_max_s,
-        dtype=dtype,
+        dtype=parts.dtype,
     )
