@@ -1,5 +1,6 @@
 """Running the gateway for tests: uvicorn on a free port in a thread, with its own loop; the
-worker a module's gateway tests share; the parity measure they use."""
+worker a module's gateway tests share; an OpenAI client on a gateway; the parity measure they
+use."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
 
 import httpx
 import numpy as np
+import openai
 import pytest
 import uvicorn
 
@@ -53,6 +57,34 @@ def wait_for_worker(base_url: str, timeout: float = 300.0) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError("no worker became live")
             time.sleep(0.1)
+
+
+# ``with gateway(**settings) as client``: the fixture module_gateway gives
+Gateway = Callable[..., AbstractContextManager[openai.OpenAI]]
+
+
+@contextlib.contextmanager
+def openai_gateway(settings: Settings) -> Iterator[openai.OpenAI]:
+    """A gateway for ``settings`` once a worker is live behind it, and the `openai` SDK's
+    client on it (no retries: a test sees each answer)."""
+    with running_gateway(settings) as url:
+        wait_for_worker(url)
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def module_gateway():
+    """The ``gateway`` fixture of a gateway test module (``fleet_settings`` its settings, its
+    ``worker`` running): ``with gateway(**settings) as client``, a gateway on the fleet with
+    those settings and an OpenAI client on it. ``gateway = module_gateway()``."""
+
+    @pytest.fixture(name="gateway")
+    def gateway(fleet_settings: Settings, worker: WorkerProcess) -> Gateway:
+        def start(**overrides: Any) -> AbstractContextManager[openai.OpenAI]:
+            return openai_gateway(fleet_settings.model_copy(update=overrides))
+
+        return start
+
+    return gateway
 
 
 def gateway_worker(

@@ -13,7 +13,6 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +26,11 @@ from embedfleet.shared.settings import Settings
 from loadtest.common import isolated_settings
 from tests.conftest import WorkerProcess
 from tests.gateway_support import (
+    Gateway,
     module_fleet_settings,
+    module_gateway,
     module_worker,
     running_gateway,
-    wait_for_worker,
 )
 
 MODEL = "all-MiniLM-L6-v2"
@@ -43,26 +43,7 @@ fleet_settings = module_fleet_settings("ba")
 worker = module_worker("ba")
 
 
-Gateway = Callable[..., AbstractContextManager[openai.OpenAI]]
-
-
-@pytest.fixture
-def gateway(fleet_settings: Settings, worker: WorkerProcess) -> Gateway:
-    """``with gateway(**settings) as client``: a gateway on the fleet with those settings."""
-
-    class _Gateway(AbstractContextManager[openai.OpenAI]):
-        def __init__(self, **overrides: Any) -> None:
-            self._running = running_gateway(fleet_settings.model_copy(update=overrides))
-
-        def __enter__(self) -> openai.OpenAI:
-            url = self._running.__enter__()
-            wait_for_worker(url)
-            return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-
-        def __exit__(self, *exc: object) -> None:
-            self._running.__exit__(*exc)
-
-    return _Gateway
+gateway = module_gateway()
 
 
 def batch_line(custom_id: str, body_input: object, **extra: object) -> str:

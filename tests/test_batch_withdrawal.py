@@ -19,7 +19,6 @@ import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +40,9 @@ from embedfleet.shared.settings import Settings
 from loadtest.common import isolated_settings
 from tests.conftest import WorkerProcess
 from tests.gateway_support import (
+    Gateway,
     module_fleet_settings,
+    module_gateway,
     module_worker,
     running_gateway,
     wait_for_worker,
@@ -55,26 +56,7 @@ WINDOW_S = 20
 fleet_settings = module_fleet_settings("bw")
 worker = module_worker("bw")
 
-Gateway = Callable[..., AbstractContextManager[openai.OpenAI]]
-
-
-@pytest.fixture
-def gateway(fleet_settings: Settings, worker: WorkerProcess) -> Gateway:
-    """``with gateway(**settings) as client``: a gateway on the fleet with those settings."""
-
-    class _Gateway(AbstractContextManager[openai.OpenAI]):
-        def __init__(self, **overrides: Any) -> None:
-            self._running = running_gateway(fleet_settings.model_copy(update=overrides))
-
-        def __enter__(self) -> openai.OpenAI:
-            url = self._running.__enter__()
-            wait_for_worker(url)
-            return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-
-        def __exit__(self, *exc: object) -> None:
-            self._running.__exit__(*exc)
-
-    return _Gateway
+gateway = module_gateway()
 
 
 @pytest.fixture
@@ -229,54 +211,38 @@ def assert_withdrawn(figures: dict[str, Any], status: str) -> None:
     assert figures["replies_after"] == {} and figures["left_after"] == 0, figures
 
 
-def test_an_expired_batch_withdraws_its_queued_inputs(
-    gateway: Gateway,
-    worker: WorkerProcess,
-    store: redis.Redis,
-    fleet_settings: Settings,
-    tmp_path: Path,
-) -> None:
+# ``scenario(client, end)``: run_and_end on this module's fleet
+Scenario = Callable[[openai.OpenAI, Callable[[str, str], None]], dict[str, Any]]
+
+
+@pytest.fixture
+def scenario(
+    store: redis.Redis, fleet_settings: Settings, worker: WorkerProcess, tmp_path: Path
+) -> Scenario:
+    def run(client: openai.OpenAI, end: Callable[[str, str], None]) -> dict[str, Any]:
+        return run_and_end(client, store, fleet_settings.keys, worker, tmp_path, end)
+
+    return run
+
+
+def test_an_expired_batch_withdraws_its_queued_inputs(gateway: Gateway, scenario: Scenario) -> None:
     with gateway(batch_completion_window_s=WINDOW_S) as client:
-        figures = run_and_end(client, store, fleet_settings.keys, worker, tmp_path, lambda *_: None)
+        figures = scenario(client, lambda *_: None)
     assert_withdrawn(figures, "expired")
 
 
 def test_a_cancelled_batch_withdraws_its_queued_inputs(
-    gateway: Gateway,
-    worker: WorkerProcess,
-    store: redis.Redis,
-    fleet_settings: Settings,
-    tmp_path: Path,
+    gateway: Gateway, scenario: Scenario
 ) -> None:
     with gateway() as client:
-        figures = run_and_end(
-            client,
-            store,
-            fleet_settings.keys,
-            worker,
-            tmp_path,
-            lambda batch_id, _: client.batches.cancel(batch_id) and None,
-        )
+        figures = scenario(client, lambda batch_id, _: client.batches.cancel(batch_id) and None)
     assert_withdrawn(figures, "cancelled")
 
 
-def test_a_failed_batch_withdraws_its_queued_inputs(
-    gateway: Gateway,
-    worker: WorkerProcess,
-    store: redis.Redis,
-    fleet_settings: Settings,
-    tmp_path: Path,
-) -> None:
+def test_a_failed_batch_withdraws_its_queued_inputs(gateway: Gateway, scenario: Scenario) -> None:
     """The input file deleted while the batch runs fails it (``input_file_missing``)."""
     with gateway() as client:
-        figures = run_and_end(
-            client,
-            store,
-            fleet_settings.keys,
-            worker,
-            tmp_path,
-            lambda _, file_id: client.files.delete(file_id) and None,
-        )
+        figures = scenario(client, lambda _, file_id: client.files.delete(file_id) and None)
     assert_withdrawn(figures, "failed")
 
 
