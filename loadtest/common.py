@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import os
 import platform
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -24,6 +25,18 @@ def redis_server() -> Iterator[ServerProcess]:
     """A fresh server for one scenario: Debian's redis-server when present, else Valkey."""
     with ServerProcess(preferred_server_binary()) as server:
         yield server
+
+
+Reported = TypeVar("Reported")
+
+
+def run_on_redis(redis_url: str, scenario: Callable[[str], Awaitable[Reported]]) -> Reported:
+    """``scenario(url)`` on the server at ``redis_url``, or on a fresh one (:func:`redis_server`)
+    where it is empty."""
+    if redis_url:
+        return asyncio.run(scenario(redis_url))
+    with redis_server() as server:
+        return asyncio.run(scenario(server.url))
 
 
 def isolated_settings(redis_url: str, namespace: str | None = None, **overrides: Any) -> Settings:

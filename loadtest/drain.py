@@ -46,7 +46,7 @@ from embedfleet.producer import Producer
 from embedfleet.shared.logging import configure_logging
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
-from loadtest.common import cpu_name, machine_load, redis_server, worker_process
+from loadtest.common import cpu_name, machine_load, run_on_redis, worker_process
 
 SAMPLE_EVERY_S = 0.5
 WORDS = [
@@ -335,11 +335,7 @@ def main() -> None:
     async def go(url: str) -> Report:
         return await run(args, url)
 
-    if args.redis_url:
-        report = asyncio.run(go(args.redis_url))
-    else:
-        with redis_server() as server:
-            report = asyncio.run(go(server.url))
+    report = run_on_redis(args.redis_url, go)
     print(render(report))
     if args.json is not None:
         args.json.write_text(json.dumps(asdict(report), indent=1) + "\n")
