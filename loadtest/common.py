@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import json
 import os
 import platform
 import subprocess
@@ -37,6 +39,14 @@ def run_on_redis(redis_url: str, scenario: Callable[[str], Awaitable[Reported]])
         return asyncio.run(scenario(redis_url))
     with redis_server() as server:
         return asyncio.run(scenario(server.url))
+
+
+def print_report(report: Any, text: str, json_path: Path | None) -> None:
+    """``text`` (the dataclass ``report`` rendered) printed, and the report as JSON at
+    ``json_path`` when one is given (--json)."""
+    print(text)
+    if json_path is not None:
+        json_path.write_text(json.dumps(dataclasses.asdict(report), indent=1) + "\n")
 
 
 def isolated_settings(redis_url: str, namespace: str | None = None, **overrides: Any) -> Settings:

@@ -30,12 +30,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import multiprocessing
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +45,7 @@ from embedfleet.producer import Producer
 from embedfleet.shared.logging import configure_logging
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
-from loadtest.common import cpu_name, machine_load, run_on_redis, worker_process
+from loadtest.common import cpu_name, machine_load, print_report, run_on_redis, worker_process
 
 SAMPLE_EVERY_S = 0.5
 WORDS = [
@@ -336,9 +335,7 @@ def main() -> None:
         return await run(args, url)
 
     report = run_on_redis(args.redis_url, go)
-    print(render(report))
-    if args.json is not None:
-        args.json.write_text(json.dumps(asdict(report), indent=1) + "\n")
+    print_report(report, render(report), args.json)
 
 
 if __name__ == "__main__":

@@ -28,11 +28,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,14 @@ from embedfleet.producer import Producer
 from embedfleet.shared.logging import configure_logging
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import Settings
-from loadtest.common import cpu_name, isolated_settings, machine_load, run_on_redis, worker_process
+from loadtest.common import (
+    cpu_name,
+    isolated_settings,
+    machine_load,
+    print_report,
+    run_on_redis,
+    worker_process,
+)
 
 WORDS = [
     "the",
@@ -248,9 +254,7 @@ def main() -> None:
         )
 
     report = run_on_redis(args.redis_url, go)
-    print(render(report))
-    if args.json is not None:
-        args.json.write_text(json.dumps(asdict(report), indent=1) + "\n")
+    print_report(report, render(report), args.json)
 
 
 if __name__ == "__main__":
