@@ -30,7 +30,14 @@ from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, Result, decode_chun
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
 from embedfleet.shared.vector_cache import VectorCache, pack_entry
-from embedfleet.sinks import build_sink, local_sink_url, open_backend, parse_sink_url, prune_job
+from embedfleet.sinks import (
+    SinkTarget,
+    build_sink,
+    local_sink_url,
+    open_backend,
+    parse_sink_url,
+    prune_job,
+)
 from embedfleet.workers.metrics import WorkerMetrics
 from loadtest.reingest import WORDS  # the benchmark's words, in other sentences
 from tests.conftest import WorkerLauncher, reference_model, running_pg, shared_encoder
@@ -225,13 +232,20 @@ def test_prune_deletes_only_the_jobs_rows_not_sent_again(database_url: str) -> N
         assert prune_job(backend, "a", {"a0", "a2"}) == []
 
 
-def test_the_prune_verb(tmp_path: Path) -> None:
-    sink = local_sink_url("lancedb", tmp_path)
+def docs_table(folder: Path) -> tuple[str, SinkTarget]:
+    """A LanceDB table ``chunks`` in ``folder`` with the rows d0 to d3 of job ``docs``: its sink
+    URL and its target."""
+    sink = local_sink_url("lancedb", folder)
     target = parse_sink_url(sink, "chunks")
     vector = np.ones(4, dtype=np.float16)
     with open_backend(target) as backend:
         backend.setup("m", 4)
         backend.upsert([Result(id=f"d{n}", model="m", vector=vector, job="docs") for n in range(4)])
+    return sink, target
+
+
+def test_the_prune_verb(tmp_path: Path) -> None:
+    sink, target = docs_table(tmp_path)
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"id": f"d{n}", "text": "t"}) + "\n" for n in (0, 2)))
     env = {
@@ -256,12 +270,7 @@ def test_the_prune_verb(tmp_path: Path) -> None:
 def test_enqueue_prune_deletes_the_rows_the_corpus_lost(redis_server, tmp_path: Path) -> None:
     """`enqueue --job J --prune`: once the corpus is sent, the job's rows of ids it no longer
     has go; with a rejected line nothing is pruned (its id was not sent, its row would go)."""
-    sink = local_sink_url("lancedb", tmp_path)
-    target = parse_sink_url(sink, "chunks")
-    vector = np.ones(4, dtype=np.float16)
-    with open_backend(target) as backend:
-        backend.setup("m", 4)
-        backend.upsert([Result(id=f"d{n}", model="m", vector=vector, job="docs") for n in range(4)])
+    sink, target = docs_table(tmp_path)
     corpus = tmp_path / "corpus.jsonl"
     lines = [json.dumps({"id": f"d{n}", "text": f"text {n}"}) for n in (0, 1, 5)]
     env = {
