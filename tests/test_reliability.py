@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgpack
 import pytest
@@ -34,6 +35,9 @@ from embedfleet.shared.protocol import (
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
 from tests.conftest import Recorder, WorkerLauncher, cli_env, until
+
+if TYPE_CHECKING:
+    from embedfleet.workers.reclaim import Reclaimer
 
 
 def raw(message: object) -> bytes:
@@ -247,14 +251,27 @@ async def test_a_poison_chunk_counts_against_its_job_and_answers_its_caller(
     assert (await client.xpending(strict.keys.ingest, strict.group))["pending"] == 0
 
 
-async def test_one_reclaim_claims_at_most_one_read(
-    settings: Settings, client: aioredis.Redis
-) -> None:
-    """After a mass restart, one pass takes one read's worth; the next pass goes on from there."""
+def lone_reclaimer(settings: Settings, client: aioredis.Redis) -> Reclaimer:
+    """The reclaimer of ``settings``' consumer with no worker around it: nothing of its own in
+    flight, its events and dead letters' events heard by nobody."""
     from embedfleet.workers.dead_letter_writer import DeadLetters
     from embedfleet.workers.events import WorkerEvents
     from embedfleet.workers.reclaim import InFlight, Reclaimer
 
+    return Reclaimer(
+        settings,
+        client,
+        InFlight(),
+        DeadLetters(client, settings.keys, WorkerEvents(), 60, 65536),
+        WorkerEvents(),
+        read_count=settings.batching("cpu").read_count,
+    )
+
+
+async def test_one_reclaim_claims_at_most_one_read(
+    settings: Settings, client: aioredis.Redis
+) -> None:
+    """After a mass restart, one pass takes one read's worth; the next pass goes on from there."""
     READ, IDLE = 10, 35
     small = settings.model_copy(update={"reclaim_idle_ms": 100, "read_count": READ})
     async with Producer(small, client) as producer:
@@ -268,14 +285,7 @@ async def test_one_reclaim_claims_at_most_one_read(
         return len(rows) == IDLE
 
     await until(all_idle)
-    reclaimer = Reclaimer(
-        small,
-        client,
-        InFlight(),
-        DeadLetters(client, small.keys, WorkerEvents(), 60, 65536),
-        WorkerEvents(),
-        read_count=small.batching("cpu").read_count,
-    )
+    reclaimer = lone_reclaimer(small, client)
     pages = [len(await reclaimer.claim(small.keys.ingest)) for _ in range(4)]
     assert pages == [READ, READ, READ, IDLE - 3 * READ]
     pending = await client.xpending(small.keys.ingest, small.group)
@@ -291,10 +301,6 @@ async def test_live_worker_keeps_its_long_batch(
 
     The test first proves the entries were held past the reclaim idle time (else a thief
     finding nothing would prove nothing), then tries to steal them."""
-    from embedfleet.workers.dead_letter_writer import DeadLetters
-    from embedfleet.workers.events import WorkerEvents
-    from embedfleet.workers.reclaim import InFlight, Reclaimer
-
     COUNT = 400  # several seconds of work, well past the reclaim idle time
     tight = settings.model_copy(update={"reclaim_idle_ms": 500, "read_count": COUNT})
     thief = tight.model_copy(update={"consumer": "thief"})
@@ -313,14 +319,7 @@ async def test_live_worker_keeps_its_long_batch(
         )
         held_for = time.monotonic() - read_at
         pending = await client.xpending(tight.keys.ingest, tight.group)
-        stolen = await Reclaimer(
-            thief,
-            client,
-            InFlight(),
-            DeadLetters(client, thief.keys, WorkerEvents(), 60, 65536),
-            WorkerEvents(),
-            read_count=thief.batching("cpu").read_count,
-        ).claim(thief.keys.ingest)
+        stolen = await lone_reclaimer(thief, client).claim(thief.keys.ingest)
         written_when_stolen = recorder.texts_written
         await producer.wait_for_job("lease", timeout=600)
     assert held_for > idle_s and written_when_stolen < COUNT
