@@ -59,6 +59,21 @@ async def _stream_chunks(client: aioredis.Redis, stream: str) -> list[Chunk]:
     return [decode_chunk(fields[b"m"]) for _, fields in entries]
 
 
+async def enqueue_rejecting(
+    settings: Settings, client: aioredis.Redis, source: Path, job: str
+) -> tuple[subprocess.CompletedProcess[str], int]:
+    """`embedfleet enqueue SOURCE --job JOB`, which rejects some lines: with their exit status
+    and no traceback. Its result and the ingest stream's length after it."""
+    result = await asyncio.to_thread(
+        embedfleet, "enqueue", str(source), "--job", job, env=cli_env(settings)
+    )
+    entries = await client.xlen(settings.keys.ingest)
+    print(f"exit {result.returncode}, {entries} entries; stderr tail: {result.stderr[-300:]!r}")
+    assert TRACEBACK not in result.stderr
+    assert result.returncode == ExitCode.REJECTED_LINES
+    return result, entries
+
+
 async def test_invalid_utf8_line_is_named_and_every_good_line_enqueued(
     settings: Settings, client: aioredis.Redis, tmp_path: Path
 ) -> None:
@@ -71,13 +86,7 @@ async def test_invalid_utf8_line_is_named_and_every_good_line_enqueued(
     ]
     lines[2500] = b'{"id": "c2501", "text": "caf\xe9 au lait"}'  # latin-1, not UTF-8
     source.write_bytes(b"\n".join(lines) + b"\n")
-    result = await asyncio.to_thread(
-        embedfleet, "enqueue", str(source), "--job", "utf8", env=cli_env(settings)
-    )
-    entries = await client.xlen(settings.keys.ingest)
-    print(f"exit {result.returncode}, {entries} entries; stderr tail: {result.stderr[-300:]!r}")
-    assert TRACEBACK not in result.stderr
-    assert result.returncode == ExitCode.REJECTED_LINES
+    result, entries = await enqueue_rejecting(settings, client, source, "utf8")
     assert "line 2501: " in result.stderr and "UTF-8" in result.stderr
     assert entries == 4999
     assert "enqueued 4999 chunks" in result.stdout
@@ -98,13 +107,7 @@ async def test_unknown_prompt_name_rejects_its_line_only(
     rows = [{"id": f"p{n}", "text": f"text {n}", "prompt_name": "query"} for n in range(1, 11)]
     rows[3]["prompt_name"] = "no-such-prompt"
     source.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    result = await asyncio.to_thread(
-        embedfleet, "enqueue", str(source), "--job", "prompts", env=cli_env(settings)
-    )
-    entries = await client.xlen(settings.keys.ingest)
-    print(f"exit {result.returncode}, {entries} entries; stderr tail: {result.stderr[-300:]!r}")
-    assert TRACEBACK not in result.stderr
-    assert result.returncode == ExitCode.REJECTED_LINES
+    result, entries = await enqueue_rejecting(settings, client, source, "prompts")
     assert "line 4: " in result.stderr and "no-such-prompt" in result.stderr
     assert entries == 9
     ids = {chunk.id for chunk in await _stream_chunks(client, settings.keys.ingest)}
