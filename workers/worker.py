@@ -17,7 +17,7 @@ the forward pass overlap while memory stays bounded:
              (workers/cost_model.py); before a batch,
              the interactive stream's new entries (large requests someone waits
              on) are read and encoded first                                     → encoded
-    writer   fp16 results to the sink, XACK in the same round trip
+    writer   fp16 results to the sink, XACK in the same round trip (workers/write.py)
 
 Beside them: the query lane (workers/queries.py) and the reclaimer (workers/reclaim.py).
 
@@ -41,7 +41,7 @@ import contextlib
 import dataclasses
 import functools
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,16 +51,15 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from embedfleet.shared.dead_letters import DeadReason
-from embedfleet.shared.fault_kinds import FaultKind, System, WorkerFault
+from embedfleet.shared.fault_kinds import System
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.model_registry import register_model
 from embedfleet.shared.modelcard import publish_card
 from embedfleet.shared.protocol import Chunk, Result
 from embedfleet.shared.settings import Settings
-from embedfleet.shared.vector_cache import CacheCounts, CachedVector, VectorCache, pack_entry
+from embedfleet.shared.vector_cache import CacheCounts, CachedVector, VectorCache
 from embedfleet.sinks import Delivery, Sink, queue_acknowledgements
-from embedfleet.sinks.reply import ReplyListWriter
 from embedfleet.sinks.sink import acknowledgement_pipeline
 from embedfleet.workers.batcher import PlannedBatch
 from embedfleet.workers.bulk import BulkBatch, BulkForward, LaunchAhead, Launched, resolve_layout
@@ -86,13 +85,13 @@ from embedfleet.workers.model.precision import BULK_PROBE_TEXTS, PROBE_TEXTS
 from embedfleet.workers.outages import (
     Outages,
     RideOut,
-    classify_sink_error,
     ride_out,
     transient_or_raise,
 )
 from embedfleet.workers.output import Outputs
 from embedfleet.workers.queries import QueryLane
 from embedfleet.workers.reclaim import InFlight, Reclaimer
+from embedfleet.workers.write import Encoded, Writer
 
 log = get_logger("embedfleet.worker")
 # The bulk stages feed each other through bounded queues: a stage's upstream may be blocked on
@@ -156,18 +155,6 @@ class InFlightBatch:
     query_seconds: float  # queries served inside the launch (not bulk time)
     path: BulkPath = "eager"
     slice_seconds: float = 0.0  # the launch's longest stretch between query boundaries (CPU)
-
-
-@dataclass
-class Encoded:
-    chunks: list[Chunk]
-    deliveries: list[Delivery]
-    tokens: list[Tokenized]
-    vectors: np.ndarray
-    # each chunk's content key, for the vector cache to store its vector under (None: not)
-    content_keys: list[str | None] = field(default_factory=list)
-    # the results of chunks the vector cache answered: written as they are, no model ran
-    cached: list[Result] | None = None
 
 
 @dataclass
@@ -268,7 +255,6 @@ class Worker:
             settings.job_reply_ttl_s,
             model=encoder.name,
         )
-        self.replies = ReplyListWriter(client, self.keys, settings.job_reply_ttl_s)
         self.outages = Outages(self.events)
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
@@ -279,6 +265,19 @@ class Worker:
         # stored vectors by content key (shared/vector_cache.py): a hit skips the model
         self.vector_cache = VectorCache(
             client, self.keys, settings.vector_cache_mb, settings.vector_cache_ttl_s
+        )
+        # the write stage: results to the sink (or reply lists), acknowledged (workers/write.py)
+        self.writer = Writer(
+            settings,
+            client,
+            sink,
+            self.outputs,
+            self.vector_cache,
+            self.dead_letters,
+            self.in_flight,
+            self.outages,
+            self.events,
+            self.on_model_thread,
         )
         # the longest stretch of each bulk forward a query could not get into (model thread)
         self.slice_clock = SliceClock()
@@ -429,7 +428,7 @@ class Worker:
         if not self.settings.query_only:
             stages["reader"] = self._read_loop(windows)
             stages["compute"] = self._compute_loop(windows, encoded)
-            stages["writer"] = self._write_loop(encoded)
+            stages["writer"] = self.writer.run(encoded)
         try:
             async with asyncio.TaskGroup() as group:
                 for name, coroutine in stages.items():
@@ -1181,150 +1180,6 @@ class Worker:
             texts=len(planned.positions),
             longest=planned.longest,
         )
-
-    # --- writer -----------------------------------------------------------------------
-    async def _write_loop(self, encoded: asyncio.Queue[Encoded | None]) -> None:
-        while (item := await encoded.get()) is not _END:
-            if item.cached is not None:  # answered by the vector cache: the results are ready
-                results = item.cached
-            else:
-                # int8/uint8 need the fleet's calibration; read (or made) once, then cached
-                await ride_out(
-                    RideOut("reading the calibration", self.outages, self.events),
-                    System.REDIS,
-                    functools.partial(self.outputs.prepare, item.chunks, self.on_model_thread),
-                )
-                results = self.outputs.results(
-                    item.chunks, item.vectors, [t.truncated for t in item.tokens]
-                )
-                # stored before the write: once the job has finished, its vectors are there
-                await self._remember(item, results)
-            started = time.perf_counter()
-            written = 0
-            # chunks with a reply (the gateway's) go back to their caller, the rest to the sink
-            replied = [row for row, chunk in enumerate(item.chunks) if chunk.reply is not None]
-            sunk = [row for row, chunk in enumerate(item.chunks) if chunk.reply is None]
-            if sunk:
-                written += await self._write(
-                    [results[r] for r in sunk],
-                    [item.deliveries[r] for r in sunk],
-                    [item.chunks[r] for r in sunk],
-                    lambda results, deliveries, rows: self.sink.write(results, deliveries),
-                    self.sink.system,
-                )
-            if replied:
-                replies = [item.chunks[r].reply or "" for r in replied]
-
-                def write_replies(
-                    results: list[Result],
-                    deliveries: list[Delivery],
-                    rows: list[int],
-                    replies: list[str] = replies,
-                ) -> Awaitable[None]:
-                    return self.replies.write(
-                        results, deliveries, replies=[replies[i] for i in rows]
-                    )
-
-                written += await self._write(
-                    [results[r] for r in replied],
-                    [item.deliveries[r] for r in replied],
-                    [item.chunks[r] for r in replied],
-                    write_replies,
-                    System.REDIS,
-                )
-            if written:
-                self.events.results_written(texts=written, seconds=time.perf_counter() - started)
-            # acknowledged, or held by the sink until it is (in_flight keeps their leases then)
-            self.in_flight.release(item.deliveries)
-
-    async def _remember(self, item: Encoded, results: list[Result]) -> None:
-        """Store the vectors just embedded in the vector cache, under their content keys, each
-        in its entry's key set. Before the write and its acknowledgement, so that a finished
-        job's vectors are all there; a vector whose row the sink then refuses is still the
-        model's vector for that content (a later hit is refused the same way). Redis failing
-        here costs only the cache."""
-        by_owner: dict[Keys, list[tuple[str, bytes]]] = {}
-        for row, key in enumerate(item.content_keys):
-            if key is None:
-                continue
-            with contextlib.suppress(KeyError):
-                owner = self.keys.owner_of(item.deliveries[row].stream)
-                entry = pack_entry(results[row], item.tokens[row].length)
-                by_owner.setdefault(owner, []).append((key, entry))
-        for owner, entries in by_owner.items():
-            try:
-                await self.vector_cache.store(owner, entries)
-            except Exception as error:
-                transient_or_raise(error, System.REDIS)
-                log.warning("vector cache not written", error=str(error), vectors=len(entries))
-
-    async def _write(
-        self,
-        results: list[Result],
-        deliveries: list[Delivery],
-        chunks: list[Chunk],
-        write: Callable[[list[Result], list[Delivery], list[int]], Awaitable[None]],
-        system: System,
-    ) -> int:
-        """Write a batch with ``write`` (given the rows' results, deliveries and indices);
-        returns how many results were written.
-
-        By kind of fault (shared/fault_kinds.py): transient ones are waited out, however long;
-        a refused row is found by halving the batch (each half written on its own) and
-        dead-lettered alone with the database's message; any other fault is tried
-        ``sink_retries`` times (a fault not known to pass might still) and then stops the
-        worker with a WorkerFault naming the setting.
-        """
-        ride = RideOut("writing results", self.outages, self.events, base_s=0.5, cap_s=10.0)
-        written = 0
-        failures = 0
-        todo = [list(range(len(results)))]  # index lists still to write, last first
-        while todo:
-            rows = todo.pop()
-            try:
-                await write([results[i] for i in rows], [deliveries[i] for i in rows], rows)
-            except Exception as error:
-                fault = classify_sink_error(error, system)
-                if fault.system is not System.REDIS:
-                    self.events.sink_error(error=error, kind=fault.kind.value)
-                todo.append(rows)  # until decided otherwise, it is still to write
-                if fault.kind is FaultKind.TRANSIENT:
-                    await ride.wait(fault)
-                elif fault.kind is FaultKind.ROW and len(rows) > 1:
-                    todo.pop()
-                    self.events.row_isolated(rows=len(rows))
-                    half = len(rows) // 2
-                    todo += [rows[half:], rows[:half]]
-                elif fault.kind is FaultKind.ROW:
-                    row = rows[0]
-                    detail = f"{fault.system} refused the row: {fault.detail}"
-                    refused = Rejected.chunk(
-                        deliveries[row], chunks[row], DeadReason.SINK_REFUSED, detail
-                    )
-                    try:
-                        await self._dead_letter([refused])
-                    except Exception as redis_error:  # the row is tried again after the wait
-                        await ride.wait(transient_or_raise(redis_error, System.REDIS))
-                    else:
-                        todo.pop()
-                else:
-                    failures += 1
-                    if failures >= self.settings.sink_retries:
-                        raise WorkerFault.from_fault(
-                            fault, f"writing results ({failures} tries)"
-                        ) from error
-                    log.warning(
-                        "sink write failed, retrying",
-                        system=fault.system.value,
-                        error=fault.detail,
-                        tries=failures,
-                        of=self.settings.sink_retries,
-                    )
-                    await ride.pause(fault)
-                continue
-            ride.succeeded()
-            written += len(rows)
-        return written
 
 
 def tokenizer_json(transformer_dir: Path) -> bytes | None:

@@ -1,0 +1,239 @@
+"""The worker's write stage: encoded batches → results → the sink (or the caller's reply list),
+acknowledged in the same round trip.
+
+``Writer.run`` takes what the compute stage hands on (``Encoded``: a batch's vectors, or the
+results the vector cache answered) until the compute stage ends; per batch it makes the results
+(the fleet's calibration read once for int8/uint8), stores the new vectors in the vector cache,
+writes each row where it goes and releases the entries from the worker's in-flight set (the sink
+holds those it has written and not yet acknowledged: a Parquet shard's).
+
+Faults (shared/fault_kinds.py): a transient one is waited out however long; a row the database
+refuses is isolated by halving its batch and dead-lettered alone; any other fault is tried
+``EMBEDFLEET_SINK_RETRIES`` times, then ends the stage with a ``WorkerFault`` naming the setting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import redis.asyncio as aioredis
+
+from embedfleet.shared.dead_letters import DeadReason
+from embedfleet.shared.fault_kinds import FaultKind, System, WorkerFault
+from embedfleet.shared.keys import Keys
+from embedfleet.shared.logging import get_logger
+from embedfleet.shared.protocol import Chunk, Result
+from embedfleet.shared.settings import Settings
+from embedfleet.shared.vector_cache import VectorCache, pack_entry
+from embedfleet.sinks import Delivery, Sink
+from embedfleet.sinks.reply import ReplyListWriter
+from embedfleet.workers.calibration import Calibration
+from embedfleet.workers.dead_letter_writer import DeadLetters, Rejected
+from embedfleet.workers.events import WorkerEvents
+from embedfleet.workers.model.encoder import Tokenized
+from embedfleet.workers.outages import (
+    Outages,
+    RideOut,
+    classify_sink_error,
+    ride_out,
+    transient_or_raise,
+)
+from embedfleet.workers.output import Outputs
+from embedfleet.workers.reclaim import InFlight
+
+log = get_logger("embedfleet.worker")
+
+
+@dataclass
+class Encoded:
+    """One batch the compute stage hands to the writer."""
+
+    chunks: list[Chunk]
+    deliveries: list[Delivery]
+    tokens: list[Tokenized]
+    vectors: np.ndarray
+    # each chunk's content key, for the vector cache to store its vector under (None: not)
+    content_keys: list[str | None] = field(default_factory=list)
+    # the results of chunks the vector cache answered: written as they are, no model ran
+    cached: list[Result] | None = None
+
+
+class Writer:
+    """The write stage: results to the sink or the reply lists, acknowledged, released."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        client: aioredis.Redis,
+        sink: Sink,
+        outputs: Outputs,
+        vector_cache: VectorCache,
+        dead_letters: DeadLetters,
+        in_flight: InFlight,
+        outages: Outages,
+        events: WorkerEvents,
+        on_model_thread: Callable[[Callable[[], Calibration]], Awaitable[Calibration]],
+    ) -> None:
+        self.settings = settings
+        self.keys: Keys = settings.keys
+        self.sink = sink
+        self.outputs = outputs
+        self.vector_cache = vector_cache
+        self.dead_letters = dead_letters
+        self.in_flight = in_flight
+        self.outages = outages
+        self.events = events
+        self.on_model_thread = on_model_thread
+        # the gateway's chunks: their results go back to the caller's reply list
+        self.replies = ReplyListWriter(client, self.keys, settings.job_reply_ttl_s)
+
+    async def run(self, encoded: asyncio.Queue[Encoded | None]) -> None:
+        """Write what ``encoded`` brings until its end (None: the compute stage has finished)."""
+        while (item := await encoded.get()) is not None:
+            if item.cached is not None:  # answered by the vector cache: the results are ready
+                results = item.cached
+            else:
+                # int8/uint8 need the fleet's calibration; read (or made) once, then cached
+                await ride_out(
+                    RideOut("reading the calibration", self.outages, self.events),
+                    System.REDIS,
+                    functools.partial(self.outputs.prepare, item.chunks, self.on_model_thread),
+                )
+                results = self.outputs.results(
+                    item.chunks, item.vectors, [t.truncated for t in item.tokens]
+                )
+                # stored before the write: once the job has finished, its vectors are there
+                await self._remember(item, results)
+            started = time.perf_counter()
+            written = 0
+            # chunks with a reply (the gateway's) go back to their caller, the rest to the sink
+            replied = [row for row, chunk in enumerate(item.chunks) if chunk.reply is not None]
+            sunk = [row for row, chunk in enumerate(item.chunks) if chunk.reply is None]
+            if sunk:
+                written += await self._write(
+                    [results[r] for r in sunk],
+                    [item.deliveries[r] for r in sunk],
+                    [item.chunks[r] for r in sunk],
+                    lambda results, deliveries, rows: self.sink.write(results, deliveries),
+                    self.sink.system,
+                )
+            if replied:
+                replies = [item.chunks[r].reply or "" for r in replied]
+
+                def write_replies(
+                    results: list[Result],
+                    deliveries: list[Delivery],
+                    rows: list[int],
+                    replies: list[str] = replies,
+                ) -> Awaitable[None]:
+                    return self.replies.write(
+                        results, deliveries, replies=[replies[i] for i in rows]
+                    )
+
+                written += await self._write(
+                    [results[r] for r in replied],
+                    [item.deliveries[r] for r in replied],
+                    [item.chunks[r] for r in replied],
+                    write_replies,
+                    System.REDIS,
+                )
+            if written:
+                self.events.results_written(texts=written, seconds=time.perf_counter() - started)
+            # acknowledged, or held by the sink until it is (in_flight keeps their leases then)
+            self.in_flight.release(item.deliveries)
+
+    async def _remember(self, item: Encoded, results: list[Result]) -> None:
+        """Store the vectors just embedded in the vector cache, under their content keys, each
+        in its entry's key set. Before the write and its acknowledgement, so that a finished
+        job's vectors are all there; a vector whose row the sink then refuses is still the
+        model's vector for that content (a later hit is refused the same way). Redis failing
+        here costs only the cache."""
+        by_owner: dict[Keys, list[tuple[str, bytes]]] = {}
+        for row, key in enumerate(item.content_keys):
+            if key is None:
+                continue
+            with contextlib.suppress(KeyError):
+                owner = self.keys.owner_of(item.deliveries[row].stream)
+                entry = pack_entry(results[row], item.tokens[row].length)
+                by_owner.setdefault(owner, []).append((key, entry))
+        for owner, entries in by_owner.items():
+            try:
+                await self.vector_cache.store(owner, entries)
+            except Exception as error:
+                transient_or_raise(error, System.REDIS)
+                log.warning("vector cache not written", error=str(error), vectors=len(entries))
+
+    async def _write(
+        self,
+        results: list[Result],
+        deliveries: list[Delivery],
+        chunks: list[Chunk],
+        write: Callable[[list[Result], list[Delivery], list[int]], Awaitable[None]],
+        system: System,
+    ) -> int:
+        """Write a batch with ``write`` (given the rows' results, deliveries and indices);
+        returns how many results were written.
+
+        By kind of fault (shared/fault_kinds.py): transient ones are waited out, however long;
+        a refused row is found by halving the batch (each half written on its own) and
+        dead-lettered alone with the database's message; any other fault is tried
+        ``sink_retries`` times (a fault not known to pass might still) and then stops the
+        worker with a WorkerFault naming the setting.
+        """
+        ride = RideOut("writing results", self.outages, self.events, base_s=0.5, cap_s=10.0)
+        written = 0
+        failures = 0
+        todo = [list(range(len(results)))]  # index lists still to write, last first
+        while todo:
+            rows = todo.pop()
+            try:
+                await write([results[i] for i in rows], [deliveries[i] for i in rows], rows)
+            except Exception as error:
+                fault = classify_sink_error(error, system)
+                if fault.system is not System.REDIS:
+                    self.events.sink_error(error=error, kind=fault.kind.value)
+                todo.append(rows)  # until decided otherwise, it is still to write
+                if fault.kind is FaultKind.TRANSIENT:
+                    await ride.wait(fault)
+                elif fault.kind is FaultKind.ROW and len(rows) > 1:
+                    todo.pop()
+                    self.events.row_isolated(rows=len(rows))
+                    half = len(rows) // 2
+                    todo += [rows[half:], rows[:half]]
+                elif fault.kind is FaultKind.ROW:
+                    row = rows[0]
+                    detail = f"{fault.system} refused the row: {fault.detail}"
+                    refused = Rejected.chunk(
+                        deliveries[row], chunks[row], DeadReason.SINK_REFUSED, detail
+                    )
+                    try:
+                        await self.dead_letters.send([refused])
+                        self.in_flight.release([refused])
+                    except Exception as redis_error:  # the row is tried again after the wait
+                        await ride.wait(transient_or_raise(redis_error, System.REDIS))
+                    else:
+                        todo.pop()
+                else:
+                    failures += 1
+                    if failures >= self.settings.sink_retries:
+                        raise WorkerFault.from_fault(
+                            fault, f"writing results ({failures} tries)"
+                        ) from error
+                    log.warning(
+                        "sink write failed, retrying",
+                        system=fault.system.value,
+                        error=fault.detail,
+                        tries=failures,
+                        of=self.settings.sink_retries,
+                    )
+                    await ride.pause(fault)
+                continue
+            ride.succeeded()
+            written += len(rows)
+        return written
