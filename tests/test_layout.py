@@ -62,3 +62,19 @@ def test_a_checkout_on_pythonpath_alone_names_modules_as_the_wheel_does(tmp_path
     location = Path(result.stdout.strip())
     assert location == REPO / "embedfleet" / "shared" / "exit_codes.py"
     assert location.resolve() == REPO / "shared" / "exit_codes.py"
+
+
+def test_the_light_client_imports_none_of_the_verbs() -> None:
+    """``embedfleet.producer`` is the client ingestion services import; the operator's verbs
+    (``embedfleet.ops``), their click options, the sinks, the worker and the gateway are not
+    part of it."""
+    loaded = _python(
+        "import sys\nfrom embedfleet import Producer\nimport embedfleet.producer, "
+        "embedfleet.producer.jsonl, embedfleet.producer.documents, "
+        "embedfleet.producer.results_reader\n"
+        "print(sorted({m.split('.')[0] if not m.startswith('embedfleet.') "
+        "else '.'.join(m.split('.')[:2]) for m in sys.modules}))"
+    )
+    for name in ("embedfleet.ops", "click", "embedfleet.sinks", "embedfleet.workers"):
+        assert f"'{name}'" not in loaded, loaded
+    assert "'embedfleet.gateway'" not in loaded and "'torch'" not in loaded, loaded
