@@ -269,7 +269,7 @@ async def run_child(stats: Path, path: str) -> None:
     sink = RedisStreamSink(client, settings.keys)
     worker = worker_module.Worker(settings, encoder, client, sink, Listener())
     replace(worker.consumer, "read_ingest", clock.coroutine("read", worker.consumer.read_ingest))
-    replace(worker, "_with_prompts", clock.sync("prompt", worker._with_prompts))
+    replace(worker.intake, "_with_prompts", clock.sync("prompt", worker.intake._with_prompts))
     replace(sink, "write", clock.coroutine("sink write", sink.write))
     loop = asyncio.get_running_loop()
     print("loaded", flush=True)

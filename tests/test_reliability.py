@@ -118,16 +118,16 @@ async def test_every_bad_input_is_dead_lettered_and_the_worker_goes_on(
     encoder,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from embedfleet.workers import worker as worker_module
+    from embedfleet.workers import intake as intake_module
 
     decoding_threads: list[str] = []
-    decode_entries = worker_module.decode_entries
+    decode_entries = intake_module.decode_entries
 
     def recorded(*args, **kwargs):
         decoding_threads.append(threading.current_thread().name)
         return decode_entries(*args, **kwargs)
 
-    monkeypatch.setattr(worker_module, "decode_entries", recorded)
+    monkeypatch.setattr(intake_module, "decode_entries", recorded)
     async with workers.run(settings) as worker:
         recorder: Recorder = worker.listener
         entry_reasons = {}
