@@ -244,9 +244,14 @@ async def test_worker_metrics_health_and_readiness(
                 "dtype": "float32",
             }
             print(f"ingest lag as scraped: {lags}")
-            # The lag starts at the whole backlog, only goes down, and ends at 0.
-            assert lags[0] > 0, lags
-            assert all(a >= b for a, b in itertools.pairwise(lags)), lags
+            # The lag starts at the whole backlog, only goes down, and ends at 0. Redis cannot
+            # tell the lag (XINFO GROUPS gives nil, the gauge NaN, as its help says) while the
+            # group's last delivered entry is already deleted and an earlier one is not: a
+            # window's entries are acknowledged (and deleted) in length order, not read order.
+            # Those samples say nothing either way; every figure Redis gives must go down.
+            known = [lag for lag in lags if not math.isnan(lag)]
+            assert lags[0] > 0 and len(known) >= 2, lags
+            assert all(a >= b for a, b in itertools.pairwise(known)), lags
             assert final("embedfleet_stream_lag", stream="ingest") == 0
             # Seen in steps, not only as "all" then "none". The final 0 counts: on a fast
             # machine the 250 chunks drain within two refreshes of the gauge (1 s apart).
