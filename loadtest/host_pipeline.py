@@ -226,9 +226,9 @@ def replace(owner: object, name: str, wrapper: Callable[..., Any]) -> None:
 def install_clock(clock: StageClock, path: str) -> None:
     """Wrap the functions that do each stage (in this process only; the worker is unchanged)."""
     from embedfleet.sinks import redis_stream
-    from embedfleet.workers import bulk, output, worker
+    from embedfleet.workers import bulk, intake, output
 
-    replace(worker, "decode_entries", clock.sync("decode + validate", worker.decode_entries))
+    replace(intake, "decode_entries", clock.sync("decode + validate", intake.decode_entries))
     for method, stage in (
         ("plan", "sort + plan"),
         ("collate", "collate"),
