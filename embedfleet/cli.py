@@ -1,4 +1,6 @@
-"""The `embedfleet` command line."""
+"""The `embedfleet` command line: one click group, `main`, and the one place its verbs are
+registered (below, one line each). Each verb's command is defined once, in the module that owns
+what the verb does; no other module registers a verb."""
 
 from __future__ import annotations
 
@@ -34,26 +36,22 @@ def main() -> None:
     """
 
 
-for command in (
-    demo_command,
-    worker_command,
-    enqueue_command,
-    query_command,
-    results_command,
-    status_command,
-    calibration_command,
-    plan_command,
-    serve_command,
-    dead_group,
-):
-    main.add_command(command)
-for command in (
-    search_command,
-    index_command,
-    migrate_group,
-    prune_command,
-):  # the vector database sinks
-    main.add_command(command)
+# The one place the verbs are registered, one line each; each verb's command lives in the
+# module that owns what it does. The order is --help's (click sorts them by name).
+main.add_command(demo_command)  # embedfleet.demo: the whole fleet on one machine
+main.add_command(worker_command)  # embedfleet.workers.cli
+main.add_command(serve_command)  # embedfleet.gateway.cli: the HTTP gateway
+main.add_command(enqueue_command)  # embedfleet.ops.client_verbs: the client's verbs ...
+main.add_command(query_command)
+main.add_command(results_command)
+main.add_command(calibration_command)
+main.add_command(status_command)  # embedfleet.ops.status
+main.add_command(plan_command)  # embedfleet.ops.plan
+main.add_command(dead_group)  # embedfleet.ops.dead_letter_admin: dead list/show/replay/purge
+main.add_command(search_command)  # embedfleet.ops.search: the vector database sinks' verbs ...
+main.add_command(index_command)
+main.add_command(migrate_group)  # embedfleet.ops.migrate_cli: migrate start/status/.../finish
+main.add_command(prune_command)  # embedfleet.ops.prune
 
 
 if __name__ == "__main__":
