@@ -21,7 +21,7 @@ demo: install
 
 # `make test`: the fast tier a developer runs many times a day (minutes on 2 cores): everything
 # but the modules that start worker or gateway processes, the image, the cluster, chaos and
-# packaging (tests/conftest.py SLOW_MODULES, the markers in pyproject.toml). `make test-full`:
+# packaging (each module marks its tier: `pytestmark = pytest.mark.slow`; pyproject.toml). `make test-full`:
 # the whole suite, as CI runs it (.ci/run), listing its 30 slowest tests at the end: CI must
 # stay under 30 minutes on 2 cores, and that list says where the time goes.
 FAST_TIER := not slow and not chaos and not image and not packaging and not cluster
@@ -30,7 +30,7 @@ FAST_TIER := not slow and not chaos and not image and not packaging and not clus
 # fails the target. Tests marked `beside` (mypy: no model, no server) join them there. The
 # wheelhouse is made first, alone: it builds the project in this tree, as the packaging tests
 # do, and two builds in one tree collide.
-# EMBEDFLEET_TEST_WHEELHOUSE=made tells tests/test_image.py not to make it again.
+# EMBEDFLEET_TEST_WHEELHOUSE=made tells tests/end_to_end/test_image.py not to make it again.
 test: install
 	$(PY) -m pytest -m "$(FAST_TIER)"
 

@@ -20,7 +20,8 @@ sentence-transformers fp32/bf16 at their best batch, MFU against the measured an
 bf16 peak), latency (query p50/p99 idle and under a saturating backlog), replicas (texts/s of
 one worker with N model replicas, EMBEDFLEET_REPLICAS), host (the host pipeline with the stand-in
 encoder at zero cost, 1-8 worker processes: loadtest/host_pipeline.py) and tests
-(tests/test_packing.py and tests/test_bulk.py on the device).
+(tests/integration/workers/test_packing.py and tests/integration/workers/test_bulk.py on the
+device).
 """
 
 from __future__ import annotations
@@ -345,7 +346,8 @@ def summarize(results: dict[str, Any]) -> str:
     )
     tests = steps.get("tests", {}).get("results", {})
     if tests:
-        lines += ["", f"tests/test_packing.py, tests/test_bulk.py: {tests.get('last_line')}"]
+        tested = "tests/integration/workers/test_packing.py, tests/integration/workers/test_bulk.py"
+        lines += ["", f"{tested}: {tests.get('last_line')}"]
     return "\n".join(lines) + "\n"
 
 

@@ -14,7 +14,8 @@ killed at its timeout still leaves what it measured. Steps:
 ``latency``    query p50/p99 through the priority lane, idle and under a saturating backlog
 ``replicas``   texts/s of one worker with N model replicas (EMBEDFLEET_REPLICAS; N = 1, 2, 4,
                8 on a GPU: one host thread and 1/N of the memory each)
-``tests``      tests/test_packing.py and tests/test_bulk.py on the device (the CUDA forms of
+``tests``      tests/integration/workers/test_packing.py and tests/integration/workers/test_bulk.py
+on the device (the CUDA forms of
                the packed paths, launches ahead of their copy back with real events)
 """
 
@@ -623,8 +624,10 @@ def tests(config: CheckConfig, record: Record) -> None:
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x"]
     # the packed layouts and the launch-ahead path with real CUDA events (the worker end to end
     # is the bench step's fleet run)
-    command += ["tests/test_packing.py", "tests/test_bulk.py", "--deselect"]
-    command += ["tests/test_bulk.py::test_worker_varlen_on_cpu_matches_sentence_transformers"]
+    packing = "tests/integration/workers/test_packing.py"
+    bulk = "tests/integration/workers/test_bulk.py"
+    command += [packing, bulk, "--deselect"]
+    command += [f"{bulk}::test_worker_varlen_on_cpu_matches_sentence_transformers"]
     if config.pytest_filter:
         command += ["-k", config.pytest_filter]
     result = subprocess.run(

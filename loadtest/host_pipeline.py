@@ -96,7 +96,8 @@ def masked_window_plan(
 ) -> list[PlannedBatch]:
     """``plan_batches`` as it was before issue 29 (each step costs every cut of the window, those
     over the budget, or over ``max_texts`` for their width, set to infinity): the "before" path,
-    and the reference the faster programme is tested against (tests/test_batcher.py). It takes
+    and the reference the faster programme is tested against (tests/unit/workers/test_batcher.py).
+    It takes
     plan_batches' arguments, so the worker can call either."""
     order = sorted(range(len(lengths)), key=lambda position: lengths[position], reverse=True)
     ordered = np.array([lengths[p] for p in order], dtype=np.int64)

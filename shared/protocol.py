@@ -6,7 +6,8 @@ pickled, and unpacking is bounded so a hostile payload cannot make a worker allo
 
 The messages (chunk, query fields, result, error reply, dead letter), field by field, and how a
 caller waits for a query's answer are listed once, in ``shared/protocol_doc.py``: the README's
-protocol section is generated from it, and ``tests/test_protocol_doc.py`` checks it against what
+protocol section is generated from it, and ``tests/integration/shared/test_protocol_doc.py`` checks
+it against what
 this module writes and accepts.
 
 Why still v1: every new field is optional and a v1 reader that ignores them still reads every

@@ -3,7 +3,8 @@
 A client in another language implements the protocol from this section alone, so it must say
 everything the code does: the chunk, the query's extra fields and how a caller waits for its
 answer (the request-id convention), the result, the error reply, the dead letter. The tables
-below name each field once; ``tests/test_protocol_doc.py`` checks them against what
+below name each field once; ``tests/integration/shared/test_protocol_doc.py`` checks them against
+what
 ``shared/protocol.py`` writes and accepts (a field added there and not here fails it) and checks
 that docs/PROTOCOL.md holds the section as generated. Regenerate that file's block with
 ``python -m embedfleet.shared.protocol_doc --write``, run from the repository root (``--write

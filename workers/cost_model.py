@@ -43,7 +43,7 @@ that the planner reads on the tokenizer thread while the event loop refits (a ne
 swapped in whole). For a padded batch it gives the most texts of each width that fit; for a
 packed batch whether a running (tokens, squares) sum still fits.
 
-Pure logic, no torch: tests/test_cost_model.py checks the fit and the sizing.
+Pure logic, no torch: tests/unit/workers/test_cost_model.py checks the fit and the sizing.
 """
 
 from __future__ import annotations

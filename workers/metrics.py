@@ -266,7 +266,7 @@ class WorkerMetrics(WorkerEvents):
 
     Each entry of ``METRICS`` is an attribute of the same name (``self.texts``, ...), set in
     ``__init__``; the annotations below give each its type for the type checker
-    (tests/test_ops.py checks that they match ``METRICS``).
+    (tests/end_to_end/test_ops.py checks that they match ``METRICS``).
     """
 
     info: Info

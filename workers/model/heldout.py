@@ -14,7 +14,8 @@ Three groups, each where reduced precision fails first:
 - :data:`ODD`: the inputs real traffic has and prose lacks (markup, logs, identifiers, emoji,
   repeated tokens, a lone character, whitespace runs).
 
-``tests/test_int8.py`` checks that the set stays disjoint from the calibration texts.
+``tests/integration/workers/test_int8.py`` checks that the set stays disjoint from the calibration
+texts.
 """
 
 from __future__ import annotations

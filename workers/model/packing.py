@@ -30,7 +30,8 @@ fp32, and nested-tensor SDPA on CPU is a padded math fallback, slower still than
 tests run the CUDA code path on a CPU. The third layout measured, packed ``rows``, is a
 benchmark contender only (``loadtest/packed_rows.py`` says why).
 
-Every layout must give the vectors the unpadded model gives: ``tests/test_packing.py`` checks
+Every layout must give the vectors the unpadded model gives:
+``tests/integration/workers/test_packing.py`` checks
 min cosine >= 0.9999 in fp32 on real texts, on the CPU form of this same code, and the device
 check (``loadtest/gpu_check.py``, step ``parity``) on a GPU.
 """

@@ -1,0 +1,33 @@
+"""The package type-checks: mypy over the tree, with pyproject.toml's [tool.mypy] settings.
+
+Run as `make lint` runs it (from the repository root, `mypy` with no arguments), so the config
+alone says what is checked and how strictly. A cold run (no .mypy_cache) takes a minute or two.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.paths import REPO_ROOT
+
+REPOSITORY_ROOT = REPO_ROOT
+
+
+@pytest.mark.slow
+@pytest.mark.beside
+def test_mypy_finds_no_errors() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy"],
+        cwd=REPOSITORY_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    assert result.returncode == 0, (
+        f"mypy exited with {result.returncode}; fix the errors below (or, where a library's "
+        f"types are wrong, a narrow `# type: ignore[code]` saying why):\n"
+        f"{result.stdout}{result.stderr}"
+    )
