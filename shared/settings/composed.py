@@ -1,0 +1,115 @@
+"""``Settings``: every section in one class, as every side of the fleet reads it.
+
+Each section (a module of this package) owns its fields, their defaults, descriptions and
+validators; ``Settings`` inherits them all, so ``settings.<name>``, ``EMBEDFLEET_<NAME>`` and
+``Settings(<name>=...)`` reach every field whatever section holds it. What spans sections (the
+keys, which need the queue's names and the model's lane; a Parquet shard's age against the
+reclaim time) is here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError, model_validator
+
+from embedfleet.shared.keys import Keys
+from embedfleet.shared.settings.batch_api import BatchApiSettings
+from embedfleet.shared.settings.batching import BatchingSettings
+from embedfleet.shared.settings.gateway import GatewaySettings
+from embedfleet.shared.settings.inputs import InputSettings
+from embedfleet.shared.settings.model import ModelSettings
+from embedfleet.shared.settings.operations import OperationsSettings
+from embedfleet.shared.settings.query_lane import QueryLaneSettings
+from embedfleet.shared.settings.queue import QueueSettings
+from embedfleet.shared.settings.reliability import ReliabilitySettings
+from embedfleet.shared.settings.section import ENV_PREFIX, Section
+from embedfleet.shared.settings.sinks import SinkSettings
+from embedfleet.shared.settings.tenants import TenantSettings
+from embedfleet.shared.settings.vector_cache import VectorCacheSettings
+
+# The sections in the order the settings table lists them.
+SECTIONS: tuple[type[Section], ...] = (
+    QueueSettings,
+    ModelSettings,
+    VectorCacheSettings,
+    BatchingSettings,
+    QueryLaneSettings,
+    ReliabilitySettings,
+    TenantSettings,
+    InputSettings,
+    OperationsSettings,
+    GatewaySettings,
+    BatchApiSettings,
+    SinkSettings,
+)
+
+
+# The bases are SECTIONS reversed: pydantic collects the fields of the last base first, so
+# ``Settings.model_fields`` (and the order of a ValidationError's problems) follows SECTIONS.
+class Settings(
+    SinkSettings,
+    BatchApiSettings,
+    GatewaySettings,
+    OperationsSettings,
+    InputSettings,
+    TenantSettings,
+    ReliabilitySettings,
+    QueryLaneSettings,
+    BatchingSettings,
+    VectorCacheSettings,
+    ModelSettings,
+    QueueSettings,
+):
+    """embedfleet configuration; every field is also an ``EMBEDFLEET_<NAME>`` variable.
+
+    Each field's docstring is its description (pydantic's ``use_attribute_docstrings``): the
+    meaning column of the settings table in docs/SETTINGS.md, under its section's heading.
+    """
+
+    @model_validator(mode="after")
+    def _shards_before_reclaim(self) -> Settings:
+        # A Parquet shard's entries are acknowledged when it is written; until then they are
+        # pending. The bound was set when the worker stopped renewing their leases once it had
+        # handed them to the sink; it renews them now until they are acknowledged, also while
+        # the store is down (issue 40), so an older shard is no longer claimed by another worker.
+        # The bound is kept as it was: a shard is cut by half of the idle time.
+        if not self.parquet_sink or self.parquet_shard_max_s * 1000 <= self.reclaim_idle_ms / 2:
+            return self
+        raise ValueError(
+            f"EMBEDFLEET_PARQUET_SHARD_MAX_S={self.parquet_shard_max_s:g} is too long for "
+            f"EMBEDFLEET_RECLAIM_IDLE_MS={self.reclaim_idle_ms}: a shard's entries stay pending "
+            "until it is written, and other workers claim entries idle that long. Set "
+            f"EMBEDFLEET_PARQUET_SHARD_MAX_S to at most {self.reclaim_idle_ms / 2000:g} or "
+            f"EMBEDFLEET_RECLAIM_IDLE_MS to at least {self.parquet_shard_max_s * 2000:.0f}"
+        )
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(
+            namespace=self.namespace,
+            group=self.group,
+            partitions=self.partitions,
+            model_lane=self.model_lane,
+        )
+
+
+class SettingsError(ValueError):
+    """A setting has a bad value; the message names the variable and what is allowed."""
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Settings from the environment, with bad values reported as EMBEDFLEET_* variables."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as error:
+        problems = [
+            (
+                f"{ENV_PREFIX}{'_'.join(str(p) for p in item['loc']).upper()}: "
+                if item["loc"]
+                else ""
+            )
+            + item["msg"]
+            for item in error.errors()
+        ]
+        raise SettingsError("bad settings:\n  " + "\n  ".join(problems)) from None

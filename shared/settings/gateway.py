@@ -1,0 +1,58 @@
+"""Gateway settings: `embedfleet serve`, the HTTP door (OpenAI and TEI dialects)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import Field
+
+from embedfleet.shared.settings.section import Section
+
+
+class GatewaySettings(Section):
+    """Where the gateway listens, who it lets in, the limits of a request and how long it waits."""
+
+    title: ClassVar[str] = "HTTP gateway (`embedfleet serve`)"
+
+    gateway_host: str = "127.0.0.1"
+    """Address `embedfleet serve` binds."""
+    gateway_port: int = Field(default=8000, ge=0, le=65535)
+    """Port of `embedfleet serve`."""
+    served_model_name: str | None = None
+    """Model name the gateway answers to (`model` in requests, /v1/models). Unset: the worker's
+    model name."""
+    api_keys: str | None = None
+    """Comma-separated API keys the gateway accepts as `Authorization: Bearer`. Unset together with
+    EMBEDFLEET_API_KEYS_FILE: no authentication."""
+    api_keys_file: str | None = None
+    """File of API keys, one per line (a mounted Secret); read at start."""
+    gateway_max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    """Largest JSON request body the gateway reads (413 beyond it)."""
+    gateway_max_inputs: int = Field(default=2048, ge=1)
+    """Most inputs in one embeddings request (OpenAI's limit)."""
+    gateway_max_input_chars: int = Field(default=100_000, ge=1)
+    """Longest text input in characters (413 beyond it); texts over the model's token limit are
+    truncated as the workers do."""
+    gateway_lane_max_inputs: int = Field(default=16, ge=1)
+    """Requests with at most this many inputs ride the priority query lane; larger ones go to the
+    interactive stream, which workers read before any bulk backlog."""
+    gateway_lane_high_water: int = Field(default=512, ge=1)
+    """429 for lane requests while the query stream holds this many entries."""
+    gateway_timeout_s: float = Field(default=120.0, gt=0)
+    """How long the gateway waits for a request's vectors, a worker's start included (scale from
+    zero); then 504, the request withdrawn."""
+    gateway_retry_after_s: int = Field(default=5, ge=1)
+    """`Retry-After` seconds sent with a 429, and with a 503 while Redis is unreachable or hung."""
+    gateway_redis_timeout_s: float = Field(default=2.0, gt=0)
+    """How long `/readyz` and the gateway's short Redis reads (the model card, worker heartbeats)
+    wait on Redis: past it `/readyz` answers 503 (not ready) and a route 503 `queue_unavailable`
+    with `Retry-After`. An embeddings request as a whole is bounded by EMBEDFLEET_GATEWAY_TIMEOUT_S
+    (plus one second for its clean-up)."""
+    gateway_worker_idle_ms: int = Field(default=15_000, ge=100)
+    """A worker whose heartbeat is at most this old counts as live; with none, TEI's /health is 503
+    and a timed-out request's message says so (requests are enqueued all the same)."""
+    gateway_accept_token_ids: bool = False
+    """Accept token ids as `input` on /v1/embeddings (and in batch lines), decoded with the served
+    model's own tokenizer. Off: token ids get a 400, because ids from another tokenizer (LangChain's
+    `OpenAIEmbeddings` sends tiktoken ids unless `check_embedding_ctx_length=False`) would embed
+    the wrong text without an error."""

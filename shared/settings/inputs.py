@@ -1,0 +1,42 @@
+"""Input settings: the limits every side checks chunks against, and how documents are cut."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import Field
+
+from embedfleet.shared.protocol import ChunkLimits
+from embedfleet.shared.settings.section import Section
+
+
+class InputSettings(Section):
+    """Limits on what is enqueued (sizes of payloads, texts, metadata, ids, dead letters) and
+    the overlap of document chunks."""
+
+    title: ClassVar[str] = "Input: limits and documents"
+
+    max_message_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    """Largest msgpack payload accepted; bigger entries are dead-lettered."""
+    max_text_chars: int = Field(default=1_000_000, ge=1)
+    """Longest text accepted (characters); longer texts are dead-lettered."""
+    max_meta_bytes: int = Field(default=16 * 1024, ge=0)
+    """Largest metadata (msgpack-encoded) passed through to results."""
+    max_id_chars: int = Field(default=512, ge=1)
+    """Longest chunk id and job id accepted (characters)."""
+    dead_payload_max_bytes: int = Field(default=64 * 1024, ge=0)
+    """Dead letters keep the whole original payload up to this size, so `embedfleet dead replay` can
+    re-enqueue it; bigger ones keep a 256-byte prefix."""
+    document_overlap_tokens: int = Field(default=0, ge=0)
+    """Tokens each document chunk shares with the one before it (`enqueue --documents`,
+    `Producer.enqueue_documents`)."""
+
+    @property
+    def chunk_limits(self) -> ChunkLimits:
+        """The limits every side validates chunks with (producer, JSONL reader, worker)."""
+        return ChunkLimits(
+            max_id_chars=self.max_id_chars,
+            max_text_chars=self.max_text_chars,
+            max_meta_bytes=self.max_meta_bytes,
+            max_message_bytes=self.max_message_bytes,
+        )
