@@ -12,16 +12,20 @@ the same libraries; what to do about one depends only on its kind:
   credentials, a missing extension or table, wrong dimension). Exit non-zero with a message
   that names the setting, for the supervisor (and the person) to act on.
 
-Classification reads the exception's type, and for databases the SQLSTATE or HTTP status it
-carries. The database client libraries are optional extras, so they are recognised by module
-name and attributes, never imported here.
+Classification reads the exception's type. This module holds the contract (the kinds, ``classify``)
+and the rules every side meets: Redis's (the queue), the operating system's, HTTP statuses. A
+store's own rules (PostgreSQL's SQLSTATE classes, Qdrant's transport errors) live in the store's
+module under embedfleet/sinks/ as a ``FaultRules``: the modules of its client library and what
+their errors mean; the sinks' registry registers them (``register_fault_rules``), so the light
+client, which never imports a store, carries none of them. The client libraries are optional
+extras, so they are recognised by module name and attributes, never imported here.
 """
 
 from __future__ import annotations
 
 import errno
 import random
-import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -128,33 +132,49 @@ _REDIS_WORKER = (
     redis_errors.NoPermissionError,
 )
 
-# SQLSTATE classes (first two characters), PostgreSQL appendix A.
-_SQLSTATE_TRANSIENT_CLASSES = ("08", "40", "53", "57", "58", "55")  # connection, rollback, ...
-_SQLSTATE_ROW_CLASSES = ("22", "23")  # data exception, integrity constraint violation
-# 28: bad credentials; 3D: no such database; 42: no such table/column, no privilege.
-_SQLSTATE_WORKER_CLASSES = ("28", "3D", "42", "0A", "XX")
+
+@dataclass(frozen=True)
+class FaultRules:
+    """A store's own rules, declared in its module (embedfleet/sinks/): which errors are its,
+    by the root module of its client libraries, and what they mean."""
+
+    system: System
+    # root modules whose errors are this store's (``psycopg``, ``qdrant_client``, ...)
+    modules: tuple[str, ...]
+    # the kind of one of its errors; None: the common rules decide (classify)
+    kind: Callable[[BaseException], FaultKind | None] = lambda _error: None
 
 
-# What PostgreSQL says, at connection time, when only a person can help.
-_PG_REFUSED = re.compile(
-    r"password authentication failed|authentication failed|no pg_hba\.conf entry"
-    r"|(database|role) \"[^\"]*\" does not exist|permission denied|no password supplied",
-    re.IGNORECASE,
-)
+# the registered stores' rules by root module (register_fault_rules)
+_STORE_RULES: dict[str, FaultRules] = {}
+
+
+def register_fault_rules(rules: FaultRules) -> None:
+    """Classify the errors of ``rules.modules`` by ``rules`` (the sinks' registry calls it for
+    each store). A module claimed by two systems is a registry mistake, refused loudly."""
+    for module in rules.modules:
+        known = _STORE_RULES.get(module)
+        if known is not None and known.system is not rules.system:
+            raise ValueError(
+                f"errors of {module!r} are {known.system}'s already; {rules.system} cannot "
+                "claim them too"
+            )
+        _STORE_RULES[module] = rules
+
+
+def _store_rules(error: BaseException) -> FaultRules | None:
+    """The registered rules of the store whose client library raised ``error``."""
+    module = type(error).__module__ or ""
+    return _STORE_RULES.get(module.split(".", 1)[0])
 
 
 def system_of(error: BaseException) -> System:
+    """The system whose library raised ``error``: Redis, a registered store, else unknown."""
     module = type(error).__module__ or ""
-    root = module.split(".", 1)[0]
-    if root == "redis":
+    if module.split(".", 1)[0] == "redis":
         return System.REDIS
-    if root == "psycopg" or root == "psycopg_pool":
-        return System.POSTGRESQL
-    if root in ("qdrant_client", "httpx", "httpcore", "grpc"):
-        return System.QDRANT
-    if root in ("lancedb", "pyarrow", "lance"):
-        return System.LANCEDB
-    return System.UNKNOWN
+    rules = _store_rules(error)
+    return rules.system if rules is not None else System.UNKNOWN
 
 
 def classify(error: BaseException, system: System | None = None) -> Fault:
@@ -192,18 +212,11 @@ def _kind(error: BaseException) -> FaultKind:
         return _redis_kind(error)
     if isinstance(error, redis_errors.RedisClusterException):
         return FaultKind.TRANSIENT  # no node serves the slot yet: a cluster failing over
-    sqlstate = getattr(error, "sqlstate", None)
-    if isinstance(sqlstate, str) and len(sqlstate) == 5:
-        return _sqlstate_kind(sqlstate)
-    if system_of(error) is System.POSTGRESQL:
-        # psycopg errors without a SQLSTATE: the connection is gone or never came
-        # (OperationalError, InterfaceError); anything else is the worker's to report. A refused
-        # connection carries no SQLSTATE either (libpq reports it as text): the server's words
-        # tell bad credentials or a missing database, which no wait fixes, from a server away.
-        lost = type(error).__name__ in ("OperationalError", "InterfaceError")
-        if lost and _PG_REFUSED.search(str(error)):
-            return FaultKind.WORKER
-        return FaultKind.TRANSIENT if lost else FaultKind.WORKER
+    rules = _store_rules(error)
+    if rules is not None:
+        kind = rules.kind(error)  # the store's own rules first (a SQLSTATE, a transport error)
+        if kind is not None:
+            return kind
     status = _http_status(error)
     if status is not None:
         return _http_kind(status)
@@ -218,17 +231,6 @@ def _kind(error: BaseException) -> FaultKind:
     if isinstance(error, PermissionError):
         return FaultKind.WORKER
     if isinstance(error, OSError) and error.errno in _NETWORK_ERRNOS:
-        return FaultKind.TRANSIENT
-    name = type(error).__name__
-    # httpx / httpcore transport errors (ConnectError, ReadTimeout, RemoteProtocolError, ...)
-    # and qdrant_client's wrapper of them.
-    if system_of(error) is System.QDRANT and (
-        "Timeout" in name
-        or "Connect" in name
-        or "Network" in name
-        or "Protocol" in name
-        or name == "ResponseHandlingException"
-    ):
         return FaultKind.TRANSIENT
     # A value the library cannot encode for the database: that row, not the worker.
     if isinstance(error, (ValueError, TypeError, UnicodeError, OverflowError)):
@@ -255,15 +257,6 @@ def is_redis_out_of_memory(error: BaseException) -> bool:
         isinstance(error, redis_errors.ResponseError)
         and (str(error).startswith("OOM ") or _REDIS_OOM_TEXT in str(error))
     )
-
-
-def _sqlstate_kind(sqlstate: str) -> FaultKind:
-    prefix = sqlstate[:2]
-    if prefix in _SQLSTATE_TRANSIENT_CLASSES:
-        return FaultKind.TRANSIENT
-    if prefix in _SQLSTATE_ROW_CLASSES:
-        return FaultKind.ROW
-    return FaultKind.WORKER
 
 
 def _http_status(error: BaseException) -> int | None:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from embedfleet.shared.fault_kinds import System
+from embedfleet.shared.fault_kinds import FaultRules, System
 from embedfleet.shared.logging import get_logger
 from embedfleet.sinks.backend import (
     BINARY_DTYPES,
@@ -460,6 +460,10 @@ class LanceDBBackend(VectorBackend):
         ]
 
 
+# LanceDB's errors are its (logs, metrics, the setting to change); what they mean is the common
+# rules' (an Arrow value it cannot store is a ValueError: that row)
+FAULTS = FaultRules(System.LANCEDB, ("lancedb", "pyarrow", "lance"))
+
 STORE = Store(
     kind="lancedb",
     schemes=("lancedb",),
@@ -470,4 +474,5 @@ STORE = Store(
     needs=("lancedb", "pyarrow"),
     database=True,
     local="lancedb",
+    faults=FAULTS,
 )

@@ -21,6 +21,7 @@ order. Both travel to the staging table as text and are cast by the upsert.
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from embedfleet.shared.fault_kinds import System
+from embedfleet.shared.fault_kinds import FaultKind, FaultRules, System
 from embedfleet.shared.logging import get_logger
 from embedfleet.sinks.backend import (
     NO_EXTRAS,
@@ -632,6 +633,48 @@ def column_type(conn: psycopg.Connection, table: str) -> tuple[str, int] | None:
     return name, int(rest.rstrip(")") or 0)
 
 
+# SQLSTATE classes (first two characters), PostgreSQL appendix A.
+_SQLSTATE_TRANSIENT_CLASSES = ("08", "40", "53", "57", "58", "55")  # connection, rollback, ...
+_SQLSTATE_ROW_CLASSES = ("22", "23")  # data exception, integrity constraint violation
+# 28: bad credentials; 3D: no such database; 42: no such table/column, no privilege.
+_SQLSTATE_WORKER_CLASSES = ("28", "3D", "42", "0A", "XX")
+
+
+# What PostgreSQL says, at connection time, when only a person can help.
+_PG_REFUSED = re.compile(
+    r"password authentication failed|authentication failed|no pg_hba\.conf entry"
+    r"|(database|role) \"[^\"]*\" does not exist|permission denied|no password supplied",
+    re.IGNORECASE,
+)
+
+
+def _sqlstate_kind(sqlstate: str) -> FaultKind:
+    prefix = sqlstate[:2]
+    if prefix in _SQLSTATE_TRANSIENT_CLASSES:
+        return FaultKind.TRANSIENT
+    if prefix in _SQLSTATE_ROW_CLASSES:
+        return FaultKind.ROW
+    return FaultKind.WORKER
+
+
+def postgres_fault_kind(error: BaseException) -> FaultKind:
+    """The kind of a psycopg error (shared/fault_kinds.py): its SQLSTATE's class when it carries
+    one; without one, the connection is gone or never came (OperationalError, InterfaceError),
+    and anything else is the worker's to report. A refused connection carries no SQLSTATE either
+    (libpq reports it as text): the server's words tell bad credentials or a missing database,
+    which no wait fixes, from a server away."""
+    sqlstate = getattr(error, "sqlstate", None)
+    if isinstance(sqlstate, str) and len(sqlstate) == 5:
+        return _sqlstate_kind(sqlstate)
+    lost = type(error).__name__ in ("OperationalError", "InterfaceError")
+    if lost and _PG_REFUSED.search(str(error)):
+        return FaultKind.WORKER
+    return FaultKind.TRANSIENT if lost else FaultKind.WORKER
+
+
+FAULTS = FaultRules(System.POSTGRESQL, ("psycopg", "psycopg_pool"), postgres_fault_kind)
+
+
 def _postgres_target(url: SinkURL) -> SinkTarget:
     # psycopg takes the libpq URL as is; the SQLAlchemy-style dialect suffix is dropped
     return STORE.target(f"postgresql://{url.rest}", url.table)
@@ -647,4 +690,5 @@ STORE = Store(
     needs=("psycopg", "pgvector"),
     database=True,
     parse=_postgres_target,
+    faults=FAULTS,
 )

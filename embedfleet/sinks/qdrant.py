@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from embedfleet.shared.fault_kinds import System
+from embedfleet.shared.fault_kinds import FaultKind, FaultRules, System
 from embedfleet.shared.logging import get_logger
 from embedfleet.sinks.backend import (
     NO_EXTRAS,
@@ -505,6 +505,29 @@ def _job_filter(job: str) -> Any:
     )
 
 
+def qdrant_fault_kind(error: BaseException) -> FaultKind | None:
+    """The kind of an error of Qdrant's client stack (shared/fault_kinds.py): httpx / httpcore
+    transport errors (ConnectError, ReadTimeout, RemoteProtocolError, ...) and qdrant_client's
+    wrapper of them are transient; the rest (an HTTP status: UnexpectedResponse) is left to the
+    common rules."""
+    name = type(error).__name__
+    if (
+        "Timeout" in name
+        or "Connect" in name
+        or "Network" in name
+        or "Protocol" in name
+        or name == "ResponseHandlingException"
+    ):
+        return FaultKind.TRANSIENT
+    return None
+
+
+# the client (qdrant_client) and what it talks through: REST (httpx, httpcore) or gRPC
+FAULTS = FaultRules(
+    System.QDRANT, ("qdrant_client", "httpx", "httpcore", "grpc"), qdrant_fault_kind
+)
+
+
 def _server_target(url: SinkURL) -> SinkTarget:
     scheme = "https" if url.scheme == "https" else "http"
     credentials, at, host = url.rest.rpartition("@")
@@ -529,6 +552,7 @@ STORE = Store(
     needs=("qdrant_client",),
     database=True,
     parse=_server_target,
+    faults=FAULTS,
 )
 # local mode: the same backend, in-process on a directory
 LOCAL_STORE = Store(
@@ -541,4 +565,5 @@ LOCAL_STORE = Store(
     needs=("qdrant_client",),
     database=True,
     local="qdrant",
+    faults=FAULTS,
 )

@@ -2,7 +2,8 @@
 
 Each store declares itself in its own module (``Store``: schemes, extra, backend, sink); this is
 the one list of them. The kinds, the URL forms the messages list, the database kinds prune and
-migrate accept, the extras, the worker's sink and the reader's backend all come from it: a new
+migrate accept, the extras, the worker's sink, the reader's backend and the fault rules every
+side classifies errors by (registered at import) all come from it: a new
 store is its module and one line here. A kind or scheme nobody registered fails loudly, naming
 it and the registered ones.
 """
@@ -18,6 +19,7 @@ import embedfleet.sinks.parquet as parquet
 import embedfleet.sinks.pgvector as pgvector
 import embedfleet.sinks.qdrant as qdrant
 import embedfleet.sinks.redis_stream as redis_stream
+from embedfleet.shared.fault_kinds import register_fault_rules
 from embedfleet.shared.settings import Settings
 from embedfleet.sinks.backend import VectorBackend, VectorDBError, VectorDType
 from embedfleet.sinks.sink import Sink
@@ -32,6 +34,13 @@ STORES: tuple[Store, ...] = (
     qdrant.LOCAL_STORE,
     parquet.STORE,
 )
+
+# Each store's fault rules join the classification every side shares (shared/fault_kinds.py):
+# a store's errors are known for what they are wherever a store can raise them (any import of
+# embedfleet.sinks runs this), and the light client, which imports no store, carries none.
+for _store in STORES:
+    if _store.faults is not None:
+        register_fault_rules(_store.faults)
 
 
 def kinds() -> tuple[SinkKind, ...]:

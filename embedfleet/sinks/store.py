@@ -3,7 +3,8 @@
 A store module (``lancedb.py``, ``pgvector.py``, ``qdrant.py``, ``parquet/``,
 ``redis_stream.py``) ends with its declaration: the URL schemes that name it and how it reads the
 rest of the URL, how it describes a target, its pip extra and the modules that extra brings, its
-reader-side backend class (search, export, prune, migration) and the worker's sink it builds. The
+reader-side backend class (search, export, prune, migration), the worker's sink it builds and its
+fault rules (which errors are its and what they mean, ``shared/fault_kinds.FaultRules``). The
 registry (``registry.py``) lists the declarations, one line each, and every list of kinds,
 schemes or extras is derived from it.
 """
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from embedfleet.shared.fault_kinds import FaultRules
 from embedfleet.sinks.backend import MissingExtraError, VectorBackend, VectorDType
 from embedfleet.sinks.sink import DatabaseSink, Sink
 from embedfleet.sinks.target import SinkKind, SinkTarget, SinkURL
@@ -72,6 +74,8 @@ class Store:
     sink: SinkFactory = database_sink
     # the plain word that names it too (EMBEDFLEET_SINK=redis; "": none)
     word: str = ""
+    # which errors are its client library's and what they mean (None: the common rules only)
+    faults: FaultRules | None = None
 
     def target(
         self, location: str, table: str, *, api_key: str | None = None, endpoint_url: str = ""
