@@ -5,18 +5,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from embedfleet.gateway import batch_api, openai_api, rerank_api, tei_api
+from embedfleet.gateway import routes
 from embedfleet.gateway.auth import KeyChecker, is_open, load_api_keys
 from embedfleet.gateway.batches import BatchRunner, BatchStore
 from embedfleet.gateway.embedder import Embedder, WorkerHeartbeats
-from embedfleet.gateway.errors import EXCEPTION_HANDLERS, APIError, error_response, render
+from embedfleet.gateway.errors import (
+    EXCEPTION_HANDLERS,
+    APIError,
+    ErrorDialect,
+    declared_dialect,
+    render,
+    router_dialect,
+)
 from embedfleet.gateway.files import FileStore
 from embedfleet.gateway.metrics import GatewayMetrics
 from embedfleet.gateway.state import Gateway
@@ -34,11 +42,14 @@ log = get_logger("embedfleet.gateway")
 
 class FrontDoor:
     """Pure ASGI middleware (no per-request task, unlike BaseHTTPMiddleware): API key, body size
-    limit, and the request metrics by route template and status."""
+    limit, and the request metrics by route template and status. Its refusals come before
+    routing, in the dialect of the route the request would reach (``routes``: the declared
+    ones), else by the path's prefix, as an unknown path's 404."""
 
-    def __init__(self, app: ASGIApp, gateway: Gateway) -> None:
+    def __init__(self, app: ASGIApp, gateway: Gateway, routes: Sequence[BaseRoute] = ()) -> None:
         self.app = app
         self.gateway = gateway
+        self.routes = list(routes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -63,7 +74,7 @@ class FrontDoor:
                 try:
                     gateway.keys.check(_header(headers, b"authorization"))
                 except APIError as error:
-                    await _send_error(scope, receive, send_counted, path, error)
+                    await self._send_error(scope, receive, send_counted, error)
                     return
             limit = (
                 gateway.settings.batch_max_file_bytes + 64 * 1024  # multipart overhead
@@ -72,7 +83,7 @@ class FrontDoor:
             )
             declared = _header(headers, b"content-length")
             if declared is not None and declared.isdigit() and int(declared) > limit:
-                await _send_error(scope, receive, send_counted, path, _too_large(limit))
+                await self._send_error(scope, receive, send_counted, _too_large(limit))
                 return
             await self.app(scope, _limited(receive, limit), send_counted)
         finally:
@@ -81,6 +92,25 @@ class FrontDoor:
             template = getattr(route, "path", None) or "unmatched"
             metrics.requests.labels(template, scope["method"], str(status)).inc()
             metrics.latency.labels(template, str(status)).observe(time.perf_counter() - started)
+
+    async def _send_error(
+        self, scope: Scope, receive: Receive, send: Send, error: APIError
+    ) -> None:
+        await self._dialect(scope).response(error)(scope, receive, send)
+
+    def _dialect(self, scope: Scope) -> ErrorDialect:
+        """The dialect of the route Starlette will pick (the first full match, else the first
+        partial one: a 405), else by the path's prefix."""
+        chosen = None
+        for route in self.routes:
+            match, _ = route.matches(scope)
+            if match is Match.FULL:
+                chosen = route
+                break
+            if match is Match.PARTIAL and chosen is None:
+                chosen = route
+        dialect = declared_dialect(chosen)
+        return dialect if dialect is not None else ErrorDialect.of_path(scope["path"])
 
 
 class BodyTooLarge(Exception):
@@ -115,12 +145,6 @@ def _limited(receive: Receive, limit: int) -> Receive:
 def _header(headers: dict[bytes, bytes], name: bytes) -> str | None:
     value = headers.get(name)
     return None if value is None else value.decode("latin-1")
-
-
-async def _send_error(
-    scope: Scope, receive: Receive, send: Send, path: str, error: APIError
-) -> None:
-    await error_response(path, error)(scope, receive, send)
 
 
 def build_gateway(settings: Settings) -> Gateway:
@@ -191,13 +215,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for error_class, handler in EXCEPTION_HANDLERS:
         app.add_exception_handler(error_class, handler)
     app.add_exception_handler(BodyTooLarge, _body_too_large_handler)
-    app.include_router(openai_api.router)
-    app.include_router(batch_api.router)
-    app.include_router(tei_api.router)
-    app.include_router(rerank_api.router)
+    include_routers(app, routes.ROUTERS)
     _add_ops_routes(app, gateway)
-    app.add_middleware(FrontDoor, gateway=gateway)
+    declared = [route for router in routes.ROUTERS for route in router.routes]
+    app.add_middleware(FrontDoor, gateway=gateway, routes=declared)
     return app
+
+
+def include_routers(app: FastAPI, routers: Sequence[APIRouter]) -> None:
+    """Every router of the registry (gateway/routes.py), in its order; TypeError for one that
+    declares no error dialect (its errors would answer by its path's prefix)."""
+    for router in routers:
+        router_dialect(router)
+        app.include_router(router)
 
 
 async def _body_too_large_handler(request: Request, error: Exception) -> JSONResponse:

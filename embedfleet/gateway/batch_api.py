@@ -10,17 +10,17 @@ import asyncio
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Form, Request, UploadFile
+from fastapi import Depends, Form, Request, UploadFile
 from fastapi.responses import FileResponse
 from pydantic import BaseModel
 
-from embedfleet.gateway.batches import ENDPOINT, BatchRunner, BatchStore, new_batch
-from embedfleet.gateway.errors import APIError, retry_later
+from embedfleet.gateway.batches import ENDPOINT, BatchRunner, BatchStore, batch_tenant, new_batch
+from embedfleet.gateway.errors import APIError, ErrorDialect, dialect_router, retry_later
 from embedfleet.gateway.files import FileStore, bounded_lines
 from embedfleet.gateway.state import GatewayDep
 from embedfleet.shared.settings import Settings
 
-router = APIRouter()
+router = dialect_router(ErrorDialect.openai)
 COMPLETION_WINDOW = "24h"  # OpenAI's only one; its length is EMBEDFLEET_BATCH_COMPLETION_WINDOW_S
 MAX_EXPIRY_S = 30 * 24 * 3600  # OpenAI's longest expires_after
 MAX_FILES_PAGE = 10_000  # OpenAI's largest (and default) files page
@@ -204,7 +204,7 @@ class BatchRequest(BaseModel):
 async def refuse_full_tenant(store: BatchStore, settings: Settings, owner: str, job: str) -> None:
     """429 while the tenant the owner (or the batch's job) maps to holds its
     EMBEDFLEET_TENANT_MAX_BACKLOG entries (shared/tenants.py)."""
-    tenant = settings.tenant_policy.resolve(owner=owner, job=job)
+    tenant = batch_tenant(settings, owner, job)
     limit = settings.tenant_policy.backlog_limit(tenant)
     if limit is None:
         return

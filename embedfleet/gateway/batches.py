@@ -88,6 +88,7 @@ from embedfleet.gateway.state import Gateway, wire_options
 from embedfleet.producer.client import Producer, TenantBacklogFullError
 from embedfleet.producer.replies import Answers, ingest_reply_keys, read_answers
 from embedfleet.shared import scripts
+from embedfleet.shared.backlog import tenant_backlog
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import (
@@ -98,6 +99,7 @@ from embedfleet.shared.protocol import (
     decode_chunk,
 )
 from embedfleet.shared.redis_conn import as_str
+from embedfleet.shared.settings import Settings
 
 log = get_logger("embedfleet.gateway.batches")
 
@@ -168,6 +170,12 @@ def parse_line(raw: bytes, gateway: Gateway, *, validating: bool = False) -> Bat
     if validating and card is not None and not body.truncate:  # as online: refused, not cut
         check_context(texts, gateway.tokenizer, card.max_length, "body.input")
     return BatchLine(custom_id, texts, body.encoding_format, body.dimensions)
+
+
+def batch_tenant(settings: Settings, owner: str, batch_id: str) -> str:
+    """The tenant a batch is accounted to: its owner's (EMBEDFLEET_TENANT_MAP), else its job's
+    (the batch id), else the default (shared/tenants.py)."""
+    return settings.tenant_policy.resolve(owner=owner, job=batch_id)
 
 
 def line_error(
@@ -819,15 +827,18 @@ class BatchRunner:
         lines whose inputs all went in are saved as sent; the rest is sent on a later tick."""
         settings = self.gateway.settings
         producer = self.store.producer
-        if await producer.backlog() >= settings.backlog_high_water:
-            return  # backpressure: wait, as Producers do (without holding the runner)
         batch_id = batch["id"]
-        # the batch's tenant: its owner's (EMBEDFLEET_TENANT_MAP), else its job's, else the default
-        tenant = settings.tenant_policy.resolve(owner=fields["owner"], job=batch_id)
-        limit = settings.tenant_policy.backlog_limit(tenant)
+        # one read of the backlog for the slice: the high-water mark's figure (the fullest
+        # partition, as Producer.backlog reads it) and the tenant's entries
+        backlogs = await producer.partition_backlogs()
+        if max(backlog.total for backlog in backlogs) >= settings.backlog_high_water:
+            return  # backpressure: wait, as Producers do (without holding the runner)
+        tenants = settings.tenant_policy
+        tenant = batch_tenant(settings, fields["owner"], batch_id)  # once for the slice
+        limit = tenants.backlog_limit(tenant)
         room: int | None = None
         if limit is not None:
-            room = limit - await producer.tenant_backlog(tenant)
+            room = limit - tenant_backlog(backlogs, tenants.wire(tenant))
             if room <= 0:
                 return  # the tenant at its EMBEDFLEET_TENANT_MAX_BACKLOG: a later tick
         cursor, offset, inputs = fields["cursor"], fields["offset"], fields["inputs"]

@@ -1,19 +1,26 @@
-"""Errors in each dialect's envelope: OpenAI's on /v1 routes, TEI's on every other route.
+"""Errors in each dialect's envelope, and which dialect a route answers in.
 
 OpenAI: ``{"error": {"message", "type", "param", "code"}}``. TEI: ``{"error", "error_type"}``,
 with TEI's status for the type. Every error the gateway raises is an ``APIError``; the app's
-handlers render it, FastAPI's own 404/405/422 and Redis faults too, for the route's dialect.
+handlers render it, FastAPI's own 404/405/422 and Redis faults too, in the dialect of the route
+that matched: each router module declares its dialect (``dialect_router``), so a route answers
+in its module's dialect whatever its path. A path no declared route serves (an unknown path's
+404, a route added without a dialect) answers by its prefix: OpenAI's under /v1, TEI's
+elsewhere.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import enum
+from typing import Any, ClassVar
 
-from fastapi import Request
+from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from redis import exceptions as redis_errors
 from starlette.exceptions import HTTPException
+from starlette.types import Scope
 
 from embedfleet.shared.fault_kinds import FaultKind, classify
 
@@ -88,32 +95,98 @@ def tei_status(error: APIError) -> int:
     return error.status
 
 
+class ErrorDialect(enum.Enum):
+    """How a route answers an error: OpenAI's envelope and statuses, or TEI's."""
+
+    openai = "openai"
+    tei = "tei"
+
+    @classmethod
+    def of_path(cls, path: str) -> ErrorDialect:
+        """The dialect of a path no declared route serves: OpenAI's under /v1, else TEI's."""
+        return cls.openai if is_openai_path(path) else cls.tei
+
+    def status(self, error: APIError) -> int:
+        return error.status if self is ErrorDialect.openai else tei_status(error)
+
+    def body(self, error: APIError) -> dict[str, Any]:
+        if self is ErrorDialect.tei:
+            status = tei_status(error)
+            return {"error": error.message, "error_type": _TEI_TYPES.get(status, "Backend")}
+        return {
+            "error": {
+                "message": error.message,
+                "type": error.type,
+                "param": error.param,
+                "code": error.code,
+            }
+        }
+
+    def response(self, error: APIError) -> JSONResponse:
+        return JSONResponse(self.body(error), status_code=self.status(error), headers=error.headers)
+
+
+class DialectRoute(APIRoute):
+    """A route that answers its errors in its router's dialect (``dialect_router``); FastAPI
+    keeps a route's class when its router is included, and Starlette puts the matched route in
+    the request's scope, where the handlers below read its dialect."""
+
+    dialect: ClassVar[ErrorDialect]
+
+
+class OpenAIRoute(DialectRoute):
+    dialect = ErrorDialect.openai
+
+
+class TEIRoute(DialectRoute):
+    dialect = ErrorDialect.tei
+
+
+_ROUTE_CLASSES: dict[ErrorDialect, type[DialectRoute]] = {
+    ErrorDialect.openai: OpenAIRoute,
+    ErrorDialect.tei: TEIRoute,
+}
+
+
+def dialect_router(dialect: ErrorDialect) -> APIRouter:
+    """A router module's router: every route of it answers its errors in ``dialect``."""
+    return APIRouter(route_class=_ROUTE_CLASSES[dialect])
+
+
+def declared_dialect(route: object) -> ErrorDialect | None:
+    """The dialect a route declares (None: a route made otherwise, the ops routes)."""
+    return route.dialect if isinstance(route, DialectRoute) else None
+
+
+def router_dialect(router: APIRouter) -> ErrorDialect:
+    """The dialect a router declares; TypeError for one made without ``dialect_router``."""
+    route_class = router.route_class
+    if not (isinstance(route_class, type) and issubclass(route_class, DialectRoute)):
+        raise TypeError(
+            "a gateway router declares its error dialect: make it with "
+            "errors.dialect_router(ErrorDialect.openai | ErrorDialect.tei)"
+        )
+    return route_class.dialect
+
+
+def dialect_of(scope: Scope) -> ErrorDialect:
+    """The dialect of the route a request matched, else by its path's prefix."""
+    dialect = declared_dialect(scope.get("route"))
+    return dialect if dialect is not None else ErrorDialect.of_path(scope["path"])
+
+
 def error_status(path: str, error: APIError) -> int:
-    return error.status if is_openai_path(path) else tei_status(error)
+    """The status an error on ``path`` answers where no declared route serves it."""
+    return ErrorDialect.of_path(path).status(error)
 
 
 def error_body(path: str, error: APIError) -> dict[str, Any]:
-    if not is_openai_path(path):
-        status = tei_status(error)
-        return {"error": error.message, "error_type": _TEI_TYPES.get(status, "Backend")}
-    return {
-        "error": {
-            "message": error.message,
-            "type": error.type,
-            "param": error.param,
-            "code": error.code,
-        }
-    }
-
-
-def error_response(path: str, error: APIError) -> JSONResponse:
-    return JSONResponse(
-        error_body(path, error), status_code=error_status(path, error), headers=error.headers
-    )
+    """The body an error on ``path`` answers where no declared route serves it."""
+    return ErrorDialect.of_path(path).body(error)
 
 
 def render(request: Request, error: APIError) -> JSONResponse:
-    return error_response(request.url.path, error)
+    return dialect_of(request.scope).response(error)
 
 
 async def api_error_handler(request: Request, error: Exception) -> JSONResponse:
@@ -122,8 +195,8 @@ async def api_error_handler(request: Request, error: Exception) -> JSONResponse:
 
 
 async def validation_error_handler(request: Request, error: Exception) -> JSONResponse:
-    """A body that does not fit the schema: 400 on OpenAI's routes (what OpenAI answers),
-    422 on TEI's (what TEI answers), naming the field and the problem."""
+    """A body that does not fit the schema: 400 in OpenAI's dialect (what OpenAI answers),
+    422 in TEI's (what TEI answers), naming the field and the problem."""
     assert isinstance(error, RequestValidationError)
     problems = []
     param = None

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
-from embedfleet.gateway.errors import APIError
+from embedfleet.gateway.errors import APIError, ErrorDialect, dialect_router
 from embedfleet.gateway.inputs import (
     EmbeddingInput,
     check_context,
@@ -19,7 +18,7 @@ from embedfleet.gateway.inputs import (
 from embedfleet.gateway.state import Gateway, GatewayDep, wire_options
 from embedfleet.shared.keys import Keys
 
-router = APIRouter()
+router = dialect_router(ErrorDialect.openai)
 
 
 class EmbeddingRequest(BaseModel):

@@ -1,4 +1,5 @@
-"""Sparse embeddings and reranking over the fleet, in TEI's shapes and in Cohere's/Jina's.
+"""Sparse embeddings and reranking over the fleet, in TEI's shapes (Cohere's and Jina's
+rerank, POST /v1/rerank, is gateway/cohere_api.py's, in OpenAI's error dialect).
 
 - TEI ``POST /embed_sparse``: ``{inputs, truncate?, truncation_direction?, prompt_name?}`` ->
   ``[[{"index", "value"}, ...], ...]`` per input (a SPLADE model's non-zero weights).
@@ -13,28 +14,23 @@
   truncate?}`` -> ``[{"score", "label"}, ...]`` per pair (a list of those for a batch), every
   label of the cross-encoder, highest first; labels are ``LABEL_<i>``. A single text (TEI's
   sequence classification) is refused: the fleet's classifiers are cross-encoders.
-- ``POST /v1/rerank`` (Cohere's and Jina's request): ``{model, query, documents, top_n?,
-  return_documents?}`` -> ``{"id", "model", "results": [{"index", "relevance_score",
-  "document"?: {"text"}}], "usage": {"total_tokens"}}``, highest score first.
 
 The scores are ``CrossEncoder.predict``'s (the model's declared activation: a sigmoid for a
 one-label reranker, what TEI returns without ``raw_scores``). A (query, document) pair longer
 than the model's maximum is cut ``longest_first`` by the worker, as ``CrossEncoder.predict``
 cuts it, whatever ``truncate`` says. A served model that lacks the representation is refused
 in the route's dialect (TEI: 424 ``Backend``, as TEI answers a rerank on an embedding model;
-``/v1``: 400 with OpenAI's error envelope).
+OpenAI's: 400).
 """
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 import numpy as np
-from fastapi import APIRouter
 from pydantic import BaseModel
 
-from embedfleet.gateway.errors import APIError
+from embedfleet.gateway.errors import APIError, ErrorDialect, dialect_router
 from embedfleet.gateway.inputs import (
     EmbeddingInput,
     TruncationDirection,
@@ -45,7 +41,8 @@ from embedfleet.gateway.inputs import (
 from embedfleet.gateway.state import Gateway, GatewayDep
 from embedfleet.shared.modelcard import ModelCard
 
-router = APIRouter()
+DIALECT = ErrorDialect.tei
+router = dialect_router(DIALECT)
 
 
 class EmbedSparseRequest(BaseModel):
@@ -74,20 +71,7 @@ class PredictRequest(BaseModel):
     model: str | None = None  # not TEI's: another model of the namespace
 
 
-class Document(BaseModel):
-    text: str
-
-
-class CohereRerankRequest(BaseModel):
-    model: str
-    query: str
-    documents: list[str | Document]
-    top_n: int | None = None
-    return_documents: bool = False
-    max_chunks_per_doc: int | None = None  # Cohere v1's; documents are scored whole here
-
-
-def require_representation(card: ModelCard, wanted: str, *, tei: bool) -> None:
+def require_representation(card: ModelCard, wanted: str, dialect: ErrorDialect) -> None:
     """Refuse a request for what the served model does not give, in the dialect's status."""
     if card.serves(wanted):
         return
@@ -96,6 +80,7 @@ def require_representation(card: ModelCard, wanted: str, *, tei: bool) -> None:
         "rerank": "a cross-encoder reranker",
         "multivector": "a multi-vector (ColBERT, BGE-M3) model",
     }
+    tei = dialect is ErrorDialect.tei
     raise APIError(
         424 if tei else 400,
         f"the model {card.name!r} is not {what.get(wanted, wanted)}: it serves "
@@ -113,7 +98,7 @@ async def _tei_texts(
     text in front, truncated or refused as TEI's ``truncate`` says."""
     gateway = await gateway.for_model(body.model)
     card = await gateway.require_card()
-    require_representation(card, representation, tei=True)
+    require_representation(card, representation, DIALECT)
     texts = prepare(body.inputs, gateway.tokenizer, gateway.settings, "inputs")
     prompt = ""
     if body.prompt_name is not None:
@@ -201,7 +186,7 @@ async def predict(body: PredictRequest, gateway: GatewayDep) -> list[Any]:
     async with gateway.request_bound():
         gateway = await gateway.for_model(body.model)
         card = await gateway.require_card()
-        require_representation(card, "rerank", tei=True)
+        require_representation(card, "rerank", DIALECT)
         check_limits([text for pair in pairs for text in pair], gateway.settings, "inputs")
         scores = await gateway.embedder.score_pairs(pairs)
     answers = [
@@ -214,10 +199,13 @@ async def predict(body: PredictRequest, gateway: GatewayDep) -> list[Any]:
     return answers[0] if one else answers
 
 
-async def _scores(gateway: Gateway, query: str, documents: list[str], tei: bool) -> np.ndarray:
+async def rerank_scores(
+    gateway: Gateway, query: str, documents: list[str], *, param: str, dialect: ErrorDialect
+) -> np.ndarray:
+    """The model's score of each document for ``query``, refused in ``dialect`` where the model
+    is no reranker; ``param``: the request's name for the documents."""
     card = await gateway.require_card()
-    require_representation(card, "rerank", tei=tei)
-    param = "texts" if tei else "documents"
+    require_representation(card, "rerank", dialect)
     if not documents:
         raise APIError(400, f"`{param}` cannot be empty", param=param, code="empty_input")
     if not query.strip():
@@ -226,7 +214,7 @@ async def _scores(gateway: Gateway, query: str, documents: list[str], tei: bool)
     return await gateway.embedder.rerank(query, documents)
 
 
-def _ranked(scores: np.ndarray) -> list[int]:
+def ranked(scores: np.ndarray) -> list[int]:
     """Document positions, highest score first (ties: the earlier document first)."""
     return [int(i) for i in np.argsort(-scores, kind="stable")]
 
@@ -236,39 +224,13 @@ async def rerank(body: RerankRequest, gateway: GatewayDep) -> list[dict[str, Any
     _refuse_raw_scores(body.raw_scores)
     async with gateway.request_bound():
         gateway = await gateway.for_model(body.model)
-        scores = await _scores(gateway, body.query, body.texts, tei=True)
+        scores = await rerank_scores(
+            gateway, body.query, body.texts, param="texts", dialect=DIALECT
+        )
     ranks = []
-    for index in _ranked(scores):
+    for index in ranked(scores):
         rank: dict[str, Any] = {"index": index, "score": float(scores[index])}
         if body.return_text:
             rank["text"] = body.texts[index]
         ranks.append(rank)
     return ranks
-
-
-@router.post("/v1/rerank")
-async def rerank_v1(body: CohereRerankRequest, gateway: GatewayDep) -> dict[str, Any]:
-    """Cohere's and Jina's rerank: documents as strings or ``{"text"}`` objects."""
-    documents = [d if isinstance(d, str) else d.text for d in body.documents]
-    if body.top_n is not None and body.top_n < 1:
-        raise APIError(400, "`top_n` must be at least 1", param="top_n", code="invalid_value")
-    async with gateway.request_bound():
-        gateway = await gateway.for_model(body.model)
-        scores = await _scores(gateway, body.query, documents, tei=False)
-    order = _ranked(scores)[: body.top_n or len(documents)]
-    results = []
-    for index in order:
-        result: dict[str, Any] = {"index": index, "relevance_score": float(scores[index])}
-        if body.return_documents:
-            result["document"] = {"text": documents[index]}
-        results.append(result)
-    tokens = gateway.tokenizer.usage(
-        [body.query, *documents], (await gateway.require_card()).max_length
-    )
-    return {
-        "id": uuid.uuid4().hex,
-        "model": gateway.served_name,
-        "results": results,
-        "usage": {"total_tokens": tokens},
-        "meta": {"billed_units": {"search_units": 1}},
-    }

@@ -8,12 +8,11 @@ import json
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from embedfleet import __name__ as package_name
-from embedfleet.gateway.errors import APIError
+from embedfleet.gateway.errors import APIError, ErrorDialect, dialect_router
 from embedfleet.gateway.inputs import (
     EmbeddingInput,
     TruncationDirection,
@@ -29,7 +28,7 @@ from embedfleet.shared.modelcard import ModelCard
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
 
-router = APIRouter()
+router = dialect_router(ErrorDialect.tei)
 
 TOKENIZE_SLICE = 64  # /tokenize's inputs tokenized and written per step of its answer
 
