@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 
 from embedfleet.shared.content_key import VectorRecipe
 from embedfleet.shared.keys import Keys
-from embedfleet.shared.protocol import FULL_DIMENSIONS, Chunk
+from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import PACKAGED_MODEL
 
 # The card's layout version (the ``version`` field); a reader refuses a newer one it cannot read.
@@ -132,14 +132,21 @@ class ModelCard:
                     f"chunk {chunk.id!r}: the model {self.name!r} serves "
                     f"{', '.join(self.representations)}, not {wanted}"
                 )
-        if chunk.dimensions is not None and chunk.dimensions > self.dim:
-            raise ValueError(
-                f"chunk {chunk.id!r}: dimensions={chunk.dimensions} is more than the model "
-                f"{self.name!r} has ({self.dim}); use 1..{self.dim} (or {FULL_DIMENSIONS}: all)"
-            )
+        if chunk.dimensions is not None:
+            self.check_dimensions(chunk.dimensions, where=f"chunk {chunk.id!r}: ")
         name = chunk.prompt_name
         if chunk.prompt is None and name is not None:
             self.prompt_text(name, where=f"chunk {chunk.id!r}: ")
+
+    def check_dimensions(self, dimensions: int, *, where: str = "") -> None:
+        """ValueError for ``dimensions`` (as the protocol shapes it: shared/protocol.py
+        ``check_dimensions``) more than the model has; ``FULL_DIMENSIONS`` is its whole vector.
+        The one message for it, whichever door asked (the producer, the gateway)."""
+        if dimensions > self.dim:
+            raise ValueError(
+                f"{where}dimensions={dimensions} is more than the model {self.name!r} has "
+                f"({self.dim}); use 1..{self.dim}"
+            )
 
     def prompt_text(self, name: str, *, where: str = "") -> str:
         """The text of the model's prompt ``name``; ValueError naming the known ones.

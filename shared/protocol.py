@@ -278,17 +278,23 @@ def check_embedding_options(
         raise ProtocolError("'prompt_name' must be a non-empty string when given")
     if prompt is not None and (not isinstance(prompt, str) or len(prompt) > MAX_PROMPT_CHARS):
         raise ProtocolError(f"'prompt' must be a string of at most {MAX_PROMPT_CHARS} characters")
-    if dimensions is not None and (
-        not isinstance(dimensions, int)
-        or isinstance(dimensions, bool)
-        or dimensions < FULL_DIMENSIONS
-    ):
-        raise ProtocolError(
-            f"'dimensions' must be a positive integer (or {FULL_DIMENSIONS}: the model's "
-            f"whole vector), got {dimensions!r}"
-        )
+    if dimensions is not None:
+        check_dimensions(dimensions)
     if dtype is not None and dtype not in OUTPUT_DTYPES:
         raise ProtocolError(f"'dtype' must be one of {', '.join(OUTPUT_DTYPES)}, got {dtype!r}")
+
+
+def check_dimensions(dimensions: object, *, whole: bool = True) -> None:
+    """Raise ProtocolError unless ``dimensions`` is a positive integer, or ``FULL_DIMENSIONS``
+    (the model's whole vector) where ``whole`` allows it: a chunk may ask for it, an HTTP
+    request may not (it leaves ``dimensions`` out). Whether it fits the model is the model
+    card's check (shared/modelcard.py, ``ModelCard.check_dimensions``)."""
+    lowest = FULL_DIMENSIONS if whole else 1
+    if not isinstance(dimensions, int) or isinstance(dimensions, bool) or dimensions < lowest:
+        whole_vector = f" (or {FULL_DIMENSIONS}: the model's whole vector)" if whole else ""
+        raise ProtocolError(
+            f"'dimensions' must be a positive integer{whole_vector}, got {dimensions!r}"
+        )
 
 
 def _unpack_bounded(payload: bytes, max_bytes: int) -> Any:
