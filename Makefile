@@ -19,32 +19,45 @@ install: $(VENV)/.installed
 demo: install
 	$(VENV)/bin/embedfleet demo
 
-# `make test`: the fast tier a developer runs many times a day (minutes on 2 cores): everything
-# but the modules that start worker or gateway processes, the image, the cluster, chaos and
-# packaging (each module marks its tier: `pytestmark = pytest.mark.slow`; pyproject.toml). `make test-full`:
-# the whole suite, as CI runs it (.ci/run), listing its 30 slowest tests at the end: CI must
-# stay under 30 minutes on 2 cores, and that list says where the time goes.
+# Tiers are markers each test module declares (pyproject.toml lists them): `slow` (starts worker
+# or gateway processes or other servers, or compiles a model), `chaos`, `image`, `packaging`,
+# `cluster`. `make test` is the fast tier a developer runs many times a day (minutes on 2 cores):
+# none of those. `make test-full` is the whole suite, as CI runs it (.ci/run): it must stay under
+# 25 minutes on the slowest 2-core CPU seen (AVX2-only), and the per-module table it prints at the
+# end (tests/timing.py: wall against CPU seconds) says where the time goes.
+# Both run the modules on two pytest-xdist workers, one module per worker at a time (--dist
+# loadfile: a module's fixtures stay in one process), except the modules marked `serial`: those
+# whose assertions hold a time or a rate (a token rate, a latency bound, a slice's length, a
+# race between two compiled copies) or that fill both cores on their own run alone, after.
+XDIST := -n 2 --dist loadfile
 FAST_TIER := not slow and not chaos and not image and not packaging and not cluster
+# pytest exits 5 when a selection is empty (no serial module in a tier): that is not a failure
+NONE_IS_FINE := rc=$$?; test $$rc -eq 0 -o $$rc -eq 5
+test: install
+	$(PY) -m pytest $(XDIST) -m "($(FAST_TIER)) and not serial"
+	$(PY) -m pytest -m "($(FAST_TIER)) and serial"; $(NONE_IS_FINE)
+
 # The image tests wait mostly on apt and buildah (under one core between them), so test-full
 # runs them in a second pytest beside the rest and prints their report after it; either failing
 # fails the target. Tests marked `beside` (mypy: no model, no server) join them there. The
 # wheelhouse is made first, alone: it builds the project in this tree, as the packaging tests
 # do, and two builds in one tree collide.
 # EMBEDFLEET_TEST_WHEELHOUSE=made tells tests/end_to_end/test_image.py not to make it again.
-test: install
-	$(PY) -m pytest -m "$(FAST_TIER)"
-
 test-full: install
-	mkdir -p $(BUILD_DIR)
+	mkdir -p $(BUILD_DIR) && rm -rf $(BUILD_DIR)/test-timing
 	if command -v $(BUILDAH) >/dev/null; then $(MAKE) --no-print-directory wheelhouse; fi
 	EMBEDFLEET_TEST_WHEELHOUSE=made $(PY) -m pytest -p no:cacheprovider \
 	  --basetemp=$(BUILD_DIR)/pytest-image --durations=10 -m "image or beside" \
 	  > $(BUILD_DIR)/test-image.log 2>&1 & image=$$!; \
-	$(PY) -m pytest --durations=30 -m "not image and not beside"; rest=$$?; \
+	EMBEDFLEET_TEST_TIMING_DIR=$(BUILD_DIR)/test-timing $(PY) -m pytest -p tests.timing \
+	  $(XDIST) --durations=20 -m "not image and not beside and not serial"; parallel=$$?; \
+	EMBEDFLEET_TEST_TIMING_DIR=$(BUILD_DIR)/test-timing $(PY) -m pytest -p tests.timing \
+	  --durations=10 -m "serial and not image and not beside"; serial=$$?; \
+	EMBEDFLEET_TEST_TIMING_DIR=$(BUILD_DIR)/test-timing $(PY) -m tests.timing; \
 	wait $$image; status=$$?; \
 	echo "== the image tests, run beside the rest ($(BUILD_DIR)/test-image.log) =="; \
 	cat $(BUILD_DIR)/test-image.log; \
-	test $$rest -eq 0 && test $$status -eq 0
+	test $$parallel -eq 0 && test $$serial -eq 0 && test $$status -eq 0
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy
