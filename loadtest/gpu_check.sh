@@ -5,8 +5,8 @@
 #   bash loadtest/gpu_check.sh                       # on the device machine (carry .gpu-carry)
 #   PYTHON=/path/to/venv/bin/python bash loadtest/gpu_check.sh --device cpu   # the rehearsal
 #
-# Nothing is fetched: the project runs from PYTHONPATH (the checkout's embedfleet/ links its
-# shared/, producer/ and workers/ folders in, under the names the wheel gives them), the wheels the image lacks are installed with
+# Nothing is fetched: the project runs from PYTHONPATH (embedfleet/__init__.py maps the checkout's
+# shared/, producer/ and workers/ folders to the names the wheel gives them), the wheels the image lacks are installed with
 # --no-index into $SITE, the model is the carried fp16 copy. Results and the summary go to $OUT
 # (3 files: summary.md, results.json, log.txt); the summary is printed last. docs/BENCHMARKS.md
 # (GPU check) has the device tool's command line.

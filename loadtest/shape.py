@@ -3,7 +3,7 @@
     python -m loadtest.shape [--json]
 
 Reads the installed package's source (``embedfleet/``, ``shared/``, ``producer/``,
-``workers/``: each file once, by its own path, symlinks not followed) with ``ast`` and prints:
+``workers/``: each file once, by its own path, named as the wheel names it) with ``ast`` and prints:
 - the largest classes and functions, in lines (a god class or a long function shows here);
 - import cycles between the project's modules: strongly connected groups of the import graph,
   once with module-level imports only, once with every import (a cycle closed by an import
@@ -23,14 +23,10 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from loadtest.import_root import package_dirs
+
 # import name -> folder, as pyproject.toml's package-dir maps them
-PACKAGES = {
-    "embedfleet": ROOT / "embedfleet",
-    "embedfleet.shared": ROOT / "shared",
-    "embedfleet.producer": ROOT / "producer",
-    "embedfleet.workers": ROOT / "workers",
-}
+PACKAGES = package_dirs()
 SINK_KINDS = frozenset({"redis", "lancedb", "pgvector", "qdrant", "qdrant-local", "parquet"})
 
 
@@ -42,13 +38,10 @@ class Definition:
 
 
 def modules() -> Iterator[tuple[str, Path]]:
-    """(module name, file) for every source file, each file once (symlinked folders skipped)."""
+    """(module name, file) for every source file, each file once."""
     for package, folder in PACKAGES.items():
         for path in sorted(folder.rglob("*.py")):
-            relative = path.relative_to(folder)
-            if any((folder / part).is_symlink() for part in relative.parts[:1]):
-                continue  # embedfleet/shared etc.: the same files under their own folder
-            parts = list(relative.with_suffix("").parts)
+            parts = list(path.relative_to(folder).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
             yield ".".join([package, *parts]), path

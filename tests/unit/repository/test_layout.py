@@ -46,14 +46,21 @@ def test_a_folder_does_not_load_as_a_top_level_package(folder: str) -> None:
 
 def test_outside_the_checkout_the_install_gives_the_same_names() -> None:
     location = Path(_python("import embedfleet.shared.keys as m; print(m.__file__)", cwd=Path("/")))
-    assert location.resolve() == REPO / "shared" / "keys.py"
+    assert location == REPO / "shared" / "keys.py"
 
 
 def test_a_checkout_on_pythonpath_alone_names_modules_as_the_wheel_does(tmp_path: Path) -> None:
-    """The device machine cannot install: the checkout's embedfleet/ links the subpackage
-    folders in, so PYTHONPATH=checkout (no site-packages at all here: -S) gives the same names."""
+    """The device machine cannot install: with PYTHONPATH=checkout (no site-packages at all
+    here: -S), embedfleet/__init__.py's finder maps pyproject.toml's package-dir folders to the
+    names the wheel gives them, and no other name."""
+    code = (
+        "import importlib.util as u, embedfleet.shared.exit_codes as m\n"
+        "print(m.__file__)\n"
+        "print([u.find_spec(n) for n in "
+        "('embedfleet.loadtest', 'embedfleet.tests', 'embedfleet.embedfleet')])"
+    )
     result = subprocess.run(
-        [sys.executable, "-S", "-c", "import embedfleet.shared.exit_codes as m; print(m.__file__)"],
+        [sys.executable, "-S", "-c", code],
         capture_output=True,
         text=True,
         cwd=tmp_path,
@@ -61,9 +68,21 @@ def test_a_checkout_on_pythonpath_alone_names_modules_as_the_wheel_does(tmp_path
         timeout=60,
     )
     assert result.returncode == 0, result.stderr
-    location = Path(result.stdout.strip())
-    assert location == REPO / "embedfleet" / "shared" / "exit_codes.py"
-    assert location.resolve() == REPO / "shared" / "exit_codes.py"
+    location, others = result.stdout.strip().splitlines()
+    assert Path(location) == REPO / "shared" / "exit_codes.py"
+    assert others == "[None, None, None]"
+
+
+def test_each_file_has_one_path() -> None:
+    """No link inside the package's folders: tree walkers, import-graph tools and editors see
+    each module once, and a checkout without symlink support gets the same tree."""
+    links = [
+        str(path.relative_to(REPO))
+        for folder in ("embedfleet", "shared", "producer", "workers")
+        for path in (REPO / folder).rglob("*")
+        if path.is_symlink()
+    ]
+    assert links == []
 
 
 def test_the_light_client_imports_none_of_the_verbs() -> None:
