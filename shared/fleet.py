@@ -37,12 +37,12 @@ FLEET_STREAMS = ("ingest", "query", "interactive", "results", "dead")
 def stream_keys(keys: Keys) -> dict[str, str]:
     """Each stream of FLEET_STREAMS by name, with its key (with partitions, a pattern that
     names them all: ``{ns}:{p*of6.*}:ingest``)."""
-    lane = keys.query_lane
+    priority = keys.query_lane  # the priority streams' key set
     if not keys.partitioned:
         return {
             "ingest": keys.ingest,
-            "query": lane.query,
-            "interactive": lane.interactive,
+            "query": priority.query,
+            "interactive": priority.interactive,
             "results": keys.results,
             "dead": keys.dead,
         }
@@ -50,8 +50,8 @@ def stream_keys(keys: Keys) -> dict[str, str]:
     pattern = f"{keys.for_model(keys.model_lane).prefix}:{{p*of{keys.partitions}.*}}"
     return {
         "ingest": f"{pattern}:ingest",
-        "query": lane.query,
-        "interactive": lane.interactive,
+        "query": priority.query,
+        "interactive": priority.interactive,
         "results": f"{pattern}:results",
         "dead": f"{pattern}:dead",
     }
@@ -60,17 +60,17 @@ def stream_keys(keys: Keys) -> dict[str, str]:
 def _partition_streams(
     keys: Keys, tenants: dict[Keys, list[str]] | None = None
 ) -> dict[str, list[str]]:
-    """The keys whose figures make each total, partition by partition (the query lane's dead
-    letters count with the others); ``tenants``: the named tenants of each partition, whose
+    """The keys whose figures make each total, partition by partition (the priority streams'
+    dead letters count with the others); ``tenants``: the named tenants of each partition, whose
     ingest streams count with the default tenant's."""
     parts = keys.partitions_keys
-    lane_dead = [keys.query_lane.dead] if keys.partitioned else []
+    priority_dead = [keys.query_lane.dead] if keys.partitioned else []
     return {
         "ingest": [s for p in parts for s in _ingest_streams(p, (tenants or {}).get(p, []))],
         "query": [keys.query_lane.query],
         "interactive": [keys.query_lane.interactive],
         "results": [p.results for p in parts],
-        "dead": [p.dead for p in parts] + lane_dead,
+        "dead": [p.dead for p in parts] + priority_dead,
     }
 
 
@@ -82,7 +82,7 @@ def _ingest_streams(partition: Keys, tenants: list[str]) -> list[str]:
 @dataclass(frozen=True)
 class Usage:
     """What one (tenant, model, job) used, from the usage hashes (Keys.usage), summed over
-    the partitions and the query lane. ``tenant`` None: the default tenant; ``job`` None: no
+    the partitions and the priority streams. ``tenant`` None: the default tenant; ``job`` None: no
     job."""
 
     tenant: str | None
@@ -192,21 +192,94 @@ async def read_fleet(
     totals (the tenants registries are read first, in a round trip of their own); ``tenants``
     holds each tenant's, and with ``usage`` the accounting hashes are read too.
     """
+    registered = await _read_tenants(client, keys)
+    per_stream = _partition_streams(keys, registered)
+    usage_keys = _usage_keys(keys) if usage else []
+    first = await _read_streams(client, keys, per_stream, dead_latest, jobs, usage_keys)
+    consumer_keys = [
+        key
+        for s in INPUT_STREAMS
+        for key in per_stream[s]
+        if consumers and first.groups[key] is not None
+    ]
+    consumer_states, job_counters = await _read_consumers_and_jobs(
+        client, keys, consumer_keys, first.job_names
+    )
+    states = {
+        key: StreamState(
+            name=name,
+            key=key,
+            length=first.lengths[key],
+            group=first.groups.get(key),
+            consumers=consumer_states.get(key, ()),
+        )
+        for name in FLEET_STREAMS
+        for key in per_stream[name]
+    }
     names = stream_keys(keys)
+    per_job = len(keys.partitions_keys)
+    return FleetState(
+        taken_at=time.time(),
+        monotonic=time.monotonic(),
+        streams={
+            name: _total(name, names[name], [states[key] for key in per_stream[name]])
+            for name in FLEET_STREAMS
+        },
+        jobs=tuple(
+            JobProgress.summed(job, job_counters[i * per_job : (i + 1) * per_job])
+            for i, job in enumerate(first.job_names)
+        ),
+        dead_latest=tuple(
+            DeadLetter.from_fields(dead_id, fields) for dead_id, fields in first.dead_entries
+        ),
+        tenants=_tenant_totals(registered, states),
+        usage=first.usage,
+        partitions=_partition_states(client, keys, registered, states, first.lengths),
+        cache=first.cache,
+    )
+
+
+async def _read_tenants(client: aioredis.Redis, keys: Keys) -> dict[Keys, list[str]]:
+    """The first round trip: each partition's registered tenants (its tenants set), by name."""
     pipe = client.pipeline(transaction=False)
     for partition in keys.partitions_keys:
         pipe.smembers(partition.tenants)
-    registered = {
+    return {
         partition: sorted(text(name) for name in members)
         for partition, members in zip(keys.partitions_keys, await pipe.execute(), strict=True)
     }
-    per_stream = _partition_streams(keys, registered)
-    usage_keys = (
-        [p.usage for p in keys.partitions_keys]
-        + ([keys.query_lane.usage] if keys.partitioned else [])
-        if usage
-        else []
+
+
+def _usage_keys(keys: Keys) -> list[str]:
+    """The usage hashes to sum: each partition's, and the priority streams' with partitions."""
+    return [p.usage for p in keys.partitions_keys] + (
+        [keys.query_lane.usage] if keys.partitioned else []
     )
+
+
+@dataclass(frozen=True)
+class _StreamsRead:
+    """What the streams' round trip read: lengths and groups by key, and what the flags asked."""
+
+    lengths: dict[str, int]
+    groups: dict[str, GroupState | None]  # input streams only; None: no group yet
+    dead_entries: list[Any]  # (id, fields), newest first, at most ``dead_latest``
+    job_names: list[str]
+    cache: CacheState | None
+    usage: tuple[Usage, ...]
+
+
+async def _read_streams(
+    client: aioredis.Redis,
+    keys: Keys,
+    per_stream: dict[str, list[str]],
+    dead_latest: int,
+    jobs: bool,
+    usage_keys: list[str],
+) -> _StreamsRead:
+    """The second round trip, pipelined: every stream's length and group, the latest dead
+    letters, the job names and the vector cache's counters, the usage hashes. A reply that is
+    an error raises, but a missing stream's XINFO GROUPS (no group yet)."""
     pipe = client.pipeline(transaction=False)
     for stream in FLEET_STREAMS:
         for key in per_stream[stream]:
@@ -225,16 +298,13 @@ async def read_fleet(
     for key in usage_keys:
         pipe.hgetall(key)
     replies = iter(await pipe.execute(raise_on_error=False))
+    # the replies, read in the order the commands were queued
     lengths = {key: int(_raised(next(replies))) for s in FLEET_STREAMS for key in per_stream[s]}
-    groups: dict[str, GroupState | None] = {}
-    for key in (key for s in INPUT_STREAMS for key in per_stream[s]):
-        reply = next(replies)
-        if isinstance(reply, Exception):
-            if not is_missing_key(reply):
-                raise reply
-            groups[key] = None
-        else:
-            groups[key] = find_group(reply, keys.group)
+    groups = {
+        key: _group_or_none(next(replies), keys.group)
+        for s in INPUT_STREAMS
+        for key in per_stream[s]
+    }
     dead_entries = []
     if dead_latest:
         for _ in per_stream["dead"]:
@@ -251,10 +321,23 @@ async def read_fleet(
         job_names = sorted(found)
         cache = CacheState.summed(_raised(next(replies)) for _ in cache_key_sets(keys))
     usage_rows = parse_usage([_raised(next(replies)) for _ in usage_keys])
+    return _StreamsRead(lengths, groups, dead_entries, job_names, cache, usage_rows)
 
-    consumer_keys = [
-        key for s in INPUT_STREAMS for key in per_stream[s] if consumers and groups[key] is not None
-    ]
+
+def _group_or_none(reply: Any, group: str) -> GroupState | None:
+    """Our group's state from an XINFO GROUPS reply; None where the stream does not exist yet."""
+    if isinstance(reply, Exception):
+        if not is_missing_key(reply):
+            raise reply
+        return None
+    return find_group(reply, group)
+
+
+async def _read_consumers_and_jobs(
+    client: aioredis.Redis, keys: Keys, consumer_keys: list[str], job_names: list[str]
+) -> tuple[dict[str, tuple[ConsumerState, ...]], list[Any]]:
+    """The third round trip, only when asked for: the consumers of ``consumer_keys``' groups,
+    and each job's counters in every partition (job by job, partition by partition)."""
     consumer_replies: list[Any] = []
     job_counters: list[Any] = []
     if consumer_keys or job_names:
@@ -271,58 +354,45 @@ async def read_fleet(
         key: tuple(parse_consumers(reply))
         for key, reply in zip(consumer_keys, consumer_replies, strict=True)
     }
-    states = {
-        key: StreamState(
-            name=name,
-            key=key,
-            length=lengths[key],
-            group=groups.get(key),
-            consumers=consumer_states.get(key, ()),
-        )
-        for name in FLEET_STREAMS
-        for key in per_stream[name]
-    }
-    per_job = len(keys.partitions_keys)
+    return consumer_states, job_counters
+
+
+def _tenant_totals(
+    registered: dict[Keys, list[str]], states: dict[str, StreamState]
+) -> dict[str | None, StreamState]:
+    """Each tenant's ingest streams summed over the partitions (None: the default tenant)."""
     by_tenant: dict[str | None, list[StreamState]] = {}
     for partition, tenants in registered.items():
         for tenant, stream in zip(
             [None, *tenants], _ingest_streams(partition, tenants), strict=True
         ):
             by_tenant.setdefault(tenant, []).append(states[stream])
-    return FleetState(
-        taken_at=time.time(),
-        monotonic=time.monotonic(),
-        streams={
-            name: _total(name, names[name], [states[key] for key in per_stream[name]])
-            for name in FLEET_STREAMS
-        },
-        jobs=tuple(
-            JobProgress.summed(job, job_counters[i * per_job : (i + 1) * per_job])
-            for i, job in enumerate(job_names)
-        ),
-        dead_latest=tuple(
-            DeadLetter.from_fields(dead_id, fields) for dead_id, fields in dead_entries
-        ),
-        tenants={
-            tenant: _total("ingest", parts[0].key, parts) for tenant, parts in by_tenant.items()
-        },
-        usage=usage_rows,
-        partitions=tuple(
-            PartitionState(
-                index=partition.index,
-                slot=key_slot(partition.ingest),
-                node=_node_of(client, partition.ingest),
-                ingest=_total(
-                    "ingest",
-                    partition.ingest,
-                    [states[s] for s in _ingest_streams(partition, registered[partition])],
-                ),
-                results_length=lengths[partition.results],
-                dead_length=lengths[partition.dead],
-            )
-            for partition in keys.partitions_keys
-        ),
-        cache=cache,
+    return {tenant: _total("ingest", parts[0].key, parts) for tenant, parts in by_tenant.items()}
+
+
+def _partition_states(
+    client: aioredis.Redis,
+    keys: Keys,
+    registered: dict[Keys, list[str]],
+    states: dict[str, StreamState],
+    lengths: dict[str, int],
+) -> tuple[PartitionState, ...]:
+    """One row per partition: its tenants' ingest streams summed, its slot and node, the
+    lengths of its results and dead-letter streams."""
+    return tuple(
+        PartitionState(
+            index=partition.index,
+            slot=key_slot(partition.ingest),
+            node=_node_of(client, partition.ingest),
+            ingest=_total(
+                "ingest",
+                partition.ingest,
+                [states[s] for s in _ingest_streams(partition, registered[partition])],
+            ),
+            results_length=lengths[partition.results],
+            dead_length=lengths[partition.dead],
+        )
+        for partition in keys.partitions_keys
     )
 
 

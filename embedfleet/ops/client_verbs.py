@@ -147,28 +147,19 @@ def enqueue_command(
     chunks whose text and options have not changed (no model runs for them; --reembed turns
     that off), and --prune deletes the rows of the chunks the corpus no longer has.
     """
-    if timeout is not None and not wait:
-        raise click.UsageError("--timeout applies only with --wait")
-    if overlap is not None and not documents:
-        raise click.UsageError("--overlap applies only with --documents")
-    if prune and not job:
-        raise click.UsageError("--prune needs --job: the job whose earlier rows to compare with")
+    _check_enqueue_options(wait, timeout, documents, overlap, prune, job)
     job = job or f"job-{time.strftime('%Y%m%d-%H%M%S')}"
     settings = _settings(redis_url)
     if tenant is not None:
-        try:
-            check_tenant(tenant, "--tenant")
-        except ValueError as error:
-            raise click.BadParameter(str(error), param_hint="--tenant") from None
+        _check_tenant_option(tenant)
     if prune:
         check_database_sink(settings)  # before anything is sent
-    sent = IdRecorder()
     run = _Run(
         force=force,
         reembed=reembed,
         wait=wait,
         timeout=timeout,
-        sent=sent,
+        sent=IdRecorder(),
         model=model,
         tenant=tenant,
     )
@@ -177,28 +168,79 @@ def enqueue_command(
     if documents:
         count = run_client(_enqueue_documents(settings, sources, job, overlap, run, rejected, dead))
     else:
-        if len(sources) != 1:
-            raise click.UsageError("give one JSON Lines SOURCE (or --documents for several files)")
-        try:
-            # bytes: the reader decodes each line itself, so a line not UTF-8 is a bad line
-            opened = click.open_file(sources[0], "rb")
-        except OSError as error:
-            raise click.BadParameter(
-                f"{sources[0]}: {error.strerror or error}", param_hint="SOURCES"
-            ) from None
-        with opened as source:
-            count = run_client(_enqueue(settings, source, job, run, rejected, dead))
+        count = _enqueue_jsonl(settings, sources, job, run, rejected, dead)
     pruned: list[str] | None = None
     if prune and not rejected:
-        pruned = asyncio.run(prune_rows(settings, job, sent.ids))
+        pruned = asyncio.run(prune_rows(settings, job, run.sent.ids))
     if as_json:
         _report_enqueue(job, count, rejected, dead, model, pruned)
     else:
-        sources_said = f" of {len(sources)} sources" if documents else ""
-        click.echo(f"enqueued {_counted(count)} chunks{sources_said} as job {job!r}")
-        _say_present(count, job)
-        if pruned is not None:
-            say_pruned(job, pruned, dry_run=False)
+        _say_enqueued(job, count, len(sources) if documents else None, pruned)
+    _say_rejected(rejected, prune)
+    _exit_for(dead, rejected)
+
+
+def _check_enqueue_options(
+    wait: bool,
+    timeout: float | None,
+    documents: bool,
+    overlap: int | None,
+    prune: bool,
+    job: str | None,
+) -> None:
+    """The options that apply only with another one: a usage error naming what is missing."""
+    if timeout is not None and not wait:
+        raise click.UsageError("--timeout applies only with --wait")
+    if overlap is not None and not documents:
+        raise click.UsageError("--overlap applies only with --documents")
+    if prune and not job:
+        raise click.UsageError("--prune needs --job: the job whose earlier rows to compare with")
+
+
+def _check_tenant_option(tenant: str) -> None:
+    """--tenant's name, as the tenants policy accepts names (a bad one is a bad parameter)."""
+    try:
+        check_tenant(tenant, "--tenant")
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--tenant") from None
+
+
+def _enqueue_jsonl(
+    settings: Settings,
+    sources: tuple[str, ...],
+    job: str,
+    run: _Run,
+    rejected: list[BadLine],
+    dead: list[int],
+) -> Enqueued:
+    """The one JSON Lines SOURCE (a file, or - for stdin), opened and enqueued."""
+    if len(sources) != 1:
+        raise click.UsageError("give one JSON Lines SOURCE (or --documents for several files)")
+    try:
+        # bytes: the reader decodes each line itself, so a line not UTF-8 is a bad line
+        opened = click.open_file(sources[0], "rb")
+    except OSError as error:
+        raise click.BadParameter(
+            f"{sources[0]}: {error.strerror or error}", param_hint="SOURCES"
+        ) from None
+    with opened as source:
+        return run_client(_enqueue(settings, source, job, run, rejected, dead))
+
+
+def _say_enqueued(
+    job: str, count: Enqueued, documents: int | None, pruned: list[str] | None
+) -> None:
+    """The text report: what was enqueued (``documents``: how many sources, with
+    --documents), what the job already had, and with --prune what was deleted."""
+    sources_said = f" of {documents} sources" if documents is not None else ""
+    click.echo(f"enqueued {_counted(count)} chunks{sources_said} as job {job!r}")
+    _say_present(count, job)
+    if pruned is not None:
+        say_pruned(job, pruned, dry_run=False)
+
+
+def _say_rejected(rejected: list[BadLine], prune: bool) -> None:
+    """The first 20 rejected lines and their count, on stderr; why --prune did not run."""
     for bad in rejected[:20]:
         click.echo(f"line {bad.line_number}: {bad.reason}", err=True)
     if rejected:
@@ -209,6 +251,10 @@ def enqueue_command(
                 "been deleted; fix the lines and enqueue again with --prune",
                 err=True,
             )
+
+
+def _exit_for(dead: list[int], rejected: list[BadLine]) -> None:
+    """The exit status of an enqueue: dead letters (--wait saw some) before rejected lines."""
     if any(dead):
         sys.exit(ExitCode.DEAD_LETTERS)
     if rejected:
@@ -515,7 +561,7 @@ async def _export_stream(
 def query_command(
     text: str, timeout: float, as_json: bool, model: str | None, redis_url: str | None
 ) -> None:
-    """Embed TEXT now through the priority lane, ahead of any bulk backlog.
+    """Embed TEXT now through the query stream, ahead of any bulk backlog.
 
     Workers look at the query stream before every bulk batch and between transformer layers,
     so a query waits for at most one slice of bulk compute (EMBEDFLEET_SLICE_MS). --model asks

@@ -46,12 +46,20 @@ from embedfleet.ops.waiting import (
     verb_settings,
 )
 from embedfleet.shared.eviction import EvictionPolicy, check_eviction_policy
-from embedfleet.shared.fleet import FLEET_STREAMS, INPUT_STREAMS, FleetState, Usage, read_fleet
+from embedfleet.shared.fleet import (
+    FLEET_STREAMS,
+    INPUT_STREAMS,
+    FleetState,
+    StreamState,
+    Usage,
+    read_fleet,
+)
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.model_registry import read_registry, registered_lanes
 from embedfleet.shared.redis_conn import connect_client_settings, redact_url
 from embedfleet.shared.retry import RedisRetry
 from embedfleet.shared.settings import Settings
+from embedfleet.shared.tenants import TenantPolicy
 
 T = TypeVar("T")
 THROUGHPUT_WINDOW_S = 60.0
@@ -253,32 +261,79 @@ def report(
 ) -> dict[str, Any]:
     """The JSON object ``--json`` prints (and the text view renders). ``eviction``: Redis's
     maxmemory-policy as checked (None: not checked); ``models``: each registered model's
-    snapshot and rate (``take_model_snapshots``), its row in ``models``."""
-    policy = settings.tenant_policy
+    snapshot and rate (``take_model_snapshots``), its row in ``models``. Each section is one
+    step below, in the order the object lists them."""
+    eta = eta_seconds(snapshot, rate)
+    return {
+        "time": datetime.fromtimestamp(snapshot.taken_at, UTC).isoformat(timespec="seconds"),
+        "redis": redact_url(settings.effective_redis_url),
+        "namespace": settings.namespace,
+        "group": settings.group,
+        "eviction_policy": None if eviction is None else eviction.as_json(),
+        "streams": _streams_section(snapshot),
+        "partitions": _partitions_section(snapshot, rate),
+        "dead_letters": _dead_letters_section(snapshot),
+        "throughput": _throughput_section(rate, measuring),
+        "backlog": backlog(snapshot),
+        # the partitions whose results stream is at EMBEDFLEET_RESULTS_MAX_ENTRIES: their
+        # workers wait for a consuming reader (embedfleet/sinks/redis_stream.py)
+        "results_max_entries": settings.results_max_entries,
+        "results_full": _full_results_partitions(snapshot, settings.results_max_entries),
+        # JSON has no infinity: a stalled fleet (backlog, no progress) has eta null + stalled.
+        "eta_s": None if eta is None or math.isinf(eta) else round(eta, 1),
+        "stalled": eta is not None and math.isinf(eta),
+        # the vector cache (shared/vector_cache.py): chunks answered without the model
+        "vector_cache": {
+            "max_mb": settings.vector_cache_mb,
+            **(snapshot.cache.as_dict() if snapshot.cache is not None else {}),
+        },
+        "jobs": _jobs_section(snapshot),
+        "model": settings.model_lane,
+        "models": model_rows(models or {}, settings.keys),
+        # issue 30: each tenant's ingest streams (summed over the partitions) and share
+        "tenants": _tenants_section(snapshot, settings.tenant_policy),
+        # what each tenant used, per model and job (the usage hashes, Keys.usage): every
+        # lane's, as each lane counts in its own hash
+        "usage": _usage_section(snapshot, models or {}, settings.tenant_policy),
+    }
+
+
+def _streams_section(snapshot: Snapshot) -> dict[str, Any]:
+    """Each stream's key and length; an input stream's group, backlog and consumers too."""
     streams: dict[str, Any] = {}
     for name, stream in snapshot.streams.items():
         entry: dict[str, Any] = {"key": stream.key, "length": stream.length}
         if name in INPUT_STREAMS:
-            group = stream.group
-            entry |= {
-                "group_exists": group is not None,
-                "lag": stream.lag,
-                "pending": stream.pending,
-                "entries_read": None if group is None else group.entries_read,
-                "last_delivered_id": None if group is None else group.last_delivered_id,
-                "consumers": [
-                    {
-                        "name": c.name,
-                        "pending": c.pending,
-                        "idle_ms": c.idle_ms,
-                        "inactive_ms": c.inactive_ms,
-                    }
-                    for c in stream.consumers
-                ],
-            }
+            entry |= _input_stream_entry(stream)
         streams[name] = entry
-    eta = eta_seconds(snapshot, rate)
-    partitions = [
+    return streams
+
+
+def _input_stream_entry(stream: StreamState) -> dict[str, Any]:
+    """What an input stream's consumer group says of it: lag, pending, read and consumers."""
+    group = stream.group
+    return {
+        "group_exists": group is not None,
+        "lag": stream.lag,
+        "pending": stream.pending,
+        "entries_read": None if group is None else group.entries_read,
+        "last_delivered_id": None if group is None else group.last_delivered_id,
+        "consumers": [
+            {
+                "name": c.name,
+                "pending": c.pending,
+                "idle_ms": c.idle_ms,
+                "inactive_ms": c.inactive_ms,
+            }
+            for c in stream.consumers
+        ],
+    }
+
+
+def _partitions_section(snapshot: Snapshot, rate: Throughput | None) -> list[dict[str, Any]]:
+    """One row per partition: its ingest stream, where it lives, its results and dead letters,
+    and its own rate where it could be told."""
+    return [
         {
             "partition": p.index,
             "key": p.ingest.key,
@@ -300,100 +355,98 @@ def report(
         }
         for p in snapshot.partitions
     ]
+
+
+def _dead_letters_section(snapshot: Snapshot) -> dict[str, Any]:
+    """How many dead letters, and the latest few."""
     return {
-        "time": datetime.fromtimestamp(snapshot.taken_at, UTC).isoformat(timespec="seconds"),
-        "redis": redact_url(settings.effective_redis_url),
-        "namespace": settings.namespace,
-        "group": settings.group,
-        "eviction_policy": None if eviction is None else eviction.as_json(),
-        "streams": streams,
-        "partitions": partitions,
-        "dead_letters": {
-            "count": snapshot.streams["dead"].length,
-            "latest": [
-                {
-                    "entry_id": d.dead_id,
-                    "reason": d.reason.value,
-                    "detail": d.detail,
-                    "id": d.chunk_id,
-                    "stream": d.stream,
-                }
-                for d in snapshot.dead_latest
-            ],
-        },
-        "throughput": {
-            "per_s": None if rate is None else round(rate.per_s, 3),
-            "by_stream": None
-            if rate is None
-            else {name: round(value, 3) for name, value in rate.by_stream.items()},
-            "window_s": None if rate is None else round(rate.window_s, 3),
-            "measuring": measuring,
-            "method": METHOD,
-        },
-        "backlog": backlog(snapshot),
-        # the partitions whose results stream is at EMBEDFLEET_RESULTS_MAX_ENTRIES: their
-        # workers wait for a consuming reader (embedfleet/sinks/redis_stream.py)
-        "results_max_entries": settings.results_max_entries,
-        "results_full": [
-            p.index
-            for p in snapshot.partitions
-            if settings.results_max_entries and p.results_length >= settings.results_max_entries
-        ],
-        # JSON has no infinity: a stalled fleet (backlog, no progress) has eta null + stalled.
-        "eta_s": None if eta is None or math.isinf(eta) else round(eta, 1),
-        "stalled": eta is not None and math.isinf(eta),
-        # the vector cache (shared/vector_cache.py): chunks answered without the model
-        "vector_cache": {
-            "max_mb": settings.vector_cache_mb,
-            **(snapshot.cache.as_dict() if snapshot.cache is not None else {}),
-        },
-        "jobs": [
+        "count": snapshot.streams["dead"].length,
+        "latest": [
             {
-                "job": j.job,
-                "enqueued": j.enqueued,
-                "done": j.done,
-                "dead": j.dead,
-                "remaining": j.remaining,
-                "cache_hits": j.cache_hits,
-                "cache_misses": j.cache_misses,
-                "tokens_saved": j.tokens_saved,
+                "entry_id": d.dead_id,
+                "reason": d.reason.value,
+                "detail": d.detail,
+                "id": d.chunk_id,
+                "stream": d.stream,
             }
-            for j in snapshot.jobs
-        ],
-        "model": settings.model_lane,
-        "models": model_rows(models or {}, settings.keys),
-        # issue 30: each tenant's ingest streams (summed over the partitions) and share
-        "tenants": [
-            {
-                "tenant": policy.named(tenant),
-                "weight": policy.weight(policy.named(tenant)),
-                "max_backlog": policy.backlog_limit(policy.named(tenant)),
-                "token_rate": policy.rate(policy.named(tenant)),
-                "key": stream.key,
-                "length": stream.length,
-                "lag": stream.lag,
-                "pending": stream.pending,
-            }
-            for tenant, stream in sorted(
-                snapshot.tenants.items(), key=lambda item: policy.named(item[0])
-            )
-        ],
-        # what each tenant used, per model and job (the usage hashes, Keys.usage): every
-        # lane's, as each lane counts in its own hash
-        "usage": [
-            {
-                "tenant": policy.named(u.tenant),
-                "model": u.model,
-                "job": u.job,
-                "chunks": u.chunks,
-                "tokens": u.tokens,
-                "model_seconds": round(u.model_seconds, 6),
-                "dead": u.dead,
-                "expired": u.expired,
-            }
-            for u in every_lanes_usage(snapshot, models or {})
+            for d in snapshot.dead_latest
         ],
     }
+
+
+def _throughput_section(rate: Throughput | None, measuring: bool) -> dict[str, Any]:
+    """The measured rate (None while it cannot be told), per stream, and how it is measured."""
+    return {
+        "per_s": None if rate is None else round(rate.per_s, 3),
+        "by_stream": None
+        if rate is None
+        else {name: round(value, 3) for name, value in rate.by_stream.items()},
+        "window_s": None if rate is None else round(rate.window_s, 3),
+        "measuring": measuring,
+        "method": METHOD,
+    }
+
+
+def _full_results_partitions(snapshot: Snapshot, max_entries: int) -> list[int]:
+    """The partitions whose results stream holds ``max_entries`` or more (none with 0: no cap)."""
+    return [p.index for p in snapshot.partitions if max_entries and p.results_length >= max_entries]
+
+
+def _jobs_section(snapshot: Snapshot) -> list[dict[str, Any]]:
+    """Each job's counters, with what the vector cache answered for it."""
+    return [
+        {
+            "job": j.job,
+            "enqueued": j.enqueued,
+            "done": j.done,
+            "dead": j.dead,
+            "remaining": j.remaining,
+            "cache_hits": j.cache_hits,
+            "cache_misses": j.cache_misses,
+            "tokens_saved": j.tokens_saved,
+        }
+        for j in snapshot.jobs
+    ]
+
+
+def _tenants_section(snapshot: Snapshot, policy: TenantPolicy) -> list[dict[str, Any]]:
+    """Each tenant's policy (weight, limits) and its ingest streams' figures, by name."""
+    return [
+        {
+            "tenant": policy.named(tenant),
+            "weight": policy.weight(policy.named(tenant)),
+            "max_backlog": policy.backlog_limit(policy.named(tenant)),
+            "token_rate": policy.rate(policy.named(tenant)),
+            "key": stream.key,
+            "length": stream.length,
+            "lag": stream.lag,
+            "pending": stream.pending,
+        }
+        for tenant, stream in sorted(
+            snapshot.tenants.items(), key=lambda item: policy.named(item[0])
+        )
+    ]
+
+
+def _usage_section(
+    snapshot: Snapshot,
+    models: dict[str, tuple[Snapshot, Throughput | None]],
+    policy: TenantPolicy,
+) -> list[dict[str, Any]]:
+    """What each tenant used, per model and job, over every lane's usage hashes."""
+    return [
+        {
+            "tenant": policy.named(u.tenant),
+            "model": u.model,
+            "job": u.job,
+            "chunks": u.chunks,
+            "tokens": u.tokens,
+            "model_seconds": round(u.model_seconds, 6),
+            "dead": u.dead,
+            "expired": u.expired,
+        }
+        for u in every_lanes_usage(snapshot, models)
+    ]
 
 
 def _n(value: int | None) -> str:
