@@ -45,7 +45,8 @@ from embedfleet.sinks import (
 if TYPE_CHECKING:
     import numpy as np
 
-    from embedfleet.workers.worker import Worker, WorkerStats
+    from embedfleet.workers.events import WorkerStats
+    from embedfleet.workers.worker import Worker
 
 # The built-in corpus is Python's own docs (pydoc topics, alphabetical): "async" is among the
 # first topics, so even a `--limit 100` run holds the answer ("Functions defined with async def
@@ -179,7 +180,7 @@ async def _run(settings: Settings, target: SinkTarget, chunks: list[Chunk], job:
             latest = {result.id: result async for result in producer.results(job=job)}
             return DemoRun(progress, seconds, worker.stats, list(latest.values()), sample=[])
     # the worker has stopped, so its model is free to embed the sample query here; the
-    # `embedfleet search` verb sends its query through a running worker's priority lane instead
+    # `embedfleet search` verb sends its query through a running worker's query stage instead
     query = await asyncio.to_thread(encoder.embed_texts, [SAMPLE_QUERY])
     stored, sample = await asyncio.to_thread(_read_back, target, job, query[0])
     return DemoRun(progress, seconds, worker.stats, stored, sample)

@@ -19,7 +19,7 @@ def serve_command(host: str | None, port: int | None, workers: int) -> None:
     """Serve OpenAI's /v1/embeddings, /v1/models and Batch API, and TEI's /embed, /info and
     /health over the fleet (stateless: run as many as you like behind a load balancer).
 
-    Small requests ride the priority query lane, large ones the interactive stream (both ahead
+    Small requests ride the query stream, large ones the interactive stream (both ahead
     of any bulk backlog), batches the ingest streams. A request waits for a worker within
     EMBEDFLEET_GATEWAY_TIMEOUT_S (scale from zero). Settings: EMBEDFLEET_* (API keys, limits,
     EMBEDFLEET_FILES_DIR; see README).

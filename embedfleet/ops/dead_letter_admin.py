@@ -67,7 +67,7 @@ class ReplayReport:
 
 
 class DeadLetterStore:
-    """The dead-letter streams of one namespace (one per partition, and the query lane's),
+    """The dead-letter streams of one namespace (one per partition, and the priority streams'),
     read and acted on."""
 
     def __init__(self, client: aioredis.Redis, keys: Keys, retry: RedisRetry | None = None) -> None:
@@ -76,7 +76,7 @@ class DeadLetterStore:
         self.client = client
         self.keys = keys
         self.retry = retry
-        # every key set that has a dead stream: each partition's, and the query lane's
+        # every key set that has a dead stream: each partition's, and the priority streams'
         self.sets: list[Keys] = list(keys.partitions_keys)
         if keys.partitioned:
             self.sets.append(keys.query_lane)

@@ -209,7 +209,7 @@ def start_command(
 @table_option
 @json_report_option("the migration's record, progress and estimate")
 @redis_url_option
-def status_command(table: str | None, as_json: bool, redis_url: str | None) -> None:
+def migrate_status_command(table: str | None, as_json: bool, redis_url: str | None) -> None:
     """Show a migration: its tables and lanes, where the alias points, whether the dual write
     is on, and the copy's progress with the time left at the last measured rate."""
     settings, sink, source = _context(redis_url, table)

@@ -725,7 +725,7 @@ async def _nearest_all(
         options = EmbeddingOptions(dimensions=dim, dtype="float32")
         async with Producer(migration.lane_settings(lane), client) as producer:
             vectors: list[np.ndarray] = []
-            for start in range(0, len(texts), 16):  # the query lane takes small requests
+            for start in range(0, len(texts), 16):  # the query stream takes small requests
                 batch = texts[start : start + 16]
                 vectors.extend(
                     await producer.embed_queries(batch, timeout=timeout, options=options)

@@ -1,6 +1,6 @@
 """`embedfleet search` and `embedfleet index`: query and index the vector database sink.
 
-The query text is embedded by the fleet itself, through the priority lane
+The query text is embedded by the fleet itself, through the query stream
 (``Producer.embed_query``), so it gets the same model, pooling and precision as the stored
 vectors; the nearest-neighbour query then goes straight to the database the workers write.
 
@@ -66,7 +66,7 @@ def _target(verb: str, redis_url: str | None = None) -> tuple[Settings, SinkTarg
 async def search(
     settings: Settings, target: SinkTarget, text: str, k: int, timeout: float
 ) -> list[Hit]:
-    """Embed ``text`` through the fleet's priority lane, then ask the database for ``k``.
+    """Embed ``text`` through the fleet's query stream, then ask the database for ``k``.
 
     ``target.table`` may be a reader name (``embedfleet migrate``'s alias): it is resolved to
     its table once, the query is embedded by the model lane that writes that table
@@ -86,7 +86,7 @@ async def search(
             producer = client_for(settings.model_copy(update={"model_lane": lane}))
         with open_backend(dataclasses.replace(target, table=table)) as backend:
             # the query as the stored vectors were made: the model's query prompt (the
-            # worker's query lane), the table's dimension (Matryoshka), float32 for the
+            # prompt role "query"), the table's dimension (Matryoshka), float32 for the
             # database's own search or the rescoring of quantized rows
             _, dim = await asyncio.to_thread(backend.vector_format)
             options = EmbeddingOptions(dimensions=dim, dtype="float32")
