@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from redis.asyncio.cluster import PipelineCommand
@@ -125,20 +125,7 @@ async def _write_cluster(
         if not pending:
             return written
         await client.initialize()  # the layout again, after a fault below asked for it
-        trip: _RoundTrip[G] = _RoundTrip()
-        nodes: dict[str, tuple[Any, list[G]]] = {}
-        for name, indices in pending.items():
-            node = asking.get(name) or client.get_node_from_key(groups[name].route)
-            for index in indices:
-                if name in asking:  # ASKING lets only the next command in
-                    trip.queue(node, ("ASKING",), None)
-                trip.queue(node, groups[name].commands[index], (name, index))
-            nodes.setdefault(node.name, (node, []))[1].append(name)
-        waits: list[tuple[PipelineCommand, list[G]]] = []  # a node's WAIT, the groups sent there
-        if min_replicas:
-            for node, names in nodes.values():
-                wait = trip.queue(node, ("WAIT", min_replicas, timeout_ms), None)
-                waits.append((wait, names))
+        trip, waits = _queue_round(client, groups, pending, asking, min_replicas, timeout_ms)
         try:
             await trip.send()
         except Exception as error:  # a node unreachable: nothing of its commands is known
@@ -146,43 +133,91 @@ async def _write_cluster(
                 # as redis-py's pipeline does: a failover may have moved the masters
                 await client.aclose()
             raise
-        pending, asking = {}, {}
-        applied: set[G] = set()
-        failure: BaseException | None = None
-        for queued, what in trip.sent:
-            reply = queued.result
-            if what is None:
-                if isinstance(reply, Exception) and failure is None:
-                    failure = reply  # an ASKING or a WAIT that failed
-                continue
-            name, index = what
-            if isinstance(reply, MovedError):  # the slot moved: the cluster's layout changed
-                redirect = reply
-                await client.nodes_manager.move_slot(reply)
-                pending.setdefault(name, []).append(index)
-            elif isinstance(reply, AskError):  # the slot is moving: this key is on the target
-                redirect = reply
-                target = client.get_node(host=reply.host, port=reply.port)
-                if target is None:  # a node the client does not know yet
-                    failure = failure or reply
-                    continue
-                asking[name] = target
-                pending.setdefault(name, []).append(index)
-            elif isinstance(reply, Exception):
-                if failure is None or isinstance(failure, TryAgainError):
-                    failure = reply
-            else:
-                written.replies[name][index] = reply
-                applied.add(name)
+        replies = await _read_round(client, trip, written)
+        pending, asking = replies.pending, replies.asking
+        redirect = replies.redirect or redirect
         for queued, names in waits:
             reply = queued.result
             if isinstance(reply, Exception) or int(reply) < min_replicas:
-                written.unconfirmed.update(name for name in names if name in applied)
-        if failure is not None:
-            if isinstance(failure, (ClusterDownError, AskError)):  # AskError: an unknown node
+                written.unconfirmed.update(name for name in names if name in replies.applied)
+        if replies.failure is not None:
+            if isinstance(replies.failure, (ClusterDownError, AskError)):  # an unknown node
                 await client.aclose()  # the layout changed: read it again on the next call
-            raise failure
+            raise replies.failure
     if pending:
         assert redirect is not None
         raise redirect  # transient: the caller's retry sends the groups again
     return written
+
+
+def _queue_round(
+    client: Any,
+    groups: Mapping[G, Group[G]],
+    pending: dict[G, list[int]],
+    asking: dict[G, Any],
+    min_replicas: int,
+    timeout_ms: int,
+) -> tuple[_RoundTrip[G], list[tuple[PipelineCommand, list[G]]]]:
+    """A round's commands queued, each group's pending ones to its owner (or the node an ASK
+    named), a WAIT per node after them with ``min_replicas``; and each WAIT with the groups
+    sent to its node."""
+    trip: _RoundTrip[G] = _RoundTrip()
+    nodes: dict[str, tuple[Any, list[G]]] = {}
+    for name, indices in pending.items():
+        node = asking.get(name) or client.get_node_from_key(groups[name].route)
+        for index in indices:
+            if name in asking:  # ASKING lets only the next command in
+                trip.queue(node, ("ASKING",), None)
+            trip.queue(node, groups[name].commands[index], (name, index))
+        nodes.setdefault(node.name, (node, []))[1].append(name)
+    waits: list[tuple[PipelineCommand, list[G]]] = []  # a node's WAIT, the groups sent there
+    if min_replicas:
+        for node, names in nodes.values():
+            wait = trip.queue(node, ("WAIT", min_replicas, timeout_ms), None)
+            waits.append((wait, names))
+    return trip, waits
+
+
+@dataclass
+class _RoundReplies(Generic[G]):
+    """What a round's replies tell: the commands to send again next round (``asking``: the
+    groups to send to the node an ASK named), the groups some node applied commands of, the
+    error to raise, if any, and the latest redirection."""
+
+    pending: dict[G, list[int]] = field(default_factory=dict)
+    asking: dict[G, Any] = field(default_factory=dict)
+    applied: set[G] = field(default_factory=set)
+    failure: BaseException | None = None
+    redirect: AskError | None = None
+
+
+async def _read_round(client: Any, trip: _RoundTrip[G], written: Written[G]) -> _RoundReplies[G]:
+    """Each reply of a round into ``written``; a redirected command pending again (the
+    client's slot map updated for a MOVED)."""
+    replies: _RoundReplies[G] = _RoundReplies()
+    for queued, what in trip.sent:
+        reply = queued.result
+        if what is None:
+            if isinstance(reply, Exception) and replies.failure is None:
+                replies.failure = reply  # an ASKING or a WAIT that failed
+            continue
+        name, index = what
+        if isinstance(reply, MovedError):  # the slot moved: the cluster's layout changed
+            replies.redirect = reply
+            await client.nodes_manager.move_slot(reply)
+            replies.pending.setdefault(name, []).append(index)
+        elif isinstance(reply, AskError):  # the slot is moving: this key is on the target
+            replies.redirect = reply
+            target = client.get_node(host=reply.host, port=reply.port)
+            if target is None:  # a node the client does not know yet
+                replies.failure = replies.failure or reply
+                continue
+            replies.asking[name] = target
+            replies.pending.setdefault(name, []).append(index)
+        elif isinstance(reply, Exception):
+            if replies.failure is None or isinstance(replies.failure, TryAgainError):
+                replies.failure = reply
+        else:
+            written.replies[name][index] = reply
+            replies.applied.add(name)
+    return replies
