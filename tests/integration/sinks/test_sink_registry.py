@@ -176,6 +176,26 @@ def test_each_list_of_kinds_comes_from_the_registry() -> None:
         open_backend(parse_sink_url("redis"))
 
 
+def test_each_store_declares_its_fault_rules_and_the_registry_registers_them() -> None:
+    """A store's errors are known as its by the modules of its client libraries, declared in its
+    module (``faults``) and registered by the registry; no module is claimed by two systems."""
+    from embedfleet.shared.fault_kinds import FaultRules, register_fault_rules, system_of
+
+    declared = {kind: store_of(kind).faults for kind in kinds()}
+    assert {kind: rules.system for kind, rules in declared.items() if rules} == {
+        "lancedb": System.LANCEDB,
+        "pgvector": System.POSTGRESQL,
+        "qdrant": System.QDRANT,
+        "qdrant-local": System.QDRANT,
+    }
+    for rules in filter(None, declared.values()):
+        for module in rules.modules:
+            raised_there = type("StoreError", (Exception,), {"__module__": f"{module}.errors"})
+            assert system_of(raised_there()) is rules.system
+    with pytest.raises(ValueError, match="'psycopg' are postgresql's already"):
+        register_fault_rules(FaultRules(System.QDRANT, ("psycopg",)))
+
+
 def test_the_sinks_import_only_shared() -> None:
     """The design card's rule for the sinks' home: it may import ``embedfleet.shared`` (and
     itself), never the workers, the producer or the gateway."""
