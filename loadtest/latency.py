@@ -308,7 +308,7 @@ def stage_means_ms(
 
 def resolved_slice_ms(settings: Settings) -> float:
     """EMBEDFLEET_SLICE_MS as a CPU worker resolves it (-1: the CPU's auto value)."""
-    from embedfleet.workers.worker import SLICE_MS_AUTO
+    from embedfleet.workers.slices import SLICE_MS_AUTO
 
     return settings.slice_ms if settings.slice_ms >= 0 else SLICE_MS_AUTO["cpu"]
 

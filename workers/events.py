@@ -1,12 +1,15 @@
 """What a worker reports as it runs; metrics, tests and the benchmark listen in.
 
 The worker calls these hooks; it does not know who listens (taskiq's middleware shape). The
-default does nothing, so the hot path pays for a method call and no more.
+default does nothing, so the hot path pays for a method call and no more. ``StatsEvents`` keeps
+a run's counters (``WorkerStats``) on the way and passes every event on to the listener.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, TypedDict, Unpack
 
 # The stages of an answered query's time, in order (query_stages; the metric's ``stage`` label)
@@ -126,3 +129,65 @@ def _forwarding(hook: str) -> Callable[..., None]:
 # forwarded too instead of silently stopping here. Every hook takes keyword arguments only.
 for _hook in [name for name in vars(WorkerEvents) if not name.startswith("_")]:
     setattr(ForwardingEvents, _hook, _forwarding(_hook))
+
+
+@dataclass
+class WorkerStats:
+    """Counters a run reports; the benchmark and the metrics read them."""
+
+    texts: int = 0  # results written (embedded or answered by the vector cache)
+    embedded: int = 0  # texts that went through the model in bulk batches
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    batches: int = 0
+    dead_letters: int = 0
+    # the vector cache: chunks answered from it, chunks embedded, the hits' tokens not computed
+    cache_hits: int = 0
+    cache_misses: int = 0
+    tokens_saved: int = 0
+    model_seconds: float = 0.0
+    started_at: float = field(default_factory=time.perf_counter)
+
+    @property
+    def padding_waste(self) -> float:
+        return 0.0 if not self.padded_tokens else 1 - self.real_tokens / self.padded_tokens
+
+    @property
+    def model_busy_fraction(self) -> float:
+        elapsed = time.perf_counter() - self.started_at
+        return 0.0 if elapsed <= 0 else min(1.0, self.model_seconds / elapsed)
+
+
+class StatsEvents(ForwardingEvents):
+    """Keeps WorkerStats current and forwards every event to the user's listener."""
+
+    def __init__(self, stats: WorkerStats, listener: WorkerEvents) -> None:
+        super().__init__(listener)
+        self.stats = stats
+
+    def batch_encoded(
+        self, *, texts: int, real_tokens: int, padded_tokens: int, seconds: float
+    ) -> None:
+        self.stats.batches += 1
+        self.stats.embedded += texts
+        self.stats.real_tokens += real_tokens
+        self.stats.padded_tokens += padded_tokens
+        self.stats.model_seconds += seconds
+        super().batch_encoded(
+            texts=texts, real_tokens=real_tokens, padded_tokens=padded_tokens, seconds=seconds
+        )
+        self.listener.model_busy(fraction=self.stats.model_busy_fraction)
+
+    def results_written(self, *, texts: int, seconds: float) -> None:
+        self.stats.texts += texts
+        super().results_written(texts=texts, seconds=seconds)
+
+    def dead_lettered(self, *, count: int, reason: str) -> None:
+        self.stats.dead_letters += count
+        super().dead_lettered(count=count, reason=reason)
+
+    def vector_cache_checked(self, *, hits: int, misses: int, tokens_saved: int) -> None:
+        self.stats.cache_hits += hits
+        self.stats.cache_misses += misses
+        self.stats.tokens_saved += tokens_saved
+        super().vector_cache_checked(hits=hits, misses=misses, tokens_saved=tokens_saved)

@@ -18,30 +18,24 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-
-import redis.asyncio as aioredis
 
 from embedfleet.shared.dead_letters import DeadReason
 from embedfleet.shared.fault_kinds import System
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import Chunk, Result
-from embedfleet.shared.settings import Settings
-from embedfleet.shared.vector_cache import CacheCounts, CachedVector, VectorCache
+from embedfleet.shared.vector_cache import CacheCounts, CachedVector
 from embedfleet.sinks import Delivery, queue_acknowledgements
 from embedfleet.sinks.sink import acknowledgement_pipeline
 from embedfleet.workers.batcher import PlannedBatch
 from embedfleet.workers.bulk import BulkBatch
-from embedfleet.workers.consumer import StreamConsumer, StreamEntry
-from embedfleet.workers.dead_letter_writer import DeadLetters, Rejected
+from embedfleet.workers.consumer import StreamEntry
+from embedfleet.workers.dead_letter_writer import Rejected
 from embedfleet.workers.decode import Accepted, decode_entries
-from embedfleet.workers.events import WorkerEvents
-from embedfleet.workers.model.encoder import Encoder, Tokenized, pairs_of
-from embedfleet.workers.outages import Outages, RideOut, transient_or_raise
-from embedfleet.workers.output import Outputs
-from embedfleet.workers.reclaim import InFlight
+from embedfleet.workers.model.encoder import Tokenized, pairs_of
+from embedfleet.workers.outages import RideOut, transient_or_raise
+from embedfleet.workers.parts import StageParts
 
 log = get_logger("embedfleet.worker")
 # The reader is asked for the next window this long (beyond twice its latest opening time)
@@ -84,39 +78,10 @@ class Intake:
     """The intake stage: reads entries when the compute stage wants a window, and opens them as
     windows (or as urgent windows, for the interactive stream's entries)."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        encoder: Encoder,
-        client: aioredis.Redis,
-        consumer: StreamConsumer,
-        outputs: Outputs,
-        vector_cache: VectorCache,
-        dead_letters: DeadLetters,
-        in_flight: InFlight,
-        outages: Outages,
-        events: WorkerEvents,
-        read_count: int,
-        tokenizer_thread: ThreadPoolExecutor,
-        prepare: Callable[[Window], list[Prepared]],
-        stopping: asyncio.Event,
-    ) -> None:
-        self.settings = settings
-        self.keys: Keys = settings.keys
-        self.encoder = encoder
-        self.client = client
-        self.consumer = consumer
-        self.outputs = outputs
-        self.vector_cache = vector_cache
-        self.dead_letters = dead_letters
-        self.in_flight = in_flight
-        self.outages = outages
-        self.events = events
-        self.read_count = read_count
-        self._tokenizer_thread = tokenizer_thread
+    def __init__(self, parts: StageParts, prepare: Callable[[Window], list[Prepared]]) -> None:
+        self.parts = parts
         # the compute stage's planning and collation of a window's batches (tokenizer thread)
         self._prepare = prepare
-        self._stopping = stopping
         # entries the reclaimer claimed for the bulk lane, read before the streams
         self._reclaimed: asyncio.Queue[list[StreamEntry]] = asyncio.Queue()
         # windows of interactive entries the reader opened, for the compute stage to take first
@@ -133,36 +98,36 @@ class Intake:
     async def hold_reclaimed(self, stream: str, entries: list[StreamEntry]) -> None:
         """Entries the reclaimer claimed: ours from now on (their lease renewed while they
         wait for the reader), read before the streams."""
-        self.in_flight.add(stream, [entry.entry_id for entry in entries])
+        self.parts.in_flight.add(stream, [entry.entry_id for entry in entries])
         await self._reclaimed.put(entries)
 
     async def run(self, windows: asyncio.Queue[Window | None], ready: asyncio.Event) -> None:
         """The reader: from when the compute stage is ``ready`` until the drain, windows to
         ``windows`` (None at the end)."""
-        ride = RideOut("reading the ingest stream", self.outages, self.events)
+        ride = RideOut("reading the ingest stream", self.parts.outages, self.parts.events)
         drained = False
         try:
-            await first_set(ready, self._stopping)
-            while not self._stopping.is_set():
+            await first_set(ready, self.parts.stopping)
+            while not self.parts.stopping.is_set():
                 try:
-                    await first_set(self.want_window, self._stopping)
-                    if self._stopping.is_set():
+                    await first_set(self.want_window, self.parts.stopping)
+                    if self.parts.stopping.is_set():
                         break
                     entries = await self._next_entries()
                     if entries:
-                        self.events.entries_read(stream=entries[0].stream, count=len(entries))
+                        self.parts.events.entries_read(stream=entries[0].stream, count=len(entries))
                         await self._intake_by_lane(entries, windows)
                     ride.succeeded()
                 except Exception as error:
                     await ride.wait(transient_or_raise(error, System.REDIS))
             # partitions still blocked on when the drain began: what they bring is finished too
-            leftover = await self.consumer.finish_waiting()
+            leftover = await self.parts.consumer.finish_waiting()
             if leftover:
                 await self._intake_by_lane(leftover, windows)
             drained = True
         finally:
             if not drained:
-                self.consumer.abandon_waiting()
+                self.parts.consumer.abandon_waiting()
             await windows.put(None)
 
     async def next_window(self, windows: asyncio.Queue[Window | None]) -> Window | None:
@@ -187,14 +152,16 @@ class Intake:
     async def _next_entries(self) -> list[StreamEntry]:
         if not self._reclaimed.empty():
             return self._reclaimed.get_nowait()
-        return await self.consumer.read_ingest(self.read_count, self.settings.block_ms)
+        return await self.parts.consumer.read_ingest(
+            self.parts.batching.read_count, self.parts.settings.block_ms
+        )
 
     async def _intake_by_lane(
         self, entries: list[StreamEntry], windows: asyncio.Queue[Window | None]
     ) -> None:
         """Interactive entries to the compute stage's urgent queue, the rest as a bulk window
         (a read can bring both: blocking reads on several streams, reclaimed entries)."""
-        interactive = self.consumer.interactive_stream
+        interactive = self.parts.consumer.interactive_stream
         urgent = [entry for entry in entries if entry.stream == interactive]
         bulk = [entry for entry in entries if entry.stream != interactive]
         if urgent:
@@ -223,15 +190,16 @@ class Intake:
         await self.drop_expired(window.expired)
         if not window.chunks and not window.cached:
             return
-        if self.consumer.policy.token_rate:
+        consumer = self.parts.consumer
+        if consumer.policy.token_rate:
             for delivery, tokens in zip(window.deliveries, window.tokens, strict=True):
-                self.consumer.charge(self.consumer.tenant_of_delivery(delivery), tokens.length)
+                consumer.charge(consumer.tenant_of_delivery(delivery), tokens.length)
             for _, delivery, _ in window.cached:  # read, and free: no model tokens
-                self.consumer.charge(self.consumer.tenant_of_delivery(delivery), 0)
+                consumer.charge(consumer.tenant_of_delivery(delivery), 0)
         # ours until written: the reclaimer renews their leases from now on (only once the
         # dead letters are sent, so that entries of a window dropped by a failed send are
         # left for their lease to run out and be read again)
-        self.in_flight.hold(window.held)
+        self.parts.in_flight.hold(window.held)
         if not urgent:
             await windows.put(window)
             # the window wanted (wanted again while it was opened, nothing being queued then,
@@ -251,11 +219,11 @@ class Intake:
         and collated on the tokenizer thread again (``_tokenize_window``)."""
         loop = asyncio.get_running_loop()
         accepted, prompts, keys, expired, rejected = await loop.run_in_executor(
-            self._tokenizer_thread, self._decode_window, entries
+            self.parts.threads.tokenizer, self._decode_window, entries
         )
         hits = await self._look_up(accepted, keys)
         window = await loop.run_in_executor(
-            self._tokenizer_thread,
+            self.parts.threads.tokenizer,
             functools.partial(
                 self._tokenize_window, accepted, prompts, keys, hits, expired, rejected
             ),
@@ -268,7 +236,7 @@ class Intake:
         """On the tokenizer thread: entries decoded and validated, those past their deadline
         set aside, prompts chosen (chunks whose options the model cannot honour rejected) and
         each chunk's content key made (None: not cached, or the cache is off)."""
-        accepted, rejected = decode_entries(entries, self.settings)
+        accepted, rejected = decode_entries(entries, self.parts.settings)
         # a caller past its deadline (a timed-out interactive request) has gone: not embedded
         now_ms = time.time() * 1000
         expired = [
@@ -282,9 +250,10 @@ class Intake:
             ]
         accepted, prompts = self._with_prompts(accepted, rejected)
         keys: list[str | None] = [None] * len(accepted)
-        if self.vector_cache.enabled:
+        if self.parts.vector_cache.enabled:
             keys = [
-                self.outputs.content_key(a.chunk, p) for a, p in zip(accepted, prompts, strict=True)
+                self.parts.outputs.content_key(a.chunk, p)
+                for a, p in zip(accepted, prompts, strict=True)
             ]
         return accepted, prompts, keys, expired, rejected
 
@@ -295,24 +264,28 @@ class Intake:
         round trip per key set; a chunk sent with ``reembed`` is not looked up. The hits and
         misses are counted (the key set's and each job's counters, the worker's events). Redis
         failing here costs only the cache: every chunk is embedded."""
-        if not self.vector_cache.enabled or not accepted:
+        if not self.parts.vector_cache.enabled or not accepted:
             return {}
         by_owner: dict[Keys, list[int]] = {}
         for position, item in enumerate(accepted):
             with contextlib.suppress(KeyError):  # (a stream of no key set: not looked up)
-                by_owner.setdefault(self.keys.owner_of(item.delivery.stream), []).append(position)
+                by_owner.setdefault(self.parts.keys.owner_of(item.delivery.stream), []).append(
+                    position
+                )
         hits: dict[int, CachedVector] = {}
         for owner, positions in by_owner.items():
             wanted = [p for p in positions if keys[p] is not None and not accepted[p].chunk.reembed]
             try:
-                found = await self.vector_cache.lookup(owner, [keys[p] or "" for p in wanted])
+                found = await self.parts.vector_cache.lookup(owner, [keys[p] or "" for p in wanted])
             except Exception as error:
                 transient_or_raise(error, System.REDIS)
                 log.warning("vector cache not read: embedding the window", error=str(error))
                 found = [None] * len(wanted)
             for position, entry in zip(wanted, found, strict=True):
                 # a vector of a text cut to fit is not reused where cutting is refused
-                if entry is not None and (self.settings.truncate or not entry.result.truncated):
+                if entry is not None and (
+                    self.parts.settings.truncate or not entry.result.truncated
+                ):
                     hits[position] = entry
             per_job: dict[str | None, CacheCounts] = {}
             for position in positions:
@@ -321,11 +294,11 @@ class Intake:
                 job = accepted[position].chunk.job
                 per_job[job] = per_job.get(job, CacheCounts()) + counts
             total = sum(per_job.values(), CacheCounts())
-            self.events.vector_cache_checked(
+            self.parts.events.vector_cache_checked(
                 hits=total.hits, misses=total.misses, tokens_saved=total.tokens_saved
             )
             try:
-                await self.vector_cache.count(owner, per_job)
+                await self.parts.vector_cache.count(owner, per_job)
             except Exception as error:
                 transient_or_raise(error, System.REDIS)
                 log.warning("vector cache counters not updated", error=str(error))
@@ -352,7 +325,7 @@ class Intake:
             return Window([], [], [], expired=expired, cached=cached)
         chunks = [accepted[p].chunk for p in rest]
         texts_prompts = [prompts[p] for p in rest]
-        tokens = self.encoder.tokenize(
+        tokens = self.parts.encoder.tokenize(
             [chunk.text for chunk in chunks],
             texts_prompts if any(texts_prompts) else None,
             pairs=pairs_of(chunks),
@@ -379,7 +352,7 @@ class Intake:
         prompts: list[str] = []
         for item in accepted:
             try:
-                prompts.append(self.outputs.prompt_for(item.chunk, "document"))
+                prompts.append(self.parts.outputs.prompt_for(item.chunk, "document"))
             except ValueError as error:
                 delivery, chunk = item.delivery, item.chunk
                 rejected.append(Rejected.chunk(delivery, chunk, DeadReason.OPTIONS, str(error)))
@@ -389,10 +362,10 @@ class Intake:
 
     def _set_aside_overlong(self, window: Window, rejected: list[Rejected]) -> Window:
         """Without truncation, texts over the model's maximum go to ``rejected``."""
-        if self.settings.truncate or not any(t.truncated for t in window.tokens):
+        if self.parts.settings.truncate or not any(t.truncated for t in window.tokens):
             return window
         reason = (
-            f"text is longer than the model's {self.encoder.max_length} tokens "
+            f"text is longer than the model's {self.parts.encoder.max_length} tokens "
             "(EMBEDFLEET_TRUNCATE=false)"
         )
         rejected += [
@@ -413,13 +386,13 @@ class Intake:
         the query lane does: answering them would only leave a reply list to expire."""
         if not expired:
             return
-        pipe = acknowledgement_pipeline(self.client, self.keys)
-        queue_acknowledgements(pipe, self.keys, expired, counter="expired")
+        pipe = acknowledgement_pipeline(self.parts.client, self.parts.keys)
+        queue_acknowledgements(pipe, self.parts.keys, expired, counter="expired")
         await pipe.execute()
 
     async def dead_letter(self, rejected: list[Rejected]) -> None:
-        await self.dead_letters.send(rejected)
-        self.in_flight.release(rejected)
+        await self.parts.dead_letters.send(rejected)
+        self.parts.in_flight.release(rejected)
 
 
 async def first_set(*events: asyncio.Event) -> None:

@@ -22,30 +22,24 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-import redis.asyncio as aioredis
 
 from embedfleet.shared.dead_letters import DeadReason
 from embedfleet.shared.fault_kinds import FaultKind, System, WorkerFault
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import Chunk, Result
-from embedfleet.shared.settings import Settings
-from embedfleet.shared.vector_cache import VectorCache, pack_entry
-from embedfleet.sinks import Delivery, Sink
+from embedfleet.shared.vector_cache import pack_entry
+from embedfleet.sinks import Delivery
 from embedfleet.sinks.reply import ReplyListWriter
-from embedfleet.workers.calibration import Calibration
-from embedfleet.workers.dead_letter_writer import DeadLetters, Rejected
-from embedfleet.workers.events import WorkerEvents
+from embedfleet.workers.dead_letter_writer import Rejected
 from embedfleet.workers.model.encoder import Tokenized
 from embedfleet.workers.outages import (
-    Outages,
     RideOut,
     classify_sink_error,
     ride_out,
     transient_or_raise,
 )
-from embedfleet.workers.output import Outputs
-from embedfleet.workers.reclaim import InFlight
+from embedfleet.workers.parts import StageParts
 
 log = get_logger("embedfleet.worker")
 
@@ -67,31 +61,10 @@ class Encoded:
 class Writer:
     """The write stage: results to the sink or the reply lists, acknowledged, released."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        client: aioredis.Redis,
-        sink: Sink,
-        outputs: Outputs,
-        vector_cache: VectorCache,
-        dead_letters: DeadLetters,
-        in_flight: InFlight,
-        outages: Outages,
-        events: WorkerEvents,
-        on_model_thread: Callable[[Callable[[], Calibration]], Awaitable[Calibration]],
-    ) -> None:
-        self.settings = settings
-        self.keys: Keys = settings.keys
-        self.sink = sink
-        self.outputs = outputs
-        self.vector_cache = vector_cache
-        self.dead_letters = dead_letters
-        self.in_flight = in_flight
-        self.outages = outages
-        self.events = events
-        self.on_model_thread = on_model_thread
+    def __init__(self, parts: StageParts) -> None:
+        self.parts = parts
         # the gateway's chunks: their results go back to the caller's reply list
-        self.replies = ReplyListWriter(client, self.keys, settings.job_reply_ttl_s)
+        self.replies = ReplyListWriter(parts.client, parts.keys, parts.settings.job_reply_ttl_s)
 
     async def run(self, encoded: asyncio.Queue[Encoded | None]) -> None:
         """Write what ``encoded`` brings until its end (None: the compute stage has finished)."""
@@ -101,11 +74,13 @@ class Writer:
             else:
                 # int8/uint8 need the fleet's calibration; read (or made) once, then cached
                 await ride_out(
-                    RideOut("reading the calibration", self.outages, self.events),
+                    RideOut("reading the calibration", self.parts.outages, self.parts.events),
                     System.REDIS,
-                    functools.partial(self.outputs.prepare, item.chunks, self.on_model_thread),
+                    functools.partial(
+                        self.parts.outputs.prepare, item.chunks, self.parts.on_model_thread
+                    ),
                 )
-                results = self.outputs.results(
+                results = self.parts.outputs.results(
                     item.chunks, item.vectors, [t.truncated for t in item.tokens]
                 )
                 # stored before the write: once the job has finished, its vectors are there
@@ -120,8 +95,8 @@ class Writer:
                     [results[r] for r in sunk],
                     [item.deliveries[r] for r in sunk],
                     [item.chunks[r] for r in sunk],
-                    lambda results, deliveries, rows: self.sink.write(results, deliveries),
-                    self.sink.system,
+                    lambda results, deliveries, rows: self.parts.sink.write(results, deliveries),
+                    self.parts.sink.system,
                 )
             if replied:
                 replies = [item.chunks[r].reply or "" for r in replied]
@@ -144,9 +119,11 @@ class Writer:
                     System.REDIS,
                 )
             if written:
-                self.events.results_written(texts=written, seconds=time.perf_counter() - started)
+                self.parts.events.results_written(
+                    texts=written, seconds=time.perf_counter() - started
+                )
             # acknowledged, or held by the sink until it is (in_flight keeps their leases then)
-            self.in_flight.release(item.deliveries)
+            self.parts.in_flight.release(item.deliveries)
 
     async def _remember(self, item: Encoded, results: list[Result]) -> None:
         """Store the vectors just embedded in the vector cache, under their content keys, each
@@ -159,12 +136,12 @@ class Writer:
             if key is None:
                 continue
             with contextlib.suppress(KeyError):
-                owner = self.keys.owner_of(item.deliveries[row].stream)
+                owner = self.parts.keys.owner_of(item.deliveries[row].stream)
                 entry = pack_entry(results[row], item.tokens[row].length)
                 by_owner.setdefault(owner, []).append((key, entry))
         for owner, entries in by_owner.items():
             try:
-                await self.vector_cache.store(owner, entries)
+                await self.parts.vector_cache.store(owner, entries)
             except Exception as error:
                 transient_or_raise(error, System.REDIS)
                 log.warning("vector cache not written", error=str(error), vectors=len(entries))
@@ -186,7 +163,9 @@ class Writer:
         ``sink_retries`` times (a fault not known to pass might still) and then stops the
         worker with a WorkerFault naming the setting.
         """
-        ride = RideOut("writing results", self.outages, self.events, base_s=0.5, cap_s=10.0)
+        ride = RideOut(
+            "writing results", self.parts.outages, self.parts.events, base_s=0.5, cap_s=10.0
+        )
         written = 0
         failures = 0
         todo = [list(range(len(results)))]  # index lists still to write, last first
@@ -197,13 +176,13 @@ class Writer:
             except Exception as error:
                 fault = classify_sink_error(error, system)
                 if fault.system is not System.REDIS:
-                    self.events.sink_error(error=error, kind=fault.kind.value)
+                    self.parts.events.sink_error(error=error, kind=fault.kind.value)
                 todo.append(rows)  # until decided otherwise, it is still to write
                 if fault.kind is FaultKind.TRANSIENT:
                     await ride.wait(fault)
                 elif fault.kind is FaultKind.ROW and len(rows) > 1:
                     todo.pop()
-                    self.events.row_isolated(rows=len(rows))
+                    self.parts.events.row_isolated(rows=len(rows))
                     half = len(rows) // 2
                     todo += [rows[half:], rows[:half]]
                 elif fault.kind is FaultKind.ROW:
@@ -213,15 +192,15 @@ class Writer:
                         deliveries[row], chunks[row], DeadReason.SINK_REFUSED, detail
                     )
                     try:
-                        await self.dead_letters.send([refused])
-                        self.in_flight.release([refused])
+                        await self.parts.dead_letters.send([refused])
+                        self.parts.in_flight.release([refused])
                     except Exception as redis_error:  # the row is tried again after the wait
                         await ride.wait(transient_or_raise(redis_error, System.REDIS))
                     else:
                         todo.pop()
                 else:
                     failures += 1
-                    if failures >= self.settings.sink_retries:
+                    if failures >= self.parts.settings.sink_retries:
                         raise WorkerFault.from_fault(
                             fault, f"writing results ({failures} tries)"
                         ) from error
@@ -230,7 +209,7 @@ class Writer:
                         system=fault.system.value,
                         error=fault.detail,
                         tries=failures,
-                        of=self.settings.sink_retries,
+                        of=self.parts.settings.sink_retries,
                     )
                     await ride.pause(fault)
                 continue

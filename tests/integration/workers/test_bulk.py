@@ -127,7 +127,7 @@ async def test_worker_varlen_on_cpu_matches_sentence_transformers(
         progress = await producer.wait_for_job("varlen", timeout=300)
         results = {r.id: r.vector.astype(np.float32) async for r in producer.results(job="varlen")}
     assert progress.done == count and progress.dead == 0
-    assert worker.bulk is not None and worker.bulk.layout == "varlen"
+    assert worker.slices.bulk is not None and worker.slices.bulk.layout == "varlen"
     assert worker.stats.padding_waste == 0.0 and worker.stats.batches >= count // 8
     waits = [entry for entry in fake_cuda_events.log if entry.startswith("wait")]
     assert len(waits) >= count // 8  # every batch came back through its copy event

@@ -58,7 +58,7 @@ def test_rejects_nonsense_limits() -> None:
 
 
 class _SlicingEncoder:
-    """What Worker._slice_limit reads from the encoder: pure logic, no model."""
+    """What Slices._slice_limit reads from the encoder: pure logic, no model."""
 
     layer_count = 6
     device = types.SimpleNamespace(type="cpu")
@@ -80,7 +80,7 @@ def _worker(slice_ms: float, measured: bool = True) -> Worker:
     if measured:
         for path in ("eager", "frozen", "int8"):
             shapes = [Shape.padded(n, w) for n, w in ((64, 24), (8, 24), (4, 256))]
-            cost = worker._slice_cost(path)
+            cost = worker.slices._slice_cost(path)
             cost.seed([(s, _PER_TOKEN.seconds(s)) for s in shapes])
             for shape in shapes * 3:  # its own batches measured: the fit alone sizes them
                 cost.observe(shape, _PER_TOKEN.seconds(shape))
@@ -91,25 +91,25 @@ def test_each_forward_path_has_its_own_cost_model() -> None:
     """The frozen copy (no layer boundaries: the slice is the whole batch), the int8 copy and
     the eager model (the slice is one layer) are timed and sized apart."""
     worker = _worker(100)
-    assert worker._bulk_path() == "eager" and not worker._bulk_frozen()
+    assert worker.slices.bulk_path() == "eager" and not worker.slices.bulk_frozen()
     worker.encoder.has_query_graph = True  # type: ignore[misc]
-    assert worker._bulk_frozen() and worker._bulk_path() == "frozen"
+    assert worker.slices.bulk_frozen() and worker.slices.bulk_path() == "frozen"
     worker.encoder.computes_in_int8 = True  # type: ignore[misc]
-    assert worker._bulk_path() == "int8"
+    assert worker.slices.bulk_path() == "int8"
     slow = SliceCost("int8")  # int8 here: much slower
     slow.seed([(Shape.padded(64, 24), 0.5)])
     for _ in range(TRUSTED_AFTER):
         slow.observe(Shape.padded(64, 24), 0.5)
-    worker.slice_costs["int8"] = slow
-    int8_limit = worker._slice_limit()
+    worker.slices.slice_costs["int8"] = slow
+    int8_limit = worker.slices._slice_limit()
     worker.encoder.computes_in_int8 = False  # type: ignore[misc]
-    frozen_limit = worker._slice_limit()
+    frozen_limit = worker.slices._slice_limit()
     assert int8_limit is not None and frozen_limit is not None
     assert int8_limit.max_texts(np.array([24]))[0] < frozen_limit.max_texts(np.array([24]))[0]
     off = _worker(100)
-    off.settings = off.settings.model_copy(update={"frozen_bulk": False})
+    off.parts.settings = off.parts.settings.model_copy(update={"frozen_bulk": False})
     off.encoder.has_query_graph = True  # type: ignore[misc]
-    assert not off._bulk_frozen() and off._bulk_path() == "eager"
+    assert not off.slices.bulk_frozen() and off.slices.bulk_path() == "eager"
 
 
 def test_batches_leave_headroom_under_the_slice_target() -> None:
@@ -117,7 +117,7 @@ def test_batches_leave_headroom_under_the_slice_target() -> None:
     # SLICE_HEADROOM of that (until the spread of slices is measured), so a slower-than-average
     # slice still fits.
     assert 0 < SLICE_HEADROOM < 1
-    limit = _worker(100)._slice_limit()
+    limit = _worker(100).slices._slice_limit()
     assert limit is not None and limit.seconds == pytest.approx(SLICE_HEADROOM * 0.100)
     batches = plan_batches([50] * 200, 4096, 128, max_texts=limit.max_texts)
     for batch in batches:
@@ -127,8 +127,8 @@ def test_batches_leave_headroom_under_the_slice_target() -> None:
 
 
 def test_no_limit_unmeasured_or_unsliced() -> None:
-    assert _worker(100, measured=False)._slice_limit() is None  # nothing measured yet
-    assert _worker(0)._slice_limit() is None  # slicing off
+    assert _worker(100, measured=False).slices._slice_limit() is None  # nothing measured yet
+    assert _worker(0).slices._slice_limit() is None  # slicing off
 
 
 def test_queries_served_concurrently_leave_bulk_batches_the_full_budget() -> None:
@@ -137,9 +137,9 @@ def test_queries_served_concurrently_leave_bulk_batches_the_full_budget() -> Non
     for slice_ms in (-1, 20, 100):
         worker = _worker(slice_ms)
         worker.encoder.device = types.SimpleNamespace(type="cuda")  # type: ignore[misc]
-        assert worker._slice_limit() is not None  # queries at layer boundaries: sliced
+        assert worker.slices._slice_limit() is not None  # queries at layer boundaries: sliced
         worker.encoder.serves_queries_concurrently = True  # type: ignore[misc]
-        assert worker.slice_seconds == 0 and worker._slice_limit() is None
+        assert worker.slices.slice_seconds == 0 and worker.slices._slice_limit() is None
 
 
 @pytest.mark.parametrize("seed", range(12))
