@@ -165,7 +165,7 @@ def parse_line(raw: bytes, gateway: Gateway, *, validating: bool = False) -> Bat
         ) from None
     gateway.check_model(body.model, "body.model")
     card = gateway.known_card  # None before any worker published: the worker checks
-    check_dimensions(body.dimensions, card.dim if card is not None else None)
+    check_dimensions(body.dimensions, card)
     texts = prepare(body.input, gateway.tokenizer, gateway.settings, "body.input")
     if validating and card is not None and not body.truncate:  # as online: refused, not cut
         check_context(texts, gateway.tokenizer, card.max_length, "body.input")

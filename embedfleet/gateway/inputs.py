@@ -21,8 +21,10 @@ import numpy as np
 
 from embedfleet.gateway.errors import APIError
 from embedfleet.producer.tokens import ModelTokenizer
+from embedfleet.shared.modelcard import ModelCard
 from embedfleet.shared.postprocess import normalize
 from embedfleet.shared.protocol import ProtocolError, check_unicode
+from embedfleet.shared.protocol import check_dimensions as check_dimensions_shape
 from embedfleet.shared.settings import Settings
 
 EmbeddingInput = str | list[str] | list[int] | list[list[int]]
@@ -241,19 +243,19 @@ def keep_last_tokens(text: str, tokenizer: ModelTokenizer, budget: int) -> str:
     return text[starts[-1] :]
 
 
-def check_dimensions(dimensions: int | None, model_dim: int | None) -> None:
-    """400 for ``dimensions`` out of range; ``model_dim`` None (no model card yet): only the
-    lower bound here, the worker refuses one over the model's dimension."""
+def check_dimensions(dimensions: int | None, card: ModelCard | None) -> None:
+    """``dimensions`` as the protocol shapes it (over HTTP at least 1: the whole vector is
+    ``dimensions`` left out) and, with a model card, as the card bounds it; their message in
+    a 400. ``card`` None (no worker has published one yet): the worker refuses one over the
+    model's dimension, per chunk."""
     if dimensions is None:
         return
-    if dimensions < 1 or (model_dim is not None and dimensions > model_dim):
-        upper = f"the model's {model_dim}" if model_dim is not None else "the model's dimension"
-        raise APIError(
-            400,
-            f"'dimensions' must be between 1 and {upper}, got {dimensions}",
-            param="dimensions",
-            code="invalid_dimensions",
-        )
+    try:
+        check_dimensions_shape(dimensions, whole=False)
+        if card is not None:
+            card.check_dimensions(dimensions)
+    except ValueError as error:  # ProtocolError is one
+        raise APIError(400, str(error), param="dimensions", code="invalid_dimensions") from None
 
 
 def unit_vectors(vectors: np.ndarray, unit: bool) -> np.ndarray:

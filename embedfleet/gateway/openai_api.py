@@ -49,7 +49,7 @@ async def _create_embeddings(body: EmbeddingRequest, gateway: Gateway) -> dict[s
             param="model",
             code="representation_not_served",
         )
-    check_dimensions(body.dimensions, card.dim if card is not None else None)
+    check_dimensions(body.dimensions, card)
     texts = prepare(body.input, gateway.tokenizer, gateway.settings)
     if card is not None and not body.truncate:
         check_context(texts, gateway.tokenizer, card.max_length)

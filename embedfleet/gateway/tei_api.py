@@ -70,7 +70,7 @@ async def embed(body: EmbedRequest, gateway: GatewayDep) -> list[list[float]]:
 async def _embed(body: EmbedRequest, gateway: Gateway) -> list[list[float]]:
     gateway = await gateway.for_model(body.model)
     card = await gateway.model_card()  # None before any worker started: checked afterwards
-    check_dimensions(body.dimensions, card.dim if card is not None else None)
+    check_dimensions(body.dimensions, card)
     normalize = True if body.normalize is None else body.normalize
     texts = prepare(body.inputs, gateway.tokenizer, gateway.settings, "inputs")
     prompt = ""
@@ -106,7 +106,7 @@ def _check_against_card(card: ModelCard, body: EmbedRequest, normalize: bool) ->
             f"{', '.join(card.representations)}): use /embed_sparse or /rerank",
             code="representation_not_served",
         )
-    check_dimensions(body.dimensions, card.dim)
+    check_dimensions(body.dimensions, card)
     if card.normalize and not normalize:
         raise APIError(
             422,

@@ -21,6 +21,7 @@ from embedfleet.gateway.inputs import (
 from embedfleet.gateway.state import wire_options
 from embedfleet.producer.tokens import ModelTokenizer
 from embedfleet.shared.model_path import resolve_model_path
+from embedfleet.shared.modelcard import ModelCard
 from embedfleet.shared.protocol import FULL_DIMENSIONS
 from embedfleet.shared.settings import Settings
 
@@ -122,12 +123,13 @@ def test_wire_options_need_no_model_card() -> None:
 
 
 def test_dimensions_are_checked_against_the_card_when_there_is_one() -> None:
+    card = ModelCard(name="tiny", dim=48, max_length=32, normalize=True)  # its dimension: 48
     check_dimensions(None, None)
     check_dimensions(5000, None)  # no card yet: the worker refuses it, per chunk
-    check_dimensions(48, 48)
-    for dimensions, model_dim in ((0, None), (49, 48), (-1, 48)):
+    check_dimensions(48, card)
+    for dimensions, model_card in ((0, None), (49, card), (-1, card)):
         with pytest.raises(APIError) as caught:
-            check_dimensions(dimensions, model_dim)
+            check_dimensions(dimensions, model_card)
         assert caught.value.status == 400 and caught.value.param == "dimensions"
 
 
