@@ -1,6 +1,6 @@
 """Reading chunks from JSON Lines: one {"id", "text", "meta"?, options?} object per line.
 
-Each line becomes a chunk through the Producer's own builder (``client.as_chunk``: the fields
+Each line becomes a chunk through the Producer's own builder (``chunks.as_chunk``: the fields
 it keeps, checked by the protocol's one validator with the configured limits), so a line
 carries every field ``Producer.enqueue`` of the same mapping carries, and a line accepted here
 is a chunk the worker will embed.
@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import IO
 
-from embedfleet.producer.client import as_chunk
+from embedfleet.producer.chunks import as_chunk
 from embedfleet.shared.protocol import DEFAULT_LIMITS, Chunk, ChunkLimits
 
 # JSON spells a byte of a chunk's message in at most 6 bytes (a control character as \u001f),

@@ -19,9 +19,11 @@ from collections.abc import Callable, Iterable, Iterator
 import pytest
 
 from embedfleet.producer import Producer
+from embedfleet.producer.backlog_waits import BacklogWaits
 from embedfleet.producer.client import ReplicasNotConfirmedError
 from embedfleet.shared.keys import Keys, key_slot
 from embedfleet.shared.protocol import Chunk
+from embedfleet.shared.retry import OutageListener
 from embedfleet.shared.settings import Settings
 from loadtest.common import isolated_settings
 from loadtest.local_cluster import LocalCluster
@@ -70,10 +72,23 @@ class SlotMovingProducer(Producer):
 
     before_next_batch: Callable[[], None] | None = None
 
-    async def _wait_for_room(self, partitions: Iterable[Keys], tenants: set[str | None]) -> None:
-        await super()._wait_for_room(partitions, tenants)
-        if self.before_next_batch is not None:
-            disturb, self.before_next_batch = self.before_next_batch, None
+    def __init__(self, settings: Settings, *, on_outage: OutageListener) -> None:
+        super().__init__(settings, on_outage=on_outage)
+        self._enqueuer.waits = _WaitsThenDisturb(self)
+
+
+class _WaitsThenDisturb(BacklogWaits):
+    """The producer's backpressure check (producer/backlog_waits.py), then its
+    ``before_next_batch``, once."""
+
+    def __init__(self, producer: SlotMovingProducer) -> None:
+        super().__init__(producer)
+        self.producer = producer
+
+    async def wait_for_room(self, partitions: Iterable[Keys], tenants: set[str | None]) -> None:
+        await super().wait_for_room(partitions, tenants)
+        if self.producer.before_next_batch is not None:
+            disturb, self.producer.before_next_batch = self.producer.before_next_batch, None
             await asyncio.to_thread(disturb)
 
 

@@ -1,0 +1,292 @@
+"""The interactive lanes: queries and texts for someone waiting, answered on a reply list.
+
+The inputs of one request go to the query stream (``Keys.query_lane.query``: few, short texts,
+served between the transformer layers of bulk batches) or the interactive stream
+(``.interactive``: bulk-sized batches, read before every ingest stream) under one request id;
+the workers push each input's answer onto the request's reply list, which the call blocks on
+(BLPOP: no polling, producer/replies.py). An unanswered request is withdrawn: nothing is left
+behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+from embedfleet.producer.chunks import EmbeddingOptions, as_chunk
+from embedfleet.producer.lane import ProducerLane
+from embedfleet.producer.replies import Answers, pop_answers
+from embedfleet.shared.fault_kinds import is_transient
+from embedfleet.shared.logging import get_logger
+from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, Result, SparseVector, encode_chunk
+from embedfleet.shared.retry import RedisUnavailableError, describe
+
+log = get_logger("embedfleet.producer")
+# How late past a query's deadline a round trip may still answer (a BLPOP ends at the deadline
+# by itself) before it counts as a hung Redis and is cancelled
+REPLY_MARGIN_S = 0.25
+
+# a request's stream, as the calls name it: the query stream or the interactive one ("texts")
+RequestStream = Literal["query", "texts"]
+
+
+class QueryTimeoutError(TimeoutError):
+    """No worker answered a query in time; the query was withdrawn and nothing is left behind."""
+
+
+class Queries:
+    """Requests on one producer lane's query and interactive streams (the facade routes the
+    model); the calls' contracts are ``Producer``'s."""
+
+    def __init__(self, lane: ProducerLane) -> None:
+        self.lane = lane
+
+    def stream(self, lane: RequestStream) -> str:
+        """The query stream (few, short texts) or the interactive one (``texts``)."""
+        query_lane = self.lane.keys.query_lane
+        return query_lane.query if lane == "query" else query_lane.interactive
+
+    async def embed(
+        self,
+        texts: Sequence[str],
+        lane: RequestStream,
+        timeout: float,
+        options: EmbeddingOptions | None,
+    ) -> np.ndarray:
+        """Dense vectors of ``texts``, shape (len(texts), dim): the query stream's (few, short
+        queries) or the interactive stream's (many texts, bulk-sized batches)."""
+        what = "queries" if lane == "query" else "texts"
+        return (await self.answers(self.stream(lane), what, texts, timeout, options)).array()
+
+    async def embed_sparse(
+        self, texts: Sequence[str], timeout: float, max_active_dims: int | None, lane: RequestStream
+    ) -> list[SparseVector]:
+        extra = {"representations": ("sparse",), "max_active_dims": max_active_dims}
+        answers = await self.answers(self.stream(lane), lane, texts, timeout, None, extra=extra)
+        vectors = [answers.results[index].sparse for index in range(len(texts))]
+        if any(vector is None for vector in vectors):
+            raise ValueError("the workers answered without sparse weights")
+        return [vector for vector in vectors if vector is not None]
+
+    async def rerank(
+        self, query: str, documents: Sequence[str], timeout: float, lane: RequestStream
+    ) -> np.ndarray:
+        answers = await self.answers(
+            self.stream(lane), "pairs", [query] * len(documents), timeout, None, pairs=documents
+        )
+        return np.array(
+            [answers.results[index].score for index in range(len(documents))], dtype=np.float32
+        )
+
+    async def score_pairs(
+        self, pairs: Sequence[tuple[str, str]], timeout: float, lane: RequestStream
+    ) -> np.ndarray:
+        answers = await self.answers(
+            self.stream(lane),
+            "pairs",
+            [a for a, _ in pairs],
+            timeout,
+            None,
+            pairs=[b for _, b in pairs],
+        )
+        return np.stack(
+            [np.asarray(answers.results[i].vector, np.float32) for i in range(len(pairs))]
+        )
+
+    async def embed_representations(
+        self,
+        texts: Sequence[str],
+        representations: Sequence[str],
+        timeout: float,
+        lane: RequestStream,
+        options: EmbeddingOptions | None,
+        max_active_dims: int | None,
+        multivector_dtype: str | None,
+    ) -> list[Result]:
+        extra = {
+            "representations": tuple(representations),
+            "max_active_dims": max_active_dims,
+            "multivector_dtype": multivector_dtype,
+        }
+        answers = await self.answers(self.stream(lane), lane, texts, timeout, options, extra=extra)
+        return [answers.results[index] for index in range(len(texts))]
+
+    async def answers(
+        self,
+        stream: str,
+        what: str,
+        texts: Sequence[str],
+        timeout: float,
+        options: EmbeddingOptions | None,
+        *,
+        pairs: Sequence[str] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> Answers:
+        """Send ``texts`` to ``stream`` under one request id and collect their answers from the
+        request's reply list (producer/replies.py): each input's Result. ``pairs``: each text's
+        document for a cross-encoder; ``extra``: Chunk fields every input gets.
+
+        The worker pushes each answer onto a reply list this call blocks on (BLPOP: no
+        polling). On timeout the inputs are withdrawn from the stream and the reply key is
+        deleted, so nothing is left behind; a late answer would expire with the key's TTL.
+
+        Redis away (restart, failover, dropped connection) is waited out within ``timeout``;
+        after a reconnection the unanswered inputs are sent again under the same request id
+        (a server that lost them would never answer), so an input may be embedded twice: the
+        answers are kept one per index and a spare one expires with the reply key.
+        """
+        _check_request(what, texts, timeout, pairs)
+        give_up_at = time.monotonic() + timeout
+        request = uuid.uuid4().hex
+        reply_key = self.lane.keys.query_lane.reply(request)
+        deadline_ms = int((time.time() + timeout) * 1000)
+        answers = Answers(len(texts))
+        entry_ids: list[bytes] = []
+        try:
+            await self.lane.setup(deadline=give_up_at)
+            payloads = await self._payloads(
+                request, texts, deadline_ms, options, pairs, extra, give_up_at
+            )
+            await self._collect(stream, what, payloads, reply_key, answers, entry_ids, give_up_at)
+        except RedisUnavailableError as error:
+            raise QueryTimeoutError(
+                f"no answer within {timeout}s for {answers.missing} of {len(texts)} {what}: {error}"
+            ) from error
+        finally:
+            if not answers.complete or answers.failures:
+                await self._withdraw(stream, entry_ids, reply_key)
+        if not answers.complete:
+            raise QueryTimeoutError(
+                f"no answer within {timeout}s for {answers.missing} of {len(texts)} "
+                f"{what}. Are workers running? Check: redis-cli XINFO GROUPS {stream}"
+            )
+        return answers
+
+    async def _payloads(
+        self,
+        request: str,
+        texts: Sequence[str],
+        deadline_ms: int,
+        options: EmbeddingOptions | None,
+        pairs: Sequence[str] | None,
+        extra: dict[str, Any] | None,
+        give_up_at: float,
+    ) -> list[bytes]:
+        """Each input encoded, after the worker's own checks with the configured limits (and
+        the model card's, where an option or a pair asks something of the model): nothing is
+        sent of a request the worker would refuse."""
+        lane = self.lane
+        payloads: list[bytes] = []
+        for index, text in enumerate(texts):
+            chunk = as_chunk(
+                Chunk(
+                    id=f"{request}:{index}",
+                    text=text,
+                    reply=request,
+                    deadline_ms=deadline_ms,
+                    pair=pairs[index] if pairs is not None else None,
+                    # accounted to the producer's tenant (the query lane has no shares)
+                    tenant=None if lane.tenant is None else lane.tenants.wire(lane.tenant),
+                    **(extra or {}),
+                ),
+                None,
+                options,
+                lane.settings.chunk_limits,
+            )
+            if options is not None or pairs is not None or extra:
+                chunk = await lane.checked(chunk, deadline=give_up_at)
+            payloads.append(encode_chunk(chunk))
+        return payloads
+
+    async def _collect(
+        self,
+        stream: str,
+        what: str,
+        payloads: list[bytes],
+        reply_key: str,
+        answers: Answers,
+        entry_ids: list[bytes],
+        give_up_at: float,
+    ) -> None:
+        """Send the inputs and take their answers off the reply list until every input has one
+        or ``give_up_at``; after a fault, the unanswered inputs are sent again (the server may
+        have lost them). ``entry_ids``: every entry sent, for the withdrawal."""
+        lane = self.lane
+        tries = lane.retry.attempts(f"embed {what}", deadline=give_up_at)
+        send = True  # at first, and again after a fault: the server may have lost them
+        while not answers.complete:
+            remaining = give_up_at - time.monotonic()
+            if remaining <= 0.01:  # BLPOP's timeout 0 would wait for ever
+                break
+            # one BLPOP waits at most EMBEDFLEET_BLOCK_MS (the connection's read timeout is
+            # sized for it); the round trip as a whole is bounded by the deadline, so a hung
+            # Redis is given up on there (a TimeoutError: transient, then past the deadline)
+            blocking = min(remaining, lane.settings.block_ms / 1000)
+            try:
+                async with asyncio.timeout(remaining + REPLY_MARGIN_S):
+                    if send:
+                        unanswered = answers.unanswered()
+                        sent, popped = await self._send_request(
+                            stream, [payloads[i] for i in unanswered], reply_key, blocking
+                        )
+                        entry_ids += sent
+                        send = False
+                    else:
+                        popped = await pop_answers(lane.client, reply_key, blocking)
+            except Exception as error:
+                send = True
+                await tries.failed(error)
+                continue
+            tries.succeeded()
+            for payload in popped:
+                failure = answers.take(payload)
+                if failure is not None:
+                    raise failure  # the worker's reason for a bad input
+
+    async def _send_request(
+        self, stream: str, payloads: list[bytes], reply_key: str, timeout: float
+    ) -> tuple[list[bytes], list[bytes]]:
+        """The XADDs and the first BLPOP in one round trip: one round trip for a single query."""
+        pipe = self.lane.client.pipeline(transaction=False)
+        for payload in payloads:
+            pipe.xadd(stream, {PAYLOAD_FIELD: payload})
+        pipe.blpop([reply_key], timeout=timeout)
+        *entry_ids, popped = await pipe.execute()
+        return entry_ids, [] if popped is None else [popped[1]]
+
+    async def _withdraw(self, stream: str, entry_ids: list[bytes], reply_key: str) -> None:
+        """Take an unanswered request's entries back, once, within
+        EMBEDFLEET_REDIS_CLEANUP_TIMEOUT_S: if Redis is away or hung, the workers skip them
+        anyway (they are past their deadline) and the reply key expires. An entry a worker has
+        already read is answered onto the deleted key, which then expires."""
+        pipe = self.lane.client.pipeline(transaction=True)  # the query lane's keys share a slot
+        if entry_ids:
+            pipe.xdel(stream, *entry_ids)
+        pipe.delete(reply_key)
+        try:
+            # bounded: the caller's timeout (or cancellation) must hold with Redis hung
+            async with asyncio.timeout(self.lane.settings.redis_cleanup_timeout_s):
+                await pipe.execute()
+        except Exception as error:
+            if not is_transient(error):
+                raise
+            log.info("could not withdraw queries: redis unavailable", error=describe(error))
+
+
+def _check_request(
+    what: str, texts: Sequence[str], timeout: float, pairs: Sequence[str] | None
+) -> None:
+    """A ``ValueError`` for a request no worker could answer, before anything is sent."""
+    if pairs is not None and len(pairs) != len(texts):
+        raise ValueError("one document per query: pairs and texts differ in length")
+    if not texts:
+        raise ValueError(f"embedding {what} needs at least one text")
+    if any(not isinstance(t, str) for t in texts):
+        raise ValueError(f"every one of the {what} must be a string")
+    if not timeout > 0:  # BLPOP with timeout 0 would wait forever
+        raise ValueError(f"timeout must be a positive number of seconds, not {timeout}")
