@@ -2,7 +2,7 @@
 
 One module per section, each a small class with its fields, defaults, descriptions and
 validators: ``queue`` (Redis, keys, partitions), ``model``, ``vector_cache``, ``batching``,
-``query_lane`` (and the forward paths), ``reliability``, ``tenants``, ``inputs`` (limits and
+``query_stage`` (and the forward paths), ``reliability``, ``tenants``, ``inputs`` (limits and
 documents), ``operations``, ``gateway``, ``batch_api`` and ``sinks``; ``section`` is what they
 share (the prefix). ``composed`` joins them into ``Settings``, the one class every side reads,
 with what spans sections. ``table`` generates the settings reference (docs/SETTINGS.md), one

@@ -20,7 +20,7 @@ from embedfleet.shared.settings.gateway import GatewaySettings
 from embedfleet.shared.settings.inputs import InputSettings
 from embedfleet.shared.settings.model import ModelSettings
 from embedfleet.shared.settings.operations import OperationsSettings
-from embedfleet.shared.settings.query_lane import QueryLaneSettings
+from embedfleet.shared.settings.query_stage import QueryStageSettings
 from embedfleet.shared.settings.queue import QueueSettings
 from embedfleet.shared.settings.reliability import ReliabilitySettings
 from embedfleet.shared.settings.section import ENV_PREFIX, Section
@@ -34,7 +34,7 @@ SECTIONS: tuple[type[Section], ...] = (
     ModelSettings,
     VectorCacheSettings,
     BatchingSettings,
-    QueryLaneSettings,
+    QueryStageSettings,
     ReliabilitySettings,
     TenantSettings,
     InputSettings,
@@ -55,7 +55,7 @@ class Settings(
     InputSettings,
     TenantSettings,
     ReliabilitySettings,
-    QueryLaneSettings,
+    QueryStageSettings,
     BatchingSettings,
     VectorCacheSettings,
     ModelSettings,

@@ -1,4 +1,7 @@
-"""Query lane settings: how queries get ahead of bulk work, and the forward paths they take."""
+"""Query stage settings: how queries get ahead of bulk work, and the forward paths they take.
+
+The names follow docs/GLOSSARY.md; EMBEDFLEET_CUDA_QUERY_LANE keeps its old word (a settings name).
+"""
 
 from __future__ import annotations
 
@@ -9,11 +12,11 @@ from pydantic import Field
 from embedfleet.shared.settings.section import Section
 
 
-class QueryLaneSettings(Section):
-    """The priority lane (queries between bulk slices, or beside them on CUDA) and the forward
-    paths (frozen, int8, varlen) queries and bulk batches run through."""
+class QueryStageSettings(Section):
+    """The worker's query stage (queries between bulk slices, or beside them on CUDA) and the
+    forward paths (frozen, int8, varlen) queries and bulk batches run through."""
 
-    title: ClassVar[str] = "Query lane and forward paths"
+    title: ClassVar[str] = "Query stage and forward paths"
 
     slice_ms: float = -1
     """Longest stretch of bulk compute a query may wait behind: one transformer layer of an eager
