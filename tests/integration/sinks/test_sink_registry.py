@@ -155,6 +155,15 @@ def test_a_store_missing_from_the_registry_fails_loudly(toy_module: ModuleType) 
         open_backend(SinkTarget("toy", "/data/toys", "toys"))
 
 
+# the system each database kind's errors and backend belong to (both declared by its module)
+DATABASE_SYSTEMS = {
+    "lancedb": System.LANCEDB,
+    "pgvector": System.POSTGRESQL,
+    "qdrant": System.QDRANT,
+    "qdrant-local": System.QDRANT,
+}
+
+
 def test_each_list_of_kinds_comes_from_the_registry() -> None:
     assert kinds() == ("redis", "lancedb", "pgvector", "qdrant", "qdrant-local", "parquet")
     assert database_kinds() == ("lancedb", "pgvector", "qdrant", "qdrant-local")
@@ -165,13 +174,9 @@ def test_each_list_of_kinds_comes_from_the_registry() -> None:
         "qdrant",
         "parquet",
     }
-    systems = {kind: store_of(kind).backend for kind in database_kinds()}
-    assert {kind: backend.system for kind, backend in systems.items() if backend} == {
-        "lancedb": System.LANCEDB,
-        "pgvector": System.POSTGRESQL,
-        "qdrant": System.QDRANT,
-        "qdrant-local": System.QDRANT,
-    }
+    backends = {kind: store_of(kind).backend for kind in database_kinds()}
+    systems = {kind: backend.system for kind, backend in backends.items() if backend}
+    assert systems == DATABASE_SYSTEMS
     with pytest.raises(VectorDBError, match="not a vector database"):
         open_backend(parse_sink_url("redis"))
 
@@ -182,12 +187,7 @@ def test_each_store_declares_its_fault_rules_and_the_registry_registers_them() -
     from embedfleet.shared.fault_kinds import FaultRules, register_fault_rules, system_of
 
     declared = {kind: store_of(kind).faults for kind in kinds()}
-    assert {kind: rules.system for kind, rules in declared.items() if rules} == {
-        "lancedb": System.LANCEDB,
-        "pgvector": System.POSTGRESQL,
-        "qdrant": System.QDRANT,
-        "qdrant-local": System.QDRANT,
-    }
+    assert {kind: rules.system for kind, rules in declared.items() if rules} == DATABASE_SYSTEMS
     for rules in filter(None, declared.values()):
         for module in rules.modules:
             raised_there = type("StoreError", (Exception,), {"__module__": f"{module}.errors"})
