@@ -50,6 +50,11 @@ same check. The output and error files' ids are reserved in the batch's hash
 before they are written, so a finalize run twice (a replica that lost its lease and one that
 took it over) publishes one file under one id, whichever writes last.
 
+Here: the records (``BatchStore``), the runner's life cycle (``BatchRunner``: the loop, each
+batch's step and faults) and the slices it sends (``BatchSlices``). Beside it: the input file's
+request lines (gateway/batch_lines.py), the leases and the writes they fence
+(gateway/batch_lease.py), the output and error files (gateway/batch_output.py).
+
 Memory: a batch's vectors wait on its reply lists in Redis (EMBEDFLEET_BATCH_MAX_INPUTS bounds
 them: about 1 KB each); finalize reads them REPLY_PAGE answers at a time into a file on disk
 (a memory map), then writes the output one request line at a time. What the gateway holds is
@@ -65,28 +70,20 @@ import json
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import numpy as np
 import redis.asyncio as aioredis
-from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from embedfleet.gateway.auth import ANONYMOUS
+from embedfleet.gateway.batch_lease import BatchLeases, LeaseLost
+from embedfleet.gateway.batch_lines import ENDPOINT, line_error, parse_line, validate_file
+from embedfleet.gateway.batch_output import BatchOutput, InputFileGone, input_path_of
 from embedfleet.gateway.errors import APIError
-from embedfleet.gateway.files import FileStore, bounded_lines, new_file_id
-from embedfleet.gateway.inputs import (
-    check_context,
-    check_dimensions,
-    prepare,
-    unit_vectors,
-)
-from embedfleet.gateway.openai_api import EmbeddingRequest, embeddings_response
+from embedfleet.gateway.files import FileStore
 from embedfleet.gateway.state import Gateway, wire_options
 from embedfleet.producer.client import Producer, TenantBacklogFullError
-from embedfleet.producer.replies import Answers, ingest_reply_keys, read_answers
 from embedfleet.shared import scripts
 from embedfleet.shared.backlog import tenant_backlog
 from embedfleet.shared.keys import Keys
@@ -103,181 +100,20 @@ from embedfleet.shared.settings import Settings
 
 log = get_logger("embedfleet.gateway.batches")
 
-ENDPOINT = "/v1/embeddings"
 LINES_PER_SLICE = 500  # input lines enqueued per MULTI
-REPLY_PAGE = 1000
 TICK_S = 0.25
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
-SHOWN_LINE_ERRORS = 100  # errors.data entries a failed batch keeps (its object is in Redis)
 RETRY_MAX_S = 30.0  # a faulting batch is retried after TICK_S, doubling up to this
 MAX_UNEXPECTED_FAULTS = 5  # consecutive unexplained errors before a batch is failed
 SWEEP_EVERY_S = 10.0  # expired files and stale temporaries removed this often
 WITHDRAW_PAGE = 1000  # ingest entries read per step when withdrawing a batch's inputs
-RELEASE_SCRIPT = scripts.load("release_lease")  # only if it is still ours
-RENEW_SCRIPT = scripts.load("renew_lease")  # only if it is still ours
 CREATE_SCRIPT = scripts.load("create_batch")  # within the owner's limit of active batches
-END_SCRIPT = scripts.load("end_batch")  # only with the lease's token: the fence
-SAVE_SCRIPT = scripts.load("save_batch")  # the runner's writes, fenced the same way
-
-
-@dataclass(frozen=True)
-class BatchLine:
-    custom_id: str
-    texts: list[str]
-    encoding_format: str
-    dimensions: int | None
-
-
-def parse_line(raw: bytes, gateway: Gateway, *, validating: bool = False) -> BatchLine:
-    """One JSONL request line, validated as the online endpoint would; APIError says why not.
-    The context check runs in the validating step only (``validating``): a line that passed it
-    is never refused later, when the card may have become known."""
-    try:
-        line = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise APIError(400, f"not JSON: {error}", code="invalid_json_line") from None
-    if not isinstance(line, dict):
-        raise APIError(400, "each line must be a JSON object", code="invalid_json_line")
-    custom_id = line.get("custom_id")
-    if not isinstance(custom_id, str) or not custom_id:
-        raise APIError(
-            400,
-            "'custom_id' must be a non-empty string",
-            param="custom_id",
-            code="invalid_request",
-        )
-    if line.get("method") != "POST":
-        raise APIError(400, "'method' must be \"POST\"", param="method", code="invalid_request")
-    if line.get("url") != ENDPOINT:
-        raise APIError(
-            400,
-            f"'url' must be {ENDPOINT!r} (the only batch endpoint)",
-            param="url",
-            code="url_mismatch",
-        )
-    try:
-        body = EmbeddingRequest.model_validate(line.get("body"))
-    except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        raise APIError(
-            400, f"body.{where}: {first.get('msg')}", param="body", code="invalid_request"
-        ) from None
-    gateway.check_model(body.model, "body.model")
-    card = gateway.known_card  # None before any worker published: the worker checks
-    check_dimensions(body.dimensions, card)
-    texts = prepare(body.input, gateway.tokenizer, gateway.settings, "body.input")
-    if validating and card is not None and not body.truncate:  # as online: refused, not cut
-        check_context(texts, gateway.tokenizer, card.max_length, "body.input")
-    return BatchLine(custom_id, texts, body.encoding_format, body.dimensions)
 
 
 def batch_tenant(settings: Settings, owner: str, batch_id: str) -> str:
     """The tenant a batch is accounted to: its owner's (EMBEDFLEET_TENANT_MAP), else its job's
     (the batch id), else the default (shared/tenants.py)."""
     return settings.tenant_policy.resolve(owner=owner, job=batch_id)
-
-
-def line_error(
-    code: str, message: str, line: int | None = None, param: str | None = None
-) -> dict[str, Any]:
-    """One entry of a failed batch's ``errors.data`` (OpenAI's BatchError)."""
-    return {"code": code, "message": message, "param": param, "line": line}
-
-
-@dataclass
-class Validation:
-    """What the validating step found in an input file."""
-
-    lines: int = 0
-    inputs: int = 0
-    errors: list[dict[str, Any]] | None = None
-
-
-def validate_file(path: Path, gateway: Gateway) -> Validation:
-    """Every request line of a batch input file checked, and the batch caps; blocking (run it
-    in a thread). Line numbers count from 1 over the file as written, blank lines included."""
-    settings = gateway.settings
-    found = Validation()
-    errors: list[dict[str, Any]] = []
-    bad_lines = 0
-    seen_ids: set[str] = set()
-    with path.open("rb") as handle:
-        # bounded: a line over the cap (a file stored before it was lowered) is never held
-        for number, raw in enumerate(bounded_lines(handle, settings.batch_max_line_bytes), 1):
-            if raw is None:
-                found.lines += 1
-                bad_lines += 1
-                if len(errors) < SHOWN_LINE_ERRORS:
-                    errors.append(
-                        line_error(
-                            "line_too_large",
-                            f"the line is over {settings.batch_max_line_bytes:,} bytes "
-                            "(EMBEDFLEET_BATCH_MAX_LINE_BYTES)",
-                            number,
-                        )
-                    )
-                continue
-            if not raw.strip():
-                continue
-            found.lines += 1
-            try:
-                line = parse_line(raw, gateway, validating=True)
-            except APIError as error:
-                bad_lines += 1
-                if len(errors) < SHOWN_LINE_ERRORS:
-                    errors.append(
-                        line_error(
-                            error.code or "invalid_request", error.message, number, error.param
-                        )
-                    )
-                continue
-            found.inputs += len(line.texts)
-            if line.custom_id in seen_ids:
-                bad_lines += 1
-                if len(errors) < SHOWN_LINE_ERRORS:
-                    errors.append(
-                        line_error(
-                            "duplicate_custom_id",
-                            f"custom_id {line.custom_id!r} is used twice; each request needs "
-                            "its own",
-                            number,
-                            "custom_id",
-                        )
-                    )
-            seen_ids.add(line.custom_id)
-    caps: list[dict[str, Any]] = []
-    if not found.lines:
-        caps.append(line_error("empty_file", "the input file has no request lines"))
-    if found.lines > settings.batch_max_lines:
-        caps.append(
-            line_error(
-                "too_many_tasks",
-                f"the batch has {found.lines:,} requests, over the {settings.batch_max_lines:,} "
-                "one batch may hold (EMBEDFLEET_BATCH_MAX_LINES); split the file into several "
-                "batches",
-            )
-        )
-    if found.inputs > settings.batch_max_inputs:
-        caps.append(
-            line_error(
-                "too_many_tasks",
-                f"the batch has {found.inputs:,} embedding inputs, over the "
-                f"{settings.batch_max_inputs:,} one batch may hold "
-                "(EMBEDFLEET_BATCH_MAX_INPUTS); split the file into several batches",
-            )
-        )
-    if bad_lines > len(errors):
-        errors.append(
-            line_error(
-                "invalid_request",
-                f"{bad_lines - len(errors):,} more invalid lines are not listed; fix those above "
-                "and validate again",
-            )
-        )
-    if caps or errors:
-        found.errors = caps + errors
-    return found
 
 
 def new_batch(
@@ -449,25 +285,6 @@ class BatchStore:
         return batches, len(ids) > limit
 
 
-Outcome = Literal["completed", "cancelled", "expired"]
-
-
-class InputFileGone(Exception):
-    """The batch's input file was deleted or expired: nothing more can be read or written."""
-
-
-class LeaseLost(Exception):
-    """This replica's lease on a batch expired and may be another's: it must not end the batch
-    or publish its output (the replica that holds the lease does)."""
-
-
-@dataclass
-class Lease:
-    key: str
-    token: str  # this step's own: a later step of the same replica has another
-    lost: bool = False
-
-
 class BatchRunner:
     """Moves every active batch along; one per gateway replica, leases keep them apart."""
 
@@ -477,15 +294,18 @@ class BatchRunner:
         self.store = store
         self.client = gateway.client
         self.keys = gateway.settings.keys
-        self.instance = uuid.uuid4().hex
         self._stopping = asyncio.Event()
         self.wake = asyncio.Event()
+        # a step's parts: its lease and fenced writes, the slices it sends, the files it writes
+        self.leases = BatchLeases(self.client, self.keys, gateway.settings.batch_lease_ms)
+        self.instance = self.leases.instance
+        self.slices = BatchSlices(gateway, files, store.producer, self.leases, self.wake)
+        self.output = BatchOutput(gateway, files, self.leases)
         # per batch: consecutive faults and when to try it again (this replica's view; the
         # counted reasons are in the batch's hash for operators)
         self._faults: dict[str, int] = {}
         self._retry_at: dict[str, float] = {}
         self._next_sweep = 0.0
-        self._leases: dict[str, Lease] = {}  # the batches this replica's steps hold now
 
     def stop(self) -> None:
         self._stopping.set()
@@ -539,13 +359,9 @@ class BatchRunner:
         return faults
 
     async def _with_lease(self, batch_id: str) -> None:
-        lease = Lease(self.keys.batch_lease(batch_id), f"{self.instance}:{uuid.uuid4().hex}")
-        lease_ms = self.gateway.settings.batch_lease_ms
-        if not await self.client.set(lease.key, lease.token, nx=True, px=lease_ms):
-            return
-        self._leases[batch_id] = lease
-        renewer = asyncio.create_task(self._renew(batch_id, lease, lease_ms))
-        try:
+        async with self.leases.held(batch_id) as ours:
+            if not ours:  # another replica's step runs it now
+                return
             try:
                 await self.step(batch_id)
             except LeaseLost:  # the replica that took the lease over runs the batch
@@ -555,56 +371,6 @@ class BatchRunner:
             else:
                 self._faults.pop(batch_id, None)
                 self._retry_at.pop(batch_id, None)
-        finally:
-            renewer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await renewer
-            self._leases.pop(batch_id, None)
-            await self.client.eval(RELEASE_SCRIPT, 1, lease.key, lease.token)
-
-    async def _renew(self, batch_id: str, lease: Lease, lease_ms: int) -> None:
-        """Keep the lease while the step runs: every third of its length, so two renewals can
-        fail (a Redis blip) before it expires. Stops once the lease is another's."""
-        while True:
-            await asyncio.sleep(lease_ms / 3000)  # the renewal period, not a wait for an event
-            try:
-                renewed = await self._still_ours(lease, lease_ms)
-            except RedisError as error:
-                log.warning(
-                    "batch lease renewal failed; retrying", batch=batch_id, error=repr(error)
-                )
-                continue
-            if not renewed:
-                log.warning("batch lease expired while its step ran", batch=batch_id)
-                return
-
-    async def _still_ours(self, lease: Lease, lease_ms: int) -> bool:
-        """Renew the lease if it is still ours; whether it was."""
-        renewed = await self.client.eval(RENEW_SCRIPT, 1, lease.key, lease.token, lease_ms)
-        lease.lost = lease.lost or not renewed
-        return not lease.lost
-
-    async def _save(self, batch_id: str, mapping: dict[str, Any]) -> None:
-        """Fields of the batch's hash written while this step's lease holds; LeaseLost (and
-        nothing written) once it is another's."""
-        lease = self._lease(batch_id)
-        saved = await self.client.eval(
-            SAVE_SCRIPT,
-            2,
-            lease.key,
-            self.keys.batch(batch_id),
-            lease.token,
-            *(item for pair in mapping.items() for item in pair),
-        )
-        if not saved:
-            lease.lost = True
-            raise LeaseLost(batch_id)
-
-    def _lease(self, batch_id: str) -> Lease:
-        lease = self._leases.get(batch_id)
-        if lease is None:  # a step always runs under its lease
-            raise LeaseLost(batch_id)
-        return lease
 
     async def _on_fault(self, batch_id: str, error: Exception) -> None:
         """One batch's step raised: fail the batch when retrying cannot help, else count the
@@ -679,21 +445,21 @@ class BatchRunner:
             and now >= batch["expires_at"]
             and not await self._all_finished(batch_id, fields)  # done just in time: completed
         ):
-            await self._save(batch_id, {"expire": now})
+            await self.leases.save(batch_id, {"expire": now})
             fields["expire"] = now
         if fields.get("expire") and running:
             if status == "validating":  # nothing was sent: there is nothing to write out
-                await self._end(batch, "expired", counts=batch["request_counts"])
+                await self.leases.end(batch, "expired", counts=batch["request_counts"])
             else:
                 await self._withdraw(batch_id)
-                await self._finalize(batch, fields, "expired")
+                await self.output.finalize(batch, fields, "expired")
             return
         if fields.get("cancel") and status in ("validating", "in_progress"):
             batch.update(status="cancelling", cancelling_at=now)
-            await self._save(batch_id, {"object": json.dumps(batch)})
+            await self.leases.save(batch_id, {"object": json.dumps(batch)})
             status = "cancelling"
         if status == "validating":
-            path = self._input_path(batch)
+            path = input_path_of(self.files, batch)
             # the card (the model's maximum length) as the workers last published it; a batch
             # created before any worker started is checked without it, and the worker cuts
             await self.gateway.model_card()
@@ -704,16 +470,16 @@ class BatchRunner:
                 return
             batch.update(status="in_progress", in_progress_at=now)
             batch["request_counts"]["total"] = found.lines
-            await self._save(batch_id, {"object": json.dumps(batch), "lines": found.lines})
+            await self.leases.save(batch_id, {"object": json.dumps(batch), "lines": found.lines})
             fields["lines"] = found.lines
             status = "in_progress"
         if status == "in_progress" and fields["cursor"] < fields["lines"]:
-            await self._enqueue_slice(batch, fields)
+            await self.slices.send(batch, fields)
             return
         if status == "in_progress":
             # a batch whose input file went away cannot be written out: it fails now (its
             # inputs withdrawn), not once its inputs were embedded for nothing
-            self._input_path(batch)
+            input_path_of(self.files, batch)
             if not await self._all_finished(batch_id, fields):
                 return
         if status == "cancelling":
@@ -721,10 +487,10 @@ class BatchRunner:
             await self._withdraw(batch_id)
         if status in ("in_progress", "cancelling"):
             batch.update(status="finalizing", finalizing_at=now)
-            await self._save(batch_id, {"object": json.dumps(batch)})
+            await self.leases.save(batch_id, {"object": json.dumps(batch)})
             status = "finalizing"
         if status == "finalizing":
-            await self._finalize(
+            await self.output.finalize(
                 batch, fields, "cancelled" if fields.get("cancel") else "completed"
             )
 
@@ -735,12 +501,6 @@ class BatchRunner:
             return False
         progress = await self.store.producer.progress(batch_id)  # summed over the partitions
         return progress.done + progress.dead >= fields["inputs"]
-
-    def _input_path(self, batch: dict) -> Path:
-        """The input file's data; InputFileGone once it was deleted or has expired."""
-        if not self.files.exists(batch["input_file_id"]):
-            raise InputFileGone(batch["input_file_id"])
-        return self.files.data_path(batch["input_file_id"])
 
     async def _fail(
         self,
@@ -758,63 +518,37 @@ class BatchRunner:
         if sent:
             await self._withdraw(batch["id"])
         batch["errors"] = {"object": "list", "data": errors}
-        await self._end(batch, "failed", counts=counts)
+        await self.leases.end(batch, "failed", counts=counts)
 
     async def _withdraw(self, batch_id: str) -> None:
         """The batch's inputs that no worker has finished taken out of the ingest streams
-        (``withdraw_job``); its reply lists are dropped by ``_end``. Run again, it finds what is
-        left: a step that raised half-way is retried from its start."""
+        (``withdraw_job``); its reply lists are dropped at its end (``BatchLeases.end``). Run
+        again, it finds what is left: a step that raised half-way is retried from its start."""
         withdrawn = await withdraw_job(
             self.client, self.keys, batch_id, self.gateway.settings.chunk_limits
         )
         if withdrawn:
             log.info("batch inputs withdrawn", batch=batch_id, entries=withdrawn)
 
-    async def _end(
-        self,
-        batch: dict,
-        status: str,
-        counts: dict[str, int],
-        output: str | None = None,
-        errors: str | None = None,
-    ) -> None:
-        """Record the final state, take the batch off the active sets, drop its reply list;
-        only while this step's lease holds (LeaseLost otherwise: nothing is written)."""
-        batch_id = batch["id"]
-        lease = self._lease(batch_id)
-        batch.update(
-            status=status,
-            output_file_id=output,
-            error_file_id=errors,
-            request_counts=counts,
-            **{f"{status}_at": int(time.time())},
-        )
-        keys = self.keys
-        owner_raw = await self.client.hget(keys.batch(batch_id), "owner")
-        owner = as_str(owner_raw) if owner_raw else ANONYMOUS
-        ended = await self.client.eval(
-            END_SCRIPT,
-            4,
-            lease.key,
-            keys.batch(batch_id),
-            keys.batches_active,
-            keys.owner_batches_active(owner),
-            lease.token,
-            json.dumps(batch),
-            batch_id,
-        )
-        if not ended:
-            lease.lost = True
-            raise LeaseLost(batch_id)
-        # the reply lists are in their partitions' slots, not the batch records': apart (they
-        # expire by themselves should this not happen)
-        pipe = self.client.pipeline(transaction=False)
-        for reply_key in ingest_reply_keys(self.keys, batch["id"]):
-            pipe.delete(reply_key)
-        await pipe.execute()
-        log.info("batch finished", batch=batch["id"], status=status, **counts)
 
-    async def _enqueue_slice(self, batch: dict, fields: dict[str, Any]) -> None:
+class BatchSlices:
+    """Sends the input lines of the batches this replica runs, a slice per step (``send``)."""
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        files: FileStore,
+        producer: Producer,
+        leases: BatchLeases,
+        wake: asyncio.Event,
+    ) -> None:
+        self.gateway = gateway
+        self.files = files
+        self.producer = producer
+        self.leases = leases
+        self.wake = wake  # set when more is to send: the runner comes back without a tick
+
+    async def send(self, batch: dict, fields: dict[str, Any]) -> None:
         """The next slice of input lines as chunks of the batch's job, through the client's
         enqueue path; then the cursor. A slice sent again (a restart before the cursor was
         saved, or the rest of one its tenant had no room for) is added and counted once: its
@@ -826,7 +560,7 @@ class BatchRunner:
         what the tenant has room for, the enqueue adds what fits without waiting, and the
         lines whose inputs all went in are saved as sent; the rest is sent on a later tick."""
         settings = self.gateway.settings
-        producer = self.store.producer
+        producer = self.producer
         batch_id = batch["id"]
         # one read of the backlog for the slice: the high-water mark's figure (the fullest
         # partition, as Producer.backlog reads it) and the tenant's entries
@@ -876,212 +610,12 @@ class BatchRunner:
             )
             if sent:
                 offset, inputs = sent[-1]
-                await self._save(
+                await self.leases.save(
                     batch_id, {"cursor": cursor + len(sent), "offset": offset, "inputs": inputs}
                 )
             return  # the rest on a later tick: the other batches go on meanwhile
         offset, inputs = ends[-1] if ends else (offset, inputs)
-        await self._save(
+        await self.leases.save(
             batch_id, {"cursor": cursor + len(ends), "offset": offset, "inputs": inputs}
         )
         self.wake.set()  # more to send: come back without waiting a tick
-
-    async def _finalize(self, batch: dict, fields: dict[str, Any], outcome: Outcome) -> None:
-        """Output and error files from the reply list; idempotent, so a restart redoes it.
-        ``expired``: whatever has no result yet goes to the error file as ``batch_expired``."""
-        batch_id = batch["id"]
-        input_path = self._input_path(batch)
-        total_inputs = fields["inputs"]
-        # a worker answered if there are vectors: its card gives the rows' width (a line that
-        # asked for fewer dimensions fills the start of its row)
-        card = await self.gateway.model_card()
-        output_id, error_id = await self._file_ids(batch_id)
-        with self.files.scratch("vectors") as scratch:
-            answers = Answers(
-                total_inputs,
-                # on disk, not in memory: a batch can be large
-                lambda count, width, dtype: np.lib.format.open_memmap(
-                    scratch, mode="w+", dtype="<f2", shape=(count, card.dim if card else width)
-                ),
-            )
-            unreadable = await read_answers(
-                self.client, ingest_reply_keys(self.keys, batch_id), answers, REPLY_PAGE
-            )
-            if unreadable:
-                log.warning("bad replies in a batch", batch=batch_id, count=unreadable)
-            failures = {index: str(error.reason) for index, error in answers.failures.items()}
-            try:
-                with (
-                    self.files.scratch("output") as output_path,
-                    self.files.scratch("errors") as error_path,
-                ):
-                    counts = await asyncio.to_thread(
-                        self._write_files,
-                        batch,
-                        fields,
-                        input_path,
-                        answers.vectors,
-                        answers.succeeded,
-                        failures,
-                        outcome,
-                        output_path,
-                        error_path,
-                    )
-                    # a replica whose lease expired while it wrote publishes nothing (and
-                    # were it to, under the same ids: one file each still)
-                    if not await self._still_ours(
-                        self._lease(batch_id), self.gateway.settings.batch_lease_ms
-                    ):
-                        raise LeaseLost(batch_id)
-                    output, errors = await asyncio.to_thread(
-                        self._publish,
-                        batch,
-                        fields,
-                        output_path,
-                        error_path,
-                        (output_id, error_id if counts["failed"] else None),
-                    )
-            finally:
-                answers.vectors = None  # the memmap's file is open until then
-        await self._end(batch, outcome, counts, output, errors)
-
-    async def _file_ids(self, batch_id: str) -> tuple[str, str]:
-        """The ids the batch's output and error files get, reserved in its hash on the first
-        finalize, so that every finalize of the batch (a retry, another replica) uses them."""
-        key = self.keys.batch(batch_id)
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hsetnx(key, "output_id", new_file_id(time.time_ns()))
-        pipe.hsetnx(key, "error_id", new_file_id(time.time_ns()))
-        pipe.hmget(key, ["output_id", "error_id"])
-        *_, (output_id, error_id) = await pipe.execute()
-        return output_id.decode(), error_id.decode()
-
-    def _publish(
-        self,
-        batch: dict,
-        fields: dict[str, Any],
-        output_path: Path,
-        error_path: Path,
-        ids: tuple[str, str | None],
-    ) -> tuple[str, str | None]:
-        """The written output (and error file, given its id) published under the reserved
-        ids as the batch owner's files; their ids."""
-        name = batch["id"]
-        expiry = fields.get("output_expiry_s")
-        expires_after_s = int(expiry) if expiry else self.gateway.settings.files_default_expiry_s
-        keep = expires_after_s or None  # 0: kept until deleted
-        output_id, error_id = ids
-        owner = fields["owner"]
-        self.files.publish(
-            output_path,
-            f"{name}_output.jsonl",
-            "batch_output",
-            keep,
-            owner=owner,
-            file_id=output_id,
-        )
-        if error_id is not None:
-            self.files.publish(
-                error_path,
-                f"{name}_error.jsonl",
-                "batch_output",
-                keep,
-                owner=owner,
-                file_id=error_id,
-            )
-        return output_id, error_id
-
-    def _write_files(
-        self,
-        batch: dict,
-        fields: dict[str, Any],
-        input_path: Path,
-        vectors: np.ndarray | None,
-        seen: np.ndarray,
-        failures: dict[int, str],
-        outcome: Outcome,
-        output_path: Path,
-        error_path: Path,
-    ) -> dict[str, int]:
-        """The output and error lines written to their temporary files; the request counts."""
-        gateway = self.gateway
-        completed = failed = 0
-        first = 0
-        ended = "cancelled" if outcome == "cancelled" else "expired"
-        with (
-            output_path.open("w") as output,
-            error_path.open("w") as errors,
-            input_path.open("rb") as source,
-        ):
-            requests = (raw for raw in source if raw.strip())
-            for number, raw in enumerate(requests):
-                line = parse_line(raw, gateway)
-                request_id = f"req_{uuid.uuid4().hex}"
-                record: dict[str, Any] = {
-                    "id": f"batch_req_{uuid.uuid4().hex}",
-                    "custom_id": line.custom_id,
-                }
-                if number >= fields["cursor"]:  # cancelled or expired before it was sent
-                    record.update(
-                        response=None,
-                        error={
-                            "code": f"batch_{ended}",
-                            "message": f"the batch was {ended} before this request was sent",
-                        },
-                    )
-                    errors.write(json.dumps(record) + "\n")
-                    failed += 1
-                    continue
-                span = range(first, first + len(line.texts))
-                first += len(line.texts)
-                missing = [i for i in span if vectors is None or not seen[i]]
-                if outcome != "completed" and missing and not any(i in failures for i in missing):
-                    # withdrawn unfinished: expired or cancelled, as the requests never sent
-                    record.update(
-                        response=None,
-                        error={
-                            "code": f"batch_{ended}",
-                            "message": "the batch's completion window ended before this "
-                            "request finished; send it again in a new batch"
-                            if outcome == "expired"
-                            else "the batch was cancelled before this request finished",
-                        },
-                    )
-                    errors.write(json.dumps(record) + "\n")
-                    failed += 1
-                    continue
-                if missing:
-                    reasons = [
-                        failures.get(i, "no result (see the dead-letter stream)") for i in missing
-                    ]
-                    record.update(
-                        response={
-                            "status_code": 500,
-                            "request_id": request_id,
-                            "body": {
-                                "error": {
-                                    "message": f"input could not be embedded: {reasons[0]}",
-                                    "type": "server_error",
-                                    "param": None,
-                                    "code": "dead_lettered",
-                                }
-                            },
-                        },
-                        error=None,
-                    )
-                    errors.write(json.dumps(record) + "\n")
-                    failed += 1
-                    continue
-                card = gateway.known_card  # read in _finalize, before the first vector
-                assert card is not None and vectors is not None  # (else all were missing)
-                block = vectors[span.start : span.stop, : line.dimensions or card.dim]
-                block = unit_vectors(block, card.normalize)
-                tokens = gateway.tokenizer.usage(line.texts, card.max_length)
-                body = embeddings_response(gateway.served_name, block, line.encoding_format, tokens)
-                record.update(
-                    response={"status_code": 200, "request_id": request_id, "body": body},
-                    error=None,
-                )
-                output.write(json.dumps(record) + "\n")
-                completed += 1
-        return {"total": fields["lines"], "completed": completed, "failed": failed}

@@ -23,6 +23,8 @@ import openai
 import pytest
 import redis
 
+from embedfleet.gateway.batch_lease import BatchLeases
+from embedfleet.gateway.batch_output import BatchOutput
 from embedfleet.gateway.batches import BatchRunner
 from embedfleet.gateway.files import bounded_lines
 from embedfleet.shared.settings import Settings
@@ -214,9 +216,9 @@ class HeldFinalize:
         self.renewals = 0
         self.renewed = threading.Event()
         self._lock = threading.Lock()
-        write_files = BatchRunner._write_files
+        write_files = BatchOutput._write_files
 
-        def held_write(runner: BatchRunner, batch: dict, *args: Any) -> Any:
+        def held_write(runner: BatchOutput, batch: dict, *args: Any) -> Any:
             with self._lock:
                 self.writes += 1
                 first = batch["input_file_id"] == self.input_file_id and self.holder is None
@@ -227,7 +229,7 @@ class HeldFinalize:
                 assert self.release.wait(timeout=300), "the test never released the finalize"
             return write_files(runner, batch, *args)
 
-        monkeypatch.setattr(BatchRunner, "_write_files", held_write)
+        monkeypatch.setattr(BatchOutput, "_write_files", held_write)
         with_lease = BatchRunner._with_lease
 
         async def tracked_step(runner: BatchRunner, batch_id: str) -> None:
@@ -237,9 +239,9 @@ class HeldFinalize:
 
         monkeypatch.setattr(BatchRunner, "_with_lease", tracked_step)
         # the renewals of the held replica (absent on code without renewal: never counted)
-        still_ours = getattr(BatchRunner, "_still_ours", None)
+        still_ours = getattr(BatchLeases, "still_ours", None)
 
-        async def counted(runner: BatchRunner, *args: Any) -> bool:
+        async def counted(runner: BatchLeases, *args: Any) -> bool:
             assert still_ours is not None
             ours = await still_ours(runner, *args)
             if ours and runner.instance == self.holder and not self.release.is_set():
@@ -248,7 +250,7 @@ class HeldFinalize:
                     self.renewed.set()
             return ours
 
-        monkeypatch.setattr(BatchRunner, "_still_ours", counted, raising=False)
+        monkeypatch.setattr(BatchLeases, "still_ours", counted, raising=False)
 
     def let_go(self) -> None:
         """Release the held finalize (marked released first: the holder's step reports its

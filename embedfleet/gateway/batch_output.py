@@ -1,0 +1,257 @@
+"""A finished batch's output and error files (OpenAI's Batch API): written from its reply
+lists and its input file, then published as its owner's files under the ids reserved in its
+hash, while this replica's lease on it holds (gateway/batch_lease.py).
+
+Memory: a batch's vectors wait on its reply lists in Redis; they are read REPLY_PAGE answers at
+a time into a file on disk (a memory map), then the output is written one request line at a
+time (gateway/batches.py says what that bounds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from embedfleet.gateway.batch_lease import BatchLeases
+from embedfleet.gateway.batch_lines import parse_line
+from embedfleet.gateway.files import FileStore, new_file_id
+from embedfleet.gateway.inputs import unit_vectors
+from embedfleet.gateway.openai_api import embeddings_response
+from embedfleet.gateway.state import Gateway
+from embedfleet.producer.replies import Answers, ingest_reply_keys, read_answers
+from embedfleet.shared.logging import get_logger
+
+log = get_logger("embedfleet.gateway.batches")
+
+REPLY_PAGE = 1000
+Outcome = Literal["completed", "cancelled", "expired"]
+
+
+class InputFileGone(Exception):
+    """The batch's input file was deleted or expired: nothing more can be read or written."""
+
+
+def input_path_of(files: FileStore, batch: dict) -> Path:
+    """The batch's input file's data; InputFileGone once it was deleted or has expired."""
+    if not files.exists(batch["input_file_id"]):
+        raise InputFileGone(batch["input_file_id"])
+    return files.data_path(batch["input_file_id"])
+
+
+class BatchOutput:
+    """Writes out the batches this replica finalizes (``finalize``), under their leases."""
+
+    def __init__(self, gateway: Gateway, files: FileStore, leases: BatchLeases) -> None:
+        self.gateway = gateway
+        self.files = files
+        self.leases = leases
+        self.client = gateway.client
+        self.keys = gateway.settings.keys
+
+    @property
+    def instance(self) -> str:
+        """The replica writing (its leases' ``instance``)."""
+        return self.leases.instance
+
+    async def finalize(self, batch: dict, fields: dict[str, Any], outcome: Outcome) -> None:
+        """Output and error files from the reply list; idempotent, so a restart redoes it.
+        ``expired``: whatever has no result yet goes to the error file as ``batch_expired``."""
+        batch_id = batch["id"]
+        input_path = input_path_of(self.files, batch)
+        total_inputs = fields["inputs"]
+        # a worker answered if there are vectors: its card gives the rows' width (a line that
+        # asked for fewer dimensions fills the start of its row)
+        card = await self.gateway.model_card()
+        output_id, error_id = await self._file_ids(batch_id)
+        with self.files.scratch("vectors") as scratch:
+            answers = Answers(
+                total_inputs,
+                # on disk, not in memory: a batch can be large
+                lambda count, width, dtype: np.lib.format.open_memmap(
+                    scratch, mode="w+", dtype="<f2", shape=(count, card.dim if card else width)
+                ),
+            )
+            unreadable = await read_answers(
+                self.client, ingest_reply_keys(self.keys, batch_id), answers, REPLY_PAGE
+            )
+            if unreadable:
+                log.warning("bad replies in a batch", batch=batch_id, count=unreadable)
+            failures = {index: str(error.reason) for index, error in answers.failures.items()}
+            try:
+                with (
+                    self.files.scratch("output") as output_path,
+                    self.files.scratch("errors") as error_path,
+                ):
+                    counts = await asyncio.to_thread(
+                        self._write_files,
+                        batch,
+                        fields,
+                        input_path,
+                        answers.vectors,
+                        answers.succeeded,
+                        failures,
+                        outcome,
+                        output_path,
+                        error_path,
+                    )
+                    # a replica whose lease expired while it wrote publishes nothing (and
+                    # were it to, under the same ids: one file each still)
+                    await self.leases.check(batch_id)
+                    output, errors = await asyncio.to_thread(
+                        self._publish,
+                        batch,
+                        fields,
+                        output_path,
+                        error_path,
+                        (output_id, error_id if counts["failed"] else None),
+                    )
+            finally:
+                answers.vectors = None  # the memmap's file is open until then
+        await self.leases.end(batch, outcome, counts, output, errors)
+
+    async def _file_ids(self, batch_id: str) -> tuple[str, str]:
+        """The ids the batch's output and error files get, reserved in its hash on the first
+        finalize, so that every finalize of the batch (a retry, another replica) uses them."""
+        key = self.keys.batch(batch_id)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hsetnx(key, "output_id", new_file_id(time.time_ns()))
+        pipe.hsetnx(key, "error_id", new_file_id(time.time_ns()))
+        pipe.hmget(key, ["output_id", "error_id"])
+        *_, (output_id, error_id) = await pipe.execute()
+        return output_id.decode(), error_id.decode()
+
+    def _publish(
+        self,
+        batch: dict,
+        fields: dict[str, Any],
+        output_path: Path,
+        error_path: Path,
+        ids: tuple[str, str | None],
+    ) -> tuple[str, str | None]:
+        """The written output (and error file, given its id) published under the reserved
+        ids as the batch owner's files; their ids."""
+        name = batch["id"]
+        expiry = fields.get("output_expiry_s")
+        expires_after_s = int(expiry) if expiry else self.gateway.settings.files_default_expiry_s
+        keep = expires_after_s or None  # 0: kept until deleted
+        output_id, error_id = ids
+        owner = fields["owner"]
+        self.files.publish(
+            output_path,
+            f"{name}_output.jsonl",
+            "batch_output",
+            keep,
+            owner=owner,
+            file_id=output_id,
+        )
+        if error_id is not None:
+            self.files.publish(
+                error_path,
+                f"{name}_error.jsonl",
+                "batch_output",
+                keep,
+                owner=owner,
+                file_id=error_id,
+            )
+        return output_id, error_id
+
+    def _write_files(
+        self,
+        batch: dict,
+        fields: dict[str, Any],
+        input_path: Path,
+        vectors: np.ndarray | None,
+        seen: np.ndarray,
+        failures: dict[int, str],
+        outcome: Outcome,
+        output_path: Path,
+        error_path: Path,
+    ) -> dict[str, int]:
+        """The output and error lines written to their temporary files; the request counts."""
+        gateway = self.gateway
+        completed = failed = 0
+        first = 0
+        ended = "cancelled" if outcome == "cancelled" else "expired"
+        with (
+            output_path.open("w") as output,
+            error_path.open("w") as errors,
+            input_path.open("rb") as source,
+        ):
+            requests = (raw for raw in source if raw.strip())
+            for number, raw in enumerate(requests):
+                line = parse_line(raw, gateway)
+                request_id = f"req_{uuid.uuid4().hex}"
+                record: dict[str, Any] = {
+                    "id": f"batch_req_{uuid.uuid4().hex}",
+                    "custom_id": line.custom_id,
+                }
+                if number >= fields["cursor"]:  # cancelled or expired before it was sent
+                    record.update(
+                        response=None,
+                        error={
+                            "code": f"batch_{ended}",
+                            "message": f"the batch was {ended} before this request was sent",
+                        },
+                    )
+                    errors.write(json.dumps(record) + "\n")
+                    failed += 1
+                    continue
+                span = range(first, first + len(line.texts))
+                first += len(line.texts)
+                missing = [i for i in span if vectors is None or not seen[i]]
+                if outcome != "completed" and missing and not any(i in failures for i in missing):
+                    # withdrawn unfinished: expired or cancelled, as the requests never sent
+                    record.update(
+                        response=None,
+                        error={
+                            "code": f"batch_{ended}",
+                            "message": "the batch's completion window ended before this "
+                            "request finished; send it again in a new batch"
+                            if outcome == "expired"
+                            else "the batch was cancelled before this request finished",
+                        },
+                    )
+                    errors.write(json.dumps(record) + "\n")
+                    failed += 1
+                    continue
+                if missing:
+                    reasons = [
+                        failures.get(i, "no result (see the dead-letter stream)") for i in missing
+                    ]
+                    record.update(
+                        response={
+                            "status_code": 500,
+                            "request_id": request_id,
+                            "body": {
+                                "error": {
+                                    "message": f"input could not be embedded: {reasons[0]}",
+                                    "type": "server_error",
+                                    "param": None,
+                                    "code": "dead_lettered",
+                                }
+                            },
+                        },
+                        error=None,
+                    )
+                    errors.write(json.dumps(record) + "\n")
+                    failed += 1
+                    continue
+                card = gateway.known_card  # read in _finalize, before the first vector
+                assert card is not None and vectors is not None  # (else all were missing)
+                block = vectors[span.start : span.stop, : line.dimensions or card.dim]
+                block = unit_vectors(block, card.normalize)
+                tokens = gateway.tokenizer.usage(line.texts, card.max_length)
+                body = embeddings_response(gateway.served_name, block, line.encoding_format, tokens)
+                record.update(
+                    response={"status_code": 200, "request_id": request_id, "body": body},
+                    error=None,
+                )
+                output.write(json.dumps(record) + "\n")
+                completed += 1
+        return {"total": fields["lines"], "completed": completed, "failed": failed}
