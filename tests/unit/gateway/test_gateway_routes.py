@@ -13,11 +13,10 @@ from collections.abc import Iterator
 import pytest
 from fastapi import APIRouter, FastAPI
 from fastapi.testclient import TestClient
-from pydantic import BaseModel
 
 from embedfleet.gateway import routes
 from embedfleet.gateway.app import create_app, include_routers
-from embedfleet.gateway.errors import APIError, ErrorDialect, dialect_router
+from embedfleet.gateway.errors import ErrorDialect, dialect_router
 from embedfleet.shared.settings import Settings
 from tests.unit.gateway import toy_routes
 
@@ -28,15 +27,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 openai_toy = dialect_router(ErrorDialect.openai)
 
 
-class Count(BaseModel):
-    n: int
-
-
 @openai_toy.post("/toy-openai")
-async def post_openai_toy(body: Count) -> dict[str, int]:
-    if body.n < 0:
-        raise APIError(400, "`n` must not be negative", param="n", code="invalid_value")
-    return {"n": body.n}
+async def post_openai_toy(body: toy_routes.ToyRequest) -> dict[str, int]:
+    return toy_routes.counted(body)
 
 
 def gateway_app() -> TestClient:
