@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import sys
 import time
-from types import TracebackType
 
 from tqdm import tqdm
 
@@ -49,13 +48,8 @@ class Progress:
     def __enter__(self) -> Progress:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close(finished=exc_type is None)
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
+        self.close(finished=exc_type is None)  # an exception: the work did not finish
 
     def update(self, count: int = 1) -> None:
         self.set(self.done + count)
