@@ -37,7 +37,7 @@ def main() -> None:
 
 
 # The one place the verbs are registered, one line each; each verb's command lives in the
-# module that owns what it does. The order is --help's (click sorts them by name).
+# module that owns what it does. --help lists them by name, whatever the order here.
 main.add_command(demo_command)  # embedfleet.demo: the whole fleet on one machine
 main.add_command(worker_command)  # embedfleet.workers.cli
 main.add_command(serve_command)  # embedfleet.gateway.cli: the HTTP gateway
