@@ -18,6 +18,7 @@ unnamed vector.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -554,16 +555,13 @@ STORE = Store(
     parse=_server_target,
     faults=FAULTS,
 )
-# local mode: the same backend, in-process on a directory
-LOCAL_STORE = Store(
+# local mode: the same store (backend, extra, fault rules), in-process on a directory
+LOCAL_STORE = dataclasses.replace(
+    STORE,
     kind="qdrant-local",
     schemes=("qdrant+local",),
     forms="qdrant+local:///path/to/dir",
     describe="Qdrant (local mode) collection {table!r} in {location}",
-    backend=QdrantBackend,
-    extra="qdrant",
-    needs=("qdrant_client",),
-    database=True,
     local="qdrant",
-    faults=FAULTS,
+    parse=None,  # a directory: qdrant+local:///dir
 )
