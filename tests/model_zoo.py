@@ -45,6 +45,18 @@ def corpus_lines() -> list[str]:
     return lines
 
 
+def sample_texts(start: int, step: int) -> list[str]:
+    """Texts of every length for a model's parity: a word, a question, every ``step``-th of
+    the corpus' first 4,000 lines from ``start``, and a text of its first 60 lines."""
+    lines = corpus_lines()
+    return [
+        "hi",
+        "What does the garbage collector do?",
+        *lines[start:4000:step],
+        " ".join(lines[:60]),
+    ]
+
+
 def _batches(lines: list[str], size: int = 1000) -> Iterator[list[str]]:
     for start in range(0, len(lines), size):
         yield lines[start : start + size]
@@ -301,6 +313,25 @@ def _random_head_model(model_class: type, config: transformers.PretrainedConfig,
     return model.eval()
 
 
+def _head_model_dir(
+    hf_dir: Path,
+    family: str,
+    model_class: type,
+    seed: int,
+    configure: Callable[[transformers.PretrainedConfig], None] = lambda config: None,
+) -> Path:
+    """A Hugging Face directory at ``hf_dir``: ``model_class`` on ``family``'s config (changed
+    by ``configure``) with ``_random_head_model``'s weights, and the family's tokenizer; made
+    once, kept when it is there."""
+    if not (hf_dir / "config.json").is_file():
+        tokenizer = _trained_tokenizer(family)
+        config = _config(family, tokenizer)
+        configure(config)
+        _random_head_model(model_class, config, seed).save_pretrained(hf_dir)
+        tokenizer.save_pretrained(hf_dir)
+    return hf_dir
+
+
 def splade_dir(
     root: Path, *, strategy: str = "max", activation: str = "relu", modern: bool = False
 ) -> Path:
@@ -315,12 +346,7 @@ def splade_dir(
     target = root / f"splade-{strategy}-{activation}{'-modern' if modern else ''}"
     if (target / "modules.json").is_file():
         return target
-    tokenizer = _trained_tokenizer("bert")
-    hf_dir = root / "hf-bert-mlm"
-    if not (hf_dir / "config.json").is_file():
-        model = _random_head_model(transformers.BertForMaskedLM, _config("bert", tokenizer), 11)
-        model.save_pretrained(hf_dir)
-        tokenizer.save_pretrained(hf_dir)
+    hf_dir = _head_model_dir(root / "hf-bert-mlm", "bert", transformers.BertForMaskedLM, 11)
     modules = [
         Transformer(str(hf_dir), transformer_task="fill-mask")
         if modern
@@ -339,19 +365,22 @@ def cross_encoder_dir(root: Path, *, num_labels: int = 1) -> Path:
     target = root / f"cross-encoder-{num_labels}"
     if (target / "modules.json").is_file():
         return target
-    tokenizer = _trained_tokenizer("bert")
-    hf_dir = root / f"hf-bert-cls-{num_labels}"
-    if not (hf_dir / "config.json").is_file():
-        config = _config("bert", tokenizer)
+
+    def with_labels(config: transformers.PretrainedConfig) -> None:
         config.num_labels = num_labels
-        model = _random_head_model(transformers.BertForSequenceClassification, config, 13)
-        model.save_pretrained(hf_dir)
-        tokenizer.save_pretrained(hf_dir)
-        # as BERT's tokenizer declares them: pairs carry segment ids (0 query, 1 document)
-        tokenizer_config = hf_dir / "tokenizer_config.json"
-        declared = json.loads(tokenizer_config.read_text())
-        declared["model_input_names"] = ["input_ids", "token_type_ids", "attention_mask"]
-        tokenizer_config.write_text(json.dumps(declared, indent=2))
+
+    hf_dir = _head_model_dir(
+        root / f"hf-bert-cls-{num_labels}",
+        "bert",
+        transformers.BertForSequenceClassification,
+        13,
+        with_labels,
+    )
+    # as BERT's tokenizer declares them: pairs carry segment ids (0 query, 1 document)
+    tokenizer_config = hf_dir / "tokenizer_config.json"
+    declared = json.loads(tokenizer_config.read_text())
+    declared["model_input_names"] = ["input_ids", "token_type_ids", "attention_mask"]
+    tokenizer_config.write_text(json.dumps(declared, indent=2))
     CrossEncoder(str(hf_dir), device="cpu").save(str(target))
     return target
 
@@ -376,16 +405,19 @@ def bge_m3_dir(
     target = root / f"bge-m3-{hidden}x{layers}-c{colbert_dim}-{max_seq_length}"
     if (target / "colbert_linear.pt").is_file():
         return target
-    tokenizer = _trained_tokenizer("xlm-roberta")
-    hf_dir = root / f"hf-xlm-roberta-{hidden}x{layers}"
-    if not (hf_dir / "config.json").is_file():
-        config = _config("xlm-roberta", tokenizer)
+
+    def sized(config: transformers.PretrainedConfig) -> None:
         config.hidden_size, config.num_hidden_layers = hidden, layers
         config.intermediate_size = 4 * hidden
         config.num_attention_heads = max(2, hidden // 64)
-        model = _random_head_model(transformers.XLMRobertaModel, config, 19)
-        model.save_pretrained(hf_dir)
-        tokenizer.save_pretrained(hf_dir)
+
+    hf_dir = _head_model_dir(
+        root / f"hf-xlm-roberta-{hidden}x{layers}",
+        "xlm-roberta",
+        transformers.XLMRobertaModel,
+        19,
+        sized,
+    )
     transformer = Transformer(str(hf_dir), max_seq_length=max_seq_length)
     modules = [transformer, Pooling(hidden, pooling_mode="cls"), Normalize()]
     SentenceTransformer(modules=modules, device="cpu").save(str(target))

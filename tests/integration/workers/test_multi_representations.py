@@ -29,7 +29,7 @@ from embedfleet.workers.model.encoder import Encoder
 from embedfleet.workers.model.model_dir import read_model_spec
 from embedfleet.workers.output import Outputs
 from tests.conftest import WorkerLauncher
-from tests.model_zoo import bge_m3_dir, corpus_lines
+from tests.model_zoo import bge_m3_dir, sample_texts
 
 WEIGHT_TOLERANCE = 1e-4
 MIN_TOKEN_COSINE = 0.999
@@ -37,8 +37,7 @@ ALL = ("dense", "sparse", "multivector")
 
 
 def texts() -> list[str]:
-    lines = corpus_lines()
-    return ["hi", "What does the garbage collector do?", *lines[9:4000:350], " ".join(lines[:60])]
+    return sample_texts(9, 350)
 
 
 @pytest.fixture(scope="module")

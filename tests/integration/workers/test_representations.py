@@ -24,15 +24,14 @@ from embedfleet.workers.model.encoder import Encoder
 from embedfleet.workers.model.model_dir import read_model_spec
 from embedfleet.workers.output import Outputs
 from tests.conftest import WorkerLauncher
-from tests.model_zoo import corpus_lines, cross_encoder_dir, splade_dir
+from tests.model_zoo import corpus_lines, cross_encoder_dir, sample_texts, splade_dir
 
 SCORE_TOLERANCE = 1e-4
 WEIGHT_TOLERANCE = 1e-4
 
 
 def texts() -> list[str]:
-    lines = corpus_lines()
-    return ["hi", "What does the garbage collector do?", *lines[5:4000:400], " ".join(lines[:60])]
+    return sample_texts(5, 400)
 
 
 @pytest.fixture(scope="module")
