@@ -397,12 +397,12 @@ def tokenizer_floor(texts: list[str], window: int) -> tuple[float, float]:
     """The model's raw tokenizer (``encode_batch`` on the texts as the worker cuts them) in
     windows of ``window`` texts, on this one thread: (texts per wall second, texts per CPU
     second of the thread; the second is what a shared machine's load changes least)."""
-    from embedfleet.workers.model.encoder import counting_head
+    from embedfleet.shared.tokens import counting_head
     from embedfleet.workers.model.standin import StandInEncoder
 
     encoder = _floor_encoder(StandInEncoder)
     prepared = [counting_head(text, encoder.max_length) for text in texts]
-    backend = encoder._backend
+    backend = encoder.text.backend
     started, cpu_started = time.perf_counter(), time.thread_time()
     for start in range(0, len(prepared), window):
         backend.encode_batch(prepared[start : start + window])

@@ -13,6 +13,7 @@ not a worker path: no scheme here was adopted.
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections.abc import Sequence
@@ -23,7 +24,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from embedfleet.workers.model import int8
-from embedfleet.workers.model.encoder import Encoder, _best_of_interleaved, _layer_stack
+from embedfleet.workers.model.choose import best_of_interleaved
+from embedfleet.workers.model.encoder import Encoder
+from embedfleet.workers.model.forward import layer_stack
 from embedfleet.workers.model.precision import BULK_PROBE_TEXTS, PROBE_TEXTS
 
 
@@ -58,7 +61,10 @@ class PerTokenDynamicLinear(torch.nn.Module):
 def build(encoder: Encoder, kept: Sequence[str], alpha: float, scheme: str):
     """A float32 copy with the linear layers (all but ``kept``) swapped for ``scheme``'s."""
     copy, layers, ranges = int8.calibrated_copy(
-        int8.hook_free_copy(encoder._model).float(), _layer_stack, encoder._run_model, PROBE_TEXTS
+        int8.hook_free_copy(encoder._model).float(),
+        layer_stack,
+        encoder.paths.run_copy,
+        PROBE_TEXTS,
     )
     swapped = 0
     for name, module in list(layers.named_modules()):
@@ -88,20 +94,20 @@ SCHEMES = (
 def main() -> None:
     encoder = Encoder(dtype="auto")
     encoder.prepare_query_graph("off")
-    reference = encoder.float32_heldout()
+    reference = encoder.paths.float32_heldout()
     assert reference is not None, "auto kept a reduced precision here: nothing to gate against"
     batch = encoder.collate(encoder.tokenize(list(BULK_PROBE_TEXTS)))
-    baseline = encoder._query_forward
-    assert baseline is not None
-    runs = {"float32 frozen": lambda: encoder._embed_frozen(baseline, batch)}
+    baseline = encoder.query_path
+    assert encoder.has_query_graph
+    runs = {"float32 frozen": lambda: baseline.serve(batch)}
     verdicts = {}
     for scheme, alpha, kept in SCHEMES:
         forward, swapped = build(encoder, kept, alpha, scheme)
-        report = encoder.gate_int8(forward, reference)
+        report = encoder.paths.gate(forward, reference)
         label = f"{scheme}, alpha {alpha}, kept {','.join(kept) or 'nothing'} ({swapped} int8)"
         verdicts[label] = report
-        runs[label] = lambda forward=forward: encoder._embed_frozen(forward, batch)
-    seconds = _best_of_interleaved(runs, 3)
+        runs[label] = functools.partial(encoder.paths.through(forward).embed, batch)
+    seconds = best_of_interleaved(runs, 3)
     print("| scheme | min | mean | bar | batch ms | speed-up |\n|---|---:|---:|---|---:|---:|")
     for label, took in seconds.items():
         report = verdicts.get(label)

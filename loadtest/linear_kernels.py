@@ -9,7 +9,7 @@ through the kernels torch offers for it on a CPU: aten's ``linear`` (MKL's sgemm
 eager model and the frozen graph run), MKL's packed sgemm with the weight packed once
 (``torch.ops.mkl._mkl_linear``, what inductor's freezing emits for float32), and oneDNN's
 ``linear_pointwise`` on a reordered weight (what it emits for bf16). Best of ``--repeats``
-calls each (``workers.model.encoder._best_of``, the worker's own timing), in GFLOP/s, beside this
+calls each (``workers.model.choose.best_of``, the worker's own timing), in GFLOP/s, beside this
 CPU's flags: if one kernel were clearly faster, the float32 path would be worth building on it.
 Figures: docs/BENCHMARKS.md (stop 38). An experiment, not a worker path.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from embedfleet.workers.cpus import cpu_class
-from embedfleet.workers.model.encoder import _best_of
+from embedfleet.workers.model.choose import best_of
 
 SHAPES = ((384, 384), (384, 1536), (1536, 384))  # (in, out) of all-MiniLM-L6-v2's linear layers
 
@@ -66,7 +66,7 @@ def main() -> None:
             bias = torch.randn(fan_out, generator=generator)
             flops = 2 * args.tokens * fan_in * fan_out
             for name, call in kernels(x, weight, bias).items():
-                ms = _best_of(call, args.repeats) * 1000
+                ms = best_of(call, args.repeats) * 1000
                 rows.append({"shape": [fan_in, fan_out], "kernel": name, "ms": ms})
                 print(f"| {fan_in} -> {fan_out} | {name} | {ms:.2f} | {flops / ms / 1e6:.0f} |")
     if args.json:

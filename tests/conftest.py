@@ -101,7 +101,8 @@ def forced_int8_encoder():
     compile took up to two minutes of CI on 2 cores, once per module. Whether the copy was kept
     is each test's to check (``computes_in_int8``)."""
     from embedfleet.workers.cpus import cpu_class
-    from embedfleet.workers.model.encoder import Encoder, cpu_paths
+    from embedfleet.workers.model.choose import cpu_paths
+    from embedfleet.workers.model.encoder import Encoder
     from embedfleet.workers.model.int8 import cpp_compiler_available
 
     w8a8 = "int8-w8a8" in cpu_paths(cpu_class(), cpp_compiler_available())

@@ -1,12 +1,13 @@
 """The contract of one representation: what a model gives from one forward pass.
 
-The encoder (workers/model/encoder.py) loads the tokenizer and the transformer, and picks the
-forward path once at start; what it does with the transformer's output depends on the kind of
-model, and that is one small class per representation (TEI's Python backend has one class per
+The encoder (workers/model/encoder.py) holds the tokenizer and the transformer (loaded by
+workers/model/load.py) and the forward path chosen once at start (workers/model/forward.py);
+what becomes of the transformer's output depends on the kind of model, and that is one small
+class per representation (TEI's Python backend has one class per
 head the same way): ``dense`` (workers/model/dense.py, the sentence-transformers pipeline),
 ``multivector`` (workers/model/multivector.py, BGE-M3's token heads beside the dense vector),
 ``sparse`` (workers/model/sparse.py, SPLADE) and ``rerank`` (workers/model/rerank.py, a
-cross-encoder's score per pair). The encoder builds one at start and calls it once per batch.
+cross-encoder's score per pair). One is built at load; the eager path calls it once per batch.
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ import torch
 
 from embedfleet.shared.logging import get_logger
 from embedfleet.workers.model.precision import Precision
+from embedfleet.workers.model.tokenizer import EncodeBatch, TextTokenizer
 
 log = get_logger("embedfleet.cuda_queries")
 
@@ -251,3 +252,46 @@ class CudaQueryRunner:
             ids = input_ids.to(self.device, non_blocking=True)
             mask = attention_mask.to(self.device, non_blocking=True)
             return self.vectors(self._forward(ids, mask), mask, prompts), path
+
+
+class CudaQueryPath:
+    """The query lane's :class:`CudaQueryRunner` as a forward path (workers/model/forward.py):
+    served from its own thread, beside the bulk model, and never for bulk batches."""
+
+    kind: Literal["cuda"] = "cuda"
+
+    def __init__(self, runner: CudaQueryRunner, name: str) -> None:
+        self.runner = runner
+        # the bulk model's path, as logged before the lane was prepared: the lane itself is
+        # told apart in the query lane's "served_on"
+        self.name = name
+
+    @classmethod
+    def prepare(
+        cls,
+        model: torch.nn.Module,
+        vectors: Vectors,
+        precision: Precision,
+        device: torch.device,
+        *,
+        mode: CudaLaneMode,
+        text: TextTokenizer,
+        name: str,
+    ) -> CudaQueryPath:
+        """The lane for ``model`` (its own copy; ``vectors``: the sentence pipeline on hidden
+        states), its CUDA graphs captured where ``mode`` is ``graph``."""
+        runner = CudaQueryRunner(
+            model,
+            vectors,
+            precision,
+            device,
+            pad_id=text.pad_id,
+            pad_left=text.pad_left,
+            max_length=text.max_length,
+        )
+        if mode == "graph":
+            runner.capture()
+        return cls(runner, name)
+
+    def serve(self, batch: EncodeBatch) -> tuple[np.ndarray, QueryPath]:
+        return self.runner.embed(batch.input_ids, batch.attention_mask, batch.prompt_lengths)

@@ -226,6 +226,14 @@ def read_model_spec(model_dir: Path) -> ModelSpec:
             f"{model_dir}: config_sentence_transformers.json says model_type={model_type!r}; "
             "the worker serves SentenceTransformer (dense embedding) models only"
         )
+    return _read_sentence_transformer(model_dir, modules_file, prompts, default_prompt)
+
+
+def _read_sentence_transformer(
+    model_dir: Path, modules_file: Path, prompts: dict[str, str], default_prompt: str | None
+) -> ModelSpec:
+    """A SentenceTransformer's spec from its ``modules.json``: Transformer, Pooling, then
+    Dense and Normalize modules, in that order."""
     modules = json.loads(modules_file.read_text())
     spec: dict[str, Any] = {
         "prompts": prompts,
@@ -237,37 +245,7 @@ def read_model_spec(model_dir: Path) -> ModelSpec:
         kind = _module_kind(str(module.get("type", "")))
         path = str(module.get("path", ""))
         where = f"{model_dir}: module {index} ({module.get('type')!r} at {path or '.'!r})"
-        module_dir = model_dir / path
-        if index == 0:
-            if kind != "Transformer":
-                raise UnsupportedModelError(
-                    f"{where}: the first module must be a Transformer; the worker cannot run "
-                    f"a {kind} input module"
-                )
-            spec.update(_read_transformer(module_dir, where))
-        elif kind == "Pooling":
-            if "Pooling" in seen or "Dense" in seen or "Normalize" in seen:
-                raise UnsupportedModelError(
-                    f"{where}: Pooling must come once, right after the Transformer"
-                )
-            spec.update(_read_pooling(module_dir, where))
-        elif kind == "Dense":
-            if "Pooling" not in seen or "Normalize" in seen:
-                raise UnsupportedModelError(
-                    f"{where}: a Dense module is supported only after Pooling and before "
-                    "Normalize (on the sentence embedding)"
-                )
-            dense.append(_read_dense(module_dir, path, where))
-        elif kind == "Normalize":
-            if "Pooling" not in seen or "Normalize" in seen:
-                raise UnsupportedModelError(f"{where}: Normalize must come after Pooling, once")
-            spec["normalize"] = True
-        else:
-            raise UnsupportedModelError(
-                f"{where}: the worker cannot run a {kind} module (it supports Transformer, "
-                "Pooling, Dense, Normalize); refusing rather than serving different vectors "
-                "than sentence-transformers would"
-            )
+        _read_module(index, kind, model_dir / path, path, where, seen, spec, dense)
         seen.append(kind)
     if "Pooling" not in seen:
         raise UnsupportedModelError(
@@ -280,6 +258,50 @@ def read_model_spec(model_dir: Path) -> ModelSpec:
     return ModelSpec(
         transformer_dir=spec.pop("transformer_dir"), dense=tuple(dense), token_heads=heads, **spec
     )
+
+
+def _read_module(
+    index: int,
+    kind: str,
+    module_dir: Path,
+    path: str,
+    where: str,
+    seen: list[str],
+    spec: dict[str, Any],
+    dense: list[DenseSpec],
+) -> None:
+    """Module ``index`` of ``modules.json`` (of ``kind``, after the kinds ``seen``) into
+    ``spec`` and ``dense``; UnsupportedModelError for one out of order or not supported."""
+    if index == 0:
+        if kind != "Transformer":
+            raise UnsupportedModelError(
+                f"{where}: the first module must be a Transformer; the worker cannot run "
+                f"a {kind} input module"
+            )
+        spec.update(_read_transformer(module_dir, where))
+    elif kind == "Pooling":
+        if "Pooling" in seen or "Dense" in seen or "Normalize" in seen:
+            raise UnsupportedModelError(
+                f"{where}: Pooling must come once, right after the Transformer"
+            )
+        spec.update(_read_pooling(module_dir, where))
+    elif kind == "Dense":
+        if "Pooling" not in seen or "Normalize" in seen:
+            raise UnsupportedModelError(
+                f"{where}: a Dense module is supported only after Pooling and before "
+                "Normalize (on the sentence embedding)"
+            )
+        dense.append(_read_dense(module_dir, path, where))
+    elif kind == "Normalize":
+        if "Pooling" not in seen or "Normalize" in seen:
+            raise UnsupportedModelError(f"{where}: Normalize must come after Pooling, once")
+        spec["normalize"] = True
+    else:
+        raise UnsupportedModelError(
+            f"{where}: the worker cannot run a {kind} module (it supports Transformer, "
+            "Pooling, Dense, Normalize); refusing rather than serving different vectors "
+            "than sentence-transformers would"
+        )
 
 
 def _read_token_heads(model_dir: Path, hidden_size: int) -> TokenHeads | None:

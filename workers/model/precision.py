@@ -350,3 +350,24 @@ def settle_auto(
         verdict="kept" if report.passed else "rejected: using float32",
     )
     return chosen, report
+
+
+def settle(
+    dtype: str,
+    candidate: Precision,
+    *,
+    pooled: bool,
+    model: torch.nn.Module,
+    embed: Callable[[Sequence[str]], np.ndarray],
+    set_precision: Callable[[Precision], None],
+) -> tuple[Precision, ParityReport | None]:
+    """The precision a freshly loaded model computes in, with the probe's report where one ran:
+    ``candidate`` where ``dtype`` names one; under ``auto``, :func:`settle_auto`'s verdict for a
+    model whose output is ``pooled`` sentence vectors, and float32 for any other (the probe
+    compares pooled vectors by cosine: not what a sparse, per-token or score head gives;
+    float32 until they have their own bar)."""
+    if dtype != "auto":
+        return candidate, None
+    if not pooled:
+        return FP32, None
+    return settle_auto(model, candidate, embed, set_precision)

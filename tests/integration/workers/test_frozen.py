@@ -169,12 +169,12 @@ def test_no_frozen_copy_where_the_cpu_emulates_the_dtype(monkeypatch: pytest.Mon
     eager bf16's 1.6 s, and a query waited over 30 s behind it); queries and bulk run eager,
     with their layer boundaries."""
     from embedfleet.workers import cpus
-    from embedfleet.workers.model import encoder as encoder_module
+    from embedfleet.workers.model import choose
     from embedfleet.workers.model.encoder import Encoder
 
     zen3 = cpus.cpu_class(frozenset({"avx", "avx2", "fma"}), "AVX2")
     assert not zen3.runs_natively("bfloat16") and zen3.runs_natively("float32")
-    monkeypatch.setattr(encoder_module, "cpu_class", lambda: zen3)
+    monkeypatch.setattr(choose, "cpu_class", lambda: zen3)
     bf16 = Encoder(dtype="bfloat16")
     assert bf16.computes_in_reduced_precision
     assert not bf16.prepare_query_graph(int8=False)

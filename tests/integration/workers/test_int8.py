@@ -21,7 +21,9 @@ from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.calibration import calibration_texts
 from embedfleet.workers.cpus import cpu_class
-from embedfleet.workers.model.encoder import Encoder, _layer_stack, cpu_paths
+from embedfleet.workers.model.choose import cpu_paths
+from embedfleet.workers.model.encoder import Encoder
+from embedfleet.workers.model.forward import layer_stack
 from embedfleet.workers.model.heldout import GROUPS, HELDOUT_TEXTS
 from embedfleet.workers.model.int8 import (
     Int8Forward,
@@ -167,12 +169,12 @@ def test_the_gate_rejects_a_copy_that_passes_only_its_calibration_texts(
     damaged = OverfitCopy(encoder, PROBE_TEXTS)
     reference = encoder.embed_texts(list(PROBE_TEXTS))
     on_calibration = cosines(
-        reference, encoder._embed_frozen(damaged, _batch(encoder, PROBE_TEXTS))
+        reference, encoder.paths.through(damaged).embed(_batch(encoder, PROBE_TEXTS))
     )
     assert holds_bar(float(on_calibration.min()), float(on_calibration.mean()))  # the old check
 
     heldout = embed_in_batches(encoder.embed_texts, GATE_TEXTS)
-    report = encoder.gate_int8(damaged, heldout)
+    report = encoder.paths.gate(damaged, heldout)
     assert not report.passed and report.texts == len(HELDOUT_TEXTS)
     assert set(report.groups) == {"multilingual", "long", "odd"}
     assert report.mean_cosine < MEAN_COSINE
@@ -184,14 +186,14 @@ def test_a_worker_never_keeps_a_copy_that_fails_the_heldout_gate(
     """prepare_query_graph builds the copy, gates it on the held-out set, and serves the frozen
     graph instead; a copy exact on the held-out set (the eager model itself) is kept."""
     encoder = Encoder(dtype="auto")
-    monkeypatch.setattr(encoder, "_build_int8_path", lambda name: OverfitCopy(encoder, PROBE_TEXTS))
+    monkeypatch.setattr(encoder.paths, "build_int8", lambda name: OverfitCopy(encoder, PROBE_TEXTS))
     assert encoder.prepare_query_graph("w8a8")
     assert not encoder.computes_in_int8 and encoder.forward_path.endswith("frozen")
     assert not encoder.gate_reports["int8-w8a8"].passed
     assert encoder.serve_query(_batch(encoder, ["a query"]))[1] == "frozen"
 
     exact = Encoder(dtype="auto")
-    monkeypatch.setattr(exact, "_build_int8_path", lambda name: OverfitCopy(exact, GATE_TEXTS))
+    monkeypatch.setattr(exact.paths, "build_int8", lambda name: OverfitCopy(exact, GATE_TEXTS))
     assert exact.prepare_query_graph("w8a8")
     assert exact.computes_in_int8 and exact.forward_path.startswith("int8-w8a8")
     assert exact.computes_in_reduced_precision  # so the worker runs bulk through it too
@@ -211,22 +213,24 @@ def test_a_real_w8a8_copy_passes_its_probe_texts_and_fails_heldout(
     reference = embed_in_batches(encoder.embed_texts, GATE_TEXTS)
     old = build_int8(
         encoder._model,
-        _layer_stack,
-        encoder._run_model,
+        layer_stack,
+        encoder.paths.run_copy,
         PROBE_TEXTS,
         kept=("attention.output.dense",),
         compiled=False,
     )
     on_probe = cosines(
         encoder.embed_texts(list(PROBE_TEXTS)),
-        encoder._embed_frozen(old, _batch(encoder, PROBE_TEXTS)),
+        encoder.paths.through(old).embed(_batch(encoder, PROBE_TEXTS)),
     )
     print(f"old scheme on its probe texts: min {on_probe.min():.5f} mean {on_probe.mean():.6f}")
     assert holds_bar(float(on_probe.min()), float(on_probe.mean()))
-    assert not encoder.gate_int8(old, reference).passed
+    assert not encoder.paths.gate(old, reference).passed
 
-    new = build_int8(encoder._model, _layer_stack, encoder._run_model, PROBE_TEXTS, compiled=False)
-    assert encoder.gate_int8(new, reference).passed
+    new = build_int8(
+        encoder._model, layer_stack, encoder.paths.run_copy, PROBE_TEXTS, compiled=False
+    )
+    assert encoder.paths.gate(new, reference).passed
 
 
 def _batch(encoder: Encoder, texts: tuple[str, ...] | list[str]):  # type: ignore[no-untyped-def]
@@ -261,7 +265,8 @@ def test_an_avx2_only_cpu_tries_int8_where_auto_keeps_float32() -> None:
     found = _in_subprocess(
         "import json\n"
         "from embedfleet.workers.cpus import cpu_class\n"
-        "from embedfleet.workers.model.encoder import Encoder, cpu_paths\n"
+        "from embedfleet.workers.model.choose import cpu_paths\n"
+        "from embedfleet.workers.model.encoder import Encoder\n"
         "cpu = cpu_class()\n"
         "encoder = Encoder(dtype='auto')\n"
         "encoder.prepare_query_graph('dynamic')\n"
@@ -300,7 +305,7 @@ def test_no_compiler_no_w8a8_and_no_attempt(
     monkeypatch.setenv("PATH", str(tmp_path))
     assert not cpp_compiler_available()
     started = time.perf_counter()
-    assert encoder._build_int8_paths("w8a8") == []
+    assert encoder.paths.int8_candidates("w8a8") == []
     assert time.perf_counter() - started < 10  # the float32 reference at most, no compile
 
 

@@ -79,7 +79,7 @@ def test_tokenizer_threads_follow_the_device_unless_set(
     operator's TOKENIZERS_PARALLELISM wins either way."""
     import torch
 
-    from embedfleet.workers.model.encoder import configure_tokenizer_threads
+    from embedfleet.workers.model.tokenizer import configure_tokenizer_threads
 
     if preset is None:
         monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
@@ -131,7 +131,7 @@ def test_cpu_flags_reads_the_first_flags_line(tmp_path: Path) -> None:
 
 def test_cpu_paths_per_class() -> None:
     """Every class gets float32 and an int8 path; bf16 only where it is native."""
-    from embedfleet.workers.model.encoder import cpu_paths
+    from embedfleet.workers.model.choose import cpu_paths
 
     assert cpu_paths(cpus.cpu_class(ZEN3, "AVX2"), compiler=False) == ["float32", "int8-dynamic"]
     # W8A8's int8 matmul has no fast kernel without VNNI/AMX: not tried there, compiler or not

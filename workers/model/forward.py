@@ -1,0 +1,148 @@
+"""The forward paths: the ways a padded batch becomes vectors, behind one small interface.
+
+A :class:`ForwardPath` serves a batch and says which path computed it. There are four, each
+built on the module that owns its mechanism, and the encoder (workers/model/encoder.py) holds the
+one chosen once at start for queries (and, where it is a copy in reduced precision, bulk):
+
+- :class:`EagerPath`: the loaded model itself, then the representation (workers/model/base.py);
+  the only path with layer boundaries (queries get in there on a CPU) and every representation;
+- :class:`CopyPath` of a frozen graph (workers/model/frozen.py) or an int8 copy
+  (workers/model/int8.py): a copy that returns hidden states, then the sentence pipeline;
+- ``CudaQueryPath`` (workers/model/cuda_queries.py): the query lane's own copy on CUDA.
+
+Which of them a CPU worker keeps is workers/model/choose.py's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal, Protocol
+
+import numpy as np
+import torch
+
+from embedfleet.workers.model.base import Forward, Representation
+from embedfleet.workers.model.cuda_queries import QueryPath
+from embedfleet.workers.model.dense import Dense
+from embedfleet.workers.model.frozen import FrozenForward
+from embedfleet.workers.model.int8 import Int8Forward
+from embedfleet.workers.model.precision import Precision
+from embedfleet.workers.model.tokenizer import EncodeBatch
+
+# eager: the bulk model; frozen / int8: a CPU copy without layer boundaries; cuda: the query
+# lane's own copy and stream, served from its own thread
+PathKind = Literal["eager", "frozen", "int8", "cuda"]
+
+
+class ForwardPath(Protocol):
+    """One way of computing a padded batch's vectors."""
+
+    @property
+    def name(self) -> str:
+        """As logged and published (the worker's ``forward_path``)."""
+
+    @property
+    def kind(self) -> PathKind: ...
+
+    def serve(self, batch: EncodeBatch) -> tuple[np.ndarray, QueryPath]:
+        """The batch's vectors on the host, and which path computed them."""
+
+
+class EagerPath:
+    """The loaded model, in its precision, then the representation: every kind of model, and
+    forward pre-hooks at its layer boundaries (:meth:`set_layer_callback`)."""
+
+    kind: PathKind = "eager"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        representation: Representation,
+        precision: Precision,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.representation = representation
+        # the precision settled at load (workers/model/precision.py's settle_auto sets it)
+        self.precision = precision
+        self.device = device
+        self._layer_hooks: list[torch.utils.hooks.RemovableHandle] = []
+
+    @property
+    def name(self) -> str:
+        return f"{self.precision.name} eager"
+
+    @torch.inference_mode()
+    def vectors(self, batch: EncodeBatch) -> torch.Tensor:
+        """The batch's rows left on the model's device (on CUDA: returns once queued)."""
+        input_ids = batch.input_ids.to(self.device, non_blocking=True)
+        attention_mask = batch.attention_mask.to(self.device, non_blocking=True)
+        extra: dict[str, torch.Tensor] = {}
+        if batch.token_type_ids is not None:
+            extra["token_type_ids"] = batch.token_type_ids.to(self.device, non_blocking=True)
+        with self.precision.context(self.device):
+            output = self.model(input_ids=input_ids, attention_mask=attention_mask, **extra)
+        return self.representation.vectors(
+            Forward(output, input_ids, attention_mask, batch.prompt_lengths, batch.heads)
+        )
+
+    def embed(self, batch: EncodeBatch) -> np.ndarray:
+        return self.vectors(batch).cpu().numpy()
+
+    def serve(self, batch: EncodeBatch) -> tuple[np.ndarray, QueryPath]:
+        return self.embed(batch), "eager"
+
+    def set_layer_callback(self, callback: Callable[[], None] | None) -> int:
+        """Call ``callback`` before every transformer layer (``Encoder.set_layer_callback``);
+        the number of layers hooked."""
+        for handle in self._layer_hooks:
+            handle.remove()
+        self._layer_hooks = []
+        if callback is None:
+            return 0
+        layers = list(layer_stack(self.model))
+
+        def before_layer(_module: torch.nn.Module, _args: object) -> None:
+            callback()
+
+        self._layer_hooks = [layer.register_forward_pre_hook(before_layer) for layer in layers]
+        return len(layers)
+
+
+class CopyPath:
+    """A copy of the model that returns hidden states (the frozen graph, an int8 copy), then the
+    sentence pipeline (:meth:`Dense.pooled`): a dense model's vectors, without layer hooks."""
+
+    def __init__(self, copy: FrozenForward | Int8Forward, sentence: Dense, name: str) -> None:
+        self.copy = copy
+        self.sentence = sentence
+        self.name = name
+        self.kind: PathKind = "int8" if isinstance(copy, Int8Forward) else "frozen"
+        # an int8 copy's own name (``int8-w8a8``), as its gate and the race log it
+        self.copy_name = copy.name if isinstance(copy, Int8Forward) else name
+
+    @torch.inference_mode()
+    def embed(self, batch: EncodeBatch) -> np.ndarray:
+        hidden = self.copy(batch.input_ids, batch.attention_mask)
+        return pooled_on_host(self.sentence, hidden, batch.attention_mask, batch.prompt_lengths)
+
+    def serve(self, batch: EncodeBatch) -> tuple[np.ndarray, QueryPath]:
+        return self.embed(batch), "int8" if self.kind == "int8" else "frozen"
+
+
+def pooled_on_host(
+    sentence: Dense,
+    hidden: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_lengths: torch.Tensor | None = None,
+) -> np.ndarray:
+    """The sentence pipeline (:meth:`Dense.pooled`) on a copy's hidden states, on the host."""
+    return sentence.pooled(hidden, attention_mask, prompt_lengths).cpu().numpy()
+
+
+def layer_stack(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The stack of transformer layers: the longest ModuleList in the model (BERT's
+    ``encoder.layer``, and the equivalent in other encoder architectures); an empty one if
+    there is none."""
+    candidates = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    return max(candidates, key=len) if candidates else torch.nn.ModuleList()

@@ -1,0 +1,213 @@
+"""Texts to token ids and padded batches: the model's fast tokenizer, its prompts, its maximum.
+
+What the encoder (workers/model/encoder.py) hands every forward path: ``Tokenized`` (one text's
+token ids, cut to the model's maximum, flagged when cut) and ``EncodeBatch`` (a padded batch).
+:class:`TextTokenizer` makes both as sentence-transformers does: the prompt joined before the
+text (so its tokens count against the maximum), the cut that keeps a trailing special token,
+the prompt table ``encode_query`` / ``encode_document`` choose from, and the padding side the
+tokenizer declares.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from embedfleet.shared.tokens import counting_head
+from embedfleet.workers.model.model_dir import ModelSpec
+
+Lane = Literal["query", "document"]
+
+
+class PromptError(ValueError):
+    """A chunk names a prompt the model does not declare (dead-lettered with this reason)."""
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    """One text's token ids (with special tokens), and whether it was cut to fit the model."""
+
+    ids: list[int]
+    truncated: bool
+    # leading tokens that are the prompt (with the tokenizer's leading special tokens), as
+    # sentence-transformers counts them; excluded from pooling when include_prompt is false
+    prompt_length: int = 0
+    # segment ids of a (query, document) pair for a cross-encoder; None for a single text
+    type_ids: list[int] | None = None
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
+
+
+@dataclass
+class EncodeBatch:
+    """A padded batch ready for the forward pass."""
+
+    input_ids: torch.Tensor  # (batch, seq) int64
+    attention_mask: torch.Tensor  # (batch, seq) int64
+    prompt_lengths: torch.Tensor | None = None  # (batch,) int64, when pooling leaves prompts out
+    token_type_ids: torch.Tensor | None = None  # (batch, seq) int64, for (query, document) pairs
+    # a multi-head model (BGE-M3): the representations to compute from this batch's forward
+    # pass, packed into one row per text (workers/model/heads.py); None: the dense vectors alone
+    heads: tuple[str, ...] | None = None
+
+    @property
+    def size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def padded_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def real_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+
+def configure_tokenizer_threads(device: torch.device) -> bool:
+    """Whether the Rust tokenizer batch-encodes on all cores, decided by the device unless
+    TOKENIZERS_PARALLELISM is set: on a CPU the model's threads own the cores (a tokenizer pool
+    beside them stalls their barriers, docs/BENCHMARKS.md "Threads under contention"); on CUDA
+    the host cores are otherwise idle, and one tokenizing core cannot feed a GPU doing tens of
+    thousands of texts a second. The tokenizers library reads the variable at each batch call."""
+    if "TOKENIZERS_PARALLELISM" not in os.environ:
+        os.environ["TOKENIZERS_PARALLELISM"] = "true" if device.type == "cuda" else "false"
+    return os.environ["TOKENIZERS_PARALLELISM"].lower() in ("1", "true", "yes", "on")
+
+
+class TextTokenizer:
+    """The model's fast tokenizer set up as sentence-transformers uses it (lower-casing where
+    the model asks, no padding, cut one token past the maximum so a cut is seen)."""
+
+    def __init__(self, tokenizer: Any, spec: ModelSpec, max_length: int) -> None:
+        self.spec = spec
+        self.max_length = max_length
+        # sentence-transformers' prompt table: "query" and "document" exist (empty) unless the
+        # model sets them, which is why encode_query / encode_document never fall back to
+        # default_prompt_name; see resolve_prompt.
+        self.prompts: dict[str, str] = {"query": "", "document": "", **spec.prompts}
+        self.pad_id = int(tokenizer.pad_token_id or 0)
+        # decoder-only embedders declare left padding; the pooling reads either side
+        self.pad_left = tokenizer.padding_side == "left"
+        self.backend = tokenizer.backend_tokenizer
+        if spec.do_lower_case:
+            _lowercase_normalizer(self.backend)
+        self.backend.no_padding()
+        # One token over the limit tells us a text was cut; see tokenize().
+        self.backend.enable_truncation(max_length + 1)
+        self._ends_with_special = self._last_token_is_special()
+
+    def _last_token_is_special(self) -> bool:
+        encoding = self.backend.encode("a")
+        return bool(encoding.special_tokens_mask and encoding.special_tokens_mask[-1])
+
+    # --- prompts ----------------------------------------------------------------------
+    def resolve_prompt(
+        self, lane: Lane, prompt_name: str | None, prompt: str | None, lane_default: str
+    ) -> str:
+        """The prompt text for one chunk (``Encoder.resolve_prompt``)."""
+        if prompt is not None:
+            return prompt  # a literal prompt wins over any name, as in sentence-transformers
+        if prompt_name is None:
+            prompt_name = lane_default or self._lane_prompt_name(lane)
+        if prompt_name is None:
+            return ""
+        if prompt_name not in self.prompts:
+            raise PromptError(
+                f"prompt_name {prompt_name!r} is not one of the model's prompts "
+                f"({', '.join(sorted(self.prompts))})"
+            )
+        return self.prompts[prompt_name]
+
+    def _lane_prompt_name(self, lane: Lane) -> str | None:
+        candidates = ("query",) if lane == "query" else ("document", "passage", "corpus")
+        for name in candidates:
+            if name in self.prompts:
+                return name
+        return self.spec.default_prompt_name
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - a few prompts per model, tokenizer lives on
+    def prompt_length(self, prompt: str) -> int:
+        """Tokens of ``prompt`` at the start of ``prompt + text`` (leading special tokens
+        included, a trailing one not): sentence-transformers' ``_get_prompt_length``."""
+        encoding = self.backend.encode(prompt)
+        length = len(encoding.ids)
+        if encoding.special_tokens_mask and encoding.special_tokens_mask[-1]:
+            length -= 1
+        return length
+
+    # --- tokenize ---------------------------------------------------------------------
+    def tokenize(self, texts: Sequence[str], prompts: Sequence[str] | None) -> list[Tokenized]:
+        """Token ids per single text, cut to the maximum (``Encoder.tokenize``)."""
+        if prompts is not None:
+            texts = [prompt + text for prompt, text in zip(prompts, texts, strict=True)]
+        prepared = [counting_head(text, self.max_length) for text in texts]
+        encodings = self.backend.encode_batch(prepared)
+        results: list[Tokenized] = []
+        for row, (text, cut_text, encoding) in enumerate(
+            zip(texts, prepared, encodings, strict=True)
+        ):
+            ids = encoding.ids
+            if len(ids) <= self.max_length and len(cut_text) < len(text):
+                # Rare: a text so sparse in tokens that the cut lost some. Do it properly.
+                ids = self.backend.encode(text).ids
+            prompt = prompts[row] if prompts is not None else ""
+            results.append(self._fit(ids, self.prompt_length(prompt) if prompt else 0))
+        return results
+
+    def _fit(self, ids: list[int], prompt_length: int = 0) -> Tokenized:
+        if len(ids) <= self.max_length:
+            return Tokenized(ids=ids, truncated=False, prompt_length=prompt_length)
+        if self._ends_with_special:  # keep [SEP]: same ids as truncating at max_length
+            ids = [*ids[: self.max_length - 1], ids[-1]]
+        else:
+            ids = ids[: self.max_length]
+        return Tokenized(ids=ids, truncated=True, prompt_length=prompt_length)
+
+    # --- batch ------------------------------------------------------------------------
+    def collate(self, items: list[Tokenized], *, pin: bool = False) -> EncodeBatch:
+        """A padded batch of ``items`` (``Encoder.collate``)."""
+        longest = max(item.length for item in items)
+        shape = (len(items), longest)
+        ids_tensor = torch.full(shape, self.pad_id, dtype=torch.int64, pin_memory=pin)
+        mask_tensor = torch.zeros(shape, dtype=torch.int64, pin_memory=pin)
+        input_ids, attention_mask = ids_tensor.numpy(), mask_tensor.numpy()
+        types_tensor = None
+        if any(item.type_ids is not None for item in items):
+            types_tensor = torch.zeros(shape, dtype=torch.int64, pin_memory=pin)
+        for row, item in enumerate(items):
+            start = longest - item.length if self.pad_left else 0
+            input_ids[row, start : start + item.length] = item.ids
+            attention_mask[row, start : start + item.length] = 1
+            if types_tensor is not None and item.type_ids is not None:
+                types_tensor.numpy()[row, start : start + item.length] = item.type_ids
+        prompt_lengths = None
+        if not self.spec.include_prompt:
+            prompt_lengths = torch.tensor([item.prompt_length for item in items])
+        return EncodeBatch(
+            input_ids=ids_tensor,
+            attention_mask=mask_tensor,
+            prompt_lengths=prompt_lengths,
+            token_type_ids=types_tensor,
+        )
+
+
+def _lowercase_normalizer(backend: object) -> None:
+    """``do_lower_case``: lower-case before the tokenizer's own normalizer, as
+    sentence-transformers does for a fast tokenizer."""
+    from tokenizers.normalizers import Lowercase
+    from tokenizers.normalizers import Sequence as NormalizerSequence
+
+    normalizer = backend.normalizer  # type: ignore[attr-defined]
+    if normalizer is not None and "Lowercase" in repr(normalizer):
+        return
+    parts = [Lowercase()]
+    if normalizer is not None:
+        parts.append(normalizer)
+    backend.normalizer = NormalizerSequence(parts)  # type: ignore[attr-defined]
