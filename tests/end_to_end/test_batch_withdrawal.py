@@ -49,7 +49,7 @@ from tests.gateway_support import (
 )
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # serial: its assertions hold times (Makefile)
 
 MODEL = "all-MiniLM-L6-v2"
 COUNT = 3_000

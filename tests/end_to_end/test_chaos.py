@@ -22,7 +22,7 @@ from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk
 from embedfleet.shared.settings import Settings
 from tests.conftest import WorkerLauncher
 
-pytestmark = pytest.mark.chaos
+pytestmark = [pytest.mark.chaos, pytest.mark.serial]  # serial: its assertions hold times (Makefile)
 CHUNKS = 3000
 KILLS = 6
 BAD = [b"\xc1 junk", b"\x81\xa1v\x07", b"\x83\xa1v\x01\xa2id\xa1x\xa4text\xa0"]

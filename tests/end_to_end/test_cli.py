@@ -18,7 +18,7 @@ from tests.conftest import WorkerLauncher
 from tests.paths import REPO_ROOT
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # serial: its assertions hold times (Makefile)
 
 VERBS = ["demo", "worker", "enqueue", "results", "query", "status", "search", "index", "dead"]
 

@@ -28,7 +28,7 @@ from loadtest.common import isolated_settings
 from tests.gateway_support import running_gateway
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # serial: its assertions hold times (Makefile)
 
 MODEL = "all-MiniLM-L6-v2"
 HEALTHZ_BOUND_S = 1.0  # what the issue asks of /healthz while a large /tokenize runs

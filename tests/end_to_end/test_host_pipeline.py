@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from loadtest.host_pipeline import STAGES, main
 
-pytestmark = pytest.mark.slow  # starts worker processes (a model load each)
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # starts worker processes (a model load each)
 
 
 def test_host_pipeline_smoke(tmp_path: Path) -> None:

@@ -47,7 +47,7 @@ from tests.conftest import _server_binary, running_pg, until
 from tests.gateway_support import running_gateway
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # serial: its assertions hold times (Makefile)
 
 # A caller may take this much longer than its own timeout (its clean-up included)
 GRACE_S = 1.2

@@ -39,7 +39,7 @@ from embedfleet.workers.metrics import METRICS, MetricSpec, StreamGauges, Worker
 from tests.conftest import WorkerLauncher, cli_env, start_cli
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # serial: its assertions hold times (Makefile)
 
 CHUNKS = 300
 FAMILIES = {

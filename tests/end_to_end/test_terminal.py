@@ -23,7 +23,7 @@ import pyte
 import pytest
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # serial: its assertions hold times (Makefile)
 
 COLUMNS = 120
 ROWS = 400  # taller than the whole run: nothing scrolls away before it is read

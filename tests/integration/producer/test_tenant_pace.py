@@ -28,7 +28,7 @@ from embedfleet.workers.consumer import StreamConsumer
 from tests.conftest import WorkerLauncher, until, until_blocked
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # serial: its assertions hold times (Makefile)
 
 WORDS = ["the", "fleet", "reads", "every", "tenant", "by", "its", "weight", "and", "rate"]
 DIGITS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]

@@ -46,7 +46,7 @@ from embedfleet.workers.model.precision import (
 from tests.conftest import WorkerLauncher, reference_model
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # serial: its assertions hold times (Makefile)
 
 
 def _row_cosines(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from embedfleet.shared.settings import Settings
 from tests.conftest import Recorder, WorkerLauncher
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # serial: its assertions hold times (Makefile)
 
 
 async def test_query_matches_the_model(

@@ -27,7 +27,7 @@ from embedfleet.workers.model.encoder import Encoder
 from tests.conftest import WorkerLauncher
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # serial: its assertions hold times (Makefile)
 
 # The slice target: at least this, and at least FLOOR_FACTOR x the path's longest slice for a
 # single text of the model's maximum length, measured here first (no batch can be cut below
