@@ -188,6 +188,29 @@ def fake_cuda_events(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeEvents]:
     yield events
 
 
+# threads_of(owner, name): the names of the threads ``owner.name`` was called on, in order
+ThreadsOf = Callable[[object, str], list[str]]
+
+
+@pytest.fixture
+def threads_of(monkeypatch: pytest.MonkeyPatch) -> ThreadsOf:
+    """Wraps ``owner.name`` for the test so that each call notes the thread it runs on (a
+    stage's work off the event loop, a lane's on its own thread); returns that list."""
+
+    def record(owner: object, name: str) -> list[str]:
+        original = getattr(owner, name)
+        threads: list[str] = []
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            threads.append(threading.current_thread().name)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, recorded)
+        return threads
+
+    return record
+
+
 class Recorder(WorkerEvents):
     """What an in-process worker reported, with waits on it: tests synchronise on the worker's
     own events, never on sleeps. Hooks called from the model thread are moved to the loop."""

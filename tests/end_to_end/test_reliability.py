@@ -9,7 +9,6 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -34,7 +33,7 @@ from embedfleet.shared.protocol import (
 )
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
-from tests.conftest import Recorder, WorkerLauncher, cli_env, until
+from tests.conftest import Recorder, ThreadsOf, WorkerLauncher, cli_env, until
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
 pytestmark = pytest.mark.slow
@@ -119,18 +118,11 @@ async def test_every_bad_input_is_dead_lettered_and_the_worker_goes_on(
     settings: Settings,
     client: aioredis.Redis,
     encoder,
-    monkeypatch: pytest.MonkeyPatch,
+    threads_of: ThreadsOf,
 ) -> None:
     from embedfleet.workers import intake as intake_module
 
-    decoding_threads: list[str] = []
-    decode_entries = intake_module.decode_entries
-
-    def recorded(*args, **kwargs):
-        decoding_threads.append(threading.current_thread().name)
-        return decode_entries(*args, **kwargs)
-
-    monkeypatch.setattr(intake_module, "decode_entries", recorded)
+    decoding_threads = threads_of(intake_module, "decode_entries")
     async with workers.run(settings) as worker:
         recorder: Recorder = worker.listener
         entry_reasons = {}

@@ -6,8 +6,6 @@ reports which path served); everything that decides is checked here.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
@@ -29,7 +27,7 @@ from embedfleet.workers.model.cuda_queries import (
 )
 from embedfleet.workers.model.encoder import EncodeBatch
 from embedfleet.workers.model.precision import FP32, cosines
-from tests.conftest import WorkerLauncher
+from tests.conftest import ThreadsOf, WorkerLauncher
 
 
 def test_bucket_is_the_smallest_that_holds_the_value() -> None:
@@ -136,6 +134,7 @@ async def test_a_concurrent_lane_serves_from_its_own_thread_without_hooks(
     client: aioredis.Redis,
     encoder,
     monkeypatch: pytest.MonkeyPatch,
+    threads_of: ThreadsOf,
 ) -> None:
     """The wiring of the CUDA lane, with a CPU standing in for it: when the encoder says its
     query lane is ready, no layer hook is installed and queries are served on the lane's own
@@ -146,14 +145,7 @@ async def test_a_concurrent_lane_serves_from_its_own_thread_without_hooks(
     monkeypatch.setattr(
         encoder, "set_layer_callback", lambda cb: callbacks.append(cb) or set_callback(cb)
     )
-    serving_threads: list[str] = []
-    serve_query = encoder.serve_query
-
-    def recorded(batch: EncodeBatch) -> tuple[np.ndarray, str]:
-        serving_threads.append(threading.current_thread().name)
-        return serve_query(batch)
-
-    monkeypatch.setattr(encoder, "serve_query", recorded)
+    serving_threads = threads_of(encoder, "serve_query")
     async with Producer(settings, client) as producer, workers.run(settings):
         vector = await producer.embed_query("how do I open a file?", timeout=30)
     assert float(vector @ encoder.embed_texts(["how do I open a file?"])[0]) > 0.999
