@@ -13,9 +13,11 @@ gateways, a real worker process and a real Redis server:
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -297,14 +299,21 @@ def two_replicas_one_finalize_held(
             held.let_go()
 
 
+FinalizeRace = Callable[[], AbstractContextManager[tuple[openai.OpenAI, openai.OpenAI, str]]]
+
+
+@pytest.fixture
+def finalize_race(
+    fleet_settings: Settings, worker: WorkerProcess, tmp_path: Path, held: HeldFinalize
+) -> FinalizeRace:
+    """``two_replicas_one_finalize_held`` on the fleet's settings, its worker running."""
+    return functools.partial(two_replicas_one_finalize_held, fleet_settings, tmp_path, held)
+
+
 def test_the_lease_is_renewed_while_a_finalize_runs(
-    fleet_settings: Settings,
-    worker: WorkerProcess,
-    tmp_path: Path,
-    held: HeldFinalize,
-    server: redis.Redis,
+    finalize_race: FinalizeRace, fleet_settings: Settings, held: HeldFinalize, server: redis.Redis
 ) -> None:
-    with two_replicas_one_finalize_held(fleet_settings, tmp_path, held) as (a, _, batch_id):
+    with finalize_race() as (a, _, batch_id):
         lease_key = fleet_settings.keys.batch_lease(batch_id)
         token = server.get(lease_key)
         assert token is not None
@@ -320,13 +329,9 @@ def test_the_lease_is_renewed_while_a_finalize_runs(
 
 
 def test_a_batch_finalized_by_two_replicas_has_one_output_file(
-    fleet_settings: Settings,
-    worker: WorkerProcess,
-    tmp_path: Path,
-    held: HeldFinalize,
-    server: redis.Redis,
+    finalize_race: FinalizeRace, fleet_settings: Settings, held: HeldFinalize, server: redis.Redis
 ) -> None:
-    with two_replicas_one_finalize_held(fleet_settings, tmp_path, held) as (a, b, batch_id):
+    with finalize_race() as (a, b, batch_id):
         # the held replica loses its lease (as after a pause longer than it, or a Redis it
         # could not reach to renew it); the other replica takes the batch over and ends it
         server.delete(fleet_settings.keys.batch_lease(batch_id))
