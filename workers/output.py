@@ -268,19 +268,45 @@ class Outputs:
             for index, row in enumerate(rows):
                 stored[row] = quantized[index]
         return [
-            Result(
-                id=chunk.id,
-                job=chunk.job,
-                model=self.encoder.name,
+            self._result(
+                chunk,
+                truncated[row],
+                with_meta,
                 vector=stored[row],
-                truncated=truncated[row],
-                meta=chunk.meta if with_meta else None,
-                text=chunk.text if with_meta else None,  # a database sink stores it
                 dtype=spec.dtype,
                 dimension=spec.dim,
             )
             for row, (chunk, spec) in enumerate(zip(chunks, specs, strict=True))
         ]
+
+    def _result(
+        self,
+        chunk: Chunk,
+        truncated: bool,
+        with_meta: bool,
+        *,
+        vector: np.ndarray,
+        dtype: str,
+        dimension: int,
+        sparse: SparseVector | None = None,
+        score: float | None = None,
+    ) -> Result:
+        """``chunk``'s result: its id and job, this model, whether its text was truncated and,
+        ``with_meta``, its meta and text (a database sink stores them), with its
+        representation's fields."""
+        return Result(
+            id=chunk.id,
+            job=chunk.job,
+            model=self.encoder.name,
+            vector=vector,
+            truncated=truncated,
+            meta=chunk.meta if with_meta else None,
+            text=chunk.text if with_meta else None,
+            dtype=dtype,
+            dimension=dimension,
+            sparse=sparse,
+            score=score,
+        )
 
     def _head_results(
         self,
@@ -325,36 +351,21 @@ class Outputs:
         """A sparse model's rows as index/value pairs (pruned to ``max_active_dims``), a
         cross-encoder's as its scores."""
         results = []
-        sparse = self.encoder.representation == "sparse"
+        scores = self.encoder.representation != "sparse"  # else a sparse model's weights
         for row, chunk in enumerate(chunks):
             values = np.asarray(vectors[row], dtype=np.float32)
-            common = dict(
-                id=chunk.id,
-                job=chunk.job,
-                model=self.encoder.name,
-                truncated=truncated[row],
-                meta=chunk.meta if with_meta else None,
-                text=chunk.text if with_meta else None,
-                dtype="float32",
+            results.append(
+                self._result(
+                    chunk,
+                    truncated[row],
+                    with_meta,
+                    vector=values if scores else np.zeros(0, dtype=np.float32),
+                    dtype="float32",
+                    dimension=int(values.shape[0]) if scores else 0,
+                    sparse=None if scores else sparse_vector(values, chunk.max_active_dims),
+                    score=float(values[0]) if scores else None,
+                )
             )
-            if sparse:
-                results.append(
-                    Result(
-                        vector=np.zeros(0, dtype=np.float32),
-                        dimension=0,
-                        sparse=sparse_vector(values, chunk.max_active_dims),
-                        **common,  # type: ignore[arg-type]
-                    )
-                )
-            else:
-                results.append(
-                    Result(
-                        vector=values,
-                        dimension=int(values.shape[0]),
-                        score=float(values[0]),
-                        **common,  # type: ignore[arg-type]
-                    )
-                )
         return results
 
 
