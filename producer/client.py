@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import redis.asyncio as aioredis
 
 from embedfleet.producer.backlog_waits import BacklogWaits
 from embedfleet.producer.backlog_waits import TenantBacklogFullError as TenantBacklogFullError
@@ -51,8 +51,6 @@ from embedfleet.shared.backlog import PartitionBacklog
 from embedfleet.shared.jobs import JobProgress
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import Result, SparseVector
-from embedfleet.shared.retry import OutageListener
-from embedfleet.shared.settings import Settings
 
 if TYPE_CHECKING:
     from embedfleet.producer.documents import Document, DocumentSplitter
@@ -64,33 +62,39 @@ class Producer(ProducerLane):
     ``async with Producer() as producer: await producer.enqueue([...], job="docs-v1")``
     """
 
-    def __init__(
-        self,
-        settings: Settings | None = None,
-        client: aioredis.Redis | None = None,
-        *,
-        on_outage: OutageListener | None = None,
-        first_contact_s: float | None = None,
-        model: str | None = None,
-        tenant: str | None = None,
-    ):
-        """The lane's options: see ``ProducerLane`` (producer/lane.py)."""
-        super().__init__(
-            settings,
-            client,
-            on_outage=on_outage,
-            first_contact_s=first_contact_s,
-            model=model,
-            tenant=tenant,
-        )
-        self._lanes: dict[Keys, Producer] = {}  # for_model's producers, by lane
-        self._named: dict[str, Producer] = {}  # and by the name they were asked by
-        # the parts, each reading this lane's keys, connection and retry through it
-        self._waits = BacklogWaits(self)
-        self._enqueuer = Enqueuer(self, self._waits)
-        self._queries = Queries(self)
-        self._results = Results(self)
-        self._splitters = DocumentSplitters(self)
+    # Built with the lane's options (``ProducerLane.__init__``, their one declaration); the
+    # parts below are made on first use, each reading this lane's keys, connection and retry
+    # through it.
+
+    @cached_property
+    def _lanes(self) -> dict[Keys, Producer]:
+        """``for_model``'s producers, by lane."""
+        return {}
+
+    @cached_property
+    def _named(self) -> dict[str, Producer]:
+        """``for_model``'s producers, by the name they were asked by."""
+        return {}
+
+    @cached_property
+    def _waits(self) -> BacklogWaits:
+        return BacklogWaits(self)
+
+    @cached_property
+    def _enqueuer(self) -> Enqueuer:
+        return Enqueuer(self, self._waits)
+
+    @cached_property
+    def _queries(self) -> Queries:
+        return Queries(self)
+
+    @cached_property
+    def _results(self) -> Results:
+        return Results(self)
+
+    @cached_property
+    def _splitters(self) -> DocumentSplitters:
+        return DocumentSplitters(self)
 
     async def for_model(self, model: str | None, *, deadline: float | None = None) -> Producer:
         """A producer for ``model``'s lane (``route``), sharing this one's connection and
