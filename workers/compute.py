@@ -38,11 +38,11 @@ from embedfleet.workers.device_faults import (
     recovery,
 )
 from embedfleet.workers.intake import Intake, Window, first_set
-from embedfleet.workers.interactive import InteractiveLane
+from embedfleet.workers.interactive import InteractiveJump
 from embedfleet.workers.memory import TrimTimer, release_free_memory
 from embedfleet.workers.model.encoder import EncodeBatch, Tokenized
 from embedfleet.workers.parts import StageParts
-from embedfleet.workers.queries import QueryLane
+from embedfleet.workers.queries import QueryStage
 from embedfleet.workers.slices import InFlightBatch, Slices
 from embedfleet.workers.write import Encoded
 
@@ -59,8 +59,8 @@ class Compute:
         parts: StageParts,
         slices: Slices,
         intake: Intake,
-        interactive: InteractiveLane,
-        queries: QueryLane,
+        interactive: InteractiveJump,
+        queries: QueryStage,
     ) -> None:
         self.parts = parts
         self.slices = slices

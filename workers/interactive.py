@@ -4,7 +4,7 @@ The interactive stream (``Keys.interactive``: the inputs of large requests a cal
 jumps the queue: before each bulk batch the compute stage encodes its windows first, ahead of
 the bulk windows this worker already holds (the current one's rest, and at most one more read
 near its end: ``Intake.pace_reads``), so a request waits for one bulk batch, not for those
-windows. ``InteractiveLane`` says which windows jump: first those the reader opened from the
+windows. ``InteractiveJump`` says which windows jump: first those the reader opened from the
 stream (``Intake.urgent``); then, at most every URGENT_CHECK_S, one non-blocking read of the
 stream, for entries that came while the reader waits for the compute stage to want a window.
 
@@ -29,7 +29,7 @@ log = get_logger("embedfleet.worker")
 URGENT_CHECK_S = 0.05
 
 
-class InteractiveLane:
+class InteractiveJump:
     """The windows of interactive entries, for the compute stage to encode before its next
     bulk batch."""
 

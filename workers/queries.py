@@ -80,7 +80,7 @@ class PendingQuery(Accepted):
         return _entry_time(self.delivery.entry_id)
 
 
-class QueryLane:
+class QueryStage:
     def __init__(
         self,
         settings: Settings,

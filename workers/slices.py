@@ -24,7 +24,7 @@ from embedfleet.workers.device_faults import is_device_fault
 from embedfleet.workers.intake import Prepared, Window
 from embedfleet.workers.model.precision import BULK_PROBE_TEXTS, PROBE_TEXTS
 from embedfleet.workers.parts import StageParts
-from embedfleet.workers.queries import QueryLane
+from embedfleet.workers.queries import QueryStage
 
 log = get_logger("embedfleet.worker")
 SLICE_MS_AUTO = {"cpu": 100.0, "cuda": 20.0}
@@ -52,7 +52,7 @@ class Slices:
     """The bulk lane's forward path, its launches timed by the slice clock, and each path's
     cost model, which sizes the batches planned from it."""
 
-    def __init__(self, parts: StageParts, queries: QueryLane, slice_clock: SliceClock) -> None:
+    def __init__(self, parts: StageParts, queries: QueryStage, slice_clock: SliceClock) -> None:
         self.parts = parts
         # the query lane's serving time is left out of a launch's (launch_timed)
         self.queries = queries

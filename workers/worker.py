@@ -63,11 +63,11 @@ from embedfleet.workers.device_faults import DeviceFault
 from embedfleet.workers.events import WorkerEvents
 from embedfleet.workers.heartbeat import run_heartbeat
 from embedfleet.workers.intake import Intake, Window
-from embedfleet.workers.interactive import InteractiveLane
+from embedfleet.workers.interactive import InteractiveJump
 from embedfleet.workers.model.encoder import Encoder
 from embedfleet.workers.outages import RideOut, ride_out
 from embedfleet.workers.parts import StageParts
-from embedfleet.workers.queries import QueryLane
+from embedfleet.workers.queries import QueryStage
 from embedfleet.workers.reclaim import Reclaimer
 from embedfleet.workers.slices import Slices
 from embedfleet.workers.write import Encoded, Writer
@@ -101,7 +101,7 @@ class Worker:
         self.outputs = parts.outputs
         # the longest stretch of each bulk forward a query could not get into (model thread)
         slice_clock = SliceClock()
-        self.queries = QueryLane(
+        self.queries = QueryStage(
             settings,
             encoder,
             client,
@@ -126,7 +126,7 @@ class Worker:
         # the bulk stages: intake (windows), compute (encoded batches), write (acknowledged)
         self.slices = Slices(parts, self.queries, slice_clock)
         self.intake = Intake(parts, self.slices.prepare)
-        self.interactive = InteractiveLane(parts, self.intake)
+        self.interactive = InteractiveJump(parts, self.intake)
         self.compute = Compute(parts, self.slices, self.intake, self.interactive, self.queries)
         self.writer = Writer(parts)
         self._stage_tasks: dict[str, asyncio.Task[None]] = {}
