@@ -238,7 +238,10 @@ class Outputs:
         """Results in chunk order: each vector truncated and stored as its chunk asks, rows
         that ask for the same thing shaped together."""
         if self.encoder.representation != "dense":
-            return self._other_results(chunks, vectors, truncated, with_meta=with_meta)
+            return [
+                self._sparse_or_score_result(chunk, vectors[row], truncated[row], with_meta)
+                for row, chunk in enumerate(chunks)
+            ]
         if self.heads_for(chunks) is not None:
             return self._head_results(chunks, vectors, truncated, with_meta=with_meta)
         return self._dense_results(chunks, vectors, truncated, with_meta=with_meta)
@@ -340,33 +343,23 @@ class Outputs:
             shaped.append(dataclasses.replace(result, **changes) if changes else result)  # type: ignore[arg-type]
         return shaped
 
-    def _other_results(
-        self,
-        chunks: Sequence[Chunk],
-        vectors: np.ndarray,
-        truncated: Sequence[bool],
-        *,
-        with_meta: bool,
-    ) -> list[Result]:
-        """A sparse model's rows as index/value pairs (pruned to ``max_active_dims``), a
+    def _sparse_or_score_result(
+        self, chunk: Chunk, row: np.ndarray, truncated: bool, with_meta: bool
+    ) -> Result:
+        """A sparse model's row as index/value pairs (pruned to ``max_active_dims``), a
         cross-encoder's as its scores."""
-        results = []
+        values = np.asarray(row, dtype=np.float32)
         scores = self.encoder.representation != "sparse"  # else a sparse model's weights
-        for row, chunk in enumerate(chunks):
-            values = np.asarray(vectors[row], dtype=np.float32)
-            results.append(
-                self._result(
-                    chunk,
-                    truncated[row],
-                    with_meta,
-                    vector=values if scores else np.zeros(0, dtype=np.float32),
-                    dtype="float32",
-                    dimension=int(values.shape[0]) if scores else 0,
-                    sparse=None if scores else sparse_vector(values, chunk.max_active_dims),
-                    score=float(values[0]) if scores else None,
-                )
-            )
-        return results
+        return self._result(
+            chunk,
+            truncated,
+            with_meta,
+            vector=values if scores else np.zeros(0, dtype=np.float32),
+            dtype="float32",
+            dimension=int(values.shape[0]) if scores else 0,
+            sparse=None if scores else sparse_vector(values, chunk.max_active_dims),
+            score=float(values[0]) if scores else None,
+        )
 
 
 def pruned(vector: SparseVector, max_active_dims: int | None) -> SparseVector:
