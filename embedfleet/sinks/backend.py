@@ -381,6 +381,12 @@ def meta_from_json(text: str | None) -> dict[str, Any] | None:
     return None if text is None else json.loads(text)
 
 
+def jsonable_meta(meta: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Metadata as a JSON value, for a store whose payload is JSON (Qdrant): what
+    ``meta_to_json`` writes, read back (binary as base64, non-finite floats as strings)."""
+    return meta_from_json(meta_to_json(meta))
+
+
 # ids per delete statement (an IN list, an ANY array, a point list)
 PRUNE_BATCH = 1000
 

@@ -36,8 +36,7 @@ from embedfleet.sinks.backend import (
     StoredRow,
     VectorBackend,
     VectorDBError,
-    meta_from_json,
-    meta_to_json,
+    jsonable_meta,
     rescore_codes,
     row_fields,
 )
@@ -301,7 +300,7 @@ class QdrantBackend(VectorBackend):
             "model": result.model,
             "truncated": result.truncated,
             # nested, so a meta key called "id" or "job" cannot overwrite ours
-            "meta": meta_from_json(meta_to_json(result.meta)),
+            "meta": jsonable_meta(result.meta),
         }
         text = self.stored_text(result)
         if text is not None:
