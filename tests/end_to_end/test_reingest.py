@@ -27,12 +27,10 @@ from embedfleet.producer import Producer
 from embedfleet.producer.client import EmbeddingOptions
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, Result, decode_chunk, decode_result
-from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
 from embedfleet.shared.vector_cache import VectorCache, pack_entry
 from embedfleet.sinks import (
     SinkTarget,
-    build_sink,
     local_sink_url,
     open_backend,
     parse_sink_url,
@@ -40,7 +38,8 @@ from embedfleet.sinks import (
 )
 from embedfleet.workers.metrics import WorkerMetrics
 from loadtest.reingest import WORDS  # the benchmark's words, in other sentences
-from tests.conftest import WorkerLauncher, reference_model, running_pg, shared_encoder
+from tests.conftest import reference_model, running_pg, shared_encoder
+from tests.sink_fleet_support import sink_fleet
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
 pytestmark = pytest.mark.slow
@@ -104,14 +103,9 @@ async def test_a_reingested_corpus_embeds_only_what_changed(
     second, changed, new, removed = next_day(first)
     unchanged = [c for c in second if c not in changed and c not in new]
     assert len(unchanged) == CORPUS - REMOVED - CHANGED
-    client = connect(settings.effective_redis_url)
-    sink = build_sink(settings, client)
-    workers = WorkerLauncher(settings, shared_encoder, tmp_path)
-    try:
-        async with (
-            Producer(settings, client) as producer,
-            workers.run(settings, sink=sink, client=client) as worker,
-        ):
+    async with sink_fleet(settings, tmp_path) as fleet:
+        client = fleet.client
+        async with fleet.run() as (producer, worker):
             await producer.enqueue(first, job="docs")
             run_one = await producer.wait_for_job("docs", timeout=300)
             assert (run_one.done, run_one.cache_hits, run_one.cache_misses) == (CORPUS, 0, CORPUS)
@@ -156,8 +150,6 @@ async def test_a_reingested_corpus_embeds_only_what_changed(
         cosines = np.sum(stored * reference, axis=1)
         assert cosines.min() >= 0.999, f"worst row {rows[int(cosines.argmin())].id}"
         assert all(r.text == current[r.id].text and r.meta == current[r.id].meta for r in rows)
-    finally:
-        await client.aclose()
 
 
 async def test_another_prompt_dimension_or_precision_reembeds(settings, workers, client) -> None:

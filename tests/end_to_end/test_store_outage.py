@@ -49,14 +49,12 @@ from typing import Any
 
 import pytest
 
-from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.server import free_port
-from embedfleet.shared.redis_conn import connect
-from embedfleet.sinks import build_sink
 from embedfleet.sinks.parquet import ParquetSink
-from tests.conftest import BUCKET, WorkerLauncher, shared_encoder, until
+from tests.conftest import BUCKET, until
 from tests.integration.sinks.test_parquet_sink import parquet_settings, read_dataset, s3_filesystem
+from tests.sink_fleet_support import sink_fleet
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 CHUNKS = 600
@@ -271,15 +269,10 @@ async def test_a_store_outage_is_waited_out_with_no_dead_letter_and_every_id_sto
             reclaim_idle_ms=RECLAIM_IDLE_MS,
             max_deliveries=MAX_DELIVERIES,
         )
-        client = connect(settings.effective_redis_url)
-        sink = build_sink(settings, client)
-        assert isinstance(sink, ParquetSink)
-        launcher = WorkerLauncher(settings, shared_encoder, tmp_path)
-        try:
-            async with (
-                Producer(settings, client) as producer,
-                launcher.run(settings, sink=sink, client=client) as worker,
-            ):
+        async with sink_fleet(settings, tmp_path) as fleet:
+            sink, client = fleet.sink, fleet.client
+            assert isinstance(sink, ParquetSink)
+            async with fleet.run() as (producer, worker):
                 await producer.enqueue(chunks, job="outage")
 
                 async def first_shard_stored() -> bool:
@@ -304,8 +297,6 @@ async def test_a_store_outage_is_waited_out_with_no_dead_letter_and_every_id_sto
                 progress = await producer.wait_for_job("outage", timeout=600)
             pending = (await client.xpending(settings.keys.ingest, settings.group))["pending"]
             dead = await client.xlen(settings.keys.dead)
-        finally:
-            await client.aclose()
         stored = store.ids()
         figures = (
             f"{kind}: {len(chunks)} chunks, {progress.done} done, {progress.dead} dead "

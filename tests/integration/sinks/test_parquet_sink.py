@@ -39,6 +39,7 @@ from tests.conftest import (
     shared_encoder,
     start_cli,
 )
+from tests.sink_fleet_support import sink_fleet
 
 # thousands of chunks through the real model on a shared CI core take minutes
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -90,23 +91,16 @@ async def _run(
     """``chunks`` embedded by an in-process worker into ``settings``' Parquet sink, then
     ``then()`` while the worker still serves; returns the sink and the entries still pending
     once the job is done."""
-    client = connect(settings.effective_redis_url)
-    sink = build_sink(settings, client)
-    assert isinstance(sink, ParquetSink)
-    launcher = WorkerLauncher(settings, shared_encoder, tmp_path)
-    try:
-        async with (
-            Producer(settings, client) as producer,
-            launcher.run(settings, sink=sink, client=client),
-        ):
+    async with sink_fleet(settings, tmp_path) as fleet:
+        sink = fleet.sink
+        assert isinstance(sink, ParquetSink)
+        async with fleet.run() as (producer, _):
             await producer.enqueue(chunks, job=job)
             progress = await producer.wait_for_job(job, timeout=600)
             assert progress.done == len(chunks)
             if then is not None:
                 await then()
-        pending = (await client.xpending(settings.keys.ingest, settings.group))["pending"]
-    finally:
-        await client.aclose()
+        pending = (await fleet.client.xpending(settings.keys.ingest, settings.group))["pending"]
     return sink, pending
 
 
