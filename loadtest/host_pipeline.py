@@ -97,8 +97,7 @@ def masked_window_plan(
     """``plan_batches`` as it was before issue 29 (each step costs every cut of the window, those
     over the budget, or over ``max_texts`` for their width, set to infinity): the "before" path,
     and the reference the faster programme is tested against (tests/unit/workers/test_batcher.py).
-    It takes
-    plan_batches' arguments, so the worker can call either."""
+    It takes plan_batches' arguments, so the worker can call either."""
     order = sorted(range(len(lengths)), key=lambda position: lengths[position], reverse=True)
     ordered = np.array([lengths[p] for p in order], dtype=np.int64)
     cap = None if max_texts is None else np.asarray(max_texts(ordered), dtype=np.int64)

@@ -24,14 +24,14 @@ batch at a time):
     any → failed               the input file went away, or the batch keeps raising; its inputs
                                no worker finished are withdrawn
 
-Withdrawn, as the gateway withdraws a request that timed out (producer/client.py, ``_withdraw``):
-the entries are deleted from the ingest streams and the reply lists dropped, so nothing embeds
-them for a caller who has gone, and nothing writes a reply list (EMBEDFLEET_JOB_REPLY_TTL_S,
-7 days) nobody will read. They are acknowledged too, in the same step (``withdraw_job``): a worker
-that had already read one then finds it acknowledged, and its acknowledgement script answers
-nothing (shared/scripts/acknowledge.lua answers only what it acknowledged). A batch's chunks
-also carry its expiry as their deadline, so a worker drops them once the window has passed
-even while no gateway runs.
+Withdrawn, as the gateway withdraws a request that timed out (producer/queries.py,
+``Queries._withdraw``): the entries are deleted from the ingest streams and the reply lists
+dropped, so nothing embeds them for a caller who has gone, and nothing writes a reply list
+(EMBEDFLEET_JOB_REPLY_TTL_S, 7 days) nobody will read. They are acknowledged too, in the same
+step (``withdraw_job``): a worker that had already read one then finds it acknowledged, and its
+acknowledgement script answers nothing (shared/scripts/acknowledge.lua answers only what it
+acknowledged). A batch's chunks also carry its expiry as their deadline, so a worker drops them
+once the window has passed even while no gateway runs.
 
 One batch's fault never holds up another: each batch's step runs on its own, and a batch that
 raises is retried later with its reason counted (``faults``, ``last_fault`` in its hash) or
