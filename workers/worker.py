@@ -20,7 +20,7 @@ the forward pass overlap while memory stays bounded:
              on) are read and encoded first (workers/interactive.py)            → encoded
     writer   fp16 results to the sink, XACK in the same round trip (workers/write.py)
 
-Beside them: the query lane (workers/queries.py) and the reclaimer (workers/reclaim.py). What
+Beside them: the query stage (workers/queries.py) and the reclaimer (workers/reclaim.py). What
 the stages share (settings, encoder, connection, consumer, outputs, vector cache, dead letters,
 in-flight set, outages, events, threads) is built once (workers/parts.py) and handed to each;
 ``Worker`` builds the stages from those parts and runs them.
