@@ -27,9 +27,11 @@ from embedfleet.shared.fault_kinds import FaultKind, classify
 OPENAI_PREFIX = "/v1"
 
 # TEI's error_type by the status an APIError carries (text-embeddings-inference's ErrorType);
-# TEI answers validation errors 422 where OpenAI answers 400 or 413, see tei_status
+# TEI answers validation errors 422 where OpenAI answers 400 or 413, see tei_status. Its 400s
+# are an empty input (``Empty``) and a body that is not JSON (axum's rejection, before any
+# ErrorType: named ``Validation`` here), told apart by the error's code (_TEI_400)
 _TEI_TYPES = {
-    400: "Empty",
+    400: "Validation",
     401: "Unauthorized",
     404: "Validation",
     405: "Validation",
@@ -41,6 +43,10 @@ _TEI_TYPES = {
     503: "Unhealthy",
     504: "Backend",
 }
+
+
+# The codes TEI answers 400 (with their error_type): everything else OpenAI answers 400 is 422
+_TEI_400 = {"empty_input": "Empty", "invalid_json": "Validation"}
 
 
 def is_openai_path(path: str) -> bool:
@@ -87,9 +93,10 @@ def overloaded(message: str, retry_after_s: int) -> APIError:
 
 def tei_status(error: APIError) -> int:
     """The status TEI answers for an error: its ``Validation`` type is 422 (too many inputs, a
-    text too long, a bad value), ``Empty`` 400; a body over the limit stays 413."""
+    text too long, a bad value), ``Empty`` 400, a body that is not JSON 400 (axum's answer);
+    a body over the limit stays 413."""
     if error.status == 400:
-        return 400 if error.code == "empty_input" else 422
+        return 400 if error.code in _TEI_400 else 422
     if error.status == 413 and error.code != "request_too_large":
         return 422
     return error.status
@@ -112,7 +119,11 @@ class ErrorDialect(enum.Enum):
     def body(self, error: APIError) -> dict[str, Any]:
         if self is ErrorDialect.tei:
             status = tei_status(error)
-            return {"error": error.message, "error_type": _TEI_TYPES.get(status, "Backend")}
+            error_type = _TEI_400.get(error.code or "") if status == 400 else None
+            return {
+                "error": error.message,
+                "error_type": error_type or _TEI_TYPES.get(status, "Backend"),
+            }
         return {
             "error": {
                 "message": error.message,
@@ -196,11 +207,19 @@ async def api_error_handler(request: Request, error: Exception) -> JSONResponse:
 
 async def validation_error_handler(request: Request, error: Exception) -> JSONResponse:
     """A body that does not fit the schema: 400 in OpenAI's dialect (what OpenAI answers),
-    422 in TEI's (what TEI answers), naming the field and the problem."""
+    422 in TEI's (what TEI answers), naming the field and the problem. A body that is not JSON
+    at all is 400 in both (TEI's axum answers its syntax error 400, a schema mismatch 422)."""
     assert isinstance(error, RequestValidationError)
     problems = []
     param = None
-    for item in error.errors()[:5]:
+    errors = error.errors()
+    if any(item.get("type") == "json_invalid" for item in errors):
+        detail = next(item for item in errors if item.get("type") == "json_invalid")
+        message = (
+            f"the body is not valid JSON: {detail.get('ctx', {}).get('error', detail.get('msg'))}"
+        )
+        return render(request, APIError(400, message, code="invalid_json"))
+    for item in errors[:5]:
         location = ".".join(str(part) for part in item.get("loc", ()) if part != "body")
         param = param or location or None
         problems.append(f"{location or 'body'}: {item.get('msg')}")

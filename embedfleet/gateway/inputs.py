@@ -8,7 +8,11 @@ the model's tokenizer (special tokens dropped) and the worker tokenizes the text
 ids this tokenizer produced from text this gives the same ids.
 
 Fitting a text to the model's maximum (``fit_to_model``) is decided here, with the model's
-tokenizer, for every route that offers a choice.
+tokenizer, for every route that offers a choice; whether to cut when a request does not say is
+each dialect's default, a setting (``tei_truncate``: TEI's ``--auto-truncate``, on;
+``openai_truncate``: OpenAI's refusal, off). A text over EMBEDFLEET_GATEWAY_MAX_INPUT_CHARS is cut
+to that many characters first when truncating, as TEI cuts characters before tokens
+(core/src/tokenization.rs), and refused otherwise.
 """
 
 from __future__ import annotations
@@ -92,58 +96,98 @@ def as_texts(
                 param=param,
                 code="invalid_input",
             )
-        if not text.strip():
+        if not text:
+            # only the empty string: TEI refuses it (400 ``Empty``) and embeds whitespace, as
+            # sentence-transformers does
             raise APIError(
                 400,
                 f"'{param}[{index}]' is empty; every input must contain text",
                 param=param,
-                code="invalid_input",
+                code="empty_input",
             )
         texts.append(text)
     return texts
 
 
-def check_limits(texts: Sequence[str], settings: Settings, param: str = "input") -> None:
+def tei_truncate(requested: bool | None, settings: Settings) -> bool:
+    """Whether a TEI route cuts an over-long text: the request's ``truncate``, else
+    EMBEDFLEET_GATEWAY_AUTO_TRUNCATE (TEI's ``--auto-truncate``, on by default)."""
+    return settings.gateway_auto_truncate if requested is None else requested
+
+
+def openai_truncate(requested: bool | None, settings: Settings) -> bool:
+    """Whether /v1/embeddings cuts an over-long input: the request's ``truncate`` (not OpenAI's
+    field), else EMBEDFLEET_GATEWAY_OPENAI_TRUNCATE (off: OpenAI's 400)."""
+    return settings.gateway_openai_truncate if requested is None else requested
+
+
+def check_limits(
+    texts: Sequence[str],
+    settings: Settings,
+    param: str = "input",
+    *,
+    truncate: bool = False,
+    direction: TruncationDirection = "Right",
+) -> list[str]:
     """Every route's texts within the request caps, and each of them text (the protocol's
-    check: a lone surrogate, which JSON's ``"\\ud800"`` makes, is the caller's error)."""
+    check: a lone surrogate, which JSON's ``"\\ud800"`` makes, is the caller's error).
+
+    A text over EMBEDFLEET_GATEWAY_MAX_INPUT_CHARS is cut to that many characters when
+    ``truncate`` (the end ``direction`` keeps: ``Right`` keeps the start), as TEI cuts the
+    characters before the tokens; refused otherwise. Both refusals are 400 (OpenAI's status; the
+    TEI routes answer them 422, ``Validation``)."""
+    limit = settings.gateway_max_input_chars
     if len(texts) > settings.gateway_max_inputs:
         raise APIError(
-            413,
+            400,
             f"{len(texts)} inputs in one request; at most {settings.gateway_max_inputs} "
             "(EMBEDFLEET_GATEWAY_MAX_INPUTS). Split the request, or use the Batch API.",
             param=param,
             code="too_many_inputs",
         )
+    fitted: list[str] = []
     for index, text in enumerate(texts):
-        if len(text) > settings.gateway_max_input_chars:
-            raise APIError(
-                413,
-                f"'{param}[{index}]' has {len(text):,} characters; at most "
-                f"{settings.gateway_max_input_chars:,} (EMBEDFLEET_GATEWAY_MAX_INPUT_CHARS). "
-                "Split long documents into chunks first.",
-                param=param,
-                code="input_too_long",
-            )
+        if len(text) > limit:
+            if not truncate:
+                raise APIError(
+                    400,
+                    f"'{param}[{index}]' has {len(text):,} characters; at most {limit:,} "
+                    "(EMBEDFLEET_GATEWAY_MAX_INPUT_CHARS) unless it is truncated. Split long "
+                    "documents into chunks first, or send truncate=true to have it cut.",
+                    param=param,
+                    code="input_too_long",
+                )
+            text = text[:limit] if direction.lower() == "right" else text[-limit:]
         try:
             check_unicode(f"{param}[{index}]", text)
         except ProtocolError as error:
             raise APIError(400, str(error), param=param, code="invalid_input") from None
+        fitted.append(text)
+    return fitted
 
 
 def prepare(
-    value: EmbeddingInput, tokenizer: ModelTokenizer, settings: Settings, param: str = "input"
+    value: EmbeddingInput,
+    tokenizer: ModelTokenizer,
+    settings: Settings,
+    param: str = "input",
+    *,
+    truncate: bool = False,
+    direction: TruncationDirection = "Right",
 ) -> list[str]:
+    """The request's texts (``as_texts``) within the caps (``check_limits``): over-long ones cut
+    to the character limit when ``truncate``."""
     texts = as_texts(value, tokenizer, param, accept_token_ids=settings.gateway_accept_token_ids)
-    check_limits(texts, settings, param)
-    return texts
+    return check_limits(texts, settings, param, truncate=truncate, direction=direction)
 
 
 def check_context(
     texts: Sequence[str], tokenizer: ModelTokenizer, max_length: int, param: str = "input"
 ) -> None:
     """OpenAI's answer to an input over the model's maximum context: 400, nothing cut. (The
-    OpenAI route's extension ``"truncate": true`` skips this check: the worker then cuts each
-    text to fit, on the right, as sentence-transformers does.)"""
+    OpenAI route's extension ``"truncate": true``, or EMBEDFLEET_GATEWAY_OPENAI_TRUNCATE, skips
+    this check: the worker then cuts each text to fit, on the right, as sentence-transformers
+    does.)"""
     lengths = tokenizer.lengths(texts, max_length)
     longest = max(lengths, default=0)
     if longest <= max_length:

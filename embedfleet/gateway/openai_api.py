@@ -12,6 +12,7 @@ from embedfleet.gateway.inputs import (
     check_context,
     check_dimensions,
     encode_vector,
+    openai_truncate,
     prepare,
     unit_vectors,
 )
@@ -28,8 +29,9 @@ class EmbeddingRequest(BaseModel):
     dimensions: int | None = Field(default=None)
     user: str | None = None
     # Not OpenAI's: an input over the model's maximum is a 400 there (and here), unless the
-    # client asks for it to be cut to fit (TEI's name for it)
-    truncate: bool = False
+    # client asks for it to be cut to fit (TEI's name for it); None: the server's default,
+    # EMBEDFLEET_GATEWAY_OPENAI_TRUNCATE (off)
+    truncate: bool | None = None
 
 
 @router.post("/v1/embeddings")
@@ -50,11 +52,12 @@ async def _create_embeddings(body: EmbeddingRequest, gateway: Gateway) -> dict[s
             code="representation_not_served",
         )
     check_dimensions(body.dimensions, card)
-    texts = prepare(body.input, gateway.tokenizer, gateway.settings)
-    if card is not None and not body.truncate:
+    truncate = openai_truncate(body.truncate, gateway.settings)
+    texts = prepare(body.input, gateway.tokenizer, gateway.settings, truncate=truncate)
+    if card is not None and not truncate:
         check_context(texts, gateway.tokenizer, card.max_length)
     vectors = await gateway.embedder.embed(texts, wire_options(None, body.dimensions))
-    if card is None and not body.truncate:
+    if card is None and not truncate:
         # a worker answered, so its card is published: what could not be checked before is now
         # (the vectors are thrown away for a request it refuses)
         check_context(texts, gateway.tokenizer, (await gateway.require_card()).max_length)

@@ -37,6 +37,7 @@ from embedfleet.gateway.inputs import (
     check_limits,
     fit_to_model,
     prepare,
+    tei_truncate,
 )
 from embedfleet.gateway.state import Gateway, GatewayDep
 from embedfleet.shared.modelcard import ModelCard
@@ -99,7 +100,15 @@ async def _tei_texts(
     gateway = await gateway.for_model(body.model)
     card = await gateway.require_card()
     require_representation(card, representation, DIALECT)
-    texts = prepare(body.inputs, gateway.tokenizer, gateway.settings, "inputs")
+    truncate = tei_truncate(body.truncate, gateway.settings)
+    texts = prepare(
+        body.inputs,
+        gateway.tokenizer,
+        gateway.settings,
+        "inputs",
+        truncate=truncate,
+        direction=body.truncation_direction,
+    )
     prompt = ""
     if body.prompt_name is not None:
         try:
@@ -111,7 +120,7 @@ async def _tei_texts(
         gateway.tokenizer,
         prompt,
         card.max_length,
-        truncate=bool(body.truncate),
+        truncate=truncate,
         direction=body.truncation_direction,
     )
     return gateway, texts

@@ -20,6 +20,7 @@ from embedfleet.gateway.inputs import (
     check_limits,
     fit_to_model,
     prepare,
+    tei_truncate,
     unit_vectors,
 )
 from embedfleet.gateway.state import Gateway, GatewayDep, wire_options
@@ -35,7 +36,7 @@ TOKENIZE_SLICE = 64  # /tokenize's inputs tokenized and written per step of its 
 
 class EmbedRequest(BaseModel):
     inputs: EmbeddingInput
-    truncate: bool | None = None  # None: TEI's auto_truncate, off
+    truncate: bool | None = None  # None: TEI's auto_truncate, EMBEDFLEET_GATEWAY_AUTO_TRUNCATE
     truncation_direction: TruncationDirection = "Right"
     normalize: bool | None = True
     prompt_name: str | None = None
@@ -72,7 +73,15 @@ async def _embed(body: EmbedRequest, gateway: Gateway) -> list[list[float]]:
     card = await gateway.model_card()  # None before any worker started: checked afterwards
     check_dimensions(body.dimensions, card)
     normalize = True if body.normalize is None else body.normalize
-    texts = prepare(body.inputs, gateway.tokenizer, gateway.settings, "inputs")
+    truncate = tei_truncate(body.truncate, gateway.settings)
+    texts = prepare(
+        body.inputs,
+        gateway.tokenizer,
+        gateway.settings,
+        "inputs",
+        truncate=truncate,
+        direction=body.truncation_direction,
+    )
     prompt = ""
     if card is not None:
         prompt = _check_against_card(card, body, normalize)
@@ -81,7 +90,7 @@ async def _embed(body: EmbedRequest, gateway: Gateway) -> list[list[float]]:
         gateway.tokenizer,
         prompt,
         card.max_length if card is not None else None,
-        truncate=bool(body.truncate),
+        truncate=truncate,
         direction=body.truncation_direction,
     )
     # the prompt travels by name: the worker owns the model's prompts and knows where one ends
@@ -147,7 +156,7 @@ async def info(gateway: GatewayDep, model: str | None = None) -> dict[str, objec
         "max_batch_tokens": batching.token_budget,
         "max_batch_requests": batching.max_batch,
         "max_client_batch_size": settings.gateway_max_inputs,
-        "auto_truncate": False,
+        "auto_truncate": settings.gateway_auto_truncate,
         "tokenization_workers": 1,
         "version": _version(),
         "sha": None,

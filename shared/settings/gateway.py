@@ -31,8 +31,19 @@ class GatewaySettings(Section):
     gateway_max_inputs: int = Field(default=2048, ge=1)
     """Most inputs in one embeddings request (OpenAI's limit)."""
     gateway_max_input_chars: int = Field(default=100_000, ge=1)
-    """Longest text input in characters (413 beyond it); texts over the model's token limit are
-    truncated as the workers do."""
+    """Longest text input in characters. A request that truncates (below) has a longer text cut
+    to this many characters first, then to the model's maximum in tokens, as TEI cuts
+    characters before tokens; one that does not is refused (400 on /v1, 422 on TEI's routes)."""
+    gateway_auto_truncate: bool = True
+    """TEI's routes (/embed, /embed_sparse, /embed_all, /rerank, /predict, ...): a text over the
+    model's maximum is cut to fit when the request leaves `truncate` out, as TEI's router does
+    with its `--auto-truncate` (on by default); GET /info reports it as `auto_truncate`. A
+    request's `"truncate": false` still refuses the text (422). Off: refused unless the request
+    sends `"truncate": true`."""
+    gateway_openai_truncate: bool = False
+    """/v1/embeddings: cut an input over the model's maximum to fit when the request leaves
+    `truncate` (this gateway's extension) out. Off: OpenAI's answer, 400
+    `context_length_exceeded`, unless the request sends `"truncate": true`."""
     gateway_lane_max_inputs: int = Field(default=16, ge=1)
     """Requests with at most this many inputs ride the priority query lane; larger ones go to the
     interactive stream, which workers read before any bulk backlog."""

@@ -286,7 +286,7 @@ def test_tei_info_has_resolved_values(gateway: str, fleet_settings: Settings) ->
     resolved = fleet_settings.batching("cpu")
     assert info["max_batch_tokens"] == resolved.token_budget > 0
     assert info["max_batch_requests"] == resolved.max_batch > 0
-    assert info["model_dtype"] == "float16" and info["auto_truncate"] is False
+    assert info["model_dtype"] == "float16" and info["auto_truncate"] is True  # TEI's default
     assert "embedding" in info["model_type"]
     assert httpx.get(f"{gateway}/info").status_code == 401  # not a public route
 
@@ -335,7 +335,7 @@ def test_tei_statuses_as_tei_answers_them(gateway: str) -> None:
     cases = [
         (post("/embed", {"inputs": ["x"] * (MAX_INPUTS + 1)}), 422, "Validation"),
         (post("/embed", {"inputs": []}), 400, "Empty"),
-        (post("/embed", {"inputs": "word " * 400}), 422, "Validation"),
+        (post("/embed", {"inputs": "word " * 400, "truncate": False}), 422, "Validation"),
         (post("/embed", {"input": "wrong field"}), 422, "Validation"),
         (post("/embed", {"inputs": "hi", "dimensions": 1000}), 422, "Validation"),
         (post("/embed", {"inputs": "hi", "truncation_direction": "Middle"}), 422, "Validation"),

@@ -53,7 +53,8 @@ def test_input_shapes(tokenizer: ModelTokenizer) -> None:
     assert as_texts(["a", "b"], tokenizer) == ["a", "b"]
     assert as_texts(ids, tokenizer, accept_token_ids=True) == ["hello world"]
     assert as_texts([ids, ids], tokenizer, accept_token_ids=True) == ["hello world"] * 2
-    for bad in ([], [""], ["  "], ["text", 3.5]):
+    assert as_texts(["  ", "\n"], tokenizer) == ["  ", "\n"]  # whitespace is text, as in TEI
+    for bad in ([], [""], ["text", 3.5]):
         with pytest.raises(APIError) as caught:
             as_texts(bad, tokenizer)  # type: ignore[arg-type]
         assert caught.value.status == 400 and caught.value.param == "input"
