@@ -94,6 +94,10 @@ class ModelCard:
     else a Hugging Face snapshot's commit (``hf:<sha>``) or a digest of the directory's files
     (``blake2b:<hex>``). Part of every chunk's content key (shared/content_key.py), so vectors
     of another revision are never reused. Empty on a card written before it existed."""
+    dtype: str = ""
+    """The precision the worker computes in, settled at load (``float32``, ``bfloat16``,
+    ``float16``: EMBEDFLEET_DTYPE, ``auto`` after its parity probe); TEI's /info reports it as
+    ``model_dtype``. Empty on a card written before it existed."""
 
     def recipe(
         self,
@@ -148,12 +152,18 @@ class ModelCard:
                 f"({self.dim}); use 1..{self.dim}"
             )
 
+    @property
+    def named_prompts(self) -> dict[str, str]:
+        """Every prompt name a request may use, to its text: the model's own, and ``query`` and
+        ``document`` (empty), which sentence-transformers declares for every model."""
+        return {"query": "", "document": "", **self.prompts}
+
     def prompt_text(self, name: str, *, where: str = "") -> str:
         """The text of the model's prompt ``name``; ValueError naming the known ones.
 
         sentence-transformers declares ``query`` and ``document`` (empty) for every model, so
         those names are always accepted, as the worker accepts them."""
-        table = {"query": "", "document": "", **self.prompts}
+        table = self.named_prompts
         if name not in table:
             known = ", ".join(sorted(table))
             raise ValueError(
@@ -178,6 +188,7 @@ class ModelCard:
             "architecture": self.architecture,
             "representations": json.dumps(list(self.representations)),
             "revision": self.revision,
+            "dtype": self.dtype,
         }
 
     @classmethod
@@ -205,6 +216,7 @@ class ModelCard:
                 architecture=values.get("architecture", ""),
                 representations=tuple(json.loads(values.get("representations") or '["dense"]')),
                 revision=values.get("revision", ""),
+                dtype=values.get("dtype", ""),
             )
         except (KeyError, ValueError, TypeError, AttributeError) as error:
             if isinstance(error, ModelCardError):

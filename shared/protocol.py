@@ -392,8 +392,10 @@ def chunk_from_mapping(
     text = message.get("text")
     if not isinstance(text, str):
         raise ProtocolError(f"'text' must be a string, got {type(text).__name__}")
-    if not text.strip():
-        raise ProtocolError("'text' is empty or whitespace only")
+    if not text:
+        # only the empty string: whitespace is text, embedded as sentence-transformers and TEI
+        # embed it (to the special tokens alone)
+        raise ProtocolError("'text' is empty")
     if len(text) > limits.max_text_chars:
         raise ProtocolError(
             f"'text' has {len(text)} characters, over the {limits.max_text_chars} limit",

@@ -69,7 +69,7 @@ CHUNK_FIELDS: tuple[WireField, ...] = (
         "text",
         "str",
         True,
-        "the text to embed; not empty or whitespace only; at most `EMBEDFLEET_MAX_TEXT_CHARS` "
+        "the text to embed; not empty (whitespace is text); at most `EMBEDFLEET_MAX_TEXT_CHARS` "
         f"characters ({_default('max_text_chars'):,})",
     ),
     WireField("job", "str", False, "groups chunks for progress counters (`{ns}:job:<job>`)"),

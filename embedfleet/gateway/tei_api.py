@@ -145,7 +145,8 @@ async def info(gateway: GatewayDep, model: str | None = None) -> dict[str, objec
     return {
         "model_id": card.name,
         "model_sha": None,
-        "model_dtype": "float16",  # on the wire, results are fp16
+        # the precision the workers compute in (their card's), as TEI's is its model's
+        "model_dtype": card.dtype or None,
         "served_model_name": gateway.served_name,
         # TEI names a SPLADE model's pooling "splade"
         "model_type": {
@@ -161,7 +162,7 @@ async def info(gateway: GatewayDep, model: str | None = None) -> dict[str, objec
         "version": _version(),
         "sha": None,
         "docker_label": None,
-        "prompts": card.prompts or None,
+        "prompts": card.named_prompts,
     }
 
 

@@ -286,7 +286,11 @@ def test_tei_info_has_resolved_values(gateway: str, fleet_settings: Settings) ->
     resolved = fleet_settings.batching("cpu")
     assert info["max_batch_tokens"] == resolved.token_budget > 0
     assert info["max_batch_requests"] == resolved.max_batch > 0
-    assert info["model_dtype"] == "float16" and info["auto_truncate"] is True  # TEI's default
+    assert info["auto_truncate"] is True  # TEI's default (EMBEDFLEET_GATEWAY_AUTO_TRUNCATE)
+    # what the worker computes in (its card's: EMBEDFLEET_DTYPE auto, a CPU's), and the
+    # prompt names sentence-transformers gives every model
+    assert info["model_dtype"] in ("float32", "bfloat16")
+    assert info["prompts"] == {"query": "", "document": ""}
     assert "embedding" in info["model_type"]
     assert httpx.get(f"{gateway}/info").status_code == 401  # not a public route
 

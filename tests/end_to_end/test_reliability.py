@@ -60,11 +60,8 @@ BAD_INPUTS: dict[str, tuple[dict[bytes | str, bytes], str]] = {
         {PAYLOAD_FIELD: raw({"v": 1, "id": "a", "text": [1]})},
         "'text' must be a string",
     ),
-    "empty text": ({PAYLOAD_FIELD: raw({"v": 1, "id": "a", "text": ""})}, "empty or whitespace"),
-    "whitespace text": (
-        {PAYLOAD_FIELD: raw({"v": 1, "id": "a", "text": " \t\n "})},
-        "empty or whitespace",
-    ),
+    # whitespace is text (embedded, as TEI and sentence-transformers embed it): only "" is refused
+    "empty text": ({PAYLOAD_FIELD: raw({"v": 1, "id": "a", "text": ""})}, "'text' is empty"),
     "invalid utf-8": (
         {PAYLOAD_FIELD: b"\x83\xa1v\x01\xa2id\xa1a\xa4text\xa3\xff\xfe\xfd"},
         "invalid UTF-8",
@@ -94,7 +91,6 @@ REASON_OF = {
     "missing text": DeadReason.INVALID,
     "text not a string": DeadReason.INVALID,
     "empty text": DeadReason.INVALID,
-    "whitespace text": DeadReason.INVALID,
     "invalid utf-8": DeadReason.NOT_MSGPACK,
     "10 MB text": DeadReason.TOO_LARGE,
     "memory bomb": DeadReason.NOT_MSGPACK,

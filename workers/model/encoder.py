@@ -11,6 +11,7 @@ the worker runs tokenization and the forward pass on their own threads.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -181,8 +182,9 @@ class Encoder:
 
     @property
     def card(self) -> ModelCard:
-        """The facts this worker publishes about what it serves (shared/modelcard.py)."""
-        return self.loaded.card(self.name)
+        """The facts this worker publishes about what it serves (shared/modelcard.py), with
+        the precision it computes in (settled at load)."""
+        return dataclasses.replace(self.loaded.card(self.name), dtype=self.precision.name)
 
     # --- slice boundaries ----------------------------------------------------------
     def set_layer_callback(self, callback: Callable[[], None] | None) -> int:

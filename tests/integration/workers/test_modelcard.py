@@ -31,6 +31,7 @@ CARD = ModelCard(
     pooling=("mean", "cls"),
     include_prompt=False,
     architecture="BertModel",
+    dtype="bfloat16",
 )
 
 
@@ -46,11 +47,12 @@ def test_a_card_from_an_older_worker_and_one_from_a_newer() -> None:
     # what workers wrote before the card had a layout version
     old = {"name": "m", "dim": "384", "normalize": "1", "max_length": "256", "prompts": "{}"}
     card = ModelCard.from_fields(old)
-    assert (card.dim, card.normalize, card.default_prompt_name, card.pooling) == (
+    assert (card.dim, card.normalize, card.default_prompt_name, card.pooling, card.dtype) == (
         384,
         True,
         None,
         ("mean",),
+        "",  # the precision is not known: /info says null
     )
     with pytest.raises(ModelCardError, match=r"newer worker.*upgrade embedfleet"):
         ModelCard.from_fields({**CARD.to_fields(), "version": "99"})
