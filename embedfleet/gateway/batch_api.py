@@ -61,9 +61,10 @@ async def upload_file(
     anchor: Annotated[str | None, Form(alias="expires_after[anchor]")] = None,
     seconds: Annotated[int | None, Form(alias="expires_after[seconds]")] = None,
 ) -> dict[str, Any]:
-    """Store an upload as it is: its lines are checked when a batch uses it (a bad line fails
-    that batch with ``errors``, as OpenAI does); here only its size and its lines' lengths,
-    which bound what checking one line holds in memory (400, nothing stored)."""
+    """Store an upload as it is: its lines are checked when a batch uses it, as OpenAI does (a
+    malformed line fails that batch with ``errors``; a request refused on its own is answered
+    in the batch's error file, gateway/batch_lines.py); here only its size and its lines'
+    lengths, which bound what checking one line holds in memory (400, nothing stored)."""
     if purpose != "batch":
         raise APIError(
             400, f"purpose {purpose!r} is not supported here; use purpose=batch", param="purpose"

@@ -1,11 +1,20 @@
-"""A Batch API input file's request lines: each parsed and checked as the online endpoint
-checks a request (``parse_line``), and the whole file against the batch caps
-(``validate_file``, the validating step)."""
+"""A Batch API input file's request lines, checked in two parts, as OpenAI's Batch API does:
+
+- the file's own form (``read_envelope``: a JSON object, ``custom_id``, ``method``, ``url``, the
+  model, and in ``validate_file`` duplicate ids and the batch caps): a fault there fails the
+  whole batch in its validating step, with ``errors`` naming the lines;
+- each request's body (``read_request``), checked as the online endpoint checks a request, by
+  the same owners (openai_api's ``EmbeddingRequest``, inputs.py's limits, ``check_dimensions``,
+  ``check_context``): a request refused there is answered on its own, in the batch's error file
+  with the status and error body the online endpoint would give it, and the batch goes on.
+
+Which request lines were refused is a bitmap (``Refused``), kept in the batch's hash, so the
+slices skip them and the output step answers them without checking them again."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +38,10 @@ class BatchLine:
     dimensions: int | None
 
 
-def parse_line(raw: bytes, gateway: Gateway, *, validating: bool = False) -> BatchLine:
-    """One JSONL request line, validated as the online endpoint would; APIError says why not.
-    The context check runs in the validating step only (``validating``): a line that passed it
-    is never refused later, when the card may have become known."""
+def read_envelope(raw: bytes, gateway: Gateway) -> tuple[str, Any]:
+    """A request line's ``custom_id`` and ``body``, once the line is a well-formed request of
+    this batch: JSON, ``custom_id``, ``method``, ``url``, and a model this gateway serves (a
+    batch is for one endpoint and one model). APIError otherwise: a malformed file."""
     try:
         line = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -56,21 +65,90 @@ def parse_line(raw: bytes, gateway: Gateway, *, validating: bool = False) -> Bat
             param="url",
             code="url_mismatch",
         )
+    body = line.get("body")
+    if isinstance(body, dict) and "model" in body:  # no model: the request's own 400
+        gateway.check_model(body["model"], "body.model")
+    return custom_id, body
+
+
+def read_request(
+    custom_id: str, body: Any, gateway: Gateway, *, validating: bool = False
+) -> BatchLine:
+    """A request's body checked as the online endpoint checks it; APIError (the status and
+    error the endpoint would answer) says why not. The context check runs in the validating
+    step only (``validating``): a line that passed it is never refused later, when the card
+    may have become known."""
     try:
-        body = EmbeddingRequest.model_validate(line.get("body"))
+        request = EmbeddingRequest.model_validate(body)
     except ValidationError as error:
         first = error.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()))
         raise APIError(
-            400, f"body.{where}: {first.get('msg')}", param="body", code="invalid_request"
+            400,
+            f"body{'.' if where else ''}{where}: {first.get('msg')}",
+            param="body",
+            code="invalid_request",
         ) from None
-    gateway.check_model(body.model, "body.model")
     card = gateway.known_card  # None before any worker published: the worker checks
-    check_dimensions(body.dimensions, card)
-    texts = prepare(body.input, gateway.tokenizer, gateway.settings, "body.input")
-    if validating and card is not None and not body.truncate:  # as online: refused, not cut
+    check_dimensions(request.dimensions, card)
+    texts = prepare(request.input, gateway.tokenizer, gateway.settings, "body.input")
+    if validating and card is not None and not request.truncate:  # as online: refused, not cut
         check_context(texts, gateway.tokenizer, card.max_length, "body.input")
-    return BatchLine(custom_id, texts, body.encoding_format, body.dimensions)
+    return BatchLine(custom_id, texts, request.encoding_format, request.dimensions)
+
+
+def parse_line(raw: bytes, gateway: Gateway, *, validating: bool = False) -> BatchLine:
+    """One JSONL request line, its form and its request (``read_envelope``, ``read_request``)."""
+    custom_id, body = read_envelope(raw, gateway)
+    return read_request(custom_id, body, gateway, validating=validating)
+
+
+def refusal(raw: bytes, gateway: Gateway) -> APIError:
+    """Why a request line the validating step refused is refused, for its error file line: the
+    same check again (the card the output step read). Should it pass now (the fleet's model
+    changed meanwhile), it is still answered as refused: its inputs were never sent."""
+    custom_id, body = read_envelope(raw, gateway)
+    try:
+        read_request(custom_id, body, gateway, validating=True)
+    except APIError as error:
+        return error
+    return APIError(
+        400,
+        "the request was refused when the batch was validated; send it again in a new batch",
+        code="invalid_request",
+    )
+
+
+@dataclass
+class Refused:
+    """The request lines (numbered from 0, blank lines not counted) answered with an error of
+    their own, never sent: one bit each, the form kept in the batch's hash (``refused``)."""
+
+    bits: bytearray = field(default_factory=bytearray)
+
+    @classmethod
+    def of(cls, stored: bytes | None) -> Refused:
+        return cls(bytearray(stored or b""))
+
+    def add(self, number: int) -> None:
+        byte = number // 8
+        if byte >= len(self.bits):
+            self.bits.extend(bytes(byte + 1 - len(self.bits)))
+        self.bits[byte] |= 1 << (number % 8)
+
+    def __contains__(self, number: int) -> bool:
+        byte = number // 8
+        return byte < len(self.bits) and bool(self.bits[byte] >> (number % 8) & 1)
+
+    def count(self, below: int | None = None) -> int:
+        """How many are refused (of the lines before ``below``)."""
+        if below is None:
+            return sum(byte.bit_count() for byte in self.bits)
+        whole, rest = divmod(below, 8)
+        counted = sum(byte.bit_count() for byte in self.bits[:whole])
+        if rest and whole < len(self.bits):
+            counted += (self.bits[whole] & ((1 << rest) - 1)).bit_count()
+        return counted
 
 
 def line_error(
@@ -82,10 +160,13 @@ def line_error(
 
 @dataclass
 class Validation:
-    """What the validating step found in an input file."""
+    """What the validating step found in an input file: its request lines, the inputs of those
+    it accepted, the lines it refused on their own (``refused``) and, for a malformed file or
+    one over the caps, ``errors`` (the batch fails)."""
 
     lines: int = 0
     inputs: int = 0
+    refused: Refused = field(default_factory=Refused)
     errors: list[dict[str, Any]] | None = None
 
 
@@ -115,9 +196,10 @@ def validate_file(path: Path, gateway: Gateway) -> Validation:
                 continue
             if not raw.strip():
                 continue
+            request_number = found.lines  # from 0, blank lines not counted
             found.lines += 1
             try:
-                line = parse_line(raw, gateway, validating=True)
+                custom_id, body = read_envelope(raw, gateway)
             except APIError as error:
                 bad_lines += 1
                 if len(errors) < SHOWN_LINE_ERRORS:
@@ -127,20 +209,24 @@ def validate_file(path: Path, gateway: Gateway) -> Validation:
                         )
                     )
                 continue
-            found.inputs += len(line.texts)
-            if line.custom_id in seen_ids:
+            if custom_id in seen_ids:
                 bad_lines += 1
                 if len(errors) < SHOWN_LINE_ERRORS:
                     errors.append(
                         line_error(
                             "duplicate_custom_id",
-                            f"custom_id {line.custom_id!r} is used twice; each request needs "
-                            "its own",
+                            f"custom_id {custom_id!r} is used twice; each request needs its own",
                             number,
                             "custom_id",
                         )
                     )
-            seen_ids.add(line.custom_id)
+            seen_ids.add(custom_id)
+            try:
+                line = read_request(custom_id, body, gateway, validating=True)
+            except APIError:  # answered on its own, in the error file; the batch goes on
+                found.refused.add(request_number)
+                continue
+            found.inputs += len(line.texts)
     caps: list[dict[str, Any]] = []
     if not found.lines:
         caps.append(line_error("empty_file", "the input file has no request lines"))

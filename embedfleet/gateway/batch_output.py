@@ -19,7 +19,8 @@ from typing import Any, Literal
 import numpy as np
 
 from embedfleet.gateway.batch_lease import BatchLeases
-from embedfleet.gateway.batch_lines import parse_line
+from embedfleet.gateway.batch_lines import Refused, parse_line, read_envelope, refusal
+from embedfleet.gateway.errors import APIError, ErrorDialect
 from embedfleet.gateway.files import FileStore, new_file_id
 from embedfleet.gateway.inputs import unit_vectors
 from embedfleet.gateway.openai_api import embeddings_response
@@ -31,6 +32,22 @@ log = get_logger("embedfleet.gateway.batches")
 
 REPLY_PAGE = 1000
 Outcome = Literal["completed", "cancelled", "expired"]
+
+
+def refused_record(custom_id: str, error: APIError) -> dict[str, Any]:
+    """An error file line for a request refused on its own, in OpenAI's shape: the response the
+    online endpoint would have given it (its status, OpenAI's error body), ``error`` null (that
+    is for a request that got no response at all)."""
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": custom_id,
+        "response": {
+            "status_code": error.status,
+            "request_id": f"req_{uuid.uuid4().hex}",
+            "body": ErrorDialect.openai.body(error),
+        },
+        "error": None,
+    }
 
 
 class InputFileGone(Exception):
@@ -173,8 +190,11 @@ class BatchOutput:
         output_path: Path,
         error_path: Path,
     ) -> dict[str, int]:
-        """The output and error lines written to their temporary files; the request counts."""
+        """The output and error lines written to their temporary files; the request counts.
+        Every request line has one line in one of them: its vectors, the error it was refused
+        with (``fields["refused"]``), or why it has no result."""
         gateway = self.gateway
+        refused: Refused = fields["refused"]
         completed = failed = 0
         first = 0
         ended = "cancelled" if outcome == "cancelled" else "expired"
@@ -185,6 +205,12 @@ class BatchOutput:
         ):
             requests = (raw for raw in source if raw.strip())
             for number, raw in enumerate(requests):
+                if number in refused:  # never sent, whatever the batch's outcome
+                    custom_id, _ = read_envelope(raw, gateway)
+                    record = refused_record(custom_id, refusal(raw, gateway))
+                    errors.write(json.dumps(record) + "\n")
+                    failed += 1
+                    continue
                 line = parse_line(raw, gateway)
                 request_id = f"req_{uuid.uuid4().hex}"
                 record: dict[str, Any] = {

@@ -5,8 +5,13 @@ EMBEDFLEET_FILES_DIR, so any gateway replica can serve any batch and a restart l
 ``BatchRunner`` of every replica moves active batches along under a lease (only one works on a
 batch at a time):
 
-    validating → in_progress   every line checked as the online endpoint would, the caps too
-    validating → failed        a bad line, too many requests or inputs: ``errors`` names them
+    validating → in_progress   every line's form checked, the caps too, and each request as
+                               the online endpoint would: a request it refuses (an input over
+                               the model's context, bad ``dimensions``, ...) is never sent, and
+                               is answered in the error file (gateway/batch_lines.py)
+    validating → failed        a malformed file (not JSON, a line without its custom_id or
+                               with another url or method, a custom_id used twice, a model not
+                               served), too many requests or inputs: ``errors`` names them
     in_progress                the input file's inputs enqueued in slices, through the client's
                                one enqueue path (partitions, backpressure, job counters); the
                                cursor is saved after each slice, and a slice sent again after
@@ -15,7 +20,8 @@ batch at a time):
                                the rest on a later tick (the runner never waits for room)
     in_progress → finalizing   once the job's counters say every input is done or dead
     finalizing → completed     output and error files written from the reply lists (one per
-                               partition; the client's collector, producer/replies.py)
+                               partition; the client's collector, producer/replies.py), and
+                               the refused requests' errors in the error file
     in_progress → expired      the completion window passed: its inputs no worker finished are
                                withdrawn; what finished is in the output file, the rest in the
                                error file (``batch_expired``)
@@ -78,7 +84,13 @@ from redis.exceptions import RedisError
 
 from embedfleet.gateway.auth import ANONYMOUS
 from embedfleet.gateway.batch_lease import BatchLeases, LeaseLost
-from embedfleet.gateway.batch_lines import ENDPOINT, line_error, parse_line, validate_file
+from embedfleet.gateway.batch_lines import (
+    ENDPOINT,
+    Refused,
+    line_error,
+    parse_line,
+    validate_file,
+)
 from embedfleet.gateway.batch_output import BatchOutput, InputFileGone, input_path_of
 from embedfleet.gateway.errors import APIError
 from embedfleet.gateway.files import FileStore
@@ -247,6 +259,7 @@ class BatchStore:
                 404, f"no batch with id {batch_id!r}", param="batch_id", code="batch_not_found"
             )
         fields["object"] = json.loads(fields["object"])
+        fields["refused"] = Refused.of(fields.get("refused"))  # set in the validating step
         for name in ("lines", "cursor", "offset", "inputs"):
             fields[name] = int(fields.get(name, 0))
         return fields
@@ -255,16 +268,20 @@ class BatchStore:
         """The Batch object, with live request_counts from the job counters while it runs."""
         fields = await self.fields(batch_id, owner)
         batch = fields["object"]
-        if batch["status"] in ACTIVE and fields["inputs"]:
+        refused: Refused = fields["refused"]
+        refused_lines = refused.count()
+        if batch["status"] in ACTIVE and (fields["inputs"] or refused_lines):
             progress = await self.producer.progress(batch_id)
             done, dead = progress.done, progress.dead
+            # the lines sent so far, the refused ones (never sent, failed) left out
+            sent = fields["cursor"] - refused.count(below=fields["cursor"])
             # exact when every line has one input (the usual batch); otherwise inputs are
             # scaled to lines until the output is written and the exact counts are known
-            scale = fields["cursor"] / fields["inputs"]
+            scale = sent / fields["inputs"] if fields["inputs"] else 0.0
             batch["request_counts"] = {
                 "total": fields["lines"],
                 "completed": int(done * scale),
-                "failed": min(int(np.ceil(dead * scale)), fields["lines"]),
+                "failed": refused_lines + min(int(np.ceil(dead * scale)), sent),
             }
         return batch
 
@@ -470,8 +487,15 @@ class BatchRunner:
                 return
             batch.update(status="in_progress", in_progress_at=now)
             batch["request_counts"]["total"] = found.lines
-            await self.leases.save(batch_id, {"object": json.dumps(batch), "lines": found.lines})
-            fields["lines"] = found.lines
+            await self.leases.save(
+                batch_id,
+                {
+                    "object": json.dumps(batch),
+                    "lines": found.lines,
+                    "refused": bytes(found.refused.bits),
+                },
+            )
+            fields.update(lines=found.lines, refused=found.refused)
             status = "in_progress"
         if status == "in_progress" and fields["cursor"] < fields["lines"]:
             await self.slices.send(batch, fields)
@@ -576,10 +600,25 @@ class BatchSlices:
             if room <= 0:
                 return  # the tenant at its EMBEDFLEET_TENANT_MAX_BACKLOG: a later tick
         cursor, offset, inputs = fields["cursor"], fields["offset"], fields["inputs"]
+        refused: Refused = fields["refused"]
+        refused_before = refused.count()
         chunks: list[Chunk] = []
         ends: list[tuple[int, int]] = []  # per line read: its end's offset, inputs up to it
         for end_of_line, raw in self.files.lines(batch["input_file_id"], offset):
-            line = parse_line(raw, self.gateway)  # passed the validating step
+            number = cursor + len(ends)
+            line = None
+            if number not in refused:
+                try:
+                    line = parse_line(raw, self.gateway)  # its form passed the validating step
+                except APIError:
+                    # passed validating without the card, which the checks now have (a batch
+                    # created before any worker published it): refused on its own too
+                    refused.add(number)
+            if line is None:  # never sent: answered in the error file
+                ends.append((end_of_line, inputs))
+                if len(ends) >= LINES_PER_SLICE:
+                    break
+                continue
             options = wire_options(None, line.dimensions)
             for text in line.texts:
                 chunk = Chunk(
@@ -595,8 +634,11 @@ class BatchSlices:
             ends.append((end_of_line, inputs))
             if len(ends) >= LINES_PER_SLICE or (room is not None and len(chunks) >= room):
                 break
+        # the refused lines found in this slice are saved with its cursor
+        newly_refused = {"refused": bytes(refused.bits)} if refused.count() > refused_before else {}
         try:
-            await producer.enqueue(chunks, job=batch_id, tenant=tenant, backlog_wait_s=0)
+            if chunks:  # (a slice of refused lines only sends nothing)
+                await producer.enqueue(chunks, job=batch_id, tenant=tenant, backlog_wait_s=0)
         except TenantBacklogFullError as full:
             # backpressure, not a fault (another producer of the tenant took the room, or a
             # partition's share of it was less): the lines whose inputs all went in are sent
@@ -611,11 +653,18 @@ class BatchSlices:
             if sent:
                 offset, inputs = sent[-1]
                 await self.leases.save(
-                    batch_id, {"cursor": cursor + len(sent), "offset": offset, "inputs": inputs}
+                    batch_id,
+                    {
+                        "cursor": cursor + len(sent),
+                        "offset": offset,
+                        "inputs": inputs,
+                        **newly_refused,
+                    },
                 )
             return  # the rest on a later tick: the other batches go on meanwhile
         offset, inputs = ends[-1] if ends else (offset, inputs)
         await self.leases.save(
-            batch_id, {"cursor": cursor + len(ends), "offset": offset, "inputs": inputs}
+            batch_id,
+            {"cursor": cursor + len(ends), "offset": offset, "inputs": inputs, **newly_refused},
         )
         self.wake.set()  # more to send: come back without waiting a tick

@@ -147,29 +147,87 @@ def test_a_bad_line_is_accepted_at_upload_and_fails_the_batch(
     assert "custom_id 'a' is used twice" in by_line[2] and "gpt-4" in by_line[6]
 
 
-def test_a_line_over_the_model_context_fails_the_batch_unless_it_asks_to_truncate(
+def test_requests_refused_on_their_own_are_answered_in_the_error_file_and_the_batch_completes(
     gateway: Gateway, tmp_path: Path
 ) -> None:
-    """As the online route: an input over the model's maximum is refused (no silent cut) with
-    OpenAI's code, naming the line; ``"truncate": true`` on the line has it cut to fit."""
+    """As OpenAI's Batch API: a request the online endpoint would refuse (an input over the
+    model's context, bad ``dimensions``) fails alone, answered in the error file with the status
+    and error body the endpoint gives it; the batch completes with the good lines embedded, and
+    every custom_id is answered once. ``"truncate": true`` on a line has its input cut to fit."""
     long_text = "many words " * 400  # far over the model's 256 tokens
+    good = [f"good-{n}" for n in range(6)]
+    lines = [
+        *(batch_line(custom_id, f"text number {n}") for n, custom_id in enumerate(good[:4])),
+        batch_line("long", ["ok", long_text]),  # its second input is over
+        batch_line(good[4], ["two", "inputs"], dimensions=32),
+        batch_line("too-wide", "x", dimensions=4096),  # over the model's 384
+        "",  # blank lines are skipped
+        batch_line("no-width", "x", dimensions=0),
+        batch_line("cut", long_text, truncate=True),
+        batch_line("long-alone", long_text),
+        batch_line(good[5], "the last one"),
+    ]
+    refused = {"long", "too-wide", "no-width", "long-alone"}
     with gateway() as client:
-        refused = create_batch(
-            client, upload(client, tmp_path / "long.jsonl", [batch_line("a", ["ok", long_text])]).id
-        )
-        cut = create_batch(
-            client,
-            upload(client, tmp_path / "cut.jsonl", [batch_line("b", long_text, truncate=True)]).id,
-        )
-        refused, cut = wait_final(client, refused.id), wait_final(client, cut.id)
-        [row] = jsonl(client, cut.output_file_id) if cut.output_file_id else [None]
-    assert refused.status == "failed", refused
-    [error] = refused.errors.data
-    assert (error.line, error.code, error.param) == (1, "context_length_exceeded", "body.input")
-    assert "body.input[1]" in error.message and "truncate" in error.message
-    assert cut.status == "completed", cut
-    assert row["response"]["status_code"] == 200
-    assert row["response"]["body"]["usage"]["prompt_tokens"] == 256
+        uploaded = upload(client, tmp_path / "mixed.jsonl", lines)
+        batch = wait_final(client, create_batch(client, uploaded.id).id)
+        assert batch.status == "completed", batch
+        assert batch.errors is None and batch.output_file_id and batch.error_file_id
+        output = jsonl(client, batch.output_file_id)
+        errors = jsonl(client, batch.error_file_id)
+    counts = batch.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (11, 7, 4)
+    assert counts.total == counts.completed + counts.failed
+    assert (len(output), len(errors)) == (counts.completed, counts.failed)
+    # every custom_id once, across the two files
+    answered = [r["custom_id"] for r in output + errors]
+    assert sorted(answered) == sorted([*good, "cut", *refused])
+    assert {r["custom_id"] for r in errors} == refused
+    for record in output:
+        assert record["error"] is None and record["response"]["status_code"] == 200
+        assert record["id"].startswith("batch_req_")
+    by_id = {r["custom_id"]: r for r in output + errors}
+    assert [len(d["embedding"]) for d in by_id[good[4]]["response"]["body"]["data"]] == [32, 32]
+    assert len(by_id[good[0]]["response"]["body"]["data"][0]["embedding"]) == 384
+    assert by_id["cut"]["response"]["body"]["usage"]["prompt_tokens"] == 256
+    # the error lines: OpenAI's shape for a request that got a response, an error response
+    for record in errors:
+        assert set(record) == {"id", "custom_id", "response", "error"}
+        assert record["id"].startswith("batch_req_") and record["error"] is None
+        response = record["response"]
+        assert set(response) == {"status_code", "request_id", "body"}
+        assert response["status_code"] == 400 and response["request_id"].startswith("req_")
+        assert set(response["body"]) == {"error"}
+        error = response["body"]["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["type"] == "invalid_request_error" and error["message"]
+    error_of = {r["custom_id"]: r["response"]["body"]["error"] for r in errors}
+    codes = {custom_id: (e["code"], e["param"]) for custom_id, e in error_of.items()}
+    assert codes == {
+        "long": ("context_length_exceeded", "body.input"),
+        "long-alone": ("context_length_exceeded", "body.input"),
+        "too-wide": ("invalid_dimensions", "dimensions"),
+        "no-width": ("invalid_dimensions", "dimensions"),
+    }
+    assert "body.input[1]" in error_of["long"]["message"]
+    assert "truncate" in error_of["long"]["message"]
+    assert "384" in error_of["too-wide"]["message"]
+
+
+def test_a_batch_whose_every_request_is_refused_completes_with_an_error_file_only(
+    gateway: Gateway, tmp_path: Path
+) -> None:
+    lines = [batch_line("wide", "x", dimensions=4096), batch_line("long", "many words " * 400)]
+    with gateway() as client:
+        batch = create_batch(client, upload(client, tmp_path / "refused.jsonl", lines).id)
+        batch = wait_final(client, batch.id)
+        errors = jsonl(client, batch.error_file_id) if batch.error_file_id else []
+        output = client.files.content(batch.output_file_id).text if batch.output_file_id else None
+    assert batch.status == "completed", batch
+    assert (batch.request_counts.total, batch.request_counts.completed) == (2, 0)
+    assert batch.request_counts.failed == 2
+    assert output == ""  # its output file has no lines
+    assert sorted(r["custom_id"] for r in errors) == ["long", "wide"]
 
 
 def test_the_request_and_input_caps_fail_the_batch_and_a_batch_within_them_runs(

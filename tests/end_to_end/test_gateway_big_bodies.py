@@ -7,7 +7,8 @@ anything reaches a worker (the batch runner validates without one).
 - One 15 MB ``/tokenize`` request must not freeze the gateway: ``/healthz`` (the chart's
   liveness probe) answers within 1 s all the while it runs.
 - A lone surrogate (``"\\ud800"`` in the JSON) is no text: a 4xx in the route's dialect
-  online, and in a Batch API input file a failed batch that names the line.
+  online, and in a Batch API input file a request refused on its own: the batch runs on,
+  and the line is answered in its error file with the online endpoint's 400.
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ def test_a_lone_surrogate_is_a_client_error_in_the_routes_dialect(
         assert error["error_type"] == "Validation" and "surrogate" in error["error"], error
 
 
-def test_a_lone_surrogate_in_a_batch_fails_it_naming_the_line(
+def test_a_lone_surrogate_in_a_batch_line_is_answered_in_its_error_file(
     gateway_url: str, tmp_path: Path
 ) -> None:
     good = {"custom_id": "a", "method": "POST", "url": "/v1/embeddings"}
@@ -158,12 +159,24 @@ def test_a_lone_surrogate_in_a_batch_fails_it_naming_the_line(
     batch = client.batches.create(
         input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
     )
+    # as OpenAI's Batch API: the request is refused on its own, counted failed at once, and the
+    # batch runs on with the other line (no worker here: it waits in progress, and is cancelled)
     deadline = time.monotonic() + 120
-    while (batch := client.batches.retrieve(batch.id)).status not in ("failed", "completed"):
-        if batch.status == "in_progress":
-            break  # validated: the line was not named
+    while (batch := client.batches.retrieve(batch.id)).status == "validating":
         assert time.monotonic() < deadline, batch
         time.sleep(0.1)  # polling the batch's state, not waiting blind
-    assert batch.status == "failed", batch
-    assert [(e.line, e.code) for e in batch.errors.data] == [(2, "invalid_input")], batch.errors
-    assert "surrogate" in batch.errors.data[0].message
+    assert batch.status == "in_progress", batch
+    assert (batch.request_counts.total, batch.request_counts.failed) == (2, 1)
+    client.batches.cancel(batch.id)
+    while (batch := client.batches.retrieve(batch.id)).status != "cancelled":
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.1)  # polling the batch's state, not waiting blind
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (0, 2)
+    content = client.files.content(batch.error_file_id).text.splitlines()
+    by_id = {record["custom_id"]: record for record in map(json.loads, content)}
+    assert by_id["a"]["error"]["code"] == "batch_cancelled", by_id
+    refused = by_id["b"]
+    # the online endpoint's answer: 400 and OpenAI's error body
+    assert refused["response"]["status_code"] == 400 and refused["error"] is None, refused
+    error = refused["response"]["body"]["error"]
+    assert error["code"] == "invalid_input" and "surrogate" in error["message"], error
