@@ -1,0 +1,169 @@
+"""Issue 42: a drop-in for apps moved from TEI or OpenAI, with their defaults and statuses,
+through a running gateway, a real worker process and Redis, with the real clients (the `openai`
+SDK, huggingface_hub's InferenceClient):
+
+- TEI's routes cut an over-long text by default (TEI's router defaults --auto-truncate on) and
+  /info says so; /v1 refuses it (OpenAI's 400) unless EMBEDFLEET_GATEWAY_OPENAI_TRUNCATE;
+- a text over the characters' limit is cut (characters, then tokens) when truncating;
+- each dialect's documented status: 2,049 inputs on /v1 400, "" on /embed 400 ``Empty``, a body
+  that is not JSON 400, whitespace embedded."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from embedfleet.producer.tokens import ModelTokenizer
+from embedfleet.shared.model_path import resolve_model_path
+from embedfleet.shared.settings import Settings
+from tests.conftest import WorkerProcess
+from tests.gateway_support import (
+    min_cosine,
+    module_fleet_settings,
+    module_gateway,
+    module_worker,
+    running_gateway,
+    wait_for_worker,
+)
+
+# the slow tier (make test-full, CI): starts a worker process and gateways
+pytestmark = pytest.mark.slow
+
+MODEL = "all-MiniLM-L6-v2"
+fleet_settings = module_fleet_settings("gd")  # no API keys: the SDK's client needs none
+worker = module_worker("gd")
+gateway = module_gateway()  # ``with gateway(**settings) as client``: another gateway
+
+
+@pytest.fixture(scope="module")
+def url(fleet_settings: Settings, worker: WorkerProcess) -> Iterator[str]:
+    """A gateway with the defaults."""
+    with running_gateway(fleet_settings) as base:
+        wait_for_worker(base)
+        yield base
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> ModelTokenizer:
+    return ModelTokenizer(resolve_model_path(MODEL))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """sentence-transformers on the same model directory (it cuts at the model's 256 tokens)."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(resolve_model_path(MODEL)), device="cpu")
+    return lambda texts: model.encode(list(texts), normalize_embeddings=False)
+
+
+@pytest.fixture
+def hub_online(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HF_HUB_OFFLINE=1 makes huggingface_hub refuse every call; it only talks to the gateway."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+
+def long_text(tokenizer: ModelTokenizer) -> str:
+    """2,562 tokens with the special tokens: ten times the model's 256."""
+    text = " ".join(["word", "text"] * 1280)
+    assert len(tokenizer.tokenizer.encode(text).ids) == 2562
+    return text
+
+
+def test_tei_routes_cut_an_over_long_text_by_default_and_info_says_so(
+    url: str, tokenizer: ModelTokenizer, reference, hub_online: None
+) -> None:
+    from huggingface_hub import InferenceClient
+    from huggingface_hub.errors import HfHubHTTPError
+
+    text = long_text(tokenizer)
+    info = httpx.get(f"{url}/info").json()
+    assert info["auto_truncate"] is True and info["max_input_length"] == 256
+    embedded = httpx.post(f"{url}/embed", json={"inputs": text})
+    assert embedded.status_code == 200, embedded.text
+    assert min_cosine(np.array(embedded.json()), reference([text])) >= 0.999
+    tei = InferenceClient(base_url=url)
+    vector = tei.feature_extraction(text)  # the client sends no truncate: the server's default
+    assert min_cosine(vector.reshape(1, -1), reference([text])) >= 0.999
+    # the request's own truncate=false still refuses it, as in TEI
+    with pytest.raises(HfHubHTTPError) as refused:
+        tei.feature_extraction(text, truncate=False)
+    assert refused.value.response.status_code == 422
+    assert refused.value.response.json()["error_type"] == "Validation"
+
+
+def test_v1_refuses_an_over_long_input_by_default_and_cuts_it_with_the_setting(
+    url: str, gateway, tokenizer: ModelTokenizer, reference
+) -> None:
+    text = long_text(tokenizer)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.embeddings.create(model=MODEL, input=text)
+    assert refused.value.response.json()["error"]["code"] == "context_length_exceeded"
+    with gateway(gateway_openai_truncate=True) as cutting:
+        cut = cutting.embeddings.create(model=MODEL, input=text)
+        assert min_cosine(np.array([cut.data[0].embedding]), reference([text])) >= 0.999
+        assert cut.usage.prompt_tokens == 256  # what the model read
+        # and a request's own truncate=false refuses it there
+        with pytest.raises(openai.BadRequestError):
+            cutting.embeddings.create(model=MODEL, input=text, extra_body={"truncate": False})
+    with gateway(gateway_auto_truncate=False) as strict:
+        info = httpx.get(str(strict.base_url).removesuffix("/v1/") + "/info").json()
+        assert info["auto_truncate"] is False
+        refused_tei = httpx.post(
+            str(strict.base_url).removesuffix("/v1/") + "/embed", json={"inputs": text}
+        )
+        assert refused_tei.status_code == 422
+
+
+def test_a_text_over_the_character_limit_is_cut_and_embedded_when_truncating(
+    url: str, reference
+) -> None:
+    sentence = "The quick brown fox jumps over the lazy dog near the bank."  # 12 words
+    text = " ".join([sentence] * 5000)  # 60,000 words
+    assert len(text) > Settings().gateway_max_input_chars  # over 100,000 characters
+    embedded = httpx.post(f"{url}/embed", json={"inputs": [text, "short"]}, timeout=120)
+    assert embedded.status_code == 200, embedded.text
+    assert min_cosine(np.array(embedded.json()), reference([text, "short"])) >= 0.999
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    cut = client.embeddings.create(model=MODEL, input=text, extra_body={"truncate": True})
+    assert min_cosine(np.array([cut.data[0].embedding]), reference([text])) >= 0.999
+    with pytest.raises(openai.BadRequestError) as refused:  # not truncating: refused
+        client.embeddings.create(model=MODEL, input=text)
+    assert "EMBEDFLEET_GATEWAY_MAX_INPUT_CHARS" in refused.value.response.json()["error"]["message"]
+
+
+def test_each_dialects_documented_statuses(url: str, reference, hub_online: None) -> None:
+    from huggingface_hub import InferenceClient
+    from huggingface_hub.errors import HfHubHTTPError
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    # OpenAI: 2,049 inputs (one over its 2,048) is a 400, the SDK's BadRequestError
+    with pytest.raises(openai.BadRequestError) as too_many:
+        client.embeddings.create(model=MODEL, input=["x"] * 2049)
+    assert too_many.value.response.json()["error"]["code"] == "too_many_inputs"
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model=MODEL, input="")
+    # TEI: the empty string is 400 Empty, from the client and on the wire
+    with pytest.raises(HfHubHTTPError) as empty:
+        InferenceClient(base_url=url).feature_extraction("")
+    assert empty.value.response.status_code == 400
+    assert empty.value.response.json()["error_type"] == "Empty"
+    # a body that is not JSON: TEI's 400
+    broken = httpx.post(
+        f"{url}/embed", content=b'{"inputs": "hi"', headers={"Content-Type": "application/json"}
+    )
+    assert broken.status_code == 400 and set(broken.json()) == {"error", "error_type"}
+    # whitespace is text: embedded on both routes, as sentence-transformers embeds it
+    blank = [" ", "\n\t "]
+    tei = httpx.post(f"{url}/embed", json={"inputs": blank})
+    assert tei.status_code == 200, tei.text
+    assert min_cosine(np.array(tei.json()), reference(blank)) >= 0.999
+    v1 = client.embeddings.create(model=MODEL, input=blank)
+    assert min_cosine(np.array([d.embedding for d in v1.data]), reference(blank)) >= 0.999
