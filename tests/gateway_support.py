@@ -88,14 +88,17 @@ def module_gateway():
 
 
 def gateway_worker(
-    settings: Settings, tmp_path_factory: pytest.TempPathFactory, name: str
+    settings: Settings, tmp_path_factory: pytest.TempPathFactory, name: str, **env: str
 ) -> Iterator[WorkerProcess]:
-    """One worker process for a module's gateway tests (a module-scoped fixture yields from it).
+    """One worker process for a module's gateway tests (a module-scoped fixture yields from it);
+    ``env``: more of its EMBEDFLEET_* variables.
 
     Eager queries: the frozen query graph takes a minute to build on a small shared CPU."""
     workers = WorkerLauncher(settings, shared_encoder, tmp_path_factory.mktemp("workers"))
     process = workers.process(
-        f"{name}-worker-{uuid.uuid4().hex[:6]}", settings, EMBEDFLEET_FROZEN_QUERIES="false"
+        f"{name}-worker-{uuid.uuid4().hex[:6]}",
+        settings,
+        **({"EMBEDFLEET_FROZEN_QUERIES": "false"} | env),
     )
     yield process
     process.send_signal(signal.SIGCONT)  # in case a test stopped it and then failed
@@ -109,15 +112,15 @@ def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(cosines(np.atleast_2d(b), np.atleast_2d(a)).min())
 
 
-def module_worker(name: str):
+def module_worker(name: str, **env: str):
     """The module-scoped ``worker`` fixture of a gateway test module (``fleet_settings`` its
-    settings): ``worker = module_worker("gw")``."""
+    settings, ``env`` more of its variables): ``worker = module_worker("gw")``."""
 
     @pytest.fixture(scope="module", name="worker")
     def worker(
         fleet_settings: Settings, tmp_path_factory: pytest.TempPathFactory
     ) -> Iterator[WorkerProcess]:
-        yield from gateway_worker(fleet_settings, tmp_path_factory, name)
+        yield from gateway_worker(fleet_settings, tmp_path_factory, name, **env)
 
     return worker
 

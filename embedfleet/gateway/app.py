@@ -8,7 +8,9 @@ import time
 from collections.abc import AsyncIterator, Sequence
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -28,6 +30,8 @@ from embedfleet.gateway.errors import (
 from embedfleet.gateway.files import FileStore
 from embedfleet.gateway.metrics import GatewayMetrics
 from embedfleet.gateway.state import Gateway
+from embedfleet.gateway.timing_headers import HEADERS as TIMING_HEADERS
+from embedfleet.gateway.timing_headers import TimingHeaders, compute_type
 from embedfleet.producer.client import Producer
 from embedfleet.producer.tokens import ModelTokenizer
 from embedfleet.shared.eviction import warn_on_eviction_policy
@@ -218,8 +222,30 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     include_routers(app, routes.ROUTERS)
     _add_ops_routes(app, gateway)
     declared = [route for router in routes.ROUTERS for route in router.routes]
+    # the last added runs first: CORS answers a browser's preflight before the API key check
+    # (a preflight carries no key), then the front door, then the request's clock
+    app.add_middleware(TimingHeaders, compute_type=compute_type(settings.device))
     app.add_middleware(FrontDoor, gateway=gateway, routes=declared)
+    add_cors(app, settings.gateway_cors_allow_origins)
     return app
+
+
+def add_cors(app: FastAPI, allow_origins: str | None) -> None:
+    """CORS as TEI's ``--cors-allow-origin``: unset, any origin; empty, none (off); else the
+    comma-separated origins. TEI's timing headers are exposed to the page's scripts."""
+    if allow_origins is None:
+        origins = ["*"]
+    else:
+        origins = [origin.strip() for origin in allow_origins.split(",") if origin.strip()]
+        if not origins:
+            return
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=origins,
+        allow_methods=["GET", "POST"],
+        allow_headers=["Content-Type", "Authorization"],
+        expose_headers=list(TIMING_HEADERS),
+    )
 
 
 def include_routers(app: FastAPI, routers: Sequence[APIRouter]) -> None:
@@ -267,6 +293,13 @@ def _add_ops_routes(app: FastAPI, gateway: Gateway) -> None:
                 headers={"Retry-After": str(settings.gateway_retry_after_s)},
             )
         return JSONResponse({"status": "ready", "live_workers": workers, "models": models})
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        """Swagger UI over the OpenAPI page (TEI's /docs). Its script and style come from
+        FastAPI's defaults (a CDN): a browser without internet access shows an empty page,
+        /openapi.json itself is served here."""
+        return get_swagger_ui_html(openapi_url=app.openapi_url or "/openapi.json", title=app.title)
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:

@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 
 from embedfleet.gateway.errors import APIError, overloaded, retry_later
 from embedfleet.gateway.metrics import GatewayMetrics
+from embedfleet.gateway.timing_headers import TokenCounter, fleet_call
 from embedfleet.producer.client import EmbeddingOptions, Producer, QueryTimeoutError
 from embedfleet.shared.model_registry import model_label
 from embedfleet.shared.protocol import QueryFailedError, Result, SparseVector
@@ -92,6 +93,9 @@ class Embedder:
         # the ``model`` label of the gateway's input counter: the lane's name, else the
         # default model's served name
         self.model = model_label(settings)
+        # how the model counts the tokens of texts (TEI's x-compute-tokens header): set by the
+        # Gateway view that owns this embedder, which has the model's tokenizer and card
+        self.count_tokens: TokenCounter | None = None
 
     async def embed(self, texts: Sequence[str], options: EmbeddingOptions) -> np.ndarray:
         """float32 vectors (len(texts), dim) as the workers return them (fp16 on the wire)."""
@@ -100,7 +104,7 @@ class Embedder:
             send = self.producer.embed_queries if lane == "query" else self.producer.embed_texts
             return await send(list(texts), timeout=timeout, options=options)
 
-        return await self._through_lane(len(texts), call)
+        return await self._through_lane(len(texts), call, texts)
 
     async def embed_sparse(
         self, texts: Sequence[str], max_active_dims: int | None = None
@@ -112,7 +116,7 @@ class Embedder:
                 list(texts), timeout=timeout, max_active_dims=max_active_dims, lane=lane
             )
 
-        return await self._through_lane(len(texts), call)
+        return await self._through_lane(len(texts), call, texts)
 
     async def rerank(self, query: str, documents: Sequence[str]) -> np.ndarray:
         """Scores of (``query``, document) per document, in order (a cross-encoder fleet)."""
@@ -120,7 +124,9 @@ class Embedder:
         async def call(lane: Lane, timeout: float) -> np.ndarray:
             return await self.producer.rerank(query, list(documents), timeout=timeout, lane=lane)
 
-        return await self._through_lane(len(documents), call)
+        return await self._through_lane(
+            len(documents), call, [query] * len(documents) + list(documents)
+        )
 
     async def embed_representations(
         self, texts: Sequence[str], representations: Sequence[str]
@@ -132,7 +138,7 @@ class Embedder:
                 list(texts), representations, timeout=timeout, lane=lane
             )
 
-        return await self._through_lane(len(texts), call)
+        return await self._through_lane(len(texts), call, texts)
 
     async def score_pairs(self, pairs: Sequence[tuple[str, str]]) -> np.ndarray:
         """Every label's score per (text, text) pair (a cross-encoder fleet), same lanes."""
@@ -140,11 +146,20 @@ class Embedder:
         async def call(lane: Lane, timeout: float) -> np.ndarray:
             return await self.producer.score_pairs(list(pairs), timeout=timeout, lane=lane)
 
-        return await self._through_lane(len(pairs), call)
+        return await self._through_lane(len(pairs), call, [text for pair in pairs for text in pair])
 
-    async def _through_lane(self, count: int, call: Callable[[Lane, float], Awaitable[T]]) -> T:
+    async def _through_lane(
+        self, count: int, call: Callable[[Lane, float], Awaitable[T]], texts: Sequence[str]
+    ) -> T:
         """``call`` on the lane ``count`` inputs ride, refused (429) while that lane is full;
-        a timeout or a worker's refusal as the gateway's errors."""
+        a timeout or a worker's refusal as the gateway's errors. ``texts``: every text the call
+        sends (a pair's two), for the request's timing headers (gateway/timing_headers.py)."""
+        with fleet_call(texts, self.count_tokens) as timed:
+            return await self._lane_call(count, call, timed.sending)
+
+    async def _lane_call(
+        self, count: int, call: Callable[[Lane, float], Awaitable[T]], sending: Callable[[], None]
+    ) -> T:
         lane = self.keys.query_lane
         settings = self.settings
         chosen: Lane
@@ -161,6 +176,7 @@ class Embedder:
             waiting = await self.client.xlen(stream)
         await self._refuse_when_full(what, waiting, high_water, f"EMBEDFLEET_{variable}")
         self.metrics.inputs.labels(label, self.model).inc(count)
+        sending()
         try:
             return await call(chosen, self.settings.gateway_timeout_s)
         except QueryTimeoutError as error:

@@ -6,11 +6,26 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from embedfleet.gateway import batch_api, cohere_api, openai_api, rerank_api, tei_api
+from embedfleet.gateway import (
+    batch_api,
+    cohere_api,
+    invocations_api,
+    openai_alias_api,
+    openai_api,
+    rerank_api,
+    similarity_api,
+    tei_api,
+    vertex_api,
+)
 
 ROUTERS: tuple[APIRouter, ...] = (
     openai_api.router,
+    openai_alias_api.router,
     batch_api.router,
+    # before tei_api's: its POST / (the model's default route) answers before /embed's
+    invocations_api.router,
+    similarity_api.router,
+    vertex_api.router,
     tei_api.router,
     rerank_api.router,
     cohere_api.router,

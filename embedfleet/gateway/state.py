@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -62,6 +62,8 @@ CARD_MAX_AGE_S = 5.0
 # What an embeddings request may take beyond EMBEDFLEET_GATEWAY_TIMEOUT_S: its clean-up (the
 # query's withdrawal, EMBEDFLEET_REDIS_CLEANUP_TIMEOUT_S) and the reads around the wait
 REQUEST_MARGIN_S = 1.0
+# the cap on a text's counted tokens before any card says the model's maximum
+UNCAPPED_TOKENS = 1 << 16
 
 
 @dataclass
@@ -85,6 +87,17 @@ class Gateway:
     _registry_read_at: float = field(default=-CARD_MAX_AGE_S, repr=False)
     _lanes: dict[Keys, Gateway] = field(default_factory=dict, repr=False)
     _lane_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        # the embedder counts what it sends with this view's tokenizer (TEI's timing headers)
+        self.embedder.count_tokens = self.count_tokens
+
+    def count_tokens(self, texts: Sequence[str]) -> int:
+        """Tokens the model reads of ``texts`` (each capped at the card's maximum length, once
+        known): TEI's ``x-compute-tokens``."""
+        card = self._card
+        cap = card.max_length if card is not None else UNCAPPED_TOKENS
+        return self.tokenizer.usage(texts, cap)
 
     @property
     def known_card(self) -> ModelCard | None:

@@ -62,6 +62,12 @@ class GatewaySettings(Section):
     gateway_worker_idle_ms: int = Field(default=15_000, ge=100)
     """A worker whose heartbeat is at most this old counts as live; with none, TEI's /health is 503
     and a timed-out request's message says so (requests are enqueued all the same)."""
+    gateway_cors_allow_origins: str | None = None
+    """Origins a browser may call the gateway from (CORS), comma-separated, e.g.
+    `https://app.example.com,http://localhost:3000`. Unset: any origin, as TEI's
+    `--cors-allow-origin` defaults; empty: CORS off (no `Access-Control-*` headers, a preflight
+    `OPTIONS` is refused). Methods GET and POST, headers `Content-Type` and `Authorization`; TEI's
+    timing headers are exposed to the page."""
     gateway_accept_token_ids: bool = False
     """Accept token ids as `input` on /v1/embeddings (and in batch lines), decoded with the served
     model's own tokenizer. Off: token ids get a 400, because ids from another tokenizer (LangChain's

@@ -384,3 +384,36 @@ def test_the_readme_links_a_page_per_goal_and_the_chart() -> None:
     for page in (*GOAL_PAGES, "helm/embedfleet/README.md"):
         assert f"]({page})" in text, f"README does not link {page}"
     assert len(text.splitlines()) < 300, "the README is a front door: details go to docs/"
+
+
+# --- the gateway's routes ------------------------------------------------------------------------
+GATEWAY_PAGE = REPO / "docs" / "GATEWAY.md"
+
+
+def test_gateway_page_lists_every_route_with_its_dialect() -> None:
+    """docs/GATEWAY.md's "Routes by dialect" names every route of the registry
+    (embedfleet/gateway/routes.py) under the dialect its router declares, and only those; each
+    route also has a row in the page's route table."""
+    pytest.importorskip("fastapi")  # the gateway's extra
+    from embedfleet.gateway import routes
+    from embedfleet.gateway.errors import ErrorDialect, router_dialect
+
+    text = GATEWAY_PAGE.read_text()
+    section = text.split("\n## Routes by dialect\n", 1)[1].split("\n## ", 1)[0]
+    listed: dict[ErrorDialect, set[str]] = {}
+    for dialect, label in ((ErrorDialect.openai, "OpenAI's"), (ErrorDialect.tei, "TEI's")):
+        line = next(row for row in section.splitlines() if row.startswith(f"- **{label}**"))
+        listed[dialect] = {span[1] for span in INLINE_CODE.findall(line)}
+    served: dict[ErrorDialect, set[str]] = {dialect: set() for dialect in listed}
+    for router in routes.ROUTERS:
+        for route in router.routes:
+            path = re.sub(r":\w+}", "}", route.path)  # {model_id:path} is written {model_id}
+            for method in route.methods:
+                served[router_dialect(router)].add(f"{method} {path}")
+    assert listed == served
+    table = text.split("| route | what |", 1)[1].split("\n\n", 1)[0]
+    for path in {entry.split(" ", 1)[1] for entries in served.values() for entry in entries}:
+        if path == "/":
+            continue  # TEI's aliases of /health and /embed, named in their rows
+        stem = path.split("/{", 1)[0]
+        assert f" {stem}" in table or f"`{stem}" in table, f"{path}: no row in the route table"
