@@ -54,6 +54,25 @@ if TYPE_CHECKING:
 log = get_logger("embedfleet.demo")
 
 SAMPLE_QUERY = "how do I define an asynchronous function"
+# a corpus of one's own is searched with one's own query: the built-in one is about Python's docs
+# and would find nothing meaningful there (its top hit's score near 0)
+QUERY_NEEDED = (
+    "--corpus needs --query: the demo ends with a search of the corpus, and its built-in query "
+    f"({SAMPLE_QUERY!r}) is about the built-in corpus (Python's docs). "
+    "Give a question your corpus answers, e.g. --query 'how do I reset my password'"
+)
+
+
+def demo_query(corpus: Path | None, query: str | None) -> str:
+    """The query the demo searches with: ``query``; without it, the built-in query for the
+    built-in corpus, and a usage error for a corpus of one's own (QUERY_NEEDED)."""
+    if query is not None and query.strip():
+        return query
+    if query is not None:
+        raise click.UsageError("--query is empty: give a question to search the corpus with")
+    if corpus is not None:
+        raise click.UsageError(QUERY_NEEDED)
+    return SAMPLE_QUERY
 
 
 @dataclass
@@ -94,6 +113,7 @@ class DemoReport:
     export_path: Path
     target: SinkTarget
     results_key: str
+    query: str = SAMPLE_QUERY
 
     def lines(self) -> list[str]:
         run, stats = self.run, self.run.stats
@@ -122,12 +142,12 @@ class DemoReport:
         # an embedded database's URL (a server's may hold a password: not shown)
         embedded = store.database and store.local
         sink = f"EMBEDFLEET_SINK={store.schemes[0]}://{self.target.location} " if embedded else ""
-        lines = [f"search: top 3 for {SAMPLE_QUERY!r}"]
+        lines = [f"search: top 3 for {self.query!r}"]
         # score, id, a snippet of the text the sink stored beside the vector, meta
         lines += [f"  {line}" for line in format_hits(self.run.sample)]
         return [
             *lines,
-            f"  again, with a worker running: {sink}embedfleet search {SAMPLE_QUERY!r} --k 3",
+            f"  again, with a worker running: {sink}embedfleet search {self.query!r} --k 3",
         ]
 
 
@@ -151,7 +171,9 @@ def _redis(settings: Settings) -> Iterator[tuple[str, bool]]:
         yield server.url, True
 
 
-async def _run(settings: Settings, target: SinkTarget, chunks: list[Chunk], job: str) -> DemoRun:
+async def _run(
+    settings: Settings, target: SinkTarget, chunks: list[Chunk], job: str, query: str
+) -> DemoRun:
     # torch loads only when the demo runs, so `embedfleet --help` stays instant
     from embedfleet.sinks import build_sink
     from embedfleet.workers.runtime import load_encoder
@@ -181,8 +203,8 @@ async def _run(settings: Settings, target: SinkTarget, chunks: list[Chunk], job:
             return DemoRun(progress, seconds, worker.stats, list(latest.values()), sample=[])
     # the worker has stopped, so its model is free to embed the sample query here; the
     # `embedfleet search` verb sends its query through a running worker's query stage instead
-    query = await asyncio.to_thread(encoder.embed_texts, [SAMPLE_QUERY])
-    stored, sample = await asyncio.to_thread(_read_back, target, job, query[0])
+    vector = await asyncio.to_thread(encoder.embed_texts, [query])
+    stored, sample = await asyncio.to_thread(_read_back, target, job, vector[0])
     return DemoRun(progress, seconds, worker.stats, stored, sample)
 
 
@@ -208,8 +230,15 @@ def _read_back(
 
 
 def run_demo(
-    corpus: Path | None, limit: int | None, out_dir: Path, redis_url: str | None = None
+    corpus: Path | None,
+    limit: int | None,
+    out_dir: Path,
+    redis_url: str | None = None,
+    query: str | None = None,
 ) -> DemoReport:
+    """The demo's run; ``query``: what it searches the corpus with (demo_query: required with
+    a corpus of one's own), checked before anything starts."""
+    query = demo_query(corpus, query)
     try:
         base = load_settings(**({"redis_url": redis_url} if redis_url else {}))
     except SettingsError as error:
@@ -239,7 +268,7 @@ def run_demo(
             f"{len(chunks)} chunks; model {settings.model}; vectors to {target.describe()}",
             err=True,
         )
-        run = asyncio.run(_run(settings, target, chunks, job))
+        run = asyncio.run(_run(settings, target, chunks, job, query))
     export_path = out_dir / "vectors.npz"
     write_export(run.vectors, export_path)
     (out_dir / "summary.json").write_text(json.dumps(run.summary(), indent=2))
@@ -250,6 +279,7 @@ def run_demo(
         export_path=export_path,
         target=target,
         results_key=", ".join(p.results for p in settings.keys.partitions_keys),
+        query=query,
     )
 
 
@@ -258,6 +288,12 @@ def run_demo(
     "--corpus",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="JSON Lines corpus ({id, text, meta?} per line). Default: Python's own docs.",
+)
+@click.option(
+    "--query",
+    default=None,
+    help="What the closing search looks for. Default: a question about Python's docs, for the "
+    "built-in corpus; required with --corpus.",
 )
 @click.option("--limit", type=int, default=None, help="Embed at most N chunks.")
 @click.option(
@@ -277,7 +313,12 @@ def run_demo(
 )
 @verbose_option
 def demo_command(
-    corpus: Path | None, limit: int | None, out_dir: Path, redis_url: str | None, as_json: bool
+    corpus: Path | None,
+    query: str | None,
+    limit: int | None,
+    out_dir: Path,
+    redis_url: str | None,
+    as_json: bool,
 ) -> None:
     """Run the whole fleet on this machine: server, worker, enqueue, embed, export, search.
 
@@ -285,8 +326,9 @@ def demo_command(
     started on a free port and stopped at the end; nothing to install or configure by hand.
     Without EMBEDFLEET_SINK the vectors go to a LanceDB table in OUT_DIR/lancedb.
     """
+    demo_query(corpus, query)  # a missing --query is said before the worker's extra is checked
     require_worker_extra("demo")
-    report = run_demo(corpus, limit, out_dir, redis_url)
+    report = run_demo(corpus, limit, out_dir, redis_url, query=query)
     if as_json:  # the figures run_demo wrote, as one object
         click.echo(json.dumps(json.loads((out_dir / "summary.json").read_text())))
         return

@@ -168,6 +168,51 @@ def test_demo_runs_on_embedded_defaults(tmp_path: Path) -> None:
     assert np.load(tmp_path / "vectors.npz")["vectors"].shape == (150, 384)
 
 
+OWN_CORPUS = [
+    ("billing", "Invoices are sent on the first day of every month to the account's owner."),
+    ("password", "To reset your password, open Settings, choose Security and click Reset."),
+    ("shipping", "Orders ship within two business days; tracking numbers arrive by email."),
+    ("refunds", "Refunds go back to the original card within ten days of the return."),
+    ("api", "API keys are created on the Developers page and shown only once."),
+    ("support", "Our support team answers chat messages from 9 to 5 on weekdays."),
+]
+
+
+def test_demo_searches_a_corpus_of_ones_own_with_ones_own_query(tmp_path: Path) -> None:
+    """`--corpus` with `--query`: the closing search is the user's question on the user's
+    corpus (the built-in query about Python's docs found nothing there: top score 0.003)."""
+    corpus = tmp_path / "mine.jsonl"
+    corpus.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in OWN_CORPUS))
+    question = "I forgot my login password, how can I change it?"
+    env = {"EMBEDFLEET_REDIS_URL": ""}
+    out = tmp_path / "out"
+    result = embedfleet(
+        "demo", "--corpus", str(corpus), "--query", question, "--out-dir", str(out), env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    at = lines.index(f"search: top 3 for {question!r}")
+    assert "password" in lines[at + 1], result.stdout  # the top hit is the password entry
+    assert f"embedfleet search {question!r}" in result.stdout
+
+
+def test_demo_with_a_corpus_and_no_query_says_what_to_give(tmp_path: Path) -> None:
+    """A corpus of one's own without --query is refused at once, naming the option (nothing
+    is started: no Redis, no model)."""
+    from click.testing import CliRunner
+
+    from embedfleet import demo
+
+    corpus = tmp_path / "mine.jsonl"
+    corpus.write_text(json.dumps({"id": "a", "text": "hello"}) + "\n")
+    refused = CliRunner().invoke(demo.demo_command, ["--corpus", str(corpus)])
+    assert refused.exit_code == 2, refused.output  # click's usage error
+    assert "--corpus needs --query" in refused.output
+    empty = CliRunner().invoke(demo.demo_command, ["--corpus", str(corpus), "--query", " "])
+    assert empty.exit_code == 2 and "--query is empty" in empty.output
+    assert demo.demo_query(None, None) == demo.SAMPLE_QUERY  # the built-in corpus' own
+
+
 async def test_readme_redis_cli_example_is_embedded(
     workers: WorkerLauncher, redis_server, encoder, tmp_path: Path
 ) -> None:
@@ -226,7 +271,7 @@ def test_demo_json_prints_the_summary_it_wrote(
         def lines(self) -> list[str]:
             return ["the text report"]
 
-    def fake_run(corpus, limit, out_dir: Path, redis_url) -> Report:
+    def fake_run(corpus, limit, out_dir: Path, redis_url, query=None) -> Report:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "summary.json").write_text(json.dumps(figures, indent=2))
         return Report()
