@@ -35,6 +35,9 @@ class EmbeddingOptions:
     prompt: str | None = None
     dimensions: int | None = None
     dtype: str | None = None
+    # a text over the model's maximum embedded whole, in token windows overlapping by this
+    # many tokens (shared/protocol.py ``Chunk.window_overlap``, issue 42); None: cut or refused
+    window_overlap: int | None = None
 
     def apply(self, chunk: Chunk) -> Chunk:
         """The chunk with these options filled in where the chunk has none of its own."""

@@ -40,8 +40,13 @@ PAYLOAD_FIELD = b"m"
 MAX_ID_CHARS = 512
 MAX_PROMPT_NAME_CHARS = 256
 MAX_PROMPT_CHARS = 16_384
-# The optional embedding options a chunk may carry (see the module docstring).
-OPTION_NAMES = ("prompt_name", "prompt", "dimensions", "dtype")
+# ``window_overlap``: a long input embedded whole, in token windows of the model's length that
+# share this many tokens with their neighbour (issue 42). Its form is checked here; whether it
+# leaves a window room to advance is the worker's check, against the model's length.
+LONG_INPUT_OPTION = "window_overlap"
+# The optional embedding options a chunk may carry (see the module docstring); a job's or a
+# request's options (producer/chunks.py ``EmbeddingOptions``) fill in the same names.
+OPTION_NAMES = ("prompt_name", "prompt", "dimensions", "dtype", LONG_INPUT_OPTION)
 # Options of the other representations (sparse weights, pair scores); a v1 worker that predates
 # them never sees them (the gateway checks the model card first).
 REPRESENTATION_OPTION_NAMES = ("representations", "max_active_dims", "pair", "multivector_dtype")
@@ -137,6 +142,10 @@ class Chunk:
     # embed it with the model even where the vector cache holds its vector (issue 31): a
     # per-chunk opt-out of the cache (`embedfleet enqueue --reembed` sets it on every chunk)
     reembed: bool = False
+    # embed a text over the model's maximum whole (issue 42): split into token windows of the
+    # model's length overlapping by this many tokens, one forward row each, pooled back into
+    # one vector (workers/long_inputs.py); None: cut or refused as EMBEDFLEET_TRUNCATE says
+    window_overlap: int | None = None
 
     @property
     def wanted_representations(self) -> tuple[str, ...]:
@@ -264,6 +273,7 @@ def check_embedding_options(
     prompt: object = None,
     dimensions: object = None,
     dtype: object = None,
+    window_overlap: object = None,
 ) -> None:
     """Raise ProtocolError unless the optional embedding options are well-formed.
 
@@ -282,6 +292,7 @@ def check_embedding_options(
         check_dimensions(dimensions)
     if dtype is not None and dtype not in OUTPUT_DTYPES:
         raise ProtocolError(f"'dtype' must be one of {', '.join(OUTPUT_DTYPES)}, got {dtype!r}")
+    check_window_overlap(window_overlap)
 
 
 def check_dimensions(dimensions: object, *, whole: bool = True) -> None:
@@ -453,6 +464,19 @@ def chunk_from_mapping(
         **extra,
         reembed=reembed,
     )
+
+
+def check_window_overlap(overlap: object) -> None:
+    """Raise ProtocolError unless ``window_overlap`` is absent or a non-negative integer (the
+    tokens a long input's neighbouring windows share). Whether it fits the model's length is
+    the worker's check (workers/model/tokenizer.py, ``split_windows``)."""
+    if overlap is not None and (
+        not isinstance(overlap, int) or isinstance(overlap, bool) or overlap < 0
+    ):
+        raise ProtocolError(
+            f"'{LONG_INPUT_OPTION}' must be a non-negative integer (tokens neighbouring windows "
+            f"share) when given, got {overlap!r}"
+        )
 
 
 def _representation_options(message: Mapping[str, Any]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from pathlib import Path
 from embedfleet.shared.dead_letters import PAYLOAD_PREFIX_BYTES, DeadReason
 from embedfleet.shared.protocol import (
     DEFAULT_DTYPE,
+    LONG_INPUT_OPTION,
     MAX_ID_CHARS,
     MAX_PAIR_CHARS,
     MAX_PROMPT_CHARS,
@@ -158,6 +159,19 @@ CHUNK_FIELDS: tuple[WireField, ...] = (
         "`true`: run the model for this chunk even where the vector cache holds a vector for "
         "its content key (text, model revision and options); absent or `false`: a cached "
         "vector is written without running the model (`EMBEDFLEET_VECTOR_CACHE_MB`)",
+    ),
+    WireField(
+        LONG_INPUT_OPTION,
+        "int",
+        False,
+        "dense only: a text over the model's maximum tokens is embedded whole, not cut: split "
+        "into token windows of the model's length (each with the model's special tokens and "
+        "prompt) whose neighbours share this many tokens, one forward row per window in the "
+        "same batches as every other text, pooled back into one vector (the windows' vectors "
+        "averaged, weighted by their token counts, then normalised as the model normalises); "
+        "answered as one result. An overlap that leaves a window no room to advance is "
+        "dead-lettered (`options`); absent: the text is cut or refused as "
+        "`EMBEDFLEET_TRUNCATE` says",
     ),
 )
 

@@ -39,6 +39,7 @@ from embedfleet.workers.device_faults import (
 )
 from embedfleet.workers.intake import Intake, Window, first_set
 from embedfleet.workers.interactive import InteractiveJump
+from embedfleet.workers.long_inputs import before_normalize
 from embedfleet.workers.memory import TrimTimer, release_free_memory
 from embedfleet.workers.model.encoder import EncodeBatch, Tokenized
 from embedfleet.workers.parts import StageParts
@@ -186,6 +187,10 @@ class Compute:
             frozen=frozen,
             half=self.parts.outputs.full_float16(chunks),
         )
+        if window.rejoin is not None:
+            # long inputs' windows are averaged before the model's Normalize: the window's
+            # batches come back unnormalised, and the rejoin normalises every row
+            launch = functools.partial(before_normalize, launch)
         try:
             launched, clocked, query_seconds = await loop.run_in_executor(
                 self.parts.threads.model, launch
@@ -239,20 +244,27 @@ class Compute:
             seconds=seconds,
         )
         tokens = [window.tokens[p] for p in planned.positions]
+        chunks = [window.chunks[p] for p in planned.positions]
+        deliveries = accounted(
+            [window.deliveries[p] for p in planned.positions],
+            tokens,
+            self.parts.encoder.name,
+            seconds,
+        )
+        keys = [window.content_keys.get(window.deliveries[p]) for p in planned.positions]
+        if window.rejoin is not None:  # long inputs' windows: one row each once all are in
+            chunks, deliveries, tokens, vectors, keys = window.rejoin.take(
+                chunks, deliveries, tokens, vectors, keys
+            )
+            if not chunks:
+                return
         await encoded.put(
             Encoded(
-                chunks=[window.chunks[p] for p in planned.positions],
-                deliveries=accounted(
-                    [window.deliveries[p] for p in planned.positions],
-                    tokens,
-                    self.parts.encoder.name,
-                    seconds,
-                ),
+                chunks=chunks,
+                deliveries=deliveries,
                 tokens=tokens,
                 vectors=vectors,
-                content_keys=[
-                    window.content_keys.get(window.deliveries[p]) for p in planned.positions
-                ],
+                content_keys=keys,
             )
         )
 
@@ -291,6 +303,9 @@ class Compute:
             return
         if action is Recovery.DEAD_LETTER:
             chunk, delivery = window.chunks[positions[0]], window.deliveries[positions[0]]
+            rejoin = window.rejoin
+            if rejoin is not None and delivery in rejoin and not rejoin.fail(delivery):
+                return  # another window of this long input was dead-lettered already
             detail = f"model error: {type(error).__name__}: {error}"
             await self.intake.dead_letter(
                 [Rejected.chunk(delivery, chunk, DeadReason.MODEL, detail)]

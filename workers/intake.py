@@ -33,6 +33,7 @@ from embedfleet.workers.bulk import BulkBatch
 from embedfleet.workers.consumer import StreamEntry
 from embedfleet.workers.dead_letter_writer import Rejected
 from embedfleet.workers.decode import Accepted, decode_entries
+from embedfleet.workers.long_inputs import Rejoin, expand
 from embedfleet.workers.model.encoder import Tokenized, pairs_of
 from embedfleet.workers.outages import RideOut, transient_or_raise
 from embedfleet.workers.parts import StageParts
@@ -67,6 +68,10 @@ class Window:
     cached: list[tuple[Chunk, Delivery, Result]] = field(default_factory=list)
     # the content key of each chunk to embed that the cache may store (by its entry)
     content_keys: dict[Delivery, str] = field(default_factory=dict)
+    # long inputs embedded whole (``window_overlap``): ``chunks``, ``deliveries`` and
+    # ``tokens`` hold one row per token window, which this rejoins after the model
+    # (workers/long_inputs.py); None: one row per chunk
+    rejoin: Rejoin | None = None
 
     @property
     def held(self) -> list[Delivery]:
@@ -338,6 +343,7 @@ class Intake:
             cached=cached,
             content_keys={accepted[p].delivery: key for p in rest if (key := keys[p]) is not None},
         )
+        window = self._in_windows(window, texts_prompts, rejected)
         window = self._set_aside_overlong(window, rejected)
         if window.chunks:
             window.batches = self._prepare(window)
@@ -359,6 +365,46 @@ class Intake:
                 continue
             kept.append(item)
         return kept, prompts
+
+    def _in_windows(self, window: Window, prompts: list[str], rejected: list[Rejected]) -> Window:
+        """Long inputs embedded whole (issue 42): each chunk with ``window_overlap`` whose text
+        was cut becomes one row per token window (workers/long_inputs.py); one whose overlap
+        leaves a window no room goes to ``rejected``."""
+        long = [
+            i
+            for i, (chunk, tokens) in enumerate(zip(window.chunks, window.tokens, strict=True))
+            if chunk.window_overlap is not None and tokens.truncated
+        ]
+        if not long:
+            return window
+        text = self.parts.encoder.text
+        windows: dict[int, list[Tokenized]] = {}
+        refused: set[int] = set()
+        for i in long:
+            chunk = window.chunks[i]
+            assert chunk.window_overlap is not None
+            try:
+                windows[i] = text.windows(
+                    [chunk.text], [prompts[i]] if prompts[i] else None, chunk.window_overlap
+                )[0]
+            except ValueError as error:
+                refused.add(i)
+                rejected.append(
+                    Rejected.chunk(window.deliveries[i], chunk, DeadReason.OPTIONS, str(error))
+                )
+        keep = [i for i in range(len(window.chunks)) if i not in refused]
+        kept_at = {i: at for at, i in enumerate(keep)}
+        rejoin = Rejoin(normalize=self.parts.encoder.pooling.normalize)
+        chunks, deliveries, tokens = expand(
+            [window.chunks[i] for i in keep],
+            [window.deliveries[i] for i in keep],
+            [window.tokens[i] for i in keep],
+            {kept_at[i]: rows for i, rows in windows.items()},
+            rejoin,
+        )
+        return dataclasses.replace(
+            window, chunks=chunks, deliveries=deliveries, tokens=tokens, rejoin=rejoin
+        )
 
     def _set_aside_overlong(self, window: Window, rejected: list[Rejected]) -> Window:
         """Without truncation, texts over the model's maximum go to ``rejected``."""

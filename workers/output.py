@@ -27,7 +27,15 @@ import numpy as np
 from embedfleet.shared.content_key import content_key
 from embedfleet.shared.modelcard import ModelCard
 from embedfleet.shared.postprocess import QUANTIZED, quantize, truncate
-from embedfleet.shared.protocol import FULL_DIMENSIONS, Chunk, MultiVector, Result, SparseVector
+from embedfleet.shared.postprocess import normalize as normalize_rows
+from embedfleet.shared.protocol import (
+    FULL_DIMENSIONS,
+    LONG_INPUT_OPTION,
+    Chunk,
+    MultiVector,
+    Result,
+    SparseVector,
+)
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.batcher import plan_batches
 from embedfleet.workers.calibration import (
@@ -39,6 +47,25 @@ from embedfleet.workers.calibration import (
 )
 from embedfleet.workers.model.encoder import Encoder, Lane
 from embedfleet.workers.model.model_dir import directory_revision
+
+
+def pool_windows(
+    vectors: np.ndarray, counts: Sequence[int], weights: Sequence[int], *, normalize: bool
+) -> np.ndarray:
+    """Long inputs' vectors (issue 42) from their windows' rows: ``vectors`` holds each input's
+    ``counts[i]`` rows one after another; each input's vector is the mean of its rows weighted
+    by ``weights`` (each window's real tokens), normalised where the model normalises. float32,
+    one row per input; an input of one window keeps its row (normalised again: unchanged)."""
+    rows = np.asarray(vectors, dtype=np.float32)
+    if sum(counts) != len(rows) or len(weights) != len(rows) or min(counts, default=1) < 1:
+        raise ValueError(f"{sum(counts)} windows counted, {len(rows)} rows given")
+    if not counts:
+        return rows.reshape(0, rows.shape[-1] if rows.ndim == 2 else 0)
+    weighted = rows * np.asarray(weights, dtype=np.float32)[:, None]
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+    totals = np.add.reduceat(weighted, starts, axis=0)
+    pooled = totals / np.add.reduceat(np.asarray(weights, dtype=np.float32), starts)[:, None]
+    return normalize_rows(pooled) if normalize else pooled.astype(np.float32, copy=False)
 
 
 class OutputOptionError(ValueError):
@@ -116,6 +143,11 @@ class Outputs:
             if "multivector" in chunk.representations:
                 wanted += f":{chunk.multivector_dtype or 'float16'}"
             recipe = dataclasses.replace(recipe, representation=wanted)
+        if chunk.window_overlap is not None:
+            # a long input embedded whole is another vector than the same text cut
+            recipe = dataclasses.replace(
+                recipe, representation=f"{recipe.representation}:windows:{chunk.window_overlap}"
+            )
         return content_key(chunk.text, recipe, chunk.pair)
 
     def check_settings(self) -> None:
@@ -168,6 +200,15 @@ class Outputs:
             raise OutputOptionError("'max_active_dims' prunes sparse weights; none here")
         if chunk.multivector_dtype is not None and "multivector" not in offered:
             raise OutputOptionError("'multivector_dtype' shapes per-token vectors; none here")
+        if chunk.window_overlap is not None and (
+            served != "dense" or any(wanted != "dense" for wanted in chunk.wanted_representations)
+        ):
+            # a sparse weight vector, per-token vectors or a pair's score have no mean over
+            # windows that answers as the whole text's would
+            raise OutputOptionError(
+                f"'{LONG_INPUT_OPTION}' embeds a long input whole as one dense vector; it does "
+                "not apply to sparse, multivector or rerank outputs"
+            )
 
     def spec_for(self, chunk: Chunk) -> OutputSpec:
         self.check_representation(chunk)
@@ -182,6 +223,8 @@ class Outputs:
         (a truncated or quantized vector is computed from float32)."""
         if self.heads_for(chunks) is not None:  # packed rows hold token ids: float32
             return False
+        if any(chunk.window_overlap is not None for chunk in chunks):
+            return False  # a long input's windows are pooled after the batch, from float32
         full = OutputSpec(dim=self.encoder.dim, dtype="float16")
         return all(self.spec_for(chunk) == full for chunk in chunks)
 

@@ -53,9 +53,11 @@ from embedfleet.workers.dead_letter_writer import DeadLetters, Rejected
 from embedfleet.workers.decode import Accepted, decode_entries
 from embedfleet.workers.device_faults import DeviceFault, Recovery
 from embedfleet.workers.events import WorkerEvents
+from embedfleet.workers.long_inputs import whole
 from embedfleet.workers.model.encoder import Encoder, Tokenized, pairs_of
+from embedfleet.workers.model.model_dir import head_normalizes
 from embedfleet.workers.outages import Outages, RideOut, transient_or_raise
-from embedfleet.workers.output import Outputs
+from embedfleet.workers.output import Outputs, pool_windows
 
 log = get_logger("embedfleet.queries")
 
@@ -69,6 +71,14 @@ class PendingQuery(Accepted):
     # the stages of a query's wait (WorkerEvents.query_stages)
     read_at: float
     queued_at: float
+    # a long input embedded whole (``window_overlap``, issue 42): its token windows, one
+    # forward row each, pooled back into its one answer (workers/output.py); None: ``tokens``
+    windows: list[Tokenized] | None = None
+
+    @property
+    def rows(self) -> list[Tokenized]:
+        """What the query puts through the model: its windows, or its one row."""
+        return self.windows if self.windows is not None else [self.tokens]
 
     @property
     def reply(self) -> str:
@@ -136,6 +146,8 @@ class QueryStage:
                 self.model_thread,
                 self.encoder.prepare_query_graph,
                 self.settings.cpu_int8_choice,
+                self.settings.cpu_backend,
+                self.settings.openvino_precision,
             )
         mode = self.settings.cuda_query_lane
         if await self._loop.run_in_executor(
@@ -233,18 +245,49 @@ class QueryStage:
             prompts if any(prompts) else None,
             pairs=pairs_of([item.chunk for item in fresh]),
         )
+        windows, refused = self._long_inputs(fresh, prompts, tokens)
+        await self.dead_letters.send(list(refused.values()))
         queued_at = time.time()
-        for item, tokenized in zip(fresh, tokens, strict=True):
+        for position, (item, tokenized) in enumerate(zip(fresh, tokens, strict=True)):
+            if position in refused:
+                continue
+            rows = windows.get(position)
+            if rows is not None:
+                tokenized = whole(rows)
             # accounted with the query's tokens (its model time is the bulk batches' gaps)
             delivery = dataclasses.replace(
                 item.delivery, model=self.encoder.name, tokens=tokenized.length
             )
-            self._inbox.append(PendingQuery(item.chunk, delivery, tokenized, read_at, queued_at))
+            self._inbox.append(
+                PendingQuery(item.chunk, delivery, tokenized, read_at, queued_at, windows=rows)
+            )
         # Runs at once if the model is idle; if a bulk batch is in flight, the layer hook
         # serves the inbox first and this call finds it empty. A plain submit, not
         # run_in_executor: nothing awaits it, and its completion would wake the event loop
         # just while the answer travels to the caller.
         self._serve_thread.submit(self.serve_inbox).add_done_callback(_log_unexpected)
+
+    def _long_inputs(
+        self, fresh: list[Accepted], prompts: list[str], tokens: list[Tokenized]
+    ) -> tuple[dict[int, list[Tokenized]], dict[int, Rejected]]:
+        """The token windows of each query with ``window_overlap`` whose text was cut, and
+        those refused for an overlap that leaves a window no room (both by position)."""
+        windows: dict[int, list[Tokenized]] = {}
+        refused: dict[int, Rejected] = {}
+        for position, (item, tokenized) in enumerate(zip(fresh, tokens, strict=True)):
+            overlap = item.chunk.window_overlap
+            if overlap is None or not tokenized.truncated:
+                continue
+            prompt = prompts[position] if prompts else ""
+            try:
+                windows[position] = self.encoder.text.windows(
+                    [item.chunk.text], [prompt] if prompt else None, overlap
+                )[0]
+            except ValueError as error:
+                refused[position] = Rejected.chunk(
+                    item.delivery, item.chunk, DeadReason.OPTIONS, str(error)
+                )
+        return windows, refused
 
     # --- model thread ------------------------------------------------------------------
     def serve_at_layer_boundary(self) -> None:
@@ -282,10 +325,22 @@ class QueryStage:
             return
         serving_at = time.time()
         try:
-            batch = self.encoder.collate([i.tokens for i in items])
+            rows = [row for item in items for row in item.rows]
+            batch = self.encoder.collate(rows)
             # a multi-head model's heads (it has no frozen or CUDA query copy: the eager pass)
             batch.heads = self.outputs.heads_for([i.chunk for i in items])
-            vectors, path = self.encoder.serve_query(batch)
+            # said each time: a query served at a layer boundary of a bulk batch of long
+            # inputs' windows (computed before Normalize) is normalised all the same, and
+            # long inputs' windows here are averaged before it (workers/long_inputs.py)
+            with head_normalizes(len(rows) == len(items)):
+                vectors, path = self.encoder.serve_query(batch)
+            if len(rows) > len(items):  # long inputs' windows, pooled back into one each
+                vectors = pool_windows(
+                    vectors,
+                    [len(item.rows) for item in items],
+                    [row.length for row in rows],
+                    normalize=self.encoder.pooling.normalize,
+                )
         except Exception as error:
             self._on_model_error(items, error, oom_retries)
             return

@@ -30,7 +30,12 @@ from embedfleet.ops.waiting import (
     run_client,
     verb_settings,
 )
-from embedfleet.producer.client import Producer, QueryTimeoutError, TenantBacklogFullError
+from embedfleet.producer.client import (
+    EmbeddingOptions,
+    Producer,
+    QueryTimeoutError,
+    TenantBacklogFullError,
+)
 from embedfleet.producer.enqueue import Enqueued
 from embedfleet.producer.jsonl import BadLine, read_chunks
 from embedfleet.producer.results_reader import export_reader_name
@@ -96,6 +101,14 @@ def _settings(redis_url: str | None) -> Settings:
     "already has, and the cache may still answer them.",
 )
 @click.option(
+    "--window-overlap",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Embed each text over the model's maximum tokens whole, not cut: in token windows of "
+    "the model's length sharing N tokens with their neighbour, pooled back into one vector "
+    "(the chunk field window_overlap; a line's own wins). Dense models only.",
+)
+@click.option(
     "--prune",
     is_flag=True,
     help="With --job, once SOURCE is sent: delete from the database sink the rows of this job "
@@ -117,6 +130,7 @@ def enqueue_command(
     force: bool,
     tenant: str | None,
     reembed: bool,
+    window_overlap: int | None,
     prune: bool,
     wait: bool,
     timeout: float | None,
@@ -162,6 +176,7 @@ def enqueue_command(
         sent=IdRecorder(),
         model=model,
         tenant=tenant,
+        window_overlap=window_overlap,
     )
     dead: list[int] = []  # the dead-lettered count, once --wait has seen the job finish
     rejected: list[BadLine] = []
@@ -272,6 +287,8 @@ class _Run:
     sent: IdRecorder  # the ids sent, for --prune
     model: str | None = None  # the model lane the chunks go to (None: the settings')
     tenant: str | None = None  # the tenant they are accounted to (None: the tenant map's)
+    # long inputs embedded whole in windows sharing this many tokens (None: cut or refused)
+    window_overlap: int | None = None
 
 
 def _counted(count: Enqueued) -> str:
@@ -334,6 +351,7 @@ async def _enqueue(
                     force=run.force,
                     reembed=run.reembed,
                     tenant=run.tenant,
+                    options=EmbeddingOptions(window_overlap=run.window_overlap),
                 )
             except (ValueError, TenantBacklogFullError) as error:
                 # ValueError: a model card published after the reader's (a worker's first

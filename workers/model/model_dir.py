@@ -34,10 +34,13 @@ mean pooling (last-token for a ``*ForCausalLM`` architecture), not normalised.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import re
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -576,6 +579,26 @@ def _load_weights(module_dir: Path, where: str) -> dict[str, torch.Tensor]:
     raise UnsupportedModelError(f"{where}: no model.safetensors or pytorch_model.bin")
 
 
+# Whether SentenceHead applies the model's Normalize on this thread (``head_normalizes``).
+_HEAD = threading.local()
+
+
+@contextlib.contextmanager
+def head_normalizes(normalize: bool) -> Iterator[None]:
+    """Within it, every SentenceHead on this thread applies Normalize only if ``normalize``:
+    a batch holding a long input's windows (issue 42, workers/long_inputs.py) is computed
+    before Normalize, so its windows are averaged as the model pooled them and normalised
+    after. Per thread, and set again around each forward (the query stage sets it back on for
+    the queries it serves at a layer boundary of such a batch), since every forward path runs
+    the head in Python on the thread that launched it."""
+    before = getattr(_HEAD, "normalize", True)
+    _HEAD.normalize = normalize
+    try:
+        yield
+    finally:
+        _HEAD.normalize = before
+
+
 class SentenceHead(torch.nn.Module):
     """Everything after pooling: the Dense modules, then Normalize, in float32."""
 
@@ -599,7 +622,7 @@ class SentenceHead(torch.nn.Module):
         for layer, residual in zip(self.layers, self.residuals, strict=True):
             out = layer(pooled)
             pooled = out if residual is None else out + residual(pooled)
-        if self.normalize:
+        if self.normalize and getattr(_HEAD, "normalize", True):
             pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
         return pooled
 

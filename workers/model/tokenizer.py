@@ -170,6 +170,59 @@ class TextTokenizer:
             ids = ids[: self.max_length]
         return Tokenized(ids=ids, truncated=True, prompt_length=prompt_length)
 
+    # --- long inputs in windows (issue 42) ---------------------------------------------
+    def windows(
+        self, texts: Sequence[str], prompts: Sequence[str] | None, overlap: int
+    ) -> list[list[Tokenized]]:
+        """Each text's token windows (``split_windows``): a text within the maximum is one
+        window, the ids ``tokenize`` gives it; a longer one is tokenized whole (no cut) and
+        split, every window with the prompt and the special tokens the tokenizer adds.
+        ValueError where ``overlap`` leaves a window no room to advance."""
+        cut = self.tokenize(texts, prompts)
+        if not any(item.truncated for item in cut):
+            return [[item] for item in cut]
+        joined = (
+            [prompt + text for prompt, text in zip(prompts, texts, strict=True)]
+            if prompts is not None
+            else list(texts)
+        )
+        out: list[list[Tokenized]] = []
+        for text, item in zip(joined, cut, strict=True):
+            if not item.truncated:
+                out.append([item])
+                continue
+            encoding = self._whole.encode(text)
+            mask = encoding.special_tokens_mask
+            leading = next((i for i, special in enumerate(mask) if not special), len(mask))
+            trailing = next(
+                (i for i, special in enumerate(reversed(mask)) if not special), len(mask)
+            )
+            out.append(
+                [
+                    Tokenized(ids=ids, truncated=False, prompt_length=item.prompt_length)
+                    for ids in split_windows(
+                        encoding.ids,
+                        max_length=self.max_length,
+                        # the prompt's tokens (with the leading special tokens) open every window
+                        lead=max(leading, item.prompt_length),
+                        trail=trailing,
+                        overlap=overlap,
+                    )
+                ]
+            )
+        return out
+
+    @functools.cached_property
+    def _whole(self) -> Any:
+        """A copy of the tokenizer that never cuts: a long input's windows are cut from its
+        whole ids (the shared one cuts one past the maximum, and other threads use it)."""
+        from tokenizers import Tokenizer
+
+        whole = Tokenizer.from_str(self.backend.to_str())
+        whole.no_truncation()
+        whole.no_padding()
+        return whole
+
     # --- batch ------------------------------------------------------------------------
     def collate(self, items: list[Tokenized], *, pin: bool = False) -> EncodeBatch:
         """A padded batch of ``items`` (``Encoder.collate``)."""
@@ -196,6 +249,36 @@ class TextTokenizer:
             prompt_lengths=prompt_lengths,
             token_type_ids=types_tensor,
         )
+
+
+def split_windows(
+    ids: Sequence[int], *, max_length: int, lead: int, trail: int, overlap: int
+) -> list[list[int]]:
+    """A long input's token windows (issue 42): ``ids`` (the whole text's, special tokens in)
+    cut into windows of at most ``max_length`` ids, each opening with the ``lead`` first ids
+    (the leading special tokens and any prompt) and closing with the ``trail`` last ones (the
+    trailing special tokens), as the tokenizer frames one text. The ids between are covered by
+    consecutive spans that share ``overlap`` ids with their neighbour; the last span ends at
+    the text's end, so it may be shorter. ValueError where the overlap (or the frame) leaves a
+    span no room to advance."""
+    room = max_length - lead - trail
+    if overlap < 0 or room - overlap < 1:
+        raise ValueError(
+            f"window_overlap={overlap} leaves no room: a window holds {max(room, 0)} tokens of "
+            f"text (the model's {max_length} less {lead + trail} special and prompt tokens); "
+            f"use 0..{max(room - 1, 0)}"
+        )
+    head, body, tail = list(ids[:lead]), ids[lead : len(ids) - trail], list(ids[len(ids) - trail :])
+    if len(body) <= room:
+        return [[*head, *body, *tail]]
+    step = room - overlap
+    windows: list[list[int]] = []
+    start = 0
+    while True:
+        windows.append([*head, *body[start : start + room], *tail])
+        if start + room >= len(body):
+            return windows
+        start += step
 
 
 def _lowercase_normalizer(backend: object) -> None:

@@ -1,0 +1,192 @@
+"""Long inputs embedded whole (issue 42): a chunk with ``window_overlap`` whose text is over the
+model's maximum becomes several forward rows, one per token window, and one result again.
+
+The intake stage splits it (``expand``): the window holds one row per token window, each with
+the chunk and its entry repeated, so the rows are sorted, planned and packed with every other
+text of the window (``workers/batcher.py``) and cost one forward row each. The windows of one
+input may land in different batches; the compute stage hands each collected batch through the
+window's :class:`Rejoin`, which keeps the rows of an input until all have come and then passes
+it on as one row: its windows' vectors averaged, weighted by their tokens, and normalised as
+the model normalises (``workers/output.py``, ``pool_windows``). Everything after (dimensions,
+output precision, the vector cache, the write, the acknowledgement) sees one input.
+
+The mean is taken before the model's Normalize, as the model pooled each window: the batches
+of a window holding long inputs are computed with the Normalize module left out
+(``before_normalize``; every forward path runs the modules after pooling in Python, on the
+thread that launched the batch: workers/model/model_dir.py ``head_normalizes``), and the rejoin
+normalises every row it hands on, the other texts' as theirs would have been.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import numpy as np
+
+from embedfleet.shared.postprocess import normalize as normalize_rows
+from embedfleet.shared.protocol import Chunk
+from embedfleet.sinks import Delivery
+from embedfleet.workers.model.encoder import Tokenized
+from embedfleet.workers.model.model_dir import head_normalizes
+from embedfleet.workers.output import pool_windows
+
+T = TypeVar("T")
+
+EntryKey = tuple[str, str]  # (stream, entry id): a delivery, whatever its accounting says
+
+
+def entry_key(delivery: Delivery) -> EntryKey:
+    return delivery.stream, delivery.entry_id
+
+
+def before_normalize(launch: Callable[[], T]) -> T:
+    """``launch()`` (a forward pass, on the model thread) with the model's Normalize left out:
+    its rows come back as pooled (and through any Dense modules), for the rejoin."""
+    with head_normalizes(False):
+        return launch()
+
+
+def whole(windows: Sequence[Tokenized]) -> Tokenized:
+    """One input's windows as the accounting sees them: every token computed (the length), not
+    cut (``truncated`` false)."""
+    ids = [token for window in windows for token in window.ids]
+    return Tokenized(ids=ids, truncated=False, prompt_length=windows[0].prompt_length)
+
+
+@dataclass
+class _Pending:
+    """The rows of one long input collected so far."""
+
+    expected: int
+    vectors: list[np.ndarray] = field(default_factory=list)
+    tokens: list[Tokenized] = field(default_factory=list)
+    deliveries: list[Delivery] = field(default_factory=list)
+    content_key: str | None = None
+
+
+@dataclass
+class Rejoin:
+    """A window's long inputs, rejoined: their rows held until every window has come back.
+    The window's batches come back before the model's Normalize (``before_normalize``):
+    ``normalize`` (the model's) normalises every row handed on."""
+
+    normalize: bool
+    _pending: dict[EntryKey, _Pending] = field(default_factory=dict)
+    # inputs dead-lettered for a window that failed: their other rows are dropped
+    _failed: set[EntryKey] = field(default_factory=set)
+
+    def expect(self, delivery: Delivery, rows: int) -> None:
+        self._pending[entry_key(delivery)] = _Pending(rows)
+
+    def __contains__(self, delivery: Delivery) -> bool:
+        key = entry_key(delivery)
+        return key in self._pending or key in self._failed
+
+    @property
+    def waiting(self) -> int:
+        """Long inputs with rows still to come."""
+        return len(self._pending)
+
+    def fail(self, delivery: Delivery) -> bool:
+        """A window of this input failed in the model: whether it is to be dead-lettered now
+        (the first failure; its rows held and to come are dropped)."""
+        key = entry_key(delivery)
+        if key in self._failed:
+            return False
+        self._pending.pop(key, None)
+        self._failed.add(key)
+        return True
+
+    def take(
+        self,
+        chunks: list[Chunk],
+        deliveries: list[Delivery],
+        tokens: list[Tokenized],
+        vectors: np.ndarray,
+        content_keys: list[str | None],
+    ) -> tuple[list[Chunk], list[Delivery], list[Tokenized], np.ndarray, list[str | None]]:
+        """One collected batch's rows (``deliveries`` accounted per row) → the rows of whole
+        inputs: the others as they are, then each long input whose last window this is, pooled
+        (its tokens and model time summed); rows of inputs still waiting are held."""
+        keep: list[int] = []
+        done: list[tuple[Chunk, _Pending]] = []
+        for row, delivery in enumerate(deliveries):
+            key = entry_key(delivery)
+            pending = self._pending.get(key)
+            if pending is None:
+                if key not in self._failed:
+                    keep.append(row)
+                continue
+            pending.vectors.append(vectors[row])
+            pending.tokens.append(tokens[row])
+            pending.deliveries.append(delivery)
+            if content_keys:
+                pending.content_key = content_keys[row]
+            if len(pending.vectors) == pending.expected:
+                done.append((chunks[row], self._pending.pop(key)))
+        out_chunks = [chunks[r] for r in keep]
+        out_deliveries = [deliveries[r] for r in keep]
+        out_tokens = [tokens[r] for r in keep]
+        out_keys = [content_keys[r] for r in keep] if content_keys else []
+        # the batch was computed before Normalize (``before_normalize``): the other texts'
+        # rows are normalised here as the model would have
+        kept = np.asarray(vectors[keep], dtype=np.float32)
+        parts = [normalize_rows(kept) if self.normalize else kept] if keep else []
+        if done:
+            rows = [vector for _, pending in done for vector in pending.vectors]
+            parts.append(
+                pool_windows(
+                    np.stack(rows),
+                    [pending.expected for _, pending in done],
+                    [t.length for _, pending in done for t in pending.tokens],
+                    normalize=self.normalize,
+                )
+            )
+            for chunk, pending in done:
+                first = pending.deliveries[0]
+                out_chunks.append(chunk)
+                out_deliveries.append(
+                    Delivery(
+                        first.stream,
+                        first.entry_id,
+                        first.job,
+                        first.tenant,
+                        first.model,
+                        sum(d.tokens for d in pending.deliveries),
+                        sum(d.model_us for d in pending.deliveries),
+                        first.copy,
+                    )
+                )
+                out_tokens.append(whole(pending.tokens))
+                if content_keys:
+                    out_keys.append(pending.content_key)
+        width = vectors.shape[1] if vectors.ndim == 2 else 0
+        joined = np.concatenate(parts) if parts else np.zeros((0, width), dtype=np.float32)
+        return out_chunks, out_deliveries, out_tokens, joined, out_keys
+
+
+def expand(
+    chunks: list[Chunk],
+    deliveries: list[Delivery],
+    tokens: list[Tokenized],
+    windows: dict[int, list[Tokenized]],
+    rejoin: Rejoin,
+) -> tuple[list[Chunk], list[Delivery], list[Tokenized]]:
+    """A window's rows with each long input (``windows``: its token windows, by position)
+    in place of its one cut row: the chunk and its entry repeated per window, told to
+    ``rejoin``."""
+    out_chunks: list[Chunk] = []
+    out_deliveries: list[Delivery] = []
+    out_tokens: list[Tokenized] = []
+    for position, (chunk, delivery, tokenized) in enumerate(
+        zip(chunks, deliveries, tokens, strict=True)
+    ):
+        rows = windows.get(position, [tokenized])
+        if len(rows) > 1:
+            rejoin.expect(delivery, len(rows))
+        out_chunks += [chunk] * len(rows)
+        out_deliveries += [delivery] * len(rows)
+        out_tokens += rows
+    return out_chunks, out_deliveries, out_tokens
