@@ -1,7 +1,8 @@
 """Long inputs embedded whole (issue 42), through a real worker with the packaged model
 (all-MiniLM-L6-v2, 256 tokens): a 3,000-token text sent with ``window_overlap`` comes back as
 one vector equal (cosine >= 0.999) to the by-hand reference, on every door of the worker (the
-ingest stream as ``embedfleet enqueue`` sends it, the interactive stream, the query stream), and
+ingest stream from ``Producer.enqueue`` and from the ``embedfleet enqueue`` command, the
+interactive stream, the query stream), and
 costs one forward row per window, planned in the same batches as the other texts.
 
 The reference is written here from the model's own parts, not from the worker's code: the
@@ -12,6 +13,9 @@ mean weighted by each window's tokens, then normalised.
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
@@ -19,7 +23,7 @@ import redis.asyncio as aioredis
 from embedfleet.producer.client import EmbeddingOptions, Producer
 from embedfleet.shared.settings import Settings
 from tests import model_zoo
-from tests.conftest import WorkerLauncher
+from tests.conftest import WorkerLauncher, cli_env, start_cli
 
 # the slow tier (make test-full, CI): starts a worker with the real model
 pytestmark = pytest.mark.slow
@@ -96,12 +100,27 @@ async def test_a_long_text_is_embedded_whole_on_every_door(
             # (rows, longest row) per bulk batch, as the worker planned them
             shapes = [(rows, longest) for *_, rows, longest in worker.listener.slices]
             interactive = (await producer.embed_texts([text, short[0]], options=options))[0]
+            # `embedfleet enqueue --window-overlap`, the command line's door to the same field
+            line = json.dumps({"id": "cli-long", "text": text, "dtype": "float32"}) + "\n"
+            command = await start_cli(
+                cli_env(settings),
+                *("enqueue", "-", "--job", "cli", "--window-overlap", str(OVERLAP), "--wait"),
+                stdin=asyncio.subprocess.PIPE,
+            )
+            _, err = await asyncio.wait_for(command.communicate(line.encode()), 300)
+            assert command.returncode == 0, err.decode()
             query = await producer.embed_query(text, options=options, timeout=120)
         results = {r.id: r async for r in producer.results()}
-    assert set(results) == {c["id"] for c in chunks}  # one result per input
+    assert set(results) == {c["id"] for c in chunks} | {"cli-long"}  # one result per input
     ingest = results["long"].vector
     assert results["long"].truncated is False
-    for door, vector in (("ingest", ingest), ("interactive", interactive), ("query", query)):
+    doors = {
+        "ingest": ingest,
+        "enqueue command": results["cli-long"].vector,
+        "interactive": interactive,
+        "query": query,
+    }
+    for door, vector in doors.items():
         agreement = cosine(vector, reference)
         print(f"LONG INPUT {door}: cosine to the by-hand reference {agreement:.6f}")
         assert agreement >= MIN_COSINE, door
