@@ -1,7 +1,7 @@
-"""TEI's timing headers on every answer that reached the fleet (text-embeddings-inference's
-``ResponseMetadata``): ``x-compute-type``, ``x-compute-time``, ``x-compute-characters``,
-``x-compute-tokens``, ``x-total-time``, ``x-tokenization-time``, ``x-queue-time`` and
-``x-inference-time``, times in whole milliseconds as TEI writes them.
+"""TEI's timing headers on every answer of a TEI route that reached the fleet
+(text-embeddings-inference's ``ResponseMetadata``): ``x-compute-type``, ``x-compute-time``,
+``x-compute-characters``, ``x-compute-tokens``, ``x-total-time``, ``x-tokenization-time``,
+``x-queue-time`` and ``x-inference-time``, times in whole milliseconds as TEI writes them.
 
 The workers time their stages (read, tokenize, wait, forward, reply: the query stage's metrics)
 but do not send them back with an answer, so every figure here is the gateway's own clock:
@@ -19,7 +19,9 @@ but do not send them back with an answer, so every figure here is the gateway's 
 - ``x-compute-type``: ``cpu`` or ``gpu``, the device the workers' settings name
   (EMBEDFLEET_DEVICE; ``auto`` reads as ``cpu``, the gateway cannot see the workers' device).
 
-A request that never reached the fleet (an error before it, /info, /tokenize) has none of them.
+A request that never reached the fleet (an error before it, /info, /tokenize) has none of them,
+nor does an answer in OpenAI's dialect (/v1/*, /embeddings): OpenAI sends none, and its
+``usage`` already counts the tokens (a second count would tokenize every input again).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from dataclasses import dataclass, field
 
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from embedfleet.gateway.errors import ErrorDialect, declared_dialect
 
 TokenCounter = Callable[[Sequence[str]], int]
 
@@ -127,7 +131,8 @@ def timing_headers(clock: RequestClock, compute_type: str, now: float) -> dict[s
 
 class TimingHeaders:
     """Pure ASGI middleware: a clock per HTTP request, and TEI's timing headers on a successful
-    answer of a request that reached the fleet."""
+    answer of a TEI route (the route the request matched, in the scope) that reached the
+    fleet."""
 
     def __init__(self, app: ASGIApp, compute_type: str) -> None:
         self.app = app
@@ -141,7 +146,12 @@ class TimingHeaders:
         token = _clock.set(clock)
 
         async def send_timed(message: Message) -> None:
-            if message["type"] == "http.response.start" and message["status"] < 400 and clock.sent:
+            if (
+                message["type"] == "http.response.start"
+                and message["status"] < 400
+                and clock.sent
+                and declared_dialect(scope.get("route")) is ErrorDialect.tei
+            ):
                 headers = MutableHeaders(scope=message)
                 for name, value in timing_headers(
                     clock, self.compute_type, time.perf_counter()

@@ -183,7 +183,11 @@ def test_tei_timing_headers_with_the_gateways_figures(gateway: str) -> None:
     assert int(similarity.headers["x-compute-characters"]) == len(SOURCE) + sum(
         len(text) for text in SENTENCES
     )
-    # what never reached the fleet has none
+    # what never reached the fleet has none, nor OpenAI's routes (their usage counts tokens)
+    openai_route = httpx.post(
+        f"{gateway}/v1/embeddings", headers=AUTH, json={"model": MODEL, "input": SENTENCES}
+    )
+    assert openai_route.status_code == 200 and "x-compute-time" not in openai_route.headers
     assert "x-compute-time" not in httpx.get(f"{gateway}/info", headers=AUTH).headers
     refused = httpx.post(f"{gateway}/embed", headers=AUTH, json={"inputs": []})
     assert refused.status_code >= 400 and "x-compute-time" not in refused.headers
