@@ -41,8 +41,9 @@ def is_rerank(payload: object) -> bool:
 async def answer(payload: object, gateway: Gateway) -> Any:
     """The answer of the route the served model gives ``payload`` (see the module's docstring)."""
     if similarity_api.is_similarity(payload):
-        body = parsed(similarity_api.SimilarityRequest, payload)
-        return await similarity_api.similarity(body, gateway)
+        return await similarity_api.similarity(
+            parsed(similarity_api.SimilarityRequest, payload), gateway
+        )
     if is_rerank(payload):
         return await rerank_api.rerank(parsed(rerank_api.RerankRequest, payload), gateway)
     model = payload.get("model") if isinstance(payload, dict) else None
@@ -52,8 +53,8 @@ async def answer(payload: object, gateway: Gateway) -> Any:
     if card is not None and card.serves("rerank"):
         return await rerank_api.predict(parsed(rerank_api.PredictRequest, payload), gateway)
     if card is not None and card.serves("sparse") and not card.serves("dense"):
-        body = parsed(rerank_api.EmbedSparseRequest, payload)
-        return await rerank_api.embed_sparse(body, gateway)
+        sparse = parsed(rerank_api.EmbedSparseRequest, payload)
+        return await rerank_api.embed_sparse(sparse, gateway)
     return await tei_api.embed(parsed(tei_api.EmbedRequest, payload), gateway)
 
 
