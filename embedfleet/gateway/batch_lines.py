@@ -72,12 +72,13 @@ def read_envelope(raw: bytes, gateway: Gateway) -> tuple[str, Any]:
 
 
 def read_request(
-    custom_id: str, body: Any, gateway: Gateway, *, validating: bool = False
+    custom_id: str, body: Any, gateway: Gateway, *, validating: bool = False, sent: bool = False
 ) -> BatchLine:
     """A request's body checked as the online endpoint checks it; APIError (the status and
     error the endpoint would answer) says why not. The context check runs in the validating
     step only (``validating``): a line that passed it is never refused later, when the card
-    may have become known."""
+    may have become known. ``sent``: a line already sent, read back for its output; the card's
+    checks are not run again (the worker refused what the card it had then refused)."""
     try:
         request = EmbeddingRequest.model_validate(body)
     except ValidationError as error:
@@ -90,17 +91,20 @@ def read_request(
             code="invalid_request",
         ) from None
     card = gateway.known_card  # None before any worker published: the worker checks
-    check_dimensions(request.dimensions, card)
+    if not sent:
+        check_dimensions(request.dimensions, card)
     texts = prepare(request.input, gateway.tokenizer, gateway.settings, "body.input")
     if validating and card is not None and not request.truncate:  # as online: refused, not cut
         check_context(texts, gateway.tokenizer, card.max_length, "body.input")
     return BatchLine(custom_id, texts, request.encoding_format, request.dimensions)
 
 
-def parse_line(raw: bytes, gateway: Gateway, *, validating: bool = False) -> BatchLine:
+def parse_line(
+    raw: bytes, gateway: Gateway, *, validating: bool = False, sent: bool = False
+) -> BatchLine:
     """One JSONL request line, its form and its request (``read_envelope``, ``read_request``)."""
     custom_id, body = read_envelope(raw, gateway)
-    return read_request(custom_id, body, gateway, validating=validating)
+    return read_request(custom_id, body, gateway, validating=validating, sent=sent)
 
 
 def refusal(raw: bytes, gateway: Gateway) -> APIError:

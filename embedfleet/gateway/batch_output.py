@@ -207,11 +207,11 @@ class BatchOutput:
             for number, raw in enumerate(requests):
                 if number in refused:  # never sent, whatever the batch's outcome
                     custom_id, _ = read_envelope(raw, gateway)
-                    record = refused_record(custom_id, refusal(raw, gateway))
-                    errors.write(json.dumps(record) + "\n")
+                    answer = refused_record(custom_id, refusal(raw, gateway))
+                    errors.write(json.dumps(answer) + "\n")
                     failed += 1
                     continue
-                line = parse_line(raw, gateway)
+                line = parse_line(raw, gateway, sent=True)
                 request_id = f"req_{uuid.uuid4().hex}"
                 record: dict[str, Any] = {
                     "id": f"batch_req_{uuid.uuid4().hex}",
