@@ -121,3 +121,29 @@ def test_a_failed_window_drops_its_input_once() -> None:
         [Chunk("long", "l")], [delivery], [_tokens(3)], np.ones((1, 4), np.float32), []
     )
     assert taken[0] == [] and taken[3].shape == (0, 4)
+
+
+def test_head_normalizes_is_per_thread_and_restored() -> None:
+    """The batches of a window with long inputs are computed before Normalize; the switch is
+    the launching thread's alone (a query on the CUDA lane's thread normalises meanwhile) and
+    set back after, also when nested (a query served at a layer boundary)."""
+    import threading
+    from types import SimpleNamespace
+
+    import torch
+
+    from embedfleet.workers.model.model_dir import SentenceHead, head_normalizes
+
+    head = SentenceHead(SimpleNamespace(dense=[], normalize=True))  # type: ignore[arg-type]
+    pooled = torch.tensor([[3.0, 4.0]])
+    seen: list[torch.Tensor] = []
+    with head_normalizes(False):
+        assert torch.equal(head(pooled), pooled)
+        other = threading.Thread(target=lambda: seen.append(head(pooled)))
+        other.start()
+        other.join()
+        with head_normalizes(True):
+            assert torch.allclose(head(pooled), torch.tensor([[0.6, 0.8]]))
+        assert torch.equal(head(pooled), pooled)
+    assert torch.allclose(seen[0], torch.tensor([[0.6, 0.8]]))
+    assert torch.allclose(head(pooled), torch.tensor([[0.6, 0.8]]))
