@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from embedfleet.gateway.errors import APIError
 from embedfleet.gateway.files import bounded_lines
-from embedfleet.gateway.inputs import check_context, check_dimensions, prepare
+from embedfleet.gateway.inputs import check_context, check_dimensions, openai_truncate, prepare
 from embedfleet.gateway.openai_api import EmbeddingRequest
 from embedfleet.gateway.state import Gateway
 
@@ -93,8 +93,12 @@ def read_request(
     card = gateway.known_card  # None before any worker published: the worker checks
     if not sent:
         check_dimensions(request.dimensions, card)
-    texts = prepare(request.input, gateway.tokenizer, gateway.settings, "body.input")
-    if validating and card is not None and not request.truncate:  # as online: refused, not cut
+    # the line's "truncate", else the /v1 default (EMBEDFLEET_GATEWAY_OPENAI_TRUNCATE: off,
+    # OpenAI's refusal), as online
+    truncate = openai_truncate(request.truncate, gateway.settings)
+    settings = gateway.settings
+    texts = prepare(request.input, gateway.tokenizer, settings, "body.input", truncate=truncate)
+    if validating and card is not None and not truncate:  # as online: refused, not cut
         check_context(texts, gateway.tokenizer, card.max_length, "body.input")
     return BatchLine(custom_id, texts, request.encoding_format, request.dimensions)
 

@@ -214,6 +214,24 @@ def test_requests_refused_on_their_own_are_answered_in_the_error_file_and_the_ba
     assert "384" in error_of["too-wide"]["message"]
 
 
+def test_over_long_lines_are_cut_when_the_v1_default_is_to_truncate(
+    gateway: Gateway, tmp_path: Path
+) -> None:
+    """EMBEDFLEET_GATEWAY_OPENAI_TRUNCATE=true: a line that does not say is cut, as online; one
+    that says ``"truncate": false`` is still refused on its own."""
+    long_text = "many words " * 400
+    lines = [batch_line("cut", long_text), batch_line("kept", long_text, truncate=False)]
+    with gateway(gateway_openai_truncate=True) as client:
+        batch = create_batch(client, upload(client, tmp_path / "default.jsonl", lines).id)
+        batch = wait_final(client, batch.id)
+        [done] = jsonl(client, batch.output_file_id)
+        [refused] = jsonl(client, batch.error_file_id)
+    assert batch.status == "completed", batch
+    assert done["custom_id"] == "cut" and done["response"]["body"]["usage"]["prompt_tokens"] == 256
+    assert refused["custom_id"] == "kept"
+    assert refused["response"]["body"]["error"]["code"] == "context_length_exceeded"
+
+
 def test_a_batch_whose_every_request_is_refused_completes_with_an_error_file_only(
     gateway: Gateway, tmp_path: Path
 ) -> None:
