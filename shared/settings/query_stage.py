@@ -11,6 +11,9 @@ from pydantic import Field
 
 from embedfleet.shared.settings.section import Section
 
+# EMBEDFLEET_CPU_BACKEND: the engine of a CPU worker's forward path (workers/model/backends.py)
+CpuBackend = Literal["torch", "onnxruntime", "openvino", "auto"]
+
 
 class QueryStageSettings(Section):
     """The worker's query stage (queries between bulk slices, or beside them on CUDA) and the
@@ -53,6 +56,20 @@ class QueryStageSettings(Section):
     those and the frozen copy on a timed batch at start. `w8a8` / `dynamic`: only that copy, used
     whenever it holds the bar (no timing race): to force a path for a benchmark (`w8a8` is built
     even without VNNI/AMX then, with a warning)."""
+    cpu_backend: CpuBackend = "torch"
+    """The engine of a CPU worker's forward path (queries, and bulk through the same copy; needs
+    FROZEN_QUERIES). `torch`: the frozen graph or an int8 copy above. `onnxruntime` / `openvino`: a
+    copy of the model exported to that engine at start (its extra: `pip install
+    'embedfleet[worker,openvino]'`; a worker whose extra is missing stops with that error), kept
+    if it holds the float32 bar on the held-out parity set, else torch's path with a warning.
+    `auto`: every installed engine is built, gated and timed against torch's path at start, and
+    kept only where at least 10% faster. OpenVINO computes in bf16 where the CPU has it
+    (OPENVINO_PRECISION); ONNX Runtime in float32. Export and compile times and memory are
+    logged (`backend copy made`). No effect on CUDA."""
+    openvino_precision: Literal["default", "bf16", "f32"] = "default"
+    """OpenVINO's inference precision hint for CPU_BACKEND=openvino (or auto): `default` is
+    OpenVINO's own (bf16 on CPUs with AMX or AVX512-BF16, else f32); `f32` for float32's
+    numbers."""
     layout: Literal["auto", "padded", "varlen"] = "auto"
     """How bulk batches are laid out for the forward pass. `auto`: `varlen` on CUDA (every text of a
     batch end to end in one row, attention per text: no padding computed), `padded` on CPU (sorted,

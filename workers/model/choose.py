@@ -5,8 +5,11 @@ load (workers/model/precision.py) and the probes: the frozen graph is kept where
 eager model (workers/model/frozen.py); each int8 copy this CPU runs (workers/model/int8.py) is
 held to the float32 bar on the held-out set and, under ``auto``, raced against the frozen graph
 (or the eager model) on a timed bulk-shaped batch. The fastest is kept, an int8 copy only where
-it is at least :data:`INT8_MIN_GAIN` faster (it costs a little parity). The paths themselves are
-workers/model/forward.py's.
+it is at least :data:`INT8_MIN_GAIN` faster (it costs a little parity). Then the other engines
+``EMBEDFLEET_CPU_BACKEND`` names (workers/model/backends.py: ONNX Runtime, OpenVINO): each copy
+is held to the same bar on the held-out set; one named is kept whenever it holds it, and under
+``auto`` each installed one is raced against torch's path and kept where at least
+:data:`BACKEND_MIN_GAIN` faster. The paths themselves are workers/model/forward.py's.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import numpy as np
 import torch
 
 from embedfleet.shared.logging import get_logger
+from embedfleet.shared.settings.query_stage import CpuBackend
 from embedfleet.workers.cpus import CpuClass, cpu_class
+from embedfleet.workers.model.backends import BackendForward, BuildCost, wanted_engines
 from embedfleet.workers.model.dense import Dense
 from embedfleet.workers.model.forward import CopyPath, EagerPath, ForwardPath, layer_stack
 from embedfleet.workers.model.frozen import FrozenForward, build_checked, freeze, frozen_min_cosine
@@ -55,6 +60,10 @@ INT8_PATHS: dict[str, str] = {"w8a8": W8A8Forward.name, "dynamic": DynamicInt8Fo
 # it costs a little parity, and a tie on the probe batch (Zen 4, 201.0 against 201.8 ms) was
 # 28% fewer tokens/s in the bulk (docs/BENCHMARKS.md, the query lane's bound per path).
 INT8_MIN_GAIN = 0.10
+# Another engine replaces torch's path under CPU_BACKEND=auto only if this much faster on the
+# timed batch: a tie keeps the path whose query-lane bound and bulk figures are measured
+# (docs/BENCHMARKS.md).
+BACKEND_MIN_GAIN = 0.10
 
 
 def cpu_paths(cpu: CpuClass, compiler: bool) -> list[str]:
@@ -97,18 +106,31 @@ class CpuPaths:
         self.auto_dtype = auto_dtype
         self.parity = parity
         self.gate_reports: dict[str, GateReport] = {}
+        # what each engine copy built cost (export, compile, memory), for the log and the bench
+        self.backend_costs: dict[str, BuildCost] = {}
+        # a float32 copy of the loaded model for the engines to export (set by the encoder:
+        # reloaded where the model was cast to bf16, whose rounding a float32 engine would keep)
+        self.float32_model: Callable[[], torch.nn.Module] = lambda: self.eager.model
 
     @property
     def precision_name(self) -> str:
         return self.eager.precision.name
 
-    def choose(self, int8: bool | Int8Choice) -> ForwardPath | None:
+    def choose(
+        self,
+        int8: bool | Int8Choice,
+        backend: CpuBackend = "torch",
+        openvino_precision: str = "default",
+    ) -> ForwardPath | None:
         """The path kept for queries and frozen bulk (``Encoder.prepare_query_graph`` says what
-        ``int8`` means); None where no CPU copy applies (not a CPU, autocast, a model that does
-        not end in pooling, a dtype the CPU emulates): the path held stays."""
+        ``int8`` and ``backend`` mean); None where no CPU copy applies (not a CPU, autocast, a
+        model that does not end in pooling, a dtype the CPU emulates): the path held stays.
+        Raises :class:`~embedfleet.workers.model.backends.MissingBackend` where ``backend``
+        names an engine whose extra is not installed."""
         precision = self.eager.precision
         if self.eager.device.type != "cpu" or precision.method == "autocast":
             return None
+        engines = wanted_engines(backend)  # the missing extra said before anything is built
         if not self.eager.representation.ends_in_pooling:  # the copies end in pooling
             return None
         cpu = cpu_class()
@@ -126,28 +148,50 @@ class CpuPaths:
             )
             return None
         choice: Int8Choice = "auto" if int8 is True else "off" if int8 is False else int8
-        candidates = self.int8_candidates(choice)
-        kept: ForwardPath = self.build_frozen() or self.eager
+        # an engine named whose copy holds the bar is kept: torch's copies are not built then
+        named = [] if backend == "auto" else self.backend_candidates(engines, openvino_precision)
+        kept: ForwardPath
         timings: dict[str, float] = {}
-        if candidates and choice == "auto":
-            kept, timings = self.keep_fastest(kept, candidates)
-        elif candidates:
-            kept = candidates[0]
+        if named:
+            kept = named[0]
+        else:
+            kept, timings = self.torch_path(choice)
+        if backend == "auto" and (others := self.backend_candidates(engines, openvino_precision)):
+            kept, raced = self.keep_fastest(kept, others, BACKEND_MIN_GAIN)
+            timings |= raced
         log.info(
             "forward path chosen",
             path=kept.name,
             cpu=cpu.describe(),
-            candidates=",".join(cpu_paths(cpu, cpp_compiler_available())),
+            candidates=",".join(cpu_paths(cpu, cpp_compiler_available()) + engines),
             gated=",".join(f"{name}:{r.passed}" for name, r in self.gate_reports.items()),
+            backend=backend,
             **milliseconds(timings),
+            **{
+                f"{engine}_{field}": value
+                for engine, cost in self.backend_costs.items()
+                for field, value in cost.log_fields().items()
+            },
         )
         return kept
 
-    def through(self, copy: FrozenForward | Int8Forward) -> CopyPath:
+    def torch_path(self, choice: Int8Choice) -> tuple[ForwardPath, dict[str, float]]:
+        """torch's path: the frozen graph (or the eager model), or an int8 copy ``choice``
+        names that passes its gate (under ``auto``: where the race keeps it); the seconds timed
+        by path."""
+        candidates = self.int8_candidates(choice)
+        kept: ForwardPath = self.build_frozen() or self.eager
+        if candidates and choice == "auto":
+            return self.keep_fastest(kept, candidates)
+        return (candidates[0] if candidates else kept), {}
+
+    def through(self, copy: FrozenForward | Int8Forward | BackendForward) -> CopyPath:
         """``copy`` as a forward path, named as logged."""
         if isinstance(copy, Int8Forward):
             return CopyPath(copy, self.sentence, f"{copy.name} ({self.precision_name} around it)")
-        return CopyPath(copy, self.sentence, f"{self.precision_name} frozen")
+        if isinstance(copy, FrozenForward):
+            return CopyPath(copy, self.sentence, f"{self.precision_name} frozen")
+        return CopyPath(copy, self.sentence, f"{copy.name} {copy.precision}")
 
     def build_frozen(self) -> CopyPath | None:
         """The frozen graph, kept only where it embeds the probe batches like the eager model."""
@@ -162,6 +206,53 @@ class CpuPaths:
             min_cosine=frozen_min_cosine(self.eager.precision.dtype),
         )
         return self.through(frozen) if frozen is not None else None
+
+    def backend_candidates(self, engines: Sequence[str], openvino_precision: str) -> list[CopyPath]:
+        """The copies of ``engines`` (workers/model/backends.py), built, each kept only if it
+        holds the bar on the held-out set (in :attr:`gate_reports` either way) against float32's
+        vectors, or where no float32 vectors are computed (an explicit dtype) the eager
+        model's."""
+        if not engines:
+            return []
+        reference = self.float32_heldout()
+        if reference is None:
+            reference = embed_in_batches(
+                lambda texts: self.eager.embed(self.batch_of(texts)), GATE_TEXTS
+            )
+        kept: list[CopyPath] = []
+        for engine in engines:
+            copy = self.build_backend(engine, openvino_precision)
+            if copy is not None and self.gate(copy, reference).passed:
+                kept.append(self.through(copy))
+        return kept
+
+    def build_backend(self, engine: str, openvino_precision: str) -> BackendForward | None:
+        """``engine``'s copy of the model (its cost in :attr:`backend_costs`), or None where it
+        cannot be built here (said at warning: torch's path serves)."""
+        example = self.batch_of(["a query", "a longer query, so the batch pads"])
+        inputs = (example.input_ids, example.attention_mask)
+        threads = torch.get_num_threads()  # the worker's (EMBEDFLEET_THREADS, the cgroup's)
+        try:
+            copy: BackendForward
+            if engine == "openvino":
+                from embedfleet.workers.model.openvino import build_openvino
+
+                copy = build_openvino(
+                    self.float32_model(), inputs, threads=threads, precision=openvino_precision
+                )
+            else:
+                from embedfleet.workers.model.onnxruntime import build_onnxruntime
+
+                copy = build_onnxruntime(self.float32_model(), inputs, threads=threads)
+        except Exception as error:  # an op the exporter lacks, a plugin that fails, ...
+            log.warning(
+                "backend copy not used: it could not be built here; torch's path serves",
+                backend=engine,
+                error=repr(error)[:300],
+            )
+            return None
+        self.backend_costs[engine] = copy.cost
+        return copy
 
     def float32_heldout(self) -> np.ndarray | None:
         """float32's vectors of the held-out set, to gate other paths on: kept from `auto`'s
@@ -223,20 +314,23 @@ class CpuPaths:
         with self.eager.precision.context(self.eager.device):
             model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
 
-    def gate(self, copy: Int8Forward, reference: np.ndarray) -> GateReport:
+    def gate(self, copy: Int8Forward | BackendForward, reference: np.ndarray) -> GateReport:
         """Hold ``copy`` to the float32 bar on the held-out set (never the probe texts its
         smoothing was calibrated on). A W8A8 copy compiles here: one single text first, then
-        padded batches, so both compiled shapes are made now rather than at a query."""
+        padded batches, so both compiled shapes are made now rather than at a query (an engine
+        copy's first shapes are made here too)."""
         path = self.through(copy)
         try:
             path.embed(self.batch_of(list(GATE_TEXTS[:1])))
             vectors = embed_in_batches(
                 lambda texts: path.embed(self.batch_of(list(texts))), GATE_TEXTS, PROBE_BATCH
             )
-        except Exception as error:  # inductor fails to compile, ...
+        except Exception as error:  # inductor fails to compile, an engine's kernel fails, ...
             log.warning(
                 "int8 compute not used: the int8 copy does not run here (torch.compile needs a "
-                "C++ compiler on a CPU); set EMBEDFLEET_CPU_INT8=false to skip the attempt",
+                "C++ compiler on a CPU); set EMBEDFLEET_CPU_INT8=false to skip the attempt"
+                if isinstance(copy, Int8Forward)
+                else "backend copy not used: it does not run here; torch's path serves",
                 path=copy.name,
                 error=repr(error)[:300],
             )
@@ -246,11 +340,15 @@ class CpuPaths:
         return report
 
     def keep_fastest(
-        self, baseline: ForwardPath, candidates: Sequence[CopyPath]
+        self,
+        baseline: ForwardPath,
+        candidates: Sequence[CopyPath],
+        min_gain: float = INT8_MIN_GAIN,
     ) -> tuple[ForwardPath, dict[str, float]]:
-        """Time one bulk-shaped batch through each int8 copy that passed the gate and through
-        ``baseline`` (the frozen graph, or the eager model where the graph was not kept); the
-        fastest, and the seconds measured by path."""
+        """Time one bulk-shaped batch through each copy that passed the gate (int8, or another
+        engine's) and through ``baseline`` (the frozen graph, or the eager model where the graph
+        was not kept, or the int8 copy kept); the fastest where at least ``min_gain`` faster
+        than ``baseline``, and the seconds measured by path."""
         batch = self.batch_of(list(BULK_PROBE_TEXTS))
         contenders: dict[str, ForwardPath] = {baseline.name: baseline}
         for candidate in candidates:
@@ -258,14 +356,9 @@ class CpuPaths:
         runs = {name: functools.partial(path.serve, batch) for name, path in contenders.items()}
         seconds = best_of_interleaved(runs, 5)
         fastest = min(seconds, key=seconds.__getitem__)
-        if seconds[fastest] > seconds[baseline.name] * (1 - INT8_MIN_GAIN):
-            fastest = baseline.name  # a tie keeps the path without int8's parity cost
-        log.info(
-            "forward paths timed",
-            **milliseconds(seconds),
-            kept=fastest,
-            int8_min_gain=INT8_MIN_GAIN,
-        )
+        if seconds[fastest] > seconds[baseline.name] * (1 - min_gain):
+            fastest = baseline.name  # a tie keeps the baseline (int8: without its parity cost)
+        log.info("forward paths timed", **milliseconds(seconds), kept=fastest, min_gain=min_gain)
         return contenders[fastest], seconds
 
 

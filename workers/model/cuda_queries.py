@@ -46,7 +46,7 @@ log = get_logger("embedfleet.cuda_queries")
 
 # Which path served a query batch (reported per worker as embedfleet_queries_served_total):
 # graph/stream on CUDA (this module), frozen on a CPU (workers/model/frozen.py), eager otherwise.
-QueryPath = Literal["graph", "stream", "frozen", "int8", "eager"]
+QueryPath = Literal["graph", "stream", "frozen", "int8", "onnxruntime", "openvino", "eager"]
 CudaLaneMode = Literal["graph", "stream", "off"]
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16)

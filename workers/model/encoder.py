@@ -24,6 +24,7 @@ from embedfleet.shared.model_path import ModelNotFoundError, resolve_model_path
 from embedfleet.shared.modelcard import ModelCard, served_name
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import PACKAGED_MODEL
+from embedfleet.shared.settings.query_stage import CpuBackend
 from embedfleet.workers.cpus import usable_cpus
 from embedfleet.workers.model.choose import CpuPaths, Int8Choice
 from embedfleet.workers.model.cuda_queries import (
@@ -31,9 +32,17 @@ from embedfleet.workers.model.cuda_queries import (
     CudaQueryPath,
     QueryPath,
 )
-from embedfleet.workers.model.forward import EagerPath, ForwardPath, layer_stack, pooled_on_host
+from embedfleet.workers.model.forward import (
+    BACKEND_KINDS,
+    COPY_KINDS,
+    EagerPath,
+    ForwardPath,
+    layer_stack,
+    pooled_on_host,
+)
 from embedfleet.workers.model.load import load_model
 from embedfleet.workers.model.precision import (
+    FP32,
     PROBE_TEXTS,
     GateReport,
     Precision,
@@ -149,6 +158,10 @@ class Encoder:
             auto_dtype=dtype == "auto",
             parity=self.parity,
         )
+        if self.precision != FP32:  # the engines export float32 weights, not bf16's rounding
+            self.paths.float32_model = lambda: (
+                load_model(self.model_dir, torch.device("cpu"), torch.float32).model
+            )
         self.query_path: ForwardPath = self.eager
 
     @property
@@ -297,7 +310,8 @@ class Encoder:
 
     @property
     def has_query_graph(self) -> bool:
-        return self.query_path.kind in ("frozen", "int8")
+        """Queries (and frozen bulk) run through a CPU copy: frozen, int8, another engine's."""
+        return self.query_path.kind in COPY_KINDS
 
     @property
     def computes_in_int8(self) -> bool:
@@ -307,15 +321,26 @@ class Encoder:
     @property
     def computes_in_reduced_precision(self) -> bool:
         """The model, or the copy kept for queries and frozen bulk, computes in less than
-        float32: bf16/fp16, or int8 linear layers (the worker then runs bulk through the copy)."""
-        return self.precision.dtype != torch.float32 or self.computes_in_int8
+        float32: bf16/fp16, or int8 linear layers (the worker then runs bulk through the copy).
+        Another engine's copy counts too, whatever it computes in: it was chosen
+        (EMBEDFLEET_CPU_BACKEND) to run the bulk."""
+        return (
+            self.precision.dtype != torch.float32
+            or self.computes_in_int8
+            or self.query_path.kind in BACKEND_KINDS
+        )
 
     @property
     def gate_reports(self) -> dict[str, GateReport]:
         """The held-out gate's verdict on each int8 copy built (workers/model/choose.py)."""
         return self.paths.gate_reports
 
-    def prepare_query_graph(self, int8: bool | Int8Choice = False) -> bool:
+    def prepare_query_graph(
+        self,
+        int8: bool | Int8Choice = False,
+        backend: CpuBackend = "torch",
+        openvino_precision: str = "default",
+    ) -> bool:
         """Build the frozen query graph, once, where it helps and holds parity: on a CPU, with
         the weights in their compute dtype (not autocast). Returns whether queries use it.
 
@@ -326,6 +351,9 @@ class Encoder:
         timed bulk-shaped batch. ``"w8a8"``/``"dynamic"``: only that copy, kept whenever it
         passes the gate, without the race (to force a path for a benchmark). ``False``/``"off"``:
         no int8. Only with EMBEDFLEET_DTYPE=auto, which computes float32's vectors to gate on.
+        ``backend`` (EMBEDFLEET_CPU_BACKEND, workers/model/backends.py): ``onnxruntime`` /
+        ``openvino`` builds that engine's copy and keeps it where it holds the bar on the
+        held-out set; ``auto`` races every installed one against the path above.
 
         The choice is made once (workers/model/choose.py) and logged ("forward path chosen",
         :attr:`forward_path`). Call it on the thread that runs the model; it takes about a
@@ -333,7 +361,8 @@ class Encoder:
         inductor's cache warm).
         """
         if not self.has_query_graph:
-            self.query_path = self.paths.choose(int8) or self.query_path
+            chosen = self.paths.choose(int8, backend, openvino_precision)
+            self.query_path = chosen or self.query_path
         return self.has_query_graph
 
     @property

@@ -6,8 +6,9 @@ one chosen once at start for queries (and, where it is a copy in reduced precisi
 
 - :class:`EagerPath`: the loaded model itself, then the representation (workers/model/base.py);
   the only path with layer boundaries (queries get in there on a CPU) and every representation;
-- :class:`CopyPath` of a frozen graph (workers/model/frozen.py) or an int8 copy
-  (workers/model/int8.py): a copy that returns hidden states, then the sentence pipeline;
+- :class:`CopyPath` of a frozen graph (workers/model/frozen.py), an int8 copy
+  (workers/model/int8.py) or another engine's copy (workers/model/backends.py: ONNX Runtime,
+  OpenVINO): a copy that returns hidden states, then the sentence pipeline;
 - ``CudaQueryPath`` (workers/model/cuda_queries.py): the query lane's own copy on CUDA.
 
 Which of them a CPU worker keeps is workers/model/choose.py's.
@@ -21,6 +22,7 @@ from typing import Literal, Protocol
 import numpy as np
 import torch
 
+from embedfleet.workers.model.backends import BackendForward
 from embedfleet.workers.model.base import Forward, Representation
 from embedfleet.workers.model.cuda_queries import QueryPath
 from embedfleet.workers.model.dense import Dense
@@ -29,9 +31,13 @@ from embedfleet.workers.model.int8 import Int8Forward
 from embedfleet.workers.model.precision import Precision
 from embedfleet.workers.model.tokenizer import EncodeBatch
 
-# eager: the bulk model; frozen / int8: a CPU copy without layer boundaries; cuda: the query
-# lane's own copy and stream, served from its own thread
-PathKind = Literal["eager", "frozen", "int8", "cuda"]
+# eager: the bulk model; frozen / int8 / onnxruntime / openvino: a CPU copy without layer
+# boundaries (the last two in another engine); cuda: the query lane's own copy and stream,
+# served from its own thread
+PathKind = Literal["eager", "frozen", "int8", "onnxruntime", "openvino", "cuda"]
+# the kinds of a CPU copy (queries, and bulk batches whole), and those in another engine
+COPY_KINDS: tuple[PathKind, ...] = ("frozen", "int8", "onnxruntime", "openvino")
+BACKEND_KINDS: tuple[PathKind, ...] = ("onnxruntime", "openvino")
 
 
 class ForwardPath(Protocol):
@@ -110,16 +116,20 @@ class EagerPath:
 
 
 class CopyPath:
-    """A copy of the model that returns hidden states (the frozen graph, an int8 copy), then the
-    sentence pipeline (:meth:`Dense.pooled`): a dense model's vectors, without layer hooks."""
+    """A copy of the model that returns hidden states (the frozen graph, an int8 copy, another
+    engine's copy), then the sentence pipeline (:meth:`Dense.pooled`): a dense model's vectors,
+    without layer hooks."""
 
-    def __init__(self, copy: FrozenForward | Int8Forward, sentence: Dense, name: str) -> None:
+    def __init__(
+        self, copy: FrozenForward | Int8Forward | BackendForward, sentence: Dense, name: str
+    ) -> None:
         self.copy = copy
         self.sentence = sentence
         self.name = name
-        self.kind: PathKind = "int8" if isinstance(copy, Int8Forward) else "frozen"
-        # an int8 copy's own name (``int8-w8a8``), as its gate and the race log it
-        self.copy_name = copy.name if isinstance(copy, Int8Forward) else name
+        self.kind: PathKind = copy_kind(copy)
+        # an int8 or engine copy's own name (``int8-w8a8``, ``openvino``), as its gate and the
+        # race log it
+        self.copy_name = name if isinstance(copy, FrozenForward) else copy.name
 
     @torch.inference_mode()
     def embed(self, batch: EncodeBatch) -> np.ndarray:
@@ -127,7 +137,34 @@ class CopyPath:
         return pooled_on_host(self.sentence, hidden, batch.attention_mask, batch.prompt_lengths)
 
     def serve(self, batch: EncodeBatch) -> tuple[np.ndarray, QueryPath]:
-        return self.embed(batch), "int8" if self.kind == "int8" else "frozen"
+        return self.embed(batch), self.served_as
+
+    @property
+    def served_as(self) -> QueryPath:
+        """The query path label of this copy's kind."""
+        return _SERVED_AS[self.kind]
+
+
+# a copy's kind as the query path label it serves under (the same word)
+_SERVED_AS: dict[PathKind, QueryPath] = {
+    "frozen": "frozen",
+    "int8": "int8",
+    "onnxruntime": "onnxruntime",
+    "openvino": "openvino",
+}
+
+
+def copy_kind(copy: FrozenForward | Int8Forward | BackendForward) -> PathKind:
+    """The path kind of ``copy``: frozen, int8, or its engine's name."""
+    if isinstance(copy, FrozenForward):
+        return "frozen"
+    if isinstance(copy, Int8Forward):
+        return "int8"
+    if copy.name == "onnxruntime":
+        return "onnxruntime"
+    if copy.name == "openvino":
+        return "openvino"
+    raise ValueError(f"not a CPU copy: {copy!r}")
 
 
 def pooled_on_host(

@@ -1,0 +1,111 @@
+"""ONNX Runtime and OpenVINO as a CPU worker's forward path (EMBEDFLEET_CPU_BACKEND,
+workers/model/backends.py): each engine's copy against float32 sentence-transformers on the
+held-out set, the copy a named engine or `auto` keeps, and a worker started with the setting
+serving its vectors through Redis."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import redis.asyncio as aioredis
+
+from embedfleet.producer import Producer
+from embedfleet.producer.chunker import builtin_corpus
+from embedfleet.shared.settings import Settings
+from embedfleet.workers.model.backends import ENGINES, installed
+from embedfleet.workers.model.encoder import Encoder
+from embedfleet.workers.model.heldout import GROUPS, HELDOUT_TEXTS
+from embedfleet.workers.model.precision import MEAN_COSINE, MIN_COSINE, cosines, embed_in_batches
+from tests.conftest import WorkerLauncher, reference_model
+
+# the slow tier: each engine exports and compiles a copy of the model (seconds to a minute)
+pytestmark = pytest.mark.slow
+
+ENGINE_PARAMS = [
+    pytest.param(
+        engine,
+        marks=pytest.mark.skipif(
+            not installed(engine), reason=f"the {engine!r} extra is not installed"
+        ),
+    )
+    for engine in ENGINES
+]
+
+
+def _batch(encoder: Encoder, texts: list[str]):  # type: ignore[no-untyped-def]
+    return encoder.collate(encoder.tokenize(texts))
+
+
+@pytest.mark.parametrize("engine", ENGINE_PARAMS)
+def test_each_engine_holds_the_bar_against_sentence_transformers(
+    encoder: Encoder, engine: str
+) -> None:
+    """The engine's copy, through the sentence pipeline, in padded batches of mixed lengths and
+    alone: within the bar of every path against float32 sentence-transformers, in every group
+    of the held-out set; what it cost to build is kept on it."""
+    copy = encoder.paths.build_backend(engine, "default")
+    assert copy is not None, "the copy could not be built: see the warning logged"
+    path = encoder.paths.through(copy)
+    assert path.kind == engine and path.name.startswith(engine)
+    found = cosines(
+        reference_model().encode(list(HELDOUT_TEXTS)),
+        embed_in_batches(lambda texts: path.embed(_batch(encoder, list(texts))), HELDOUT_TEXTS),
+    )
+    start = 0
+    for group, texts in GROUPS.items():
+        part = found[start : start + len(texts)]
+        start += len(texts)
+        print(
+            f"{path.name} vs sentence-transformers, {group}: min {part.min():.6f} "
+            f"mean {part.mean():.7f}"
+        )
+        assert part.min() >= MIN_COSINE, group
+    assert found.min() >= MIN_COSINE and found.mean() >= MEAN_COSINE
+    alone, label = path.serve(_batch(encoder, ["hello"]))  # batch and sequence both dynamic
+    assert label == engine and alone.shape == (1, encoder.dim)
+    want = reference_model().encode(["hello"])
+    assert cosines(want, alone).min() >= MIN_COSINE
+    cost = encoder.paths.backend_costs[engine]
+    assert cost is copy.cost and cost.export_s > 0 and cost.compile_s > 0
+    print(f"{engine}: {cost}")
+
+
+def test_auto_builds_gates_and_races_every_installed_engine() -> None:
+    """CPU_BACKEND=auto: each installed engine's copy is gated on the held-out set, and the path
+    kept is one of the contenders timed (torch's frozen graph or an engine that passed)."""
+    engines = [engine for engine in ENGINES if installed(engine)]
+    if not engines:
+        pytest.skip("neither the onnxruntime nor the openvino extra is installed")
+    auto = Encoder(dtype="auto")
+    assert auto.prepare_query_graph("off", "auto")
+    assert set(auto.gate_reports) == set(engines)
+    passed = [name for name, report in auto.gate_reports.items() if report.passed]
+    assert passed == engines  # all hold the bar here (the test above)
+    kind = auto.query_path.kind
+    assert kind == "frozen" or kind in passed, auto.forward_path
+    print(f"auto kept {auto.forward_path}")
+
+
+@pytest.mark.parametrize("engine", ENGINE_PARAMS)
+async def test_a_worker_started_with_the_setting_serves_the_engines_vectors(
+    workers: WorkerLauncher, settings: Settings, client: aioredis.Redis, engine: str
+) -> None:
+    """EMBEDFLEET_CPU_BACKEND=<engine> on a fresh worker: its query stage builds the engine's
+    copy at start, and bulk batches through it give vectors within the bar of float32
+    sentence-transformers, through Redis."""
+    count = 40
+    chunks = list(builtin_corpus(count))
+    fresh = Encoder(dtype="auto")
+    chosen = settings.model_copy(update={"cpu_backend": engine})
+    async with Producer(chosen, client) as producer, workers.run(chosen, encoder=fresh):
+        await producer.enqueue(chunks, job=engine)
+        progress = await producer.wait_for_job(engine, timeout=600)
+        results = {r.id: r.vector.astype(np.float32) async for r in producer.results(job=engine)}
+    assert progress.done == count and progress.dead == 0
+    assert fresh.forward_path.startswith(engine) and fresh.query_path.kind == engine
+    assert fresh.computes_in_reduced_precision  # so bulk batches ran through the copy
+    vectors = np.stack([results[chunk.id] for chunk in chunks])
+    want = reference_model().encode([chunk.text for chunk in chunks])
+    found = cosines(want, vectors)
+    print(f"worker on {fresh.forward_path}: min {found.min():.6f} mean {found.mean():.7f}")
+    assert found.min() >= MIN_COSINE and found.mean() >= MEAN_COSINE
