@@ -13,16 +13,23 @@ source at a word boundary to exactly that many tokens, so the length distributio
 depend on how the source happens to be split into paragraphs.
 
     python -m loadtest.corpus --texts 2000 --out corpus.jsonl   # JSON Lines for `enqueue`
+
+:class:`FreshCorpora` makes many such corpora whose texts never repeat, one per round and
+contender of ``loadtest.bench``: the fleet's vector cache answers a text it has embedded before,
+so a benchmark that repeats its texts measures the cache, not the model (issue 43).
 """
 
 from __future__ import annotations
 
 import ast
+import bisect
 import json
 import random
+import re
 import statistics
 import sys
 import sysconfig
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,6 +149,118 @@ class _TokenStream:
                 return self._name, text
             # A document's leftover scrap: move on rather than emit a stub.
             self._open(self._next_document)
+
+
+class FreshCorpora:
+    """Corpora of one length list whose texts are all new: ``corpus(key)`` for each round and
+    contender of a benchmark, so no contender (and no cache) ever sees a text twice.
+
+    Every corpus has the token lengths of :func:`target_lengths` (``count``, ``seed``), text for
+    text and exactly (special tokens included, before truncation), so every contender embeds the
+    same amount of work. Each text is a window of the source at a random word-aligned start,
+    drawn by a generator seeded with (``seed``, key); a window that is not exactly its length
+    once tokenized alone, or whose text this object has handed out before (in any corpus), is
+    drawn again. The source holds about 350,000 tokens, so the windows of different corpora may
+    overlap, but no two texts are equal: the vector cache keys on the whole text.
+    """
+
+    MAX_DRAWS_PER_TEXT = 1000  # past this the source is too small for the lengths asked
+
+    def __init__(
+        self,
+        count: int,
+        *,
+        seed: int = 0,
+        tokenizer: Tokenizer | None = None,
+        documents: Sequence[tuple[str, str]] | None = None,
+    ) -> None:
+        self.seed = seed
+        self.lengths = tuple(target_lengths(count, seed))
+        self._tokenizer = tokenizer or load_tokenizer()
+        self._seen: set[str] = set()
+        self._documents: list[_Windows] = []
+        named = list(source_documents() if documents is None else documents)
+        encodings = self._tokenizer.encode_batch(
+            [text for _, text in named], add_special_tokens=False
+        )
+        for (name, text), encoding in zip(named, encodings, strict=True):
+            if len(encoding.ids) >= MIN_TOKENS:
+                self._documents.append(_Windows(name, text, encoding.word_ids, encoding.offsets))
+        # documents drawn in proportion to their tokens: every token equally likely to start
+        self._cumulative: list[int] = []
+        total = 0
+        for document in self._documents:
+            total += document.tokens
+            self._cumulative.append(total)
+
+    def corpus(self, key: str, count: int | None = None) -> list[CorpusText]:
+        """The first ``count`` (default: all) of :attr:`lengths`, as texts new to this object.
+        The same key on a fresh object gives the same texts; ids are ``<key>-<number>``."""
+        lengths = self.lengths[: len(self.lengths) if count is None else count]
+        rng = random.Random(f"{self.seed}/{key}")  # a str seeds the same way in every process
+        chosen: list[tuple[str, str] | None] = [None] * len(lengths)
+        draws = 0
+        while missing := [i for i, item in enumerate(chosen) if item is None]:
+            draws += 1
+            if draws > self.MAX_DRAWS_PER_TEXT:
+                raise ValueError(
+                    f"the source has too few new windows of {lengths[missing[0]]} tokens left "
+                    f"after {len(self._seen)} texts"
+                )
+            candidates = {i: self._draw(rng, lengths[i] - SPECIAL_TOKENS) for i in missing}
+            texts = [text for _, text in candidates.values()]
+            # a window's tokens alone can differ from its tokens in the document (a cut that
+            # splits what the tokenizer joins): measured, not assumed
+            measured = token_lengths(texts, self._tokenizer)
+            for (i, (name, text)), tokens in zip(candidates.items(), measured, strict=True):
+                if text and tokens == lengths[i] and text not in self._seen:
+                    self._seen.add(text)
+                    chosen[i] = (name, text)
+        slug = re.sub(r"[^A-Za-z0-9]+", "-", key).strip("-") or "corpus"
+        return [
+            CorpusText(id=f"{slug}-{number:06d}", text=text, source=name)
+            for number, (name, text) in enumerate(item for item in chosen if item is not None)
+        ]
+
+    def _draw(self, rng: random.Random, tokens: int) -> tuple[str, str]:
+        """A window of ``tokens`` tokens starting and ending on word boundaries ("" where the
+        draw missed: the caller draws again)."""
+        spot = rng.randrange(self._cumulative[-1])
+        document = self._documents[bisect.bisect_right(self._cumulative, spot)]
+        return document.name, document.window(rng, tokens)
+
+
+@dataclass(frozen=True)
+class _Windows:
+    """One source document, tokenized once, for :class:`FreshCorpora`'s random windows."""
+
+    name: str
+    text: str
+    words: list[int | None]
+    offsets: list[tuple[int, int]]
+
+    @property
+    def tokens(self) -> int:
+        return len(self.words)
+
+    def window(self, rng: random.Random, tokens: int) -> str:
+        """``tokens`` tokens from a random start, or "" where that start or its end falls inside
+        a word, the start is punctuation (a chunk starts on a word), or the document is too
+        short."""
+        if tokens > self.tokens:
+            return ""
+        start = rng.randrange(self.tokens - tokens + 1)
+        end = start + tokens
+        first = self.offsets[start][0]
+        if not (self._boundary(start) and self._boundary(end) and self.text[first].isalnum()):
+            return ""
+        return self.text[first : self.offsets[end - 1][1]]
+
+    def _boundary(self, index: int) -> bool:
+        """A word starts at token ``index`` (or the document ends there)."""
+        if index in (0, len(self.words)):
+            return True
+        return self.words[index] != self.words[index - 1]
 
 
 def token_lengths(texts: list[str], tokenizer: Tokenizer | None = None) -> list[int]:
