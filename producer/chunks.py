@@ -38,6 +38,8 @@ class EmbeddingOptions:
     # a text over the model's maximum embedded whole, in token windows overlapping by this
     # many tokens (shared/protocol.py ``Chunk.window_overlap``, issue 42); None: cut or refused
     window_overlap: int | None = None
+    # false: the vector before the model's Normalize module (``Chunk.normalize``, issue 42)
+    normalize: bool | None = None
 
     def apply(self, chunk: Chunk) -> Chunk:
         """The chunk with these options filled in where the chunk has none of its own."""

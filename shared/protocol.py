@@ -46,7 +46,7 @@ MAX_PROMPT_CHARS = 16_384
 LONG_INPUT_OPTION = "window_overlap"
 # The optional embedding options a chunk may carry (see the module docstring); a job's or a
 # request's options (producer/chunks.py ``EmbeddingOptions``) fill in the same names.
-OPTION_NAMES = ("prompt_name", "prompt", "dimensions", "dtype", LONG_INPUT_OPTION)
+OPTION_NAMES = ("prompt_name", "prompt", "dimensions", "dtype", LONG_INPUT_OPTION, "normalize")
 # Options of the other representations (sparse weights, pair scores); a v1 worker that predates
 # them never sees them (the gateway checks the model card first).
 REPRESENTATION_OPTION_NAMES = ("representations", "max_active_dims", "pair", "multivector_dtype")
@@ -146,6 +146,9 @@ class Chunk:
     # model's length overlapping by this many tokens, one forward row each, pooled back into
     # one vector (workers/long_inputs.py); None: cut or refused as EMBEDFLEET_TRUNCATE says
     window_overlap: int | None = None
+    # false: the dense vector before the model's Normalize module (TEI's normalize=false, issue
+    # 42); None or true: the model's pipeline whole. No effect on a model that does not normalise
+    normalize: bool | None = None
 
     @property
     def wanted_representations(self) -> tuple[str, ...]:
@@ -274,6 +277,7 @@ def check_embedding_options(
     dimensions: object = None,
     dtype: object = None,
     window_overlap: object = None,
+    normalize: object = None,
 ) -> None:
     """Raise ProtocolError unless the optional embedding options are well-formed.
 
@@ -293,6 +297,8 @@ def check_embedding_options(
     if dtype is not None and dtype not in OUTPUT_DTYPES:
         raise ProtocolError(f"'dtype' must be one of {', '.join(OUTPUT_DTYPES)}, got {dtype!r}")
     check_window_overlap(window_overlap)
+    if normalize is not None and not isinstance(normalize, bool):
+        raise ProtocolError(f"'normalize' must be true or false when given, got {normalize!r}")
 
 
 def check_dimensions(dimensions: object, *, whole: bool = True) -> None:

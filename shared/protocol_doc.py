@@ -173,6 +173,14 @@ CHUNK_FIELDS: tuple[WireField, ...] = (
         "dead-lettered (`options`); absent: the text is cut or refused as "
         "`EMBEDFLEET_TRUNCATE` says",
     ),
+    WireField(
+        "normalize",
+        "bool",
+        False,
+        "dense only: `false` answers the vector before the model's Normalize module (the "
+        "pooled vector, through any Dense modules), as TEI answers `normalize: false`; absent "
+        "or `true`: the model's pipeline whole. No effect on a model that does not normalise",
+    ),
 )
 
 QUERY_FIELDS: tuple[WireField, ...] = (

@@ -33,7 +33,7 @@ from embedfleet.workers.bulk import BulkBatch
 from embedfleet.workers.consumer import StreamEntry
 from embedfleet.workers.dead_letter_writer import Rejected
 from embedfleet.workers.decode import Accepted, decode_entries
-from embedfleet.workers.long_inputs import Rejoin, expand
+from embedfleet.workers.long_inputs import Rejoin, before_normalize_wanted, expand
 from embedfleet.workers.model.encoder import Tokenized, pairs_of
 from embedfleet.workers.outages import RideOut, transient_or_raise
 from embedfleet.workers.parts import StageParts
@@ -375,7 +375,12 @@ class Intake:
             for i, (chunk, tokens) in enumerate(zip(window.chunks, window.tokens, strict=True))
             if chunk.window_overlap is not None and tokens.truncated
         ]
+        model_normalizes = self.parts.encoder.pooling.normalize
         if not long:
+            if before_normalize_wanted(window.chunks, model_normalizes):
+                # a chunk wants its vector before Normalize: the window's batches come back
+                # before it and the rejoin normalises the other rows (workers/long_inputs.py)
+                return dataclasses.replace(window, rejoin=Rejoin(normalize=model_normalizes))
             return window
         text = self.parts.encoder.text
         windows: dict[int, list[Tokenized]] = {}

@@ -15,6 +15,10 @@ of a window holding long inputs are computed with the Normalize module left out
 (``before_normalize``; every forward path runs the modules after pooling in Python, on the
 thread that launched the batch: workers/model/model_dir.py ``head_normalizes``), and the rejoin
 normalises every row it hands on, the other texts' as theirs would have been.
+
+A chunk with ``normalize`` false (TEI's ``normalize: false``) wants the vector before Normalize
+itself: a window holding one is computed the same way (a rejoin with no long input), and its row
+is handed on as computed (``normalized_except``).
 """
 
 from __future__ import annotations
@@ -39,6 +43,26 @@ EntryKey = tuple[str, str]  # (stream, entry id): a delivery, whatever its accou
 
 def entry_key(delivery: Delivery) -> EntryKey:
     return delivery.stream, delivery.entry_id
+
+
+def before_normalize_wanted(chunks: Sequence[Chunk], model_normalizes: bool) -> bool:
+    """Whether a chunk of ``chunks`` asks for the vector before the model's Normalize (a model
+    without one answers that vector anyway)."""
+    return model_normalizes and any(chunk.normalize is False for chunk in chunks)
+
+
+def normalized_except(
+    vectors: np.ndarray, chunks: Sequence[Chunk], model_normalizes: bool
+) -> np.ndarray:
+    """Rows computed before Normalize (float32), one per chunk, normalised as the model
+    normalises except those whose chunk asks for them as they are (``normalize`` false)."""
+    rows = np.asarray(vectors, dtype=np.float32)
+    if not model_normalizes or not len(rows):
+        return rows
+    keep = np.array([chunk.normalize is False for chunk in chunks], dtype=bool)
+    if not keep.any():
+        return normalize_rows(rows)
+    return np.where(keep[:, None], rows, normalize_rows(rows)).astype(np.float32, copy=False)
 
 
 def before_normalize(launch: Callable[[], T]) -> T:
@@ -133,17 +157,16 @@ class Rejoin:
         # the batch was computed before Normalize (``before_normalize``): the other texts'
         # rows are normalised here as the model would have
         kept = np.asarray(vectors[keep], dtype=np.float32)
-        parts = [normalize_rows(kept) if self.normalize else kept] if keep else []
+        parts = [normalized_except(kept, out_chunks, self.normalize)] if keep else []
         if done:
             rows = [vector for _, pending in done for vector in pending.vectors]
-            parts.append(
-                pool_windows(
-                    np.stack(rows),
-                    [pending.expected for _, pending in done],
-                    [t.length for _, pending in done for t in pending.tokens],
-                    normalize=self.normalize,
-                )
+            pooled = pool_windows(
+                np.stack(rows),
+                [pending.expected for _, pending in done],
+                [t.length for _, pending in done for t in pending.tokens],
+                normalize=False,
             )
+            parts.append(normalized_except(pooled, [chunk for chunk, _ in done], self.normalize))
             for chunk, pending in done:
                 first = pending.deliveries[0]
                 out_chunks.append(chunk)

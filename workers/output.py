@@ -143,6 +143,9 @@ class Outputs:
             if "multivector" in chunk.representations:
                 wanted += f":{chunk.multivector_dtype or 'float16'}"
             recipe = dataclasses.replace(recipe, representation=wanted)
+        if chunk.normalize is False and recipe.normalize:
+            # the vector before the model's Normalize (TEI's normalize=false) is another vector
+            recipe = dataclasses.replace(recipe, normalize=False)
         if chunk.window_overlap is not None:
             # a long input embedded whole is another vector than the same text cut
             recipe = dataclasses.replace(
@@ -223,8 +226,10 @@ class Outputs:
         (a truncated or quantized vector is computed from float32)."""
         if self.heads_for(chunks) is not None:  # packed rows hold token ids: float32
             return False
-        if any(chunk.window_overlap is not None for chunk in chunks):
-            return False  # a long input's windows are pooled after the batch, from float32
+        if any(chunk.window_overlap is not None or chunk.normalize is False for chunk in chunks):
+            # a long input's windows are pooled after the batch, and the batch's other rows
+            # normalised after it (workers/long_inputs.py), from float32
+            return False
         full = OutputSpec(dim=self.encoder.dim, dtype="float16")
         return all(self.spec_for(chunk) == full for chunk in chunks)
 

@@ -53,7 +53,7 @@ from embedfleet.workers.dead_letter_writer import DeadLetters, Rejected
 from embedfleet.workers.decode import Accepted, decode_entries
 from embedfleet.workers.device_faults import DeviceFault, Recovery
 from embedfleet.workers.events import WorkerEvents
-from embedfleet.workers.long_inputs import whole
+from embedfleet.workers.long_inputs import before_normalize_wanted, normalized_except, whole
 from embedfleet.workers.model.encoder import Encoder, Tokenized, pairs_of
 from embedfleet.workers.model.model_dir import head_normalizes
 from embedfleet.workers.outages import Outages, RideOut, transient_or_raise
@@ -332,15 +332,21 @@ class QueryStage:
             # said each time: a query served at a layer boundary of a bulk batch of long
             # inputs' windows (computed before Normalize) is normalised all the same, and
             # long inputs' windows here are averaged before it (workers/long_inputs.py)
-            with head_normalizes(len(rows) == len(items)):
+            # (and a query that asks for its vector before Normalize, TEI's normalize=false)
+            chunks = [item.chunk for item in items]
+            model_normalizes = self.encoder.pooling.normalize
+            raw = before_normalize_wanted(chunks, model_normalizes)
+            with head_normalizes(len(rows) == len(items) and not raw):
                 vectors, path = self.encoder.serve_query(batch)
             if len(rows) > len(items):  # long inputs' windows, pooled back into one each
                 vectors = pool_windows(
                     vectors,
                     [len(item.rows) for item in items],
                     [row.length for row in rows],
-                    normalize=self.encoder.pooling.normalize,
+                    normalize=False,
                 )
+            if len(rows) > len(items) or raw:
+                vectors = normalized_except(vectors, chunks, model_normalizes)
         except Exception as error:
             self._on_model_error(items, error, oom_retries)
             return

@@ -295,7 +295,9 @@ def gateway_of(request: Request) -> Gateway:
 GatewayDep = Annotated[Gateway, Depends(gateway_of)]
 
 
-def wire_options(prompt_name: str | None, dimensions: int | None) -> EmbeddingOptions:
+def wire_options(
+    prompt_name: str | None, dimensions: int | None, *, before_normalize: bool = False
+) -> EmbeddingOptions:
     """What every chunk the gateway sends asks of the worker, explicitly, so the fleet's own
     defaults (EMBEDFLEET_DIMENSIONS, EMBEDFLEET_OUTPUT_DTYPE, each lane's default prompt) never
     change an HTTP answer, and without the model card (the gateway may enqueue before any worker
@@ -307,4 +309,6 @@ def wire_options(prompt_name: str | None, dimensions: int | None) -> EmbeddingOp
         prompt=None if prompt_name else "",
         dimensions=dimensions or FULL_DIMENSIONS,
         dtype="float16",
+        # TEI's normalize=false: the vector before the model's Normalize module (the worker's)
+        normalize=False if before_normalize else None,
     )

@@ -84,7 +84,7 @@ async def _embed(body: EmbedRequest, gateway: Gateway) -> list[list[float]]:
     )
     prompt = ""
     if card is not None:
-        prompt = _check_against_card(card, body, normalize)
+        prompt = _check_against_card(card, body)
     texts = fit_to_model(
         texts,
         gateway.tokenizer,
@@ -95,19 +95,21 @@ async def _embed(body: EmbedRequest, gateway: Gateway) -> list[list[float]]:
     )
     # the prompt travels by name: the worker owns the model's prompts and knows where one ends
     # (models that pool without it, include_prompt=false)
-    vectors = await gateway.embedder.embed(texts, wire_options(body.prompt_name, body.dimensions))
+    # normalize=false asks the workers for the vector before the model's Normalize (TEI's
+    # answer); true normalises here what a model without one gives
+    options = wire_options(body.prompt_name, body.dimensions, before_normalize=not normalize)
+    vectors = await gateway.embedder.embed(texts, options)
     if card is None:
         # a worker answered, so its card is published: what could not be checked before is now
         # (the vectors are thrown away for a request it refuses)
         card = await gateway.require_card()
-        _check_against_card(card, body, normalize)
+        _check_against_card(card, body)
     return unit_vectors(vectors, normalize).tolist()
 
 
-def _check_against_card(card: ModelCard, body: EmbedRequest, normalize: bool) -> str:
+def _check_against_card(card: ModelCard, body: EmbedRequest) -> str:
     """What TEI refuses that only the model card can tell (``dimensions`` over the model's, a
-    prompt name the model lacks, ``normalize=false`` for a normalising model); the prompt's
-    text."""
+    prompt name the model lacks); the prompt's text."""
     if not card.serves("dense"):
         raise APIError(
             424,
@@ -116,14 +118,6 @@ def _check_against_card(card: ModelCard, body: EmbedRequest, normalize: bool) ->
             code="representation_not_served",
         )
     check_dimensions(body.dimensions, card)
-    if card.normalize and not normalize:
-        raise APIError(
-            422,
-            "normalize=false is not available for this model: its pipeline ends in a Normalize "
-            "module and the workers return its normalised output. Leave normalize at true.",
-            param="normalize",
-            code="normalize_not_available",
-        )
     if body.prompt_name is None:
         return ""
     try:

@@ -143,31 +143,57 @@ def test_the_models_own_token_ids_behind_the_setting(
 ) -> None:
     accepting = fleet_settings.model_copy(update={"gateway_accept_token_ids": True})
     ids = [tokenizer.tokenizer.encode(t, add_special_tokens=False).ids for t in TEXTS[:2]]
-    line = {"custom_id": "ids", "method": "POST", "url": "/v1/embeddings"}
-    line["body"] = {"model": MODEL, "input": ids}
+    lines = [
+        {"custom_id": "ids", "method": "POST", "url": "/v1/embeddings"},
+        {"custom_id": "text", "method": "POST", "url": "/v1/embeddings"},
+    ]
+    lines[0]["body"] = {"model": MODEL, "input": ids}
+    lines[1]["body"] = {"model": MODEL, "input": TEXTS[2]}
     batch_file = tmp_path / "ids.jsonl"
-    batch_file.write_text(json.dumps(line) + "\n")
-    # a batch line of token ids: accepted at upload, as OpenAI does, then the batch fails
+    batch_file.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    # a batch line of token ids: accepted at upload, as OpenAI does, then refused on its own
+    # (the online endpoint's 400, in the error file) while the batch completes with the rest
     refused = finished_batch(
         client, client.files.create(file=batch_file.open("rb"), purpose="batch")
     )
-    assert refused.status == "failed" and refused.errors is not None
-    assert "check_embedding_ctx_length=False" in refused.errors.data[0].message
+    assert refused.status == "completed" and refused.errors is None, refused
+    counts = refused.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (2, 1, 1)
+    assert refused.output_file_id and refused.error_file_id
+    [error_line] = batch_records(client, refused.error_file_id)
+    [text_line] = batch_records(client, refused.output_file_id)
+    assert error_line["custom_id"] == "ids" and error_line["response"]["status_code"] == 400
+    error = error_line["response"]["body"]["error"]
+    assert (error["code"], error["param"]) == ("token_ids_not_accepted", "body.input")
+    assert "check_embedding_ctx_length=False" in error["message"]
+    assert "EMBEDFLEET_GATEWAY_ACCEPT_TOKEN_IDS" in error["message"]
+    assert text_line["custom_id"] == "text" and text_line["response"]["status_code"] == 200
+    text_vector = [d["embedding"] for d in text_line["response"]["body"]["data"]]
     with running_gateway(accepting) as url:
         wait_for_worker(url)
         sdk = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
         many = sdk.embeddings.create(model=MODEL, input=ids, encoding_format="float")
         one = sdk.embeddings.create(model=MODEL, input=ids[0])
         tei = httpx.post(f"{url}/embed", headers=AUTH, json={"inputs": ids}).json()
-        # batch lines follow the same setting
+        # batch lines follow the same setting: both lines embedded, none refused
         accepted = finished_batch(
             sdk, sdk.files.create(file=batch_file.open("rb"), purpose="batch")
         )
         assert accepted.status == "completed", accepted.errors
-    expected = reference(TEXTS[:2])
-    assert min_cosine(np.array([d.embedding for d in many.data]), expected) >= 0.999
+        assert accepted.request_counts.failed == 0 and accepted.error_file_id is None
+        by_id = {r["custom_id"]: r for r in batch_records(sdk, accepted.output_file_id)}
+    expected = reference(TEXTS[:3])
+    assert min_cosine(np.array([d.embedding for d in many.data]), expected[:2]) >= 0.999
     assert min_cosine(np.array(one.data[0].embedding), expected[:1]) >= 0.999
-    assert min_cosine(np.array(tei), expected) >= 0.999
+    assert min_cosine(np.array(tei), expected[:2]) >= 0.999
+    batch_ids = [d["embedding"] for d in by_id["ids"]["response"]["body"]["data"]]
+    assert min_cosine(np.array(batch_ids), expected[:2]) >= 0.999
+    assert min_cosine(np.array(text_vector), expected[2:3]) >= 0.999
+
+
+def batch_records(client: openai.OpenAI, file_id: str) -> list[dict[str, Any]]:
+    """A batch's output or error file, one record a line."""
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
 
 
 def finished_batch(client: openai.OpenAI, uploaded: Any, timeout: float = 120.0) -> Any:
@@ -269,11 +295,11 @@ def test_inference_client_feature_extraction(
     with pytest.raises(HfHubHTTPError) as too_long:
         tei.feature_extraction(long, truncate=False)
     assert too_long.value.response.status_code == 422
-    # this model's pipeline normalises inside the workers: refused, not silently ignored
-    with pytest.raises(HfHubHTTPError) as raw:
-        tei.feature_extraction(TEXTS[0], normalize=False)
-    assert raw.value.response.status_code == 422
-    assert raw.value.response.json()["error_type"] == "Validation"
+    # this model's pipeline ends in Normalize: normalize=false is the vector before it, as TEI
+    # answers (parity with the model's modules: tests/end_to_end/test_gateway_dialects.py)
+    raw = tei.feature_extraction(TEXTS[0], normalize=False)
+    assert min_cosine(raw.reshape(1, -1), reference(TEXTS[:1])) >= 0.999
+    assert not np.isclose(np.linalg.norm(raw), 1.0, atol=1e-2)
 
 
 # --- TEI's routes ---------------------------------------------------------------------------

@@ -6,7 +6,12 @@ SDK, huggingface_hub's InferenceClient):
   /info says so; /v1 refuses it (OpenAI's 400) unless EMBEDFLEET_GATEWAY_OPENAI_TRUNCATE;
 - a text over the characters' limit is cut (characters, then tokens) when truncating;
 - each dialect's documented status: 2,049 inputs on /v1 400, "" on /embed 400 ``Empty``, a body
-  that is not JSON 400, whitespace embedded."""
+  that is not JSON 400, whitespace embedded;
+- TEI's ``normalize: false`` on a model whose last module is Normalize: the pooled vector before
+  it, as a SentenceTransformer of the model's modules without that one computes it.
+
+The worker computes in float32 (EMBEDFLEET_DTYPE), so /info's model_dtype is known and the
+parity bar is float32's."""
 
 from __future__ import annotations
 
@@ -22,10 +27,10 @@ from embedfleet.shared.model_path import resolve_model_path
 from embedfleet.shared.settings import Settings
 from tests.conftest import WorkerProcess
 from tests.gateway_support import (
+    gateway_worker,
     min_cosine,
     module_fleet_settings,
     module_gateway,
-    module_worker,
     running_gateway,
     wait_for_worker,
 )
@@ -35,7 +40,16 @@ pytestmark = pytest.mark.slow
 
 MODEL = "all-MiniLM-L6-v2"
 fleet_settings = module_fleet_settings("gd")  # no API keys: the SDK's client needs none
-worker = module_worker("gd")
+
+
+@pytest.fixture(scope="module")
+def worker(
+    fleet_settings: Settings, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[WorkerProcess]:
+    """The module's worker, computing in float32 (not ``auto``'s bf16 where the CPU has it)."""
+    yield from gateway_worker(fleet_settings, tmp_path_factory, "gd", EMBEDFLEET_DTYPE="float32")
+
+
 gateway = module_gateway()  # ``with gateway(**settings) as client``: another gateway
 
 
@@ -85,6 +99,8 @@ def test_tei_routes_cut_an_over_long_text_by_default_and_info_says_so(
     text = long_text(tokenizer)
     info = httpx.get(f"{url}/info").json()
     assert info["auto_truncate"] is True and info["max_input_length"] == 256
+    assert info["model_dtype"] == "float32"  # what the worker computes in (EMBEDFLEET_DTYPE)
+    assert info["prompts"] == {"query": "", "document": ""}
     embedded = httpx.post(f"{url}/embed", json={"inputs": text})
     assert embedded.status_code == 200, embedded.text
     assert min_cosine(np.array(embedded.json()), reference([text])) >= 0.999
@@ -167,3 +183,39 @@ def test_each_dialects_documented_statuses(url: str, reference, hub_online: None
     assert min_cosine(np.array(tei.json()), reference(blank)) >= 0.999
     v1 = client.embeddings.create(model=MODEL, input=blank)
     assert min_cosine(np.array([d.embedding for d in v1.data]), reference(blank)) >= 0.999
+
+
+def test_normalize_false_answers_the_pooled_vector_before_normalize(
+    url: str, hub_online: None
+) -> None:
+    from huggingface_hub import InferenceClient
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.models import Normalize
+
+    model = SentenceTransformer(str(resolve_model_path(MODEL)), device="cpu")
+    assert isinstance(model[len(model) - 1], Normalize) and len(model) == 3
+    before = SentenceTransformer(modules=[model[0], model[1]], device="cpu")
+    # 4 texts ride the query stream, 40 the interactive one (bulk batches): both paths
+    texts = [
+        "How do I open a file in Python?",
+        "The quick brown fox jumps over the lazy dog.",
+        "Embeddings map text to vectors.",
+        " ".join(["word", "text"] * 200),  # over the model's 256 tokens: cut, then pooled
+    ]
+    many = [f"{text} ({i})" for i in range(10) for text in texts]
+    for batch in (texts, many):
+        answer = httpx.post(f"{url}/embed", json={"inputs": batch, "normalize": False}, timeout=120)
+        assert answer.status_code == 200, answer.text
+        got = np.array(answer.json())
+        expected = before.encode(batch)
+        assert min_cosine(got, expected) >= 0.9999
+        np.testing.assert_allclose(
+            np.linalg.norm(got, axis=1), np.linalg.norm(expected, axis=1), rtol=2e-3
+        )
+        assert not np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-2)  # not normalised
+        # normalize=true (TEI's default) is the model's whole pipeline, unit length
+        unit = np.array(httpx.post(f"{url}/embed", json={"inputs": batch}, timeout=120).json())
+        assert min_cosine(unit, model.encode(batch)) >= 0.9999
+        np.testing.assert_allclose(np.linalg.norm(unit, axis=1), 1.0, atol=1e-3)
+    one = InferenceClient(base_url=url).feature_extraction(texts[0], normalize=False)
+    assert min_cosine(one.reshape(1, -1), before.encode(texts[:1])) >= 0.9999

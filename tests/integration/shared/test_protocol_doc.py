@@ -97,6 +97,7 @@ def test_every_field_the_code_writes_is_documented() -> None:
         tenant="team-a",
         reembed=True,
         window_overlap=16,
+        normalize=False,
     )
     written = set(msgpack.unpackb(encode_chunk(every_option)))
     assert written == _names(CHUNK_FIELDS), f"chunk fields differ: {FIX}"
