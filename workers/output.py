@@ -304,11 +304,14 @@ class Outputs:
     ) -> list[Result]:
         specs = [self.spec_for(chunk) for chunk in chunks]
         stored: dict[int, np.ndarray] = {}  # row -> its vector; every row is in one group
-        groups: dict[OutputSpec, list[int]] = {}
+        # by spec, and whether the row is the vector before Normalize (``normalize`` false):
+        # that one is cut to its dimensions as it is, not renormalised
+        groups: dict[tuple[OutputSpec, bool], list[int]] = {}
         for row, spec in enumerate(specs):
-            groups.setdefault(spec, []).append(row)
-        for spec, rows in groups.items():
-            shaped = truncate(vectors[rows], spec.dim, renormalize=self.renormalize)
+            groups.setdefault((spec, chunks[row].normalize is False), []).append(row)
+        for (spec, raw), rows in groups.items():
+            renormalize = self.renormalize and not raw
+            shaped = truncate(vectors[rows], spec.dim, renormalize=renormalize)
             ranges = None
             if spec.dtype in QUANTIZED:
                 cached = self.calibrations.cached(self.variant(spec.dim))

@@ -217,5 +217,13 @@ def test_normalize_false_answers_the_pooled_vector_before_normalize(
         unit = np.array(httpx.post(f"{url}/embed", json={"inputs": batch}, timeout=120).json())
         assert min_cosine(unit, model.encode(batch)) >= 0.9999
         np.testing.assert_allclose(np.linalg.norm(unit, axis=1), 1.0, atol=1e-3)
+    # Matryoshka dimensions: the first values of that vector, not renormalised
+    cut = httpx.post(f"{url}/embed", json={"inputs": texts, "normalize": False, "dimensions": 128})
+    assert cut.status_code == 200, cut.text
+    expected = before.encode(texts)[:, :128]
+    assert min_cosine(np.array(cut.json()), expected) >= 0.9999
+    np.testing.assert_allclose(
+        np.linalg.norm(cut.json(), axis=1), np.linalg.norm(expected, axis=1), rtol=2e-3
+    )
     one = InferenceClient(base_url=url).feature_extraction(texts[0], normalize=False)
     assert min_cosine(one.reshape(1, -1), before.encode(texts[:1])) >= 0.9999
