@@ -107,6 +107,7 @@ class BackendForward(Protocol):
     """A backend copy: ``(input_ids, attention_mask) -> last_hidden_state`` (float32)."""
 
     name: str
+    precision: str  # what it computes in, as the engine says: bf16, f32
     cost: BuildCost
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor: ...
