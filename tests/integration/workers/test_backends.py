@@ -8,11 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
+import torch
 
 from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.settings import Settings
-from embedfleet.workers.model.backends import ENGINES, installed
+from embedfleet.workers.model.backends import ENGINES, BuildCost, installed
 from embedfleet.workers.model.encoder import Encoder
 from embedfleet.workers.model.heldout import GROUPS, HELDOUT_TEXTS
 from embedfleet.workers.model.precision import MEAN_COSINE, MIN_COSINE, cosines, embed_in_batches
@@ -68,6 +69,35 @@ def test_each_engine_holds_the_bar_against_sentence_transformers(
     cost = encoder.paths.backend_costs[engine]
     assert cost is copy.cost and cost.export_s > 0 and cost.compile_s > 0
     print(f"{engine}: {cost}")
+
+
+class NoiseCopy:
+    """A copy that builds and runs but is wrong: what the gate is there to refuse."""
+
+    name = "openvino"
+    precision = "bf16"
+    cost = BuildCost(0.0, 0.0, 0.0)
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(0)
+        return torch.randn((*input_ids.shape, self.dim), generator=generator)
+
+
+@pytest.mark.skipif(not installed("openvino"), reason="the 'openvino' extra is not installed")
+def test_an_engine_copy_that_fails_the_gate_leaves_torchs_path(
+    encoder: Encoder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CPU_BACKEND=openvino whose copy fails the held-out gate: torch's frozen graph serves."""
+    monkeypatch.setattr(encoder.paths, "gate_reports", {})  # the session encoder's, restored
+    monkeypatch.setattr(
+        encoder.paths, "build_backend", lambda engine, precision: NoiseCopy(encoder.dim)
+    )
+    kept = encoder.paths.choose("off", "openvino")
+    assert kept is not None and kept.kind == "frozen", kept
+    assert not encoder.paths.gate_reports["openvino"].passed
 
 
 def test_auto_builds_gates_and_races_every_installed_engine() -> None:
