@@ -291,13 +291,15 @@ class Producer(ProducerLane):
 
     async def score_pairs(
         self,
-        pairs: Sequence[tuple[str, str]],
+        pairs: Sequence[tuple[str, str | None]],
         *,
         timeout: float = 10.0,
         lane: RequestStream = "query",
     ) -> np.ndarray:
         """Every label's score of each (text, text) pair from a cross-encoder fleet, shape
-        (len(pairs), labels): ``CrossEncoder.predict``'s values (one column for a reranker)."""
+        (len(pairs), labels): ``CrossEncoder.predict``'s values (one column for a reranker).
+        A pair ``(text, None)`` is the text classified alone, one sequence (TEI's single-text
+        ``/predict``, the text-classification pipeline's input)."""
         return await self._queries.score_pairs(pairs, timeout, lane)
 
     async def embed_representations(

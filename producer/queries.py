@@ -84,7 +84,7 @@ class Queries:
         )
 
     async def score_pairs(
-        self, pairs: Sequence[tuple[str, str]], timeout: float, lane: RequestStream
+        self, pairs: Sequence[tuple[str, str | None]], timeout: float, lane: RequestStream
     ) -> np.ndarray:
         answers = await self.answers(
             self.stream(lane),
@@ -124,12 +124,13 @@ class Queries:
         timeout: float,
         options: EmbeddingOptions | None,
         *,
-        pairs: Sequence[str] | None = None,
+        pairs: Sequence[str | None] | None = None,
         extra: dict[str, Any] | None = None,
     ) -> Answers:
         """Send ``texts`` to ``stream`` under one request id and collect their answers from the
         request's reply list (producer/replies.py): each input's Result. ``pairs``: each text's
-        document for a cross-encoder; ``extra``: Chunk fields every input gets.
+        document for a cross-encoder (None: the text scored alone); ``extra``: Chunk fields
+        every input gets.
 
         The worker pushes each answer onto a reply list this call blocks on (BLPOP: no
         polling). On timeout the inputs are withdrawn from the stream and the reply key is
@@ -173,7 +174,7 @@ class Queries:
         texts: Sequence[str],
         deadline_ms: int,
         options: EmbeddingOptions | None,
-        pairs: Sequence[str] | None,
+        pairs: Sequence[str | None] | None,
         extra: dict[str, Any] | None,
         give_up_at: float,
     ) -> list[bytes]:
@@ -279,7 +280,7 @@ class Queries:
 
 
 def _check_request(
-    what: str, texts: Sequence[str], timeout: float, pairs: Sequence[str] | None
+    what: str, texts: Sequence[str], timeout: float, pairs: Sequence[str | None] | None
 ) -> None:
     """A ``ValueError`` for a request no worker could answer, before anything is sent."""
     if pairs is not None and len(pairs) != len(texts):

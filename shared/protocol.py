@@ -133,7 +133,8 @@ class Chunk:
     representations: tuple[str, ...] | None = None
     # sparse: keep only the largest this many weights (SparseEncoder's max_active_dims)
     max_active_dims: int | None = None
-    # rerank: the document scored against ``text`` (the query), as CrossEncoder.predict's pair
+    # rerank: the document scored against ``text`` (the query), as CrossEncoder.predict's pair;
+    # None on a cross-encoder: ``text`` classified alone, one sequence (TEI's single-text /predict)
     pair: str | None = None
     # multivector: how the per-token vectors travel (None: float16)
     multivector_dtype: str | None = None

@@ -132,8 +132,9 @@ CHUNK_FIELDS: tuple[WireField, ...] = (
         "str",
         False,
         f"rerank only: the document (at most {MAX_PAIR_CHARS:,} characters) scored against "
-        "`text`, the query, as the pair `(text, pair)` of `CrossEncoder.predict`; a "
-        "cross-encoder dead-letters a chunk without it",
+        "`text`, the query, as the pair `(text, pair)` of `CrossEncoder.predict`; absent on "
+        "a cross-encoder: `text` classified alone, one sequence (the text-classification "
+        "pipeline's input, TEI's single-text `/predict`)",
     ),
     WireField(
         "multivector_dtype",
@@ -253,8 +254,9 @@ RESULT_FIELDS: tuple[WireField, ...] = (
         "score",
         "float",
         False,
-        "a cross-encoder's score of `(text, pair)`, `CrossEncoder.predict`'s value (its "
-        "activation applied); `vec` holds every label's score in `float32`, `dim` of them",
+        "a cross-encoder's score of `(text, pair)` (or of `text` alone), "
+        "`CrossEncoder.predict`'s value (its activation applied); `vec` holds every label's "
+        "score in `float32`, `dim` of them",
     ),
 )
 

@@ -385,6 +385,26 @@ def cross_encoder_dir(root: Path, *, num_labels: int = 1) -> Path:
     return target
 
 
+def classified_alone(model_dir: Path, texts: list[str]) -> Any:
+    """A cross-encoder directory's scores of each text alone, one sequence, as the transformers
+    text-classification pipeline (and TEI's single-text /predict) computes them: the tokenizer
+    called on the text alone, cut to the CrossEncoder's maximum, AutoModelForSequenceClassification,
+    then the CrossEncoder's activation. A numpy array (texts, labels)."""
+    from sentence_transformers import CrossEncoder
+
+    cross_encoder = CrossEncoder(str(model_dir), device="cpu")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    rows = []
+    with torch.no_grad():
+        for text in texts:  # one at a time: no padding in the reference
+            encoded = tokenizer(
+                text, truncation=True, max_length=cross_encoder.max_seq_length, return_tensors="pt"
+            )
+            rows.append(cross_encoder.activation_fn(model(**encoded).logits.float())[0])
+    return torch.stack(rows).numpy()
+
+
 def bge_m3_dir(
     root: Path,
     *,

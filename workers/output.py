@@ -181,8 +181,9 @@ class Outputs:
 
     def check_representation(self, chunk: Chunk) -> None:
         """ValueError (dead-lettered as options) for a chunk that asks what the model does not
-        give: another representation, a pair for a model that embeds, no pair for a
-        cross-encoder, or dense-only options on a sparse or rerank model."""
+        give: another representation, a pair for a model that embeds, or dense-only options on
+        a sparse or rerank model. A cross-encoder's chunk without a pair is its text classified
+        alone (one sequence, TEI's single-text /predict)."""
         served = self.encoder.representation
         offered = self.encoder.representations
         for wanted in chunk.wanted_representations:
@@ -190,11 +191,6 @@ class Outputs:
                 raise OutputOptionError(
                     f"the model {self.encoder.name!r} serves {', '.join(offered)}, not {wanted}"
                 )
-        if served == "rerank" and chunk.pair is None:
-            raise OutputOptionError(
-                "this model is a cross-encoder: it scores (query, document) pairs; give the "
-                "document as 'pair'"
-            )
         if served != "dense" and (chunk.dimensions is not None or chunk.dtype is not None):
             raise OutputOptionError(
                 f"'dimensions' and 'dtype' shape dense vectors; this model gives {served}"

@@ -140,13 +140,15 @@ class Embedder:
 
         return await self._through_lane(len(texts), call, texts)
 
-    async def score_pairs(self, pairs: Sequence[tuple[str, str]]) -> np.ndarray:
-        """Every label's score per (text, text) pair (a cross-encoder fleet), same lanes."""
+    async def score_pairs(self, pairs: Sequence[tuple[str, str | None]]) -> np.ndarray:
+        """Every label's score per (text, text) pair (a cross-encoder fleet; ``(text, None)``:
+        the text classified alone), same lanes."""
 
         async def call(lane: Lane, timeout: float) -> np.ndarray:
             return await self.producer.score_pairs(list(pairs), timeout=timeout, lane=lane)
 
-        return await self._through_lane(len(pairs), call, [text for pair in pairs for text in pair])
+        texts = [text for pair in pairs for text in pair if text is not None]
+        return await self._through_lane(len(pairs), call, texts)
 
     async def _through_lane(
         self, count: int, call: Callable[[Lane, float], Awaitable[T]], texts: Sequence[str]

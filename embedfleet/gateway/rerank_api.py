@@ -10,10 +10,11 @@ rerank, POST /v1/rerank, is gateway/cohere_api.py's, in OpenAI's error dialect).
   token states there; a multi-vector model (BGE-M3) here returns its ColBERT vectors (every
   token after CLS, projected and normalised: what late interaction compares), and a model
   without them is refused (424).
-- TEI ``POST /predict``: ``{inputs: [text, text] | [[text, text], ...], raw_scores?,
-  truncate?}`` -> ``[{"score", "label"}, ...]`` per pair (a list of those for a batch), every
-  label of the cross-encoder, highest first; labels are ``LABEL_<i>``. A single text (TEI's
-  sequence classification) is refused: the fleet's classifiers are cross-encoders.
+- TEI ``POST /predict``: ``{inputs: text | [text] | [text, text] | [[text] | [text, text],
+  ...], raw_scores?, truncate?}`` -> ``[{"score", "label"}, ...]`` per input (a list of those
+  for a batch), every label of the classifier, highest first; labels are ``LABEL_<i>``. A pair
+  is scored as ``CrossEncoder.predict`` scores it; a text alone is one sequence through the
+  model (TEI's sequence classification: the tokenizer called on the text alone).
 
 The scores are ``CrossEncoder.predict``'s (the model's declared activation: a sigmoid for a
 one-label reranker, what TEI returns without ``raw_scores``). A (query, document) pair longer
@@ -155,26 +156,36 @@ async def embed_all(body: EmbedSparseRequest, gateway: GatewayDep) -> list[list[
     return matrices
 
 
-def _predict_pairs(inputs: str | list[str] | list[list[str]]) -> tuple[list[tuple[str, str]], bool]:
-    """TEI's ``inputs`` as (text, text) pairs, and whether it was one pair (not a batch)."""
-    single_text = "/predict scores (text, text) pairs here (the fleet's classifiers are "
+PredictSequence = tuple[str, str | None]  # (text, text), or (text, None): the text alone
+
+
+def _sequence(item: list[str], where: str) -> PredictSequence:
+    """One of TEI's sequences: ``[text]`` alone or ``[text, text]`` a pair."""
+    if len(item) == 1:
+        return (item[0], None)
+    if len(item) == 2:
+        return (item[0], item[1])
+    raise APIError(
+        422,
+        f"{where} is a text [text] or a pair [text, text], not {len(item)} texts",
+        code="validation",
+    )
+
+
+def _predict_sequences(
+    inputs: str | list[str] | list[list[str]],
+) -> tuple[list[PredictSequence], bool]:
+    """TEI's ``inputs`` (router/src/http/types.rs, ``PredictInput``) as sequences, and whether
+    it was one (not a batch): ``text`` and ``[text]`` one text, ``[text, text]`` one pair,
+    ``[[text], [text, text], ...]`` a batch of both."""
     if isinstance(inputs, str):
-        raise APIError(422, single_text + "cross-encoders): give [text, text]", code="validation")
+        return [(inputs, None)], True
     if inputs and all(isinstance(item, str) for item in inputs):
-        batch: list[Any] = [inputs]
-        one = True
-    else:
-        batch, one = list(inputs), False
-    pairs = []
-    for item in batch:
-        if not isinstance(item, list) or len(item) != 2:
-            raise APIError(
-                422, single_text + "cross-encoders): every input is [text, text]", code="validation"
-            )
-        pairs.append((str(item[0]), str(item[1])))
-    if not pairs:
+        return [_sequence([str(item) for item in inputs], "`inputs`")], True
+    sequences = [_sequence(item, f"`inputs[{index}]`") for index, item in enumerate(inputs)]
+    if not sequences:
         raise APIError(400, "`inputs` cannot be empty", code="empty_input")
-    return pairs, one
+    return sequences, False
 
 
 def _refuse_raw_scores(raw_scores: bool) -> None:
@@ -191,13 +202,16 @@ def _refuse_raw_scores(raw_scores: bool) -> None:
 @router.post("/predict")
 async def predict(body: PredictRequest, gateway: GatewayDep) -> list[Any]:
     _refuse_raw_scores(body.raw_scores)
-    pairs, one = _predict_pairs(body.inputs)
+    sequences, one = _predict_sequences(body.inputs)
     async with gateway.request_bound():
         gateway = await gateway.for_model(body.model)
         card = await gateway.require_card()
         require_representation(card, "rerank", DIALECT)
-        check_limits([text for pair in pairs for text in pair], gateway.settings, "inputs")
-        scores = await gateway.embedder.score_pairs(pairs)
+        texts = [text for sequence in sequences for text in sequence if text is not None]
+        check_limits(texts, gateway.settings, "inputs")
+        # a text alone is one sequence through the model, as TEI and the text-classification
+        # pipeline classify it (workers/model/rerank.py), not the pair (text, "")
+        scores = await gateway.embedder.score_pairs(sequences)
     answers = [
         [
             {"score": float(row[label]), "label": f"LABEL_{label}"}

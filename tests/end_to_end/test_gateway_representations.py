@@ -22,7 +22,7 @@ from embedfleet.workers.model.encoder import Encoder
 from loadtest.common import isolated_settings
 from tests.conftest import WorkerLauncher
 from tests.gateway_support import running_gateway
-from tests.model_zoo import corpus_lines, cross_encoder_dir, splade_dir
+from tests.model_zoo import classified_alone, corpus_lines, cross_encoder_dir, splade_dir
 
 QUERY = "How do I catch an exception?"
 
@@ -165,18 +165,32 @@ async def test_tei_embed_all_gives_bge_m3_colbert_vectors(
 
 
 async def test_tei_predict_matches_cross_encoder(
-    redis_server: ServerProcess, tmp_path: Path, zoo: Path
+    redis_server: ServerProcess, tmp_path: Path, zoo: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """TEI's /predict on a cross-encoder: one pair, a batch of pairs (each its own query), every
-    label's score highest first; a single text is refused."""
+    label's score highest first; a single text (``text``, ``[text]``, ``[[text], ...]`` in a
+    batch, and huggingface_hub's ``text_classification``) classified alone, one sequence, as
+    AutoModelForSequenceClassification scores it (TEI's sequence classification)."""
+    from huggingface_hub import InferenceClient, constants
     from sentence_transformers import CrossEncoder
 
+    # the suite runs with HF_HUB_OFFLINE=1; the client only talks to the local gateway here
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     pairs = [(QUERY, d) for d in documents()[:3]] + [(documents()[3], documents()[4])]
+    alone = ["just a text", " ".join(documents())]  # the second over the model's maximum
     model_dir = cross_encoder_dir(zoo, num_labels=2)
     async with fleet(redis_server, tmp_path, model_dir) as http:
         batch = await http.post("/predict", json={"inputs": [list(p) for p in pairs]})
         one = await http.post("/predict", json={"inputs": list(pairs[0])})
-        single = await http.post("/predict", json={"inputs": "just a text"})
+        single = await http.post("/predict", json={"inputs": alone[0]})
+        listed = await http.post("/predict", json={"inputs": [alone[1]]})
+        mixed = await http.post(
+            "/predict", json={"inputs": [[alone[0]], list(pairs[0]), [alone[1]]]}
+        )
+        three = await http.post("/predict", json={"inputs": ["a", "b", "c"]})
+        # InferenceClient(base_url) posts {"inputs": text} to the base URL: the model's route
+        hub = InferenceClient(base_url=str(http.base_url).rstrip("/"))
+        classified = await asyncio.to_thread(hub.text_classification, alone[1])
         raw = [
             await http.post("/predict", json={"inputs": list(pairs[0]), "raw_scores": True}),
             await http.post("/rerank", json={"query": "q", "texts": ["a"], "raw_scores": True}),
@@ -196,4 +210,26 @@ async def test_tei_predict_matches_cross_encoder(
         [item["score"] for item in batch.json()[0]],
         atol=1e-5,
     )
-    assert single.status_code == 422 and "pairs" in single.text
+    # a text alone: the tokenizer called on it alone, cut to the maximum (classified_alone)
+    expected = classified_alone(model_dir, alone)
+    for response in (single, listed, mixed):
+        assert response.status_code == 200, response.text
+
+    def by_label(labels: list[dict]) -> list[float]:  # type: ignore[type-arg]
+        assert [item["score"] for item in labels] == sorted(
+            (item["score"] for item in labels), reverse=True
+        )
+        scores = {int(item["label"].removeprefix("LABEL_")): item["score"] for item in labels}
+        return [scores[label] for label in sorted(scores)]
+
+    np.testing.assert_allclose(by_label(single.json()), expected[0], atol=1e-4)
+    np.testing.assert_allclose(by_label(listed.json()), expected[1], atol=1e-4)
+    got = [by_label(labels) for labels in mixed.json()]
+    np.testing.assert_allclose(got, [expected[0], theirs[0], expected[1]], atol=1e-4)
+    # TEI answers one input with a flat list, of which huggingface_hub 2.x hands back the first
+    # element (its parser expects the Inference API's nested list): the top label, as with TEI
+    top = int(np.argmax(expected[1]))
+    assert classified["label"] == f"LABEL_{top}"
+    np.testing.assert_allclose(classified["score"], expected[1][top], atol=1e-4)
+    # TEI's sequences are [text] or [text, text]: three texts are neither
+    assert three.status_code == 422 and "[text, text]" in three.text

@@ -64,7 +64,8 @@ class Representation(ABC):
         """One row per text from the transformer's output for the batch, on its device."""
 
     def cut_pairs(
-        self, queries: Sequence[str], documents: Sequence[str], max_length: int
+        self, queries: Sequence[str], documents: Sequence[str | None], max_length: int
     ) -> list[CutPair]:
-        """(query, document) pairs tokenized and cut to ``max_length``: a cross-encoder's."""
+        """(query, document) pairs tokenized and cut to ``max_length``: a cross-encoder's (a
+        document None: the query alone, one sequence)."""
         raise ValueError("pairs are scored by a cross-encoder; this model is not one")

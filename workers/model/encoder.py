@@ -233,23 +233,28 @@ class Encoder:
         texts: Sequence[str],
         prompts: Sequence[str] | None = None,
         *,
-        pairs: Sequence[str] | None = None,
+        pairs: Sequence[str | None] | None = None,
     ) -> list[Tokenized]:
         """Token ids per text (``prompt + text`` where a prompt is given, as
         sentence-transformers joins them, so prompt tokens count against the maximum), cut to
-        the model's maximum with the truncated flag set. With ``pairs`` (a cross-encoder's
-        documents, one per text): the (text, pair) encodings of :meth:`tokenize_pairs`.
+        the model's maximum with the truncated flag set. On a cross-encoder: the encodings of
+        :meth:`tokenize_pairs`, (text, pair) where ``pairs`` gives the text a document, the
+        text alone where not.
 
         The batch call runs in Rust and releases the GIL, so callers put it on a thread.
         """
-        if pairs is not None:
-            return self.tokenize_pairs(texts, pairs)
+        if pairs is not None or self.representation == "rerank":
+            # a cross-encoder's texts go through its own tokenizer, paired or alone, as
+            # CrossEncoder and the text-classification pipeline tokenize them
+            return self.tokenize_pairs(texts, pairs if pairs is not None else [None] * len(texts))
         return self.text.tokenize(texts, prompts)
 
-    def tokenize_pairs(self, queries: Sequence[str], documents: Sequence[str]) -> list[Tokenized]:
+    def tokenize_pairs(
+        self, queries: Sequence[str], documents: Sequence[str | None]
+    ) -> list[Tokenized]:
         """Token and segment ids of (query, document) pairs for a cross-encoder, cut to the
-        model's maximum ``longest_first`` as ``CrossEncoder.predict`` cuts them; ``truncated``
-        says a pair lost tokens."""
+        model's maximum ``longest_first`` as ``CrossEncoder.predict`` cuts them (a document
+        None: the query alone, one sequence); ``truncated`` says a pair lost tokens."""
         return [
             Tokenized(ids=ids, truncated=truncated, type_ids=types)
             for ids, truncated, types in self._representation.cut_pairs(
@@ -390,9 +395,9 @@ class Encoder:
         return True
 
 
-def pairs_of(chunks: Sequence[Chunk]) -> list[str] | None:
-    """The chunks' ``pair`` documents for :meth:`Encoder.tokenize`, or None where no chunk
-    has one (a cross-encoder's chunks all do: ``Outputs.check_representation``)."""
+def pairs_of(chunks: Sequence[Chunk]) -> list[str | None] | None:
+    """The chunks' ``pair`` documents for :meth:`Encoder.tokenize` (None for a chunk without
+    one: a cross-encoder classifies its text alone), or None where no chunk has one."""
     if all(chunk.pair is None for chunk in chunks):
         return None
-    return [chunk.pair or "" for chunk in chunks]
+    return [chunk.pair for chunk in chunks]

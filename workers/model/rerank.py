@@ -1,9 +1,11 @@
-"""The rerank representation: a cross-encoder's score per (query, document) pair.
+"""The rerank representation: a cross-encoder's score per (query, document) pair, or per
+text alone (a sequence classifier's input: TEI's single-text ``/predict``).
 
 The transformer is loaded with its classification head; the scores are its logits through the
 activation the model declares, as ``CrossEncoder.predict`` gives them. Pairs are tokenized with
 the tokenizer's own pair encoding and cut ``longest_first``, as sentence-transformers'
-``Transformer.tokenize`` cuts them.
+``Transformer.tokenize`` cuts them; a text alone with the tokenizer called on it alone, cut to
+the maximum, as the transformers text-classification pipeline tokenizes it.
 """
 
 from __future__ import annotations
@@ -36,15 +38,27 @@ class Rerank(Representation):
         return self.activation(forward.output.logits.float())
 
     def cut_pairs(
-        self, queries: Sequence[str], documents: Sequence[str], max_length: int
+        self, queries: Sequence[str], documents: Sequence[str | None], max_length: int
     ) -> list[CutPair]:
-        whole = self.pair_tokenizer(list(queries), list(documents), truncation=False)
-        cut = self.pair_tokenizer(
-            list(queries),
-            list(documents),
-            truncation="longest_first",
-            max_length=max_length,
-        )
+        # a text without a document is tokenized alone, one sequence (TEI's single-text
+        # /predict, the text-classification pipeline), never as the pair (text, ""): that adds
+        # a [SEP] and another segment, and the model scores another input
+        cuts: list[CutPair | None] = [None] * len(queries)
+        paired = [row for row, document in enumerate(documents) if document is not None]
+        alone = [row for row, document in enumerate(documents) if document is None]
+        for rows, second in ((paired, [documents[row] for row in paired]), (alone, None)):
+            if rows:
+                firsts = [queries[row] for row in rows]
+                for row, cut in zip(rows, self._cut(firsts, second, max_length), strict=True):
+                    cuts[row] = cut
+        return [cut for cut in cuts if cut is not None]
+
+    def _cut(
+        self, firsts: list[str], seconds: list[str | None] | None, max_length: int
+    ) -> list[CutPair]:
+        texts = (firsts,) if seconds is None else (firsts, seconds)
+        whole = self.pair_tokenizer(*texts, truncation=False)
+        cut = self.pair_tokenizer(*texts, truncation="longest_first", max_length=max_length)
         # segment ids where the tokenizer declares them (BERT's), as CrossEncoder passes them
         types = cut.get("token_type_ids")
         return [

@@ -16,7 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from embedfleet.producer import Producer
-from embedfleet.shared.protocol import Chunk, QueryFailedError, decode_result, encode_result
+from embedfleet.shared.protocol import Chunk, decode_result, encode_result
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.batcher import plan_batches
 from embedfleet.workers.calibration import CalibrationStore
@@ -24,7 +24,13 @@ from embedfleet.workers.model.encoder import Encoder
 from embedfleet.workers.model.model_dir import read_model_spec
 from embedfleet.workers.output import Outputs
 from tests.conftest import WorkerLauncher
-from tests.model_zoo import corpus_lines, cross_encoder_dir, sample_texts, splade_dir
+from tests.model_zoo import (
+    classified_alone,
+    corpus_lines,
+    cross_encoder_dir,
+    sample_texts,
+    splade_dir,
+)
 
 SCORE_TOLERANCE = 1e-4
 WEIGHT_TOLERANCE = 1e-4
@@ -121,6 +127,29 @@ def pairs() -> list[tuple[str, str]]:
     return [(query, document) for document in documents] + [(lines[3], lines[4])]
 
 
+# texts a cross-encoder classifies alone: short, and one over the model's maximum (cut)
+LONELY = ["a lonely query", "try except", " ".join(corpus_lines()[300:360])]
+
+
+def test_a_text_alone_is_one_sequence_as_the_classification_pipeline_gives(zoo: Path) -> None:
+    """A text without a document is tokenized alone (not as the pair (text, "")) and scored as
+    AutoModelForSequenceClassification scores it, in a batch beside pairs too."""
+    from transformers import AutoTokenizer
+
+    model_dir = cross_encoder_dir(zoo, num_labels=2)
+    encoder = Encoder(str(model_dir), device="cpu")
+    mixed = [(text, None) for text in LONELY] + pairs()[:3]
+    tokens = encoder.tokenize([q for q, _ in mixed], pairs=[d for _, d in mixed])
+    alone = AutoTokenizer.from_pretrained(model_dir)(
+        LONELY, truncation=True, max_length=encoder.max_length
+    )
+    assert [t.ids for t in tokens[:3]] == alone["input_ids"] and tokens[2].truncated
+    ours = fleet_rows(encoder, tokens)
+    np.testing.assert_allclose(ours[:3], classified_alone(model_dir, LONELY), atol=SCORE_TOLERANCE)
+    as_pairs = fleet_rows(encoder, encoder.tokenize_pairs(LONELY, [""] * len(LONELY)))
+    assert np.abs(as_pairs - ours[:3]).max() > 100 * SCORE_TOLERANCE  # another input
+
+
 def test_cross_encoder_matches_predict(zoo: Path) -> None:
     from sentence_transformers import CrossEncoder
 
@@ -165,13 +194,13 @@ def test_options_the_model_does_not_serve_are_refused(zoo: Path) -> None:
         (sparse, Chunk(id="a", text="x", pair="y"), "serves sparse, not rerank"),
         (sparse, Chunk(id="a", text="x", representations=("dense",)), "not dense"),
         (sparse, Chunk(id="a", text="x", dimensions=8), "shape dense vectors"),
-        (rerank, Chunk(id="a", text="x"), "give the document as 'pair'"),
         (rerank, Chunk(id="a", text="x", pair="y", max_active_dims=3), "prunes sparse"),
     ]:
         with pytest.raises(ValueError, match=reason):
             out.prompt_for(chunk, "document")
     sparse.prompt_for(Chunk(id="a", text="x", representations=("sparse",)), "document")
     rerank.prompt_for(Chunk(id="a", text="x", pair="y"), "query")
+    rerank.prompt_for(Chunk(id="a", text="x"), "query")  # a text alone: classified
 
 
 # --- through Redis and a worker -------------------------------------------------------------
@@ -215,7 +244,7 @@ async def test_rerank_through_a_worker(
     workers: WorkerLauncher, settings: Settings, client: aioredis.Redis, zoo: Path
 ) -> None:
     """Pairs scored on the query lane and in bulk as CrossEncoder.predict scores them; a text
-    without its document is refused with the worker's reason."""
+    without a document classified alone, one sequence, on both paths and beside pairs."""
     from sentence_transformers import CrossEncoder
 
     model_dir = cross_encoder_dir(zoo)
@@ -227,14 +256,25 @@ async def test_rerank_through_a_worker(
         await producer.enqueue(chunks, job="pairs")
         await producer.wait_for_job("pairs", timeout=120)
         bulk = {r.id: r.score async for r in producer.results(job="pairs")}
-        with pytest.raises(QueryFailedError, match="give the document as 'pair'"):
-            await producer.embed_queries(["a lonely query"], timeout=30)
+        alone = await producer.score_pairs(
+            [(lonely, None) for lonely in LONELY] + [(query, documents[0])], timeout=30
+        )
+        await producer.enqueue(
+            [Chunk(id=f"t{i}", text=lonely) for i, lonely in enumerate(LONELY)], job="alone"
+        )
+        await producer.wait_for_job("alone", timeout=120)
+        bulk_alone = {r.id: r.score async for r in producer.results(job="alone")}
     theirs = CrossEncoder(str(model_dir), device="cpu").predict([(query, d) for d in documents])
     np.testing.assert_allclose(scores, theirs, atol=SCORE_TOLERANCE)
     np.testing.assert_allclose(
         [bulk[f"p{i}"] for i in range(len(documents))], theirs, atol=SCORE_TOLERANCE
     )
     assert list(np.argsort(-scores, kind="stable")) == list(np.argsort(-theirs, kind="stable"))
+    reference = classified_alone(model_dir, LONELY)[:, 0]
+    np.testing.assert_allclose(alone[:, 0], [*reference, theirs[0]], atol=SCORE_TOLERANCE)
+    np.testing.assert_allclose(
+        [bulk_alone[f"t{i}"] for i in range(len(LONELY))], reference, atol=SCORE_TOLERANCE
+    )
 
 
 def test_a_sparse_encoder_with_other_modules_is_refused(zoo: Path, tmp_path: Path) -> None:
