@@ -23,12 +23,20 @@ from embedfleet.shared.model_path import resolve_model_path
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
 from loadtest.common import isolated_settings
-from tests.gateway_support import min_cosine, module_worker, running_gateway, wait_for_worker
+from tests.gateway_support import gateway_worker, min_cosine, running_gateway, wait_for_worker
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
 pytestmark = pytest.mark.slow
 
 API_KEY = "sk-test-" + uuid.uuid4().hex
+# The worker's read window here (EMBEDFLEET_READ_COUNT; 1024 by default on CPU) and the bulk
+# backlog a large request must not wait behind: more than one window, and a window more than
+# half the backlog, so a worker that finished its window before serving the request would have
+# done over half of it when it answers (the assertion), while one that serves it between slices
+# has done a batch or two (about 100 texts each). Smaller than the default's 1,024 and 1,200: the
+# backlog is drained at the end, and its embeddings were CPU minutes on CI's slowest class.
+BACKLOG_WINDOW = 512
+BACKLOG = 800
 TEXTS = [
     "How do I open a file in Python?",
     "The quick brown fox jumps over the lazy dog.",
@@ -51,7 +59,12 @@ def fleet_settings(redis_server: ServerProcess, tmp_path_factory: pytest.TempPat
     )
 
 
-worker = module_worker("gw")
+@pytest.fixture(scope="module")
+def worker(fleet_settings: Settings, tmp_path_factory: pytest.TempPathFactory):
+    """The module's worker, reading the ingest stream BACKLOG_WINDOW entries at a time."""
+    yield from gateway_worker(
+        fleet_settings, tmp_path_factory, "gw", EMBEDFLEET_READ_COUNT=str(BACKLOG_WINDOW)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -300,7 +313,8 @@ async def test_a_large_request_during_a_bulk_backlog_answers_before_it_drains(
 ) -> None:
     """Over the high-water mark even: the backlog neither refuses nor holds up a request."""
     marked = fleet_settings.model_copy(update={"backlog_high_water": 100})
-    backlog = [chunk.text[:200] for chunk in builtin_corpus(1200)]  # over 1 window of 1024
+    backlog = [chunk.text[:200] for chunk in builtin_corpus(BACKLOG)]  # over 1 window
+    assert BACKLOG > BACKLOG_WINDOW > BACKLOG // 2
     large = [f"a request of many inputs, number {n}" for n in range(40)]
     redis = connect(marked.effective_redis_url)
     try:
