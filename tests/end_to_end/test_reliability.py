@@ -41,6 +41,11 @@ pytestmark = pytest.mark.slow
 if TYPE_CHECKING:
     from embedfleet.workers.reclaim import Reclaimer
 
+# The worker processes here are about signals and draining, not a forward path: the eager model,
+# so that their start builds and times no frozen or int8 copy (CI's CPU seconds on its slowest
+# class; the paths have tests of their own).
+EAGER = {"EMBEDFLEET_FROZEN_QUERIES": "false"}
+
 
 def raw(message: object) -> bytes:
     return msgpack.packb(message, use_bin_type=True)
@@ -328,7 +333,11 @@ async def test_sigterm_drains_and_exits_zero(
         # a drain bound far above what finishing its windows takes, even on a loaded machine:
         # the test is that it drains, not that it runs out of time and is cancelled
         worker = workers.process(
-            "drainer", settings, EMBEDFLEET_READ_COUNT="64", EMBEDFLEET_DRAIN_TIMEOUT_S="600"
+            "drainer",
+            settings,
+            EMBEDFLEET_READ_COUNT="64",
+            EMBEDFLEET_DRAIN_TIMEOUT_S="600",
+            **EAGER,
         )
 
         async def started() -> bool:
@@ -353,7 +362,11 @@ async def test_second_signal_exits_at_once_and_others_reclaim(
     fast = settings.model_copy(update={"reclaim_idle_ms": 500})
     async with enqueued(fast, client, 300, "k") as producer:
         worker = workers.process(
-            "impatient", fast, EMBEDFLEET_READ_COUNT="300", EMBEDFLEET_RECLAIM_IDLE_MS="500"
+            "impatient",
+            fast,
+            EMBEDFLEET_READ_COUNT="300",
+            EMBEDFLEET_RECLAIM_IDLE_MS="500",
+            **EAGER,
         )
 
         async def holding() -> bool:
