@@ -26,6 +26,7 @@ OpenAI's: 400).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -159,7 +160,7 @@ async def embed_all(body: EmbedSparseRequest, gateway: GatewayDep) -> list[list[
 PredictSequence = tuple[str, str | None]  # (text, text), or (text, None): the text alone
 
 
-def _sequence(item: list[str], where: str) -> PredictSequence:
+def _sequence(item: Sequence[str], where: str) -> PredictSequence:
     """One of TEI's sequences: ``[text]`` alone or ``[text, text]`` a pair."""
     if len(item) == 1:
         return (item[0], None)
