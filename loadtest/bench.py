@@ -1,16 +1,21 @@
 """The side-by-side throughput benchmark: ``python -m loadtest.bench``.
 
-Every contender embeds the same corpus (``loadtest.corpus``, RAG-like, skewed) with the same
-number of torch threads; contenders run interleaved (A B C, B C A, ... a rotation per round) for
-``--rounds`` rounds and the table quotes the median, so a machine that gets busier or quieter
-during the run affects every contender alike. Contenders:
+Every contender embeds texts of the same token lengths (``loadtest.corpus``, RAG-like, skewed)
+with the same number of torch threads, but never the same texts: each round and contender gets
+texts of its own (``loadtest.corpus.FreshCorpora``), new to it and to the fleet, because the
+fleet's vector cache (on by default, as users run it) answers a text it has embedded before.
+Contenders run interleaved (A B C, B C A, ... a rotation per round) for ``--rounds`` rounds and
+the table quotes the median, so a machine that gets busier or quieter during the run affects
+every contender alike. Contenders:
 
 1. ``st encode(32)``: ``SentenceTransformer.encode`` in-process, batch 32: the baseline (1).
    ``st encode(best)``: the same at the batch size that won a short sweep in this run.
 2. ``naive padded(32)``: tokenize and embed batches of 32 in arrival order, padded.
-3. ``fleet fp32`` / ``fleet auto``: end to end: enqueue into a real Redis-compatible server
-   (``embedfleet.server.ServerProcess``) → an in-process worker (as ``embedfleet demo`` runs it)
-   → results on the results stream; the clock runs from the first enqueue to the last result.
+3. ``fleet fp32`` / ``fleet auto`` / ``fleet auto cache off``: end to end: enqueue into a real
+   Redis-compatible server (``embedfleet.server.ServerProcess``) → an in-process worker (as
+   ``embedfleet demo`` runs it) → results on the results stream; the clock runs from the first
+   enqueue to the last result. Each is a line of ``FLEET_VARIANTS``: the EMBEDFLEET_* settings
+   it runs with beside the defaults (the vector cache on unless it says otherwise).
 
 ``--engines`` adds in-process contenders for the forward-pass layout and precision choices
 (sorted padded micro-batches vs packed rows vs varlen, fp32 vs auto; ``--compile`` adds
@@ -19,7 +24,8 @@ during the run affects every contender alike. Contenders:
 contender only; varlen is the worker's own CUDA path (``workers/bulk.py``).
 
 Per contender: texts/s, real tokens/s, padding waste, ratio to (1) (median of the per-round
-ratios), and model-FLOPs utilisation: useful model FLOPs (matmuls on real tokens only:
+ratios), parity (cosine to float32 sentence-transformers on the contender's own texts), and
+model-FLOPs utilisation: useful model FLOPs (matmuls on real tokens only:
 2 x matmul parameters per token + 4 x layers x hidden x length per token for attention) over
 the matmul peak of this machine in this precision, measured in the same run with a large
 ``torch.matmul``.
@@ -35,7 +41,7 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,12 +52,13 @@ import click
 import numpy as np
 import torch
 
+from embedfleet.shared.settings import Settings
 from embedfleet.workers.cpus import usable_cpus
-from embedfleet.workers.model.encoder import Encoder, Tokenized, resolve_model_path
+from embedfleet.workers.model.encoder import Encoder, resolve_model_path
 from embedfleet.workers.model.packing import PackedEncoder
 from embedfleet.workers.model.precision import cosines
-from loadtest.common import cpu_name
-from loadtest.corpus import build_corpus, describe, token_lengths
+from loadtest.common import cpu_identity, cpu_line
+from loadtest.corpus import CorpusText, FreshCorpora, describe
 from loadtest.packed_rows import RowsEncoder, plan_rows
 from loadtest.peers import InfinityConfig, InfinityPeer, infinity_available
 
@@ -69,13 +76,15 @@ class Run:
     padded_tokens: int
     vectors: np.ndarray | None = None  # (texts, dim) in corpus order, for parity
     model_busy: float | None = None  # fleet: model seconds / wall seconds
+    inputs: list[str] = field(default_factory=list)  # the texts embedded (parity's reference)
+    cache_hits: int | None = None  # fleet: texts the vector cache answered (0 on new texts)
 
 
 @dataclass
 class Contender:
     name: str
     precision: str  # "fp32", "bf16" or "int8": which matmul peak its MFU is measured against
-    run: Callable[[int], Run]  # embeds the first n texts of the corpus
+    run: Callable[[list[CorpusText]], Run]  # embeds these texts (new to it: FreshCorpora)
     runs: list[Run] = field(default_factory=list)
 
 
@@ -236,10 +245,15 @@ def _packer(encoder: Encoder, layout: str) -> PackedEncoder | RowsEncoder:
 
 
 class Fleet:
-    """A real server for every fleet run; each run gets a fresh namespace and worker."""
+    """A real server for every fleet run; each run gets a fresh namespace and worker.
 
-    def __init__(self, url: str) -> None:
+    ``vector_cache``: the worker's vector cache as the settings have it (on by default), as users
+    run it: every text must then be new to the fleet (loadtest.bench's fresh corpora). Without
+    it the cache is off (EMBEDFLEET_VECTOR_CACHE_MB=0), for the harnesses that repeat texts."""
+
+    def __init__(self, url: str, vector_cache: bool = False) -> None:
         self.url = url
+        self.vector_cache = vector_cache
 
     def run(
         self,
@@ -274,16 +288,18 @@ class Fleet:
         from embedfleet.workers.worker import Worker
 
         namespace = f"bench{uuid.uuid4().hex[:8]}"
-        settings = load_settings(
-            redis_url=self.url,
-            namespace=namespace,
-            consumer="bench",
-            log_level="warning",
-            slice_ms=slice_ms,
+        run_settings: dict[str, object] = {
+            "redis_url": self.url,
+            "namespace": namespace,
+            "consumer": "bench",
+            "log_level": "warning",
+            "slice_ms": slice_ms,
+        }
+        if not self.vector_cache:
             # every text through the model, as every other contender does: a corpus that
             # repeats a text must not be answered from the vector cache (issue 31)
-            **({"vector_cache_mb": 0} | overrides),
-        )
+            run_settings["vector_cache_mb"] = 0
+        settings = load_settings(**(run_settings | overrides))
         worker_client = connect(self.url)
         worker = Worker(
             settings, encoder, worker_client, RedisStreamSink(worker_client, settings.keys)
@@ -321,7 +337,105 @@ class Fleet:
             await worker_client.aclose()
         if progress.dead:
             raise RuntimeError(f"{progress.dead} chunks were dead-lettered during the benchmark")
-        return Run(seconds, progress.done, stats.real_tokens, stats.padded_tokens, vectors, busy)
+        run = Run(seconds, progress.done, stats.real_tokens, stats.padded_tokens, vectors, busy)
+        run.cache_hits = stats.cache_hits  # texts answered by the vector cache, not the model
+        return run
+
+
+# --- the fleet contenders ------------------------------------------------------------------
+@dataclass(frozen=True)
+class FleetVariant:
+    """A fleet contender: the worker with these EMBEDFLEET_* settings beside the defaults, as a
+    user would set them (docs/SETTINGS.md); the encoder is loaded and its forward path chosen
+    as `embedfleet worker` does with them (workers/runtime.py load_encoder, the query lane's
+    prepare_query_graph)."""
+
+    name: str
+    env: Mapping[str, str] = field(default_factory=dict)
+    default: bool = False  # run without --only (otherwise only when --only names it)
+    # where it is worth a row, judged on the default worker's encoder (None: always)
+    when: Callable[[Encoder], bool] | None = None
+    poll_s: float | None = None  # read the job's counters at this fixed interval
+
+
+# One line per fleet contender. The defaults run with the vector cache on, as users run them;
+# every round's texts are new to the fleet, so the cache's lookup and store are a cost it pays
+# and never a shortcut, and the cache-off row beside it shows that cost.
+FLOAT32 = {"EMBEDFLEET_DTYPE": "float32"}
+FLEET_VARIANTS = (
+    FleetVariant("fleet fp32", FLOAT32, default=True),
+    # what the query lane's slices cost bulk work
+    FleetVariant("fleet fp32 unsliced", FLOAT32 | {"EMBEDFLEET_SLICE_MS": "0"}),
+    FleetVariant("fleet auto", default=True),
+    FleetVariant("fleet auto cache off", {"EMBEDFLEET_VECTOR_CACHE_MB": "0"}, default=True),
+    FleetVariant("fleet auto unsliced", {"EMBEDFLEET_SLICE_MS": "0"}),
+    # bulk batches eager in auto's precision (not through the frozen or int8 copy), sliced per
+    # layer; queries still through the copy
+    FleetVariant(
+        "fleet auto eager bulk",
+        {"EMBEDFLEET_FROZEN_BULK": "false"},
+        when=lambda auto: auto.precision.dtype != torch.float32,
+    ),
+    # the bf16 frozen copy, as before int8 was the default
+    FleetVariant(
+        "fleet auto bf16", {"EMBEDFLEET_CPU_INT8": "false"}, when=lambda a: a.computes_in_int8
+    ),
+    FleetVariant("fleet auto 10ms polls", poll_s=0.01),  # a producer polling beside the worker
+)
+# Settings the worker reads but the encoder does not: variants that differ only in these share
+# one loaded encoder (and its chosen path); any other setting gets an encoder of its own.
+WORKER_ONLY_SETTINGS = frozenset(
+    {"EMBEDFLEET_VECTOR_CACHE_MB", "EMBEDFLEET_SLICE_MS", "EMBEDFLEET_FROZEN_BULK"}
+)
+
+
+def settings_overrides(env: Mapping[str, str]) -> dict[str, object]:
+    """EMBEDFLEET_* variables as keyword overrides of ``load_settings`` (validated there)."""
+    from embedfleet.shared.settings import ENV_PREFIX
+
+    overrides: dict[str, object] = {}
+    for variable, value in env.items():
+        name = variable.removeprefix(ENV_PREFIX).lower()
+        if not variable.startswith(ENV_PREFIX) or name not in Settings.model_fields:
+            raise click.UsageError(f"{variable}: not a setting (docs/SETTINGS.md)")
+        overrides[name] = value
+    return overrides
+
+
+class FleetEncoders:
+    """The encoders of the fleet contenders, one per distinct model setting, each loaded and
+    prepared (its forward path chosen) before the warm-up, so no round pays for it and every
+    row is labelled with what it computes in."""
+
+    def __init__(self, device: str, threads: int) -> None:
+        self._base = {"device": device, "threads": threads}
+        self._encoders: dict[frozenset[tuple[str, str]], Encoder] = {}
+
+    def settings(self, env: Mapping[str, str]) -> Settings:
+        from embedfleet.shared.settings import load_settings
+
+        return load_settings(**(self._base | settings_overrides(env)))
+
+    def encoder(self, env: Mapping[str, str]) -> Encoder:
+        from embedfleet.workers.runtime import load_encoder
+
+        key = frozenset((k, v) for k, v in env.items() if k not in WORKER_ONLY_SETTINGS)
+        if key not in self._encoders:
+            settings = self.settings(dict(key))
+            encoder = load_encoder(settings)
+            if settings.frozen_queries:  # the same call as the worker's query lane at start
+                encoder.prepare_query_graph(  # (workers/queries.py QueryStage.run)
+                    settings.cpu_int8_choice, settings.cpu_backend, settings.openvino_precision
+                )
+            self._encoders[key] = encoder
+        return self._encoders[key]
+
+
+def fleet_precision(encoder: Encoder, settings: Settings) -> str:
+    """What a fleet contender's bulk batches compute in: the peak its MFU is measured against."""
+    if encoder.computes_in_int8 and settings.frozen_bulk:
+        return "int8"
+    return "fp32" if encoder.precision.dtype == torch.float32 else "bf16"
 
 
 # --- serving-engine peers ------------------------------------------------------------------
@@ -329,13 +443,13 @@ def start_infinity_peers(
     wanted: bool,
     device: torch.device,
     auto_precision: str,
-    texts: list[str],
-    lengths: list[int],
     threads: int,
     say: Callable[[str], None],
+    only: set[str] | frozenset[str] = frozenset(),
 ) -> list[InfinityPeer]:
     """Infinity's torch engine in float32 and (where the fleet runs bf16) bfloat16, and its ONNX
-    engine where the peer environment can export the model offline."""
+    engine where the peer environment can export the model offline; of those, the ones ``only``
+    names where it names any (a peer not run is not loaded)."""
     if not wanted:
         return []
     if not infinity_available():
@@ -345,11 +459,13 @@ def start_infinity_peers(
     if auto_precision == "bf16":
         configs.append(InfinityConfig("torch", "bfloat16"))
     configs.append(InfinityConfig("optimum", "float32"))
+    if only:
+        configs = [config for config in configs if config.label in only]
     model_dir = resolve_model_path("all-MiniLM-L6-v2")
     started: list[InfinityPeer] = []
     for config in configs:
         try:
-            started.append(InfinityPeer(config, model_dir, texts, threads, str(device)))
+            started.append(InfinityPeer(config, model_dir, threads, str(device)))
         except RuntimeError as error:  # e.g. no ONNX export possible offline: say so, go on
             say(f"{config.label}: not run ({error})")
     return started
@@ -359,8 +475,9 @@ def peer_contender(peer: InfinityPeer, lengths: list[int]) -> Contender:
     """A peer's run, with padding counted as for a length-sorted batch of its batch size."""
     precision = "bf16" if peer.config.dtype == "bfloat16" else "fp32"
 
-    def run(n: int) -> Run:
-        seconds, vectors = peer.embed(n)
+    def run(corpus: list[CorpusText]) -> Run:
+        n = len(corpus)  # every corpus has the same lengths, text for text
+        seconds, vectors = peer.embed([item.text for item in corpus])
         padded = sorted_batch_padded_tokens(lengths[:n], peer.config.batch_size)
         return Run(seconds, n, sum(lengths[:n]), padded, vectors)
 
@@ -407,9 +524,11 @@ def best_st_batch(
 
 
 def machine_line() -> str:
+    """The machine a figure was measured on: the CPU with its model's flags (common.cpu_line),
+    cores, torch, threads and load."""
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     return (
-        f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{cpu_line()}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
     )
 
@@ -456,13 +575,14 @@ def main(
     json_out: Path | None,
     plot: Path | None,
 ) -> None:
-    """Side-by-side throughput: sentence-transformers vs a naive loop vs the fleet."""
+    """Side-by-side throughput: sentence-transformers vs a naive loop vs the fleet, every
+    contender on texts new to it each round (the fleet with its vector cache on, as users run
+    it, and off beside it)."""
     import logging
 
     from sentence_transformers import SentenceTransformer
 
     from embedfleet.shared.logging import configure_logging
-    from embedfleet.shared.settings import Settings
 
     configure_logging("warning", "console")
     logging.getLogger("sentence_transformers").setLevel(logging.WARNING)
@@ -470,48 +590,56 @@ def main(
     torch.set_num_threads(threads)
     say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
 
-    corpus = build_corpus(count, seed=seed)
-    texts = [item.text for item in corpus]
-    ids = [item.id for item in corpus]
+    # Every (round, contender) gets a corpus of its own, of the same token lengths, text for
+    # text, and no text any other corpus of the run holds: the vector cache, on by default,
+    # answers a text it has seen, and a benchmark that repeats texts measures the cache.
+    corpora = FreshCorpora(count, seed=seed)
     fp32 = Encoder(device=device, dtype="float32", threads=threads)
-    auto = Encoder(device=device, dtype="auto", threads=threads)
     dev = fp32.device
-    tokens: list[Tokenized] = fp32.tokenize(texts)
-    lengths = [t.length for t in tokens]  # truncated to the model's limit
-    raw = describe(token_lengths(texts), fp32.max_length)  # before truncation
+    fleet_encoders = FleetEncoders(device, threads)
+    # the default worker's encoder, its path chosen as a default worker would (EMBEDFLEET_CPU_INT8)
+    auto = fleet_encoders.encoder({})
+    # truncated to the model's limit: the same for every corpus, as its raw lengths are
+    lengths = [t.length for t in fp32.tokenize([c.text for c in corpora.corpus("lengths")])]
+    raw = describe(list(corpora.lengths), fp32.max_length)  # before truncation
     flops = useful_flops(lengths, fp32)
     defaults = Settings()
+    cpu = cpu_identity()
     say(f"machine: {machine_line()}")
     say(
         f"corpus: {count} texts, median {raw['median_tokens']:.0f} tokens, mean "
         f"{raw['mean_tokens']:.1f}, p99 {raw['p99_tokens']}, "
-        f"{raw['over_max_fraction']:.1%} over {fp32.max_length} (truncated)"
+        f"{raw['over_max_fraction']:.1%} over {fp32.max_length} (truncated); new texts of these "
+        f"lengths for every round and contender"
     )
     say(auto.parity.line() if auto.parity else f"precision auto: {auto.precision.describe()}")
     auto_precision = "bf16" if auto.precision.dtype != torch.float32 else "fp32"
-    # the worker's query/bulk graph, built now as a default worker would (EMBEDFLEET_CPU_INT8),
-    # so that "fleet auto" is labelled with what it computes in and no round pays the compile
-    auto.prepare_query_graph(int8=defaults.cpu_int8_choice)
-    auto_label = "int8" if auto.computes_in_int8 else auto_precision
 
     st = SentenceTransformer(str(resolve_model_path(fp32.name)), device=str(dev))
-    sweep_texts = texts[: min(len(texts), 400)]
+    sweep_texts = [c.text for c in corpora.corpus("st batch sweep", min(count, 400))]
     best, sweep = best_st_batch(st, sweep_texts, lengths[: len(sweep_texts)])
     say("encode batch sweep (texts/s): " + ", ".join(f"{k}: {v:.0f}" for k, v in sweep.items()))
 
+    def texts_of(corpus: list[CorpusText]) -> list[str]:
+        return [item.text for item in corpus]
+
     contenders = [
-        Contender("st encode(32)", "fp32", lambda n: st_contender(st, texts[:n], lengths[:n], 32)),
+        Contender(
+            "st encode(32)",
+            "fp32",
+            lambda c: st_contender(st, texts_of(c), lengths[: len(c)], 32),
+        ),
     ]
     if best != 32:
         contenders.append(
             Contender(
                 f"st encode({best})",
                 "fp32",
-                lambda n: st_contender(st, texts[:n], lengths[:n], best),
+                lambda c: st_contender(st, texts_of(c), lengths[: len(c)], best),
             )
         )
     contenders.append(
-        Contender("naive padded(32)", "fp32", lambda n: naive_contender(fp32, texts[:n]))
+        Contender("naive padded(32)", "fp32", lambda c: naive_contender(fp32, texts_of(c)))
     )
     batching = defaults.batching(dev.type)
     window, budget, max_batch = batching.read_count, batching.token_budget, batching.max_batch
@@ -528,8 +656,8 @@ def main(
                     Contender(
                         f"engine {layout} {label}",
                         precision,
-                        lambda n, e=chosen, la=layout: engine_contender(
-                            e, texts[:n], la, window, budget, max_batch
+                        lambda c, e=chosen, la=layout: engine_contender(
+                            e, texts_of(c), la, window, budget, max_batch
                         ),
                     )
                 )
@@ -542,8 +670,8 @@ def main(
                 Contender(
                     "engine padded bf16 autocast",
                     "bf16",
-                    lambda n: engine_contender(
-                        autocast, texts[:n], "padded", window, budget, max_batch
+                    lambda c: engine_contender(
+                        autocast, texts_of(c), "padded", window, budget, max_batch
                     ),
                 )
             )
@@ -554,8 +682,8 @@ def main(
                 Contender(
                     "engine padded auto frozen",
                     auto_precision,
-                    lambda n: engine_contender(
-                        frozen_auto, texts[:n], "padded", window, budget, max_batch, frozen=True
+                    lambda c: engine_contender(
+                        frozen_auto, texts_of(c), "padded", window, budget, max_batch, frozen=True
                     ),
                 )
             )
@@ -566,8 +694,8 @@ def main(
             Contender(
                 "engine padded auto compiled",
                 auto_precision,
-                lambda n: engine_contender(
-                    compiled, texts[:n], "padded", window, budget, max_batch
+                lambda c: engine_contender(
+                    compiled, texts_of(c), "padded", window, budget, max_batch
                 ),
             )
         )
@@ -582,86 +710,63 @@ def main(
             Contender(
                 "engine padded auto inductor frozen",
                 auto_precision,
-                lambda n: engine_contender(
-                    inductor_frozen, texts[:n], "padded", window, budget, max_batch
+                lambda c: engine_contender(
+                    inductor_frozen, texts_of(c), "padded", window, budget, max_batch
                 ),
             )
         )
-    infinity = start_infinity_peers(peers, dev, auto_precision, texts, lengths, threads, say)
+    wanted = {name.strip() for name in only.split(",") if name.strip()}
+    infinity = start_infinity_peers(peers, dev, auto_precision, threads, say, wanted)
     contenders += [peer_contender(peer, lengths) for peer in infinity]
-    if only:
-        wanted = {name.strip() for name in only.split(",")}
+    if wanted:
         contenders = [c for c in contenders if c.name in wanted or c.name == "st encode(32)"]
 
     with _server(redis_url) as url:
-        fleet = Fleet(url)
+        # the vector cache as the settings have it (on by default): the variants say otherwise
+        fleet = Fleet(url, vector_cache=True)
 
-        def fleet_run(
-            encoder: Encoder,
-            n: int,
-            slice_ms: float = -1,
-            poll_s: float | None = None,
-            settings: dict[str, object] | None = None,
-        ) -> Run:
-            # Vectors are read back (for parity) only on full runs; warm-ups use other ids.
-            prefix = "" if n == len(texts) else "warm-"
-            run_ids = [prefix + i for i in ids[:n]]
-            return fleet.run(
-                encoder, texts[:n], run_ids, not prefix, slice_ms, settings, poll_s=poll_s
-            )
+        def fleet_contender(variant: FleetVariant) -> Contender:
+            encoder = fleet_encoders.encoder(variant.env)
+            overrides = settings_overrides(variant.env)
 
-        if not only or "fleet fp32" in only:
-            contenders.append(Contender("fleet fp32", "fp32", lambda n: fleet_run(fp32, n)))
-        if "fleet fp32 unsliced" in only:  # what the priority lane's slicing costs bulk work
-            contenders.append(
-                Contender("fleet fp32 unsliced", "fp32", lambda n: fleet_run(fp32, n, 0))
-            )
-        if not only or "fleet auto" in only:
-            contenders.append(Contender("fleet auto", auto_label, lambda n: fleet_run(auto, n)))
-        if "fleet auto unsliced" in only:  # the same, bulk batches not sized to the slice
-            contenders.append(
-                Contender("fleet auto unsliced", auto_label, lambda n: fleet_run(auto, n, 0))
-            )
-        if "fleet auto eager bulk" in only and auto_precision != "fp32":
-            # EMBEDFLEET_FROZEN_BULK=false: bulk batches eager in auto's precision (not through
-            # an int8 copy), sliced per layer; queries still through the frozen or int8 copy
-            contenders.append(
-                Contender(
-                    "fleet auto eager bulk",
-                    auto_precision,
-                    lambda n: fleet_run(auto, n, settings={"frozen_bulk": False}),
+            def run(corpus: list[CorpusText]) -> Run:
+                return fleet.run(
+                    encoder,
+                    texts_of(corpus),
+                    [item.id for item in corpus],
+                    True,  # read back (after the clock) for parity
+                    settings=overrides,
+                    poll_s=variant.poll_s,
                 )
-            )
-        if "fleet auto bf16" in only and auto_label == "int8":
-            # EMBEDFLEET_CPU_INT8=false: the bf16 frozen copy, as before int8 was the default
-            bf16_copy = Encoder(device=device, dtype="auto", threads=threads)
-            bf16_copy.prepare_query_graph()
-            contenders.append(
-                Contender(
-                    "fleet auto bf16",
-                    auto_precision,
-                    lambda n: fleet_run(bf16_copy, n, settings={"cpu_int8": False}),
-                )
-            )
-        if "fleet auto 10ms polls" in only:  # what a producer polling beside the worker costs
-            contenders.append(
-                Contender(
-                    "fleet auto 10ms polls",
-                    auto_label,
-                    lambda n: fleet_run(auto, n, poll_s=0.01),
-                )
-            )
+
+            precision = fleet_precision(encoder, fleet_encoders.settings(variant.env))
+            return Contender(variant.name, precision, run)
+
+        contenders += [
+            fleet_contender(variant)
+            for variant in FLEET_VARIANTS
+            if (variant.name in wanted if wanted else variant.default)
+            and (variant.when is None or variant.when(auto))
+        ]
+        if unknown := wanted - {c.name for c in contenders}:
+            say(f"--only names no contender run here: {', '.join(sorted(unknown))}")
 
         say(f"warming up {len(contenders)} contenders")
         for contender in contenders:
-            contender.run(min(64, len(texts)))
+            contender.run(corpora.corpus(f"warm-up/{contender.name}", min(64, count)))
         with_bf16 = auto_precision == "bf16"
         peak_before = measure_peak(dev, with_bf16)
         for number in range(rounds):
             order = contenders[number % len(contenders) :] + contenders[: number % len(contenders)]
             for contender in order:
-                run = contender.run(len(texts))
+                corpus = corpora.corpus(f"round {number + 1}/{contender.name}")
+                run = contender.run(corpus)
+                run.inputs = texts_of(corpus)
                 contender.runs.append(run)
+                if run.cache_hits:  # the corpora's promise broken: this run measured the cache
+                    raise RuntimeError(
+                        f"{contender.name}: {run.cache_hits} texts answered by the vector cache"
+                    )
                 say(
                     f"round {number + 1}/{rounds} {contender.name}: "
                     f"{run.texts / run.seconds:.1f} texts/s ({run.seconds:.1f} s)"
@@ -672,7 +777,6 @@ def main(
     peak = Peak(max(peak_before.fp32, peak_after.fp32), max(peak_before.bf16, peak_after.bf16))
 
     baseline = contenders[0]
-    reference = next(run.vectors for run in baseline.runs if run.vectors is not None)
     rows = []
     for contender in contenders:
         rates = [run.texts / run.seconds for run in contender.runs]
@@ -682,10 +786,7 @@ def main(
         ]
         first_run = contender.runs[0]
         median_seconds = statistics.median(run.seconds for run in contender.runs)
-        parity = next(
-            (cosines(reference, run.vectors) for run in contender.runs if run.vectors is not None),
-            None,
-        )
+        parity = parity_vs_st(st, contender, baseline)
         busy = [run.model_busy for run in contender.runs if run.model_busy is not None]
         rows.append(
             {
@@ -706,8 +807,10 @@ def main(
     print(f"machine: {machine_line()}")
     print(
         f"corpus: {count} texts (seed {seed}), median {raw['median_tokens']:.0f} tokens, "
-        f"{raw['over_max_fraction']:.1%} truncated; {rounds} rounds interleaved; "
-        f"worker defaults: read_count {window}, token_budget {budget}, max_batch {max_batch}"
+        f"{raw['over_max_fraction']:.1%} truncated, new texts of these lengths for every round "
+        f"and contender; {rounds} rounds interleaved; worker defaults: read_count {window}, "
+        f"token_budget {budget}, max_batch {max_batch}, vector cache "
+        f"{defaults.vector_cache_mb} MB"
     )
     print(
         f"matmul peak (this run): fp32 {peak.fp32 / 1e9:.0f} GFLOP/s, bf16 "
@@ -723,8 +826,8 @@ def main(
         from loadtest.plots import plot_throughput
 
         subtitle = (
-            f"{machine_line()}\n{count} texts (seed {seed}), {rounds} rounds interleaved; "
-            f"min cos vs st: the worst text's cosine to sentence-transformers' vector"
+            f"{machine_line()}\n{count} texts (seed {seed}), new each round, {rounds} rounds "
+            f"interleaved; min cos vs st: the worst text's cosine to sentence-transformers' vector"
         )
         print(f"chart: {plot_throughput(rows, plot, subtitle)}")
     if json_out is not None:
@@ -732,13 +835,28 @@ def main(
             json.dumps(
                 {
                     "machine": machine_line(),
-                    "corpus": raw,
+                    "cpu": cpu,
+                    "corpus": raw | {"seed": seed, "fresh_texts_per_round": True},
                     "peak": {"fp32": peak.fp32, "bf16": peak.bf16},
                     "rows": rows,
                 },
                 indent=2,
             )
         )
+
+
+def parity_vs_st(st: object, contender: Contender, baseline: Contender) -> np.ndarray | None:
+    """Per-text cosine of a contender's vectors (its first run that kept them) to float32
+    sentence-transformers' (``encode``, batch 32) on the same texts, the contender's own: its
+    texts are no other contender's. The baseline is that reference itself."""
+    run = next((run for run in contender.runs if run.vectors is not None), None)
+    if run is None:
+        return None
+    if contender is baseline:
+        return cosines(run.vectors, run.vectors)
+    reference = st_contender(st, run.inputs, [0] * len(run.inputs), 32).vectors
+    assert reference is not None
+    return cosines(reference, run.vectors)
 
 
 def render_table(rows: list[dict]) -> str:

@@ -137,6 +137,41 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+# The flags that decide the model's fast paths (bf16 and int8 units, AVX2), in the order a
+# figure names them: a throughput figure means little without them (issue 43).
+MODEL_FLAGS = ("amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni", "avx_vnni", "avx2")
+
+
+def cpu_identity(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
+    """The CPU a figure was measured on: its model name, family and model numbers (a KVM guest
+    may show a generic name), and which of :data:`MODEL_FLAGS` it has (as /proc/cpuinfo lists
+    them, not capped at what torch dispatches to)."""
+    from embedfleet.workers.cpus import cpu_flags
+
+    fields: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if not line.strip():
+                break  # the first processor's block is enough
+            fields.setdefault(key.strip(), value.strip())
+    flags = cpu_flags(cpuinfo)
+    return {
+        "name": fields.get("model name") or platform.processor() or platform.machine(),
+        "family": fields.get("cpu family", ""),
+        "model": fields.get("model", ""),
+        "flags": [flag for flag in MODEL_FLAGS if flag in flags],
+    }
+
+
+def cpu_line(identity: Mapping[str, Any] | None = None) -> str:
+    """``<name> (family F model M; <flags>)``: the CPU as a report's machine line names it."""
+    cpu = identity or cpu_identity()
+    numbers = f"family {cpu['family']} model {cpu['model']}; " if cpu["family"] else ""
+    flags = " ".join(cpu["flags"]) or f"none of {' '.join(MODEL_FLAGS)}"
+    return f"{cpu['name']} ({numbers}{flags})"
+
+
 def machine_load() -> str:
     one, five, _ = os.getloadavg()
     return f"load average {one:.1f} (1 min), {five:.1f} (5 min) on {os.cpu_count()} cores"

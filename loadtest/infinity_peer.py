@@ -3,11 +3,12 @@
 Infinity pins its own sentence-transformers, transformers and numpy, so it cannot share the
 project's environment: ``make bench-peers`` builds ``.venv-infinity`` from
 ``loadtest/requirements-infinity.txt`` and ``loadtest.peers`` drives this script there over
-JSON lines on stdin/stdout, one engine per process, loaded once and timed per round:
+JSON lines on stdin/stdout, one engine per process, loaded once and timed per round, each
+round on texts of its own (a JSON list in a file, read before the clock starts):
 
     {"op": "load", "model": DIR, "engine": "torch|optimum", "dtype": "bfloat16", "threads": 2,
-     "batch_size": 32, "texts": FILE.json}                 -> {"ok": true, "seconds": 3.1}
-    {"op": "embed", "n": 800, "out": FILE.npy}              -> {"ok": true, "seconds": 4.2}
+     "batch_size": 32}                                      -> {"ok": true, "seconds": 3.1}
+    {"op": "embed", "texts": FILE.json, "out": FILE.npy}    -> {"ok": true, "seconds": 4.2}
 
 This file imports nothing of embedfleet: it runs where embedfleet is not installed.
 """
@@ -62,14 +63,11 @@ async def serve() -> None:
     from infinity_emb import AsyncEmbeddingEngine, EngineArgs
 
     engine = None
-    texts: list[str] = []
     for line in sys.stdin:
         command = json.loads(line)
         try:
             if command["op"] == "load":
                 torch.set_num_threads(int(command["threads"]))
-                with open(command["texts"], encoding="utf-8") as handle:
-                    texts = json.load(handle)
                 model = command["model"]
                 pooling = pooling_method(model)
                 if command["engine"] == "optimum":  # not timed: an export, done once
@@ -94,7 +92,8 @@ async def serve() -> None:
                 reply(ok=True, seconds=time.perf_counter() - started)
             elif command["op"] == "embed":
                 assert engine is not None, "load first"
-                batch = texts[: int(command["n"])]
+                with open(command["texts"], encoding="utf-8") as handle:
+                    batch = json.load(handle)
                 started = time.perf_counter()
                 vectors, _usage = await engine.embed(sentences=batch)
                 seconds = time.perf_counter() - started

@@ -2,9 +2,10 @@
 
 Infinity (``infinity-emb``) pins older sentence-transformers, transformers and numpy than the
 project, so it lives in ``.venv-infinity`` (``make bench-peers``) and is driven over a pipe by
-``loadtest/infinity_peer.py``. The driver hands it the same texts, the same torch thread count
-and the same model directory as every other contender; only the embed call is timed, as for the
-in-process contenders.
+``loadtest/infinity_peer.py``. The driver hands it texts of the same lengths as every other
+contender's (each round its own, new texts: ``loadtest.corpus.FreshCorpora``), the same torch
+thread count and the same model directory; only the embed call is timed, as for the in-process
+contenders.
 """
 
 from __future__ import annotations
@@ -48,14 +49,11 @@ class InfinityPeer:
         self,
         config: InfinityConfig,
         model_dir: Path,
-        texts: Sequence[str],
         threads: int,
         device: str = "cpu",
     ) -> None:
         self.config = config
         self._scratch = Path(tempfile.mkdtemp(prefix="infinity-peer-"))
-        texts_file = self._scratch / "texts.json"
-        texts_file.write_text(json.dumps(list(texts)))
         self._process = subprocess.Popen(
             [str(INFINITY_VENV / "bin" / "python"), str(PEER_SCRIPT)],
             stdin=subprocess.PIPE,
@@ -71,7 +69,6 @@ class InfinityPeer:
             threads=threads,
             device=device,
             batch_size=config.batch_size,
-            texts=str(texts_file),
         )["seconds"]
 
     def _ask(self, **command: object) -> dict:
@@ -86,12 +83,16 @@ class InfinityPeer:
             raise RuntimeError(f"{self.config.label}: {answer['error']}")
         return answer
 
-    def embed(self, n: int) -> tuple[float, np.ndarray]:
-        """Seconds to embed the first ``n`` texts, and their vectors in input order."""
-        out = self._scratch / f"vectors-{time.monotonic_ns()}.npy"
-        seconds = self._ask(op="embed", n=n, out=str(out))["seconds"]
+    def embed(self, texts: Sequence[str]) -> tuple[float, np.ndarray]:
+        """Seconds to embed ``texts``, and their vectors in input order."""
+        stamp = time.monotonic_ns()
+        texts_file = self._scratch / f"texts-{stamp}.json"
+        texts_file.write_text(json.dumps(list(texts)))
+        out = self._scratch / f"vectors-{stamp}.npy"
+        seconds = self._ask(op="embed", texts=str(texts_file), out=str(out))["seconds"]
         vectors = np.load(out)
         out.unlink()
+        texts_file.unlink()
         return seconds, vectors
 
     def close(self) -> None:
