@@ -32,6 +32,9 @@ class EmbeddingRequest(BaseModel):
     # client asks for it to be cut to fit (TEI's name for it); None: the server's default,
     # EMBEDFLEET_GATEWAY_OPENAI_TRUNCATE (off)
     truncate: bool | None = None
+    # Not OpenAI's either: an input over the model's maximum embedded whole, in token windows
+    # sharing this many tokens, pooled back into one vector (the chunk option, issue 42)
+    window_overlap: int | None = Field(default=None, ge=0)
 
 
 @router.post("/v1/embeddings")
@@ -54,16 +57,21 @@ async def _create_embeddings(body: EmbeddingRequest, gateway: Gateway) -> dict[s
     check_dimensions(body.dimensions, card)
     truncate = openai_truncate(body.truncate, gateway.settings)
     texts = prepare(body.input, gateway.tokenizer, gateway.settings, truncate=truncate)
-    if card is not None and not truncate:
+    # with window_overlap an input over the model's maximum is neither refused nor cut
+    fits = truncate or body.window_overlap is not None
+    if card is not None and not fits:
         check_context(texts, gateway.tokenizer, card.max_length)
-    vectors = await gateway.embedder.embed(texts, wire_options(None, body.dimensions))
-    if card is None and not truncate:
+    options = wire_options(None, body.dimensions, window_overlap=body.window_overlap)
+    vectors = await gateway.embedder.embed(texts, options)
+    if card is None and not fits:
         # a worker answered, so its card is published: what could not be checked before is now
         # (the vectors are thrown away for a request it refuses)
         check_context(texts, gateway.tokenizer, (await gateway.require_card()).max_length)
     card = await gateway.require_card()  # a worker answered: it has published its card
     vectors = unit_vectors(vectors, card.normalize)
-    tokens = gateway.tokenizer.usage(texts, card.max_length)
+    # an input embedded whole is counted whole (a token is at least a character)
+    read = card.max_length if body.window_overlap is None else max(map(len, texts), default=1)
+    tokens = gateway.tokenizer.usage(texts, max(read, card.max_length))
     return embeddings_response(gateway.served_name, vectors, body.encoding_format, tokens)
 
 

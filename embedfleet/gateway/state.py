@@ -296,7 +296,11 @@ GatewayDep = Annotated[Gateway, Depends(gateway_of)]
 
 
 def wire_options(
-    prompt_name: str | None, dimensions: int | None, *, before_normalize: bool = False
+    prompt_name: str | None,
+    dimensions: int | None,
+    *,
+    before_normalize: bool = False,
+    window_overlap: int | None = None,
 ) -> EmbeddingOptions:
     """What every chunk the gateway sends asks of the worker, explicitly, so the fleet's own
     defaults (EMBEDFLEET_DIMENSIONS, EMBEDFLEET_OUTPUT_DTYPE, each lane's default prompt) never
@@ -311,4 +315,7 @@ def wire_options(
         dtype="float16",
         # TEI's normalize=false: the vector before the model's Normalize module (the worker's)
         normalize=False if before_normalize else None,
+        # a request's window_overlap: an input over the model's maximum embedded whole, in
+        # token windows pooled back into one vector (the worker's, workers/long_inputs.py)
+        window_overlap=window_overlap,
     )

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from embedfleet import __name__ as package_name
 from embedfleet.gateway.errors import APIError, ErrorDialect, dialect_router
@@ -44,6 +44,9 @@ class EmbedRequest(BaseModel):
     # not TEI's (one model per server): the model to use where the namespace serves several;
     # None is the gateway's own
     model: str | None = None
+    # not TEI's: an input over the model's maximum embedded whole (not cut, not refused), in
+    # token windows sharing this many tokens, pooled back into one vector (issue 42)
+    window_overlap: int | None = Field(default=None, ge=0)
 
 
 class TokenizeRequest(BaseModel):
@@ -85,19 +88,25 @@ async def _embed(body: EmbedRequest, gateway: Gateway) -> list[list[float]]:
     prompt = ""
     if card is not None:
         prompt = _check_against_card(card, body)
-    texts = fit_to_model(
-        texts,
-        gateway.tokenizer,
-        prompt,
-        card.max_length if card is not None else None,
-        truncate=truncate,
-        direction=body.truncation_direction,
-    )
+    if body.window_overlap is None:  # with it, the worker embeds a long input whole
+        texts = fit_to_model(
+            texts,
+            gateway.tokenizer,
+            prompt,
+            card.max_length if card is not None else None,
+            truncate=truncate,
+            direction=body.truncation_direction,
+        )
     # the prompt travels by name: the worker owns the model's prompts and knows where one ends
     # (models that pool without it, include_prompt=false)
     # normalize=false asks the workers for the vector before the model's Normalize (TEI's
     # answer); true normalises here what a model without one gives
-    options = wire_options(body.prompt_name, body.dimensions, before_normalize=not normalize)
+    options = wire_options(
+        body.prompt_name,
+        body.dimensions,
+        before_normalize=not normalize,
+        window_overlap=body.window_overlap,
+    )
     vectors = await gateway.embedder.embed(texts, options)
     if card is None:
         # a worker answered, so its card is published: what could not be checked before is now

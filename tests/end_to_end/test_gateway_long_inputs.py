@@ -1,0 +1,90 @@
+"""Long inputs embedded whole through the gateway (issue 42): a 3,000-token text sent to
+/v1/embeddings (the `openai` SDK, ``extra_body={"window_overlap": 32}``) and to TEI's /embed
+(``"window_overlap": 32`` beside ``inputs``) comes back as one embedding equal (cosine >=
+0.999) to the by-hand reference of tests/integration/workers/test_long_inputs.py: the model's
+tokenizer, windows of its length, ``SentenceTransformer``'s modules without Normalize on each,
+the token-weighted mean, normalised. A real gateway, a real worker process, a real Redis."""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from embedfleet.server import ServerProcess
+from embedfleet.shared.model_path import resolve_model_path
+from loadtest.common import isolated_settings
+from tests.gateway_support import min_cosine, module_worker, running_gateway, wait_for_worker
+from tests.integration.workers.test_long_inputs import by_hand, long_text, token_counter
+
+# the slow tier (make test-full, CI): starts a worker process and a gateway
+pytestmark = pytest.mark.slow
+
+OVERLAP = 32
+MODEL_DIR = str(resolve_model_path("all-MiniLM-L6-v2"))
+
+
+@pytest.fixture(scope="module")
+def fleet_settings(redis_server: ServerProcess, tmp_path_factory: pytest.TempPathFactory):
+    return isolated_settings(
+        redis_server.url,
+        f"gl{uuid.uuid4().hex[:8]}",
+        files_dir=str(tmp_path_factory.mktemp("files")),
+        block_ms=200,
+    )
+
+
+worker = module_worker("gl")
+
+
+@pytest.fixture(scope="module")
+def gateway(fleet_settings, worker):
+    with running_gateway(fleet_settings) as url:
+        wait_for_worker(url)
+        yield url
+
+
+@pytest.fixture(scope="module")
+def long_input() -> tuple[str, np.ndarray]:
+    text = long_text(token_counter(MODEL_DIR))
+    reference, _ = by_hand(MODEL_DIR, text, OVERLAP)
+    return text, reference
+
+
+def test_v1_embeddings_embeds_a_long_input_whole(gateway: str, long_input) -> None:
+    text, reference = long_input
+    client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0)
+    answer = client.embeddings.create(
+        model="all-MiniLM-L6-v2",
+        input=[text, "a short one"],
+        extra_body={"window_overlap": OVERLAP},
+        timeout=300,
+    )
+    assert len(answer.data) == 2  # one embedding per input
+    agreement = min_cosine(np.array(answer.data[0].embedding), reference)
+    print(f"LONG INPUT /v1/embeddings: cosine to the by-hand reference {agreement:.6f}")
+    assert agreement >= 0.999
+    # without the option, an input over the model's maximum is still OpenAI's 400
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model="all-MiniLM-L6-v2", input=text, timeout=300)
+
+
+def test_tei_embed_embeds_a_long_input_whole(gateway: str, long_input) -> None:
+    text, reference = long_input
+    answer = httpx.post(
+        f"{gateway}/embed",
+        json={"inputs": [text], "window_overlap": OVERLAP},
+        timeout=300,
+    )
+    assert answer.status_code == 200, answer.text
+    (vector,) = answer.json()
+    agreement = min_cosine(np.array(vector), reference)
+    print(f"LONG INPUT TEI /embed: cosine to the by-hand reference {agreement:.6f}")
+    assert agreement >= 0.999
+    refused = httpx.post(
+        f"{gateway}/embed", json={"inputs": text, "window_overlap": -1}, timeout=60
+    )
+    assert refused.status_code == 422
