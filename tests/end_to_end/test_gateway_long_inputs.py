@@ -70,6 +70,10 @@ def test_v1_embeddings_embeds_a_long_input_whole(gateway: str, long_input) -> No
     # without the option, an input over the model's maximum is still OpenAI's 400
     with pytest.raises(openai.BadRequestError):
         client.embeddings.create(model="all-MiniLM-L6-v2", input=text, timeout=300)
+    with pytest.raises(openai.BadRequestError):  # an overlap is a count of tokens
+        client.embeddings.create(
+            model="all-MiniLM-L6-v2", input=text, extra_body={"window_overlap": -1}, timeout=60
+        )
 
 
 def test_tei_embed_embeds_a_long_input_whole(gateway: str, long_input) -> None:
