@@ -36,6 +36,8 @@ class BatchLine:
     texts: list[str]
     encoding_format: str
     dimensions: int | None
+    # the body's window_overlap: its inputs over the model's maximum embedded whole (issue 42)
+    window_overlap: int | None = None
 
 
 def read_envelope(raw: bytes, gateway: Gateway) -> tuple[str, Any]:
@@ -98,9 +100,12 @@ def read_request(
     truncate = openai_truncate(request.truncate, gateway.settings)
     settings = gateway.settings
     texts = prepare(request.input, gateway.tokenizer, settings, "body.input", truncate=truncate)
-    if validating and card is not None and not truncate:  # as online: refused, not cut
+    whole = request.window_overlap is not None  # as online: embedded whole, in windows
+    if validating and card is not None and not truncate and not whole:  # refused, not cut
         check_context(texts, gateway.tokenizer, card.max_length, "body.input")
-    return BatchLine(custom_id, texts, request.encoding_format, request.dimensions)
+    return BatchLine(
+        custom_id, texts, request.encoding_format, request.dimensions, request.window_overlap
+    )
 
 
 def parse_line(

@@ -619,7 +619,7 @@ class BatchSlices:
                 if len(ends) >= LINES_PER_SLICE:
                     break
                 continue
-            options = wire_options(None, line.dimensions)
+            options = wire_options(None, line.dimensions, window_overlap=line.window_overlap)
             for text in line.texts:
                 chunk = Chunk(
                     id=str(inputs),

@@ -1,13 +1,15 @@
 """Long inputs embedded whole through the gateway (issue 42): a 3,000-token text sent to
-/v1/embeddings (the `openai` SDK, ``extra_body={"window_overlap": 32}``) and to TEI's /embed
-(``"window_overlap": 32`` beside ``inputs``) comes back as one embedding equal (cosine >=
-0.999) to the by-hand reference of tests/integration/workers/test_long_inputs.py: the model's
-tokenizer, windows of its length, ``SentenceTransformer``'s modules without Normalize on each,
-the token-weighted mean, normalised. A real gateway, a real worker process, a real Redis."""
+/v1/embeddings (the `openai` SDK, ``extra_body={"window_overlap": 32}``), to TEI's /embed
+(``"window_overlap": 32`` beside ``inputs``) and in a Batch API line's body comes back as one
+embedding equal (cosine >= 0.999) to the by-hand reference of
+tests/integration/workers/test_long_inputs.py: the model's tokenizer, windows of its length,
+``SentenceTransformer``'s modules without Normalize on each, the token-weighted mean,
+normalised. A real gateway, a real worker process, a real Redis."""
 
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -17,6 +19,7 @@ import pytest
 from embedfleet.server import ServerProcess
 from embedfleet.shared.model_path import resolve_model_path
 from loadtest.common import isolated_settings
+from tests.end_to_end.test_batch_api import batch_line, create_batch, jsonl, upload, wait_final
 from tests.gateway_support import min_cosine, module_worker, running_gateway, wait_for_worker
 from tests.integration.workers.test_long_inputs import by_hand, long_text, token_counter
 
@@ -92,3 +95,27 @@ def test_tei_embed_embeds_a_long_input_whole(gateway: str, long_input) -> None:
         f"{gateway}/embed", json={"inputs": text, "window_overlap": -1}, timeout=60
     )
     assert refused.status_code == 422
+
+
+def test_the_batch_api_embeds_a_long_line_whole(gateway: str, long_input, tmp_path: Path) -> None:
+    """A Batch API line with ``window_overlap`` in its body is answered in the output file as
+    one embedding, at parity; the same line without it is refused on its own (error file)."""
+    text, reference = long_input
+    client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0)
+    lines = [
+        batch_line("whole", text, window_overlap=OVERLAP),
+        batch_line("refused", text),
+        batch_line("short", "a short one"),
+    ]
+    uploaded = upload(client, tmp_path / "long.jsonl", lines)
+    batch = wait_final(client, create_batch(client, uploaded.id).id)
+    assert batch.status == "completed", batch
+    answered = {row["custom_id"]: row for row in jsonl(client, batch.output_file_id)}
+    assert set(answered) == {"whole", "short"}
+    data = answered["whole"]["response"]["body"]["data"]
+    assert len(data) == 1
+    agreement = min_cosine(np.array(data[0]["embedding"]), reference)
+    print(f"LONG INPUT Batch API: cosine to the by-hand reference {agreement:.6f}")
+    assert agreement >= 0.999
+    errors = {row["custom_id"] for row in jsonl(client, batch.error_file_id)}
+    assert errors == {"refused"}
