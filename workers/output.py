@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from embedfleet.shared.content_key import content_key
+from embedfleet.shared.content_key import VectorRecipe, content_key
 from embedfleet.shared.modelcard import ModelCard
 from embedfleet.shared.postprocess import QUANTIZED, quantize, truncate
 from embedfleet.shared.postprocess import normalize as normalize_rows
@@ -85,6 +85,10 @@ def resolve_dimensions(requested: int | None, default: int, model_dim: int) -> i
     return dim
 
 
+# content-key recipes an Outputs keeps, by options (a few in practice: one per prompt and shape)
+_RECIPES_HELD = 1024
+
+
 @dataclass(frozen=True)
 class OutputSpec:
     """What one chunk's vector becomes: its dimension and stored precision."""
@@ -109,6 +113,7 @@ class Outputs:
             "query": settings.query_prompt_name,
             "document": settings.document_prompt_name,
         }
+        self._recipes: dict[tuple[object, ...], VectorRecipe] = {}
 
     @functools.cached_property
     def card(self) -> ModelCard:
@@ -128,6 +133,25 @@ class Outputs:
         spec = self.spec_for(chunk)
         if spec.dtype in QUANTIZED:
             return None
+        # the recipe depends on the chunk's options, not its text: made once per set of options
+        # (issue 43: rebuilt per chunk it cost more than the text's hash)
+        options = (
+            prompt,
+            spec,
+            chunk.max_active_dims,
+            chunk.representations,
+            chunk.multivector_dtype,
+            chunk.normalize,
+            chunk.window_overlap,
+        )
+        recipe = self._recipes.get(options)
+        if recipe is None:
+            if len(self._recipes) >= _RECIPES_HELD:  # (literal prompts are the callers': bounded)
+                self._recipes.clear()
+            recipe = self._recipes[options] = self._recipe(chunk, prompt, spec)
+        return content_key(chunk.text, recipe, chunk.pair)
+
+    def _recipe(self, chunk: Chunk, prompt: str, spec: OutputSpec) -> VectorRecipe:
         recipe = self.card.recipe(
             prompt=prompt,
             dimensions=spec.dim,
@@ -151,7 +175,7 @@ class Outputs:
             recipe = dataclasses.replace(
                 recipe, representation=f"{recipe.representation}:windows:{chunk.window_overlap}"
             )
-        return content_key(chunk.text, recipe, chunk.pair)
+        return recipe
 
     def check_settings(self) -> None:
         """Fail at start on settings this model cannot honour (names the variable)."""
