@@ -380,6 +380,14 @@ FLEET_VARIANTS = (
     FleetVariant(
         "fleet auto bf16", {"EMBEDFLEET_CPU_INT8": "false"}, when=lambda a: a.computes_in_int8
     ),
+    # the other CPU engines (workers/model/backends.py), each a float32 export compiled by its
+    # runtime (OpenVINO: bf16 where the CPU has it natively), gated to parity at start
+    FleetVariant("fleet auto openvino", {"EMBEDFLEET_CPU_BACKEND": "openvino"}),
+    FleetVariant(
+        "fleet auto openvino unsliced",
+        {"EMBEDFLEET_CPU_BACKEND": "openvino", "EMBEDFLEET_SLICE_MS": "0"},
+    ),
+    FleetVariant("fleet auto onnxruntime", {"EMBEDFLEET_CPU_BACKEND": "onnxruntime"}),
     FleetVariant("fleet auto 10ms polls", poll_s=0.01),  # a producer polling beside the worker
 )
 # Settings the worker reads but the encoder does not: variants that differ only in these share
@@ -410,6 +418,8 @@ class FleetEncoders:
     def __init__(self, device: str, threads: int) -> None:
         self._base = {"device": device, "threads": threads}
         self._encoders: dict[frozenset[tuple[str, str]], Encoder] = {}
+        # each other engine's build cost (export_s, compile_s, rss_mib), for the report
+        self.load_costs: dict[str, dict[str, float]] = {}
 
     def settings(self, env: Mapping[str, str]) -> Settings:
         from embedfleet.shared.settings import load_settings
@@ -427,6 +437,13 @@ class FleetEncoders:
                 encoder.prepare_query_graph(  # (workers/queries.py QueryStage.run)
                     settings.cpu_int8_choice, settings.cpu_backend, settings.openvino_precision
                 )
+            for engine, cost in encoder.paths.backend_costs.items():
+                # what another engine's copy cost to make at start (workers/model/backends.py)
+                self.load_costs[engine] = cost.log_fields()
+                print(
+                    f"{engine} copy made at start: export {cost.export_s:.1f} s, compile "
+                    f"{cost.compile_s:.1f} s, +{cost.rss_mib:.0f} MiB resident"
+                )
             self._encoders[key] = encoder
         return self._encoders[key]
 
@@ -435,6 +452,9 @@ def fleet_precision(encoder: Encoder, settings: Settings) -> str:
     """What a fleet contender's bulk batches compute in: the peak its MFU is measured against."""
     if encoder.computes_in_int8 and settings.frozen_bulk:
         return "int8"
+    copy = getattr(encoder.query_path, "copy", None)
+    if getattr(copy, "cost", None) is not None:  # another engine's copy says what it computes in
+        return "fp32" if copy.precision == "f32" else "bf16"
     return "fp32" if encoder.precision.dtype == torch.float32 else "bf16"
 
 
@@ -822,6 +842,8 @@ def main(
         f"st encode batch sweep (texts/s): {', '.join(f'{k}: {v:.0f}' for k, v in sweep.items())}"
     )
     print(table)
+    for engine, cost in fleet_encoders.load_costs.items():
+        print(f"{engine} copy's cost to load: {cost}")
     if plot is not None:
         from loadtest.plots import plot_throughput
 
@@ -839,6 +861,7 @@ def main(
                     "corpus": raw | {"seed": seed, "fresh_texts_per_round": True},
                     "peak": {"fp32": peak.fp32, "bf16": peak.bf16},
                     "rows": rows,
+                    "backend_load": fleet_encoders.load_costs,
                 },
                 indent=2,
             )

@@ -94,6 +94,9 @@ PATHS: dict[str, dict[str, str]] = {
         "EMBEDFLEET_CPU_INT8_PATH": "dynamic",
         "EMBEDFLEET_FROZEN_BULK": "true",
     },
+    # OpenVINO's copy (workers/model/openvino.py) for queries and bulk: no layer boundaries,
+    # a batch is one slice, as the frozen copy
+    "openvino": {"EMBEDFLEET_CPU_BACKEND": "openvino"},
     # packed rows (the CUDA layout) on the CPU, eager, sliced per layer
     "varlen": {"EMBEDFLEET_LAYOUT": "varlen"},
 }
