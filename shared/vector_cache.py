@@ -58,8 +58,16 @@ class CachedVector:
         )
 
 
+# what an entry leaves out of the result: the row's own fields, which a hit takes from its chunk
+_NOT_STORED: dict[str, object] = {"id": "", "job": None, "meta": None, "text": None}
+
+
 def pack_entry(result: Result, tokens: int) -> bytes:
-    bare = dataclasses.replace(result, id="", job=None, meta=None, text=None)
+    # the result with those fields cleared, as dataclasses.replace would make it, copied by its
+    # __dict__: replace runs __init__ over every field again, the most of this function's cost
+    # (issue 43); Result has no __post_init__ to skip
+    bare = object.__new__(Result)
+    bare.__dict__.update(result.__dict__, **_NOT_STORED)
     return msgpack.packb({"t": int(tokens), "r": encode_result(bare)}, use_bin_type=True)
 
 

@@ -4,15 +4,17 @@ change it; nothing else does. Pure logic: no server."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 
 from embedfleet.shared.content_key import VectorRecipe, content_key
 from embedfleet.shared.modelcard import ModelCard
-from embedfleet.shared.protocol import Chunk, Result, SparseVector
+from embedfleet.shared.protocol import Chunk, Result, SparseVector, encode_result
 from embedfleet.shared.vector_cache import CachedVector, pack_entry, unpack_entry
 from embedfleet.workers.model.model_dir import directory_revision
 
@@ -69,6 +71,34 @@ def test_the_text_and_the_pair_change_the_key_and_nothing_else_does() -> None:
     )
     # the separation between fields holds: the prompt is not just glued to the text
     assert content_key("b", dataclasses.replace(RECIPE, prompt="a")) != content_key("ab", RECIPE)
+
+
+@pytest.mark.parametrize("text", ["", "a text", "é" * 300, "x" * 70_000])
+@pytest.mark.parametrize("pair", [None, "a document"])
+def test_the_key_is_the_documented_digest(text: str, pair: str | None) -> None:
+    # issue 43 hashes the recipe once and the text per chunk: the key stays the digest of the
+    # whole [version, recipe, text, pair] array, so entries stored before it still answer
+    packed = msgpack.packb(["v1", list(dataclasses.astuple(RECIPE)), text, pair], use_bin_type=True)
+    expected = "v1:" + hashlib.blake2b(packed, digest_size=16).hexdigest()
+    assert content_key(text, RECIPE, pair) == expected
+    assert content_key(text, dataclasses.replace(RECIPE, prompt="q"), pair) != expected
+
+
+def test_an_entry_is_the_result_without_its_row_fields() -> None:
+    # issue 43 copies the result rather than dataclasses.replace: same bytes, result unchanged
+    result = Result(
+        id="c1",
+        model="m",
+        vector=np.arange(8, dtype=np.float16),
+        job="j",
+        meta={"a": 1},
+        text="a text",
+        truncated=True,
+    )
+    bare = dataclasses.replace(result, id="", job=None, meta=None, text=None)
+    expected = msgpack.packb({"t": 5, "r": encode_result(bare)}, use_bin_type=True)
+    assert pack_entry(result, 5) == expected
+    assert (result.id, result.job, result.meta, result.text) == ("c1", "j", {"a": 1}, "a text")
 
 
 def test_the_card_makes_the_recipe_with_its_revision() -> None:
