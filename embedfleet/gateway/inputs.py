@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
 
@@ -30,6 +30,9 @@ from embedfleet.shared.postprocess import normalize
 from embedfleet.shared.protocol import ProtocolError, check_unicode
 from embedfleet.shared.protocol import check_dimensions as check_dimensions_shape
 from embedfleet.shared.settings import Settings
+
+if TYPE_CHECKING:  # state.py's Gateway is only a type here
+    from embedfleet.gateway.state import Gateway
 
 EmbeddingInput = str | list[str] | list[int] | list[list[int]]
 TruncationDirection = Literal["Right", "Left", "right", "left"]
@@ -179,6 +182,32 @@ def prepare(
     to the character limit when ``truncate``."""
     texts = as_texts(value, tokenizer, param, accept_token_ids=settings.gateway_accept_token_ids)
     return check_limits(texts, settings, param, truncate=truncate, direction=direction)
+
+
+class TEIInputs(Protocol):
+    """The fields of a TEI body (``/embed``, ``/embed_sparse``, ``/embed_all``) with its inputs."""
+
+    @property
+    def inputs(self) -> EmbeddingInput: ...
+    @property
+    def truncate(self) -> bool | None: ...
+    @property
+    def truncation_direction(self) -> TruncationDirection: ...
+
+
+def prepare_tei(body: TEIInputs, gateway: Gateway) -> tuple[list[str], bool]:
+    """A TEI body's texts (``prepare``) and whether over-long ones are cut (``tei_truncate``),
+    which the caller passes on to ``fit_to_model``."""
+    truncate = tei_truncate(body.truncate, gateway.settings)
+    texts = prepare(
+        body.inputs,
+        gateway.tokenizer,
+        gateway.settings,
+        "inputs",
+        truncate=truncate,
+        direction=body.truncation_direction,
+    )
+    return texts, truncate
 
 
 def check_context(

@@ -38,8 +38,7 @@ from embedfleet.gateway.inputs import (
     TruncationDirection,
     check_limits,
     fit_to_model,
-    prepare,
-    tei_truncate,
+    prepare_tei,
 )
 from embedfleet.gateway.state import Gateway, GatewayDep
 from embedfleet.shared.modelcard import ModelCard
@@ -102,15 +101,7 @@ async def _tei_texts(
     gateway = await gateway.for_model(body.model)
     card = await gateway.require_card()
     require_representation(card, representation, DIALECT)
-    truncate = tei_truncate(body.truncate, gateway.settings)
-    texts = prepare(
-        body.inputs,
-        gateway.tokenizer,
-        gateway.settings,
-        "inputs",
-        truncate=truncate,
-        direction=body.truncation_direction,
-    )
+    texts, truncate = prepare_tei(body, gateway)
     prompt = ""
     if body.prompt_name is not None:
         try:

@@ -19,8 +19,7 @@ from embedfleet.gateway.inputs import (
     check_dimensions,
     check_limits,
     fit_to_model,
-    prepare,
-    tei_truncate,
+    prepare_tei,
     unit_vectors,
 )
 from embedfleet.gateway.state import Gateway, GatewayDep, wire_options
@@ -76,15 +75,7 @@ async def _embed(body: EmbedRequest, gateway: Gateway) -> list[list[float]]:
     card = await gateway.model_card()  # None before any worker started: checked afterwards
     check_dimensions(body.dimensions, card)
     normalize = True if body.normalize is None else body.normalize
-    truncate = tei_truncate(body.truncate, gateway.settings)
-    texts = prepare(
-        body.inputs,
-        gateway.tokenizer,
-        gateway.settings,
-        "inputs",
-        truncate=truncate,
-        direction=body.truncation_direction,
-    )
+    texts, truncate = prepare_tei(body, gateway)
     prompt = ""
     if card is not None:
         prompt = _check_against_card(card, body)
