@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, Unpack
 
+import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
@@ -120,6 +121,24 @@ def reference_model():
     from embedfleet.shared.model_path import resolve_model_path
 
     return SentenceTransformer(str(resolve_model_path(model_under_test())), device="cpu")
+
+
+def assert_heldout_parity(found: np.ndarray, name: str) -> None:
+    """``found``: the cosines of a path's vectors of HELDOUT_TEXTS to ``reference_model()``'s,
+    in order. Every group of the held-out set within MIN_COSINE (each printed), and the whole
+    within MIN_COSINE and MEAN_COSINE: the bar every forward path holds."""
+    from embedfleet.workers.model.heldout import GROUPS
+    from embedfleet.workers.model.precision import MEAN_COSINE, MIN_COSINE
+
+    start = 0
+    for group, texts in GROUPS.items():
+        part = found[start : start + len(texts)]
+        start += len(texts)
+        print(
+            f"{name} vs sentence-transformers, {group}: min {part.min():.6f} mean {part.mean():.7f}"
+        )
+        assert part.min() >= MIN_COSINE, group
+    assert found.min() >= MIN_COSINE and found.mean() >= MEAN_COSINE
 
 
 @pytest.fixture(scope="session")

@@ -15,9 +15,9 @@ from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.model.backends import ENGINES, BuildCost, installed
 from embedfleet.workers.model.encoder import Encoder
-from embedfleet.workers.model.heldout import GROUPS, HELDOUT_TEXTS
+from embedfleet.workers.model.heldout import HELDOUT_TEXTS
 from embedfleet.workers.model.precision import MEAN_COSINE, MIN_COSINE, cosines, embed_in_batches
-from tests.conftest import WorkerLauncher, reference_model
+from tests.conftest import WorkerLauncher, assert_heldout_parity, reference_model
 
 # the slow tier: each engine exports and compiles a copy of the model (seconds to a minute)
 pytestmark = pytest.mark.slow
@@ -52,16 +52,7 @@ def test_each_engine_holds_the_bar_against_sentence_transformers(
         reference_model().encode(list(HELDOUT_TEXTS)),
         embed_in_batches(lambda texts: path.embed(_batch(encoder, list(texts))), HELDOUT_TEXTS),
     )
-    start = 0
-    for group, texts in GROUPS.items():
-        part = found[start : start + len(texts)]
-        start += len(texts)
-        print(
-            f"{path.name} vs sentence-transformers, {group}: min {part.min():.6f} "
-            f"mean {part.mean():.7f}"
-        )
-        assert part.min() >= MIN_COSINE, group
-    assert found.min() >= MIN_COSINE and found.mean() >= MEAN_COSINE
+    assert_heldout_parity(found, path.name)
     alone, label = path.serve(_batch(encoder, ["hello"]))  # batch and sequence both dynamic
     assert label == engine and alone.shape == (1, encoder.dim)
     want = reference_model().encode(["hello"])

@@ -43,7 +43,7 @@ from embedfleet.workers.model.precision import (
     embed_in_batches,
     holds_bar,
 )
-from tests.conftest import WorkerLauncher, reference_model
+from tests.conftest import WorkerLauncher, assert_heldout_parity, reference_model
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
 pytestmark = [pytest.mark.slow, pytest.mark.serial]  # serial: its assertions hold times (Makefile)
@@ -351,15 +351,7 @@ def test_the_kept_int8_copy_holds_the_bar_against_sentence_transformers_heldout(
     found = cosines(
         reference_model().encode(list(HELDOUT_TEXTS)), _served(int8_encoder, HELDOUT_TEXTS)
     )
-    start = 0
-    for group, texts in GROUPS.items():
-        part = found[start : start + len(texts)]
-        start += len(texts)
-        print(
-            f"int8 vs sentence-transformers, {group}: min {part.min():.5f} mean {part.mean():.6f}"
-        )
-        assert part.min() >= MIN_COSINE, group
-    assert found.min() >= MIN_COSINE and found.mean() >= MEAN_COSINE
+    assert_heldout_parity(found, "int8")
     assert found.mean() < 0.99999, "vectors identical to float32's: the int8 layers did not run"
 
 
