@@ -21,6 +21,7 @@ import uvicorn
 
 from embedfleet.gateway.app import create_app
 from embedfleet.server import ServerProcess, free_port
+from embedfleet.shared.model_path import resolve_model_path
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.model.precision import cosines
 from loadtest.common import isolated_settings
@@ -57,6 +58,33 @@ def wait_for_worker(base_url: str, timeout: float = 300.0) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError("no worker became live")
             time.sleep(0.1)
+
+
+def module_gateway_url(name: str = "gateway"):
+    """The module-scoped fixture ``name`` of a gateway test module (``fleet_settings`` its
+    settings, its ``worker`` running): the base URL of a gateway with those settings, once a
+    worker is live behind it. ``gateway = module_gateway_url()``."""
+
+    @pytest.fixture(scope="module", name=name)
+    def gateway_url(fleet_settings: Settings, worker: WorkerProcess) -> Iterator[str]:
+        with running_gateway(fleet_settings) as url:
+            wait_for_worker(url)
+            yield url
+
+    return gateway_url
+
+
+def module_sentence_transformer(model: str):
+    """The module-scoped ``model_st`` fixture: sentence-transformers itself on ``model``'s
+    directory, the parity reference. ``model_st = module_sentence_transformer(MODEL)``."""
+
+    @pytest.fixture(scope="module", name="model_st")
+    def model_st() -> Any:
+        from sentence_transformers import SentenceTransformer
+
+        return SentenceTransformer(str(resolve_model_path(model)), device="cpu")
+
+    return model_st
 
 
 # ``with gateway(**settings) as client``: the fixture module_gateway gives

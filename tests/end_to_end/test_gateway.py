@@ -8,7 +8,6 @@ import base64
 import json
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -23,7 +22,7 @@ from embedfleet.shared.model_path import resolve_model_path
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
 from loadtest.common import isolated_settings
-from tests.gateway_support import gateway_worker, min_cosine, running_gateway, wait_for_worker
+from tests.gateway_support import gateway_worker, min_cosine, module_gateway_url, running_gateway
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
 pytestmark = pytest.mark.slow
@@ -67,11 +66,7 @@ def worker(fleet_settings: Settings, tmp_path_factory: pytest.TempPathFactory):
     )
 
 
-@pytest.fixture(scope="module")
-def gateway(fleet_settings: Settings, worker) -> Iterator[str]:
-    with running_gateway(fleet_settings) as url:
-        wait_for_worker(url)
-        yield url
+gateway = module_gateway_url()
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import base64
 import json
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +22,15 @@ from embedfleet.server import ServerProcess
 from embedfleet.shared.model_path import resolve_model_path
 from embedfleet.shared.settings import Settings
 from loadtest.common import isolated_settings
-from tests.conftest import WorkerProcess, _server_binary
-from tests.gateway_support import min_cosine, module_worker, running_gateway, wait_for_worker
+from tests.conftest import _server_binary
+from tests.gateway_support import (
+    min_cosine,
+    module_gateway_url,
+    module_sentence_transformer,
+    module_worker,
+    running_gateway,
+    wait_for_worker,
+)
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
 pytestmark = pytest.mark.slow
@@ -56,18 +62,10 @@ def fleet_settings(redis_server: ServerProcess, tmp_path_factory: pytest.TempPat
 worker = module_worker("gc")
 
 
-@pytest.fixture(scope="module")
-def gateway(fleet_settings: Settings, worker: WorkerProcess) -> Iterator[str]:
-    with running_gateway(fleet_settings) as url:
-        wait_for_worker(url)
-        yield url
+gateway = module_gateway_url()
 
 
-@pytest.fixture(scope="module")
-def model_st():
-    from sentence_transformers import SentenceTransformer
-
-    return SentenceTransformer(str(resolve_model_path(MODEL)), device="cpu")
+model_st = module_sentence_transformer(MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -31,8 +31,7 @@ from tests.gateway_support import (
     min_cosine,
     module_fleet_settings,
     module_gateway,
-    running_gateway,
-    wait_for_worker,
+    module_gateway_url,
 )
 
 # the slow tier (make test-full, CI): starts a worker process and gateways
@@ -53,12 +52,7 @@ def worker(
 gateway = module_gateway()  # ``with gateway(**settings) as client``: another gateway
 
 
-@pytest.fixture(scope="module")
-def url(fleet_settings: Settings, worker: WorkerProcess) -> Iterator[str]:
-    """A gateway with the defaults."""
-    with running_gateway(fleet_settings) as base:
-        wait_for_worker(base)
-        yield base
+url = module_gateway_url("url")  # a gateway with the defaults
 
 
 @pytest.fixture(scope="module")

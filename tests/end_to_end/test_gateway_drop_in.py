@@ -8,7 +8,6 @@ and the setting of allowed origins) and TEI's timing headers."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 
 import httpx
 import numpy as np
@@ -19,13 +18,13 @@ from embedfleet.gateway.timing_headers import HEADERS
 from embedfleet.producer.tokens import ModelTokenizer
 from embedfleet.shared.model_path import resolve_model_path
 from embedfleet.shared.settings import Settings
-from tests.conftest import WorkerProcess
 from tests.gateway_support import (
     min_cosine,
     module_fleet_settings,
+    module_gateway_url,
+    module_sentence_transformer,
     module_worker,
     running_gateway,
-    wait_for_worker,
 )
 
 # the slow tier (make test-full, CI): starts a worker process and gateways
@@ -48,18 +47,10 @@ fleet_settings = module_fleet_settings("di", api_keys=API_KEY, gateway_max_input
 worker = module_worker("di", EMBEDFLEET_DTYPE="float32")
 
 
-@pytest.fixture(scope="module")
-def gateway(fleet_settings: Settings, worker: WorkerProcess) -> Iterator[str]:
-    with running_gateway(fleet_settings) as url:
-        wait_for_worker(url)
-        yield url
+gateway = module_gateway_url()
 
 
-@pytest.fixture(scope="module")
-def model_st():
-    from sentence_transformers import SentenceTransformer
-
-    return SentenceTransformer(str(resolve_model_path(MODEL)), device="cpu")
+model_st = module_sentence_transformer(MODEL)
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from embedfleet.server import ServerProcess
 from embedfleet.shared.model_path import resolve_model_path
 from loadtest.common import isolated_settings
 from tests.end_to_end.test_batch_api import batch_line, create_batch, jsonl, upload, wait_final
-from tests.gateway_support import min_cosine, module_worker, running_gateway, wait_for_worker
+from tests.gateway_support import min_cosine, module_gateway_url, module_worker
 from tests.integration.workers.test_long_inputs import by_hand, long_text, token_counter
 
 # the slow tier (make test-full, CI): starts a worker process and a gateway
@@ -43,11 +43,7 @@ def fleet_settings(redis_server: ServerProcess, tmp_path_factory: pytest.TempPat
 worker = module_worker("gl")
 
 
-@pytest.fixture(scope="module")
-def gateway(fleet_settings, worker):
-    with running_gateway(fleet_settings) as url:
-        wait_for_worker(url)
-        yield url
+gateway = module_gateway_url()
 
 
 @pytest.fixture(scope="module")
