@@ -138,8 +138,19 @@ async def test_a_dense_head_through_both_dialects(
                     got = np.array(tei.json())
                     assert got.shape == (len(texts), DENSE_DIM)
                     assert min_cosine(got, expected[: len(texts)]) >= 0.999
-                refused = await http.post("/embed", json={"inputs": "hi", "normalize": False})
-                assert refused.status_code == 422 and "Normalize" in refused.json()["error"]
+                # normalize=false: the vector before the model's Normalize (TEI's answer, issue
+                # 42), here the Dense head's output as it is, not refused
+                raw = await http.post("/embed", json={"inputs": TEXTS[:2], "normalize": False})
+                assert raw.status_code == 200, raw.text
+                unnormalised = np.array(raw.json())
+                assert unnormalised.shape == (2, DENSE_DIM)
+                assert type(reference[-1]).__name__ == "Normalize"
+                before = SentenceTransformer(modules=list(reference)[:-1], device="cpu")
+                wanted = before.encode(TEXTS[:2])
+                assert min_cosine(unnormalised, wanted) >= 0.999
+                assert np.allclose(
+                    np.linalg.norm(unnormalised, axis=1), np.linalg.norm(wanted, axis=1), rtol=1e-2
+                )
 
 
 async def test_a_plain_hf_directory_is_not_normalised_unless_asked(
