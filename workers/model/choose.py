@@ -238,7 +238,11 @@ class CpuPaths:
                 from embedfleet.workers.model.openvino import build_openvino
 
                 copy = build_openvino(
-                    self.float32_model(), inputs, threads=threads, precision=openvino_precision
+                    self.float32_model(),
+                    inputs,
+                    threads=threads,
+                    precision=openvino_precision,
+                    layers=layer_stack,  # cut there where it can be: queries get in between
                 )
             else:
                 from embedfleet.workers.model.onnxruntime import build_onnxruntime

@@ -35,6 +35,7 @@ from embedfleet.workers.model.cuda_queries import (
 from embedfleet.workers.model.forward import (
     BACKEND_KINDS,
     COPY_KINDS,
+    CopyPath,
     EagerPath,
     ForwardPath,
     layer_stack,
@@ -205,8 +206,12 @@ class Encoder:
 
         This is where a long bulk forward pass yields to priority queries: the callback may run
         a whole (short) forward pass of its own, re-entrantly, then the bulk pass goes on.
-        Returns the number of layers hooked (0 if the architecture has no layer list).
+        Returns the number of layers hooked (0 if the architecture has no layer list). The
+        copy kept for queries and frozen bulk gets it too where it has layer boundaries
+        (OpenVINO's, cut at its layers); other copies are one slice a batch.
         """
+        if isinstance(self.query_path, CopyPath):
+            self.query_path.set_layer_callback(callback)
         return self.eager.set_layer_callback(callback)
 
     @property

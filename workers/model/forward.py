@@ -31,9 +31,9 @@ from embedfleet.workers.model.int8 import Int8Forward
 from embedfleet.workers.model.precision import Precision
 from embedfleet.workers.model.tokenizer import EncodeBatch
 
-# eager: the bulk model; frozen / int8 / onnxruntime / openvino: a CPU copy without layer
-# boundaries (the last two in another engine); cuda: the query lane's own copy and stream,
-# served from its own thread
+# eager: the bulk model; frozen / int8 / onnxruntime / openvino: a CPU copy (the last two in
+# another engine), without layer boundaries but OpenVINO's cut at its layers; cuda: the query
+# lane's own copy and stream, served from its own thread
 PathKind = Literal["eager", "frozen", "int8", "onnxruntime", "openvino", "cuda"]
 # the kinds of a CPU copy (queries, and bulk batches whole), and those in another engine
 COPY_KINDS: tuple[PathKind, ...] = ("frozen", "int8", "onnxruntime", "openvino")
@@ -138,6 +138,13 @@ class CopyPath:
 
     def serve(self, batch: EncodeBatch) -> tuple[np.ndarray, QueryPath]:
         return self.embed(batch), self.served_as
+
+    def set_layer_callback(self, callback: Callable[[], None] | None) -> int:
+        """Call ``callback`` at the copy's layer boundaries where it has any (OpenVINO's copy cut
+        at its layers, workers/model/openvino.py); the number of boundaries (0: none, a batch
+        through it is one slice)."""
+        set_callback = getattr(self.copy, "set_layer_callback", None)
+        return 0 if set_callback is None else int(set_callback(callback))
 
     @property
     def served_as(self) -> QueryPath:

@@ -62,6 +62,86 @@ def test_each_engine_holds_the_bar_against_sentence_transformers(
     print(f"{engine}: {cost}")
 
 
+@pytest.mark.skipif(not installed("openvino"), reason="the 'openvino' extra is not installed")
+def test_the_openvino_copy_is_cut_at_its_layers_where_queries_get_in(encoder: Encoder) -> None:
+    """MiniLM's OpenVINO copy is cut at its 6 layers: the callback the query lane sets runs
+    before each of them, a query served there (re-entrantly, through the same copy) gets its
+    own vector, and the bulk batch it interrupted comes out as it does uninterrupted."""
+    copy = encoder.paths.build_backend("openvino", "default")
+    assert copy is not None and copy.layer_boundaries == encoder.layer_count == 6
+    path = encoder.paths.through(copy)
+    bulk = _batch(encoder, list(HELDOUT_TEXTS[:8]))
+    query = _batch(encoder, ["how do I read a file line by line"])
+    alone_bulk, alone_query = path.embed(bulk), path.embed(query)
+    served: list[np.ndarray] = []
+    serving: list[bool] = []  # the nested pass fires the callback too (the lane's guard)
+
+    def at_boundary() -> None:
+        if not serving and len(served) < 3:
+            serving.append(True)
+            served.append(path.embed(query))
+            serving.clear()
+
+    assert path.set_layer_callback(at_boundary) == 6
+    try:
+        interrupted = path.embed(bulk)
+    finally:
+        path.set_layer_callback(None)
+    assert len(served) == 3
+    for vector in served:
+        assert cosines(alone_query, vector).min() >= 0.9999
+    assert cosines(alone_bulk, interrupted).min() >= 0.9999
+    fired: list[int] = []
+    path.set_layer_callback(lambda: fired.append(1))
+    path.set_layer_callback(None)  # removed: a batch runs through without it
+    path.embed(bulk)
+    assert fired == []
+
+
+def test_a_model_the_cut_does_not_reproduce_is_converted_whole() -> None:
+    """A model whose layers, run in turn from its embeddings, do not give its hidden states
+    (here: a final norm after the stack) is not cut: None, and the whole model is converted."""
+    from embedfleet.workers.model.forward import layer_stack
+    from embedfleet.workers.model.openvino import cut_at_layers
+
+    class Output:
+        def __init__(self, hidden: torch.Tensor) -> None:
+            self.last_hidden_state = hidden
+
+    class WithFinalNorm(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embeddings = torch.nn.Embedding(50, 8)
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+            self.norm = torch.nn.LayerNorm(8)
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Output:
+            hidden = self.embeddings(input_ids)
+            for layer in self.layers:
+                hidden = layer(hidden)
+            return Output(self.norm(hidden))
+
+    class Stage(torch.nn.Module):  # the layer signature BERT's has: (hidden, attention_mask=)
+        def __init__(self, linear: torch.nn.Module) -> None:
+            super().__init__()
+            self.linear = linear
+
+        def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            return self.linear(hidden)
+
+    model = WithFinalNorm().eval()
+    model.embeddings.forward = lambda input_ids: torch.nn.Embedding.forward(  # type: ignore[method-assign]
+        model.embeddings, input_ids
+    )
+    example = (torch.randint(1, 50, (2, 5)), torch.ones(2, 5, dtype=torch.long))
+    stages = torch.nn.ModuleList(Stage(layer) for layer in model.layers)
+    assert cut_at_layers(model, stages, example) is None
+    model.norm = torch.nn.Identity()  # without it the cut reproduces the model: it is cut
+    cut = cut_at_layers(model, stages, example)
+    assert cut is not None and len(cut[1]) == 2
+    assert len(layer_stack(model)) == 2
+
+
 class NoiseCopy:
     """A copy that builds and runs but is wrong: what the gate is there to refuse."""
 
