@@ -362,23 +362,30 @@ class FleetVariant:
 # every round's texts are new to the fleet, so the cache's lookup and store are a cost it pays
 # and never a shortcut, and the cache-off row beside it shows that cost.
 FLOAT32 = {"EMBEDFLEET_DTYPE": "float32"}
+# torch's own paths, where the class default would take another engine (OpenVINO on CPUs with
+# native bf16: workers/model/backends.py's adopted_engine)
+TORCH = {"EMBEDFLEET_CPU_BACKEND": "torch"}
 FLEET_VARIANTS = (
     FleetVariant("fleet fp32", FLOAT32, default=True),
     # what the query lane's slices cost bulk work
     FleetVariant("fleet fp32 unsliced", FLOAT32 | {"EMBEDFLEET_SLICE_MS": "0"}),
     FleetVariant("fleet auto", default=True),
     FleetVariant("fleet auto cache off", {"EMBEDFLEET_VECTOR_CACHE_MB": "0"}, default=True),
+    # torch's path beside the default (the same row where the class default is torch)
+    FleetVariant("fleet auto torch", TORCH, default=True),
     FleetVariant("fleet auto unsliced", {"EMBEDFLEET_SLICE_MS": "0"}),
     # bulk batches eager in auto's precision (not through the frozen or int8 copy), sliced per
     # layer; queries still through the copy
     FleetVariant(
         "fleet auto eager bulk",
-        {"EMBEDFLEET_FROZEN_BULK": "false"},
+        TORCH | {"EMBEDFLEET_FROZEN_BULK": "false"},
         when=lambda auto: auto.precision.dtype != torch.float32,
     ),
     # the bf16 frozen copy, as before int8 was the default
     FleetVariant(
-        "fleet auto bf16", {"EMBEDFLEET_CPU_INT8": "false"}, when=lambda a: a.computes_in_int8
+        "fleet auto bf16",
+        TORCH | {"EMBEDFLEET_CPU_INT8": "false"},
+        when=lambda a: a.computes_in_int8,
     ),
     # the other CPU engines (workers/model/backends.py), each a float32 export compiled by its
     # runtime (OpenVINO: bf16 where the CPU has it natively), gated to parity at start

@@ -63,42 +63,49 @@ QUERY = "how do I read a file line by line in python"
 
 # Each forward path the worker may take for bulk batches, forced by its settings (the worker's
 # environment; the bare forward pass reads the same settings). "default" changes nothing.
+TORCH = {"EMBEDFLEET_CPU_BACKEND": "torch"}  # torch's paths, where the default takes OpenVINO
 PATHS: dict[str, dict[str, str]] = {
     "default": {},
+    # torch's path with every other default (the same as default where that is torch)
+    "torch": TORCH,
     # float32: bulk batches eager, queries served between transformer layers
     "eager": {"EMBEDFLEET_DTYPE": "float32"},
     # bf16 weights (emulated, slowly, on a CPU without bf16), bulk eager: sliced per layer
-    "eager-bf16": {"EMBEDFLEET_DTYPE": "bfloat16", "EMBEDFLEET_FROZEN_BULK": "false"},
+    "eager-bf16": {**TORCH, "EMBEDFLEET_DTYPE": "bfloat16", "EMBEDFLEET_FROZEN_BULK": "false"},
     # bf16 weights, bulk through the frozen copy: no layer boundaries, a batch is one slice
     "frozen": {
+        **TORCH,
         "EMBEDFLEET_DTYPE": "bfloat16",
         "EMBEDFLEET_CPU_INT8": "false",
         "EMBEDFLEET_FROZEN_BULK": "true",
     },
     # an int8 copy where one wins the timed race at start (CPU_INT8_PATH auto)
     "int8": {
+        **TORCH,
         "EMBEDFLEET_DTYPE": "auto",
         "EMBEDFLEET_CPU_INT8": "true",
         "EMBEDFLEET_FROZEN_BULK": "true",
     },
     # each int8 copy forced (kept whenever it holds the float32 bar, no race)
     "int8-w8a8": {
+        **TORCH,
         "EMBEDFLEET_DTYPE": "auto",
         "EMBEDFLEET_CPU_INT8": "true",
         "EMBEDFLEET_CPU_INT8_PATH": "w8a8",
         "EMBEDFLEET_FROZEN_BULK": "true",
     },
     "int8-dynamic": {
+        **TORCH,
         "EMBEDFLEET_DTYPE": "auto",
         "EMBEDFLEET_CPU_INT8": "true",
         "EMBEDFLEET_CPU_INT8_PATH": "dynamic",
         "EMBEDFLEET_FROZEN_BULK": "true",
     },
-    # OpenVINO's copy (workers/model/openvino.py) for queries and bulk: no layer boundaries,
-    # a batch is one slice, as the frozen copy
+    # OpenVINO's copy (workers/model/openvino.py) for queries and bulk, cut at its layers (a
+    # slice is one layer, as eager) where the architecture allows it
     "openvino": {"EMBEDFLEET_CPU_BACKEND": "openvino"},
     # packed rows (the CUDA layout) on the CPU, eager, sliced per layer
-    "varlen": {"EMBEDFLEET_LAYOUT": "varlen"},
+    "varlen": TORCH | {"EMBEDFLEET_LAYOUT": "varlen"},
 }
 
 

@@ -40,6 +40,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # tests/integration/workers/test_int8.py turns
 # it on where it is under test.
 os.environ.setdefault("EMBEDFLEET_CPU_INT8", "false")
+# ... and torch's path, not the engine the class default adopts (OpenVINO where bf16 is native:
+# seconds of export per worker start); tests/integration/workers/test_backends.py builds it.
+os.environ.setdefault("EMBEDFLEET_CPU_BACKEND", "torch")
 
 
 def _server_binary() -> str:

@@ -12,7 +12,7 @@ from pydantic import Field
 from embedfleet.shared.settings.section import Section
 
 # EMBEDFLEET_CPU_BACKEND: the engine of a CPU worker's forward path (workers/model/backends.py)
-CpuBackend = Literal["torch", "onnxruntime", "openvino", "auto"]
+CpuBackend = Literal["default", "torch", "onnxruntime", "openvino", "auto"]
 
 
 class QueryStageSettings(Section):
@@ -56,9 +56,12 @@ class QueryStageSettings(Section):
     those and the frozen copy on a timed batch at start. `w8a8` / `dynamic`: only that copy, used
     whenever it holds the bar (no timing race): to force a path for a benchmark (`w8a8` is built
     even without VNNI/AMX then, with a warning)."""
-    cpu_backend: CpuBackend = "torch"
+    cpu_backend: CpuBackend = "default"
     """The engine of a CPU worker's forward path (queries, and bulk through the same copy; needs
-    FROZEN_QUERIES). `torch`: the frozen graph or an int8 copy above. `onnxruntime` / `openvino`: a
+    FROZEN_QUERIES). `default`: the engine adopted for this CPU class (docs/BENCHMARKS.md):
+    OpenVINO where bf16 runs natively (AMX, AVX512-BF16) and its extra is installed (the worker
+    extra installs it), held to the bar as below; torch elsewhere. `torch`: the frozen graph or
+    an int8 copy above. `onnxruntime` / `openvino`: a
     copy of the model exported to that engine at start (its extra: `pip install
     'embedfleet[worker,openvino]'`; a worker whose extra is missing stops with that error), kept
     if it holds the float32 bar on the held-out parity set, else torch's path with a warning.

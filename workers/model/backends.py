@@ -22,11 +22,12 @@ from typing import Protocol, TypeVar, get_args
 import torch
 
 from embedfleet.shared.settings.query_stage import CpuBackend
+from embedfleet.workers.cpus import CpuClass, cpu_class
 from embedfleet.workers.model.frozen import hook_free_copy
 
 # the engines besides torch, each the name of its package and of the extra that installs it
 ENGINES: tuple[str, ...] = tuple(
-    name for name in get_args(CpuBackend) if name not in ("torch", "auto")
+    name for name in get_args(CpuBackend) if name not in ("default", "torch", "auto")
 )
 
 # What each engine's extra installs that its copy imports: ONNX Runtime's is built by torch's
@@ -61,11 +62,29 @@ def require(engine: str) -> ModuleType:
     return importlib.import_module(engine)
 
 
-def wanted_engines(backend: CpuBackend) -> list[str]:
+def adopted_engine(cpu: CpuClass, precision: str) -> str | None:
+    """The engine CPU_BACKEND=default takes on ``cpu``'s class for a model settled in
+    ``precision`` (``bfloat16``, ``float32``), where its extra is installed: OpenVINO where bf16
+    runs natively (AMX, AVX512-BF16) and the model computes in it (EMBEDFLEET_DTYPE auto or
+    bfloat16; OpenVINO computes in bf16 there), measured there faster than torch's path through
+    the whole fleet at parity and within the query lane's bound (docs/BENCHMARKS.md); none
+    elsewhere (float32 unmeasured; ONNX Runtime was slower than torch on every class)."""
+    if cpu.fast_bf16 and precision == "bfloat16" and installed("openvino"):
+        return "openvino"
+    return None
+
+
+def wanted_engines(
+    backend: CpuBackend, cpu: CpuClass | None = None, precision: str = "bfloat16"
+) -> list[str]:
     """The engines a worker builds for ``backend``: the one named (its extra is required), every
-    installed one under ``auto``, none under ``torch``."""
+    installed one under ``auto``, none under ``torch``, and under ``default`` the one adopted for
+    ``cpu``'s class (this process's CPU where not given) and the model's ``precision``, if any."""
     if backend == "torch":
         return []
+    if backend == "default":
+        adopted = adopted_engine(cpu if cpu is not None else cpu_class(), precision)
+        return [] if adopted is None else [adopted]
     if backend == "auto":
         return [engine for engine in ENGINES if installed(engine)]
     require(backend)

@@ -130,11 +130,12 @@ class CpuPaths:
         precision = self.eager.precision
         if self.eager.device.type != "cpu" or precision.method == "autocast":
             return None
-        engines = wanted_engines(backend)  # the missing extra said before anything is built
-        if not self.eager.representation.ends_in_pooling:  # the copies end in pooling
-            return None
         cpu = cpu_class()
         dtype_name = str(precision.dtype).removeprefix("torch.")
+        # the missing extra said before anything is built
+        engines = wanted_engines(backend, cpu, dtype_name)
+        if not self.eager.representation.ends_in_pooling:  # the copies end in pooling
+            return None
         if not cpu.runs_natively(dtype_name):
             # an explicit bf16/fp16 where the CPU emulates it: its frozen graph's fused kernels
             # ran several times slower than the eager model and took over a minute to build

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from embedfleet.shared.settings import Settings
 from embedfleet.shared.settings.query_stage import CpuBackend
+from embedfleet.workers.cpus import CpuClass, cpu_class
 from embedfleet.workers.model import backends
 from embedfleet.workers.model.backends import (
     ENGINES,
@@ -22,10 +23,11 @@ from embedfleet.workers.model.backends import (
 )
 
 
-def test_the_setting_takes_each_backend_and_defaults_to_torch(
+def test_the_setting_takes_each_backend_and_defaults_to_the_class_default(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    assert Settings().cpu_backend == "torch"
+    monkeypatch.delenv("EMBEDFLEET_CPU_BACKEND", raising=False)  # the suite pins torch
+    assert Settings().cpu_backend == "default"
     assert Settings().openvino_precision == "default"
     for value in get_args(CpuBackend):
         monkeypatch.setenv("EMBEDFLEET_CPU_BACKEND", value)
@@ -74,6 +76,27 @@ def test_auto_builds_the_installed_engines_and_torch_none(monkeypatch: pytest.Mo
     _without(monkeypatch, *(module for modules in MODULES.values() for module in modules))
     assert wanted_engines("auto") == []  # nothing installed: torch's path, no error
     assert wanted_engines("torch") == []
+
+
+AMX = CpuClass(frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8"}), "AVX512")
+ZEN4 = CpuClass(frozenset({"avx2", "avx512f", "avx512_bf16", "avx512_vnni"}), "AVX512")
+AVX2_ONLY = CpuClass(frozenset({"avx2", "fma"}), "AVX2")
+
+
+def test_default_takes_openvino_where_bf16_is_native_and_torch_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(backends, "installed", lambda engine: True)
+    assert wanted_engines("default", AMX) == ["openvino"]
+    assert wanted_engines("default", ZEN4, "bfloat16") == ["openvino"]
+    # a model in float32 (EMBEDFLEET_DTYPE=float32): OpenVINO would compute in bf16 there
+    assert wanted_engines("default", ZEN4, "float32") == []
+    assert wanted_engines("default", AVX2_ONLY) == []
+    # an AVX-512 CPU capped to AVX2 (ATEN_CPU_CAPABILITY=avx2) is that class: no bf16 there
+    assert wanted_engines("default", cpu_class(ZEN4.flags, "AVX2")) == []
+    monkeypatch.setattr(backends, "installed", lambda engine: engine != "openvino")
+    # the extra not installed (a worker without it): torch's path, no error (unlike naming it)
+    assert wanted_engines("default", AMX) == []
 
 
 def test_require_refuses_a_name_that_is_no_engine() -> None:
