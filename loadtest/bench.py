@@ -434,16 +434,14 @@ class FleetEncoders:
         return load_settings(**(self._base | settings_overrides(env)))
 
     def encoder(self, env: Mapping[str, str]) -> Encoder:
+        from embedfleet.workers.queries import prepare_forward_paths
         from embedfleet.workers.runtime import load_encoder
 
         key = frozenset((k, v) for k, v in env.items() if k not in WORKER_ONLY_SETTINGS)
         if key not in self._encoders:
             settings = self.settings(dict(key))
             encoder = load_encoder(settings)
-            if settings.frozen_queries:  # the same call as the worker's query lane at start
-                encoder.prepare_query_graph(  # (workers/queries.py QueryStage.run)
-                    settings.cpu_int8_choice, settings.cpu_backend, settings.openvino_precision
-                )
+            prepare_forward_paths(encoder, settings)  # as the worker's query stage at start
             for engine, cost in encoder.paths.backend_costs.items():
                 # what another engine's copy cost to make at start (workers/model/backends.py)
                 self.load_costs[engine] = cost.log_fields()

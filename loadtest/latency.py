@@ -141,11 +141,11 @@ def bare_encoder(settings: Settings | None = None) -> Encoder:
     auto) this process can decide it the other way: the table shows both paths; the forced
     int8 paths (``int8-w8a8``, ``int8-dynamic``) skip the race."""
     from embedfleet.workers.model.encoder import Encoder
+    from embedfleet.workers.queries import prepare_forward_paths
 
     settings = settings or Settings()
     encoder = Encoder(dtype=settings.dtype)
-    if settings.frozen_queries:  # as the worker's query lane does (EMBEDFLEET_* settings)
-        encoder.prepare_query_graph(int8=settings.cpu_int8_choice)
+    prepare_forward_paths(encoder, settings)  # as the worker's query stage does at start
     print(f"bare forward path: {encoder.forward_path}")
     for _ in range(10):
         bare_forward(encoder)

@@ -62,6 +62,18 @@ from embedfleet.workers.output import Outputs, pool_windows
 log = get_logger("embedfleet.queries")
 
 
+def prepare_forward_paths(encoder: Encoder, settings: Settings) -> bool:
+    """The CPU copy queries (and frozen bulk) run through, chosen once as a worker's query stage
+    does at start from its settings (FROZEN_QUERIES, CPU_INT8, CPU_INT8_PATH, CPU_BACKEND,
+    OPENVINO_PRECISION); whether one was kept. The benchmarks call this too, so that their
+    in-process encoder takes the worker's path. On the model thread: it runs the model."""
+    if not settings.frozen_queries:
+        return False
+    return encoder.prepare_query_graph(
+        settings.cpu_int8_choice, settings.cpu_backend, settings.openvino_precision
+    )
+
+
 @dataclass(frozen=True)
 class PendingQuery(Accepted):
     """An accepted query, tokenized, waiting in the inbox to be served."""
@@ -140,15 +152,10 @@ class QueryStage:
 
     async def run(self, stopping: asyncio.Event) -> None:
         self._loop = asyncio.get_running_loop()
-        if self.settings.frozen_queries:
-            # on the model thread, before any query or bulk batch (it runs the model)
-            await self._loop.run_in_executor(
-                self.model_thread,
-                self.encoder.prepare_query_graph,
-                self.settings.cpu_int8_choice,
-                self.settings.cpu_backend,
-                self.settings.openvino_precision,
-            )
+        # on the model thread, before any query or bulk batch (it runs the model)
+        await self._loop.run_in_executor(
+            self.model_thread, prepare_forward_paths, self.encoder, self.settings
+        )
         mode = self.settings.cuda_query_lane
         if await self._loop.run_in_executor(
             self.model_thread, lambda: self.encoder.prepare_cuda_queries(mode)

@@ -363,7 +363,9 @@ class Encoder:
         no int8. Only with EMBEDFLEET_DTYPE=auto, which computes float32's vectors to gate on.
         ``backend`` (EMBEDFLEET_CPU_BACKEND, workers/model/backends.py): ``onnxruntime`` /
         ``openvino`` builds that engine's copy and keeps it where it holds the bar on the
-        held-out set; ``auto`` races every installed one against the path above.
+        held-out set; ``auto`` races every installed one against the path above; ``default``
+        takes the engine adopted for this CPU class (workers/model/backends.py's
+        ``adopted_engine``) as if named, or the path above where none is.
 
         The choice is made once (workers/model/choose.py) and logged ("forward path chosen",
         :attr:`forward_path`). Call it on the thread that runs the model; it takes about a
