@@ -1,8 +1,9 @@
 """Other engines as CPU forward paths (``EMBEDFLEET_CPU_BACKEND``): ONNX Runtime and OpenVINO.
 
-Each is an optional extra (``pip install 'embedfleet[openvino]'``, ``'embedfleet[onnxruntime]'``),
-imported only when the setting names it (or ``auto`` finds it installed): the light client and
-the default worker install never need them. A backend copy is built from a float32 copy of the
+Each is imported only when the setting names it, ``auto`` finds it installed, or ``default``
+adopts it for the CPU class (:func:`adopted_engine`: OpenVINO where bf16 runs natively, which the
+worker extra installs for that; ONNX Runtime is an extra of its own, ``'embedfleet[onnxruntime]'``):
+the light client never needs them. A backend copy is built from a float32 copy of the
 loaded transformer (workers/model/openvino.py, workers/model/onnxruntime.py), returns the last
 hidden state like the frozen graph, and the sentence pipeline follows (workers/model/forward.py's
 :class:`~embedfleet.workers.model.forward.CopyPath`). It is held to the one parity bar on the
