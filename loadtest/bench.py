@@ -311,7 +311,14 @@ class Fleet:
         job = "bench"
         try:
             async with Producer(settings) as producer:
-                await asyncio.sleep(0.2)  # the worker is up and blocked on XREADGROUP
+                # a running worker: its bulk path chosen and its cost model seeded (the probe
+                # batches of Slices.seed_speed run once at a worker's start, not per job)
+                ready = asyncio.ensure_future(worker.compute.ready.wait())
+                await asyncio.wait((ready, task), return_when=asyncio.FIRST_COMPLETED)
+                if not ready.done():
+                    ready.cancel()
+                    task.result()  # the worker failed before it was ready: its error
+                    raise RuntimeError("the benchmark's worker stopped before it was ready")
                 chunks = [{"id": i, "text": t} for i, t in zip(ids, texts, strict=True)]
                 busy_before = worker.stats.model_seconds
                 started = time.perf_counter()
