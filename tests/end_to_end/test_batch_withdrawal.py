@@ -160,6 +160,25 @@ def after_the_resumed_worker_caught_up(store: redis.Redis, keys: Keys) -> None:
     wait_for("the sentinel chunks embedded", lambda: answered(store, keys, sentinel) == 3, 300)
 
 
+def pause_holding_some(worker: WorkerProcess, store: redis.Redis, keys: Keys) -> None:
+    """SIGSTOP the worker while it holds some inputs. Seen holding some, it may still
+    acknowledge them before the signal lands (a slow CPU finishing its window): then it is
+    resumed and caught again, until stopped (its state in /proc) with some held."""
+    while True:
+        wait_for("the worker holds some inputs", lambda: pending(store, keys) > 0)
+        worker.send_signal(signal.SIGSTOP)
+        wait_for("the worker stopped", lambda: _state(worker.popen.pid) in ("T", "t"))
+        if pending(store, keys) > 0:  # a stopped process acknowledges nothing more
+            return
+        worker.send_signal(signal.SIGCONT)
+
+
+def _state(pid: int) -> str:
+    """A process's state letter (``T``: stopped), from /proc/<pid>/stat."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
 def run_and_end(
     client: openai.OpenAI,
     store: redis.Redis,
@@ -171,8 +190,7 @@ def run_and_end(
     """The scenario: the batch sent, the worker paused once it holds some of it, ``end(batch,
     input file)`` ends the batch; the figures at its end and after the worker resumed."""
     batch_id, file_id = upload_batch(client, tmp_path)
-    wait_for("the worker holds some inputs", lambda: pending(store, keys) > 0)
-    worker.send_signal(signal.SIGSTOP)
+    pause_holding_some(worker, store, keys)
     try:
         wait_for(
             "every input sent",

@@ -380,25 +380,31 @@ async def test_every_verb_on_bad_input_exits_with_its_status_and_no_traceback(
         busy.listen()
         cases = _cases(files, busy.getsockname()[1])
         assert {case.verb for case in cases} == _verbs(main), "a verb without a bad-input case"
-        failures: list[str] = []
-        for case in cases:
-            try:
-                result = await asyncio.to_thread(
-                    embedfleet,
-                    *case.verb.split(),
-                    *case.args,
-                    env=environments[case.env],
-                    timeout=180,
-                )
-            except subprocess.TimeoutExpired:
-                failures.append(f"{case.verb} {case.why}: still running after 180 s")
-                continue
+        # the cases are independent, and most of each is waiting (an interpreter's start, a
+        # dead Redis's connect timeout): a few at a time
+        at_once = asyncio.Semaphore(4)
+
+        async def failure(case: Case) -> str | None:
+            async with at_once:
+                try:
+                    result = await asyncio.to_thread(
+                        embedfleet,
+                        *case.verb.split(),
+                        *case.args,
+                        env=environments[case.env],
+                        timeout=180,
+                    )
+                except subprocess.TimeoutExpired:
+                    return f"{case.verb} {case.why}: still running after 180 s"
             said = f"{case.verb} {case.why}: exit {result.returncode}"
             print(said)
             if TRACEBACK in result.stderr or result.returncode != case.expected:
-                failures.append(
+                return (
                     f"{said}, expected {case.expected.value} ({case.expected.name}); stderr "
                     f"tail: {result.stderr[-400:]!r}"
                 )
+            return None
+
+        failures = [f for f in await asyncio.gather(*map(failure, cases)) if f is not None]
     assert worker.poll() is None, worker.log()
     assert not failures, "\n".join(failures)

@@ -95,6 +95,9 @@ def test_demo_screen_keeps_logs_above_the_bar_and_no_third_party_warnings(
     # copy itself is tests/integration/workers/test_int8.py's, this test is the screen's layout and
     # its warnings
     env["EMBEDFLEET_CPU_INT8"] = "false"
+    # and torch's path (as every test worker): where bf16 is native the class default exports
+    # OpenVINO's copy at start, tests/integration/workers/test_backends.py's
+    env["EMBEDFLEET_CPU_BACKEND"] = "torch"
     screen = run_in_terminal(
         [
             sys.executable,

@@ -47,7 +47,10 @@ class Embeddings(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
-        self.embeddings = model.embeddings
+        embeddings = model.embeddings
+        # (a Module attribute is typed Tensor | Module; cut_at_layers checked it is there)
+        assert isinstance(embeddings, torch.nn.Module)
+        self.embeddings = embeddings
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor
@@ -79,8 +82,8 @@ def cut_at_layers(
     if not hasattr(model, "embeddings") or not len(layers):
         return None
     input_ids, attention_mask = example
-    front, stages = Embeddings(model), [Layer(layer) for layer in layers]
     try:
+        front, stages = Embeddings(model), [Layer(layer) for layer in layers]
         with torch.no_grad():
             whole = model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
             hidden, bias = front(input_ids, attention_mask)

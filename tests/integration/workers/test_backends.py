@@ -5,6 +5,8 @@ serving its vectors through Redis."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
@@ -13,7 +15,7 @@ import torch
 from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.settings import Settings
-from embedfleet.workers.model.backends import ENGINES, BuildCost, installed
+from embedfleet.workers.model.backends import ENGINES, BackendForward, BuildCost, installed
 from embedfleet.workers.model.encoder import Encoder
 from embedfleet.workers.model.heldout import HELDOUT_TEXTS
 from embedfleet.workers.model.precision import MEAN_COSINE, MIN_COSINE, cosines, embed_in_batches
@@ -37,15 +39,31 @@ def _batch(encoder: Encoder, texts: list[str]):  # type: ignore[no-untyped-def]
     return encoder.collate(encoder.tokenize(texts))
 
 
+@pytest.fixture(scope="module")
+def built(encoder: Encoder) -> Callable[[str], BackendForward]:
+    """``built(engine)``: the engine's copy of the session encoder's model, built once for the
+    module (an export takes seconds to tens of seconds on 2 cores); its cost in the encoder's
+    ``backend_costs``."""
+    copies: dict[str, BackendForward] = {}
+
+    def build(engine: str) -> BackendForward:
+        if engine not in copies:
+            copy = encoder.paths.build_backend(engine, "default")
+            assert copy is not None, "the copy could not be built: see the warning logged"
+            copies[engine] = copy
+        return copies[engine]
+
+    return build
+
+
 @pytest.mark.parametrize("engine", ENGINE_PARAMS)
 def test_each_engine_holds_the_bar_against_sentence_transformers(
-    encoder: Encoder, engine: str
+    encoder: Encoder, built: Callable[[str], BackendForward], engine: str
 ) -> None:
     """The engine's copy, through the sentence pipeline, in padded batches of mixed lengths and
     alone: within the bar of every path against float32 sentence-transformers, in every group
     of the held-out set; what it cost to build is kept on it."""
-    copy = encoder.paths.build_backend(engine, "default")
-    assert copy is not None, "the copy could not be built: see the warning logged"
+    copy = built(engine)
     path = encoder.paths.through(copy)
     assert path.kind == engine and path.name.startswith(engine)
     found = cosines(
@@ -63,12 +81,14 @@ def test_each_engine_holds_the_bar_against_sentence_transformers(
 
 
 @pytest.mark.skipif(not installed("openvino"), reason="the 'openvino' extra is not installed")
-def test_the_openvino_copy_is_cut_at_its_layers_where_queries_get_in(encoder: Encoder) -> None:
+def test_the_openvino_copy_is_cut_at_its_layers_where_queries_get_in(
+    encoder: Encoder, built: Callable[[str], BackendForward]
+) -> None:
     """MiniLM's OpenVINO copy is cut at its 6 layers: the callback the query lane sets runs
     before each of them, a query served there (re-entrantly, through the same copy) gets its
     own vector, and the bulk batch it interrupted comes out as it does uninterrupted."""
-    copy = encoder.paths.build_backend("openvino", "default")
-    assert copy is not None and copy.layer_boundaries == encoder.layer_count == 6
+    copy = built("openvino")
+    assert getattr(copy, "layer_boundaries", 0) == encoder.layer_count == 6
     path = encoder.paths.through(copy)
     bulk = _batch(encoder, list(HELDOUT_TEXTS[:8]))
     query = _batch(encoder, ["how do I read a file line by line"])
@@ -171,15 +191,25 @@ def test_an_engine_copy_that_fails_the_gate_leaves_torchs_path(
     assert not encoder.paths.gate_reports["openvino"].passed
 
 
-def test_auto_builds_gates_and_races_every_installed_engine() -> None:
+def test_auto_builds_gates_and_races_every_installed_engine(
+    built: Callable[[str], BackendForward], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """CPU_BACKEND=auto: each installed engine's copy is gated on the held-out set, and the path
-    kept is one of the contenders timed (torch's frozen graph or an engine that passed)."""
+    kept is one of the contenders timed (torch's frozen graph or an engine that passed). The
+    copies are the module's (the same model's, built once): what is under test is the choice."""
     engines = [engine for engine in ENGINES if installed(engine)]
     if not engines:
         pytest.skip("neither the onnxruntime nor the openvino extra is installed")
     auto = Encoder(dtype="auto")
+    asked: list[str] = []
+
+    def build_backend(engine: str, precision: str) -> BackendForward:
+        asked.append(engine)
+        return built(engine)
+
+    monkeypatch.setattr(auto.paths, "build_backend", build_backend)
     assert auto.prepare_query_graph("off", "auto")
-    assert set(auto.gate_reports) == set(engines)
+    assert asked == engines and set(auto.gate_reports) == set(engines)
     passed = [name for name, report in auto.gate_reports.items() if report.passed]
     assert passed == engines  # all hold the bar here (the test above)
     kind = auto.query_path.kind
