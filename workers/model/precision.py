@@ -254,10 +254,17 @@ def gate(path: str, reference: np.ndarray, vectors: np.ndarray) -> GateReport:
 def embed_in_batches(
     embed: Callable[[Sequence[str]], np.ndarray], texts: Sequence[str], size: int = PROBE_BATCH
 ) -> np.ndarray:
-    """``embed`` over ``texts`` a few at a time, vectors in the texts' order."""
-    return np.concatenate(
-        [embed(texts[start : start + size]) for start in range(0, len(texts), size)]
+    """``embed`` over ``texts`` a few at a time, vectors in the texts' order. The texts go in
+    sorted by length, as the worker batches them: a batch pads to its longest text, and the
+    probe and held-out sets mix one-word queries with passages near the model's limit."""
+    order = sorted(range(len(texts)), key=lambda index: len(texts[index]))
+    in_order = [texts[index] for index in order]
+    vectors = np.concatenate(
+        [embed(in_order[start : start + size]) for start in range(0, len(in_order), size)]
     )
+    restored = np.empty_like(vectors)
+    restored[order] = vectors
+    return restored
 
 
 def cosines(reference: np.ndarray, candidate: np.ndarray) -> np.ndarray:
