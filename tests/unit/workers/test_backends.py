@@ -87,16 +87,16 @@ def test_default_takes_openvino_where_bf16_is_native_and_torch_elsewhere(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(backends, "installed", lambda engine: True)
-    assert wanted_engines("default", AMX) == ["openvino"]
+    assert wanted_engines("default", AMX, "bfloat16") == ["openvino"]
     assert wanted_engines("default", ZEN4, "bfloat16") == ["openvino"]
     # a model in float32 (EMBEDFLEET_DTYPE=float32): OpenVINO would compute in bf16 there
     assert wanted_engines("default", ZEN4, "float32") == []
-    assert wanted_engines("default", AVX2_ONLY) == []
+    assert wanted_engines("default", AVX2_ONLY, "bfloat16") == []
     # an AVX-512 CPU capped to AVX2 (ATEN_CPU_CAPABILITY=avx2) is that class: no bf16 there
-    assert wanted_engines("default", cpu_class(ZEN4.flags, "AVX2")) == []
+    assert wanted_engines("default", cpu_class(ZEN4.flags, "AVX2"), "bfloat16") == []
     monkeypatch.setattr(backends, "installed", lambda engine: engine != "openvino")
     # the extra not installed (a worker without it): torch's path, no error (unlike naming it)
-    assert wanted_engines("default", AMX) == []
+    assert wanted_engines("default", AMX, "bfloat16") == []
 
 
 def test_require_refuses_a_name_that_is_no_engine() -> None:
