@@ -30,12 +30,13 @@ demo: install
 # whose assertions hold a time or a rate (a token rate, a latency bound, a slice's length, a
 # race between two compiled copies) or that fill both cores on their own run alone, after.
 XDIST := -n 2 --dist loadfile
-FAST_TIER := not slow and not chaos and not image and not packaging and not cluster
-# pytest exits 5 when a selection is empty (no serial module in a tier): that is not a failure
-NONE_IS_FINE := rc=$$?; test $$rc -eq 0 -o $$rc -eq 5
+# the -m expression of the fast tier: none of the slow tiers tests/tiers.py owns
+FAST_TIER = $(shell python3 -m tests.tiers)
+# The fast tier holds no serial module (tests/conftest.py refuses one marked serial and not
+# slow, and fails a test that starts a worker process unless it is marked slow), so it is one
+# parallel run.
 test: install
-	$(PY) -m pytest $(XDIST) -m "($(FAST_TIER)) and not serial"
-	$(PY) -m pytest -m "($(FAST_TIER)) and serial"; $(NONE_IS_FINE)
+	$(PY) -m pytest $(XDIST) -m "$(FAST_TIER)"
 
 # The image tests wait mostly on apt and buildah (under one core between them), so test-full
 # runs them in a second pytest beside the rest and prints their report after it; either failing

@@ -32,6 +32,7 @@ from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.events import BulkSlice, WorkerEvents
 from loadtest.common import isolated_settings
+from tests.tiers import SLOW_TIERS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -43,6 +44,44 @@ os.environ.setdefault("EMBEDFLEET_CPU_INT8", "false")
 # ... and torch's path, not the engine the class default adopts (OpenVINO where bf16 is native:
 # seconds of export per worker start); tests/integration/workers/test_backends.py builds it.
 os.environ.setdefault("EMBEDFLEET_CPU_BACKEND", "torch")
+
+
+# A test that starts an `embedfleet worker` process (seconds of imports, a model load and its
+# probes) or that asserts a time or a rate (`serial`) belongs in one of the tiers `make test`
+# leaves out (tests/tiers.py): checked below, so that the fast tier stays fast and never runs a
+# timing-sensitive module beside another.
+_running_test: list[pytest.Item] = []  # the test being set up, run or torn down
+
+
+def _in_a_slow_tier(item: pytest.Item) -> bool:
+    return any(item.get_closest_marker(tier) for tier in SLOW_TIERS)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("serial") and not _in_a_slow_tier(item):
+            raise pytest.UsageError(
+                f"{item.nodeid} is marked serial but in no slow tier: mark it slow as well "
+                f"(one of {', '.join(SLOW_TIERS)}), or `make test` runs it beside another"
+            )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    _running_test.append(item)
+    try:
+        yield
+    finally:
+        _running_test.pop()
+
+
+def require_slow_tier(what: str) -> None:
+    """Fail the running test unless it is in a slow tier: it starts ``what``."""
+    if _running_test and not _in_a_slow_tier(_running_test[-1]):
+        pytest.fail(
+            f"{_running_test[-1].nodeid} starts {what}: mark it slow "
+            "(`pytestmark = pytest.mark.slow`, or the test alone), so `make test` leaves it out"
+        )
 
 
 def _server_binary() -> str:
@@ -384,6 +423,7 @@ class WorkerProcess:
     could fill up and stall it."""
 
     def __init__(self, settings: Settings, name: str, log_path: Path, env: dict[str, str]) -> None:
+        require_slow_tier("an `embedfleet worker` process")
         self.name = name
         self.log_path = log_path
         with log_path.open("wb") as log_file:

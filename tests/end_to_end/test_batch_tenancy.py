@@ -46,6 +46,9 @@ from tests.gateway_support import (
     wait_for_worker,
 )
 
+# the slow tier (make test-full, CI): starts a worker process and gateways
+pytestmark = pytest.mark.slow
+
 KEY_A, KEY_B = "key-of-tenant-a", "key-of-tenant-b"
 
 

@@ -262,6 +262,7 @@ async def _dead_counted(client: aioredis.Redis, settings: Settings) -> bool:
     return bool(await client.xlen(settings.keys.dead))
 
 
+@pytest.mark.slow  # starts two worker processes: make test-full and CI run it
 async def test_a_worker_sigkilled_during_fair_reads_loses_nothing_and_leaves_nothing_pending(
     settings: Settings, workers: WorkerLauncher, client: aioredis.Redis
 ) -> None:
