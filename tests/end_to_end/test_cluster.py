@@ -35,7 +35,7 @@ from embedfleet.shared.streams import find_group
 from embedfleet.workers.model.precision import cosines as row_cosines
 from loadtest.common import isolated_settings
 from loadtest.local_cluster import LocalCluster
-from tests.conftest import reference_model, worker_env
+from tests.conftest import reference_model, require_slow_tier, worker_env
 
 pytestmark = pytest.mark.cluster
 PARTITIONS = 6
@@ -72,6 +72,7 @@ def fleet(
     health_ports = [free_port() for _ in range(WORKERS)]
     log_dir = tmp_path_factory.mktemp("cluster-workers")
     log_files = [(log_dir / f"cw{i}.log").open("wb") for i in range(WORKERS)]
+    require_slow_tier("`embedfleet worker` processes")
     processes = [
         subprocess.Popen(
             [sys.executable, "-m", "embedfleet.cli", "worker"],

@@ -26,7 +26,7 @@ from embedfleet.workers.replicas import (
     replica_environment,
 )
 from loadtest.replicas import free_ports, wait_ready
-from tests.conftest import worker_env
+from tests.conftest import require_slow_tier, worker_env
 from tests.end_to_end.test_ops import scrape
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
@@ -82,6 +82,7 @@ def _children(pid: int) -> list[int]:
 
 
 def _start(settings: Settings, consumer: str, port: int, **extra: str) -> subprocess.Popen[bytes]:
+    require_slow_tier("an `embedfleet worker --replicas 2` process")
     return subprocess.Popen(
         [sys.executable, "-m", "embedfleet.cli", "worker", "--replicas", "2"],
         env=worker_env(

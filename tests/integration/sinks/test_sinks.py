@@ -45,7 +45,14 @@ from embedfleet.sinks import (
 )
 from embedfleet.sinks.pgvector import vector_type_for
 from embedfleet.sinks.qdrant import point_id
-from tests.conftest import WorkerLauncher, reference_model, running_pg, shared_encoder, worker_env
+from tests.conftest import (
+    WorkerLauncher,
+    reference_model,
+    require_slow_tier,
+    running_pg,
+    shared_encoder,
+    worker_env,
+)
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
 pytestmark = pytest.mark.slow
@@ -634,6 +641,7 @@ async def test_unknown_sink_scheme_is_a_clear_error(settings: Settings, client) 
 
 def test_worker_and_search_refuse_bad_sinks_before_loading_anything() -> None:
     env = {**os.environ, "EMBEDFLEET_SINK": "mongodb://db:27017"}
+    require_slow_tier("an `embedfleet worker` process")
     worker = subprocess.run(
         [sys.executable, "-m", "embedfleet.cli", "worker"],
         capture_output=True,
