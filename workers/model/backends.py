@@ -75,18 +75,14 @@ def adopted_engine(cpu: CpuClass, precision: str) -> str | None:
     return None
 
 
-def wanted_engines(
-    backend: CpuBackend, cpu: CpuClass | None = None, precision: str | None = None
-) -> list[str]:
+def wanted_engines(backend: CpuBackend, precision: str, cpu: CpuClass | None = None) -> list[str]:
     """The engines a worker builds for ``backend``: the one named (its extra is required), every
     installed one under ``auto``, none under ``torch``, and under ``default`` the one adopted for
     ``cpu``'s class (this process's CPU where not given) and the model's ``precision`` (the
-    dtype it settled in, which ``default`` needs: no guess), if any."""
+    dtype it settled in), if any."""
     if backend == "torch":
         return []
     if backend == "default":
-        if precision is None:
-            raise ValueError("the default engine depends on the model's precision: pass it")
         adopted = adopted_engine(cpu if cpu is not None else cpu_class(), precision)
         return [] if adopted is None else [adopted]
     if backend == "auto":

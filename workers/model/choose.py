@@ -133,7 +133,7 @@ class CpuPaths:
         cpu = cpu_class()
         dtype_name = str(precision.dtype).removeprefix("torch.")
         # the missing extra said before anything is built
-        engines = wanted_engines(backend, cpu, dtype_name)
+        engines = wanted_engines(backend, dtype_name, cpu)
         if not self.eager.representation.ends_in_pooling:  # the copies end in pooling
             return None
         if not cpu.runs_natively(dtype_name):

@@ -58,7 +58,7 @@ def test_a_missing_extra_is_an_error_that_names_it(
 ) -> None:
     _without(monkeypatch, MODULES[engine][-1])
     with pytest.raises(MissingBackend) as raised:
-        wanted_engines(engine)  # type: ignore[arg-type]
+        wanted_engines(engine, "bfloat16")  # type: ignore[arg-type]
     message = str(raised.value)
     assert f"EMBEDFLEET_CPU_BACKEND={engine}" in message
     assert f"pip install 'embedfleet[worker,{engine}]'" in message
@@ -68,14 +68,14 @@ def test_a_missing_extra_is_an_error_that_names_it(
 
 
 def test_auto_builds_the_installed_engines_and_torch_none(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert wanted_engines("torch") == []
+    assert wanted_engines("torch", "bfloat16") == []
     _without(monkeypatch, "openvino")
-    assert wanted_engines("auto") == [
+    assert wanted_engines("auto", "bfloat16") == [
         e for e in ENGINES if e != "openvino" and backends.installed(e)
     ]
     _without(monkeypatch, *(module for modules in MODULES.values() for module in modules))
-    assert wanted_engines("auto") == []  # nothing installed: torch's path, no error
-    assert wanted_engines("torch") == []
+    assert wanted_engines("auto", "bfloat16") == []  # nothing installed: torch's path, no error
+    assert wanted_engines("torch", "bfloat16") == []
 
 
 AMX = CpuClass(frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8"}), "AVX512")
@@ -87,16 +87,16 @@ def test_default_takes_openvino_where_bf16_is_native_and_torch_elsewhere(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(backends, "installed", lambda engine: True)
-    assert wanted_engines("default", AMX, "bfloat16") == ["openvino"]
-    assert wanted_engines("default", ZEN4, "bfloat16") == ["openvino"]
+    assert wanted_engines("default", "bfloat16", AMX) == ["openvino"]
+    assert wanted_engines("default", "bfloat16", ZEN4) == ["openvino"]
     # a model in float32 (EMBEDFLEET_DTYPE=float32): OpenVINO would compute in bf16 there
-    assert wanted_engines("default", ZEN4, "float32") == []
-    assert wanted_engines("default", AVX2_ONLY, "bfloat16") == []
+    assert wanted_engines("default", "float32", ZEN4) == []
+    assert wanted_engines("default", "bfloat16", AVX2_ONLY) == []
     # an AVX-512 CPU capped to AVX2 (ATEN_CPU_CAPABILITY=avx2) is that class: no bf16 there
-    assert wanted_engines("default", cpu_class(ZEN4.flags, "AVX2"), "bfloat16") == []
+    assert wanted_engines("default", "bfloat16", cpu_class(ZEN4.flags, "AVX2")) == []
     monkeypatch.setattr(backends, "installed", lambda engine: engine != "openvino")
     # the extra not installed (a worker without it): torch's path, no error (unlike naming it)
-    assert wanted_engines("default", AMX, "bfloat16") == []
+    assert wanted_engines("default", "bfloat16", AMX) == []
 
 
 def test_require_refuses_a_name_that_is_no_engine() -> None:
