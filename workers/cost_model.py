@@ -57,9 +57,10 @@ from typing import Literal
 
 import numpy as np
 
-BulkPath = Literal["eager", "frozen", "int8", "varlen"]
+BulkPath = Literal["eager", "frozen", "int8", "onnxruntime", "openvino", "varlen"]
 """The forward path of a bulk batch: the eager model (sliced per layer, padded), the frozen or
-int8 copy (no layer boundaries: the whole batch is one slice), or the packed varlen layout
+int8 copy (no layer boundaries: the whole batch is one slice), another engine's copy (ONNX
+Runtime's whole, OpenVINO's cut at its layers: one layer a slice), or the packed varlen layout
 (eager, sliced per layer)."""
 
 # Until this many slices of a path are measured, batches are sized with SLICE_HEADROOM; with

@@ -116,7 +116,8 @@ METRICS: dict[str, MetricSpec] = {
         Histogram,
         "bulk_slice_seconds",
         "Longest stretch of one bulk micro-batch a query could not get into, by forward path "
-        "(eager and varlen: one layer; frozen and int8: the whole batch); sized to "
+        "(eager, varlen and openvino, cut at its layers: one layer; frozen, int8 and "
+        "onnxruntime: the whole batch); sized to "
         "EMBEDFLEET_SLICE_MS.",
         ("path",),
         buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5),

@@ -140,7 +140,8 @@ class Slices:
         if self.bulk is not None and self.bulk.layout == "varlen":
             return "varlen"
         if self.bulk_frozen():
-            return "int8" if self.parts.encoder.computes_in_int8 else "frozen"
+            encoder = self.parts.encoder
+            return "int8" if encoder.computes_in_int8 else encoder.engine or "frozen"
         return "eager"
 
     def _slice_cost(self, path: BulkPath) -> SliceCost:

@@ -33,10 +33,11 @@ from embedfleet.workers.model.cuda_queries import (
     QueryPath,
 )
 from embedfleet.workers.model.forward import (
-    BACKEND_KINDS,
     COPY_KINDS,
+    ENGINE_KINDS,
     CopyPath,
     EagerPath,
+    EngineKind,
     ForwardPath,
     layer_stack,
     pooled_on_host,
@@ -329,6 +330,12 @@ class Encoder:
         return self.query_path.kind == "int8"
 
     @property
+    def engine(self) -> EngineKind | None:
+        """The other engine whose copy serves queries and frozen bulk (ONNX Runtime, OpenVINO:
+        workers/model/backends.py), or None where torch computes."""
+        return next((kind for kind in ENGINE_KINDS if kind == self.query_path.kind), None)
+
+    @property
     def computes_in_reduced_precision(self) -> bool:
         """The model, or the copy kept for queries and frozen bulk, computes in less than
         float32: bf16/fp16, or int8 linear layers (the worker then runs bulk through the copy).
@@ -337,7 +344,7 @@ class Encoder:
         return (
             self.precision.dtype != torch.float32
             or self.computes_in_int8
-            or self.query_path.kind in BACKEND_KINDS
+            or self.engine is not None
         )
 
     @property

@@ -37,7 +37,8 @@ from embedfleet.workers.model.tokenizer import EncodeBatch
 PathKind = Literal["eager", "frozen", "int8", "onnxruntime", "openvino", "cuda"]
 # the kinds of a CPU copy (queries, and bulk batches whole), and those in another engine
 COPY_KINDS: tuple[PathKind, ...] = ("frozen", "int8", "onnxruntime", "openvino")
-BACKEND_KINDS: tuple[PathKind, ...] = ("onnxruntime", "openvino")
+EngineKind = Literal["onnxruntime", "openvino"]
+ENGINE_KINDS: tuple[EngineKind, ...] = ("onnxruntime", "openvino")
 
 
 class ForwardPath(Protocol):

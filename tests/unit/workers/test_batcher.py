@@ -67,6 +67,7 @@ class _SlicingEncoder:
     has_query_graph = False  # eager: sliced per layer
     computes_in_reduced_precision = True
     computes_in_int8 = False
+    engine: str | None = None  # torch computes (no ONNX Runtime or OpenVINO copy)
     serves_queries_concurrently = False  # queries served at layer boundaries (CPU)
 
 
@@ -88,12 +89,16 @@ def _worker(slice_ms: float, measured: bool = True) -> Worker:
 
 
 def test_each_forward_path_has_its_own_cost_model() -> None:
-    """The frozen copy (no layer boundaries: the slice is the whole batch), the int8 copy and
-    the eager model (the slice is one layer) are timed and sized apart."""
+    """The frozen copy (no layer boundaries: the slice is the whole batch), the int8 copy,
+    another engine's copy (by its name) and the eager model (the slice is one layer) are timed
+    and sized apart."""
     worker = _worker(100)
     assert worker.slices.bulk_path() == "eager" and not worker.slices.bulk_frozen()
     worker.encoder.has_query_graph = True  # type: ignore[misc]
     assert worker.slices.bulk_frozen() and worker.slices.bulk_path() == "frozen"
+    worker.encoder.engine = "openvino"  # type: ignore[misc]
+    assert worker.slices.bulk_frozen() and worker.slices.bulk_path() == "openvino"
+    worker.encoder.engine = None  # type: ignore[misc]
     worker.encoder.computes_in_int8 = True  # type: ignore[misc]
     assert worker.slices.bulk_path() == "int8"
     slow = SliceCost("int8")  # int8 here: much slower
