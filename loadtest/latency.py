@@ -104,6 +104,8 @@ PATHS: dict[str, dict[str, str]] = {
     # OpenVINO's copy (workers/model/openvino.py) for queries and bulk, cut at its layers (a
     # slice is one layer, as eager) where the architecture allows it
     "openvino": {"EMBEDFLEET_CPU_BACKEND": "openvino"},
+    # ONNX Runtime's copy (float32), whole: no layer boundaries, a batch is one slice
+    "onnxruntime": {"EMBEDFLEET_CPU_BACKEND": "onnxruntime"},
     # packed rows (the CUDA layout) on the CPU, eager, sliced per layer
     "varlen": TORCH | {"EMBEDFLEET_LAYOUT": "varlen"},
 }
