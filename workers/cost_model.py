@@ -57,7 +57,9 @@ from typing import Literal
 
 import numpy as np
 
-BulkPath = Literal["eager", "frozen", "int8", "onnxruntime", "openvino", "varlen"]
+from embedfleet.shared.settings.query_stage import Engine
+
+BulkPath = Literal["eager", "frozen", "int8", Engine, "varlen"]
 """The forward path of a bulk batch: the eager model (sliced per layer, padded), the frozen or
 int8 copy (no layer boundaries: the whole batch is one slice), another engine's copy (ONNX
 Runtime's whole, OpenVINO's cut at its layers: one layer a slice), or the packed varlen layout

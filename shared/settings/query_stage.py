@@ -12,7 +12,10 @@ from pydantic import Field
 from embedfleet.shared.settings.section import Section
 
 # EMBEDFLEET_CPU_BACKEND: the engine of a CPU worker's forward path (workers/model/backends.py)
-CpuBackend = Literal["default", "torch", "onnxruntime", "openvino", "auto"]
+# the CPU engines besides torch (workers/model/backends.py), each its package's and its extra's
+# name: the one list of them, which the settings, the forward paths and the slice metric use
+Engine = Literal["onnxruntime", "openvino"]
+CpuBackend = Literal["default", "torch", Engine, "auto"]
 
 
 class QueryStageSettings(Section):

@@ -22,14 +22,12 @@ from typing import Protocol, TypeVar, get_args
 
 import torch
 
-from embedfleet.shared.settings.query_stage import CpuBackend
+from embedfleet.shared.settings.query_stage import CpuBackend, Engine
 from embedfleet.workers.cpus import CpuClass, cpu_class
 from embedfleet.workers.model.frozen import hook_free_copy
 
 # the engines besides torch, each the name of its package and of the extra that installs it
-ENGINES: tuple[str, ...] = tuple(
-    name for name in get_args(CpuBackend) if name not in ("default", "torch", "auto")
-)
+ENGINES: tuple[Engine, ...] = get_args(Engine)
 
 # What each engine's extra installs that its copy imports: ONNX Runtime's is built by torch's
 # exporter, which needs onnx and (the dynamo exporter) onnxscript

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from embedfleet.shared.logging import get_logger
+from embedfleet.shared.settings.query_stage import Engine
 from embedfleet.workers.model.precision import Precision
 from embedfleet.workers.model.tokenizer import EncodeBatch, TextTokenizer
 
@@ -46,7 +47,7 @@ log = get_logger("embedfleet.cuda_queries")
 
 # Which path served a query batch (reported per worker as embedfleet_queries_served_total):
 # graph/stream on CUDA (this module), frozen on a CPU (workers/model/frozen.py), eager otherwise.
-QueryPath = Literal["graph", "stream", "frozen", "int8", "onnxruntime", "openvino", "eager"]
+QueryPath = Literal["graph", "stream", "frozen", "int8", Engine, "eager"]
 CudaLaneMode = Literal["graph", "stream", "off"]
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16)

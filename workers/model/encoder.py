@@ -24,8 +24,9 @@ from embedfleet.shared.model_path import ModelNotFoundError, resolve_model_path
 from embedfleet.shared.modelcard import ModelCard, served_name
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import PACKAGED_MODEL
-from embedfleet.shared.settings.query_stage import CpuBackend
+from embedfleet.shared.settings.query_stage import CpuBackend, Engine
 from embedfleet.workers.cpus import usable_cpus
+from embedfleet.workers.model.backends import ENGINES
 from embedfleet.workers.model.choose import CpuPaths, Int8Choice
 from embedfleet.workers.model.cuda_queries import (
     CudaLaneMode,
@@ -34,10 +35,8 @@ from embedfleet.workers.model.cuda_queries import (
 )
 from embedfleet.workers.model.forward import (
     COPY_KINDS,
-    ENGINE_KINDS,
     CopyPath,
     EagerPath,
-    EngineKind,
     ForwardPath,
     layer_stack,
     pooled_on_host,
@@ -330,10 +329,10 @@ class Encoder:
         return self.query_path.kind == "int8"
 
     @property
-    def engine(self) -> EngineKind | None:
+    def engine(self) -> Engine | None:
         """The other engine whose copy serves queries and frozen bulk (ONNX Runtime, OpenVINO:
         workers/model/backends.py), or None where torch computes."""
-        return next((kind for kind in ENGINE_KINDS if kind == self.query_path.kind), None)
+        return next((engine for engine in ENGINES if engine == self.query_path.kind), None)
 
     @property
     def computes_in_reduced_precision(self) -> bool:

@@ -22,7 +22,8 @@ from typing import Literal, Protocol
 import numpy as np
 import torch
 
-from embedfleet.workers.model.backends import BackendForward
+from embedfleet.shared.settings.query_stage import Engine
+from embedfleet.workers.model.backends import ENGINES, BackendForward
 from embedfleet.workers.model.base import Forward, Representation
 from embedfleet.workers.model.cuda_queries import QueryPath
 from embedfleet.workers.model.dense import Dense
@@ -34,11 +35,9 @@ from embedfleet.workers.model.tokenizer import EncodeBatch
 # eager: the bulk model; frozen / int8 / onnxruntime / openvino: a CPU copy (the last two in
 # another engine), without layer boundaries but OpenVINO's cut at its layers; cuda: the query
 # lane's own copy and stream, served from its own thread
-PathKind = Literal["eager", "frozen", "int8", "onnxruntime", "openvino", "cuda"]
-# the kinds of a CPU copy (queries, and bulk batches whole), and those in another engine
-COPY_KINDS: tuple[PathKind, ...] = ("frozen", "int8", "onnxruntime", "openvino")
-EngineKind = Literal["onnxruntime", "openvino"]
-ENGINE_KINDS: tuple[EngineKind, ...] = ("onnxruntime", "openvino")
+PathKind = Literal["eager", "frozen", "int8", Engine, "cuda"]
+# the kinds of a CPU copy (queries, and bulk batches whole): torch's and another engine's
+COPY_KINDS: tuple[PathKind, ...] = ("frozen", "int8", *ENGINES)
 
 
 class ForwardPath(Protocol):
