@@ -18,10 +18,16 @@ import click
 
 from embedfleet.server import ServerProcess
 from embedfleet.workers.cpus import usable_cpus
-from loadtest.bench import Fleet, FleetEncoders, machine_line
+from loadtest.bench import FLEET_VARIANTS, Fleet, FleetEncoders, machine_line, settings_overrides
 from loadtest.corpus import FreshCorpora
 
-VARIANTS: dict[str, dict[str, object]] = {"cache on": {}, "cache off": {"vector_cache_mb": 0}}
+# the bench's own rows for the pair (their settings said once, there)
+VARIANTS: dict[str, dict[str, object]] = {
+    name: settings_overrides(variant.env)
+    for variant in FLEET_VARIANTS
+    for name, row in (("cache on", "fleet auto"), ("cache off", "fleet auto cache off"))
+    if variant.name == row
+}
 
 
 def cpu_seconds(pid: int) -> float:
