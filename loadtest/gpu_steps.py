@@ -604,6 +604,8 @@ def host(config: CheckConfig, record: Record) -> None:
     fleet (the real model on the device, its busy share), this is what the host alone carries."""
     from loadtest.host_pipeline import measure
 
+    # the children and the corpus load the checked model (the image has no model package)
+    os.environ["EMBEDFLEET_MODEL"] = config.model
     for count in config.host_processes:
         report = measure(config.host_texts, [count], ["after"], rounds=1)
         row = report["configs"][0]

@@ -60,7 +60,7 @@ from embedfleet.shared.protocol import Chunk, Result, encode_chunk, encode_resul
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.batcher import BATCH_COST_TOKENS, PlannedBatch
 from loadtest.common import cpu_name, machine_load, redis_server
-from loadtest.corpus import build_corpus
+from loadtest.corpus import build_corpus, load_tokenizer
 
 STANDIN_SETTING = "EMBEDFLEET_BENCHMARK_STANDIN_ENCODER_US_PER_TOKEN"
 # the host path before issue 29's fixes (one encode_result per result, the masked-window
@@ -447,12 +447,14 @@ def thread_shares(figures: list[dict[str, Any]]) -> dict[str, float]:
 def measure(count: int, process_counts: list[int], paths: list[str], rounds: int) -> dict[str, Any]:
     settings = Settings()
     window = settings.batching("cpu").read_count
-    corpus = build_corpus(count)
+    # the model the children load (EMBEDFLEET_MODEL: the device check's carried copy, where no
+    # model package is installed) tokenizes the corpus and the floor
+    corpus = build_corpus(count, tokenizer=load_tokenizer(settings.model))
     texts = [item.text for item in corpus]
     payloads = [encode_chunk(Chunk(id=item.id, text=item.text)) for item in corpus]
     from embedfleet.workers.model.standin import StandInEncoder
 
-    encoder = _floor_encoder(StandInEncoder)
+    encoder = _floor_encoder(lambda: StandInEncoder(settings.model))
     tokens = sum(t.length for t in encoder.tokenize(texts))
     configs = [Config(n, path) for n in process_counts for path in paths]
     runs: dict[Config, list[dict[str, Any]]] = {config: [] for config in configs}
