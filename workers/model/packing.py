@@ -72,8 +72,14 @@ class VarlenUnavailableError(RuntimeError):
 
 
 def varlen_attention_name(kernel_name: str) -> str:
-    """The attention implementation name registered for one kernel."""
-    return f"{VARLEN_ATTENTION}_{kernel_name}"
+    """The attention implementation name registered for one kernel.
+
+    The name must not hold "flash": transformers reads any implementation name containing it
+    as a flash-attention kernel to fetch from the Hub (``is_flash_attention_requested``), and
+    ``set_attn_implementation`` then fails before our registered function is ever looked up
+    (the device check's first run on an H200: the bf16 varlen path, CUDA's default, failed).
+    """
+    return f"{VARLEN_ATTENTION}_{kernel_name.replace('flash', 'fa')}"
 
 
 def varlen_supported() -> bool:
