@@ -392,14 +392,25 @@ def test_a_connection_closed_under_asyncio_is_transient() -> None:
 async def test_a_connection_disconnected_under_redis_py_is_transient() -> None:
     """A cluster master SIGKILLed while redis-py asks it for a command's keys: another task's
     disconnect cleared the connection's stream and redis-py's write raises an AttributeError
-    (a worker's query stage died on it in CI). Raised here by redis-py's own code, on a
-    connection with no stream; the same error raised outside redis-py stays a bug."""
+    (a worker's query stage died on it in CI). redis-py 8.2 checks for the missing stream and
+    raises ConnectionError instead; pyproject allows redis>=5.0, so both must be transient: the
+    installed redis-py's own write on a connection with no stream, whatever it raises, and the
+    older releases' AttributeError, raised from a function of redis-py's connection module as
+    theirs was. The same error raised outside redis-py stays a bug."""
     from redis.asyncio.connection import Connection
+    from redis.exceptions import ConnectionError as RedisConnectionError
 
     from embedfleet.shared.fault_kinds import FaultKind, classify
 
-    with pytest.raises(AttributeError, match="'NoneType' object") as lost:
+    with pytest.raises((AttributeError, RedisConnectionError)) as written:
         await Connection()._send_packed_command([b"PING"])
+    assert classify(written.value).kind is FaultKind.TRANSIENT
+
+    # redis-py < 8.2's write, in its own module: ``self._writer.writelines(command)`` on None
+    old_connection_module: dict[str, Any] = {"__name__": "redis.asyncio.connection"}
+    exec("def write(writer, command):\n    writer.writelines(command)", old_connection_module)
+    with pytest.raises(AttributeError, match="'NoneType' object") as lost:
+        old_connection_module["write"](None, [b"PING"])
     assert classify(lost.value).kind is FaultKind.TRANSIENT
 
     def our_bug() -> None:
