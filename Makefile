@@ -30,6 +30,11 @@ demo: install
 # whose assertions hold a time or a rate (a token rate, a latency bound, a slice's length, a
 # race between two compiled copies) or that fill both cores on their own run alone, after.
 XDIST := -n 2 --dist loadfile
+# test-full's parallel tier waits on servers, outages and subprocesses for a fifth of its time
+# (tests/timing.py's table on Zen 4, stop 50: 1,409 CPU seconds in 1,816 module-seconds on two
+# workers), so it runs a third worker to fill those waits; its modules assert no time or rate
+# (those are `serial`).
+XDIST_FULL := -n 3 --dist loadfile
 # the -m expression of the fast tier: none of the slow tiers tests/tiers.py owns
 FAST_TIER = $(shell python3 -m tests.tiers)
 # The fast tier holds no serial module (tests/conftest.py refuses one marked serial and not
@@ -40,18 +45,18 @@ test: install
 
 # The image tests wait mostly on apt and buildah (under one core between them), so test-full
 # runs them in a second pytest beside the rest and prints their report after it; either failing
-# fails the target. Tests marked `beside` (mypy: no model, no server) join them there. The
-# wheelhouse is made first, alone: it builds the project in this tree, as the packaging tests
-# do, and two builds in one tree collide.
-# EMBEDFLEET_TEST_WHEELHOUSE=made tells tests/end_to_end/test_image.py not to make it again.
+# fails the target. Tests marked `beside` (mypy: no model, no server) join them there. That lane
+# makes the wheelhouse first (it builds nothing in this tree: the packaging tests can build the
+# project meanwhile); EMBEDFLEET_TEST_WHEELHOUSE=made tells tests/end_to_end/test_image.py not
+# to make it again.
 test-full: install
 	mkdir -p $(BUILD_DIR) && rm -rf $(BUILD_DIR)/test-timing
-	if command -v $(BUILDAH) >/dev/null; then $(MAKE) --no-print-directory wheelhouse; fi
-	EMBEDFLEET_TEST_WHEELHOUSE=made $(PY) -m pytest -p no:cacheprovider \
-	  --basetemp=$(BUILD_DIR)/pytest-image --durations=10 -m "image or beside" \
-	  > $(BUILD_DIR)/test-image.log 2>&1 & image=$$!; \
+	{ if command -v $(BUILDAH) >/dev/null; then $(MAKE) --no-print-directory wheelhouse; fi && \
+	  EMBEDFLEET_TEST_WHEELHOUSE=made $(PY) -m pytest -p no:cacheprovider \
+	  --basetemp=$(BUILD_DIR)/pytest-image --durations=10 -m "image or beside"; \
+	  } > $(BUILD_DIR)/test-image.log 2>&1 & image=$$!; \
 	EMBEDFLEET_TEST_TIMING_DIR=$(BUILD_DIR)/test-timing $(PY) -m pytest -p tests.timing \
-	  $(XDIST) --durations=20 -m "not image and not beside and not serial"; parallel=$$?; \
+	  $(XDIST_FULL) --durations=20 -m "not image and not beside and not serial"; parallel=$$?; \
 	EMBEDFLEET_TEST_TIMING_DIR=$(BUILD_DIR)/test-timing $(PY) -m pytest -p tests.timing \
 	  --durations=10 -m "serial and not image and not beside"; serial=$$?; \
 	EMBEDFLEET_TEST_TIMING_DIR=$(BUILD_DIR)/test-timing $(PY) -m tests.timing; \
@@ -121,15 +126,20 @@ image-tools:
 # Every wheel the images install, for an offline build: the CPU worker's in wheelhouse/ (the torch
 # file pinned by constraints.txt), those only the gateway adds in wheelhouse/gateway/ (the worker
 # image installs every wheel of wheelhouse/, and must not get the gateway's)
+# The requirements come from pyproject.toml (loadtest/wheelhouse.py), not from '.[worker]': the
+# project is not built here (the images build it from their sources; its wheel would change on
+# every build, zip timestamps, and invalidate every cached layer after it), so the wheelhouse can
+# be made while the packaging tests build the project in this tree.
 wheelhouse: install
-	$(PIP) wheel -q -c constraints.txt --wheel-dir wheelhouse '.[worker]' 'setuptools>=68' wheel \
+	mkdir -p $(BUILD_DIR)
+	$(PY) -m loadtest.wheelhouse worker > $(BUILD_DIR)/wheelhouse-worker.txt
+	$(PY) -m loadtest.wheelhouse gateway > $(BUILD_DIR)/wheelhouse-gateway.txt
+	$(PIP) wheel -q -c constraints.txt --wheel-dir wheelhouse -r $(BUILD_DIR)/wheelhouse-worker.txt \
+	  'setuptools>=68' wheel \
 	  'async-timeout>=4.0.3'  # redis needs it on Debian's Python 3.11.2 (< 3.11.3), not on ours
 	$(PIP) wheel -q -c constraints.txt --find-links wheelhouse --wheel-dir wheelhouse/gateway \
-	  '.[gateway]' packaging
+	  -r $(BUILD_DIR)/wheelhouse-gateway.txt packaging
 	cd wheelhouse/gateway && for wheel in *.whl; do if [ -e "../$$wheel" ]; then rm "$$wheel"; fi; done
-	# the project's own wheel is built inside the image from its sources; a copy here would change
-	# on every build (zip timestamps) and invalidate every cached layer after it
-	rm -f wheelhouse/embedfleet-*.whl wheelhouse/gateway/embedfleet-*.whl
 
 # A minimal Debian bookworm with Python 3.11, imported as a local image (no registry pull)
 $(BUILD_DIR)/base.tar: | image-tools
