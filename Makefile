@@ -30,11 +30,9 @@ demo: install
 # whose assertions hold a time or a rate (a token rate, a latency bound, a slice's length, a
 # race between two compiled copies) or that fill both cores on their own run alone, after.
 XDIST := -n 2 --dist loadfile
-# test-full's parallel tier waits on servers, outages and subprocesses for a fifth of its time
-# (tests/timing.py's table on Zen 4, stop 50: 1,409 CPU seconds in 1,816 module-seconds on two
-# workers), so it runs a third worker to fill those waits; its modules assert no time or rate
-# (those are `serial`).
-XDIST_FULL := -n 3 --dist loadfile
+# A third worker for test-full's parallel tier (to fill the fifth of its time its modules wait on
+# servers and outages) made it slower on Zen 4 (stop 50: 17:01 against 15:36, CPU 1,734 s against
+# 1,409 s): every process runs torch on both cores, and a third one oversubscribes them.
 # the -m expression of the fast tier: none of the slow tiers tests/tiers.py owns
 FAST_TIER = $(shell python3 -m tests.tiers)
 # The fast tier holds no serial module (tests/conftest.py refuses one marked serial and not
@@ -56,7 +54,7 @@ test-full: install
 	  --basetemp=$(BUILD_DIR)/pytest-image --durations=10 -m "image or beside"; \
 	  } > $(BUILD_DIR)/test-image.log 2>&1 & image=$$!; \
 	EMBEDFLEET_TEST_TIMING_DIR=$(BUILD_DIR)/test-timing $(PY) -m pytest -p tests.timing \
-	  $(XDIST_FULL) --durations=20 -m "not image and not beside and not serial"; parallel=$$?; \
+	  $(XDIST) --durations=20 -m "not image and not beside and not serial"; parallel=$$?; \
 	EMBEDFLEET_TEST_TIMING_DIR=$(BUILD_DIR)/test-timing $(PY) -m pytest -p tests.timing \
 	  --durations=10 -m "serial and not image and not beside"; serial=$$?; \
 	EMBEDFLEET_TEST_TIMING_DIR=$(BUILD_DIR)/test-timing $(PY) -m tests.timing; \
