@@ -30,17 +30,8 @@ demo: install
 # whose assertions hold a time or a rate (a token rate, a latency bound, a slice's length, a
 # race between two compiled copies) or that fill both cores on their own run alone, after.
 XDIST := -n 2 --dist loadfile
-# A third worker for test-full's parallel tier (to fill the fifth of its time its modules wait on
-# servers and outages) made it slower on Zen 4 (stop 50: 17:01 against 15:36, CPU 1,734 s against
-# 1,409 s): every process runs torch on both cores, and a third one oversubscribes them.
-# The measured next step (stop 50, Zen 4, not adopted yet): each xdist worker pinned to a core of
-# its own (os.sched_setaffinity in pytest_configure; usable_cpus() then gives its encoders and the
-# worker processes it starts one thread each). On test_model_families, test_frozen, test_packing,
-# test_cli_bad_input and test_fleet with -n 2, two rounds: CPU 235 and 225 s against 365 and 347 s
-# (-36%), wall 174 and 167 s against 190 and 180 s (-8%), all 130 passed. But the whole tier
-# pinned so (branch ci-pinning, tests/one_core.py) took 18:32 and failed test_cluster_confirm
-# twice: a cluster of six servers on one core missed its replica confirmations. Not adopted: a
-# next try pins torch's threads only (EMBEDFLEET_THREADS / the encoders), never the servers.
+# Two, not three, and not pinned to a core each: both were tried and were slower
+# (docs/DEVELOPMENT.md, "CI time").
 # the -m expression of the fast tier: none of the slow tiers tests/tiers.py owns
 FAST_TIER = $(shell python3 -m tests.tiers)
 # The fast tier holds no serial module (tests/conftest.py refuses one marked serial and not

@@ -6,8 +6,8 @@ Made for the device tool's limits (its README): no package index there (the proj
 PYTHONPATH, missing packages come as wheels in ``.gpu-carry/``, see ``make gpu-carry``), at most
 600 s per command, at most 8 files back from ``$OUT``, and a lease of 15 minutes in all. So:
 
-- a preflight (versions, ``nvidia-smi``, a forward pass) that must pass within 20 s, or nothing
-  else runs;
+- a preflight (versions, ``nvidia-smi``, a forward pass) that must pass within its budget
+  (``STEP_BUDGETS``), or nothing else runs;
 - a global deadline (default 340 s) and a timeout per step, each step in its own process
   group, killed at its timeout with what it measured so far kept (steps write their results
   after every measurement: ``loadtest/gpu_steps.py``);

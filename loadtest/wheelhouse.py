@@ -13,13 +13,14 @@ here, and the wheelhouse is made beside the tests.
 
 from __future__ import annotations
 
-import re
 import sys
 import tomllib
 from pathlib import Path
 
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
-_SELF = re.compile(r"^(?P<name>[A-Za-z0-9_.-]+)\[(?P<extras>[^\]]+)\]\s*$")
 
 
 def requirements(extras: list[str], pyproject: Path = PYPROJECT) -> list[str]:
@@ -29,6 +30,7 @@ def requirements(extras: list[str], pyproject: Path = PYPROJECT) -> list[str]:
     optional: dict[str, list[str]] = project.get("optional-dependencies", {})
     found: list[str] = list(project.get("dependencies", []))
     seen: set[str] = set()
+    own_name = canonicalize_name(project["name"])
 
     def add(extra: str) -> None:
         if extra in seen:
@@ -37,10 +39,10 @@ def requirements(extras: list[str], pyproject: Path = PYPROJECT) -> list[str]:
             raise SystemExit(f"pyproject.toml has no extra {extra!r} (it has {sorted(optional)})")
         seen.add(extra)
         for line in optional[extra]:
-            own = _SELF.match(line)
-            if own and own["name"] == project["name"]:
-                for inner in own["extras"].split(","):
-                    add(inner.strip())
+            requirement = Requirement(line)
+            if canonicalize_name(requirement.name) == own_name:
+                for inner in sorted(requirement.extras):
+                    add(inner)
             elif line not in found:
                 found.append(line)
 
