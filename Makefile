@@ -53,7 +53,8 @@ test-full: install
 	  --basetemp=$(BUILD_DIR)/pytest-image --durations=10 -m "image or beside"; \
 	  } > $(BUILD_DIR)/test-image.log 2>&1 & image=$$!; \
 	EMBEDFLEET_TEST_TIMING_DIR=$(BUILD_DIR)/test-timing $(PY) -m pytest -p tests.timing \
-	  $(XDIST) --durations=20 -m "not image and not beside and not serial"; parallel=$$?; \
+	  -p tests.one_thread $(XDIST) --durations=20 -m "not image and not beside and not serial"; \
+	  parallel=$$?; \
 	EMBEDFLEET_TEST_TIMING_DIR=$(BUILD_DIR)/test-timing $(PY) -m pytest -p tests.timing \
 	  --durations=10 -m "serial and not image and not beside"; serial=$$?; \
 	EMBEDFLEET_TEST_TIMING_DIR=$(BUILD_DIR)/test-timing $(PY) -m tests.timing; \
