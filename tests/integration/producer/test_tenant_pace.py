@@ -27,8 +27,11 @@ from embedfleet.shared.streams import find_group
 from embedfleet.workers.consumer import StreamConsumer
 from tests.conftest import WorkerLauncher, until, until_blocked
 
-# the slow tier (make test-full, CI): starts processes or servers, or compiles a model
-pytestmark = [pytest.mark.slow, pytest.mark.serial]  # serial: its assertions hold times (Makefile)
+# the slow tier (make test-full, CI): starts processes or servers, or compiles a model. Only the
+# share test is serial (Makefile): it holds a ratio of two paces measured seconds apart, which
+# load that comes and goes between them would move. The rate tests run beside other modules:
+# a limiter's ceiling does not rise on a loaded CPU, and their floor is a third of the rate.
+pytestmark = pytest.mark.slow
 
 WORDS = ["the", "fleet", "reads", "every", "tenant", "by", "its", "weight", "and", "rate"]
 DIGITS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
@@ -113,6 +116,7 @@ async def test_a_tenant_is_held_to_its_token_rate(
         assert companion_done > 1_000 and companion_left > 0, "b ran beside a all the window"
 
 
+@pytest.mark.serial  # its assertion is a ratio of paces measured seconds apart (Makefile)
 async def test_a_small_tenants_job_behind_a_big_backlog_gets_its_share_from_the_start(
     settings: Settings, workers: WorkerLauncher, client: aioredis.Redis
 ) -> None:
