@@ -107,19 +107,20 @@ async def _run(
 async def test_a_run_lands_on_s3_as_a_dataset_pyarrow_reads_back(
     redis_server, s3_endpoint: str, tmp_path: Path
 ) -> None:
-    # 1,000 chunks in shards of 250: four cut by rows, every row checked (the whole corpus took
-    # three minutes of CI on a slow 2-core CPU and shows nothing more)
-    chunks = list(builtin_corpus(1000))
+    # 400 chunks in shards of 100: four cut by rows, every row checked (the whole corpus took
+    # three minutes of CI on a slow 2-core CPU, 1,000 in shards of 250 a minute: neither shows
+    # more)
+    chunks = list(builtin_corpus(400))
     prefix = f"{BUCKET}/run-{uuid.uuid4().hex[:8]}"
     settings = parquet_settings(
         redis_server.url,
         f"s3://{prefix}",
         s3_endpoint_url=s3_endpoint,
-        parquet_shard_rows=250,
+        parquet_shard_rows=100,
     )
     sink, pending = await _run(settings, chunks, "s3run", tmp_path)
     assert pending == 0
-    assert sink.shards_written >= 4  # cut by rows (250), the last perhaps by the drain or timer
+    assert sink.shards_written >= 4  # cut by rows (100), the last perhaps by the drain or timer
     s3 = s3_filesystem(s3_endpoint)
     table = read_dataset(prefix, s3)
     ids = Counter(table.column("id").to_pylist())
@@ -149,12 +150,12 @@ async def test_a_worker_killed_mid_shard_loses_nothing_and_leaves_no_partial_fil
     import pyarrow.fs as pafs
     import pyarrow.parquet as pq
 
-    chunks = list(builtin_corpus(1200))
+    chunks = list(builtin_corpus(600))
     prefix = f"{BUCKET}/kill-{uuid.uuid4().hex[:8]}"
-    # shards of 300 rows or 1.5 s, whichever first; entries idle 4 s are reclaimed
+    # shards of 150 rows or 1.5 s, whichever first; entries idle 4 s are reclaimed
     common: dict[str, Any] = {
         "s3_endpoint_url": s3_endpoint,
-        "parquet_shard_rows": 300,
+        "parquet_shard_rows": 150,
         "parquet_shard_max_s": 1.5,
         "reclaim_idle_ms": 4000,
     }
@@ -163,7 +164,7 @@ async def test_a_worker_killed_mid_shard_loses_nothing_and_leaves_no_partial_fil
     env = {
         "EMBEDFLEET_SINK": settings.sink,
         "EMBEDFLEET_S3_ENDPOINT_URL": s3_endpoint,
-        "EMBEDFLEET_PARQUET_SHARD_ROWS": "300",
+        "EMBEDFLEET_PARQUET_SHARD_ROWS": "150",
         "EMBEDFLEET_PARQUET_SHARD_MAX_S": "1.5",
         "EMBEDFLEET_RECLAIM_IDLE_MS": "4000",
         # the eager model: what is asserted is what a kill loses, not a forward path, so its
@@ -243,9 +244,9 @@ async def _until_logged(worker: Any, event: str, times: int, timeout: float = 12
 async def test_a_run_lands_in_a_local_folder_and_the_cli_reads_it(
     redis_server, tmp_path: Path
 ) -> None:
-    chunks = list(builtin_corpus(600))
+    chunks = list(builtin_corpus(300))
     root = tmp_path / "run"
-    settings = parquet_settings(redis_server.url, f"parquet://{root}", parquet_shard_rows=250)
+    settings = parquet_settings(redis_server.url, f"parquet://{root}", parquet_shard_rows=100)
     env = cli_env(settings, EMBEDFLEET_SINK=settings.sink)
     texts = Counter(chunk.text for chunk in chunks)
     wanted = next(chunk for chunk in chunks if texts[chunk.text] == 1 and len(chunk.text) > 80)
