@@ -193,7 +193,7 @@ def test_every_varlen_kernel_installs_under_a_name_transformers_accepts(
     from embedfleet.workers.model import packing
 
     name = packing.install_varlen_attention(spare_model, kernel)
-    assert "flash" not in name
+    assert name == packing.varlen_attention_name(kernel) and "flash" not in name
     assert spare_model.config._attn_implementation == name
 
 
