@@ -230,6 +230,22 @@ class StreamConsumer:
         """New entries of one stream; blocks up to ``block_ms`` when there are none."""
         return await self._read({stream: ">"}, count, block_ms)
 
+    async def read_interactive(self, count: int) -> list[StreamEntry]:
+        """The interactive stream's new entries, without blocking: those the idle wait's
+        blocking read was handed if it has returned, else one non-blocking read.
+
+        After an idle wait that bulk entries ended, that read stays blocked on the interactive
+        stream for up to a block interval, and Redis hands it the next entries there: read any
+        other way they would wait for the reader's next read, a window later."""
+        woken = self._waiting.get(self.interactive_stream)
+        if woken is not None:
+            if not woken.done():
+                return []  # still blocked: nothing came (Redis would have handed it over)
+            del self._waiting[self.interactive_stream]
+            if not woken.cancelled() and woken.exception() is None and woken.result():
+                return woken.result()
+        return await self.read_stream(self.interactive_stream, count, None)
+
     async def read_ingest(self, count: int, block_ms: int) -> list[StreamEntry]:
         """Up to about ``count`` new entries: the interactive stream's if it has any, else bulk
         entries from the partitions this consumer reads, each tenant's by its weight; blocks up

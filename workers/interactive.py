@@ -5,8 +5,9 @@ jumps the queue: before each bulk batch the compute stage encodes its windows fi
 the bulk windows this worker already holds (the current one's rest, and at most one more read
 near its end: ``Intake.pace_reads``), so a request waits for one bulk batch, not for those
 windows. ``InteractiveJump`` says which windows jump: first those the reader opened from the
-stream (``Intake.urgent``); then, at most every URGENT_CHECK_S, one non-blocking read of the
-stream, for entries that came while the reader waits for the compute stage to want a window.
+stream (``Intake.urgent``); then, at most every URGENT_CHECK_S, the stream's new entries without
+blocking (``StreamConsumer.read_interactive``), for entries that came while the reader waits for
+the compute stage to want a window, those Redis handed to the reader's idle wait included.
 
 Single queries (the query stream) are the query lane's (workers/queries.py), served between a
 bulk batch's layers rather than between batches.
@@ -55,9 +56,7 @@ class InteractiveJump:
         self._next_check = now + URGENT_CHECK_S
         consumer = self.parts.consumer
         try:
-            entries = await consumer.read_stream(
-                consumer.interactive_stream, self.parts.batching.read_count, None
-            )
+            entries = await consumer.read_interactive(self.parts.batching.read_count)
             if not entries:
                 return None
             self.parts.events.entries_read(stream=entries[0].stream, count=len(entries))
