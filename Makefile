@@ -9,9 +9,13 @@ export TOKENIZERS_PARALLELISM := false
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
-	# torch first, from the CPU wheel the constraints file pins (pyproject keeps a range for GPUs)
-	$(PIP) install -q -c constraints.txt torch
-	$(PIP) install -q -c constraints.txt -e '.[dev]'
+	# torch first, from the CPU wheel the constraints file pins (pyproject keeps a range for GPUs):
+	# pip reads this machine's pip configuration, where that wheel lies; uv beside it
+	$(PIP) install -q -c constraints.txt torch uv
+	# the rest with uv, which resolves the same versions pip does and fetches them in parallel
+	# (docs/DEVELOPMENT.md, "Installing"); pip where uv cannot
+	$(VENV)/bin/uv pip install --python $(PY) -q --compile-bytecode -c constraints.txt -e '.[dev]' || \
+	  $(PIP) install -q -c constraints.txt -e '.[dev]'
 	touch $@
 
 install: $(VENV)/.installed
