@@ -21,6 +21,7 @@ positions, a final norm) the whole model is converted as one, without boundaries
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -142,6 +143,34 @@ class OpenVinoForward:
         return torch.from_numpy(np.asarray(hidden, dtype=np.float32))
 
 
+# OpenVINO's modules that bind the telemetry package (or, where it cannot be imported, their stub)
+TELEMETRY_USERS = (
+    "openvino.tools.ovc.convert_impl",
+    "openvino.tools.ovc.main",
+    "openvino.tools.ovc.telemetry_utils",
+    "openvino.tools.ovc.utils",
+)
+
+
+def without_telemetry() -> None:
+    """OpenVINO's model conversion reports its use to Google Analytics unless the machine opted
+    out (the ``openvino-telemetry`` package it depends on, ``~/intel/openvino_telemetry``): each
+    event forks the worker (hundreds of MiB, its threads, its Redis and health sockets) to send
+    it, and a fork of a threaded process can hang for ever, as one did here, holding the
+    worker's port. A worker sends its users' texts and vectors nowhere but its own stores: the
+    package is hidden from OpenVINO, which imports its own no-op stub where it is missing."""
+    if sys.modules.get("openvino_telemetry") is None:  # not imported yet, or hidden already
+        sys.modules["openvino_telemetry"] = None  # an import of it now raises ImportError
+        return
+    # imported before (another library converted a model first): the stub where it is bound
+    from openvino.tools.ovc import telemetry_stub
+
+    for name in TELEMETRY_USERS:
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "tm"):
+            module.tm = telemetry_stub
+
+
 def build_openvino(
     model: torch.nn.Module,
     example: tuple[torch.Tensor, torch.Tensor],
@@ -153,6 +182,7 @@ def build_openvino(
     """Convert ``model`` (the loaded transformer, any dtype: converted from a float32 copy) on
     ``example`` (input_ids, attention_mask, padded) and compile it for the CPU on ``threads``;
     cut at its layer boundaries where ``layers`` (the model's layer stack) allows it."""
+    without_telemetry()
     ov = require(NAME)
     rss_before = resident_mib()
     wrapped = HiddenStates(model).eval()

@@ -5,7 +5,11 @@ serving its vectors through Redis."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -160,6 +164,39 @@ def test_a_model_the_cut_does_not_reproduce_is_converted_whole() -> None:
     cut = cut_at_layers(model, stages, example)
     assert cut is not None and len(cut[1]) == 2
     assert len(layer_stack(model)) == 2
+
+
+# an OpenVINO copy of a small random BERT, built as a worker builds it, in a process of its own
+BUILD_A_COPY = """
+import torch, transformers
+from embedfleet.workers.model.forward import layer_stack
+from embedfleet.workers.model.openvino import build_openvino
+config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                                 num_attention_heads=2, intermediate_size=64)
+model = transformers.BertModel(config).eval()
+example = (torch.randint(1, 100, (2, 7)), torch.ones(2, 7, dtype=torch.long))
+copy = build_openvino(model, example, threads=1, layers=layer_stack)
+print(tuple(copy(*example).shape))
+"""
+
+
+@pytest.mark.skipif(not installed("openvino"), reason="the 'openvino' extra is not installed")
+def test_an_openvino_copy_is_built_without_telemetry(tmp_path: Path) -> None:
+    """OpenVINO's conversion reports its use to Google Analytics unless the machine opted out,
+    forking the worker to send each event; the worker's conversion sends nothing: the telemetry
+    package keeps its client id and consent under ~/intel, and that is not even made."""
+    home = tmp_path / "home"
+    home.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", BUILD_A_COPY],
+        env={**os.environ, "HOME": str(home)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("(2, 7, 32)"), done.stdout
+    assert not (home / "intel").exists(), sorted(str(p) for p in home.rglob("*"))
 
 
 class NoiseCopy:
