@@ -21,6 +21,7 @@ positions, a final norm) the whole model is converted as one, without boundaries
 from __future__ import annotations
 
 import functools
+import importlib
 import sys
 import warnings
 from collections.abc import Callable
@@ -160,15 +161,16 @@ def without_telemetry() -> None:
     worker's port. A worker sends its users' texts and vectors nowhere but its own stores: the
     package is hidden from OpenVINO, which imports its own no-op stub where it is missing."""
     if sys.modules.get("openvino_telemetry") is None:  # not imported yet, or hidden already
-        sys.modules["openvino_telemetry"] = None  # an import of it now raises ImportError
+        # None in sys.modules is how an import is refused (it raises ImportError); typeshed's
+        # dict[str, ModuleType] does not say so
+        sys.modules["openvino_telemetry"] = None  # type: ignore[assignment]
         return
     # imported before (another library converted a model first): the stub where it is bound
-    from openvino.tools.ovc import telemetry_stub
-
+    stub = importlib.import_module("openvino.tools.ovc.telemetry_stub")
     for name in TELEMETRY_USERS:
         module = sys.modules.get(name)
-        if module is not None and hasattr(module, "tm"):
-            module.tm = telemetry_stub
+        if module is not None and "tm" in vars(module):
+            vars(module)["tm"] = stub
 
 
 def build_openvino(

@@ -180,6 +180,21 @@ print(tuple(copy(*example).shape))
 """
 
 
+def _build_a_copy(home: Path, before: str = "", after: str = "") -> str:
+    """BUILD_A_COPY in a process with ``home`` as HOME (``before`` and ``after`` it: more
+    code); what it printed."""
+    done = subprocess.run(
+        [sys.executable, "-c", before + BUILD_A_COPY + after],
+        env={**os.environ, "HOME": str(home)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "(2, 7, 32)" in done.stdout, done.stdout
+    return done.stdout
+
+
 @pytest.mark.skipif(not installed("openvino"), reason="the 'openvino' extra is not installed")
 def test_an_openvino_copy_is_built_without_telemetry(tmp_path: Path) -> None:
     """OpenVINO's conversion reports its use to Google Analytics unless the machine opted out,
@@ -187,16 +202,27 @@ def test_an_openvino_copy_is_built_without_telemetry(tmp_path: Path) -> None:
     package keeps its client id and consent under ~/intel, and that is not even made."""
     home = tmp_path / "home"
     home.mkdir()
-    done = subprocess.run(
-        [sys.executable, "-c", BUILD_A_COPY],
-        env={**os.environ, "HOME": str(home)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().endswith("(2, 7, 32)"), done.stdout
+    _build_a_copy(home)
     assert not (home / "intel").exists(), sorted(str(p) for p in home.rglob("*"))
+
+
+@pytest.mark.skipif(not installed("openvino"), reason="the 'openvino' extra is not installed")
+def test_telemetry_imported_before_the_build_is_replaced_by_openvinos_stub(tmp_path: Path) -> None:
+    """Another library imported OpenVINO's converter first (its import alone writes ~/intel):
+    every converter module that holds the telemetry package holds OpenVINO's no-op stub once the
+    worker has built its copy, so no conversion event is sent."""
+    from embedfleet.workers.model.openvino import TELEMETRY_USERS
+
+    before = "import openvino.tools.ovc.convert_impl, openvino.tools.ovc.telemetry_utils\n"
+    after = (
+        "import sys\n"
+        f"for name in {TELEMETRY_USERS!r}:\n"
+        "    if name in sys.modules: print(name, sys.modules[name].tm.__name__)\n"
+    )
+    printed = _build_a_copy(tmp_path, before, after).splitlines()
+    bound = dict(line.split() for line in printed if line.startswith("openvino."))
+    assert {"openvino.tools.ovc.convert_impl", "openvino.tools.ovc.telemetry_utils"} <= set(bound)
+    assert set(bound.values()) == {"openvino.tools.ovc.telemetry_stub"}, bound
 
 
 class NoiseCopy:
