@@ -12,7 +12,6 @@ import pytest
 import redis.asyncio as aioredis
 
 from embedfleet.shared.protocol import PAYLOAD_FIELD
-from embedfleet.shared.redis_conn import ensure_group
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.consumer import StreamConsumer
 from tests.conftest import until_blocked
@@ -27,8 +26,7 @@ async def test_a_request_after_bulk_woke_an_idle_worker_is_read_before_the_next_
 ) -> None:
     keys = settings.keys
     consumer = StreamConsumer(client, keys, "reader")
-    await consumer.setup()
-    await ensure_group(client, keys, keys.query_lane.interactive)
+    await consumer.setup()  # the group on every stream it reads, the interactive one too
     # idle: one blocking read on the interactive stream, one on the partition's streams
     idle = asyncio.create_task(consumer.read_ingest(100, BLOCK_MS))
     await until_blocked(client, "xreadgroup", count=2)
