@@ -32,6 +32,7 @@ import asyncio
 import math
 import os
 import statistics
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -472,6 +473,13 @@ async def scenario(args: argparse.Namespace) -> None:
         try:
             run = await run_path(path, args)
         except Exception as error:  # one path failing (a query timed out) must not hide the rest
+            if "LOADTEST_PROCESS_LOG" not in os.environ:
+                # the worker's own output is discarded (loadtest/common.py): say how to keep it
+                print(
+                    f"path {path}: the worker's output was discarded; to see why it failed, run "
+                    "again with LOADTEST_PROCESS_LOG=worker.log",
+                    file=sys.stderr,
+                )
             if len(args.paths) == 1:
                 raise
             print(f"path {path} failed: {type(error).__name__}: {error}")
