@@ -238,13 +238,10 @@ class StreamConsumer:
         stream for up to a block interval, and Redis hands it the next entries there: read any
         other way they would wait for the reader's next read, a window later."""
         woken = self._waiting.get(self.interactive_stream)
-        if woken is not None:
-            if not woken.done():
-                return []  # still blocked: nothing came (Redis would have handed it over)
-            del self._waiting[self.interactive_stream]
-            if not woken.cancelled() and woken.exception() is None and woken.result():
-                return woken.result()
-        return await self.read_stream(self.interactive_stream, count, None)
+        if woken is not None and not woken.done():
+            return []  # still blocked: nothing came (Redis would have handed it over)
+        entries = self._collect_waiting(only=self.interactive_stream)
+        return entries or await self.read_stream(self.interactive_stream, count, None)
 
     async def read_ingest(self, count: int, block_ms: int) -> list[StreamEntry]:
         """Up to about ``count`` new entries: the interactive stream's if it has any, else bulk
@@ -369,13 +366,14 @@ class StreamConsumer:
         self.fair.settle(asks, received)
         return entries
 
-    def _collect_waiting(self) -> list[StreamEntry]:
-        """Entries of the blocking reads that have returned; a failed read raises only when no
-        other read brought anything (then the caller backs off and reads again)."""
+    def _collect_waiting(self, only: str | None = None) -> list[StreamEntry]:
+        """Entries of the blocking reads that have returned (``only``: that stream's read); a
+        failed read raises only when no other read brought anything (then the caller backs off
+        and reads again)."""
         entries: list[StreamEntry] = []
         failure: BaseException | None = None
         for stream, task in list(self._waiting.items()):
-            if not task.done():
+            if not task.done() or only not in (None, stream):
                 continue
             del self._waiting[stream]
             if task.cancelled():
