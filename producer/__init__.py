@@ -19,6 +19,7 @@ from embedfleet.producer.client import JobTimeoutError as JobTimeoutError
 from embedfleet.producer.client import Producer as Producer
 from embedfleet.producer.client import QueryTimeoutError as QueryTimeoutError
 from embedfleet.producer.enqueue import Enqueued as Enqueued
+from embedfleet.producer.token_ids import TokenIdsUnavailableError as TokenIdsUnavailableError
 from embedfleet.shared.jobs import JobProgress as JobProgress
 from embedfleet.shared.protocol import QueryFailedError as QueryFailedError
 from embedfleet.shared.retry import RedisUnavailableError as RedisUnavailableError

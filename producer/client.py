@@ -133,6 +133,7 @@ class Producer(ProducerLane):
         tenant: str | None = None,
         reembed: bool = False,
         backlog_wait_s: float | None = None,
+        token_ids: bool | None = None,
     ) -> Enqueued:
         """XADD every chunk, ``batch_size`` per pipelined round trip; returns how many were
         added (an ``Enqueued``, with ``present``: the chunks their job already had). A job adds
@@ -141,6 +142,10 @@ class Producer(ProducerLane):
 
         ``model``: the model these chunks (and their job) are for (``for_model``); its job's
         progress is that model's: ``wait_for_job(job, model=...)``.
+
+        ``token_ids``: send each chunk's token ids, made here with the tokenizer the workers
+        publish, so they do not tokenize (producer/token_ids.py; None:
+        EMBEDFLEET_PRODUCER_TOKEN_IDS); TokenIdsUnavailableError where they cannot be made.
         """
         lane = self if model is None else await self.for_model(model)
         return await lane._enqueuer.enqueue(
@@ -153,6 +158,7 @@ class Producer(ProducerLane):
             tenant=tenant if tenant is not None else self.tenant,
             reembed=reembed,
             backlog_wait_s=backlog_wait_s,
+            token_ids=token_ids,
         )
 
     async def enqueue_documents(
@@ -167,6 +173,7 @@ class Producer(ProducerLane):
         force: bool = False,
         tenant: str | None = None,
         reembed: bool = False,
+        token_ids: bool | None = None,
     ) -> Enqueued:
         """Split whole documents ({"id", "text", "meta"?} or ``Document``) with the model's own
         tokenizer and enqueue the chunks; returns how many chunks were added (``enqueue``).
@@ -174,7 +181,8 @@ class Producer(ProducerLane):
         Chunks are ``<id>#<n>``, at most the model's maximum length minus special and prompt
         tokens, overlapping by ``overlap_tokens`` (default EMBEDFLEET_DOCUMENT_OVERLAP_TOKENS),
         with the document's meta plus ``doc``, ``n``, ``start`` and ``end`` (character offsets).
-        Needs ``pip install 'embedfleet[documents]'``; see producer/documents.py.
+        Needs ``pip install 'embedfleet[documents]'``; see producer/documents.py. ``token_ids``:
+        each chunk sent with its token ids (``enqueue``).
         """
         await self.model_card()  # the published maximum and prompts, where a worker ran
         splitter = self.document_splitter(overlap_tokens, prompt_name)
@@ -186,6 +194,7 @@ class Producer(ProducerLane):
             force=force,
             tenant=tenant,
             reembed=reembed,
+            token_ids=token_ids,
         )
 
     def document_splitter(

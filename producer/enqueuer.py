@@ -33,6 +33,7 @@ once they are acknowledged.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -42,6 +43,7 @@ from embedfleet.producer.chunks import ChunkLike, EmbeddingOptions, as_chunk
 from embedfleet.producer.enqueue import EnqueueCall, Enqueued
 from embedfleet.producer.lane import ProducerLane
 from embedfleet.producer.partition_writes import PartitionWrites
+from embedfleet.producer.token_ids import TokenIdMaker
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import Chunk
@@ -69,6 +71,7 @@ class Enqueuer:
         tenant: str | None,
         reembed: bool,
         backlog_wait_s: float | None,
+        token_ids: bool | None = None,
     ) -> Enqueued:
         """XADD every chunk, ``batch_size`` per pipelined round trip; returns how many were
         added (an ``Enqueued``: an int, with ``present``, the chunks skipped because their job
@@ -81,13 +84,18 @@ class Enqueuer:
         call = EnqueueCall(force=force)
         total = Enqueued()
         batch: list[Chunk] = []
+        # the producer's token ids (producer/token_ids.py): made per batch off the event loop
+        with_ids = settings.producer_token_ids if token_ids is None else token_ids
+        maker = await lane.token_id_maker() if with_ids else None
         for chunk in self._stamped(chunks, job, options, tenant, reembed):
             batch.append(await lane.checked(chunk))
             if len(batch) >= batch_size:
-                total += await self._send(batch, on_batch, call, wait_s, total)
+                total += await self._send(
+                    await _with_ids(maker, batch), on_batch, call, wait_s, total
+                )
                 batch = []
         if batch:
-            total += await self._send(batch, on_batch, call, wait_s, total)
+            total += await self._send(await _with_ids(maker, batch), on_batch, call, wait_s, total)
         if total.present:
             log.info(
                 "chunks already enqueued in their job were not added again",
@@ -171,3 +179,11 @@ class Enqueuer:
             error.handled = (earlier.chunks if earlier is not None else 0) + first_unsent
             raise
         return Enqueued(added, present)
+
+
+async def _with_ids(maker: TokenIdMaker | None, batch: list[Chunk]) -> list[Chunk]:
+    """The batch with its token ids where ``maker`` makes them (a thread: tokenizing grows with
+    the batch and must not hold the event loop)."""
+    if maker is None:
+        return batch
+    return await asyncio.to_thread(maker.attach, batch)

@@ -15,8 +15,9 @@ from typing import Self
 
 import redis.asyncio as aioredis
 
+from embedfleet.producer.token_ids import TokenIdMaker, TokenIdsUnavailableError
 from embedfleet.shared.keys import Keys
-from embedfleet.shared.model_registry import own_names, resolve_model
+from embedfleet.shared.model_registry import own_names, read_tokenizer_json, resolve_model
 from embedfleet.shared.modelcard import ModelCard, read_card
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.redis_conn import connect_client_settings, ensure_groups, redact_url
@@ -72,6 +73,7 @@ class ProducerLane:
         )
         self._card: ModelCard | None = None
         self._card_missing_at = float("-inf")
+        self._token_ids: TokenIdMaker | None = None
 
     async def __aenter__(self) -> Self:
         await self.setup()
@@ -131,6 +133,31 @@ class ProducerLane:
             )
             self._card_missing_at = now
         return self._card
+
+    async def token_id_maker(self, *, deadline: float | None = None) -> TokenIdMaker:
+        """What makes this lane's chunks' token ids (producer/token_ids.py), from the model card
+        and the tokenizer the workers published; kept. TokenIdsUnavailableError says why not."""
+        if self._token_ids is None:
+            card = await self.model_card(deadline=deadline)
+            tokenizer = await self.retry.call(
+                "read the published tokenizer",
+                lambda: read_tokenizer_json(self.client, self.keys),
+                deadline=deadline,
+            )
+            if card is None or tokenizer is None:
+                raise TokenIdsUnavailableError(
+                    "token ids need the tokenizer a worker publishes at start, and no worker "
+                    f"has started for {self.keys.model!r} yet: start one, or enqueue without "
+                    "token ids (EMBEDFLEET_PRODUCER_TOKEN_IDS=false)"
+                )
+            try:
+                import tokenizers  # noqa: F401 - the [documents] extra
+            except ImportError as error:
+                raise TokenIdsUnavailableError(
+                    "token ids need the tokenizers package: pip install 'embedfleet[documents]'"
+                ) from error
+            self._token_ids = TokenIdMaker(card, tokenizer, self.settings.document_prompt_name)
+        return self._token_ids
 
     async def checked(self, chunk: Chunk, *, deadline: float | None = None) -> Chunk:
         """``chunk``, once the served model (its card, where a worker published one) can honour

@@ -31,6 +31,7 @@ class DeadReason(StrEnum):
     OPTIONS = "options"  # an option the served model cannot honour (prompt name, dimensions)
     MODEL = "model"  # the model failed on this text alone
     SINK_REFUSED = "sink_refused"  # the vector database refused this row alone
+    TOKENIZER = "tokenizer"  # token ids made by another tokenizer than the model's (issue 53)
     OTHER = "other"  # an entry without a known code (added by hand or by another tool)
 
 

@@ -27,6 +27,7 @@ from embedfleet.shared.content_key import VectorRecipe
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import PACKAGED_MODEL
+from embedfleet.shared.tokens import foreign_ids_message, split_fingerprint
 
 # The card's layout version (the ``version`` field); a reader refuses a newer one it cannot read.
 CARD_VERSION = 1
@@ -57,6 +58,45 @@ def max_input_tokens(
     if declared is not None and declared > 0:
         return declared
     return min(tokenizer_max or FALLBACK_MAX_LENGTH, position_limit or FALLBACK_MAX_LENGTH)
+
+
+def resolve_prompt(
+    prompts: Mapping[str, str],
+    default_prompt_name: str | None,
+    lane: str,
+    prompt_name: str | None,
+    prompt: str | None,
+    lane_default: str,
+) -> str:
+    """The prompt text for one chunk, as sentence-transformers chooses it: a literal ``prompt``
+    wins over any name; else ``prompt_name``, else the lane's default (``lane_default``: the
+    EMBEDFLEET_*_PROMPT_NAME setting, else the lane's own name among the model's ``prompts``,
+    else ``default_prompt_name``). ``prompts`` holds ``query`` and ``document`` (empty) unless
+    the model sets them, which is why encode_query / encode_document never fall back to the
+    default prompt name. ValueError for a name the model does not declare. The one rule the
+    worker's tokenizer and a producer that makes token ids (producer/token_ids.py) share."""
+    if prompt is not None:
+        return prompt
+    if prompt_name is None:
+        prompt_name = lane_default or _lane_prompt_name(prompts, default_prompt_name, lane)
+    if prompt_name is None:
+        return ""
+    if prompt_name not in prompts:
+        raise ValueError(
+            f"prompt_name {prompt_name!r} is not one of the model's prompts "
+            f"({', '.join(sorted(prompts))})"
+        )
+    return prompts[prompt_name]
+
+
+def _lane_prompt_name(
+    prompts: Mapping[str, str], default_prompt_name: str | None, lane: str
+) -> str | None:
+    candidates = ("query",) if lane == "query" else ("document", "passage", "corpus")
+    for name in candidates:
+        if name in prompts:
+            return name
+    return default_prompt_name
 
 
 @dataclass(frozen=True)
@@ -98,6 +138,10 @@ class ModelCard:
     """The precision the worker computes in, settled at load (``float32``, ``bfloat16``,
     ``float16``: EMBEDFLEET_DTYPE, ``auto`` after its parity probe); TEI's /info reports it as
     ``model_dtype``. Empty on a card written before it existed."""
+    tokenizer_fingerprint: str = ""
+    """The fingerprint of the tokenizer the workers publish (``Keys.tokenizer``, shared/tokens.py
+    ``tokenizer_fingerprint``): token ids a producer sends must carry it (the chunk's
+    ``tokenizer``). Empty on a card written before it existed: producers then send no ids."""
 
     def recipe(
         self,
@@ -141,6 +185,11 @@ class ModelCard:
         name = chunk.prompt_name
         if chunk.prompt is None and name is not None:
             self.prompt_text(name, where=f"chunk {chunk.id!r}: ")
+        if chunk.tokenizer is not None and self.tokenizer_fingerprint:
+            made_by, _ = split_fingerprint(chunk.tokenizer)
+            if made_by != self.tokenizer_fingerprint:
+                message = foreign_ids_message(made_by, self.tokenizer_fingerprint)
+                raise ValueError(f"chunk {chunk.id!r}: {message}")
 
     def check_dimensions(self, dimensions: int, *, where: str = "") -> None:
         """ValueError for ``dimensions`` (as the protocol shapes it: shared/protocol.py
@@ -189,6 +238,7 @@ class ModelCard:
             "representations": json.dumps(list(self.representations)),
             "revision": self.revision,
             "dtype": self.dtype,
+            "tokenizer_fingerprint": self.tokenizer_fingerprint,
         }
 
     @classmethod
@@ -217,6 +267,7 @@ class ModelCard:
                 representations=tuple(json.loads(values.get("representations") or '["dense"]')),
                 revision=values.get("revision", ""),
                 dtype=values.get("dtype", ""),
+                tokenizer_fingerprint=values.get("tokenizer_fingerprint", ""),
             )
         except (KeyError, ValueError, TypeError, AttributeError) as error:
             if isinstance(error, ModelCardError):

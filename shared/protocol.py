@@ -34,12 +34,17 @@ import numpy as np
 
 from embedfleet.shared.dead_letters import DeadReason
 from embedfleet.shared.keys import TENANT_PATTERN
+from embedfleet.shared.tokens import TOKEN_ID_BYTES
 
 PROTOCOL_VERSION = 1
 PAYLOAD_FIELD = b"m"
 MAX_ID_CHARS = 512
 MAX_PROMPT_NAME_CHARS = 256
 MAX_PROMPT_CHARS = 16_384
+# a chunk's producer-made token ids: at most this many (the producer sends ids cut at the
+# model's maximum + 1, so any model's input fits), and the fingerprint's length
+MAX_TOKEN_IDS = 65_536
+MAX_TOKENIZER_CHARS = 128
 # ``window_overlap``: a long input embedded whole, in token windows of the model's length that
 # share this many tokens with their neighbour (issue 42). Its form is checked here; whether it
 # leaves a window room to advance is the worker's check, against the model's length.
@@ -150,6 +155,12 @@ class Chunk:
     # false: the dense vector before the model's Normalize module (TEI's normalize=false, issue
     # 42); None or true: the model's pipeline whole. No effect on a model that does not normalise
     normalize: bool | None = None
+    # token ids of ``prompt + text`` made by the producer with the model lane's published
+    # tokenizer (issue 53: tokenize where the CPUs are), little-endian uint32; ``tokenizer``
+    # is that tokenizer's fingerprint (shared/tokens.py ``ids_fingerprint``). The worker embeds
+    # these ids instead of tokenizing ``text``, and dead-letters ids of another tokenizer.
+    token_ids: bytes | None = None
+    tokenizer: str | None = None
 
     @property
     def wanted_representations(self) -> tuple[str, ...]:
@@ -262,6 +273,8 @@ def _chunk_fields(chunk: Chunk) -> dict[str, Any]:
         "multivector_dtype": chunk.multivector_dtype,
         "tenant": chunk.tenant,
         "reembed": True if chunk.reembed else None,
+        "token_ids": chunk.token_ids,
+        "tokenizer": chunk.tokenizer,
     }
     return {name: value for name, value in fields.items() if value is not None}
 
@@ -459,6 +472,7 @@ def chunk_from_mapping(
     reembed = message.get("reembed") or False
     if not isinstance(reembed, bool):
         raise ProtocolError(f"'reembed' must be true or false when given, got {reembed!r}")
+    token_ids, tokenizer = _token_id_fields(message)
     return Chunk(
         chunk_id,
         text,
@@ -470,7 +484,42 @@ def chunk_from_mapping(
         **options,
         **extra,
         reembed=reembed,
+        token_ids=token_ids,
+        tokenizer=tokenizer,
     )
+
+
+def _token_id_fields(message: Mapping[str, Any]) -> tuple[bytes | None, str | None]:
+    """``token_ids`` and ``tokenizer``, checked for form: both or neither, the ids as
+    little-endian uint32 bytes. Whether they are the model's tokenizer's is the worker's check
+    (its fingerprint, dead-letter reason ``tokenizer``)."""
+    token_ids, tokenizer = message.get("token_ids"), message.get("tokenizer")
+    if token_ids is None and tokenizer is None:
+        return None, None
+    if token_ids is None or tokenizer is None:
+        raise ProtocolError(
+            "'token_ids' and 'tokenizer' go together: the ids and the fingerprint of the "
+            "tokenizer that made them (the model card's tokenizer_fingerprint)"
+        )
+    if (
+        not isinstance(token_ids, bytes)
+        or not token_ids
+        or len(token_ids) % TOKEN_ID_BYTES
+        or len(token_ids) > MAX_TOKEN_IDS * TOKEN_ID_BYTES
+    ):
+        got = (
+            f"{len(token_ids)} bytes" if isinstance(token_ids, bytes) else type(token_ids).__name__
+        )
+        raise ProtocolError(
+            f"'token_ids' must be msgpack bin holding 1 to {MAX_TOKEN_IDS} little-endian uint32 "
+            f"ids (4 bytes each), got {got}"
+        )
+    if not isinstance(tokenizer, str) or not tokenizer or len(tokenizer) > MAX_TOKENIZER_CHARS:
+        raise ProtocolError(
+            f"'tokenizer' must be a tokenizer fingerprint (a string of 1 to "
+            f"{MAX_TOKENIZER_CHARS} characters), got {tokenizer!r}"
+        )
+    return token_ids, tokenizer
 
 
 def check_window_overlap(overlap: object) -> None:

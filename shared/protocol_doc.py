@@ -25,6 +25,7 @@ from embedfleet.shared.protocol import (
     MAX_PAIR_CHARS,
     MAX_PROMPT_CHARS,
     MAX_PROMPT_NAME_CHARS,
+    MAX_TOKEN_IDS,
     MULTIVECTOR_DTYPES,
     OUTPUT_DTYPES,
     PAYLOAD_FIELD,
@@ -181,6 +182,29 @@ CHUNK_FIELDS: tuple[WireField, ...] = (
         "dense only: `false` answers the vector before the model's Normalize module (the "
         "pooled vector, through any Dense modules), as TEI answers `normalize: false`; absent "
         "or `true`: the model's pipeline whole. No effect on a model that does not normalise",
+    ),
+    WireField(
+        "token_ids",
+        "bin",
+        False,
+        "the token ids of the prompt and `text` joined (the prompt first, as the worker joins "
+        "them), made with the tokenizer the lane's workers publish at `{ns}:tokenizer` (its "
+        "cut at the model's maximum + 1 included) with special tokens: little-endian uint32, "
+        f"1 to {MAX_TOKEN_IDS:,} of them; with `tokenizer`. The worker embeds these ids "
+        "instead of tokenizing `text` (which is still sent: sinks store it, the content key "
+        "covers it): tokenize where the CPUs are, not on a GPU host "
+        "([docs/INGESTION.md](INGESTION.md#token-ids-from-the-producer)). Ignored on a "
+        "cross-encoder and for a long text embedded in windows",
+    ),
+    WireField(
+        "tokenizer",
+        "str",
+        False,
+        "with `token_ids`: the fingerprint of the tokenizer that made them, the model card's "
+        "`tokenizer_fingerprint`, followed by `/p` and the first 12 hex digits of the prompt's "
+        "BLAKE2b-48 digest when a prompt was joined before the text. Ids of another tokenizer "
+        "are dead-lettered (`tokenizer`); ids made with another prompt than the worker "
+        "resolves for the chunk are not used (the worker tokenizes `text`)",
     ),
 )
 

@@ -7,9 +7,94 @@ tokenization, and both sides count the same tokens for it.
 
 from __future__ import annotations
 
+import array
+import hashlib
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
 CHARS_PER_TOKEN_CUT = 50
 
 
 def counting_head(text: str, max_length: int) -> str:
     """The part of ``text`` worth tokenizing for a model that takes ``max_length`` tokens."""
     return text[: max_length * CHARS_PER_TOKEN_CUT]
+
+
+# --- token ids made by the producer (issue 53: tokenize where the CPUs are) -------------------
+# A chunk may carry the token ids of ``prompt + text`` made with the model lane's published
+# tokenizer (``Keys.tokenizer``: the worker's configured one, its cut at the model's maximum + 1
+# included), so a GPU host spends no time tokenizing. On the wire: ``token_ids``, little-endian
+# uint32 ids (any language packs them: ``struct.pack('<%dI' % n, *ids)``), and ``tokenizer``,
+# the fingerprint of the tokenizer that made them, ``/p`` and the prompt's digest appended when
+# a prompt was joined before the text.
+TOKEN_ID_BYTES = 4
+PROMPT_MARK = "/p"
+
+
+def tokenizer_fingerprint(tokenizer_json: str | bytes) -> str:
+    """The fingerprint of a tokenizer, from its ``tokenizer.json`` text (what the worker
+    publishes and the model card names): a digest of the JSON with its keys sorted and no
+    whitespace, so the same tokenizer written with other spacing or key order agrees."""
+    parsed = json.loads(tokenizer_json)
+    canonical = json.dumps(parsed, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return "t1-" + hashlib.blake2b(canonical.encode("utf-8"), digest_size=12).hexdigest()
+
+
+def ids_fingerprint(tokenizer: str, prompt: str) -> str:
+    """The ``tokenizer`` field of a chunk whose ids were made from ``prompt + text``."""
+    if not prompt:
+        return tokenizer
+    digest = hashlib.blake2b(prompt.encode("utf-8"), digest_size=6).hexdigest()
+    return f"{tokenizer}{PROMPT_MARK}{digest}"
+
+
+def split_fingerprint(field: str) -> tuple[str, str]:
+    """(the tokenizer's fingerprint, the prompt's digest or "") of a chunk's ``tokenizer``."""
+    tokenizer, _, prompt = field.partition(PROMPT_MARK)
+    return tokenizer, prompt
+
+
+def foreign_ids_message(found: str, expected: str) -> str:
+    """Why token ids of the tokenizer ``found`` are refused by a model whose tokenizer is
+    ``expected``: the one message the worker's dead letter and the producer's check give."""
+    return (
+        f"token ids made by another tokenizer ({found!r}; this model's is {expected!r}): make "
+        "them with the tokenizer the workers publish (Producer.enqueue(token_ids=True) reads "
+        "it), or send the text alone"
+    )
+
+
+def pack_token_ids(ids: Sequence[int]) -> bytes:
+    """Token ids on the wire: little-endian uint32."""
+    packed = array.array("I", ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_token_ids(data: bytes) -> list[int]:
+    """The ids of a chunk's ``token_ids`` (its length a multiple of 4: the protocol's check)."""
+    packed = array.array("I")
+    packed.frombytes(data)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tolist()
+
+
+def encode_for_model(backend: Any, texts: Sequence[str], max_length: int) -> list[list[int]]:
+    """Each text's ids as the worker tokenizes it (``backend``: the model's configured
+    ``tokenizers.Tokenizer``, cutting at ``max_length + 1``): only the counting head of a long
+    text is tokenized, and a text so sparse in tokens that the head lost some is tokenized
+    whole. ``encode_batch_fast`` gives ``encode_batch``'s ids without computing offsets
+    (docs/BENCHMARKS.md "Tokenizing"). The one place the worker and the producer make ids."""
+    prepared = [counting_head(text, max_length) for text in texts]
+    encodings = backend.encode_batch_fast(prepared)
+    out: list[list[int]] = []
+    for text, cut_text, encoding in zip(texts, prepared, encodings, strict=True):
+        ids = encoding.ids
+        if len(ids) <= max_length and len(cut_text) < len(text):
+            ids = backend.encode(text).ids  # rare: the cut lost tokens; do it properly
+        out.append(ids)
+    return out

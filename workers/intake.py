@@ -34,9 +34,10 @@ from embedfleet.workers.consumer import StreamEntry
 from embedfleet.workers.dead_letter_writer import Rejected
 from embedfleet.workers.decode import Accepted, decode_entries
 from embedfleet.workers.long_inputs import Rejoin, before_normalize_wanted, expand
-from embedfleet.workers.model.encoder import Tokenized, pairs_of
+from embedfleet.workers.model.encoder import Tokenized
 from embedfleet.workers.outages import RideOut, transient_or_raise
 from embedfleet.workers.parts import StageParts
+from embedfleet.workers.token_ids import tokenize_chunks
 
 log = get_logger("embedfleet.worker")
 # The reader is asked for the next window this long (beyond twice its latest opening time)
@@ -328,17 +329,21 @@ class Intake:
         rest = [p for p in range(len(accepted)) if p not in hits]
         if not rest:
             return Window([], [], [], expired=expired, cached=cached)
-        chunks = [accepted[p].chunk for p in rest]
-        texts_prompts = [prompts[p] for p in rest]
-        tokens = self.parts.encoder.tokenize(
-            [chunk.text for chunk in chunks],
-            texts_prompts if any(texts_prompts) else None,
-            pairs=pairs_of(chunks),
+        tokenized = tokenize_chunks(
+            [accepted[p].chunk for p in rest], [prompts[p] for p in rest], self.parts.encoder
         )
+        rejected += [
+            Rejected.chunk(
+                accepted[rest[i]].delivery, accepted[rest[i]].chunk, DeadReason.TOKENIZER, reason
+            )
+            for i, reason in tokenized.refused
+        ]
+        rest = [rest[i] for i in tokenized.kept]
+        texts_prompts = [prompts[p] for p in rest]
         window = Window(
-            chunks,
+            [accepted[p].chunk for p in rest],
             [accepted[p].delivery for p in rest],
-            tokens,
+            tokenized.tokens,
             expired=expired,
             cached=cached,
             content_keys={accepted[p].delivery: key for p in rest if (key := keys[p]) is not None},

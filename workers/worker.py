@@ -44,7 +44,6 @@ import asyncio
 import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -156,7 +155,7 @@ class Worker:
             self.client,
             self.keys,
             self.settings.model_lane or card.name,
-            tokenizer_json(self.encoder.spec.transformer_dir),
+            self.encoder.text.published.encode(),
         )
 
     async def run(self) -> None:
@@ -247,10 +246,3 @@ class Worker:
             await self.queries.accept(entries)
         else:
             await self.intake.hold_reclaimed(stream, entries)
-
-
-def tokenizer_json(transformer_dir: Path) -> bytes | None:
-    """The model's ``tokenizer.json``, which the worker publishes for the gateway; None where
-    the directory has none (then the gateway needs the model's files for this lane)."""
-    path = transformer_dir / "tokenizer.json"
-    return path.read_bytes() if path.is_file() else None

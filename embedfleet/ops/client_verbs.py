@@ -39,6 +39,7 @@ from embedfleet.producer.client import (
 from embedfleet.producer.enqueue import Enqueued
 from embedfleet.producer.jsonl import BadLine, read_chunks
 from embedfleet.producer.results_reader import export_reader_name
+from embedfleet.producer.token_ids import TokenIdsUnavailableError
 from embedfleet.shared.exit_codes import ExitCode
 from embedfleet.shared.jobs import JobProgress
 from embedfleet.shared.keys import Keys
@@ -109,6 +110,15 @@ def _settings(redis_url: str | None) -> Settings:
     "(the chunk field window_overlap; a line's own wins). Dense models only.",
 )
 @click.option(
+    "--token-ids/--no-token-ids",
+    "token_ids",
+    default=None,
+    help="Tokenize here and send each chunk's token ids, made with the tokenizer the workers "
+    "publish, so the workers do not tokenize (a GPU host's cores feed the GPU). Needs "
+    "embedfleet[documents] and a worker that has started once. Default: "
+    "EMBEDFLEET_PRODUCER_TOKEN_IDS.",
+)
+@click.option(
     "--prune",
     is_flag=True,
     help="With --job, once SOURCE is sent: delete from the database sink the rows of this job "
@@ -131,6 +141,7 @@ def enqueue_command(
     tenant: str | None,
     reembed: bool,
     window_overlap: int | None,
+    token_ids: bool | None,
     prune: bool,
     wait: bool,
     timeout: float | None,
@@ -177,6 +188,7 @@ def enqueue_command(
         model=model,
         tenant=tenant,
         window_overlap=window_overlap,
+        token_ids=token_ids,
     )
     dead: list[int] = []  # the dead-lettered count, once --wait has seen the job finish
     rejected: list[BadLine] = []
@@ -289,6 +301,8 @@ class _Run:
     tenant: str | None = None  # the tenant they are accounted to (None: the tenant map's)
     # long inputs embedded whole in windows sharing this many tokens (None: cut or refused)
     window_overlap: int | None = None
+    # send token ids made here (None: EMBEDFLEET_PRODUCER_TOKEN_IDS)
+    token_ids: bool | None = None
 
 
 def _counted(count: Enqueued) -> str:
@@ -352,8 +366,9 @@ async def _enqueue(
                     reembed=run.reembed,
                     tenant=run.tenant,
                     options=EmbeddingOptions(window_overlap=run.window_overlap),
+                    token_ids=run.token_ids,
                 )
-            except (ValueError, TenantBacklogFullError) as error:
+            except (ValueError, TenantBacklogFullError, TokenIdsUnavailableError) as error:
                 # ValueError: a model card published after the reader's (a worker's first
                 # start) refused a chunk; the lines before it were enqueued
                 raise click.ClickException(str(error)) from None
@@ -395,8 +410,9 @@ async def _enqueue_documents(
                     force=run.force,
                     reembed=run.reembed,
                     tenant=run.tenant,
+                    token_ids=run.token_ids,
                 )
-            except (ValueError, TenantBacklogFullError) as error:  # a bad document line
+            except (ValueError, TenantBacklogFullError, TokenIdsUnavailableError) as error:
                 raise click.ClickException(str(error)) from None
         if run.wait and count.chunks:
             dead.append((await _wait_with_bar(producer, job, count.chunks, run.timeout)).dead)

@@ -30,6 +30,11 @@ class InputSettings(Section):
     document_overlap_tokens: int = Field(default=0, ge=0)
     """Tokens each document chunk shares with the one before it (`enqueue --documents`,
     `Producer.enqueue_documents`)."""
+    producer_token_ids: bool = False
+    """The producer tokenizes: `Producer.enqueue` (and `embedfleet enqueue`, the document
+    splitter) sends each chunk's token ids, made with the tokenizer the lane's workers publish,
+    so the workers' hosts spend no time tokenizing (a GPU host's cores feed the GPU). Needs the
+    `tokenizers` package (the `[documents]` extra) and a worker that has started once."""
 
     @property
     def chunk_limits(self) -> ChunkLimits:

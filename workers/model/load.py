@@ -61,6 +61,10 @@ class LoadedModel:
             include_prompt=self.spec.include_prompt,
             architecture=str((getattr(config, "architectures", None) or [""])[0]),
             representations=self.representation.representations,
+            # a cross-encoder tokenizes (query, document) pairs, never a producer's single ids
+            tokenizer_fingerprint=""
+            if "rerank" in self.representation.representations
+            else self.text.fingerprint,
         )
 
 

@@ -18,7 +18,8 @@ from typing import Any, Literal
 
 import torch
 
-from embedfleet.shared.tokens import counting_head
+from embedfleet.shared.modelcard import resolve_prompt
+from embedfleet.shared.tokens import encode_for_model, tokenizer_fingerprint
 from embedfleet.workers.model.model_dir import ModelSpec
 
 Lane = Literal["query", "document"]
@@ -111,26 +112,15 @@ class TextTokenizer:
     def resolve_prompt(
         self, lane: Lane, prompt_name: str | None, prompt: str | None, lane_default: str
     ) -> str:
-        """The prompt text for one chunk (``Encoder.resolve_prompt``)."""
-        if prompt is not None:
-            return prompt  # a literal prompt wins over any name, as in sentence-transformers
-        if prompt_name is None:
-            prompt_name = lane_default or self._lane_prompt_name(lane)
-        if prompt_name is None:
-            return ""
-        if prompt_name not in self.prompts:
-            raise PromptError(
-                f"prompt_name {prompt_name!r} is not one of the model's prompts "
-                f"({', '.join(sorted(self.prompts))})"
+        """The prompt text for one chunk (``Encoder.resolve_prompt``): shared/modelcard.py's
+        ``resolve_prompt``, the rule producers that make token ids follow too. PromptError
+        for a name the model does not declare."""
+        try:
+            return resolve_prompt(
+                self.prompts, self.spec.default_prompt_name, lane, prompt_name, prompt, lane_default
             )
-        return self.prompts[prompt_name]
-
-    def _lane_prompt_name(self, lane: Lane) -> str | None:
-        candidates = ("query",) if lane == "query" else ("document", "passage", "corpus")
-        for name in candidates:
-            if name in self.prompts:
-                return name
-        return self.spec.default_prompt_name
+        except ValueError as error:
+            raise PromptError(str(error)) from None
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - a few prompts per model, tokenizer lives on
     def prompt_length(self, prompt: str) -> int:
@@ -147,19 +137,33 @@ class TextTokenizer:
         """Token ids per single text, cut to the maximum (``Encoder.tokenize``)."""
         if prompts is not None:
             texts = [prompt + text for prompt, text in zip(prompts, texts, strict=True)]
-        prepared = [counting_head(text, self.max_length) for text in texts]
-        encodings = self.backend.encode_batch(prepared)
         results: list[Tokenized] = []
-        for row, (text, cut_text, encoding) in enumerate(
-            zip(texts, prepared, encodings, strict=True)
-        ):
-            ids = encoding.ids
-            if len(ids) <= self.max_length and len(cut_text) < len(text):
-                # Rare: a text so sparse in tokens that the cut lost some. Do it properly.
-                ids = self.backend.encode(text).ids
+        for row, ids in enumerate(encode_for_model(self.backend, texts, self.max_length)):
             prompt = prompts[row] if prompts is not None else ""
             results.append(self._fit(ids, self.prompt_length(prompt) if prompt else 0))
         return results
+
+    # --- token ids made by the producer (issue 53) ------------------------------------
+    @functools.cached_property
+    def published(self) -> str:
+        """This tokenizer as configured here (the model's maximum + 1 cut, lower-casing where
+        the model asks), as ``tokenizer.json`` text: what the worker publishes for producers
+        and the gateway, who make the same ids from it (``Keys.tokenizer``)."""
+        return str(self.backend.to_str())
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """The model card's ``tokenizer_fingerprint``: producers' ids must carry it."""
+        return tokenizer_fingerprint(self.published)
+
+    @functools.cached_property
+    def vocab_size(self) -> int:
+        return int(self.backend.get_vocab_size(with_added_tokens=True))
+
+    def from_ids(self, ids: list[int], prompt: str) -> Tokenized:
+        """A producer's ids of ``prompt + text`` (``encode_for_model`` with the published
+        tokenizer), cut to the maximum as :meth:`tokenize` cuts its own."""
+        return self._fit(ids, self.prompt_length(prompt) if prompt else 0)
 
     def _fit(self, ids: list[int], prompt_length: int = 0) -> Tokenized:
         if len(ids) <= self.max_length:

@@ -1,0 +1,101 @@
+"""Token ids made by the producer (issue 53: tokenize where the CPUs are).
+
+A chunk may carry the ids of ``prompt + text`` made with the tokenizer this lane's workers
+publish (shared/protocol.py ``Chunk.token_ids``), so a GPU host spends no time tokenizing it.
+:func:`tokenize_chunks` is the reader's one call for a window's chunks: the ids a chunk brought
+are used where they are this model's tokenizer's and the prompt's the worker resolves; ids of
+another tokenizer (or out of the vocabulary) are refused with the reason, never embedded into a
+wrong vector; every other chunk is tokenized here, in one batch call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from embedfleet.shared.protocol import Chunk
+from embedfleet.shared.tokens import (
+    foreign_ids_message,
+    ids_fingerprint,
+    split_fingerprint,
+    unpack_token_ids,
+)
+from embedfleet.workers.model.encoder import Encoder, Tokenized, pairs_of
+
+
+@dataclass
+class TokenizedChunks:
+    """A window's chunks with their token ids: ``tokens[i]`` for ``kept[i]`` (a position in the
+    chunks given), and the positions refused with their reason."""
+
+    kept: list[int] = field(default_factory=list)
+    tokens: list[Tokenized] = field(default_factory=list)
+    refused: list[tuple[int, str]] = field(default_factory=list)
+    from_producer: int = 0  # how many of ``tokens`` are the producer's ids
+
+
+def producer_ids(chunk: Chunk, prompt: str, encoder: Encoder) -> list[int] | None:
+    """The ids ``chunk`` brought, where the worker can use them; None: tokenize its text (no
+    ids, a cross-encoder's pair, or ids made with another prompt than ``prompt``, which are
+    the right tokenizer's but not this chunk's input). ValueError: ids of another tokenizer,
+    or an id outside the vocabulary (the dead letter's reason)."""
+    if chunk.token_ids is None or chunk.tokenizer is None or chunk.pair is not None:
+        return None
+    text = encoder.text
+    tokenizer, _ = split_fingerprint(chunk.tokenizer)
+    if tokenizer != text.fingerprint:
+        raise ValueError(foreign_ids_message(tokenizer, text.fingerprint))
+    if chunk.tokenizer != ids_fingerprint(text.fingerprint, prompt):
+        return None
+    ids = unpack_token_ids(chunk.token_ids)
+    if max(ids) >= text.vocab_size:
+        raise ValueError(
+            f"token id {max(ids)} is outside the model's vocabulary of {text.vocab_size}"
+        )
+    return ids
+
+
+def tokenize_chunks(
+    chunks: Sequence[Chunk], prompts: Sequence[str], encoder: Encoder
+) -> TokenizedChunks:
+    """Each chunk's tokens: its producer's ids where usable, else its text tokenized (one
+    batch call for all of those, ``Encoder.tokenize``); refused chunks are left out."""
+    out = TokenizedChunks()
+    if encoder.representation == "rerank" or all(c.token_ids is None for c in chunks):
+        to_tokenize = list(range(len(chunks)))
+        given: dict[int, Tokenized] = {}
+    else:
+        given, to_tokenize = {}, []
+        for position, (chunk, prompt) in enumerate(zip(chunks, prompts, strict=True)):
+            try:
+                ids = producer_ids(chunk, prompt, encoder)
+            except ValueError as error:
+                out.refused.append((position, str(error)))
+                continue
+            if ids is None:
+                to_tokenize.append(position)
+            else:
+                given[position] = encoder.text.from_ids(ids, prompt)
+    made: dict[int, Tokenized] = {}
+    if to_tokenize:
+        texts_prompts = [prompts[p] for p in to_tokenize]
+        picked = [chunks[p] for p in to_tokenize]
+        made = dict(
+            zip(
+                to_tokenize,
+                encoder.tokenize(
+                    [chunk.text for chunk in picked],
+                    texts_prompts if any(texts_prompts) else None,
+                    pairs=pairs_of(picked),
+                ),
+                strict=True,
+            )
+        )
+    refused = {position for position, _ in out.refused}
+    for position in range(len(chunks)):
+        if position in refused:
+            continue
+        out.kept.append(position)
+        out.tokens.append(given[position] if position in given else made[position])
+    out.from_producer = len(given)
+    return out
