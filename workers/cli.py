@@ -26,13 +26,14 @@ from embedfleet.sinks import MissingExtraError, SinkSetupError, SinkURLError, ch
 )
 @click.option(
     "--replicas",
-    type=click.IntRange(1, 64),
     default=None,
-    help="Model replicas in this worker, as processes sharing the threads (EMBEDFLEET_REPLICAS).",
+    metavar="N|auto",
+    help="Model replicas in this worker, as processes sharing the threads; auto: 1 on a CPU, "
+    "sized from the host's cores on CUDA (EMBEDFLEET_REPLICAS).",
 )
 @verbose_option
 def worker_command(
-    redis_url: str | None, model: str | None, query_only: bool | None, replicas: int | None
+    redis_url: str | None, model: str | None, query_only: bool | None, replicas: str | None
 ) -> None:
     """Embed chunks from the ingest stream until SIGTERM.
 
@@ -57,11 +58,16 @@ def worker_command(
         check_sink(settings)  # a bad EMBEDFLEET_SINK fails now, not after the model loads
     except (SinkURLError, MissingExtraError) as error:
         raise click.ClickException(str(error)) from None
-    if settings.replicas > 1:  # a supervisor of N worker processes, each loading the model
+    from embedfleet.workers.replicas import resolve_replicas  # torch only for auto on auto
+
+    replicas_here = resolve_replicas(settings)
+    if replicas_here > 1:  # a supervisor of N worker processes, each loading the model
         from embedfleet.workers.replicas import run_replicas
 
         as_env = {f"EMBEDFLEET_{key.upper()}": str(value) for key, value in overrides.items()}
-        sys.exit(run_replicas(settings, as_env))
+        sys.exit(run_replicas(settings, as_env, replicas_here))
+    # this process runs the model itself: one replica, whatever `auto` would size elsewhere
+    settings = settings.model_copy(update={"replicas": 1})
     from embedfleet.workers.calibration import CalibrationError
     from embedfleet.workers.model.encoder import ModelNotFoundError
     from embedfleet.workers.model.model_dir import UnsupportedModelError

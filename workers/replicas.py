@@ -13,6 +13,9 @@ The parent only supervises: the first SIGTERM/SIGINT is passed on (every replica
 second is passed on too (every replica exits at once). A replica that exits on its own while
 the others run means this worker is no longer whole: the others are drained and the parent
 exits non-zero, so the supervisor restarts the pod rather than running a fraction of it.
+
+How many: EMBEDFLEET_REPLICAS, ``auto`` by default (:func:`replicas_for`): one on a CPU, and on
+CUDA as many as the host's usable cores can feed, one per :data:`CORES_PER_GPU_REPLICA`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import subprocess
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 from embedfleet.shared.logging import configure_logging, get_logger
 from embedfleet.shared.settings import Settings
@@ -35,6 +39,46 @@ log = get_logger("embedfleet.replicas")
 # set_per_process_memory_fraction caps: the context and loaded kernel modules (~0.5 GiB on
 # Hopper with lazy loading), with a margin.
 CUDA_CONTEXT_BYTES = 1 << 30
+
+
+# Host cores one GPU worker process keeps busy, for EMBEDFLEET_REPLICAS=auto. The GPU check's host
+# step (docs/BENCHMARKS.md, "GPU check", stop 50: an H200 on a 16-core Intel Xeon) measured one
+# worker process's host pipeline at 1.21 cores (read, decode, tokenize, plan, collate, write,
+# with a stand-in model at zero cost); the real model adds the thread that launches its kernels
+# and waits for the copy back, and Redis and the node's own daemons share the cores: 1.5 leaves
+# them that margin. 16 usable cores give 10 replicas, stop 50's estimate of what it takes to feed
+# the GPU (8 to 10 processes at 267k tokens/s each).
+CORES_PER_GPU_REPLICA = 1.5
+# Past this each process's share of the GPU's memory (less its ~1 GiB CUDA context) gets too
+# small for a long-text batch on an 80 GB card, and time-slicing more contexts gains nothing the
+# measured host rate calls for. Below the setting's own bound (64), which an explicit N may use.
+MAX_AUTO_REPLICAS = 16
+
+
+def replicas_for(setting: int | Literal["auto"], *, on_cuda: bool, cpus: int) -> int:
+    """The worker processes EMBEDFLEET_REPLICAS asks for: an integer as given; ``auto`` 1 on a
+    CPU (its cores are worth more to one model's intra-op threads: docs/BENCHMARKS.md,
+    "Replicas"), on CUDA one per CORES_PER_GPU_REPLICA of the ``cpus`` usable, 1 to
+    MAX_AUTO_REPLICAS."""
+    if setting != "auto":
+        return setting
+    if not on_cuda:
+        return 1
+    return max(1, min(MAX_AUTO_REPLICAS, int(cpus / CORES_PER_GPU_REPLICA)))
+
+
+def runs_on_cuda(settings: Settings) -> bool:
+    """Whether this worker's model runs on CUDA (``auto``: when torch sees a GPU). Imports torch
+    only for ``auto``: a CPU worker's supervisor never pays for it."""
+    return settings.device == "cuda" or (settings.device == "auto" and _cuda_available())
+
+
+def resolve_replicas(settings: Settings) -> int:
+    """EMBEDFLEET_REPLICAS for this host: :func:`replicas_for` on this machine's device and
+    usable cores (the affinity mask and cgroup quota: a pod's CPU limit, not the node's cores)."""
+    if settings.replicas != "auto":
+        return settings.replicas
+    return replicas_for("auto", on_cuda=runs_on_cuda(settings), cpus=usable_cpus())
 
 
 @dataclass(frozen=True)
@@ -114,11 +158,11 @@ def replica_environment(plan: ReplicaPlan, overrides: Mapping[str, str]) -> dict
     }
 
 
-def run_replicas(settings: Settings, overrides: Mapping[str, str]) -> int:
-    """Start ``settings.replicas`` worker processes and supervise them; the exit status."""
+def run_replicas(settings: Settings, overrides: Mapping[str, str], replicas: int) -> int:
+    """Start ``replicas`` worker processes (``resolve_replicas``) and supervise them; the exit
+    status."""
     configure_logging(settings.log_level, settings.log_format)  # the replicas' stream: stderr
-    on_cuda = settings.device == "cuda" or (settings.device == "auto" and _cuda_available())
-    plans = plan_replicas(settings, settings.replicas, on_cuda)
+    plans = plan_replicas(settings, replicas, runs_on_cuda(settings))
     children = [
         subprocess.Popen(
             [sys.executable, "-m", "embedfleet.cli", "worker"],
@@ -132,6 +176,8 @@ def run_replicas(settings: Settings, overrides: Mapping[str, str]) -> int:
     log.info(
         "replicas started",
         replicas=len(children),
+        setting=settings.replicas,  # "auto": sized from the host's cores (replicas_for)
+        usable_cpus=usable_cpus(),
         threads_each=plans[0].threads,
         gpu_memory_share=round(plans[0].gpu_memory_share, 4),
         consumers=[plan.consumer for plan in plans],

@@ -86,10 +86,11 @@ def load_encoder(settings: Settings) -> Encoder:
             name=settings.model_lane,
         )
     # a replica's share of a GPU it shares (the parent passes it); the allocator's cap counts
-    # the weights already loaded as well as what comes
-    limit_gpu_memory(
-        gpu_memory_share(settings.gpu_memory_fraction, settings.replicas), encoder.device
-    )
+    # the weights already loaded as well as what comes. REPLICAS=auto reaches here only in a
+    # process that runs the model itself (`embedfleet worker` starts a supervisor for more than
+    # one): one process, no share of its own.
+    processes = settings.replicas if isinstance(settings.replicas, int) else 1
+    limit_gpu_memory(gpu_memory_share(settings.gpu_memory_fraction, processes), encoder.device)
     return encoder
 
 

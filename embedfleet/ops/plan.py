@@ -16,7 +16,9 @@ the seed's billion-chunk case through it):
   worker's pipeline around the model (read, decode, tokenize, plan, collate, cast, pack, write:
   ``python -m loadtest.host_pipeline``, issue 29), and worker processes per GPU
   (EMBEDFLEET_REPLICAS) = its texts/s ÷ one process's rate, since one process keeps about one
-  core busy (its tokenizer thread sets the pace);
+  core busy (its tokenizer thread sets the pace); EMBEDFLEET_REPLICAS=auto runs one process per
+  1.5 of a GPU pod's CPUs (workers/replicas.py), so the pod's CPUs that make `auto` pick that
+  many = processes × 1.5, rounded up;
 - in-flight entries: each worker holds about two reads (``--read-count`` entries each: one
   window being computed, one queued) pending in the group, at the bytes of a backlog entry plus
   the bytes of its pending-list record;
@@ -114,6 +116,8 @@ class Plan:
 
     host_cores_per_worker: int = 0
     host_processes_per_worker: int = 0
+    # the CPUs a GPU pod needs for EMBEDFLEET_REPLICAS=auto to run host_processes_per_worker
+    host_cpus_for_auto_replicas: int = 0
 
     @property
     def redis_gib(self) -> float:
@@ -164,7 +168,12 @@ def make_plan(
     results_max_entries: int = 0,
     read_count: int = 8192,
 ) -> Plan:
+    from embedfleet.workers.replicas import CORES_PER_GPU_REPLICA  # light: no torch
+
     fleet = texts_per_s_per_worker * workers
+    processes = math.ceil(
+        texts_per_s_per_worker / _host_figure(figures, "host_texts_per_s_per_process")
+    )
     write_per_s = _at_dim(figures, "write_{dim}_per_s", dim)
     shard_seconds = (
         1 / float(figures["enqueue_per_s"]) + 1 / float(figures["read_per_s"]) + 1 / write_per_s
@@ -197,9 +206,8 @@ def make_plan(
         host_cores_per_worker=math.ceil(
             texts_per_s_per_worker / _host_figure(figures, "host_texts_per_core_s")
         ),
-        host_processes_per_worker=math.ceil(
-            texts_per_s_per_worker / _host_figure(figures, "host_texts_per_s_per_process")
-        ),
+        host_processes_per_worker=processes,
+        host_cpus_for_auto_replicas=math.ceil(processes * CORES_PER_GPU_REPLICA),
     )
 
 
@@ -225,7 +233,9 @@ def render(plan: Plan, *, chunks: float, dim: int, workers: int, rate: float) ->
             f"host per worker   {plan.host_cores_per_worker} cores and "
             f"{plan.host_processes_per_worker} worker processes (EMBEDFLEET_REPLICAS) to feed "
             f"{rate:,.0f} texts/s: tokenizing, decoding, packing and writing around the model "
-            "(docs/BENCHMARKS.md, host pipeline)",
+            "(docs/BENCHMARKS.md, host pipeline); EMBEDFLEET_REPLICAS=auto runs "
+            f"{plan.host_processes_per_worker} on a GPU pod of {plan.host_cpus_for_auto_replicas} "
+            "CPUs (one per 1.5)",
             f"result bandwidth  {plan.result_mb_per_s:,.0f} MB/s of fp16 results",
             f"results in Redis  {plan.results_entries:,} = {plan.results_gib:,.1f} GiB "
             + (

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
@@ -34,10 +34,11 @@ class ModelSettings(Section):
     """torch intra-op threads on CPU; 0 = the CPUs this process may use (affinity mask and cgroup
     CPU quota, not the node's core count). On CUDA, torch's host-side threads when set (each GPU
     replica runs with 1); 0 leaves torch's default."""
-    replicas: int = Field(default=1, ge=1, le=64)
+    replicas: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
     """Model replicas in one worker: N processes reading the same group, each with threads/N (one
-    thread each on CUDA), consumers `<consumer>-r<i>`, health ports HEALTH_PORT+i. See
-    docs/BENCHMARKS.md (replicas) for how the default was chosen."""
+    thread each on CUDA), consumers `<consumer>-r<i>`, health ports HEALTH_PORT+i. `auto`: 1 on a
+    CPU; on CUDA one per 1.5 usable host cores (affinity mask and cgroup quota), 1 to 16, since a
+    GPU worker is bound by its host (docs/BENCHMARKS.md, GPU check). An integer is used as given."""
     gpu_memory_fraction: float = Field(default=-1, ge=-1, le=1)
     """Share of the GPU's memory this process may use (its allocator is capped at the share less
     ~1 GiB for the CUDA context). -1 = auto: 1/REPLICAS for each replica of a worker with
@@ -85,6 +86,22 @@ class ModelSettings(Section):
                 "must be letters, digits and '.', '_', '/', '-' only, starting with a letter or "
                 "digit, at most 128 characters (it names the lane's Redis keys)"
             )
+        return value
+
+    @field_validator("replicas", mode="before")
+    @classmethod
+    def _count_or_auto(cls, value: object) -> object:
+        """One message for a bad value (the union would give one per member); `AUTO` is
+        `auto`."""
+        if isinstance(value, str):
+            text = value.strip().lower()
+            if text == "auto":
+                return text
+            if not text.isdigit():
+                raise ValueError("must be auto or a whole number of replicas from 1 to 64")
+            value = int(text)
+        if isinstance(value, int) and not isinstance(value, bool) and not 1 <= value <= 64:
+            raise ValueError("must be auto or a whole number of replicas from 1 to 64")
         return value
 
     @field_validator("gpu_memory_fraction")

@@ -490,10 +490,10 @@ spec:
           value: {{ $v.cache.mountPath | quote }}
         - name: HOME
           value: /tmp
-        {{- if gt $modelReplicas 1 }}
+        {{- /* always: the worker's own default (auto) sizes from the node's cores on CUDA, and
+        the chart must know the count to declare a port per replica */}}
         - name: EMBEDFLEET_REPLICAS
           value: {{ $modelReplicas | quote }}
-        {{- end }}
         {{- range .env }}
         - name: {{ .name }}
           value: {{ .value | quote }}

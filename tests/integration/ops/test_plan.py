@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from embedfleet.cli import main
 from embedfleet.ops.plan import HOST_FIGURES, make_plan
+from embedfleet.workers.replicas import replicas_for
 
 FIGURES = {
     "enqueue_per_s": 50_000,
@@ -39,6 +40,9 @@ def test_the_plan_is_the_documented_arithmetic() -> None:
     assert plan.results_gib == pytest.approx(1e9 * 2_200 / 2**30)
     # the host around the model (issue 29): 15,000 texts/s at 4,000 a core, 3,000 a process
     assert (plan.host_cores_per_worker, plan.host_processes_per_worker) == (4, 5)
+    # EMBEDFLEET_REPLICAS=auto runs 5 processes on a GPU pod of 8 CPUs (one per 1.5, rounded down)
+    assert plan.host_cpus_for_auto_replicas == 8
+    assert replicas_for("auto", on_cuda=True, cpus=8) == 5, "the worker's own rule"
 
 
 def test_host_figures_default_to_the_measured_ones() -> None:

@@ -563,12 +563,14 @@ def test_model_replicas_share_the_pods_gpu(rendered_cases: dict[str, Rendered]) 
     monitor = r.one("ServiceMonitor")
     assert [e["port"] for e in monitor["spec"]["endpoints"]] == [name for name, _ in expected]
 
+    # always set: the worker's own default (auto) would size a GPU pod from the node's cores,
+    # past the ports the chart declares
     single = rendered_cases["gpu-values.yaml"]
-    assert "EMBEDFLEET_REPLICAS" not in env_of(single.deployment("worker"))
+    assert env_of(single.deployment("worker"))["EMBEDFLEET_REPLICAS"]["value"] == "1"
     assert [p["name"] for p in container(single.deployment("worker"))["ports"]] == ["http"]
     # query workers run one replica, whatever the bulk pods do
     both = render({"modelReplicas": 4, "queryWorkers": {"enabled": True}})
-    assert "EMBEDFLEET_REPLICAS" not in env_of(both.deployment("query-worker"))
+    assert env_of(both.deployment("query-worker"))["EMBEDFLEET_REPLICAS"]["value"] == "1"
     assert env_of(both.deployment("worker"))["EMBEDFLEET_REPLICAS"]["value"] == "4"
     validate_objects(both)
 
