@@ -58,14 +58,16 @@ import redis
 
 from embedfleet.shared.protocol import Chunk, Result, encode_chunk, encode_result, encode_results
 from embedfleet.shared.settings import Settings
+from embedfleet.shared.tokens import encode_for_model, pack_token_ids
 from embedfleet.workers.batcher import BATCH_COST_TOKENS, PlannedBatch
 from loadtest.common import cpu_name, machine_load, redis_server
 from loadtest.corpus import build_corpus, load_tokenizer
 
 STANDIN_SETTING = "EMBEDFLEET_BENCHMARK_STANDIN_ENCODER_US_PER_TOKEN"
 # the host path before issue 29's fixes (one encode_result per result, the masked-window
-# planning programme) and after them (encode_results, the sliced programme)
-PATHS = ("before", "after")
+# planning programme), after them (encode_results, the sliced programme), and after with each
+# chunk carrying its token ids from the producer (issue 53: the worker tokenizes nothing)
+PATHS = ("before", "after", "ids")
 # (stage, thread it runs on), in pipeline order. An "(await)" stage's time is the wall time of
 # its awaits: waiting on Redis included, overlapping the loop's other work (a blocking read
 # waits for the stream to refill), so it is not the loop's CPU.
@@ -215,6 +217,9 @@ def thread_cpu_seconds() -> dict[str, float]:
         with contextlib.suppress(OSError, ProcessLookupError):
             clock = time.pthread_getcpuclockid(thread.ident)
             totals[role] = totals.get(role, 0.0) + time.clock_gettime(clock)
+    # threads Python does not know (the tokenizer's Rust pool with TOKENIZERS_PARALLELISM,
+    # torch's and numpy's pools): the process's CPU less its Python threads'
+    totals["native pools"] = time.process_time() - sum(totals.values())
     return totals
 
 
@@ -295,10 +300,12 @@ async def run_child(stats: Path, path: str) -> None:
 class Config:
     processes: int
     path: str
+    cores: int = 0  # the CPUs the children may use (their affinity); 0: all of the machine's
 
     @property
     def label(self) -> str:
-        return f"{self.processes} process{'es' if self.processes > 1 else ''}, {self.path}"
+        cores = f", {self.cores} core{'s' if self.cores > 1 else ''}" if self.cores else ""
+        return f"{self.processes} process{'es' if self.processes > 1 else ''}, {self.path}{cores}"
 
 
 @contextlib.contextmanager
@@ -312,6 +319,9 @@ def children(settings: Settings, config: Config, folder: Path) -> Iterator[list[
         "EMBEDFLEET_HEALTH_PORT": "0",
         "EMBEDFLEET_VECTOR_CACHE_MB": "0",  # every text through the pipeline, none cached
         "EMBEDFLEET_BLOCK_MS": "100",
+        # the tokenizer's batch encoding on every core, as a CUDA worker sets it
+        # (workers/model/tokenizer.py configure_tokenizer_threads): the host a GPU waits on
+        "TOKENIZERS_PARALLELISM": "true",
     }
     processes: list[subprocess.Popen[str]] = []
     try:
@@ -320,6 +330,7 @@ def children(settings: Settings, config: Config, folder: Path) -> Iterator[list[
             command = [sys.executable, "-m", "loadtest.host_pipeline", "--child", str(stats)]
             command += ["--path", config.path]
             child_env = {**environment, "EMBEDFLEET_CONSUMER": f"host-{index}"}
+            cpus = sorted(os.sched_getaffinity(0))[: config.cores] if config.cores else None
             processes.append(
                 subprocess.Popen(
                     command,
@@ -327,6 +338,8 @@ def children(settings: Settings, config: Config, folder: Path) -> Iterator[list[
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     text=True,
+                    # a one-core run: what one process does with a core, against all of them
+                    preexec_fn=pinned_to(cpus),
                 )
             )
         for process in processes:
@@ -347,6 +360,13 @@ def children(settings: Settings, config: Config, folder: Path) -> Iterator[list[
                 process.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 process.kill()
+
+
+def pinned_to(cpus: list[int] | None) -> Callable[[], None] | None:
+    """A child's pre-exec step that limits it to ``cpus`` (None: no limit)."""
+    if not cpus:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
 
 
 def fill(client: redis.Redis, stream: str, payloads: list[bytes]) -> None:
@@ -392,10 +412,11 @@ def last_entry_time(client: redis.Redis, stream: str) -> float:
     return int(entry_id.split("-")[0]) / 1000
 
 
-def tokenizer_floor(texts: list[str], window: int) -> tuple[float, float]:
+def tokenizer_floor(texts: list[str], window: int) -> tuple[float, float, float]:
     """The model's raw tokenizer (``encode_batch`` on the texts as the worker cuts them) in
     windows of ``window`` texts, on this one thread: (texts per wall second, texts per CPU
-    second of the thread; the second is what a shared machine's load changes least)."""
+    second of the thread; the second is what a shared machine's load changes least), and the
+    texts per CPU second of its ``encode_batch_fast`` (the same ids without their offsets)."""
     from embedfleet.shared.tokens import counting_head
     from embedfleet.workers.model.standin import StandInEncoder
 
@@ -406,7 +427,11 @@ def tokenizer_floor(texts: list[str], window: int) -> tuple[float, float]:
     for start in range(0, len(prepared), window):
         backend.encode_batch(prepared[start : start + window])
     wall, cpu = time.perf_counter() - started, time.thread_time() - cpu_started
-    return len(texts) / wall, len(texts) / max(1e-9, cpu)
+    fast_started = time.thread_time()
+    for start in range(0, len(prepared), window):
+        backend.encode_batch_fast(prepared[start : start + window])
+    fast_cpu = time.thread_time() - fast_started
+    return len(texts) / wall, len(texts) / max(1e-9, cpu), len(texts) / max(1e-9, fast_cpu)
 
 
 _ENCODERS: dict[str, Any] = {}
@@ -444,7 +469,13 @@ def thread_shares(figures: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def measure(count: int, process_counts: list[int], paths: list[str], rounds: int) -> dict[str, Any]:
+def measure(
+    count: int,
+    process_counts: list[int],
+    paths: list[str],
+    rounds: int,
+    core_counts: Sequence[int] = (),
+) -> dict[str, Any]:
     settings = Settings()
     window = settings.batching("cpu").read_count
     # the model the children load (EMBEDFLEET_MODEL: the device check's carried copy, where no
@@ -455,20 +486,37 @@ def measure(count: int, process_counts: list[int], paths: list[str], rounds: int
     from embedfleet.workers.model.standin import StandInEncoder
 
     encoder = _floor_encoder(lambda: StandInEncoder(settings.model))
+    # the same chunks with their producer's token ids (producer/token_ids.py's encoding)
+    with_ids = [
+        encode_chunk(
+            Chunk(
+                id=item.id,
+                text=item.text,
+                token_ids=pack_token_ids(ids),
+                tokenizer=encoder.text.fingerprint,
+            )
+        )
+        for item, ids in zip(
+            corpus, encode_for_model(encoder.text.backend, texts, encoder.max_length), strict=True
+        )
+    ]
     tokens = sum(t.length for t in encoder.tokenize(texts))
     configs = [Config(n, path) for n in process_counts for path in paths]
+    configs += [Config(1, path, cores) for cores in core_counts for path in paths]
     runs: dict[Config, list[dict[str, Any]]] = {config: [] for config in configs}
     floors: list[float] = []
     cpu_floors: list[float] = []
+    fast_floors: list[float] = []
     load_before = os.getloadavg()
     with redis_server() as server:
         for number in range(rounds):
-            wall_rate, cpu_rate = tokenizer_floor(texts, window)
+            wall_rate, cpu_rate, fast_cpu_rate = tokenizer_floor(texts, window)
+            fast_floors.append(fast_cpu_rate)
             floors.append(wall_rate)
             cpu_floors.append(cpu_rate)
             shift = number % len(configs)
             for config in configs[shift:] + configs[:shift]:
-                run = one_run(server.url, config, payloads)
+                run = one_run(server.url, config, with_ids if config.path == "ids" else payloads)
                 runs[config].append(run)
                 print(
                     f"round {number + 1}: {config.label}: {run['texts_per_s']:.0f} texts/s "
@@ -491,6 +539,8 @@ def measure(count: int, process_counts: list[int], paths: list[str], rounds: int
         results.append(
             {
                 "processes": config.processes,
+                "cores": config.cores,
+                "label": config.label,
                 "path": config.path,
                 "texts_per_s": statistics.median(rates),
                 "tokens_per_s": statistics.median(rates) * tokens / count,
@@ -519,6 +569,8 @@ def measure(count: int, process_counts: list[int], paths: list[str], rounds: int
         "tokenizer_floor_rounds": floors,
         # per CPU second of the tokenizing thread: compare with texts_per_core_s
         "tokenizer_texts_per_cpu_s": statistics.median(cpu_floors),
+        # the same tokenizer's encode_batch_fast (the same ids, no offsets), which the worker uses
+        "tokenizer_fast_texts_per_cpu_s": statistics.median(fast_floors),
         "configs": results,
     }
 
@@ -532,17 +584,18 @@ def print_report(report: dict[str, Any]) -> None:
     )
     print(
         f"raw tokenizer floor (one thread, same texts): {floor:.0f} texts/s (median), "
-        f"{report['tokenizer_texts_per_cpu_s']:.0f} texts per CPU second"
+        f"{report['tokenizer_texts_per_cpu_s']:.0f} texts per CPU second "
+        f"({report['tokenizer_fast_texts_per_cpu_s']:.0f} with encode_batch_fast)"
     )
     print()
     first = report["configs"][0]
     print(
         f"| configuration | texts/s | tokens/s | per process ÷ tokenizer floor | "
-        f"× {Config(first['processes'], first['path']).label} |"
+        f"× {first['label']} |"
     )
     print("|---|---:|---:|---:|---:|")
     for config in report["configs"]:
-        label = Config(config["processes"], config["path"]).label
+        label = config["label"]
         print(
             f"| {label} | {config['texts_per_s']:.0f} | {config['tokens_per_s']:.0f} | "
             f"{config['per_process_to_floor']:.2f} | {config['to_first_config']:.2f} |"
@@ -551,7 +604,7 @@ def print_report(report: dict[str, Any]) -> None:
         if config["processes"] != 1:
             continue
         print()
-        print(f"stages, 1 process, {config['path']} (median of rounds):")
+        print(f"stages, {config['label']} (median of rounds):")
         print("| stage | thread | µs per entry | share of the thread's wall time |")
         print("|---|---|---:|---:|")
         for row in config["stages"]:
@@ -566,6 +619,38 @@ def print_report(report: dict[str, Any]) -> None:
             f"({config['texts_per_core_s'] / report['tokenizer_texts_per_cpu_s']:.2f} of the raw "
             "tokenizer's texts per CPU second)"
         )
+    print_ratios(report)
+
+
+def print_ratios(report: dict[str, Any]) -> None:
+    """Issue 53's ratios, where this run measured what they compare."""
+    by_label = {config["label"]: config for config in report["configs"]}
+    raw = report["tokenizer_texts_per_cpu_s"]
+    lines = []
+    after = by_label.get(Config(1, "after").label)
+    ids = by_label.get(Config(1, "ids").label)
+    if after:
+        lines.append(
+            f"host pipeline ÷ raw tokenizer, texts per CPU second: "
+            f"{after['texts_per_core_s'] / raw:.2f}"
+        )
+    if after and ids:
+        lines.append(
+            f"producer's token ids ÷ tokenizing, texts per CPU second: "
+            f"{ids['texts_per_core_s'] / after['texts_per_core_s']:.2f}"
+        )
+    for path in PATHS:
+        one, two = by_label.get(Config(1, path, 1).label), by_label.get(Config(1, path, 2).label)
+        if one and two:
+            lines.append(
+                f"one process, {path}: 2 cores ÷ 1 core, texts/s: "
+                f"{two['texts_per_s'] / one['texts_per_s']:.2f}"
+            )
+    if lines:
+        print()
+        print("ratios (issue 53):")
+        for line in lines:
+            print(f"- {line}")
 
 
 @click.command()
@@ -578,11 +663,24 @@ def print_report(report: dict[str, Any]) -> None:
     show_default=True,
     help="Host paths to compare: before (issue 29's fixes undone in the child) and after.",
 )
+@click.option(
+    "--cores",
+    "core_counts",
+    default="",
+    help="Also run one worker process limited to this many CPUs (comma-separated, e.g. 1,2): "
+    "its rate against the number of cores it has.",
+)
 @click.option("--rounds", type=int, default=3, show_default=True)
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None)
 @click.option("--child", type=click.Path(path_type=Path), default=None, hidden=True)
 def main(
-    count: int, processes: str, paths: str, rounds: int, json_out: Path | None, child: Path | None
+    count: int,
+    processes: str,
+    paths: str,
+    core_counts: str,
+    rounds: int,
+    json_out: Path | None,
+    child: Path | None,
 ) -> None:
     """Texts/s of the host pipeline with the stand-in encoder, per stage, against the
     tokenizer alone."""
@@ -595,7 +693,13 @@ def main(
     unknown = set(chosen) - set(PATHS)
     if unknown:
         raise click.BadParameter(f"unknown path {sorted(unknown)}", param_hint="--path")
-    report = measure(count, [int(n) for n in processes.split(",")], chosen, rounds)
+    report = measure(
+        count,
+        [int(n) for n in processes.split(",") if n],
+        chosen,
+        rounds,
+        [int(n) for n in core_counts.split(",") if n],
+    )
     print_report(report)
     if json_out is not None:
         json_out.write_text(json.dumps(report, indent=2))
