@@ -25,6 +25,7 @@ import torch
 from embedfleet.shared.settings.query_stage import CpuBackend, Engine
 from embedfleet.workers.cpus import CpuClass, cpu_class
 from embedfleet.workers.model.frozen import hook_free_copy
+from embedfleet.workers.model.telemetry import without_telemetry
 
 # the engines besides torch, each the name of its package and of the extra that installs it
 ENGINES: tuple[Engine, ...] = get_args(Engine)
@@ -47,8 +48,10 @@ def installed(engine: str) -> bool:
 
 
 def require(engine: str) -> ModuleType:
-    """``engine``'s package, imported now; :class:`MissingBackend` naming the extra where it is
-    not installed."""
+    """``engine``'s package, imported now, with every engine's telemetry off first (importing
+    OpenVINO alone sends an event to Google Analytics, workers/model/telemetry.py): the one place
+    the worker imports an engine; :class:`MissingBackend` naming the extra where it is not
+    installed."""
     if engine not in ENGINES:
         raise ValueError(f"not a CPU backend: {engine!r} (one of {', '.join(ENGINES)})")
     if not installed(engine):
@@ -58,6 +61,9 @@ def require(engine: str) -> ModuleType:
             f"not installed here): pip install 'embedfleet[worker,{engine}]', or set "
             "EMBEDFLEET_CPU_BACKEND=torch"
         )
+    # again here, not only at the package's import: a caller that imported this module alone
+    # (a benchmark, a probe) goes through here too
+    without_telemetry()
     return importlib.import_module(engine)
 
 

@@ -21,8 +21,6 @@ positions, a final norm) the whole model is converted as one, without boundaries
 from __future__ import annotations
 
 import functools
-import importlib
-import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -144,35 +142,6 @@ class OpenVinoForward:
         return torch.from_numpy(np.asarray(hidden, dtype=np.float32))
 
 
-# OpenVINO's modules that bind the telemetry package (or, where it cannot be imported, their stub)
-TELEMETRY_USERS = (
-    "openvino.tools.ovc.convert_impl",
-    "openvino.tools.ovc.main",
-    "openvino.tools.ovc.telemetry_utils",
-    "openvino.tools.ovc.utils",
-)
-
-
-def without_telemetry() -> None:
-    """OpenVINO's model conversion reports its use to Google Analytics unless the machine opted
-    out (the ``openvino-telemetry`` package it depends on, ``~/intel/openvino_telemetry``): each
-    event forks the worker (hundreds of MiB, its threads, its Redis and health sockets) to send
-    it, and a fork of a threaded process can hang for ever, as one did here, holding the
-    worker's port. A worker sends its users' texts and vectors nowhere but its own stores: the
-    package is hidden from OpenVINO, which imports its own no-op stub where it is missing."""
-    if sys.modules.get("openvino_telemetry") is None:  # not imported yet, or hidden already
-        # None in sys.modules is how an import is refused (it raises ImportError); typeshed's
-        # dict[str, ModuleType] does not say so
-        sys.modules["openvino_telemetry"] = None  # type: ignore[assignment]
-        return
-    # imported before (another library converted a model first): the stub where it is bound
-    stub = importlib.import_module("openvino.tools.ovc.telemetry_stub")
-    for name in TELEMETRY_USERS:
-        module = sys.modules.get(name)
-        if module is not None and "tm" in vars(module):
-            vars(module)["tm"] = stub
-
-
 def build_openvino(
     model: torch.nn.Module,
     example: tuple[torch.Tensor, torch.Tensor],
@@ -184,8 +153,7 @@ def build_openvino(
     """Convert ``model`` (the loaded transformer, any dtype: converted from a float32 copy) on
     ``example`` (input_ids, attention_mask, padded) and compile it for the CPU on ``threads``;
     cut at its layer boundaries where ``layers`` (the model's layer stack) allows it."""
-    without_telemetry()
-    ov = require(NAME)
+    ov = require(NAME)  # with OpenVINO's telemetry hidden first (workers/model/telemetry.py)
     rss_before = resident_mib()
     wrapped = HiddenStates(model).eval()
     cut = None if layers is None else cut_at_layers(wrapped.model, layers(wrapped.model), example)

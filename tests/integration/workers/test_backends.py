@@ -211,7 +211,7 @@ def test_telemetry_imported_before_the_build_is_replaced_by_openvinos_stub(tmp_p
     """Another library imported OpenVINO's converter first (its import alone writes ~/intel):
     every converter module that holds the telemetry package holds OpenVINO's no-op stub once the
     worker has built its copy, so no conversion event is sent."""
-    from embedfleet.workers.model.openvino import TELEMETRY_USERS
+    from embedfleet.workers.model.telemetry import TELEMETRY_USERS
 
     before = "import openvino.tools.ovc.convert_impl, openvino.tools.ovc.telemetry_utils\n"
     after = (

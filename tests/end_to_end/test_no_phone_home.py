@@ -1,0 +1,158 @@
+"""Nothing is sent anywhere (docs/DESIGN's qualities): an `embedfleet worker` started as a user
+starts it, once per CPU backend, under an empty HOME, connects to nothing but its Redis and
+listens on nothing but its health port, and leaves no file under HOME. OpenVINO's import alone
+used to send an event to Google Analytics and write ``~/intel`` (workers/model/telemetry.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from embedfleet.server import ServerProcess, free_port
+from embedfleet.shared.settings import Settings
+from embedfleet.workers.model.backends import installed
+from tests.conftest import require_slow_tier, worker_env
+
+# the slow tier: each test starts an `embedfleet worker` process and builds an engine's copy
+pytestmark = pytest.mark.slow
+
+# Loaded by the worker's interpreter at start (PYTHONPATH): an audit hook that appends every
+# lookup, connection, datagram and bind made through Python's socket module, in the worker and in
+# any process it forks (OpenVINO's telemetry sent from a fork), to NET_AUDIT_LOG as JSON lines.
+# Connections made by native code (uvloop's Redis sockets, a library's own C++ client) do not
+# pass through it: those are covered by the files under HOME, where each engine's telemetry keeps
+# its client id and its queue.
+SITECUSTOMIZE = """
+import json, os, sys
+
+_LOG = os.environ["NET_AUDIT_LOG"]
+_EVENTS = ("socket.getaddrinfo", "socket.connect", "socket.sendto", "socket.sendmsg", "socket.bind")
+
+
+def _audit(event, args):
+    if event not in _EVENTS:
+        return
+    if event == "socket.getaddrinfo":
+        host, port = args[0], args[1]
+    else:
+        address = args[-1] if event in ("socket.sendto", "socket.sendmsg") else args[1]
+        host, port = (address[0], address[1]) if isinstance(address, tuple) else (address, None)
+    if isinstance(host, bytes):
+        host = host.decode(errors="replace")
+    record = {"pid": os.getpid(), "event": event, "host": str(host), "port": port}
+    fd = os.open(_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, (json.dumps(record) + "\\n").encode())
+    finally:
+        os.close(fd)
+
+
+sys.addaudithook(_audit)
+"""
+
+# what the worker logs once its forward path is chosen (the engine's copy built, gated and
+# kept or refused) and its query lane serves: everything a start does is done by then
+READY_LINE = '"query lane ready"'
+
+
+def _backend(name: str) -> pytest.ParameterSet:
+    """``name`` as a parameter, skipped where the engine it needs is not installed."""
+    needs = {"openvino": ("openvino",), "onnxruntime": ("onnxruntime",)}.get(name, ())
+    missing = [engine for engine in needs if not installed(engine)]
+    return pytest.param(
+        name,
+        marks=pytest.mark.skipif(bool(missing), reason=f"the {missing} extra is not installed"),
+    )
+
+
+def _entry_point() -> str:
+    """The `embedfleet` command installed beside this interpreter (the venv's bin), as a user
+    runs it."""
+    command = Path(sys.executable).with_name("embedfleet")
+    assert command.is_file(), f"{command} is missing: pip install -e '.[worker]' into this venv"
+    return str(command)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+async def _until_logged(process: subprocess.Popen[bytes], log: Path, text: str) -> None:
+    """Until the worker's log holds ``text`` (read every 50 ms: the line is the signal)."""
+    async with asyncio.timeout(300):
+        while text not in log.read_text(errors="replace"):
+            if process.poll() is not None:
+                raise AssertionError(f"worker exited before logging {text}: {log.read_text()}")
+            await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    "backend", [_backend(name) for name in ("openvino", "onnxruntime", "default", "auto")]
+)
+async def test_a_worker_sends_nothing_and_writes_nothing_under_home(
+    backend: str, settings: Settings, redis_server: ServerProcess, tmp_path: Path
+) -> None:
+    require_slow_tier("an `embedfleet worker` process")
+    home, site = tmp_path / "home", tmp_path / "site"
+    home.mkdir()
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    audit, log = tmp_path / "net.jsonl", tmp_path / "worker.log"
+    health_port = free_port()
+    env = worker_env(
+        settings,
+        HOME=str(home),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
+        NET_AUDIT_LOG=str(audit),
+        EMBEDFLEET_CPU_BACKEND=backend,
+        EMBEDFLEET_HEALTH_PORT=str(health_port),
+        EMBEDFLEET_CONSUMER=f"quiet-{backend}",
+    )
+    # every library's default place is under HOME, where the test looks
+    for variable in ("XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME"):
+        env.pop(variable, None)
+    with log.open("wb") as log_file:
+        process = subprocess.Popen(
+            [_entry_point(), "worker"], env=env, stdout=subprocess.DEVNULL, stderr=log_file
+        )
+    try:
+        await _until_logged(process, log, READY_LINE)
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert code == 0, log.read_text()
+    if backend in ("openvino", "onnxruntime"):  # the engine's copy was built, not skipped
+        assert '"backend copy made"' in log.read_text(), log.read_text()
+
+    written = sorted(str(path.relative_to(home)) for path in home.rglob("*"))
+    lines = audit.read_text().splitlines() if audit.exists() else []
+    records = [json.loads(line) for line in lines]
+    assert records, "the audit hook saw nothing: not even the health port's bind"
+    redis_port = redis_server.port
+    elsewhere = [
+        record
+        for record in records
+        if not (
+            (record["event"] == "socket.bind" and record["port"] == health_port)
+            or (_is_loopback(record["host"]) and record["port"] in (redis_port, health_port))
+        )
+    ]
+    # both at once: a failure names every file and every address
+    assert (written, elsewhere) == ([], []), (
+        f"the worker wrote under HOME {written} and reached beyond its Redis and health port "
+        f"{elsewhere}"
+    )
