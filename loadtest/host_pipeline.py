@@ -58,6 +58,7 @@ import redis
 
 from embedfleet.shared.protocol import Chunk, Result, encode_chunk, encode_result, encode_results
 from embedfleet.shared.settings import Settings
+from embedfleet.shared.settings.batching import AUTO_BATCHING
 from embedfleet.shared.tokens import encode_for_model, pack_token_ids
 from embedfleet.workers.batcher import BATCH_COST_TOKENS, PlannedBatch
 from loadtest.common import cpu_name, machine_load, redis_server
@@ -308,8 +309,26 @@ class Config:
         return f"{self.processes} process{'es' if self.processes > 1 else ''}, {self.path}{cores}"
 
 
+def host_environment(host: str) -> dict[str, str]:
+    """The worker settings of the host the pipeline stands for: ``cuda`` (a GPU host: the CUDA
+    defaults' read window and batches, shared/settings/batching.py, and no slice limit, as
+    the CUDA query lane serves queries beside bulk work: workers/slices.py) or ``cpu`` (the
+    CPU defaults, slices sized by the cost model)."""
+    if host == "cpu":
+        return {}
+    batching = AUTO_BATCHING["cuda"]
+    return {
+        "EMBEDFLEET_READ_COUNT": str(batching.read_count),
+        "EMBEDFLEET_TOKEN_BUDGET": str(batching.token_budget),
+        "EMBEDFLEET_MAX_BATCH": str(batching.max_batch),
+        "EMBEDFLEET_SLICE_MS": "0",
+    }
+
+
 @contextlib.contextmanager
-def children(settings: Settings, config: Config, folder: Path) -> Iterator[list[Any]]:
+def children(
+    settings: Settings, config: Config, folder: Path, host: dict[str, str]
+) -> Iterator[list[Any]]:
     """``config.processes`` loaded children, each waiting for ``go``; stopped on exit."""
     environment = {
         **os.environ,
@@ -322,6 +341,7 @@ def children(settings: Settings, config: Config, folder: Path) -> Iterator[list[
         # the tokenizer's batch encoding on every core, as a CUDA worker sets it
         # (workers/model/tokenizer.py configure_tokenizer_threads): the host a GPU waits on
         "TOKENIZERS_PARALLELISM": "true",
+        **host,
     }
     processes: list[subprocess.Popen[str]] = []
     try:
@@ -377,7 +397,9 @@ def fill(client: redis.Redis, stream: str, payloads: list[bytes]) -> None:
         pipe.execute()
 
 
-def one_run(url: str, config: Config, payloads: list[bytes]) -> dict[str, Any]:
+def one_run(
+    url: str, config: Config, payloads: list[bytes], host: dict[str, str]
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as folder_name:
         folder = Path(folder_name)
         settings = Settings(redis_url=url, namespace=f"host{uuid.uuid4().hex[:8]}")
@@ -385,7 +407,7 @@ def one_run(url: str, config: Config, payloads: list[bytes]) -> dict[str, Any]:
         client = redis.Redis.from_url(url)
         try:
             fill(client, keys.ingest, payloads)
-            with children(settings, config, folder) as processes:
+            with children(settings, config, folder, host) as processes:
                 go = time.time()
                 for process in processes:
                     assert process.stdin is not None
@@ -475,9 +497,10 @@ def measure(
     paths: list[str],
     rounds: int,
     core_counts: Sequence[int] = (),
+    host: str = "cuda",
 ) -> dict[str, Any]:
     settings = Settings()
-    window = settings.batching("cpu").read_count
+    window = settings.batching(host).read_count
     # the model the children load (EMBEDFLEET_MODEL: the device check's carried copy, where no
     # model package is installed) tokenizes the corpus and the floor
     corpus = build_corpus(count, tokenizer=load_tokenizer(settings.model))
@@ -516,7 +539,8 @@ def measure(
             cpu_floors.append(cpu_rate)
             shift = number % len(configs)
             for config in configs[shift:] + configs[:shift]:
-                run = one_run(server.url, config, with_ids if config.path == "ids" else payloads)
+                chunks = with_ids if config.path == "ids" else payloads
+                run = one_run(server.url, config, chunks, host_environment(host))
                 runs[config].append(run)
                 print(
                     f"round {number + 1}: {config.label}: {run['texts_per_s']:.0f} texts/s "
@@ -565,6 +589,7 @@ def measure(
         "tokens": tokens,
         "rounds": rounds,
         "read_count": window,
+        "host": host,
         "tokenizer_floor_texts_per_s": statistics.median(floors),
         "tokenizer_floor_rounds": floors,
         # per CPU second of the tokenizing thread: compare with texts_per_core_s
@@ -580,7 +605,8 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"machine: {report['machine']}; {machine_load()}")
     print(
         f"corpus: {report['texts']} texts, {report['tokens']} tokens; {report['rounds']} rounds "
-        f"interleaved; read count {report['read_count']}; stand-in encoder at 0 µs/token"
+        f"interleaved; {report['host']} host, read count {report['read_count']}; stand-in "
+        "encoder at 0 µs/token"
     )
     print(
         f"raw tokenizer floor (one thread, same texts): {floor:.0f} texts/s (median), "
@@ -670,6 +696,14 @@ def print_ratios(report: dict[str, Any]) -> None:
     help="Also run one worker process limited to this many CPUs (comma-separated, e.g. 1,2): "
     "its rate against the number of cores it has.",
 )
+@click.option(
+    "--host",
+    type=click.Choice(["cuda", "cpu"]),
+    default="cuda",
+    show_default=True,
+    help="The host the pipeline stands for: cuda (a GPU host's read window, batches and no "
+    "slice limit) or cpu (the CPU defaults, slices sized by the cost model).",
+)
 @click.option("--rounds", type=int, default=3, show_default=True)
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None)
 @click.option("--child", type=click.Path(path_type=Path), default=None, hidden=True)
@@ -678,6 +712,7 @@ def main(
     processes: str,
     paths: str,
     core_counts: str,
+    host: str,
     rounds: int,
     json_out: Path | None,
     child: Path | None,
@@ -699,6 +734,7 @@ def main(
         chosen,
         rounds,
         [int(n) for n in core_counts.split(",") if n],
+        host,
     )
     print_report(report)
     if json_out is not None:
