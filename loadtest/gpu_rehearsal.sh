@@ -11,11 +11,20 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-PYTHON312=${PYTHON312:-$(command -v python3.12 || echo "$HOME/.pyenv/versions/3.12.1/bin/python")}
 VENV=${REHEARSAL_VENV:-.venv-rehearsal312}
 export OUT=${OUT:-$(mktemp -d)}
 
-if [ ! -x "$PYTHON312" ]; then
+# The first Python 3.12 that runs (a pyenv shim named python3.12 exists, and fails, where 3.12 is
+# installed but not selected).
+if [ -z "${PYTHON312:-}" ]; then
+  for candidate in "$(command -v python3.12)" "$HOME"/.pyenv/versions/3.12*/bin/python; do
+    if [ -n "$candidate" ] && "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+      PYTHON312=$candidate
+      break
+    fi
+  done
+fi
+if [ -z "${PYTHON312:-}" ] && [ ! -f "$VENV/.installed" ]; then
   echo "gpu_rehearsal: no Python 3.12 (set PYTHON312=/path/to/python3.12)" >&2
   exit 2
 fi
@@ -28,7 +37,8 @@ if [ ! -f "$VENV/.installed" ]; then
   touch "$VENV/.installed"
   set +e
 fi
+started=$SECONDS
 SITE=$(mktemp -d) PYTHON="$VENV/bin/python" bash loadtest/gpu_check.sh --device cpu "$@"
 status=$?  # the summary was printed whatever happened; say where the files are
-echo "gpu_rehearsal: exit $status, files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+echo "gpu_rehearsal: exit $status in $((SECONDS - started)) s, files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
 exit $status

@@ -297,7 +297,7 @@ def bench(config: CheckConfig, record: Record) -> None:
     import torch
 
     from embedfleet.workers.model.encoder import Encoder
-    from loadtest.bench import Fleet, measure_peak, st_contender, useful_flops
+    from loadtest.bench import Fleet, measure_peak, settings_overrides, st_contender, useful_flops
 
     texts, ids = _corpus(config.texts, config)
     encoder = Encoder(config.model, device=config.device, dtype="auto", threads=config.threads)
@@ -338,10 +338,13 @@ def bench(config: CheckConfig, record: Record) -> None:
 
     # The fleet first: the step's timeout cuts what comes last, and sentence-transformers'
     # float32 row is the slowest (34 s of 100k texts on the H200).
-    settings = {
+    settings: dict[str, object] = {
         "token_budget": config.token_budget,
         "max_batch": config.max_batch,
         "read_count": config.read_count,
+        # the profile's worker settings reach this in-process worker too: on a CPU with AMX
+        # it built the W8A8 int8 copy (70 s of the step's 100) that the worker processes skip
+        **settings_overrides(config.extra.get("worker_env", {})),
     }
     fleet = Fleet(config.redis_url)
     fleet.run(encoder, texts[:256], [f"warm-{i}" for i in ids[:256]], False, settings=settings)
