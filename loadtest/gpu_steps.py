@@ -893,11 +893,11 @@ async def _replicas(config: CheckConfig, record: Record) -> None:
         began = time.perf_counter()
         await asyncio.gather(*(wait_ready(one, 300) for one in started))
         record.put("ready_s", round(time.perf_counter() - began, 1))
-        for count in config.replicas:
+        for turn, count in enumerate(config.replicas):
             ports = [one.ports[0] for one in started[:count]]
             texts, _ = _corpus(config.replica_texts * count, config, offset=13 * count)
             flops = shape.flops(token_lengths(config.model, texts))
-            for mode in ("plain", "ids"):
+            for mode in _modes(turn):
                 settings = _settings(config, namespace, partitions=most, token_ids=mode == "ids")
                 prefix = f"{count}{mode}"
                 ids = pinned_ids(prefix, len(texts), count, most)
@@ -907,6 +907,12 @@ async def _replicas(config: CheckConfig, record: Record) -> None:
                 say(f"{count} replicas {mode}: {_line(row)}")
     finally:
         stop_workers(started)
+
+
+def _modes(turn: int) -> tuple[str, str]:
+    """Plain and token ids, first one then the other by turns: a run's place after the start
+    (caches, allocator, clocks) weighs on both alike."""
+    return ("plain", "ids") if turn % 2 == 0 else ("ids", "plain")
 
 
 def _line(row: dict[str, Any]) -> str:
@@ -932,7 +938,7 @@ async def _large(config: CheckConfig, record: Record) -> None:
 
     count = auto_replicas(config)
     record.put("setup", {"replicas": count, "usable_cpus": usable_cpus()})
-    for shape in (LargeModel(**fields) for fields in config.large_models):
+    for turn, shape in enumerate(LargeModel(**fields) for fields in config.large_models):
         model_dir = models_dir(config) / shape.name
         if not (model_dir / "model.safetensors").is_file():
             raise RuntimeError(f"no {model_dir}: the models step builds it (--steps models,...)")
@@ -942,7 +948,7 @@ async def _large(config: CheckConfig, record: Record) -> None:
         env = {"EMBEDFLEET_MODEL": str(model_dir), "EMBEDFLEET_DTYPE": config.large_dtype}
         with worker(config, namespace, config.threads, "auto", env) as started:
             ready = await wait_ready(started, 240)
-            for mode in ("plain", "ids"):
+            for mode in _modes(turn):
                 settings = _settings(config, namespace, token_ids=mode == "ids")
                 prefix = f"{shape.name}-{mode}"
                 ids = [f"{prefix}-{i}" for i in range(len(texts))]
