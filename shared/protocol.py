@@ -284,6 +284,36 @@ def encode_chunk(chunk: Chunk) -> bytes:
     return msgpack.packb(message, use_bin_type=True)
 
 
+# Every numeric field's upper bound (docs/PROTOCOL.md): far above any model's (a dimension,
+# a vocabulary, a length), and within msgpack's 64-bit integers and a C long, so a value past
+# them is refused here as the caller's error, never raised later as an OverflowError by msgpack,
+# numpy or torch.
+MAX_DIMENSIONS = 65_536
+MAX_WINDOW_OVERLAP = 1_000_000  # tokens: no text the default limits pass holds more
+MAX_ACTIVE_DIMS = 1_000_000  # a sparse vector's weights: a vocabulary's size (BGE-M3: 250,002)
+MAX_DEADLINE_MS = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z, unix milliseconds
+
+
+def _shown(value: object) -> str:
+    """``value`` for an error message, kept short: a huge integer by its size (its repr alone
+    may fail past 4,300 digits), anything else cut to 60 characters."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    shown = repr(value)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
+
+
+def check_count(name: str, value: object, lowest: int, highest: int, meaning: str) -> None:
+    """Raise ProtocolError unless ``value`` is an integer from ``lowest`` to ``highest``
+    (``meaning`` says what it counts): the one check of every numeric field, so a float, NaN, a
+    bool, a string or a number past the bound is refused alike, naming the range."""
+    if isinstance(value, int) and not isinstance(value, bool) and lowest <= value <= highest:
+        return
+    raise ProtocolError(
+        f"'{name}' must be an integer from {lowest} to {highest:,} ({meaning}), got {_shown(value)}"
+    )
+
+
 def check_embedding_options(
     *,
     prompt_name: object = None,
@@ -316,16 +346,14 @@ def check_embedding_options(
 
 
 def check_dimensions(dimensions: object, *, whole: bool = True) -> None:
-    """Raise ProtocolError unless ``dimensions`` is a positive integer, or ``FULL_DIMENSIONS``
-    (the model's whole vector) where ``whole`` allows it: a chunk may ask for it, an HTTP
-    request may not (it leaves ``dimensions`` out). Whether it fits the model is the model
-    card's check (shared/modelcard.py, ``ModelCard.check_dimensions``)."""
-    lowest = FULL_DIMENSIONS if whole else 1
-    if not isinstance(dimensions, int) or isinstance(dimensions, bool) or dimensions < lowest:
-        whole_vector = f" (or {FULL_DIMENSIONS}: the model's whole vector)" if whole else ""
-        raise ProtocolError(
-            f"'dimensions' must be a positive integer{whole_vector}, got {dimensions!r}"
-        )
+    """Raise ProtocolError unless ``dimensions`` is an integer from 1 to ``MAX_DIMENSIONS``, or
+    ``FULL_DIMENSIONS`` (the model's whole vector) where ``whole`` allows it: a chunk may ask for
+    it, an HTTP request may not (it leaves ``dimensions`` out). Whether it fits the model is the
+    model card's check (shared/modelcard.py, ``ModelCard.check_dimensions``)."""
+    meaning = "the vector's leading dimensions to keep"
+    if whole:
+        meaning += f"; {FULL_DIMENSIONS}: the model's whole vector"
+    check_count("dimensions", dimensions, FULL_DIMENSIONS if whole else 1, MAX_DIMENSIONS, meaning)
 
 
 def _unpack_bounded(payload: bytes, max_bytes: int) -> Any:
@@ -458,8 +486,8 @@ def chunk_from_mapping(
     if reply is not None and (not isinstance(reply, str) or not reply):
         raise ProtocolError("'reply' must be a non-empty string when given")
     deadline = message.get("deadline")
-    if deadline is not None and (not isinstance(deadline, int) or isinstance(deadline, bool)):
-        raise ProtocolError("'deadline' must be an integer (unix milliseconds) when given")
+    if deadline is not None:
+        check_count("deadline", deadline, 0, MAX_DEADLINE_MS, "unix time in milliseconds")
     tenant = message.get("tenant")
     if tenant is not None and (not isinstance(tenant, str) or not TENANT_PATTERN.fullmatch(tenant)):
         raise ProtocolError(
@@ -523,15 +551,17 @@ def _token_id_fields(message: Mapping[str, Any]) -> tuple[bytes | None, str | No
 
 
 def check_window_overlap(overlap: object) -> None:
-    """Raise ProtocolError unless ``window_overlap`` is absent or a non-negative integer (the
-    tokens a long input's neighbouring windows share). Whether it fits the model's length is
-    the worker's check (workers/model/tokenizer.py, ``split_windows``)."""
-    if overlap is not None and (
-        not isinstance(overlap, int) or isinstance(overlap, bool) or overlap < 0
-    ):
-        raise ProtocolError(
-            f"'{LONG_INPUT_OPTION}' must be a non-negative integer (tokens neighbouring windows "
-            f"share) when given, got {overlap!r}"
+    """Raise ProtocolError unless ``window_overlap`` is absent or an integer from 0 to
+    ``MAX_WINDOW_OVERLAP`` (the tokens a long input's neighbouring windows share). Whether it
+    fits the model's length is the worker's check (workers/model/tokenizer.py,
+    ``split_windows``)."""
+    if overlap is not None:
+        check_count(
+            LONG_INPUT_OPTION,
+            overlap,
+            0,
+            MAX_WINDOW_OVERLAP,
+            "tokens neighbouring windows share, less than the model's maximum",
         )
 
 
@@ -552,8 +582,8 @@ def _representation_options(message: Mapping[str, Any]) -> dict[str, Any]:
             )
         wanted = tuple(wanted)
     top = message.get("max_active_dims")
-    if top is not None and (not isinstance(top, int) or isinstance(top, bool) or top < 1):
-        raise ProtocolError(f"'max_active_dims' must be a positive integer, got {top!r}")
+    if top is not None:
+        check_count("max_active_dims", top, 1, MAX_ACTIVE_DIMS, "sparse weights to keep")
     pair = message.get("pair")
     if pair is not None and (
         not isinstance(pair, str) or not pair.strip() or len(pair) > MAX_PAIR_CHARS

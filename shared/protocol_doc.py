@@ -21,11 +21,15 @@ from embedfleet.shared.dead_letters import PAYLOAD_PREFIX_BYTES, DeadReason
 from embedfleet.shared.protocol import (
     DEFAULT_DTYPE,
     LONG_INPUT_OPTION,
+    MAX_ACTIVE_DIMS,
+    MAX_DEADLINE_MS,
+    MAX_DIMENSIONS,
     MAX_ID_CHARS,
     MAX_PAIR_CHARS,
     MAX_PROMPT_CHARS,
     MAX_PROMPT_NAME_CHARS,
     MAX_TOKEN_IDS,
+    MAX_WINDOW_OVERLAP,
     MULTIVECTOR_DTYPES,
     OUTPUT_DTYPES,
     PAYLOAD_FIELD,
@@ -101,8 +105,9 @@ CHUNK_FIELDS: tuple[WireField, ...] = (
         "dimensions",
         "int",
         False,
-        "truncate the vector to this many dimensions; `0`: the model's whole vector, whatever "
-        "`EMBEDFLEET_DIMENSIONS` says; absent: `EMBEDFLEET_DIMENSIONS`",
+        f"0 to {MAX_DIMENSIONS:,}: truncate the vector to this many dimensions (at most the "
+        "model's); `0`: the model's whole vector, whatever `EMBEDFLEET_DIMENSIONS` says; absent: "
+        "`EMBEDFLEET_DIMENSIONS`",
     ),
     WireField(
         "dtype",
@@ -125,8 +130,8 @@ CHUNK_FIELDS: tuple[WireField, ...] = (
         "max_active_dims",
         "int",
         False,
-        "sparse only: keep the largest this many weights (`SparseEncoder`'s "
-        "`max_active_dims`); absent: every non-zero weight",
+        f"sparse only, 1 to {MAX_ACTIVE_DIMS:,}: keep the largest this many weights "
+        "(`SparseEncoder`'s `max_active_dims`); absent: every non-zero weight",
     ),
     WireField(
         "pair",
@@ -166,7 +171,8 @@ CHUNK_FIELDS: tuple[WireField, ...] = (
         LONG_INPUT_OPTION,
         "int",
         False,
-        "dense only: a text over the model's maximum tokens is embedded whole, not cut: split "
+        f"dense only, 0 to {MAX_WINDOW_OVERLAP:,}: a text over the model's maximum tokens is "
+        "embedded whole, not cut: split "
         "into token windows of the model's length (each with the model's special tokens and "
         "prompt) whose neighbours share this many tokens, one forward row per window in the "
         "same batches as every other text, pooled back into one vector (the windows' vectors "
@@ -220,8 +226,8 @@ QUERY_FIELDS: tuple[WireField, ...] = (
         "deadline",
         "int",
         False,
-        "unix time in milliseconds after which the caller has gone: the worker acknowledges "
-        "the entry and does not answer",
+        f"unix time in milliseconds (0 to {MAX_DEADLINE_MS:,}, the end of year 9999) after "
+        "which the caller has gone: the worker acknowledges the entry and does not answer",
     ),
 )
 

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import Scope
 
 from embedfleet.shared.fault_kinds import FaultKind, classify
+from embedfleet.shared.protocol import ProtocolError
 
 OPENAI_PREFIX = "/v1"
 
@@ -227,6 +228,15 @@ async def validation_error_handler(request: Request, error: Exception) -> JSONRe
     return render(request, APIError(400, message, param=param, code="invalid_request"))
 
 
+async def protocol_error_handler(request: Request, error: Exception) -> JSONResponse:
+    """A chunk the protocol's one validator refused as the gateway built it (a number past its
+    bound, shared/protocol.py ``check_count``): the caller's error, 400 in OpenAI's dialect and
+    422 in TEI's, with the owner's message, which names the field and its range. The door
+    translates; it does not check again (the request models bound only what they own)."""
+    assert isinstance(error, ProtocolError)
+    return render(request, APIError(400, str(error), code="invalid_request"))
+
+
 async def http_error_handler(request: Request, error: Exception) -> JSONResponse:
     """Starlette's own answers (no such route, a method the route does not take) in the
     route's envelope, with their headers (``Allow`` on a 405)."""
@@ -287,6 +297,7 @@ async def unexpected_error_handler(request: Request, error: Exception) -> JSONRe
 EXCEPTION_HANDLERS = (
     (APIError, api_error_handler),
     (RequestValidationError, validation_error_handler),
+    (ProtocolError, protocol_error_handler),
     (HTTPException, http_error_handler),
     (redis_errors.RedisError, redis_error_handler),
     (redis_errors.RedisClusterException, redis_error_handler),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictInt
 
 from embedfleet.gateway.errors import APIError, ErrorDialect, dialect_router
 from embedfleet.gateway.inputs import (
@@ -26,7 +26,8 @@ class EmbeddingRequest(BaseModel):
     input: EmbeddingInput
     model: str
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None)
+    # strict: a JSON number, not a string that looks like one (OpenAI and TEI refuse "64")
+    dimensions: StrictInt | None = Field(default=None)
     user: str | None = None
     # Not OpenAI's: an input over the model's maximum is a 400 there (and here), unless the
     # client asks for it to be cut to fit (TEI's name for it); None: the server's default,
@@ -34,7 +35,7 @@ class EmbeddingRequest(BaseModel):
     truncate: bool | None = None
     # Not OpenAI's either: an input over the model's maximum embedded whole, in token windows
     # sharing this many tokens, pooled back into one vector (the chunk option, issue 42)
-    window_overlap: int | None = Field(default=None, ge=0)
+    window_overlap: StrictInt | None = Field(default=None, ge=0)
 
 
 @router.post("/v1/embeddings")

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictInt
 
 from embedfleet import __name__ as package_name
 from embedfleet.gateway.errors import APIError, ErrorDialect, dialect_router
@@ -39,13 +39,14 @@ class EmbedRequest(BaseModel):
     truncation_direction: TruncationDirection = "Right"
     normalize: bool | None = True
     prompt_name: str | None = None
-    dimensions: int | None = None
+    # strict: a JSON number, not a string that looks like one (TEI's serde refuses "64")
+    dimensions: StrictInt | None = None
     # not TEI's (one model per server): the model to use where the namespace serves several;
     # None is the gateway's own
     model: str | None = None
     # not TEI's: an input over the model's maximum embedded whole (not cut, not refused), in
     # token windows sharing this many tokens, pooled back into one vector (issue 42)
-    window_overlap: int | None = Field(default=None, ge=0)
+    window_overlap: StrictInt | None = Field(default=None, ge=0)
 
 
 class TokenizeRequest(BaseModel):

@@ -93,6 +93,36 @@ def test_tei_embed_embeds_a_long_input_whole(gateway: str, long_input) -> None:
     assert refused.status_code == 422
 
 
+# a number past every bound (2**70: past msgpack's 64 bits, where the gateway answered 500),
+# past the protocol's own bound, negative, fractional, NaN and infinite (Python's JSON reads
+# them) and strings: the caller's error in each dialect, never a 500 (values as JSON)
+BAD_NUMBERS = ["1180591620717411303424", "18446744073709551616", "-1", "1.5", "2.0", "NaN"]
+BAD_NUMBERS += ["Infinity", '"5"', '"five"']
+PAST_BOUND = {"window_overlap": "1000001", "dimensions": "65537"}  # MAX_WINDOW_OVERLAP + 1, ...
+
+
+@pytest.mark.parametrize("field", ["window_overlap", "dimensions"])
+@pytest.mark.parametrize("value", [*BAD_NUMBERS, "past the bound"])
+def test_a_bad_number_is_the_callers_error_in_each_dialect(
+    gateway: str, field: str, value: str
+) -> None:
+    value = PAST_BOUND[field] if value == "past the bound" else value
+    bodies = {
+        "/v1/embeddings": '{"model": "all-MiniLM-L6-v2", "input": ["a text"], "%s": %s}',
+        "/embed": '{"inputs": ["a text"], "%s": %s}',
+    }
+    statuses = {"/v1/embeddings": 400, "/embed": 422}  # OpenAI's and TEI's validation status
+    for path, body in bodies.items():
+        answer = httpx.post(
+            f"{gateway}{path}",
+            content=body % (field, value),
+            headers={"content-type": "application/json"},
+            timeout=60,
+        )
+        assert answer.status_code == statuses[path], (path, answer.status_code, answer.text)
+        assert field in answer.text, answer.text  # the message names the field
+
+
 def test_the_batch_api_embeds_a_long_line_whole(gateway: str, long_input, tmp_path: Path) -> None:
     """A Batch API line with ``window_overlap`` in its body is answered in the output file as
     one embedding, at parity; the same line without it is refused on its own (error file)."""

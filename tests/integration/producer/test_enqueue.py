@@ -6,9 +6,10 @@ import io
 import json
 from collections.abc import Callable
 
+import pytest
 import redis.asyncio as aioredis
 
-from embedfleet.producer import Producer
+from embedfleet.producer import EmbeddingOptions, Producer
 from embedfleet.producer.enqueue import EnqueueCall, enqueue_script_command, script_counts
 from embedfleet.producer.jsonl import BadLine, line_cap, read_chunks
 from embedfleet.shared.protocol import (
@@ -16,6 +17,7 @@ from embedfleet.shared.protocol import (
     PAYLOAD_FIELD,
     Chunk,
     ChunkLimits,
+    ProtocolError,
     decode_chunk,
     encode_chunk,
 )
@@ -175,3 +177,32 @@ def test_a_line_the_model_refuses_is_named() -> None:
     lines = [{"id": "a", "text": "x"}, {"id": "b", "text": "y", "prompt_name": "nope"}]
     ids, bad = _read(b"\n".join(json.dumps(line).encode() for line in lines), check=check)
     assert ids == ["a"] and bad == [(2, "chunk 'b': prompt_name='nope' is not one of its prompts")]
+
+
+# past msgpack's 64 bits (the Producer raised msgpack's OverflowError), past the bound, NaN
+HUGE_AND_WRONG = [2**70, 10**5000, 1_000_001, -1, 1.5, float("nan"), "5"]
+NAMED = ["2**70", "10**5000", "past-the-bound", "negative", "fractional", "NaN", "string"]
+
+
+@pytest.mark.parametrize("value", HUGE_AND_WRONG, ids=NAMED)
+async def test_a_bad_number_is_a_protocol_error_and_nothing_is_sent(
+    settings: Settings, client: aioredis.Redis, value: object
+) -> None:
+    """Every door of the Producer refuses a bad number as ProtocolError, the error every other
+    bad value raises, before anything reaches Redis: a chunk's own option, a job's options, a
+    query's options, a sparse query's ``max_active_dims``."""
+    async with Producer(settings, client) as producer:
+        with pytest.raises(ProtocolError, match="'window_overlap' must be an integer from 0"):
+            await producer.enqueue([{"id": "a", "text": "t", "window_overlap": value}], job="j")
+        options = EmbeddingOptions(window_overlap=value)  # type: ignore[arg-type]
+        with pytest.raises(ProtocolError, match="'window_overlap'"):
+            await producer.enqueue([Chunk(id="b", text="t")], job="j", options=options)
+        with pytest.raises(ProtocolError, match="'window_overlap'"):
+            await producer.embed_texts(["t"], options=options, timeout=5)
+        with pytest.raises(ProtocolError, match="'dimensions'"):
+            dimensions = EmbeddingOptions(dimensions=value)  # type: ignore[arg-type]
+            await producer.embed_query("t", options=dimensions, timeout=5)
+        with pytest.raises(ProtocolError, match="'max_active_dims'"):
+            await producer.embed_sparse(["t"], max_active_dims=value, timeout=5)  # type: ignore[arg-type]
+    for stream in (settings.keys.ingest, settings.keys.query, settings.keys.interactive):
+        assert await client.xlen(stream) == 0, stream

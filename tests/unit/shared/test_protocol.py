@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgpack
 import numpy as np
 import pytest
@@ -15,6 +17,10 @@ from embedfleet.shared.dead_letters import (
     dead_letter_fields,
 )
 from embedfleet.shared.protocol import (
+    MAX_ACTIVE_DIMS,
+    MAX_DEADLINE_MS,
+    MAX_DIMENSIONS,
+    MAX_WINDOW_OVERLAP,
     Chunk,
     ChunkLimits,
     MultiVector,
@@ -172,9 +178,9 @@ def test_chunk_options_round_trip() -> None:
 @pytest.mark.parametrize(
     ("field", "value", "reason"),
     [
-        ("dimensions", -1, "'dimensions' must be a positive integer"),
-        ("dimensions", True, "'dimensions' must be a positive integer"),
-        ("dimensions", "64", "'dimensions' must be a positive integer"),
+        ("dimensions", -1, "'dimensions' must be an integer from 0 to 65,536"),
+        ("dimensions", True, "'dimensions' must be an integer from 0 to 65,536"),
+        ("dimensions", "64", "'dimensions' must be an integer from 0 to 65,536"),
         ("dtype", "int4", "'dtype' must be one of float16, float32, int8, uint8, binary, ubinary"),
         ("prompt_name", "", "'prompt_name' must be a non-empty string"),
         ("prompt", 5, "'prompt' must be a string"),
@@ -184,6 +190,78 @@ def test_bad_options_are_rejected(field: str, value: object, reason: str) -> Non
     payload = msgpack.packb({"v": 1, "id": "a", "text": "t", field: value})
     with pytest.raises(ProtocolError, match=reason):
         decode_chunk(payload)
+
+
+# --- every numeric field bounded (issue 54) ----------------------------------------------------
+# Each numeric field of a chunk, as the wire names it, with its range. A new numeric field of
+# Chunk fails test_every_numeric_field_is_fuzzed until it is added here (and bounded).
+NUMERIC_FIELDS = {
+    "deadline": (0, MAX_DEADLINE_MS),
+    "dimensions": (0, MAX_DIMENSIONS),
+    "max_active_dims": (1, MAX_ACTIVE_DIMS),
+    "window_overlap": (0, MAX_WINDOW_OVERLAP),
+}
+WIRE_NAMES = {"deadline_ms": "deadline"}
+# what a caller, a JSON line or a request body may hold: huge (past msgpack's 64 bits, past
+# 4,300 digits, where an int's repr fails), negative, fractional, NaN, infinite, strings, a bool
+BAD_NUMBERS = [
+    2**70,
+    2**64,
+    2**63,
+    10**5000,
+    -1,
+    -(2**70),
+    1.5,
+    2.0,
+    float("nan"),
+    float("inf"),
+    "5",
+    "",
+    "NaN",
+    True,
+    [1],
+]
+
+
+def test_every_numeric_field_is_fuzzed() -> None:
+    numeric = {
+        WIRE_NAMES.get(field.name, field.name)
+        for field in dataclasses.fields(Chunk)
+        if field.type in ("int | None", "int")
+    }
+    assert numeric == set(NUMERIC_FIELDS)
+
+
+@pytest.mark.parametrize("field", sorted(NUMERIC_FIELDS))
+@pytest.mark.parametrize("value", BAD_NUMBERS, ids=lambda value: type(value).__name__)
+def test_a_bad_number_is_a_protocol_error(field: str, value: object) -> None:
+    """Never an OverflowError (msgpack), a ValueError from an int's repr, or a chunk accepted
+    that no worker could send on: ProtocolError, naming the field and its range."""
+    lowest, highest = NUMERIC_FIELDS[field]
+    expected = f"'{field}' must be an integer from {lowest} to {highest:,}"
+    with pytest.raises(ProtocolError, match=expected):
+        chunk_from_mapping({"id": "a", "text": "t", field: value})
+
+
+@pytest.mark.parametrize("field", sorted(NUMERIC_FIELDS))
+def test_each_bound_is_sent_and_one_past_it_refused(field: str) -> None:
+    lowest, highest = NUMERIC_FIELDS[field]
+    for edge in (lowest, highest):
+        chunk = chunk_from_mapping({"id": "a", "text": "t", field: edge})
+        assert decode_chunk(encode_chunk(chunk)) == chunk  # msgpack carries it
+    for past in (lowest - 1, highest + 1):
+        with pytest.raises(ProtocolError, match=f"from {lowest} to {highest:,}"):
+            chunk_from_mapping({"id": "a", "text": "t", field: past})
+
+
+@pytest.mark.parametrize("field", sorted(NUMERIC_FIELDS))
+def test_a_huge_number_on_the_wire_is_dead_lettered_not_raised(field: str) -> None:
+    """A producer in another language may send uint64's largest: the worker's decoder files it
+    as the chunk's error (ProtocolError), keeping its id for the dead letter."""
+    payload = msgpack.packb({"v": 1, "id": "a", "text": "t", field: 2**64 - 1})
+    with pytest.raises(ProtocolError, match=f"'{field}'") as caught:
+        decode_chunk(payload)
+    assert caught.value.chunk_id == "a"
 
 
 @pytest.mark.parametrize(
