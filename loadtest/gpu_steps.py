@@ -679,9 +679,34 @@ def pinned_ids(prefix: str, count: int, used: int, partitions: int) -> list[str]
     return ids
 
 
+async def watched(job: Any, workers: Sequence[WorkerProcess]) -> Any:
+    """``job``'s result, or an error with its log's tail as soon as one of ``workers`` exits: a
+    worker that dies mid-run would otherwise hold the step until its timeout, a lease's minutes
+    (the replicas' parent exits when one of its replicas does)."""
+
+    async def watch() -> None:
+        while True:
+            for one in workers:
+                if one.process.poll() is not None:
+                    raise RuntimeError(
+                        f"a worker exited with {one.process.returncode} during the run:\n"
+                        f"{one.tail()}"
+                    )
+            await asyncio.sleep(0.5)
+
+    waiting = asyncio.ensure_future(job)
+    watching = asyncio.ensure_future(watch())
+    done, _ = await asyncio.wait({waiting, watching}, return_when=asyncio.FIRST_COMPLETED)
+    for task in (waiting, watching):
+        if task not in done:
+            task.cancel()
+    return waiting.result() if waiting in done else watching.result()
+
+
 async def timed_run(
     config: CheckConfig,
     settings: Any,
+    workers: Sequence[WorkerProcess],
     ports: Sequence[int],
     texts: Sequence[str],
     ids: Sequence[str],
@@ -701,14 +726,14 @@ async def timed_run(
         warm_job = f"warm-{warm_ids[0]}"
         warm = [{"id": i, "text": texts[n % len(texts)]} for n, i in enumerate(warm_ids)]
         await producer.enqueue(warm, job=warm_job)
-        await producer.wait_for_job(warm_job, interval=0.05, timeout=180)
+        await watched(producer.wait_for_job(warm_job, interval=0.05, timeout=180), workers)
         before = await scrape(ports)
         chunks = [{"id": i, "text": t} for i, t in zip(ids, texts, strict=True)]
         job = f"run-{ids[0]}"
         began = time.perf_counter()
         await producer.enqueue(chunks, job=job)
         enqueued = time.perf_counter() - began
-        progress = await producer.wait_for_job(job, interval=0.05, timeout=600)
+        progress = await watched(producer.wait_for_job(job, interval=0.05, timeout=600), workers)
         seconds = time.perf_counter() - began
     after = await scrape(ports)
     busy = [
@@ -902,7 +927,8 @@ async def _replicas(config: CheckConfig, record: Record) -> None:
                 prefix = f"{count}{mode}"
                 ids = pinned_ids(prefix, len(texts), count, most)
                 warm = pinned_ids(f"w{prefix}", 16 * count, count, most)
-                row = await timed_run(config, settings, ports, texts, ids, warm, flops)
+                active = started[:count]
+                row = await timed_run(config, settings, active, ports, texts, ids, warm, flops)
                 record.put(f"{count} replicas {mode}", {"replicas": count, "ids": mode, **row})
                 say(f"{count} replicas {mode}: {_line(row)}")
     finally:
@@ -953,7 +979,9 @@ async def _large(config: CheckConfig, record: Record) -> None:
                 prefix = f"{shape.name}-{mode}"
                 ids = [f"{prefix}-{i}" for i in range(len(texts))]
                 warm = [f"w{prefix}-{i}" for i in range(16 * count)]
-                row = await timed_run(config, settings, started.ports, texts, ids, warm, flops)
+                row = await timed_run(
+                    config, settings, [started], started.ports, texts, ids, warm, flops
+                )
                 value = {
                     "model": shape.name,
                     "replicas": count,

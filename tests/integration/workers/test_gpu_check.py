@@ -4,6 +4,9 @@ the CPU by `make gpu-rehearsal` (docs/BENCHMARKS.md, GPU check)."""
 
 from __future__ import annotations
 
+import asyncio
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +26,15 @@ from loadtest.gpu_check import (
     STEP_BUDGETS,
     summarize,
 )
-from loadtest.gpu_steps import CheckConfig, LargeModel, Shape, pinned_ids, token_lengths
+from loadtest.gpu_steps import (
+    CheckConfig,
+    LargeModel,
+    Shape,
+    WorkerProcess,
+    pinned_ids,
+    token_lengths,
+    watched,
+)
 from tests.model_zoo import bert_shaped_dir
 
 
@@ -158,3 +169,32 @@ def test_the_summary_prints_the_new_rows() -> None:
     assert "EMBEDFLEET_REPLICAS=auto ran 10 replicas (16 usable CPUs), dtype bfloat16" in text
     assert "| bert-base ids | ids | 40,000 |" in text
     assert "latency: one worker with 10 replicas (auto)" in text
+
+
+def _process(tmp_path: Path, code: str) -> WorkerProcess:
+    log = tmp_path / "worker.log"
+    log.write_text("the worker's last words")
+    process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)  # held open
+    return WorkerProcess(process, [], log)
+
+
+def test_a_worker_that_dies_ends_the_run_at_once(tmp_path: Path) -> None:
+    """Not at the step's timeout: on the device that is a lease's minutes."""
+    dead = _process(tmp_path, "raise SystemExit(3)")
+    dead.process.wait()
+    with pytest.raises(RuntimeError, match="exited with 3") as failed:
+        asyncio.run(watched(asyncio.Event().wait(), [dead]))  # a job that never ends
+    assert "the worker's last words" in str(failed.value)
+
+
+def test_a_run_with_its_workers_alive_returns_the_jobs_result(tmp_path: Path) -> None:
+    alive = _process(tmp_path, "import sys; sys.stdin.read()")
+    try:
+
+        async def job() -> str:
+            return "progress"
+
+        assert asyncio.run(watched(job(), [alive])) == "progress"
+    finally:
+        alive.process.kill()
+        alive.process.wait()
