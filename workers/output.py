@@ -234,6 +234,17 @@ class Outputs:
             )
 
     def spec_for(self, chunk: Chunk) -> OutputSpec:
+        if _without_output_options(chunk):
+            # most chunks: the model's own output, checked and resolved once (it is asked for
+            # several times per chunk; issue 53: a GPU host's CPU per text)
+            return self._plain_spec
+        return self._resolved_spec(chunk)
+
+    @functools.cached_property
+    def _plain_spec(self) -> OutputSpec:
+        return self._resolved_spec(Chunk("", " "))
+
+    def _resolved_spec(self, chunk: Chunk) -> OutputSpec:
         self.check_representation(chunk)
         if self.encoder.representation != "dense":  # scores and weights travel as float32
             return OutputSpec(dim=self.encoder.dim, dtype="float32")
@@ -454,4 +465,18 @@ def sparse_vector(weights: np.ndarray, max_active_dims: int | None = None) -> Sp
         indices=indices.astype(np.uint32),
         values=weights[indices].astype(np.float32),
         dim=int(weights.shape[0]),
+    )
+
+
+def _without_output_options(chunk: Chunk) -> bool:
+    """Whether ``chunk`` sets none of the options that shape its output (its spec is then the
+    model's own, the same for every such chunk)."""
+    return (
+        chunk.representations is None
+        and chunk.pair is None
+        and chunk.dimensions is None
+        and chunk.dtype is None
+        and chunk.max_active_dims is None
+        and chunk.multivector_dtype is None
+        and chunk.window_overlap is None
     )

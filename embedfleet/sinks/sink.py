@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
+import msgpack
 import redis
 import redis.asyncio as aioredis
 
@@ -128,7 +129,7 @@ def queue_acknowledgement_script(
 
     EVAL by name, not pipe.eval(): redis-py's blocking cluster pipeline (the query lane's answers
     on a Redis Cluster) implements no eval(), and routes EVAL by its keys."""
-    by_stream: dict[str, list[str | bytes]] = {}
+    by_stream: dict[str, list[str | bytes | int]] = {}
     for delivery, reply, payload in zip(deliveries, replies, payloads, strict=True):
         by_stream.setdefault(delivery.stream, []).extend(
             [
@@ -139,8 +140,8 @@ def queue_acknowledgement_script(
                 # the chunk's own tenant, else its stream's ('': the default tenant's stream)
                 delivery.tenant or keys.tenant_of(delivery.stream) or "",
                 delivery.model,
-                str(delivery.tokens),
-                str(delivery.model_us),
+                int(delivery.tokens),
+                int(delivery.model_us),
             ]
         )
     for stream, per_entry in by_stream.items():
@@ -158,7 +159,10 @@ def queue_acknowledgement_script(
             owner.reply(""),
             str(reply_ttl_s),
             owner.job_ids(""),
-            *per_entry,
+            # the entries as one msgpack argument, which the script unpacks (cmsgpack); bytes
+            # as msgpack's raw strings: Redis's cmsgpack refuses the bin types, and a Lua
+            # string holds any bytes
+            msgpack.packb(per_entry, use_bin_type=False),
         )
 
 

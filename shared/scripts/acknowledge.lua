@@ -16,9 +16,11 @@
 --   KEYS[3] the key set's usage hash
 -- ARGV[1] the consumer group; ARGV[2] the job counter to count in (done, dead); ARGV[3] the
 --   job-key prefix; ARGV[4] the reply-key prefix; ARGV[5] a reply list's lifetime in seconds;
---   ARGV[6] the job-id-record prefix; then eight per entry: entry id, job ('' for none), reply
---   ('' for none: the answer, if any, goes to the results stream), answer payload ('' for none),
---   tenant ('' for the default), model name, tokens, model microseconds
+--   ARGV[6] the job-id-record prefix; ARGV[7] a msgpack array of eight values per entry: entry
+--   id, job ('' for none), reply ('' for none: the answer, if any, goes to the results stream),
+--   answer payload ('' for none), tenant ('' for the default), model name, tokens, model
+--   microseconds. One argument for the batch, not eight per entry: packing thousands of
+--   arguments one by one was the largest share of a GPU host's write (issue 53)
 -- Job, id-record and reply keys are built from the prefixes: they share the stream's hash tag,
 -- so the call stays in one slot on a cluster. Returns how many entries this call acknowledged.
 local acked = 0
@@ -29,25 +31,26 @@ local function count(name, tenant, model, job, n)
   local key = name .. '|' .. tenant .. '|' .. model .. '|' .. job
   usage[key] = (usage[key] or 0) + n
 end
-for i = 7, #ARGV, 8 do
-  local entry = ARGV[i]
+local e = cmsgpack.unpack(ARGV[7])
+for i = 1, #e, 8 do
+  local entry = e[i]
   if redis.call('XACK', KEYS[1], ARGV[1], entry) == 1 then
     redis.call('XDEL', KEYS[1], entry)
-    if ARGV[i + 1] ~= '' then
-      redis.call('HINCRBY', ARGV[3] .. ARGV[i + 1], ARGV[2], 1)
-      jobs[ARGV[i + 1]] = true
+    if e[i + 1] ~= '' then
+      redis.call('HINCRBY', ARGV[3] .. e[i + 1], ARGV[2], 1)
+      jobs[e[i + 1]] = true
     end
-    local tenant, model, job = ARGV[i + 4], ARGV[i + 5], ARGV[i + 1]
+    local tenant, model, job = e[i + 4], e[i + 5], e[i + 1]
     count(counter, tenant, model, job, 1)
-    local tokens, micros = tonumber(ARGV[i + 6]) or 0, tonumber(ARGV[i + 7]) or 0
+    local tokens, micros = tonumber(e[i + 6]) or 0, tonumber(e[i + 7]) or 0
     if tokens > 0 then count('tokens', tenant, model, job, tokens) end
     if micros > 0 then count('model_us', tenant, model, job, micros) end
-    if ARGV[i + 2] ~= '' then
-      local reply = ARGV[4] .. ARGV[i + 2]
-      redis.call('RPUSH', reply, ARGV[i + 3])
+    if e[i + 2] ~= '' then
+      local reply = ARGV[4] .. e[i + 2]
+      redis.call('RPUSH', reply, e[i + 3])
       redis.call('EXPIRE', reply, tonumber(ARGV[5]))
-    elseif ARGV[i + 3] ~= '' then
-      redis.call('XADD', KEYS[2], '*', 'm', ARGV[i + 3])
+    elseif e[i + 3] ~= '' then
+      redis.call('XADD', KEYS[2], '*', 'm', e[i + 3])
     end
     acked = acked + 1
   end
