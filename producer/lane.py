@@ -156,7 +156,14 @@ class ProducerLane:
                 raise TokenIdsUnavailableError(
                     "token ids need the tokenizers package: pip install 'embedfleet[documents]'"
                 ) from error
-            self._token_ids = TokenIdMaker(card, tokenizer, self.settings.document_prompt_name)
+            self._token_ids = TokenIdMaker(
+                card,
+                tokenizer,
+                {
+                    "query": self.settings.query_prompt_name,
+                    "document": self.settings.document_prompt_name,
+                },
+            )
         return self._token_ids
 
     async def checked(self, chunk: Chunk, *, deadline: float | None = None) -> Chunk:

@@ -21,6 +21,7 @@ import numpy as np
 from embedfleet.producer.chunks import EmbeddingOptions, as_chunk
 from embedfleet.producer.lane import ProducerLane
 from embedfleet.producer.replies import Answers, pop_answers
+from embedfleet.producer.token_ids import TokenIdsUnavailableError
 from embedfleet.shared.fault_kinds import is_transient
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, Result, SparseVector, encode_chunk
@@ -151,7 +152,7 @@ class Queries:
         try:
             await self.lane.setup(deadline=give_up_at)
             payloads = await self._payloads(
-                request, texts, deadline_ms, options, pairs, extra, give_up_at
+                request, texts, deadline_ms, options, pairs, extra, give_up_at, stream
             )
             await self._collect(stream, what, payloads, reply_key, answers, entry_ids, give_up_at)
         except RedisUnavailableError as error:
@@ -177,12 +178,15 @@ class Queries:
         pairs: Sequence[str | None] | None,
         extra: dict[str, Any] | None,
         give_up_at: float,
+        stream: str,
     ) -> list[bytes]:
         """Each input encoded, after the worker's own checks with the configured limits (and
         the model card's, where an option or a pair asks something of the model): nothing is
-        sent of a request the worker would refuse."""
+        sent of a request the worker would refuse. With EMBEDFLEET_PRODUCER_TOKEN_IDS each
+        carries its token ids (producer/token_ids.py: the gateway, a pod of its own, tokenizes
+        for the GPU hosts), made off the event loop."""
         lane = self.lane
-        payloads: list[bytes] = []
+        chunks: list[Chunk] = []
         for index, text in enumerate(texts):
             chunk = as_chunk(
                 Chunk(
@@ -201,8 +205,25 @@ class Queries:
             )
             if options is not None or pairs is not None or extra:
                 chunk = await lane.checked(chunk, deadline=give_up_at)
-            payloads.append(encode_chunk(chunk))
-        return payloads
+            chunks.append(chunk)
+        if lane.settings.producer_token_ids:
+            chunks = await self._with_token_ids(chunks, stream, give_up_at)
+        return [encode_chunk(chunk) for chunk in chunks]
+
+    async def _with_token_ids(
+        self, chunks: list[Chunk], stream: str, give_up_at: float
+    ) -> list[Chunk]:
+        """``chunks`` with their token ids, for the prompt the worker joins on ``stream`` (the
+        query stream's ``query`` lane, the interactive stream's ``document`` one); as they are
+        where no ids can be made (no worker published its tokenizer yet): a request someone
+        waits on is not refused for an optimisation."""
+        try:
+            maker = await self.lane.token_id_maker(deadline=give_up_at)
+        except TokenIdsUnavailableError as error:
+            log.debug("request sent without token ids", reason=str(error))
+            return chunks
+        lane = "query" if stream == self.lane.keys.query_lane.query else "document"
+        return await asyncio.to_thread(maker.attach, chunks, lane)
 
     async def _collect(
         self,

@@ -36,7 +36,9 @@ class TokenIdsUnavailableError(RuntimeError):
 class TokenIdMaker:
     """Token ids for chunks of one model lane, from its card and published tokenizer."""
 
-    def __init__(self, card: ModelCard, tokenizer_json: str, document_prompt_name: str) -> None:
+    def __init__(
+        self, card: ModelCard, tokenizer_json: str, lane_prompt_names: dict[str, str]
+    ) -> None:
         if not card.tokenizer_fingerprint:
             raise TokenIdsUnavailableError(
                 f"the model {card.name!r} takes no token ids from producers (its workers "
@@ -54,21 +56,23 @@ class TokenIdMaker:
 
         self.card = card
         self.tokenizer: Tokenizer = Tokenizer.from_str(tokenizer_json)
-        self.document_prompt_name = document_prompt_name
+        # EMBEDFLEET_QUERY_PROMPT_NAME / EMBEDFLEET_DOCUMENT_PROMPT_NAME, as the workers read them
+        self.lane_prompt_names = lane_prompt_names
         self.prompts = {"query": "", "document": "", **card.prompts}
 
-    def prompt_for(self, chunk: Chunk) -> str:
-        """The prompt the worker joins before this chunk's text on the ingest stream."""
+    def prompt_for(self, chunk: Chunk, lane: str = "document") -> str:
+        """The prompt the worker joins before this chunk's text: ``lane`` ``document`` on the
+        ingest and interactive streams, ``query`` on the query stream."""
         return resolve_prompt(
             self.prompts,
             self.card.default_prompt_name,
-            "document",
+            lane,
             chunk.prompt_name,
             chunk.prompt,
-            self.document_prompt_name,
+            self.lane_prompt_names.get(lane, ""),
         )
 
-    def attach(self, chunks: Sequence[Chunk]) -> list[Chunk]:
+    def attach(self, chunks: Sequence[Chunk], lane: str = "document") -> list[Chunk]:
         """``chunks`` with their token ids, in one batch call of the tokenizer (Rust: releases
         the GIL, so callers put it on a thread). A chunk that already has ids, a
         cross-encoder's pair and a long input for windows (whose whole ids the worker needs)
@@ -80,7 +84,7 @@ class TokenIdMaker:
         ]
         if not wanted:
             return list(chunks)
-        prompts = [self.prompt_for(chunks[i]) for i in wanted]
+        prompts = [self.prompt_for(chunks[i], lane) for i in wanted]
         ids = encode_for_model(
             self.tokenizer,
             [prompt + chunks[i].text for prompt, i in zip(prompts, wanted, strict=True)],

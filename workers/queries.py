@@ -54,10 +54,11 @@ from embedfleet.workers.decode import Accepted, decode_entries
 from embedfleet.workers.device_faults import DeviceFault, Recovery
 from embedfleet.workers.events import WorkerEvents
 from embedfleet.workers.long_inputs import before_normalize_wanted, normalized_except, whole
-from embedfleet.workers.model.encoder import Encoder, Tokenized, pairs_of
+from embedfleet.workers.model.encoder import Encoder, Tokenized
 from embedfleet.workers.model.model_dir import head_normalizes
 from embedfleet.workers.outages import Outages, RideOut, transient_or_raise
 from embedfleet.workers.output import Outputs, pool_windows
+from embedfleet.workers.token_ids import tokenize_chunks
 
 log = get_logger("embedfleet.queries")
 
@@ -247,11 +248,21 @@ class QueryStage:
         if not fresh:
             return
         await self.outputs.prepare([item.chunk for item in fresh], self.on_model_thread)
-        tokens = self.encoder.tokenize(
-            [item.chunk.text for item in fresh],
-            prompts if any(prompts) else None,
-            pairs=pairs_of([item.chunk for item in fresh]),
-        )
+        # the producer's (the gateway's) token ids where a query brought them, else its text
+        # tokenized (workers/token_ids.py); ids of another tokenizer are dead-lettered
+        tokenized = tokenize_chunks([item.chunk for item in fresh], prompts, self.encoder)
+        if tokenized.refused:
+            await self.dead_letters.send(
+                [
+                    Rejected.chunk(fresh[i].delivery, fresh[i].chunk, DeadReason.TOKENIZER, reason)
+                    for i, reason in tokenized.refused
+                ]
+            )
+            fresh = [fresh[i] for i in tokenized.kept]
+            prompts = [prompts[i] for i in tokenized.kept]
+            if not fresh:
+                return
+        tokens = tokenized.tokens
         windows, refused = self._long_inputs(fresh, prompts, tokens)
         await self.dead_letters.send(list(refused.values()))
         queued_at = time.time()

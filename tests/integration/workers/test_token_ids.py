@@ -166,3 +166,33 @@ async def test_the_enqueue_command_sends_token_ids(
         assert chunk.tokenizer == text.fingerprint
         assert chunk.token_ids is not None
         assert unpack_token_ids(chunk.token_ids) == tokens.ids
+
+
+async def test_queries_and_requests_carry_ids_from_the_producer(
+    workers: WorkerLauncher, settings: Settings, client: aioredis.Redis
+) -> None:
+    """The query stream (few texts) and the interactive stream (many), as the gateway sends
+    them with EMBEDFLEET_PRODUCER_TOKEN_IDS: the worker embeds the ids it was sent, and the
+    vectors are those of the texts."""
+    lines = [line for line in model_zoo.corpus_lines()[:80] if line.strip()][:40]
+    with_ids = settings.model_copy(update={"producer_token_ids": True})
+    async with workers.run(settings) as worker, Producer(with_ids, client) as producer:
+        text = worker.encoder.text
+        tokenized: set[str] = set()
+        original = text.tokenize
+
+        def counting(texts, prompts=None):
+            tokenized.update(texts)
+            return original(texts, prompts)
+
+        text.tokenize = counting
+        try:
+            query = await producer.embed_query(lines[0], timeout=120)
+            many = await producer.embed_texts(lines, timeout=120)
+        finally:
+            del text.tokenize
+        assert not tokenized & set(lines)  # neither door had the worker tokenize
+    expected = worker.encoder.embed_texts(lines)
+    for found, reference in [(query, expected[0]), *zip(many, expected, strict=True)]:
+        cosine = float(found @ reference / np.linalg.norm(found) / np.linalg.norm(reference))
+        assert cosine >= 0.9999
