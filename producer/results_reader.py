@@ -18,7 +18,8 @@ Several readers share the work (each result goes to one of them); a reader kille
 reading and acknowledging a page leaves that page pending, and another reader claims it once it
 has been idle long enough. Delivery is at least once: a reader killed after handling a page but
 before acknowledging it has that page handled again by another reader (sinks that upsert by id
-are unaffected; a file export may then hold a page twice, the later copy being the same vector).
+are unaffected; `embedfleet results --consume` records each page's entries before writing it,
+so the run after a kill writes that page once: embedfleet/ops/export.py).
 
 A draining reader (``follow`` false) ends when there is nothing new and nothing pending in the
 group on any partition: results other readers hold are waited for until those readers

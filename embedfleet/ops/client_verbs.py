@@ -562,7 +562,10 @@ async def _export_stream(
                 reader = producer.results_reader(page=page, consumer=export_reader_name(writer.out))
                 try:
                     while (taken := await reader.next_page(follow=follow, stop=stop)) is not None:
-                        writer.write(taken.results, durable=True)  # on disk, then acked
+                        # on disk, then acked; the entries: a page taken back after a kill
+                        # before its ack is not written twice (embedfleet/ops/export.py)
+                        entries = (taken.partition.results, taken.entry_ids)
+                        writer.write(taken.results, durable=True, entries=entries)
                         await reader.acknowledge(taken)
                         bar.update(len(taken.results))
                 finally:

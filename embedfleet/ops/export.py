@@ -20,6 +20,12 @@ then the page's only copy, so it is never destroyed (issue 40):
 - an .npz cannot be added to: a killed run's two ``.part`` files are taken up by the next run
   and the archive is assembled from all of them at its end; a finished archive under the name
   is refused (``ExportFileError``): give each run its own file;
+- a page written whole but not acknowledged at a kill is in the file and still pending: the
+  next run takes it back first, and would write it a second time (issue 54: 20,200 rows for
+  20,000 ids after two kills). Before each page, its stream entries and where the file ended
+  are recorded in ``FILE.page`` (fsynced); a page the next run reads that shares an entry with
+  the recorded one is that page again, unacknowledged, so the file is cut back to where it
+  began and the page written once more: each id once, whichever moment the kill came at;
 - one export writes a file at a time (the file is locked): a second is refused.
 
 An export that fails midway (Redis away for longer than EMBEDFLEET_REDIS_RETRY_S, Ctrl-C) still
@@ -31,7 +37,8 @@ from __future__ import annotations
 import json
 import os
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Protocol
@@ -53,6 +60,36 @@ class ExportRow(Protocol):
 
     @property
     def vector(self) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class PageMark:
+    """The page being written, recorded before its rows (``FILE.page``): its stream entries, and
+    where the file ended before it (rows, and bytes of the .jsonl or of the .npz's ids part)."""
+
+    stream: str
+    entries: frozenset[str]
+    rows: int
+    size: int
+
+    def to_json(self) -> bytes:
+        fields = {"stream": self.stream, "entries": sorted(self.entries)}
+        return json.dumps({**fields, "rows": self.rows, "size": self.size}).encode()
+
+    @classmethod
+    def read(cls, path: Path) -> PageMark | None:
+        """The mark a killed run left, or None: none, or torn (the kill came while it was
+        written, before that page's rows: nothing to cut back)."""
+        try:
+            fields = json.loads(path.read_bytes())
+            return cls(
+                str(fields["stream"]),
+                frozenset(map(str, fields["entries"])),
+                int(fields["rows"]),
+                int(fields["size"]),
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
 
 class ExportFileError(Exception):
@@ -78,6 +115,10 @@ class ExportWriter:
         self._dim: int | None = None
         self._longest_id = 1
         self._done = False
+        # the page a killed run recorded before its rows (resume): cut back to if read again
+        self._mark_path = Path(f"{out}.page")
+        self._killed_page: PageMark | None = None
+        self._mark_fd: int | None = None
         if self.npz:
             self._vectors_path = Path(f"{out}.vectors.part")
             self._ids_path = Path(f"{out}.ids.part")
@@ -89,7 +130,10 @@ class ExportWriter:
             else:
                 os.ftruncate(self._fd, 0)
         if resume:
+            self._killed_page = PageMark.read(self._mark_path)
             _fsync_dir(out.parent)  # the file's name survives a crash of the machine too
+        else:
+            self._mark_path.unlink(missing_ok=True)  # written afresh: nothing to cut back to
 
     @property
     def total(self) -> int:
@@ -151,10 +195,26 @@ class ExportWriter:
         os.close(self._vectors_fd)
         os.close(self._ids_fd)
 
-    def write(self, rows: Iterable[ExportRow], *, durable: bool = False) -> None:
+    def write(
+        self,
+        rows: Iterable[ExportRow],
+        *,
+        durable: bool = False,
+        entries: tuple[str, Sequence[bytes | str]] | None = None,
+    ) -> None:
         """Append one page of rows, in one write per file; ``durable`` (a consuming export,
         which acknowledges the page next): fsynced too, so an acknowledged page survives a
-        crash of the machine."""
+        crash of the machine. ``entries`` (a consuming export): the stream and entry ids the
+        page was read from, recorded first, so that a run after a kill before the page's
+        acknowledgement writes it once (the module's docstring)."""
+        if entries is not None:
+            stream, ids = entries
+            taken = frozenset(i.decode() if isinstance(i, bytes) else i for i in ids)
+            killed = self._killed_page
+            if killed is not None and killed.stream == stream and killed.entries & taken:
+                self._cut_back(killed)  # the killed run's page again: it is in the file
+            self._killed_page = None  # only the first page a run reads can be that one
+            self._mark(PageMark(stream, taken, self.total, self._size()))
         if self.npz:
             self._write_npz(rows, durable)
             return
@@ -170,6 +230,44 @@ class ExportWriter:
         self.count += len(lines)
         if durable:
             os.fsync(self._fd)
+
+    def _size(self) -> int:
+        """Bytes of the .jsonl, or of the .npz's ids part (its vectors follow from the rows)."""
+        return os.fstat(self._ids_fd if self.npz else self._fd).st_size
+
+    def _mark(self, mark: PageMark) -> None:
+        """``mark`` in ``FILE.page``, on disk before the page's rows are written. Overwritten
+        in place: a torn mark reads as none (it was being written before its page's rows)."""
+        if self._mark_fd is None:
+            self._mark_fd = os.open(self._mark_path, os.O_RDWR | os.O_CREAT, 0o644)
+        os.ftruncate(self._mark_fd, 0)
+        _write_at(self._mark_fd, mark.to_json())
+        os.fsync(self._mark_fd)
+
+    def _cut_back(self, mark: PageMark) -> None:
+        """The file as it was before the killed run's unacknowledged page (the rows before it
+        were acknowledged and stay; the page comes again)."""
+        rows, size = min(mark.rows, self.total), min(mark.size, self._size())
+        if self.npz:
+            if rows == 0:
+                self._dim, size = None, 0  # its header line goes too: the page writes it again
+            os.ftruncate(self._ids_fd, size)
+            os.ftruncate(self._vectors_fd, rows * 2 * (self._dim or 0))
+            os.fsync(self._vectors_fd)
+            os.fsync(self._ids_fd)
+        else:
+            os.ftruncate(self._fd, size)
+            os.fsync(self._fd)
+        self.earlier = rows - self.count  # a run's first page: this run wrote none yet
+
+    def _release_mark(self, *, keep: bool) -> None:
+        """Close ``FILE.page``; removed unless ``keep`` (an export that failed: its last page
+        may be unacknowledged, and a run to the same .jsonl must know it)."""
+        if self._mark_fd is not None:
+            os.close(self._mark_fd)
+            self._mark_fd = None
+        if not keep:
+            self._mark_path.unlink(missing_ok=True)
 
     def _write_npz(self, rows: Iterable[ExportRow], durable: bool) -> None:
         vectors: list[bytes] = []
@@ -203,8 +301,12 @@ class ExportWriter:
         """Finish the file; returns how many rows it holds."""
         if self._done:
             return self.total
+        return self._finish(keep_mark=False)
+
+    def _finish(self, *, keep_mark: bool) -> int:
         self._done = True
         if not self.npz:
+            self._release_mark(keep=keep_mark)
             os.close(self._fd)
             return self.total
         partial = Path(f"{self.out}.part")
@@ -218,6 +320,8 @@ class ExportWriter:
         # only once the archive is in place: the parts were the pages' only copy until then
         self._ids_path.unlink(missing_ok=True)
         self._vectors_path.unlink(missing_ok=True)
+        # an archive is never resumed (a consuming run refuses it): its mark is of no use
+        self._release_mark(keep=False)
         return self.total
 
     def abort(self) -> None:
@@ -226,9 +330,12 @@ class ExportWriter:
         if self._done:
             return
         if self.total:
-            self.close()
+            # the last page may be unacknowledged (Redis away before its XACK): a .jsonl keeps
+            # its mark, so a run after this one does not write that page twice
+            self._finish(keep_mark=True)
             return
         self._done = True
+        self._release_mark(keep=False)
         if self.npz:
             self._release_parts()
             self._vectors_path.unlink(missing_ok=True)
@@ -319,6 +426,13 @@ def _cut_torn_tail(fd: int) -> int:
         lines += block.count(b"\n")
         offset += len(block)
     return lines
+
+
+def _write_at(fd: int, data: bytes, offset: int = 0) -> None:
+    view, at = memoryview(data), offset
+    while view:
+        written = os.pwrite(fd, view, at)
+        view, at = view[written:], at + written
 
 
 def _write_all(fd: int, data: bytes) -> None:
