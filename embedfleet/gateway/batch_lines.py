@@ -25,6 +25,7 @@ from embedfleet.gateway.files import bounded_lines
 from embedfleet.gateway.inputs import check_context, check_dimensions, openai_truncate, prepare
 from embedfleet.gateway.openai_api import EmbeddingRequest
 from embedfleet.gateway.state import Gateway
+from embedfleet.shared.protocol import ProtocolError, check_window_overlap
 
 ENDPOINT = "/v1/embeddings"
 SHOWN_LINE_ERRORS = 100  # errors.data entries a failed batch keeps (its object is in Redis)
@@ -95,6 +96,14 @@ def read_request(
     card = gateway.known_card  # None before any worker published: the worker checks
     if not sent:
         check_dimensions(request.dimensions, card)
+    try:
+        # the protocol's bound, checked here as the line is read: the slice that sends it
+        # would otherwise fail whole (the Producer refuses the chunk), and the batch with it
+        check_window_overlap(request.window_overlap)
+    except ProtocolError as error:
+        raise APIError(
+            400, f"body.{error}", param="body.window_overlap", code="invalid_request"
+        ) from None
     # the line's "truncate", else the /v1 default (EMBEDFLEET_GATEWAY_OPENAI_TRUNCATE: off,
     # OpenAI's refusal), as online
     truncate = openai_truncate(request.truncate, gateway.settings)

@@ -8,6 +8,7 @@ normalised. A real gateway, a real worker process, a real Redis."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from pathlib import Path
 
@@ -145,3 +146,25 @@ def test_the_batch_api_embeds_a_long_line_whole(gateway: str, long_input, tmp_pa
     assert agreement >= 0.999
     errors = {row["custom_id"] for row in jsonl(client, batch.error_file_id)}
     assert errors == {"refused"}
+
+
+def test_a_batch_line_with_a_bad_number_is_refused_on_its_own(gateway: str, tmp_path: Path) -> None:
+    """A Batch API line whose window_overlap or dimensions is past its bound (2**70: past
+    msgpack's 64 bits) is answered in the error file, naming the field; the batch completes
+    and its other lines are embedded."""
+    client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0)
+    lines = [
+        batch_line("overlap", "a text", window_overlap=2**70),
+        batch_line("dimensions", "a text", dimensions=2**70),
+        batch_line("string", "a text", window_overlap="5"),
+        batch_line("fine", "a text"),
+    ]
+    uploaded = upload(client, tmp_path / "bad_numbers.jsonl", lines)
+    batch = wait_final(client, create_batch(client, uploaded.id).id)
+    assert batch.status == "completed", batch
+    answered = {row["custom_id"] for row in jsonl(client, batch.output_file_id)}
+    assert answered == {"fine"}
+    errors = {row["custom_id"]: row for row in jsonl(client, batch.error_file_id)}
+    assert set(errors) == {"overlap", "dimensions", "string"}
+    for field in ("overlap", "dimensions"):
+        assert field in json.dumps(errors[field]), errors[field]
