@@ -196,11 +196,19 @@ class Outputs:
         """The chunk's prompt text, after checking its output options; ValueError with a
         reason to dead-letter (unknown prompt name, dimensions out of range)."""
         self.spec_for(chunk)
+        if chunk.prompt_name is None and chunk.prompt is None:
+            return self._lane_prompt(lane)  # most chunks: the lane's own, resolved once
         return self.encoder.resolve_prompt(
             lane,
             prompt_name=chunk.prompt_name,
             prompt=chunk.prompt,
             lane_default=self._lane_defaults[lane],
+        )
+
+    @functools.lru_cache(maxsize=4)  # noqa: B019 - two lanes, one Outputs per worker
+    def _lane_prompt(self, lane: Lane) -> str:
+        return self.encoder.resolve_prompt(
+            lane, prompt_name=None, prompt=None, lane_default=self._lane_defaults[lane]
         )
 
     def check_representation(self, chunk: Chunk) -> None:

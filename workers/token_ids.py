@@ -10,6 +10,7 @@ wrong vector; every other chunk is tokenized here, in one batch call.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -42,17 +43,24 @@ def producer_ids(chunk: Chunk, prompt: str, encoder: Encoder) -> list[int] | Non
     if chunk.token_ids is None or chunk.tokenizer is None or chunk.pair is not None:
         return None
     text = encoder.text
-    tokenizer, _ = split_fingerprint(chunk.tokenizer)
-    if tokenizer != text.fingerprint:
-        raise ValueError(foreign_ids_message(tokenizer, text.fingerprint))
-    if chunk.tokenizer != ids_fingerprint(text.fingerprint, prompt):
-        return None
+    if chunk.tokenizer != _expected(text.fingerprint, prompt):
+        tokenizer, _ = split_fingerprint(chunk.tokenizer)
+        if tokenizer != text.fingerprint:
+            raise ValueError(foreign_ids_message(tokenizer, text.fingerprint))
+        return None  # this tokenizer's ids of another prompt
     ids = unpack_token_ids(chunk.token_ids)
-    if max(ids) >= text.vocab_size:
+    largest = max(ids)
+    if largest >= text.vocab_size:
         raise ValueError(
-            f"token id {max(ids)} is outside the model's vocabulary of {text.vocab_size}"
+            f"token id {largest} is outside the model's vocabulary of {text.vocab_size}"
         )
     return ids
+
+
+@functools.lru_cache(maxsize=64)
+def _expected(fingerprint: str, prompt: str) -> str:
+    """The ``tokenizer`` field of ids made for ``prompt`` (a few prompts per model)."""
+    return ids_fingerprint(fingerprint, prompt)
 
 
 def tokenize_chunks(

@@ -57,7 +57,9 @@ class RedisStreamSink(Sink):
     async def write(self, results: Sequence[Result], deliveries: Sequence[Delivery]) -> None:
         if len(results) != len(deliveries):
             raise ValueError("one delivery per result")
-        streams = sorted({self.keys.owner_of(d.stream).results for d in deliveries})
+        streams = sorted(
+            {self.keys.owner_of(stream).results for stream in {d.stream for d in deliveries}}
+        )
         if self.max_entries:
             await self._wait_for_room(streams)
         pipe = acknowledgement_pipeline(self.client, self.keys)

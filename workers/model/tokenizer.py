@@ -41,8 +41,10 @@ class Tokenized:
     # segment ids of a (query, document) pair for a cross-encoder; None for a single text
     type_ids: list[int] | None = None
 
-    @property
+    @functools.cached_property
     def length(self) -> int:
+        # read several times per text by the planning and collation (cached in the instance's
+        # __dict__, which a frozen dataclass leaves writable to cached_property)
         return len(self.ids)
 
 

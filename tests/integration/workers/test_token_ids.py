@@ -15,7 +15,10 @@ with the packaged model and a real redis-server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -44,6 +47,24 @@ def corpus() -> list[dict[str, object]]:
     return chunks
 
 
+@contextlib.contextmanager
+def texts_tokenized(worker: Any) -> Iterator[set[str]]:
+    """The texts the worker's tokenizer is called for while the block runs."""
+    text = worker.encoder.text
+    tokenized: set[str] = set()
+    original = text.tokenize
+
+    def counting(texts: Sequence[str], prompts: Sequence[str] | None = None) -> Any:
+        tokenized.update(texts)
+        return original(texts, prompts)
+
+    text.tokenize = counting
+    try:
+        yield tokenized
+    finally:
+        del text.tokenize
+
+
 async def embed_run(
     workers: WorkerLauncher, settings: Settings, client: aioredis.Redis, *, token_ids: bool
 ) -> tuple[dict[str, np.ndarray], float]:
@@ -55,23 +76,12 @@ async def embed_run(
     job = "ids" if token_ids else "text"
     async with Producer(settings, client) as producer:
         async with workers.run(settings) as worker:
-            tokenized: set[str] = set()
-            text = worker.encoder.text
-            original = text.tokenize
-
-            def counting(texts, prompts=None):
-                tokenized.update(texts)
-                return original(texts, prompts)
-
-            text.tokenize = counting
-            try:
+            with texts_tokenized(worker) as tokenized:
                 options = EmbeddingOptions(dtype="float32")
                 await producer.enqueue(
                     chunks, job=job, options=options, token_ids=token_ids, reembed=True
                 )
                 progress = await producer.wait_for_job(job, timeout=300)
-            finally:
-                del text.tokenize
             assert progress.done == len(chunks) and progress.dead == 0, progress
         vectors = {r.id: r.vector for r in [r async for r in producer.results()]}
     wanted = {str(c["text"]) for c in chunks}
@@ -177,20 +187,9 @@ async def test_queries_and_requests_carry_ids_from_the_producer(
     lines = [line for line in model_zoo.corpus_lines()[:80] if line.strip()][:40]
     with_ids = settings.model_copy(update={"producer_token_ids": True})
     async with workers.run(settings) as worker, Producer(with_ids, client) as producer:
-        text = worker.encoder.text
-        tokenized: set[str] = set()
-        original = text.tokenize
-
-        def counting(texts, prompts=None):
-            tokenized.update(texts)
-            return original(texts, prompts)
-
-        text.tokenize = counting
-        try:
+        with texts_tokenized(worker) as tokenized:
             query = await producer.embed_query(lines[0], timeout=120)
             many = await producer.embed_texts(lines, timeout=120)
-        finally:
-            del text.tokenize
         assert not tokenized & set(lines)  # neither door had the worker tokenize
     expected = worker.encoder.embed_texts(lines)
     for found, reference in [(query, expected[0]), *zip(many, expected, strict=True)]:
