@@ -250,19 +250,19 @@ class QueryStage:
         await self.outputs.prepare([item.chunk for item in fresh], self.on_model_thread)
         # the producer's (the gateway's) token ids where a query brought them, else its text
         # tokenized (workers/token_ids.py); ids of another tokenizer are dead-lettered
-        tokenized = tokenize_chunks([item.chunk for item in fresh], prompts, self.encoder)
-        if tokenized.refused:
+        made = tokenize_chunks([item.chunk for item in fresh], prompts, self.encoder)
+        if made.refused:
             await self.dead_letters.send(
                 [
                     Rejected.chunk(fresh[i].delivery, fresh[i].chunk, DeadReason.TOKENIZER, reason)
-                    for i, reason in tokenized.refused
+                    for i, reason in made.refused
                 ]
             )
-            fresh = [fresh[i] for i in tokenized.kept]
-            prompts = [prompts[i] for i in tokenized.kept]
+            fresh = [fresh[i] for i in made.kept]
+            prompts = [prompts[i] for i in made.kept]
             if not fresh:
                 return
-        tokens = tokenized.tokens
+        tokens = made.tokens
         windows, refused = self._long_inputs(fresh, prompts, tokens)
         await self.dead_letters.send(list(refused.values()))
         queued_at = time.time()
