@@ -98,6 +98,8 @@ def test_every_field_the_code_writes_is_documented() -> None:
         reembed=True,
         window_overlap=16,
         normalize=False,
+        token_ids=b"\x65\x00\x00\x00",
+        tokenizer="t1-0123",
     )
     written = set(msgpack.unpackb(encode_chunk(every_option)))
     assert written == _names(CHUNK_FIELDS), f"chunk fields differ: {FIX}"
