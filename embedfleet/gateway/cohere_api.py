@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from embedfleet.gateway.errors import APIError, ErrorDialect, dialect_router
+from embedfleet.gateway.off_loop import off_loop
 from embedfleet.gateway.rerank_api import ranked, rerank_scores
 from embedfleet.gateway.state import GatewayDep
 
@@ -50,9 +51,8 @@ async def rerank_v1(body: CohereRerankRequest, gateway: GatewayDep) -> dict[str,
         if body.return_documents:
             result["document"] = {"text": documents[index]}
         results.append(result)
-    tokens = gateway.tokenizer.usage(
-        [body.query, *documents], (await gateway.require_card()).max_length
-    )
+    limit = (await gateway.require_card()).max_length
+    tokens = await off_loop(gateway.tokenizer.usage, [body.query, *documents], limit)
     return {
         "id": uuid.uuid4().hex,
         "model": gateway.served_name,

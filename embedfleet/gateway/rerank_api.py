@@ -40,6 +40,7 @@ from embedfleet.gateway.inputs import (
     fit_to_model,
     prepare_tei,
 )
+from embedfleet.gateway.off_loop import off_loop
 from embedfleet.gateway.state import Gateway, GatewayDep
 from embedfleet.shared.modelcard import ModelCard
 
@@ -101,14 +102,16 @@ async def _tei_texts(
     gateway = await gateway.for_model(body.model)
     card = await gateway.require_card()
     require_representation(card, representation, DIALECT)
-    texts, truncate = prepare_tei(body, gateway)
+    # checked and tokenized off the event loop (gateway/off_loop.py)
+    texts, truncate = await off_loop(prepare_tei, body, gateway)
     prompt = ""
     if body.prompt_name is not None:
         try:
             prompt = card.prompt_text(body.prompt_name)
         except ValueError as error:
             raise APIError(422, str(error), code="invalid_prompt") from None
-    texts = fit_to_model(
+    texts = await off_loop(
+        fit_to_model,
         texts,
         gateway.tokenizer,
         prompt,
@@ -200,7 +203,7 @@ async def predict(body: PredictRequest, gateway: GatewayDep) -> list[Any]:
         card = await gateway.require_card()
         require_representation(card, "rerank", DIALECT)
         texts = [text for sequence in sequences for text in sequence if text is not None]
-        check_limits(texts, gateway.settings, "inputs")
+        await off_loop(check_limits, texts, gateway.settings, "inputs")
         # a text alone is one sequence through the model, as TEI and the text-classification
         # pipeline classify it (workers/model/rerank.py), not the pair (text, "")
         scores = await gateway.embedder.score_pairs(sequences)
@@ -225,7 +228,7 @@ async def rerank_scores(
         raise APIError(400, f"`{param}` cannot be empty", param=param, code="empty_input")
     if not query.strip():
         raise APIError(400, "`query` cannot be empty", param="query", code="empty_input")
-    check_limits([query, *documents], gateway.settings, param)
+    await off_loop(check_limits, [query, *documents], gateway.settings, param)
     return await gateway.embedder.rerank(query, documents)
 
 

@@ -22,7 +22,9 @@ from embedfleet.gateway.inputs import (
     prepare_tei,
     unit_vectors,
 )
+from embedfleet.gateway.off_loop import off_loop
 from embedfleet.gateway.state import Gateway, GatewayDep, wire_options
+from embedfleet.producer.tokens import ModelTokenizer
 from embedfleet.shared.modelcard import ModelCard
 
 if TYPE_CHECKING:
@@ -76,12 +78,14 @@ async def _embed(body: EmbedRequest, gateway: Gateway) -> list[list[float]]:
     card = await gateway.model_card()  # None before any worker started: checked afterwards
     check_dimensions(body.dimensions, card)
     normalize = True if body.normalize is None else body.normalize
-    texts, truncate = prepare_tei(body, gateway)
+    # checked and tokenized off the event loop (gateway/off_loop.py)
+    texts, truncate = await off_loop(prepare_tei, body, gateway)
     prompt = ""
     if card is not None:
         prompt = _check_against_card(card, body)
     if body.window_overlap is None:  # with it, the worker embeds a long input whole
-        texts = fit_to_model(
+        texts = await off_loop(
+            fit_to_model,
             texts,
             gateway.tokenizer,
             prompt,
@@ -105,7 +109,7 @@ async def _embed(body: EmbedRequest, gateway: Gateway) -> list[list[float]]:
         # (the vectors are thrown away for a request it refuses)
         card = await gateway.require_card()
         _check_against_card(card, body)
-    return unit_vectors(vectors, normalize).tolist()
+    return await off_loop(lambda: unit_vectors(vectors, normalize).tolist())
 
 
 def _check_against_card(card: ModelCard, body: EmbedRequest) -> str:
@@ -185,7 +189,7 @@ async def tokenize(body: TokenizeRequest, gateway: GatewayDep) -> StreamingRespo
     inputs = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     if not inputs:
         raise APIError(400, "`inputs` cannot be empty", param="inputs", code="empty_input")
-    check_limits(inputs, gateway.settings, "inputs")
+    await off_loop(check_limits, inputs, gateway.settings, "inputs")
     prompt = ""
     if body.prompt_name:
         card = await gateway.require_card()  # the prompts are the workers' to publish
@@ -235,7 +239,15 @@ async def decode(body: DecodeRequest, gateway: GatewayDep) -> list[str]:
             param="ids",
             code="too_many_inputs",
         )
-    vocab = gateway.tokenizer.vocab_size
+    # checked and decoded off the event loop (gateway/off_loop.py): it grows with the request
+    return await off_loop(_decoded, gateway.tokenizer, ids, body.skip_special_tokens)
+
+
+def _decoded(
+    tokenizer: ModelTokenizer, ids: Sequence[list[int]], skip_special_tokens: bool
+) -> list[str]:
+    """/decode's answer: each sequence's text; 422 for an id outside the vocabulary."""
+    vocab = tokenizer.vocab_size
     for index, row in enumerate(ids):
         bad = [v for v in row if not 0 <= v < vocab]
         if bad:
@@ -246,9 +258,7 @@ async def decode(body: DecodeRequest, gateway: GatewayDep) -> list[str]:
                 param="ids",
                 code="invalid_input",
             )
-    return gateway.tokenizer.tokenizer.decode_batch(
-        list(ids), skip_special_tokens=body.skip_special_tokens
-    )
+    return tokenizer.tokenizer.decode_batch(list(ids), skip_special_tokens=skip_special_tokens)
 
 
 def simple_tokens(text: str, encoding: Any) -> list[dict[str, Any]]:

@@ -35,6 +35,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from embedfleet.gateway.errors import ErrorDialect, declared_dialect
+from embedfleet.gateway.off_loop import off_loop
 
 TokenCounter = Callable[[Sequence[str]], int]
 
@@ -153,9 +154,11 @@ class TimingHeaders:
                 and declared_dialect(scope.get("route")) is ErrorDialect.tei
             ):
                 headers = MutableHeaders(scope=message)
-                for name, value in timing_headers(
-                    clock, self.compute_type, time.perf_counter()
-                ).items():
+                # x-compute-tokens tokenizes every input sent: off the event loop
+                values = await off_loop(
+                    timing_headers, clock, self.compute_type, time.perf_counter()
+                )
+                for name, value in values.items():
                     headers[name] = value
             await send(message)
 
