@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
@@ -169,3 +171,26 @@ def module_fleet_settings(name: str, **overrides: object):
         )
 
     return fleet_settings
+
+
+def post_raw(url: str, path: str, body: bytes, sent: threading.Event, answer: dict) -> None:
+    """POST ``body`` over a plain socket: ``sent`` is set once every byte is handed to the
+    kernel (the gateway is then reading or checking it); ``answer`` gets the status line, the
+    start of the body, the answer's size and the time it took to arrive after ``sent``."""
+    parts = urlsplit(url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=600) as conn:
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {parts.hostname}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n"
+        ).encode()
+        conn.sendall(head + body)
+        sent_at = time.monotonic()
+        sent.set()
+        received = bytearray()
+        while chunk := conn.recv(1 << 20):
+            received += chunk
+        answer["after_sent_s"] = time.monotonic() - sent_at
+        answer["status_line"] = bytes(received.split(b"\r\n", 1)[0]).decode()
+        answer["body"] = bytes(received.split(b"\r\n\r\n", 1)[-1][:400]).decode(errors="replace")
+        answer["bytes"] = len(received)

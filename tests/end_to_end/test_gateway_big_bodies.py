@@ -14,11 +14,9 @@ anything reaches a worker (the batch runner validates without one).
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import httpx
 import openai
@@ -26,7 +24,7 @@ import pytest
 
 from embedfleet.server import ServerProcess
 from loadtest.common import isolated_settings
-from tests.gateway_support import running_gateway
+from tests.gateway_support import post_raw, running_gateway
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
 pytestmark = [pytest.mark.slow, pytest.mark.serial]  # serial: its assertions hold times (Makefile)
@@ -45,28 +43,6 @@ def tokenize_body(size: int) -> bytes:
     per_input = size // inputs
     text = (words * (per_input // len(words) + 1))[:per_input]
     return json.dumps({"inputs": [f"{n} {text}" for n in range(inputs)]}).encode()
-
-
-def post_raw(url: str, path: str, body: bytes, sent: threading.Event, answer: dict) -> None:
-    """POST ``body`` over a plain socket: ``sent`` is set once every byte is handed to the
-    kernel (the gateway is then reading or processing it), ``answer`` gets the status line and
-    the time the whole answer took to arrive after that."""
-    parts = urlsplit(url)
-    with socket.create_connection((parts.hostname, parts.port), timeout=600) as conn:
-        head = (
-            f"POST {path} HTTP/1.1\r\nHost: {parts.hostname}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-            "Connection: close\r\n\r\n"
-        ).encode()
-        conn.sendall(head + body)
-        sent_at = time.monotonic()
-        sent.set()
-        received = bytearray()
-        while chunk := conn.recv(1 << 20):
-            received += chunk
-        answer["after_sent_s"] = time.monotonic() - sent_at
-        answer["status_line"] = bytes(received.split(b"\r\n", 1)[0]).decode()
-        answer["bytes"] = len(received)
 
 
 def test_healthz_answers_within_a_second_while_a_15_mb_tokenize_runs(

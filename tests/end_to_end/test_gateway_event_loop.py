@@ -18,12 +18,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import httpx
 import openai
@@ -34,7 +32,7 @@ from embedfleet.server import ServerProcess
 from embedfleet.shared.modelcard import ModelCard, publish_card, served_name
 from embedfleet.shared.settings import Settings
 from loadtest.common import isolated_settings
-from tests.gateway_support import running_gateway
+from tests.gateway_support import post_raw, running_gateway
 
 # the slow tier (make test-full, CI): starts a gateway and a Redis server
 pytestmark = [pytest.mark.slow, pytest.mark.serial]  # serial: its assertions hold times (Makefile)
@@ -96,25 +94,6 @@ def gateways(
             settings = settings_for(redis_server, files / representation, representation)
             urls[representation] = stack.enter_context(running_gateway(settings))
         yield urls
-
-
-def post_raw(url: str, path: str, body: bytes, sent: threading.Event, answer: dict) -> None:
-    """POST ``body`` over a plain socket: ``sent`` is set once every byte is handed to the
-    kernel (the gateway is then reading or checking it); ``answer`` gets the status line."""
-    parts = urlsplit(url)
-    with socket.create_connection((parts.hostname, parts.port), timeout=600) as conn:
-        head = (
-            f"POST {path} HTTP/1.1\r\nHost: {parts.hostname}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-            "Connection: close\r\n\r\n"
-        ).encode()
-        conn.sendall(head + body)
-        sent.set()
-        received = bytearray()
-        while chunk := conn.recv(1 << 20):
-            received += chunk
-        answer["status_line"] = bytes(received.split(b"\r\n", 1)[0]).decode()
-        answer["body"] = bytes(received.split(b"\r\n\r\n", 1)[-1][:400]).decode(errors="replace")
 
 
 def healthz_while(url: str, running: threading.Thread, started: threading.Event) -> list[float]:

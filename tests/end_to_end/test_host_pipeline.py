@@ -26,14 +26,25 @@ def test_host_pipeline_smoke(tmp_path: Path) -> None:
     assert {(c["processes"], c["path"]) for c in report["configs"]} == {
         (1, "before"),
         (1, "after"),
+        (1, "ids"),  # the chunks carry their producer's token ids (issue 53)
     }
     for config in report["configs"]:
         assert config["texts_per_s"] > 0 and config["tokens_per_s"] > config["texts_per_s"]
         timed = {row["stage"]: row["us_per_entry"] for row in config["stages"]}
         assert list(timed) == [stage for stage, _ in STAGES]
         # every stage the worker runs per entry was seen (the wrappers are on its path)
-        for stage in ("decode + validate", "tokenize", "collate", "cast", "pack msgpack"):
+        for stage in ("decode + validate", "collate", "cast", "pack msgpack"):
             assert timed[stage] > 0, stage
         assert config["thread_cpu_share"]["tokenizer"] > 0
+        # the whole process's CPU, its threads' and the native pools' (the tokenizer's own)
+        assert "native pools" in config["thread_cpu_share"]
+    # the worker tokenizes the texts unless the producer sent their ids (what it still
+    # tokenizes then are its own probes' texts)
+    tokenize = {
+        config["path"]: {row["stage"]: row["us_per_entry"] for row in config["stages"]}["tokenize"]
+        for config in report["configs"]
+    }
+    assert tokenize["ids"] < 0.5 * tokenize["after"], tokenize
     assert "| tokenize | tokenizer |" in result.output
     assert "per process ÷ tokenizer floor" in result.output
+    assert "producer's token ids ÷ tokenizing, texts per CPU second" in result.output
