@@ -6,13 +6,13 @@ OpenAI's envelope (the dialect of the clients that send it); the scores are the 
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any
 
 from pydantic import BaseModel
 
 from embedfleet.gateway.errors import APIError, ErrorDialect, dialect_router
-from embedfleet.gateway.off_loop import off_loop
 from embedfleet.gateway.rerank_api import ranked, rerank_scores
 from embedfleet.gateway.state import GatewayDep
 
@@ -52,7 +52,7 @@ async def rerank_v1(body: CohereRerankRequest, gateway: GatewayDep) -> dict[str,
             result["document"] = {"text": documents[index]}
         results.append(result)
     limit = (await gateway.require_card()).max_length
-    tokens = await off_loop(gateway.tokenizer.usage, [body.query, *documents], limit)
+    tokens = await asyncio.to_thread(gateway.tokenizer.usage, [body.query, *documents], limit)
     return {
         "id": uuid.uuid4().hex,
         "model": gateway.served_name,

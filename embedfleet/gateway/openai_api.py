@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Literal
 
 from pydantic import BaseModel, Field, StrictInt
@@ -16,7 +17,6 @@ from embedfleet.gateway.inputs import (
     prepare,
     unit_vectors,
 )
-from embedfleet.gateway.off_loop import off_loop
 from embedfleet.gateway.state import Gateway, GatewayDep, wire_options
 from embedfleet.shared.keys import Keys
 
@@ -58,27 +58,27 @@ async def _create_embeddings(body: EmbeddingRequest, gateway: Gateway) -> dict[s
         )
     check_dimensions(body.dimensions, card)
     truncate = openai_truncate(body.truncate, gateway.settings)
-    # checked, tokenized and counted off the event loop (gateway/off_loop.py)
-    texts = await off_loop(
+    # checked, tokenized and counted off the event loop: it grows with the request
+    texts = await asyncio.to_thread(
         prepare, body.input, gateway.tokenizer, gateway.settings, truncate=truncate
     )
     # with window_overlap an input over the model's maximum is neither refused nor cut
     fits = truncate or body.window_overlap is not None
     if card is not None and not fits:
-        await off_loop(check_context, texts, gateway.tokenizer, card.max_length)
+        await asyncio.to_thread(check_context, texts, gateway.tokenizer, card.max_length)
     options = wire_options(None, body.dimensions, window_overlap=body.window_overlap)
     vectors = await gateway.embedder.embed(texts, options)
     if card is None and not fits:
         # a worker answered, so its card is published: what could not be checked before is now
         # (the vectors are thrown away for a request it refuses)
         limit = (await gateway.require_card()).max_length
-        await off_loop(check_context, texts, gateway.tokenizer, limit)
+        await asyncio.to_thread(check_context, texts, gateway.tokenizer, limit)
     card = await gateway.require_card()  # a worker answered: it has published its card
-    vectors = await off_loop(unit_vectors, vectors, card.normalize)
+    vectors = await asyncio.to_thread(unit_vectors, vectors, card.normalize)
     # an input embedded whole is counted whole (a token is at least a character)
     read = card.max_length if body.window_overlap is None else max(map(len, texts), default=1)
-    tokens = await off_loop(gateway.tokenizer.usage, texts, max(read, card.max_length))
-    return await off_loop(
+    tokens = await asyncio.to_thread(gateway.tokenizer.usage, texts, max(read, card.max_length))
+    return await asyncio.to_thread(
         embeddings_response, gateway.served_name, vectors, body.encoding_format, tokens
     )
 

@@ -26,6 +26,7 @@ OpenAI's: 400).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,7 +41,6 @@ from embedfleet.gateway.inputs import (
     fit_to_model,
     prepare_tei,
 )
-from embedfleet.gateway.off_loop import off_loop
 from embedfleet.gateway.state import Gateway, GatewayDep
 from embedfleet.shared.modelcard import ModelCard
 
@@ -102,15 +102,15 @@ async def _tei_texts(
     gateway = await gateway.for_model(body.model)
     card = await gateway.require_card()
     require_representation(card, representation, DIALECT)
-    # checked and tokenized off the event loop (gateway/off_loop.py)
-    texts, truncate = await off_loop(prepare_tei, body, gateway)
+    # checked and tokenized off the event loop: it grows with the request
+    texts, truncate = await asyncio.to_thread(prepare_tei, body, gateway)
     prompt = ""
     if body.prompt_name is not None:
         try:
             prompt = card.prompt_text(body.prompt_name)
         except ValueError as error:
             raise APIError(422, str(error), code="invalid_prompt") from None
-    texts = await off_loop(
+    texts = await asyncio.to_thread(
         fit_to_model,
         texts,
         gateway.tokenizer,
@@ -203,7 +203,7 @@ async def predict(body: PredictRequest, gateway: GatewayDep) -> list[Any]:
         card = await gateway.require_card()
         require_representation(card, "rerank", DIALECT)
         texts = [text for sequence in sequences for text in sequence if text is not None]
-        await off_loop(check_limits, texts, gateway.settings, "inputs")
+        await asyncio.to_thread(check_limits, texts, gateway.settings, "inputs")
         # a text alone is one sequence through the model, as TEI and the text-classification
         # pipeline classify it (workers/model/rerank.py), not the pair (text, "")
         scores = await gateway.embedder.score_pairs(sequences)
@@ -228,7 +228,7 @@ async def rerank_scores(
         raise APIError(400, f"`{param}` cannot be empty", param=param, code="empty_input")
     if not query.strip():
         raise APIError(400, "`query` cannot be empty", param="query", code="empty_input")
-    await off_loop(check_limits, [query, *documents], gateway.settings, param)
+    await asyncio.to_thread(check_limits, [query, *documents], gateway.settings, param)
     return await gateway.embedder.rerank(query, documents)
 
 

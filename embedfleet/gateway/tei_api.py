@@ -4,6 +4,7 @@ POST /decode."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -22,7 +23,6 @@ from embedfleet.gateway.inputs import (
     prepare_tei,
     unit_vectors,
 )
-from embedfleet.gateway.off_loop import off_loop
 from embedfleet.gateway.state import Gateway, GatewayDep, wire_options
 from embedfleet.producer.tokens import ModelTokenizer
 from embedfleet.shared.modelcard import ModelCard
@@ -78,13 +78,13 @@ async def _embed(body: EmbedRequest, gateway: Gateway) -> list[list[float]]:
     card = await gateway.model_card()  # None before any worker started: checked afterwards
     check_dimensions(body.dimensions, card)
     normalize = True if body.normalize is None else body.normalize
-    # checked and tokenized off the event loop (gateway/off_loop.py)
-    texts, truncate = await off_loop(prepare_tei, body, gateway)
+    # checked and tokenized off the event loop: it grows with the request
+    texts, truncate = await asyncio.to_thread(prepare_tei, body, gateway)
     prompt = ""
     if card is not None:
         prompt = _check_against_card(card, body)
     if body.window_overlap is None:  # with it, the worker embeds a long input whole
-        texts = await off_loop(
+        texts = await asyncio.to_thread(
             fit_to_model,
             texts,
             gateway.tokenizer,
@@ -109,7 +109,7 @@ async def _embed(body: EmbedRequest, gateway: Gateway) -> list[list[float]]:
         # (the vectors are thrown away for a request it refuses)
         card = await gateway.require_card()
         _check_against_card(card, body)
-    return await off_loop(lambda: unit_vectors(vectors, normalize).tolist())
+    return await asyncio.to_thread(lambda: unit_vectors(vectors, normalize).tolist())
 
 
 def _check_against_card(card: ModelCard, body: EmbedRequest) -> str:
@@ -189,7 +189,7 @@ async def tokenize(body: TokenizeRequest, gateway: GatewayDep) -> StreamingRespo
     inputs = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     if not inputs:
         raise APIError(400, "`inputs` cannot be empty", param="inputs", code="empty_input")
-    await off_loop(check_limits, inputs, gateway.settings, "inputs")
+    await asyncio.to_thread(check_limits, inputs, gateway.settings, "inputs")
     prompt = ""
     if body.prompt_name:
         card = await gateway.require_card()  # the prompts are the workers' to publish
@@ -239,8 +239,8 @@ async def decode(body: DecodeRequest, gateway: GatewayDep) -> list[str]:
             param="ids",
             code="too_many_inputs",
         )
-    # checked and decoded off the event loop (gateway/off_loop.py): it grows with the request
-    return await off_loop(_decoded, gateway.tokenizer, ids, body.skip_special_tokens)
+    # checked and decoded off the event loop: it grows with the request (docs/GATEWAY.md)
+    return await asyncio.to_thread(_decoded, gateway.tokenizer, ids, body.skip_special_tokens)
 
 
 def _decoded(

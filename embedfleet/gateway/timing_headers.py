@@ -26,6 +26,7 @@ nor does an answer in OpenAI's dialect (/v1/*, /embeddings): OpenAI sends none, 
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import time
 from collections.abc import Callable, Sequence
@@ -35,7 +36,6 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from embedfleet.gateway.errors import ErrorDialect, declared_dialect
-from embedfleet.gateway.off_loop import off_loop
 
 TokenCounter = Callable[[Sequence[str]], int]
 
@@ -155,7 +155,7 @@ class TimingHeaders:
             ):
                 headers = MutableHeaders(scope=message)
                 # x-compute-tokens tokenizes every input sent: off the event loop
-                values = await off_loop(
+                values = await asyncio.to_thread(
                     timing_headers, clock, self.compute_type, time.perf_counter()
                 )
                 for name, value in values.items():

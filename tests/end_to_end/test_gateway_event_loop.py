@@ -3,7 +3,7 @@
 A maximal legal request (EMBEDFLEET_GATEWAY_MAX_INPUTS inputs, 2,048, of 8,000 characters each:
 under every cap, 16.4 MB under the 16 MiB body cap) is seconds of tokenizing. While it runs on
 any route that tokenizes, ``/healthz`` (the chart's liveness probe) must answer within a second:
-the request's tokenizing and counting run off the event loop (gateway/off_loop.py).
+the request's tokenizing and counting run off the event loop (asyncio.to_thread).
 
 A real gateway (uvicorn, the app `embedfleet serve` runs) on a real Redis server. The model card
 is published with the workers' own function (``publish_card``), one namespace per
