@@ -257,7 +257,7 @@ async def run_child(stats: Path, path: str) -> None:
     from embedfleet.sinks.redis_stream import RedisStreamSink
     from embedfleet.workers import worker as worker_module
     from embedfleet.workers.metrics import WorkerMetrics
-    from embedfleet.workers.runtime import load_encoder
+    from embedfleet.workers.runtime import freeze_loaded_heap, load_encoder
 
     settings = Settings()
     configure_logging("error", "json")
@@ -270,6 +270,7 @@ async def run_child(stats: Path, path: str) -> None:
             clock.written(texts)
 
     encoder = await asyncio.to_thread(load_encoder, settings)
+    freeze_loaded_heap()  # as the CLI's worker process does (workers/runtime.py)
     replace(encoder, "tokenize", clock.sync("tokenize", encoder.tokenize))
     client = connect_settings(settings)
     sink = RedisStreamSink(client, settings.keys)

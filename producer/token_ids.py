@@ -58,13 +58,12 @@ class TokenIdMaker:
         self.tokenizer: Tokenizer = Tokenizer.from_str(tokenizer_json)
         # EMBEDFLEET_QUERY_PROMPT_NAME / EMBEDFLEET_DOCUMENT_PROMPT_NAME, as the workers read them
         self.lane_prompt_names = lane_prompt_names
-        self.prompts = {"query": "", "document": "", **card.prompts}
 
     def prompt_for(self, chunk: Chunk, lane: str = "document") -> str:
         """The prompt the worker joins before this chunk's text: ``lane`` ``document`` on the
         ingest and interactive streams, ``query`` on the query stream."""
         return resolve_prompt(
-            self.prompts,
+            self.card.named_prompts,
             self.card.default_prompt_name,
             lane,
             chunk.prompt_name,

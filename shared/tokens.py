@@ -1,4 +1,5 @@
-"""Token-count rules that the worker's tokenizer and the torch-free one (gateway, splitter) share.
+"""Token rules that the worker's tokenizer and the torch-free one (gateway, splitter, a producer
+making token ids) share: the counting head, the ids on the wire and the tokenizer's fingerprint.
 
 A text this many characters per allowed token long certainly has more tokens than the model
 takes, so only its head needs tokenizing: that keeps a 10 MB text from costing seconds of
@@ -88,7 +89,8 @@ def encode_for_model(backend: Any, texts: Sequence[str], max_length: int) -> lis
     ``tokenizers.Tokenizer``, cutting at ``max_length + 1``): only the counting head of a long
     text is tokenized, and a text so sparse in tokens that the head lost some is tokenized
     whole. ``encode_batch_fast`` gives ``encode_batch``'s ids without computing offsets
-    (docs/BENCHMARKS.md "Tokenizing"). The one place the worker and the producer make ids."""
+    (docs/BENCHMARKS.md, "Stop 53"; loadtest/tokenizer_rates.py checks them id for id). The
+    one place the worker and the producer make ids."""
     prepared = [counting_head(text, max_length) for text in texts]
     encodings = backend.encode_batch_fast(prepared)
     out: list[list[int]] = []

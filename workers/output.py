@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -31,6 +32,8 @@ from embedfleet.shared.postprocess import normalize as normalize_rows
 from embedfleet.shared.protocol import (
     FULL_DIMENSIONS,
     LONG_INPUT_OPTION,
+    OPTION_NAMES,
+    REPRESENTATION_OPTION_NAMES,
     Chunk,
     MultiVector,
     Result,
@@ -476,15 +479,12 @@ def sparse_vector(weights: np.ndarray, max_active_dims: int | None = None) -> Sp
     )
 
 
+# every option a chunk may set (the protocol's lists, their one owner), read in one C call
+_OPTIONS_OF = operator.attrgetter(*OPTION_NAMES, *REPRESENTATION_OPTION_NAMES)
+_NO_OPTIONS = (None,) * (len(OPTION_NAMES) + len(REPRESENTATION_OPTION_NAMES))
+
+
 def _without_output_options(chunk: Chunk) -> bool:
-    """Whether ``chunk`` sets none of the options that shape its output (its spec is then the
-    model's own, the same for every such chunk)."""
-    return (
-        chunk.representations is None
-        and chunk.pair is None
-        and chunk.dimensions is None
-        and chunk.dtype is None
-        and chunk.max_active_dims is None
-        and chunk.multivector_dtype is None
-        and chunk.window_overlap is None
-    )
+    """Whether ``chunk`` sets none of the protocol's options (its spec is then the model's own,
+    the same for every such chunk; a chunk setting any goes through the whole check)."""
+    return _OPTIONS_OF(chunk) == _NO_OPTIONS

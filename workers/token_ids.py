@@ -32,7 +32,6 @@ class TokenizedChunks:
     kept: list[int] = field(default_factory=list)
     tokens: list[Tokenized] = field(default_factory=list)
     refused: list[tuple[int, str]] = field(default_factory=list)
-    from_producer: int = 0  # how many of ``tokens`` are the producer's ids
 
 
 def producer_ids(chunk: Chunk, prompt: str, encoder: Encoder) -> list[int] | None:
@@ -105,5 +104,4 @@ def tokenize_chunks(
             continue
         out.kept.append(position)
         out.tokens.append(given[position] if position in given else made[position])
-    out.from_producer = len(given)
     return out

@@ -41,7 +41,6 @@ splitting its batch and dead-lettered alone; a fault that is permanent for the w
 from __future__ import annotations
 
 import asyncio
-import gc
 import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -163,11 +162,6 @@ class Worker:
         """Run until drained. Raises when a stage failed (after draining what it could):
         ``WorkerFault`` for a fault that names its setting, else the stage's error."""
         self.outputs.check_settings()
-        # Everything made so far (the model, torch's and transformers' modules: millions of
-        # objects) lives as long as the worker: frozen out of the collector, so each collection
-        # scans only what the stream work makes, not the whole heap (issue 53: host CPU)
-        gc.collect()
-        gc.freeze()
         # A worker started before its Redis waits for it, as it would for an outage later.
         ride = RideOut("creating the consumer group", self.outages, self.parts.events)
         await ride_out(ride, System.REDIS, self.parts.consumer.setup)

@@ -18,7 +18,9 @@ import subprocess
 import sys
 import textwrap
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -56,6 +58,22 @@ def jsonl_ids(out: Path) -> list[str]:
     data = out.read_bytes()
     assert not data or data.endswith(b"\n"), f"torn last line: ...{data[-80:]!r}"
     return [json.loads(line)["id"] for line in data.splitlines()]
+
+
+async def run_to_end(env: dict[str, str], args: Sequence[str]) -> tuple[dict[str, Any], bytes]:
+    """`embedfleet` with ``args`` run to its end: its --json report and its stderr."""
+    again = await start_cli(env, *args)
+    stdout, stderr = await asyncio.wait_for(again.communicate(), timeout=300)
+    assert again.returncode == 0, stderr.decode(errors="replace")
+    return json.loads(stdout), stderr
+
+
+def exported(out: Path) -> tuple[list[str], np.ndarray | None]:
+    """The ids an export wrote, in file order, and its vectors (.npz; None for .jsonl)."""
+    if out.suffix == ".npz":
+        with np.load(out) as archive:
+            return list(archive["ids"]), archive["vectors"]
+    return jsonl_ids(out), None
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".npz"])
@@ -113,18 +131,11 @@ async def test_a_consuming_export_killed_and_run_again_loses_nothing(
         assert len(taken_before) >= RESULTS - left - PAGE
         print(f"killed: {len(taken_before)} whole lines, torn tail of {len(torn)} bytes")
 
-    again = await start_cli(env, *args)
-    stdout, stderr = await asyncio.wait_for(again.communicate(), timeout=300)
-    assert again.returncode == 0, stderr.decode(errors="replace")
-    report = json.loads(stdout)
-
-    if suffix == ".npz":
-        with np.load(out) as archive:
-            got, vectors = list(archive["ids"]), archive["vectors"]
+    report, stderr = await run_to_end(env, args)
+    got, vectors = exported(out)
+    if vectors is not None:
         assert vectors.shape == (len(got), DIM)
         assert not list(tmp_path.glob("*.part")), "the .part files were assembled and removed"
-    else:
-        got = jsonl_ids(out)
     lost = set(ids) - set(got)
     print(f"{suffix}: {len(lost)} of {RESULTS} lost after a kill and a re-run; report {report}")
     assert not lost, f"{len(lost)} of {RESULTS} results in neither Redis nor {out.name}"
@@ -189,17 +200,11 @@ async def test_a_consuming_export_killed_twice_between_write_and_ack_holds_each_
         _, stderr = await asyncio.wait_for(killed.communicate(), timeout=300)
         assert killed.returncode == -signal.SIGKILL, stderr.decode(errors="replace")
         assert (await client.xpending(stream, "results-readers"))["pending"] == page
-    again = await start_cli(cli_env(settings), *args)
-    stdout, stderr = await asyncio.wait_for(again.communicate(), timeout=300)
-    assert again.returncode == 0, stderr.decode(errors="replace")
-    report = json.loads(stdout)
-    if suffix == ".npz":
-        with np.load(out) as archive:
-            got, vectors = list(archive["ids"]), archive["vectors"]
+    report, _ = await run_to_end(cli_env(settings), args)
+    got, vectors = exported(out)
+    if vectors is not None:
         # each row's vector is its own (write_results: the index mod 1000)
         assert vectors[:, 0].tolist() == [int(i[1:]) % 1000 for i in got]
-    else:
-        got = jsonl_ids(out)
     twice = sorted(chunk_id for chunk_id, n in Counter(got).items() if n > 1)
     assert (len(got), twice[:5]) == (results, []), f"{len(twice)} ids twice"
     assert sorted(got) == sorted(ids)
