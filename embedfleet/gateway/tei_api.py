@@ -147,10 +147,7 @@ async def info(gateway: GatewayDep, model: str | None = None) -> dict[str, objec
         # the precision the workers compute in (their card's), as TEI's is its model's
         "model_dtype": card.dtype or None,
         "served_model_name": gateway.served_name,
-        # TEI names a SPLADE model's pooling "splade"
-        "model_type": {
-            "embedding": {"pooling": "splade" if card.serves("sparse") else "+".join(card.pooling)}
-        },
+        "model_type": model_type(card),
         "max_concurrent_requests": settings.gateway_lane_high_water,
         "max_input_length": card.max_length,
         "max_batch_tokens": batching.token_budget,
@@ -163,6 +160,34 @@ async def info(gateway: GatewayDep, model: str | None = None) -> dict[str, objec
         "docker_label": None,
         "prompts": card.named_prompts,
     }
+
+
+# sentence-transformers' pooling modes under TEI's names (backends/core's ``Pool``), where
+# they differ
+TEI_POOLING_NAMES = {"lasttoken": "last_token"}
+
+
+def model_type(card: ModelCard) -> dict[str, object]:
+    """TEI's ``ModelType`` (router/src/lib.rs) for the served model: ``reranker`` for a
+    cross-encoder of one label, ``classifier`` for one of several (TEI tells the two by
+    ``id2label``'s length), each with ``id2label`` and ``label2id``; else ``embedding`` with its
+    pooling, ``splade`` for a model that gives sparse weights alone (a BGE-M3-shaped model's
+    dense vector is its embedding: TEI loads it as one, pooled as its card says).
+
+    The labels are ``LABEL_<i>``, the names /predict answers with (the card carries the number
+    of labels, ``dim``, not the config's names)."""
+    if card.serves("rerank"):
+        labels = [f"LABEL_{index}" for index in range(card.dim)]
+        classifier = {
+            "id2label": {str(index): label for index, label in enumerate(labels)},
+            "label2id": {label: index for index, label in enumerate(labels)},
+        }
+        return {"reranker" if card.dim == 1 else "classifier": classifier}
+    if card.serves("dense"):
+        pooling = "+".join(TEI_POOLING_NAMES.get(mode, mode) for mode in card.pooling)
+    else:
+        pooling = "splade"
+    return {"embedding": {"pooling": pooling}}
 
 
 @router.get("/health")

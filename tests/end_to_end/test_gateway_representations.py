@@ -118,6 +118,7 @@ async def test_tei_and_cohere_rerank_match_cross_encoder(
         bad_model = await http.post(
             "/v1/rerank", json={"model": "nope", "query": QUERY, "documents": texts}
         )
+        info = await http.get("/info")
     scores = CrossEncoder(str(model_dir), device="cpu").predict([(QUERY, t) for t in texts])
     order = list(np.argsort(-scores, kind="stable"))
     assert tei.status_code == 200, tei.text
@@ -133,6 +134,10 @@ async def test_tei_and_cohere_rerank_match_cross_encoder(
     assert [r["document"]["text"] for r in jina.json()["results"]] == [texts[i] for i in order]
     assert sparse.status_code == 424 and "not a SPLADE" in sparse.json()["error"]
     assert bad_model.status_code == 404
+    # TEI's ModelType for a cross-encoder of one label: a reranker, with its labels
+    assert info.json()["model_type"] == {
+        "reranker": {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}
+    }
 
 
 async def test_tei_embed_all_gives_bge_m3_colbert_vectors(
@@ -149,6 +154,9 @@ async def test_tei_embed_all_gives_bge_m3_colbert_vectors(
     async with fleet(redis_server, tmp_path, model_dir) as http:
         answer = await http.post("/embed_all", json={"inputs": inputs})
         sparse = await http.post("/embed_sparse", json={"inputs": inputs[1]})
+        info = await http.get("/info")
+    # TEI loads BGE-M3 as an embedding model pooled as its card says (CLS), not a SPLADE one
+    assert info.json()["model_type"] == {"embedding": {"pooling": "cls"}}, info.text
     assert answer.status_code == 200, answer.text
     assert sparse.status_code == 200, sparse.text
     encoder_max = Encoder(str(model_dir), device="cpu").max_length
@@ -188,6 +196,7 @@ async def test_tei_predict_matches_cross_encoder(
             "/predict", json={"inputs": [[alone[0]], list(pairs[0]), [alone[1]]]}
         )
         three = await http.post("/predict", json={"inputs": ["a", "b", "c"]})
+        info = await http.get("/info")
         # InferenceClient(base_url) posts {"inputs": text} to the base URL: the model's route
         hub = InferenceClient(base_url=str(http.base_url).rstrip("/"))
         classified = await asyncio.to_thread(hub.text_classification, alone[1])
@@ -231,5 +240,12 @@ async def test_tei_predict_matches_cross_encoder(
     top = int(np.argmax(expected[1]))
     assert classified["label"] == f"LABEL_{top}"
     np.testing.assert_allclose(classified["score"], expected[1][top], atol=1e-4)
+    # TEI's ModelType for a cross-encoder of several labels: a classifier
+    assert info.json()["model_type"] == {
+        "classifier": {
+            "id2label": {"0": "LABEL_0", "1": "LABEL_1"},
+            "label2id": {"LABEL_0": 0, "LABEL_1": 1},
+        }
+    }
     # TEI's sequences are [text] or [text, text]: three texts are neither
     assert three.status_code == 422 and "[text, text]" in three.text
