@@ -307,12 +307,14 @@ def wire_options(
     change an HTTP answer, and without the model card (the gateway may enqueue before any worker
     published one): the named prompt, which the worker resolves (an unknown name comes back as
     that chunk's error), else none; these dimensions, else the model's whole vector
-    (FULL_DIMENSIONS); fp16 on the wire (the gateway answers in floats)."""
+    (FULL_DIMENSIONS); fp16 on the wire for a unit vector (the gateway answers in floats, and
+    renormalises it in float32), float32 for the vector before Normalize: its values are not
+    bounded by 1, and fp16's 1e-3 relative rounding would be all the answer's error."""
     return EmbeddingOptions(
         prompt_name=prompt_name,
         prompt=None if prompt_name else "",
         dimensions=dimensions or FULL_DIMENSIONS,
-        dtype="float16",
+        dtype="float32" if before_normalize else "float16",
         # TEI's normalize=false: the vector before the model's Normalize module (the worker's)
         normalize=False if before_normalize else None,
         # a request's window_overlap: an input over the model's maximum embedded whole, in

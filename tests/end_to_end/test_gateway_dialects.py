@@ -221,3 +221,32 @@ def test_normalize_false_answers_the_pooled_vector_before_normalize(
     )
     one = InferenceClient(base_url=url).feature_extraction(texts[0], normalize=False)
     assert min_cosine(one.reshape(1, -1), before.encode(texts[:1])) >= 0.9999
+
+
+def test_normalize_false_comes_back_in_float32_not_rounded_through_float16(url: str) -> None:
+    """The vector before Normalize crosses the wire in float32 (its values are not bounded by 1,
+    and fp16's rounding, 5e-4 relative, was all the answer's error): sentence-transformers' own
+    values to float32's tolerance, on the query lane (4 inputs) and the interactive one (40).
+    A unit vector (normalize=true) keeps the fp16 wire: within fp16's rounding, no closer."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(resolve_model_path(MODEL)), device="cpu")
+    before = SentenceTransformer(modules=[model[0], model[1]], device="cpu")
+    texts = [
+        "How do I open a file in Python?",
+        "The quick brown fox jumps over the lazy dog.",
+        "Embeddings map text to vectors.",
+        "Redis streams make a durable queue.",
+    ]
+    many = [f"{text} ({i})" for i in range(10) for text in texts]
+    for batch in (texts, many):
+        answer = httpx.post(f"{url}/embed", json={"inputs": batch, "normalize": False}, timeout=120)
+        assert answer.status_code == 200, answer.text
+        got = np.array(answer.json(), dtype=np.float32)
+        expected = before.encode(batch, normalize_embeddings=False)
+        # fp16 on the wire put values 1e-4..1e-3 apart (relative): float32 is ~1e-6
+        np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-6)
+    unit = np.array(httpx.post(f"{url}/embed", json={"inputs": texts}).json(), dtype=np.float32)
+    reference = model.encode(texts)
+    np.testing.assert_allclose(unit, reference, atol=2e-3)
+    assert np.abs(unit - reference).max() > 1e-5  # the fp16 wire, as the docs promise
