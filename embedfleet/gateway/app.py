@@ -11,7 +11,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -303,4 +303,4 @@ def _add_ops_routes(app: FastAPI, gateway: Gateway) -> None:
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
-        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(gateway.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

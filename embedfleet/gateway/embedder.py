@@ -176,6 +176,7 @@ class Embedder:
         what, high_water, variable = bound
         async with redis_deadline(settings.gateway_redis_timeout_s, f"read the {what}'s length"):
             waiting = await self.client.xlen(stream)
+        self.metrics.tei.queue_size.set(waiting)  # TEI's te_queue_size: the lane's backlog
         await self._refuse_when_full(what, waiting, high_water, f"EMBEDFLEET_{variable}")
         self.metrics.inputs.labels(label, self.model).inc(count)
         sending()

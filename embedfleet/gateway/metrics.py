@@ -1,8 +1,18 @@
-"""The gateway's /metrics: requests by route and status, and their latency, for Prometheus."""
+"""The gateway's /metrics: requests by route and status, and their latency, for Prometheus;
+and TEI's own series (``TEIMetrics``), under TEI's names, beside them."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Literal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.utils import floatToGoString
+
+if TYPE_CHECKING:
+    from embedfleet.gateway.timing_headers import RequestClock
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -36,3 +46,184 @@ class GatewayMetrics:
             "Requests being answered now",
             registry=self.registry,
         )
+        # TEI's own series, under TEI's names and meanings, for its dashboards (``tei``)
+        self.tei = TEIMetrics()
+
+    def exposition(self) -> bytes:
+        """/metrics' body: the fleet's series, then TEI's."""
+        return generate_latest(self.registry) + self.tei.exposition()
+
+
+# TEI's buckets (router/src/prometheus.rs): every ``*_duration`` a geometric series of 35 from
+# 15 µs by 1.5 (to ~22 min); input lengths powers of two up to the model's maximum; batch sizes
+# powers of two to 4,096, batch tokens to 1,048,576
+TEI_DURATION_BUCKETS = tuple(0.00001 * 1.5**step for step in range(1, 36))
+TEI_BATCH_SIZE_BUCKETS = tuple(2.0**power for power in range(13))
+TEI_BATCH_TOKENS_BUCKETS = tuple(2.0**power for power in range(21))
+TEI_INPUT_LENGTH_POWERS = 20
+
+# a TEI route's family of per-input series: ``te_embed_*`` (the embedding routes) or
+# ``te_predict_*`` (/predict, /rerank); ``single`` or ``batch``: TEI's ``method`` label
+Family = Literal["embed", "predict"]
+Method = Literal["single", "batch"]
+# the four timings of TEI's ResponseMetadata, under the name each series takes
+TIMINGS = ("duration", "tokenization_duration", "queue_duration", "inference_duration")
+
+
+def tei_failure(error: BaseException) -> str:
+    """TEI's ``err`` label of ``te_request_failure`` for a request the gateway refused or could
+    not answer: ``batch_size`` (too many inputs), ``overloaded`` (429), ``model_type`` (the
+    model lacks the representation: 424), ``validation`` (another 4xx), ``inference`` (the
+    fleet's failure: a timeout, Redis, a worker's error)."""
+    status = getattr(error, "status", 500)
+    code = getattr(error, "code", None)
+    if code == "too_many_inputs":
+        return "batch_size"
+    if status == 429:
+        return "overloaded"
+    if status == 424 or code == "representation_not_served":
+        return "model_type"
+    return "validation" if 400 <= status < 500 else "inference"
+
+
+class TEIMetrics:
+    """TEI's Prometheus series (text-embeddings-inference's router and core), so that its
+    dashboards read a gateway as they read TEI: the names, types, labels and buckets TEI exports,
+    and its exposition (a counter's sample is its name, without prometheus_client's ``_total``:
+    ``rate(te_request_count[1m])`` is what a TEI dashboard runs).
+
+    What each means here (docs/GATEWAY.md): ``te_request_*`` per request of a TEI route that
+    reaches the fleet's routes (/embed, /embed_sparse, /embed_all, /predict, /rerank, and those
+    that go through them); ``te_embed_*`` and ``te_predict_*`` per input; the timings are the
+    gateway's clock (gateway/timing_headers.py, TEI's headers' figures); ``te_batch_next_*`` the
+    inputs and tokens of each call the gateway hands the fleet (the workers' own batches are
+    ``embedfleet_batch_*`` on their /metrics); ``te_queue_size`` the lane's entries as last read
+    at admission."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        registry = self.registry
+        self.request_count = Counter(
+            "te_request_count", "Requests received, by method", ["method"], registry=registry
+        )
+        self.request_success = Counter(
+            "te_request_success", "Requests answered, by method", ["method"], registry=registry
+        )
+        self.request_failure = Counter(
+            "te_request_failure", "Requests failed, by error kind", ["err"], registry=registry
+        )
+        self.timings: dict[str, Histogram] = {}
+        for family in ("request", "embed", "predict"):
+            for timing in TIMINGS:
+                name = f"te_{family}_{timing}"
+                self.timings[name] = Histogram(
+                    name,
+                    f"{family} {timing.replace('_', ' ')} in seconds",
+                    buckets=TEI_DURATION_BUCKETS,
+                    registry=registry,
+                )
+        self.inputs_count = {
+            family: Counter(f"te_{family}_count", f"{family} inputs received", registry=registry)
+            for family in ("embed", "predict")
+        }
+        self.inputs_success = {
+            family: Counter(f"te_{family}_success", f"{family} inputs answered", registry=registry)
+            for family in ("embed", "predict")
+        }
+        self.batch_size = Histogram(
+            "te_batch_next_size",
+            "Inputs per call on the fleet",
+            buckets=TEI_BATCH_SIZE_BUCKETS,
+            registry=registry,
+        )
+        self.batch_tokens = Histogram(
+            "te_batch_next_tokens",
+            "Tokens per call on the fleet",
+            buckets=TEI_BATCH_TOKENS_BUCKETS,
+            registry=registry,
+        )
+        self.queue_size = Gauge(
+            "te_queue_size", "Entries waiting on the lane, as last read", registry=registry
+        )
+        # its buckets stop at the model's maximum length, known once a card is: made then
+        self._input_length: Histogram | None = None
+        self._lock = threading.Lock()
+
+    def input_length(self, max_input_length: int) -> Histogram:
+        """``te_request_input_length``, bucketed as TEI buckets it for ``max_input_length``."""
+        with self._lock:
+            if self._input_length is None:
+                buckets = [
+                    2.0**power
+                    for power in range(TEI_INPUT_LENGTH_POWERS)
+                    if 2**power <= max_input_length
+                ]
+                self._input_length = Histogram(
+                    "te_request_input_length",
+                    "Input length in tokens",
+                    buckets=buckets,
+                    registry=self.registry,
+                )
+            return self._input_length
+
+    def record_success(
+        self,
+        family: Family,
+        method: Method,
+        inputs: int,
+        clock: RequestClock | None,
+        lengths: Callable[[Sequence[str]], list[int]],
+        max_input_length: int,
+    ) -> None:
+        """A request answered: its method, its inputs, its timings and (from what it sent, per
+        fleet call) its inputs' token lengths and calls' sizes. Tokenizes: call it off the event
+        loop."""
+        self.request_success.labels(method).inc()
+        self.inputs_success[family].inc(inputs)
+        if clock is None:
+            return
+        now = time.perf_counter()
+        first = clock.first_call if clock.first_call is not None else now
+        figures = dict(
+            zip(
+                TIMINGS,
+                (now - clock.started, first - clock.started, clock.queue_s, clock.inference_s),
+                strict=True,
+            )
+        )
+        for timing, seconds in figures.items():
+            self.timings[f"te_request_{timing}"].observe(seconds)
+            per_input = self.timings[f"te_{family}_{timing}"]
+            for _ in range(inputs):  # TEI times each input; here they share the round trip
+                per_input.observe(seconds)
+        histogram = self.input_length(max_input_length)
+        for texts, _ in clock.sent:
+            counted = [min(length, max_input_length) for length in lengths(texts)]
+            for length in counted:
+                histogram.observe(length)
+            self.batch_size.observe(len(texts))
+            self.batch_tokens.observe(sum(counted))
+
+    def exposition(self) -> bytes:
+        """TEI's series in Prometheus' text format as TEI's exporter writes them: a counter's
+        sample under its own name (no ``_total``), no ``_created`` samples."""
+        lines: list[str] = []
+        for family in self.registry.collect():
+            if not family.samples:
+                continue
+            lines.append(f"# HELP {family.name} {family.documentation}")
+            lines.append(f"# TYPE {family.name} {family.type}")
+            for sample in family.samples:
+                if sample.name.endswith("_created"):
+                    continue
+                name = family.name if family.type == "counter" else sample.name
+                labels = ",".join(
+                    f'{key}="{_escaped(value)}"' for key, value in sorted(sample.labels.items())
+                )
+                selector = f"{name}{{{labels}}}" if labels else name
+                lines.append(f"{selector} {floatToGoString(sample.value)}")
+        return ("\n".join(lines) + "\n").encode() if lines else b""
+
+
+def _escaped(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")

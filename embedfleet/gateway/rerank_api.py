@@ -41,7 +41,9 @@ from embedfleet.gateway.inputs import (
     fit_to_model,
     prepare_tei,
 )
+from embedfleet.gateway.metrics import Method
 from embedfleet.gateway.state import Gateway, GatewayDep
+from embedfleet.gateway.tei_metrics import tei_request, tei_shape
 from embedfleet.shared.modelcard import ModelCard
 
 DIALECT = ErrorDialect.tei
@@ -124,7 +126,8 @@ async def _tei_texts(
 
 @router.post("/embed_sparse")
 async def embed_sparse(body: EmbedSparseRequest, gateway: GatewayDep) -> list[list[dict[str, Any]]]:
-    async with gateway.request_bound():
+    shape = tei_shape(body.inputs)
+    async with tei_request(gateway, "embed", *shape), gateway.request_bound():
         gateway, texts = await _tei_texts(body, gateway, "sparse")
         # the prompt text is already in front (fit_to_model): none is added again
         vectors = await gateway.embedder.embed_sparse(texts)
@@ -140,7 +143,8 @@ async def embed_sparse(body: EmbedSparseRequest, gateway: GatewayDep) -> list[li
 @router.post("/embed_all")
 async def embed_all(body: EmbedSparseRequest, gateway: GatewayDep) -> list[list[list[float]]]:
     """Per-token vectors of each input (a multi-vector model's ColBERT vectors)."""
-    async with gateway.request_bound():
+    shape = tei_shape(body.inputs)
+    async with tei_request(gateway, "embed", *shape), gateway.request_bound():
         gateway, texts = await _tei_texts(body, gateway, "multivector")
         results = await gateway.embedder.embed_representations(texts, ("multivector",))
     matrices = []
@@ -196,9 +200,11 @@ def _refuse_raw_scores(raw_scores: bool) -> None:
 
 @router.post("/predict")
 async def predict(body: PredictRequest, gateway: GatewayDep) -> list[Any]:
-    _refuse_raw_scores(body.raw_scores)
-    sequences, one = _predict_sequences(body.inputs)
-    async with gateway.request_bound():
+    single = isinstance(body.inputs, str) or all(isinstance(item, str) for item in body.inputs)
+    shape: tuple[Method, int] = ("single", 1) if single else ("batch", len(body.inputs))
+    async with tei_request(gateway, "predict", *shape), gateway.request_bound():
+        _refuse_raw_scores(body.raw_scores)
+        sequences, one = _predict_sequences(body.inputs)
         gateway = await gateway.for_model(body.model)
         card = await gateway.require_card()
         require_representation(card, "rerank", DIALECT)
@@ -239,8 +245,8 @@ def ranked(scores: np.ndarray) -> list[int]:
 
 @router.post("/rerank")
 async def rerank(body: RerankRequest, gateway: GatewayDep) -> list[dict[str, Any]]:
-    _refuse_raw_scores(body.raw_scores)
-    async with gateway.request_bound():
+    async with tei_request(gateway, "predict", "batch", len(body.texts)), gateway.request_bound():
+        _refuse_raw_scores(body.raw_scores)
         gateway = await gateway.for_model(body.model)
         scores = await rerank_scores(
             gateway, body.query, body.texts, param="texts", dialect=DIALECT

@@ -24,6 +24,7 @@ from embedfleet.gateway.inputs import (
     unit_vectors,
 )
 from embedfleet.gateway.state import Gateway, GatewayDep, wire_options
+from embedfleet.gateway.tei_metrics import tei_request, tei_shape
 from embedfleet.producer.tokens import ModelTokenizer
 from embedfleet.shared.modelcard import ModelCard
 
@@ -69,7 +70,7 @@ class DecodeRequest(BaseModel):
 async def embed(body: EmbedRequest, gateway: GatewayDep) -> list[list[float]]:
     """TEI's embed. ``prompt_name`` absent means no prompt, as in TEI (sentence-transformers'
     ``default_prompt_name`` is what its ``encode`` applies, not what TEI's request means)."""
-    async with gateway.request_bound():
+    async with tei_request(gateway, "embed", *tei_shape(body.inputs)), gateway.request_bound():
         return await _embed(body, gateway)
 
 

@@ -110,6 +110,12 @@ def fleet_call(texts: Sequence[str], count: TokenCounter | None = None) -> Fleet
     return FleetCall(texts, count)
 
 
+def current_clock() -> RequestClock | None:
+    """The clock of the request being answered (None outside one): TEI's metrics read its
+    figures when the request ends (gateway/tei_metrics.py)."""
+    return _clock.get()
+
+
 def _ms(seconds: float) -> str:
     return str(int(max(0.0, seconds) * 1000))
 

@@ -8,6 +8,7 @@ and the setting of allowed origins) and TEI's timing headers."""
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import httpx
 import numpy as np
@@ -230,3 +231,104 @@ def test_cors_allowed_origins_setting(fleet_settings: Settings) -> None:
         answer = preflight(url, "https://app.example.com")
         assert answer.status_code == 401
         assert "access-control-allow-origin" not in answer.headers
+
+
+# TEI's series, as text-embeddings-inference's router and core name them (metrics::counter!,
+# histogram!, gauge! in router/src/http/server.rs, router/src/lib.rs, core/src/infer.rs,
+# core/src/queue.rs, core/src/tokenization.rs): name -> (type, label names)
+TEI_SERIES = {
+    "te_request_count": ("counter", {"method"}),
+    "te_request_success": ("counter", {"method"}),
+    "te_request_failure": ("counter", {"err"}),
+    "te_embed_count": ("counter", set()),
+    "te_embed_success": ("counter", set()),
+    "te_predict_count": ("counter", set()),
+    "te_predict_success": ("counter", set()),
+    **{
+        f"te_{family}_{timing}": ("histogram", set())
+        for family in ("request", "embed", "predict")
+        for timing in ("duration", "tokenization_duration", "queue_duration", "inference_duration")
+    },
+    "te_request_input_length": ("histogram", set()),
+    "te_batch_next_size": ("histogram", set()),
+    "te_batch_next_tokens": ("histogram", set()),
+    "te_queue_size": ("gauge", set()),
+}
+
+
+def scrape(gateway: str) -> tuple[str, dict[str, Any]]:
+    """/metrics' text and its families by name (prometheus_client's own parser)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{gateway}/metrics").text
+    return text, {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def sample(families: dict[str, Any], name: str, suffix: str = "", **labels: str) -> float:
+    """One sample's value (0 where the series has no such sample yet)."""
+    family = families.get(name)
+    if family is None:
+        return 0.0
+    wanted = name + (suffix or ("_total" if family.type == "counter" else ""))
+    for item in family.samples:
+        if item.name == wanted and all(item.labels.get(k) == v for k, v in labels.items()):
+            return float(item.value)
+    return 0.0
+
+
+def test_tei_prometheus_series_under_teis_names_move_with_requests(gateway: str) -> None:
+    """/metrics has TEI's series beside the fleet's: TEI's names, types, labels and buckets, in
+    TEI's exposition (a counter's sample under its own name, which is what a TEI dashboard's
+    ``rate(te_request_count[1m])`` selects), counting this gateway's requests: a single input,
+    a batch, a refused request (TEI's ``validation``) and one of a kind the model does not
+    serve (``model_type``)."""
+    _, before = scrape(gateway)
+    with httpx.Client(base_url=gateway, headers=AUTH, timeout=60) as http:
+        assert http.post("/embed", json={"inputs": SOURCE}).status_code == 200
+        assert http.post("/embed", json={"inputs": SENTENCES}).status_code == 200
+        too_long = http.post("/embed", json={"inputs": SOURCE, "dimensions": 10**6})
+        assert too_long.status_code == 422
+        assert http.post("/rerank", json={"query": "q", "texts": ["a"]}).status_code == 424
+    text, after = scrape(gateway)
+    for name, (kind, labels) in TEI_SERIES.items():
+        assert name in after, f"{name} missing from /metrics"
+        assert after[name].type == kind, (name, after[name].type)
+        names = {label for item in after[name].samples for label in item.labels} - {"le"}
+        assert names == labels, (name, names)
+    # the counters' samples carry TEI's bare names, not prometheus_client's _total
+    assert 'te_request_count{method="single"}' in text
+    assert "te_request_count_total" not in text and "te_embed_count_total" not in text
+
+    def moved(name: str, suffix: str = "", **labels: str) -> float:
+        return sample(after, name, suffix, **labels) - sample(before, name, suffix, **labels)
+
+    assert moved("te_request_count", method="single") == 2  # the text, the one too wide
+    assert moved("te_request_count", method="batch") == 2  # the list, the rerank
+    assert moved("te_request_success", method="single") == 1
+    assert moved("te_request_success", method="batch") == 1
+    assert moved("te_request_failure", err="validation") == 1
+    assert moved("te_request_failure", err="model_type") == 1
+    assert moved("te_embed_count") == 1 + len(SENTENCES) + 1
+    assert moved("te_embed_success") == 1 + len(SENTENCES)
+    assert moved("te_request_duration", "_count") == 2
+    assert moved("te_embed_inference_duration", "_count") == 1 + len(SENTENCES)
+    assert moved("te_request_input_length", "_count") == 1 + len(SENTENCES)
+    assert moved("te_batch_next_size", "_count") == 2
+    assert moved("te_batch_next_size", "_sum") == 1 + len(SENTENCES)
+    assert moved("te_batch_next_tokens", "_sum") == moved("te_request_input_length", "_sum") > 0
+    # TEI's buckets: durations from 15 µs by 1.5 (35), input lengths 2^k up to the model's 256
+    bounds = [
+        float(item.labels["le"])
+        for item in after["te_request_duration"].samples
+        if item.name.endswith("_bucket")
+    ]
+    np.testing.assert_allclose(bounds[:-1], [1e-5 * 1.5**k for k in range(1, 36)], rtol=1e-9)
+    assert bounds[-1] == float("inf")
+    lengths = [
+        item.labels["le"]
+        for item in after["te_request_input_length"].samples
+        if item.name.endswith("_bucket")
+    ]
+    assert lengths == [*(str(float(2**k)) for k in range(9)), "+Inf"]
+    # the fleet's own series are still there
+    assert "embedfleet_gateway_requests_total" in text
