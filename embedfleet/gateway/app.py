@@ -32,6 +32,7 @@ from embedfleet.gateway.metrics import GatewayMetrics
 from embedfleet.gateway.state import Gateway
 from embedfleet.gateway.timing_headers import HEADERS as TIMING_HEADERS
 from embedfleet.gateway.timing_headers import TimingHeaders, compute_type
+from embedfleet.gateway.token_ids import tiktoken_ids_of
 from embedfleet.producer.client import Producer
 from embedfleet.producer.tokens import ModelTokenizer
 from embedfleet.shared.eviction import warn_on_eviction_policy
@@ -169,6 +170,7 @@ def build_gateway(settings: Settings) -> Gateway:
         keys=KeyChecker(load_api_keys(settings)),
         metrics=metrics,
         started_at=int(time.time()),
+        tiktoken_ids=tiktoken_ids_of(settings.gateway_tiktoken_encoding),
     )
 
 
@@ -193,6 +195,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             dim=card.dim if card is not None else "not published yet",
             api_keys=len(gateway.keys.keys),
             files_dir=str(files.root),
+            tiktoken_encoding=gateway.tiktoken_ids.name if gateway.tiktoken_ids else None,
         )
         try:
             yield

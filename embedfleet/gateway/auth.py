@@ -36,11 +36,14 @@ def is_open(method: str, path: str) -> bool:
 
 
 def load_api_keys(settings: Settings) -> list[bytes]:
-    """Keys from EMBEDFLEET_API_KEYS (comma-separated) and EMBEDFLEET_API_KEYS_FILE (one a line).
+    """Keys from EMBEDFLEET_API_KEYS (comma-separated), EMBEDFLEET_API_KEYS_FILE (one a line)
+    and TEI's API_KEY (one key, whole, as TEI compares it).
 
     An empty list means the gateway is open (no key configured).
     """
     keys = [key.strip() for key in (settings.api_keys or "").split(",")]
+    if settings.tei_api_key:
+        keys.append(settings.tei_api_key)
     if settings.api_keys_file:
         path = Path(settings.api_keys_file)
         if not path.is_file():
@@ -84,7 +87,7 @@ class KeyChecker:
             raise APIError(
                 401,
                 "incorrect API key provided; use one of the gateway's keys "
-                "(EMBEDFLEET_API_KEYS or EMBEDFLEET_API_KEYS_FILE)",
+                "(EMBEDFLEET_API_KEYS, EMBEDFLEET_API_KEYS_FILE or API_KEY)",
                 code="invalid_api_key",
             )
         return matched

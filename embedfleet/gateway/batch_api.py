@@ -260,7 +260,11 @@ async def create_batch(
         files.get(stored.id, owner)  # the 404
         raise
     batch = new_batch(
-        stored.id, body.completion_window, body.metadata, settings.batch_completion_window_s
+        stored.id,
+        body.completion_window,
+        body.metadata,
+        settings.batch_completion_window_s,
+        gateway.served_name,
     )
     await refuse_full_tenant(store, settings, owner, batch["id"])
     limit = settings.batch_max_active_per_owner

@@ -5,7 +5,7 @@
   whole batch in its validating step, with ``errors`` naming the lines;
 - each request's body (``read_request``), checked as the online endpoint checks a request, by
   the same owners (openai_api's ``EmbeddingRequest``, inputs.py's limits, ``check_dimensions``,
-  ``check_context``): a request refused there is answered on its own, in the batch's error file
+  ``request_tokens``): a request refused there is answered on its own, in the batch's error file
   with the status and error body the online endpoint would give it, and the batch goes on.
 
 Which request lines were refused is a bitmap (``Refused``), kept in the batch's hash, so the
@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from embedfleet.gateway.errors import APIError
 from embedfleet.gateway.files import bounded_lines
-from embedfleet.gateway.inputs import check_context, check_dimensions, openai_truncate, prepare
+from embedfleet.gateway.inputs import check_dimensions, openai_truncate, prepare, request_tokens
 from embedfleet.gateway.openai_api import EmbeddingRequest
 from embedfleet.gateway.state import Gateway
 from embedfleet.shared.protocol import ProtocolError, check_window_overlap
@@ -108,10 +108,18 @@ def read_request(
     # OpenAI's refusal), as online
     truncate = openai_truncate(request.truncate, gateway.settings)
     settings = gateway.settings
-    texts = prepare(request.input, gateway.tokenizer, settings, "body.input", truncate=truncate)
+    texts = prepare(request.input, gateway.openai_ids, settings, "body.input", truncate=truncate)
     whole = request.window_overlap is not None  # as online: embedded whole, in windows
-    if validating and card is not None and not truncate and not whole:  # refused, not cut
-        check_context(texts, gateway.tokenizer, card.max_length, "body.input")
+    if validating and card is not None:  # as online: over the context refused, not cut
+        request_tokens(
+            texts,
+            gateway.tokenizer,
+            card,
+            settings,
+            whole=whole,
+            refuse_long=not (truncate or whole),
+            param="body.input",
+        )
     return BatchLine(
         custom_id, texts, request.encoding_format, request.dimensions, request.window_overlap
     )

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import uuid
 from pathlib import Path
 from typing import Any, Literal
@@ -21,7 +20,7 @@ import numpy as np
 from embedfleet.gateway.batch_lease import BatchLeases
 from embedfleet.gateway.batch_lines import Refused, parse_line, read_envelope, refusal
 from embedfleet.gateway.errors import APIError, ErrorDialect
-from embedfleet.gateway.files import FileStore, new_file_id
+from embedfleet.gateway.files import FileStore
 from embedfleet.gateway.inputs import unit_vectors
 from embedfleet.gateway.openai_api import embeddings_response
 from embedfleet.gateway.state import Gateway
@@ -47,6 +46,18 @@ def refused_record(custom_id: str, error: APIError) -> dict[str, Any]:
             "body": ErrorDialect.openai.body(error),
         },
         "error": None,
+    }
+
+
+def batch_usage(input_tokens: int) -> dict[str, Any]:
+    """OpenAI's Batch ``usage``: the tokens of the requests answered (``usage.prompt_tokens`` of
+    the output file's lines, summed); an embedding model writes no output tokens."""
+    return {
+        "input_tokens": input_tokens,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": 0,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": input_tokens,
     }
 
 
@@ -105,7 +116,7 @@ class BatchOutput:
                     self.files.scratch("output") as output_path,
                     self.files.scratch("errors") as error_path,
                 ):
-                    counts = await asyncio.to_thread(
+                    counts, input_tokens = await asyncio.to_thread(
                         self._write_files,
                         batch,
                         fields,
@@ -130,6 +141,7 @@ class BatchOutput:
                     )
             finally:
                 answers.vectors = None  # the memmap's file is open until then
+        batch["usage"] = batch_usage(input_tokens)
         await self.leases.end(batch, outcome, counts, output, errors)
 
     async def _file_ids(self, batch_id: str) -> tuple[str, str]:
@@ -137,8 +149,8 @@ class BatchOutput:
         finalize, so that every finalize of the batch (a retry, another replica) uses them."""
         key = self.keys.batch(batch_id)
         pipe = self.client.pipeline(transaction=True)
-        pipe.hsetnx(key, "output_id", new_file_id(time.time_ns()))
-        pipe.hsetnx(key, "error_id", new_file_id(time.time_ns()))
+        pipe.hsetnx(key, "output_id", self.files.new_id())
+        pipe.hsetnx(key, "error_id", self.files.new_id())
         pipe.hmget(key, ["output_id", "error_id"])
         *_, (output_id, error_id) = await pipe.execute()
         return output_id.decode(), error_id.decode()
@@ -189,13 +201,14 @@ class BatchOutput:
         outcome: Outcome,
         output_path: Path,
         error_path: Path,
-    ) -> dict[str, int]:
-        """The output and error lines written to their temporary files; the request counts.
-        Every request line has one line in one of them: its vectors, the error it was refused
-        with (``fields["refused"]``), or why it has no result."""
+    ) -> tuple[dict[str, int], int]:
+        """The output and error lines written to their temporary files; the request counts and
+        the tokens of the requests answered (the batch's ``usage``). Every request line has one
+        line in one of them: its vectors, the error it was refused with
+        (``fields["refused"]``), or why it has no result."""
         gateway = self.gateway
         refused: Refused = fields["refused"]
-        completed = failed = 0
+        completed = failed = input_tokens = 0
         first = 0
         ended = "cancelled" if outcome == "cancelled" else "expired"
         with (
@@ -280,4 +293,5 @@ class BatchOutput:
                 )
                 output.write(json.dumps(record) + "\n")
                 completed += 1
-        return {"total": fields["lines"], "completed": completed, "failed": failed}
+                input_tokens += tokens
+        return {"total": fields["lines"], "completed": completed, "failed": failed}, input_tokens

@@ -91,7 +91,7 @@ from embedfleet.gateway.batch_lines import (
     parse_line,
     validate_file,
 )
-from embedfleet.gateway.batch_output import BatchOutput, InputFileGone, input_path_of
+from embedfleet.gateway.batch_output import BatchOutput, InputFileGone, batch_usage, input_path_of
 from embedfleet.gateway.errors import APIError
 from embedfleet.gateway.files import FileStore
 from embedfleet.gateway.state import Gateway, wire_options
@@ -129,14 +129,17 @@ def batch_tenant(settings: Settings, owner: str, batch_id: str) -> str:
 
 
 def new_batch(
-    input_file_id: str, completion_window: str, metadata: dict | None, window_s: int
+    input_file_id: str, completion_window: str, metadata: dict | None, window_s: int, model: str
 ) -> dict:
-    """A Batch object in ``validating``; it expires ``window_s`` after now."""
+    """A Batch object in ``validating`` for ``model`` (the gateway's own: the one model a batch
+    serves); it expires ``window_s`` after now. Its ``usage`` counts nothing until its output is
+    written."""
     now = int(time.time())
     return {
         "id": f"batch_{uuid.uuid4().hex}",
         "object": "batch",
         "endpoint": ENDPOINT,
+        "model": model,
         "errors": None,
         "input_file_id": input_file_id,
         "completion_window": completion_window,
@@ -153,6 +156,7 @@ def new_batch(
         "cancelling_at": None,
         "cancelled_at": None,
         "request_counts": {"total": 0, "completed": 0, "failed": 0},
+        "usage": batch_usage(0),
         "metadata": metadata,
     }
 
@@ -322,6 +326,7 @@ class BatchRunner:
         # counted reasons are in the batch's hash for operators)
         self._faults: dict[str, int] = {}
         self._retry_at: dict[str, float] = {}
+        self._foreign: set[str] = set()  # batches of another files folder, warned about once
         self._next_sweep = 0.0
 
     def stop(self) -> None:
@@ -454,6 +459,20 @@ class BatchRunner:
         fields = await self.store.fields(batch_id)
         batch = fields["object"]
         status = batch["status"]
+        if self.files.in_another_folder(batch["input_file_id"]):
+            # its input file is in another gateway's files folder: the gateways that have the
+            # file run it (failing it here for a file this folder never held would be wrong)
+            if batch_id not in self._foreign:
+                self._foreign.add(batch_id)
+                log.warning(
+                    "a batch's input file is in another gateway's files folder; this gateway "
+                    "leaves the batch to those that have it. Every gateway of a namespace must "
+                    "share one EMBEDFLEET_FILES_DIR (one volume, ReadWriteMany)",
+                    batch=batch_id,
+                    input_file_id=batch["input_file_id"],
+                    files_dir=str(self.files.root),
+                )
+            return
         now = int(time.time())
         running = status in ("validating", "in_progress")
         if (

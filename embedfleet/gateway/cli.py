@@ -2,13 +2,44 @@
 
 from __future__ import annotations
 
+import ipaddress
+
 import click
 
 from embedfleet.shared.extras import missing_modules
-from embedfleet.shared.logging import configure_logging
-from embedfleet.shared.settings import SettingsError, load_settings
+from embedfleet.shared.logging import configure_logging, get_logger
+from embedfleet.shared.settings import Settings, SettingsError, load_settings
 
 GATEWAY_MODULES = ("fastapi", "uvicorn", "multipart", "tokenizers", "prometheus_client")
+# names that resolve to this machine only, whatever resolver is configured
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
+
+log = get_logger("embedfleet.gateway")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the gateway to this machine (127.0.0.0/8, ::1,
+    localhost); any other address or name may be reachable from elsewhere."""
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
+def open_gateway_warning(host: str, settings: Settings) -> str | None:
+    """What to say when the gateway would answer anyone: no API key configured, and bound to an
+    address other machines may reach. None when it has keys or listens on loopback only."""
+    from embedfleet.gateway.auth import load_api_keys
+
+    if load_api_keys(settings) or is_loopback(host):
+        return None
+    return (
+        f"NO API KEY: the gateway listens on {host} and answers every request from anyone who "
+        "can reach it. Set EMBEDFLEET_API_KEYS (comma-separated), EMBEDFLEET_API_KEYS_FILE or "
+        "TEI's API_KEY, or bind a loopback address (--host 127.0.0.1, EMBEDFLEET_GATEWAY_HOST)"
+    )
 
 
 @click.command("serve")
@@ -41,6 +72,17 @@ def serve_command(host: str | None, port: int | None, workers: int) -> None:
     )
     host = host or settings.gateway_host
     port = settings.gateway_port if port is None else port
+    from embedfleet.gateway.token_ids import TiktokenSettingError, tiktoken_ids_of
+
+    try:
+        warning = open_gateway_warning(host, settings)
+        # read once here so that a bad encoding stops the start with its message, not with a
+        # traceback from each uvicorn process
+        tiktoken_ids_of(settings.gateway_tiktoken_encoding)
+    except (FileNotFoundError, TiktokenSettingError) as error:  # (a keys file not there)
+        raise click.ClickException(str(error)) from None
+    if warning is not None:
+        log.warning(warning)
     try:
         uvicorn.run(
             "embedfleet.gateway.cli:app_factory",

@@ -11,11 +11,19 @@ Every file has an owner (gateway/auth.py: a hash of the API key that uploaded it
 whose batch wrote it). Given an ``owner``, ``get``, ``list`` and ``delete`` see only that owner's
 files, and another owner's file is a 404 like a missing one, so its existence is not revealed.
 A record written before owners existed belongs to ``ANONYMOUS``.
+
+Every gateway of a namespace must share one files folder (one volume): the batches are in Redis,
+so any replica runs any batch and answers for any file. Each folder has a tag of its own (made
+once, kept in the folder: ``FOLDER_TAG_FILE``), and every file id carries the tag of the folder
+that stored it, so a gateway asked for a file of another folder says that the folders are not
+shared (``file_in_another_folder``), rather than that the file is missing, and its batch runner
+leaves that file's batches to a gateway that has it (gateway/batches.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import time
@@ -35,6 +43,9 @@ STALE_TEMP_S = 3600
 ID_PREFIX = "file-"
 # ids sort by creation time: a list cursor (``after``) stays meaningful once its file is gone
 _TIME_HEX = 16  # nanoseconds since the epoch, zero-padded hex
+_TAG_HEX = 8  # the folder's tag, after the time (ids made before tags existed have none)
+_RANDOM_HEX = 16
+FOLDER_TAG_FILE = ".folder-tag"  # in the folder: its tag, made by the first gateway to use it
 
 
 @dataclass(frozen=True)
@@ -69,8 +80,17 @@ class StoredFile:
         return (self.created_at, self.id)
 
 
-def new_file_id(created_ns: int) -> str:
-    return f"{ID_PREFIX}{created_ns:0{_TIME_HEX}x}{uuid.uuid4().hex[:16]}"
+def new_file_id(created_ns: int, folder_tag: str) -> str:
+    return f"{ID_PREFIX}{created_ns:0{_TIME_HEX}x}{folder_tag}{uuid.uuid4().hex[:_RANDOM_HEX]}"
+
+
+def folder_tag_of(file_id: str) -> str | None:
+    """The tag of the folder that stored ``file_id``; None for an id without one (made before
+    tags existed, or not by this store)."""
+    rest = file_id.removeprefix(ID_PREFIX)
+    if not file_id.startswith(ID_PREFIX) or len(rest) != _TIME_HEX + _TAG_HEX + _RANDOM_HEX:
+        return None
+    return rest[_TIME_HEX : _TIME_HEX + _TAG_HEX]
 
 
 def order_key_of(file_id: str) -> tuple[int, str] | None:
@@ -89,6 +109,40 @@ class FileStore:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+
+    @functools.cached_property
+    def folder_tag(self) -> str:
+        """This folder's tag: read, or made by the first gateway to store a file in the folder
+        (made under a temporary name and linked into place, so replicas agree on one)."""
+        marker = self.root / FOLDER_TAG_FILE
+        if not marker.is_file():
+            with self.scratch("tag") as temp:
+                temp.write_text(uuid.uuid4().hex[:_TAG_HEX])
+                with contextlib.suppress(FileExistsError):  # another replica made it first
+                    os.link(temp, marker)
+        return marker.read_text().strip()
+
+    def new_id(self) -> str:
+        """A new file id of this folder (``publish`` under it, now or later)."""
+        return new_file_id(time.time_ns(), self.folder_tag)
+
+    def in_another_folder(self, file_id: str) -> bool:
+        """Whether ``file_id`` was stored by a gateway whose files folder is not this one."""
+        tag = folder_tag_of(file_id)
+        return tag is not None and tag != self.folder_tag
+
+    def another_folders_file(self, file_id: str, param: str = "file_id") -> APIError:
+        """The answer for a file of another folder: 404, as for a missing file, saying why."""
+        return APIError(
+            404,
+            f"the file {file_id!r} was stored by a gateway whose files folder is not this one's "
+            f"({self.root}): every gateway of a namespace must share one files folder "
+            "(EMBEDFLEET_FILES_DIR on one volume every replica mounts, ReadWriteMany; the "
+            "chart's gateway.files.*), or the Batch API's files are found only on the gateway "
+            "that stored them",
+            param=param,
+            code="file_in_another_folder",
+        )
 
     def data_path(self, file_id: str) -> Path:
         return self.root / f"{file_id}.data"
@@ -121,10 +175,10 @@ class FileStore:
     ) -> StoredFile:
         """Move a finished temporary file into place and record it; returns its File object.
         ``expires_after_s``: seconds from now until it expires (None: kept until deleted).
-        ``file_id``: an id reserved beforehand (``new_file_id``); publishing under it again
+        ``file_id``: an id reserved beforehand (``new_id``); publishing under it again
         replaces the file, so a batch's output written twice is still one file."""
         if file_id is None:
-            file_id = new_file_id(time.time_ns())
+            file_id = self.new_id()
         order = order_key_of(file_id)
         created_at = order[0] if order is not None else int(time.time())
         stored = StoredFile(
@@ -152,6 +206,8 @@ class FileStore:
     def get(self, file_id: str, owner: str | None = None) -> StoredFile:
         """The file's record; 404 if it is missing, expired or (given ``owner``) another's."""
         stored = None if "/" in file_id else self._read(self._record_path(file_id))
+        if stored is None and self.in_another_folder(file_id):
+            raise self.another_folders_file(file_id)
         if (
             stored is None
             or stored.expired(time.time())

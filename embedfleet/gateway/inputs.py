@@ -1,11 +1,13 @@
 """Request inputs → texts the workers embed, checked against the limits; vectors → the answer.
 
 OpenAI's ``input`` may be a string, a list of strings, one list of token ids or a list of them.
-Token ids are refused unless EMBEDFLEET_GATEWAY_ACCEPT_TOKEN_IDS is set: the gateway cannot tell
-which tokenizer made them (LangChain's ``OpenAIEmbeddings`` sends tiktoken ids by default), and
-ids of another vocabulary decode to other text without an error. Accepted ids are decoded with
-the model's tokenizer (special tokens dropped) and the worker tokenizes the text again: for the
-ids this tokenizer produced from text this gives the same ids.
+Token ids are refused unless a setting says whose they are (gateway/token_ids.py): the gateway
+cannot tell which tokenizer made them (LangChain's ``OpenAIEmbeddings`` sends tiktoken ids by
+default), and ids of another vocabulary decode to other text without an error. With
+EMBEDFLEET_GATEWAY_ACCEPT_TOKEN_IDS they are the model's own, decoded with its tokenizer (special
+tokens dropped) and the worker tokenizes the text again: for the ids this tokenizer produced from
+text this gives the same ids. With EMBEDFLEET_GATEWAY_TIKTOKEN_ENCODING, /v1/embeddings reads them
+as that encoding's and embeds their text.
 
 Fitting a text to the model's maximum (``fit_to_model``) is decided here, with the model's
 tokenizer, for every route that offers a choice; whether to cut when a request does not say is
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 import numpy as np
 
 from embedfleet.gateway.errors import APIError
+from embedfleet.gateway.token_ids import IdDecoder
 from embedfleet.producer.tokens import ModelTokenizer
 from embedfleet.shared.modelcard import ModelCard
 from embedfleet.shared.postprocess import normalize
@@ -41,8 +44,10 @@ TOKEN_IDS_REFUSED = (
     "'{param}' holds token ids, and this gateway does not accept them: it cannot tell which "
     "tokenizer made them, and ids of another vocabulary would embed other text without an error. "
     "Send the text itself. LangChain's OpenAIEmbeddings sends tiktoken ids by default: create it "
-    "with OpenAIEmbeddings(..., check_embedding_ctx_length=False). To accept ids made with the "
-    "served model's own tokenizer, start the gateway with EMBEDFLEET_GATEWAY_ACCEPT_TOKEN_IDS=true."
+    "with OpenAIEmbeddings(..., check_embedding_ctx_length=False), or start the gateway with "
+    "EMBEDFLEET_GATEWAY_TIKTOKEN_ENCODING=cl100k_base (the encoding LangChain uses) to have "
+    "/v1/embeddings decode them. To accept ids made with the served model's own tokenizer, start "
+    "the gateway with EMBEDFLEET_GATEWAY_ACCEPT_TOKEN_IDS=true."
 )
 
 
@@ -52,15 +57,10 @@ def _is_token_ids(item: object) -> bool:
     )
 
 
-def as_texts(
-    value: EmbeddingInput,
-    tokenizer: ModelTokenizer,
-    param: str = "input",
-    *,
-    accept_token_ids: bool = False,
-) -> list[str]:
-    """The texts of an OpenAI ``input`` (or TEI ``inputs``), in order; 400 for a bad shape, and
-    for token ids unless ``accept_token_ids`` (EMBEDFLEET_GATEWAY_ACCEPT_TOKEN_IDS)."""
+def as_texts(value: EmbeddingInput, ids: IdDecoder | None, param: str = "input") -> list[str]:
+    """The texts of an OpenAI ``input`` (or TEI ``inputs``), in order; token ids decoded with
+    ``ids`` (whose ids a setting says they are: ``Gateway.openai_ids``, ``Gateway.model_ids``).
+    400 for a bad shape, and for token ids when ``ids`` is None."""
     if isinstance(value, str):
         items: list[object] = [value]
     elif isinstance(value, list) and value and _is_token_ids(value):
@@ -74,7 +74,7 @@ def as_texts(
         if isinstance(item, str):
             text = item
         elif _is_token_ids(item):
-            if not accept_token_ids:
+            if ids is None:
                 raise APIError(
                     400,
                     TOKEN_IDS_REFUSED.format(param=param),
@@ -82,16 +82,19 @@ def as_texts(
                     code="token_ids_not_accepted",
                 )
             assert isinstance(item, list)
-            bad = [v for v in item if not 0 <= v < tokenizer.vocab_size]
-            if bad:
+            bad = [v for v in item if not 0 <= v < ids.vocab_size]
+            try:
+                if bad:
+                    raise ValueError(bad[:5])
+                text = ids.decode(item)
+            except ValueError:
                 raise APIError(
                     400,
-                    f"'{param}[{index}]' has token ids outside the model's vocabulary "
-                    f"(0..{tokenizer.vocab_size - 1}): {bad[:5]}",
+                    f"'{param}[{index}]' has token ids outside the vocabulary it is read with "
+                    f"(0..{ids.vocab_size - 1}): {bad[:5] or item[:5]}",
                     param=param,
                     code="invalid_input",
-                )
-            text = tokenizer.decode(item)
+                ) from None
         else:
             raise APIError(
                 400,
@@ -171,16 +174,16 @@ def check_limits(
 
 def prepare(
     value: EmbeddingInput,
-    tokenizer: ModelTokenizer,
+    ids: IdDecoder | None,
     settings: Settings,
     param: str = "input",
     *,
     truncate: bool = False,
     direction: TruncationDirection = "Right",
 ) -> list[str]:
-    """The request's texts (``as_texts``) within the caps (``check_limits``): over-long ones cut
-    to the character limit when ``truncate``."""
-    texts = as_texts(value, tokenizer, param, accept_token_ids=settings.gateway_accept_token_ids)
+    """The request's texts (``as_texts``, token ids read with ``ids``) within the caps
+    (``check_limits``): over-long ones cut to the character limit when ``truncate``."""
+    texts = as_texts(value, ids, param)
     return check_limits(texts, settings, param, truncate=truncate, direction=direction)
 
 
@@ -201,7 +204,7 @@ def prepare_tei(body: TEIInputs, gateway: Gateway) -> tuple[list[str], bool]:
     truncate = tei_truncate(body.truncate, gateway.settings)
     texts = prepare(
         body.inputs,
-        gateway.tokenizer,
+        gateway.model_ids,  # with EMBEDFLEET_GATEWAY_ACCEPT_TOKEN_IDS: the model's own ids
         gateway.settings,
         "inputs",
         truncate=truncate,
@@ -210,14 +213,12 @@ def prepare_tei(body: TEIInputs, gateway: Gateway) -> tuple[list[str], bool]:
     return texts, truncate
 
 
-def check_context(
-    texts: Sequence[str], tokenizer: ModelTokenizer, max_length: int, param: str = "input"
-) -> None:
-    """OpenAI's answer to an input over the model's maximum context: 400, nothing cut. (The
-    OpenAI route's extension ``"truncate": true``, or EMBEDFLEET_GATEWAY_OPENAI_TRUNCATE, skips
-    this check: the worker then cuts each text to fit, on the right, as sentence-transformers
-    does.)"""
-    lengths = tokenizer.lengths(texts, max_length)
+def check_context(lengths: Sequence[int], max_length: int, param: str = "input") -> None:
+    """OpenAI's answer to an input over the model's maximum context: 400, nothing cut, given the
+    inputs' token lengths (``ModelTokenizer.lengths``, counted up to at least ``max_length``).
+    (The OpenAI route's extension ``"truncate": true``, or EMBEDFLEET_GATEWAY_OPENAI_TRUNCATE,
+    skips this check: the worker then cuts each text to fit, on the right, as
+    sentence-transformers does.)"""
     longest = max(lengths, default=0)
     if longest <= max_length:
         return
@@ -231,6 +232,39 @@ def check_context(
         param=param,
         code="context_length_exceeded",
     )
+
+
+def request_tokens(
+    texts: Sequence[str],
+    tokenizer: ModelTokenizer,
+    card: ModelCard,
+    settings: Settings,
+    *,
+    whole: bool,
+    refuse_long: bool,
+    param: str = "input",
+) -> int:
+    """An OpenAI request's tokens, as its ``usage`` counts them (each input capped at the
+    model's maximum, or counted whole when it is embedded ``whole``, in windows), after OpenAI's
+    two refusals: an input over the model's context (``check_context``, when ``refuse_long``)
+    and the request over EMBEDFLEET_GATEWAY_MAX_REQUEST_TOKENS (OpenAI's 300,000, all inputs
+    together: 400 ``max_tokens_per_request``, OpenAI's message)."""
+    # a token is at least a character: a text's length bounds its tokens when counted whole
+    read = max(max(map(len, texts), default=1), card.max_length) if whole else card.max_length
+    lengths = tokenizer.lengths(texts, read)  # one tokenizing for both
+    if refuse_long:
+        check_context(lengths, card.max_length, param)
+    tokens = sum(min(n, read) for n in lengths)  # ModelTokenizer.usage's count
+    limit = settings.gateway_max_request_tokens
+    if tokens > limit:
+        raise APIError(
+            400,
+            # OpenAI's words, as its clients read them (some split a request by them)
+            f"Requested {tokens} tokens, max {limit} tokens per request",
+            type="max_tokens_per_request",
+            code="max_tokens_per_request",
+        )
+    return tokens
 
 
 def fit_to_model(

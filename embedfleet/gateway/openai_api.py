@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Literal
 
 from pydantic import BaseModel, Field, StrictInt
@@ -10,11 +11,11 @@ from pydantic import BaseModel, Field, StrictInt
 from embedfleet.gateway.errors import APIError, ErrorDialect, dialect_router
 from embedfleet.gateway.inputs import (
     EmbeddingInput,
-    check_context,
     check_dimensions,
     encode_vector,
     openai_truncate,
     prepare,
+    request_tokens,
     unit_vectors,
 )
 from embedfleet.gateway.state import Gateway, GatewayDep, wire_options
@@ -25,7 +26,8 @@ router = dialect_router(ErrorDialect.openai)
 
 class EmbeddingRequest(BaseModel):
     input: EmbeddingInput
-    model: str
+    # OpenAI requires it; TEI's users leave it out (TEI ignores it): then the one model served
+    model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     # strict: a JSON number, not a string that looks like one (OpenAI and TEI refuse "64")
     dimensions: StrictInt | None = Field(default=None)
@@ -46,7 +48,8 @@ async def create_embeddings(body: EmbeddingRequest, gateway: GatewayDep) -> dict
 
 
 async def _create_embeddings(body: EmbeddingRequest, gateway: Gateway) -> dict[str, object]:
-    gateway = await gateway.for_model(body.model)  # 404 model_not_found for an unknown one
+    # 404 model_not_found for an unknown one; left out, the one model served (400 if several)
+    gateway = await gateway.for_request(body.model)
     card = await gateway.model_card()  # None before any worker started: the worker checks
     if card is not None and not card.serves("dense"):
         raise APIError(
@@ -60,24 +63,27 @@ async def _create_embeddings(body: EmbeddingRequest, gateway: Gateway) -> dict[s
     truncate = openai_truncate(body.truncate, gateway.settings)
     # checked, tokenized and counted off the event loop: it grows with the request
     texts = await asyncio.to_thread(
-        prepare, body.input, gateway.tokenizer, gateway.settings, truncate=truncate
+        prepare, body.input, gateway.openai_ids, gateway.settings, truncate=truncate
     )
     # with window_overlap an input over the model's maximum is neither refused nor cut
-    fits = truncate or body.window_overlap is not None
-    if card is not None and not fits:
-        await asyncio.to_thread(check_context, texts, gateway.tokenizer, card.max_length)
+    whole = body.window_overlap is not None
+    count = functools.partial(
+        request_tokens,
+        texts,
+        gateway.tokenizer,
+        settings=gateway.settings,
+        whole=whole,
+        refuse_long=not (truncate or whole),
+    )
+    tokens = None if card is None else await asyncio.to_thread(count, card)
     options = wire_options(None, body.dimensions, window_overlap=body.window_overlap)
     vectors = await gateway.embedder.embed(texts, options)
-    if card is None and not fits:
-        # a worker answered, so its card is published: what could not be checked before is now
-        # (the vectors are thrown away for a request it refuses)
-        limit = (await gateway.require_card()).max_length
-        await asyncio.to_thread(check_context, texts, gateway.tokenizer, limit)
     card = await gateway.require_card()  # a worker answered: it has published its card
+    if tokens is None:
+        # what could not be checked before is now (the vectors are thrown away for a request
+        # it refuses)
+        tokens = await asyncio.to_thread(count, card)
     vectors = await asyncio.to_thread(unit_vectors, vectors, card.normalize)
-    # an input embedded whole is counted whole (a token is at least a character)
-    read = card.max_length if body.window_overlap is None else max(map(len, texts), default=1)
-    tokens = await asyncio.to_thread(gateway.tokenizer.usage, texts, max(read, card.max_length))
     return await asyncio.to_thread(
         embeddings_response, gateway.served_name, vectors, body.encoding_format, tokens
     )

@@ -33,6 +33,7 @@ from embedfleet.gateway.auth import KeyChecker
 from embedfleet.gateway.embedder import Embedder, WorkerHeartbeats
 from embedfleet.gateway.errors import APIError, retry_later
 from embedfleet.gateway.metrics import GatewayMetrics
+from embedfleet.gateway.token_ids import IdDecoder, TiktokenIds
 from embedfleet.producer.client import EmbeddingOptions, Producer
 from embedfleet.producer.tokens import ModelTokenizer
 from embedfleet.shared.keys import Keys
@@ -77,6 +78,8 @@ class Gateway:
     keys: KeyChecker
     metrics: GatewayMetrics
     started_at: int
+    # EMBEDFLEET_GATEWAY_TIKTOKEN_ENCODING's encoding, loaded at start (gateway/token_ids.py)
+    tiktoken_ids: TiktokenIds | None = None
     _card: ModelCard | None = field(default=None, repr=False)
     _card_read_at: float = field(default=-CARD_MAX_AGE_S, repr=False)
     # several models in one namespace (shared/model_registry.py): the lane this view serves
@@ -91,6 +94,18 @@ class Gateway:
     def __post_init__(self) -> None:
         # the embedder counts what it sends with this view's tokenizer (TEI's timing headers)
         self.embedder.count_tokens = self.count_tokens
+
+    @property
+    def model_ids(self) -> IdDecoder | None:
+        """What reads token ids on /v1 as the served model's own: its tokenizer with
+        EMBEDFLEET_GATEWAY_ACCEPT_TOKEN_IDS, else None (ids refused)."""
+        return self.tokenizer if self.settings.gateway_accept_token_ids else None
+
+    @property
+    def openai_ids(self) -> IdDecoder | None:
+        """What reads token ids on /v1/embeddings and in Batch API lines: the tiktoken encoding
+        of EMBEDFLEET_GATEWAY_TIKTOKEN_ENCODING (OpenAI's clients' ids), else ``model_ids``."""
+        return self.tiktoken_ids or self.model_ids
 
     def count_tokens(self, texts: Sequence[str]) -> int:
         """Tokens the model reads of ``texts`` (each capped at the card's maximum length, once
@@ -198,13 +213,17 @@ class Gateway:
 
     async def route(self, requested: str | None, param: str = "model") -> Keys:
         """The key set of the model ``requested`` names (``route_model``, the rule the
-        client and the CLI apply too); 404 ``model_not_found`` for an unknown one."""
+        client and the CLI apply too), through EMBEDFLEET_GATEWAY_MODEL_ALIASES first; 404
+        ``model_not_found`` for an unknown one."""
         if requested is None:
             return self.settings.keys
         await self.model_card()  # this model's name is its card's, once published
         try:
             return route_model(
-                self.settings.keys, requested, await self.registry(), self.accepted_names()
+                self.settings.keys,
+                self.unaliased(requested),
+                await self.registry(),
+                self.accepted_names(),
             )
         except UnknownModelError as error:
             served = sorted({self.served_name, *error.served})
@@ -215,6 +234,29 @@ class Gateway:
                 param=param,
                 code="model_not_found",
             ) from None
+
+    def unaliased(self, requested: str) -> str:
+        """The model a request's name stands for: EMBEDFLEET_GATEWAY_MODEL_ALIASES' target for
+        an alias (``text-embedding-ada-002`` from an app written for OpenAI), else the name."""
+        return self.settings.model_aliases.get(requested, requested)
+
+    async def for_request(self, requested: str | None, param: str = "model") -> Gateway:
+        """``for_model`` for an OpenAI request, whose ``model`` TEI's users leave out (TEI has
+        no such field): left out, the one model the namespace serves; 400 ``model_required``,
+        naming them, where it serves several."""
+        if requested is not None:
+            return await self.for_model(requested, param)
+        await self.model_card()  # its name is the card's, once published
+        served = await self.models()
+        if len(served) > 1:
+            raise APIError(
+                400,
+                f"'{param}' is required: this gateway serves several models "
+                f"({', '.join(repr(lane.name) for lane in served)}; GET /v1/models)",
+                param=param,
+                code="model_required",
+            )
+        return self
 
     async def card_of(self, keys: Keys) -> ModelCard | None:
         """The card another lane's workers published (None: none, or unreadable)."""
@@ -273,12 +315,13 @@ class Gateway:
         return self.settings.served_model_name or self.model_name
 
     def check_model(self, requested: str | None, param: str = "model") -> None:
-        """An unknown model name is an error (404 model_not_found, as OpenAI answers)."""
+        """An unknown model name is an error (404 model_not_found, as OpenAI answers); an alias
+        of EMBEDFLEET_GATEWAY_MODEL_ALIASES stands for its model."""
         name = self.model_name
         accepted = {self.served_name, name, f"sentence-transformers/{name}"}
         if name in PACKAGED_ALIASES:
             accepted.update(PACKAGED_ALIASES)
-        if requested not in accepted:
+        if requested is None or self.unaliased(requested) not in accepted:
             raise APIError(
                 404,
                 f"the model {requested!r} does not exist here; this gateway serves "

@@ -9,6 +9,10 @@ reclaim time) is here.
 
 from __future__ import annotations
 
+import difflib
+import logging
+import os
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import ValidationError, model_validator
@@ -98,8 +102,67 @@ class SettingsError(ValueError):
     """A setting has a bad value; the message names the variable and what is allowed."""
 
 
+# Variables of the project's own test harness (tests/, the Makefile), read by the tests, not by
+# a process's settings: no warning for them
+HARNESS_PREFIX = f"{ENV_PREFIX}TEST_"
+# the standard logger: a warning before configure_logging has run still reaches stderr (the
+# last-resort handler), never stdout, where a verb may be writing its data
+_log = logging.getLogger("embedfleet.settings")
+_warned: set[str] = set()  # the variables this process has warned about (once each)
+
+
+def variable_of(name: str) -> str:
+    """The environment variable of the setting ``name``: ``EMBEDFLEET_<NAME>``, or the alias a
+    field reads instead (TEI's ``API_KEY``)."""
+    alias = Settings.model_fields[name].validation_alias
+    return alias if isinstance(alias, str) else f"{ENV_PREFIX}{name.upper()}"
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """One message per ``EMBEDFLEET_*`` variable in ``environ`` that is no setting (a misspelt
+    or guessed name is otherwise ignored without a word), naming the closest setting."""
+    known = [variable_of(name) for name in Settings.model_fields]
+    messages = []
+    for variable in sorted(environ):
+        upper = variable.upper()  # pydantic-settings reads names in any case
+        if not upper.startswith(ENV_PREFIX) or upper in known or upper.startswith(HARNESS_PREFIX):
+            continue
+        closest = _closest(upper, known)
+        hint = f"did you mean {closest}?" if closest else "no setting has a like name"
+        messages.append(
+            f"{variable} is set but is no embedfleet setting, and is ignored: {hint} "
+            "(every setting: docs/SETTINGS.md)"
+        )
+    return messages
+
+
+def _closest(variable: str, known: list[str]) -> str | None:
+    """The setting most like ``variable`` by difflib's ratio over the whole names (a guessed
+    section word, EMBEDFLEET_GATEWAY_API_KEYS, still finds EMBEDFLEET_API_KEYS), among those
+    whose names after the shared prefix are alike too (the prefix alone makes any two look
+    alike)."""
+
+    def stem(name: str) -> str:
+        return name.removeprefix(ENV_PREFIX)
+
+    for candidate in difflib.get_close_matches(variable, known, n=5, cutoff=0.6):
+        if difflib.SequenceMatcher(None, stem(variable), stem(candidate)).ratio() >= 0.5:
+            return candidate
+    return None
+
+
+def warn_unknown_variables(environ: Mapping[str, str] | None = None) -> None:
+    """Warn, once per process and variable, about each unknown ``EMBEDFLEET_*`` variable."""
+    for message in unknown_variables(os.environ if environ is None else environ):
+        if message not in _warned:
+            _warned.add(message)
+            _log.warning(message)
+
+
 def load_settings(**overrides: Any) -> Settings:
-    """Settings from the environment, with bad values reported as EMBEDFLEET_* variables."""
+    """Settings from the environment, with bad values reported as EMBEDFLEET_* variables; an
+    ``EMBEDFLEET_*`` variable that is no setting is warned about (``unknown_variables``)."""
+    warn_unknown_variables()
     try:
         return Settings(**overrides)
     except ValidationError as error:

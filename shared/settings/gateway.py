@@ -4,9 +4,30 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from embedfleet.shared.settings.section import Section
+
+# the one environment variable the gateway reads without the EMBEDFLEET_ prefix: TEI's name for
+# its key (`text-embeddings-router --api-key`, env API_KEY), so a TEI deployment's Secret keeps
+# protecting the gateway that replaces it
+TEI_API_KEY_VARIABLE = "API_KEY"
+
+
+def parse_model_aliases(text: str) -> dict[str, str]:
+    """EMBEDFLEET_GATEWAY_MODEL_ALIASES (``name=model,name=model``) as a mapping; ValueError for a
+    pair without its ``=`` or a name given twice (load_settings names the variable)."""
+    aliases: dict[str, str] = {}
+    for pair in filter(None, (part.strip() for part in text.split(","))):
+        name, equals, model = (piece.strip() for piece in pair.partition("="))
+        if not equals or not name or not model:
+            raise ValueError(
+                f"{pair!r} is not NAME=MODEL (e.g. text-embedding-ada-002=all-MiniLM-L6-v2)"
+            )
+        if name in aliases:
+            raise ValueError(f"the name {name!r} is given twice")
+        aliases[name] = model
+    return aliases
 
 
 class GatewaySettings(Section):
@@ -26,10 +47,18 @@ class GatewaySettings(Section):
     EMBEDFLEET_API_KEYS_FILE: no authentication."""
     api_keys_file: str | None = None
     """File of API keys, one per line (a mounted Secret); read at start."""
+    tei_api_key: str | None = Field(default=None, validation_alias=TEI_API_KEY_VARIABLE)
+    """TEI's variable, read as TEI reads it (no `EMBEDFLEET_` prefix): one more key the gateway
+    accepts as `Authorization: Bearer`, beside EMBEDFLEET_API_KEYS and EMBEDFLEET_API_KEYS_FILE,
+    so a TEI deployment's key keeps the gateway that replaces it closed."""
     gateway_max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
     """Largest JSON request body the gateway reads (413 beyond it)."""
     gateway_max_inputs: int = Field(default=2048, ge=1)
     """Most inputs in one embeddings request (OpenAI's limit)."""
+    gateway_max_request_tokens: int = Field(default=300_000, ge=1)
+    """Most tokens in one /v1/embeddings request, all its inputs together, in the model's tokens
+    as `usage` counts them (OpenAI's limit, and its 400 `max_tokens_per_request` beyond it); a
+    Batch API line over it is answered in the error file."""
     gateway_max_input_chars: int = Field(default=100_000, ge=1)
     """Longest text input in characters. A request that truncates (below) has a longer text cut
     to this many characters first, then to the model's maximum in tokens, as TEI cuts
@@ -73,3 +102,38 @@ class GatewaySettings(Section):
     model's own tokenizer. Off: token ids get a 400, because ids from another tokenizer (LangChain's
     `OpenAIEmbeddings` sends tiktoken ids unless `check_embedding_ctx_length=False`) would embed
     the wrong text without an error."""
+    gateway_tiktoken_encoding: str | None = None
+    """Read token ids in `input` on /v1/embeddings (and in batch lines) as ids of this tiktoken
+    encoding, decode them to text and embed the text: what LangChain's `OpenAIEmbeddings` sends
+    with its defaults is `cl100k_base`'s ids. A name (`cl100k_base`, `o200k_base`) is read from
+    tiktoken's cache (`TIKTOKEN_CACHE_DIR`) and never downloaded (the gateway sends nothing
+    anywhere), or the path of a `.tiktoken` file (one base64 token and its rank a line); read at
+    start. Needs the `tiktoken` package (the gateway extra has it). Unset: token ids get a 400
+    naming this setting. Not with EMBEDFLEET_GATEWAY_ACCEPT_TOKEN_IDS (the ids are one
+    tokenizer's or the other's)."""
+    gateway_model_aliases: str = ""
+    """Other names a request's `model` may use, comma-separated `NAME=MODEL` pairs, e.g.
+    `text-embedding-ada-002=all-MiniLM-L6-v2`: a request naming NAME goes to MODEL (the gateway's
+    own model or a registered lane), as a TEI deployment ignores the field. A name neither served
+    nor aliased is still 404 `model_not_found`, as OpenAI answers."""
+
+    @field_validator("gateway_model_aliases")
+    @classmethod
+    def _aliases(cls, value: str) -> str:
+        parse_model_aliases(value)
+        return value
+
+    @property
+    def model_aliases(self) -> dict[str, str]:
+        """EMBEDFLEET_GATEWAY_MODEL_ALIASES parsed (checked at load)."""
+        return parse_model_aliases(self.gateway_model_aliases)
+
+    @model_validator(mode="after")
+    def _one_kind_of_token_ids(self) -> GatewaySettings:
+        if self.gateway_accept_token_ids and self.gateway_tiktoken_encoding:
+            raise ValueError(
+                "EMBEDFLEET_GATEWAY_ACCEPT_TOKEN_IDS and EMBEDFLEET_GATEWAY_TIKTOKEN_ENCODING are "
+                "both set: token ids are read as the served model's or as the tiktoken "
+                "encoding's, not both. Unset one of them"
+            )
+        return self

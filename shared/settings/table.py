@@ -10,8 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from embedfleet.shared.settings.composed import SECTIONS, Settings
-from embedfleet.shared.settings.section import ENV_PREFIX
+from embedfleet.shared.settings.composed import SECTIONS, Settings, variable_of
 
 # Where the generated table lives, relative to the repository root (the command runs there).
 SETTINGS_DOC = "docs/SETTINGS.md"
@@ -42,7 +41,7 @@ def settings_table() -> str:
                     default = str(field.default).lower()
             # a docstring wraps over several lines; a table row is one
             meaning = " ".join((field.description or "").split())
-            rows.append(f"| `{ENV_PREFIX}{name.upper()}` | `{default}` | {meaning} |")
+            rows.append(f"| `{variable_of(name)}` | `{default}` | {meaning} |")
         parts.append("\n".join(rows))
     unlisted = sorted(set(Settings.model_fields) - listed)
     if unlisted:  # a field on Settings itself: every setting belongs to a section

@@ -49,28 +49,29 @@ def test_keys_from_the_setting_and_a_file(tmp_path: Path) -> None:
 
 def test_input_shapes(tokenizer: ModelTokenizer) -> None:
     ids = tokenizer.tokenizer.encode("hello world", add_special_tokens=False).ids
-    assert as_texts("hello world", tokenizer) == ["hello world"]
-    assert as_texts(["a", "b"], tokenizer) == ["a", "b"]
-    assert as_texts(ids, tokenizer, accept_token_ids=True) == ["hello world"]
-    assert as_texts([ids, ids], tokenizer, accept_token_ids=True) == ["hello world"] * 2
-    assert as_texts(["  ", "\n"], tokenizer) == ["  ", "\n"]  # whitespace is text, as in TEI
+    assert as_texts("hello world", None) == ["hello world"]
+    assert as_texts(["a", "b"], None) == ["a", "b"]
+    assert as_texts(ids, tokenizer) == ["hello world"]  # read as the model's own ids
+    assert as_texts([ids, ids], tokenizer) == ["hello world"] * 2
+    assert as_texts(["  ", "\n"], None) == ["  ", "\n"]  # whitespace is text, as in TEI
     for bad in ([], [""], ["text", 3.5]):
         with pytest.raises(APIError) as caught:
             as_texts(bad, tokenizer)  # type: ignore[arg-type]
         assert caught.value.status == 400 and caught.value.param == "input"
     with pytest.raises(APIError) as outside:
-        as_texts([[10**9]], tokenizer, accept_token_ids=True)
+        as_texts([[10**9]], tokenizer)
     assert outside.value.code == "invalid_input"
 
 
-def test_token_ids_are_refused_by_default_naming_the_fix(tokenizer: ModelTokenizer) -> None:
+def test_token_ids_are_refused_by_default_naming_the_fix() -> None:
     for ids in ([9906, 1917], [[9906, 1917], [15339]]):  # tiktoken's, as LangChain sends them
         with pytest.raises(APIError) as caught:
-            as_texts(ids, tokenizer)
+            as_texts(ids, None)
         error = caught.value
         assert (error.status, error.code, error.param) == (400, "token_ids_not_accepted", "input")
         assert "check_embedding_ctx_length=False" in error.message
         assert "EMBEDFLEET_GATEWAY_ACCEPT_TOKEN_IDS" in error.message
+        assert "EMBEDFLEET_GATEWAY_TIKTOKEN_ENCODING=cl100k_base" in error.message
 
 
 def test_left_truncation_keeps_the_end_within_the_budget(tokenizer: ModelTokenizer) -> None:
