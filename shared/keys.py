@@ -279,11 +279,12 @@ class Keys:
         ``dead``, ``expired``; tenant empty = the default tenant, job empty = no job)."""
         return self._key("usage")
 
-    def tenant_rate(self, tenant: str, second: int) -> str:
-        """Tokens read for ``tenant`` in one unix second, over the whole lane (a string counter
-        the workers INCRBY and read, expiring soon): EMBEDFLEET_TENANT_TOKEN_RATE's window. One
-        key for every partition (single-key commands only: any slot)."""
-        return f"{self._lane_namespace}:tenantrate:{tenant}:{second}"
+    def tenant_rate(self, tenant: str) -> str:
+        """Hash of ``tenant``'s token bucket over the whole lane (fields ``tokens``, ``at_us``;
+        EMBEDFLEET_TENANT_TOKEN_RATE), which every worker reserves its reads from through
+        token_rate.lua; it expires once full again. One key for every partition (the script
+        touches only it: any slot)."""
+        return f"{self._lane_namespace}:tenantrate:{tenant}"
 
     @property
     def query(self) -> str:

@@ -15,14 +15,13 @@ Tenants (issue 30): each partition holds one ingest stream per tenant, the defau
 (``Keys.tenants``), which the same round trip reads. A read's ``count`` is split between the tenants
 with a backlog by weighted deficit round robin (workers/fair.py), each tenant's part over its
 partitions by its backlog there: every active tenant progresses by its weight whatever the others
-hold. A tenant with a token rate (EMBEDFLEET_TENANT_TOKEN_RATE, a fleet-wide counter per second the
-worker adds the tokens it read to, in the second it read them) is asked for no more entries than
-what is left of the seconds since this worker last read it covers (at its tokens per entry so far),
-and once they are used it is left out until the next second: of the reads, and of the idle wait,
-which then ends with the second. Idle, one blocking read per partition names all of its streams
-(they share the slot) but a held tenant's, and takes one entry per stream: it only wakes the worker,
-whose read then takes the rest of the window by weight, so the weights hold from the first window
-on.
+hold. A tenant with a token rate (EMBEDFLEET_TENANT_TOKEN_RATE) is asked for no more entries than
+its token bucket, one for the whole fleet in Redis, grants this worker in the same round trip
+(workers/token_rate.py); while the bucket is spent the tenant is left out: of the reads, and of
+the idle wait, which then ends when the bucket has refilled enough for a read. Idle, one blocking
+read per partition names all of its streams (they share the slot) but a held tenant's, and takes
+one entry per stream: it only wakes the worker, whose read then takes the rest of the window by
+weight, so the weights hold from the first window on.
 
 Before any ingest stream comes the interactive stream (``Keys.interactive``: the inputs of large
 requests someone waits on, the gateway's): its entries are read first, in the same round trip
@@ -36,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, cast
@@ -50,20 +48,12 @@ from embedfleet.shared.protocol import PAYLOAD_FIELD
 from embedfleet.shared.redis_conn import as_str, ensure_group, ensure_groups
 from embedfleet.shared.tenants import TenantPolicy
 from embedfleet.workers.fair import FairShare, backlog_shares
+from embedfleet.workers.token_rate import TenantRates
 
 __all__ = ["STREAM_MOVED_AWAY", "StreamConsumer", "StreamEntry", "backlog_shares"]
 
 # A blocked XREADGROUP is woken with this error when its key leaves the node (Redis >= 7).
 STREAM_MOVED_AWAY = "UNBLOCKED"
-# a tenant's token counter of one second lives this long (read up to RATE_SPAN_S after)
-RATE_KEY_TTL_S = 5
-# A read may take a rated tenant's tokens of every second since this worker last read it, up to
-# this many: a worker whose windows take longer than a second reads it at its rate, not at one
-# second's worth a window (and a tenant idle a while starts with at most this many seconds').
-RATE_SPAN_S = 4
-# the cap of a rated tenant whose entries read so far cost no tokens (all vector cache hits):
-# its weight's share of a read bounds it, not its rate
-MAX_FREE_READ = 1 << 30
 
 
 class EntryOfTenant(Protocol):
@@ -113,17 +103,10 @@ class StreamConsumer:
         # registry (Keys.tenants) last said
         self._streams: dict[Keys, list[str]] = {p: [p.ingest] for p in self.partitions}
         self.fair = FairShare(self.policy.weight)
-        # tokens read per tenant since the last round, for EMBEDFLEET_TENANT_TOKEN_RATE
-        self._charges: dict[str, int] = {}
-        # tokens and entries charged per rated tenant so far: its tokens per entry, which turn
-        # what is left of its second's tokens into the entries a read may take
-        self._charged: dict[str, tuple[int, int]] = {}
-        # the second of the latest round: the entries it read are charged to it
-        self._read_second: int | None = None
-        # the second this worker last asked each rated tenant for entries
-        self._last_asked: dict[str, int] = {}
-        # the rated tenants the latest round left out (their second's tokens used): the idle
-        # wait names none of their streams and ends with their second
+        # EMBEDFLEET_TENANT_TOKEN_RATE: the rated tenants' buckets, shared by the fleet
+        self.rates = TenantRates(self.policy, keys)
+        # the rated tenants the latest round left out (their buckets spent): the idle wait
+        # names none of their streams and ends when the first has refilled for a read
         self._held: frozenset[str] = frozenset()
         # Blocking reads still waiting (the interactive stream's, or a partition's prefix ->
         # task), from an idle wait.
@@ -172,39 +155,9 @@ class StreamConsumer:
         return self.policy.named(delivery.tenant or self.keys.tenant_of(delivery.stream))
 
     def charge(self, tenant: str, tokens: int) -> None:
-        """Tokens of an entry read for a tenant with a token rate, counted fleet-wide with the
-        next round (0: an entry that costs none, the vector cache's hit: it lowers the tenant's
-        tokens per entry, so a read of such entries is not held to one entry a round)."""
-        if self.policy.rate(tenant) is None:
-            return
-        if tokens > 0:
-            self._charges[tenant] = self._charges.get(tenant, 0) + tokens
-        total, entries = self._charged.get(tenant, (0, 0))
-        self._charged[tenant] = (total + max(tokens, 0), entries + 1)
-
-    def _rate_span(self, tenant: str, second: int) -> range:
-        """The seconds a read in ``second`` may take a rated tenant's tokens of: those since
-        this worker last asked for it (at most RATE_SPAN_S), else this one."""
-        last = self._last_asked.get(tenant)
-        if last is None or last >= second:
-            return range(second, second + 1)
-        return range(max(last + 1, second - RATE_SPAN_S + 1), second + 1)
-
-    def _rate_cap(self, tenant: str, used: int, seconds: int = 1) -> int:
-        """The most entries a read may take for a rated tenant that has used ``used`` tokens of
-        the ``seconds`` it may take: what is left of its rate over them, over its tokens per
-        entry so far (one entry before any is known, and at least one when none are used, so a
-        tenant whose entries are each over its rate still progresses); 0: it is held."""
-        left = (self.policy.rate(tenant) or 0) * seconds - used
-        if left <= 0:
-            return 0
-        total, entries = self._charged.get(tenant, (0, 0))
-        if not entries:
-            return 1
-        if not total:  # every entry read so far cost no tokens
-            return MAX_FREE_READ
-        cap = math.floor(left * entries / total)
-        return max(cap, 1) if used <= 0 else cap
+        """Tokens of an entry read for ``tenant``: settled with its token bucket in the next
+        round (workers/token_rate.py; a tenant without a rate: nothing)."""
+        self.rates.charge(tenant, tokens)
 
     async def read(
         self, count: int, block_ms: int, *, include_ingest: bool = True
@@ -256,10 +209,10 @@ class StreamConsumer:
         # The reads end by themselves after block_ms; the margin covers the round trip.
         timeout = block_ms / 1000 + 5
         if self._held:
-            # a tenant held to its token rate is read again from its next second: wait no
-            # longer than that (the margin: the counter of that second is the one read then),
-            # whatever the reads still waiting from an earlier wait block for
-            block_ms = min(block_ms, 1000 - int(time.time() * 1000) % 1000 + 10)
+            # a tenant held to its token rate is read again once its bucket has refilled for a
+            # read: wait no longer than that, whatever the reads still waiting from an earlier
+            # wait block for
+            block_ms = min(block_ms, max(1, math.ceil(self.rates.wait_s(self._held) * 1000)))
             timeout = block_ms / 1000
         if self.interactive_stream not in self._waiting:
             self._waiting[self.interactive_stream] = asyncio.create_task(
@@ -289,37 +242,24 @@ class StreamConsumer:
 
     async def _read_backlogs(self, count: int) -> list[StreamEntry]:
         """The interactive stream's new entries, read in the round trip that measures the
-        backlogs (and reads the tenant registries and the token-rate counters); when there are
-        none, each tenant's share of ``count`` (workers/fair.py), split over its partitions."""
+        backlogs (and reads the tenant registries and takes from the rated tenants' token
+        buckets); when there are none, each tenant's share of ``count`` (workers/fair.py), split
+        over its partitions."""
         streams = self.ingest_streams
-        rated = [t for t in self.policy.token_rate if self.policy.rate(t) is not None]
-        second = int(time.time())
-        charges, self._charges = self._charges, {}
-        # The tokens charged since the last round are those of the entries it read: counted in
-        # the second they were read in, not this one, or a worker whose windows take over a
-        # second would find each second used by the read before and read a tenant every other
-        # time. This round's reads (and the entries a wake read brought just before) are next.
-        charged_second, self._read_second = self._read_second or second, second
         pipe = self.client.pipeline(transaction=False)
         pipe.xreadgroup(self.keys.group, self.consumer, {self.interactive_stream: ">"}, count=count)
         for stream in streams:
             pipe.xlen(stream)
         for partition in self.partitions:
             pipe.smembers(partition.tenants)
-        for tenant, tokens in charges.items():
-            pipe.incrby(self.keys.tenant_rate(tenant, charged_second), tokens)
-            pipe.expire(self.keys.tenant_rate(tenant, charged_second), RATE_KEY_TTL_S)
-        spans = {tenant: self._rate_span(tenant, second) for tenant in rated}
-        for rated_tenant, span in spans.items():
-            for counted in span:
-                pipe.get(self.keys.tenant_rate(rated_tenant, counted))
+        self.rates.queue_takes(pipe, count)
         replies = await pipe.execute()
         interactive = replies[0]
         lengths = [int(n) for n in replies[1 : 1 + len(streams)]]
         registries = replies[1 + len(streams) : 1 + len(streams) + len(self.partitions)]
-        counters = sum(len(span) for span in spans.values())
-        counts = iter(replies[len(replies) - counters :] if counters else [])
-        used = {t: sum(int(next(counts) or 0) for _ in span) for t, span in spans.items()}
+        # each rated tenant's entries this read may take: what its bucket granted
+        caps = self.rates.grants(replies[1 + len(streams) + len(self.partitions) :])
+        self._held = self.rates.held(caps)
         new = self._learn_tenants(registries)
         if new:
             # a tenant that registered since the last round is read from this one, not after
@@ -331,9 +271,6 @@ class StreamConsumer:
                 pipe.xlen(stream)
             streams = [*streams, *new]
             lengths += [int(n) for n in await pipe.execute()]
-        # each rated tenant's entries this read may take: what its second's tokens left cover
-        caps = {t: self._rate_cap(t, used[t], len(span)) for t, span in spans.items()}
-        self._held = frozenset(tenant for tenant, cap in caps.items() if cap <= 0)
         entries = self._entries(interactive)
         if entries:
             return entries
@@ -347,17 +284,15 @@ class StreamConsumer:
             if tenant in backlogs:
                 backlogs[tenant] = min(backlogs[tenant], cap)
         asks = self.fair.plan(count, backlogs, self._held)
-        for tenant in spans:
-            if asks.get(tenant):
-                self._last_asked[tenant] = second
         shares = self.fair.split(asks, by_tenant)
-        if not shares:
-            return []
         pipe = self.client.pipeline(transaction=False)
         for stream, share in shares.items():
             pipe.xreadgroup(self.keys.group, self.consumer, {stream: ">"}, count=share)
+        self.rates.queue_returns(pipe, asks)  # granted, not asked for: the others' now
+        if not len(pipe):
+            return []
         received: dict[str, int] = {}
-        for response in await pipe.execute():
+        for response in (await pipe.execute())[: len(shares)]:
             got = self._entries(response)
             for entry in got:
                 tenant = self.tenant_of(entry.stream)

@@ -36,11 +36,10 @@ class TenantSettings(Section):
     """How long a producer waits for room under its tenant's `EMBEDFLEET_TENANT_MAX_BACKLOG`
     (again after each entry added) before it raises `TenantBacklogFullError`."""
     tenant_token_rate: str = ""
-    """Tokens per second the workers read for a tenant at most, over the whole lane:
-    `batch=50000` (a one-second window counted in `{ns}:tenantrate:<tenant>:<s>`; a read takes
-    what the seconds since the worker last read the tenant have left, a tenant alone included;
-    approximate to one read per worker).
-    Unnamed tenants: no limit."""
+    """Tokens per second the workers read for a tenant at most, over the whole lane and the
+    whole fleet: `batch=50000` (a token bucket in `{ns}:tenantrate:<tenant>` holding 4 s of the
+    rate, which every worker reserves its reads from; a tenant alone included, however many
+    workers read it). Unnamed tenants: no limit."""
 
     @field_validator("default_tenant")
     @classmethod

@@ -116,6 +116,62 @@ async def test_a_tenant_is_held_to_its_token_rate(
         assert companion_done > 1_000 and companion_left > 0, "b ran beside a all the window"
 
 
+@pytest.mark.parametrize("fleet", [2, 4], ids=["2-workers", "4-workers"])
+async def test_a_tenants_token_rate_holds_across_the_fleet(
+    settings: Settings, workers: WorkerLauncher, client: aioredis.Redis, fleet: int
+) -> None:
+    """Tenant ``a`` (300 tokens/s, a rate per lane) is read by ``fleet`` workers at once; once
+    every worker runs and reads it, over 15 s the fleet acknowledges within 10% of the rate:
+    the limit is shared in Redis (shared/scripts/token_rate.lua), not each worker's own.
+
+    Before (issue 54, fault 3): every worker read what the per-second counters had left before
+    any counted what it read: 2.05x the rate with two workers in the review; here 575 tokens/s
+    (1.92x) with two, 1,021 (3.40x) with four. After: 299 and 298-300 (1.00x). Measured
+    loaded (2 cores shared with other test runs)."""
+    rate = 300
+    window_s = 15.0
+    settings = settings.model_copy(update={"tenant_token_rate": f"a={rate}"})
+    env = {
+        "EMBEDFLEET_TENANT_TOKEN_RATE": f"a={rate}",
+        "EMBEDFLEET_BENCHMARK_STANDIN_ENCODER_US_PER_TOKEN": "10",
+        "EMBEDFLEET_THREADS": "1",
+        "EMBEDFLEET_VECTOR_CACHE_MB": "0",  # every chunk embedded: tokens are the model's
+    }
+    async with Producer(settings, client) as producer:
+        await producer.enqueue(texts("a", 2_000), job="ja", tenant="a")  # 120 s of the rate
+        fleet_processes = [workers.process(f"rated-{n}", settings, **env) for n in range(fleet)]
+        for process in fleet_processes:  # the starts (model loads) are not timed
+            await process.wait_for_log('"worker started"')
+        reading = await tenant_tokens(client, settings, "a")
+
+        async def every_worker_reads() -> bool:
+            # each worker has read a's entries, and two seconds of the rate went by since all
+            # had started: whatever a bucket held before is spent
+            consumers = await client.xinfo_consumers(settings.keys.ingest_for("a"), settings.group)
+            return len(consumers) >= fleet and (
+                await tenant_tokens(client, settings, "a") >= reading + 2 * rate
+            )
+
+        await until(every_worker_reads, timeout=120)
+        before, t0 = await tenant_tokens(client, settings, "a"), time.monotonic()
+
+        async def window_over() -> bool:
+            return time.monotonic() - t0 >= window_s
+
+        await until(window_over, timeout=window_s + 30)
+        after, t1 = await tenant_tokens(client, settings, "a"), time.monotonic()
+        left = (await producer.progress("ja")).remaining
+    measured = (after - before) / (t1 - t0)
+    print(
+        f"a, {fleet} workers: {measured:,.0f} tokens/s at a limit of {rate} "
+        f"({measured / rate:.2f}x)"
+    )
+    assert left > 0, "a's backlog outlasted the window (else the rate was not what held it)"
+    assert 0.9 * rate <= measured <= 1.1 * rate, (
+        f"{fleet} workers read {measured:,.0f} tokens/s of a at a limit of {rate} tokens/s"
+    )
+
+
 @pytest.mark.serial  # its assertion is a ratio of paces measured seconds apart (Makefile)
 async def test_a_small_tenants_job_behind_a_big_backlog_gets_its_share_from_the_start(
     settings: Settings, workers: WorkerLauncher, client: aioredis.Redis
@@ -202,35 +258,6 @@ async def test_an_idle_readers_first_window_holds_the_weights(
     assert 3 * per_tenant["b"] * 0.9 <= per_tenant["a"] <= 3 * per_tenant["b"] * 1.1, (
         f"a:b {dict(per_tenant)}, not 3:1"
     )
-
-
-def test_a_rated_tenants_read_is_sized_by_what_its_second_has_left() -> None:
-    """The entries a read may take for a rated tenant: one before its tokens per entry are
-    known; then what is left of its rate over them; none once used up; one in a fresh second
-    even when an entry is over the whole rate (it progresses, held the seconds after)."""
-    from embedfleet.shared.keys import Keys
-    from embedfleet.shared.tenants import TenantPolicy
-
-    policy = TenantPolicy(token_rate={"a": 200, "long": 100})
-    consumer = StreamConsumer(None, Keys(), "reader", policy=policy)  # type: ignore[arg-type]
-    assert consumer._rate_cap("a", 0) == 1, "nothing known of a's entries yet"
-    for _ in range(10):
-        consumer.charge("a", 17)
-    assert consumer._rate_cap("a", 0) == 11  # 200 // 17
-    assert consumer._rate_cap("a", 170) == 1 and consumer._rate_cap("a", 190) == 0
-    assert consumer._rate_cap("a", 200) == 0 and consumer._rate_cap("a", 250) == 0
-    consumer.charge("long", 512)
-    assert consumer._rate_cap("long", 0) == 1 and consumer._rate_cap("long", 512) == 0
-    consumer.charge("free", 10**6)  # no rate: not counted
-    assert "free" not in consumer._charged
-    # entries the vector cache answered cost no tokens: a read of them is not held to one
-    cached = StreamConsumer(None, Keys(), "reader", policy=policy)  # type: ignore[arg-type]
-    cached.charge("a", 0)
-    assert cached._rate_cap("a", 0) >= 10**6
-    for _ in range(8):
-        cached.charge("a", 0)
-    cached.charge("a", 20)  # one of ten embedded: 2 tokens an entry read
-    assert cached._rate_cap("a", 0) == 100
 
 
 async def test_a_read_that_leaves_nothing_to_compute_does_not_stall_the_reader(

@@ -408,7 +408,7 @@ async def test_a_tenant_over_its_token_rate_is_left_out_of_the_reads(
         await producer.enqueue(chunks("b", 10), job="jb", tenant="b")
     consumer = StreamConsumer(client, settings.keys, "reader", policy=settings.tenant_policy)
     await consumer.setup()
-    consumer.charge("a", 1000)  # this second's tokens used up (counted fleet-wide in Redis)
+    consumer.charge("a", 4000)  # more than its bucket (the fleet's, in Redis) holds: held
     consumer.charge("b", 10**6)  # b has no rate: not counted
     read = await consumer.read_ingest(100, block_ms=10)
     assert {consumer.tenant_of(entry.stream) for entry in read} == {"b"}
