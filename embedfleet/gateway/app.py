@@ -30,6 +30,7 @@ from embedfleet.gateway.errors import (
 from embedfleet.gateway.files import FileStore
 from embedfleet.gateway.metrics import GatewayMetrics
 from embedfleet.gateway.state import Gateway
+from embedfleet.gateway.tei_grpc.server import start_grpc_server, stop_grpc_server
 from embedfleet.gateway.timing_headers import HEADERS as TIMING_HEADERS
 from embedfleet.gateway.timing_headers import TimingHeaders, compute_type
 from embedfleet.gateway.token_ids import tiktoken_ids_of
@@ -188,6 +189,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         policy_check = asyncio.ensure_future(warn_on_eviction_policy(gateway.client))
         await gateway.producer.setup()
         card = await gateway.model_card()  # None until a worker has started once: fine
+        # TEI's gRPC API beside HTTP, on this loop (EMBEDFLEET_GATEWAY_GRPC_PORT; None: unset)
+        grpc_server = await start_grpc_server(gateway)
         task = asyncio.create_task(runner.run())
         log.info(
             "gateway started",
@@ -200,6 +203,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             yield
         finally:
+            await stop_grpc_server(grpc_server)
             runner.stop()
             policy_check.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 
 import click
 
@@ -10,7 +11,15 @@ from embedfleet.shared.extras import missing_modules
 from embedfleet.shared.logging import configure_logging, get_logger
 from embedfleet.shared.settings import Settings, SettingsError, load_settings
 
-GATEWAY_MODULES = ("fastapi", "uvicorn", "multipart", "tokenizers", "prometheus_client")
+GATEWAY_MODULES = (
+    "fastapi",
+    "uvicorn",
+    "multipart",
+    "tokenizers",
+    "prometheus_client",
+    "grpc",
+    "google.protobuf",
+)
 # names that resolve to this machine only, whatever resolver is configured
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
 
@@ -72,6 +81,9 @@ def serve_command(host: str | None, port: int | None, workers: int) -> None:
     )
     host = host or settings.gateway_host
     port = settings.gateway_port if port is None else port
+    # the app (built in each uvicorn process from the environment) binds its gRPC port, if
+    # any, on the address HTTP binds
+    os.environ["EMBEDFLEET_GATEWAY_HOST"] = host
     from embedfleet.gateway.token_ids import TiktokenSettingError, tiktoken_ids_of
 
     try:

@@ -12,6 +12,7 @@ elsewhere.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from fastapi import APIRouter, Request
@@ -211,8 +212,6 @@ async def validation_error_handler(request: Request, error: Exception) -> JSONRe
     422 in TEI's (what TEI answers), naming the field and the problem. A body that is not JSON
     at all is 400 in both (TEI's axum answers its syntax error 400, a schema mismatch 422)."""
     assert isinstance(error, RequestValidationError)
-    problems = []
-    param = None
     errors = error.errors()
     if any(item.get("type") == "json_invalid" for item in errors):
         detail = next(item for item in errors if item.get("type") == "json_invalid")
@@ -220,12 +219,20 @@ async def validation_error_handler(request: Request, error: Exception) -> JSONRe
             f"the body is not valid JSON: {detail.get('ctx', {}).get('error', detail.get('msg'))}"
         )
         return render(request, APIError(400, message, code="invalid_json"))
+    return render(request, invalid_request(errors))
+
+
+def invalid_request(errors: Sequence[Any]) -> APIError:
+    """A body that does not fit its request model (pydantic's errors): 400, naming the first
+    fields and their problems."""
+    problems = []
+    param = None
     for item in errors[:5]:
         location = ".".join(str(part) for part in item.get("loc", ()) if part != "body")
         param = param or location or None
         problems.append(f"{location or 'body'}: {item.get('msg')}")
     message = "invalid request: " + "; ".join(problems)
-    return render(request, APIError(400, message, param=param, code="invalid_request"))
+    return APIError(400, message, param=param, code="invalid_request")
 
 
 async def protocol_error_handler(request: Request, error: Exception) -> JSONResponse:
@@ -233,8 +240,7 @@ async def protocol_error_handler(request: Request, error: Exception) -> JSONResp
     bound, shared/protocol.py ``check_count``): the caller's error, 400 in OpenAI's dialect and
     422 in TEI's, with the owner's message, which names the field and its range. The door
     translates; it does not check again (the request models bound only what they own)."""
-    assert isinstance(error, ProtocolError)
-    return render(request, APIError(400, str(error), code="invalid_request"))
+    return render(request, as_api_error(error, _retry_after_s(request)))
 
 
 async def http_error_handler(request: Request, error: Exception) -> JSONResponse:
@@ -259,37 +265,51 @@ async def redis_error_handler(request: Request, error: Exception) -> JSONRespons
     """Redis unreachable, timing out or failing over: 503 with Retry-After, the request lost
     nothing it could not send again. Any other Redis refusal (credentials, ACL) is the
     gateway's configuration: 500, naming the setting."""
-    fault = classify(error)
-    settings = request.app.state.gateway.settings
-    if fault.kind is FaultKind.TRANSIENT:
-        api_error = retry_later(
-            503,
-            f"the queue (Redis) is unavailable ({fault.detail}); retry after the Retry-After "
-            "seconds",
-            "queue_unavailable",
-            settings.gateway_retry_after_s,
-        )
-    else:
-        api_error = APIError(
+    return render(request, as_api_error(error, _retry_after_s(request)))
+
+
+async def unexpected_error_handler(request: Request, error: Exception) -> JSONResponse:
+    """Anything else still answers in the route's envelope (the server logs the traceback)."""
+    return render(request, as_api_error(error, _retry_after_s(request)))
+
+
+def _retry_after_s(request: Request) -> int:
+    return request.app.state.gateway.settings.gateway_retry_after_s
+
+
+def as_api_error(error: Exception, retry_after_s: int) -> APIError:
+    """The answer an exception a route raised stands for, in any door (the HTTP handlers here,
+    TEI's gRPC server): an APIError itself; a chunk the protocol's validator refused, 400 with
+    its message (the caller's error); Redis unreachable or hung, 503 ``queue_unavailable`` with
+    Retry-After (nothing was lost that cannot be sent again), any other Redis refusal 500
+    naming the setting to check (credentials, ACL); anything else 500 (the server logs the
+    traceback)."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, ProtocolError):
+        return APIError(400, str(error), code="invalid_request")
+    if isinstance(error, redis_errors.RedisError | redis_errors.RedisClusterException):
+        fault = classify(error)
+        if fault.kind is FaultKind.TRANSIENT:
+            return retry_later(
+                503,
+                f"the queue (Redis) is unavailable ({fault.detail}); retry after the "
+                "Retry-After seconds",
+                "queue_unavailable",
+                retry_after_s,
+            )
+        return APIError(
             500,
             f"the queue (Redis) refused the gateway ({fault.detail}); check "
             f"{fault.setting} (address, credentials, ACL)",
             type="server_error",
             code="queue_error",
         )
-    return render(request, api_error)
-
-
-async def unexpected_error_handler(request: Request, error: Exception) -> JSONResponse:
-    """Anything else still answers in the route's envelope (the server logs the traceback)."""
-    return render(
-        request,
-        APIError(
-            500,
-            f"internal error ({type(error).__name__}); the gateway's log has the traceback",
-            type="server_error",
-            code="internal_error",
-        ),
+    return APIError(
+        500,
+        f"internal error ({type(error).__name__}); the gateway's log has the traceback",
+        type="server_error",
+        code="internal_error",
     )
 
 

@@ -27,9 +27,10 @@ nor does an answer in OpenAI's dialect (/v1/*, /embeddings): OpenAI sends none, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from starlette.datastructures import MutableHeaders
@@ -104,6 +105,19 @@ class FleetCall:
         clock.sent.append((self.texts, self.count))
 
 
+@contextlib.contextmanager
+def request_clock() -> Iterator[RequestClock]:
+    """A clock for one request, from now: the fleet calls made inside the block (in this task,
+    or in the tasks and threads it starts) record on it. The HTTP middleware below opens one
+    per request; TEI's gRPC server one per call (its answers' ``Metadata``)."""
+    clock = RequestClock(started=time.perf_counter())
+    token = _clock.set(clock)
+    try:
+        yield clock
+    finally:
+        _clock.reset(token)
+
+
 def fleet_call(texts: Sequence[str], count: TokenCounter | None = None) -> FleetCall:
     """``with fleet_call(texts, count) as call: ...; call.sending(); await ...``: the request's
     clock (if a TimingHeaders middleware set one) records this call on the fleet."""
@@ -149,8 +163,11 @@ class TimingHeaders:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        clock = RequestClock(started=time.perf_counter())
-        token = _clock.set(clock)
+        with request_clock() as clock:
+            await self.app(scope, receive, self._timed(scope, send, clock))
+
+    def _timed(self, scope: Scope, send: Send, clock: RequestClock) -> Send:
+        """``send``, with TEI's headers added to a successful answer that reached the fleet."""
 
         async def send_timed(message: Message) -> None:
             if (
@@ -168,10 +185,7 @@ class TimingHeaders:
                     headers[name] = value
             await send(message)
 
-        try:
-            await self.app(scope, receive, send_timed)
-        finally:
-            _clock.reset(token)
+        return send_timed
 
 
 def compute_type(device: str) -> str:

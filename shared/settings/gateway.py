@@ -39,6 +39,10 @@ class GatewaySettings(Section):
     """Address `embedfleet serve` binds."""
     gateway_port: int = Field(default=8000, ge=0, le=65535)
     """Port of `embedfleet serve`."""
+    gateway_grpc_port: int | None = Field(default=None, ge=1, le=65535)
+    """Port of TEI's gRPC API (tei.v1: Info, Embed, Predict, Rerank, Tokenize), served by the same
+    process beside HTTP, on EMBEDFLEET_GATEWAY_HOST (docs/GATEWAY.md#grpc). Unset: no gRPC
+    server."""
     served_model_name: str | None = None
     """Model name the gateway answers to (`model` in requests, /v1/models). Unset: the worker's
     model name."""

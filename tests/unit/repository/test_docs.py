@@ -417,3 +417,22 @@ def test_gateway_page_lists_every_route_with_its_dialect() -> None:
             continue  # TEI's aliases of /health and /embed, named in their rows
         stem = path.split("/{", 1)[0]
         assert f" {stem}" in table or f"`{stem}" in table, f"{path}: no row in the route table"
+
+
+def test_gateway_page_names_every_grpc_call_of_teis_proto() -> None:
+    """docs/GATEWAY.md's gRPC section names every method of the vendored tei.proto's services
+    (``tei.v1.Service/Method``, as grpcurl writes it), and only those, and the stream's bound
+    as the server holds it."""
+    pytest.importorskip("grpc")  # the gateway's extra
+    from embedfleet.gateway.tei_grpc import tei_pb2
+    from embedfleet.gateway.tei_grpc.server import STREAM_IN_FLIGHT
+
+    section = GATEWAY_PAGE.read_text().split("\n## gRPC\n", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`(tei\.v1\.\w+/\w+)`", section))
+    served = {
+        f"{service.full_name}/{method.name}"
+        for service in tei_pb2.DESCRIPTOR.services_by_name.values()
+        for method in service.methods
+    }
+    assert named == served
+    assert f"up to {STREAM_IN_FLIGHT} at a time" in section

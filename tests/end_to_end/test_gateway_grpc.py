@@ -1,0 +1,318 @@
+"""TEI's gRPC API (tei.v1) on the gateway, called as TEI's users call it: a client generated from
+TEI's published proto (the vendored copy's modules), over a real gateway, a real Redis and a real
+worker. Each answer is the HTTP route's answer to the same question (the gRPC door calls it):
+Info, Embed and EmbedStream, Tokenize and Decode (and their streams) on the packaged model in a
+worker process; Rerank, RerankStream, Predict and PredictPair on a cross-encoder, EmbedSparse on
+a SPLADE model (tiny random-weight models, tests/model_zoo.py, in-process workers). Refusals end
+with TEI's codes: UNAUTHENTICATED without the key, INVALID_ARGUMENT for a bad request,
+FAILED_PRECONDITION for what the served model does not give."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+
+from embedfleet.gateway.tei_grpc import tei_pb2 as pb
+from embedfleet.gateway.tei_grpc import tei_pb2_grpc as pb_grpc
+from embedfleet.server import ServerProcess, free_port
+from embedfleet.shared.settings import Settings
+from embedfleet.workers.model.encoder import Encoder
+from loadtest.common import isolated_settings
+from tests.conftest import WorkerLauncher, WorkerProcess
+from tests.gateway_support import (
+    min_cosine,
+    module_fleet_settings,
+    module_worker,
+    running_gateway,
+    wait_for_worker,
+)
+from tests.model_zoo import cross_encoder_dir, splade_dir
+
+# the slow tier (make test-full, CI): starts a worker process and gateways
+pytestmark = pytest.mark.slow
+
+KEY = "grpc-test-key"
+AUTH = (("authorization", f"Bearer {KEY}"),)
+TEXT = "What is Deep Learning?"
+
+fleet_settings = module_fleet_settings("grpc", api_keys=KEY)
+worker = module_worker("grpc")
+
+
+class Fleet:
+    """A gateway's HTTP client and the gRPC stubs of TEI's services on the same gateway."""
+
+    def __init__(self, http: httpx.Client, channel: grpc.Channel) -> None:
+        self.http = http
+        self.info = pb_grpc.InfoStub(channel)
+        self.embed = pb_grpc.EmbedStub(channel)
+        self.tokenize = pb_grpc.TokenizeStub(channel)
+        self.rerank = pb_grpc.RerankStub(channel)
+        self.predict = pb_grpc.PredictStub(channel)
+
+
+@contextlib.contextmanager
+def grpc_gateway(settings: Settings) -> Iterator[Fleet]:
+    """A gateway for ``settings`` serving gRPC on a port of its own, and clients of both."""
+    port = free_port()
+    headers = {"Authorization": f"Bearer {settings.api_keys}"} if settings.api_keys else {}
+    with (
+        running_gateway(settings.model_copy(update={"gateway_grpc_port": port})) as url,
+        httpx.Client(base_url=url, timeout=120, headers=headers) as http,
+        grpc.insecure_channel(f"127.0.0.1:{port}") as channel,
+    ):
+        yield Fleet(http, channel)
+
+
+@pytest.fixture(scope="module")
+def fleet(fleet_settings: Settings, worker: WorkerProcess) -> Iterator[Fleet]:
+    with grpc_gateway(fleet_settings) as started:
+        wait_for_worker(str(started.http.base_url).rstrip("/"))
+        yield started
+
+
+def test_info_is_the_http_info(fleet: Fleet) -> None:
+    answer = fleet.info.Info(pb.InfoRequest(), metadata=AUTH)
+    facts = fleet.http.get("/info").json()
+    assert answer.model_id == facts["model_id"]
+    assert answer.model_type == pb.MODEL_TYPE_EMBEDDING
+    assert answer.max_input_length == facts["max_input_length"]
+    assert answer.max_client_batch_size == facts["max_client_batch_size"]
+    assert answer.max_batch_tokens == facts["max_batch_tokens"]
+    assert answer.version == facts["version"]
+
+
+def test_embed_is_the_http_embed(fleet: Fleet) -> None:
+    answer = fleet.embed.Embed(pb.EmbedRequest(inputs=TEXT), metadata=AUTH)
+    (over_http,) = fleet.http.post("/embed", json={"inputs": TEXT}).json()
+    assert len(answer.embeddings) == len(over_http)
+    assert min_cosine(np.array(answer.embeddings), np.array(over_http)) > 0.99995
+    # normalize absent is true, as TEI reads the optional field
+    assert np.linalg.norm(answer.embeddings) == pytest.approx(1.0, abs=1e-3)
+    assert answer.metadata.compute_chars == len(TEXT)
+    assert answer.metadata.compute_tokens > 0
+    assert answer.metadata.total_time_ns >= answer.metadata.inference_time_ns > 0
+    # TEI's options travel: a prompt-less Matryoshka cut, un-normalised
+    cut = fleet.embed.Embed(
+        pb.EmbedRequest(inputs=TEXT, dimensions=64, normalize=False), metadata=AUTH
+    )
+    (cut_http,) = fleet.http.post(
+        "/embed", json={"inputs": TEXT, "dimensions": 64, "normalize": False}
+    ).json()
+    assert len(cut.embeddings) == 64
+    np.testing.assert_allclose(cut.embeddings, cut_http, rtol=1e-6)
+
+
+def test_embed_stream_answers_each_message_in_order(fleet: Fleet) -> None:
+    texts = [f"stream message {i}: {'word ' * i}" for i in range(12)]
+    answers = list(
+        fleet.embed.EmbedStream(iter(pb.EmbedRequest(inputs=t) for t in texts), metadata=AUTH)
+    )
+    assert len(answers) == len(texts)
+    over_http = fleet.http.post("/embed", json={"inputs": texts}).json()
+    vectors = np.array([a.embeddings for a in answers])
+    assert min_cosine(vectors, np.array(over_http)) > 0.99995
+    assert [a.metadata.compute_chars for a in answers] == [len(t) for t in texts]
+
+
+def test_tokenize_and_decode_are_the_http_routes(fleet: Fleet) -> None:
+    tokens = fleet.tokenize.Tokenize(
+        pb.EncodeRequest(inputs="Héllo wörld", add_special_tokens=True), metadata=AUTH
+    ).tokens
+    (over_http,) = fleet.http.post("/tokenize", json={"inputs": "Héllo wörld"}).json()
+    assert [
+        {
+            "id": t.id,
+            "text": t.text,
+            "special": t.special,
+            "start": t.start if t.HasField("start") else None,
+            "stop": t.stop if t.HasField("stop") else None,
+        }
+        for t in tokens
+    ] == over_http
+    ids = [t.id for t in tokens]
+    text = fleet.tokenize.Decode(
+        pb.DecodeRequest(ids=ids, skip_special_tokens=True), metadata=AUTH
+    ).text
+    assert [text] == fleet.http.post("/decode", json={"ids": [ids]}).json()
+    streamed = list(
+        fleet.tokenize.TokenizeStream(
+            iter([pb.EncodeRequest(inputs="a b"), pb.EncodeRequest(inputs="c")]), metadata=AUTH
+        )
+    )
+    assert [[t.text for t in answer.tokens] for answer in streamed] == [["a", "b"], ["c"]]
+    decoded = list(
+        fleet.tokenize.DecodeStream(
+            iter([pb.DecodeRequest(ids=ids, skip_special_tokens=True)] * 2), metadata=AUTH
+        )
+    )
+    assert [d.text for d in decoded] == [text, text]
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda f, md: f.info.Info(pb.InfoRequest(), metadata=md),
+        lambda f, md: f.embed.Embed(pb.EmbedRequest(inputs=TEXT), metadata=md),
+        lambda f, md: list(f.embed.EmbedStream(iter([pb.EmbedRequest(inputs=TEXT)]), metadata=md)),
+        lambda f, md: f.tokenize.Decode(pb.DecodeRequest(ids=[101]), metadata=md),
+    ],
+    ids=["Info", "Embed", "EmbedStream", "Decode"],
+)
+@pytest.mark.parametrize(
+    "metadata", [(), (("authorization", "Bearer wrong"),), (("authorization", KEY),)]
+)
+def test_a_call_without_the_key_is_unauthenticated(fleet: Fleet, call, metadata) -> None:
+    with pytest.raises(grpc.RpcError) as refused:
+        call(fleet, metadata)
+    assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
+    assert "API key" in refused.value.details()
+
+
+def test_a_bad_request_is_invalid_argument(fleet: Fleet) -> None:
+    too_long = "word " * 2000
+    for request, says in [
+        (pb.EmbedRequest(inputs=""), "is empty"),
+        # proto3's truncate is false unless set: an input over the model's maximum is refused
+        (pb.EmbedRequest(inputs=too_long), "token"),
+        (pb.EmbedRequest(inputs=TEXT, dimensions=100_000), "dimensions"),
+        (pb.EmbedRequest(inputs=TEXT, prompt_name="nope"), "nope"),
+    ]:
+        with pytest.raises(grpc.RpcError) as refused:
+            fleet.embed.Embed(request, metadata=AUTH)
+        assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT, request
+        assert says in refused.value.details()
+    cut = fleet.embed.Embed(pb.EmbedRequest(inputs=too_long, truncate=True), metadata=AUTH)
+    assert len(cut.embeddings) == 384
+    with pytest.raises(grpc.RpcError) as refused:
+        fleet.tokenize.Decode(pb.DecodeRequest(ids=[10**9]), metadata=AUTH)
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    # a stream ends at its first refusal, with its code, after the answers before it
+    answers = fleet.embed.EmbedStream(
+        iter([pb.EmbedRequest(inputs=TEXT), pb.EmbedRequest(inputs="")]), metadata=AUTH
+    )
+    assert len(next(answers).embeddings) == 384
+    with pytest.raises(grpc.RpcError) as refused:
+        next(answers)
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_what_the_model_does_not_give_is_a_failed_precondition(fleet: Fleet) -> None:
+    """TEI's Backend type: a rerank, a prediction or sparse weights of an embedding model, and
+    per-token vectors of a model without them (the HTTP routes' 424)."""
+    for call in [
+        lambda: fleet.rerank.Rerank(pb.RerankRequest(query="q", texts=["a"]), metadata=AUTH),
+        lambda: fleet.predict.Predict(pb.PredictRequest(inputs="a"), metadata=AUTH),
+        lambda: fleet.embed.EmbedSparse(pb.EmbedSparseRequest(inputs="a"), metadata=AUTH),
+        lambda: fleet.embed.EmbedAll(pb.EmbedAllRequest(inputs="a"), metadata=AUTH),
+    ]:
+        with pytest.raises(grpc.RpcError) as refused:
+            call()
+        assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert "dense" in refused.value.details()
+
+
+# --- the other representations: tiny models in an in-process worker ---------------------------
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("zoo-grpc")
+
+
+@contextlib.asynccontextmanager
+async def zoo_fleet(
+    redis_server: ServerProcess, tmp_path: Path, model_dir: Path
+) -> AsyncIterator[Fleet]:
+    """A worker serving ``model_dir`` on this loop, and a gateway with gRPC for it (no keys)."""
+    settings = isolated_settings(
+        redis_server.url, model=str(model_dir), block_ms=100, files_dir=str(tmp_path / "files")
+    )
+    encoder = Encoder(str(model_dir), device="cpu")
+    async with WorkerLauncher(settings, lambda: encoder, tmp_path).run(settings, encoder=encoder):
+        with grpc_gateway(settings) as started:
+            yield started
+
+
+async def test_rerank_and_predict_are_the_http_routes(
+    redis_server: ServerProcess, tmp_path: Path, zoo: Path
+) -> None:
+    texts = ["try except finally", "a loop over a list", "exceptions are caught by try"]
+    query = "How do I catch an exception?"
+    async with zoo_fleet(redis_server, tmp_path, cross_encoder_dir(zoo)) as fleet:
+        # the gRPC client blocks: off this loop, which runs the worker
+        ranks = await asyncio.to_thread(
+            fleet.rerank.Rerank, pb.RerankRequest(query=query, texts=texts, return_text=True)
+        )
+        streamed = await asyncio.to_thread(
+            fleet.rerank.RerankStream,
+            iter([pb.RerankStreamRequest(query=query, text=t) for t in texts]),
+        )
+        over_http = (
+            await asyncio.to_thread(
+                fleet.http.post, "/rerank", json={"query": query, "texts": texts}
+            )
+        ).json()
+        predicted = await asyncio.to_thread(
+            fleet.predict.PredictPair, pb.PredictPairRequest(inputs=[query, texts[0]])
+        )
+        alone = await asyncio.to_thread(fleet.predict.Predict, pb.PredictRequest(inputs=texts[1]))
+        predicted_http = (
+            await asyncio.to_thread(
+                fleet.http.post, "/predict", json={"inputs": [[query, texts[0]], [texts[1]]]}
+            )
+        ).json()
+        with pytest.raises(grpc.RpcError) as refused:
+            await asyncio.to_thread(
+                fleet.predict.PredictPair, pb.PredictPairRequest(inputs=["a", "b", "c"])
+            )
+    # the same pairs batched otherwise (one request, a stream, HTTP) agree to float32's noise
+    assert [r.index for r in ranks.ranks] == [r["index"] for r in over_http]
+    np.testing.assert_allclose(
+        [r.score for r in ranks.ranks], [r["score"] for r in over_http], rtol=1e-4
+    )
+    assert [r.text for r in ranks.ranks] == [texts[r["index"]] for r in over_http]
+    assert [r.index for r in streamed.ranks] == [r.index for r in ranks.ranks]
+    np.testing.assert_allclose(
+        [r.score for r in streamed.ranks], [r.score for r in ranks.ranks], rtol=1e-4
+    )
+    assert not any(r.HasField("text") for r in streamed.ranks)
+    for answer, expected in zip([predicted, alone], predicted_http, strict=True):
+        assert [p.label for p in answer.predictions] == [e["label"] for e in expected]
+        np.testing.assert_allclose(
+            [p.score for p in answer.predictions], [e["score"] for e in expected], rtol=1e-4
+        )
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_embed_sparse_is_the_http_route(
+    redis_server: ServerProcess, tmp_path: Path, zoo: Path
+) -> None:
+    inputs = ["hi", "try except finally"]
+    async with zoo_fleet(redis_server, tmp_path, splade_dir(zoo)) as fleet:
+        answers = [
+            await asyncio.to_thread(fleet.embed.EmbedSparse, pb.EmbedSparseRequest(inputs=text))
+            for text in inputs
+        ]
+        streamed = await asyncio.to_thread(
+            lambda: list(
+                fleet.embed.EmbedSparseStream(iter(pb.EmbedSparseRequest(inputs=t) for t in inputs))
+            )
+        )
+        over_http = (
+            await asyncio.to_thread(fleet.http.post, "/embed_sparse", json={"inputs": inputs})
+        ).json()
+    # one input per message: batched with others or alone, its weights agree to float32's noise
+    for answer, stream_answer, expected in zip(answers, streamed, over_http, strict=True):
+        for weights in (answer.sparse_embeddings, stream_answer.sparse_embeddings):
+            assert [w.index for w in weights] == [e["index"] for e in expected]
+            np.testing.assert_allclose(
+                [w.value for w in weights], [e["value"] for e in expected], rtol=1e-4
+            )
