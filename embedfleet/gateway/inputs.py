@@ -200,11 +200,17 @@ class TEIInputs(Protocol):
 
 def prepare_tei(body: TEIInputs, gateway: Gateway) -> tuple[list[str], bool]:
     """A TEI body's texts (``prepare``) and whether over-long ones are cut (``tei_truncate``),
-    which the caller passes on to ``fit_to_model``."""
+    which the caller passes on to ``fit_to_model``.
+
+    Token ids are read as the served model's own whatever EMBEDFLEET_GATEWAY_ACCEPT_TOKEN_IDS
+    says, as TEI reads its ``inputs`` (one sequence of ids or a batch): TEI's clients send the
+    model's own ids (its /tokenize's), where /v1 cannot tell whose they are. Each sequence is
+    decoded to its text (special tokens dropped: the worker adds the model's own); an id outside
+    the vocabulary is refused (TEI: 422 ``Validation``)."""
     truncate = tei_truncate(body.truncate, gateway.settings)
     texts = prepare(
         body.inputs,
-        gateway.model_ids,  # with EMBEDFLEET_GATEWAY_ACCEPT_TOKEN_IDS: the model's own ids
+        gateway.tokenizer,  # TEI's routes always read ids as the model's own (TEI's reading)
         gateway.settings,
         "inputs",
         truncate=truncate,

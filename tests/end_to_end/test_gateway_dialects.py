@@ -250,3 +250,24 @@ def test_normalize_false_comes_back_in_float32_not_rounded_through_float16(url: 
     reference = model.encode(texts)
     np.testing.assert_allclose(unit, reference, atol=2e-3)
     assert np.abs(unit - reference).max() > 1e-5  # the fp16 wire, as the docs promise
+
+
+def test_token_ids_as_inputs_embed_as_their_text(
+    url: str, tokenizer: ModelTokenizer, hub_online: None
+) -> None:
+    """TEI's ``inputs`` take token ids (one sequence or a batch), the model's own tokenizer's:
+    each embeds as the text they stand for (cosine 1.0000). An id outside the vocabulary is
+    TEI's 422 ``Validation``, in its error shape."""
+    texts = ["How do I open a file in Python?", "Redis streams make a durable queue."]
+    ids = [tokenizer.tokenizer.encode(text).ids for text in texts]  # [CLS] ... [SEP], as TEI's
+    of_texts = np.array(httpx.post(f"{url}/embed", json={"inputs": texts}).json())
+    batch = httpx.post(f"{url}/embed", json={"inputs": ids})
+    one = httpx.post(f"{url}/embed", json={"inputs": ids[0]})
+    assert batch.status_code == 200 and one.status_code == 200, batch.text + one.text
+    assert round(min_cosine(np.array(batch.json()), of_texts), 4) == 1.0
+    assert round(min_cosine(np.array(one.json()), of_texts[:1]), 4) == 1.0
+    for bad in ([101, 10**9, 102], [[101, 2023, 102], [-1]]):
+        refused = httpx.post(f"{url}/embed", json={"inputs": bad})
+        assert refused.status_code == 422, refused.text
+        assert refused.json()["error_type"] == "Validation", refused.text
+        assert "vocabulary" in refused.json()["error"]
