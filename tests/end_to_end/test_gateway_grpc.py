@@ -163,8 +163,11 @@ def test_tokenize_and_decode_are_the_http_routes(fleet: Fleet) -> None:
         lambda f, md: f.embed.Embed(pb.EmbedRequest(inputs=TEXT), metadata=md),
         lambda f, md: list(f.embed.EmbedStream(iter([pb.EmbedRequest(inputs=TEXT)]), metadata=md)),
         lambda f, md: f.tokenize.Decode(pb.DecodeRequest(ids=[101]), metadata=md),
+        lambda f, md: f.rerank.RerankStream(
+            iter([pb.RerankStreamRequest(query="q", text="a")]), metadata=md
+        ),
     ],
-    ids=["Info", "Embed", "EmbedStream", "Decode"],
+    ids=["Info", "Embed", "EmbedStream", "Decode", "RerankStream"],
 )
 @pytest.mark.parametrize(
     "metadata", [(), (("authorization", "Bearer wrong"),), (("authorization", KEY),)]

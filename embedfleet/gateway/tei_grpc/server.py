@@ -372,16 +372,15 @@ class TEIServicer(
     ) -> Any:
         """TEI's client stream of (query, text) pairs: one answer once the stream ends, the
         first message's ``raw_scores`` and ``return_text`` for all (as TEI reads them)."""
-        pairs = [message async for message in request_iterator]
-        return await self._unary(
-            context,
-            lambda clock: self._rerank(
-                [pair.query for pair in pairs],
-                [pair.text for pair in pairs],
-                pairs[0] if pairs else pb.RerankStreamRequest(),
-                clock,
-            ),
-        )
+
+        async def answer(clock: RequestClock) -> pb.RerankResponse:
+            # read once the key is checked (_unary): a caller without one sends nothing in
+            pairs = [message async for message in request_iterator]
+            first = pairs[0] if pairs else pb.RerankStreamRequest()
+            queries = [pair.query for pair in pairs]
+            return await self._rerank(queries, [pair.text for pair in pairs], first, clock)
+
+        return await self._unary(context, answer)
 
     # --- Tokenize ------------------------------------------------------------------------
     async def _tokenize(self, request: pb.EncodeRequest, clock: RequestClock) -> pb.EncodeResponse:
