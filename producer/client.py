@@ -292,11 +292,13 @@ class Producer(ProducerLane):
         *,
         timeout: float = 10.0,
         lane: RequestStream = "query",
+        raw_scores: bool = False,
     ) -> np.ndarray:
         """Scores of (``query``, document) for each document, in the documents' order, from a
-        fleet serving a cross-encoder: ``CrossEncoder.predict``'s values. Sort them to rank.
+        fleet serving a cross-encoder: ``CrossEncoder.predict``'s values (``raw_scores``: the
+        logits before the model's activation, as TEI's ``raw_scores``). Sort them to rank.
         A thousand documents belong on ``lane="texts"`` (bulk-sized batches)."""
-        return await self._queries.rerank(query, documents, timeout, lane)
+        return await self._queries.rerank(query, documents, timeout, lane, raw_scores)
 
     async def score_pairs(
         self,
@@ -304,12 +306,14 @@ class Producer(ProducerLane):
         *,
         timeout: float = 10.0,
         lane: RequestStream = "query",
+        raw_scores: bool = False,
     ) -> np.ndarray:
         """Every label's score of each (text, text) pair from a cross-encoder fleet, shape
-        (len(pairs), labels): ``CrossEncoder.predict``'s values (one column for a reranker).
-        A pair ``(text, None)`` is the text classified alone, one sequence (TEI's single-text
-        ``/predict``, the text-classification pipeline's input)."""
-        return await self._queries.score_pairs(pairs, timeout, lane)
+        (len(pairs), labels): ``CrossEncoder.predict``'s values (one column for a reranker;
+        ``raw_scores``: the logits before its activation). A pair ``(text, None)`` is the text
+        classified alone, one sequence (TEI's single-text ``/predict``, the text-classification
+        pipeline's input)."""
+        return await self._queries.score_pairs(pairs, timeout, lane, raw_scores)
 
     async def embed_representations(
         self,

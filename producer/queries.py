@@ -75,17 +75,32 @@ class Queries:
         return [vector for vector in vectors if vector is not None]
 
     async def rerank(
-        self, query: str, documents: Sequence[str], timeout: float, lane: RequestStream
+        self,
+        query: str,
+        documents: Sequence[str],
+        timeout: float,
+        lane: RequestStream,
+        raw_scores: bool = False,
     ) -> np.ndarray:
         answers = await self.answers(
-            self.stream(lane), "pairs", [query] * len(documents), timeout, None, pairs=documents
+            self.stream(lane),
+            "pairs",
+            [query] * len(documents),
+            timeout,
+            None,
+            pairs=documents,
+            extra=_raw(raw_scores),
         )
         return np.array(
             [answers.results[index].score for index in range(len(documents))], dtype=np.float32
         )
 
     async def score_pairs(
-        self, pairs: Sequence[tuple[str, str | None]], timeout: float, lane: RequestStream
+        self,
+        pairs: Sequence[tuple[str, str | None]],
+        timeout: float,
+        lane: RequestStream,
+        raw_scores: bool = False,
     ) -> np.ndarray:
         answers = await self.answers(
             self.stream(lane),
@@ -94,6 +109,7 @@ class Queries:
             timeout,
             None,
             pairs=[b for _, b in pairs],
+            extra=_raw(raw_scores),
         )
         return np.stack(
             [np.asarray(answers.results[i].vector, np.float32) for i in range(len(pairs))]
@@ -312,3 +328,8 @@ def _check_request(
         raise ValueError(f"every one of the {what} must be a string")
     if not timeout > 0:  # BLPOP with timeout 0 would wait forever
         raise ValueError(f"timeout must be a positive number of seconds, not {timeout}")
+
+
+def _raw(raw_scores: bool) -> dict[str, Any] | None:
+    """The chunk field that asks a cross-encoder for its logits (``raw_scores``), when asked."""
+    return {"raw_scores": True} if raw_scores else None

@@ -55,7 +55,13 @@ LONG_INPUT_OPTION = "window_overlap"
 OPTION_NAMES = ("prompt_name", "prompt", "dimensions", "dtype", LONG_INPUT_OPTION, "normalize")
 # Options of the other representations (sparse weights, pair scores); a v1 worker that predates
 # them never sees them (the gateway checks the model card first).
-REPRESENTATION_OPTION_NAMES = ("representations", "max_active_dims", "pair", "multivector_dtype")
+REPRESENTATION_OPTION_NAMES = (
+    "representations",
+    "max_active_dims",
+    "pair",
+    "multivector_dtype",
+    "raw_scores",
+)
 # What a model may give for a text (the model card's ``representations``): a dense vector, a
 # SPLADE-style sparse weight vector, ColBERT-style per-token vectors (``multivector``), or, for
 # a (query, document) pair, a relevance score. A model with several (BGE-M3: dense, sparse and
@@ -144,6 +150,9 @@ class Chunk:
     pair: str | None = None
     # multivector: how the per-token vectors travel (None: float16)
     multivector_dtype: str | None = None
+    # rerank: true answers the classifier's logits, before the model's activation (TEI's
+    # raw_scores); None or false: CrossEncoder.predict's activated scores
+    raw_scores: bool | None = None
     # the producer it is accounted to and shares the fleet as (None: the default tenant)
     tenant: str | None = None
     # embed it with the model even where the vector cache holds its vector (issue 31): a
@@ -278,6 +287,7 @@ def _chunk_fields(chunk: Chunk) -> dict[str, Any]:
         "max_active_dims": chunk.max_active_dims,
         "pair": chunk.pair,
         "multivector_dtype": chunk.multivector_dtype,
+        "raw_scores": chunk.raw_scores,
         "tenant": chunk.tenant,
         "reembed": True if chunk.reembed else None,
         "token_ids": chunk.token_ids,
@@ -594,7 +604,8 @@ def check_window_overlap(overlap: object) -> None:
 
 
 def _representation_options(message: Mapping[str, Any]) -> dict[str, Any]:
-    """``representations``, ``max_active_dims`` and ``pair``, checked for form (whether the
+    """``representations``, ``max_active_dims``, ``pair``, ``multivector_dtype`` and
+    ``raw_scores``, checked for form (whether the
     model serves them is the worker's check, and the gateway's from the model card)."""
     wanted = message.get("representations")
     if wanted is not None:
@@ -627,11 +638,15 @@ def _representation_options(message: Mapping[str, Any]) -> dict[str, Any]:
             f"'multivector_dtype' must be one of {', '.join(MULTIVECTOR_DTYPES)}, "
             f"got {multivector_dtype!r}"
         )
+    raw_scores = message.get("raw_scores")
+    if raw_scores is not None and not isinstance(raw_scores, bool):
+        raise ProtocolError(f"'raw_scores' must be true or false when given, got {raw_scores!r}")
     return {
         "representations": wanted,
         "max_active_dims": top,
         "pair": pair,
         "multivector_dtype": multivector_dtype,
+        "raw_scores": raw_scores,
     }
 
 

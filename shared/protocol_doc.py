@@ -151,6 +151,14 @@ CHUNK_FIELDS: tuple[WireField, ...] = (
         + "; absent: `float16`",
     ),
     WireField(
+        "raw_scores",
+        "bool",
+        False,
+        "rerank only: `true` answers the classifier's logits, before the model's activation "
+        "(TEI's `raw_scores`: `CrossEncoder.predict(..., activation_fn=Identity())`); absent or "
+        "`false`: `CrossEncoder.predict`'s scores, through the activation the model declares",
+    ),
+    WireField(
         "tenant",
         "str",
         False,

@@ -146,6 +146,7 @@ class Outputs:
             chunk.multivector_dtype,
             chunk.normalize,
             chunk.window_overlap,
+            chunk.raw_scores,
         )
         recipe = self._recipes.get(options)
         if recipe is None:
@@ -170,6 +171,9 @@ class Outputs:
             if "multivector" in chunk.representations:
                 wanted += f":{chunk.multivector_dtype or 'float16'}"
             recipe = dataclasses.replace(recipe, representation=wanted)
+        if chunk.raw_scores:
+            # a cross-encoder's logits (TEI's raw_scores) are another answer than its scores
+            recipe = dataclasses.replace(recipe, representation=f"{recipe.representation}:raw")
         if chunk.normalize is False and recipe.normalize:
             # the vector before the model's Normalize (TEI's normalize=false) is another vector
             recipe = dataclasses.replace(recipe, normalize=False)
@@ -232,6 +236,8 @@ class Outputs:
             )
         if chunk.max_active_dims is not None and "sparse" not in offered:
             raise OutputOptionError("'max_active_dims' prunes sparse weights; none here")
+        if chunk.raw_scores is not None and "rerank" not in offered:
+            raise OutputOptionError("'raw_scores' answers a cross-encoder's logits; none here")
         if chunk.multivector_dtype is not None and "multivector" not in offered:
             raise OutputOptionError("'multivector_dtype' shapes per-token vectors; none here")
         if chunk.window_overlap is not None and (
@@ -328,6 +334,11 @@ class Outputs:
         """Results in chunk order: each vector truncated and stored as its chunk asks, rows
         that ask for the same thing shaped together."""
         if self.encoder.representation != "dense":
+            if self.encoder.representation == "rerank":
+                # the model's rows are logits: its activation for every chunk but those that
+                # ask for the logits themselves (raw_scores)
+                raw = np.array([bool(chunk.raw_scores) for chunk in chunks])[:, None]
+                vectors = np.where(raw, vectors, self.encoder.activate(vectors))
             return [
                 self._sparse_or_score_result(chunk, vectors[row], truncated[row], with_meta)
                 for row, chunk in enumerate(chunks)

@@ -118,11 +118,16 @@ class Embedder:
 
         return await self._through_lane(len(texts), call, texts)
 
-    async def rerank(self, query: str, documents: Sequence[str]) -> np.ndarray:
-        """Scores of (``query``, document) per document, in order (a cross-encoder fleet)."""
+    async def rerank(
+        self, query: str, documents: Sequence[str], *, raw_scores: bool = False
+    ) -> np.ndarray:
+        """Scores of (``query``, document) per document, in order (a cross-encoder fleet;
+        ``raw_scores``: its logits, before its activation)."""
 
         async def call(lane: Lane, timeout: float) -> np.ndarray:
-            return await self.producer.rerank(query, list(documents), timeout=timeout, lane=lane)
+            return await self.producer.rerank(
+                query, list(documents), timeout=timeout, lane=lane, raw_scores=raw_scores
+            )
 
         return await self._through_lane(
             len(documents), call, [query] * len(documents) + list(documents)
@@ -140,12 +145,16 @@ class Embedder:
 
         return await self._through_lane(len(texts), call, texts)
 
-    async def score_pairs(self, pairs: Sequence[tuple[str, str | None]]) -> np.ndarray:
+    async def score_pairs(
+        self, pairs: Sequence[tuple[str, str | None]], *, raw_scores: bool = False
+    ) -> np.ndarray:
         """Every label's score per (text, text) pair (a cross-encoder fleet; ``(text, None)``:
-        the text classified alone), same lanes."""
+        the text classified alone; ``raw_scores``: the logits), same lanes."""
 
         async def call(lane: Lane, timeout: float) -> np.ndarray:
-            return await self.producer.score_pairs(list(pairs), timeout=timeout, lane=lane)
+            return await self.producer.score_pairs(
+                list(pairs), timeout=timeout, lane=lane, raw_scores=raw_scores
+            )
 
         texts = [text for pair in pairs for text in pair if text is not None]
         return await self._through_lane(len(pairs), call, texts)

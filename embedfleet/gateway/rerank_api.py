@@ -17,11 +17,12 @@ rerank, POST /v1/rerank, is gateway/cohere_api.py's, in OpenAI's error dialect).
   model (TEI's sequence classification: the tokenizer called on the text alone).
 
 The scores are ``CrossEncoder.predict``'s (the model's declared activation: a sigmoid for a
-one-label reranker, what TEI returns without ``raw_scores``). A (query, document) pair longer
-than the model's maximum is cut ``longest_first`` by the worker, as ``CrossEncoder.predict``
-cuts it, whatever ``truncate`` says. A served model that lacks the representation is refused
-in the route's dialect (TEI: 424 ``Backend``, as TEI answers a rerank on an embedding model;
-OpenAI's: 400).
+one-label reranker, what TEI returns without ``raw_scores``); ``raw_scores: true`` answers the
+logits before it, as TEI does (``CrossEncoder.predict(..., activation_fn=Identity())``). A
+(query, document) pair longer than the model's maximum is cut ``longest_first`` by the worker,
+as ``CrossEncoder.predict`` cuts it, whatever ``truncate`` says. A served model that lacks the
+representation is refused in the route's dialect (TEI: 424 ``Backend``, as TEI answers a rerank
+on an embedding model; OpenAI's: 400).
 """
 
 from __future__ import annotations
@@ -187,23 +188,11 @@ def _predict_sequences(
     return sequences, False
 
 
-def _refuse_raw_scores(raw_scores: bool) -> None:
-    """TEI's ``raw_scores``: the workers return the activated scores only."""
-    if raw_scores:
-        raise APIError(
-            422,
-            "raw_scores=true is not available: the workers return the model's activated "
-            "scores (CrossEncoder.predict's); leave raw_scores at false",
-            code="raw_scores_not_available",
-        )
-
-
 @router.post("/predict")
 async def predict(body: PredictRequest, gateway: GatewayDep) -> list[Any]:
     single = isinstance(body.inputs, str) or all(isinstance(item, str) for item in body.inputs)
     shape: tuple[Method, int] = ("single", 1) if single else ("batch", len(body.inputs))
     async with tei_request(gateway, "predict", *shape), gateway.request_bound():
-        _refuse_raw_scores(body.raw_scores)
         sequences, one = _predict_sequences(body.inputs)
         gateway = await gateway.for_model(body.model)
         card = await gateway.require_card()
@@ -212,7 +201,7 @@ async def predict(body: PredictRequest, gateway: GatewayDep) -> list[Any]:
         await asyncio.to_thread(check_limits, texts, gateway.settings, "inputs")
         # a text alone is one sequence through the model, as TEI and the text-classification
         # pipeline classify it (workers/model/rerank.py), not the pair (text, "")
-        scores = await gateway.embedder.score_pairs(sequences)
+        scores = await gateway.embedder.score_pairs(sequences, raw_scores=body.raw_scores)
     answers = [
         [
             {"score": float(row[label]), "label": f"LABEL_{label}"}
@@ -224,10 +213,17 @@ async def predict(body: PredictRequest, gateway: GatewayDep) -> list[Any]:
 
 
 async def rerank_scores(
-    gateway: Gateway, query: str, documents: list[str], *, param: str, dialect: ErrorDialect
+    gateway: Gateway,
+    query: str,
+    documents: list[str],
+    *,
+    param: str,
+    dialect: ErrorDialect,
+    raw_scores: bool = False,
 ) -> np.ndarray:
     """The model's score of each document for ``query``, refused in ``dialect`` where the model
-    is no reranker; ``param``: the request's name for the documents."""
+    is no reranker; ``param``: the request's name for the documents; ``raw_scores``: the
+    logits, before the model's activation (TEI's)."""
     card = await gateway.require_card()
     require_representation(card, "rerank", dialect)
     if not documents:
@@ -235,7 +231,7 @@ async def rerank_scores(
     if not query.strip():
         raise APIError(400, "`query` cannot be empty", param="query", code="empty_input")
     await asyncio.to_thread(check_limits, [query, *documents], gateway.settings, param)
-    return await gateway.embedder.rerank(query, documents)
+    return await gateway.embedder.rerank(query, documents, raw_scores=raw_scores)
 
 
 def ranked(scores: np.ndarray) -> list[int]:
@@ -246,10 +242,14 @@ def ranked(scores: np.ndarray) -> list[int]:
 @router.post("/rerank")
 async def rerank(body: RerankRequest, gateway: GatewayDep) -> list[dict[str, Any]]:
     async with tei_request(gateway, "predict", "batch", len(body.texts)), gateway.request_bound():
-        _refuse_raw_scores(body.raw_scores)
         gateway = await gateway.for_model(body.model)
         scores = await rerank_scores(
-            gateway, body.query, body.texts, param="texts", dialect=DIALECT
+            gateway,
+            body.query,
+            body.texts,
+            param="texts",
+            dialect=DIALECT,
+            raw_scores=body.raw_scores,
         )
     ranks = []
     for index in ranked(scores):

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import torch
 
 from embedfleet.server import ServerProcess
 from embedfleet.shared.settings import Settings
@@ -119,7 +120,12 @@ async def test_tei_and_cohere_rerank_match_cross_encoder(
             "/v1/rerank", json={"model": "nope", "query": QUERY, "documents": texts}
         )
         info = await http.get("/info")
-    scores = CrossEncoder(str(model_dir), device="cpu").predict([(QUERY, t) for t in texts])
+        raw = await http.post("/rerank", json={"query": QUERY, "texts": texts, "raw_scores": True})
+        raw_predict = await http.post(
+            "/predict", json={"inputs": [[QUERY, t] for t in texts], "raw_scores": True}
+        )
+    cross_encoder = CrossEncoder(str(model_dir), device="cpu")
+    scores = cross_encoder.predict([(QUERY, t) for t in texts])
     order = list(np.argsort(-scores, kind="stable"))
     assert tei.status_code == 200, tei.text
     assert [r["index"] for r in tei.json()] == order
@@ -134,6 +140,16 @@ async def test_tei_and_cohere_rerank_match_cross_encoder(
     assert [r["document"]["text"] for r in jina.json()["results"]] == [texts[i] for i in order]
     assert sparse.status_code == 424 and "not a SPLADE" in sparse.json()["error"]
     assert bad_model.status_code == 404
+    # TEI's raw_scores: the logits before the model's sigmoid, CrossEncoder's with no activation
+    logits = cross_encoder.predict([(QUERY, t) for t in texts], activation_fn=torch.nn.Identity())
+    assert raw.status_code == 200, raw.text
+    assert [r["index"] for r in raw.json()] == order  # the sigmoid keeps the order
+    np.testing.assert_allclose([r["score"] for r in raw.json()], logits[order], atol=1e-4)
+    assert np.abs(logits - scores).max() > 0.1  # not the scores again
+    assert raw_predict.status_code == 200, raw_predict.text
+    np.testing.assert_allclose(
+        [labels[0]["score"] for labels in raw_predict.json()], logits, atol=1e-4
+    )
     # TEI's ModelType for a cross-encoder of one label: a reranker, with its labels
     assert info.json()["model_type"] == {
         "reranker": {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}
@@ -200,15 +216,21 @@ async def test_tei_predict_matches_cross_encoder(
         # InferenceClient(base_url) posts {"inputs": text} to the base URL: the model's route
         hub = InferenceClient(base_url=str(http.base_url).rstrip("/"))
         classified = await asyncio.to_thread(hub.text_classification, alone[1])
-        raw = [
-            await http.post("/predict", json={"inputs": list(pairs[0]), "raw_scores": True}),
-            await http.post("/rerank", json={"query": "q", "texts": ["a"], "raw_scores": True}),
-        ]
-    for refused in raw:  # only the activated scores are served: said, not silently ignored
-        assert refused.status_code == 422, refused.text
-        assert "raw_scores" in refused.json()["error"], refused.text  # TEI's error shape
+        raw = await http.post(
+            "/predict", json={"inputs": [list(p) for p in pairs], "raw_scores": True}
+        )
     assert batch.status_code == 200 and one.status_code == 200, batch.text + one.text
     theirs = CrossEncoder(str(model_dir), device="cpu").predict(pairs)
+    # two labels: CrossEncoder's activation is the identity, so raw_scores are the same scores
+    assert raw.status_code == 200, raw.text
+    np.testing.assert_allclose(
+        [
+            [item["score"] for item in sorted(labels, key=lambda i: i["label"])]
+            for labels in raw.json()
+        ],
+        theirs,
+        atol=1e-4,
+    )
     for row, labels in enumerate(batch.json()):
         scores = {int(item["label"].removeprefix("LABEL_")): item["score"] for item in labels}
         np.testing.assert_allclose([scores[0], scores[1]], theirs[row], atol=1e-4)

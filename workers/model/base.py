@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from embedfleet.workers.model.heads import HeadLayout
@@ -62,6 +63,11 @@ class Representation(ABC):
     @abstractmethod
     def vectors(self, forward: Forward) -> torch.Tensor:
         """One row per text from the transformer's output for the batch, on its device."""
+
+    def activate(self, rows: np.ndarray) -> np.ndarray:
+        """Rows of :meth:`vectors` as the model answers them by default: a cross-encoder's
+        logits through its activation; any other representation's as they are."""
+        return rows
 
     def cut_pairs(
         self, queries: Sequence[str], documents: Sequence[str | None], max_length: int

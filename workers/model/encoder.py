@@ -280,8 +280,14 @@ class Encoder:
         return self.collate(self.tokenize(list(texts)))
 
     def embed(self, batch: EncodeBatch) -> np.ndarray:
-        """Vectors for one batch: float32, shape (batch, dim), normalised if the model says so."""
+        """Vectors for one batch: float32, shape (batch, dim), normalised if the model says so
+        (a cross-encoder's logits: :meth:`activate` gives its scores)."""
         return self.vectors(batch).cpu().numpy()
+
+    def activate(self, rows: np.ndarray) -> np.ndarray:
+        """Rows of :meth:`embed` as the model answers them by default: a cross-encoder's logits
+        through its activation (``CrossEncoder.predict``'s scores); others unchanged."""
+        return self._representation.activate(rows)
 
     def vectors(self, batch: EncodeBatch) -> torch.Tensor:
         """:meth:`embed`'s vectors left on the model's device (on CUDA: returns once queued)."""

@@ -1,8 +1,10 @@
 """The rerank representation: a cross-encoder's score per (query, document) pair, or per
 text alone (a sequence classifier's input: TEI's single-text ``/predict``).
 
-The transformer is loaded with its classification head; the scores are its logits through the
-activation the model declares, as ``CrossEncoder.predict`` gives them. Pairs are tokenized with
+The transformer is loaded with its classification head; its rows are the logits, and the scores
+are those through the activation the model declares (``activate``), as ``CrossEncoder.predict``
+gives them, applied per chunk on the way out (workers/output.py), so a chunk may ask for the
+logits themselves (``raw_scores``, TEI's). Pairs are tokenized with
 the tokenizer's own pair encoding and cut ``longest_first``, as sentence-transformers'
 ``Transformer.tokenize`` cuts them; a text alone with the tokenizer called on it alone, cut to
 the maximum, as the transformers text-classification pipeline tokenizes it.
@@ -14,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -35,7 +38,14 @@ class Rerank(Representation):
         self.pair_tokenizer = AutoTokenizer.from_pretrained(transformer_dir)
 
     def vectors(self, forward: Forward) -> torch.Tensor:
-        return self.activation(forward.output.logits.float())
+        return forward.output.logits.float()
+
+    def activate(self, rows: np.ndarray) -> np.ndarray:
+        """``CrossEncoder.predict``'s scores of logits ``rows`` (batch, labels): the model's
+        activation, in float32 on the CPU, as CrossEncoder applies it."""
+        logits = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))
+        with torch.no_grad():
+            return self.activation(logits).numpy()
 
     def cut_pairs(
         self, queries: Sequence[str], documents: Sequence[str | None], max_length: int

@@ -94,6 +94,7 @@ def test_every_field_the_code_writes_is_documented() -> None:
         max_active_dims=4,
         pair="a document",
         multivector_dtype="int8",
+        raw_scores=True,
         tenant="team-a",
         reembed=True,
         window_overlap=16,

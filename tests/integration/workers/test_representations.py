@@ -314,6 +314,8 @@ def test_a_cross_encoder_without_sentence_transformers_files_matches_predict(zoo
     encoder = Encoder(str(bare), device="cpu")
     assert encoder.representation == "rerank"
     queries, documents = zip(*pairs(), strict=True)
-    ours = fleet_rows(encoder, encoder.tokenize_pairs(queries, documents))[:, 0]
+    # the model's rows are its logits; its activation makes them CrossEncoder.predict's scores
+    logits = fleet_rows(encoder, encoder.tokenize_pairs(queries, documents))
+    ours = encoder.activate(logits)[:, 0]
     theirs = CrossEncoder(str(bare), device="cpu").predict(pairs())
     np.testing.assert_allclose(ours, theirs, atol=SCORE_TOLERANCE)

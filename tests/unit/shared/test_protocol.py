@@ -414,6 +414,18 @@ def test_multivector_results_round_trip_in_float16_and_int8() -> None:
         chunk_from_mapping({"id": "a", "text": "t", "multivector_dtype": "int4"})
 
 
+def test_raw_scores_is_a_bool_that_travels() -> None:
+    """A cross-encoder chunk's ``raw_scores`` (TEI's: the logits before the activation) is true
+    or false on the wire, and comes back as sent."""
+    chunk = chunk_from_mapping({"id": "a", "text": "q", "pair": "d", "raw_scores": True})
+    assert chunk.raw_scores is True
+    assert decode_chunk(encode_chunk(chunk)).raw_scores is True
+    assert decode_chunk(encode_chunk(Chunk("a", "q"))).raw_scores is None
+    for bad in ("true", 1, 0.5):
+        with pytest.raises(ProtocolError, match="raw_scores"):
+            chunk_from_mapping({"id": "a", "text": "q", "raw_scores": bad})
+
+
 def test_a_lone_surrogate_is_no_text() -> None:
     """JSON's "\\ud800" makes a str that UTF-8 (msgpack, the tokenizer) cannot carry: refused as
     the caller's error, naming the field and the place (issue 40)."""
