@@ -43,6 +43,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 from redis.typing import KeyT, StreamIdT
 
+from embedfleet.shared import scripts
 from embedfleet.shared.keys import TENANT_PATTERN, Keys
 from embedfleet.shared.protocol import PAYLOAD_FIELD
 from embedfleet.shared.redis_conn import as_str, ensure_group, ensure_groups
@@ -54,6 +55,8 @@ __all__ = ["STREAM_MOVED_AWAY", "StreamConsumer", "StreamEntry", "backlog_shares
 
 # A blocked XREADGROUP is woken with this error when its key leaves the node (Redis >= 7).
 STREAM_MOVED_AWAY = "UNBLOCKED"
+# a bulk read bounded in bytes (EMBEDFLEET_READ_MAX_BYTES): shared/scripts/read_bounded.lua
+READ_BOUNDED_SCRIPT = scripts.load("read_bounded")
 
 
 class EntryOfTenant(Protocol):
@@ -82,6 +85,8 @@ class StreamConsumer:
 
     ``partitions``: the partitions whose ingest streams ``read_ingest`` reads (default all).
     ``policy``: the tenants' weights and token rates (default: every tenant weighs 1).
+    ``max_read_bytes``: the most payload bytes a bulk read takes (EMBEDFLEET_READ_MAX_BYTES),
+    split over its streams by their shares; None: entries are counted only.
     """
 
     def __init__(
@@ -91,11 +96,13 @@ class StreamConsumer:
         consumer: str,
         partitions: Sequence[int] | None = None,
         policy: TenantPolicy | None = None,
+        max_read_bytes: int | None = None,
     ) -> None:
         self.client = client
         self.keys = keys
         self.consumer = consumer
         self.policy = policy or TenantPolicy()
+        self.max_read_bytes = max_read_bytes
         chosen = range(keys.partitions) if partitions is None else partitions
         self.partitions = [keys.partition(index) for index in chosen]
         self.interactive_stream = keys.query_lane.interactive
@@ -286,13 +293,32 @@ class StreamConsumer:
         asks = self.fair.plan(count, backlogs, self._held)
         shares = self.fair.split(asks, by_tenant)
         pipe = self.client.pipeline(transaction=False)
+        total_share = sum(shares.values())
         for stream, share in shares.items():
-            pipe.xreadgroup(self.keys.group, self.consumer, {stream: ">"}, count=share)
+            if self.max_read_bytes is None:
+                pipe.xreadgroup(self.keys.group, self.consumer, {stream: ">"}, count=share)
+                continue
+            # each stream's part of the bytes, as of the entries: the read stays within the
+            # bound (and a stream's first entry, whatever its size, so every stream progresses)
+            budget = max(1, self.max_read_bytes * share // total_share)
+            pipe.eval(
+                READ_BOUNDED_SCRIPT,
+                1,
+                stream,
+                self.keys.group,
+                self.consumer,
+                share,
+                budget,
+                PAYLOAD_FIELD,
+            )
         self.rates.queue_returns(pipe, asks)  # granted, not asked for: the others' now
         if not len(pipe):
             return []
         received: dict[str, int] = {}
-        for response in (await pipe.execute())[: len(shares)]:
+        replies = (await pipe.execute())[: len(shares)]
+        for stream, response in zip(shares, replies, strict=True):
+            if self.max_read_bytes is not None:  # the script's entries: XREADGROUP's reply
+                response = [(stream, [(i, pairs(fields)) for i, fields in response or []])]
             got = self._entries(response)
             for entry in got:
                 tenant = self.tenant_of(entry.stream)
@@ -375,3 +401,9 @@ class StreamConsumer:
                     )
                 )
         return entries
+
+
+def pairs(flat: Sequence[bytes]) -> dict[bytes, bytes]:
+    """A stream entry's fields as a script returns them (``field, value, ...``) → a dict, as
+    redis-py gives XREADGROUP's."""
+    return dict(zip(flat[::2], flat[1::2], strict=True))

@@ -90,6 +90,7 @@ class StageParts:
         stats = WorkerStats()
         events = StatsEvents(stats, listener)
         calibrations = CalibrationStore(client, keys, encoder.name, settings.calibration_file)
+        batching = settings.batching(encoder.device.type)
         return cls(
             settings=settings,
             encoder=encoder,
@@ -103,6 +104,7 @@ class StageParts:
                 settings.consumer,
                 partitions=settings.read_partitions,
                 policy=settings.tenant_policy,
+                max_read_bytes=batching.read_max_bytes,
             ),
             in_flight=InFlight(sink),
             dead_letters=DeadLetters(
@@ -119,7 +121,7 @@ class StageParts:
             vector_cache=VectorCache(
                 client, keys, settings.vector_cache_mb, settings.vector_cache_ttl_s
             ),
-            batching=settings.batching(encoder.device.type),
+            batching=batching,
             threads=Threads(),
             stopping=asyncio.Event(),
         )
