@@ -77,11 +77,17 @@ def pack_token_ids(ids: Sequence[int]) -> bytes:
 
 def unpack_token_ids(data: bytes) -> list[int]:
     """The ids of a chunk's ``token_ids`` (its length a multiple of 4: the protocol's check)."""
+    return token_id_array(data).tolist()
+
+
+def token_id_array(data: bytes) -> array.array[int]:
+    """:func:`unpack_token_ids` as an ``array("I")``: a sequence of ints that numpy copies as
+    one buffer (the worker's collation) without making a Python int per id."""
     packed = array.array("I")
     packed.frombytes(data)
     if sys.byteorder != "little":
         packed.byteswap()
-    return packed.tolist()
+    return packed
 
 
 def encode_for_model(backend: Any, texts: Sequence[str], max_length: int) -> list[list[int]]:

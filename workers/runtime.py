@@ -23,7 +23,7 @@ from embedfleet.sinks import NO_EXTRAS, Extras, build_sink, parse_sink_url
 from embedfleet.workers.health import HealthServer
 from embedfleet.workers.metrics import StreamGauges, WorkerMetrics
 from embedfleet.workers.model.encoder import Encoder
-from embedfleet.workers.model.model_dir import UnsupportedModelError
+from embedfleet.workers.model.model_dir import UnsupportedModelError, directory_revision
 from embedfleet.workers.outages import RideOut, classify_sink_error, ride_out
 from embedfleet.workers.replicas import gpu_memory_share, limit_gpu_memory
 from embedfleet.workers.worker import Worker
@@ -102,6 +102,12 @@ def load_encoder(settings: Settings) -> Encoder:
     # one): one process, no share of its own.
     processes = settings.replicas if isinstance(settings.replicas, int) else 1
     limit_gpu_memory(gpu_memory_share(settings.gpu_memory_fraction, processes), encoder.device)
+    model_dir = getattr(encoder, "model_dir", None)
+    if not settings.model_revision and model_dir is not None:
+        # the card's revision hashes every file of the model (cached per directory state):
+        # done here, with the load, so the worker's first reads do not share a core with it
+        # (it was ~10% of the host path's CPU over 20,000 texts: docs/BENCHMARKS.md, stop 58)
+        directory_revision(model_dir)
     return encoder
 
 

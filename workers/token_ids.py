@@ -10,16 +10,19 @@ wrong vector; every other chunk is tokenized here, in one batch call.
 
 from __future__ import annotations
 
+import array
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.tokens import (
     foreign_ids_message,
     ids_fingerprint,
     split_fingerprint,
-    unpack_token_ids,
+    token_id_array,
 )
 from embedfleet.workers.model.encoder import Encoder, Tokenized, pairs_of
 
@@ -34,11 +37,12 @@ class TokenizedChunks:
     refused: list[tuple[int, str]] = field(default_factory=list)
 
 
-def producer_ids(chunk: Chunk, prompt: str, encoder: Encoder) -> list[int] | None:
-    """The ids ``chunk`` brought, where the worker can use them; None: tokenize its text (no
-    ids, a cross-encoder's pair, or ids made with another prompt than ``prompt``, which are
-    the right tokenizer's but not this chunk's input). ValueError: ids of another tokenizer,
-    or an id outside the vocabulary (the dead letter's reason)."""
+def producer_ids(chunk: Chunk, prompt: str, encoder: Encoder) -> bytes | None:
+    """The ids ``chunk`` brought (packed), where the worker can use them; None: tokenize its
+    text (no ids, a cross-encoder's pair, or ids made with another prompt than ``prompt``,
+    which are the right tokenizer's but not this chunk's input). ValueError: ids of another
+    tokenizer (the dead letter's reason). Their vocabulary is checked for a window at once
+    (:func:`outside_vocabulary`)."""
     if chunk.token_ids is None or chunk.tokenizer is None or chunk.pair is not None:
         return None
     text = encoder.text
@@ -47,13 +51,22 @@ def producer_ids(chunk: Chunk, prompt: str, encoder: Encoder) -> list[int] | Non
         if tokenizer != text.fingerprint:
             raise ValueError(foreign_ids_message(tokenizer, text.fingerprint))
         return None  # this tokenizer's ids of another prompt
-    ids = unpack_token_ids(chunk.token_ids)
-    largest = max(ids)
-    if largest >= text.vocab_size:
-        raise ValueError(
-            f"token id {largest} is outside the model's vocabulary of {text.vocab_size}"
-        )
-    return ids
+    return chunk.token_ids
+
+
+def outside_vocabulary(packed: Sequence[bytes], vocab_size: int) -> list[str | None]:
+    """For each chunk's packed ids, the reason they are refused (an id outside the
+    vocabulary) or None. One numpy pass over the window's ids (per chunk, the Python ints it
+    made cost more than the rest of its host path: issue 53); per chunk only where one is out."""
+    if not packed or int(np.frombuffer(b"".join(packed), dtype="<u4").max()) < vocab_size:
+        return [None] * len(packed)
+    largest = [int(np.frombuffer(data, dtype="<u4").max()) for data in packed]
+    return [
+        f"token id {top} is outside the model's vocabulary of {vocab_size}"
+        if top >= vocab_size
+        else None
+        for top in largest
+    ]
 
 
 @functools.lru_cache(maxsize=64)
@@ -73,16 +86,24 @@ def tokenize_chunks(
         given: dict[int, Tokenized] = {}
     else:
         given, to_tokenize = {}, []
+        brought: dict[int, bytes] = {}
         for position, (chunk, prompt) in enumerate(zip(chunks, prompts, strict=True)):
             try:
-                ids = producer_ids(chunk, prompt, encoder)
+                packed = producer_ids(chunk, prompt, encoder)
             except ValueError as error:
                 out.refused.append((position, str(error)))
                 continue
-            if ids is None:
+            if packed is None:
                 to_tokenize.append(position)
             else:
-                given[position] = encoder.text.from_ids(ids, prompt)
+                brought[position] = packed
+        reasons = outside_vocabulary(list(brought.values()), encoder.text.vocab_size)
+        for (position, packed), reason in zip(brought.items(), reasons, strict=True):
+            if reason is not None:
+                out.refused.append((position, reason))
+            else:
+                ids: array.array[int] = token_id_array(packed)
+                given[position] = encoder.text.from_ids(ids, prompts[position])
     made: dict[int, Tokenized] = {}
     if to_tokenize:
         texts_prompts = [prompts[p] for p in to_tokenize]

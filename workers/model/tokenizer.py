@@ -33,7 +33,7 @@ class PromptError(ValueError):
 class Tokenized:
     """One text's token ids (with special tokens), and whether it was cut to fit the model."""
 
-    ids: list[int]
+    ids: Sequence[int]  # a list, or the producer's packed array("I") (issue 53)
     truncated: bool
     # leading tokens that are the prompt (with the tokenizer's leading special tokens), as
     # sentence-transformers counts them; excluded from pooling when include_prompt is false
@@ -162,12 +162,12 @@ class TextTokenizer:
     def vocab_size(self) -> int:
         return int(self.backend.get_vocab_size(with_added_tokens=True))
 
-    def from_ids(self, ids: list[int], prompt: str) -> Tokenized:
+    def from_ids(self, ids: Sequence[int], prompt: str) -> Tokenized:
         """A producer's ids of ``prompt + text`` (``encode_for_model`` with the published
         tokenizer), cut to the maximum as :meth:`tokenize` cuts its own."""
         return self._fit(ids, self.prompt_length(prompt) if prompt else 0)
 
-    def _fit(self, ids: list[int], prompt_length: int = 0) -> Tokenized:
+    def _fit(self, ids: Sequence[int], prompt_length: int = 0) -> Tokenized:
         if len(ids) <= self.max_length:
             return Tokenized(ids=ids, truncated=False, prompt_length=prompt_length)
         if self._ends_with_special:  # keep [SEP]: same ids as truncating at max_length
