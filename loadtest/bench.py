@@ -233,6 +233,40 @@ def engine_contender(
     return Run(time.perf_counter() - started, len(texts), real, padded, vectors)
 
 
+def bare_forward_contender(
+    encoder: Encoder,
+    settings: Settings,
+    texts: list[str],
+    window: int,
+    token_budget: int,
+    max_batch: int,
+) -> Run:
+    """The fleet's own engine alone (issue 53: end to end ÷ bare forward): the default
+    worker's encoder and bulk path (the frozen or other engine's copy where a worker takes it,
+    ``Slices.bulk_frozen``), its windows planned as the worker plans them without a slice limit,
+    tokenized and collated before the clock; the clock runs over the forward passes only."""
+    from embedfleet.workers.batcher import plan_batches
+
+    frozen = (
+        settings.frozen_bulk and encoder.has_query_graph and encoder.computes_in_reduced_precision
+    )
+    embed = encoder.embed_query if frozen else encoder.embed
+    batches = []
+    real = padded = 0
+    for base in range(0, len(texts), window):
+        tokens = encoder.tokenize(texts[base : base + window])
+        for planned in plan_batches([t.length for t in tokens], token_budget, max_batch):
+            batch = encoder.collate([tokens[p] for p in planned.positions])
+            batches.append(([base + p for p in planned.positions], batch))
+            real += batch.real_tokens
+            padded += batch.padded_tokens
+    vectors = np.zeros((len(texts), encoder.dim), dtype=np.float32)
+    started = time.perf_counter()
+    for positions, batch in batches:
+        vectors[positions] = embed(batch)
+    return Run(time.perf_counter() - started, len(texts), real, padded, vectors)
+
+
 _PACKERS: dict[tuple[int, str], PackedEncoder | RowsEncoder] = {}
 
 
@@ -365,6 +399,8 @@ class FleetVariant:
     poll_s: float | None = None  # read the job's counters at this fixed interval
 
 
+# the default worker's engine alone (bare_forward_contender)
+BARE_FORWARD = "fleet auto bare forward"
 # One line per fleet contender. The defaults run with the vector cache on, as users run them;
 # every round's texts are new to the fleet, so the cache's lookup and store are a cost it pays
 # and never a shortcut, and the cache-off row beside it shows that cost.
@@ -774,6 +810,17 @@ def main(
             precision = fleet_precision(encoder, fleet_encoders.settings(variant.env))
             return Contender(variant.name, precision, run)
 
+        if not wanted or BARE_FORWARD in wanted:
+            # the default worker's engine alone, beside it: what end to end is measured against
+            contenders.append(
+                Contender(
+                    BARE_FORWARD,
+                    fleet_precision(auto, fleet_encoders.settings({})),
+                    lambda c: bare_forward_contender(
+                        auto, fleet_encoders.settings({}), texts_of(c), window, budget, max_batch
+                    ),
+                )
+            )
         contenders += [
             fleet_contender(variant)
             for variant in FLEET_VARIANTS
@@ -836,6 +883,17 @@ def main(
             }
         )
     table = render_table(rows)
+    by_name = {contender.name: contender for contender in contenders}
+    ends: list[float] = []  # issue 53: the fleet end to end ÷ its engine alone, per round
+    end_to_end_vs_bare: float | None = None
+    if BARE_FORWARD in by_name and "fleet auto" in by_name:
+        ends = [
+            (run.texts / run.seconds) / (bare.texts / bare.seconds)
+            for run, bare in zip(
+                by_name["fleet auto"].runs, by_name[BARE_FORWARD].runs, strict=True
+            )
+        ]
+        end_to_end_vs_bare = statistics.median(ends)
     print(f"machine: {machine_line()}")
     print(
         f"corpus: {count} texts (seed {seed}), median {raw['median_tokens']:.0f} tokens, "
@@ -854,6 +912,11 @@ def main(
         f"st encode batch sweep (texts/s): {', '.join(f'{k}: {v:.0f}' for k, v in sweep.items())}"
     )
     print(table)
+    if end_to_end_vs_bare is not None:
+        print(
+            f"fleet auto end to end ÷ {BARE_FORWARD} (per round, median): "
+            f"{end_to_end_vs_bare:.2f} ({', '.join(f'{r:.2f}' for r in ends)})"
+        )
     for engine, cost in fleet_encoders.load_costs.items():
         print(f"{engine} copy's cost to load: {cost}")
     if plot is not None:
@@ -873,6 +936,7 @@ def main(
                     "corpus": raw | {"seed": seed, "fresh_texts_per_round": True},
                     "peak": {"fp32": peak.fp32, "bf16": peak.bf16},
                     "rows": rows,
+                    "end_to_end_vs_bare_forward": end_to_end_vs_bare,
                     "backend_load": fleet_encoders.load_costs,
                 },
                 indent=2,
