@@ -17,7 +17,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from embedfleet.gateway import routes
 from embedfleet.gateway.auth import KeyChecker, is_open, load_api_keys
-from embedfleet.gateway.batches import BatchRunner, BatchStore
+from embedfleet.gateway.batch.files import FileStore
+from embedfleet.gateway.batch.runner import BatchRunner, BatchStore
 from embedfleet.gateway.embedder import Embedder, WorkerHeartbeats
 from embedfleet.gateway.errors import (
     EXCEPTION_HANDLERS,
@@ -27,7 +28,6 @@ from embedfleet.gateway.errors import (
     render,
     router_dialect,
 )
-from embedfleet.gateway.files import FileStore
 from embedfleet.gateway.metrics import GatewayMetrics
 from embedfleet.gateway.state import Gateway
 from embedfleet.gateway.tei_grpc.server import start_grpc_server, stop_grpc_server

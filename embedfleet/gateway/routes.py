@@ -7,7 +7,6 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from embedfleet.gateway import (
-    batch_api,
     cohere_api,
     invocations_api,
     openai_alias_api,
@@ -17,6 +16,7 @@ from embedfleet.gateway import (
     tei_api,
     vertex_api,
 )
+from embedfleet.gateway.batch import api as batch_api
 
 ROUTERS: tuple[APIRouter, ...] = (
     openai_api.router,

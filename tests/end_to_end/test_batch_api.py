@@ -20,7 +20,7 @@ import openai
 import pytest
 import redis
 
-from embedfleet.gateway.files import STALE_TEMP_S, FileStore
+from embedfleet.gateway.batch.files import STALE_TEMP_S, FileStore
 from embedfleet.server import ServerProcess
 from embedfleet.shared.settings import Settings
 from loadtest.common import isolated_settings

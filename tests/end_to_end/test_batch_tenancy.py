@@ -25,10 +25,10 @@ import openai
 import pytest
 import redis
 
-from embedfleet.gateway.batch_lease import BatchLeases
-from embedfleet.gateway.batch_output import BatchOutput
-from embedfleet.gateway.batches import BatchRunner
-from embedfleet.gateway.files import bounded_lines
+from embedfleet.gateway.batch.files import bounded_lines
+from embedfleet.gateway.batch.lease import BatchLeases
+from embedfleet.gateway.batch.output import BatchOutput
+from embedfleet.gateway.batch.runner import BatchRunner
 from embedfleet.shared.settings import Settings
 from tests.conftest import WorkerProcess
 from tests.end_to_end.test_batch_api import (

@@ -276,7 +276,7 @@ async def test_a_withdrawn_entry_dead_lettered_by_its_worker_gets_no_reply(
     its error reply is written only for what its own acknowledgement acknowledged, as the
     success path's (shared/scripts/acknowledge.lua). A job not withdrawn still gets its error.
     Against a real Redis server, the worker's DeadLetters writer itself."""
-    from embedfleet.gateway.batches import withdraw_job
+    from embedfleet.gateway.batch.runner import withdraw_job
     from embedfleet.producer.client import Producer
     from embedfleet.shared.dead_letters import DeadReason
     from embedfleet.sinks import Delivery

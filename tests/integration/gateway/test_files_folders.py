@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 
 from embedfleet.gateway.app import create_app
 from embedfleet.gateway.auth import ANONYMOUS
-from embedfleet.gateway.batches import new_batch
+from embedfleet.gateway.batch.runner import new_batch
 from embedfleet.shared.settings import Settings
 
 LINE = '{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {"input": "hi"}}\n'

@@ -1,9 +1,9 @@
-"""The Batch API's bitmap of request lines refused on their own (gateway/batch_lines.py): which
+"""The Batch API's bitmap of request lines refused on their own (gateway/batch/lines.py): which
 lines the slices skip and the output step answers in the error file, kept in the batch's hash."""
 
 from __future__ import annotations
 
-from embedfleet.gateway.batch_lines import Refused
+from embedfleet.gateway.batch.lines import Refused
 
 
 def test_refused_lines_round_trip_through_their_stored_form_and_count() -> None:

@@ -17,9 +17,9 @@ from fastapi.testclient import TestClient
 
 from embedfleet.gateway.app import create_app
 from embedfleet.gateway.auth import KeyChecker, load_api_keys
+from embedfleet.gateway.batch.files import FileStore, folder_tag_of
 from embedfleet.gateway.cli import is_loopback, serve_command
 from embedfleet.gateway.errors import APIError
-from embedfleet.gateway.files import FileStore, folder_tag_of
 from embedfleet.gateway.inputs import as_texts, request_tokens
 from embedfleet.gateway.token_ids import (
     TiktokenSettingError,

@@ -20,8 +20,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from embedfleet.gateway.batch.files import bounded_lines
 from embedfleet.gateway.errors import APIError
-from embedfleet.gateway.files import bounded_lines
 from embedfleet.gateway.inputs import check_dimensions, openai_truncate, prepare, request_tokens
 from embedfleet.gateway.openai_api import EmbeddingRequest
 from embedfleet.gateway.state import Gateway

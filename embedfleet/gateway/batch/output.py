@@ -1,10 +1,10 @@
 """A finished batch's output and error files (OpenAI's Batch API): written from its reply
 lists and its input file, then published as its owner's files under the ids reserved in its
-hash, while this replica's lease on it holds (gateway/batch_lease.py).
+hash, while this replica's lease on it holds (gateway/batch/lease.py).
 
 Memory: a batch's vectors wait on its reply lists in Redis; they are read REPLY_PAGE answers at
 a time into a file on disk (a memory map), then the output is written one request line at a
-time (gateway/batches.py says what that bounds).
+time (gateway/batch/runner.py says what that bounds).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import Any, Literal
 
 import numpy as np
 
-from embedfleet.gateway.batch_lease import BatchLeases
-from embedfleet.gateway.batch_lines import Refused, parse_line, read_envelope, refusal
+from embedfleet.gateway.batch.files import FileStore
+from embedfleet.gateway.batch.lease import BatchLeases
+from embedfleet.gateway.batch.lines import Refused, parse_line, read_envelope, refusal
 from embedfleet.gateway.errors import APIError, ErrorDialect
-from embedfleet.gateway.files import FileStore
 from embedfleet.gateway.inputs import unit_vectors
 from embedfleet.gateway.openai_api import embeddings_response
 from embedfleet.gateway.state import Gateway

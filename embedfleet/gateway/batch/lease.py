@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from embedfleet.gateway.auth import ANONYMOUS
+from embedfleet.gateway.batch import SCRIPTS_PACKAGE
 from embedfleet.producer.replies import ingest_reply_keys
 from embedfleet.shared import scripts
 from embedfleet.shared.keys import Keys
@@ -31,10 +32,12 @@ from embedfleet.shared.redis_conn import as_str
 
 log = get_logger("embedfleet.gateway.batches")
 
-RELEASE_SCRIPT = scripts.load("release_lease")  # only if it is still ours
-RENEW_SCRIPT = scripts.load("renew_lease")  # only if it is still ours
-END_SCRIPT = scripts.load("end_batch")  # only with the lease's token: the fence
-SAVE_SCRIPT = scripts.load("save_batch")  # the runner's writes, fenced the same way
+RELEASE_SCRIPT = scripts.load("release_lease", SCRIPTS_PACKAGE)  # only if it is still ours
+RENEW_SCRIPT = scripts.load("renew_lease", SCRIPTS_PACKAGE)  # only if it is still ours
+END_SCRIPT = scripts.load("end_batch", SCRIPTS_PACKAGE)  # only with the lease's token: the fence
+SAVE_SCRIPT = scripts.load(
+    "save_batch", SCRIPTS_PACKAGE
+)  # the runner's writes, fenced the same way
 
 
 class LeaseLost(Exception):

@@ -14,9 +14,15 @@ from fastapi import Depends, Form, Request, UploadFile
 from fastapi.responses import FileResponse
 from pydantic import BaseModel
 
-from embedfleet.gateway.batches import ENDPOINT, BatchRunner, BatchStore, batch_tenant, new_batch
+from embedfleet.gateway.batch.files import FileStore, bounded_lines
+from embedfleet.gateway.batch.runner import (
+    ENDPOINT,
+    BatchRunner,
+    BatchStore,
+    batch_tenant,
+    new_batch,
+)
 from embedfleet.gateway.errors import APIError, ErrorDialect, dialect_router, retry_later
-from embedfleet.gateway.files import FileStore, bounded_lines
 from embedfleet.gateway.state import GatewayDep
 from embedfleet.shared.settings import Settings
 
@@ -63,7 +69,7 @@ async def upload_file(
 ) -> dict[str, Any]:
     """Store an upload as it is: its lines are checked when a batch uses it, as OpenAI does (a
     malformed line fails that batch with ``errors``; a request refused on its own is answered
-    in the batch's error file, gateway/batch_lines.py); here only its size and its lines'
+    in the batch's error file, gateway/batch/lines.py); here only its size and its lines'
     lengths, which bound what checking one line holds in memory (400, nothing stored)."""
     if purpose != "batch":
         raise APIError(

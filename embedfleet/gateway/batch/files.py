@@ -17,7 +17,7 @@ so any replica runs any batch and answers for any file. Each folder has a tag of
 once, kept in the folder: ``FOLDER_TAG_FILE``), and every file id carries the tag of the folder
 that stored it, so a gateway asked for a file of another folder says that the folders are not
 shared (``file_in_another_folder``), rather than that the file is missing, and its batch runner
-leaves that file's batches to a gateway that has it (gateway/batches.py).
+leaves that file's batches to a gateway that has it (gateway/batch/runner.py).
 """
 
 from __future__ import annotations

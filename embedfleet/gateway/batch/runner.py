@@ -8,7 +8,7 @@ batch at a time):
     validating → in_progress   every line's form checked, the caps too, and each request as
                                the online endpoint would: a request it refuses (an input over
                                the model's context, bad ``dimensions``, ...) is never sent, and
-                               is answered in the error file (gateway/batch_lines.py)
+                               is answered in the error file (gateway/batch/lines.py)
     validating → failed        a malformed file (not JSON, a line without its custom_id or
                                with another url or method, a custom_id used twice, a model not
                                served), too many requests or inputs: ``errors`` names them
@@ -58,8 +58,8 @@ took it over) publishes one file under one id, whichever writes last.
 
 Here: the records (``BatchStore``), the runner's life cycle (``BatchRunner``: the loop, each
 batch's step and faults) and the slices it sends (``BatchSlices``). Beside it: the input file's
-request lines (gateway/batch_lines.py), the leases and the writes they fence
-(gateway/batch_lease.py), the output and error files (gateway/batch_output.py).
+request lines (gateway/batch/lines.py), the leases and the writes they fence
+(gateway/batch/lease.py), the output and error files (gateway/batch/output.py).
 
 Memory: a batch's vectors wait on its reply lists in Redis (EMBEDFLEET_BATCH_MAX_INPUTS bounds
 them: about 1 KB each); finalize reads them REPLY_PAGE answers at a time into a file on disk
@@ -83,17 +83,18 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from embedfleet.gateway.auth import ANONYMOUS
-from embedfleet.gateway.batch_lease import BatchLeases, LeaseLost
-from embedfleet.gateway.batch_lines import (
+from embedfleet.gateway.batch import SCRIPTS_PACKAGE
+from embedfleet.gateway.batch.files import FileStore
+from embedfleet.gateway.batch.lease import BatchLeases, LeaseLost
+from embedfleet.gateway.batch.lines import (
     ENDPOINT,
     Refused,
     line_error,
     parse_line,
     validate_file,
 )
-from embedfleet.gateway.batch_output import BatchOutput, InputFileGone, batch_usage, input_path_of
+from embedfleet.gateway.batch.output import BatchOutput, InputFileGone, batch_usage, input_path_of
 from embedfleet.gateway.errors import APIError
-from embedfleet.gateway.files import FileStore
 from embedfleet.gateway.state import Gateway, wire_options
 from embedfleet.producer.client import Producer, TenantBacklogFullError
 from embedfleet.shared import scripts
@@ -119,7 +120,8 @@ RETRY_MAX_S = 30.0  # a faulting batch is retried after TICK_S, doubling up to t
 MAX_UNEXPECTED_FAULTS = 5  # consecutive unexplained errors before a batch is failed
 SWEEP_EVERY_S = 10.0  # expired files and stale temporaries removed this often
 WITHDRAW_PAGE = 1000  # ingest entries read per step when withdrawing a batch's inputs
-CREATE_SCRIPT = scripts.load("create_batch")  # within the owner's limit of active batches
+# a batch is recorded only within its owner's limit of active batches
+CREATE_SCRIPT = scripts.load("create_batch", SCRIPTS_PACKAGE)
 
 
 def batch_tenant(settings: Settings, owner: str, batch_id: str) -> str:
