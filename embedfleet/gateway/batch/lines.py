@@ -26,6 +26,7 @@ from embedfleet.gateway.inputs import check_dimensions, openai_truncate, prepare
 from embedfleet.gateway.openai_api import EmbeddingRequest
 from embedfleet.gateway.state import Gateway
 from embedfleet.shared.protocol import ProtocolError, check_window_overlap
+from embedfleet.shared.settings import Settings
 
 ENDPOINT = "/v1/embeddings"
 SHOWN_LINE_ERRORS = 100  # errors.data entries a failed batch keeps (its object is in Redis)
@@ -205,58 +206,89 @@ def validate_file(path: Path, gateway: Gateway) -> Validation:
     in a thread). Line numbers count from 1 over the file as written, blank lines included."""
     settings = gateway.settings
     found = Validation()
-    errors: list[dict[str, Any]] = []
-    bad_lines = 0
+    faults = LineFaults()
     seen_ids: set[str] = set()
     with path.open("rb") as handle:
         # bounded: a line over the cap (a file stored before it was lowered) is never held
         for number, raw in enumerate(bounded_lines(handle, settings.batch_max_line_bytes), 1):
             if raw is None:
                 found.lines += 1
-                bad_lines += 1
-                if len(errors) < SHOWN_LINE_ERRORS:
-                    errors.append(
-                        line_error(
-                            "line_too_large",
-                            f"the line is over {settings.batch_max_line_bytes:,} bytes "
-                            "(EMBEDFLEET_BATCH_MAX_LINE_BYTES)",
-                            number,
-                        )
-                    )
-                continue
-            if not raw.strip():
-                continue
-            request_number = found.lines  # from 0, blank lines not counted
-            found.lines += 1
-            try:
-                custom_id, body = read_envelope(raw, gateway)
-            except APIError as error:
-                bad_lines += 1
-                if len(errors) < SHOWN_LINE_ERRORS:
-                    errors.append(
-                        line_error(
-                            error.code or "invalid_request", error.message, number, error.param
-                        )
-                    )
-                continue
-            if custom_id in seen_ids:
-                bad_lines += 1
-                if len(errors) < SHOWN_LINE_ERRORS:
-                    errors.append(
-                        line_error(
-                            "duplicate_custom_id",
-                            f"custom_id {custom_id!r} is used twice; each request needs its own",
-                            number,
-                            "custom_id",
-                        )
-                    )
-            seen_ids.add(custom_id)
-            try:
-                line = read_request(custom_id, body, gateway, validating=True)
-            except APIError:  # answered on its own, in the error file; the batch goes on
-                found.refused.add(request_number)
-                continue
-            found.inputs += len(line.texts)
+                faults.add(
+                    "line_too_large",
+                    f"the line is over {settings.batch_max_line_bytes:,} bytes "
+                    "(EMBEDFLEET_BATCH_MAX_LINE_BYTES)",
+                    number,
+                )
+            elif raw.strip():
+                check_line(raw, number, gateway, found, faults, seen_ids)
+    caps = cap_errors(found, settings)
+    listed = faults.listed()
+    if caps or listed:
+        found.errors = caps + listed
+    return found
+
+
+@dataclass
+class LineFaults:
+    """The faults of a file's request lines that fail the batch: each counted, the first
+    SHOWN_LINE_ERRORS listed (the batch's object is in Redis)."""
+
+    shown: list[dict[str, Any]] = field(default_factory=list)
+    count: int = 0
+
+    def add(self, code: str, message: str, line: int, param: str | None = None) -> None:
+        self.count += 1
+        if len(self.shown) < SHOWN_LINE_ERRORS:
+            self.shown.append(line_error(code, message, line, param))
+
+    def listed(self) -> list[dict[str, Any]]:
+        """The ones shown, then one entry counting those that are not."""
+        if self.count <= len(self.shown):
+            return list(self.shown)
+        more = line_error(
+            "invalid_request",
+            f"{self.count - len(self.shown):,} more invalid lines are not listed; fix those above "
+            "and validate again",
+        )
+        return [*self.shown, more]
+
+
+def check_line(
+    raw: bytes,
+    number: int,
+    gateway: Gateway,
+    found: Validation,
+    faults: LineFaults,
+    seen_ids: set[str],
+) -> None:
+    """One request line (``number`` from 1 over the file): its form and its ``custom_id``'s
+    uniqueness (faults of the file), then its request as the online endpoint checks it
+    (refused on its own); counted in ``found``."""
+    request_number = found.lines  # from 0, blank lines not counted
+    found.lines += 1
+    try:
+        custom_id, body = read_envelope(raw, gateway)
+    except APIError as error:
+        faults.add(error.code or "invalid_request", error.message, number, error.param)
+        return
+    if custom_id in seen_ids:
+        faults.add(
+            "duplicate_custom_id",
+            f"custom_id {custom_id!r} is used twice; each request needs its own",
+            number,
+            "custom_id",
+        )
+    seen_ids.add(custom_id)
+    try:
+        line = read_request(custom_id, body, gateway, validating=True)
+    except APIError:  # answered on its own, in the error file; the batch goes on
+        found.refused.add(request_number)
+        return
+    found.inputs += len(line.texts)
+
+
+def cap_errors(found: Validation, settings: Settings) -> list[dict[str, Any]]:
+    """The batch caps ``found`` is over (none, no lines, too many lines or inputs)."""
     caps: list[dict[str, Any]] = []
     if not found.lines:
         caps.append(line_error("empty_file", "the input file has no request lines"))
@@ -278,14 +310,4 @@ def validate_file(path: Path, gateway: Gateway) -> Validation:
                 "(EMBEDFLEET_BATCH_MAX_INPUTS); split the file into several batches",
             )
         )
-    if bad_lines > len(errors):
-        errors.append(
-            line_error(
-                "invalid_request",
-                f"{bad_lines - len(errors):,} more invalid lines are not listed; fix those above "
-                "and validate again",
-            )
-        )
-    if caps or errors:
-        found.errors = caps + errors
-    return found
+    return caps

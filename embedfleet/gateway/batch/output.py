@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,7 +20,7 @@ import numpy as np
 
 from embedfleet.gateway.batch.files import FileStore
 from embedfleet.gateway.batch.lease import BatchLeases
-from embedfleet.gateway.batch.lines import Refused, parse_line, read_envelope, refusal
+from embedfleet.gateway.batch.lines import BatchLine, Refused, parse_line, read_envelope, refusal
 from embedfleet.gateway.errors import APIError, ErrorDialect
 from embedfleet.gateway.inputs import unit_vectors
 from embedfleet.gateway.openai_api import embeddings_response
@@ -208,9 +209,9 @@ class BatchOutput:
         (``fields["refused"]``), or why it has no result."""
         gateway = self.gateway
         refused: Refused = fields["refused"]
+        results = Results(vectors, seen, failures, outcome)
         completed = failed = input_tokens = 0
-        first = 0
-        ended = "cancelled" if outcome == "cancelled" else "expired"
+        first = 0  # the first input of the next request line sent: its row in ``vectors``
         with (
             output_path.open("w") as output,
             error_path.open("w") as errors,
@@ -225,73 +226,118 @@ class BatchOutput:
                     failed += 1
                     continue
                 line = parse_line(raw, gateway, sent=True)
-                request_id = f"req_{uuid.uuid4().hex}"
-                record: dict[str, Any] = {
-                    "id": f"batch_req_{uuid.uuid4().hex}",
-                    "custom_id": line.custom_id,
-                }
-                if number >= fields["cursor"]:  # cancelled or expired before it was sent
-                    record.update(
-                        response=None,
-                        error={
-                            "code": f"batch_{ended}",
-                            "message": f"the batch was {ended} before this request was sent",
-                        },
-                    )
-                    errors.write(json.dumps(record) + "\n")
-                    failed += 1
-                    continue
+                sent = number < fields["cursor"]  # else cancelled or expired before it was sent
                 span = range(first, first + len(line.texts))
-                first += len(line.texts)
-                missing = [i for i in span if vectors is None or not seen[i]]
-                if outcome != "completed" and missing and not any(i in failures for i in missing):
-                    # withdrawn unfinished: expired or cancelled, as the requests never sent
-                    record.update(
-                        response=None,
-                        error={
-                            "code": f"batch_{ended}",
-                            "message": "the batch's completion window ended before this "
-                            "request finished; send it again in a new batch"
-                            if outcome == "expired"
-                            else "the batch was cancelled before this request finished",
-                        },
-                    )
+                if sent:
+                    first += len(line.texts)
+                record, tokens = self._answer(line, span if sent else None, results)
+                if tokens is None:
                     errors.write(json.dumps(record) + "\n")
                     failed += 1
-                    continue
-                if missing:
-                    reasons = [
-                        failures.get(i, "no result (see the dead-letter stream)") for i in missing
-                    ]
-                    record.update(
-                        response={
-                            "status_code": 500,
-                            "request_id": request_id,
-                            "body": {
-                                "error": {
-                                    "message": f"input could not be embedded: {reasons[0]}",
-                                    "type": "server_error",
-                                    "param": None,
-                                    "code": "dead_lettered",
-                                }
-                            },
-                        },
-                        error=None,
-                    )
-                    errors.write(json.dumps(record) + "\n")
-                    failed += 1
-                    continue
-                card = gateway.known_card  # read in _finalize, before the first vector
-                assert card is not None and vectors is not None  # (else all were missing)
-                block = vectors[span.start : span.stop, : line.dimensions or card.dim]
-                block = unit_vectors(block, card.normalize)
-                tokens = gateway.tokenizer.usage(line.texts, card.max_length)
-                body = embeddings_response(gateway.served_name, block, line.encoding_format, tokens)
-                record.update(
-                    response={"status_code": 200, "request_id": request_id, "body": body},
-                    error=None,
-                )
-                output.write(json.dumps(record) + "\n")
-                completed += 1
-                input_tokens += tokens
+                else:
+                    output.write(json.dumps(record) + "\n")
+                    completed += 1
+                    input_tokens += tokens
         return {"total": fields["lines"], "completed": completed, "failed": failed}, input_tokens
+
+    def _answer(
+        self, line: BatchLine, span: range | None, results: Results
+    ) -> tuple[dict[str, Any], int | None]:
+        """A request line's record in the output or error file, and the tokens of its inputs
+        when it has its vectors (None: it goes to the error file). ``span``: its inputs' rows
+        in ``results``, None when it was never sent."""
+        record: dict[str, Any] = {
+            "id": f"batch_req_{uuid.uuid4().hex}",
+            "custom_id": line.custom_id,
+        }
+        if span is None:
+            return {**record, "response": None, "error": results.unsent_error()}, None
+        missing = results.missing(span)
+        if results.withdrawn(missing):
+            return {**record, "response": None, "error": results.withdrawn_error()}, None
+        request_id = f"req_{uuid.uuid4().hex}"
+        if missing:
+            response = dead_lettered_response(request_id, results.failure_of(missing[0]))
+            return {**record, "response": response, "error": None}, None
+        body, tokens = self._embeddings(line, span, results.vectors)
+        response = {"status_code": 200, "request_id": request_id, "body": body}
+        return {**record, "response": response, "error": None}, tokens
+
+    def _embeddings(
+        self, line: BatchLine, span: range, vectors: np.ndarray | None
+    ) -> tuple[dict[str, Any], int]:
+        """The line's vectors as the online endpoint answers them, and their tokens."""
+        gateway = self.gateway
+        card = gateway.known_card  # read in finalize, before the first vector
+        assert card is not None and vectors is not None  # (else all were missing)
+        block = vectors[span.start : span.stop, : line.dimensions or card.dim]
+        block = unit_vectors(block, card.normalize)
+        tokens = gateway.tokenizer.usage(line.texts, card.max_length)
+        body = embeddings_response(gateway.served_name, block, line.encoding_format, tokens)
+        return body, tokens
+
+
+@dataclass(frozen=True)
+class Results:
+    """What a batch's workers answered, by input (its row): ``vectors`` and which of them came
+    (``seen``), the reasons of those that failed (``failures``), and how the batch ended."""
+
+    vectors: np.ndarray | None
+    seen: np.ndarray
+    failures: dict[int, str]
+    outcome: Outcome
+
+    @property
+    def ended(self) -> str:
+        """How an unfinished batch ended, as its error codes say (``batch_<ended>``)."""
+        return "cancelled" if self.outcome == "cancelled" else "expired"
+
+    def missing(self, span: range) -> list[int]:
+        """The inputs of ``span`` with no vector."""
+        return [i for i in span if self.vectors is None or not self.seen[i]]
+
+    def withdrawn(self, missing: list[int]) -> bool:
+        """Whether inputs are missing because the batch ended unfinished (its unfinished inputs
+        withdrawn), rather than because they failed."""
+        return (
+            self.outcome != "completed"
+            and bool(missing)
+            and not any(i in self.failures for i in missing)
+        )
+
+    def failure_of(self, index: int) -> str:
+        return self.failures.get(index, "no result (see the dead-letter stream)")
+
+    def unsent_error(self) -> dict[str, Any]:
+        """A request line the batch ended before sending."""
+        return {
+            "code": f"batch_{self.ended}",
+            "message": f"the batch was {self.ended} before this request was sent",
+        }
+
+    def withdrawn_error(self) -> dict[str, Any]:
+        """A request line sent but withdrawn unfinished: answered as one never sent."""
+        return {
+            "code": f"batch_{self.ended}",
+            "message": "the batch's completion window ended before this "
+            "request finished; send it again in a new batch"
+            if self.outcome == "expired"
+            else "the batch was cancelled before this request finished",
+        }
+
+
+def dead_lettered_response(request_id: str, reason: str) -> dict[str, Any]:
+    """The response of a request line whose inputs could not be embedded, as the online
+    endpoint's 500 would be."""
+    return {
+        "status_code": 500,
+        "request_id": request_id,
+        "body": {
+            "error": {
+                "message": f"input could not be embedded: {reason}",
+                "type": "server_error",
+                "param": None,
+                "code": "dead_lettered",
+            }
+        },
+    }

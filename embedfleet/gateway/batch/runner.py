@@ -76,6 +76,7 @@ import json
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
@@ -88,6 +89,7 @@ from embedfleet.gateway.batch.files import FileStore
 from embedfleet.gateway.batch.lease import BatchLeases, LeaseLost
 from embedfleet.gateway.batch.lines import (
     ENDPOINT,
+    BatchLine,
     Refused,
     line_error,
     parse_line,
@@ -458,65 +460,22 @@ class BatchRunner:
             )
 
     async def step(self, batch_id: str) -> None:
+        """One move of the batch along its life cycle (this module's docstring draws it)."""
         fields = await self.store.fields(batch_id)
         batch = fields["object"]
         status = batch["status"]
-        if self.files.in_another_folder(batch["input_file_id"]):
-            # its input file is in another gateway's files folder: the gateways that have the
-            # file run it (failing it here for a file this folder never held would be wrong)
-            if batch_id not in self._foreign:
-                self._foreign.add(batch_id)
-                log.warning(
-                    "a batch's input file is in another gateway's files folder; this gateway "
-                    "leaves the batch to those that have it. Every gateway of a namespace must "
-                    "share one EMBEDFLEET_FILES_DIR (one volume, ReadWriteMany)",
-                    batch=batch_id,
-                    input_file_id=batch["input_file_id"],
-                    files_dir=str(self.files.root),
-                )
+        if self._in_another_folder(batch_id, batch):
             return
         now = int(time.time())
-        running = status in ("validating", "in_progress")
-        if (
-            running
-            and not fields.get("expire")
-            and now >= batch["expires_at"]
-            and not await self._all_finished(batch_id, fields)  # done just in time: completed
-        ):
-            await self.leases.save(batch_id, {"expire": now})
-            fields["expire"] = now
-        if fields.get("expire") and running:
-            if status == "validating":  # nothing was sent: there is nothing to write out
-                await self.leases.end(batch, "expired", counts=batch["request_counts"])
-            else:
-                await self._withdraw(batch_id)
-                await self.output.finalize(batch, fields, "expired")
+        if await self._expire(batch_id, batch, fields, now):
             return
         if fields.get("cancel") and status in ("validating", "in_progress"):
             batch.update(status="cancelling", cancelling_at=now)
             await self.leases.save(batch_id, {"object": json.dumps(batch)})
             status = "cancelling"
         if status == "validating":
-            path = input_path_of(self.files, batch)
-            # the card (the model's maximum length) as the workers last published it; a batch
-            # created before any worker started is checked without it, and the worker cuts
-            await self.gateway.model_card()
-            found = await asyncio.to_thread(validate_file, path, self.gateway)
-            if found.errors:
-                counts = {"total": found.lines, "completed": 0, "failed": 0}
-                await self._fail(batch, found.errors, counts, sent=False)
+            if not await self._validate(batch_id, batch, fields, now):
                 return
-            batch.update(status="in_progress", in_progress_at=now)
-            batch["request_counts"]["total"] = found.lines
-            await self.leases.save(
-                batch_id,
-                {
-                    "object": json.dumps(batch),
-                    "lines": found.lines,
-                    "refused": bytes(found.refused.bits),
-                },
-            )
-            fields.update(lines=found.lines, refused=found.refused)
             status = "in_progress"
         if status == "in_progress" and fields["cursor"] < fields["lines"]:
             await self.slices.send(batch, fields)
@@ -538,6 +497,71 @@ class BatchRunner:
             await self.output.finalize(
                 batch, fields, "cancelled" if fields.get("cancel") else "completed"
             )
+
+    def _in_another_folder(self, batch_id: str, batch: dict) -> bool:
+        """Whether the batch's input file is in another gateway's files folder: the gateways
+        that have the file run it (failing it here for a file this folder never held would be
+        wrong). Said once per batch."""
+        if not self.files.in_another_folder(batch["input_file_id"]):
+            return False
+        if batch_id not in self._foreign:
+            self._foreign.add(batch_id)
+            log.warning(
+                "a batch's input file is in another gateway's files folder; this gateway "
+                "leaves the batch to those that have it. Every gateway of a namespace must "
+                "share one EMBEDFLEET_FILES_DIR (one volume, ReadWriteMany)",
+                batch=batch_id,
+                input_file_id=batch["input_file_id"],
+                files_dir=str(self.files.root),
+            )
+        return True
+
+    async def _expire(self, batch_id: str, batch: dict, fields: dict[str, Any], now: int) -> bool:
+        """A running batch past its completion window is marked to expire (unless it is done
+        just in time: then it completes) and ended ``expired``; whether it was."""
+        running = batch["status"] in ("validating", "in_progress")
+        if (
+            running
+            and not fields.get("expire")
+            and now >= batch["expires_at"]
+            and not await self._all_finished(batch_id, fields)  # done just in time: completed
+        ):
+            await self.leases.save(batch_id, {"expire": now})
+            fields["expire"] = now
+        if not (fields.get("expire") and running):
+            return False
+        if batch["status"] == "validating":  # nothing was sent: there is nothing to write out
+            await self.leases.end(batch, "expired", counts=batch["request_counts"])
+        else:
+            await self._withdraw(batch_id)
+            await self.output.finalize(batch, fields, "expired")
+        return True
+
+    async def _validate(self, batch_id: str, batch: dict, fields: dict[str, Any], now: int) -> bool:
+        """The validating step: the input file checked (validate_file), then the batch
+        ``in_progress`` with its lines and the lines refused on their own; False when the file
+        failed it (the batch is ``failed``)."""
+        path = input_path_of(self.files, batch)
+        # the card (the model's maximum length) as the workers last published it; a batch
+        # created before any worker started is checked without it, and the worker cuts
+        await self.gateway.model_card()
+        found = await asyncio.to_thread(validate_file, path, self.gateway)
+        if found.errors:
+            counts = {"total": found.lines, "completed": 0, "failed": 0}
+            await self._fail(batch, found.errors, counts, sent=False)
+            return False
+        batch.update(status="in_progress", in_progress_at=now)
+        batch["request_counts"]["total"] = found.lines
+        await self.leases.save(
+            batch_id,
+            {
+                "object": json.dumps(batch),
+                "lines": found.lines,
+                "refused": bytes(found.refused.bits),
+            },
+        )
+        fields.update(lines=found.lines, refused=found.refused)
+        return True
 
     async def _all_finished(self, batch_id: str, fields: dict[str, Any]) -> bool:
         """Whether every line is sent and every input sent is done or dead, by the job's
@@ -604,29 +628,60 @@ class BatchSlices:
         EMBEDFLEET_TENANT_BACKLOG_WAIT_S, and every other batch with it): a slice is at most
         what the tenant has room for, the enqueue adds what fits without waiting, and the
         lines whose inputs all went in are saved as sent; the rest is sent on a later tick."""
-        settings = self.gateway.settings
-        producer = self.producer
         batch_id = batch["id"]
+        tenant = batch_tenant(self.gateway.settings, fields["owner"], batch_id)  # once a slice
+        room = await self._room(tenant)
+        if room == 0:
+            return  # no room now: a later tick (the runner never waits)
+        part = self._read_slice(batch, fields, room)
+        try:
+            if part.chunks:  # (a slice of refused lines only sends nothing)
+                await self.producer.enqueue(
+                    part.chunks, job=batch_id, tenant=tenant, backlog_wait_s=0
+                )
+        except TenantBacklogFullError as full:
+            # backpressure, not a fault (another producer of the tenant took the room, or a
+            # partition's share of it was less): the lines whose inputs all went in are sent
+            sent = [end for end in part.ends if end[1] - fields["inputs"] <= full.handled]
+            log.debug(
+                "batch waits for room under its tenant's backlog limit",
+                batch=batch_id,
+                tenant=tenant,
+                lines_sent=len(sent),
+                lines_left=len(part.ends) - len(sent),
+            )
+            if sent:
+                await self._save_cursor(batch_id, fields, sent, part.newly_refused)
+            return  # the rest on a later tick: the other batches go on meanwhile
+        await self._save_cursor(batch_id, fields, part.ends, part.newly_refused)
+        self.wake.set()  # more to send: come back without waiting a tick
+
+    async def _room(self, tenant: str) -> int | None:
+        """How many inputs the slice may send: None for no limit, 0 for none now (the fleet's
+        backlog at its high-water mark, or the tenant at its EMBEDFLEET_TENANT_MAX_BACKLOG)."""
+        settings = self.gateway.settings
         # one read of the backlog for the slice: the high-water mark's figure (the fullest
         # partition, as Producer.backlog reads it) and the tenant's entries
-        backlogs = await producer.partition_backlogs()
+        backlogs = await self.producer.partition_backlogs()
         if max(backlog.total for backlog in backlogs) >= settings.backlog_high_water:
-            return  # backpressure: wait, as Producers do (without holding the runner)
+            return 0  # backpressure: wait, as Producers do (without holding the runner)
         tenants = settings.tenant_policy
-        tenant = batch_tenant(settings, fields["owner"], batch_id)  # once for the slice
         limit = tenants.backlog_limit(tenant)
-        room: int | None = None
-        if limit is not None:
-            room = limit - tenant_backlog(backlogs, tenants.wire(tenant))
-            if room <= 0:
-                return  # the tenant at its EMBEDFLEET_TENANT_MAX_BACKLOG: a later tick
-        cursor, offset, inputs = fields["cursor"], fields["offset"], fields["inputs"]
+        if limit is None:
+            return None
+        room = limit - tenant_backlog(backlogs, tenants.wire(tenant))
+        return max(room, 0)
+
+    def _read_slice(self, batch: dict, fields: dict[str, Any], room: int | None) -> Slice:
+        """The input lines after the cursor, up to LINES_PER_SLICE or the inputs ``room`` has
+        space for: the chunks of those to send, and each line's end. A line found refused
+        now is marked in ``fields["refused"]``."""
         refused: Refused = fields["refused"]
         refused_before = refused.count()
-        chunks: list[Chunk] = []
-        ends: list[tuple[int, int]] = []  # per line read: its end's offset, inputs up to it
-        for end_of_line, raw in self.files.lines(batch["input_file_id"], offset):
-            number = cursor + len(ends)
+        part = Slice()
+        inputs = fields["inputs"]
+        for end_of_line, raw in self.files.lines(batch["input_file_id"], fields["offset"]):
+            number = fields["cursor"] + len(part.ends)
             line = None
             if number not in refused:
                 try:
@@ -635,57 +690,63 @@ class BatchSlices:
                     # passed validating without the card, which the checks now have (a batch
                     # created before any worker published it): refused on its own too
                     refused.add(number)
-            if line is None:  # never sent: answered in the error file
-                ends.append((end_of_line, inputs))
-                if len(ends) >= LINES_PER_SLICE:
-                    break
-                continue
-            options = wire_options(None, line.dimensions, window_overlap=line.window_overlap)
-            for text in line.texts:
-                chunk = Chunk(
-                    id=str(inputs),
-                    text=text,
-                    job=batch_id,
-                    reply=batch_id,
-                    # past the window nobody waits for it: a worker drops it unanswered
-                    deadline_ms=batch["expires_at"] * 1000,
-                )
-                chunks.append(options.apply(chunk))
-                inputs += 1
-            ends.append((end_of_line, inputs))
-            if len(ends) >= LINES_PER_SLICE or (room is not None and len(chunks) >= room):
+            if line is not None:  # (else never sent: answered in the error file)
+                part.chunks.extend(chunks_of(line, batch, first_id=inputs))
+                inputs += len(line.texts)
+            part.ends.append((end_of_line, inputs))
+            if len(part.ends) >= LINES_PER_SLICE:
+                break
+            if line is not None and room is not None and len(part.chunks) >= room:
                 break
         # the refused lines found in this slice are saved with its cursor
-        newly_refused = {"refused": bytes(refused.bits)} if refused.count() > refused_before else {}
-        try:
-            if chunks:  # (a slice of refused lines only sends nothing)
-                await producer.enqueue(chunks, job=batch_id, tenant=tenant, backlog_wait_s=0)
-        except TenantBacklogFullError as full:
-            # backpressure, not a fault (another producer of the tenant took the room, or a
-            # partition's share of it was less): the lines whose inputs all went in are sent
-            sent = [end for end in ends if end[1] - fields["inputs"] <= full.handled]
-            log.debug(
-                "batch waits for room under its tenant's backlog limit",
-                batch=batch_id,
-                tenant=tenant,
-                lines_sent=len(sent),
-                lines_left=len(ends) - len(sent),
-            )
-            if sent:
-                offset, inputs = sent[-1]
-                await self.leases.save(
-                    batch_id,
-                    {
-                        "cursor": cursor + len(sent),
-                        "offset": offset,
-                        "inputs": inputs,
-                        **newly_refused,
-                    },
-                )
-            return  # the rest on a later tick: the other batches go on meanwhile
-        offset, inputs = ends[-1] if ends else (offset, inputs)
+        if refused.count() > refused_before:
+            part.newly_refused = {"refused": bytes(refused.bits)}
+        return part
+
+    async def _save_cursor(
+        self,
+        batch_id: str,
+        fields: dict[str, Any],
+        sent: list[tuple[int, int]],
+        newly_refused: dict[str, bytes],
+    ) -> None:
+        """The cursor moved past the ``sent`` lines (their ends), with the lines refused."""
+        offset, inputs = sent[-1] if sent else (fields["offset"], fields["inputs"])
         await self.leases.save(
             batch_id,
-            {"cursor": cursor + len(ends), "offset": offset, "inputs": inputs, **newly_refused},
+            {
+                "cursor": fields["cursor"] + len(sent),
+                "offset": offset,
+                "inputs": inputs,
+                **newly_refused,
+            },
         )
-        self.wake.set()  # more to send: come back without waiting a tick
+
+
+@dataclass
+class Slice:
+    """One slice of a batch's input lines: the chunks to send, and per line read its end's
+    offset and the inputs up to it (the cursor saved once they are sent)."""
+
+    chunks: list[Chunk] = field(default_factory=list)
+    ends: list[tuple[int, int]] = field(default_factory=list)
+    newly_refused: dict[str, bytes] = field(default_factory=dict)
+
+
+def chunks_of(line: BatchLine, batch: dict, first_id: int) -> list[Chunk]:
+    """A request line's inputs as chunks of the batch's job, their ids counted from
+    ``first_id`` (so a slice sent again gives the same ids)."""
+    options = wire_options(None, line.dimensions, window_overlap=line.window_overlap)
+    return [
+        options.apply(
+            Chunk(
+                id=str(first_id + offset),
+                text=text,
+                job=batch["id"],
+                reply=batch["id"],
+                # past the window nobody waits for it: a worker drops it unanswered
+                deadline_ms=batch["expires_at"] * 1000,
+            )
+        )
+        for offset, text in enumerate(line.texts)
+    ]

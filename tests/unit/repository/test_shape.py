@@ -51,3 +51,24 @@ def test_the_script_reads_this_tree_once_per_file(capsys) -> None:
     # each store declares its own kind and the registry lists the stores (issue 41): no module
     # lists the kinds by hand any more (before: six, embedfleet.sinks.target's Literal among them)
     assert figures["sink_kind_listed_in"] == {}
+
+
+def test_the_batch_api_is_one_package_with_no_function_over_60_lines() -> None:
+    """Issue 55: the Batch API's modules in embedfleet/gateway/batch/ (none left beside the
+    other dialects), and its longest functions (``BatchOutput._write_files`` 103 lines,
+    ``BatchSlices.send`` 96, ``validate_file`` 89) split into ones a reader takes in at once."""
+    names = [name for name, _ in shape.modules()]
+    batch = {
+        name: path for name, path in shape.modules() if name.startswith("embedfleet.gateway.batch.")
+    }
+    assert {"api", "files", "lease", "lines", "output", "runner"} <= {
+        name.rpartition(".")[2] for name in batch
+    }
+    assert not [name for name in names if name.startswith("embedfleet.gateway.batch_")]
+    long = [
+        (definition.name, definition.lines)
+        for name, path in batch.items()
+        for definition in shape.definitions(name, ast.parse(path.read_text()))
+        if definition.kind == "function" and definition.lines > 60
+    ]
+    assert long == []
