@@ -28,9 +28,9 @@ from embedfleet.gateway.errors import (
     render,
     router_dialect,
 )
+from embedfleet.gateway.grpc_server import start_grpc_server, stop_grpc_server
 from embedfleet.gateway.metrics import GatewayMetrics
 from embedfleet.gateway.state import Gateway
-from embedfleet.gateway.tei_grpc.server import start_grpc_server, stop_grpc_server
 from embedfleet.gateway.timing_headers import HEADERS as TIMING_HEADERS
 from embedfleet.gateway.timing_headers import TimingHeaders, compute_type
 from embedfleet.gateway.token_ids import tiktoken_ids_of

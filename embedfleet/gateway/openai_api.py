@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
+from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 from pydantic import BaseModel, Field, StrictInt
 
 from embedfleet.gateway.errors import APIError, ErrorDialect, dialect_router
@@ -20,6 +23,11 @@ from embedfleet.gateway.inputs import (
 )
 from embedfleet.gateway.state import Gateway, GatewayDep, wire_options
 from embedfleet.shared.keys import Keys
+from embedfleet.shared.protocol import STORAGE_DTYPES, OutputDtype
+
+# the precisions the gateway makes of the unit vectors it answers in float32 (the others are the
+# workers')
+FLOAT_DTYPES = ("float32", "float16")
 
 router = dialect_router(ErrorDialect.openai)
 
@@ -41,13 +49,38 @@ class EmbeddingRequest(BaseModel):
     window_overlap: StrictInt | None = Field(default=None, ge=0)
 
 
+@dataclass(frozen=True)
+class DenseEmbeddings:
+    """A request's vectors as /v1/embeddings computes them, and what its answer says of them."""
+
+    vectors: np.ndarray  # (inputs, stored_length(dtype, dim)), STORAGE_DTYPES[dtype]
+    dtype: OutputDtype
+    dim: int  # the values each vector holds (before bit packing)
+    model: str  # the served name of the model that embedded them
+    tokens: int  # the inputs' tokens (``usage``)
+
+
 @router.post("/v1/embeddings")
 async def create_embeddings(body: EmbeddingRequest, gateway: GatewayDep) -> dict[str, object]:
     async with gateway.request_bound():
-        return await _create_embeddings(body, gateway)
+        answer = await _dense_embeddings(body, gateway, "float32")
+        return await asyncio.to_thread(
+            embeddings_response, answer.model, answer.vectors, body.encoding_format, answer.tokens
+        )
 
 
-async def _create_embeddings(body: EmbeddingRequest, gateway: Gateway) -> dict[str, object]:
+async def dense_embeddings(
+    body: EmbeddingRequest, gateway: Gateway, dtype: OutputDtype
+) -> DenseEmbeddings:
+    """/v1/embeddings' vectors of ``body`` (its checks, limits and lanes) in ``dtype``, for the
+    doors that answer them in bytes (the fleet's gRPC API, gateway/fleet_grpc/)."""
+    async with gateway.request_bound():
+        return await _dense_embeddings(body, gateway, dtype)
+
+
+async def _dense_embeddings(
+    body: EmbeddingRequest, gateway: Gateway, dtype: OutputDtype
+) -> DenseEmbeddings:
     # 404 model_not_found for an unknown one; left out, the one model served (400 if several)
     gateway = await gateway.for_request(body.model)
     card = await gateway.model_card()  # None before any worker started: the worker checks
@@ -77,16 +110,22 @@ async def _create_embeddings(body: EmbeddingRequest, gateway: Gateway) -> dict[s
     )
     tokens = None if card is None else await asyncio.to_thread(count, card)
     options = wire_options(None, body.dimensions, window_overlap=body.window_overlap)
+    floats = dtype in FLOAT_DTYPES
+    if not floats:
+        # codes and bits are the worker's, from its float32 vector with the model's calibration
+        # (as a chunk's dtype): what the fp16 wire would give could land in another bucket
+        options = dataclasses.replace(options, dtype=dtype)
     vectors = await gateway.embedder.embed(texts, options)
     card = await gateway.require_card()  # a worker answered: it has published its card
     if tokens is None:
         # what could not be checked before is now (the vectors are thrown away for a request
         # it refuses)
         tokens = await asyncio.to_thread(count, card)
-    vectors = await asyncio.to_thread(unit_vectors, vectors, card.normalize)
-    return await asyncio.to_thread(
-        embeddings_response, gateway.served_name, vectors, body.encoding_format, tokens
-    )
+    if floats:
+        units = await asyncio.to_thread(unit_vectors, vectors, card.normalize)
+        vectors = units if dtype == "float32" else units.astype(STORAGE_DTYPES[dtype])
+    dim = body.dimensions or card.dim  # 0 is FULL_DIMENSIONS: the whole vector
+    return DenseEmbeddings(vectors, dtype, dim, gateway.served_name, tokens)
 
 
 def embeddings_response(

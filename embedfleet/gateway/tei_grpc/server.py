@@ -1,5 +1,6 @@
 """TEI's gRPC API (``tei.v1``, text-embeddings-inference's router/src/grpc/server.rs) over the
-fleet, served by the gateway process beside HTTP when EMBEDFLEET_GATEWAY_GRPC_PORT is set.
+fleet, served by the gateway process beside HTTP when EMBEDFLEET_GATEWAY_GRPC_PORT is set (one
+server with the fleet's own embedfleet.v1: gateway/grpc_server.py).
 
 Every call is a door onto the HTTP route that answers the same question: the message becomes
 that route's request body, the route's own function answers it (its checks, limits, prompts,
@@ -67,8 +68,6 @@ OWN_CODES = {
 # A stream's messages answered at once (TEI's GRPC_MAX_PARALLEL_STREAM_REQUESTS is 1,024): each
 # is one request on the query lane, whose workers batch them; more would only wait in Redis
 STREAM_IN_FLIGHT = 64
-# How long a stopping gateway lets calls in flight finish
-SHUTDOWN_GRACE_S = 5.0
 _DIRECTIONS: dict[int, TruncationDirection] = {
     pb.TRUNCATION_DIRECTION_RIGHT: "Right",
     pb.TRUNCATION_DIRECTION_LEFT: "Left",
@@ -112,7 +111,7 @@ def _direction(value: int) -> TruncationDirection:
     return _DIRECTIONS.get(value, "Right")
 
 
-def _optional(message: Any, field: str) -> Any:
+def optional_field(message: Any, field: str) -> Any:
     """A proto3 ``optional`` field's value, None where the message leaves it out."""
     return getattr(message, field) if message.HasField(field) else None
 
@@ -135,19 +134,14 @@ def _metadata(clock: RequestClock) -> pb.Metadata:
     )
 
 
-class TEIServicer(
-    pb_grpc.InfoServicer,
-    pb_grpc.EmbedServicer,
-    pb_grpc.PredictServicer,
-    pb_grpc.RerankServicer,
-    pb_grpc.TokenizeServicer,
-):
-    """Every tei.v1 service on one gateway."""
+class GatewayServicer:
+    """The frame of every gRPC call the gateway serves (tei.v1's and the fleet's own
+    embedfleet.v1, fleet_grpc/server.py): the key, the clock, refusals with their codes,
+    streams answered in order."""
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
 
-    # --- the calls' frame: key, clock, refusals, metrics ----------------------------------
     def _authorize(self, context: grpc.aio.ServicerContext) -> None:
         """The call's API key, as the HTTP front door checks it (401 -> UNAUTHENTICATED)."""
         keys = self.gateway.keys
@@ -196,7 +190,9 @@ class TEIServicer(
         async def read() -> None:
             try:
                 async for request in requests:
-                    await in_flight.put(asyncio.ensure_future(self._timed(_bind(answer, request))))
+                    await in_flight.put(
+                        asyncio.ensure_future(self._timed(bind_request(answer, request)))
+                    )
             finally:
                 await in_flight.put(None)  # the end of the messages (or of the client)
 
@@ -220,6 +216,17 @@ class TEIServicer(
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader
 
+
+class TEIServicer(
+    GatewayServicer,
+    pb_grpc.InfoServicer,
+    pb_grpc.EmbedServicer,
+    pb_grpc.PredictServicer,
+    pb_grpc.RerankServicer,
+    pb_grpc.TokenizeServicer,
+):
+    """Every tei.v1 service on one gateway."""
+
     # --- Info ----------------------------------------------------------------------------
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> Any:
         async def answer(clock: RequestClock) -> pb.InfoResponse:
@@ -240,15 +247,15 @@ class TEIServicer(
             inputs=request.inputs,
             truncate=request.truncate,
             truncation_direction=_direction(request.truncation_direction),
-            normalize=True if _optional(request, "normalize") is None else request.normalize,
-            prompt_name=_optional(request, "prompt_name"),
-            dimensions=_optional(request, "dimensions"),
+            normalize=True if optional_field(request, "normalize") is None else request.normalize,
+            prompt_name=optional_field(request, "prompt_name"),
+            dimensions=optional_field(request, "dimensions"),
         )
         (vector,) = await tei_api.embed(body, self.gateway)
         return pb.EmbedResponse(embeddings=vector, metadata=await _measured(clock))
 
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unary(context, _bind(self._embed, request))
+        return await self._unary(context, bind_request(self._embed, request))
 
     async def EmbedStream(
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
@@ -268,7 +275,7 @@ class TEIServicer(
     async def EmbedSparse(
         self, request: pb.EmbedSparseRequest, context: grpc.aio.ServicerContext
     ) -> Any:
-        return await self._unary(context, _bind(self._embed_sparse, request))
+        return await self._unary(context, bind_request(self._embed_sparse, request))
 
     async def EmbedSparseStream(
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
@@ -286,7 +293,7 @@ class TEIServicer(
         )
 
     async def EmbedAll(self, request: pb.EmbedAllRequest, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unary(context, _bind(self._embed_all, request))
+        return await self._unary(context, bind_request(self._embed_all, request))
 
     async def EmbedAllStream(
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
@@ -313,12 +320,12 @@ class TEIServicer(
         )
 
     async def Predict(self, request: pb.PredictRequest, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unary(context, _bind(self._predict, request))
+        return await self._unary(context, bind_request(self._predict, request))
 
     async def PredictPair(
         self, request: pb.PredictPairRequest, context: grpc.aio.ServicerContext
     ) -> Any:
-        return await self._unary(context, _bind(self._predict, request))
+        return await self._unary(context, bind_request(self._predict, request))
 
     async def PredictStream(
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
@@ -387,7 +394,7 @@ class TEIServicer(
         body = tei_api.TokenizeRequest(
             inputs=request.inputs,
             add_special_tokens=request.add_special_tokens,
-            prompt_name=_optional(request, "prompt_name"),
+            prompt_name=optional_field(request, "prompt_name"),
         )
         # /tokenize's own answer (its checks, the prompt in front), read back: one input's tokens
         answer = await tei_api.tokenize(body, self.gateway)
@@ -401,7 +408,7 @@ class TEIServicer(
         return pb.EncodeResponse(tokens=[pb.SimpleToken(**token) for token in tokens])
 
     async def Tokenize(self, request: pb.EncodeRequest, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unary(context, _bind(self._tokenize, request))
+        return await self._unary(context, bind_request(self._tokenize, request))
 
     async def TokenizeStream(
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
@@ -417,7 +424,7 @@ class TEIServicer(
         return pb.DecodeResponse(text=text)
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unary(context, _bind(self._decode, request))
+        return await self._unary(context, bind_request(self._decode, request))
 
     async def DecodeStream(
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
@@ -426,7 +433,7 @@ class TEIServicer(
             yield answer
 
 
-def _bind(
+def bind_request(
     answer: Callable[[Request, RequestClock], Awaitable[Answer]], request: Request
 ) -> Callable[[RequestClock], Awaitable[Answer]]:
     return lambda clock: answer(request, clock)
@@ -440,7 +447,7 @@ def _sparse_body(
         inputs=request.inputs,
         truncate=request.truncate,
         truncation_direction=_direction(request.truncation_direction),
-        prompt_name=_optional(request, "prompt_name"),
+        prompt_name=optional_field(request, "prompt_name"),
     )
 
 
@@ -449,17 +456,8 @@ async def _measured(clock: RequestClock) -> pb.Metadata:
     return await asyncio.to_thread(_metadata, clock)
 
 
-async def start_grpc_server(gateway: Gateway) -> grpc.aio.Server | None:
-    """TEI's gRPC services on EMBEDFLEET_GATEWAY_HOST:EMBEDFLEET_GATEWAY_GRPC_PORT, started on
-    the running loop (the HTTP server's); None where no port is set. A message is read up to
-    EMBEDFLEET_GATEWAY_MAX_BODY_BYTES, the HTTP body's limit (RESOURCE_EXHAUSTED beyond it).
-    gRPC binds with SO_REUSEPORT, so `embedfleet serve --workers N` shares the port."""
-    settings = gateway.settings
-    if settings.gateway_grpc_port is None:
-        return None
-    server = grpc.aio.server(
-        options=[("grpc.max_receive_message_length", settings.gateway_max_body_bytes)]
-    )
+def add_tei_services(gateway: Gateway, server: grpc.aio.Server) -> None:
+    """Every tei.v1 service, answered for ``gateway``, on ``server``."""
     servicer = TEIServicer(gateway)
     for add in (
         pb_grpc.add_InfoServicer_to_server,
@@ -469,19 +467,3 @@ async def start_grpc_server(gateway: Gateway) -> grpc.aio.Server | None:
         pb_grpc.add_TokenizeServicer_to_server,
     ):
         add(servicer, server)
-    address = f"{settings.gateway_host}:{settings.gateway_grpc_port}"
-    try:
-        server.add_insecure_port(address)
-    except RuntimeError as error:
-        raise RuntimeError(
-            f"TEI's gRPC API cannot listen on {address} ({error}): free the port or set "
-            "EMBEDFLEET_GATEWAY_GRPC_PORT to another (unset: no gRPC)"
-        ) from None
-    await server.start()
-    log.info("gRPC (tei.v1) started", address=address)
-    return server
-
-
-async def stop_grpc_server(server: grpc.aio.Server | None) -> None:
-    if server is not None:
-        await server.stop(SHUTDOWN_GRACE_S)

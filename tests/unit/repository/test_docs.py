@@ -436,3 +436,23 @@ def test_gateway_page_names_every_grpc_call_of_teis_proto() -> None:
     }
     assert named == served
     assert f"up to {STREAM_IN_FLIGHT} at a time" in section
+
+
+def test_gateway_page_names_every_call_of_the_fleets_proto() -> None:
+    """docs/GATEWAY.md's part on embedfleet.v1 names each method of fleet.proto's service, and
+    only those, and each output dtype of the protocol (the proto's Dtype enum)."""
+    pytest.importorskip("grpc")  # the gateway's extra
+    from embedfleet.gateway.fleet_grpc import fleet_pb2
+    from embedfleet.shared.protocol import OUTPUT_DTYPES
+
+    section = GATEWAY_PAGE.read_text().split("\n### The fleet's own API", 1)[1]
+    section = section.split("\n## ", 1)[0]
+    named = set(re.findall(r"`(embedfleet\.v1\.\w+/\w+)`", section))
+    served = {
+        f"{service.full_name}/{method.name}"
+        for service in fleet_pb2.DESCRIPTOR.services_by_name.values()
+        for method in service.methods
+    }
+    assert named == served
+    for dtype in OUTPUT_DTYPES:
+        assert f"`{dtype}`" in section, dtype
