@@ -232,9 +232,9 @@ def replace(owner: object, name: str, wrapper: Callable[..., Any]) -> None:
 def install_clock(clock: StageClock, path: str) -> None:
     """Wrap the functions that do each stage (in this process only; the worker is unchanged)."""
     from embedfleet.sinks import redis_stream
-    from embedfleet.workers import bulk, intake, output
+    from embedfleet.workers import bulk, output, windows
 
-    replace(intake, "decode_entries", clock.sync("decode + validate", intake.decode_entries))
+    replace(windows, "decode_entries", clock.sync("decode + validate", windows.decode_entries))
     for method, stage in (
         ("plan", "sort + plan"),
         ("collate", "collate"),
@@ -276,7 +276,8 @@ async def run_child(stats: Path, path: str) -> None:
     sink = RedisStreamSink(client, settings.keys)
     worker = worker_module.Worker(settings, encoder, client, sink, Listener())
     replace(worker.consumer, "read_ingest", clock.coroutine("read", worker.consumer.read_ingest))
-    replace(worker.intake, "_with_prompts", clock.sync("prompt", worker.intake._with_prompts))
+    opener = worker.intake.opener
+    replace(opener, "_with_prompts", clock.sync("prompt", opener._with_prompts))
     replace(sink, "write", clock.coroutine("sink write", sink.write))
     loop = asyncio.get_running_loop()
     print("loaded", flush=True)

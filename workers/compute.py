@@ -37,7 +37,7 @@ from embedfleet.workers.device_faults import (
     oom_retry_pause_s,
     recovery,
 )
-from embedfleet.workers.intake import Intake, Window, first_set
+from embedfleet.workers.intake import Intake, first_set
 from embedfleet.workers.interactive import InteractiveJump
 from embedfleet.workers.long_inputs import before_normalize
 from embedfleet.workers.memory import TrimTimer, release_free_memory
@@ -45,6 +45,7 @@ from embedfleet.workers.model.encoder import EncodeBatch, Tokenized
 from embedfleet.workers.parts import StageParts
 from embedfleet.workers.queries import QueryStage
 from embedfleet.workers.slices import InFlightBatch, Slices
+from embedfleet.workers.windows import Window
 from embedfleet.workers.write import Encoded
 
 log = get_logger("embedfleet.worker")

@@ -32,14 +32,13 @@ too. (The query stream has its own reader, the query lane, which goes ahead of b
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import math
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import cast
 
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
 from redis.exceptions import ResponseError
 from redis.typing import KeyT, StreamIdT
 
@@ -48,6 +47,7 @@ from embedfleet.shared.keys import TENANT_PATTERN, Keys
 from embedfleet.shared.protocol import PAYLOAD_FIELD
 from embedfleet.shared.redis_conn import as_str, ensure_group, ensure_groups
 from embedfleet.shared.tenants import TenantPolicy
+from embedfleet.workers.blocking_reads import BlockingReads
 from embedfleet.workers.fair import FairShare, backlog_shares
 from embedfleet.workers.token_rate import TenantRates
 
@@ -57,16 +57,6 @@ __all__ = ["STREAM_MOVED_AWAY", "StreamConsumer", "StreamEntry", "backlog_shares
 STREAM_MOVED_AWAY = "UNBLOCKED"
 # a bulk read bounded in bytes (EMBEDFLEET_READ_MAX_BYTES): shared/scripts/read_bounded.lua
 READ_BOUNDED_SCRIPT = scripts.load("read_bounded")
-
-
-class EntryOfTenant(Protocol):
-    """An entry read, as far as its tenant goes (a sink's ``Delivery``)."""
-
-    @property
-    def stream(self) -> str: ...
-
-    @property
-    def tenant(self) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -112,12 +102,9 @@ class StreamConsumer:
         self.fair = FairShare(self.policy.weight)
         # EMBEDFLEET_TENANT_TOKEN_RATE: the rated tenants' buckets, shared by the fleet
         self.rates = TenantRates(self.policy, keys)
-        # the rated tenants the latest round left out (their buckets spent): the idle wait
-        # names none of their streams and ends when the first has refilled for a read
-        self._held: frozenset[str] = frozenset()
-        # Blocking reads still waiting (the interactive stream's, or a partition's prefix ->
-        # task), from an idle wait.
-        self._waiting: dict[str, asyncio.Task[list[StreamEntry]]] = {}
+        # the idle wait's blocking reads still waiting: the interactive stream's, or a
+        # partition's (by its prefix) (workers/blocking_reads.py)
+        self._waiting: BlockingReads[StreamEntry] = BlockingReads()
 
     @property
     def ingest_streams(self) -> list[str]:
@@ -138,28 +125,10 @@ class StreamConsumer:
         pipe = self.client.pipeline(transaction=False)
         for partition in self.partitions:
             pipe.smembers(partition.tenants)
-        self._learn_tenants(await pipe.execute())
+        learn_tenants(self._streams, await pipe.execute())
         # a registered tenant's group is made by its producer; made here too, should it be gone
         for stream in self.ingest_streams:
             await ensure_group(self.client, self.keys, stream)
-
-    def _learn_tenants(self, members: Sequence[object]) -> list[str]:
-        """Take the registries' members (one reply per partition); returns the new streams."""
-        new: list[str] = []
-        for partition, names in zip(self.partitions, members, strict=True):
-            known = self._streams[partition]
-            for name in sorted(as_str(n) for n in cast("set[bytes]", names or set())):
-                if not TENANT_PATTERN.fullmatch(name):
-                    continue  # nothing the producer registers; never a key to read
-                stream = partition.ingest_for(name)  # a registered name: its own stream
-                if stream not in known:
-                    known.append(stream)
-                    new.append(stream)
-        return new
-
-    def tenant_of_delivery(self, delivery: EntryOfTenant) -> str:
-        """The tenant an entry read is counted for: its chunk's, else its stream's."""
-        return self.policy.named(delivery.tenant or self.keys.tenant_of(delivery.stream))
 
     def charge(self, tenant: str, tokens: int) -> None:
         """Tokens of an entry read for ``tenant``: settled with its token bucket in the next
@@ -197,47 +166,39 @@ class StreamConsumer:
         After an idle wait that bulk entries ended, that read stays blocked on the interactive
         stream for up to a block interval, and Redis hands it the next entries there: read any
         other way they would wait for the reader's next read, a window later."""
-        woken = self._waiting.get(self.interactive_stream)
-        if woken is not None and not woken.done():
+        if self._waiting.blocked(self.interactive_stream):
             return []  # still blocked: nothing came (Redis would have handed it over)
-        entries = self._collect_waiting(only=self.interactive_stream)
+        entries = self._waiting.collect(only=self.interactive_stream)
         return entries or await self.read_stream(self.interactive_stream, count, None)
 
     async def read_ingest(self, count: int, block_ms: int) -> list[StreamEntry]:
         """Up to about ``count`` new entries: the interactive stream's if it has any, else bulk
         entries from the partitions this consumer reads, each tenant's by its weight; blocks up
         to ``block_ms`` when all of them are empty."""
-        entries = self._collect_waiting()
+        entries = self._waiting.collect()
         if entries:
             return await self._with_shares(entries, count)
         entries = await self._read_backlogs(count)
         if entries:
             return entries
-        # The reads end by themselves after block_ms; the margin covers the round trip.
-        timeout = block_ms / 1000 + 5
-        if self._held:
-            # a tenant held to its token rate is read again once its bucket has refilled for a
-            # read: wait no longer than that, whatever the reads still waiting from an earlier
-            # wait block for
-            block_ms = min(block_ms, max(1, math.ceil(self.rates.wait_s(self._held) * 1000)))
-            timeout = block_ms / 1000
-        if self.interactive_stream not in self._waiting:
-            self._waiting[self.interactive_stream] = asyncio.create_task(
-                self.read_stream(self.interactive_stream, count, block_ms)
-            )
+        # no longer than a held tenant's bucket takes to refill for a read (workers/token_rate.py)
+        block_ms, timeout = self.rates.idle_wait(block_ms)
+        self._waiting.start(
+            self.interactive_stream,
+            functools.partial(self.read_stream, self.interactive_stream, count, block_ms),
+        )
         for partition, streams in self._streams.items():
             # One blocking read names all of a partition's streams (they share its slot) but a
             # held tenant's, whose entries would be read past its rate. It takes one entry per
             # stream (XREADGROUP's COUNT is per stream): it wakes the worker, and the read that
             # follows takes the rest by weight (_with_shares), so the first window holds the
             # weights too, rather than a whole read of every tenant that woke it.
-            wake = [s for s in streams if self.tenant_of(s) not in self._held]
-            if wake and partition.prefix not in self._waiting:
-                self._waiting[partition.prefix] = asyncio.create_task(
-                    self._read(dict.fromkeys(wake, ">"), 1, block_ms)
-                )
-        await asyncio.wait(self._waiting.values(), timeout=timeout, return_when="FIRST_COMPLETED")
-        entries = self._collect_waiting()
+            wake = [s for s in streams if self.tenant_of(s) not in self.rates.holding]
+            if wake:
+                read = functools.partial(self._read, dict.fromkeys(wake, ">"), 1, block_ms)
+                self._waiting.start(partition.prefix, read)
+        await self._waiting.first(timeout)
+        entries = self._waiting.collect()
         return await self._with_shares(entries, count) if entries else entries
 
     async def _with_shares(self, woken: list[StreamEntry], count: int) -> list[StreamEntry]:
@@ -266,18 +227,12 @@ class StreamConsumer:
         registries = replies[1 + len(streams) : 1 + len(streams) + len(self.partitions)]
         # each rated tenant's entries this read may take: what its bucket granted
         caps = self.rates.grants(replies[1 + len(streams) + len(self.partitions) :])
-        self._held = self.rates.held(caps)
-        new = self._learn_tenants(registries)
+        new = learn_tenants(self._streams, registries)
         if new:
             # a tenant that registered since the last round is read from this one, not after
             # one more whole read of the others: its streams' lengths, in one more round trip
-            for stream in new:
-                await ensure_group(self.client, self.keys, stream)
-            pipe = self.client.pipeline(transaction=False)
-            for stream in new:
-                pipe.xlen(stream)
             streams = [*streams, *new]
-            lengths += [int(n) for n in await pipe.execute()]
+            lengths += await new_stream_lengths(self.client, self.keys, new)
         entries = self._entries(interactive)
         if entries:
             return entries
@@ -287,10 +242,8 @@ class StreamConsumer:
         # a rated tenant's backlog as far as its cap goes: asked no more, what its weight would
         # have given beyond goes to the others
         backlogs = {tenant: sum(parts.values()) for tenant, parts in by_tenant.items()}
-        for tenant, cap in caps.items():
-            if tenant in backlogs:
-                backlogs[tenant] = min(backlogs[tenant], cap)
-        asks = self.fair.plan(count, backlogs, self._held)
+        backlogs.update({t: min(backlogs[t], cap) for t, cap in caps.items() if t in backlogs})
+        asks = self.fair.plan(count, backlogs, self.rates.holding)
         shares = self.fair.split(asks, by_tenant)
         pipe = self.client.pipeline(transaction=False)
         total_share = sum(shares.values())
@@ -301,16 +254,7 @@ class StreamConsumer:
             # each stream's part of the bytes, as of the entries: the read stays within the
             # bound (and a stream's first entry, whatever its size, so every stream progresses)
             budget = max(1, self.max_read_bytes * share // total_share)
-            pipe.eval(
-                READ_BOUNDED_SCRIPT,
-                1,
-                stream,
-                self.keys.group,
-                self.consumer,
-                share,
-                budget,
-                PAYLOAD_FIELD,
-            )
+            queue_bounded_read(pipe, self.keys.group, self.consumer, stream, share, budget)
         self.rates.queue_returns(pipe, asks)  # granted, not asked for: the others' now
         if not len(pipe):
             return []
@@ -327,40 +271,13 @@ class StreamConsumer:
         self.fair.settle(asks, received)
         return entries
 
-    def _collect_waiting(self, only: str | None = None) -> list[StreamEntry]:
-        """Entries of the blocking reads that have returned (``only``: that stream's read); a
-        failed read raises only when no other read brought anything (then the caller backs off
-        and reads again)."""
-        entries: list[StreamEntry] = []
-        failure: BaseException | None = None
-        for stream, task in list(self._waiting.items()):
-            if not task.done() or only not in (None, stream):
-                continue
-            del self._waiting[stream]
-            if task.cancelled():
-                continue
-            if (error := task.exception()) is not None:
-                failure = error
-                continue
-            entries.extend(task.result())
-        if failure is not None and not entries:
-            raise failure
-        return entries
-
     async def finish_waiting(self) -> list[StreamEntry]:
-        """On drain: let the blocking reads still waiting end (within one block interval) and
-        return what they delivered, so it is worked on rather than left pending."""
-        if self._waiting:
-            await asyncio.wait(self._waiting.values())
-        with contextlib.suppress(Exception):
-            return self._collect_waiting()
-        return []
+        """On drain: what the blocking reads still waiting deliver, once they end."""
+        return await self._waiting.finish()
 
     def abandon_waiting(self) -> None:
-        """On abort: entries a cancelled read had delivered stay pending and are reclaimed."""
-        for task in self._waiting.values():
-            task.cancel()
-        self._waiting.clear()
+        """On abort: the blocking reads cancelled (what they had, the reclaimer hands over)."""
+        self._waiting.abandon()
 
     async def _read(
         self, streams: dict[str, str], count: int, block_ms: int | None
@@ -407,3 +324,39 @@ def pairs(flat: Sequence[bytes]) -> dict[bytes, bytes]:
     """A stream entry's fields as a script returns them (``field, value, ...``) → a dict, as
     redis-py gives XREADGROUP's."""
     return dict(zip(flat[::2], flat[1::2], strict=True))
+
+
+def learn_tenants(streams: dict[Keys, list[str]], members: Sequence[object]) -> list[str]:
+    """Take the tenant registries' members (one reply per partition of ``streams``, in its
+    order) into each partition's streams; returns the new streams."""
+    new: list[str] = []
+    for partition, names in zip(streams, members, strict=True):
+        known = streams[partition]
+        for name in sorted(as_str(n) for n in cast("set[bytes]", names or set())):
+            if not TENANT_PATTERN.fullmatch(name):
+                continue  # nothing the producer registers; never a key to read
+            stream = partition.ingest_for(name)  # a registered name: its own stream
+            if stream not in known:
+                known.append(stream)
+                new.append(stream)
+    return new
+
+
+async def new_stream_lengths(client: aioredis.Redis, keys: Keys, new: Sequence[str]) -> list[int]:
+    """Newly registered tenants' streams: their consumer group made should it be gone, and
+    their lengths, in one round trip."""
+    for stream in new:
+        await ensure_group(client, keys, stream)
+    pipe = client.pipeline(transaction=False)
+    for stream in new:
+        pipe.xlen(stream)
+    return [int(n) for n in await pipe.execute()]
+
+
+def queue_bounded_read(
+    pipe: Pipeline, group: str, consumer: str, stream: str, count: int, max_bytes: int
+) -> None:
+    """Queue a read of ``stream``'s new entries that delivers at most ``count`` of them and
+    only those within ``max_bytes`` of payload (the first whatever its size):
+    shared/scripts/read_bounded.lua, whose reply ``pairs`` makes XREADGROUP's."""
+    pipe.eval(READ_BOUNDED_SCRIPT, 1, stream, group, consumer, count, max_bytes, PAYLOAD_FIELD)

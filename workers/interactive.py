@@ -19,9 +19,10 @@ import time
 
 from embedfleet.shared.fault_kinds import System
 from embedfleet.shared.logging import get_logger
-from embedfleet.workers.intake import Intake, Window
+from embedfleet.workers.intake import Intake
 from embedfleet.workers.outages import transient_or_raise
 from embedfleet.workers.parts import StageParts
+from embedfleet.workers.windows import Window
 
 log = get_logger("embedfleet.worker")
 # The compute stage looks for interactive entries before a bulk batch at most this often: a
@@ -60,7 +61,7 @@ class InteractiveJump:
             if not entries:
                 return None
             self.parts.events.entries_read(stream=entries[0].stream, count=len(entries))
-            window, rejected = await self.intake.open_window(entries)
+            window, rejected = await self.intake.opener.open_window(entries)
             await self.intake.dead_letter(rejected)
             await self.intake.drop_expired(window.expired)
         except Exception as error:

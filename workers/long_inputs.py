@@ -29,9 +29,11 @@ from typing import TypeVar
 
 import numpy as np
 
+from embedfleet.shared.dead_letters import DeadReason
 from embedfleet.shared.postprocess import normalize as normalize_rows
 from embedfleet.shared.protocol import Chunk
 from embedfleet.sinks import Delivery
+from embedfleet.workers.dead_letter_writer import Rejected
 from embedfleet.workers.model.encoder import Tokenized
 from embedfleet.workers.model.model_dir import head_normalizes
 from embedfleet.workers.output import pool_windows
@@ -213,3 +215,33 @@ def expand(
         out_deliveries += [delivery] * len(rows)
         out_tokens += rows
     return out_chunks, out_deliveries, out_tokens
+
+
+# a tokenizer's ``windows`` (workers/model/tokenizer.py): texts, their prompts, the overlap
+WindowsOf = Callable[[Sequence[str], Sequence[str] | None, int], list[list[Tokenized]]]
+
+
+def token_windows(
+    windows_of: WindowsOf,
+    chunks: Sequence[Chunk],
+    deliveries: Sequence[Delivery],
+    tokens: Sequence[Tokenized],
+    prompts: Sequence[str],
+) -> tuple[dict[int, list[Tokenized]], dict[int, Rejected]]:
+    """The token windows of each chunk with ``window_overlap`` whose text was cut, and the
+    rejections of those whose overlap leaves a window no room (both by position). The bulk
+    reader's windows and the query stage both split their long inputs here."""
+    windows: dict[int, list[Tokenized]] = {}
+    refused: dict[int, Rejected] = {}
+    for position, (chunk, tokenized) in enumerate(zip(chunks, tokens, strict=True)):
+        overlap = chunk.window_overlap
+        if overlap is None or not tokenized.truncated:
+            continue
+        prompt = prompts[position]
+        try:
+            windows[position] = windows_of([chunk.text], [prompt] if prompt else None, overlap)[0]
+        except ValueError as error:
+            refused[position] = Rejected.chunk(
+                deliveries[position], chunk, DeadReason.OPTIONS, str(error)
+            )
+    return windows, refused

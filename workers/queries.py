@@ -1,9 +1,9 @@
-"""The priority lane: single queries answered ahead of bulk work.
+"""The query stage: single queries answered ahead of bulk work.
 
-A dedicated task blocks on the query stream (no polling). Queries are tokenized on the event
-loop (a short text takes microseconds) and put in an inbox; the model thread serves the inbox
-either right away (when idle) or at the next transformer-layer boundary of the bulk batch it is
-computing (see ``Encoder.set_layer_callback``).
+Its inbox (workers/query_inbox.py) reads the query stream on the event loop and queues each
+query tokenized; the model thread serves the inbox either right away (when idle) or at the next
+transformer-layer boundary of the bulk batch it is computing (see
+``Encoder.set_layer_callback``).
 
 The model thread also writes the answer (reply list + acknowledgement, one MULTI) through its
 own blocking connection, straight after the forward pass. Handing the vectors back to the event
@@ -24,41 +24,36 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import threading
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import numpy as np
 import redis
 import redis.asyncio as aioredis
 
 from embedfleet.shared.dead_letters import DeadReason
-from embedfleet.shared.fault_kinds import System, is_transient
+from embedfleet.shared.fault_kinds import is_transient
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import encode_result
 from embedfleet.shared.redis_conn import connect_sync
 from embedfleet.shared.settings import Settings
-from embedfleet.sinks import Delivery, queue_acknowledgements
 from embedfleet.sinks.reply import queue_replies
 from embedfleet.workers import device_faults
 from embedfleet.workers.calibration import Calibration
-from embedfleet.workers.consumer import StreamConsumer, StreamEntry
+from embedfleet.workers.consumer import StreamEntry
 from embedfleet.workers.cost_model import SliceClock
 from embedfleet.workers.dead_letter_writer import DeadLetters, Rejected
-from embedfleet.workers.decode import Accepted, decode_entries
 from embedfleet.workers.device_faults import DeviceFault, Recovery
 from embedfleet.workers.events import WorkerEvents
-from embedfleet.workers.long_inputs import before_normalize_wanted, normalized_except, whole
-from embedfleet.workers.model.encoder import Encoder, Tokenized
+from embedfleet.workers.long_inputs import before_normalize_wanted, normalized_except
+from embedfleet.workers.model.encoder import Encoder
 from embedfleet.workers.model.model_dir import head_normalizes
-from embedfleet.workers.outages import Outages, RideOut, transient_or_raise
+from embedfleet.workers.outages import Outages
 from embedfleet.workers.output import Outputs, pool_windows
-from embedfleet.workers.token_ids import tokenize_chunks
+from embedfleet.workers.query_inbox import PendingQuery, QueryInbox
 
 log = get_logger("embedfleet.queries")
 
@@ -73,34 +68,6 @@ def prepare_forward_paths(encoder: Encoder, settings: Settings) -> bool:
     return encoder.prepare_query_graph(
         settings.cpu_int8_choice, settings.cpu_backend, settings.openvino_precision
     )
-
-
-@dataclass(frozen=True)
-class PendingQuery(Accepted):
-    """An accepted query, tokenized, waiting in the inbox to be served."""
-
-    tokens: Tokenized
-    # wall clock (time.time) when the event loop got the entry and when it entered the inbox:
-    # the stages of a query's wait (WorkerEvents.query_stages)
-    read_at: float
-    queued_at: float
-    # a long input embedded whole (``window_overlap``, issue 42): its token windows, one
-    # forward row each, pooled back into its one answer (workers/output.py); None: ``tokens``
-    windows: list[Tokenized] | None = None
-
-    @property
-    def rows(self) -> list[Tokenized]:
-        """What the query puts through the model: its windows, or its one row."""
-        return self.windows if self.windows is not None else [self.tokens]
-
-    @property
-    def reply(self) -> str:
-        return self.chunk.reply or ""  # accept() dead-letters a query without one
-
-    @property
-    def enqueued_at(self) -> float:
-        """Unix seconds, from the stream entry id."""
-        return _entry_time(self.delivery.entry_id)
 
 
 class QueryStage:
@@ -130,8 +97,19 @@ class QueryStage:
         self.events = events
         self.outputs = outputs
         self.on_model_thread = on_model_thread
-        self.consumer = StreamConsumer(client, self.keys, settings.consumer)
-        self._inbox: deque[PendingQuery] = deque()
+        # the query stream read and its queries queued, on the event loop (workers/query_inbox.py)
+        self.inbox = QueryInbox(
+            settings,
+            encoder,
+            client,
+            dead_letters,
+            events,
+            outputs,
+            on_model_thread,
+            self.outages,
+            queued=self._queued,
+        )
+        self._inbox = self.inbox.pending  # the serving thread's side of the same deque
         # Re-entrance from the layer hook (the nested forward pass fires them too); the lock
         # keeps the model thread and the CUDA query thread from serving at once while the
         # lane switches from one to the other at startup.
@@ -178,7 +156,7 @@ class QueryStage:
             forward_path=self.encoder.forward_path,
         )
         self._faulted = self._loop.create_future()
-        reading = asyncio.create_task(self._read_loop(stopping), name="query-reader")
+        reading = asyncio.create_task(self.inbox.read(stopping), name="query-reader")
         try:
             await asyncio.wait((reading, self._faulted), return_when=asyncio.FIRST_COMPLETED)
             if self._device_fault is not None:
@@ -196,116 +174,16 @@ class QueryStage:
             if self._failures:
                 await asyncio.gather(*self._failures, return_exceptions=True)
 
-    async def _read_loop(self, stopping: asyncio.Event) -> None:
-        ride = RideOut("reading the query stream", self.outages, self.events)
-        while not stopping.is_set():
-            try:
-                entries = await self.consumer.read_stream(
-                    self.keys.query, count=64, block_ms=self.settings.block_ms
-                )
-                await self.accept(entries)
-                ride.succeeded()
-            except Exception as error:
-                await ride.wait(transient_or_raise(error, System.REDIS))
-
     async def accept(self, entries: list[StreamEntry]) -> None:
-        """Decode, skip queries whose caller has gone, tokenize, hand to the model thread."""
-        if not entries:
-            return
-        read_at = time.time()
-        accepted, rejected = decode_entries(entries, self.settings)
-        now_ms = read_at * 1000
-        expired: list[Delivery] = []
-        fresh = []
-        prompts: list[str] = []
-        for item in accepted:
-            chunk = item.chunk
-            if chunk.reply is None:
-                rejected.append(
-                    Rejected.chunk(
-                        item.delivery,
-                        chunk,
-                        DeadReason.INVALID,
-                        "query has no 'reply' (use Producer.embed_query)",
-                    )
-                )
-            elif chunk.deadline_ms is not None and chunk.deadline_ms < now_ms:
-                expired.append(item.delivery)
-            else:
-                try:  # the model's query prompt unless the query names one (encode_query)
-                    prompts.append(self.outputs.prompt_for(chunk, "query"))
-                except ValueError as error:
-                    rejected.append(
-                        Rejected.chunk(item.delivery, chunk, DeadReason.OPTIONS, str(error))
-                    )
-                    continue
-                fresh.append(item)
-        await self.dead_letters.send(rejected)
-        if expired:  # the caller timed out and left: answering would only leave garbage
-            pipe = self.client.pipeline(transaction=True)
-            queue_acknowledgements(pipe, self.keys, expired, counter="expired")
-            await pipe.execute()
-        if not fresh:
-            return
-        await self.outputs.prepare([item.chunk for item in fresh], self.on_model_thread)
-        # the producer's (the gateway's) token ids where a query brought them, else its text
-        # tokenized (workers/token_ids.py); ids of another tokenizer are dead-lettered
-        made = tokenize_chunks([item.chunk for item in fresh], prompts, self.encoder)
-        if made.refused:
-            await self.dead_letters.send(
-                [
-                    Rejected.chunk(fresh[i].delivery, fresh[i].chunk, DeadReason.TOKENIZER, reason)
-                    for i, reason in made.refused
-                ]
-            )
-            fresh = [fresh[i] for i in made.kept]
-            prompts = [prompts[i] for i in made.kept]
-            if not fresh:
-                return
-        tokens = made.tokens
-        windows, refused = self._long_inputs(fresh, prompts, tokens)
-        await self.dead_letters.send(list(refused.values()))
-        queued_at = time.time()
-        for position, (item, tokenized) in enumerate(zip(fresh, tokens, strict=True)):
-            if position in refused:
-                continue
-            rows = windows.get(position)
-            if rows is not None:
-                tokenized = whole(rows)
-            # accounted with the query's tokens (its model time is the bulk batches' gaps)
-            delivery = dataclasses.replace(
-                item.delivery, model=self.encoder.name, tokens=tokenized.length
-            )
-            self._inbox.append(
-                PendingQuery(item.chunk, delivery, tokenized, read_at, queued_at, windows=rows)
-            )
-        # Runs at once if the model is idle; if a bulk batch is in flight, the layer hook
-        # serves the inbox first and this call finds it empty. A plain submit, not
-        # run_in_executor: nothing awaits it, and its completion would wake the event loop
-        # just while the answer travels to the caller.
-        self._serve_thread.submit(self.serve_inbox).add_done_callback(_log_unexpected)
+        """Queries read elsewhere (the reclaimer's), queued as the inbox queues its own."""
+        await self.inbox.accept(entries)
 
-    def _long_inputs(
-        self, fresh: list[Accepted], prompts: list[str], tokens: list[Tokenized]
-    ) -> tuple[dict[int, list[Tokenized]], dict[int, Rejected]]:
-        """The token windows of each query with ``window_overlap`` whose text was cut, and
-        those refused for an overlap that leaves a window no room (both by position)."""
-        windows: dict[int, list[Tokenized]] = {}
-        refused: dict[int, Rejected] = {}
-        for position, (item, tokenized) in enumerate(zip(fresh, tokens, strict=True)):
-            overlap = item.chunk.window_overlap
-            if overlap is None or not tokenized.truncated:
-                continue
-            prompt = prompts[position] if prompts else ""
-            try:
-                windows[position] = self.encoder.text.windows(
-                    [item.chunk.text], [prompt] if prompt else None, overlap
-                )[0]
-            except ValueError as error:
-                refused[position] = Rejected.chunk(
-                    item.delivery, item.chunk, DeadReason.OPTIONS, str(error)
-                )
-        return windows, refused
+    def _queued(self) -> None:
+        """Queries queued: served at once if the model is idle; if a bulk batch is in flight,
+        the layer hook serves the inbox first and this call finds it empty. A plain submit, not
+        run_in_executor: nothing awaits it, and its completion would wake the event loop just
+        while the answer travels to the caller."""
+        self._serve_thread.submit(self.serve_inbox).add_done_callback(_log_unexpected)
 
     # --- model thread ------------------------------------------------------------------
     def serve_at_layer_boundary(self) -> None:
@@ -496,8 +374,3 @@ def _log_unexpected(future: Future[None]) -> None:
 def _set_once(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
-
-
-def _entry_time(entry_id: str) -> float:
-    """Stream ids start with the server's unix milliseconds at XADD."""
-    return int(entry_id.split("-", 1)[0]) / 1000

@@ -21,10 +21,10 @@ from embedfleet.workers.batcher import PlannedBatch
 from embedfleet.workers.bulk import BulkBatch, BulkForward, Launched, resolve_layout
 from embedfleet.workers.cost_model import BulkPath, Shape, SliceClock, SliceCost, SliceLimit
 from embedfleet.workers.device_faults import is_device_fault
-from embedfleet.workers.intake import Prepared, Window
 from embedfleet.workers.model.precision import BULK_PROBE_TEXTS, PROBE_TEXTS
 from embedfleet.workers.parts import StageParts
 from embedfleet.workers.queries import QueryStage
+from embedfleet.workers.windows import Prepared, Window
 
 log = get_logger("embedfleet.worker")
 SLICE_MS_AUTO = {"cpu": 100.0, "cuda": 20.0}

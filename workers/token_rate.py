@@ -17,9 +17,10 @@ fewer) in the one that reads. No round trip of its own.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import cast
+from typing import Protocol, cast
 
 from redis.asyncio.client import Pipeline
 
@@ -38,6 +39,16 @@ RATE_START_S = 1.0
 # or one entry if that costs more: reads of several entries rather than a round trip for each
 # entry the rate lets through.
 RATE_READ_S = 0.25
+
+
+class EntryOfTenant(Protocol):
+    """An entry read, as far as its tenant goes (a sink's ``Delivery``)."""
+
+    @property
+    def stream(self) -> str: ...
+
+    @property
+    def tenant(self) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,9 @@ class TenantRates:
         self._reserved: dict[str, float] = {}
         # the latest take's grants, less what was given back since
         self._grants: dict[str, Grant] = {}
+        # the rated tenants the latest take left out (their buckets spent): the reader's idle
+        # wait names none of their streams and ends when the first has refilled for a read
+        self.holding: frozenset[str] = frozenset()
 
     def charge(self, tenant: str, tokens: int) -> None:
         """Tokens of an entry read for ``tenant``, settled with the next take (0: an entry that
@@ -77,6 +91,26 @@ class TenantRates:
             self._charges[tenant] = self._charges.get(tenant, 0) + tokens
         total, entries = self._charged.get(tenant, (0, 0))
         self._charged[tenant] = (total + max(tokens, 0), entries + 1)
+
+    def tenant_of_entry(self, entry: EntryOfTenant) -> str:
+        """The tenant an entry read is counted for: its chunk's, else its stream's."""
+        return self.policy.named(entry.tenant or self.keys.tenant_of(entry.stream))
+
+    def charge_window(
+        self,
+        embedded: Sequence[EntryOfTenant],
+        lengths: Iterable[int],
+        free: Iterable[EntryOfTenant],
+    ) -> None:
+        """A window read: the entries it embeds with their ``lengths`` in tokens, and those it
+        answers ``free`` (the vector cache's hits: read, but no model tokens). Nothing when no
+        tenant has a rate (the reader's usual case: no call per entry then)."""
+        if not self.rated:
+            return
+        for entry, tokens in zip(embedded, lengths, strict=True):
+            self.charge(self.tenant_of_entry(entry), tokens)
+        for entry in free:
+            self.charge(self.tenant_of_entry(entry), 0)
 
     def per_entry(self, tenant: str) -> float | None:
         """The tokens an entry of ``tenant`` has cost so far on average; None before any."""
@@ -102,7 +136,9 @@ class TenantRates:
             self._grants[tenant] = grant
             self._charges.pop(tenant, None)
             self._reserved[tenant] = grant.reserved
-        return {tenant: self._grants[tenant].entries for tenant in self.rated}
+        caps = {tenant: self._grants[tenant].entries for tenant in self.rated}
+        self.holding = self.held(caps)
+        return caps
 
     def queue_returns(self, pipe: Pipeline, asked: Mapping[str, int]) -> None:
         """Give back the entries granted that the read does not ask for (the fair share gave
@@ -138,6 +174,17 @@ class TenantRates:
             wanted = min(max(grant.per_entry, rate * RATE_READ_S), rate * RATE_BURST_S)
             waits.append(max(0.0, (wanted - grant.left) / rate))
         return min(waits, default=0.0)
+
+    def idle_wait(self, block_ms: int) -> tuple[int, float]:
+        """How long the reader's idle wait may block (ms) and wait (s), given ``block_ms``: a
+        tenant held to its token rate is read again once its bucket has refilled for a read, so
+        the wait ends by then, whatever the reads still waiting from an earlier wait block for.
+        Else the reads end by themselves after ``block_ms``, and the margin covers the round
+        trip."""
+        if not self.holding:
+            return block_ms, block_ms / 1000 + 5
+        block_ms = min(block_ms, max(1, math.ceil(self.wait_s(self.holding) * 1000)))
+        return block_ms, block_ms / 1000
 
     def _queue(
         self, pipe: Pipeline, tenant: str, settle: float, per_entry: float, wanted: int

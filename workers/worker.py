@@ -61,7 +61,7 @@ from embedfleet.workers.cost_model import SliceClock
 from embedfleet.workers.device_faults import DeviceFault
 from embedfleet.workers.events import WorkerEvents
 from embedfleet.workers.heartbeat import run_heartbeat
-from embedfleet.workers.intake import Intake, Window
+from embedfleet.workers.intake import Intake
 from embedfleet.workers.interactive import InteractiveJump
 from embedfleet.workers.model.encoder import Encoder
 from embedfleet.workers.outages import RideOut, ride_out
@@ -69,6 +69,7 @@ from embedfleet.workers.parts import StageParts
 from embedfleet.workers.queries import QueryStage
 from embedfleet.workers.reclaim import Reclaimer
 from embedfleet.workers.slices import Slices
+from embedfleet.workers.windows import Window
 from embedfleet.workers.write import Encoded, Writer
 
 log = get_logger("embedfleet.worker")

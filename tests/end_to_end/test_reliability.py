@@ -121,9 +121,9 @@ async def test_every_bad_input_is_dead_lettered_and_the_worker_goes_on(
     encoder,
     threads_of: ThreadsOf,
 ) -> None:
-    from embedfleet.workers import intake as intake_module
+    from embedfleet.workers import windows as windows_module  # where a window is decoded
 
-    decoding_threads = threads_of(intake_module, "decode_entries")
+    decoding_threads = threads_of(windows_module, "decode_entries")
     async with workers.run(settings) as worker:
         recorder: Recorder = worker.listener
         entry_reasons = {}

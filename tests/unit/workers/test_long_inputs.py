@@ -12,7 +12,7 @@ import pytest
 
 from embedfleet.shared.protocol import Chunk, ProtocolError, chunk_from_mapping, validate_chunk
 from embedfleet.sinks import Delivery
-from embedfleet.workers.long_inputs import Rejoin, expand
+from embedfleet.workers.long_inputs import Rejoin, expand, token_windows
 from embedfleet.workers.model.tokenizer import Tokenized, split_windows
 from embedfleet.workers.output import pool_windows
 
@@ -147,3 +147,27 @@ def test_head_normalizes_is_per_thread_and_restored() -> None:
         assert torch.equal(head(pooled), pooled)
     assert torch.allclose(seen[0], torch.tensor([[0.6, 0.8]]))
     assert torch.allclose(head(pooled), torch.tensor([[0.6, 0.8]]))
+
+
+def test_token_windows_splits_the_cut_chunks_that_ask_and_refuses_a_roomless_overlap() -> None:
+    asked: list[tuple[list[str], list[str] | None, int]] = []
+
+    def windows_of(texts, prompts, overlap):  # a tokenizer's ``windows``, recorded
+        asked.append((list(texts), None if prompts is None else list(prompts), overlap))
+        if overlap >= 8:
+            raise ValueError("window_overlap 8 leaves a window no room")
+        return [[Tokenized([1, 2], False), Tokenized([3, 4], False)]]
+
+    chunks = [
+        Chunk(id="whole", text="long", window_overlap=2),
+        Chunk(id="fits", text="short", window_overlap=2),
+        Chunk(id="cut", text="long"),  # no overlap asked: cut as TRUNCATE says
+        Chunk(id="roomless", text="long", window_overlap=8),
+    ]
+    deliveries = [Delivery("ingest", f"{i}-0", None) for i in range(4)]
+    tokens = [Tokenized([9] * 4, truncated) for truncated in (True, False, True, True)]
+    windows, refused = token_windows(windows_of, chunks, deliveries, tokens, ["q: ", "", "", ""])
+    assert asked == [(["long"], ["q: "], 2), (["long"], None, 8)]
+    assert list(windows) == [0] and len(windows[0]) == 2
+    assert list(refused) == [3] and refused[3].chunk_id == "roomless"
+    assert "no room" in refused[3].detail
