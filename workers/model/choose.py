@@ -34,7 +34,6 @@ from embedfleet.workers.model.int8 import (
     DynamicInt8Forward,
     Int8Forward,
     W8A8Forward,
-    build_dynamic_int8,
     build_int8,
     cpp_compiler_available,
 )
@@ -299,9 +298,8 @@ class CpuPaths:
         built here (said at warning)."""
         model = self.eager.model
         try:
-            if name == W8A8Forward.name:
-                return build_int8(model, layer_stack, self.run_copy, PROBE_TEXTS)
-            return build_dynamic_int8(model, layer_stack, self.run_copy, PROBE_TEXTS)
+            dynamic = name != W8A8Forward.name
+            return build_int8(model, layer_stack, self.run_copy, PROBE_TEXTS, dynamic=dynamic)
         except Exception as error:  # an untraceable model, a compiler that fails, ...
             log.warning(
                 "int8 compute not used: the int8 copy could not be built here; set "

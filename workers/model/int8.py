@@ -21,8 +21,8 @@ multilingual, long and odd inputs. Measured eagerly in float32 on the held-out s
 (min / mean): attention output kept 0.99323 / 0.998580 (fails); both output projections kept
 0.99871 / 0.999521 (holds); alpha 0.5 / 0.7 did worse than 0.6.
 
-**The dynamic copy** (:func:`build_dynamic_int8`): PyTorch's own CPU recipe for BERT,
-``torch.ao.quantization`` dynamic int8 Linear (FBGEMM / oneDNN kernels, AVX2 and up, no
+**The dynamic copy** (:func:`build_int8`, ``dynamic=True``): PyTorch's own CPU recipe for
+BERT, ``torch.ao.quantization`` dynamic int8 Linear (FBGEMM / oneDNN kernels, AVX2 and up, no
 compiler needed), per-channel weights, with the same smoothing divided out of its inputs. Its
 inputs are quantized per tensor (one scale for a whole batch), which is what costs it parity:
 on the held-out set per-tensor weights read 0.72 / 0.894, per-channel 0.90 / 0.966, smoothed
@@ -49,6 +49,9 @@ from embedfleet.shared.logging import get_logger
 from embedfleet.workers.model.frozen import hook_free_copy
 
 log = get_logger("embedfleet.int8")
+
+# an int8 layer made from a float one and its smoothing (None: unsmoothed)
+QuantizedLinear = Callable[[torch.nn.Linear, torch.Tensor | None], torch.nn.Module]
 
 # SmoothQuant's migration strength and the layers left in the compute dtype, chosen on the
 # held-out set (workers/model/heldout.py; the figures are in the module docstring). "output.dense"
@@ -135,16 +138,18 @@ def quantize_layers(
     ranges: dict[str, torch.Tensor],
     alpha: float = SMOOTHQUANT_ALPHA,
     kept: Sequence[str] = KEPT_IN_FLOAT,
+    quantized: QuantizedLinear = W8A8Linear,
 ) -> int:
     """Replace, in place, the linear layers under ``layers`` (all but those whose name
-    contains a ``kept`` pattern) by W8A8 ones smoothed with ``ranges``; returns how many."""
+    contains a ``kept`` pattern) by int8 ones (``quantized``; W8A8 unless told) smoothed with
+    ``ranges``; returns how many."""
     swapped = 0
     for name, module in list(layers.named_modules()):
         if not isinstance(module, torch.nn.Linear) or any(k in name for k in kept):
             continue
         smoothing = smoothing_factors(module, ranges[name], alpha) if name in ranges else None
         parent, _, attribute = name.rpartition(".")
-        setattr(layers.get_submodule(parent), attribute, W8A8Linear(module, smoothing))
+        setattr(layers.get_submodule(parent), attribute, quantized(module, smoothing))
         swapped += 1
     return swapped
 
@@ -198,40 +203,15 @@ def calibrated_copy(
     return copy, layers, ranges
 
 
-def build_int8(
-    model: torch.nn.Module,
-    layers_of: Callable[[torch.nn.Module], torch.nn.Module],
-    run: Callable[[torch.nn.Module, Sequence[str]], object],
-    calibration_texts: Sequence[str],
-    *,
-    kept: Sequence[str] = KEPT_IN_FLOAT,
-    compiled: bool = True,
-) -> W8A8Forward:
-    """A W8A8 copy of ``model`` (its own weights; the eager model is untouched), smoothed with
-    the input ranges of its transformer layers (``layers_of``) while ``run`` embeds
-    ``calibration_texts`` through the copy before it is quantized. ``compiled=False``: eager
-    (slow; for parity checks without a compile)."""
-    int8_model, layers, ranges = calibrated_copy(
-        hook_free_copy(model), layers_of, run, calibration_texts
-    )
-    swapped = quantize_layers(layers, ranges, kept=kept)
-    log.info(
-        "int8 copy made",
-        path=W8A8Forward.name,
-        linear_layers_in_int8=swapped,
-        kept_in_float=",".join(kept),
-        smoothquant_alpha=SMOOTHQUANT_ALPHA,
-    )
-    return W8A8Forward(int8_model, compiled=compiled)
-
-
 class SmoothedDynamicLinear(torch.nn.Module):
     """PyTorch's dynamic int8 Linear (per-channel weights ``w * s``) on inputs ``x / s``."""
 
     smoothing: torch.Tensor
 
-    def __init__(self, linear: torch.nn.Linear, smoothing: torch.Tensor) -> None:
+    def __init__(self, linear: torch.nn.Linear, smoothing: torch.Tensor | None) -> None:
         super().__init__()
+        if smoothing is None:  # a layer calibration never reached: unsmoothed, as W8A8Linear
+            smoothing = torch.ones(linear.in_features)
         scaled = torch.nn.Linear(linear.in_features, linear.out_features, linear.bias is not None)
         with torch.no_grad():
             scaled.weight.copy_(linear.weight.float() * smoothing)
@@ -252,35 +232,42 @@ class SmoothedDynamicLinear(torch.nn.Module):
         return self.quantized(x.float() / self.smoothing).to(x.dtype)
 
 
-def build_dynamic_int8(
+def build_int8(
     model: torch.nn.Module,
     layers_of: Callable[[torch.nn.Module], torch.nn.Module],
     run: Callable[[torch.nn.Module, Sequence[str]], object],
     calibration_texts: Sequence[str],
     *,
+    dynamic: bool = False,
     kept: Sequence[str] = KEPT_IN_FLOAT,
-    alpha: float = DYNAMIC_SMOOTHQUANT_ALPHA,
-) -> DynamicInt8Forward:
-    """A float32 copy of ``model`` whose transformer linear layers (all but ``kept``) are
-    PyTorch dynamic int8 ones, smoothed with the ranges seen while ``run`` embeds
-    ``calibration_texts`` (``run`` takes the copy and computes in float32 around it)."""
+    compiled: bool = True,
+) -> Int8Forward:
+    """An int8 copy of ``model`` (its own weights; the eager model is untouched) whose
+    transformer linear layers (``layers_of``; all but ``kept``) compute in int8, smoothed with
+    the input ranges they see while ``run`` embeds ``calibration_texts`` through the copy
+    before it is quantized.
+
+    The W8A8 copy, compiled (``compiled=False``: eager, slow; for parity checks without a
+    compile); ``dynamic``: PyTorch's dynamic int8 Linear layers in a float32 copy (``run``
+    computes in float32 around it), the two copies' one difference in how they are built."""
+    copy = hook_free_copy(model)
     int8_model, layers, ranges = calibrated_copy(
-        hook_free_copy(model).float(), layers_of, run, calibration_texts
+        copy.float() if dynamic else copy, layers_of, run, calibration_texts
     )
-    swapped = 0
-    for name, module in list(layers.named_modules()):
-        if not isinstance(module, torch.nn.Linear) or any(k in name for k in kept):
-            continue
-        smoothing = smoothing_factors(module, ranges[name], alpha)
-        parent, _, attribute = name.rpartition(".")
-        setattr(layers.get_submodule(parent), attribute, SmoothedDynamicLinear(module, smoothing))
-        swapped += 1
+    alpha = DYNAMIC_SMOOTHQUANT_ALPHA if dynamic else SMOOTHQUANT_ALPHA
+    quantized: QuantizedLinear = SmoothedDynamicLinear if dynamic else W8A8Linear
+    swapped = quantize_layers(layers, ranges, alpha=alpha, kept=kept, quantized=quantized)
+    forward = (
+        DynamicInt8Forward(int8_model) if dynamic else W8A8Forward(int8_model, compiled=compiled)
+    )
+    # the dynamic layers' kernels are the quantized engine's (FBGEMM or oneDNN)
+    engine = {"quantized_engine": torch.backends.quantized.engine} if dynamic else {}
     log.info(
         "int8 copy made",
-        path=DynamicInt8Forward.name,
+        path=forward.name,
         linear_layers_in_int8=swapped,
         kept_in_float=",".join(kept),
         smoothquant_alpha=alpha,
-        quantized_engine=torch.backends.quantized.engine,
+        **engine,
     )
-    return DynamicInt8Forward(int8_model)
+    return forward

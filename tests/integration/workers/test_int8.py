@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -112,6 +113,35 @@ def test_quantize_layers_leaves_the_kept_layers_in_float() -> None:
     assert type(layers.get_submodule("attention.output.dense")) is torch.nn.Linear
     swapped = layers.get_submodule("intermediate.dense")
     assert isinstance(swapped, W8A8Linear) and swapped.smoothing is not None
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_one_builder_makes_either_int8_copy(dynamic: bool) -> None:
+    """Issue 55: the W8A8 and the dynamic copy come from one builder, their difference a
+    parameter: each copy's own layers, strength and dtype; the model itself untouched."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict(
+        {
+            "output": torch.nn.ModuleDict({"dense": torch.nn.Linear(8, 8)}),
+            "intermediate": torch.nn.ModuleDict({"dense": torch.nn.Linear(8, 8)}),
+        }
+    ).bfloat16()
+
+    def run(copy: torch.nn.Module, texts: Sequence[str]) -> object:
+        inputs = torch.randn(len(texts), 8, dtype=next(copy.parameters()).dtype)
+        return copy["output"]["dense"](copy["intermediate"]["dense"](inputs))
+
+    copy = build_int8(model, lambda m: m, run, ["a", "b"], dynamic=dynamic, compiled=False)
+    assert copy.name == ("int8-dynamic" if dynamic else "int8-w8a8")
+    layers = copy._model
+    assert isinstance(layers, torch.nn.ModuleDict)
+    quantized = layers.get_submodule("intermediate.dense")
+    assert isinstance(quantized, SmoothedDynamicLinear if dynamic else W8A8Linear)
+    assert type(layers.get_submodule("output.dense")) is torch.nn.Linear  # kept in float
+    assert layers.get_submodule("output.dense").weight.dtype == (
+        torch.float32 if dynamic else torch.bfloat16
+    )
+    assert type(model.get_submodule("intermediate.dense")) is torch.nn.Linear
 
 
 # --- the held-out set -------------------------------------------------------------------
