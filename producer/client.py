@@ -325,14 +325,25 @@ class Producer(ProducerLane):
         options: EmbeddingOptions | None = None,
         max_active_dims: int | None = None,
         multivector_dtype: str | None = None,
+        token_states: bool = False,
     ) -> list[Result]:
         """Several representations of each text from one forward pass of a model that gives
         them (BGE-M3: ``dense``, ``sparse``, ``multivector``): each text's Result, in order,
         with ``vector`` (dense), ``sparse`` and ``multivector`` (per-token vectors, float16 or
-        ``multivector_dtype="int8"`` on the wire) filled as asked. ``lane`` and timeouts as
+        ``multivector_dtype="int8"`` on the wire) filled as asked. ``token_states``: the
+        ``multivector`` holds instead every token's last hidden state, float32, special tokens
+        included (sentence-transformers' ``output_value="token_embeddings"``), from any model
+        with a dense pipeline (``representations=["dense"]``). ``lane`` and timeouts as
         :meth:`embed_sparse`; ``options`` shape the dense vector as :meth:`embed_queries`."""
         return await self._queries.embed_representations(
-            texts, representations, timeout, lane, options, max_active_dims, multivector_dtype
+            texts,
+            representations,
+            timeout,
+            lane,
+            options,
+            max_active_dims,
+            multivector_dtype,
+            token_states,
         )
 
     # --- jobs and results ---------------------------------------------------------------

@@ -124,11 +124,13 @@ class Queries:
         options: EmbeddingOptions | None,
         max_active_dims: int | None,
         multivector_dtype: str | None,
+        token_states: bool = False,
     ) -> list[Result]:
         extra = {
             "representations": tuple(representations),
             "max_active_dims": max_active_dims,
             "multivector_dtype": multivector_dtype,
+            "token_states": True if token_states else None,
         }
         answers = await self.answers(self.stream(lane), lane, texts, timeout, options, extra=extra)
         return [answers.results[index] for index in range(len(texts))]

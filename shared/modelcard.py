@@ -180,6 +180,11 @@ class ModelCard:
                     f"chunk {chunk.id!r}: the model {self.name!r} serves "
                     f"{', '.join(self.representations)}, not {wanted}"
                 )
+        if chunk.token_states and not self.serves("dense"):
+            raise ValueError(
+                f"chunk {chunk.id!r}: token_states are a dense pipeline's token states; the "
+                f"model {self.name!r} serves {', '.join(self.representations)}"
+            )
         if chunk.dimensions is not None:
             self.check_dimensions(chunk.dimensions, where=f"chunk {chunk.id!r}: ")
         name = chunk.prompt_name

@@ -61,6 +61,7 @@ REPRESENTATION_OPTION_NAMES = (
     "pair",
     "multivector_dtype",
     "raw_scores",
+    "token_states",
 )
 # What a model may give for a text (the model card's ``representations``): a dense vector, a
 # SPLADE-style sparse weight vector, ColBERT-style per-token vectors (``multivector``), or, for
@@ -68,10 +69,13 @@ REPRESENTATION_OPTION_NAMES = (
 # multivector) computes every one a chunk asks for from one forward pass.
 Representation = Literal["dense", "sparse", "multivector", "rerank"]
 REPRESENTATIONS: tuple[str, ...] = get_args(Representation)
-# How per-token vectors travel: float16 values, or int8 codes with one float32 scale per vector
+# How per-token vectors travel: float16 values, float32 values (a dense model's token states
+# always: they are no unit vectors), or int8 codes with one float32 scale per vector
 # (value = code * scale; symmetric, scale = max |value| / 127)
-MultivectorDtype = Literal["float16", "int8"]
+MultivectorDtype = Literal["float16", "float32", "int8"]
 MULTIVECTOR_DTYPES: tuple[str, ...] = get_args(MultivectorDtype)
+# numpy storage type of a multivector's ``data`` for each of them
+MULTIVECTOR_STORAGE: dict[str, str] = {"float16": "<f2", "float32": "<f4", "int8": "i1"}
 MAX_PAIR_CHARS = 1_000_000
 # ``dimensions`` meaning "the model's whole vector", whatever the fleet's EMBEDFLEET_DIMENSIONS
 # says: what a caller that does not know the model's dimension (the gateway before any worker
@@ -153,6 +157,11 @@ class Chunk:
     # rerank: true answers the classifier's logits, before the model's activation (TEI's
     # raw_scores); None or false: CrossEncoder.predict's activated scores
     raw_scores: bool | None = None
+    # true: the result's ``multivector`` holds the last hidden state of every token of the
+    # input, special tokens included, float32, before pooling (sentence-transformers'
+    # output_value="token_embeddings", TEI's /embed_all), beside the pooled vector; a model
+    # with a dense pipeline only
+    token_states: bool | None = None
     # the producer it is accounted to and shares the fleet as (None: the default tenant)
     tenant: str | None = None
     # embed it with the model even where the vector cache holds its vector (issue 31): a
@@ -201,11 +210,12 @@ class SparseVector:
 
 @dataclass(frozen=True)
 class MultiVector:
-    """Per-token vectors (ColBERT, late interaction): ``count`` vectors of ``dim`` values, unit
-    length. On the wire: ``data`` is the (count, dim) matrix row-major, little-endian float16,
-    or int8 codes with ``scales`` (little-endian float32, one per vector: value = code * scale)."""
+    """Per-token vectors (ColBERT, late interaction: ``count`` vectors of ``dim`` values, unit
+    length; or a dense model's token states). On the wire: ``data`` is the (count, dim) matrix
+    row-major, little-endian float16 or float32, or int8 codes with ``scales`` (little-endian
+    float32, one per vector: value = code * scale)."""
 
-    values: np.ndarray  # (count, dim): float16 values or int8 codes
+    values: np.ndarray  # (count, dim): float16 or float32 values, or int8 codes
     dtype: str = "float16"  # MULTIVECTOR_DTYPES
     scales: np.ndarray | None = None  # (count,) float32, int8 only
 
@@ -234,6 +244,8 @@ class MultiVector:
             scales = np.where(peak > 0, peak / 127.0, 1.0).astype(np.float32)
             codes = np.clip(np.rint(vectors / scales[:, None]), -127, 127).astype(np.int8)
             return cls(values=codes, dtype="int8", scales=scales)
+        if dtype == "float32":
+            return cls(values=vectors, dtype="float32")
         return cls(values=vectors.astype(np.float16), dtype="float16")
 
 
@@ -261,7 +273,8 @@ class Result:
     # a cross-encoder's score of (text, pair), CrossEncoder.predict's value; ``vector`` holds
     # all its labels' scores in float32 (one, for a reranker)
     score: float | None = None
-    # a multivector model's per-token vectors (ColBERT), where the chunk asked for them
+    # a multivector model's per-token vectors (ColBERT), or a dense model's token states
+    # (``token_states``), where the chunk asked for them
     multivector: MultiVector | None = None
 
     @property
@@ -288,6 +301,7 @@ def _chunk_fields(chunk: Chunk) -> dict[str, Any]:
         "pair": chunk.pair,
         "multivector_dtype": chunk.multivector_dtype,
         "raw_scores": chunk.raw_scores,
+        "token_states": chunk.token_states,
         "tenant": chunk.tenant,
         "reembed": True if chunk.reembed else None,
         "token_ids": chunk.token_ids,
@@ -604,8 +618,8 @@ def check_window_overlap(overlap: object) -> None:
 
 
 def _representation_options(message: Mapping[str, Any]) -> dict[str, Any]:
-    """``representations``, ``max_active_dims``, ``pair``, ``multivector_dtype`` and
-    ``raw_scores``, checked for form (whether the
+    """``representations``, ``max_active_dims``, ``pair``, ``multivector_dtype``,
+    ``raw_scores`` and ``token_states``, checked for form (whether the
     model serves them is the worker's check, and the gateway's from the model card)."""
     wanted = message.get("representations")
     if wanted is not None:
@@ -641,12 +655,18 @@ def _representation_options(message: Mapping[str, Any]) -> dict[str, Any]:
     raw_scores = message.get("raw_scores")
     if raw_scores is not None and not isinstance(raw_scores, bool):
         raise ProtocolError(f"'raw_scores' must be true or false when given, got {raw_scores!r}")
+    token_states = message.get("token_states")
+    if token_states is not None and not isinstance(token_states, bool):
+        raise ProtocolError(
+            f"'token_states' must be true or false when given, got {token_states!r}"
+        )
     return {
         "representations": wanted,
         "max_active_dims": top,
         "pair": pair,
         "multivector_dtype": multivector_dtype,
         "raw_scores": raw_scores,
+        "token_states": token_states,
     }
 
 
@@ -683,9 +703,7 @@ def encode_result(result: Result) -> bytes:
             "dtype": multi.dtype,
             "dim": multi.dim,
             "count": multi.count,
-            "data": np.asarray(
-                multi.values, dtype="<f2" if multi.dtype == "float16" else "i1"
-            ).tobytes(),
+            "data": np.asarray(multi.values, dtype=MULTIVECTOR_STORAGE[multi.dtype]).tobytes(),
         }
         if multi.scales is not None:
             fields["scales"] = np.asarray(multi.scales, dtype="<f4").tobytes()
@@ -809,7 +827,7 @@ def _multivector(fields: Any) -> MultiVector | None:
     if dtype not in MULTIVECTOR_DTYPES:
         raise ProtocolError(f"unknown multivector dtype {dtype!r}")
     count, dim = int(fields["count"]), int(fields["dim"])
-    values = np.frombuffer(fields["data"], dtype="<f2" if dtype == "float16" else "i1")
+    values = np.frombuffer(fields["data"], dtype=MULTIVECTOR_STORAGE[dtype])
     if values.shape[0] != count * dim:
         raise ProtocolError(
             f"multivector 'data' has {values.shape[0]} values, {count} x {dim} expected"

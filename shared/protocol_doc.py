@@ -159,6 +159,16 @@ CHUNK_FIELDS: tuple[WireField, ...] = (
         "`false`: `CrossEncoder.predict`'s scores, through the activation the model declares",
     ),
     WireField(
+        "token_states",
+        "bool",
+        False,
+        "a model with a dense pipeline only: `true` answers, in the result's `multivector` "
+        "(`float32`), the last hidden state of every token of the input, special tokens "
+        "included, before pooling (sentence-transformers' "
+        '`encode(..., output_value="token_embeddings")`, TEI\'s `/embed_all`), beside the '
+        "pooled vector",
+    ),
+    WireField(
         "tenant",
         "str",
         False,
@@ -284,8 +294,10 @@ RESULT_FIELDS: tuple[WireField, ...] = (
         "map",
         False,
         "per-token vectors (ColBERT; BGE-M3's colbert head: every token after CLS, unit "
-        "length), where asked: `dtype` (`float16` or `int8`), `count` and `dim` (int), `data` "
-        "(bin, the count × dim matrix row-major: little-endian float16, or int8 codes), "
+        "length), or a chunk's `token_states` (every token's last hidden state, `float32`), "
+        "where asked: `dtype` (`float16`, `float32` or `int8`), `count` and `dim` (int), `data` "
+        "(bin, the count × dim matrix row-major: little-endian float16 or float32, or int8 "
+        "codes), "
         "`scales` (bin, int8 only: little-endian float32, one per vector; value = code × scale)",
     ),
     WireField(

@@ -49,7 +49,9 @@ from embedfleet.workers.calibration import (
     variant_label,
 )
 from embedfleet.workers.model.encoder import Encoder, Lane
+from embedfleet.workers.model.heads import TOKEN_STATES
 from embedfleet.workers.model.model_dir import directory_revision
+from embedfleet.workers.model.packing import preferred_layout
 
 
 def pool_windows(
@@ -147,6 +149,7 @@ class Outputs:
             chunk.normalize,
             chunk.window_overlap,
             chunk.raw_scores,
+            chunk.token_states,
         )
         recipe = self._recipes.get(options)
         if recipe is None:
@@ -174,6 +177,12 @@ class Outputs:
         if chunk.raw_scores:
             # a cross-encoder's logits (TEI's raw_scores) are another answer than its scores
             recipe = dataclasses.replace(recipe, representation=f"{recipe.representation}:raw")
+        if chunk.token_states:
+            # the token states travel beside the pooled vector: an entry stored without them
+            # must never answer a chunk that asks for them, nor theirs one that does not
+            recipe = dataclasses.replace(
+                recipe, representation=f"{recipe.representation}+{TOKEN_STATES}"
+            )
         if chunk.normalize is False and recipe.normalize:
             # the vector before the model's Normalize (TEI's normalize=false) is another vector
             recipe = dataclasses.replace(recipe, normalize=False)
@@ -201,8 +210,15 @@ class Outputs:
 
     def prompt_for(self, chunk: Chunk, lane: Lane) -> str:
         """The chunk's prompt text, after checking its output options; ValueError with a
-        reason to dead-letter (unknown prompt name, dimensions out of range)."""
+        reason to dead-letter (unknown prompt name, dimensions out of range, token states on a
+        bulk lane that packs its batches)."""
         self.spec_for(chunk)
+        if chunk.token_states and lane == "document" and self._bulk_packs:
+            raise OutputOptionError(
+                "'token_states' are computed on padded batches, and this worker's bulk lane "
+                "packs its batches (the varlen layout): send them on the query stream (the "
+                "gateway does), or run the workers with EMBEDFLEET_LAYOUT=padded"
+            )
         if chunk.prompt_name is None and chunk.prompt is None:
             return self._lane_prompt(lane)  # most chunks: the lane's own, resolved once
         return self.encoder.resolve_prompt(
@@ -217,6 +233,16 @@ class Outputs:
         return self.encoder.resolve_prompt(
             lane, prompt_name=None, prompt=None, lane_default=self._lane_defaults[lane]
         )
+
+    @functools.cached_property
+    def _bulk_packs(self) -> bool:
+        """Whether the bulk lane may run the varlen layout (workers/bulk.py resolve_layout), whose
+        packed sequences give the pooled vectors alone; a model varlen cannot pool falls back to
+        padded batches there, so this may refuse where padded would have run: the safe side."""
+        layout = self.settings.layout
+        if layout == "auto":
+            layout = preferred_layout(self.encoder.device, self.encoder.dtype)
+        return layout == "varlen" and self.encoder.dense_only
 
     def check_representation(self, chunk: Chunk) -> None:
         """ValueError (dead-lettered as options) for a chunk that asks what the model does not
@@ -240,14 +266,21 @@ class Outputs:
             raise OutputOptionError("'raw_scores' answers a cross-encoder's logits; none here")
         if chunk.multivector_dtype is not None and "multivector" not in offered:
             raise OutputOptionError("'multivector_dtype' shapes per-token vectors; none here")
+        if chunk.token_states and "dense" not in offered:
+            raise OutputOptionError(
+                f"'token_states' answers the token states of a model with a dense pipeline; "
+                f"the model {self.encoder.name!r} gives {served}"
+            )
         if chunk.window_overlap is not None and (
-            served != "dense" or any(wanted != "dense" for wanted in chunk.wanted_representations)
+            served != "dense"
+            or any(wanted != "dense" for wanted in chunk.wanted_representations)
+            or chunk.token_states
         ):
             # a sparse weight vector, per-token vectors or a pair's score have no mean over
             # windows that answers as the whole text's would
             raise OutputOptionError(
                 f"'{LONG_INPUT_OPTION}' embeds a long input whole as one dense vector; it does "
-                "not apply to sparse, multivector or rerank outputs"
+                "not apply to sparse, multivector, token-state or rerank outputs"
             )
 
     def spec_for(self, chunk: Chunk) -> OutputSpec:
@@ -284,7 +317,7 @@ class Outputs:
     def heads_for(self, chunks: Sequence[Chunk]) -> tuple[str, ...] | None:
         """The heads a batch of ``chunks`` computes on a multi-head model (``EncodeBatch.heads``;
         None: the dense vectors alone, as any dense model gives them)."""
-        return self.encoder.heads_for([chunk.wanted_representations for chunk in chunks])
+        return self.encoder.heads_for([_heads_wanted(chunk) for chunk in chunks])
 
     def variant(self, dim: int) -> str:
         return variant_label(dim, self.encoder.dim, self.renormalize)
@@ -444,6 +477,9 @@ class Outputs:
                 changes["multivector"] = MultiVector.of(
                     row.multivector, chunk.multivector_dtype or "float16"
                 )
+            if chunk.token_states:
+                assert row.token_states is not None
+                changes["multivector"] = MultiVector.of(row.token_states, "float32")
             shaped.append(dataclasses.replace(result, **changes) if changes else result)  # type: ignore[arg-type]
         return shaped
 
@@ -493,6 +529,13 @@ def sparse_vector(weights: np.ndarray, max_active_dims: int | None = None) -> Sp
 # every option a chunk may set (the protocol's lists, their one owner), read in one C call
 _OPTIONS_OF = operator.attrgetter(*OPTION_NAMES, *REPRESENTATION_OPTION_NAMES)
 _NO_OPTIONS = (None,) * (len(OPTION_NAMES) + len(REPRESENTATION_OPTION_NAMES))
+
+
+def _heads_wanted(chunk: Chunk) -> tuple[str, ...]:
+    """What a chunk asks of the model's heads: its representations, and the token states where
+    it asks for them (workers/model/heads.py)."""
+    wanted = chunk.wanted_representations
+    return (*wanted, TOKEN_STATES) if chunk.token_states else wanted
 
 
 def _without_output_options(chunk: Chunk) -> bool:

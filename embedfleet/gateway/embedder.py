@@ -134,16 +134,23 @@ class Embedder:
         )
 
     async def embed_representations(
-        self, texts: Sequence[str], representations: Sequence[str]
+        self, texts: Sequence[str], representations: Sequence[str], *, token_states: bool = False
     ) -> list[Result]:
-        """Each text's Result with ``representations`` (a multi-head fleet), same lanes."""
+        """Each text's Result with ``representations`` (a multi-head fleet), same lanes;
+        ``token_states``: with every token's last hidden state (a dense fleet), on the query
+        lane whatever the count: a worker's bulk lane may pack its batches (the varlen layout),
+        which give the pooled vectors alone."""
 
         async def call(lane: Lane, timeout: float) -> list[Result]:
             return await self.producer.embed_representations(
-                list(texts), representations, timeout=timeout, lane=lane
+                list(texts),
+                representations,
+                timeout=timeout,
+                lane=lane,
+                token_states=token_states,
             )
 
-        return await self._through_lane(len(texts), call, texts)
+        return await self._through_lane(len(texts), call, texts, query_lane=token_states)
 
     async def score_pairs(
         self, pairs: Sequence[tuple[str, str | None]], *, raw_scores: bool = False
@@ -160,21 +167,31 @@ class Embedder:
         return await self._through_lane(len(pairs), call, texts)
 
     async def _through_lane(
-        self, count: int, call: Callable[[Lane, float], Awaitable[T]], texts: Sequence[str]
+        self,
+        count: int,
+        call: Callable[[Lane, float], Awaitable[T]],
+        texts: Sequence[str],
+        *,
+        query_lane: bool = False,
     ) -> T:
-        """``call`` on the lane ``count`` inputs ride, refused (429) while that lane is full;
-        a timeout or a worker's refusal as the gateway's errors. ``texts``: every text the call
-        sends (a pair's two), for the request's timing headers (gateway/timing_headers.py)."""
+        """``call`` on the lane ``count`` inputs ride (``query_lane``: the query lane whatever
+        the count), refused (429) while that lane is full; a timeout or a worker's refusal as
+        the gateway's errors. ``texts``: every text the call sends (a pair's two), for the
+        request's timing headers (gateway/timing_headers.py)."""
         with fleet_call(texts, self.count_tokens) as timed:
-            return await self._lane_call(count, call, timed.sending)
+            return await self._lane_call(count, call, timed.sending, query_lane)
 
     async def _lane_call(
-        self, count: int, call: Callable[[Lane, float], Awaitable[T]], sending: Callable[[], None]
+        self,
+        count: int,
+        call: Callable[[Lane, float], Awaitable[T]],
+        sending: Callable[[], None],
+        query_lane: bool = False,
     ) -> T:
         lane = self.keys.query_lane
         settings = self.settings
         chosen: Lane
-        if count <= settings.gateway_lane_max_inputs:
+        if query_lane or count <= settings.gateway_lane_max_inputs:
             label, stream, chosen = "query", lane.query, "query"
             bound = ("query lane", settings.gateway_lane_high_water, "GATEWAY_LANE_HIGH_WATER")
         else:

@@ -6,10 +6,12 @@ rerank, POST /v1/rerank, is gateway/cohere_api.py's, in OpenAI's error dialect).
 - TEI ``POST /rerank``: ``{query, texts, raw_scores?, return_text?, truncate?}`` ->
   ``[{"index", "score", "text"?}, ...]``, highest score first.
 - TEI ``POST /embed_all``: ``{inputs, truncate?, truncation_direction?, prompt_name?}`` ->
-  ``[[[float, ...], ...], ...]``, a matrix of per-token vectors per input. TEI returns the raw
-  token states there; a multi-vector model (BGE-M3) here returns its ColBERT vectors (every
-  token after CLS, projected and normalised: what late interaction compares), and a model
-  without them is refused (424).
+  ``[[[float, ...], ...], ...]``, a matrix of per-token vectors per input. A dense model answers
+  its token states, as TEI does: the last hidden state of every token, special tokens included,
+  before pooling, in float32 (sentence-transformers' ``output_value="token_embeddings"``; a
+  chunk's ``token_states``, computed by the workers' eager forward pass). A multi-vector model
+  (BGE-M3) answers its ColBERT vectors instead (every token after CLS, projected and normalised:
+  what late interaction compares); a sparse model or a cross-encoder is refused (424).
 - TEI ``POST /predict``: ``{inputs: text | [text] | [text, text] | [[text] | [text, text],
   ...], raw_scores?, truncate?}`` -> ``[{"score", "label"}, ...]`` per input (a list of those
   for a batch), every label of the classifier, highest first; labels are ``LABEL_<i>``. A pair
@@ -85,6 +87,7 @@ def require_representation(card: ModelCard, wanted: str, dialect: ErrorDialect) 
         "sparse": "a SPLADE (SparseEncoder) model",
         "rerank": "a cross-encoder reranker",
         "multivector": "a multi-vector (ColBERT, BGE-M3) model",
+        "dense": "an embedding model",
     }
     tei = dialect is ErrorDialect.tei
     raise APIError(
@@ -143,11 +146,19 @@ async def embed_sparse(body: EmbedSparseRequest, gateway: GatewayDep) -> list[li
 
 @router.post("/embed_all")
 async def embed_all(body: EmbedSparseRequest, gateway: GatewayDep) -> list[list[list[float]]]:
-    """Per-token vectors of each input (a multi-vector model's ColBERT vectors)."""
+    """Per-token vectors of each input: a dense model's token states (TEI's), a multi-vector
+    model's ColBERT vectors."""
     shape = tei_shape(body.inputs)
     async with tei_request(gateway, "embed", *shape), gateway.request_bound():
-        gateway, texts = await _tei_texts(body, gateway, "multivector")
-        results = await gateway.embedder.embed_representations(texts, ("multivector",))
+        card = await (await gateway.for_model(body.model)).require_card()
+        colbert = card.serves("multivector")
+        gateway, texts = await _tei_texts(body, gateway, "multivector" if colbert else "dense")
+        if colbert:
+            results = await gateway.embedder.embed_representations(texts, ("multivector",))
+        else:
+            results = await gateway.embedder.embed_representations(
+                texts, ("dense",), token_states=True
+            )
     matrices = []
     for result in results:
         if result.multivector is None:

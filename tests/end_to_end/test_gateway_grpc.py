@@ -5,7 +5,8 @@ Info, Embed and EmbedStream, Tokenize and Decode (and their streams) on the pack
 worker process; Rerank, RerankStream, Predict and PredictPair on a cross-encoder, EmbedSparse on
 a SPLADE model (tiny random-weight models, tests/model_zoo.py, in-process workers). Refusals end
 with TEI's codes: UNAUTHENTICATED without the key, INVALID_ARGUMENT for a bad request,
-FAILED_PRECONDITION for what the served model does not give."""
+FAILED_PRECONDITION for what the served model does not give. EmbedAll answers the dense
+model's token states."""
 
 from __future__ import annotations
 
@@ -43,7 +44,9 @@ AUTH = (("authorization", f"Bearer {KEY}"),)
 TEXT = "What is Deep Learning?"
 
 fleet_settings = module_fleet_settings("grpc", api_keys=KEY)
-worker = module_worker("grpc")
+# float32, so EmbedAll's token states compare with sentence-transformers' to float32's
+# tolerance (EMBEDFLEET_DTYPE=auto may keep bfloat16 on a CPU that runs it natively)
+worker = module_worker("grpc", EMBEDFLEET_DTYPE="float32")
 
 
 class Fleet:
@@ -207,14 +210,42 @@ def test_a_bad_request_is_invalid_argument(fleet: Fleet) -> None:
     assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_embed_all_answers_the_token_states(fleet: Fleet) -> None:
+    """EmbedAll on the dense MiniLM (FAILED_PRECONDITION before): one TokenEmbedding per token,
+    [CLS] and [SEP] included, each the token's last hidden state before pooling, as
+    sentence-transformers' ``output_value="token_embeddings"`` gives it in float32, and the HTTP
+    /embed_all's answer; EmbedAllStream answers each message in order."""
+    from sentence_transformers import SentenceTransformer
+
+    from embedfleet.shared.model_path import resolve_model_path
+
+    model = SentenceTransformer(str(resolve_model_path("all-MiniLM-L6-v2")), device="cpu")
+    answer = fleet.embed.EmbedAll(pb.EmbedAllRequest(inputs=TEXT), metadata=AUTH)
+    ours = np.array([token.embeddings for token in answer.token_embeddings], dtype=np.float32)
+    theirs = model.encode([TEXT], output_value="token_embeddings")[0].numpy()
+    assert ours.shape == theirs.shape and ours.shape[1] == 384
+    assert min_cosine(ours, theirs) >= 0.9999
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+    (over_http,) = fleet.http.post("/embed_all", json={"inputs": TEXT}).json()
+    np.testing.assert_allclose(ours, over_http, rtol=1e-6)
+    assert answer.metadata.compute_tokens == ours.shape[0]
+    texts = ["a b", TEXT]
+    streamed = fleet.embed.EmbedAllStream(
+        iter([pb.EmbedAllRequest(inputs=text) for text in texts]), metadata=AUTH
+    )
+    for text, each in zip(texts, streamed, strict=True):
+        states = model.encode([text], output_value="token_embeddings")[0].numpy()
+        rows = np.array([token.embeddings for token in each.token_embeddings], np.float32)
+        np.testing.assert_allclose(rows, states, atol=1e-4, rtol=1e-4)
+
+
 def test_what_the_model_does_not_give_is_a_failed_precondition(fleet: Fleet) -> None:
-    """TEI's Backend type: a rerank, a prediction or sparse weights of an embedding model, and
-    per-token vectors of a model without them (the HTTP routes' 424)."""
+    """TEI's Backend type: a rerank, a prediction or sparse weights of an embedding model (the
+    HTTP routes' 424)."""
     for call in [
         lambda: fleet.rerank.Rerank(pb.RerankRequest(query="q", texts=["a"]), metadata=AUTH),
         lambda: fleet.predict.Predict(pb.PredictRequest(inputs="a"), metadata=AUTH),
         lambda: fleet.embed.EmbedSparse(pb.EmbedSparseRequest(inputs="a"), metadata=AUTH),
-        lambda: fleet.embed.EmbedAll(pb.EmbedAllRequest(inputs="a"), metadata=AUTH),
     ]:
         with pytest.raises(grpc.RpcError) as refused:
             call()

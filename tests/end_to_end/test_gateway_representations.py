@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from embedfleet.server import ServerProcess
+from embedfleet.shared.model_path import resolve_model_path
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.model.encoder import Encoder
 from loadtest.common import isolated_settings
@@ -161,7 +162,7 @@ async def test_tei_embed_all_gives_bge_m3_colbert_vectors(
 ) -> None:
     """TEI's /embed_all on a BGE-M3-shaped model: one matrix of per-token (ColBERT) vectors
     per input, FlagEmbedding's (cosine >= 0.999 per token); /embed_sparse serves its sparse
-    head; /embed_all on a model without per-token vectors is TEI's 424."""
+    head; /embed_all on a cross-encoder (no embedding model) is TEI's 424."""
     from tests.integration.workers.test_multi_representations import FlagReference
     from tests.model_zoo import bge_m3_dir
 
@@ -185,7 +186,46 @@ async def test_tei_embed_all_gives_bge_m3_colbert_vectors(
     assert [w["index"] for w in sparse.json()[0]] == sorted(lexical[1])
     async with fleet(redis_server, tmp_path, cross_encoder_dir(zoo)) as http:
         refused = await http.post("/embed_all", json={"inputs": "hi"})
-    assert refused.status_code == 424 and "multi-vector" in refused.text
+    assert refused.status_code == 424 and "not an embedding model" in refused.text
+
+
+async def test_tei_embed_all_gives_a_dense_models_token_states(
+    redis_server: ServerProcess, tmp_path: Path
+) -> None:
+    """TEI's /embed_all on the dense MiniLM: per input, the last hidden state of every token,
+    [CLS] and [SEP] included, before pooling: sentence-transformers'
+    ``encode(..., output_value="token_embeddings")`` in float32 (was TEI's 424). More inputs
+    than the query lane's (16) ride it all the same. The vector cache keeps the two answers
+    apart both ways: /embed's pooled vector of a text does not answer its /embed_all, nor the
+    token states its /embed."""
+    from sentence_transformers import SentenceTransformer
+
+    model_dir = resolve_model_path("all-MiniLM-L6-v2")
+    inputs = [QUERY, *documents(), "a b", *corpus_lines()[100:110]]
+    assert len(inputs) > Settings().gateway_lane_max_inputs
+    async with fleet(redis_server, tmp_path, model_dir) as http:
+        pooled_first = await http.post("/embed", json={"inputs": QUERY})
+        answer = await http.post("/embed_all", json={"inputs": inputs})
+        one = await http.post("/embed_all", json={"inputs": "a b"})
+        pooled_after = await http.post("/embed", json={"inputs": "a b"})
+    assert answer.status_code == 200, answer.text
+    model = SentenceTransformer(str(model_dir), device="cpu")
+    theirs = [states.numpy() for states in model.encode(inputs, output_value="token_embeddings")]
+    for ours_rows, their_rows in zip(answer.json(), theirs, strict=True):
+        ours = np.array(ours_rows, dtype=np.float32)
+        assert ours.shape == their_rows.shape and ours.shape[1] == 384
+        cosines = np.sum(ours * their_rows, axis=1) / (
+            np.linalg.norm(ours, axis=1) * np.linalg.norm(their_rows, axis=1)
+        )
+        assert cosines.min() >= 0.9999
+        np.testing.assert_allclose(ours, their_rows, atol=1e-4, rtol=1e-4)
+    # "a b": [CLS] a b [SEP], a list of one matrix for one input, as TEI answers it
+    assert one.status_code == 200, one.text
+    assert np.array(one.json()).shape == (1, 4, 384)
+    # the pooled answers stay pooled (one unit vector each), before and after
+    for pooled, text in ((pooled_first, QUERY), (pooled_after, "a b")):
+        assert pooled.status_code == 200, pooled.text
+        np.testing.assert_allclose(pooled.json()[0], model.encode([text])[0], atol=2e-3)
 
 
 async def test_tei_predict_matches_cross_encoder(

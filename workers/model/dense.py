@@ -5,10 +5,16 @@ modules after it (Dense, Normalize: ``SentenceHead``, workers/model/model_dir.py
 Every model has this pipeline on its card; a dense model's vectors are its output, and every
 copy of the model that ends in pooling (frozen, int8, the CUDA query lane, the packed layout)
 runs it on its own hidden states.
+
+A batch whose chunks ask for the token states as well (``token_states``, TEI's ``/embed_all``)
+gives packed rows instead (workers/model/heads.py): the pooled vector and every token's last
+hidden state. Only the eager path computes them: the copies end in pooling (the encoder sends
+such a batch to the eager model, ``Encoder.serve_query``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, cast
 
@@ -16,7 +22,8 @@ import torch
 from transformers import AutoModel
 
 from embedfleet.workers.model.base import Forward, Representation
-from embedfleet.workers.model.model_dir import ModelSpec, SentenceHead
+from embedfleet.workers.model.heads import TOKEN_STATES, HeadLayout, TokenHeadModule
+from embedfleet.workers.model.model_dir import ModelSpec, SentenceHead, TokenHeads
 
 PoolingMode = Literal["mean", "cls", "lasttoken", "max", "weightedmean", "mean_sqrt_len_tokens"]
 
@@ -48,6 +55,18 @@ class Dense(Representation):
         )
         self.head = SentenceHead(spec).to(device).eval()
         self.dim = spec.output_dim(hidden_size)
+        # the token states beside the pooled vector, where a batch asks for them
+        self.token_states = TokenHeadModule(TokenHeads()).to(device).eval()
+        self.layout = HeadLayout(
+            dense_dim=self.dim, colbert_dim=0, vocab_size=0, hidden_dim=hidden_size
+        )
+
+    def heads_for(self, wanted: Sequence[Sequence[str]]) -> tuple[str, ...] | None:
+        """("dense", "token_states") where a chunk asks for the token states; None (the
+        pooled vectors alone, what every copy of the model gives) otherwise."""
+        if any(TOKEN_STATES in names for names in wanted):
+            return ("dense", TOKEN_STATES)
+        return None
 
     def pooled(
         self,
@@ -62,8 +81,12 @@ class Dense(Representation):
         return self.head(pooled)
 
     def vectors(self, forward: Forward) -> torch.Tensor:
-        return self.pooled(
-            forward.output.last_hidden_state, forward.attention_mask, forward.prompt_lengths
+        hidden = forward.output.last_hidden_state
+        pooled = self.pooled(hidden, forward.attention_mask, forward.prompt_lengths)
+        if forward.heads is None:
+            return pooled
+        return self.token_states(
+            pooled, hidden, forward.input_ids, forward.attention_mask, forward.heads
         )
 
 

@@ -316,7 +316,10 @@ class Encoder:
     def serve_query(self, batch: EncodeBatch) -> tuple[np.ndarray, QueryPath]:
         """``embed_query``, and which path computed the vectors: the CUDA query lane's graph or
         stream (workers/model/cuda_queries.py), the frozen CPU graph or int8 copy, or the bulk
-        model (eager)."""
+        model (eager). A batch that asks for heads beyond the pooled vector (the token states,
+        BGE-M3's) is the eager model's whatever the path: the copies end in pooling."""
+        if batch.heads is not None:
+            return self.eager.serve(batch)
         return self.query_path.serve(batch)
 
     @property

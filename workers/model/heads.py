@@ -8,14 +8,19 @@ A model directory with ``sparse_linear.pt`` / ``colbert_linear.pt`` (workers/mod
   times keeps its largest weight, and the CLS, EOS, PAD and UNK ids are left out (FlagEmbedding's
   ``_process_token_weights``);
 - **multivector**: ``normalize(colbert_linear(h[1:]))`` for every real token after CLS
-  (FlagEmbedding's ``_colbert_embedding`` and ``_process_colbert_vecs``).
+  (FlagEmbedding's ``_colbert_embedding`` and ``_process_colbert_vecs``);
+- **token states** (``TOKEN_STATES``, any dense model: a chunk's ``token_states``, TEI's
+  ``/embed_all``): ``h`` itself for every real token, special tokens included, in float32,
+  before pooling (sentence-transformers' ``encode(..., output_value="token_embeddings")``).
 
 The worker's stages pass one float32 matrix per batch from the model to the writer (the CPU
 launch, the CUDA copy back, the query lane), so the heads a batch asked for travel packed in it,
-one row per text (:class:`HeadLayout`): a header ``[tokens, seq, has_sparse, has_multivector]``,
-the dense vector, then the per-position sparse weights and token ids (ids are exact in float32
-below 2**24), then the ``seq - 1`` per-token vectors. :meth:`HeadLayout.unpack` turns a row back
-into what the results carry. Only the heads some chunk of the batch asked for are computed.
+one row per text (:class:`HeadLayout`): a header ``[tokens, seq, has_sparse, has_multivector,
+has_token_states]``, the dense vector, then the per-position sparse weights and token ids (ids
+are exact in float32 below 2**24), then the ``seq - 1`` per-token vectors, then the ``seq``
+token states (the real tokens first, whichever side the tokenizer pads).
+:meth:`HeadLayout.unpack` turns a row back into what the results carry. Only the heads some
+chunk of the batch asked for are computed.
 """
 
 from __future__ import annotations
@@ -29,15 +34,19 @@ import torch
 from embedfleet.shared.protocol import SparseVector
 from embedfleet.workers.model.model_dir import TokenHeads
 
-HEADER = 4  # tokens, seq, has_sparse, has_multivector
-# the representations of a multi-head model, in the order a batch computes them
-ALL_HEADS = ("dense", "sparse", "multivector")
+HEADER = 5  # tokens, seq, has_sparse, has_multivector, has_token_states
+# the last hidden state of every token: a head of every model with a dense pipeline, asked by a
+# chunk's ``token_states`` (shared/protocol.py), not one of the card's representations
+TOKEN_STATES = "token_states"
+# the heads of a model, in the order a batch computes them
+ALL_HEADS = ("dense", "sparse", "multivector", TOKEN_STATES)
 
 
 class TokenHeadModule(torch.nn.Module):
-    """The sparse and ColBERT linears, float32, on the model's device."""
+    """The sparse and ColBERT linears, float32, on the model's device (none for a dense model:
+    its token states alone)."""
 
-    def __init__(self, heads: TokenHeads, unused_ids: Iterable[int]) -> None:
+    def __init__(self, heads: TokenHeads, unused_ids: Iterable[int] = ()) -> None:
         super().__init__()
         self.sparse = heads.sparse.linear() if heads.sparse is not None else None
         self.colbert = heads.colbert.linear() if heads.colbert is not None else None
@@ -61,12 +70,14 @@ class TokenHeadModule(torch.nn.Module):
         mask = attention_mask.to(hidden.dtype)
         sparse = "sparse" in wanted and self.sparse is not None
         multi = "multivector" in wanted and self.colbert is not None
+        states = TOKEN_STATES in wanted
         header = torch.stack(
             [
                 mask.sum(dim=1),
                 torch.full((rows,), float(seq), device=hidden.device),
                 torch.full((rows,), float(sparse), device=hidden.device),
                 torch.full((rows,), float(multi), device=hidden.device),
+                torch.full((rows,), float(states), device=hidden.device),
             ],
             dim=1,
         )
@@ -80,6 +91,12 @@ class TokenHeadModule(torch.nn.Module):
             assert self.colbert is not None
             vectors = torch.nn.functional.normalize(self.colbert(hidden[:, 1:]), dim=-1)
             parts.append((vectors * mask[:, 1:, None]).reshape(rows, -1))
+        if states:
+            # the real tokens first, in order (a stable sort of the padding to the end), so
+            # that a row's first ``tokens`` states are its own on either padding side
+            order = torch.argsort((attention_mask == 0).to(torch.int8), dim=1, stable=True)
+            real_first = hidden.gather(1, order[:, :, None].expand(-1, -1, hidden.shape[-1]))
+            parts.append(real_first.reshape(rows, -1))
         return torch.cat(parts, dim=1)
 
 
@@ -90,6 +107,7 @@ class HeadRow:
     dense: np.ndarray  # float32 (dense_dim,)
     sparse: SparseVector | None
     multivector: np.ndarray | None  # float32 (tokens - 1, colbert_dim), unit rows
+    token_states: np.ndarray | None  # float32 (tokens, hidden_dim)
 
 
 @dataclass(frozen=True)
@@ -99,11 +117,12 @@ class HeadLayout:
     dense_dim: int
     colbert_dim: int
     vocab_size: int
+    hidden_dim: int  # the transformer's, a token state's width
 
     def unpack(self, row: np.ndarray) -> HeadRow:
         row = np.asarray(row, dtype=np.float32)
         tokens, seq = int(row[0]), int(row[1])
-        has_sparse, has_multi = bool(row[2]), bool(row[3])
+        has_sparse, has_multi, has_states = bool(row[2]), bool(row[3]), bool(row[4])
         at = HEADER + self.dense_dim
         dense = row[HEADER:at]
         sparse = None
@@ -115,7 +134,12 @@ class HeadLayout:
         if has_multi:
             width = (seq - 1) * self.colbert_dim
             multi = row[at : at + width].reshape(seq - 1, self.colbert_dim)[: tokens - 1]
-        return HeadRow(dense=dense, sparse=sparse, multivector=multi)
+            at += width
+        states = None
+        if has_states:
+            width = seq * self.hidden_dim
+            states = row[at : at + width].reshape(seq, self.hidden_dim)[:tokens]
+        return HeadRow(dense=dense, sparse=sparse, multivector=multi, token_states=states)
 
 
 def token_weights(weights: np.ndarray, ids: np.ndarray, vocab_size: int) -> SparseVector:

@@ -55,6 +55,7 @@ class MultiVector(Representation):
             dense_dim=self.dim,
             colbert_dim=self.token_heads.colbert_dim,
             vocab_size=int(config.vocab_size),
+            hidden_dim=int(config.hidden_size),
         )
 
     @property

@@ -95,6 +95,7 @@ def test_every_field_the_code_writes_is_documented() -> None:
         pair="a document",
         multivector_dtype="int8",
         raw_scores=True,
+        token_states=True,
         tenant="team-a",
         reembed=True,
         window_overlap=16,

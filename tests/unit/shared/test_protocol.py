@@ -414,6 +414,27 @@ def test_multivector_results_round_trip_in_float16_and_int8() -> None:
         chunk_from_mapping({"id": "a", "text": "t", "multivector_dtype": "int4"})
 
 
+def test_token_states_travel_as_a_bool_and_come_back_in_float32() -> None:
+    """A chunk's ``token_states`` (TEI's /embed_all on a dense model) is true or false on the
+    wire; the states come back in the result's ``multivector`` as float32, exactly."""
+    chunk = chunk_from_mapping({"id": "a", "text": "t", "token_states": True})
+    assert decode_chunk(encode_chunk(chunk)).token_states is True
+    assert decode_chunk(encode_chunk(Chunk("a", "t"))).token_states is None
+    for bad in ("true", 1, 0.5):
+        with pytest.raises(ProtocolError, match="token_states"):
+            chunk_from_mapping({"id": "a", "text": "t", "token_states": bad})
+    states = np.random.default_rng(5).normal(scale=3.0, size=(6, 16)).astype(np.float32)
+    result = Result(
+        id="a",
+        model="m",
+        vector=np.zeros(16, np.float16),
+        multivector=MultiVector.of(states, "float32"),
+    )
+    back = decode_result(encode_result(result)).multivector
+    assert back is not None and back.dtype == "float32"
+    np.testing.assert_array_equal(back.floats(), states)
+
+
 def test_raw_scores_is_a_bool_that_travels() -> None:
     """A cross-encoder chunk's ``raw_scores`` (TEI's: the logits before the activation) is true
     or false on the wire, and comes back as sent."""
