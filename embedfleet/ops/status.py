@@ -491,6 +491,24 @@ def render(data: dict[str, Any], *, consumers_shown: int = 10, jobs_shown: int =
         "",
     ]
     streams = data["streams"]
+    lines += _render_streams(streams)
+    lines.append("")
+    if len(data["partitions"]) > 1:
+        lines += _render_partitions(data["partitions"])
+    lines += _render_progress(data)
+    lines.append("")
+    lines += _render_eviction(data.get("eviction_policy"))
+    lines += _render_models(data.get("models", []))
+    lines += _render_cache(data.get("vector_cache"))
+    lines += _render_consumers(streams, consumers_shown)
+    lines += _render_jobs(data["jobs"], jobs_shown)
+    lines += _render_tenants(data.get("tenants", []), data.get("usage", []))
+    lines += _render_dead_letters(data["dead_letters"], streams["dead"]["key"])
+    return "\n".join(lines)
+
+
+def _render_streams(streams: dict[str, Any]) -> list[str]:
+    """One row per fleet stream; lag, pending and consumers only for the input streams."""
     rows = [["stream", "key", "length", "lag", "pending", "consumers"]]
     for name in FLEET_STREAMS:
         s = streams[name]
@@ -501,11 +519,12 @@ def render(data: dict[str, Any], *, consumers_shown: int = 10, jobs_shown: int =
             )
         else:
             rows.append([name, s["key"], _n(s["length"]), "", "", ""])
-    lines += _table(rows, right={2, 3, 4, 5})
-    lines.append("")
-    if len(data["partitions"]) > 1:
-        lines += _render_partitions(data["partitions"])
+    return _table(rows, right={2, 3, 4, 5})
 
+
+def _render_progress(data: dict[str, Any]) -> list[str]:
+    """The throughput, a full results stream's warning and the drain estimate."""
+    lines = []
     rate = data["throughput"]
     if rate["per_s"] is not None:
         split = ", ".join(f"{k} {v:,.1f}/s" for k, v in rate["by_stream"].items())
@@ -524,43 +543,43 @@ def render(data: dict[str, Any], *, consumers_shown: int = 10, jobs_shown: int =
             f"{', '.join(str(i) for i in data['results_full'])}: workers wait until a reader "
             "drains it (embedfleet results --out FILE --consume)"
         )
+    lines.append(_render_drain(data))
+    return lines
+
+
+def _render_drain(data: dict[str, Any]) -> str:
     if data["backlog"] == 0:
-        lines.append("drain       nothing to do: no lag, nothing pending")
-    elif data["stalled"]:
-        lines.append(
+        return "drain       nothing to do: no lag, nothing pending"
+    if data["stalled"]:
+        return (
             f"drain       {_n(data['backlog'])} entries waiting and none finished in the window:"
             " are workers running?"
         )
-    elif data["eta_s"] is None:
-        lines.append(f"drain       {_n(data['backlog'])} entries to do (lag + pending)")
-    else:
-        eta = human_duration(data["eta_s"])
-        lines.append(f"drain       ~{eta} for {_n(data['backlog'])} entries (lag + pending)")
-    lines.append("")
+    if data["eta_s"] is None:
+        return f"drain       {_n(data['backlog'])} entries to do (lag + pending)"
+    eta = human_duration(data["eta_s"])
+    return f"drain       ~{eta} for {_n(data['backlog'])} entries (lag + pending)"
 
-    eviction = data.get("eviction_policy")
-    if eviction is not None:
-        if eviction["warning"] is None:
-            lines.append(f"eviction    {eviction['policy']} (a full Redis refuses writes: safe)")
-        else:
-            lines.append(f"eviction    WARNING: {eviction['warning']}")
-        lines.append("")
-    lines += _render_models(data.get("models", []))
-    lines += _render_cache(data.get("vector_cache"))
-    lines += _render_consumers(streams, consumers_shown)
-    lines += _render_jobs(data["jobs"], jobs_shown)
-    lines += _render_tenants(data.get("tenants", []), data.get("usage", []))
-    dead = data["dead_letters"]
-    if dead["count"]:
-        lines.append(f"dead letters  {dead['count']:,} in {streams['dead']['key']}; latest:")
-        for item in dead["latest"]:
-            said = f"{item['reason']}: {item['detail']}" if item.get("detail") else item["reason"]
-            said = said if len(said) <= 90 else said[:87] + "..."
-            lines.append(f"  {item['entry_id']}  {item['id'] or '-'}: {said}")
-        lines.append("  all of them: embedfleet dead list (replay them: embedfleet dead replay)")
-    else:
-        lines.append("dead letters  none")
-    return "\n".join(lines)
+
+def _render_eviction(eviction: dict[str, Any] | None) -> list[str]:
+    """Redis's eviction policy, where the report could read it (nothing otherwise)."""
+    if eviction is None:
+        return []
+    if eviction["warning"] is None:
+        return [f"eviction    {eviction['policy']} (a full Redis refuses writes: safe)", ""]
+    return [f"eviction    WARNING: {eviction['warning']}", ""]
+
+
+def _render_dead_letters(dead: dict[str, Any], key: str) -> list[str]:
+    if not dead["count"]:
+        return ["dead letters  none"]
+    lines = [f"dead letters  {dead['count']:,} in {key}; latest:"]
+    for item in dead["latest"]:
+        said = f"{item['reason']}: {item['detail']}" if item.get("detail") else item["reason"]
+        said = said if len(said) <= 90 else said[:87] + "..."
+        lines.append(f"  {item['entry_id']}  {item['id'] or '-'}: {said}")
+    lines.append("  all of them: embedfleet dead list (replay them: embedfleet dead replay)")
+    return lines
 
 
 def _render_models(models: list[dict[str, Any]]) -> list[str]:
