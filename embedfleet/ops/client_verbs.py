@@ -190,6 +190,20 @@ def enqueue_command(
         window_overlap=window_overlap,
         token_ids=token_ids,
     )
+    _enqueue_and_report(settings, sources, job, run, documents, overlap, prune, as_json)
+
+
+def _enqueue_and_report(
+    settings: Settings,
+    sources: tuple[str, ...],
+    job: str,
+    run: _Run,
+    documents: bool,
+    overlap: int | None,
+    prune: bool,
+    as_json: bool,
+) -> None:
+    """The checked enqueue, run: its chunks sent, --prune applied, the report and exit status."""
     dead: list[int] = []  # the dead-lettered count, once --wait has seen the job finish
     rejected: list[BadLine] = []
     if documents:
@@ -200,7 +214,7 @@ def enqueue_command(
     if prune and not rejected:
         pruned = asyncio.run(prune_rows(settings, job, run.sent.ids))
     if as_json:
-        _report_enqueue(job, count, rejected, dead, model, pruned)
+        _report_enqueue(job, count, rejected, dead, run.model, pruned)
     else:
         _say_enqueued(job, count, len(sources) if documents else None, pruned)
     _say_rejected(rejected, prune)
@@ -504,29 +518,8 @@ def results_command(
             "--consume drains every job's results; export one job without --consume"
         )
     settings = _settings(redis_url)
-    earlier = 0
     try:
-        target = parse_sink_url(settings.sink, settings.sink_table, settings.s3_endpoint_url)
-        if target.kind == "redis":
-            # consuming: what the file holds was deleted from Redis: keep it, add to it
-            with ExportWriter(out, resume=consume) as writer:
-                keys = run_client(
-                    _export_stream(settings, writer, job, page, consume, follow, model)
-                )
-            count, earlier = writer.count, writer.earlier
-            streams = ", ".join(p.results for p in keys.partitions_keys)
-            where = f"the results stream {streams}"
-        else:
-            if consume:
-                raise click.UsageError("--consume applies to the Redis sink's results streams")
-            if model is not None:
-                raise click.UsageError(
-                    "--model picks a model's results streams (the Redis sink); a database "
-                    "sink's table is EMBEDFLEET_SINK_TABLE's"
-                )
-            with open_backend(target) as backend:
-                count = write_export(backend.export_rows(job), out, page)
-            where = target.describe()
+        count, earlier, where = _export(settings, out, job, page, consume, follow, model)
     except (SinkURLError, VectorDBError, MissingExtraError, ExportFileError) as error:
         raise click.ClickException(str(error)) from None
     if as_json:
@@ -535,6 +528,36 @@ def results_command(
     else:
         after = f" (after the {earlier} an earlier run wrote there)" if earlier else ""
         click.echo(f"wrote {count} vectors from {where} to {out}{after}")
+
+
+def _export(
+    settings: Settings,
+    out: Path,
+    job: str | None,
+    page: int,
+    consume: bool,
+    follow: bool,
+    model: str | None,
+) -> tuple[int, int, str]:
+    """The export, from the settings' sink: (vectors written, those an earlier run wrote, where
+    from). The Redis sink's streams, or a database sink's rows (neither --consume nor --model)."""
+    target = parse_sink_url(settings.sink, settings.sink_table, settings.s3_endpoint_url)
+    if target.kind == "redis":
+        # consuming: what the file holds was deleted from Redis: keep it, add to it
+        with ExportWriter(out, resume=consume) as writer:
+            keys = run_client(_export_stream(settings, writer, job, page, consume, follow, model))
+        streams = ", ".join(p.results for p in keys.partitions_keys)
+        return writer.count, writer.earlier, f"the results stream {streams}"
+    if consume:
+        raise click.UsageError("--consume applies to the Redis sink's results streams")
+    if model is not None:
+        raise click.UsageError(
+            "--model picks a model's results streams (the Redis sink); a database "
+            "sink's table is EMBEDFLEET_SINK_TABLE's"
+        )
+    with open_backend(target) as backend:
+        count = write_export(backend.export_rows(job), out, page)
+    return count, 0, target.describe()
 
 
 async def _export_stream(
