@@ -26,12 +26,12 @@ from embedfleet.server import (
     ServerProcess,
     embedded_server_binary,
     free_port,
+    isolated_settings,
     preferred_server_binary,
 )
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.events import BulkSlice, WorkerEvents
-from loadtest.common import isolated_settings
 from tests.tiers import SLOW_TIERS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -42,7 +42,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # it on where it is under test.
 os.environ.setdefault("EMBEDFLEET_CPU_INT8", "false")
 # ... and torch's path, not the engine the class default adopts (OpenVINO where bf16 is native:
-# seconds of export per worker start); tests/integration/workers/test_backends.py builds it.
+# seconds of export per worker start); tests/integration/workers/model/test_backends.py builds it.
 os.environ.setdefault("EMBEDFLEET_CPU_BACKEND", "torch")
 
 

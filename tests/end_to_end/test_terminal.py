@@ -96,7 +96,7 @@ def test_demo_screen_keeps_logs_above_the_bar_and_no_third_party_warnings(
     # its warnings
     env["EMBEDFLEET_CPU_INT8"] = "false"
     # and torch's path (as every test worker): where bf16 is native the class default exports
-    # OpenVINO's copy at start, tests/integration/workers/test_backends.py's
+    # OpenVINO's copy at start, tests/integration/workers/model/test_backends.py's
     env["EMBEDFLEET_CPU_BACKEND"] = "torch"
     screen = run_in_terminal(
         [

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def bf16_encoder() -> Encoder:
     """bf16 weights, where the CPU runs them natively: elsewhere no frozen copy is built (its
-    emulated kernels ran slower than eager; tests/integration/workers/test_frozen.py)."""
+    emulated kernels ran slower than eager; tests/integration/workers/model/test_frozen.py)."""
     if not cpu_class().fast_bf16:
         pytest.skip(f"no frozen bf16 copy on this CPU: {cpu_class().describe()}")
     encoder = Encoder(dtype="bfloat16")

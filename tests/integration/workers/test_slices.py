@@ -66,7 +66,7 @@ def _eager() -> Encoder:
 def _frozen() -> Encoder:
     if (
         not cpu_class().fast_bf16
-    ):  # emulated bf16 builds no frozen copy (tests/integration/workers/test_frozen.py)
+    ):  # emulated bf16 builds no frozen copy (tests/integration/workers/model/test_frozen.py)
         pytest.skip(f"no frozen bf16 copy on this CPU: {cpu_class().describe()}")
     encoder = Encoder(dtype="bfloat16", threads=THREADS)  # bf16: bulk through the frozen copy
     assert encoder.prepare_query_graph(int8=False), "the bf16 copy must freeze and hold parity"
