@@ -10,6 +10,7 @@ reclaim time) is here.
 from __future__ import annotations
 
 import difflib
+import functools
 import logging
 import os
 from collections.abc import Mapping
@@ -109,6 +110,12 @@ HARNESS_PREFIX = f"{ENV_PREFIX}TEST_"
 # last-resort handler), never stdout, where a verb may be writing its data
 _log = logging.getLogger("embedfleet.settings")
 _warned: set[str] = set()  # the variables this process has warned about (once each)
+# how alike an unprefixed variable must be to a setting's unprefixed name to be taken as a guess
+# at it (API_KEYS and API_KEY: 0.93); two words to be taken as one (KEY and KEYS: 0.86); and
+# the weighed share of a guess's words a setting must hold to be named
+ALIAS_CUTOFF = 0.85
+WORD_CUTOFF = 0.8
+SHARED_CUTOFF = 0.5
 
 
 def variable_of(name: str) -> str:
@@ -119,15 +126,25 @@ def variable_of(name: str) -> str:
 
 
 def unknown_variables(environ: Mapping[str, str]) -> list[str]:
-    """One message per ``EMBEDFLEET_*`` variable in ``environ`` that is no setting (a misspelt
-    or guessed name is otherwise ignored without a word), naming the closest setting."""
+    """One message per variable in ``environ`` that is no setting but reads as a guess at one
+    (a misspelt or guessed name is otherwise ignored without a word), naming the closest
+    setting: every ``EMBEDFLEET_*`` variable, and an unprefixed one a letter or so from a
+    setting's own unprefixed name (``API_KEYS`` beside TEI's ``API_KEY``)."""
     known = [variable_of(name) for name in Settings.model_fields]
+    # the hint is always one of the fleet's own names, never an alias: EMBEDFLEET_API_KEY's is
+    # EMBEDFLEET_API_KEYS, the keys list, not TEI's single API_KEY
+    prefixed = [name for name in known if name.startswith(ENV_PREFIX)]
+    aliases = [name for name in known if not name.startswith(ENV_PREFIX)]
     messages = []
     for variable in sorted(environ):
         upper = variable.upper()  # pydantic-settings reads names in any case
-        if not upper.startswith(ENV_PREFIX) or upper in known or upper.startswith(HARNESS_PREFIX):
+        if upper in known or upper.startswith(HARNESS_PREFIX):
             continue
-        closest = _closest(upper, known)
+        if not upper.startswith(ENV_PREFIX) and not difflib.get_close_matches(
+            upper, aliases, n=1, cutoff=ALIAS_CUTOFF
+        ):
+            continue  # another program's variable
+        closest = _closest(upper, prefixed)
         hint = f"did you mean {closest}?" if closest else "no setting has a like name"
         messages.append(
             f"{variable} is set but is no embedfleet setting, and is ignored: {hint} "
@@ -136,17 +153,46 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     return messages
 
 
+def _stem(name: str) -> str:
+    return name.removeprefix(ENV_PREFIX)
+
+
+@functools.cache  # a guess's words are compared with every setting's, twice
+def _alike(word: str, other: str) -> bool:
+    """Two words of names alike: the same, or a letter or so apart (KEY and KEYS)."""
+    return difflib.SequenceMatcher(None, word, other).ratio() >= WORD_CUTOFF
+
+
 def _closest(variable: str, known: list[str]) -> str | None:
-    """The setting most like ``variable`` by difflib's ratio over the whole names (a guessed
-    section word, EMBEDFLEET_GATEWAY_API_KEYS, still finds EMBEDFLEET_API_KEYS), among those
-    whose names after the shared prefix are alike too (the prefix alone makes any two look
-    alike)."""
+    """The setting most like ``variable``: by the words the names share after the prefix
+    (split at ``_``), each weighed by how few settings hold it, so that a guessed section word
+    (GATEWAY, in dozens of settings) counts for little beside API and KEY
+    (EMBEDFLEET_GATEWAY_API_KEY finds EMBEDFLEET_API_KEYS, not EMBEDFLEET_GATEWAY_PORT); ties
+    go to the nearer spelling. A name whose words match nowhere well enough (a typo across a
+    ``_``) falls back to difflib's ratio over the whole names, among those whose names after
+    the prefix are alike too (the prefix alone makes any two look alike)."""
+    words = {name: _stem(name).split("_") for name in known}
+    guessed = _stem(variable).split("_")
+    # a word held by many settings tells little about which one was meant
+    weights = [
+        1.0 / (1 + sum(any(_alike(word, theirs) for theirs in split) for split in words.values()))
+        for word in guessed
+    ]
 
-    def stem(name: str) -> str:
-        return name.removeprefix(ENV_PREFIX)
+    def shared(name: str) -> float:
+        held = [any(_alike(word, theirs) for theirs in words[name]) for word in guessed]
+        return sum(w for w, is_held in zip(weights, held, strict=True) if is_held) / sum(weights)
 
-    for candidate in difflib.get_close_matches(variable, known, n=5, cutoff=0.6):
-        if difflib.SequenceMatcher(None, stem(variable), stem(candidate)).ratio() >= 0.5:
+    def spelling(name: str) -> float:
+        return difflib.SequenceMatcher(None, _stem(variable), _stem(name)).ratio()
+
+    best = max(known, key=lambda name: (shared(name), spelling(name)))
+    if shared(best) >= SHARED_CUTOFF:
+        return best
+    # an unprefixed guess (APIKEY) is compared as the setting it would be
+    as_setting = f"{ENV_PREFIX}{_stem(variable)}"
+    for candidate in difflib.get_close_matches(as_setting, known, n=5, cutoff=0.6):
+        if spelling(candidate) >= 0.5:
             return candidate
     return None
 

@@ -30,6 +30,7 @@ from embedfleet.producer.tokens import ModelTokenizer
 from embedfleet.shared.model_path import resolve_model_path
 from embedfleet.shared.modelcard import ModelCard
 from embedfleet.shared.settings import Settings, SettingsError, load_settings
+from embedfleet.shared.settings.composed import unknown_variables
 from embedfleet.workers.cli import worker_command
 from tests.tiktoken_support import built_encoding, write_encoding
 
@@ -174,6 +175,43 @@ def test_unknown_variables_are_named_with_the_closest_setting_at_start(
         and "did you mean EMBEDFLEET_REDIS_URL?" in record.getMessage()
         for record in caplog.records
     ), [record.getMessage() for record in caplog.records]
+
+
+@pytest.mark.parametrize(
+    ("variable", "hint"),
+    [
+        # a guessed section word, GATEWAY, in dozens of settings, counts for little beside API
+        # and KEY (EMBEDFLEET_GATEWAY_API_KEY suggested EMBEDFLEET_GATEWAY_PORT)
+        ("EMBEDFLEET_GATEWAY_API_KEY", "EMBEDFLEET_API_KEYS"),
+        ("EMBEDFLEET_GATEWAY_API_KEYS", "EMBEDFLEET_API_KEYS"),
+        ("EMBEDFLEET_GATEWAY_KEYS", "EMBEDFLEET_API_KEYS"),
+        # the fleet's own list, never TEI's single-key alias
+        ("EMBEDFLEET_API_KEY", "EMBEDFLEET_API_KEYS"),
+        # unprefixed, a letter from TEI's API_KEY: a guess too
+        ("API_KEYS", "EMBEDFLEET_API_KEYS"),
+        ("APIKEY", "EMBEDFLEET_API_KEYS"),
+        # typos inside a word or across a ``_``
+        ("EMBEDFLEET_REDIS_URLS", "EMBEDFLEET_REDIS_URL"),
+        ("EMBEDFLEET_REDISURL", "EMBEDFLEET_REDIS_URL"),
+        ("EMBEDFLEET_NAMESAPCE", "EMBEDFLEET_NAMESPACE"),
+        ("EMBEDFLEET_TOKENBUDGET", "EMBEDFLEET_TOKEN_BUDGET"),
+        ("embedfleet_max_batches", "EMBEDFLEET_MAX_BATCH"),  # read in any case
+        ("EMBEDFLEET_FOO", None),
+    ],
+)
+def test_an_unknown_variable_is_told_the_setting_it_guessed_at(
+    variable: str, hint: str | None
+) -> None:
+    (message,) = unknown_variables({variable: "x", "PATH": "/bin"})
+    assert message.startswith(f"{variable} is set but is no embedfleet setting")
+    said = f"did you mean {hint}?" if hint else "no setting has a like name"
+    assert said in message, message
+
+
+def test_settings_and_other_programs_variables_are_not_warned_about() -> None:
+    known = {"API_KEY": "sk-tei", "EMBEDFLEET_API_KEYS": "sk-1", "EMBEDFLEET_REDIS_URL": NO_REDIS}
+    others = {"HOME": "/root", "OPENAI_API_KEY": "sk-other", "EMBEDFLEET_TEST_ANYTHING": "1"}
+    assert unknown_variables({**known, **others}) == []
 
 
 # --- files folders -------------------------------------------------------------------------------
