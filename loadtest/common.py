@@ -11,7 +11,6 @@ import os
 import platform
 import subprocess
 import sys
-import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -47,20 +46,6 @@ def print_report(report: Any, text: str, json_path: Path | None) -> None:
     print(text)
     if json_path is not None:
         json_path.write_text(json.dumps(dataclasses.asdict(report), indent=1) + "\n")
-
-
-def isolated_settings(redis_url: str, namespace: str | None = None, **overrides: Any) -> Settings:
-    """Settings for one test or benchmark run on a shared server: a namespace (``t`` + random
-    hex unless given) and a consumer of its own, so runs never see each other's keys; reads
-    block 100 ms, so a worker drains quickly; JSON logs. ``overrides``: any other settings, or
-    other values for these."""
-    namespace = namespace or f"t{uuid.uuid4().hex[:10]}"
-    defaults: dict[str, Any] = {
-        "consumer": f"{namespace}-{uuid.uuid4().hex[:6]}",
-        "block_ms": 100,
-        "log_format": "json",
-    }
-    return Settings(redis_url=redis_url, namespace=namespace, **(defaults | overrides))
 
 
 @contextlib.contextmanager

@@ -36,12 +36,12 @@ from pathlib import Path
 from typing import Any
 
 from embedfleet.producer import Producer
+from embedfleet.server import isolated_settings
 from embedfleet.shared.logging import configure_logging
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import Settings
 from loadtest.common import (
     cpu_name,
-    isolated_settings,
     machine_load,
     print_report,
     run_on_redis,

@@ -40,7 +40,7 @@ import redis.asyncio as aioredis
 
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.producer.client import Producer
-from embedfleet.server import ServerProcess, preferred_server_binary
+from embedfleet.server import ServerProcess, isolated_settings, preferred_server_binary
 from embedfleet.shared.logging import configure_logging
 from embedfleet.shared.protocol import Chunk, Result
 from embedfleet.shared.redis_conn import connect
@@ -55,7 +55,6 @@ from embedfleet.sinks import (
     open_backend,
     parse_sink_url,
 )
-from loadtest.common import isolated_settings
 
 if TYPE_CHECKING:
     from embedfleet.workers.model.encoder import Encoder

@@ -22,11 +22,10 @@ import pytest
 import uvicorn
 
 from embedfleet.gateway.app import create_app
-from embedfleet.server import ServerProcess, free_port
+from embedfleet.server import ServerProcess, free_port, isolated_settings
 from embedfleet.shared.model_path import resolve_model_path
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.model.precision import cosines
-from loadtest.common import isolated_settings
 from tests.conftest import WorkerLauncher, WorkerProcess, shared_encoder
 
 

@@ -21,9 +21,8 @@ import pytest
 import redis
 
 from embedfleet.gateway.batch.files import STALE_TEMP_S, FileStore
-from embedfleet.server import ServerProcess
+from embedfleet.server import ServerProcess, isolated_settings
 from embedfleet.shared.settings import Settings
-from loadtest.common import isolated_settings
 from tests.conftest import WorkerProcess
 from tests.gateway_support import (
     Gateway,

@@ -27,7 +27,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from embedfleet.server import ServerProcess
+from embedfleet.server import ServerProcess, isolated_settings
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import (
     PAYLOAD_FIELD,
@@ -37,7 +37,6 @@ from embedfleet.shared.protocol import (
     encode_chunk,
 )
 from embedfleet.shared.settings import Settings
-from loadtest.common import isolated_settings
 from tests.conftest import WorkerProcess
 from tests.gateway_support import (
     Gateway,

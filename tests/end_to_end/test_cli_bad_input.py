@@ -22,11 +22,11 @@ import pytest
 import redis.asyncio as aioredis
 
 from embedfleet.producer.client import Producer
+from embedfleet.server import isolated_settings
 from embedfleet.shared.exit_codes import ExitCode
 from embedfleet.shared.modelcard import read_card
 from embedfleet.shared.protocol import Chunk, decode_chunk
 from embedfleet.shared.settings import Settings
-from loadtest.common import isolated_settings
 from tests.conftest import WorkerLauncher, cli_env, until
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model

@@ -38,7 +38,7 @@ from embedfleet.ops.dead_letter_admin import REPLAY_SCRIPT
 from embedfleet.producer import Producer, QueryTimeoutError
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.producer.enqueue import ENQUEUE_SCRIPT
-from embedfleet.server import ServerProcess, free_port, system_server_binary
+from embedfleet.server import ServerProcess, free_port, isolated_settings, system_server_binary
 from embedfleet.shared.jobs import IDS_TTL_AFTER_DONE_FIELD
 from embedfleet.shared.protocol import (
     PAYLOAD_FIELD,
@@ -51,7 +51,6 @@ from embedfleet.shared.protocol import (
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.retry import RedisUnavailableError
 from embedfleet.shared.settings import Settings
-from loadtest.common import isolated_settings
 from tests.conftest import WorkerLauncher, shared_encoder, start_cli, until, worker_env
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model

@@ -26,14 +26,13 @@ import redis.asyncio as aioredis
 
 from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
-from embedfleet.server import free_port
+from embedfleet.server import free_port, isolated_settings
 from embedfleet.shared.keys import key_slot
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.redis_conn import TRANSIENT_FAULTS, connect_settings
 from embedfleet.shared.settings import Settings
 from embedfleet.shared.streams import find_group
 from embedfleet.workers.model.precision import cosines as row_cosines
-from loadtest.common import isolated_settings
 from loadtest.local_cluster import LocalCluster
 from tests.conftest import reference_model, require_slow_tier, worker_env
 

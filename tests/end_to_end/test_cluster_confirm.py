@@ -21,11 +21,11 @@ import pytest
 from embedfleet.producer import Producer
 from embedfleet.producer.backlog_waits import BacklogWaits
 from embedfleet.producer.client import ReplicasNotConfirmedError
+from embedfleet.server import isolated_settings
 from embedfleet.shared.keys import Keys, key_slot
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.retry import OutageListener
 from embedfleet.shared.settings import Settings
-from loadtest.common import isolated_settings
 from loadtest.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.cluster

@@ -20,9 +20,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from embedfleet.producer import Producer
+from embedfleet.server import isolated_settings
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Result, encode_result
 from embedfleet.shared.settings import Settings
-from loadtest.common import isolated_settings
 from tests.conftest import cli_env, start_cli, until
 
 DIM = 32

@@ -14,11 +14,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from embedfleet.server import ServerProcess, preferred_server_binary
+from embedfleet.server import ServerProcess, isolated_settings, preferred_server_binary
 from embedfleet.shared.eviction import check_eviction_policy
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
-from loadtest.common import isolated_settings
 from tests.conftest import WorkerLauncher, cli_env
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from loadtest.common import isolated_settings
+from embedfleet.server import isolated_settings
 from tests.conftest import cli_env
 from tests.end_to_end.test_drain import write_results
 

@@ -17,11 +17,10 @@ import pytest
 
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.producer.client import Producer
-from embedfleet.server import ServerProcess
+from embedfleet.server import ServerProcess, isolated_settings
 from embedfleet.shared.model_path import resolve_model_path
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
-from loadtest.common import isolated_settings
 from tests.gateway_support import gateway_worker, min_cosine, module_gateway_url, running_gateway
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model

@@ -22,8 +22,7 @@ import httpx
 import openai
 import pytest
 
-from embedfleet.server import ServerProcess
-from loadtest.common import isolated_settings
+from embedfleet.server import ServerProcess, isolated_settings
 from tests.gateway_support import post_raw, running_gateway
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model

@@ -18,10 +18,9 @@ import openai
 import pytest
 
 from embedfleet.producer.tokens import ModelTokenizer
-from embedfleet.server import ServerProcess
+from embedfleet.server import ServerProcess, isolated_settings
 from embedfleet.shared.model_path import resolve_model_path
 from embedfleet.shared.settings import Settings
-from loadtest.common import isolated_settings
 from tests.conftest import _server_binary
 from tests.gateway_support import (
     min_cosine,

@@ -28,10 +28,9 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from embedfleet.server import ServerProcess
+from embedfleet.server import ServerProcess, isolated_settings
 from embedfleet.shared.modelcard import ModelCard, publish_card, served_name
 from embedfleet.shared.settings import Settings
-from loadtest.common import isolated_settings
 from tests.gateway_support import post_raw, running_gateway
 
 # the slow tier (make test-full, CI): starts a gateway and a Redis server

@@ -22,10 +22,9 @@ import pytest
 
 from embedfleet.gateway.tei_grpc import tei_pb2 as pb
 from embedfleet.gateway.tei_grpc import tei_pb2_grpc as pb_grpc
-from embedfleet.server import ServerProcess, free_port
+from embedfleet.server import ServerProcess, free_port, isolated_settings
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.model.encoder import Encoder
-from loadtest.common import isolated_settings
 from tests.conftest import WorkerLauncher, WorkerProcess
 from tests.gateway_support import (
     min_cosine,

@@ -20,12 +20,11 @@ import numpy as np
 import openai
 import pytest
 
-from embedfleet.server import ServerProcess
+from embedfleet.server import ServerProcess, isolated_settings
 from embedfleet.shared.model_path import resolve_model_path
 from embedfleet.shared.modelcard import read_card
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
-from loadtest.common import isolated_settings
 from tests import model_zoo
 from tests.conftest import WorkerLauncher
 from tests.gateway_support import min_cosine, running_gateway

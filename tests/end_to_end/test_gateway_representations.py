@@ -17,11 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from embedfleet.server import ServerProcess
+from embedfleet.server import ServerProcess, isolated_settings
 from embedfleet.shared.model_path import resolve_model_path
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.model.encoder import Encoder
-from loadtest.common import isolated_settings
 from tests.conftest import WorkerLauncher
 from tests.gateway_support import running_gateway
 from tests.model_zoo import classified_alone, corpus_lines, cross_encoder_dir, splade_dir

@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 
 from embedfleet.producer import Producer, QueryTimeoutError
-from embedfleet.server import ServerProcess, free_port
+from embedfleet.server import ServerProcess, free_port, isolated_settings
 from embedfleet.shared.fault_kinds import FaultKind, classify
 from embedfleet.shared.protocol import Result
 from embedfleet.shared.redis_conn import connect_settings
@@ -42,7 +42,6 @@ from embedfleet.sinks import DatabaseSink, Delivery, build_sink
 from embedfleet.sinks.pgvector import PgvectorBackend
 from embedfleet.workers.health import HealthServer
 from embedfleet.workers.metrics import WorkerMetrics
-from loadtest.common import isolated_settings
 from tests.conftest import _server_binary, running_pg, until
 from tests.gateway_support import running_gateway
 

@@ -15,12 +15,11 @@ import pytest
 import redis.asyncio as aioredis
 
 from embedfleet.producer.client import Producer
-from embedfleet.server import ServerProcess
+from embedfleet.server import ServerProcess, isolated_settings
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, encode_chunk
 from embedfleet.shared.redis_conn import connect, ensure_groups
 from embedfleet.shared.settings import Settings
 from embedfleet.shared.streams import find_group
-from loadtest.common import isolated_settings
 from tests.conftest import WorkerLauncher, reference_model, shared_encoder, until
 from tests.gateway_support import min_cosine, running_gateway
 

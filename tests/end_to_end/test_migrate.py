@@ -38,12 +38,12 @@ from embedfleet.ops import migration as mig
 from embedfleet.ops.search import search
 from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
+from embedfleet.server import isolated_settings
 from embedfleet.shared import migrations as records
 from embedfleet.shared.protocol import Chunk, Result
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
 from embedfleet.sinks import SinkTarget, VectorDBError, build_sink, open_backend, parse_sink_url
-from loadtest.common import isolated_settings
 from tests.conftest import WorkerLauncher, cli_env, running_pg, shared_encoder, until
 from tests.model_zoo import sentence_transformers_dir
 

@@ -27,12 +27,16 @@ import pytest
 from embedfleet.ops import migration as mig
 from embedfleet.ops.search import search
 from embedfleet.producer import Producer
-from embedfleet.server import ServerProcess, embedded_server_binary, preferred_server_binary
+from embedfleet.server import (
+    ServerProcess,
+    embedded_server_binary,
+    isolated_settings,
+    preferred_server_binary,
+)
 from embedfleet.shared.protocol import Chunk, Result
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.vector_cache import VectorCache, pack_entry
 from embedfleet.sinks import open_backend, parse_sink_url
-from loadtest.common import isolated_settings
 from tests.conftest import WorkerLauncher, cli_env, until
 from tests.end_to_end.test_migrate import LANE, chunks, corpus_texts, tiny_model_dir
 

@@ -182,8 +182,8 @@ async def test_on_a_cluster_the_partitions_hold_the_limit_over_all_of_them() -> 
     """The same on a 3-master + 3-replica Redis Cluster, 6 partitions (6 slots, spread over the
     masters), every batch confirmed by a replica (EMBEDFLEET_MIN_REPLICAS=1): the script's keys
     stay in their partition's slot, and the shares hold the limit. No workers (the drain)."""
+    from embedfleet.server import isolated_settings
     from embedfleet.shared.redis_conn import connect_settings
-    from loadtest.common import isolated_settings
     from loadtest.local_cluster import LocalCluster
 
     with LocalCluster(masters=3, replicas_per_master=1) as cluster:

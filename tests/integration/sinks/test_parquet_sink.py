@@ -25,12 +25,12 @@ import pytest
 
 from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
+from embedfleet.server import isolated_settings
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
 from embedfleet.sinks import build_sink, open_backend, parse_sink_url
 from embedfleet.sinks.parquet import MANIFESTS, ParquetSink
-from loadtest.common import isolated_settings
 from tests.conftest import (
     BUCKET,
     WorkerLauncher,

@@ -21,7 +21,7 @@ import pytest
 
 from embedfleet.producer import Producer
 from embedfleet.producer.client import EmbeddingOptions
-from embedfleet.server import ServerProcess
+from embedfleet.server import ServerProcess, isolated_settings
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.model_registry import (
     UnknownModelError,
@@ -33,7 +33,6 @@ from embedfleet.shared.model_registry import (
 from embedfleet.shared.modelcard import read_card
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import PACKAGED_MODEL
-from loadtest.common import isolated_settings
 from tests import model_zoo
 from tests.conftest import WorkerLauncher, cli_env, reference_model, shared_encoder, start_cli
 from tests.gateway_support import min_cosine, running_gateway
