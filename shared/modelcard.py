@@ -6,6 +6,7 @@ normalised): it writes a :class:`ModelCard` to ``Keys.model`` at start (:func:`p
 and the gateway and ``Producer`` read it from there (:func:`read_card`); nobody re-derives these
 facts from the model's files. The two rules a caller must apply before any worker ran (the name
 the fleet serves, the longest input) are here too, so the worker and everyone else use the same.
+Whether a request's options fit the card is the options verifier's (shared/options.py).
 
 On Redis the card is a plain hash, readable with ``redis-cli HGETALL {ns}:model``: numbers and
 names as strings, ``prompts`` and ``pooling`` as JSON. A card is one model's: the namespace's
@@ -23,11 +24,12 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from embedfleet.shared import options
 from embedfleet.shared.content_key import VectorRecipe
 from embedfleet.shared.keys import Keys
+from embedfleet.shared.options import resolve_prompt as resolve_prompt
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import PACKAGED_MODEL
-from embedfleet.shared.tokens import foreign_ids_message, split_fingerprint
 
 # The card's layout version (the ``version`` field); a reader refuses a newer one it cannot read.
 CARD_VERSION = 1
@@ -58,45 +60,6 @@ def max_input_tokens(
     if declared is not None and declared > 0:
         return declared
     return min(tokenizer_max or FALLBACK_MAX_LENGTH, position_limit or FALLBACK_MAX_LENGTH)
-
-
-def resolve_prompt(
-    prompts: Mapping[str, str],
-    default_prompt_name: str | None,
-    lane: str,
-    prompt_name: str | None,
-    prompt: str | None,
-    lane_default: str,
-) -> str:
-    """The prompt text for one chunk, as sentence-transformers chooses it: a literal ``prompt``
-    wins over any name; else ``prompt_name``, else the lane's default (``lane_default``: the
-    EMBEDFLEET_*_PROMPT_NAME setting, else the lane's own name among the model's ``prompts``,
-    else ``default_prompt_name``). ``prompts`` holds ``query`` and ``document`` (empty) unless
-    the model sets them, which is why encode_query / encode_document never fall back to the
-    default prompt name. ValueError for a name the model does not declare. The one rule the
-    worker's tokenizer and a producer that makes token ids (producer/token_ids.py) share."""
-    if prompt is not None:
-        return prompt
-    if prompt_name is None:
-        prompt_name = lane_default or _lane_prompt_name(prompts, default_prompt_name, lane)
-    if prompt_name is None:
-        return ""
-    if prompt_name not in prompts:
-        raise ValueError(
-            f"prompt_name {prompt_name!r} is not one of the model's prompts "
-            f"({', '.join(sorted(prompts))})"
-        )
-    return prompts[prompt_name]
-
-
-def _lane_prompt_name(
-    prompts: Mapping[str, str], default_prompt_name: str | None, lane: str
-) -> str | None:
-    candidates = ("query",) if lane == "query" else ("document", "passage", "corpus")
-    for name in candidates:
-        if name in prompts:
-            return name
-    return default_prompt_name
 
 
 @dataclass(frozen=True)
@@ -173,38 +136,14 @@ class ModelCard:
         return representation in self.representations
 
     def check(self, chunk: Chunk) -> None:
-        """Reject options this model cannot honour, before they reach a worker (ValueError)."""
-        for wanted in chunk.wanted_representations:
-            if not self.serves(wanted):
-                raise ValueError(
-                    f"chunk {chunk.id!r}: the model {self.name!r} serves "
-                    f"{', '.join(self.representations)}, not {wanted}"
-                )
-        if chunk.token_states and not self.serves("dense"):
-            raise ValueError(
-                f"chunk {chunk.id!r}: token_states are a dense pipeline's token states; the "
-                f"model {self.name!r} serves {', '.join(self.representations)}"
-            )
-        if chunk.dimensions is not None:
-            self.check_dimensions(chunk.dimensions, where=f"chunk {chunk.id!r}: ")
-        name = chunk.prompt_name
-        if chunk.prompt is None and name is not None:
-            self.prompt_text(name, where=f"chunk {chunk.id!r}: ")
-        if chunk.tokenizer is not None and self.tokenizer_fingerprint:
-            made_by, _ = split_fingerprint(chunk.tokenizer)
-            if made_by != self.tokenizer_fingerprint:
-                message = foreign_ids_message(made_by, self.tokenizer_fingerprint)
-                raise ValueError(f"chunk {chunk.id!r}: {message}")
+        """Reject options this model cannot honour, before they reach a worker: the options
+        verifier's ``verify`` (shared/options.py), an ``OptionError`` (a ValueError)."""
+        options.verify(chunk, self)
 
     def check_dimensions(self, dimensions: int, *, where: str = "") -> None:
-        """ValueError for ``dimensions`` (as the protocol shapes it: shared/protocol.py
-        ``check_dimensions``) more than the model has; ``FULL_DIMENSIONS`` is its whole vector.
-        The one message for it, whichever door asked (the producer, the gateway)."""
-        if dimensions > self.dim:
-            raise ValueError(
-                f"{where}dimensions={dimensions} is more than the model {self.name!r} has "
-                f"({self.dim}); use 1..{self.dim}"
-            )
+        """``DimensionsError`` for ``dimensions`` more than the model has (shared/options.py
+        ``check_dimensions``)."""
+        options.check_dimensions(dimensions, self, where=where)
 
     @property
     def named_prompts(self) -> dict[str, str]:
@@ -213,18 +152,11 @@ class ModelCard:
         return {"query": "", "document": "", **self.prompts}
 
     def prompt_text(self, name: str, *, where: str = "") -> str:
-        """The text of the model's prompt ``name``; ValueError naming the known ones.
-
-        sentence-transformers declares ``query`` and ``document`` (empty) for every model, so
-        those names are always accepted, as the worker accepts them."""
-        table = self.named_prompts
-        if name not in table:
-            known = ", ".join(sorted(table))
-            raise ValueError(
-                f"{where}prompt_name={name!r} is not one of the model's prompts ({known}); "
-                "pass a literal 'prompt' instead"
-            )
-        return table[name]
+        """The text of the model's prompt ``name``; ``PromptError`` naming the known ones
+        (shared/options.py ``prompt_text``). sentence-transformers declares ``query`` and
+        ``document`` (empty) for every model, so those names are always accepted, as the worker
+        accepts them."""
+        return options.prompt_text(self.named_prompts, name, where=where)
 
     def to_fields(self) -> dict[str, str]:
         """The hash fields :func:`publish_card` writes (strings, JSON for the structured ones)."""

@@ -21,17 +21,21 @@ import dataclasses
 import functools
 import operator
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
-from embedfleet.shared.content_key import VectorRecipe, content_key
 from embedfleet.shared.modelcard import ModelCard
+from embedfleet.shared.options import (
+    OptionError,
+    check_dimensions_setting,
+    check_prompt_setting,
+    check_representation,
+    refuse_packed_token_states,
+    resolve_dimensions,
+)
 from embedfleet.shared.postprocess import QUANTIZED, quantize, truncate
 from embedfleet.shared.postprocess import normalize as normalize_rows
 from embedfleet.shared.protocol import (
-    FULL_DIMENSIONS,
-    LONG_INPUT_OPTION,
     OPTION_NAMES,
     REPRESENTATION_OPTION_NAMES,
     Chunk,
@@ -52,6 +56,7 @@ from embedfleet.workers.model.encoder import Encoder, Lane
 from embedfleet.workers.model.heads import TOKEN_STATES
 from embedfleet.workers.model.model_dir import directory_revision
 from embedfleet.workers.model.packing import preferred_layout
+from embedfleet.workers.recipes import OutputSpec, Recipes
 
 
 def pool_windows(
@@ -73,33 +78,9 @@ def pool_windows(
     return normalize_rows(pooled) if normalize else pooled.astype(np.float32, copy=False)
 
 
-class OutputOptionError(ValueError):
-    """A chunk's dimensions or dtype cannot be produced for this model (dead-lettered)."""
-
-
-def resolve_dimensions(requested: int | None, default: int, model_dim: int) -> int:
-    """The dimension one chunk gets: its own (``FULL_DIMENSIONS``: the model's whole vector,
-    whatever the setting says), else the setting (0 = full), checked."""
-    if requested == FULL_DIMENSIONS:
-        return model_dim
-    dim = requested if requested is not None else (default or model_dim)
-    if not 1 <= dim <= model_dim:
-        raise OutputOptionError(
-            f"dimensions={dim} is out of range for this model: use 1..{model_dim}"
-        )
-    return dim
-
-
-# content-key recipes an Outputs keeps, by options (a few in practice: one per prompt and shape)
-_RECIPES_HELD = 1024
-
-
-@dataclass(frozen=True)
-class OutputSpec:
-    """What one chunk's vector becomes: its dimension and stored precision."""
-
-    dim: int
-    dtype: str
+# The worker's name for the verifier's errors (workers/cli.py and tests catch it): every rule a
+# chunk's options break raises a subclass of it, from shared/options.py
+OutputOptionError = OptionError
 
 
 class Outputs:
@@ -118,13 +99,11 @@ class Outputs:
             "query": settings.query_prompt_name,
             "document": settings.document_prompt_name,
         }
-        self._recipes: dict[tuple[object, ...], VectorRecipe] = {}
 
     @functools.cached_property
     def card(self) -> ModelCard:
-        """The model card the worker publishes, with the model's revision
-        (EMBEDFLEET_MODEL_REVISION, else the directory's: hashing it the first time may take a
-        while for a large model, so the worker asks for this at start, off the event loop)."""
+        """The card the worker publishes, with the model's revision (EMBEDFLEET_MODEL_REVISION,
+        else the directory's: hashing it may take a while, so the worker asks at start)."""
         model_dir = getattr(self.encoder, "model_dir", None)  # (a test's stand-in may have none)
         revision = self.settings.model_revision or (
             directory_revision(model_dir) if model_dir is not None else ""
@@ -138,87 +117,25 @@ class Outputs:
         spec = self.spec_for(chunk)
         if spec.dtype in QUANTIZED:
             return None
-        # the recipe depends on the chunk's options, not its text: made once per set of options
-        # (issue 43: rebuilt per chunk it cost more than the text's hash)
-        options = (
-            prompt,
-            spec,
-            chunk.max_active_dims,
-            chunk.representations,
-            chunk.multivector_dtype,
-            chunk.normalize,
-            chunk.window_overlap,
-            chunk.raw_scores,
-            chunk.token_states,
-        )
-        recipe = self._recipes.get(options)
-        if recipe is None:
-            if len(self._recipes) >= _RECIPES_HELD:  # (literal prompts are the callers': bounded)
-                self._recipes.clear()
-            recipe = self._recipes[options] = self._recipe(chunk, prompt, spec)
-        return content_key(chunk.text, recipe, chunk.pair)
+        return self._recipes.key(chunk, prompt, spec)
 
-    def _recipe(self, chunk: Chunk, prompt: str, spec: OutputSpec) -> VectorRecipe:
-        recipe = self.card.recipe(
-            prompt=prompt,
-            dimensions=spec.dim,
-            renormalize=self.renormalize and spec.dim < self.encoder.dim,
-            dtype=spec.dtype,
-            max_active_dims=chunk.max_active_dims,
-        )
-        if chunk.representations:
-            # what the chunk asks of a multi-head model (BGE-M3: dense, sparse, multivector from
-            # one pass) is part of what it gets back, so of its key: an entry stored for a
-            # dense-only chunk must not answer one that wants the per-token vectors too
-            wanted = "+".join(sorted(chunk.representations))
-            if "multivector" in chunk.representations:
-                wanted += f":{chunk.multivector_dtype or 'float16'}"
-            recipe = dataclasses.replace(recipe, representation=wanted)
-        if chunk.raw_scores:
-            # a cross-encoder's logits (TEI's raw_scores) are another answer than its scores
-            recipe = dataclasses.replace(recipe, representation=f"{recipe.representation}:raw")
-        if chunk.token_states:
-            # the token states travel beside the pooled vector: an entry stored without them
-            # must never answer a chunk that asks for them, nor theirs one that does not
-            recipe = dataclasses.replace(
-                recipe, representation=f"{recipe.representation}+{TOKEN_STATES}"
-            )
-        if chunk.normalize is False and recipe.normalize:
-            # the vector before the model's Normalize (TEI's normalize=false) is another vector
-            recipe = dataclasses.replace(recipe, normalize=False)
-        if chunk.window_overlap is not None:
-            # a long input embedded whole is another vector than the same text cut
-            recipe = dataclasses.replace(
-                recipe, representation=f"{recipe.representation}:windows:{chunk.window_overlap}"
-            )
-        return recipe
+    @functools.cached_property
+    def _recipes(self) -> Recipes:
+        # made on first use: the card's revision may hash the model directory
+        return Recipes(self.card, renormalize=self.renormalize, model_dim=self.encoder.dim)
 
     def check_settings(self) -> None:
         """Fail at start on settings this model cannot honour (names the variable)."""
-        model_dim = self.encoder.dim
-        if self.settings.dimensions > model_dim:
-            raise OutputOptionError(
-                f"EMBEDFLEET_DIMENSIONS={self.settings.dimensions} is more than the model's "
-                f"{model_dim} dimensions; use 1..{model_dim} or 0 for all"
-            )
-        for lane, name in self._lane_defaults.items():
-            if name and name not in self.encoder.prompts:
-                raise OutputOptionError(
-                    f"EMBEDFLEET_{lane.upper()}_PROMPT_NAME={name!r} is not one of the model's "
-                    f"prompts ({', '.join(sorted(self.encoder.prompts))})"
-                )
+        check_dimensions_setting(self.settings.dimensions, self.encoder.dim)
+        for role, name in self._lane_defaults.items():
+            check_prompt_setting(role, name, self.encoder.prompts)
 
     def prompt_for(self, chunk: Chunk, lane: Lane) -> str:
-        """The chunk's prompt text, after checking its output options; ValueError with a
-        reason to dead-letter (unknown prompt name, dimensions out of range, token states on a
-        bulk lane that packs its batches)."""
+        """The chunk's prompt text, after checking its output options; an OptionError (the
+        verifier's) to dead-letter: a prompt name, dimensions, token states on a packing lane."""
         self.spec_for(chunk)
         if chunk.token_states and lane == "document" and self._bulk_packs:
-            raise OutputOptionError(
-                "'token_states' are computed on padded batches, and this worker's bulk lane "
-                "packs its batches (the varlen layout): send them on the query stream (the "
-                "gateway does), or run the workers with EMBEDFLEET_LAYOUT=padded"
-            )
+            refuse_packed_token_states()
         if chunk.prompt_name is None and chunk.prompt is None:
             return self._lane_prompt(lane)  # most chunks: the lane's own, resolved once
         return self.encoder.resolve_prompt(
@@ -245,43 +162,9 @@ class Outputs:
         return layout == "varlen" and self.encoder.dense_only
 
     def check_representation(self, chunk: Chunk) -> None:
-        """ValueError (dead-lettered as options) for a chunk that asks what the model does not
-        give: another representation, a pair for a model that embeds, or dense-only options on
-        a sparse or rerank model. A cross-encoder's chunk without a pair is its text classified
-        alone (one sequence, TEI's single-text /predict)."""
-        served = self.encoder.representation
-        offered = self.encoder.representations
-        for wanted in chunk.wanted_representations:
-            if wanted not in offered:
-                raise OutputOptionError(
-                    f"the model {self.encoder.name!r} serves {', '.join(offered)}, not {wanted}"
-                )
-        if served != "dense" and (chunk.dimensions is not None or chunk.dtype is not None):
-            raise OutputOptionError(
-                f"'dimensions' and 'dtype' shape dense vectors; this model gives {served}"
-            )
-        if chunk.max_active_dims is not None and "sparse" not in offered:
-            raise OutputOptionError("'max_active_dims' prunes sparse weights; none here")
-        if chunk.raw_scores is not None and "rerank" not in offered:
-            raise OutputOptionError("'raw_scores' answers a cross-encoder's logits; none here")
-        if chunk.multivector_dtype is not None and "multivector" not in offered:
-            raise OutputOptionError("'multivector_dtype' shapes per-token vectors; none here")
-        if chunk.token_states and "dense" not in offered:
-            raise OutputOptionError(
-                f"'token_states' answers the token states of a model with a dense pipeline; "
-                f"the model {self.encoder.name!r} gives {served}"
-            )
-        if chunk.window_overlap is not None and (
-            served != "dense"
-            or any(wanted != "dense" for wanted in chunk.wanted_representations)
-            or chunk.token_states
-        ):
-            # a sparse weight vector, per-token vectors or a pair's score have no mean over
-            # windows that answers as the whole text's would
-            raise OutputOptionError(
-                f"'{LONG_INPUT_OPTION}' embeds a long input whole as one dense vector; it does "
-                "not apply to sparse, multivector, token-state or rerank outputs"
-            )
+        """The verifier's check of what ``chunk`` asks of this model's representations
+        (shared/options.py ``check_representation``), dead-lettered as options."""
+        check_representation(chunk, self.encoder.name, self.encoder.representations)
 
     def spec_for(self, chunk: Chunk) -> OutputSpec:
         if _without_output_options(chunk):
