@@ -1,6 +1,6 @@
 """A toy route module, written as the gateway's are (gateway/tei_api.py, gateway/cohere_api.py):
 its router declares its error dialect, TEI's, though its path is under /v1 (OpenAI's prefix).
-tests/unit/gateway/test_gateway_routes.py registers it with one line."""
+tests/unit/gateway/test_routes.py registers it with one line."""
 
 from __future__ import annotations
 

@@ -1,15 +1,14 @@
-"""The gateway's pure pieces: API keys, input shapes, Matryoshka cut, base64, envelopes."""
+"""The gateway's input pieces (embedfleet/gateway/inputs.py): input shapes, token ids,
+truncation, unit length, dimensions, base64."""
 
 from __future__ import annotations
 
 import base64
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from embedfleet.gateway.auth import KeyChecker, load_api_keys
-from embedfleet.gateway.errors import APIError, error_body, error_status
+from embedfleet.gateway.errors import APIError
 from embedfleet.gateway.inputs import (
     as_texts,
     check_dimensions,
@@ -18,33 +17,14 @@ from embedfleet.gateway.inputs import (
     keep_last_tokens,
     unit_vectors,
 )
-from embedfleet.gateway.state import wire_options
 from embedfleet.producer.tokens import ModelTokenizer
 from embedfleet.shared.model_path import resolve_model_path
 from embedfleet.shared.modelcard import ModelCard
-from embedfleet.shared.protocol import FULL_DIMENSIONS
-from embedfleet.shared.settings import Settings
 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> ModelTokenizer:
     return ModelTokenizer(resolve_model_path("all-MiniLM-L6-v2"))
-
-
-def test_keys_from_the_setting_and_a_file(tmp_path: Path) -> None:
-    keys_file = tmp_path / "keys"
-    keys_file.write_text("# rotated 2026-11\nsk-file-one\n\nsk-file-two\n")
-    settings = Settings(api_keys=" sk-env ,", api_keys_file=str(keys_file))
-    checker = KeyChecker(load_api_keys(settings))
-    for key in ("sk-env", "sk-file-one", "sk-file-two"):
-        checker.check(f"Bearer {key}")
-    for header in (None, "", "Bearer", "Basic sk-env", "Bearer sk-env2", "Bearer sk-fil"):
-        with pytest.raises(APIError) as caught:
-            checker.check(header)
-        assert caught.value.status == 401 and caught.value.code == "invalid_api_key"
-    KeyChecker([]).check(None)  # no keys configured: open
-    with pytest.raises(FileNotFoundError, match="EMBEDFLEET_API_KEYS_FILE"):
-        load_api_keys(Settings(api_keys_file=str(tmp_path / "missing")))
 
 
 def test_input_shapes(tokenizer: ModelTokenizer) -> None:
@@ -114,16 +94,6 @@ def test_answers_are_unit_length_only_when_the_model_or_the_caller_says() -> Non
     assert np.array_equal(raw, wire * 3)  # not normalised when neither asks
 
 
-def test_wire_options_need_no_model_card() -> None:
-    """The gateway enqueues before any worker published: nothing it sends depends on the card,
-    and nothing is left to the fleet's defaults (EMBEDFLEET_DIMENSIONS, lane prompts)."""
-    plain = wire_options(None, None)
-    assert (plain.prompt, plain.prompt_name) == ("", None)  # no prompt, explicitly
-    assert plain.dimensions == FULL_DIMENSIONS and plain.dtype == "float16"
-    named = wire_options("query", 64)
-    assert (named.prompt, named.prompt_name, named.dimensions) == (None, "query", 64)
-
-
 def test_dimensions_are_checked_against_the_card_when_there_is_one() -> None:
     card = ModelCard(name="tiny", dim=48, max_length=32, normalize=True)  # its dimension: 48
     check_dimensions(None, None)
@@ -141,68 +111,3 @@ def test_base64_is_little_endian_float32() -> None:
     assert isinstance(encoded, str)
     assert base64.b64decode(encoded) == b"\x00\x00\x80?\x00\x00 \xc0\x00\x00\x00>"
     assert encode_vector(vector, "float") == [1.0, -2.5, 0.125]
-
-
-def test_each_dialect_has_its_envelope() -> None:
-    error = APIError(429, "slow down", type="rate_limit_error", code="rate_limit_exceeded")
-    assert error_body("/v1/embeddings", error) == {
-        "error": {
-            "message": "slow down",
-            "type": "rate_limit_error",
-            "param": None,
-            "code": "rate_limit_exceeded",
-        }
-    }
-    assert error_body("/embed", error) == {"error": "slow down", "error_type": "Overloaded"}
-    assert error_body("/health", APIError(503, "none"))["error_type"] == "Unhealthy"
-    # TEI answers its validation errors 422 (too many inputs included), an empty batch 400
-    too_many = APIError(413, "2049 inputs", code="too_many_inputs")
-    assert (error_status("/embed", too_many), error_status("/v1/embeddings", too_many)) == (
-        422,
-        413,
-    )
-    assert error_body("/embed", too_many)["error_type"] == "Validation"
-    empty = APIError(400, "empty", code="empty_input")
-    assert error_status("/embed", empty) == 400
-    assert error_body("/embed", empty)["error_type"] == "Empty"
-    assert error_status("/embed", APIError(400, "bad dimensions")) == 422
-    body_too_large = APIError(413, "too large", code="request_too_large")
-    assert error_status("/embed", body_too_large) == 413
-
-
-def test_unexpected_errors_answer_in_the_routes_envelope() -> None:
-    from types import SimpleNamespace
-
-    from fastapi import FastAPI
-    from fastapi.testclient import TestClient
-    from redis import exceptions as redis_errors
-
-    from embedfleet.gateway.errors import EXCEPTION_HANDLERS
-
-    app = FastAPI()
-    app.state.gateway = SimpleNamespace(settings=Settings(gateway_retry_after_s=3))
-    for error_class, handler in EXCEPTION_HANDLERS:
-        app.add_exception_handler(error_class, handler)
-    raised = {
-        "down": redis_errors.ConnectionError("Error 111 connecting to redis:6379"),
-        "denied": redis_errors.AuthenticationError("invalid username-password pair"),
-        "bug": ValueError("unexpected"),
-    }
-
-    for prefix in ("/v1", ""):
-
-        @app.get(prefix + "/fail/{kind}")
-        async def fail(kind: str) -> None:
-            raise raised[kind]
-
-    http = TestClient(app, raise_server_exceptions=False)
-    down = http.get("/v1/fail/down")
-    assert down.status_code == 503 and down.headers["retry-after"] == "3"
-    assert down.json()["error"]["code"] == "queue_unavailable"
-    tei_down = http.get("/fail/down")
-    assert tei_down.status_code == 503 and tei_down.json()["error_type"] == "Unhealthy"
-    denied = http.get("/v1/fail/denied").json()["error"]
-    assert denied["code"] == "queue_error" and "EMBEDFLEET_REDIS_URL" in denied["message"]
-    bug = http.get("/v1/fail/bug")
-    assert bug.status_code == 500 and bug.json()["error"]["code"] == "internal_error"
-    assert http.get("/fail/bug").json()["error_type"] == "Backend"
