@@ -31,7 +31,7 @@ from embedfleet.gateway.batch.output import BatchOutput
 from embedfleet.gateway.batch.runner import BatchRunner
 from embedfleet.shared.settings import Settings
 from tests.conftest import WorkerProcess
-from tests.end_to_end.test_batch_api import (
+from tests.integration.gateway.batch.test_api import (
     batch_line,
     create_batch,
     jsonl,

@@ -53,7 +53,7 @@ from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.server import free_port
 from embedfleet.sinks.parquet import ParquetSink
 from tests.conftest import BUCKET, until
-from tests.integration.sinks.test_parquet_sink import parquet_settings, read_dataset, s3_filesystem
+from tests.integration.sinks.parquet.test_sink import parquet_settings, read_dataset, s3_filesystem
 from tests.sink_fleet_support import sink_fleet
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]

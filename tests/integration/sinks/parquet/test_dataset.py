@@ -1,7 +1,7 @@
 """The Parquet layout on a real folder: shards stored atomically (a writer that dies before
 its rename leaves nothing visible), one manifest per shard, one row per id read back (the last
 wins), the settings checked against each other. The fleet runs into Parquet, on S3 and in a
-folder, are in tests/integration/sinks/test_parquet_sink.py."""
+folder, are in tests/integration/sinks/parquet/test_sink.py."""
 
 from __future__ import annotations
 
