@@ -30,6 +30,7 @@ from embedfleet.gateway.errors import (
 )
 from embedfleet.gateway.grpc_server import start_grpc_server, stop_grpc_server
 from embedfleet.gateway.metrics import GatewayMetrics
+from embedfleet.gateway.readiness import readiness
 from embedfleet.gateway.state import Gateway
 from embedfleet.gateway.timing_headers import HEADERS as TIMING_HEADERS
 from embedfleet.gateway.timing_headers import TimingHeaders, compute_type
@@ -39,9 +40,8 @@ from embedfleet.producer.tokens import ModelTokenizer
 from embedfleet.shared.eviction import warn_on_eviction_policy
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.model_path import resolve_model_path
-from embedfleet.shared.redis_conn import connect_settings, redis_deadline
+from embedfleet.shared.redis_conn import connect_settings
 from embedfleet.shared.settings import Settings
-from embedfleet.shared.streams import live_workers
 
 log = get_logger("embedfleet.gateway")
 
@@ -276,30 +276,20 @@ def _add_ops_routes(app: FastAPI, gateway: Gateway) -> None:
 
     @app.get("/readyz", include_in_schema=False)
     async def readyz() -> JSONResponse:
-        """Readiness: this gateway serves and its Redis (or cluster) answers, so a request
-        sent here is enqueued. It does not mean a worker is alive: with scale-to-zero, none is
-        until KEDA sees what the gateway enqueued, and a request waits for one within
-        EMBEDFLEET_GATEWAY_TIMEOUT_S. Live workers are reported, for people: the gateway's own
-        model's, and each model's of the namespace (``models``: name -> live workers, from each
-        lane's heartbeats). Answers within EMBEDFLEET_GATEWAY_REDIS_TIMEOUT_S: a hung Redis is
-        not ready."""
-        settings = gateway.settings
+        """Readiness (gateway/readiness.py owns it: gRPC's health service answers the same):
+        200 with the live workers counted, for people; 503 with Retry-After while Redis does
+        not answer within EMBEDFLEET_GATEWAY_REDIS_TIMEOUT_S."""
         try:
-            async with redis_deadline(settings.gateway_redis_timeout_s, "answer /readyz"):
-                await gateway.client.ping()
-                workers = await gateway.fleet.live_workers()
-                models: dict[str, int] = {}
-                for lane in await gateway.models():
-                    models[lane.name] = await live_workers(
-                        gateway.client, lane.keys, settings.gateway_worker_idle_ms
-                    )
+            ready = await readiness(gateway)
         except Exception as error:
             return JSONResponse(
                 {"status": "redis unreachable", "error": str(error)},
                 503,
-                headers={"Retry-After": str(settings.gateway_retry_after_s)},
+                headers={"Retry-After": str(gateway.settings.gateway_retry_after_s)},
             )
-        return JSONResponse({"status": "ready", "live_workers": workers, "models": models})
+        return JSONResponse(
+            {"status": "ready", "live_workers": ready.live_workers, "models": ready.models}
+        )
 
     @app.get("/docs", include_in_schema=False)
     async def docs() -> HTMLResponse:

@@ -19,6 +19,8 @@ GATEWAY_MODULES = (
     "prometheus_client",
     "grpc",
     "google.protobuf",
+    "grpc_health",
+    "grpc_reflection",
 )
 # names that resolve to this machine only, whatever resolver is configured
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})

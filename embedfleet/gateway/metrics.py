@@ -3,9 +3,13 @@ and TEI's own series (``TEIMetrics``), under TEI's names, beside them."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import contextvars
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -15,6 +19,33 @@ if TYPE_CHECKING:
     from embedfleet.gateway.timing_headers import RequestClock
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# A gRPC call in the request series: its ``route`` is the call's full method name
+# (/tei.v1.Embed/Embed), its ``method`` this, its ``status`` the HTTP status the same answer has
+# over HTTP (200, a refusal's 4xx or 5xx), so one alert on 5xx covers both doors
+GRPC_METHOD = "gRPC"
+# a call whose client went away before its answer (nginx's "client closed request")
+CLIENT_CLOSED = 499
+
+
+@dataclass
+class Call:
+    """One gRPC call being answered: the HTTP status of its answer once known (a call that ends
+    on an exception no refusal accounts for is the gateway's own fault, 500)."""
+
+    status: int | None = None
+
+
+_call: contextvars.ContextVar[Call | None] = contextvars.ContextVar(
+    "embedfleet_grpc_call", default=None
+)
+
+
+def call_refused(status: int) -> None:
+    """The gRPC call being answered (in this context) ends with the refusal whose HTTP status
+    is ``status`` (the servicers' frame, tei_grpc/server.py, says so as it aborts the call)."""
+    call = _call.get()
+    if call is not None:
+        call.status = status
 
 
 class GatewayMetrics:
@@ -24,7 +55,8 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "embedfleet_gateway_requests",
-            "HTTP requests answered, by route template, method and status",
+            "Requests answered, by route template (a gRPC call's full method name), method "
+            "(gRPC for a call) and status (a call's HTTP equivalent)",
             ["route", "method", "status"],
             registry=self.registry,
         )
@@ -48,6 +80,32 @@ class GatewayMetrics:
         )
         # TEI's own series, under TEI's names and meanings, for its dashboards (``tei``)
         self.tei = TEIMetrics()
+
+    def answered(self, route: str, method: str, status: int, seconds: float) -> None:
+        """One request or call answered, in the request series and its latency."""
+        self.requests.labels(route, method, str(status)).inc()
+        self.latency.labels(route, str(status)).observe(seconds)
+
+    @contextlib.contextmanager
+    def grpc_call(self, route: str) -> Iterator[Call]:
+        """``with metrics.grpc_call("/tei.v1.Embed/Embed"):`` around a gRPC call's handler: in
+        flight while it runs, then answered with its status (200 unless ``call_refused``
+        said otherwise). Each call runs in a task of its own (grpc.aio's), so the call set
+        here is that task's alone."""
+        call = Call()
+        _call.set(call)
+        started = time.perf_counter()
+        self.in_flight.inc()
+        try:
+            yield call
+            if call.status is None:
+                call.status = 200
+        except asyncio.CancelledError:
+            call.status = call.status or CLIENT_CLOSED
+            raise
+        finally:
+            self.in_flight.dec()
+            self.answered(route, GRPC_METHOD, call.status or 500, time.perf_counter() - started)
 
     def exposition(self) -> bytes:
         """/metrics' body: the fleet's series, then TEI's."""
@@ -174,11 +232,14 @@ class TEIMetrics:
         clock: RequestClock | None,
         lengths: Callable[[Sequence[str]], list[int]],
         max_input_length: int,
+        request: bool = True,
     ) -> None:
         """A request answered: its method, its inputs, its timings and (from what it sent, per
-        fleet call) its inputs' token lengths and calls' sizes. Tokenizes: call it off the event
-        loop."""
-        self.request_success.labels(method).inc()
+        fleet call) its inputs' token lengths and calls' sizes; ``request`` false for a gRPC
+        stream's message, which TEI counts in all but ``te_request_success``. Tokenizes: call
+        it off the event loop."""
+        if request:
+            self.request_success.labels(method).inc()
         self.inputs_success[family].inc(inputs)
         if clock is None:
             return

@@ -6,11 +6,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 from collections.abc import AsyncIterator, Sequence
 
 from embedfleet.gateway.metrics import Family, Method, tei_failure
 from embedfleet.gateway.state import UNCAPPED_TOKENS, Gateway
 from embedfleet.gateway.timing_headers import current_clock
+
+# TEI's router counts a request (te_request_count, te_request_success) per HTTP request and per
+# unary gRPC call, not per message of a gRPC stream, whose messages record their inputs, timings
+# and failures only (router/src/grpc/server.rs): set in a stream's messages' context
+_stream_message: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "embedfleet_tei_stream_message", default=False
+)
+
+
+def stream_messages_context() -> contextvars.Context:
+    """A copy of the current context in which TEI requests are a gRPC stream's messages (run
+    the stream's message tasks in it: ``asyncio.create_task(..., context=...)``)."""
+    context = contextvars.copy_context()
+    context.run(_stream_message.set, True)
+    return context
 
 
 def tei_shape(inputs: object) -> tuple[Method, int]:
@@ -30,9 +46,12 @@ async def tei_request(
     """``async with tei_request(gateway, "embed", "batch", 3):`` around a TEI route's work.
     Counts the request and its ``inputs``; an exception out of the block is its failure, by
     ``tei_failure``'s kind; a clean exit its success, recorded off the event loop (its inputs'
-    token lengths are counted with the model's tokenizer)."""
+    token lengths are counted with the model's tokenizer). A gRPC stream's message counts as
+    no request of its own, as in TEI (``stream_messages_context``)."""
     tei = gateway.metrics.tei
-    tei.request_count.labels(method).inc()
+    counted = not _stream_message.get()
+    if counted:
+        tei.request_count.labels(method).inc()
     tei.inputs_count[family].inc(inputs)
     try:
         yield
@@ -46,5 +65,5 @@ async def tei_request(
         return gateway.tokenizer.lengths(texts, cap)
 
     await asyncio.to_thread(
-        tei.record_success, family, method, inputs, current_clock(), lengths, cap
+        tei.record_success, family, method, inputs, current_clock(), lengths, cap, counted
     )

@@ -37,9 +37,11 @@ from pydantic import ValidationError
 from embedfleet.gateway import rerank_api, tei_api
 from embedfleet.gateway.errors import APIError, ErrorDialect, as_api_error, invalid_request
 from embedfleet.gateway.inputs import TruncationDirection
+from embedfleet.gateway.metrics import call_refused
 from embedfleet.gateway.state import Gateway
 from embedfleet.gateway.tei_grpc import tei_pb2 as pb
 from embedfleet.gateway.tei_grpc import tei_pb2_grpc as pb_grpc
+from embedfleet.gateway.tei_metrics import stream_messages_context
 from embedfleet.gateway.timing_headers import RequestClock, request_clock
 from embedfleet.shared.logging import get_logger
 
@@ -89,12 +91,14 @@ def grpc_code(error: APIError) -> grpc.StatusCode:
 
 
 class Refusal(Exception):
-    """A call's end with a code and a message (what ``context.abort`` sends)."""
+    """A call's end with a code and a message (what ``context.abort`` sends), and the HTTP
+    status the same refusal has over HTTP (the request series' ``status``)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, status: int) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.status = status
 
 
 def refusal(error: Exception, retry_after_s: int) -> Refusal:
@@ -104,7 +108,7 @@ def refusal(error: Exception, retry_after_s: int) -> Refusal:
     api_error = as_api_error(error, retry_after_s)
     if api_error.status >= 500 and api_error.code == "internal_error":
         log.exception("gRPC call failed", error=repr(error))
-    return Refusal(grpc_code(api_error), api_error.message)
+    return Refusal(grpc_code(api_error), api_error.message, api_error.status)
 
 
 def _direction(value: int) -> TruncationDirection:
@@ -170,6 +174,7 @@ class GatewayServicer:
             return await answer(clock)
 
     async def _abort(self, context: grpc.aio.ServicerContext, refused: Refusal) -> NoReturn:
+        call_refused(refused.status)
         await context.abort(refused.code, refused.message)
         raise AssertionError("context.abort returns only by raising")  # for the type checker
 
@@ -196,7 +201,8 @@ class GatewayServicer:
             finally:
                 await in_flight.put(None)  # the end of the messages (or of the client)
 
-        reader = asyncio.create_task(read())
+        # its messages count as TEI counts a stream's: inputs and timings, no request each
+        reader = asyncio.create_task(read(), context=stream_messages_context())
         try:
             while (task := await in_flight.get()) is not None:
                 try:
