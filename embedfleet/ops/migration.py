@@ -192,25 +192,11 @@ async def start(
     key = settings.keys.migration(source)
     record = m.decoded(await client.hgetall(key))
     if record and record.get(m.STATE) != "finished":
-        given = {m.TARGET: target, m.TARGET_LANE: target_lane, m.ALIAS: alias}
-        for name, value in given.items():
-            if value is not None and m.lane_name(value) != record.get(name, ""):
-                raise MigrationError(
-                    f"table {source!r} is already being migrated to {record[m.TARGET]!r} "
-                    f"(lane {record.get(m.TARGET_LANE) or 'default'}, alias {record[m.ALIAS]!r}): "
-                    "run `embedfleet migrate start` without options to resume it, or end it "
-                    "with `embedfleet migrate finish`"
-                )
-        return Migration(settings, sink, record)
-    if target is None or target_lane is None:
-        raise MigrationError("a new migration needs --to-table and --to-lane")
-    if target == source:
-        raise MigrationError("--to-table must name a new table, not the one being migrated")
-    if m.lane_name(target_lane) == m.lane_name(settings.model_lane):
-        raise MigrationError(
-            f"--to-lane {target_lane!r} is the lane that writes {source!r} now: migrate to "
-            "another model's lane (its workers run with EMBEDFLEET_MODEL_LANE)"
+        _check_resumed(
+            record, source, {m.TARGET: target, m.TARGET_LANE: target_lane, m.ALIAS: alias}
         )
+        return Migration(settings, sink, record)
+    target, target_lane = _check_new(settings, source, target, target_lane)
     alias = alias or f"{source}_live"
     record = {
         m.SOURCE: source,
@@ -227,6 +213,43 @@ async def start(
     migration = Migration(settings, sink, record)
     with migration.backend(source) as backend:
         await asyncio.to_thread(_check_source, backend)
+    await _take_alias(migration)
+    await _save_started(client, migration)
+    return migration
+
+
+def _check_resumed(record: dict[str, str], source: str, given: dict[str, str | None]) -> None:
+    """A migration under way is resumed with no options or the ones it was started with."""
+    for name, value in given.items():
+        if value is not None and m.lane_name(value) != record.get(name, ""):
+            raise MigrationError(
+                f"table {source!r} is already being migrated to {record[m.TARGET]!r} "
+                f"(lane {record.get(m.TARGET_LANE) or 'default'}, alias {record[m.ALIAS]!r}): "
+                "run `embedfleet migrate start` without options to resume it, or end it "
+                "with `embedfleet migrate finish`"
+            )
+
+
+def _check_new(
+    settings: Settings, source: str, target: str | None, target_lane: str | None
+) -> tuple[str, str]:
+    """A new migration's target table and lane: both given, neither the source's own."""
+    if target is None or target_lane is None:
+        raise MigrationError("a new migration needs --to-table and --to-lane")
+    if target == source:
+        raise MigrationError("--to-table must name a new table, not the one being migrated")
+    if m.lane_name(target_lane) == m.lane_name(settings.model_lane):
+        raise MigrationError(
+            f"--to-lane {target_lane!r} is the lane that writes {source!r} now: migrate to "
+            "another model's lane (its workers run with EMBEDFLEET_MODEL_LANE)"
+        )
+    return target, target_lane
+
+
+async def _take_alias(migration: Migration) -> None:
+    """The alias readers use: made on the source where there is none yet; one pointing at the
+    source or the target (an earlier run's) is kept and says where readers are."""
+    source, target, alias = migration.source, migration.target, migration.alias
     with migration.backend(alias) as reader:
         points_at = await asyncio.to_thread(reader.resolve)
     if points_at == alias:  # no alias yet: readers can move to it now, it reads the source
@@ -235,7 +258,15 @@ async def start(
     elif points_at not in (source, target):
         raise MigrationError(f"the alias {alias!r} points at {points_at!r}: choose another --alias")
     else:
-        record[m.READERS] = "source" if points_at == source else "target"
+        migration.record[m.READERS] = "source" if points_at == source else "target"
+
+
+async def _save_started(client: aioredis.Redis, migration: Migration) -> None:
+    """The new record written with the dual write on, the tables' lanes and the target's way
+    back to its source, in one transaction."""
+    settings, record = migration.settings, migration.record
+    source, target = migration.source, migration.target
+    key = settings.keys.migration(source)
     pipe = client.pipeline(transaction=True)
     pipe.delete(key)
     # the dual write is on before the first page is read (shared/migrations.py says why)
@@ -248,7 +279,6 @@ async def start(
     pipe.hset(settings.keys.migration_targets, target, source)
     await pipe.execute()
     migration.record[m.DUAL_WRITE] = "1"
-    return migration
 
 
 def _check_source(backend: VectorBackend) -> None:
@@ -390,30 +420,53 @@ async def copy(
                 report.enqueued = await _scan(
                     migration, client, source, producer, page, meter, monitor
                 )
-            for _ in range(VERIFY_ROUNDS):
-                await _until_idle(client, lane.keys, monitor, idle_timeout_s)
-                differ = await asyncio.to_thread(_differences, migration)
-                if not differ:
-                    report.verified = True
-                    break
-                # force: a chunk whose first copy was lost (dead-lettered, a table wiped) has
-                # the same payload, which its job's id record would skip
-                await producer.enqueue(differ, force=True)
-                report.resent += len(differ)
-                await client.hincrby(key, m.RESENT, len(differ))
-            else:
-                report.missing = len(await asyncio.to_thread(_differences, migration))
+            await _verify(migration, client, producer, monitor, report, idle_timeout_s)
             await monitor.tick(force=True)
     report.in_target = monitor.done
     report.seconds = time.monotonic() - started
     report.rows_per_s = monitor.rate
+    await _save_copied(migration, client, report, meter)
+    return report
+
+
+async def _verify(
+    migration: Migration,
+    client: aioredis.Redis,
+    producer: Producer,
+    monitor: _Monitor,
+    report: CopyReport,
+    idle_timeout_s: float | None,
+) -> None:
+    """Once lane B is idle, send again what the target lacks, up to ``VERIFY_ROUNDS`` rounds:
+    ``report.verified`` when it lacks nothing, else how many are still missing."""
+    key = migration.settings.keys.migration(migration.source)
+    lane = migration.lane_settings(migration.target_lane)
+    for _ in range(VERIFY_ROUNDS):
+        await _until_idle(client, lane.keys, monitor, idle_timeout_s)
+        differ = await asyncio.to_thread(_differences, migration)
+        if not differ:
+            report.verified = True
+            return
+        # force: a chunk whose first copy was lost (dead-lettered, a table wiped) has
+        # the same payload, which its job's id record would skip
+        await producer.enqueue(differ, force=True)
+        report.resent += len(differ)
+        await client.hincrby(key, m.RESENT, len(differ))
+    report.missing = len(await asyncio.to_thread(_differences, migration))
+
+
+async def _save_copied(
+    migration: Migration, client: aioredis.Redis, report: CopyReport, meter: TokenMeter
+) -> None:
+    """The copy's figures in the report and the record; a verified copy's state "copied"."""
+    key = migration.settings.keys.migration(migration.source)
     # this run's texts, or (a resumed run that had nothing left to scan) the last run's figure
     if meter.rows:
         report.tokens_per_row, report.tokens_measured = meter.per_row, meter.measured
     else:
         report.tokens_per_row = float(migration.record.get(m.TOKENS_PER_ROW) or 0.0)
         report.tokens_measured = migration.record.get(m.TOKENS_MEASURED) or meter.measured
-    fields = {
+    fields: dict[str, str] = {
         m.ROWS_PER_S: f"{report.rows_per_s:.3f}",
         m.TOKENS_PER_ROW: f"{report.tokens_per_row:.3f}",
         m.TOKENS_MEASURED: report.tokens_measured,
@@ -428,7 +481,6 @@ async def copy(
         }
     await client.hset(key, mapping=m.as_mapping(fields))
     migration.record.update(fields)
-    return report
 
 
 async def _scan(
