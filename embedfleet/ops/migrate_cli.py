@@ -164,45 +164,56 @@ def start_command(
         migration = await mig.start(
             settings, client, sink, source=source, target=to_table, target_lane=to_lane, alias=alias
         )
-        with Progress("migrate", "rows") as bar:
-            said = [time.monotonic()]
-
-            def show(estimate: mig.Estimate) -> None:
-                bar.set(estimate.done, total=estimate.total)
-                if time.monotonic() - said[0] >= ESTIMATE_EVERY_S:  # above the bar, or logged
-                    said[0] = time.monotonic()
-                    tqdm.write(estimate.describe(), file=sys.stderr)
-
-            report = await mig.copy(
-                migration,
-                client,
-                page=page,
-                model_dir=model_dir,
-                on_progress=show,
-                idle_timeout_s=idle_timeout,
-            )
-        return migration, report
+        return migration, await _copy_shown(migration, client, page, model_dir, idle_timeout)
 
     migration, report = _run(settings, step)
     summary = {**migration.as_dict(), **report.as_dict()}
-    _print(
-        summary,
-        as_json,
-        [
-            f"{source!r} -> {migration.target!r} (lane {migration.target_lane}): "
-            f"{report.in_target:,} of {report.total:,} rows, {report.enqueued:,} enqueued by this "
-            f"run, {report.resent:,} sent again, {report.seconds:.1f} s",
-            f"measured {report.rows_per_s:,.1f} rows/s, about {report.tokens:,} tokens "
-            f"({report.tokens_per_row:.1f} a row, {report.tokens_measured})",
-            "verified: every id is in the new table with its text; next: embedfleet migrate "
-            "canary, then embedfleet migrate switch"
-            if report.verified
-            else f"NOT verified: {report.missing:,} rows still missing or different; run "
-            "`embedfleet migrate start` again",
-        ],
-    )
+    _print(summary, as_json, _copy_said(migration, report))
     if not report.verified:
         sys.exit(ExitCode.ERROR)
+
+
+async def _copy_shown(
+    migration: mig.Migration,
+    client: Any,
+    page: int,
+    model_dir: Path | None,
+    idle_timeout: float | None,
+) -> mig.CopyReport:
+    """The copy, with a progress bar and the estimate said every ``ESTIMATE_EVERY_S``."""
+    with Progress("migrate", "rows") as bar:
+        said = [time.monotonic()]
+
+        def show(estimate: mig.Estimate) -> None:
+            bar.set(estimate.done, total=estimate.total)
+            if time.monotonic() - said[0] >= ESTIMATE_EVERY_S:  # above the bar, or logged
+                said[0] = time.monotonic()
+                tqdm.write(estimate.describe(), file=sys.stderr)
+
+        return await mig.copy(
+            migration,
+            client,
+            page=page,
+            model_dir=model_dir,
+            on_progress=show,
+            idle_timeout_s=idle_timeout,
+        )
+
+
+def _copy_said(migration: mig.Migration, report: mig.CopyReport) -> list[str]:
+    """The text report of a copy: its figures and, verified or not, what to do next."""
+    return [
+        f"{migration.source!r} -> {migration.target!r} (lane {migration.target_lane}): "
+        f"{report.in_target:,} of {report.total:,} rows, {report.enqueued:,} enqueued by this "
+        f"run, {report.resent:,} sent again, {report.seconds:.1f} s",
+        f"measured {report.rows_per_s:,.1f} rows/s, about {report.tokens:,} tokens "
+        f"({report.tokens_per_row:.1f} a row, {report.tokens_measured})",
+        "verified: every id is in the new table with its text; next: embedfleet migrate "
+        "canary, then embedfleet migrate switch"
+        if report.verified
+        else f"NOT verified: {report.missing:,} rows still missing or different; run "
+        "`embedfleet migrate start` again",
+    ]
 
 
 @migrate_group.command("status")
