@@ -19,7 +19,7 @@ from embedfleet.shared.logging import configure_logging, get_logger
 from embedfleet.shared.model_registry import model_label
 from embedfleet.shared.redis_conn import connect_settings
 from embedfleet.shared.settings import Settings
-from embedfleet.sinks import NO_EXTRAS, Extras, build_sink, parse_sink_url
+from embedfleet.sinks import NO_EXTRAS, Extras, Sink, build_sink, parse_sink_url
 from embedfleet.workers.health import HealthServer
 from embedfleet.workers.metrics import StreamGauges, WorkerMetrics
 from embedfleet.workers.model.encoder import Encoder
@@ -152,6 +152,18 @@ async def _serve(
 ) -> None:
     if encoder is None:  # (`encoder or await ...` is not narrowed by mypy)
         encoder = await asyncio.to_thread(load_encoder, settings)
+    worker, sink = await _set_up(settings, encoder, client, metrics, health)
+    await _run_until_stopped(settings, worker, sink, health)
+
+
+async def _set_up(
+    settings: Settings,
+    encoder: Encoder,
+    client: aioredis.Redis,
+    metrics: WorkerMetrics,
+    health: HealthServer | None,
+) -> tuple[Worker, Sink]:
+    """The worker and its sink, the sink's table set up and the health server told."""
     freeze_loaded_heap()
     metrics.describe_worker(
         consumer=settings.consumer,
@@ -176,6 +188,14 @@ async def _serve(
     if health is not None:
         # The readiness probe's forward pass queues on the worker's one model thread.
         health.model_loaded(encoder, worker.model_thread)
+    return worker, sink
+
+
+async def _run_until_stopped(
+    settings: Settings, worker: Worker, sink: Sink, health: HealthServer | None
+) -> None:
+    """Run the worker until it ends: a first SIGTERM/SIGINT drains it (cancelled after
+    EMBEDFLEET_DRAIN_TIMEOUT_S), a second stops it at once; the sink is closed either way."""
     run_task = asyncio.ensure_future(worker.run())
     signals_seen = 0
 
