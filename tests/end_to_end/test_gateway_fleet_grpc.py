@@ -238,3 +238,26 @@ def test_a_call_without_the_key_is_unauthenticated(fleet: Fleet, call, metadata)
         call(fleet, metadata)
     assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
     assert "API key" in refused.value.details()
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"dimensions": 2**32 - 1},
+        {"dimensions": 0},
+        {"window_overlap": 2**32 - 1},  # past the protocol's bound (issue 54, fault 5)
+        {"dtype": 2**31 - 1},
+    ],
+    ids=["dims-max", "dims-0", "overlap-max", "dtype-max"],
+)
+def test_an_out_of_range_number_is_invalid_argument(fleet: Fleet, fields: dict) -> None:
+    """The proto's widest numbers (a uint32's whole range, an open enum's any int32), alone and
+    in a stream: the caller's error, never INTERNAL or UNKNOWN."""
+    message = pb.EmbedRequest(inputs=TEXTS[:1], **fields)
+    for call in (
+        lambda: fleet.fleet.Embed(message, metadata=AUTH),
+        lambda: list(fleet.fleet.EmbedStream(iter([message]), metadata=AUTH)),
+    ):
+        with pytest.raises(grpc.RpcError) as refused:
+            call()
+        assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()

@@ -209,6 +209,77 @@ def test_a_bad_request_is_invalid_argument(fleet: Fleet) -> None:
     assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
 
 
+def _metrics(fleet: Fleet) -> dict[str, float]:
+    """/metrics' samples by their whole selector, as a dashboard's query reads them."""
+    samples = {}
+    for line in fleet.http.get("/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            selector, _, value = line.rpartition(" ")
+            samples[selector] = float(value)
+    return samples
+
+
+def test_an_answered_call_moves_teis_series_and_the_fleets(fleet: Fleet) -> None:
+    """An answered Embed is a TEI request (count, success, timings, inputs) and one gRPC call in
+    the fleet's request series; a stream's messages record their timings and inputs, as TEI's
+    do, but no request each (the stream is the fleet series' one call)."""
+    before = _metrics(fleet)
+    fleet.embed.Embed(pb.EmbedRequest(inputs=TEXT), metadata=AUTH)
+    texts = [pb.EmbedRequest(inputs=text) for text in ("one", "two")]
+    assert len(list(fleet.embed.EmbedStream(iter(texts), metadata=AUTH))) == 2
+    after = _metrics(fleet)
+
+    def moved(selector: str) -> float:
+        return after.get(selector, 0.0) - before.get(selector, 0.0)
+
+    assert moved('te_request_count{method="single"}') == 1
+    assert moved('te_request_success{method="single"}') == 1
+    for timing in ("duration", "tokenization_duration", "queue_duration", "inference_duration"):
+        assert moved(f"te_request_{timing}_count") == 3, timing
+    assert moved("te_embed_success") == 3
+    assert moved("te_request_input_length_count") == 3
+    assert moved("te_batch_next_size_count") == 3
+    series = (
+        'embedfleet_gateway_requests_total{method="gRPC",route="/tei.v1.Embed/%s",status="200"}'
+    )
+    assert moved(series % "Embed") == 1
+    assert moved(series % "EmbedStream") == 1
+
+
+# proto3 lets these through: an enum's any int32, a uint32's whole range
+OUT_OF_RANGE = [
+    (lambda f: f.embed.Embed(pb.EmbedRequest(inputs=TEXT, truncation_direction=99), metadata=AUTH)),
+    (lambda f: f.embed.Embed(pb.EmbedRequest(inputs=TEXT, truncation_direction=-1), metadata=AUTH)),
+    (lambda f: f.embed.Embed(pb.EmbedRequest(inputs=TEXT, dimensions=2**32 - 1), metadata=AUTH)),
+    (lambda f: f.embed.Embed(pb.EmbedRequest(inputs=TEXT, dimensions=0), metadata=AUTH)),
+    (
+        lambda f: f.embed.EmbedAll(
+            pb.EmbedAllRequest(inputs=TEXT, truncation_direction=2**31 - 1), metadata=AUTH
+        )
+    ),
+    (
+        lambda f: list(
+            f.embed.EmbedStream(
+                iter([pb.EmbedRequest(inputs=TEXT, truncation_direction=7)]), metadata=AUTH
+            )
+        )
+    ),
+    (lambda f: f.tokenize.Decode(pb.DecodeRequest(ids=[2**32 - 1]), metadata=AUTH)),
+]
+
+
+@pytest.mark.parametrize(
+    "call",
+    OUT_OF_RANGE,
+    ids=["direction-99", "direction-neg", "dims-max", "dims-0", "all-dir", "stream-dir", "id-max"],
+)
+def test_an_out_of_range_number_is_invalid_argument(fleet: Fleet, call) -> None:
+    """Issue 54 fault 5's numbers over gRPC: the caller's error, never INTERNAL or UNKNOWN."""
+    with pytest.raises(grpc.RpcError) as refused:
+        call(fleet)
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+
+
 def test_embed_all_answers_the_token_states(fleet: Fleet) -> None:
     """EmbedAll on the dense MiniLM (FAILED_PRECONDITION before): one TokenEmbedding per token,
     [CLS] and [SEP] included, each the token's last hidden state before pooling, as

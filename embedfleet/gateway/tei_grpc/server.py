@@ -112,7 +112,18 @@ def refusal(error: Exception, retry_after_s: int) -> Refusal:
 
 
 def _direction(value: int) -> TruncationDirection:
-    return _DIRECTIONS.get(value, "Right")
+    """TEI's enum's direction; a number no direction has (proto3 enums are open: any int32
+    arrives) is the caller's error, TEI's Validation, not Right in silence."""
+    direction = _DIRECTIONS.get(value)
+    if direction is None:
+        named = ", ".join(pb.TruncationDirection.keys())
+        raise APIError(
+            422,
+            f"truncation_direction {value} is none of {named}",
+            param="truncation_direction",
+            code="validation",
+        )
+    return direction
 
 
 def optional_field(message: Any, field: str) -> Any:
