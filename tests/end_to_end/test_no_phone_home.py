@@ -1,7 +1,10 @@
 """Nothing is sent anywhere (docs/DESIGN's qualities): an `embedfleet worker` started as a user
 starts it, once per CPU backend, under an empty HOME, connects to nothing but its Redis and
 listens on nothing but its health port, and leaves no file under HOME. OpenVINO's import alone
-used to send an event to Google Analytics and write ``~/intel`` (workers/model/telemetry.py)."""
+used to send an event to Google Analytics and write ``~/intel`` (workers/model/telemetry.py).
+Beside the default backend's worker, an `embedfleet serve` with its gRPC doors, under the same
+hook and HOME, answers a TEI gRPC Embed and an embedfleet.v1 Embed reaching nothing but its
+Redis and binding nothing but its ports."""
 
 from __future__ import annotations
 
@@ -88,6 +91,67 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def _elsewhere(records: list[dict], redis_port: int, ports: tuple[int, ...]) -> list[dict]:
+    """The records of a lookup, connection or bind other than the process's Redis and its own
+    ports on loopback."""
+    return [
+        record
+        for record in records
+        if not (
+            (record["event"] == "socket.bind" and record["port"] in ports)
+            or (_is_loopback(record["host"]) and record["port"] in (redis_port, *ports))
+        )
+    ]
+
+
+def _audited(path: Path) -> list[dict]:
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines]
+
+
+async def _gateway_reaches(env: dict[str, str], tmp_path: Path, redis_port: int) -> list[dict]:
+    """`embedfleet serve` with gRPC, as a user starts it, under ``env``'s hook and HOME: a TEI
+    gRPC Embed and a fleet Embed answered (the worker beside it embeds), then stopped; what it
+    reached beyond its Redis and its ports."""
+    import grpc
+
+    from embedfleet.gateway.fleet_grpc import fleet_pb2, fleet_pb2_grpc
+    from embedfleet.gateway.tei_grpc import tei_pb2, tei_pb2_grpc
+
+    http_port, grpc_port = free_port(), free_port()
+    audit, log = tmp_path / "gateway-net.jsonl", tmp_path / "gateway.log"
+    env = env | {
+        "NET_AUDIT_LOG": str(audit),
+        "EMBEDFLEET_GATEWAY_PORT": str(http_port),
+        "EMBEDFLEET_GATEWAY_GRPC_PORT": str(grpc_port),
+        "EMBEDFLEET_FILES_DIR": str(tmp_path / "files"),
+    }
+    with log.open("wb") as log_file:
+        process = subprocess.Popen(
+            [_entry_point(), "serve"], env=env, stdout=subprocess.DEVNULL, stderr=log_file
+        )
+    try:
+        await _until_logged(process, log, '"gateway started"')  # gRPC listens by then
+
+        def embed() -> None:
+            with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+                tei = tei_pb2_grpc.EmbedStub(channel).Embed(tei_pb2.EmbedRequest(inputs="a"))
+                ours = fleet_pb2_grpc.FleetStub(channel).Embed(fleet_pb2.EmbedRequest(inputs=["a"]))
+            assert len(tei.embeddings) == ours.dim > 0
+
+        await asyncio.wait_for(asyncio.to_thread(embed), 300)
+        process.send_signal(signal.SIGTERM)
+        # uvicorn ends a clean shutdown by raising the signal again
+        assert process.wait(timeout=60) in (0, -signal.SIGTERM), log.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    records = _audited(audit)
+    assert records, "the audit hook saw nothing of the gateway: not even its HTTP port's bind"
+    return _elsewhere(records, redis_port, (http_port, grpc_port))
+
+
 async def _until_logged(process: subprocess.Popen[bytes], log: Path, text: str) -> None:
     """Until the worker's log holds ``text`` (read every 50 ms: the line is the signal)."""
     async with asyncio.timeout(300):
@@ -128,6 +192,9 @@ async def test_a_worker_sends_nothing_and_writes_nothing_under_home(
         )
     try:
         await _until_logged(process, log, READY_LINE)
+        gateway = []
+        if backend == "default":  # the gateway's doors, once, beside a worker that answers
+            gateway = await _gateway_reaches(env, tmp_path, redis_server.port)
         process.send_signal(signal.SIGTERM)
         code = process.wait(timeout=120)
     finally:
@@ -139,20 +206,11 @@ async def test_a_worker_sends_nothing_and_writes_nothing_under_home(
         assert '"backend copy made"' in log.read_text(), log.read_text()
 
     written = sorted(str(path.relative_to(home)) for path in home.rglob("*"))
-    lines = audit.read_text().splitlines() if audit.exists() else []
-    records = [json.loads(line) for line in lines]
+    records = _audited(audit)
     assert records, "the audit hook saw nothing: not even the health port's bind"
-    redis_port = redis_server.port
-    elsewhere = [
-        record
-        for record in records
-        if not (
-            (record["event"] == "socket.bind" and record["port"] == health_port)
-            or (_is_loopback(record["host"]) and record["port"] in (redis_port, health_port))
-        )
-    ]
-    # both at once: a failure names every file and every address
-    assert (written, elsewhere) == ([], []), (
-        f"the worker wrote under HOME {written} and reached beyond its Redis and health port "
-        f"{elsewhere}"
+    elsewhere = _elsewhere(records, redis_server.port, (health_port,))
+    # all at once: a failure names every file and every address
+    assert (written, elsewhere, gateway) == ([], [], []), (
+        f"the worker and gateway wrote under HOME {written}, the worker reached beyond its "
+        f"Redis and health port {elsewhere}, the gateway beyond its Redis and ports {gateway}"
     )
