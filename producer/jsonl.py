@@ -46,9 +46,10 @@ def read_chunks(
 ) -> Iterator[Chunk]:
     """Yield valid chunks; record each bad line (with its number and why) in ``rejected``.
 
-    ``stream`` is binary (a file opened "rb", stdin's buffer). ``check``: the served model's
-    own check of a chunk (``ModelCard.check``: a prompt name it declares, a dimension it has),
-    whose ValueError makes the line a bad line rather than ending the file there."""
+    ``stream`` is binary (a file opened "rb", stdin's buffer). ``check``: the options
+    verifier against the served model (shared/options.py ``verify``: a prompt name it declares,
+    a dimension it has), whose ValueError makes the line a bad line rather than ending the file
+    there."""
     cap = line_cap(limits)
     for line_number, line in _lines(stream, cap):
         if line is None:

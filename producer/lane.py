@@ -19,6 +19,7 @@ from embedfleet.producer.token_ids import TokenIdMaker, TokenIdsUnavailableError
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.model_registry import own_names, read_tokenizer_json, resolve_model
 from embedfleet.shared.modelcard import ModelCard, read_card
+from embedfleet.shared.options import verify
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.redis_conn import connect_client_settings, ensure_groups, redact_url
 from embedfleet.shared.retry import LogOutages, OutageListener, RedisRetry
@@ -168,8 +169,8 @@ class ProducerLane:
 
     async def checked(self, chunk: Chunk, *, deadline: float | None = None) -> Chunk:
         """``chunk``, once the served model (its card, where a worker published one) can honour
-        its options; the card's error saying why not otherwise."""
+        its options; the options verifier's error (shared/options.py) saying why not otherwise."""
         card = await self.model_card(deadline=deadline)
         if card is not None:
-            card.check(chunk)
+            verify(chunk, card)
         return chunk

@@ -508,6 +508,14 @@ def chunk_from_mapping(
         )
     if message.keys() <= _PLAIN_FIELDS:
         return _plain_chunk(chunk_id, text, job, *_token_id_fields(message))
+    return _full_chunk(message, limits, chunk_id, text, job)
+
+
+def _full_chunk(
+    message: Mapping[str, Any], limits: ChunkLimits, chunk_id: str, text: str, job: str | None
+) -> Chunk:
+    """A chunk with fields beyond ``_PLAIN_FIELDS`` (its id, text and job already checked):
+    its meta, reply, deadline, tenant and options checked for form."""
     meta = message.get("meta")
     if meta is not None:
         if not isinstance(meta, dict):

@@ -28,7 +28,15 @@ import numpy as np
 from embedfleet.gateway.errors import APIError
 from embedfleet.gateway.token_ids import IdDecoder
 from embedfleet.producer.tokens import ModelTokenizer
+from embedfleet.shared import options
 from embedfleet.shared.modelcard import ModelCard
+from embedfleet.shared.options import (
+    PromptError,
+    RepresentationError,
+    TokenLimitError,
+    check_token_limit,
+    text_budget,
+)
 from embedfleet.shared.postprocess import normalize
 from embedfleet.shared.protocol import ProtocolError, check_unicode
 from embedfleet.shared.protocol import check_dimensions as check_dimensions_shape
@@ -225,19 +233,18 @@ def check_context(lengths: Sequence[int], max_length: int, param: str = "input")
     (The OpenAI route's extension ``"truncate": true``, or EMBEDFLEET_GATEWAY_OPENAI_TRUNCATE,
     skips this check: the worker then cuts each text to fit, on the right, as
     sentence-transformers does.)"""
-    longest = max(lengths, default=0)
-    if longest <= max_length:
-        return
-    index = lengths.index(longest)
-    raise APIError(
-        400,
-        f"This model's maximum context length is {max_length} tokens, however "
-        f"'{param}[{index}]' has more. Shorten it or split it into chunks, or send "
-        '"truncate": true (an extension of this API; with the openai SDK, '
-        'extra_body={"truncate": True}) to have every input cut to fit.',
-        param=param,
-        code="context_length_exceeded",
-    )
+    try:
+        check_token_limit(lengths, max_length)
+    except TokenLimitError as error:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_length} tokens, however "
+            f"'{param}[{error.index}]' has more. Shorten it or split it into chunks, or send "
+            '"truncate": true (an extension of this API; with the openai SDK, '
+            'extra_body={"truncate": True}) to have every input cut to fit.',
+            param=param,
+            code="context_length_exceeded",
+        ) from None
 
 
 def request_tokens(
@@ -296,40 +303,61 @@ def fit_to_model(
     ``EMBEDFLEET_TRUNCATE=false``. Only ``Left`` needs the maximum here, and says so.
     """
     if max_length is None:
-        if truncate and direction.lower() == "left":
+        return _before_any_card(texts, truncate=truncate, direction=direction)
+    lengths = tokenizer.lengths([prompt + text for text in texts], max_length)
+    try:
+        check_token_limit(lengths, max_length)
+        return list(texts)
+    except TokenLimitError as error:
+        if not truncate:
             raise APIError(
-                503,
-                "truncation_direction=Left needs the model's maximum length, which the workers "
-                "publish when they start; no worker has started yet. Retry in a moment.",
-                type="server_error",
-                code="no_model_card",
-            )
-        return list(texts)
-    limit = max_length
-    lengths = tokenizer.lengths([prompt + text for text in texts], limit)
-    longest = max(lengths, default=0)
-    if longest <= limit:
-        return list(texts)
-    if not truncate:
-        index = lengths.index(longest)
-        raise APIError(
-            422,
-            f"Input validation error: `{param}` must have less than {limit} tokens. "
-            f"Given: {longest} (`{param}[{index}]`). Send truncate=true to cut them to fit, "
-            "or split the text into chunks.",
-            param=param,
-            code="input_too_long",
-        )
+                422,
+                f"Input validation error: `{param}` must have less than {max_length} tokens. "
+                f"Given: {error.tokens} (`{param}[{error.index}]`). Send truncate=true to cut "
+                "them to fit, or split the text into chunks.",
+                param=param,
+                code="input_too_long",
+            ) from None
     if direction.lower() == "right":
         return list(texts)
-    budget = limit - tokenizer.special_tokens - tokenizer.prompt_tokens(prompt)
-    if budget < 1:
+    return _keep_ends(texts, lengths, tokenizer, prompt, max_length, param)
+
+
+def _before_any_card(
+    texts: Sequence[str], *, truncate: bool, direction: TruncationDirection
+) -> list[str]:
+    """``fit_to_model`` before any worker published the model card: the texts as they are (the
+    worker applies its maximum), but ``Left`` needs the maximum here, and says so."""
+    if truncate and direction.lower() == "left":
+        raise APIError(
+            503,
+            "truncation_direction=Left needs the model's maximum length, which the workers "
+            "publish when they start; no worker has started yet. Retry in a moment.",
+            type="server_error",
+            code="no_model_card",
+        )
+    return list(texts)
+
+
+def _keep_ends(
+    texts: Sequence[str],
+    lengths: Sequence[int],
+    tokenizer: ModelTokenizer,
+    prompt: str,
+    limit: int,
+    param: str,
+) -> list[str]:
+    """``truncation_direction=Left``: each text over ``limit`` tokens (``lengths``) cut to its
+    end that fits after the special tokens and the prompt's."""
+    try:
+        budget = text_budget(limit, tokenizer.special_tokens, tokenizer.prompt_tokens(prompt))
+    except TokenLimitError as error:
         raise APIError(
             422,
-            f"the prompt alone fills the model's {limit} tokens; nothing of `{param}` would fit",
+            f"{error}; nothing of `{param}` would fit",
             param="prompt_name",
             code="input_too_long",
-        )
+        ) from None
     return [
         keep_last_tokens(text, tokenizer, budget) if length > limit else text
         for text, length in zip(texts, lengths, strict=True)
@@ -358,7 +386,7 @@ def keep_last_tokens(text: str, tokenizer: ModelTokenizer, budget: int) -> str:
 
 def check_dimensions(dimensions: int | None, card: ModelCard | None) -> None:
     """``dimensions`` as the protocol shapes it (over HTTP at least 1: the whole vector is
-    ``dimensions`` left out) and, with a model card, as the card bounds it; their message in
+    ``dimensions`` left out) and, with a model card, as the verifier bounds it; their message in
     a 400. ``card`` None (no worker has published one yet): the worker refuses one over the
     model's dimension, per chunk."""
     if dimensions is None:
@@ -366,9 +394,30 @@ def check_dimensions(dimensions: int | None, card: ModelCard | None) -> None:
     try:
         check_dimensions_shape(dimensions, whole=False)
         if card is not None:
-            card.check_dimensions(dimensions)
-    except ValueError as error:  # ProtocolError is one
+            options.check_dimensions(dimensions, card)
+    except ProtocolError as error:  # the verifier's DimensionsError is one
         raise APIError(400, str(error), param="dimensions", code="invalid_dimensions") from None
+
+
+def prompt_of(card: ModelCard, name: str | None, param: str | None = "prompt_name") -> str:
+    """The text of the prompt a TEI request names (``""`` for none: TEI's meaning), the
+    verifier's PromptError as TEI answers it (422)."""
+    if name is None:
+        return ""
+    try:
+        return options.prompt_text(card.named_prompts, name)
+    except PromptError as error:
+        raise APIError(422, str(error), param=param, code="invalid_prompt") from None
+
+
+def not_served(card: ModelCard, wanted: str) -> bool:
+    """Whether the model of ``card`` does not give ``wanted`` (the verifier's rule), for a
+    route to answer in its dialect's words."""
+    try:
+        options.require_representation(card, wanted)
+    except RepresentationError:
+        return True
+    return False
 
 
 def unit_vectors(vectors: np.ndarray, unit: bool) -> np.ndarray:

@@ -16,6 +16,7 @@ from embedfleet.gateway.inputs import (
     EmbeddingInput,
     check_dimensions,
     encode_vector,
+    not_served,
     openai_truncate,
     prepare,
     request_tokens,
@@ -84,7 +85,7 @@ async def _dense_embeddings(
     # 404 model_not_found for an unknown one; left out, the one model served (400 if several)
     gateway = await gateway.for_request(body.model)
     card = await gateway.model_card()  # None before any worker started: the worker checks
-    if card is not None and not card.serves("dense"):
+    if card is not None and not_served(card, "dense"):
         raise APIError(
             400,
             f"the model {card.name!r} gives no dense embeddings (it serves "

@@ -42,7 +42,9 @@ from embedfleet.gateway.inputs import (
     TruncationDirection,
     check_limits,
     fit_to_model,
+    not_served,
     prepare_tei,
+    prompt_of,
 )
 from embedfleet.gateway.metrics import Method
 from embedfleet.gateway.state import Gateway, GatewayDep
@@ -80,8 +82,9 @@ class PredictRequest(BaseModel):
 
 
 def require_representation(card: ModelCard, wanted: str, dialect: ErrorDialect) -> None:
-    """Refuse a request for what the served model does not give, in the dialect's status."""
-    if card.serves(wanted):
+    """Refuse a request for what the served model does not give (the verifier's rule), in
+    the dialect's status and words."""
+    if not not_served(card, wanted):
         return
     what = {
         "sparse": "a SPLADE (SparseEncoder) model",
@@ -110,12 +113,7 @@ async def _tei_texts(
     require_representation(card, representation, DIALECT)
     # checked and tokenized off the event loop: it grows with the request
     texts, truncate = await asyncio.to_thread(prepare_tei, body, gateway)
-    prompt = ""
-    if body.prompt_name is not None:
-        try:
-            prompt = card.prompt_text(body.prompt_name)
-        except ValueError as error:
-            raise APIError(422, str(error), code="invalid_prompt") from None
+    prompt = prompt_of(card, body.prompt_name, param=None)
     texts = await asyncio.to_thread(
         fit_to_model,
         texts,

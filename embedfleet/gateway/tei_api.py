@@ -20,7 +20,9 @@ from embedfleet.gateway.inputs import (
     check_dimensions,
     check_limits,
     fit_to_model,
+    not_served,
     prepare_tei,
+    prompt_of,
     unit_vectors,
 )
 from embedfleet.gateway.state import Gateway, GatewayDep, wire_options
@@ -116,7 +118,7 @@ async def _embed(body: EmbedRequest, gateway: Gateway) -> list[list[float]]:
 def _check_against_card(card: ModelCard, body: EmbedRequest) -> str:
     """What TEI refuses that only the model card can tell (``dimensions`` over the model's, a
     prompt name the model lacks); the prompt's text."""
-    if not card.serves("dense"):
+    if not_served(card, "dense"):
         raise APIError(
             424,
             f"the model {card.name!r} gives no dense embeddings (it serves "
@@ -124,12 +126,7 @@ def _check_against_card(card: ModelCard, body: EmbedRequest) -> str:
             code="representation_not_served",
         )
     check_dimensions(body.dimensions, card)
-    if body.prompt_name is None:
-        return ""
-    try:
-        return card.prompt_text(body.prompt_name)
-    except ValueError as error:
-        raise APIError(422, str(error), param="prompt_name", code="invalid_prompt") from None
+    return prompt_of(card, body.prompt_name)
 
 
 @router.get("/info")
@@ -219,10 +216,7 @@ async def tokenize(body: TokenizeRequest, gateway: GatewayDep) -> StreamingRespo
     prompt = ""
     if body.prompt_name:
         card = await gateway.require_card()  # the prompts are the workers' to publish
-        try:
-            prompt = card.prompt_text(body.prompt_name)
-        except ValueError as error:
-            raise APIError(422, str(error), param="prompt_name", code="invalid_prompt") from None
+        prompt = prompt_of(card, body.prompt_name)
     texts = [prompt + text for text in inputs]
     # a sync iterator: Starlette runs each step of it on a worker thread
     return StreamingResponse(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import signal
 import sys
@@ -44,6 +45,7 @@ from embedfleet.shared.exit_codes import ExitCode
 from embedfleet.shared.jobs import JobProgress
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import configure_logging
+from embedfleet.shared.options import verify
 from embedfleet.shared.progress import Progress
 from embedfleet.shared.protocol import QueryFailedError, Result
 from embedfleet.shared.settings import Settings
@@ -365,12 +367,11 @@ async def _enqueue(
     dead: list[int],
 ) -> Enqueued:
     async with client_for(settings, run.model) as producer:
-        # the served model's own check, per line: a line it refuses (an unknown prompt_name)
-        # is a bad line, and the lines around it are still enqueued
+        # the options verifier, per line, against the served model's card: a line it refuses
+        # (an unknown prompt_name) is a bad line, and the lines around it are still enqueued
         card = await producer.model_card()
-        chunks = read_chunks(
-            source, job, rejected, settings.chunk_limits, None if card is None else card.check
-        )
+        check = None if card is None else functools.partial(verify, card=card)
+        chunks = read_chunks(source, job, rejected, settings.chunk_limits, check)
         with Progress("enqueue", "chunks") as bar:
             try:
                 count = await producer.enqueue(
