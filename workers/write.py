@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from embedfleet.shared.dead_letters import DeadReason
-from embedfleet.shared.fault_kinds import FaultKind, System, WorkerFault
+from embedfleet.shared.fault_kinds import Fault, FaultKind, System, WorkerFault
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import Chunk, Result
@@ -186,33 +186,43 @@ class Writer:
                     half = len(rows) // 2
                     todo += [rows[half:], rows[:half]]
                 elif fault.kind is FaultKind.ROW:
-                    row = rows[0]
-                    detail = f"{fault.system} refused the row: {fault.detail}"
-                    refused = Rejected.chunk(
-                        deliveries[row], chunks[row], DeadReason.SINK_REFUSED, detail
-                    )
-                    try:
-                        await self.parts.dead_letters.send([refused])
-                        self.parts.in_flight.release([refused])
-                    except Exception as redis_error:  # the row is tried again after the wait
-                        await ride.wait(transient_or_raise(redis_error, System.REDIS))
-                    else:
+                    if await self._refuse_row(deliveries[rows[0]], chunks[rows[0]], fault, ride):
                         todo.pop()
                 else:
                     failures += 1
-                    if failures >= self.parts.settings.sink_retries:
-                        raise WorkerFault.from_fault(
-                            fault, f"writing results ({failures} tries)"
-                        ) from error
-                    log.warning(
-                        "sink write failed, retrying",
-                        system=fault.system.value,
-                        error=fault.detail,
-                        tries=failures,
-                        of=self.parts.settings.sink_retries,
-                    )
-                    await ride.pause(fault)
+                    await self._retry_later(fault, error, failures, ride)
                 continue
             ride.succeeded()
             written += len(rows)
         return written
+
+    async def _refuse_row(
+        self, delivery: Delivery, chunk: Chunk, fault: Fault, ride: RideOut
+    ) -> bool:
+        """Dead-letter the one row the database refused, with its message: False when Redis
+        failed meanwhile (waited out; the row is tried again)."""
+        detail = f"{fault.system} refused the row: {fault.detail}"
+        refused = Rejected.chunk(delivery, chunk, DeadReason.SINK_REFUSED, detail)
+        try:
+            await self.parts.dead_letters.send([refused])
+            self.parts.in_flight.release([refused])
+        except Exception as redis_error:  # the row is tried again after the wait
+            await ride.wait(transient_or_raise(redis_error, System.REDIS))
+            return False
+        return True
+
+    async def _retry_later(
+        self, fault: Fault, error: Exception, failures: int, ride: RideOut
+    ) -> None:
+        """A fault not known to pass: paused and tried again, until the ``failures``-th of
+        EMBEDFLEET_SINK_RETRIES stops the worker with a WorkerFault naming the setting."""
+        if failures >= self.parts.settings.sink_retries:
+            raise WorkerFault.from_fault(fault, f"writing results ({failures} tries)") from error
+        log.warning(
+            "sink write failed, retrying",
+            system=fault.system.value,
+            error=fault.detail,
+            tries=failures,
+            of=self.parts.settings.sink_retries,
+        )
+        await ride.pause(fault)
