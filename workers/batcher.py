@@ -72,6 +72,24 @@ def plan_batches(
         return []
     order = sorted(range(len(lengths)), key=lambda position: lengths[position], reverse=True)
     ordered = np.array([lengths[p] for p in order], dtype=np.int64)
+    widths = ordered.tolist()  # scalars from a list: numpy scalar access costs more per step
+    # the most texts a batch led by each text may hold, where time bounds it: (j - i) shrinks
+    # and cap[i] grows as i grows, so the batches that fit are still those from ``low`` on
+    cap = None if max_texts is None else np.asarray(max_texts(ordered), dtype=np.int64).tolist()
+    start = _cheapest_cuts(ordered, widths, cap, token_budget, max_batch, batch_cost_tokens)
+    return _planned(order, ordered, widths, start)
+
+
+def _cheapest_cuts(
+    ordered: np.ndarray,
+    widths: list[int],
+    cap: list[int] | None,
+    token_budget: int,
+    max_batch: int,
+    batch_cost_tokens: int,
+) -> list[int]:
+    """``start[j]``: where the last batch of the cheapest plan of the j longest texts begins
+    (``ordered``, longest first; ``widths`` the same as a list; ``cap``: ``max_texts``'s)."""
     count = len(ordered)
     # best[j]: least cost of batching the j longest texts; start[j]: where the last batch of
     # that best plan begins. A batch [i, j) is as wide as its first (longest) text, ordered[i],
@@ -81,10 +99,6 @@ def plan_batches(
     # ordered[i] both shrink as i grows. So each step is one slice, not a masked window
     # (issue 29: the masked window cost ~40 µs a text on a loaded host, at CUDA's window as at
     # the CPU's; this is the same plan, tie for tie, in a fraction of it). Integer costs, exact.
-    widths = ordered.tolist()  # scalars from a list: numpy scalar access costs more per step
-    # the most texts a batch led by each text may hold, where time bounds it: (j - i) shrinks
-    # and cap[i] grows as i grows, so the batches that fit are still those from ``low`` on
-    cap = None if max_texts is None else np.asarray(max_texts(ordered), dtype=np.int64).tolist()
     best = [0] * (count + 1)
     base = np.zeros(count + 1, dtype=np.int64)  # base[0] = best[0] - 0 = 0
     start = [0] * (count + 1)
@@ -101,8 +115,15 @@ def plan_batches(
         start[end] = low + pick
         if end < count:
             base[end] = best[end] - end * widths[end]
+    return start
+
+
+def _planned(
+    order: list[int], ordered: np.ndarray, widths: list[int], start: list[int]
+) -> list[PlannedBatch]:
+    """The batches ``start`` cuts, longest first, each one's positions shortest first."""
     batches: list[PlannedBatch] = []
-    end = count
+    end = len(ordered)
     while end > 0:
         begin = start[end]
         positions = [order[k] for k in range(end - 1, begin - 1, -1)]  # shortest first
