@@ -30,10 +30,7 @@ async def test_results_are_written_and_their_entries_acknowledged(
         await sink.write(results, deliveries[:2])
     await sink.write(results, deliveries)
     written = await client.xrange(keys.results)
-    stored = [
-        decode_result(fields[b"r"] if b"r" in fields else next(iter(fields.values())))
-        for _, fields in written
-    ]
+    stored = [decode_result(fields[b"m"]) for _, fields in written]  # field m: the message
     assert [(r.id, r.vector.tolist()) for r in stored] == [
         (f"c{n}", [float(n)] * 4) for n in range(3)
     ]
