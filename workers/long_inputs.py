@@ -136,6 +136,38 @@ class Rejoin:
         """One collected batch's rows (``deliveries`` accounted per row) → the rows of whole
         inputs: the others as they are, then each long input whose last window this is, pooled
         (its tokens and model time summed); rows of inputs still waiting are held."""
+        keep, done = self._collect(chunks, deliveries, tokens, vectors, content_keys)
+        out_chunks = [chunks[r] for r in keep]
+        out_deliveries = [deliveries[r] for r in keep]
+        out_tokens = [tokens[r] for r in keep]
+        out_keys = [content_keys[r] for r in keep] if content_keys else []
+        # the batch was computed before Normalize (``before_normalize``): the other texts'
+        # rows are normalised here as the model would have
+        kept = np.asarray(vectors[keep], dtype=np.float32)
+        parts = [normalized_except(kept, out_chunks, self.normalize)] if keep else []
+        if done:
+            parts.append(
+                normalized_except(_pooled(done), [chunk for chunk, _ in done], self.normalize)
+            )
+            out_chunks += [chunk for chunk, _ in done]
+            out_deliveries += [_summed(pending.deliveries) for _, pending in done]
+            out_tokens += [whole(pending.tokens) for _, pending in done]
+            if content_keys:
+                out_keys += [pending.content_key for _, pending in done]
+        width = vectors.shape[1] if vectors.ndim == 2 else 0
+        joined = np.concatenate(parts) if parts else np.zeros((0, width), dtype=np.float32)
+        return out_chunks, out_deliveries, out_tokens, joined, out_keys
+
+    def _collect(
+        self,
+        chunks: list[Chunk],
+        deliveries: list[Delivery],
+        tokens: list[Tokenized],
+        vectors: np.ndarray,
+        content_keys: list[str | None],
+    ) -> tuple[list[int], list[tuple[Chunk, _Pending]]]:
+        """The batch's rows of other inputs (to hand on), and the long inputs this batch
+        completes; the rows of long inputs are added to what is held for them."""
         keep: list[int] = []
         done: list[tuple[Chunk, _Pending]] = []
         for row, delivery in enumerate(deliveries):
@@ -152,44 +184,33 @@ class Rejoin:
                 pending.content_key = content_keys[row]
             if len(pending.vectors) == pending.expected:
                 done.append((chunks[row], self._pending.pop(key)))
-        out_chunks = [chunks[r] for r in keep]
-        out_deliveries = [deliveries[r] for r in keep]
-        out_tokens = [tokens[r] for r in keep]
-        out_keys = [content_keys[r] for r in keep] if content_keys else []
-        # the batch was computed before Normalize (``before_normalize``): the other texts'
-        # rows are normalised here as the model would have
-        kept = np.asarray(vectors[keep], dtype=np.float32)
-        parts = [normalized_except(kept, out_chunks, self.normalize)] if keep else []
-        if done:
-            rows = [vector for _, pending in done for vector in pending.vectors]
-            pooled = pool_windows(
-                np.stack(rows),
-                [pending.expected for _, pending in done],
-                [t.length for _, pending in done for t in pending.tokens],
-                normalize=False,
-            )
-            parts.append(normalized_except(pooled, [chunk for chunk, _ in done], self.normalize))
-            for chunk, pending in done:
-                first = pending.deliveries[0]
-                out_chunks.append(chunk)
-                out_deliveries.append(
-                    Delivery(
-                        first.stream,
-                        first.entry_id,
-                        first.job,
-                        first.tenant,
-                        first.model,
-                        sum(d.tokens for d in pending.deliveries),
-                        sum(d.model_us for d in pending.deliveries),
-                        first.copy,
-                    )
-                )
-                out_tokens.append(whole(pending.tokens))
-                if content_keys:
-                    out_keys.append(pending.content_key)
-        width = vectors.shape[1] if vectors.ndim == 2 else 0
-        joined = np.concatenate(parts) if parts else np.zeros((0, width), dtype=np.float32)
-        return out_chunks, out_deliveries, out_tokens, joined, out_keys
+        return keep, done
+
+
+def _pooled(done: list[tuple[Chunk, _Pending]]) -> np.ndarray:
+    """Each completed long input's windows pooled into one row (not normalised yet)."""
+    rows = [vector for _, pending in done for vector in pending.vectors]
+    return pool_windows(
+        np.stack(rows),
+        [pending.expected for _, pending in done],
+        [t.length for _, pending in done for t in pending.tokens],
+        normalize=False,
+    )
+
+
+def _summed(deliveries: list[Delivery]) -> Delivery:
+    """A long input's delivery: its first window's, with every window's tokens and model time."""
+    first = deliveries[0]
+    return Delivery(
+        first.stream,
+        first.entry_id,
+        first.job,
+        first.tenant,
+        first.model,
+        sum(d.tokens for d in deliveries),
+        sum(d.model_us for d in deliveries),
+        first.copy,
+    )
 
 
 def expand(
