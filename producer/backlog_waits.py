@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from embedfleet.producer.enqueue import Enqueued
@@ -48,6 +49,25 @@ class TenantBacklogFullError(RuntimeError):
             "not added: enqueue them again once there is room (a job skips the chunks it "
             "already has)"
         )
+
+
+@dataclass(frozen=True)
+class TenantRoom:
+    """A tenant's entries over all partitions (``held``) against its
+    EMBEDFLEET_TENANT_MAX_BACKLOG (``limit``; None: no limit): the one comparison of a tenant's
+    backlog, for the producer's waits and the gateway's 429 and Batch API slices alike."""
+
+    held: int
+    limit: int | None
+
+    @property
+    def left(self) -> int | None:
+        """Entries the tenant may still add; None: no limit."""
+        return None if self.limit is None else max(self.limit - self.held, 0)
+
+    @property
+    def full(self) -> bool:
+        return self.left == 0
 
 
 def _waited(wait_s: float) -> str:
@@ -93,6 +113,26 @@ class BacklogWaits:
         name = tenants.resolve(tenant if tenant is not None else self.lane.tenant)
         return tenant_backlog(await self.partition_backlogs(), tenants.wire(name))
 
+    def room(self, name: str, backlogs: Sequence[PartitionBacklog]) -> TenantRoom:
+        """Tenant ``name``'s room over all partitions, from ``backlogs`` (every partition's)."""
+        tenants = self.lane.tenants
+        limit = tenants.backlog_limit(name)
+        return TenantRoom(tenant_backlog(backlogs, tenants.wire(name)), limit)
+
+    async def room_for(
+        self, tenant: str | None = None, backlogs: Sequence[PartitionBacklog] | None = None
+    ) -> TenantRoom:
+        """A tenant's room (its name, or None for the producer's own tenant, else the default),
+        from ``backlogs`` where the caller read them; read here otherwise, unless the tenant
+        has no limit (then nothing is read: ``held`` 0)."""
+        tenants = self.lane.tenants
+        name = tenants.resolve(tenant if tenant is not None else self.lane.tenant)
+        if backlogs is None:
+            if tenants.backlog_limit(name) is None:
+                return TenantRoom(0, None)
+            backlogs = await self.partition_backlogs()
+        return self.room(name, backlogs)
+
     async def fullest(self, partitions: list[Keys]) -> int:
         """The fullest of these partitions (all its tenants' streams together)."""
         return max(b.total for b in await self.partition_backlogs(partitions))
@@ -125,28 +165,22 @@ class BacklogWaits:
         ``wait_s`` (the call's, else EMBEDFLEET_TENANT_BACKLOG_WAIT_S); then
         TenantBacklogFullError."""
         policy = self.lane.tenants
-        limits = {
-            wire: limit
-            for wire in tenants
-            if (limit := policy.backlog_limit(policy.named(wire))) is not None
-        }
-        if not limits:
+        limited = [
+            name for name in map(policy.named, tenants) if policy.backlog_limit(name) is not None
+        ]
+        if not limited:
             return
         give_up_at = time.monotonic() + wait_s
         warned = False
         while True:
             backlogs = await self.partition_backlogs()
-            full = {
-                policy.named(wire): (held, limit)
-                for wire, limit in limits.items()
-                if (held := tenant_backlog(backlogs, wire)) >= limit
-            }
+            full = {name: room for name in limited if (room := self.room(name, backlogs)).full}
             if not full:
                 return
             if time.monotonic() >= give_up_at:
                 raise TenantBacklogFullError(
                     "tenant backlog full: "
-                    + ", ".join(f"{t} holds {h} of {lim}" for t, (h, lim) in full.items())
+                    + ", ".join(f"{t} holds {r.held} of {r.limit}" for t, r in full.items())
                     + " entries (EMBEDFLEET_TENANT_MAX_BACKLOG) "
                     + _waited(wait_s)
                 )

@@ -8,7 +8,9 @@ through it:
 - ``Enqueuer`` (producer/enqueuer.py, producer/partition_writes.py): chunks checked, stamped
   and sent in batches through the enqueue script;
 - ``BacklogWaits`` (producer/backlog_waits.py): the backlog, the waits for room;
-- ``Queries`` (producer/queries.py): requests on the query and interactive streams;
+- ``Queries`` (producer/queries.py): requests on the query and interactive streams, with the
+  calls for sparse weights, pair scores and several representations in
+  producer/representation_calls.py (``RepresentationCalls``, the lane's class Producer extends);
 - producer/jobs.py: a job's progress and the wait for its end;
 - ``Results`` (producer/results.py): the results streams read back;
 - ``DocumentSplitters`` (producer/document_splitters.py): whole documents into chunks.
@@ -30,6 +32,7 @@ import numpy as np
 
 from embedfleet.producer.backlog_waits import BacklogWaits
 from embedfleet.producer.backlog_waits import TenantBacklogFullError as TenantBacklogFullError
+from embedfleet.producer.backlog_waits import TenantRoom as TenantRoom
 from embedfleet.producer.chunks import ChunkLike as ChunkLike
 from embedfleet.producer.chunks import EmbeddingOptions as EmbeddingOptions
 from embedfleet.producer.chunks import as_chunk as as_chunk
@@ -39,24 +42,23 @@ from embedfleet.producer.enqueuer import Enqueuer
 from embedfleet.producer.jobs import JobTimeoutError as JobTimeoutError
 from embedfleet.producer.jobs import read_progress, wait_for
 from embedfleet.producer.lane import CARD_RECHECK_S as CARD_RECHECK_S
-from embedfleet.producer.lane import ProducerLane
 from embedfleet.producer.partition_writes import (
     ReplicasNotConfirmedError as ReplicasNotConfirmedError,
 )
-from embedfleet.producer.queries import Queries, RequestStream
 from embedfleet.producer.queries import QueryTimeoutError as QueryTimeoutError
+from embedfleet.producer.representation_calls import RepresentationCalls
 from embedfleet.producer.results import Results
 from embedfleet.producer.results_reader import ResultsReader
 from embedfleet.shared.backlog import PartitionBacklog
 from embedfleet.shared.jobs import JobProgress
 from embedfleet.shared.keys import Keys
-from embedfleet.shared.protocol import Result, SparseVector
+from embedfleet.shared.protocol import Result
 
 if TYPE_CHECKING:
     from embedfleet.producer.documents import Document, DocumentSplitter
 
 
-class Producer(ProducerLane):
+class Producer(RepresentationCalls):
     """Enqueue chunks and follow jobs. Built from the same settings as every other part.
 
     ``async with Producer() as producer: await producer.enqueue([...], job="docs-v1")``
@@ -83,10 +85,6 @@ class Producer(ProducerLane):
     @cached_property
     def _enqueuer(self) -> Enqueuer:
         return Enqueuer(self, self._waits)
-
-    @cached_property
-    def _queries(self) -> Queries:
-        return Queries(self)
 
     @cached_property
     def _results(self) -> Results:
@@ -223,6 +221,13 @@ class Producer(ProducerLane):
         the producer's own tenant, else the default)."""
         return await self._waits.tenant_backlog(tenant)
 
+    async def room_for(
+        self, tenant: str | None = None, backlogs: Sequence[PartitionBacklog] | None = None
+    ) -> TenantRoom:
+        """A tenant's backlog against its EMBEDFLEET_TENANT_MAX_BACKLOG (``TenantRoom``: held,
+        limit, left, full), the one place it is compared (producer/backlog_waits.py)."""
+        return await self._waits.room_for(tenant, backlogs)
+
     # --- priority queries -------------------------------------------------------------
     async def embed_query(
         self,
@@ -270,81 +275,6 @@ class Producer(ProducerLane):
         names one. Timeouts, withdrawal and Redis faults as ``embed_queries``; ``model`` too."""
         lane = await self.for_model(model, deadline=time.monotonic() + timeout)
         return await lane._queries.embed(texts, "texts", timeout, options)
-
-    async def embed_sparse(
-        self,
-        texts: Sequence[str],
-        *,
-        timeout: float = 10.0,
-        max_active_dims: int | None = None,
-        lane: RequestStream = "query",
-    ) -> list[SparseVector]:
-        """Sparse (SPLADE) weights of ``texts`` from a fleet serving a SparseEncoder, as
-        ``SparseEncoder.encode`` gives them (``max_active_dims``: only the largest that many
-        per text). ``lane``: the query stream (few, short texts) or the interactive one.
-        Timeouts and Redis faults as :meth:`embed_queries`."""
-        return await self._queries.embed_sparse(texts, timeout, max_active_dims, lane)
-
-    async def rerank(
-        self,
-        query: str,
-        documents: Sequence[str],
-        *,
-        timeout: float = 10.0,
-        lane: RequestStream = "query",
-        raw_scores: bool = False,
-    ) -> np.ndarray:
-        """Scores of (``query``, document) for each document, in the documents' order, from a
-        fleet serving a cross-encoder: ``CrossEncoder.predict``'s values (``raw_scores``: the
-        logits before the model's activation, as TEI's ``raw_scores``). Sort them to rank.
-        A thousand documents belong on ``lane="texts"`` (bulk-sized batches)."""
-        return await self._queries.rerank(query, documents, timeout, lane, raw_scores)
-
-    async def score_pairs(
-        self,
-        pairs: Sequence[tuple[str, str | None]],
-        *,
-        timeout: float = 10.0,
-        lane: RequestStream = "query",
-        raw_scores: bool = False,
-    ) -> np.ndarray:
-        """Every label's score of each (text, text) pair from a cross-encoder fleet, shape
-        (len(pairs), labels): ``CrossEncoder.predict``'s values (one column for a reranker;
-        ``raw_scores``: the logits before its activation). A pair ``(text, None)`` is the text
-        classified alone, one sequence (TEI's single-text ``/predict``, the text-classification
-        pipeline's input)."""
-        return await self._queries.score_pairs(pairs, timeout, lane, raw_scores)
-
-    async def embed_representations(
-        self,
-        texts: Sequence[str],
-        representations: Sequence[str],
-        *,
-        timeout: float = 10.0,
-        lane: RequestStream = "query",
-        options: EmbeddingOptions | None = None,
-        max_active_dims: int | None = None,
-        multivector_dtype: str | None = None,
-        token_states: bool = False,
-    ) -> list[Result]:
-        """Several representations of each text from one forward pass of a model that gives
-        them (BGE-M3: ``dense``, ``sparse``, ``multivector``): each text's Result, in order,
-        with ``vector`` (dense), ``sparse`` and ``multivector`` (per-token vectors, float16 or
-        ``multivector_dtype="int8"`` on the wire) filled as asked. ``token_states``: the
-        ``multivector`` holds instead every token's last hidden state, float32, special tokens
-        included (sentence-transformers' ``output_value="token_embeddings"``), from any model
-        with a dense pipeline (``representations=["dense"]``). ``lane`` and timeouts as
-        :meth:`embed_sparse`; ``options`` shape the dense vector as :meth:`embed_queries`."""
-        return await self._queries.embed_representations(
-            texts,
-            representations,
-            timeout,
-            lane,
-            options,
-            max_active_dims,
-            multivector_dtype,
-            token_states,
-        )
 
     # --- jobs and results ---------------------------------------------------------------
     async def progress(

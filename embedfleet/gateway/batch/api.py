@@ -212,15 +212,13 @@ async def refuse_full_tenant(store: BatchStore, settings: Settings, owner: str, 
     """429 while the tenant the owner (or the batch's job) maps to holds its
     EMBEDFLEET_TENANT_MAX_BACKLOG entries (shared/tenants.py)."""
     tenant = batch_tenant(settings, owner, job)
-    limit = settings.tenant_policy.backlog_limit(tenant)
-    if limit is None:
-        return
-    held = await store.producer.tenant_backlog(tenant)
-    if held >= limit:
+    room = await store.producer.room_for(tenant)
+    if room.full:
         raise retry_later(
             429,
-            f"tenant {tenant!r} has {held:,} entries waiting, at its limit "
-            f"(EMBEDFLEET_TENANT_MAX_BACKLOG: {limit:,}); retry after the Retry-After seconds",
+            f"tenant {tenant!r} has {room.held:,} entries waiting, at its limit "
+            f"(EMBEDFLEET_TENANT_MAX_BACKLOG: {room.limit:,}); retry after the Retry-After "
+            "seconds",
             "tenant_backlog_full",
             settings.gateway_retry_after_s,
         )

@@ -100,7 +100,6 @@ from embedfleet.gateway.errors import APIError
 from embedfleet.gateway.state import Gateway, wire_options
 from embedfleet.producer.client import Producer, TenantBacklogFullError
 from embedfleet.shared import scripts
-from embedfleet.shared.backlog import tenant_backlog
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import (
@@ -665,12 +664,7 @@ class BatchSlices:
         backlogs = await self.producer.partition_backlogs()
         if max(backlog.total for backlog in backlogs) >= settings.backlog_high_water:
             return 0  # backpressure: wait, as Producers do (without holding the runner)
-        tenants = settings.tenant_policy
-        limit = tenants.backlog_limit(tenant)
-        if limit is None:
-            return None
-        room = limit - tenant_backlog(backlogs, tenants.wire(tenant))
-        return max(room, 0)
+        return (await self.producer.room_for(tenant, backlogs)).left
 
     def _read_slice(self, batch: dict, fields: dict[str, Any], room: int | None) -> Slice:
         """The input lines after the cursor, up to LINES_PER_SLICE or the inputs ``room`` has
