@@ -205,7 +205,33 @@ async def read_fleet(
     consumer_states, job_counters = await _read_consumers_and_jobs(
         client, keys, consumer_keys, first.job_names
     )
-    states = {
+    states = _stream_states(per_stream, first, consumer_states)
+    names = stream_keys(keys)
+    return FleetState(
+        taken_at=time.time(),
+        monotonic=time.monotonic(),
+        streams={
+            name: _total(name, names[name], [states[key] for key in per_stream[name]])
+            for name in FLEET_STREAMS
+        },
+        jobs=_job_totals(first.job_names, job_counters, len(keys.partitions_keys)),
+        dead_latest=tuple(
+            DeadLetter.from_fields(dead_id, fields) for dead_id, fields in first.dead_entries
+        ),
+        tenants=_tenant_totals(registered, states),
+        usage=first.usage,
+        partitions=_partition_states(client, keys, registered, states, first.lengths),
+        cache=first.cache,
+    )
+
+
+def _stream_states(
+    per_stream: dict[str, list[str]],
+    first: _StreamsRead,
+    consumer_states: dict[str, tuple[ConsumerState, ...]],
+) -> dict[str, StreamState]:
+    """Each stream key's state (every partition's and tenant's), from the round trips' replies."""
+    return {
         key: StreamState(
             name=name,
             key=key,
@@ -216,26 +242,15 @@ async def read_fleet(
         for name in FLEET_STREAMS
         for key in per_stream[name]
     }
-    names = stream_keys(keys)
-    per_job = len(keys.partitions_keys)
-    return FleetState(
-        taken_at=time.time(),
-        monotonic=time.monotonic(),
-        streams={
-            name: _total(name, names[name], [states[key] for key in per_stream[name]])
-            for name in FLEET_STREAMS
-        },
-        jobs=tuple(
-            JobProgress.summed(job, job_counters[i * per_job : (i + 1) * per_job])
-            for i, job in enumerate(first.job_names)
-        ),
-        dead_latest=tuple(
-            DeadLetter.from_fields(dead_id, fields) for dead_id, fields in first.dead_entries
-        ),
-        tenants=_tenant_totals(registered, states),
-        usage=first.usage,
-        partitions=_partition_states(client, keys, registered, states, first.lengths),
-        cache=first.cache,
+
+
+def _job_totals(
+    job_names: list[str], job_counters: list[Any], partitions: int
+) -> tuple[JobProgress, ...]:
+    """Each job's progress, summed over its ``partitions`` counters (read job by job)."""
+    return tuple(
+        JobProgress.summed(job, job_counters[i * partitions : (i + 1) * partitions])
+        for i, job in enumerate(job_names)
     )
 
 
