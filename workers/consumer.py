@@ -33,7 +33,7 @@ too. (The query stream has its own reader, the query lane, which goes ahead of b
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -236,25 +236,11 @@ class StreamConsumer:
         entries = self._entries(interactive)
         if entries:
             return entries
-        by_tenant: dict[str, dict[str, int]] = {}
-        for stream, length in zip(streams, lengths, strict=True):
-            by_tenant.setdefault(self.tenant_of(stream), {})[stream] = length
-        # a rated tenant's backlog as far as its cap goes: asked no more, what its weight would
-        # have given beyond goes to the others
-        backlogs = {tenant: sum(parts.values()) for tenant, parts in by_tenant.items()}
-        backlogs.update({t: min(backlogs[t], cap) for t, cap in caps.items() if t in backlogs})
+        by_tenant, backlogs = tenant_backlogs(streams, lengths, self.tenant_of, caps)
         asks = self.fair.plan(count, backlogs, self.rates.holding)
         shares = self.fair.split(asks, by_tenant)
         pipe = self.client.pipeline(transaction=False)
-        total_share = sum(shares.values())
-        for stream, share in shares.items():
-            if self.max_read_bytes is None:
-                pipe.xreadgroup(self.keys.group, self.consumer, {stream: ">"}, count=share)
-                continue
-            # each stream's part of the bytes, as of the entries: the read stays within the
-            # bound (and a stream's first entry, whatever its size, so every stream progresses)
-            budget = max(1, self.max_read_bytes * share // total_share)
-            queue_bounded_read(pipe, self.keys.group, self.consumer, stream, share, budget)
+        queue_share_reads(pipe, self.keys.group, self.consumer, shares, self.max_read_bytes)
         self.rates.queue_returns(pipe, asks)  # granted, not asked for: the others' now
         if not len(pipe):
             return []
@@ -351,6 +337,40 @@ async def new_stream_lengths(client: aioredis.Redis, keys: Keys, new: Sequence[s
     for stream in new:
         pipe.xlen(stream)
     return [int(n) for n in await pipe.execute()]
+
+
+def tenant_backlogs(
+    streams: Sequence[str],
+    lengths: Sequence[int],
+    tenant_of: Callable[[str], str],
+    caps: dict[str, int],
+) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
+    """Each tenant's streams with their lengths, and its backlog: their sum, a rated tenant's
+    no more than its cap (``caps``: what its token bucket granted)."""
+    by_tenant: dict[str, dict[str, int]] = {}
+    for stream, length in zip(streams, lengths, strict=True):
+        by_tenant.setdefault(tenant_of(stream), {})[stream] = length
+    # a rated tenant's backlog as far as its cap goes: asked no more, what its weight would
+    # have given beyond goes to the others
+    backlogs = {tenant: sum(parts.values()) for tenant, parts in by_tenant.items()}
+    backlogs.update({t: min(backlogs[t], cap) for t, cap in caps.items() if t in backlogs})
+    return by_tenant, backlogs
+
+
+def queue_share_reads(
+    pipe: Pipeline, group: str, consumer: str, shares: dict[str, int], max_bytes: int | None
+) -> None:
+    """Queue each stream's read of its share of a bulk read: XREADGROUP, or where the read is
+    bounded in bytes (``max_bytes``) ``queue_bounded_read``."""
+    total_share = sum(shares.values())
+    for stream, share in shares.items():
+        if max_bytes is None:
+            pipe.xreadgroup(group, consumer, {stream: ">"}, count=share)
+            continue
+        # each stream's part of the bytes, as of the entries: the read stays within the
+        # bound (and a stream's first entry, whatever its size, so every stream progresses)
+        budget = max(1, max_bytes * share // total_share)
+        queue_bounded_read(pipe, group, consumer, stream, share, budget)
 
 
 def queue_bounded_read(
