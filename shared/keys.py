@@ -22,6 +22,8 @@ import re
 import zlib
 from dataclasses import dataclass, replace
 
+from embedfleet.shared.batch_keys import BatchKeys
+
 DEFAULT_NAMESPACE = "embedfleet"
 DEFAULT_GROUP = "workers"
 # the group consuming results readers read each results stream through (producer/results_reader.py)
@@ -32,7 +34,6 @@ QUERY_LANE_TAG = "q"
 # a model lane's name (``model`` in chunks, queries and requests): no ':' or braces, so it can
 # neither forge another lane's keys nor add a hash tag
 MODEL_LANE_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
-BATCHES_TAG = "b"
 # a tenant's name (``tenant`` in chunks, EMBEDFLEET_TENANT_WEIGHTS, the usage fields): no ':',
 # '|' or braces, so it can neither forge another key nor split a usage field
 TENANT_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -107,13 +108,15 @@ def partition_of(chunk_id: str, count: int) -> int:
 
 
 @dataclass(frozen=True)
-class Keys:
+class Keys(BatchKeys):
     """Key names for one namespace. Build it once from settings and pass it around.
 
     The fleet's ``Keys`` (``tag`` None) names the keys directly when there is one partition.
     With more, ask it for a partition's key set (``partition(i)``, ``partition_for(id)``,
     ``partitions_keys``) or the query lane's (``query_lane``); asking the fleet-wide set for a
     per-partition key raises, so no code path can silently write to an unread key.
+    The Batch API's keys (``batch``, ``batches``, ...) come from ``BatchKeys``
+    (shared/batch_keys.py).
     """
 
     namespace: str = DEFAULT_NAMESPACE
@@ -386,40 +389,6 @@ class Keys:
         ``64``, ``64-raw``): written once, by the first worker that needs them or from
         ``EMBEDFLEET_CALIBRATION_FILE``, then shared (workers/calibration.py)."""
         return f"{self.namespace}:calibration:{model}:{variant}"
-
-    @property
-    def _batch_prefix(self) -> str:
-        """The Batch API's keys: with partitions (Redis Cluster) under one hash tag of their own,
-        since a batch's record, the index and the active set change together in one MULTI,
-        which a cluster runs only within one slot."""
-        return f"{self.namespace}:{{{BATCHES_TAG}}}" if self.partitioned else self.namespace
-
-    def batch(self, batch_id: str) -> str:
-        """Hash of one Batch API batch (the gateway's): its OpenAI fields and progress."""
-        return f"{self._batch_prefix}:batch:{batch_id}"
-
-    @property
-    def batches(self) -> str:
-        """Sorted set of batch ids by creation time, for ``GET /v1/batches``."""
-        return f"{self._batch_prefix}:batches"
-
-    @property
-    def batches_active(self) -> str:
-        """Set of batches some gateway still has to enqueue or finalize."""
-        return f"{self._batch_prefix}:batches:active"
-
-    def owner_batches(self, owner: str) -> str:
-        """Sorted set of one owner's batch ids by creation time: ``GET /v1/batches`` lists only
-        the caller's (an owner is a hash of its API key, gateway/auth.py)."""
-        return f"{self._batch_prefix}:owner:{owner}:batches"
-
-    def owner_batches_active(self, owner: str) -> str:
-        """Set of one owner's active batches, for EMBEDFLEET_BATCH_MAX_ACTIVE_PER_OWNER."""
-        return f"{self._batch_prefix}:owner:{owner}:batches:active"
-
-    def batch_lease(self, batch_id: str) -> str:
-        """Lease a gateway holds while it works on a batch, so replicas never both do."""
-        return f"{self._batch_prefix}:batch:{batch_id}:lease"
 
     @property
     def workers_alive(self) -> str:
