@@ -34,7 +34,7 @@ def _enum_name(dtype: str) -> str:
 
 
 # the proto's Dtype of each of the protocol's output dtypes (shared/protocol.py owns the list;
-# tests/unit/gateway/test_fleet_grpc.py checks the enum holds each, and only those)
+# tests/unit/gateway/fleet_grpc/test_server.py checks the enum holds each, and only those)
 ENUMS: dict[str, pb.Dtype] = {
     dtype: cast("pb.Dtype", pb.Dtype.Value(_enum_name(dtype))) for dtype in OUTPUT_DTYPES
 }

@@ -2,7 +2,7 @@
 fleet's own ``fleet_grpc/fleet.proto``), made by grpcio-tools' protoc:
 ``python -m embedfleet.gateway.tei_grpc.generate --write`` after a proto changes (a new copy of
 TEI's, a field of the fleet's); ``--check`` says whether the committed modules are what protoc
-makes now (tests/unit/gateway/test_tei_grpc.py runs it).
+makes now (tests/unit/gateway/tei_grpc/test_server.py runs it).
 
 They are committed rather than made at install so that the gateway needs only grpcio and
 protobuf at run time, not the compiler (grpcio-tools, a dev dependency). protoc runs from the

@@ -1,6 +1,6 @@
 """The generated gRPC modules' script (embedfleet/gateway/tei_grpc/generate.py): where each
 proto's modules are committed, and its two modes. Whether they are fresh is checked by
-tests/unit/gateway/test_tei_grpc.py (``stale()``)."""
+tests/unit/gateway/tei_grpc/test_server.py (``stale()``)."""
 
 from __future__ import annotations
 

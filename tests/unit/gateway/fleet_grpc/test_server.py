@@ -1,7 +1,7 @@
 """The fleet's gRPC API (embedfleet.v1), pure logic: its proto says what shared/protocol.py
 says, so the two cannot drift apart: the Dtype enum is the protocol's output dtypes, each
 EmbedRequest field is a field of /v1/embeddings' body or a chunk option, and the committed
-modules are protoc's (test_tei_grpc.py checks both protos). The calls themselves:
+modules are protoc's (tei_grpc/test_server.py checks both protos). The calls themselves:
 tests/end_to_end/test_gateway_fleet_grpc.py."""
 
 from __future__ import annotations
