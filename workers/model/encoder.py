@@ -24,9 +24,8 @@ from embedfleet.shared.model_path import ModelNotFoundError, resolve_model_path
 from embedfleet.shared.modelcard import ModelCard, served_name
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import PACKAGED_MODEL
-from embedfleet.shared.settings.query_stage import CpuBackend, Engine
+from embedfleet.shared.settings.query_stage import CpuBackend
 from embedfleet.workers.cpus import usable_cpus
-from embedfleet.workers.model.backends import ENGINES
 from embedfleet.workers.model.choose import CpuPaths, Int8Choice
 from embedfleet.workers.model.cuda_queries import (
     CudaLaneMode,
@@ -34,10 +33,10 @@ from embedfleet.workers.model.cuda_queries import (
     QueryPath,
 )
 from embedfleet.workers.model.forward import (
-    COPY_KINDS,
     CopyPath,
     EagerPath,
     ForwardPath,
+    KeptPath,
     layer_stack,
     pooled_on_host,
 )
@@ -107,8 +106,11 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return requested_precision(dtype, device).dtype
 
 
-class Encoder:
-    """A loaded embedding model. Not thread-safe: one thread calls ``embed`` at a time."""
+class Encoder(KeptPath):
+    """A loaded embedding model. Not thread-safe: one thread calls ``embed`` at a time.
+
+    What its query path is (``forward_path``, ``has_query_graph``, ``computes_in_int8``,
+    ``engine``, ``serves_queries_concurrently``): ``KeptPath`` (workers/model/forward.py)."""
 
     def __init__(
         self,
@@ -323,27 +325,6 @@ class Encoder:
         return self.query_path.serve(batch)
 
     @property
-    def forward_path(self) -> str:
-        """The forward path kept for queries (and frozen bulk), as logged and published."""
-        return self.query_path.name
-
-    @property
-    def has_query_graph(self) -> bool:
-        """Queries (and frozen bulk) run through a CPU copy: frozen, int8, another engine's."""
-        return self.query_path.kind in COPY_KINDS
-
-    @property
-    def computes_in_int8(self) -> bool:
-        """The query (and frozen bulk) graph is one of the int8 copies of workers/model/int8.py."""
-        return self.query_path.kind == "int8"
-
-    @property
-    def engine(self) -> Engine | None:
-        """The other engine whose copy serves queries and frozen bulk (ONNX Runtime, OpenVINO:
-        workers/model/backends.py), or None where torch computes."""
-        return next((engine for engine in ENGINES if engine == self.query_path.kind), None)
-
-    @property
     def computes_in_reduced_precision(self) -> bool:
         """The model, or the copy kept for queries and frozen bulk, computes in less than
         float32: bf16/fp16, or int8 linear layers (the worker then runs bulk through the copy).
@@ -391,12 +372,6 @@ class Encoder:
             chosen = self.paths.choose(int8, backend, openvino_precision)
             self.query_path = chosen or self.query_path
         return self.has_query_graph
-
-    @property
-    def serves_queries_concurrently(self) -> bool:
-        """Queries have their own model copy and stream (CUDA): serve them from their own
-        thread, beside the bulk pass, not at its layer boundaries."""
-        return self.query_path.kind == "cuda"
 
     def prepare_cuda_queries(self, mode: CudaLaneMode) -> bool:
         """On CUDA, the query lane of workers/model/cuda_queries.py (``mode``: ``graph``

@@ -17,7 +17,7 @@ Which of them a CPU worker keeps is workers/model/choose.py's.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
 import torch
@@ -52,6 +52,44 @@ class ForwardPath(Protocol):
 
     def serve(self, batch: EncodeBatch) -> tuple[np.ndarray, QueryPath]:
         """The batch's vectors on the host, and which path computed them."""
+
+
+class KeptPath:
+    """What the forward path kept for queries (and frozen bulk) is, read off its kind: the
+    encoder (workers/model/encoder.py) takes these facts from here, its ``query_path`` set
+    once at start."""
+
+    __slots__ = ()
+
+    if TYPE_CHECKING:  # what the encoder holds
+        query_path: ForwardPath
+
+    @property
+    def forward_path(self) -> str:
+        """The forward path kept for queries (and frozen bulk), as logged and published."""
+        return self.query_path.name
+
+    @property
+    def has_query_graph(self) -> bool:
+        """Queries (and frozen bulk) run through a CPU copy: frozen, int8, another engine's."""
+        return self.query_path.kind in COPY_KINDS
+
+    @property
+    def computes_in_int8(self) -> bool:
+        """The query (and frozen bulk) graph is one of the int8 copies of workers/model/int8.py."""
+        return self.query_path.kind == "int8"
+
+    @property
+    def engine(self) -> Engine | None:
+        """The other engine whose copy serves queries and frozen bulk (ONNX Runtime, OpenVINO:
+        workers/model/backends.py), or None where torch computes."""
+        return next((engine for engine in ENGINES if engine == self.query_path.kind), None)
+
+    @property
+    def serves_queries_concurrently(self) -> bool:
+        """Queries have their own model copy and stream (CUDA): serve them from their own
+        thread, beside the bulk pass, not at its layer boundaries."""
+        return self.query_path.kind == "cuda"
 
 
 class EagerPath:

@@ -4,13 +4,21 @@ kind of a copy, and the sentence pipeline run on a copy's hidden states."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import numpy as np
 import pytest
 import torch
 
 from embedfleet.workers.model.dense import Dense
-from embedfleet.workers.model.forward import copy_kind, layer_stack, pooled_on_host
+from embedfleet.workers.model.forward import (
+    ForwardPath,
+    KeptPath,
+    copy_kind,
+    layer_stack,
+    pooled_on_host,
+)
 from embedfleet.workers.model.model_dir import ModelSpec
 
 
@@ -42,3 +50,31 @@ def test_the_sentence_pipeline_runs_on_the_hosts_copy() -> None:
         vectors = pooled_on_host(sentence, hidden, torch.tensor([[1, 1, 0]]))
     assert isinstance(vectors, np.ndarray)
     np.testing.assert_allclose(vectors, [[0.6, 0.8]], rtol=1e-6)
+
+
+class _Kept(KeptPath):
+    """The facts the encoder takes from ``KeptPath``, over a path of a given kind."""
+
+    def __init__(self, kind: str) -> None:
+        self.query_path = cast("ForwardPath", SimpleNamespace(kind=kind, name=f"{kind} path"))
+
+
+@pytest.mark.parametrize(
+    ("kind", "copy", "int8", "engine", "concurrent"),
+    [
+        ("eager", False, False, None, False),
+        ("frozen", True, False, None, False),
+        ("int8", True, True, None, False),
+        ("onnxruntime", True, False, "onnxruntime", False),
+        ("openvino", True, False, "openvino", False),
+        ("cuda", False, False, None, True),
+    ],
+)
+def test_the_kept_path_is_described_by_its_kind(
+    kind: str, copy: bool, int8: bool, engine: str | None, concurrent: bool
+) -> None:
+    kept = _Kept(kind)
+    assert kept.forward_path == f"{kind} path"
+    assert (kept.has_query_graph, kept.computes_in_int8) == (copy, int8)
+    assert kept.engine == engine
+    assert kept.serves_queries_concurrently is concurrent
