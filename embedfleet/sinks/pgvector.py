@@ -48,6 +48,7 @@ from embedfleet.sinks.target import SinkTarget, SinkURL
 
 if TYPE_CHECKING:
     import psycopg
+    from psycopg import sql
 
     from embedfleet.shared.protocol import MultiVector, Result, SparseVector
     from embedfleet.sinks.backend import Hit, StoredVector, VectorDType
@@ -283,39 +284,15 @@ class PgvectorBackend(VectorBackend):
         return conn
 
     def upsert(self, results: Sequence[Result]) -> None:
-        from pgvector import HalfVector, Vector
         from psycopg import sql
 
         conn = self._write_connection()
         assert self.column_type is not None  # _write_connection raised otherwise
         staging = sql.Identifier(f"{self.target.table}_staging")
         rows = sorted(results, key=lambda r: r.id)
-        wrap: Any
-        vectors: list[str] | np.ndarray  # bits as '0101…' text, or the float rows
-        if self.column_type == "bit":
-            columns = ["text", "text", "text", "text", "bool", "text", "text"]
-            packed = self.quantized_vectors(rows, "ubinary", self.dim or 0)
-            bits = np.unpackbits(packed, axis=-1)[:, : self.dim]
-            vectors = ["".join("1" if bit else "0" for bit in row) for row in bits.tolist()]
-            wrap = str
-        else:
-            wrap = HalfVector if self.column_type == "halfvec" else Vector
-            dtype = np.float16 if self.column_type == "halfvec" else np.float32
-            columns = ["text", self.column_type, "text", "text", "bool", "text", "text"]
-            vectors = self.float_vectors(rows, dtype, self.dim)
+        columns, vectors, wrap = self._vectors_to_copy(rows, self.column_type)
         extra = self._extra_columns(self.extras)
         names = ["id", "embedding", "job", "model", "truncated", "meta", "text", *extra]
-        selected = [
-            "id",
-            f"embedding::{self.column_type}({self.dim})",
-            "job",
-            "model",
-            "truncated",
-            "meta::jsonb",
-            "text",
-            *(f"{name}::{kind}" for name, kind in extra.items()),
-        ]
-        updates = ", ".join(f"{name} = EXCLUDED.{name}" for name in names[1:])
         try:
             with conn.transaction(), conn.cursor() as cursor:
                 copy_sql = sql.SQL("COPY {staging} ({names}) FROM STDIN (FORMAT BINARY)").format(
@@ -332,22 +309,57 @@ class PgvectorBackend(VectorBackend):
                         if "multivector" in extra:
                             row.append(halfvec_array_text(r.multivector))
                         copy.write_row(row)
-                cursor.execute(
-                    sql.SQL(
-                        "INSERT INTO {table} ({names}) SELECT {selected} FROM {staging} ORDER BY id"
-                        " ON CONFLICT (id) DO UPDATE SET {updates}, updated_at = now()"
-                    ).format(
-                        table=sql.Identifier(self.target.table),
-                        names=sql.SQL(", ".join(names)),
-                        selected=sql.SQL(", ".join(selected)),
-                        staging=staging,
-                        updates=sql.SQL(updates),
-                    )
-                )
+                cursor.execute(self._merge_staged(staging, names, extra))
         except Exception:
             # A failed COPY can leave the connection mid-protocol; start clean on the retry.
             self.close()
             raise
+
+    def _vectors_to_copy(
+        self, rows: Sequence[Result], column_type: str
+    ) -> tuple[list[str], list[str] | np.ndarray, Any]:
+        """The COPY's column types (before the extra columns'), the rows' vectors and what
+        wraps each for COPY: bits as '0101…' text, or the float rows as (half)vectors."""
+        from pgvector import HalfVector, Vector
+
+        if column_type == "bit":
+            packed = self.quantized_vectors(rows, "ubinary", self.dim or 0)
+            bits = np.unpackbits(packed, axis=-1)[:, : self.dim]
+            text = ["".join("1" if bit else "0" for bit in row) for row in bits.tolist()]
+            return ["text", "text", "text", "text", "bool", "text", "text"], text, str
+        wrap = HalfVector if column_type == "halfvec" else Vector
+        dtype = np.float16 if column_type == "halfvec" else np.float32
+        columns = ["text", column_type, "text", "text", "bool", "text", "text"]
+        return columns, self.float_vectors(rows, dtype, self.dim), wrap
+
+    def _merge_staged(
+        self, staging: sql.Identifier, names: list[str], extra: dict[str, str]
+    ) -> sql.Composed:
+        """The statement that moves the staged rows into the table, in id order, a row already
+        there updated (``names``: the COPY's columns; ``extra``: the extra columns' types)."""
+        from psycopg import sql
+
+        selected = [
+            "id",
+            f"embedding::{self.column_type}({self.dim})",
+            "job",
+            "model",
+            "truncated",
+            "meta::jsonb",
+            "text",
+            *(f"{name}::{kind}" for name, kind in extra.items()),
+        ]
+        updates = ", ".join(f"{name} = EXCLUDED.{name}" for name in names[1:])
+        return sql.SQL(
+            "INSERT INTO {table} ({names}) SELECT {selected} FROM {staging} ORDER BY id"
+            " ON CONFLICT (id) DO UPDATE SET {updates}, updated_at = now()"
+        ).format(
+            table=sql.Identifier(self.target.table),
+            names=sql.SQL(", ".join(names)),
+            selected=sql.SQL(", ".join(selected)),
+            staging=staging,
+            updates=sql.SQL(updates),
+        )
 
     # --- reading ---------------------------------------------------------------------------
     def vector_format(self) -> tuple[str, int]:
