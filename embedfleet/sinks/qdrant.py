@@ -171,56 +171,10 @@ class QdrantBackend(VectorBackend):
             ) from error
 
     def _create(self, dim: int, dtype: VectorDType | None, extras: Extras) -> None:
-        from qdrant_client import models
-        from qdrant_client.http.exceptions import UnexpectedResponse
-
         qdrant = self._connect()
         name = self.target.table
         if not qdrant.collection_exists(name):
-            stored = {"float32": None, "uint8": models.Datatype.UINT8}.get(
-                dtype or "", models.Datatype.FLOAT16
-            )
-            params = models.VectorParams(size=dim, distance=models.Distance.COSINE, datatype=stored)
-            bulk_load = models.OptimizersConfigDiff(indexing_threshold=0)
-            vectors_config: Any = params
-            sparse_config: dict[str, Any] | None = None
-            if extras:
-                vectors_config = {DENSE: params}
-                if extras.multivector_dim:
-                    vectors_config[MULTIVECTOR] = models.VectorParams(
-                        size=extras.multivector_dim,
-                        distance=models.Distance.COSINE,
-                        datatype=models.Datatype.FLOAT16,
-                        multivector_config=models.MultiVectorConfig(
-                            comparator=models.MultiVectorComparator.MAX_SIM
-                        ),
-                        hnsw_config=models.HnswConfigDiff(m=0),
-                    )
-                if extras.sparse_dim:
-                    sparse_config = {SPARSE: models.SparseVectorParams()}
-            try:
-                qdrant.create_collection(
-                    name,
-                    vectors_config=vectors_config,
-                    sparse_vectors_config=sparse_config,
-                    optimizers_config=bulk_load,
-                )
-            except UnexpectedResponse as error:
-                if qdrant.collection_exists(name):  # another worker was first
-                    pass
-                elif error.status_code == 400 and "datatype" in str(error).lower() and not dtype:
-                    # servers before 1.9 know no float16 vectors: store float32
-                    log.warning("Qdrant server has no float16 vectors; storing float32")
-                    params.datatype = None
-                    qdrant.create_collection(
-                        name,
-                        vectors_config=vectors_config,
-                        sparse_vectors_config=sparse_config,
-                        optimizers_config=bulk_load,
-                    )
-                else:
-                    raise
-            log.info("created Qdrant collection", collection=name, dim=dim, extras=str(extras))
+            _create_collection(qdrant, name, dim, dtype, extras)
         config = qdrant.get_collection(name).config.params
         self.named = isinstance(config.vectors, dict)
         self._check_extras(config, extras)
@@ -477,6 +431,72 @@ class QdrantBackend(VectorBackend):
 
     def drop_table(self) -> None:
         self._connect().delete_collection(self.target.table)
+
+
+def _create_collection(
+    qdrant: QdrantClient, name: str, dim: int, dtype: VectorDType | None, extras: Extras
+) -> None:
+    """Create the collection for ``dim``-dim vectors (float16 unless ``dtype`` says, float32
+    where the server has no float16) and ``extras``, indexing off for the bulk load; another
+    worker's made first is taken."""
+    from qdrant_client import models
+    from qdrant_client.http.exceptions import UnexpectedResponse
+
+    params, vectors_config, sparse_config = _collection_vectors(dim, dtype, extras)
+    bulk_load = models.OptimizersConfigDiff(indexing_threshold=0)
+    try:
+        qdrant.create_collection(
+            name,
+            vectors_config=vectors_config,
+            sparse_vectors_config=sparse_config,
+            optimizers_config=bulk_load,
+        )
+    except UnexpectedResponse as error:
+        if qdrant.collection_exists(name):  # another worker was first
+            pass
+        elif error.status_code == 400 and "datatype" in str(error).lower() and not dtype:
+            # servers before 1.9 know no float16 vectors: store float32
+            log.warning("Qdrant server has no float16 vectors; storing float32")
+            params.datatype = None  # also in vectors_config, which holds params
+            qdrant.create_collection(
+                name,
+                vectors_config=vectors_config,
+                sparse_vectors_config=sparse_config,
+                optimizers_config=bulk_load,
+            )
+        else:
+            raise
+    log.info("created Qdrant collection", collection=name, dim=dim, extras=str(extras))
+
+
+def _collection_vectors(
+    dim: int, dtype: VectorDType | None, extras: Extras
+) -> tuple[Any, Any, dict[str, Any] | None]:
+    """The dense vectors' params, the vectors config that holds them (named beside the
+    multivector where there are extras) and the sparse vectors' config (None: none)."""
+    from qdrant_client import models
+
+    stored = {"float32": None, "uint8": models.Datatype.UINT8}.get(
+        dtype or "", models.Datatype.FLOAT16
+    )
+    params = models.VectorParams(size=dim, distance=models.Distance.COSINE, datatype=stored)
+    vectors_config: Any = params
+    sparse_config: dict[str, Any] | None = None
+    if extras:
+        vectors_config = {DENSE: params}
+        if extras.multivector_dim:
+            vectors_config[MULTIVECTOR] = models.VectorParams(
+                size=extras.multivector_dim,
+                distance=models.Distance.COSINE,
+                datatype=models.Datatype.FLOAT16,
+                multivector_config=models.MultiVectorConfig(
+                    comparator=models.MultiVectorComparator.MAX_SIM
+                ),
+                hnsw_config=models.HnswConfigDiff(m=0),
+            )
+        if extras.sparse_dim:
+            sparse_config = {SPARSE: models.SparseVectorParams()}
+    return params, vectors_config, sparse_config
 
 
 def _dense_params(vectors: Any) -> Any:
