@@ -10,10 +10,13 @@ and the table quotes the median texts/s and the median per-round ratio to N = 1.
 from __future__ import annotations
 
 import asyncio
+import random
 import socket
 import statistics
+import subprocess
 import time
 import uuid
+from pathlib import Path
 
 import aiohttp
 import click
@@ -27,13 +30,15 @@ from loadtest.corpus import build_corpus
 
 
 def free_ports(count: int) -> int:
-    """A base port with ``count`` free ports from it (the replicas' health ports)."""
+    """A base port with ``count`` free ports from it (the replicas' health ports), below the
+    kernel's ephemeral range: a port found free there stays free until a replica binds it
+    (a model load later), while one in the ephemeral range may meanwhile become the source
+    port of any outgoing connection on the machine (a CI run had a replica's health port
+    taken so, and waited its whole timeout for a /readyz that never came)."""
+    low, _ = ephemeral_port_range()
+    first = min(FIRST_FIXED_PORT, low - count - 1)
     while True:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count >= 65536:
-            continue
+        base = random.randrange(first, low - count)
         try:
             for offset in range(count):
                 with socket.socket() as taken:
@@ -43,13 +48,33 @@ def free_ports(count: int) -> int:
         return base
 
 
-async def wait_ready(ports: list[int], timeout: float = 600) -> None:
+# where free_ports looks, up to the ephemeral range (Linux's default starts at 32768)
+FIRST_FIXED_PORT = 20000
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+async def wait_ready(
+    ports: list[int], timeout: float = 600, process: subprocess.Popen[bytes] | None = None
+) -> None:
     """Until every replica's /readyz says 200 (model loaded, Redis answers, a forward pass
     works). A consumer shows in XINFO CONSUMERS only once it has read something, so the group
-    cannot tell an idle replica from a missing one."""
+    cannot tell an idle replica from a missing one. With ``process`` (the replicas' parent),
+    raises as soon as it has exited: its replicas will never be ready."""
     async with aiohttp.ClientSession() as session, asyncio.timeout(timeout):
         for port in ports:
             while True:
+                if process is not None and process.poll() is not None:
+                    raise RuntimeError(
+                        f"the worker exited ({process.returncode}) before replica port {port} "
+                        "was ready"
+                    )
                 try:
                     async with session.get(f"http://127.0.0.1:{port}/readyz") as response:
                         if response.status == 200:

@@ -81,6 +81,16 @@ def _children(pid: int) -> list[int]:
     return [int(child) for child in path.read_text().split()] if path.exists() else []
 
 
+async def _ready(parent: subprocess.Popen[bytes], port: int) -> None:
+    """Both replicas' /readyz answer 200; fails at once, with the worker's last words, if it
+    exits first."""
+    try:
+        await wait_ready([port, port + 1], process=parent)
+    except RuntimeError as exited:
+        _, stderr = parent.communicate(timeout=60)
+        raise AssertionError(f"{exited}: {stderr.decode()[-2000:]}") from None
+
+
 def _start(settings: Settings, consumer: str, port: int, **extra: str) -> subprocess.Popen[bytes]:
     require_slow_tier("an `embedfleet worker --replicas 2` process")
     return subprocess.Popen(
@@ -99,7 +109,7 @@ async def test_replicas_embed_together_and_drain_on_sigterm(
     port = free_ports(2)
     parent = _start(settings, "rep", port, EMBEDFLEET_READ_COUNT="8")
     try:
-        await wait_ready([port, port + 1])
+        await _ready(parent, port)
         assert len(_children(parent.pid)) == 2
         chunks = list(builtin_corpus(120))
         async with Producer(settings) as producer:
@@ -144,7 +154,7 @@ async def test_a_replica_that_dies_takes_the_worker_down(
     port = free_ports(2)
     parent = _start(settings, "die", port)
     try:
-        await wait_ready([port, port + 1])
+        await _ready(parent, port)
         victim, survivor = _children(parent.pid)
         os.kill(victim, signal.SIGKILL)
         _, stderr = await asyncio.to_thread(parent.communicate, timeout=120)
