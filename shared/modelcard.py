@@ -105,6 +105,10 @@ class ModelCard:
     """The fingerprint of the tokenizer the workers publish (``Keys.tokenizer``, shared/tokens.py
     ``tokenizer_fingerprint``): token ids a producer sends must carry it (the chunk's
     ``tokenizer``). Empty on a card written before it existed: producers then send no ids."""
+    modalities: tuple[str, ...] = ("text",)
+    """What the lane embeds: ``text``, and ``image`` for a dual encoder (CLIP, SigLIP:
+    workers/model/clip.py). A chunk of another modality is dead-lettered (``options``). A card
+    written before this field existed serves ``text``."""
 
     def recipe(
         self,
@@ -176,6 +180,7 @@ class ModelCard:
             "revision": self.revision,
             "dtype": self.dtype,
             "tokenizer_fingerprint": self.tokenizer_fingerprint,
+            "modalities": json.dumps(list(self.modalities)),
         }
 
     @classmethod
@@ -205,6 +210,7 @@ class ModelCard:
                 revision=values.get("revision", ""),
                 dtype=values.get("dtype", ""),
                 tokenizer_fingerprint=values.get("tokenizer_fingerprint", ""),
+                modalities=tuple(json.loads(values.get("modalities") or '["text"]')),
             )
         except (KeyError, ValueError, TypeError, AttributeError) as error:
             if isinstance(error, ModelCardError):

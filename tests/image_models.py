@@ -1,0 +1,125 @@
+"""Tiny random-weight dual encoders (CLIP, SigLIP) and test images, built in seconds, no hub.
+
+Each model: a ``transformers`` config (2 layers, hidden 32, 32-pixel images in 8-pixel patches),
+random weights, the WordPiece tokenizer tests/model_zoo.py trains on Python's own help text, and
+the model's PIL image processor, saved as a Hugging Face directory the way a published
+``openai/clip-*`` or ``google/siglip-*`` snapshot lies on disk.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from PIL import Image
+
+from tests.model_zoo import _fast_tokenizer
+
+DUAL_FAMILIES = ("clip", "siglip")
+TEXT_POSITIONS = 32
+IMAGE_SIZE = 32
+
+
+def _tower_sizes() -> dict[str, int]:
+    return dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+
+
+def _config(family: str, tokenizer: transformers.PreTrainedTokenizerFast) -> object:
+    text = dict(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=TEXT_POSITIONS,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.cls_token_id,
+        # CLIP pools its text at the first end-of-text token: the tokenizer's [SEP]
+        eos_token_id=tokenizer.sep_token_id,
+        **_tower_sizes(),
+    )
+    vision = dict(image_size=IMAGE_SIZE, patch_size=8, **_tower_sizes())
+    if family == "clip":
+        return transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
+    return transformers.SiglipConfig(text_config=text, vision_config=vision)
+
+
+def _processor(family: str) -> object:
+    if family == "clip":  # resize the shortest edge, then crop the centre, as CLIP does
+        return transformers.CLIPImageProcessorPil(
+            size={"shortest_edge": IMAGE_SIZE},
+            crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        )
+    return transformers.SiglipImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+
+
+def dual_model_dir(family: str, root: Path) -> Path:
+    """A ``CLIPModel`` or ``SiglipModel`` directory under ``root`` (built once per root)."""
+    target = root / f"dual-{family}"
+    if (target / "config.json").is_file():
+        return target
+    tokenizer = _fast_tokenizer("bert")
+    tokenizer.model_max_length = TEXT_POSITIONS
+    torch.manual_seed(sum(map(ord, family)))  # the same random weights every run
+    model_class = transformers.CLIPModel if family == "clip" else transformers.SiglipModel
+    model = model_class(_config(family, tokenizer))
+    with torch.no_grad():  # larger weights than the init's make the vectors differ more
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, 0.2)
+    model.eval().save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    _processor(family).save_pretrained(target)  # type: ignore[attr-defined]
+    return target
+
+
+def image_bytes(seed: int, size: tuple[int, int] = (48, 40), fmt: str = "PNG") -> bytes:
+    """An encoded image of random pixels: ``fmt`` (PNG, JPEG, WEBP, GIF) at ``size``."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format=fmt)
+    return out.getvalue()
+
+
+def reference_image_features(model_dir: Path, images: list[bytes]) -> np.ndarray:
+    """What ``get_image_features`` answers after the model's own image processor: the parity
+    reference, computed with transformers alone."""
+    family = "clip" if "clip" in model_dir.name else "siglip"
+    model_class = transformers.CLIPModel if family == "clip" else transformers.SiglipModel
+    processor_class = (
+        transformers.CLIPImageProcessorPil
+        if family == "clip"
+        else transformers.SiglipImageProcessorPil
+    )
+    model = model_class.from_pretrained(model_dir).eval()
+    processor = processor_class.from_pretrained(model_dir)
+    opened = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
+    pixels = processor(images=opened, return_tensors="pt")["pixel_values"]
+    with torch.inference_mode():
+        output = model.get_image_features(pixel_values=pixels)
+    return np.asarray(output.pooler_output.float().numpy())
+
+
+def reference_text_features(model_dir: Path, texts: list[str]) -> np.ndarray:
+    """What ``get_text_features`` answers after the model's tokenizer, padded as its processor
+    pads (SigLIP: to its fixed length, without a mask)."""
+    siglip = "siglip" in model_dir.name
+    model_class = transformers.SiglipModel if siglip else transformers.CLIPModel
+    model = model_class.from_pretrained(model_dir).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    padding = "max_length" if siglip else True
+    encoded = tokenizer(
+        texts, padding=padding, truncation=True, max_length=TEXT_POSITIONS, return_tensors="pt"
+    )
+    inputs = {"input_ids": encoded["input_ids"]}
+    if not siglip:
+        inputs["attention_mask"] = encoded["attention_mask"]
+    with torch.inference_mode():
+        output = model.get_text_features(**inputs)
+    return np.asarray(output.pooler_output.float().numpy())
+
+
+def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """The smallest row-wise cosine between two matrices of vectors."""
+    dots = (a * b).sum(axis=1)
+    norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+    return float((dots / norms).min())
