@@ -19,8 +19,8 @@ import pytest
 import redis
 
 from embedfleet.gateway.fleet_grpc import fleet_pb2 as pb
-from embedfleet.gateway.fleet_grpc import fleet_pb2_grpc as pb_grpc
-from embedfleet.gateway.tei_grpc import tei_pb2, tei_pb2_grpc
+from embedfleet.gateway.grpc_services import stub
+from embedfleet.gateway.tei_grpc import tei_pb2
 from embedfleet.server import free_port
 from embedfleet.shared.postprocess import quantize
 from embedfleet.shared.protocol import STORAGE_DTYPES
@@ -50,8 +50,8 @@ worker = module_worker("fleetgrpc")
 class Fleet:
     def __init__(self, http: httpx.Client, channel: grpc.Channel, settings: Settings) -> None:
         self.http = http
-        self.fleet = pb_grpc.FleetStub(channel)
-        self.tei = tei_pb2_grpc.EmbedStub(channel)
+        self.fleet = stub(channel, pb.DESCRIPTOR.services_by_name["Fleet"])
+        self.tei = stub(channel, tei_pb2.DESCRIPTOR.services_by_name["Embed"])
         self.settings = settings
 
     def http_vectors(self, texts: list[str], **options: object) -> np.ndarray:

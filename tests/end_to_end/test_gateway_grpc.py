@@ -20,8 +20,8 @@ import httpx
 import numpy as np
 import pytest
 
+from embedfleet.gateway.grpc_services import stub
 from embedfleet.gateway.tei_grpc import tei_pb2 as pb
-from embedfleet.gateway.tei_grpc import tei_pb2_grpc as pb_grpc
 from embedfleet.server import ServerProcess, free_port, isolated_settings
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.model.encoder import Encoder
@@ -53,11 +53,12 @@ class Fleet:
 
     def __init__(self, http: httpx.Client, channel: grpc.Channel) -> None:
         self.http = http
-        self.info = pb_grpc.InfoStub(channel)
-        self.embed = pb_grpc.EmbedStub(channel)
-        self.tokenize = pb_grpc.TokenizeStub(channel)
-        self.rerank = pb_grpc.RerankStub(channel)
-        self.predict = pb_grpc.PredictStub(channel)
+        services = pb.DESCRIPTOR.services_by_name
+        self.info = stub(channel, services["Info"])
+        self.embed = stub(channel, services["Embed"])
+        self.tokenize = stub(channel, services["Tokenize"])
+        self.rerank = stub(channel, services["Rerank"])
+        self.predict = stub(channel, services["Predict"])
 
 
 @contextlib.contextmanager

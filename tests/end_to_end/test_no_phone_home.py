@@ -115,8 +115,9 @@ async def _gateway_reaches(env: dict[str, str], tmp_path: Path, redis_port: int)
     reached beyond its Redis and its ports."""
     import grpc
 
-    from embedfleet.gateway.fleet_grpc import fleet_pb2, fleet_pb2_grpc
-    from embedfleet.gateway.tei_grpc import tei_pb2, tei_pb2_grpc
+    from embedfleet.gateway.fleet_grpc import fleet_pb2
+    from embedfleet.gateway.grpc_services import stub
+    from embedfleet.gateway.tei_grpc import tei_pb2
 
     http_port, grpc_port = free_port(), free_port()
     audit, log = tmp_path / "gateway-net.jsonl", tmp_path / "gateway.log"
@@ -135,8 +136,10 @@ async def _gateway_reaches(env: dict[str, str], tmp_path: Path, redis_port: int)
 
         def embed() -> None:
             with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
-                tei = tei_pb2_grpc.EmbedStub(channel).Embed(tei_pb2.EmbedRequest(inputs="a"))
-                ours = fleet_pb2_grpc.FleetStub(channel).Embed(fleet_pb2.EmbedRequest(inputs=["a"]))
+                tei_embed = stub(channel, tei_pb2.DESCRIPTOR.services_by_name["Embed"])
+                fleet = stub(channel, fleet_pb2.DESCRIPTOR.services_by_name["Fleet"])
+                tei = tei_embed.Embed(tei_pb2.EmbedRequest(inputs="a"))
+                ours = fleet.Embed(fleet_pb2.EmbedRequest(inputs=["a"]))
             assert len(tei.embeddings) == ours.dim > 0
 
         await asyncio.wait_for(asyncio.to_thread(embed), 300)

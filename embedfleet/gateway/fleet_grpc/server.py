@@ -18,7 +18,7 @@ import grpc
 from embedfleet.gateway import openai_api
 from embedfleet.gateway.errors import APIError
 from embedfleet.gateway.fleet_grpc import fleet_pb2 as pb
-from embedfleet.gateway.fleet_grpc import fleet_pb2_grpc as pb_grpc
+from embedfleet.gateway.grpc_services import add_service
 from embedfleet.gateway.state import Gateway
 from embedfleet.gateway.tei_grpc.server import (
     GatewayServicer,
@@ -44,7 +44,7 @@ DTYPES: dict[int, OutputDtype] = {
 DTYPES[pb.DTYPE_UNSPECIFIED] = "float32"  # /v1/embeddings' answer
 
 
-class FleetService(GatewayServicer, pb_grpc.FleetServicer):
+class FleetService(GatewayServicer):
     """embedfleet.v1's Fleet service on one gateway."""
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> Any:
@@ -105,4 +105,4 @@ class FleetService(GatewayServicer, pb_grpc.FleetServicer):
 
 def add_fleet_services(gateway: Gateway, server: grpc.aio.Server) -> None:
     """embedfleet.v1's services, answered for ``gateway``, on ``server``."""
-    pb_grpc.add_FleetServicer_to_server(FleetService(gateway), server)
+    add_service(server, pb.DESCRIPTOR.services_by_name["Fleet"], FleetService(gateway))

@@ -8,7 +8,12 @@ They are committed rather than made at install so that the gateway needs only gr
 protobuf at run time, not the compiler (grpcio-tools, a dev dependency). protoc runs from the
 repository root with each proto's path as its name, so the generated modules import each other
 as ``embedfleet.gateway.tei_grpc.tei_pb2`` (a bare ``import tei_pb2`` would not resolve in the
-package)."""
+package).
+
+Only the messages are generated (``_pb2.py``, with its ``.pyi`` for the type checker), not
+protoc's grpc plugin's ``_pb2_grpc.py``: the services' servers and client stubs are read off the
+descriptors in the ``_pb2`` modules by one module, gateway/grpc_services.py, rather than written
+out again for each method."""
 
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ PROTOS = (PACKAGE_DIR / "tei.proto", PACKAGE_DIR.parent / "fleet_grpc" / "fleet.
 def modules_of(proto: Path) -> tuple[Path, ...]:
     """The modules protoc makes of ``proto``, where they are committed (beside it)."""
     stem = proto.parent / proto.stem
-    return tuple(Path(f"{stem}{suffix}") for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"))
+    return tuple(Path(f"{stem}{suffix}") for suffix in ("_pb2.py", "_pb2.pyi"))
 
 
 def generate(out: Path) -> dict[Path, str]:
@@ -45,7 +50,6 @@ def generate(out: Path) -> dict[Path, str]:
             f"-I{ROOT}",
             f"--python_out={out}",
             f"--pyi_out={out}",
-            f"--grpc_python_out={out}",
             # each one's name in the modules: its path under ROOT
             *(str(proto) for proto in PROTOS),
         ]

@@ -36,11 +36,11 @@ from pydantic import ValidationError
 
 from embedfleet.gateway import rerank_api, tei_api
 from embedfleet.gateway.errors import APIError, ErrorDialect, as_api_error, invalid_request
+from embedfleet.gateway.grpc_services import add_service
 from embedfleet.gateway.inputs import TruncationDirection
 from embedfleet.gateway.metrics import call_refused
 from embedfleet.gateway.state import Gateway
 from embedfleet.gateway.tei_grpc import tei_pb2 as pb
-from embedfleet.gateway.tei_grpc import tei_pb2_grpc as pb_grpc
 from embedfleet.gateway.tei_metrics import stream_messages_context
 from embedfleet.gateway.timing_headers import RequestClock, request_clock
 from embedfleet.shared.logging import get_logger
@@ -234,15 +234,8 @@ class GatewayServicer:
                 await reader
 
 
-class TEIServicer(
-    GatewayServicer,
-    pb_grpc.InfoServicer,
-    pb_grpc.EmbedServicer,
-    pb_grpc.PredictServicer,
-    pb_grpc.RerankServicer,
-    pb_grpc.TokenizeServicer,
-):
-    """Every tei.v1 service on one gateway."""
+class TEIServicer(GatewayServicer):
+    """Every tei.v1 service on one gateway: a coroutine for each method of each of them."""
 
     # --- Info ----------------------------------------------------------------------------
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> Any:
@@ -476,11 +469,5 @@ async def _measured(clock: RequestClock) -> pb.Metadata:
 def add_tei_services(gateway: Gateway, server: grpc.aio.Server) -> None:
     """Every tei.v1 service, answered for ``gateway``, on ``server``."""
     servicer = TEIServicer(gateway)
-    for add in (
-        pb_grpc.add_InfoServicer_to_server,
-        pb_grpc.add_EmbedServicer_to_server,
-        pb_grpc.add_PredictServicer_to_server,
-        pb_grpc.add_RerankServicer_to_server,
-        pb_grpc.add_TokenizeServicer_to_server,
-    ):
-        add(servicer, server)
+    for service in pb.DESCRIPTOR.services_by_name.values():
+        add_service(server, service, servicer)

@@ -16,7 +16,6 @@ def test_each_protos_modules_are_committed_beside_it() -> None:
         assert [m.name for m in modules] == [
             f"{proto.stem}_pb2.py",
             f"{proto.stem}_pb2.pyi",
-            f"{proto.stem}_pb2_grpc.py",
         ]
         assert all(m.parent == proto.parent and m.is_file() for m in modules)
 

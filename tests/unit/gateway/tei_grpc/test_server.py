@@ -105,11 +105,12 @@ def _moved(before: dict[str, float], after: dict[str, float]) -> dict[str, float
 
 
 def test_every_grpc_call_is_counted_once_for_both_doors(served: Served) -> None:
-    from embedfleet.gateway.fleet_grpc import fleet_pb2, fleet_pb2_grpc
-    from embedfleet.gateway.tei_grpc import tei_pb2, tei_pb2_grpc
+    from embedfleet.gateway.fleet_grpc import fleet_pb2
+    from embedfleet.gateway.grpc_services import stub
+    from embedfleet.gateway.tei_grpc import tei_pb2
 
-    tei = tei_pb2_grpc.EmbedStub(served.channel)
-    fleet = fleet_pb2_grpc.FleetStub(served.channel)
+    tei = stub(served.channel, tei_pb2.DESCRIPTOR.services_by_name["Embed"])
+    fleet = stub(served.channel, fleet_pb2.DESCRIPTOR.services_by_name["Fleet"])
     before = served.metrics()
     refused = [
         lambda: tei.Embed(tei_pb2.EmbedRequest(inputs=""), metadata=AUTH),
