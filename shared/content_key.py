@@ -54,14 +54,21 @@ class VectorRecipe:
     max_active_dims: int | None = None
 
 
-def content_key(text: str, recipe: VectorRecipe, pair: str | None = None) -> str:
-    """The content key of ``text`` (and a cross-encoder's ``pair``) made with ``recipe``."""
+def content_key(
+    text: str, recipe: VectorRecipe, pair: str | None = None, image: bytes | None = None
+) -> str:
+    """The content key of ``text`` (and a cross-encoder's ``pair``, or an image chunk's
+    ``image`` bytes) made with ``recipe``."""
     # the digest of [KEY_VERSION, recipe, text, pair] as one msgpack array: the array's head,
     # the version and the recipe are hashed once per recipe (issue 43: the recipe's tuple and
     # packing cost more than the text's hash), the text and the pair per chunk; same bytes
     digest = _recipe_digest(recipe).copy()
     digest.update(msgpack.packb(text, use_bin_type=True))
     digest.update(msgpack.packb(pair, use_bin_type=True))
+    if image is not None:
+        # an image chunk's bytes after its empty text: no text chunk has an empty text, so
+        # no text's key can equal an image's, and every text's key is as it was before images
+        digest.update(msgpack.packb(image, use_bin_type=True))
     return f"{KEY_VERSION}:{digest.hexdigest()}"
 
 

@@ -60,6 +60,10 @@ class ForeignTokenIdsError(OptionError):
         super().__init__(message, DeadReason.TOKENIZER)
 
 
+class ModalityError(OptionError):
+    """An image for a model that embeds text only, or a text for one that embeds images only."""
+
+
 class ModelFacts(Protocol):
     """What the verifier reads of a model card (shared/modelcard.py ``ModelCard``)."""
 
@@ -73,6 +77,8 @@ class ModelFacts(Protocol):
     def named_prompts(self) -> dict[str, str]: ...
     @property
     def tokenizer_fingerprint(self) -> str: ...
+    @property
+    def modalities(self) -> tuple[str, ...]: ...
 
 
 # --- dimensions -------------------------------------------------------------------------
@@ -221,6 +227,16 @@ def check_representation(chunk: Chunk, model: str, offered: Sequence[str]) -> No
         )
 
 
+def check_modality(image: bool, modalities: Sequence[str], *, where: str = "") -> None:
+    """ModalityError for an image (``image``) or a text a model serving ``modalities`` (the
+    card's: ``text``, ``image``) does not embed."""
+    wanted = "image" if image else "text"
+    if wanted not in modalities:
+        raise ModalityError(
+            f"{where}this model embeds {' and '.join(modalities)} only, not {wanted} input"
+        )
+
+
 def refuse_packed_token_states() -> None:
     """RepresentationError for token states asked on a worker's bulk lane that packs its
     batches (the varlen layout gives pooled vectors alone): the worker's layout, not the
@@ -262,6 +278,7 @@ def verify(chunk: Chunk, card: ModelFacts) -> None:
     """Reject the options of ``chunk`` the model of ``card`` cannot honour, before they reach a
     worker: what the Producer, ``embedfleet enqueue`` and ``ModelCard.check`` ask."""
     where = f"chunk {chunk.id!r}: "
+    check_modality(chunk.image is not None, card.modalities, where=where)
     for wanted in chunk.wanted_representations:
         require_representation(card, wanted, where=where)
     if chunk.token_states and "dense" not in card.representations:

@@ -118,6 +118,16 @@ class ProtocolError(ValueError):
         self.tenant: str | None = None
 
 
+# the largest image a chunk carries by default: room under the 4 MiB message for its fields
+DEFAULT_MAX_IMAGE_BYTES = 3 * 1024 * 1024
+# what an image chunk's ``image`` may hold: encoded files the worker decodes (workers/images.py)
+IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF")
+# the most pixels an image may decode to (workers/images.py sets Pillow's bound to it): a
+# 40-megapixel photo passes; a small file that expands past it (a decompression bomb) is refused
+# before its pixels are held. Embedding models see a few hundred pixels a side.
+MAX_IMAGE_PIXELS = 40_000_000
+
+
 @dataclass(frozen=True)
 class ChunkLimits:
     """What a chunk may hold. ``Settings.chunk_limits`` gives the configured ones."""
@@ -126,6 +136,8 @@ class ChunkLimits:
     max_text_chars: int = 1_000_000
     max_meta_bytes: int = 16 * 1024
     max_message_bytes: int = 4 * 1024 * 1024
+    # an image chunk's encoded bytes (EMBEDFLEET_MAX_IMAGE_BYTES): below the message's limit
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
 
 
 DEFAULT_LIMITS = ChunkLimits()
@@ -133,10 +145,10 @@ DEFAULT_LIMITS = ChunkLimits()
 
 @dataclass(frozen=True)
 class Chunk:
-    """One text to embed. ``id`` is the caller's idempotency key."""
+    """One text (or image) to embed. ``id`` is the caller's idempotency key."""
 
     id: str
-    text: str
+    text: str = ""  # empty on an image chunk
     job: str | None = None
     meta: dict[str, Any] | None = None
     reply: str | None = None
@@ -180,6 +192,9 @@ class Chunk:
     # these ids instead of tokenizing ``text``, and dead-letters ids of another tokenizer.
     token_ids: bytes | None = None
     tokenizer: str | None = None
+    # an image to embed instead of ``text`` (a CLIP or SigLIP lane: issue 56): an encoded file
+    # of IMAGE_FORMATS (GIF: its first frame), at most ``ChunkLimits.max_image_bytes``
+    image: bytes | None = None
 
     @property
     def wanted_representations(self) -> tuple[str, ...]:
@@ -290,7 +305,8 @@ def _chunk_fields(chunk: Chunk) -> dict[str, Any]:
     """A chunk's wire fields (all but ``v``), the unset optional ones left out."""
     fields = {
         "id": chunk.id,
-        "text": chunk.text,
+        # an image chunk has no text; an empty text without one is refused as empty
+        "text": chunk.text if chunk.image is None else (chunk.text or None),
         "job": chunk.job,
         "meta": chunk.meta,
         "reply": chunk.reply,
@@ -306,6 +322,7 @@ def _chunk_fields(chunk: Chunk) -> dict[str, Any]:
         "reembed": True if chunk.reembed else None,
         "token_ids": chunk.token_ids,
         "tokenizer": chunk.tokenizer,
+        "image": chunk.image,
     }
     return {name: value for name, value in fields.items() if value is not None}
 
@@ -486,6 +503,25 @@ def chunk_from_mapping(
             DeadReason.TOO_LARGE,
         )
     text = message.get("text")
+    if text is None and message.get("image") is not None:
+        text = ""  # an image chunk: its bytes are checked with its other fields (_full_chunk)
+    else:
+        _check_text(text, limits)
+    job = job if job is not None else message.get("job")
+    if job is not None and (not isinstance(job, str) or not job):
+        raise ProtocolError("'job' must be a non-empty string when given")
+    if job is not None and len(job) > limits.max_id_chars:
+        raise ProtocolError(
+            f"'job' has {len(job)} characters, over the {limits.max_id_chars} limit",
+            DeadReason.TOO_LARGE,
+        )
+    if message.keys() <= _PLAIN_FIELDS:
+        return _plain_chunk(chunk_id, text, job, *_token_id_fields(message))
+    return _full_chunk(message, limits, chunk_id, text, job)
+
+
+def _check_text(text: object, limits: ChunkLimits) -> None:
+    """ProtocolError unless ``text`` is a text within the limits."""
     if not isinstance(text, str):
         raise ProtocolError(f"'text' must be a string, got {type(text).__name__}")
     if not text:
@@ -498,17 +534,26 @@ def chunk_from_mapping(
             DeadReason.TOO_LARGE,
         )
     check_unicode("text", text)
-    job = job if job is not None else message.get("job")
-    if job is not None and (not isinstance(job, str) or not job):
-        raise ProtocolError("'job' must be a non-empty string when given")
-    if job is not None and len(job) > limits.max_id_chars:
+
+
+def _image_field(message: Mapping[str, Any], limits: ChunkLimits, text: str) -> bytes | None:
+    """``image``, checked for form: bytes within ``max_image_bytes``, in place of a text.
+    Whether they decode is the worker's check (workers/images.py)."""
+    image = message.get("image")
+    if image is None:
+        return None
+    if text:
+        raise ProtocolError("a chunk carries 'text' or 'image', not both")
+    if not isinstance(image, bytes) or not image:
+        got = "empty bytes" if isinstance(image, bytes) else type(image).__name__
+        raise ProtocolError(f"'image' must be msgpack bin holding an encoded image, got {got}")
+    if len(image) > limits.max_image_bytes:
         raise ProtocolError(
-            f"'job' has {len(job)} characters, over the {limits.max_id_chars} limit",
+            f"'image' is {len(image)} bytes, over the {limits.max_image_bytes} limit "
+            "(EMBEDFLEET_MAX_IMAGE_BYTES)",
             DeadReason.TOO_LARGE,
         )
-    if message.keys() <= _PLAIN_FIELDS:
-        return _plain_chunk(chunk_id, text, job, *_token_id_fields(message))
-    return _full_chunk(message, limits, chunk_id, text, job)
+    return image
 
 
 def _full_chunk(
@@ -548,6 +593,7 @@ def _full_chunk(
     if not isinstance(reembed, bool):
         raise ProtocolError(f"'reembed' must be true or false when given, got {reembed!r}")
     token_ids, tokenizer = _token_id_fields(message)
+    image = _image_field(message, limits, text)
     return Chunk(
         chunk_id,
         text,
@@ -561,6 +607,7 @@ def _full_chunk(
         reembed=reembed,
         token_ids=token_ids,
         tokenizer=tokenizer,
+        image=image,
     )
 
 

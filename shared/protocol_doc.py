@@ -20,11 +20,13 @@ from pathlib import Path
 from embedfleet.shared.dead_letters import PAYLOAD_PREFIX_BYTES, DeadReason
 from embedfleet.shared.protocol import (
     DEFAULT_DTYPE,
+    IMAGE_FORMATS,
     LONG_INPUT_OPTION,
     MAX_ACTIVE_DIMS,
     MAX_DEADLINE_MS,
     MAX_DIMENSIONS,
     MAX_ID_CHARS,
+    MAX_IMAGE_PIXELS,
     MAX_PAIR_CHARS,
     MAX_PROMPT_CHARS,
     MAX_PROMPT_NAME_CHARS,
@@ -74,9 +76,23 @@ CHUNK_FIELDS: tuple[WireField, ...] = (
     WireField(
         "text",
         "str",
-        True,
+        False,
         "the text to embed; not empty (whitespace is text); at most `EMBEDFLEET_MAX_TEXT_CHARS` "
-        f"characters ({_default('max_text_chars'):,})",
+        f"characters ({_default('max_text_chars'):,}). Every chunk has `text` or `image`, not "
+        "both",
+    ),
+    WireField(
+        "image",
+        "bin",
+        False,
+        "an image to embed instead of a text, on a lane whose model card lists `image` in its "
+        "`modalities` (CLIP, SigLIP: [docs/MODELS.md](MODELS.md#images-clip-and-siglip)): the "
+        f"encoded file's bytes ({', '.join(IMAGE_FORMATS)}; a GIF's first frame), at most "
+        f"`EMBEDFLEET_MAX_IMAGE_BYTES` ({_default('max_image_bytes'):,}), over it `too_large`. "
+        "The worker decodes and preprocesses it as the model's image processor does; a file "
+        "that does not decode is dead-lettered `invalid`, one that decodes past "
+        f"{MAX_IMAGE_PIXELS:,} pixels (a decompression bomb) `too_large`; an image on a "
+        "text-only lane `options`. The content key covers its bytes",
     ),
     WireField("job", "str", False, "groups chunks for progress counters (`{ns}:job:<job>`)"),
     WireField(

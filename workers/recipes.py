@@ -104,4 +104,4 @@ class Recipes:
                 renormalize=self.renormalize,
                 model_dim=self.model_dim,
             )
-        return content_key(chunk.text, recipe, chunk.pair)
+        return content_key(chunk.text, recipe, chunk.pair, chunk.image)

@@ -6,7 +6,7 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from embedfleet.shared.protocol import ChunkLimits
+from embedfleet.shared.protocol import DEFAULT_MAX_IMAGE_BYTES, ChunkLimits
 from embedfleet.shared.settings.section import Section
 
 
@@ -22,6 +22,10 @@ class InputSettings(Section):
     """Longest text accepted (characters); longer texts are dead-lettered."""
     max_meta_bytes: int = Field(default=16 * 1024, ge=0)
     """Largest metadata (msgpack-encoded) passed through to results."""
+    max_image_bytes: int = Field(default=DEFAULT_MAX_IMAGE_BYTES, ge=1)
+    """Largest image a chunk carries (its encoded bytes: JPEG, PNG, WebP, GIF), for a CLIP or
+    SigLIP lane; bigger ones are dead-lettered (`too_large`). Keep it below
+    `EMBEDFLEET_MAX_MESSAGE_BYTES`, which bounds the whole chunk."""
     max_id_chars: int = Field(default=512, ge=1)
     """Longest chunk id and job id accepted (characters)."""
     dead_payload_max_bytes: int = Field(default=64 * 1024, ge=0)
@@ -44,4 +48,5 @@ class InputSettings(Section):
             max_text_chars=self.max_text_chars,
             max_meta_bytes=self.max_meta_bytes,
             max_message_bytes=self.max_message_bytes,
+            max_image_bytes=self.max_image_bytes,
         )

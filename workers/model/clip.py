@@ -9,7 +9,8 @@ preprocesses them on the host's threads). The vectors are the features as the mo
 them, in float32, as ``get_*_features`` answers them.
 
 The card (shared/modelcard.py ``modalities``) says what a lane serves: a dual encoder serves
-``text`` and ``image``; every other model ``text`` alone (:func:`modality_refusal`).
+``text`` and ``image``; every other model ``text`` alone (the options verifier's
+``check_modality``, shared/options.py, refuses the other modality).
 """
 
 from __future__ import annotations
@@ -61,15 +62,6 @@ def dual_kind_of(model_dir: Path) -> str | None:
         return None
     model_type = json.loads(config_file.read_text()).get("model_type")
     return model_type if model_type in DUAL_KINDS else None
-
-
-def modality_refusal(modalities: Sequence[str], image: bool) -> str | None:
-    """Why a lane serving ``modalities`` refuses a chunk (an image when ``image``, else a
-    text), for its dead letter; None where it serves it."""
-    wanted = "image" if image else "text"
-    if wanted in modalities:
-        return None
-    return f"this model embeds {' and '.join(modalities)} only, not {wanted} input"
 
 
 class DualEncoder:

@@ -157,3 +157,11 @@ def test_a_sparse_or_rerank_entry_comes_back_whole() -> None:
     )
     scored = unpack_entry(pack_entry(score, tokens=9))
     assert scored is not None and scored.result.score == 2.5
+
+
+def test_an_image_chunk_is_keyed_by_its_bytes() -> None:
+    key = content_key("", RECIPE, image=b"\x89PNG one")
+    assert key == content_key("", RECIPE, image=b"\x89PNG one")
+    assert key != content_key("", RECIPE, image=b"\x89PNG two")
+    # a text's key is as it was before images (the cache keeps its entries)
+    assert content_key("a text", RECIPE, image=None) == content_key("a text", RECIPE)

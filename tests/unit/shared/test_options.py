@@ -15,6 +15,7 @@ from embedfleet.shared.modelcard import ModelCard
 from embedfleet.shared.options import (
     DimensionsError,
     ForeignTokenIdsError,
+    ModalityError,
     OptionError,
     PromptError,
     RepresentationError,
@@ -141,6 +142,18 @@ RULES: list[tuple[str, Callable[[], object], type[OptionError], str]] = [
         TokenLimitError,
         "the prompt alone fills the model",
     ),
+    (
+        "an image for a text model",
+        lambda: options.verify(Chunk(id="a", image=b"\x89PNG"), CARD),
+        ModalityError,
+        "only, not image input",
+    ),
+    (
+        "a text for an image-only model",
+        lambda: options.check_modality(False, ("image",)),
+        ModalityError,
+        "only, not text input",
+    ),
 ]
 
 
@@ -155,7 +168,11 @@ def test_each_rule_raises_its_own_error(
 
 
 # where a message is made of its parts, what its source says in place of what it shows
-WRITTEN = {"serves dense, not sparse": "}, not {wanted}"}
+WRITTEN = {
+    "serves dense, not sparse": "}, not {wanted}",
+    "only, not image input": "only, not {wanted} input",
+    "only, not text input": "only, not {wanted} input",
+}
 
 
 def _modules_saying(fragment: str, root: Path = REPO_ROOT) -> list[str]:
@@ -235,6 +252,16 @@ def test_the_errors_file_under_their_dead_letter_reason() -> None:
         options.verify(Chunk(id="a", text="t", dimensions=49), CARD)
     assert raised.value.code is DeadReason.OPTIONS
     assert str(raised.value).startswith("chunk 'a': ")
+
+
+def test_a_dual_encoder_takes_both_modalities() -> None:
+    clip = ModelCard(
+        name="clip", dim=16, max_length=32, normalize=False, modalities=("text", "image")
+    )
+    options.verify(Chunk(id="a", image=b"\x89PNG"), clip)
+    options.verify(Chunk(id="a", text="a red bicycle"), clip)
+    with pytest.raises(ModalityError, match="'a': this model embeds text only, not image"):
+        options.verify(Chunk(id="a", image=b"\x89PNG"), CARD)
 
 
 def test_what_a_model_gives_passes() -> None:

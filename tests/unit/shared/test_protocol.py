@@ -35,6 +35,7 @@ from embedfleet.shared.protocol import (
     encode_query_error,
     encode_result,
     encode_results,
+    validate_chunk,
 )
 
 int64 = st.integers(min_value=-(2**63), max_value=2**64 - 1)
@@ -455,3 +456,37 @@ def test_a_lone_surrogate_is_no_text() -> None:
         with pytest.raises(ProtocolError, match=rf"'{field}' holds a lone surrogate .* 4"):
             chunk_from_mapping(message)
     assert chunk_from_mapping({"id": "a", "text": "fine \U0001f600"}).text == "fine \U0001f600"
+
+
+def test_an_image_chunk_round_trips_without_a_text() -> None:
+    chunk = Chunk(id="img", image=b"\x89PNG\r\n\x1a\n-bytes", job="j")
+    payload = encode_chunk(chunk)
+    assert "text" not in msgpack.unpackb(payload)
+    assert decode_chunk(payload) == chunk
+    assert validate_chunk(chunk) == chunk
+
+
+@pytest.mark.parametrize(
+    ("fields", "code", "fragment"),
+    [
+        ({"text": "a caption", "image": b"x"}, DeadReason.INVALID, "'text' or 'image', not both"),
+        ({"image": b""}, DeadReason.INVALID, "got empty bytes"),
+        ({"image": "not bytes"}, DeadReason.INVALID, "got str"),
+        ({"image": b"x" * 11}, DeadReason.TOO_LARGE, "11 bytes, over the 10 limit"),
+    ],
+)
+def test_an_image_is_checked_for_form(
+    fields: dict[str, object], code: DeadReason, fragment: str
+) -> None:
+    payload = msgpack.packb({"v": 1, "id": "img", "job": "j", **fields}, use_bin_type=True)
+    with pytest.raises(ProtocolError, match=fragment) as raised:
+        decode_chunk(payload, ChunkLimits(max_image_bytes=10))
+    assert raised.value.code is code
+    assert (raised.value.chunk_id, raised.value.job) == ("img", "j")  # its job still counts it
+
+
+def test_a_chunk_without_text_or_image_is_refused_as_before() -> None:
+    with pytest.raises(ProtocolError, match="'text' is empty"):
+        validate_chunk(Chunk(id="a", text=""))
+    with pytest.raises(ProtocolError, match="'text' must be a string, got NoneType"):
+        decode_chunk(msgpack.packb({"v": 1, "id": "a"}))

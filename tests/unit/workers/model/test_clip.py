@@ -1,5 +1,6 @@
 """Dual encoders (workers/model/clip.py): what loads as one, the text tower's parity with
-``get_text_features``, the card's modalities, and the refusal of a modality a lane lacks."""
+``get_text_features``, the card's modalities (the refusal of a modality a lane lacks is the
+options verifier's: tests/unit/shared/test_options.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from embedfleet.shared.model_path import ModelNotFoundError
 from embedfleet.shared.modelcard import ModelCard
-from embedfleet.workers.model.clip import DualEncoder, dual_kind_of, modality_refusal
+from embedfleet.workers.model.clip import DualEncoder, dual_kind_of
 from tests.image_models import DUAL_FAMILIES, dual_model_dir, min_cosine, reference_text_features
 from tests.model_zoo import hf_model_dir, sample_texts
 
@@ -59,14 +60,3 @@ def test_a_card_written_before_modalities_serves_text() -> None:
     card = ModelCard(name="m", dim=4, max_length=8, normalize=True)
     older = {k: v for k, v in card.to_fields().items() if k != "modalities"}
     assert ModelCard.from_fields(older).modalities == ("text",)
-
-
-def test_a_modality_the_lane_lacks_is_refused_with_a_reason() -> None:
-    assert modality_refusal(("text", "image"), image=True) is None
-    assert modality_refusal(("text",), image=False) is None
-    assert modality_refusal(("text",), image=True) == (
-        "this model embeds text only, not image input"
-    )
-    assert modality_refusal(("image",), image=False) == (
-        "this model embeds image only, not text input"
-    )
