@@ -1,6 +1,6 @@
 """The interactive lanes: queries and texts for someone waiting, answered on a reply list.
 
-The inputs of one request go to the query stream (``Keys.query_lane.query``: few, short texts,
+The inputs of one request go to the query stream (``Keys.priority_streams.query``: few, short texts,
 served between the transformer layers of bulk batches) or the interactive stream
 (``.interactive``: bulk-sized batches, read before every ingest stream) under one request id;
 the workers push each input's answer onto the request's reply list, which the call blocks on
@@ -49,8 +49,8 @@ class Queries:
 
     def stream(self, lane: RequestStream) -> str:
         """The query stream (few, short texts) or the interactive one (``texts``)."""
-        query_lane = self.lane.keys.query_lane
-        return query_lane.query if lane == "query" else query_lane.interactive
+        priority = self.lane.keys.priority_streams
+        return priority.query if lane == "query" else priority.interactive
 
     async def embed(
         self,
@@ -163,7 +163,7 @@ class Queries:
         _check_request(what, texts, timeout, pairs)
         give_up_at = time.monotonic() + timeout
         request = uuid.uuid4().hex
-        reply_key = self.lane.keys.query_lane.reply(request)
+        reply_key = self.lane.keys.priority_streams.reply(request)
         deadline_ms = int((time.time() + timeout) * 1000)
         answers = Answers(len(texts))
         entry_ids: list[bytes] = []
@@ -240,7 +240,7 @@ class Queries:
         except TokenIdsUnavailableError as error:
             log.debug("request sent without token ids", reason=str(error))
             return chunks
-        lane = "query" if stream == self.lane.keys.query_lane.query else "document"
+        lane = "query" if stream == self.lane.keys.priority_streams.query else "document"
         return await asyncio.to_thread(maker.attach, chunks, lane)
 
     async def _collect(

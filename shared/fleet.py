@@ -37,7 +37,7 @@ FLEET_STREAMS = ("ingest", "query", "interactive", "results", "dead")
 def stream_keys(keys: Keys) -> dict[str, str]:
     """Each stream of FLEET_STREAMS by name, with its key (with partitions, a pattern that
     names them all: ``{ns}:{p*of6.*}:ingest``)."""
-    priority = keys.query_lane  # the priority streams' key set
+    priority = keys.priority_streams  # the priority streams' key set
     if not keys.partitioned:
         return {
             "ingest": keys.ingest,
@@ -64,11 +64,11 @@ def _partition_streams(
     dead letters count with the others); ``tenants``: the named tenants of each partition, whose
     ingest streams count with the default tenant's."""
     parts = keys.partitions_keys
-    priority_dead = [keys.query_lane.dead] if keys.partitioned else []
+    priority_dead = [keys.priority_streams.dead] if keys.partitioned else []
     return {
         "ingest": [s for p in parts for s in _ingest_streams(p, (tenants or {}).get(p, []))],
-        "query": [keys.query_lane.query],
-        "interactive": [keys.query_lane.interactive],
+        "query": [keys.priority_streams.query],
+        "interactive": [keys.priority_streams.interactive],
         "results": [p.results for p in parts],
         "dead": [p.dead for p in parts] + priority_dead,
     }
@@ -268,7 +268,7 @@ async def _read_tenants(client: aioredis.Redis, keys: Keys) -> dict[Keys, list[s
 def _usage_keys(keys: Keys) -> list[str]:
     """The usage hashes to sum: each partition's, and the priority streams' with partitions."""
     return [p.usage for p in keys.partitions_keys] + (
-        [keys.query_lane.usage] if keys.partitioned else []
+        [keys.priority_streams.usage] if keys.partitioned else []
     )
 
 

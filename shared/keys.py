@@ -30,7 +30,7 @@ DEFAULT_GROUP = "workers"
 RESULTS_GROUP = "results-readers"
 CLUSTER_SLOTS = 16384
 MAX_PARTITIONS = 256
-QUERY_LANE_TAG = "q"
+PRIORITY_TAG = "q"
 # a model lane's name (``model`` in chunks, queries and requests): no ':' or braces, so it can
 # neither forge another lane's keys nor add a hash tag
 MODEL_LANE_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
@@ -113,8 +113,8 @@ class Keys(BatchKeys):
 
     The fleet's ``Keys`` (``tag`` None) names the keys directly when there is one partition.
     With more, ask it for a partition's key set (``partition(i)``, ``partition_for(id)``,
-    ``partitions_keys``) or the query lane's (``query_lane``); asking the fleet-wide set for a
-    per-partition key raises, so no code path can silently write to an unread key.
+    ``partitions_keys``) or the priority streams' (``priority_streams``); asking the fleet-wide
+    set for a per-partition key raises, so no code path can silently write to an unread key.
     The Batch API's keys (``batch``, ``batches``, ...) come from ``BatchKeys``
     (shared/batch_keys.py).
     """
@@ -201,16 +201,16 @@ class Keys(BatchKeys):
         return self.partitions_keys[partition_of(chunk_id, self.partitions)]
 
     @property
-    def query_lane(self) -> Keys:
+    def priority_streams(self) -> Keys:
         """The query stream, reply keys and the lane's dead letters, in one slot."""
-        return replace(self, tag=QUERY_LANE_TAG) if self.partitioned else self
+        return replace(self, tag=PRIORITY_TAG) if self.partitioned else self
 
     @property
     def index(self) -> int:
-        """This set's partition number (0 with one partition); -1 for the query lane."""
+        """This set's partition number (0 with one partition); -1 for the priority streams."""
         if not self.partitioned:
             return 0
-        if self.tag == QUERY_LANE_TAG:
+        if self.tag == PRIORITY_TAG:
             return -1
         return next(i for i, keys in enumerate(self.partitions_keys) if keys.tag == self.tag)
 
@@ -227,8 +227,8 @@ class Keys(BatchKeys):
     @functools.cached_property
     def _owners(self) -> dict[str, Keys]:
         owners = {keys.ingest: keys for keys in self.partitions_keys}
-        owners[self.query_lane.query] = self.query_lane
-        owners[self.query_lane.interactive] = self.query_lane
+        owners[self.priority_streams.query] = self.priority_streams
+        owners[self.priority_streams.interactive] = self.priority_streams
         return owners
 
     @property
@@ -240,7 +240,8 @@ class Keys(BatchKeys):
         if self.partitioned and self.tag is None:
             raise PartitionedKeyError(
                 f"{suffix!r} is a per-partition key with EMBEDFLEET_PARTITIONS={self.partitions}: "
-                "take it from keys.partition(i), keys.partition_for(chunk_id) or keys.query_lane"
+                "take it from keys.partition(i), keys.partition_for(chunk_id) "
+                "or keys.priority_streams"
             )
         return f"{self.prefix}:{suffix}"
 
@@ -299,8 +300,8 @@ class Keys(BatchKeys):
         """Stream of the inputs of large interactive requests (the gateway's requests over
         EMBEDFLEET_GATEWAY_LANE_MAX_INPUTS inputs): read by the bulk reader before any ingest
         stream, so a request someone waits on never queues behind a bulk backlog, while the
-        query stream keeps its few-input answers ahead of it. In the query lane's key set: its
-        entries answer on reply keys of that set (``query_lane.reply``), in the same slot."""
+        query stream keeps its few-input answers ahead of it. In the priority streams' key set: its
+        entries answer on reply keys of that set (``priority_streams.reply``), in the same slot."""
         return self._key("interactive")
 
     @property
@@ -361,7 +362,7 @@ class Keys(BatchKeys):
 
     def reply(self, request_id: str) -> str:
         """List a request's caller collects its answers from (producer/replies.py); it expires
-        if the caller has gone. Queries and interactive requests use the query lane's; a chunk
+        if the caller has gone. Queries and interactive requests use the priority streams'; a chunk
         of the ingest stream with a ``reply`` (a Batch API batch) answers on its partition's."""
         return self._key(f"reply:{request_id}")
 

@@ -211,5 +211,5 @@ async def ensure_groups(client: aioredis.Redis, keys: Keys) -> None:
     the interactive stream."""
     for partition in keys.partitions_keys:
         await ensure_group(client, keys, partition.ingest)
-    await ensure_group(client, keys, keys.query_lane.query)
-    await ensure_group(client, keys, keys.query_lane.interactive)
+    await ensure_group(client, keys, keys.priority_streams.query)
+    await ensure_group(client, keys, keys.priority_streams.interactive)

@@ -207,5 +207,5 @@ def cache_key_sets(keys: Keys) -> list[Keys]:
     lane's (the gateway's large requests, read from its interactive stream)."""
     sets = list(keys.partitions_keys)
     if keys.partitioned:
-        sets.append(keys.query_lane)
+        sets.append(keys.priority_streams)
     return sets

@@ -95,7 +95,7 @@ class StreamConsumer:
         self.max_read_bytes = max_read_bytes
         chosen = range(keys.partitions) if partitions is None else partitions
         self.partitions = [keys.partition(index) for index in chosen]
-        self.interactive_stream = keys.query_lane.interactive
+        self.interactive_stream = keys.priority_streams.interactive
         # each partition's streams, the default tenant's first, then the named tenants' as the
         # registry (Keys.tenants) last said
         self._streams: dict[Keys, list[str]] = {p: [p.ingest] for p in self.partitions}
@@ -114,7 +114,7 @@ class StreamConsumer:
     def streams(self) -> list[str]:
         """What the reclaimer scans: the ingest streams as known now, the interactive and the
         query stream (a tenant registered later is scanned from the round after)."""
-        return [*self.ingest_streams, self.interactive_stream, self.keys.query_lane.query]
+        return [*self.ingest_streams, self.interactive_stream, self.keys.priority_streams.query]
 
     def tenant_of(self, stream: str) -> str:
         """The tenant a stream's entries belong to (the plain ingest stream: the default)."""
@@ -143,16 +143,18 @@ class StreamConsumer:
         The blocking read names both streams, so a query arriving while the worker is idle
         wakes it at once: no polling loop, no sleep.
         """
-        queries = await self._read({self.keys.query_lane.query: ">"}, count, block_ms=None)
+        queries = await self._read({self.keys.priority_streams.query: ">"}, count, block_ms=None)
         if queries:
             return queries
         if not include_ingest:
-            return await self._read({self.keys.query_lane.query: ">"}, count, block_ms=block_ms)
+            return await self._read(
+                {self.keys.priority_streams.query: ">"}, count, block_ms=block_ms
+            )
         bulk = await self._read({self.keys.ingest: ">"}, count, block_ms=None)
         if bulk:
             return bulk
         return await self._read(
-            {self.keys.query_lane.query: ">", self.keys.ingest: ">"}, count, block_ms
+            {self.keys.priority_streams.query: ">", self.keys.ingest: ">"}, count, block_ms
         )
 
     async def read_stream(self, stream: str, count: int, block_ms: int | None) -> list[StreamEntry]:
@@ -290,7 +292,7 @@ class StreamConsumer:
         # XREADGROUP's reply: [(stream, [(id, fields), ...]), ...], or None when nothing came
         streams = cast("list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]", response)
         for stream_name, stream_entries in sorted(
-            streams or [], key=lambda item: as_str(item[0]) != self.keys.query_lane.query
+            streams or [], key=lambda item: as_str(item[0]) != self.keys.priority_streams.query
         ):
             stream = as_str(stream_name)
             for entry_id, fields in stream_entries:

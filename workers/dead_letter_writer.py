@@ -108,7 +108,7 @@ class DeadLetters:
         # stream's replies are read at once, ingest replies (gateway jobs) as their results.
         by_ttl: dict[int, list[Rejected]] = {}
         for item in rejected:
-            ingest = item.stream != self.keys.query_lane.query
+            ingest = item.stream != self.keys.priority_streams.query
             by_ttl.setdefault(job_reply_ttl_s if ingest else self.reply_ttl_s, []).append(item)
         for ttl_s, items in by_ttl.items():
             deliveries = [

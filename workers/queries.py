@@ -89,7 +89,8 @@ class QueryStage:
         # worker knows the longest stretch a query had to wait (workers/cost_model.py)
         self.slice_clock = slice_clock or SliceClock()
         self.outages = outages or Outages(events)
-        self.keys: Keys = settings.keys.query_lane  # query stream, replies, dead letters: one slot
+        # the priority streams' key set: query stream, replies, dead letters in one slot
+        self.keys: Keys = settings.keys.priority_streams
         self.encoder = encoder
         self.client = client
         self.model_thread = model_thread

@@ -83,7 +83,8 @@ class QueryInbox:
         queued: Callable[[], None],
     ) -> None:
         self.settings = settings
-        self.keys: Keys = settings.keys.query_lane  # query stream, replies, dead letters: one slot
+        # the priority streams' key set: query stream, replies, dead letters in one slot
+        self.keys: Keys = settings.keys.priority_streams
         self.encoder = encoder
         self.client = client
         self.dead_letters = dead_letters

@@ -196,7 +196,7 @@ class Worker:
         """What runs side by side: the query lane, the reclaimer and the heartbeat, and (unless
         the worker only answers queries) the bulk stages, joined by bounded queues."""
         stopping, keys = self.parts.stopping, self.keys
-        query_stream = keys.query_lane.query
+        query_stream = keys.priority_streams.query
         # what the reclaimer scans, asked each period: tenants registered later are covered too
         streams: Callable[[], list[str]] = (
             (lambda: [query_stream]) if self.settings.query_only else self.parts.consumer.streams
@@ -243,7 +243,7 @@ class Worker:
             raise
 
     async def _deliver_reclaimed(self, stream: str, entries: list[StreamEntry]) -> None:
-        if stream == self.keys.query_lane.query:
+        if stream == self.keys.priority_streams.query:
             await self.queries.accept(entries)
         else:
             await self.intake.hold_reclaimed(stream, entries)

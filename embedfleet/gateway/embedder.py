@@ -188,7 +188,7 @@ class Embedder:
         sending: Callable[[], None],
         query_lane: bool = False,
     ) -> T:
-        lane = self.keys.query_lane
+        lane = self.keys.priority_streams
         settings = self.settings
         chosen: Lane
         if query_lane or count <= settings.gateway_lane_max_inputs:

@@ -79,7 +79,7 @@ class DeadLetterStore:
         # every key set that has a dead stream: each partition's, and the priority streams'
         self.sets: list[Keys] = list(keys.partitions_keys)
         if keys.partitioned:
-            self.sets.append(keys.query_lane)
+            self.sets.append(keys.priority_streams)
 
     async def _call(self, doing: str, operation: Callable[[], Awaitable[T]]) -> T:
         """One Redis call, again after a transient fault: each call here is safe to repeat."""
@@ -147,7 +147,7 @@ class DeadLetterStore:
 
     def why_not_replayable(self, letter: DeadLetter, owner: Keys | None = None) -> str | None:
         owner = owner or self.keys.partitions_keys[0]
-        if letter.stream == self.keys.query_lane.query:
+        if letter.stream == self.keys.priority_streams.query:
             return "a query: its caller has gone"
         tenant_stream = letter.stream.startswith(owner.prefix + TENANT_STREAM_INFIX)
         if letter.stream != owner.ingest and not tenant_stream:

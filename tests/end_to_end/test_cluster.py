@@ -164,7 +164,7 @@ def test_partitions_spread_over_every_master(
         slots = {int(client.execute_command("CLUSTER", "KEYSLOT", key)) for key in keys}
         assert slots == {key_slot(partition.ingest)}, "a partition's keys share one slot"
         holders[partition.index] = cluster.master_of(slots.pop()).port
-    lane = cluster_settings.keys.query_lane
+    lane = cluster_settings.keys.priority_streams
     assert client.execute_command("CLUSTER", "KEYSLOT", lane.reply("r")) == key_slot(lane.query)
     assert key_slot(lane.interactive) == key_slot(lane.query)
     keys = cluster_settings.keys

@@ -250,7 +250,7 @@ async def test_without_a_worker_a_request_waits_its_deadline_then_504s_leaving_n
     lonely = fleet_settings.model_copy(
         update={"namespace": f"gw{uuid.uuid4().hex[:8]}", "gateway_timeout_s": 1.5}
     )
-    lane = lonely.keys.query_lane
+    lane = lonely.keys.priority_streams
     redis = connect(lonely.effective_redis_url)
     try:
         with running_gateway(lonely) as url:
@@ -287,7 +287,7 @@ async def test_a_large_request_is_429_while_the_interactive_stream_is_full(
     redis = connect(full.effective_redis_url)
     try:
         for _ in range(20):  # a backlog of large requests no worker has read
-            await redis.xadd(full.keys.query_lane.interactive, {"m": b"x"})
+            await redis.xadd(full.keys.priority_streams.interactive, {"m": b"x"})
         with running_gateway(full) as url:
             client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
             with pytest.raises(openai.RateLimitError) as caught:

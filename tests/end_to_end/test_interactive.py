@@ -44,7 +44,7 @@ async def test_requests_wait_for_a_worker_that_starts_after_they_are_enqueued(
         gateway_timeout_s=600,  # a model load on a small shared CPU, with room to spare
         block_ms=200,
     )
-    lane = settings.keys.query_lane
+    lane = settings.keys.priority_streams
     redis = connect(settings.effective_redis_url)
     launcher = WorkerLauncher(settings, shared_encoder, tmp_path)
     try:
@@ -85,7 +85,7 @@ async def test_requests_wait_for_a_worker_that_starts_after_they_are_enqueued(
 async def test_a_worker_skips_interactive_entries_whose_caller_has_gone(
     settings: Settings, client: aioredis.Redis, workers: WorkerLauncher
 ) -> None:
-    lane = settings.keys.query_lane
+    lane = settings.keys.priority_streams
     await ensure_groups(client, settings.keys)
     past = int(time.time() * 1000) - 1000  # its caller timed out a second ago
     gone = Chunk("gone:0", "nobody waits for this", reply="gone", deadline_ms=past)

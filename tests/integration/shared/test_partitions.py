@@ -41,7 +41,7 @@ def test_one_partition_is_the_single_node_layout_byte_for_byte() -> None:
         "embedfleet:reply:r",
         "embedfleet:jobs",
     )
-    assert keys.partitions_keys == (keys,) and keys.query_lane == keys
+    assert keys.partitions_keys == (keys,) and keys.priority_streams == keys
     assert keys.partition_for("any id") == keys
 
 
@@ -49,7 +49,7 @@ def test_a_model_lane_has_its_own_keys_partitioned_like_the_namespace() -> None:
     keys = Keys(partitions=2)
     lane = keys.for_model("BAAI/bge-m3")
     assert lane.partition(0).ingest == "embedfleet:m:BAAI/bge-m3:{p0of2.0}:ingest"
-    assert lane.query_lane.query == "embedfleet:m:BAAI/bge-m3:{q}:query"
+    assert lane.priority_streams.query == "embedfleet:m:BAAI/bge-m3:{q}:query"
     assert (lane.model, lane.workers_alive) == (
         "embedfleet:m:BAAI/bge-m3:model",
         "embedfleet:m:BAAI/bge-m3:workers",
@@ -98,8 +98,8 @@ def test_the_fleet_keys_of_a_partitioned_deployment_refuse_per_partition_names()
     keys = Keys(partitions=4)
     with pytest.raises(PartitionedKeyError, match=r"keys\.partition"):
         _ = keys.ingest
-    assert keys.query_lane.query == "embedfleet:{q}:query"
-    assert key_slot(keys.query_lane.reply("abc")) == key_slot(keys.query_lane.query)
+    assert keys.priority_streams.query == "embedfleet:{q}:query"
+    assert key_slot(keys.priority_streams.reply("abc")) == key_slot(keys.priority_streams.query)
     assert keys.owner_of(keys.partition(3).ingest) == keys.partition(3)
     assert keys.model == "embedfleet:model"  # fleet-wide keys stay where they were
 

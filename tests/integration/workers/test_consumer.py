@@ -103,8 +103,8 @@ async def test_a_request_after_bulk_woke_an_idle_worker_is_read_before_the_next_
     assert await consumer.read_interactive(100) == [], "nothing came yet, and it did not wait"
 
     # the request comes while the worker encodes that bulk window
-    request_id = await client.xadd(keys.query_lane.interactive, {PAYLOAD_FIELD: b"request"})
-    handed = await client.xpending(keys.query_lane.interactive, keys.group)
+    request_id = await client.xadd(keys.priority_streams.interactive, {PAYLOAD_FIELD: b"request"})
+    handed = await client.xpending(keys.priority_streams.interactive, keys.group)
     assert handed["pending"] == 1, "Redis handed it to the idle wait's blocked read"
     read: list = []
     try:
@@ -114,9 +114,9 @@ async def test_a_request_after_bulk_woke_an_idle_worker_is_read_before_the_next_
     except TimeoutError:
         pytest.fail("the request the idle wait's read was handed is left for a window later")
     assert [(entry.stream, entry.entry_id) for entry in read] == [
-        (keys.query_lane.interactive, request_id.decode())
+        (keys.priority_streams.interactive, request_id.decode())
     ]
     assert await consumer.read_interactive(100) == [], "read once, not twice"
-    await client.xadd(keys.query_lane.interactive, {PAYLOAD_FIELD: b"next"})
+    await client.xadd(keys.priority_streams.interactive, {PAYLOAD_FIELD: b"next"})
     assert len(await consumer.read_interactive(100)) == 1, "later ones: a non-blocking read"
     consumer.abandon_waiting()

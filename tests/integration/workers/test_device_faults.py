@@ -171,7 +171,9 @@ async def _enqueue_queries(client: aioredis.Redis, settings: Settings, request: 
     so they are served as one batch."""
     for index, text in enumerate(QUERIES):
         chunk = Chunk(id=f"{request}:{index}", text=text, reply=request)
-        await client.xadd(settings.keys.query_lane.query, {PAYLOAD_FIELD: encode_chunk(chunk)})
+        await client.xadd(
+            settings.keys.priority_streams.query, {PAYLOAD_FIELD: encode_chunk(chunk)}
+        )
 
 
 @pytest.fixture(params=[False, True], ids=["model-thread", "own-thread"])
@@ -210,7 +212,7 @@ async def test_out_of_memory_on_a_query_batch_splits_and_never_dead_letters(
     settings = query_settings
     await _enqueue_queries(client, settings, "oom")
     async with workers.run(settings, encoder=encoder) as worker:
-        reply = settings.keys.query_lane.reply("oom")
+        reply = settings.keys.priority_streams.reply("oom")
         answers = [await client.blpop([reply], timeout=60) for _ in QUERIES]
     results = sorted(
         (decode_result(answer[1]) for answer in answers if answer is not None),
@@ -243,8 +245,8 @@ async def test_cuda_error_on_a_query_stops_the_worker_and_leaves_it_pending(
     with pytest.raises(DeviceFault, match="device-side assert"):
         await asyncio.wait_for(worker.run(), timeout=60)
     assert worker.stats.dead_letters == 0
-    assert not await client.exists(settings.keys.query_lane.reply("assert"))  # no answer
-    pending = await client.xpending(settings.keys.query_lane.query, settings.group)
+    assert not await client.exists(settings.keys.priority_streams.reply("assert"))  # no answer
+    pending = await client.xpending(settings.keys.priority_streams.query, settings.group)
     assert pending["pending"] == len(QUERIES)  # read, never acknowledged: another worker's now
 
 

@@ -353,8 +353,8 @@ def test_the_chart_gives_each_listed_tenant_its_streams_triggers_and_settings() 
         *(p.ingest for p in keys.partitions_keys),
         *(p.ingest_for("search") for p in keys.partitions_keys),
         *(p.ingest_for("backfill") for p in keys.partitions_keys),
-        keys.query_lane.interactive,
-        keys.query_lane.query,
+        keys.priority_streams.interactive,
+        keys.priority_streams.query,
     ], "the chart's tenant streams are the ones shared/keys.py names"
     formula = so["spec"]["advanced"]["scalingModifiers"]["formula"]
     assert formula.startswith("p0 + p1 + t0p0 + t0p1 + t1p0 + t1p1 + interactive + query")

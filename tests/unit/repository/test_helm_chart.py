@@ -667,8 +667,8 @@ def test_partitions_get_one_lag_trigger_each_summed() -> None:
     assert [t["name"] for t in triggers] == [f"p{i}" for i in range(6)] + ["interactive", "query"]
     assert [t["metadata"]["stream"] for t in triggers] == [
         *(p.ingest for p in keys.partitions_keys),
-        keys.query_lane.interactive,
-        keys.query_lane.query,
+        keys.priority_streams.interactive,
+        keys.priority_streams.query,
     ], "the chart's streams are the ones shared/keys.py names"
     assert all(t["type"] == "redis-streams" for t in triggers)
     modifiers = so["spec"]["advanced"]["scalingModifiers"]
@@ -1132,8 +1132,8 @@ def test_triggers_count_every_stream_the_gateway_and_producer_enqueue_to(
 
     keys = Keys(namespace="embedfleet", partitions=partitions)
     ingest = {p.ingest for p in keys.partitions_keys}
-    query = keys.query_lane.query
-    interactive = keys.query_lane.interactive  # the gateway's large requests
+    query = keys.priority_streams.query
+    interactive = keys.priority_streams.interactive  # the gateway's large requests
     r = render({"partitions": partitions, "queryWorkers": {"enabled": query_workers}})
     bulk = {t["metadata"]["stream"] for t in r.scaled_object("worker")["spec"]["triggers"]}
     if query_workers:
@@ -1204,7 +1204,7 @@ def test_two_models_render_a_worker_set_and_a_trigger_set_each(partitions: int) 
         assert r.of_component("PodDisruptionBudget", component)
         lane = keys.for_model(entry["name"])
         expected = {p.ingest for p in lane.partitions_keys}
-        expected |= {lane.query_lane.interactive, lane.query_lane.query}
+        expected |= {lane.priority_streams.interactive, lane.priority_streams.query}
         so = r.scaled_object(component)
         assert so["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
         streams = [t["metadata"]["stream"] for t in so["spec"]["triggers"]]
