@@ -10,7 +10,6 @@ card the workers publish.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any, cast
 
 import grpc
@@ -22,7 +21,8 @@ from embedfleet.gateway.grpc_services import add_service
 from embedfleet.gateway.state import Gateway
 from embedfleet.gateway.tei_grpc.server import (
     GatewayServicer,
-    bind_request,
+    each_call,
+    one_call,
     optional_field,
 )
 from embedfleet.gateway.timing_headers import RequestClock
@@ -93,14 +93,8 @@ class FleetService(GatewayServicer):
             prompt_tokens=answer.tokens,
         )
 
-    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unary(context, bind_request(self._embed, request))
-
-    async def EmbedStream(
-        self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[Any]:
-        async for answer in self._stream(request_iterator, context, self._embed):
-            yield answer
+    Embed = one_call(_embed)
+    EmbedStream = each_call(_embed)
 
 
 def add_fleet_services(gateway: Gateway, server: grpc.aio.Server) -> None:

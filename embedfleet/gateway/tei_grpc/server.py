@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -49,6 +50,7 @@ log = get_logger("embedfleet.gateway.grpc")
 
 Request = TypeVar("Request")
 Answer = TypeVar("Answer")
+Servicer = TypeVar("Servicer", bound="GatewayServicer")
 
 # TEI's gRPC code for each of its error types (server.rs, ``impl From<ErrorResponse> for
 # Status``); an APIError's type is the one TEI's HTTP dialect gives it (errors.py)
@@ -234,6 +236,40 @@ class GatewayServicer:
                 await reader
 
 
+def bind_request(
+    answer: Callable[[Request, RequestClock], Awaitable[Answer]], request: Request
+) -> Callable[[RequestClock], Awaitable[Answer]]:
+    return lambda clock: answer(request, clock)
+
+
+def one_call(
+    answer: Callable[[Servicer, Request, RequestClock], Awaitable[Answer]],
+) -> Callable[[Servicer, Request, grpc.aio.ServicerContext], Awaitable[Answer]]:
+    """A unary method of the servicer: its message answered by ``answer`` in the frame
+    (GatewayServicer._unary). Most methods are one of these or ``each_call`` of the same
+    ``answer``: TEI's ``Embed`` and ``EmbedStream`` differ only in how many messages come."""
+
+    async def method(self: Servicer, request: Request, context: grpc.aio.ServicerContext) -> Answer:
+        return await self._unary(context, bind_request(functools.partial(answer, self), request))
+
+    return method
+
+
+def each_call(
+    answer: Callable[[Servicer, Request, RequestClock], Awaitable[Answer]],
+) -> Callable[[Servicer, AsyncIterator[Request], grpc.aio.ServicerContext], AsyncIterator[Answer]]:
+    """A bidirectional stream method of the servicer: each message answered by ``answer`` as
+    its own call, in order (GatewayServicer._stream)."""
+
+    async def method(
+        self: Servicer, requests: AsyncIterator[Request], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Answer]:
+        async for reply in self._stream(requests, context, functools.partial(answer, self)):
+            yield reply
+
+    return method
+
+
 class TEIServicer(GatewayServicer):
     """Every tei.v1 service on one gateway: a coroutine for each method of each of them."""
 
@@ -264,14 +300,8 @@ class TEIServicer(GatewayServicer):
         (vector,) = await tei_api.embed(body, self.gateway)
         return pb.EmbedResponse(embeddings=vector, metadata=await _measured(clock))
 
-    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unary(context, bind_request(self._embed, request))
-
-    async def EmbedStream(
-        self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[Any]:
-        async for answer in self._stream(request_iterator, context, self._embed):
-            yield answer
+    Embed = one_call(_embed)
+    EmbedStream = each_call(_embed)
 
     async def _embed_sparse(
         self, request: pb.EmbedSparseRequest, clock: RequestClock
@@ -282,16 +312,8 @@ class TEIServicer(GatewayServicer):
             metadata=await _measured(clock),
         )
 
-    async def EmbedSparse(
-        self, request: pb.EmbedSparseRequest, context: grpc.aio.ServicerContext
-    ) -> Any:
-        return await self._unary(context, bind_request(self._embed_sparse, request))
-
-    async def EmbedSparseStream(
-        self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[Any]:
-        async for answer in self._stream(request_iterator, context, self._embed_sparse):
-            yield answer
+    EmbedSparse = one_call(_embed_sparse)
+    EmbedSparseStream = each_call(_embed_sparse)
 
     async def _embed_all(
         self, request: pb.EmbedAllRequest, clock: RequestClock
@@ -302,14 +324,8 @@ class TEIServicer(GatewayServicer):
             metadata=await _measured(clock),
         )
 
-    async def EmbedAll(self, request: pb.EmbedAllRequest, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unary(context, bind_request(self._embed_all, request))
-
-    async def EmbedAllStream(
-        self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[Any]:
-        async for answer in self._stream(request_iterator, context, self._embed_all):
-            yield answer
+    EmbedAll = one_call(_embed_all)
+    EmbedAllStream = each_call(_embed_all)
 
     # --- Predict -------------------------------------------------------------------------
     async def _predict(
@@ -329,25 +345,10 @@ class TEIServicer(GatewayServicer):
             metadata=await _measured(clock),
         )
 
-    async def Predict(self, request: pb.PredictRequest, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unary(context, bind_request(self._predict, request))
-
-    async def PredictPair(
-        self, request: pb.PredictPairRequest, context: grpc.aio.ServicerContext
-    ) -> Any:
-        return await self._unary(context, bind_request(self._predict, request))
-
-    async def PredictStream(
-        self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[Any]:
-        async for answer in self._stream(request_iterator, context, self._predict):
-            yield answer
-
-    async def PredictPairStream(
-        self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[Any]:
-        async for answer in self._stream(request_iterator, context, self._predict):
-            yield answer
+    Predict = one_call(_predict)
+    PredictPair = one_call(_predict)
+    PredictStream = each_call(_predict)
+    PredictPairStream = each_call(_predict)
 
     # --- Rerank --------------------------------------------------------------------------
     async def _rerank(
@@ -417,14 +418,8 @@ class TEIServicer(GatewayServicer):
         (tokens,) = json.loads(written)
         return pb.EncodeResponse(tokens=[pb.SimpleToken(**token) for token in tokens])
 
-    async def Tokenize(self, request: pb.EncodeRequest, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unary(context, bind_request(self._tokenize, request))
-
-    async def TokenizeStream(
-        self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[Any]:
-        async for answer in self._stream(request_iterator, context, self._tokenize):
-            yield answer
+    Tokenize = one_call(_tokenize)
+    TokenizeStream = each_call(_tokenize)
 
     async def _decode(self, request: pb.DecodeRequest, clock: RequestClock) -> pb.DecodeResponse:
         body = tei_api.DecodeRequest(
@@ -433,20 +428,8 @@ class TEIServicer(GatewayServicer):
         (text,) = await tei_api.decode(body, self.gateway)
         return pb.DecodeResponse(text=text)
 
-    async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unary(context, bind_request(self._decode, request))
-
-    async def DecodeStream(
-        self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[Any]:
-        async for answer in self._stream(request_iterator, context, self._decode):
-            yield answer
-
-
-def bind_request(
-    answer: Callable[[Request, RequestClock], Awaitable[Answer]], request: Request
-) -> Callable[[RequestClock], Awaitable[Answer]]:
-    return lambda clock: answer(request, clock)
+    Decode = one_call(_decode)
+    DecodeStream = each_call(_decode)
 
 
 def _sparse_body(
