@@ -37,7 +37,7 @@ class TokenIdMaker:
     """Token ids for chunks of one model lane, from its card and published tokenizer."""
 
     def __init__(
-        self, card: ModelCard, tokenizer_json: str, lane_prompt_names: dict[str, str]
+        self, card: ModelCard, tokenizer_json: str, role_prompt_names: dict[str, str]
     ) -> None:
         if not card.tokenizer_fingerprint:
             raise TokenIdsUnavailableError(
@@ -57,21 +57,21 @@ class TokenIdMaker:
         self.card = card
         self.tokenizer: Tokenizer = Tokenizer.from_str(tokenizer_json)
         # EMBEDFLEET_QUERY_PROMPT_NAME / EMBEDFLEET_DOCUMENT_PROMPT_NAME, as the workers read them
-        self.lane_prompt_names = lane_prompt_names
+        self.role_prompt_names = role_prompt_names
 
-    def prompt_for(self, chunk: Chunk, lane: str = "document") -> str:
-        """The prompt the worker joins before this chunk's text: ``lane`` ``document`` on the
-        ingest and interactive streams, ``query`` on the query stream."""
+    def prompt_for(self, chunk: Chunk, role: str = "document") -> str:
+        """The prompt the worker joins before this chunk's text, by its prompt role: ``document``
+        on the ingest and interactive streams, ``query`` on the query stream."""
         return resolve_prompt(
             self.card.named_prompts,
             self.card.default_prompt_name,
-            lane,
+            role,
             chunk.prompt_name,
             chunk.prompt,
-            self.lane_prompt_names.get(lane, ""),
+            self.role_prompt_names.get(role, ""),
         )
 
-    def attach(self, chunks: Sequence[Chunk], lane: str = "document") -> list[Chunk]:
+    def attach(self, chunks: Sequence[Chunk], role: str = "document") -> list[Chunk]:
         """``chunks`` with their token ids, in one batch call of the tokenizer (Rust: releases
         the GIL, so callers put it on a thread). A chunk that already has ids, a
         cross-encoder's pair and a long input for windows (whose whole ids the worker needs)
@@ -83,7 +83,7 @@ class TokenIdMaker:
         ]
         if not wanted:
             return list(chunks)
-        prompts = [self.prompt_for(chunks[i], lane) for i in wanted]
+        prompts = [self.prompt_for(chunks[i], role) for i in wanted]
         ids = encode_for_model(
             self.tokenizer,
             [prompt + chunks[i].text for prompt, i in zip(prompts, wanted, strict=True)],

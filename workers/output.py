@@ -52,7 +52,7 @@ from embedfleet.workers.calibration import (
     compute,
     variant_label,
 )
-from embedfleet.workers.model.encoder import Encoder, Lane
+from embedfleet.workers.model.encoder import Encoder, PromptRole
 from embedfleet.workers.model.heads import TOKEN_STATES
 from embedfleet.workers.model.model_dir import directory_revision
 from embedfleet.workers.model.packing import preferred_layout
@@ -95,7 +95,7 @@ class Outputs:
         # a truncated vector of a normalising model is renormalised unless the operator asked
         # for sentence-transformers' truncate_dim exactly
         self.renormalize = settings.renormalize and encoder.pooling.normalize
-        self._lane_defaults = {
+        self._role_defaults = {
             "query": settings.query_prompt_name,
             "document": settings.document_prompt_name,
         }
@@ -127,28 +127,28 @@ class Outputs:
     def check_settings(self) -> None:
         """Fail at start on settings this model cannot honour (names the variable)."""
         check_dimensions_setting(self.settings.dimensions, self.encoder.dim)
-        for role, name in self._lane_defaults.items():
+        for role, name in self._role_defaults.items():
             check_prompt_setting(role, name, self.encoder.prompts)
 
-    def prompt_for(self, chunk: Chunk, lane: Lane) -> str:
+    def prompt_for(self, chunk: Chunk, role: PromptRole) -> str:
         """The chunk's prompt text, after checking its output options; an OptionError (the
         verifier's) to dead-letter: a prompt name, dimensions, token states on a packing lane."""
         self.spec_for(chunk)
-        if chunk.token_states and lane == "document" and self._bulk_packs:
+        if chunk.token_states and role == "document" and self._bulk_packs:
             refuse_packed_token_states()
         if chunk.prompt_name is None and chunk.prompt is None:
-            return self._lane_prompt(lane)  # most chunks: the lane's own, resolved once
+            return self._role_prompt(role)  # most chunks: the role's own, resolved once
         return self.encoder.resolve_prompt(
-            lane,
+            role,
             prompt_name=chunk.prompt_name,
             prompt=chunk.prompt,
-            lane_default=self._lane_defaults[lane],
+            role_default=self._role_defaults[role],
         )
 
-    @functools.lru_cache(maxsize=4)  # noqa: B019 - two lanes, one Outputs per worker
-    def _lane_prompt(self, lane: Lane) -> str:
+    @functools.lru_cache(maxsize=4)  # noqa: B019 - two prompt roles, one Outputs per worker
+    def _role_prompt(self, role: PromptRole) -> str:
         return self.encoder.resolve_prompt(
-            lane, prompt_name=None, prompt=None, lane_default=self._lane_defaults[lane]
+            role, prompt_name=None, prompt=None, role_default=self._role_defaults[role]
         )
 
     @functools.cached_property
@@ -226,7 +226,7 @@ class Outputs:
         """On the model thread: embed the calibration corpus as documents and measure."""
         texts = calibration_texts()
         prompt = self.encoder.resolve_prompt(
-            "document", lane_default=self._lane_defaults["document"]
+            "document", role_default=self._role_defaults["document"]
         )
 
         def embed(batch_texts: list[str]) -> np.ndarray:

@@ -51,8 +51,8 @@ from embedfleet.workers.model.precision import (
 )
 from embedfleet.workers.model.tokenizer import (
     EncodeBatch,
-    Lane,
     PromptError,
+    PromptRole,
     Tokenized,
     configure_tokenizer_threads,
 )
@@ -65,9 +65,9 @@ adopt_library_logger("transformers")
 __all__ = [
     "EncodeBatch",
     "Encoder",
-    "Lane",
     "ModelNotFoundError",
     "PromptError",
+    "PromptRole",
     "Tokenized",
     "pairs_of",
     "resolve_model_path",
@@ -223,17 +223,17 @@ class Encoder(KeptPath):
     # --- prompts and tokenize -----------------------------------------------------------
     def resolve_prompt(
         self,
-        lane: Lane,
+        role: PromptRole,
         *,
         prompt_name: str | None = None,
         prompt: str | None = None,
-        lane_default: str = "",
+        role_default: str = "",
     ) -> str:
-        """The prompt text for one chunk, chosen as ``encode_query`` (query lane) or
-        ``encode_document`` (bulk) choose it; ``lane_default`` is the operator's override
+        """The prompt text for one chunk, chosen as ``encode_query`` (prompt role ``query``) or
+        ``encode_document`` (bulk) choose it; ``role_default`` is the operator's override
         (EMBEDFLEET_QUERY_PROMPT_NAME / _DOCUMENT_PROMPT_NAME). Raises PromptError for a
         prompt name the model does not declare. An empty string means no prompt."""
-        return self.text.resolve_prompt(lane, prompt_name, prompt, lane_default)
+        return self.text.resolve_prompt(role, prompt_name, prompt, role_default)
 
     def tokenize(
         self,

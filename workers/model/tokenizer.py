@@ -22,7 +22,7 @@ from embedfleet.shared.modelcard import resolve_prompt
 from embedfleet.shared.tokens import encode_for_model, tokenizer_fingerprint
 from embedfleet.workers.model.model_dir import ModelSpec
 
-Lane = Literal["query", "document"]
+PromptRole = Literal["query", "document"]
 
 
 class PromptError(ValueError):
@@ -112,14 +112,14 @@ class TextTokenizer:
 
     # --- prompts ----------------------------------------------------------------------
     def resolve_prompt(
-        self, lane: Lane, prompt_name: str | None, prompt: str | None, lane_default: str
+        self, role: PromptRole, prompt_name: str | None, prompt: str | None, role_default: str
     ) -> str:
         """The prompt text for one chunk (``Encoder.resolve_prompt``): shared/modelcard.py's
         ``resolve_prompt``, the rule producers that make token ids follow too. PromptError
         for a name the model does not declare."""
         try:
             return resolve_prompt(
-                self.prompts, self.spec.default_prompt_name, lane, prompt_name, prompt, lane_default
+                self.prompts, self.spec.default_prompt_name, role, prompt_name, prompt, role_default
             )
         except ValueError as error:
             raise PromptError(str(error)) from None
