@@ -1,6 +1,6 @@
 """Running the gateway for tests: uvicorn on a free port in a thread, with its own loop; the
-worker a module's gateway tests share; an OpenAI client on a gateway; the parity measure they
-use."""
+worker a module's gateway tests share; an OpenAI client on a gateway, a gRPC channel to one; the
+parity measure they use."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 from urllib.parse import urlsplit
 
+import grpc
 import httpx
 import numpy as np
 import openai
@@ -90,6 +91,20 @@ def module_sentence_transformer(model: str):
 
 # ``with gateway(**settings) as client``: the fixture module_gateway gives
 Gateway = Callable[..., AbstractContextManager[openai.OpenAI]]
+
+
+@contextlib.contextmanager
+def grpc_gateway(settings: Settings) -> Iterator[tuple[httpx.Client, grpc.Channel]]:
+    """A gateway for ``settings`` serving gRPC on a port of its own: an HTTP client of it (with
+    the settings' key, if any) and a gRPC channel to it, closed on exit."""
+    port = free_port()
+    headers = {"Authorization": f"Bearer {settings.api_keys}"} if settings.api_keys else {}
+    with (
+        running_gateway(settings.model_copy(update={"gateway_grpc_port": port})) as url,
+        httpx.Client(base_url=url, timeout=120, headers=headers) as http,
+        grpc.insecure_channel(f"127.0.0.1:{port}") as channel,
+    ):
+        yield http, channel
 
 
 @contextlib.contextmanager

@@ -9,7 +9,6 @@ UNAUTHENTICATED without the key."""
 from __future__ import annotations
 
 import base64
-import contextlib
 from collections.abc import Iterator
 
 import grpc
@@ -21,17 +20,16 @@ import redis
 from embedfleet.gateway.fleet_grpc import fleet_pb2 as pb
 from embedfleet.gateway.grpc_services import stub
 from embedfleet.gateway.tei_grpc import tei_pb2
-from embedfleet.server import free_port
 from embedfleet.shared.postprocess import quantize
 from embedfleet.shared.protocol import STORAGE_DTYPES
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.calibration import Calibration
 from tests.conftest import WorkerProcess
 from tests.gateway_support import (
+    grpc_gateway,
     min_cosine,
     module_fleet_settings,
     module_worker,
-    running_gateway,
     wait_for_worker,
 )
 
@@ -68,22 +66,11 @@ class Fleet:
         )
 
 
-@contextlib.contextmanager
-def grpc_gateway(settings: Settings) -> Iterator[Fleet]:
-    port = free_port()
-    with (
-        running_gateway(settings.model_copy(update={"gateway_grpc_port": port})) as url,
-        httpx.Client(base_url=url, timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as http,
-        grpc.insecure_channel(f"127.0.0.1:{port}") as channel,
-    ):
-        yield Fleet(http, channel, settings)
-
-
 @pytest.fixture(scope="module")
 def fleet(fleet_settings: Settings, worker: WorkerProcess) -> Iterator[Fleet]:
-    with grpc_gateway(fleet_settings) as started:
-        wait_for_worker(str(started.http.base_url).rstrip("/"))
-        yield started
+    with grpc_gateway(fleet_settings) as (http, channel):
+        wait_for_worker(str(http.base_url).rstrip("/"))
+        yield Fleet(http, channel, fleet_settings)
 
 
 def decoded(answer: pb.EmbedResponse) -> np.ndarray:

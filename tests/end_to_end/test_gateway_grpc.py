@@ -22,15 +22,15 @@ import pytest
 
 from embedfleet.gateway.grpc_services import stub
 from embedfleet.gateway.tei_grpc import tei_pb2 as pb
-from embedfleet.server import ServerProcess, free_port, isolated_settings
+from embedfleet.server import ServerProcess, isolated_settings
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.model.encoder import Encoder
 from tests.conftest import WorkerLauncher, WorkerProcess
 from tests.gateway_support import (
+    grpc_gateway,
     min_cosine,
     module_fleet_settings,
     module_worker,
-    running_gateway,
     wait_for_worker,
 )
 from tests.model_zoo import cross_encoder_dir, splade_dir
@@ -62,21 +62,15 @@ class Fleet:
 
 
 @contextlib.contextmanager
-def grpc_gateway(settings: Settings) -> Iterator[Fleet]:
+def tei_gateway(settings: Settings) -> Iterator[Fleet]:
     """A gateway for ``settings`` serving gRPC on a port of its own, and clients of both."""
-    port = free_port()
-    headers = {"Authorization": f"Bearer {settings.api_keys}"} if settings.api_keys else {}
-    with (
-        running_gateway(settings.model_copy(update={"gateway_grpc_port": port})) as url,
-        httpx.Client(base_url=url, timeout=120, headers=headers) as http,
-        grpc.insecure_channel(f"127.0.0.1:{port}") as channel,
-    ):
+    with grpc_gateway(settings) as (http, channel):
         yield Fleet(http, channel)
 
 
 @pytest.fixture(scope="module")
 def fleet(fleet_settings: Settings, worker: WorkerProcess) -> Iterator[Fleet]:
-    with grpc_gateway(fleet_settings) as started:
+    with tei_gateway(fleet_settings) as started:
         wait_for_worker(str(started.http.base_url).rstrip("/"))
         yield started
 
@@ -342,7 +336,7 @@ async def zoo_fleet(
     )
     encoder = Encoder(str(model_dir), device="cpu")
     async with WorkerLauncher(settings, lambda: encoder, tmp_path).run(settings, encoder=encoder):
-        with grpc_gateway(settings) as started:
+        with tei_gateway(settings) as started:
             yield started
 
 
