@@ -28,6 +28,7 @@ from embedfleet.shared.modelcard import ModelCard
 from embedfleet.shared.options import (
     OptionError,
     check_dimensions_setting,
+    check_modality,
     check_prompt_setting,
     check_representation,
     refuse_packed_token_states,
@@ -132,7 +133,10 @@ class Outputs:
 
     def prompt_for(self, chunk: Chunk, role: PromptRole) -> str:
         """The chunk's prompt text, after checking its output options; an OptionError (the
-        verifier's) to dead-letter: a prompt name, dimensions, token states on a packing lane."""
+        verifier's) to dead-letter: a prompt name, dimensions, token states on a packing lane, an
+        image for a model that embeds text only."""
+        if chunk.image is not None:  # (one test a chunk: texts pay nothing more)
+            check_modality(True, self.card.modalities)
         self.spec_for(chunk)
         if chunk.token_states and role == "document" and self._bulk_packs:
             refuse_packed_token_states()

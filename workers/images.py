@@ -1,0 +1,124 @@
+"""The host's side of image chunks: decode, then preprocess as the model's image processor does.
+
+An image chunk (shared/protocol.py ``Chunk.image``) carries an encoded file. Here it is decoded
+with Pillow (JPEG, PNG, WebP, a GIF's first frame), converted to RGB and handed to the model's
+own image processor (``CLIPImageProcessor``, ``SiglipImageProcessor``: resize, crop, rescale,
+normalise), one image per task on a pool of the host's threads: Pillow's decoders and resizes
+and numpy's arithmetic release the GIL, so the host's cores work side by side, and the event
+loop is never held. Every image has the same shape afterwards, so batches are cut by count.
+
+Bad input loses nothing: a file that does not decode or is truncated (``invalid``), one over
+``EMBEDFLEET_MAX_IMAGE_BYTES`` or one whose header promises more than ``MAX_IMAGE_PIXELS``
+pixels (a decompression bomb: a small file that expands to gigapixels; ``too_large``) is
+refused with its reason before its pixels are held, and the other images go on.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from embedfleet.shared.dead_letters import DeadReason
+from embedfleet.shared.protocol import IMAGE_FORMATS, MAX_IMAGE_PIXELS
+
+# Pillow's own bound, set explicitly rather than left to its default: it raises
+# DecompressionBombError past twice this; ours (below) refuses past it, from the header alone
+Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
+# Pillow warns past its bound; the check below refuses those images before they are loaded,
+# so the warning would only repeat it (set once here: warning filters are process-wide)
+warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+# what Pillow raises for a file it cannot read: unknown or corrupt data, a truncated file
+_UNREADABLE = (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError)
+
+
+class ImageRefused(Exception):
+    """An image the worker will not embed; ``code`` is its dead-letter reason."""
+
+    def __init__(self, detail: str, code: DeadReason) -> None:
+        super().__init__(detail)
+        self.code = code
+
+
+def decode_image(data: bytes, max_bytes: int) -> Image.Image:
+    """``data`` decoded to an RGB image (a GIF or an animated WebP: its first frame), or
+    :class:`ImageRefused` saying why not."""
+    if len(data) > max_bytes:
+        raise ImageRefused(
+            f"the image is {len(data)} bytes, over the {max_bytes} limit "
+            "(EMBEDFLEET_MAX_IMAGE_BYTES)",
+            DeadReason.TOO_LARGE,
+        )
+    try:
+        image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+        width, height = image.size
+        if width * height > MAX_IMAGE_PIXELS:
+            raise ImageRefused(_bomb(width, height), DeadReason.TOO_LARGE)
+        image.load()  # the first frame, decoded whole: a truncated file raises here
+        return image.convert("RGB")
+    except Image.DecompressionBombError as error:
+        raise ImageRefused(str(error), DeadReason.TOO_LARGE) from None
+    except _UNREADABLE as error:
+        raise ImageRefused(
+            f"the image does not decode as {', '.join(IMAGE_FORMATS)}: {error}",
+            DeadReason.INVALID,
+        ) from None
+
+
+def _bomb(width: int, height: int) -> str:
+    return (
+        f"the image is {width} x {height} pixels, over the {MAX_IMAGE_PIXELS:,}-pixel bound "
+        "(a decompression bomb, or a photo far larger than any model sees)"
+    )
+
+
+@dataclass
+class Prepared:
+    """A list of images preprocessed: ``pixels`` holds one row per image kept (``kept``: their
+    positions in the list), ``refused`` the others' positions and reasons."""
+
+    pixels: np.ndarray  # (len(kept), channels, height, width), float32
+    kept: list[int]
+    refused: dict[int, ImageRefused]
+
+
+class ImagePipeline:
+    """Decoding and the model's image processor, one image per task on ``threads``."""
+
+    def __init__(self, processor: Any, threads: Executor, max_bytes: int) -> None:
+        self.processor = processor
+        self.threads = threads
+        self.max_bytes = max_bytes
+
+    def one(self, data: bytes) -> np.ndarray | ImageRefused:
+        """One image's pixels as the processor makes them (channels first), or its refusal."""
+        try:
+            image = decode_image(data, self.max_bytes)
+        except ImageRefused as refused:
+            return refused
+        pixels = self.processor(images=[image], return_tensors="np")["pixel_values"][0]
+        return np.asarray(pixels, dtype=np.float32)
+
+    def prepare(self, images: Sequence[bytes]) -> Prepared:
+        """Every image of ``images`` decoded and preprocessed side by side on the threads.
+        Blocks its caller: call it off the event loop."""
+        done = list(self.threads.map(self.one, images))
+        kept = [at for at, item in enumerate(done) if isinstance(item, np.ndarray)]
+        refused = {at: item for at, item in enumerate(done) if isinstance(item, ImageRefused)}
+        rows = [done[at] for at in kept]
+        pixels = np.stack(rows) if rows else np.zeros((0, 0, 0, 0), dtype=np.float32)
+        return Prepared(pixels, kept, refused)
+
+
+def count_batches(count: int, batch_size: int) -> list[range]:
+    """Positions ``0..count-1`` cut into batches of ``batch_size`` (the last one shorter):
+    preprocessed images all have one shape, so a batch's cost is its count."""
+    if batch_size < 1:
+        raise ValueError(f"a batch holds at least one image, not {batch_size}")
+    return [range(start, min(start + batch_size, count)) for start in range(0, count, batch_size)]
