@@ -82,15 +82,7 @@ class Queries:
         lane: RequestStream,
         raw_scores: bool = False,
     ) -> np.ndarray:
-        answers = await self.answers(
-            self.stream(lane),
-            "pairs",
-            [query] * len(documents),
-            timeout,
-            None,
-            pairs=documents,
-            extra=_raw(raw_scores),
-        )
+        answers = await self._pairs([query] * len(documents), documents, timeout, lane, raw_scores)
         return np.array(
             [answers.results[index].score for index in range(len(documents))], dtype=np.float32
         )
@@ -102,17 +94,24 @@ class Queries:
         lane: RequestStream,
         raw_scores: bool = False,
     ) -> np.ndarray:
-        answers = await self.answers(
-            self.stream(lane),
-            "pairs",
-            [a for a, _ in pairs],
-            timeout,
-            None,
-            pairs=[b for _, b in pairs],
-            extra=_raw(raw_scores),
-        )
+        firsts, seconds = [a for a, _ in pairs], [b for _, b in pairs]
+        answers = await self._pairs(firsts, seconds, timeout, lane, raw_scores)
         return np.stack(
             [np.asarray(answers.results[i].vector, np.float32) for i in range(len(pairs))]
+        )
+
+    async def _pairs(
+        self,
+        firsts: Sequence[str],
+        seconds: Sequence[str | None],
+        timeout: float,
+        lane: RequestStream,
+        raw_scores: bool,
+    ) -> Answers:
+        """The cross-encoder's answers to (``firsts[i]``, ``seconds[i]``): rerank's and
+        score_pairs' one request shape (a None second: the first text alone)."""
+        return await self.answers(
+            self.stream(lane), "pairs", firsts, timeout, None, pairs=seconds, extra=_raw(raw_scores)
         )
 
     async def embed_representations(
