@@ -14,6 +14,7 @@ import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import click
 import pytest
@@ -419,6 +420,20 @@ def test_gateway_page_lists_every_route_with_its_dialect() -> None:
         assert f" {stem}" in table or f"`{stem}" in table, f"{path}: no row in the route table"
 
 
+def _grpc_calls_named(section: str, package: str) -> set[str]:
+    """The ``package.Service/Method`` names a docs section writes in backticks."""
+    return set(re.findall(rf"`({re.escape(package)}\.\w+/\w+)`", section))
+
+
+def _grpc_calls_of(module: ModuleType) -> set[str]:
+    """Every method of the services a ``*_pb2`` module defines, as grpcurl names them."""
+    return {
+        f"{service.full_name}/{method.name}"
+        for service in module.DESCRIPTOR.services_by_name.values()
+        for method in service.methods
+    }
+
+
 def test_gateway_page_names_every_grpc_call_of_teis_proto() -> None:
     """docs/GATEWAY.md's gRPC section names every method of the vendored tei.proto's services
     (``tei.v1.Service/Method``, as grpcurl writes it), and only those, and the stream's bound
@@ -428,13 +443,7 @@ def test_gateway_page_names_every_grpc_call_of_teis_proto() -> None:
     from embedfleet.gateway.tei_grpc.server import STREAM_IN_FLIGHT
 
     section = GATEWAY_PAGE.read_text().split("\n## gRPC\n", 1)[1].split("\n## ", 1)[0]
-    named = set(re.findall(r"`(tei\.v1\.\w+/\w+)`", section))
-    served = {
-        f"{service.full_name}/{method.name}"
-        for service in tei_pb2.DESCRIPTOR.services_by_name.values()
-        for method in service.methods
-    }
-    assert named == served
+    assert _grpc_calls_named(section, "tei.v1") == _grpc_calls_of(tei_pb2)
     assert f"up to {STREAM_IN_FLIGHT} at a time" in section
 
 
@@ -447,12 +456,6 @@ def test_gateway_page_names_every_call_of_the_fleets_proto() -> None:
 
     section = GATEWAY_PAGE.read_text().split("\n### The fleet's own API", 1)[1]
     section = section.split("\n## ", 1)[0]
-    named = set(re.findall(r"`(embedfleet\.v1\.\w+/\w+)`", section))
-    served = {
-        f"{service.full_name}/{method.name}"
-        for service in fleet_pb2.DESCRIPTOR.services_by_name.values()
-        for method in service.methods
-    }
-    assert named == served
+    assert _grpc_calls_named(section, "embedfleet.v1") == _grpc_calls_of(fleet_pb2)
     for dtype in OUTPUT_DTYPES:
         assert f"`{dtype}`" in section, dtype
