@@ -1,4 +1,5 @@
-"""Texts in, vectors out, through the fleet: the lane a request rides, backpressure, liveness.
+"""Texts in, vectors out, through the fleet: the request stream a request rides, backpressure,
+liveness.
 
 Small requests go to the priority query stream (``Producer.embed_queries``); large ones to the
 interactive stream (``Producer.embed_texts``), which workers read before any bulk backlog. Both
@@ -31,7 +32,8 @@ from embedfleet.shared.settings import Settings
 from embedfleet.shared.streams import live_workers
 
 LIVENESS_CACHE_S = 1.0
-Lane = Literal["query", "texts"]  # the query stream, or the interactive one
+# the request stream a request rides: the query stream, or the interactive one
+RequestStream = Literal["query", "texts"]
 T = TypeVar("T")
 
 
@@ -100,23 +102,24 @@ class Embedder:
     async def embed(self, texts: Sequence[str], options: EmbeddingOptions) -> np.ndarray:
         """float32 vectors (len(texts), dim) as the workers return them (fp16 on the wire)."""
 
-        async def call(lane: Lane, timeout: float) -> np.ndarray:
-            send = self.producer.embed_queries if lane == "query" else self.producer.embed_texts
+        async def call(stream: RequestStream, timeout: float) -> np.ndarray:
+            send = self.producer.embed_queries if stream == "query" else self.producer.embed_texts
             return await send(list(texts), timeout=timeout, options=options)
 
-        return await self._through_lane(len(texts), call, texts)
+        return await self._through_stream(len(texts), call, texts)
 
     async def embed_sparse(
         self, texts: Sequence[str], max_active_dims: int | None = None
     ) -> list[SparseVector]:
-        """Sparse weights of ``texts`` (a fleet serving a SparseEncoder), on the same lanes."""
+        """Sparse weights of ``texts`` (a fleet serving a SparseEncoder), on the same request
+        streams."""
 
-        async def call(lane: Lane, timeout: float) -> list[SparseVector]:
+        async def call(stream: RequestStream, timeout: float) -> list[SparseVector]:
             return await self.producer.embed_sparse(
-                list(texts), timeout=timeout, max_active_dims=max_active_dims, lane=lane
+                list(texts), timeout=timeout, max_active_dims=max_active_dims, lane=stream
             )
 
-        return await self._through_lane(len(texts), call, texts)
+        return await self._through_stream(len(texts), call, texts)
 
     async def rerank(
         self, query: str, documents: Sequence[str], *, raw_scores: bool = False
@@ -124,85 +127,86 @@ class Embedder:
         """Scores of (``query``, document) per document, in order (a cross-encoder fleet;
         ``raw_scores``: its logits, before its activation)."""
 
-        async def call(lane: Lane, timeout: float) -> np.ndarray:
+        async def call(stream: RequestStream, timeout: float) -> np.ndarray:
             return await self.producer.rerank(
-                query, list(documents), timeout=timeout, lane=lane, raw_scores=raw_scores
+                query, list(documents), timeout=timeout, lane=stream, raw_scores=raw_scores
             )
 
-        return await self._through_lane(
+        return await self._through_stream(
             len(documents), call, [query] * len(documents) + list(documents)
         )
 
     async def embed_representations(
         self, texts: Sequence[str], representations: Sequence[str], *, token_states: bool = False
     ) -> list[Result]:
-        """Each text's Result with ``representations`` (a multi-head fleet), same lanes;
+        """Each text's Result with ``representations`` (a multi-head fleet), same request streams;
         ``token_states``: with every token's last hidden state (a dense fleet), on the query
-        lane whatever the count: a worker's bulk lane may pack its batches (the varlen layout),
+        stream whatever the count: a worker's bulk path may pack its batches (the varlen layout),
         which give the pooled vectors alone."""
 
-        async def call(lane: Lane, timeout: float) -> list[Result]:
+        async def call(stream: RequestStream, timeout: float) -> list[Result]:
             return await self.producer.embed_representations(
                 list(texts),
                 representations,
                 timeout=timeout,
-                lane=lane,
+                lane=stream,
                 token_states=token_states,
             )
 
-        return await self._through_lane(len(texts), call, texts, query_lane=token_states)
+        return await self._through_stream(len(texts), call, texts, query_stream=token_states)
 
     async def score_pairs(
         self, pairs: Sequence[tuple[str, str | None]], *, raw_scores: bool = False
     ) -> np.ndarray:
         """Every label's score per (text, text) pair (a cross-encoder fleet; ``(text, None)``:
-        the text classified alone; ``raw_scores``: the logits), same lanes."""
+        the text classified alone; ``raw_scores``: the logits), same request streams."""
 
-        async def call(lane: Lane, timeout: float) -> np.ndarray:
+        async def call(stream: RequestStream, timeout: float) -> np.ndarray:
             return await self.producer.score_pairs(
-                list(pairs), timeout=timeout, lane=lane, raw_scores=raw_scores
+                list(pairs), timeout=timeout, lane=stream, raw_scores=raw_scores
             )
 
         texts = [text for pair in pairs for text in pair if text is not None]
-        return await self._through_lane(len(pairs), call, texts)
+        return await self._through_stream(len(pairs), call, texts)
 
-    async def _through_lane(
+    async def _through_stream(
         self,
         count: int,
-        call: Callable[[Lane, float], Awaitable[T]],
+        call: Callable[[RequestStream, float], Awaitable[T]],
         texts: Sequence[str],
         *,
-        query_lane: bool = False,
+        query_stream: bool = False,
     ) -> T:
-        """``call`` on the lane ``count`` inputs ride (``query_lane``: the query lane whatever
-        the count), refused (429) while that lane is full; a timeout or a worker's refusal as
-        the gateway's errors. ``texts``: every text the call sends (a pair's two), for the
-        request's timing headers (gateway/timing_headers.py)."""
+        """``call`` on the request stream ``count`` inputs ride (``query_stream``: the query
+        stream whatever the count), refused (429) while that stream is full; a timeout or a
+        worker's refusal as the gateway's errors. ``texts``: every text the call sends (a pair's
+        two), for the request's timing headers (gateway/timing_headers.py)."""
         with fleet_call(texts, self.count_tokens) as timed:
-            return await self._lane_call(count, call, timed.sending, query_lane)
+            return await self._stream_call(count, call, timed.sending, query_stream)
 
-    async def _lane_call(
+    async def _stream_call(
         self,
         count: int,
-        call: Callable[[Lane, float], Awaitable[T]],
+        call: Callable[[RequestStream, float], Awaitable[T]],
         sending: Callable[[], None],
-        query_lane: bool = False,
+        query_stream: bool = False,
     ) -> T:
-        lane = self.keys.priority_streams
+        priority = self.keys.priority_streams
         settings = self.settings
-        chosen: Lane
-        if query_lane or count <= settings.gateway_lane_max_inputs:
-            label, stream, chosen = "query", lane.query, "query"
+        chosen: RequestStream
+        if query_stream or count <= settings.gateway_lane_max_inputs:
+            label, key, chosen = "query", priority.query, "query"
+            # "query lane": the 429 message's wording, which clients may match, stays as it was
             bound = ("query lane", settings.gateway_lane_high_water, "GATEWAY_LANE_HIGH_WATER")
         else:
             # the interactive stream is bounded like a backlog; the bulk backlog itself does
             # not hold a request up, so it does not refuse one either
-            label, stream, chosen = "interactive", lane.interactive, "texts"
+            label, key, chosen = "interactive", priority.interactive, "texts"
             bound = ("interactive stream", settings.backlog_high_water, "BACKLOG_HIGH_WATER")
         what, high_water, variable = bound
         async with redis_deadline(settings.gateway_redis_timeout_s, f"read the {what}'s length"):
-            waiting = await self.client.xlen(stream)
-        self.metrics.tei.queue_size.set(waiting)  # TEI's te_queue_size: the lane's backlog
+            waiting = await self.client.xlen(key)
+        self.metrics.tei.queue_size.set(waiting)  # TEI's te_queue_size: the stream's backlog
         await self._refuse_when_full(what, waiting, high_water, f"EMBEDFLEET_{variable}")
         self.metrics.inputs.labels(label, self.model).inc(count)
         sending()
