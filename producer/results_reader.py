@@ -163,13 +163,7 @@ class ResultsReader:
     async def _read(self, partition: Keys, block_ms: int | None = None) -> ResultsPage | None:
         stream, group = partition.results, self.keys.results_group
         if stream in self._own_pending_unseen:
-            reply = await self._call(
-                "read results",
-                lambda: self.client.xreadgroup(
-                    group, self.consumer, {stream: "0"}, count=self.page
-                ),
-            )
-            entries = _entries(reply)
+            entries = await self._read_group(stream, "0")
             if len(entries) < self.page:  # a full page: there may be more, read again next
                 self._own_pending_unseen.discard(stream)
             page = self._page(partition, entries)
@@ -186,13 +180,22 @@ class ResultsReader:
         if page is not None:
             log.info("claimed results a stopped reader held", results=len(page.entry_ids))
             return page
+        return self._page(partition, await self._read_group(stream, ">", block_ms))
+
+    async def _read_group(self, stream: str, start: str, block_ms: int | None = None) -> list[Any]:
+        """A page of ``stream``'s entries for this reader: those it holds already from ``"0"``,
+        new ones from ``">"`` (waiting up to ``block_ms`` for one)."""
         reply = await self._call(
             "read results",
             lambda: self.client.xreadgroup(
-                group, self.consumer, {stream: ">"}, count=self.page, block=block_ms
+                self.keys.results_group,
+                self.consumer,
+                {stream: start},
+                count=self.page,
+                block=block_ms,
             ),
         )
-        return self._page(partition, _entries(reply))
+        return _entries(reply)
 
     def _page(self, partition: Keys, entries: list[Any]) -> ResultsPage | None:
         if not entries:
