@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ast
 import re
-from pathlib import Path
 
 import pytest
 
@@ -32,17 +31,18 @@ def _table_rows(title: str) -> list[list[str]]:
     return rows[1:]  # the header
 
 
-def _top_level_names(module: Path) -> set[str]:
+def _defined_names(source: str) -> set[str]:
+    """The names a module defines at its top level: a class, a function or an assignment.
+    A name it only imports is not among them, so the map points at the module that defines
+    what a step names, not at one that re-exports it (a package's ``__init__``)."""
     names: set[str] = set()
-    for node in ast.parse(module.read_text()).body:
+    for node in ast.parse(source).body:
         if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
             names.add(node.name)
         elif isinstance(node, ast.Assign):
             names.update(t.id for t in node.targets if isinstance(t, ast.Name))
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             names.add(node.target.id)
-        elif isinstance(node, ast.ImportFrom):  # a package's __init__ re-exports its names
-            names.update(alias.asname or alias.name for alias in node.names)
     return names
 
 
@@ -58,7 +58,25 @@ def test_the_map_has_its_steps_and_rooms() -> None:
 def test_each_step_names_a_module_that_defines_its_name(step: str, module: str, name: str) -> None:
     path = REPO_ROOT / module.strip("`")
     assert path.is_file(), f"{step}: {module} is not a file of the tree"
-    assert name.strip("`") in _top_level_names(path), f"{step}: {module} defines no {name}"
+    assert name.strip("`") in _defined_names(path.read_text()), (
+        f"{step}: {module} defines no {name} (a name it only imports does not count: name the "
+        "module that defines it)"
+    )
+
+
+def test_a_name_a_module_only_imports_is_not_defined_there() -> None:
+    source = (
+        "from embedfleet.shared.settings.composed import Settings\n"
+        "import os\n"
+        "class Keys: ...\n"
+        "def verify(): ...\n"
+        "async def serve(): ...\n"
+        "LIMIT = 3\n"
+        "card: int = 1\n"
+        "if True:\n"
+        "    NESTED = 1\n"
+    )
+    assert _defined_names(source) == {"Keys", "verify", "serve", "LIMIT", "card"}
 
 
 def test_every_path_the_map_names_exists() -> None:
