@@ -10,10 +10,11 @@ repository root with each proto's path as its name, so the generated modules imp
 as ``embedfleet.gateway.tei_grpc.tei_pb2`` (a bare ``import tei_pb2`` would not resolve in the
 package).
 
-Only the messages are generated (``_pb2.py``, with its ``.pyi`` for the type checker), not
-protoc's grpc plugin's ``_pb2_grpc.py``: the services' servers and client stubs are read off the
-descriptors in the ``_pb2`` modules by one module, gateway/grpc_services.py, rather than written
-out again for each method."""
+Only the messages are generated (``_pb2.py``), not protoc's grpc plugin's ``_pb2_grpc.py``: the
+services' servers and client stubs are read off the descriptors in the ``_pb2`` modules by one
+module, gateway/grpc_services.py, rather than written out again for each method. Nor a ``.pyi``:
+the type checker takes the messages' names as Any, as it does protobuf's and grpc's
+(pyproject.toml's [tool.mypy])."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ PROTOS = (PACKAGE_DIR / "tei.proto", PACKAGE_DIR.parent / "fleet_grpc" / "fleet.
 def modules_of(proto: Path) -> tuple[Path, ...]:
     """The modules protoc makes of ``proto``, where they are committed (beside it)."""
     stem = proto.parent / proto.stem
-    return tuple(Path(f"{stem}{suffix}") for suffix in ("_pb2.py", "_pb2.pyi"))
+    return (Path(f"{stem}_pb2.py"),)
 
 
 def generate(out: Path) -> dict[Path, str]:
@@ -49,7 +50,6 @@ def generate(out: Path) -> dict[Path, str]:
             "grpc_tools.protoc",
             f"-I{ROOT}",
             f"--python_out={out}",
-            f"--pyi_out={out}",
             # each one's name in the modules: its path under ROOT
             *(str(proto) for proto in PROTOS),
         ]

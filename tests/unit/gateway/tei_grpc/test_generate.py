@@ -15,7 +15,6 @@ def test_each_protos_modules_are_committed_beside_it() -> None:
         modules = modules_of(proto)
         assert [m.name for m in modules] == [
             f"{proto.stem}_pb2.py",
-            f"{proto.stem}_pb2.pyi",
         ]
         assert all(m.parent == proto.parent and m.is_file() for m in modules)
 
