@@ -30,6 +30,7 @@ from embedfleet.ops.waiting import (
     run_client,
 )
 from embedfleet.producer.client import EmbeddingOptions
+from embedfleet.shared.options import OptionError
 from embedfleet.shared.protocol import ProtocolError, QueryFailedError
 from embedfleet.shared.retry import RedisUnavailableError
 from embedfleet.shared.settings import Settings, SettingsError, load_settings
@@ -280,10 +281,14 @@ def search_command(
             f"no worker embedded the query within {timeout:g} s: is `embedfleet worker` running "
             f"against {settings.effective_redis_url}?"
         ) from None
+    except OptionError as error:
+        # the served model's refusal (shared/options.py, a ProtocolError too, so before it):
+        # --hybrid on a dense-only model. Not TEXT's fault: a plain error, exit 1
+        raise click.ClickException(str(error)) from None
     except ProtocolError as error:  # the protocol's refusal of TEXT: empty, not valid Unicode
         raise click.BadParameter(str(error), param_hint="TEXT") from None
     except (VectorDBError, QueryFailedError, MissingExtraError, ValueError) as error:
-        # ValueError: the served model's refusal (its card): --hybrid on a dense-only model
+        # ValueError: the served model's refusal (its card)
         raise click.ClickException(str(error)) from None
     for line in format_hits(hits, as_json=as_json):
         click.echo(line)
