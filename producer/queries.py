@@ -47,28 +47,36 @@ class Queries:
     def __init__(self, lane: ProducerLane) -> None:
         self.lane = lane
 
-    def stream(self, lane: RequestStream) -> str:
+    def stream(self, request_stream: RequestStream) -> str:
         """The query stream (few, short texts) or the interactive one (``texts``)."""
         priority = self.lane.keys.priority_streams
-        return priority.query if lane == "query" else priority.interactive
+        return priority.query if request_stream == "query" else priority.interactive
 
     async def embed(
         self,
         texts: Sequence[str],
-        lane: RequestStream,
+        request_stream: RequestStream,
         timeout: float,
         options: EmbeddingOptions | None,
     ) -> np.ndarray:
         """Dense vectors of ``texts``, shape (len(texts), dim): the query stream's (few, short
         queries) or the interactive stream's (many texts, bulk-sized batches)."""
-        what = "queries" if lane == "query" else "texts"
-        return (await self.answers(self.stream(lane), what, texts, timeout, options)).array()
+        what = "queries" if request_stream == "query" else "texts"
+        return (
+            await self.answers(self.stream(request_stream), what, texts, timeout, options)
+        ).array()
 
     async def embed_sparse(
-        self, texts: Sequence[str], timeout: float, max_active_dims: int | None, lane: RequestStream
+        self,
+        texts: Sequence[str],
+        timeout: float,
+        max_active_dims: int | None,
+        request_stream: RequestStream,
     ) -> list[SparseVector]:
         extra = {"representations": ("sparse",), "max_active_dims": max_active_dims}
-        answers = await self.answers(self.stream(lane), lane, texts, timeout, None, extra=extra)
+        answers = await self.answers(
+            self.stream(request_stream), request_stream, texts, timeout, None, extra=extra
+        )
         vectors = [answers.results[index].sparse for index in range(len(texts))]
         if any(vector is None for vector in vectors):
             raise ValueError("the workers answered without sparse weights")
@@ -79,10 +87,12 @@ class Queries:
         query: str,
         documents: Sequence[str],
         timeout: float,
-        lane: RequestStream,
+        request_stream: RequestStream,
         raw_scores: bool = False,
     ) -> np.ndarray:
-        answers = await self._pairs([query] * len(documents), documents, timeout, lane, raw_scores)
+        answers = await self._pairs(
+            [query] * len(documents), documents, timeout, request_stream, raw_scores
+        )
         return np.array(
             [answers.results[index].score for index in range(len(documents))], dtype=np.float32
         )
@@ -91,11 +101,11 @@ class Queries:
         self,
         pairs: Sequence[tuple[str, str | None]],
         timeout: float,
-        lane: RequestStream,
+        request_stream: RequestStream,
         raw_scores: bool = False,
     ) -> np.ndarray:
         firsts, seconds = [a for a, _ in pairs], [b for _, b in pairs]
-        answers = await self._pairs(firsts, seconds, timeout, lane, raw_scores)
+        answers = await self._pairs(firsts, seconds, timeout, request_stream, raw_scores)
         return np.stack(
             [np.asarray(answers.results[i].vector, np.float32) for i in range(len(pairs))]
         )
@@ -105,13 +115,19 @@ class Queries:
         firsts: Sequence[str],
         seconds: Sequence[str | None],
         timeout: float,
-        lane: RequestStream,
+        request_stream: RequestStream,
         raw_scores: bool,
     ) -> Answers:
         """The cross-encoder's answers to (``firsts[i]``, ``seconds[i]``): rerank's and
         score_pairs' one request shape (a None second: the first text alone)."""
         return await self.answers(
-            self.stream(lane), "pairs", firsts, timeout, None, pairs=seconds, extra=_raw(raw_scores)
+            self.stream(request_stream),
+            "pairs",
+            firsts,
+            timeout,
+            None,
+            pairs=seconds,
+            extra=_raw(raw_scores),
         )
 
     async def embed_representations(
@@ -119,7 +135,7 @@ class Queries:
         texts: Sequence[str],
         representations: Sequence[str],
         timeout: float,
-        lane: RequestStream,
+        request_stream: RequestStream,
         options: EmbeddingOptions | None,
         max_active_dims: int | None,
         multivector_dtype: str | None,
@@ -131,7 +147,9 @@ class Queries:
             "multivector_dtype": multivector_dtype,
             "token_states": True if token_states else None,
         }
-        answers = await self.answers(self.stream(lane), lane, texts, timeout, options, extra=extra)
+        answers = await self.answers(
+            self.stream(request_stream), request_stream, texts, timeout, options, extra=extra
+        )
         return [answers.results[index] for index in range(len(texts))]
 
     async def answers(
@@ -239,8 +257,9 @@ class Queries:
         except TokenIdsUnavailableError as error:
             log.debug("request sent without token ids", reason=str(error))
             return chunks
-        lane = "query" if stream == self.lane.keys.priority_streams.query else "document"
-        return await asyncio.to_thread(maker.attach, chunks, lane)
+        # the prompt role the worker gives what it reads from this stream
+        role = "query" if stream == self.lane.keys.priority_streams.query else "document"
+        return await asyncio.to_thread(maker.attach, chunks, role)
 
     async def _collect(
         self,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import redis.asyncio as aioredis
@@ -24,6 +24,7 @@ from embedfleet.gateway.errors import APIError, overloaded, retry_later
 from embedfleet.gateway.metrics import GatewayMetrics
 from embedfleet.gateway.timing_headers import TokenCounter, fleet_call
 from embedfleet.producer.client import EmbeddingOptions, Producer, QueryTimeoutError
+from embedfleet.producer.queries import RequestStream
 from embedfleet.shared.model_registry import model_label
 from embedfleet.shared.protocol import QueryFailedError, Result, SparseVector
 from embedfleet.shared.redis_conn import redis_deadline
@@ -32,8 +33,6 @@ from embedfleet.shared.settings import Settings
 from embedfleet.shared.streams import live_workers
 
 LIVENESS_CACHE_S = 1.0
-# the request stream a request rides: the query stream, or the interactive one
-RequestStream = Literal["query", "texts"]
 T = TypeVar("T")
 
 
