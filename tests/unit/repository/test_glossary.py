@@ -2,13 +2,17 @@
 
 Every ``## term`` entry has an ``Owner:`` line whose modules (``embedfleet.…`` in backticks)
 exist, so the glossary cannot point at a module that moved or went; "lane" has one entry, and no
-term is defined twice.
+term is defined twice. The names an entry retires ("Formerly ...") appear in no Python
+identifier of the package's source, wire names excepted.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import re
+from collections.abc import Iterator
+from pathlib import Path
 
 from tests.paths import REPO_ROOT
 
@@ -64,3 +68,114 @@ def test_owners_reads_the_owner_paragraph_only() -> None:
         "Wire: `embedfleet.x`."
     )
     assert owners(entry) == ["embedfleet.shared.keys", "embedfleet.cli"]
+
+
+# --- retired names -------------------------------------------------------------------------
+# the package's source folders (pyproject.toml's package-dir maps them under embedfleet.*)
+SOURCE_FOLDERS = ("embedfleet", "shared", "workers", "producer")
+# Identifiers that keep a retired name because they are a wire name the glossary says stays:
+# each is user-facing, renaming it would change what users type or read.
+WIRE_NAMES = {
+    # the settings field behind EMBEDFLEET_CUDA_QUERY_LANE (the forward path's entry: "a
+    # settings name that stays")
+    "cuda_query_lane",
+}
+FORMERLY = re.compile(r"\bformerly\b(.*?)(?:\.\s|\.$|\)\.)", re.I | re.S | re.M)
+
+
+def retired_names() -> tuple[set[tuple[str, ...]], set[str]]:
+    """What the glossary's "Formerly ..." sentences retire: each quoted phrase as its words
+    ("the query lane" -> ("query", "lane")), and each identifier they define in backticks
+    (`Lane = Literal[...]` -> "Lane"). The bare "the lane" is left out: "lane" keeps one
+    meaning, the model lane, and its own entry."""
+    phrases: set[tuple[str, ...]] = set()
+    identifiers: set[str] = set()
+    for sentence in FORMERLY.findall(GLOSSARY.read_text()):
+        for phrase in re.findall(r'"the ([^"]+)"', sentence):
+            words = tuple(phrase.lower().split())
+            if words != ("lane",):
+                phrases.add(words)
+        identifiers.update(re.findall(r"`(\w+)\s*=", sentence))
+    return phrases, identifiers
+
+
+def words_of(identifier: str) -> tuple[str, ...]:
+    """An identifier's words, lower case: ``QUERY_LANE_TAG``, ``query_lane`` and
+    ``QueryLaneTag`` all start with ("query", "lane")."""
+    return tuple(w.lower() for w in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+", identifier))
+
+
+def uses_a_retired_name(
+    identifier: str, phrases: set[tuple[str, ...]], identifiers: set[str]
+) -> bool:
+    if identifier in WIRE_NAMES:
+        return False
+    if identifier in identifiers:
+        return True
+    words = words_of(identifier)
+    return any(
+        words[i : i + len(phrase)] == phrase for phrase in phrases for i in range(len(words))
+    )
+
+
+def identifiers_in(source: str) -> Iterator[tuple[int, str]]:
+    """(line, name) of every identifier of a module: class and function names, parameters,
+    variables and attributes (defined or used), keyword arguments and import names."""
+    for node in ast.walk(ast.parse(source)):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            yield line, node.name
+        elif isinstance(node, ast.Name):
+            yield line, node.id
+        elif isinstance(node, ast.Attribute):
+            yield line, node.attr
+        elif isinstance(node, ast.arg | ast.keyword) and node.arg:
+            yield line, node.arg
+        elif isinstance(node, ast.alias):
+            yield line, node.asname or node.name.rsplit(".", 1)[-1]
+
+
+def source_files() -> list[Path]:
+    return sorted(
+        path
+        for folder in SOURCE_FOLDERS
+        for path in (REPO_ROOT / folder).rglob("*.py")
+        if not path.is_symlink()
+    )
+
+
+def test_the_glossary_retires_the_old_lanes() -> None:
+    phrases, identifiers = retired_names()
+    assert {("query", "lane"), ("bulk", "lane"), ("cuda", "query", "lane")} <= phrases
+    assert "Lane" in identifiers
+
+
+def test_no_identifier_uses_a_retired_name() -> None:
+    phrases, identifiers = retired_names()
+    files = source_files()
+    assert len(files) > 100
+    found = sorted(
+        f"{path.relative_to(REPO_ROOT)}:{line} {name}"
+        for path in files
+        for line, name in identifiers_in(path.read_text())
+        if uses_a_retired_name(name, phrases, identifiers)
+    )
+    assert not found, (
+        "identifiers that use a name docs/GLOSSARY.md retired (use the entry's name, or list a "
+        f"wire name that stays in WIRE_NAMES): {found}"
+    )
+
+
+def test_retired_names_are_found_in_every_kind_of_identifier() -> None:
+    phrases, identifiers = {("query", "lane")}, {"Lane"}
+    source = (
+        "from x import Lane\n"
+        "QUERY_LANE_TAG = 'q'\n"
+        "class QueryLaneStage: ...\n"
+        "def f(query_lane, lane): return keys.query_lane, g(query_lane=1)\n"
+        "cuda_query_lane = 1\n"
+        "bulk_lane = lane_keys = 2\n"
+    )
+    named = [n for _, n in identifiers_in(source) if uses_a_retired_name(n, phrases, identifiers)]
+    assert sorted(set(named)) == ["Lane", "QUERY_LANE_TAG", "QueryLaneStage", "query_lane"]
+    assert named.count("query_lane") == 3  # the parameter, the attribute, the keyword
