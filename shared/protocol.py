@@ -503,10 +503,21 @@ def chunk_from_mapping(
             DeadReason.TOO_LARGE,
         )
     text = message.get("text")
-    if text is None and message.get("image") is not None:
+    if isinstance(text, str):
+        if not text:
+            # only the empty string: whitespace is text, embedded as sentence-transformers and
+            # TEI embed it (to the special tokens alone)
+            raise ProtocolError("'text' is empty")
+        if len(text) > limits.max_text_chars:
+            raise ProtocolError(
+                f"'text' has {len(text)} characters, over the {limits.max_text_chars} limit",
+                DeadReason.TOO_LARGE,
+            )
+        check_unicode("text", text)
+    elif text is None and message.get("image") is not None:
         text = ""  # an image chunk: its bytes are checked with its other fields (_full_chunk)
     else:
-        _check_text(text, limits)
+        raise ProtocolError(f"'text' must be a string, got {type(text).__name__}")
     job = job if job is not None else message.get("job")
     if job is not None and (not isinstance(job, str) or not job):
         raise ProtocolError("'job' must be a non-empty string when given")
@@ -518,22 +529,6 @@ def chunk_from_mapping(
     if message.keys() <= _PLAIN_FIELDS:
         return _plain_chunk(chunk_id, text, job, *_token_id_fields(message))
     return _full_chunk(message, limits, chunk_id, text, job)
-
-
-def _check_text(text: object, limits: ChunkLimits) -> None:
-    """ProtocolError unless ``text`` is a text within the limits."""
-    if not isinstance(text, str):
-        raise ProtocolError(f"'text' must be a string, got {type(text).__name__}")
-    if not text:
-        # only the empty string: whitespace is text, embedded as sentence-transformers and TEI
-        # embed it (to the special tokens alone)
-        raise ProtocolError("'text' is empty")
-    if len(text) > limits.max_text_chars:
-        raise ProtocolError(
-            f"'text' has {len(text)} characters, over the {limits.max_text_chars} limit",
-            DeadReason.TOO_LARGE,
-        )
-    check_unicode("text", text)
 
 
 def _image_field(message: Mapping[str, Any], limits: ChunkLimits, text: str) -> bytes | None:

@@ -37,6 +37,7 @@ from embedfleet.workers.device_faults import (
     oom_retry_pause_s,
     recovery,
 )
+from embedfleet.workers.images import NO_TOKENS, count_batches
 from embedfleet.workers.intake import Intake, first_set
 from embedfleet.workers.interactive import InteractiveJump
 from embedfleet.workers.long_inputs import before_normalize
@@ -110,6 +111,7 @@ class Compute:
             self.parts.stats.started_at = time.perf_counter()
             while (window := await self.intake.next_window(windows)) is not _END:
                 await self._hand_on_cached(window, encoded)
+                await encode_images(self.parts, self.intake, window, encoded)
                 for index, prepared in enumerate(window.batches):
                     self.intake.pace_reads(windows, len(window.batches) - index, self._batch_s)
                     started = time.monotonic()
@@ -147,6 +149,7 @@ class Compute:
 
     async def _encode_window(self, window: Window, encoded: asyncio.Queue[Encoded | None]) -> None:
         await self._hand_on_cached(window, encoded)
+        await encode_images(self.parts, self.intake, window, encoded)
         for prepared in window.batches:
             await self._encode(window, prepared.planned, encoded, batch=prepared.batch)
 
@@ -339,3 +342,39 @@ def accounted(
         )
         for d, t in zip(deliveries, tokens, strict=True)
     ]
+
+
+async def encode_images(
+    parts: StageParts, intake: Intake, window: Window, encoded: asyncio.Queue[Encoded | None]
+) -> None:
+    """A dual encoder's image chunks of the window (workers/images.py), batches cut by count
+    on the model thread; the images of a batch the model fails on are dead-lettered (``model``),
+    the other batches go on."""
+    rows = window.images
+    if rows is None:
+        return
+    loop = asyncio.get_running_loop()
+    for batch in count_batches(len(rows.chunks), parts.batching.max_batch):
+        chunks, deliveries = (
+            rows.chunks[batch.start : batch.stop],
+            rows.deliveries[batch.start : batch.stop],
+        )
+        try:
+            vectors = await loop.run_in_executor(
+                parts.threads.model,
+                parts.encoder.embed_images,
+                rows.pixels[batch.start : batch.stop],
+            )
+        except Exception as error:
+            if is_device_fault(error):
+                raise DeviceFault(f"CUDA error in an image batch: {error}") from error
+            await intake.dead_letter(
+                [
+                    Rejected.chunk(delivery, chunk, DeadReason.MODEL, f"model error: {error}")
+                    for chunk, delivery in zip(chunks, deliveries, strict=True)
+                ]
+            )
+            continue
+        keys = [rows.content_keys.get(delivery) for delivery in deliveries]
+        tokens = [NO_TOKENS] * len(chunks)
+        await encoded.put(Encoded(chunks, deliveries, tokens, vectors, content_keys=keys))

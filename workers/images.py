@@ -18,7 +18,7 @@ from __future__ import annotations
 import io
 import warnings
 from collections.abc import Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,12 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from embedfleet.shared.dead_letters import DeadReason
-from embedfleet.shared.protocol import IMAGE_FORMATS, MAX_IMAGE_PIXELS
+from embedfleet.shared.protocol import IMAGE_FORMATS, MAX_IMAGE_PIXELS, Chunk
+from embedfleet.sinks import Delivery
+from embedfleet.workers.cpus import usable_cpus
+from embedfleet.workers.dead_letter_writer import Rejected
+from embedfleet.workers.decode import Accepted
+from embedfleet.workers.model.tokenizer import Tokenized
 
 # Pillow's own bound, set explicitly rather than left to its default: it raises
 # DecompressionBombError past twice this; ours (below) refuses past it, from the header alone
@@ -88,6 +93,21 @@ class Prepared:
     refused: dict[int, ImageRefused]
 
 
+# an image chunk's row for the writer, which reads a text's tokens for its truncated flag
+NO_TOKENS = Tokenized(ids=(), truncated=False)
+
+
+@dataclass
+class ImageRows:
+    """A window's image chunks, preprocessed: one row of ``pixels`` per chunk."""
+
+    chunks: list[Chunk]
+    deliveries: list[Delivery]
+    pixels: np.ndarray
+    # the content key of each chunk the vector cache may store (by its entry)
+    content_keys: dict[Delivery, str]
+
+
 class ImagePipeline:
     """Decoding and the model's image processor, one image per task on ``threads``."""
 
@@ -95,6 +115,16 @@ class ImagePipeline:
         self.processor = processor
         self.threads = threads
         self.max_bytes = max_bytes
+
+    @classmethod
+    def for_encoder(cls, encoder: Any, max_bytes: int) -> ImagePipeline | None:
+        """The pipeline of ``encoder``'s image processor, on a pool of the host's usable
+        cores; None for a model that embeds text only."""
+        processor = getattr(encoder, "image_processor", None)
+        if processor is None:
+            return None
+        threads = ThreadPoolExecutor(usable_cpus(), thread_name_prefix="images")
+        return cls(processor, threads, max_bytes)
 
     def one(self, data: bytes) -> np.ndarray | ImageRefused:
         """One image's pixels as the processor makes them (channels first), or its refusal."""
@@ -111,9 +141,38 @@ class ImagePipeline:
         done = list(self.threads.map(self.one, images))
         kept = [at for at, item in enumerate(done) if isinstance(item, np.ndarray)]
         refused = {at: item for at, item in enumerate(done) if isinstance(item, ImageRefused)}
-        rows = [done[at] for at in kept]
+        rows = [item for item in done if isinstance(item, np.ndarray)]
         pixels = np.stack(rows) if rows else np.zeros((0, 0, 0, 0), dtype=np.float32)
         return Prepared(pixels, kept, refused)
+
+
+def take_images(
+    pipeline: ImagePipeline,
+    accepted: Sequence[Accepted],
+    positions: list[int],
+    keys: Sequence[str | None],
+    rejected: list[Rejected],
+) -> tuple[list[int], ImageRows | None]:
+    """The positions of ``positions`` that are texts, and the image chunks among them
+    preprocessed (None: none kept); a refused image goes to ``rejected`` with its reason."""
+    pictures = [p for p in positions if accepted[p].chunk.image is not None]
+    if not pictures:
+        return positions, None
+    texts = [p for p in positions if accepted[p].chunk.image is None]
+    prepared = pipeline.prepare([accepted[p].chunk.image or b"" for p in pictures])
+    for at, refused in prepared.refused.items():
+        item = accepted[pictures[at]]
+        rejected.append(Rejected.chunk(item.delivery, item.chunk, refused.code, str(refused)))
+    kept = [pictures[at] for at in prepared.kept]
+    if not kept:
+        return texts, None
+    rows = ImageRows(
+        [accepted[p].chunk for p in kept],
+        [accepted[p].delivery for p in kept],
+        prepared.pixels,
+        {accepted[p].delivery: key for p in kept if (key := keys[p]) is not None},
+    )
+    return texts, rows
 
 
 def count_batches(count: int, batch_size: int) -> list[range]:

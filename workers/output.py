@@ -133,10 +133,7 @@ class Outputs:
 
     def prompt_for(self, chunk: Chunk, role: PromptRole) -> str:
         """The chunk's prompt text, after checking its output options; an OptionError (the
-        verifier's) to dead-letter: a prompt name, dimensions, token states on a packing lane, an
-        image for a model that embeds text only."""
-        if chunk.image is not None:  # (one test a chunk: texts pay nothing more)
-            check_modality(True, self.card.modalities)
+        verifier's) to dead-letter: a prompt name, dimensions, token states on a packing lane."""
         self.spec_for(chunk)
         if chunk.token_states and role == "document" and self._bulk_packs:
             refuse_packed_token_states()
@@ -166,8 +163,8 @@ class Outputs:
         return layout == "varlen" and self.encoder.dense_only
 
     def check_representation(self, chunk: Chunk) -> None:
-        """The verifier's check of what ``chunk`` asks of this model's representations
-        (shared/options.py ``check_representation``), dead-lettered as options."""
+        """The verifier's modality and representation checks (shared/options.py): options."""
+        check_modality(chunk.image is not None, self.card.modalities)
         check_representation(chunk, self.encoder.name, self.encoder.representations)
 
     def spec_for(self, chunk: Chunk) -> OutputSpec:
@@ -414,8 +411,9 @@ def sparse_vector(weights: np.ndarray, max_active_dims: int | None = None) -> Sp
 
 
 # every option a chunk may set (the protocol's lists, their one owner), read in one C call
-_OPTIONS_OF = operator.attrgetter(*OPTION_NAMES, *REPRESENTATION_OPTION_NAMES)
-_NO_OPTIONS = (None,) * (len(OPTION_NAMES) + len(REPRESENTATION_OPTION_NAMES))
+# (an image chunk goes through the whole check too: its modality is the model's or not)
+_OPTIONS_OF = operator.attrgetter(*OPTION_NAMES, *REPRESENTATION_OPTION_NAMES, "image")
+_NO_OPTIONS = (None,) * (len(OPTION_NAMES) + len(REPRESENTATION_OPTION_NAMES) + 1)
 
 
 def _heads_wanted(chunk: Chunk) -> tuple[str, ...]:

@@ -174,6 +174,11 @@ class QueryInbox:
                 rejected.append(
                     Rejected.chunk(item.delivery, item.chunk, DeadReason.INVALID, reason)
                 )
+            elif item.chunk.image is not None:  # (the query stage embeds texts: issue 56)
+                reason = "images go to the ingest or interactive stream, not the query stream"
+                rejected.append(
+                    Rejected.chunk(item.delivery, item.chunk, DeadReason.OPTIONS, reason)
+                )
             else:
                 answerable.append(item)
         # a caller past its deadline has gone: answering would only leave garbage

@@ -30,6 +30,7 @@ from embedfleet.workers.consumer import StreamEntry
 from embedfleet.workers.dead_letter_writer import Rejected
 from embedfleet.workers.deadlines import split_expired
 from embedfleet.workers.decode import Accepted, decode_entries
+from embedfleet.workers.images import ImagePipeline, ImageRows, take_images
 from embedfleet.workers.long_inputs import (
     Rejoin,
     before_normalize_wanted,
@@ -70,6 +71,8 @@ class Window:
     # ``tokens`` hold one row per token window, which this rejoins after the model
     # (workers/long_inputs.py); None: one row per chunk
     rejoin: Rejoin | None = None
+    # a dual encoder's image chunks, preprocessed (workers/images.py); None: none
+    images: ImageRows | None = None
 
     def kept(self, keep: list[int]) -> Window:
         """The window with only the rows at ``keep`` (chunks, entries, tokens)."""
@@ -83,7 +86,8 @@ class Window:
     @property
     def held(self) -> list[Delivery]:
         """Every entry the window answers: those to embed and those the cache answered."""
-        return [*self.deliveries, *(delivery for _, delivery, _ in self.cached)]
+        pictures = self.images.deliveries if self.images is not None else []
+        return [*self.deliveries, *(delivery for _, delivery, _ in self.cached), *pictures]
 
 
 class WindowOpener:
@@ -93,6 +97,8 @@ class WindowOpener:
         self.parts = parts
         # the compute stage's planning and collation of a window's batches (tokenizer thread)
         self._prepare = prepare
+        # a dual encoder's lane (CLIP, SigLIP): its images' decoding and preprocessing
+        self._images = ImagePipeline.for_encoder(parts.encoder, parts.settings.max_image_bytes)
 
     async def open_window(self, entries: list[StreamEntry]) -> tuple[Window, list[Rejected]]:
         """Entries → a window, and what to dead-letter: decoded, validated and given their
@@ -152,8 +158,11 @@ class WindowOpener:
         rest planned into batches and collated."""
         cached = answered(accepted, hits)
         rest = [p for p in range(len(accepted)) if p not in hits]
+        images = None
+        if self._images is not None:  # a dual encoder's lane: its images, once a window
+            rest, images = take_images(self._images, accepted, rest, keys, rejected)
         if not rest:
-            return Window([], [], [], expired=expired, cached=cached)
+            return Window([], [], [], expired=expired, cached=cached, images=images)
         tokenized = tokenize_chunks(
             [accepted[p].chunk for p in rest], [prompts[p] for p in rest], self.parts.encoder
         )
@@ -172,6 +181,7 @@ class WindowOpener:
             expired=expired,
             cached=cached,
             content_keys={accepted[p].delivery: key for p in rest if (key := keys[p]) is not None},
+            images=images,
         )
         window = self._in_windows(window, texts_prompts, rejected)
         if not self.parts.settings.truncate and any(t.truncated for t in window.tokens):

@@ -34,6 +34,7 @@ from transformers.utils import logging as transformers_logging
 
 from embedfleet.shared.model_path import ModelNotFoundError
 from embedfleet.shared.modelcard import ModelCard
+from embedfleet.workers.model.base import Forward, Representation
 
 
 @dataclass(frozen=True)
@@ -136,3 +137,87 @@ def _features(output: Any) -> np.ndarray:
     tensor = output if isinstance(output, torch.Tensor) else output.pooler_output
     result: np.ndarray = tensor.float().cpu().numpy()
     return result
+
+
+class TextTowerModel(torch.nn.Module):
+    """A dual encoder's text tower as the worker's eager path calls a transformer
+    (``model(input_ids=, attention_mask=)``): its ``get_text_features``. The whole dual model
+    is held, so the image tower (:meth:`image_features`) shares its weights and device."""
+
+    def __init__(self, dual: Any, kind: DualKind, pad_id: int) -> None:
+        super().__init__()
+        self.dual = dual
+        self.config = dual.config.text_config
+        self.pad_to = int(self.config.max_position_embeddings) if kind.pad_to_max_length else 0
+        self.pad_id = pad_id
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **_: Any
+    ) -> torch.Tensor:
+        if self.pad_to:
+            # SigLIP pools the last position with no mask: rows padded to the length it was
+            # trained with, as its processor pads them, whatever the batch's longest
+            extra = self.pad_to - input_ids.shape[1]
+            input_ids = torch.nn.functional.pad(input_ids, (0, extra), value=self.pad_id)
+            return _tensor(self.dual.get_text_features(input_ids=input_ids))
+        return _tensor(
+            self.dual.get_text_features(input_ids=input_ids, attention_mask=attention_mask)
+        )
+
+    def image_features(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The image tower's features for preprocessed images (batch, channels, h, w)."""
+        dtype = next(self.dual.parameters()).dtype
+        return _tensor(self.dual.get_image_features(pixel_values=pixels.to(dtype)))
+
+
+class TextTower(Representation):
+    """A dual encoder's text vectors: the tower's features, as ``get_text_features`` answers."""
+
+    name = "dense"
+    auto_model = None  # loaded by :func:`load_dual`, not by a transformers Auto class
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+
+    def vectors(self, forward: Forward) -> torch.Tensor:
+        features: torch.Tensor = forward.output
+        return features.float()
+
+
+@dataclass(frozen=True)
+class DualParts:
+    """What :func:`load_dual` gives the model loader (workers/model/load.py)."""
+
+    model: TextTowerModel
+    tokenizer: Any
+    processor: Any  # the model's PIL image processor (workers/images.py runs it)
+    representation: TextTower
+    max_length: int
+
+
+def load_dual(model_dir: Path, device: torch.device, dtype: torch.dtype) -> DualParts:
+    """``model_dir``'s CLIP or SigLIP model on ``device`` in ``dtype``, as the worker runs it."""
+    kind_name = dual_kind_of(model_dir)
+    if kind_name is None:
+        raise ModelNotFoundError(f"{model_dir} is not a CLIP or SigLIP model directory")
+    kind = DUAL_KINDS[kind_name]
+    transformers_logging.disable_progress_bar()
+    dual = kind.model_class.from_pretrained(model_dir, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if not tokenizer.is_fast:
+        raise ModelNotFoundError(f"{model_dir} has no fast tokenizer (tokenizer.json)")
+    model = TextTowerModel(dual, kind, int(tokenizer.pad_token_id or 0)).to(device).eval()
+    dim = int(getattr(dual.config, "projection_dim", 0) or model.config.hidden_size)
+    if kind_name == "siglip":  # SigLIP's text head keeps the width
+        dim = int(getattr(model.config, "projection_size", None) or model.config.hidden_size)
+    return DualParts(
+        model=model,
+        tokenizer=tokenizer,
+        processor=kind.processor_class.from_pretrained(model_dir),
+        representation=TextTower(dim),
+        max_length=int(model.config.max_position_embeddings),
+    )
+
+
+def _tensor(output: Any) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output.pooler_output

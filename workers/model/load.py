@@ -20,6 +20,7 @@ from transformers.utils import logging as transformers_logging
 from embedfleet.shared.model_path import ModelNotFoundError
 from embedfleet.shared.modelcard import ModelCard, max_input_tokens
 from embedfleet.workers.model.base import Representation
+from embedfleet.workers.model.clip import DUAL_MODALITIES, dual_kind_of, load_dual
 from embedfleet.workers.model.dense import Dense
 from embedfleet.workers.model.model_dir import ModelSpec, read_model_spec
 from embedfleet.workers.model.multivector import MultiVector
@@ -45,6 +46,10 @@ class LoadedModel:
     sentence: Dense
     representation: Representation  # what the transformer's output becomes
     text: TextTokenizer  # texts to token ids and padded batches, cut to the model's maximum
+    # what the lane embeds (the card's ``modalities``); a dual encoder (CLIP, SigLIP:
+    # workers/model/clip.py) embeds images too, after this image processor
+    modalities: tuple[str, ...] = ("text",)
+    image_processor: Any = None
 
     def card(self, name: str) -> ModelCard:
         """The facts a worker serving this model as ``name`` publishes (shared/modelcard.py)."""
@@ -65,6 +70,7 @@ class LoadedModel:
             tokenizer_fingerprint=""
             if "rerank" in self.representation.representations
             else self.text.fingerprint,
+            modalities=self.modalities,
         )
 
 
@@ -79,6 +85,8 @@ def representation_class(spec: ModelSpec) -> type[Representation]:
 def load_model(model_dir: Path, device: torch.device, load_dtype: torch.dtype) -> LoadedModel:
     """The model in ``model_dir`` on ``device``, its weights in ``load_dtype``. Refuses (with
     :class:`ModelNotFoundError`, or the card's own errors) what it cannot reproduce."""
+    if dual_kind_of(model_dir) is not None:
+        return _load_dual(model_dir, device, load_dtype)
     spec = read_model_spec(model_dir)
     transformer_dir = spec.transformer_dir
     tokenizer = AutoTokenizer.from_pretrained(transformer_dir)
@@ -97,6 +105,23 @@ def load_model(model_dir: Path, device: torch.device, load_dtype: torch.dtype) -
         kind, spec, sentence, tokenizer, model, device, model_dir
     )
     return LoadedModel(spec, model, sentence, representation, text)
+
+
+def _load_dual(model_dir: Path, device: torch.device, load_dtype: torch.dtype) -> LoadedModel:
+    """A CLIP or SigLIP directory: its text tower where the worker runs a transformer (texts
+    go the text path whole), its image tower and processor for image chunks."""
+    parts = load_dual(model_dir, device, load_dtype)
+    spec = read_model_spec(model_dir)  # a plain Hugging Face directory's: no modules
+    sentence = Dense(spec, device, int(parts.model.config.hidden_size))  # (copies: unused)
+    return LoadedModel(
+        spec,
+        parts.model,
+        sentence,
+        parts.representation,
+        TextTokenizer(parts.tokenizer, spec, parts.max_length),
+        modalities=DUAL_MODALITIES,
+        image_processor=parts.processor,
+    )
 
 
 def _build_representation(
