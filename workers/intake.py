@@ -73,14 +73,14 @@ class Intake:
                     entries = await self._next_entries()
                     if entries:
                         self.parts.events.entries_read(stream=entries[0].stream, count=len(entries))
-                        await self._intake_by_lane(entries, windows)
+                        await self._intake_by_stream(entries, windows)
                     ride.succeeded()
                 except Exception as error:
                     await ride.wait(transient_or_raise(error, System.REDIS))
             # partitions still blocked on when the drain began: what they bring is finished too
             leftover = await self.parts.consumer.finish_waiting()
             if leftover:
-                await self._intake_by_lane(leftover, windows)
+                await self._intake_by_stream(leftover, windows)
             drained = True
         finally:
             if not drained:
@@ -113,7 +113,7 @@ class Intake:
             self.parts.batching.read_count, self.parts.settings.block_ms
         )
 
-    async def _intake_by_lane(
+    async def _intake_by_stream(
         self, entries: list[StreamEntry], windows: asyncio.Queue[Window | None]
     ) -> None:
         """Interactive entries to the compute stage's urgent queue, the rest as a bulk window

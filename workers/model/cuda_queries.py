@@ -48,7 +48,8 @@ log = get_logger("embedfleet.cuda_queries")
 # Which path served a query batch (reported per worker as embedfleet_queries_served_total):
 # graph/stream on CUDA (this module), frozen on a CPU (workers/model/frozen.py), eager otherwise.
 QueryPath = Literal["graph", "stream", "frozen", "int8", Engine, "eager"]
-CudaLaneMode = Literal["graph", "stream", "off"]
+# EMBEDFLEET_CUDA_QUERY_LANE: how queries run on their own copy of the model on CUDA
+CudaQueryMode = Literal["graph", "stream", "off"]
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16)
 LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512)
@@ -275,7 +276,7 @@ class CudaQueryPath:
         precision: Precision,
         device: torch.device,
         *,
-        mode: CudaLaneMode,
+        mode: CudaQueryMode,
         text: TextTokenizer,
         name: str,
     ) -> CudaQueryPath:

@@ -27,7 +27,7 @@ import torch
 
 from embedfleet.shared.modelcard import ModelCard
 from embedfleet.shared.settings import PACKAGED_MODEL
-from embedfleet.workers.model.cuda_queries import CudaLaneMode, QueryPath
+from embedfleet.workers.model.cuda_queries import CudaQueryMode, QueryPath
 from embedfleet.workers.model.encoder import EncodeBatch, Encoder
 
 STANDIN_PREFIX = "benchmark-standin:"
@@ -101,7 +101,7 @@ class StandInEncoder(Encoder):
         # any arguments the real one takes (its int8 choices change): nothing is built
         return False
 
-    def prepare_cuda_queries(self, mode: CudaLaneMode) -> bool:
+    def prepare_cuda_queries(self, mode: CudaQueryMode) -> bool:
         return False
 
     def warm_up(self) -> None:

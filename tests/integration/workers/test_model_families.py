@@ -126,7 +126,7 @@ PROMPT_SETS = {
 
 @pytest.mark.parametrize("prompt_set", list(PROMPT_SETS))
 @pytest.mark.parametrize("family", ["bert", "qwen3"])
-def test_lane_prompts_match_encode_query_and_document(
+def test_prompt_roles_match_encode_query_and_document(
     zoo: Path, family: str, prompt_set: str
 ) -> None:
     from sentence_transformers import SentenceTransformer
@@ -142,11 +142,11 @@ def test_lane_prompts_match_encode_query_and_document(
     )
     encoder = Encoder(str(model_dir), device="cpu")
     model = SentenceTransformer(str(model_dir), device="cpu")
-    for lane, encode in (("query", model.encode_query), ("document", model.encode_document)):
-        prompt = encoder.resolve_prompt(lane)
+    for role, encode in (("query", model.encode_query), ("document", model.encode_document)):
+        prompt = encoder.resolve_prompt(role)
         ours = fleet_vectors(encoder, texts(), prompt)
         theirs = encode(texts(), batch_size=4)
-        assert_parity(ours, theirs, f"{family} {prompt_set} {lane} lane (prompt {prompt!r})")
+        assert_parity(ours, theirs, f"{family} {prompt_set} {role} role (prompt {prompt!r})")
     # a named prompt, as a chunk's prompt_name
     name = next(iter(prompts))
     ours = fleet_vectors(encoder, texts(), encoder.resolve_prompt("document", prompt_name=name))
