@@ -27,6 +27,7 @@ from embedfleet.shared.settings import PACKAGED_MODEL
 from embedfleet.shared.settings.query_stage import CpuBackend
 from embedfleet.workers.cpus import usable_cpus
 from embedfleet.workers.model.choose import CpuPaths, Int8Choice
+from embedfleet.workers.model.clip import TextTowerModel
 from embedfleet.workers.model.cuda_queries import (
     CudaQueryMode,
     CudaQueryPath,
@@ -139,6 +140,8 @@ class Encoder(KeptPath):
         self.pooling = self._sentence.pooling
         self.max_length, self.prompts = self.text.max_length, self.text.prompts
         self.pad_id, self.pad_left = self.text.pad_id, self.text.pad_left
+        # a dual encoder's image processor (workers/images.py runs it); None: text only
+        self.image_processor = loaded.image_processor
         self.dim = self._representation.dim
         # BGE-M3's heads: where each head's values sit in a packed row (workers/model/heads.py)
         self.layout = self._representation.layout
@@ -294,6 +297,16 @@ class Encoder(KeptPath):
     def vectors(self, batch: EncodeBatch) -> torch.Tensor:
         """:meth:`embed`'s vectors left on the model's device (on CUDA: returns once queued)."""
         return self.eager.vectors(batch)
+
+    def embed_images(self, pixels: np.ndarray) -> np.ndarray:
+        """A dual encoder's image vectors for preprocessed images (workers/images.py): float32,
+        shape (batch, dim), ``get_image_features``' values. Call on the model thread."""
+        if not isinstance(self._model, TextTowerModel):
+            raise ValueError(f"the model {self.name!r} embeds text only")
+        with torch.inference_mode(), self.precision.context(self.device):
+            features = self._model.image_features(torch.from_numpy(pixels).to(self.device))
+        result: np.ndarray = features.float().cpu().numpy()
+        return result
 
     def embed_texts(self, texts: Sequence[str]) -> np.ndarray:
         """Convenience for tests and the CLI: tokenize, one batch, embed."""
