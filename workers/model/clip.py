@@ -16,12 +16,10 @@ The card (shared/modelcard.py ``modalities``) says what a lane serves: a dual en
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from transformers import (
     AutoTokenizer,
@@ -33,7 +31,6 @@ from transformers import (
 from transformers.utils import logging as transformers_logging
 
 from embedfleet.shared.model_path import ModelNotFoundError
-from embedfleet.shared.modelcard import ModelCard
 from embedfleet.workers.model.base import Forward, Representation
 
 
@@ -63,80 +60,6 @@ def dual_kind_of(model_dir: Path) -> str | None:
         return None
     model_type = json.loads(config_file.read_text()).get("model_type")
     return model_type if model_type in DUAL_KINDS else None
-
-
-class DualEncoder:
-    """A CLIP or SigLIP model: its two towers, its tokenizer and its image processor. Not
-    thread-safe: one thread runs the model at a time."""
-
-    def __init__(
-        self, model_dir: Path, device: torch.device, dtype: torch.dtype = torch.float32
-    ) -> None:
-        kind_name = dual_kind_of(model_dir)
-        if kind_name is None:
-            raise ModelNotFoundError(f"{model_dir} is not a CLIP or SigLIP model directory")
-        self.kind_name = kind_name
-        kind = DUAL_KINDS[kind_name]
-        transformers_logging.disable_progress_bar()  # a local load needs no progress bar
-        self.model = kind.model_class.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-        self.device, self.dtype = device, dtype
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.processor = kind.processor_class.from_pretrained(model_dir)
-        self.pad_to_max_length = kind.pad_to_max_length
-        self.max_length = int(self.model.config.text_config.max_position_embeddings)
-        self.dim = int(self.embed_texts(["a"]).shape[1])
-        self.modalities = DUAL_MODALITIES
-
-    def tokenize(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
-        """Token ids as the model's processor makes them, cut at its positions."""
-        padding = "max_length" if self.pad_to_max_length else True
-        encoded = self.tokenizer(
-            list(texts),
-            padding=padding,
-            truncation=True,
-            max_length=self.max_length,
-            return_tensors="pt",
-        )
-        return {name: value.to(self.device) for name, value in encoded.items()}
-
-    @torch.inference_mode()
-    def embed_texts(self, texts: Sequence[str]) -> np.ndarray:
-        """The text tower's features: float32, shape (len(texts), dim)."""
-        encoded = self.tokenize(texts)
-        inputs = {key: encoded[key] for key in ("input_ids", "attention_mask") if key in encoded}
-        if self.pad_to_max_length:
-            # SigLIP's text tower takes no mask: it was trained on padded rows as they are
-            inputs.pop("attention_mask", None)
-        return _features(self.model.get_text_features(**inputs))
-
-    @torch.inference_mode()
-    def embed_pixels(self, pixel_values: np.ndarray) -> np.ndarray:
-        """The image tower's features for preprocessed images (batch, channels, height,
-        width), as the image processor makes them: float32, shape (batch, dim)."""
-        pixels = torch.from_numpy(pixel_values).to(self.device, self.dtype)
-        return _features(self.model.get_image_features(pixel_values=pixels))
-
-    def card(self, name: str) -> ModelCard:
-        """The facts a worker serving this model as ``name`` publishes."""
-        config: Any = self.model.config
-        return ModelCard(
-            name=name,
-            dim=self.dim,
-            max_length=self.max_length,
-            normalize=False,  # get_*_features answers the projections, not unit vectors
-            hidden_size=int(config.text_config.hidden_size),
-            pooling=(),
-            architecture=str((getattr(config, "architectures", None) or [""])[0]),
-            modalities=self.modalities,
-        )
-
-
-def _features(output: Any) -> np.ndarray:
-    """``get_*_features``' vectors as float32 rows (transformers 5 may wrap them in an output
-    object whose ``pooler_output`` holds the projection)."""
-    tensor = output if isinstance(output, torch.Tensor) else output.pooler_output
-    result: np.ndarray = tensor.float().cpu().numpy()
-    return result
 
 
 class TextTowerModel(torch.nn.Module):

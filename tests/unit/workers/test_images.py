@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
 from embedfleet.shared.dead_letters import DeadReason
@@ -24,7 +23,7 @@ from embedfleet.workers.images import (
     count_batches,
     decode_image,
 )
-from embedfleet.workers.model.clip import DualEncoder
+from embedfleet.workers.model.encoder import Encoder
 from tests.image_models import (
     DUAL_FAMILIES,
     dual_model_dir,
@@ -108,17 +107,17 @@ def test_pillows_bound_is_the_protocols() -> None:
 def test_preprocessing_is_the_processors_and_bad_images_leave_the_rest(
     models: Path, threads: ThreadPoolExecutor, family: str
 ) -> None:
-    encoder = DualEncoder(dual_model_dir(family, models), torch.device("cpu"))
+    encoder = Encoder(str(dual_model_dir(family, models)), device="cpu", dtype="float32")
     good = [image_bytes(i, (30 + 7 * i, 50 - 3 * i), fmt) for i, fmt in enumerate(FORMATS)]
     images = [good[0], b"garbage", good[1], png_claiming(9_000, 9_000), *good[2:]]
-    prepared = ImagePipeline(encoder.processor, threads, LIMIT).prepare(images)
+    prepared = ImagePipeline(encoder.image_processor, threads, LIMIT).prepare(images)
     assert prepared.kept == [0, 2, 4, 5]
     assert {at: r.code for at, r in prepared.refused.items()} == {
         1: DeadReason.INVALID,
         3: DeadReason.TOO_LARGE,
     }
     opened = [Image.open(io.BytesIO(data)).convert("RGB") for data in good]
-    expected = encoder.processor(images=opened, return_tensors="np")["pixel_values"]
+    expected = encoder.image_processor(images=opened, return_tensors="np")["pixel_values"]
     np.testing.assert_array_equal(prepared.pixels, expected)
     assert prepared.pixels.shape[1:] == (3, 32, 32)  # one shape: batches cut by count
 
@@ -127,18 +126,18 @@ FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 
 
 @pytest.mark.parametrize("family", DUAL_FAMILIES)
-@pytest.mark.parametrize(("dtype", "bar"), [(torch.float32, 0.9999), (torch.bfloat16, 0.999)])
+@pytest.mark.parametrize(("dtype", "bar"), [("float32", 0.9999), ("bfloat16", 0.999)])
 def test_image_vectors_equal_get_image_features(
-    models: Path, threads: ThreadPoolExecutor, family: str, dtype: torch.dtype, bar: float
+    models: Path, threads: ThreadPoolExecutor, family: str, dtype: str, bar: float
 ) -> None:
     """The host pipeline and the image tower against transformers alone, float32: cos >=
     0.9999; in bfloat16 weights with the float16 vectors the fleet stores: >= 0.999."""
     model_dir = dual_model_dir(family, models)
-    encoder = DualEncoder(model_dir, torch.device("cpu"), dtype)
+    encoder = Encoder(str(model_dir), device="cpu", dtype=dtype)
     images = [image_bytes(10 + i, (24 + 9 * i, 60 - 5 * i), FORMATS[i % 4]) for i in range(12)]
-    prepared = ImagePipeline(encoder.processor, threads, LIMIT).prepare(images)
+    prepared = ImagePipeline(encoder.image_processor, threads, LIMIT).prepare(images)
     ours = np.concatenate(
-        [encoder.embed_pixels(prepared.pixels[list(batch)]) for batch in count_batches(12, 5)]
+        [encoder.embed_images(prepared.pixels[list(batch)]) for batch in count_batches(12, 5)]
     ).astype(np.float16)
     reference = reference_image_features(model_dir, images)
     found = min_cosine(ours.astype(np.float32), reference)

@@ -11,7 +11,8 @@ import torch
 
 from embedfleet.shared.model_path import ModelNotFoundError
 from embedfleet.shared.modelcard import ModelCard
-from embedfleet.workers.model.clip import DualEncoder, dual_kind_of
+from embedfleet.workers.model.clip import dual_kind_of, load_dual
+from embedfleet.workers.model.encoder import Encoder
 from tests.image_models import DUAL_FAMILIES, dual_model_dir, min_cosine, reference_text_features
 from tests.model_zoo import hf_model_dir, sample_texts
 
@@ -31,13 +32,13 @@ def test_a_text_model_is_not_a_dual_encoder(models: Path) -> None:
     assert dual_kind_of(bert) is None
     assert dual_kind_of(models / "nothing-here") is None
     with pytest.raises(ModelNotFoundError, match="not a CLIP or SigLIP"):
-        DualEncoder(bert, torch.device("cpu"))
+        load_dual(bert, torch.device("cpu"), torch.float32)
 
 
 @pytest.mark.parametrize("family", DUAL_FAMILIES)
 def test_text_vectors_equal_get_text_features(models: Path, family: str) -> None:
     model_dir = dual_model_dir(family, models)
-    encoder = DualEncoder(model_dir, torch.device("cpu"))
+    encoder = Encoder(str(model_dir), device="cpu", dtype="float32")
     texts = sample_texts(3, 400)
     ours = encoder.embed_texts(texts)
     reference = reference_text_features(model_dir, texts)
@@ -49,8 +50,8 @@ def test_text_vectors_equal_get_text_features(models: Path, family: str) -> None
 
 @pytest.mark.parametrize("family", DUAL_FAMILIES)
 def test_the_card_says_the_lane_serves_text_and_images(models: Path, family: str) -> None:
-    encoder = DualEncoder(dual_model_dir(family, models), torch.device("cpu"))
-    card = encoder.card("pictures")
+    encoder = Encoder(str(dual_model_dir(family, models)), device="cpu", dtype="float32")
+    card = encoder.card
     assert card.modalities == ("text", "image")
     assert card.dim == encoder.dim
     assert ModelCard.from_fields(card.to_fields()).modalities == ("text", "image")
