@@ -123,3 +123,19 @@ def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
     dots = (a * b).sum(axis=1)
     norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
     return float((dots / norms).min())
+
+
+def sentence_transformers_dual_dir(family: str, root: Path, *, normalize: bool = False) -> Path:
+    """The dual encoder of :func:`dual_model_dir` saved by sentence-transformers itself (its
+    Transformer module with text and image modalities; ``normalize``: a Normalize after it)."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules.transformer import Transformer
+    from sentence_transformers.sentence_transformer.modules import Normalize
+
+    target = root / f"st-dual-{family}{'-normalized' if normalize else ''}"
+    if not (target / "modules.json").is_file():
+        modules: list[torch.nn.Module] = [Transformer(str(dual_model_dir(family, root)))]
+        if normalize:
+            modules.append(Normalize())
+        SentenceTransformer(modules=modules, device="cpu").save(str(target))
+    return target

@@ -32,6 +32,7 @@ from transformers.utils import logging as transformers_logging
 
 from embedfleet.shared.model_path import ModelNotFoundError
 from embedfleet.workers.model.base import Forward, Representation
+from embedfleet.workers.model.model_dir import ModelSpec, UnsupportedModelError
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,10 @@ DUAL_KINDS: dict[str, DualKind] = {
     "siglip": DualKind(SiglipModel, SiglipImageProcessorPil, pad_to_max_length=True),
 }
 DUAL_MODALITIES = ("text", "image")
+# the sentence-transformers modules that wrap a dual encoder whole: v5+'s Transformer with text
+# and image modalities, and the legacy CLIPModel module
+SENTENCE_WRAPPERS = ("Transformer", "CLIPModel")
+TOWER_METHODS = {"text": "get_text_features", "image": "get_image_features"}
 
 
 def dual_kind_of(model_dir: Path) -> str | None:
@@ -60,6 +65,37 @@ def dual_kind_of(model_dir: Path) -> str | None:
         return None
     model_type = json.loads(config_file.read_text()).get("model_type")
     return model_type if model_type in DUAL_KINDS else None
+
+
+def dual_spec(model_dir: Path) -> ModelSpec:
+    """The worker's spec of a dual encoder's directory: a plain Hugging Face one, or one that
+    sentence-transformers saved as a single module around it (its ``encode`` is then the towers'
+    features, as here). Any other module (a Normalize, a Dense after it) is refused at start
+    rather than left out of the vectors."""
+    modules_file = model_dir / "modules.json"
+    if modules_file.is_file():
+        modules = json.loads(modules_file.read_text())
+        kinds = [str(module.get("type", "")).rsplit(".", 1)[-1] for module in modules]
+        paths = {str(module.get("path", "")) for module in modules}
+        if len(kinds) != 1 or kinds[0] not in SENTENCE_WRAPPERS or paths - {"", "."}:
+            raise UnsupportedModelError(
+                f"{model_dir}: modules.json holds {kinds}; a CLIP or SigLIP model is served as "
+                "one module at the directory's root (Transformer or CLIPModel), nothing after it"
+            )
+        _check_towers(model_dir)
+    return ModelSpec(transformer_dir=model_dir, pooling_modes=())
+
+
+def _check_towers(model_dir: Path) -> None:
+    config_file = model_dir / "sentence_bert_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    modalities = config.get("modality_config", {})
+    methods = {name: part.get("method") for name, part in modalities.items()}
+    if modalities and methods != TOWER_METHODS:
+        raise UnsupportedModelError(
+            f"{model_dir}: sentence_bert_config.json's modality_config calls {methods}; the "
+            f"worker embeds with {TOWER_METHODS}"
+        )
 
 
 class TextTowerModel(torch.nn.Module):

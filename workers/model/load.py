@@ -20,7 +20,7 @@ from transformers.utils import logging as transformers_logging
 from embedfleet.shared.model_path import ModelNotFoundError
 from embedfleet.shared.modelcard import ModelCard, max_input_tokens
 from embedfleet.workers.model.base import Representation
-from embedfleet.workers.model.clip import DUAL_MODALITIES, dual_kind_of, load_dual
+from embedfleet.workers.model.clip import DUAL_MODALITIES, dual_kind_of, dual_spec, load_dual
 from embedfleet.workers.model.dense import Dense
 from embedfleet.workers.model.model_dir import ModelSpec, read_model_spec
 from embedfleet.workers.model.multivector import MultiVector
@@ -111,7 +111,7 @@ def _load_dual(model_dir: Path, device: torch.device, load_dtype: torch.dtype) -
     """A CLIP or SigLIP directory: its text tower where the worker runs a transformer (texts
     go the text path whole), its image tower and processor for image chunks."""
     parts = load_dual(model_dir, device, load_dtype)
-    spec = read_model_spec(model_dir)  # a plain Hugging Face directory's: no modules
+    spec = dual_spec(model_dir)
     sentence = Dense(spec, device, int(parts.model.config.hidden_size))  # (copies: unused)
     return LoadedModel(
         spec,

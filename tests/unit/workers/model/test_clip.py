@@ -4,16 +4,28 @@ options verifier's: tests/unit/shared/test_options.py)."""
 
 from __future__ import annotations
 
+import io
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 from embedfleet.shared.model_path import ModelNotFoundError
 from embedfleet.shared.modelcard import ModelCard
+from embedfleet.workers.images import ImagePipeline
 from embedfleet.workers.model.clip import dual_kind_of, load_dual
 from embedfleet.workers.model.encoder import Encoder
-from tests.image_models import DUAL_FAMILIES, dual_model_dir, min_cosine, reference_text_features
+from embedfleet.workers.model.model_dir import UnsupportedModelError
+from tests.image_models import (
+    DUAL_FAMILIES,
+    dual_model_dir,
+    image_bytes,
+    min_cosine,
+    reference_text_features,
+    sentence_transformers_dual_dir,
+)
 from tests.model_zoo import hf_model_dir, sample_texts
 
 
@@ -61,3 +73,36 @@ def test_a_card_written_before_modalities_serves_text() -> None:
     card = ModelCard(name="m", dim=4, max_length=8, normalize=True)
     older = {k: v for k, v in card.to_fields().items() if k != "modalities"}
     assert ModelCard.from_fields(older).modalities == ("text",)
+
+
+@pytest.mark.parametrize("family", DUAL_FAMILIES)
+def test_a_sentence_transformers_dual_encoder_embeds_as_its_encode(
+    models: Path, family: str
+) -> None:
+    """Saved by sentence-transformers (one Transformer module around the model): images equal
+    its ``encode`` on PIL images; CLIP's texts equal its ``encode`` too. SigLIP's texts are
+    padded to the model's length as its processor pads them (``get_text_features`` as
+    transformers documents it), where sentence-transformers 6 pads to the longest text."""
+    from sentence_transformers import SentenceTransformer
+
+    model_dir = sentence_transformers_dual_dir(family, models)
+    encoder = Encoder(str(model_dir), device="cpu", dtype="float32")
+    reference = SentenceTransformer(str(model_dir), device="cpu")
+    images = [image_bytes(i, (30 + 5 * i, 50 - 2 * i), "PNG") for i in range(6)]
+    opened = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
+    with ThreadPoolExecutor(2) as threads:
+        pixels = ImagePipeline(encoder.image_processor, threads, 1 << 20).prepare(images).pixels
+    assert min_cosine(encoder.embed_images(pixels), reference.encode(opened)) >= 0.9999
+    texts = sample_texts(5, 500)
+    expected = (
+        reference.encode(texts)
+        if family == "clip"
+        else reference_text_features(dual_model_dir(family, models), texts)
+    )
+    assert min_cosine(encoder.embed_texts(texts), expected) >= 0.9999
+
+
+def test_a_module_after_the_dual_encoder_is_refused_at_start(models: Path) -> None:
+    model_dir = sentence_transformers_dual_dir("clip", models, normalize=True)
+    with pytest.raises(UnsupportedModelError, match="nothing after it"):
+        Encoder(str(model_dir), device="cpu", dtype="float32")
