@@ -74,12 +74,15 @@ class TokenIdMaker:
     def attach(self, chunks: Sequence[Chunk], role: str = "document") -> list[Chunk]:
         """``chunks`` with their token ids, in one batch call of the tokenizer (Rust: releases
         the GIL, so callers put it on a thread). A chunk that already has ids, a
-        cross-encoder's pair and a long input for windows (whose whole ids the worker needs)
-        are left as they are."""
+        cross-encoder's pair, a long input for windows (whose whole ids the worker needs) and an
+        image (no text to tokenize) are left as they are."""
         wanted = [
             i
             for i, chunk in enumerate(chunks)
-            if chunk.token_ids is None and chunk.pair is None and chunk.window_overlap is None
+            if chunk.token_ids is None
+            and chunk.pair is None
+            and chunk.window_overlap is None
+            and chunk.image is None
         ]
         if not wanted:
             return list(chunks)

@@ -57,3 +57,10 @@ def test_ids_carry_the_prompt_and_its_fingerprint(tokenizer_json: str) -> None:
     assert queried.tokenizer == ids_fingerprint(fingerprint, "query: ")
     assert own.token_ids is None  # a long input for windows goes as text
     assert maker.prompt_for(Chunk(id="q", text="t"), "query") == "query: "
+
+
+def test_an_image_goes_without_ids(tokenizer_json: str) -> None:
+    maker = TokenIdMaker(_card(tokenizer_fingerprint(tokenizer_json)), tokenizer_json, {})
+    image, text = maker.attach([Chunk(id="i", image=b"\x89PNG"), Chunk(id="t", text="hi")])
+    assert image.token_ids is None and image.tokenizer is None  # no text to tokenize
+    assert text.token_ids is not None
