@@ -18,6 +18,8 @@ import asyncio
 import dataclasses
 import json
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 import click
 import numpy as np
@@ -272,8 +274,17 @@ def search_command(
         if hybrid
         else search(settings, target, text, k, timeout)
     )
+    hits = _hits_or_exit(work, timeout, settings)
+    for line in format_hits(hits, as_json=as_json):
+        click.echo(line)
+
+
+def _hits_or_exit(
+    work: Coroutine[Any, Any, list[Hit]], timeout: float, settings: Settings
+) -> list[Hit]:
+    """The search's hits, or the CLI's one-line error for each way it fails."""
     try:
-        hits = run_client(work)
+        return run_client(work)
     except TimeoutError as error:
         if isinstance(error.__cause__, RedisUnavailableError):
             raise click.ClickException(str(error)) from None  # it names the server
@@ -290,8 +301,6 @@ def search_command(
     except (VectorDBError, QueryFailedError, MissingExtraError, ValueError) as error:
         # ValueError: the served model's refusal (its card)
         raise click.ClickException(str(error)) from None
-    for line in format_hits(hits, as_json=as_json):
-        click.echo(line)
 
 
 @click.command("index")
