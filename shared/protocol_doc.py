@@ -76,10 +76,10 @@ CHUNK_FIELDS: tuple[WireField, ...] = (
     WireField(
         "text",
         "str",
-        False,
+        True,
         "the text to embed; not empty (whitespace is text); at most `EMBEDFLEET_MAX_TEXT_CHARS` "
-        f"characters ({_default('max_text_chars'):,}). Every chunk has `text` or `image`, not "
-        "both",
+        f"characters ({_default('max_text_chars'):,}). Absent on an image chunk, which carries "
+        "`image` instead (never both)",
     ),
     WireField(
         "image",
