@@ -94,9 +94,10 @@ Gateway = Callable[..., AbstractContextManager[openai.OpenAI]]
 
 
 @contextlib.contextmanager
-def grpc_gateway(settings: Settings) -> Iterator[tuple[httpx.Client, grpc.Channel]]:
+def grpc_gateway(settings: Settings) -> Iterator[tuple[httpx.Client, grpc.Channel, str]]:
     """A gateway for ``settings`` serving gRPC on a port of its own: an HTTP client of it (with
-    the settings' key, if any) and a gRPC channel to it, closed on exit."""
+    the settings' key, if any), a gRPC channel to it, closed on exit, and the channel's target
+    (``host:port``, for a client of another program)."""
     port = free_port()
     headers = {"Authorization": f"Bearer {settings.api_keys}"} if settings.api_keys else {}
     with (
@@ -104,7 +105,7 @@ def grpc_gateway(settings: Settings) -> Iterator[tuple[httpx.Client, grpc.Channe
         httpx.Client(base_url=url, timeout=120, headers=headers) as http,
         grpc.insecure_channel(f"127.0.0.1:{port}") as channel,
     ):
-        yield http, channel
+        yield http, channel, f"127.0.0.1:{port}"
 
 
 @contextlib.contextmanager

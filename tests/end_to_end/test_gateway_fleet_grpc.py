@@ -68,7 +68,7 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def fleet(fleet_settings: Settings, worker: WorkerProcess) -> Iterator[Fleet]:
-    with grpc_gateway(fleet_settings) as (http, channel):
+    with grpc_gateway(fleet_settings) as (http, channel, _):
         wait_for_worker(str(http.base_url).rstrip("/"))
         yield Fleet(http, channel, fleet_settings)
 

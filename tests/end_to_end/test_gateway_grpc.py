@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -51,8 +54,9 @@ worker = module_worker("grpc", EMBEDFLEET_DTYPE="float32")
 class Fleet:
     """A gateway's HTTP client and the gRPC stubs of TEI's services on the same gateway."""
 
-    def __init__(self, http: httpx.Client, channel: grpc.Channel) -> None:
+    def __init__(self, http: httpx.Client, channel: grpc.Channel, target: str) -> None:
         self.http = http
+        self.target = target  # host:port of the gRPC server
         services = pb.DESCRIPTOR.services_by_name
         self.info = stub(channel, services["Info"])
         self.embed = stub(channel, services["Embed"])
@@ -64,8 +68,8 @@ class Fleet:
 @contextlib.contextmanager
 def tei_gateway(settings: Settings) -> Iterator[Fleet]:
     """A gateway for ``settings`` serving gRPC on a port of its own, and clients of both."""
-    with grpc_gateway(settings) as (http, channel):
-        yield Fleet(http, channel)
+    with grpc_gateway(settings) as (http, channel, target):
+        yield Fleet(http, channel, target)
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +109,62 @@ def test_embed_is_the_http_embed(fleet: Fleet) -> None:
     ).json()
     assert len(cut.embeddings) == 64
     np.testing.assert_allclose(cut.embeddings, cut_http, rtol=1e-6)
+
+
+# a TEI user's own client: protoc's messages and service stubs of TEI's proto, generated apart
+# from the package (which keeps only the messages and reads the services off their descriptors),
+# run as a program of its own (the package's tei.v1 messages in this process would clash)
+TEI_CLIENT = """
+import json, sys
+import grpc
+import tei_pb2, tei_pb2_grpc
+target, key, text = sys.argv[1:]
+metadata = (("authorization", f"Bearer {key}"),)
+with grpc.insecure_channel(target) as channel:
+    info = tei_pb2_grpc.InfoStub(channel).Info(tei_pb2.InfoRequest(), metadata=metadata)
+    embed = tei_pb2_grpc.EmbedStub(channel)
+    answer = embed.Embed(tei_pb2.EmbedRequest(inputs=text), metadata=metadata)
+    streamed = list(embed.EmbedStream(iter([tei_pb2.EmbedRequest(inputs=text)] * 2),
+                                      metadata=metadata))
+print(json.dumps({"model_id": info.model_id, "embedding": list(answer.embeddings),
+                  "streamed": [list(s.embeddings) for s in streamed]}))
+"""
+
+
+def test_a_client_generated_from_teis_proto_embeds(fleet: Fleet, tmp_path: Path) -> None:
+    proto = tmp_path / "tei.proto"
+    proto.write_bytes(Path(pb.__file__).with_name("tei.proto").read_bytes())
+    generated = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            f"-I{tmp_path}",
+            f"--python_out={tmp_path}",
+            f"--grpc_python_out={tmp_path}",
+            str(proto),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert generated.returncode == 0, generated.stderr
+    (tmp_path / "client.py").write_text(TEI_CLIENT)
+    ran = subprocess.run(
+        [sys.executable, "client.py", fleet.target, KEY, TEXT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert ran.returncode == 0, ran.stderr
+    answer = json.loads(ran.stdout)
+    assert answer["model_id"] == fleet.http.get("/info").json()["model_id"]
+    (over_http,) = fleet.http.post("/embed", json={"inputs": TEXT}).json()
+    assert min_cosine(np.array(answer["embedding"]), np.array(over_http)) > 0.99995
+    assert len(answer["streamed"]) == 2
+    for streamed in answer["streamed"]:
+        assert min_cosine(np.array(streamed), np.array(over_http)) > 0.99995
 
 
 def test_embed_stream_answers_each_message_in_order(fleet: Fleet) -> None:
