@@ -67,10 +67,10 @@ test-full: install
 	cat $(BUILD_DIR)/test-image.log; \
 	test $$parallel -eq 0 && test $$serial -eq 0 && test $$status -eq 0
 
-# mypy reads files, not import hooks: loadtest/import_root.py lays the package out as the wheel
+# mypy reads files, not import hooks: tools/import_root.py lays the package out as the wheel
 # does under build/import_root/ and runs mypy over it ([tool.mypy] in pyproject.toml)
 lint: install
-	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(PY) -m loadtest.import_root --mypy
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(PY) -m tools.import_root --mypy
 
 # Infinity, the benchmark's serving-engine peer, in an environment of its own (see
 # loadtest/requirements-infinity.txt)
@@ -128,14 +128,14 @@ image-tools:
 # Every wheel the images install, for an offline build: the CPU worker's in wheelhouse/ (the torch
 # file pinned by constraints.txt), those only the gateway adds in wheelhouse/gateway/ (the worker
 # image installs every wheel of wheelhouse/, and must not get the gateway's)
-# The requirements come from pyproject.toml (loadtest/wheelhouse.py), not from '.[worker]': the
+# The requirements come from pyproject.toml (tools/wheelhouse.py), not from '.[worker]': the
 # project is not built here (the images build it from their sources; its wheel would change on
 # every build, zip timestamps, and invalidate every cached layer after it), so the wheelhouse can
 # be made while the packaging tests build the project in this tree.
 wheelhouse: install
 	mkdir -p $(BUILD_DIR)
-	$(PY) -m loadtest.wheelhouse worker > $(BUILD_DIR)/wheelhouse-worker.txt
-	$(PY) -m loadtest.wheelhouse gateway > $(BUILD_DIR)/wheelhouse-gateway.txt
+	$(PY) -m tools.wheelhouse worker > $(BUILD_DIR)/wheelhouse-worker.txt
+	$(PY) -m tools.wheelhouse gateway > $(BUILD_DIR)/wheelhouse-gateway.txt
 	$(PIP) wheel -q -c constraints.txt --wheel-dir wheelhouse -r $(BUILD_DIR)/wheelhouse-worker.txt \
 	  'setuptools>=68' wheel \
 	  'async-timeout>=4.0.3'  # redis needs it on Debian's Python 3.11.2 (< 3.11.3), not on ours

@@ -14,6 +14,8 @@ from tests.paths import REPO_ROOT
 MAP = REPO_ROOT / "docs" / "ARCHITECTURE.md"
 # the folders that install under the import root (pyproject.toml's package-dir)
 INSTALLED_FOLDERS = ("embedfleet", "shared", "producer", "workers")
+# the folders of the checkout that do not install: benchmarks, tests, the repository tools
+NOT_INSTALLED = ("loadtest", "tests", "tools")
 
 
 def _section(title: str) -> str:
@@ -82,7 +84,7 @@ def test_a_name_a_module_only_imports_is_not_defined_there() -> None:
 def test_every_path_the_map_names_exists() -> None:
     named = set(re.findall(r"\b((?:[a-z_]+/)+[a-z_]*(?:\.py|\.lua)?)", MAP.read_text()))
     # paths inside the tree only (links to other docs and URLs are test_docs's)
-    named = {p for p in named if p.split("/")[0] in {*INSTALLED_FOLDERS, "loadtest", "tests"}}
+    named = {p for p in named if p.split("/")[0] in {*INSTALLED_FOLDERS, *NOT_INSTALLED}}
     missing = sorted(p for p in named if not (REPO_ROOT / p).exists())
     assert named and not missing, f"the map names paths the tree does not have: {missing}"
 
@@ -95,4 +97,4 @@ def test_every_package_of_the_tree_has_a_room() -> None:
         for init in (REPO_ROOT / folder).rglob("__init__.py")
     }
     assert packages <= rooms, f"packages with no row in Rooms: {sorted(packages - rooms)}"
-    assert not (rooms - packages - {"loadtest", "tests", "helm"}), "rooms that are no package"
+    assert not (rooms - packages - {*NOT_INSTALLED, "helm"}), "rooms that are no package"

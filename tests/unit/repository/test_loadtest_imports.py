@@ -14,7 +14,7 @@ from pathlib import Path
 from tests.paths import REPO_ROOT
 
 TESTS = REPO_ROOT / "tests"
-# the benchmarks' own tests, and the repository tools' (shape, wheelhouse, plots, corpus)
+# the benchmarks' own tests, and the tests of plots and corpus
 EXEMPT_FOLDERS = (TESTS / "unit" / "loadtest", TESTS / "unit" / "repository")
 
 # test module (from the repository root) -> {loadtest module it imports: why}
@@ -78,7 +78,7 @@ def _loadtest_imports(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            # `from loadtest import shape` imports loadtest.shape
+            # `from loadtest import corpus` imports loadtest.corpus
             base = node.module
             names = [f"{base}.{a.name}" if base == "loadtest" else base for a in node.names]
         else:
@@ -143,7 +143,7 @@ def test_the_finder_sees_an_import_inside_a_function(tmp_path: Path) -> None:
     """The check reads lazy imports too (test_cpus imports its benchmark inside the test)."""
     module = tmp_path / "test_x.py"
     module.write_text(
-        "import os\nfrom loadtest import shape\n"
+        "import os\nfrom loadtest import corpus\n"
         "def f():\n    from loadtest.common import cpu_name\n    import loadtest.bench\n"
     )
-    assert _loadtest_imports(module) == {"loadtest.shape", "loadtest.common", "loadtest.bench"}
+    assert _loadtest_imports(module) == {"loadtest.corpus", "loadtest.common", "loadtest.bench"}

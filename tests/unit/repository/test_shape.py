@@ -1,11 +1,11 @@
-"""loadtest/shape.py: the figures issue 41 quotes are read correctly (pure logic, no servers)."""
+"""tools/shape.py: the figures issue 41 quotes are read correctly (pure logic, no servers)."""
 
 from __future__ import annotations
 
 import ast
 import json
 
-from loadtest import shape
+from tools import shape
 
 
 def test_cycles_finds_each_strongly_connected_group_and_nothing_else() -> None:

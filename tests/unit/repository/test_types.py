@@ -1,6 +1,6 @@
 """The package type-checks: mypy over the tree, with pyproject.toml's [tool.mypy] settings.
 
-Run as `make lint` runs it (from the repository root, `python -m loadtest.import_root --mypy`:
+Run as `make lint` runs it (from the repository root, `python -m tools.import_root --mypy`:
 mypy over the package as the wheel lays it out, each file once), so the config alone says what
 is checked and how strictly. A cold run (no .mypy_cache) takes a minute or two.
 """
@@ -21,7 +21,7 @@ REPOSITORY_ROOT = REPO_ROOT
 @pytest.mark.beside
 def test_mypy_finds_no_errors() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "loadtest.import_root", "--mypy"],
+        [sys.executable, "-m", "tools.import_root", "--mypy"],
         cwd=REPOSITORY_ROOT,
         capture_output=True,
         text=True,

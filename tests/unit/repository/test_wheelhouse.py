@@ -1,4 +1,4 @@
-"""`make wheelhouse` reads the requirements from pyproject.toml (loadtest/wheelhouse.py) instead
+"""`make wheelhouse` reads the requirements from pyproject.toml (tools/wheelhouse.py) instead
 of building the project: the same requirements pip resolves for ``'.[worker]'`` and
 ``'.[gateway]'``, the project's own extras expanded, never the project itself."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.wheelhouse import PYPROJECT, requirements
+from tools.wheelhouse import PYPROJECT, requirements
 
 
 def test_the_worker_set_is_the_dependencies_and_the_worker_extra() -> None:

@@ -7,8 +7,8 @@ could not be made while the packaging tests build it too (two builds in one tree
 anyway (the images build it from their sources). From the requirements alone nothing is built
 here, and the wheelhouse is made beside the tests.
 
-    python -m loadtest.wheelhouse worker          # dependencies + the worker extra
-    python -m loadtest.wheelhouse gateway         # dependencies + the gateway extra (+ documents)
+    python -m tools.wheelhouse worker          # dependencies + the worker extra
+    python -m tools.wheelhouse gateway         # dependencies + the gateway extra (+ documents)
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The package as the wheel lays it out, for the tools that do not run import hooks (mypy).
 
-    python -m loadtest.import_root          # builds build/import_root/ and prints its path
-    python -m loadtest.import_root --mypy   # builds it and type-checks it: make lint
+    python -m tools.import_root          # builds build/import_root/ and prints its path
+    python -m tools.import_root --mypy   # builds it and type-checks it: make lint
 
 In the repository each file has one path: ``shared/``, ``producer/`` and ``workers/`` sit at
 the top level, and pyproject.toml's package-dir installs them as ``embedfleet.shared`` and so

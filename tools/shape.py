@@ -1,6 +1,6 @@
 """The shape of the code in figures (issue 41): not a gate, a reading to quote and compare.
 
-    python -m loadtest.shape [--json]
+    python -m tools.shape [--json]
 
 Reads the installed package's source (``embedfleet/``, ``shared/``, ``producer/``,
 ``workers/``: each file once, by its own path, named as the wheel names it) with ``ast`` and prints:
@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from loadtest.import_root import package_dirs
+from tools.import_root import package_dirs
 
 # import name -> folder, as pyproject.toml's package-dir maps them
 PACKAGES = package_dirs()
