@@ -34,8 +34,11 @@ demo: install
 # whose assertions hold a time or a rate (a token rate, a latency bound, a slice's length, a
 # race between two compiled copies) or that fill both cores on their own run alone, after.
 XDIST := -n 2 --dist loadfile
-# test-full's parallel tier runs the same two, each with one torch thread (tests/one_thread.py);
-# three, and one core pinned to each, were tried (docs/DEVELOPMENT.md, "CI time").
+# test-full's parallel tier runs three, each with one torch thread (tests/one_thread.py): a
+# quarter of that tier's wall is its modules waiting (on a rate, an outage, a worker's start),
+# which a third keeps the cores busy through (docs/DEVELOPMENT.md, "CI time"; one core pinned
+# to each was tried too)
+XDIST_FULL := -n 3 --dist loadfile
 # the -m expression of the fast tier: none of the slow tiers tests/tiers.py owns
 FAST_TIER = $(shell python3 -m tests.tiers)
 # The fast tier holds no serial module (tests/conftest.py refuses one marked serial and not
@@ -57,7 +60,7 @@ test-full: install
 	  --basetemp=$(BUILD_DIR)/pytest-image --durations=10 -m "image or beside"; \
 	  } > $(BUILD_DIR)/test-image.log 2>&1 & image=$$!; \
 	EMBEDFLEET_TEST_TIMING_DIR=$(BUILD_DIR)/test-timing $(PY) -m pytest -p tests.timing \
-	  -p tests.one_thread $(XDIST) --durations=20 -m "not image and not beside and not serial"; \
+	  -p tests.one_thread $(XDIST_FULL) --durations=20 -m "not image and not beside and not serial"; \
 	  parallel=$$?; \
 	EMBEDFLEET_TEST_TIMING_DIR=$(BUILD_DIR)/test-timing $(PY) -m pytest -p tests.timing \
 	  --durations=10 -m "serial and not image and not beside"; serial=$$?; \
