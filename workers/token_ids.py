@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from embedfleet.shared.options import ForeignTokenIdsError
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.tokens import (
     foreign_ids_message,
@@ -40,16 +41,16 @@ class TokenizedChunks:
 def producer_ids(chunk: Chunk, prompt: str, encoder: Encoder) -> bytes | None:
     """The ids ``chunk`` brought (packed), where the worker can use them; None: tokenize its
     text (no ids, a cross-encoder's pair, or ids made with another prompt than ``prompt``,
-    which are the right tokenizer's but not this chunk's input). ValueError: ids of another
-    tokenizer (the dead letter's reason). Their vocabulary is checked for a window at once
-    (:func:`outside_vocabulary`)."""
+    which are the right tokenizer's but not this chunk's input). ForeignTokenIdsError (the
+    verifier's, a ValueError): ids of another tokenizer (the dead letter's reason). Their
+    vocabulary is checked for a window at once (:func:`outside_vocabulary`)."""
     if chunk.token_ids is None or chunk.tokenizer is None or chunk.pair is not None:
         return None
     text = encoder.text
     if chunk.tokenizer != _expected(text.fingerprint, prompt):
         tokenizer, _ = split_fingerprint(chunk.tokenizer)
         if tokenizer != text.fingerprint:
-            raise ValueError(foreign_ids_message(tokenizer, text.fingerprint))
+            raise ForeignTokenIdsError(foreign_ids_message(tokenizer, text.fingerprint))
         return None  # this tokenizer's ids of another prompt
     return chunk.token_ids
 

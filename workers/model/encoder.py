@@ -22,6 +22,7 @@ from embedfleet.shared.logging import adopt_library_logger
 # one definition for the worker, the gateway and the splitter (those need no torch)
 from embedfleet.shared.model_path import ModelNotFoundError, resolve_model_path
 from embedfleet.shared.modelcard import ModelCard, served_name
+from embedfleet.shared.options import PromptError
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import PACKAGED_MODEL
 from embedfleet.shared.settings.query_stage import CpuBackend
@@ -52,7 +53,6 @@ from embedfleet.workers.model.precision import (
 )
 from embedfleet.workers.model.tokenizer import (
     EncodeBatch,
-    PromptError,
     PromptRole,
     Tokenized,
     configure_tokenizer_threads,

@@ -25,10 +25,6 @@ from embedfleet.workers.model.model_dir import ModelSpec
 PromptRole = Literal["query", "document"]
 
 
-class PromptError(ValueError):
-    """A chunk names a prompt the model does not declare (dead-lettered with this reason)."""
-
-
 @dataclass(frozen=True)
 class Tokenized:
     """One text's token ids (with special tokens), and whether it was cut to fit the model."""
@@ -115,14 +111,11 @@ class TextTokenizer:
         self, role: PromptRole, prompt_name: str | None, prompt: str | None, role_default: str
     ) -> str:
         """The prompt text for one chunk (``Encoder.resolve_prompt``): shared/modelcard.py's
-        ``resolve_prompt``, the rule producers that make token ids follow too. PromptError
-        for a name the model does not declare."""
-        try:
-            return resolve_prompt(
-                self.prompts, self.spec.default_prompt_name, role, prompt_name, prompt, role_default
-            )
-        except ValueError as error:
-            raise PromptError(str(error)) from None
+        ``resolve_prompt``, the rule producers that make token ids follow too. The verifier's
+        PromptError (shared/options.py) for a name the model does not declare."""
+        return resolve_prompt(
+            self.prompts, self.spec.default_prompt_name, role, prompt_name, prompt, role_default
+        )
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - a few prompts per model, tokenizer lives on
     def prompt_length(self, prompt: str) -> int:

@@ -163,11 +163,16 @@ def test_prompt_tokens_count_against_the_maximum(zoo: Path) -> None:
 
 
 def test_unknown_prompt_name_is_refused(zoo: Path) -> None:
+    from embedfleet.shared import options
+    from embedfleet.shared.dead_letters import DeadReason
     from embedfleet.workers.model.encoder import PromptError
 
     model_dir = sentence_transformers_dir("bert", zoo, prompts=QUERY_PROMPTS, name="st-bert-max")
-    with pytest.raises(PromptError, match="'nope' is not one of the model's prompts"):
+    with pytest.raises(PromptError, match="'nope' is not one of the model's prompts") as refused:
         Encoder(str(model_dir), device="cpu").resolve_prompt("document", prompt_name="nope")
+    # the verifier's own rule and error (shared/options.py), not a copy of it in the worker
+    assert type(refused.value) is options.PromptError
+    assert refused.value.code is DeadReason.OPTIONS
 
 
 # --- refusal -------------------------------------------------------------------------------
