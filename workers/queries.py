@@ -26,12 +26,10 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import redis
-import redis.asyncio as aioredis
 
 from embedfleet.shared.dead_letters import DeadReason
 from embedfleet.shared.fault_kinds import is_transient
@@ -42,17 +40,15 @@ from embedfleet.shared.redis_conn import connect_sync
 from embedfleet.shared.settings import Settings
 from embedfleet.sinks.reply import queue_replies
 from embedfleet.workers import device_faults
-from embedfleet.workers.calibration import Calibration
 from embedfleet.workers.consumer import StreamEntry
 from embedfleet.workers.cost_model import SliceClock
-from embedfleet.workers.dead_letter_writer import DeadLetters, Rejected
+from embedfleet.workers.dead_letter_writer import Rejected
 from embedfleet.workers.device_faults import DeviceFault, Recovery
-from embedfleet.workers.events import WorkerEvents
 from embedfleet.workers.long_inputs import before_normalize_wanted, normalized_except
 from embedfleet.workers.model.encoder import Encoder
 from embedfleet.workers.model.model_dir import head_normalizes
-from embedfleet.workers.outages import Outages
-from embedfleet.workers.output import Outputs, pool_windows
+from embedfleet.workers.output import pool_windows
+from embedfleet.workers.parts import StageParts
 from embedfleet.workers.query_inbox import PendingQuery, QueryInbox
 
 log = get_logger("embedfleet.queries")
@@ -71,45 +67,23 @@ def prepare_forward_paths(encoder: Encoder, settings: Settings) -> bool:
 
 
 class QueryStage:
-    def __init__(
-        self,
-        settings: Settings,
-        encoder: Encoder,
-        client: aioredis.Redis,
-        model_thread: ThreadPoolExecutor,
-        dead_letters: DeadLetters,
-        events: WorkerEvents,
-        outputs: Outputs,
-        on_model_thread: Callable[[Callable[[], Calibration]], Awaitable[Calibration]],
-        outages: Outages | None = None,
-        slice_clock: SliceClock | None = None,
-    ) -> None:
-        self.settings = settings
+    def __init__(self, parts: StageParts, slice_clock: SliceClock | None = None) -> None:
+        """The worker's shared parts (workers/parts.py): settings, encoder, connection, dead
+        letters, events, outputs, outages and the model thread the queries are served on."""
+        self.settings = parts.settings
         # told of every layer boundary of a bulk pass and of the queries served there, so the
         # worker knows the longest stretch a query had to wait (workers/cost_model.py)
         self.slice_clock = slice_clock or SliceClock()
-        self.outages = outages or Outages(events)
-        # the priority streams' key set: query stream, replies, dead letters in one slot
-        self.keys: Keys = settings.keys.priority_streams
-        self.encoder = encoder
-        self.client = client
-        self.model_thread = model_thread
-        self.dead_letters = dead_letters
-        self.events = events
-        self.outputs = outputs
-        self.on_model_thread = on_model_thread
+        self.outages = parts.outages
+        self.encoder = parts.encoder
+        self.model_thread = parts.threads.model
+        self.dead_letters = parts.dead_letters
+        self.events = parts.events
+        self.outputs = parts.outputs
         # the query stream read and its queries queued, on the event loop (workers/query_inbox.py)
-        self.inbox = QueryInbox(
-            settings,
-            encoder,
-            client,
-            dead_letters,
-            events,
-            outputs,
-            on_model_thread,
-            self.outages,
-            queued=self._queued,
-        )
+        self.inbox = QueryInbox(parts, queued=self._queued)
+        # the priority streams' key set: query stream, replies, dead letters in one slot
+        self.keys: Keys = self.inbox.keys
         self._inbox = self.inbox.pending  # the serving thread's side of the same deque
         # Re-entrance from the layer hook (the nested forward pass fires them too); the lock
         # keeps the model thread and the CUDA query thread from serving at once while the
@@ -117,7 +91,7 @@ class QueryStage:
         self._serving = False
         self._serve_lock = threading.Lock()
         # where serve_inbox runs: the model thread, or on CUDA a thread of the lane's own
-        self._serve_thread: ThreadPoolExecutor = model_thread
+        self._serve_thread: ThreadPoolExecutor = self.model_thread
         # Model-thread seconds spent on queries, so bulk timing can leave them out.
         self.serving_seconds = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -15,25 +15,20 @@ import asyncio
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-
-import redis.asyncio as aioredis
 
 from embedfleet.shared.dead_letters import DeadReason
 from embedfleet.shared.fault_kinds import System
 from embedfleet.shared.keys import Keys
-from embedfleet.shared.settings import Settings
-from embedfleet.workers.calibration import Calibration
 from embedfleet.workers.consumer import StreamConsumer, StreamEntry
-from embedfleet.workers.dead_letter_writer import DeadLetters, Rejected
+from embedfleet.workers.dead_letter_writer import Rejected
 from embedfleet.workers.deadlines import acknowledge_expired, split_expired
 from embedfleet.workers.decode import Accepted, decode_entries
-from embedfleet.workers.events import WorkerEvents
 from embedfleet.workers.long_inputs import token_windows, whole
-from embedfleet.workers.model.encoder import Encoder, Tokenized
-from embedfleet.workers.outages import Outages, RideOut, transient_or_raise
-from embedfleet.workers.output import Outputs
+from embedfleet.workers.model.encoder import Tokenized
+from embedfleet.workers.outages import RideOut, transient_or_raise
+from embedfleet.workers.parts import StageParts
 from embedfleet.workers.token_ids import tokenize_chunks
 
 
@@ -70,30 +65,19 @@ class QueryInbox:
     accepted, tokenized, in ``pending`` for the serving thread (the model thread, or on CUDA
     the stage's own thread), which ``queued`` tells."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        encoder: Encoder,
-        client: aioredis.Redis,
-        dead_letters: DeadLetters,
-        events: WorkerEvents,
-        outputs: Outputs,
-        on_model_thread: Callable[[Callable[[], Calibration]], Awaitable[Calibration]],
-        outages: Outages,
-        queued: Callable[[], None],
-    ) -> None:
-        self.settings = settings
+    def __init__(self, parts: StageParts, queued: Callable[[], None]) -> None:
+        self.settings = parts.settings
         # the priority streams' key set: query stream, replies, dead letters in one slot
-        self.keys: Keys = settings.keys.priority_streams
-        self.encoder = encoder
-        self.client = client
-        self.dead_letters = dead_letters
-        self.events = events
-        self.outputs = outputs
-        self.on_model_thread = on_model_thread
-        self.outages = outages
+        self.keys: Keys = parts.settings.keys.priority_streams
+        self.encoder = parts.encoder
+        self.client = parts.client
+        self.dead_letters = parts.dead_letters
+        self.events = parts.events
+        self.outputs = parts.outputs
+        self.on_model_thread = parts.on_model_thread
+        self.outages = parts.outages
         self._queued = queued
-        self._consumer = StreamConsumer(client, self.keys, settings.consumer)
+        self._consumer = StreamConsumer(parts.client, self.keys, parts.settings.consumer)
         # the queries accepted, for the serving thread to take (deque: thread-safe appends
         # and pops)
         self.pending: deque[PendingQuery] = deque()

@@ -101,18 +101,7 @@ class Worker:
         self.outputs = parts.outputs
         # the longest stretch of each bulk forward a query could not get into (model thread)
         slice_clock = SliceClock()
-        self.queries = QueryStage(
-            settings,
-            encoder,
-            client,
-            parts.threads.model,
-            parts.dead_letters,
-            parts.events,
-            parts.outputs,
-            parts.on_model_thread,
-            parts.outages,
-            slice_clock=slice_clock,
-        )
+        self.queries = QueryStage(parts, slice_clock)
         self.reclaimer = Reclaimer(
             settings,
             client,
