@@ -40,7 +40,7 @@ from embedfleet.workers.device_faults import (
 from embedfleet.workers.images import NO_TOKENS, count_batches
 from embedfleet.workers.intake import Intake, first_set
 from embedfleet.workers.interactive import InteractiveJump
-from embedfleet.workers.long_inputs import before_normalize
+from embedfleet.workers.long_inputs import Rows, before_normalize
 from embedfleet.workers.memory import TrimTimer, release_free_memory
 from embedfleet.workers.model.encoder import EncodeBatch, Tokenized
 from embedfleet.workers.parts import StageParts
@@ -258,7 +258,7 @@ class Compute:
         keys = [window.content_keys.get(window.deliveries[p]) for p in planned.positions]
         if window.rejoin is not None:  # long inputs' windows: one row each once all are in
             chunks, deliveries, tokens, vectors, keys = window.rejoin.take(
-                chunks, deliveries, tokens, vectors, keys
+                Rows(chunks, deliveries, tokens, vectors, keys)
             )
             if not chunks:
                 return

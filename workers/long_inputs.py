@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
@@ -81,6 +81,16 @@ def whole(windows: Sequence[Tokenized]) -> Tokenized:
     return Tokenized(ids=ids, truncated=False, prompt_length=windows[0].prompt_length)
 
 
+class Rows(NamedTuple):
+    """A collected batch's rows, column by column, as the rejoin takes and hands them on."""
+
+    chunks: list[Chunk]
+    deliveries: list[Delivery]  # accounted per row (tokens, model time)
+    tokens: list[Tokenized]
+    vectors: np.ndarray
+    content_keys: list[str | None]  # one per row, or empty: none handed on
+
+
 @dataclass
 class _Pending:
     """The rows of one long input collected so far."""
@@ -125,18 +135,12 @@ class Rejoin:
         self._failed.add(key)
         return True
 
-    def take(
-        self,
-        chunks: list[Chunk],
-        deliveries: list[Delivery],
-        tokens: list[Tokenized],
-        vectors: np.ndarray,
-        content_keys: list[str | None],
-    ) -> tuple[list[Chunk], list[Delivery], list[Tokenized], np.ndarray, list[str | None]]:
+    def take(self, rows: Rows) -> Rows:
         """One collected batch's rows (``deliveries`` accounted per row) → the rows of whole
         inputs: the others as they are, then each long input whose last window this is, pooled
         (its tokens and model time summed); rows of inputs still waiting are held."""
-        keep, done = self._collect(chunks, deliveries, tokens, vectors, content_keys)
+        chunks, deliveries, tokens, vectors, content_keys = rows
+        keep, done = self._collect(rows)
         out_chunks = [chunks[r] for r in keep]
         out_deliveries = [deliveries[r] for r in keep]
         out_tokens = [tokens[r] for r in keep]
@@ -156,18 +160,12 @@ class Rejoin:
                 out_keys += [pending.content_key for _, pending in done]
         width = vectors.shape[1] if vectors.ndim == 2 else 0
         joined = np.concatenate(parts) if parts else np.zeros((0, width), dtype=np.float32)
-        return out_chunks, out_deliveries, out_tokens, joined, out_keys
+        return Rows(out_chunks, out_deliveries, out_tokens, joined, out_keys)
 
-    def _collect(
-        self,
-        chunks: list[Chunk],
-        deliveries: list[Delivery],
-        tokens: list[Tokenized],
-        vectors: np.ndarray,
-        content_keys: list[str | None],
-    ) -> tuple[list[int], list[tuple[Chunk, _Pending]]]:
+    def _collect(self, rows: Rows) -> tuple[list[int], list[tuple[Chunk, _Pending]]]:
         """The batch's rows of other inputs (to hand on), and the long inputs this batch
         completes; the rows of long inputs are added to what is held for them."""
+        chunks, deliveries, tokens, vectors, content_keys = rows
         keep: list[int] = []
         done: list[tuple[Chunk, _Pending]] = []
         for row, delivery in enumerate(deliveries):

@@ -12,7 +12,7 @@ import pytest
 
 from embedfleet.shared.protocol import Chunk, ProtocolError, chunk_from_mapping, validate_chunk
 from embedfleet.sinks import Delivery
-from embedfleet.workers.long_inputs import Rejoin, expand, token_windows
+from embedfleet.workers.long_inputs import Rejoin, Rows, expand, token_windows
 from embedfleet.workers.model.tokenizer import Tokenized, split_windows
 from embedfleet.workers.output import pool_windows
 
@@ -100,10 +100,10 @@ def test_rejoin_holds_a_long_inputs_rows_across_batches_then_pools_them() -> Non
         for d, t in zip(entries, tokens, strict=True)
     ]
     # the first batch: the short text and two windows; the long input waits for its third
-    first = rejoin.take(rows[:3], accounted[:3], tokens[:3], vectors[:3], ["k1", "k2", "k2"])
+    first = rejoin.take(Rows(rows[:3], accounted[:3], tokens[:3], vectors[:3], ["k1", "k2", "k2"]))
     assert [c.id for c in first[0]] == ["short"] and first[3].shape == (1, 4)
     assert first[4] == ["k1"]
-    second = rejoin.take(rows[3:], accounted[3:], tokens[3:], vectors[3:], ["k2"])
+    second = rejoin.take(Rows(rows[3:], accounted[3:], tokens[3:], vectors[3:], ["k2"]))
     (chunk,), (delivery,), (whole,), pooled, keys = second
     assert chunk.id == "long" and keys == ["k2"] and rejoin.waiting == 0
     assert delivery.entry_id == "2-0" and delivery.tokens == 24 and delivery.model_us == 24
@@ -118,7 +118,7 @@ def test_a_failed_window_drops_its_input_once() -> None:
     rejoin.expect(delivery, 3)
     assert delivery in rejoin and rejoin.fail(delivery) and not rejoin.fail(delivery)
     taken = rejoin.take(
-        [Chunk("long", "l")], [delivery], [_tokens(3)], np.ones((1, 4), np.float32), []
+        Rows([Chunk("long", "l")], [delivery], [_tokens(3)], np.ones((1, 4), np.float32), [])
     )
     assert taken[0] == [] and taken[3].shape == (0, 4)
 
