@@ -423,19 +423,8 @@ def auto_replicas(config: CheckConfig) -> int:
 
 
 @contextlib.contextmanager
-def worker(
-    config: CheckConfig,
-    namespace: str,
-    threads: int,
-    replicas: int | Literal["auto"] = 1,
-    env: dict[str, str] | None = None,
-) -> Iterator[WorkerProcess]:
-    """One ``embedfleet worker`` on ``namespace`` with ``replicas`` model replicas under it
-    (EMBEDFLEET_REPLICAS: what a pod runs; on CUDA one host thread and 1/N of the GPU's memory
-    each, on a CPU ``threads`` shared out; ``auto``: as many as the worker's rule gives here),
-    ``env`` over its settings, its stderr in a file beside the config (quoted when it dies or
-    never gets ready)."""
-    started = start_worker(config, namespace, threads, replicas, env)
+def stopped_after(started: WorkerProcess) -> Iterator[WorkerProcess]:
+    """A worker ``start_worker`` started, stopped (``stop_workers``) when the block ends."""
     try:
         yield started
     finally:
@@ -450,7 +439,11 @@ def start_worker(
     env: dict[str, str] | None = None,
     name: str = "w",
 ) -> WorkerProcess:
-    """``worker``'s process, started; ``name`` its consumer (replicas add ``-r<i>``)."""
+    """One ``embedfleet worker`` on ``namespace`` with ``replicas`` model replicas under it
+    (EMBEDFLEET_REPLICAS: what a pod runs; on CUDA one host thread and 1/N of the GPU's memory
+    each, on a CPU ``threads`` shared out; ``auto``: as many as the worker's rule gives here),
+    ``env`` over its settings, its stderr in a file beside the config (quoted when it dies or
+    never gets ready); ``name`` its consumer (replicas add ``-r<i>``)."""
     from loadtest.replicas import free_ports
 
     folder = Path(config.extra.get("corpus_file", "/tmp/x")).parent
@@ -786,7 +779,7 @@ async def _latency(config: CheckConfig, record: Record) -> None:
     count = auto_replicas(config)
     backlog = max(config.backlog, config.backlog_per_replica * count)
     record.put("replicas", count)
-    with worker(config, namespace, config.threads, "auto") as started:
+    with stopped_after(start_worker(config, namespace, config.threads, "auto")) as started:
         record.put("ready_s", await wait_ready(started, 180))
         async with Producer(settings) as producer:
             began = time.perf_counter()
@@ -983,7 +976,7 @@ async def _large(config: CheckConfig, record: Record) -> None:
             "EMBEDFLEET_DTYPE": config.large_dtype,
             **THROUGHPUT_ONLY,
         }
-        with worker(config, namespace, config.threads, "auto", env) as started:
+        with stopped_after(start_worker(config, namespace, config.threads, "auto", env)) as started:
             ready = await wait_ready(started, 240)
             for mode in _modes(turn):
                 settings = _settings(config, namespace, token_ids=mode == "ids")
