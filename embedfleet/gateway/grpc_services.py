@@ -11,6 +11,10 @@ client stub; the servicer is a plain object with a coroutine per method name.
 
     embed = stub(channel, tei_pb2.DESCRIPTOR.services_by_name["Embed"])
     embed.Embed(tei_pb2.EmbedRequest(inputs="a text"))
+
+Nor are the ``*_pb2`` modules protoc's Python output: each holds its proto's compiled descriptor
+(protoc's, by tei_grpc/generate.py) and hands it to ``build_messages``, which makes the module's
+message classes and enums at import as protoc's module would, once for every proto.
 """
 
 from __future__ import annotations
@@ -19,8 +23,22 @@ from types import SimpleNamespace
 from typing import Any
 
 import grpc
-from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
+from google.protobuf import descriptor_pool
+from google.protobuf.descriptor import FileDescriptor, MethodDescriptor, ServiceDescriptor
+from google.protobuf.internal import builder
 from google.protobuf.message_factory import GetMessageClass
+
+
+def build_messages(module: dict[str, Any], serialized: bytes) -> FileDescriptor:
+    """A ``*_pb2`` module's contents, as protoc's Python output makes them at import: the proto
+    of ``serialized`` (a FileDescriptorProto) added to protobuf's default pool, and a class a
+    message, an enum wrapper an enum and a constant an enum value set in ``module`` (the
+    module's ``globals()``). Returns the file's descriptor, the module's ``DESCRIPTOR``."""
+    file = descriptor_pool.Default().AddSerializedFile(serialized)
+    # protoc's generated modules call these two (protobuf's builder for its gencode)
+    builder.BuildMessageAndEnumDescriptors(file, module)
+    builder.BuildTopDescriptorsAndMessages(file, module["__name__"], module)
+    return file
 
 
 def _kind(method: MethodDescriptor) -> str:

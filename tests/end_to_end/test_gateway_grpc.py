@@ -133,7 +133,7 @@ print(json.dumps({"model_id": info.model_id, "embedding": list(answer.embeddings
 
 def test_a_client_generated_from_teis_proto_embeds(fleet: Fleet, tmp_path: Path) -> None:
     proto = tmp_path / "tei.proto"
-    proto.write_bytes(Path(pb.__file__).with_name("tei.proto").read_bytes())
+    proto.write_bytes((Path(pb.__file__).parent / "third_party" / "tei.proto").read_bytes())
     generated = subprocess.run(
         [
             sys.executable,

@@ -4,12 +4,13 @@ alone, over a real gRPC server on a loopback port (the fleet's proto; a toy serv
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import pytest
 
 from embedfleet.gateway.fleet_grpc import fleet_pb2 as pb
-from embedfleet.gateway.grpc_services import _kind, add_service, stub
+from embedfleet.gateway.grpc_services import _kind, add_service, build_messages, stub
 from embedfleet.gateway.tei_grpc import tei_pb2
 
 FLEET = pb.DESCRIPTOR.services_by_name["Fleet"]
@@ -74,3 +75,26 @@ async def test_a_servicer_without_one_of_the_methods_is_refused_at_registration(
 
     with pytest.raises(AttributeError, match="EmbedStream"):
         add_service(grpc.aio.server(), FLEET, NoStream())
+
+
+def test_a_protos_descriptor_builds_the_module_protocs_output_would() -> None:
+    from google.protobuf import descriptor_pb2
+
+    proto = descriptor_pb2.FileDescriptorProto(name="test/built.proto", package="built.v1")
+    proto.syntax = "proto3"
+    enum = proto.enum_type.add(name="Kind")
+    for number, name in enumerate(["KIND_UNSPECIFIED", "KIND_DENSE"]):
+        enum.value.add(name=name, number=number)
+    message = proto.message_type.add(name="Item")
+    message.field.add(name="text", number=1, type=9, label=1)  # string
+    message.field.add(name="kind", number=2, type=14, label=1, type_name=".built.v1.Kind")
+    module: dict[str, Any] = {"__name__": "built_pb2"}
+    file = build_messages(module, proto.SerializeToString())
+    assert file.name == "test/built.proto" and file.package == "built.v1"
+    # a message class, an enum wrapper and its values as constants, as protoc's module has them
+    item = module["Item"](text="a", kind=module["KIND_DENSE"])
+    assert module["Item"].FromString(item.SerializeToString()) == item
+    assert module["Kind"].Name(item.kind) == "KIND_DENSE" and module["KIND_UNSPECIFIED"] == 0
+    assert type(item).__module__ == "built_pb2"
+    # the real modules are made so: their services' descriptors are the ones the stubs read
+    assert tei_pb2.DESCRIPTOR.services_by_name["Embed"].file is tei_pb2.DESCRIPTOR
