@@ -1,6 +1,6 @@
 """Running the gateway for tests: uvicorn on a free port in a thread, with its own loop; the
-worker a module's gateway tests share; an OpenAI client on a gateway, a gRPC channel to one; the
-parity measure they use."""
+worker a module's gateway tests share; an OpenAI client on a gateway, a gRPC channel to one (and
+a gRPC test module's fixtures); the parity measure they use."""
 
 from __future__ import annotations
 
@@ -93,8 +93,12 @@ def module_sentence_transformer(model: str):
 Gateway = Callable[..., AbstractContextManager[openai.OpenAI]]
 
 
+# what grpc_gateway yields: an HTTP client, a gRPC channel and its target
+GrpcServed = tuple[httpx.Client, grpc.Channel, str]
+
+
 @contextlib.contextmanager
-def grpc_gateway(settings: Settings) -> Iterator[tuple[httpx.Client, grpc.Channel, str]]:
+def grpc_gateway(settings: Settings) -> Iterator[GrpcServed]:
     """A gateway for ``settings`` serving gRPC on a port of its own: an HTTP client of it (with
     the settings' key, if any), a gRPC channel to it, closed on exit, and the channel's target
     (``host:port``, for a client of another program)."""
@@ -106,6 +110,28 @@ def grpc_gateway(settings: Settings) -> Iterator[tuple[httpx.Client, grpc.Channe
         grpc.insecure_channel(f"127.0.0.1:{port}") as channel,
     ):
         yield http, channel, f"127.0.0.1:{port}"
+
+
+# the key of module_grpc_fleet's gateways, and a gRPC call's metadata that carries it
+GRPC_KEY = "grpc-test-key"
+GRPC_AUTH = (("authorization", f"Bearer {GRPC_KEY}"),)
+
+
+def module_grpc_fleet(name: str, **worker_env: str):
+    """The three module-scoped fixtures of a gRPC gateway test module: ``fleet_settings`` (a
+    namespace of its own, GRPC_KEY its key), its ``worker`` (``worker_env``: more of its
+    variables) and ``grpc_served``, grpc_gateway's ``(http, channel, target)`` for those
+    settings once the worker is live:
+    ``fleet_settings, worker, grpc_served = module_grpc_fleet("grpc")``."""
+
+    @pytest.fixture(scope="module", name="grpc_served")
+    def grpc_served(fleet_settings: Settings, worker: WorkerProcess) -> Iterator[GrpcServed]:
+        with grpc_gateway(fleet_settings) as served:
+            wait_for_worker(str(served[0].base_url).rstrip("/"))
+            yield served
+
+    settings = module_fleet_settings(name, api_keys=GRPC_KEY)
+    return settings, module_worker(name, **worker_env), grpc_served
 
 
 @contextlib.contextmanager

@@ -9,7 +9,6 @@ UNAUTHENTICATED without the key."""
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterator
 
 import grpc
 import httpx
@@ -24,25 +23,16 @@ from embedfleet.shared.postprocess import quantize
 from embedfleet.shared.protocol import STORAGE_DTYPES
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.calibration import Calibration
-from tests.conftest import WorkerProcess
-from tests.gateway_support import (
-    grpc_gateway,
-    min_cosine,
-    module_fleet_settings,
-    module_worker,
-    wait_for_worker,
-)
+from tests.gateway_support import GRPC_AUTH as AUTH
+from tests.gateway_support import GrpcServed, min_cosine, module_grpc_fleet
 
 # the slow tier (make test-full, CI): starts a worker process and a gateway
 pytestmark = pytest.mark.slow
 
-KEY = "fleet-grpc-test-key"
-AUTH = (("authorization", f"Bearer {KEY}"),)
 TEXTS = ["What is Deep Learning?", "A cat sat on the mat.", "Redis streams carry the chunks."]
 DIM = 384  # the packaged model's
 
-fleet_settings = module_fleet_settings("fleetgrpc", api_keys=KEY)
-worker = module_worker("fleetgrpc")
+fleet_settings, worker, grpc_served = module_grpc_fleet("fleetgrpc")
 
 
 class Fleet:
@@ -67,10 +57,9 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def fleet(fleet_settings: Settings, worker: WorkerProcess) -> Iterator[Fleet]:
-    with grpc_gateway(fleet_settings) as (http, channel, _):
-        wait_for_worker(str(http.base_url).rstrip("/"))
-        yield Fleet(http, channel, fleet_settings)
+def fleet(grpc_served: GrpcServed, fleet_settings: Settings) -> Fleet:
+    http, channel, _ = grpc_served
+    return Fleet(http, channel, fleet_settings)
 
 
 def decoded(answer: pb.EmbedResponse) -> np.ndarray:

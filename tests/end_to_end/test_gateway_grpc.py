@@ -28,27 +28,20 @@ from embedfleet.gateway.tei_grpc import tei_pb2 as pb
 from embedfleet.server import ServerProcess, isolated_settings
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.model.encoder import Encoder
-from tests.conftest import WorkerLauncher, WorkerProcess
-from tests.gateway_support import (
-    grpc_gateway,
-    min_cosine,
-    module_fleet_settings,
-    module_worker,
-    wait_for_worker,
-)
+from tests.conftest import WorkerLauncher
+from tests.gateway_support import GRPC_AUTH as AUTH
+from tests.gateway_support import GRPC_KEY as KEY
+from tests.gateway_support import GrpcServed, grpc_gateway, min_cosine, module_grpc_fleet
 from tests.model_zoo import cross_encoder_dir, splade_dir
 
 # the slow tier (make test-full, CI): starts a worker process and gateways
 pytestmark = pytest.mark.slow
 
-KEY = "grpc-test-key"
-AUTH = (("authorization", f"Bearer {KEY}"),)
 TEXT = "What is Deep Learning?"
 
-fleet_settings = module_fleet_settings("grpc", api_keys=KEY)
 # float32, so EmbedAll's token states compare with sentence-transformers' to float32's
 # tolerance (EMBEDFLEET_DTYPE=auto may keep bfloat16 on a CPU that runs it natively)
-worker = module_worker("grpc", EMBEDFLEET_DTYPE="float32")
+fleet_settings, worker, grpc_served = module_grpc_fleet("grpc", EMBEDFLEET_DTYPE="float32")
 
 
 class Fleet:
@@ -73,10 +66,8 @@ def tei_gateway(settings: Settings) -> Iterator[Fleet]:
 
 
 @pytest.fixture(scope="module")
-def fleet(fleet_settings: Settings, worker: WorkerProcess) -> Iterator[Fleet]:
-    with tei_gateway(fleet_settings) as started:
-        wait_for_worker(str(started.http.base_url).rstrip("/"))
-        yield started
+def fleet(grpc_served: GrpcServed) -> Fleet:
+    return Fleet(*grpc_served)
 
 
 def test_info_is_the_http_info(fleet: Fleet) -> None:
