@@ -359,6 +359,17 @@ def _run_cells(row: dict[str, Any]) -> list[object]:
     ]
 
 
+def _runs_table(first_column: str, results: dict[str, Any]) -> list[str]:
+    """A step's end-to-end runs (``_run_cells``), ``first_column`` naming each."""
+    return _table(
+        f"| {first_column} | token ids | texts/s | tokens/s | model busy (mean / sum) | "
+        "TFLOP/s | MFU | enqueue s / run s | producer-bound |",
+        results,
+        _run_cells,
+        needs="texts_per_s",
+    )
+
+
 def summarize(results: dict[str, Any]) -> str:
     steps = results["steps"]
     config = results["config"]
@@ -430,13 +441,7 @@ def summarize(results: dict[str, Any]) -> str:
             + ("" if share is None else f", {share:.1%} of the GPU's memory each")
             + f"; {setup['texts_per_replica']:,} texts per replica in a run",
         ]
-    lines += _table(
-        "| replicas on one device | token ids | texts/s | tokens/s | model busy (mean / sum) | "
-        "TFLOP/s | MFU | enqueue s / run s | producer-bound |",
-        sweep,
-        _run_cells,
-        needs="texts_per_s",
-    )
+    lines += _runs_table("replicas on one device", sweep)
     big = steps.get("large", {}).get("results", {})
     if "setup" in big:
         setup = big["setup"]
@@ -446,13 +451,7 @@ def summarize(results: dict[str, Any]) -> str:
             f"large: one worker, EMBEDFLEET_REPLICAS=auto ran {setup['replicas']} replicas "
             f"({setup['usable_cpus']} usable CPUs), dtype {', '.join(sorted(dtypes)) or '-'}",
         ]
-    lines += _table(
-        "| model, run | token ids | texts/s | tokens/s | model busy (mean / sum) | TFLOP/s | MFU "
-        "| enqueue s / run s | producer-bound |",
-        big,
-        _run_cells,
-        needs="texts_per_s",
-    )
+    lines += _runs_table("model, run", big)
     latency = steps.get("latency", {}).get("results", {})
     if "replicas" in latency:
         lines += ["", f"latency: one worker with {latency['replicas']} replicas (auto)"]
