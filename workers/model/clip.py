@@ -21,13 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import (
-    AutoTokenizer,
-    CLIPImageProcessorPil,
-    CLIPModel,
-    SiglipImageProcessorPil,
-    SiglipModel,
-)
+import transformers
 from transformers.utils import logging as transformers_logging
 
 from embedfleet.shared.model_path import ModelNotFoundError
@@ -37,18 +31,29 @@ from embedfleet.workers.model.model_dir import ModelSpec, UnsupportedModelError
 
 @dataclass(frozen=True)
 class DualKind:
-    """One family of dual encoder: how it loads and how its texts are padded."""
+    """One family of dual encoder: how it loads and how its texts are padded. The classes are
+    named, not imported: ``transformers`` loads a model's module (and an image processor's,
+    which brings torch.distributed and sympy: ~2.5 s) when it is first asked for, and every
+    worker imports this module, most of them to serve text."""
 
-    model_class: Any
+    model_class_name: str
     # the PIL processor: decoding and resizing stay on the host's threads (workers/images.py)
-    processor_class: Any
+    processor_class_name: str
     # SigLIP was trained on texts padded to a fixed length and pools the last position
     pad_to_max_length: bool
 
+    @property
+    def model_class(self) -> Any:
+        return getattr(transformers, self.model_class_name)
+
+    @property
+    def processor_class(self) -> Any:
+        return getattr(transformers, self.processor_class_name)
+
 
 DUAL_KINDS: dict[str, DualKind] = {
-    "clip": DualKind(CLIPModel, CLIPImageProcessorPil, pad_to_max_length=False),
-    "siglip": DualKind(SiglipModel, SiglipImageProcessorPil, pad_to_max_length=True),
+    "clip": DualKind("CLIPModel", "CLIPImageProcessorPil", pad_to_max_length=False),
+    "siglip": DualKind("SiglipModel", "SiglipImageProcessorPil", pad_to_max_length=True),
 }
 DUAL_MODALITIES = ("text", "image")
 # the sentence-transformers modules that wrap a dual encoder whole: v5+'s Transformer with text
@@ -162,7 +167,7 @@ def load_dual(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Dual
     kind = DUAL_KINDS[kind_name]
     transformers_logging.disable_progress_bar()
     dual = kind.model_class.from_pretrained(model_dir, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     if not tokenizer.is_fast:
         raise ModelNotFoundError(f"{model_dir} has no fast tokenizer (tokenizer.json)")
     model = TextTowerModel(dual, kind, int(tokenizer.pad_token_id or 0)).to(device).eval()
