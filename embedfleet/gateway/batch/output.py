@@ -73,15 +73,17 @@ def input_path_of(files: FileStore, batch: dict) -> Path:
     return files.data_path(batch["input_file_id"])
 
 
+@dataclass(eq=False)
 class BatchOutput:
     """Writes out the batches this replica finalizes (``finalize``), under their leases."""
 
-    def __init__(self, gateway: Gateway, files: FileStore, leases: BatchLeases) -> None:
-        self.gateway = gateway
-        self.files = files
-        self.leases = leases
-        self.client = gateway.client
-        self.keys = gateway.settings.keys
+    gateway: Gateway
+    files: FileStore
+    leases: BatchLeases
+
+    def __post_init__(self) -> None:
+        self.client = self.gateway.client
+        self.keys = self.gateway.settings.keys
 
     @property
     def instance(self) -> str:

@@ -599,22 +599,15 @@ class BatchRunner:
             log.info("batch inputs withdrawn", batch=batch_id, entries=withdrawn)
 
 
+@dataclass(eq=False)
 class BatchSlices:
     """Sends the input lines of the batches this replica runs, a slice per step (``send``)."""
 
-    def __init__(
-        self,
-        gateway: Gateway,
-        files: FileStore,
-        producer: Producer,
-        leases: BatchLeases,
-        wake: asyncio.Event,
-    ) -> None:
-        self.gateway = gateway
-        self.files = files
-        self.producer = producer
-        self.leases = leases
-        self.wake = wake  # set when more is to send: the runner comes back without a tick
+    gateway: Gateway
+    files: FileStore
+    producer: Producer
+    leases: BatchLeases
+    wake: asyncio.Event  # set when more is to send: the runner comes back without a tick
 
     async def send(self, batch: dict, fields: dict[str, Any]) -> None:
         """The next slice of input lines as chunks of the batch's job, through the client's
