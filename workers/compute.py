@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -53,30 +54,25 @@ log = get_logger("embedfleet.worker")
 _END = None  # queue sentinel: the stage before has finished
 
 
+@dataclass(eq=False)
 class Compute:
     """The compute stage: windows in, encoded batches out, sliced so the query lane can get in
     between and the interactive lane can jump the queue."""
 
-    def __init__(
-        self,
-        parts: StageParts,
-        slices: Slices,
-        intake: Intake,
-        interactive: InteractiveJump,
-        queries: QueryStage,
-    ) -> None:
-        self.parts = parts
-        self.slices = slices
-        self.intake = intake
-        self.interactive = interactive
-        self.queries = queries
-        # set once this stage can take windows (graph settled, speed seeded): nothing is read,
-        # and so held from other workers, before
-        self.ready = asyncio.Event()
-        self._ahead: LaunchAhead[InFlightBatch] = LaunchAhead(ahead=False)
-        self._trim_timer = TrimTimer()
-        # a bulk batch's time (from launch to the next), seconds: paces the reader
-        self._batch_s = 0.0
+    parts: StageParts
+    slices: Slices
+    intake: Intake
+    interactive: InteractiveJump
+    queries: QueryStage
+    # set once this stage can take windows (graph settled, speed seeded): nothing is read,
+    # and so held from other workers, before
+    ready: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+    _ahead: LaunchAhead[InFlightBatch] = field(
+        default_factory=lambda: LaunchAhead(ahead=False), init=False
+    )
+    _trim_timer: TrimTimer = field(default_factory=TrimTimer, init=False)
+    # a bulk batch's time (from launch to the next), seconds: paces the reader
+    _batch_s: float = field(default=0.0, init=False)
 
     async def start(self) -> None:
         """Before the stages run, on the model thread: the bulk lane (none in a query-only
