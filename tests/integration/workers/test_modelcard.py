@@ -19,13 +19,9 @@ from embedfleet.shared.modelcard import (
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import Settings
 from tests import model_zoo
+from tests.cards import tiny_card
 
-CARD = ModelCard(
-    name="tiny",
-    dim=48,
-    max_length=128,
-    normalize=True,
-    prompts={"query": "q: ", "passage": "p: "},
+CARD = tiny_card(
     default_prompt_name="passage",
     hidden_size=32,
     pooling=("mean", "cls"),

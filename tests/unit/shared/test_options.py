@@ -22,16 +22,10 @@ from embedfleet.shared.options import (
     TokenLimitError,
 )
 from embedfleet.shared.protocol import FULL_DIMENSIONS, Chunk, ProtocolError
+from tests.cards import tiny_card
 from tests.paths import REPO_ROOT
 
-CARD = ModelCard(
-    name="tiny",
-    dim=48,
-    max_length=128,
-    normalize=True,
-    prompts={"query": "q: ", "passage": "p: "},
-    tokenizer_fingerprint="tok-a",
-)
+CARD = tiny_card(tokenizer_fingerprint="tok-a")
 SPARSE = ModelCard(
     name="splade", dim=30522, max_length=128, normalize=False, representations=("sparse",)
 )
