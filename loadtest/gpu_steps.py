@@ -823,6 +823,16 @@ class LargeModel:
     intermediate: int
     texts: int
 
+    @property
+    def sizes(self) -> dict[str, int]:
+        """The BertConfig sizes, as ``bert_shaped_dir`` takes them and the step records them."""
+        return {
+            "hidden": self.hidden,
+            "layers": self.layers,
+            "heads": self.heads,
+            "intermediate": self.intermediate,
+        }
+
 
 def models_dir(config: CheckConfig) -> Path:
     return Path(config.extra["corpus_file"]).parent / "models"
@@ -842,19 +852,13 @@ def models(config: CheckConfig, record: Record) -> None:
         target = bert_shaped_dir(
             Path(config.model),
             models_dir(config) / shape.name,
-            hidden=shape.hidden,
-            layers=shape.layers,
-            heads=shape.heads,
-            intermediate=shape.intermediate,
+            **shape.sizes,
             device=config.device,
             dtype=torch.float16,
         )
         weights = (target / "model.safetensors").stat().st_size
         value = {
-            "hidden": shape.hidden,
-            "layers": shape.layers,
-            "heads": shape.heads,
-            "intermediate": shape.intermediate,
+            **shape.sizes,
             "matmul_parameters": Shape.of(target).matmul_parameters,
             "weights_mib": round(weights / 2**20, 1),
             "build_s": round(time.perf_counter() - started, 2),
