@@ -826,12 +826,7 @@ class LargeModel:
     @property
     def sizes(self) -> dict[str, int]:
         """The BertConfig sizes, as ``bert_shaped_dir`` takes them and the step records them."""
-        return {
-            "hidden": self.hidden,
-            "layers": self.layers,
-            "heads": self.heads,
-            "intermediate": self.intermediate,
-        }
+        return {size: getattr(self, size) for size in ("hidden", "layers", "heads", "intermediate")}
 
 
 def models_dir(config: CheckConfig) -> Path:
