@@ -1,8 +1,9 @@
 """The parts the worker's stages share, built once (``StageParts.build``) and handed to each.
 
-Intake, compute and write each read the same settings, encoder, connection, consumer, outputs,
-vector cache, dead letters, in-flight set, outages, events, threads and drain flag; one object
-carries them, so a stage's constructor says what is its own and nothing is built twice.
+Intake, compute, write and the query stage (its inbox too) each read the same settings,
+encoder, connection, consumer, outputs, vector cache, dead letters, in-flight set, outages,
+events, threads and drain flag; one object carries them, so a stage's constructor says what is
+its own and nothing is built twice.
 """
 
 from __future__ import annotations
