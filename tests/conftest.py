@@ -101,6 +101,16 @@ def redis_server() -> Iterator[ServerProcess]:
 
 
 @pytest.fixture
+def hub_online(monkeypatch: pytest.MonkeyPatch) -> None:
+    """huggingface_hub's client as a test that talks only to a local gateway needs it: the
+    suite runs with HF_HUB_OFFLINE=1 (nothing from the Hub, above), which makes the client
+    refuse every call."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+
+@pytest.fixture
 def settings(redis_server: ServerProcess) -> Settings:
     """Settings on the test server with a namespace of its own, so tests never see each other."""
     return isolated_settings(redis_server.url)

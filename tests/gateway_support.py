@@ -1,6 +1,6 @@
 """Running the gateway for tests: uvicorn on a free port in a thread, with its own loop; the
 worker a module's gateway tests share; an OpenAI client on a gateway, a gRPC channel to one (and
-a gRPC test module's fixtures); the parity measure they use."""
+a gRPC test module's fixtures); the texts they embed and the parity measure they use."""
 
 from __future__ import annotations
 
@@ -76,6 +76,15 @@ def module_gateway_url(name: str = "gateway"):
     return gateway_url
 
 
+def module_served(name: str, worker_env: dict[str, str] | None = None, **overrides: object):
+    """The three module-scoped fixtures of a module that tests one gateway on a worker:
+    ``fleet_settings`` (module_fleet_settings: ``name``, ``overrides``), its ``worker``
+    (``worker_env``: more of its variables) and ``gateway``, that gateway's base URL once the
+    worker is live: ``fleet_settings, worker, gateway = module_served("gc", api_keys=KEY)``."""
+    settings = module_fleet_settings(name, **overrides)
+    return settings, module_worker(name, **(worker_env or {})), module_gateway_url()
+
+
 def module_sentence_transformer(model: str):
     """The module-scoped ``model_st`` fixture: sentence-transformers itself on ``model``'s
     directory, the parity reference. ``model_st = module_sentence_transformer(MODEL)``."""
@@ -112,14 +121,16 @@ def grpc_gateway(settings: Settings) -> Iterator[GrpcServed]:
         yield http, channel, f"127.0.0.1:{port}"
 
 
-# the key of module_grpc_fleet's gateways, and a gRPC call's metadata that carries it
-GRPC_KEY = "grpc-test-key"
-GRPC_AUTH = (("authorization", f"Bearer {GRPC_KEY}"),)
+# an API key for a test's gateway (EMBEDFLEET_API_KEYS; module_grpc_fleet's gateways take it),
+# and the HTTP headers and the gRPC call metadata that carry it
+GATEWAY_KEY = "sk-test-" + uuid.uuid4().hex
+GATEWAY_AUTH = {"Authorization": f"Bearer {GATEWAY_KEY}"}
+GRPC_AUTH = (("authorization", f"Bearer {GATEWAY_KEY}"),)
 
 
 def module_grpc_fleet(name: str, **worker_env: str):
     """The three module-scoped fixtures of a gRPC gateway test module: ``fleet_settings`` (a
-    namespace of its own, GRPC_KEY its key), its ``worker`` (``worker_env``: more of its
+    namespace of its own, GATEWAY_KEY its key), its ``worker`` (``worker_env``: more of its
     variables) and ``grpc_served``, grpc_gateway's ``(http, channel, target)`` for those
     settings once the worker is live:
     ``fleet_settings, worker, grpc_served = module_grpc_fleet("grpc")``."""
@@ -130,7 +141,7 @@ def module_grpc_fleet(name: str, **worker_env: str):
             wait_for_worker(str(served[0].base_url).rstrip("/"))
             yield served
 
-    settings = module_fleet_settings(name, api_keys=GRPC_KEY)
+    settings = module_fleet_settings(name, api_keys=GATEWAY_KEY)
     return settings, module_worker(name, **worker_env), grpc_served
 
 
@@ -176,6 +187,16 @@ def gateway_worker(
     process.send_signal(signal.SIGTERM)
     process.wait(timeout=120)
     workers.stop_all()
+
+
+# four short texts a gateway test embeds (and compares with sentence-transformers' vectors); a
+# list, as the clients' calls take it
+TEXTS = [
+    "How do I open a file in Python?",
+    "The quick brown fox jumps over the lazy dog.",
+    "Embeddings map text to vectors.",
+    "Redis streams make a durable queue.",
+]
 
 
 def min_cosine(a: np.ndarray, b: np.ndarray) -> float:

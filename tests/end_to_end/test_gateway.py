@@ -21,7 +21,13 @@ from embedfleet.server import ServerProcess, isolated_settings
 from embedfleet.shared.model_path import resolve_model_path
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
-from tests.gateway_support import gateway_worker, min_cosine, module_gateway_url, running_gateway
+from tests.gateway_support import (
+    TEXTS,
+    gateway_worker,
+    min_cosine,
+    module_gateway_url,
+    running_gateway,
+)
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
 pytestmark = pytest.mark.slow
@@ -35,12 +41,6 @@ API_KEY = "sk-test-" + uuid.uuid4().hex
 # backlog is drained at the end, and its embeddings were CPU minutes on CI's slowest class.
 BACKLOG_WINDOW = 512
 BACKLOG = 800
-TEXTS = [
-    "How do I open a file in Python?",
-    "The quick brown fox jumps over the lazy dog.",
-    "Embeddings map text to vectors.",
-    "Redis streams make a durable queue.",
-]
 
 
 @pytest.fixture(scope="module")

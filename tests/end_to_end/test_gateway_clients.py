@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import json
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +17,18 @@ import openai
 import pytest
 
 from embedfleet.producer.tokens import ModelTokenizer
-from embedfleet.server import ServerProcess, isolated_settings
+from embedfleet.server import ServerProcess
 from embedfleet.shared.model_path import resolve_model_path
+from embedfleet.shared.settings import PACKAGED_MODEL as MODEL
 from embedfleet.shared.settings import Settings
 from tests.conftest import _server_binary
+from tests.gateway_support import GATEWAY_AUTH as AUTH
+from tests.gateway_support import GATEWAY_KEY as API_KEY
 from tests.gateway_support import (
+    TEXTS,
     min_cosine,
-    module_gateway_url,
     module_sentence_transformer,
-    module_worker,
+    module_served,
     running_gateway,
     wait_for_worker,
 )
@@ -34,36 +36,12 @@ from tests.gateway_support import (
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
 pytestmark = pytest.mark.slow
 
-API_KEY = "sk-clients-" + uuid.uuid4().hex
-MODEL = "all-MiniLM-L6-v2"
-TEXTS = [
-    "How do I open a file in Python?",
-    "The quick brown fox jumps over the lazy dog.",
-    "Embeddings map text to vectors.",
-    "Redis streams make a durable queue.",
-]
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_INPUTS = 64
 
 
-@pytest.fixture(scope="module")
-def fleet_settings(redis_server: ServerProcess, tmp_path_factory: pytest.TempPathFactory):
-    return isolated_settings(
-        redis_server.url,
-        f"gc{uuid.uuid4().hex[:8]}",
-        api_keys=API_KEY,
-        files_dir=str(tmp_path_factory.mktemp("files")),
-        gateway_max_inputs=MAX_INPUTS,
-        block_ms=200,
-    )
-
-
-worker = module_worker("gc")
-
-
-gateway = module_gateway_url()
-
-
+fleet_settings, worker, gateway = module_served(
+    "gc", api_keys=API_KEY, gateway_max_inputs=MAX_INPUTS
+)
 model_st = module_sentence_transformer(MODEL)
 
 
@@ -81,15 +59,6 @@ def tokenizer() -> ModelTokenizer:
 @pytest.fixture
 def client(gateway: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{gateway}/v1", api_key=API_KEY, max_retries=0)
-
-
-@pytest.fixture
-def hub_online(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The suite runs with HF_HUB_OFFLINE=1 (nothing from the Hub); huggingface_hub's client
-    refuses every call then, and here it only talks to the local gateway."""
-    from huggingface_hub import constants
-
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
 
 
 def long_text_with_a_different_end() -> tuple[str, str]:

@@ -69,14 +69,6 @@ def reference():
     return lambda texts: model.encode(list(texts), normalize_embeddings=False)
 
 
-@pytest.fixture
-def hub_online(monkeypatch: pytest.MonkeyPatch) -> None:
-    """HF_HUB_OFFLINE=1 makes huggingface_hub refuse every call; it only talks to the gateway."""
-    from huggingface_hub import constants
-
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-
-
 def long_text(tokenizer: ModelTokenizer) -> str:
     """2,562 tokens with the special tokens: ten times the model's 256."""
     text = " ".join(["word", "text"] * 1280)

@@ -7,7 +7,6 @@ and the setting of allowed origins) and TEI's timing headers."""
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 import httpx
@@ -18,22 +17,20 @@ import pytest
 from embedfleet.gateway.timing_headers import HEADERS
 from embedfleet.producer.tokens import ModelTokenizer
 from embedfleet.shared.model_path import resolve_model_path
+from embedfleet.shared.settings import PACKAGED_MODEL as MODEL
 from embedfleet.shared.settings import Settings
+from tests.gateway_support import GATEWAY_AUTH as AUTH
+from tests.gateway_support import GATEWAY_KEY as API_KEY
 from tests.gateway_support import (
     min_cosine,
-    module_fleet_settings,
-    module_gateway_url,
     module_sentence_transformer,
-    module_worker,
+    module_served,
     running_gateway,
 )
 
 # the slow tier (make test-full, CI): starts a worker process and gateways
 pytestmark = pytest.mark.slow
 
-API_KEY = "sk-drop-in-" + uuid.uuid4().hex
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
-MODEL = "all-MiniLM-L6-v2"
 SOURCE = "How do I open a file in Python?"
 SENTENCES = [
     "Use the built-in open() function to read a file.",
@@ -42,25 +39,12 @@ SENTENCES = [
     "Redis streams make a durable queue.",
 ]
 
-fleet_settings = module_fleet_settings("di", api_keys=API_KEY, gateway_max_inputs=64)
 # float32 on the worker: /similarity's parity bar (1e-3 on each cosine) is the route's own; in
 # bfloat16 (DTYPE=auto on a CPU with AMX) the model's own rounding moved a cosine by 1.1e-3
-worker = module_worker("di", EMBEDFLEET_DTYPE="float32")
-
-
-gateway = module_gateway_url()
-
-
+fleet_settings, worker, gateway = module_served(
+    "di", {"EMBEDFLEET_DTYPE": "float32"}, api_keys=API_KEY, gateway_max_inputs=64
+)
 model_st = module_sentence_transformer(MODEL)
-
-
-@pytest.fixture
-def hub_online(monkeypatch: pytest.MonkeyPatch) -> None:
-    """huggingface_hub refuses every call under HF_HUB_OFFLINE=1; here it only talks to the
-    local gateway."""
-    from huggingface_hub import constants
-
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
 
 
 def test_inference_client_sentence_similarity_at_parity(

@@ -29,8 +29,8 @@ from embedfleet.server import ServerProcess, isolated_settings
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.model.encoder import Encoder
 from tests.conftest import WorkerLauncher
+from tests.gateway_support import GATEWAY_KEY as KEY
 from tests.gateway_support import GRPC_AUTH as AUTH
-from tests.gateway_support import GRPC_KEY as KEY
 from tests.gateway_support import GrpcServed, grpc_gateway, min_cosine, module_grpc_fleet
 from tests.model_zoo import cross_encoder_dir, splade_dir
 

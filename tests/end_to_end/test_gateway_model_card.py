@@ -25,7 +25,7 @@ from embedfleet.shared.model_path import resolve_model_path
 from embedfleet.shared.modelcard import read_card
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
-from tests import model_zoo
+from tests import gateway_support, model_zoo
 from tests.conftest import WorkerLauncher
 from tests.gateway_support import min_cosine, running_gateway
 
@@ -33,10 +33,7 @@ from tests.gateway_support import min_cosine, running_gateway
 pytestmark = pytest.mark.slow
 
 TEXTS = [
-    "How do I open a file in Python?",
-    "The quick brown fox jumps over the lazy dog.",
-    "Embeddings map text to vectors.",
-    "Redis streams make a durable queue.",
+    *gateway_support.TEXTS,
     "A generator yields values one at a time.",
     "Dictionaries map keys to values.",
 ]

@@ -35,15 +35,9 @@ from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import PACKAGED_MODEL
 from tests import model_zoo
 from tests.conftest import WorkerLauncher, cli_env, reference_model, shared_encoder, start_cli
-from tests.gateway_support import min_cosine, running_gateway
+from tests.gateway_support import TEXTS, min_cosine, running_gateway
 
 LANE = "tiny"
-TEXTS = [
-    "How do I open a file in Python?",
-    "The quick brown fox jumps over the lazy dog.",
-    "Embeddings map text to vectors.",
-    "Redis streams make a durable queue.",
-]
 
 
 # --- the routing rule (pure) ----------------------------------------------------------------
