@@ -26,6 +26,8 @@ so what a producer accepts is what a worker embeds.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -205,6 +207,18 @@ class Chunk:
             wanted = (*wanted, "rerank")
         return wanted
 
+    @functools.cached_property
+    def plain(self) -> bool:
+        """Whether the chunk sets none of the options and carries no image: its output is the
+        model's own, the same for every such chunk. Worked out once a chunk (the worker asks
+        at several stages; a GPU host's CPU per text, issue 53); ``_plain_chunk`` knows it."""
+        return _OPTIONS_OF(self) == _NO_OPTIONS
+
+
+# every option a chunk may set, read in one C call (an image chunk is not plain either: its
+# modality is the model's or not)
+_OPTIONS_OF = operator.attrgetter(*OPTION_NAMES, *REPRESENTATION_OPTION_NAMES, "image")
+_NO_OPTIONS = (None,) * (len(OPTION_NAMES) + len(REPRESENTATION_OPTION_NAMES) + 1)
 
 # every field's default, for chunks built without __init__ (``_plain_chunk``)
 _CHUNK_DEFAULTS: dict[str, Any] = {
@@ -616,6 +630,7 @@ def _plain_chunk(
     chunk.__dict__.update(
         _CHUNK_DEFAULTS, id=chunk_id, text=text, job=job, token_ids=token_ids, tokenizer=tokenizer
     )
+    chunk.__dict__["plain"] = True  # no option is among _PLAIN_FIELDS: Chunk.plain, known
     return chunk
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
@@ -37,8 +36,6 @@ from embedfleet.shared.options import (
 from embedfleet.shared.postprocess import QUANTIZED, quantize, truncate
 from embedfleet.shared.postprocess import normalize as normalize_rows
 from embedfleet.shared.protocol import (
-    OPTION_NAMES,
-    REPRESENTATION_OPTION_NAMES,
     Chunk,
     MultiVector,
     Result,
@@ -168,7 +165,7 @@ class Outputs:
         check_representation(chunk, self.encoder.name, self.encoder.representations)
 
     def spec_for(self, chunk: Chunk) -> OutputSpec:
-        if _without_output_options(chunk):
+        if chunk.plain:
             # most chunks: the model's own output, checked and resolved once (it is asked for
             # several times per chunk; issue 53: a GPU host's CPU per text)
             return self._plain_spec
@@ -410,20 +407,8 @@ def sparse_vector(weights: np.ndarray, max_active_dims: int | None = None) -> Sp
     )
 
 
-# every option a chunk may set (the protocol's lists, their one owner), read in one C call
-# (an image chunk goes through the whole check too: its modality is the model's or not)
-_OPTIONS_OF = operator.attrgetter(*OPTION_NAMES, *REPRESENTATION_OPTION_NAMES, "image")
-_NO_OPTIONS = (None,) * (len(OPTION_NAMES) + len(REPRESENTATION_OPTION_NAMES) + 1)
-
-
 def _heads_wanted(chunk: Chunk) -> tuple[str, ...]:
     """What a chunk asks of the model's heads: its representations, and the token states where
     it asks for them (workers/model/heads.py)."""
     wanted = chunk.wanted_representations
     return (*wanted, TOKEN_STATES) if chunk.token_states else wanted
-
-
-def _without_output_options(chunk: Chunk) -> bool:
-    """Whether ``chunk`` sets none of the protocol's options (its spec is then the model's own,
-    the same for every such chunk; a chunk setting any goes through the whole check)."""
-    return _OPTIONS_OF(chunk) == _NO_OPTIONS

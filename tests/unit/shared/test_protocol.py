@@ -177,6 +177,28 @@ def test_chunk_options_round_trip() -> None:
 
 
 @pytest.mark.parametrize(
+    ("chunk", "plain"),
+    [
+        (Chunk(id="a", text="t", job="j"), True),
+        (Chunk(id="a", text="t", meta={"k": 1}, tenant="acme"), True),
+        (Chunk(id="a", text="t", dimensions=64), False),
+        (Chunk(id="a", text="t", normalize=False), False),
+        (Chunk(id="a", text="t", representations=("sparse",)), False),
+        (Chunk(id="a", text="t", prompt=""), False),
+        (Chunk(id="a", image=b"\x89PNG"), False),
+    ],
+)
+def test_a_chunk_is_plain_when_it_sets_no_option_built_or_decoded(
+    chunk: Chunk, plain: bool
+) -> None:
+    """``Chunk.plain`` (the model's own output, worked out once) is the same for a chunk built
+    and the same chunk decoded, by the common fields' fast path or the whole check."""
+    assert chunk.plain is plain
+    decoded = decode_chunk(encode_chunk(chunk))
+    assert decoded == chunk and decoded.plain is plain
+
+
+@pytest.mark.parametrize(
     ("field", "value", "reason"),
     [
         ("dimensions", -1, "'dimensions' must be an integer from 0 to 65,536"),
