@@ -263,7 +263,7 @@ class Producer(RepresentationCalls):
 
     async def embed_texts(
         self,
-        texts: Sequence[str],
+        texts: Sequence[str | bytes],
         *,
         options: EmbeddingOptions | None = None,
         timeout: float = 60.0,
@@ -272,7 +272,9 @@ class Producer(RepresentationCalls):
         """Embed many texts for someone waiting, ahead of any bulk backlog, on the interactive
         stream (bulk-sized batches, read before every ingest stream: producer/queries.py);
         shape (len(texts), dim). The model's ``document`` prompt applies unless ``options``
-        names one. Timeouts, withdrawal and Redis faults as ``embed_queries``; ``model`` too."""
+        names one. An item of bytes is an encoded image (``Chunk.image``: a CLIP or SigLIP
+        lane), embedded by the image tower. Timeouts, withdrawal and Redis faults as
+        ``embed_queries``; ``model`` too."""
         lane = await self.for_model(model, deadline=time.monotonic() + timeout)
         return await lane._queries.embed(texts, "texts", timeout, options)
 

@@ -54,13 +54,14 @@ class Queries:
 
     async def embed(
         self,
-        texts: Sequence[str],
+        texts: Sequence[str | bytes],
         request_stream: RequestStream,
         timeout: float,
         options: EmbeddingOptions | None,
     ) -> np.ndarray:
         """Dense vectors of ``texts``, shape (len(texts), dim): the query stream's (few, short
-        queries) or the interactive stream's (many texts, bulk-sized batches)."""
+        queries) or the interactive stream's (many texts, bulk-sized batches; an item of bytes
+        is an image, which the query stream does not take)."""
         what = "queries" if request_stream == "query" else "texts"
         return (
             await self.answers(self.stream(request_stream), what, texts, timeout, options)
@@ -156,7 +157,7 @@ class Queries:
         self,
         stream: str,
         what: str,
-        texts: Sequence[str],
+        texts: Sequence[str | bytes],
         timeout: float,
         options: EmbeddingOptions | None,
         *,
@@ -207,7 +208,7 @@ class Queries:
     async def _payloads(
         self,
         request: str,
-        texts: Sequence[str],
+        texts: Sequence[str | bytes],
         deadline_ms: int,
         options: EmbeddingOptions | None,
         pairs: Sequence[str | None] | None,
@@ -222,11 +223,13 @@ class Queries:
         for the GPU hosts), made off the event loop."""
         lane = self.lane
         chunks: list[Chunk] = []
-        for index, text in enumerate(texts):
+        for index, item in enumerate(texts):
+            image = item if isinstance(item, bytes) else None  # an image chunk has no text
             chunk = as_chunk(
                 Chunk(
                     id=f"{request}:{index}",
-                    text=text,
+                    text=item if isinstance(item, str) else "",
+                    image=image,
                     reply=request,
                     deadline_ms=deadline_ms,
                     pair=pairs[index] if pairs is not None else None,
@@ -238,7 +241,8 @@ class Queries:
                 options,
                 lane.settings.chunk_limits,
             )
-            if options is not None or pairs is not None or extra:
+            # an image is held against the card too: its modality is the model's or not
+            if options is not None or pairs is not None or extra or image is not None:
                 chunk = await lane.checked(chunk, deadline=give_up_at)
             chunks.append(chunk)
         if lane.settings.producer_token_ids:
@@ -337,15 +341,15 @@ class Queries:
 
 
 def _check_request(
-    what: str, texts: Sequence[str], timeout: float, pairs: Sequence[str | None] | None
+    what: str, texts: Sequence[str | bytes], timeout: float, pairs: Sequence[str | None] | None
 ) -> None:
     """A ``ValueError`` for a request no worker could answer, before anything is sent."""
     if pairs is not None and len(pairs) != len(texts):
         raise ValueError("one document per query: pairs and texts differ in length")
     if not texts:
         raise ValueError(f"embedding {what} needs at least one text")
-    if any(not isinstance(t, str) for t in texts):
-        raise ValueError(f"every one of the {what} must be a string")
+    if any(not isinstance(t, str | bytes) for t in texts):
+        raise ValueError(f"every one of the {what} must be a string (or an image's bytes)")
     if not timeout > 0:  # BLPOP with timeout 0 would wait forever
         raise ValueError(f"timeout must be a positive number of seconds, not {timeout}")
 

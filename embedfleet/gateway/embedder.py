@@ -98,14 +98,20 @@ class Embedder:
         # Gateway view that owns this embedder, which has the model's tokenizer and card
         self.count_tokens: TokenCounter | None = None
 
-    async def embed(self, texts: Sequence[str], options: EmbeddingOptions) -> np.ndarray:
-        """float32 vectors (len(texts), dim) as the workers return them (fp16 on the wire)."""
+    async def embed(self, inputs: Sequence[str | bytes], options: EmbeddingOptions) -> np.ndarray:
+        """float32 vectors (len(inputs), dim) as the workers return them (fp16 on the wire).
+        An input of bytes is an encoded image (gateway/images.py): a request holding one rides
+        the interactive stream whatever its size (the query stage embeds texts alone)."""
+        texts = [item for item in inputs if isinstance(item, str)]
+        images = len(texts) < len(inputs)
 
         async def call(stream: RequestStream, timeout: float) -> np.ndarray:
-            send = self.producer.embed_queries if stream == "query" else self.producer.embed_texts
-            return await send(list(texts), timeout=timeout, options=options)
+            if stream == "query":
+                return await self.producer.embed_queries(texts, timeout=timeout, options=options)
+            return await self.producer.embed_texts(list(inputs), timeout=timeout, options=options)
 
-        return await self._through_stream(len(texts), call, texts)
+        only: RequestStream | None = "texts" if images else None
+        return await self._through_stream(len(inputs), call, texts, only=only)
 
     async def embed_sparse(
         self, texts: Sequence[str], max_active_dims: int | None = None
@@ -152,7 +158,8 @@ class Embedder:
                 token_states=token_states,
             )
 
-        return await self._through_stream(len(texts), call, texts, query_stream=token_states)
+        only: RequestStream | None = "query" if token_states else None
+        return await self._through_stream(len(texts), call, texts, only=only)
 
     async def score_pairs(
         self, pairs: Sequence[tuple[str, str | None]], *, raw_scores: bool = False
@@ -174,26 +181,27 @@ class Embedder:
         call: Callable[[RequestStream, float], Awaitable[T]],
         texts: Sequence[str],
         *,
-        query_stream: bool = False,
+        only: RequestStream | None = None,
     ) -> T:
-        """``call`` on the request stream ``count`` inputs ride (``query_stream``: the query
-        stream whatever the count), refused (429) while that stream is full; a timeout or a
-        worker's refusal as the gateway's errors. ``texts``: every text the call sends (a pair's
-        two), for the request's timing headers (gateway/timing_headers.py)."""
+        """``call`` on the request stream ``count`` inputs ride (``only``: that stream whatever
+        the count), refused (429) while that stream is full; a timeout or a worker's refusal as
+        the gateway's errors. ``texts``: every text the call sends (a pair's two), for the
+        request's timing headers (gateway/timing_headers.py)."""
         with fleet_call(texts, self.count_tokens) as timed:
-            return await self._stream_call(count, call, timed.sending, query_stream)
+            return await self._stream_call(count, call, timed.sending, only)
 
     async def _stream_call(
         self,
         count: int,
         call: Callable[[RequestStream, float], Awaitable[T]],
         sending: Callable[[], None],
-        query_stream: bool = False,
+        only: RequestStream | None = None,
     ) -> T:
         priority = self.keys.priority_streams
         settings = self.settings
         chosen: RequestStream
-        if query_stream or count <= settings.gateway_lane_max_inputs:
+        by_count = count <= settings.gateway_lane_max_inputs
+        if only == "query" or (only is None and by_count):
             label, key, chosen = "query", priority.query, "query"
             # "query lane": the 429 message's wording, which clients may match, stays as it was
             bound = ("query lane", settings.gateway_lane_high_water, "GATEWAY_LANE_HIGH_WATER")

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 import numpy as np
 
 from embedfleet.gateway.errors import APIError
+from embedfleet.gateway.images import Input, take_images
 from embedfleet.gateway.token_ids import IdDecoder
 from embedfleet.producer.tokens import ModelTokenizer
 from embedfleet.shared import options
@@ -150,34 +151,52 @@ def check_limits(
     ``truncate`` (the end ``direction`` keeps: ``Right`` keeps the start), as TEI cuts the
     characters before the tokens; refused otherwise. Both refusals are 400 (OpenAI's status; the
     TEI routes answer them 422, ``Validation``)."""
-    limit = settings.gateway_max_input_chars
-    if len(texts) > settings.gateway_max_inputs:
+    check_count(len(texts), settings, param)
+    return [
+        _fit_chars(text, index, settings, param, truncate=truncate, direction=direction)
+        for index, text in enumerate(texts)
+    ]
+
+
+def check_count(count: int, settings: Settings, param: str = "input") -> None:
+    """400 ``too_many_inputs`` for a request of more than EMBEDFLEET_GATEWAY_MAX_INPUTS."""
+    if count > settings.gateway_max_inputs:
         raise APIError(
             400,
-            f"{len(texts)} inputs in one request; at most {settings.gateway_max_inputs} "
+            f"{count} inputs in one request; at most {settings.gateway_max_inputs} "
             "(EMBEDFLEET_GATEWAY_MAX_INPUTS). Split the request, or use the Batch API.",
             param=param,
             code="too_many_inputs",
         )
-    fitted: list[str] = []
-    for index, text in enumerate(texts):
-        if len(text) > limit:
-            if not truncate:
-                raise APIError(
-                    400,
-                    f"'{param}[{index}]' has {len(text):,} characters; at most {limit:,} "
-                    "(EMBEDFLEET_GATEWAY_MAX_INPUT_CHARS) unless it is truncated. Split long "
-                    "documents into chunks first, or send truncate=true to have it cut.",
-                    param=param,
-                    code="input_too_long",
-                )
-            text = text[:limit] if direction.lower() == "right" else text[-limit:]
-        try:
-            check_unicode(f"{param}[{index}]", text)
-        except ProtocolError as error:
-            raise APIError(400, str(error), param=param, code="invalid_input") from None
-        fitted.append(text)
-    return fitted
+
+
+def _fit_chars(
+    text: str,
+    index: int,
+    settings: Settings,
+    param: str,
+    *,
+    truncate: bool,
+    direction: TruncationDirection,
+) -> str:
+    """One text of ``check_limits``: within EMBEDFLEET_GATEWAY_MAX_INPUT_CHARS, and text."""
+    limit = settings.gateway_max_input_chars
+    if len(text) > limit:
+        if not truncate:
+            raise APIError(
+                400,
+                f"'{param}[{index}]' has {len(text):,} characters; at most {limit:,} "
+                "(EMBEDFLEET_GATEWAY_MAX_INPUT_CHARS) unless it is truncated. Split long "
+                "documents into chunks first, or send truncate=true to have it cut.",
+                param=param,
+                code="input_too_long",
+            )
+        text = text[:limit] if direction.lower() == "right" else text[-limit:]
+    try:
+        check_unicode(f"{param}[{index}]", text)
+    except ProtocolError as error:
+        raise APIError(400, str(error), param=param, code="invalid_input") from None
+    return text
 
 
 def prepare(
@@ -193,6 +212,31 @@ def prepare(
     (``check_limits``): over-long ones cut to the character limit when ``truncate``."""
     texts = as_texts(value, ids, param)
     return check_limits(texts, settings, param, truncate=truncate, direction=direction)
+
+
+def prepare_inputs(
+    value: EmbeddingInput,
+    ids: IdDecoder | None,
+    settings: Settings,
+    modalities: Sequence[str] | None,
+    param: str = "input",
+    *,
+    truncate: bool = False,
+    direction: TruncationDirection = "Right",
+) -> list[Input]:
+    """``prepare`` for the routes that embed images too (/v1/embeddings, /embed,
+    /embeddings_image): each image data URI decoded to its bytes, each input held against the
+    card's ``modalities`` (``modalities`` None: no card yet) (gateway/images.py), the texts
+    within the caps."""
+    items = as_texts(value, ids, param)
+    check_count(len(items), settings, param)
+    inputs = take_images(items, modalities, settings.max_image_bytes, param)
+    return [
+        item
+        if isinstance(item, bytes)
+        else _fit_chars(item, index, settings, param, truncate=truncate, direction=direction)
+        for index, item in enumerate(inputs)
+    ]
 
 
 class TEIInputs(Protocol):

@@ -12,13 +12,14 @@ import numpy as np
 from pydantic import BaseModel, Field, StrictInt
 
 from embedfleet.gateway.errors import APIError, ErrorDialect, dialect_router
+from embedfleet.gateway.images import texts_of
 from embedfleet.gateway.inputs import (
     EmbeddingInput,
     check_dimensions,
     encode_vector,
     not_served,
     openai_truncate,
-    prepare,
+    prepare_inputs,
     request_tokens,
     unit_vectors,
 )
@@ -74,7 +75,8 @@ async def dense_embeddings(
     body: EmbeddingRequest, gateway: Gateway, dtype: OutputDtype
 ) -> DenseEmbeddings:
     """/v1/embeddings' vectors of ``body`` (its checks, limits and lanes) in ``dtype``, for the
-    doors that answer them in bytes (the fleet's gRPC API, gateway/fleet_grpc/)."""
+    doors that answer them in bytes (the fleet's gRPC API, gateway/fleet_grpc/) or in another
+    dialect (Infinity's /embeddings_image, gateway/infinity_api.py)."""
     async with gateway.request_bound():
         return await _dense_embeddings(body, gateway, dtype)
 
@@ -82,6 +84,7 @@ async def dense_embeddings(
 async def _dense_embeddings(
     body: EmbeddingRequest, gateway: Gateway, dtype: OutputDtype
 ) -> DenseEmbeddings:
+    """The vectors of ``body``'s inputs, texts and images (gateway/images.py)."""
     # 404 model_not_found for an unknown one; left out, the one model served (400 if several)
     gateway = await gateway.for_request(body.model)
     card = await gateway.model_card()  # None before any worker started: the worker checks
@@ -95,10 +98,17 @@ async def _dense_embeddings(
         )
     check_dimensions(body.dimensions, card)
     truncate = openai_truncate(body.truncate, gateway.settings)
-    # checked, tokenized and counted off the event loop: it grows with the request
-    texts = await asyncio.to_thread(
-        prepare, body.input, gateway.openai_ids, gateway.settings, truncate=truncate
+    # checked, decoded (images), tokenized and counted off the event loop: it grows with the
+    # request
+    inputs = await asyncio.to_thread(
+        prepare_inputs,
+        body.input,
+        gateway.openai_ids,
+        gateway.settings,
+        None if card is None else card.modalities,
+        truncate=truncate,
     )
+    texts = texts_of(inputs)  # what is tokenized and counted: an image counts no tokens
     # with window_overlap an input over the model's maximum is neither refused nor cut
     whole = body.window_overlap is not None
     count = functools.partial(
@@ -116,7 +126,7 @@ async def _dense_embeddings(
         # codes and bits are the worker's, from its float32 vector with the model's calibration
         # (as a chunk's dtype): what the fp16 wire would give could land in another bucket
         options = dataclasses.replace(options, dtype=dtype)
-    vectors = await gateway.embedder.embed(texts, options)
+    vectors = await gateway.embedder.embed(inputs, options)
     card = await gateway.require_card()  # a worker answered: it has published its card
     if tokens is None:
         # what could not be checked before is now (the vectors are thrown away for a request

@@ -8,6 +8,7 @@ from fastapi import APIRouter
 
 from embedfleet.gateway import (
     cohere_api,
+    infinity_api,
     invocations_api,
     openai_alias_api,
     openai_api,
@@ -21,6 +22,7 @@ from embedfleet.gateway.batch import api as batch_api
 ROUTERS: tuple[APIRouter, ...] = (
     openai_api.router,
     openai_alias_api.router,
+    infinity_api.router,
     batch_api.router,
     # before tei_api's: its POST / (the model's default route) answers before /embed's
     invocations_api.router,

@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field, StrictInt
 
 from embedfleet import __name__ as package_name
 from embedfleet.gateway.errors import APIError, ErrorDialect, dialect_router
+from embedfleet.gateway.images import Input, texts_of, with_texts
 from embedfleet.gateway.inputs import (
     EmbeddingInput,
     TruncationDirection,
@@ -21,8 +22,9 @@ from embedfleet.gateway.inputs import (
     check_limits,
     fit_to_model,
     not_served,
-    prepare_tei,
+    prepare_inputs,
     prompt_of,
+    tei_truncate,
     unit_vectors,
 )
 from embedfleet.gateway.state import Gateway, GatewayDep, wire_options
@@ -81,21 +83,8 @@ async def _embed(body: EmbedRequest, gateway: Gateway) -> list[list[float]]:
     card = await gateway.model_card()  # None before any worker started: checked afterwards
     check_dimensions(body.dimensions, card)
     normalize = True if body.normalize is None else body.normalize
-    # checked and tokenized off the event loop: it grows with the request
-    texts, truncate = await asyncio.to_thread(prepare_tei, body, gateway)
-    prompt = ""
-    if card is not None:
-        prompt = _check_against_card(card, body)
-    if body.window_overlap is None:  # with it, the worker embeds a long input whole
-        texts = await asyncio.to_thread(
-            fit_to_model,
-            texts,
-            gateway.tokenizer,
-            prompt,
-            card.max_length if card is not None else None,
-            truncate=truncate,
-            direction=body.truncation_direction,
-        )
+    # checked, decoded (images) and tokenized off the event loop: it grows with the request
+    inputs = await asyncio.to_thread(_fitted_inputs, body, gateway, card)
     # the prompt travels by name: the worker owns the model's prompts and knows where one ends
     # (models that pool without it, include_prompt=false)
     # normalize=false asks the workers for the vector before the model's Normalize (TEI's
@@ -106,13 +95,43 @@ async def _embed(body: EmbedRequest, gateway: Gateway) -> list[list[float]]:
         before_normalize=not normalize,
         window_overlap=body.window_overlap,
     )
-    vectors = await gateway.embedder.embed(texts, options)
+    vectors = await gateway.embedder.embed(inputs, options)
     if card is None:
         # a worker answered, so its card is published: what could not be checked before is now
         # (the vectors are thrown away for a request it refuses)
         card = await gateway.require_card()
         _check_against_card(card, body)
     return await asyncio.to_thread(lambda: unit_vectors(vectors, normalize).tolist())
+
+
+def _fitted_inputs(body: EmbedRequest, gateway: Gateway, card: ModelCard | None) -> list[Input]:
+    """/embed's inputs: texts and images (gateway/images.py), token ids read as the model's own
+    (TEI's reading, ``prepare_tei``); then what only the card can tell (``_check_against_card``);
+    then the texts fitted to the model (``fit_to_model``, after the prompt), unless
+    ``window_overlap`` asks the worker to embed a long one whole."""
+    truncate = tei_truncate(body.truncate, gateway.settings)
+    inputs = prepare_inputs(
+        body.inputs,
+        gateway.tokenizer,
+        gateway.settings,
+        None if card is None else card.modalities,
+        "inputs",
+        truncate=truncate,
+        direction=body.truncation_direction,
+    )
+    prompt = "" if card is None else _check_against_card(card, body)
+    texts = texts_of(inputs)
+    if body.window_overlap is not None or not texts:
+        return inputs
+    fitted = fit_to_model(
+        texts,
+        gateway.tokenizer,
+        prompt,
+        card.max_length if card is not None else None,
+        truncate=truncate,
+        direction=body.truncation_direction,
+    )
+    return with_texts(inputs, fitted)
 
 
 def _check_against_card(card: ModelCard, body: EmbedRequest) -> str:
