@@ -24,6 +24,7 @@ import pytest
 
 from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
+from embedfleet.server import isolated_settings
 from embedfleet.shared.jobs import JobProgress
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, Result, decode_result
 from embedfleet.shared.redis_conn import connect
@@ -126,12 +127,9 @@ async def loaded(
     request: pytest.FixtureRequest, redis_server, encoder, tmp_path_factory
 ) -> AsyncIterator[Loaded]:
     backend: str = request.param
-    settings = Settings(
-        redis_url=redis_server.url,
-        namespace=f"t{uuid.uuid4().hex[:10]}",
+    settings = isolated_settings(
+        redis_server.url,
         consumer="sink-test",
-        block_ms=100,
-        log_format="json",
         sink=_sink_url(backend, request, tmp_path_factory.mktemp(backend)),
         sink_table=f"emb_{uuid.uuid4().hex[:8]}",
     )
@@ -639,25 +637,19 @@ async def test_unknown_sink_scheme_is_a_clear_error(settings: Settings, client) 
         )
 
 
+def _cli_with_sink(sink: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``embedfleet ARGS`` run as a process of its own with EMBEDFLEET_SINK=``sink``."""
+    command = [sys.executable, "-m", "embedfleet.cli", *args]
+    env = {**os.environ, "EMBEDFLEET_SINK": sink}
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
+
+
 def test_worker_and_search_refuse_bad_sinks_before_loading_anything() -> None:
-    env = {**os.environ, "EMBEDFLEET_SINK": "mongodb://db:27017"}
     require_slow_tier("an `embedfleet worker` process")
-    worker = subprocess.run(
-        [sys.executable, "-m", "embedfleet.cli", "worker"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+    worker = _cli_with_sink("mongodb://db:27017", "worker")
     assert worker.returncode == 1 and "unknown sink scheme" in worker.stderr
     assert "Traceback" not in worker.stderr
-    search = subprocess.run(
-        [sys.executable, "-m", "embedfleet.cli", "search", "anything"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "EMBEDFLEET_SINK": "redis"},
-        timeout=60,
-    )
+    search = _cli_with_sink("redis", "search", "anything")
     assert search.returncode == 1 and "needs a vector database sink" in search.stderr
 
 
