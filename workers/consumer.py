@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
@@ -249,9 +249,10 @@ class StreamConsumer:
         received: dict[str, int] = {}
         replies = (await pipe.execute())[: len(shares)]
         for stream, response in zip(shares, replies, strict=True):
-            if self.max_read_bytes is not None:  # the script's entries: XREADGROUP's reply
-                response = [(stream, [(i, pairs(fields)) for i, fields in response or []])]
-            got = self._entries(response)
+            if self.max_read_bytes is not None:  # the script's flat entries
+                got = self._flat_entries(stream, response)
+            else:
+                got = self._entries(response)
             for entry in got:
                 tenant = self.tenant_of(entry.stream)
                 received[tenant] = received.get(tenant, 0) + 1
@@ -305,6 +306,19 @@ class StreamConsumer:
                         fields=fields,
                     )
                 )
+        return entries
+
+    def _flat_entries(self, stream: str, flat: Sequence[Any] | None) -> list[StreamEntry]:
+        """read_bounded.lua's reply: ``id, payload`` pairs, where an entry with fields beside
+        (or without) the payload stands as its ``field, value`` list."""
+        entries: list[StreamEntry] = []
+        flat = flat or []
+        for index in range(0, len(flat), 2):
+            value = flat[index + 1]
+            fields = pairs(value) if isinstance(value, list) else {PAYLOAD_FIELD: value}
+            entries.append(
+                StreamEntry(stream, as_str(flat[index]), fields.get(PAYLOAD_FIELD), fields)
+            )
         return entries
 
 

@@ -7,7 +7,11 @@
 -- KEYS[1] the stream
 -- ARGV[1] the consumer group; ARGV[2] the consumer; ARGV[3] the most entries to read
 -- ARGV[4] max_bytes: the most payload bytes to read; ARGV[5] the field that holds the payload
--- Returns {{id, {field, value, ...}}, ...}: the entries delivered, as XREADGROUP gives them.
+-- Returns the entries delivered, flat: {id, payload, id, payload, ...}, where an entry whose
+-- only field is the payload's stands as its payload, and any other as its {field, value, ...}
+-- (a copy's marker beside the payload, an entry without one). Flat, not XREADGROUP's
+-- {{id, {field, value}}, ...}: two nested arrays an entry were most of the reply the worker
+-- parses, thousands of entries a read on a GPU host (issue 53).
 local count = tonumber(ARGV[3])
 local max_bytes = tonumber(ARGV[4])
 -- the entries after the group's last delivered id are those XREADGROUP '>' would deliver
@@ -49,4 +53,14 @@ if fit == 0 then return {} end
 local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', fit,
   'STREAMS', KEYS[1], '>')
 if not reply then return {} end
-return reply[1][2]
+local flat = {}
+for _, entry in ipairs(reply[1][2]) do
+  local fields = entry[2]
+  flat[#flat + 1] = entry[1]
+  if #fields == 2 and fields[1] == ARGV[5] then
+    flat[#flat + 1] = fields[2]
+  else
+    flat[#flat + 1] = fields
+  end
+end
+return flat

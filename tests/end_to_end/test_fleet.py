@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import signal
 
 import numpy as np
@@ -14,7 +13,7 @@ from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.model.precision import cosines as row_cosines
-from tests.conftest import WorkerLauncher, reference_model
+from tests.conftest import WorkerLauncher, reference_model, until
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
 pytestmark = pytest.mark.slow
@@ -92,13 +91,14 @@ async def test_bad_entries_are_dead_lettered_and_the_worker_goes_on(
         await client.xadd(settings.keys.ingest, {PAYLOAD_FIELD: b"\xc1 not msgpack"})
         await client.xadd(settings.keys.ingest, {"text": "no m field"})
         await client.xadd(settings.keys.ingest, {PAYLOAD_FIELD: encode_chunk(Chunk("ok", "fine"))})
-        for _ in range(100):
-            if (
+
+        async def all_answered() -> bool:
+            return (
                 await client.xlen(settings.keys.results) == 1
                 and await client.xlen(settings.keys.dead) == 2
-            ):
-                break
-            await asyncio.sleep(0.1)
+            )
+
+        await until(all_answered)
     dead = await client.xrange(settings.keys.dead)
     reasons = sorted((fields[b"reason"].decode(), fields[b"detail"].decode()) for _, fields in dead)
     assert reasons[0][0] == "no_payload" and reasons[0][1].startswith("entry has no 'm' field")

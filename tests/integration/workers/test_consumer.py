@@ -56,6 +56,28 @@ async def test_a_read_stops_at_its_bytes_and_the_rest_follows(
     assert pending["pending"] == 10, "delivered to the reader as XREADGROUP delivers them"
 
 
+async def test_a_bounded_read_gives_each_entry_as_xreadgroup_does(
+    settings: Settings, client: aioredis.Redis
+) -> None:
+    """read_bounded.lua's flat reply (an entry with its payload alone is its payload; any other,
+    its fields) gives the entries, payloads and fields an unbounded read gives."""
+    from embedfleet.shared.migrations import COPIED_FROM
+
+    stream = settings.keys.ingest
+    await client.xadd(stream, {PAYLOAD_FIELD: b"plain"})
+    await client.xadd(stream, {PAYLOAD_FIELD: b"copied", COPIED_FROM: b"old-table"})
+    await client.xadd(stream, {"text": b"no payload field"})
+    await client.xadd(stream, {PAYLOAD_FIELD: b""})
+    expected = [(entry_id.decode(), fields) for entry_id, fields in await client.xrange(stream)]
+    bounded = StreamConsumer(client, settings.keys, "reader", max_read_bytes=1_000)
+    await bounded.setup()
+    entries = await bounded.read_ingest(100, block_ms=10)
+    await bounded.finish_waiting()
+    assert [(e.entry_id, e.fields) for e in entries] == expected
+    assert [e.payload for e in entries] == [b"plain", b"copied", None, b""]
+    assert {e.stream for e in entries} == {stream}
+
+
 async def test_an_entry_over_the_whole_bound_is_read_alone(
     settings: Settings, client: aioredis.Redis
 ) -> None:
