@@ -146,7 +146,7 @@ class Intake:
             self.open_s = time.monotonic() - opened
         await self.dead_letter(rejected)
         await self.drop_expired(window.expired)
-        if not window.chunks and not window.cached:
+        if window.empty:
             return
         # what the window's entries cost their tenants' token rates (workers/token_rate.py)
         self.parts.consumer.rates.charge_window(

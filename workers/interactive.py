@@ -68,7 +68,7 @@ class InteractiveJump:
             fault = transient_or_raise(error, System.REDIS)
             log.warning("interactive entries left for the reader", error=fault.detail)
             return None
-        if not window.chunks and not window.cached:
+        if window.empty:
             return None
         self.parts.in_flight.hold(window.held)
         return window

@@ -84,6 +84,12 @@ class Window:
         )
 
     @property
+    def empty(self) -> bool:
+        """Nothing to embed or answer: no chunk, no cached result, no image (a window of
+        images alone is not empty: issue 56)."""
+        return not self.chunks and not self.cached and self.images is None
+
+    @property
     def held(self) -> list[Delivery]:
         """Every entry the window answers: those to embed and those the cache answered."""
         pictures = self.images.deliveries if self.images is not None else []

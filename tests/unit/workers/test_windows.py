@@ -8,6 +8,7 @@ import numpy as np
 
 from embedfleet.shared.protocol import Chunk, Result
 from embedfleet.sinks import Delivery
+from embedfleet.workers.images import ImageRows
 from embedfleet.workers.model.tokenizer import Tokenized
 from embedfleet.workers.windows import Window
 
@@ -35,3 +36,14 @@ def test_held_is_every_entry_the_window_answers() -> None:
     result = Result(id="c", model="m", vector=np.zeros(2, dtype=np.float16))
     window.cached.append((Chunk(id="c", text="t"), hit, result))
     assert window.held == [*window.deliveries, hit]
+
+
+def test_a_window_of_images_alone_is_not_empty() -> None:
+    # issue 56: the intake dropped such a window, and its entries stayed pending for ever
+    assert Window([], [], []).empty and not rows(1).empty
+    picture = Delivery("ingest", "5-0", None)
+    images = ImageRows(
+        [Chunk(id="p", image=b"\x89PNG")], [picture], np.zeros((1, 3, 2, 2), np.float32), {}
+    )
+    window = Window([], [], [], images=images)
+    assert not window.empty and window.held == [picture]
