@@ -57,7 +57,8 @@ def as_chunk(
     options: EmbeddingOptions | None = None,
     limits: ChunkLimits = DEFAULT_LIMITS,
 ) -> Chunk:
-    """Accept a Chunk or a mapping like one JSONL line: {"id", "text", "meta"?, options?},
+    """Accept a Chunk or a mapping like one JSONL line: {"id", "text", "meta"?, options?} (or
+    an image: "image" bytes in place of "text", and "image_ref", where they came from),
     checked by the protocol's one validator with ``limits`` (what the worker would
     dead-letter is refused here, with a ``ValueError``, a ``ProtocolError``, saying why)."""
     if isinstance(item, Chunk):
@@ -73,6 +74,8 @@ def as_chunk(
                 *OPTION_NAMES,
                 *REPRESENTATION_OPTION_NAMES,
                 "reembed",
+                "image",
+                "image_ref",
             )
         }
         chunk = chunk_from_mapping(fields, limits, job=job or item.get("job"))

@@ -1,4 +1,6 @@
-"""Reading chunks from JSON Lines: one {"id", "text", "meta"?, options?} object per line.
+"""Reading chunks from JSON Lines: one {"id", "text", "meta"?, options?} object per line (or an
+image in place of the text: "image" in base64, or "image_path", a file read here; see
+producer/images.py).
 
 Each line becomes a chunk through the Producer's own builder (``chunks.as_chunk``: the fields
 it keeps, checked by the protocol's one validator with the configured limits), so a line
@@ -15,9 +17,11 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO
 
 from embedfleet.producer.chunks import as_chunk
+from embedfleet.producer.images import line_image_fields
 from embedfleet.shared.protocol import DEFAULT_LIMITS, Chunk, ChunkLimits
 
 # JSON spells a byte of a chunk's message in at most 6 bytes (a control character as \u001f),
@@ -43,13 +47,14 @@ def read_chunks(
     rejected: list[BadLine],
     limits: ChunkLimits = DEFAULT_LIMITS,
     check: Callable[[Chunk], None] | None = None,
+    base: Path = Path(),
 ) -> Iterator[Chunk]:
     """Yield valid chunks; record each bad line (with its number and why) in ``rejected``.
 
     ``stream`` is binary (a file opened "rb", stdin's buffer). ``check``: the options
     verifier against the served model (shared/options.py ``verify``: a prompt name it declares,
     a dimension it has), whose ValueError makes the line a bad line rather than ending the file
-    there."""
+    there. ``base``: the folder a line's relative ``image_path`` is read from (the file's)."""
     cap = line_cap(limits)
     for line_number, line in _lines(stream, cap):
         if line is None:
@@ -85,10 +90,11 @@ def read_chunks(
         try:
             # a line's own reply/deadline would turn it into a query: as_chunk keeps only the
             # fields a chunk to enqueue carries, as for Producer.enqueue of the same mapping
+            item = line_image_fields(item, base, limits.max_image_bytes)
             chunk = as_chunk(item, job, limits=limits)
             if check is not None:
                 check(chunk)
-        except ValueError as error:  # ProtocolError, or the model card's refusal
+        except ValueError as error:  # ProtocolError, ImageFileError, or the card's refusal
             rejected.append(BadLine(line_number, str(error)))
             continue
         yield chunk

@@ -128,6 +128,9 @@ IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF")
 # 40-megapixel photo passes; a small file that expands past it (a decompression bomb) is refused
 # before its pixels are held. Embedding models see a few hundred pixels a side.
 MAX_IMAGE_PIXELS = 40_000_000
+# an image chunk's ``image_ref`` (where the image came from: a path, an s3:// URI): S3's keys
+# reach 1,024 bytes, a bucket 63 characters; a database row stores it in place of a text
+MAX_IMAGE_REF_CHARS = 2048
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,15 @@ class Chunk:
     # an image to embed instead of ``text`` (a CLIP or SigLIP lane: issue 56): an encoded file
     # of IMAGE_FORMATS (GIF: its first frame), at most ``ChunkLimits.max_image_bytes``
     image: bytes | None = None
+    # where ``image`` came from (a file's path, an s3:// URI), for a person to find it again:
+    # a database row stores it in place of a text, never the bytes (sinks: ``Result.text``)
+    image_ref: str | None = None
+
+    @property
+    def row_text(self) -> str | None:
+        """What a database row keeps in its ``text`` column: the text, or an image chunk's
+        ``image_ref`` (where it came from; None without one), never the image's bytes."""
+        return self.text if self.image is None else self.image_ref
 
     @property
     def wanted_representations(self) -> tuple[str, ...]:
@@ -337,6 +349,7 @@ def _chunk_fields(chunk: Chunk) -> dict[str, Any]:
         "token_ids": chunk.token_ids,
         "tokenizer": chunk.tokenizer,
         "image": chunk.image,
+        "image_ref": chunk.image_ref,
     }
     return {name: value for name, value in fields.items() if value is not None}
 
@@ -565,6 +578,24 @@ def _image_field(message: Mapping[str, Any], limits: ChunkLimits, text: str) -> 
     return image
 
 
+def _image_ref_field(message: Mapping[str, Any], image: bytes | None) -> str | None:
+    """``image_ref``, checked for form: a string of at most ``MAX_IMAGE_REF_CHARS``, beside an
+    ``image`` (it says where those bytes came from)."""
+    ref = message.get("image_ref")
+    if ref is None:
+        return None
+    if not isinstance(ref, str) or not ref or len(ref) > MAX_IMAGE_REF_CHARS:
+        got = f"{len(ref)} characters" if isinstance(ref, str) else type(ref).__name__
+        raise ProtocolError(
+            f"'image_ref' must be a non-empty string of at most {MAX_IMAGE_REF_CHARS} "
+            f"characters when given, got {got}"
+        )
+    check_unicode("image_ref", ref)
+    if image is None:
+        raise ProtocolError("'image_ref' goes with 'image': where that image's bytes came from")
+    return ref
+
+
 def _full_chunk(
     message: Mapping[str, Any], limits: ChunkLimits, chunk_id: str, text: str, job: str | None
 ) -> Chunk:
@@ -603,6 +634,7 @@ def _full_chunk(
         raise ProtocolError(f"'reembed' must be true or false when given, got {reembed!r}")
     token_ids, tokenizer = _token_id_fields(message)
     image = _image_field(message, limits, text)
+    image_ref = _image_ref_field(message, image)
     return Chunk(
         chunk_id,
         text,
@@ -617,6 +649,7 @@ def _full_chunk(
         token_ids=token_ids,
         tokenizer=tokenizer,
         image=image,
+        image_ref=image_ref,
     )
 
 

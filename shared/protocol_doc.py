@@ -27,6 +27,7 @@ from embedfleet.shared.protocol import (
     MAX_DIMENSIONS,
     MAX_ID_CHARS,
     MAX_IMAGE_PIXELS,
+    MAX_IMAGE_REF_CHARS,
     MAX_PAIR_CHARS,
     MAX_PROMPT_CHARS,
     MAX_PROMPT_NAME_CHARS,
@@ -93,6 +94,15 @@ CHUNK_FIELDS: tuple[WireField, ...] = (
         "that does not decode is dead-lettered `invalid`, one that decodes past "
         f"{MAX_IMAGE_PIXELS:,} pixels (a decompression bomb) `too_large`; an image on a "
         "text-only lane `options`. The content key covers its bytes",
+    ),
+    WireField(
+        "image_ref",
+        "str",
+        False,
+        "beside `image`: where its bytes came from (a file's path, an `s3://` URI; at most "
+        f"{MAX_IMAGE_REF_CHARS:,} characters), for a person to find the image again. A database "
+        "row stores it in its `text` column in place of a text (`embedfleet enqueue --images` "
+        "sends each file's path); the bytes are never stored. Not part of the content key",
     ),
     WireField("job", "str", False, "groups chunks for progress counters (`{ns}:job:<job>`)"),
     WireField(

@@ -54,7 +54,7 @@ class CachedVector:
     def for_chunk(self, chunk: Chunk) -> Result:
         """The result ``chunk`` gets from this entry: its own id, job, meta and text."""
         return dataclasses.replace(
-            self.result, id=chunk.id, job=chunk.job, meta=chunk.meta, text=chunk.text
+            self.result, id=chunk.id, job=chunk.job, meta=chunk.meta, text=chunk.row_text
         )
 
 

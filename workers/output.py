@@ -313,8 +313,8 @@ class Outputs:
         score: float | None = None,
     ) -> Result:
         """``chunk``'s result: its id and job, this model, whether its text was truncated and,
-        ``with_meta``, its meta and text (a database sink stores them), with its
-        representation's fields."""
+        ``with_meta``, its meta and text (a database sink stores them; an image's reference:
+        ``Chunk.row_text``), with its representation's fields."""
         return Result(
             id=chunk.id,
             job=chunk.job,
@@ -322,7 +322,7 @@ class Outputs:
             vector=vector,
             truncated=truncated,
             meta=chunk.meta if with_meta else None,
-            text=chunk.text if with_meta else None,
+            text=chunk.row_text if with_meta else None,
             dtype=dtype,
             dimension=dimension,
             sparse=sparse,

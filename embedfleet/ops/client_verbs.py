@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import json
 import signal
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import click
 import numpy as np
@@ -38,6 +40,7 @@ from embedfleet.producer.client import (
     TenantBacklogFullError,
 )
 from embedfleet.producer.enqueue import Enqueued
+from embedfleet.producer.images import IMAGE_SUFFIXES, BadFile, folder_chunks, image_files
 from embedfleet.producer.jsonl import BadLine, read_chunks
 from embedfleet.producer.results_reader import export_reader_name
 from embedfleet.producer.token_ids import TokenIdsUnavailableError
@@ -47,7 +50,7 @@ from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import configure_logging
 from embedfleet.shared.options import verify
 from embedfleet.shared.progress import Progress
-from embedfleet.shared.protocol import QueryFailedError, Result
+from embedfleet.shared.protocol import Chunk, QueryFailedError, Result
 from embedfleet.shared.settings import Settings
 from embedfleet.shared.tenants import check_tenant
 from embedfleet.sinks import (
@@ -57,6 +60,11 @@ from embedfleet.sinks import (
     open_backend,
     parse_sink_url,
 )
+
+# the image files --images reads, named in its messages
+NAMES = "/".join(IMAGE_SUFFIXES)
+# the most bytes of images in one enqueue batch (a round trip): 32 at the 3 MiB default cap
+IMAGE_BATCH_BYTES = 96 << 20
 
 
 def _settings(redis_url: str | None) -> Settings:
@@ -74,6 +82,16 @@ def _settings(redis_url: str | None) -> Settings:
     help="SOURCES are whole documents (.txt/.md files, or JSONL of {id, text, meta}): split "
     "with the model's own tokenizer into chunks that fit it, ids <doc>#<n>. Needs "
     "pip install 'embedfleet[documents]'.",
+)
+@click.option(
+    "--images",
+    is_flag=True,
+    help="SOURCES are folders of images (JPEG, PNG, WebP, GIF, by their names' endings), for "
+    "a CLIP or SigLIP lane: each file under them is one chunk, its id the path relative to its "
+    "folder, its image_ref (what a database row stores in place of a text) the file's path. A "
+    "file unreadable or over EMBEDFLEET_MAX_IMAGE_BYTES is reported and not sent (exit status "
+    "4); one that does not decode is dead-lettered by the worker. A JSON line's own "
+    '"image_ref" (default: its image_path) is stored likewise.',
 )
 @click.option(
     "--overlap",
@@ -138,6 +156,7 @@ def enqueue_command(
     sources: tuple[str, ...],
     job: str | None,
     documents: bool,
+    images: bool,
     overlap: int | None,
     force: bool,
     tenant: str | None,
@@ -152,13 +171,16 @@ def enqueue_command(
     redis_url: str | None,
 ) -> None:
     """Enqueue chunks from SOURCE, a JSON Lines file or - for stdin (or documents, see
-    --documents).
+    --documents; or folders of images, see --images).
 
     One object per line: {"id": "doc1#0", "text": "...", "meta": {...}}. The id is your
     idempotency key (re-sending it overwrites, never duplicates); meta is passed through to the
     results. Bad lines (not UTF-8, not JSON, not a valid chunk, an option the served model does
     not have, longer than 6 x EMBEDFLEET_MAX_MESSAGE_BYTES) are reported with their line numbers
     and not enqueued; every good line is (exit status 4).
+
+    Images (a CLIP or SigLIP lane): a line's "image" (base64, a data URI) or "image_path" (a
+    file, from the JSON Lines file's folder) in place of "text"; folders of them: --images.
 
     With --documents, each SOURCE is a whole document (text or Markdown file; its path is its
     id) or a JSONL file of documents; every chunk carries the document's meta plus doc, n and
@@ -174,13 +196,8 @@ def enqueue_command(
     chunks whose text and options have not changed (no model runs for them; --reembed turns
     that off), and --prune deletes the rows of the chunks the corpus no longer has.
     """
-    _check_enqueue_options(wait, timeout, documents, overlap, prune, job)
-    job = job or f"job-{time.strftime('%Y%m%d-%H%M%S')}"
-    settings = _settings(redis_url)
-    if tenant is not None:
-        _check_tenant_option(tenant)
-    if prune:
-        check_database_sink(settings)  # before anything is sent
+    _check_enqueue_options(wait, timeout, documents, images, overlap, prune, job)
+    job, settings = _job_and_settings(job, redis_url, tenant, prune)
     run = _Run(
         force=force,
         reembed=reembed,
@@ -192,7 +209,8 @@ def enqueue_command(
         window_overlap=window_overlap,
         token_ids=token_ids,
     )
-    _enqueue_and_report(settings, sources, job, run, documents, overlap, prune, as_json)
+    kind = "documents" if documents else "images" if images else "jsonl"
+    _enqueue_and_report(settings, sources, job, run, kind, overlap, prune, as_json)
 
 
 def _enqueue_and_report(
@@ -200,16 +218,21 @@ def _enqueue_and_report(
     sources: tuple[str, ...],
     job: str,
     run: _Run,
-    documents: bool,
+    kind: str,
     overlap: int | None,
     prune: bool,
     as_json: bool,
 ) -> None:
-    """The checked enqueue, run: its chunks sent, --prune applied, the report and exit status."""
+    """The checked enqueue, run: its chunks sent, --prune applied, the report and exit status.
+    ``kind``: what SOURCES are, "jsonl", "documents" or "images" (folders)."""
     dead: list[int] = []  # the dead-lettered count, once --wait has seen the job finish
-    rejected: list[BadLine] = []
+    rejected: list[BadLine | BadFile] = []
+    documents = kind == "documents"
     if documents:
         count = run_client(_enqueue_documents(settings, sources, job, overlap, run, rejected, dead))
+    elif kind == "images":
+        folders = _image_folders(sources)  # walked before the client starts
+        count = run_client(_enqueue_images(settings, folders, job, run, rejected, dead))
     else:
         count = _enqueue_jsonl(settings, sources, job, run, rejected, dead)
     pruned: list[str] | None = None
@@ -227,6 +250,7 @@ def _check_enqueue_options(
     wait: bool,
     timeout: float | None,
     documents: bool,
+    images: bool,
     overlap: int | None,
     prune: bool,
     job: str | None,
@@ -234,10 +258,25 @@ def _check_enqueue_options(
     """The options that apply only with another one: a usage error naming what is missing."""
     if timeout is not None and not wait:
         raise click.UsageError("--timeout applies only with --wait")
+    if documents and images:
+        raise click.UsageError("--documents and --images: SOURCES are one or the other")
     if overlap is not None and not documents:
         raise click.UsageError("--overlap applies only with --documents")
     if prune and not job:
         raise click.UsageError("--prune needs --job: the job whose earlier rows to compare with")
+
+
+def _job_and_settings(
+    job: str | None, redis_url: str | None, tenant: str | None, prune: bool
+) -> tuple[str, Settings]:
+    """The job's name (given, or made from the time) and the settings, --tenant and --prune
+    checked before anything is sent."""
+    settings = _settings(redis_url)
+    if tenant is not None:
+        _check_tenant_option(tenant)
+    if prune:
+        check_database_sink(settings)
+    return job or f"job-{time.strftime('%Y%m%d-%H%M%S')}", settings
 
 
 def _check_tenant_option(tenant: str) -> None:
@@ -253,7 +292,7 @@ def _enqueue_jsonl(
     sources: tuple[str, ...],
     job: str,
     run: _Run,
-    rejected: list[BadLine],
+    rejected: list[BadLine | BadFile],
     dead: list[int],
 ) -> Enqueued:
     """The one JSON Lines SOURCE (a file, or - for stdin), opened and enqueued."""
@@ -266,8 +305,10 @@ def _enqueue_jsonl(
         raise click.BadParameter(
             f"{sources[0]}: {error.strerror or error}", param_hint="SOURCES"
         ) from None
+    # a line's relative image_path is read from the file's folder (stdin's: this one)
+    base = Path() if sources[0] == "-" else Path(sources[0]).parent
     with opened as source:
-        return run_client(_enqueue(settings, source, job, run, rejected, dead))
+        return run_client(_enqueue(settings, (source, base), job, run, rejected, dead))
 
 
 def _say_enqueued(
@@ -282,21 +323,24 @@ def _say_enqueued(
         say_pruned(job, pruned, dry_run=False)
 
 
-def _say_rejected(rejected: list[BadLine], prune: bool) -> None:
-    """The first 20 rejected lines and their count, on stderr; why --prune did not run."""
+def _say_rejected(rejected: list[BadLine | BadFile], prune: bool) -> None:
+    """The first 20 rejected lines (or files) and their count, on stderr; why --prune did not
+    run."""
     for bad in rejected[:20]:
-        click.echo(f"line {bad.line_number}: {bad.reason}", err=True)
+        where = bad.path if isinstance(bad, BadFile) else f"line {bad.line_number}"
+        click.echo(f"{where}: {bad.reason}", err=True)
     if rejected:
-        click.echo(f"{len(rejected)} lines rejected, not enqueued", err=True)
+        what = "files" if isinstance(rejected[0], BadFile) else "lines"
+        click.echo(f"{len(rejected)} {what} rejected, not enqueued", err=True)
         if prune:
             click.echo(
-                "not pruned: the rejected lines' ids were not sent, and their rows would have "
+                f"not pruned: the rejected {what}' ids were not sent, and their rows would have "
                 "been deleted; fix the lines and enqueue again with --prune",
                 err=True,
             )
 
 
-def _exit_for(dead: list[int], rejected: list[BadLine]) -> None:
+def _exit_for(dead: list[int], rejected: list[BadLine | BadFile]) -> None:
     """The exit status of an enqueue: dead letters (--wait saw some) before rejected lines."""
     if any(dead):
         sys.exit(ExitCode.DEAD_LETTERS)
@@ -339,7 +383,7 @@ def _say_present(count: Enqueued, job: str) -> None:
 def _report_enqueue(
     job: str,
     count: Enqueued,
-    rejected: list[BadLine],
+    rejected: list[BadLine | BadFile],
     dead: list[int],
     model: str | None,
     pruned: list[str] | None = None,
@@ -349,8 +393,16 @@ def _report_enqueue(
         "model": model,
         "enqueued": int(count),
         "already_present": count.present,
-        "rejected_lines": [{"line": bad.line_number, "reason": bad.reason} for bad in rejected],
+        "rejected_lines": [
+            {"line": bad.line_number, "reason": bad.reason}
+            for bad in rejected
+            if isinstance(bad, BadLine)
+        ],
     }
+    if any(isinstance(bad, BadFile) for bad in rejected):  # --images
+        report["rejected_files"] = [
+            {"file": bad.path, "reason": bad.reason} for bad in rejected if isinstance(bad, BadFile)
+        ]
     if dead:  # --wait saw the job end
         report["dead_lettered"] = dead[0]
     if pruned is not None:  # --prune: the ids whose rows were deleted
@@ -360,10 +412,11 @@ def _report_enqueue(
 
 async def _enqueue(
     settings: Settings,
-    source: IO[bytes],  # click.open_file: a file, or stdin for "-"
+    # click.open_file: a file, or stdin for "-"; the folder its lines' image_path start from
+    source: tuple[IO[bytes], Path],
     job: str,
     run: _Run,
-    rejected: list[BadLine],
+    rejected: list[BadLine | BadFile],
     dead: list[int],
 ) -> Enqueued:
     async with client_for(settings, run.model) as producer:
@@ -371,24 +424,95 @@ async def _enqueue(
         # (an unknown prompt_name) is a bad line, and the lines around it are still enqueued
         card = await producer.model_card()
         check = None if card is None else functools.partial(verify, card=card)
-        chunks = read_chunks(source, job, rejected, settings.chunk_limits, check)
-        with Progress("enqueue", "chunks") as bar:
-            try:
-                count = await producer.enqueue(
-                    run.sent.through(chunks),
-                    on_batch=bar.update,
-                    force=run.force,
-                    reembed=run.reembed,
-                    tenant=run.tenant,
-                    options=EmbeddingOptions(window_overlap=run.window_overlap),
-                    token_ids=run.token_ids,
-                )
-            except (ValueError, TenantBacklogFullError, TokenIdsUnavailableError) as error:
-                # ValueError: a model card published after the reader's (a worker's first
-                # start) refused a chunk; the lines before it were enqueued
-                raise click.ClickException(str(error)) from None
-        if run.wait and count.chunks:  # chunks already in the job may still be on their way
-            dead.append((await _wait_with_bar(producer, job, count.chunks, run.timeout)).dead)
+        lines: list[BadLine] = []  # read_chunks' own, added to ``rejected`` once read
+        chunks = read_chunks(source[0], job, lines, settings.chunk_limits, check, source[1])
+        count = await _send(
+            producer,
+            chunks,
+            run,
+            options=EmbeddingOptions(window_overlap=run.window_overlap),
+            token_ids=run.token_ids,
+        )
+        rejected.extend(lines)
+        await _wait_if_asked(producer, job, run, count, dead)
+    return count
+
+
+async def _send(
+    producer: Producer,
+    chunks: Iterable[Chunk],
+    run: _Run,
+    progress: Progress | None = None,
+    **enqueue_options: Any,
+) -> Enqueued:
+    """``chunks`` enqueued as ``run`` says, with a progress bar of chunks (or ``progress``);
+    a refusal of the producer's (a tenant's backlog full, no token ids) is the command's
+    error."""
+    with progress or Progress("enqueue", "chunks") as bar:
+        try:
+            return await producer.enqueue(
+                run.sent.through(chunks),
+                on_batch=bar.update,
+                force=run.force,
+                reembed=run.reembed,
+                tenant=run.tenant,
+                **enqueue_options,
+            )
+        except (ValueError, TenantBacklogFullError, TokenIdsUnavailableError) as error:
+            # ValueError: a model card published after the reader's (a worker's first
+            # start) refused a chunk; the chunks before it were enqueued
+            raise click.ClickException(str(error)) from None
+
+
+async def _wait_if_asked(
+    producer: Producer, job: str, run: _Run, count: Enqueued, dead: list[int]
+) -> None:
+    """With --wait: the job waited for, with a bar, and its dead-lettered count in ``dead``."""
+    if run.wait and count.chunks:  # chunks already in the job may still be on their way
+        dead.append((await _wait_with_bar(producer, job, count.chunks, run.timeout)).dead)
+
+
+def _image_folders(sources: tuple[str, ...]) -> list[tuple[Path, list[Path]]]:
+    """Each folder of ``sources`` with its image files (producer/images.py ``image_files``);
+    the files not named as images counted on stderr, a folder missing or without any image
+    the command's error."""
+    folders = [Path(source) for source in sources]
+    for folder in folders:
+        if not folder.is_dir():
+            raise click.BadParameter(f"{folder} is not a folder", param_hint="SOURCES")
+    listed = [(folder, image_files(folder)) for folder in folders]
+    if others := sum(count for _, (_, count) in listed):
+        click.echo(f"skipped {others} files not named as images ({NAMES})", err=True)
+    if not any(files for _, (files, _) in listed):
+        raise click.ClickException(f"no image files ({NAMES}) under {', '.join(sources)}")
+    return [(folder, files) for folder, (files, _) in listed]
+
+
+async def _enqueue_images(
+    settings: Settings,
+    folders: list[tuple[Path, list[Path]]],
+    job: str,
+    run: _Run,
+    rejected: list[BadLine | BadFile],
+    dead: list[int],
+) -> Enqueued:
+    """The image files of ``folders``, one chunk each, read as they are sent
+    (producer/images.py ``folder_chunks``); a file refused goes to ``rejected``."""
+    total = sum(len(files) for _, files in folders)
+    async with client_for(settings, run.model) as producer:
+        card = await producer.model_card()  # a text-only lane refuses each image, with why
+        check = None if card is None else functools.partial(verify, card=card)
+        bad: list[BadFile] = []
+        limits = settings.chunk_limits
+        chunks = itertools.chain.from_iterable(
+            folder_chunks(folder, files, job, bad, limits, check) for folder, files in folders
+        )
+        # a batch's bytes bounded: images are up to EMBEDFLEET_MAX_IMAGE_BYTES each
+        batch = max(1, min(1000, IMAGE_BATCH_BYTES // limits.max_image_bytes))
+        bar = Progress("enqueue", "images", total=total)
+        count = await _send(producer, chunks, run, bar, batch_size=batch)
+        rejected.extend(bad)
+        await _wait_if_asked(producer, job, run, count, dead)
     return count
 
 
@@ -398,7 +522,7 @@ async def _enqueue_documents(
     job: str,
     overlap: int | None,
     run: _Run,
-    rejected: list[BadLine],
+    rejected: list[BadLine | BadFile],
     dead: list[int],
 ) -> Enqueued:
     from embedfleet.producer.documents import read_documents
@@ -416,21 +540,9 @@ async def _enqueue_documents(
             splitter = producer.document_splitter(overlap)
         except (ImportError, ValueError) as error:
             raise click.ClickException(str(error)) from None
-        with Progress("enqueue", "chunks") as bar:
-            try:
-                count = await producer.enqueue(
-                    run.sent.through(splitter.split_all(read_documents(paths, reject), job)),
-                    job=job,
-                    on_batch=bar.update,
-                    force=run.force,
-                    reembed=run.reembed,
-                    tenant=run.tenant,
-                    token_ids=run.token_ids,
-                )
-            except (ValueError, TenantBacklogFullError, TokenIdsUnavailableError) as error:
-                raise click.ClickException(str(error)) from None
-        if run.wait and count.chunks:
-            dead.append((await _wait_with_bar(producer, job, count.chunks, run.timeout)).dead)
+        chunks = splitter.split_all(read_documents(paths, reject), job)
+        count = await _send(producer, chunks, run, job=job, token_ids=run.token_ids)
+        await _wait_if_asked(producer, job, run, count, dead)
     return count
 
 

@@ -20,7 +20,9 @@ Parquet        LanceDB's columns, in immutable shards ``<UTC time>-<consumer>-<n
                shard's winning (``embedfleet/sinks/parquet/dataset.py``)
 =============  ================================================================================
 
-``text`` is the chunk's text (``EMBEDFLEET_STORE_TEXT``, on by default; null when off).
+``text`` is the chunk's text (``EMBEDFLEET_STORE_TEXT``, on by default; null when off); an image
+chunk's row holds its ``image_ref`` there, where the image came from (a path, an ``s3://`` URI;
+null without one), never the image's bytes (``Chunk.row_text``).
 
 Which URL names which store is each store's own declaration (its ``Store``: schemes, how it
 reads the rest of the URL, how it describes itself); ``embedfleet.sinks.registry`` parses a URL

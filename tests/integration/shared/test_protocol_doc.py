@@ -105,7 +105,9 @@ def test_every_field_the_code_writes_is_documented() -> None:
     )
     written = set(msgpack.unpackb(encode_chunk(every_option)))
     # an image chunk carries ``image`` in place of ``text`` (never both)
-    image = set(msgpack.unpackb(encode_chunk(Chunk(id="a", image=b"x", job="j"))))
+    image = set(
+        msgpack.unpackb(encode_chunk(Chunk(id="a", image=b"x", image_ref="a.png", job="j")))
+    )
     assert image <= _names(CHUNK_FIELDS) and "text" not in image, f"chunk fields differ: {FIX}"
     assert written | image == _names(CHUNK_FIELDS), f"chunk fields differ: {FIX}"
     query = Chunk(id="a", text="t", reply="r", deadline_ms=1)

@@ -6,7 +6,14 @@ one sent past it while the texts of its window come back."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import json
+import subprocess
+import sys
+import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,11 +21,12 @@ import redis.asyncio as aioredis
 
 from embedfleet.producer.client import Producer
 from embedfleet.shared.dead_letters import DeadLetter, DeadReason
+from embedfleet.shared.exit_codes import ExitCode
 from embedfleet.shared.options import ModalityError
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, encode_chunk
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.model.encoder import Encoder
-from tests.conftest import WorkerLauncher, until
+from tests.conftest import WorkerLauncher, cli_env, until
 from tests.image_models import (
     DUAL_FAMILIES,
     dual_model_dir,
@@ -30,6 +38,14 @@ from tests.image_models import (
 from tests.unit.workers.test_images import png_claiming
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
+
+
+def _embedfleet(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`embedfleet ARGS` as a user runs it."""
+    command = [sys.executable, "-m", "embedfleet.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+
+
 GOOD_IMAGES = 200
 
 
@@ -123,3 +139,165 @@ async def test_a_text_lane_dead_letters_an_image_and_embeds_its_texts(
     dead = DeadLetter.from_fields(entry_id, fields)
     assert (dead.reason, dead.chunk_id) == (DeadReason.OPTIONS, "photo")
     assert "this model embeds text only, not image input" in dead.detail
+
+
+# --- `embedfleet enqueue` with images, and image rows in the stores (issue 56) ----------------
+FOLDER_IMAGES = 50  # a folder's worth, nested two deep
+
+
+def _photo_folder(root: Path) -> dict[str, bytes]:
+    """A folder of images (ids: their paths relative to it) and, beside them, a file over the
+    CLI's cap, one that does not decode and one that is not an image by its name."""
+    photos: dict[str, bytes] = {}
+    for i in range(FOLDER_IMAGES):
+        fmt = FORMATS[i % 4]
+        name = f"set{i % 3}/{'deep/' if i % 5 == 0 else ''}p{i:02d}.{fmt.lower()}"
+        photos[name] = image_bytes(100 + i, (24 + i % 17, 40 - i % 13), fmt)
+    files = {**photos, "huge.png": b"\x89PNG" + b"\0" * 30_000, "broken.png": b"not an image"}
+    for name, data in {**files, "notes.txt": b"the photographer's notes"}.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    return photos
+
+
+def _with_sink(settings: Settings, kind: str, directory: Path, postgres: str | None = None):
+    from embedfleet.sinks import local_sink_url
+
+    url = local_sink_url(kind, directory, postgres)
+    return settings.model_copy(update={"sink": url, "sink_table": "images"})
+
+
+def _stored(settings: Settings) -> dict[str, Any]:
+    from embedfleet.sinks import open_backend, parse_sink_url
+
+    with open_backend(parse_sink_url(settings.sink, settings.sink_table)) as backend:
+        return {row.id: row for row in backend.export_rows()}
+
+
+@pytest.mark.slow  # an `embedfleet` process
+async def test_enqueue_images_embeds_a_folder_into_a_table_with_each_files_path(
+    workers: WorkerLauncher, settings: Settings, client: aioredis.Redis, models: Path, tmp_path
+) -> None:
+    from embedfleet.sinks import build_sink
+
+    model_dir = dual_model_dir("clip", models)
+    photos = _photo_folder(tmp_path / "photos")
+    (tmp_path / "lines").mkdir()
+    # the folder's p01 again: its vector comes from the workers' cache, with this line's ref
+    (tmp_path / "lines" / "cat.jpeg").write_bytes(photos["set1/p01.jpeg"])
+    inline = base64.b64encode(photos["set2/p02.webp"]).decode()
+    (tmp_path / "lines" / "images.jsonl").write_text(
+        '{"id": "cat", "image_path": "cat.jpeg", "meta": {"by": "line"}}\n'
+        f'{{"id": "inline", "image": "data:image/webp;base64,{inline}", "image_ref": "scan 7"}}\n'
+        '{"id": "gone", "image_path": "gone.png"}\n'
+        '{"id": "caption", "text": "a red bicycle"}\n'
+    )
+    db = _with_sink(settings, "lancedb", tmp_path)
+    env = cli_env(
+        db,
+        EMBEDFLEET_MAX_IMAGE_BYTES="20000",  # the CLI's cap: huge.png over it
+        EMBEDFLEET_SINK=db.sink,
+        EMBEDFLEET_SINK_TABLE=db.sink_table,
+    )
+    encoder = Encoder(str(model_dir), device="cpu", dtype="float32")
+    async with workers.run(db, sink=build_sink(db, client), client=client, encoder=encoder):
+        folder = await asyncio.to_thread(
+            _embedfleet,
+            "enqueue",
+            "--images",
+            str(tmp_path / "photos"),
+            "--job",
+            "pics",
+            "--wait",
+            "--json",
+            env=env,
+        )
+        lines = await asyncio.to_thread(
+            _embedfleet,
+            "enqueue",
+            str(tmp_path / "lines" / "images.jsonl"),
+            "--job",
+            "lines",
+            "--wait",
+            env=env,
+        )
+        # a text query through the text tower finds image rows, each printed with its path
+        search = await asyncio.to_thread(
+            _embedfleet, "search", "a red bicycle", "--k", "3", "--json", env=env
+        )
+    # the folder: every image sent, huge.png refused here, broken.png dead-lettered there
+    assert folder.returncode == ExitCode.DEAD_LETTERS, folder.stderr
+    report = json.loads(folder.stdout)
+    assert (report["enqueued"], report["dead_lettered"]) == (FOLDER_IMAGES + 1, 1)
+    assert [bad["file"] for bad in report["rejected_files"]] == [str(tmp_path / "photos/huge.png")]
+    assert "over the 20000 limit (EMBEDFLEET_MAX_IMAGE_BYTES)" in folder.stderr
+    assert "skipped 1 files not named as images" in folder.stderr
+    assert lines.returncode == ExitCode.REJECTED_LINES, lines.stderr
+    assert "enqueued 3 chunks as job 'lines'" in lines.stdout
+    assert "line 3: " in lines.stderr and "gone.png: cannot be read" in lines.stderr
+    rows = _stored(db)
+    assert sorted(rows) == sorted([*photos, "cat", "inline", "caption"])
+    # each image row holds where its image came from in place of a text, never its bytes
+    assert {name: rows[name].text for name in photos} == {
+        name: str(tmp_path / "photos" / name) for name in photos
+    }
+    assert (rows["cat"].text, rows["cat"].meta) == ("cat.jpeg", {"by": "line"})
+    assert (rows["inline"].text, rows["caption"].text) == ("scan 7", "a red bicycle")
+    names = sorted(photos)
+    reference = reference_image_features(model_dir, [photos[name] for name in names])
+    stored = np.stack([rows[name].vector.astype(np.float32) for name in names])
+    assert min_cosine(stored, reference) >= 0.999  # fp16 in the table
+    assert (
+        min_cosine(
+            rows["cat"].vector[None].astype(np.float32),
+            reference[names.index("set1/p01.jpeg")][None],
+        )
+        >= 0.999
+    )
+    assert search.returncode == 0, search.stderr
+    hits = [json.loads(line) for line in search.stdout.splitlines()]
+    assert len(hits) == 3 and all(rows[hit["id"]].text == hit["text"] for hit in hits)
+    ((_, fields),) = await client.xrange(settings.keys.dead)
+    assert DeadLetter.from_fields("0-1", fields).chunk_id == "broken.png"
+
+
+@pytest.mark.slow  # a database per store (PostgreSQL: a server)
+@pytest.mark.parametrize("kind", ["pgvector", "qdrant-local", "parquet"])  # lancedb: above
+async def test_an_image_row_keeps_its_reference_in_every_store(
+    workers: WorkerLauncher,
+    settings: Settings,
+    client: aioredis.Redis,
+    models: Path,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    kind: str,
+) -> None:
+    from embedfleet.sinks import build_sink
+    from tests.conftest import running_pg
+
+    postgres = None
+    if kind == "pgvector":
+        postgres = running_pg(request.getfixturevalue("pg_session_server")).get_uri()
+    db = _with_sink(settings, kind, tmp_path, postgres)
+    # a table of its own; a Parquet shard written as soon as its rows are in (not after 20 s)
+    table = f"images_{uuid.uuid4().hex[:8]}"
+    db = db.model_copy(update={"sink_table": table, "parquet_shard_rows": 3})
+    encoder = Encoder(str(dual_model_dir("clip", models)), device="cpu", dtype="float32")
+    chunks = [
+        Chunk(id="ref", image=image_bytes(1), image_ref="s3://photos/cats/1.png"),
+        Chunk(id="bare", image=image_bytes(2, fmt="JPEG")),  # no reference: no text
+        Chunk(id="caption", text="a red bicycle"),
+    ]
+    async with (
+        workers.run(db, sink=build_sink(db, client), client=client, encoder=encoder),
+        Producer(db, client) as producer,
+    ):
+        await producer.enqueue(chunks, job="refs")
+        progress = await producer.wait_for_job("refs", timeout=120)
+    assert progress.done == len(chunks)
+    rows = _stored(db)
+    assert {name: row.text for name, row in rows.items()} == {
+        "ref": "s3://photos/cats/1.png",
+        "bare": None,
+        "caption": "a red bicycle",
+    }

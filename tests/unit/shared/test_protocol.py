@@ -486,6 +486,11 @@ def test_an_image_chunk_round_trips_without_a_text() -> None:
     assert "text" not in msgpack.unpackb(payload)
     assert decode_chunk(payload) == chunk
     assert validate_chunk(chunk) == chunk
+    referenced = Chunk(id="img", image=b"\x89PNG", image_ref="photos/cats/1 é.png")
+    assert decode_chunk(encode_chunk(referenced)) == referenced
+    # a database row keeps the reference in place of a text, never the bytes
+    assert (referenced.row_text, chunk.row_text) == ("photos/cats/1 é.png", None)
+    assert Chunk(id="t", text="a caption").row_text == "a caption"
 
 
 @pytest.mark.parametrize(
@@ -495,6 +500,10 @@ def test_an_image_chunk_round_trips_without_a_text() -> None:
         ({"image": b""}, DeadReason.INVALID, "got empty bytes"),
         ({"image": "not bytes"}, DeadReason.INVALID, "got str"),
         ({"image": b"x" * 11}, DeadReason.TOO_LARGE, "11 bytes, over the 10 limit"),
+        ({"image": b"x", "image_ref": ""}, DeadReason.INVALID, "'image_ref' must be a non-empty"),
+        ({"image": b"x", "image_ref": 5}, DeadReason.INVALID, "got int"),
+        ({"image": b"x", "image_ref": "r" * 2049}, DeadReason.INVALID, "at most 2048"),
+        ({"text": "t", "image_ref": "a.png"}, DeadReason.INVALID, "'image_ref' goes with 'image'"),
     ],
 )
 def test_an_image_is_checked_for_form(
