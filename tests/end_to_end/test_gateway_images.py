@@ -4,7 +4,8 @@
 ``get_text_features`` (cosine >= 0.9999, float32); each bad image answers a 4xx in each dialect:
 a malformed data URI or one over EMBEDFLEET_MAX_IMAGE_BYTES before anything reaches the queue,
 an undecodable, truncated or bomb image as the worker's dead letter; a text-only lane refuses a
-data URI with the options verifier's words, and nothing is ever fetched from a URL.
+data URI with the options verifier's words, and nothing is ever fetched from a URL. Batch API
+lines take data URIs too (the `openai` SDK's files and batches).
 
 One worker process (the tiny random-weight CLIP model of tests/image_models.py) and one gateway
 for the module, on a real Redis; the text-only lane is a namespace whose card says so (no
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +38,7 @@ from tests.image_models import (
     reference_image_features,
     reference_text_features,
 )
+from tests.integration.gateway.batch.test_api import create_batch, jsonl, upload, wait_final
 from tests.unit.workers.test_images import png_claiming
 
 # the slow tier (make test-full, CI): starts a worker process and a gateway
@@ -245,3 +248,42 @@ def test_a_text_only_lane_refuses_a_data_uri(text_lane: str) -> None:
         for path, body, status in DOORS:
             message, _ = error_of(http.post(path, json=body(data_uri(IMAGES["png"]))), status)
             assert "this model embeds text only, not image input" in message, path
+
+
+def test_a_batch_embeds_images_beside_texts(
+    gateway: str, model_dir: Path, references: dict[str, np.ndarray], tmp_path: Path
+) -> None:
+    """Batch API lines with data URIs, through the openai SDK's files and batches: embedded as
+    online; a malformed one refused on its own (400 in the error file, as online), an image
+    the worker cannot decode answered as a dead letter, and the batch completes."""
+    client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0)
+
+    def line(custom_id: str, inputs: object) -> str:
+        body = {"model": model_dir.name, "input": inputs}
+        return json.dumps(
+            {"custom_id": custom_id, "method": "POST", "url": "/v1/embeddings", "body": body}
+        )
+
+    mixed = ["png", TEXTS[0], "gif"]
+    lines = [
+        line("mixed", [data_uri(IMAGES[n], n) if n in IMAGES else n for n in mixed]),
+        line("one", data_uri(IMAGES["webp"], "webp")),
+        line("malformed", [TEXTS[1], "data:image/png;base64,iVBORw0K!!!"]),
+        line("undecodable", data_uri(b"\x89PNG\r\n\x1a\nthis is no image at all")),
+    ]
+    batch = create_batch(client, upload(client, tmp_path / "images.jsonl", lines).id)
+    batch = wait_final(client, batch.id)
+    assert batch.status == "completed", batch
+    output = {record["custom_id"]: record for record in jsonl(client, batch.output_file_id)}
+    errors = {record["custom_id"]: record for record in jsonl(client, batch.error_file_id)}
+    assert sorted(output) == ["mixed", "one"] and sorted(errors) == ["malformed", "undecodable"]
+    got = np.array([item["embedding"] for item in output["mixed"]["response"]["body"]["data"]])
+    assert min_cosine(got, expected(references, mixed)) >= 0.9999
+    one = output["one"]["response"]["body"]["data"][0]["embedding"]
+    assert min_cosine(np.array([one]), references["webp"][None]) >= 0.9999
+    refused = errors["malformed"]["response"]
+    assert refused["status_code"] == 400
+    assert refused["body"]["error"]["code"] == "invalid_image"
+    assert "'body.input[1]' is not valid base64" in refused["body"]["error"]["message"]
+    dead = errors["undecodable"]["response"]["body"]["error"]
+    assert dead["code"] == "dead_lettered" and "does not decode" in dead["message"]

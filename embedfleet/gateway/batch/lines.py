@@ -22,7 +22,13 @@ from pydantic import ValidationError
 
 from embedfleet.gateway.batch.files import bounded_lines
 from embedfleet.gateway.errors import APIError
-from embedfleet.gateway.inputs import check_dimensions, openai_truncate, prepare, request_tokens
+from embedfleet.gateway.images import Input, texts_of
+from embedfleet.gateway.inputs import (
+    check_dimensions,
+    openai_truncate,
+    prepare_inputs,
+    request_tokens,
+)
 from embedfleet.gateway.openai_api import EmbeddingRequest
 from embedfleet.gateway.state import Gateway
 from embedfleet.shared.protocol import ProtocolError, check_window_overlap
@@ -35,11 +41,17 @@ SHOWN_LINE_ERRORS = 100  # errors.data entries a failed batch keeps (its object 
 @dataclass(frozen=True)
 class BatchLine:
     custom_id: str
-    texts: list[str]
+    # texts, and images' encoded bytes (data URIs on a CLIP or SigLIP lane: gateway/images.py)
+    inputs: list[Input]
     encoding_format: str
     dimensions: int | None
     # the body's window_overlap: its inputs over the model's maximum embedded whole (issue 42)
     window_overlap: int | None = None
+
+    @property
+    def texts(self) -> list[str]:
+        """The texts among the line's inputs (what ``usage`` counts: an image counts none)."""
+        return texts_of(self.inputs)
 
 
 def read_envelope(raw: bytes, gateway: Gateway) -> tuple[str, Any]:
@@ -109,11 +121,15 @@ def read_request(
     # OpenAI's refusal), as online
     truncate = openai_truncate(request.truncate, gateway.settings)
     settings = gateway.settings
-    texts = prepare(request.input, gateway.openai_ids, settings, "body.input", truncate=truncate)
+    # as online: images decoded, held against the card's modalities (not again once sent)
+    modalities = None if card is None or sent else card.modalities
+    inputs = prepare_inputs(
+        request.input, gateway.openai_ids, settings, modalities, "body.input", truncate=truncate
+    )
     whole = request.window_overlap is not None  # as online: embedded whole, in windows
     if validating and card is not None:  # as online: over the context refused, not cut
         request_tokens(
-            texts,
+            texts_of(inputs),
             gateway.tokenizer,
             card,
             settings,
@@ -122,7 +138,7 @@ def read_request(
             param="body.input",
         )
     return BatchLine(
-        custom_id, texts, request.encoding_format, request.dimensions, request.window_overlap
+        custom_id, inputs, request.encoding_format, request.dimensions, request.window_overlap
     )
 
 
@@ -284,7 +300,7 @@ def check_line(
     except APIError:  # answered on its own, in the error file; the batch goes on
         found.refused.add(request_number)
         return
-    found.inputs += len(line.texts)
+    found.inputs += len(line.inputs)
 
 
 def cap_errors(found: Validation, settings: Settings) -> list[dict[str, Any]]:

@@ -229,9 +229,9 @@ class BatchOutput:
                     continue
                 line = parse_line(raw, gateway, sent=True)
                 sent = number < fields["cursor"]  # else cancelled or expired before it was sent
-                span = range(first, first + len(line.texts))
+                span = range(first, first + len(line.inputs))
                 if sent:
-                    first += len(line.texts)
+                    first += len(line.inputs)
                 record, tokens = self._answer(line, span if sent else None, results)
                 if tokens is None:
                     errors.write(json.dumps(record) + "\n")

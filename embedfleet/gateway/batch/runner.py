@@ -679,7 +679,7 @@ class BatchSlices:
                     refused.add(number)
             if line is not None:  # (else never sent: answered in the error file)
                 part.chunks.extend(chunks_of(line, batch, first_id=inputs))
-                inputs += len(line.texts)
+                inputs += len(line.inputs)
             part.ends.append((end_of_line, inputs))
             if len(part.ends) >= LINES_PER_SLICE:
                 break
@@ -722,18 +722,20 @@ class Slice:
 
 def chunks_of(line: BatchLine, batch: dict, first_id: int) -> list[Chunk]:
     """A request line's inputs as chunks of the batch's job, their ids counted from
-    ``first_id`` (so a slice sent again gives the same ids)."""
+    ``first_id`` (so a slice sent again gives the same ids); an image's bytes as an image
+    chunk (no text)."""
     options = wire_options(None, line.dimensions, window_overlap=line.window_overlap)
     return [
         options.apply(
             Chunk(
                 id=str(first_id + offset),
-                text=text,
+                text=item if isinstance(item, str) else "",
+                image=item if isinstance(item, bytes) else None,
                 job=batch["id"],
                 reply=batch["id"],
                 # past the window nobody waits for it: a worker drops it unanswered
                 deadline_ms=batch["expires_at"] * 1000,
             )
         )
-        for offset, text in enumerate(line.texts)
+        for offset, item in enumerate(line.inputs)
     ]
