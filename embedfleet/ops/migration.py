@@ -47,6 +47,7 @@ import redis.asyncio as aioredis
 from embedfleet.producer.client import EmbeddingOptions, Producer
 from embedfleet.shared import migrations as m
 from embedfleet.shared.keys import Keys
+from embedfleet.shared.modelcard import ModelCard, read_card
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import Settings
 from embedfleet.sinks import (
@@ -197,6 +198,7 @@ async def start(
         )
         return Migration(settings, sink, record)
     target, target_lane = _check_new(settings, source, target, target_lane)
+    _check_text_lane(await read_card(client, settings.keys), source)
     alias = alias or f"{source}_live"
     record = {
         m.SOURCE: source,
@@ -279,6 +281,19 @@ async def _save_started(client: aioredis.Redis, migration: Migration) -> None:
     pipe.hset(settings.keys.migration_targets, target, source)
     await pipe.execute()
     migration.record[m.DUAL_WRITE] = "1"
+
+
+def _check_text_lane(card: ModelCard | None, source: str) -> None:
+    """A table written by a lane that embeds images (CLIP, SigLIP) is refused: its image rows
+    keep their reference in the text column, not the image (issue 56), and a migration would
+    embed those references as texts."""
+    if card is not None and "image" in card.modalities:
+        raise MigrationError(
+            f"table {source!r} is written by {card.name!r}, which embeds images: its image rows "
+            "hold where each image came from, not the image, and a migration re-embeds stored "
+            "texts. Enqueue the images again to the new model's table instead "
+            "(docs/INGESTION.md, 'Embed a folder of images')"
+        )
 
 
 def _check_source(backend: VectorBackend) -> None:
