@@ -113,6 +113,10 @@ def load_encoder(settings: Settings) -> Encoder:
         # done here, with the load, so the worker's first reads do not share a core with it
         # (it was ~10% of the host path's CPU over 20,000 texts: docs/BENCHMARKS.md, stop 58)
         directory_revision(model_dir)
+    # likewise the card (which the worker publishes once it reads): its tokenizer fingerprint
+    # is a digest of tokenizer.json made canonical, parsed and written again (~0.3 s of CPU
+    # for a BERT vocabulary)
+    _ = encoder.card  # a cached property: computed here, for the first reads' sake
     return encoder
 
 
