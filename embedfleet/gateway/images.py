@@ -138,6 +138,12 @@ def texts_of(inputs: Sequence[Input]) -> list[str]:
     return [item for item in inputs if isinstance(item, str)]
 
 
+def text_positions(inputs: Sequence[Input]) -> list[int]:
+    """Where each text of ``texts_of(inputs)`` sits among ``inputs``: what an error about the
+    n-th text names it by."""
+    return [at for at, item in enumerate(inputs) if isinstance(item, str)]
+
+
 def with_texts(inputs: Sequence[Input], texts: Sequence[str]) -> list[Input]:
     """``inputs`` with their texts replaced, in order, by ``texts`` (as fitted to the model)."""
     if len(texts) != len(texts_of(inputs)):

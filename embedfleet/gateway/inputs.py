@@ -271,19 +271,27 @@ def prepare_tei(body: TEIInputs, gateway: Gateway) -> tuple[list[str], bool]:
     return texts, truncate
 
 
-def check_context(lengths: Sequence[int], max_length: int, param: str = "input") -> None:
+def check_context(
+    lengths: Sequence[int],
+    max_length: int,
+    param: str = "input",
+    positions: Sequence[int] | None = None,
+) -> None:
     """OpenAI's answer to an input over the model's maximum context: 400, nothing cut, given the
-    inputs' token lengths (``ModelTokenizer.lengths``, counted up to at least ``max_length``).
+    inputs' token lengths (``ModelTokenizer.lengths``, counted up to at least ``max_length``;
+    ``positions``: each one's place among the request's inputs, where images sit between the
+    texts: ``images.text_positions``).
     (The OpenAI route's extension ``"truncate": true``, or EMBEDFLEET_GATEWAY_OPENAI_TRUNCATE,
     skips this check: the worker then cuts each text to fit, on the right, as
     sentence-transformers does.)"""
     try:
         check_token_limit(lengths, max_length)
     except TokenLimitError as error:
+        at = error.index if positions is None else positions[error.index]
         raise APIError(
             400,
             f"This model's maximum context length is {max_length} tokens, however "
-            f"'{param}[{error.index}]' has more. Shorten it or split it into chunks, or send "
+            f"'{param}[{at}]' has more. Shorten it or split it into chunks, or send "
             '"truncate": true (an extension of this API; with the openai SDK, '
             'extra_body={"truncate": True}) to have every input cut to fit.',
             param=param,
@@ -300,17 +308,18 @@ def request_tokens(
     whole: bool,
     refuse_long: bool,
     param: str = "input",
+    positions: Sequence[int] | None = None,
 ) -> int:
     """An OpenAI request's tokens, as its ``usage`` counts them (each input capped at the
     model's maximum, or counted whole when it is embedded ``whole``, in windows), after OpenAI's
-    two refusals: an input over the model's context (``check_context``, when ``refuse_long``)
-    and the request over EMBEDFLEET_GATEWAY_MAX_REQUEST_TOKENS (OpenAI's 300,000, all inputs
-    together: 400 ``max_tokens_per_request``, OpenAI's message)."""
+    two refusals: an input over the model's context (``check_context``, when ``refuse_long``;
+    ``positions`` its), and the request over EMBEDFLEET_GATEWAY_MAX_REQUEST_TOKENS (OpenAI's
+    300,000, all inputs together: 400 ``max_tokens_per_request``, OpenAI's message)."""
     # a token is at least a character: a text's length bounds its tokens when counted whole
     read = max(max(map(len, texts), default=1), card.max_length) if whole else card.max_length
     lengths = tokenizer.lengths(texts, read)  # one tokenizing for both
     if refuse_long:
-        check_context(lengths, card.max_length, param)
+        check_context(lengths, card.max_length, param, positions)
     tokens = sum(min(n, read) for n in lengths)  # ModelTokenizer.usage's count
     limit = settings.gateway_max_request_tokens
     if tokens > limit:
@@ -333,9 +342,11 @@ def fit_to_model(
     truncate: bool,
     direction: TruncationDirection = "Right",
     param: str = "inputs",
+    positions: Sequence[int] | None = None,
 ) -> list[str]:
     """The texts as the model will read them, with ``prompt`` in front (the worker tokenizes
-    the two together, as sentence-transformers does).
+    the two together, as sentence-transformers does); ``positions``: each text's place among the
+    request's inputs, where images sit between them (``images.text_positions``).
 
     A text over the model's maximum is refused (422, TEI's answer) unless ``truncate``. Then
     ``Right`` keeps its start: the worker's own truncation, token for token what
@@ -354,10 +365,11 @@ def fit_to_model(
         return list(texts)
     except TokenLimitError as error:
         if not truncate:
+            at = error.index if positions is None else positions[error.index]
             raise APIError(
                 422,
                 f"Input validation error: `{param}` must have less than {max_length} tokens. "
-                f"Given: {error.tokens} (`{param}[{error.index}]`). Send truncate=true to cut "
+                f"Given: {error.tokens} (`{param}[{at}]`). Send truncate=true to cut "
                 "them to fit, or split the text into chunks.",
                 param=param,
                 code="input_too_long",

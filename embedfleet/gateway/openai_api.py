@@ -12,7 +12,7 @@ import numpy as np
 from pydantic import BaseModel, Field, StrictInt
 
 from embedfleet.gateway.errors import APIError, ErrorDialect, dialect_router
-from embedfleet.gateway.images import texts_of
+from embedfleet.gateway.images import text_positions, texts_of
 from embedfleet.gateway.inputs import (
     EmbeddingInput,
     check_dimensions,
@@ -118,6 +118,7 @@ async def _dense_embeddings(
         settings=gateway.settings,
         whole=whole,
         refuse_long=not (truncate or whole),
+        positions=text_positions(inputs),
     )
     tokens = None if card is None else await asyncio.to_thread(count, card)
     options = wire_options(None, body.dimensions, window_overlap=body.window_overlap)

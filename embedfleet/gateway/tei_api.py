@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field, StrictInt
 
 from embedfleet import __name__ as package_name
 from embedfleet.gateway.errors import APIError, ErrorDialect, dialect_router
-from embedfleet.gateway.images import Input, texts_of, with_texts
+from embedfleet.gateway.images import Input, text_positions, texts_of, with_texts
 from embedfleet.gateway.inputs import (
     EmbeddingInput,
     TruncationDirection,
@@ -130,6 +130,7 @@ def _fitted_inputs(body: EmbedRequest, gateway: Gateway, card: ModelCard | None)
         card.max_length if card is not None else None,
         truncate=truncate,
         direction=body.truncation_direction,
+        positions=text_positions(inputs),
     )
     return with_texts(inputs, fitted)
 

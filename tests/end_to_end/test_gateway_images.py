@@ -194,9 +194,15 @@ def test_a_bad_data_uri_is_refused_in_each_dialect_before_the_queue(
             for what, uri in malformed.items():
                 message, _ = error_of(http.post(path, json=body(uri)), status)
                 assert "EMBEDFLEET_MAX_IMAGE_BYTES" in message or what != "over the cap"
-            url = {"input": "https://example.com/cat.png"}
-            message, code = error_of(http.post("/embeddings_image", json=url), 400)
-            assert code == "url_not_accepted" and "only data URIs are accepted" in message
+        # a text over the tiny model's 32 tokens beside an image: named by its place
+        long = ["many words " * 40]
+        v1 = http.post("/v1/embeddings", json={"input": [data_uri(IMAGES["png"]), *long]})
+        assert "'input[1]' has more" in error_of(v1, 400)[0]
+        tei = {"inputs": [data_uri(IMAGES["png"]), *long], "truncate": False}
+        assert "(`inputs[1]`)" in error_of(http.post("/embed", json=tei), 422)[0]
+        url = {"input": "https://example.com/cat.png"}
+        message, code = error_of(http.post("/embeddings_image", json=url), 400)
+        assert code == "url_not_accepted" and "only data URIs are accepted" in message
     assert asyncio.run(entries_added(fleet_settings)) == before  # nothing reached the queue
 
 

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from embedfleet.gateway.batch.files import bounded_lines
 from embedfleet.gateway.errors import APIError
-from embedfleet.gateway.images import Input, texts_of
+from embedfleet.gateway.images import Input, text_positions, texts_of
 from embedfleet.gateway.inputs import (
     check_dimensions,
     openai_truncate,
@@ -136,6 +136,7 @@ def read_request(
             whole=whole,
             refuse_long=not (truncate or whole),
             param="body.input",
+            positions=text_positions(inputs),
         )
     return BatchLine(
         custom_id, inputs, request.encoding_format, request.dimensions, request.window_overlap

@@ -14,6 +14,7 @@ from embedfleet.gateway.images import (
     is_image_uri,
     require_image_uris,
     take_images,
+    text_positions,
     texts_of,
     with_texts,
 )
@@ -107,7 +108,7 @@ def test_embeddings_image_takes_data_uris_alone() -> None:
 
 def test_texts_come_out_and_go_back_in_their_places() -> None:
     inputs = ["a", PNG, "b", b"GIF89a"]
-    assert texts_of(inputs) == ["a", "b"]
+    assert texts_of(inputs) == ["a", "b"] and text_positions(inputs) == [0, 2]
     assert with_texts(inputs, ["A", "B"]) == ["A", PNG, "B", b"GIF89a"]
     with pytest.raises(ValueError, match="1 texts for the 2"):
         with_texts(inputs, ["A"])

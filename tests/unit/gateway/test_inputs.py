@@ -11,6 +11,7 @@ import pytest
 from embedfleet.gateway.errors import APIError
 from embedfleet.gateway.inputs import (
     as_texts,
+    check_context,
     check_dimensions,
     encode_vector,
     fit_to_model,
@@ -111,3 +112,16 @@ def test_base64_is_little_endian_float32() -> None:
     assert isinstance(encoded, str)
     assert base64.b64decode(encoded) == b"\x00\x00\x80?\x00\x00 \xc0\x00\x00\x00>"
     assert encode_vector(vector, "float") == [1.0, -2.5, 0.125]
+
+
+def test_a_refusal_names_the_input_by_its_place_among_images(tokenizer: ModelTokenizer) -> None:
+    """A text refused as over the model's maximum is named by its place in the request, which
+    images (taken out before tokenizing: gateway/images.py) may share: ``positions``."""
+    texts = ["short", "many words " * 100]
+    for positions, named in ((None, "[1]"), ([0, 3], "[3]")):
+        with pytest.raises(APIError) as context:
+            check_context(tokenizer.lengths(texts, 64), 64, "input", positions)
+        assert f"'input{named}' has more" in context.value.message
+        with pytest.raises(APIError) as fitted:
+            fit_to_model(texts, tokenizer, "", 64, truncate=False, positions=positions)
+        assert f"(`inputs{named}`)" in fitted.value.message
