@@ -10,6 +10,13 @@ forward pass of a model that gives both (BGE-M3), each searches its own index fo
 (``embedfleet.sinks.reciprocal_rank_fusion``: ``1 / (k + rank)`` summed, k = ``--rrf-k``). With
 ``--rerank-lane``, the fused top ``--rerank-top`` are scored by the cross-encoder that lane's
 workers serve (``Producer.rerank``, on their stored texts) and printed in its order.
+
+``--image PATH`` (issue 56): a local image file is the query, embedded by the image tower of a
+model that embeds images (a CLIP or SigLIP lane) through the interactive stream
+(``Producer.embed_texts`` with the file's bytes: the query stream takes texts only), so an image
+finds the image rows and, on a shared-space model, the text rows too. A text-only model refuses
+it before anything is sent (its card's ``modalities``: ``ModalityError``). An image row keeps
+its ``image_ref`` (where the image came from) in the ``text`` column, and is shown by it.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import dataclasses
 import json
 import time
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any
 
 import click
@@ -31,8 +39,9 @@ from embedfleet.ops.waiting import (
     redis_url_option,
     run_client,
 )
-from embedfleet.producer.client import EmbeddingOptions
-from embedfleet.shared.options import OptionError
+from embedfleet.producer.client import EmbeddingOptions, Producer
+from embedfleet.producer.images import ImageFileError, read_image
+from embedfleet.shared.options import ModalityError, OptionError
 from embedfleet.shared.protocol import ProtocolError, QueryFailedError
 from embedfleet.shared.retry import RedisUnavailableError
 from embedfleet.shared.settings import Settings, SettingsError, load_settings
@@ -67,9 +76,11 @@ def _target(verb: str, redis_url: str | None = None) -> tuple[Settings, SinkTarg
 
 
 async def search(
-    settings: Settings, target: SinkTarget, text: str, k: int, timeout: float
+    settings: Settings, target: SinkTarget, text: str | bytes, k: int, timeout: float
 ) -> list[Hit]:
     """Embed ``text`` through the fleet's query stream, then ask the database for ``k``.
+    ``text`` of bytes is an encoded image (``--image``), embedded by the model's image tower
+    on the interactive stream (``embed_one``).
 
     ``target.table`` may be a reader name (``embedfleet migrate``'s alias): it is resolved to
     its table once, the query is embedded by the model lane that writes that table
@@ -93,10 +104,21 @@ async def search(
             # database's own search or the rescoring of quantized rows
             _, dim = await asyncio.to_thread(backend.vector_format)
             options = EmbeddingOptions(dimensions=dim, dtype="float32")
-            vector = await producer.embed_query(text, timeout=timeout, options=options)
+            vector = await embed_one(producer, text, timeout, options)
             return await asyncio.to_thread(backend.nearest, np.asarray(vector), k)
     finally:
         await producer.close()
+
+
+async def embed_one(
+    producer: Producer, query: str | bytes, timeout: float, options: EmbeddingOptions
+) -> np.ndarray:
+    """A text query's vector (the query stream, the model's query prompt), or an image's (the
+    interactive stream, which takes images: the query stream refuses them)."""
+    if isinstance(query, str):
+        return await producer.embed_query(query, timeout=timeout, options=options)
+    (vector,) = await producer.embed_texts([query], timeout=timeout, options=options)
+    return vector
 
 
 async def hybrid_search(
@@ -160,12 +182,15 @@ async def rerank(
 
 def snippet(text: str | None, width: int = SNIPPET_CHARS) -> str:
     """The text on one line (whitespace folded), cut at a word boundary to at most ``width``
-    characters with an ellipsis."""
+    characters with an ellipsis. One word longer than that (a path, a URI: an image row's
+    ``image_ref``) keeps its end, where a file's name is."""
     if text is None:
-        return "(text not stored)"
+        return "(no text or image ref stored)"
     flat = " ".join(text.split())
     if len(flat) <= width:
         return flat
+    if " " not in flat:
+        return "…" + flat[len(flat) - width + 1 :]
     cut = flat.rfind(" ", 0, width - 1)
     return flat[: cut if cut > width // 2 else width - 1] + "…"
 
@@ -188,7 +213,17 @@ def format_hits(hits: list[Hit], *, as_json: bool = False) -> list[str]:
 
 
 @click.command("search")
-@click.argument("text")
+@click.argument("text", required=False)
+@click.option(
+    "--image",
+    "image",
+    default=None,
+    metavar="PATH",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Search by this image file instead of TEXT (JPEG, PNG, WebP or GIF, at most "
+    "EMBEDFLEET_MAX_IMAGE_BYTES): the image tower of a model that embeds images (a CLIP or "
+    "SigLIP lane) embeds it, and on such a shared space it finds text rows too.",
+)
 @click.option("--k", default=10, type=click.IntRange(1, 1000), help="Chunks to print (default 10).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.option(
@@ -233,7 +268,8 @@ def format_hits(hits: list[Hit], *, as_json: bool = False) -> list[str]:
 )
 @redis_url_option
 def search_command(
-    text: str,
+    text: str | None,
+    image: Path | None,
     k: int,
     as_json: bool,
     timeout: float,
@@ -244,7 +280,7 @@ def search_command(
     rerank_top: int | None,
     redis_url: str | None,
 ) -> None:
-    """Print the K stored chunks nearest to TEXT: similarity, id, a snippet of the text, meta.
+    """Print the K stored chunks nearest to TEXT (or an image): score, id, text snippet, meta.
 
     With --json, one object per line with the full stored text (EMBEDFLEET_STORE_TEXT).
 
@@ -252,18 +288,22 @@ def search_command(
     named by EMBEDFLEET_SINK (lancedb://, postgresql://, qdrant://) is searched. Needs a worker
     running on the same Redis (EMBEDFLEET_REDIS_URL).
 
+    --image PATH searches by an image instead of TEXT, on a model that embeds images (a CLIP
+    or SigLIP lane). An image row shows its image ref (where the image came from: a path, an
+    s3:// URI), kept in its text column, where a text row shows its text.
+
     With --hybrid, one forward pass gives TEXT's dense vector and sparse weights; each
     searches its index, and the two rankings are fused by reciprocal rank (the score printed
     is the fused score); --rerank-lane then reorders the top by a cross-encoder.
     """
-    if (rerank_lane or rerank_top) and not hybrid:
-        raise click.UsageError("--rerank-lane and --rerank-top go with --hybrid")
+    _check_query(text, image, hybrid, rerank_lane or rerank_top)
     settings, target = _target("search", redis_url)
+    query = _query(text, image, settings.max_image_bytes)
     work = (
         hybrid_search(
             settings,
             target,
-            text,
+            text or "",  # TEXT, never an image (_check_query)
             k,
             timeout,
             candidates=candidates,
@@ -272,17 +312,44 @@ def search_command(
             rerank_top=rerank_top,
         )
         if hybrid
-        else search(settings, target, text, k, timeout)
+        else search(settings, target, query, k, timeout)
     )
-    hits = _hits_or_exit(work, timeout, settings)
+    hits = _hits_or_exit(work, timeout, settings, image)
     for line in format_hits(hits, as_json=as_json):
         click.echo(line)
 
 
+def _check_query(text: str | None, image: Path | None, hybrid: bool, reranked: object) -> None:
+    """The usage errors: TEXT or --image (one of them), --hybrid and its rerank options."""
+    if reranked and not hybrid:
+        raise click.UsageError("--rerank-lane and --rerank-top go with --hybrid")
+    if text is not None and image is not None:
+        raise click.UsageError("give TEXT or --image PATH, not both: one query at a time")
+    if text is None and image is None:
+        raise click.UsageError("give TEXT to search for, or --image PATH to search by an image")
+    if image is not None and hybrid:
+        raise click.UsageError("--hybrid takes TEXT: sparse weights are a text's, not an image's")
+
+
+def _query(text: str | None, image: Path | None, max_bytes: int) -> str | bytes:
+    """TEXT, or the bytes of the --image file: at most ``max_bytes`` of them
+    (EMBEDFLEET_MAX_IMAGE_BYTES), else a bad parameter naming the file and why."""
+    if image is None:
+        return text or ""  # TEXT is there without --image (_check_query)
+    try:
+        return read_image(image, max_bytes)
+    except ImageFileError as error:
+        raise click.BadParameter(str(error), param_hint="'--image'") from None
+
+
 def _hits_or_exit(
-    work: Coroutine[Any, Any, list[Hit]], timeout: float, settings: Settings
+    work: Coroutine[Any, Any, list[Hit]],
+    timeout: float,
+    settings: Settings,
+    image: Path | None = None,
 ) -> list[Hit]:
-    """The search's hits, or the CLI's one-line error for each way it fails."""
+    """The search's hits, or the CLI's one-line error for each way it fails (``image``: the
+    --image file, which a refusal of the query is about)."""
     try:
         return run_client(work)
     except TimeoutError as error:
@@ -294,11 +361,23 @@ def _hits_or_exit(
         ) from None
     except OptionError as error:
         # the served model's refusal (shared/options.py, a ProtocolError too, so before it):
-        # --hybrid on a dense-only model. Not TEXT's fault: a plain error, exit 1
+        # --hybrid on a dense-only model, --image on a text-only one (its card's modalities).
+        # Not the query's fault: a plain error, exit 1
+        if image is not None and isinstance(error, ModalityError):
+            raise click.ClickException(
+                f"cannot search by --image {image}: {error}; a model lane that embeds images "
+                "(CLIP, SigLIP) can"
+            ) from None
         raise click.ClickException(str(error)) from None
     except ProtocolError as error:  # the protocol's refusal of TEXT: empty, not valid Unicode
-        raise click.BadParameter(str(error), param_hint="TEXT") from None
-    except (VectorDBError, QueryFailedError, MissingExtraError, ValueError) as error:
+        raise click.BadParameter(str(error), param_hint="'--image'" if image else "TEXT") from None
+    except QueryFailedError as error:
+        if image is not None:  # the worker's reason for the file: it does not decode, a bomb
+            raise click.BadParameter(
+                f"{image}: the worker could not embed it: {error.reason}", param_hint="'--image'"
+            ) from None
+        raise click.ClickException(str(error)) from None
+    except (VectorDBError, MissingExtraError, ValueError) as error:
         # ValueError: the served model's refusal (its card)
         raise click.ClickException(str(error)) from None
 
