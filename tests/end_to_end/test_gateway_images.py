@@ -27,6 +27,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from embedfleet.server import ServerProcess, isolated_settings
+from embedfleet.shared.dead_letters import DeadLetter, DeadReason
 from embedfleet.shared.modelcard import ModelCard, publish_card
 from embedfleet.shared.settings import Settings
 from tests.conftest import WorkerProcess
@@ -206,12 +207,25 @@ def test_a_bad_data_uri_is_refused_in_each_dialect_before_the_queue(
     assert asyncio.run(entries_added(fleet_settings)) == before  # nothing reached the queue
 
 
-def test_an_image_the_worker_refuses_is_a_4xx_in_each_dialect(gateway: str) -> None:
+async def dead_reasons(settings: Settings) -> list[DeadReason]:
+    """The reason of every dead letter of ``settings``' namespace, oldest first."""
+    client = aioredis.from_url(settings.effective_redis_url)
+    try:
+        entries = await client.xrange(settings.keys.dead)
+        return [DeadLetter.from_fields(at, fields).reason for at, fields in entries]
+    finally:
+        await client.aclose()
+
+
+def test_an_image_the_worker_refuses_is_a_4xx_in_each_dialect(
+    gateway: str, fleet_settings: Settings
+) -> None:
     bad = {
         "undecodable": b"\x89PNG\r\n\x1a\nthis is no image at all",
         "truncated": image_bytes(7, (64, 64), "PNG")[:300],
         "a decompression bomb": png_claiming(30_000, 30_000),
     }
+    before = len(asyncio.run(dead_reasons(fleet_settings)))
     with httpx.Client(base_url=gateway, timeout=120) as http:
         for path, body, status in DOORS:
             for what, data in bad.items():
@@ -222,6 +236,10 @@ def test_an_image_the_worker_refuses_is_a_4xx_in_each_dialect(gateway: str) -> N
         # the lane goes on: a good image after them
         good = http.post("/embed", json={"inputs": data_uri(IMAGES["png"])})
         assert good.status_code == 200, good.text
+    # each a dead letter with its reason (written with the reply the gateway answered from)
+    reasons = asyncio.run(dead_reasons(fleet_settings))[before:]
+    expected_reasons = [DeadReason.INVALID, DeadReason.INVALID, DeadReason.TOO_LARGE] * len(DOORS)
+    assert sorted(reasons) == sorted(expected_reasons)
 
 
 @pytest.fixture(scope="module")
