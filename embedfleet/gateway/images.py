@@ -111,11 +111,15 @@ def take_images(
     return inputs
 
 
-def require_image_uris(items: Sequence[str], param: str = "input") -> None:
-    """Infinity's /embeddings_image: every input an image data URI, checked by its prefix
-    alone (``take_images`` decodes them); an http(s) URL refused (400 ``url_not_accepted``:
-    nothing is fetched), and any other string (400 ``invalid_image``)."""
+def require_image_uris(value: object, param: str = "input") -> None:
+    """Infinity's images alone (/embeddings_image, or ``"modality": "image"``): ``value`` one
+    image data URI or a list of them, checked by their prefix alone (``take_images`` decodes
+    them); an http(s) URL refused (400 ``url_not_accepted``: nothing is fetched), and anything
+    else (400 ``invalid_image``)."""
+    items = value if isinstance(value, list) else [value]
     for index, item in enumerate(items):
+        if not isinstance(item, str):
+            raise _invalid(f"'{param}[{index}]' is not an image: send a data URI", param)
         if item[:8].lower().startswith(REMOTE_PREFIXES):
             raise APIError(
                 400,

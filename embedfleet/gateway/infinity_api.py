@@ -35,7 +35,7 @@ class ImageEmbeddingRequest(BaseModel):
 @router.post("/v1/embeddings_image")
 async def embeddings_image(body: ImageEmbeddingRequest, gateway: GatewayDep) -> dict[str, object]:
     # the form first, by the prefixes alone (before the model's card is read): images only
-    require_image_uris([body.input] if isinstance(body.input, str) else body.input)
+    require_image_uris(body.input)
     request = EmbeddingRequest(input=body.input, model=body.model, user=body.user)
     answer = await dense_embeddings(request, gateway, "float32")
     return await asyncio.to_thread(

@@ -12,7 +12,7 @@ import numpy as np
 from pydantic import BaseModel, Field, StrictInt
 
 from embedfleet.gateway.errors import APIError, ErrorDialect, dialect_router
-from embedfleet.gateway.images import text_positions, texts_of
+from embedfleet.gateway.images import require_image_uris, text_positions, texts_of
 from embedfleet.gateway.inputs import (
     EmbeddingInput,
     check_dimensions,
@@ -49,6 +49,10 @@ class EmbeddingRequest(BaseModel):
     # Not OpenAI's either: an input over the model's maximum embedded whole, in token windows
     # sharing this many tokens, pooled back into one vector (the chunk option, issue 42)
     window_overlap: StrictInt | None = Field(default=None, ge=0)
+    # Not OpenAI's: Infinity's (``extra_body={"modality": "image"}``): "image", every input an
+    # image data URI (gateway/images.py); left out or "text", a data:image/ string is an image
+    # and any other string a text
+    modality: Literal["text", "image"] | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,8 @@ class DenseEmbeddings:
 
 @router.post("/v1/embeddings")
 async def create_embeddings(body: EmbeddingRequest, gateway: GatewayDep) -> dict[str, object]:
+    if body.modality == "image":  # Infinity's images alone: URLs refused, nothing fetched
+        require_image_uris(body.input)
     async with gateway.request_bound():
         answer = await _dense_embeddings(body, gateway, "float32")
         return await asyncio.to_thread(

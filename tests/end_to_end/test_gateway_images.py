@@ -122,8 +122,13 @@ def test_openai_sdk_embeds_images_beside_texts(
     # the texts' tokens alone: an image counts none
     texts_alone = client.embeddings.create(input=TEXTS, model=model_dir.name)
     assert answer.usage.prompt_tokens == texts_alone.usage.prompt_tokens > 0
-    # one image alone, base64-encoded floats (the SDK's default asks for them)
-    one = client.embeddings.create(input=data_uri(IMAGES["webp"], "webp"), model=model_dir.name)
+    # one image alone, base64-encoded floats (the SDK's default asks for them), with
+    # Infinity's "modality": "image" (its client's extra_body: images alone)
+    one = client.embeddings.create(
+        input=data_uri(IMAGES["webp"], "webp"),
+        model=model_dir.name,
+        extra_body={"modality": "image"},
+    )
     assert min_cosine(np.array([one.data[0].embedding]), references["webp"][None]) >= 0.9999
 
 

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from embedfleet.gateway.batch.files import bounded_lines
 from embedfleet.gateway.errors import APIError
-from embedfleet.gateway.images import Input, text_positions, texts_of
+from embedfleet.gateway.images import Input, require_image_uris, text_positions, texts_of
 from embedfleet.gateway.inputs import (
     check_dimensions,
     openai_truncate,
@@ -107,6 +107,8 @@ def read_request(
             code="invalid_request",
         ) from None
     card = gateway.known_card  # None before any worker published: the worker checks
+    if request.modality == "image":  # as online: images alone, URLs refused
+        require_image_uris(request.input, "body.input")
     if not sent:
         check_dimensions(request.dimensions, card)
     try:

@@ -104,6 +104,8 @@ def test_embeddings_image_takes_data_uris_alone() -> None:
         assert "only data URIs are accepted" in error.message
     error = refused(require_image_uris, ["a red bicycle"])
     assert error.code == "invalid_image" and "is not an image" in error.message
+    require_image_uris(uri())  # one image alone, as a string
+    assert refused(require_image_uris, [[1, 2, 3]]).code == "invalid_image"  # token ids
 
 
 def test_texts_come_out_and_go_back_in_their_places() -> None:

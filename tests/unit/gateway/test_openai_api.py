@@ -30,3 +30,20 @@ def test_a_bad_body_is_openais_400() -> None:
     error = openai_error(http.post("/v1/embeddings", json={"model": "m"}, headers=AUTH), 400)
     assert error["message"] == "invalid request: input: Field required"
     assert error["type"] == "invalid_request_error"
+
+
+def test_infinitys_image_modality_takes_data_uris_alone() -> None:
+    """``"modality": "image"`` (Infinity's ``extra_body``): a URL is refused, never embedded
+    as the text it is, and nothing is fetched; a modality Infinity's /embeddings has and this
+    gateway has not (audio) is a 400 naming it."""
+    http = offline_gateway()
+    for path in ("/v1/embeddings", "/embeddings"):
+        body = {"model": "m", "input": ["https://example.com/cat.jpg"], "modality": "image"}
+        error = openai_error(http.post(path, json=body, headers=AUTH), 400)
+        assert error["code"] == "url_not_accepted" and error["param"] == "input"
+    text = {"model": "m", "input": "a red bicycle", "modality": "image"}
+    error = openai_error(http.post("/v1/embeddings", json=text, headers=AUTH), 400)
+    assert error["code"] == "invalid_image"
+    audio = {"model": "m", "input": "data:audio/wav;base64,UklGRg==", "modality": "audio"}
+    error = openai_error(http.post("/v1/embeddings", json=audio, headers=AUTH), 400)
+    assert error["param"] == "modality"
