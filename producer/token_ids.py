@@ -82,7 +82,7 @@ class TokenIdMaker:
             if chunk.token_ids is None
             and chunk.pair is None
             and chunk.window_overlap is None
-            and chunk.image is None
+            and not chunk.is_image
         ]
         if not wanted:
             return list(chunks)

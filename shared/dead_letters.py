@@ -32,6 +32,8 @@ class DeadReason(StrEnum):
     MODEL = "model"  # the model failed on this text alone
     SINK_REFUSED = "sink_refused"  # the vector database refused this row alone
     TOKENIZER = "tokenizer"  # token ids made by another tokenizer than the model's (issue 53)
+    # an image by reference outside EMBEDFLEET_IMAGE_SOURCES, or missing there (issue 56)
+    SOURCE = "source"
     OTHER = "other"  # an entry without a known code (added by hand or by another tool)
 
 

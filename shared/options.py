@@ -278,7 +278,7 @@ def verify(chunk: Chunk, card: ModelFacts) -> None:
     """Reject the options of ``chunk`` the model of ``card`` cannot honour, before they reach a
     worker: what the Producer, ``embedfleet enqueue`` and ``ModelCard.check`` ask."""
     where = f"chunk {chunk.id!r}: "
-    check_modality(chunk.image is not None, card.modalities, where=where)
+    check_modality(chunk.is_image, card.modalities, where=where)
     for wanted in chunk.wanted_representations:
         require_representation(card, wanted, where=where)
     if chunk.token_states and "dense" not in card.representations:

@@ -201,14 +201,21 @@ class Chunk:
     # of IMAGE_FORMATS (GIF: its first frame), at most ``ChunkLimits.max_image_bytes``
     image: bytes | None = None
     # where ``image`` came from (a file's path, an s3:// URI), for a person to find it again:
-    # a database row stores it in place of a text, never the bytes (sinks: ``Result.text``)
+    # a database row stores it in place of a text, never the bytes (sinks: ``Result.text``).
+    # Without ``image``: the worker reads the image from there, a folder or S3 bucket that
+    # EMBEDFLEET_IMAGE_SOURCES allows (workers/image_sources.py)
     image_ref: str | None = None
+
+    @property
+    def is_image(self) -> bool:
+        """An image chunk: its bytes inline, or a reference the worker reads them from."""
+        return self.image is not None or self.image_ref is not None
 
     @property
     def row_text(self) -> str | None:
         """What a database row keeps in its ``text`` column: the text, or an image chunk's
         ``image_ref`` (where it came from; None without one), never the image's bytes."""
-        return self.text if self.image is None else self.image_ref
+        return self.image_ref if self.is_image else self.text
 
     @property
     def wanted_representations(self) -> tuple[str, ...]:
@@ -228,9 +235,9 @@ class Chunk:
 
 
 # every option a chunk may set, read in one C call (an image chunk is not plain either: its
-# modality is the model's or not)
-_OPTIONS_OF = operator.attrgetter(*OPTION_NAMES, *REPRESENTATION_OPTION_NAMES, "image")
-_NO_OPTIONS = (None,) * (len(OPTION_NAMES) + len(REPRESENTATION_OPTION_NAMES) + 1)
+# modality is the model's or not; by its bytes or its reference alone)
+_OPTIONS_OF = operator.attrgetter(*OPTION_NAMES, *REPRESENTATION_OPTION_NAMES, "image", "image_ref")
+_NO_OPTIONS = (None,) * (len(OPTION_NAMES) + len(REPRESENTATION_OPTION_NAMES) + 2)
 
 # every field's default, for chunks built without __init__ (``_plain_chunk``)
 _CHUNK_DEFAULTS: dict[str, Any] = {
@@ -332,7 +339,7 @@ def _chunk_fields(chunk: Chunk) -> dict[str, Any]:
     fields = {
         "id": chunk.id,
         # an image chunk has no text; an empty text without one is refused as empty
-        "text": chunk.text if chunk.image is None else (chunk.text or None),
+        "text": (chunk.text or None) if chunk.is_image else chunk.text,
         "job": chunk.job,
         "meta": chunk.meta,
         "reply": chunk.reply,
@@ -541,8 +548,8 @@ def chunk_from_mapping(
                 DeadReason.TOO_LARGE,
             )
         check_unicode("text", text)
-    elif text is None and message.get("image") is not None:
-        text = ""  # an image chunk: its bytes are checked with its other fields (_full_chunk)
+    elif text is None and (message.get("image") is not None or message.get("image_ref")):
+        text = ""  # an image chunk: its bytes or reference checked with its other fields
     else:
         raise ProtocolError(f"'text' must be a string, got {type(text).__name__}")
     job = job if job is not None else message.get("job")
@@ -578,9 +585,10 @@ def _image_field(message: Mapping[str, Any], limits: ChunkLimits, text: str) -> 
     return image
 
 
-def _image_ref_field(message: Mapping[str, Any], image: bytes | None) -> str | None:
+def _image_ref_field(message: Mapping[str, Any], text: str) -> str | None:
     """``image_ref``, checked for form: a string of at most ``MAX_IMAGE_REF_CHARS``, beside an
-    ``image`` (it says where those bytes came from)."""
+    ``image`` (where its bytes came from) or alone (where the worker reads them: whether it
+    may is the worker's check, workers/image_sources.py)."""
     ref = message.get("image_ref")
     if ref is None:
         return None
@@ -591,8 +599,8 @@ def _image_ref_field(message: Mapping[str, Any], image: bytes | None) -> str | N
             f"characters when given, got {got}"
         )
     check_unicode("image_ref", ref)
-    if image is None:
-        raise ProtocolError("'image_ref' goes with 'image': where that image's bytes came from")
+    if text:
+        raise ProtocolError("a chunk carries 'text' or an image ('image', 'image_ref'), not both")
     return ref
 
 
@@ -634,7 +642,7 @@ def _full_chunk(
         raise ProtocolError(f"'reembed' must be true or false when given, got {reembed!r}")
     token_ids, tokenizer = _token_id_fields(message)
     image = _image_field(message, limits, text)
-    image_ref = _image_ref_field(message, image)
+    image_ref = _image_ref_field(message, text)
     return Chunk(
         chunk_id,
         text,

@@ -99,9 +99,12 @@ CHUNK_FIELDS: tuple[WireField, ...] = (
         "image_ref",
         "str",
         False,
-        "beside `image`: where its bytes came from (a file's path, an `s3://` URI; at most "
-        f"{MAX_IMAGE_REF_CHARS:,} characters), for a person to find the image again. A database "
-        "row stores it in its `text` column in place of a text (`embedfleet enqueue --images` "
+        "where the image is (an `s3://bucket/key` URI, a file's path; at most "
+        f"{MAX_IMAGE_REF_CHARS:,} characters). Beside `image`: where its bytes came from. Alone "
+        "(an image chunk without `text` or `image`): the worker reads the image from there, an "
+        "S3 prefix or absolute folder `EMBEDFLEET_IMAGE_SOURCES` allows (else dead-lettered "
+        "`source`, as a missing object is; not cached by the vector cache). A database row "
+        "stores it in its `text` column in place of a text (`embedfleet enqueue --images` "
         "sends each file's path); the bytes are never stored. Not part of the content key",
     ),
     WireField("job", "str", False, "groups chunks for progress counters (`{ns}:job:<job>`)"),

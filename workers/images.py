@@ -7,6 +7,9 @@ normalise), one image per task on a pool of the host's threads: Pillow's decoder
 and numpy's arithmetic release the GIL, so the host's cores work side by side, and the event
 loop is never held. Every image has the same shape afterwards, so batches are cut by count.
 
+An image sent by reference (``image_ref`` alone) is read first, on the same threads, from a
+place EMBEDFLEET_IMAGE_SOURCES allows (workers/image_sources.py; refused: ``source``).
+
 Bad input loses nothing: a file that does not decode or is truncated (``invalid``), one over
 ``EMBEDFLEET_MAX_IMAGE_BYTES`` or one whose header promises more than ``MAX_IMAGE_PIXELS``
 pixels (a decompression bomb: a small file that expands to gigapixels; ``too_large``) is
@@ -31,6 +34,7 @@ from embedfleet.sinks import Delivery
 from embedfleet.workers.cpus import usable_cpus
 from embedfleet.workers.dead_letter_writer import Rejected
 from embedfleet.workers.decode import Accepted
+from embedfleet.workers.image_sources import ImageSourceRefused, ImageSources
 from embedfleet.workers.model.tokenizer import Tokenized
 
 # Pillow's own bound, set explicitly rather than left to its default: it raises
@@ -111,31 +115,46 @@ class ImageRows:
 class ImagePipeline:
     """Decoding and the model's image processor, one image per task on ``threads``."""
 
-    def __init__(self, processor: Any, threads: Executor, max_bytes: int) -> None:
+    def __init__(
+        self,
+        processor: Any,
+        threads: Executor,
+        max_bytes: int,
+        sources: ImageSources | None = None,
+    ) -> None:
         self.processor = processor
         self.threads = threads
         self.max_bytes = max_bytes
+        # where images sent by reference are read (None: none allowed)
+        self.sources = sources or ImageSources((), max_bytes)
 
     @classmethod
-    def for_encoder(cls, encoder: Any, max_bytes: int) -> ImagePipeline | None:
+    def for_encoder(
+        cls, encoder: Any, max_bytes: int, sources: ImageSources | None = None
+    ) -> ImagePipeline | None:
         """The pipeline of ``encoder``'s image processor, on a pool of the host's usable
         cores; None for a model that embeds text only."""
         processor = getattr(encoder, "image_processor", None)
         if processor is None:
             return None
         threads = ThreadPoolExecutor(usable_cpus(), thread_name_prefix="images")
-        return cls(processor, threads, max_bytes)
+        return cls(processor, threads, max_bytes, sources)
 
-    def one(self, data: bytes) -> np.ndarray | ImageRefused:
-        """One image's pixels as the processor makes them (channels first), or its refusal."""
+    def one(self, data: bytes | str) -> np.ndarray | ImageRefused:
+        """One image's pixels as the processor makes them (channels first), or its refusal;
+        ``data`` a reference (str): read from its place first."""
         try:
+            if isinstance(data, str):
+                data = self.sources.read(data)
             image = decode_image(data, self.max_bytes)
+        except ImageSourceRefused as refused:
+            return ImageRefused(str(refused), refused.code)
         except ImageRefused as refused:
             return refused
         pixels = self.processor(images=[image], return_tensors="np")["pixel_values"][0]
         return np.asarray(pixels, dtype=np.float32)
 
-    def prepare(self, images: Sequence[bytes]) -> Prepared:
+    def prepare(self, images: Sequence[bytes | str]) -> Prepared:
         """Every image of ``images`` decoded and preprocessed side by side on the threads.
         Blocks its caller: call it off the event loop."""
         done = list(self.threads.map(self.one, images))
@@ -155,11 +174,11 @@ def take_images(
 ) -> tuple[list[int], ImageRows | None]:
     """The positions of ``positions`` that are texts, and the image chunks among them
     preprocessed (None: none kept); a refused image goes to ``rejected`` with its reason."""
-    pictures = [p for p in positions if accepted[p].chunk.image is not None]
+    pictures = [p for p in positions if accepted[p].chunk.is_image]
     if not pictures:
         return positions, None
-    texts = [p for p in positions if accepted[p].chunk.image is None]
-    prepared = pipeline.prepare([accepted[p].chunk.image or b"" for p in pictures])
+    texts = [p for p in positions if not accepted[p].chunk.is_image]
+    prepared = pipeline.prepare([_image_of(accepted[p].chunk) for p in pictures])
     for at, refused in prepared.refused.items():
         item = accepted[pictures[at]]
         rejected.append(Rejected.chunk(item.delivery, item.chunk, refused.code, str(refused)))
@@ -173,6 +192,14 @@ def take_images(
         {accepted[p].delivery: key for p in kept if (key := keys[p]) is not None},
     )
     return texts, rows
+
+
+def _image_of(chunk: Chunk) -> bytes | str:
+    """An image chunk's bytes, or its reference where it came without them."""
+    if chunk.image is not None:
+        return chunk.image
+    assert chunk.image_ref is not None, "an image chunk has its bytes or its reference"
+    return chunk.image_ref
 
 
 def count_batches(count: int, batch_size: int) -> list[range]:

@@ -110,10 +110,10 @@ class Outputs:
 
     def content_key(self, chunk: Chunk, prompt: str) -> str | None:
         """The chunk's content key (shared/content_key.py) with its options as this worker
-        resolves them; None where a stored vector must not be reused: int8/uint8 codes depend
-        on the fleet's calibration ranges, which `embedfleet calibration` can replace."""
+        resolves them; None where a stored vector must not be reused (int8/uint8 codes: the
+        calibration `embedfleet calibration` can replace) or made (an image by reference)."""
         spec = self.spec_for(chunk)
-        if spec.dtype in QUANTIZED:
+        if spec.dtype in QUANTIZED or (chunk.image is None and chunk.image_ref is not None):
             return None
         return self._recipes.key(chunk, prompt, spec)
 
@@ -161,7 +161,7 @@ class Outputs:
 
     def check_representation(self, chunk: Chunk) -> None:
         """The verifier's modality and representation checks (shared/options.py): options."""
-        check_modality(chunk.image is not None, self.card.modalities)
+        check_modality(chunk.is_image, self.card.modalities)
         check_representation(chunk, self.encoder.name, self.encoder.representations)
 
     def spec_for(self, chunk: Chunk) -> OutputSpec:

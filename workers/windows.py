@@ -30,6 +30,7 @@ from embedfleet.workers.consumer import StreamEntry
 from embedfleet.workers.dead_letter_writer import Rejected
 from embedfleet.workers.deadlines import split_expired
 from embedfleet.workers.decode import Accepted, decode_entries
+from embedfleet.workers.image_sources import ImageSources
 from embedfleet.workers.images import ImagePipeline, ImageRows, take_images
 from embedfleet.workers.long_inputs import (
     Rejoin,
@@ -104,7 +105,10 @@ class WindowOpener:
         # the compute stage's planning and collation of a window's batches (tokenizer thread)
         self._prepare = prepare
         # a dual encoder's lane (CLIP, SigLIP): its images' decoding and preprocessing
-        self._images = ImagePipeline.for_encoder(parts.encoder, parts.settings.max_image_bytes)
+        settings = parts.settings
+        self._images = ImagePipeline.for_encoder(
+            parts.encoder, settings.max_image_bytes, ImageSources.of(settings)
+        )
 
     async def open_window(self, entries: list[StreamEntry]) -> tuple[Window, list[Rejected]]:
         """Entries → a window, and what to dead-letter: decoded, validated and given their

@@ -26,6 +26,12 @@ class InputSettings(Section):
     """Largest image a chunk carries (its encoded bytes: JPEG, PNG, WebP, GIF), for a CLIP or
     SigLIP lane; bigger ones are dead-lettered (`too_large`). Keep it below
     `EMBEDFLEET_MAX_MESSAGE_BYTES`, which bounds the whole chunk."""
+    image_sources: str = ""
+    """Where a worker may read an image chunk sent by reference (its `image_ref` alone, no
+    bytes), comma-separated: S3 prefixes (`s3://bucket` or `s3://bucket/prefix`, read with the
+    Parquet store's settings: `EMBEDFLEET_S3_ENDPOINT_URL`, the `AWS_*` variables) and absolute
+    folders on the workers' hosts (`/data/photos`). A reference elsewhere, or to an object that
+    is missing, is dead-lettered (`source`). Empty: no reference is read."""
     max_id_chars: int = Field(default=512, ge=1)
     """Longest chunk id and job id accepted (characters)."""
     dead_payload_max_bytes: int = Field(default=64 * 1024, ge=0)

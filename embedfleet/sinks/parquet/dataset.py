@@ -177,15 +177,25 @@ def open_location(target: Any) -> tuple[pafs.FileSystem, str]:
     # delayed open: an object smaller than one upload part goes up as one PUT on close (else
     # pyarrow starts a multipart upload at open); larger ones as a multipart upload, which S3
     # also shows only once it completes
-    options: dict[str, Any] = {"allow_delayed_open": True}
-    if target.endpoint_url:
-        endpoint = urlsplit(target.endpoint_url)
+    s3 = s3_filesystem(target.endpoint_url, allow_delayed_open=True)
+    return s3, location.removeprefix("s3://").rstrip("/")
+
+
+def s3_filesystem(endpoint_url: str | None, **options: Any) -> pafs.S3FileSystem:
+    """pyarrow's S3 filesystem on AWS, or on the S3-compatible server at ``endpoint_url``
+    (EMBEDFLEET_S3_ENDPOINT_URL), its region from ``AWS_REGION`` / ``AWS_DEFAULT_REGION`` and
+    its credentials from the other ``AWS_*`` variables: the Parquet store's, and the workers'
+    reads of images sent by reference (workers/image_sources.py)."""
+    import pyarrow.fs as pafs
+
+    if endpoint_url:
+        endpoint = urlsplit(endpoint_url)
         options["endpoint_override"] = endpoint.netloc or endpoint.path
         options["scheme"] = endpoint.scheme or "https"
     region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
     if region:
         options["region"] = region
-    return pafs.S3FileSystem(**options), location.removeprefix("s3://").rstrip("/")
+    return pafs.S3FileSystem(**options)
 
 
 class ParquetBackend(VectorBackend):

@@ -301,3 +301,63 @@ async def test_an_image_row_keeps_its_reference_in_every_store(
         "bare": None,
         "caption": "a red bicycle",
     }
+
+
+@pytest.mark.slow  # an S3-compatible server (moto_server)
+async def test_images_by_reference_are_read_from_allowed_places_only(
+    workers: WorkerLauncher,
+    settings: Settings,
+    client: aioredis.Redis,
+    models: Path,
+    tmp_path: Path,
+    s3_endpoint: str,
+) -> None:
+    from tests.conftest import BUCKET
+    from tests.integration.sinks.parquet.test_sink import s3_filesystem
+
+    model_dir = dual_model_dir("clip", models)
+    pictures = {f"p{i}": image_bytes(200 + i, (30 + i, 50 - i), FORMATS[i % 4]) for i in range(6)}
+    s3 = s3_filesystem(s3_endpoint)
+    for name in ("p0", "p1", "p2"):
+        with s3.open_output_stream(f"{BUCKET}/photos/{name}") as stream:
+            stream.write(pictures[name])
+    with s3.open_output_stream(f"{BUCKET}/private/p0") as stream:
+        stream.write(pictures["p0"])
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    for name in ("p3", "p4", "p5"):
+        (folder / name).write_bytes(pictures[name])
+    (tmp_path / "secret.png").write_bytes(pictures["p3"])
+    refs = {name: f"s3://{BUCKET}/photos/{name}" for name in ("p0", "p1", "p2")}
+    refs |= {name: str(folder / name) for name in ("p3", "p4", "p5")}
+    refused = {
+        "missing": f"s3://{BUCKET}/photos/none",
+        "other-prefix": f"s3://{BUCKET}/private/p0",
+        "outside": str(tmp_path / "secret.png"),
+    }
+    lane = settings.model_copy(
+        update={
+            "image_sources": f"s3://{BUCKET}/photos/,{folder}",
+            "s3_endpoint_url": s3_endpoint,
+        }
+    )
+    chunks = [Chunk(id=name, image_ref=ref) for name, ref in {**refs, **refused}.items()]
+    encoder = Encoder(str(model_dir), device="cpu", dtype="float32")
+    async with workers.run(lane, encoder=encoder), Producer(lane, client) as producer:
+        await producer.enqueue(chunks, job="refs")
+        progress = await producer.wait_for_job("refs", timeout=120)
+        results = {r.id: r.vector.astype(np.float32) async for r in producer.results(job="refs")}
+    assert (progress.done, progress.dead) == (len(refs), len(refused))
+    names = sorted(refs)
+    reference = reference_image_features(model_dir, [pictures[name] for name in names])
+    assert min_cosine(np.stack([results[name] for name in names]), reference) >= 0.9999
+    dead = {
+        letter.chunk_id: letter
+        for letter in (DeadLetter.from_fields(i, f) for i, f in await client.xrange(lane.keys.dead))
+    }
+    assert {name: dead[name].reason for name in refused} == dict.fromkeys(
+        refused, DeadReason.SOURCE
+    )
+    assert "no such object" in dead["missing"].detail
+    assert "outside the places EMBEDFLEET_IMAGE_SOURCES allows" in dead["other-prefix"].detail
+    assert "outside the places" in dead["outside"].detail

@@ -488,6 +488,11 @@ def test_an_image_chunk_round_trips_without_a_text() -> None:
     assert validate_chunk(chunk) == chunk
     referenced = Chunk(id="img", image=b"\x89PNG", image_ref="photos/cats/1 é.png")
     assert decode_chunk(encode_chunk(referenced)) == referenced
+    # a reference alone: an image chunk the worker reads (no text on the wire, not plain)
+    by_ref = Chunk(id="img", image_ref="s3://photos/cats/1.png", job="j")
+    assert "text" not in msgpack.unpackb(encode_chunk(by_ref))
+    assert decode_chunk(encode_chunk(by_ref)) == by_ref
+    assert by_ref.is_image and not by_ref.plain and by_ref.row_text == "s3://photos/cats/1.png"
     # a database row keeps the reference in place of a text, never the bytes
     assert (referenced.row_text, chunk.row_text) == ("photos/cats/1 é.png", None)
     assert Chunk(id="t", text="a caption").row_text == "a caption"
@@ -503,7 +508,7 @@ def test_an_image_chunk_round_trips_without_a_text() -> None:
         ({"image": b"x", "image_ref": ""}, DeadReason.INVALID, "'image_ref' must be a non-empty"),
         ({"image": b"x", "image_ref": 5}, DeadReason.INVALID, "got int"),
         ({"image": b"x", "image_ref": "r" * 2049}, DeadReason.INVALID, "at most 2048"),
-        ({"text": "t", "image_ref": "a.png"}, DeadReason.INVALID, "'image_ref' goes with 'image'"),
+        ({"text": "t", "image_ref": "a.png"}, DeadReason.INVALID, r"\('image', 'image_ref'\), not"),
     ],
 )
 def test_an_image_is_checked_for_form(
