@@ -49,6 +49,9 @@ from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import Chunk
 
 log = get_logger("embedfleet.producer")
+# a batch is sent once its images hold this many bytes, whatever its count: a batch is held in
+# memory and pipelined to Redis whole, and images run to EMBEDFLEET_MAX_IMAGE_BYTES each
+BATCH_IMAGE_BYTES = 96 << 20
 
 
 class Enqueuer:
@@ -73,10 +76,11 @@ class Enqueuer:
         backlog_wait_s: float | None,
         token_ids: bool | None = None,
     ) -> Enqueued:
-        """XADD every chunk, ``batch_size`` per pipelined round trip; returns how many were
-        added (an ``Enqueued``: an int, with ``present``, the chunks skipped because their job
-        already had them with the same payload, and ``chunks``, all of them). ``force``,
-        ``reembed``, ``options``, ``tenant`` and ``backlog_wait_s``: the module's docstring."""
+        """XADD every chunk, ``batch_size`` (or ``BATCH_IMAGE_BYTES`` of images) per pipelined
+        round trip; returns how many were added (an ``Enqueued``: an int, with ``present``, the
+        chunks skipped because their job already had them with the same payload, and ``chunks``,
+        all of them). ``force``, ``reembed``, ``options``, ``tenant`` and ``backlog_wait_s``: the
+        module's docstring."""
         lane = self.lane
         await lane.setup()
         settings = lane.settings
@@ -84,16 +88,18 @@ class Enqueuer:
         call = EnqueueCall(force=force)
         total = Enqueued()
         batch: list[Chunk] = []
+        held = 0  # the batch's image bytes
         # the producer's token ids (producer/token_ids.py): made per batch off the event loop
         with_ids = settings.producer_token_ids if token_ids is None else token_ids
         maker = await lane.token_id_maker() if with_ids else None
         for chunk in self._stamped(chunks, job, options, tenant, reembed):
             batch.append(await lane.checked(chunk))
-            if len(batch) >= batch_size:
+            held += len(chunk.image) if chunk.image is not None else 0
+            if len(batch) >= batch_size or held >= BATCH_IMAGE_BYTES:
                 total += await self._send(
                     await _with_ids(maker, batch), on_batch, call, wait_s, total
                 )
-                batch = []
+                batch, held = [], 0
         if batch:
             total += await self._send(await _with_ids(maker, batch), on_batch, call, wait_s, total)
         if total.present:

@@ -63,8 +63,6 @@ from embedfleet.sinks import (
 
 # the image files --images reads, named in its messages
 NAMES = "/".join(IMAGE_SUFFIXES)
-# the most bytes of images in one enqueue batch (a round trip): 32 at the 3 MiB default cap
-IMAGE_BATCH_BYTES = 96 << 20
 
 
 def _settings(redis_url: str | None) -> Settings:
@@ -507,10 +505,8 @@ async def _enqueue_images(
         chunks = itertools.chain.from_iterable(
             folder_chunks(folder, files, job, bad, limits, check) for folder, files in folders
         )
-        # a batch's bytes bounded: images are up to EMBEDFLEET_MAX_IMAGE_BYTES each
-        batch = max(1, min(1000, IMAGE_BATCH_BYTES // limits.max_image_bytes))
-        bar = Progress("enqueue", "images", total=total)
-        count = await _send(producer, chunks, run, bar, batch_size=batch)
+        # (a batch is sent at 96 MiB of images: producer/enqueuer.py BATCH_IMAGE_BYTES)
+        count = await _send(producer, chunks, run, Progress("enqueue", "images", total=total))
         rejected.extend(bad)
         await _wait_if_asked(producer, job, run, count, dead)
     return count

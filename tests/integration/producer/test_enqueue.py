@@ -206,3 +206,18 @@ async def test_a_bad_number_is_a_protocol_error_and_nothing_is_sent(
             await producer.embed_sparse(["t"], max_active_dims=value, timeout=5)  # type: ignore[arg-type]
     for stream in (settings.keys.ingest, settings.keys.query, settings.keys.interactive):
         assert await client.xlen(stream) == 0, stream
+
+
+async def test_a_batch_of_images_is_sent_at_its_bytes_bound(
+    settings: Settings, client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the bound lowered from 96 MiB: a batch of 1,000 images of 3 MiB would hold 3 GB
+    monkeypatch.setattr("embedfleet.producer.enqueuer.BATCH_IMAGE_BYTES", 10_000)
+    images = [Chunk(id=f"p{i}", image=bytes([i]) * 3_000, image_ref=f"p{i}.png") for i in range(9)]
+    sent: list[int] = []
+    async with Producer(settings, client) as producer:
+        count = await producer.enqueue(
+            [*images, Chunk(id="t", text="a caption")], on_batch=sent.append
+        )
+    assert count == 10 and sent == [4, 4, 2]  # 12,000 bytes at the fourth image, then the rest
+    assert sorted(await entry_ids(client, settings)) == sorted([*(c.id for c in images), "t"])
