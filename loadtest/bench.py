@@ -44,6 +44,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # same for every contender
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -61,6 +62,9 @@ from loadtest.common import cpu_identity, cpu_line
 from loadtest.corpus import CorpusText, FreshCorpora, describe
 from loadtest.packed_rows import RowsEncoder, plan_rows
 from loadtest.peers import InfinityConfig, InfinityPeer, infinity_available
+
+if TYPE_CHECKING:
+    from embedfleet.producer.chunks import ChunkLike
 
 ST_SWEEP = (16, 32, 64, 128, 256)
 
@@ -302,12 +306,21 @@ class Fleet:
         """One end-to-end run; ``settings`` overrides worker settings (the GPU check's budgets,
         loadtest.precisions' output dtype); ``poll_s`` reads the job's counters at that fixed
         interval instead of the producer's paced reads (producer/polling.py)."""
-        return asyncio.run(self._run(encoder, texts, ids, keep, slice_ms, settings or {}, poll_s))
+        chunks = [{"id": i, "text": t} for i, t in zip(ids, texts, strict=True)]
+        return asyncio.run(self._run(encoder, chunks, ids, keep, slice_ms, settings or {}, poll_s))
+
+    def run_images(self, encoder: Encoder, images: list[bytes], ids: list[str]) -> Run:
+        """One end-to-end run of image chunks (issue 56: loadtest/image_bench.py), their
+        vectors read back after the clock."""
+        from embedfleet.shared.protocol import Chunk
+
+        chunks = [Chunk(id=i, image=data) for i, data in zip(ids, images, strict=True)]
+        return asyncio.run(self._run(encoder, chunks, ids, True, -1, {}, None))
 
     async def _run(
         self,
         encoder: Encoder,
-        texts: list[str],
+        chunks: Sequence[ChunkLike],
         ids: list[str],
         keep: bool,
         slice_ms: float,
@@ -353,7 +366,6 @@ class Fleet:
                     ready.cancel()
                     task.result()  # the worker failed before it was ready: its error
                     raise RuntimeError("the benchmark's worker stopped before it was ready")
-                chunks = [{"id": i, "text": t} for i, t in zip(ids, texts, strict=True)]
                 busy_before = worker.stats.model_seconds
                 started = time.perf_counter()
                 await producer.enqueue(chunks, job=job)
@@ -465,8 +477,11 @@ class FleetEncoders:
     prepared (its forward path chosen) before the warm-up, so no round pays for it and every
     row is labelled with what it computes in."""
 
-    def __init__(self, device: str, threads: int) -> None:
-        self._base = {"device": device, "threads": threads}
+    def __init__(self, device: str, threads: int, model: str | None = None) -> None:
+        # ``model``: another model than the settings' (the images benchmark's CLIP directory)
+        self._base: dict[str, object] = {"device": device, "threads": threads}
+        if model is not None:
+            self._base["model"] = model
         self._encoders: dict[frozenset[tuple[str, str]], Encoder] = {}
         # each other engine's build cost (export_s, compile_s, rss_mib), for the report
         self.load_costs: dict[str, dict[str, float]] = {}
@@ -624,6 +639,20 @@ def machine_line() -> str:
 )
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option(
+    "--images",
+    "image_count",
+    type=int,
+    default=0,
+    help="Images per round: the images benchmark (loadtest/image_bench.py, issue 56) instead.",
+)
+@click.option(
+    "--image-model",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="--images: the CLIP model's directory, built there (ViT-B/32's shapes) if absent; "
+    "default: built in a temporary directory.",
+)
+@click.option(
     "--plot",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
@@ -641,6 +670,8 @@ def main(
     redis_url: str | None,
     peers: bool,
     json_out: Path | None,
+    image_count: int,
+    image_model: Path | None,
     plot: Path | None,
 ) -> None:
     """Side-by-side throughput: sentence-transformers vs a naive loop vs the fleet, every
@@ -657,6 +688,12 @@ def main(
     threads = threads or usable_cpus()
     torch.set_num_threads(threads)
     say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    if image_count:
+        from loadtest.image_bench import ImageBench, run_images
+
+        bench = ImageBench(image_count, rounds, seed, threads, device, only, redis_url)
+        run_images(bench, image_model, say, json_out)
+        return
 
     # Every (round, contender) gets a corpus of its own, of the same token lengths, text for
     # text, and no text any other corpus of the run holds: the vector cache, on by default,

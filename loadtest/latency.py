@@ -2,6 +2,7 @@
 
     python -m loadtest.latency [--queries 200] [--window 15] [--rounds 5] [--pair-pause 0.1]
                                [--slice-ms MS] [--paths default,eager,frozen,int8,varlen]
+                               [--images [--image-model DIR]]
 
 Prints one table: query p50/p99 one at a time and 8 concurrent, with the ingest stream idle and
 saturated (a backlog that outlasts the measurement), beside a bare in-process forward pass of
@@ -20,6 +21,12 @@ texts: the worker sorts each window of 1,024 chunks by length, so texts/s over a
 swings several-fold with where in the window the stretch falls (one run read 70 texts/s
 without queries and 16 with, while the tokens computed differed by 25%).
 
+``--images`` (issue 56): the worker serves a CLIP model (ViT-B/32's shapes, random weights:
+tests/image_models.py ``clip_shaped_dir``), the queries are texts on its lane (the text tower)
+and the bulk load is image chunks (``loadtest.image_bench``'s mixed sizes and formats), so the
+lane's bound is measured under an image backlog; bulk rates are then images/s (the worker's
+embedfleet_texts_embedded_total: chunks written), as an image has no tokens.
+
 The bare forward pass and the idle one-at-a-time queries are measured in pairs, one after the
 other, so both see the same machine: on a noisy 2-core VM the forward pass alone drifts by
 several milliseconds between runs, more than the gap being measured.
@@ -33,9 +40,12 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -61,6 +71,11 @@ if TYPE_CHECKING:
     from embedfleet.workers.model.encoder import Encoder
 
 QUERY = "how do I read a file line by line in python"
+TEXT_BACKLOG = 12_000
+# --images: a ViT-B/32 embeds a few images a second per CPU core, and each is tens of KiB in
+# the stream: a thousand outlast the measurement there (the throughput rounds top it up)
+IMAGE_BACKLOG = 1_000
+IMAGE_POOL = 64  # distinct files in the image bulk load
 
 # Each forward path the worker may take for bulk batches, forced by its settings (the worker's
 # environment; the bare forward pass reads the same settings). "default" changes nothing.
@@ -147,7 +162,7 @@ def bare_encoder(settings: Settings | None = None) -> Encoder:
     from embedfleet.workers.queries import prepare_forward_paths
 
     settings = settings or Settings()
-    encoder = Encoder(dtype=settings.dtype)
+    encoder = Encoder(settings.model, dtype=settings.dtype)
     prepare_forward_paths(encoder, settings)  # as the worker's query stage does at start
     print(f"bare forward path: {encoder.forward_path}")
     for _ in range(10):
@@ -196,29 +211,43 @@ async def query_latencies(producer: Producer, count: int, concurrency: int) -> l
     return samples
 
 
-def bulk_corpus(count: int) -> list[Chunk]:
+def bulk_corpus(count: int, images: Sequence[bytes] = ()) -> list[Chunk]:
+    """``count`` bulk chunks: the built-in corpus's texts in turn, or ``images`` (``--images``)."""
+    if images:
+        tag = uuid.uuid4().hex[:8]
+        return [Chunk(id=f"b{tag}-{i}", image=images[i % len(images)]) for i in range(count)]
     texts = [c.text for c in builtin_corpus()]
     return [
         Chunk(id=f"b{uuid.uuid4().hex[:8]}-{i}", text=texts[i % len(texts)]) for i in range(count)
     ]
 
 
-async def keep_saturated(producer: Producer, settings: Settings, backlog: int) -> None:
+async def keep_saturated(
+    producer: Producer, settings: Settings, backlog: int, images: Sequence[bytes] = ()
+) -> None:
     """Top the ingest stream up between throughput runs, so none of them runs it dry (a fast
     machine got through 12,000 chunks before the last run once, and read half the rate)."""
     if await producer.client.xlen(settings.keys.ingest) < backlog // 2:
-        await producer.enqueue(bulk_corpus(backlog), job="saturate")
+        await producer.enqueue(bulk_corpus(backlog, images), job="saturate")
 
 
-async def bulk_tokens(session: aiohttp.ClientSession, metrics_url: str) -> float:
-    """Real tokens of bulk work the worker has embedded so far (queries are not counted)."""
+# what a bulk rate counts: real tokens of texts, or chunks written (an image has no tokens)
+TOKENS = "embedfleet_tokens_embedded_total"
+CHUNKS = "embedfleet_texts_embedded_total"
+
+
+async def bulk_tokens(
+    session: aiohttp.ClientSession, metrics_url: str, metric: str = TOKENS
+) -> float:
+    """Real tokens of bulk work the worker has embedded so far (queries are not counted), or
+    the bulk chunks it has written (``CHUNKS``: the images of ``--images``)."""
     async with session.get(metrics_url) as response:
         text = await response.text()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == "embedfleet_tokens_embedded_total":
+            if sample.name == metric:
                 return sample.value
-    raise RuntimeError(f"no embedfleet_tokens_embedded_total in {metrics_url}")
+    raise RuntimeError(f"no {metric} in {metrics_url}")
 
 
 @dataclass
@@ -327,9 +356,14 @@ def resolved_slice_ms(settings: Settings) -> float:
 
 
 async def bulk_rate(
-    producer: Producer, metrics_url: str, window: float, queries_per_s: float
+    producer: Producer,
+    metrics_url: str,
+    window: float,
+    queries_per_s: float,
+    metric: str = TOKENS,
 ) -> float:
-    """Tokens/s of bulk work over ``window`` seconds, optionally serving queries at a fixed rate.
+    """Tokens/s of bulk work over ``window`` seconds (``metric``: what is counted), optionally
+    serving queries at a fixed rate.
 
     The counter moves in steps of one batch (about a second of work here), so the rate is the
     least-squares slope over samples every 100 ms, not (last - first) / window.
@@ -350,7 +384,7 @@ async def bulk_rate(
     tokens: list[float] = []
     async with aiohttp.ClientSession() as session:  # one connection for all the samples
         while (now := time.perf_counter()) - started < window:
-            tokens.append(await bulk_tokens(session, metrics_url))
+            tokens.append(await bulk_tokens(session, metrics_url, metric))
             times.append(now - started)
             await asyncio.sleep(0.1)
     stop.set()
@@ -412,6 +446,9 @@ async def run_path(path: str, args: argparse.Namespace) -> PathRun:
     if args.slice_ms is not None:
         env["EMBEDFLEET_SLICE_MS"] = f"{args.slice_ms:g}"
         forced = forced.model_copy(update={"slice_ms": args.slice_ms})
+    if args.image_model is not None:  # --images: a CLIP lane, text queries, images in bulk
+        env["EMBEDFLEET_MODEL"] = str(args.image_model)
+        forced = forced.model_copy(update={"model": str(args.image_model)})
     with redis_server() as server:
         settings = Settings(redis_url=server.url, namespace=f"lat{uuid.uuid4().hex[:6]}")
         port = free_port()
@@ -429,7 +466,7 @@ async def run_path(path: str, args: argparse.Namespace) -> PathRun:
                 )
                 after_idle = await query_stage_totals(metrics_url)
                 rows[("idle", 8)] = await query_latencies(producer, args.queries, 8)
-                backlog = bulk_corpus(args.backlog)
+                backlog = bulk_corpus(args.backlog, args.bulk_images)
                 await producer.enqueue(backlog, job="saturate")
                 await asyncio.sleep(3)  # the worker is deep in bulk batches
                 before_saturated = await query_stage_totals(metrics_url)
@@ -443,10 +480,13 @@ async def run_path(path: str, args: argparse.Namespace) -> PathRun:
                 left = await producer.client.xlen(settings.keys.ingest)
                 without, with_queries = [], []
                 for _ in range(args.rounds):
-                    await keep_saturated(producer, settings, args.backlog)
-                    without.append(await bulk_rate(producer, metrics_url, args.window, 0))
-                    await keep_saturated(producer, settings, args.backlog)
-                    with_queries.append(await bulk_rate(producer, metrics_url, args.window, 10))
+                    for queries_per_s, rates in ((0, without), (10, with_queries)):
+                        await keep_saturated(producer, settings, args.backlog, args.bulk_images)
+                        rates.append(
+                            await bulk_rate(
+                                producer, metrics_url, args.window, queries_per_s, args.bulk_metric
+                            )
+                        )
                 left_after = await producer.client.xlen(settings.keys.ingest)
                 slices = await slice_report(metrics_url)
     slice_ms = slices.target_ms if math.isfinite(slices.target_ms) else resolved_slice_ms(forced)
@@ -539,12 +579,13 @@ def print_table(run: PathRun, args: argparse.Namespace) -> None:
             "embedfleet_query_stage_seconds): "
             + ", ".join(f"{stage} {ms:.1f}" for stage, ms in means.items())
         )
-    print("\n| bulk load | real tokens/s (median of rounds) |")
+    unit = "images/s" if args.bulk_images else "real tokens/s"
+    print(f"\n| bulk load | {unit} (median of rounds) |")
     print("|---|---|")
     print(f"| no queries | {statistics.median(run.without):,.0f} |")
     print(f"| 10 queries/s | {statistics.median(run.with_queries):,.0f} |")
     print(
-        "rounds (tokens/s): without "
+        f"rounds ({unit}): without "
         + " ".join(f"{r:.0f}" for r in run.without)
         + "; with "
         + " ".join(f"{r:.0f}" for r in run.with_queries)
@@ -605,7 +646,12 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--queries", type=int, default=200, help="queries per row")
-    parser.add_argument("--backlog", type=int, default=12000, help="bulk chunks enqueued")
+    parser.add_argument(
+        "--backlog",
+        type=int,
+        default=None,
+        help=f"bulk chunks enqueued (default {TEXT_BACKLOG:,}; with --images {IMAGE_BACKLOG:,})",
+    )
     parser.add_argument("--window", type=float, default=15.0, help="seconds per throughput run")
     parser.add_argument(
         "--pair-pause",
@@ -626,9 +672,42 @@ def main() -> None:
         default=["default"],
         help=f"comma-separated forward paths to force, one worker each: {', '.join(PATHS)}",
     )
+    parser.add_argument(
+        "--images",
+        action="store_true",
+        help="the bulk load is images (issue 56): a CLIP lane (ViT-B/32's shapes, random "
+        "weights) embeds them while text queries are measured; bulk rates in images/s",
+    )
+    parser.add_argument(
+        "--image-model",
+        type=Path,
+        default=None,
+        help="--images: the CLIP model's directory, built there if absent (default: a temporary "
+        "directory)",
+    )
     add_plot_argument(parser, "the latency CDFs, idle vs saturated,")
     args = parser.parse_args()
-    uvloop.run(scenario(args))
+    with tempfile.TemporaryDirectory(prefix="latency-") as scratch:
+        image_load(args, Path(scratch))
+        uvloop.run(scenario(args))
+
+
+def image_load(args: argparse.Namespace, scratch: Path) -> None:
+    """The bulk load's settings on ``args``: texts, or with ``--images`` a pool of
+    ``IMAGE_POOL`` files enqueued in turn (the worker's vector cache is off: repeats are
+    embedded again, as the texts' are) and the CLIP model, built in ``scratch`` unless given."""
+    args.bulk_images, args.bulk_metric = (), TOKENS
+    if not args.images:
+        args.image_model = None
+        args.backlog = args.backlog or TEXT_BACKLOG
+        return
+    from loadtest.image_bench import round_images
+    from tests.image_models import clip_shaped_dir
+
+    args.image_model = clip_shaped_dir(args.image_model or scratch / "clip-vit-b-32-random")
+    args.bulk_images = round_images(IMAGE_POOL, 0, "latency bulk")
+    args.bulk_metric = CHUNKS
+    args.backlog = args.backlog or IMAGE_BACKLOG
 
 
 def _path_list(text: str) -> list[str]:

@@ -9,6 +9,7 @@ the model's PIL image processor, saved as a Hugging Face directory the way a pub
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,16 +28,22 @@ def _tower_sizes() -> dict[str, int]:
     return dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
 
 
-def _config(family: str, tokenizer: transformers.PreTrainedTokenizerFast) -> object:
-    text = dict(
+def _text_config(
+    tokenizer: transformers.PreTrainedTokenizerFast, positions: int, sizes: dict[str, int]
+) -> dict[str, int]:
+    return dict(
         vocab_size=len(tokenizer),
-        max_position_embeddings=TEXT_POSITIONS,
+        max_position_embeddings=positions,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.cls_token_id,
         # CLIP pools its text at the first end-of-text token: the tokenizer's [SEP]
         eos_token_id=tokenizer.sep_token_id,
-        **_tower_sizes(),
+        **sizes,
     )
+
+
+def _config(family: str, tokenizer: transformers.PreTrainedTokenizerFast) -> object:
+    text = _text_config(tokenizer, TEXT_POSITIONS, _tower_sizes())
     vision = dict(image_size=IMAGE_SIZE, patch_size=8, **_tower_sizes())
     if family == "clip":
         return transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
@@ -52,13 +59,18 @@ def _processor(family: str) -> object:
     return transformers.SiglipImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
 
 
+def _test_tokenizer(positions: int) -> transformers.PreTrainedTokenizerFast:
+    tokenizer = _fast_tokenizer("bert")
+    tokenizer.model_max_length = positions
+    return tokenizer
+
+
 def dual_model_dir(family: str, root: Path) -> Path:
     """A ``CLIPModel`` or ``SiglipModel`` directory under ``root`` (built once per root)."""
     target = root / f"dual-{family}"
     if (target / "config.json").is_file():
         return target
-    tokenizer = _fast_tokenizer("bert")
-    tokenizer.model_max_length = TEXT_POSITIONS
+    tokenizer = _test_tokenizer(TEXT_POSITIONS)
     torch.manual_seed(sum(map(ord, family)))  # the same random weights every run
     model_class = transformers.CLIPModel if family == "clip" else transformers.SiglipModel
     model = model_class(_config(family, tokenizer))
@@ -69,6 +81,64 @@ def dual_model_dir(family: str, root: Path) -> Path:
     model.eval().save_pretrained(target)
     tokenizer.save_pretrained(target)
     _processor(family).save_pretrained(target)  # type: ignore[attr-defined]
+    return target
+
+
+@dataclass(frozen=True)
+class ClipShape:
+    """A CLIP model's sizes: each tower's hidden / intermediate / layers / heads, the image and
+    patch sides in pixels, the text positions and the shared projection's width."""
+
+    vision: dict[str, int]
+    text: dict[str, int]
+    image_size: int
+    patch_size: int
+    text_positions: int
+    projection_dim: int
+
+
+def _sizes(hidden: int, layers: int, heads: int) -> dict[str, int]:
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+    )
+
+
+# openai/clip-vit-base-patch32's shapes (4.4 GFLOP per image in its vision tower)
+VIT_B_32 = ClipShape(
+    vision=_sizes(768, 12, 12),
+    text=_sizes(512, 12, 8),
+    image_size=224,
+    patch_size=32,
+    text_positions=77,
+    projection_dim=512,
+)
+
+
+def clip_shaped_dir(target: Path, shape: ClipShape = VIT_B_32, seed: int = 0) -> Path:
+    """A ``CLIPModel`` directory of ``shape``'s sizes with transformers' own random
+    initialisation, the test tokenizer and a ``CLIPImageProcessor`` (resize the shortest edge,
+    crop the centre, as a published ``openai/clip-*`` snapshot's), for speed runs only
+    (loadtest.bench --images): nothing downloaded. Made once, kept when it is there."""
+    if (target / "config.json").is_file():
+        return target
+    tokenizer = _test_tokenizer(shape.text_positions)
+    config = transformers.CLIPConfig(
+        text_config=_text_config(tokenizer, shape.text_positions, shape.text),
+        vision_config=dict(
+            image_size=shape.image_size, patch_size=shape.patch_size, **shape.vision
+        ),
+        projection_dim=shape.projection_dim,
+    )
+    torch.manual_seed(seed)
+    transformers.CLIPModel(config).eval().save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    transformers.CLIPImageProcessor(
+        size={"shortest_edge": shape.image_size},
+        crop_size={"height": shape.image_size, "width": shape.image_size},
+    ).save_pretrained(target)
     return target
 
 

@@ -68,6 +68,8 @@ ALLOWED: dict[str, dict[str, str]] = {
 BENCHMARKS_ON_TESTS = {
     "loadtest/gpu_steps.py": "tests.model_zoo's BERT-shaped model for the GPU rehearsal",
     "loadtest/one_pass.py": "tests.model_zoo's BGE-M3-shaped model and corpus lines",
+    "loadtest/image_bench.py": "tests.image_models' CLIP ViT-B/32-shaped model (issue 56)",
+    "loadtest/latency.py": "tests.image_models' CLIP ViT-B/32-shaped model for --images",
 }
 
 
