@@ -20,7 +20,7 @@ from typing import TypeVar
 import numpy as np
 import redis.asyncio as aioredis
 
-from embedfleet.gateway.errors import APIError, overloaded, retry_later
+from embedfleet.gateway.errors import APIError, input_rejected, overloaded, retry_later
 from embedfleet.gateway.metrics import GatewayMetrics
 from embedfleet.gateway.timing_headers import TokenCounter, fleet_call
 from embedfleet.producer.client import EmbeddingOptions, Producer, QueryTimeoutError
@@ -229,7 +229,7 @@ class Embedder:
                 message += "; " + self.workers.none_alive()
             raise _timeout(message) from None
         except QueryFailedError as error:
-            raise _rejected(error) from None
+            raise input_rejected(error) from None
 
     async def _refuse_when_full(
         self, what: str, waiting: int, high_water: int, variable: str
@@ -246,7 +246,3 @@ class Embedder:
 
 def _timeout(message: str) -> APIError:
     return APIError(504, message, type="server_error", code="timeout")
-
-
-def _rejected(error: QueryFailedError) -> APIError:
-    return APIError(400, f"the worker rejected an input: {error}", code="input_rejected")

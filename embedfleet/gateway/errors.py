@@ -89,6 +89,12 @@ def retry_later(status: int, message: str, code: str, retry_after_s: int) -> API
     )
 
 
+def input_rejected(reason: object) -> APIError:
+    """An input the worker dead-lettered (a text the model refuses, an image that does not
+    decode): the caller's to fix, answered with the worker's reason, online as in a batch."""
+    return APIError(400, f"the worker rejected an input: {reason}", code="input_rejected")
+
+
 def overloaded(message: str, retry_after_s: int) -> APIError:
     return retry_later(429, message, "rate_limit_exceeded", retry_after_s)
 

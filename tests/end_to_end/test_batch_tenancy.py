@@ -31,6 +31,12 @@ from embedfleet.gateway.batch.output import BatchOutput
 from embedfleet.gateway.batch.runner import BatchRunner
 from embedfleet.shared.settings import Settings
 from tests.conftest import WorkerProcess
+from tests.gateway_support import (
+    module_fleet_settings,
+    module_worker,
+    running_gateway,
+    wait_for_worker,
+)
 from tests.integration.gateway.batch.test_api import (
     batch_line,
     create_batch,
@@ -38,12 +44,6 @@ from tests.integration.gateway.batch.test_api import (
     upload,
     wait_final,
     wait_until,
-)
-from tests.gateway_support import (
-    module_fleet_settings,
-    module_worker,
-    running_gateway,
-    wait_for_worker,
 )
 
 # the slow tier (make test-full, CI): starts a worker process and gateways

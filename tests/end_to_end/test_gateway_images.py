@@ -314,5 +314,7 @@ def test_a_batch_embeds_images_beside_texts(
     assert refused["status_code"] == 400
     assert refused["body"]["error"]["code"] == "invalid_image"
     assert "'body.input[1]' is not valid base64" in refused["body"]["error"]["message"]
-    dead = errors["undecodable"]["response"]["body"]["error"]
-    assert dead["code"] == "dead_lettered" and "does not decode" in dead["message"]
+    dead = errors["undecodable"]["response"]
+    assert dead["status_code"] == 400, "answered as the online endpoint answers a dead letter"
+    assert dead["body"]["error"]["code"] == "input_rejected"
+    assert "does not decode" in dead["body"]["error"]["message"]

@@ -19,8 +19,14 @@ import pytest
 
 from embedfleet.server import ServerProcess, isolated_settings
 from embedfleet.shared.model_path import resolve_model_path
-from tests.integration.gateway.batch.test_api import batch_line, create_batch, jsonl, upload, wait_final
 from tests.gateway_support import min_cosine, module_gateway_url, module_worker
+from tests.integration.gateway.batch.test_api import (
+    batch_line,
+    create_batch,
+    jsonl,
+    upload,
+    wait_final,
+)
 from tests.integration.workers.test_long_inputs import by_hand, long_text, token_counter
 
 # the slow tier (make test-full, CI): starts a worker process and a gateway

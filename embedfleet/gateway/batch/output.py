@@ -21,7 +21,7 @@ import numpy as np
 from embedfleet.gateway.batch.files import FileStore
 from embedfleet.gateway.batch.lease import BatchLeases
 from embedfleet.gateway.batch.lines import BatchLine, Refused, parse_line, read_envelope, refusal
-from embedfleet.gateway.errors import APIError, ErrorDialect
+from embedfleet.gateway.errors import APIError, ErrorDialect, input_rejected
 from embedfleet.gateway.inputs import unit_vectors
 from embedfleet.gateway.openai_api import embeddings_response
 from embedfleet.gateway.state import Gateway
@@ -258,8 +258,10 @@ class BatchOutput:
         if results.withdrawn(missing):
             return {**record, "response": None, "error": results.withdrawn_error()}, None
         request_id = f"req_{uuid.uuid4().hex}"
-        if missing:
-            response = dead_lettered_response(request_id, results.failure_of(missing[0]))
+        if missing:  # answered as the online endpoint answers a dead letter
+            error = input_rejected(results.failure_of(missing[0]))
+            body = ErrorDialect.openai.body(error)
+            response = {"status_code": error.status, "request_id": request_id, "body": body}
             return {**record, "response": response, "error": None}, None
         body, tokens = self._embeddings(line, span, results.vectors)
         response = {"status_code": 200, "request_id": request_id, "body": body}
@@ -326,20 +328,3 @@ class Results:
             if self.outcome == "expired"
             else "the batch was cancelled before this request finished",
         }
-
-
-def dead_lettered_response(request_id: str, reason: str) -> dict[str, Any]:
-    """The response of a request line whose inputs could not be embedded, as the online
-    endpoint's 500 would be."""
-    return {
-        "status_code": 500,
-        "request_id": request_id,
-        "body": {
-            "error": {
-                "message": f"input could not be embedded: {reason}",
-                "type": "server_error",
-                "param": None,
-                "code": "dead_lettered",
-            }
-        },
-    }

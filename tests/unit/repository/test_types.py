@@ -1,4 +1,5 @@
-"""The package type-checks: mypy over the tree, with pyproject.toml's [tool.mypy] settings.
+"""The package type-checks: mypy over the tree, with pyproject.toml's [tool.mypy] settings; ruff
+finds nothing (check and format).
 
 Run as `make lint` runs it (from the repository root, `python -m tools.import_root --mypy`:
 mypy over the package as the wheel lays it out, each file once), so the config alone says what
@@ -32,3 +33,17 @@ def test_mypy_finds_no_errors() -> None:
         f"types are wrong, a narrow `# type: ignore[code]` saying why):\n"
         f"{result.stdout}{result.stderr}"
     )
+
+
+@pytest.mark.parametrize("command", [["check"], ["format", "--check"]], ids=["check", "format"])
+def test_ruff_is_clean(command: list[str]) -> None:
+    """`make lint`'s ruff, in the suite CI runs: a module moved or edited without it once
+    landed with its imports out of order (ruff's own config in pyproject.toml)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", *command, "."],
+        cwd=REPOSITORY_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, f"ruff {' '.join(command)} .:\n{result.stdout}{result.stderr}"
