@@ -423,8 +423,19 @@ async def start_cli(env: dict[str, str], *args: str, **options: Any) -> asyncio.
 
 
 def worker_env(settings: Settings, **extra: str) -> dict[str, str]:
-    """Environment for an `embedfleet worker` process on ``settings``' server and namespace."""
-    worker_defaults = {"EMBEDFLEET_BLOCK_MS": "200", "EMBEDFLEET_LOG_FORMAT": "json"}
+    """Environment for an `embedfleet worker` process on ``settings``' server and namespace.
+
+    Queries run eager unless the test says otherwise (``EMBEDFLEET_FROZEN_QUERIES="true"``, or
+    the variable set around the run): building and checking the frozen query graph is about 3
+    of an AVX2 CPU's 8 seconds of a worker's start, paid by every worker a test starts. The
+    frozen path is tests/integration/workers/model/test_frozen.py's and test_backends.py's (in
+    process); tests/end_to_end/test_ops.py and test_no_phone_home.py (whose engine copies are
+    the query path's) keep it on in a worker process (docs/DEVELOPMENT.md, "CI time")."""
+    worker_defaults = {
+        "EMBEDFLEET_BLOCK_MS": "200",
+        "EMBEDFLEET_LOG_FORMAT": "json",
+        "EMBEDFLEET_FROZEN_QUERIES": os.environ.get("EMBEDFLEET_FROZEN_QUERIES", "false"),
+    }
     return cli_env(settings, **(worker_defaults | extra))
 
 

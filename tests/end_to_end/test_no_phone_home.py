@@ -183,6 +183,8 @@ async def test_a_worker_sends_nothing_and_writes_nothing_under_home(
         PYTHONPATH=os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
         NET_AUDIT_LOG=str(audit),
         EMBEDFLEET_CPU_BACKEND=backend,
+        # the backend's copy is built for the query path (worker_env runs queries eager)
+        EMBEDFLEET_FROZEN_QUERIES="true",
         EMBEDFLEET_HEALTH_PORT=str(health_port),
         EMBEDFLEET_CONSUMER=f"quiet-{backend}",
     )

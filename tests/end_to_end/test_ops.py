@@ -130,6 +130,9 @@ async def test_worker_metrics_health_and_readiness(
                 EMBEDFLEET_HEALTH_PORT=str(port),
                 EMBEDFLEET_READ_COUNT="32",
                 EMBEDFLEET_DTYPE="float32",  # the info metric's dtype label is checked below
+                # a default worker's query path (worker_env runs queries eager): the query's
+                # stages and the forward path chosen at start are checked below
+                EMBEDFLEET_FROZEN_QUERIES="true",
             )
             logs = lambda: worker.log()[-3000:]  # noqa: E731 - for failure messages
 
