@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -14,13 +15,18 @@ import pytest
 
 from embedfleet.shared.exit_codes import ExitCode
 from embedfleet.shared.settings import Settings
-from tests.conftest import WorkerLauncher
+from tests.conftest import WorkerLauncher, until
 from tests.paths import REPO_ROOT
 
-# the slow tier (make test-full, CI): starts processes or servers, or compiles a model
-pytestmark = [pytest.mark.slow, pytest.mark.serial]  # serial: its assertions hold times (Makefile)
+# the slow tier (make test-full, CI): starts processes or servers, or compiles a model. Not
+# serial: no assertion holds a time (each bound is a timeout, the readme example's included), so
+# it runs in test-full's parallel tier
+pytestmark = pytest.mark.slow
 
 VERBS = ["demo", "worker", "enqueue", "results", "query", "status", "search", "index", "dead"]
+# the demos' workers run queries eager, as every test worker (tests/conftest.py's worker_env):
+# a demo's default query path, the frozen graph, is tests/end_to_end/test_terminal.py's
+DEMO_ENV = {"EMBEDFLEET_REDIS_URL": "", "EMBEDFLEET_FROZEN_QUERIES": "false"}
 
 
 def embedfleet(
@@ -96,6 +102,8 @@ def test_enqueue_wait_then_export(
     # The worker's text limit is below the client's: a chunk over it is dead-lettered (too_large)
     worker = workers.process("cli", settings, EMBEDFLEET_MAX_TEXT_CHARS="2000")
     try:
+        # its start (a model load) is not what --wait's --timeout bounds below
+        asyncio.run(worker.wait_for_log('"worker started"'))
         lines = [
             json.dumps({"id": f"doc{i}", "text": f"document number {i} about cats"})
             for i in range(25)
@@ -154,8 +162,7 @@ def test_enqueue_wait_then_export(
 
 
 def test_demo_runs_on_embedded_defaults(tmp_path: Path) -> None:
-    env = {"EMBEDFLEET_REDIS_URL": ""}
-    result = embedfleet("demo", "--limit", "150", "--out-dir", str(tmp_path), env=env)
+    result = embedfleet("demo", "--limit", "150", "--out-dir", str(tmp_path), env=DEMO_ENV)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "embedded 150 texts" in result.stdout and "texts/s" in result.stdout
     assert "embedded Valkey" in result.stdout
@@ -184,10 +191,9 @@ def test_demo_searches_a_corpus_of_ones_own_with_ones_own_query(tmp_path: Path) 
     corpus = tmp_path / "mine.jsonl"
     corpus.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in OWN_CORPUS))
     question = "I forgot my login password, how can I change it?"
-    env = {"EMBEDFLEET_REDIS_URL": ""}
     out = tmp_path / "out"
     result = embedfleet(
-        "demo", "--corpus", str(corpus), "--query", question, "--out-dir", str(out), env=env
+        "demo", "--corpus", str(corpus), "--query", question, "--out-dir", str(out), env=DEMO_ENV
     )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
@@ -218,7 +224,6 @@ async def test_readme_redis_cli_example_is_embedded(
 ) -> None:
     """The ingestion page's by-hand XADD (docs/INGESTION.md), run literally with redis-cli,
     comes back as a vector."""
-    import asyncio
     import re
     import shutil
 
@@ -237,10 +242,12 @@ async def test_readme_redis_cli_example_is_embedded(
         await client.delete(settings.keys.results, settings.keys.ingest)
         async with workers.run(settings):
             subprocess.run(["sh", "-c", line], check=True, capture_output=True)
-            for _ in range(100):
-                if await client.xlen(settings.keys.results):
-                    break
-                await asyncio.sleep(0.1)
+
+            async def a_result() -> bool:
+                return bool(await client.xlen(settings.keys.results))
+
+            # a bound, not a time under test: ten seconds were missed on a loaded 2-core CPU
+            await until(a_result, timeout=120)
         results = [r async for r in Producer(settings, client).results()]
     finally:
         await client.delete(*[k async for k in client.scan_iter("embedfleet:*")])

@@ -22,8 +22,9 @@ from pathlib import Path
 import pyte
 import pytest
 
-# the slow tier (make test-full, CI): starts processes or servers, or compiles a model
-pytestmark = [pytest.mark.slow, pytest.mark.serial]  # serial: its assertions hold times (Makefile)
+# the slow tier (make test-full, CI): starts processes or servers, or compiles a model. Not
+# serial: it reads the screen's layout and words, no time (test-full's parallel tier)
+pytestmark = pytest.mark.slow
 
 COLUMNS = 120
 ROWS = 400  # taller than the whole run: nothing scrolls away before it is read
