@@ -46,7 +46,7 @@ def _embedfleet(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
 
 
-GOOD_IMAGES = 200
+GOOD_IMAGES = 1_000  # the job: a thousand good images beside every bad one
 
 
 @pytest.fixture(scope="module")
