@@ -26,6 +26,7 @@ from transformers.utils import logging as transformers_logging
 
 from embedfleet.shared.model_path import ModelNotFoundError
 from embedfleet.workers.model.base import Forward, Representation
+from embedfleet.workers.model.forward import layer_stack
 from embedfleet.workers.model.model_dir import ModelSpec, UnsupportedModelError
 
 
@@ -127,6 +128,12 @@ class TextTowerModel(torch.nn.Module):
         return _tensor(
             self.dual.get_text_features(input_ids=input_ids, attention_mask=attention_mask)
         )
+
+    def layer_stacks(self) -> list[torch.nn.ModuleList]:
+        """Both towers' transformer layers, where the query lane gets in on a CPU
+        (``EagerPath.set_layer_callback``): an image batch is as long as a text one, and a
+        query waits at most one layer behind it too."""
+        return [layer_stack(self.dual.text_model), layer_stack(self.dual.vision_model)]
 
     def image_features(self, pixels: torch.Tensor) -> torch.Tensor:
         """The image tower's features for preprocessed images (batch, channels, h, w)."""

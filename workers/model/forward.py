@@ -144,7 +144,10 @@ class EagerPath:
         self._layer_hooks = []
         if callback is None:
             return 0
-        layers = list(layer_stack(self.model))
+        # a dual encoder (CLIP, SigLIP) has a stack a tower; any other model, one
+        stacks = getattr(self.model, "layer_stacks", None)
+        layers = [layer for stack in stacks() for layer in stack] if stacks else []
+        layers = layers or list(layer_stack(self.model))
 
         def before_layer(_module: torch.nn.Module, _args: object) -> None:
             callback()

@@ -106,3 +106,41 @@ def test_a_module_after_the_dual_encoder_is_refused_at_start(models: Path) -> No
     model_dir = sentence_transformers_dual_dir("clip", models, normalize=True)
     with pytest.raises(UnsupportedModelError, match="nothing after it"):
         Encoder(str(model_dir), device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize("family", DUAL_FAMILIES)
+def test_the_query_lane_gets_in_between_the_layers_of_either_tower(
+    models: Path, family: str
+) -> None:
+    """On a CPU a query is served before any transformer layer of a bulk pass (the layer
+    callback): on a dual lane before the image tower's layers too, so it waits at most one
+    layer behind an image batch, as behind a text one. A query's own text pass inside the
+    image batch leaves the image vectors as they were."""
+    model_dir = dual_model_dir(family, models)
+    encoder = Encoder(str(model_dir), device="cpu", dtype="float32")
+    dual = encoder.loaded.model.dual
+    text_layers = len(dual.text_model.encoder.layers)
+    image_layers = len(dual.vision_model.encoder.layers)
+    with ThreadPoolExecutor(1) as threads:
+        pixels = (
+            ImagePipeline(encoder.image_processor, threads, 1 << 20)
+            .prepare([image_bytes(i, (40, 36), "PNG") for i in range(3)])
+            .pixels
+        )
+    alone = encoder.embed_images(pixels)
+    boundaries: list[int] = []
+    served: list[object] = []
+
+    def at_boundary() -> None:
+        boundaries.append(1)
+        if len(boundaries) == 2 and not served:  # a query waiting: served inside the batch
+            served.append(encoder.embed_texts(["a red bicycle"]))
+
+    assert encoder.set_layer_callback(at_boundary) == text_layers + image_layers
+    try:
+        assert min_cosine(encoder.embed_images(pixels), alone) >= 0.99999
+    finally:
+        encoder.set_layer_callback(None)
+    # the image pass's boundaries, and the query's text pass's own (served re-entrantly)
+    assert len(boundaries) == image_layers + text_layers
+    assert served and min_cosine(served[0], encoder.embed_texts(["a red bicycle"])) >= 0.99999
