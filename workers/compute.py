@@ -38,12 +38,12 @@ from embedfleet.workers.device_faults import (
     oom_retry_pause_s,
     recovery,
 )
-from embedfleet.workers.images import NO_TOKENS, count_batches
+from embedfleet.workers.images import NO_TOKENS, ImageBatches
 from embedfleet.workers.intake import Intake, first_set
 from embedfleet.workers.interactive import InteractiveJump
 from embedfleet.workers.long_inputs import Rows, before_normalize
 from embedfleet.workers.memory import TrimTimer, release_free_memory
-from embedfleet.workers.model.encoder import EncodeBatch, Tokenized
+from embedfleet.workers.model.encoder import EncodeBatch, Encoder, Tokenized
 from embedfleet.workers.parts import StageParts
 from embedfleet.workers.queries import QueryStage
 from embedfleet.workers.slices import InFlightBatch, Slices
@@ -73,6 +73,8 @@ class Compute:
     _trim_timer: TrimTimer = field(default_factory=TrimTimer, init=False)
     # a bulk batch's time (from launch to the next), seconds: paces the reader
     _batch_s: float = field(default=0.0, init=False)
+    # a dual encoder's image batches, sized by their measured cost (workers/images.py)
+    _image_batches: ImageBatches | None = field(default=None, init=False)
 
     async def start(self) -> None:
         """Before the stages run, on the model thread: the bulk lane (none in a query-only
@@ -107,7 +109,7 @@ class Compute:
             self.parts.stats.started_at = time.perf_counter()
             while (window := await self.intake.next_window(windows)) is not _END:
                 await self._hand_on_cached(window, encoded)
-                await encode_images(self.parts, self.intake, window, encoded)
+                await self._encode_images(window, encoded)
                 for index, prepared in enumerate(window.batches):
                     self.intake.pace_reads(windows, len(window.batches) - index, self._batch_s)
                     started = time.monotonic()
@@ -143,9 +145,22 @@ class Compute:
         if read and (window := await self.interactive.read_new()) is not None:
             await self._encode_window(window, encoded)
 
+    async def _encode_images(self, window: Window, encoded: asyncio.Queue[Encoded | None]) -> None:
+        if window.images is None:
+            return
+        if self._image_batches is None:  # the slice target is known once the lane is ready
+            self._image_batches = ImageBatches(
+                self.parts.batching.max_batch,
+                self.slices.slice_seconds,
+                ImageBatches.tower_layers(self.parts.encoder.loaded.model),
+            )
+        await encode_images(
+            self.parts, self.intake, window, encoded, self._image_batches, self.queries
+        )
+
     async def _encode_window(self, window: Window, encoded: asyncio.Queue[Encoded | None]) -> None:
         await self._hand_on_cached(window, encoded)
-        await encode_images(self.parts, self.intake, window, encoded)
+        await self._encode_images(window, encoded)
         for prepared in window.batches:
             await self._encode(window, prepared.planned, encoded, batch=prepared.batch)
 
@@ -341,24 +356,34 @@ def accounted(
 
 
 async def encode_images(
-    parts: StageParts, intake: Intake, window: Window, encoded: asyncio.Queue[Encoded | None]
+    parts: StageParts,
+    intake: Intake,
+    window: Window,
+    encoded: asyncio.Queue[Encoded | None],
+    sizes: ImageBatches,
+    queries: QueryStage,
 ) -> None:
-    """A dual encoder's image chunks of the window (workers/images.py), batches cut by count
-    on the model thread; the images of a batch the model fails on are dead-lettered (``model``),
-    the other batches go on."""
+    """A dual encoder's image chunks of the window (workers/images.py), in batches ``sizes``
+    cuts (to the slice target where queries wait on bulk work) on the model thread; the images
+    of a batch the model fails on are dead-lettered (``model``), the other batches go on."""
     rows = window.images
     if rows is None:
         return
     loop = asyncio.get_running_loop()
-    for batch in count_batches(len(rows.chunks), parts.batching.max_batch):
+    start = 0
+    while start < len(rows.chunks):
+        batch = range(start, min(start + sizes.next_size(), len(rows.chunks)))
+        start = batch.stop
         chunks, deliveries = (
             rows.chunks[batch.start : batch.stop],
             rows.deliveries[batch.start : batch.stop],
         )
         try:
-            vectors = await loop.run_in_executor(
+            vectors, seconds = await loop.run_in_executor(
                 parts.threads.model,
-                parts.encoder.embed_images,
+                _timed_images,
+                parts.encoder,
+                queries,
                 rows.pixels[batch.start : batch.stop],
             )
         except Exception as error:
@@ -371,6 +396,17 @@ async def encode_images(
                 ]
             )
             continue
+        sizes.observe(len(batch), seconds)
         keys = [rows.content_keys.get(delivery) for delivery in deliveries]
         tokens = [NO_TOKENS] * len(chunks)
         await encoded.put(Encoded(chunks, deliveries, tokens, vectors, content_keys=keys))
+
+
+def _timed_images(
+    encoder: Encoder, queries: QueryStage, pixels: np.ndarray
+) -> tuple[np.ndarray, float]:
+    """On the model thread: an image batch's vectors, and the seconds the model spent on them
+    (the queries served at its layer boundaries left out)."""
+    served, started = queries.serving_seconds, time.perf_counter()
+    vectors = encoder.embed_images(pixels)
+    return vectors, time.perf_counter() - started - (queries.serving_seconds - served)

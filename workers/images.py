@@ -202,9 +202,52 @@ def _image_of(chunk: Chunk) -> bytes | str:
     return chunk.image_ref
 
 
-def count_batches(count: int, batch_size: int) -> list[range]:
-    """Positions ``0..count-1`` cut into batches of ``batch_size`` (the last one shorter):
-    preprocessed images all have one shape, so a batch's cost is its count."""
-    if batch_size < 1:
-        raise ValueError(f"a batch holds at least one image, not {batch_size}")
-    return [range(start, min(start + batch_size, count)) for start in range(0, count, batch_size)]
+# the first image batch where queries wait on bulk work: small, so the image tower's cost is
+# measured before a batch is sized to the slice target
+FIRST_SLICED_BATCH = 4
+# the weight of the newest batch in the smoothed cost per image
+COST_SMOOTHING = 0.3
+
+
+@dataclass
+class ImageBatches:
+    """How many images the next batch holds: ``max_batch`` (EMBEDFLEET_MAX_BATCH) at most, and
+    where queries wait on bulk work (a CPU's query lane, served between the towers' layers:
+    workers/slices.py) no more than a layer of the image tower computes within the slice
+    target, from the cost per image measured so far. Preprocessed images all have one shape,
+    so a batch's cost is its count."""
+
+    max_batch: int
+    slice_seconds: float  # 0: queries do not wait on bulk work (the CUDA query lane)
+    layers: int  # the image tower's: a query waits behind one of them at most
+    seconds_per_image: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"a batch holds at least one image, not {self.max_batch}")
+
+    def next_size(self) -> int:
+        if self.slice_seconds <= 0:
+            return self.max_batch
+        if self.seconds_per_image is None:
+            return min(self.max_batch, FIRST_SLICED_BATCH)
+        fit = int(self.slice_seconds * max(1, self.layers) / self.seconds_per_image)
+        return max(1, min(self.max_batch, fit))
+
+    def observe(self, images: int, seconds: float) -> None:
+        """A batch of ``images`` took ``seconds`` of the model (queries served inside left out)."""
+        each = max(seconds, 1e-9) / images
+        last = self.seconds_per_image
+        self.seconds_per_image = each if last is None else last + COST_SMOOTHING * (each - last)
+
+    @staticmethod
+    def tower_layers(model: Any) -> int:
+        """A dual encoder's image tower layers (``TextTowerModel.layer_stacks``); 1 for any
+        other model (it has no image tower: its batches are never sliced by it)."""
+        stacks = getattr(model, "layer_stacks", None)
+        return len(stacks()[-1]) if stacks is not None else 1
+
+    def cut(self, count: int) -> list[range]:
+        """Positions ``0..count-1`` cut by :meth:`next_size` as it stands (no batch observed)."""
+        size = self.next_size()
+        return [range(start, min(start + size, count)) for start in range(0, count, size)]

@@ -18,9 +18,10 @@ from PIL import Image
 from embedfleet.shared.dead_letters import DeadReason
 from embedfleet.shared.protocol import MAX_IMAGE_PIXELS
 from embedfleet.workers.images import (
+    FIRST_SLICED_BATCH,
+    ImageBatches,
     ImagePipeline,
     ImageRefused,
-    count_batches,
     decode_image,
 )
 from embedfleet.workers.model.encoder import Encoder
@@ -137,7 +138,10 @@ def test_image_vectors_equal_get_image_features(
     images = [image_bytes(10 + i, (24 + 9 * i, 60 - 5 * i), FORMATS[i % 4]) for i in range(12)]
     prepared = ImagePipeline(encoder.image_processor, threads, LIMIT).prepare(images)
     ours = np.concatenate(
-        [encoder.embed_images(prepared.pixels[list(batch)]) for batch in count_batches(12, 5)]
+        [
+            encoder.embed_images(prepared.pixels[list(batch)])
+            for batch in ImageBatches(max_batch=5, slice_seconds=0, layers=1).cut(12)
+        ]
     ).astype(np.float16)
     reference = reference_image_features(model_dir, images)
     found = min_cosine(ours.astype(np.float32), reference)
@@ -147,7 +151,28 @@ def test_image_vectors_equal_get_image_features(
 
 
 def test_batches_are_cut_by_count() -> None:
-    assert count_batches(7, 3) == [range(0, 3), range(3, 6), range(6, 7)]
-    assert count_batches(0, 3) == []
+    unsliced = ImageBatches(max_batch=3, slice_seconds=0, layers=12)
+    assert unsliced.cut(7) == [range(0, 3), range(3, 6), range(6, 7)]
+    assert unsliced.cut(0) == []
     with pytest.raises(ValueError, match="at least one image"):
-        count_batches(3, 0)
+        ImageBatches(max_batch=0, slice_seconds=0, layers=1)
+
+
+def test_where_queries_wait_a_batch_holds_what_a_layer_computes_within_the_slice() -> None:
+    """On a CPU (a slice target) the first batch is small, to measure; then a batch holds as
+    many images as one of the tower's layers computes within the target, by the smoothed cost
+    per image, never more than the maximum nor fewer than one. On CUDA (no target): the
+    maximum."""
+    sizes = ImageBatches(max_batch=128, slice_seconds=0.1, layers=12)
+    assert sizes.next_size() == FIRST_SLICED_BATCH
+    sizes.observe(4, 0.4)  # 0.1 s an image: a layer of 12 images takes 0.1 s
+    assert sizes.next_size() == 12
+    sizes.observe(12, 0.6)  # cheaper in a larger batch: 0.05 s, smoothed to 0.085
+    assert sizes.next_size() == int(0.1 * 12 / 0.085)
+    sizes.observe(1, 100.0)  # a batch far slower (a loaded machine): one image at a time
+    assert sizes.next_size() == 1
+    fast = ImageBatches(max_batch=16, slice_seconds=0.1, layers=12)
+    fast.observe(4, 0.004)
+    assert fast.next_size() == 16, "never past EMBEDFLEET_MAX_BATCH"
+    assert ImageBatches(max_batch=128, slice_seconds=0, layers=12).next_size() == 128
+    assert ImageBatches.tower_layers(object()) == 1, "no image tower: nothing to slice by"
