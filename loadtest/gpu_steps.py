@@ -23,6 +23,10 @@ killed at its timeout still leaves what it measured. Steps:
 ``latency``    query p50/p99 through the priority lane, idle and under a saturating backlog,
                at the replicas ``auto`` picks here
 ``host``       the host pipeline with the stand-in encoder at zero cost
+``images``     a CLIP ViT-L/14-shaped model (random weights, built here) end to end on image
+               chunks of mixed sizes and formats (issue 56), the model alone on preprocessed
+               pixels, and the host's decode + preprocess per CPU second, beside the 8,000
+               images/s per H100 the issue names for CLIP ViT-L
 ``tests``      tests/integration/workers/test_packing.py and tests/integration/workers/test_bulk.py
                on the device (the CUDA forms of the packed paths, launches ahead of their copy
                back with real events)
@@ -99,6 +103,8 @@ class CheckConfig:
     # the latency step's backlog per replica auto runs (at least ``backlog``): 10 replicas drain
     # a fixed backlog 10 times as fast
     backlog_per_replica: int = 0
+    # the images step's CLIP shape and sizes (ImageModel's fields)
+    image_model: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def worker_env(self) -> dict[str, str]:
@@ -1023,6 +1029,263 @@ def host(config: CheckConfig, record: Record) -> None:
         say(f"host pipeline, {count} processes: {value['texts_per_s']:,.0f} texts/s")
 
 
+# --- images: CLIP ViT-L/14 shapes on image chunks (issue 56) ------------------------------
+# What issue 56 compares the step with: CLIP ViT-L on one H100, from the serving notes the
+# project started from (their precision and image side unsaid).
+TARGET_IMAGES_PER_S = 8_000.0
+
+
+@dataclass(frozen=True)
+class ImageModel:
+    """The images step's CLIP model (tests/image_models.py ``ClipShape``'s sizes: each tower's
+    hidden / layers / heads, the feed-forward 4 x hidden as CLIP's), the images of its end-to-end
+    run and the distinct files among them (generated here, then repeated under their own ids:
+    the vector cache is off, so each is decoded and embedded again)."""
+
+    name: str
+    vision: tuple[int, int, int]
+    text: tuple[int, int, int]
+    image_size: int
+    patch_size: int
+    projection_dim: int
+    images: int
+    distinct: int
+
+    def clip_shape(self) -> Any:
+        from tests.image_models import ClipShape
+
+        def sizes(tower: Sequence[int]) -> dict[str, int]:
+            hidden, layers, heads = tower
+            return dict(
+                hidden_size=hidden,
+                intermediate_size=4 * hidden,
+                num_hidden_layers=layers,
+                num_attention_heads=heads,
+            )
+
+        return ClipShape(
+            vision=sizes(self.vision),
+            text=sizes(self.text),
+            image_size=self.image_size,
+            patch_size=self.patch_size,
+            text_positions=77,
+            projection_dim=self.projection_dim,
+        )
+
+    @property
+    def flops_per_image(self) -> float:
+        """The vision tower's matmul FLOPs for one image: the patch embedding, every layer's
+        Q, K, V, output and feed-forward weights per token (``Shape``'s count), attention's
+        4 x hidden x tokens² per layer, and the projection. ViT-L/14 at 224 px: 257 tokens,
+        about 162 GFLOP."""
+        hidden, layers, _ = self.vision
+        patches = (self.image_size // self.patch_size) ** 2
+        tokens = patches + 1  # and the class token
+        per_layer = 2 * tokens * (4 * hidden**2 + 2 * hidden * 4 * hidden)
+        per_layer += 4 * hidden * tokens**2
+        embedding = 2 * patches * 3 * self.patch_size**2 * hidden
+        return float(layers * per_layer + embedding + 2 * hidden * self.projection_dim)
+
+
+def images(config: CheckConfig, record: Record) -> None:
+    """Image chunks through the fleet on a CLIP ViT-L/14-shaped model (issue 56): the model built
+    here with random weights (1.7 GB in float32, beyond the carry: on the GPU, saved in half),
+    forced to ``large_dtype`` (random weights need not pass auto's parity probe); the images of
+    loadtest/image_bench.py's generator (160-1024 pixels a side, JPEG, PNG and WebP). Recorded,
+    each as it ends: the fleet end to end (an in-process worker as loadtest.bench's, the Producer
+    into the check's server: images/s and the model's busy share), the model alone on
+    preprocessed pixels in the worker's batches (``Encoder.embed_images``, what the GPU gives
+    when the host keeps up), and workers/images.py's decode + preprocess on one thread, per CPU
+    second, times the usable cores: the host's ceiling.
+
+    On CUDA too, images are decoded and preprocessed on the host's threads (workers/images.py):
+    torchvision's GPU ``decode_jpeg``, which the issue allows where it measures faster, is not
+    adopted, as no GPU was lent to measure it against the host's decode; the host row here says
+    how far the host falls short of the model."""
+    import torch
+
+    from embedfleet.workers.cpus import usable_cpus
+    from loadtest.bench import Fleet, FleetEncoders
+
+    shape = ImageModel(**config.image_model)
+    env = {
+        **config.extra.get("worker_env", {}),
+        **THROUGHPUT_ONLY,
+        "EMBEDFLEET_DTYPE": config.large_dtype,
+        "EMBEDFLEET_LOG_LEVEL": "warning",
+    }
+    os.environ.update(env)  # the in-process worker reads its settings from the environment
+    distinct = _generated_images(shape, config, record)  # before CUDA starts: plain threads
+    started = time.perf_counter()
+    model_dir = _clip_model(shape, config)
+    encoder = FleetEncoders(config.device, config.threads, model=str(model_dir)).encoder(env)
+    record.put("model", {"dir": str(model_dir), "load_s": round(time.perf_counter() - started, 1)})
+    say(f"{shape.name}: built and loaded in {time.perf_counter() - started:.1f} s")
+    fleet = Fleet(config.redis_url)
+    fleet.run_images(encoder, distinct[:16], [f"warm-{i}" for i in range(min(16, len(distinct)))])
+    chosen = [distinct[i % len(distinct)] for i in range(shape.images)]
+    with _model_clock(encoder) as clock:
+        run = fleet.run_images(encoder, chosen, [f"img{i}" for i in range(shape.images)])
+    if run.cache_hits:
+        raise RuntimeError(f"{run.cache_hits} images answered by the vector cache, not the model")
+    busy = clock.seconds / run.seconds
+    _image_row(
+        record,
+        "fleet end to end",
+        shape,
+        config,
+        run.texts,
+        run.seconds,
+        busy,
+        worker_reported_busy=run.model_busy,
+    )
+    _model_alone(encoder, distinct, shape, config, record)
+    _free(torch.device(config.device))
+    _host_decode(encoder.image_processor, distinct, usable_cpus(), record)
+
+
+@dataclass
+class _ModelClock:
+    """Seconds spent inside ``Encoder.embed_images`` (which returns the vectors on the host: the
+    device's work included)."""
+
+    embed: Callable[[Any], Any]
+    seconds: float = 0.0
+
+    def __call__(self, pixels: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return self.embed(pixels)
+        finally:
+            self.seconds += time.perf_counter() - began
+
+
+@contextlib.contextmanager
+def _model_clock(encoder: Any) -> Iterator[_ModelClock]:
+    """The model's busy share of an image run, timed around the encoder's calls: the worker's
+    own model seconds (``embedfleet_model_seconds_total``) count text batches only (recorded
+    beside it as ``worker_reported_busy``)."""
+    clock = _ModelClock(encoder.embed_images)
+    encoder.embed_images = clock
+    try:
+        yield clock
+    finally:
+        del encoder.embed_images  # the class's method again
+
+
+def _generated_images(shape: ImageModel, config: CheckConfig, record: Record) -> list[bytes]:
+    """The distinct files, made 16 at a time on the host's threads (PIL's codecs let go of the
+    GIL), seeded: the same every run."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loadtest.image_bench import describe_images, round_images
+
+    began = time.perf_counter()
+    parts = [min(16, shape.distinct - start) for start in range(0, shape.distinct, 16)]
+    with ThreadPoolExecutor(max(1, config.threads)) as pool:
+        made = pool.map(lambda n: round_images(parts[n], 56, f"images {n}"), range(len(parts)))
+        distinct = [data for chunk in made for data in chunk]
+    described = describe_images(distinct)
+    record.put(
+        "setup",
+        {
+            "model": shape.name,
+            "dtype": config.large_dtype,
+            "images": shape.images,
+            "distinct": described,
+            "gflop_per_image": shape.flops_per_image / 1e9,
+            "generated_s": round(time.perf_counter() - began, 1),
+        },
+    )
+    say(f"{described} made in {time.perf_counter() - began:.1f} s")
+    return distinct
+
+
+def _clip_model(shape: ImageModel, config: CheckConfig) -> Path:
+    import torch
+
+    from tests.image_models import clip_shaped_dir
+
+    half = torch.float16 if config.device == "cuda" else None
+    target = models_dir(config) / shape.name
+    return clip_shaped_dir(target, shape.clip_shape(), device=config.device, dtype=half)
+
+
+def _image_row(
+    record: Record,
+    name: str,
+    shape: ImageModel,
+    config: CheckConfig,
+    count: int,
+    seconds: float,
+    busy: float | None,
+    **extra: Any,
+) -> None:
+    rate = count / seconds
+    peak = config.nominal_bf16_flops
+    value = {
+        "images": count,
+        "seconds": round(seconds, 3),
+        "images_per_s": rate,
+        "model_busy": busy,
+        "model_tflops": rate * shape.flops_per_image / 1e12,
+        "mfu": rate * shape.flops_per_image / peak if peak else None,
+        "of_target": rate / TARGET_IMAGES_PER_S,
+        **extra,
+    }
+    record.put(name, value)
+    busy_text = "" if busy is None else f", model busy {busy:.0%}"
+    say(f"{name}: {rate:,.1f} images/s ({seconds:.1f} s){busy_text}")
+
+
+def _model_alone(
+    encoder: Any, distinct: list[bytes], shape: ImageModel, config: CheckConfig, record: Record
+) -> None:
+    """``Encoder.embed_images`` on preprocessed pixels in batches of the worker's size
+    (``max_batch``: images are cut by count), one batch to warm up, then ``shape.images``
+    images' worth; each call returns the vectors on the host (the device synchronised)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    from embedfleet.shared.settings import Settings
+    from embedfleet.workers.images import ImagePipeline
+
+    batch = min(config.max_batch, shape.images)
+    with ThreadPoolExecutor(1) as unused:  # ``one`` runs on this thread
+        pipeline = ImagePipeline(encoder.image_processor, unused, Settings().max_image_bytes)
+        decoded = [pipeline.one(data) for data in distinct[:batch]]
+    arrays = [one for one in decoded if isinstance(one, np.ndarray)]
+    if len(arrays) < len(decoded):
+        raise RuntimeError(f"{len(decoded) - len(arrays)} generated images refused")
+    pixels = np.stack([arrays[i % len(arrays)] for i in range(batch)])
+    encoder.embed_images(pixels)
+    began = time.perf_counter()
+    done = 0
+    while done < shape.images:
+        encoder.embed_images(pixels)
+        done += batch
+    seconds = time.perf_counter() - began
+    _image_row(record, "model alone", shape, config, done, seconds, None, batch=batch)
+
+
+def _host_decode(processor: Any, distinct: list[bytes], cores: int, record: Record) -> None:
+    from embedfleet.shared.settings import Settings
+    from loadtest.image_bench import decode_rate
+
+    per_cpu_s, per_wall_s = decode_rate(processor, distinct, Settings().max_image_bytes)
+    value = {
+        "images": len(distinct),
+        "per_cpu_s": per_cpu_s,
+        "per_wall_s": per_wall_s,
+        "cores": cores,
+        "ceiling_images_per_s": per_cpu_s * cores,
+        "of_target": per_cpu_s * cores / TARGET_IMAGES_PER_S,
+    }
+    record.put("host decode + preprocess", value)
+    say(f"host decode + preprocess: {per_cpu_s:,.1f} images per CPU s x {cores} cores")
+
+
 # --- tests -------------------------------------------------------------------------------
 def tests(config: CheckConfig, record: Record) -> None:
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x"]
@@ -1059,6 +1322,7 @@ STEPS: dict[str, Callable[[CheckConfig, Record], None]] = {
     "large": large,
     "latency": latency,
     "host": host,
+    "images": images,
     "tests": tests,
 }
 

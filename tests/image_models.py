@@ -9,7 +9,7 @@ the model's PIL image processor, saved as a Hugging Face directory the way a pub
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -115,13 +115,31 @@ VIT_B_32 = ClipShape(
     text_positions=77,
     projection_dim=512,
 )
+# openai/clip-vit-large-patch14's shapes (the 224-pixel one: 257 tokens a picture, about 162
+# GFLOP per image in its vision tower), the device check's images step (loadtest/gpu_steps.py)
+VIT_L_14 = replace(
+    VIT_B_32,
+    vision=_sizes(1024, 24, 16),
+    text=_sizes(768, 12, 12),
+    patch_size=14,
+    projection_dim=768,
+)
 
 
-def clip_shaped_dir(target: Path, shape: ClipShape = VIT_B_32, seed: int = 0) -> Path:
+def clip_shaped_dir(
+    target: Path,
+    shape: ClipShape = VIT_B_32,
+    seed: int = 0,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> Path:
     """A ``CLIPModel`` directory of ``shape``'s sizes with transformers' own random
     initialisation, the test tokenizer and a ``CLIPImageProcessor`` (resize the shortest edge,
     crop the centre, as a published ``openai/clip-*`` snapshot's), for speed runs only
-    (loadtest.bench --images): nothing downloaded. Made once, kept when it is there."""
+    (loadtest.bench --images, the device check's images step): nothing downloaded. Built on
+    ``device`` and saved in ``dtype`` (None: float32), as ``bert_shaped_dir`` does for the
+    device check (ViT-L/14 is 1.7 GB in float32: built on the GPU, saved in half). Made once,
+    kept when it is there."""
     if (target / "config.json").is_file():
         return target
     tokenizer = _test_tokenizer(shape.text_positions)
@@ -133,7 +151,11 @@ def clip_shaped_dir(target: Path, shape: ClipShape = VIT_B_32, seed: int = 0) ->
         projection_dim=shape.projection_dim,
     )
     torch.manual_seed(seed)
-    transformers.CLIPModel(config).eval().save_pretrained(target)
+    with torch.device(device):
+        model = transformers.CLIPModel(config)
+    if dtype is not None:
+        torch.nn.Module.to(model, dtype)  # (transformers' own `to` is typed for devices only)
+    model.eval().save_pretrained(target)
     tokenizer.save_pretrained(target)
     transformers.CLIPImageProcessor(
         size={"shortest_edge": shape.image_size},

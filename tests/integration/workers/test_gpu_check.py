@@ -15,10 +15,11 @@ from tokenizers import Tokenizer
 
 from embedfleet.shared.keys import partition_of
 from embedfleet.shared.model_path import resolve_model_path
-from embedfleet.shared.settings import PACKAGED_MODEL
+from embedfleet.shared.settings import PACKAGED_MODEL, Settings
 from embedfleet.workers.model.encoder import Encoder
 from loadtest.bench import useful_flops
 from loadtest.gpu_check import (
+    CPU_STEP_BUDGETS,
     CUDA_DEADLINE_S,
     NEXT_LEASE_STEPS,
     PROFILES,
@@ -27,14 +28,19 @@ from loadtest.gpu_check import (
     summarize,
 )
 from loadtest.gpu_steps import (
+    STEPS,
     CheckConfig,
+    ImageModel,
     LargeModel,
+    Record,
     Shape,
     WorkerProcess,
+    images,
     pinned_ids,
     token_lengths,
     watched,
 )
+from tests.image_models import VIT_L_14
 from tests.model_zoo import bert_shaped_dir
 
 
@@ -56,6 +62,50 @@ def test_the_gpu_profile_asks_for_the_issues_shapes_and_sweep() -> None:
     for device, profile in PROFILES.items():  # every key is a CheckConfig field
         config = CheckConfig(device=device, model="m", redis_url="redis://x", threads=1, **profile)
         assert [LargeModel(**m).name for m in config.large_models] == ["bert-base", "bge-large"]
+
+
+def test_the_images_step_is_ViT_L_14_sized_to_a_lease() -> None:
+    """Issue 56's comparison: CLIP ViT-L/14's shapes on a GPU; a step of its own budget on
+    both devices, run after the preflight in one call well inside the deadline."""
+    assert set(STEP_BUDGETS) == set(CPU_STEP_BUDGETS) == set(STEPS)
+    assert STEP_BUDGETS["preflight"] + STEP_BUDGETS["images"] + RESERVE_S <= CUDA_DEADLINE_S / 2
+    vit_l = ImageModel(**PROFILES["cuda"]["image_model"])
+    assert vit_l.clip_shape() == VIT_L_14
+    assert 160e9 < vit_l.flops_per_image < 164e9, "ViT-L/14 at 224 px: ~162 GFLOP an image"
+    tiny = ImageModel(**PROFILES["cpu"]["image_model"])
+    assert tiny.flops_per_image < vit_l.flops_per_image / 1000, "the rehearsal's runs in seconds"
+
+
+def test_the_images_step_rehearses_on_the_cpu(
+    tmp_path: Path, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step itself at the CPU profile's sizes (a tiny CLIP, 24 images of mixed sizes and
+    formats through the in-process worker and a real server), then its rows in the summary."""
+    for variable in ("DTYPE", "CUDA_QUERY_LANE", "FROZEN_QUERIES", "CPU_INT8", "CPU_BACKEND"):
+        monkeypatch.delenv(f"EMBEDFLEET_{variable}", raising=False)  # the step sets them
+    monkeypatch.delenv("EMBEDFLEET_LOG_LEVEL", raising=False)
+    profile = PROFILES["cpu"]
+    config = CheckConfig(
+        device="cpu", model="unused", redis_url=settings.effective_redis_url, threads=2, **profile
+    )
+    config.extra = {**config.extra, "corpus_file": str(tmp_path / "texts.json")}
+    record = Record(tmp_path / "images.json")
+    images(config, record)
+    found = record.data
+    assert found["setup"]["distinct"].startswith("12 images")
+    fleet = found["fleet end to end"]
+    assert fleet["images"] == 24 and fleet["images_per_s"] > 0
+    assert 0 < fleet["model_busy"] <= 1
+    assert found["model alone"]["images"] >= 24 and found["model alone"]["batch"] == 24
+    host = found["host decode + preprocess"]
+    assert host["per_cpu_s"] > 0 and host["ceiling_images_per_s"] >= host["per_cpu_s"]
+    text = summarize(
+        {"config": {"device": "cpu"}, "steps": {"images": {"status": "ok", "results": found}}}
+    )
+    assert "images (issue 56): clip-tiny shapes, random weights, float32; 24 images a run" in text
+    assert "| fleet end to end |" in text and "| model alone |" in text
+    assert "of 8,000/s (CLIP ViT-L per H100)" in text
+    assert "images per CPU second x" in text
 
 
 def test_flops_from_the_config_count_as_the_loaded_model(encoder: Encoder) -> None:

@@ -66,7 +66,8 @@ ALLOWED: dict[str, dict[str, str]] = {
 
 # benchmark -> why it imports tests (the other way round)
 BENCHMARKS_ON_TESTS = {
-    "loadtest/gpu_steps.py": "tests.model_zoo's BERT-shaped model for the GPU rehearsal",
+    "loadtest/gpu_steps.py": "tests.model_zoo's BERT-shaped and tests.image_models' CLIP "
+    "ViT-L/14-shaped models for the GPU check and its rehearsal",
     "loadtest/one_pass.py": "tests.model_zoo's BGE-M3-shaped model and corpus lines",
     "loadtest/image_bench.py": "tests.image_models' CLIP ViT-B/32-shaped model (issue 56)",
     "loadtest/latency.py": "tests.image_models' CLIP ViT-B/32-shaped model for --images",
