@@ -397,6 +397,10 @@ async def encode_images(
             )
             continue
         sizes.observe(len(batch), seconds)
+        # the model's time on images counts in its busy share as a text batch's does
+        parts.events.batch_encoded(
+            texts=len(batch), real_tokens=0, padded_tokens=0, seconds=seconds
+        )
         keys = [rows.content_keys.get(delivery) for delivery in deliveries]
         tokens = [NO_TOKENS] * len(chunks)
         await encoded.put(Encoded(chunks, deliveries, tokens, vectors, content_keys=keys))

@@ -73,7 +73,7 @@ async def test_a_dual_lane_embeds_images_and_texts_and_dead_letters_bad_images(
     chunks = [Chunk(id=i, image=data) for i, data in [*pictures.items(), *bad.items()]]
     chunks[10:10] = [Chunk(id=i, text=text) for i, text in texts.items()]
     too_big = Chunk(id="big", image=b"\x89PNG" + b"\0" * settings.max_image_bytes)
-    async with workers.run(encoder=encoder), Producer(settings, client) as producer:
+    async with workers.run(encoder=encoder) as worker, Producer(settings, client) as producer:
         assert (await producer.model_card()).modalities == ("text", "image")
         await producer.enqueue(chunks, job="photos")
         await client.xadd(settings.keys.ingest, {PAYLOAD_FIELD: encode_chunk(too_big)})
@@ -89,6 +89,8 @@ async def test_a_dual_lane_embeds_images_and_texts_and_dead_letters_bad_images(
 
         await until(all_dead_lettered)
     assert progress.done == len(pictures) + len(texts) and progress.dead == len(bad)
+    # the model's time on images counts in its busy share (embedfleet_model_seconds_total)
+    assert worker.stats.embedded >= len(pictures) and worker.stats.model_seconds > 0
     assert sorted(results) == sorted([*pictures, *texts])
     ids = sorted(pictures)
     reference = reference_image_features(model_dir, [pictures[i] for i in ids])
