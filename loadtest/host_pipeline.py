@@ -68,7 +68,7 @@ STANDIN_SETTING = "EMBEDFLEET_BENCHMARK_STANDIN_ENCODER_US_PER_TOKEN"
 # the host path before issue 29's fixes (one encode_result per result, the masked-window
 # planning programme), after them (encode_results, the sliced programme), and after with each
 # chunk carrying its token ids from the producer (issue 53: the worker tokenizes nothing)
-PATHS = ("before", "after", "ids", "rayon")
+PATHS = ("before", "after", "ids")
 # (stage, thread it runs on), in pipeline order. An "(await)" stage's time is the wall time of
 # its awaits: waiting on Redis included, overlapping the loop's other work (a blocking read
 # waits for the stream to refill), so it is not the loop's CPU.
@@ -340,6 +340,9 @@ def children(
         "EMBEDFLEET_HEALTH_PORT": "0",
         "EMBEDFLEET_VECTOR_CACHE_MB": "0",  # every text through the pipeline, none cached
         "EMBEDFLEET_BLOCK_MS": "100",
+        # the tokenizer's batch encoding on every core, as a CUDA worker sets it
+        # (workers/model/tokenizer.py configure_tokenizer_threads): the host a GPU waits on
+        "TOKENIZERS_PARALLELISM": "true",
         **host,
     }
     processes: list[subprocess.Popen[str]] = []
@@ -348,12 +351,8 @@ def children(
             stats = folder / f"child{index}.json"
             command = [sys.executable, "-m", "loadtest.host_pipeline", "--child", str(stats)]
             command += ["--path", config.path]
+            child_env = {**environment, "EMBEDFLEET_CONSUMER": f"host-{index}"}
             cpus = sorted(os.sched_getaffinity(0))[: config.cores] if config.cores else None
-            child_env = {
-                **environment,
-                "EMBEDFLEET_CONSUMER": f"host-{index}",
-                **tokenizer_environment(config.path, len(cpus or os.sched_getaffinity(0))),
-            }
             processes.append(
                 subprocess.Popen(
                     command,
@@ -383,16 +382,6 @@ def children(
                 process.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 process.kill()
-
-
-def tokenizer_environment(path: str, cores: int) -> dict[str, str]:
-    """The tokenizer's threads as a CUDA worker sets them on ``cores`` (the host a GPU waits
-    on: workers/model/tokenizer.py configure_tokenizer_threads): a window's encoding split
-    over that many Python threads; ``rayon``, the tokenizers library's own pool on every core
-    instead (the CUDA default before stop 60)."""
-    if path == "rayon":
-        return {"TOKENIZERS_PARALLELISM": "true"}
-    return {"TOKENIZERS_PARALLELISM": "false", "EMBEDFLEET_TOKENIZER_THREADS": str(cores)}
 
 
 def pinned_to(cpus: list[int] | None) -> Callable[[], None] | None:
@@ -673,12 +662,6 @@ def print_ratios(report: dict[str, Any]) -> None:
             f"host pipeline ÷ raw tokenizer, texts per CPU second: "
             f"{after['texts_per_core_s'] / raw:.2f}"
         )
-    rayon = by_label.get(Config(1, "rayon").label)
-    if after and rayon:
-        lines.append(
-            f"the worker's tokenizer threads ÷ the library's pool, texts per CPU second: "
-            f"{after['texts_per_core_s'] / rayon['texts_per_core_s']:.2f}"
-        )
     if after and ids:
         lines.append(
             f"producer's token ids ÷ tokenizing, texts per CPU second: "
@@ -706,9 +689,7 @@ def print_ratios(report: dict[str, Any]) -> None:
     "paths",
     default=",".join(PATHS),
     show_default=True,
-    help="Host paths to compare: before (issue 29's fixes undone in the child), after (the "
-    "worker as it is), ids (each chunk carries its producer's token ids) and rayon (after, "
-    "with the tokenizers library's own thread pool in place of the worker's threads).",
+    help="Host paths to compare: before (issue 29's fixes undone in the child) and after.",
 )
 @click.option(
     "--cores",

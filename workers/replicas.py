@@ -87,8 +87,6 @@ class ReplicaPlan:
     consumer: str
     threads: int
     health_port: int
-    # EMBEDFLEET_TOKENIZER_THREADS: on CUDA the replica's share of the host cores (0: auto)
-    tokenizer_threads: int = 0
     gpu_memory_share: float = 0.0  # of the device's memory; 0 = no cap
 
 
@@ -133,16 +131,12 @@ def limit_gpu_memory(share: float, device: object) -> float | None:
 def plan_replicas(settings: Settings, replicas: int, on_cuda: bool) -> list[ReplicaPlan]:
     """Each replica's consumer name, thread share, health port and (CUDA) GPU memory share."""
     threads = 1 if on_cuda else max(1, (settings.threads or usable_cpus()) // replicas)
-    tokenizer_threads = settings.tokenizer_threads
-    if on_cuda and not tokenizer_threads:  # auto: the cores shared out, as the threads are
-        tokenizer_threads = max(1, usable_cpus() // replicas)
     share = gpu_memory_share(settings.gpu_memory_fraction, replicas) if on_cuda else 0.0
     return [
         ReplicaPlan(
             index=index,
             consumer=f"{settings.consumer}-r{index}",
             threads=threads,
-            tokenizer_threads=tokenizer_threads,
             health_port=settings.health_port + index if settings.health_port else 0,
             gpu_memory_share=share,
         )
@@ -158,7 +152,6 @@ def replica_environment(plan: ReplicaPlan, overrides: Mapping[str, str]) -> dict
         "EMBEDFLEET_REPLICAS": "1",
         "EMBEDFLEET_CONSUMER": plan.consumer,
         "EMBEDFLEET_THREADS": str(plan.threads),
-        "EMBEDFLEET_TOKENIZER_THREADS": str(plan.tokenizer_threads),
         "EMBEDFLEET_HEALTH_PORT": str(plan.health_port),
         # the share itself: a replica sees REPLICAS=1, where auto would mean no cap
         "EMBEDFLEET_GPU_MEMORY_FRACTION": repr(plan.gpu_memory_share),

@@ -78,11 +78,7 @@ def load_encoder(settings: Settings) -> Encoder:
 
         cost = settings.benchmark_standin_encoder_us_per_token
         encoder = StandInEncoder(
-            settings.model,
-            us_per_token=cost,
-            threads=settings.threads,
-            name=settings.model_lane,
-            tokenizer_threads=settings.tokenizer_threads,
+            settings.model, us_per_token=cost, threads=settings.threads, name=settings.model_lane
         )
         log.warning(
             "BENCHMARK STAND-IN ENCODER: no model runs, the vectors are made up; never use this "
@@ -99,7 +95,6 @@ def load_encoder(settings: Settings) -> Encoder:
             dtype=settings.dtype,
             threads=settings.threads,
             name=settings.model_lane,
-            tokenizer_threads=settings.tokenizer_threads,
         )
     # a replica's share of a GPU it shares (the parent passes it); the allocator's cap counts
     # the weights already loaded as well as what comes. REPLICAS=auto reaches here only in a

@@ -34,11 +34,6 @@ class ModelSettings(Section):
     """torch intra-op threads on CPU; 0 = the CPUs this process may use (affinity mask and cgroup
     CPU quota, not the node's core count). On CUDA, torch's host-side threads when set (each GPU
     replica runs with 1); 0 leaves torch's default."""
-    tokenizer_threads: int = Field(default=0, ge=0, le=256)
-    """Threads one worker process splits a batch's tokenization over; 0 = auto: on CUDA the
-    process's share of the usable host cores (all of them, or cores/REPLICAS in each replica),
-    on a CPU 1 (the model's threads own the cores). The tokenizers library's own pool
-    (`TOKENIZERS_PARALLELISM`) stays off unless you set that variable to true."""
     replicas: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
     """Model replicas in one worker: N processes reading the same group, each with threads/N (one
     thread each on CUDA), consumers `<consumer>-r<i>`, health ports HEALTH_PORT+i. `auto`: 1 on a

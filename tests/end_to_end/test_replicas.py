@@ -18,7 +18,6 @@ from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.producer.client import Producer
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.settings import Settings
-from embedfleet.workers.cpus import usable_cpus
 from embedfleet.workers.replicas import (
     CUDA_CONTEXT_BYTES,
     allocator_fraction,
@@ -66,13 +65,6 @@ def test_each_replica_on_a_gpu_gets_its_share_of_the_memory() -> None:
     assert {(p.threads, p.gpu_memory_share) for p in plans} == {(1, 0.25)}
     env = replica_environment(plans[2], {})
     assert (env["EMBEDFLEET_THREADS"], env["EMBEDFLEET_GPU_MEMORY_FRACTION"]) == ("1", "0.25")
-    # the host's cores shared out for tokenizing, as the torch threads are on a CPU; a CPU's
-    # replicas keep auto (1 each), and an operator's number reaches each replica as it is
-    tokenizing = str(max(1, usable_cpus() // 4))
-    assert env["EMBEDFLEET_TOKENIZER_THREADS"] == tokenizing
-    assert {p.tokenizer_threads for p in plan_replicas(settings, 4, on_cuda=False)} == {0}
-    given = Settings(consumer="gpu", tokenizer_threads=3)
-    assert {p.tokenizer_threads for p in plan_replicas(given, 4, on_cuda=True)} == {3}
     # what the replica reads back: its share, though it runs with REPLICAS=1
     child = Settings(gpu_memory_fraction=float(env["EMBEDFLEET_GPU_MEMORY_FRACTION"]))
     assert gpu_memory_share(child.gpu_memory_fraction, child.replicas) == 0.25

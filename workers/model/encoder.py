@@ -121,7 +121,6 @@ class Encoder(KeptPath):
         dtype: str = "float32",
         threads: int = 0,
         name: str | None = None,
-        tokenizer_threads: int = 0,
     ) -> None:
         """``name``: the served name (results' ``model``, the card's ``name``); default
         ``served_name(model)``, a model lane's workers serve under the lane's name."""
@@ -129,7 +128,7 @@ class Encoder(KeptPath):
         self.name = name or served_name(model)
         self.device = resolve_device(device)
         configure_device_math(self.device)
-        tokenize_threads = configure_tokenizer_threads(self.device, tokenizer_threads)
+        self.parallel_tokenizer = configure_tokenizer_threads(self.device)
         configure_threads(self.device, threads)
         # `auto` loads fp32 and settles on a precision after the parity probe, below.
         requested = requested_precision(dtype, self.device)
@@ -137,7 +136,6 @@ class Encoder(KeptPath):
         self.loaded = loaded = load_model(self.model_dir, self.device, load_dtype)
         self.spec, self._model, self._sentence = loaded.spec, loaded.model, loaded.sentence
         self._representation, self.text = loaded.representation, loaded.text
-        self.text.threads = tokenize_threads
         self.representation = self.spec.representation
         self.pooling = self._sentence.pooling
         self.max_length, self.prompts = self.text.max_length, self.text.prompts

@@ -45,18 +45,10 @@ class StandInEncoder(Encoder):
         us_per_token: float = 0.0,
         threads: int = 0,
         name: str | None = None,
-        tokenizer_threads: int = 0,
     ) -> None:
         if us_per_token < 0:
             raise ValueError("us_per_token must be 0 or more")
-        super().__init__(
-            model,
-            device="cpu",
-            dtype="float32",
-            threads=threads,
-            name=name,
-            tokenizer_threads=tokenizer_threads,
-        )
+        super().__init__(model, device="cpu", dtype="float32", threads=threads, name=name)
         self.name = STANDIN_PREFIX + self.name
         self.us_per_token = us_per_token
         generator = np.random.default_rng(29)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -21,7 +20,6 @@ import torch
 
 from embedfleet.shared.modelcard import resolve_prompt
 from embedfleet.shared.tokens import encode_for_model, tokenizer_fingerprint
-from embedfleet.workers.cpus import usable_cpus
 from embedfleet.workers.model.model_dir import ModelSpec
 
 PromptRole = Literal["query", "document"]
@@ -71,30 +69,15 @@ class EncodeBatch:
         return int(self.attention_mask.sum())
 
 
-def configure_tokenizer_threads(device: torch.device, threads: int = 0) -> int:
-    """The threads :meth:`TextTokenizer.tokenize` splits a batch over (``threads``,
-    EMBEDFLEET_TOKENIZER_THREADS; 0: decided by the device). On a CPU 1: the model's threads own
-    the cores (a tokenizer pool beside them stalls their barriers, docs/BENCHMARKS.md "Threads
-    under contention"). On CUDA the host's usable cores: they are otherwise idle, and one
-    tokenizing core cannot feed a GPU doing tens of thousands of texts a second.
-
-    The threads are Python's, each encoding its part with the GIL released; the tokenizers
-    library's own Rust pool is kept off (TOKENIZERS_PARALLELISM=false): on a host whose cores
-    the reader and the event loop share, its workers spin waiting for work, costing more CPU
-    per text than the text itself (docs/BENCHMARKS.md, "Stop 60"). An operator who sets
-    TOKENIZERS_PARALLELISM keeps it, and then the library's pool does the splitting."""
-    if "TOKENIZERS_PARALLELISM" in os.environ:
-        parallel = os.environ["TOKENIZERS_PARALLELISM"].lower() in ("1", "true", "yes", "on")
-        if parallel:
-            return 1
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # read by the library at each batch call
-    if threads:
-        return threads
-    return usable_cpus() if device.type == "cuda" else 1
-
-
-# a part of a batch worth a thread of its own: below it, handing it over costs more than it saves
-MIN_TEXTS_PER_THREAD = 64
+def configure_tokenizer_threads(device: torch.device) -> bool:
+    """Whether the Rust tokenizer batch-encodes on all cores, decided by the device unless
+    TOKENIZERS_PARALLELISM is set: on a CPU the model's threads own the cores (a tokenizer pool
+    beside them stalls their barriers, docs/BENCHMARKS.md "Threads under contention"); on CUDA
+    the host cores are otherwise idle, and one tokenizing core cannot feed a GPU doing tens of
+    thousands of texts a second. The tokenizers library reads the variable at each batch call."""
+    if "TOKENIZERS_PARALLELISM" not in os.environ:
+        os.environ["TOKENIZERS_PARALLELISM"] = "true" if device.type == "cuda" else "false"
+    return os.environ["TOKENIZERS_PARALLELISM"].lower() in ("1", "true", "yes", "on")
 
 
 class TextTokenizer:
@@ -104,8 +87,6 @@ class TextTokenizer:
     def __init__(self, tokenizer: Any, spec: ModelSpec, max_length: int) -> None:
         self.spec = spec
         self.max_length = max_length
-        # the threads a batch's encoding is split over (configure_tokenizer_threads)
-        self.threads = 1
         # sentence-transformers' prompt table: "query" and "document" exist (empty) unless the
         # model sets them, which is why encode_query / encode_document never fall back to
         # default_prompt_name; see resolve_prompt.
@@ -152,32 +133,10 @@ class TextTokenizer:
         if prompts is not None:
             texts = [prompt + text for prompt, text in zip(prompts, texts, strict=True)]
         results: list[Tokenized] = []
-        for row, ids in enumerate(self._encode(texts)):
+        for row, ids in enumerate(encode_for_model(self.backend, texts, self.max_length)):
             prompt = prompts[row] if prompts is not None else ""
             results.append(self._fit(ids, self.prompt_length(prompt) if prompt else 0))
         return results
-
-    def _encode(self, texts: Sequence[str]) -> list[list[int]]:
-        """``encode_for_model`` of ``texts``, in ``threads`` parts at once (the calling thread
-        takes the first) when the batch is large enough to share."""
-        parts = min(self.threads, len(texts) // MIN_TEXTS_PER_THREAD)
-        if parts <= 1:
-            return encode_for_model(self.backend, texts, self.max_length)
-        size = -(-len(texts) // parts)
-        pieces = [texts[start : start + size] for start in range(0, len(texts), size)]
-        others = [
-            self._pool.submit(encode_for_model, self.backend, piece, self.max_length)
-            for piece in pieces[1:]
-        ]
-        ids = encode_for_model(self.backend, pieces[0], self.max_length)
-        for other in others:
-            ids.extend(other.result())
-        return ids
-
-    @functools.cached_property
-    def _pool(self) -> ThreadPoolExecutor:
-        # the Rust tokenizer is shared by the threads: encoding takes it by reference
-        return ThreadPoolExecutor(self.threads - 1, thread_name_prefix="tokenize-part")
 
     # --- token ids made by the producer (issue 53) ------------------------------------
     @functools.cached_property

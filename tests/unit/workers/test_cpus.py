@@ -69,41 +69,24 @@ def test_usable_cpus_on_this_machine_is_within_the_affinity_mask() -> None:
 
 
 @pytest.mark.parametrize(
-    ("device", "preset", "setting", "threads", "library_pool"),
-    [
-        ("cpu", None, 0, 1, "false"),
-        ("cuda", None, 0, "cores", "false"),
-        ("cuda", "false", 0, "cores", "false"),
-        ("cuda", None, 3, 3, "false"),
-        ("cpu", None, 2, 2, "false"),
-        ("cpu", "true", 0, 1, "true"),
-        ("cuda", "true", 4, 1, "true"),
-    ],
+    ("device", "preset", "parallel"),
+    [("cpu", None, False), ("cuda", None, True), ("cuda", "false", False), ("cpu", "true", True)],
 )
 def test_tokenizer_threads_follow_the_device_unless_set(
-    monkeypatch: pytest.MonkeyPatch,
-    device: str,
-    preset: str | None,
-    setting: int,
-    threads: int | str,
-    library_pool: str,
+    monkeypatch: pytest.MonkeyPatch, device: str, preset: str | None, parallel: bool
 ) -> None:
-    """On a CPU the model's threads own the cores: one tokenizing thread; on CUDA a batch is
-    split over the host's usable cores; EMBEDFLEET_TOKENIZER_THREADS sets the number. The
-    tokenizers library's own pool stays off unless an operator sets TOKENIZERS_PARALLELISM to
-    true, and then it does the splitting alone."""
+    """On a CPU the model's threads own the cores; on CUDA the tokenizer gets them all; an
+    operator's TOKENIZERS_PARALLELISM wins either way."""
     import torch
 
-    from embedfleet.workers.cpus import usable_cpus
     from embedfleet.workers.model.tokenizer import configure_tokenizer_threads
 
     if preset is None:
         monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
     else:
         monkeypatch.setenv("TOKENIZERS_PARALLELISM", preset)
-    expected = usable_cpus() if threads == "cores" else threads
-    assert configure_tokenizer_threads(torch.device(device), setting) == expected
-    assert os.environ["TOKENIZERS_PARALLELISM"] == library_pool
+    assert configure_tokenizer_threads(torch.device(device)) is parallel
+    assert os.environ["TOKENIZERS_PARALLELISM"] == (preset or str(parallel).lower())
 
 
 # --- the CPU class ---------------------------------------------------------------------------

@@ -11,14 +11,7 @@ from transformers import AutoTokenizer
 from embedfleet.shared.model_path import resolve_model_path
 from embedfleet.shared.settings import PACKAGED_MODEL
 from embedfleet.workers.model.model_dir import read_model_spec
-from embedfleet.workers.model.tokenizer import (
-    MIN_TEXTS_PER_THREAD as MIN_SPLIT,
-)
-from embedfleet.workers.model.tokenizer import (
-    TextTokenizer,
-    Tokenized,
-    split_windows,
-)
+from embedfleet.workers.model.tokenizer import TextTokenizer, Tokenized, split_windows
 
 CLS, SEP = 101, 102
 PACKAGED = resolve_model_path(PACKAGED_MODEL)
@@ -60,26 +53,6 @@ def test_a_batch_is_padded_on_the_right_with_its_mask(text: TextTokenizer) -> No
     assert (batch.size, batch.padded_tokens, batch.real_tokens) == (2, 8, 6)
     assert batch.prompt_lengths is None and batch.token_type_ids is None
     assert batch.input_ids.dtype == torch.int64
-
-
-def test_a_batch_split_over_threads_gives_the_ids_of_one_thread() -> None:
-    """A batch's encoding split over threads (a CUDA host's, configure_tokenizer_threads) gives
-    every text the ids, order and cut flag one thread gives, prompts included; a batch too
-    small to share stays on the calling thread."""
-    split = TextTokenizer(AutoTokenizer.from_pretrained(PACKAGED), read_model_spec(PACKAGED), 24)
-    split.threads = 3
-    one = TextTokenizer(AutoTokenizer.from_pretrained(PACKAGED), read_model_spec(PACKAGED), 24)
-    texts = [
-        f"text {i} " + "word " * (i % 40) + "é漢🙂" * (i % 3) for i in range(MIN_SPLIT * 3 + 7)
-    ]
-    prompts = ["query: " if i % 5 == 0 else "" for i in range(len(texts))]
-    assert split.tokenize(texts, prompts) == one.tokenize(texts, prompts)
-    assert any(item.truncated for item in one.tokenize(texts, None))
-    assert "_pool" in vars(split), "the batch was split"
-    small = TextTokenizer(AutoTokenizer.from_pretrained(PACKAGED), read_model_spec(PACKAGED), 24)
-    small.threads = 3
-    assert small.tokenize(texts[:MIN_SPLIT], None) == one.tokenize(texts[:MIN_SPLIT], None)
-    assert "_pool" not in vars(small), "a small batch is not handed over"
 
 
 def test_windows_keep_the_frame_and_overlap() -> None:
