@@ -155,7 +155,7 @@ class Compute:
                 ImageBatches.tower_layers(self.parts.encoder.loaded.model),
             )
         await encode_images(
-            self.parts, self.intake, window, encoded, self._image_batches, self.queries
+            self.parts, self.intake, window, encoded, self._image_batches, self.slices
         )
 
     async def _encode_window(self, window: Window, encoded: asyncio.Queue[Encoded | None]) -> None:
@@ -361,7 +361,7 @@ async def encode_images(
     window: Window,
     encoded: asyncio.Queue[Encoded | None],
     sizes: ImageBatches,
-    queries: QueryStage,
+    slices: Slices,
 ) -> None:
     """A dual encoder's image chunks of the window (workers/images.py), in batches ``sizes``
     cuts (to the slice target where queries wait on bulk work) on the model thread; the images
@@ -378,12 +378,13 @@ async def encode_images(
             rows.chunks[batch.start : batch.stop],
             rows.deliveries[batch.start : batch.stop],
         )
+        predicted = sizes.layer_seconds(len(batch))
         try:
-            vectors, seconds = await loop.run_in_executor(
+            vectors, seconds, longest = await loop.run_in_executor(
                 parts.threads.model,
                 _timed_images,
                 parts.encoder,
-                queries,
+                slices,
                 rows.pixels[batch.start : batch.stop],
             )
         except Exception as error:
@@ -397,20 +398,36 @@ async def encode_images(
             )
             continue
         sizes.observe(len(batch), seconds)
-        # the model's time on images counts in its busy share as a text batch's does
+        # the model's time on images counts in its busy share, and its longest stretch between
+        # two layers against the slice target, as a text batch's do (the image tower: eager)
         parts.events.batch_encoded(
             texts=len(batch), real_tokens=0, padded_tokens=0, seconds=seconds
         )
+        if sizes.slice_seconds > 0:
+            parts.events.bulk_slice(
+                path="eager",
+                seconds=longest,
+                predicted_seconds=predicted,
+                target_seconds=sizes.slice_seconds,
+                texts=len(batch),
+                longest=0,
+            )
         keys = [rows.content_keys.get(delivery) for delivery in deliveries]
         tokens = [NO_TOKENS] * len(chunks)
         await encoded.put(Encoded(chunks, deliveries, tokens, vectors, content_keys=keys))
 
 
 def _timed_images(
-    encoder: Encoder, queries: QueryStage, pixels: np.ndarray
-) -> tuple[np.ndarray, float]:
-    """On the model thread: an image batch's vectors, and the seconds the model spent on them
-    (the queries served at its layer boundaries left out)."""
-    served, started = queries.serving_seconds, time.perf_counter()
-    vectors = encoder.embed_images(pixels)
-    return vectors, time.perf_counter() - started - (queries.serving_seconds - served)
+    encoder: Encoder, slices: Slices, pixels: np.ndarray
+) -> tuple[np.ndarray, float, float]:
+    """On the model thread: an image batch's vectors, the seconds the model spent on them (the
+    queries served at its layer boundaries left out) and its longest stretch between two of
+    them (the slice clock, workers/cost_model.py: what a query waited behind)."""
+    served, started = slices.queries.serving_seconds, time.perf_counter()
+    slices.slice_clock.start()
+    try:
+        vectors = encoder.embed_images(pixels)
+    finally:
+        longest = slices.slice_clock.stop()
+    seconds = time.perf_counter() - started - (slices.queries.serving_seconds - served)
+    return vectors, seconds, longest

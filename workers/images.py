@@ -234,6 +234,10 @@ class ImageBatches:
         fit = int(self.slice_seconds * max(1, self.layers) / self.seconds_per_image)
         return max(1, min(self.max_batch, fit))
 
+    def layer_seconds(self, images: int) -> float:
+        """The predicted time of one layer over ``images`` (0 before any batch is measured)."""
+        return (self.seconds_per_image or 0.0) * images / max(1, self.layers)
+
     def observe(self, images: int, seconds: float) -> None:
         """A batch of ``images`` took ``seconds`` of the model (queries served inside left out)."""
         each = max(seconds, 1e-9) / images

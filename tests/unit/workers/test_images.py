@@ -165,8 +165,10 @@ def test_where_queries_wait_a_batch_holds_what_a_layer_computes_within_the_slice
     maximum."""
     sizes = ImageBatches(max_batch=128, slice_seconds=0.1, layers=12)
     assert sizes.next_size() == FIRST_SLICED_BATCH
+    assert sizes.layer_seconds(12) == 0, "nothing measured: no prediction"
     sizes.observe(4, 0.4)  # 0.1 s an image: a layer of 12 images takes 0.1 s
     assert sizes.next_size() == 12
+    assert sizes.layer_seconds(12) == pytest.approx(0.1)
     sizes.observe(12, 0.6)  # cheaper in a larger batch: 0.05 s, smoothed to 0.085
     assert sizes.next_size() == int(0.1 * 12 / 0.085)
     sizes.observe(1, 100.0)  # a batch far slower (a loaded machine): one image at a time
