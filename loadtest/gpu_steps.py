@@ -49,6 +49,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+from unittest import mock
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -1114,34 +1115,42 @@ def images(config: CheckConfig, record: Record) -> None:
         "EMBEDFLEET_DTYPE": config.large_dtype,
         "EMBEDFLEET_LOG_LEVEL": "warning",
     }
-    os.environ.update(env)  # the in-process worker reads its settings from the environment
-    distinct = _generated_images(shape, config, record)  # before CUDA starts: plain threads
-    started = time.perf_counter()
-    model_dir = _clip_model(shape, config)
-    encoder = FleetEncoders(config.device, config.threads, model=str(model_dir)).encoder(env)
-    record.put("model", {"dir": str(model_dir), "load_s": round(time.perf_counter() - started, 1)})
-    say(f"{shape.name}: built and loaded in {time.perf_counter() - started:.1f} s")
-    fleet = Fleet(config.redis_url)
-    fleet.run_images(encoder, distinct[:16], [f"warm-{i}" for i in range(min(16, len(distinct)))])
-    chosen = [distinct[i % len(distinct)] for i in range(shape.images)]
-    with _model_clock(encoder) as clock:
-        run = fleet.run_images(encoder, chosen, [f"img{i}" for i in range(shape.images)])
-    if run.cache_hits:
-        raise RuntimeError(f"{run.cache_hits} images answered by the vector cache, not the model")
-    busy = clock.seconds / run.seconds
-    _image_row(
-        record,
-        "fleet end to end",
-        shape,
-        config,
-        run.texts,
-        run.seconds,
-        busy,
-        worker_reported_busy=run.model_busy,
-    )
-    _model_alone(encoder, distinct, shape, config, record)
-    _free(torch.device(config.device))
-    _host_decode(encoder.image_processor, distinct, usable_cpus(), record)
+    # the in-process worker reads its settings from the environment: set for the step, and put
+    # back after it (a test runs the step in a process whose later workers inherit it)
+    with mock.patch.dict(os.environ, env):
+        distinct = _generated_images(shape, config, record)  # before CUDA starts: plain threads
+        started = time.perf_counter()
+        model_dir = _clip_model(shape, config)
+        encoder = FleetEncoders(config.device, config.threads, model=str(model_dir)).encoder(env)
+        record.put(
+            "model", {"dir": str(model_dir), "load_s": round(time.perf_counter() - started, 1)}
+        )
+        say(f"{shape.name}: built and loaded in {time.perf_counter() - started:.1f} s")
+        fleet = Fleet(config.redis_url)
+        fleet.run_images(
+            encoder, distinct[:16], [f"warm-{i}" for i in range(min(16, len(distinct)))]
+        )
+        chosen = [distinct[i % len(distinct)] for i in range(shape.images)]
+        with _model_clock(encoder) as clock:
+            run = fleet.run_images(encoder, chosen, [f"img{i}" for i in range(shape.images)])
+        if run.cache_hits:
+            raise RuntimeError(
+                f"{run.cache_hits} images answered by the vector cache, not the model"
+            )
+        busy = clock.seconds / run.seconds
+        _image_row(
+            record,
+            "fleet end to end",
+            shape,
+            config,
+            run.texts,
+            run.seconds,
+            busy,
+            worker_reported_busy=run.model_busy,
+        )
+        _model_alone(encoder, distinct, shape, config, record)
+        _free(torch.device(config.device))
+        _host_decode(encoder.image_processor, distinct, usable_cpus(), record)
 
 
 @dataclass

@@ -5,6 +5,7 @@ the CPU by `make gpu-rehearsal` (docs/BENCHMARKS.md, GPU check)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -90,7 +91,11 @@ def test_the_images_step_rehearses_on_the_cpu(
     )
     config.extra = {**config.extra, "corpus_file": str(tmp_path / "texts.json")}
     record = Record(tmp_path / "images.json")
+    before = dict(os.environ)
     images(config, record)
+    # put back: the workers later tests of this process start inherit it (a leaked
+    # EMBEDFLEET_LOG_LEVEL=warning hid their "worker started" lines)
+    assert dict(os.environ) == before
     found = record.data
     assert found["setup"]["distinct"].startswith("12 images")
     fleet = found["fleet end to end"]
