@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from embedfleet.producer.chunks import as_chunk
-from embedfleet.shared.protocol import DEFAULT_LIMITS, Chunk, ChunkLimits
+from embedfleet.shared.protocol import DEFAULT_LIMITS, Chunk, ChunkLimits, over_image_limit
 
 # the names of the files a folder's images are read from: the formats a worker decodes
 # (shared/protocol.py IMAGE_FORMATS)
@@ -63,9 +63,7 @@ def read_image(path: Path, max_bytes: int) -> bytes:
         raise ImageFileError(f"{path}: cannot be read: {error.strerror or error}") from None
     size = max(size, len(data))
     if size > max_bytes:
-        raise ImageFileError(
-            f"{path}: {size} bytes, over the {max_bytes} limit (EMBEDFLEET_MAX_IMAGE_BYTES)"
-        )
+        raise ImageFileError(f"{path}: {over_image_limit(size, max_bytes)}")
     if not data:
         raise ImageFileError(f"{path}: an empty file")
     return data

@@ -578,11 +578,17 @@ def _image_field(message: Mapping[str, Any], limits: ChunkLimits, text: str) -> 
         raise ProtocolError(f"'image' must be msgpack bin holding an encoded image, got {got}")
     if len(image) > limits.max_image_bytes:
         raise ProtocolError(
-            f"'image' is {len(image)} bytes, over the {limits.max_image_bytes} limit "
-            "(EMBEDFLEET_MAX_IMAGE_BYTES)",
+            f"'image' is {over_image_limit(len(image), limits.max_image_bytes)}",
             DeadReason.TOO_LARGE,
         )
     return image
+
+
+def over_image_limit(size: int, limit: int) -> str:
+    """How an image over EMBEDFLEET_MAX_IMAGE_BYTES is refused, wherever it is met (a chunk, a
+    file the producer reads, a reference the worker reads, a decoded image): after what it
+    is, ``"<size> bytes, over the <limit> limit (EMBEDFLEET_MAX_IMAGE_BYTES)"``."""
+    return f"{size} bytes, over the {limit} limit (EMBEDFLEET_MAX_IMAGE_BYTES)"
 
 
 def _image_ref_field(message: Mapping[str, Any], text: str) -> str | None:

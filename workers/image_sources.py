@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from embedfleet.shared.dead_letters import DeadReason
+from embedfleet.shared.protocol import over_image_limit
 
 
 class ImageSourceRefused(Exception):
@@ -108,9 +109,7 @@ class ImageSources:
 
     def _too_large(self, ref: str, size: int) -> ImageSourceRefused:
         return ImageSourceRefused(
-            f"{ref!r} is {size} bytes, over the {self.max_bytes} limit "
-            "(EMBEDFLEET_MAX_IMAGE_BYTES)",
-            DeadReason.TOO_LARGE,
+            f"{ref!r} is {over_image_limit(size, self.max_bytes)}", DeadReason.TOO_LARGE
         )
 
     def _read_file(self, ref: str, path: str) -> bytes:

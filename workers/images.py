@@ -29,7 +29,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from embedfleet.shared.dead_letters import DeadReason
-from embedfleet.shared.protocol import IMAGE_FORMATS, MAX_IMAGE_PIXELS, Chunk
+from embedfleet.shared.protocol import IMAGE_FORMATS, MAX_IMAGE_PIXELS, Chunk, over_image_limit
 from embedfleet.sinks import Delivery
 from embedfleet.workers.cpus import usable_cpus
 from embedfleet.workers.dead_letter_writer import Rejected
@@ -60,9 +60,7 @@ def decode_image(data: bytes, max_bytes: int) -> Image.Image:
     :class:`ImageRefused` saying why not."""
     if len(data) > max_bytes:
         raise ImageRefused(
-            f"the image is {len(data)} bytes, over the {max_bytes} limit "
-            "(EMBEDFLEET_MAX_IMAGE_BYTES)",
-            DeadReason.TOO_LARGE,
+            f"the image is {over_image_limit(len(data), max_bytes)}", DeadReason.TOO_LARGE
         )
     try:
         image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
