@@ -218,7 +218,7 @@ def engine_contender(
         if layout == "padded":
             for planned in plan_batches(lengths, token_budget, max_batch):
                 batch = encoder.collate([tokens[p] for p in planned.positions])
-                # frozen: the query lane's frozen, pre-packed graph (no layer hooks) for bulk too
+                # frozen: the query stage's frozen, pre-packed graph (no layer hooks) for bulk too
                 embed = encoder.embed_query if frozen else encoder.embed
                 vectors[[base + p for p in planned.positions]] = embed(batch)
                 real += batch.real_tokens
@@ -400,7 +400,7 @@ class Fleet:
 class FleetVariant:
     """A fleet contender: the worker with these EMBEDFLEET_* settings beside the defaults, as a
     user would set them (docs/SETTINGS.md); the encoder is loaded and its forward path chosen
-    as `embedfleet worker` does with them (workers/runtime.py load_encoder, the query lane's
+    as `embedfleet worker` does with them (workers/runtime.py load_encoder, the query stage's
     prepare_query_graph)."""
 
     name: str
@@ -422,7 +422,7 @@ FLOAT32 = {"EMBEDFLEET_DTYPE": "float32"}
 TORCH = {"EMBEDFLEET_CPU_BACKEND": "torch"}
 FLEET_VARIANTS = (
     FleetVariant("fleet fp32", FLOAT32, default=True),
-    # what the query lane's slices cost bulk work
+    # what the query stage's slices cost bulk work
     FleetVariant("fleet fp32 unsliced", FLOAT32 | {"EMBEDFLEET_SLICE_MS": "0"}),
     FleetVariant("fleet auto", default=True),
     FleetVariant("fleet auto cache off", {"EMBEDFLEET_VECTOR_CACHE_MB": "0"}, default=True),

@@ -1,4 +1,4 @@
-"""The HTTP gateway's cost: single-input latency through `embedfleet serve` vs the priority lane
+"""The HTTP gateway's cost: single-input latency through `embedfleet serve` vs the query stream
 called directly (Producer.embed_query), idle and under a bulk backlog, and requests/s.
 
     python -m loadtest.gateway [--requests 200] [--backlog 4000] [--concurrency 16] [--seconds 10]
@@ -76,7 +76,7 @@ def via_gateway(http: httpx.AsyncClient) -> Callable[[], Awaitable[None]]:
     return call
 
 
-def via_lane(producer: Producer) -> Callable[[], Awaitable[None]]:
+def via_query_stream(producer: Producer) -> Callable[[], Awaitable[None]]:
     async def call() -> None:
         await producer.embed_query(QUERY, timeout=30)
 
@@ -84,13 +84,13 @@ def via_lane(producer: Producer) -> Callable[[], Awaitable[None]]:
 
 
 async def paired(
-    gateway: Callable[[], Awaitable[None]], lane: Callable[[], Awaitable[None]], count: int
+    gateway: Callable[[], Awaitable[None]], direct_call: Callable[[], Awaitable[None]], count: int
 ) -> tuple[list[float], list[float]]:
     """Alternate gateway and direct requests, one at a time."""
     through_gateway: list[float] = []
     direct: list[float] = []
     for _ in range(count):
-        for call, samples in ((gateway, through_gateway), (lane, direct)):
+        for call, samples in ((gateway, through_gateway), (direct_call, direct)):
             started = time.perf_counter()
             await call()
             samples.append(time.perf_counter() - started)
@@ -143,14 +143,14 @@ async def scenario(args: argparse.Namespace) -> None:
                 Producer(settings) as producer,
             ):
                 await wait_ready(http)
-                gateway, lane = via_gateway(http), via_lane(producer)
-                await paired(gateway, lane, 20)  # warm up both paths
-                idle_gateway, idle_direct = await paired(gateway, lane, args.requests)
+                gateway, direct_call = via_gateway(http), via_query_stream(producer)
+                await paired(gateway, direct_call, 20)  # warm up both paths
+                idle_gateway, idle_direct = await paired(gateway, direct_call, args.requests)
                 gateway_rps = await throughput(gateway, args.concurrency, args.seconds)
-                lane_rps = await throughput(lane, args.concurrency, args.seconds)
+                direct_rps = await throughput(direct_call, args.concurrency, args.seconds)
                 await producer.enqueue(bulk_chunks(args.backlog), job="backlog")
                 await asyncio.sleep(1.0)  # the worker is deep in bulk batches
-                busy_gateway, busy_direct = await paired(gateway, lane, args.requests)
+                busy_gateway, busy_direct = await paired(gateway, direct_call, args.requests)
                 left = await producer.progress("backlog")
                 backlog_left = left.enqueued - left.done - left.dead
     print(f"CPU: {cpu_name()}; {machine_load()}")
@@ -161,13 +161,13 @@ async def scenario(args: argparse.Namespace) -> None:
     )
     print("\n| single input | requests | p50 ms | p99 ms |\n|---|---|---|---|")
     print(row("idle: gateway (POST /v1/embeddings)", idle_gateway))
-    print(row("idle: priority lane direct (embed_query)", idle_direct))
+    print(row("idle: query stream direct (embed_query)", idle_direct))
     print(row("bulk backlog: gateway", busy_gateway))
-    print(row("bulk backlog: priority lane direct", busy_direct))
+    print(row("bulk backlog: query stream direct", busy_direct))
     print(f"\nbacklog still queued after the busy phase: {backlog_left} of {args.backlog}")
     print(
         f"requests/s, {args.concurrency} in flight, idle, {args.seconds:.0f} s each: "
-        f"gateway {gateway_rps:.1f}, priority lane direct {lane_rps:.1f}"
+        f"gateway {gateway_rps:.1f}, query stream direct {direct_rps:.1f}"
     )
 
 

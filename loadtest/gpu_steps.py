@@ -20,7 +20,7 @@ killed at its timeout still leaves what it measured. Steps:
                producer (EMBEDFLEET_PRODUCER_TOKEN_IDS)
 ``large``      the models step's models end to end at the replicas EMBEDFLEET_REPLICAS=auto
                picks here, plain and with token ids, the same figures
-``latency``    query p50/p99 through the priority lane, idle and under a saturating backlog,
+``latency``    query p50/p99 through the query stream, idle and under a saturating backlog,
                at the replicas ``auto`` picks here
 ``host``       the host pipeline with the stand-in encoder at zero cost
 ``images``     a CLIP ViT-L/14-shaped model (random weights, built here) end to end on image
@@ -545,7 +545,7 @@ async def served_paths(ports: Sequence[int]) -> dict[str, float]:
 
 async def query_paths(port: int) -> dict[str, float]:
     """Queries served per path (embedfleet_queries_served_total: graph, stream, frozen, eager)
-    from a worker's /metrics: which query lane actually ran."""
+    from a worker's /metrics: which query path actually ran."""
     import aiohttp
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -871,7 +871,7 @@ def models(config: CheckConfig, record: Record) -> None:
 
 
 # --- replicas: the sweep -------------------------------------------------------------------
-# Workers that serve no queries (the sweep's, the large step's) skip the CUDA query lane's graph
+# Workers that serve no queries (the sweep's, the large step's) skip the CUDA query path's graph
 # capture, timed at start for every batch x length bucket: start time out of a lease. Their bulk
 # path is the default one (graph and stream differ only in how queries run). No effect on a CPU.
 THROUGHPUT_ONLY = {"EMBEDFLEET_CUDA_QUERY_LANE": "stream"}

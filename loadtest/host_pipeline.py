@@ -314,7 +314,7 @@ class Config:
 def host_environment(host: str) -> dict[str, str]:
     """The worker settings of the host the pipeline stands for: ``cuda`` (a GPU host: the CUDA
     defaults' read window and batches, shared/settings/batching.py, and no slice limit, as
-    the CUDA query lane serves queries beside bulk work: workers/slices.py) or ``cpu`` (the
+    the CUDA query path serves queries beside bulk work: workers/slices.py) or ``cpu`` (the
     CPU defaults, slices sized by the cost model)."""
     if host == "cpu":
         return {}

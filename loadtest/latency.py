@@ -1,4 +1,4 @@
-"""Query latency through the priority lane, idle and with the ingest stream saturated.
+"""Query latency through the query stream, idle and with the ingest stream saturated.
 
     python -m loadtest.latency [--queries 200] [--window 15] [--rounds 5] [--pair-pause 0.1]
                                [--slice-ms MS] [--paths default,eager,frozen,int8,varlen]
@@ -10,7 +10,7 @@ the same query; then bulk throughput with and without 10 queries/s, interleaved 
 
 ``--paths`` runs all of that once per forward path, each with a worker of its own forced onto it
 by its settings (``PATHS``; the bare forward pass takes the same precision and query graph), and
-ends with one table of the query lane's three promises per path (issue 27): saturated p99 <=
+ends with one table of the query stage's three promises per path (issue 27): saturated p99 <=
 2 x idle p99 + slice, idle p50 within 2 ms of the bare forward, bulk throughput with 10
 queries/s >= 0.90 of without; beside them the path the worker's bulk batches really took and
 their longest slices (``embedfleet_bulk_slice_seconds{path}``), since a path forced by settings
@@ -153,7 +153,7 @@ PAIR_PAUSE_S = 0.1
 
 def bare_encoder(settings: Settings | None = None) -> Encoder:
     """The floor: the same query through the model in this process, no queue at all, on the
-    forward pass the worker's query lane uses with ``settings`` (the default worker's when
+    forward pass the worker's query stage uses with ``settings`` (the default worker's when
     None: its precision, and the frozen graph or an int8 copy: workers/model/frozen.py,
     workers/model/int8.py). Where the int8 copy is chosen by a timed race at start (CPU_INT8_PATH
     auto) this process can decide it the other way: the table shows both paths; the forced
@@ -171,7 +171,7 @@ def bare_encoder(settings: Settings | None = None) -> Encoder:
 
 
 def bare_path(encoder: Encoder) -> str:
-    """Which forward pass the bare query took (the worker's query lane reports its own)."""
+    """Which forward pass the bare query took (the worker's query stage reports its own)."""
     return encoder.serve_query(encoder.collate(encoder.tokenize([QUERY])))[1]
 
 
@@ -319,7 +319,7 @@ async def slice_report(metrics_url: str) -> SliceReport:
 
 
 async def query_stage_totals(metrics_url: str) -> dict[str, tuple[float, float]]:
-    """Per stage of the worker's query lane (embedfleet_query_stage_seconds): (seconds, count)
+    """Per step of the worker's query stage (embedfleet_query_stage_seconds): (seconds, count)
     so far; two snapshots give the stages' means over the queries between them."""
     totals: dict[str, list[float]] = {stage: [0.0, 0.0] for stage in QUERY_STAGES}
     async with aiohttp.ClientSession() as session, session.get(metrics_url) as response:
@@ -612,9 +612,9 @@ def _slice_line(run: PathRun) -> str:
 
 
 def print_promises(runs: list[PathRun | tuple[str, str]]) -> None:
-    """The query lane's three promises, one row per forced path."""
+    """The query stage's three promises, one row per forced path."""
     print(
-        "\n# the query lane's promises by forward path "
+        "\n# the query stage's promises by forward path "
         "(bound: saturated p99 <= 2 x idle p99 + slice; idle: p50 within 2 ms of the bare "
         "forward; bulk: tokens/s with 10 queries/s >= 0.90 x without)"
     )

@@ -1,4 +1,4 @@
-"""Which float32 linear kernel is fastest on this CPU, for the bulk lane's layer shapes.
+"""Which float32 linear kernel is fastest on this CPU, for the bulk path's layer shapes.
 
     python -m loadtest.linear_kernels [--tokens 3840] [--threads 0] [--json FILE]
 

@@ -1,4 +1,4 @@
-"""The floor under the priority lane: the same `embed_query` round trip with no model.
+"""The floor under the query stream: the same `embed_query` round trip with no model.
 
     python -m loadtest.transport [--queries 150]
 
@@ -30,7 +30,7 @@ from loadtest.latency import QUERY
 
 
 def echo_consumer(url: str, namespace: str, dimension: int) -> None:
-    """Answers every query with a zero vector, the way the query lane answers."""
+    """Answers every query with a zero vector, the way a worker's query stage answers."""
 
     async def serve() -> None:
         settings = Settings(redis_url=url, namespace=namespace)

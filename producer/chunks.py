@@ -1,7 +1,7 @@
 """What a caller hands the producer, made into a checked Chunk: ``as_chunk`` and the per-job
 (or per-query) ``EmbeddingOptions`` it fills in.
 
-The one builder of the client's chunks: ``Producer.enqueue``, the query lane
+The one builder of the client's chunks: ``Producer.enqueue``, the priority streams' client
 (producer/queries.py) and the JSONL reader (producer/jsonl.py) all build through it, so what a
 worker would dead-letter is refused here, before anything is sent.
 """

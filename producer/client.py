@@ -237,7 +237,7 @@ class Producer(RepresentationCalls):
         options: EmbeddingOptions | None = None,
         model: str | None = None,
     ) -> np.ndarray:
-        """Embed one query through the priority lane: a float32 vector (the model's dimension,
+        """Embed one query through the query stream: a float32 vector (the model's dimension,
         or ``options.dimensions``), or int8/uint8 codes / packed bits for those dtypes."""
         return (await self.embed_queries([text], timeout=timeout, options=options, model=model))[0]
 

@@ -1,4 +1,4 @@
-"""The interactive lanes: queries and texts for someone waiting, answered on a reply list.
+"""The priority streams: queries and texts for someone waiting, answered on a reply list.
 
 The inputs of one request go to the query stream (``Keys.priority_streams.query``: few, short texts,
 served between the transformer layers of bulk batches) or the interactive stream
@@ -233,7 +233,7 @@ class Queries:
                     reply=request,
                     deadline_ms=deadline_ms,
                     pair=pairs[index] if pairs is not None else None,
-                    # accounted to the producer's tenant (the query lane has no shares)
+                    # accounted to the producer's tenant (the priority streams have no shares)
                     tenant=None if lane.tenant is None else lane.tenants.wire(lane.tenant),
                     **(extra or {}),
                 ),
@@ -326,7 +326,7 @@ class Queries:
         EMBEDFLEET_REDIS_CLEANUP_TIMEOUT_S: if Redis is away or hung, the workers skip them
         anyway (they are past their deadline) and the reply key expires. An entry a worker has
         already read is answered onto the deleted key, which then expires."""
-        pipe = self.lane.client.pipeline(transaction=True)  # the query lane's keys share a slot
+        pipe = self.lane.client.pipeline(transaction=True)  # the priority streams share a slot
         if entry_ids:
             pipe.xdel(stream, *entry_ids)
         pipe.delete(reply_key)

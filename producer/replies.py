@@ -1,9 +1,9 @@
 """The reply contract's one collector: the answers to a request, taken off its reply lists.
 
 The workers are the one writer (embedfleet/sinks/reply.py for what the bulk reader embeds, the
-query lane for queries, workers/deadletter.py for an input they refuse): one encoded ``Result``
+query stage for queries, workers/deadletter.py for an input they refuse): one encoded ``Result``
 or query error per input, RPUSHed to ``keys.reply(request)`` of the key set of the stream the
-input was read from (the query lane's for queries and interactive requests, a partition's for a
+input was read from (the priority streams' for queries and interactive requests, a partition's for a
 Batch API job). Every caller that waits for answers (``Producer.embed_queries``,
 ``Producer.embed_texts``, the gateway's Batch API) gathers them here, into one array indexed by
 the input's position, which its chunk id carries: ``<request>:<index>``, or ``<index>`` alone.

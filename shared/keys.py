@@ -9,9 +9,9 @@ streams, job counters and jobs index, all under one hash tag of its own
 (``{ns}:{p3of6.57}:ingest``), so every multi-key command and Lua script stays inside one slot.
 The tags are searched so that partition ``i`` hashes into the middle of the ``i``-th of ``N``
 equal shares of the 16384 slots: a cluster whose masters hold equal slot ranges then gets the
-partitions spread evenly (plain ``{p0}``..``{p5}`` put 4 of 6 on one master of three). The query
-lane (query stream, the interactive stream, their reply keys and dead letters) has a key set
-of its own, ``{ns}:{q}:...``, and so have the gateway's Batch API records, ``{ns}:{b}:...``. A
+partitions spread evenly (plain ``{p0}``..``{p5}`` put 4 of 6 on one master of three). The priority
+streams (query stream, the interactive stream, their reply keys and dead letters) have a key
+set of their own, ``{ns}:{q}:...``, and so have the gateway's Batch API records, ``{ns}:{b}:...``. A
 chunk's partition is ``crc32(utf-8 id) mod N``: any language can route.
 """
 
@@ -202,7 +202,7 @@ class Keys(BatchKeys):
 
     @property
     def priority_streams(self) -> Keys:
-        """The query stream, reply keys and the lane's dead letters, in one slot."""
+        """The query stream, reply keys and the priority streams' dead letters, in one slot."""
         return replace(self, tag=PRIORITY_TAG) if self.partitioned else self
 
     @property

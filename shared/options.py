@@ -238,11 +238,11 @@ def check_modality(image: bool, modalities: Sequence[str], *, where: str = "") -
 
 
 def refuse_packed_token_states() -> None:
-    """RepresentationError for token states asked on a worker's bulk lane that packs its
+    """RepresentationError for token states asked of a worker whose bulk path packs its
     batches (the varlen layout gives pooled vectors alone): the worker's layout, not the
     model, decides this one."""
     raise RepresentationError(
-        "'token_states' are computed on padded batches, and this worker's bulk lane "
+        "'token_states' are computed on padded batches, and this worker's bulk path "
         "packs its batches (the varlen layout): send them on the query stream (the "
         "gateway does), or run the workers with EMBEDFLEET_LAYOUT=padded"
     )

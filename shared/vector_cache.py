@@ -132,8 +132,8 @@ class CacheState:
 
 
 class VectorCache:
-    """One worker's access to the cache of each key set it reads (its partitions, the query
-    lane). ``enabled`` is False with EMBEDFLEET_VECTOR_CACHE_MB=0: nothing is looked up."""
+    """One worker's access to the cache of each key set it reads (its partitions, the priority
+    streams'). ``enabled`` is False with EMBEDFLEET_VECTOR_CACHE_MB=0: nothing is looked up."""
 
     def __init__(self, client: aioredis.Redis, keys: Keys, max_mb: int, ttl_s: int) -> None:
         self.client = client
@@ -203,8 +203,8 @@ async def clear(client: aioredis.Redis, keys: Keys) -> int:
 
 
 def cache_key_sets(keys: Keys) -> list[Keys]:
-    """The key sets that hold a vector cache: each partition's, and with partitions the query
-    lane's (the gateway's large requests, read from its interactive stream)."""
+    """The key sets that hold a vector cache: each partition's, and with partitions the priority
+    streams' (the gateway's large requests, read from its interactive stream)."""
     sets = list(keys.partitions_keys)
     if keys.partitioned:
         sets.append(keys.priority_streams)

@@ -4,7 +4,7 @@ in between.
 ``Compute.run`` takes the windows the intake stage opened and launches their batches on the
 model thread (workers/bulk.py: padded or varlen; on CUDA batch i+1 is queued before batch i is
 collected), each sized by the slices' cost model (workers/slices.py) so that a query waits at
-most one slice; before each bulk batch the interactive lane's windows jump the queue
+most one slice; before each bulk batch the interactive stream's windows jump the queue
 (workers/interactive.py). Each collected batch goes on to the write stage as ``Encoded``, with
 what its acknowledgement accounts (``accounted``).
 
@@ -56,8 +56,8 @@ _END = None  # queue sentinel: the stage before has finished
 
 @dataclass(eq=False)
 class Compute:
-    """The compute stage: windows in, encoded batches out, sliced so the query lane can get in
-    between and the interactive lane can jump the queue."""
+    """The compute stage: windows in, encoded batches out, sliced so the query stage can get in
+    between and the interactive stream can jump the queue."""
 
     parts: StageParts
     slices: Slices
@@ -77,7 +77,7 @@ class Compute:
     _image_batches: ImageBatches | None = field(default=None, init=False)
 
     async def start(self) -> None:
-        """Before the stages run, on the model thread: the bulk lane (none in a query-only
+        """Before the stages run, on the model thread: the bulk path (none in a query-only
         worker), then one forward pass before the first timed batch: the slice cost model
         (``Slices.seed_speed``) must not learn from cold kernels, lazy allocations and
         first-shape dispatch."""
@@ -98,9 +98,9 @@ class Compute:
         self, windows: asyncio.Queue[Window | None], encoded: asyncio.Queue[Encoded | None]
     ) -> None:
         try:
-            # Bulk batches start once the query lane has settled the graph they run through
+            # Bulk batches start once the query stage has settled the graph they run through
             # (the frozen or int8 copy, which can take a minute to compile), not eager before
-            # it; the model's busy share counts from then. A drain (the lane failed) ends the
+            # it; the model's busy share counts from then. A drain (the stage failed) ends the
             # wait too: what was read is then finished without the graph.
             await first_set(self.queries.ready, self.parts.stopping)
             self.parts.events.forward_path_chosen(path=self.parts.encoder.forward_path)
@@ -136,7 +136,7 @@ class Compute:
     async def _jump_the_queue(
         self, encoded: asyncio.Queue[Encoded | None], *, read: bool = True
     ) -> None:
-        """Before a bulk batch: the interactive lane's windows (large requests someone waits
+        """Before a bulk batch: the interactive stream's windows (large requests someone waits
         on, workers/interactive.py) are encoded now, ahead of the bulk windows this worker
         already holds: those the reader opened, then (``read``) those a non-blocking read of
         the stream brings."""
@@ -148,7 +148,7 @@ class Compute:
     async def _encode_images(self, window: Window, encoded: asyncio.Queue[Encoded | None]) -> None:
         if window.images is None:
             return
-        if self._image_batches is None:  # the slice target is known once the lane is ready
+        if self._image_batches is None:  # the slice target is known once the query stage is ready
             self._image_batches = ImageBatches(
                 self.parts.batching.max_batch,
                 self.slices.slice_seconds,

@@ -27,7 +27,7 @@ Before any ingest stream comes the interactive stream (``Keys.interactive``: the
 requests someone waits on, the gateway's): its entries are read first, in the same round trip
 as the backlogs' lengths, and the bulk streams only when it is empty, so a large request waits
 for the windows a worker already holds, never for the backlog. Idle, the worker blocks on it
-too. (The query stream has its own reader, the query lane, which goes ahead of both.)
+too. (The query stream has its own reader, the query stage, which goes ahead of both.)
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """How long a bulk slice takes, per forward path and batch shape, fitted while the worker runs;
-and the batch sizes that keep every slice inside the query lane's slice target.
+and the batch sizes that keep every slice inside the query stage's slice target.
 
 On a CPU a query waits at most one *slice* of bulk compute (``EMBEDFLEET_SLICE_MS``): one
 transformer layer of an eager batch (queries are served at its layer boundaries), the whole
@@ -294,7 +294,7 @@ class SliceClock:
     """The longest stretch of one bulk forward between two points where a query could get in.
 
     Used on the model thread only: ``start`` before the forward pass, ``boundary`` at each
-    layer boundary (the query lane's layer hook), ``resume`` after queries served there (their
+    layer boundary (the query stage's layer hook), ``resume`` after queries served there (their
     time is not bulk compute), ``stop`` after the pass. Through a graph without boundaries the
     longest stretch is the whole pass.
     """

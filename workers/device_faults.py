@@ -15,8 +15,8 @@ valid work:
 Everything else (a tokenizer edge case, a shape the model rejects) stays a per-text model error:
 the batch is halved until the failing text is alone, and only that one is dead-lettered.
 
-The query lane (workers/queries.py) applies the same classification to its batches, on whichever
-thread serves them (the model thread on a CPU, the CUDA lane's own thread): out of memory halves
+The query stage (workers/queries.py) applies the same classification to its batches, on whichever
+thread serves them (the model thread on a CPU, the CUDA query thread): out of memory halves
 the query batch, any other CUDA error stops the worker with the queries left pending.
 """
 
@@ -76,8 +76,8 @@ def is_device_fault(error: BaseException) -> bool:
 
 
 class Recovery(Enum):
-    """What to do with a batch whose forward pass failed: one policy for the bulk lane
-    (workers/worker.py) and the query lane (workers/queries.py)."""
+    """What to do with a batch whose forward pass failed: one policy for the bulk path
+    (workers/worker.py) and the query stage (workers/queries.py)."""
 
     DEVICE_LOST = "device lost"  # stop the worker (DeviceFault), its entries left pending
     SPLIT = "split"  # run each half of the batch on its own
@@ -91,7 +91,7 @@ def recovery(
 ) -> Recovery:
     """The recovery for ``error`` on a batch of ``texts`` already retried ``oom_retries``
     times. ``isolate_model_errors``: halve a batch on a model error until the failing text is
-    alone (the bulk lane), rather than dead-letter the whole batch (the query lane)."""
+    alone (the bulk path), rather than dead-letter the whole batch (the query stage)."""
     if is_device_fault(error):
         return Recovery.DEVICE_LOST
     if not is_out_of_memory(error):

@@ -45,7 +45,7 @@ class WorkerEvents:
         transformer layer (eager, varlen) or the whole batch (the frozen and int8 copies,
         ``path``: a workers.cost_model.BulkPath), against the cost model's prediction for it
         (0 before anything was measured) and the slice target (EMBEDFLEET_SLICE_MS) the batch
-        was sized to. Only where queries wait on bulk work (not on the CUDA query lane)."""
+        was sized to. Only where queries wait on bulk work (not on the CUDA query path)."""
 
     def leases_renewed(self, *, count: int) -> None:
         """The reclaimer renewed this worker's lease on ``count`` entries it still holds."""
@@ -61,7 +61,7 @@ class WorkerEvents:
     def query_answered(self, *, latency_seconds: float) -> None:
         """A priority query was answered; latency from enqueue (entry id time) to reply.
         Called on the model thread (between transformer layers when a bulk batch is running),
-        or on CUDA on the query lane's own thread."""
+        or on CUDA on the CUDA query thread."""
 
     def query_stages(
         self, *, read: float, tokenize: float, wait: float, forward: float, reply: float

@@ -210,13 +210,13 @@ COST_SMOOTHING = 0.3
 @dataclass
 class ImageBatches:
     """How many images the next batch holds: ``max_batch`` (EMBEDFLEET_MAX_BATCH) at most, and
-    where queries wait on bulk work (a CPU's query lane, served between the towers' layers:
+    where queries wait on bulk work (a CPU's query stage, served between the towers' layers:
     workers/slices.py) no more than a layer of the image tower computes within the slice
     target, from the cost per image measured so far. Preprocessed images all have one shape,
     so a batch's cost is its count."""
 
     max_batch: int
-    slice_seconds: float  # 0: queries do not wait on bulk work (the CUDA query lane)
+    slice_seconds: float  # 0: queries do not wait on bulk work (the CUDA query path)
     layers: int  # the image tower's: a query waits behind one of them at most
     seconds_per_image: float | None = None
 

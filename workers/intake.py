@@ -39,7 +39,7 @@ class Intake:
         self.parts = parts
         # decodes, looks up and tokenizes each read into a window (workers/windows.py)
         self.opener = WindowOpener(parts, prepare)
-        # entries the reclaimer claimed for the bulk lane, read before the streams
+        # entries the reclaimer claimed for the bulk path, read before the streams
         self._reclaimed: asyncio.Queue[list[StreamEntry]] = asyncio.Queue()
         # windows of interactive entries the reader opened, for the compute stage to take first
         self.urgent: asyncio.Queue[Window] = asyncio.Queue(maxsize=2)

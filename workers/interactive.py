@@ -1,4 +1,4 @@
-"""The interactive lane: large requests someone waits on, encoded ahead of the bulk windows.
+"""The interactive stream: large requests someone waits on, encoded ahead of the bulk windows.
 
 The interactive stream (``Keys.interactive``: the inputs of large requests a caller waits on)
 jumps the queue: before each bulk batch the compute stage encodes its windows first, ahead of
@@ -9,7 +9,7 @@ stream (``Intake.urgent``); then, at most every URGENT_CHECK_S, the stream's new
 blocking (``StreamConsumer.read_interactive``), for entries that came while the reader waits for
 the compute stage to want a window, those Redis handed to the reader's idle wait included.
 
-Single queries (the query stream) are the query lane's (workers/queries.py), served between a
+Single queries (the query stream) are the query stage's (workers/queries.py), served between a
 bulk batch's layers rather than between batches.
 """
 

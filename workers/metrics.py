@@ -151,7 +151,7 @@ METRICS: dict[str, MetricSpec] = {
     "queries_by_path": MetricSpec(
         Counter,
         "queries_served",
-        "Queries through the model, by path: graph or stream (CUDA query lane), frozen "
+        "Queries through the model, by path: graph or stream (CUDA query path), frozen "
         "(CPU query graph), eager (the bulk model).",
         ("path",),
     ),

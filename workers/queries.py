@@ -11,7 +11,7 @@ loop first cost two more thread wake-ups per query, and on a small CPU every ext
 thread also stalls the OpenMP team of a bulk batch in flight.
 
 On CUDA the layer hooks fire at launch, not at run time, so they are not installed: queries are
-served from a thread of their own through the encoder's CUDA query lane (its own model copy on
+served from a thread of their own through the encoder's CUDA query path (its own model copy on
 a high-priority stream, CUDA graphs; see workers/model/cuda_queries.py), beside the bulk pass.
 
 A failed query forward pass is handled by one method on either thread (``_on_model_error``,
@@ -87,10 +87,10 @@ class QueryStage:
         self._inbox = self.inbox.pending  # the serving thread's side of the same deque
         # Re-entrance from the layer hook (the nested forward pass fires them too); the lock
         # keeps the model thread and the CUDA query thread from serving at once while the
-        # lane switches from one to the other at startup.
+        # stage switches from one to the other at startup.
         self._serving = False
         self._serve_lock = threading.Lock()
-        # where serve_inbox runs: the model thread, or on CUDA a thread of the lane's own
+        # where serve_inbox runs: the model thread, or on CUDA the CUDA query thread
         self._serve_thread: ThreadPoolExecutor = self.model_thread
         # Model-thread seconds spent on queries, so bulk timing can leave them out.
         self.serving_seconds = 0.0
@@ -101,7 +101,7 @@ class QueryStage:
         # is served, and run() raises it (the worker stops, the queries stay pending).
         self._device_fault: DeviceFault | None = None
         self._faulted: asyncio.Future[None] | None = None
-        # Set once the lane is prepared (frozen graph or CUDA copy built) and about to read.
+        # Set once the stage is prepared (frozen graph or CUDA copy built) and about to read.
         self.ready = asyncio.Event()
 
     async def run(self, stopping: asyncio.Event) -> None:
@@ -119,7 +119,7 @@ class QueryStage:
             self.encoder.set_layer_callback(self.serve_at_layer_boundary)
         self.ready.set()
         log.info(
-            "query lane ready",
+            "query stage ready",
             # on its own thread (CUDA) queries run beside bulk batches, which are then not
             # sliced (Worker.slice_seconds; the "worker started" line's slice_ms came before)
             served_on=(
@@ -343,7 +343,7 @@ class QueryStage:
 def _log_unexpected(future: Future[None]) -> None:
     """serve_inbox handles model and Redis errors itself; anything else must not vanish."""
     if not future.cancelled() and (error := future.exception()) is not None:
-        log.error("query lane failed", error=repr(error))
+        log.error("query stage failed", error=repr(error))
 
 
 def _set_once(future: asyncio.Future[None]) -> None:

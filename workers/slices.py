@@ -1,13 +1,13 @@
-"""The bulk lane's forward and its slices: which path bulk batches take, and how large a batch
+"""The bulk path's forward and its slices: which path bulk batches take, and how large a batch
 may be so that a query waits at most one slice behind it.
 
 On a CPU queries are served between the transformer layers of a bulk batch (or, through the
 frozen and int8 copies, between batches): a slice is the longest stretch a query cannot get into.
-``Slices`` owns the bulk lane's layout and launches (workers/bulk.py: padded or varlen), times
+``Slices`` owns the bulk path's layout and launches (workers/bulk.py: padded or varlen), times
 each launch with the slice clock, fits a cost model per forward path from what it measured
 (workers/cost_model.py; seeded with probe batches before the first window, ``seed_speed``) and
 plans each window's batches to fit the slice target (``prepare``, on the tokenizer thread).
-Where queries are served concurrently (the CUDA query lane) nothing is sliced.
+Where queries are served concurrently (the CUDA query path) nothing is sliced.
 """
 
 from __future__ import annotations
@@ -49,18 +49,18 @@ class InFlightBatch:
 
 
 class Slices:
-    """The bulk lane's forward path, its launches timed by the slice clock, and each path's
+    """The bulk path's forward, its launches timed by the slice clock, and each path's
     cost model, which sizes the batches planned from it."""
 
     def __init__(self, parts: StageParts, queries: QueryStage, slice_clock: SliceClock) -> None:
         self.parts = parts
-        # the query lane's serving time is left out of a launch's (launch_timed)
+        # the query stage's serving time is left out of a launch's (launch_timed)
         self.queries = queries
         # the longest stretch of each bulk forward a query could not get into (model thread)
         self.slice_clock = slice_clock
         # each bulk path's slice time, fitted from every bulk forward; sizes batches to the slice
         self.slice_costs: dict[BulkPath, SliceCost] = {}
-        # the bulk lane's layout and launches (workers/bulk.py); made by the compute stage's
+        # the bulk path's layout and launches (workers/bulk.py); made by the compute stage's
         # start, on the model thread, since varlen probes its kernels there
         self.bulk: BulkForward | None = None
 
@@ -69,7 +69,7 @@ class Slices:
         """The longest stretch of bulk compute a query may wait behind, which bulk batches are
         sized to (``_slice_limit``); 0 = no limit.
 
-        No limit where queries are served concurrently (the CUDA query lane: its own model copy
+        No limit where queries are served concurrently (the CUDA query path: its own model copy
         and stream, its own thread, never at a bulk layer boundary): a query does not wait on
         bulk layers there, so capping batches would only cost throughput. Bulk batches then use
         the full token budget whatever EMBEDFLEET_SLICE_MS says."""
@@ -94,7 +94,7 @@ class Slices:
         ]
 
     def make_bulk(self) -> BulkForward:
-        """On the model thread: the bulk lane for EMBEDFLEET_LAYOUT (varlen installs its
+        """On the model thread: the bulk path for EMBEDFLEET_LAYOUT (varlen installs its
         attention in the model, which still runs padded batches as before)."""
         layout = resolve_layout(self.parts.settings.layout, self.parts.encoder)
         bulk = BulkForward(self.parts.encoder, layout)
@@ -107,7 +107,7 @@ class Slices:
         return bulk
 
     def warm_up(self) -> None:
-        """The encoder's warm-up, then one batch through the bulk lane's own path (varlen
+        """The encoder's warm-up, then one batch through the bulk path's own forward (varlen
         kernels, pinned buffers and events get their first call here, not in a timed batch)."""
         self.parts.encoder.warm_up()
         if self.bulk is None or self.bulk.layout != "varlen":

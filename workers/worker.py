@@ -182,7 +182,7 @@ class Worker:
         log.info("worker stopped", texts=self.stats.texts, dead_letters=self.stats.dead_letters)
 
     def _stages(self) -> dict[str, Coroutine[Any, Any, None]]:
-        """What runs side by side: the query lane, the reclaimer and the heartbeat, and (unless
+        """What runs side by side: the query stage, the reclaimer and the heartbeat, and (unless
         the worker only answers queries) the bulk stages, joined by bounded queues."""
         stopping, keys = self.parts.stopping, self.keys
         query_stream = keys.priority_streams.query

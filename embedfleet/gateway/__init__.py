@@ -2,7 +2,7 @@
 'embedfleet[gateway]'``).
 
 Stateless: it talks to the workers through Redis exactly as the Producer does (small requests
-on the priority query lane, large ones and Batch API batches as ingest jobs whose results come
+on the query stream, large ones and Batch API batches as ingest jobs whose results come
 back on reply lists), and keeps batch state in Redis and batch files in EMBEDFLEET_FILES_DIR,
 so replicas scale out and a restart loses nothing. It never imports torch.
 """

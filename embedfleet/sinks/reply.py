@@ -37,11 +37,11 @@ def queue_replies(
 ) -> None:
     """Acknowledge ``deliveries`` and push each payload to its reply list, in one script call
     per stream; the job counter ``counter`` counts only what was acknowledged here. The one
-    writer of answers: the bulk path's (``ReplyListWriter``) and the query lane's, from the
+    writer of answers: the bulk path's (``ReplyListWriter``) and the query stage's, from the
     model thread on a blocking pipeline.
 
     Job counters and reply lists are those of the stream's own key set (its partition's, or
-    the query lane's for the interactive stream), in the stream's slot, which is where the
+    the priority streams' for the interactive stream), in the stream's slot, which is where the
     collector (producer/replies.py) looks for them."""
     queue_acknowledgement_script(pipe, keys, deliveries, counter, replies, payloads, ttl_s)
 

@@ -78,7 +78,7 @@ class GatewaySettings(Section):
     `truncate` (this gateway's extension) out. Off: OpenAI's answer, 400
     `context_length_exceeded`, unless the request sends `"truncate": true`."""
     gateway_lane_max_inputs: int = Field(default=16, ge=1)
-    """Requests with at most this many inputs ride the priority query lane; larger ones go to the
+    """Requests with at most this many inputs ride the query stream; larger ones go to the
     interactive stream, which workers read before any bulk backlog."""
     gateway_lane_high_water: int = Field(default=512, ge=1)
     """429 for lane requests while the query stream holds this many entries."""

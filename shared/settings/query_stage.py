@@ -29,7 +29,7 @@ class QueryStageSettings(Section):
     batch, a whole batch through the frozen or int8 copy (no layer boundaries); batches are sized
     to fit from a cost model of each path, fitted while the worker runs (workers/cost_model.py).
     -1 = auto (100 on CPU, 20 on CUDA), 0 = no limit (bulk-only workers). Applies only where
-    queries are served between bulk layers: not on the CUDA query lane
+    queries are served between bulk layers: not on the CUDA query path
     (EMBEDFLEET_CUDA_QUERY_LANE graph or stream), where queries run beside the bulk pass and bulk
     batches use the full token budget."""
     frozen_queries: bool = True

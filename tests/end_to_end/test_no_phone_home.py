@@ -62,8 +62,8 @@ sys.addaudithook(_audit)
 """
 
 # what the worker logs once its forward path is chosen (the engine's copy built, gated and
-# kept or refused) and its query lane serves: everything a start does is done by then
-READY_LINE = '"query lane ready"'
+# kept or refused) and its query stage serves: everything a start does is done by then
+READY_LINE = '"query stage ready"'
 
 
 def _backend(name: str) -> pytest.ParameterSet:

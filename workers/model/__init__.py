@@ -7,7 +7,7 @@
 - representations (``base``): ``dense``, ``multivector``, ``sparse``, ``rerank``;
 - ``heads``: BGE-M3's token heads (sparse, multi-vector) beside the dense vector;
 - forward paths (``forward``: one interface, eager and the copies): ``frozen`` (TorchScript on
-  CPU), ``int8`` (int8 copies on CPU), ``cuda_queries`` (the query lane's copy on CUDA), chosen
+  CPU), ``int8`` (int8 copies on CPU), ``cuda_queries`` (the query stage's copy on CUDA), chosen
   once by ``choose`` on a CPU; ``packing`` (the varlen layout);
 - ``precision`` (with ``heldout``, its held-out set): the compute dtype and the parity bar every
   path is held to; ``probe`` prints its verdict (``python -m embedfleet.workers.model.probe``);

@@ -72,10 +72,10 @@ def adopted_engine(cpu: CpuClass, precision: str) -> str | None:
     ``precision`` (``bfloat16``, ``float32``), where its extra is installed: OpenVINO where bf16
     runs natively (AMX, AVX512-BF16) and the model computes in it (EMBEDFLEET_DTYPE auto or
     bfloat16; OpenVINO computes in bf16 there), measured there faster than torch's path through
-    the whole fleet at parity and within the query lane's bound (docs/BENCHMARKS.md); none
+    the whole fleet at parity and within the query stage's bound (docs/BENCHMARKS.md); none
     elsewhere. ONNX Runtime computes in float32 only: slower than torch's bf16 path on every
     bf16 class, but 1.6x torch's float32 path on Zen 5, and not yet measured on the AVX2-only
-    classes, where float32 is the default (its copy is not cut at its layers: the query lane's
+    classes, where float32 is the default (its copy is not cut at its layers: the query stage's
     bound is to measure there too)."""
     if cpu.fast_bf16 and precision == "bfloat16" and installed("openvino"):
         return "openvino"

@@ -57,10 +57,10 @@ Int8Choice = Literal["auto", "w8a8", "dynamic", "off"]
 INT8_PATHS: dict[str, str] = {"w8a8": W8A8Forward.name, "dynamic": DynamicInt8Forward.name}
 # An int8 copy replaces the frozen graph only if its timed batch is at least this much faster:
 # it costs a little parity, and a tie on the probe batch (Zen 4, 201.0 against 201.8 ms) was
-# 28% fewer tokens/s in the bulk (docs/BENCHMARKS.md, the query lane's bound per path).
+# 28% fewer tokens/s in the bulk (docs/BENCHMARKS.md, the query stage's bound per path).
 INT8_MIN_GAIN = 0.10
 # Another engine replaces torch's path under CPU_BACKEND=auto only if this much faster on the
-# timed batch: a tie keeps the path whose query-lane bound and bulk figures are measured
+# timed batch: a tie keeps the path whose query-stage bound and bulk figures are measured
 # (docs/BENCHMARKS.md).
 BACKEND_MIN_GAIN = 0.10
 

@@ -130,7 +130,7 @@ class TextTowerModel(torch.nn.Module):
         )
 
     def layer_stacks(self) -> list[torch.nn.ModuleList]:
-        """Both towers' transformer layers, where the query lane gets in on a CPU
+        """Both towers' transformer layers, where the query stage gets in on a CPU
         (``EagerPath.set_layer_callback``): an image batch is as long as a text one, and a
         query waits at most one layer behind it too."""
         return [layer_stack(self.dual.text_model), layer_stack(self.dual.vision_model)]

@@ -1,4 +1,4 @@
-"""The query lane on CUDA: its own copy of the model, a high-priority stream, CUDA graphs.
+"""The query stage on CUDA: its own copy of the model, a high-priority stream, CUDA graphs.
 
 On a CPU, queries are served at the transformer-layer boundaries of the bulk pass, through
 forward pre-hooks on the bulk model (``Encoder.set_layer_callback``). On CUDA that does not
@@ -152,7 +152,7 @@ class CudaQueryRunner:
         max_length: int,
     ) -> None:
         if device.type != "cuda":
-            raise ValueError(f"the CUDA query lane needs a CUDA device, not {device}")
+            raise ValueError(f"the CUDA query path needs a CUDA device, not {device}")
         self.device = device
         self.vectors = vectors  # pooling and head: read-only modules, safe beside the bulk
         self.precision = precision
@@ -181,7 +181,7 @@ class CudaQueryRunner:
         """Capture a graph per bucket, keep those that beat eager; the number kept. Any failure
         drops them all (the stream serves every query). Call before serving, on one thread."""
         if self.pad_left:
-            log.info("query lane on the CUDA stream; no graphs for a left-padded model")
+            log.info("CUDA query path on its stream; no graphs for a left-padded model")
             return 0
         pool = torch.cuda.graph_pool_handle()
         started = time.perf_counter()
@@ -196,7 +196,7 @@ class CudaQueryRunner:
             log.warning("CUDA graph capture failed; queries run on the stream", error=repr(error))
             return 0
         log.info(
-            "query lane: CUDA graphs captured",
+            "CUDA query path: graphs captured",
             kept=len(self.graphs),
             of=len(graph_shapes(self.max_length)),
             seconds=round(time.perf_counter() - started, 2),
@@ -257,15 +257,15 @@ class CudaQueryRunner:
 
 
 class CudaQueryPath:
-    """The query lane's :class:`CudaQueryRunner` as a forward path (workers/model/forward.py):
+    """The query stage's :class:`CudaQueryRunner` as a forward path (workers/model/forward.py):
     served from its own thread, beside the bulk model, and never for bulk batches."""
 
     kind: Literal["cuda"] = "cuda"
 
     def __init__(self, runner: CudaQueryRunner, name: str) -> None:
         self.runner = runner
-        # the bulk model's path, as logged before the lane was prepared: the lane itself is
-        # told apart in the query lane's "served_on"
+        # the bulk model's path, as logged before this path was prepared: this path itself
+        # is told apart in the query stage's "served_on"
         self.name = name
 
     @classmethod
@@ -280,8 +280,8 @@ class CudaQueryPath:
         text: TextTokenizer,
         name: str,
     ) -> CudaQueryPath:
-        """The lane for ``model`` (its own copy; ``vectors``: the sentence pipeline on hidden
-        states), its CUDA graphs captured where ``mode`` is ``graph``."""
+        """The CUDA query path for ``model`` (its own copy; ``vectors``: the sentence pipeline on
+        hidden states), its CUDA graphs captured where ``mode`` is ``graph``."""
         runner = CudaQueryRunner(
             model,
             vectors,

@@ -3,7 +3,7 @@
 Pooling over the last hidden states (the modes the model's Pooling config declares), then the
 modules after it (Dense, Normalize: ``SentenceHead``, workers/model/model_dir.py), in float32.
 Every model has this pipeline on its card; a dense model's vectors are its output, and every
-copy of the model that ends in pooling (frozen, int8, the CUDA query lane, the packed layout)
+copy of the model that ends in pooling (frozen, int8, the CUDA query path, the packed layout)
 runs it on its own hidden states.
 
 A batch whose chunks ask for the token states as well (``token_states``, TEI's ``/embed_all``)

@@ -5,7 +5,7 @@ turns texts into token id lists (workers/model/tokenizer.py), ``collate`` pads t
 batch, ``embed(batch)`` / ``vectors(batch)`` run the bulk model and its representation
 (workers/model/base.py: one class per representation), and ``serve_query(batch)`` runs the
 query path chosen once at start (workers/model/forward.py: eager, a frozen graph, an int8 copy,
-the CUDA query lane; workers/model/choose.py picks a CPU's). Everything here is synchronous;
+the CUDA query path; workers/model/choose.py picks a CPU's). Everything here is synchronous;
 the worker runs tokenization and the forward pass on their own threads.
 """
 
@@ -329,7 +329,7 @@ class Encoder(KeptPath):
         return self.serve_query(batch)[0]
 
     def serve_query(self, batch: EncodeBatch) -> tuple[np.ndarray, QueryPath]:
-        """``embed_query``, and which path computed the vectors: the CUDA query lane's graph or
+        """``embed_query``, and which path computed the vectors: the CUDA query path's graph or
         stream (workers/model/cuda_queries.py), the frozen CPU graph or int8 copy, or the bulk
         model (eager). A batch that asks for heads beyond the pooled vector (the token states,
         BGE-M3's) is the eager model's whatever the path: the copies end in pooling."""
@@ -387,7 +387,7 @@ class Encoder(KeptPath):
         return self.has_query_graph
 
     def prepare_cuda_queries(self, mode: CudaQueryMode) -> bool:
-        """On CUDA, the query lane of workers/model/cuda_queries.py (``mode``: ``graph``
+        """On CUDA, the query path of workers/model/cuda_queries.py (``mode``: ``graph``
         captures CUDA graphs too, ``stream`` does not, ``off`` keeps queries on the bulk model).
         Returns whether queries use it. Call on the model thread, before serving queries."""
         if self.device.type != "cuda" or mode == "off" or not self.dense_only:

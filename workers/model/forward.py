@@ -9,7 +9,7 @@ one chosen once at start for queries (and, where it is a copy in reduced precisi
 - :class:`CopyPath` of a frozen graph (workers/model/frozen.py), an int8 copy
   (workers/model/int8.py) or another engine's copy (workers/model/backends.py: ONNX Runtime,
   OpenVINO): a copy that returns hidden states, then the sentence pipeline;
-- ``CudaQueryPath`` (workers/model/cuda_queries.py): the query lane's own copy on CUDA.
+- ``CudaQueryPath`` (workers/model/cuda_queries.py): the query stage's own copy on CUDA.
 
 Which of them a CPU worker keeps is workers/model/choose.py's.
 """
@@ -34,7 +34,7 @@ from embedfleet.workers.model.tokenizer import EncodeBatch
 
 # eager: the bulk model; frozen / int8 / onnxruntime / openvino: a CPU copy (the last two in
 # another engine), without layer boundaries but OpenVINO's cut at its layers; cuda: the query
-# lane's own copy and stream, served from its own thread
+# stage's own copy and stream, served from its own thread
 PathKind = Literal["eager", "frozen", "int8", Engine, "cuda"]
 # the kinds of a CPU copy (queries, and bulk batches whole): torch's and another engine's
 COPY_KINDS: tuple[PathKind, ...] = ("frozen", "int8", *ENGINES)

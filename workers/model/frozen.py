@@ -1,4 +1,4 @@
-"""A frozen TorchScript copy of the model on CPU, for the query lane and (by default) bulk.
+"""A frozen TorchScript copy of the model on CPU, for the query stage and (by default) bulk.
 
 A query is one forward pass of a dozen tokens. On a CPU that pass costs little arithmetic and a
 lot of fixed work: eager PyTorch hands every weight to oneDNN afresh on each call, and runs

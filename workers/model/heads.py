@@ -14,7 +14,7 @@ A model directory with ``sparse_linear.pt`` / ``colbert_linear.pt`` (workers/mod
   before pooling (sentence-transformers' ``encode(..., output_value="token_embeddings")``).
 
 The worker's stages pass one float32 matrix per batch from the model to the writer (the CPU
-launch, the CUDA copy back, the query lane), so the heads a batch asked for travel packed in it,
+launch, the CUDA copy back, the query stage), so the heads a batch asked for travel packed in it,
 one row per text (:class:`HeadLayout`): a header ``[tokens, seq, has_sparse, has_multivector,
 has_token_states]``, the dense vector, then the per-position sparse weights and token ids (ids
 are exact in float32 below 2**24), then the ``seq - 1`` per-token vectors, then the ``seq``

@@ -11,7 +11,7 @@ never at once.
 Where the architecture allows it (BERT's family: an ``embeddings`` module, then the layer stack,
 each layer taking an additive attention mask) the copy is cut at its layer boundaries: the
 embeddings and the mask in one compiled model, each transformer layer in its own. A bulk batch
-then stops between layers, where the query lane serves what waits (:meth:`set_layer_callback`,
+then stops between layers, where the query stage serves what waits (:meth:`set_layer_callback`,
 as the eager model's hooks do), so a slice is one layer, not the whole batch, and the batches
 planned to fit the slice target stay large. The cut is checked against the whole model on the
 example batch before anything is converted; where it differs (another architecture: rotary
@@ -121,7 +121,7 @@ class OpenVinoForward:
         return len(self._layers)
 
     def set_layer_callback(self, callback: Callable[[], None] | None) -> int:
-        """Call ``callback`` before every layer of the cut copy (the query lane's boundary, as
+        """Call ``callback`` before every layer of the cut copy (the query stage's boundary, as
         ``EagerPath.set_layer_callback``); the number of boundaries (0 where uncut)."""
         self._callback = callback if self._layers else None
         return self.layer_boundaries

@@ -70,7 +70,7 @@ OWN_CODES = {
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 # A stream's messages answered at once (TEI's GRPC_MAX_PARALLEL_STREAM_REQUESTS is 1,024): each
-# is one request on the query lane, whose workers batch them; more would only wait in Redis
+# is one request on the query stream, whose workers batch them; more would only wait in Redis
 STREAM_IN_FLIGHT = 64
 _DIRECTIONS: dict[int, TruncationDirection] = {
     pb.TRUNCATION_DIRECTION_RIGHT: "Right",
