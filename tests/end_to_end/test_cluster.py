@@ -216,7 +216,7 @@ def test_the_gateway_and_the_batch_api_on_the_cluster_every_custom_id_once(
     fleet: list[subprocess.Popen[bytes]],
     tmp_path: Path,
 ) -> None:
-    """`embedfleet serve` on the 6 partitions of the cluster: small requests (query lane),
+    """`embedfleet serve` on the 6 partitions of the cluster: small requests (query stream),
     large ones (interactive stream) and a Batch API batch (its inputs routed to every partition
     by the client's enqueue path, collected from every partition's reply list)."""
     import openai

@@ -218,7 +218,7 @@ def test_normalize_false_answers_the_pooled_vector_before_normalize(
 def test_normalize_false_comes_back_in_float32_not_rounded_through_float16(url: str) -> None:
     """The vector before Normalize crosses the wire in float32 (its values are not bounded by 1,
     and fp16's rounding, 5e-4 relative, was all the answer's error): sentence-transformers' own
-    values to float32's tolerance, on the query lane (4 inputs) and the interactive one (40).
+    values to float32's tolerance, on the query stream (4 inputs) and the interactive one (40).
     A unit vector (normalize=true) keeps the fp16 wire: within fp16's rounding, no closer."""
     from sentence_transformers import SentenceTransformer
 

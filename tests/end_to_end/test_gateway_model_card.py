@@ -111,7 +111,7 @@ async def test_a_dense_head_through_both_dialects(
                 assert info["max_input_length"] == 256 and info["model_id"] == name
 
                 client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-                # the query lane (up to 4 inputs) and the ingest stream (more)
+                # the query stream (up to 4 inputs) and the ingest stream (more)
                 for texts in (TEXTS[:2], TEXTS):
                     response = await client.embeddings.create(model=name, input=texts)
                     got = np.array([item.embedding for item in response.data])

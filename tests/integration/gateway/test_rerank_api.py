@@ -194,7 +194,7 @@ async def test_tei_embed_all_gives_a_dense_models_token_states(
     """TEI's /embed_all on the dense MiniLM: per input, the last hidden state of every token,
     [CLS] and [SEP] included, before pooling: sentence-transformers'
     ``encode(..., output_value="token_embeddings")`` in float32 (was TEI's 424). More inputs
-    than the query lane's (16) ride it all the same. The vector cache keeps the two answers
+    than the query stream's (16) ride it all the same. The vector cache keeps the two answers
     apart both ways: /embed's pooled vector of a text does not answer its /embed_all, nor the
     token states its /embed."""
     from sentence_transformers import SentenceTransformer

@@ -159,7 +159,7 @@ async def test_hybrid_search_returns_the_fused_order(
     env = cli_env(settings, EMBEDFLEET_SINK=stored.sink, EMBEDFLEET_SINK_TABLE=stored.sink_table)
     reranker_dir = cross_encoder_dir(zoo)
     rerank_settings = settings.model_copy(update={"model_lane": "rerank"})
-    async with workers.run(settings, encoder=encoder):  # the query lane: dense + sparse, one pass
+    async with workers.run(settings, encoder=encoder):  # the query stage: dense + sparse, one pass
         hits = await run_search(env, "--hybrid", "--k", str(K), "--candidates", str(CANDIDATES))
         reranked = None
         if backend == "qdrant-local":

@@ -1,4 +1,4 @@
-"""The bulk lane's CUDA path, run on a CPU (workers/bulk.py).
+"""The bulk path's CUDA form, run on a CPU (workers/bulk.py).
 
 A CPU launch is synchronous, so the worker there collects each batch as it launches it. The
 asynchronous path (non-blocking copies, an event behind the copy back, batch i+1 launched

@@ -5,7 +5,7 @@ EMBEDFLEET_READ_MAX_BYTES (issue 54, fault 4): a bulk read stops at the bytes bo
 entry over the whole bound is read alone. A worker's memory on long texts:
 tests/end_to_end/test_worker_memory.py.
 
-The interactive lane's reads: a large request someone waits on is read before the next bulk
+The interactive stream's reads: a large request someone waits on is read before the next bulk
 batch, also in the seconds after bulk entries woke an idle worker. The end-to-end promise (a
 gateway request answered before a bulk backlog drains) is tests/end_to_end/test_gateway.py's;
 this pins the read that keeps it."""

@@ -184,8 +184,8 @@ def query_settings(
     monkeypatch: pytest.MonkeyPatch,
 ) -> Settings:
     """A query-only worker, its queries served on the model thread (a CPU's lane, at layer
-    boundaries) or on a thread of the lane's own (the CUDA lane's wiring, a CPU standing in)."""
-    if request.param:  # the encoder says its CUDA lane is ready: queries get their own thread
+    boundaries) or on the CUDA query thread (the CUDA query path's wiring, a CPU standing in)."""
+    if request.param:  # the encoder says its CUDA query path is ready: queries get their own thread
         monkeypatch.setattr(encoder, "prepare_cuda_queries", lambda mode: True)
     return settings.model_copy(update={"query_only": True})
 

@@ -79,7 +79,7 @@ async def test_a_dual_lane_embeds_images_and_texts_and_dead_letters_bad_images(
         await client.xadd(settings.keys.ingest, {PAYLOAD_FIELD: encode_chunk(too_big)})
         progress = await producer.wait_for_job("photos", timeout=300)
         results = {r.id: r.vector.astype(np.float32) async for r in producer.results(job="photos")}
-        # the query lane embeds a text with the text tower; an image sent there is refused
+        # the query stage embeds a text with the text tower; an image sent there is refused
         query = await producer.embed_query("a red bicycle", timeout=60)
         image_query = Chunk(id="q:0", image=pictures["img0"], reply="q")
         await client.xadd(settings.keys.query, {PAYLOAD_FIELD: encode_chunk(image_query)})

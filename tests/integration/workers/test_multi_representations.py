@@ -254,7 +254,7 @@ def test_what_a_chunk_asks_for_is_part_of_its_content_key(zoo: Path) -> None:
 async def test_all_three_through_a_worker(
     workers: WorkerLauncher, settings: Settings, client: aioredis.Redis, zoo: Path
 ) -> None:
-    """The query lane, the interactive lane and bulk give FlagEmbedding's three outputs."""
+    """The query stream, the interactive stream and bulk give FlagEmbedding's three outputs."""
     model_dir = bge_m3_dir(zoo)
     encoder = Encoder(str(model_dir), device="cpu")
     inputs = texts()

@@ -241,8 +241,8 @@ async def test_lanes_use_query_and_document_prompts(
             with pytest.raises(ValueError, match="dimensions=49 is more than"):
                 await producer.enqueue([{"id": "x", "text": text, "dimensions": 49}])
         (document,) = [r.vector async for r in producer.results(job="docs")]
-    assert_parity(query[None], model.encode_query([text]), "bert query lane via Redis")
-    assert_parity(document[None], model.encode_document([text]), "bert bulk lane via Redis")
+    assert_parity(query[None], model.encode_query([text]), "bert query stream via Redis")
+    assert_parity(document[None], model.encode_document([text]), "bert bulk path via Redis")
     assert cosines(named[None], document[None]).min() >= MIN_COSINE
 
 

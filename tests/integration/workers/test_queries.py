@@ -1,4 +1,4 @@
-"""The priority lane: queries answered ahead of bulk work, through reply keys."""
+"""The query stage: queries answered ahead of bulk work, through reply keys."""
 
 from __future__ import annotations
 

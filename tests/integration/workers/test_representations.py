@@ -207,7 +207,7 @@ def test_options_the_model_does_not_serve_are_refused(zoo: Path) -> None:
 async def test_sparse_through_a_worker(
     workers: WorkerLauncher, settings: Settings, client: aioredis.Redis, zoo: Path
 ) -> None:
-    """Query lane, interactive lane and bulk (a job's results stream) all give SparseEncoder's
+    """Query stream, interactive stream and bulk (a job's results stream) all give SparseEncoder's
     weights; the card says the fleet serves sparse."""
     from sentence_transformers import SparseEncoder
 
@@ -243,7 +243,7 @@ async def test_sparse_through_a_worker(
 async def test_rerank_through_a_worker(
     workers: WorkerLauncher, settings: Settings, client: aioredis.Redis, zoo: Path
 ) -> None:
-    """Pairs scored on the query lane and in bulk as CrossEncoder.predict scores them; a text
+    """Pairs scored on the query stream and in bulk as CrossEncoder.predict scores them; a text
     without a document classified alone, one sequence, on both paths and beside pairs."""
     from sentence_transformers import CrossEncoder
 

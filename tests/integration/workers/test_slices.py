@@ -1,4 +1,4 @@
-"""The query lane's bound on every bulk path (issue 27): a real worker on a real Redis with the
+"""The query stage's bound on every bulk path (issue 27): a real worker on a real Redis with the
 real model, each forward path forced in turn (eager, the frozen bf16 copy, the int8 copy), a
 backlog of short and long texts, queries arriving meanwhile. Every bulk forward's longest slice
 (the stretch a query could not get into, as the worker reports it: WorkerEvents.bulk_slice, the

@@ -1,7 +1,7 @@
 """A dense model's token states (a chunk's ``token_states``, TEI's /embed_all) on the worker's
 side, with the packaged MiniLM: computed on the eager model whatever path queries take, shaped
 as sentence-transformers' ``output_value="token_embeddings"``, on either padding side, kept
-apart from the pooled vector in the content key, and refused where the bulk lane packs its
+apart from the pooled vector in the content key, and refused where the bulk path packs its
 batches (the varlen layout gives pooled vectors alone)."""
 
 from __future__ import annotations
@@ -106,13 +106,13 @@ def test_token_states_have_a_content_key_of_their_own(encoder: Encoder) -> None:
 
 
 def test_token_states_are_refused_where_they_cannot_be_computed(encoder: Encoder) -> None:
-    """On the bulk lane of a worker that packs its batches (varlen), and with long inputs
+    """On the bulk path of a worker that packs its batches (varlen), and with long inputs
     embedded whole: refused with the reason and the way out, never answered without them."""
     asks = Chunk(id="a", text="t", token_states=True)
     packed = outputs(encoder, layout="varlen")
     with pytest.raises(OutputOptionError, match="EMBEDFLEET_LAYOUT=padded"):
         packed.prompt_for(asks, "document")
-    assert packed.prompt_for(asks, "query") == ""  # the query lane's batches are padded
+    assert packed.prompt_for(asks, "query") == ""  # the query stage's batches are padded
     assert outputs(encoder).prompt_for(asks, "document") == ""
     with pytest.raises(OutputOptionError, match="window_overlap"):
         outputs(encoder).prompt_for(

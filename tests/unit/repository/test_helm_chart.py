@@ -1125,7 +1125,7 @@ def test_keda_off_says_nothing_about_a_missing_keda() -> None:
 def test_triggers_count_every_stream_the_gateway_and_producer_enqueue_to(
     partitions: int, query_workers: bool
 ) -> None:
-    """Scale from zero: whatever is enqueued (the gateway's small requests on the query lane, its
+    """Scale from zero: whatever is enqueued (the gateway's small requests on the query stream, its
     large ones on the interactive stream, the Producer's chunks on the ingest streams) sits on a
     stream some ScaledObject counts, with the names from shared/keys.py (the keys' one owner)."""
     from embedfleet.shared.keys import Keys

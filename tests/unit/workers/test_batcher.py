@@ -137,7 +137,7 @@ def test_no_limit_unmeasured_or_unsliced() -> None:
 
 
 def test_queries_served_concurrently_leave_bulk_batches_the_full_budget() -> None:
-    """On the CUDA query lane queries never wait on a bulk layer: no slice target, whatever
+    """On the CUDA query path queries never wait on a bulk layer: no slice target, whatever
     EMBEDFLEET_SLICE_MS says, and batches use the whole token budget."""
     for slice_ms in (-1, 20, 100):
         worker = _worker(slice_ms)

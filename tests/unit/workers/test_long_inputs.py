@@ -125,7 +125,7 @@ def test_a_failed_window_drops_its_input_once() -> None:
 
 def test_head_normalizes_is_per_thread_and_restored() -> None:
     """The batches of a window with long inputs are computed before Normalize; the switch is
-    the launching thread's alone (a query on the CUDA lane's thread normalises meanwhile) and
+    the launching thread's alone (a query on the CUDA query thread normalises meanwhile) and
     set back after, also when nested (a query served at a layer boundary)."""
     import threading
     from types import SimpleNamespace

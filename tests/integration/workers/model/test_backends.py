@@ -88,7 +88,7 @@ def test_each_engine_holds_the_bar_against_sentence_transformers(
 def test_the_openvino_copy_is_cut_at_its_layers_where_queries_get_in(
     encoder: Encoder, built: Callable[[str], BackendForward]
 ) -> None:
-    """MiniLM's OpenVINO copy is cut at its 6 layers: the callback the query lane sets runs
+    """MiniLM's OpenVINO copy is cut at its 6 layers: the callback the query stage sets runs
     before each of them, a query served there (re-entrantly, through the same copy) gets its
     own vector, and the bulk batch it interrupted comes out as it does uninterrupted."""
     copy = built("openvino")

@@ -1,4 +1,4 @@
-"""The query lane on CUDA (workers/model/cuda_queries.py): its shape logic and its wiring, on a CPU.
+"""The CUDA query path (workers/model/cuda_queries.py): its shape logic and its wiring, on a CPU.
 
 The CUDA code itself (stream, graphs) runs only on a GPU (the device check's latency step
 reports which path served); everything that decides is checked here.
@@ -136,9 +136,9 @@ async def test_a_concurrent_lane_serves_from_its_own_thread_without_hooks(
     monkeypatch: pytest.MonkeyPatch,
     threads_of: ThreadsOf,
 ) -> None:
-    """The wiring of the CUDA lane, with a CPU standing in for it: when the encoder says its
-    query lane is ready, no layer hook is installed and queries are served on the lane's own
-    thread, not the model thread."""
+    """The wiring of the CUDA query path, with a CPU standing in for it: when the encoder says
+    its query path is ready, no layer hook is installed and queries are served on the CUDA
+    query thread, not the model thread."""
     monkeypatch.setattr(encoder, "prepare_cuda_queries", lambda mode: mode != "off")
     callbacks: list[object] = []
     set_callback = encoder.set_layer_callback
@@ -150,7 +150,7 @@ async def test_a_concurrent_lane_serves_from_its_own_thread_without_hooks(
         vector = await producer.embed_query("how do I open a file?", timeout=30)
     assert float(vector @ encoder.embed_texts(["how do I open a file?"])[0]) > 0.999
     assert serving_threads and all(name.startswith("queries") for name in serving_threads)
-    assert all(callback is None for callback in callbacks), "no layer hook on the CUDA lane"
+    assert all(callback is None for callback in callbacks), "no layer hook on the CUDA query path"
 
     serving_threads.clear()
     off = settings.model_copy(update={"cuda_query_lane": "off"})

@@ -109,7 +109,7 @@ def test_a_module_after_the_dual_encoder_is_refused_at_start(models: Path) -> No
 
 
 @pytest.mark.parametrize("family", DUAL_FAMILIES)
-def test_the_query_lane_gets_in_between_the_layers_of_either_tower(
+def test_the_query_stage_gets_in_between_the_layers_of_either_tower(
     models: Path, family: str
 ) -> None:
     """On a CPU a query is served before any transformer layer of a bulk pass (the layer
