@@ -176,7 +176,7 @@ ingest streams, which have their triggers already.
 {{- $out | toJson }}
 {{- end }}
 
-{{/* The query stream: the query lane has its own tag when there are partitions. */}}
+{{/* The query stream: the priority streams have their own tag when there are partitions. */}}
 {{- define "embedfleet.queryLaneStream" -}}
 {{- if gt (int .Values.partitions) 1 }}
 {{- printf "%s:{q}:query" (include "embedfleet.keyNamespace" .) }}
@@ -185,7 +185,7 @@ ingest streams, which have their triggers already.
 {{- end }}
 {{- end }}
 
-{{- /* The gateway's large requests (shared/keys.py Keys.interactive): in the query lane's key
+{{- /* The gateway's large requests (shared/keys.py Keys.interactive): in the priority streams' key
       set, so under its hash tag with partitions. */}}
 {{- define "embedfleet.interactiveStream" -}}
 {{- if gt (int .Values.partitions) 1 }}
@@ -327,7 +327,7 @@ Several lag triggers (one per partition, or the cluster scaler's) are summed int
 
 {{/*
 What wakes and sizes the bulk workers, as a JSON list: one entry per stream that work arrives
-on, from the Producer and from the gateway (small requests go to the query lane, large ones and
+on, from the Producer and from the gateway (small requests go to the query stream, large ones and
 batches to the ingest streams). Each entry: the trigger's name, its stream, the lag per replica,
 the activation lag, and its weight, how many ingest entries one of its entries counts as when
 the triggers are summed. A stream the workers start reading is one more `append` here.
