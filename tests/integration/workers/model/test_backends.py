@@ -19,6 +19,7 @@ import torch
 from embedfleet.producer import Producer
 from embedfleet.producer.chunker import builtin_corpus
 from embedfleet.shared.settings import Settings
+from embedfleet.workers.model import choose
 from embedfleet.workers.model.backends import ENGINES, BackendForward, BuildCost, installed
 from embedfleet.workers.model.encoder import Encoder
 from embedfleet.workers.model.heldout import HELDOUT_TEXTS
@@ -271,6 +272,9 @@ def test_auto_builds_gates_and_races_every_installed_engine(
         return built(engine)
 
     monkeypatch.setattr(auto.paths, "build_backend", build_backend)
+    # the race on a quarter of its bulk-shaped batch: every contender is still timed (which
+    # one wins is not asserted); the whole batch took 15 s on one thread of an AVX2 core
+    monkeypatch.setattr(choose, "BULK_PROBE_TEXTS", choose.BULK_PROBE_TEXTS[:16])
     assert auto.prepare_query_graph("off", "auto")
     assert asked == engines and set(auto.gate_reports) == set(engines)
     passed = [name for name, report in auto.gate_reports.items() if report.passed]
@@ -282,19 +286,38 @@ def test_auto_builds_gates_and_races_every_installed_engine(
 
 @pytest.mark.parametrize("engine", ENGINE_PARAMS)
 async def test_a_worker_started_with_the_setting_serves_the_engines_vectors(
-    workers: WorkerLauncher, settings: Settings, client: aioredis.Redis, engine: str
+    workers: WorkerLauncher,
+    settings: Settings,
+    client: aioredis.Redis,
+    encoder: Encoder,
+    built: Callable[[str], BackendForward],
+    monkeypatch: pytest.MonkeyPatch,
+    engine: str,
 ) -> None:
-    """EMBEDFLEET_CPU_BACKEND=<engine> on a fresh worker: its query stage builds the engine's
-    copy at start, and bulk batches through it give vectors within the bar of float32
-    sentence-transformers, through Redis."""
+    """EMBEDFLEET_CPU_BACKEND=<engine> on a fresh worker: its query stage asks for the
+    engine's copy at start, gates and keeps it, and bulk batches through it give vectors
+    within the bar of float32 sentence-transformers, through Redis. The copy handed over is
+    the module's (``build_backend`` of the same model's float32 weights, what the worker's own
+    call builds: an ONNX export is 15 s of CPU on an AVX2 core); a worker process building its
+    own at start is tests/end_to_end/test_no_phone_home.py's ("backend copy made")."""
     count = 40
     chunks = list(builtin_corpus(count))
     fresh = Encoder(dtype="auto")
+    assert fresh.model_dir == encoder.model_dir  # the module's copies are of this model
+    asked: list[tuple[str, str]] = []
+
+    def build_backend(wanted: str, precision: str) -> BackendForward:
+        asked.append((wanted, precision))
+        return built(wanted)
+
+    monkeypatch.setattr(fresh.paths, "build_backend", build_backend)
     chosen = settings.model_copy(update={"cpu_backend": engine})
     async with Producer(chosen, client) as producer, workers.run(chosen, encoder=fresh):
         await producer.enqueue(chunks, job=engine)
         progress = await producer.wait_for_job(engine, timeout=600)
         results = {r.id: r.vector.astype(np.float32) async for r in producer.results(job=engine)}
+    assert asked == [(engine, "default")]  # the setting reached the worker's start
+    assert fresh.gate_reports[engine].passed
     assert progress.done == count and progress.dead == 0
     assert fresh.forward_path.startswith(engine) and fresh.query_path.kind == engine
     assert fresh.computes_in_reduced_precision  # so bulk batches ran through the copy
