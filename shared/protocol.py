@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, Literal, get_args, overload
 
 import msgpack
 import numpy as np
@@ -239,10 +240,16 @@ class Chunk:
 _OPTIONS_OF = operator.attrgetter(*OPTION_NAMES, *REPRESENTATION_OPTION_NAMES, "image", "image_ref")
 _NO_OPTIONS = (None,) * (len(OPTION_NAMES) + len(REPRESENTATION_OPTION_NAMES) + 2)
 
-# every field's default, for chunks built without __init__ (``_plain_chunk``)
-_CHUNK_DEFAULTS: dict[str, Any] = {
-    f.name: f.default for f in dataclasses.fields(Chunk) if f.name not in ("id", "text")
-}
+# ``_plain_chunk`` sets a chunk's five plain fields and leaves the others to be read from the
+# class, where a dataclass keeps each field's default: a field given none there (a
+# default_factory) would be missing from such chunks, so it is refused here, at import
+_NO_CLASS_DEFAULT = [
+    f.name
+    for f in dataclasses.fields(Chunk)
+    if f.name != "id" and getattr(Chunk, f.name, dataclasses.MISSING) is not f.default
+]
+if _NO_CLASS_DEFAULT:
+    raise TypeError(f"Chunk fields without a default on the class: {_NO_CLASS_DEFAULT}")
 
 
 @dataclass(frozen=True)
@@ -332,6 +339,85 @@ class Result:
         if self.dtype in ("binary", "ubinary"):
             return int(self.vector.shape[0]) * 8
         return int(self.vector.shape[0])
+
+
+# the output dtypes a batch's results may travel as columns (DenseResults): one value per
+# dimension, so each row's vector is a fixed run of the matrix's bytes
+COLUMNAR_DTYPES = ("float16", "float32")
+
+
+class DenseResults(Sequence[Result]):
+    """The dense results of one batch whose rows all share one output (model, dimension,
+    float16 or float32): columns, not one Result per row (issue 53: the CPU a GPU host spends
+    per text). Row ``i`` is ``chunks[i]``'s vector ``vectors[i]`` (already in ``dtype``), with
+    ``truncated[i]``; its meta and text as ``with_meta`` says.
+
+    A Sequence[Result], so every sink keeps its contract: a row's Result is made when it is
+    indexed (a database sink, the vector cache). The Redis sink never indexes it:
+    :func:`encode_results` packs the columns, byte for byte what ``encode_result`` writes."""
+
+    __slots__ = ("chunks", "dtype", "model", "truncated", "vectors", "with_meta")
+
+    def __init__(
+        self,
+        chunks: Sequence[Chunk],
+        vectors: np.ndarray,
+        truncated: Sequence[bool],
+        *,
+        model: str,
+        dtype: str,
+        with_meta: bool = True,
+    ) -> None:
+        if dtype not in COLUMNAR_DTYPES:
+            raise ValueError(f"{dtype} vectors do not travel as columns")
+        if vectors.ndim != 2 or len(vectors) != len(chunks) or len(truncated) != len(chunks):
+            raise ValueError(f"{len(chunks)} chunks, {len(truncated)} flags, {vectors.shape} rows")
+        self.chunks = chunks
+        self.vectors = np.asarray(vectors, dtype=STORAGE_DTYPES[dtype])
+        self.truncated = truncated
+        self.model = model
+        self.dtype = dtype
+        self.with_meta = with_meta
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    @overload
+    def __getitem__(self, index: int) -> Result: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> DenseResults: ...
+
+    def __getitem__(self, index: int | slice) -> Result | DenseResults:
+        if isinstance(index, slice):
+            return self.take(range(len(self))[index])
+        chunk = self.chunks[index]  # (an index out of range raises IndexError here)
+        meta, text = (chunk.meta, chunk.row_text) if self.with_meta else (None, None)
+        return Result(
+            id=chunk.id,
+            job=chunk.job,
+            model=self.model,
+            vector=self.vectors[index],
+            truncated=self.truncated[index],
+            meta=meta,
+            text=text,
+            dtype=self.dtype,
+            dimension=int(self.vectors.shape[1]),
+        )
+
+    def __iter__(self) -> Iterator[Result]:
+        return (self[row] for row in range(len(self)))
+
+    def take(self, rows: Sequence[int]) -> DenseResults:
+        """The rows ``rows``, in that order, as columns again."""
+        return DenseResults(
+            [self.chunks[row] for row in rows],
+            self.vectors[list(rows)],
+            [self.truncated[row] for row in rows],
+            model=self.model,
+            dtype=self.dtype,
+            with_meta=self.with_meta,
+        )
 
 
 def _chunk_fields(chunk: Chunk) -> dict[str, Any]:
@@ -449,18 +535,12 @@ def _unpack_bounded(payload: bytes, max_bytes: int) -> Any:
             f"payload is {len(payload)} bytes, over the {max_bytes}-byte limit",
             DeadReason.TOO_LARGE,
         )
-    size = len(payload)
     try:
-        return msgpack.unpackb(
-            payload,
-            raw=False,
-            strict_map_key=True,
-            max_str_len=size,
-            max_bin_len=size,
-            max_array_len=size,
-            max_map_len=size // 2,
-            max_ext_len=0,
-        )
+        # unpackb's defaults are those bounds (each container and string at most the payload's
+        # size, a map half of it; msgpack >= 1.0), text as str, string map keys; ext types are
+        # refused. Spelled out as keywords they cost as much as the unpacking (issue 53); the
+        # refusals are the same, word for word, over a fuzz of mutated chunks
+        return msgpack.unpackb(payload, max_ext_len=0)
     except UnicodeDecodeError as error:
         raise ProtocolError(
             f"invalid UTF-8 in a string: {error.reason}", DeadReason.NOT_MSGPACK
@@ -672,12 +752,19 @@ def _plain_chunk(
 ) -> Chunk:
     """A checked chunk of ``_PLAIN_FIELDS`` only, every other field its default. A frozen
     dataclass's __init__ sets each of its twenty-odd fields through object.__setattr__; this is
-    the same instance with its fields set at once (4.7 -> 1.2 µs a chunk)."""
+    the same instance with the fields it has set (4.7 -> 0.3 µs a chunk): the others read
+    as their defaults, which a dataclass keeps on the class (``_NO_CLASS_DEFAULT`` checks
+    it at import), and equality, hashing, ``replace`` and pickling read fields by name."""
     chunk = object.__new__(Chunk)
-    chunk.__dict__.update(
-        _CHUNK_DEFAULTS, id=chunk_id, text=text, job=job, token_ids=token_ids, tokenizer=tokenizer
-    )
-    chunk.__dict__["plain"] = True  # no option is among _PLAIN_FIELDS: Chunk.plain, known
+    fields = chunk.__dict__  # one store a field: fewer calls than update(**fields)
+    fields["id"] = chunk_id
+    fields["text"] = text
+    fields["plain"] = True  # no option is among _PLAIN_FIELDS: Chunk.plain, known
+    if job is not None:
+        fields["job"] = job
+    if token_ids is not None:
+        fields["token_ids"] = token_ids
+        fields["tokenizer"] = tokenizer
     return chunk
 
 
@@ -830,13 +917,19 @@ _PACKED_ID, _PACKED_JOB, _PACKED_VEC, _PACKED_META = (
 _PACKED_TRUNCATED = {
     flag: msgpack.packb("truncated") + msgpack.packb(flag) for flag in (False, True)
 }
+# a result's map header (8 fields, 9 with meta), its version and its id's key
+_HEAD_8, _HEAD_9 = (header + _PACKED_V + _PACKED_ID for header in (b"\x88", b"\x89"))
+_ID_OF, _JOB_OF, _META_OF = (operator.attrgetter(name) for name in ("id", "job", "meta"))
 
 
 def encode_results(results: Sequence[Result]) -> list[bytes]:
     """``[encode_result(r) for r in results]``, byte for byte, at about half the cost per
     result (issue 29, docs/BENCHMARKS.md): the map's keys and the fields a batch shares (model,
     dim, dtype) are packed once, not per result, and no dict is built per result. The fields
-    keep encode_result's order, so the bytes are the same."""
+    keep encode_result's order, so the bytes are the same. A batch's :class:`DenseResults`
+    is packed from its columns (:func:`_encode_columns`), with no Result made."""
+    if isinstance(results, DenseResults):
+        return _encode_columns(results)
     packer = msgpack.Packer(use_bin_type=True)
     shared: dict[tuple[str, int, str], bytes] = {}
     payloads: list[bytes] = []
@@ -870,6 +963,52 @@ def encode_results(results: Sequence[Result]) -> list[bytes]:
             parts += [_PACKED_META, packer.pack(result.meta)]
         payloads.append(b"".join(parts))
     return payloads
+
+
+def _bin_header(size: int) -> bytes:
+    """msgpack's header of a ``size``-byte bin (bin 8, 16 or 32), as ``Packer.pack`` writes it."""
+    if size < 1 << 8:
+        return b"\xc4" + size.to_bytes(1, "big")
+    if size < 1 << 16:
+        return b"\xc5" + size.to_bytes(2, "big")
+    return b"\xc6" + size.to_bytes(4, "big")
+
+
+def _encode_columns(results: DenseResults) -> list[bytes]:
+    """``encode_result`` of each row of ``results``, byte for byte, from the columns: every
+    payload is the same head, its id, a piece shared by the rows of its job (job, model, dim,
+    dtype and the vector's header, packed once per job), the row's run of the one vector
+    matrix's bytes and its truncated flag (and its meta, where it has one). Joined per row by
+    map and zip over the columns: no Result, dict or array, and no Python loop body, per row."""
+    chunks = results.chunks
+    if not chunks:
+        return []
+    pack = msgpack.Packer(use_bin_type=True).pack
+    matrix = np.ascontiguousarray(results.vectors)  # already in STORAGE_DTYPES[dtype]
+    width = matrix.shape[1] * matrix.itemsize
+    after_job = b"".join(
+        pack(value)
+        for value in ("model", results.model, "dim", matrix.shape[1], "dtype", results.dtype)
+    )
+    after_job += _PACKED_VEC + _bin_header(width)
+    jobs = list(map(_JOB_OF, chunks))
+    pieces = {job: _PACKED_JOB + pack(job) + after_job for job in set(jobs)}
+    blob = matrix.tobytes()
+    columns: list[Iterable[bytes]] = [
+        itertools.repeat(_HEAD_8),
+        map(pack, map(_ID_OF, chunks)),
+        map(pieces.__getitem__, jobs),
+        [blob[start : start + width] for start in range(0, len(blob), width)]
+        if width
+        else itertools.repeat(b""),  # (vectors of no values)
+        map(_PACKED_TRUNCATED.__getitem__, results.truncated),
+    ]
+    metas = list(map(_META_OF, chunks)) if results.with_meta else []
+    if metas.count(None) < len(metas):  # some rows carry meta: a map of 9 fields for them
+        columns[0] = [_HEAD_8 if meta is None else _HEAD_9 for meta in metas]
+        columns.append([b"" if meta is None else _PACKED_META + pack(meta) for meta in metas])
+    # (not strict: the repeated columns run on; DenseResults checked the others' lengths)
+    return list(map(b"".join, zip(*columns, strict=False)))
 
 
 class QueryFailedError(RuntimeError):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
@@ -36,7 +37,9 @@ from embedfleet.shared.options import (
 from embedfleet.shared.postprocess import QUANTIZED, quantize, truncate
 from embedfleet.shared.postprocess import normalize as normalize_rows
 from embedfleet.shared.protocol import (
+    COLUMNAR_DTYPES,
     Chunk,
+    DenseResults,
     MultiVector,
     Result,
     SparseVector,
@@ -76,6 +79,9 @@ def pool_windows(
     return normalize_rows(pooled) if normalize else pooled.astype(np.float32, copy=False)
 
 
+# whether a chunk asks for the model's own output alone (Chunk.plain), read in C over a batch
+_PLAIN = operator.attrgetter("plain")
+
 # The worker's name for the verifier's errors (workers/cli.py and tests catch it): every rule a
 # chunk's options break raises a subclass of it, from shared/options.py
 OutputOptionError = OptionError
@@ -84,7 +90,7 @@ OutputOptionError = OptionError
 class Outputs:
     """Per-chunk prompts and output shapes for one worker: checks them on intake, turns the
     model's float32 vectors into results on the way out. Shared by the bulk path and the query
-    lane, so both lanes apply the same rules."""
+    stage, so both apply the same rules."""
 
     def __init__(self, settings: Settings, encoder: Encoder, calibrations: CalibrationStore):
         self.settings = settings
@@ -151,7 +157,7 @@ class Outputs:
 
     @functools.cached_property
     def _bulk_packs(self) -> bool:
-        """Whether the bulk lane may run the varlen layout (workers/bulk.py resolve_layout), whose
+        """Whether the bulk path may run the varlen layout (workers/bulk.py resolve_layout), whose
         packed sequences give the pooled vectors alone; a model varlen cannot pool falls back to
         padded batches there, so this may refuse where padded would have run: the safe side."""
         layout = self.settings.layout
@@ -186,6 +192,8 @@ class Outputs:
         """Whether every chunk stores the model's whole vector in float16 (the default): then
         the device may cast before the copy back, since nothing after it needs more precision
         (a truncated or quantized vector is computed from float32)."""
+        if chunks and all(map(_PLAIN, chunks)):  # most batches: answered once per worker
+            return self._plain_full_float16
         if self.heads_for(chunks) is not None:  # packed rows hold token ids: float32
             return False
         if any(chunk.window_overlap is not None or chunk.normalize is False for chunk in chunks):
@@ -195,10 +203,24 @@ class Outputs:
         full = OutputSpec(dim=self.encoder.dim, dtype="float16")
         return all(self.spec_for(chunk) == full for chunk in chunks)
 
+    @functools.cached_property
+    def _plain_full_float16(self) -> bool:
+        """``full_float16`` of plain chunks: the same for every batch of them."""
+        full = OutputSpec(dim=self.encoder.dim, dtype="float16")
+        return self._plain_heads is None and self._plain_spec == full
+
     def heads_for(self, chunks: Sequence[Chunk]) -> tuple[str, ...] | None:
         """The heads a batch of ``chunks`` computes on a multi-head model (``EncodeBatch.heads``;
         None: the dense vectors alone, as any dense model gives them)."""
+        if chunks and all(map(_PLAIN, chunks)):
+            # most batches: no chunk asks for a representation or the token states, the same
+            # answer every time (asked twice a batch on the event loop; issue 53)
+            return self._plain_heads
         return self.encoder.heads_for([_heads_wanted(chunk) for chunk in chunks])
+
+    @functools.cached_property
+    def _plain_heads(self) -> tuple[str, ...] | None:
+        return self.encoder.heads_for([()])
 
     def variant(self, dim: int) -> str:
         return variant_label(dim, self.encoder.dim, self.renormalize)
@@ -244,9 +266,11 @@ class Outputs:
         truncated: Sequence[bool],
         *,
         with_meta: bool = True,
-    ) -> list[Result]:
+    ) -> Sequence[Result]:
         """Results in chunk order: each vector truncated and stored as its chunk asks, rows
-        that ask for the same thing shaped together."""
+        that ask for the same thing shaped together. A batch of plain chunks in float16 or
+        float32 (the common case) comes back as columns (DenseResults), its Results made only
+        where a consumer indexes them."""
         if self.encoder.representation != "dense":
             if self.encoder.representation == "rerank":
                 # the model's rows are logits: its activation for every chunk but those that
@@ -259,7 +283,35 @@ class Outputs:
             ]
         if self.heads_for(chunks) is not None:
             return self._head_results(chunks, vectors, truncated, with_meta=with_meta)
+        columns = self._columns(chunks, vectors, truncated, with_meta=with_meta)
+        if columns is not None:
+            return columns
         return self._dense_results(chunks, vectors, truncated, with_meta=with_meta)
+
+    def _columns(
+        self,
+        chunks: Sequence[Chunk],
+        vectors: np.ndarray,
+        truncated: Sequence[bool],
+        *,
+        with_meta: bool,
+    ) -> DenseResults | None:
+        """The batch's results as columns where every chunk is plain (one output spec: the
+        model's own) and that spec is float16 or float32: one cut and one cast of the whole
+        matrix (issue 53). None otherwise: int8/uint8 (calibrated) and the binary types, and
+        any chunk with its own options, take :meth:`_dense_results`."""
+        spec = self._plain_spec
+        if spec.dtype not in COLUMNAR_DTYPES or not chunks or not all(map(_PLAIN, chunks)):
+            return None
+        shaped = truncate(vectors, spec.dim, renormalize=self.renormalize)
+        return DenseResults(
+            chunks,
+            quantize(shaped, spec.dtype),
+            truncated,
+            model=self.encoder.name,
+            dtype=spec.dtype,
+            with_meta=with_meta,
+        )
 
     def _dense_results(
         self,

@@ -18,8 +18,9 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar, cast
 
 import numpy as np
 
@@ -27,7 +28,7 @@ from embedfleet.shared.dead_letters import DeadReason
 from embedfleet.shared.fault_kinds import Fault, FaultKind, System, WorkerFault
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
-from embedfleet.shared.protocol import Chunk, Result
+from embedfleet.shared.protocol import Chunk, DenseResults, Result
 from embedfleet.shared.vector_cache import pack_entry
 from embedfleet.sinks import Delivery
 from embedfleet.sinks.reply import ReplyListWriter
@@ -42,6 +43,19 @@ from embedfleet.workers.outages import (
 from embedfleet.workers.parts import StageParts
 
 log = get_logger("embedfleet.worker")
+T = TypeVar("T")
+
+
+def picked(items: Sequence[T], rows: list[int]) -> Sequence[T]:
+    """``[items[row] for row in rows]``, for ``rows`` ascending and distinct (all the writer
+    ever picks): ``items`` itself where those are all its rows (a batch's usual case), a
+    DenseResults' own columns where it is one, so no Result is made per row to be packed
+    (issue 53: the CPU a GPU host spends per text)."""
+    if len(rows) == len(items):
+        return items
+    if isinstance(items, DenseResults):
+        return cast(Sequence[T], items.take(rows))
+    return [items[row] for row in rows]
 
 
 @dataclass
@@ -69,6 +83,7 @@ class Writer:
     async def run(self, encoded: asyncio.Queue[Encoded | None]) -> None:
         """Write what ``encoded`` brings until its end (None: the compute stage has finished)."""
         while (item := await encoded.get()) is not None:
+            results: Sequence[Result]
             if item.cached is not None:  # answered by the vector cache: the results are ready
                 results = item.cached
             else:
@@ -92,9 +107,9 @@ class Writer:
             sunk = [row for row, chunk in enumerate(item.chunks) if chunk.reply is None]
             if sunk:
                 written += await self._write(
-                    [results[r] for r in sunk],
-                    [item.deliveries[r] for r in sunk],
-                    [item.chunks[r] for r in sunk],
+                    picked(results, sunk),
+                    picked(item.deliveries, sunk),
+                    picked(item.chunks, sunk),
                     lambda results, deliveries, rows: self.parts.sink.write(results, deliveries),
                     self.parts.sink.system,
                 )
@@ -102,8 +117,8 @@ class Writer:
                 replies = [item.chunks[r].reply or "" for r in replied]
 
                 def write_replies(
-                    results: list[Result],
-                    deliveries: list[Delivery],
+                    results: Sequence[Result],
+                    deliveries: Sequence[Delivery],
                     rows: list[int],
                     replies: list[str] = replies,
                 ) -> Awaitable[None]:
@@ -112,9 +127,9 @@ class Writer:
                     )
 
                 written += await self._write(
-                    [results[r] for r in replied],
-                    [item.deliveries[r] for r in replied],
-                    [item.chunks[r] for r in replied],
+                    picked(results, replied),
+                    picked(item.deliveries, replied),
+                    picked(item.chunks, replied),
                     write_replies,
                     System.REDIS,
                 )
@@ -125,7 +140,7 @@ class Writer:
             # acknowledged, or held by the sink until it is (in_flight keeps their leases then)
             self.parts.in_flight.release(item.deliveries)
 
-    async def _remember(self, item: Encoded, results: list[Result]) -> None:
+    async def _remember(self, item: Encoded, results: Sequence[Result]) -> None:
         """Store the vectors just embedded in the vector cache, under their content keys, each
         in its entry's key set. Before the write and its acknowledgement, so that a finished
         job's vectors are all there; a vector whose row the sink then refuses is still the
@@ -148,10 +163,10 @@ class Writer:
 
     async def _write(
         self,
-        results: list[Result],
-        deliveries: list[Delivery],
-        chunks: list[Chunk],
-        write: Callable[[list[Result], list[Delivery], list[int]], Awaitable[None]],
+        results: Sequence[Result],
+        deliveries: Sequence[Delivery],
+        chunks: Sequence[Chunk],
+        write: Callable[[Sequence[Result], Sequence[Delivery], list[int]], Awaitable[None]],
         system: System,
     ) -> int:
         """Write a batch with ``write`` (given the rows' results, deliveries and indices);
@@ -172,7 +187,7 @@ class Writer:
         while todo:
             rows = todo.pop()
             try:
-                await write([results[i] for i in rows], [deliveries[i] for i in rows], rows)
+                await write(picked(results, rows), picked(deliveries, rows), rows)
             except Exception as error:
                 fault = classify_sink_error(error, system)
                 if fault.system is not System.REDIS:
