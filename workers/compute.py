@@ -266,7 +266,13 @@ class Compute:
             self.parts.encoder.name,
             seconds,
         )
-        keys = [window.content_keys.get(window.deliveries[p]) for p in planned.positions]
+        # none to look up where the window has no content keys (the vector cache off): a
+        # Delivery's hash costs half a microsecond a text on the event loop (issue 53)
+        keys: list[str | None] = (
+            [window.content_keys.get(window.deliveries[p]) for p in planned.positions]
+            if window.content_keys
+            else [None] * len(planned.positions)
+        )
         if window.rejoin is not None:  # long inputs' windows: one row each once all are in
             chunks, deliveries, tokens, vectors, keys = window.rejoin.take(
                 Rows(chunks, deliveries, tokens, vectors, keys)
@@ -346,11 +352,9 @@ def accounted(
     truncated to the model's maximum) and its share of the batch's model time by tokens."""
     total = sum(t.length for t in tokens) or 1
     micros = seconds * 1e6 / total  # per token
-    # built directly, not dataclasses.replace: this runs per text on the event loop
+    # not dataclasses.replace, nor Delivery(...): this runs per text on the event loop
     return [
-        Delivery(
-            d.stream, d.entry_id, d.job, d.tenant, model, t.length, round(t.length * micros), d.copy
-        )
+        d.accounted(model, t.length, round(t.length * micros))
         for d, t in zip(deliveries, tokens, strict=True)
     ]
 

@@ -4,6 +4,10 @@ kept. (The compute stage itself runs in the worker tests of tests/integration/wo
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
+
 from embedfleet.sinks import Delivery
 from embedfleet.workers.compute import accounted
 from embedfleet.workers.model.tokenizer import Tokenized
@@ -22,3 +26,17 @@ def test_model_time_is_shared_by_tokens_and_the_rest_kept() -> None:
 
 def test_an_empty_batch_accounts_nothing() -> None:
     assert accounted([], [], "minilm", seconds=0.5) == []
+
+
+def test_an_accounted_delivery_is_the_one_its_constructor_makes() -> None:
+    """``Delivery.accounted`` copies the fields' dict instead of running the frozen
+    dataclass's __init__: the same object (equal, same hash, still frozen), and nothing in
+    the class that the copy would skip."""
+    delivery = Delivery("ingest:t:acme", "3-0", "job", tenant="own", copy=True)
+    made = delivery.accounted("minilm", 61, 1234)
+    expected = Delivery("ingest:t:acme", "3-0", "job", "own", "minilm", 61, 1234, True)
+    assert made == expected and hash(made) == hash(expected) and repr(made) == repr(expected)
+    assert delivery == Delivery("ingest:t:acme", "3-0", "job", tenant="own", copy=True)
+    assert not hasattr(Delivery, "__post_init__") and not hasattr(Delivery, "__slots__")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.tokens = 1  # type: ignore[misc]
