@@ -17,7 +17,7 @@ import torch
 import transformers
 from PIL import Image
 
-from tests.model_zoo import _fast_tokenizer
+from tests.model_zoo import _fast_tokenizer, family_seed, wide_random_model
 
 DUAL_FAMILIES = ("clip", "siglip")
 TEXT_POSITIONS = 32
@@ -71,14 +71,9 @@ def dual_model_dir(family: str, root: Path) -> Path:
     if (target / "config.json").is_file():
         return target
     tokenizer = _test_tokenizer(TEXT_POSITIONS)
-    torch.manual_seed(sum(map(ord, family)))  # the same random weights every run
     model_class = transformers.CLIPModel if family == "clip" else transformers.SiglipModel
-    model = model_class(_config(family, tokenizer))
-    with torch.no_grad():  # larger weights than the init's make the vectors differ more
-        for parameter in model.parameters():
-            if parameter.dim() > 1:
-                parameter.normal_(0.0, 0.2)
-    model.eval().save_pretrained(target)
+    model = wide_random_model(model_class, _config(family, tokenizer), family_seed(family))
+    model.save_pretrained(target)
     tokenizer.save_pretrained(target)
     _processor(family).save_pretrained(target)  # type: ignore[attr-defined]
     return target

@@ -227,14 +227,9 @@ def hf_model_dir(family: str, root: Path) -> Path:
     if (target / "config.json").is_file():
         return target
     tokenizer = _trained_tokenizer(family)
-    torch.manual_seed(sum(map(ord, family)))  # the same random weights every run
-    model = transformers.AutoModel.from_config(_config(family, tokenizer))
-    # random init is small; larger weights make the hidden states differ more between texts
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() > 1:
-                parameter.normal_(0.0, 0.2)
-    model.eval().save_pretrained(target)
+    config = _config(family, tokenizer)
+    model = wide_random_model(transformers.AutoModel.from_config, config, family_seed(family))
+    model.save_pretrained(target)
     tokenizer.save_pretrained(target)
     if family in ("qwen2", "qwen3"):
         # as published (a causal-LM checkpoint): save_pretrained wrote the base class's name
@@ -302,10 +297,21 @@ def with_extra_module(source: Path, target: Path, module_type: str) -> Path:
 Builder = Callable[..., Path]
 
 
-def _random_head_model(model_class: type, config: transformers.PretrainedConfig, seed: int) -> Any:
-    """``model_class`` from ``config`` with weights wide enough that texts differ clearly."""
+def family_seed(family: str) -> int:
+    """The seed of a family's random weights: the same weights every run."""
+    return sum(map(ord, family))
+
+
+def wide_random_model(
+    build: Callable[[transformers.PretrainedConfig], Any],
+    config: transformers.PretrainedConfig,
+    seed: int,
+) -> Any:
+    """``build(config)`` (a model class, or ``AutoModel.from_config``) with random weights wide
+    enough that texts differ clearly (the init's are small: hidden states would differ little
+    between texts), in eval mode. The same ``seed`` gives the same weights."""
     torch.manual_seed(seed)
-    model = model_class(config)
+    model = build(config)
     with torch.no_grad():
         for parameter in model.parameters():
             if parameter.dim() > 1:
@@ -321,13 +327,13 @@ def _head_model_dir(
     configure: Callable[[transformers.PretrainedConfig], None] = lambda config: None,
 ) -> Path:
     """A Hugging Face directory at ``hf_dir``: ``model_class`` on ``family``'s config (changed
-    by ``configure``) with ``_random_head_model``'s weights, and the family's tokenizer; made
+    by ``configure``) with ``wide_random_model``'s weights, and the family's tokenizer; made
     once, kept when it is there."""
     if not (hf_dir / "config.json").is_file():
         tokenizer = _trained_tokenizer(family)
         config = _config(family, tokenizer)
         configure(config)
-        _random_head_model(model_class, config, seed).save_pretrained(hf_dir)
+        wide_random_model(model_class, config, seed).save_pretrained(hf_dir)
         tokenizer.save_pretrained(hf_dir)
     return hf_dir
 
