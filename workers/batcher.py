@@ -70,14 +70,20 @@ def plan_batches(
         raise ValueError("token_budget and max_batch must be positive")
     if not lengths:
         return []
-    order = sorted(range(len(lengths)), key=lambda position: lengths[position], reverse=True)
-    ordered = np.array([lengths[p] for p in order], dtype=np.int64)
+    # longest first, equal lengths in window order (a stable sort, as sorted(reverse=True))
+    window = np.asarray(lengths, dtype=np.int64)
+    order = np.argsort(-window, kind="stable").tolist()
+    ordered = window[order]
     widths = ordered.tolist()  # scalars from a list: numpy scalar access costs more per step
     # the most texts a batch led by each text may hold, where time bounds it: (j - i) shrinks
     # and cap[i] grows as i grows, so the batches that fit are still those from ``low`` on
     cap = None if max_texts is None else np.asarray(max_texts(ordered), dtype=np.int64).tolist()
     start = _cheapest_cuts(ordered, widths, cap, token_budget, max_batch, batch_cost_tokens)
     return _planned(order, ordered, widths, start)
+
+
+# above this many runs of equal widths in a step's window, their costs are one numpy call
+_RUNS_IN_PYTHON = 24
 
 
 def _cheapest_cuts(
@@ -90,32 +96,88 @@ def _cheapest_cuts(
 ) -> list[int]:
     """``start[j]``: where the last batch of the cheapest plan of the j longest texts begins
     (``ordered``, longest first; ``widths`` the same as a list; ``cap``: ``max_texts``'s)."""
-    count = len(ordered)
+    count = len(widths)
     # best[j]: least cost of batching the j longest texts; start[j]: where the last batch of
-    # that best plan begins. A batch [i, j) is as wide as its first (longest) text, ordered[i],
-    # and costs best[i] + (j - i) * ordered[i] + batch_cost_tokens = base[i] + j * ordered[i]
-    # + batch_cost_tokens, with base[i] = best[i] - i * ordered[i] (known once best[i] is).
+    # that best plan begins. A batch [i, j) is as wide as its first (longest) text, widths[i],
+    # and costs best[i] + (j - i) * widths[i] + batch_cost_tokens = base[i] + j * widths[i]
+    # + batch_cost_tokens, with base[i] = best[i] - i * widths[i] (known once best[i] is).
     # The batches [i, j) that fit the budget are those from some ``low`` on: (j - i) and
-    # ordered[i] both shrink as i grows. So each step is one slice, not a masked window
-    # (issue 29: the masked window cost ~40 µs a text on a loaded host, at CUDA's window as at
-    # the CPU's; this is the same plan, tie for tie, in a fraction of it). Integer costs, exact.
+    # widths[i] both shrink as i grows. Of those only the first of each run of equal widths
+    # is costed (``_RunCosts``). Integer costs, exact.
+    runs = _RunCosts(ordered, widths)
     best = [0] * (count + 1)
-    base = np.zeros(count + 1, dtype=np.int64)  # base[0] = best[0] - 0 = 0
     start = [0] * (count + 1)
-    low = 0
+    low = pick = 0
     for end in range(1, count + 1):
         low = max(low, end - max_batch)
         while low < end - 1 and (
             (end - low) * widths[low] > token_budget or (cap is not None and end - low > cap[low])
         ):
             low += 1
-        cost = base[low:end] + end * ordered[low:end]
-        pick = int(cost.argmin())
-        best[end] = int(cost[pick]) + batch_cost_tokens
-        start[end] = low + pick
+        # the cheapest start never moves back as ``end`` grows (``_RunCosts``): from the last
+        pick, least = runs.cheapest(max(low, pick), end)
+        best[end] = least + batch_cost_tokens
+        start[end] = pick
         if end < count:
-            base[end] = best[end] - end * widths[end]
+            runs.known(end, best[end] - end * widths[end])
     return start
+
+
+class _RunCosts:
+    """The cheapest start of a batch ending at ``end``, costing one candidate per run of equal
+    widths (issue 53: costing the whole slice [low, end) was ~9 µs a text at CUDA's window of
+    8192).
+
+    Why that is the slice's answer, tie for tie: best[i + 1] >= best[i] + widths[i] (the
+    (i+1)-th text taken out of the best plan of i + 1 texts leaves a plan of i that fits and
+    costs at least widths[i] less), so within a run of width w, base[i] = best[i] - i * w never
+    falls as i grows. A run's first start in the window is then its least cost, and the
+    earliest among equals: the one numpy's argmin over the slice picked. Across runs, the
+    earliest wins a tie here too (a later run must be strictly cheaper).
+
+    And the earliest cheapest start of [start, end) never lies before that of [start, end - 1):
+    the costs best[i] + (end - i) * widths[i] form a Monge array (for i < i' and end < end',
+    the two crossed sums differ by (end' - end) * (widths[i'] - widths[i]) <= 0, widths
+    falling), whose rows' leftmost minima never move left, and the feasible starts [low, end)
+    only move right. So each step costs the runs from the last pick on: a batch's few widths."""
+
+    def __init__(self, ordered: np.ndarray, widths: list[int]) -> None:
+        self.widths = widths
+        self.base = [0] * (len(widths) + 1)
+        self.firsts = [0, *(np.flatnonzero(np.diff(ordered)) + 1).tolist()]  # run by run
+        self.run_widths = np.array([widths[first] for first in self.firsts], dtype=np.int64)
+        self.run_width_list = self.run_widths.tolist()
+        self.run_base = np.zeros(len(self.firsts), dtype=np.int64)
+        self.after_low = 1  # the first run that starts after ``low``
+        self.begun = 1  # the runs that start before ``end``
+
+    def known(self, position: int, base: int) -> None:
+        """``base[position]``, once ``best[position]`` is known (positions in order)."""
+        self.base[position] = base
+        if self.begun < len(self.firsts) and self.firsts[self.begun] == position:
+            self.run_base[self.begun] = base
+            self.begun += 1
+
+    def cheapest(self, low: int, end: int) -> tuple[int, int]:
+        """(start, cost less the batch's fixed cost) of the cheapest batch [start, end) with
+        start >= ``low``, the earliest start among equals."""
+        firsts, base = self.firsts, self.base
+        while self.after_low < self.begun and firsts[self.after_low] <= low:
+            self.after_low += 1
+        begin, stop = self.after_low, self.begun
+        pick, least = low, base[low] + end * self.widths[low]
+        if stop - begin > _RUNS_IN_PYTHON:
+            costs = self.run_base[begin:stop] + end * self.run_widths[begin:stop]
+            at = int(costs.argmin())
+            if int(costs[at]) < least:
+                pick, least = firsts[begin + at], int(costs[at])
+            return pick, least
+        widths = self.run_width_list
+        for run in range(begin, stop):
+            cost = base[firsts[run]] + end * widths[run]
+            if cost < least:
+                pick, least = firsts[run], cost
+        return pick, least
 
 
 def _planned(
@@ -126,7 +188,7 @@ def _planned(
     end = len(ordered)
     while end > 0:
         begin = start[end]
-        positions = [order[k] for k in range(end - 1, begin - 1, -1)]  # shortest first
+        positions = order[begin:end][::-1]  # shortest first
         batches.append(
             PlannedBatch(
                 positions=positions,
@@ -151,30 +213,29 @@ def plan_packed_batches(
     the batch's sums of lengths and squared lengths too (the query slice's limit)."""
     if token_budget < 1 or max_batch < 1:
         raise ValueError("token_budget and max_batch must be positive")
+    # longest first, equal lengths in window order (a stable sort, as sorted(reverse=True))
+    window = np.asarray(lengths, dtype=np.int64)
+    order = np.argsort(-window, kind="stable").tolist()
+    widths = window[order].tolist()
     batches: list[PlannedBatch] = []
-    current: list[int] = []
-    tokens = 0
-    squares = 0
-
-    def close() -> None:
-        longest = lengths[current[0]]
-        batches.append(PlannedBatch(current, longest=longest, real_tokens=tokens, packed=True))
-
-    for position in sorted(range(len(lengths)), key=lambda p: lengths[p], reverse=True):
-        length = lengths[position]
-        if current and (
-            len(current) >= max_batch
+    begin = tokens = squares = 0  # the open batch: order[begin:at], its sums
+    for at, length in enumerate(widths):
+        if at > begin and (
+            at - begin >= max_batch
             or tokens + length > token_budget
             or (fits is not None and not fits(tokens + length, squares + length * length))
         ):
-            close()
-            current, tokens, squares = [], 0, 0
-        current.append(position)
+            batches.append(_packed(order[begin:at], widths[begin], tokens))
+            begin, tokens, squares = at, 0, 0
         tokens += length
         squares += length * length
-    if current:
-        close()
+    if widths:
+        batches.append(_packed(order[begin:], widths[begin], tokens))
     return batches
+
+
+def _packed(positions: list[int], longest: int, tokens: int) -> PlannedBatch:
+    return PlannedBatch(positions, longest=longest, real_tokens=tokens, packed=True)
 
 
 def padding_waste(batches: Sequence[PlannedBatch]) -> float:
