@@ -52,6 +52,7 @@ from torch import Tensor
 
 from embedfleet.shared.logging import get_logger
 from embedfleet.workers.model.encoder import Encoder, Tokenized
+from embedfleet.workers.model.tokenizer import flat_ids
 
 log = get_logger("embedfleet.packing")
 
@@ -168,9 +169,7 @@ def collate_varlen(items: Sequence[Tokenized], *, pin: bool = False) -> VarlenBa
     view = buffer.numpy()
     view[0] = 0
     np.cumsum(lengths, out=view[1 : len(items) + 1], dtype=np.int32)
-    view[len(items) + 1 :] = np.fromiter(
-        itertools.chain.from_iterable(item.ids for item in items), dtype=np.int32, count=total
-    )
+    view[len(items) + 1 :] = flat_ids(items, np.int32)
     return VarlenBatch(
         buffer=buffer,
         size=len(items),

@@ -10,12 +10,14 @@ tokenizer declares.
 
 from __future__ import annotations
 
+import array
 import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from embedfleet.shared.modelcard import resolve_prompt
@@ -42,6 +44,37 @@ class Tokenized:
         # read several times per text by the planning and collation (cached in the instance's
         # __dict__, which a frozen dataclass leaves writable to cached_property)
         return len(self.ids)
+
+
+def tokenized(ids: Sequence[int], truncated: bool, prompt_length: int, length: int) -> Tokenized:
+    """``Tokenized(ids, truncated, prompt_length)`` with its ``length`` already known, built
+    as ``_plain_chunk`` builds a chunk: a frozen dataclass's __init__ sets each field through
+    object.__setattr__, and the cached ``length`` takes a lock on first read; a GPU host makes
+    tens of thousands a second (issue 53)."""
+    item = object.__new__(Tokenized)
+    fields = item.__dict__  # type_ids reads as its default, None, from the class
+    fields["ids"] = ids
+    fields["truncated"] = truncated
+    fields["prompt_length"] = prompt_length
+    fields["length"] = length
+    return item
+
+
+def flat_ids(items: Sequence[Tokenized], dtype: type[np.integer]) -> np.ndarray:
+    """Every item's ids end to end, as one array: one buffer copy where all are the producer's
+    packed ``array("I")`` (issue 53), else the Python ints gathered into one list and
+    converted in one call (per batch, not per row: the row-by-row copy cost more per text)."""
+    rows = [item.ids for item in items]
+    if rows and type(rows[0]) is array.array:
+        try:  # bytes.join takes any buffer: all of them packed uint32 arrays
+            return np.frombuffer(b"".join(rows), dtype=np.uint32).astype(dtype)  # type: ignore[arg-type]
+        except TypeError:  # some are lists (cut, or tokenized here): the general way
+            pass
+    flat: list[int] = []
+    gather = flat.extend
+    for ids in rows:
+        gather(ids)
+    return np.array(flat, dtype=dtype)
 
 
 @dataclass
@@ -132,11 +165,12 @@ class TextTokenizer:
         """Token ids per single text, cut to the maximum (``Encoder.tokenize``)."""
         if prompts is not None:
             texts = [prompt + text for prompt, text in zip(prompts, texts, strict=True)]
-        results: list[Tokenized] = []
-        for row, ids in enumerate(encode_for_model(self.backend, texts, self.max_length)):
-            prompt = prompts[row] if prompts is not None else ""
-            results.append(self._fit(ids, self.prompt_length(prompt) if prompt else 0))
-        return results
+        rows = encode_for_model(self.backend, texts, self.max_length)
+        fit = self._fit
+        if prompts is None or not any(prompts):
+            return [fit(ids) for ids in rows]
+        counts = [self.prompt_length(prompt) if prompt else 0 for prompt in prompts]
+        return [fit(ids, count) for ids, count in zip(rows, counts, strict=True)]
 
     # --- token ids made by the producer (issue 53) ------------------------------------
     @functools.cached_property
@@ -161,13 +195,14 @@ class TextTokenizer:
         return self._fit(ids, self.prompt_length(prompt) if prompt else 0)
 
     def _fit(self, ids: Sequence[int], prompt_length: int = 0) -> Tokenized:
-        if len(ids) <= self.max_length:
-            return Tokenized(ids=ids, truncated=False, prompt_length=prompt_length)
+        length = len(ids)
+        if length <= self.max_length:
+            return tokenized(ids, False, prompt_length, length)
         if self._ends_with_special:  # keep [SEP]: same ids as truncating at max_length
             ids = [*ids[: self.max_length - 1], ids[-1]]
         else:
             ids = ids[: self.max_length]
-        return Tokenized(ids=ids, truncated=True, prompt_length=prompt_length)
+        return tokenized(ids, True, prompt_length, len(ids))
 
     # --- long inputs in windows (issue 42) ---------------------------------------------
     def windows(
@@ -224,21 +259,28 @@ class TextTokenizer:
 
     # --- batch ------------------------------------------------------------------------
     def collate(self, items: list[Tokenized], *, pin: bool = False) -> EncodeBatch:
-        """A padded batch of ``items`` (``Encoder.collate``)."""
-        longest = max(item.length for item in items)
+        """A padded batch of ``items`` (``Encoder.collate``): every row's ids laid into the
+        batch at once, row after row, where the attention mask is 1 (its row-major order is
+        each row's ids in order, on either padding side)."""
+        lengths = np.fromiter((item.length for item in items), dtype=np.int64, count=len(items))
+        longest = int(lengths.max())
         shape = (len(items), longest)
         ids_tensor = torch.full(shape, self.pad_id, dtype=torch.int64, pin_memory=pin)
-        mask_tensor = torch.zeros(shape, dtype=torch.int64, pin_memory=pin)
-        input_ids, attention_mask = ids_tensor.numpy(), mask_tensor.numpy()
+        mask_tensor = torch.empty(shape, dtype=torch.int64, pin_memory=pin)
+        columns = np.arange(longest)
+        if self.pad_left:
+            real = columns >= (longest - lengths)[:, None]
+        else:
+            real = columns < lengths[:, None]
+        mask_tensor.numpy()[...] = real
+        ids_tensor.numpy()[real] = flat_ids(items, np.int64)
         types_tensor = None
         if any(item.type_ids is not None for item in items):
             types_tensor = torch.zeros(shape, dtype=torch.int64, pin_memory=pin)
-        for row, item in enumerate(items):
-            start = longest - item.length if self.pad_left else 0
-            input_ids[row, start : start + item.length] = item.ids
-            attention_mask[row, start : start + item.length] = 1
-            if types_tensor is not None and item.type_ids is not None:
-                types_tensor.numpy()[row, start : start + item.length] = item.type_ids
+            for row, item in enumerate(items):
+                if item.type_ids is not None:
+                    start = longest - item.length if self.pad_left else 0
+                    types_tensor.numpy()[row, start : start + item.length] = item.type_ids
         prompt_lengths = None
         if not self.spec.include_prompt:
             prompt_lengths = torch.tensor([item.prompt_length for item in items])

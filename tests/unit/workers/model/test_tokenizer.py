@@ -10,8 +10,14 @@ from transformers import AutoTokenizer
 
 from embedfleet.shared.model_path import resolve_model_path
 from embedfleet.shared.settings import PACKAGED_MODEL
+from embedfleet.shared.tokens import pack_token_ids, token_id_array
 from embedfleet.workers.model.model_dir import read_model_spec
-from embedfleet.workers.model.tokenizer import TextTokenizer, Tokenized, split_windows
+from embedfleet.workers.model.tokenizer import (
+    TextTokenizer,
+    Tokenized,
+    split_windows,
+    tokenized,
+)
 
 CLS, SEP = 101, 102
 PACKAGED = resolve_model_path(PACKAGED_MODEL)
@@ -53,6 +59,37 @@ def test_a_batch_is_padded_on_the_right_with_its_mask(text: TextTokenizer) -> No
     assert (batch.size, batch.padded_tokens, batch.real_tokens) == (2, 8, 6)
     assert batch.prompt_lengths is None and batch.token_type_ids is None
     assert batch.input_ids.dtype == torch.int64
+
+
+def test_a_batch_lays_each_row_as_its_ids_on_either_side_from_lists_or_producer_arrays(
+    text: TextTokenizer,
+) -> None:
+    """The collation lays every row at once (issue 53): the same buffers as row by row, on the
+    left as on the right, with a producer's packed ids, a tokenized list, or both."""
+    rows = [[CLS, 7, 8, SEP], [CLS, SEP], [CLS, 9, SEP]]
+    packed = [token_id_array(pack_token_ids(ids)) for ids in rows]
+    mixed = [packed[0], rows[1], packed[2]]
+    for pad_left in (False, True):
+        for items in (rows, packed, mixed):
+            left = TextTokenizer.__new__(TextTokenizer)
+            left.__dict__.update(text.__dict__, pad_left=pad_left)
+            batch = left.collate([Tokenized(ids, False) for ids in items])
+            width = 4
+            expected_ids, expected_mask = [], []
+            for ids in rows:
+                pad = [0] * (width - len(ids))
+                expected_ids.append(pad + ids if pad_left else ids + pad)
+                ones = [1] * len(ids)
+                expected_mask.append([0] * len(pad) + ones if pad_left else ones + [0] * len(pad))
+            assert batch.input_ids.tolist() == expected_ids
+            assert batch.attention_mask.tolist() == expected_mask
+            assert batch.input_ids.dtype == batch.attention_mask.dtype == torch.int64
+
+
+def test_tokens_made_without_init_equal_those_made_with_it() -> None:
+    made = tokenized([CLS, 7, SEP], True, 2, 3)
+    assert made == Tokenized([CLS, 7, SEP], True, prompt_length=2)
+    assert made.length == 3 and made.type_ids is None
 
 
 def test_windows_keep_the_frame_and_overlap() -> None:
