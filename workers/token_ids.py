@@ -81,49 +81,46 @@ def tokenize_chunks(
 ) -> TokenizedChunks:
     """Each chunk's tokens: its producer's ids where usable, else its text tokenized (one
     batch call for all of those, ``Encoder.tokenize``); refused chunks are left out."""
-    out = TokenizedChunks()
     if encoder.representation == "rerank" or all(c.token_ids is None for c in chunks):
-        to_tokenize = list(range(len(chunks)))
-        given: dict[int, Tokenized] = {}
-    else:
-        given, to_tokenize = {}, []
-        brought: dict[int, bytes] = {}
-        for position, (chunk, prompt) in enumerate(zip(chunks, prompts, strict=True)):
-            try:
-                packed = producer_ids(chunk, prompt, encoder)
-            except ValueError as error:
-                out.refused.append((position, str(error)))
-                continue
-            if packed is None:
-                to_tokenize.append(position)
-            else:
-                brought[position] = packed
-        reasons = outside_vocabulary(list(brought.values()), encoder.text.vocab_size)
-        for (position, packed), reason in zip(brought.items(), reasons, strict=True):
-            if reason is not None:
-                out.refused.append((position, reason))
-            else:
-                ids: array.array[int] = token_id_array(packed)
-                given[position] = encoder.text.from_ids(ids, prompts[position])
-    made: dict[int, Tokenized] = {}
-    if to_tokenize:
-        texts_prompts = [prompts[p] for p in to_tokenize]
-        picked = [chunks[p] for p in to_tokenize]
-        made = dict(
-            zip(
-                to_tokenize,
-                encoder.tokenize(
-                    [chunk.text for chunk in picked],
-                    texts_prompts if any(texts_prompts) else None,
-                    pairs=pairs_of(picked),
-                ),
-                strict=True,
-            )
-        )
-    refused = {position for position, _ in out.refused}
-    for position in range(len(chunks)):
-        if position in refused:
+        # none brought ids (or a cross-encoder, which tokenizes its pairs): all tokenized here,
+        # none refused, in the chunks' order
+        return TokenizedChunks(list(range(len(chunks))), _tokenize(chunks, prompts, encoder))
+    out = TokenizedChunks()
+    given: dict[int, Tokenized] = {}
+    to_tokenize: list[int] = []
+    brought: dict[int, bytes] = {}
+    for position, (chunk, prompt) in enumerate(zip(chunks, prompts, strict=True)):
+        try:
+            packed = producer_ids(chunk, prompt, encoder)
+        except ValueError as error:
+            out.refused.append((position, str(error)))
             continue
-        out.kept.append(position)
-        out.tokens.append(given[position] if position in given else made[position])
+        if packed is None:
+            to_tokenize.append(position)
+        else:
+            brought[position] = packed
+    reasons = outside_vocabulary(list(brought.values()), encoder.text.vocab_size)
+    for (position, packed), reason in zip(brought.items(), reasons, strict=True):
+        if reason is not None:
+            out.refused.append((position, reason))
+        else:
+            ids: array.array[int] = token_id_array(packed)
+            given[position] = encoder.text.from_ids(ids, prompts[position])
+    if to_tokenize:
+        made = _tokenize(
+            [chunks[p] for p in to_tokenize], [prompts[p] for p in to_tokenize], encoder
+        )
+        given.update(zip(to_tokenize, made, strict=True))
+    out.kept = sorted(given)  # every position not refused, in order
+    out.tokens = [given[position] for position in out.kept]
     return out
+
+
+def _tokenize(chunks: Sequence[Chunk], prompts: Sequence[str], encoder: Encoder) -> list[Tokenized]:
+    """The chunks' texts tokenized in one batch call (their prompts joined where any has one,
+    a cross-encoder's pairs where any has one)."""
+    return encoder.tokenize(
+        [chunk.text for chunk in chunks],
+        list(prompts) if any(prompts) else None,
+        pairs=pairs_of(chunks),
+    )

@@ -173,24 +173,30 @@ class WindowOpener:
             rest, images = take_images(self._images, accepted, rest, keys, rejected)
         if not rest:
             return Window([], [], [], expired=expired, cached=cached, images=images)
-        tokenized = tokenize_chunks(
-            [accepted[p].chunk for p in rest], [prompts[p] for p in rest], self.parts.encoder
-        )
-        rejected += [
-            Rejected.chunk(
-                accepted[rest[i]].delivery, accepted[rest[i]].chunk, DeadReason.TOKENIZER, reason
-            )
-            for i, reason in tokenized.refused
-        ]
-        rest = [rest[i] for i in tokenized.kept]
+        chunks = [accepted[p].chunk for p in rest]
+        tokenized = tokenize_chunks(chunks, [prompts[p] for p in rest], self.parts.encoder)
+        if tokenized.refused:
+            rejected += [
+                Rejected.chunk(accepted[rest[i]].delivery, chunks[i], DeadReason.TOKENIZER, reason)
+                for i, reason in tokenized.refused
+            ]
+            chunks = [chunks[i] for i in tokenized.kept]
+            rest = [rest[i] for i in tokenized.kept]
         texts_prompts = [prompts[p] for p in rest]
+        deliveries = [accepted[p].delivery for p in rest]
         window = Window(
-            [accepted[p].chunk for p in rest],
-            [accepted[p].delivery for p in rest],
+            chunks,
+            deliveries,
             tokenized.tokens,
             expired=expired,
             cached=cached,
-            content_keys={accepted[p].delivery: key for p in rest if (key := keys[p]) is not None},
+            content_keys={
+                delivery: key
+                for delivery, p in zip(deliveries, rest, strict=True)
+                if (key := keys[p]) is not None
+            }
+            if any(key is not None for key in keys)
+            else {},
             images=images,
         )
         window = self._in_windows(window, texts_prompts, rejected)
@@ -212,13 +218,22 @@ class WindowOpener:
         the model cannot honour go to ``rejected`` with the reason."""
         kept: list[Accepted] = []
         prompts: list[str] = []
+        prompt_for = self.parts.outputs.prompt_for
+        plain: str | None = None  # a plain chunk's prompt, the same for every one (issue 53)
         for item in accepted:
+            if plain is not None and item.chunk.plain:
+                prompts.append(plain)
+                kept.append(item)
+                continue
             try:
-                prompts.append(self.parts.outputs.prompt_for(item.chunk, "document"))
+                prompt = prompt_for(item.chunk, "document")
             except ValueError as error:
                 delivery, chunk = item.delivery, item.chunk
                 rejected.append(Rejected.chunk(delivery, chunk, DeadReason.OPTIONS, str(error)))
                 continue
+            if item.chunk.plain:
+                plain = prompt
+            prompts.append(prompt)
             kept.append(item)
         return kept, prompts
 
