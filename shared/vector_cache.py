@@ -36,7 +36,14 @@ import redis.asyncio as aioredis
 
 from embedfleet.shared import scripts
 from embedfleet.shared.keys import Keys
-from embedfleet.shared.protocol import Chunk, Result, decode_result, encode_result
+from embedfleet.shared.protocol import (
+    Chunk,
+    DenseResults,
+    Result,
+    decode_result,
+    encode_result,
+    encode_results,
+)
 
 PUT_SCRIPT = scripts.load("vector_cache_put")  # shared/scripts/vector_cache_put.lua
 # the job counter fields (beside enqueued, done, dead) and the cache's own counter fields
@@ -69,6 +76,30 @@ def pack_entry(result: Result, tokens: int) -> bytes:
     bare = object.__new__(Result)
     bare.__dict__.update(result.__dict__, **_NOT_STORED)
     return msgpack.packb({"t": int(tokens), "r": encode_result(bare)}, use_bin_type=True)
+
+
+def pack_entries(results: Sequence[Result], tokens: Sequence[int]) -> list[bytes]:
+    """``pack_entry`` of each result with its chunk's token count, byte for byte; a batch's
+    DenseResults packed from its columns (issue 53): its rows' bare results are the columns'
+    payloads with an empty id, no job and no meta, no Result made per row."""
+    if not isinstance(results, DenseResults):
+        return [pack_entry(result, count) for result, count in zip(results, tokens, strict=True)]
+    bare = DenseResults(
+        [_BARE_CHUNK] * len(results),
+        results.vectors,
+        results.truncated,
+        model=results.model,
+        dtype=results.dtype,
+        with_meta=False,
+    )
+    return [
+        msgpack.packb({"t": int(count), "r": payload}, use_bin_type=True)
+        for count, payload in zip(tokens, encode_results(bare), strict=True)
+    ]
+
+
+# the row fields of a bare result (_NOT_STORED's): an empty id, no job, no meta
+_BARE_CHUNK = Chunk("")
 
 
 def unpack_entry(data: bytes) -> CachedVector | None:

@@ -232,7 +232,10 @@ class Outputs:
     ) -> None:
         """Load (or compute, once, fleet-wide) the calibrations these chunks' int8/uint8
         outputs need, so that :meth:`results` can run anywhere without I/O."""
-        needed = {spec.dim for spec in map(self.spec_for, chunks) if spec.dtype in QUANTIZED}
+        # a batch of plain chunks has one spec, the worker's own (asked per batch: issue 53)
+        plain = bool(chunks) and all(map(_PLAIN, chunks))
+        specs = [self._plain_spec] if plain else map(self.spec_for, chunks)
+        needed = {spec.dim for spec in specs if spec.dtype in QUANTIZED}
         for dim in sorted(needed):
             variant = self.variant(dim)
             await self.calibrations.get(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import operator
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from embedfleet.shared.fault_kinds import Fault, FaultKind, System, WorkerFault
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.logging import get_logger
 from embedfleet.shared.protocol import Chunk, DenseResults, Result
-from embedfleet.shared.vector_cache import pack_entry
+from embedfleet.shared.vector_cache import pack_entries
 from embedfleet.sinks import Delivery
 from embedfleet.sinks.reply import ReplyListWriter
 from embedfleet.workers.dead_letter_writer import Rejected
@@ -44,6 +45,7 @@ from embedfleet.workers.parts import StageParts
 
 log = get_logger("embedfleet.worker")
 T = TypeVar("T")
+_TRUNCATED = operator.attrgetter("truncated")  # a Tokenized's flag, read in C over a batch
 
 
 def picked(items: Sequence[T], rows: list[int]) -> Sequence[T]:
@@ -96,7 +98,7 @@ class Writer:
                     ),
                 )
                 results = self.parts.outputs.results(
-                    item.chunks, item.vectors, [t.truncated for t in item.tokens]
+                    item.chunks, item.vectors, list(map(_TRUNCATED, item.tokens))
                 )
                 # stored before the write: once the job has finished, its vectors are there
                 await self._remember(item, results)
@@ -104,7 +106,11 @@ class Writer:
             written = 0
             # chunks with a reply (the gateway's) go back to their caller, the rest to the sink
             replied = [row for row, chunk in enumerate(item.chunks) if chunk.reply is not None]
-            sunk = [row for row, chunk in enumerate(item.chunks) if chunk.reply is None]
+            sunk = (  # (most batches have no reply: all rows, without a second pass)
+                [row for row, chunk in enumerate(item.chunks) if chunk.reply is None]
+                if replied
+                else list(range(len(item.chunks)))
+            )
             if sunk:
                 written += await self._write(
                     picked(results, sunk),
@@ -146,13 +152,16 @@ class Writer:
         job's vectors are all there; a vector whose row the sink then refuses is still the
         model's vector for that content (a later hit is refused the same way). Redis failing
         here costs only the cache."""
+        keyed = [(row, key) for row, key in enumerate(item.content_keys) if key is not None]
+        if not keyed:
+            return
+        rows = [row for row, _ in keyed]
+        # packed together: a batch's columns without a Result per row (issue 53)
+        packed = pack_entries(picked(results, rows), [item.tokens[row].length for row in rows])
         by_owner: dict[Keys, list[tuple[str, bytes]]] = {}
-        for row, key in enumerate(item.content_keys):
-            if key is None:
-                continue
-            with contextlib.suppress(KeyError):
+        for (row, key), entry in zip(keyed, packed, strict=True):
+            with contextlib.suppress(KeyError):  # (an entry of no key set this worker reads)
                 owner = self.parts.keys.owner_of(item.deliveries[row].stream)
-                entry = pack_entry(results[row], item.tokens[row].length)
                 by_owner.setdefault(owner, []).append((key, entry))
         for owner, entries in by_owner.items():
             try:

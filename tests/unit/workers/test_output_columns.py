@@ -25,6 +25,7 @@ from embedfleet.shared.protocol import (
     encode_results,
 )
 from embedfleet.shared.settings import Settings
+from embedfleet.shared.vector_cache import pack_entries, pack_entry
 from embedfleet.sinks.sink import Delivery, queue_acknowledgement_script
 from embedfleet.workers.output import Outputs
 from embedfleet.workers.write import picked
@@ -232,6 +233,24 @@ def test_the_writer_picks_rows_without_making_results() -> None:
     some = picked(results, [1, 3])
     assert isinstance(some, DenseResults) and [r.id for r in some] == ["b", "d"]
     assert picked(["p", "q", "r"], [0, 2]) == ["p", "r"]
+
+
+def test_cache_entries_of_columns_are_pack_entry_bytes() -> None:
+    """The vector cache's entries of a batch (the writer stores them before its write), from
+    the columns: what pack_entry makes of each row's Result; a list of Results as before."""
+    for settings in ({}, {"output_dtype": "float32"}, {"dimensions": 5}):
+        out = outputs(**settings)
+        chunks = batch()
+        flags = [True, False, False, True, False]
+        results = out.results(chunks, vectors(len(chunks)), flags)
+        assert isinstance(results, DenseResults)
+        counts = [3, 61, 512, 70_000, 1]
+        expected = [pack_entry(results[row], counts[row]) for row in range(len(chunks))]
+        assert pack_entries(results, counts) == expected
+        assert pack_entries(results.take([3, 1]), [70_000, 61]) == [expected[3], expected[1]]
+        assert pack_entries(list(results), counts) == expected
+    empty = DenseResults([], np.zeros((0, 4)), [], model=MODEL, dtype="float32")
+    assert pack_entries(empty, []) == []
 
 
 # --- the acknowledgement's argument --------------------------------------------------------
