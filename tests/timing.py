@@ -53,9 +53,12 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def main() -> None:
-    merged: dict[str, list[float]] = {}
+    merged: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
     for path in sorted(_folder().glob("test-timing*.json")):
-        merged.update(json.loads(path.read_text()))
+        # summed, not replaced: a module with tests in both tiers (test_tenant_pace.py's serial
+        # test beside its parallel ones) has a row in two files
+        for name, figures in json.loads(path.read_text()).items():
+            merged[name] = [kept + more for kept, more in zip(merged[name], figures, strict=True)]
     rows = sorted(merged.items(), key=lambda row: -row[1][0])
     print(f"{'wall s':>8} {'cpu s':>8} {'cpu/wall':>8} {'tests':>5}  module")
     for name, (wall, cpu, count) in rows:
