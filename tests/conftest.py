@@ -202,7 +202,7 @@ def varlen_encoder():
     return Encoder(model_under_test())
 
 
-# --- the bulk lane's CUDA path on a CPU (tests/integration/workers/test_bulk.py,
+# --- the bulk path's CUDA path on a CPU (tests/integration/workers/test_bulk.py,
 # tests/integration/workers/test_device_faults.py)
 class FakeEvent:
     """A CUDA event's interface that logs when it is recorded and waited on; on a GPU it
@@ -251,7 +251,7 @@ class FakeEvents:
 
 @pytest.fixture
 def fake_cuda_events(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeEvents]:
-    """The worker's bulk lane takes the asynchronous (CUDA) path on this CPU."""
+    """The worker's bulk path takes the asynchronous (CUDA) path on this CPU."""
     from embedfleet.workers import bulk
 
     events = FakeEvents()
@@ -558,7 +558,7 @@ def workers(settings: Settings, tmp_path: Path) -> Iterator[WorkerLauncher]:
 
 
 async def until_serving(worker: Any, task: asyncio.Task[None]) -> None:
-    """Until the worker's query lane is prepared (after the bulk path's warm-up), so that a
+    """Until the worker's query stage is prepared (after the bulk path's warm-up), so that a
     test's own timeouts time its scenario, not a start a loaded machine can stretch past them:
     the frozen query graph took 41 s with both cores busy, and a 30 s query timed out. A worker
     that stops first is left to the test, which sees why when it awaits the task."""

@@ -1,4 +1,4 @@
-"""The bulk lane's forward passes: which layout, collation into host buffers, and batches
+"""The bulk path's forward passes: which layout, collation into host buffers, and batches
 launched ahead of their copy back so that a GPU never waits for the host between batches.
 
 - **Layout** (:func:`resolve_layout`): ``EMBEDFLEET_LAYOUT``; ``auto`` is
@@ -49,7 +49,7 @@ BulkBatch = EncodeBatch | VarlenBatch
 
 
 def resolve_layout(setting: str, encoder: Encoder) -> BulkLayout:
-    """The layout the bulk lane runs: the setting, or for ``auto`` the device's preferred one.
+    """The layout the bulk path runs: the setting, or for ``auto`` the device's preferred one.
 
     A model varlen cannot pool (two pooling modes, prompts left out of the pooling) or an old
     transformers gets padded batches under ``auto``; asked for explicitly, the worker refuses
@@ -137,7 +137,7 @@ class Launched:
 
 
 class BulkForward:
-    """Collates and launches the bulk lane's batches in one layout for one encoder."""
+    """Collates and launches the bulk path's batches in one layout for one encoder."""
 
     def __init__(
         self, encoder: Encoder, layout: BulkLayout, events: EventSource | None = None

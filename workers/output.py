@@ -54,7 +54,7 @@ from embedfleet.workers.calibration import (
     variant_label,
 )
 from embedfleet.workers.model.encoder import Encoder, PromptRole
-from embedfleet.workers.model.heads import TOKEN_STATES
+from embedfleet.workers.model.heads import TOKEN_STATES, HeadRow
 from embedfleet.workers.model.model_dir import directory_revision
 from embedfleet.workers.model.packing import preferred_layout
 from embedfleet.workers.recipes import OutputSpec, Recipes
@@ -280,12 +280,20 @@ class Outputs:
                 # ask for the logits themselves (raw_scores)
                 raw = np.array([bool(chunk.raw_scores) for chunk in chunks])[:, None]
                 vectors = np.where(raw, vectors, self.encoder.activate(vectors))
+            scores = self.encoder.representation != "sparse"  # else a sparse model's weights
             return [
-                self._sparse_or_score_result(chunk, vectors[row], truncated[row], with_meta)
+                sparse_or_score_result(
+                    chunk, self.encoder.name, vectors[row], truncated[row], with_meta, scores=scores
+                )
                 for row, chunk in enumerate(chunks)
             ]
         if self.heads_for(chunks) is not None:
-            return self._head_results(chunks, vectors, truncated, with_meta=with_meta)
+            layout = self.encoder.layout
+            assert layout is not None
+            unpacked = [layout.unpack(row) for row in vectors]
+            dense = np.stack([row.dense for row in unpacked])
+            results = self._dense_results(chunks, dense, truncated, with_meta=with_meta)
+            return with_heads(chunks, results, unpacked)
         columns = self._columns(chunks, vectors, truncated, with_meta=with_meta)
         if columns is not None:
             return columns
@@ -344,8 +352,9 @@ class Outputs:
             for index, row in enumerate(rows):
                 stored[row] = quantized[index]
         return [
-            self._result(
+            chunk_result(
                 chunk,
+                self.encoder.name,
                 truncated[row],
                 with_meta,
                 vector=stored[row],
@@ -355,87 +364,80 @@ class Outputs:
             for row, (chunk, spec) in enumerate(zip(chunks, specs, strict=True))
         ]
 
-    def _result(
-        self,
-        chunk: Chunk,
-        truncated: bool,
-        with_meta: bool,
-        *,
-        vector: np.ndarray,
-        dtype: str,
-        dimension: int,
-        sparse: SparseVector | None = None,
-        score: float | None = None,
-    ) -> Result:
-        """``chunk``'s result: its id and job, this model, whether its text was truncated and,
-        ``with_meta``, its meta and text (a database sink stores them; an image's reference:
-        ``Chunk.row_text``), with its representation's fields."""
-        return Result(
-            id=chunk.id,
-            job=chunk.job,
-            model=self.encoder.name,
-            vector=vector,
-            truncated=truncated,
-            meta=chunk.meta if with_meta else None,
-            text=chunk.row_text if with_meta else None,
-            dtype=dtype,
-            dimension=dimension,
-            sparse=sparse,
-            score=score,
-        )
 
-    def _head_results(
-        self,
-        chunks: Sequence[Chunk],
-        rows: np.ndarray,
-        truncated: Sequence[bool],
-        *,
-        with_meta: bool,
-    ) -> list[Result]:
-        """A multi-head model's packed rows (workers/model/heads.py): each chunk gets the
-        representations it asked for (the dense vector shaped as any dense one is)."""
-        layout = self.encoder.layout
-        assert layout is not None
-        unpacked = [layout.unpack(row) for row in rows]
-        dense = np.stack([row.dense for row in unpacked])
-        results = self._dense_results(chunks, dense, truncated, with_meta=with_meta)
-        shaped = []
-        for chunk, result, row in zip(chunks, results, unpacked, strict=True):
-            wanted = chunk.wanted_representations or ("dense",)
-            changes: dict[str, object] = {}
-            if "dense" not in wanted:
-                changes.update(vector=np.zeros(0, np.float32), dimension=0, dtype="float32")
-            if "sparse" in wanted:
-                assert row.sparse is not None, "the batch computed the heads its chunks want"
-                changes["sparse"] = pruned(row.sparse, chunk.max_active_dims)
-            if "multivector" in wanted:
-                assert row.multivector is not None
-                changes["multivector"] = MultiVector.of(
-                    row.multivector, chunk.multivector_dtype or "float16"
-                )
-            if chunk.token_states:
-                assert row.token_states is not None
-                changes["multivector"] = MultiVector.of(row.token_states, "float32")
-            shaped.append(dataclasses.replace(result, **changes) if changes else result)  # type: ignore[arg-type]
-        return shaped
+def chunk_result(
+    chunk: Chunk,
+    model: str,
+    truncated: bool,
+    with_meta: bool,
+    *,
+    vector: np.ndarray,
+    dtype: str,
+    dimension: int,
+    sparse: SparseVector | None = None,
+    score: float | None = None,
+) -> Result:
+    """``chunk``'s result: its id and job, the model, whether its text was truncated and,
+    ``with_meta``, its meta and text (a database sink stores them; an image's reference:
+    ``Chunk.row_text``), with its representation's fields."""
+    return Result(
+        id=chunk.id,
+        job=chunk.job,
+        model=model,
+        vector=vector,
+        truncated=truncated,
+        meta=chunk.meta if with_meta else None,
+        text=chunk.row_text if with_meta else None,
+        dtype=dtype,
+        dimension=dimension,
+        sparse=sparse,
+        score=score,
+    )
 
-    def _sparse_or_score_result(
-        self, chunk: Chunk, row: np.ndarray, truncated: bool, with_meta: bool
-    ) -> Result:
-        """A sparse model's row as index/value pairs (pruned to ``max_active_dims``), a
-        cross-encoder's as its scores."""
-        values = np.asarray(row, dtype=np.float32)
-        scores = self.encoder.representation != "sparse"  # else a sparse model's weights
-        return self._result(
-            chunk,
-            truncated,
-            with_meta,
-            vector=values if scores else np.zeros(0, dtype=np.float32),
-            dtype="float32",
-            dimension=int(values.shape[0]) if scores else 0,
-            sparse=None if scores else sparse_vector(values, chunk.max_active_dims),
-            score=float(values[0]) if scores else None,
-        )
+
+def with_heads(
+    chunks: Sequence[Chunk], results: list[Result], unpacked: Sequence[HeadRow]
+) -> list[Result]:
+    """A multi-head model's results (workers/model/heads.py): each chunk's dense result, shaped
+    as any dense one is, with the representations it asked for from its unpacked row."""
+    shaped = []
+    for chunk, result, row in zip(chunks, results, unpacked, strict=True):
+        wanted = chunk.wanted_representations or ("dense",)
+        changes: dict[str, object] = {}
+        if "dense" not in wanted:
+            changes.update(vector=np.zeros(0, np.float32), dimension=0, dtype="float32")
+        if "sparse" in wanted:
+            assert row.sparse is not None, "the batch computed the heads its chunks want"
+            changes["sparse"] = pruned(row.sparse, chunk.max_active_dims)
+        if "multivector" in wanted:
+            assert row.multivector is not None
+            changes["multivector"] = MultiVector.of(
+                row.multivector, chunk.multivector_dtype or "float16"
+            )
+        if chunk.token_states:
+            assert row.token_states is not None
+            changes["multivector"] = MultiVector.of(row.token_states, "float32")
+        shaped.append(dataclasses.replace(result, **changes) if changes else result)  # type: ignore[arg-type]
+    return shaped
+
+
+def sparse_or_score_result(
+    chunk: Chunk, model: str, row: np.ndarray, truncated: bool, with_meta: bool, *, scores: bool
+) -> Result:
+    """A sparse model's row as index/value pairs (pruned to ``max_active_dims``), a
+    cross-encoder's (``scores``) as its scores."""
+    values = np.asarray(row, dtype=np.float32)
+    return chunk_result(
+        chunk,
+        model,
+        truncated,
+        with_meta,
+        vector=values if scores else np.zeros(0, dtype=np.float32),
+        dtype="float32",
+        dimension=int(values.shape[0]) if scores else 0,
+        sparse=None if scores else sparse_vector(values, chunk.max_active_dims),
+        score=float(values[0]) if scores else None,
+    )
 
 
 def pruned(vector: SparseVector, max_active_dims: int | None) -> SparseVector:

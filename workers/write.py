@@ -85,23 +85,7 @@ class Writer:
     async def run(self, encoded: asyncio.Queue[Encoded | None]) -> None:
         """Write what ``encoded`` brings until its end (None: the compute stage has finished)."""
         while (item := await encoded.get()) is not None:
-            results: Sequence[Result]
-            if item.cached is not None:  # answered by the vector cache: the results are ready
-                results = item.cached
-            else:
-                # int8/uint8 need the fleet's calibration; read (or made) once, then cached
-                await ride_out(
-                    RideOut("reading the calibration", self.parts.outages, self.parts.events),
-                    System.REDIS,
-                    functools.partial(
-                        self.parts.outputs.prepare, item.chunks, self.parts.on_model_thread
-                    ),
-                )
-                results = self.parts.outputs.results(
-                    item.chunks, item.vectors, list(map(_TRUNCATED, item.tokens))
-                )
-                # stored before the write: once the job has finished, its vectors are there
-                await self._remember(item, results)
+            results = await self._results_of(item)
             started = time.perf_counter()
             written = 0
             # chunks with a reply (the gateway's) go back to their caller, the rest to the sink
@@ -145,6 +129,24 @@ class Writer:
                 )
             # acknowledged, or held by the sink until it is (in_flight keeps their leases then)
             self.parts.in_flight.release(item.deliveries)
+
+    async def _results_of(self, item: Encoded) -> Sequence[Result]:
+        """The batch's results: the vector cache's where it answered, else shaped from the
+        model's vectors and remembered in the cache."""
+        if item.cached is not None:  # answered by the vector cache: the results are ready
+            return item.cached
+        # int8/uint8 need the fleet's calibration; read (or made) once, then cached
+        await ride_out(
+            RideOut("reading the calibration", self.parts.outages, self.parts.events),
+            System.REDIS,
+            functools.partial(self.parts.outputs.prepare, item.chunks, self.parts.on_model_thread),
+        )
+        results = self.parts.outputs.results(
+            item.chunks, item.vectors, list(map(_TRUNCATED, item.tokens))
+        )
+        # stored before the write: once the job has finished, its vectors are there
+        await self._remember(item, results)
+        return results
 
     async def _remember(self, item: Encoded, results: Sequence[Result]) -> None:
         """Store the vectors just embedded in the vector cache, under their content keys, each

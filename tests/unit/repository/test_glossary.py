@@ -184,12 +184,10 @@ def test_retired_names_are_found_in_every_kind_of_identifier() -> None:
 
 # --- retired names in prose -----------------------------------------------------------------
 # Comments, docstrings and messages that still say a retired phrase, by file, at most this many
-# times: a wire text the glossary keeps, and files other work had open when the rest was
-# renamed (issue 55). A new one anywhere else fails; lower a count when its lines are renamed.
+# times: a wire text the glossary keeps (issue 55). A new one anywhere else fails.
 PROSE_LEFT = {
     # the 429 message's "query lane" (clients may match it) and the comment that says so
     "embedfleet/gateway/embedder.py": 2,
-    "workers/bulk.py": 3,
 }
 
 
