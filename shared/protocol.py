@@ -25,7 +25,6 @@ so what a producer accepts is what a worker embeds.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import operator
@@ -38,6 +37,7 @@ import numpy as np
 
 from embedfleet.shared.dead_letters import DeadReason
 from embedfleet.shared.keys import TENANT_PATTERN
+from embedfleet.shared.records import require_class_defaults
 from embedfleet.shared.tokens import TOKEN_ID_BYTES
 
 PROTOCOL_VERSION = 1
@@ -240,16 +240,9 @@ class Chunk:
 _OPTIONS_OF = operator.attrgetter(*OPTION_NAMES, *REPRESENTATION_OPTION_NAMES, "image", "image_ref")
 _NO_OPTIONS = (None,) * (len(OPTION_NAMES) + len(REPRESENTATION_OPTION_NAMES) + 2)
 
-# ``_plain_chunk`` sets a chunk's five plain fields and leaves the others to be read from the
-# class, where a dataclass keeps each field's default: a field given none there (a
-# default_factory) would be missing from such chunks, so it is refused here, at import
-_NO_CLASS_DEFAULT = [
-    f.name
-    for f in dataclasses.fields(Chunk)
-    if f.name != "id" and getattr(Chunk, f.name, dataclasses.MISSING) is not f.default
-]
-if _NO_CLASS_DEFAULT:
-    raise TypeError(f"Chunk fields without a default on the class: {_NO_CLASS_DEFAULT}")
+# ``_plain_chunk`` always sets a chunk's id and text; the other fields, job and token ids
+# included where it has none, read as their defaults from the class
+require_class_defaults(Chunk, ("id", "text"))
 
 
 @dataclass(frozen=True)
@@ -753,8 +746,8 @@ def _plain_chunk(
     """A checked chunk of ``_PLAIN_FIELDS`` only, every other field its default. A frozen
     dataclass's __init__ sets each of its twenty-odd fields through object.__setattr__; this is
     the same instance with the fields it has set (4.7 -> 0.3 µs a chunk): the others read
-    as their defaults, which a dataclass keeps on the class (``_NO_CLASS_DEFAULT`` checks
-    it at import), and equality, hashing, ``replace`` and pickling read fields by name."""
+    as their defaults, which a dataclass keeps on the class (shared/records.py checks it at
+    import), and equality, hashing, ``replace`` and pickling read fields by name."""
     chunk = object.__new__(Chunk)
     fields = chunk.__dict__  # one store a field: fewer calls than update(**fields)
     fields["id"] = chunk_id

@@ -6,13 +6,13 @@ the producer applied before sending.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from embedfleet.shared.dead_letters import DeadReason
 from embedfleet.shared.migrations import COPIED_FROM
 from embedfleet.shared.protocol import Chunk, ProtocolError, decode_chunk
+from embedfleet.shared.records import require_class_defaults
 from embedfleet.shared.settings import Settings
 from embedfleet.sinks import Delivery
 from embedfleet.workers.consumer import StreamEntry
@@ -63,15 +63,8 @@ def decode_entries(
     return accepted, rejected
 
 
-# The Delivery fields ``_delivery`` sets; the others read as their defaults, which a dataclass
-# keeps on the class (refused here, at import, should one have none there: a default_factory)
-_DELIVERY_SET = ("stream", "entry_id", "job", "tenant", "copy")
-if _unset := [
-    f.name
-    for f in dataclasses.fields(Delivery)
-    if f.name not in _DELIVERY_SET and getattr(Delivery, f.name, f) is not f.default
-]:
-    raise TypeError(f"Delivery fields without a default on the class: {_unset}")
+# the Delivery fields ``_delivery`` sets; the others read as their defaults from the class
+require_class_defaults(Delivery, ("stream", "entry_id", "job", "tenant", "copy"))
 
 
 def _delivery(

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from embedfleet.shared.modelcard import resolve_prompt
+from embedfleet.shared.records import require_class_defaults
 from embedfleet.shared.tokens import encode_for_model, tokenizer_fingerprint
 from embedfleet.workers.model.model_dir import ModelSpec
 
@@ -44,6 +45,10 @@ class Tokenized:
         # read several times per text by the planning and collation (cached in the instance's
         # __dict__, which a frozen dataclass leaves writable to cached_property)
         return len(self.ids)
+
+
+# ``tokenized`` sets these; type_ids reads as its default from the class
+require_class_defaults(Tokenized, ("ids", "truncated", "prompt_length"))
 
 
 def tokenized(ids: Sequence[int], truncated: bool, prompt_length: int, length: int) -> Tokenized:
