@@ -958,15 +958,6 @@ def encode_results(results: Sequence[Result]) -> list[bytes]:
     return payloads
 
 
-def _bin_header(size: int) -> bytes:
-    """msgpack's header of a ``size``-byte bin (bin 8, 16 or 32), as ``Packer.pack`` writes it."""
-    if size < 1 << 8:
-        return b"\xc4" + size.to_bytes(1, "big")
-    if size < 1 << 16:
-        return b"\xc5" + size.to_bytes(2, "big")
-    return b"\xc6" + size.to_bytes(4, "big")
-
-
 def _encode_columns(results: DenseResults) -> list[bytes]:
     """``encode_result`` of each row of ``results``, byte for byte, from the columns: every
     payload is the same head, its id, a piece shared by the rows of its job (job, model, dim,
@@ -983,7 +974,9 @@ def _encode_columns(results: DenseResults) -> list[bytes]:
         pack(value)
         for value in ("model", results.model, "dim", matrix.shape[1], "dtype", results.dtype)
     )
-    after_job += _PACKED_VEC + _bin_header(width)
+    # the vector's bin header, as msgpack writes it for a bin of ``width`` bytes
+    packed_vector = pack(bytes(width))
+    after_job += _PACKED_VEC + packed_vector[: len(packed_vector) - width]
     jobs = list(map(_JOB_OF, chunks))
     pieces = {job: _PACKED_JOB + pack(job) + after_job for job in set(jobs)}
     blob = matrix.tobytes()

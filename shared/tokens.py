@@ -18,9 +18,15 @@ from typing import Any
 CHARS_PER_TOKEN_CUT = 50
 
 
+def counting_head_chars(max_length: int) -> int:
+    """How many characters of a text are worth tokenizing for a model that takes
+    ``max_length`` tokens."""
+    return max_length * CHARS_PER_TOKEN_CUT
+
+
 def counting_head(text: str, max_length: int) -> str:
     """The part of ``text`` worth tokenizing for a model that takes ``max_length`` tokens."""
-    return text[: max_length * CHARS_PER_TOKEN_CUT]
+    return text[: counting_head_chars(max_length)]
 
 
 # --- token ids made by the producer (issue 53: tokenize where the CPUs are) -------------------
@@ -97,7 +103,7 @@ def encode_for_model(backend: Any, texts: Sequence[str], max_length: int) -> lis
     whole. ``encode_batch_fast`` gives ``encode_batch``'s ids without computing offsets
     (docs/BENCHMARKS.md, "Stop 53"; loadtest/tokenizer_rates.py checks them id for id). The
     one place the worker and the producer make ids."""
-    head = max_length * CHARS_PER_TOKEN_CUT  # counting_head's cut, inline: one pass a window
+    head = counting_head_chars(max_length)  # counting_head's cut, applied inline: one pass
     prepared = [text[:head] for text in texts]
     out: list[list[int]] = [encoding.ids for encoding in backend.encode_batch_fast(prepared)]
     for row in [row for row, text in enumerate(texts) if len(text) > head]:

@@ -70,16 +70,21 @@ def plan_batches(
         raise ValueError("token_budget and max_batch must be positive")
     if not lengths:
         return []
-    # longest first, equal lengths in window order (a stable sort, as sorted(reverse=True))
-    window = np.asarray(lengths, dtype=np.int64)
-    order = np.argsort(-window, kind="stable").tolist()
-    ordered = window[order]
+    order, ordered = _longest_first(lengths)
     widths = ordered.tolist()  # scalars from a list: numpy scalar access costs more per step
     # the most texts a batch led by each text may hold, where time bounds it: (j - i) shrinks
     # and cap[i] grows as i grows, so the batches that fit are still those from ``low`` on
     cap = None if max_texts is None else np.asarray(max_texts(ordered), dtype=np.int64).tolist()
     start = _cheapest_cuts(ordered, widths, cap, token_budget, max_batch, batch_cost_tokens)
     return _planned(order, ordered, widths, start)
+
+
+def _longest_first(lengths: Sequence[int]) -> tuple[list[int], np.ndarray]:
+    """The window's positions longest first, equal lengths in window order (a stable sort, as
+    ``sorted(reverse=True)``), and their lengths in that order."""
+    window = np.asarray(lengths, dtype=np.int64)
+    order = np.argsort(-window, kind="stable")
+    return order.tolist(), window[order]
 
 
 # above this many runs of equal widths in a step's window, their costs are one numpy call
@@ -213,10 +218,8 @@ def plan_packed_batches(
     the batch's sums of lengths and squared lengths too (the query slice's limit)."""
     if token_budget < 1 or max_batch < 1:
         raise ValueError("token_budget and max_batch must be positive")
-    # longest first, equal lengths in window order (a stable sort, as sorted(reverse=True))
-    window = np.asarray(lengths, dtype=np.int64)
-    order = np.argsort(-window, kind="stable").tolist()
-    widths = window[order].tolist()
+    order, ordered = _longest_first(lengths)
+    widths = ordered.tolist()
     batches: list[PlannedBatch] = []
     begin = tokens = squares = 0  # the open batch: order[begin:at], its sums
     for at, length in enumerate(widths):
