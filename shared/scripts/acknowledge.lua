@@ -25,26 +25,31 @@
 -- so the call stays in one slot on a cluster. Returns how many entries this call acknowledged.
 local acked = 0
 local jobs = {}
-local usage = {}
 local counter = ARGV[2] == 'done' and 'chunks' or ARGV[2]
-local function count(name, tenant, model, job, n)
-  local key = name .. '|' .. tenant .. '|' .. model .. '|' .. job
-  usage[key] = (usage[key] or 0) + n
-end
+-- per '|tenant|model|job' of the entries acknowledged: entries, tokens and model microseconds,
+-- added up here and written as one HINCRBY per field at the end (a batch has one or a few)
+local usage = {}
+local deleted = {}
 local e = cmsgpack.unpack(ARGV[7])
 for i = 1, #e, 8 do
   local entry = e[i]
   if redis.call('XACK', KEYS[1], ARGV[1], entry) == 1 then
-    redis.call('XDEL', KEYS[1], entry)
-    if e[i + 1] ~= '' then
-      redis.call('HINCRBY', ARGV[3] .. e[i + 1], ARGV[2], 1)
-      jobs[e[i + 1]] = true
+    acked = acked + 1
+    deleted[acked] = entry
+    local job = e[i + 1]
+    if job ~= '' then
+      redis.call('HINCRBY', ARGV[3] .. job, ARGV[2], 1)
+      jobs[job] = true
     end
-    local tenant, model, job = e[i + 4], e[i + 5], e[i + 1]
-    count(counter, tenant, model, job, 1)
-    local tokens, micros = tonumber(e[i + 6]) or 0, tonumber(e[i + 7]) or 0
-    if tokens > 0 then count('tokens', tenant, model, job, tokens) end
-    if micros > 0 then count('model_us', tenant, model, job, micros) end
+    local owner = '|' .. e[i + 4] .. '|' .. e[i + 5] .. '|' .. job
+    local sums = usage[owner]
+    if not sums then
+      sums = {0, 0, 0}
+      usage[owner] = sums
+    end
+    sums[1] = sums[1] + 1
+    sums[2] = sums[2] + math.max(tonumber(e[i + 6]) or 0, 0)
+    sums[3] = sums[3] + math.max(tonumber(e[i + 7]) or 0, 0)
     if e[i + 2] ~= '' then
       local reply = ARGV[4] .. e[i + 2]
       redis.call('RPUSH', reply, e[i + 3])
@@ -52,10 +57,17 @@ for i = 1, #e, 8 do
     elseif e[i + 3] ~= '' then
       redis.call('XADD', KEYS[2], '*', 'm', e[i + 3])
     end
-    acked = acked + 1
   end
 end
-for field, n in pairs(usage) do redis.call('HINCRBY', KEYS[3], field, n) end
+-- deleted in one call (XDEL takes many ids), in slices under Lua's unpack limit
+for first = 1, acked, 4096 do
+  redis.call('XDEL', KEYS[1], unpack(deleted, first, math.min(first + 4095, acked)))
+end
+for owner, sums in pairs(usage) do
+  redis.call('HINCRBY', KEYS[3], counter .. owner, sums[1])
+  if sums[2] > 0 then redis.call('HINCRBY', KEYS[3], 'tokens' .. owner, sums[2]) end
+  if sums[3] > 0 then redis.call('HINCRBY', KEYS[3], 'model_us' .. owner, sums[3]) end
+end
 for job in pairs(jobs) do
   local c = redis.call('HMGET', ARGV[3] .. job, 'enqueued', 'done', 'dead', 'ids_ttl_after_done_s')
   local ttl = tonumber(c[4])
