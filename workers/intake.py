@@ -51,6 +51,9 @@ class Intake:
         self.want_window.set()
         # the latest window's opening time (decode, cache, tokenize: the reader's lead), seconds
         self.open_s = 0.0
+        # the compute stage found no window queued when it wanted its latest: the host, not the
+        # model, bounds the worker, and the reader reads ahead (``run``)
+        self.starved = False
 
     async def hold_reclaimed(self, stream: str, entries: list[StreamEntry]) -> None:
         """Entries the reclaimer claimed: ours from now on (their lease renewed while they
@@ -60,9 +63,17 @@ class Intake:
 
     async def run(self, windows: asyncio.Queue[Window | None], ready: asyncio.Event) -> None:
         """The reader: from when the compute stage is ``ready`` until the drain, windows to
-        ``windows`` (None at the end)."""
+        ``windows`` (None at the end).
+
+        While the compute stage finds no window queued when it wants one (the host, not the
+        model, bounds the worker: issue 53), the next read runs beside the opening of the one
+        before, so that the tokenizer thread does not wait on a read's round trips. Not where a
+        tenant has a token rate: a read settles what the read before cost once tokenized
+        (workers/token_rate.py). One window is opened at a time, so windows reach the compute
+        stage in the order they were read."""
         ride = RideOut("reading the ingest stream", self.parts.outages, self.parts.events)
         drained = False
+        opening: asyncio.Task[None] | None = None
         try:
             await first_set(ready, self.parts.stopping)
             while not self.parts.stopping.is_set():
@@ -71,25 +82,50 @@ class Intake:
                     if self.parts.stopping.is_set():
                         break
                     entries = await self._next_entries()
+                    previous, opening = opening, None
+                    if previous is not None:  # the window read before this one goes first
+                        try:
+                            await previous
+                        except Exception:
+                            if entries:  # read, not lost: opened once the fault is ridden out
+                                self._reclaimed.put_nowait(entries)
+                            raise
                     if entries:
                         self.parts.events.entries_read(stream=entries[0].stream, count=len(entries))
-                        await self._intake_by_stream(entries, windows)
+                        current = asyncio.ensure_future(self._intake_by_stream(entries, windows))
+                        if self.starved and not self.parts.consumer.rates.rated:
+                            opening = current  # awaited before the next read's window
+                        else:
+                            # the model is the bound, or a tenant's token rate charges each
+                            # read for the one before: the next window is read when wanted
+                            await current
                     ride.succeeded()
                 except Exception as error:
                     await ride.wait(transient_or_raise(error, System.REDIS))
+            if opening is not None:
+                last, opening = opening, None
+                try:
+                    await last
+                except Exception as error:  # a transient fault: its entries' leases run out
+                    transient_or_raise(error, System.REDIS)
             # partitions still blocked on when the drain began: what they bring is finished too
             leftover = await self.parts.consumer.finish_waiting()
             if leftover:
                 await self._intake_by_stream(leftover, windows)
             drained = True
         finally:
+            if opening is not None and not opening.done():
+                opening.cancel()
+                with contextlib.suppress(BaseException):
+                    await opening
             if not drained:
                 self.parts.consumer.abandon_waiting()
             await windows.put(None)
 
     async def next_window(self, windows: asyncio.Queue[Window | None]) -> Window | None:
         """The next window; when none is queued, the reader is asked for one first."""
-        if windows.empty():
+        self.starved = windows.empty()
+        if self.starved:
             self.want_window.set()
         return await windows.get()
 

@@ -1,0 +1,160 @@
+"""workers/intake.py's reader: when the compute stage finds no window queued (the host bounds
+the worker), the next read runs beside the opening of the one before (issue 53); otherwise,
+and wherever a tenant has a token rate, a window is read only once the one before is opened.
+Windows reach the compute stage in the order they were read either way. The stages around it
+are fakes: what is tested is the order of reads and openings."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import redis
+
+from embedfleet.workers import intake as intake_module
+from embedfleet.workers.consumer import StreamEntry
+from embedfleet.workers.intake import Intake
+from embedfleet.workers.windows import Window
+
+READS = 3  # windows the fake stream holds before the reader is stopped
+
+
+class FakeOpener:
+    """Opens read ``n`` as a window of one chunk, ``n``; read 1's opening may be held until
+    read 2 has happened (``hold_first``)."""
+
+    def __init__(
+        self, log: list[str], second_read: asyncio.Event, hold_first: bool, fail_first: bool
+    ) -> None:
+        self.log = log
+        self.second_read = second_read
+        self.hold_first = hold_first
+        self.fail_first = fail_first
+
+    async def open_window(self, entries: list[StreamEntry]) -> tuple[Window, list[Any]]:
+        number = int(entries[0].entry_id.split("-")[0])
+        self.log.append(f"open {number}")
+        if number == 1 and self.hold_first:
+            await self.second_read.wait()
+            if self.fail_first:  # Redis went away while it was opened (say, the cache lookup)
+                raise redis.exceptions.ConnectionError("Connection refused")
+        self.log.append(f"opened {number}")
+        return Window([f"chunk {number}"], [f"entry {number}"], []), []  # type: ignore[list-item]
+
+
+def fake_parts(log: list[str], second_read: asyncio.Event, rated: list[str]) -> Any:
+    stopping = asyncio.Event()
+    reads = 0
+
+    async def read_ingest(count: int, block_ms: int) -> list[StreamEntry]:
+        nonlocal reads
+        reads += 1
+        if reads > READS:
+            stopping.set()
+            return []
+        log.append(f"read {reads}")
+        if reads == 2:
+            second_read.set()
+        return [StreamEntry("ingest", f"{reads}-0", b"", {})]
+
+    async def nothing(*args: object, **kwargs: object) -> list[StreamEntry]:
+        return []
+
+    consumer = SimpleNamespace(
+        read_ingest=read_ingest,
+        finish_waiting=nothing,
+        abandon_waiting=lambda: None,
+        interactive_stream="interactive",
+        rates=SimpleNamespace(rated=rated, charge_window=lambda *args: None),
+    )
+    return SimpleNamespace(
+        stopping=stopping,
+        consumer=consumer,
+        batching=SimpleNamespace(read_count=READS),
+        settings=SimpleNamespace(block_ms=10),
+        events=SimpleNamespace(
+            entries_read=lambda **kwargs: None, transient_fault=lambda **kwargs: None
+        ),
+        outages=SimpleNamespace(begin=lambda fault, doing: None, end=lambda system, doing: None),
+        in_flight=SimpleNamespace(hold=lambda held: None, release=lambda rejected: None),
+        dead_letters=SimpleNamespace(send=nothing),
+    )
+
+
+async def run_reader(
+    *, starved: bool, rated: list[str], fail_first: bool = False
+) -> tuple[list[str], list[list[str]]]:
+    """The reader over the fake stream, with a compute stage that takes each window as it
+    comes: through ``next_window`` (it finds none queued: ``starved``) or, not starved, by
+    asking for the next one only once it holds a window (as ``pace_reads`` does)."""
+    log: list[str] = []
+    second_read = asyncio.Event()
+    parts = fake_parts(log, second_read, rated)
+    reader = Intake.__new__(Intake)
+    Intake.__init__(reader, parts, prepare=lambda window: [])
+    hold_first = starved and not rated
+    reader.opener = FakeOpener(log, second_read, hold_first, fail_first)  # type: ignore[assignment]
+    windows: asyncio.Queue[Window | None] = asyncio.Queue()
+    ready = asyncio.Event()
+    ready.set()
+    reading = asyncio.ensure_future(reader.run(windows, ready))
+    got: list[list[str]] = []
+    while True:
+        if starved:
+            window = await asyncio.wait_for(reader.next_window(windows), timeout=30)
+        else:
+            window = await asyncio.wait_for(windows.get(), timeout=30)
+            reader.want_window.set()
+        if window is None:
+            break
+        got.append(list(window.chunks))  # type: ignore[arg-type]
+    await asyncio.wait_for(reading, timeout=30)
+    return log, got
+
+
+@pytest.fixture(autouse=True)
+def no_real_opener(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Intake builds a WindowOpener of the worker's parts; the fake replaces it."""
+    monkeypatch.setattr(intake_module, "WindowOpener", lambda parts, prepare: None)
+
+
+def test_a_starved_compute_stage_gets_the_next_read_beside_the_opening() -> None:
+    log, got = asyncio.run(run_reader(starved=True, rated=[]))
+    # read 1's opening is held until read 2 has happened: only a read ahead gets past it
+    assert log.index("read 2") < log.index("opened 1") < log.index("open 2")
+    assert got == [["chunk 1"], ["chunk 2"], ["chunk 3"]]
+
+
+def test_a_read_ahead_is_kept_when_the_opening_before_it_fails() -> None:
+    """Read 1's opening fails on a transient fault after read 2 was read ahead: the reader
+    rides the fault out and opens read 2's entries then, without reading them again (read 1's
+    entries are left to their lease, as any window's that a fault drops)."""
+    log, got = asyncio.run(run_reader(starved=True, rated=[], fail_first=True))
+    assert got == [["chunk 2"], ["chunk 3"]]
+    assert log.count("read 2") == 1 and log.count("opened 2") == 1
+    assert "opened 1" not in log
+
+
+@pytest.mark.parametrize(
+    ("starved", "rated"),
+    [(False, []), (True, ["acme"])],
+    ids=["the model bounds the worker", "a tenant has a token rate"],
+)
+def test_otherwise_a_window_is_read_once_the_one_before_is_opened(
+    starved: bool, rated: list[str]
+) -> None:
+    log, got = asyncio.run(run_reader(starved=starved, rated=rated))
+    assert log == [
+        "read 1",
+        "open 1",
+        "opened 1",
+        "read 2",
+        "open 2",
+        "opened 2",
+        "read 3",
+        "open 3",
+        "opened 3",
+    ]
+    assert got == [["chunk 1"], ["chunk 2"], ["chunk 3"]]
