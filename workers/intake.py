@@ -115,9 +115,8 @@ class Intake:
             drained = True
         finally:
             if opening is not None and not opening.done():
-                opening.cancel()
-                with contextlib.suppress(BaseException):
-                    await opening
+                opening.cancel()  # its outcome is the fault being raised, not to be raised again
+                await asyncio.gather(opening, return_exceptions=True)
             if not drained:
                 self.parts.consumer.abandon_waiting()
             await windows.put(None)

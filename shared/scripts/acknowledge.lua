@@ -60,8 +60,9 @@ for i = 1, #e, 8 do
   end
 end
 -- deleted in one call (XDEL takes many ids), in slices under Lua's unpack limit
-for first = 1, acked, 4096 do
-  redis.call('XDEL', KEYS[1], unpack(deleted, first, math.min(first + 4095, acked)))
+local slice = 4096
+for first = 1, acked, slice do
+  redis.call('XDEL', KEYS[1], unpack(deleted, first, math.min(first + slice - 1, acked)))
 end
 for owner, sums in pairs(usage) do
   redis.call('HINCRBY', KEYS[3], counter .. owner, sums[1])

@@ -92,8 +92,7 @@ async def run_reader(
     log: list[str] = []
     second_read = asyncio.Event()
     parts = fake_parts(log, second_read, rated)
-    reader = Intake.__new__(Intake)
-    Intake.__init__(reader, parts, prepare=lambda window: [])
+    reader = Intake(parts, prepare=lambda window: [])
     hold_first = starved and not rated
     reader.opener = FakeOpener(log, second_read, hold_first, fail_first)  # type: ignore[assignment]
     windows: asyncio.Queue[Window | None] = asyncio.Queue()
