@@ -54,6 +54,8 @@ class Intake:
         # the compute stage found no window queued when it wanted its latest: the host, not the
         # model, bounds the worker, and the reader reads ahead (``run``)
         self.starved = False
+        # set while the compute stage waits for a window: a read ahead waits for it (``run``)
+        self.compute_waits = asyncio.Event()
 
     async def hold_reclaimed(self, stream: str, entries: list[StreamEntry]) -> None:
         """Entries the reclaimer claimed: ours from now on (their lease renewed while they
@@ -66,8 +68,9 @@ class Intake:
         ``windows`` (None at the end).
 
         While the compute stage finds no window queued when it wants one (the host, not the
-        model, bounds the worker: issue 53), the next read runs beside the opening of the one
-        before, so that the tokenizer thread does not wait on a read's round trips. Not where a
+        model, bounds the worker: issue 53) and waits for one, the next read runs beside the
+        opening of the one before, so that the tokenizer thread does not wait on a read's round
+        trips. Not where a
         tenant has a token rate: a read settles what the read before cost once tokenized
         (workers/token_rate.py). One window is opened at a time, so windows reach the compute
         stage in the order they were read."""
@@ -81,15 +84,14 @@ class Intake:
                     await first_set(self.want_window, self.parts.stopping)
                     if self.parts.stopping.is_set():
                         break
+                    if opening is not None and not await self._compute_waits_before(opening):
+                        previous, opening = opening, None
+                        await previous  # opened first; the window it queued may be the one wanted
+                        continue
                     entries = await self._next_entries()
                     previous, opening = opening, None
                     if previous is not None:  # the window read before this one goes first
-                        try:
-                            await previous
-                        except Exception:
-                            if entries:  # read, not lost: opened once the fault is ridden out
-                                self._reclaimed.put_nowait(entries)
-                            raise
+                        await self._opened_before(previous, entries)
                     if entries:
                         self.parts.events.entries_read(stream=entries[0].stream, count=len(entries))
                         current = asyncio.ensure_future(self._intake_by_stream(entries, windows))
@@ -126,7 +128,36 @@ class Intake:
         self.starved = windows.empty()
         if self.starved:
             self.want_window.set()
-        return await windows.get()
+            self.compute_waits.set()
+        try:
+            return await windows.get()
+        finally:
+            self.compute_waits.clear()
+
+    async def _opened_before(
+        self, previous: asyncio.Future[None], entries: list[StreamEntry]
+    ) -> None:
+        """Await the opening of the read before ``entries``; should it fail, ``entries`` were
+        read, not lost: they are opened once the fault is ridden out."""
+        try:
+            await previous
+        except Exception:
+            if entries:
+                self._reclaimed.put_nowait(entries)
+            raise
+
+    async def _compute_waits_before(self, opening: asyncio.Future[None]) -> bool:
+        """Whether the compute stage waits for a window before ``opening`` is done. A read
+        ahead waits for that: the compute stage found none queued once (``starved``), but a
+        read made while it still runs a window would be held behind the one being opened, and a
+        tenant that came meanwhile would wait for both (issue 40's share, ``pace_reads``)."""
+        if not self.compute_waits.is_set():
+            waits = asyncio.ensure_future(self.compute_waits.wait())
+            try:
+                await asyncio.wait([waits, opening], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waits.cancel()
+        return self.compute_waits.is_set()
 
     def pace_reads(
         self, windows: asyncio.Queue[Window | None], batches_left: int, batch_s: float

@@ -23,7 +23,8 @@ READS = 3  # windows the fake stream holds before the reader is stopped
 
 class FakeOpener:
     """Opens read ``n`` as a window of one chunk, ``n``; read 1's opening may be held until
-    read 2 has happened (``hold_first``)."""
+    read 2 has happened (``hold_first``), read 2's for some turns of the event loop
+    (``slow_second``)."""
 
     def __init__(
         self, log: list[str], second_read: asyncio.Event, hold_first: bool, fail_first: bool
@@ -32,6 +33,7 @@ class FakeOpener:
         self.second_read = second_read
         self.hold_first = hold_first
         self.fail_first = fail_first
+        self.slow_second = False
 
     async def open_window(self, entries: list[StreamEntry]) -> tuple[Window, list[Any]]:
         number = int(entries[0].entry_id.split("-")[0])
@@ -40,6 +42,9 @@ class FakeOpener:
             await self.second_read.wait()
             if self.fail_first:  # Redis went away while it was opened (say, the cache lookup)
                 raise redis.exceptions.ConnectionError("Connection refused")
+        if number == 2 and self.slow_second:  # an opening that takes the event loop's turns
+            for _ in range(50):
+                await asyncio.sleep(0)
         self.log.append(f"opened {number}")
         return Window([f"chunk {number}"], [f"entry {number}"], []), []  # type: ignore[list-item]
 
@@ -84,17 +89,20 @@ def fake_parts(log: list[str], second_read: asyncio.Event, rated: list[str]) -> 
 
 
 async def run_reader(
-    *, starved: bool, rated: list[str], fail_first: bool = False
+    *, starved: bool, rated: list[str], fail_first: bool = False, starved_once: bool = False
 ) -> tuple[list[str], list[list[str]]]:
     """The reader over the fake stream, with a compute stage that takes each window as it
     comes: through ``next_window`` (it finds none queued: ``starved``) or, not starved, by
-    asking for the next one only once it holds a window (as ``pace_reads`` does)."""
+    asking for the next one only once it holds a window (as ``pace_reads`` does);
+    ``starved_once``: the first window through ``next_window``, the rest as not starved."""
     log: list[str] = []
     second_read = asyncio.Event()
     parts = fake_parts(log, second_read, rated)
     reader = Intake(parts, prepare=lambda window: [])
     hold_first = starved and not rated
-    reader.opener = FakeOpener(log, second_read, hold_first, fail_first)  # type: ignore[assignment]
+    opener = FakeOpener(log, second_read, hold_first, fail_first)
+    opener.slow_second = starved_once
+    reader.opener = opener  # type: ignore[assignment]
     windows: asyncio.Queue[Window | None] = asyncio.Queue()
     ready = asyncio.Event()
     ready.set()
@@ -103,6 +111,9 @@ async def run_reader(
     while True:
         if starved:
             window = await asyncio.wait_for(reader.next_window(windows), timeout=30)
+        elif starved_once and not got:
+            window = await asyncio.wait_for(reader.next_window(windows), timeout=30)
+            reader.want_window.set()  # pace_reads, during the window's batches
         else:
             window = await asyncio.wait_for(windows.get(), timeout=30)
             reader.want_window.set()
@@ -134,6 +145,16 @@ def test_a_read_ahead_is_kept_when_the_opening_before_it_fails() -> None:
     assert got == [["chunk 2"], ["chunk 3"]]
     assert log.count("read 2") == 1 and log.count("opened 2") == 1
     assert "opened 1" not in log
+
+
+def test_a_read_ahead_waits_for_the_compute_stage_to_wait() -> None:
+    """The compute stage found no window queued once (its first), then runs each window while
+    the next is opened: a read made beside that opening would be held behind it, and a tenant
+    that came meanwhile would wait for both (the fault of stop 62's read-ahead that CI's
+    test_tenant_pace found: 2.13x a share's time). Read 3 waits for read 2's window."""
+    log, got = asyncio.run(run_reader(starved=False, rated=[], starved_once=True))
+    assert log.index("opened 2") < log.index("read 3")
+    assert got == [["chunk 1"], ["chunk 2"], ["chunk 3"]]
 
 
 @pytest.mark.parametrize(
