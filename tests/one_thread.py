@@ -8,8 +8,9 @@ the cores without spinning on each other. The servers the tests start (Redis, a 
 nodes) stay free to run on any core: pinning each xdist worker to a core of its own also cut
 the CPU, but its cluster servers then shared that one core and missed replica confirmations.
 
-Opt-in (``pytest -p tests.one_thread``), and only under xdist: a plain ``pytest`` run, and the
-serial tier, whose modules measure rates on both cores, keep the worker's default.
+Opt-in (``pytest -p tests.one_thread``), and only under xdist or in a lane run beside the rest
+(EMBEDFLEET_TEST_ONE_THREAD set: test-full's image lane): a plain ``pytest`` run, and the serial
+tier, whose modules measure rates on both cores, keep the worker's default.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
+    if not (os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get("EMBEDFLEET_TEST_ONE_THREAD")):
         return
     # Worker processes the tests start, and Settings() in this process: one torch thread
     os.environ.setdefault("EMBEDFLEET_THREADS", "1")

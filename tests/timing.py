@@ -46,8 +46,9 @@ def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    path = _folder() / (f"test-timing-{worker}.json" if worker else "test-timing.json")
+    # one file per process: an xdist worker's, or a lane's run beside the rest (Makefile)
+    lane = os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get("EMBEDFLEET_TEST_TIMING_LANE")
+    path = _folder() / (f"test-timing-{lane}.json" if lane else "test-timing.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({name: list(t) for name, t in _totals.items()}, indent=1))
 

@@ -48,7 +48,8 @@ from embedfleet.workers.worker import Worker
 from tests.conftest import Recorder, WorkerLauncher
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
-pytestmark = pytest.mark.slow
+# beside: it mostly waits its faults out (Makefile, test-full)
+pytestmark = [pytest.mark.slow, pytest.mark.beside]
 
 PG_DOWN = (
     'connection failed: connection to server on socket "/tmp/.s.PGSQL.5432" failed: '
