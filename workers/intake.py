@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
+from typing import Any
 
 from embedfleet.shared.fault_kinds import System
 from embedfleet.sinks import Delivery
@@ -85,8 +86,8 @@ class Intake:
                     if self.parts.stopping.is_set():
                         break
                     if opening is not None and not await self._compute_waits_before(opening):
-                        previous, opening = opening, None
-                        await previous  # opened first; the window it queued may be the one wanted
+                        settled, opening = opening, None
+                        await settled  # opened first; the window it queued may be the one wanted
                         continue
                     entries = await self._next_entries()
                     previous, opening = opening, None
@@ -152,7 +153,7 @@ class Intake:
         read made while it still runs a window would be held behind the one being opened, and a
         tenant that came meanwhile would wait for both (issue 40's share, ``pace_reads``)."""
         if not self.compute_waits.is_set():
-            waits = asyncio.ensure_future(self.compute_waits.wait())
+            waits: asyncio.Future[Any] = asyncio.ensure_future(self.compute_waits.wait())
             try:
                 await asyncio.wait([waits, opening], return_when=asyncio.FIRST_COMPLETED)
             finally:
