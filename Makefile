@@ -48,29 +48,36 @@ test: install
 	$(PY) -m pytest $(XDIST) -m "$(FAST_TIER)"
 
 # The image tests wait mostly on apt and buildah (under one core between them), so test-full
-# runs them in a second pytest beside the rest and prints their report after it; either failing
-# fails the target. Modules marked `beside` join them there: mypy, and those that mostly wait (an
-# outage, a rate's window, a client's timeout), which held an xdist worker for minutes at a third
-# of a core (their tests marked `serial` still run in the serial tier). That lane makes the
-# wheelhouse first (it builds nothing in this tree: the packaging tests can build the project
-# meanwhile); EMBEDFLEET_TEST_WHEELHOUSE=made tells tests/end_to_end/test_image.py not to make it
-# again. Its modules' worker processes run one torch thread too (EMBEDFLEET_TEST_ONE_THREAD).
+# runs them in a second lane beside the rest and prints its report after it; either failing
+# fails the target. The tests marked `beside` (mypy: no model, no server) join them there; then,
+# in a second pytest of that lane, the modules marked `waits`: they mostly wait (an outage, a
+# rate's window, a client's timeout) and held an xdist worker for minutes at a third of a core
+# (their tests marked `serial` run in the serial tier). In that order, what may still run when
+# the serial tier begins is what waits, not a build or mypy, and the serial tier begins with the
+# modules that hold no latency (test_batch_withdrawal, test_chaos). The lane's worker processes
+# run one torch thread too (EMBEDFLEET_TEST_ONE_THREAD). It makes the wheelhouse first (it builds
+# nothing in this tree: the packaging tests can build the project meanwhile);
+# EMBEDFLEET_TEST_WHEELHOUSE=made tells tests/end_to_end/test_image.py not to make it again.
+LANE_ENV = EMBEDFLEET_TEST_WHEELHOUSE=made EMBEDFLEET_TEST_TIMING_DIR=$(BUILD_DIR)/test-timing \
+  EMBEDFLEET_TEST_ONE_THREAD=1
+LANE_PYTEST = $(PY) -m pytest -p no:cacheprovider -p tests.timing -p tests.one_thread --durations=10
 test-full: install
 	mkdir -p $(BUILD_DIR) && rm -rf $(BUILD_DIR)/test-timing
-	{ if command -v $(BUILDAH) >/dev/null; then $(MAKE) --no-print-directory wheelhouse; fi && \
-	  EMBEDFLEET_TEST_WHEELHOUSE=made EMBEDFLEET_TEST_TIMING_DIR=$(BUILD_DIR)/test-timing \
-	  EMBEDFLEET_TEST_TIMING_LANE=beside EMBEDFLEET_TEST_ONE_THREAD=1 $(PY) -m pytest \
-	  -p no:cacheprovider -p tests.timing -p tests.one_thread --basetemp=$(BUILD_DIR)/pytest-image \
-	  --durations=10 -m "(image or beside) and not serial"; \
+	{ if command -v $(BUILDAH) >/dev/null; then $(MAKE) --no-print-directory wheelhouse; fi && { \
+	  $(LANE_ENV) EMBEDFLEET_TEST_TIMING_LANE=image $(LANE_PYTEST) \
+	    --basetemp=$(BUILD_DIR)/pytest-image -m "image or beside"; first=$$?; \
+	  $(LANE_ENV) EMBEDFLEET_TEST_TIMING_LANE=waits $(LANE_PYTEST) \
+	    --basetemp=$(BUILD_DIR)/pytest-waits -m "waits and not serial"; waits=$$?; \
+	  test $$first -eq 0 && test $$waits -eq 0; }; \
 	  } > $(BUILD_DIR)/test-image.log 2>&1 & image=$$!; \
 	EMBEDFLEET_TEST_TIMING_DIR=$(BUILD_DIR)/test-timing $(PY) -m pytest -p tests.timing \
-	  -p tests.one_thread $(XDIST_FULL) --durations=20 -m "not image and not beside and not serial"; \
-	  parallel=$$?; \
+	  -p tests.one_thread $(XDIST_FULL) --durations=20 \
+	  -m "not image and not beside and not waits and not serial"; parallel=$$?; \
 	EMBEDFLEET_TEST_TIMING_DIR=$(BUILD_DIR)/test-timing $(PY) -m pytest -p tests.timing \
-	  --durations=10 -m "serial and not image"; serial=$$?; \
+	  --durations=10 -m "serial and not image and not beside"; serial=$$?; \
 	wait $$image; status=$$?; \
 	EMBEDFLEET_TEST_TIMING_DIR=$(BUILD_DIR)/test-timing $(PY) -m tests.timing; \
-	echo "== the image tests and the modules beside them ($(BUILD_DIR)/test-image.log) =="; \
+	echo "== the lane beside the rest: image, beside, waits ($(BUILD_DIR)/test-image.log) =="; \
 	cat $(BUILD_DIR)/test-image.log; \
 	test $$parallel -eq 0 && test $$serial -eq 0 && test $$status -eq 0
 

@@ -54,8 +54,8 @@ from embedfleet.shared.settings import Settings
 from tests.conftest import WorkerLauncher, shared_encoder, start_cli, until, worker_env
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
-# beside: it mostly waits on clients' timeouts (Makefile, test-full)
-pytestmark = [pytest.mark.slow, pytest.mark.beside]
+# waits: it mostly waits on clients' timeouts (Makefile, test-full)
+pytestmark = [pytest.mark.slow, pytest.mark.waits]
 
 AOF = ["--appendonly", "yes", "--appendfsync", "always"]
 

@@ -48,8 +48,8 @@ from embedfleet.workers.worker import Worker
 from tests.conftest import Recorder, WorkerLauncher
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
-# beside: it mostly waits its faults out (Makefile, test-full)
-pytestmark = [pytest.mark.slow, pytest.mark.beside]
+# waits: it mostly waits its faults out (Makefile, test-full)
+pytestmark = [pytest.mark.slow, pytest.mark.waits]
 
 PG_DOWN = (
     'connection failed: connection to server on socket "/tmp/.s.PGSQL.5432" failed: '

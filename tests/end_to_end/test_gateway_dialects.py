@@ -35,8 +35,7 @@ from tests.gateway_support import (
 )
 
 # the slow tier (make test-full, CI): starts a worker process and gateways
-# beside: it mostly waits on its gateway and worker (Makefile, test-full)
-pytestmark = [pytest.mark.slow, pytest.mark.beside]
+pytestmark = pytest.mark.slow
 
 MODEL = "all-MiniLM-L6-v2"
 fleet_settings = module_fleet_settings("gd")  # no API keys: the SDK's client needs none

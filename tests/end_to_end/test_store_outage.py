@@ -56,8 +56,8 @@ from tests.conftest import BUCKET, until
 from tests.integration.sinks.parquet.test_sink import parquet_settings, read_dataset, s3_filesystem
 from tests.sink_fleet_support import sink_fleet
 
-# beside: it mostly waits its outages out (Makefile, test-full)
-pytestmark = [pytest.mark.slow, pytest.mark.beside, pytest.mark.timeout(1500)]
+# waits: it mostly waits its outages out (Makefile, test-full)
+pytestmark = [pytest.mark.slow, pytest.mark.waits, pytest.mark.timeout(1500)]
 CHUNKS = 600
 RECLAIM_IDLE_MS = 3000  # a reclaim period of 1 s
 MAX_DELIVERIES = 2

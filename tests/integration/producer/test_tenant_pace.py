@@ -31,8 +31,8 @@ from tests.conftest import WorkerLauncher, until, until_blocked
 # share test is serial (Makefile): it holds a ratio of two paces measured seconds apart, which
 # load that comes and goes between them would move. The rate tests run beside other modules:
 # a limiter's ceiling does not rise on a loaded CPU, and their floor is a third of the rate.
-# beside: its rate tests mostly wait on their windows (Makefile, test-full)
-pytestmark = [pytest.mark.slow, pytest.mark.beside]
+# waits: its rate tests mostly wait on their windows (Makefile, test-full)
+pytestmark = [pytest.mark.slow, pytest.mark.waits]
 
 WORDS = ["the", "fleet", "reads", "every", "tenant", "by", "its", "weight", "and", "rate"]
 DIGITS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]

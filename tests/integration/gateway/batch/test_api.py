@@ -33,8 +33,8 @@ from tests.gateway_support import (
 )
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
-# beside: it mostly waits on the batch runner's rounds (Makefile, test-full)
-pytestmark = [pytest.mark.slow, pytest.mark.beside]
+# waits: it mostly waits on the batch runner's rounds (Makefile, test-full)
+pytestmark = [pytest.mark.slow, pytest.mark.waits]
 
 MODEL = "all-MiniLM-L6-v2"
 FINAL = ("completed", "failed", "expired", "cancelled")
