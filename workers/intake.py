@@ -71,10 +71,9 @@ class Intake:
         While the compute stage finds no window queued when it wants one (the host, not the
         model, bounds the worker: issue 53) and waits for one, the next read runs beside the
         opening of the one before, so that the tokenizer thread does not wait on a read's round
-        trips. Not where a
-        tenant has a token rate: a read settles what the read before cost once tokenized
-        (workers/token_rate.py). One window is opened at a time, so windows reach the compute
-        stage in the order they were read."""
+        trips. Not where a tenant has a token rate: a read settles what the read before cost
+        once tokenized (workers/token_rate.py). One window is opened at a time, so windows
+        reach the compute stage in the order they were read."""
         ride = RideOut("reading the ingest stream", self.parts.outages, self.parts.events)
         drained = False
         opening: asyncio.Task[None] | None = None

@@ -27,13 +27,18 @@ class FakeOpener:
     (``slow_second``)."""
 
     def __init__(
-        self, log: list[str], second_read: asyncio.Event, hold_first: bool, fail_first: bool
+        self,
+        log: list[str],
+        second_read: asyncio.Event,
+        hold_first: bool,
+        fail_first: bool,
+        slow_second: bool,
     ) -> None:
         self.log = log
         self.second_read = second_read
         self.hold_first = hold_first
         self.fail_first = fail_first
-        self.slow_second = False
+        self.slow_second = slow_second
 
     async def open_window(self, entries: list[StreamEntry]) -> tuple[Window, list[Any]]:
         number = int(entries[0].entry_id.split("-")[0])
@@ -100,8 +105,7 @@ async def run_reader(
     parts = fake_parts(log, second_read, rated)
     reader = Intake(parts, prepare=lambda window: [])
     hold_first = starved and not rated
-    opener = FakeOpener(log, second_read, hold_first, fail_first)
-    opener.slow_second = starved_once
+    opener = FakeOpener(log, second_read, hold_first, fail_first, slow_second=starved_once)
     reader.opener = opener  # type: ignore[assignment]
     windows: asyncio.Queue[Window | None] = asyncio.Queue()
     ready = asyncio.Event()
