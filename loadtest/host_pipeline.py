@@ -410,6 +410,7 @@ def one_run(
         try:
             fill(client, keys.ingest, payloads)
             with children(settings, config, folder, host) as processes:
+                redis_cpu_before = redis_cpu_seconds(client)
                 go = time.time()
                 for process in processes:
                     assert process.stdin is not None
@@ -421,11 +422,25 @@ def one_run(
                             raise RuntimeError(f"a worker child exited with {process.returncode}")
                     time.sleep(0.02)
                 seconds = last_entry_time(client, keys.results) - go
+                redis_cpu = redis_cpu_seconds(client) - redis_cpu_before
             figures = [json.loads(path.read_text()) for path in sorted(folder.glob("child*.json"))]
             client.delete(keys.ingest, keys.results)
         finally:
             client.close()
-    return {"seconds": seconds, "texts_per_s": len(payloads) / seconds, "children": figures}
+    return {
+        "seconds": seconds,
+        "texts_per_s": len(payloads) / seconds,
+        # redis-server's own CPU over the run (the results' polling included, a few commands):
+        # on a machine this small it shares the worker's cores, which a GPU host's does not
+        "redis_cpu_s": redis_cpu,
+        "children": figures,
+    }
+
+
+def redis_cpu_seconds(client: redis.Redis) -> float:
+    """The server's CPU seconds so far, user and system, all its threads (INFO cpu)."""
+    info: Any = client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 def last_entry_time(client: redis.Redis, stream: str) -> float:
@@ -573,6 +588,12 @@ def measure(
                 "per_process_to_floor": statistics.median(to_floor),
                 "to_first_config": statistics.median(to_first),
                 "rounds": rates,
+                "redis_cores": statistics.median(
+                    run["redis_cpu_s"] / run["seconds"] for run in runs[config]
+                ),
+                "redis_us_per_text": statistics.median(
+                    run["redis_cpu_s"] / count * 1e6 for run in runs[config]
+                ),
                 "stages": stage_rows(firsts),
                 "thread_cpu_share": thread_shares(firsts),
                 # the cores one worker process keeps busy (all its threads), and so the rate one
@@ -672,13 +693,32 @@ def print_ratios(report: dict[str, Any]) -> None:
         if one and two:
             lines.append(
                 f"one process, {path}: 2 cores ÷ 1 core, texts/s: "
-                f"{two['texts_per_s'] / one['texts_per_s']:.2f}"
+                f"{two['texts_per_s'] / one['texts_per_s']:.2f}; {core_scaling(one, two)}"
             )
     if lines:
         print()
         print("ratios (issue 53):")
         for line in lines:
             print(f"- {line}")
+
+
+def core_scaling(one: dict[str, Any], two: dict[str, Any]) -> str:
+    """The 2 ÷ 1 core ratio round by round (each round runs both, so the guest's drift between
+    rounds cancels), and its bound where redis-server shares the two cores: with W the worker's
+    CPU a text and R the server's, two fully used cores carry at most 2 / (W + R) texts a
+    second against the one core's 1 / W, that is 2·W / (W + R) (on the one-core run the server
+    has the other core to itself)."""
+    per_round = [b / a for a, b in zip(one["rounds"], two["rounds"], strict=True)]
+    worker_us = 1e6 / max(1e-9, two["texts_per_core_s"])
+    redis_us = two["redis_us_per_text"]
+    bound = 2 * worker_us / (worker_us + redis_us)
+    used = (two["cores_per_process"] + two["redis_cores"]) / 2
+    return (
+        f"per round {', '.join(f'{ratio:.2f}' for ratio in per_round)} (median "
+        f"{statistics.median(per_round):.2f}); on 2 cores the worker {worker_us:.0f} µs of CPU a "
+        f"text, redis-server {redis_us:.0f} µs ({two['redis_cores']:.2f} cores): bound "
+        f"{bound:.2f} with both cores used, {used:.0%} of them used"
+    )
 
 
 @click.command()

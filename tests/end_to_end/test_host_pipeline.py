@@ -38,6 +38,8 @@ def test_host_pipeline_smoke(tmp_path: Path) -> None:
         assert config["thread_cpu_share"]["tokenizer"] > 0
         # the whole process's CPU, its threads' and the native pools' (the tokenizer's own)
         assert "native pools" in config["thread_cpu_share"]
+        # redis-server's own CPU in the run, by INFO cpu: what it takes of a small host's cores
+        assert config["redis_cores"] > 0 and config["redis_us_per_text"] > 0
     # the worker tokenizes the texts unless the producer sent their ids (what it still
     # tokenizes then are its own probes' texts)
     tokenize = {

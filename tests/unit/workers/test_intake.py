@@ -7,6 +7,7 @@ are fakes: what is tested is the order of reads and openings."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -21,24 +22,17 @@ from embedfleet.workers.windows import Window
 READS = 3  # windows the fake stream holds before the reader is stopped
 
 
+@dataclass
 class FakeOpener:
     """Opens read ``n`` as a window of one chunk, ``n``; read 1's opening may be held until
     read 2 has happened (``hold_first``), read 2's for some turns of the event loop
     (``slow_second``)."""
 
-    def __init__(
-        self,
-        log: list[str],
-        second_read: asyncio.Event,
-        hold_first: bool,
-        fail_first: bool,
-        slow_second: bool,
-    ) -> None:
-        self.log = log
-        self.second_read = second_read
-        self.hold_first = hold_first
-        self.fail_first = fail_first
-        self.slow_second = slow_second
+    log: list[str]
+    second_read: asyncio.Event
+    hold_first: bool
+    fail_first: bool
+    slow_second: bool
 
     async def open_window(self, entries: list[StreamEntry]) -> tuple[Window, list[Any]]:
         number = int(entries[0].entry_id.split("-")[0])
