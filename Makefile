@@ -58,8 +58,9 @@ test: install
 # run one torch thread too (EMBEDFLEET_TEST_ONE_THREAD). It makes the wheelhouse first (it builds
 # nothing in this tree: the packaging tests can build the project meanwhile);
 # EMBEDFLEET_TEST_WHEELHOUSE=made tells tests/end_to_end/test_image.py not to make it again.
-LANE_ENV = EMBEDFLEET_TEST_WHEELHOUSE=made EMBEDFLEET_TEST_TIMING_DIR=$(BUILD_DIR)/test-timing \
-  EMBEDFLEET_TEST_ONE_THREAD=1
+# every pytest of test-full records its modules' times there (tests/timing.py), read at the end
+TIMING_ENV = EMBEDFLEET_TEST_TIMING_DIR=$(BUILD_DIR)/test-timing
+LANE_ENV = EMBEDFLEET_TEST_WHEELHOUSE=made $(TIMING_ENV) EMBEDFLEET_TEST_ONE_THREAD=1
 LANE_PYTEST = $(PY) -m pytest -p no:cacheprovider -p tests.timing -p tests.one_thread --durations=10
 test-full: install
 	mkdir -p $(BUILD_DIR) && rm -rf $(BUILD_DIR)/test-timing
@@ -70,13 +71,13 @@ test-full: install
 	    --basetemp=$(BUILD_DIR)/pytest-waits -m "waits and not serial"; waits=$$?; \
 	  test $$first -eq 0 && test $$waits -eq 0; }; \
 	  } > $(BUILD_DIR)/test-image.log 2>&1 & image=$$!; \
-	EMBEDFLEET_TEST_TIMING_DIR=$(BUILD_DIR)/test-timing $(PY) -m pytest -p tests.timing \
+	$(TIMING_ENV) $(PY) -m pytest -p tests.timing \
 	  -p tests.one_thread $(XDIST_FULL) --durations=20 \
 	  -m "not image and not beside and not waits and not serial"; parallel=$$?; \
-	EMBEDFLEET_TEST_TIMING_DIR=$(BUILD_DIR)/test-timing $(PY) -m pytest -p tests.timing \
+	$(TIMING_ENV) $(PY) -m pytest -p tests.timing \
 	  --durations=10 -m "serial and not image and not beside"; serial=$$?; \
 	wait $$image; status=$$?; \
-	EMBEDFLEET_TEST_TIMING_DIR=$(BUILD_DIR)/test-timing $(PY) -m tests.timing; \
+	$(TIMING_ENV) $(PY) -m tests.timing; \
 	echo "== the lane beside the rest: image, beside, waits ($(BUILD_DIR)/test-image.log) =="; \
 	cat $(BUILD_DIR)/test-image.log; \
 	test $$parallel -eq 0 && test $$serial -eq 0 && test $$status -eq 0
