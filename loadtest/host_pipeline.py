@@ -352,7 +352,7 @@ def children(
             command = [sys.executable, "-m", "loadtest.host_pipeline", "--child", str(stats)]
             command += ["--path", config.path]
             child_env = {**environment, "EMBEDFLEET_CONSUMER": f"host-{index}"}
-            cpus = sorted(os.sched_getaffinity(0))[: config.cores] if config.cores else None
+            cpus = children_cpus(config) if config.cores else None
             processes.append(
                 subprocess.Popen(
                     command,
@@ -382,6 +382,12 @@ def children(
                 process.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 process.kill()
+
+
+def children_cpus(config: Config) -> list[int]:
+    """The CPUs a configuration's children run on: its first ``cores``, else all of ours."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return cpus[: config.cores] if config.cores else cpus
 
 
 def pinned_to(cpus: list[int] | None) -> Callable[[], None] | None:
@@ -515,6 +521,7 @@ def measure(
     rounds: int,
     core_counts: Sequence[int] = (),
     host: str = "cuda",
+    redis_beside: bool = False,
 ) -> dict[str, Any]:
     settings = Settings()
     window = settings.batching(host).read_count
@@ -557,6 +564,8 @@ def measure(
             shift = number % len(configs)
             for config in configs[shift:] + configs[:shift]:
                 chunks = with_ids if config.path == "ids" else payloads
+                if redis_beside and server.process is not None:
+                    os.sched_setaffinity(server.process.pid, children_cpus(config))
                 run = one_run(server.url, config, chunks, host_environment(host))
                 runs[config].append(run)
                 print(
@@ -613,6 +622,7 @@ def measure(
         "rounds": rounds,
         "read_count": window,
         "host": host,
+        "redis_beside": redis_beside,
         "tokenizer_floor_texts_per_s": statistics.median(floors),
         "tokenizer_floor_rounds": floors,
         # per CPU second of the tokenizing thread: compare with texts_per_core_s
@@ -693,7 +703,8 @@ def print_ratios(report: dict[str, Any]) -> None:
         if one and two:
             lines.append(
                 f"one process, {path}: 2 cores ÷ 1 core, texts/s: "
-                f"{two['texts_per_s'] / one['texts_per_s']:.2f}; {core_scaling(one, two)}"
+                f"{two['texts_per_s'] / one['texts_per_s']:.2f}; "
+                f"{core_scaling(one, two, report.get('redis_beside', False))}"
             )
     if lines:
         print()
@@ -702,21 +713,23 @@ def print_ratios(report: dict[str, Any]) -> None:
             print(f"- {line}")
 
 
-def core_scaling(one: dict[str, Any], two: dict[str, Any]) -> str:
+def core_scaling(one: dict[str, Any], two: dict[str, Any], redis_beside: bool = False) -> str:
     """The 2 ÷ 1 core ratio round by round (each round runs both, so the guest's drift between
-    rounds cancels), and its bound where redis-server shares the two cores: with W the worker's
-    CPU a text and R the server's, two fully used cores carry at most 2 / (W + R) texts a
-    second against the one core's 1 / W, that is 2·W / (W + R) (on the one-core run the server
-    has the other core to itself)."""
+    rounds cancels), and its bound. Where redis-server runs on any CPU (the default), the
+    one-core run leaves it the other core and the two-core run shares both with it: with W the
+    worker's CPU a text and R the server's, two fully used cores carry at most 2 / (W + R)
+    texts a second against the one core's 1 / W, that is 2·W / (W + R). Pinned to the worker's
+    cores in each run (``redis_beside``), both runs pay R and the bound is 2."""
     per_round = [b / a for a, b in zip(one["rounds"], two["rounds"], strict=True)]
     worker_us = 1e6 / max(1e-9, two["texts_per_core_s"])
     redis_us = two["redis_us_per_text"]
-    bound = 2 * worker_us / (worker_us + redis_us)
+    bound = 2.0 if redis_beside else 2 * worker_us / (worker_us + redis_us)
     used = (two["cores_per_process"] + two["redis_cores"]) / 2
+    where = "on the worker's cores in each run" if redis_beside else "on any CPU"
     return (
         f"per round {', '.join(f'{ratio:.2f}' for ratio in per_round)} (median "
         f"{statistics.median(per_round):.2f}); on 2 cores the worker {worker_us:.0f} µs of CPU a "
-        f"text, redis-server {redis_us:.0f} µs ({two['redis_cores']:.2f} cores): bound "
+        f"text, redis-server {redis_us:.0f} µs ({two['redis_cores']:.2f} cores, {where}): bound "
         f"{bound:.2f} with both cores used, {used:.0%} of them used"
     )
 
@@ -746,6 +759,13 @@ def core_scaling(one: dict[str, Any], two: dict[str, Any]) -> str:
     help="The host the pipeline stands for: cuda (a GPU host's read window, batches and no "
     "slice limit) or cpu (the CPU defaults, slices sized by the cost model).",
 )
+@click.option(
+    "--redis-beside",
+    is_flag=True,
+    help="With --cores: pin redis-server to the worker's CPUs in each run, so that the one-core "
+    "and the two-core runs both pay its CPU (by default it runs on any CPU: the one-core run "
+    "leaves it a core of its own, as a GPU host's remote Redis would).",
+)
 @click.option("--rounds", type=int, default=3, show_default=True)
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None)
 @click.option("--child", type=click.Path(path_type=Path), default=None, hidden=True)
@@ -755,6 +775,7 @@ def main(
     paths: str,
     core_counts: str,
     host: str,
+    redis_beside: bool,
     rounds: int,
     json_out: Path | None,
     child: Path | None,
@@ -777,6 +798,7 @@ def main(
         rounds,
         [int(n) for n in core_counts.split(",") if n],
         host,
+        redis_beside,
     )
     print_report(report)
     if json_out is not None:

@@ -17,12 +17,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.serial]  # starts worker processes (
 
 def test_host_pipeline_smoke(tmp_path: Path) -> None:
     out = tmp_path / "host.json"
-    result = CliRunner().invoke(
-        main, ["--texts", "60", "--processes", "1", "--rounds", "1", "--json", str(out)]
-    )
+    arguments = ["--texts", "60", "--processes", "1", "--rounds", "1", "--json", str(out)]
+    # redis-server pinned to each run's CPUs (here all of them: no --cores)
+    arguments.append("--redis-beside")
+    result = CliRunner().invoke(main, arguments)
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert report["tokenizer_floor_texts_per_s"] > 0
+    assert report["redis_beside"] is True
     assert {(c["processes"], c["path"]) for c in report["configs"]} == {
         (1, "before"),
         (1, "after"),

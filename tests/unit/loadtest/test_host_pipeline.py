@@ -25,7 +25,7 @@ def test_the_core_ratio_is_read_round_by_round_and_bounded_by_redis_share() -> N
     line = core_scaling(one, two)
     assert "per round 1.50, 1.60, 1.50 (median 1.50)" in line
     # 2 · 100 / (100 + 25)
-    assert "the worker 100 µs of CPU a text, redis-server 25 µs (0.38 cores)" in line
+    assert "the worker 100 µs of CPU a text, redis-server 25 µs (0.38 cores, on any CPU)" in line
     assert "bound 1.60 with both cores used, 94% of them used" in line
 
 
@@ -40,3 +40,18 @@ def test_rounds_of_unequal_count_are_refused() -> None:
     )
     with pytest.raises(ValueError):
         core_scaling(one, two)
+
+
+def test_with_redis_beside_the_worker_both_runs_pay_it_and_the_bound_is_two() -> None:
+    one = config([10_000.0])
+    two = config(
+        [17_000.0],
+        texts_per_core_s=10_000.0,
+        redis_us_per_text=25.0,
+        redis_cores=0.2,
+        cores_per_process=1.6,
+    )
+    line = core_scaling(one, two, redis_beside=True)
+    assert "per round 1.70 (median 1.70)" in line
+    assert "(0.20 cores, on the worker's cores in each run): bound 2.00" in line
+    assert "90% of them used" in line
