@@ -61,14 +61,27 @@ def sink_extras(encoder: Encoder) -> Extras:
     )
 
 
+# The collector's thresholds in a worker process: its youngest generation is collected once
+# this many more container objects are alive than at its last collection, the older ones after
+# 10 collections of the one below. Python's 700 suits a program whose objects die young; a
+# worker keeps a window's chunks, token ids and results alive (tens of thousands of objects for
+# a GPU host's 8,192) while it is opened, computed and written, so at 700 the collector ran
+# about 700 times per 40,000 texts, promoted each window to the oldest generation and paused
+# every thread 50-90 ms collecting it there: 8% of a 2-core host's time, and the query that
+# waited behind it (docs/BENCHMARKS.md, "Stop 64").
+COLLECTOR_THRESHOLDS = (100_000, 10, 10)
+
+
 def freeze_loaded_heap() -> None:
     """Once a worker process has loaded its model: everything made so far (the model, torch's
     and transformers' modules, millions of objects) lives as long as the process, so it is
     frozen out of the garbage collector and each collection scans only what the stream work
-    makes, not the whole heap (issue 53: a GPU host's CPU per text). Per process, not per
-    Worker: a process that runs several (the tests) would otherwise freeze their garbage too."""
+    makes, not the whole heap (issue 53: a GPU host's CPU per text); and the collector runs at
+    the worker's thresholds (``COLLECTOR_THRESHOLDS``). Per process, not per Worker: a process
+    that runs several (the tests) would otherwise freeze their garbage too."""
     gc.collect()
     gc.freeze()
+    gc.set_threshold(*COLLECTOR_THRESHOLDS)
 
 
 def load_encoder(settings: Settings) -> Encoder:
