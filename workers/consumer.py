@@ -299,12 +299,7 @@ class StreamConsumer:
             for entry_id, fields in stream_entries:
                 fields = fields or {}
                 entries.append(
-                    StreamEntry(
-                        stream=stream,
-                        entry_id=as_str(entry_id),
-                        payload=fields.get(PAYLOAD_FIELD),
-                        fields=fields,
-                    )
+                    StreamEntry(stream, as_str(entry_id), fields.get(PAYLOAD_FIELD), fields)
                 )
         return entries
 
