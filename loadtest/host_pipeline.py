@@ -704,7 +704,7 @@ def print_ratios(report: dict[str, Any]) -> None:
             lines.append(
                 f"one process, {path}: 2 cores ÷ 1 core, texts/s: "
                 f"{two['texts_per_s'] / one['texts_per_s']:.2f}; "
-                f"{core_scaling(one, two, report.get('redis_beside', False))}"
+                f"{core_scaling(one, two, report['redis_beside'])}"
             )
     if lines:
         print()

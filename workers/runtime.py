@@ -63,12 +63,12 @@ def sink_extras(encoder: Encoder) -> Extras:
 
 # The collector's thresholds in a worker process: its youngest generation is collected once
 # this many more container objects are alive than at its last collection, the older ones after
-# 10 collections of the one below. Python's 700 suits a program whose objects die young; a
-# worker keeps a window's chunks, token ids and results alive (tens of thousands of objects for
-# a GPU host's 8,192) while it is opened, computed and written, so at 700 the collector ran
-# about 700 times per 40,000 texts, promoted each window to the oldest generation and paused
-# every thread 50-90 ms collecting it there: 8% of a 2-core host's time, and the query that
-# waited behind it (docs/BENCHMARKS.md, "Stop 64").
+# 10 collections of the one below (Python's). Python's 700 suits a program whose objects die
+# young; a worker keeps a window's chunks, token ids and results alive while it is opened,
+# computed and written (several objects per entry of a read window), so at 700 the collector
+# ran hundreds of times per window, promoted every window to the oldest generation and paused
+# every thread, the query path's too, to collect it there. The measurement: docs/BENCHMARKS.md,
+# "Stop 64".
 COLLECTOR_THRESHOLDS = (100_000, 10, 10)
 
 
