@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -69,6 +71,9 @@ STANDIN_SETTING = "EMBEDFLEET_BENCHMARK_STANDIN_ENCODER_US_PER_TOKEN"
 # planning programme), after them (encode_results, the sliced programme), and after with each
 # chunk carrying its token ids from the producer (issue 53: the worker tokenizes nothing)
 PATHS = ("before", "after", "ids")
+# Python's own collector thresholds, as this process starts (before a worker sets its own)
+PYTHON_COLLECTOR = gc.get_threshold()
+COLLECTORS = ("worker", "python")
 # (stage, thread it runs on), in pipeline order. An "(await)" stage's time is the wall time of
 # its awaits: waiting on Redis included, overlapping the loop's other work (a blocking read
 # waits for the stream to refill), so it is not the loop's CPU.
@@ -249,7 +254,7 @@ def install_clock(clock: StageClock, path: str) -> None:
     replace(redis_stream, "encode_results", clock.sync("pack msgpack", packer))
 
 
-async def run_child(stats: Path, path: str) -> None:
+async def run_child(stats: Path, path: str, collector: str = "worker") -> None:
     """One worker process: load, say ``loaded``, wait for ``go`` on stdin, run until ``stop``,
     then write the stage figures to ``stats``."""
     from embedfleet.shared.logging import configure_logging
@@ -271,6 +276,8 @@ async def run_child(stats: Path, path: str) -> None:
 
     encoder = await asyncio.to_thread(load_encoder, settings)
     freeze_loaded_heap()  # as the CLI's worker process does (workers/runtime.py)
+    if collector == "python":  # the A/B's other side: Python's own thresholds, as before stop 64
+        gc.set_threshold(*PYTHON_COLLECTOR)
     replace(encoder, "tokenize", clock.sync("tokenize", encoder.tokenize))
     client = connect_settings(settings)
     sink = RedisStreamSink(client, settings.keys)
@@ -304,11 +311,16 @@ class Config:
     processes: int
     path: str
     cores: int = 0  # the CPUs the children may use (their affinity); 0: all of the machine's
+    # the children's garbage collector: the worker's thresholds, or Python's (the A/B of
+    # workers/runtime.py COLLECTOR_THRESHOLDS)
+    collector: str = "worker"
 
     @property
     def label(self) -> str:
         cores = f", {self.cores} core{'s' if self.cores > 1 else ''}" if self.cores else ""
-        return f"{self.processes} process{'es' if self.processes > 1 else ''}, {self.path}{cores}"
+        collector = ", Python's collector" if self.collector == "python" else ""
+        processes = f"{self.processes} process{'es' if self.processes > 1 else ''}"
+        return f"{processes}, {self.path}{cores}{collector}"
 
 
 def host_environment(host: str) -> dict[str, str]:
@@ -350,7 +362,7 @@ def children(
         for index in range(config.processes):
             stats = folder / f"child{index}.json"
             command = [sys.executable, "-m", "loadtest.host_pipeline", "--child", str(stats)]
-            command += ["--path", config.path]
+            command += ["--path", config.path, "--collectors", config.collector]
             child_env = {**environment, "EMBEDFLEET_CONSUMER": f"host-{index}"}
             cpus = children_cpus(config) if config.cores else None
             processes.append(
@@ -522,6 +534,7 @@ def measure(
     core_counts: Sequence[int] = (),
     host: str = "cuda",
     redis_beside: bool = False,
+    collectors: Sequence[str] = ("worker",),
 ) -> dict[str, Any]:
     settings = Settings()
     window = settings.batching(host).read_count
@@ -550,6 +563,11 @@ def measure(
     tokens = sum(t.length for t in encoder.tokenize(texts))
     configs = [Config(n, path) for n in process_counts for path in paths]
     configs += [Config(1, path, cores) for cores in core_counts for path in paths]
+    configs = [
+        dataclasses.replace(config, collector=collector)
+        for config in configs
+        for collector in collectors
+    ]
     runs: dict[Config, list[dict[str, Any]]] = {config: [] for config in configs}
     floors: list[float] = []
     cpu_floors: list[float] = []
@@ -591,6 +609,7 @@ def measure(
                 "processes": config.processes,
                 "cores": config.cores,
                 "label": config.label,
+                "collector": config.collector,
                 "path": config.path,
                 "texts_per_s": statistics.median(rates),
                 "tokens_per_s": statistics.median(rates) * tokens / count,
@@ -706,6 +725,17 @@ def print_ratios(report: dict[str, Any]) -> None:
                 f"{two['texts_per_s'] / one['texts_per_s']:.2f}; "
                 f"{core_scaling(one, two, report['redis_beside'])}"
             )
+    for config in report["configs"]:
+        if config["collector"] != "python":
+            continue
+        worker = by_label.get(Config(config["processes"], config["path"], config["cores"]).label)
+        if worker:
+            per_round = [a / b for a, b in zip(worker["rounds"], config["rounds"], strict=True)]
+            lines.append(
+                f"the worker's collector ÷ Python's, {worker['label']}, texts/s: per round "
+                f"{', '.join(f'{ratio:.2f}' for ratio in per_round)} (median "
+                f"{statistics.median(per_round):.2f})"
+            )
     if lines:
         print()
         print("ratios (issue 53):")
@@ -766,6 +796,14 @@ def core_scaling(one: dict[str, Any], two: dict[str, Any], redis_beside: bool = 
     "and the two-core runs both pay its CPU (by default it runs on any CPU: the one-core run "
     "leaves it a core of its own, as a GPU host's remote Redis would).",
 )
+@click.option(
+    "--collectors",
+    default="worker",
+    show_default=True,
+    help="The children's garbage collector, comma-separated: worker (the thresholds a worker "
+    "process sets, workers/runtime.py) and python (Python's own): each configuration is run "
+    "with each, side by side in every round.",
+)
 @click.option("--rounds", type=int, default=3, show_default=True)
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None)
 @click.option("--child", type=click.Path(path_type=Path), default=None, hidden=True)
@@ -776,6 +814,7 @@ def main(
     core_counts: str,
     host: str,
     redis_beside: bool,
+    collectors: str,
     rounds: int,
     json_out: Path | None,
     child: Path | None,
@@ -785,12 +824,18 @@ def main(
     if child is not None:
         import uvloop  # the worker's event loop (workers/runtime.py)
 
-        uvloop.run(run_child(child, paths))
+        uvloop.run(run_child(child, paths, collectors))
         return
     chosen = [path for path in paths.split(",") if path]
     unknown = set(chosen) - set(PATHS)
     if unknown:
         raise click.BadParameter(f"unknown path {sorted(unknown)}", param_hint="--path")
+    chosen_collectors = [collector for collector in collectors.split(",") if collector]
+    if not chosen_collectors or set(chosen_collectors) - set(COLLECTORS):
+        raise click.BadParameter(
+            f"{collectors!r}: name one or both of {', '.join(COLLECTORS)}",
+            param_hint="--collectors",
+        )
     report = measure(
         count,
         [int(n) for n in processes.split(",") if n],
@@ -799,6 +844,7 @@ def main(
         [int(n) for n in core_counts.split(",") if n],
         host,
         redis_beside,
+        chosen_collectors,
     )
     print_report(report)
     if json_out is not None:

@@ -1,11 +1,13 @@
 """loadtest/host_pipeline.py's pure parts: the 2 ÷ 1 core ratio read round by round, and its
-bound where redis-server shares the worker's two cores (issue 53)."""
+bound where redis-server shares the worker's two cores; the collector A/B's configurations
+(issue 53)."""
 
 from __future__ import annotations
 
 import pytest
+from click.testing import CliRunner
 
-from loadtest.host_pipeline import core_scaling
+from loadtest.host_pipeline import Config, core_scaling, main
 
 
 def config(rounds: list[float], **figures: float) -> dict[str, object]:
@@ -55,3 +57,17 @@ def test_with_redis_beside_the_worker_both_runs_pay_it_and_the_bound_is_two() ->
     assert "per round 1.70 (median 1.70)" in line
     assert "(0.20 cores, on the worker's cores in each run): bound 2.00" in line
     assert "90% of them used" in line
+
+
+def test_a_configuration_with_pythons_collector_is_told_apart_from_its_worker_twin() -> None:
+    worker = Config(1, "after", 2)
+    python = Config(1, "after", 2, collector="python")
+    assert worker.label == "1 process, after, 2 cores"
+    assert python.label == "1 process, after, 2 cores, Python's collector"
+    assert worker != python  # each keeps its own runs
+
+
+def test_an_unknown_collector_is_refused_before_anything_runs() -> None:
+    result = CliRunner().invoke(main, ["--collectors", "worker,gc"])
+    assert result.exit_code == 2
+    assert "'worker,gc': name one or both of worker, python" in result.output
