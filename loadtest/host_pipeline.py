@@ -47,6 +47,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -73,7 +74,15 @@ STANDIN_SETTING = "EMBEDFLEET_BENCHMARK_STANDIN_ENCODER_US_PER_TOKEN"
 PATHS = ("before", "after", "ids")
 # Python's own collector thresholds, as this process starts (before a worker sets its own)
 PYTHON_COLLECTOR = gc.get_threshold()
-COLLECTORS = ("worker", "python")
+# The worker as it is, and what an A/B puts beside it (``--variants``), each by the label it
+# adds: Python's own collector thresholds (before stop 64's workers/runtime.py
+# COLLECTOR_THRESHOLDS), and one tokenizer thread, so one window opened at a time (before stop
+# 65's two: workers/parts.py Threads.tokenizer)
+VARIANTS = {
+    "worker": "",
+    "python-collector": ", Python's collector",
+    "one-opening": ", one opening at a time",
+}
 # (stage, thread it runs on), in pipeline order. An "(await)" stage's time is the wall time of
 # its awaits: waiting on Redis included, overlapping the loop's other work (a blocking read
 # waits for the stream to refill), so it is not the loop's CPU.
@@ -90,7 +99,12 @@ STAGES: tuple[tuple[str, str], ...] = (
     ("write + acknowledge", "event loop (await)"),
 )
 # ThreadPoolExecutor name prefixes of the worker's threads (workers/worker.py)
-THREAD_PREFIXES = {"tokenize": "tokenizer", "model": "model", "collect": "collect"}
+THREAD_PREFIXES = {
+    "tokenize": "tokenizer",
+    "encode": "tokenizer",
+    "model": "model",
+    "collect": "collect",
+}
 FILL_PIPELINE = 2000  # XADDs per round trip when filling the ingest stream
 
 
@@ -254,7 +268,7 @@ def install_clock(clock: StageClock, path: str) -> None:
     replace(redis_stream, "encode_results", clock.sync("pack msgpack", packer))
 
 
-async def run_child(stats: Path, path: str, collector: str = "worker") -> None:
+async def run_child(stats: Path, path: str, variant: str = "worker") -> None:
     """One worker process: load, say ``loaded``, wait for ``go`` on stdin, run until ``stop``,
     then write the stage figures to ``stats``."""
     from embedfleet.shared.logging import configure_logging
@@ -276,7 +290,7 @@ async def run_child(stats: Path, path: str, collector: str = "worker") -> None:
 
     encoder = await asyncio.to_thread(load_encoder, settings)
     freeze_loaded_heap()  # as the CLI's worker process does (workers/runtime.py)
-    if collector == "python":  # the A/B's other side: Python's own thresholds, as before stop 64
+    if variant == "python-collector":  # Python's own thresholds, as before stop 64
         gc.set_threshold(*PYTHON_COLLECTOR)
     replace(encoder, "tokenize", clock.sync("tokenize", encoder.tokenize))
     client = connect_settings(settings)
@@ -284,6 +298,10 @@ async def run_child(stats: Path, path: str, collector: str = "worker") -> None:
     worker = worker_module.Worker(settings, encoder, client, sink, Listener())
     replace(worker.consumer, "read_ingest", clock.coroutine("read", worker.consumer.read_ingest))
     opener = worker.intake.opener
+    if variant == "one-opening":  # one tokenizer thread: one window opened at a time
+        threads = worker.intake.parts.threads
+        threads.tokenizer.shutdown()
+        threads.tokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
     replace(opener, "_with_prompts", clock.sync("prompt", opener._with_prompts))
     replace(sink, "write", clock.coroutine("sink write", sink.write))
     loop = asyncio.get_running_loop()
@@ -311,16 +329,14 @@ class Config:
     processes: int
     path: str
     cores: int = 0  # the CPUs the children may use (their affinity); 0: all of the machine's
-    # the children's garbage collector: the worker's thresholds, or Python's (the A/B of
-    # workers/runtime.py COLLECTOR_THRESHOLDS)
-    collector: str = "worker"
+    # the worker as it is, or an A/B's other side (VARIANTS)
+    variant: str = "worker"
 
     @property
     def label(self) -> str:
         cores = f", {self.cores} core{'s' if self.cores > 1 else ''}" if self.cores else ""
-        collector = ", Python's collector" if self.collector == "python" else ""
         processes = f"{self.processes} process{'es' if self.processes > 1 else ''}"
-        return f"{processes}, {self.path}{cores}{collector}"
+        return f"{processes}, {self.path}{cores}{VARIANTS[self.variant]}"
 
 
 def host_environment(host: str) -> dict[str, str]:
@@ -362,7 +378,7 @@ def children(
         for index in range(config.processes):
             stats = folder / f"child{index}.json"
             command = [sys.executable, "-m", "loadtest.host_pipeline", "--child", str(stats)]
-            command += ["--path", config.path, "--collectors", config.collector]
+            command += ["--path", config.path, "--variants", config.variant]
             child_env = {**environment, "EMBEDFLEET_CONSUMER": f"host-{index}"}
             cpus = children_cpus(config) if config.cores else None
             processes.append(
@@ -534,7 +550,7 @@ def measure(
     core_counts: Sequence[int] = (),
     host: str = "cuda",
     redis_beside: bool = False,
-    collectors: Sequence[str] = ("worker",),
+    variants: Sequence[str] = ("worker",),
 ) -> dict[str, Any]:
     settings = Settings()
     window = settings.batching(host).read_count
@@ -564,9 +580,7 @@ def measure(
     configs = [Config(n, path) for n in process_counts for path in paths]
     configs += [Config(1, path, cores) for cores in core_counts for path in paths]
     configs = [
-        dataclasses.replace(config, collector=collector)
-        for config in configs
-        for collector in collectors
+        dataclasses.replace(config, variant=variant) for config in configs for variant in variants
     ]
     runs: dict[Config, list[dict[str, Any]]] = {config: [] for config in configs}
     floors: list[float] = []
@@ -609,7 +623,7 @@ def measure(
                 "processes": config.processes,
                 "cores": config.cores,
                 "label": config.label,
-                "collector": config.collector,
+                "variant": config.variant,
                 "path": config.path,
                 "texts_per_s": statistics.median(rates),
                 "tokens_per_s": statistics.median(rates) * tokens / count,
@@ -726,13 +740,13 @@ def print_ratios(report: dict[str, Any]) -> None:
                 f"{core_scaling(one, two, report['redis_beside'])}"
             )
     for config in report["configs"]:
-        if config["collector"] != "python":
+        if config["variant"] == "worker":
             continue
         worker = by_label.get(Config(config["processes"], config["path"], config["cores"]).label)
         if worker:
             per_round = [a / b for a, b in zip(worker["rounds"], config["rounds"], strict=True)]
             lines.append(
-                f"the worker's collector ÷ Python's, {worker['label']}, texts/s: per round "
+                f"the worker ÷ {config['variant']}, {worker['label']}, texts/s: per round "
                 f"{', '.join(f'{ratio:.2f}' for ratio in per_round)} (median "
                 f"{statistics.median(per_round):.2f})"
             )
@@ -797,12 +811,13 @@ def core_scaling(one: dict[str, Any], two: dict[str, Any], redis_beside: bool = 
     "leaves it a core of its own, as a GPU host's remote Redis would).",
 )
 @click.option(
-    "--collectors",
+    "--variants",
     default="worker",
     show_default=True,
-    help="The children's garbage collector, comma-separated: worker (the thresholds a worker "
-    "process sets, workers/runtime.py) and python (Python's own): each configuration is run "
-    "with each, side by side in every round.",
+    help="The children's worker, comma-separated: worker (as it is), python-collector (Python's "
+    "own garbage collector thresholds, not workers/runtime.py's), one-opening (one tokenizer "
+    "thread: one window opened at a time, not two beside each other): each configuration is run "
+    "with each, side by side in every round, and the worker's rate divided by each other's.",
 )
 @click.option("--rounds", type=int, default=3, show_default=True)
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None)
@@ -814,7 +829,7 @@ def main(
     core_counts: str,
     host: str,
     redis_beside: bool,
-    collectors: str,
+    variants: str,
     rounds: int,
     json_out: Path | None,
     child: Path | None,
@@ -824,17 +839,16 @@ def main(
     if child is not None:
         import uvloop  # the worker's event loop (workers/runtime.py)
 
-        uvloop.run(run_child(child, paths, collectors))
+        uvloop.run(run_child(child, paths, variants))
         return
     chosen = [path for path in paths.split(",") if path]
     unknown = set(chosen) - set(PATHS)
     if unknown:
         raise click.BadParameter(f"unknown path {sorted(unknown)}", param_hint="--path")
-    chosen_collectors = [collector for collector in collectors.split(",") if collector]
-    if not chosen_collectors or set(chosen_collectors) - set(COLLECTORS):
+    chosen_variants = [variant for variant in variants.split(",") if variant]
+    if not chosen_variants or set(chosen_variants) - set(VARIANTS):
         raise click.BadParameter(
-            f"{collectors!r}: name one or both of {', '.join(COLLECTORS)}",
-            param_hint="--collectors",
+            f"{variants!r}: name one or more of {', '.join(VARIANTS)}", param_hint="--variants"
         )
     report = measure(
         count,
@@ -844,7 +858,7 @@ def main(
         [int(n) for n in core_counts.split(",") if n],
         host,
         redis_beside,
-        chosen_collectors,
+        chosen_variants,
     )
     print_report(report)
     if json_out is not None:

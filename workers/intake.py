@@ -66,17 +66,10 @@ class Intake:
 
     async def run(self, windows: asyncio.Queue[Window | None], ready: asyncio.Event) -> None:
         """The reader: from when the compute stage is ``ready`` until the drain, windows to
-        ``windows`` (None at the end).
-
-        While the compute stage finds no window queued when it wants one (the host, not the
-        model, bounds the worker: issue 53) and waits for one, the next read runs beside the
-        opening of the one before, so that the tokenizer thread does not wait on a read's round
-        trips. Not where a tenant has a token rate: a read settles what the read before cost
-        once tokenized (workers/token_rate.py). One window is opened at a time, so windows
-        reach the compute stage in the order they were read."""
+        ``windows`` (None at the end), a read a turn (``_turn``)."""
         ride = RideOut("reading the ingest stream", self.parts.outages, self.parts.events)
         drained = False
-        opening: asyncio.Task[None] | None = None
+        openings = Openings()
         try:
             await first_set(ready, self.parts.stopping)
             while not self.parts.stopping.is_set():
@@ -84,28 +77,11 @@ class Intake:
                     await first_set(self.want_window, self.parts.stopping)
                     if self.parts.stopping.is_set():
                         break
-                    if opening is not None and not await self._compute_waits_before(opening):
-                        settled, opening = opening, None
-                        await settled  # opened first; the window it queued may be the one wanted
-                        continue
-                    entries = await self._next_entries()
-                    previous, opening = opening, None
-                    if previous is not None:  # the window read before this one goes first
-                        await self._opened_before(previous, entries)
-                    if entries:
-                        self.parts.events.entries_read(stream=entries[0].stream, count=len(entries))
-                        current = asyncio.ensure_future(self._intake_by_stream(entries, windows))
-                        if self.starved and not self.parts.consumer.rates.rated:
-                            opening = current  # awaited before the next read's window
-                        else:
-                            # the model is the bound, or a tenant's token rate charges each
-                            # read for the one before: the next window is read when wanted
-                            await current
-                    ride.succeeded()
+                    if await self._turn(windows, openings):
+                        ride.succeeded()
                 except Exception as error:
                     await ride.wait(transient_or_raise(error, System.REDIS))
-            if opening is not None:
-                last, opening = opening, None
+            for last in openings.take_all():
                 try:
                     await last
                 except Exception as error:  # a transient fault: its entries' leases run out
@@ -116,12 +92,47 @@ class Intake:
                 await self._intake_by_stream(leftover, windows)
             drained = True
         finally:
-            if opening is not None and not opening.done():
-                opening.cancel()  # its outcome is the fault being raised, not to be raised again
-                await asyncio.gather(opening, return_exceptions=True)
+            await openings.cancel()  # their outcome is the fault being raised, not raised again
             if not drained:
                 self.parts.consumer.abandon_waiting()
             await windows.put(None)
+
+    async def _turn(self, windows: asyncio.Queue[Window | None], openings: Openings) -> bool:
+        """One turn of the reader: an opening settled, or a read opened; whether it read.
+
+        While the compute stage finds no window queued when it wants one (the host, not the
+        model, bounds the worker: issue 53) and waits for one, the next read runs beside the
+        opening of the one before, and is opened beside it (two at most): one window's texts in
+        the tokenizer's Rust while the other's Python runs, so that neither the tokenizer nor a
+        core waits. Not where a tenant has a token rate: a read settles what the read before
+        cost once tokenized (workers/token_rate.py). A window waits for the one read before it
+        to be queued first, so windows reach the compute stage in the order they were read."""
+        if openings.earlier is not None:
+            # two openings at most: the next read waits for the older one, whose fault is
+            # raised here (the one after it is queued all the same)
+            await openings.take_earlier()
+            return False
+        latest = openings.latest
+        if latest is not None and not await self._compute_waits_before(latest):
+            openings.latest = None
+            await latest  # opened first; the window it queued may be the one wanted
+            return False
+        entries = await self._next_entries()
+        previous = openings.take_latest()
+        if not entries:
+            if previous is not None:
+                await previous
+            return True
+        openings.earlier = previous  # its fault is raised next turn
+        self.parts.events.entries_read(stream=entries[0].stream, count=len(entries))
+        current = asyncio.ensure_future(self._intake_by_stream(entries, windows, after=previous))
+        if self.starved and not self.parts.consumer.rates.rated:
+            openings.latest = current  # awaited before the next read's window
+        else:
+            # the model is the bound, or a tenant's token rate charges each read for the one
+            # before: the next window is read when wanted
+            await current
+        return True
 
     async def next_window(self, windows: asyncio.Queue[Window | None]) -> Window | None:
         """The next window; when none is queued, the reader is asked for one first."""
@@ -133,18 +144,6 @@ class Intake:
             return await windows.get()
         finally:
             self.compute_waits.clear()
-
-    async def _opened_before(
-        self, previous: asyncio.Future[None], entries: list[StreamEntry]
-    ) -> None:
-        """Await the opening of the read before ``entries``; should it fail, ``entries`` were
-        read, not lost: they are opened once the fault is ridden out."""
-        try:
-            await previous
-        except Exception:
-            if entries:
-                self._reclaimed.put_nowait(entries)
-            raise
 
     async def _compute_waits_before(self, opening: asyncio.Future[None]) -> bool:
         """Whether the compute stage waits for a window before ``opening`` is done. A read
@@ -180,17 +179,23 @@ class Intake:
         )
 
     async def _intake_by_stream(
-        self, entries: list[StreamEntry], windows: asyncio.Queue[Window | None]
+        self,
+        entries: list[StreamEntry],
+        windows: asyncio.Queue[Window | None],
+        after: asyncio.Future[None] | None = None,
     ) -> None:
         """Interactive entries to the compute stage's urgent queue, the rest as a bulk window
-        (a read can bring both: blocking reads on several streams, reclaimed entries)."""
+        (a read can bring both: blocking reads on several streams, reclaimed entries), each
+        queued once ``after`` (the opening of the read before) is done."""
         interactive = self.parts.consumer.interactive_stream
         urgent = [entry for entry in entries if entry.stream == interactive]
         bulk = [entry for entry in entries if entry.stream != interactive]
         if urgent:
+            await once_settled(after)
+            after = None
             await self._intake(urgent, windows, urgent=True)
         if bulk:
-            await self._intake(bulk, windows)
+            await self._intake(bulk, windows, after=after)
 
     async def _intake(
         self,
@@ -198,18 +203,22 @@ class Intake:
         windows: asyncio.Queue[Window | None],
         *,
         urgent: bool = False,
+        after: asyncio.Future[None] | None = None,
     ) -> None:
-        """Entries → one window, made in one call on the tokenizer thread
-        (``WindowOpener.open_window``); what it rejects is dead-lettered here, on the event
-        loop, before the window goes on.
+        """Entries → one window, made in one call on the tokenizer threads
+        (``WindowOpener.open_window``); once ``after`` (the opening of the read before) is
+        done, what it rejects is dead-lettered here, on the event loop, and the window goes on.
 
         Decoding and validation run there too, not on the event loop: at a GPU's rate they would
         take a large share of each second of the loop, in stalls per read that delay writes, acks
         and query reads alike (docs/BENCHMARKS.md, GPU check)."""
         opened = time.monotonic()
-        window, rejected = await self.opener.open_window(entries)
-        if not urgent:
-            self.open_s = time.monotonic() - opened
+        try:
+            window, rejected = await self.opener.open_window(entries)
+            if not urgent:
+                self.open_s = time.monotonic() - opened
+        finally:
+            await once_settled(after)  # the window read before this one goes first
         await self.dead_letter(rejected)
         await self.drop_expired(window.expired)
         if window.empty:
@@ -245,6 +254,43 @@ class Intake:
     async def dead_letter(self, rejected: list[Rejected]) -> None:
         await self.parts.dead_letters.send(rejected)
         self.parts.in_flight.release(rejected)
+
+
+class Openings:
+    """The reader's openings still running: the latest read's and, while it runs, the one
+    read before it (two at most)."""
+
+    def __init__(self) -> None:
+        self.latest: asyncio.Future[None] | None = None
+        self.earlier: asyncio.Future[None] | None = None
+
+    def take_latest(self) -> asyncio.Future[None] | None:
+        latest, self.latest = self.latest, None
+        return latest
+
+    def take_earlier(self) -> asyncio.Future[None]:
+        earlier, self.earlier = self.earlier, None
+        assert earlier is not None
+        return earlier
+
+    def take_all(self) -> list[asyncio.Future[None]]:
+        """Both, the older first, for the drain to await."""
+        both = [task for task in (self.earlier, self.latest) if task is not None]
+        self.earlier = self.latest = None
+        return both
+
+    async def cancel(self) -> None:
+        unsettled = [task for task in self.take_all() if not task.done()]
+        for task in unsettled:
+            task.cancel()
+        await asyncio.gather(*unsettled, return_exceptions=True)
+
+
+async def once_settled(opening: asyncio.Future[None] | None) -> None:
+    """Once the opening of the read before is done, failed or not: its fault is the reader's to
+    raise (it holds that opening), and this read's window is queued all the same."""
+    if opening is not None:
+        await asyncio.gather(opening, return_exceptions=True)
 
 
 async def first_set(*events: asyncio.Event) -> None:

@@ -32,13 +32,23 @@ from embedfleet.workers.reclaim import InFlight
 @dataclass
 class Threads:
     """The worker's own threads: one runs the model (queries and bulk batches, never two
-    forward passes at once), one tokenizes and collates, one waits for copy backs (CUDA)."""
+    forward passes at once), two open windows (decode, tokenize, plan, collate), one runs the
+    windows' batch tokenizer calls, one waits for copy backs (CUDA)."""
 
     model: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
     )
+    # Two, so that while one window's texts are in the tokenizer's Rust (``encode``), the
+    # next window's Python (decode, validate) and the one before's (plan, collate) run beside
+    # it: one thread alone left a core idle for each window's Python (docs/BENCHMARKS.md, stop
+    # 65). Windows still reach the compute stage in read order (workers/intake.py).
     tokenizer: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        default_factory=lambda: ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+    )
+    # One: the windows' batch tokenizer calls one at a time, each on every core (the
+    # tokenizers library's own pool), never two sharing the cores in step.
+    encode: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode")
     )
     # waits for copy backs off the event loop and off the model thread (CUDA only)
     collect: ThreadPoolExecutor = field(
@@ -47,7 +57,7 @@ class Threads:
 
     def shutdown(self) -> None:
         """Queued work is cancelled; a forward pass already running is not waited for."""
-        for thread in (self.model, self.tokenizer, self.collect):
+        for thread in (self.model, self.tokenizer, self.encode, self.collect):
             thread.shutdown(wait=False, cancel_futures=True)
 
 

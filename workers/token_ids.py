@@ -13,6 +13,7 @@ from __future__ import annotations
 import array
 import functools
 from collections.abc import Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -77,14 +78,19 @@ def _expected(fingerprint: str, prompt: str) -> str:
 
 
 def tokenize_chunks(
-    chunks: Sequence[Chunk], prompts: Sequence[str], encoder: Encoder
+    chunks: Sequence[Chunk],
+    prompts: Sequence[str],
+    encoder: Encoder,
+    encode_on: Executor | None = None,
 ) -> TokenizedChunks:
     """Each chunk's tokens: its producer's ids where usable, else its text tokenized (one
-    batch call for all of those, ``Encoder.tokenize``); refused chunks are left out."""
+    batch call for all of those, ``Encoder.tokenize``, on ``encode_on`` where given); refused
+    chunks are left out."""
     if encoder.representation == "rerank" or all(c.token_ids is None for c in chunks):
         # none brought ids (or a cross-encoder, which tokenizes its pairs): all tokenized here,
         # none refused, in the chunks' order
-        return TokenizedChunks(list(range(len(chunks))), _tokenize(chunks, prompts, encoder))
+        tokens = _tokenize(chunks, prompts, encoder, encode_on)
+        return TokenizedChunks(list(range(len(chunks))), tokens)
     out = TokenizedChunks()
     given: dict[int, Tokenized] = {}
     to_tokenize: list[int] = []
@@ -108,7 +114,7 @@ def tokenize_chunks(
             given[position] = encoder.text.from_ids(ids, prompts[position])
     if to_tokenize:
         made = _tokenize(
-            [chunks[p] for p in to_tokenize], [prompts[p] for p in to_tokenize], encoder
+            [chunks[p] for p in to_tokenize], [prompts[p] for p in to_tokenize], encoder, encode_on
         )
         given.update(zip(to_tokenize, made, strict=True))
     out.kept = sorted(given)  # every position not refused, in order
@@ -116,11 +122,14 @@ def tokenize_chunks(
     return out
 
 
-def _tokenize(chunks: Sequence[Chunk], prompts: Sequence[str], encoder: Encoder) -> list[Tokenized]:
+def _tokenize(
+    chunks: Sequence[Chunk], prompts: Sequence[str], encoder: Encoder, encode_on: Executor | None
+) -> list[Tokenized]:
     """The chunks' texts tokenized in one batch call (their prompts joined where any has one,
     a cross-encoder's pairs where any has one)."""
     return encoder.tokenize(
         [chunk.text for chunk in chunks],
         list(prompts) if any(prompts) else None,
         pairs=pairs_of(chunks),
+        encode_on=encode_on,
     )

@@ -4,7 +4,9 @@ cache, tokenized) and planned into batches before the compute stage runs them.
 ``WindowOpener.open_window`` makes one read a window: on the tokenizer thread decoded, validated
 and given prompts and content keys, those past their deadline set aside (workers/deadlines.py);
 looked up in the vector cache on the event loop (workers/cache_lookup.py: a hit's result is made
-from the stored vector and skips the model); on the tokenizer thread again tokenized, long
+from the stored vector and skips the model); on the tokenizer thread again tokenized (the batch
+call on the encoding thread, one window's at a time, while the other tokenizer thread runs the
+Python of the window read before or after it: workers/intake.py), long
 inputs split into token windows (workers/long_inputs.py), texts over the model's maximum set
 aside (workers/overlong.py), sorted by length, planned into batches by token budget and
 collated into host buffers. The reader that calls it: workers/intake.py.
@@ -174,7 +176,9 @@ class WindowOpener:
         if not rest:
             return Window([], [], [], expired=expired, cached=cached, images=images)
         chunks = [accepted[p].chunk for p in rest]
-        tokenized = tokenize_chunks(chunks, [prompts[p] for p in rest], self.parts.encoder)
+        tokenized = tokenize_chunks(
+            chunks, [prompts[p] for p in rest], self.parts.encoder, self.parts.threads.encode
+        )
         if tokenized.refused:
             rejected += [
                 Rejected.chunk(accepted[rest[i]].delivery, chunks[i], DeadReason.TOKENIZER, reason)

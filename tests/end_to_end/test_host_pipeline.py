@@ -20,15 +20,18 @@ def test_host_pipeline_smoke(tmp_path: Path) -> None:
     arguments = ["--texts", "60", "--processes", "1", "--rounds", "1", "--json", str(out)]
     # redis-server pinned to each run's CPUs (here all of them: no --cores)
     arguments.append("--redis-beside")
+    # each configuration beside its twin with one tokenizer thread (the A/B of stop 65)
+    arguments += ["--variants", "worker,one-opening"]
     result = CliRunner().invoke(main, arguments)
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert report["tokenizer_floor_texts_per_s"] > 0
     assert report["redis_beside"] is True
-    assert {(c["processes"], c["path"]) for c in report["configs"]} == {
-        (1, "before"),
-        (1, "after"),
-        (1, "ids"),  # the chunks carry their producer's token ids (issue 53)
+    assert {(c["processes"], c["path"], c["variant"]) for c in report["configs"]} == {
+        (1, path, variant)
+        # "ids": the chunks carry their producer's token ids (issue 53)
+        for path in ("before", "after", "ids")
+        for variant in ("worker", "one-opening")
     }
     for config in report["configs"]:
         assert config["texts_per_s"] > 0 and config["tokens_per_s"] > config["texts_per_s"]
@@ -47,8 +50,10 @@ def test_host_pipeline_smoke(tmp_path: Path) -> None:
     tokenize = {
         config["path"]: {row["stage"]: row["us_per_entry"] for row in config["stages"]}["tokenize"]
         for config in report["configs"]
+        if config["variant"] == "worker"
     }
     assert tokenize["ids"] < 0.5 * tokenize["after"], tokenize
     assert "| tokenize | tokenizer |" in result.output
     assert "per process ÷ tokenizer floor" in result.output
     assert "producer's token ids ÷ tokenizing, texts per CPU second" in result.output
+    assert "the worker ÷ one-opening, 1 process, after, texts/s: per round" in result.output

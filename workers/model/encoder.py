@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 
 import numpy as np
 import torch
@@ -244,6 +245,7 @@ class Encoder(KeptPath):
         prompts: Sequence[str] | None = None,
         *,
         pairs: Sequence[str | None] | None = None,
+        encode_on: Executor | None = None,
     ) -> list[Tokenized]:
         """Token ids per text (``prompt + text`` where a prompt is given, as
         sentence-transformers joins them, so prompt tokens count against the maximum), cut to
@@ -251,13 +253,14 @@ class Encoder(KeptPath):
         :meth:`tokenize_pairs`, (text, pair) where ``pairs`` gives the text a document, the
         text alone where not.
 
-        The batch call runs in Rust and releases the GIL, so callers put it on a thread.
+        The batch call runs in Rust and releases the GIL, so callers put it on a thread; with
+        ``encode_on`` (single texts only) it runs on that executor's thread instead.
         """
         if pairs is not None or self.representation == "rerank":
             # a cross-encoder's texts go through its own tokenizer, paired or alone, as
             # CrossEncoder and the text-classification pipeline tokenize them
             return self.tokenize_pairs(texts, pairs if pairs is not None else [None] * len(texts))
-        return self.text.tokenize(texts, prompts)
+        return self.text.tokenize(texts, prompts, encode_on)
 
     def tokenize_pairs(
         self, queries: Sequence[str], documents: Sequence[str | None]

@@ -14,6 +14,7 @@ import array
 import functools
 import os
 from collections.abc import Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -166,11 +167,20 @@ class TextTokenizer:
         return length
 
     # --- tokenize ---------------------------------------------------------------------
-    def tokenize(self, texts: Sequence[str], prompts: Sequence[str] | None) -> list[Tokenized]:
-        """Token ids per single text, cut to the maximum (``Encoder.tokenize``)."""
+    def tokenize(
+        self,
+        texts: Sequence[str],
+        prompts: Sequence[str] | None,
+        encode_on: Executor | None = None,
+    ) -> list[Tokenized]:
+        """Token ids per single text, cut to the maximum (``Encoder.tokenize``); the batch call
+        on ``encode_on`` where given (the bulk reader's encoding thread), waited for here."""
         if prompts is not None:
             texts = [prompt + text for prompt, text in zip(prompts, texts, strict=True)]
-        rows = encode_for_model(self.backend, texts, self.max_length)
+        if encode_on is None:
+            rows = encode_for_model(self.backend, texts, self.max_length)
+        else:
+            rows = encode_on.submit(encode_for_model, self.backend, texts, self.max_length).result()
         fit = self._fit
         if prompts is None or not any(prompts):
             return [fit(ids) for ids in rows]

@@ -1,5 +1,5 @@
 """loadtest/host_pipeline.py's pure parts: the 2 ÷ 1 core ratio read round by round, and its
-bound where redis-server shares the worker's two cores; the collector A/B's configurations
+bound where redis-server shares the worker's two cores; the A/B variants' configurations
 (issue 53)."""
 
 from __future__ import annotations
@@ -59,15 +59,19 @@ def test_with_redis_beside_the_worker_both_runs_pay_it_and_the_bound_is_two() ->
     assert "90% of them used" in line
 
 
-def test_a_configuration_with_pythons_collector_is_told_apart_from_its_worker_twin() -> None:
+def test_each_variant_is_told_apart_from_its_worker_twin() -> None:
     worker = Config(1, "after", 2)
-    python = Config(1, "after", 2, collector="python")
+    python = Config(1, "after", 2, variant="python-collector")
+    one = Config(1, "after", 2, variant="one-opening")
     assert worker.label == "1 process, after, 2 cores"
     assert python.label == "1 process, after, 2 cores, Python's collector"
-    assert worker != python  # each keeps its own runs
+    assert one.label == "1 process, after, 2 cores, one opening at a time"
+    assert len({worker, python, one}) == 3  # each keeps its own runs
 
 
-def test_an_unknown_collector_is_refused_before_anything_runs() -> None:
-    result = CliRunner().invoke(main, ["--collectors", "worker,gc"])
+def test_an_unknown_variant_is_refused_before_anything_runs() -> None:
+    result = CliRunner().invoke(main, ["--variants", "worker,gc"])
     assert result.exit_code == 2
-    assert "'worker,gc': name one or both of worker, python" in result.output
+    assert "'worker,gc': name one or more of worker, python-collector, one-opening" in (
+        result.output
+    )

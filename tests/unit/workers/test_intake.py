@@ -1,5 +1,6 @@
 """workers/intake.py's reader: when the compute stage finds no window queued (the host bounds
-the worker), the next read runs beside the opening of the one before (issue 53); otherwise,
+the worker), the next read runs beside the opening of the one before and is opened beside it,
+two at most (issue 53); otherwise,
 and wherever a tenant has a token rate, a window is read only once the one before is opened.
 Windows reach the compute stage in the order they were read either way. The stages around it
 are fakes: what is tested is the order of reads and openings."""
@@ -7,7 +8,7 @@ are fakes: what is tested is the order of reads and openings."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -25,18 +26,24 @@ READS = 3  # windows the fake stream holds before the reader is stopped
 @dataclass
 class FakeOpener:
     """Opens read ``n`` as a window of one chunk, ``n``; read 1's opening may be held until
-    read 2 has happened (``hold_first``), read 2's for some turns of the event loop
-    (``slow_second``)."""
+    read 2 has happened (``hold_first``) or until read 2's opening has begun
+    (``until_second_opens``), read 2's for some turns of the event loop (``slow_second``)."""
 
     log: list[str]
     second_read: asyncio.Event
     hold_first: bool
     fail_first: bool
     slow_second: bool
+    until_second_opens: bool = False
+    second_opens: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def open_window(self, entries: list[StreamEntry]) -> tuple[Window, list[Any]]:
         number = int(entries[0].entry_id.split("-")[0])
         self.log.append(f"open {number}")
+        if number == 2:
+            self.second_opens.set()
+        if number == 1 and self.until_second_opens:
+            await self.second_opens.wait()  # only a second opening beside this one gets past
         if number == 1 and self.hold_first:
             await self.second_read.wait()
             if self.fail_first:  # Redis went away while it was opened (say, the cache lookup)
@@ -88,7 +95,12 @@ def fake_parts(log: list[str], second_read: asyncio.Event, rated: list[str]) -> 
 
 
 async def run_reader(
-    *, starved: bool, rated: list[str], fail_first: bool = False, starved_once: bool = False
+    *,
+    starved: bool,
+    rated: list[str],
+    fail_first: bool = False,
+    starved_once: bool = False,
+    until_second_opens: bool = False,
 ) -> tuple[list[str], list[list[str]]]:
     """The reader over the fake stream, with a compute stage that takes each window as it
     comes: through ``next_window`` (it finds none queued: ``starved``) or, not starved, by
@@ -99,7 +111,14 @@ async def run_reader(
     parts = fake_parts(log, second_read, rated)
     reader = Intake(parts, prepare=lambda window: [])
     hold_first = starved and not rated
-    opener = FakeOpener(log, second_read, hold_first, fail_first, slow_second=starved_once)
+    opener = FakeOpener(
+        log,
+        second_read,
+        hold_first and not until_second_opens,
+        fail_first,
+        slow_second=starved_once,
+        until_second_opens=until_second_opens,
+    )
     reader.opener = opener  # type: ignore[assignment]
     windows: asyncio.Queue[Window | None] = asyncio.Queue()
     ready = asyncio.Event()
@@ -135,10 +154,22 @@ def test_a_starved_compute_stage_gets_the_next_read_beside_the_opening() -> None
     assert got == [["chunk 1"], ["chunk 2"], ["chunk 3"]]
 
 
+def test_a_read_ahead_is_opened_beside_the_opening_before_it_and_queued_after_it() -> None:
+    """Read 1's opening ends only once read 2's has begun: the two run at once (one window's
+    texts in the tokenizer's Rust while the other's Python runs), and read 2's window still
+    reaches the compute stage after read 1's. Opened one at a time, this would time out."""
+    log, got = asyncio.run(run_reader(starved=True, rated=[], until_second_opens=True))
+    assert log.index("open 2") < log.index("opened 1")
+    assert got == [["chunk 1"], ["chunk 2"], ["chunk 3"]]
+    # two openings at most: read 3 waits until read 1's is done
+    assert log.index("opened 1") < log.index("read 3")
+
+
 def test_a_read_ahead_is_kept_when_the_opening_before_it_fails() -> None:
     """Read 1's opening fails on a transient fault after read 2 was read ahead: the reader
-    rides the fault out and opens read 2's entries then, without reading them again (read 1's
-    entries are left to their lease, as any window's that a fault drops)."""
+    rides the fault out, and read 2's window, opened beside it, is queued all the same, opened
+    once and not read again (read 1's entries are left to their lease, as any window's that a
+    fault drops)."""
     log, got = asyncio.run(run_reader(starved=True, rated=[], fail_first=True))
     assert got == [["chunk 2"], ["chunk 3"]]
     assert log.count("read 2") == 1 and log.count("opened 2") == 1
