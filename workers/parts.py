@@ -21,6 +21,7 @@ from embedfleet.shared.vector_cache import VectorCache
 from embedfleet.sinks import Sink
 from embedfleet.workers.calibration import Calibration, CalibrationStore
 from embedfleet.workers.consumer import StreamConsumer
+from embedfleet.workers.cpus import usable_cpus
 from embedfleet.workers.dead_letter_writer import DeadLetters
 from embedfleet.workers.events import StatsEvents, WorkerEvents, WorkerStats
 from embedfleet.workers.model.encoder import Encoder
@@ -32,18 +33,21 @@ from embedfleet.workers.reclaim import InFlight
 @dataclass
 class Threads:
     """The worker's own threads: one runs the model (queries and bulk batches, never two
-    forward passes at once), two open windows (decode, tokenize, plan, collate), one runs the
-    windows' batch tokenizer calls, one waits for copy backs (CUDA)."""
+    forward passes at once), two open windows (decode, tokenize, plan, collate; one on a single
+    CPU), one runs the windows' batch tokenizer calls, one waits for copy backs (CUDA)."""
 
     model: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
     )
-    # Two, so that while one window's texts are in the tokenizer's Rust (``encode``), the
-    # next window's Python (decode, validate) and the one before's (plan, collate) run beside
-    # it: one thread alone left a core idle for each window's Python (docs/BENCHMARKS.md, stop
-    # 65). Windows still reach the compute stage in read order (workers/intake.py).
+    # Two where there is a second CPU, so that while one window's texts are in the
+    # tokenizer's Rust (``encode``), the next window's Python (decode, validate) and the one
+    # before's (plan, collate) run beside it: one thread alone left a core idle for each
+    # window's Python (docs/BENCHMARKS.md, stop 65). On one CPU they would only take turns.
+    # Windows still reach the compute stage in read order (workers/intake.py).
     tokenizer: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+        default_factory=lambda: ThreadPoolExecutor(
+            max_workers=2 if usable_cpus() > 1 else 1, thread_name_prefix="tokenize"
+        )
     )
     # One: the windows' batch tokenizer calls one at a time, each on every core (the
     # tokenizers library's own pool), never two sharing the cores in step.

@@ -10,8 +10,9 @@ the forward pass overlap while memory stays bounded:
              thread again tokenize the rest (the batch call on the encoding
              thread), sort by length, plan batches by token budget and collate
              them into host buffers; dead-letter bad input (on the event loop).
-             A host-bound worker opens the next read beside the one before
-             (two tokenizer threads): one's Python beside the other's Rust      → windows
+             A host-bound worker with two CPUs opens the next read beside the
+             one before (two tokenizer threads): one's Python beside the
+             other's Rust                                                       → windows
     compute  launch each batch on the model thread (workers/compute.py; workers/bulk.py:
              padded or varlen; on CUDA batch i+1 is queued before batch i is collected);
              on a CPU queries get in between transformer layers (or, through the
