@@ -102,11 +102,12 @@ class Intake:
 
         While the compute stage finds no window queued when it wants one (the host, not the
         model, bounds the worker: issue 53) and waits for one, the next read runs beside the
-        opening of the one before, and is opened beside it (two at most): one window's texts in
-        the tokenizer's Rust while the other's Python runs, so that neither the tokenizer nor a
-        core waits. Not where a tenant has a token rate: a read settles what the read before
-        cost once tokenized (workers/token_rate.py). A window waits for the one read before it
-        to be queued first, so windows reach the compute stage in the order they were read."""
+        opening of the one before, and is opened beside it (two at most) where the windows have
+        texts to tokenize: one window's texts in the tokenizer's Rust while the other's Python
+        runs, so that neither the tokenizer nor a core waits. Not where a tenant has a token
+        rate: a read settles what the read before cost once tokenized (workers/token_rate.py).
+        A window waits for the one read before it to be queued first, so windows reach the
+        compute stage in the order they were read."""
         if openings.earlier is not None:
             # two openings at most: the next read waits for the older one, whose fault is
             # raised here (the one after it is queued all the same)
@@ -119,9 +120,11 @@ class Intake:
             return False
         entries = await self._next_entries()
         previous = openings.take_latest()
+        if previous is not None and (not entries or not self.opener.tokenizes):
+            # nothing to open beside it: no read, or windows of producers' ids (all Python)
+            await self._opened_before(previous, entries)
+            previous = None
         if not entries:
-            if previous is not None:
-                await previous
             return True
         openings.earlier = previous  # its fault is raised next turn
         self.parts.events.entries_read(stream=entries[0].stream, count=len(entries))
@@ -144,6 +147,18 @@ class Intake:
             return await windows.get()
         finally:
             self.compute_waits.clear()
+
+    async def _opened_before(
+        self, previous: asyncio.Future[None], entries: list[StreamEntry]
+    ) -> None:
+        """Await the opening of the read before ``entries``; should it fail, ``entries`` were
+        read, not lost: they are opened once the fault is ridden out."""
+        try:
+            await previous
+        except Exception:
+            if entries:
+                self._reclaimed.put_nowait(entries)
+            raise
 
     async def _compute_waits_before(self, opening: asyncio.Future[None]) -> bool:
         """Whether the compute stage waits for a window before ``opening`` is done. A read

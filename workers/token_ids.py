@@ -37,6 +37,8 @@ class TokenizedChunks:
     kept: list[int] = field(default_factory=list)
     tokens: list[Tokenized] = field(default_factory=list)
     refused: list[tuple[int, str]] = field(default_factory=list)
+    # how many were tokenized here; the others brought their producer's ids
+    tokenized_here: int = 0
 
 
 def producer_ids(chunk: Chunk, prompt: str, encoder: Encoder) -> bytes | None:
@@ -90,7 +92,7 @@ def tokenize_chunks(
         # none brought ids (or a cross-encoder, which tokenizes its pairs): all tokenized here,
         # none refused, in the chunks' order
         tokens = _tokenize(chunks, prompts, encoder, encode_on)
-        return TokenizedChunks(list(range(len(chunks))), tokens)
+        return TokenizedChunks(list(range(len(chunks))), tokens, tokenized_here=len(chunks))
     out = TokenizedChunks()
     given: dict[int, Tokenized] = {}
     to_tokenize: list[int] = []
@@ -117,6 +119,7 @@ def tokenize_chunks(
             [chunks[p] for p in to_tokenize], [prompts[p] for p in to_tokenize], encoder, encode_on
         )
         given.update(zip(to_tokenize, made, strict=True))
+        out.tokenized_here = len(to_tokenize)
     out.kept = sorted(given)  # every position not refused, in order
     out.tokens = [given[position] for position in out.kept]
     return out

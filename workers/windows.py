@@ -111,6 +111,10 @@ class WindowOpener:
         self._images = ImagePipeline.for_encoder(
             parts.encoder, settings.max_image_bytes, ImageSources.of(settings)
         )
+        # whether the latest window opened had texts to tokenize here: the tokenizer's Rust
+        # that a window opened beside it runs its Python against (workers/intake.py); windows
+        # of producers' ids are all Python, which two threads would only take turns on
+        self.tokenizes = True
 
     async def open_window(self, entries: list[StreamEntry]) -> tuple[Window, list[Rejected]]:
         """Entries → a window, and what to dead-letter: decoded, validated and given their
@@ -179,6 +183,7 @@ class WindowOpener:
         tokenized = tokenize_chunks(
             chunks, [prompts[p] for p in rest], self.parts.encoder, self.parts.threads.encode
         )
+        self.tokenizes = tokenized.tokenized_here > 0
         if tokenized.refused:
             rejected += [
                 Rejected.chunk(accepted[rest[i]].delivery, chunks[i], DeadReason.TOKENIZER, reason)

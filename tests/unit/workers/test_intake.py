@@ -36,6 +36,10 @@ class FakeOpener:
     slow_second: bool
     until_second_opens: bool = False
     second_opens: asyncio.Event = field(default_factory=asyncio.Event)
+    # whether its windows had texts to tokenize (False: producers' ids, all Python)
+    tokenizes: bool = True
+    # turns of the event loop read 1's opening takes once read 2 has happened
+    first_turns: int = 0
 
     async def open_window(self, entries: list[StreamEntry]) -> tuple[Window, list[Any]]:
         number = int(entries[0].entry_id.split("-")[0])
@@ -46,6 +50,8 @@ class FakeOpener:
             await self.second_opens.wait()  # only a second opening beside this one gets past
         if number == 1 and self.hold_first:
             await self.second_read.wait()
+            for _ in range(self.first_turns):
+                await asyncio.sleep(0)
             if self.fail_first:  # Redis went away while it was opened (say, the cache lookup)
                 raise redis.exceptions.ConnectionError("Connection refused")
         if number == 2 and self.slow_second:  # an opening that takes the event loop's turns
@@ -101,6 +107,8 @@ async def run_reader(
     fail_first: bool = False,
     starved_once: bool = False,
     until_second_opens: bool = False,
+    tokenizes: bool = True,
+    first_turns: int = 0,
 ) -> tuple[list[str], list[list[str]]]:
     """The reader over the fake stream, with a compute stage that takes each window as it
     comes: through ``next_window`` (it finds none queued: ``starved``) or, not starved, by
@@ -118,6 +126,8 @@ async def run_reader(
         fail_first,
         slow_second=starved_once,
         until_second_opens=until_second_opens,
+        tokenizes=tokenizes,
+        first_turns=first_turns,
     )
     reader.opener = opener  # type: ignore[assignment]
     windows: asyncio.Queue[Window | None] = asyncio.Queue()
@@ -150,7 +160,7 @@ def no_real_opener(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_starved_compute_stage_gets_the_next_read_beside_the_opening() -> None:
     log, got = asyncio.run(run_reader(starved=True, rated=[]))
     # read 1's opening is held until read 2 has happened: only a read ahead gets past it
-    assert log.index("read 2") < log.index("opened 1") < log.index("open 2")
+    assert log.index("read 2") < log.index("opened 1")
     assert got == [["chunk 1"], ["chunk 2"], ["chunk 3"]]
 
 
@@ -163,6 +173,19 @@ def test_a_read_ahead_is_opened_beside_the_opening_before_it_and_queued_after_it
     assert got == [["chunk 1"], ["chunk 2"], ["chunk 3"]]
     # two openings at most: read 3 waits until read 1's is done
     assert log.index("opened 1") < log.index("read 3")
+
+
+@pytest.mark.parametrize("tokenizes", [True, False], ids=["texts", "producers' ids"])
+def test_a_read_ahead_is_opened_beside_only_windows_with_texts_to_tokenize(
+    tokenizes: bool,
+) -> None:
+    """Read 1's opening takes 50 turns of the event loop once read 2 has happened: read 2's
+    opening starts in them where the windows have texts to tokenize (one's Rust beside the
+    other's Python), and only after it where they are producers' ids: all Python, which two
+    threads would only take turns on."""
+    log, got = asyncio.run(run_reader(starved=True, rated=[], tokenizes=tokenizes, first_turns=50))
+    assert (log.index("open 2") < log.index("opened 1")) is tokenizes
+    assert got == [["chunk 1"], ["chunk 2"], ["chunk 3"]]
 
 
 def test_a_read_ahead_is_kept_when_the_opening_before_it_fails() -> None:
