@@ -103,8 +103,9 @@ class Intake:
         While the compute stage finds no window queued when it wants one (the host, not the
         model, bounds the worker: issue 53) and waits for one, the next read runs beside the
         opening of the one before, and is opened beside it (two at most) where the windows have
-        texts to tokenize: one window's texts in the tokenizer's Rust while the other's Python
-        runs, so that neither the tokenizer nor a core waits. Not where a tenant has a token
+        texts to tokenize and both reads fit in one read's bytes: one window's texts in the
+        tokenizer's Rust while the other's Python runs, so that neither the tokenizer nor a core
+        waits. Not where a tenant has a token
         rate: a read settles what the read before cost once tokenized (workers/token_rate.py).
         A window waits for the one read before it to be queued first, so windows reach the
         compute stage in the order they were read."""
@@ -119,9 +120,15 @@ class Intake:
             await latest  # opened first; the window it queued may be the one wanted
             return False
         entries = await self._next_entries()
+        size = sum(len(entry.payload) for entry in entries if entry.payload is not None)
+        beside = (
+            self.opener.tokenizes  # not windows of producers' ids: all Python, no Rust
+            # both reads' text held at once no more than one full read's (the memory bound,
+            # docs/OPERATIONS.md): reads of long texts, full by bytes, are opened in turn
+            and openings.latest_bytes + size <= self.parts.batching.read_max_bytes
+        )
         previous = openings.take_latest()
-        if previous is not None and (not entries or not self.opener.tokenizes):
-            # nothing to open beside it: no read, or windows of producers' ids (all Python)
+        if previous is not None and (not entries or not beside):
             await self._opened_before(previous, entries)
             previous = None
         if not entries:
@@ -131,6 +138,7 @@ class Intake:
         current = asyncio.ensure_future(self._intake_by_stream(entries, windows, after=previous))
         if self.starved and not self.parts.consumer.rates.rated:
             openings.latest = current  # awaited before the next read's window
+            openings.latest_bytes = size
         else:
             # the model is the bound, or a tenant's token rate charges each read for the one
             # before: the next window is read when wanted
@@ -277,6 +285,7 @@ class Openings:
 
     def __init__(self) -> None:
         self.latest: asyncio.Future[None] | None = None
+        self.latest_bytes = 0  # the latest read's payload
         self.earlier: asyncio.Future[None] | None = None
 
     def take_latest(self) -> asyncio.Future[None] | None:

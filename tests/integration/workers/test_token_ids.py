@@ -54,9 +54,9 @@ def texts_tokenized(worker: Any) -> Iterator[set[str]]:
     tokenized: set[str] = set()
     original = text.tokenize
 
-    def counting(texts: Sequence[str], prompts: Sequence[str] | None = None) -> Any:
+    def counting(texts: Sequence[str], prompts: Sequence[str] | None = None, *more: Any) -> Any:
         tokenized.update(texts)
-        return original(texts, prompts)
+        return original(texts, prompts, *more)
 
     text.tokenize = counting
     try:

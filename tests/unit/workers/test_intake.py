@@ -61,7 +61,12 @@ class FakeOpener:
         return Window([f"chunk {number}"], [f"entry {number}"], []), []  # type: ignore[list-item]
 
 
-def fake_parts(log: list[str], second_read: asyncio.Event, rated: list[str]) -> Any:
+READ_MAX_BYTES = 100  # the fake reads' EMBEDFLEET_READ_MAX_BYTES
+
+
+def fake_parts(
+    log: list[str], second_read: asyncio.Event, rated: list[str], payload: bytes = b""
+) -> Any:
     stopping = asyncio.Event()
     reads = 0
 
@@ -74,7 +79,7 @@ def fake_parts(log: list[str], second_read: asyncio.Event, rated: list[str]) -> 
         log.append(f"read {reads}")
         if reads == 2:
             second_read.set()
-        return [StreamEntry("ingest", f"{reads}-0", b"", {})]
+        return [StreamEntry("ingest", f"{reads}-0", payload, {})]
 
     async def nothing(*args: object, **kwargs: object) -> list[StreamEntry]:
         return []
@@ -89,7 +94,7 @@ def fake_parts(log: list[str], second_read: asyncio.Event, rated: list[str]) -> 
     return SimpleNamespace(
         stopping=stopping,
         consumer=consumer,
-        batching=SimpleNamespace(read_count=READS),
+        batching=SimpleNamespace(read_count=READS, read_max_bytes=READ_MAX_BYTES),
         settings=SimpleNamespace(block_ms=10),
         events=SimpleNamespace(
             entries_read=lambda **kwargs: None, transient_fault=lambda **kwargs: None
@@ -109,6 +114,7 @@ async def run_reader(
     until_second_opens: bool = False,
     tokenizes: bool = True,
     first_turns: int = 0,
+    payload: bytes = b"",
 ) -> tuple[list[str], list[list[str]]]:
     """The reader over the fake stream, with a compute stage that takes each window as it
     comes: through ``next_window`` (it finds none queued: ``starved``) or, not starved, by
@@ -116,7 +122,7 @@ async def run_reader(
     ``starved_once``: the first window through ``next_window``, the rest as not starved."""
     log: list[str] = []
     second_read = asyncio.Event()
-    parts = fake_parts(log, second_read, rated)
+    parts = fake_parts(log, second_read, rated, payload)
     reader = Intake(parts, prepare=lambda window: [])
     hold_first = starved and not rated
     opener = FakeOpener(
@@ -185,6 +191,22 @@ def test_a_read_ahead_is_opened_beside_only_windows_with_texts_to_tokenize(
     threads would only take turns on."""
     log, got = asyncio.run(run_reader(starved=True, rated=[], tokenizes=tokenizes, first_turns=50))
     assert (log.index("open 2") < log.index("opened 1")) is tokenizes
+    assert got == [["chunk 1"], ["chunk 2"], ["chunk 3"]]
+
+
+@pytest.mark.parametrize(
+    ("payload_bytes", "beside"), [(50, True), (51, False)], ids=["within", "over"]
+)
+def test_two_reads_are_opened_at_once_only_within_one_reads_bytes(
+    payload_bytes: int, beside: bool
+) -> None:
+    """Two openings hold both reads' text at once: only while the two together stay within
+    EMBEDFLEET_READ_MAX_BYTES, so that a worker's memory bound for one read holds
+    (docs/OPERATIONS.md); reads of long texts, full by bytes, are opened in turn."""
+    log, got = asyncio.run(
+        run_reader(starved=True, rated=[], first_turns=50, payload=b"x" * payload_bytes)
+    )
+    assert (log.index("open 2") < log.index("opened 1")) is beside
     assert got == [["chunk 1"], ["chunk 2"], ["chunk 3"]]
 
 
