@@ -98,7 +98,8 @@ STAGES: tuple[tuple[str, str], ...] = (
     ("pack msgpack", "event loop"),
     ("write + acknowledge", "event loop (await)"),
 )
-# ThreadPoolExecutor name prefixes of the worker's threads (workers/worker.py)
+# ThreadPoolExecutor name prefixes of the worker's threads (workers/parts.py Threads); the
+# encoding thread's batch tokenizer calls count as the tokenizer's
 THREAD_PREFIXES = {
     "tokenize": "tokenizer",
     "encode": "tokenizer",

@@ -105,10 +105,9 @@ class Intake:
         opening of the one before, and is opened beside it (two at most) where the windows have
         texts to tokenize and both reads fit in one read's bytes: one window's texts in the
         tokenizer's Rust while the other's Python runs, so that neither the tokenizer nor a core
-        waits. Not where a tenant has a token
-        rate: a read settles what the read before cost once tokenized (workers/token_rate.py).
-        A window waits for the one read before it to be queued first, so windows reach the
-        compute stage in the order they were read."""
+        waits. Not where a tenant has a token rate: a read settles what the read before cost
+        once tokenized (workers/token_rate.py). A window waits for the one read before it to be
+        queued first, so windows reach the compute stage in the order they were read."""
         if openings.earlier is not None:
             # two openings at most: the next read waits for the older one, whose fault is
             # raised here (the one after it is queued all the same)
