@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -26,11 +27,15 @@ log = get_logger("embedfleet.worker")
 
 @dataclass(frozen=True)
 class Rejected:
-    """One entry that will not be embedded: the reason code, and the detail for a person."""
+    """One entry that will not be embedded: the reason code, and the detail for a person.
+
+    Its fields are its dead letter's (``dead_letter_fields``' arguments, by the same names), but
+    for ``reply`` and ``tenant``, which its error answer and its accounting use.
+    """
 
     stream: str
     entry_id: str
-    code: DeadReason
+    reason: DeadReason
     detail: str
     payload: bytes | None = None
     chunk_id: str | None = None
@@ -40,13 +45,13 @@ class Rejected:
     tenant: str | None = None  # the chunk's, where its payload says (accounting)
 
     @classmethod
-    def chunk(cls, delivery: Delivery, chunk: Chunk, code: DeadReason, detail: str) -> Rejected:
+    def chunk(cls, delivery: Delivery, chunk: Chunk, reason: DeadReason, detail: str) -> Rejected:
         """A decoded chunk refused later (model, sink): its payload is the chunk re-encoded,
         which decodes to the same chunk, so a replay sends exactly what was sent."""
         return cls(
             delivery.stream,
             delivery.entry_id,
-            code,
+            reason,
             detail,
             payload=encode_chunk(chunk),
             chunk_id=chunk.id,
@@ -54,6 +59,15 @@ class Rejected:
             reply=chunk.reply,
             tenant=chunk.tenant,
         )
+
+    def dead_letter(self, max_payload_bytes: int) -> dict[str, str | bytes]:
+        """This entry's fields in the dead-letter stream (shared/dead_letters.py)."""
+        kept: dict[str, Any] = {
+            field.name: getattr(self, field.name)
+            for field in fields(self)
+            if field.name not in ("reply", "tenant")
+        }
+        return dead_letter_fields(**kept, max_payload_bytes=max_payload_bytes)
 
 
 def _error_answer(item: Rejected) -> tuple[str, bytes]:
@@ -88,17 +102,7 @@ class DeadLetters:
                 keys.dead,
                 # redis-py types `fields` as Dict[FieldT, EncodableT]: dict is invariant, so no
                 # dict[str, str | bytes] matches, although it is what XADD takes
-                dead_letter_fields(  # type: ignore[arg-type]
-                    reason=item.code,
-                    detail=item.detail,
-                    stream=item.stream,
-                    entry_id=item.entry_id,
-                    payload=item.payload,
-                    max_payload_bytes=self.max_payload_bytes,
-                    chunk_id=item.chunk_id,
-                    job=item.job,
-                    deliveries=item.deliveries,
-                ),
+                item.dead_letter(self.max_payload_bytes),  # type: ignore[arg-type]
             )
         # The error answer goes with the acknowledgement, in its script (the one writer of
         # answers): pushed only for entries this call acknowledged. An entry withdrawn under
@@ -141,8 +145,8 @@ class DeadLetters:
                 stream=item.stream,
                 entry_id=item.entry_id,
                 id=item.chunk_id,
-                reason=item.code.value,
+                reason=item.reason.value,
                 detail=item.detail,
             )
-        for code, count in Counter(item.code for item in rejected).items():
-            self.events.dead_lettered(count=count, reason=code.value)
+        for reason, count in Counter(item.reason for item in rejected).items():
+            self.events.dead_lettered(count=count, reason=reason.value)
