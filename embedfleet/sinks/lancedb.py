@@ -472,7 +472,6 @@ STORE = Store(
     backend=LanceDBBackend,
     extra="lancedb",
     needs=("lancedb", "pyarrow"),
-    database=True,
     local="lancedb",
     faults=FAULTS,
 )

@@ -700,7 +700,6 @@ STORE = Store(
     backend=PgvectorBackend,
     extra="pgvector",
     needs=("psycopg", "pgvector"),
-    database=True,
     parse=_postgres_target,
     faults=FAULTS,
 )

@@ -570,7 +570,6 @@ STORE = Store(
     backend=QdrantBackend,
     extra="qdrant",
     needs=("qdrant_client",),
-    database=True,
     parse=_server_target,
     faults=FAULTS,
 )

@@ -64,8 +64,6 @@ class Store:
     # the pip extra that installs its client, and the modules it brings
     extra: str = ""
     needs: tuple[str, ...] = ()
-    # a vector database: rows kept by id, which `embedfleet prune` and `migrate` work on
-    database: bool = False
     # the folder of OUT_DIR a local sink of it lives in (local_sink_url; "": none)
     local: str = ""
     # the rest of the URL read into a target (None: a directory, ``scheme:///dir``)
@@ -76,6 +74,14 @@ class Store:
     word: str = ""
     # which errors are its client library's and what they mean (None: the common rules only)
     faults: FaultRules | None = None
+
+    @property
+    def database(self) -> bool:
+        """A vector database: rows kept by id, which `embedfleet prune` and `migrate` work on.
+
+        Its sink is the one that upserts them by id through its backend (the results stream and
+        the Parquet dataset, which only append, have sinks of their own)."""
+        return self.sink is database_sink
 
     def target(
         self, location: str, table: str, *, api_key: str | None = None, endpoint_url: str = ""

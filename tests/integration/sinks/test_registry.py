@@ -81,7 +81,6 @@ STORE = Store(
     forms="toy:///path/to/dir",
     describe="the toy store {location}",
     backend=ToyBackend,
-    database=True,
     local="toy",
 )
 """
