@@ -99,30 +99,104 @@ ENVELOPE_BYTES = 80  # a result's msgpack fields besides the vector (id, model, 
 
 
 @dataclass(frozen=True)
-class Plan:
-    fleet_per_s: float
-    hours_to_drain: float
-    shards: int
-    shard_seconds_per_chunk: float
-    peak_backlog: int
-    backlog_gib: float
-    result_mb_per_s: float
-    results_gib: float
-    per_shard_backlog_gib: float
-    inflight_entries: int = 0
-    inflight_gib: float = 0.0
-    results_entries: int = 0
-    job_ids_gib: float = 0.0
+class Held:
+    """One kind of entry Redis holds at the peak: how many, and the memory they take."""
 
-    host_cores_per_worker: int = 0
-    host_processes_per_worker: int = 0
-    # the CPUs a GPU pod needs for EMBEDFLEET_REPLICAS=auto to run host_processes_per_worker
-    host_cpus_for_auto_replicas: int = 0
+    entries: int
+    gib: float
+
+
+@dataclass(frozen=True)
+class RedisMemory:
+    """What the fleet keeps in Redis at the peak."""
+
+    backlog: Held  # waiting to be read: bounded by the high water per partition
+    inflight: Held  # read by the workers, pending in the group
+    results: Held  # on the Redis sink's results streams
+    job_ids_gib: float  # the id records of a running job, one per chunk
 
     @property
-    def redis_gib(self) -> float:
+    def gib(self) -> float:
         """Redis memory for the fleet's entries: backlog, in flight, results, job ids."""
-        return self.backlog_gib + self.inflight_gib + self.results_gib + self.job_ids_gib
+        return self.backlog.gib + self.inflight.gib + self.results.gib + self.job_ids_gib
+
+
+@dataclass(frozen=True)
+class HostNeeds:
+    """The host around one worker's model: its cores and worker processes (EMBEDFLEET_REPLICAS)."""
+
+    cores_per_worker: int
+    processes_per_worker: int
+
+    @classmethod
+    def feeding(cls, texts_per_s: float, figures: dict[str, Any]) -> HostNeeds:
+        """What carries a worker's texts/s through the pipeline around its model."""
+        return cls(
+            cores_per_worker=math.ceil(
+                texts_per_s / _host_figure(figures, "host_texts_per_core_s")
+            ),
+            processes_per_worker=math.ceil(
+                texts_per_s / _host_figure(figures, "host_texts_per_s_per_process")
+            ),
+        )
+
+    @property
+    def cpus_for_auto_replicas(self) -> int:
+        """The CPUs a GPU pod needs for EMBEDFLEET_REPLICAS=auto to run processes_per_worker."""
+        from embedfleet.workers.replicas import CORES_PER_GPU_REPLICA  # light: no torch
+
+        return math.ceil(self.processes_per_worker * CORES_PER_GPU_REPLICA)
+
+
+@dataclass(frozen=True)
+class FleetRun:
+    """The run's chunks as the whole fleet drains them, and the results' bandwidth."""
+
+    chunks: float
+    chunks_per_s: float
+    result_mb_per_s: float
+
+    @property
+    def hours_to_drain(self) -> float:
+        return self.chunks / self.chunks_per_s / 3600
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The figures of a run: the fleet's rates, the shards, Redis memory and host it needs."""
+
+    fleet: FleetRun
+    shards: int
+    shard_seconds_per_chunk: float
+    redis: RedisMemory
+    host: HostNeeds
+
+    @property
+    def per_shard_backlog_gib(self) -> float:
+        return self.redis.backlog.gib / self.shards
+
+    def as_dict(self) -> dict[str, float]:
+        """`plan --json`'s object: every figure under one flat name."""
+        fleet, redis, host = self.fleet, self.redis, self.host
+        return {
+            "fleet_per_s": fleet.chunks_per_s,
+            "hours_to_drain": fleet.hours_to_drain,
+            "shards": self.shards,
+            "shard_seconds_per_chunk": self.shard_seconds_per_chunk,
+            "peak_backlog": redis.backlog.entries,
+            "backlog_gib": redis.backlog.gib,
+            "result_mb_per_s": fleet.result_mb_per_s,
+            "results_gib": redis.results.gib,
+            "per_shard_backlog_gib": self.per_shard_backlog_gib,
+            "inflight_entries": redis.inflight.entries,
+            "inflight_gib": redis.inflight.gib,
+            "results_entries": redis.results.entries,
+            "job_ids_gib": redis.job_ids_gib,
+            "host_cores_per_worker": host.cores_per_worker,
+            "host_processes_per_worker": host.processes_per_worker,
+            "host_cpus_for_auto_replicas": host.cpus_for_auto_replicas,
+            "redis_gib": redis.gib,
+        }
 
 
 def _read_figures(path: Path) -> dict[str, Any]:
@@ -168,12 +242,7 @@ def make_plan(
     results_max_entries: int = 0,
     read_count: int = 8192,
 ) -> Plan:
-    from embedfleet.workers.replicas import CORES_PER_GPU_REPLICA  # light: no torch
-
     fleet = texts_per_s_per_worker * workers
-    processes = math.ceil(
-        texts_per_s_per_worker / _host_figure(figures, "host_texts_per_s_per_process")
-    )
     write_per_s = _at_dim(figures, "write_{dim}_per_s", dim)
     shard_seconds = (
         1 / float(figures["enqueue_per_s"]) + 1 / float(figures["read_per_s"]) + 1 / write_per_s
@@ -190,24 +259,20 @@ def make_plan(
         chunks if results_max_entries <= 0 else min(chunks, results_max_entries * shards)
     )
     return Plan(
-        fleet_per_s=fleet,
-        hours_to_drain=chunks / fleet / 3600,
+        fleet=FleetRun(
+            chunks=chunks,
+            chunks_per_s=fleet,
+            result_mb_per_s=fleet * result_payload / 1e6,
+        ),
         shards=shards,
         shard_seconds_per_chunk=shard_seconds,
-        peak_backlog=peak_backlog,
-        backlog_gib=peak_backlog * entry_bytes / 2**30,
-        result_mb_per_s=fleet * result_payload / 1e6,
-        results_gib=results_entries * result_bytes / 2**30,
-        per_shard_backlog_gib=peak_backlog * entry_bytes / 2**30 / shards,
-        inflight_entries=inflight,
-        inflight_gib=inflight * (entry_bytes + pending_bytes) / 2**30,
-        results_entries=results_entries,
-        job_ids_gib=chunks * float(figures.get("bytes_per_job_id", 0)) / 2**30,
-        host_cores_per_worker=math.ceil(
-            texts_per_s_per_worker / _host_figure(figures, "host_texts_per_core_s")
+        redis=RedisMemory(
+            backlog=Held(peak_backlog, peak_backlog * entry_bytes / 2**30),
+            inflight=Held(inflight, inflight * (entry_bytes + pending_bytes) / 2**30),
+            results=Held(results_entries, results_entries * result_bytes / 2**30),
+            job_ids_gib=chunks * float(figures.get("bytes_per_job_id", 0)) / 2**30,
         ),
-        host_processes_per_worker=processes,
-        host_cpus_for_auto_replicas=math.ceil(processes * CORES_PER_GPU_REPLICA),
+        host=HostNeeds.feeding(texts_per_s_per_worker, figures),
     )
 
 
@@ -217,38 +282,39 @@ def _host_figure(figures: dict[str, Any], name: str) -> float:
 
 
 def render(plan: Plan, *, chunks: float, dim: int, workers: int, rate: float) -> str:
+    fleet, redis, host = plan.fleet, plan.redis, plan.host
     return "\n".join(
         [
             f"{chunks:,.0f} chunks, dim {dim}, {workers} workers × {rate:,.0f} texts/s",
-            f"fleet rate        {plan.fleet_per_s:,.0f} chunks/s",
-            f"time to drain     {plan.hours_to_drain:,.2f} h",
+            f"fleet rate        {fleet.chunks_per_s:,.0f} chunks/s",
+            f"time to drain     {fleet.hours_to_drain:,.2f} h",
             f"shards needed     {plan.shards} (each busy "
             f"{plan.shard_seconds_per_chunk * 1e6:,.1f} µs per chunk: enqueue + read + write-back;"
             " EMBEDFLEET_PARTITIONS >= shards)",
-            f"peak backlog      {plan.peak_backlog:,} entries = {plan.backlog_gib:,.1f} GiB "
+            f"peak backlog      {redis.backlog.entries:,} entries = {redis.backlog.gib:,.1f} GiB "
             f"({plan.per_shard_backlog_gib:,.2f} GiB per shard; bounded by "
             "EMBEDFLEET_BACKLOG_HIGH_WATER per partition)",
-            f"in flight         {plan.inflight_entries:,} entries = {plan.inflight_gib:,.2f} GiB "
-            "(two reads per worker, pending in the group)",
-            f"host per worker   {plan.host_cores_per_worker} cores and "
-            f"{plan.host_processes_per_worker} worker processes (EMBEDFLEET_REPLICAS) to feed "
+            f"in flight         {redis.inflight.entries:,} entries = {redis.inflight.gib:,.2f} "
+            "GiB (two reads per worker, pending in the group)",
+            f"host per worker   {host.cores_per_worker} cores and "
+            f"{host.processes_per_worker} worker processes (EMBEDFLEET_REPLICAS) to feed "
             f"{rate:,.0f} texts/s: tokenizing, decoding, packing and writing around the model "
             "(docs/BENCHMARKS.md, host pipeline); EMBEDFLEET_REPLICAS=auto runs "
-            f"{plan.host_processes_per_worker} on a GPU pod of {plan.host_cpus_for_auto_replicas} "
+            f"{host.processes_per_worker} on a GPU pod of {host.cpus_for_auto_replicas} "
             "CPUs (one per 1.5)",
-            f"result bandwidth  {plan.result_mb_per_s:,.0f} MB/s of fp16 results",
-            f"results in Redis  {plan.results_entries:,} = {plan.results_gib:,.1f} GiB "
+            f"result bandwidth  {fleet.result_mb_per_s:,.0f} MB/s of fp16 results",
+            f"results in Redis  {redis.results.entries:,} = {redis.results.gib:,.1f} GiB "
             + (
                 "(Redis sink: bounded by EMBEDFLEET_RESULTS_MAX_ENTRIES per partition while a "
                 "consuming reader drains; 0 with a vector database or Parquet sink)"
-                if plan.results_entries < chunks
+                if redis.results.entries < chunks
                 else "(Redis sink, the whole run: nothing bounds it below the run's size; 0 with "
                 "a vector database or Parquet sink)"
             ),
-            f"job id records    {plan.job_ids_gib:,.1f} GiB (one per chunk of a running job, "
+            f"job id records    {redis.job_ids_gib:,.1f} GiB (one per chunk of a running job, "
             "until EMBEDFLEET_JOB_IDS_FINISHED_TTL_S after it ends: enqueue in smaller jobs to "
             "bound it)",
-            f"Redis memory      {plan.redis_gib:,.1f} GiB in all (set maxmemory above it, "
+            f"Redis memory      {redis.gib:,.1f} GiB in all (set maxmemory above it, "
             "maxmemory-policy noeviction, appendonly yes)",
         ]
     )
@@ -402,7 +468,7 @@ def plan_command(
         read_count=read_count,
     )
     if as_json:
-        click.echo(json.dumps(result.__dict__ | {"redis_gib": result.redis_gib}))
+        click.echo(json.dumps(result.as_dict()))
     else:
         click.echo(render(result, chunks=chunks, dim=dim, workers=workers, rate=rate))
 
