@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from embedfleet.shared.protocol import (
@@ -19,6 +18,7 @@ from embedfleet.shared.protocol import (
     REPRESENTATION_OPTION_NAMES,
     Chunk,
     ChunkLimits,
+    ChunkOptions,
     ProtocolError,
     chunk_from_mapping,
     validate_chunk,
@@ -27,19 +27,9 @@ from embedfleet.shared.protocol import (
 ChunkLike = Chunk | Mapping[str, Any]
 
 
-@dataclass(frozen=True)
-class EmbeddingOptions:
-    """Per-job (or per-query) embedding options; None leaves the chunk's own or the worker's."""
-
-    prompt_name: str | None = None
-    prompt: str | None = None
-    dimensions: int | None = None
-    dtype: str | None = None
-    # a text over the model's maximum embedded whole, in token windows overlapping by this
-    # many tokens (shared/protocol.py ``Chunk.window_overlap``, issue 42); None: cut or refused
-    window_overlap: int | None = None
-    # false: the vector before the model's Normalize module (``Chunk.normalize``, issue 42)
-    normalize: bool | None = None
+class EmbeddingOptions(ChunkOptions):
+    """Per-job (or per-query) embedding options, the ones a chunk carries (shared/protocol.py
+    ``ChunkOptions``, keyword-only); None leaves the chunk's own or the worker's."""
 
     def apply(self, chunk: Chunk) -> Chunk:
         """The chunk with these options filled in where the chunk has none of its own."""

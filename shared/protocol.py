@@ -25,6 +25,7 @@ so what a producer accepts is what a worker embeds.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import operator
@@ -53,19 +54,6 @@ MAX_TOKENIZER_CHARS = 128
 # share this many tokens with their neighbour (issue 42). Its form is checked here; whether it
 # leaves a window room to advance is the worker's check, against the model's length.
 LONG_INPUT_OPTION = "window_overlap"
-# The optional embedding options a chunk may carry (see the module docstring); a job's or a
-# request's options (producer/chunks.py ``EmbeddingOptions``) fill in the same names.
-OPTION_NAMES = ("prompt_name", "prompt", "dimensions", "dtype", LONG_INPUT_OPTION, "normalize")
-# Options of the other representations (sparse weights, pair scores); a v1 worker that predates
-# them never sees them (the gateway checks the model card first).
-REPRESENTATION_OPTION_NAMES = (
-    "representations",
-    "max_active_dims",
-    "pair",
-    "multivector_dtype",
-    "raw_scores",
-    "token_states",
-)
 # What a model may give for a text (the model card's ``representations``): a dense vector, a
 # SPLADE-style sparse weight vector, ColBERT-style per-token vectors (``multivector``), or, for
 # a (query, document) pair, a relevance score. A model with several (BGE-M3: dense, sparse and
@@ -149,20 +137,31 @@ class ChunkLimits:
 DEFAULT_LIMITS = ChunkLimits()
 
 
-@dataclass(frozen=True)
-class Chunk:
-    """One text (or image) to embed. ``id`` is the caller's idempotency key."""
+@dataclass(frozen=True, kw_only=True)
+class ChunkOptions:
+    """The optional embedding options a chunk may carry (see the module docstring), None where
+    unset; a job's or a request's options (producer/chunks.py ``EmbeddingOptions``, this record)
+    fill in the same names."""
 
-    id: str
-    text: str = ""  # empty on an image chunk
-    job: str | None = None
-    meta: dict[str, Any] | None = None
-    reply: str | None = None
-    deadline_ms: int | None = None
     prompt_name: str | None = None
     prompt: str | None = None
     dimensions: int | None = None
     dtype: str | None = None
+    # embed a text over the model's maximum whole (issue 42): split into token windows of the
+    # model's length overlapping by this many tokens, one forward row each, pooled back into
+    # one vector (workers/long_inputs.py); None: cut or refused as EMBEDFLEET_TRUNCATE says
+    window_overlap: int | None = None
+    # false: the dense vector before the model's Normalize module (TEI's normalize=false, issue
+    # 42); None or true: the model's pipeline whole. No effect on a model that does not normalise
+    normalize: bool | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RepresentationOptions:
+    """A chunk's options of the other representations (sparse weights, pair scores), None
+    where unset; a v1 worker that predates them never sees them (the gateway checks the model
+    card first)."""
+
     # which representations to compute (None: the one the model serves)
     representations: tuple[str, ...] | None = None
     # sparse: keep only the largest this many weights (SparseEncoder's max_active_dims)
@@ -180,18 +179,32 @@ class Chunk:
     # output_value="token_embeddings", TEI's /embed_all), beside the pooled vector; a model
     # with a dense pipeline only
     token_states: bool | None = None
+
+
+# the options' names, in the records' order: what a chunk's mapping, the wire and a job's
+# options read and write by name
+OPTION_NAMES = tuple(option.name for option in dataclasses.fields(ChunkOptions))
+REPRESENTATION_OPTION_NAMES = tuple(
+    option.name for option in dataclasses.fields(RepresentationOptions)
+)
+
+
+@dataclass(frozen=True)
+class Chunk(RepresentationOptions, ChunkOptions):
+    """One text (or image) to embed. ``id`` is the caller's idempotency key. Its options
+    (``ChunkOptions``, ``RepresentationOptions``) are keyword-only."""
+
+    id: str
+    text: str = ""  # empty on an image chunk
+    job: str | None = None
+    meta: dict[str, Any] | None = None
+    reply: str | None = None
+    deadline_ms: int | None = None
     # the producer it is accounted to and shares the fleet as (None: the default tenant)
     tenant: str | None = None
     # embed it with the model even where the vector cache holds its vector (issue 31): a
     # per-chunk opt-out of the cache (`embedfleet enqueue --reembed` sets it on every chunk)
     reembed: bool = False
-    # embed a text over the model's maximum whole (issue 42): split into token windows of the
-    # model's length overlapping by this many tokens, one forward row each, pooled back into
-    # one vector (workers/long_inputs.py); None: cut or refused as EMBEDFLEET_TRUNCATE says
-    window_overlap: int | None = None
-    # false: the dense vector before the model's Normalize module (TEI's normalize=false, issue
-    # 42); None or true: the model's pipeline whole. No effect on a model that does not normalise
-    normalize: bool | None = None
     # token ids of ``prompt + text`` made by the producer with the model lane's published
     # tokenizer (issue 53: tokenize where the CPUs are), little-endian uint32; ``tokenizer``
     # is that tokenizer's fingerprint (shared/tokens.py ``ids_fingerprint``). The worker embeds
