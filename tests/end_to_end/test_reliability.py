@@ -33,7 +33,7 @@ from embedfleet.shared.protocol import (
 )
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
-from tests.conftest import Recorder, ThreadsOf, WorkerLauncher, cli_env, until
+from tests.conftest import Recorder, ThreadsOf, WorkerLauncher, WorkerProcess, cli_env, until
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
 pytestmark = pytest.mark.slow
@@ -41,10 +41,23 @@ pytestmark = pytest.mark.slow
 if TYPE_CHECKING:
     from embedfleet.workers.reclaim import Reclaimer
 
-# The worker processes here are about signals and draining, not a forward path: the eager model,
-# so that their start builds and times no frozen or int8 copy (CI's CPU seconds on its slowest
-# class; the paths have tests of their own).
-EAGER = {"EMBEDFLEET_FROZEN_QUERIES": "false"}
+
+def eager_process(
+    workers: WorkerLauncher, name: str, settings: Settings, read_count: int, **env: str
+) -> WorkerProcess:
+    """An `embedfleet worker` process on ``settings`` reading ``read_count`` entries at a time,
+    ``env`` added.
+
+    The worker processes here are about signals and draining, not a forward path: the eager
+    model, so that their start builds and times no frozen or int8 copy (CI's CPU seconds on its
+    slowest class; the paths have tests of their own)."""
+    return workers.process(
+        name,
+        settings,
+        EMBEDFLEET_READ_COUNT=str(read_count),
+        EMBEDFLEET_FROZEN_QUERIES="false",
+        **env,
+    )
 
 
 def raw(message: object) -> bytes:
@@ -332,13 +345,7 @@ async def test_sigterm_drains_and_exits_zero(
     async with enqueued(settings, client, 400, "d") as producer:
         # a drain bound far above what finishing its windows takes, even on a loaded machine:
         # the test is that it drains, not that it runs out of time and is cancelled
-        worker = workers.process(
-            "drainer",
-            settings,
-            EMBEDFLEET_READ_COUNT="64",
-            EMBEDFLEET_DRAIN_TIMEOUT_S="600",
-            **EAGER,
-        )
+        worker = eager_process(workers, "drainer", settings, 64, EMBEDFLEET_DRAIN_TIMEOUT_S="600")
 
         async def started() -> bool:
             return (await producer.progress("d")).done > 0
@@ -361,13 +368,7 @@ async def test_second_signal_exits_at_once_and_others_reclaim(
 ) -> None:
     fast = settings.model_copy(update={"reclaim_idle_ms": 500})
     async with enqueued(fast, client, 300, "k") as producer:
-        worker = workers.process(
-            "impatient",
-            fast,
-            EMBEDFLEET_READ_COUNT="300",
-            EMBEDFLEET_RECLAIM_IDLE_MS="500",
-            **EAGER,
-        )
+        worker = eager_process(workers, "impatient", fast, 300, EMBEDFLEET_RECLAIM_IDLE_MS="500")
 
         async def holding() -> bool:
             return (await client.xpending(fast.keys.ingest, fast.group))["pending"] > 0
