@@ -91,12 +91,8 @@ class Settings(
 
     @property
     def keys(self) -> Keys:
-        return Keys(
-            namespace=self.namespace,
-            group=self.group,
-            partitions=self.partitions,
-            model_lane=self.model_lane,
-        )
+        """The fleet's key set: its namespace, group, partitions and model lane."""
+        return self.as_record(Keys)
 
 
 class SettingsError(ValueError):

@@ -49,10 +49,4 @@ class InputSettings(Section):
     @property
     def chunk_limits(self) -> ChunkLimits:
         """The limits every side validates chunks with (producer, JSONL reader, worker)."""
-        return ChunkLimits(
-            max_id_chars=self.max_id_chars,
-            max_text_chars=self.max_text_chars,
-            max_meta_bytes=self.max_meta_bytes,
-            max_message_bytes=self.max_message_bytes,
-            max_image_bytes=self.max_image_bytes,
-        )
+        return self.as_record(ChunkLimits)

@@ -9,9 +9,16 @@ settings table in docs/SETTINGS.md, where each section is one heading (its ``tit
 
 from __future__ import annotations
 
-from typing import ClassVar
+import dataclasses
+import functools
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+Record = TypeVar("Record", bound="DataclassInstance")
 
 ENV_PREFIX = "EMBEDFLEET_"
 
@@ -25,3 +32,19 @@ class Section(BaseSettings):
 
     # the section's heading in docs/SETTINGS.md
     title: ClassVar[str]
+
+    def as_record(self, cls: type[Record]) -> Record:
+        """A ``cls`` (a dataclass) made from these settings: each of its fields that a setting
+        has the name of takes that setting's value, the others keep their defaults (how
+        ``Settings.keys`` and ``chunk_limits`` are made)."""
+        return cls(**{name: getattr(self, name) for name in _named_alike(type(self), cls)})
+
+
+@functools.cache
+def _named_alike(settings: type[Section], record: type[Any]) -> tuple[str, ...]:
+    """The fields of the dataclass ``record`` that ``settings`` has by the same name."""
+    return tuple(
+        field.name
+        for field in dataclasses.fields(record)
+        if field.init and field.name in settings.model_fields
+    )

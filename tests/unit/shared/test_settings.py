@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from embedfleet.shared.keys import Keys
+from embedfleet.shared.protocol import ChunkLimits
 from embedfleet.shared.settings import (
     SETTINGS_BEGIN,
     SETTINGS_DOC,
@@ -43,6 +45,15 @@ def test_environment_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
     settings = Settings()
     assert settings.keys.ingest == "{tenant1}:ingest" and settings.token_budget == 2048
     assert settings.keys.job("j") == "{tenant1}:job:j"
+
+
+def test_the_records_made_from_settings_take_the_settings_of_their_names() -> None:
+    settings = Settings(
+        namespace="ns", group="g", partitions=4, model_lane="m", max_text_chars=7, max_id_chars=9
+    )
+    assert settings.keys == Keys(namespace="ns", group="g", partitions=4, model_lane="m")
+    assert settings.chunk_limits == ChunkLimits(max_text_chars=7, max_id_chars=9)
+    assert Settings().chunk_limits == ChunkLimits()  # the settings' defaults are the record's
 
 
 def test_bad_values_are_refused_with_the_variable_named(monkeypatch: pytest.MonkeyPatch) -> None:
