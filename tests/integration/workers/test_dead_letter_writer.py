@@ -8,10 +8,11 @@ import msgpack
 import redis.asyncio as aioredis
 
 from embedfleet.shared.dead_letters import DeadLetter, DeadReason
+from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, decode_chunk, encode_chunk
 from embedfleet.shared.settings import Settings
 from embedfleet.sinks import Delivery
-from embedfleet.workers.consumer import StreamConsumer
+from embedfleet.workers.consumer import StreamConsumer, StreamEntry
 from embedfleet.workers.dead_letter_writer import DeadLetters, Rejected
 from embedfleet.workers.events import WorkerEvents
 
@@ -36,17 +37,24 @@ def test_a_refused_chunks_payload_decodes_to_the_same_chunk() -> None:
     )
 
 
+async def held(client: aioredis.Redis, keys: Keys, *payloads: bytes) -> list[StreamEntry]:
+    """``payloads`` added to the ingest stream and read by a consumer: pending, as a worker that
+    is about to dead-letter them holds them."""
+    consumer = StreamConsumer(client, keys, "reader")
+    await consumer.setup()
+    for payload in payloads:
+        await client.xadd(keys.ingest, {PAYLOAD_FIELD: payload})
+    entries = await consumer.read_ingest(10, block_ms=10)
+    await consumer.finish_waiting()
+    return entries
+
+
 async def test_rejected_entries_are_dead_lettered_acknowledged_and_answered(
     settings: Settings, client: aioredis.Redis
 ) -> None:
     keys = settings.keys
-    consumer = StreamConsumer(client, keys, "reader")
-    await consumer.setup()
     answered = Chunk(id="waited", text="x", reply="r1")
-    await client.xadd(keys.ingest, {PAYLOAD_FIELD: encode_chunk(answered)})
-    await client.xadd(keys.ingest, {PAYLOAD_FIELD: b"y" * 64})
-    first, second = await consumer.read_ingest(10, block_ms=10)
-    await consumer.finish_waiting()
+    first, second = await held(client, keys, encode_chunk(answered), b"y" * 64)
     events = Counted()
     writer = DeadLetters(client, keys, events, reply_ttl_s=60, max_payload_bytes=32)
     await writer.send(
