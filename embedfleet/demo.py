@@ -21,6 +21,7 @@ import click
 
 from embedfleet.ops.export import write_export
 from embedfleet.ops.search import format_hits
+from embedfleet.ops.waiting import input_file_option
 from embedfleet.producer.client import Producer
 from embedfleet.producer.documents import builtin_document_chunks
 from embedfleet.producer.jsonl import BadLine, read_chunks
@@ -284,9 +285,8 @@ def run_demo(
 
 
 @click.command("demo")
-@click.option(
+@input_file_option(
     "--corpus",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="JSON Lines corpus ({id, text, meta?} per line). Default: Python's own docs.",
 )
 @click.option(

@@ -27,10 +27,12 @@ from embedfleet.ops.prune import IdRecorder, check_database_sink, say_pruned
 from embedfleet.ops.prune import prune as prune_rows
 from embedfleet.ops.waiting import (
     client_for,
+    count_option,
     json_report_option,
     model_option,
     redis_url_option,
     run_client,
+    seconds_option,
     verb_settings,
 )
 from embedfleet.producer.client import (
@@ -91,10 +93,9 @@ def _settings(redis_url: str | None) -> Settings:
     "4); one that does not decode is dead-lettered by the worker. A JSON line's own "
     '"image_ref" (default: its image_path) is stored likewise.',
 )
-@click.option(
+@count_option(
     "--overlap",
-    type=click.IntRange(min=0),
-    default=None,
+    minimum=0,
     help="With --documents: tokens shared by consecutive chunks "
     "(default EMBEDFLEET_DOCUMENT_OVERLAP_TOKENS).",
 )
@@ -119,10 +120,9 @@ def _settings(redis_url: str | None) -> Settings:
     "holds (same text, model revision and options). Not --force: --force re-sends ids the job "
     "already has, and the cache may still answer them.",
 )
-@click.option(
+@count_option(
     "--window-overlap",
-    type=click.IntRange(min=0),
-    default=None,
+    minimum=0,
     help="Embed each text over the model's maximum tokens whole, not cut: in token windows of "
     "the model's length sharing N tokens with their neighbour, pooled back into one vector "
     "(the chunk field window_overlap; a line's own wins). Dense models only.",
@@ -584,13 +584,7 @@ async def _wait_with_bar(
     help="With --consume: keep draining as results arrive, until SIGTERM or Ctrl-C (then the "
     "file is finished with every page taken).",
 )
-@click.option(
-    "--page",
-    type=click.IntRange(min=1),
-    default=1000,
-    show_default=True,
-    help="Results read, held and written at a time.",
-)
+@count_option("--page", default=1000, help="Results read, held and written at a time.")
 @json_report_option("what was written, and from where,")
 @model_option
 @redis_url_option
@@ -717,12 +711,8 @@ async def _export_stream(
 
 @click.command("query")
 @click.argument("text")
-@click.option(
-    "--timeout",
-    type=click.FloatRange(min=0, min_open=True),
-    default=10.0,
-    show_default=True,
-    help="Seconds to wait for a worker's answer.",
+@seconds_option(
+    "--timeout", min_open=True, default=10.0, help="Seconds to wait for a worker's answer."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the vector as a JSON list.")
 @model_option

@@ -20,9 +20,12 @@ from tqdm import tqdm
 from embedfleet.ops import migration as mig
 from embedfleet.ops.waiting import (
     client_for,
+    count_option,
+    input_file_option,
     json_report_option,
     redis_url_option,
     run_client,
+    seconds_option,
     verb_settings,
 )
 from embedfleet.shared.exit_codes import ExitCode
@@ -115,12 +118,8 @@ def migrate_group() -> None:
     help="The reader name readers follow (default <table>_live); created pointing at the "
     "old table if missing.",
 )
-@click.option(
-    "--page",
-    type=click.IntRange(min=1),
-    default=mig.DEFAULT_PAGE,
-    show_default=True,
-    help="Rows read from the old table and enqueued at a time.",
+@count_option(
+    "--page", default=mig.DEFAULT_PAGE, help="Rows read from the old table and enqueued at a time."
 )
 @click.option(
     "--model",
@@ -129,10 +128,9 @@ def migrate_group() -> None:
     help="Model B's directory (its workers' EMBEDFLEET_MODEL), to count tokens with its "
     "tokenizer; without it tokens are estimated as characters / 4.",
 )
-@click.option(
+@seconds_option(
     "--idle-timeout",
-    type=click.FloatRange(min=0, min_open=True),
-    default=None,
+    min_open=True,
     help="Give up when lane B has not drained its queue after this many seconds (default: wait).",
 )
 @json_report_option("what the copy did and measured")
@@ -248,13 +246,12 @@ def migrate_status_command(table: str | None, as_json: bool, redis_url: str | No
 
 @migrate_group.command("canary")
 @table_option
-@click.option(
+@input_file_option(
     "--queries",
     required=True,
-    type=click.Path(dir_okay=False, exists=True, path_type=Path),
     help='One query per line: text, or {"query": ..., "relevant": [ids]} for recall@k.',
 )
-@click.option("--k", default=10, show_default=True, type=click.IntRange(1, 1000))
+@count_option("--k", default=10, maximum=1000)
 @click.option(
     "--min-overlap",
     type=click.FloatRange(0, 1),

@@ -53,7 +53,14 @@ import click
 import numpy as np
 import redis.asyncio as aioredis
 
-from embedfleet.ops.waiting import client_for, redis_url_option, run_client, verb_settings
+from embedfleet.ops.waiting import (
+    client_for,
+    count_option,
+    input_file_option,
+    redis_url_option,
+    run_client,
+    verb_settings,
+)
 from embedfleet.producer.enqueue import new_call_token, payload_digest
 from embedfleet.shared.keys import Keys
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, Result, encode_chunk, encode_result
@@ -382,9 +389,8 @@ async def measure_entry_sizes(
     help="Measured texts/s of one worker (GPU) on your corpus.",
 )
 @click.option("--workers", type=int, required=True, help="Workers (GPUs) in the fleet.")
-@click.option(
+@input_file_option(
     "--figures",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="Per-shard figures from `python -m loadtest.cluster --json` (default: docs/SCALING.md's).",
 )
 @click.option(
@@ -397,22 +403,19 @@ async def measure_entry_sizes(
 @click.option(
     "--high-water",
     type=int,
-    default=1_000_000,
+    default=Settings.model_fields["backlog_high_water"].default,
     show_default=True,
     help="EMBEDFLEET_BACKLOG_HIGH_WATER (per partition).",
 )
-@click.option(
+@count_option(
     "--results-max-entries",
-    type=click.IntRange(min=0),
+    minimum=0,
     default=Settings.model_fields["results_max_entries"].default,
-    show_default=True,
     help="EMBEDFLEET_RESULTS_MAX_ENTRIES (per partition; 0: results kept, the whole run).",
 )
-@click.option(
+@count_option(
     "--read-count",
-    type=click.IntRange(min=1),
     default=AUTO_BATCHING["cuda"].read_count,
-    show_default=True,
     help="EMBEDFLEET_READ_COUNT of the workers (entries each holds, twice, in flight).",
 )
 @click.option(
@@ -421,12 +424,8 @@ async def measure_entry_sizes(
     help="Measure the bytes per backlog entry, pending entry, result and job id on the Redis at "
     "EMBEDFLEET_REDIS_URL (MEMORY USAGE of sample keys, deleted after).",
 )
-@click.option(
-    "--text-chars",
-    type=click.IntRange(min=1),
-    default=500,
-    show_default=True,
-    help="With --measure: the characters of a sample chunk's text.",
+@count_option(
+    "--text-chars", default=500, help="With --measure: the characters of a sample chunk's text."
 )
 @redis_url_option
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")

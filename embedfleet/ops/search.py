@@ -35,6 +35,7 @@ import numpy as np
 from embedfleet.ops.migration import lane_of
 from embedfleet.ops.waiting import (
     client_for,
+    count_option,
     json_report_option,
     redis_url_option,
     run_client,
@@ -239,18 +240,17 @@ def format_hits(hits: list[Hit], *, as_json: bool = False) -> list[str]:
     help="Dense and sparse search fused by reciprocal rank (Qdrant, PostgreSQL; a model that "
     "gives both, such as BGE-M3, with its rows stored with sparse weights).",
 )
-@click.option(
+@count_option(
     "--candidates",
     default=50,
-    show_default=True,
-    type=click.IntRange(1, 1000),
+    maximum=1000,
     help="--hybrid: rows each of the dense and the sparse search brings to the fusion.",
 )
-@click.option(
+@count_option(
     "--rrf-k",
     default=RRF_K,
-    show_default=True,
-    type=click.IntRange(0, 10_000),
+    minimum=0,
+    maximum=10_000,
     help="--hybrid: the reciprocal rank fusion constant (score = sum of 1 / (k + rank)).",
 )
 @click.option(
@@ -260,10 +260,9 @@ def format_hits(hits: list[Hit], *, as_json: bool = False) -> list[str]:
     help="--hybrid: rerank the fused top rows with the cross-encoder the workers of model lane "
     "LANE serve (EMBEDFLEET_MODEL_LANE), on their stored texts; scores are then its scores.",
 )
-@click.option(
+@count_option(
     "--rerank-top",
-    default=None,
-    type=click.IntRange(1, 1000),
+    maximum=1000,
     help="--rerank-lane: how many fused rows to rerank (default: K).",
 )
 @redis_url_option

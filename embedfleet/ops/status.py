@@ -43,6 +43,7 @@ from embedfleet.ops.waiting import (
     StderrNotice,
     redis_url_option,
     run_client,
+    seconds_option,
     verb_settings,
 )
 from embedfleet.shared.eviction import EvictionPolicy, check_eviction_policy
@@ -743,18 +744,12 @@ def _render_jobs(jobs: list[dict[str, Any]], shown: int) -> list[str]:
 # --- the command ----------------------------------------------------------------------
 @click.command("status")
 @click.option("--watch", is_flag=True, help="Refresh every --interval seconds until Ctrl-C.")
-@click.option(
-    "--interval",
-    type=click.FloatRange(min=0.1),
-    default=2.0,
-    show_default=True,
-    help="With --watch: seconds between refreshes.",
+@seconds_option(
+    "--interval", minimum=0.1, default=2.0, help="With --watch: seconds between refreshes."
 )
-@click.option(
+@seconds_option(
     "--sample",
-    type=click.FloatRange(min=0),
     default=3.0,
-    show_default=True,
     help="Without --watch: seconds between the two snapshots that measure throughput "
     "(0: one snapshot, no throughput).",
 )

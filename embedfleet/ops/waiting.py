@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -34,6 +35,32 @@ redis_url_option = click.option(
 def json_report_option(what: str) -> Callable[[F], F]:
     """``--json``: the verb's report as one JSON object on stdout, for scripts."""
     return click.option("--json", "as_json", is_flag=True, help=f"Print {what} as one JSON object.")
+
+
+def count_option(
+    *param_decls: str, minimum: int = 1, maximum: int | None = None, **attrs: Any
+) -> Callable[[F], F]:
+    """A whole number from ``minimum`` (to ``maximum``); --help shows the range and the default."""
+    return click.option(
+        *param_decls, type=click.IntRange(minimum, maximum), show_default=True, **attrs
+    )
+
+
+def seconds_option(
+    *param_decls: str, minimum: float = 0, min_open: bool = False, **attrs: Any
+) -> Callable[[F], F]:
+    """Seconds from ``minimum`` (above it with ``min_open``); --help shows the range, its bound
+    as written (0, not 0.0), and the default."""
+    return click.option(
+        *param_decls, type=click.FloatRange(minimum, min_open=min_open), show_default=True, **attrs
+    )
+
+
+def input_file_option(*param_decls: str, **attrs: Any) -> Callable[[F], F]:
+    """A file the verb reads: it must exist, and not be a folder."""
+    return click.option(
+        *param_decls, type=click.Path(exists=True, dir_okay=False, path_type=Path), **attrs
+    )
 
 
 def verb_settings(redis_url: str | None) -> Settings:
