@@ -391,7 +391,7 @@ class Fleet:
         if progress.dead:
             raise RuntimeError(f"{progress.dead} chunks were dead-lettered during the benchmark")
         run = Run(seconds, progress.done, stats.real_tokens, stats.padded_tokens, vectors, busy)
-        run.cache_hits = stats.cache_hits  # texts answered by the vector cache, not the model
+        run.cache_hits = stats.cache.hits  # texts answered by the vector cache, not the model
         return run
 
 

@@ -142,8 +142,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                             "prune_seconds": round(seconds - (finished - started), 3),
                             "embedded_texts": stats.embedded - before.embedded,
                             "embedded_tokens": stats.real_tokens - before.real_tokens,
-                            "cache_hits": stats.cache_hits - before.cache_hits,
-                            "tokens_saved": stats.tokens_saved - before.tokens_saved,
+                            "cache_hits": stats.cache.hits - before.cache.hits,
+                            "tokens_saved": stats.cache.tokens_saved - before.cache.tokens_saved,
                             "pruned": len(pruned),
                             "model_seconds": round(stats.model_seconds - before.model_seconds, 3),
                         }

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypedDict, Unpack
 
+from embedfleet.shared.vector_cache import CacheCounts
+
 # The stages of an answered query's time, in order (query_stages; the metric's ``stage`` label)
 QUERY_STAGES = ("read", "tokenize", "wait", "forward", "reply")
 
@@ -142,9 +144,9 @@ class WorkerStats:
     batches: int = 0
     dead_letters: int = 0
     # the vector cache: chunks answered from it, chunks embedded, the hits' tokens not computed
-    cache_hits: int = 0
-    cache_misses: int = 0
-    tokens_saved: int = 0
+    # (frozen: each look-up's counts are added as a new record, so a copy of the stats keeps
+    # its own)
+    cache: CacheCounts = field(default_factory=CacheCounts)
     model_seconds: float = 0.0
     started_at: float = field(default_factory=time.perf_counter)
 
@@ -187,7 +189,5 @@ class StatsEvents(ForwardingEvents):
         super().dead_lettered(count=count, reason=reason)
 
     def vector_cache_checked(self, *, hits: int, misses: int, tokens_saved: int) -> None:
-        self.stats.cache_hits += hits
-        self.stats.cache_misses += misses
-        self.stats.tokens_saved += tokens_saved
+        self.stats.cache += CacheCounts(hits, misses, tokens_saved)
         super().vector_cache_checked(hits=hits, misses=misses, tokens_saved=tokens_saved)

@@ -121,8 +121,8 @@ async def test_a_reingested_corpus_embeds_only_what_changed(
         assert worker.stats.embedded - before.embedded == CHANGED + NEW
         assert worker.stats.real_tokens - before.real_tokens == token_count(changed + new)
         hits, saved = len(unchanged), token_count(unchanged)
-        assert worker.stats.cache_hits - before.cache_hits == hits
-        assert worker.stats.tokens_saved - before.tokens_saved == saved
+        assert worker.stats.cache.hits - before.cache.hits == hits
+        assert worker.stats.cache.tokens_saved - before.cache.tokens_saved == saved
         # the counters as a job, status and its JSON see them; done and dead as ever
         assert (run_two.enqueued, run_two.done, run_two.dead) == (2 * CORPUS, 2 * CORPUS, 0)
         assert (run_two.cache_hits, run_two.tokens_saved) == (hits, saved)

@@ -3,10 +3,12 @@ stats a run reports count what the events said before passing them on."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 
+from embedfleet.shared.vector_cache import CacheCounts
 from embedfleet.workers.events import ForwardingEvents, StatsEvents, WorkerEvents, WorkerStats
 
 HOOKS = sorted(name for name in vars(WorkerEvents) if not name.startswith("_"))
@@ -44,7 +46,7 @@ def test_stats_count_what_the_events_say_and_pass_them_on() -> None:
     events.vector_cache_checked(hits=2, misses=4, tokens_saved=12)
     events.dead_lettered(count=1, reason="invalid")
     assert (stats.batches, stats.embedded, stats.texts, stats.dead_letters) == (1, 4, 4, 1)
-    assert (stats.cache_hits, stats.cache_misses, stats.tokens_saved) == (2, 4, 12)
+    assert stats.cache == CacheCounts(hits=2, misses=4, tokens_saved=12)
     assert stats.padding_waste == pytest.approx(0.25)
     assert 0.0 < stats.model_busy_fraction <= 1.0
     names = [name for name, _ in listener.calls]
@@ -55,6 +57,16 @@ def test_stats_count_what_the_events_say_and_pass_them_on() -> None:
         "vector_cache_checked",
         "dead_lettered",
     ]
+
+
+def test_a_copy_of_the_stats_keeps_its_cache_counts() -> None:
+    """What loadtest/reingest.py and the re-ingest test subtract from: a copy taken before."""
+    stats = WorkerStats()
+    events = StatsEvents(stats, Recorder())
+    events.vector_cache_checked(hits=1, misses=1, tokens_saved=5)
+    before = dataclasses.replace(stats)
+    events.vector_cache_checked(hits=2, misses=0, tokens_saved=9)
+    assert before.cache == CacheCounts(1, 1, 5) and stats.cache == CacheCounts(3, 1, 14)
 
 
 def test_no_tokens_is_no_padding_waste() -> None:
