@@ -28,12 +28,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from embedfleet.producer import Producer
 from embedfleet.server import isolated_settings
@@ -72,27 +72,45 @@ def texts(prefix: str, count: int) -> Iterator[Chunk]:
 
 
 @dataclass
-class Report:
+class Setup:
+    """What was run: B's and A's chunks, the workers and their pace, where and how."""
+
     small: int
     large: int
     workers: int
     us_per_token: float
     machine: str
     command: str
-    # the backlog scenario
+
+
+@dataclass
+class BacklogRun:
+    """The backlog scenario's figures (zeros where it was not run)."""
+
     alone_s: float = 0.0
     fair_s: float = 0.0
     fifo_s: float = 0.0
     expected_fair_s: float = 0.0  # alone at its share: alone_s / (B's weight share)
     large_left_when_small_enqueued_fair: int = 0
     large_left_when_small_enqueued_fifo: int = 0
-    # the 3:1 scenario
+
+
+@dataclass
+class SplitRun:
+    """The 3:1 scenario's figures (zeros where it was not run)."""
+
     split: int = 0
     weights: str = ""
     window_s: float = 0.0
     a_per_s: float = 0.0
     b_per_s: float = 0.0
     ratio: float = 0.0
+
+
+@dataclass
+class Report(SplitRun, BacklogRun, Setup):
+    """The setup and both scenarios' figures in one flat record, as --json writes it: a
+    dataclass takes its bases' fields last base first, so the setup's come first."""
 
 
 def worker_env(us_per_token: float, weights: str) -> dict[str, str]:
@@ -137,7 +155,7 @@ async def _behind(
     return seconds, left
 
 
-async def backlog_scenario(url: str, args: argparse.Namespace) -> dict[str, Any]:
+async def backlog_scenario(url: str, args: argparse.Namespace) -> BacklogRun:
     settings = isolated_settings(url, tenant_weights="a=1,b=1")
     env = worker_env(args.us_per_token, settings.tenant_weights)
     with _workers(settings, args.workers, env):
@@ -147,17 +165,17 @@ async def backlog_scenario(url: str, args: argparse.Namespace) -> dict[str, Any]
             fair, fair_left = await _behind(producer, args, "fair", "b")
             fifo, fifo_left = await _behind(producer, args, "fifo", "a")
     share = 1 / 2  # weights 1:1
-    return {
-        "alone_s": round(alone, 2),
-        "fair_s": round(fair, 2),
-        "fifo_s": round(fifo, 2),
-        "expected_fair_s": round(alone / share, 2),
-        "large_left_when_small_enqueued_fair": fair_left,
-        "large_left_when_small_enqueued_fifo": fifo_left,
-    }
+    return BacklogRun(
+        alone_s=round(alone, 2),
+        fair_s=round(fair, 2),
+        fifo_s=round(fifo, 2),
+        expected_fair_s=round(alone / share, 2),
+        large_left_when_small_enqueued_fair=fair_left,
+        large_left_when_small_enqueued_fifo=fifo_left,
+    )
 
 
-async def split_scenario(url: str, args: argparse.Namespace) -> dict[str, Any]:
+async def split_scenario(url: str, args: argparse.Namespace) -> SplitRun:
     weights = "a=3,b=1"
     settings = isolated_settings(url, tenant_weights=weights)
     env = worker_env(args.us_per_token, weights)
@@ -181,14 +199,14 @@ async def split_scenario(url: str, args: argparse.Namespace) -> dict[str, Any]:
             await producer.wait_for_job("split-b", timeout=3600)
     window = t1 - t0
     a_rate, b_rate = (a1 - a0) / window, (b1 - b0) / window
-    return {
-        "split": args.split,
-        "weights": weights,
-        "window_s": round(window, 2),
-        "a_per_s": round(a_rate, 1),
-        "b_per_s": round(b_rate, 1),
-        "ratio": round(a_rate / b_rate, 3) if b_rate else float("inf"),
-    }
+    return SplitRun(
+        split=args.split,
+        weights=weights,
+        window_s=round(window, 2),
+        a_per_s=round(a_rate, 1),
+        b_per_s=round(b_rate, 1),
+        ratio=round(a_rate / b_rate, 3) if b_rate else float("inf"),
+    )
 
 
 async def _done(producer: Producer) -> tuple[int, int, float]:
@@ -239,8 +257,8 @@ def main() -> None:
     configure_logging("error", "console")
 
     async def go(url: str) -> Report:
-        backlog = await backlog_scenario(url, args) if "backlog" in args.scenarios else {}
-        split = await split_scenario(url, args) if "split" in args.scenarios else {}
+        backlog = await backlog_scenario(url, args) if "backlog" in args.scenarios else BacklogRun()
+        split = await split_scenario(url, args) if "split" in args.scenarios else SplitRun()
         return Report(
             small=args.small,
             large=args.small * args.ratio,
@@ -249,8 +267,8 @@ def main() -> None:
             machine=f"{cpu_name()}; {machine_load()}",
             command="python -m loadtest.fairness "
             + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v),
-            **backlog,
-            **split,
+            **dataclasses.asdict(backlog),
+            **dataclasses.asdict(split),
         )
 
     report = run_on_redis(args.redis_url, go)
