@@ -42,6 +42,7 @@ from embedfleet.sinks import (
 )
 
 T = TypeVar("T")
+Option = Callable[[Callable[..., Any]], Callable[..., Any]]  # what click.option(...) returns
 ESTIMATE_EVERY_S = 10.0  # how often `migrate start` prints the time and tokens left
 
 table_option = click.option(
@@ -107,34 +108,59 @@ def migrate_group() -> None:
     """
 
 
-@migrate_group.command("start")
-@table_option
-@click.option("--to-table", help="The new table model B's workers write (a new migration).")
-@click.option(
-    "--to-lane", help="Model B's lane: its workers run with EMBEDFLEET_MODEL_LANE=<lane>."
+def _verb(
+    name: str, report: str, *options: Option
+) -> Callable[[Callable[..., None]], click.Command]:
+    """A verb of `migrate`, with the options they all take: ``--table`` first, then its own
+    ``options``, then ``--json`` (printing ``report``) and ``--redis-url``."""
+
+    stack: tuple[Option, ...] = (
+        table_option,
+        *options,
+        json_report_option(report),
+        redis_url_option,
+    )
+
+    def register(function: Callable[..., None]) -> click.Command:
+        decorated: Callable[..., Any] = function
+        for option in reversed(stack):
+            decorated = option(decorated)
+        return migrate_group.command(name)(decorated)
+
+    return register
+
+
+@_verb(
+    "start",
+    "what the copy did and measured",
+    click.option("--to-table", help="The new table model B's workers write (a new migration)."),
+    click.option(
+        "--to-lane", help="Model B's lane: its workers run with EMBEDFLEET_MODEL_LANE=<lane>."
+    ),
+    click.option(
+        "--alias",
+        help="The reader name readers follow (default <table>_live); created pointing at the "
+        "old table if missing.",
+    ),
+    count_option(
+        "--page",
+        default=mig.DEFAULT_PAGE,
+        help="Rows read from the old table and enqueued at a time.",
+    ),
+    click.option(
+        "--model",
+        "model_dir",
+        type=click.Path(file_okay=False, exists=True, path_type=Path),
+        help="Model B's directory (its workers' EMBEDFLEET_MODEL), to count tokens with its "
+        "tokenizer; without it tokens are estimated as characters / 4.",
+    ),
+    seconds_option(
+        "--idle-timeout",
+        min_open=True,
+        help="Give up when lane B has not drained its queue after this many seconds "
+        "(default: wait).",
+    ),
 )
-@click.option(
-    "--alias",
-    help="The reader name readers follow (default <table>_live); created pointing at the "
-    "old table if missing.",
-)
-@count_option(
-    "--page", default=mig.DEFAULT_PAGE, help="Rows read from the old table and enqueued at a time."
-)
-@click.option(
-    "--model",
-    "model_dir",
-    type=click.Path(file_okay=False, exists=True, path_type=Path),
-    help="Model B's directory (its workers' EMBEDFLEET_MODEL), to count tokens with its "
-    "tokenizer; without it tokens are estimated as characters / 4.",
-)
-@seconds_option(
-    "--idle-timeout",
-    min_open=True,
-    help="Give up when lane B has not drained its queue after this many seconds (default: wait).",
-)
-@json_report_option("what the copy did and measured")
-@redis_url_option
 def start_command(
     table: str | None,
     to_table: str | None,
@@ -214,10 +240,7 @@ def _copy_said(migration: mig.Migration, report: mig.CopyReport) -> list[str]:
     ]
 
 
-@migrate_group.command("status")
-@table_option
-@json_report_option("the migration's record, progress and estimate")
-@redis_url_option
+@_verb("status", "the migration's record, progress and estimate")
 def migrate_status_command(table: str | None, as_json: bool, redis_url: str | None) -> None:
     """Show a migration: its tables and lanes, where the alias points, whether the dual write
     is on, and the copy's progress with the time left at the last measured rate."""
@@ -244,29 +267,29 @@ def migrate_status_command(table: str | None, as_json: bool, redis_url: str | No
     )
 
 
-@migrate_group.command("canary")
-@table_option
-@input_file_option(
-    "--queries",
-    required=True,
-    help='One query per line: text, or {"query": ..., "relevant": [ids]} for recall@k.',
+@_verb(
+    "canary",
+    "the scores (and each query's neighbours)",
+    input_file_option(
+        "--queries",
+        required=True,
+        help='One query per line: text, or {"query": ..., "relevant": [ids]} for recall@k.',
+    ),
+    count_option("--k", default=10, maximum=1000),
+    click.option(
+        "--min-overlap",
+        type=click.FloatRange(0, 1),
+        default=None,
+        help="Exit status 1 when the mean overlap@k is below this.",
+    ),
+    click.option(
+        "--min-recall",
+        type=click.FloatRange(0, 1),
+        default=None,
+        help="Exit status 1 when the new table's mean recall@k is below this (labelled queries).",
+    ),
+    click.option("--timeout", type=float, default=30.0, show_default=True, help="Per query batch."),
 )
-@count_option("--k", default=10, maximum=1000)
-@click.option(
-    "--min-overlap",
-    type=click.FloatRange(0, 1),
-    default=None,
-    help="Exit status 1 when the mean overlap@k is below this.",
-)
-@click.option(
-    "--min-recall",
-    type=click.FloatRange(0, 1),
-    default=None,
-    help="Exit status 1 when the new table's mean recall@k is below this (labelled queries).",
-)
-@click.option("--timeout", type=float, default=30.0, show_default=True, help="Per query batch.")
-@json_report_option("the scores (and each query's neighbours)")
-@redis_url_option
 def canary_command(
     table: str | None,
     queries: Path,
@@ -331,11 +354,11 @@ def _point(to: str, table: str | None, force: bool, as_json: bool, redis_url: st
     )
 
 
-@migrate_group.command("switch")
-@table_option
-@click.option("--force", is_flag=True, help="Switch even though the copy is not verified.")
-@json_report_option("where the alias points now")
-@redis_url_option
+@_verb(
+    "switch",
+    "where the alias points now",
+    click.option("--force", is_flag=True, help="Switch even though the copy is not verified."),
+)
 def switch_command(table: str | None, force: bool, as_json: bool, redis_url: str | None) -> None:
     """Point the readers' alias at the new table, in one atomic step (Qdrant: one alias
     request; PostgreSQL: the view replaced in one transaction; LanceDB: the pointer file
@@ -344,10 +367,7 @@ def switch_command(table: str | None, force: bool, as_json: bool, redis_url: str
     _point("target", table, force, as_json, redis_url)
 
 
-@migrate_group.command("rollback")
-@table_option
-@json_report_option("where the alias points now")
-@redis_url_option
+@_verb("rollback", "where the alias points now")
 def rollback_command(table: str | None, as_json: bool, redis_url: str | None) -> None:
     """Point the readers' alias back at the old table, in one atomic step. It holds what was
     written through lane B since the switch: the sinks of the new table copy it to lane A until
@@ -355,11 +375,13 @@ def rollback_command(table: str | None, as_json: bool, redis_url: str | None) ->
     _point("source", table, True, as_json, redis_url)
 
 
-@migrate_group.command("finish")
-@table_option
-@click.option("--drop-old", is_flag=True, help="Also drop the table the alias does not point at.")
-@json_report_option("what was ended and dropped")
-@redis_url_option
+@_verb(
+    "finish",
+    "what was ended and dropped",
+    click.option(
+        "--drop-old", is_flag=True, help="Also drop the table the alias does not point at."
+    ),
+)
 def finish_command(table: str | None, drop_old: bool, as_json: bool, redis_url: str | None) -> None:
     """End the migration: the sinks of each table stop copying to the other model's lane. The
     table readers do not use is kept unless --drop-old. Move your producers to the lane the
