@@ -68,18 +68,13 @@ class RowsBatch:
     attention_mask: torch.Tensor  # (rows, 1, width, width) bool, block-diagonal
     token_index: torch.Tensor  # (real tokens,) flat index into rows*width, text by text
     lengths: torch.Tensor  # (texts,) int64
-
-    @property
-    def size(self) -> int:
-        return int(self.lengths.shape[0])
+    # counted once when collated, as the worker's varlen batches are (workers/model/packing.py)
+    size: int  # texts
+    real_tokens: int
 
     @property
     def padded_tokens(self) -> int:
         return int(self.input_ids.numel())
-
-    @property
-    def real_tokens(self) -> int:
-        return int(self.lengths.sum())
 
 
 def collate_rows(items: Sequence[Tokenized], width: int, pad_id: int = 0) -> RowsBatch:
@@ -114,6 +109,8 @@ def collate_rows(items: Sequence[Tokenized], width: int, pad_id: int = 0) -> Row
         attention_mask=mask,
         token_index=torch.from_numpy(token_index),
         lengths=torch.from_numpy(lengths),
+        size=len(items),
+        real_tokens=int(lengths.sum()),
     )
 
 
