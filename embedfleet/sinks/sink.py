@@ -15,7 +15,7 @@ import operator
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TypeVar
 
 import msgpack
@@ -261,6 +261,7 @@ def latest_per_id(results: Sequence[Result]) -> list[Result]:
 CALL_BOUND_STATEMENTS = 3
 
 
+@dataclass(eq=False)
 class DatabaseSink(Sink):
     """A sink that upserts into a vector database through its backend, then acknowledges.
 
@@ -271,23 +272,19 @@ class DatabaseSink(Sink):
     default, float16 where the database has it).
     """
 
-    def __init__(
-        self,
-        client: aioredis.Redis,
-        keys: Keys,
-        backend: VectorBackend,
-        *,
-        dtype: VectorDType | None = None,
-    ) -> None:
-        self.client = client
-        self.keys = keys
-        self.backend = backend
-        self.dtype = dtype
-        # which database a builtin TimeoutError or OSError of this sink came from
-        self.system = backend.system
-        self._thread: ThreadPoolExecutor | None = None
-        # when the call now running on the sink's thread began (None: none is)
-        self._call_started: float | None = None
+    client: aioredis.Redis
+    keys: Keys
+    backend: VectorBackend
+    _: KW_ONLY
+    dtype: VectorDType | None = None
+    # which database a builtin TimeoutError or OSError of this sink came from (the backend's)
+    system: System = field(init=False)
+    _thread: ThreadPoolExecutor | None = field(default=None, init=False)
+    # when the call now running on the sink's thread began (None: none is)
+    _call_started: float | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.system = self.backend.system
 
     @property
     def call_bound_s(self) -> float | None:
