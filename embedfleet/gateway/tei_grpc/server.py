@@ -50,6 +50,7 @@ log = get_logger("embedfleet.gateway.grpc")
 
 Request = TypeVar("Request")
 Answer = TypeVar("Answer")
+Output = TypeVar("Output")
 Servicer = TypeVar("Servicer", bound="GatewayServicer")
 
 # TEI's gRPC code for each of its error types (server.rs, ``impl From<ErrorResponse> for
@@ -270,6 +271,41 @@ def each_call(
     return method
 
 
+def _one_input(
+    embed: Callable[[rerank_api.EmbedSparseRequest, Gateway], Awaitable[list[Output]]],
+    respond: Callable[[Output, pb.Metadata], Answer],
+) -> Callable[
+    [GatewayServicer, pb.EmbedSparseRequest | pb.EmbedAllRequest, RequestClock], Awaitable[Answer]
+]:
+    """EmbedSparse's or EmbedAll's answer: ``embed`` (/embed_sparse's or /embed_all's function)
+    of the message's one input, as ``respond`` puts it with the call's metadata."""
+
+    async def answer(
+        self: GatewayServicer,
+        request: pb.EmbedSparseRequest | pb.EmbedAllRequest,
+        clock: RequestClock,
+    ) -> Answer:
+        (output,) = await embed(_sparse_body(request), self.gateway)
+        return respond(output, await _measured(clock))
+
+    return answer
+
+
+def _sparse_response(
+    weights: list[dict[str, Any]], metadata: pb.Metadata
+) -> pb.EmbedSparseResponse:
+    return pb.EmbedSparseResponse(
+        sparse_embeddings=[pb.SparseValue(index=w["index"], value=w["value"]) for w in weights],
+        metadata=metadata,
+    )
+
+
+def _token_response(matrix: list[list[float]], metadata: pb.Metadata) -> pb.EmbedAllResponse:
+    return pb.EmbedAllResponse(
+        token_embeddings=[pb.TokenEmbedding(embeddings=row) for row in matrix], metadata=metadata
+    )
+
+
 class TEIServicer(GatewayServicer):
     """Every tei.v1 service on one gateway: a coroutine for each method of each of them."""
 
@@ -303,27 +339,11 @@ class TEIServicer(GatewayServicer):
     Embed = one_call(_embed)
     EmbedStream = each_call(_embed)
 
-    async def _embed_sparse(
-        self, request: pb.EmbedSparseRequest, clock: RequestClock
-    ) -> pb.EmbedSparseResponse:
-        (weights,) = await rerank_api.embed_sparse(_sparse_body(request), self.gateway)
-        return pb.EmbedSparseResponse(
-            sparse_embeddings=[pb.SparseValue(index=w["index"], value=w["value"]) for w in weights],
-            metadata=await _measured(clock),
-        )
-
+    _embed_sparse = _one_input(rerank_api.embed_sparse, _sparse_response)
     EmbedSparse = one_call(_embed_sparse)
     EmbedSparseStream = each_call(_embed_sparse)
 
-    async def _embed_all(
-        self, request: pb.EmbedAllRequest, clock: RequestClock
-    ) -> pb.EmbedAllResponse:
-        (matrix,) = await rerank_api.embed_all(_sparse_body(request), self.gateway)
-        return pb.EmbedAllResponse(
-            token_embeddings=[pb.TokenEmbedding(embeddings=row) for row in matrix],
-            metadata=await _measured(clock),
-        )
-
+    _embed_all = _one_input(rerank_api.embed_all, _token_response)
     EmbedAll = one_call(_embed_all)
     EmbedAllStream = each_call(_embed_all)
 
