@@ -382,6 +382,27 @@ def _run_cells(row: dict[str, Any]) -> list[object]:
     ]
 
 
+def _model_cells(row: dict[str, Any]) -> list[object]:
+    """The cells of a model the models step built, after its name."""
+    return [
+        f"{row['hidden']} / {row['layers']} / {row['heads']} / {row['intermediate']}",
+        f"{row['matmul_parameters'] / 1e6:,.1f}M",
+        row["weights_mib"],
+        row["build_s"],
+    ]
+
+
+def _host_cells(row: dict[str, Any]) -> list[object]:
+    """The cells of a host pipeline run (the stand-in encoder's), after its name."""
+    return [
+        f"{row['texts_per_s']:,.0f}",
+        f"{row['tokens_per_s']:,.0f}",
+        f"{row['per_process_to_floor']:.2f}",
+        f"{row['cores_per_process']:.2f}",
+        f"{row['texts_per_core_s']:,.0f}",
+    ]
+
+
 def _runs_table(first_column: str, results: dict[str, Any]) -> list[str]:
     """A step's end-to-end runs (``_run_cells``), ``first_column`` naming each."""
     return _table(
@@ -393,6 +414,11 @@ def _runs_table(first_column: str, results: dict[str, Any]) -> list[str]:
     )
 
 
+def _results(steps: dict[str, Any], name: str) -> dict[str, Any]:
+    """The results of the step ``name`` (empty where it did not run or measured nothing)."""
+    return steps.get(name, {}).get("results", {})
+
+
 def summarize(results: dict[str, Any]) -> str:
     steps = results["steps"]
     config = results["config"]
@@ -400,11 +426,11 @@ def summarize(results: dict[str, Any]) -> str:
     lines += ["| step | status | seconds |", "|---|---|---:|"]
     for name, step in steps.items():
         lines.append(f"| {name} | {step['status']} | {_figure(step.get('seconds'), '.1f')} |")
-    pre = steps.get("preflight", {}).get("results", {})
+    pre = _results(steps, "preflight")
     if pre:
         lines += ["", f"- machine: {pre.get('cpu')}; {pre.get('nvidia_smi', 'no GPU')}"]
         lines.append(f"- versions: {json.dumps(pre.get('versions', {}))}")
-    parity = steps.get("parity", {}).get("results", {})
+    parity = _results(steps, "parity")
     rows = {k: v for k, v in parity.items() if isinstance(v, dict)}
     if rows:
         lines += ["", "| path vs sentence-transformers fp32 | min cos | mean cos | precision "]
@@ -415,7 +441,7 @@ def summarize(results: dict[str, Any]) -> str:
                 f"| {name} | {row['min_cosine']:.6f} | {row['mean_cosine']:.6f} | "
                 f"{row['precision']} | {row['kernel'] or ''} | {row['passed']} |"
             )
-    bench = steps.get("bench", {}).get("results", {})
+    bench = _results(steps, "bench")
     contenders = {k: v for k, v in bench.items() if isinstance(v, dict) and "texts_per_s" in v}
     if contenders:
         setup = bench.get("setup", {})
@@ -439,20 +465,14 @@ def summarize(results: dict[str, Any]) -> str:
             )
         if "infinity" in bench:
             lines.append(f"\nInfinity: {bench['infinity']}")
-    built = steps.get("models", {}).get("results", {})
     lines += _table(
         "| model (random weights, speed only) | hidden / layers / heads / intermediate | "
         "matmul weights | MiB | build s |",
-        built,
-        lambda row: [
-            f"{row['hidden']} / {row['layers']} / {row['heads']} / {row['intermediate']}",
-            f"{row['matmul_parameters'] / 1e6:,.1f}M",
-            row["weights_mib"],
-            row["build_s"],
-        ],
+        _results(steps, "models"),
+        _model_cells,
         needs="matmul_parameters",
     )
-    sweep = steps.get("replicas", {}).get("results", {})
+    sweep = _results(steps, "replicas")
     if "setup" in sweep:
         setup = sweep["setup"]
         share = setup.get("gpu_memory_share")
@@ -465,7 +485,7 @@ def summarize(results: dict[str, Any]) -> str:
             + f"; {setup['texts_per_replica']:,} texts per replica in a run",
         ]
     lines += _runs_table("replicas on one device", sweep)
-    big = steps.get("large", {}).get("results", {})
+    big = _results(steps, "large")
     if "setup" in big:
         setup = big["setup"]
         dtypes = {row["dtype"] for row in big.values() if isinstance(row, dict) and "dtype" in row}
@@ -475,7 +495,7 @@ def summarize(results: dict[str, Any]) -> str:
             f"({setup['usable_cpus']} usable CPUs), dtype {', '.join(sorted(dtypes)) or '-'}",
         ]
     lines += _runs_table("model, run", big)
-    latency = steps.get("latency", {}).get("results", {})
+    latency = _results(steps, "latency")
     if "replicas" in latency:
         lines += ["", f"latency: one worker with {latency['replicas']} replicas (auto)"]
     lines += _table(
@@ -492,21 +512,14 @@ def summarize(results: dict[str, Any]) -> str:
     if "query_paths" in latency:  # graph / stream on CUDA; frozen / eager on a CPU
         served = ", ".join(f"{path} {count:,.0f}" for path, count in latency["query_paths"].items())
         lines += ["", f"queries served by path: {served or 'none recorded'}"]
-    host = steps.get("host", {}).get("results", {})
     lines += _table(
         "| host pipeline, stand-in encoder | texts/s | tokens/s | per process / tokenizer | "
         "cores each | texts/s per core |",
-        host,
-        lambda row: [
-            f"{row['texts_per_s']:,.0f}",
-            f"{row['tokens_per_s']:,.0f}",
-            f"{row['per_process_to_floor']:.2f}",
-            f"{row['cores_per_process']:.2f}",
-            f"{row['texts_per_core_s']:,.0f}",
-        ],
+        _results(steps, "host"),
+        _host_cells,
     )
-    lines += _images_lines(steps.get("images", {}).get("results", {}))
-    tests = steps.get("tests", {}).get("results", {})
+    lines += _images_lines(_results(steps, "images"))
+    tests = _results(steps, "tests")
     if tests:
         tested = "tests/integration/workers/test_packing.py, tests/integration/workers/test_bulk.py"
         lines += ["", f"{tested}: {tests.get('last_line')}"]
