@@ -46,7 +46,7 @@ def test_valid_chunks_are_accepted_in_order_with_their_delivery() -> None:
 def test_an_entry_without_a_payload_names_the_fields_it_has() -> None:
     _, rejected = decode_entries([entry("1-0", None, {b"text": b"hello", b"id": b"x"})], Settings())
     (item,) = rejected
-    assert (item.stream, item.entry_id, item.code) == ("ingest", "1-0", DeadReason.NO_PAYLOAD)
+    assert (item.stream, item.entry_id, item.reason) == ("ingest", "1-0", DeadReason.NO_PAYLOAD)
     assert item.detail.endswith("it has: text, id")
     assert item.payload is None
 
@@ -56,11 +56,11 @@ def test_an_invalid_chunk_keeps_its_payload_and_what_it_could_read() -> None:
     accepted, rejected = decode_entries([entry("3-0", payload)], Settings())
     assert accepted == []
     (item,) = rejected
-    assert item.code is DeadReason.INVALID
+    assert item.reason is DeadReason.INVALID
     assert item.payload == payload, "kept whole, for a replay once fixed"
     assert item.chunk_id == "c1"
 
 
 def test_a_payload_that_is_not_msgpack_is_refused_as_such() -> None:
     _, rejected = decode_entries([entry("4-0", b"\xc1 not msgpack")], Settings())
-    assert [item.code for item in rejected] == [DeadReason.NOT_MSGPACK]
+    assert [item.reason for item in rejected] == [DeadReason.NOT_MSGPACK]

@@ -16,7 +16,7 @@ def test_rows_cut_to_fit_are_rejected_and_the_others_kept() -> None:
     tokens = [Tokenized([1, 2], False), Tokenized([1] * 8, True), Tokenized([1] * 8, False)]
     keep, rejected = set_aside_overlong(chunks, deliveries, tokens, max_length=8)
     assert keep == [0, 2]
-    assert [(r.entry_id, r.code, r.chunk_id) for r in rejected] == [
+    assert [(r.entry_id, r.reason, r.chunk_id) for r in rejected] == [
         ("1-0", DeadReason.TOO_LONG, "long")
     ]
     assert "model's 8 tokens" in rejected[0].detail
