@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
@@ -29,8 +28,8 @@ log = get_logger("embedfleet.worker")
 class Rejected:
     """One entry that will not be embedded: the reason code, and the detail for a person.
 
-    Its fields are its dead letter's (``dead_letter_fields``' arguments, by the same names), but
-    for ``reply`` and ``tenant``, which its error answer and its accounting use.
+    Its fields are its dead letter's (``dead_letter``), but for ``reply`` and ``tenant``, which
+    its error answer and its accounting use.
     """
 
     stream: str
@@ -62,12 +61,17 @@ class Rejected:
 
     def dead_letter(self, max_payload_bytes: int) -> dict[str, str | bytes]:
         """This entry's fields in the dead-letter stream (shared/dead_letters.py)."""
-        kept: dict[str, Any] = {
-            field.name: getattr(self, field.name)
-            for field in fields(self)
-            if field.name not in ("reply", "tenant")
-        }
-        return dead_letter_fields(**kept, max_payload_bytes=max_payload_bytes)
+        return dead_letter_fields(
+            reason=self.reason,
+            detail=self.detail,
+            stream=self.stream,
+            entry_id=self.entry_id,
+            payload=self.payload,
+            max_payload_bytes=max_payload_bytes,
+            chunk_id=self.chunk_id,
+            job=self.job,
+            deliveries=self.deliveries,
+        )
 
 
 def _error_answer(item: Rejected) -> tuple[str, bytes]:
