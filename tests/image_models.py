@@ -224,5 +224,7 @@ def sentence_transformers_dual_dir(family: str, root: Path, *, normalize: bool =
         modules: list[torch.nn.Module] = [Transformer(str(dual_model_dir(family, root)))]
         if normalize:
             modules.append(Normalize())
-        SentenceTransformer(modules=modules, device="cpu").save(str(target))
+        SentenceTransformer(modules=modules, device="cpu").save(
+            str(target), create_model_card=False
+        )
     return target

@@ -279,7 +279,7 @@ def sentence_transformers_dir(
     model = SentenceTransformer(
         modules=modules, prompts=prompts, default_prompt_name=default_prompt_name, device="cpu"
     )
-    model.save(str(target))
+    model.save(str(target), create_model_card=False)  # its Jinja card: a third of a build
     return target
 
 
@@ -359,7 +359,7 @@ def splade_dir(
         else MLMTransformer(str(hf_dir)),
         SpladePooling(pooling_strategy=strategy, activation_function=activation),  # type: ignore[arg-type]
     ]
-    SparseEncoder(modules=modules, device="cpu").save(str(target))
+    SparseEncoder(modules=modules, device="cpu").save(str(target), create_model_card=False)
     return target
 
 
@@ -387,7 +387,7 @@ def cross_encoder_dir(root: Path, *, num_labels: int = 1) -> Path:
     declared = json.loads(tokenizer_config.read_text())
     declared["model_input_names"] = ["input_ids", "token_type_ids", "attention_mask"]
     tokenizer_config.write_text(json.dumps(declared, indent=2))
-    CrossEncoder(str(hf_dir), device="cpu").save(str(target))
+    CrossEncoder(str(hf_dir), device="cpu").save(str(target), create_model_card=False)
     return target
 
 
@@ -446,7 +446,7 @@ def bge_m3_dir(
     )
     transformer = Transformer(str(hf_dir), max_seq_length=max_seq_length)
     modules = [transformer, Pooling(hidden, pooling_mode="cls"), Normalize()]
-    SentenceTransformer(modules=modules, device="cpu").save(str(target))
+    SentenceTransformer(modules=modules, device="cpu").save(str(target), create_model_card=False)
     torch.manual_seed(23)
     for file, width in (("sparse_linear.pt", 1), ("colbert_linear.pt", colbert_dim)):
         head = torch.nn.Linear(hidden, width)
