@@ -4,6 +4,11 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# Bytecode, and pytest's rewritten test modules, written beside the sources: where the machine
+# sets PYTHONDONTWRITEBYTECODE=1 (as this project's machines do), every test run, xdist worker
+# and `embedfleet worker` process a test starts compiled the sources and rewrote the tests again
+# (docs/DEVELOPMENT.md, "Installing"). .gitignore and .dockerignore leave __pycache__ out.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install demo test test-full lint bench bench-peers gpu-carry gpu-rehearsal wheelhouse image-tools base-image image image-gateway image-cuda
 
