@@ -70,6 +70,7 @@ def _wordpiece(cls: str, sep: str, pad: str, unk: str, mask: str, lowercase: boo
     specials = [pad, unk, cls, sep, mask] if pad != "<pad>" else [cls, pad, sep, unk, mask]
     trainer = trainers.WordPieceTrainer(vocab_size=VOCAB, special_tokens=specials)
     tokenizer.train_from_iterator(_batches(corpus_lines()), trainer=trainer)
+    tokenizer = _ids_in_one_order(tokenizer, len(specials))
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{cls} $A {sep}",
         pair=f"{cls} $A {sep} $B:1 {sep}:1",  # BERT's pair layout (cross-encoders)
@@ -90,10 +91,52 @@ def _unigram() -> Tokenizer:
         unk_token="<unk>",
     )
     tokenizer.train_from_iterator(_batches(corpus_lines()), trainer=trainer)
+    tokenizer = _ids_in_one_order(tokenizer, 5)
     tokenizer.post_processor = processors.TemplateProcessing(
         single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 2)]
     )
     return tokenizer
+
+
+def _ids_in_one_order(tokenizer: Tokenizer, specials: int) -> Tokenizer:
+    """The trained ``tokenizer`` with its ids in the same order in every process. The WordPiece
+    and Unigram trainers number the tokens they keep in a hash map's order, which Rust seeds per
+    process: the same tokens got other ids in each test process, so the zoo's models (an
+    embedding row per id) differed between runs, and a parity test near a tie failed at random
+    (test_sparse_through_a_worker, one index of 530, stop 67). The special tokens, trained
+    first, keep their ids; the rest follow by token (WordPiece) or by score, then piece
+    (Unigram: its pieces' scores are what it tokenizes by)."""
+    state = json.loads(tokenizer.to_str())
+    model = state["model"]
+    if model["type"] == "WordPiece":
+        by_id = sorted(model["vocab"], key=model["vocab"].__getitem__)
+        ordered = by_id[:specials] + sorted(by_id[specials:])
+        model["vocab"] = {token: at for at, token in enumerate(ordered)}
+    else:  # Unigram: [piece, score] rows, the row's index its id
+        pieces = model["vocab"]
+        model["vocab"] = pieces[:specials] + _scores_in_one_order(pieces[specials:])
+    return Tokenizer.from_str(json.dumps(state))
+
+
+def _scores_in_one_order(pieces: list[list[Any]]) -> list[list[Any]]:
+    """Unigram's trained [piece, score] rows, sorted by score, then piece, the same in every
+    process. Its scores, summed in hash order, differ in their last bits (1e-15: rounded away),
+    and the characters it must keep get scores 1e-4 apart in hash order: within each run of
+    scores under 2e-4 apart, the run's scores go to its pieces sorted."""
+    rows = sorted(([piece, round(score, 6)] for piece, score in pieces), key=lambda r: -r[1])
+    runs: list[list[list[Any]]] = []
+    for row in rows:
+        if runs and runs[-1][-1][1] - row[1] < 2e-4:
+            runs[-1].append(row)
+        else:
+            runs.append([row])
+    ordered: list[list[Any]] = []
+    for run in runs:
+        scores = [score for _, score in run]
+        ordered += [
+            [piece, score] for piece, score in zip(sorted(p for p, _ in run), scores, strict=True)
+        ]
+    return ordered
 
 
 def _byte_level_bpe() -> Tokenizer:
