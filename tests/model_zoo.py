@@ -85,13 +85,10 @@ def _unigram() -> Tokenizer:
     tokenizer.normalizer = normalizers.NFKC()
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
     tokenizer.decoder = decoders.Metaspace()
-    trainer = trainers.UnigramTrainer(
-        vocab_size=VOCAB,
-        special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
-        unk_token="<unk>",
-    )
+    specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    trainer = trainers.UnigramTrainer(vocab_size=VOCAB, special_tokens=specials, unk_token="<unk>")
     tokenizer.train_from_iterator(_batches(corpus_lines()), trainer=trainer)
-    tokenizer = _ids_in_one_order(tokenizer, 5)
+    tokenizer = _ids_in_one_order(tokenizer, len(specials))
     tokenizer.post_processor = processors.TemplateProcessing(
         single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 2)]
     )
