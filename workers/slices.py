@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import weakref
 from dataclasses import dataclass
+
+import torch
 
 from embedfleet.shared.logging import get_logger
 from embedfleet.workers.batcher import PlannedBatch
@@ -33,6 +36,14 @@ SLICE_MS_AUTO = {"cpu": 100.0, "cuda": 20.0}
 # its three terms apart before the first window is planned.
 SEED_SMALL_TEXTS = 8
 SEED_LONG_TEXTS = 4
+# The probes' times, kept per loaded model, by bulk path, frozen or not, and torch threads: a
+# second worker started over the same encoder in one process (the tests' and benchmarks'
+# in-process workers, which share one) seeds from them instead of timing the same batches again
+# (seconds of a CPU core each). A worker process measures once, as it did.
+SeedKey = tuple[BulkPath, bool, int]
+_SEEDS: weakref.WeakKeyDictionary[object, dict[SeedKey, list[tuple[Shape, float]]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 @dataclass
@@ -200,20 +211,59 @@ class Slices:
 
         A window's batches are planned when it is opened, with the limit known then: without a
         measured cost the first windows would get the whole token budget, batches several
-        times the query slice. Each probe runs twice and the faster counts (a graph's first
-        call at a new shape is slower). Any error here is left for the first real batch to
-        meet (and handle: split on out-of-memory, exit on a device fault)."""
-        if self.slice_seconds <= 0 or self.bulk is None or self.parts.stopping.is_set():
+        times the query slice. Each probe runs twice through a copy and the faster counts (a
+        graph's first call at a new shape is slower; once through the eager model on a CPU:
+        ``_probe_runs``). A worker started over an encoder whose probes were timed
+        before in this process, on the same path and torch threads, seeds from those times
+        (``_SEEDS``). Any error here is left for the first real batch to meet (and handle: split
+        on out-of-memory, exit on a device fault)."""
+        bulk = self.bulk
+        if self.slice_seconds <= 0 or bulk is None or self.parts.stopping.is_set():
             return
+        path, frozen = self.bulk_path(), self.bulk_frozen()
+        key: SeedKey = (path, frozen, torch.get_num_threads())
+        measured = _seeds_of(self.parts.encoder)
+        if measured is None or key not in measured:
+            samples = await self._time_probes(bulk, path, frozen)
+            if samples is None:
+                return
+            if measured is not None:
+                measured[key] = samples
+            reused = False
+        else:
+            samples, reused = measured[key], True
+        cost = self._slice_cost(path)
+        cost.seed(samples)
+        log.info(
+            "bulk slice cost seeded",
+            path=path,
+            slice_ms=round(self.slice_seconds * 1000, 1),
+            probe_ms=[round(seconds * 1000, 1) for _, seconds in samples],
+            fitted=str(cost.cost),
+            reused=reused,
+        )
+
+    def _probe_runs(self, frozen: bool) -> int:
+        """How often each probe batch runs, the fastest counting: twice through a copy (the
+        frozen graph, an int8 or engine copy: its first call at a new shape specializes it) and
+        on CUDA; once through the eager model on a CPU, whose first call at a shape took as long
+        as its second (AVX2 Zen 3: 1.40 and 1.63 s, 0.71 and 0.67 s) and whose second call was
+        seconds of every worker start there."""
+        return 2 if frozen or self.parts.encoder.device.type != "cpu" else 1
+
+    async def _time_probes(
+        self, bulk: BulkForward, path: BulkPath, frozen: bool
+    ) -> list[tuple[Shape, float]] | None:
+        """Each probe batch's shape and its faster time of two (None where one failed: said at
+        warning, the first windows then unsliced)."""
         loop = asyncio.get_running_loop()
-        bulk, threads = self.bulk, self.parts.threads
+        threads = self.parts.threads
         long_text = max(PROBE_TEXTS, key=len)  # over the model's maximum: truncated to it
         probes = [
             list(BULK_PROBE_TEXTS),
             list(BULK_PROBE_TEXTS[:SEED_SMALL_TEXTS]),
             [long_text] * SEED_LONG_TEXTS,
         ]
-        path, frozen = self.bulk_path(), self.bulk_frozen()
         samples: list[tuple[Shape, float]] = []
         try:
             for texts in probes:
@@ -222,7 +272,7 @@ class Slices:
                 )
                 batch = await loop.run_in_executor(threads.tokenizer, bulk.collate, tokens)
                 times = []
-                for _ in range(2):
+                for _ in range(self._probe_runs(frozen)):
                     launched, clocked, _ = await loop.run_in_executor(
                         threads.model, functools.partial(self.launch_timed, batch, frozen=frozen)
                     )
@@ -233,16 +283,8 @@ class Slices:
             log.warning(
                 "speed probe batch failed; the first batches are not sliced", error=str(error)
             )
-            return
-        cost = self._slice_cost(path)
-        cost.seed(samples)
-        log.info(
-            "bulk slice cost seeded",
-            path=path,
-            slice_ms=round(self.slice_seconds * 1000, 1),
-            probe_ms=[round(seconds * 1000, 1) for _, seconds in samples],
-            fitted=str(cost.cost),
-        )
+            return None
+        return samples
 
     def learn_slice(self, in_flight: InFlightBatch) -> None:
         """One more observation for the path's cost model, the batch's longest slice, and the
@@ -265,3 +307,12 @@ class Slices:
             texts=len(planned.positions),
             longest=planned.longest,
         )
+
+
+def _seeds_of(encoder: object) -> dict[SeedKey, list[tuple[Shape, float]]] | None:
+    """The probe times kept for ``encoder`` (created empty); None where it cannot be a weak
+    key (a stand-in that is unhashable or has no ``__weakref__``): measured at every start."""
+    try:
+        return _SEEDS.setdefault(encoder, {})
+    except TypeError:
+        return None
