@@ -246,16 +246,16 @@ class Slices:
     def _probe_runs(self, frozen: bool) -> int:
         """How often each probe batch runs, the fastest counting: twice through a copy (the
         frozen graph, an int8 or engine copy: its first call at a new shape specializes it) and
-        on CUDA; once through the eager model on a CPU, whose first call at a shape took as long
-        as its second (AVX2 Zen 3: 1.40 and 1.63 s, 0.71 and 0.67 s) and whose second call was
-        seconds of every worker start there."""
+        on CUDA; once through the eager model on a CPU, whose first call at a shape measured as
+        long as its second, the second a few seconds of every worker's start (docs/BENCHMARKS.md,
+        "Stop 68")."""
         return 2 if frozen or self.parts.encoder.device.type != "cpu" else 1
 
     async def _time_probes(
         self, bulk: BulkForward, path: BulkPath, frozen: bool
     ) -> list[tuple[Shape, float]] | None:
-        """Each probe batch's shape and its faster time of two (None where one failed: said at
-        warning, the first windows then unsliced)."""
+        """Each probe batch's shape and its fastest time of ``_probe_runs`` (None where one
+        failed: said at warning, the first windows then unsliced)."""
         loop = asyncio.get_running_loop()
         threads = self.parts.threads
         long_text = max(PROBE_TEXTS, key=len)  # over the model's maximum: truncated to it
