@@ -36,11 +36,11 @@ SLICE_MS_AUTO = {"cpu": 100.0, "cuda": 20.0}
 # its three terms apart before the first window is planned.
 SEED_SMALL_TEXTS = 8
 SEED_LONG_TEXTS = 4
-# The probes' times, kept per loaded model, by bulk path, frozen or not, and torch threads: a
-# second worker started over the same encoder in one process (the tests' and benchmarks'
-# in-process workers, which share one) seeds from them instead of timing the same batches again
-# (seconds of a CPU core each). A worker process measures once, as it did.
-SeedKey = tuple[BulkPath, bool, int]
+# The probes' times, kept per loaded model, by bulk path (which says whether it is a frozen
+# copy) and torch threads: a second worker started over the same encoder in one process (the
+# tests' and benchmarks' in-process workers, which share one) seeds from them instead of timing
+# the same batches again (seconds of a CPU core each). A worker process measures once, as it did.
+SeedKey = tuple[BulkPath, int]
 _SEEDS: weakref.WeakKeyDictionary[object, dict[SeedKey, list[tuple[Shape, float]]]] = (
     weakref.WeakKeyDictionary()
 )
@@ -220,18 +220,16 @@ class Slices:
         bulk = self.bulk
         if self.slice_seconds <= 0 or bulk is None or self.parts.stopping.is_set():
             return
-        path, frozen = self.bulk_path(), self.bulk_frozen()
-        key: SeedKey = (path, frozen, torch.get_num_threads())
-        measured = _seeds_of(self.parts.encoder)
-        if measured is None or key not in measured:
-            samples = await self._time_probes(bulk, path, frozen)
-            if samples is None:
+        path = self.bulk_path()
+        key: SeedKey = (path, torch.get_num_threads())
+        measured = _SEEDS.setdefault(self.parts.encoder, {})
+        reused = key in measured
+        if not reused:
+            timed = await self._time_probes(bulk, path, self.bulk_frozen())
+            if timed is None:
                 return
-            if measured is not None:
-                measured[key] = samples
-            reused = False
-        else:
-            samples, reused = measured[key], True
+            measured[key] = timed
+        samples = measured[key]
         cost = self._slice_cost(path)
         cost.seed(samples)
         log.info(
@@ -307,12 +305,3 @@ class Slices:
             texts=len(planned.positions),
             longest=planned.longest,
         )
-
-
-def _seeds_of(encoder: object) -> dict[SeedKey, list[tuple[Shape, float]]] | None:
-    """The probe times kept for ``encoder`` (created empty); None where it cannot be a weak
-    key (a stand-in that is unhashable or has no ``__weakref__``): measured at every start."""
-    try:
-        return _SEEDS.setdefault(encoder, {})
-    except TypeError:
-        return None

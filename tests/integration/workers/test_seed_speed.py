@@ -43,5 +43,8 @@ async def test_a_second_worker_over_one_encoder_reuses_the_probe_times(
     assert timed == [threads, threads + 1]
     # the second worker's cost model starts from the first's times
     assert fitted[1] == fitted[0]
-    ((key, samples),) = [(k, v) for k, v in slices._SEEDS[encoder].items() if k[2] == threads]
-    assert key[0] == path and len(samples) == 3 and all(seconds > 0 for _, seconds in samples)
+    # kept by path and thread count, one set of three probe times each
+    kept = slices._SEEDS[encoder]
+    assert set(kept) == {(path, threads), (path, threads + 1)}
+    samples = kept[(path, threads)]
+    assert len(samples) == 3 and all(seconds > 0 for _, seconds in samples)
