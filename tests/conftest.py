@@ -32,6 +32,7 @@ from embedfleet.server import (
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.events import BulkSlice, WorkerEvents
+from tests import forks
 from tests.tiers import SLOW_TIERS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -443,16 +444,27 @@ class WorkerProcess:
     """An `embedfleet worker` process; its log (JSON lines) goes to a file, never a pipe that
     could fill up and stall it."""
 
-    def __init__(self, settings: Settings, name: str, log_path: Path, env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        name: str,
+        log_path: Path,
+        env: dict[str, str],
+        *,
+        fresh: bool = False,
+    ) -> None:
+        """``fresh``: a new interpreter, not a fork of tests/forks.py's (a test that measures
+        the process's own start or memory)."""
         require_slow_tier("an `embedfleet worker` process")
         self.name = name
         self.log_path = log_path
         with log_path.open("wb") as log_file:
-            self.popen = subprocess.Popen(
-                [sys.executable, "-m", "embedfleet.cli", "worker"],
+            self.popen = forks.popen(
+                ["worker"],
                 env=worker_env(settings, EMBEDFLEET_CONSUMER=name, **env),
                 stdout=subprocess.DEVNULL,
                 stderr=log_file,
+                fresh=fresh,
             )
 
     def log(self) -> str:
@@ -537,9 +549,11 @@ class WorkerLauncher:
             if own_client:
                 await client.aclose()
 
-    def process(self, name: str, settings: Settings | None = None, **env: str) -> WorkerProcess:
+    def process(
+        self, name: str, settings: Settings | None = None, *, fresh: bool = False, **env: str
+    ) -> WorkerProcess:
         log_path = self.log_dir / f"worker-{name}-{len(self.processes)}.log"
-        process = WorkerProcess(settings or self.settings, name, log_path, env)
+        process = WorkerProcess(settings or self.settings, name, log_path, env, fresh=fresh)
         self.processes.append(process)
         return process
 

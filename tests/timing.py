@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import forks
 from tests.paths import REPO_ROOT
 
 _totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
@@ -28,7 +29,8 @@ _totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
 def _cpu_seconds() -> float:
     own = resource.getrusage(resource.RUSAGE_SELF)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    forked = forks.reaped_cpu_seconds()  # commands forked by tests/forks.py: not our children
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + forked
 
 
 def _folder() -> Path:

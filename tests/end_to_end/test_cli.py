@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,7 @@ import pytest
 
 from embedfleet.shared.exit_codes import ExitCode
 from embedfleet.shared.settings import Settings
+from tests import forks
 from tests.conftest import WorkerLauncher, until
 from tests.paths import REPO_ROOT
 
@@ -32,13 +32,8 @@ DEMO_ENV = {"EMBEDFLEET_REDIS_URL": "", "EMBEDFLEET_FROZEN_QUERIES": "false"}
 def embedfleet(
     *args: str, env: dict[str, str] | None = None, stdin: str | None = None, timeout: float = 180
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "embedfleet.cli", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        input=stdin,
-        timeout=timeout,
+    return forks.run(
+        args, text=True, env={**os.environ, **(env or {})}, input=stdin, timeout=timeout
     )
 
 

@@ -27,6 +27,7 @@ from embedfleet.shared.exit_codes import ExitCode
 from embedfleet.shared.modelcard import read_card
 from embedfleet.shared.protocol import Chunk, decode_chunk
 from embedfleet.shared.settings import Settings
+from tests import forks
 from tests.conftest import WorkerLauncher, cli_env, until
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
@@ -45,13 +46,12 @@ def embedfleet(
     *args: str | bytes, env: dict[str, str], timeout: float = 300, stdin: bytes | None = None
 ) -> subprocess.CompletedProcess[str]:
     """`embedfleet ARGS` as a user runs it; ``args`` may hold bytes (an invalid UTF-8 argv)."""
-    result = subprocess.run(
-        [*CLI, *args],
-        capture_output=True,
-        env=env,
-        input=stdin,
-        timeout=timeout,
-    )
+    if os.environ.get("EMBEDFLEET_TEST_CLI_SCRIPT"):
+        result = subprocess.run(
+            [*CLI, *args], capture_output=True, env=env, input=stdin, timeout=timeout
+        )
+    else:
+        result = forks.run(args, env=env, input=stdin, timeout=timeout)
     return subprocess.CompletedProcess(
         result.args,
         result.returncode,

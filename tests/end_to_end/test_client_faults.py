@@ -51,6 +51,7 @@ from embedfleet.shared.protocol import (
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.retry import RedisUnavailableError
 from embedfleet.shared.settings import Settings
+from tests import forks
 from tests.conftest import WorkerLauncher, shared_encoder, start_cli, until, worker_env
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
@@ -751,13 +752,7 @@ def test_a_verb_whose_redis_never_came_up_says_so_within_seconds(
     env = {**os.environ, "EMBEDFLEET_REDIS_URL": url, "EMBEDFLEET_REDIS_CONNECT_S": "1"}
     args = [part.format(source=source) for part in verb]
     started = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, "-m", "embedfleet.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    result = forks.run(args, text=True, env=env, timeout=120)
     elapsed = time.monotonic() - started
     assert result.returncode == 1, result.stderr
     assert result.stderr.count(f"waiting for Redis at {url}") <= 1

@@ -34,6 +34,7 @@ from embedfleet.shared.settings import Settings
 from embedfleet.shared.streams import find_group
 from embedfleet.workers.model.precision import cosines as row_cosines
 from loadtest.local_cluster import LocalCluster
+from tests import forks
 from tests.conftest import reference_model, require_slow_tier, worker_env
 
 pytestmark = pytest.mark.cluster
@@ -58,7 +59,7 @@ def cluster_settings(cluster: LocalCluster) -> Settings:
 @pytest.fixture(scope="module")
 def fleet(
     cluster_settings: Settings, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[list[subprocess.Popen[bytes]]]:
+) -> Iterator[list[forks.Process]]:
     """3 `embedfleet worker` processes reading all 6 partitions through the cluster client."""
     extra = {
         "EMBEDFLEET_PARTITIONS": str(PARTITIONS),
@@ -73,8 +74,8 @@ def fleet(
     log_files = [(log_dir / f"cw{i}.log").open("wb") for i in range(WORKERS)]
     require_slow_tier("`embedfleet worker` processes")
     processes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "embedfleet.cli", "worker"],
+        forks.popen(
+            ["worker"],
             env=worker_env(
                 cluster_settings,
                 EMBEDFLEET_CONSUMER=f"cw{i}",
@@ -98,7 +99,7 @@ def fleet(
     assert codes == [0] * WORKERS, (log_dir / "cw0.log").read_text()[-3000:]
 
 
-def _wait_until_ready(ports: list[int], processes: list[subprocess.Popen[bytes]]) -> None:
+def _wait_until_ready(ports: list[int], processes: list[forks.Process]) -> None:
     """Until every worker's /readyz says it can embed (model loaded, cluster answering)."""
     deadline = time.monotonic() + 600  # three model loads on a small, busy CPU
     waiting = set(ports)
@@ -184,7 +185,7 @@ def test_partitions_spread_over_every_master(
 async def test_six_partitions_three_workers_every_id_once_with_parity(
     cluster: LocalCluster,
     cluster_settings: Settings,
-    fleet: list[subprocess.Popen[bytes]],
+    fleet: list[forks.Process],
     cluster_client: aioredis.Redis,
 ) -> None:
     # Which worker takes which entries is a race the test must not depend on: one worker may
@@ -213,7 +214,7 @@ async def test_six_partitions_three_workers_every_id_once_with_parity(
 
 def test_the_gateway_and_the_batch_api_on_the_cluster_every_custom_id_once(
     cluster_settings: Settings,
-    fleet: list[subprocess.Popen[bytes]],
+    fleet: list[forks.Process],
     tmp_path: Path,
 ) -> None:
     """`embedfleet serve` on the 6 partitions of the cluster: small requests (query stream),
@@ -294,7 +295,7 @@ RunThrough = Callable[[str, Callable[[], None]], Awaitable[None]]
 def run_through(
     cluster_settings: Settings,
     cluster_client: aioredis.Redis,
-    fleet: list[subprocess.Popen[bytes]],
+    fleet: list[forks.Process],
 ) -> RunThrough:
     """``await run_through(job, disturb)``: enqueue 450 chunks while the fleet embeds them;
     ``disturb()`` runs (on a thread) once both are in flight: some results are written and the

@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import subprocess
-import sys
 from collections import Counter
 
 import pytest
@@ -20,6 +19,7 @@ from embedfleet.producer import Producer
 from embedfleet.shared.dead_letters import DeadLetter, DeadReason
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, decode_result, encode_chunk
 from embedfleet.shared.settings import Settings
+from tests import forks
 from tests.conftest import Recorder, WorkerLauncher
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
@@ -29,9 +29,8 @@ LONG = "a sentence that keeps going and going, " * 200  # far over the model's 2
 
 
 def embedfleet(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "embedfleet.cli", *args],
-        capture_output=True,
+    return forks.run(
+        args,
         text=True,
         timeout=120,
         env={

@@ -36,6 +36,7 @@ from embedfleet.shared.settings import Settings
 from embedfleet.workers.events import QUERY_STAGES
 from embedfleet.workers.health import HealthServer
 from embedfleet.workers.metrics import METRICS, MetricSpec, StreamGauges, WorkerMetrics
+from tests import forks
 from tests.conftest import WorkerLauncher, cli_env, start_cli
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
@@ -415,13 +416,7 @@ async def test_stream_gauges_without_a_group_count_every_entry_as_lag(
 
 # --- embedfleet status ----------------------------------------------------------------------
 def embedfleet(settings: Settings, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "embedfleet.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=cli_env(settings),
-    )
+    return forks.run(args, text=True, timeout=timeout, env=cli_env(settings))
 
 
 async def _known_state(settings: Settings, client: aioredis.Redis) -> list[bytes]:

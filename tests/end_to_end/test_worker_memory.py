@@ -129,6 +129,7 @@ async def test_long_texts_pass_one_worker_within_its_memory_bound(
         worker = workers.process(
             "memory",
             settings,
+            fresh=True,  # its peak RSS is the assertion: not a fork of tests/forks.py's imports
             EMBEDFLEET_REPLICAS="1",
             EMBEDFLEET_BENCHMARK_STANDIN_ENCODER_US_PER_TOKEN="0",
         )

@@ -46,6 +46,7 @@ from embedfleet.sinks import (
 )
 from embedfleet.sinks.pgvector import vector_type_for
 from embedfleet.sinks.qdrant import point_id
+from tests import forks
 from tests.conftest import (
     WorkerLauncher,
     reference_model,
@@ -639,9 +640,8 @@ async def test_unknown_sink_scheme_is_a_clear_error(settings: Settings, client) 
 
 def _cli_with_sink(sink: str, *args: str) -> subprocess.CompletedProcess[str]:
     """``embedfleet ARGS`` run as a process of its own with EMBEDFLEET_SINK=``sink``."""
-    command = [sys.executable, "-m", "embedfleet.cli", *args]
     env = {**os.environ, "EMBEDFLEET_SINK": sink}
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
+    return forks.run(args, text=True, env=env, timeout=60)
 
 
 def test_worker_and_search_refuse_bad_sinks_before_loading_anything() -> None:

@@ -10,7 +10,6 @@ import asyncio
 import base64
 import json
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from embedfleet.shared.options import ModalityError
 from embedfleet.shared.protocol import PAYLOAD_FIELD, Chunk, encode_chunk
 from embedfleet.shared.settings import Settings
 from embedfleet.workers.model.encoder import Encoder
+from tests import forks
 from tests.conftest import WorkerLauncher, cli_env, until
 from tests.image_models import (
     DUAL_FAMILIES,
@@ -42,8 +42,7 @@ FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 
 def _embedfleet(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """`embedfleet ARGS` as a user runs it."""
-    command = [sys.executable, "-m", "embedfleet.cli", *args]
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    return forks.run(args, text=True, env=env, timeout=300)
 
 
 GOOD_IMAGES = 1_000  # the issue's job: a thousand good images beside every bad one
