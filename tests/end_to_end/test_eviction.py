@@ -18,6 +18,7 @@ from embedfleet.server import ServerProcess, isolated_settings, preferred_server
 from embedfleet.shared.eviction import check_eviction_policy
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
+from tests import forks
 from tests.conftest import WorkerLauncher, cli_env
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
@@ -36,9 +37,8 @@ def evicting_server() -> Iterator[ServerProcess]:
 
 async def status_json(settings: Settings) -> dict:
     done = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "embedfleet.cli", "status", "--json", "--sample", "0"],
-        capture_output=True,
+        forks.run,
+        ["status", "--json", "--sample", "0"],
         text=True,
         timeout=120,
         env=cli_env(settings),
@@ -102,9 +102,8 @@ async def test_status_reports_the_policy(
     assert (evicting["policy"], evicting["safe"]) == ("allkeys-lru", False)
     assert "set maxmemory-policy noeviction" in evicting["warning"]
     text = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "embedfleet.cli", "status", "--sample", "0"],
-        capture_output=True,
+        forks.run,
+        ["status", "--sample", "0"],
         text=True,
         timeout=120,
         env=cli_env(isolated_settings(evicting_server.url)),

@@ -16,8 +16,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +35,7 @@ from embedfleet.shared.protocol import Chunk, Result
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.vector_cache import VectorCache, pack_entry
 from embedfleet.sinks import open_backend, parse_sink_url
+from tests import forks
 from tests.conftest import WorkerLauncher, cli_env, until
 from tests.end_to_end.test_migrate import LANE, chunks, corpus_texts, tiny_model_dir
 
@@ -54,20 +53,8 @@ def stored_ids(url: str, table: str) -> list[str]:
 
 def migrate(env: dict[str, str], *args: str, as_json: bool = True) -> tuple[dict[str, Any], str]:
     """`embedfleet migrate <args>` as a process: its --json report (or {}), and its stdout."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "embedfleet.cli",
-            "migrate",
-            *args,
-            *(["--json"] if as_json else []),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
+    command = ["migrate", *args, *(["--json"] if as_json else [])]
+    done = forks.run(command, text=True, timeout=600, env=env)
     assert done.returncode == 0, (args, done.stdout[-2000:], done.stderr[-2000:])
     assert "Traceback" not in done.stderr, done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]

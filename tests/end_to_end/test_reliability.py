@@ -8,7 +8,6 @@ import contextlib
 import json
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -33,6 +32,7 @@ from embedfleet.shared.protocol import (
 )
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
+from tests import forks
 from tests.conftest import Recorder, ThreadsOf, WorkerLauncher, WorkerProcess, cli_env, until
 
 # the slow tier (make test-full, CI): starts processes or servers, or compiles a model
@@ -247,9 +247,8 @@ async def test_a_poison_chunk_counts_against_its_job_and_answers_its_caller(
     with pytest.raises(QueryFailedError, match="never acknowledged"):
         decode_result(answer)
     listed = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "embedfleet.cli", "dead", "list", "--job", "p", "--json"],
-        capture_output=True,
+        forks.run,
+        ["dead", "list", "--job", "p", "--json"],
         text=True,
         timeout=120,
         env=cli_env(strict),

@@ -8,8 +8,6 @@ the worker's calibration shared through Redis.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +22,7 @@ from embedfleet.workers.calibration import CalibrationError, CalibrationStore
 from embedfleet.workers.model.encoder import Encoder
 from embedfleet.workers.model.precision import cosines
 from embedfleet.workers.output import OutputOptionError, Outputs
-from tests import model_zoo
+from tests import forks, model_zoo
 from tests.conftest import WorkerLauncher, worker_env
 from tests.integration.workers.test_model_families import (
     MIN_COSINE,
@@ -204,13 +202,7 @@ async def test_calibration_is_fixed_once_for_the_fleet(
         await three.get("4")
     await client.delete(settings.keys.calibration(tiny_encoder.name, "4"))
     assert np.array_equal((await three.get("4")).ranges, made(3.0).ranges)
-    shown = subprocess.run(
-        [sys.executable, "-m", "embedfleet.cli", "calibration", "--json"],
-        env=worker_env(settings),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    shown = forks.run(["calibration", "--json"], env=worker_env(settings), text=True, timeout=120)
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout)[0]["max"] == [3.0] * 4
 

@@ -71,6 +71,8 @@ BENCHMARKS_ON_TESTS = {
     "loadtest/one_pass.py": "tests.model_zoo's BGE-M3-shaped model and corpus lines",
     "loadtest/image_bench.py": "tests.image_models' CLIP ViT-B/32-shaped model (issue 56)",
     "loadtest/latency.py": "tests.image_models' CLIP ViT-B/32-shaped model for --images",
+    "loadtest/worker_start.py": "tests.forks, whose forked worker start it times against a "
+    "fresh one",
 }
 
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import subprocess
-import sys
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -31,6 +29,7 @@ from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
 from embedfleet.sinks import build_sink, open_backend, parse_sink_url
 from embedfleet.sinks.parquet import MANIFESTS, ParquetSink
+from tests import forks
 from tests.conftest import (
     BUCKET,
     WorkerLauncher,
@@ -275,13 +274,7 @@ async def test_a_run_lands_in_a_local_folder_and_the_cli_reads_it(
     assert loaded.count_rows() == len(chunks)
     # `embedfleet results` reads the same setting
     out = tmp_path / "out.npz"
-    done = subprocess.run(
-        [sys.executable, "-m", "embedfleet.cli", "results", "--out", str(out), "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = forks.run(["results", "--out", str(out), "--json"], env=env, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["vectors"] == len(chunks)
     exported = np.load(out)
