@@ -53,17 +53,15 @@ test: install
 	$(PY) -m pytest $(XDIST) -m "$(FAST_TIER)"
 
 # The image tests wait mostly on apt and buildah (under one core between them), so test-full
-# runs them in a lane beside the rest and prints its report after it; any lane failing fails
-# the target. The tests marked `beside` (mypy: no model, no server) join them there. The modules
-# marked `waits` run in a third lane of their own from the start: they mostly wait (an outage, a
+# runs them in a second lane beside the rest and prints its report after it; either failing
+# fails the target. The tests marked `beside` (mypy: no model, no server) join them there; then,
+# in a second pytest of that lane, the modules marked `waits`: they mostly wait (an outage, a
 # rate's window, a client's timeout) and held an xdist worker for minutes at a third of a core
-# (their tests marked `serial` run in the serial tier); run after the image tests, as until stop
-# 69, they made that lane the longest on a slow guest with buildah's store cold, and ran beside
-# the serial tier's first minutes; the serial tier now begins once that lane has ended (within
-# the parallel tier on the guests measured), so nothing of it runs beside the serial tier's
-# timings. The lanes' worker processes run one torch thread too
-# (EMBEDFLEET_TEST_ONE_THREAD). The image lane makes the wheelhouse first (it builds nothing in
-# this tree: the packaging tests can build the project meanwhile);
+# (their tests marked `serial` run in the serial tier). In that order, what may still run when
+# the serial tier begins is what waits, not a build or mypy, and the serial tier begins with the
+# modules that hold no latency (test_batch_withdrawal, test_chaos). The lane's worker processes
+# run one torch thread too (EMBEDFLEET_TEST_ONE_THREAD). It makes the wheelhouse first (it builds
+# nothing in this tree: the packaging tests can build the project meanwhile);
 # EMBEDFLEET_TEST_WHEELHOUSE=made tells tests/end_to_end/test_image.py not to make it again.
 # every pytest of test-full records its modules' times there (tests/timing.py), read at the end
 TIMING_ENV = EMBEDFLEET_TEST_TIMING_DIR=$(BUILD_DIR)/test-timing
@@ -71,27 +69,23 @@ LANE_ENV = EMBEDFLEET_TEST_WHEELHOUSE=made $(TIMING_ENV) EMBEDFLEET_TEST_ONE_THR
 LANE_PYTEST = $(PY) -m pytest -p no:cacheprovider -p tests.timing -p tests.one_thread --durations=10
 test-full: install
 	mkdir -p $(BUILD_DIR) && rm -rf $(BUILD_DIR)/test-timing
-	{ if command -v $(BUILDAH) >/dev/null; then $(MAKE) --no-print-directory wheelhouse; fi && \
+	{ if command -v $(BUILDAH) >/dev/null; then $(MAKE) --no-print-directory wheelhouse; fi && { \
 	  $(LANE_ENV) EMBEDFLEET_TEST_TIMING_LANE=image $(LANE_PYTEST) \
-	    --basetemp=$(BUILD_DIR)/pytest-image -m "image or beside"; \
+	    --basetemp=$(BUILD_DIR)/pytest-image -m "image or beside"; first=$$?; \
+	  $(LANE_ENV) EMBEDFLEET_TEST_TIMING_LANE=waits $(LANE_PYTEST) \
+	    --basetemp=$(BUILD_DIR)/pytest-waits -m "waits and not serial"; waits=$$?; \
+	  test $$first -eq 0 && test $$waits -eq 0; }; \
 	  } > $(BUILD_DIR)/test-image.log 2>&1 & image=$$!; \
-	$(LANE_ENV) EMBEDFLEET_TEST_TIMING_LANE=waits $(LANE_PYTEST) \
-	  --basetemp=$(BUILD_DIR)/pytest-waits -m "waits and not serial" \
-	  > $(BUILD_DIR)/test-waits.log 2>&1 & waits=$$!; \
 	$(TIMING_ENV) $(PY) -m pytest -p tests.timing \
 	  -p tests.one_thread $(XDIST_FULL) --durations=20 \
 	  -m "not image and not beside and not waits and not serial"; parallel=$$?; \
-	wait $$waits; waits_status=$$?; \
 	$(TIMING_ENV) $(PY) -m pytest -p tests.timing \
 	  --durations=10 -m "serial and not image and not beside"; serial=$$?; \
-	wait $$image; image_status=$$?; \
+	wait $$image; status=$$?; \
 	$(TIMING_ENV) $(PY) -m tests.timing; \
-	echo "== the lane beside the rest: image, beside ($(BUILD_DIR)/test-image.log) =="; \
+	echo "== the lane beside the rest: image, beside, waits ($(BUILD_DIR)/test-image.log) =="; \
 	cat $(BUILD_DIR)/test-image.log; \
-	echo "== the lane of the modules that wait ($(BUILD_DIR)/test-waits.log) =="; \
-	cat $(BUILD_DIR)/test-waits.log; \
-	test $$parallel -eq 0 && test $$serial -eq 0 && test $$image_status -eq 0 && \
-	  test $$waits_status -eq 0
+	test $$parallel -eq 0 && test $$serial -eq 0 && test $$status -eq 0
 
 # mypy reads files, not import hooks: tools/import_root.py lays the package out as the wheel
 # does under build/import_root/ and runs mypy over it ([tool.mypy] in pyproject.toml)
