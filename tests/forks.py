@@ -26,6 +26,7 @@ import gc
 import json
 import os
 import runpy
+import select
 import selectors
 import signal
 import socket
@@ -58,6 +59,12 @@ FORKABLE_PREFIXES = ("EMBEDFLEET_",)
 FORKABLE_NAMES = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", ORT_SWITCH})
 _HEADER = struct.Struct("!I")
 CLI_MODULE = "embedfleet.cli"
+
+
+def command_line(args: Sequence[str | bytes]) -> list[str | bytes]:
+    """``python -m embedfleet.cli ARGS``: what a fresh interpreter runs, and what a forked
+    command reports as its ``args``."""
+    return [sys.executable, "-m", CLI_MODULE, *args]
 
 
 # ---- the server (its own process) ----
@@ -138,7 +145,8 @@ def serve(path: str) -> dict[str, Any] | None:
                 for fd in fds:
                     os.close(fd)
                 children[pid] = conn
-                conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+                with contextlib.suppress(OSError):  # a test process gone meanwhile
+                    conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
 
 
 def _reap(children: dict[int, socket.socket]) -> None:
@@ -228,7 +236,7 @@ class ForkedProcess:
     def _settle(self, timeout: float | None) -> int | None:
         if self.returncode is not None:
             return self.returncode
-        ready, _, _ = _select([self._conn], timeout)
+        ready, _, _ = select.select([self._conn], [], [], timeout)
         if not ready:
             return None
         line = self._reader.readline()
@@ -262,12 +270,6 @@ class ForkedProcess:
 
 # what ``popen`` returns: a forked command, or a fresh interpreter's
 Process = ForkedProcess | subprocess.Popen[bytes]
-
-
-def _select(conns: list[socket.socket], timeout: float | None) -> tuple[list, list, list]:
-    import select
-
-    return select.select(conns, [], [], timeout)
 
 
 # CPU seconds of the forked commands that ended, for tests/timing.py: they are the server's
@@ -390,7 +392,7 @@ def popen(
     argv = [os.fsdecode(arg) for arg in args]
     if fresh or not _the_server().forkable(env):
         return subprocess.Popen(
-            [sys.executable, "-m", CLI_MODULE, *args],
+            command_line(args),
             env=dict(env),
             stdin=stdin,
             stdout=stdout,
@@ -424,7 +426,7 @@ def run(
     ``subprocess.run`` decodes them."""
     if fresh or not _the_server().forkable(env):
         return subprocess.run(
-            [sys.executable, "-m", CLI_MODULE, *args],
+            command_line(args),
             env=dict(env),
             input=input,
             capture_output=True,
@@ -491,8 +493,9 @@ def _run_forked(
         raise
     for thread in threads:
         thread.join()
-    command = [sys.executable, "-m", CLI_MODULE, *args]
-    return subprocess.CompletedProcess(command, returncode, captured[out_read], captured[err_read])
+    return subprocess.CompletedProcess(
+        command_line(args), returncode, captured[out_read], captured[err_read]
+    )
 
 
 if __name__ == "__main__":
