@@ -382,17 +382,7 @@ def children(
             command += ["--path", config.path, "--variants", config.variant]
             child_env = {**environment, "EMBEDFLEET_CONSUMER": f"host-{index}"}
             cpus = children_cpus(config) if config.cores else None
-            processes.append(
-                subprocess.Popen(
-                    command,
-                    env=child_env,
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    text=True,
-                    # a one-core run: what one process does with a core, against all of them
-                    preexec_fn=pinned_to(cpus),
-                )
-            )
+            processes.append(start_child(command, child_env, cpus))
         for process in processes:
             assert process.stdout is not None
             line = process.stdout.readline()
@@ -411,6 +401,20 @@ def children(
                 process.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 process.kill()
+
+
+def start_child(command: list[str], env: dict[str, str], cpus: list[int] | None) -> Any:
+    """One worker child (``python -m loadtest.host_pipeline --child ...``): it reads ``go`` and
+    ``stop`` on its stdin and says ``loaded`` on its stdout; on ``cpus`` when given (a one-core
+    run: what one process does with a core, against all of them). tests/ forks it instead."""
+    return subprocess.Popen(
+        command,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=pinned_to(cpus),
+    )
 
 
 def children_cpus(config: Config) -> list[int]:

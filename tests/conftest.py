@@ -408,9 +408,14 @@ def cli_env(settings: Settings, **extra: str) -> dict[str, str]:
     }
 
 
-async def start_cli(env: dict[str, str], *args: str, **options: Any) -> asyncio.subprocess.Process:
-    """`embedfleet <args>` as a subprocess, its stdout and stderr piped for the test to read;
-    ``options`` go to ``asyncio.create_subprocess_exec``."""
+async def start_cli(
+    env: dict[str, str], *args: str, **options: Any
+) -> forks.AsyncProcess | asyncio.subprocess.Process:
+    """`embedfleet <args>` as a subprocess, its stdout and stderr piped for the test to read:
+    forked (tests/forks.py) when ``options`` name at most ``stdin``, else with ``options`` passed
+    to ``asyncio.create_subprocess_exec`` (a pre-exec step is not a fork's)."""
+    if set(options) <= {"stdin"}:
+        return await forks.start(args, env=env, **options)
     return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",

@@ -20,6 +20,7 @@ fork). It exits when the test process closes its standard input.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import gc
@@ -54,17 +55,20 @@ PRELOADED = (
 # TORCHINDUCTOR_CACHE_DIR: read when a graph compiles (torch writes its default into the test
 # process's environment at its first compile). ORT_SWITCH: ONNX Runtime's telemetry switch, which
 # workers/model/telemetry.py sets in a process that built an engine's copy (the server never
-# imports ONNX Runtime).
+# imports ONNX Runtime). TOKENIZERS_PARALLELISM: read by the tokenizers library at each batch
+# encoding (the server encodes none).
 FORKABLE_PREFIXES = ("EMBEDFLEET_",)
-FORKABLE_NAMES = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", ORT_SWITCH})
+FORKABLE_NAMES = frozenset(
+    {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", ORT_SWITCH, "TOKENIZERS_PARALLELISM"}
+)
 _HEADER = struct.Struct("!I")
 CLI_MODULE = "embedfleet.cli"
 
 
-def command_line(args: Sequence[str | bytes]) -> list[str | bytes]:
-    """``python -m embedfleet.cli ARGS``: what a fresh interpreter runs, and what a forked
-    command reports as its ``args``."""
-    return [sys.executable, "-m", CLI_MODULE, *args]
+def command_line(args: Sequence[str | bytes], module: str = CLI_MODULE) -> list[str | bytes]:
+    """``python -m embedfleet.cli ARGS`` (or another ``module``): what a fresh interpreter runs,
+    and what a forked command reports as its ``args``."""
+    return [sys.executable, "-m", module, *args]
 
 
 # ---- the server (its own process) ----
@@ -170,20 +174,21 @@ def _reap(children: dict[int, socket.socket]) -> None:
 
 
 def _run_command(request: dict[str, Any]) -> NoReturn:
-    """In the forked child: `python -m embedfleet.cli ARGS` from here on, to the exit status the
-    interpreter would give."""
+    """In the forked child: `python -m MODULE ARGS` from here on (`embedfleet.cli` unless the
+    request names another), to the exit status the interpreter would give."""
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
     sys.argv = ["-m", *request["argv"]]
+    module = request.get("module", CLI_MODULE)
     # as under `python -m`, the module runs only as __main__ (runpy warns of it imported before)
-    del sys.modules[CLI_MODULE]
-    import embedfleet
-
-    del embedfleet.cli
+    if sys.modules.pop(module, None) is not None:
+        parent, _, name = module.rpartition(".")
+        if parent in sys.modules and hasattr(sys.modules[parent], name):
+            delattr(sys.modules[parent], name)
     interrupted = False
     try:
-        runpy.run_module(CLI_MODULE, run_name="__main__", alter_sys=True)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exit:
         code = _exit_code(exit.code)
@@ -232,6 +237,10 @@ class ForkedProcess:
             raise RuntimeError("the fork server did not start the command")
         self.pid: int = started["pid"]
         self.returncode: int | None = None
+
+    def fileno(self) -> int:
+        """Readable once the command has ended (the server's report): for an event loop."""
+        return self._conn.fileno()
 
     def _settle(self, timeout: float | None) -> int | None:
         if self.returncode is not None:
@@ -319,13 +328,19 @@ class _Server:
         return not differing
 
     def spawn(
-        self, argv: list[str], env: Mapping[str, str], cwd: str, streams: Sequence[int]
+        self,
+        argv: list[str],
+        env: Mapping[str, str],
+        cwd: str,
+        streams: Sequence[int],
+        module: str = CLI_MODULE,
     ) -> ForkedProcess:
         if self.process.poll() is not None:
             raise RuntimeError(f"the fork server exited: {self.log.read_text()}")
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(self.path)
-        payload = json.dumps({"argv": argv, "env": dict(env), "cwd": cwd}).encode()
+        request = {"argv": argv, "env": dict(env), "cwd": cwd, "module": module}
+        payload = json.dumps(request).encode()
         socket.send_fds(conn, [_HEADER.pack(len(payload))], list(streams))
         conn.sendall(payload)
         return ForkedProcess(argv, conn)
@@ -385,14 +400,15 @@ def popen(
     stderr: int | IO[Any] | None = None,
     cwd: str | Path | None = None,
     fresh: bool = False,
+    module: str = CLI_MODULE,
 ) -> Process:
-    """`embedfleet ARGS`: forked when it may be (above), else ``subprocess.Popen`` of
-    ``python -m embedfleet.cli ARGS``. Streams: None, DEVNULL, a file descriptor or a file;
-    pipes are ``run``'s."""
+    """`embedfleet ARGS` (``python -m MODULE ARGS`` for another module): forked when it may be
+    (above), else ``subprocess.Popen`` of that command line. Streams: None, DEVNULL, a file
+    descriptor or a file; pipes are ``run``'s and ``start``'s."""
     argv = [os.fsdecode(arg) for arg in args]
     if fresh or not _the_server().forkable(env):
         return subprocess.Popen(
-            command_line(args),
+            command_line(args, module),
             env=dict(env),
             stdin=stdin,
             stdout=stdout,
@@ -405,7 +421,7 @@ def popen(
             _stream_fd(stream, number, opened)
             for number, stream in enumerate((stdin, stdout, stderr))
         ]
-        return _the_server().spawn(argv, env, str(cwd or os.getcwd()), fds)
+        return _the_server().spawn(argv, env, str(cwd or os.getcwd()), fds, module)
     finally:
         for fd in opened:
             os.close(fd)
@@ -496,6 +512,135 @@ def _run_forked(
     return subprocess.CompletedProcess(
         command_line(args), returncode, captured[out_read], captured[err_read]
     )
+
+
+# ---- asyncio's side: ``asyncio.create_subprocess_exec`` for a forked command ----
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class AsyncProcess:
+    """A forked command as much like ``asyncio.subprocess.Process`` as the tests use it:
+    ``pid``, ``returncode``, ``stdin`` (a StreamWriter), ``stdout`` and ``stderr``
+    (StreamReaders) where piped, ``wait``, ``communicate``, ``send_signal``, ``terminate``,
+    ``kill``."""
+
+    def __init__(
+        self,
+        process: ForkedProcess,
+        stdin: asyncio.StreamWriter | None,
+        stdout: asyncio.StreamReader | None,
+        stderr: asyncio.StreamReader | None,
+    ) -> None:
+        self._process = process
+        self.pid = process.pid
+        self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.poll()
+
+    async def wait(self) -> int:
+        loop = asyncio.get_running_loop()
+        while (code := self._process.poll()) is None:
+            ended = loop.create_future()
+            fd = self._process.fileno()
+            loop.add_reader(fd, _resolve, ended)
+            try:
+                await ended
+            finally:
+                loop.remove_reader(fd)
+        return code
+
+    async def communicate(self, input: bytes | None = None) -> tuple[bytes | None, bytes | None]:
+        """As asyncio's: ``input`` written to stdin, which is then closed (left open without
+        ``input``); stdout and stderr read to their ends; the exit awaited."""
+
+        async def feed() -> None:
+            if self.stdin is None or input is None:
+                return
+            self.stdin.write(input)
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                await self.stdin.drain()
+            self.stdin.close()
+
+        async def read(stream: asyncio.StreamReader | None) -> bytes | None:
+            return None if stream is None else await stream.read()
+
+        _, out, err = await asyncio.gather(feed(), read(self.stdout), read(self.stderr))
+        await self.wait()
+        return out, err
+
+    def send_signal(self, signum: int) -> None:
+        self._process.send_signal(signum)
+
+    def terminate(self) -> None:
+        self._process.terminate()
+
+    def kill(self) -> None:
+        self._process.kill()
+
+
+async def start(
+    args: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    stdin: int | None = None,
+    stdout: int | None = subprocess.PIPE,
+    stderr: int | None = subprocess.PIPE,
+) -> AsyncProcess | asyncio.subprocess.Process:
+    """``asyncio.create_subprocess_exec(python, -m, embedfleet.cli, *args, ...)``, forked when
+    it may be; each stream None (the test process's own), ``subprocess.PIPE`` or DEVNULL."""
+    if not _the_server().forkable(env):
+        return await asyncio.create_subprocess_exec(
+            *command_line(args), env=dict(env), stdin=stdin, stdout=stdout, stderr=stderr
+        )
+    loop = asyncio.get_running_loop()
+    child_ends: list[int | None] = []
+    ours: list[int | None] = []
+    for number, stream in enumerate((stdin, stdout, stderr)):
+        if stream == subprocess.PIPE:
+            read, write = os.pipe()
+            child_ends.append(read if number == 0 else write)
+            ours.append(write if number == 0 else read)
+        else:
+            child_ends.append(stream)
+            ours.append(None)
+    try:
+        process = popen(
+            args, env=env, stdin=child_ends[0], stdout=child_ends[1], stderr=child_ends[2]
+        )
+    except BaseException:
+        for fd in ours:
+            if fd is not None:
+                os.close(fd)
+        raise
+    finally:
+        for fd, stream in zip(child_ends, (stdin, stdout, stderr), strict=True):
+            if stream == subprocess.PIPE and fd is not None:
+                os.close(fd)
+    assert isinstance(process, ForkedProcess)
+    writer = None
+    if ours[0] is not None:
+        transport, protocol = await loop.connect_write_pipe(
+            asyncio.streams.FlowControlMixin, os.fdopen(ours[0], "wb", buffering=0)
+        )
+        writer = asyncio.StreamWriter(transport, protocol, None, loop)
+    readers: list[asyncio.StreamReader | None] = []
+    for fd in ours[1:]:
+        if fd is None:
+            readers.append(None)
+            continue
+        reader = asyncio.StreamReader()
+        await loop.connect_read_pipe(
+            lambda reader=reader: asyncio.StreamReaderProtocol(reader),
+            os.fdopen(fd, "rb", buffering=0),
+        )
+        readers.append(reader)
+    return AsyncProcess(process, writer, readers[0], readers[1])
 
 
 if __name__ == "__main__":

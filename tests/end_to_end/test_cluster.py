@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 import uuid
@@ -382,12 +381,9 @@ async def test_status_agrees_with_xinfo_groups_on_every_partition(
             "EMBEDFLEET_PARTITIONS": str(PARTITIONS),
         }
         shown = await asyncio.to_thread(
-            subprocess.run,
-            [sys.executable, "-m", "embedfleet.cli", "status", "--json", "--sample", "0"],
-            env={**os.environ, **env},
-            capture_output=True,
-            check=True,
+            forks.run, ["status", "--json", "--sample", "0"], env={**os.environ, **env}
         )
+        assert shown.returncode == 0, shown.stderr.decode(errors="replace")
         data = json.loads(shown.stdout)
         rows = {row["partition"]: row for row in data["partitions"]}
         assert sorted(rows) == list(range(PARTITIONS))

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
@@ -75,12 +73,7 @@ async def test_serve_warns_at_start_naming_the_policy_and_the_fix(
         EMBEDFLEET_FILES_DIR=str(tmp_path / "files"),
     )
     with log_path.open("wb") as log_file:
-        serve = subprocess.Popen(
-            [sys.executable, "-m", "embedfleet.cli", "serve"],
-            env=env,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-        )
+        serve = forks.popen(["serve"], env=env, stdout=log_file, stderr=log_file)
     try:
         async with asyncio.timeout(120):
             while WARNING not in log_path.read_text(errors="replace"):

@@ -5,19 +5,59 @@ writes its table and its JSON."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import IO
 
 import pytest
 from click.testing import CliRunner
 
+from loadtest import host_pipeline
 from loadtest.host_pipeline import STAGES, main
+from tests import forks
 
 # slow: starts worker processes (a stand-in model each). Not serial: it asserts shapes and a
 # ratio within one process (ids against tokenizing), no time or rate, so it shares the cores
 pytestmark = pytest.mark.slow
 
 
-def test_host_pipeline_smoke(tmp_path: Path) -> None:
+class ForkedChild:
+    """A benchmark's worker child forked from tests/forks.py's server (its imports are the
+    seconds a fresh one spends before it says ``loaded``), with the text pipes the benchmark
+    reads and writes; what it measures starts after that."""
+
+    def __init__(self, command: list[str], env: dict[str, str], cpus: list[int] | None) -> None:
+        assert command[1] == "-m" and cpus is None, command  # the smoke run pins no core
+        stdin_read, stdin_write = os.pipe()
+        stdout_read, stdout_write = os.pipe()
+        try:
+            self.process = forks.popen(
+                command[3:], env=env, stdin=stdin_read, stdout=stdout_write, module=command[2]
+            )
+        finally:
+            os.close(stdin_read)
+            os.close(stdout_write)
+        self.stdin: IO[str] = open(stdin_write, "w")  # noqa: SIM115 (closed by the benchmark)
+        self.stdout: IO[str] = open(stdout_read)  # noqa: SIM115 (closed in wait)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.poll()
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        returncode = self.process.wait(timeout)
+        self.stdout.close()
+        return returncode
+
+    def kill(self) -> None:
+        self.process.kill()
+
+
+def test_host_pipeline_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host_pipeline, "start_child", ForkedChild)
     out = tmp_path / "host.json"
     arguments = ["--texts", "60", "--processes", "1", "--rounds", "1", "--json", str(out)]
     # redis-server pinned to each run's CPUs (here all of them: no --cores)

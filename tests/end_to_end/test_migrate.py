@@ -23,7 +23,6 @@ import functools
 import json
 import os
 import signal
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,6 +43,7 @@ from embedfleet.shared.protocol import Chunk, Result
 from embedfleet.shared.redis_conn import connect
 from embedfleet.shared.settings import Settings
 from embedfleet.sinks import SinkTarget, VectorDBError, build_sink, open_backend, parse_sink_url
+from tests import forks
 from tests.conftest import WorkerLauncher, cli_env, running_pg, shared_encoder, until
 from tests.model_zoo import sentence_transformers_dir
 
@@ -221,14 +221,8 @@ async def test_a_live_index_moves_to_another_model(
                 with pytest.raises(asyncio.CancelledError):
                     await copying
             else:
-                process = await asyncio.create_subprocess_exec(
-                    sys.executable,
-                    "-m",
-                    "embedfleet.cli",
-                    "migrate",
-                    "start",
-                    "--page",
-                    str(PAGE),
+                process = await forks.start(
+                    ["migrate", "start", "--page", str(PAGE)],
                     env=env,
                     stdout=asyncio.subprocess.DEVNULL,
                     stderr=asyncio.subprocess.DEVNULL,

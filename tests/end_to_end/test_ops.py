@@ -12,9 +12,9 @@ import dataclasses
 import itertools
 import json
 import math
+import os
 import signal
 import subprocess
-import sys
 import time
 import typing
 from collections.abc import AsyncIterator
@@ -570,10 +570,5 @@ def test_status_without_redis_is_a_clear_error(settings: Settings) -> None:
 
 
 def test_status_explains_itself() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "embedfleet.cli", "status", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = forks.run(["status", "--help"], env=os.environ, text=True, timeout=60)
     assert result.returncode == 0 and "--watch" in result.stdout and "--json" in result.stdout

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -444,18 +443,8 @@ async def test_worker_process_search_and_index_verbs_end_to_end(
         async with Producer(settings, client) as producer:
             await producer.enqueue(chunks, job="e2e")
             progress = await producer.wait_for_job("e2e", timeout=180)
-        found = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "embedfleet.cli",
-                "search",
-                chunks[3].text,
-                "--k",
-                "2",
-                "--json",
-            ],
-            capture_output=True,
+        found = forks.run(
+            ["search", chunks[3].text, "--k", "2", "--json"],
             text=True,
             env=worker_env(settings, **sink),
             timeout=120,
@@ -469,13 +458,7 @@ async def test_worker_process_search_and_index_verbs_end_to_end(
     hits = [json.loads(line) for line in found.stdout.splitlines()]
     assert [h["id"] for h in hits][:1] == [chunks[3].id] and len(hits) == 2
     assert hits[0]["text"] == chunks[3].text  # --json carries the full stored text
-    indexed = subprocess.run(
-        [sys.executable, "-m", "embedfleet.cli", "index"],
-        capture_output=True,
-        text=True,
-        env=worker_env(settings, **sink),
-        timeout=120,
-    )
+    indexed = forks.run(["index"], text=True, env=worker_env(settings, **sink), timeout=120)
     assert indexed.returncode == 0 and "12 rows" in indexed.stdout, indexed.stderr[-2000:]
 
 

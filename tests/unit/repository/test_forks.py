@@ -4,9 +4,12 @@ be the server's."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import subprocess
 import sys
+from pathlib import Path
+from subprocess import PIPE
 
 import pytest
 
@@ -77,3 +80,44 @@ def test_exit_codes_as_the_interpreter_gives_them(
     assert capsys.readouterr().err == ("a message\n" if isinstance(code, str) else "")
     fresh = subprocess.run([sys.executable, "-c", f"raise SystemExit({code!r})"], check=False)
     assert fresh.returncode == status
+
+
+async def test_start_gives_what_asyncio_gives_a_fresh_interpreter() -> None:
+    """``forks.start`` as ``asyncio.create_subprocess_exec``: the same bytes on stdout and
+    stderr, the same exit status; stdin fed and closed by ``communicate``; a line read as it
+    comes."""
+    env = {**forks.server_environment(), "EMBEDFLEET_REDIS_URL": "redis://127.0.0.1:1/0"}
+    for args in (("--help",), ("worker", "--no-such-flag")):
+        forked = await forks.start(args, env=env)
+        assert isinstance(forked, forks.AsyncProcess)
+        fresh = await asyncio.create_subprocess_exec(
+            *forks.command_line(args), env=env, stdout=PIPE, stderr=PIPE
+        )
+        got, want = await forked.communicate(), await fresh.communicate()
+        assert (forked.returncode, got) == (fresh.returncode, want)
+    # stdin piped: `enqueue -` reads it to its end, then fails on the closed port
+    forked = await forks.start(["enqueue", "-", "--job", "j"], env=env, stdin=PIPE)
+    assert isinstance(forked, forks.AsyncProcess) and forked.stdin is not None
+    _, stderr = await asyncio.wait_for(forked.communicate(b'{"id": "a", "text": "b"}\n'), 120)
+    assert forked.returncode == 1 and stderr and b"Traceback" not in stderr
+    # a line read before the end; the exit awaited after a signal
+    forked = await forks.start(["--help"], env=env)
+    assert forked.stdout is not None
+    assert (await asyncio.wait_for(forked.stdout.readline(), 120)).startswith(b"Usage:")
+    assert await asyncio.wait_for(forked.wait(), 120) == 0
+
+
+def test_another_module_runs_as_under_python_m(tmp_path: Path) -> None:
+    """``popen(..., module=)``: ``python -m MODULE ARGS``, forked, as a fresh one runs it."""
+    env = forks.server_environment()
+    outputs = []
+    for fresh in (False, True):
+        out = tmp_path / f"out-{fresh}"
+        with out.open("wb") as handle:
+            process = forks.popen(
+                ["--help"], env=env, stdout=handle, module="loadtest.host_pipeline", fresh=fresh
+            )
+            assert isinstance(process, forks.ForkedProcess) != fresh
+            assert process.wait(timeout=120) == 0
+        outputs.append(out.read_bytes())
+    assert outputs[0] == outputs[1] and b"python -m loadtest.host_pipeline" in outputs[0]
