@@ -403,7 +403,9 @@ def children(
                 process.kill()
 
 
-def start_child(command: list[str], env: dict[str, str], cpus: list[int] | None) -> Any:
+def start_child(
+    command: list[str], env: dict[str, str], cpus: list[int] | None
+) -> subprocess.Popen[str]:
     """One worker child (``python -m loadtest.host_pipeline --child ...``): it reads ``go`` and
     ``stop`` on its stdin and says ``loaded`` on its stdout; on ``cpus`` when given (a one-core
     run: what one process does with a core, against all of them). tests/ forks it instead."""

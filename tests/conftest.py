@@ -417,10 +417,7 @@ async def start_cli(
     if set(options) <= {"stdin"}:
         return await forks.start(args, env=env, **options)
     return await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "embedfleet.cli",
-        *args,
+        *forks.command_line(args),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         env=env,

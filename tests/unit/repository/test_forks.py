@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from subprocess import PIPE
+from subprocess import DEVNULL, PIPE
 
 import pytest
 
@@ -95,16 +95,28 @@ async def test_start_gives_what_asyncio_gives_a_fresh_interpreter() -> None:
         )
         got, want = await forked.communicate(), await fresh.communicate()
         assert (forked.returncode, got) == (fresh.returncode, want)
-    # stdin piped: `enqueue -` reads it to its end, then fails on the closed port
-    forked = await forks.start(["enqueue", "-", "--job", "j"], env=env, stdin=PIPE)
+    # stdin piped: `enqueue -` reads it to its end, then fails on the closed port, as a fresh one
+    line = b'{"id": "a", "text": "b"}\n'
+    args = ("enqueue", "-", "--job", "j")
+    forked = await forks.start(args, env=env, stdin=PIPE)
     assert isinstance(forked, forks.AsyncProcess) and forked.stdin is not None
-    _, stderr = await asyncio.wait_for(forked.communicate(b'{"id": "a", "text": "b"}\n'), 120)
-    assert forked.returncode == 1 and stderr and b"Traceback" not in stderr
-    # a line read before the end; the exit awaited after a signal
+    fresh = await asyncio.create_subprocess_exec(
+        *forks.command_line(args), env=env, stdin=PIPE, stdout=PIPE, stderr=PIPE
+    )
+    got = await asyncio.wait_for(forked.communicate(line), 120)
+    want = await asyncio.wait_for(fresh.communicate(line), 120)
+    assert (forked.returncode, got) == (fresh.returncode, want) and forked.returncode == 1
+    assert got[1] and b"Traceback" not in got[1]
+    # a line read before the end, then the exit awaited
     forked = await forks.start(["--help"], env=env)
     assert forked.stdout is not None
     assert (await asyncio.wait_for(forked.stdout.readline(), 120)).startswith(b"Usage:")
     assert await asyncio.wait_for(forked.wait(), 120) == 0
+    # a worker (it loads its model, then waits on the closed port) killed: its exit awaited
+    forked = await forks.start(["worker"], env=env, stdout=DEVNULL, stderr=DEVNULL)
+    assert forked.returncode is None
+    forked.kill()
+    assert await asyncio.wait_for(forked.wait(), 60) == -signal.SIGKILL
 
 
 def test_another_module_runs_as_under_python_m(tmp_path: Path) -> None:
