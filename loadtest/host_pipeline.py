@@ -580,7 +580,11 @@ def measure(
             )
         )
         for item, ids in zip(
-            corpus, encode_for_model(encoder.text.backend, texts, encoder.max_length), strict=True
+            corpus,
+            encode_for_model(
+                encoder.text.backend, texts, encoder.max_length, encoder.text.ascii_path
+            ),
+            strict=True,
         )
     ]
     tokens = sum(t.length for t in encoder.tokenize(texts))

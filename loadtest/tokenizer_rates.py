@@ -219,6 +219,14 @@ def candidates(tokenizer: WorkerTokenizer) -> tuple[list[Candidate], dict[str, s
             same_ids_as="encode_batch_fast",
         ),
     ]
+    ascii_path = tokenizer.text.ascii_path
+    if ascii_path is not None:
+        found.append(
+            Candidate(
+                "ASCII path (shared/ascii_path.py)",
+                lambda texts: ascii_path.encode(backend, texts),
+            )
+        )
     missing: dict[str, str] = {}
     try:
         warm = WordCache(backend)
@@ -331,6 +339,13 @@ ARABIC = "مرحبا بالعالم، هذا نصٌّ عربيٌّ مُشَكَ�
 HEBREW = "שָׁלוֹם עוֹלָם זה טקסט בעברית ‏ויש בו ניקוד"
 THAI = "สวัสดีชาวโลก ภาษาไทยไม่มีช่องว่างระหว่างคำ กรุงเทพมหานคร ๑๒๓"
 MIXED = ("привет", "мир", "κόσμε", "Ελληνικά", "नमस्ते", "দুনিয়া", "გამარჯობა", "Հայերեն", "ᚠᚢᚦ")
+ASCII_PIECES = (
+    *[chr(c) for c in range(128)],
+    *(word.upper() for word in ("The", "Vector", "API")),
+    *("Retrieval", "McDonald's", "iPhone", " ", " ", " "),
+    *SPECIAL_LITERALS,
+    *("[Cls]", "[mask]", "[PAD ]", "[UNK]x", "x[SEP]"),
+)
 SYMBOLS = "∑∫√∞≠≤≥±×÷°€£¥₹₿©®™§¶†‡•…‰′″‹›«»„“”‘’‚–—―‐‑‒−─│┌┐└┘█░▒▓𝐀𝐁𝒜𝔄𝕬𝖆𝟘𝟙"
 
 
@@ -465,6 +480,15 @@ FUZZ_CATEGORIES: dict[str, tuple[Callable[[random.Random], str], Callable[[str],
     "symbols": (
         lambda rng: "".join(rng.sample(SYMBOLS, rng.randint(1, 6))),
         lambda t: any(c in SYMBOLS for c in t),
+    ),
+    # ASCII alone (shared/ascii_path.py's texts): every code point below 128, capitals, and the
+    # special tokens' literals in several cases
+    "ascii_any": (
+        lambda rng: (
+            rng.choice(("The", "ID", "Vector"))
+            + "".join(rng.choice(ASCII_PIECES) for _ in range(rng.randint(1, 16)))
+        ),
+        lambda t: any(c.isascii() and c.isupper() for c in t),
     ),
 }
 # texts of every category past the model's maximum, so the cut (max_length + 1, [SEP] kept) is

@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from embedfleet.shared.ascii_path import AsciiPath
 from embedfleet.shared.modelcard import ModelCard, resolve_prompt
 from embedfleet.shared.protocol import Chunk
 from embedfleet.shared.tokens import (
@@ -56,6 +57,7 @@ class TokenIdMaker:
 
         self.card = card
         self.tokenizer: Tokenizer = Tokenizer.from_str(tokenizer_json)
+        self.ascii_path = AsciiPath.of(self.tokenizer)
         # EMBEDFLEET_QUERY_PROMPT_NAME / EMBEDFLEET_DOCUMENT_PROMPT_NAME, as the workers read them
         self.role_prompt_names = role_prompt_names
 
@@ -91,6 +93,7 @@ class TokenIdMaker:
             self.tokenizer,
             [prompt + chunks[i].text for prompt, i in zip(prompts, wanted, strict=True)],
             self.card.max_length,
+            self.ascii_path,
         )
         out = list(chunks)
         fingerprint = self.card.tokenizer_fingerprint

@@ -13,7 +13,10 @@ import hashlib
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from embedfleet.shared.ascii_path import AsciiPath
 
 CHARS_PER_TOKEN_CUT = 50
 
@@ -96,16 +99,24 @@ def token_id_array(data: bytes) -> array.array[int]:
     return packed
 
 
-def encode_for_model(backend: Any, texts: Sequence[str], max_length: int) -> list[list[int]]:
+def encode_for_model(
+    backend: Any, texts: Sequence[str], max_length: int, ascii_path: AsciiPath | None = None
+) -> list[list[int]]:
     """Each text's ids as the worker tokenizes it (``backend``: the model's configured
     ``tokenizers.Tokenizer``, cutting at ``max_length + 1``): only the counting head of a long
     text is tokenized, and a text so sparse in tokens that the head lost some is tokenized
     whole. ``encode_batch_fast`` gives ``encode_batch``'s ids without computing offsets
-    (docs/BENCHMARKS.md, "Stop 53"; loadtest/tokenizer_rates.py checks them id for id). The
-    one place the worker and the producer make ids."""
+    (docs/BENCHMARKS.md, "Stop 53"; loadtest/tokenizer_rates.py checks them id for id), and
+    ``ascii_path`` (``AsciiPath.of(backend)``) the same ids for most ASCII texts without the
+    normalizer's work (shared/ascii_path.py). The one place the worker and the producer make
+    ids."""
     head = counting_head_chars(max_length)  # counting_head's cut, applied inline: one pass
     prepared = [text[:head] for text in texts]
-    out: list[list[int]] = [encoding.ids for encoding in backend.encode_batch_fast(prepared)]
+    out: list[list[int]]
+    if ascii_path is None:
+        out = [encoding.ids for encoding in backend.encode_batch_fast(prepared)]
+    else:
+        out = ascii_path.encode(backend, prepared)
     for row in [row for row, text in enumerate(texts) if len(text) > head]:
         if len(out[row]) <= max_length:
             out[row] = backend.encode(texts[row]).ids  # rare: the cut lost tokens; do it properly

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from embedfleet.shared.ascii_path import AsciiPath
 from embedfleet.shared.modelcard import resolve_prompt
 from embedfleet.shared.records import require_class_defaults
 from embedfleet.shared.tokens import encode_for_model, tokenizer_fingerprint
@@ -140,6 +141,8 @@ class TextTokenizer:
         # One token over the limit tells us a text was cut; see tokenize().
         self.backend.enable_truncation(max_length + 1)
         self._ends_with_special = self._last_token_is_special()
+        # taken once the backend is configured: most ASCII texts skip its normalizer's work
+        self.ascii_path = AsciiPath.of(self.backend)
 
     def _last_token_is_special(self) -> bool:
         encoding = self.backend.encode("a")
@@ -178,9 +181,11 @@ class TextTokenizer:
         if prompts is not None:
             texts = [prompt + text for prompt, text in zip(prompts, texts, strict=True)]
         if encode_on is None:
-            rows = encode_for_model(self.backend, texts, self.max_length)
+            rows = encode_for_model(self.backend, texts, self.max_length, self.ascii_path)
         else:
-            rows = encode_on.submit(encode_for_model, self.backend, texts, self.max_length).result()
+            rows = encode_on.submit(
+                encode_for_model, self.backend, texts, self.max_length, self.ascii_path
+            ).result()
         fit = self._fit
         if prompts is None or not any(prompts):
             return [fit(ids) for ids in rows]

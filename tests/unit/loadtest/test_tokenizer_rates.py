@@ -1,11 +1,13 @@
 """loadtest/tokenizer_rates.py: its identity check and its Unicode fuzz. ``encode_batch_fast``
-(the one candidate so far that gives the model tokenizer's ids on everything) gives exactly the
-worker's ``encode_batch`` ids, cut at max_length + 1 with [CLS] and [SEP] kept, on corpus texts
-and on the whole fuzz; the fuzz holds every category it names; a candidate that differs is
-caught. No rate is asserted (fast tier: no server, no worker process; the packaged model's
-tokenizer, loaded as the benchmark stand-in encoder loads it)."""
+and the ASCII path (shared/ascii_path.py), the candidates that give the model tokenizer's ids
+on everything, give exactly the worker's ``encode_batch`` ids, cut at max_length + 1 with
+[CLS] and [SEP] kept, on corpus texts and on the whole fuzz; the fuzz holds every category it
+names; a candidate that differs is caught. No rate is asserted (fast tier: no server, no worker
+process; the packaged model's tokenizer, loaded as the benchmark stand-in encoder loads it)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 
@@ -60,8 +62,17 @@ def _fast(tokenizer: WorkerTokenizer) -> Encode:
     return lambda batch: [e.ids for e in tokenizer.backend.encode_batch_fast(batch)]
 
 
-def test_encode_batch_fast_gives_the_worker_ids_on_corpus_and_fuzz(
-    tokenizer: WorkerTokenizer, fuzz: list[tuple[str, str]]
+def _ascii_path(tokenizer: WorkerTokenizer) -> Encode:
+    path = tokenizer.text.ascii_path
+    assert path is not None  # the packaged model's BERT normalizer is one it models
+    return lambda batch: path.encode(tokenizer.backend, batch)
+
+
+@pytest.mark.parametrize("candidate", [_fast, _ascii_path], ids=["encode_batch_fast", "ASCII path"])
+def test_a_candidate_gives_the_worker_ids_on_corpus_and_fuzz(
+    tokenizer: WorkerTokenizer,
+    fuzz: list[tuple[str, str]],
+    candidate: Callable[[WorkerTokenizer], Encode],
 ) -> None:
     corpus = build_corpus(CORPUS_TEXTS, tokenizer=load_tokenizer())
     texts = tokenizer.prepare([item.text for item in corpus])
@@ -71,9 +82,9 @@ def test_encode_batch_fast_gives_the_worker_ids_on_corpus_and_fuzz(
     longest = max(fuzz_reference, key=len)
     assert len(longest) == tokenizer.max_length + 1 and longest[-1] == reference[0][-1]
 
-    on_corpus = identity(_fast(tokenizer), texts, reference)
+    on_corpus = identity(candidate(tokenizer), texts, reference)
     on_fuzz = identity(
-        _fast(tokenizer),
+        candidate(tokenizer),
         fuzzed,
         fuzz_reference,
         [category for category, _ in fuzz],
