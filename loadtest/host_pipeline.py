@@ -76,12 +76,14 @@ PATHS = ("before", "after", "ids")
 PYTHON_COLLECTOR = gc.get_threshold()
 # The worker as it is, and what an A/B puts beside it (``--variants``), each by the label it
 # adds: Python's own collector thresholds (before stop 64's workers/runtime.py
-# COLLECTOR_THRESHOLDS), and one tokenizer thread, so one window opened at a time (before stop
-# 65's two: workers/parts.py Threads.tokenizer)
+# COLLECTOR_THRESHOLDS), one tokenizer thread, so one window opened at a time (before stop
+# 65's two: workers/parts.py Threads.tokenizer), and every text through the tokenizer as
+# configured (before stop 71's ASCII path, shared/ascii_path.py)
 VARIANTS = {
     "worker": "",
     "python-collector": ", Python's collector",
     "one-opening": ", one opening at a time",
+    "configured-tokenizer": ", every text through the configured tokenizer",
 }
 # (stage, thread it runs on), in pipeline order. An "(await)" stage's time is the wall time of
 # its awaits: waiting on Redis included, overlapping the loop's other work (a blocking read
@@ -293,6 +295,8 @@ async def run_child(stats: Path, path: str, variant: str = "worker") -> None:
     freeze_loaded_heap()  # as the CLI's worker process does (workers/runtime.py)
     if variant == "python-collector":  # Python's own thresholds, as before stop 64
         gc.set_threshold(*PYTHON_COLLECTOR)
+    if variant == "configured-tokenizer":  # no ASCII path: as before stop 71
+        encoder.text.ascii_path = None
     replace(encoder, "tokenize", clock.sync("tokenize", encoder.tokenize))
     client = connect_settings(settings)
     sink = RedisStreamSink(client, settings.keys)
@@ -827,8 +831,10 @@ def core_scaling(one: dict[str, Any], two: dict[str, Any], redis_beside: bool = 
     show_default=True,
     help="The children's worker, comma-separated: worker (as it is), python-collector (Python's "
     "own garbage collector thresholds, not workers/runtime.py's), one-opening (one tokenizer "
-    "thread: one window opened at a time, not two beside each other): each configuration is run "
-    "with each, side by side in every round, and the worker's rate divided by each other's.",
+    "thread: one window opened at a time, not two beside each other), configured-tokenizer (every "
+    "text through the tokenizer as configured, without shared/ascii_path.py's copy): each "
+    "configuration is run with each, side by side in every round, and the worker's rate divided "
+    "by each other's.",
 )
 @click.option("--rounds", type=int, default=3, show_default=True)
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None)

@@ -13,6 +13,9 @@ time the bare ``encode_batch`` call, as ``tokenizer_floor`` does):
 
 - ``encode_batch``: the reference;
 - ``encode_batch_fast``: the same tokenizer without offsets;
+- the ASCII path (shared/ascii_path.py, what the worker and the producer use since stop 71): an
+  ASCII text without control characters or special-token literals lower-cased by Python and
+  encoded by a copy of the tokenizer without its normalizer, any other text as configured;
 - a Python word cache in front of the model's own normalizer, pre-tokenizer and WordPiece model
   (:class:`WordCache`), once with an empty cache per pass and once warm;
 - ``flash-tokenizer`` (PyPI, C++), loaded from the model's vocab.txt with do_lower_case, when
