@@ -33,6 +33,8 @@ _IDENTITY_ON_ASCII = frozenset({"NFC", "NFD", "NFKC", "NFKD", "StripAccents"})
 _LOWERCASING = frozenset({"Lowercase"})
 # ASCII control characters but tab, newline and return: BertNormalizer's clean-up removes them
 _CONTROL = r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]"
+# each text is searched for every added token's content: BERT's tokenizers add five
+MAX_ADDED_TOKENS = 64
 
 
 def ascii_lowercases(normalizer: dict[str, Any] | None) -> bool | None:
@@ -66,14 +68,16 @@ class AsciiPath:
 
     @classmethod
     def of(cls, backend: Any) -> AsciiPath | None:
-        """The fast path for ``backend``, or None where its normalizer is not one this module
-        models (a SentencePiece model's, a replacement's)."""
+        """The fast path for ``backend``, or None where it has no normalizer (nothing to
+        skip) or one this module does not model (a SentencePiece model's, a replacement's), or
+        so many added tokens that looking for them would cost more than it saves."""
         from tokenizers import Tokenizer
 
         published = backend.to_str()
         config = json.loads(published)
-        lowercase = ascii_lowercases(config.get("normalizer"))
-        if lowercase is None:
+        normalizer = config.get("normalizer")
+        lowercase = ascii_lowercases(normalizer)
+        if normalizer is None or lowercase is None:
             return None
         bare = Tokenizer.from_str(published)
         bare.normalizer = None
@@ -82,6 +86,8 @@ class AsciiPath:
             for token in config.get("added_tokens", [])
             if token.get("content", "").isascii()  # a non-ASCII one cannot be in an ASCII text
         ]
+        if len(contents) > MAX_ADDED_TOKENS:
+            return None
         pattern = re.compile("|".join([_CONTROL, *contents]), re.IGNORECASE)
         return cls(bare, lowercase, pattern)
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer
 
-from embedfleet.shared.ascii_path import AsciiPath, ascii_lowercases
+from embedfleet.shared.ascii_path import MAX_ADDED_TOKENS, AsciiPath, ascii_lowercases
 from embedfleet.shared.tokens import encode_for_model
 from embedfleet.workers.model.standin import StandInEncoder
 
@@ -50,7 +50,7 @@ def backend() -> Any:
     return StandInEncoder().text.backend
 
 
-def _variant(backend: Any, normalizer: dict[str, Any]) -> Any:
+def _variant(backend: Any, normalizer: dict[str, Any] | None) -> Any:
     config = json.loads(backend.to_str())
     config["normalizer"] = normalizer
     return Tokenizer.from_str(json.dumps(config))
@@ -163,4 +163,18 @@ def test_a_normalizer_it_does_not_model_gets_no_fast_path(backend: Any) -> None:
     assert ascii_lowercases(replace) is None
     assert ascii_lowercases({"type": "Sequence", "normalizers": [{"type": "NFC"}, replace]}) is None
     assert AsciiPath.of(_variant(backend, replace)) is None
+    # no normalizer: nothing to skip, so no copy and no search
     assert ascii_lowercases(None) is False
+    assert AsciiPath.of(_variant(backend, None)) is None
+
+
+def test_a_tokenizer_with_many_added_tokens_gets_no_fast_path(backend: Any) -> None:
+    many = Tokenizer.from_str(backend.to_str())
+    many.add_tokens([f"<extra_{index}>" for index in range(MAX_ADDED_TOKENS)])
+    assert AsciiPath.of(many) is None
+    few = Tokenizer.from_str(backend.to_str())
+    few.add_tokens(["<extra_0>"])
+    path = AsciiPath.of(few)
+    assert path is not None and not path.takes("an <EXTRA_0> in another case")
+    texts = ["an <extra_0> here", "an <EXTRA_0> in another case", "plain"]
+    assert path.encode(few, texts) == _reference(few, texts)
