@@ -31,18 +31,19 @@ PLAIN = [
     "x [not special] <mask> [ CLS ]",
 ]
 # texts that must go the configured way, and why
-CONFIGURED_WAY = [
-    "[CLS] the special token's literal",
-    "x[SEP]y",
-    "a [Mask] in another case",
-    "[cls] and [Sep]: the same ids either way, but any case is taken as a literal",
-    "vertical\x0btab",
-    "nul\x00byte",
-    "delete\x7fchar",
-    "café",
-    "naïve CJK 中文",
-    "\ufffd replacement",
-]
+WHY_CONFIGURED = {
+    "[CLS] the special token's literal": "a special token matches before normalizing",
+    "x[SEP]y": "the same, glued to words",
+    "a [Mask] in another case": "any case of a literal is taken as one",
+    "[cls] and [Sep]: the same ids either way": "lower case too: the check ignores case",
+    "vertical\x0btab": "a control character the clean-up removes",
+    "nul\x00byte": "NUL, removed",
+    "delete\x7fchar": "DEL, removed",
+    "café": "not ASCII: accents are stripped",
+    "naïve CJK 中文": "not ASCII: CJK characters are spaced out",
+    "\ufffd replacement": "not ASCII: U+FFFD is removed",
+}
+CONFIGURED_WAY = list(WHY_CONFIGURED)
 
 
 @pytest.fixture(scope="module")
