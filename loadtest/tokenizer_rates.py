@@ -227,7 +227,7 @@ def candidates(tokenizer: WorkerTokenizer) -> tuple[list[Candidate], dict[str, s
         found.append(
             Candidate(
                 "ASCII path (shared/ascii_path.py)",
-                lambda texts: ascii_path.encode(backend, texts),
+                ascii_path.encode,
             )
         )
     missing: dict[str, str] = {}

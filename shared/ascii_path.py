@@ -27,10 +27,10 @@ from collections.abc import Sequence
 from typing import Any
 
 # Normalizers whose output on an ASCII text without control characters is the text itself
-# (Unicode forms, accent strips: ASCII has no accents or compatibility forms), and those that
-# lower-case it (BertNormalizer's clean-up, CJK spacing and accent strip do nothing more there).
+# (Unicode forms, accent strips: ASCII has no accents or compatibility forms). Lowercase and
+# BertNormalizer lower-case it (the latter's clean-up, CJK spacing and accent strip do nothing
+# more there).
 _IDENTITY_ON_ASCII = frozenset({"NFC", "NFD", "NFKC", "NFKD", "StripAccents"})
-_LOWERCASING = frozenset({"Lowercase"})
 # ASCII control characters but tab, newline and return: BertNormalizer's clean-up removes them
 _CONTROL = r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]"
 # each text is searched for every added token's content: BERT's tokenizers add five
@@ -49,7 +49,7 @@ def ascii_lowercases(normalizer: dict[str, Any] | None) -> bool | None:
         return None if None in parts else any(parts)
     if kind == "BertNormalizer":
         return bool(normalizer.get("lowercase"))
-    if kind in _LOWERCASING:
+    if kind == "Lowercase":
         return True
     if kind in _IDENTITY_ON_ASCII:
         return False
@@ -61,7 +61,10 @@ class AsciiPath:
     on which the two give the same ids. Build it after the tokenizer is configured (cut,
     padding, normalizer): the copy is taken then."""
 
-    def __init__(self, bare: Any, lowercase: bool, configured_way: re.Pattern[str]) -> None:
+    def __init__(
+        self, configured: Any, bare: Any, lowercase: bool, configured_way: re.Pattern[str]
+    ) -> None:
+        self.configured = configured
         self.bare = bare
         self.lowercase = lowercase
         self._configured_way = configured_way.search
@@ -79,8 +82,6 @@ class AsciiPath:
         lowercase = ascii_lowercases(normalizer)
         if normalizer is None or lowercase is None:
             return None
-        bare = Tokenizer.from_str(published)
-        bare.normalizer = None
         contents = [
             re.escape(token["content"])
             for token in config.get("added_tokens", [])
@@ -88,29 +89,28 @@ class AsciiPath:
         ]
         if len(contents) > MAX_ADDED_TOKENS:
             return None
+        bare = Tokenizer.from_str(published)
+        bare.normalizer = None
         pattern = re.compile("|".join([_CONTROL, *contents]), re.IGNORECASE)
-        return cls(bare, lowercase, pattern)
+        return cls(backend, bare, lowercase, pattern)
 
     def takes(self, text: str) -> bool:
         """Whether ``text`` gets the configured tokenizer's ids from the copy."""
         return text.isascii() and self._configured_way(text) is None
 
-    def encode(self, backend: Any, texts: Sequence[str]) -> list[list[int]]:
-        """Each text's ids, as ``backend.encode_batch_fast`` gives them."""
-        configured_way = self._configured_way
-        others = [
-            row
-            for row, text in enumerate(texts)
-            if not text.isascii() or configured_way(text) is not None
-        ]
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        """Each text's ids, as the configured tokenizer's ``encode_batch_fast`` gives them."""
+        takes = self.takes
+        plain: list[int] = []
+        others: list[int] = []
+        for row, text in enumerate(texts):
+            (plain if takes(text) else others).append(row)
         if not others:
             return self._bare_ids(texts)
-        other_rows = set(others)
-        plain = [row for row in range(len(texts)) if row not in other_rows]
         out: list[list[int]] = [[] for _ in texts]
         for row, ids in zip(plain, self._bare_ids([texts[row] for row in plain]), strict=True):
             out[row] = ids
-        configured = backend.encode_batch_fast([texts[row] for row in others])
+        configured = self.configured.encode_batch_fast([texts[row] for row in others])
         for row, encoding in zip(others, configured, strict=True):
             out[row] = encoding.ids
         return out

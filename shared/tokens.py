@@ -115,8 +115,10 @@ def encode_for_model(
     out: list[list[int]]
     if ascii_path is None:
         out = [encoding.ids for encoding in backend.encode_batch_fast(prepared)]
+    elif ascii_path.configured is backend:
+        out = ascii_path.encode(prepared)
     else:
-        out = ascii_path.encode(backend, prepared)
+        raise ValueError("ascii_path was made for another tokenizer: AsciiPath.of(backend)")
     for row in [row for row, text in enumerate(texts) if len(text) > head]:
         if len(out[row]) <= max_length:
             out[row] = backend.encode(texts[row]).ids  # rare: the cut lost tokens; do it properly

@@ -65,7 +65,7 @@ def _fast(tokenizer: WorkerTokenizer) -> Encode:
 def _ascii_path(tokenizer: WorkerTokenizer) -> Encode:
     path = tokenizer.text.ascii_path
     assert path is not None  # the packaged model's BERT normalizer is one it models
-    return lambda batch: path.encode(tokenizer.backend, batch)
+    return path.encode
 
 
 @pytest.mark.parametrize("candidate", [_fast, _ascii_path], ids=["encode_batch_fast", "ASCII path"])

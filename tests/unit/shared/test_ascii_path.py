@@ -73,7 +73,7 @@ def test_the_packaged_tokenizer_lowercases_and_its_copy_gives_the_same_ids(backe
     assert [path.takes(text) for text in PLAIN] == [True] * len(PLAIN)
     assert [path.takes(text) for text in CONFIGURED_WAY] == [False] * len(CONFIGURED_WAY)
     texts = PLAIN + CONFIGURED_WAY + _ascii_fuzz(3000)
-    assert path.encode(backend, texts) == _reference(backend, texts)
+    assert path.encode(texts) == _reference(backend, texts)
     # the configured tokenizer is left as it was: its normalizer and its published form
     assert json.loads(backend.to_str())["normalizer"]["type"] == "BertNormalizer"
 
@@ -94,9 +94,9 @@ def test_order_is_kept_when_the_two_ways_are_mixed(backend: Any) -> None:
     path = AsciiPath.of(backend)
     assert path is not None
     texts = [text for pair in zip(PLAIN, CONFIGURED_WAY, strict=False) for text in pair]
-    assert path.encode(backend, texts) == _reference(backend, texts)
-    assert path.encode(backend, CONFIGURED_WAY) == _reference(backend, CONFIGURED_WAY)
-    assert path.encode(backend, []) == []
+    assert path.encode(texts) == _reference(backend, texts)
+    assert path.encode(CONFIGURED_WAY) == _reference(backend, CONFIGURED_WAY)
+    assert path.encode([]) == []
 
 
 def test_encode_for_model_gives_the_same_ids_with_and_without_the_path(backend: Any) -> None:
@@ -113,6 +113,9 @@ def test_encode_for_model_gives_the_same_ids_with_and_without_the_path(backend: 
     ]
     with_path = encode_for_model(backend, texts, max_length, path)
     assert with_path == encode_for_model(backend, texts, max_length)
+    other = Tokenizer.from_str(backend.to_str())
+    with pytest.raises(ValueError, match="another tokenizer"):
+        encode_for_model(other, texts, max_length, path)
     assert len(with_path[-3]) == max_length + 1 and with_path[-1][1:-1]  # the tail was found
 
 
@@ -156,7 +159,7 @@ def test_other_normalizers_it_models(
     path = AsciiPath.of(variant)
     assert path is not None and path.lowercase is lowercase
     texts = PLAIN + CONFIGURED_WAY + _ascii_fuzz(1000)
-    assert path.encode(variant, texts) == _reference(variant, texts)
+    assert path.encode(texts) == _reference(variant, texts)
 
 
 def test_a_normalizer_it_does_not_model_gets_no_fast_path(backend: Any) -> None:
@@ -178,4 +181,4 @@ def test_a_tokenizer_with_many_added_tokens_gets_no_fast_path(backend: Any) -> N
     path = AsciiPath.of(few)
     assert path is not None and not path.takes("an <EXTRA_0> in another case")
     texts = ["an <extra_0> here", "an <EXTRA_0> in another case", "plain"]
-    assert path.encode(few, texts) == _reference(few, texts)
+    assert path.encode(texts) == _reference(few, texts)
